@@ -1,0 +1,92 @@
+#include "core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+
+namespace forge {
+
+std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
+
+int64_t shape_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
+  FORGE_CHECK(device == Device::CPU, "Tensor::empty on {} needs the CUDA allocator", device_name(device));
+  for (int64_t d : shape) FORGE_CHECK(d >= 0, "negative dimension in {}", shape_str(shape));
+  Tensor t;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  size_t bytes = std::max<size_t>(t.nbytes(), 1);
+  size_t aligned = (bytes + 63) / 64 * 64;
+  void* p = std::aligned_alloc(64, aligned);
+  FORGE_CHECK(p != nullptr, "out of host memory allocating {} bytes", aligned);
+  t.storage_ = std::shared_ptr<void>(p, std::free);
+  t.data_ = p;
+  return t;
+}
+
+Tensor Tensor::zeros(Shape shape, DType dtype, Device device) {
+  Tensor t = empty(std::move(shape), dtype, device);
+  t.fill_zero();
+  return t;
+}
+
+Tensor Tensor::wrap(void* data, Shape shape, DType dtype, Device device) {
+  Tensor t;
+  t.data_ = data;
+  t.shape_ = std::move(shape);
+  t.dtype_ = dtype;
+  t.device_ = device;
+  return t;
+}
+
+Tensor Tensor::view(Shape shape) const {
+  FORGE_CHECK(shape_numel(shape) == numel(), "cannot view {} as {}", shape_str(shape_), shape_str(shape));
+  Tensor t = *this;
+  t.shape_ = std::move(shape);
+  return t;
+}
+
+Tensor Tensor::narrow(int64_t begin, int64_t end) const {
+  FORGE_CHECK(ndim() >= 1 && 0 <= begin && begin <= end && end <= shape_[0],
+              "narrow [{}, {}) out of range for {}", begin, end, shape_str(shape_));
+  Tensor t = *this;
+  int64_t row = numel() / std::max<int64_t>(shape_[0], 1);
+  t.data_ = static_cast<char*>(data_) + begin * row * dtype_size(dtype_);
+  t.shape_[0] = end - begin;
+  return t;
+}
+
+void Tensor::fill_zero() {
+  FORGE_CHECK(device_ == Device::CPU, "fill_zero on {}", device_name(device_));
+  if (nbytes()) std::memset(data_, 0, nbytes());
+}
+
+Tensor Tensor::clone() const {
+  Tensor t = empty(shape_, dtype_, device_);
+  t.copy_from(*this);
+  return t;
+}
+
+void Tensor::copy_from(const Tensor& src) {
+  FORGE_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy {} {} into {} {}",
+              dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_), shape_str(shape_));
+  FORGE_CHECK(device_ == Device::CPU && src.device() == Device::CPU, "host copy of device tensors");
+  if (nbytes()) std::memcpy(data_, src.raw(), nbytes());
+}
+
+void check_shape(const Tensor& t, const Shape& expected, const char* what) {
+  FORGE_CHECK(t.shape() == expected, "{} has shape {}, expected {}", what, shape_str(t.shape()),
+              shape_str(expected));
+}
+
+void check_dtype(const Tensor& t, DType expected, const char* what) {
+  FORGE_CHECK(t.dtype() == expected, "{} is {}, expected {}", what, dtype_name(t.dtype()),
+              dtype_name(expected));
+}
+
+}  // namespace forge

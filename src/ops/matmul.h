@@ -1,0 +1,17 @@
+// General matrix multiply, the op behind every linear layer.
+//   out[M, N] = alpha * op(a) @ op(b) + beta * out,   op(x) = x or x^T
+// a is [M, K] (or [K, M] with transpose_a), b is [K, N] (or [N, K] with transpose_b).
+// Linear layers keep weights as [out_features, in_features] (the Hugging Face layout):
+//   forward  y  = x W^T      matmul(y, x, false, W, true)
+//   backward dx = dy W       matmul(dx, dy, false, W, false)
+//            dW += dy^T x    matmul(dW, dy, true, x, false, 1, 1)
+#pragma once
+
+#include "core/tensor.h"
+
+namespace forge {
+
+void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+            float alpha = 1.0f, float beta = 0.0f);
+
+}  // namespace forge

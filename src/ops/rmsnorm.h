@@ -1,0 +1,16 @@
+// RMSNorm over the last dimension of x [N, D]:
+//   rstd[n] = 1 / sqrt(mean_d(x[n,d]^2) + eps),  y[n,d] = x[n,d] * rstd[n] * weight[d]
+// The backward ACCUMULATES into dx and dweight (dx += ..., dweight += ...): dx is the
+// residual stream's gradient, which already holds the skip connection's share, and
+// dweight sums over micro-batches.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace forge {
+
+void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps);
+void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
+                      const Tensor& weight, const Tensor& rstd);
+
+}  // namespace forge
