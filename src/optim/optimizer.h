@@ -34,12 +34,9 @@ double lr_at(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t
 // Returns the norm before clipping.
 double clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
 
-struct ParamGroupFlags {
-  bool weight_decay = true;  // norms and (optionally) embeddings are excluded by the model
-};
-
 class AdamW {
  public:
+  // decay[i]: whether params[i] gets weight decay (the model excludes norm weights).
   AdamW(const OptimizerConfig& config, std::vector<Tensor> params, std::vector<bool> decay);
   // One step with the given learning rate; grads align with params.
   void step(const std::vector<Tensor>& grads, double lr);

@@ -1,0 +1,56 @@
+// ExperimentConfig: everything a run is made of, one struct per YAML section. The cli
+// layer fills it from an experiment file, the model file it names, and --section.key
+// overrides; the trainer only ever sees the resolved, validated struct.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "data/dataset.h"
+#include "model/config.h"
+#include "optim/optimizer.h"
+
+namespace forge {
+
+struct TrainingConfig {
+  int64_t local_batch_size = 8;      // micro-batch size per device (Megatron --micro-batch-size)
+  int64_t global_batch_size = 0;     // 0: local_batch_size * gradient_accumulation_steps * dp
+  int64_t gradient_accumulation_steps = 0;  // 0: derived from global_batch_size (or 1)
+  int64_t seq_len = 128;
+  int64_t steps = 300;
+  uint64_t seed = 42;
+  double max_norm = 1.0;             // global grad-norm clipping; 0 disables
+  std::string device = "cpu";        // cpu | cuda
+};
+
+struct EvalConfig {
+  int64_t interval = 100;            // evaluate every N steps (and after the last); 0 disables
+  int64_t steps = 8;                 // validation micro-batches per evaluation
+};
+
+struct LoggingConfig {
+  int64_t log_interval = 10;         // console line every N steps
+  std::string run_dir = "runs/{model}-{time}";  // metrics.jsonl and config.yaml go here
+};
+
+struct PrecisionConfig {
+  std::string compute_dtype = "fp32";  // fp32 (CPU reference) | bf16 (CUDA)
+};
+
+struct ParallelismConfig {
+  int64_t data_parallel_shard_degree = 1;  // FSDP ranks; world size on one node for now
+};
+
+struct ExperimentConfig {
+  ModelConfig model;
+  TrainingConfig training;
+  OptimizerConfig optimizer;
+  LRSchedulerConfig lr_scheduler;
+  DataConfig data;
+  EvalConfig eval;
+  LoggingConfig logging;
+  PrecisionConfig precision;
+  ParallelismConfig parallelism;
+};
+
+}  // namespace forge
