@@ -14,6 +14,9 @@
 
 namespace forge {
 
+// The target id that marks a position without a target (PyTorch's default ignore_index).
+constexpr int32_t kIgnoreIndex = -100;
+
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, int32_t ignore_index, float grad_scale);
 

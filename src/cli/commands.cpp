@@ -1,0 +1,95 @@
+#include "cli/commands.h"
+
+#include <filesystem>
+
+#include "cli/config.h"
+#include "core/log.h"
+#include "train/trainer.h"
+
+namespace forge {
+namespace {
+
+// Splits "[FILE] [--section.key VALUE ...]": an optional leading positional argument,
+// then overrides.
+struct Invocation {
+  std::string positional;
+  std::vector<std::pair<std::string, std::string>> overrides;
+};
+
+Invocation parse_invocation(const std::vector<std::string>& args, const char* command) {
+  Invocation inv;
+  size_t first = 0;
+  if (!args.empty() && !args[0].starts_with("--")) {
+    inv.positional = args[0];
+    first = 1;
+  }
+  std::vector<std::string> rest(args.begin() + static_cast<std::ptrdiff_t>(first), args.end());
+  if (!rest.empty() && !rest.front().starts_with("--"))
+    FORGE_FAIL("forge {}: unexpected argument '{}': give at most one file, then --section.key VALUE overrides",
+               command, rest.front());
+  inv.overrides = parse_overrides(rest);
+  return inv;
+}
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
+
+}  // namespace
+
+int run_train(const std::vector<std::string>& args) {
+  Invocation inv = parse_invocation(args, "train");
+  ExperimentConfig config = load_experiment(inv.positional, inv.overrides);
+  std::string yaml = to_yaml(config);
+  log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
+  Trainer trainer(config, yaml);
+  TrainResult result = trainer.run();
+  if (!result.evals.empty() && result.entropy_floor > 0) {
+    const EvalMetrics& last = result.evals.back();
+    log_info("done: validation loss {:.4f} nats/token, entropy floor {:.4f}, gap {:.4f} ({:.1f}% above the floor)",
+             last.loss, result.entropy_floor, last.loss - result.entropy_floor,
+             100.0 * (last.loss - result.entropy_floor) / result.entropy_floor);
+  } else if (!result.evals.empty()) {
+    log_info("done: validation loss {:.4f}, perplexity {:.3f}", result.evals.back().loss, result.evals.back().perplexity);
+  }
+  log_info("metrics: {}/metrics.jsonl", result.run_dir);
+  return 0;
+}
+
+int run_info(const std::vector<std::string>& args) {
+  Invocation inv = parse_invocation(args, "info");
+  if (inv.positional.empty()) FORGE_FAIL("forge info: give a model name (e.g. llama3.1-8b) or an experiment file");
+  std::string experiment;
+  if (std::filesystem::is_regular_file(inv.positional)) {
+    experiment = inv.positional;
+  } else if (inv.positional.ends_with(".yaml") || inv.positional.ends_with(".yml")) {
+    FORGE_FAIL("experiment file '{}' not found", inv.positional);
+  } else {
+    inv.overrides.insert(inv.overrides.begin(), {"model.name", inv.positional});
+  }
+  ExperimentConfig config = load_experiment(experiment, inv.overrides);
+  const ModelConfig& m = config.model;
+  const TrainingConfig& t = config.training;
+  fmt::print("model            {}\n", m.name);
+  fmt::print("architecture     {} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}\n",
+             m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
+             m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
+             m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
+  fmt::print("parameters       {:.2f} B ({} total; {} without the input embedding)\n", m.total_params() / 1e9,
+             m.total_params(), m.total_params() - m.embedding_params());
+  fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
+             m.flops_per_token(t.seq_len), t.seq_len);
+  for (int bytes : {4, 2}) {
+    MemoryEstimate e = estimate_memory(m, t.local_batch_size, t.seq_len, bytes);
+    fmt::print("memory ({}) weights {} + master {} + grads {} + AdamW {} + activations {} (micro-batch {}, seq {}) "
+               "= {}\n",
+               bytes == 4 ? "fp32" : "bf16", gib(e.weights), gib(e.master_weights), gib(e.gradients),
+               gib(e.optimizer_state), gib(e.activations), t.local_batch_size, t.seq_len, gib(e.total()));
+  }
+  return 0;
+}
+
+int run_keys() {
+  fmt::print("{}", describe_keys());
+  return 0;
+}
+
+}  // namespace forge

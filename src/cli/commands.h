@@ -1,0 +1,14 @@
+// The subcommands behind forge's CLI. Each takes the arguments after its name and returns
+// the process exit code; user errors are thrown as forge::Error and printed by main.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace forge {
+
+int run_train(const std::vector<std::string>& args);
+int run_info(const std::vector<std::string>& args);
+int run_keys();
+
+}  // namespace forge

@@ -1,0 +1,82 @@
+#include "model/parameters.h"
+
+#include <cmath>
+
+#include "core/rng.h"
+
+namespace forge {
+
+std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
+  const int64_t h = c.hidden_size, f = c.ffn_hidden_size;
+  std::vector<ParamSpec> specs;
+  specs.push_back({"embedding.weight", {c.vocab_size, h}, {"model.embed_tokens.weight"}, true, -1});
+  for (int i = 0; i < c.num_layers; ++i) {
+    std::string p = fmt::format("layers.{}.", i);
+    std::string hf = fmt::format("model.layers.{}.", i);
+    specs.push_back({p + "attn_norm.weight", {h}, {hf + "input_layernorm.weight"}, false, i});
+    specs.push_back({p + "attention.qkv.weight",
+                     {c.q_size() + 2 * c.kv_size(), h},
+                     {hf + "self_attn.q_proj.weight", hf + "self_attn.k_proj.weight", hf + "self_attn.v_proj.weight"},
+                     true, i});
+    specs.push_back({p + "attention.o.weight", {h, c.q_size()}, {hf + "self_attn.o_proj.weight"}, true, i});
+    specs.push_back({p + "mlp_norm.weight", {h}, {hf + "post_attention_layernorm.weight"}, false, i});
+    specs.push_back({p + "mlp.gate_up.weight", {2 * f, h}, {hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"},
+                     true, i});
+    specs.push_back({p + "mlp.down.weight", {h, f}, {hf + "mlp.down_proj.weight"}, true, i});
+  }
+  specs.push_back({"final_norm.weight", {h}, {"model.norm.weight"}, false, -1});
+  if (!c.tie_word_embeddings) specs.push_back({"output.weight", {c.vocab_size, h}, {"lm_head.weight"}, true, -1});
+  return specs;
+}
+
+FlatParameters::FlatParameters(const ModelConfig& config) : config_(config), specs_(parameter_specs(config)) {
+  int64_t total = 0;
+  for (const auto& s : specs_) total += shape_numel(s.shape);
+  flat_ = Tensor::zeros({total});
+  int64_t offset = 0;
+  for (const auto& s : specs_) {
+    int64_t n = shape_numel(s.shape);
+    tensors_.push_back(flat_.narrow(offset, offset + n).view(s.shape));
+    offset += n;
+  }
+  size_t k = 0;
+  weights_.embedding = tensors_[k++];
+  weights_.layers.resize(config.num_layers);
+  for (auto& layer : weights_.layers) {
+    layer.attn_norm = tensors_[k++];
+    layer.qkv = tensors_[k++];
+    layer.o = tensors_[k++];
+    layer.mlp_norm = tensors_[k++];
+    layer.gate_up = tensors_[k++];
+    layer.down = tensors_[k++];
+  }
+  weights_.final_norm = tensors_[k++];
+  weights_.output = config.tie_word_embeddings ? weights_.embedding : tensors_[k++];
+}
+
+const Tensor& FlatParameters::find(const std::string& name) const {
+  for (size_t i = 0; i < specs_.size(); ++i)
+    if (specs_[i].name == name) return tensors_[i];
+  FORGE_FAIL("no parameter named '{}' in model '{}'", name, config_.name);
+}
+
+void FlatParameters::initialize(uint64_t seed) {
+  const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config_.num_layers));
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const ParamSpec& s = specs_[i];
+    float* p = tensors_[i].data<float>();
+    int64_t n = tensors_[i].numel();
+    if (s.shape.size() == 1) {
+      for (int64_t j = 0; j < n; ++j) p[j] = 1.0f;
+      continue;
+    }
+    bool residual = s.name.ends_with("attention.o.weight") || s.name.ends_with("mlp.down.weight");
+    double std = config_.init_std * (residual ? residual_scale : 1.0);
+    uint64_t name_hash = 1469598103934665603ull;
+    for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+    Rng rng(derive_seed(seed, name_hash));
+    for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(std * rng.normal());
+  }
+}
+
+}  // namespace forge

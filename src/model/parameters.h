@@ -1,0 +1,113 @@
+// The model's parameters: their names, shapes and Hugging Face names, and the weight
+// containers the Transformer reads through ParamSource and writes gradients to through
+// GradSink.
+//
+// NOTE [Fused projections]
+// Q, K and V are one [ (Hq + 2 Hkv) * D, hidden ] matrix and gate/up one [2F, hidden]
+// matrix, as Megatron's linear_qkv / linear_fc1: one GEMM each instead of three or two.
+// Hugging Face keeps them separate (q_proj, k_proj, v_proj; gate_proj, up_proj); each
+// ParamSpec lists the Hugging Face tensors it is made of, stacked in that order along the
+// first dimension, so import/export is a split or a concatenation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/config.h"
+
+namespace forge {
+
+struct ParamSpec {
+  std::string name;                   // forge's name, e.g. "layers.3.attention.qkv.weight"
+  Shape shape;
+  std::vector<std::string> hf_names;  // stacked along dim 0 in this order
+  bool weight_decay = true;           // false for norm weights
+  int layer = -1;                     // block index, -1 for embedding / final norm / output
+};
+
+// Every parameter of the model, in a fixed order: embedding, then each block's
+// attn_norm, qkv, o, mlp_norm, gate_up, down, then the final norm and (untied) output.
+std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
+
+struct LayerWeights {
+  Tensor attn_norm;  // [H]
+  Tensor qkv;        // [(Hq + 2 Hkv) D, H]
+  Tensor o;          // [H, Hq D]
+  Tensor mlp_norm;   // [H]
+  Tensor gate_up;    // [2F, H]
+  Tensor down;       // [H, F]
+};
+
+struct ModelWeights {
+  Tensor embedding;   // [V, H]
+  std::vector<LayerWeights> layers;
+  Tensor final_norm;  // [H]
+  Tensor output;      // [V, H]; the embedding tensor itself when tied
+};
+
+// Where the Transformer gets its weights. Single-device training hands out views of one
+// flat buffer; FSDP will all-gather each block just before it is needed.
+class ParamSource {
+ public:
+  virtual ~ParamSource() = default;
+  virtual const Tensor& embedding() = 0;
+  virtual const LayerWeights& layer(int index) = 0;
+  virtual const Tensor& final_norm() = 0;
+  virtual const Tensor& output() = 0;
+};
+
+// Where the Transformer accumulates weight gradients (+=). layer_done(i) is called as soon
+// as block i's gradients for this micro-batch are complete, so a distributed sink can
+// start reducing them while the next block's backward runs.
+class GradSink {
+ public:
+  virtual ~GradSink() = default;
+  virtual const LayerWeights& layer_grads(int index) = 0;
+  virtual void layer_done(int index) = 0;
+  virtual const Tensor& embedding_grad() = 0;
+  virtual const Tensor& final_norm_grad() = 0;
+  virtual const Tensor& output_grad() = 0;
+};
+
+// All parameters (or all gradients) in one contiguous fp32 buffer, viewed per tensor in
+// parameter_specs order. Serves as ParamSource for the weights and GradSink for the grads
+// of single-device training.
+class FlatParameters : public ParamSource, public GradSink {
+ public:
+  explicit FlatParameters(const ModelConfig& config);
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  const Tensor& flat() const { return flat_; }
+  // One view per spec, same order.
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  const Tensor& find(const std::string& name) const;
+
+  void zero() { flat_.fill_zero(); }
+  // Normal(0, init_std) matrices, with the two projections that feed the residual stream
+  // (o, down) scaled by 1/sqrt(2 * layers); norm weights 1. Each tensor draws from its own
+  // seeded stream, so initialization does not depend on anything but the seed and name.
+  void initialize(uint64_t seed);
+
+  const Tensor& embedding() override { return weights_.embedding; }
+  const LayerWeights& layer(int index) override { return weights_.layers.at(index); }
+  const Tensor& final_norm() override { return weights_.final_norm; }
+  const Tensor& output() override { return weights_.output; }
+
+  const LayerWeights& layer_grads(int index) override { return weights_.layers.at(index); }
+  void layer_done(int) override {}
+  const Tensor& embedding_grad() override { return weights_.embedding; }
+  const Tensor& final_norm_grad() override { return weights_.final_norm; }
+  const Tensor& output_grad() override { return weights_.output; }
+
+ private:
+  ModelConfig config_;
+  std::vector<ParamSpec> specs_;
+  Tensor flat_;
+  std::vector<Tensor> tensors_;
+  ModelWeights weights_;
+};
+
+}  // namespace forge

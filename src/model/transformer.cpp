@@ -1,0 +1,185 @@
+#include "model/transformer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/swiglu.h"
+
+namespace forge {
+namespace {
+
+// NOTE [Chunked output head]
+// The output projection and cross-entropy run over chunks of kHeadChunkRows tokens:
+// logits for one chunk are computed, turned into loss and (in training) into dlogits in
+// place, and immediately pushed back through the projection (dx, dW). Only one chunk of
+// logits ever exists: for Llama 3 (vocab 128256) at 8192 tokens full fp32 logits would
+// take 4 GiB.
+constexpr int64_t kHeadChunkRows = 1024;
+
+}  // namespace
+
+Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len)
+    : config_(config), micro_batch_(micro_batch), seq_len_(seq_len), tokens_(micro_batch * seq_len) {
+  config_.validate();
+  FORGE_CHECK(micro_batch >= 1 && seq_len >= 1, "micro_batch {} seq_len {}", micro_batch, seq_len);
+  const int64_t n = tokens_, h = config.hidden_size, f = config.ffn_hidden_size, d = config.resolved_head_dim();
+  const int64_t hq = config.num_heads, hkv = config.num_kv_heads;
+
+  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(d, config.rope_theta, config.rope_scaling), seq_len);
+
+  acts_.resize(config.num_layers);
+  for (auto& a : acts_) {
+    a.input = Tensor::empty({n, h});
+    a.rstd_attn = Tensor::empty({n});
+    a.normed_attn = Tensor::empty({n, h});
+    a.qkv = Tensor::empty({micro_batch, seq_len, hq + 2 * hkv, d});
+    a.attn_out = Tensor::empty({micro_batch, seq_len, hq, d});
+    a.lse = Tensor::empty({micro_batch, hq, seq_len});
+    a.mid = Tensor::empty({n, h});
+    a.rstd_mlp = Tensor::empty({n});
+    a.normed_mlp = Tensor::empty({n, h});
+    a.gate_up = Tensor::empty({n, 2 * f});
+    a.swiglu_out = Tensor::empty({n, f});
+  }
+  final_input_ = Tensor::empty({n, h});
+  final_rstd_ = Tensor::empty({n});
+  final_normed_ = Tensor::empty({n, h});
+  logits_chunk_ = Tensor::empty({std::min(n, kHeadChunkRows), config.vocab_size});
+  losses_ = Tensor::empty({n});
+
+  d_residual_ = Tensor::empty({n, h});
+  d_normed_ = Tensor::empty({n, h});
+  d_attn_out_ = Tensor::empty({n, hq * d});
+  d_qkv_ = Tensor::empty({micro_batch, seq_len, hq + 2 * hkv, d});
+  d_swiglu_ = Tensor::empty({n, f});
+  d_gate_up_ = Tensor::empty({n, 2 * f});
+}
+
+int64_t Transformer::activation_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& a : acts_)
+    for (const Tensor* t : {&a.input, &a.rstd_attn, &a.normed_attn, &a.qkv, &a.attn_out, &a.lse, &a.mid,
+                            &a.rstd_mlp, &a.normed_mlp, &a.gate_up, &a.swiglu_out})
+      bytes += static_cast<int64_t>(t->nbytes());
+  for (const Tensor* t : {&final_input_, &final_rstd_, &final_normed_, &logits_chunk_, &losses_, &d_residual_,
+                          &d_normed_, &d_attn_out_, &d_qkv_, &d_swiglu_, &d_gate_up_})
+    bytes += static_cast<int64_t>(t->nbytes());
+  return bytes;
+}
+
+void Transformer::forward_blocks(const Tensor& tokens, ParamSource& weights) {
+  check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
+  const int64_t n = tokens_, d = config_.resolved_head_dim();
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads;
+  const float eps = static_cast<float>(config_.norm_eps);
+  const AttentionShape attention{hq, hkv, config_.sliding_window, 1.0f / std::sqrt(static_cast<float>(d))};
+
+  embedding_forward(acts_[0].input, tokens.view({n}), weights.embedding());
+  for (int i = 0; i < config_.num_layers; ++i) {
+    const LayerWeights& w = weights.layer(i);
+    LayerActivations& a = acts_[i];
+    rmsnorm_forward(a.normed_attn, a.rstd_attn, a.input, w.attn_norm, eps);
+    matmul(a.qkv.view({n, (hq + 2 * hkv) * d}), a.normed_attn, false, w.qkv, true);
+    rope_forward(a.qkv, hq + hkv, rope_cos_, rope_sin_);
+    attention_forward(a.attn_out, a.lse, a.qkv, attention);
+    a.mid.copy_from(a.input);
+    matmul(a.mid, a.attn_out.view({n, hq * d}), false, w.o, true, 1.0f, 1.0f);
+
+    rmsnorm_forward(a.normed_mlp, a.rstd_mlp, a.mid, w.mlp_norm, eps);
+    matmul(a.gate_up, a.normed_mlp, false, w.gate_up, true);
+    swiglu_forward(a.swiglu_out, a.gate_up);
+    const Tensor& next = i + 1 < config_.num_layers ? acts_[i + 1].input : final_input_;
+    next.copy_from(a.mid);
+    matmul(next, a.swiglu_out, false, w.down, true, 1.0f, 1.0f);
+  }
+  rmsnorm_forward(final_normed_, final_rstd_, final_input_, weights.final_norm(), eps);
+}
+
+LossSum Transformer::output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale) {
+  check_shape(targets, {micro_batch_, seq_len_}, "targets");
+  const int64_t n = tokens_;
+  const Tensor flat_targets = targets.view({n});
+  const Tensor& w_out = weights.output();
+  if (grads) d_normed_.fill_zero();
+  for (int64_t begin = 0; begin < n; begin += kHeadChunkRows) {
+    int64_t end = std::min(n, begin + kHeadChunkRows);
+    Tensor logits = logits_chunk_.narrow(0, end - begin);
+    Tensor x = final_normed_.narrow(begin, end);
+    matmul(logits, x, false, w_out, true);
+    cross_entropy_forward_backward(losses_.narrow(begin, end), grads ? logits : Tensor(), logits,
+                                   flat_targets.narrow(begin, end), kIgnoreIndex, grad_scale);
+    if (grads) {
+      matmul(d_normed_.narrow(begin, end), logits, false, w_out, false);
+      matmul(grads->output_grad(), logits, true, x, false, 1.0f, 1.0f);
+    }
+  }
+  LossSum loss;
+  const float* l = losses_.data<float>();
+  const int32_t* t = flat_targets.data<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == kIgnoreIndex) continue;
+    loss.sum += l[i];
+    ++loss.tokens;
+  }
+  return loss;
+}
+
+void Transformer::backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
+  const int64_t n = tokens_, d = config_.resolved_head_dim();
+  const int64_t hq = config_.num_heads, hkv = config_.num_kv_heads;
+  const AttentionShape attention{hq, hkv, config_.sliding_window, 1.0f / std::sqrt(static_cast<float>(d))};
+
+  d_residual_.fill_zero();
+  rmsnorm_backward(d_residual_, grads.final_norm_grad(), d_normed_, final_input_, weights.final_norm(), final_rstd_);
+  for (int i = config_.num_layers - 1; i >= 0; --i) {
+    const LayerWeights& w = weights.layer(i);
+    const LayerWeights& g = grads.layer_grads(i);
+    LayerActivations& a = acts_[i];
+    // next = mid + swiglu_out @ down^T
+    matmul(d_swiglu_, d_residual_, false, w.down, false);
+    matmul(g.down, d_residual_, true, a.swiglu_out, false, 1.0f, 1.0f);
+    swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up);
+    matmul(d_normed_, d_gate_up_, false, w.gate_up, false);
+    matmul(g.gate_up, d_gate_up_, true, a.normed_mlp, false, 1.0f, 1.0f);
+    rmsnorm_backward(d_residual_, g.mlp_norm, d_normed_, a.mid, w.mlp_norm, a.rstd_mlp);
+    // mid = input + attn_out @ o^T
+    matmul(d_attn_out_, d_residual_, false, w.o, false);
+    matmul(g.o, d_residual_, true, a.attn_out.view({n, hq * d}), false, 1.0f, 1.0f);
+    attention_backward(d_qkv_, d_attn_out_.view({micro_batch_, seq_len_, hq, d}), a.qkv, a.attn_out, a.lse,
+                       attention);
+    rope_backward(d_qkv_, hq + hkv, rope_cos_, rope_sin_);
+    const Tensor d_qkv_2d = d_qkv_.view({n, (hq + 2 * hkv) * d});
+    matmul(d_normed_, d_qkv_2d, false, w.qkv, false);
+    matmul(g.qkv, d_qkv_2d, true, a.normed_attn, false, 1.0f, 1.0f);
+    rmsnorm_backward(d_residual_, g.attn_norm, d_normed_, a.input, w.attn_norm, a.rstd_attn);
+    grads.layer_done(i);
+  }
+  embedding_backward(grads.embedding_grad(), d_residual_, tokens.view({n}));
+}
+
+LossSum Transformer::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                                      GradSink& grads, float grad_scale) {
+  forward_blocks(tokens, weights);
+  LossSum loss = output_head(targets, weights, &grads, grad_scale);
+  backward_blocks(tokens, weights, grads);
+  return loss;
+}
+
+LossSum Transformer::forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights) {
+  forward_blocks(tokens, weights);
+  return output_head(targets, weights, nullptr, 0.0f);
+}
+
+void Transformer::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits) {
+  check_shape(logits, {tokens_, config_.vocab_size}, "logits");
+  forward_blocks(tokens, weights);
+  matmul(logits, final_normed_, false, weights.output(), true);
+}
+
+}  // namespace forge

@@ -1,0 +1,53 @@
+#include "train/metrics.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace forge {
+
+std::optional<double> peak_tflops(const std::string& device_name) {
+  // ../shared/PERF.md: H100 SXM and H200 dense bf16 peak.
+  if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 989.0;
+  return std::nullopt;
+}
+
+std::string format_step(const StepMetrics& m, int64_t total_steps) {
+  std::string mfu = m.mfu ? fmt::format("{:5.1f}%", *m.mfu * 100.0) : std::string("  n/a");
+  return fmt::format("step {:>{}}/{} | loss {:8.4f} | lr {:.3e} | grad norm {:7.3f} | {:9.0f} tok/s | {:8.1f} ms | "
+                     "{:7.3f} TFLOP/s | MFU {}",
+                     m.step, std::to_string(total_steps).size(), total_steps, m.loss, m.lr, m.grad_norm,
+                     m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu);
+}
+
+std::string format_eval(const EvalMetrics& m, double entropy_floor) {
+  std::string s = fmt::format("eval step {} | loss {:.4f} | perplexity {:.3f}", m.step, m.loss, m.perplexity);
+  if (entropy_floor > 0) s += fmt::format(" | floor {:.4f} (gap {:+.4f})", entropy_floor, m.loss - entropy_floor);
+  return s;
+}
+
+MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, std::ios::app) {
+  if (!out_) FORGE_FAIL("cannot open metrics file '{}' for writing", path);
+}
+
+void MetricsWriter::write(const nlohmann::json& record) {
+  out_ << record.dump() << '\n';
+  out_.flush();
+  if (!out_) FORGE_FAIL("failed writing metrics file '{}'", path_);
+}
+
+void MetricsWriter::write(const StepMetrics& m) {
+  nlohmann::json j = {{"type", "train"},      {"step", m.step},
+                      {"loss", m.loss},       {"lr", m.lr},
+                      {"grad_norm", m.grad_norm}, {"step_time_s", m.step_time_s},
+                      {"tokens_per_s", m.tokens_per_s}, {"model_tflops", m.model_tflops}};
+  j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
+  write(j);
+}
+
+void MetricsWriter::write(const EvalMetrics& m) {
+  write(nlohmann::json{{"type", "eval"}, {"step", m.step}, {"loss", m.loss}, {"perplexity", m.perplexity},
+                       {"tokens", m.tokens}});
+}
+
+}  // namespace forge

@@ -1,0 +1,54 @@
+// What a training run reports: per-step metrics on the console and as JSON Lines in the
+// run directory, plus the throughput arithmetic of ../shared/PERF.md (tokens/s, model
+// TFLOP/s, MFU against the device's dense peak when the device is known).
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+namespace forge {
+
+struct StepMetrics {
+  int64_t step = 0;  // 1-based optimizer step
+  double loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double step_time_s = 0;
+  double tokens_per_s = 0;
+  double model_tflops = 0;         // per device
+  std::optional<double> mfu;       // unset when the device's peak is unknown
+};
+
+struct EvalMetrics {
+  int64_t step = 0;
+  double loss = 0;
+  double perplexity = 0;
+  int64_t tokens = 0;
+};
+
+// Dense bf16 matrix peak (TFLOP/s) for a device name, from PERF.md; unset when unknown.
+std::optional<double> peak_tflops(const std::string& device_name);
+
+// One console line: step, loss, lr, grad norm, tokens/s, step time, TFLOP/s, MFU.
+std::string format_step(const StepMetrics& m, int64_t total_steps);
+std::string format_eval(const EvalMetrics& m, double entropy_floor);
+
+// Appends one JSON object per line to <run_dir>/metrics.jsonl, flushed per record.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);
+  void write(const StepMetrics& m);
+  void write(const EvalMetrics& m);
+  void write(const nlohmann::json& record);
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::ofstream out_;
+};
+
+}  // namespace forge

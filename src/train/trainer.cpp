@@ -1,0 +1,164 @@
+#include "train/trainer.h"
+
+#include <chrono>
+#include <cmath>
+
+#include "core/log.h"
+#include "core/rng.h"
+#include "train/run_dir.h"
+
+namespace forge {
+namespace {
+
+enum SeedStream : uint64_t { kWeightsSeed = 1, kDataSeed = 2, kOrderSeed = 3 };
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string human_count(double n) {
+  if (n >= 1e9) return fmt::format("{:.2f} B", n / 1e9);
+  if (n >= 1e6) return fmt::format("{:.2f} M", n / 1e6);
+  if (n >= 1e3) return fmt::format("{:.1f} K", n / 1e3);
+  return fmt::format("{:.0f}", n);
+}
+
+}  // namespace
+
+Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml)
+    : config_(config), resolved_yaml_(std::move(resolved_config_yaml)) {
+  const TrainingConfig& t = config_.training;
+  if (t.device != "cpu") FORGE_FAIL("training.device '{}' is not available: this build of forge runs on 'cpu'", t.device);
+  if (config_.precision.compute_dtype != "fp32")
+    FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
+               config_.precision.compute_dtype);
+  if (config_.parallelism.data_parallel_shard_degree != 1)
+    FORGE_FAIL("parallelism.data_parallel_shard_degree {} needs the NCCL backend; this build runs one process",
+               config_.parallelism.data_parallel_shard_degree);
+
+  params_ = std::make_unique<FlatParameters>(config_.model);
+  grads_ = std::make_unique<FlatParameters>(config_.model);
+  params_->initialize(derive_seed(t.seed, kWeightsSeed));
+  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len);
+
+  std::vector<bool> decay;
+  for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
+  optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
+
+  uint64_t data_seed = derive_seed(t.seed, kDataSeed);
+  train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
+  if (config_.eval.interval > 0)
+    eval_data_ = make_dataset(config_.data, Split::Validation, t.seq_len, config_.model.vocab_size, data_seed);
+  train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed));
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::prepare_run_dir() {
+  run_dir_ = expand_run_dir(config_.logging.run_dir, config_.model.name);
+  create_run_dir(run_dir_);
+  write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
+  metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
+}
+
+double Trainer::lr_for_step(int64_t step) const {
+  return lr_at(config_.optimizer, config_.lr_scheduler, step, config_.training.steps);
+}
+
+EvalMetrics Trainer::evaluate(int64_t step) {
+  DataLoader loader(*eval_data_, config_.training.local_batch_size, 0);
+  LossSum total;
+  for (int64_t i = 0; i < config_.eval.steps; ++i) {
+    Batch batch = loader.next();
+    LossSum l = model_->forward_loss(batch.tokens, batch.targets, *params_);
+    total.sum += l.sum;
+    total.tokens += l.tokens;
+  }
+  EvalMetrics m;
+  m.step = step;
+  m.loss = total.mean();
+  m.perplexity = std::exp(m.loss);
+  m.tokens = total.tokens;
+  return m;
+}
+
+TrainResult Trainer::run() {
+  prepare_run_dir();
+  const TrainingConfig& t = config_.training;
+  const ModelConfig& mc = config_.model;
+  const int64_t accum = t.gradient_accumulation_steps;
+  const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
+  const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
+  const std::optional<double> peak = peak_tflops(t.device);
+
+  TrainResult result;
+  result.run_dir = run_dir_;
+  result.entropy_floor = train_data_->entropy_floor();
+
+  log_info("model {}: {} parameters, {} layers, hidden {}, heads {}/{} (q/kv), vocab {}", mc.name,
+           human_count(static_cast<double>(mc.total_params())), mc.num_layers, mc.hidden_size, mc.num_heads,
+           mc.num_kv_heads, mc.vocab_size);
+  log_info("batch: {} micro-batch x {} accumulation = {} sequences of {} tokens per step; {} steps on {} ({} threads)",
+           t.local_batch_size, accum, t.global_batch_size, t.seq_len, t.steps, t.device, num_threads());
+  log_info("data: {}{}", config_.data.source,
+           result.entropy_floor > 0 ? fmt::format(" (entropy floor {:.4f} nats/token)", result.entropy_floor) : "");
+  log_info("run directory: {}", run_dir_);
+  nlohmann::json run_record = {{"type", "run"},
+                               {"model", mc.name},
+                               {"parameters", mc.total_params()},
+                               {"flops_per_token", mc.flops_per_token(t.seq_len)},
+                               {"tokens_per_step", tokens_per_step},
+                               {"device", t.device}};
+  run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
+  metrics_->write(run_record);
+
+  std::vector<Batch> batches(accum);
+  for (int64_t step = 0; step < t.steps; ++step) {
+    auto t0 = std::chrono::steady_clock::now();
+    double lr = lr_for_step(step);
+    grads_->zero();
+    int64_t targets = 0;
+    for (auto& b : batches) {
+      b = train_loader_->next();
+      const int32_t* tg = b.targets.data<int32_t>();
+      for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
+    }
+    const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
+    LossSum loss;
+    for (auto& b : batches) {
+      LossSum l = model_->forward_backward(b.tokens, b.targets, *params_, *grads_, grad_scale);
+      loss.sum += l.sum;
+      loss.tokens += l.tokens;
+    }
+    double norm = clip_grad_norm(grads_->tensors(), t.max_norm);
+    optimizer_->step(grads_->tensors(), lr);
+    double dt = seconds_since(t0);
+
+    StepMetrics m;
+    m.step = step + 1;
+    m.loss = loss.mean();
+    m.lr = lr;
+    m.grad_norm = norm;
+    m.step_time_s = dt;
+    m.tokens_per_s = tokens_per_step / dt;
+    m.model_tflops = flops_per_step / dt / 1e12;
+    if (peak) m.mfu = m.model_tflops / *peak;
+    result.losses.push_back(m.loss);
+    metrics_->write(m);
+    if (!std::isfinite(m.loss) || !std::isfinite(norm))
+      FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
+    if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
+      log_info("{}", format_step(m, t.steps));
+
+    bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
+    if (eval_now) {
+      EvalMetrics e = evaluate(m.step);
+      metrics_->write(e);
+      result.evals.push_back(e);
+      log_info("{}", format_eval(e, result.entropy_floor));
+    }
+  }
+  return result;
+}
+
+}  // namespace forge

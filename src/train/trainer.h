@@ -1,0 +1,63 @@
+// Trainer: the step loop.
+//
+//   for each optimizer step:
+//     lr from the schedule; zero grads
+//     for each of gradient_accumulation_steps micro-batches:
+//       forward + backward, loss scaled by 1 / (unmasked targets in the global batch)
+//     clip by global grad norm; AdamW; metrics; periodic evaluation
+//
+// NOTE [Loss normalization]
+// The loss of a step is the mean over every unmasked target token of the global batch,
+// not the mean of per-micro-batch means, so masking and accumulation do not change what
+// is being minimized. The trainer counts the targets of all micro-batches first and
+// passes 1/count as the gradient scale.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "data/dataset.h"
+#include "model/parameters.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+#include "train/experiment.h"
+#include "train/metrics.h"
+
+namespace forge {
+
+struct TrainResult {
+  std::vector<double> losses;       // per optimizer step
+  std::vector<EvalMetrics> evals;
+  double entropy_floor = -1.0;      // of the training data, when known
+  std::string run_dir;
+};
+
+class Trainer {
+ public:
+  // resolved_config_yaml is saved as <run_dir>/config.yaml.
+  Trainer(const ExperimentConfig& config, std::string resolved_config_yaml);
+  ~Trainer();
+
+  TrainResult run();
+  EvalMetrics evaluate(int64_t step);
+
+  const FlatParameters& parameters() const { return *params_; }
+
+ private:
+  void prepare_run_dir();
+  double lr_for_step(int64_t step) const;
+
+  ExperimentConfig config_;
+  std::string resolved_yaml_;
+  std::string run_dir_;
+  std::unique_ptr<FlatParameters> params_, grads_;
+  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<TokenDataset> train_data_, eval_data_;
+  std::unique_ptr<DataLoader> train_loader_;
+  std::unique_ptr<MetricsWriter> metrics_;
+};
+
+}  // namespace forge

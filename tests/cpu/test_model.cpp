@@ -1,0 +1,136 @@
+// Model-level checks that need no reference implementation: parameter accounting against
+// the published sizes, determinism, and that gradient accumulation over micro-batches
+// equals one large micro-batch. The numerical comparison with PyTorch lives in
+// tests/python/test_model_vs_torch.py.
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "core/rng.h"
+#include "model/parameters.h"
+#include "model/transformer.h"
+
+namespace forge {
+namespace {
+
+ModelConfig llama31_8b() {
+  ModelConfig c;
+  c.name = "llama3.1-8b";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.ffn_hidden_size = 14336;
+  c.rope_theta = 500000;
+  c.max_seq_len = 131072;
+  return c;
+}
+
+ModelConfig tiny(bool tied = false) {
+  ModelConfig c;
+  c.name = "tiny";
+  c.vocab_size = 37;
+  c.hidden_size = 24;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.ffn_hidden_size = 40;
+  c.max_seq_len = 64;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
+  Tensor x = Tensor::empty({b, t}, DType::I32);
+  Rng rng(seed);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
+  return x;
+}
+
+TEST(ModelAccounting, Llama31_8bParameterCount) {
+  ModelConfig c = llama31_8b();
+  EXPECT_EQ(c.total_params(), 8030261248);  // Hugging Face meta-llama/Llama-3.1-8B
+  int64_t from_specs = 0;
+  for (const auto& s : parameter_specs(c)) from_specs += shape_numel(s.shape);
+  EXPECT_EQ(from_specs, c.total_params());
+}
+
+TEST(ModelAccounting, FlopsPerTokenFollowsPerfMd) {
+  ModelConfig c = llama31_8b();
+  double expected = 6.0 * (8030261248.0 - 128256.0 * 4096.0) + 6.0 * 32 * 4096 * 8192;
+  EXPECT_DOUBLE_EQ(c.flops_per_token(8192), expected);
+}
+
+TEST(ModelAccounting, TiedEmbeddingsShareOneTensor) {
+  ModelConfig c = tiny(true);
+  FlatParameters p(c);
+  EXPECT_EQ(p.output().raw(), p.embedding().raw());
+  EXPECT_EQ(c.total_params(), p.flat().numel());
+}
+
+TEST(ModelValidation, RejectsInconsistentHeads) {
+  ModelConfig c = tiny();
+  c.num_kv_heads = 3;
+  EXPECT_THROW(c.validate(), Error);
+  try {
+    c.validate();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.num_kv_heads"), std::string::npos) << e.what();
+  }
+}
+
+TEST(ModelTraining, ForwardBackwardIsBitwiseDeterministic) {
+  ModelConfig c = tiny();
+  FlatParameters params(c), g1(c), g2(c);
+  params.initialize(7);
+  Transformer model(c, 2, 16);
+  Tensor tokens = random_tokens(2, 16, c.vocab_size, 1), targets = random_tokens(2, 16, c.vocab_size, 2);
+  g1.zero();
+  g2.zero();
+  LossSum a = model.forward_backward(tokens, targets, params, g1, 1.0f / 32);
+  LossSum b = model.forward_backward(tokens, targets, params, g2, 1.0f / 32);
+  EXPECT_EQ(a.sum, b.sum);
+  EXPECT_EQ(0, std::memcmp(g1.flat().raw(), g2.flat().raw(), g1.flat().nbytes()));
+}
+
+TEST(ModelTraining, AccumulatingMicroBatchesEqualsOneBatch) {
+  for (bool tied : {false, true}) {
+    ModelConfig c = tiny(tied);
+    FlatParameters params(c), whole(c), accumulated(c);
+    params.initialize(3);
+    Tensor tokens = random_tokens(2, 12, c.vocab_size, 5), targets = random_tokens(2, 12, c.vocab_size, 6);
+    Transformer big(c, 2, 12), small(c, 1, 12);
+    whole.zero();
+    accumulated.zero();
+    LossSum lw = big.forward_backward(tokens, targets, params, whole, 1.0f / 24);
+    LossSum l0 = small.forward_backward(tokens.narrow(0, 1), targets.narrow(0, 1), params, accumulated, 1.0f / 24);
+    LossSum l1 = small.forward_backward(tokens.narrow(1, 2), targets.narrow(1, 2), params, accumulated, 1.0f / 24);
+    EXPECT_NEAR(lw.sum, l0.sum + l1.sum, 1e-4 * lw.sum);
+    const float* a = whole.flat().data<float>();
+    const float* b = accumulated.flat().data<float>();
+    double max_abs = 0, max_diff = 0;
+    for (int64_t i = 0; i < whole.flat().numel(); ++i) {
+      max_abs = std::max(max_abs, std::abs(double(a[i])));
+      max_diff = std::max(max_diff, std::abs(double(a[i]) - b[i]));
+    }
+    EXPECT_LT(max_diff, 1e-5 * max_abs) << "tied=" << tied;
+  }
+}
+
+TEST(ModelTraining, MaskedTargetsContributeNothing) {
+  ModelConfig c = tiny();
+  FlatParameters params(c);
+  params.initialize(11);
+  Transformer model(c, 1, 8);
+  Tensor tokens = random_tokens(1, 8, c.vocab_size, 3), targets = random_tokens(1, 8, c.vocab_size, 4);
+  LossSum full = model.forward_loss(tokens, targets, params);
+  targets.data<int32_t>()[5] = -100;
+  LossSum masked = model.forward_loss(tokens, targets, params);
+  EXPECT_EQ(full.tokens, 8);
+  EXPECT_EQ(masked.tokens, 7);
+  EXPECT_LT(masked.sum, full.sum);
+}
+
+}  // namespace
+}  // namespace forge

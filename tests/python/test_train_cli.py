@@ -1,0 +1,141 @@
+"""forge's command line end to end: the default run learns the built-in synthetic corpus
+down to near its entropy floor, runs are deterministic, and bad input of every kind is a
+clear error with a non-zero exit."""
+import json
+import os
+import subprocess
+import unittest
+
+from forge_test_util import forge_bin, scratch_dir, source_dir
+
+# The default run (forge train, no arguments) must end with a validation loss within this
+# many nats/token of the synthetic corpus's entropy floor.
+FLOOR_MARGIN = 0.10
+
+
+def forge(*args, cwd=None):
+    return subprocess.run([forge_bin(), *args], capture_output=True, text=True, cwd=cwd)
+
+
+def records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
+class DefaultRun(unittest.TestCase):
+    def test_default_run_reaches_the_entropy_floor(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = forge("train", "--logging.run_dir", run_dir)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        floor = records(run_dir, "run")[0]["entropy_floor"]
+        evals = records(run_dir, "eval")
+        train = records(run_dir, "train")
+        print(f"entropy floor {floor:.4f}, first loss {train[0]['loss']:.4f}, "
+              f"final eval loss {evals[-1]['loss']:.4f}, gap {evals[-1]['loss'] - floor:.4f}")
+        self.assertGreater(floor, 0)
+        self.assertLess(evals[-1]["loss"] - floor, FLOOR_MARGIN)
+        self.assertGreater(evals[-1]["loss"], floor - 0.02, "validation loss below the entropy floor")
+        self.assertTrue(os.path.isfile(os.path.join(run_dir, "config.yaml")))
+        for r in train:
+            for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "model_tflops", "mfu"):
+                self.assertIn(key, r)
+
+
+class Determinism(unittest.TestCase):
+    def test_same_seed_same_losses(self):
+        runs = []
+        for _ in range(2):
+            run_dir = os.path.join(scratch_dir(), "run")
+            result = forge("train", "--training.steps", "6", "--eval.interval", "3", "--logging.run_dir", run_dir)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            runs.append([r["loss"] for r in records(run_dir, "train") + records(run_dir, "eval")])
+        self.assertEqual(runs[0], runs[1])
+
+    def test_other_seed_other_losses(self):
+        losses = []
+        for seed in ("1", "2"):
+            run_dir = os.path.join(scratch_dir(), "run")
+            result = forge("train", "--training.steps", "2", "--training.seed", seed, "--logging.run_dir", run_dir)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            losses.append([r["loss"] for r in records(run_dir, "train")])
+        self.assertNotEqual(losses[0], losses[1])
+
+
+class Commands(unittest.TestCase):
+    def test_version_and_help(self):
+        self.assertIn("forge", forge("--version").stdout)
+        help_text = forge("--help").stdout
+        for sub in ("train", "info", "keys"):
+            self.assertIn(sub, help_text)
+
+    def test_info_llama31_8b(self):
+        result = forge("info", "llama3.1-8b")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("8.03 B", result.stdout)
+
+    def test_info_every_model(self):
+        models = sorted(f[:-5] for f in os.listdir(os.path.join(source_dir(), "configs", "models")))
+        self.assertGreaterEqual(len(models), 10)
+        for model in models:
+            result = forge("info", model)
+            self.assertEqual(result.returncode, 0, f"{model}: {result.stderr}")
+
+    def test_keys_lists_every_section(self):
+        out = forge("keys").stdout
+        for key in ("training.local_batch_size", "optimizer.lr", "lr_scheduler.warmup_steps", "data.source",
+                    "model.rope_scaling.factor", "eval.interval", "logging.run_dir"):
+            self.assertIn(key, out)
+
+
+class BadInput(unittest.TestCase):
+    def expect_error(self, args, *fragments):
+        result = forge(*args)
+        self.assertNotEqual(result.returncode, 0, f"{args} should fail")
+        for fragment in fragments:
+            self.assertIn(fragment, result.stderr, f"{args}: stderr was:\n{result.stderr}")
+
+    def test_unknown_key_suggests(self):
+        self.expect_error(["train", "--training.local_batch_sise", "4"], "training.local_batch_sise",
+                          "training.local_batch_size")
+
+    def test_wrong_type(self):
+        self.expect_error(["train", "--training.steps", "ten"], "training.steps")
+
+    def test_out_of_range(self):
+        self.expect_error(["train", "--training.seq_len", "0"], "training.seq_len")
+
+    def test_inconsistent_batch(self):
+        self.expect_error(["train", "--training.local_batch_size", "4", "--training.global_batch_size", "10"],
+                          "global_batch_size")
+
+    def test_missing_experiment_file(self):
+        self.expect_error(["train", "no-such-experiment.yaml"], "no-such-experiment.yaml")
+
+    def test_unknown_model(self):
+        self.expect_error(["info", "llama9"], "llama9")
+
+    def test_dangling_override(self):
+        self.expect_error(["train", "--training.steps"], "training.steps")
+
+    def test_bad_yaml(self):
+        path = os.path.join(scratch_dir(), "bad.yaml")
+        with open(path, "w") as f:
+            f.write("training:\n  steps: [1, 2\n")
+        self.expect_error(["train", path], "bad.yaml")
+
+    def test_missing_data_file(self):
+        self.expect_error(["train", "--data.source", "indexed", "--data.path", "/nonexistent/corpus"],
+                          "/nonexistent/corpus")
+
+    def test_unwritable_run_dir_leaves_nothing(self):
+        blocker = os.path.join(scratch_dir(), "file")
+        with open(blocker, "w") as f:
+            f.write("keep me")
+        self.expect_error(["train", "--training.steps", "1", "--logging.run_dir", os.path.join(blocker, "run")],
+                          blocker)
+        with open(blocker) as f:
+            self.assertEqual(f.read(), "keep me")
+
+
+if __name__ == "__main__":
+    unittest.main()

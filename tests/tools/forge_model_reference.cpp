@@ -1,0 +1,100 @@
+// Test tool: runs forge's CPU model on inputs written by tests/python/test_model_vs_torch.py.
+//
+//   forge_model_reference specs DIR     reads DIR/config.json, writes DIR/specs.json
+//                                       (parameter names, shapes, Hugging Face names)
+//   forge_model_reference run DIR       reads DIR/config.json, DIR/weights.bin (fp32, all
+//                                       parameters in specs order), DIR/tokens.bin and
+//                                       DIR/targets.bin (int32 [batch, seq]); writes
+//                                       DIR/logits.bin, DIR/grads.bin, DIR/loss.json
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "model/parameters.h"
+#include "model/transformer.h"
+
+using nlohmann::json;
+using namespace forge;
+
+namespace {
+
+ModelConfig read_config(const std::string& dir, int64_t* batch, int64_t* seq) {
+  std::ifstream in(dir + "/config.json");
+  json j = json::parse(in);
+  ModelConfig c;
+  c.name = "reference";
+  c.vocab_size = j.at("vocab_size");
+  c.hidden_size = j.at("hidden_size");
+  c.num_layers = j.at("num_layers");
+  c.num_heads = j.at("num_heads");
+  c.num_kv_heads = j.at("num_kv_heads");
+  c.head_dim = j.value("head_dim", 0);
+  c.ffn_hidden_size = j.at("ffn_hidden_size");
+  c.norm_eps = j.at("norm_eps");
+  c.rope_theta = j.at("rope_theta");
+  c.max_seq_len = j.at("max_seq_len");
+  c.sliding_window = j.value("sliding_window", 0);
+  c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+  if (j.contains("rope_scaling")) {
+    const json& r = j["rope_scaling"];
+    c.rope_scaling.enabled = true;
+    c.rope_scaling.factor = r.at("factor");
+    c.rope_scaling.low_freq_factor = r.at("low_freq_factor");
+    c.rope_scaling.high_freq_factor = r.at("high_freq_factor");
+    c.rope_scaling.original_max_position = r.at("original_max_position");
+  }
+  *batch = j.value("batch", 1);
+  *seq = j.value("seq_len", 1);
+  return c;
+}
+
+void read_into(const std::string& path, void* data, size_t bytes) {
+  std::ifstream in(path, std::ios::binary);
+  in.read(static_cast<char*>(data), static_cast<std::streamsize>(bytes));
+  FORGE_CHECK(in && in.gcount() == static_cast<std::streamsize>(bytes), "short read of {}", path);
+}
+
+void write_from(const std::string& path, const void* data, size_t bytes) {
+  std::ofstream out(path, std::ios::binary);
+  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(bytes));
+  FORGE_CHECK(static_cast<bool>(out), "short write of {}", path);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 3) {
+    std::cerr << "usage: forge_model_reference specs|run DIR\n";
+    return 2;
+  }
+  std::string mode = argv[1], dir = argv[2];
+  int64_t batch = 0, seq = 0;
+  ModelConfig config = read_config(dir, &batch, &seq);
+  if (mode == "specs") {
+    json specs = json::array();
+    for (const ParamSpec& s : parameter_specs(config))
+      specs.push_back({{"name", s.name}, {"shape", s.shape}, {"hf_names", s.hf_names}});
+    std::ofstream(dir + "/specs.json") << specs.dump(1);
+    return 0;
+  }
+  FlatParameters params(config), grads(config);
+  read_into(dir + "/weights.bin", params.flat().raw(), params.flat().nbytes());
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+  read_into(dir + "/tokens.bin", tokens.raw(), tokens.nbytes());
+  read_into(dir + "/targets.bin", targets.raw(), targets.nbytes());
+
+  Transformer model(config, batch, seq);
+  Tensor logits = Tensor::empty({batch * seq, config.vocab_size});
+  model.forward_logits(tokens, params, logits);
+  write_from(dir + "/logits.bin", logits.raw(), logits.nbytes());
+
+  LossSum probe = model.forward_loss(tokens, targets, params);
+  grads.zero();
+  LossSum loss = model.forward_backward(tokens, targets, params, grads, 1.0f / static_cast<float>(probe.tokens));
+  write_from(dir + "/grads.bin", grads.flat().raw(), grads.flat().nbytes());
+  std::ofstream(dir + "/loss.json") << json{{"loss", loss.mean()}, {"tokens", loss.tokens}}.dump();
+  return 0;
+}
