@@ -2,6 +2,8 @@
 // parameter to ops/adamw with its own weight decay (0 for the params the model exempts).
 #include "ops/adamw.h"
 
+#include <utility>
+
 #include "optim/optimizer.h"
 
 namespace forge {

@@ -1,6 +1,9 @@
 // Global grad-norm clipping with torch.nn.utils.clip_grad_norm_'s rule (see
 // optim/optimizer.h). The norm is accumulated in double, tensor by tensor in order, so it
-// is the same for any thread count.
+// is the same for any thread count. The clip coefficient is then formed in fp32 exactly as
+// torch forms it from its fp32 norm, max_norm / (norm + 1e-6) evaluated as
+// reciprocal(norm + 1e-6) * max_norm, so whenever the two norms round to the same float the
+// clipped grads are bit for bit torch's.
 #include <cmath>
 
 #include "ops/elementwise.h"
@@ -13,9 +16,9 @@ double clip_grad_norm(const std::vector<Tensor>& grads, double max_norm) {
   for (const Tensor& g : grads) sum += sum_of_squares(g);
   const double norm = std::sqrt(sum);
   if (!std::isfinite(norm) || max_norm <= 0.0) return norm;
-  const double coefficient = max_norm / (norm + 1e-6);
-  if (coefficient < 1.0)
-    for (const Tensor& g : grads) scale_inplace(g, static_cast<float>(coefficient));
+  const float coefficient = (1.0f / (static_cast<float>(norm) + 1e-6f)) * static_cast<float>(max_norm);
+  if (coefficient < 1.0f)
+    for (const Tensor& g : grads) scale_inplace(g, coefficient);
   return norm;
 }
 

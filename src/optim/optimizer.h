@@ -48,8 +48,8 @@ void validate(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_
 double lr_at(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t step, int64_t total_steps);
 
 // Global L2 norm of all grads (accumulated in double) and torch.nn.utils.clip_grad_norm_'s
-// rule: when max_norm > 0 and max_norm / (norm + 1e-6) < 1, every grad is scaled by that
-// coefficient. Returns the norm before clipping. A non-finite norm leaves the grads as they
+// rule: when max_norm > 0 and the coefficient max_norm / (norm + 1e-6), formed in fp32 as
+// torch forms it, is < 1, every grad is scaled by it. Returns the norm before clipping. A non-finite norm leaves the grads as they
 // are and is returned for the trainer to report (and skip the step).
 double clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
 
