@@ -1,6 +1,6 @@
 // The optimizer layer: AdamW over a list of fp32 parameter tensors, LR schedules, and
 // global grad-norm clipping. Hyperparameters follow torch.optim.AdamW and torchtitan's
-// lr_scheduler section.
+// lr_scheduler section; tests/python/test_optim_vs_torch.py holds all three to PyTorch.
 #pragma once
 
 #include <cstdint>
@@ -27,16 +27,36 @@ struct LRSchedulerConfig {
   double min_lr = 0.0;                 // floor reached at the end of decay
 };
 
-// Learning rate for optimizer step `step` (0-based) of a run with `total_steps` steps.
+// Checks both sections before a run starts; FORGE_FAILs with the key as the user writes
+// it ("optimizer.lr must be > 0, got -1"). total_steps is training.steps.
+void validate(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t total_steps);
+
+// NOTE [LR schedule]
+// Learning rate for optimizer step `step` (0-based: step 0 is the first update) of a run
+// with `total_steps` steps. With W = warmup_steps, D = decay_steps (0: total_steps - W),
+// peak = opt.lr and t = step - W:
+//   warm-up, step < W:  peak * (step + 1) / (W + 1)      (torchtitan's linear warm-up: it
+//                       never uses lr 0 and reaches peak on the first step after it)
+//   cosine, t < D:      min_lr + (peak - min_lr) * (1 + cos(pi * t / D)) / 2
+//   linear, t < D:      peak * (1 + (min_lr / peak - 1) * t / D)
+//   constant:           peak
+//   cosine/linear, t >= D: min_lr, held to the end.
+// In PyTorch terms: step i uses the lr that SequentialLR([LambdaLR(warm-up factor),
+// CosineAnnealingLR(T_max=D, eta_min=min_lr) | LinearLR(1, min_lr/peak, total_iters=D) |
+// LambdaLR(1), LambdaLR(min_lr/peak)], milestones=[W, W + D]) holds after i scheduler
+// steps; the decay formulas are those schedulers' closed forms.
 double lr_at(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t step, int64_t total_steps);
 
-// Scales grads in place so their global L2 norm is at most max_norm (no-op if max_norm <= 0).
-// Returns the norm before clipping.
+// Global L2 norm of all grads (accumulated in double) and torch.nn.utils.clip_grad_norm_'s
+// rule: when max_norm > 0 and the coefficient max_norm / (norm + 1e-6), formed in fp32 as
+// torch forms it, is < 1, every grad is scaled by it. Returns the norm before clipping. A non-finite norm leaves the grads as they
+// are and is returned for the trainer to report (and skip the step).
 double clip_grad_norm(const std::vector<Tensor>& grads, double max_norm);
 
 class AdamW {
  public:
   // decay[i]: whether params[i] gets weight decay (the model excludes norm weights).
+  // The moments start at zero; the first step() is step 1.
   AdamW(const OptimizerConfig& config, std::vector<Tensor> params, std::vector<bool> decay);
   // One step with the given learning rate; grads align with params.
   void step(const std::vector<Tensor>& grads, double lr);

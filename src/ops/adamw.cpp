@@ -1,0 +1,41 @@
+#include "ops/adamw.h"
+
+#include <cmath>
+
+#include "kernels/cpu/adamw.h"
+
+namespace forge {
+namespace {
+
+cpu::AdamWScalars adamw_scalars(const AdamWHyper& h) {
+  double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  return {
+      .decay_factor = static_cast<float>(1.0 - h.lr * h.weight_decay),
+      .one_minus_beta1 = static_cast<float>(1.0 - h.beta1),
+      .beta2 = static_cast<float>(h.beta2),
+      .one_minus_beta2 = static_cast<float>(1.0 - h.beta2),
+      .bias_correction2_sqrt = static_cast<float>(std::pow(bias_correction2, 0.5)),
+      .eps = static_cast<float>(h.eps),
+      .neg_step_size = static_cast<float>(-(h.lr / bias_correction1)),
+  };
+}
+
+}  // namespace
+
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h) {
+  FORGE_CHECK(h.step >= 1, "adamw_update: step counts from 1, got {}", h.step);
+  check_dtype(param, DType::F32, "adamw param");
+  check_shape(grad, param.shape(), "adamw grad");
+  check_shape(m, param.shape(), "adamw exp_avg");
+  check_shape(v, param.shape(), "adamw exp_avg_sq");
+  check_dtype(grad, DType::F32, "adamw grad");
+  check_dtype(m, DType::F32, "adamw exp_avg");
+  check_dtype(v, DType::F32, "adamw exp_avg_sq");
+  for (const Tensor* t : {&grad, &m, &v})
+    FORGE_CHECK(t->device() == param.device(), "adamw_update: tensors on different devices");
+  FORGE_CHECK(param.device() == Device::CPU, "adamw_update: no CUDA kernel in this build");
+  cpu::adamw_update(param, grad, m, v, adamw_scalars(h));
+}
+
+}  // namespace forge
