@@ -5,11 +5,20 @@
 // mock (deterministic random tokens, as Megatron's --mock-data), synthetic (forge's
 // built-in Markov corpus with a known entropy floor), and indexed (Megatron .bin/.idx
 // documents packed into windows).
+//
+// NOTE [Epochs and sample order]
+// num_samples() counts the samples of one epoch. File-backed data (indexed) reshuffles
+// its documents every epoch, so a sample is named by (epoch, index); generated sources
+// (mock, synthetic) ignore the epoch. The DataLoader walks a global sample stream
+// g = 0, 1, 2, ...: epoch = g / num_samples(), and within the epoch it visits samples in
+// a seeded random order when the dataset asks for it (shuffle_samples()), else in order
+// (generated samples are already random, and their epochs are too large to permute).
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
@@ -27,14 +36,21 @@ struct DataConfig {
 
 enum class Split { Train, Validation, Test };
 
+std::string_view split_name(Split split);
+
 class TokenDataset {
  public:
   virtual ~TokenDataset() = default;
+  // Samples in one epoch.
   virtual int64_t num_samples() const = 0;
   virtual int64_t seq_len() const = 0;
-  // Writes seq_len() + 1 token ids of sample `index` (0 <= index < num_samples()).
-  virtual void sample(int64_t index, int32_t* out) const = 0;
-  // Best achievable mean cross-entropy in nats per token, when known (synthetic data).
+  // Writes seq_len() + 1 token ids of sample `index` (0 <= index < num_samples()) of
+  // epoch `epoch` (>= 0). See NOTE [Epochs and sample order].
+  virtual void sample(int64_t epoch, int64_t index, int32_t* out) const = 0;
+  // Whether the loader should visit this dataset's samples in a seeded random order.
+  virtual bool shuffle_samples() const { return false; }
+  // Best achievable mean cross-entropy in nats per target token, when known (mock and
+  // synthetic data); -1 when unknown.
   virtual double entropy_floor() const { return -1.0; }
 };
 
@@ -43,6 +59,11 @@ class TokenDataset {
 std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split, int64_t seq_len,
                                            int64_t vocab_size, uint64_t seed);
 
+// The entropy floor (nats per target token) of the training data make_dataset would
+// build, without reading any file: exact for synthetic and mock data, -1 for indexed.
+double data_entropy_floor(const DataConfig& config, int64_t seq_len, int64_t vocab_size,
+                          uint64_t seed);
+
 struct Batch {
   Tensor tokens;   // int32 [micro_batch, seq_len]
   Tensor targets;  // int32 [micro_batch, seq_len]; kIgnoreIndex where no target
@@ -50,27 +71,29 @@ struct Batch {
 
 constexpr int32_t kIgnoreIndex = -100;
 
-// Iterates over a dataset in a seeded shuffled order, epoch after epoch. Rank r of a
-// data-parallel world reads samples r, r + world, ... of every global batch so that the
-// global batch means the same at every world size.
+// Iterates over a dataset epoch after epoch. Each next() consumes one block of
+// micro_batch * world consecutive samples of the global stream; rank r takes samples
+// r, r + world, ... of the block, so that the union of all ranks' micro-batches (and so
+// the global batch) is the same at every world size.
 class DataLoader {
  public:
   DataLoader(const TokenDataset& dataset, int64_t micro_batch, uint64_t seed, int rank = 0, int world = 1);
   Batch next();
-  // Samples consumed so far by this loader (its position, for checkpoint resume).
+  // Samples consumed so far by all ranks together (the same on every rank): the
+  // position to save for checkpoint resume.
   int64_t position() const { return position_; }
-  void set_position(int64_t position) { position_ = position; }
+  void set_position(int64_t position);
 
  private:
-  int64_t sample_index(int64_t global_position) const;
+  int64_t sample_in_epoch(int64_t epoch, int64_t index);
 
   const TokenDataset& dataset_;
   int64_t micro_batch_;
   uint64_t seed_;
   int rank_, world_;
   int64_t position_ = 0;
-  mutable int64_t cached_epoch_ = -1;
-  mutable std::vector<int64_t> order_;
+  int64_t cached_epoch_ = -1;
+  std::vector<int64_t> order_;
 };
 
 }  // namespace forge

@@ -1,0 +1,53 @@
+// DataLoader: the global sample stream cut into batches (NOTE [Epochs and sample order]).
+#include <numeric>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/dataset.h"
+
+namespace forge {
+
+DataLoader::DataLoader(const TokenDataset& dataset, int64_t micro_batch, uint64_t seed, int rank, int world)
+    : dataset_(dataset), micro_batch_(micro_batch), seed_(seed), rank_(rank), world_(world) {
+  FORGE_CHECK(micro_batch >= 1, "micro_batch {}", micro_batch);
+  FORGE_CHECK(world >= 1 && rank >= 0 && rank < world, "rank {} of world {}", rank, world);
+  FORGE_CHECK(dataset.num_samples() >= 1 && dataset.seq_len() >= 1, "dataset of {} samples of length {}",
+              dataset.num_samples(), dataset.seq_len());
+}
+
+void DataLoader::set_position(int64_t position) {
+  FORGE_CHECK(position >= 0, "position {}", position);
+  position_ = position;
+}
+
+int64_t DataLoader::sample_in_epoch(int64_t epoch, int64_t index) {
+  if (!dataset_.shuffle_samples()) return index;
+  if (epoch != cached_epoch_) {
+    order_.resize(static_cast<size_t>(dataset_.num_samples()));
+    std::iota(order_.begin(), order_.end(), int64_t{0});
+    Rng rng(derive_seed(seed_, static_cast<uint64_t>(epoch)));
+    for (size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[rng.below(i)]);
+    cached_epoch_ = epoch;
+  }
+  return order_[static_cast<size_t>(index)];
+}
+
+Batch DataLoader::next() {
+  const int64_t seq_len = dataset_.seq_len();
+  const int64_t samples = dataset_.num_samples();
+  Batch batch{Tensor::empty({micro_batch_, seq_len}, DType::I32), Tensor::empty({micro_batch_, seq_len}, DType::I32)};
+  std::vector<int32_t> sample(static_cast<size_t>(seq_len + 1));
+  for (int64_t row = 0; row < micro_batch_; ++row) {
+    int64_t global = position_ + rank_ + row * world_;
+    int64_t epoch = global / samples;
+    dataset_.sample(epoch, sample_in_epoch(epoch, global % samples), sample.data());
+    int32_t* tokens = batch.tokens.data<int32_t>() + row * seq_len;
+    int32_t* targets = batch.targets.data<int32_t>() + row * seq_len;
+    std::copy(sample.begin(), sample.end() - 1, tokens);
+    std::copy(sample.begin() + 1, sample.end(), targets);
+  }
+  position_ += micro_batch_ * world_;
+  return batch;
+}
+
+}  // namespace forge

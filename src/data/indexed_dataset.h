@@ -1,0 +1,102 @@
+// Megatron-LM indexed datasets: <prefix>.bin holds the token ids of every sequence back to
+// back; <prefix>.idx describes them. The .idx layout, as megatron-core writes it
+// (megatron/core/datasets/indexed_dataset.py), all little-endian:
+//
+//   offset 0   9 bytes   magic "MMIDIDX\0\0"
+//   offset 9   u64       version, always 1
+//   offset 17  u8        token dtype code (IndexedDType)
+//   offset 18  u64       sequence count N
+//   offset 26  u64       document count D (= documents + 1: a leading 0 boundary)
+//   offset 34  i32[N]    sequence lengths, in tokens
+//              i64[N]    sequence pointers, byte offsets into .bin
+//              i64[D]    document indices: sequence index where each document starts,
+//                        ascending from 0 to N
+//
+// IndexedDataset maps both files and validates every field on open, so that a bad file
+// fails at startup with the file, byte offset and expectation, never mid-run with a
+// crash. Token values are validated against the model's vocabulary when read.
+// IndexedDatasetWriter writes the same format (one document per call, or several
+// sequences per document); megatron-core reads its output and vice versa.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "data/mapped_file.h"
+
+namespace forge {
+
+// megatron-core's DType codes. Only integer types hold token ids.
+enum class IndexedDType : uint8_t { U8 = 1, I8 = 2, I16 = 3, I32 = 4, I64 = 5, F64 = 6, F32 = 7, U16 = 8 };
+
+size_t indexed_dtype_size(IndexedDType dtype);
+std::string_view indexed_dtype_name(IndexedDType dtype);  // numpy's name: "uint16", ...
+// Parses a numpy dtype name ("uint16", "int32", ...); throws naming the expected names.
+IndexedDType indexed_dtype_from_name(std::string_view name);
+
+class IndexedDataset {
+ public:
+  // Opens <prefix>.idx and <prefix>.bin and validates the index against the data file.
+  explicit IndexedDataset(const std::string& prefix);
+
+  const std::string& idx_path() const { return idx_.path(); }
+  const std::string& bin_path() const { return bin_.path(); }
+  IndexedDType dtype() const { return dtype_; }
+  int64_t num_sequences() const { return num_sequences_; }
+  // Documents, i.e. document_indices().size() - 1 as megatron-core counts them.
+  int64_t num_documents() const { return num_document_indices_ - 1; }
+  int64_t sequence_length(int64_t sequence) const;
+  int64_t sequence_pointer(int64_t sequence) const;
+  // Entry i of the document index array, 0 <= i <= num_documents().
+  int64_t document_index(int64_t i) const;
+  // Token `position` of `sequence`, as stored.
+  int64_t token(int64_t sequence, int64_t position) const;
+  // Copies `count` tokens of `sequence` from token `offset` on into `out`, failing with
+  // the .bin path and byte offset on the first id outside [0, vocab_size).
+  void read_tokens(int64_t sequence, int64_t offset, int64_t count, int64_t vocab_size,
+                   int32_t* out) const;
+
+ private:
+  void validate_header();
+  void validate_sequences();
+  void validate_document_indices();
+  int64_t token_at_byte(size_t byte_offset) const;
+
+  MappedFile idx_;
+  MappedFile bin_;
+  IndexedDType dtype_ = IndexedDType::I32;
+  size_t token_size_ = 4;
+  int64_t num_sequences_ = 0;
+  int64_t num_document_indices_ = 0;
+  size_t lengths_offset_ = 0, pointers_offset_ = 0, documents_offset_ = 0;
+};
+
+class IndexedDatasetWriter {
+ public:
+  // Creates <prefix>.bin now; <prefix>.idx is written by finalize().
+  IndexedDatasetWriter(std::string prefix, IndexedDType dtype);
+
+  // Appends a document made of one sequence.
+  void add_document(std::span<const int32_t> tokens);
+  // Appends a sequence to the current document; end_document() closes the document.
+  void add_sequence(std::span<const int32_t> tokens);
+  void end_document();
+  // Flushes .bin and writes .idx. Sequences after the last end_document() are closed
+  // into a final document.
+  void finalize();
+
+ private:
+  std::string prefix_;
+  IndexedDType dtype_;
+  std::ofstream bin_;
+  std::vector<int32_t> sequence_lengths_;
+  std::vector<int64_t> document_indices_{0};
+  std::vector<uint8_t> buffer_;
+  bool finalized_ = false;
+};
+
+}  // namespace forge

@@ -1,0 +1,79 @@
+// make_dataset: from DataConfig to a TokenDataset, validating the config values with
+// errors that name the data.* key. Seeds are derived per purpose from the run seed: one
+// stream for the synthetic transition table (shared by all splits, so validation
+// measures the same source), and one per split for sample contents and shuffles, so that
+// train, validation and test never share samples.
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/dataset.h"
+#include "data/generated_datasets.h"
+#include "data/packed_dataset.h"
+
+namespace forge {
+
+namespace {
+
+constexpr uint64_t kSyntheticTableStream = 0x5EED7AB1E;
+constexpr uint64_t kSplitStreamBase = 0xDA7A0000;
+constexpr int64_t kUnboundedSamples = int64_t{1} << 40;
+
+void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
+  if (seq_len < 1) FORGE_FAIL("training.seq_len is {}: expected a positive number of tokens", seq_len);
+  if (vocab_size < 1 || vocab_size > std::numeric_limits<int32_t>::max())
+    FORGE_FAIL("model vocab_size is {}: expected 1 to {}", vocab_size, std::numeric_limits<int32_t>::max());
+  if (config.num_samples < 0)
+    FORGE_FAIL("data.num_samples is {}: expected 0 (unbounded) or a positive count", config.num_samples);
+  if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed")
+    FORGE_FAIL("data.source is '{}': expected synthetic, mock or indexed", config.source);
+  if (config.source == "indexed" && config.path.empty())
+    FORGE_FAIL("data.path is empty: the indexed source needs the prefix of <path>.bin and <path>.idx");
+}
+
+int64_t samples_per_epoch(const DataConfig& config) {
+  return config.num_samples > 0 ? config.num_samples : kUnboundedSamples;
+}
+
+uint64_t split_seed(uint64_t seed, Split split) {
+  return derive_seed(seed, kSplitStreamBase + static_cast<uint64_t>(split));
+}
+
+std::shared_ptr<const MarkovSource> synthetic_source(const DataConfig& config, int64_t vocab_size, uint64_t seed) {
+  return std::make_shared<const MarkovSource>(vocab_size, config.synthetic_order, config.synthetic_concentration,
+                                              derive_seed(seed, kSyntheticTableStream));
+}
+
+}  // namespace
+
+std::string_view split_name(Split split) {
+  switch (split) {
+    case Split::Train: return "train";
+    case Split::Validation: return "validation";
+    case Split::Test: return "test";
+  }
+  return "?";
+}
+
+std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split, int64_t seq_len,
+                                           int64_t vocab_size, uint64_t seed) {
+  validate(config, seq_len, vocab_size);
+  if (config.source == "mock")
+    return std::make_unique<MockDataset>(seq_len, vocab_size, samples_per_epoch(config), split_seed(seed, split));
+  if (config.source == "synthetic")
+    return std::make_unique<SyntheticDataset>(synthetic_source(config, vocab_size, seed), seq_len,
+                                              samples_per_epoch(config), split_seed(seed, split));
+  auto data = std::make_shared<const IndexedDataset>(config.path);
+  SequenceRange range = split_sequence_range(config.split, split, data->num_sequences());
+  return std::make_unique<PackedDataset>(std::move(data), range, seq_len, vocab_size, split_seed(seed, split));
+}
+
+double data_entropy_floor(const DataConfig& config, int64_t seq_len, int64_t vocab_size, uint64_t seed) {
+  validate(config, seq_len, vocab_size);
+  if (config.source == "mock") return std::log(static_cast<double>(vocab_size));
+  if (config.source == "synthetic") return synthetic_source(config, vocab_size, seed)->sample_entropy_floor(seq_len);
+  return -1.0;
+}
+
+}  // namespace forge
