@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "ops/cross_entropy.h"  // kIgnoreIndex
 
 namespace forge {
 
@@ -68,8 +69,6 @@ struct Batch {
   Tensor tokens;   // int32 [micro_batch, seq_len]
   Tensor targets;  // int32 [micro_batch, seq_len]; kIgnoreIndex where no target
 };
-
-constexpr int32_t kIgnoreIndex = -100;
 
 // Iterates over a dataset epoch after epoch. Each next() consumes one block of
 // micro_batch * world consecutive samples of the global stream; rank r takes samples
