@@ -52,8 +52,8 @@ std::string to_yaml(const ExperimentConfig& config) {
       lines.push_back({std::string(2 * depth, ' ') + groups[depth] + ":", ""});
     }
     open_groups = groups;
-    lines.push_back({fmt::format("{}{}: {}", std::string(2 * groups.size(), ' '), leaf, format_config_value(key, config)),
-                     key_comment(key)});
+    const std::string indent(2 * groups.size(), ' ');
+    lines.push_back({fmt::format("{}{}: {}", indent, leaf, format_config_value(key, config)), key_comment(key)});
   }
 
   constexpr std::size_t kMaxCommentColumn = 48;

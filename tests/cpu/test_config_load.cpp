@@ -164,8 +164,9 @@ TEST_F(ConfigLoadFiles, ConfigDirEnvironmentVariableComesFirst) {
 }
 
 TEST_F(ConfigLoadFiles, NestedAndDottedRopeScalingKeys) {
-  const std::string experiment = dir.write(
-      "exp.yaml", "model:\n  name: base\n  rope_scaling:\n    enabled: true\n    factor: 4\ntraining:\n  seq_len: 32\n");
+  const std::string experiment = dir.write("exp.yaml",
+                                           "model:\n  name: base\n  rope_scaling:\n    enabled: true\n    factor: 4\n"
+                                           "training:\n  seq_len: 32\n");
   const ExperimentConfig config = load_experiment(experiment, {{"model.rope_scaling.low_freq_factor", "2"}});
   EXPECT_TRUE(config.model.rope_scaling.enabled);
   EXPECT_EQ(config.model.rope_scaling.factor, 4.0);
@@ -182,7 +183,8 @@ TEST_F(ConfigLoadFiles, UnknownKeyNamesFileLineAndSuggestion) {
                {"unknown key 'trainig'", "section.yaml:1", "did you mean 'training'?"});
   const std::string nested = dir.write("nested.yaml", "model:\n  rope_scaling:\n    factr: 2\n");
   expect_error([&] { load_experiment(nested, {}); },
-               {"unknown key 'model.rope_scaling.factr'", "nested.yaml:3", "did you mean 'model.rope_scaling.factor'?"});
+               {"unknown key 'model.rope_scaling.factr'", "nested.yaml:3",
+                "did you mean 'model.rope_scaling.factor'?"});
 }
 
 TEST_F(ConfigLoadFiles, UnknownOverrideKeySuggestsTheKnownOne) {

@@ -16,7 +16,8 @@ ExperimentConfig load(const ConfigOverrides& overrides) { return load_experiment
 
 TEST(ConfigValidate, HeadsMustDivideByKvHeads) {
   expect_error([] { load({{"model.num_kv_heads", "3"}}); },
-               {"model.num_heads = 4 (", "debug-tiny.yaml:7)", "must be divisible by model.num_kv_heads = 3 (command line)"});
+               {"model.num_heads = 4 (", "debug-tiny.yaml:7)",
+                "must be divisible by model.num_kv_heads = 3 (command line)"});
 }
 
 TEST(ConfigValidate, HiddenMustDivideByHeadsUnlessHeadDimIsGiven) {
@@ -69,7 +70,8 @@ TEST(ConfigValidate, BatchDerivesAccumulationFromGlobal) {
 }
 
 TEST(ConfigValidate, BatchDerivesGlobalFromAccumulation) {
-  const ExperimentConfig config = load({{"training.local_batch_size", "6"}, {"training.gradient_accumulation_steps", "3"}});
+  const ExperimentConfig config =
+      load({{"training.local_batch_size", "6"}, {"training.gradient_accumulation_steps", "3"}});
   EXPECT_EQ(config.training.global_batch_size, 18);
   EXPECT_EQ(config.training.gradient_accumulation_steps, 3);
   const ExperimentConfig neither = load({{"training.local_batch_size", "6"}});
