@@ -1,0 +1,321 @@
+// The table of config keys; see config_schema.h. Adding a field to ExperimentConfig means
+// adding one row here, and nothing else in the config system.
+#include "cli/config_schema.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <type_traits>
+#include <utility>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "cli/config_suggest.h"
+#include "core/error.h"
+
+namespace forge {
+namespace {
+
+// The field reached from an ExperimentConfig through a chain of member pointers, e.g.
+// field_at<&ExperimentConfig::model, &ModelConfig::rope_scaling, &RopeScaling::factor>.
+template <auto... Path>
+ConfigField field_at(ExperimentConfig& config) {
+  return &(config .* ... .* Path);
+}
+
+template <auto... Path>
+ConfigKey key(std::string name, std::string description, ConfigRange range = {},
+              std::vector<std::string> choices = {}) {
+  using Field = std::remove_reference_t<decltype((std::declval<ExperimentConfig&>() .* ... .* Path))>;
+  ConfigValueType type;
+  if constexpr (std::is_same_v<Field, int64_t> || std::is_same_v<Field, uint64_t>) {
+    type = ConfigValueType::Integer;
+  } else if constexpr (std::is_same_v<Field, double>) {
+    type = ConfigValueType::Float;
+  } else if constexpr (std::is_same_v<Field, bool>) {
+    type = ConfigValueType::Bool;
+  } else {
+    static_assert(std::is_same_v<Field, std::string>, "config fields are int64_t, uint64_t, double, bool or string");
+    type = choices.empty() ? ConfigValueType::String : ConfigValueType::Enum;
+  }
+  return ConfigKey{std::move(name), type, std::move(description), range, std::move(choices), &field_at<Path...>};
+}
+
+ConfigRange at_least(double min) { return {min, std::nullopt}; }
+ConfigRange above(double min) { return {min, std::nullopt, true}; }
+// [0, 1): Adam's betas (beta == 1 would divide by zero in the bias correction).
+ConfigRange unit_interval_open_above() { return {0.0, 1.0, false, true}; }
+
+using E = ExperimentConfig;
+using M = ModelConfig;
+using R = RopeScaling;
+using T = TrainingConfig;
+using O = OptimizerConfig;
+using S = LRSchedulerConfig;
+using D = DataConfig;
+
+std::vector<ConfigKey> build_schema() {
+  return {
+      key<&E::model, &M::name>("model.name", "architecture name; selects configs/models/<name>.yaml"),
+      key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", at_least(1)),
+      key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)", at_least(1)),
+      key<&E::model, &M::num_layers>("model.num_layers", "number of transformer blocks", at_least(1)),
+      key<&E::model, &M::num_heads>("model.num_heads", "query heads per block", at_least(1)),
+      key<&E::model, &M::num_kv_heads>("model.num_kv_heads", "key/value heads (GQA); equal to num_heads for MHA",
+                                       at_least(1)),
+      key<&E::model, &M::head_dim>("model.head_dim", "size of one head; 0: hidden_size / num_heads", at_least(0)),
+      key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size", at_least(1)),
+      key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", above(0)),
+      key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", above(0)),
+      key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",
+                                                    "apply Llama 3.1 RoPE frequency scaling (rope_type llama3)"),
+      key<&E::model, &M::rope_scaling, &R::factor>("model.rope_scaling.factor", "context extension factor",
+                                                   at_least(1)),
+      key<&E::model, &M::rope_scaling, &R::low_freq_factor>("model.rope_scaling.low_freq_factor",
+                                                            "wavelengths above original / this are scaled", above(0)),
+      key<&E::model, &M::rope_scaling, &R::high_freq_factor>(
+          "model.rope_scaling.high_freq_factor", "wavelengths below original / this are kept", above(0)),
+      key<&E::model, &M::rope_scaling, &R::original_max_position>(
+          "model.rope_scaling.original_max_position", "context length the model was pre-trained with", at_least(1)),
+      key<&E::model, &M::max_seq_len>("model.max_seq_len", "longest supported sequence (max_position_embeddings)",
+                                      at_least(1)),
+      key<&E::model, &M::sliding_window>("model.sliding_window", "attention window in tokens; 0: full causal",
+                                         at_least(0)),
+      key<&E::model, &M::tie_word_embeddings>("model.tie_word_embeddings",
+                                              "output projection shares the input embedding"),
+      key<&E::model, &M::init_std>("model.init_std", "standard deviation of the normal weight init", above(0)),
+
+      key<&E::training, &T::local_batch_size>("training.local_batch_size", "micro-batch size per device",
+                                              at_least(1)),
+      key<&E::training, &T::global_batch_size>(
+          "training.global_batch_size", "samples per optimizer step; 0: local × accumulation × dp", at_least(0)),
+      key<&E::training, &T::gradient_accumulation_steps>(
+          "training.gradient_accumulation_steps", "micro-batches per optimizer step; 0: from global_batch_size",
+          at_least(0)),
+      key<&E::training, &T::seq_len>("training.seq_len", "tokens per sample", at_least(1)),
+      key<&E::training, &T::steps>("training.steps", "optimizer steps to run", at_least(1)),
+      key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
+      key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
+      key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
+
+      key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
+      key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),
+      key<&E::optimizer, &O::beta1>("optimizer.beta1", "AdamW first-moment decay", unit_interval_open_above()),
+      key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", unit_interval_open_above()),
+      key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", above(0)),
+      key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay", at_least(0)),
+
+      key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps", at_least(0)),
+      key<&E::lr_scheduler, &S::decay_style>("lr_scheduler.decay_style", "shape of the decay after warm-up", {},
+                                             {"cosine", "linear", "constant"}),
+      key<&E::lr_scheduler, &S::decay_steps>("lr_scheduler.decay_steps",
+                                             "steps of decay after warm-up; 0: until training ends", at_least(0)),
+      key<&E::lr_scheduler, &S::min_lr>("lr_scheduler.min_lr", "learning rate at the end of decay", at_least(0)),
+
+      key<&E::data, &D::source>("data.source", "where samples come from", {}, {"synthetic", "mock", "indexed"}),
+      key<&E::data, &D::path>("data.path", "indexed: path prefix of <path>.bin and <path>.idx"),
+      key<&E::data, &D::split>("data.split", "indexed: train,validation,test weights (Megatron --split)"),
+      key<&E::data, &D::synthetic_order>("data.synthetic_order", "synthetic: Markov order (tokens of context)",
+                                         at_least(0)),
+      key<&E::data, &D::synthetic_concentration>("data.synthetic_concentration",
+                                                 "synthetic: sharpness of the transitions", above(0)),
+      key<&E::data, &D::num_samples>("data.num_samples", "mock/synthetic: samples per epoch; 0: unbounded",
+                                     at_least(0)),
+
+      key<&E::eval, &EvalConfig::interval>("eval.interval", "evaluate every N steps and after the last; 0 disables",
+                                           at_least(0)),
+      key<&E::eval, &EvalConfig::steps>("eval.steps", "validation micro-batches per evaluation", at_least(1)),
+
+      key<&E::logging, &LoggingConfig::log_interval>("logging.log_interval", "console line every N steps",
+                                                     at_least(1)),
+      key<&E::logging, &LoggingConfig::run_dir>("logging.run_dir",
+                                                "where metrics.jsonl and config.yaml go; {model} and {time} expand"),
+
+      key<&E::precision, &PrecisionConfig::compute_dtype>("precision.compute_dtype", "dtype of weights and activations",
+                                                          {}, {"fp32", "bf16"}),
+
+      key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
+          "parallelism.data_parallel_shard_degree", "FSDP ranks (dp)", at_least(1)),
+  };
+}
+
+std::string format_bound(double bound) { return fmt::format("{}", bound); }
+
+std::string describe_range(const ConfigRange& range) {
+  if (range.min && range.max) {
+    return fmt::format(" in {}{}, {}{}", range.min_exclusive ? '(' : '[', format_bound(*range.min),
+                       format_bound(*range.max), range.max_exclusive ? ')' : ']');
+  }
+  if (range.min) return fmt::format(" {} {}", range.min_exclusive ? ">" : ">=", format_bound(*range.min));
+  if (range.max) return fmt::format(" {} {}", range.max_exclusive ? "<" : "<=", format_bound(*range.max));
+  return "";
+}
+
+bool in_range(double value, const ConfigRange& range) {
+  if (range.min && (range.min_exclusive ? value <= *range.min : value < *range.min)) return false;
+  if (range.max && (range.max_exclusive ? value >= *range.max : value > *range.max)) return false;
+  return true;
+}
+
+template <typename Number>
+std::optional<Number> parse_number(const std::string& text) {
+  Number value{};
+  const char* end = text.data() + text.size();
+  auto [stop, error] = std::from_chars(text.data(), end, value);
+  if (error != std::errc() || stop != end) return std::nullopt;
+  if constexpr (std::is_floating_point_v<Number>) {
+    if (!std::isfinite(value)) return std::nullopt;
+  }
+  return value;
+}
+
+std::optional<bool> parse_bool(const std::string& text) {
+  std::string lower = text;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  if (lower == "true") return true;
+  if (lower == "false") return false;
+  return std::nullopt;
+}
+
+// NOTE [Quoting config strings]
+// Strings are written plain when every YAML reader (yaml-cpp here, PyYAML for people's
+// scripts) reads them back as the same string: identifier-like text that starts with a
+// letter, '_', '.' or '/' and is not a YAML 1.1 boolean or null word. Anything else is
+// double-quoted with escapes.
+bool is_plain_safe(const std::string& text) {
+  if (text.empty()) return false;
+  const unsigned char first = static_cast<unsigned char>(text.front());
+  if (!(std::isalpha(first) || first == '_' || first == '.' || first == '/')) return false;
+  for (unsigned char c : text) {
+    if (!(std::isalnum(c) || std::string_view("_.,/+-{}()=@%").find(static_cast<char>(c)) != std::string_view::npos)) {
+      return false;
+    }
+  }
+  static const std::vector<std::string> special_words = {"true", "false", "yes", "no", "on", "off", "y", "n", "null"};
+  std::string lower = text;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  return std::find(special_words.begin(), special_words.end(), lower) == special_words.end();
+}
+
+std::string yaml_string(const std::string& text) {
+  if (is_plain_safe(text)) return text;
+  std::string quoted = "\"";
+  for (unsigned char c : text) {
+    switch (c) {
+      case '"': quoted += "\\\""; break;
+      case '\\': quoted += "\\\\"; break;
+      case '\n': quoted += "\\n"; break;
+      case '\t': quoted += "\\t"; break;
+      default:
+        if (c < 0x20) {
+          quoted += fmt::format("\\x{:02x}", c);
+        } else {
+          quoted += static_cast<char>(c);
+        }
+    }
+  }
+  return quoted + "\"";
+}
+
+[[noreturn]] void fail_expected(const ConfigKey& key, const std::string& text, const std::string& where,
+                                const std::string& hint = "") {
+  FORGE_FAIL("{}: {} expects {}, got '{}'{}", where, key.name, describe_expected(key), text, hint);
+}
+
+// One accessor per key serves reads and writes alike; callers of this one only read.
+ConfigField field_for_reading(const ConfigKey& key, const ExperimentConfig& config) {
+  return key.field(const_cast<ExperimentConfig&>(config));
+}
+
+}  // namespace
+
+const std::vector<ConfigKey>& config_schema() {
+  static const std::vector<ConfigKey> schema = build_schema();
+  return schema;
+}
+
+const std::vector<std::string>& config_sections() {
+  static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
+                                                    "eval",  "logging",  "precision", "parallelism"};
+  return sections;
+}
+
+const ConfigKey* find_config_key(std::string_view name) {
+  for (const auto& key : config_schema()) {
+    if (key.name == name) return &key;
+  }
+  return nullptr;
+}
+
+bool is_config_group(std::string_view prefix) {
+  for (const auto& key : config_schema()) {
+    if (key.name.size() > prefix.size() && key.name.starts_with(prefix) && key.name[prefix.size()] == '.') return true;
+  }
+  return false;
+}
+
+std::string describe_expected(const ConfigKey& key) {
+  switch (key.type) {
+    case ConfigValueType::Integer: return "an integer" + describe_range(key.range);
+    case ConfigValueType::Float: return "a number" + describe_range(key.range);
+    case ConfigValueType::Bool: return "true or false";
+    case ConfigValueType::String: return "a string";
+    case ConfigValueType::Enum: return fmt::format("one of {}", fmt::join(key.choices, ", "));
+  }
+  return "";
+}
+
+void set_config_value(const ConfigKey& key, ExperimentConfig& config, const std::string& text,
+                      const std::string& where) {
+  std::visit(
+      [&](auto* field) {
+        using Field = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<Field, bool>) {
+          auto value = parse_bool(text);
+          if (!value) fail_expected(key, text, where);
+          *field = *value;
+        } else if constexpr (std::is_same_v<Field, std::string>) {
+          *field = text;
+        } else {
+          auto value = parse_number<Field>(text);
+          if (!value) fail_expected(key, text, where);
+          *field = *value;
+        }
+      },
+      key.field(config));
+  check_config_value(key, config, where);
+}
+
+void check_config_value(const ConfigKey& key, const ExperimentConfig& config, const std::string& where) {
+  std::visit(
+      [&](auto* field) {
+        using Field = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<Field, std::string>) {
+          if (key.type == ConfigValueType::Enum &&
+              std::find(key.choices.begin(), key.choices.end(), *field) == key.choices.end()) {
+            fail_expected(key, *field, where, did_you_mean(closest_match(*field, key.choices)));
+          }
+        } else if constexpr (!std::is_same_v<Field, bool>) {
+          if (!in_range(static_cast<double>(*field), key.range)) fail_expected(key, fmt::format("{}", *field), where);
+        }
+      },
+      field_for_reading(key, config));
+}
+
+std::string format_config_value(const ConfigKey& key, const ExperimentConfig& config) {
+  return std::visit(
+      [](auto* field) -> std::string {
+        using Field = std::remove_pointer_t<decltype(field)>;
+        if constexpr (std::is_same_v<Field, bool>) {
+          return *field ? "true" : "false";
+        } else if constexpr (std::is_same_v<Field, std::string>) {
+          return yaml_string(*field);
+        } else {
+          return fmt::format("{}", *field);
+        }
+      },
+      field_for_reading(key, config));
+}
+
+}  // namespace forge

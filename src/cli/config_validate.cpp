@@ -1,0 +1,122 @@
+// Cross-key validation and batch-size resolution; see config_validate.h.
+#include "cli/config_validate.h"
+
+#include <charconv>
+#include <string_view>
+
+#include <fmt/format.h>
+
+#include "cli/config_schema.h"
+#include "core/error.h"
+
+namespace forge {
+namespace {
+
+std::string origin_of(const ConfigOrigins& origins, const std::string& key) {
+  auto it = origins.find(key);
+  return it == origins.end() ? "default value" : it->second;
+}
+
+// "model.num_heads = 30 (exp.yaml:5)": a key, its value and where the value came from.
+std::string show(const ExperimentConfig& config, const ConfigOrigins& origins, const std::string& key) {
+  return fmt::format("{} = {} ({})", key, format_config_value(*find_config_key(key), config), origin_of(origins, key));
+}
+
+void check_model(const ExperimentConfig& config, const ConfigOrigins& origins) {
+  const ModelConfig& model = config.model;
+  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  if (model.num_heads % model.num_kv_heads != 0) {
+    FORGE_FAIL("{} must be divisible by {}", show_key("model.num_heads"), show_key("model.num_kv_heads"));
+  }
+  if (model.head_dim == 0 && model.hidden_size % model.num_heads != 0) {
+    FORGE_FAIL("{} must be divisible by {} when model.head_dim is not given", show_key("model.hidden_size"),
+               show_key("model.num_heads"));
+  }
+  if (model.resolved_head_dim() % 2 != 0) {
+    FORGE_FAIL("the head size must be even for rotary embeddings, got {} from {}", model.resolved_head_dim(),
+               model.head_dim > 0 ? show_key("model.head_dim")
+                                  : show_key("model.hidden_size") + " / " + show_key("model.num_heads"));
+  }
+  if (model.rope_scaling.enabled && model.rope_scaling.high_freq_factor <= model.rope_scaling.low_freq_factor) {
+    FORGE_FAIL("{} must be greater than {}", show_key("model.rope_scaling.high_freq_factor"),
+               show_key("model.rope_scaling.low_freq_factor"));
+  }
+}
+
+void check_training(const ExperimentConfig& config, const ConfigOrigins& origins) {
+  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  if (config.training.seq_len > config.model.max_seq_len) {
+    FORGE_FAIL("{} exceeds {}", show_key("training.seq_len"), show_key("model.max_seq_len"));
+  }
+  if (config.lr_scheduler.min_lr > config.optimizer.lr) {
+    FORGE_FAIL("{} must not exceed {}", show_key("lr_scheduler.min_lr"), show_key("optimizer.lr"));
+  }
+}
+
+// Megatron's --split: up to three non-negative weights separated by commas, not all zero.
+bool is_valid_split(std::string_view split) {
+  int parts = 0;
+  double total = 0;
+  while (true) {
+    const auto comma = split.find(',');
+    const std::string_view part = split.substr(0, comma);
+    double weight = 0;
+    auto [end, error] = std::from_chars(part.data(), part.data() + part.size(), weight);
+    if (part.empty() || error != std::errc() || end != part.data() + part.size() || weight < 0) return false;
+    total += weight;
+    ++parts;
+    if (comma == std::string_view::npos) break;
+    split.remove_prefix(comma + 1);
+  }
+  return parts <= 3 && total > 0;
+}
+
+void check_data(const ExperimentConfig& config, const ConfigOrigins& origins) {
+  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  if (config.data.source == "indexed" && config.data.path.empty()) {
+    FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx files)", show_key("data.source"));
+  }
+  if (!is_valid_split(config.data.split)) {
+    FORGE_FAIL("{}: data.split expects up to three non-negative weights separated by commas, such as 969,30,1, "
+               "got '{}'",
+               origin_of(origins, "data.split"), config.data.split);
+  }
+}
+
+void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
+  TrainingConfig& training = config.training;
+  const int64_t dp = config.parallelism.data_parallel_shard_degree;
+  const int64_t samples_per_micro_step = training.local_batch_size * dp;
+  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  if (training.global_batch_size > 0 && training.gradient_accumulation_steps > 0) {
+    const int64_t implied = samples_per_micro_step * training.gradient_accumulation_steps;
+    if (training.global_batch_size != implied) {
+      FORGE_FAIL("{} must equal training.local_batch_size × training.gradient_accumulation_steps × "
+                 "parallelism.data_parallel_shard_degree = {} × {} × {} = {}",
+                 show_key("training.global_batch_size"), training.local_batch_size,
+                 training.gradient_accumulation_steps, dp, implied);
+    }
+  } else if (training.global_batch_size > 0) {
+    if (training.global_batch_size % samples_per_micro_step != 0) {
+      FORGE_FAIL("{} must be a multiple of training.local_batch_size × parallelism.data_parallel_shard_degree = "
+                 "{} × {} = {}",
+                 show_key("training.global_batch_size"), training.local_batch_size, dp, samples_per_micro_step);
+    }
+    training.gradient_accumulation_steps = training.global_batch_size / samples_per_micro_step;
+  } else {
+    if (training.gradient_accumulation_steps == 0) training.gradient_accumulation_steps = 1;
+    training.global_batch_size = samples_per_micro_step * training.gradient_accumulation_steps;
+  }
+}
+
+}  // namespace
+
+void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins) {
+  for (const auto& key : config_schema()) check_config_value(key, config, origin_of(origins, key.name));
+  check_model(config, origins);
+  check_training(config, origins);
+  check_data(config, origins);
+  resolve_batch(config, origins);
+}
+
+}  // namespace forge

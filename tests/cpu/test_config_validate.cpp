@@ -1,0 +1,106 @@
+// Cross-key validation and batch-size derivation. Messages name every key involved, its
+// value and where the value came from.
+#include <gtest/gtest.h>
+
+#include "cli/config.h"
+#include "cli/config_validate.h"
+#include "config_test_support.h"
+
+namespace forge {
+namespace {
+
+using config_test::expect_error;
+using config_test::ScratchDir;
+
+ExperimentConfig load(const ConfigOverrides& overrides) { return load_experiment("", overrides); }
+
+TEST(ConfigValidate, HeadsMustDivideByKvHeads) {
+  expect_error([] { load({{"model.num_kv_heads", "3"}}); },
+               {"model.num_heads = 4 (", "debug-tiny.yaml:7)",
+                "must be divisible by model.num_kv_heads = 3 (command line)"});
+}
+
+TEST(ConfigValidate, HiddenMustDivideByHeadsUnlessHeadDimIsGiven) {
+  expect_error([] { load({{"model.hidden_size", "66"}, {"model.num_kv_heads", "4"}}); },
+               {"model.hidden_size = 66 (command line)", "model.num_heads = 4", "model.head_dim is not given"});
+  const ExperimentConfig config = load({{"model.hidden_size", "66"}, {"model.head_dim", "16"}});
+  EXPECT_EQ(config.model.resolved_head_dim(), 16);
+}
+
+TEST(ConfigValidate, HeadDimMustBeEven) {
+  expect_error([] { load({{"model.head_dim", "15"}}); }, {"must be even", "model.head_dim = 15 (command line)"});
+  expect_error([] { load({{"model.hidden_size", "36"}}); }, {"must be even", "got 9", "model.hidden_size = 36"});
+}
+
+TEST(ConfigValidate, SequenceMustFitTheModel) {
+  expect_error([] { load({{"training.seq_len", "512"}}); },
+               {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});
+}
+
+TEST(ConfigValidate, RopeScalingFactorsMustBeOrdered) {
+  expect_error([] { load({{"model.rope_scaling.enabled", "true"}, {"model.rope_scaling.high_freq_factor", "1"}}); },
+               {"model.rope_scaling.high_freq_factor = 1 (command line) must be greater than "
+                "model.rope_scaling.low_freq_factor = 1"});
+}
+
+TEST(ConfigValidate, IndexedDataNeedsAPathAndSplitMustParse) {
+  expect_error([] { load({{"data.source", "indexed"}}); }, {"data.source = indexed (command line) needs data.path"});
+  expect_error([] { load({{"data.split", "90,x"}}); }, {"command line", "data.split expects", "got '90,x'"});
+  expect_error([] { load({{"data.split", "0,0,0"}}); }, {"data.split"});
+  expect_error([] { load({{"data.split", "1,1,1,1"}}); }, {"data.split"});
+  EXPECT_EQ(load({{"data.split", "98,2"}}).data.split, "98,2");
+}
+
+TEST(ConfigValidate, MinLrMustNotExceedLr) {
+  expect_error([] { load({{"lr_scheduler.min_lr", "1"}}); },
+               {"lr_scheduler.min_lr = 1 (command line) must not exceed optimizer.lr = 0.0003 (default value)"});
+}
+
+TEST(ConfigValidate, DefaultsOutOfRangeAreReportedAsDefaults) {
+  ExperimentConfig config;  // ModelConfig's defaults describe no model: vocab_size 0
+  expect_error([&] { validate_experiment(config); }, {"default value", "model.vocab_size expects an integer >= 1"});
+}
+
+TEST(ConfigValidate, BatchDerivesAccumulationFromGlobal) {
+  const ExperimentConfig config =
+      load({{"training.local_batch_size", "4"}, {"training.global_batch_size", "32"},
+            {"parallelism.data_parallel_shard_degree", "2"}});
+  EXPECT_EQ(config.training.gradient_accumulation_steps, 4);
+  EXPECT_EQ(config.training.global_batch_size, 32);
+}
+
+TEST(ConfigValidate, BatchDerivesGlobalFromAccumulation) {
+  const ExperimentConfig config =
+      load({{"training.local_batch_size", "6"}, {"training.gradient_accumulation_steps", "3"}});
+  EXPECT_EQ(config.training.global_batch_size, 18);
+  EXPECT_EQ(config.training.gradient_accumulation_steps, 3);
+  const ExperimentConfig neither = load({{"training.local_batch_size", "6"}});
+  EXPECT_EQ(neither.training.gradient_accumulation_steps, 1);
+  EXPECT_EQ(neither.training.global_batch_size, 6);
+}
+
+TEST(ConfigValidate, BatchSizesMustAgree) {
+  expect_error(
+      [] {
+        load({{"training.local_batch_size", "4"}, {"training.global_batch_size", "64"},
+              {"training.gradient_accumulation_steps", "8"}});
+      },
+      {"training.global_batch_size = 64 (command line) must equal", "4 × 8 × 1 = 32"});
+  expect_error([] { load({{"training.local_batch_size", "4"}, {"training.global_batch_size", "10"}}); },
+               {"training.global_batch_size = 10 (command line) must be a multiple of", "4 × 1 = 4"});
+  expect_error(
+      [] {
+        load({{"training.local_batch_size", "4"}, {"training.global_batch_size", "4"},
+              {"parallelism.data_parallel_shard_degree", "2"}});
+      },
+      {"training.global_batch_size = 4", "4 × 2 = 8"});
+}
+
+TEST(ConfigValidate, CrossKeyErrorsQuoteYamlOrigins) {
+  ScratchDir dir;
+  const std::string experiment = dir.write("exp.yaml", "training:\n  local_batch_size: 4\n  global_batch_size: 6\n");
+  expect_error([&] { load_experiment(experiment, {}); }, {"training.global_batch_size = 6 (", "exp.yaml:3)"});
+}
+
+}  // namespace
+}  // namespace forge
