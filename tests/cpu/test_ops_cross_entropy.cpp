@@ -41,7 +41,7 @@ TEST(OpsCrossEntropy, ForwardMatchesDoublePrecision) {
   Tensor targets = target_tensor({0, 36, kIgnore, 5, 17, kIgnore});
   Tensor losses = Tensor::empty({6});
   cross_entropy_forward_backward(losses, Tensor(), logits, targets, kIgnore, 1.0f);
-  EXPECT_LT(relative_error(losses, naive_losses(logits, targets)), 1e-6);
+  EXPECT_LT(relative_error(losses, naive_losses(logits, targets)), 1e-5);
   EXPECT_EQ(losses.data<float>()[2], 0.0f);
   EXPECT_EQ(losses.data<float>()[5], 0.0f);
 }
