@@ -1,0 +1,115 @@
+// Exact causal grouped-query attention, forward and backward, on the packed QKV tensor.
+//
+// Query position i of query head h attends to key positions j in [first(i), i], where
+// first(i) = 0 without a sliding window and max(0, i - W + 1) with window W, so the key
+// at j = i is always visible. Query head h uses key/value head h / (q_heads / kv_heads).
+//
+// Forward, one (batch, head, query) row at a time: scores s_j = scale * q.k_j, softmax
+// with the row maximum subtracted (exponents <= 0, the sum in double), out = sum_j p_j v_j,
+// and lse = max + log(sum) for the backward. Rows are independent and split across threads.
+//
+// Backward, recomputing p_j = exp(s_j - lse) from the saved lse:
+//   dv_j += p_j dout_i      dP_j = dout_i.v_j      D_i = dout_i.out_i
+//   dS_j = p_j (dP_j - D_i)     dq_i = scale sum_j dS_j k_j     dk_j += scale dS_j q_i
+// D_i = sum_j p_j dP_j is the softmax Jacobian's correction term, read off the forward
+// output instead of a second pass over j. Key/value head g collects gradients from every
+// query head of its group, so threads own (batch, kv head) pairs: each writes only the dk
+// and dv of its kv head and the dq of its query heads, in a fixed loop order
+// (NOTE [Deterministic CPU parallelism]).
+//
+// Memory traffic is not tiled (no flash-attention blocking): the sequences the CPU runs
+// are a few hundred tokens, so a row of keys stays in cache.
+#include "kernels/cpu/attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "core/parallel.h"
+#include "kernels/cpu/vector_math.h"
+
+namespace forge::cpu {
+namespace {
+
+// Element offsets into the packed tensors.
+struct Layout {
+  const AttentionDims& d;
+  int64_t heads() const { return d.q_heads + 2 * d.kv_heads; }
+  int64_t qkv_row(int64_t b, int64_t t, int64_t head) const { return ((b * d.seq + t) * heads() + head) * d.head_dim; }
+  int64_t query(int64_t b, int64_t t, int64_t h) const { return qkv_row(b, t, h); }
+  int64_t key(int64_t b, int64_t t, int64_t g) const { return qkv_row(b, t, d.q_heads + g); }
+  int64_t value(int64_t b, int64_t t, int64_t g) const { return qkv_row(b, t, d.q_heads + d.kv_heads + g); }
+  int64_t out_row(int64_t b, int64_t t, int64_t h) const { return ((b * d.seq + t) * d.q_heads + h) * d.head_dim; }
+  int64_t lse_index(int64_t b, int64_t h, int64_t t) const { return (b * d.q_heads + h) * d.seq + t; }
+  int64_t first_key(int64_t i) const { return d.window > 0 ? std::max<int64_t>(0, i - d.window + 1) : 0; }
+  int64_t kv_head_of(int64_t h) const { return h / (d.q_heads / d.kv_heads); }
+};
+
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* qkv, const AttentionDims& dims) {
+  Layout at{dims};
+  int64_t rows = dims.batch * dims.q_heads * dims.seq;
+  int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dims.seq * dims.head_dim));
+  parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(dims.seq);
+    for (int64_t row = begin; row < end; ++row) {
+      int64_t i = row % dims.seq, h = (row / dims.seq) % dims.q_heads, b = row / (dims.seq * dims.q_heads);
+      int64_t g = at.kv_head_of(h), first = at.first_key(i);
+      const float* q = qkv + at.query(b, i, h);
+      float max_score = -INFINITY;
+      for (int64_t j = first; j <= i; ++j) {
+        p[j] = dims.scale * dot(q, qkv + at.key(b, j, g), dims.head_dim);
+        max_score = std::max(max_score, p[j]);
+      }
+      double sum = 0.0;
+      for (int64_t j = first; j <= i; ++j) {
+        p[j] = std::exp(p[j] - max_score);
+        sum += p[j];
+      }
+      float* o = out + at.out_row(b, i, h);
+      std::fill(o, o + dims.head_dim, 0.0f);
+      for (int64_t j = first; j <= i; ++j) axpy(o, p[j], qkv + at.value(b, j, g), dims.head_dim);
+      float inv_sum = static_cast<float>(1.0 / sum);
+      for (int64_t e = 0; e < dims.head_dim; ++e) o[e] *= inv_sum;
+      lse[at.lse_index(b, h, i)] = static_cast<float>(max_score + std::log(sum));
+    }
+  });
+}
+
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        const AttentionDims& dims) {
+  Layout at{dims};
+  int64_t group = dims.q_heads / dims.kv_heads;
+  int64_t d = dims.head_dim;
+  parallel_for(dims.batch * dims.kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pair = begin; pair < end; ++pair) {
+      int64_t b = pair / dims.kv_heads, g = pair % dims.kv_heads;
+      for (int64_t t = 0; t < dims.seq; ++t) {
+        std::fill_n(dqkv + at.key(b, t, g), d, 0.0f);
+        std::fill_n(dqkv + at.value(b, t, g), d, 0.0f);
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) std::fill_n(dqkv + at.query(b, t, h), d, 0.0f);
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < dims.seq; ++i) {
+          const float* q = qkv + at.query(b, i, h);
+          const float* dout_i = dout + at.out_row(b, i, h);
+          float* dq = dqkv + at.query(b, i, h);
+          float lse_i = lse[at.lse_index(b, h, i)];
+          float correction = dot(dout_i, out + at.out_row(b, i, h), d);
+          for (int64_t j = at.first_key(i); j <= i; ++j) {
+            const float* k = qkv + at.key(b, j, g);
+            const float* v = qkv + at.value(b, j, g);
+            float p = std::exp(dims.scale * dot(q, k, d) - lse_i);
+            float dscore = dims.scale * p * (dot(dout_i, v, d) - correction);
+            axpy(dqkv + at.value(b, j, g), p, dout_i, d);
+            axpy(dqkv + at.key(b, j, g), dscore, q, d);
+            axpy(dq, dscore, k, d);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace forge::cpu

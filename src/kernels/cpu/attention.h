@@ -1,0 +1,25 @@
+#pragma once
+
+#include <cstdint>
+
+namespace forge::cpu {
+
+// The packed layout of ops/attention.h: qkv [batch, seq, q_heads + 2 * kv_heads, head_dim],
+// out [batch, seq, q_heads, head_dim], lse [batch, q_heads, seq]. q_heads is a multiple of
+// kv_heads; window 0 means no sliding window.
+struct AttentionDims {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t q_heads = 0;
+  int64_t kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t window = 0;
+  float scale = 0.0f;
+};
+
+void attention_forward(float* out, float* lse, const float* qkv, const AttentionDims& dims);
+// Overwrites dqkv (same packing as qkv).
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        const AttentionDims& dims);
+
+}  // namespace forge::cpu

@@ -1,0 +1,43 @@
+#include "ops/cross_entropy.h"
+
+#include "kernels/cpu/cross_entropy.h"
+
+namespace forge {
+namespace {
+
+void check_cpu(const Tensor& t, DType dtype, const char* what) {
+  check_dtype(t, dtype, what);
+  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
+}
+
+}  // namespace
+
+void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
+                                    const Tensor& targets, int32_t ignore_index, float grad_scale) {
+  FORGE_CHECK(logits.ndim() == 2, "cross_entropy: logits {} must be [N, V]", shape_str(logits.shape()));
+  int64_t rows = logits.dim(0), vocab = logits.dim(1);
+  FORGE_CHECK(vocab > 0, "cross_entropy: logits {} have no classes", shape_str(logits.shape()));
+  check_shape(losses, {rows}, "cross_entropy losses");
+  check_shape(targets, {rows}, "cross_entropy targets");
+  check_cpu(losses, DType::F32, "cross_entropy losses");
+  check_cpu(logits, DType::F32, "cross_entropy logits");
+  check_cpu(targets, DType::I32, "cross_entropy targets");
+  float* dlogits_data = nullptr;
+  if (dlogits.defined()) {
+    check_shape(dlogits, logits.shape(), "cross_entropy dlogits");
+    check_cpu(dlogits, DType::F32, "cross_entropy dlogits");
+    dlogits_data = dlogits.data<float>();
+  }
+  const int32_t* target_data = targets.data<int32_t>();
+  for (int64_t n = 0; n < rows; ++n) {
+    int32_t t = target_data[n];
+    if (t != ignore_index && (t < 0 || t >= vocab)) {
+      FORGE_FAIL("cross_entropy: target {} in row {} is outside [0, {}) and is not the ignore index {}", t, n, vocab,
+                 ignore_index);
+    }
+  }
+  cpu::cross_entropy_forward_backward(losses.data<float>(), dlogits_data, logits.data<float>(), target_data, rows,
+                                      vocab, ignore_index, grad_scale);
+}
+
+}  // namespace forge

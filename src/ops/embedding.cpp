@@ -1,0 +1,48 @@
+#include "ops/embedding.h"
+
+#include "kernels/cpu/embedding.h"
+
+namespace forge {
+namespace {
+
+void check_cpu(const Tensor& t, DType dtype, const char* what) {
+  check_dtype(t, dtype, what);
+  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
+}
+
+void check_token_ids(const Tensor& tokens, int64_t vocab, const char* op) {
+  const int32_t* ids = tokens.data<int32_t>();
+  for (int64_t n = 0; n < tokens.numel(); ++n) {
+    if (ids[n] < 0 || ids[n] >= vocab) {
+      FORGE_FAIL("{}: token id {} at position {} is outside the vocabulary [0, {})", op, ids[n], n, vocab);
+    }
+  }
+}
+
+}  // namespace
+
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table) {
+  FORGE_CHECK(table.ndim() == 2, "embedding_forward: table {} must be [V, H]", shape_str(table.shape()));
+  FORGE_CHECK(tokens.ndim() == 1, "embedding_forward: tokens {} must be [N]", shape_str(tokens.shape()));
+  int64_t count = tokens.dim(0), vocab = table.dim(0), hidden = table.dim(1);
+  check_shape(out, {count, hidden}, "embedding_forward out");
+  check_cpu(out, DType::F32, "embedding_forward out");
+  check_cpu(tokens, DType::I32, "embedding_forward tokens");
+  check_cpu(table, DType::F32, "embedding_forward table");
+  check_token_ids(tokens, vocab, "embedding_forward");
+  cpu::embedding_forward(out.data<float>(), tokens.data<int32_t>(), table.data<float>(), count, hidden);
+}
+
+void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& tokens) {
+  FORGE_CHECK(dtable.ndim() == 2, "embedding_backward: dtable {} must be [V, H]", shape_str(dtable.shape()));
+  FORGE_CHECK(tokens.ndim() == 1, "embedding_backward: tokens {} must be [N]", shape_str(tokens.shape()));
+  int64_t count = tokens.dim(0), vocab = dtable.dim(0), hidden = dtable.dim(1);
+  check_shape(dout, {count, hidden}, "embedding_backward dout");
+  check_cpu(dtable, DType::F32, "embedding_backward dtable");
+  check_cpu(dout, DType::F32, "embedding_backward dout");
+  check_cpu(tokens, DType::I32, "embedding_backward tokens");
+  check_token_ids(tokens, vocab, "embedding_backward");
+  cpu::embedding_backward(dtable.data<float>(), dout.data<float>(), tokens.data<int32_t>(), count, vocab, hidden);
+}
+
+}  // namespace forge

@@ -1,0 +1,91 @@
+#include "ops/rope.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "kernels/cpu/rope.h"
+
+namespace forge {
+namespace {
+
+// Hugging Face's "llama3" rope scaling (Llama 3.1): wavelengths longer than
+// original_max_position / low_freq_factor are slowed down by `factor`, those shorter than
+// original_max_position / high_freq_factor are kept, and the band between interpolates
+// smoothly between the two. Comparisons follow transformers' _compute_llama3_parameters.
+double llama3_scaled(double inv_freq, const RopeScaling& s) {
+  double original = static_cast<double>(s.original_max_position);
+  double low_freq_wavelen = original / s.low_freq_factor;
+  double high_freq_wavelen = original / s.high_freq_factor;
+  double wavelen = 2.0 * std::numbers::pi / inv_freq;
+  if (wavelen > low_freq_wavelen) return inv_freq / s.factor;
+  if (wavelen < high_freq_wavelen) return inv_freq;
+  double smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+  return (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq;
+}
+
+void check_rope_args(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                     const char* op) {
+  FORGE_CHECK(x.ndim() == 4, "{}: x {} must be [B, T, heads, D]", op, shape_str(x.shape()));
+  FORGE_CHECK(x.dim(3) % 2 == 0, "{}: head_dim {} must be even", op, x.dim(3));
+  FORGE_CHECK(0 <= num_rotated_heads && num_rotated_heads <= x.dim(2), "{}: {} rotated heads of {}", op,
+              num_rotated_heads, x.dim(2));
+  FORGE_CHECK(cos.ndim() == 2 && cos.dim(0) >= x.dim(1) && cos.dim(1) == x.dim(3) / 2,
+              "{}: cos table {} does not cover seq {} and head_dim {}", op, shape_str(cos.shape()), x.dim(1),
+              x.dim(3));
+  check_shape(sin, cos.shape(), op);
+  for (const Tensor* t : {&x, &cos, &sin}) {
+    check_dtype(*t, DType::F32, op);
+    FORGE_CHECK(t->device() == Device::CPU, "{}: no CUDA kernel in this build", op);
+  }
+}
+
+void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin, bool inverse,
+                const char* op) {
+  check_rope_args(x, num_rotated_heads, cos, sin, op);
+  cpu::rope_rotate(x.data<float>(), x.dim(0), x.dim(1), x.dim(2), x.dim(3), num_rotated_heads, cos.data<float>(),
+                   sin.data<float>(), inverse);
+}
+
+}  // namespace
+
+std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling) {
+  FORGE_CHECK(head_dim > 0 && head_dim % 2 == 0, "rope_inv_freq: head_dim {} must be even", head_dim);
+  FORGE_CHECK(theta > 0.0, "rope_inv_freq: theta {} must be positive", theta);
+  if (scaling.enabled) {
+    FORGE_CHECK(scaling.factor > 0.0 && scaling.low_freq_factor > 0.0 &&
+                    scaling.high_freq_factor > scaling.low_freq_factor && scaling.original_max_position > 0,
+                "rope_inv_freq: bad llama3 scaling (factor {}, low {}, high {}, original {})", scaling.factor,
+                scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_position);
+  }
+  std::vector<double> inv_freq(head_dim / 2);
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    double f = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    inv_freq[i] = scaling.enabled ? llama3_scaled(f, scaling) : f;
+  }
+  return inv_freq;
+}
+
+void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, int64_t max_positions) {
+  int64_t half = static_cast<int64_t>(inv_freq.size());
+  cos = Tensor::empty({max_positions, half});
+  sin = Tensor::empty({max_positions, half});
+  float* c = cos.data<float>();
+  float* s = sin.data<float>();
+  for (int64_t t = 0; t < max_positions; ++t) {
+    for (int64_t i = 0; i < half; ++i) {
+      double angle = static_cast<double>(t) * inv_freq[i];
+      c[t * half + i] = static_cast<float>(std::cos(angle));
+      s[t * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+  rope_apply(x, num_rotated_heads, cos, sin, false, "rope_forward");
+}
+
+void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+  rope_apply(dx, num_rotated_heads, cos, sin, true, "rope_backward");
+}
+
+}  // namespace forge

@@ -1,0 +1,37 @@
+#include "ops/swiglu.h"
+
+#include "kernels/cpu/swiglu.h"
+
+namespace forge {
+namespace {
+
+void check_f32_cpu(const Tensor& t, const char* what) {
+  check_dtype(t, DType::F32, what);
+  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
+}
+
+}  // namespace
+
+void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
+  FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_forward: gate_up {} must be [N, 2F]",
+              shape_str(gate_up.shape()));
+  int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
+  check_shape(out, {rows, ffn}, "swiglu_forward out");
+  check_f32_cpu(out, "swiglu_forward out");
+  check_f32_cpu(gate_up, "swiglu_forward gate_up");
+  cpu::swiglu_forward(out.data<float>(), gate_up.data<float>(), rows, ffn);
+}
+
+void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_backward: gate_up {} must be [N, 2F]",
+              shape_str(gate_up.shape()));
+  int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
+  check_shape(dgate_up, gate_up.shape(), "swiglu_backward dgate_up");
+  check_shape(dout, {rows, ffn}, "swiglu_backward dout");
+  check_f32_cpu(dgate_up, "swiglu_backward dgate_up");
+  check_f32_cpu(dout, "swiglu_backward dout");
+  check_f32_cpu(gate_up, "swiglu_backward gate_up");
+  cpu::swiglu_backward(dgate_up.data<float>(), dout.data<float>(), gate_up.data<float>(), rows, ffn);
+}
+
+}  // namespace forge
