@@ -1,8 +1,9 @@
 // Matrix multiply, the CPU reference behind every linear layer.
 //
 // out = alpha * op(a) @ op(b) + beta * out. Rows of out are independent, so threads split
-// them in fixed blocks of four; each output element is accumulated over k in ascending
-// order into a float, whatever the thread count (NOTE [Deterministic CPU parallelism]).
+// them in fixed blocks of four. Each output element is summed over k in float, in an
+// order that depends only on the shapes, never on the thread count
+// (NOTE [Deterministic CPU parallelism]).
 //
 // Two loop orders keep the innermost loop on contiguous memory, so the compiler can
 // vectorize it without -ffast-math:
