@@ -1,8 +1,9 @@
 // Matrix multiply, the CPU reference behind every linear layer.
 //
 // out = alpha * op(a) @ op(b) + beta * out. Rows of out are independent, so threads split
-// them in fixed blocks of four; each output element is accumulated over k in ascending
-// order into a float, whatever the thread count (NOTE [Deterministic CPU parallelism]).
+// them in fixed blocks of four. Each output element is summed over k in float, in an
+// order that depends only on the shapes, never on the thread count
+// (NOTE [Deterministic CPU parallelism]).
 //
 // Two loop orders keep the innermost loop on contiguous memory, so the compiler can
 // vectorize it without -ffast-math:
@@ -11,7 +12,8 @@
 //  - b transposed ([N, K]): the "dot" form. out[i, j] is the dot product of row i of
 //    op(a) and row j of b, both contiguous over K. Eight independent partial sums break
 //    the dependency chain of a single accumulator; they are combined in a fixed tree.
-//    A transposed a is first gathered into a contiguous row.
+//    Four rows of b share every load of a's row. A transposed a is first gathered into
+//    a contiguous row.
 // The shapes this engine runs on the CPU are small (hidden sizes of a few hundred), so b
 // stays in cache and no further tiling pays for itself.
 #include "kernels/cpu/matmul.h"
@@ -73,6 +75,24 @@ void accumulate_axpy(float* acc, const float* a, int64_t a_row_step, int64_t a_k
   }
 }
 
+// dot(x, y_q, n) for the four rows y_q = y + q * y_step, sharing the loads of x. Each
+// result is summed exactly as dot() sums it, so it does not matter which path made it.
+void dot4(const float* x, const float* y, int64_t y_step, int64_t n, float* result) {
+  float s[4][8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    for (int q = 0; q < 4; ++q) {
+      const float* yq = y + q * y_step + i;
+      for (int r = 0; r < 8; ++r) s[q][r] += x[i + r] * yq[r];
+    }
+  }
+  for (int q = 0; q < 4; ++q) {
+    float tail = 0.0f;
+    for (int64_t t = i; t < n; ++t) tail += x[t] * y[q * y_step + t];
+    result[q] = sum_partials(s[q], tail);
+  }
+}
+
 void matmul_b_rows(float* out, const float* a, bool transpose_a, const float* b, int64_t m, int64_t n, int64_t k,
                    float alpha, float beta) {
   int64_t a_row_step = transpose_a ? 1 : k;
@@ -99,7 +119,9 @@ void matmul_b_transposed(float* out, const float* a, bool transpose_a, const flo
         for (int64_t kk = 0; kk < k; ++kk) a_column[kk] = a[kk * m + i];
         a_row = a_column.data();
       }
-      for (int64_t j = 0; j < n; ++j) acc[j] = dot(a_row, b + j * k, k);
+      int64_t j = 0;
+      for (; j + 4 <= n; j += 4) dot4(a_row, b + j * k, k, k, acc.data() + j);
+      for (; j < n; ++j) acc[j] = dot(a_row, b + j * k, k);
       store_row(out + i * n, acc.data(), n, alpha, beta);
     }
   });

@@ -6,6 +6,11 @@
 
 namespace forge::cpu {
 
+// The fixed summation tree that finishes a dot product from eight partial sums and a tail.
+inline float sum_partials(const float* s, float tail) {
+  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
+}
+
 // Dot product of two contiguous vectors. Eight independent partial sums (combined in a
 // fixed tree) break the dependency chain of a single accumulator, so the loop vectorizes;
 // the result depends only on n, never on threading.
@@ -17,7 +22,7 @@ inline float dot(const float* x, const float* y, int64_t n) {
   }
   float tail = 0.0f;
   for (; i < n; ++i) tail += x[i] * y[i];
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7])) + tail;
+  return sum_partials(s, tail);
 }
 
 // y += a * x over contiguous vectors.
