@@ -7,7 +7,7 @@ namespace forge {
 ModelConfig debug_tiny_model() {
   ModelConfig model;
   model.name = kDefaultModelName;
-  model.vocab_size = 64;
+  model.vocab_size = 32;
   model.hidden_size = 64;
   model.num_layers = 2;
   model.num_heads = 4;

@@ -8,6 +8,7 @@
 
 #include "cli/config_schema.h"
 #include "core/error.h"
+#include "optim/optimizer.h"
 
 namespace forge {
 namespace {
@@ -116,6 +117,8 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_model(config, origins);
   check_training(config, origins);
   check_data(config, origins);
+  config.model.validate();
+  validate(config.optimizer, config.lr_scheduler, config.training.steps);
   resolve_batch(config, origins);
 }
 

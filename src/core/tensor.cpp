@@ -61,7 +61,7 @@ Tensor Tensor::narrow(int64_t begin, int64_t end) const {
   return t;
 }
 
-void Tensor::fill_zero() {
+void Tensor::fill_zero() const {
   FORGE_CHECK(device_ == Device::CPU, "fill_zero on {}", device_name(device_));
   if (nbytes()) std::memset(data_, 0, nbytes());
 }
@@ -72,7 +72,7 @@ Tensor Tensor::clone() const {
   return t;
 }
 
-void Tensor::copy_from(const Tensor& src) {
+void Tensor::copy_from(const Tensor& src) const {
   FORGE_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy {} {} into {} {}",
               dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_), shape_str(shape_));
   FORGE_CHECK(device_ == Device::CPU && src.device() == Device::CPU, "host copy of device tensors");

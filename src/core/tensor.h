@@ -53,10 +53,10 @@ class Tensor {
   // Rows [begin, end) of the first dimension, sharing storage.
   Tensor narrow(int64_t begin, int64_t end) const;
 
-  void fill_zero();
+  void fill_zero() const;
   // Deep copy (same device).
   Tensor clone() const;
-  void copy_from(const Tensor& src);
+  void copy_from(const Tensor& src) const;
 
  private:
   std::shared_ptr<void> storage_;

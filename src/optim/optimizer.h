@@ -13,7 +13,7 @@ namespace forge {
 
 struct OptimizerConfig {
   std::string name = "adamw";
-  double lr = 3e-4;
+  double lr = 5e-3;  // the default suits the debug-tiny run; real experiments set their own
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
@@ -21,7 +21,7 @@ struct OptimizerConfig {
 };
 
 struct LRSchedulerConfig {
-  int64_t warmup_steps = 0;
+  int64_t warmup_steps = 20;
   std::string decay_style = "cosine";  // cosine | linear | constant
   int64_t decay_steps = 0;             // steps of decay after warm-up; 0: until training ends
   double min_lr = 0.0;                 // floor reached at the end of decay

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "core/log.h"
+#include "core/parallel.h"
 #include "core/rng.h"
 #include "train/run_dir.h"
 

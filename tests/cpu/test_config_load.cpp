@@ -107,7 +107,7 @@ TEST(ConfigLoad, DefaultIsTheTinyModelOnSyntheticData) {
   const ExperimentConfig config = load_experiment("", {});
   EXPECT_EQ(config.model.name, "debug-tiny");
   EXPECT_EQ(config.data.source, "synthetic");
-  EXPECT_EQ(config.model.vocab_size, 64);
+  EXPECT_EQ(config.model.vocab_size, 32);
 }
 
 class ConfigLoadFiles : public ::testing::Test {

@@ -53,7 +53,7 @@ TEST(ConfigValidate, IndexedDataNeedsAPathAndSplitMustParse) {
 
 TEST(ConfigValidate, MinLrMustNotExceedLr) {
   expect_error([] { load({{"lr_scheduler.min_lr", "1"}}); },
-               {"lr_scheduler.min_lr = 1 (command line) must not exceed optimizer.lr = 0.0003 (default value)"});
+               {"lr_scheduler.min_lr = 1 (command line) must not exceed optimizer.lr = 0.005 (default value)"});
 }
 
 TEST(ConfigValidate, DefaultsOutOfRangeAreReportedAsDefaults) {

@@ -32,6 +32,26 @@ CASES = [
 ]
 
 
+def random_cases(count, seed):
+    """Tiny configs drawn at random (fixed seed): any head ratio, head size and window."""
+    rng = np.random.RandomState(seed)
+    cases = []
+    for i in range(count):
+        kv = int(rng.choice([1, 2, 3]))
+        heads = kv * int(rng.choice([1, 2, 4]))
+        head_dim = int(rng.choice([4, 6, 8]))
+        window = int(rng.choice([0, 0, 3, 7]))
+        cases.append(dict(name=f"random{i}", vocab_size=int(rng.randint(20, 80)), hidden_size=heads * head_dim,
+                          num_layers=int(rng.randint(1, 4)), num_heads=heads, num_kv_heads=kv,
+                          ffn_hidden_size=int(rng.randint(8, 64)), batch=int(rng.randint(1, 4)),
+                          seq_len=int(rng.randint(1, 20)), tie_word_embeddings=bool(rng.rand() < 0.3),
+                          sliding_window=window, mistral=window > 0))
+    return cases
+
+
+CASES += random_cases(4, seed=2026)
+
+
 def hf_model(case):
     common = dict(vocab_size=case["vocab_size"], hidden_size=case["hidden_size"],
                   intermediate_size=case["ffn_hidden_size"], num_hidden_layers=case["num_layers"],

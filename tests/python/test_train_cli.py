@@ -10,7 +10,7 @@ from forge_test_util import forge_bin, scratch_dir, source_dir
 
 # The default run (forge train, no arguments) must end with a validation loss within this
 # many nats/token of the synthetic corpus's entropy floor.
-FLOOR_MARGIN = 0.10
+FLOOR_MARGIN = 0.15
 
 
 def forge(*args, cwd=None):
