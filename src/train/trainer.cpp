@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 
 #include "core/log.h"
 #include "core/parallel.h"
@@ -57,6 +58,8 @@ Trainer::~Trainer() = default;
 
 void Trainer::prepare_run_dir() {
   run_dir_ = expand_run_dir(config_.logging.run_dir, config_.model.name);
+  if (std::filesystem::exists(run_dir_ + "/metrics.jsonl"))
+    FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir", run_dir_);
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");

@@ -127,6 +127,15 @@ class BadInput(unittest.TestCase):
         self.expect_error(["train", "--data.source", "indexed", "--data.path", "/nonexistent/corpus"],
                           "/nonexistent/corpus")
 
+    def test_existing_run_is_not_overwritten(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        self.assertEqual(forge("train", "--training.steps", "1", "--logging.run_dir", run_dir).returncode, 0)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            before = f.read()
+        self.expect_error(["train", "--training.steps", "1", "--logging.run_dir", run_dir], "already holds a run")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            self.assertEqual(f.read(), before)
+
     def test_unwritable_run_dir_leaves_nothing(self):
         blocker = os.path.join(scratch_dir(), "file")
         with open(blocker, "w") as f:
