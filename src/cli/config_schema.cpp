@@ -137,6 +137,23 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree", "FSDP ranks (dp)", at_least(1)),
+
+      key<&E::checkpoint, &CheckpointConfig::enable>("checkpoint.enable", "save checkpoints every interval steps"),
+      key<&E::checkpoint, &CheckpointConfig::folder>("checkpoint.folder",
+                                                     "checkpoint directory; relative to logging.run_dir"),
+      key<&E::checkpoint, &CheckpointConfig::interval>("checkpoint.interval", "save every N steps", at_least(1)),
+      key<&E::checkpoint, &CheckpointConfig::keep_latest_k>("checkpoint.keep_latest_k",
+                                                            "keep only the newest k checkpoints; 0 keeps all",
+                                                            at_least(0)),
+      key<&E::checkpoint, &CheckpointConfig::load_step>("checkpoint.load_step",
+                                                        "resume from this step; -1: the latest, if any",
+                                                        at_least(-1)),
+      key<&E::checkpoint, &CheckpointConfig::initial_load_path>(
+          "checkpoint.initial_load_path", "start from these weights (forge checkpoint or Hugging Face directory)"),
+      key<&E::checkpoint, &CheckpointConfig::initial_load_in_hf>(
+          "checkpoint.initial_load_in_hf", "initial_load_path is a Hugging Face model directory"),
+      key<&E::checkpoint, &CheckpointConfig::last_save_in_hf>(
+          "checkpoint.last_save_in_hf", "also export the final weights as a Hugging Face model directory"),
   };
 }
 
@@ -237,7 +254,8 @@ const std::vector<ConfigKey>& config_schema() {
 
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
-                                                    "eval",  "logging",  "precision", "parallelism"};
+                                                    "eval",  "logging",  "precision", "parallelism",
+                                                    "checkpoint"};
   return sections;
 }
 

@@ -41,6 +41,18 @@ struct ParallelismConfig {
   int64_t data_parallel_shard_degree = 1;  // FSDP ranks; world size on one node for now
 };
 
+// Checkpoints, named as torchtitan's [checkpoint] section.
+struct CheckpointConfig {
+  bool enable = false;               // periodic saves every `interval` steps plus a final one
+  std::string folder = "checkpoints";  // relative to logging.run_dir unless absolute
+  int64_t interval = 500;
+  int64_t keep_latest_k = 0;         // keep only the newest k checkpoints; 0 keeps all
+  int64_t load_step = -1;            // resume from this step; -1: the latest in folder, if any
+  std::string initial_load_path;     // start from these weights (a forge checkpoint or a Hugging Face dir)
+  bool initial_load_in_hf = false;   // initial_load_path is a Hugging Face model directory
+  bool last_save_in_hf = false;      // also export the final weights as a Hugging Face model directory
+};
+
 struct ExperimentConfig {
   ModelConfig model;
   TrainingConfig training;
@@ -51,6 +63,7 @@ struct ExperimentConfig {
   LoggingConfig logging;
   PrecisionConfig precision;
   ParallelismConfig parallelism;
+  CheckpointConfig checkpoint;
 };
 
 }  // namespace forge
