@@ -1,7 +1,13 @@
 #include "cli/commands.h"
 
-#include <filesystem>
+#include <fmt/ranges.h>
 
+#include <filesystem>
+#include <map>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/hf_import.h"
+#include "ckpt/hf_weight_files.h"
 #include "cli/config.h"
 #include "core/log.h"
 #include "train/trainer.h"
@@ -84,6 +90,29 @@ int run_info(const std::vector<std::string>& args) {
                bytes == 4 ? "fp32" : "bf16", gib(e.weights), gib(e.master_weights), gib(e.gradients),
                gib(e.optimizer_state), gib(e.activations), t.local_batch_size, t.seq_len, gib(e.total()));
   }
+  return 0;
+}
+
+int run_hf_info(const std::string& dir) {
+  const ModelConfig m = read_hf_config(dir);
+  HfWeightFiles files(dir);
+  std::map<std::string, int64_t> tensors_by_dtype;
+  int64_t stored_elements = 0;
+  for (const LocatedTensor& t : files.all()) {
+    ++tensors_by_dtype[std::string(safetensors_dtype_name(t.entry->dtype))];
+    stored_elements += t.entry->numel();
+  }
+  std::vector<std::string> dtypes;
+  for (const auto& [dtype, count] : tensors_by_dtype) dtypes.push_back(fmt::format("{} {}", count, dtype));
+  fmt::print("model            {}\n", m.name);
+  fmt::print("architecture     {} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}\n",
+             m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
+             m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
+             m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
+  fmt::print("parameters       {} by config.json; {} stored in {} file(s): {} tensors\n", m.total_params(),
+             stored_elements, files.files().size(), fmt::join(dtypes, ", "));
+  fmt::print("train from it    forge train --checkpoint.initial_load_in_hf true --checkpoint.initial_load_path {} {}\n",
+             dir, model_overrides_for(m));
   return 0;
 }
 

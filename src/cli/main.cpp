@@ -23,6 +23,10 @@ int main(int argc, char** argv) {
   auto* train = app.add_subcommand("train", "Train a model: forge train [EXPERIMENT.yaml] [--section.key VALUE ...]");
   auto* info = app.add_subcommand("info", "Parameters, FLOPs per token and memory of a model: forge info MODEL|EXPERIMENT.yaml [overrides]");
   auto* keys = app.add_subcommand("keys", "List every config key with its type, default and description");
+  std::string hf_dir;
+  auto* hf_info = app.add_subcommand("hf-info", "Architecture of a Hugging Face model directory and the --model.* "
+                                                 "overrides that train from it: forge hf-info DIR");
+  hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
   for (auto* sub : {train, info}) sub->prefix_command();
 
   try {
@@ -35,6 +39,7 @@ int main(int argc, char** argv) {
     if (train->parsed()) return forge::run_train(train->remaining());
     if (info->parsed()) return forge::run_info(info->remaining());
     if (keys->parsed()) return forge::run_keys();
+    if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
   } catch (const forge::Error& e) {
     forge::log_error("{}", e.what());
     return 1;

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <filesystem>
 
+#include "ckpt/hf_export.h"
+#include "ckpt/hf_import.h"
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -41,6 +43,12 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   params_ = std::make_unique<FlatParameters>(config_.model);
   grads_ = std::make_unique<FlatParameters>(config_.model);
   params_->initialize(derive_seed(t.seed, kWeightsSeed));
+  if (config_.checkpoint.initial_load_in_hf) {
+    if (config_.checkpoint.initial_load_path.empty())
+      FORGE_FAIL("checkpoint.initial_load_in_hf is true but checkpoint.initial_load_path is empty: give the Hugging "
+                 "Face model directory to start from");
+    load_hf_weights_checked(config_.checkpoint.initial_load_path, *params_);
+  }
   model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len);
 
   std::vector<bool> decay;
@@ -161,6 +169,12 @@ TrainResult Trainer::run() {
       result.evals.push_back(e);
       log_info("{}", format_eval(e, result.entropy_floor));
     }
+  }
+  if (config_.checkpoint.last_save_in_hf) {
+    HfExportOptions hf;
+    hf.dtype = config_.precision.compute_dtype == "bf16" ? SafetensorsDType::BF16 : SafetensorsDType::F32;
+    if (config_.checkpoint.initial_load_in_hf) hf.source_dir = config_.checkpoint.initial_load_path;
+    save_hf_model(run_dir_ + "/hf", *params_, hf);
   }
   return result;
 }

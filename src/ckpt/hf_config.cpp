@@ -1,0 +1,201 @@
+#include "ckpt/hf_config.h"
+
+#include <filesystem>
+
+#include "ckpt/json_file.h"
+#include "core/error.h"
+
+namespace forge {
+namespace {
+
+using nlohmann::json;
+
+// Typed access to config.json keys; every error names the file and the key.
+class HfConfigReader {
+ public:
+  HfConfigReader(const json& config, const std::string& path) : config_(config), path_(path) {}
+
+  bool has(const char* key) const { return config_.contains(key) && !config_[key].is_null(); }
+
+  int64_t positive_int(const char* key) const {
+    if (!has(key)) FORGE_FAIL("{}: \"{}\" is missing (expected a positive integer)", path_, key);
+    return positive_int_or(key, 0);
+  }
+  int64_t positive_int_or(const char* key, int64_t fallback) const {
+    if (!has(key)) return fallback;
+    const json& v = config_[key];
+    if (!v.is_number_integer() || v.get<int64_t>() < 1)
+      FORGE_FAIL("{}: \"{}\" is {}, expected a positive integer", path_, key, v.dump());
+    return v.get<int64_t>();
+  }
+  double positive_number_or(const json& object, const char* key, double fallback, const std::string& where) const {
+    if (!object.contains(key) || object[key].is_null()) return fallback;
+    const json& v = object[key];
+    if (!v.is_number() || !(v.get<double>() > 0))
+      FORGE_FAIL("{}: \"{}{}\" is {}, expected a positive number", path_, where, key, v.dump());
+    return v.get<double>();
+  }
+  bool boolean_or(const char* key, bool fallback) const {
+    if (!has(key)) return fallback;
+    if (!config_[key].is_boolean()) FORGE_FAIL("{}: \"{}\" is {}, expected true or false", path_, key, config_[key].dump());
+    return config_[key].get<bool>();
+  }
+  std::string string_or(const json& object, const char* key, const std::string& fallback, const std::string& where) const {
+    if (!object.contains(key) || object[key].is_null()) return fallback;
+    if (!object[key].is_string())
+      FORGE_FAIL("{}: \"{}{}\" is {}, expected a string", path_, where, key, object[key].dump());
+    return object[key].get<std::string>();
+  }
+  const json& config() const { return config_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  const json& config_;
+  const std::string& path_;
+};
+
+// "llama" or "mistral", from "architectures" (or "model_type" when that is absent).
+std::string model_family(const HfConfigReader& r) {
+  const json& c = r.config();
+  if (r.has("architectures")) {
+    const json& archs = c["architectures"];
+    if (!archs.is_array() || archs.size() != 1 || !archs[0].is_string())
+      FORGE_FAIL("{}: \"architectures\" is {}, expected a list with one name", r.path(), archs.dump());
+    std::string arch = archs[0].get<std::string>();
+    if (arch == "LlamaForCausalLM") return "llama";
+    if (arch == "MistralForCausalLM") return "mistral";
+    FORGE_FAIL("{}: \"architectures\" is [\"{}\"]; forge imports LlamaForCausalLM and MistralForCausalLM", r.path(), arch);
+  }
+  std::string type = r.string_or(c, "model_type", "", "");
+  if (type == "llama" || type == "mistral") return type;
+  FORGE_FAIL("{}: no \"architectures\" and \"model_type\" is '{}'; forge imports Llama and Mistral models", r.path(), type);
+}
+
+void reject_unsupported(const HfConfigReader& r) {
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (r.boolean_or(key, false))
+      FORGE_FAIL("{}: \"{}\" is true; forge's Llama has no bias terms", r.path(), key);
+  std::string act = r.string_or(r.config(), "hidden_act", "silu", "");
+  if (act != "silu") FORGE_FAIL("{}: \"hidden_act\" is '{}'; forge's MLP is SwiGLU and needs \"silu\"", r.path(), act);
+}
+
+// RoPE, as transformers resolves it: legacy rope_scaling wins over rope_parameters;
+// rope_theta from inside the dict, else the top level, else 10000.
+void read_rope(const HfConfigReader& r, ModelConfig& m) {
+  const json& c = r.config();
+  std::string where = "rope_parameters";
+  json rope = json::object();
+  if (r.has("rope_scaling") && !c["rope_scaling"].empty()) {
+    rope = c["rope_scaling"];
+    where = "rope_scaling";
+  } else if (r.has("rope_parameters")) {
+    rope = c["rope_parameters"];
+  }
+  if (!rope.is_object()) FORGE_FAIL("{}: \"{}\" is {}, expected an object", r.path(), where, rope.dump());
+  const std::string prefix = where + ".";
+  const double top_theta = r.positive_number_or(c, "rope_theta", 10000.0, "");
+  m.rope_theta = r.positive_number_or(rope, "rope_theta", top_theta, prefix);
+  std::string type = r.string_or(rope, "rope_type", r.string_or(rope, "type", "default", prefix), prefix);
+  if (rope.contains("partial_rotary_factor") && rope["partial_rotary_factor"] != 1.0)
+    FORGE_FAIL("{}: \"{}partial_rotary_factor\" is {}; forge rotates the whole head", r.path(), prefix,
+               rope["partial_rotary_factor"].dump());
+  if (type == "default") return;
+  if (type != "llama3")
+    FORGE_FAIL("{}: \"{}rope_type\" is '{}'; forge supports \"default\" and \"llama3\"", r.path(), prefix, type);
+  for (const char* key : {"factor", "low_freq_factor", "high_freq_factor"})
+    if (!rope.contains(key)) FORGE_FAIL("{}: \"{}{}\" is missing (required by rope_type llama3)", r.path(), prefix, key);
+  m.rope_scaling.enabled = true;
+  m.rope_scaling.factor = r.positive_number_or(rope, "factor", 0, prefix);
+  m.rope_scaling.low_freq_factor = r.positive_number_or(rope, "low_freq_factor", 0, prefix);
+  m.rope_scaling.high_freq_factor = r.positive_number_or(rope, "high_freq_factor", 0, prefix);
+  const json& original = rope.contains("original_max_position_embeddings") ? rope["original_max_position_embeddings"]
+                                                                            : json(m.max_seq_len);
+  if (!original.is_number_integer() || original.get<int64_t>() < 1)
+    FORGE_FAIL("{}: \"{}original_max_position_embeddings\" is {}, expected a positive integer", r.path(), prefix,
+               original.dump());
+  m.rope_scaling.original_max_position = original.get<int64_t>();
+}
+
+}  // namespace
+
+ModelConfig model_config_from_hf(const json& config, const std::string& path) {
+  if (!config.is_object()) FORGE_FAIL("{}: expected a JSON object, got {}", path, config.type_name());
+  HfConfigReader r(config, path);
+  const std::string family = model_family(r);
+  reject_unsupported(r);
+
+  ModelConfig m;
+  m.vocab_size = r.positive_int("vocab_size");
+  m.hidden_size = r.positive_int("hidden_size");
+  m.ffn_hidden_size = r.positive_int("intermediate_size");
+  m.num_layers = r.positive_int("num_hidden_layers");
+  m.num_heads = r.positive_int("num_attention_heads");
+  m.num_kv_heads = r.positive_int_or("num_key_value_heads", m.num_heads);
+  const int64_t head_dim = r.positive_int_or("head_dim", m.hidden_size / m.num_heads);
+  m.head_dim = head_dim * m.num_heads == m.hidden_size ? 0 : head_dim;
+  m.norm_eps = r.positive_number_or(config, "rms_norm_eps", 1e-6, "");
+  m.max_seq_len = r.positive_int_or("max_position_embeddings", family == "mistral" ? 4096 * 32 : 2048);
+  m.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
+  if (family == "mistral") {
+    // MistralConfig defaults sliding_window to 4096 when the key is absent; null means none.
+    m.sliding_window = config.contains("sliding_window") ? r.positive_int_or("sliding_window", 0) : 4096;
+  }
+  read_rope(r, m);
+  if (r.has("initializer_range")) m.init_std = r.positive_number_or(config, "initializer_range", m.init_std, "");
+  try {
+    m.validate();
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: not a model forge can build: {}", path, e.what());
+  }
+  return m;
+}
+
+ModelConfig read_hf_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  if (!std::filesystem::exists(path))
+    FORGE_FAIL("{}: not found (is '{}' a Hugging Face model directory?)", path, dir);
+  json config = read_json_file(path);
+  ModelConfig m = model_config_from_hf(config, path);
+  m.name = std::filesystem::path(dir).lexically_normal().filename().string();
+  if (m.name.empty()) m.name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();
+  return m;
+}
+
+nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::string& dtype) {
+  const bool mistral = m.sliding_window > 0;
+  nlohmann::ordered_json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling.enabled ? "llama3" : "default"}};
+  if (m.rope_scaling.enabled) {
+    rope["factor"] = m.rope_scaling.factor;
+    rope["low_freq_factor"] = m.rope_scaling.low_freq_factor;
+    rope["high_freq_factor"] = m.rope_scaling.high_freq_factor;
+    rope["original_max_position_embeddings"] = m.rope_scaling.original_max_position;
+  }
+  nlohmann::ordered_json c;
+  c["architectures"] = {mistral ? "MistralForCausalLM" : "LlamaForCausalLM"};
+  c["model_type"] = mistral ? "mistral" : "llama";
+  c["vocab_size"] = m.vocab_size;
+  c["hidden_size"] = m.hidden_size;
+  c["intermediate_size"] = m.ffn_hidden_size;
+  c["num_hidden_layers"] = m.num_layers;
+  c["num_attention_heads"] = m.num_heads;
+  c["num_key_value_heads"] = m.num_kv_heads;
+  c["head_dim"] = m.resolved_head_dim();
+  c["hidden_act"] = "silu";
+  c["rms_norm_eps"] = m.norm_eps;
+  c["max_position_embeddings"] = m.max_seq_len;
+  c["rope_parameters"] = rope;
+  if (mistral) {
+    c["sliding_window"] = m.sliding_window;
+  } else {
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+  }
+  c["attention_dropout"] = 0.0;
+  c["tie_word_embeddings"] = m.tie_word_embeddings;
+  c["initializer_range"] = m.init_std;
+  c["use_cache"] = true;
+  c["dtype"] = dtype;
+  return c;
+}
+
+}  // namespace forge

@@ -1,0 +1,152 @@
+#include "ckpt/hf_export.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/hf_layout.h"
+#include "ckpt/json_file.h"
+#include "core/log.h"
+
+namespace forge {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Files of the source model that describe its tokenizer and generation defaults, not its
+// weights: they belong with any model trained from it.
+constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                                           "tokenizer.model", "generation_config.json"};
+constexpr const char* kSpecialTokenKeys[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
+
+// Removes the temporary export directory unless it was renamed into place.
+class TempDirGuard {
+ public:
+  explicit TempDirGuard(fs::path path) : path_(std::move(path)) {}
+  ~TempDirGuard() {
+    std::error_code ec;
+    if (!released_) fs::remove_all(path_, ec);
+  }
+  void release() { released_ = true; }
+
+ private:
+  fs::path path_;
+  bool released_ = false;
+};
+
+std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params) {
+  std::vector<SafetensorsTensorRef> out;
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const float* data = params.tensors()[i].data<float>();
+    for (const HfPart& part : hf_parts(params.specs()[i], params.config()))
+      out.push_back({part.name, part.shape, data + part.offset});
+  }
+  return out;
+}
+
+// Consecutive runs of tensors of at most max_bytes each (a larger tensor gets a shard of
+// its own), as save_pretrained splits them.
+std::vector<std::vector<SafetensorsTensorRef>> split_into_shards(const std::vector<SafetensorsTensorRef>& tensors,
+                                                                 size_t element_bytes, uint64_t max_bytes) {
+  std::vector<std::vector<SafetensorsTensorRef>> shards(1);
+  uint64_t bytes = 0;
+  for (const auto& t : tensors) {
+    const uint64_t size = static_cast<uint64_t>(shape_numel(t.shape)) * element_bytes;
+    if (!shards.back().empty() && bytes + size > max_bytes) {
+      shards.emplace_back();
+      bytes = 0;
+    }
+    shards.back().push_back(t);
+    bytes += size;
+  }
+  return shards;
+}
+
+void write_weights(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  const size_t element_bytes = safetensors_dtype_size(options.dtype);
+  auto shards = split_into_shards(hf_tensors(params), element_bytes, options.max_shard_bytes);
+  if (shards.size() == 1) {
+    write_safetensors((dir / "model.safetensors").string(), shards[0], options.dtype, metadata);
+    return;
+  }
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total_bytes = 0;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+    write_safetensors((dir / file).string(), shards[s], options.dtype, metadata);
+    for (const auto& t : shards[s]) {
+      weight_map[t.name] = file;
+      total_bytes += static_cast<uint64_t>(shape_numel(t.shape)) * element_bytes;
+    }
+  }
+  nlohmann::json index = {
+      {"metadata", {{"total_parameters", params.config().total_params()}, {"total_size", total_bytes}}},
+      {"weight_map", weight_map}};
+  write_text_file((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+}
+
+void write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
+  nlohmann::ordered_json config =
+      hf_config_from_model(params.config(), options.dtype == SafetensorsDType::BF16 ? "bfloat16" : "float32");
+  const fs::path source_config = fs::path(options.source_dir) / "config.json";
+  if (!options.source_dir.empty() && fs::exists(source_config)) {
+    nlohmann::json source = read_json_file(source_config.string());
+    for (const char* key : kSpecialTokenKeys)
+      if (source.is_object() && source.contains(key)) config[key] = source[key];
+  }
+  write_text_file((dir / "config.json").string(), config.dump(2) + "\n");
+}
+
+void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
+  for (const char* name : kCompanionFiles) {
+    const fs::path from = fs::path(source_dir) / name;
+    if (!fs::exists(from)) continue;
+    std::error_code ec;
+    fs::copy_file(from, dir / name, ec);
+    if (ec) FORGE_FAIL("cannot copy '{}' to '{}': {}", from.string(), (dir / name).string(), ec.message());
+  }
+}
+
+}  // namespace
+
+void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options) {
+  FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16,
+              "Hugging Face export stores F32 or BF16, not {}", safetensors_dtype_name(options.dtype));
+  FORGE_CHECK(options.max_shard_bytes > 0, "max_shard_bytes must be positive");
+  fs::path target = fs::path(dir).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();
+  if (target.empty()) FORGE_FAIL("Hugging Face export: no target directory given");
+  if (fs::exists(target) && !fs::is_directory(target))
+    FORGE_FAIL("cannot export the Hugging Face model to '{}': it exists and is not a directory", target.string());
+  if (fs::is_directory(target) && !fs::is_empty(target))
+    FORGE_FAIL("cannot export the Hugging Face model to '{}': the directory exists and is not empty (refusing to "
+               "overwrite it)",
+               target.string());
+  if (!options.source_dir.empty() && !fs::is_directory(options.source_dir))
+    FORGE_FAIL("Hugging Face export: source model directory '{}' does not exist", options.source_dir);
+
+  std::error_code ec;
+  if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
+  if (ec) FORGE_FAIL("cannot create '{}': {}", target.parent_path().string(), ec.message());
+  fs::path temp = target;
+  temp += fmt::format(".tmp-{}", ::getpid());
+  fs::remove_all(temp, ec);
+  if (!fs::create_directory(temp, ec) || ec)
+    FORGE_FAIL("cannot create '{}': {}", temp.string(), ec ? ec.message() : "already exists");
+  TempDirGuard guard(temp);
+
+  write_weights(temp, params, options);
+  write_config(temp, params, options);
+  if (!options.source_dir.empty()) copy_companion_files(temp, options.source_dir);
+
+  if (fs::exists(target)) fs::remove(target, ec);  // empty, checked above
+  fs::rename(temp, target, ec);
+  if (ec) FORGE_FAIL("cannot rename '{}' to '{}': {}", temp.string(), target.string(), ec.message());
+  guard.release();
+  log_info("exported the model as Hugging Face {} ({}) to {}", params.config().sliding_window > 0 ? "Mistral" : "Llama",
+           safetensors_dtype_name(options.dtype), target.string());
+}
+
+}  // namespace forge

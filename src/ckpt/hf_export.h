@@ -1,0 +1,34 @@
+// Exporting forge weights as a Hugging Face model directory that transformers'
+// from_pretrained loads: config.json (hf_config.h), the weights as safetensors split into
+// the Hugging Face tensors (hf_layout.h), sharded with model.safetensors.index.json when
+// they exceed max_shard_bytes, and, when the model came from a Hugging Face directory,
+// that directory's tokenizer files, generation_config.json and special token ids.
+//
+// NOTE [Atomic export]
+// Everything is written into a temporary sibling directory that is renamed into place
+// only when complete, so a crash or a full disk never leaves a half-written model where
+// a loader would find it. An existing non-empty target is refused before any work, never
+// overwritten.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "ckpt/safetensors.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+struct HfExportOptions {
+  SafetensorsDType dtype = SafetensorsDType::F32;  // F32 or BF16
+  // A Hugging Face model directory (usually the one training started from) whose
+  // tokenizer files, generation_config.json and bos/eos/pad token ids go with the export;
+  // empty for none.
+  std::string source_dir;
+  uint64_t max_shard_bytes = 5'000'000'000;  // as save_pretrained's default "5GB"
+};
+
+// Writes params (and params.config()) as a Hugging Face model directory at dir.
+void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options = {});
+
+}  // namespace forge

@@ -1,0 +1,138 @@
+#include "ckpt/hf_import.h"
+
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <set>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/hf_layout.h"
+#include "ckpt/hf_weight_files.h"
+#include "core/log.h"
+
+namespace forge {
+namespace {
+
+bool ignorable(const std::string& name) { return name.ends_with(".rotary_emb.inv_freq"); }
+
+std::string list_some(const std::vector<std::string>& names) {
+  constexpr size_t kShown = 8;
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < kShown; ++i) out += (i ? ", " : "") + names[i];
+  if (names.size() > kShown) out += fmt::format(" and {} more", names.size() - kShown);
+  return out;
+}
+
+struct ArchitectureField {
+  const char* key;
+  std::string (*value)(const ModelConfig&);
+};
+
+// Every field that changes what the network computes, as YAML-ready text.
+const std::vector<ArchitectureField>& architecture_fields() {
+  static const std::vector<ArchitectureField> fields = {
+      {"vocab_size", [](const ModelConfig& m) { return fmt::format("{}", m.vocab_size); }},
+      {"hidden_size", [](const ModelConfig& m) { return fmt::format("{}", m.hidden_size); }},
+      {"num_layers", [](const ModelConfig& m) { return fmt::format("{}", m.num_layers); }},
+      {"num_heads", [](const ModelConfig& m) { return fmt::format("{}", m.num_heads); }},
+      {"num_kv_heads", [](const ModelConfig& m) { return fmt::format("{}", m.num_kv_heads); }},
+      {"head_dim", [](const ModelConfig& m) { return fmt::format("{}", m.resolved_head_dim()); }},
+      {"ffn_hidden_size", [](const ModelConfig& m) { return fmt::format("{}", m.ffn_hidden_size); }},
+      {"norm_eps", [](const ModelConfig& m) { return fmt::format("{}", m.norm_eps); }},
+      {"rope_theta", [](const ModelConfig& m) { return fmt::format("{}", m.rope_theta); }},
+      {"rope_scaling.enabled", [](const ModelConfig& m) { return fmt::format("{}", m.rope_scaling.enabled); }},
+      {"rope_scaling.factor",
+       [](const ModelConfig& m) { return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.factor) : ""; }},
+      {"rope_scaling.low_freq_factor",
+       [](const ModelConfig& m) {
+         return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.low_freq_factor) : "";
+       }},
+      {"rope_scaling.high_freq_factor",
+       [](const ModelConfig& m) {
+         return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.high_freq_factor) : "";
+       }},
+      {"rope_scaling.original_max_position",
+       [](const ModelConfig& m) {
+         return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.original_max_position) : "";
+       }},
+      {"max_seq_len", [](const ModelConfig& m) { return fmt::format("{}", m.max_seq_len); }},
+      {"sliding_window", [](const ModelConfig& m) { return fmt::format("{}", m.sliding_window); }},
+      {"tie_word_embeddings", [](const ModelConfig& m) { return fmt::format("{}", m.tie_word_embeddings); }},
+  };
+  return fields;
+}
+
+}  // namespace
+
+void load_hf_weights(const std::string& dir, FlatParameters& params) {
+  HfWeightFiles files(dir);
+  const ModelConfig& config = params.config();
+  std::set<std::string> used;
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const ParamSpec& spec = params.specs()[i];
+    float* dst = params.tensors()[i].data<float>();
+    for (const HfPart& part : hf_parts(spec, config)) {
+      LocatedTensor t = files.find(part.name);
+      if (t.file == nullptr)
+        FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,
+                   shape_str(part.shape), spec.name);
+      if (t.entry->shape != part.shape)
+        FORGE_FAIL("{}: tensor '{}' has shape {}, but config.json implies {}", t.file->path(), part.name,
+                   shape_str(t.entry->shape), shape_str(part.shape));
+      t.file->read_as_float(*t.entry, dst + part.offset);
+      used.insert(part.name);
+    }
+  }
+  std::vector<std::string> unexpected;
+  for (const LocatedTensor& t : files.all())
+    if (!used.count(t.entry->name) && !ignorable(t.entry->name)) unexpected.push_back(t.entry->name);
+  if (!unexpected.empty()) {
+    std::string hint = config.tie_word_embeddings && used.count("lm_head.weight") == 0 &&
+                               std::find(unexpected.begin(), unexpected.end(), "lm_head.weight") != unexpected.end()
+                           ? " (config.json ties the output to the embedding, yet the files hold lm_head.weight)"
+                           : "";
+    FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(),
+               config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
+  }
+}
+
+HfModel load_hf_model(const std::string& dir) {
+  HfModel model;
+  model.config = read_hf_config(dir);
+  model.params = std::make_unique<FlatParameters>(model.config);
+  load_hf_weights(dir, *model.params);
+  return model;
+}
+
+std::vector<std::string> architecture_differences(const ModelConfig& configured, const ModelConfig& hf) {
+  std::vector<std::string> out;
+  for (const auto& field : architecture_fields()) {
+    std::string mine = field.value(configured), theirs = field.value(hf);
+    if (mine != theirs)
+      out.push_back(fmt::format("model.{}: {} here, {} in config.json", field.key, mine.empty() ? "unset" : mine,
+                                theirs.empty() ? "unset" : theirs));
+  }
+  return out;
+}
+
+std::string model_overrides_for(const ModelConfig& hf) {
+  std::string out;
+  for (const auto& field : architecture_fields()) {
+    std::string value = field.value(hf);
+    if (!value.empty()) out += fmt::format("{}--model.{} {}", out.empty() ? "" : " ", field.key, value);
+  }
+  return out;
+}
+
+void load_hf_weights_checked(const std::string& dir, FlatParameters& params) {
+  ModelConfig hf = read_hf_config(dir);
+  std::vector<std::string> diffs = architecture_differences(params.config(), hf);
+  if (!diffs.empty())
+    FORGE_FAIL("the configured model does not match the Hugging Face model in '{}':\n  {}\nset the model keys to "
+               "match, e.g. with the overrides\n  {}",
+               dir, fmt::join(diffs, "\n  "), model_overrides_for(hf));
+  load_hf_weights(dir, params);
+  log_info("weights: {} parameters loaded from the Hugging Face model in {}", params.config().total_params(), dir);
+}
+
+}  // namespace forge

@@ -1,0 +1,47 @@
+// Importing a Hugging Face Llama / Mistral model directory into forge.
+//
+// config.json gives the architecture (hf_config.h); the safetensors files give the
+// weights (hf_weight_files.h), looked up by each parameter's Hugging Face names and, for
+// forge's fused qkv and gate_up tensors, stacked along dim 0 (NOTE [Fused projections] in
+// model/parameters.h). Weights stored as F32, BF16, F16 or F64 are converted to fp32.
+// Every expected tensor must be present with exactly the shape the config implies; a
+// tensor forge would not use is an error too (it means the file describes another
+// model), except the rotary inv_freq buffers some exporters save, which are recomputed.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+struct HfModel {
+  ModelConfig config;
+  std::unique_ptr<FlatParameters> params;
+};
+
+// The model of a Hugging Face directory: its config.json mapped to ModelConfig (named
+// after the directory) and its weights.
+HfModel load_hf_model(const std::string& dir);
+
+// Loads the weights of DIR into params, whose layout (params.config()) must be the one
+// DIR/config.json describes.
+void load_hf_weights(const std::string& dir, FlatParameters& params);
+
+// The architecture fields in which `configured` and `hf` (from config.json) differ, each
+// as "model.<key>: <configured> here, <hf> in config.json"; empty when they match. The
+// name and init_std are not architecture.
+std::vector<std::string> architecture_differences(const ModelConfig& configured, const ModelConfig& hf);
+
+// The --model.<key> VALUE overrides that give a run the architecture of `hf`.
+std::string model_overrides_for(const ModelConfig& hf);
+
+// For training from a Hugging Face model: checks that params' architecture is the one
+// DIR/config.json describes (failing with every difference and the overrides that would
+// fix them), then loads the weights.
+void load_hf_weights_checked(const std::string& dir, FlatParameters& params);
+
+}  // namespace forge
