@@ -1,0 +1,405 @@
+// Hugging Face import and export: config.json mapping as transformers reads it (defaults,
+// legacy and transformers-5 RoPE keys, Mistral's sliding window) and its errors, weights
+// exported and imported back bit for bit (single file and sharded), and the checks on
+// weight files: missing, misshapen and unexpected tensors, inconsistent shard indexes, and
+// an export that refuses to overwrite.
+#include <fmt/ranges.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "ckpt/hf_config.h"
+#include "ckpt/hf_export.h"
+#include "ckpt/hf_import.h"
+#include "ckpt/safetensors.h"
+#include "core/error.h"
+#include "test_data_temp_dir.h"
+
+namespace forge {
+namespace {
+
+using nlohmann::json;
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+json llama_json() {
+  return json::parse(R"({
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 40, "hidden_size": 16,
+    "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05, "max_position_embeddings": 64, "hidden_act": "silu", "attention_bias": false,
+    "mlp_bias": false, "tie_word_embeddings": false, "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}
+  })");
+}
+
+ModelConfig tiny_model(bool tied, int64_t window) {
+  ModelConfig m = model_config_from_hf(llama_json(), "config.json");
+  m.tie_word_embeddings = tied;
+  m.sliding_window = window;
+  return m;
+}
+
+void expect_error(const json& config, const std::string& expected) {
+  std::string e = error_of([&] { model_config_from_hf(config, "/models/x/config.json"); });
+  EXPECT_NE(e.find("/models/x/config.json"), std::string::npos) << e;
+  EXPECT_NE(e.find(expected), std::string::npos) << e;
+}
+
+TEST(HfImportConfig, MapsLlamaKeys) {
+  ModelConfig m = model_config_from_hf(llama_json(), "config.json");
+  EXPECT_EQ(m.vocab_size, 40);
+  EXPECT_EQ(m.hidden_size, 16);
+  EXPECT_EQ(m.ffn_hidden_size, 24);
+  EXPECT_EQ(m.num_layers, 2);
+  EXPECT_EQ(m.num_heads, 4);
+  EXPECT_EQ(m.num_kv_heads, 2);
+  EXPECT_EQ(m.head_dim, 0);
+  EXPECT_EQ(m.resolved_head_dim(), 4);
+  EXPECT_EQ(m.norm_eps, 1e-5);
+  EXPECT_EQ(m.max_seq_len, 64);
+  EXPECT_EQ(m.rope_theta, 500000.0);
+  EXPECT_FALSE(m.rope_scaling.enabled);
+  EXPECT_EQ(m.sliding_window, 0);
+  EXPECT_FALSE(m.tie_word_embeddings);
+}
+
+TEST(HfImportConfig, AppliesTransformersDefaults) {
+  json c = llama_json();
+  for (const char* key : {"num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "rope_parameters",
+                          "tie_word_embeddings", "hidden_act"})
+    c.erase(key);
+  c["head_dim"] = nullptr;
+  ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.num_kv_heads, 4);
+  EXPECT_EQ(m.norm_eps, 1e-6);
+  EXPECT_EQ(m.max_seq_len, 2048);
+  EXPECT_EQ(m.rope_theta, 10000.0);
+  EXPECT_EQ(m.resolved_head_dim(), 4);
+}
+
+TEST(HfImportConfig, ExplicitHeadDim) {
+  json c = llama_json();
+  c["head_dim"] = 6;
+  EXPECT_EQ(model_config_from_hf(c, "config.json").head_dim, 6);
+  c["head_dim"] = 4;
+  EXPECT_EQ(model_config_from_hf(c, "config.json").head_dim, 0);
+}
+
+TEST(HfImportConfig, LegacyRopeScalingLlama3) {
+  json c = llama_json();
+  c.erase("rope_parameters");
+  c["rope_theta"] = 250000.0;
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.rope_theta, 250000.0);
+  EXPECT_TRUE(m.rope_scaling.enabled);
+  EXPECT_EQ(m.rope_scaling.factor, 8.0);
+  EXPECT_EQ(m.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(m.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(m.rope_scaling.original_max_position, 8192);
+  c["rope_scaling"].erase("rope_type");
+  c["rope_scaling"]["type"] = "llama3";
+  c["rope_scaling"].erase("original_max_position_embeddings");
+  m = model_config_from_hf(c, "config.json");
+  EXPECT_TRUE(m.rope_scaling.enabled);
+  EXPECT_EQ(m.rope_scaling.original_max_position, 64);  // max_position_embeddings, as transformers fills it in
+}
+
+TEST(HfImportConfig, Transformers5RopeParametersLlama3) {
+  json c = llama_json();
+  c["rope_parameters"] = {{"rope_type", "llama3"}, {"rope_theta", 500000.0}, {"factor", 32.0},
+                          {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 16}};
+  ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_TRUE(m.rope_scaling.enabled);
+  EXPECT_EQ(m.rope_scaling.factor, 32.0);
+  EXPECT_EQ(m.rope_scaling.original_max_position, 16);
+}
+
+TEST(HfImportConfig, MistralSlidingWindow) {
+  json c = llama_json();
+  c["architectures"] = {"MistralForCausalLM"};
+  c.erase("attention_bias");
+  c.erase("mlp_bias");
+  c["sliding_window"] = 8;
+  EXPECT_EQ(model_config_from_hf(c, "config.json").sliding_window, 8);
+  c["sliding_window"] = nullptr;
+  EXPECT_EQ(model_config_from_hf(c, "config.json").sliding_window, 0);
+  c.erase("sliding_window");
+  EXPECT_EQ(model_config_from_hf(c, "config.json").sliding_window, 4096);
+}
+
+TEST(HfImportConfig, RejectsUnsupportedModelsNamingFileAndKey) {
+  json c = llama_json();
+  c["architectures"] = {"GemmaForCausalLM"};
+  expect_error(c, "\"architectures\" is [\"GemmaForCausalLM\"]");
+  c = llama_json();
+  c["rope_parameters"]["rope_type"] = "yarn";
+  expect_error(c, "\"rope_parameters.rope_type\" is 'yarn'");
+  c = llama_json();
+  c.erase("rope_parameters");
+  c["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  expect_error(c, "\"rope_scaling.rope_type\" is 'linear'");
+  c = llama_json();
+  c["attention_bias"] = true;
+  expect_error(c, "\"attention_bias\" is true");
+  c = llama_json();
+  c["mlp_bias"] = true;
+  expect_error(c, "\"mlp_bias\" is true");
+  c = llama_json();
+  c["hidden_act"] = "gelu";
+  expect_error(c, "\"hidden_act\" is 'gelu'");
+  c = llama_json();
+  c.erase("hidden_size");
+  expect_error(c, "\"hidden_size\" is missing");
+  c = llama_json();
+  c["num_hidden_layers"] = "2";
+  expect_error(c, "\"num_hidden_layers\" is \"2\", expected a positive integer");
+  c = llama_json();
+  c["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  expect_error(c, "partial_rotary_factor");
+  c = llama_json();
+  c["rope_parameters"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  expect_error(c, "\"rope_parameters.low_freq_factor\" is missing");
+  c = llama_json();
+  c["num_key_value_heads"] = 3;
+  expect_error(c, "model.num_heads (4) must be a multiple of model.num_kv_heads (3)");
+}
+
+TEST(HfImportConfig, ExportedConfigReadsBackAsTheSameArchitecture) {
+  for (bool tied : {false, true})
+    for (int64_t window : {0, 5}) {
+      ModelConfig m = tiny_model(tied, window);
+      m.head_dim = 6;
+      m.rope_scaling.enabled = true;
+      m.rope_scaling.factor = 4.0;
+      json written = json::parse(hf_config_from_model(m, "float32").dump());
+      EXPECT_EQ(written["architectures"][0], window ? "MistralForCausalLM" : "LlamaForCausalLM");
+      ModelConfig back = model_config_from_hf(written, "config.json");
+      EXPECT_TRUE(architecture_differences(m, back).empty()) << fmt::format("{}", fmt::join(architecture_differences(m, back), "; "));
+    }
+}
+
+TEST(HfImportConfig, ArchitectureDifferencesNameTheKeys) {
+  ModelConfig a = tiny_model(false, 0), b = tiny_model(true, 0);
+  b.vocab_size = 50;
+  auto diffs = architecture_differences(a, b);
+  ASSERT_EQ(diffs.size(), 2u);
+  EXPECT_EQ(diffs[0], "model.vocab_size: 40 here, 50 in config.json");
+  EXPECT_EQ(diffs[1], "model.tie_word_embeddings: false here, true in config.json");
+  EXPECT_NE(model_overrides_for(b).find("--model.vocab_size 50"), std::string::npos);
+}
+
+void fill_pattern(FlatParameters& p) {
+  float* x = p.flat().data<float>();
+  for (int64_t i = 0; i < p.flat().numel(); ++i) x[i] = 0.001f * static_cast<float>(i % 977) - 0.3f;
+}
+
+void expect_same_weights(const FlatParameters& a, const FlatParameters& b) {
+  ASSERT_EQ(a.flat().numel(), b.flat().numel());
+  EXPECT_EQ(0, std::memcmp(a.flat().raw(), b.flat().raw(), a.flat().nbytes()));
+}
+
+TEST(HfImportWeights, ExportImportRoundTripIsExact) {
+  for (bool tied : {false, true})
+    for (int64_t window : {0, 3}) {
+      TempDir dir;
+      FlatParameters params(tiny_model(tied, window));
+      fill_pattern(params);
+      save_hf_model(dir.file("out"), params);
+      EXPECT_TRUE(std::filesystem::exists(dir.file("out/model.safetensors")));
+      EXPECT_FALSE(std::filesystem::exists(dir.file("out/generation_config.json")));
+      HfModel model = load_hf_model(dir.file("out"));
+      EXPECT_TRUE(architecture_differences(params.config(), model.config).empty());
+      EXPECT_EQ(model.config.name, "out");
+      expect_same_weights(params, *model.params);
+    }
+}
+
+TEST(HfImportWeights, ShardedExportImportRoundTrip) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  fill_pattern(params);
+  HfExportOptions options;
+  options.max_shard_bytes = 2000;
+  save_hf_model(dir.file("out"), params, options);
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out/model.safetensors")));
+  EXPECT_TRUE(std::filesystem::exists(dir.file("out/model.safetensors.index.json")));
+  int shards = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file("out")))
+    shards += entry.path().filename().string().starts_with("model-0000");
+  EXPECT_GT(shards, 2);
+  HfModel model = load_hf_model(dir.file("out"));
+  expect_same_weights(params, *model.params);
+}
+
+TEST(HfImportWeights, Bf16ExportRoundsEachWeight) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  fill_pattern(params);
+  HfExportOptions options;
+  options.dtype = SafetensorsDType::BF16;
+  save_hf_model(dir.file("out"), params, options);
+  HfModel model = load_hf_model(dir.file("out"));
+  const float* a = params.flat().data<float>();
+  const float* b = model.params->flat().data<float>();
+  for (int64_t i = 0; i < params.flat().numel(); ++i) ASSERT_NEAR(a[i], b[i], std::abs(a[i]) / 256 + 1e-30) << i;
+  EXPECT_EQ(read_hf_config(dir.file("out")).vocab_size, 40);
+}
+
+// Rewrites out/model.safetensors with `edit` applied to the list of tensors.
+void rewrite_weights(const std::string& dir, const std::function<void(std::vector<SafetensorsTensorRef>&)>& edit) {
+  const std::string path = dir + "/model.safetensors";
+  SafetensorsFile file(path);
+  std::vector<std::vector<float>> storage;
+  std::vector<SafetensorsTensorRef> refs;
+  for (const auto& e : file.entries()) {
+    storage.emplace_back(static_cast<size_t>(e.numel()));
+    file.read_as_float(e, storage.back().data());
+  }
+  for (size_t i = 0; i < file.entries().size(); ++i)
+    refs.push_back({file.entries()[i].name, file.entries()[i].shape, storage[i].data()});
+  edit(refs);
+  write_safetensors(path + ".new", refs, SafetensorsDType::F32, {{"format", "pt"}});
+  std::filesystem::rename(path + ".new", path);
+}
+
+class HfImportBadWeights : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    params_ = std::make_unique<FlatParameters>(tiny_model(false, 0));
+    fill_pattern(*params_);
+    out_ = dir_.file("out");
+    save_hf_model(out_, *params_);
+  }
+  std::string import_error() { return error_of([&] { load_hf_model(out_); }); }
+
+  TempDir dir_;
+  std::unique_ptr<FlatParameters> params_;
+  std::string out_;
+};
+
+TEST_F(HfImportBadWeights, MissingTensorIsNamed) {
+  rewrite_weights(out_, [](auto& refs) {
+    std::erase_if(refs, [](const auto& r) { return r.name == "model.layers.1.self_attn.k_proj.weight"; });
+  });
+  std::string e = import_error();
+  EXPECT_NE(e.find("no tensor 'model.layers.1.self_attn.k_proj.weight'"), std::string::npos) << e;
+  EXPECT_NE(e.find("layers.1.attention.qkv.weight"), std::string::npos) << e;
+}
+
+TEST_F(HfImportBadWeights, WrongShapeNamesFileTensorAndShapes) {
+  std::vector<float> big(24 * 32);
+  rewrite_weights(out_, [&](auto& refs) {
+    for (auto& r : refs)
+      if (r.name == "model.layers.0.mlp.up_proj.weight") r = {r.name, {24, 32}, big.data()};
+  });
+  std::string e = import_error();
+  EXPECT_NE(e.find(out_ + "/model.safetensors"), std::string::npos) << e;
+  EXPECT_NE(e.find("'model.layers.0.mlp.up_proj.weight' has shape [24, 32], but config.json implies [24, 16]"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadWeights, UnexpectedTensorIsAnErrorButInvFreqIsIgnored) {
+  std::vector<float> extra(16);
+  rewrite_weights(out_, [&](auto& refs) {
+    refs.push_back({"model.layers.0.self_attn.rotary_emb.inv_freq", {2}, extra.data()});
+  });
+  HfModel model = load_hf_model(out_);
+  expect_same_weights(*params_, *model.params);
+  rewrite_weights(out_, [&](auto& refs) { refs.push_back({"model.layers.0.self_attn.q_proj.bias", {16}, extra.data()}); });
+  std::string e = import_error();
+  EXPECT_NE(e.find("1 tensor(s) that a Llama model does not have: model.layers.0.self_attn.q_proj.bias"),
+            std::string::npos)
+      << e;
+}
+
+TEST(HfImportShards, IndexMustAgreeWithTheShards) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  HfExportOptions options;
+  options.max_shard_bytes = 2000;
+  const std::string out = dir.file("out");
+  save_hf_model(out, params, options);
+  const std::string index_path = out + "/model.safetensors.index.json";
+  json index = json::parse(std::ifstream(index_path));
+  auto with_index = [&](const json& edited) {
+    std::ofstream(index_path) << edited.dump();
+    return error_of([&] { load_hf_model(out); });
+  };
+  const std::string first_shard = index["weight_map"]["model.embed_tokens.weight"];
+  json moved = index;
+  moved["weight_map"]["model.norm.weight"] = first_shard;
+  EXPECT_NE(with_index(moved).find("maps 'model.norm.weight' to '" + first_shard + "', which does not hold it"),
+            std::string::npos);
+  json missing = index;
+  missing["weight_map"]["model.norm.weight"] = "model-00099-of-00099.safetensors";
+  EXPECT_NE(with_index(missing).find("shard 'model-00099-of-00099.safetensors'"), std::string::npos);
+  json escaping = index;
+  escaping["weight_map"]["model.norm.weight"] = "../model.safetensors";
+  EXPECT_NE(with_index(escaping).find("expected a file name in the same directory"), std::string::npos);
+  json unlisted = index;
+  unlisted["weight_map"].erase("model.norm.weight");
+  EXPECT_NE(with_index(unlisted).find("holds 'model.norm.weight', which the index maps to no file"), std::string::npos);
+}
+
+TEST(HfImportShards, DirectoryWithoutWeights) {
+  TempDir dir;
+  std::filesystem::create_directories(dir.file("m"));
+  std::ofstream(dir.file("m/config.json")) << llama_json().dump();
+  std::string e = error_of([&] { load_hf_model(dir.file("m")); });
+  EXPECT_NE(e.find("has neither model.safetensors nor model.safetensors.index.json"), std::string::npos) << e;
+  e = error_of([&] { load_hf_model(dir.file("nothing")); });
+  EXPECT_NE(e.find(dir.file("nothing") + "/config.json"), std::string::npos) << e;
+}
+
+TEST(HfExport, RefusesToOverwriteANonEmptyDirectory) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  std::filesystem::create_directories(dir.file("out"));
+  std::ofstream(dir.file("out/keep.txt")) << "precious";
+  std::string e = error_of([&] { save_hf_model(dir.file("out"), params); });
+  EXPECT_NE(e.find("refusing to overwrite"), std::string::npos) << e;
+  EXPECT_TRUE(std::filesystem::exists(dir.file("out/keep.txt")));
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out/model.safetensors")));
+  std::filesystem::create_directories(dir.file("empty"));
+  save_hf_model(dir.file("empty"), params);
+  EXPECT_TRUE(std::filesystem::exists(dir.file("empty/config.json")));
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file("")))
+    EXPECT_EQ(entry.path().filename().string().find(".tmp"), std::string::npos) << entry.path();
+}
+
+TEST(HfExport, CarriesTokenizerFilesAndSpecialTokensFromTheSource) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  const std::string source = dir.file("source");
+  save_hf_model(source, params);
+  json config = json::parse(std::ifstream(source + "/config.json"));
+  config["bos_token_id"] = 7;
+  config["eos_token_id"] = json::array({8, 9});
+  std::ofstream(source + "/config.json") << config.dump();
+  std::ofstream(source + "/tokenizer.json") << "{\"model\": {}}";
+  std::ofstream(source + "/generation_config.json") << "{\"bos_token_id\": 7}";
+  HfExportOptions options;
+  options.source_dir = source;
+  save_hf_model(dir.file("out"), params, options);
+  json written = json::parse(std::ifstream(dir.file("out/config.json")));
+  EXPECT_EQ(written["bos_token_id"], 7);
+  EXPECT_EQ(written["eos_token_id"], json::array({8, 9}));
+  EXPECT_TRUE(std::filesystem::exists(dir.file("out/tokenizer.json")));
+  EXPECT_TRUE(std::filesystem::exists(dir.file("out/generation_config.json")));
+  EXPECT_FALSE(std::filesystem::exists(dir.file("out/tokenizer.model")));
+}
+
+}  // namespace
+}  // namespace forge
