@@ -184,6 +184,11 @@ nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::str
   c["rms_norm_eps"] = m.norm_eps;
   c["max_position_embeddings"] = m.max_seq_len;
   c["rope_parameters"] = rope;
+  // The same RoPE in the keys transformers 4.x, vLLM and conversion scripts read.
+  c["rope_theta"] = m.rope_theta;
+  nlohmann::ordered_json legacy_scaling = rope;
+  legacy_scaling.erase("rope_theta");
+  c["rope_scaling"] = m.rope_scaling.enabled ? legacy_scaling : nlohmann::ordered_json(nullptr);
   if (mistral) {
     c["sliding_window"] = m.sliding_window;
   } else {
@@ -195,6 +200,7 @@ nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::str
   c["initializer_range"] = m.init_std;
   c["use_cache"] = true;
   c["dtype"] = dtype;
+  c["torch_dtype"] = dtype;  // the name transformers 4.x reads
   return c;
 }
 

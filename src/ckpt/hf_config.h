@@ -11,7 +11,9 @@
 // MistralForCausalLM.
 //
 // Writing produces the config.json that transformers 5 writes for the same model
-// (rope_parameters, dtype), choosing MistralForCausalLM only when a sliding window is set.
+// (rope_parameters, dtype), choosing MistralForCausalLM only when a sliding window is set,
+// plus the same facts under the older names (rope_theta, rope_scaling, torch_dtype) that
+// transformers 4.x and other readers use; transformers 5 accepts both without warnings.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -1,0 +1,185 @@
+"""Hugging Face import and export against transformers itself: random tiny Llama and
+Mistral models saved with save_pretrained (one file, sharded, bf16, tied embeddings with
+Llama 3.1 RoPE scaling, a sliding window) are imported by forge, whose logits must equal
+transformers' within 1e-4 relative; forge's export of each loads with from_pretrained and
+gives the same logits again. A forge training run that starts from a Hugging Face
+directory and exports its final weights is checked end to end."""
+import json
+import os
+import unittest
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from forge_test_util import forge_bin, relative_error, run, scratch_dir, tool
+
+TOLERANCE = 1e-4
+BATCH, SEQ = 2, 13
+
+DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+CASES = [
+    dict(name="llama_gqa", family="llama",
+         config=dict(vocab_size=61, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+                     num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    dict(name="llama_sharded", family="llama", max_shard_size="20KB",
+         config=dict(vocab_size=50, hidden_size=32, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4,
+                     num_key_value_heads=4, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    dict(name="llama_tied_llama3_rope", family="llama",
+         config=dict(vocab_size=37, hidden_size=32, intermediate_size=56, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=1, head_dim=12, tie_word_embeddings=True, max_position_embeddings=64,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8})),
+    dict(name="mistral_sliding_window", family="mistral",
+         config=dict(vocab_size=45, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, sliding_window=4,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    dict(name="llama_saved_in_bf16", family="llama", save_dtype=torch.bfloat16,
+         config=dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+]
+
+
+def random_model(family, config, seed):
+    torch.manual_seed(seed)
+    if family == "mistral":
+        model = MistralForCausalLM(MistralConfig(attn_implementation="eager", **config))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **config))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # not all ones, so norm weights are exercised
+            else:
+                p.normal_(0.0, 0.3)
+    return model.float().eval()
+
+
+def transformers_logits(model_dir, tokens):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(tokens).long()).logits.reshape(-1, model.config.vocab_size).numpy(), model
+
+
+def forge_logits(model_dir, tokens, work):
+    tokens_path, out = os.path.join(work, "tokens.bin"), os.path.join(work, "logits.bin")
+    tokens.astype(np.int32).tofile(tokens_path)
+    run([tool("forge_hf_logits"), "logits", model_dir, tokens_path, str(tokens.shape[0]), str(tokens.shape[1]), out])
+    return np.fromfile(out, dtype=np.float32).reshape(tokens.shape[0] * tokens.shape[1], -1)
+
+
+class ImportExport(unittest.TestCase):
+    def check_case(self, case):
+        work = scratch_dir()
+        source = os.path.join(work, "hf")
+        model = random_model(case["family"], case["config"], seed=len(case["name"]))
+        if "save_dtype" in case:
+            model = model.to(case["save_dtype"])
+        model.save_pretrained(source, max_shard_size=case.get("max_shard_size", "5GB"))
+        with open(os.path.join(source, "tokenizer.json"), "w") as f:
+            f.write('{"placeholder": "copied with the export"}')
+        if "max_shard_size" in case:
+            self.assertTrue(os.path.exists(os.path.join(source, "model.safetensors.index.json")))
+
+        tokens = np.random.RandomState(7).randint(0, case["config"]["vocab_size"], size=(BATCH, SEQ))
+        expected, reference = transformers_logits(source, tokens)
+        mine = forge_logits(source, tokens, work)
+        err = relative_error(mine.astype(np.float64), expected.astype(np.float64))
+        print(f"{case['name']}: import logits rel err {err:.2e}")
+        self.assertLess(err, TOLERANCE, "imported logits")
+
+        for dtype in ("f32", "bf16"):
+            exported = os.path.join(work, f"export-{dtype}")
+            run([tool("forge_hf_logits"), "export", source, exported, dtype, "30000"])
+            self.assertTrue(os.path.exists(os.path.join(exported, "tokenizer.json")))
+            with open(os.path.join(exported, "config.json")) as f:
+                config = json.load(f)
+            arch = "MistralForCausalLM" if case["config"].get("sliding_window") else "LlamaForCausalLM"
+            self.assertEqual(config["architectures"], [arch])
+            self.assertEqual(config["dtype"], "float32" if dtype == "f32" else "bfloat16")
+            again, loaded = transformers_logits(exported, tokens)
+            self.assertEqual(type(loaded).__name__, arch)
+            state = {k: v for k, v in loaded.state_dict().items()}
+            for name, p in reference.state_dict().items():
+                want = p.float() if dtype == "f32" else p.to(torch.bfloat16).float()
+                self.assertTrue(torch.equal(state[name].float(), want), f"{dtype} export of {name}")
+            if dtype == "f32":
+                err = relative_error(again.astype(np.float64), expected.astype(np.float64))
+                print(f"{case['name']}: logits of forge's export rel err {err:.2e}")
+                self.assertLess(err, TOLERANCE, "exported logits")
+
+    def test_cases(self):
+        for case in CASES:
+            with self.subTest(case["name"]):
+                self.check_case(case)
+
+
+def records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
+class TrainFromHuggingFace(unittest.TestCase):
+    """forge train starting from a Hugging Face debug-tiny-shaped Llama, exporting at the end."""
+
+    def setUp(self):
+        self.work = scratch_dir()
+        self.source = os.path.join(self.work, "hf")
+        self.model = random_model("llama", DEBUG_TINY, seed=3)
+        self.model.save_pretrained(self.source)
+
+    def train(self, run_dir, *extra):
+        return run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",
+                    self.source, "--checkpoint.last_save_in_hf", "true", "--training.steps", "3",
+                    "--training.local_batch_size", "2", "--training.seq_len", "32", "--eval.interval", "0",
+                    "--logging.run_dir", run_dir, *extra])
+
+    def test_starts_from_the_hf_weights_and_exports_them(self):
+        # With a vanishing learning rate the export must be the source, bit for bit: this
+        # checks that training started from the Hugging Face weights and exported them.
+        run_dir = os.path.join(self.work, "still")
+        self.train(run_dir, "--optimizer.lr", "1e-30")
+        source = load_file(os.path.join(self.source, "model.safetensors"))
+        exported = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+        self.assertEqual(sorted(source), sorted(exported))
+        for name in source:
+            self.assertTrue(torch.equal(source[name], exported[name]), name)
+
+    def test_trained_export_loads_in_transformers(self):
+        run_dir = os.path.join(self.work, "trained")
+        self.train(run_dir)
+        losses = [r["loss"] for r in records(run_dir, "train")]
+        self.assertEqual(len(losses), 3)
+        hf_dir = os.path.join(run_dir, "hf")
+        tokens = np.random.RandomState(1).randint(0, 32, size=(BATCH, SEQ))
+        expected, loaded = transformers_logits(hf_dir, tokens)
+        self.assertEqual(type(loaded).__name__, "LlamaForCausalLM")
+        err = relative_error(forge_logits(hf_dir, tokens, self.work).astype(np.float64), expected.astype(np.float64))
+        self.assertLess(err, TOLERANCE)
+        changed = [n for n, p in loaded.state_dict().items() if not torch.equal(p, self.model.state_dict()[n])]
+        self.assertTrue(changed, "training did not change the weights")
+
+    def test_mismatching_model_is_refused_with_the_keys(self):
+        import subprocess
+        run_dir = os.path.join(self.work, "mismatch")
+        result = subprocess.run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true",
+                                 "--checkpoint.initial_load_path", self.source, "--model.num_layers", "3",
+                                 "--logging.run_dir", run_dir], capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("model.num_layers: 3 here, 2 in config.json", result.stderr)
+        self.assertIn("--model.num_layers 2", result.stderr)
+        self.assertFalse(os.path.exists(os.path.join(run_dir, "hf")))
+
+    def test_hf_info_prints_the_overrides(self):
+        out = run([forge_bin(), "hf-info", self.source]).stdout
+        self.assertIn("2 layers, hidden 64", out)
+        self.assertIn("--model.vocab_size 32", out)
+
+
+if __name__ == "__main__":
+    unittest.main()
