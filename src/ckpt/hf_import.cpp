@@ -77,7 +77,7 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
         FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,
                    shape_str(part.shape), spec.name);
       if (t.entry->shape != part.shape)
-        FORGE_FAIL("{}: tensor '{}' has shape {}, but config.json implies {}", t.file->path(), part.name,
+        FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
                    shape_str(t.entry->shape), shape_str(part.shape));
       t.file->read_as_float(*t.entry, dst + part.offset);
       used.insert(part.name);
@@ -87,9 +87,9 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
   for (const LocatedTensor& t : files.all())
     if (!used.count(t.entry->name) && !ignorable(t.entry->name)) unexpected.push_back(t.entry->name);
   if (!unexpected.empty()) {
-    std::string hint = config.tie_word_embeddings && used.count("lm_head.weight") == 0 &&
-                               std::find(unexpected.begin(), unexpected.end(), "lm_head.weight") != unexpected.end()
-                           ? " (config.json ties the output to the embedding, yet the files hold lm_head.weight)"
+    const bool has_lm_head = std::find(unexpected.begin(), unexpected.end(), "lm_head.weight") != unexpected.end();
+    std::string hint = config.tie_word_embeddings && has_lm_head
+                           ? " (the output is tied to the embedding, yet the files hold lm_head.weight)"
                            : "";
     FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(),
                config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
