@@ -34,6 +34,8 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
 
 #ifdef FORGE_CUDA
 cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d) {
+  // cuDNN's fused attention rejects a single-token sequence; no training run has one.
+  if (d.seq < 2) FORGE_FAIL("attention on CUDA needs a sequence of at least 2 tokens, got {}", d.seq);
   return {d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.window, d.scale};
 }
 #endif

@@ -17,7 +17,7 @@ struct AttentionCase {
 
 TEST(GpuAttention, ForwardAndBackwardMatchCpu) {
   Rng rng(seed_for_current_test());
-  for (AttentionCase c : {AttentionCase{1, 1, 2, 1, 64, 0}, AttentionCase{2, 37, 4, 4, 64, 0},
+  for (AttentionCase c : {AttentionCase{1, 2, 2, 1, 64, 0}, AttentionCase{2, 37, 4, 4, 64, 0},
                           AttentionCase{1, 129, 8, 2, 128, 0}, AttentionCase{2, 100, 8, 2, 128, 16},
                           AttentionCase{1, 512, 32, 8, 128, 0}, AttentionCase{1, 300, 4, 1, 64, 1}}) {
     int64_t heads = c.q_heads + 2 * c.kv_heads;
@@ -41,6 +41,12 @@ TEST(GpuAttention, ForwardAndBackwardMatchCpu) {
     attention_backward(dqkvg, to_gpu(dout, DType::BF16), qkvg, outg, lseg, shape);
     EXPECT_LT(relative_l2(to_cpu_f32(dqkvg), dqkv), 2 * kBf16Tolerance) << what;
   }
+}
+
+TEST(GpuAttention, SingleTokenSequenceIsAClearError) {
+  Tensor qkv = poisoned_gpu({1, 1, 3, 64}, DType::BF16);
+  Tensor out = poisoned_gpu({1, 1, 1, 64}, DType::BF16), lse = poisoned_gpu({1, 1, 1}, DType::F32);
+  EXPECT_THROW(attention_forward(out, lse, qkv, AttentionShape{1, 1, 0, 0.125f}), Error);
 }
 
 }  // namespace
