@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "core/device.h"
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -11,6 +12,12 @@
 
 namespace forge {
 namespace {
+
+#ifdef FORGE_CUDA
+constexpr bool kCudaBuilt = true;
+#else
+constexpr bool kCudaBuilt = false;
+#endif
 
 enum SeedStream : uint64_t { kWeightsSeed = 1, kDataSeed = 2, kOrderSeed = 3 };
 
@@ -30,18 +37,33 @@ std::string human_count(double n) {
 Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml)
     : config_(config), resolved_yaml_(std::move(resolved_config_yaml)) {
   const TrainingConfig& t = config_.training;
-  if (t.device != "cpu") FORGE_FAIL("training.device '{}' is not available: this build of forge runs on 'cpu'", t.device);
-  if (config_.precision.compute_dtype != "fp32")
+  if (t.device == "cuda") {
+    if (!cuda_available())
+      FORGE_FAIL("training.device is 'cuda' but {}", kCudaBuilt ? "no GPU is visible"
+                                                                      : "this build of forge has no CUDA backend");
+    if (config_.precision.compute_dtype != "bf16")
+      FORGE_FAIL("precision.compute_dtype '{}' is not available on CUDA: use bf16", config_.precision.compute_dtype);
+    device_ = Device::CUDA;
+  } else if (config_.precision.compute_dtype != "fp32") {
     FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
                config_.precision.compute_dtype);
+  }
   if (config_.parallelism.data_parallel_shard_degree != 1)
     FORGE_FAIL("parallelism.data_parallel_shard_degree {} needs the NCCL backend; this build runs one process",
                config_.parallelism.data_parallel_shard_degree);
 
-  params_ = std::make_unique<FlatParameters>(config_.model);
-  grads_ = std::make_unique<FlatParameters>(config_.model);
+  // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
+  // gradients; the model computes with a bf16 copy of the weights refreshed after every
+  // optimizer step. On the CPU the fp32 weights are used directly.
+  params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
+  grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
   params_->initialize(derive_seed(t.seed, kWeightsSeed));
-  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len);
+  if (device_ == Device::CUDA) {
+    compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16);
+    compute_weights_->assign_from(*params_);
+  }
+  const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
+  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype);
 
   std::vector<bool> decay;
   for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
@@ -74,7 +96,7 @@ EvalMetrics Trainer::evaluate(int64_t step) {
   LossSum total;
   for (int64_t i = 0; i < config_.eval.steps; ++i) {
     Batch batch = loader.next();
-    LossSum l = model_->forward_loss(batch.tokens, batch.targets, *params_);
+    LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights());
     total.sum += l.sum;
     total.tokens += l.tokens;
   }
@@ -93,7 +115,7 @@ TrainResult Trainer::run() {
   const int64_t accum = t.gradient_accumulation_steps;
   const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
-  const std::optional<double> peak = peak_tflops(t.device);
+  const std::optional<double> peak = peak_tflops(accelerator_name());
 
   TrainResult result;
   result.run_dir = run_dir_;
@@ -112,7 +134,7 @@ TrainResult Trainer::run() {
                                {"parameters", mc.total_params()},
                                {"flops_per_token", mc.flops_per_token(t.seq_len)},
                                {"tokens_per_step", tokens_per_step},
-                               {"device", t.device}};
+                               {"device", accelerator_name()}};
   run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
   metrics_->write(run_record);
 
@@ -130,12 +152,14 @@ TrainResult Trainer::run() {
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     for (auto& b : batches) {
-      LossSum l = model_->forward_backward(b.tokens, b.targets, *params_, *grads_, grad_scale);
+      LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), *grads_,
+                                           grad_scale);
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
     double norm = clip_grad_norm(grads_->tensors(), t.max_norm);
     optimizer_->step(grads_->tensors(), lr);
+    if (compute_weights_) compute_weights_->assign_from(*params_);
     double dt = seconds_since(t0);
 
     StepMetrics m;

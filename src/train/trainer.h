@@ -48,11 +48,14 @@ class Trainer {
  private:
   void prepare_run_dir();
   double lr_for_step(int64_t step) const;
+  // The weights the model computes with: the bf16 copy on CUDA, the fp32 weights on the CPU.
+  FlatParameters& weights() { return compute_weights_ ? *compute_weights_ : *params_; }
 
   ExperimentConfig config_;
   std::string resolved_yaml_;
   std::string run_dir_;
-  std::unique_ptr<FlatParameters> params_, grads_;
+  Device device_ = Device::CPU;
+  std::unique_ptr<FlatParameters> params_, grads_, compute_weights_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
