@@ -199,6 +199,7 @@ void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool
       FORGE_FAIL("checkpoint metadata '{}' lists {} twice", file, describe(rec));
 
   const std::vector<ParamSpec> specs = parameter_specs(model);
+  std::vector<std::pair<const TensorRecord*, int64_t>> placed;  // record, flat offset the model gives it
   for (FlatState state : kFlatStates) {
     int64_t offset = 0;
     for (const ParamSpec& spec : specs) {
@@ -213,9 +214,7 @@ void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool
                    "configured model is {})",
                    ck.dir, describe(rec), shape_str(rec.shape), shape_str(spec.shape), describe_model(md.model),
                    describe_model(model));
-      if (rec.flat_offset != offset)
-        FORGE_FAIL("checkpoint '{}': {} is at flat offset {}, the configured model places it at {}", ck.dir,
-                   describe(rec), rec.flat_offset, offset);
+      placed.emplace_back(&rec, offset);
       saved.erase(it);
       offset += shape_numel(spec.shape);
     }
@@ -224,6 +223,10 @@ void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool
     FORGE_FAIL("checkpoint '{}' holds {}, which the configured model does not have: it was saved for model {}, the "
                "configured model is {}",
                ck.dir, describe(*saved.begin()->second), describe_model(md.model), describe_model(model));
+  for (const auto& [rec, offset] : placed)
+    if (rec->flat_offset != offset)
+      FORGE_FAIL("checkpoint '{}': {} is at flat offset {}, the configured model places it at {}", ck.dir,
+                 describe(*rec), rec->flat_offset, offset);
   if (same_architecture) check_architecture(file, md.model, model);
 }
 
