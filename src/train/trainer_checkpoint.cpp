@@ -59,6 +59,10 @@ void Trainer::restore_checkpoint(const std::string& dir) {
 }
 
 void Trainer::load_initial_weights(const std::string& path) {
+  if (!std::filesystem::is_directory(path))
+    FORGE_FAIL("checkpoint.initial_load_path '{}' is not a directory (expected a forge checkpoint, step-<N>, or a "
+               "folder of them)",
+               path);
   std::string dir = path;
   if (!std::filesystem::exists(path + "/metadata.json")) {
     const std::vector<int64_t> steps = checkpoint_steps(path);
