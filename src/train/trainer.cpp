@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "ckpt/checkpoint.h"
 #include "core/device.h"
 #include "core/log.h"
 #include "core/parallel.h"
@@ -78,13 +79,33 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
 
 Trainer::~Trainer() = default;
 
+// Everything that can refuse the run (an old run without a checkpoint, a bad checkpoint)
+// happens before the first write, so a refused run leaves the directory as it was.
 void Trainer::prepare_run_dir() {
   run_dir_ = expand_run_dir(config_.logging.run_dir, config_.model.name);
-  if (std::filesystem::exists(run_dir_ + "/metrics.jsonl"))
-    FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir", run_dir_);
+  const CheckpointConfig& ckpt = config_.checkpoint;
+  if (ckpt.enable) resume_from_ = find_checkpoint(checkpoint_folder(), ckpt.load_step);
+  const bool earlier_run = std::filesystem::exists(run_dir_ + "/metrics.jsonl");
+  if (earlier_run && !resume_from_) {
+    if (ckpt.enable)
+      FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl) and '{}' holds no checkpoint to resume "
+                 "from; choose another logging.run_dir",
+                 run_dir_, checkpoint_folder());
+    FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir, or enable "
+               "checkpoint.enable to resume it from its checkpoints",
+               run_dir_);
+  }
+  if (resume_from_) {
+    if (!ckpt.initial_load_path.empty())
+      log_info("checkpoint.initial_load_path is ignored: resuming from a checkpoint of this run");
+    restore_checkpoint(*resume_from_);
+  } else if (!ckpt.initial_load_path.empty()) {
+    load_initial_weights(ckpt.initial_load_path);
+  }
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
+  if (earlier_run) log_info("appending to {}/metrics.jsonl from step {}", run_dir_, start_step_ + 1);
 }
 
 double Trainer::lr_for_step(int64_t step) const {
@@ -137,9 +158,13 @@ TrainResult Trainer::run() {
                                {"device", accelerator_name()}};
   run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
   metrics_->write(run_record);
+  if (resume_from_)
+    metrics_->write(nlohmann::json{{"type", "resume"}, {"step", start_step_}, {"checkpoint", *resume_from_}});
+  if (start_step_ >= t.steps)
+    log_info("the checkpoint is at step {}, training.steps is {}: nothing left to train", start_step_, t.steps);
 
   std::vector<Batch> batches(accum);
-  for (int64_t step = 0; step < t.steps; ++step) {
+  for (int64_t step = start_step_; step < t.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     grads_->zero();
@@ -185,6 +210,8 @@ TrainResult Trainer::run() {
       result.evals.push_back(e);
       log_info("{}", format_eval(e, result.entropy_floor));
     }
+    const CheckpointConfig& ckpt = config_.checkpoint;
+    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps)) save_checkpoint(m.step);
   }
   return result;
 }
