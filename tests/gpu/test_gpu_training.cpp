@@ -6,6 +6,7 @@
 #include "gpu_testing.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
+#include "ops/cross_entropy.h"
 #include "optim/optimizer.h"
 
 namespace forge::gpu_test {
