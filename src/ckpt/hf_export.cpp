@@ -111,19 +111,26 @@ void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
 
 }  // namespace
 
+void check_hf_export_target(const std::string& dir) {
+  const fs::path target(dir);
+  if (fs::exists(target) && !fs::is_directory(target))
+    FORGE_FAIL("cannot export the Hugging Face model to '{}': it exists and is not a directory", dir);
+  if (fs::is_directory(target) && !fs::is_empty(target))
+    FORGE_FAIL("cannot export the Hugging Face model to '{}': the directory exists and is not empty (refusing to "
+               "overwrite it)",
+               dir);
+}
+
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options) {
   FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16,
               "Hugging Face export stores F32 or BF16, not {}", safetensors_dtype_name(options.dtype));
   FORGE_CHECK(options.max_shard_bytes > 0, "max_shard_bytes must be positive");
+  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
+              "Hugging Face export reads fp32 weights in host memory");
   fs::path target = fs::path(dir).lexically_normal();
   if (!target.has_filename()) target = target.parent_path();
   if (target.empty()) FORGE_FAIL("Hugging Face export: no target directory given");
-  if (fs::exists(target) && !fs::is_directory(target))
-    FORGE_FAIL("cannot export the Hugging Face model to '{}': it exists and is not a directory", target.string());
-  if (fs::is_directory(target) && !fs::is_empty(target))
-    FORGE_FAIL("cannot export the Hugging Face model to '{}': the directory exists and is not empty (refusing to "
-               "overwrite it)",
-               target.string());
+  check_hf_export_target(target.string());
   if (!options.source_dir.empty() && !fs::is_directory(options.source_dir))
     FORGE_FAIL("Hugging Face export: source model directory '{}' does not exist", options.source_dir);
 

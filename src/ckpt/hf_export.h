@@ -28,7 +28,12 @@ struct HfExportOptions {
   uint64_t max_shard_bytes = 5'000'000'000;  // as save_pretrained's default "5GB"
 };
 
-// Writes params (and params.config()) as a Hugging Face model directory at dir.
+// Writes params (fp32 on the CPU; and params.config()) as a Hugging Face model directory
+// at dir.
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options = {});
+
+// Fails, naming dir, when save_hf_model would refuse it (it exists and is not an empty
+// directory), so a run can refuse before it trains rather than after.
+void check_hf_export_target(const std::string& dir);
 
 }  // namespace forge

@@ -65,6 +65,8 @@ const std::vector<ArchitectureField>& architecture_fields() {
 }  // namespace
 
 void load_hf_weights(const std::string& dir, FlatParameters& params) {
+  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
+              "Hugging Face import writes fp32 weights in host memory");
   HfWeightFiles files(dir);
   const ModelConfig& config = params.config();
   std::set<std::string> used;

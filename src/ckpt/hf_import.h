@@ -27,8 +27,8 @@ struct HfModel {
 // after the directory) and its weights.
 HfModel load_hf_model(const std::string& dir);
 
-// Loads the weights of DIR into params, whose layout (params.config()) must be the one
-// DIR/config.json describes.
+// Loads the weights of DIR into params (fp32, host memory), whose layout
+// (params.config()) must be the one DIR/config.json describes.
 void load_hf_weights(const std::string& dir, FlatParameters& params);
 
 // The architecture fields in which `configured` and `hf` (from config.json) differ, each

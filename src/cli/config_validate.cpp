@@ -84,6 +84,18 @@ void check_data(const ExperimentConfig& config, const ConfigOrigins& origins) {
   }
 }
 
+void check_checkpoint(const ExperimentConfig& config, const ConfigOrigins& origins) {
+  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  if (config.checkpoint.initial_load_in_hf && config.checkpoint.initial_load_path.empty()) {
+    FORGE_FAIL("{} needs checkpoint.initial_load_path: the Hugging Face model directory to start from",
+               show_key("checkpoint.initial_load_in_hf"));
+  }
+  if (config.checkpoint.load_step >= 0 && !config.checkpoint.enable) {
+    FORGE_FAIL("{} needs checkpoint.enable: true (resuming is part of checkpointing)",
+               show_key("checkpoint.load_step"));
+  }
+}
+
 void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
   TrainingConfig& training = config.training;
   const int64_t dp = config.parallelism.data_parallel_shard_degree;
@@ -117,6 +129,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_model(config, origins);
   check_training(config, origins);
   check_data(config, origins);
+  check_checkpoint(config, origins);
   config.model.validate();
   validate(config.optimizer, config.lr_scheduler, config.training.steps);
   resolve_batch(config, origins);

@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/device.h"
+
 namespace forge {
 
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
@@ -14,12 +16,17 @@ int64_t shape_numel(const Shape& shape) {
 }
 
 Tensor Tensor::empty(Shape shape, DType dtype, Device device) {
-  FORGE_CHECK(device == Device::CPU, "Tensor::empty on {} needs the CUDA allocator", device_name(device));
   for (int64_t d : shape) FORGE_CHECK(d >= 0, "negative dimension in {}", shape_str(shape));
   Tensor t;
   t.shape_ = std::move(shape);
   t.dtype_ = dtype;
   t.device_ = device;
+  if (device == Device::CUDA) {
+    void* p = device_malloc(t.nbytes());
+    t.storage_ = std::shared_ptr<void>(p, device_free);
+    t.data_ = p;
+    return t;
+  }
   size_t bytes = std::max<size_t>(t.nbytes(), 1);
   size_t aligned = (bytes + 63) / 64 * 64;
   void* p = std::aligned_alloc(64, aligned);
@@ -62,12 +69,18 @@ Tensor Tensor::narrow(int64_t begin, int64_t end) const {
 }
 
 void Tensor::fill_zero() const {
-  FORGE_CHECK(device_ == Device::CPU, "fill_zero on {}", device_name(device_));
-  if (nbytes()) std::memset(data_, 0, nbytes());
+  if (!nbytes()) return;
+  if (device_ == Device::CUDA) {
+    device_memset_zero(data_, nbytes());
+    return;
+  }
+  std::memset(data_, 0, nbytes());
 }
 
-Tensor Tensor::clone() const {
-  Tensor t = empty(shape_, dtype_, device_);
+Tensor Tensor::clone() const { return to(device_); }
+
+Tensor Tensor::to(Device device) const {
+  Tensor t = empty(shape_, dtype_, device);
   t.copy_from(*this);
   return t;
 }
@@ -75,8 +88,7 @@ Tensor Tensor::clone() const {
 void Tensor::copy_from(const Tensor& src) const {
   FORGE_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy {} {} into {} {}",
               dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_), shape_str(shape_));
-  FORGE_CHECK(device_ == Device::CPU && src.device() == Device::CPU, "host copy of device tensors");
-  if (nbytes()) std::memcpy(data_, src.raw(), nbytes());
+  copy_bytes(data_, device_, src.raw(), src.device(), nbytes());
 }
 
 void check_shape(const Tensor& t, const Shape& expected, const char* what) {

@@ -56,6 +56,8 @@ class Tensor {
   void fill_zero() const;
   // Deep copy (same device).
   Tensor clone() const;
+  // Deep copy onto `device`.
+  Tensor to(Device device) const;
   void copy_from(const Tensor& src) const;
 
  private:

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/rng.h"
+#include "ops/elementwise.h"
 
 namespace forge {
 
@@ -29,10 +30,11 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
   return specs;
 }
 
-FlatParameters::FlatParameters(const ModelConfig& config) : config_(config), specs_(parameter_specs(config)) {
+FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype)
+    : config_(config), specs_(parameter_specs(config)) {
   int64_t total = 0;
   for (const auto& s : specs_) total += shape_numel(s.shape);
-  flat_ = Tensor::zeros({total});
+  flat_ = Tensor::zeros({total}, dtype, device);
   int64_t offset = 0;
   for (const auto& s : specs_) {
     int64_t n = shape_numel(s.shape);
@@ -60,7 +62,20 @@ const Tensor& FlatParameters::find(const std::string& name) const {
   FORGE_FAIL("no parameter named '{}' in model '{}'", name, config_.name);
 }
 
+void FlatParameters::assign_from(const FlatParameters& other) {
+  FORGE_CHECK(other.flat_.numel() == flat_.numel(), "assign_from: {} values into {}", other.flat_.numel(),
+              flat_.numel());
+  Tensor src = other.flat_.device() == flat_.device() ? other.flat_ : other.flat_.to(flat_.device());
+  cast(flat_, src);
+}
+
 void FlatParameters::initialize(uint64_t seed) {
+  if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
+    FlatParameters host(config_);
+    host.initialize(seed);
+    assign_from(host);
+    return;
+  }
   const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config_.num_layers));
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];

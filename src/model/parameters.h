@@ -71,12 +71,13 @@ class GradSink {
   virtual const Tensor& output_grad() = 0;
 };
 
-// All parameters (or all gradients) in one contiguous fp32 buffer, viewed per tensor in
+// All parameters (or all gradients) in one contiguous buffer, viewed per tensor in
 // parameter_specs order. Serves as ParamSource for the weights and GradSink for the grads
-// of single-device training.
+// of single-device training. fp32 on the CPU; on CUDA fp32 (master weights, gradients)
+// or bf16 (the compute copy of the weights).
 class FlatParameters : public ParamSource, public GradSink {
  public:
-  explicit FlatParameters(const ModelConfig& config);
+  explicit FlatParameters(const ModelConfig& config, Device device = Device::CPU, DType dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
@@ -86,9 +87,12 @@ class FlatParameters : public ParamSource, public GradSink {
   const Tensor& find(const std::string& name) const;
 
   void zero() { flat_.fill_zero(); }
+  // Copies every value of `other` (same model), converting device and dtype as needed.
+  void assign_from(const FlatParameters& other);
   // Normal(0, init_std) matrices, with the two projections that feed the residual stream
   // (o, down) scaled by 1/sqrt(2 * layers); norm weights 1. Each tensor draws from its own
   // seeded stream, so initialization does not depend on anything but the seed and name.
+  // Values are drawn on the CPU in fp32 and then moved here.
   void initialize(uint64_t seed);
 
   const Tensor& embedding() override { return weights_.embedding; }

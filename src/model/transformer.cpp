@@ -24,41 +24,53 @@ constexpr int64_t kHeadChunkRows = 1024;
 
 }  // namespace
 
-Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len)
-    : config_(config), micro_batch_(micro_batch), seq_len_(seq_len), tokens_(micro_batch * seq_len) {
+Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
+                         DType compute_dtype)
+    : config_(config),
+      micro_batch_(micro_batch),
+      seq_len_(seq_len),
+      tokens_(micro_batch * seq_len),
+      device_(device),
+      compute_dtype_(compute_dtype) {
   config_.validate();
   FORGE_CHECK(micro_batch >= 1 && seq_len >= 1, "micro_batch {} seq_len {}", micro_batch, seq_len);
   const int64_t n = tokens_, h = config.hidden_size, f = config.ffn_hidden_size, d = config.resolved_head_dim();
   const int64_t hq = config.num_heads, hkv = config.num_kv_heads;
 
+  FORGE_CHECK(device == Device::CUDA ? compute_dtype == DType::BF16 : compute_dtype == DType::F32,
+              "compute dtype {} on {} (NOTE [Op placement])", dtype_name(compute_dtype), device_name(device));
   rope_tables(rope_cos_, rope_sin_, rope_inv_freq(d, config.rope_theta, config.rope_scaling), seq_len);
+  rope_cos_ = rope_cos_.to(device);
+  rope_sin_ = rope_sin_.to(device);
+  auto act = [&](Shape shape) { return Tensor::empty(std::move(shape), compute_dtype, device); };
+  auto stat = [&](Shape shape) { return Tensor::empty(std::move(shape), DType::F32, device); };
 
   acts_.resize(config.num_layers);
   for (auto& a : acts_) {
-    a.input = Tensor::empty({n, h});
-    a.rstd_attn = Tensor::empty({n});
-    a.normed_attn = Tensor::empty({n, h});
-    a.qkv = Tensor::empty({micro_batch, seq_len, hq + 2 * hkv, d});
-    a.attn_out = Tensor::empty({micro_batch, seq_len, hq, d});
-    a.lse = Tensor::empty({micro_batch, hq, seq_len});
-    a.mid = Tensor::empty({n, h});
-    a.rstd_mlp = Tensor::empty({n});
-    a.normed_mlp = Tensor::empty({n, h});
-    a.gate_up = Tensor::empty({n, 2 * f});
-    a.swiglu_out = Tensor::empty({n, f});
+    a.input = act({n, h});
+    a.rstd_attn = stat({n});
+    a.normed_attn = act({n, h});
+    a.qkv = act({micro_batch, seq_len, hq + 2 * hkv, d});
+    a.attn_out = act({micro_batch, seq_len, hq, d});
+    a.lse = stat({micro_batch, hq, seq_len});
+    a.mid = act({n, h});
+    a.rstd_mlp = stat({n});
+    a.normed_mlp = act({n, h});
+    a.gate_up = act({n, 2 * f});
+    a.swiglu_out = act({n, f});
   }
-  final_input_ = Tensor::empty({n, h});
-  final_rstd_ = Tensor::empty({n});
-  final_normed_ = Tensor::empty({n, h});
-  logits_chunk_ = Tensor::empty({std::min(n, kHeadChunkRows), config.vocab_size});
-  losses_ = Tensor::empty({n});
+  final_input_ = act({n, h});
+  final_rstd_ = stat({n});
+  final_normed_ = act({n, h});
+  logits_chunk_ = act({std::min(n, kHeadChunkRows), config.vocab_size});
+  losses_ = stat({n});
 
-  d_residual_ = Tensor::empty({n, h});
-  d_normed_ = Tensor::empty({n, h});
-  d_attn_out_ = Tensor::empty({n, hq * d});
-  d_qkv_ = Tensor::empty({micro_batch, seq_len, hq + 2 * hkv, d});
-  d_swiglu_ = Tensor::empty({n, f});
-  d_gate_up_ = Tensor::empty({n, 2 * f});
+  d_residual_ = act({n, h});
+  d_normed_ = act({n, h});
+  d_attn_out_ = act({n, hq * d});
+  d_qkv_ = act({micro_batch, seq_len, hq + 2 * hkv, d});
+  d_swiglu_ = act({n, f});
+  d_gate_up_ = act({n, 2 * f});
 }
 
 int64_t Transformer::activation_bytes() const {
@@ -120,8 +132,9 @@ LossSum Transformer::output_head(const Tensor& targets, ParamSource& weights, Gr
     }
   }
   LossSum loss;
-  const float* l = losses_.data<float>();
-  const int32_t* t = flat_targets.data<int32_t>();
+  const Tensor host_losses = losses_.to(Device::CPU), host_targets = flat_targets.to(Device::CPU);
+  const float* l = host_losses.data<float>();
+  const int32_t* t = host_targets.data<int32_t>();
   for (int64_t i = 0; i < n; ++i) {
     if (t[i] == kIgnoreIndex) continue;
     loss.sum += l[i];
@@ -178,6 +191,7 @@ LossSum Transformer::forward_loss(const Tensor& tokens, const Tensor& targets, P
 
 void Transformer::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits) {
   check_shape(logits, {tokens_, config_.vocab_size}, "logits");
+  check_dtype(logits, compute_dtype_, "logits");
   forward_blocks(tokens, weights);
   matmul(logits, final_normed_, false, weights.output(), true);
 }

@@ -28,7 +28,10 @@ struct LossSum {
 
 class Transformer {
  public:
-  Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len);
+  // Activations live on `device` in compute_dtype (fp32 on the CPU, bf16 on CUDA), with
+  // fp32 statistics (NOTE [Op placement]); the weights handed in must match.
+  Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
+              DType compute_dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
@@ -36,13 +39,17 @@ class Transformer {
   // Bytes of activation buffers planned for one micro-batch.
   int64_t activation_bytes() const;
 
-  // Loss of one micro-batch (tokens/targets int32 [micro_batch, seq_len]), and weight
+  Device device() const { return device_; }
+
+  // Loss of one micro-batch (tokens/targets int32 [micro_batch, seq_len] on the model's
+  // device), and weight
   // gradients of grad_scale * (sum of token losses) accumulated (+=) into grads.
   LossSum forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights, GradSink& grads,
                            float grad_scale);
   // Loss only (evaluation).
   LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights);
-  // Full logits [micro_batch * seq_len, vocab] (tests and small-model inspection).
+  // Full logits [micro_batch * seq_len, vocab] in the compute dtype (tests and small-model
+  // inspection).
   void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits);
 
  private:
@@ -66,6 +73,8 @@ class Transformer {
 
   ModelConfig config_;
   int64_t micro_batch_, seq_len_, tokens_;
+  Device device_;
+  DType compute_dtype_;
   Tensor rope_cos_, rope_sin_;
   std::vector<LayerActivations> acts_;
   Tensor final_input_, final_rstd_, final_normed_;

@@ -3,11 +3,15 @@
 #include <cmath>
 
 #include "kernels/cpu/adamw.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/adamw.h"
+#endif
 
 namespace forge {
 namespace {
 
-cpu::AdamWScalars adamw_scalars(const AdamWHyper& h) {
+AdamWScalars adamw_scalars(const AdamWHyper& h) {
   double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   return {
@@ -34,7 +38,11 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, cons
   check_dtype(v, DType::F32, "adamw exp_avg_sq");
   for (const Tensor* t : {&grad, &m, &v})
     FORGE_CHECK(t->device() == param.device(), "adamw_update: tensors on different devices");
-  FORGE_CHECK(param.device() == Device::CPU, "adamw_update: no CUDA kernel in this build");
+  if (param.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("adamw_update", cuda::adamw_update(param.data<float>(), grad.data<float>(), m.data<float>(),
+                                                       v.data<float>(), nullptr, param.numel(), adamw_scalars(h)));
+    return;
+  }
   cpu::adamw_update(param, grad, m, v, adamw_scalars(h));
 }
 

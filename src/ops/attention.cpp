@@ -1,6 +1,10 @@
 #include "ops/attention.h"
 
 #include "kernels/cpu/attention.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/attention.h"
+#endif
 
 namespace forge {
 namespace {
@@ -28,12 +32,29 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
                             .scale = shape.scale};
 }
 
+#ifdef FORGE_CUDA
+cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d) {
+  // cuDNN's fused attention rejects a single-token sequence; no training run has one.
+  if (d.seq < 2) FORGE_FAIL("attention on CUDA needs a sequence of at least 2 tokens, got {}", d.seq);
+  return {d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.window, d.scale};
+}
+#endif
+
 }  // namespace
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape) {
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_forward");
   check_shape(out, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_forward out");
   check_shape(lse, {dims.batch, dims.q_heads, dims.seq}, "attention_forward lse");
+  if (qkv.device() == Device::CUDA) {
+    expect_tensor(out, Device::CUDA, DType::BF16, "attention_forward out");
+    expect_tensor(lse, Device::CUDA, DType::F32, "attention_forward lse");
+    expect_tensor(qkv, Device::CUDA, DType::BF16, "attention_forward qkv");
+    FORGE_CUDA_CALL("attention_forward",
+                    cuda::attention_forward(static_cast<cuda::bf16*>(out.raw()), lse.data<float>(),
+                                            static_cast<const cuda::bf16*>(qkv.raw()), cuda_problem(dims)));
+    return;
+  }
   check_f32_cpu(out, "attention_forward out");
   check_f32_cpu(lse, "attention_forward lse");
   check_f32_cpu(qkv, "attention_forward qkv");
@@ -47,12 +68,26 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
   check_shape(dout, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_backward dout");
   check_shape(out, dout.shape(), "attention_backward out");
   check_shape(lse, {dims.batch, dims.q_heads, dims.seq}, "attention_backward lse");
+  FORGE_CHECK(dqkv.raw() != qkv.raw(), "attention_backward: dqkv must not alias qkv");
+  if (qkv.device() == Device::CUDA) {
+    expect_tensor(dqkv, Device::CUDA, DType::BF16, "attention_backward dqkv");
+    expect_tensor(dout, Device::CUDA, DType::BF16, "attention_backward dout");
+    expect_tensor(qkv, Device::CUDA, DType::BF16, "attention_backward qkv");
+    expect_tensor(out, Device::CUDA, DType::BF16, "attention_backward out");
+    expect_tensor(lse, Device::CUDA, DType::F32, "attention_backward lse");
+    FORGE_CUDA_CALL("attention_backward",
+                    cuda::attention_backward(static_cast<cuda::bf16*>(dqkv.raw()),
+                                             static_cast<const cuda::bf16*>(dout.raw()),
+                                             static_cast<const cuda::bf16*>(qkv.raw()),
+                                             static_cast<const cuda::bf16*>(out.raw()), lse.data<float>(),
+                                             cuda_problem(dims)));
+    return;
+  }
   check_f32_cpu(dqkv, "attention_backward dqkv");
   check_f32_cpu(dout, "attention_backward dout");
   check_f32_cpu(qkv, "attention_backward qkv");
   check_f32_cpu(out, "attention_backward out");
   check_f32_cpu(lse, "attention_backward lse");
-  FORGE_CHECK(dqkv.raw() != qkv.raw(), "attention_backward: dqkv must not alias qkv");
   cpu::attention_backward(dqkv.data<float>(), dout.data<float>(), qkv.data<float>(), out.data<float>(),
                           lse.data<float>(), dims);
 }

@@ -1,6 +1,10 @@
 #include "ops/cross_entropy.h"
 
 #include "kernels/cpu/cross_entropy.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/cross_entropy.h"
+#endif
 
 namespace forge {
 namespace {
@@ -19,6 +23,22 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
   FORGE_CHECK(vocab > 0, "cross_entropy: logits {} have no classes", shape_str(logits.shape()));
   check_shape(losses, {rows}, "cross_entropy losses");
   check_shape(targets, {rows}, "cross_entropy targets");
+  if (logits.device() == Device::CUDA) {
+    // Targets on the GPU were validated when the batch was made (data layer).
+    expect_tensor(losses, Device::CUDA, DType::F32, "cross_entropy losses");
+    expect_tensor(logits, Device::CUDA, DType::BF16, "cross_entropy logits");
+    expect_tensor(targets, Device::CUDA, DType::I32, "cross_entropy targets");
+    if (dlogits.defined()) {
+      check_shape(dlogits, logits.shape(), "cross_entropy dlogits");
+      expect_tensor(dlogits, Device::CUDA, DType::BF16, "cross_entropy dlogits");
+    }
+    FORGE_CUDA_CALL("cross_entropy",
+                    cuda::cross_entropy_forward_backward(
+                        losses.data<float>(), dlogits.defined() ? static_cast<cuda::bf16*>(dlogits.raw()) : nullptr,
+                        static_cast<const cuda::bf16*>(logits.raw()), targets.data<int32_t>(), rows, vocab,
+                        ignore_index, grad_scale));
+    return;
+  }
   check_cpu(losses, DType::F32, "cross_entropy losses");
   check_cpu(logits, DType::F32, "cross_entropy logits");
   check_cpu(targets, DType::I32, "cross_entropy targets");

@@ -1,4 +1,5 @@
-// Small elementwise ops on same-shaped fp32 tensors.
+// Small elementwise ops on same-shaped tensors: fp32 on the CPU; on CUDA bf16 or fp32
+// (NOTE [Op placement]).
 #pragma once
 
 #include "core/tensor.h"
@@ -13,5 +14,7 @@ void add(const Tensor& out, const Tensor& a, const Tensor& b);
 void scale_inplace(const Tensor& a, float s);
 // sum of squares of all elements, accumulated in double (for the global grad norm)
 double sum_of_squares(const Tensor& a);
+// out = in converted between fp32 and bf16 (same device, same element count)
+void cast(const Tensor& out, const Tensor& in);
 
 }  // namespace forge

@@ -1,6 +1,10 @@
 #include "ops/embedding.h"
 
 #include "kernels/cpu/embedding.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/embedding.h"
+#endif
 
 namespace forge {
 namespace {
@@ -26,6 +30,16 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& ta
   FORGE_CHECK(tokens.ndim() == 1, "embedding_forward: tokens {} must be [N]", shape_str(tokens.shape()));
   int64_t count = tokens.dim(0), vocab = table.dim(0), hidden = table.dim(1);
   check_shape(out, {count, hidden}, "embedding_forward out");
+  if (table.device() == Device::CUDA) {
+    // Token ids on the GPU were validated when the batch was made (data layer).
+    expect_tensor(out, Device::CUDA, DType::BF16, "embedding_forward out");
+    expect_tensor(tokens, Device::CUDA, DType::I32, "embedding_forward tokens");
+    expect_tensor(table, Device::CUDA, DType::BF16, "embedding_forward table");
+    FORGE_CUDA_CALL("embedding_forward",
+                    cuda::embedding_forward(static_cast<cuda::bf16*>(out.raw()), tokens.data<int32_t>(),
+                                            static_cast<const cuda::bf16*>(table.raw()), count, hidden));
+    return;
+  }
   check_cpu(out, DType::F32, "embedding_forward out");
   check_cpu(tokens, DType::I32, "embedding_forward tokens");
   check_cpu(table, DType::F32, "embedding_forward table");
@@ -38,6 +52,15 @@ void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& 
   FORGE_CHECK(tokens.ndim() == 1, "embedding_backward: tokens {} must be [N]", shape_str(tokens.shape()));
   int64_t count = tokens.dim(0), vocab = dtable.dim(0), hidden = dtable.dim(1);
   check_shape(dout, {count, hidden}, "embedding_backward dout");
+  if (dtable.device() == Device::CUDA) {
+    expect_tensor(dtable, Device::CUDA, DType::F32, "embedding_backward dtable");
+    expect_tensor(dout, Device::CUDA, DType::BF16, "embedding_backward dout");
+    expect_tensor(tokens, Device::CUDA, DType::I32, "embedding_backward tokens");
+    FORGE_CUDA_CALL("embedding_backward",
+                    cuda::embedding_backward(dtable.data<float>(), static_cast<const cuda::bf16*>(dout.raw()),
+                                             tokens.data<int32_t>(), count, hidden));
+    return;
+  }
   check_cpu(dtable, DType::F32, "embedding_backward dtable");
   check_cpu(dout, DType::F32, "embedding_backward dout");
   check_cpu(tokens, DType::I32, "embedding_backward tokens");

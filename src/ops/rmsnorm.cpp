@@ -1,6 +1,10 @@
 #include "ops/rmsnorm.h"
 
 #include "kernels/cpu/rmsnorm.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/rmsnorm.h"
+#endif
 
 namespace forge {
 namespace {
@@ -18,6 +22,17 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
   check_shape(y, x.shape(), "rmsnorm_forward y");
   check_shape(rstd, {rows}, "rmsnorm_forward rstd");
   check_shape(weight, {dim}, "rmsnorm_forward weight");
+  if (x.device() == Device::CUDA) {
+    expect_tensor(y, Device::CUDA, DType::BF16, "rmsnorm_forward y");
+    expect_tensor(rstd, Device::CUDA, DType::F32, "rmsnorm_forward rstd");
+    expect_tensor(x, Device::CUDA, DType::BF16, "rmsnorm_forward x");
+    expect_tensor(weight, Device::CUDA, DType::BF16, "rmsnorm_forward weight");
+    FORGE_CUDA_CALL("rmsnorm_forward",
+                    cuda::rmsnorm_forward(static_cast<cuda::bf16*>(y.raw()), rstd.data<float>(),
+                                          static_cast<const cuda::bf16*>(x.raw()),
+                                          static_cast<const cuda::bf16*>(weight.raw()), rows, dim, eps));
+    return;
+  }
   check_f32_cpu(y, "rmsnorm_forward y");
   check_f32_cpu(rstd, "rmsnorm_forward rstd");
   check_f32_cpu(x, "rmsnorm_forward x");
@@ -34,6 +49,21 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
   check_shape(dweight, {dim}, "rmsnorm_backward dweight");
   check_shape(weight, {dim}, "rmsnorm_backward weight");
   check_shape(rstd, {rows}, "rmsnorm_backward rstd");
+  if (x.device() == Device::CUDA) {
+    expect_tensor(dx, Device::CUDA, DType::BF16, "rmsnorm_backward dx");
+    expect_tensor(dweight, Device::CUDA, DType::F32, "rmsnorm_backward dweight");
+    expect_tensor(dy, Device::CUDA, DType::BF16, "rmsnorm_backward dy");
+    expect_tensor(x, Device::CUDA, DType::BF16, "rmsnorm_backward x");
+    expect_tensor(weight, Device::CUDA, DType::BF16, "rmsnorm_backward weight");
+    expect_tensor(rstd, Device::CUDA, DType::F32, "rmsnorm_backward rstd");
+    FORGE_CUDA_CALL("rmsnorm_backward",
+                    cuda::rmsnorm_backward(static_cast<cuda::bf16*>(dx.raw()), dweight.data<float>(),
+                                           static_cast<const cuda::bf16*>(dy.raw()),
+                                           static_cast<const cuda::bf16*>(x.raw()),
+                                           static_cast<const cuda::bf16*>(weight.raw()), rstd.data<float>(), rows,
+                                           dim));
+    return;
+  }
   check_f32_cpu(dx, "rmsnorm_backward dx");
   check_f32_cpu(dweight, "rmsnorm_backward dweight");
   check_f32_cpu(dy, "rmsnorm_backward dy");

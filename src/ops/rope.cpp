@@ -4,6 +4,10 @@
 #include <numbers>
 
 #include "kernels/cpu/rope.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/rope.h"
+#endif
 
 namespace forge {
 namespace {
@@ -33,15 +37,19 @@ void check_rope_args(const Tensor& x, int64_t num_rotated_heads, const Tensor& c
               "{}: cos table {} does not cover seq {} and head_dim {}", op, shape_str(cos.shape()), x.dim(1),
               x.dim(3));
   check_shape(sin, cos.shape(), op);
-  for (const Tensor* t : {&x, &cos, &sin}) {
-    check_dtype(*t, DType::F32, op);
-    FORGE_CHECK(t->device() == Device::CPU, "{}: no CUDA kernel in this build", op);
-  }
+  expect_tensor(x, x.device(), x.device() == Device::CUDA ? DType::BF16 : DType::F32, op);
+  expect_tensor(cos, x.device(), DType::F32, op);
+  expect_tensor(sin, x.device(), DType::F32, op);
 }
 
 void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin, bool inverse,
                 const char* op) {
   check_rope_args(x, num_rotated_heads, cos, sin, op);
+  if (x.device() == Device::CUDA) {
+    FORGE_CUDA_CALL(op, cuda::rope_rotate(static_cast<cuda::bf16*>(x.raw()), x.dim(0), x.dim(1), x.dim(2), x.dim(3),
+                                          num_rotated_heads, cos.data<float>(), sin.data<float>(), inverse));
+    return;
+  }
   cpu::rope_rotate(x.data<float>(), x.dim(0), x.dim(1), x.dim(2), x.dim(3), num_rotated_heads, cos.data<float>(),
                    sin.data<float>(), inverse);
 }

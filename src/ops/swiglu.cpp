@@ -1,6 +1,10 @@
 #include "ops/swiglu.h"
 
 #include "kernels/cpu/swiglu.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/swiglu.h"
+#endif
 
 namespace forge {
 namespace {
@@ -17,6 +21,13 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
               shape_str(gate_up.shape()));
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
   check_shape(out, {rows, ffn}, "swiglu_forward out");
+  if (gate_up.device() == Device::CUDA) {
+    expect_tensor(out, Device::CUDA, DType::BF16, "swiglu_forward out");
+    expect_tensor(gate_up, Device::CUDA, DType::BF16, "swiglu_forward gate_up");
+    FORGE_CUDA_CALL("swiglu_forward", cuda::swiglu_forward(static_cast<cuda::bf16*>(out.raw()),
+                                                           static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
+    return;
+  }
   check_f32_cpu(out, "swiglu_forward out");
   check_f32_cpu(gate_up, "swiglu_forward gate_up");
   cpu::swiglu_forward(out.data<float>(), gate_up.data<float>(), rows, ffn);
@@ -28,6 +39,16 @@ void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& g
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
   check_shape(dgate_up, gate_up.shape(), "swiglu_backward dgate_up");
   check_shape(dout, {rows, ffn}, "swiglu_backward dout");
+  if (gate_up.device() == Device::CUDA) {
+    expect_tensor(dgate_up, Device::CUDA, DType::BF16, "swiglu_backward dgate_up");
+    expect_tensor(dout, Device::CUDA, DType::BF16, "swiglu_backward dout");
+    expect_tensor(gate_up, Device::CUDA, DType::BF16, "swiglu_backward gate_up");
+    FORGE_CUDA_CALL("swiglu_backward",
+                    cuda::swiglu_backward(static_cast<cuda::bf16*>(dgate_up.raw()),
+                                          static_cast<const cuda::bf16*>(dout.raw()),
+                                          static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
+    return;
+  }
   check_f32_cpu(dgate_up, "swiglu_backward dgate_up");
   check_f32_cpu(dout, "swiglu_backward dout");
   check_f32_cpu(gate_up, "swiglu_backward gate_up");

@@ -4,8 +4,9 @@
 #include <cmath>
 #include <filesystem>
 
+#include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
-#include "ckpt/hf_import.h"
+#include "core/device.h"
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/rng.h"
@@ -13,6 +14,12 @@
 
 namespace forge {
 namespace {
+
+#ifdef FORGE_CUDA
+constexpr bool kCudaBuilt = true;
+#else
+constexpr bool kCudaBuilt = false;
+#endif
 
 enum SeedStream : uint64_t { kWeightsSeed = 1, kDataSeed = 2, kOrderSeed = 3 };
 
@@ -32,24 +39,33 @@ std::string human_count(double n) {
 Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml)
     : config_(config), resolved_yaml_(std::move(resolved_config_yaml)) {
   const TrainingConfig& t = config_.training;
-  if (t.device != "cpu") FORGE_FAIL("training.device '{}' is not available: this build of forge runs on 'cpu'", t.device);
-  if (config_.precision.compute_dtype != "fp32")
+  if (t.device == "cuda") {
+    if (!cuda_available())
+      FORGE_FAIL("training.device is 'cuda' but {}", kCudaBuilt ? "no GPU is visible"
+                                                                      : "this build of forge has no CUDA backend");
+    if (config_.precision.compute_dtype != "bf16")
+      FORGE_FAIL("precision.compute_dtype '{}' is not available on CUDA: use bf16", config_.precision.compute_dtype);
+    device_ = Device::CUDA;
+  } else if (config_.precision.compute_dtype != "fp32") {
     FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
                config_.precision.compute_dtype);
+  }
   if (config_.parallelism.data_parallel_shard_degree != 1)
     FORGE_FAIL("parallelism.data_parallel_shard_degree {} needs the NCCL backend; this build runs one process",
                config_.parallelism.data_parallel_shard_degree);
 
-  params_ = std::make_unique<FlatParameters>(config_.model);
-  grads_ = std::make_unique<FlatParameters>(config_.model);
+  // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
+  // gradients; the model computes with a bf16 copy of the weights refreshed after every
+  // optimizer step. On the CPU the fp32 weights are used directly.
+  params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
+  grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
   params_->initialize(derive_seed(t.seed, kWeightsSeed));
-  if (config_.checkpoint.initial_load_in_hf) {
-    if (config_.checkpoint.initial_load_path.empty())
-      FORGE_FAIL("checkpoint.initial_load_in_hf is true but checkpoint.initial_load_path is empty: give the Hugging "
-                 "Face model directory to start from");
-    load_hf_weights_checked(config_.checkpoint.initial_load_path, *params_);
+  if (device_ == Device::CUDA) {
+    compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16);
+    compute_weights_->assign_from(*params_);
   }
-  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len);
+  const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
+  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype);
 
   std::vector<bool> decay;
   for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
@@ -64,13 +80,34 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
 
 Trainer::~Trainer() = default;
 
+// Everything that can refuse the run (an old run without a checkpoint, a bad checkpoint)
+// happens before the first write, so a refused run leaves the directory as it was.
 void Trainer::prepare_run_dir() {
   run_dir_ = expand_run_dir(config_.logging.run_dir, config_.model.name);
-  if (std::filesystem::exists(run_dir_ + "/metrics.jsonl"))
-    FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir", run_dir_);
+  const CheckpointConfig& ckpt = config_.checkpoint;
+  if (ckpt.enable) resume_from_ = find_checkpoint(checkpoint_folder(), ckpt.load_step);
+  const bool earlier_run = std::filesystem::exists(run_dir_ + "/metrics.jsonl");
+  if (earlier_run && !resume_from_) {
+    if (ckpt.enable)
+      FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl) and '{}' holds no checkpoint to resume "
+                 "from; choose another logging.run_dir",
+                 run_dir_, checkpoint_folder());
+    FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir, or enable "
+               "checkpoint.enable to resume it from its checkpoints",
+               run_dir_);
+  }
+  if (resume_from_) {
+    if (!ckpt.initial_load_path.empty())
+      log_info("checkpoint.initial_load_path is ignored: resuming from a checkpoint of this run");
+    restore_checkpoint(*resume_from_);
+  } else if (!ckpt.initial_load_path.empty()) {
+    load_initial_weights(ckpt.initial_load_path);
+  }
+  if (ckpt.last_save_in_hf) check_hf_export_target(run_dir_ + "/hf");
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
+  if (earlier_run) log_info("appending to {}/metrics.jsonl from step {}", run_dir_, start_step_ + 1);
 }
 
 double Trainer::lr_for_step(int64_t step) const {
@@ -82,7 +119,7 @@ EvalMetrics Trainer::evaluate(int64_t step) {
   LossSum total;
   for (int64_t i = 0; i < config_.eval.steps; ++i) {
     Batch batch = loader.next();
-    LossSum l = model_->forward_loss(batch.tokens, batch.targets, *params_);
+    LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights());
     total.sum += l.sum;
     total.tokens += l.tokens;
   }
@@ -101,7 +138,7 @@ TrainResult Trainer::run() {
   const int64_t accum = t.gradient_accumulation_steps;
   const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
-  const std::optional<double> peak = peak_tflops(t.device);
+  const std::optional<double> peak = peak_tflops(accelerator_name());
 
   TrainResult result;
   result.run_dir = run_dir_;
@@ -120,12 +157,16 @@ TrainResult Trainer::run() {
                                {"parameters", mc.total_params()},
                                {"flops_per_token", mc.flops_per_token(t.seq_len)},
                                {"tokens_per_step", tokens_per_step},
-                               {"device", t.device}};
+                               {"device", accelerator_name()}};
   run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
   metrics_->write(run_record);
+  if (resume_from_)
+    metrics_->write(nlohmann::json{{"type", "resume"}, {"step", start_step_}, {"checkpoint", *resume_from_}});
+  if (start_step_ >= t.steps)
+    log_info("the checkpoint is at step {}, training.steps is {}: nothing left to train", start_step_, t.steps);
 
   std::vector<Batch> batches(accum);
-  for (int64_t step = 0; step < t.steps; ++step) {
+  for (int64_t step = start_step_; step < t.steps; ++step) {
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     grads_->zero();
@@ -138,12 +179,14 @@ TrainResult Trainer::run() {
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     for (auto& b : batches) {
-      LossSum l = model_->forward_backward(b.tokens, b.targets, *params_, *grads_, grad_scale);
+      LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), *grads_,
+                                           grad_scale);
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
     double norm = clip_grad_norm(grads_->tensors(), t.max_norm);
     optimizer_->step(grads_->tensors(), lr);
+    if (compute_weights_) compute_weights_->assign_from(*params_);
     double dt = seconds_since(t0);
 
     StepMetrics m;
@@ -169,13 +212,10 @@ TrainResult Trainer::run() {
       result.evals.push_back(e);
       log_info("{}", format_eval(e, result.entropy_floor));
     }
+    const CheckpointConfig& ckpt = config_.checkpoint;
+    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps)) save_checkpoint(m.step);
   }
-  if (config_.checkpoint.last_save_in_hf) {
-    HfExportOptions hf;
-    hf.dtype = config_.precision.compute_dtype == "bf16" ? SafetensorsDType::BF16 : SafetensorsDType::F32;
-    if (config_.checkpoint.initial_load_in_hf) hf.source_dir = config_.checkpoint.initial_load_path;
-    save_hf_model(run_dir_ + "/hf", *params_, hf);
-  }
+  if (config_.checkpoint.last_save_in_hf) export_hf_model();
   return result;
 }
 

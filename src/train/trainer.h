@@ -11,10 +11,18 @@
 // not the mean of per-micro-batch means, so masking and accumulation do not change what
 // is being minimized. The trainer counts the targets of all micro-batches first and
 // passes 1/count as the gradient scale.
+//
+// NOTE [Exact resume]
+// A checkpoint at step k holds everything the loop reads that changes from step to step:
+// parameters, AdamW m, v and step count, and the data loader position. The LR comes from
+// the schedule at the step, evaluation uses its own fresh loader, and nothing else draws
+// random numbers, so a run resumed at step k computes bitwise the losses the
+// uninterrupted run computes (on the CPU path, whose kernels fix their summation order).
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,11 +56,25 @@ class Trainer {
  private:
   void prepare_run_dir();
   double lr_for_step(int64_t step) const;
+  // The weights the model computes with: the bf16 copy on CUDA, the fp32 weights on the CPU.
+  FlatParameters& weights() { return compute_weights_ ? *compute_weights_ : *params_; }
+
+  // trainer_checkpoint.cpp
+  std::string checkpoint_folder() const;
+  void restore_checkpoint(const std::string& dir);
+  void load_initial_weights(const std::string& path);
+  void save_checkpoint(int64_t step);
+  // trainer_hf.cpp
+  void load_initial_hf_weights(const std::string& dir);
+  void export_hf_model() const;
 
   ExperimentConfig config_;
   std::string resolved_yaml_;
   std::string run_dir_;
-  std::unique_ptr<FlatParameters> params_, grads_;
+  std::optional<std::string> resume_from_;  // the checkpoint this run continues, if any
+  int64_t start_step_ = 0;                  // optimizer steps already done (resumed runs)
+  Device device_ = Device::CPU;
+  std::unique_ptr<FlatParameters> params_, grads_, compute_weights_;
   std::unique_ptr<Transformer> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TokenDataset> train_data_, eval_data_;

@@ -6,6 +6,7 @@ gives the same logits again. A forge training run that starts from a Hugging Fac
 directory and exports its final weights is checked end to end."""
 import json
 import os
+import subprocess
 import unittest
 
 import numpy as np
@@ -164,8 +165,21 @@ class TrainFromHuggingFace(unittest.TestCase):
         changed = [n for n, p in loaded.state_dict().items() if not torch.equal(p, self.model.state_dict()[n])]
         self.assertTrue(changed, "training did not change the weights")
 
+    def test_resuming_a_run_that_exported_is_refused_before_training(self):
+        run_dir = os.path.join(self.work, "done")
+        self.train(run_dir, "--checkpoint.enable", "true")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            before = f.read()
+        result = subprocess.run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true",
+                                 "--checkpoint.initial_load_path", self.source, "--checkpoint.last_save_in_hf", "true",
+                                 "--checkpoint.enable", "true", "--training.steps", "5", "--logging.run_dir", run_dir],
+                                capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("refusing to overwrite", result.stderr)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            self.assertEqual(f.read(), before)
+
     def test_mismatching_model_is_refused_with_the_keys(self):
-        import subprocess
         run_dir = os.path.join(self.work, "mismatch")
         result = subprocess.run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true",
                                  "--checkpoint.initial_load_path", self.source, "--model.num_layers", "3",

@@ -1,20 +1,9 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "kernels/adamw_scalars.h"
 
 namespace forge::cpu {
-
-// The fp32 scalars of one AdamW step, already rounded from their double formulas
-// (NOTE [AdamW arithmetic as torch does it] in ops/adamw.h).
-struct AdamWScalars {
-  float decay_factor;           // 1 - lr * weight_decay
-  float one_minus_beta1;        // lerp weight of the first moment
-  float beta2;
-  float one_minus_beta2;
-  float bias_correction2_sqrt;  // (1 - beta2^step)^0.5
-  float eps;
-  float neg_step_size;          // -lr / (1 - beta1^step)
-};
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWScalars& s);
 

@@ -1,0 +1,138 @@
+// forge-native checkpoints: save a training state atomically, find the latest complete
+// one, and read back any flat range of it, whatever the world size it was saved with.
+//
+// NOTE [Checkpoint format]
+// A checkpoint is a directory <folder>/step-<N> holding
+//   metadata.json   format_version, step, the model config (every ModelConfig field), the
+//                   resolved experiment YAML, the data loader position, the seed, the LR
+//                   scheduler state (step, total steps), the optimizer hyperparameters and
+//                   step count, the world size with each rank's flat range, and a record
+//                   per tensor (see below).
+//   rank-<r>.bin    rank r's contiguous range [begin, end) of three flat fp32 vectors, one
+//                   after the other: parameters, AdamW exp_avg (m), AdamW exp_avg_sq (v),
+//                   little-endian, 3 * (end - begin) * 4 bytes in all.
+// The flat index space is FlatParameters' (every parameter in parameter_specs order), the
+// natural FSDP shard unit: rank r of world w owns shard_ranges(numel, w)[r], and so do m
+// and v. A tensor record names the parameter and which of the three vectors ("param",
+// "exp_avg", "exp_avg_sq") it belongs to, its dtype ("fp32"), full shape and flat offset,
+// and its pieces: one per shard the tensor overlaps, each with the shard file, the byte
+// offset and length in it, the flat index it starts at, and the CRC-32 of its bytes.
+// Reading a flat range walks the pieces that overlap it, so a checkpoint saved by w ranks
+// loads at any other world size (resharding is reading other ranges).
+//
+// NOTE [Atomic checkpoints]
+// A save writes everything into <folder>/.tmp-step-<N>-<pid>, fsyncs each file and the
+// directory, renames it to step-<N> (exchanging it with an existing step-<N> in one
+// step) and fsyncs the folder: a step-<N> directory is always complete. Only then are
+// checkpoints beyond keep_latest_k removed (renamed away first, so none is ever visible
+// half deleted). .tmp-* directories, left by crashes, are ignored by loading and removed
+// by the next save.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+#include "optim/optimizer.h"
+
+namespace forge {
+
+inline constexpr int kCheckpointFormatVersion = 1;
+
+// The three flat vectors a shard file holds, in file order.
+enum class FlatState { Param = 0, ExpAvg = 1, ExpAvgSq = 2 };
+inline constexpr FlatState kFlatStates[] = {FlatState::Param, FlatState::ExpAvg, FlatState::ExpAvgSq};
+const char* flat_state_name(FlatState state);  // "param", "exp_avg", "exp_avg_sq"
+
+// A rank's share of the flat index space, [begin, end) in elements.
+struct ShardRange {
+  int64_t begin = 0, end = 0;
+  int64_t size() const { return end - begin; }
+};
+
+// numel split over `world` ranks as evenly as possible; the first numel % world ranks get
+// one element more.
+std::vector<ShardRange> shard_ranges(int64_t numel, int world);
+
+// Everything a resume restores besides the tensors.
+struct TrainingState {
+  int64_t step = 0;                 // optimizer steps completed
+  int64_t data_position = 0;        // DataLoader::position()
+  uint64_t seed = 0;                // training.seed: every random stream derives from it
+  int64_t lr_schedule_steps = 0;    // the LR schedule's total steps (training.steps)
+  OptimizerConfig optimizer;
+  int64_t optimizer_step = 0;       // AdamW::step_count()
+};
+
+struct TensorPiece {
+  int rank = 0;
+  int64_t flat_begin = 0;    // first flat element of the piece
+  int64_t byte_offset = 0;   // in rank-<rank>.bin
+  int64_t byte_length = 0;
+  uint32_t crc32 = 0;
+};
+
+struct TensorRecord {
+  std::string name;          // the parameter's name, e.g. "layers.0.attention.qkv.weight"
+  FlatState state = FlatState::Param;
+  Shape shape;
+  int64_t flat_offset = 0;
+  std::vector<TensorPiece> pieces;
+};
+
+struct CheckpointMetadata {
+  int format_version = kCheckpointFormatVersion;
+  ModelConfig model;
+  std::string experiment_yaml;
+  TrainingState training;
+  int64_t flat_numel = 0;
+  std::vector<ShardRange> shards;  // index = rank
+  std::vector<TensorRecord> tensors;
+};
+
+// One rank's data for a save: its range and pointers to range.size() floats of each vector.
+struct ShardData {
+  ShardRange range;
+  const float* params = nullptr;
+  const float* exp_avg = nullptr;
+  const float* exp_avg_sq = nullptr;
+};
+
+// Saves step `state.step` to <folder>/step-<N> (NOTE [Atomic checkpoints]); `shards`, one
+// per rank, must tile [0, numel of model's parameters). keep_latest_k > 0 then removes all
+// but the newest k checkpoints (never the one just written). Returns the directory.
+std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
+                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k);
+
+// Steps of the complete checkpoints in folder, ascending (empty when there is none or the
+// folder does not exist).
+std::vector<int64_t> checkpoint_steps(const std::string& folder);
+std::string checkpoint_dir(const std::string& folder, int64_t step);
+
+// The checkpoint to resume from: step `load_step`, or the latest when load_step is -1.
+// None when load_step is -1 and the folder holds no checkpoint; a missing load_step is an
+// error listing the steps there are.
+std::optional<std::string> find_checkpoint(const std::string& folder, int64_t load_step);
+
+// A checkpoint opened for reading: its metadata, checked for consistency, and shard files
+// that exist with the sizes the metadata implies.
+struct Checkpoint {
+  std::string dir;
+  CheckpointMetadata metadata;
+};
+Checkpoint open_checkpoint(const std::string& dir);
+
+// Errors, naming the checkpoint and the tensor, unless the checkpoint holds exactly the
+// tensors (names, shapes, flat offsets) of `model`. With `same_architecture`, every
+// architecture field of the saved model config must also equal model's (a resume);
+// without, matching tensors suffice (weights to start a fine-tuning run from).
+void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);
+
+// Fills out with elements [begin, begin + out.size()) of one flat vector, from whichever
+// shard files hold them, checking each piece's CRC-32.
+void read_flat_range(const Checkpoint& checkpoint, FlatState state, int64_t begin, std::span<float> out);
+
+}  // namespace forge

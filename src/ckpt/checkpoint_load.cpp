@@ -1,0 +1,267 @@
+// Finding and reading checkpoints, and the checks that turn a damaged or mismatched one
+// into an error naming the file and the tensor. open_checkpoint checks what can be
+// checked without reading tensor data (metadata structure, piece layout, shard file
+// sizes); read_flat_range checks each piece's CRC-32 as it reads it;
+// check_checkpoint_model compares the tensors with the configured model's.
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+
+#include <fmt/ranges.h>
+
+#include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_crc32.h"
+#include "ckpt/checkpoint_files.h"
+#include "ckpt/checkpoint_metadata.h"
+#include "core/error.h"
+#include "model/parameters.h"
+
+namespace forge {
+namespace {
+
+namespace fs = std::filesystem;
+
+static_assert(std::endian::native == std::endian::little, "shard files are little-endian fp32");
+
+constexpr int64_t kFloatBytes = sizeof(float);
+
+std::string shard_path(const std::string& dir, int rank) { return fmt::format("{}/rank-{}.bin", dir, rank); }
+std::string metadata_path(const std::string& dir) { return dir + "/" + kCheckpointMetadataFile; }
+
+// "tensor 'layers.0.mlp.down.weight' (exp_avg)"
+std::string describe(const TensorRecord& rec) {
+  return fmt::format("tensor '{}' ({})", rec.name, flat_state_name(rec.state));
+}
+
+void check_shards(const std::string& file, const CheckpointMetadata& md) {
+  if (md.shards.empty()) FORGE_FAIL("checkpoint metadata '{}' lists no shards", file);
+  int64_t covered = 0;
+  for (size_t r = 0; r < md.shards.size(); ++r) {
+    const ShardRange& s = md.shards[r];
+    if (s.begin != covered || s.end < s.begin)
+      FORGE_FAIL("checkpoint metadata '{}': shards[{}] covers flat elements [{}, {}), expected to start at {}", file,
+                 r, s.begin, s.end, covered);
+    covered = s.end;
+  }
+  if (covered != md.flat_numel)
+    FORGE_FAIL("checkpoint metadata '{}': the shards cover {} flat elements, flat_numel is {}", file, covered,
+               md.flat_numel);
+}
+
+// Each piece lies inside its rank's range at the byte offset the layout implies, and the
+// pieces of a tensor follow each other without gap from its first element to its last.
+void check_pieces(const std::string& file, const CheckpointMetadata& md) {
+  for (const TensorRecord& rec : md.tensors) {
+    const int64_t end = rec.flat_offset + shape_numel(rec.shape);
+    if (rec.flat_offset < 0 || end > md.flat_numel)
+      FORGE_FAIL("checkpoint metadata '{}': {} spans flat elements [{}, {}), outside [0, {})", file, describe(rec),
+                 rec.flat_offset, end, md.flat_numel);
+    int64_t next = rec.flat_offset;
+    for (const TensorPiece& p : rec.pieces) {
+      if (p.rank < 0 || p.rank >= static_cast<int>(md.shards.size()))
+        FORGE_FAIL("checkpoint metadata '{}': {} has a piece on rank {}, but the world size is {}", file,
+                   describe(rec), p.rank, md.shards.size());
+      const ShardRange& s = md.shards[static_cast<size_t>(p.rank)];
+      const int64_t count = p.byte_length / kFloatBytes;
+      const int64_t expected_offset =
+          (static_cast<int64_t>(rec.state) * s.size() + (p.flat_begin - s.begin)) * kFloatBytes;
+      if (p.flat_begin != next || p.byte_length <= 0 || p.byte_length % kFloatBytes != 0 || p.flat_begin < s.begin ||
+          p.flat_begin + count > s.end || p.byte_offset != expected_offset)
+        FORGE_FAIL("checkpoint metadata '{}': {} has an inconsistent piece in rank-{}.bin (flat {} + {} bytes at "
+                   "byte {}; expected flat {} at byte {})",
+                   file, describe(rec), p.rank, p.flat_begin, p.byte_length, p.byte_offset, next, expected_offset);
+      next += count;
+    }
+    if (next != end)
+      FORGE_FAIL("checkpoint metadata '{}': the pieces of {} cover flat elements [{}, {}), expected [{}, {})", file,
+                 describe(rec), rec.flat_offset, next, rec.flat_offset, end);
+  }
+}
+
+void check_shard_files(const std::string& dir, const CheckpointMetadata& md) {
+  for (size_t r = 0; r < md.shards.size(); ++r) {
+    const std::string path = shard_path(dir, static_cast<int>(r));
+    if (!fs::is_regular_file(path))
+      FORGE_FAIL("checkpoint '{}' lacks its shard file '{}' (world size {})", dir, path, md.shards.size());
+    const int64_t expected = 3 * md.shards[r].size() * kFloatBytes;
+    const int64_t actual = static_cast<int64_t>(fs::file_size(path));
+    if (actual == expected) continue;
+    if (actual > expected)
+      FORGE_FAIL("shard file '{}' is {} bytes, longer than the {} its metadata describes", path, actual, expected);
+    std::string first_cut = "its end";
+    for (const TensorRecord& rec : md.tensors)
+      for (const TensorPiece& p : rec.pieces)
+        if (p.rank == static_cast<int>(r) && p.byte_offset + p.byte_length > actual) {
+          first_cut = describe(rec);
+          break;
+        }
+    FORGE_FAIL("shard file '{}' is {} bytes, shorter than the {} its metadata describes: {} is cut off", path, actual,
+               expected, first_cut);
+  }
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) FORGE_FAIL("cannot read '{}'", path);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+void check_architecture(const std::string& file, const ModelConfig& saved, const ModelConfig& model) {
+  auto same = [&](const char* key, auto a, auto b) {
+    if (a != b)
+      FORGE_FAIL("checkpoint '{}' was saved for a different model: model.{} = {} there, {} in the configured model",
+                 file, key, a, b);
+  };
+  same("vocab_size", saved.vocab_size, model.vocab_size);
+  same("hidden_size", saved.hidden_size, model.hidden_size);
+  same("num_layers", saved.num_layers, model.num_layers);
+  same("num_heads", saved.num_heads, model.num_heads);
+  same("num_kv_heads", saved.num_kv_heads, model.num_kv_heads);
+  same("head_dim", saved.resolved_head_dim(), model.resolved_head_dim());
+  same("ffn_hidden_size", saved.ffn_hidden_size, model.ffn_hidden_size);
+  same("norm_eps", saved.norm_eps, model.norm_eps);
+  same("rope_theta", saved.rope_theta, model.rope_theta);
+  same("rope_scaling.enabled", saved.rope_scaling.enabled, model.rope_scaling.enabled);
+  if (model.rope_scaling.enabled) {
+    same("rope_scaling.factor", saved.rope_scaling.factor, model.rope_scaling.factor);
+    same("rope_scaling.low_freq_factor", saved.rope_scaling.low_freq_factor, model.rope_scaling.low_freq_factor);
+    same("rope_scaling.high_freq_factor", saved.rope_scaling.high_freq_factor, model.rope_scaling.high_freq_factor);
+    same("rope_scaling.original_max_position", saved.rope_scaling.original_max_position,
+         model.rope_scaling.original_max_position);
+  }
+  same("sliding_window", saved.sliding_window, model.sliding_window);
+  same("tie_word_embeddings", saved.tie_word_embeddings, model.tie_word_embeddings);
+}
+
+std::string describe_model(const ModelConfig& m) {
+  return fmt::format("'{}': {} layers, hidden {}, ffn {}, vocab {}", m.name, m.num_layers, m.hidden_size,
+                     m.ffn_hidden_size, m.vocab_size);
+}
+
+}  // namespace
+
+std::string checkpoint_dir(const std::string& folder, int64_t step) { return fmt::format("{}/step-{}", folder, step); }
+
+std::vector<int64_t> checkpoint_steps(const std::string& folder) {
+  std::vector<int64_t> steps;
+  std::error_code ec;
+  if (!fs::is_directory(folder, ec)) return steps;
+  for (const auto& entry : fs::directory_iterator(folder)) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with("step-") || !entry.is_directory()) continue;
+    int64_t step = -1;
+    const char* digits = name.data() + 5;
+    auto [end, error] = std::from_chars(digits, name.data() + name.size(), step);
+    if (error == std::errc() && end == name.data() + name.size() && step >= 0) steps.push_back(step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+std::optional<std::string> find_checkpoint(const std::string& folder, int64_t load_step) {
+  const std::vector<int64_t> steps = checkpoint_steps(folder);
+  if (load_step < 0) {
+    if (steps.empty()) return std::nullopt;
+    return checkpoint_dir(folder, steps.back());
+  }
+  if (std::find(steps.begin(), steps.end(), load_step) == steps.end())
+    FORGE_FAIL("checkpoint.load_step {}: there is no checkpoint '{}' (the folder holds {})", load_step,
+               checkpoint_dir(folder, load_step),
+               steps.empty() ? std::string("none") : fmt::format("steps {}", fmt::join(steps, ", ")));
+  return checkpoint_dir(folder, load_step);
+}
+
+Checkpoint open_checkpoint(const std::string& dir) {
+  if (!fs::is_directory(dir)) FORGE_FAIL("checkpoint directory '{}' does not exist", dir);
+  const std::string file = metadata_path(dir);
+  if (!fs::is_regular_file(file))
+    FORGE_FAIL("checkpoint '{}' has no {} (not a forge checkpoint, or a damaged one)", dir, kCheckpointMetadataFile);
+  Checkpoint ck{dir, metadata_from_json(read_text(file), file)};
+  check_shards(file, ck.metadata);
+  check_pieces(file, ck.metadata);
+  check_shard_files(dir, ck.metadata);
+  return ck;
+}
+
+void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool same_architecture) {
+  const std::string file = metadata_path(ck.dir);
+  const CheckpointMetadata& md = ck.metadata;
+  std::map<std::pair<int, std::string>, const TensorRecord*> saved;
+  for (const TensorRecord& rec : md.tensors)
+    if (!saved.emplace(std::make_pair(static_cast<int>(rec.state), rec.name), &rec).second)
+      FORGE_FAIL("checkpoint metadata '{}' lists {} twice", file, describe(rec));
+
+  const std::vector<ParamSpec> specs = parameter_specs(model);
+  std::vector<std::pair<const TensorRecord*, int64_t>> placed;  // record, flat offset the model gives it
+  for (FlatState state : kFlatStates) {
+    int64_t offset = 0;
+    for (const ParamSpec& spec : specs) {
+      auto it = saved.find({static_cast<int>(state), spec.name});
+      if (it == saved.end())
+        FORGE_FAIL("checkpoint '{}' has no tensor '{}' ({}), which the configured model has: it was saved for model "
+                   "{}, the configured model is {}",
+                   ck.dir, spec.name, flat_state_name(state), describe_model(md.model), describe_model(model));
+      const TensorRecord& rec = *it->second;
+      if (rec.shape != spec.shape)
+        FORGE_FAIL("checkpoint '{}': {} has shape {}, the configured model expects {} (saved for model {}, the "
+                   "configured model is {})",
+                   ck.dir, describe(rec), shape_str(rec.shape), shape_str(spec.shape), describe_model(md.model),
+                   describe_model(model));
+      placed.emplace_back(&rec, offset);
+      saved.erase(it);
+      offset += shape_numel(spec.shape);
+    }
+  }
+  if (!saved.empty())
+    FORGE_FAIL("checkpoint '{}' holds {}, which the configured model does not have: it was saved for model {}, the "
+               "configured model is {}",
+               ck.dir, describe(*saved.begin()->second), describe_model(md.model), describe_model(model));
+  for (const auto& [rec, offset] : placed)
+    if (rec->flat_offset != offset)
+      FORGE_FAIL("checkpoint '{}': {} is at flat offset {}, the configured model places it at {}", ck.dir,
+                 describe(*rec), rec->flat_offset, offset);
+  if (same_architecture) check_architecture(file, md.model, model);
+}
+
+void read_flat_range(const Checkpoint& ck, FlatState state, int64_t begin, std::span<float> out) {
+  const int64_t end = begin + static_cast<int64_t>(out.size());
+  FORGE_CHECK(begin >= 0 && end <= ck.metadata.flat_numel, "range [{}, {}) of {}", begin, end,
+              ck.metadata.flat_numel);
+  std::vector<std::unique_ptr<FileReader>> readers(ck.metadata.shards.size());
+  std::vector<float> piece_data;
+  int64_t filled = 0;
+  for (const TensorRecord& rec : ck.metadata.tensors) {
+    if (rec.state != state) continue;
+    for (const TensorPiece& p : rec.pieces) {
+      const int64_t p_end = p.flat_begin + p.byte_length / kFloatBytes;
+      const int64_t b = std::max(begin, p.flat_begin), e = std::min(end, p_end);
+      if (b >= e) continue;
+      auto& reader = readers[static_cast<size_t>(p.rank)];
+      if (!reader) reader = std::make_unique<FileReader>(shard_path(ck.dir, p.rank));
+      piece_data.resize(static_cast<size_t>(p_end - p.flat_begin));
+      if (!reader->read_at(p.byte_offset, piece_data.data(), static_cast<size_t>(p.byte_length)))
+        FORGE_FAIL("shard file '{}' ends inside {} (bytes {} to {})", shard_path(ck.dir, p.rank), describe(rec),
+                   p.byte_offset, p.byte_offset + p.byte_length);
+      const uint32_t actual = crc32(piece_data.data(), static_cast<size_t>(p.byte_length));
+      if (actual != p.crc32)
+        FORGE_FAIL("shard file '{}' is damaged: {} (bytes {} to {}) has CRC-32 {:08x}, the metadata recorded {:08x}",
+                   shard_path(ck.dir, p.rank), describe(rec), p.byte_offset, p.byte_offset + p.byte_length, actual,
+                   p.crc32);
+      std::copy(piece_data.begin() + (b - p.flat_begin), piece_data.begin() + (e - p.flat_begin),
+                out.begin() + (b - begin));
+      filled += e - b;
+    }
+  }
+  if (filled != end - begin)
+    FORGE_FAIL("checkpoint '{}' does not cover flat elements [{}, {}) of {}", ck.dir, begin, end,
+               flat_state_name(state));
+}
+
+}  // namespace forge

@@ -1,0 +1,255 @@
+#include "ckpt/checkpoint_metadata.h"
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace forge {
+namespace {
+
+using nlohmann::json;
+
+json model_to_json(const ModelConfig& m) {
+  const RopeScaling& s = m.rope_scaling;
+  return json{{"name", m.name},
+              {"vocab_size", m.vocab_size},
+              {"hidden_size", m.hidden_size},
+              {"num_layers", m.num_layers},
+              {"num_heads", m.num_heads},
+              {"num_kv_heads", m.num_kv_heads},
+              {"head_dim", m.head_dim},
+              {"ffn_hidden_size", m.ffn_hidden_size},
+              {"norm_eps", m.norm_eps},
+              {"rope_theta", m.rope_theta},
+              {"rope_scaling",
+               {{"enabled", s.enabled},
+                {"factor", s.factor},
+                {"low_freq_factor", s.low_freq_factor},
+                {"high_freq_factor", s.high_freq_factor},
+                {"original_max_position", s.original_max_position}}},
+              {"max_seq_len", m.max_seq_len},
+              {"sliding_window", m.sliding_window},
+              {"tie_word_embeddings", m.tie_word_embeddings},
+              {"init_std", m.init_std}};
+}
+
+// Reads the keys of one JSON object, naming the file and the key's dotted path on error.
+class ObjectReader {
+ public:
+  ObjectReader(const json& object, const std::string& file, std::string path)
+      : object_(object), file_(file), path_(std::move(path)) {
+    if (!object_.is_object()) fail_type("an object");
+  }
+
+  int64_t integer(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_number_integer()) fail_key(key, "an integer", v);
+    return v.get<int64_t>();
+  }
+  uint64_t unsigned_integer(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_number_unsigned()) fail_key(key, "a non-negative integer", v);
+    return v.get<uint64_t>();
+  }
+  double number(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_number()) fail_key(key, "a number", v);
+    return v.get<double>();
+  }
+  bool boolean(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_boolean()) fail_key(key, "true or false", v);
+    return v.get<bool>();
+  }
+  std::string string(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_string()) fail_key(key, "a string", v);
+    return v.get<std::string>();
+  }
+  const json& array(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_array()) fail_key(key, "an array", v);
+    return v;
+  }
+  ObjectReader object(const char* key) const { return ObjectReader(at(key), file_, child(key)); }
+  std::string child(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
+
+ private:
+  const json& at(const char* key) const {
+    auto it = object_.find(key);
+    if (it == object_.end()) FORGE_FAIL("checkpoint metadata '{}' lacks the key '{}'", file_, child(key));
+    return *it;
+  }
+  [[noreturn]] void fail_key(const char* key, const char* expected, const json& got) const {
+    FORGE_FAIL("checkpoint metadata '{}': '{}' must be {}, got {}", file_, child(key), expected, got.dump());
+  }
+  [[noreturn]] void fail_type(const char* expected) const {
+    FORGE_FAIL("checkpoint metadata '{}': '{}' must be {}, got {}", file_, path_.empty() ? "(top level)" : path_,
+               expected, object_.dump().substr(0, 80));
+  }
+
+  const json& object_;
+  const std::string& file_;
+  std::string path_;
+};
+
+ModelConfig model_from_json(const ObjectReader& r) {
+  ModelConfig m;
+  m.name = r.string("name");
+  m.vocab_size = r.integer("vocab_size");
+  m.hidden_size = r.integer("hidden_size");
+  m.num_layers = r.integer("num_layers");
+  m.num_heads = r.integer("num_heads");
+  m.num_kv_heads = r.integer("num_kv_heads");
+  m.head_dim = r.integer("head_dim");
+  m.ffn_hidden_size = r.integer("ffn_hidden_size");
+  m.norm_eps = r.number("norm_eps");
+  m.rope_theta = r.number("rope_theta");
+  ObjectReader s = r.object("rope_scaling");
+  m.rope_scaling.enabled = s.boolean("enabled");
+  m.rope_scaling.factor = s.number("factor");
+  m.rope_scaling.low_freq_factor = s.number("low_freq_factor");
+  m.rope_scaling.high_freq_factor = s.number("high_freq_factor");
+  m.rope_scaling.original_max_position = s.integer("original_max_position");
+  m.max_seq_len = r.integer("max_seq_len");
+  m.sliding_window = r.integer("sliding_window");
+  m.tie_word_embeddings = r.boolean("tie_word_embeddings");
+  m.init_std = r.number("init_std");
+  return m;
+}
+
+FlatState state_from_name(const std::string& name, const std::string& file, const std::string& key) {
+  for (FlatState s : kFlatStates)
+    if (name == flat_state_name(s)) return s;
+  FORGE_FAIL("checkpoint metadata '{}': '{}' must be param, exp_avg or exp_avg_sq, got '{}'", file, key, name);
+}
+
+}  // namespace
+
+const char* flat_state_name(FlatState state) {
+  switch (state) {
+    case FlatState::Param: return "param";
+    case FlatState::ExpAvg: return "exp_avg";
+    case FlatState::ExpAvgSq: return "exp_avg_sq";
+  }
+  return "?";
+}
+
+std::string metadata_to_json(const CheckpointMetadata& md) {
+  const TrainingState& t = md.training;
+  const OptimizerConfig& o = t.optimizer;
+  json shards = json::array();
+  for (size_t r = 0; r < md.shards.size(); ++r)
+    shards.push_back({{"rank", r},
+                      {"file", fmt::format("rank-{}.bin", r)},
+                      {"flat_begin", md.shards[r].begin},
+                      {"flat_end", md.shards[r].end}});
+  json tensors = json::array();
+  for (const TensorRecord& rec : md.tensors) {
+    json pieces = json::array();
+    for (const TensorPiece& p : rec.pieces)
+      pieces.push_back({{"rank", p.rank},
+                        {"flat_begin", p.flat_begin},
+                        {"byte_offset", p.byte_offset},
+                        {"byte_length", p.byte_length},
+                        {"crc32", p.crc32}});
+    tensors.push_back({{"name", rec.name},
+                       {"state", flat_state_name(rec.state)},
+                       {"dtype", "fp32"},
+                       {"shape", rec.shape},
+                       {"flat_offset", rec.flat_offset},
+                       {"pieces", pieces}});
+  }
+  json j = {{"format", "forge-checkpoint"},
+            {"format_version", md.format_version},
+            {"step", t.step},
+            {"model", model_to_json(md.model)},
+            {"experiment_config", md.experiment_yaml},
+            {"data", {{"position", t.data_position}}},
+            {"rng", {{"seed", t.seed}}},
+            {"lr_scheduler", {{"step", t.step}, {"total_steps", t.lr_schedule_steps}}},
+            {"optimizer",
+             {{"name", o.name},
+              {"lr", o.lr},
+              {"beta1", o.beta1},
+              {"beta2", o.beta2},
+              {"eps", o.eps},
+              {"weight_decay", o.weight_decay},
+              {"step", t.optimizer_step}}},
+            {"world_size", md.shards.size()},
+            {"flat_numel", md.flat_numel},
+            {"shards", shards},
+            {"tensors", tensors}};
+  return j.dump(1) + "\n";
+}
+
+CheckpointMetadata metadata_from_json(const std::string& text, const std::string& file) {
+  json j = json::parse(text, nullptr, false);
+  if (j.is_discarded()) FORGE_FAIL("checkpoint metadata '{}' is not valid JSON", file);
+  ObjectReader top(j, file, "");
+  if (top.string("format") != "forge-checkpoint")
+    FORGE_FAIL("'{}' is not forge checkpoint metadata ('format' is not 'forge-checkpoint')", file);
+  CheckpointMetadata md;
+  md.format_version = static_cast<int>(top.integer("format_version"));
+  if (md.format_version != kCheckpointFormatVersion)
+    FORGE_FAIL("checkpoint metadata '{}' has format_version {}; this forge reads format_version {}", file,
+               md.format_version, kCheckpointFormatVersion);
+  TrainingState& t = md.training;
+  t.step = top.integer("step");
+  md.model = model_from_json(top.object("model"));
+  md.experiment_yaml = top.string("experiment_config");
+  t.data_position = top.object("data").integer("position");
+  t.seed = top.object("rng").unsigned_integer("seed");
+  t.lr_schedule_steps = top.object("lr_scheduler").integer("total_steps");
+  ObjectReader o = top.object("optimizer");
+  t.optimizer.name = o.string("name");
+  t.optimizer.lr = o.number("lr");
+  t.optimizer.beta1 = o.number("beta1");
+  t.optimizer.beta2 = o.number("beta2");
+  t.optimizer.eps = o.number("eps");
+  t.optimizer.weight_decay = o.number("weight_decay");
+  t.optimizer_step = o.integer("step");
+  md.flat_numel = top.integer("flat_numel");
+
+  const json& shards = top.array("shards");
+  for (size_t r = 0; r < shards.size(); ++r) {
+    ObjectReader s(shards[r], file, fmt::format("shards[{}]", r));
+    if (s.integer("rank") != static_cast<int64_t>(r))
+      FORGE_FAIL("checkpoint metadata '{}': shards[{}] has rank {}, expected {}", file, r, s.integer("rank"), r);
+    if (s.string("file") != fmt::format("rank-{}.bin", r))
+      FORGE_FAIL("checkpoint metadata '{}': shards[{}] names file '{}', expected 'rank-{}.bin'", file, r,
+                 s.string("file"), r);
+    md.shards.push_back({s.integer("flat_begin"), s.integer("flat_end")});
+  }
+  if (top.integer("world_size") != static_cast<int64_t>(md.shards.size()))
+    FORGE_FAIL("checkpoint metadata '{}': world_size is {} but {} shards are listed", file, top.integer("world_size"),
+               md.shards.size());
+
+  const json& tensors = top.array("tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    ObjectReader r(tensors[i], file, fmt::format("tensors[{}]", i));
+    TensorRecord rec;
+    rec.name = r.string("name");
+    rec.state = state_from_name(r.string("state"), file, r.child("state"));
+    if (r.string("dtype") != "fp32")
+      FORGE_FAIL("checkpoint metadata '{}': tensor '{}' ({}) has dtype '{}', expected fp32", file, rec.name,
+                 flat_state_name(rec.state), r.string("dtype"));
+    for (const json& d : r.array("shape")) {
+      if (!d.is_number_integer() || d.get<int64_t>() < 0)
+        FORGE_FAIL("checkpoint metadata '{}': tensor '{}' has a bad shape {}", file, rec.name,
+                   tensors[i]["shape"].dump());
+      rec.shape.push_back(d.get<int64_t>());
+    }
+    rec.flat_offset = r.integer("flat_offset");
+    const json& pieces = r.array("pieces");
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      ObjectReader p(pieces[k], file, fmt::format("tensors[{}].pieces[{}]", i, k));
+      rec.pieces.push_back({static_cast<int>(p.integer("rank")), p.integer("flat_begin"), p.integer("byte_offset"),
+                            p.integer("byte_length"), static_cast<uint32_t>(p.unsigned_integer("crc32"))});
+    }
+    md.tensors.push_back(std::move(rec));
+  }
+  return md;
+}
+
+}  // namespace forge

@@ -1,0 +1,136 @@
+#include "core/device.h"
+
+#include <atomic>
+#include <cstring>
+#include <mutex>
+#include <unordered_map>
+
+#include "core/error.h"
+
+#ifdef FORGE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace forge {
+namespace {
+
+std::mutex g_mu;
+std::unordered_map<void*, size_t> g_sizes;
+size_t g_in_use = 0, g_peak = 0;
+
+#ifdef FORGE_CUDA
+void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) FORGE_FAIL("CUDA error in {}: {} ({})", what, cudaGetErrorString(e), static_cast<int>(e));
+}
+#endif
+
+#ifndef FORGE_CUDA
+[[noreturn]] void no_cuda(const char* what) {
+  FORGE_FAIL("{}: this build of forge has no CUDA backend (configure with -DFORGE_CUDA=ON)", what);
+}
+#endif
+
+}  // namespace
+
+bool cuda_available() {
+#ifdef FORGE_CUDA
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
+
+std::string accelerator_name() {
+#ifdef FORGE_CUDA
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&prop, device) == cudaSuccess) return prop.name;
+#endif
+  return "cpu";
+}
+
+void* device_malloc(size_t bytes) {
+#ifdef FORGE_CUDA
+  void* p = nullptr;
+  cudaError_t e = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    size_t free_bytes = 0, total = 0;
+    cudaMemGetInfo(&free_bytes, &total);
+    FORGE_FAIL("out of GPU memory: asked for {:.2f} GiB with {:.2f} GiB free of {:.2f} GiB ({:.2f} GiB held by forge)",
+               bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0, g_in_use / 1073741824.0);
+  }
+  std::lock_guard lock(g_mu);
+  g_sizes[p] = bytes;
+  g_in_use += bytes;
+  g_peak = std::max(g_peak, g_in_use);
+  return p;
+#else
+  (void)bytes;
+  no_cuda("device_malloc");
+#endif
+}
+
+void device_free(void* ptr) {
+#ifdef FORGE_CUDA
+  if (!ptr) return;
+  {
+    std::lock_guard lock(g_mu);
+    auto it = g_sizes.find(ptr);
+    if (it != g_sizes.end()) {
+      g_in_use -= it->second;
+      g_sizes.erase(it);
+    }
+  }
+  cudaFree(ptr);
+#else
+  (void)ptr;
+#endif
+}
+
+void device_memset_zero(void* ptr, size_t bytes) {
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemsetAsync(ptr, 0, bytes), "cudaMemsetAsync");
+#else
+  (void)ptr;
+  (void)bytes;
+  no_cuda("device_memset_zero");
+#endif
+}
+
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_device == Device::CPU && src_device == Device::CPU) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy");
+#else
+  no_cuda("copy_bytes");
+#endif
+}
+
+void device_synchronize() {
+#ifdef FORGE_CUDA
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+size_t device_bytes_in_use() {
+  std::lock_guard lock(g_mu);
+  return g_in_use;
+}
+
+size_t device_peak_bytes() {
+  std::lock_guard lock(g_mu);
+  return g_peak;
+}
+
+void reset_device_peak_bytes() {
+  std::lock_guard lock(g_mu);
+  g_peak = g_in_use;
+}
+
+}  // namespace forge

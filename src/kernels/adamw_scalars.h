@@ -1,0 +1,17 @@
+// The fp32 scalars of one AdamW step, shared by the CPU and CUDA kernels, already rounded
+// from their double formulas (NOTE [AdamW arithmetic as torch does it] in ops/adamw.h).
+#pragma once
+
+namespace forge {
+
+struct AdamWScalars {
+  float decay_factor;           // 1 - lr * weight_decay
+  float one_minus_beta1;        // lerp weight of the first moment
+  float beta2;
+  float one_minus_beta2;
+  float bias_correction2_sqrt;  // (1 - beta2^step)^0.5
+  float eps;
+  float neg_step_size;          // -lr / (1 - beta1^step)
+};
+
+}  // namespace forge

@@ -1,0 +1,106 @@
+// Elementwise helpers on the GPU: residual adds, scaling, dtype casts, and the sum of
+// squares behind the global gradient norm. The sum is deterministic: a fixed grid of
+// blocks each reduces a fixed strided subset in fp64 (warp shuffles, then shared memory),
+// writes one partial, and the host adds the partials in block order.
+#include "kernels/cuda/elementwise.h"
+
+#include <vector>
+
+#include "core/device.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kSumBlocks = 1024;
+
+unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
+
+template <typename T> __global__ void add_inplace_kernel(T* a, const T* b, int64_t n) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) a[i] = a[i] + b[i];
+}
+
+__global__ void add_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
+__global__ void scale_kernel(float* a, float s, int64_t n) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) a[i] *= s;
+}
+
+__global__ void cast_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __float2bfloat16(in[i]);
+}
+
+__global__ void cast_to_float_kernel(float* out, const bf16* in, int64_t n) {
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) out[i] = __bfloat162float(in[i]);
+}
+
+__global__ void sum_of_squares_kernel(double* partial, const float* a, int64_t n) {
+  __shared__ double warp_sums[kThreads / 32];
+  double s = 0.0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kThreads)
+    s += static_cast<double>(a[i]) * a[i];
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (threadIdx.x % 32 == 0) warp_sums[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    double total = 0.0;
+    for (int w = 0; w < kThreads / 32; ++w) total += warp_sums[w];
+    partial[blockIdx.x] = total;
+  }
+}
+
+}  // namespace
+
+void add_inplace(bf16* a, const bf16* b, int64_t n) {
+  if (n) add_inplace_kernel<<<blocks_for(n), kThreads>>>(a, b, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void add_inplace(float* a, const float* b, int64_t n) {
+  if (n) add_inplace_kernel<<<blocks_for(n), kThreads>>>(a, b, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void add(bf16* out, const bf16* a, const bf16* b, int64_t n) {
+  if (n) add_kernel<<<blocks_for(n), kThreads>>>(out, a, b, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void scale_inplace(float* a, float s, int64_t n) {
+  if (n) scale_kernel<<<blocks_for(n), kThreads>>>(a, s, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+double sum_of_squares(const float* a, int64_t n) {
+  if (n == 0) return 0.0;
+  double* partial = static_cast<double*>(device_malloc(sizeof(double) * kSumBlocks));
+  sum_of_squares_kernel<<<kSumBlocks, kThreads>>>(partial, a, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+  std::vector<double> host(kSumBlocks);
+  copy_bytes(host.data(), Device::CPU, partial, Device::CUDA, sizeof(double) * kSumBlocks);
+  device_free(partial);
+  double total = 0.0;
+  for (double p : host) total += p;
+  return total;
+}
+
+void cast(bf16* out, const float* in, int64_t n) {
+  if (n) cast_to_bf16_kernel<<<blocks_for(n), kThreads>>>(out, in, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void cast(float* out, const bf16* in, int64_t n) {
+  if (n) cast_to_float_kernel<<<blocks_for(n), kThreads>>>(out, in, n);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+}  // namespace forge::cuda

@@ -1,0 +1,15 @@
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace forge::cuda {
+
+// Row-major out[M, N] = alpha * op(a) @ op(b) + beta * out on the GPU through cuBLASLt.
+// a and b are bf16; out is bf16 or fp32 (out_dtype); accumulation is fp32.
+// a is [M, K] ([K, M] with transpose_a); b is [K, N] ([N, K] with transpose_b).
+void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
+            int64_t n, int64_t k, float alpha, float beta);
+
+}  // namespace forge::cuda

@@ -1,0 +1,111 @@
+// The trainer's side of checkpoints: which folder, what a save captures (world 1: one
+// shard holding every flat range), and what a resume or a fine-tuning start restores.
+// NOTE [Exact resume] in train/trainer.h says why this state is enough.
+#include <chrono>
+#include <filesystem>
+
+#include "ckpt/checkpoint.h"
+#include "core/log.h"
+#include "train/trainer.h"
+
+namespace forge {
+namespace {
+
+// AdamW keeps a moment tensor per parameter, in parameter order: their concatenation is
+// the flat layout of the checkpoint.
+// Tensors may live on the GPU: checkpoints always pass through host memory.
+std::vector<float> concatenate(const std::vector<Tensor>& tensors) {
+  std::vector<float> flat;
+  for (const Tensor& t : tensors) {
+    const Tensor host = t.to(Device::CPU);
+    flat.insert(flat.end(), host.data<float>(), host.data<float>() + host.numel());
+  }
+  return flat;
+}
+
+void read_into_tensor(const Checkpoint& ck, FlatState state, int64_t offset, const Tensor& t) {
+  Tensor host = t.device() == Device::CPU ? t : Tensor::empty(t.shape(), DType::F32);
+  read_flat_range(ck, state, offset, std::span<float>(host.data<float>(), static_cast<size_t>(host.numel())));
+  if (host.raw() != t.raw()) t.copy_from(host);
+}
+
+void read_into_tensors(const Checkpoint& ck, FlatState state, const std::vector<Tensor>& tensors) {
+  int64_t offset = 0;
+  for (const Tensor& t : tensors) {
+    read_into_tensor(ck, state, offset, t);
+    offset += t.numel();
+  }
+}
+
+}  // namespace
+
+std::string Trainer::checkpoint_folder() const {
+  const std::string& folder = config_.checkpoint.folder;
+  if (std::filesystem::path(folder).is_absolute()) return folder;
+  return run_dir_ + "/" + folder;
+}
+
+void Trainer::restore_checkpoint(const std::string& dir) {
+  Checkpoint ck = open_checkpoint(dir);
+  check_checkpoint_model(ck, config_.model, /*same_architecture=*/true);
+  const TrainingState& saved = ck.metadata.training;
+  const int world = static_cast<int>(ck.metadata.shards.size());
+  read_into_tensor(ck, FlatState::Param, 0, params_->flat());
+  if (compute_weights_) compute_weights_->assign_from(*params_);
+  read_into_tensors(ck, FlatState::ExpAvg, optimizer_->exp_avg());
+  read_into_tensors(ck, FlatState::ExpAvgSq, optimizer_->exp_avg_sq());
+  optimizer_->set_step_count(saved.optimizer_step);
+  train_loader_->set_position(saved.data_position);
+  start_step_ = saved.step;
+  log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}; data position {})", dir, saved.step, world,
+           world == 1 ? "" : "s", saved.data_position);
+  if (saved.seed != config_.training.seed)
+    log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data order differs from the "
+             "saved run's",
+             saved.seed, config_.training.seed);
+  if (saved.lr_schedule_steps != config_.training.steps)
+    log_info("the LR schedule now spans training.steps = {} (the checkpoint's run had {})", config_.training.steps,
+             saved.lr_schedule_steps);
+}
+
+void Trainer::load_initial_weights(const std::string& path) {
+  if (config_.checkpoint.initial_load_in_hf) return load_initial_hf_weights(path);
+  if (!std::filesystem::is_directory(path))
+    FORGE_FAIL("checkpoint.initial_load_path '{}' is not a directory (expected a forge checkpoint, step-<N>, or a "
+               "folder of them)",
+               path);
+  std::string dir = path;
+  if (!std::filesystem::exists(path + "/metadata.json")) {
+    const std::vector<int64_t> steps = checkpoint_steps(path);
+    if (!steps.empty()) dir = checkpoint_dir(path, steps.back());
+  }
+  Checkpoint ck = open_checkpoint(dir);
+  check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
+  read_into_tensor(ck, FlatState::Param, 0, params_->flat());
+  if (compute_weights_) compute_weights_->assign_from(*params_);
+  log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}); the optimizer "
+           "and data start fresh at step 0",
+           dir, ck.metadata.training.step);
+}
+
+void Trainer::save_checkpoint(int64_t step) {
+  auto t0 = std::chrono::steady_clock::now();
+  const std::vector<float> m = concatenate(optimizer_->exp_avg());
+  const std::vector<float> v = concatenate(optimizer_->exp_avg_sq());
+  const Tensor flat = params_->flat().to(Device::CPU);
+  ShardData shard{shard_ranges(flat.numel(), 1).front(), flat.data<float>(), m.data(), v.data()};
+  TrainingState state;
+  state.step = step;
+  state.data_position = train_loader_->position();
+  state.seed = config_.training.seed;
+  state.lr_schedule_steps = config_.training.steps;
+  state.optimizer = config_.optimizer;
+  state.optimizer_step = optimizer_->step_count();
+  const std::string dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, {shard},
+                                                 config_.checkpoint.keep_latest_k);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s)", dir, 3.0 * 4.0 * static_cast<double>(flat.numel()) / 1e6,
+           seconds);
+}
+
+}  // namespace forge

@@ -1,0 +1,94 @@
+// Helpers for the GPU tests (ring 2 of ARCHITECTURE.md): every CUDA op is run on fresh
+// random inputs and compared with the CPU reference op on the same values. Inputs are
+// drawn in fp32 and rounded to bf16 first, so both sides see identical numbers and the
+// comparison measures only the GPU op's own rounding. Outputs are poisoned (all bits
+// set: NaN in bf16 and fp32) before each run, so an element the kernel never wrote
+// shows up as NaN and fails the check.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/device.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+#include "ops/elementwise.h"
+
+namespace forge::gpu_test {
+
+// Seed from the test's name, so every test draws different data but runs are repeatable.
+inline uint64_t seed_for_current_test() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  uint64_t h = 1469598103934665603ull;
+  for (const char* p : {info->test_suite_name(), info->name()})
+    for (; *p; ++p) h = (h ^ static_cast<uint8_t>(*p)) * 1099511628211ull;
+  return h;
+}
+
+// fp32 CPU tensor of normal(0, scale) values that are exactly representable in bf16.
+inline Tensor random_bf16_values(const Shape& shape, Rng& rng, double scale = 1.0) {
+  Tensor t = Tensor::empty(shape);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = to_float(to_bf16(static_cast<float>(scale * rng.normal())));
+  return t;
+}
+
+inline Tensor random_f32(const Shape& shape, Rng& rng, double scale = 1.0) {
+  Tensor t = Tensor::empty(shape);
+  float* p = t.data<float>();
+  for (int64_t i = 0; i < t.numel(); ++i) p[i] = static_cast<float>(scale * rng.normal());
+  return t;
+}
+
+inline Tensor random_ids(int64_t n, int64_t vocab, Rng& rng) {
+  Tensor t = Tensor::empty({n}, DType::I32);
+  for (int64_t i = 0; i < n; ++i) t.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
+  return t;
+}
+
+// A CPU fp32 tensor's values on the GPU in `dtype` (bf16 or fp32).
+inline Tensor to_gpu(const Tensor& cpu, DType dtype) {
+  if (dtype == cpu.dtype()) return cpu.to(Device::CUDA);
+  Tensor converted = Tensor::empty(cpu.shape(), dtype);
+  cast(converted, cpu);
+  return converted.to(Device::CUDA);
+}
+
+inline Tensor poisoned_gpu(const Shape& shape, DType dtype) {
+  Tensor host = Tensor::empty(shape, dtype);
+  std::memset(host.raw(), 0xff, host.nbytes());
+  return host.to(Device::CUDA);
+}
+
+// A GPU tensor back on the CPU as fp32.
+inline Tensor to_cpu_f32(const Tensor& gpu) {
+  Tensor host = gpu.to(Device::CPU);
+  if (host.dtype() == DType::F32) return host;
+  Tensor f = Tensor::empty(host.shape());
+  cast(f, host);
+  return f;
+}
+
+// ||a - b|| / ||b||, with any non-finite value in a reported as infinity.
+inline double relative_l2(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.numel(), b.numel());
+  const float* pa = a.data<float>();
+  const float* pb = b.data<float>();
+  double diff = 0, ref = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    if (!std::isfinite(pa[i])) return INFINITY;
+    diff += (double(pa[i]) - pb[i]) * (double(pa[i]) - pb[i]);
+    ref += double(pb[i]) * pb[i];
+  }
+  return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+}
+
+// Tolerances of ‖gpu − cpu‖/‖cpu‖ (METHOD.md): bf16 outputs land between 1e-3 and 1e-2.
+constexpr double kBf16Tolerance = 1e-2;
+constexpr double kF32Tolerance = 1e-3;
+
+}  // namespace forge::gpu_test

@@ -1,0 +1,173 @@
+// Every CUDA op against the CPU reference op on fresh random data, at several shapes
+// including awkward ones (a single row, odd row counts, vocabularies that are not
+// multiples of anything). See gpu_testing.h for the method.
+#include <gtest/gtest.h>
+
+#include "gpu_testing.h"
+#include "ops/adamw.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/matmul.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/swiglu.h"
+
+namespace forge::gpu_test {
+namespace {
+
+struct GemmCase {
+  int64_t m, n, k;
+};
+
+TEST(GpuMatmul, MatchesCpuForAllTransposesAndOutputs) {
+  Rng rng(seed_for_current_test());
+  for (GemmCase c : {GemmCase{1, 8, 8}, GemmCase{7, 24, 40}, GemmCase{33, 64, 16}, GemmCase{512, 384, 1024},
+                     GemmCase{1000, 200, 72}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        Tensor a = random_bf16_values(ta ? Shape{c.k, c.m} : Shape{c.m, c.k}, rng);
+        Tensor b = random_bf16_values(tb ? Shape{c.n, c.k} : Shape{c.k, c.n}, rng);
+        Tensor ref = Tensor::empty({c.m, c.n});
+        matmul(ref, a, ta, b, tb);
+        Tensor out = poisoned_gpu({c.m, c.n}, DType::BF16);
+        matmul(out, to_gpu(a, DType::BF16), ta, to_gpu(b, DType::BF16), tb);
+        EXPECT_LT(relative_l2(to_cpu_f32(out), ref), kBf16Tolerance) << c.m << "x" << c.n << "x" << c.k << " " << ta << tb;
+
+        // fp32 output accumulating into existing values (weight gradients): beta = 1.
+        Tensor acc = random_f32({c.m, c.n}, rng);
+        Tensor acc_gpu = acc.to(Device::CUDA);
+        matmul(acc, a, ta, b, tb, 0.5f, 1.0f);
+        matmul(acc_gpu, to_gpu(a, DType::BF16), ta, to_gpu(b, DType::BF16), tb, 0.5f, 1.0f);
+        EXPECT_LT(relative_l2(to_cpu_f32(acc_gpu), acc), kF32Tolerance) << "accumulate " << ta << tb;
+      }
+    }
+  }
+}
+
+TEST(GpuRmsnorm, ForwardAndBackwardMatchCpu) {
+  Rng rng(seed_for_current_test());
+  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 8}, {37, 64}, {300, 4096}, {1025, 2048}}) {
+    Tensor x = random_bf16_values({rows, dim}, rng), w = random_bf16_values({dim}, rng, 0.5);
+    Tensor y = Tensor::empty({rows, dim}), rstd = Tensor::empty({rows});
+    rmsnorm_forward(y, rstd, x, w, 1e-5f);
+    Tensor xg = to_gpu(x, DType::BF16), wg = to_gpu(w, DType::BF16);
+    Tensor yg = poisoned_gpu({rows, dim}, DType::BF16), rstdg = poisoned_gpu({rows}, DType::F32);
+    rmsnorm_forward(yg, rstdg, xg, wg, 1e-5f);
+    EXPECT_LT(relative_l2(to_cpu_f32(yg), y), kBf16Tolerance) << rows << "x" << dim;
+    EXPECT_LT(relative_l2(to_cpu_f32(rstdg), rstd), kF32Tolerance);
+
+    Tensor dy = random_bf16_values({rows, dim}, rng), dx0 = random_bf16_values({rows, dim}, rng);
+    Tensor dw0 = random_f32({dim}, rng);
+    Tensor dx = dx0.clone(), dw = dw0.clone();
+    rmsnorm_backward(dx, dw, dy, x, w, rstd);
+    Tensor dxg = to_gpu(dx0, DType::BF16), dwg = dw0.to(Device::CUDA);
+    rmsnorm_backward(dxg, dwg, to_gpu(dy, DType::BF16), xg, wg, rstdg);
+    EXPECT_LT(relative_l2(to_cpu_f32(dxg), dx), kBf16Tolerance);
+    EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance);
+  }
+}
+
+TEST(GpuSwiglu, ForwardAndBackwardMatchCpu) {
+  Rng rng(seed_for_current_test());
+  for (auto [rows, ffn] : {std::pair<int64_t, int64_t>{1, 8}, {45, 192}, {513, 14336}}) {
+    Tensor gu = random_bf16_values({rows, 2 * ffn}, rng, 2.0), dout = random_bf16_values({rows, ffn}, rng);
+    Tensor out = Tensor::empty({rows, ffn}), dgu = Tensor::empty({rows, 2 * ffn});
+    swiglu_forward(out, gu);
+    swiglu_backward(dgu, dout, gu);
+    Tensor gug = to_gpu(gu, DType::BF16);
+    Tensor outg = poisoned_gpu({rows, ffn}, DType::BF16), dgug = poisoned_gpu({rows, 2 * ffn}, DType::BF16);
+    swiglu_forward(outg, gug);
+    swiglu_backward(dgug, to_gpu(dout, DType::BF16), gug);
+    EXPECT_LT(relative_l2(to_cpu_f32(outg), out), kBf16Tolerance);
+    EXPECT_LT(relative_l2(to_cpu_f32(dgug), dgu), kBf16Tolerance);
+  }
+}
+
+TEST(GpuRope, ForwardAndBackwardMatchCpuWithLlama3Scaling) {
+  Rng rng(seed_for_current_test());
+  RopeScaling scaling{true, 8.0, 1.0, 4.0, 64};
+  for (auto [b, t, hq, hkv, d] : {std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>{1, 1, 2, 1, 8},
+                                  {2, 33, 6, 2, 64}, {1, 300, 32, 8, 128}}) {
+    Tensor cos, sin;
+    rope_tables(cos, sin, rope_inv_freq(d, 500000.0, scaling), t);
+    int64_t heads = hq + 2 * hkv;
+    Tensor x = random_bf16_values({b, t, heads, d}, rng);
+    Tensor ref = x.clone();
+    rope_forward(ref, hq + hkv, cos, sin);
+    Tensor xg = to_gpu(x, DType::BF16), cg = cos.to(Device::CUDA), sg = sin.to(Device::CUDA);
+    rope_forward(xg, hq + hkv, cg, sg);
+    EXPECT_LT(relative_l2(to_cpu_f32(xg), ref), kBf16Tolerance);
+    rope_backward(ref, hq + hkv, cos, sin);
+    rope_backward(xg, hq + hkv, cg, sg);
+    EXPECT_LT(relative_l2(to_cpu_f32(xg), ref), kBf16Tolerance);
+  }
+}
+
+TEST(GpuEmbedding, ForwardAndBackwardMatchCpu) {
+  Rng rng(seed_for_current_test());
+  for (auto [count, vocab, hidden] : {std::tuple<int64_t, int64_t, int64_t>{1, 5, 8}, {77, 13, 64}, {2048, 32000, 512}}) {
+    Tensor table = random_bf16_values({vocab, hidden}, rng);
+    Tensor ids = random_ids(count, vocab, rng);
+    Tensor out = Tensor::empty({count, hidden});
+    embedding_forward(out, ids, table);
+    Tensor idsg = ids.to(Device::CUDA), outg = poisoned_gpu({count, hidden}, DType::BF16);
+    embedding_forward(outg, idsg, to_gpu(table, DType::BF16));
+    EXPECT_EQ(relative_l2(to_cpu_f32(outg), out), 0.0);
+
+    Tensor dout = random_bf16_values({count, hidden}, rng), d0 = random_f32({vocab, hidden}, rng);
+    Tensor dtable = d0.clone(), dtableg = d0.to(Device::CUDA);
+    embedding_backward(dtable, dout, ids);
+    embedding_backward(dtableg, to_gpu(dout, DType::BF16), idsg);
+    EXPECT_LT(relative_l2(to_cpu_f32(dtableg), dtable), 1e-6);
+  }
+}
+
+TEST(GpuCrossEntropy, LossAndGradientMatchCpuInPlace) {
+  Rng rng(seed_for_current_test());
+  for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{1, 3}, {57, 1000}, {300, 128256}}) {
+    Tensor logits = random_bf16_values({rows, vocab}, rng, 3.0);
+    Tensor targets = random_ids(rows, vocab, rng);
+    targets.data<int32_t>()[rows / 2] = kIgnoreIndex;
+    Tensor losses = Tensor::empty({rows}), dlogits = Tensor::empty({rows, vocab});
+    cross_entropy_forward_backward(losses, dlogits, logits, targets, kIgnoreIndex, 1.0f / rows);
+    Tensor lg = to_gpu(logits, DType::BF16), lossg = poisoned_gpu({rows}, DType::F32);
+    cross_entropy_forward_backward(lossg, lg, lg, targets.to(Device::CUDA), kIgnoreIndex, 1.0f / rows);
+    EXPECT_LT(relative_l2(to_cpu_f32(lossg), losses), kF32Tolerance) << rows << "x" << vocab;
+    EXPECT_LT(relative_l2(to_cpu_f32(lg), dlogits), kBf16Tolerance) << rows << "x" << vocab;
+  }
+}
+
+TEST(GpuAdamW, MatchesCpuStepByStep) {
+  Rng rng(seed_for_current_test());
+  for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
+    Tensor p = random_f32({n}, rng), m = Tensor::zeros({n}), v = Tensor::zeros({n});
+    Tensor pg = p.to(Device::CUDA), mg = m.to(Device::CUDA), vg = v.to(Device::CUDA);
+    for (int64_t step = 1; step <= 3; ++step) {
+      Tensor g = random_f32({n}, rng);
+      AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1, step};
+      adamw_update(p, g, m, v, h);
+      adamw_update(pg, g.to(Device::CUDA), mg, vg, h);
+    }
+    EXPECT_LT(relative_l2(to_cpu_f32(pg), p), 1e-6);
+    EXPECT_LT(relative_l2(to_cpu_f32(mg), m), 1e-6);
+    EXPECT_LT(relative_l2(to_cpu_f32(vg), v), 1e-6);
+  }
+}
+
+TEST(GpuElementwise, SumOfSquaresAndCasts) {
+  Rng rng(seed_for_current_test());
+  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{3000017}}) {
+    Tensor a = random_f32({n}, rng);
+    double ref = sum_of_squares(a);
+    double got = sum_of_squares(a.to(Device::CUDA));
+    EXPECT_NEAR(got, ref, 1e-9 * ref);
+    Tensor bf = poisoned_gpu({n}, DType::BF16);
+    cast(bf, a.to(Device::CUDA));
+    Tensor back = poisoned_gpu({n}, DType::F32);
+    cast(back, bf);
+    EXPECT_LT(relative_l2(back.to(Device::CPU), a), 4e-3);
+  }
+}
+
+}  // namespace
+}  // namespace forge::gpu_test

@@ -1,0 +1,246 @@
+"""forge train with checkpoints, end to end: a run stopped at step k and resumed gives
+bitwise the losses of the uninterrupted run; a run killed at random moments always leaves
+checkpoints that load and resumes from the newest; damaged or mismatched checkpoints stop
+forge with the file and the tensor named, leaving the run directory as it was."""
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+import unittest
+
+from forge_test_util import forge_bin, scratch_dir
+
+TINY = ["--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_steps", "9", "--eval.interval", "0"]
+# Large enough that writing a checkpoint takes about as long as a training step.
+SLOW_SAVE = ["--model.hidden_size", "512", "--model.ffn_hidden_size", "2048", "--training.seq_len", "16",
+             "--training.local_batch_size", "1", "--eval.interval", "0", "--logging.log_interval", "1"]
+
+
+def scratch(case):
+    """A scratch directory removed when the test (or, given a class, the class) is done:
+    checkpoints are large."""
+    path = scratch_dir()
+    if isinstance(case, type):
+        case.addClassCleanup(shutil.rmtree, path, ignore_errors=True)
+    else:
+        case.addCleanup(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
+def forge(*args):
+    return subprocess.run([forge_bin(), "train", *args], capture_output=True, text=True)
+
+
+def train_losses(run_dir):
+    """Loss per step; a resumed run re-logs the steps after its checkpoint, the last wins."""
+    losses = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for record in map(json.loads, f):
+            if record["type"] == "train":
+                losses[record["step"]] = record["loss"]
+    return [losses[s] for s in sorted(losses)]
+
+
+def steps_in(folder):
+    if not os.path.isdir(folder):
+        return []
+    return sorted(int(name[5:]) for name in os.listdir(folder) if name.startswith("step-"))
+
+
+def tensor_piece(step_dir, name, state):
+    with open(os.path.join(step_dir, "metadata.json")) as f:
+        for tensor in json.load(f)["tensors"]:
+            if tensor["name"] == name and tensor["state"] == state:
+                return tensor["pieces"][0]
+    raise KeyError(name)
+
+
+def snapshot(run_dir):
+    contents = {}
+    for name in ("metrics.jsonl", "config.yaml"):
+        path = os.path.join(run_dir, name)
+        if os.path.exists(path):
+            with open(path, "rb") as f:
+                contents[name] = f.read()
+    return contents
+
+
+class ExactResume(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.full = os.path.join(scratch(cls), "full")
+        result = forge("--training.steps", "12", "--logging.run_dir", cls.full, "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "6", *TINY)
+        assert result.returncode == 0, result.stderr
+        cls.full_losses = train_losses(cls.full)
+
+    def test_stop_and_resume_in_the_same_run_directory(self):
+        run_dir = os.path.join(scratch(self), "run")
+        common = ["--logging.run_dir", run_dir, "--checkpoint.enable", "true", "--checkpoint.interval", "6", *TINY]
+        self.assertEqual(forge("--training.steps", "6", *common).returncode, 0)
+        result = forge("--training.steps", "12", *common)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertIn("step-6", result.stdout)
+        self.assertIn("appending to", result.stdout)
+        self.assertEqual(len(self.full_losses), 12)
+        self.assertEqual(train_losses(run_dir), self.full_losses)
+        self.assertEqual(steps_in(os.path.join(run_dir, "checkpoints")), [6, 12])
+
+    def test_copied_checkpoint_resumes_in_a_new_run_directory(self):
+        run_dir = os.path.join(scratch(self), "copy")
+        shutil.copytree(os.path.join(self.full, "checkpoints", "step-6"), os.path.join(run_dir, "checkpoints", "step-6"))
+        result = forge("--training.steps", "12", "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "6", *TINY)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(train_losses(run_dir), self.full_losses[6:])
+
+    def test_load_step_picks_an_older_checkpoint(self):
+        run_dir = os.path.join(scratch(self), "older")
+        shutil.copytree(os.path.join(self.full, "checkpoints"), os.path.join(run_dir, "checkpoints"))
+        result = forge("--training.steps", "12", "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                       "--checkpoint.load_step", "6", "--checkpoint.interval", "100", *TINY)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("step-6", result.stdout)
+        self.assertEqual(train_losses(run_dir), self.full_losses[6:])
+
+    def test_initial_load_path_starts_fine_tuning_from_the_weights(self):
+        run_dir = os.path.join(scratch(self), "finetune")
+        weights = os.path.join(self.full, "checkpoints", "step-12")
+        result = forge("--training.steps", "2", "--logging.run_dir", run_dir, "--checkpoint.initial_load_path",
+                       weights, *TINY)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("initial weights from checkpoint", result.stdout)
+        losses = train_losses(run_dir)
+        self.assertEqual(len(losses), 2)
+        self.assertLess(losses[0], self.full_losses[0] - 0.3, "the loaded weights should start well below a fresh model")
+
+    def test_existing_run_without_checkpoint_is_refused(self):
+        run_dir = os.path.join(scratch(self), "run")
+        self.assertEqual(forge("--training.steps", "1", "--logging.run_dir", run_dir, *TINY).returncode, 0)
+        before = snapshot(run_dir)
+        result = forge("--training.steps", "2", "--logging.run_dir", run_dir, "--checkpoint.enable", "true", *TINY)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("no checkpoint to resume", result.stderr)
+        self.assertEqual(snapshot(run_dir), before)
+
+    def test_checkpoint_keys_that_need_more(self):
+        result = forge("--checkpoint.load_step", "3")
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("checkpoint.enable", result.stderr)
+        result = forge("--checkpoint.initial_load_in_hf", "true")
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("checkpoint.initial_load_in_hf", result.stderr)
+        self.assertIn("Hugging Face", result.stderr)
+
+
+class DamagedCheckpoint(unittest.TestCase):
+    """A run stopped at step 6 whose checkpoint is then damaged: resuming must fail,
+    naming the file and tensor, and leave metrics.jsonl and config.yaml untouched."""
+
+    def setUp(self):
+        self.run_dir = os.path.join(scratch(self), "run")
+        self.args = ["--training.steps", "12", "--logging.run_dir", self.run_dir, "--checkpoint.enable", "true",
+                     "--checkpoint.interval", "6", *TINY]
+        result = forge("--training.steps", "6", *self.args[2:])
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.step_dir = os.path.join(self.run_dir, "checkpoints", "step-6")
+        self.shard = os.path.join(self.step_dir, "rank-0.bin")
+
+    def expect_refused(self, extra, *fragments):
+        before = snapshot(self.run_dir)
+        result = forge(*self.args, *extra)
+        self.assertNotEqual(result.returncode, 0, result.stdout)
+        for fragment in fragments:
+            self.assertIn(fragment, result.stderr)
+        self.assertEqual(snapshot(self.run_dir), before)
+        self.assertEqual(steps_in(os.path.join(self.run_dir, "checkpoints")), [6])
+
+    def test_flipped_byte(self):
+        piece = tensor_piece(self.step_dir, "layers.1.attention.o.weight", "exp_avg_sq")
+        with open(self.shard, "r+b") as f:
+            f.seek(piece["byte_offset"] + 3)
+            byte = f.read(1)[0]
+            f.seek(piece["byte_offset"] + 3)
+            f.write(bytes([byte ^ 0x01]))
+        self.expect_refused([], self.shard, "tensor 'layers.1.attention.o.weight' (exp_avg_sq)", "CRC-32")
+
+    def test_truncated_shard(self):
+        os.truncate(self.shard, os.path.getsize(self.shard) - 4)
+        self.expect_refused([], self.shard, "shorter", "tensor 'output.weight' (exp_avg_sq)")
+
+    def test_missing_metadata(self):
+        os.remove(os.path.join(self.step_dir, "metadata.json"))
+        self.expect_refused([], self.step_dir, "metadata.json")
+
+    def test_other_model(self):
+        self.expect_refused(["--model.ffn_hidden_size", "128"], self.step_dir,
+                            "tensor 'layers.0.mlp.gate_up.weight' (param)", "[384, 64]", "[256, 64]")
+
+
+class KilledRuns(unittest.TestCase):
+    STEPS = 8
+
+    def test_sigkill_at_random_moments(self):
+        seed = int(time.time())
+        rng = random.Random(seed)
+        print(f"kill test seed {seed}")
+        run_dir = os.path.join(scratch(self), "run")
+        folder = os.path.join(run_dir, "checkpoints")
+        args = [forge_bin(), "train", "--training.steps", str(self.STEPS), "--logging.run_dir", run_dir,
+                "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.keep_latest_k", "2",
+                *SLOW_SAVE]
+        for attempt in range(4):
+            if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and not steps_in(folder):
+                refused = forge(*args[2:])
+                self.assertNotEqual(refused.returncode, 0)
+                self.assertIn("no checkpoint to resume", refused.stderr)
+                os.remove(os.path.join(run_dir, "metrics.jsonl"))
+            visible = steps_in(folder)
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            startup = self.read_until_training_starts(proc)
+            if visible:
+                self.assertIn(f"resuming from checkpoint '{folder}/step-{visible[-1]}'", startup)
+            else:
+                self.assertNotIn("resuming", startup)
+            time.sleep(rng.uniform(0.3, 3.0))
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate()
+            unfinished = [name for name in os.listdir(folder) if name.startswith(".tmp-")] if os.path.isdir(folder) else []
+            print(f"kill {attempt}: checkpoints {steps_in(folder)}, unfinished {unfinished}")
+            self.check_every_visible_checkpoint_loads(folder)
+            if proc.returncode == 0:
+                break
+        final = subprocess.run(args, capture_output=True, text=True)
+        self.assertEqual(final.returncode, 0, final.stderr)
+        self.check_every_visible_checkpoint_loads(folder)
+        self.assertEqual(steps_in(folder)[-1], self.STEPS)
+
+        reference = os.path.join(scratch(self), "reference")
+        result = forge("--training.steps", str(self.STEPS), "--logging.run_dir", reference, *SLOW_SAVE)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(train_losses(run_dir), train_losses(reference))
+
+    @staticmethod
+    def read_until_training_starts(proc):
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("run directory:"):
+                break
+        return "".join(lines)
+
+    def check_every_visible_checkpoint_loads(self, folder):
+        for step in steps_in(folder):
+            probe = os.path.join(scratch(self), "probe")
+            result = forge("--training.steps", str(step), "--logging.run_dir", probe, "--checkpoint.enable", "true",
+                           "--checkpoint.folder", folder, "--checkpoint.load_step", str(step), *SLOW_SAVE)
+            self.assertEqual(result.returncode, 0, f"step-{step} does not load:\n{result.stderr}")
+            self.assertIn("nothing left to train", result.stdout)
+
+
+if __name__ == "__main__":
+    unittest.main()
