@@ -19,6 +19,9 @@ class Tokenizer {
   // recognized as the tokenizer file says). Must equal Hugging Face tokenizers'
   // encode(text, add_special_tokens=False).
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
+  // encode() of each text, the texts spread over the thread pool (core/parallel.h).
+  // Results are identical to encoding the texts one by one.
+  std::vector<std::vector<int32_t>> encode_batch(const std::vector<std::string_view>& texts) const;
   // Text of `ids` (special tokens included verbatim).
   virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
   virtual int64_t vocab_size() const = 0;  // including added tokens

@@ -1,0 +1,76 @@
+// The BPE model of a Hugging Face tokenizer.json: vocab, ranked merges, and the options
+// Llama-family tokenizers use (byte_fallback, unk_token, fuse_unk, ignore_merges).
+//
+// NOTE [BPE merge order]
+// A word starts as one symbol per character (or per byte token with byte_fallback). The
+// merge with the lowest rank among all adjacent pairs is applied first, the leftmost one
+// among equal ranks, until no adjacent pair has a merge. A min-heap of (rank, position)
+// with stale entries skipped gives exactly that order in O(n log n), as in Hugging Face's
+// Word::merge_all. With ignore_merges a word that is itself in the vocab is one token.
+//
+// NOTE [BPE word cache]
+// Natural text repeats words, so the ids of each word up to 256 bytes are cached. The
+// cache is split into shards, each behind its own mutex, so encode_batch threads rarely
+// wait on each other; a full shard is cleared rather than tracked for recency.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "data/tokenizer_json_reader.h"
+
+namespace forge {
+
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+};
+using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
+
+class BpeModel {
+ public:
+  // Reads tokenizer.json's "model" object (type BPE); fails naming the file and the field.
+  BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reader);
+
+  // Appends the ids of one pre-tokenized word to `out`.
+  void tokenize(std::string_view word, std::vector<int32_t>& out) const;
+
+  std::optional<int32_t> token_id(std::string_view token) const;
+  const TokenIdMap& vocab() const { return vocab_; }
+
+ private:
+  struct Merge {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  struct CacheShard {
+    std::mutex mutex;
+    std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> words;
+  };
+  static constexpr size_t kCacheShards = 64;
+  static constexpr size_t kCacheShardCapacity = 16384;
+  static constexpr size_t kMaxCachedWordBytes = 256;
+
+  void read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader);
+  std::vector<int32_t> initial_symbols(std::string_view word) const;
+  void merge(std::vector<int32_t>& symbols) const;
+  const Merge* find_merge(int32_t left, int32_t right) const;
+
+  TokenIdMap vocab_;
+  std::unordered_map<uint64_t, Merge> merges_;
+  std::optional<int32_t> unk_id_;
+  bool fuse_unk_ = false;
+  bool byte_fallback_ = false;
+  bool ignore_merges_ = false;
+  std::array<int32_t, 256> byte_token_ids_{};  // "<0xNN>" ids, -1 where absent
+  mutable std::array<CacheShard, kCacheShards> cache_;
+};
+
+}  // namespace forge

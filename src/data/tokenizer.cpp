@@ -1,0 +1,86 @@
+// load_tokenizer decides what a path holds and builds the matching Tokenizer; encode_batch
+// spreads documents over the thread pool. Documents differ widely in length, so threads
+// take the next document from a shared counter instead of fixed slices; each result
+// lands in its own slot, so the output does not depend on the thread count.
+#include "data/tokenizer.h"
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "data/hf_tokenizer.h"
+#include "data/sentencepiece_tokenizer.h"
+
+namespace forge {
+namespace {
+
+enum class TokenizerFormat { HuggingFaceJson, SentencePieceModel };
+
+// tokenizer.json is JSON (an object); tokenizer.model is a protobuf whose first field is
+// the repeated `pieces` (tag byte 0x0A).
+TokenizerFormat detect_format(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
+  char first = 0;
+  while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {
+  }
+  if (!in) FORGE_FAIL("{}: the tokenizer file is empty", file);
+  const std::string extension = std::filesystem::path(file).extension().string();
+  if (first == '{' || extension == ".json") return TokenizerFormat::HuggingFaceJson;
+  if (first == '\x0A' || extension == ".model") return TokenizerFormat::SentencePieceModel;
+  FORGE_FAIL("{}: neither a Hugging Face tokenizer.json (JSON) nor a SentencePiece tokenizer.model (protobuf)",
+             file);
+}
+
+std::unique_ptr<Tokenizer> load_json(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  nlohmann::json config;
+  try {
+    config = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    FORGE_FAIL("{}: not valid JSON: {}", file, e.what());
+  }
+  return std::make_unique<HfTokenizer>(config, file);
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::string file = path;
+  if (fs::is_directory(path)) {
+    if (fs::is_regular_file(fs::path(path) / "tokenizer.json")) {
+      file = (fs::path(path) / "tokenizer.json").string();
+    } else if (fs::is_regular_file(fs::path(path) / "tokenizer.model")) {
+      file = (fs::path(path) / "tokenizer.model").string();
+    } else {
+      FORGE_FAIL("{}: the directory holds neither tokenizer.json nor tokenizer.model", path);
+    }
+  } else if (!fs::exists(path)) {
+    FORGE_FAIL("{}: no such tokenizer file or directory", path);
+  }
+  switch (detect_format(file)) {
+    case TokenizerFormat::HuggingFaceJson:
+      return load_json(file);
+    case TokenizerFormat::SentencePieceModel:
+      return std::make_unique<SentencePieceTokenizer>(file);
+  }
+  FORGE_CHECK(false, "unreachable tokenizer format");
+  return nullptr;
+}
+
+std::vector<std::vector<int32_t>> Tokenizer::encode_batch(const std::vector<std::string_view>& texts) const {
+  std::vector<std::vector<int32_t>> ids(texts.size());
+  std::atomic<size_t> next{0};
+  parallel_for(num_threads(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t worker = begin; worker < end; ++worker) {
+      for (size_t i = next++; i < texts.size(); i = next++) ids[i] = encode(texts[i]);
+    }
+  });
+  return ids;
+}
+
+}  // namespace forge

@@ -1,0 +1,38 @@
+// Validated access to a parsed tokenizer.json. Every accessor names the file and the place
+// in it ("model.merges[12]") when a value is missing or has the wrong type, so a malformed
+// or unsupported file fails with a message a user can act on.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+namespace forge {
+
+class TokenizerJsonReader {
+ public:
+  explicit TokenizerJsonReader(std::string file) : file_(std::move(file)) {}
+
+  const std::string& file() const { return file_; }
+
+  // Throws forge::Error "<file>: <where>: <what>".
+  [[noreturn]] void fail(std::string_view where, std::string_view what) const;
+
+  const nlohmann::json& object(const nlohmann::json& parent, std::string_view where, const char* key) const;
+  std::string string(const nlohmann::json& parent, std::string_view where, const char* key) const;
+  // The member as a string, or `fallback` when it is absent or null.
+  std::string string_or(const nlohmann::json& parent, std::string_view where, const char* key,
+                        const std::string& fallback) const;
+  bool boolean_or(const nlohmann::json& parent, std::string_view where, const char* key, bool fallback) const;
+  int64_t integer(const nlohmann::json& parent, std::string_view where, const char* key) const;
+
+  // The "type" member of a component, e.g. "ByteLevel" for a pre_tokenizer.
+  std::string type(const nlohmann::json& component, std::string_view where) const;
+  [[noreturn]] void unsupported_type(std::string_view where, std::string_view type, std::string_view supported) const;
+
+ private:
+  const nlohmann::json& member(const nlohmann::json& parent, std::string_view where, const char* key) const;
+  std::string file_;
+};
+
+}  // namespace forge
