@@ -41,6 +41,12 @@ BpeModel::BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reade
     if (!id) reader.fail("model.unk_token", fmt::format("'{}' is not in model.vocab", unk));
     unk_id_ = *id;
   }
+  bmp_character_ids_.assign(0x10000, -1);
+  for (const auto& [token, id] : vocab_) {
+    if (token.empty() || utf8::unit_length(token, 0) != token.size()) continue;
+    const int32_t code_point = utf8::code_point_at(token, 0);
+    if (code_point >= 0 && code_point < 0x10000) bmp_character_ids_[code_point] = id;
+  }
   byte_token_ids_.fill(-1);
   for (int b = 0; b < 256; ++b) {
     if (auto id = token_id(fmt::format("<0x{:02X}>", b))) byte_token_ids_[b] = *id;
@@ -82,6 +88,15 @@ std::optional<int32_t> BpeModel::token_id(std::string_view token) const {
   return it->second;
 }
 
+std::optional<int32_t> BpeModel::character_id(std::string_view character) const {
+  const int32_t code_point = utf8::code_point_at(character, 0);
+  if (code_point >= 0 && code_point < 0x10000) {
+    const int32_t id = bmp_character_ids_[code_point];
+    return id >= 0 ? std::optional<int32_t>(id) : std::nullopt;
+  }
+  return token_id(character);
+}
+
 const BpeModel::Merge* BpeModel::find_merge(int32_t left, int32_t right) const {
   auto it = merges_.find(pair_key(left, right));
   return it == merges_.end() ? nullptr : &it->second;
@@ -99,7 +114,7 @@ std::vector<int32_t> BpeModel::initial_symbols(std::string_view word) const {
     const size_t length = utf8::unit_length(word, pos);
     const std::string_view character = word.substr(pos, length);
     pos += length;
-    if (auto id = token_id(character)) {
+    if (auto id = character_id(character)) {
       if (unk_pending) symbols.push_back(*unk_id_), unk_pending = false;
       symbols.push_back(*id);
       continue;
@@ -159,14 +174,10 @@ void BpeModel::merge(std::vector<int32_t>& symbols) const {
   symbols.resize(kept);
 }
 
+// NOTE: a cache hit gives what ignore_merges would give too (the cache holds results
+// computed the same way), so the cache is consulted first.
 void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const {
   if (word.empty()) return;
-  if (ignore_merges_) {
-    if (auto id = token_id(word)) {
-      out.push_back(*id);
-      return;
-    }
-  }
   const bool cacheable = word.size() <= kMaxCachedWordBytes;
   CacheShard& shard = cache_[StringHash{}(word) % kCacheShards];
   if (cacheable) {
@@ -177,8 +188,13 @@ void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const 
       return;
     }
   }
-  std::vector<int32_t> symbols = initial_symbols(word);
-  merge(symbols);
+  std::vector<int32_t> symbols;
+  if (auto id = ignore_merges_ ? token_id(word) : std::nullopt) {
+    symbols.push_back(*id);
+  } else {
+    symbols = initial_symbols(word);
+    merge(symbols);
+  }
   out.insert(out.end(), symbols.begin(), symbols.end());
   if (cacheable) {
     std::lock_guard lock(shard.mutex);

@@ -60,6 +60,7 @@ class BpeModel {
 
   void read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader);
   std::vector<int32_t> initial_symbols(std::string_view word) const;
+  std::optional<int32_t> character_id(std::string_view character) const;
   void merge(std::vector<int32_t>& symbols) const;
   const Merge* find_merge(int32_t left, int32_t right) const;
 
@@ -70,6 +71,7 @@ class BpeModel {
   bool byte_fallback_ = false;
   bool ignore_merges_ = false;
   std::array<int32_t, 256> byte_token_ids_{};  // "<0xNN>" ids, -1 where absent
+  std::vector<int32_t> bmp_character_ids_;      // id of each single-character token below U+10000, -1 where absent
   mutable std::array<CacheShard, kCacheShards> cache_;
 };
 
