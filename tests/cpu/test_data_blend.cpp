@@ -4,6 +4,7 @@
 // real indexed datasets, including errors that name the missing files.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
