@@ -5,10 +5,13 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset_prep.h"
+
 namespace forge {
 
 int run_train(const std::vector<std::string>& args);
 int run_info(const std::vector<std::string>& args);
 int run_keys();
+int run_prep(const PrepOptions& options, const std::string& tokenizer_path);
 
 }  // namespace forge
