@@ -5,11 +5,14 @@
 #include <string>
 #include <vector>
 
+#include "data/dataset_prep.h"
+
 namespace forge {
 
 int run_train(const std::vector<std::string>& args);
 int run_info(const std::vector<std::string>& args);
 int run_keys();
 int run_hf_info(const std::string& dir);
+int run_prep(const PrepOptions& options, const std::string& tokenizer_path);
 
 }  // namespace forge

@@ -115,6 +115,9 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::data, &D::source>("data.source", "where samples come from", {}, {"synthetic", "mock", "indexed"}),
       key<&E::data, &D::path>("data.path", "indexed: path prefix of <path>.bin and <path>.idx"),
+      key<&E::data, &D::blend>("data.blend",
+                               "indexed: \"W1 PREFIX1 W2 PREFIX2 ...\" weighted blend instead of data.path "
+                               "(Megatron --data-path)"),
       key<&E::data, &D::split>("data.split", "indexed: train,validation,test weights (Megatron --split)"),
       key<&E::data, &D::synthetic_order>("data.synthetic_order", "synthetic: Markov order (tokens of context)",
                                          at_least(0)),

@@ -8,6 +8,7 @@
 
 #include "cli/config_schema.h"
 #include "core/error.h"
+#include "data/blended_dataset.h"
 #include "optim/optimizer.h"
 
 namespace forge {
@@ -74,8 +75,20 @@ bool is_valid_split(std::string_view split) {
 
 void check_data(const ExperimentConfig& config, const ConfigOrigins& origins) {
   auto show_key = [&](const std::string& key) { return show(config, origins, key); };
-  if (config.data.source == "indexed" && config.data.path.empty()) {
-    FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx files)", show_key("data.source"));
+  if (config.data.source == "indexed" && config.data.path.empty() && config.data.blend.empty()) {
+    FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx files) or data.blend (\"W1 PREFIX1 W2 PREFIX2 "
+               "...\")",
+               show_key("data.source"));
+  }
+  if (!config.data.path.empty() && !config.data.blend.empty()) {
+    FORGE_FAIL("{} and {} are both set: give one of them", show_key("data.path"), show_key("data.blend"));
+  }
+  if (config.data.source == "indexed" && !config.data.blend.empty()) {
+    try {
+      parse_blend(config.data.blend);
+    } catch (const Error& e) {
+      FORGE_FAIL("{}: {}", origin_of(origins, "data.blend"), e.what());
+    }
   }
   if (!is_valid_split(config.data.split)) {
     FORGE_FAIL("{}: data.split expects up to three non-negative weights separated by commas, such as 969,30,1, "

@@ -29,6 +29,30 @@ int main(int argc, char** argv) {
   hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
   for (auto* sub : {train, info}) sub->prefix_command();
 
+  forge::PrepOptions prep_options;
+  std::string prep_tokenizer;
+  bool no_append_eod = false;
+  auto* prep = app.add_subcommand(
+      "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx)");
+  prep->footer(
+      "Example: forge prep --input c4.00000.json.gz --tokenizer /models/llama3/tokenizer.json "
+      "--output-prefix /data/c4_text_document");
+  prep->add_option("--input", prep_options.inputs, "input file, repeatable: .jsonl/.json/.ndjson or .txt, optionally .gz or .zst")
+      ->required();
+  prep->add_option("--tokenizer", prep_tokenizer, "tokenizer.json, tokenizer.model, or a directory holding one")
+      ->required();
+  prep->add_option("--output-prefix", prep_options.output_prefix, "writes PREFIX.bin and PREFIX.idx")->required();
+  prep->add_option("--json-key", prep_options.json_key, "JSON Lines: key of the text")->capture_default_str();
+  auto* append_eod =
+      prep->add_flag("--append-eod", prep_options.append_eod, "append the tokenizer's EOS to every document (default)");
+  prep->add_flag("--no-append-eod", no_append_eod, "do not append EOS")->excludes(append_eod);
+  prep->add_flag("--text-per-line", prep_options.text_per_line,
+                 ".txt inputs: every non-empty line is a document (default: the whole file is one)");
+  prep->add_flag("--skip-bad-lines", prep_options.skip_bad_lines,
+                 "JSON Lines: skip and count malformed lines instead of failing");
+  prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
+      ->check(CLI::Range(1, 4096));
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -40,6 +64,10 @@ int main(int argc, char** argv) {
     if (info->parsed()) return forge::run_info(info->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (prep->parsed()) {
+      if (no_append_eod) prep_options.append_eod = false;
+      return forge::run_prep(prep_options, prep_tokenizer);
+    }
   } catch (const forge::Error& e) {
     forge::log_error("{}", e.what());
     return 1;

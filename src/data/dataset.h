@@ -4,7 +4,7 @@
 // inputs are the first seq_len, targets the last seq_len). Three sources implement it:
 // mock (deterministic random tokens, as Megatron's --mock-data), synthetic (forge's
 // built-in Markov corpus with a known entropy floor), and indexed (Megatron .bin/.idx
-// documents packed into windows).
+// documents packed into windows; one dataset, or a weighted blend of several).
 //
 // NOTE [Epochs and sample order]
 // num_samples() counts the samples of one epoch. File-backed data (indexed) reshuffles
@@ -29,6 +29,7 @@ namespace forge {
 struct DataConfig {
   std::string source = "synthetic";  // synthetic | mock | indexed
   std::string path;                  // indexed: path prefix of <path>.bin / <path>.idx
+  std::string blend;                 // indexed: "W1 PREFIX1 W2 PREFIX2 ..." instead of path (blended_dataset.h)
   std::string split = "969,30,1";    // indexed: train,validation,test weights (Megatron --split)
   int64_t synthetic_order = 2;       // synthetic: Markov order (tokens of context)
   double synthetic_concentration = 0.1;  // synthetic: Dirichlet-like sharpness of transitions

@@ -2,12 +2,13 @@
 // errors that name the data.* key. Seeds are derived per purpose from the run seed: one
 // stream for the synthetic transition table (shared by all splits, so validation
 // measures the same source), and one per split for sample contents and shuffles, so that
-// train, validation and test never share samples.
+// train, validation and test never share samples; a blend derives one more per component.
 #include <cmath>
 #include <limits>
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "data/blended_dataset.h"
 #include "data/dataset.h"
 #include "data/generated_datasets.h"
 #include "data/packed_dataset.h"
@@ -19,6 +20,7 @@ namespace {
 constexpr uint64_t kSyntheticTableStream = 0x5EED7AB1E;
 constexpr uint64_t kSplitStreamBase = 0xDA7A0000;
 constexpr int64_t kUnboundedSamples = int64_t{1} << 40;
+constexpr uint64_t kBlendComponentStreamBase = 0xB1E7D000;
 
 void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
   if (seq_len < 1) FORGE_FAIL("training.seq_len is {}: expected a positive number of tokens", seq_len);
@@ -28,8 +30,11 @@ void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
     FORGE_FAIL("data.num_samples is {}: expected 0 (unbounded) or a positive count", config.num_samples);
   if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed")
     FORGE_FAIL("data.source is '{}': expected synthetic, mock or indexed", config.source);
-  if (config.source == "indexed" && config.path.empty())
-    FORGE_FAIL("data.path is empty: the indexed source needs the prefix of <path>.bin and <path>.idx");
+  if (config.source == "indexed" && config.path.empty() && config.blend.empty())
+    FORGE_FAIL("data.path and data.blend are empty: the indexed source needs the prefix of <path>.bin and "
+               "<path>.idx, or a blend \"W1 PREFIX1 W2 PREFIX2 ...\"");
+  if (config.source == "indexed" && !config.path.empty() && !config.blend.empty())
+    FORGE_FAIL("data.path ('{}') and data.blend ('{}') are both set: give one of them", config.path, config.blend);
 }
 
 int64_t samples_per_epoch(const DataConfig& config) {
@@ -43,6 +48,32 @@ uint64_t split_seed(uint64_t seed, Split split) {
 std::shared_ptr<const MarkovSource> synthetic_source(const DataConfig& config, int64_t vocab_size, uint64_t seed) {
   return std::make_shared<const MarkovSource>(vocab_size, config.synthetic_order, config.synthetic_concentration,
                                               derive_seed(seed, kSyntheticTableStream));
+}
+
+std::unique_ptr<TokenDataset> make_packed_dataset(const std::string& prefix, const std::string& split_weights,
+                                                  Split split, int64_t seq_len, int64_t vocab_size, uint64_t seed) {
+  auto data = std::make_shared<const IndexedDataset>(prefix);
+  SequenceRange range = split_sequence_range(split_weights, split, data->num_sequences());
+  return std::make_unique<PackedDataset>(std::move(data), range, seq_len, vocab_size, seed);
+}
+
+// Each component gets its own seed, so that two components built from the same files
+// still differ in order.
+std::unique_ptr<TokenDataset> make_blended_dataset(const DataConfig& config, Split split, int64_t seq_len,
+                                                   int64_t vocab_size, uint64_t seed) {
+  std::vector<BlendComponent> blend = parse_blend(config.blend);
+  std::vector<std::unique_ptr<TokenDataset>> components;
+  std::vector<double> weights;
+  for (size_t i = 0; i < blend.size(); ++i) {
+    try {
+      components.push_back(make_packed_dataset(blend[i].prefix, config.split, split, seq_len, vocab_size,
+                                               derive_seed(seed, kBlendComponentStreamBase + i)));
+    } catch (const Error& e) {
+      FORGE_FAIL("data.blend dataset {} of {} ('{}'): {}", i + 1, blend.size(), blend[i].prefix, e.what());
+    }
+    weights.push_back(blend[i].weight);
+  }
+  return std::make_unique<BlendedDataset>(std::move(components), std::move(weights), seed);
 }
 
 }  // namespace
@@ -64,9 +95,8 @@ std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split
   if (config.source == "synthetic")
     return std::make_unique<SyntheticDataset>(synthetic_source(config, vocab_size, seed), seq_len,
                                               samples_per_epoch(config), split_seed(seed, split));
-  auto data = std::make_shared<const IndexedDataset>(config.path);
-  SequenceRange range = split_sequence_range(config.split, split, data->num_sequences());
-  return std::make_unique<PackedDataset>(std::move(data), range, seq_len, vocab_size, split_seed(seed, split));
+  if (!config.blend.empty()) return make_blended_dataset(config, split, seq_len, vocab_size, split_seed(seed, split));
+  return make_packed_dataset(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split));
 }
 
 double data_entropy_floor(const DataConfig& config, int64_t seq_len, int64_t vocab_size, uint64_t seed) {
