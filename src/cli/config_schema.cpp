@@ -134,6 +134,8 @@ std::vector<ConfigKey> build_schema() {
                                                      at_least(1)),
       key<&E::logging, &LoggingConfig::run_dir>("logging.run_dir",
                                                 "where metrics.jsonl and config.yaml go; {model} and {time} expand"),
+      key<&E::logging, &LoggingConfig::profile_ops>(
+          "logging.profile_ops", "time GEMM / attention / elementwise / optimizer per step (syncs the device)"),
 
       key<&E::precision, &PrecisionConfig::compute_dtype>("precision.compute_dtype", "dtype of weights and activations",
                                                           {}, {"fp32", "bf16"}),

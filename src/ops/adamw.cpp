@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cpu/adamw.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/adamw.h"
@@ -28,6 +29,7 @@ AdamWScalars adamw_scalars(const AdamWHyper& h) {
 }  // namespace
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h) {
+  OpProfileScope profile(OpClass::Optimizer);
   FORGE_CHECK(h.step >= 1, "adamw_update: step counts from 1, got {}", h.step);
   check_dtype(param, DType::F32, "adamw param");
   check_shape(grad, param.shape(), "adamw grad");

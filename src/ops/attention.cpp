@@ -1,6 +1,7 @@
 #include "ops/attention.h"
 
 #include "kernels/cpu/attention.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/attention.h"
@@ -43,6 +44,7 @@ cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d) {
 }  // namespace
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape) {
+  OpProfileScope profile(OpClass::Attention);
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_forward");
   check_shape(out, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_forward out");
   check_shape(lse, {dims.batch, dims.q_heads, dims.seq}, "attention_forward lse");
@@ -63,6 +65,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, 
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& lse, const AttentionShape& shape) {
+  OpProfileScope profile(OpClass::Attention);
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_backward");
   check_shape(dqkv, qkv.shape(), "attention_backward dqkv");
   check_shape(dout, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_backward dout");

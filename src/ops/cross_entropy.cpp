@@ -1,6 +1,7 @@
 #include "ops/cross_entropy.h"
 
 #include "kernels/cpu/cross_entropy.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/cross_entropy.h"
@@ -18,6 +19,7 @@ void check_cpu(const Tensor& t, DType dtype, const char* what) {
 
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, int32_t ignore_index, float grad_scale) {
+  OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(logits.ndim() == 2, "cross_entropy: logits {} must be [N, V]", shape_str(logits.shape()));
   int64_t rows = logits.dim(0), vocab = logits.dim(1);
   FORGE_CHECK(vocab > 0, "cross_entropy: logits {} have no classes", shape_str(logits.shape()));

@@ -1,6 +1,7 @@
 #include "ops/rmsnorm.h"
 
 #include "kernels/cpu/rmsnorm.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/rmsnorm.h"
@@ -17,6 +18,7 @@ void check_f32_cpu(const Tensor& t, const char* what) {
 }  // namespace
 
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps) {
+  OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_forward: x {} must be [N, D]", shape_str(x.shape()));
   int64_t rows = x.dim(0), dim = x.dim(1);
   check_shape(y, x.shape(), "rmsnorm_forward y");
@@ -42,6 +44,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
                       const Tensor& weight, const Tensor& rstd) {
+  OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_backward: x {} must be [N, D]", shape_str(x.shape()));
   int64_t rows = x.dim(0), dim = x.dim(1);
   check_shape(dx, x.shape(), "rmsnorm_backward dx");

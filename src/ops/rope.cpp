@@ -4,6 +4,7 @@
 #include <numbers>
 
 #include "kernels/cpu/rope.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/rope.h"
@@ -89,10 +90,12 @@ void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, 
 }
 
 void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+  OpProfileScope profile(OpClass::Elementwise);
   rope_apply(x, num_rotated_heads, cos, sin, false, "rope_forward");
 }
 
 void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+  OpProfileScope profile(OpClass::Elementwise);
   rope_apply(dx, num_rotated_heads, cos, sin, true, "rope_backward");
 }
 

@@ -1,6 +1,7 @@
 #include "ops/swiglu.h"
 
 #include "kernels/cpu/swiglu.h"
+#include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/swiglu.h"
@@ -17,6 +18,7 @@ void check_f32_cpu(const Tensor& t, const char* what) {
 }  // namespace
 
 void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
+  OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_forward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
@@ -34,6 +36,7 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
 }
 
 void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+  OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_backward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;

@@ -20,6 +20,17 @@ std::string format_step(const StepMetrics& m, int64_t total_steps) {
                      m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu);
 }
 
+std::string format_op_seconds(const std::array<double, kOpClassCount>& seconds, double step_time_s) {
+  std::string s = "  time by op class:";
+  double covered = 0;
+  for (int c = 0; c < kOpClassCount; ++c) {
+    s += fmt::format(" {} {:.1f} ms ({:.0f}%),", op_class_name(static_cast<OpClass>(c)), seconds[c] * 1e3,
+                     100 * seconds[c] / step_time_s);
+    covered += seconds[c];
+  }
+  return s + fmt::format(" other {:.1f} ms", (step_time_s - covered) * 1e3);
+}
+
 std::string format_eval(const EvalMetrics& m, double entropy_floor) {
   std::string s = fmt::format("eval step {} | loss {:.4f} | perplexity {:.3f}", m.step, m.loss, m.perplexity);
   if (entropy_floor > 0) s += fmt::format(" | floor {:.4f} (gap {:+.4f})", entropy_floor, m.loss - entropy_floor);
@@ -42,6 +53,11 @@ void MetricsWriter::write(const StepMetrics& m) {
                       {"grad_norm", m.grad_norm}, {"step_time_s", m.step_time_s},
                       {"tokens_per_s", m.tokens_per_s}, {"model_tflops", m.model_tflops}};
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
+  if (m.op_seconds) {
+    nlohmann::json ops;
+    for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];
+    j["op_seconds"] = ops;
+  }
   write(j);
 }
 

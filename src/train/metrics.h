@@ -5,10 +5,13 @@
 
 #include <cstdint>
 #include <fstream>
+#include <array>
 #include <optional>
 #include <string>
 
 #include <nlohmann/json.hpp>
+
+#include "core/op_profile.h"
 
 namespace forge {
 
@@ -21,6 +24,7 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double model_tflops = 0;         // per device
   std::optional<double> mfu;       // unset when the device's peak is unknown
+  std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
 };
 
 struct EvalMetrics {
@@ -36,6 +40,8 @@ std::optional<double> peak_tflops(const std::string& device_name);
 // One console line: step, loss, lr, grad norm, tokens/s, step time, TFLOP/s, MFU.
 std::string format_step(const StepMetrics& m, int64_t total_steps);
 std::string format_eval(const EvalMetrics& m, double entropy_floor);
+// The per-class breakdown of one step, with what the classes leave unexplained ("other").
+std::string format_op_seconds(const std::array<double, kOpClassCount>& seconds, double step_time_s);
 
 // Appends one JSON object per line to <run_dir>/metrics.jsonl, flushed per record.
 class MetricsWriter {

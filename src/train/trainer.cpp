@@ -8,6 +8,7 @@
 #include "ckpt/hf_export.h"
 #include "core/device.h"
 #include "core/log.h"
+#include "core/op_profile.h"
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "train/run_dir.h"
@@ -139,6 +140,7 @@ TrainResult Trainer::run() {
   const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
+  set_op_profiling(config_.logging.profile_ops);
 
   TrainResult result;
   result.run_dir = run_dir_;
@@ -167,6 +169,7 @@ TrainResult Trainer::run() {
 
   std::vector<Batch> batches(accum);
   for (int64_t step = start_step_; step < t.steps; ++step) {
+    reset_op_profile();
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     grads_->zero();
@@ -198,12 +201,13 @@ TrainResult Trainer::run() {
     m.tokens_per_s = tokens_per_step / dt;
     m.model_tflops = flops_per_step / dt / 1e12;
     if (peak) m.mfu = m.model_tflops / *peak;
+    if (op_profiling()) m.op_seconds = op_profile_seconds();
     result.losses.push_back(m.loss);
     metrics_->write(m);
     if (!std::isfinite(m.loss) || !std::isfinite(norm))
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
-      log_info("{}", format_step(m, t.steps));
+      log_info("{}{}", format_step(m, t.steps), m.op_seconds ? "\n" + format_op_seconds(*m.op_seconds, dt) : "");
 
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
     if (eval_now) {

@@ -61,6 +61,17 @@ class Determinism(unittest.TestCase):
         self.assertNotEqual(losses[0], losses[1])
 
 
+class Profiling(unittest.TestCase):
+    def test_profile_ops_reports_time_per_op_class(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = forge("train", "--training.steps", "2", "--logging.profile_ops", "true", "--logging.run_dir", run_dir)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("time by op class", result.stdout)
+        for r in records(run_dir, "train"):
+            self.assertEqual(set(r["op_seconds"]), {"gemm", "attention", "elementwise", "optimizer"})
+            self.assertLessEqual(sum(r["op_seconds"].values()), r["step_time_s"])
+
+
 class Commands(unittest.TestCase):
     def test_version_and_help(self):
         self.assertIn("forge", forge("--version").stdout)
