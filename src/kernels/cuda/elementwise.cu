@@ -8,6 +8,7 @@
 
 #include "core/device.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/scratch.h"
 
 namespace forge::cuda {
 namespace {
@@ -82,12 +83,12 @@ void scale_inplace(float* a, float s, int64_t n) {
 
 double sum_of_squares(const float* a, int64_t n) {
   if (n == 0) return 0.0;
-  double* partial = static_cast<double*>(device_malloc(sizeof(double) * kSumBlocks));
+  double* partial =
+      static_cast<double*>(scratch_buffer(ScratchSlot::SumOfSquaresPartials, sizeof(double) * kSumBlocks));
   sum_of_squares_kernel<<<kSumBlocks, kThreads>>>(partial, a, n);
   FORGE_CUDA_LAUNCH_CHECK();
   std::vector<double> host(kSumBlocks);
   copy_bytes(host.data(), Device::CPU, partial, Device::CUDA, sizeof(double) * kSumBlocks);
-  device_free(partial);
   double total = 0.0;
   for (double p : host) total += p;
   return total;

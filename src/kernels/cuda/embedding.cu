@@ -2,17 +2,26 @@
 //
 // Forward: a row copy, one thread per 8 columns with 16-byte loads and stores.
 //
-// Backward: dtable[tokens[n]] += dout[n] must be deterministic, so no atomics: each
-// thread owns one column d and walks the tokens in order, adding dout[n, d] into
-// dtable[tokens[n], d]. Threads of a warp touch consecutive columns of the same row, so
-// the accesses coalesce; the walk over tokens is sequential per column, which costs
-// count x hidden reads but keeps the summation order fixed whatever the launch shape.
+// Backward: dtable[tokens[n]] += dout[n] must be deterministic, so no atomics. The token
+// ids (a few KB) are copied to the host and grouped there with a counting sort: for each
+// distinct token, the positions holding it, in increasing order. The kernel then runs one
+// block row per distinct token and one thread per column: the thread sums dout over that
+// token's positions in order and adds the sum into the token's row of dtable once. Every
+// row of dtable is written by exactly one block, the summation order is fixed, and the
+// work is spread over (distinct tokens x columns) threads instead of walking all tokens
+// per column. The host round trip costs a synchronization per call (one per micro-batch).
 #include "kernels/cuda/embedding.h"
 
+#include <vector>
+
+#include "core/device.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/scratch.h"
 
 namespace forge::cuda {
 namespace {
+
+constexpr int kColumnsPerBlock = 256;
 
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* table, int64_t count,
                                          int64_t hidden) {
@@ -24,12 +33,17 @@ __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const
       *reinterpret_cast<const uint4*>(table + static_cast<int64_t>(tokens[n]) * hidden + c);
 }
 
-__global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const int32_t* tokens, int64_t count,
+// index = [unique tokens (U) | segment starts (U + 1) | positions sorted by token (count)]
+__global__ void embedding_backward_kernel(float* dtable, const bf16* dout, const int32_t* index, int64_t unique,
                                           int64_t hidden) {
-  int64_t d = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  int64_t u = blockIdx.x;  // x: up to 2^31 - 1 distinct tokens; y: column blocks
+  int64_t d = static_cast<int64_t>(blockIdx.y) * kColumnsPerBlock + threadIdx.x;
   if (d >= hidden) return;
-  for (int64_t n = 0; n < count; ++n)
-    dtable[static_cast<int64_t>(tokens[n]) * hidden + d] += __bfloat162float(dout[n * hidden + d]);
+  const int32_t* starts = index + unique;
+  const int32_t* positions = index + 2 * unique + 1;
+  float sum = 0.f;
+  for (int32_t k = starts[u]; k < starts[u + 1]; ++k) sum += __bfloat162float(dout[positions[k] * hidden + d]);
+  dtable[static_cast<int64_t>(index[u]) * hidden + d] += sum;
 }
 
 }  // namespace
@@ -42,9 +56,38 @@ void embedding_forward(bf16* out, const int32_t* tokens, const bf16* table, int6
 }
 
 void embedding_backward(float* dtable, const bf16* dout, const int32_t* tokens, int64_t count, int64_t hidden) {
-  if (hidden && count)
-    embedding_backward_kernel<<<static_cast<unsigned>((hidden + 127) / 128), 128>>>(dtable, dout, tokens, count,
-                                                                                  hidden);
+  if (hidden == 0 || count == 0) return;
+  std::vector<int32_t> ids(static_cast<size_t>(count));
+  copy_bytes(ids.data(), Device::CPU, tokens, Device::CUDA, sizeof(int32_t) * ids.size());
+
+  // Counting sort of positions by token id, over the ids that occur.
+  int32_t max_id = 0;
+  for (int32_t id : ids) max_id = std::max(max_id, id);
+  std::vector<int32_t> counts(static_cast<size_t>(max_id) + 1, 0);
+  for (int32_t id : ids) ++counts[id];
+  std::vector<int32_t> unique, starts{0};
+  for (int32_t id = 0; id <= max_id; ++id) {
+    if (!counts[id]) continue;
+    unique.push_back(id);
+    starts.push_back(starts.back() + counts[id]);
+  }
+  std::vector<int32_t> next(static_cast<size_t>(max_id) + 1, 0);
+  for (size_t u = 0; u < unique.size(); ++u) next[unique[u]] = starts[u];
+  std::vector<int32_t> index;
+  index.reserve(unique.size() * 2 + 1 + ids.size());
+  index.insert(index.end(), unique.begin(), unique.end());
+  index.insert(index.end(), starts.begin(), starts.end());
+  std::vector<int32_t> positions(ids.size());
+  for (int64_t n = 0; n < count; ++n) positions[next[ids[n]]++] = static_cast<int32_t>(n);
+  index.insert(index.end(), positions.begin(), positions.end());
+
+  int32_t* device_index =
+      static_cast<int32_t*>(scratch_buffer(ScratchSlot::EmbeddingIndex, sizeof(int32_t) * index.size()));
+  copy_bytes(device_index, Device::CUDA, index.data(), Device::CPU, sizeof(int32_t) * index.size());
+  dim3 grid(static_cast<unsigned>(unique.size()),
+            static_cast<unsigned>((hidden + kColumnsPerBlock - 1) / kColumnsPerBlock));
+  embedding_backward_kernel<<<grid, kColumnsPerBlock>>>(dtable, dout, device_index,
+                                                        static_cast<int64_t>(unique.size()), hidden);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 

@@ -7,15 +7,15 @@
 // Backward: dx[d] += r w[d] dy[d] - x[d] r^3 mean_j(w[j] dy[j] x[j]) with r = rstd, again
 // one warp per row. dweight[d] = sum_rows dy * x * rstd needs a
 // reduction over rows: each block handles a tile of rows and writes its partial column
-// sums to a scratch buffer (allocated per call for now); a second kernel adds the partials
+// sums to a scratch buffer (kernels/cuda/scratch.h); a second kernel adds the partials
 // in a fixed order, so the result is deterministic (no atomics) and accumulates (+=) into
 // the fp32 gradient.
 //
 // Assumes dim is a multiple of 8 (every Llama-family hidden size is).
 #include "kernels/cuda/rmsnorm.h"
 
-#include "core/device.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/scratch.h"
 
 namespace forge::cuda {
 namespace {
@@ -134,14 +134,13 @@ void rmsnorm_backward(bf16* dx, float* dweight, const bf16* dy, const bf16* x, c
   rmsnorm_backward_dx_kernel<<<grid, block>>>(dx, dy, x, weight, rstd, rows, static_cast<int>(dim));
   FORGE_CUDA_LAUNCH_CHECK();
   int parts = static_cast<int>((rows + kRowsPerPartial - 1) / kRowsPerPartial);
-  float* partial = static_cast<float*>(device_malloc(sizeof(float) * parts * dim));
+  float* partial = static_cast<float*>(scratch_buffer(ScratchSlot::RmsnormPartials, sizeof(float) * parts * dim));
   dim3 pgrid(static_cast<unsigned>((dim + 255) / 256), static_cast<unsigned>(parts));
   rmsnorm_dweight_partial_kernel<<<pgrid, 256>>>(partial, dy, x, rstd, rows, static_cast<int>(dim));
   FORGE_CUDA_LAUNCH_CHECK();
   sum_partials_kernel<<<static_cast<unsigned>((dim + 255) / 256), 256>>>(dweight, partial, parts,
                                                                          static_cast<int>(dim));
   FORGE_CUDA_LAUNCH_CHECK();
-  device_free(partial);
 }
 
 }  // namespace forge::cuda
