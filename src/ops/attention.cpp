@@ -10,11 +10,6 @@
 namespace forge {
 namespace {
 
-void check_f32_cpu(const Tensor& t, const char* what) {
-  check_dtype(t, DType::F32, what);
-  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
-}
-
 cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape, const char* op) {
   FORGE_CHECK(shape.num_kv_heads > 0 && shape.num_q_heads > 0 && shape.num_q_heads % shape.num_kv_heads == 0,
               "{}: {} query heads do not split into groups over {} kv heads", op, shape.num_q_heads,
@@ -57,9 +52,9 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, 
                                             static_cast<const cuda::bf16*>(qkv.raw()), cuda_problem(dims)));
     return;
   }
-  check_f32_cpu(out, "attention_forward out");
-  check_f32_cpu(lse, "attention_forward lse");
-  check_f32_cpu(qkv, "attention_forward qkv");
+  expect_tensor(out, Device::CPU, DType::F32, "attention_forward out");
+  expect_tensor(lse, Device::CPU, DType::F32, "attention_forward lse");
+  expect_tensor(qkv, Device::CPU, DType::F32, "attention_forward qkv");
   cpu::attention_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), dims);
 }
 
@@ -86,11 +81,11 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
                                              cuda_problem(dims)));
     return;
   }
-  check_f32_cpu(dqkv, "attention_backward dqkv");
-  check_f32_cpu(dout, "attention_backward dout");
-  check_f32_cpu(qkv, "attention_backward qkv");
-  check_f32_cpu(out, "attention_backward out");
-  check_f32_cpu(lse, "attention_backward lse");
+  expect_tensor(dqkv, Device::CPU, DType::F32, "attention_backward dqkv");
+  expect_tensor(dout, Device::CPU, DType::F32, "attention_backward dout");
+  expect_tensor(qkv, Device::CPU, DType::F32, "attention_backward qkv");
+  expect_tensor(out, Device::CPU, DType::F32, "attention_backward out");
+  expect_tensor(lse, Device::CPU, DType::F32, "attention_backward lse");
   cpu::attention_backward(dqkv.data<float>(), dout.data<float>(), qkv.data<float>(), out.data<float>(),
                           lse.data<float>(), dims);
 }

@@ -8,15 +8,6 @@
 #endif
 
 namespace forge {
-namespace {
-
-void check_cpu(const Tensor& t, DType dtype, const char* what) {
-  check_dtype(t, dtype, what);
-  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
-}
-
-}  // namespace
-
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, int32_t ignore_index, float grad_scale) {
   OpProfileScope profile(OpClass::Elementwise);
@@ -41,13 +32,13 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
                         ignore_index, grad_scale));
     return;
   }
-  check_cpu(losses, DType::F32, "cross_entropy losses");
-  check_cpu(logits, DType::F32, "cross_entropy logits");
-  check_cpu(targets, DType::I32, "cross_entropy targets");
+  expect_tensor(losses, Device::CPU, DType::F32, "cross_entropy losses");
+  expect_tensor(logits, Device::CPU, DType::F32, "cross_entropy logits");
+  expect_tensor(targets, Device::CPU, DType::I32, "cross_entropy targets");
   float* dlogits_data = nullptr;
   if (dlogits.defined()) {
     check_shape(dlogits, logits.shape(), "cross_entropy dlogits");
-    check_cpu(dlogits, DType::F32, "cross_entropy dlogits");
+    expect_tensor(dlogits, Device::CPU, DType::F32, "cross_entropy dlogits");
     dlogits_data = dlogits.data<float>();
   }
   const int32_t* target_data = targets.data<int32_t>();

@@ -10,11 +10,6 @@
 namespace forge {
 namespace {
 
-void check_cpu(const Tensor& t, DType dtype, const char* what) {
-  check_dtype(t, dtype, what);
-  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
-}
-
 void check_token_ids(const Tensor& tokens, int64_t vocab, const char* op) {
   const int32_t* ids = tokens.data<int32_t>();
   for (int64_t n = 0; n < tokens.numel(); ++n) {
@@ -42,9 +37,9 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& ta
                                             static_cast<const cuda::bf16*>(table.raw()), count, hidden));
     return;
   }
-  check_cpu(out, DType::F32, "embedding_forward out");
-  check_cpu(tokens, DType::I32, "embedding_forward tokens");
-  check_cpu(table, DType::F32, "embedding_forward table");
+  expect_tensor(out, Device::CPU, DType::F32, "embedding_forward out");
+  expect_tensor(tokens, Device::CPU, DType::I32, "embedding_forward tokens");
+  expect_tensor(table, Device::CPU, DType::F32, "embedding_forward table");
   check_token_ids(tokens, vocab, "embedding_forward");
   cpu::embedding_forward(out.data<float>(), tokens.data<int32_t>(), table.data<float>(), count, hidden);
 }
@@ -64,9 +59,9 @@ void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& 
                                              tokens.data<int32_t>(), count, hidden));
     return;
   }
-  check_cpu(dtable, DType::F32, "embedding_backward dtable");
-  check_cpu(dout, DType::F32, "embedding_backward dout");
-  check_cpu(tokens, DType::I32, "embedding_backward tokens");
+  expect_tensor(dtable, Device::CPU, DType::F32, "embedding_backward dtable");
+  expect_tensor(dout, Device::CPU, DType::F32, "embedding_backward dout");
+  expect_tensor(tokens, Device::CPU, DType::I32, "embedding_backward tokens");
   check_token_ids(tokens, vocab, "embedding_backward");
   cpu::embedding_backward(dtable.data<float>(), dout.data<float>(), tokens.data<int32_t>(), count, vocab, hidden);
 }

@@ -8,15 +8,6 @@
 #endif
 
 namespace forge {
-namespace {
-
-void check_f32_cpu(const Tensor& t, const char* what) {
-  check_dtype(t, DType::F32, what);
-  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
-}
-
-}  // namespace
-
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps) {
   OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_forward: x {} must be [N, D]", shape_str(x.shape()));
@@ -35,10 +26,10 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
                                           static_cast<const cuda::bf16*>(weight.raw()), rows, dim, eps));
     return;
   }
-  check_f32_cpu(y, "rmsnorm_forward y");
-  check_f32_cpu(rstd, "rmsnorm_forward rstd");
-  check_f32_cpu(x, "rmsnorm_forward x");
-  check_f32_cpu(weight, "rmsnorm_forward weight");
+  expect_tensor(y, Device::CPU, DType::F32, "rmsnorm_forward y");
+  expect_tensor(rstd, Device::CPU, DType::F32, "rmsnorm_forward rstd");
+  expect_tensor(x, Device::CPU, DType::F32, "rmsnorm_forward x");
+  expect_tensor(weight, Device::CPU, DType::F32, "rmsnorm_forward weight");
   cpu::rmsnorm_forward(y.data<float>(), rstd.data<float>(), x.data<float>(), weight.data<float>(), rows, dim, eps);
 }
 
@@ -67,12 +58,12 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy,
                                            dim));
     return;
   }
-  check_f32_cpu(dx, "rmsnorm_backward dx");
-  check_f32_cpu(dweight, "rmsnorm_backward dweight");
-  check_f32_cpu(dy, "rmsnorm_backward dy");
-  check_f32_cpu(x, "rmsnorm_backward x");
-  check_f32_cpu(weight, "rmsnorm_backward weight");
-  check_f32_cpu(rstd, "rmsnorm_backward rstd");
+  expect_tensor(dx, Device::CPU, DType::F32, "rmsnorm_backward dx");
+  expect_tensor(dweight, Device::CPU, DType::F32, "rmsnorm_backward dweight");
+  expect_tensor(dy, Device::CPU, DType::F32, "rmsnorm_backward dy");
+  expect_tensor(x, Device::CPU, DType::F32, "rmsnorm_backward x");
+  expect_tensor(weight, Device::CPU, DType::F32, "rmsnorm_backward weight");
+  expect_tensor(rstd, Device::CPU, DType::F32, "rmsnorm_backward rstd");
   cpu::rmsnorm_backward(dx.data<float>(), dweight.data<float>(), dy.data<float>(), x.data<float>(),
                         weight.data<float>(), rstd.data<float>(), rows, dim);
 }

@@ -8,15 +8,6 @@
 #endif
 
 namespace forge {
-namespace {
-
-void check_f32_cpu(const Tensor& t, const char* what) {
-  check_dtype(t, DType::F32, what);
-  FORGE_CHECK(t.device() == Device::CPU, "{}: no CUDA kernel in this build", what);
-}
-
-}  // namespace
-
 void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
   OpProfileScope profile(OpClass::Elementwise);
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_forward: gate_up {} must be [N, 2F]",
@@ -30,8 +21,8 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
                                                            static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
     return;
   }
-  check_f32_cpu(out, "swiglu_forward out");
-  check_f32_cpu(gate_up, "swiglu_forward gate_up");
+  expect_tensor(out, Device::CPU, DType::F32, "swiglu_forward out");
+  expect_tensor(gate_up, Device::CPU, DType::F32, "swiglu_forward gate_up");
   cpu::swiglu_forward(out.data<float>(), gate_up.data<float>(), rows, ffn);
 }
 
@@ -52,9 +43,9 @@ void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& g
                                           static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
     return;
   }
-  check_f32_cpu(dgate_up, "swiglu_backward dgate_up");
-  check_f32_cpu(dout, "swiglu_backward dout");
-  check_f32_cpu(gate_up, "swiglu_backward gate_up");
+  expect_tensor(dgate_up, Device::CPU, DType::F32, "swiglu_backward dgate_up");
+  expect_tensor(dout, Device::CPU, DType::F32, "swiglu_backward dout");
+  expect_tensor(gate_up, Device::CPU, DType::F32, "swiglu_backward gate_up");
   cpu::swiglu_backward(dgate_up.data<float>(), dout.data<float>(), gate_up.data<float>(), rows, ffn);
 }
 
