@@ -7,6 +7,7 @@ namespace {
 
 bool g_enabled = false;
 std::array<double, kOpClassCount> g_seconds{};
+std::map<std::string, double> g_by_op;
 thread_local int g_depth = 0;  // ops called from inside ops count once, in the outer class
 
 }  // namespace
@@ -24,9 +25,14 @@ std::string_view op_class_name(OpClass c) {
 void set_op_profiling(bool enabled) { g_enabled = enabled; }
 bool op_profiling() { return g_enabled; }
 std::array<double, kOpClassCount> op_profile_seconds() { return g_seconds; }
-void reset_op_profile() { g_seconds.fill(0.0); }
+std::map<std::string, double> op_profile_seconds_by_op() { return g_by_op; }
+void reset_op_profile() {
+  g_seconds.fill(0.0);
+  g_by_op.clear();
+}
 
-OpProfileScope::OpProfileScope(OpClass op_class) : class_(op_class), active_(g_enabled && g_depth == 0) {
+OpProfileScope::OpProfileScope(OpClass op_class, const char* op_name)
+    : class_(op_class), name_(op_name), active_(g_enabled && g_depth == 0) {
   if (!active_) return;
   ++g_depth;
   device_synchronize();
@@ -36,8 +42,9 @@ OpProfileScope::OpProfileScope(OpClass op_class) : class_(op_class), active_(g_e
 OpProfileScope::~OpProfileScope() {
   if (!active_) return;
   device_synchronize();
-  g_seconds[static_cast<int>(class_)] +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  g_seconds[static_cast<int>(class_)] += seconds;
+  g_by_op[name_] += seconds;
   --g_depth;
 }
 

@@ -12,6 +12,8 @@
 
 #include <array>
 #include <chrono>
+#include <map>
+#include <string>
 #include <string_view>
 
 namespace forge {
@@ -24,17 +26,20 @@ void set_op_profiling(bool enabled);
 bool op_profiling();
 // Seconds per class since the last reset.
 std::array<double, kOpClassCount> op_profile_seconds();
+// Seconds per op (by the name its dispatcher gives) since the last reset.
+std::map<std::string, double> op_profile_seconds_by_op();
 void reset_op_profile();
 
 class OpProfileScope {
  public:
-  explicit OpProfileScope(OpClass op_class);
+  OpProfileScope(OpClass op_class, const char* op_name);
   ~OpProfileScope();
   OpProfileScope(const OpProfileScope&) = delete;
   OpProfileScope& operator=(const OpProfileScope&) = delete;
 
  private:
   OpClass class_;
+  const char* name_;
   bool active_;
   std::chrono::steady_clock::time_point start_;
 };

@@ -29,7 +29,7 @@ AdamWScalars adamw_scalars(const AdamWHyper& h) {
 }  // namespace
 
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h) {
-  OpProfileScope profile(OpClass::Optimizer);
+  OpProfileScope profile(OpClass::Optimizer, "adamw_update");
   FORGE_CHECK(h.step >= 1, "adamw_update: step counts from 1, got {}", h.step);
   check_dtype(param, DType::F32, "adamw param");
   check_shape(grad, param.shape(), "adamw grad");

@@ -39,7 +39,7 @@ cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d) {
 }  // namespace
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape) {
-  OpProfileScope profile(OpClass::Attention);
+  OpProfileScope profile(OpClass::Attention, "attention_forward");
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_forward");
   check_shape(out, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_forward out");
   check_shape(lse, {dims.batch, dims.q_heads, dims.seq}, "attention_forward lse");
@@ -60,7 +60,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, 
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& lse, const AttentionShape& shape) {
-  OpProfileScope profile(OpClass::Attention);
+  OpProfileScope profile(OpClass::Attention, "attention_backward");
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_backward");
   check_shape(dqkv, qkv.shape(), "attention_backward dqkv");
   check_shape(dout, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_backward dout");

@@ -10,7 +10,7 @@
 namespace forge {
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, int32_t ignore_index, float grad_scale) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "cross_entropy_forward_backward");
   FORGE_CHECK(logits.ndim() == 2, "cross_entropy: logits {} must be [N, V]", shape_str(logits.shape()));
   int64_t rows = logits.dim(0), vocab = logits.dim(1);
   FORGE_CHECK(vocab > 0, "cross_entropy: logits {} have no classes", shape_str(logits.shape()));

@@ -25,7 +25,7 @@ cuda::bf16* bf16_ptr(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw())
 }  // namespace
 
 void add_inplace(const Tensor& a, const Tensor& b) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "add_inplace");
   check_same(a, b, "add_inplace");
   if (a.device() == Device::CPU) return cpu::add_inplace(a, b);
   if (a.dtype() == DType::BF16) {
@@ -37,7 +37,7 @@ void add_inplace(const Tensor& a, const Tensor& b) {
 }
 
 void add(const Tensor& out, const Tensor& a, const Tensor& b) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "add");
   check_same(out, a, "add");
   check_same(a, b, "add");
   if (a.device() == Device::CPU) return cpu::add(out, a, b);
@@ -46,21 +46,21 @@ void add(const Tensor& out, const Tensor& a, const Tensor& b) {
 }
 
 void scale_inplace(const Tensor& a, float s) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "scale_inplace");
   check_dtype(a, DType::F32, "scale_inplace");
   if (a.device() == Device::CPU) return cpu::scale_inplace(a, s);
   FORGE_CUDA_CALL("scale_inplace", cuda::scale_inplace(a.data<float>(), s, a.numel()));
 }
 
 double sum_of_squares(const Tensor& a) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "sum_of_squares");
   check_dtype(a, DType::F32, "sum_of_squares");
   if (a.device() == Device::CPU) return cpu::sum_of_squares(a);
   FORGE_CUDA_CALL("sum_of_squares", return cuda::sum_of_squares(a.data<float>(), a.numel()));
 }
 
 void cast(const Tensor& out, const Tensor& in) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "cast");
   FORGE_CHECK(out.numel() == in.numel() && out.device() == in.device(), "cast: {} {} into {} {}",
               device_name(in.device()), shape_str(in.shape()), device_name(out.device()), shape_str(out.shape()));
   if (out.dtype() == in.dtype()) return out.copy_from(in);

@@ -22,7 +22,7 @@ void check_token_ids(const Tensor& tokens, int64_t vocab, const char* op) {
 }  // namespace
 
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& table) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "embedding_forward");
   FORGE_CHECK(table.ndim() == 2, "embedding_forward: table {} must be [V, H]", shape_str(table.shape()));
   FORGE_CHECK(tokens.ndim() == 1, "embedding_forward: tokens {} must be [N]", shape_str(tokens.shape()));
   int64_t count = tokens.dim(0), vocab = table.dim(0), hidden = table.dim(1);
@@ -45,7 +45,7 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& ta
 }
 
 void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& tokens) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "embedding_backward");
   FORGE_CHECK(dtable.ndim() == 2, "embedding_backward: dtable {} must be [V, H]", shape_str(dtable.shape()));
   FORGE_CHECK(tokens.ndim() == 1, "embedding_backward: tokens {} must be [N]", shape_str(tokens.shape()));
   int64_t count = tokens.dim(0), vocab = dtable.dim(0), hidden = dtable.dim(1);

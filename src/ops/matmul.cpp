@@ -11,7 +11,7 @@ namespace forge {
 
 void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
             float beta) {
-  OpProfileScope profile(OpClass::Gemm);
+  OpProfileScope profile(OpClass::Gemm, "matmul");
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "matmul: out {}, a {}, b {} must be 2-D",
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
   int64_t m = out.dim(0), n = out.dim(1);

@@ -9,7 +9,7 @@
 
 namespace forge {
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "rmsnorm_forward");
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_forward: x {} must be [N, D]", shape_str(x.shape()));
   int64_t rows = x.dim(0), dim = x.dim(1);
   check_shape(y, x.shape(), "rmsnorm_forward y");
@@ -35,7 +35,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
                       const Tensor& weight, const Tensor& rstd) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "rmsnorm_backward");
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_backward: x {} must be [N, D]", shape_str(x.shape()));
   int64_t rows = x.dim(0), dim = x.dim(1);
   check_shape(dx, x.shape(), "rmsnorm_backward dx");

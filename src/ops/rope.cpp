@@ -90,12 +90,12 @@ void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, 
 }
 
 void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "rope_forward");
   rope_apply(x, num_rotated_heads, cos, sin, false, "rope_forward");
 }
 
 void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "rope_backward");
   rope_apply(dx, num_rotated_heads, cos, sin, true, "rope_backward");
 }
 

@@ -9,7 +9,7 @@
 
 namespace forge {
 void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "swiglu_forward");
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_forward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;
@@ -27,7 +27,7 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
 }
 
 void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
-  OpProfileScope profile(OpClass::Elementwise);
+  OpProfileScope profile(OpClass::Elementwise, "swiglu_backward");
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_backward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
   int64_t rows = gate_up.dim(0), ffn = gate_up.dim(1) / 2;

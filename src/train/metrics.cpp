@@ -1,6 +1,8 @@
 #include "train/metrics.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/error.h"
 
@@ -20,15 +22,24 @@ std::string format_step(const StepMetrics& m, int64_t total_steps) {
                      m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu);
 }
 
-std::string format_op_seconds(const std::array<double, kOpClassCount>& seconds, double step_time_s) {
+std::string format_op_seconds(const StepMetrics& m) {
+  constexpr size_t kTopOps = 8;
+  const auto& seconds = *m.op_seconds;
   std::string s = "  time by op class:";
   double covered = 0;
   for (int c = 0; c < kOpClassCount; ++c) {
     s += fmt::format(" {} {:.1f} ms ({:.0f}%),", op_class_name(static_cast<OpClass>(c)), seconds[c] * 1e3,
-                     100 * seconds[c] / step_time_s);
+                     100 * seconds[c] / m.step_time_s);
     covered += seconds[c];
   }
-  return s + fmt::format(" other {:.1f} ms", (step_time_s - covered) * 1e3);
+  s += fmt::format(" other {:.1f} ms\n  slowest ops:", (m.step_time_s - covered) * 1e3);
+  std::vector<std::pair<double, std::string>> ops;
+  for (const auto& [name, t] : m.op_seconds_by_op) ops.emplace_back(t, name);
+  std::sort(ops.rbegin(), ops.rend());
+  for (size_t i = 0; i < std::min(kTopOps, ops.size()); ++i)
+    s += fmt::format(" {} {:.1f} ms,", ops[i].second, ops[i].first * 1e3);
+  s.pop_back();
+  return s;
 }
 
 std::string format_eval(const EvalMetrics& m, double entropy_floor) {
@@ -57,6 +68,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];
     j["op_seconds"] = ops;
+    j["op_seconds_by_op"] = m.op_seconds_by_op;
   }
   write(j);
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <fstream>
 #include <array>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -25,6 +26,7 @@ struct StepMetrics {
   double model_tflops = 0;         // per device
   std::optional<double> mfu;       // unset when the device's peak is unknown
   std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
+  std::map<std::string, double> op_seconds_by_op;                // logging.profile_ops
 };
 
 struct EvalMetrics {
@@ -40,8 +42,9 @@ std::optional<double> peak_tflops(const std::string& device_name);
 // One console line: step, loss, lr, grad norm, tokens/s, step time, TFLOP/s, MFU.
 std::string format_step(const StepMetrics& m, int64_t total_steps);
 std::string format_eval(const EvalMetrics& m, double entropy_floor);
-// The per-class breakdown of one step, with what the classes leave unexplained ("other").
-std::string format_op_seconds(const std::array<double, kOpClassCount>& seconds, double step_time_s);
+// The per-class breakdown of one step, with what the classes leave unexplained ("other"),
+// then the ops that took longest.
+std::string format_op_seconds(const StepMetrics& m);
 
 // Appends one JSON object per line to <run_dir>/metrics.jsonl, flushed per record.
 class MetricsWriter {

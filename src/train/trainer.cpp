@@ -201,13 +201,16 @@ TrainResult Trainer::run() {
     m.tokens_per_s = tokens_per_step / dt;
     m.model_tflops = flops_per_step / dt / 1e12;
     if (peak) m.mfu = m.model_tflops / *peak;
-    if (op_profiling()) m.op_seconds = op_profile_seconds();
+    if (op_profiling()) {
+      m.op_seconds = op_profile_seconds();
+      m.op_seconds_by_op = op_profile_seconds_by_op();
+    }
     result.losses.push_back(m.loss);
     metrics_->write(m);
     if (!std::isfinite(m.loss) || !std::isfinite(norm))
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
-      log_info("{}{}", format_step(m, t.steps), m.op_seconds ? "\n" + format_op_seconds(*m.op_seconds, dt) : "");
+      log_info("{}{}", format_step(m, t.steps), m.op_seconds ? "\n" + format_op_seconds(m) : "");
 
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
     if (eval_now) {

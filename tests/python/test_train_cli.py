@@ -70,6 +70,7 @@ class Profiling(unittest.TestCase):
         for r in records(run_dir, "train"):
             self.assertEqual(set(r["op_seconds"]), {"gemm", "attention", "elementwise", "optimizer"})
             self.assertLessEqual(sum(r["op_seconds"].values()), r["step_time_s"])
+            self.assertIn("matmul", r["op_seconds_by_op"])
 
 
 class Commands(unittest.TestCase):
