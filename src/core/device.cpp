@@ -16,7 +16,7 @@ namespace {
 
 std::mutex g_mu;
 std::unordered_map<void*, size_t> g_sizes;
-size_t g_in_use = 0, g_peak = 0;
+size_t g_in_use = 0;  // bytes held through device_malloc, for the out-of-memory message
 
 #ifdef FORGE_CUDA
 void cuda_check(cudaError_t e, const char* what) {
@@ -64,7 +64,6 @@ void* device_malloc(size_t bytes) {
   std::lock_guard lock(g_mu);
   g_sizes[p] = bytes;
   g_in_use += bytes;
-  g_peak = std::max(g_peak, g_in_use);
   return p;
 #else
   (void)bytes;
@@ -116,21 +115,6 @@ void device_synchronize() {
 #ifdef FORGE_CUDA
   cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 #endif
-}
-
-size_t device_bytes_in_use() {
-  std::lock_guard lock(g_mu);
-  return g_in_use;
-}
-
-size_t device_peak_bytes() {
-  std::lock_guard lock(g_mu);
-  return g_peak;
-}
-
-void reset_device_peak_bytes() {
-  std::lock_guard lock(g_mu);
-  g_peak = g_in_use;
 }
 
 }  // namespace forge

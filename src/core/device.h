@@ -22,9 +22,4 @@ void device_memset_zero(void* ptr, size_t bytes);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void device_synchronize();
 
-// Bytes currently allocated through device_malloc and the high-water mark.
-size_t device_bytes_in_use();
-size_t device_peak_bytes();
-void reset_device_peak_bytes();
-
 }  // namespace forge

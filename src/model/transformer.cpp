@@ -73,18 +73,6 @@ Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t
   d_gate_up_ = act({n, 2 * f});
 }
 
-int64_t Transformer::activation_bytes() const {
-  int64_t bytes = 0;
-  for (const auto& a : acts_)
-    for (const Tensor* t : {&a.input, &a.rstd_attn, &a.normed_attn, &a.qkv, &a.attn_out, &a.lse, &a.mid,
-                            &a.rstd_mlp, &a.normed_mlp, &a.gate_up, &a.swiglu_out})
-      bytes += static_cast<int64_t>(t->nbytes());
-  for (const Tensor* t : {&final_input_, &final_rstd_, &final_normed_, &logits_chunk_, &losses_, &d_residual_,
-                          &d_normed_, &d_attn_out_, &d_qkv_, &d_swiglu_, &d_gate_up_})
-    bytes += static_cast<int64_t>(t->nbytes());
-  return bytes;
-}
-
 void Transformer::forward_blocks(const Tensor& tokens, ParamSource& weights) {
   check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
   const int64_t n = tokens_, d = config_.resolved_head_dim();

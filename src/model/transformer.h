@@ -36,8 +36,6 @@ class Transformer {
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
   int64_t seq_len() const { return seq_len_; }
-  // Bytes of activation buffers planned for one micro-batch.
-  int64_t activation_bytes() const;
 
   Device device() const { return device_; }
 
