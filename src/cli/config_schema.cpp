@@ -105,6 +105,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", unit_interval_open_above()),
       key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", above(0)),
       key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay", at_least(0)),
+      key<&E::optimizer, &O::state_dtype>("optimizer.state_dtype",
+                                          "storage of AdamW's moments (bf16: CUDA only, half the memory)", {},
+                                          {"fp32", "bf16"}),
 
       key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps", at_least(0)),
       key<&E::lr_scheduler, &S::decay_style>("lr_scheduler.decay_style", "shape of the decay after warm-up", {},

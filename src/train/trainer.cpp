@@ -187,9 +187,9 @@ TrainResult Trainer::run() {
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
-    double norm = clip_grad_norm(grads_->tensors(), t.max_norm);
-    optimizer_->step(grads_->tensors(), lr);
-    if (compute_weights_) compute_weights_->assign_from(*params_);
+    const double norm = global_grad_norm({grads_->flat()});
+    optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
+                     compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
     double dt = seconds_since(t0);
 
     StepMetrics m;
