@@ -98,6 +98,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
       key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
+      key<&E::training, &T::gemm_tuning>("training.gemm_tuning",
+                                         "CUDA: time cuBLASLt's candidate algorithms per GEMM shape on first use and "
+                                         "keep the fastest (Megatron's GEMM_TUNING)"),
 
       key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
       key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),

@@ -15,12 +15,21 @@ namespace forge {
 namespace {
 
 // NOTE [Chunked output head]
-// The output projection and cross-entropy run over chunks of kHeadChunkRows tokens:
-// logits for one chunk are computed, turned into loss and (in training) into dlogits in
-// place, and immediately pushed back through the projection (dx, dW). Only one chunk of
-// logits ever exists: for Llama 3 (vocab 128256) at 8192 tokens full fp32 logits would
-// take 4 GiB.
-constexpr int64_t kHeadChunkRows = 1024;
+// The output projection and cross-entropy run over chunks of tokens: logits for one chunk
+// are computed, turned into loss and (in training) into dlogits in place, and immediately
+// pushed back through the projection (dx, dW). Only one chunk of logits ever exists: for
+// Llama 3 (vocab 128256) at 8192 tokens full fp32 logits would take 4 GiB. A chunk holds
+// as many rows as fit in kHeadChunkBytes (a power of two, at least kMinHeadChunkRows):
+// the weight-gradient GEMM of every chunk reads and writes the whole fp32 dW (2 GiB for
+// Llama 3), so few large chunks beat many small ones — 4096 rows for Llama 3 in bf16.
+constexpr int64_t kHeadChunkBytes = int64_t{1} << 30;
+constexpr int64_t kMinHeadChunkRows = 256;
+
+int64_t head_chunk_rows(int64_t tokens, int64_t vocab, DType dtype) {
+  int64_t rows = kMinHeadChunkRows;
+  while (rows * 2 * vocab * static_cast<int64_t>(dtype_size(dtype)) <= kHeadChunkBytes) rows *= 2;
+  return std::min(tokens, rows);
+}
 
 }  // namespace
 
@@ -62,7 +71,7 @@ Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t
   final_input_ = act({n, h});
   final_rstd_ = stat({n});
   final_normed_ = act({n, h});
-  logits_chunk_ = act({std::min(n, kHeadChunkRows), config.vocab_size});
+  logits_chunk_ = act({head_chunk_rows(n, config.vocab_size, compute_dtype), config.vocab_size});
   losses_ = stat({n});
 
   d_residual_ = act({n, h});
@@ -107,8 +116,9 @@ LossSum Transformer::output_head(const Tensor& targets, ParamSource& weights, Gr
   const Tensor flat_targets = targets.view({n});
   const Tensor& w_out = weights.output();
   if (grads) d_normed_.fill_zero();
-  for (int64_t begin = 0; begin < n; begin += kHeadChunkRows) {
-    int64_t end = std::min(n, begin + kHeadChunkRows);
+  const int64_t chunk_rows = logits_chunk_.dim(0);
+  for (int64_t begin = 0; begin < n; begin += chunk_rows) {
+    int64_t end = std::min(n, begin + chunk_rows);
     Tensor logits = logits_chunk_.narrow(0, end - begin);
     Tensor x = final_normed_.narrow(begin, end);
     matmul(logits, x, false, w_out, true);

@@ -21,6 +21,7 @@ struct TrainingConfig {
   uint64_t seed = 42;
   double max_norm = 1.0;             // global grad-norm clipping; 0 disables
   std::string device = "cpu";        // cpu | cuda
+  bool gemm_tuning = false;          // time cuBLASLt's candidates per GEMM shape (NOTE [GEMM algorithm choice])
 };
 
 struct EvalConfig {

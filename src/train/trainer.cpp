@@ -11,6 +11,7 @@
 #include "core/op_profile.h"
 #include "core/parallel.h"
 #include "core/rng.h"
+#include "ops/matmul.h"
 #include "train/run_dir.h"
 
 namespace forge {
@@ -141,6 +142,7 @@ TrainResult Trainer::run() {
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
   set_op_profiling(config_.logging.profile_ops);
+  set_gemm_tuning(t.gemm_tuning);
 
   TrainResult result;
   result.run_dir = run_dir_;
