@@ -10,6 +10,7 @@
 namespace forge {
 
 int run_train(const std::vector<std::string>& args);
+int run_bench_command(const std::vector<std::string>& args);
 int run_info(const std::vector<std::string>& args);
 int run_keys();
 int run_hf_info(const std::string& dir);

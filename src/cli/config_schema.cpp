@@ -148,6 +148,10 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree", "FSDP ranks (dp)", at_least(1)),
+      key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(
+          "activation_checkpoint.mode",
+          "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},
+          {"none", "selective", "full"}),
 
       key<&E::checkpoint, &CheckpointConfig::enable>("checkpoint.enable", "save checkpoints every interval steps"),
       key<&E::checkpoint, &CheckpointConfig::folder>("checkpoint.folder",
@@ -266,7 +270,7 @@ const std::vector<ConfigKey>& config_schema() {
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
                                                     "eval",  "logging",  "precision", "parallelism",
-                                                    "checkpoint"};
+                                                    "activation_checkpoint", "checkpoint"};
   return sections;
 }
 

@@ -22,12 +22,17 @@ int main(int argc, char** argv) {
   std::vector<std::string> args;
   auto* train = app.add_subcommand("train", "Train a model: forge train [EXPERIMENT.yaml] [--section.key VALUE ...]");
   auto* info = app.add_subcommand("info", "Parameters, FLOPs per token and memory of a model: forge info MODEL|EXPERIMENT.yaml [overrides]");
+  auto* bench = app.add_subcommand(
+      "bench",
+      "Benchmark an experiment (or a sweep: --section.key V1,V2) for warm-up + measured steps on mock data: "
+      "forge bench [EXPERIMENT.yaml] [--warmup N] [--steps N] [--find-max-batch] [--output-dir DIR] "
+      "[--perf-csv FILE] [--section.key VALUE ...]");
   auto* keys = app.add_subcommand("keys", "List every config key with its type, default and description");
   std::string hf_dir;
   auto* hf_info = app.add_subcommand("hf-info", "Architecture of a Hugging Face model directory and the --model.* "
                                                  "overrides that train from it: forge hf-info DIR");
   hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
-  for (auto* sub : {train, info}) sub->prefix_command();
+  for (auto* sub : {train, info, bench}) sub->prefix_command();
 
   forge::PrepOptions prep_options;
   std::string prep_tokenizer;
@@ -62,6 +67,7 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) return forge::run_train(train->remaining());
     if (info->parsed()) return forge::run_info(info->remaining());
+    if (bench->parsed()) return forge::run_bench_command(bench->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
     if (prep->parsed()) {

@@ -39,6 +39,11 @@ struct PrecisionConfig {
   std::string compute_dtype = "fp32";  // fp32 (CPU reference) | bf16 (CUDA)
 };
 
+// torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).
+struct ActivationCheckpointConfig {
+  std::string mode = "none";         // none | selective | full
+};
+
 struct ParallelismConfig {
   int64_t data_parallel_shard_degree = 1;  // FSDP ranks; world size on one node for now
 };
@@ -65,6 +70,7 @@ struct ExperimentConfig {
   LoggingConfig logging;
   PrecisionConfig precision;
   ParallelismConfig parallelism;
+  ActivationCheckpointConfig activation_checkpoint;
   CheckpointConfig checkpoint;
 };
 

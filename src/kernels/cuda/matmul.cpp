@@ -35,7 +35,7 @@ namespace forge::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
-constexpr int kTuningCandidates = 8;
+constexpr int kTuningCandidates = 16;
 constexpr int kTuningRepeats = 5;
 
 struct Plan {
