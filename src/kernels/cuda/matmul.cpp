@@ -10,7 +10,7 @@
 // Inputs are bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F); the output is bf16 for
 // activations or fp32 for weight gradients, which accumulate across micro-batches with
 // beta = 1. The algorithm is cuBLASLt's first heuristic choice, looked up once per
-// (shape, transposes, output dtype) and cached; one 32 MiB workspace is shared.
+// (shape, transposes, output dtype) and cached; one 32 MiB workspace per GPU is shared.
 #include "kernels/cuda/matmul.h"
 
 #include <cublasLt.h>
@@ -47,8 +47,16 @@ struct Context {
   }
 };
 
+// One context per GPU: the workspace lives on the GPU the context was made on, so a
+// process that runs GEMMs on several GPUs (forge preflight) must not share it.
 Context& context() {
-  static Context* ctx = new Context();  // lives for the process: destroying it at exit races the driver
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<int, Context*> contexts;  // live for the process: destroying them at exit races the driver
+  std::lock_guard lock(mu);
+  Context*& ctx = contexts[device];
+  if (!ctx) ctx = new Context();
   return *ctx;
 }
 
