@@ -9,7 +9,7 @@
 //
 // Inputs are bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F); the output is bf16 for
 // activations or fp32 for weight gradients, which accumulate across micro-batches with
-// beta = 1. One 32 MiB workspace is shared.
+// beta = 1. One 32 MiB workspace per GPU is shared.
 //
 // NOTE [GEMM algorithm choice]
 // Each (shape, transposes, output dtype) gets its algorithm once, on first use, and keeps
@@ -24,6 +24,7 @@
 
 #include <cublasLt.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -38,6 +39,8 @@ constexpr size_t kWorkspaceBytes = 32u << 20;
 constexpr int kTuningCandidates = 16;
 constexpr int kTuningRepeats = 5;
 
+std::atomic<bool> g_tuning{false};  // set_gemm_tuning, for every GPU's context
+
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
@@ -51,7 +54,6 @@ struct Context {
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
   std::mutex mu;
-  bool tuning = false;
 
   Context() {
     CUBLAS_CHECK(cublasLtCreate(&handle));
@@ -59,8 +61,16 @@ struct Context {
   }
 };
 
+// One context per GPU: the workspace lives on the GPU the context was made on, so a
+// process that runs GEMMs on several GPUs (forge preflight) must not share it.
 Context& context() {
-  static Context* ctx = new Context();  // lives for the process: destroying it at exit races the driver
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<int, Context*> contexts;  // live for the process: destroying them at exit races the driver
+  std::lock_guard lock(mu);
+  Context*& ctx = contexts[device];
+  if (!ctx) ctx = new Context();
   return *ctx;
 }
 
@@ -116,6 +126,7 @@ void choose_by_timing(Context& ctx, Plan& p, const cublasLtMatmulHeuristicResult
 
 Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   auto [m, n, k, transpose_a, transpose_b, out_dtype] = key;
+  const bool tuning = g_tuning;
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -142,12 +153,12 @@ Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   cublasLtMatmulHeuristicResult_t results[kTuningCandidates]{};
   int found = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref,
-                                              ctx.tuning ? kTuningCandidates : 1, results, &found));
+                                              tuning ? kTuningCandidates : 1, results, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   FORGE_CHECK(found > 0, "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", m, n, k, transpose_a,
               transpose_b, dtype_name(out_dtype));
   p.algo = results[0].algo;
-  if (ctx.tuning && found > 1)
+  if (tuning && found > 1)
     choose_by_timing(ctx, p, results, found, operands,
                      static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype));
   return p;
@@ -171,10 +182,6 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
                               plan->c, &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
 
-void set_gemm_tuning(bool enabled) {
-  Context& ctx = context();
-  std::lock_guard lock(ctx.mu);
-  ctx.tuning = enabled;  // for shapes first seen from now on
-}
+void set_gemm_tuning(bool enabled) { g_tuning = enabled; }  // for shapes first seen from now on
 
 }  // namespace forge::cuda
