@@ -157,6 +157,8 @@ int run_bench_command(const std::vector<std::string>& args) {
     const std::string label = point.args.empty() ? "(experiment as given)" : point.args;
     std::optional<int64_t> micro_batch;
     if (cmd.find_max_batch) {
+      if (load_experiment(cmd.experiment, point.overrides).training.device != "cuda")
+        FORGE_FAIL("forge bench --find-max-batch searches GPU memory: it needs training.device cuda ({})", label);
       const int64_t best = find_max_micro_batch([&](int64_t mb) {
         const BenchResult probe = session.run(point, mb, 1, 1);
         if (probe.status == "failed")
