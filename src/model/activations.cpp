@@ -10,7 +10,7 @@ namespace {
 constexpr int64_t kArenaAlignment = 256;
 
 // NOTE [Chunked output head] in transformer.cpp.
-constexpr int64_t kHeadChunkBytes = int64_t{1} << 30;
+constexpr int64_t kHeadChunkBytes = int64_t{2} << 30;
 constexpr int64_t kMinHeadChunkRows = 256;
 
 }  // namespace

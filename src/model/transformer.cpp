@@ -17,10 +17,10 @@ namespace forge {
 // are computed, turned into loss and (in training) into dlogits in place, and immediately
 // pushed back through the projection (dx, dW). Only one chunk of logits ever exists: for
 // Llama 3 (vocab 128256) at 8192 tokens full fp32 logits would take 4 GiB. A chunk holds
-// as many rows as fit in 1 GiB (a power of two, at least 256; head_chunk_rows in
+// as many rows as fit in 2 GiB (a power of two, at least 256; head_chunk_rows in
 // activations.cpp): the weight-gradient GEMM of every chunk reads and writes the whole
-// fp32 dW (2 GiB for Llama 3), so few large chunks beat many small ones — 4096 rows for
-// Llama 3 in bf16.
+// fp32 dW (2 GiB for Llama 3), so few large chunks beat many small ones — 8192 rows for
+// Llama 3 in bf16, whose 2 GiB of logits replace the 4 GiB fp32 ones.
 
 Transformer::Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                          DType compute_dtype, ActivationCheckpoint checkpoint)
