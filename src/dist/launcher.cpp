@@ -366,9 +366,11 @@ int run_launch(const LaunchOptions& options, const std::vector<std::string>& for
   int master_port = options.master_port;
   if (master_port == 0) master_port = options.nnodes == 1 ? net::bound_port(net::listen_tcp(0)) : kDefaultMultiNodePort;
   Program program = resolve_program(options.command, forge_subcommands);
-  log_info("forge launch: ranks {}-{} of {} (node {} of {}), master {}:{}", options.node_rank * options.nproc_per_node,
-           (options.node_rank + 1) * options.nproc_per_node - 1, world, options.node_rank, options.nnodes, master_addr,
-           master_port);
+  const int first = options.node_rank * options.nproc_per_node;
+  const int last = first + options.nproc_per_node - 1;
+  log_info("forge launch: {} of {} (node {} of {}), master {}:{}",
+           first == last ? fmt::format("rank {}", first) : fmt::format("ranks {}-{}", first, last), world,
+           options.node_rank, options.nnodes, master_addr, master_port);
 
   SignalRelay signals;
   std::vector<Rank> ranks(options.nproc_per_node);

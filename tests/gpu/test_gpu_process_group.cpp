@@ -1,7 +1,7 @@
 // The NCCL process group on known data, for any number of ranks. Alone (scripts/gpu-test)
 // it is a group of one; on a machine with several GPUs, run every rank of it with
 //
-//   build-cuda/forge launch --nproc-per-node 2 -- build-cuda/tests/forge_gpu_tests --gtest_filter='ProcessGroup*'
+//   build-cuda/forge launch --nproc-per-node 2 -- build-cuda/tests/forge_gpu_tests --gtest_filter='*ProcessGroup*'
 //
 // Every rank runs the same tests in the same order, so their collectives pair up. Rank r
 // contributes (r + 1) x a small integer pattern, so sums and gathers have one exact
@@ -31,16 +31,23 @@ using gpu_test::to_cpu_f32;
 using gpu_test::to_gpu;
 
 // One group for the whole test program: NCCL setup takes a while. Destroyed after the
-// last test, while CUDA is still up.
+// last test, while CUDA is still up. A failed setup is not tried again: the other ranks
+// would wait out the rendezvous timeout once per test.
 class GroupEnvironment : public ::testing::Environment {
  public:
   static ProcessGroup& group() {
     if (!instance_->group_) {
+      if (!instance_->failure_.empty()) throw Error("process group setup failed earlier: " + instance_->failure_);
       ProcessGroupOptions options;
       options.device = Device::CUDA;
       options.rendezvous_timeout = 120s;
       options.collective_timeout = 120s;
-      instance_->group_ = create_process_group(read_launch_env(), options);
+      try {
+        instance_->group_ = create_process_group(read_launch_env(), options);
+      } catch (const Error& e) {
+        instance_->failure_ = e.what();
+        throw;
+      }
     }
     return *instance_->group_;
   }
@@ -50,6 +57,7 @@ class GroupEnvironment : public ::testing::Environment {
 
  private:
   std::unique_ptr<ProcessGroup> group_;
+  std::string failure_;
 };
 
 GroupEnvironment* GroupEnvironment::instance_ =
@@ -79,74 +87,79 @@ void expect_values(const Tensor& gpu, const std::function<float(int64_t)>& expec
   }
 }
 
-class ProcessGroupCollectives : public ::testing::TestWithParam<DType> {};
+constexpr DType kDtypes[] = {DType::F32, DType::BF16};
 
-TEST_P(ProcessGroupCollectives, AllReduceSumsAndAverages) {
+TEST(ProcessGroupCollectives, AllReduceSumsAndAverages) {
   ProcessGroup& g = GroupEnvironment::group();
-  const DType dtype = GetParam();
-  const int world = g.world_size();
-  const float rank_factor = static_cast<float>(g.rank() + 1);
-  const float factor_sum = world * (world + 1) / 2.0f;
-  for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
-    Tensor sum = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
-    g.all_reduce(sum, ReduceOp::Sum);
-    expect_values(
-        sum, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce sum");
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const float rank_factor = static_cast<float>(g.rank() + 1);
+    const float factor_sum = world * (world + 1) / 2.0f;
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+      Tensor sum = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
+      g.all_reduce(sum, ReduceOp::Sum);
+      expect_values(
+          sum, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce sum");
 
-    Tensor avg = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
-    g.all_reduce(avg, ReduceOp::Avg);
-    expect_values(
-        avg, [&](int64_t i) { return factor_sum / world * pattern(i); }, dtype, "all_reduce avg");
+      Tensor avg = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
+      g.all_reduce(avg, ReduceOp::Avg);
+      expect_values(
+          avg, [&](int64_t i) { return factor_sum / world * pattern(i); }, dtype, "all_reduce avg");
+    }
   }
 }
 
-TEST_P(ProcessGroupCollectives, ReduceScatterGivesEachRankItsChunk) {
+TEST(ProcessGroupCollectives, ReduceScatterGivesEachRankItsChunk) {
   ProcessGroup& g = GroupEnvironment::group();
-  const DType dtype = GetParam();
-  const int world = g.world_size();
-  const float rank_factor = static_cast<float>(g.rank() + 1);
-  const float factor_sum = world * (world + 1) / 2.0f;
-  const int64_t chunk = 4099;
-  Tensor input = to_gpu(host_values(chunk * world, [&](int64_t j) { return rank_factor * pattern(j); }), dtype);
-  Tensor output = poisoned_gpu({chunk}, dtype);
-  g.reduce_scatter(output, input, ReduceOp::Sum);
-  expect_values(
-      output, [&](int64_t i) { return factor_sum * pattern(g.rank() * chunk + i); }, dtype, "reduce_scatter sum");
-  g.reduce_scatter(output, input, ReduceOp::Avg);
-  expect_values(
-      output, [&](int64_t i) { return factor_sum / world * pattern(g.rank() * chunk + i); }, dtype,
-      "reduce_scatter avg");
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const float rank_factor = static_cast<float>(g.rank() + 1);
+    const float factor_sum = world * (world + 1) / 2.0f;
+    const int64_t chunk = 4099;
+    Tensor input = to_gpu(host_values(chunk * world, [&](int64_t j) { return rank_factor * pattern(j); }), dtype);
+    Tensor output = poisoned_gpu({chunk}, dtype);
+    g.reduce_scatter(output, input, ReduceOp::Sum);
+    expect_values(
+        output, [&](int64_t i) { return factor_sum * pattern(g.rank() * chunk + i); }, dtype, "reduce_scatter sum");
+    g.reduce_scatter(output, input, ReduceOp::Avg);
+    expect_values(
+        output, [&](int64_t i) { return factor_sum / world * pattern(g.rank() * chunk + i); }, dtype,
+        "reduce_scatter avg");
+  }
 }
 
-TEST_P(ProcessGroupCollectives, AllGatherConcatenatesInRankOrder) {
+TEST(ProcessGroupCollectives, AllGatherConcatenatesInRankOrder) {
   ProcessGroup& g = GroupEnvironment::group();
-  const DType dtype = GetParam();
-  const int world = g.world_size();
-  const int64_t chunk = 3001;
-  Tensor input = to_gpu(host_values(chunk, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
-  Tensor output = poisoned_gpu({world * chunk}, dtype);
-  g.all_gather(output, input);
-  expect_values(
-      output, [&](int64_t j) { return float(j / chunk + 1) * pattern(j % chunk); }, dtype, "all_gather");
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const int64_t chunk = 3001;
+    Tensor input = to_gpu(host_values(chunk, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
+    Tensor output = poisoned_gpu({world * chunk}, dtype);
+    g.all_gather(output, input);
+    expect_values(
+        output, [&](int64_t j) { return float(j / chunk + 1) * pattern(j % chunk); }, dtype, "all_gather");
+  }
 }
 
-TEST_P(ProcessGroupCollectives, WorkOnTheCallersStream) {
+TEST(ProcessGroupCollectives, WorkOnTheCallersStream) {
   ProcessGroup& g = GroupEnvironment::group();
-  const DType dtype = GetParam();
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  Tensor t = to_gpu(host_values(777, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
-  g.all_reduce(t, ReduceOp::Sum, stream);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  const float factor_sum = g.world_size() * (g.world_size() + 1) / 2.0f;
-  expect_values(
-      t, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce on a stream");
-  g.barrier();
-  cudaStreamDestroy(stream);
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    Tensor t = to_gpu(host_values(777, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
+    g.all_reduce(t, ReduceOp::Sum, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const float factor_sum = g.world_size() * (g.world_size() + 1) / 2.0f;
+    expect_values(
+        t, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce on a stream");
+    g.barrier();
+    cudaStreamDestroy(stream);
+  }
 }
-
-INSTANTIATE_TEST_SUITE_P(Dtypes, ProcessGroupCollectives, ::testing::Values(DType::F32, DType::BF16),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 TEST(ProcessGroupChecks, BarriersAndBadArguments) {
   ProcessGroup& g = GroupEnvironment::group();
