@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/launcher.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"forge: pre-train and fine-tune Llama-family models, and measure how fast a GPU system does it",
@@ -58,6 +59,23 @@ int main(int argc, char** argv) {
   prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
       ->check(CLI::Range(1, 4096));
 
+  forge::LaunchOptions launch_options;
+  auto* launch = app.add_subcommand(
+      "launch", "Start this node's ranks of a multi-GPU job, as torchrun does: forge launch --nproc-per-node N "
+                "[--nnodes M --node-rank R --master-addr A --master-port P] -- COMMAND ...");
+  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks (GPUs) on this node")
+      ->required()->check(CLI::Range(1, 1024));
+  launch->add_option("--nnodes", launch_options.nnodes, "nodes in the job")->capture_default_str();
+  launch->add_option("--node-rank", launch_options.node_rank, "this node's index, 0 .. nnodes-1")
+      ->capture_default_str();
+  launch->add_option("--master-addr", launch_options.master_addr, "host of node 0 (default 127.0.0.1 on one node)");
+  launch->add_option("--master-port", launch_options.master_port,
+                     "port rank 0 listens on (default: a free port on one node, 29500 on several)");
+  launch->add_option("--grace-period", launch_options.grace_period_s,
+                     "seconds from SIGTERM to SIGKILL when ranks are stopped")->capture_default_str();
+  launch->add_option("COMMAND", launch_options.command,
+                     "after --: a forge subcommand and its arguments (train ...), or a program to run")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -70,6 +88,12 @@ int main(int argc, char** argv) {
     if (bench->parsed()) return forge::run_bench_command(bench->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (launch->parsed()) {
+      std::vector<std::string> subcommands;
+      for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+        subcommands.push_back(sub->get_name());
+      return forge::run_launch(launch_options, subcommands);
+    }
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       return forge::run_prep(prep_options, prep_tokenizer);
