@@ -53,6 +53,12 @@ int main(int argc, char** argv) {
   prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
       ->check(CLI::Range(1, 4096));
 
+  std::string preflight_json;
+  auto* preflight = app.add_subcommand("preflight", "Validate the GPUs before training: inventory, GEMM, memory, "
+                                                    "PCIe and NCCL bandwidth against healthy references");
+  preflight->add_option("--json", preflight_json, "also write the report as JSON to FILE")->type_name("FILE");
+  preflight->footer("Exits with 1 when any check fails. Example: forge preflight --json preflight.json");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -64,6 +70,7 @@ int main(int argc, char** argv) {
     if (info->parsed()) return forge::run_info(info->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       return forge::run_prep(prep_options, prep_tokenizer);
