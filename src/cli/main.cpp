@@ -75,6 +75,11 @@ int main(int argc, char** argv) {
                      "seconds from SIGTERM to SIGKILL when ranks are stopped")->capture_default_str();
   launch->add_option("COMMAND", launch_options.command,
                      "after --: a forge subcommand and its arguments (train ...), or a program to run")->required();
+  std::string preflight_json;
+  auto* preflight = app.add_subcommand("preflight", "Validate the GPUs before training: inventory, GEMM, memory, "
+                                                    "PCIe and NCCL bandwidth against healthy references");
+  preflight->add_option("--json", preflight_json, "also write the report as JSON to FILE")->type_name("FILE");
+  preflight->footer("Exits with 1 when any check fails. Example: forge preflight --json preflight.json");
 
   try {
     app.parse(argc, argv);
@@ -94,6 +99,7 @@ int main(int argc, char** argv) {
         subcommands.push_back(sub->get_name());
       return forge::run_launch(launch_options, subcommands);
     }
+    if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       return forge::run_prep(prep_options, prep_tokenizer);
