@@ -14,5 +14,6 @@ int run_info(const std::vector<std::string>& args);
 int run_keys();
 int run_hf_info(const std::string& dir);
 int run_prep(const PrepOptions& options, const std::string& tokenizer_path);
+int run_report(const std::vector<std::string>& run_dirs, const std::string& output);
 
 }  // namespace forge

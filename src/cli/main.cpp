@@ -53,6 +53,13 @@ int main(int argc, char** argv) {
   prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
       ->check(CLI::Range(1, 4096));
 
+  std::vector<std::string> report_dirs;
+  std::string report_output = "report.html";
+  auto* report = app.add_subcommand("report", "One self-contained HTML page comparing runs: forge report RUN_DIR "
+                                              "[RUN_DIR ...] [--output FILE.html]");
+  report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
+  report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -64,6 +71,7 @@ int main(int argc, char** argv) {
     if (info->parsed()) return forge::run_info(info->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (report->parsed()) return forge::run_report(report_dirs, report_output);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       return forge::run_prep(prep_options, prep_tokenizer);
