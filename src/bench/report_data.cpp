@@ -190,15 +190,19 @@ ReportRun load_report_run(const std::string& dir) {
   std::error_code error;
   if (!fs::is_directory(dir, error)) FORGE_FAIL("run directory '{}' not found (or not a directory)", dir);
   const std::string metrics = (fs::path(dir) / "metrics.jsonl").string();
-  if (!fs::is_regular_file(metrics, error))
-    FORGE_FAIL("'{}' holds no metrics.jsonl: not a forge run directory (forge train writes one into logging.run_dir)",
-               dir);
+  const std::string bench = (fs::path(dir) / "bench.json").string();
   ReportRun run;
   run.dir = dir;
-  read_metrics(metrics, run);
-  const std::string config = (fs::path(dir) / "config.yaml").string();
-  if (fs::exists(config, error)) read_config(config, run);
-  const std::string bench = (fs::path(dir) / "bench.json").string();
+  run.has_metrics = fs::is_regular_file(metrics, error);
+  if (!run.has_metrics && !fs::exists(bench, error))
+    FORGE_FAIL("'{}' holds no metrics.jsonl (nor bench.json): not a forge run directory (forge train writes "
+               "metrics.jsonl into logging.run_dir, forge bench writes bench.json into its --output-dir)",
+               dir);
+  if (run.has_metrics) {
+    read_metrics(metrics, run);
+    const std::string config = (fs::path(dir) / "config.yaml").string();
+    if (fs::exists(config, error)) read_config(config, run);
+  }
   if (fs::exists(bench, error)) run.bench = load_bench_results(bench);
   return run;
 }

@@ -1,14 +1,15 @@
-// What `forge report` shows of a run directory, read from the files a run leaves there:
+// What `forge report` shows of a directory, read from the files forge leaves there:
 //
-//   metrics.jsonl  the run record (model, parameters, device) and every train and eval
-//                  record (train/metrics.h writes them)
-//   config.yaml    the resolved experiment: batch, sequence length, precision
-//   bench.json     when present: the results of a benchmark sweep, a JSON array of
-//                  BenchResult objects (bench_result.h)
+//   metrics.jsonl  a training run: the run record (model, parameters, device) and every
+//                  train and eval record (train/metrics.h writes them)
+//   config.yaml    beside it, the resolved experiment: batch, sequence length, precision
+//   bench.json     benchmark results, a JSON array of BenchResult objects (bench_result.h)
 //
-// Everything is checked while it is read: a missing directory or metrics.jsonl, a line
-// that is not a JSON object or lacks a field (named as file:line), or a bench.json entry
-// of the wrong shape stops the report with an error before anything is written.
+// A run directory holds metrics.jsonl (and bench.json when one was put there); the output
+// directory of `forge bench` holds bench.json and one run directory per benchmarked run.
+// Everything is checked while it is read: a missing directory, one with neither file, a
+// line that is not a JSON object or lacks a field (named as file:line), or a bench.json
+// entry of the wrong shape stops the report with an error before anything is written.
 //
 // NOTE [Report of a resumed run]
 // A run resumed from its checkpoint at step k appends to metrics.jsonl after a
@@ -30,6 +31,7 @@ namespace forge {
 struct ReportRun {
   std::string dir;             // as given on the command line
   std::string name;            // how the report labels it (set by the caller)
+  bool has_metrics = false;    // a training run (metrics.jsonl), not only bench.json
   // From metrics.jsonl's run record (the last one, for a resumed run).
   std::string model;
   std::string device;
@@ -42,7 +44,7 @@ struct ReportRun {
   std::vector<BenchResult> bench;  // bench.json, when present
 };
 
-// Reads one run directory; fails as the header says.
+// Reads one directory; fails as the header says.
 ReportRun load_report_run(const std::string& dir);
 
 // Reads a bench.json file: a JSON array of objects with BenchResult's fields. `model` and

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <optional>
 
 #include "bench/report_chart.h"
@@ -247,8 +248,12 @@ std::string render_report(const std::vector<ReportRun>& runs, const std::string&
   html += std::string("<style>") + kStyle + "</style>\n</head>\n<body>\n";
   html += fmt::format("<h1>forge report</h1>\n<p class=\"meta\">{} run{}, generated {} by forge {}</p>\n", runs.size(),
                       runs.size() == 1 ? "" : "s", html_escape(generated_at), FORGE_VERSION);
-  html += "<h2>Runs</h2>\n" + runs_table(runs);
-  html += "<h2>Training curves</h2>\n" + charts(runs);
+  std::vector<ReportRun> trained;
+  std::copy_if(runs.begin(), runs.end(), std::back_inserter(trained), [](const ReportRun& r) { return r.has_metrics; });
+  if (!trained.empty()) {
+    html += "<h2>Runs</h2>\n" + runs_table(trained);
+    html += "<h2>Training curves</h2>\n" + charts(trained);
+  }
   for (const auto& r : runs)
     if (!r.bench.empty()) html += "<h2>Benchmark: " + html_escape(r.name) + "</h2>\n" + bench_table(r.bench);
   return html + "</body>\n</html>\n";

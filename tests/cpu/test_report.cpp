@@ -79,6 +79,7 @@ TEST(Report, ReadsARunAndDropsWhatAResumeSupersedes) {
         "training:\n  local_batch_size: 4\n  gradient_accumulation_steps: 2\n  global_batch_size: 8\n"
         "  seq_len: 128\nprecision:\n  compute_dtype: fp32\n");
   const ReportRun run = load_report_run(dir.file(""));
+  EXPECT_TRUE(run.has_metrics);
   EXPECT_EQ(run.model, "debug-tiny");
   EXPECT_EQ(run.parameters, 1000);
   ASSERT_EQ(run.steps.size(), 3u);
@@ -95,7 +96,7 @@ TEST(Report, ReadsARunAndDropsWhatAResumeSupersedes) {
 TEST(Report, RefusesBadRunDirectories) {
   TempDir dir;
   expect_error([&] { load_report_run(dir.file("missing")); }, {"missing", "not found"});
-  expect_error([&] { load_report_run(dir.file("")); }, {"holds no metrics.jsonl"});
+  expect_error([&] { load_report_run(dir.file("")); }, {"holds no metrics.jsonl (nor bench.json)"});
   write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + train_record(1, 5.0) + "\n{\"type\": \"train\", \n");
   expect_error([&] { load_report_run(dir.file("")); }, {"metrics.jsonl:3", "not valid JSON"});
   write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + R"({"type": "train", "step": 1})" "\n");
@@ -129,10 +130,26 @@ TEST(Report, ReadsAndRefusesBenchResults) {
   expect_error([&] { load_bench_results(dir.file("bench.json")); }, {"bench.json", "not valid JSON"});
 }
 
+TEST(Report, ReadsABenchOutputDirectory) {
+  // forge bench's --output-dir: bench.json, and the runs in subdirectories.
+  TempDir dir;
+  write(dir.file("bench.json"), R"([{"model": "llama3.1-8b", "status": "ok", "tflops_per_gpu": 612.5}])");
+  ReportRun bench = load_report_run(dir.file(""));
+  EXPECT_FALSE(bench.has_metrics);
+  ASSERT_EQ(bench.bench.size(), 1u);
+  bench.name = "bench";
+  const std::string html = render_report({bench}, "now");
+  EXPECT_NE(html.find("Benchmark: bench"), std::string::npos);
+  EXPECT_NE(html.find("612.5"), std::string::npos);
+  EXPECT_EQ(html.find("<svg "), std::string::npos);
+  EXPECT_EQ(html.find("class=\"runs\""), std::string::npos);
+}
+
 ReportRun sample_run(const std::string& name, bool with_memory) {
   ReportRun run;
   run.dir = "runs/" + name;
   run.name = name;
+  run.has_metrics = true;
   run.model = "debug-tiny";
   run.device = "NVIDIA H100 80GB HBM3";
   run.parameters = 2'500'000;

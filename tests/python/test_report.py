@@ -133,7 +133,7 @@ class Report(unittest.TestCase):
 
     def test_directory_without_metrics(self):
         empty = scratch_dir()
-        output = self.expect_error([empty], empty, "no metrics.jsonl")
+        output = self.expect_error([empty], empty, "no metrics.jsonl (nor bench.json)")
         self.assertFalse(os.path.exists(output))
 
     def test_malformed_line_names_file_and_line(self):
@@ -166,6 +166,17 @@ class Report(unittest.TestCase):
         with open(os.path.join(bad, "bench.json"), "w") as f:
             json.dump([{"model": "x", "status": "ok", "tflops_per_gpu": "fast"}], f)
         self.expect_error([bad], "bench.json entry 1", "tflops_per_gpu")
+
+    def test_bench_output_directory(self):
+        # forge bench --output-dir: bench.json beside one run directory per benchmarked run.
+        bench = os.path.join(scratch_dir(), "bench")
+        os.makedirs(bench)
+        with open(os.path.join(bench, "bench.json"), "w") as f:
+            json.dump(BENCH, f)
+        _, page = self.report(bench, self.synthetic)
+        self.assertEqual(len(page.findall(".//table[@class='runs']/tr")), 2)
+        self.assertIn("Benchmark: bench", [text_of(h) for h in page.findall(".//h2")])
+        self.assertEqual(len(page.findall(".//table[@class='bench']/tr")), 3)
 
     def test_no_run_directory(self):
         result = forge("report")
