@@ -10,6 +10,7 @@
 #include "ckpt/hf_weight_files.h"
 #include "cli/config.h"
 #include "core/log.h"
+#include "train/memory_check.h"
 #include "train/trainer.h"
 
 namespace forge {
@@ -36,8 +37,6 @@ Invocation parse_invocation(const std::vector<std::string>& args, const char* co
   inv.overrides = parse_overrides(rest);
   return inv;
 }
-
-std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024.0 * 1024.0)); }
 
 }  // namespace
 
@@ -83,12 +82,14 @@ int run_info(const std::vector<std::string>& args) {
              m.total_params(), m.total_params() - m.embedding_params());
   fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
              m.flops_per_token(t.seq_len), t.seq_len);
-  for (int bytes : {4, 2}) {
-    MemoryEstimate e = estimate_memory(m, t.local_batch_size, t.seq_len, bytes);
-    fmt::print("memory ({}) weights {} + master {} + grads {} + AdamW {} + activations {} (micro-batch {}, seq {}) "
-               "= {}\n",
-               bytes == 4 ? "fp32" : "bf16", gib(e.weights), gib(e.master_weights), gib(e.gradients),
-               gib(e.optimizer_state), gib(e.activations), t.local_batch_size, t.seq_len, gib(e.total()));
+  MemoryPlan plan = memory_plan_of(config);
+  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}:\n",
+             t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype);
+  for (bool cuda : {false, true}) {
+    plan.cuda = cuda;
+    if (!cuda) plan.optimizer_state = DType::F32;  // the CPU reference keeps fp32 moments
+    else plan.optimizer_state = config.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
+    fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan)));
   }
   return 0;
 }

@@ -98,6 +98,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
       key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
+      key<&E::training, &T::gemm_tuning>("training.gemm_tuning",
+                                         "CUDA: time cuBLASLt's candidate algorithms per GEMM shape on first use and "
+                                         "keep the fastest (Megatron's GEMM_TUNING)"),
 
       key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
       key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),
@@ -105,6 +108,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", unit_interval_open_above()),
       key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", above(0)),
       key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay", at_least(0)),
+      key<&E::optimizer, &O::state_dtype>("optimizer.state_dtype",
+                                          "storage of AdamW's moments (bf16: CUDA only, half the memory)", {},
+                                          {"fp32", "bf16"}),
 
       key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps", at_least(0)),
       key<&E::lr_scheduler, &S::decay_style>("lr_scheduler.decay_style", "shape of the decay after warm-up", {},
@@ -144,6 +150,10 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree", "FSDP ranks (dp)", at_least(1)),
+      key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(
+          "activation_checkpoint.mode",
+          "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},
+          {"none", "selective", "full"}),
 
       key<&E::checkpoint, &CheckpointConfig::enable>("checkpoint.enable", "save checkpoints every interval steps"),
       key<&E::checkpoint, &CheckpointConfig::folder>("checkpoint.folder",
@@ -262,7 +272,7 @@ const std::vector<ConfigKey>& config_schema() {
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
                                                     "eval",  "logging",  "precision", "parallelism",
-                                                    "checkpoint"};
+                                                    "activation_checkpoint", "checkpoint"};
   return sections;
 }
 

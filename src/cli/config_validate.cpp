@@ -53,6 +53,10 @@ void check_training(const ExperimentConfig& config, const ConfigOrigins& origins
   if (config.lr_scheduler.min_lr > config.optimizer.lr) {
     FORGE_FAIL("{} must not exceed {}", show_key("lr_scheduler.min_lr"), show_key("optimizer.lr"));
   }
+  if (config.optimizer.state_dtype == "bf16" && config.training.device != "cuda") {
+    FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",
+               show_key("optimizer.state_dtype"));
+  }
 }
 
 // Megatron's --split: up to three non-negative weights separated by commas, not all zero.

@@ -9,6 +9,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/launcher.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"forge: pre-train and fine-tune Llama-family models, and measure how fast a GPU system does it",
@@ -22,12 +23,17 @@ int main(int argc, char** argv) {
   std::vector<std::string> args;
   auto* train = app.add_subcommand("train", "Train a model: forge train [EXPERIMENT.yaml] [--section.key VALUE ...]");
   auto* info = app.add_subcommand("info", "Parameters, FLOPs per token and memory of a model: forge info MODEL|EXPERIMENT.yaml [overrides]");
+  auto* bench = app.add_subcommand(
+      "bench",
+      "Benchmark an experiment (or a sweep: --section.key V1,V2) for warm-up + measured steps on mock data: "
+      "forge bench [EXPERIMENT.yaml] [--warmup N] [--steps N] [--find-max-batch] [--output-dir DIR] "
+      "[--perf-csv FILE] [--section.key VALUE ...]");
   auto* keys = app.add_subcommand("keys", "List every config key with its type, default and description");
   std::string hf_dir;
   auto* hf_info = app.add_subcommand("hf-info", "Architecture of a Hugging Face model directory and the --model.* "
                                                  "overrides that train from it: forge hf-info DIR");
   hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
-  for (auto* sub : {train, info}) sub->prefix_command();
+  for (auto* sub : {train, info, bench}) sub->prefix_command();
 
   forge::PrepOptions prep_options;
   std::string prep_tokenizer;
@@ -53,6 +59,28 @@ int main(int argc, char** argv) {
   prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
       ->check(CLI::Range(1, 4096));
 
+  forge::LaunchOptions launch_options;
+  auto* launch = app.add_subcommand(
+      "launch", "Start this node's ranks of a multi-GPU job, as torchrun does: forge launch --nproc-per-node N "
+                "[--nnodes M --node-rank R --master-addr A --master-port P] -- COMMAND ...");
+  launch->add_option("--nproc-per-node", launch_options.nproc_per_node, "ranks (GPUs) on this node")
+      ->required()->check(CLI::Range(1, 1024));
+  launch->add_option("--nnodes", launch_options.nnodes, "nodes in the job")->capture_default_str();
+  launch->add_option("--node-rank", launch_options.node_rank, "this node's index, 0 .. nnodes-1")
+      ->capture_default_str();
+  launch->add_option("--master-addr", launch_options.master_addr, "host of node 0 (default 127.0.0.1 on one node)");
+  launch->add_option("--master-port", launch_options.master_port,
+                     "port rank 0 listens on (default: a free port on one node, 29500 on several)");
+  launch->add_option("--grace-period", launch_options.grace_period_s,
+                     "seconds from SIGTERM to SIGKILL when ranks are stopped")->capture_default_str();
+  launch->add_option("COMMAND", launch_options.command,
+                     "after --: a forge subcommand and its arguments (train ...), or a program to run")->required();
+  std::string preflight_json;
+  auto* preflight = app.add_subcommand("preflight", "Validate the GPUs before training: inventory, GEMM, memory, "
+                                                    "PCIe and NCCL bandwidth against healthy references");
+  preflight->add_option("--json", preflight_json, "also write the report as JSON to FILE")->type_name("FILE");
+  preflight->footer("Exits with 1 when any check fails. Example: forge preflight --json preflight.json");
+
   std::vector<std::string> report_dirs;
   std::string report_output = "report.html";
   auto* report = app.add_subcommand("report", "One self-contained HTML page comparing runs: forge report RUN_DIR "
@@ -69,8 +97,16 @@ int main(int argc, char** argv) {
   try {
     if (train->parsed()) return forge::run_train(train->remaining());
     if (info->parsed()) return forge::run_info(info->remaining());
+    if (bench->parsed()) return forge::run_bench_command(bench->remaining());
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (launch->parsed()) {
+      std::vector<std::string> subcommands;
+      for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+        subcommands.push_back(sub->get_name());
+      return forge::run_launch(launch_options, subcommands);
+    }
+    if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (report->parsed()) return forge::run_report(report_dirs, report_output);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;

@@ -1,5 +1,6 @@
 #include "core/device.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <mutex>
@@ -16,7 +17,8 @@ namespace {
 
 std::mutex g_mu;
 std::unordered_map<void*, size_t> g_sizes;
-size_t g_in_use = 0;  // bytes held through device_malloc, for the out-of-memory message
+size_t g_in_use = 0;  // bytes held through device_malloc
+size_t g_peak = 0;    // most bytes held at once since the last reset
 
 #ifdef FORGE_CUDA
 void cuda_check(cudaError_t e, const char* what) {
@@ -50,6 +52,16 @@ std::string accelerator_name() {
   return "cpu";
 }
 
+std::string accelerator_architecture() {
+#ifdef FORGE_CUDA
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) == cudaSuccess && cudaGetDeviceProperties(&prop, device) == cudaSuccess)
+    return "sm_" + std::to_string(prop.major * 10 + prop.minor);
+#endif
+  return "";
+}
+
 void* device_malloc(size_t bytes) {
 #ifdef FORGE_CUDA
   void* p = nullptr;
@@ -58,12 +70,14 @@ void* device_malloc(size_t bytes) {
     cudaGetLastError();
     size_t free_bytes = 0, total = 0;
     cudaMemGetInfo(&free_bytes, &total);
-    FORGE_FAIL("out of GPU memory: asked for {:.2f} GiB with {:.2f} GiB free of {:.2f} GiB ({:.2f} GiB held by forge)",
-               bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0, g_in_use / 1073741824.0);
+    throw OutOfMemoryError(fmt::format(
+        "out of GPU memory: asked for {:.2f} GiB with {:.2f} GiB free of {:.2f} GiB ({:.2f} GiB held by forge)",
+        bytes / 1073741824.0, free_bytes / 1073741824.0, total / 1073741824.0, g_in_use / 1073741824.0));
   }
   std::lock_guard lock(g_mu);
   g_sizes[p] = bytes;
   g_in_use += bytes;
+  g_peak = std::max(g_peak, g_in_use);
   return p;
 #else
   (void)bytes;
@@ -86,6 +100,29 @@ void device_free(void* ptr) {
 #else
   (void)ptr;
 #endif
+}
+
+size_t device_memory_in_use() {
+  std::lock_guard lock(g_mu);
+  return g_in_use;
+}
+
+size_t device_memory_peak() {
+  std::lock_guard lock(g_mu);
+  return g_peak;
+}
+
+void reset_device_memory_peak() {
+  std::lock_guard lock(g_mu);
+  g_peak = g_in_use;
+}
+
+DeviceMemoryInfo device_memory_info() {
+  DeviceMemoryInfo info;
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemGetInfo(&info.free, &info.total), "cudaMemGetInfo");
+#endif
+  return info;
 }
 
 void device_memset_zero(void* ptr, size_t bytes) {

@@ -15,9 +15,26 @@ namespace forge {
 bool cuda_available();
 // Name of the current GPU ("cpu" when there is none).
 std::string accelerator_name();
+// Compute capability of the current GPU as "sm_90"; empty when there is none.
+std::string accelerator_architecture();
 
+// Device memory. An allocation that fails throws OutOfMemoryError.
 void* device_malloc(size_t bytes);
 void device_free(void* ptr);
+
+// Bytes held through device_malloc now, and the most held at once since the last reset
+// (the allocator's high-water mark that forge reports as peak memory).
+size_t device_memory_in_use();
+size_t device_memory_peak();
+void reset_device_memory_peak();
+
+// Free and total memory of the current GPU as the driver reports them (everything on the
+// device counts: other processes, the CUDA context, library workspaces).
+struct DeviceMemoryInfo {
+  size_t free = 0;
+  size_t total = 0;
+};
+DeviceMemoryInfo device_memory_info();
 void device_memset_zero(void* ptr, size_t bytes);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void device_synchronize();

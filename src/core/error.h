@@ -15,6 +15,13 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
+// A config that does not fit the device: the memory estimate says so before the run, or
+// an allocation failed. forge bench records these as "oom" and goes on with a sweep.
+class OutOfMemoryError : public Error {
+ public:
+  explicit OutOfMemoryError(const std::string& message) : Error(message) {}
+};
+
 [[noreturn]] void throw_error(const char* file, int line, const std::string& message);
 
 }  // namespace forge

@@ -45,6 +45,7 @@ OpProfileScope::~OpProfileScope() {
   double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   g_seconds[static_cast<int>(class_)] += seconds;
   g_by_op[name_] += seconds;
+  if (!detail_.empty()) g_by_op[std::string(name_) + " [" + detail_ + "]"] += seconds;
   --g_depth;
 }
 

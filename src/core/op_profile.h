@@ -36,10 +36,16 @@ class OpProfileScope {
   ~OpProfileScope();
   OpProfileScope(const OpProfileScope&) = delete;
   OpProfileScope& operator=(const OpProfileScope&) = delete;
+  // Whether this scope is timing (profiling on, outermost op).
+  bool active() const { return active_; }
+  // Files the time under "name [detail]" as well (a GEMM's shape, say); call only when
+  // active(), so that building the detail costs nothing otherwise.
+  void set_detail(std::string detail) { detail_ = std::move(detail); }
 
  private:
   OpClass class_;
   const char* name_;
+  std::string detail_;
   bool active_;
   std::chrono::steady_clock::time_point start_;
 };

@@ -5,6 +5,7 @@
 namespace forge {
 
 struct AdamWScalars {
+  float grad_scale;             // global-norm clip coefficient (1: none), applied as g * grad_scale
   float decay_factor;           // 1 - lr * weight_decay
   float one_minus_beta1;        // lerp weight of the first moment
   float beta2;

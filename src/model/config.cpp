@@ -62,22 +62,4 @@ double ModelConfig::flops_per_token(int64_t seq_len) const {
   return dense + attention;
 }
 
-MemoryEstimate estimate_memory(const ModelConfig& c, int64_t micro_batch, int64_t seq_len, int compute_bytes) {
-  MemoryEstimate m;
-  double params = static_cast<double>(c.total_params());
-  m.weights = params * compute_bytes;
-  m.master_weights = compute_bytes == 4 ? 0.0 : params * 4;
-  m.gradients = params * 4;
-  m.optimizer_state = params * 8;
-  // Saved per layer and token (elements): the block input, two normed inputs, the packed
-  // QKV, attention output, the residual between, gate/up and the SwiGLU output; plus the
-  // fp32 norm statistics and log-sum-exp.
-  double n = static_cast<double>(micro_batch) * seq_len;
-  double h = c.hidden_size, f = c.ffn_hidden_size;
-  double per_token = 4 * h + (c.q_size() + 2 * c.kv_size()) + c.q_size() + 3 * f;
-  double stats = (2 + c.num_heads) * 4.0;
-  m.activations = c.num_layers * n * (per_token * compute_bytes + stats) + n * (2 * h * compute_bytes + 4);
-  return m;
-}
-
 }  // namespace forge

@@ -1,5 +1,6 @@
-// ModelConfig: every architecture knob of the Llama-family decoder, with the parameter,
-// FLOP and memory accounting that forge info and the benchmark reports use.
+// ModelConfig: every architecture knob of the Llama-family decoder, with the parameter and
+// FLOP accounting that forge info and the benchmark reports use (memory estimates live in
+// model/memory_estimate.h).
 #pragma once
 
 #include <cstdint>
@@ -43,19 +44,5 @@ struct ModelConfig {
   //   6 * (parameters - input embedding) + 6 * layers * hidden * seq_len
   double flops_per_token(int64_t seq_len) const;
 };
-
-// Memory needed for one training step on one device, in bytes, by component.
-struct MemoryEstimate {
-  double weights = 0;           // compute copy of the weights
-  double master_weights = 0;    // fp32 master weights (0 when compute is fp32)
-  double gradients = 0;
-  double optimizer_state = 0;   // AdamW m and v
-  double activations = 0;       // saved for backward, whole micro-batch
-  double total() const { return weights + master_weights + gradients + optimizer_state + activations; }
-};
-
-// compute_bytes: bytes per element of weights/activations (4 for fp32, 2 for bf16).
-MemoryEstimate estimate_memory(const ModelConfig& config, int64_t micro_batch, int64_t seq_len,
-                               int compute_bytes);
 
 }  // namespace forge

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "core/parallel.h"
 #include "core/rng.h"
 #include "ops/elementwise.h"
 
@@ -77,13 +78,13 @@ void FlatParameters::initialize(uint64_t seed) {
     return;
   }
   const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config_.num_layers));
-  for (size_t i = 0; i < specs_.size(); ++i) {
+  auto fill = [&](size_t i) {
     const ParamSpec& s = specs_[i];
     float* p = tensors_[i].data<float>();
     int64_t n = tensors_[i].numel();
     if (s.shape.size() == 1) {
       for (int64_t j = 0; j < n; ++j) p[j] = 1.0f;
-      continue;
+      return;
     }
     bool residual = s.name.ends_with("attention.o.weight") || s.name.ends_with("mlp.down.weight");
     double std = config_.init_std * (residual ? residual_scale : 1.0);
@@ -91,7 +92,11 @@ void FlatParameters::initialize(uint64_t seed) {
     for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
     Rng rng(derive_seed(seed, name_hash));
     for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(std * rng.normal());
-  }
+  };
+  // Tensors draw from independent streams, so they fill in parallel with the same result.
+  parallel_for(static_cast<int64_t>(specs_.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fill(static_cast<size_t>(i));
+  });
 }
 
 }  // namespace forge

@@ -5,9 +5,10 @@
 //          → final rmsnorm → output projection + cross-entropy (in token chunks)
 //
 // There is no autograd: forward_backward() saves what each block's backward needs in
-// activation buffers planned once for (micro_batch, seq_len), then walks the blocks in
-// reverse, handing each block's weight gradients to the GradSink as soon as they are
-// complete. The model never knows where weights come from or where gradients go
+// activation buffers planned once for (micro_batch, seq_len) in one arena (NOTE
+// [Activation arena]), then walks the blocks in reverse — recomputing what activation
+// checkpointing dropped (NOTE [Activation checkpointing]) — handing each block's weight
+// gradients to the GradSink as soon as they are complete. The model never knows where weights come from or where gradients go
 // (ParamSource / GradSink), which keeps it free of communication.
 #pragma once
 
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "model/activations.h"
 #include "model/config.h"
 #include "model/parameters.h"
 
@@ -31,13 +33,15 @@ class Transformer {
   // Activations live on `device` in compute_dtype (fp32 on the CPU, bf16 on CUDA), with
   // fp32 statistics (NOTE [Op placement]); the weights handed in must match.
   Transformer(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
-              DType compute_dtype = DType::F32);
+              DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None);
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
   int64_t seq_len() const { return seq_len_; }
 
   Device device() const { return device_; }
+  ActivationCheckpoint checkpoint() const { return checkpoint_; }
+  int64_t arena_bytes() const { return arena_.nbytes(); }
 
   // Loss of one micro-batch (tokens/targets int32 [micro_batch, seq_len] on the model's
   // device), and weight
@@ -51,21 +55,12 @@ class Transformer {
   void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits);
 
  private:
-  struct LayerActivations {
-    Tensor input;      // [N, H] block input (residual stream)
-    Tensor rstd_attn;  // [N]
-    Tensor normed_attn;  // [N, H]
-    Tensor qkv;        // [B, T, Hq + 2 Hkv, D] after rotary embedding
-    Tensor attn_out;   // [B, T, Hq, D]
-    Tensor lse;        // [B, Hq, T]
-    Tensor mid;        // [N, H] residual stream after attention
-    Tensor rstd_mlp;   // [N]
-    Tensor normed_mlp;   // [N, H]
-    Tensor gate_up;    // [N, 2F]
-    Tensor swiglu_out;  // [N, F]
-  };
-
   void forward_blocks(const Tensor& tokens, ParamSource& weights);
+  // One block's forward. `next` receives the block output (input + MLP); without it the
+  // last projection is skipped (recomputation for the backward needs everything before it).
+  void forward_layer(int i, ParamSource& weights, const Tensor* next);
+  // Restores what the checkpointing mode dropped from layer i's activations.
+  void recompute_layer(int i, ParamSource& weights);
   LossSum output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale);
   void backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads);
 
@@ -73,12 +68,10 @@ class Transformer {
   int64_t micro_batch_, seq_len_, tokens_;
   Device device_;
   DType compute_dtype_;
+  ActivationCheckpoint checkpoint_;
   Tensor rope_cos_, rope_sin_;
-  std::vector<LayerActivations> acts_;
-  Tensor final_input_, final_rstd_, final_normed_;
-  Tensor logits_chunk_, losses_;
-  // Backward scratch.
-  Tensor d_residual_, d_normed_, d_attn_out_, d_qkv_, d_swiglu_, d_gate_up_;
+  Tensor arena_;  // owns the memory every buffer of b_ views
+  ActivationBuffers b_;
 };
 
 }  // namespace forge

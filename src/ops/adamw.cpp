@@ -16,6 +16,7 @@ AdamWScalars adamw_scalars(const AdamWHyper& h) {
   double bias_correction1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   double bias_correction2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   return {
+      .grad_scale = h.grad_scale,
       .decay_factor = static_cast<float>(1.0 - h.lr * h.weight_decay),
       .one_minus_beta1 = static_cast<float>(1.0 - h.beta1),
       .beta2 = static_cast<float>(h.beta2),
@@ -28,7 +29,8 @@ AdamWScalars adamw_scalars(const AdamWHyper& h) {
 
 }  // namespace
 
-void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h) {
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h,
+                  const Tensor& compute_copy) {
   OpProfileScope profile(OpClass::Optimizer, "adamw_update");
   FORGE_CHECK(h.step >= 1, "adamw_update: step counts from 1, got {}", h.step);
   check_dtype(param, DType::F32, "adamw param");
@@ -36,15 +38,25 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, cons
   check_shape(m, param.shape(), "adamw exp_avg");
   check_shape(v, param.shape(), "adamw exp_avg_sq");
   check_dtype(grad, DType::F32, "adamw grad");
-  check_dtype(m, DType::F32, "adamw exp_avg");
-  check_dtype(v, DType::F32, "adamw exp_avg_sq");
+  FORGE_CHECK(m.dtype() == v.dtype(), "adamw: exp_avg is {} but exp_avg_sq is {}", dtype_name(m.dtype()),
+              dtype_name(v.dtype()));
   for (const Tensor* t : {&grad, &m, &v})
     FORGE_CHECK(t->device() == param.device(), "adamw_update: tensors on different devices");
   if (param.device() == Device::CUDA) {
-    FORGE_CUDA_CALL("adamw_update", cuda::adamw_update(param.data<float>(), grad.data<float>(), m.data<float>(),
-                                                       v.data<float>(), nullptr, param.numel(), adamw_scalars(h)));
+    FORGE_CHECK(m.dtype() == DType::F32 || m.dtype() == DType::BF16, "adamw: moments are {}, expected f32 or bf16",
+                dtype_name(m.dtype()));
+    if (compute_copy.defined()) {
+      expect_tensor(compute_copy, Device::CUDA, DType::BF16, "adamw compute copy");
+      check_shape(compute_copy, param.shape(), "adamw compute copy");
+    }
+    FORGE_CUDA_CALL("adamw_update",
+                    cuda::adamw_update(param.data<float>(), grad.data<float>(), m.raw(), v.raw(),
+                                       m.dtype() == DType::BF16, compute_copy.defined() ? compute_copy.raw() : nullptr,
+                                       param.numel(), adamw_scalars(h)));
     return;
   }
+  check_dtype(m, DType::F32, "adamw exp_avg");
+  FORGE_CHECK(!compute_copy.defined(), "adamw: a bf16 compute copy exists only on CUDA");
   cpu::adamw_update(param, grad, m, v, adamw_scalars(h));
 }
 

@@ -2,7 +2,16 @@
 //   param *= 1 - lr * weight_decay
 //   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
 //   param -= lr * (m / (1 - beta1^step)) / (sqrt(v / (1 - beta2^step)) + eps)
-// param, m, v are fp32 (the master copy); grad is fp32. step counts from 1.
+// param is fp32 (the master copy), grad fp32, step counts from 1. The moments m, v are
+// fp32, or bf16 on CUDA (NOTE [Optimizer state in bf16]).
+//
+// NOTE [Clipping and the bf16 copy inside AdamW]
+// Global-norm clipping scales every gradient by one coefficient before the update; torch
+// does it as a separate in-place pass (g *= coef), forge multiplies as it loads g in the
+// AdamW pass (the same fp32 product, so the same update) and leaves the gradient buffer
+// as it was. When a compute copy is given, the same pass writes the updated weights
+// rounded to bf16: the weights the next forward uses. Both save a full pass over every
+// parameter per step.
 //
 // NOTE [AdamW arithmetic as torch does it]
 // The hyperparameters are doubles, like the Python floats of a torch param group. The
@@ -25,8 +34,12 @@ struct AdamWHyper {
   double eps = 1e-8;
   double weight_decay = 0.0;
   int64_t step = 1;
+  float grad_scale = 1.0f;  // the clip coefficient
 };
 
-void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h);
+// compute_copy, when defined: a bf16 tensor of param's shape on CUDA receiving the
+// updated weights.
+void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h,
+                  const Tensor& compute_copy = Tensor());
 
 }  // namespace forge

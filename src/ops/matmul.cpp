@@ -1,6 +1,7 @@
 #include "ops/matmul.h"
 
 #include "kernels/cpu/matmul.h"
+#include "core/device.h"
 #include "core/op_profile.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
@@ -18,6 +19,9 @@ void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& 
   int64_t k = transpose_a ? a.dim(0) : a.dim(1);
   check_shape(a, transpose_a ? Shape{k, m} : Shape{m, k}, "matmul a");
   check_shape(b, transpose_b ? Shape{n, k} : Shape{k, n}, "matmul b");
+  if (profile.active())
+    profile.set_detail(fmt::format("{}x{}x{} {}{} {}", m, n, k, transpose_a ? 'T' : 'N', transpose_b ? 'T' : 'N',
+                                   dtype_name(out.dtype())));
   FORGE_CHECK(out.raw() != a.raw() && out.raw() != b.raw(), "matmul: out must not alias an input");
   FORGE_CHECK(out.device() == a.device() && out.device() == b.device(), "matmul: tensors on different devices");
   if (out.device() == Device::CUDA) {
@@ -33,6 +37,14 @@ void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& 
   check_dtype(a, DType::F32, "matmul a");
   check_dtype(b, DType::F32, "matmul b");
   cpu::matmul(out.data<float>(), a.data<float>(), transpose_a, b.data<float>(), transpose_b, m, n, k, alpha, beta);
+}
+
+void set_gemm_tuning(bool enabled) {
+#ifdef FORGE_CUDA
+  if (cuda_available()) cuda::set_gemm_tuning(enabled);
+#else
+  (void)enabled;
+#endif
 }
 
 }  // namespace forge

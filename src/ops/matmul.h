@@ -14,4 +14,9 @@ namespace forge {
 void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
             float alpha = 1.0f, float beta = 0.0f);
 
+// GPU GEMMs: choose each shape's algorithm by timing cuBLASLt's candidates on first use
+// instead of taking its first heuristic choice (training.gemm_tuning). No effect on the
+// CPU reference.
+void set_gemm_tuning(bool enabled);
+
 }  // namespace forge

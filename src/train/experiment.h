@@ -21,6 +21,7 @@ struct TrainingConfig {
   uint64_t seed = 42;
   double max_norm = 1.0;             // global grad-norm clipping; 0 disables
   std::string device = "cpu";        // cpu | cuda
+  bool gemm_tuning = false;          // time cuBLASLt's candidates per GEMM shape (NOTE [GEMM algorithm choice])
 };
 
 struct EvalConfig {
@@ -37,6 +38,11 @@ struct LoggingConfig {
 
 struct PrecisionConfig {
   std::string compute_dtype = "fp32";  // fp32 (CPU reference) | bf16 (CUDA)
+};
+
+// torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).
+struct ActivationCheckpointConfig {
+  std::string mode = "none";         // none | selective | full
 };
 
 struct ParallelismConfig {
@@ -65,6 +71,7 @@ struct ExperimentConfig {
   LoggingConfig logging;
   PrecisionConfig precision;
   ParallelismConfig parallelism;
+  ActivationCheckpointConfig activation_checkpoint;
   CheckpointConfig checkpoint;
 };
 

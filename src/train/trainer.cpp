@@ -11,6 +11,8 @@
 #include "core/op_profile.h"
 #include "core/parallel.h"
 #include "core/rng.h"
+#include "ops/matmul.h"
+#include "train/memory_check.h"
 #include "train/run_dir.h"
 
 namespace forge {
@@ -55,6 +57,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     FORGE_FAIL("parallelism.data_parallel_shard_degree {} needs the NCCL backend; this build runs one process",
                config_.parallelism.data_parallel_shard_degree);
 
+  check_memory_fits(config_);
   // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
   // gradients; the model computes with a bf16 copy of the weights refreshed after every
   // optimizer step. On the CPU the fp32 weights are used directly.
@@ -66,7 +69,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     compute_weights_->assign_from(*params_);
   }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
-  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype);
+  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
+                                         activation_checkpoint_from_name(config_.activation_checkpoint.mode));
 
   std::vector<bool> decay;
   for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
@@ -142,6 +146,7 @@ TrainResult Trainer::run() {
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
   set_op_profiling(config_.logging.profile_ops);
+  set_gemm_tuning(t.gemm_tuning);
 
   TrainResult result;
   result.run_dir = run_dir_;
@@ -188,9 +193,9 @@ TrainResult Trainer::run() {
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
-    double norm = clip_grad_norm(grads_->tensors(), t.max_norm);
-    optimizer_->step(grads_->tensors(), lr);
-    if (compute_weights_) compute_weights_->assign_from(*params_);
+    const double norm = global_grad_norm({grads_->flat()});
+    optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
+                     compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
     double dt = seconds_since(t0);
 
     StepMetrics m;
@@ -207,6 +212,7 @@ TrainResult Trainer::run() {
       m.op_seconds_by_op = op_profile_seconds_by_op();
     }
     result.losses.push_back(m.loss);
+    result.step_seconds.push_back(dt);
     metrics_->write(m);
     if (!std::isfinite(m.loss) || !std::isfinite(norm))
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);

@@ -37,6 +37,7 @@ namespace forge {
 
 struct TrainResult {
   std::vector<double> losses;       // per optimizer step
+  std::vector<double> step_seconds; // per optimizer step, wall time
   std::vector<EvalMetrics> evals;
   double entropy_floor = -1.0;      // of the training data, when known
   std::string run_dir;

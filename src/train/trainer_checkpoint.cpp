@@ -6,27 +6,37 @@
 
 #include "ckpt/checkpoint.h"
 #include "core/log.h"
+#include "ops/elementwise.h"
 #include "train/trainer.h"
 
 namespace forge {
 namespace {
 
 // AdamW keeps a moment tensor per parameter, in parameter order: their concatenation is
-// the flat layout of the checkpoint.
-// Tensors may live on the GPU: checkpoints always pass through host memory.
+// the flat layout of the checkpoint. Tensors may live on the GPU and moments may be bf16
+// (NOTE [Optimizer state in bf16]): checkpoints always pass through host memory and always
+// hold fp32, so a run can resume with either optimizer.state_dtype.
 std::vector<float> concatenate(const std::vector<Tensor>& tensors) {
   std::vector<float> flat;
   for (const Tensor& t : tensors) {
-    const Tensor host = t.to(Device::CPU);
+    Tensor host = t.to(Device::CPU);
+    if (host.dtype() != DType::F32) {
+      Tensor wide = Tensor::empty(host.shape(), DType::F32);
+      cast(wide, host);
+      host = wide;
+    }
     flat.insert(flat.end(), host.data<float>(), host.data<float>() + host.numel());
   }
   return flat;
 }
 
 void read_into_tensor(const Checkpoint& ck, FlatState state, int64_t offset, const Tensor& t) {
-  Tensor host = t.device() == Device::CPU ? t : Tensor::empty(t.shape(), DType::F32);
+  const bool direct = t.device() == Device::CPU && t.dtype() == DType::F32;
+  Tensor host = direct ? t : Tensor::empty(t.shape(), DType::F32);
   read_flat_range(ck, state, offset, std::span<float>(host.data<float>(), static_cast<size_t>(host.numel())));
-  if (host.raw() != t.raw()) t.copy_from(host);
+  if (direct) return;
+  if (t.dtype() == DType::F32) return t.copy_from(host);
+  cast(t, host.to(t.device()));
 }
 
 void read_into_tensors(const Checkpoint& ck, FlatState state, const std::vector<Tensor>& tensors) {

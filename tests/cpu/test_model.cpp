@@ -94,6 +94,46 @@ TEST(ModelTraining, ForwardBackwardIsBitwiseDeterministic) {
   EXPECT_EQ(0, std::memcmp(g1.flat().raw(), g2.flat().raw(), g1.flat().nbytes()));
 }
 
+TEST(ModelTraining, ActivationCheckpointingGivesTheSameGradientsBitForBit) {
+  // Recomputation runs the same deterministic kernels on the same inputs, so every mode
+  // (NOTE [Activation checkpointing]) gives the uncheckpointed loss and gradients exactly.
+  ModelConfig c = tiny();
+  c.num_layers = 3;
+  FlatParameters params(c), reference(c);
+  params.initialize(11);
+  Tensor tokens = random_tokens(2, 16, c.vocab_size, 3), targets = random_tokens(2, 16, c.vocab_size, 4);
+  Transformer plain(c, 2, 16);
+  reference.zero();
+  LossSum expected = plain.forward_backward(tokens, targets, params, reference, 1.0f / 32);
+  for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
+    Transformer model(c, 2, 16, Device::CPU, DType::F32, mode);
+    FlatParameters grads(c);
+    grads.zero();
+    LossSum got = model.forward_backward(tokens, targets, params, grads, 1.0f / 32);
+    EXPECT_EQ(got.sum, expected.sum) << activation_checkpoint_name(mode);
+    EXPECT_EQ(0, std::memcmp(grads.flat().raw(), reference.flat().raw(), grads.flat().nbytes()))
+        << activation_checkpoint_name(mode);
+  }
+}
+
+TEST(ModelMemory, CheckpointingShrinksTheArenaAsPlanned) {
+  ModelConfig c = llama31_8b();
+  const int64_t n = 8192, h = c.hidden_size, f = c.ffn_hidden_size;
+  const int64_t none = activation_bytes(c, 1, n, DType::BF16, ActivationCheckpoint::None);
+  const int64_t selective = activation_bytes(c, 1, n, DType::BF16, ActivationCheckpoint::Selective);
+  const int64_t full = activation_bytes(c, 1, n, DType::BF16, ActivationCheckpoint::Full);
+  // Selective drops two normed inputs and the SwiGLU output from all but one shared copy.
+  EXPECT_EQ(none - selective, (c.num_layers - 1) * n * (2 * h + f) * 2);
+  EXPECT_LT(full, selective);
+  // Full keeps one [n, h] input per layer plus one layer's worth of everything: under 6 GiB here.
+  EXPECT_LT(full, int64_t{6} << 30);
+  EXPECT_GT(none, int64_t{32} << 30);
+  // The Transformer allocates exactly that arena.
+  ModelConfig small = tiny();
+  Transformer model(small, 2, 16, Device::CPU, DType::F32, ActivationCheckpoint::Full);
+  EXPECT_EQ(model.arena_bytes(), activation_bytes(small, 2, 16, DType::F32, ActivationCheckpoint::Full));
+}
+
 TEST(ModelTraining, AccumulatingMicroBatchesEqualsOneBatch) {
   for (bool tied : {false, true}) {
     ModelConfig c = tiny(tied);

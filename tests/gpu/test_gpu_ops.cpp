@@ -124,7 +124,7 @@ TEST(GpuEmbedding, ForwardAndBackwardMatchCpu) {
 
 TEST(GpuCrossEntropy, LossAndGradientMatchCpuInPlace) {
   Rng rng(seed_for_current_test());
-  for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{1, 3}, {57, 1000}, {300, 128256}}) {
+  for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{1, 3}, {33, 1003}, {57, 1000}, {300, 128256}}) {
     Tensor logits = random_bf16_values({rows, vocab}, rng, 3.0);
     Tensor targets = random_ids(rows, vocab, rng);
     targets.data<int32_t>()[rows / 2] = kIgnoreIndex;
@@ -137,20 +137,40 @@ TEST(GpuCrossEntropy, LossAndGradientMatchCpuInPlace) {
   }
 }
 
-TEST(GpuAdamW, MatchesCpuStepByStep) {
+TEST(GpuAdamW, MatchesCpuStepByStepWithClipAndBf16Copy) {
   Rng rng(seed_for_current_test());
   for (int64_t n : {int64_t{1}, int64_t{7}, int64_t{100003}}) {
     Tensor p = random_f32({n}, rng), m = Tensor::zeros({n}), v = Tensor::zeros({n});
     Tensor pg = p.to(Device::CUDA), mg = m.to(Device::CUDA), vg = v.to(Device::CUDA);
     for (int64_t step = 1; step <= 3; ++step) {
       Tensor g = random_f32({n}, rng);
-      AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1, step};
+      AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1, step, step == 2 ? 0.37f : 1.0f};
       adamw_update(p, g, m, v, h);
-      adamw_update(pg, g.to(Device::CUDA), mg, vg, h);
+      Tensor copy = poisoned_gpu({n}, DType::BF16);
+      adamw_update(pg, g.to(Device::CUDA), mg, vg, h, copy);
+      EXPECT_LT(relative_l2(to_cpu_f32(copy), p), 4e-3) << "bf16 copy, step " << step;
     }
     EXPECT_LT(relative_l2(to_cpu_f32(pg), p), 1e-6);
     EXPECT_LT(relative_l2(to_cpu_f32(mg), m), 1e-6);
     EXPECT_LT(relative_l2(to_cpu_f32(vg), v), 1e-6);
+  }
+}
+
+TEST(GpuAdamW, Bf16MomentsTrackFp32Moments) {
+  Rng rng(seed_for_current_test());
+  for (int64_t n : {int64_t{5}, int64_t{100003}}) {
+    Tensor p = random_f32({n}, rng), m = Tensor::zeros({n}), v = Tensor::zeros({n});
+    Tensor pg = p.to(Device::CUDA), mg = Tensor::zeros({n}, DType::BF16, Device::CUDA),
+           vg = Tensor::zeros({n}, DType::BF16, Device::CUDA);
+    for (int64_t step = 1; step <= 5; ++step) {
+      Tensor g = random_f32({n}, rng);
+      AdamWHyper h{1e-3, 0.9, 0.95, 1e-8, 0.1, step};
+      adamw_update(p, g, m, v, h);
+      adamw_update(pg, g.to(Device::CUDA), mg, vg, h);
+    }
+    EXPECT_LT(relative_l2(to_cpu_f32(pg), p), 1e-4);
+    EXPECT_LT(relative_l2(to_cpu_f32(mg), m), 8e-3);
+    EXPECT_LT(relative_l2(to_cpu_f32(vg), v), 8e-3);
   }
 }
 

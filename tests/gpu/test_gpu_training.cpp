@@ -1,6 +1,7 @@
 // One whole training step of a small model on the GPU (bf16 compute, fp32 master weights
 // and gradients) against the CPU reference path (fp32) from the same weights and batch:
-// the loss, every parameter's gradient, and the weights after one AdamW step.
+// the loss, every parameter's gradient, and the weights after one AdamW step; and the same
+// step with activation checkpointing against the GPU step without.
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
@@ -66,6 +67,20 @@ TEST(GpuTraining, OneStepMatchesCpu) {
     for (size_t i = 0; i < cpu_grads.specs().size(); ++i) {
       double err = relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]);
       EXPECT_LT(err, 5e-2) << cpu_grads.specs()[i].name << " window " << window;
+    }
+
+    // Activation checkpointing recomputes with the same kernels: the same loss, and the
+    // same gradients up to the attention backward's non-deterministic dQ accumulation.
+    for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
+      Transformer checkpointed(c, batch, seq, Device::CUDA, DType::BF16, mode);
+      FlatParameters grads(c, Device::CUDA, DType::F32);
+      grads.zero();
+      LossSum loss = checkpointed.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), gpu_compute,
+                                                   grads, scale);
+      EXPECT_EQ(loss.sum, gpu_loss.sum) << activation_checkpoint_name(mode);
+      for (size_t i = 0; i < grads.specs().size(); ++i)
+        EXPECT_LT(relative_l2(to_cpu_f32(grads.tensors()[i]), to_cpu_f32(gpu_grads.tensors()[i])), 1e-2)
+            << grads.specs()[i].name << " " << activation_checkpoint_name(mode);
     }
 
     OptimizerConfig opt;

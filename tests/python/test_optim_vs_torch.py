@@ -1,6 +1,6 @@
 """forge's optimizer layer against PyTorch.
 
-forge_optim_trace runs clip_grad_norm + AdamW + lr_at on a scripted problem; the same
+forge_optim_trace runs global_grad_norm + AdamW (clip coefficient applied inside) + lr_at on a scripted problem; the same
 problem is replayed with torch.nn.utils.clip_grad_norm_, torch.optim.AdamW(foreach=False)
 and torch.optim.lr_scheduler (the composition in NOTE [LR schedule], optim/optimizer.h).
 """

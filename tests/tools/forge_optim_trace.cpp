@@ -70,8 +70,9 @@ void run(const json& in, std::ostream& out_stream) {
     std::vector<forge::Tensor> grads;
     for (size_t i = 0; i < params.size(); ++i)
       grads.push_back(tensor_from(json(params[i].shape()), step_grads[i]));
-    norms.push_back(forge::clip_grad_norm(grads, max_norm));
-    adamw.step(grads, forge::lr_at(opt, sched, step, total_steps));
+    const double norm = forge::global_grad_norm(grads);
+    norms.push_back(norm);
+    adamw.step(grads, forge::lr_at(opt, sched, step, total_steps), forge::clip_coefficient(norm, max_norm));
     ++step;
   }
 

@@ -3,7 +3,9 @@
 // splits the range freely and the result does not depend on the thread count.
 //
 // The arithmetic mirrors torch's single-tensor AdamW on a vectorized CPU build, element
-// by element (NOTE [AdamW arithmetic as torch does it]):
+// by element (NOTE [AdamW arithmetic as torch does it]), after the clip coefficient
+// (NOTE [Clipping and the bf16 copy inside AdamW]):
+//   g     = grad * grad_scale                                  (clip_grad_norm_'s mul_)
 //   param = param * decay_factor                               (param.mul_)
 //   m     = lerp(m, g, 1 - beta1)                              (exp_avg.lerp_, fused as
 //           ATen's vectorized lerp is: small weights step from m, large ones from g)
@@ -37,9 +39,10 @@ void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, cons
   float* pv = v.data<float>();
   parallel_for(param.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
+      const float gi = g[i] * s.grad_scale;
       float decayed = p[i] * s.decay_factor;
-      float m_new = lerp(pm[i], g[i], s.one_minus_beta1);
-      float v_new = std::fma(s.one_minus_beta2 * g[i], g[i], pv[i] * s.beta2);
+      float m_new = lerp(pm[i], gi, s.one_minus_beta1);
+      float v_new = std::fma(s.one_minus_beta2 * gi, gi, pv[i] * s.beta2);
       float denom = std::sqrt(v_new) / s.bias_correction2_sqrt + s.eps;
       pm[i] = m_new;
       pv[i] = v_new;

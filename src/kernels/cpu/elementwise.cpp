@@ -1,7 +1,6 @@
-// Elementwise fp32 helpers for the CPU reference: residual adds, scaling, and the sum of
-// squares behind the global gradient norm. The sum is split into fixed 64K-element
-// blocks whose partial sums are added in block order, so it is bitwise identical for any
-// thread count (NOTE [Deterministic CPU parallelism]).
+// The sum of squares behind the global gradient norm on the CPU reference. The sum is
+// split into fixed 64K-element blocks whose partial sums are added in block order, so it
+// is bitwise identical for any thread count (NOTE [Deterministic CPU parallelism]).
 #include "kernels/cpu/elementwise.h"
 
 #include <vector>
@@ -9,30 +8,6 @@
 #include "core/parallel.h"
 
 namespace forge::cpu {
-
-void add_inplace(const Tensor& a, const Tensor& b) {
-  float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  parallel_for(a.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pa[i] += pb[i];
-  });
-}
-
-void add(const Tensor& out, const Tensor& a, const Tensor& b) {
-  float* po = out.data<float>();
-  const float* pa = a.data<float>();
-  const float* pb = b.data<float>();
-  parallel_for(out.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) po[i] = pa[i] + pb[i];
-  });
-}
-
-void scale_inplace(const Tensor& a, float s) {
-  float* pa = a.data<float>();
-  parallel_for(a.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) pa[i] *= s;
-  });
-}
 
 double sum_of_squares(const Tensor& a) {
   constexpr int64_t kBlock = 1 << 16;

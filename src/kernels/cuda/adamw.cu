@@ -1,8 +1,14 @@
 // AdamW on the GPU: one pass over the fp32 master weights, gradient and both moments,
 // with the same arithmetic (operation order, fused multiply-adds, lerp form) as the CPU
-// kernel, which itself follows torch.optim.AdamW. When asked, the same pass writes the
-// bf16 compute copy of the updated weights, saving a separate cast kernel. Memory-bound:
-// 4 fp32 reads and 3 fp32 writes (+1 bf16) per element, vectorized by 4.
+// kernel, which itself follows torch.optim.AdamW. The same pass applies the global-norm
+// clip coefficient to the gradient as it is loaded and, when asked, writes the bf16
+// compute copy of the updated weights (NOTE [Clipping and the bf16 copy inside AdamW]),
+// so neither needs a pass of its own.
+//
+// Memory-bound: per element it reads param, grad, m, v and writes param, m, v (+ the bf16
+// copy): 28 bytes with fp32 moments, 20 with bf16 moments, vectorized by 4. With bf16
+// moments (NOTE [Optimizer state in bf16]) the update is computed in fp32 from the
+// widened moments and the new moments are rounded to nearest on store.
 #include "kernels/cuda/adamw.h"
 
 #include "kernels/cuda/cuda_check.h"
@@ -15,39 +21,52 @@ __device__ float lerp(float from, float to, float weight) {
   return fmaf(weight - 1.0f, to - from, to);
 }
 
-__device__ float adamw_element(float& p, float g, float& m, float& v, const AdamWScalars& s) {
+__device__ float widen(float x) { return x; }
+__device__ float widen(bf16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ T narrow(float x);
+template <>
+__device__ float narrow<float>(float x) { return x; }
+template <>
+__device__ bf16 narrow<bf16>(float x) { return __float2bfloat16_rn(x); }
+
+template <typename Moment>
+__device__ float adamw_element(float& p, float grad, Moment& m, Moment& v, const AdamWScalars& s) {
+  float g = __fmul_rn(grad, s.grad_scale);
   float decayed = __fmul_rn(p, s.decay_factor);
-  float m_new = lerp(m, g, s.one_minus_beta1);
-  float v_new = fmaf(__fmul_rn(s.one_minus_beta2, g), g, __fmul_rn(v, s.beta2));
+  float m_new = lerp(widen(m), g, s.one_minus_beta1);
+  float v_new = fmaf(__fmul_rn(s.one_minus_beta2, g), g, __fmul_rn(widen(v), s.beta2));
   float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v_new), s.bias_correction2_sqrt), s.eps);
-  m = m_new;
-  v = v_new;
+  m = narrow<Moment>(m_new);
+  v = narrow<Moment>(v_new);
   p = __fadd_rn(decayed, __fdiv_rn(__fmul_rn(s.neg_step_size, m_new), denom));
   return p;
 }
 
-__global__ void adamw_kernel(float* param, const float* grad, float* m, float* v, bf16* copy, int64_t n,
+template <typename Moment>
+__global__ void adamw_kernel(float* param, const float* grad, Moment* m, Moment* v, bf16* copy, int64_t n,
                              AdamWScalars s) {
   int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
   if (i >= n) return;
-  bool aligned = ((reinterpret_cast<uintptr_t>(param + i) | reinterpret_cast<uintptr_t>(grad + i) |
-                  reinterpret_cast<uintptr_t>(m + i) | reinterpret_cast<uintptr_t>(v + i)) %
-                 16) == 0;
+  bool aligned = ((reinterpret_cast<uintptr_t>(param + i) | reinterpret_cast<uintptr_t>(grad + i)) % 16) == 0 &&
+                 ((reinterpret_cast<uintptr_t>(m + i) | reinterpret_cast<uintptr_t>(v + i)) % (4 * sizeof(Moment))) == 0 &&
+                 (!copy || reinterpret_cast<uintptr_t>(copy + i) % 8 == 0);
   if (i + 4 <= n && aligned) {
-    float4 p = *reinterpret_cast<float4*>(param + i), g = *reinterpret_cast<const float4*>(grad + i),
-           mm = *reinterpret_cast<float4*>(m + i), vv = *reinterpret_cast<float4*>(v + i);
-    adamw_element(p.x, g.x, mm.x, vv.x, s);
-    adamw_element(p.y, g.y, mm.y, vv.y, s);
-    adamw_element(p.z, g.z, mm.z, vv.z, s);
-    adamw_element(p.w, g.w, mm.w, vv.w, s);
+    float4 p = *reinterpret_cast<float4*>(param + i), g = *reinterpret_cast<const float4*>(grad + i);
+    Moment mm[4], vv[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) mm[k] = m[i + k], vv[k] = v[i + k];
+    adamw_element(p.x, g.x, mm[0], vv[0], s);
+    adamw_element(p.y, g.y, mm[1], vv[1], s);
+    adamw_element(p.z, g.z, mm[2], vv[2], s);
+    adamw_element(p.w, g.w, mm[3], vv[3], s);
     *reinterpret_cast<float4*>(param + i) = p;
-    *reinterpret_cast<float4*>(m + i) = mm;
-    *reinterpret_cast<float4*>(v + i) = vv;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) m[i + k] = mm[k], v[i + k] = vv[k];
     if (copy) {
-      copy[i] = __float2bfloat16(p.x);
-      copy[i + 1] = __float2bfloat16(p.y);
-      copy[i + 2] = __float2bfloat16(p.z);
-      copy[i + 3] = __float2bfloat16(p.w);
+      __nv_bfloat162 lo = __floats2bfloat162_rn(p.x, p.y), hi = __floats2bfloat162_rn(p.z, p.w);
+      reinterpret_cast<__nv_bfloat162*>(copy + i)[0] = lo;
+      reinterpret_cast<__nv_bfloat162*>(copy + i)[1] = hi;
     }
     return;
   }
@@ -59,10 +78,16 @@ __global__ void adamw_kernel(float* param, const float* grad, float* m, float* v
 
 }  // namespace
 
-void adamw_update(float* param, const float* grad, float* m, float* v, bf16* compute_copy, int64_t n,
-                  const AdamWScalars& s) {
+void adamw_update(float* param, const float* grad, void* m, void* v, bool bf16_moments, void* compute_copy,
+                  int64_t n, const AdamWScalars& s) {
   int64_t threads = (n + 3) / 4;
-  if (threads) adamw_kernel<<<static_cast<unsigned>((threads + 255) / 256), 256>>>(param, grad, m, v, compute_copy, n, s);
+  if (threads == 0) return;
+  unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+  bf16* copy = static_cast<bf16*>(compute_copy);
+  if (bf16_moments)
+    adamw_kernel<<<blocks, 256>>>(param, grad, static_cast<bf16*>(m), static_cast<bf16*>(v), copy, n, s);
+  else
+    adamw_kernel<<<blocks, 256>>>(param, grad, static_cast<float*>(m), static_cast<float*>(v), copy, n, s);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 

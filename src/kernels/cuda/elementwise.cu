@@ -1,7 +1,7 @@
-// Elementwise helpers on the GPU: residual adds, scaling, dtype casts, and the sum of
-// squares behind the global gradient norm. The sum is deterministic: a fixed grid of
-// blocks each reduces a fixed strided subset in fp64 (warp shuffles, then shared memory),
-// writes one partial, and the host adds the partials in block order.
+// Elementwise helpers on the GPU: dtype casts, and the sum of squares behind the global
+// gradient norm. The sum is deterministic: a fixed grid of blocks each reduces a fixed
+// strided subset in fp64 (warp shuffles, then shared memory), writes one partial, and the
+// host adds the partials in block order.
 #include "kernels/cuda/elementwise.h"
 
 #include <vector>
@@ -17,21 +17,6 @@ constexpr int kThreads = 256;
 constexpr int kSumBlocks = 1024;
 
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
-
-template <typename T> __global__ void add_inplace_kernel(T* a, const T* b, int64_t n) {
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) a[i] = a[i] + b[i];
-}
-
-__global__ void add_kernel(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) out[i] = __float2bfloat16(__bfloat162float(a[i]) + __bfloat162float(b[i]));
-}
-
-__global__ void scale_kernel(float* a, float s, int64_t n) {
-  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < n) a[i] *= s;
-}
 
 __global__ void cast_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -60,26 +45,6 @@ __global__ void sum_of_squares_kernel(double* partial, const float* a, int64_t n
 }
 
 }  // namespace
-
-void add_inplace(bf16* a, const bf16* b, int64_t n) {
-  if (n) add_inplace_kernel<<<blocks_for(n), kThreads>>>(a, b, n);
-  FORGE_CUDA_LAUNCH_CHECK();
-}
-
-void add_inplace(float* a, const float* b, int64_t n) {
-  if (n) add_inplace_kernel<<<blocks_for(n), kThreads>>>(a, b, n);
-  FORGE_CUDA_LAUNCH_CHECK();
-}
-
-void add(bf16* out, const bf16* a, const bf16* b, int64_t n) {
-  if (n) add_kernel<<<blocks_for(n), kThreads>>>(out, a, b, n);
-  FORGE_CUDA_LAUNCH_CHECK();
-}
-
-void scale_inplace(float* a, float s, int64_t n) {
-  if (n) scale_kernel<<<blocks_for(n), kThreads>>>(a, s, n);
-  FORGE_CUDA_LAUNCH_CHECK();
-}
 
 double sum_of_squares(const float* a, int64_t n) {
   if (n == 0) return 0.0;

@@ -9,12 +9,22 @@
 //
 // Inputs are bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F); the output is bf16 for
 // activations or fp32 for weight gradients, which accumulate across micro-batches with
-// beta = 1. The algorithm is cuBLASLt's first heuristic choice, looked up once per
-// (shape, transposes, output dtype) and cached; one 32 MiB workspace is shared.
+// beta = 1. One 32 MiB workspace per GPU is shared.
+//
+// NOTE [GEMM algorithm choice]
+// Each (shape, transposes, output dtype) gets its algorithm once, on first use, and keeps
+// it. By default that is cuBLASLt's first heuristic choice. With measured selection
+// (training.gemm_tuning, what Megatron's GEMM_TUNING does) the first call times up to
+// kTuningCandidates of the heuristic's candidates on the call's own operands — into a
+// scratch copy of the output, so the call's result is untouched — and keeps the fastest.
+// If the scratch copy does not fit in free memory, that shape keeps the heuristic choice.
+// Different algorithms round differently, so tuned runs are reproducible only on the same
+// GPU model and cuBLAS version.
 #include "kernels/cuda/matmul.h"
 
 #include <cublasLt.h>
 
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -26,6 +36,10 @@ namespace forge::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
+constexpr int kTuningCandidates = 16;
+constexpr int kTuningRepeats = 5;
+
+std::atomic<bool> g_tuning{false};  // set_gemm_tuning, for every GPU's context
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
@@ -47,13 +61,72 @@ struct Context {
   }
 };
 
+// One context per GPU: the workspace lives on the GPU the context was made on, so a
+// process that runs GEMMs on several GPUs (forge preflight) must not share it.
 Context& context() {
-  static Context* ctx = new Context();  // lives for the process: destroying it at exit races the driver
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mu;
+  static std::map<int, Context*> contexts;  // live for the process: destroying them at exit races the driver
+  std::lock_guard lock(mu);
+  Context*& ctx = contexts[device];
+  if (!ctx) ctx = new Context();
   return *ctx;
 }
 
-Plan make_plan(Context& ctx, const PlanKey& key) {
+// The operands of one call, for timing candidate algorithms on them.
+struct Operands {
+  void* out;
+  const void* a;
+  const void* b;
+  float alpha, beta;
+};
+
+// Mean milliseconds of one candidate over kTuningRepeats runs after a warm-up run, or a
+// negative value when the candidate fails to run.
+float time_algorithm(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& x, void* scratch) {
+  auto run = [&] {
+    return cublasLtMatmul(ctx.handle, p.op, &x.alpha, x.b, p.a, x.a, p.b, &x.beta, scratch, p.c, scratch, p.c, &algo,
+                          ctx.workspace, kWorkspaceBytes, nullptr);
+  };
+  if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
+  cudaEvent_t start, stop;
+  CUDA_CHECK(cudaEventCreate(&start));
+  CUDA_CHECK(cudaEventCreate(&stop));
+  CUDA_CHECK(cudaEventRecord(start));
+  for (int i = 0; i < kTuningRepeats; ++i) CUBLAS_CHECK(run());
+  CUDA_CHECK(cudaEventRecord(stop));
+  CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0.0f;
+  CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / kTuningRepeats;
+}
+
+// The fastest of the heuristic's candidates, timed on a scratch copy of the output.
+void choose_by_timing(Context& ctx, Plan& p, const cublasLtMatmulHeuristicResult_t* candidates, int count,
+                      const Operands& x, size_t out_bytes) {
+  void* scratch = nullptr;
+  if (cudaMalloc(&scratch, out_bytes) != cudaSuccess) {
+    cudaGetLastError();  // clear the allocation failure; this shape keeps the heuristic choice
+    return;
+  }
+  if (x.beta != 0.0f) CUDA_CHECK(cudaMemcpy(scratch, x.out, out_bytes, cudaMemcpyDeviceToDevice));
+  float best = -1.0f;
+  for (int i = 0; i < count; ++i) {
+    float ms = time_algorithm(ctx, p, candidates[i].algo, x, scratch);
+    if (ms >= 0.0f && (best < 0.0f || ms < best)) {
+      best = ms;
+      p.algo = candidates[i].algo;
+    }
+  }
+  CUDA_CHECK(cudaFree(scratch));
+}
+
+Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   auto [m, n, k, transpose_a, transpose_b, out_dtype] = key;
+  const bool tuning = g_tuning;
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
@@ -77,13 +150,17 @@ Plan make_plan(Context& ctx, const PlanKey& key) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = kWorkspaceBytes;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kTuningCandidates]{};
   int found = 0;
-  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref, 1, &result, &found));
+  CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref,
+                                              tuning ? kTuningCandidates : 1, results, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   FORGE_CHECK(found > 0, "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", m, n, k, transpose_a,
               transpose_b, dtype_name(out_dtype));
-  p.algo = result.algo;
+  p.algo = results[0].algo;
+  if (tuning && found > 1)
+    choose_by_timing(ctx, p, results, found, operands,
+                     static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype));
   return p;
 }
 
@@ -98,11 +175,13 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
   {
     std::lock_guard lock(ctx.mu);
     auto it = ctx.plans.find(key);
-    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key)).first;
+    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, {out, a, b, alpha, beta})).first;
     plan = &it->second;
   }
   CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, out, plan->c, out,
                               plan->c, &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
+
+void set_gemm_tuning(bool enabled) { g_tuning = enabled; }  // for shapes first seen from now on
 
 }  // namespace forge::cuda

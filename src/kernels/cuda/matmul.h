@@ -12,4 +12,7 @@ namespace forge::cuda {
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
             int64_t n, int64_t k, float alpha, float beta);
 
+// NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape.
+void set_gemm_tuning(bool enabled);
+
 }  // namespace forge::cuda

@@ -1,0 +1,110 @@
+// The markdown table and the JSON report of bench results; see bench_report.h.
+#include "bench/bench_report.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include <fmt/format.h>
+
+#include "train/run_dir.h"
+
+namespace forge {
+namespace {
+
+// A cell's text with the characters that would break a markdown table row escaped.
+std::string cell(const std::string& text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '|') {
+      out += "\\|";
+    } else if (c == '\n' || c == '\r') {
+      out += ' ';
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string model_cell(const BenchResult& r) {
+  if (r.parallelism.empty() || r.parallelism == "single") return r.model;
+  return fmt::format("{} with {}", r.model, r.parallelism);
+}
+
+std::string upper(std::string text) {
+  std::transform(text.begin(), text.end(), text.begin(), [](unsigned char c) { return std::toupper(c); });
+  return text;
+}
+
+// Seconds from 1 s up, milliseconds below, with the unit once per cell.
+std::string step_time_cell(const BenchResult& r) {
+  if (r.step_time_median_s >= 1.0) {
+    return fmt::format("{:.2f} s ({:.2f}-{:.2f})", r.step_time_median_s, r.step_time_min_s, r.step_time_max_s);
+  }
+  return fmt::format("{:.1f} ms ({:.1f}-{:.1f})", 1e3 * r.step_time_median_s, 1e3 * r.step_time_min_s,
+                     1e3 * r.step_time_max_s);
+}
+
+std::string status_cell(const BenchResult& r) {
+  if (r.status == "ok") return "ok";
+  if (r.status == "oom") return "OOM";
+  return r.error.empty() ? r.status : fmt::format("{}: {}", r.status, r.error);
+}
+
+}  // namespace
+
+std::string bench_markdown_table(const std::vector<BenchResult>& results) {
+  std::string table =
+      "| Model | Precision | Batch Size | Sequence Length | TFLOP/s/GPU | Tokens/s/GPU | Step time (median, min-max) "
+      "| MFU | Peak memory (GiB) | Status |\n"
+      "|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n";
+  for (const BenchResult& r : results) {
+    table += fmt::format("| {} | {} | {} | {} ", cell(model_cell(r)), cell(upper(r.precision)), r.micro_batch,
+                         r.seq_len);
+    if (r.status == "ok") {
+      table += fmt::format("| {:.2f} | {:.0f} | {} | {} | {} ", r.tflops_per_gpu, r.tokens_per_s_per_gpu,
+                           step_time_cell(r), r.mfu ? fmt::format("{:.1f}%", 100.0 * *r.mfu) : "n/a",
+                           r.peak_memory_bytes > 0 ? fmt::format("{:.2f}", r.peak_memory_bytes / 1073741824.0) : "n/a");
+    } else {
+      table += "| - | - | - | - | - ";
+    }
+    table += fmt::format("| {} |\n", cell(status_cell(r)));
+  }
+  return table;
+}
+
+void to_json(nlohmann::json& out, const BenchResult& r) {
+  out = nlohmann::json{
+      {"model", r.model},
+      {"precision", r.precision},
+      {"micro_batch", r.micro_batch},
+      {"seq_len", r.seq_len},
+      {"grad_accum", r.grad_accum},
+      {"global_batch", r.global_batch},
+      {"n_gpus", r.n_gpus},
+      {"parallelism", r.parallelism},
+      {"activation_checkpoint", r.activation_checkpoint},
+      {"args", r.args},
+      {"device_name", r.device_name},
+      {"gpu_architecture", r.gpu_architecture},
+      {"config", r.config},
+      {"status", r.status},
+      {"error", r.error},
+      {"warmup_steps", r.warmup_steps},
+      {"measured_steps", r.measured_steps},
+      {"step_time_median_s", r.step_time_median_s},
+      {"step_time_min_s", r.step_time_min_s},
+      {"step_time_max_s", r.step_time_max_s},
+      {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
+      {"tflops_per_gpu", r.tflops_per_gpu},
+      {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
+      {"peak_memory_bytes", r.peak_memory_bytes},
+      {"duration_s", r.duration_s},
+  };
+}
+
+void write_bench_json(const std::string& path, const std::vector<BenchResult>& results) {
+  write_file_atomic(path, nlohmann::json(results).dump(2) + "\n");
+}
+
+}  // namespace forge

@@ -1,0 +1,88 @@
+#include "bench/bench_runner.h"
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "train/metrics.h"
+#include "train/trainer.h"
+
+namespace forge {
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yaml, const std::string& args,
+                      int64_t warmup_steps) {
+  const TrainingConfig& t = c.training;
+  FORGE_CHECK(warmup_steps >= 0 && warmup_steps < t.steps, "bench: {} warm-up steps of {}", warmup_steps, t.steps);
+  const auto start = std::chrono::steady_clock::now();
+  BenchResult r;
+  r.model = c.model.name;
+  r.precision = c.precision.compute_dtype;
+  r.micro_batch = t.local_batch_size;
+  r.seq_len = t.seq_len;
+  r.grad_accum = t.gradient_accumulation_steps;
+  r.global_batch = t.global_batch_size;
+  r.n_gpus = c.parallelism.data_parallel_shard_degree;
+  r.parallelism = r.n_gpus > 1 ? fmt::format("fsdp {}", r.n_gpus) : "single";
+  r.activation_checkpoint = c.activation_checkpoint.mode;
+  r.args = args;
+  r.device_name = accelerator_name();
+  r.gpu_architecture = accelerator_architecture();
+  r.config = nlohmann::json::object();
+  r.warmup_steps = warmup_steps;
+  r.measured_steps = t.steps - warmup_steps;
+
+  reset_device_memory_peak();
+  try {
+    TrainResult run;
+    {
+      Trainer trainer(c, resolved_yaml);
+      run = trainer.run();
+    }
+    std::vector<double> measured(run.step_seconds.begin() + warmup_steps, run.step_seconds.end());
+    r.step_time_median_s = median(measured);
+    r.step_time_min_s = *std::min_element(measured.begin(), measured.end());
+    r.step_time_max_s = *std::max_element(measured.begin(), measured.end());
+    const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
+    r.tokens_per_s_per_gpu = tokens_per_step / r.step_time_median_s / static_cast<double>(r.n_gpus);
+    r.tflops_per_gpu = r.tokens_per_s_per_gpu * c.model.flops_per_token(t.seq_len) / 1e12;
+    if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
+  } catch (const OutOfMemoryError& e) {
+    r.status = "oom";
+    r.error = e.what();
+  } catch (const Error& e) {
+    r.status = "failed";
+    r.error = e.what();
+  }
+  r.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
+  r.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return r;
+}
+
+int64_t find_max_micro_batch(const std::function<bool(int64_t)>& fits, int64_t limit) {
+  int64_t good = 0, bad = limit + 1;  // largest size known to fit, smallest known not to
+  for (int64_t mb = 1; mb <= limit; mb *= 2) {
+    if (!fits(mb)) {
+      bad = mb;
+      break;
+    }
+    good = mb;
+  }
+  while (bad - good > 1) {
+    const int64_t mid = good + (bad - good) / 2;
+    (fits(mid) ? good : bad) = mid;
+  }
+  return good;
+}
+
+}  // namespace forge

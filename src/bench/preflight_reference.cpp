@@ -1,0 +1,70 @@
+// The reference table and the verdict rule; see preflight_reference.h.
+//
+// NOTE [Preflight references]
+// Every reference was measured on the device machine (../shared/PERF.md, "Ceilings",
+// 2026-11-22), never taken from a data sheet: a data-sheet peak is never reached, and a
+// check against it would warn on every healthy GPU.
+//   bf16 GEMM 8192^3   784 TFLOP/s   PyTorch on H100 80GB HBM3; H200 measured ~790 with the
+//                                    same tensor cores and clocks, so 784 serves both
+//   fp8 GEMM 8192^3   1436 TFLOP/s   torch._scaled_mm on H100; applied to H200 for the same
+//                                    reason (its memory is faster, its math units are not)
+//   device copy       3000 GB/s H100, 4300 GB/s H200 (bytes read + bytes written)
+//   all-reduce         355 GB/s bus bandwidth, bf16, 1 GiB, 4 x H200 over NVLink
+// Devices are matched by their exact CUDA name: "NVIDIA H100 80GB HBM3" is the SXM part;
+// the PCIe and NVL variants (lower power and clocks) and every other GPU get no
+// reference, and their checks report "no reference" instead of a guess. Host-to-device
+// bandwidth depends on the host's PCIe link rather than the GPU, and all-gather and other
+// GPU counts were not measured: no reference either, until someone measures them.
+//
+// The bands: >= 90% of the reference passes (run-to-run spread on a healthy GPU is a few
+// percent); >= 70% warns (a hot or power-capped GPU, a neighbour's job); below 70%
+// something is wrong (a throttled or broken GPU, PCIe fallback of NVLink traffic, a
+// missing library fast path).
+#include "bench/preflight_reference.h"
+
+#include <array>
+
+namespace forge {
+namespace {
+
+struct DeviceReference {
+  const char* device_name;
+  double bf16_gemm_tflops;
+  double fp8_gemm_tflops;
+  double device_copy_gbps;
+  int allreduce_gpus;  // the GPU count allreduce_gbps was measured with; 0: none
+  double allreduce_gbps;
+};
+
+constexpr std::array<DeviceReference, 2> kReferences = {{
+    {"NVIDIA H100 80GB HBM3", 784, 1436, 3000, 0, 0},
+    {"NVIDIA H200", 784, 1436, 4300, 4, 355},
+}};
+
+}  // namespace
+
+std::optional<double> preflight_reference(const std::string& device_name, PreflightMeasure measure, int n_gpus) {
+  for (const DeviceReference& r : kReferences) {
+    if (device_name != r.device_name) continue;
+    switch (measure) {
+      case PreflightMeasure::Bf16Gemm: return r.bf16_gemm_tflops;
+      case PreflightMeasure::Fp8Gemm: return r.fp8_gemm_tflops;
+      case PreflightMeasure::DeviceCopy: return r.device_copy_gbps;
+      case PreflightMeasure::AllReduce:
+        if (r.allreduce_gpus != 0 && r.allreduce_gpus == n_gpus) return r.allreduce_gbps;
+        return std::nullopt;
+      case PreflightMeasure::HostToDevice:
+      case PreflightMeasure::AllGather: return std::nullopt;
+    }
+  }
+  return std::nullopt;
+}
+
+Verdict classify(double value, std::optional<double> expected) {
+  if (!expected) return Verdict::NoReference;
+  if (value >= kPassFraction * *expected) return Verdict::Pass;
+  if (value >= kWarnFraction * *expected) return Verdict::Warn;
+  return Verdict::Fail;
+}
+
+}  // namespace forge

@@ -1,0 +1,326 @@
+// NCCL behind ProcessGroup. The communicator is created non-blocking, so no NCCL call
+// can block the calling thread: a call may instead return ncclInProgress, and settle()
+// polls ncclCommGetAsyncError until NCCL is done with it. What can still wait forever is
+// the GPU, a collective kernel spinning on a peer that never comes; the watchdog thread
+// watches for exactly that (NOTE [NCCL watchdog] in process_group.h).
+//
+// Locking: comm_mu_ is held for every NCCL call on comm_ (each returns promptly, being
+// non-blocking) and while the watchdog takes comm_ away to abort it, so no thread ever
+// calls NCCL on a communicator another thread is destroying.
+#include "dist/cuda/nccl_process_group.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <future>
+#include <memory>
+#include <utility>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "dist/tcp_store.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace forge {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr auto kWatchdogInterval = 10ms;
+constexpr auto kHostPollInterval = 100us;
+// ncclCommAbort normally returns at once; if it does not, the failure is reported anyway.
+constexpr auto kAbortWait = 10s;
+
+ncclDataType_t nccl_type(DType dtype) { return dtype == DType::BF16 ? ncclBfloat16 : ncclFloat32; }
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : ncclSum; }
+const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
+
+std::string seconds(std::chrono::milliseconds ms) { return fmt::format("{:g} s", ms.count() / 1000.0); }
+
+}  // namespace
+
+NcclProcessGroup::NcclProcessGroup(const LaunchEnv& env, const ProcessGroupOptions& options)
+    : rank_(env.rank), world_size_(env.world_size), device_(env.local_rank), options_(options) {
+  if (!options_.on_failure) {
+    options_.on_failure = [](const std::string&) {
+      std::fflush(nullptr);
+      std::_Exit(1);  // no static destructors: other threads may be inside CUDA calls
+    };
+  }
+  int devices = 0;
+  CUDA_CHECK(cudaGetDeviceCount(&devices));
+  if (device_ >= devices)
+    FORGE_FAIL(
+        "{}: local rank {} needs GPU {}, but this node shows {} GPU(s): start at most {} rank(s) per node, "
+        "or check CUDA_VISIBLE_DEVICES",
+        describe(env), device_, device_, devices, devices);
+  CUDA_CHECK(cudaSetDevice(device_));
+
+  ncclUniqueId id{};
+  {
+    TcpStore store(env, options_.rendezvous_timeout);
+    if (rank_ == 0) {
+      const ncclResult_t r = ncclGetUniqueId(&id);
+      if (r != ncclSuccess) FORGE_FAIL("rank 0: ncclGetUniqueId: {}", ncclGetErrorString(r));
+    }
+    store.broadcast({reinterpret_cast<uint8_t*>(id.internal), sizeof(id.internal)});
+  }
+
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, world_size_, id, rank_, &config);
+  const auto deadline = Clock::now() + options_.rendezvous_timeout;
+  while (r == ncclInProgress && Clock::now() < deadline) {
+    std::this_thread::sleep_for(1ms);
+    ncclCommGetAsyncError(comm, &r);
+  }
+  if (r != ncclSuccess) {
+    const std::string detail = comm ? ncclGetLastError(comm) : "";
+    if (comm) ncclCommAbort(comm);
+    if (r == ncclInProgress)
+      FORGE_FAIL(
+          "rank {} (GPU {}): NCCL communicator setup did not finish within {} (did another rank fail to "
+          "start NCCL?)",
+          rank_, device_, seconds(options_.rendezvous_timeout));
+    FORGE_FAIL("rank {} (GPU {}): NCCL communicator setup failed: {} {}", rank_, device_, ncclGetErrorString(r),
+               detail);
+  }
+  try {
+    CUDA_CHECK(cudaMalloc(&barrier_value_, sizeof(float)));
+    CUDA_CHECK(cudaMemset(barrier_value_, 0, sizeof(float)));
+  } catch (const Error&) {
+    cudaFree(barrier_value_);
+    ncclCommAbort(comm);
+    throw;
+  }
+  comm_ = comm;
+  watchdog_ = std::thread(&NcclProcessGroup::watchdog_loop, this);
+}
+
+NcclProcessGroup::~NcclProcessGroup() {
+  try {
+    destroy();
+  } catch (const Error&) {
+    // destroy() already reported the failure through on_failure.
+  }
+}
+
+void NcclProcessGroup::check_usable(const char* what) {
+  FORGE_CHECK(!destroyed_, "{} on a process group after destroy()", what);
+  if (failed_) throw Error(failure_);
+}
+
+std::string NcclProcessGroup::settle(ncclResult_t result, const std::string& what, Clock::time_point deadline,
+                                     std::unique_lock<std::mutex>& comm_lock) {
+  while (result == ncclInProgress) {
+    if (Clock::now() >= deadline)
+      return fmt::format("{}: NCCL still busy after {}", what, seconds(options_.collective_timeout));
+    comm_lock.unlock();
+    std::this_thread::sleep_for(kHostPollInterval);
+    comm_lock.lock();
+    if (!comm_) return fmt::format("{}: the communicator was aborted", what);
+    ncclCommGetAsyncError(comm_, &result);
+  }
+  if (result != ncclSuccess)
+    return fmt::format("{}: {} ({})", what, ncclGetErrorString(result), ncclGetLastError(comm_));
+  return "";
+}
+
+template <typename Call>
+void NcclProcessGroup::enqueue(std::string what, CudaStream stream, Call&& call) {
+  cudaEvent_t done = nullptr;
+  {
+    std::lock_guard lock(flight_mu_);
+    if (!spare_events_.empty()) {
+      done = spare_events_.back();
+      spare_events_.pop_back();
+    }
+  }
+  if (!done) CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  std::string error;
+  {
+    std::unique_lock lock(comm_mu_);
+    if (!comm_) {
+      lock.unlock();
+      cudaEventDestroy(done);
+      check_usable(what.c_str());
+      FORGE_FAIL("{}: the communicator is gone", what);
+    }
+    error = settle(call(comm_), what, Clock::now() + options_.collective_timeout, lock);
+  }
+  if (!error.empty()) {
+    cudaEventDestroy(done);
+    fail(error);
+  }
+  CUDA_CHECK(cudaEventRecord(done, stream));
+  std::lock_guard lock(flight_mu_);
+  in_flight_.push_back({done, std::move(what), Clock::now()});
+}
+
+void NcclProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, CudaStream stream) {
+  check_usable("all_reduce");
+  check_all_reduce(tensor, Device::CUDA);
+  if (tensor.numel() == 0) return;
+  const std::string what = fmt::format("all_reduce #{} ({}, {} elements, {})", ++collectives_,
+                                       dtype_name(tensor.dtype()), tensor.numel(), op_name(op));
+  enqueue(what, stream, [&](ncclComm_t comm) {
+    return ncclAllReduce(tensor.raw(), tensor.raw(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
+                         nccl_op(op), comm, stream);
+  });
+}
+
+void NcclProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, CudaStream stream) {
+  check_usable("reduce_scatter");
+  check_reduce_scatter(output, input, world_size_, Device::CUDA);
+  if (output.numel() == 0) return;
+  const std::string what = fmt::format("reduce_scatter #{} ({}, {} elements per rank, {})", ++collectives_,
+                                       dtype_name(output.dtype()), output.numel(), op_name(op));
+  enqueue(what, stream, [&](ncclComm_t comm) {
+    return ncclReduceScatter(input.raw(), output.raw(), static_cast<size_t>(output.numel()), nccl_type(output.dtype()),
+                             nccl_op(op), comm, stream);
+  });
+}
+
+void NcclProcessGroup::all_gather(const Tensor& output, const Tensor& input, CudaStream stream) {
+  check_usable("all_gather");
+  check_all_gather(output, input, world_size_, Device::CUDA);
+  if (input.numel() == 0) return;
+  const std::string what = fmt::format("all_gather #{} ({}, {} elements per rank)", ++collectives_,
+                                       dtype_name(input.dtype()), input.numel());
+  enqueue(what, stream, [&](ncclComm_t comm) {
+    return ncclAllGather(input.raw(), output.raw(), static_cast<size_t>(input.numel()), nccl_type(input.dtype()), comm,
+                         stream);
+  });
+}
+
+void NcclProcessGroup::barrier() {
+  check_usable("barrier");
+  // On the legacy default stream, which waits for the work of every other (blocking)
+  // stream, so the barrier also orders after collectives enqueued elsewhere.
+  enqueue(fmt::format("barrier #{}", ++collectives_), nullptr, [&](ncclComm_t comm) {
+    return ncclAllReduce(barrier_value_, barrier_value_, 1, ncclFloat32, ncclSum, comm, nullptr);
+  });
+  wait_all("barrier");
+}
+
+void NcclProcessGroup::retire_completed() {
+  std::string problem;
+  {
+    std::lock_guard lock(flight_mu_);
+    const auto now = Clock::now();
+    for (size_t i = 0; i < in_flight_.size();) {
+      const cudaError_t state = cudaEventQuery(in_flight_[i].done);
+      if (state == cudaSuccess) {
+        spare_events_.push_back(in_flight_[i].done);
+        in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
+        continue;
+      }
+      if (state != cudaErrorNotReady) {
+        problem = fmt::format("{}: CUDA error {}", in_flight_[i].what, cudaGetErrorString(state));
+        break;
+      }
+      if (now - in_flight_[i].enqueued > options_.collective_timeout) {
+        problem = fmt::format(
+            "{} did not complete within {} of being enqueued (a peer rank died, hangs, or is in "
+            "another collective)",
+            in_flight_[i].what, seconds(options_.collective_timeout));
+        break;
+      }
+      ++i;
+    }
+  }
+  if (!problem.empty()) fail(problem);
+}
+
+void NcclProcessGroup::wait_all(const char* what) {
+  while (true) {
+    check_usable(what);
+    retire_completed();
+    {
+      std::lock_guard lock(flight_mu_);
+      if (in_flight_.empty()) return;
+    }
+    std::this_thread::sleep_for(kHostPollInterval);
+  }
+}
+
+void NcclProcessGroup::watchdog_loop() {
+  cudaSetDevice(device_);
+  while (!stop_watchdog_ && !failed_) {
+    std::this_thread::sleep_for(kWatchdogInterval);
+    try {
+      std::string error;
+      {
+        std::lock_guard lock(comm_mu_);
+        if (!comm_) continue;
+        ncclResult_t state = ncclSuccess;
+        ncclCommGetAsyncError(comm_, &state);
+        if (state != ncclSuccess && state != ncclInProgress)
+          error = fmt::format("NCCL reported {} ({})", ncclGetErrorString(state), ncclGetLastError(comm_));
+      }
+      if (!error.empty()) fail(error);
+      retire_completed();
+    } catch (const Error&) {
+      return;  // fail() has reported it
+    }
+  }
+}
+
+void NcclProcessGroup::fail(const std::string& cause) {
+  std::call_once(failure_once_, [&] {
+    failure_ = fmt::format("rank {} of {} (GPU {}): {}", rank_, world_size_, device_, cause);
+    failed_ = true;
+    log_error("{}; aborting the NCCL communicator", failure_);
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard lock(comm_mu_);
+      comm = std::exchange(comm_, nullptr);
+    }
+    if (comm) {
+      auto aborted = std::make_shared<std::promise<void>>();
+      std::future<void> done = aborted->get_future();
+      std::thread([comm, aborted] {
+        ncclCommAbort(comm);
+        aborted->set_value();
+      }).detach();
+      if (done.wait_for(kAbortWait) == std::future_status::timeout)
+        log_error("rank {}: ncclCommAbort has not returned after {} s", rank_,
+                  std::chrono::duration<double>(kAbortWait).count());
+    }
+    options_.on_failure(failure_);
+  });
+  throw Error(failure_);
+}
+
+void NcclProcessGroup::destroy() {
+  if (destroyed_) return;
+  // Whatever happens below, the watchdog stops and the CUDA resources are released.
+  struct Release {
+    NcclProcessGroup& g;
+    ~Release() {
+      g.stop_watchdog_ = true;
+      if (g.watchdog_.joinable()) g.watchdog_.join();
+      std::lock_guard lock(g.flight_mu_);
+      for (const InFlight& f : g.in_flight_) cudaEventDestroy(f.done);
+      for (cudaEvent_t e : g.spare_events_) cudaEventDestroy(e);
+      g.in_flight_.clear();
+      g.spare_events_.clear();
+      cudaFree(g.barrier_value_);
+      g.barrier_value_ = nullptr;
+      g.destroyed_ = true;
+    }
+  } release{*this};
+  if (failed_) return;
+  wait_all("destroy");
+  std::string error;
+  {
+    std::unique_lock lock(comm_mu_);
+    if (comm_) {
+      error = settle(ncclCommFinalize(comm_), "ncclCommFinalize", Clock::now() + options_.collective_timeout, lock);
+      if (error.empty() && comm_) ncclCommDestroy(std::exchange(comm_, nullptr));
+    }
+  }
+  if (!error.empty()) fail(error);
+}
+
+}  // namespace forge

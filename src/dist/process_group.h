@@ -1,0 +1,88 @@
+// The ranks of a job as one communicator: the collectives data-parallel training needs
+// (all-reduce, reduce-scatter, all-gather) on whole tensors, and a barrier.
+//
+// NOTE [Process group]
+// create_process_group() picks the implementation by device:
+//  - CUDA: NCCL (cuda/nccl_process_group.cpp), one GPU per rank, GPU local_rank of the
+//    node (it becomes this thread's current device). Rank 0 makes the NCCL unique id and
+//    hands it out over the TCP rendezvous (tcp_store.h). Collectives are enqueued on the
+//    caller's stream and return at once; fp32 and bf16 tensors, sum or average.
+//  - CPU: the single-rank group, where every collective is the identity (or a copy), so
+//    code written against ProcessGroup runs unchanged, and tested, without a GPU.
+// All tensors of one call are on the group's device, of one dtype, and contiguous (as
+// every forge Tensor is); reduce_scatter's input and all_gather's output hold world_size
+// equal chunks in rank order.
+//
+// NOTE [NCCL watchdog]
+// A rank whose peer died must not hang in a collective forever. The NCCL communicator is
+// non-blocking (ncclConfig_t::blocking = 0) and a watchdog thread checks, every few
+// milliseconds, NCCL's asynchronous error state and the completion events of the
+// collectives in flight. When NCCL reports an error, or a collective has not completed
+// `collective_timeout` after it was enqueued, the watchdog aborts the communicator
+// (ncclCommAbort, which also ends the kernels still waiting on peers) and calls
+// `on_failure` with a message naming this rank, the collective and the cause. The default
+// on_failure prints the message and ends the process with exit code 1: a rank in that
+// state cannot continue, and its exit is what lets `forge launch` (or srun, or mpirun)
+// stop the others at once. Host-side waits (barrier, destroy) throw the same message
+// instead of blocking.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "core/tensor.h"
+#include "dist/launch_env.h"
+
+struct CUstream_st;
+
+namespace forge {
+
+// A cudaStream_t, named without CUDA's headers; nullptr is the legacy default stream,
+// the one forge's kernels run on.
+using CudaStream = CUstream_st*;
+
+enum class ReduceOp { Sum, Avg };
+
+struct ProcessGroupOptions {
+  Device device = Device::CPU;
+  // How long ranks wait for each other at the TCP rendezvous.
+  std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
+  // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]).
+  std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
+  // Called once, from the watchdog thread, after the communicator was aborted. Empty: log
+  // the message and exit(1).
+  std::function<void(const std::string& message)> on_failure;
+};
+
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+
+  // In place: `tensor` becomes the elementwise sum (or mean) of every rank's `tensor`.
+  virtual void all_reduce(const Tensor& tensor, ReduceOp op, CudaStream stream = nullptr) = 0;
+  // `input` is world_size equal chunks; `output` (one chunk) becomes the sum (or mean)
+  // over ranks of chunk `rank()`.
+  virtual void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, CudaStream stream = nullptr) = 0;
+  // `output` (world_size chunks) becomes every rank's `input`, in rank order.
+  virtual void all_gather(const Tensor& output, const Tensor& input, CudaStream stream = nullptr) = 0;
+  // Returns when every rank has called barrier() and the collectives this rank enqueued
+  // before it have completed.
+  virtual void barrier() = 0;
+  // Waits for the collectives in flight and releases the communicator; later calls are
+  // errors. The destructor does this too (and never throws).
+  virtual void destroy() = 0;
+};
+
+std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const ProcessGroupOptions& options);
+
+// Argument checks shared by the implementations; each throws naming the collective.
+void check_all_reduce(const Tensor& tensor, Device device);
+void check_reduce_scatter(const Tensor& output, const Tensor& input, int world_size, Device device);
+void check_all_gather(const Tensor& output, const Tensor& input, int world_size, Device device);
+
+}  // namespace forge

@@ -1,0 +1,46 @@
+// How much device memory a training step needs, by component, before anything is
+// allocated: forge info prints it, the trainer checks it against the GPU's free memory
+// and refuses a config that cannot fit with this breakdown instead of failing mid-step.
+//
+// Per parameter: the fp32 master weights (4 bytes) and fp32 gradients (4), AdamW's two
+// moments (8, or 4 with optimizer.state_dtype bf16), and on CUDA the bf16 compute copy
+// (2). Activations are the exact size of the Transformer's arena (NOTE [Activation
+// arena]) for the micro-batch, sequence length and checkpointing mode. Library
+// workspaces (cuBLASLt's 32 MiB, cuDNN's attention workspace) and the CUDA context are
+// outside the estimate; kReserveBytes stands for them when checking against free memory.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "model/activations.h"
+#include "model/config.h"
+
+namespace forge {
+
+struct MemoryEstimate {
+  double master_weights = 0;   // fp32 weights the optimizer updates
+  double compute_weights = 0;  // bf16 copy the model computes with (CUDA); 0 on the CPU
+  double gradients = 0;        // fp32
+  double optimizer_state = 0;  // AdamW m and v
+  double activations = 0;      // the activation arena of one micro-batch
+  double total() const { return master_weights + compute_weights + gradients + optimizer_state + activations; }
+};
+
+struct MemoryPlan {
+  int64_t micro_batch = 1;
+  int64_t seq_len = 1;
+  bool cuda = false;                   // bf16 compute copy and activations; fp32 on the CPU
+  DType optimizer_state = DType::F32;  // F32 | BF16
+  ActivationCheckpoint checkpoint = ActivationCheckpoint::None;
+};
+
+MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);
+
+// Headroom kept free for what the estimate leaves out (CUDA context, library workspaces).
+constexpr double kReserveBytes = 2.0 * 1024 * 1024 * 1024;
+
+// "master 32.1 GiB + compute copy 16.1 GiB + ... = 150.3 GiB"
+std::string describe(const MemoryEstimate& e);
+
+}  // namespace forge

@@ -1,0 +1,42 @@
+#include "train/memory_check.h"
+
+#include <fmt/format.h>
+
+#include "core/device.h"
+#include "core/error.h"
+
+namespace forge {
+
+MemoryPlan memory_plan_of(const ExperimentConfig& config) {
+  MemoryPlan plan;
+  plan.micro_batch = config.training.local_batch_size;
+  plan.seq_len = config.training.seq_len;
+  plan.cuda = config.training.device == "cuda";
+  plan.optimizer_state = config.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
+  plan.checkpoint = activation_checkpoint_from_name(config.activation_checkpoint.mode);
+  return plan;
+}
+
+void check_memory_fits(const ExperimentConfig& config) {
+  const MemoryPlan plan = memory_plan_of(config);
+  if (!plan.cuda) return;
+  const MemoryEstimate need = estimate_memory(config.model, plan);
+  const DeviceMemoryInfo gpu = device_memory_info();
+  if (need.total() + kReserveBytes <= static_cast<double>(gpu.free)) return;
+
+  std::string hints;
+  if (plan.checkpoint != ActivationCheckpoint::Full) hints += ", activation_checkpoint.mode full";
+  if (plan.optimizer_state != DType::BF16) hints += ", optimizer.state_dtype bf16";
+  if (plan.micro_batch > 1) hints += ", a smaller training.local_batch_size";
+  hints += ", or more GPUs (FSDP shards weights, gradients and optimizer state)";
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  throw OutOfMemoryError(fmt::format(
+      "{} (micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}) does not fit on {}: it "
+      "needs an estimated {} plus {:.1f} GiB for the CUDA context and library workspaces, and {:.2f} GiB of {:.2f} "
+      "GiB are free. Try{}",
+      config.model.name, plan.micro_batch, plan.seq_len, activation_checkpoint_name(plan.checkpoint),
+      config.optimizer.state_dtype, accelerator_name(), describe(need), kReserveBytes / gib,
+      static_cast<double>(gpu.free) / gib, static_cast<double>(gpu.total) / gib, hints.substr(1)));
+}
+
+}  // namespace forge

@@ -1,0 +1,17 @@
+// The memory a run will need, from its config, and the check that refuses a run that
+// cannot fit on its GPU before anything big is allocated (model/memory_estimate.h).
+#pragma once
+
+#include "model/memory_estimate.h"
+#include "train/experiment.h"
+
+namespace forge {
+
+MemoryPlan memory_plan_of(const ExperimentConfig& config);
+
+// On CUDA: throws OutOfMemoryError naming the estimate, the GPU's free memory and the
+// settings that would shrink the need, when the estimate plus kReserveBytes exceeds free
+// memory. Nothing to check on the CPU.
+void check_memory_fits(const ExperimentConfig& config);
+
+}  // namespace forge

@@ -1,0 +1,32 @@
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "bench/bench_runner.h"
+
+namespace forge {
+namespace {
+
+TEST(BenchMaxBatch, FindsTheLargestFittingSizeWithFewProbes) {
+  for (int64_t largest : {0, 1, 2, 3, 5, 8, 13, 100, 1023, 1024}) {
+    std::set<int64_t> probed;
+    const int64_t found = find_max_micro_batch(
+        [&](int64_t mb) {
+          EXPECT_TRUE(probed.insert(mb).second) << "probed " << mb << " twice";
+          EXPECT_GE(mb, 1);
+          EXPECT_LE(mb, 1024);
+          return mb <= largest;
+        },
+        1024);
+    EXPECT_EQ(found, largest);
+    EXPECT_LE(probed.size(), 22u) << largest;
+  }
+}
+
+TEST(BenchMaxBatch, StopsAtTheLimit) {
+  EXPECT_EQ(find_max_micro_batch([](int64_t) { return true; }, 6), 6);
+  EXPECT_EQ(find_max_micro_batch([](int64_t mb) { return mb <= 5; }, 6), 5);
+}
+
+}  // namespace
+}  // namespace forge

@@ -1,0 +1,222 @@
+// The NCCL process group on known data, for any number of ranks. Alone (scripts/gpu-test)
+// it is a group of one; on a machine with several GPUs, run every rank of it with
+//
+//   build-cuda/forge launch --nproc-per-node 2 -- build-cuda/tests/forge_gpu_tests --gtest_filter='*ProcessGroup*'
+//
+// Every rank runs the same tests in the same order, so their collectives pair up. Rank r
+// contributes (r + 1) x a small integer pattern, so sums and gathers have one exact
+// answer to compare with (bf16 sums are checked to bf16 precision: the order in which
+// NCCL adds may round differently once sums pass 256). The failure test (two or more
+// ranks) leaves rank 0 alone in an all-reduce and expects the watchdog to end it, within
+// the timeout, with a message naming rank 0 and the collective.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <functional>
+#include <mutex>
+
+#include "dist/launch_env.h"
+#include "dist/process_group.h"
+#include "gpu_testing.h"
+
+namespace forge {
+namespace {
+
+using namespace std::chrono_literals;
+using gpu_test::poisoned_gpu;
+using gpu_test::to_cpu_f32;
+using gpu_test::to_gpu;
+
+// One group for the whole test program: NCCL setup takes a while. Destroyed after the
+// last test, while CUDA is still up. A failed setup is not tried again: the other ranks
+// would wait out the rendezvous timeout once per test.
+class GroupEnvironment : public ::testing::Environment {
+ public:
+  static ProcessGroup& group() {
+    if (!instance_->group_) {
+      if (!instance_->failure_.empty()) throw Error("process group setup failed earlier: " + instance_->failure_);
+      ProcessGroupOptions options;
+      options.device = Device::CUDA;
+      options.rendezvous_timeout = 120s;
+      options.collective_timeout = 120s;
+      try {
+        instance_->group_ = create_process_group(read_launch_env(), options);
+      } catch (const Error& e) {
+        instance_->failure_ = e.what();
+        throw;
+      }
+    }
+    return *instance_->group_;
+  }
+  void TearDown() override { group_.reset(); }
+
+  static GroupEnvironment* instance_;
+
+ private:
+  std::unique_ptr<ProcessGroup> group_;
+  std::string failure_;
+};
+
+GroupEnvironment* GroupEnvironment::instance_ =
+    static_cast<GroupEnvironment*>(::testing::AddGlobalTestEnvironment(new GroupEnvironment));
+
+// Small integers 1..7, so that every value and every sum of a few ranks is exact.
+float pattern(int64_t i) { return static_cast<float>(i % 7 + 1); }
+
+Tensor host_values(int64_t n, const std::function<float(int64_t)>& value) {
+  Tensor t = Tensor::empty({n});
+  for (int64_t i = 0; i < n; ++i) t.data<float>()[i] = value(i);
+  return t;
+}
+
+void expect_values(const Tensor& gpu, const std::function<float(int64_t)>& expected, DType dtype, const char* what) {
+  const Tensor got = to_cpu_f32(gpu);
+  const double tolerance = dtype == DType::BF16 ? 1e-2 : 1e-6;
+  int reported = 0;
+  for (int64_t i = 0; i < got.numel() && reported < 5; ++i) {
+    const float want = expected(i);
+    const float have = got.data<float>()[i];
+    if (!(std::abs(have - want) <= tolerance * std::abs(want))) {
+      ADD_FAILURE() << what << " (" << dtype_name(dtype) << "): element " << i << " is " << have << ", expected "
+                    << want;
+      ++reported;
+    }
+  }
+}
+
+constexpr DType kDtypes[] = {DType::F32, DType::BF16};
+
+TEST(ProcessGroupCollectives, AllReduceSumsAndAverages) {
+  ProcessGroup& g = GroupEnvironment::group();
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const float rank_factor = static_cast<float>(g.rank() + 1);
+    const float factor_sum = world * (world + 1) / 2.0f;
+    for (int64_t n : {int64_t{1}, int64_t{1000}, int64_t{1} << 20}) {
+      Tensor sum = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
+      g.all_reduce(sum, ReduceOp::Sum);
+      expect_values(
+          sum, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce sum");
+
+      Tensor avg = to_gpu(host_values(n, [&](int64_t i) { return rank_factor * pattern(i); }), dtype);
+      g.all_reduce(avg, ReduceOp::Avg);
+      expect_values(
+          avg, [&](int64_t i) { return factor_sum / world * pattern(i); }, dtype, "all_reduce avg");
+    }
+  }
+}
+
+TEST(ProcessGroupCollectives, ReduceScatterGivesEachRankItsChunk) {
+  ProcessGroup& g = GroupEnvironment::group();
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const float rank_factor = static_cast<float>(g.rank() + 1);
+    const float factor_sum = world * (world + 1) / 2.0f;
+    const int64_t chunk = 4099;
+    Tensor input = to_gpu(host_values(chunk * world, [&](int64_t j) { return rank_factor * pattern(j); }), dtype);
+    Tensor output = poisoned_gpu({chunk}, dtype);
+    g.reduce_scatter(output, input, ReduceOp::Sum);
+    expect_values(
+        output, [&](int64_t i) { return factor_sum * pattern(g.rank() * chunk + i); }, dtype, "reduce_scatter sum");
+    g.reduce_scatter(output, input, ReduceOp::Avg);
+    expect_values(
+        output, [&](int64_t i) { return factor_sum / world * pattern(g.rank() * chunk + i); }, dtype,
+        "reduce_scatter avg");
+  }
+}
+
+TEST(ProcessGroupCollectives, AllGatherConcatenatesInRankOrder) {
+  ProcessGroup& g = GroupEnvironment::group();
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    const int world = g.world_size();
+    const int64_t chunk = 3001;
+    Tensor input = to_gpu(host_values(chunk, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
+    Tensor output = poisoned_gpu({world * chunk}, dtype);
+    g.all_gather(output, input);
+    expect_values(
+        output, [&](int64_t j) { return float(j / chunk + 1) * pattern(j % chunk); }, dtype, "all_gather");
+  }
+}
+
+TEST(ProcessGroupCollectives, WorkOnTheCallersStream) {
+  ProcessGroup& g = GroupEnvironment::group();
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    Tensor t = to_gpu(host_values(777, [&](int64_t i) { return float(g.rank() + 1) * pattern(i); }), dtype);
+    g.all_reduce(t, ReduceOp::Sum, stream);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const float factor_sum = g.world_size() * (g.world_size() + 1) / 2.0f;
+    expect_values(
+        t, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce on a stream");
+    g.barrier();
+    cudaStreamDestroy(stream);
+  }
+}
+
+TEST(ProcessGroupChecks, BarriersAndBadArguments) {
+  ProcessGroup& g = GroupEnvironment::group();
+  for (int i = 0; i < 3; ++i) g.barrier();
+  const int world = g.world_size();
+  Tensor f32 = Tensor::zeros({8}, DType::F32, Device::CUDA);
+  Tensor i32 = Tensor::zeros({8}, DType::I32, Device::CUDA);
+  Tensor cpu = Tensor::zeros({8});
+  Tensor wrong = Tensor::zeros({8 * world + 1}, DType::F32, Device::CUDA);
+  EXPECT_THROW(g.all_reduce(i32, ReduceOp::Sum), Error);
+  EXPECT_THROW(g.all_reduce(cpu, ReduceOp::Sum), Error);
+  EXPECT_THROW(g.reduce_scatter(f32, wrong, ReduceOp::Sum), Error);
+  EXPECT_THROW(g.all_gather(wrong, f32), Error);
+  g.barrier();  // the refused calls issued nothing, so the ranks are still in step
+}
+
+TEST(ProcessGroupFailure, WatchdogEndsACollectiveWhosePeerNeverComes) {
+  ProcessGroup& main_group = GroupEnvironment::group();
+  if (main_group.world_size() < 2) GTEST_SKIP() << "needs two or more ranks (forge launch --nproc-per-node 2)";
+  std::mutex mu;
+  std::string message;
+  ProcessGroupOptions options;
+  options.device = Device::CUDA;
+  options.rendezvous_timeout = 120s;
+  options.collective_timeout = 3s;
+  options.on_failure = [&](const std::string& m) {
+    std::lock_guard lock(mu);
+    message = m;
+  };
+  auto group = create_process_group(read_launch_env(), options);
+  if (group->rank() != 0) {
+    // Stay out of the all-reduce, but alive, until rank 0 is done waiting for us.
+    main_group.barrier();
+    try {
+      group->destroy();
+    } catch (const Error&) {
+      // Rank 0 aborted its end of the communicator, so tearing down ours may fail too.
+    }
+    return;
+  }
+  Tensor t = Tensor::zeros({1024}, DType::F32, Device::CUDA);
+  const auto start = std::chrono::steady_clock::now();
+  group->all_reduce(t, ReduceOp::Sum);  // no other rank joins
+  EXPECT_THROW(group->barrier(), Error);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 30.0);
+  {
+    std::lock_guard lock(mu);
+    EXPECT_NE(message.find("rank 0 of"), std::string::npos) << message;
+    EXPECT_NE(message.find("all_reduce #1"), std::string::npos) << message;
+    EXPECT_NE(message.find("did not complete within 3 s"), std::string::npos) << message;
+  }
+  EXPECT_THROW(group->all_reduce(t, ReduceOp::Sum), Error);  // a failed group stays failed
+  group->destroy();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the aborted kernel has ended
+  main_group.barrier();
+}
+
+}  // namespace
+}  // namespace forge

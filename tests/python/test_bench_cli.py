@@ -1,0 +1,63 @@
+"""forge bench end to end on the CPU reference: a sweep runs every combination, reports
+each (markdown table, bench.json, perf.csv rows with ROCm MAD's columns), a combination
+that fails does not end the sweep but makes the exit code non-zero, and bad bench flags
+are clear errors. (Throughput itself is measured on the GPU, never in a test.)"""
+import csv
+import json
+import os
+import subprocess
+import unittest
+
+from forge_test_util import forge_bin, scratch_dir
+
+
+def forge(*args, cwd=None):
+    return subprocess.run([forge_bin(), *args], capture_output=True, text=True, cwd=cwd)
+
+
+class Bench(unittest.TestCase):
+    def test_sweep_reports_every_combination(self):
+        out = os.path.join(scratch_dir(), "bench")
+        perf = os.path.join(scratch_dir(), "perf.csv")
+        result = forge("bench", "--warmup", "1", "--steps", "2", "--output-dir", out, "--perf-csv", perf,
+                       "--training.local_batch_size", "1,2", "--activation_checkpoint.mode", "none,full")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("| Model |", result.stdout)
+        with open(os.path.join(out, "bench.json")) as f:
+            runs = json.load(f)
+        self.assertEqual([(r["micro_batch"], r["activation_checkpoint"]) for r in runs],
+                         [(1, "none"), (1, "full"), (2, "none"), (2, "full")])
+        for r in runs:
+            self.assertEqual(r["status"], "ok")
+            self.assertEqual(r["warmup_steps"], 1)
+            self.assertEqual(r["measured_steps"], 2)
+            self.assertGreater(r["tokens_per_s_per_gpu"], 0)
+            self.assertLessEqual(r["step_time_min_s"], r["step_time_median_s"])
+            self.assertLessEqual(r["step_time_median_s"], r["step_time_max_s"])
+            self.assertEqual(r["config"]["data"]["source"], "mock")
+        with open(perf) as f:
+            rows = list(csv.DictReader(f))
+        self.assertEqual(len(rows), 4)
+        self.assertIn("--training.local_batch_size 2", rows[2]["args"])
+
+    def test_a_failing_combination_does_not_end_the_sweep(self):
+        out = os.path.join(scratch_dir(), "bench-fail")
+        result = forge("bench", "--warmup", "0", "--steps", "1", "--output-dir", out, "--perf-csv", "",
+                       "--training.seq_len", "100000,64")
+        self.assertNotEqual(result.returncode, 0)
+        with open(os.path.join(out, "bench.json")) as f:
+            runs = json.load(f)
+        self.assertEqual([r["status"] for r in runs], ["failed", "ok"])
+        self.assertIn("training.seq_len", runs[0]["error"])
+
+    def test_bad_flags_are_named(self):
+        for args, expected in ((["--steps", "0"], "--steps"), (["--warmup", "x"], "--warmup"),
+                               (["--find-max-batch", "--training.local_batch_size", "2"], "--find-max-batch"),
+                               (["--steps"], "--steps"), (["--find-max-batch"], "training.device cuda")):
+            result = forge("bench", "--output-dir", os.path.join(scratch_dir(), "bad"), *args)
+            self.assertNotEqual(result.returncode, 0, args)
+            self.assertIn(expected, result.stderr, args)
+
+
+if __name__ == "__main__":
+    unittest.main()
