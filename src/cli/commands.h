@@ -17,5 +17,6 @@ int run_hf_info(const std::string& dir);
 int run_prep(const PrepOptions& options, const std::string& tokenizer_path);
 // Exit code 1 when any check failed; json_path empty: no JSON report.
 int run_preflight(const std::string& json_path);
+int run_report(const std::vector<std::string>& run_dirs, const std::string& output);
 
 }  // namespace forge

@@ -142,6 +142,8 @@ std::vector<ConfigKey> build_schema() {
                                                 "where metrics.jsonl and config.yaml go; {model} and {time} expand"),
       key<&E::logging, &LoggingConfig::profile_ops>(
           "logging.profile_ops", "time GEMM / attention / elementwise / optimizer per step (syncs the device)"),
+      key<&E::logging, &LoggingConfig::enable_tensorboard>(
+          "logging.enable_tensorboard", "write TensorBoard event files into run_dir (tensorboard --logdir runs)"),
 
       key<&E::precision, &PrecisionConfig::compute_dtype>("precision.compute_dtype", "dtype of weights and activations",
                                                           {}, {"fp32", "bf16"}),

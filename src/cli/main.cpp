@@ -81,6 +81,13 @@ int main(int argc, char** argv) {
   preflight->add_option("--json", preflight_json, "also write the report as JSON to FILE")->type_name("FILE");
   preflight->footer("Exits with 1 when any check fails. Example: forge preflight --json preflight.json");
 
+  std::vector<std::string> report_dirs;
+  std::string report_output = "report.html";
+  auto* report = app.add_subcommand("report", "One self-contained HTML page comparing runs: forge report RUN_DIR "
+                                              "[RUN_DIR ...] [--output FILE.html]");
+  report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
+  report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -100,6 +107,7 @@ int main(int argc, char** argv) {
       return forge::run_launch(launch_options, subcommands);
     }
     if (preflight->parsed()) return forge::run_preflight(preflight_json);
+    if (report->parsed()) return forge::run_report(report_dirs, report_output);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       return forge::run_prep(prep_options, prep_tokenizer);

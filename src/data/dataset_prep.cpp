@@ -45,12 +45,6 @@ void validate(const PrepOptions& options, const Tokenizer& tokenizer) {
                "--no-append-eod or use a tokenizer with an EOS token");
 }
 
-uint64_t total_size(const std::vector<std::string>& paths) {
-  uint64_t total = 0;
-  for (const auto& path : paths) total += fs::file_size(path);
-  return total;
-}
-
 // The temporary prefix beside the output, and removal of its files unless promoted.
 class TemporaryOutput {
  public:
@@ -80,6 +74,16 @@ class TemporaryOutput {
 
 }  // namespace
 
+uint64_t prep_input_bytes(const std::vector<std::string>& inputs) {
+  uint64_t total = 0;
+  for (const auto& path : inputs) {
+    std::error_code error;
+    const uintmax_t size = fs::file_size(path, error);
+    if (!error) total += size;
+  }
+  return total;
+}
+
 IndexedDType token_dtype_for_vocab(int64_t vocab_size) {
   return vocab_size < kMegatronUint16Limit ? IndexedDType::U16 : IndexedDType::I32;
 }
@@ -98,7 +102,7 @@ PrepSummary prepare_dataset(const PrepOptions& options, const Tokenizer& tokeniz
   PrepSummary summary;
   summary.dtype = token_dtype_for_vocab(tokenizer.vocab_size());
   PrepProgress progress;
-  progress.input_bytes_total = total_size(options.inputs);
+  progress.input_bytes_total = prep_input_bytes(options.inputs);
 
   TemporaryOutput output(options.output_prefix);
   IndexedDatasetWriter writer(output.prefix(), summary.dtype);

@@ -65,6 +65,10 @@ struct PrepSummary {
   double seconds = 0;
 };
 
+// The inputs' total size as stored (the progress total); a file that cannot be read
+// counts 0 here and is reported by prepare_dataset.
+uint64_t prep_input_bytes(const std::vector<std::string>& inputs);
+
 // Megatron's DType.optimal_dtype: uint16 below 65500 ids, else int32.
 IndexedDType token_dtype_for_vocab(int64_t vocab_size);
 

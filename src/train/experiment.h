@@ -33,6 +33,7 @@ struct LoggingConfig {
   int64_t log_interval = 10;         // console line every N steps
   std::string run_dir = "runs/{model}-{time}";  // metrics.jsonl and config.yaml go here
   bool profile_ops = false;          // time per op class each step (NOTE [Op profiling])
+  bool enable_tensorboard = true;    // TensorBoard event file in run_dir (tensorboard_writer.h)
 };
 
 struct PrecisionConfig {

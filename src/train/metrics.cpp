@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "train/tensorboard_writer.h"
 
 namespace forge {
 
@@ -52,6 +53,12 @@ MetricsWriter::MetricsWriter(const std::string& path) : path_(path), out_(path, 
   if (!out_) FORGE_FAIL("cannot open metrics file '{}' for writing", path);
 }
 
+MetricsWriter::~MetricsWriter() = default;
+
+void MetricsWriter::enable_tensorboard(const std::string& run_dir, int64_t resumed_from_step) {
+  tensorboard_ = std::make_unique<TensorBoardWriter>(run_dir, resumed_from_step);
+}
+
 void MetricsWriter::write(const nlohmann::json& record) {
   out_ << record.dump() << '\n';
   out_.flush();
@@ -64,6 +71,7 @@ void MetricsWriter::write(const StepMetrics& m) {
                       {"grad_norm", m.grad_norm}, {"step_time_s", m.step_time_s},
                       {"tokens_per_s", m.tokens_per_s}, {"model_tflops", m.model_tflops}};
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
+  if (m.peak_memory_bytes) j["peak_memory_bytes"] = *m.peak_memory_bytes;
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];
@@ -71,11 +79,13 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["op_seconds_by_op"] = m.op_seconds_by_op;
   }
   write(j);
+  if (tensorboard_) tensorboard_->write(m);
 }
 
 void MetricsWriter::write(const EvalMetrics& m) {
   write(nlohmann::json{{"type", "eval"}, {"step", m.step}, {"loss", m.loss}, {"perplexity", m.perplexity},
                        {"tokens", m.tokens}});
+  if (tensorboard_) tensorboard_->write(m);
 }
 
 }  // namespace forge

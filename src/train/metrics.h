@@ -1,12 +1,14 @@
 // What a training run reports: per-step metrics on the console and as JSON Lines in the
-// run directory, plus the throughput arithmetic of ../shared/PERF.md (tokens/s, model
-// TFLOP/s, MFU against the device's dense peak when the device is known).
+// run directory (and as TensorBoard scalars beside them, tensorboard_writer.h), plus the
+// throughput arithmetic of ../shared/PERF.md (tokens/s, model TFLOP/s, MFU against the
+// device's dense peak when the device is known).
 #pragma once
 
 #include <cstdint>
 #include <fstream>
 #include <array>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -25,6 +27,7 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double model_tflops = 0;         // per device
   std::optional<double> mfu;       // unset when the device's peak is unknown
+  std::optional<int64_t> peak_memory_bytes;  // device allocator high-water mark; unset when not measured
   std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
   std::map<std::string, double> op_seconds_by_op;                // logging.profile_ops
 };
@@ -46,10 +49,16 @@ std::string format_eval(const EvalMetrics& m, double entropy_floor);
 // then the ops that took longest.
 std::string format_op_seconds(const StepMetrics& m);
 
+class TensorBoardWriter;
+
 // Appends one JSON object per line to <run_dir>/metrics.jsonl, flushed per record.
 class MetricsWriter {
  public:
   explicit MetricsWriter(const std::string& path);
+  ~MetricsWriter();
+  // From now on, step and eval records also go to a TensorBoard event file in run_dir
+  // (logging.enable_tensorboard; NOTE [TensorBoard resume] for resumed_from_step).
+  void enable_tensorboard(const std::string& run_dir, int64_t resumed_from_step);
   void write(const StepMetrics& m);
   void write(const EvalMetrics& m);
   void write(const nlohmann::json& record);
@@ -58,6 +67,7 @@ class MetricsWriter {
  private:
   std::string path_;
   std::ofstream out_;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 }  // namespace forge

@@ -112,6 +112,7 @@ void Trainer::prepare_run_dir() {
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
+  if (config_.logging.enable_tensorboard) metrics_->enable_tensorboard(run_dir_, start_step_);
   if (earlier_run) log_info("appending to {}/metrics.jsonl from step {}", run_dir_, start_step_ + 1);
 }
 
