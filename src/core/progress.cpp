@@ -82,6 +82,13 @@ void ProgressReporter::update(double done, const std::string& extra_text) {
   std::fflush(out_);
 }
 
+void ProgressReporter::clear() {
+  if (!line_open_) return;
+  std::fprintf(out_, "\r\033[K");
+  std::fflush(out_);
+  line_open_ = false;
+}
+
 void ProgressReporter::finish() {
   if (!line_open_) return;
   std::fprintf(out_, "\n");

@@ -32,6 +32,9 @@ class ProgressReporter {
   void update(double done, const std::string& extra_text);
   // Ends the in-place line, if one was drawn. Safe to call more than once.
   void finish();
+  // Erases the in-place line, if one was drawn, so that another line can be printed in
+  // its place; the next update() draws it again.
+  void clear();
 
  private:
   bool terminal_;

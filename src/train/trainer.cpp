@@ -3,6 +3,9 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <optional>
+
+#include <unistd.h>
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
@@ -10,6 +13,7 @@
 #include "core/log.h"
 #include "core/op_profile.h"
 #include "core/parallel.h"
+#include "core/progress.h"
 #include "core/rng.h"
 #include "ops/matmul.h"
 #include "train/memory_check.h"
@@ -173,6 +177,17 @@ TrainResult Trainer::run() {
   if (start_step_ >= t.steps)
     log_info("the checkpoint is at step {}, training.steps is {}: nothing left to train", start_step_, t.steps);
 
+  // A long run in a terminal shows a progress bar between its log lines; elsewhere the
+  // log lines (every logging.log_interval steps) are the progress.
+  std::optional<ProgressReporter> progress;
+  if (isatty(fileno(stderr))) {
+    progress.emplace(true);
+    progress->start(static_cast<double>(t.steps), "training");
+  }
+  auto log_line = [&](const std::string& line) {
+    if (progress) progress->clear();
+    log_info("{}", line);
+  };
   std::vector<Batch> batches(accum);
   for (int64_t step = start_step_; step < t.steps; ++step) {
     reset_op_profile();
@@ -207,6 +222,7 @@ TrainResult Trainer::run() {
     m.tokens_per_s = tokens_per_step / dt;
     m.model_tflops = flops_per_step / dt / 1e12;
     if (peak) m.mfu = m.model_tflops / *peak;
+    if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
     if (op_profiling()) {
       m.op_seconds = op_profile_seconds();
       m.op_seconds_by_op = op_profile_seconds_by_op();
@@ -214,21 +230,27 @@ TrainResult Trainer::run() {
     result.losses.push_back(m.loss);
     result.step_seconds.push_back(dt);
     metrics_->write(m);
+    if (progress && (!std::isfinite(m.loss) || !std::isfinite(norm))) progress->clear();
     if (!std::isfinite(m.loss) || !std::isfinite(norm))
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
-      log_info("{}{}", format_step(m, t.steps), m.op_seconds ? "\n" + format_op_seconds(m) : "");
+      log_line(format_step(m, t.steps) + (m.op_seconds ? "\n" + format_op_seconds(m) : ""));
+    if (progress) progress->update(static_cast<double>(m.step), fmt::format("loss {:.4f}, {:.0f} tokens/s", m.loss, m.tokens_per_s));
 
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
     if (eval_now) {
       EvalMetrics e = evaluate(m.step);
       metrics_->write(e);
       result.evals.push_back(e);
-      log_info("{}", format_eval(e, result.entropy_floor));
+      log_line(format_eval(e, result.entropy_floor));
     }
     const CheckpointConfig& ckpt = config_.checkpoint;
-    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps)) save_checkpoint(m.step);
+    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps)) {
+      if (progress) progress->clear();
+      save_checkpoint(m.step);
+    }
   }
+  if (progress) progress->clear();
   if (config_.checkpoint.last_save_in_hf) export_hf_model();
   return result;
 }
