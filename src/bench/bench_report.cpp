@@ -55,12 +55,13 @@ std::string status_cell(const BenchResult& r) {
 
 std::string bench_markdown_table(const std::vector<BenchResult>& results) {
   std::string table =
-      "| Model | Precision | Batch Size | Sequence Length | TFLOP/s/GPU | Tokens/s/GPU | Step time (median, min-max) "
-      "| MFU | Peak memory (GiB) | Status |\n"
-      "|---|---|---:|---:|---:|---:|---:|---:|---:|---|\n";
+      "| Model | Precision | Batch Size | Sequence Length | Accumulation | Checkpointing | TFLOP/s/GPU | Tokens/s/GPU "
+      "| Step time (median, min-max) | MFU | Peak memory (GiB) | Status |\n"
+      "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n";
   for (const BenchResult& r : results) {
-    table += fmt::format("| {} | {} | {} | {} ", cell(model_cell(r)), cell(upper(r.precision)), r.micro_batch,
-                         r.seq_len);
+    table += fmt::format("| {} | {} | {} | {} | {} | {} ", cell(model_cell(r)), cell(upper(r.precision)),
+                         r.micro_batch, r.seq_len, r.grad_accum,
+                         cell(r.activation_checkpoint.empty() ? "-" : r.activation_checkpoint));
     if (r.status == "ok") {
       table += fmt::format("| {:.2f} | {:.0f} | {} | {} | {} ", r.tflops_per_gpu, r.tokens_per_s_per_gpu,
                            step_time_cell(r), r.mfu ? fmt::format("{:.1f}%", 100.0 * *r.mfu) : "n/a",

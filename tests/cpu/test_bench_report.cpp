@@ -92,13 +92,15 @@ TEST(BenchMarkdown, RowsLikeTheSeedsTablesAndNoNumbersForFailures) {
   for (std::string line; std::getline(lines, line);) rows.push_back(line);
   ASSERT_EQ(rows.size(), 6u);
   EXPECT_EQ(rows[0],
-            "| Model | Precision | Batch Size | Sequence Length | TFLOP/s/GPU | Tokens/s/GPU | "
-            "Step time (median, min-max) | MFU | Peak memory (GiB) | Status |");
-  EXPECT_EQ(rows[1], "|---|---|---:|---:|---:|---:|---:|---:|---:|---|");
-  EXPECT_EQ(rows[2], "| llama3.1-8b with fsdp 8 | BF16 | 3 | 8192 | 542.94 | 43512 | 1.50 s (1.25-1.75) | 45.7% | 3.00 | ok |");
-  EXPECT_EQ(rows[3], "| debug-tiny | BF16 | 2 | 8192 | 0.50 | 43512 | 12.5 ms (12.0-13.1) | n/a | n/a | ok |");
-  EXPECT_EQ(rows[4], "| llama3.1-8b | BF16 | 8 | 8192 | - | - | - | - | - | OOM |");
-  EXPECT_EQ(rows[5], "| llama3.1-8b | BF16 | 8 | 8192 | - | - | - | - | - | failed: bad \\| thing here |");
+            "| Model | Precision | Batch Size | Sequence Length | Accumulation | Checkpointing | TFLOP/s/GPU | "
+            "Tokens/s/GPU | Step time (median, min-max) | MFU | Peak memory (GiB) | Status |");
+  EXPECT_EQ(rows[1], "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|");
+  EXPECT_EQ(rows[2],
+            "| llama3.1-8b with fsdp 8 | BF16 | 3 | 8192 | 1 | none | 542.94 | 43512 | 1.50 s (1.25-1.75) | 45.7% | "
+            "3.00 | ok |");
+  EXPECT_EQ(rows[3], "| debug-tiny | BF16 | 2 | 8192 | 1 | none | 0.50 | 43512 | 12.5 ms (12.0-13.1) | n/a | n/a | ok |");
+  EXPECT_EQ(rows[4], "| llama3.1-8b | BF16 | 8 | 8192 | 1 | none | - | - | - | - | - | OOM |");
+  EXPECT_EQ(rows[5], "| llama3.1-8b | BF16 | 8 | 8192 | 1 | none | - | - | - | - | - | failed: bad \\| thing here |");
 }
 
 TEST(BenchJson, EveryFieldWrittenAtomically) {

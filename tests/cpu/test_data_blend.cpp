@@ -10,6 +10,7 @@
 #include <map>
 #include <set>
 
+#include "expect_error.h"
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "data/dataset.h"
@@ -18,16 +19,6 @@
 
 namespace forge {
 namespace {
-
-void expect_error(const std::function<void()>& action, const std::vector<std::string>& fragments) {
-  try {
-    action();
-    FAIL() << "expected an error containing " << fragments.front();
-  } catch (const Error& e) {
-    for (const auto& fragment : fragments)
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what() << "\nlacks: " << fragment;
-  }
-}
 
 // A component whose sample says who it is: [id, epoch, index, ...].
 class LabeledDataset : public TokenDataset {

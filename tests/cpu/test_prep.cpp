@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <functional>
 
+#include "expect_error.h"
 #include "core/error.h"
 #include "data/dataset_prep.h"
 #include "data/document_reader.h"
@@ -18,16 +19,6 @@ namespace forge {
 namespace {
 
 using test::ByteTokenizer;
-
-void expect_error(const std::function<void()>& action, const std::vector<std::string>& fragments) {
-  try {
-    action();
-    FAIL() << "expected an error containing " << fragments.front();
-  } catch (const Error& e) {
-    for (const auto& fragment : fragments)
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what() << "\nlacks: " << fragment;
-  }
-}
 
 std::string read_stream(const std::string& path, size_t chunk = 4096) {
   InputStream stream(path);

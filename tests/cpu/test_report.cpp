@@ -6,6 +6,7 @@
 #include <fstream>
 #include <functional>
 
+#include "expect_error.h"
 #include "bench/report_chart.h"
 #include "bench/report_data.h"
 #include "bench/report_html.h"
@@ -26,16 +27,6 @@ std::string train_record(int step, double loss) {
 void write(const std::string& path, const std::string& text) {
   std::ofstream out(path);
   out << text;
-}
-
-void expect_error(const std::function<void()>& action, const std::vector<std::string>& fragments) {
-  try {
-    action();
-    FAIL() << "expected an error containing " << fragments.front();
-  } catch (const Error& e) {
-    for (const auto& fragment : fragments)
-      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what() << "\nlacks: " << fragment;
-  }
 }
 
 size_t occurrences(const std::string& text, const std::string& what) {
