@@ -123,9 +123,22 @@ PreflightReport run_preflight_checks() {
     report.checks.push_back(make_check("bf16 GEMM " + gemm, g.index, "TFLOP/s", reference(PreflightMeasure::Bf16Gemm),
                                        attempt([&] { return measure_bf16_gemm_tflops(g.index, kGemmSize); })));
     if (g.compute_major * 10 + g.compute_minor >= 89) {
-      report.checks.push_back(make_check("fp8 e4m3 GEMM " + gemm, g.index, "TFLOP/s",
-                                         reference(PreflightMeasure::Fp8Gemm),
-                                         attempt([&] { return measure_fp8_gemm_tflops(g.index, kGemmSize); })));
+      std::string unsupported;
+      const Attempt fp8 = attempt([&]() -> double {
+        try {
+          return measure_fp8_gemm_tflops(g.index, kGemmSize);
+        } catch (const Fp8GemmUnsupported& e) {
+          unsupported = e.what();
+          throw;
+        }
+      });
+      if (unsupported.empty()) {
+        report.checks.push_back(
+            make_check("fp8 e4m3 GEMM " + gemm, g.index, "TFLOP/s", reference(PreflightMeasure::Fp8Gemm), fp8));
+      } else {
+        report.checks.push_back({"fp8 e4m3 GEMM " + gemm, g.index, "TFLOP/s", std::nullopt, std::nullopt,
+                                 Verdict::Skipped, unsupported});
+      }
     } else {
       report.checks.push_back({"fp8 e4m3 GEMM " + gemm, g.index, "TFLOP/s", std::nullopt, std::nullopt,
                                Verdict::Skipped,

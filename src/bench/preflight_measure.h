@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "bench/preflight.h"
+#include "core/error.h"
 
 namespace forge {
 
@@ -20,6 +21,13 @@ SystemInfo query_cuda_versions();
 // any real workload), fp32 accumulation, bf16 output. TFLOP/s = 2 n^3 / time.
 double measure_bf16_gemm_tflops(int gpu, int64_t n);  // through forge's ops/matmul.h
 double measure_fp8_gemm_tflops(int gpu, int64_t n);   // e4m3 x e4m3 through cuBLASLt
+
+// Thrown by measure_fp8_gemm_tflops when cuBLASLt offers or runs no fp8 algorithm: a
+// limit of the library in use, which preflight reports as "skipped", not as a failure.
+class Fp8GemmUnsupported : public Error {
+ public:
+  using Error::Error;
+};
 
 // cudaMemcpyAsync of `bytes` within one GPU; GB/s of HBM traffic = 2 x bytes / time, since
 // every byte is read once and written once (the convention of PERF.md's copy ceilings).

@@ -25,6 +25,13 @@
 // state cannot continue, and its exit is what lets `forge launch` (or srun, or mpirun)
 // stop the others at once. Host-side waits (barrier, destroy) throw the same message
 // instead of blocking.
+// Two waits happen on the calling thread instead: a call that NCCL keeps "in progress"
+// (the first collective of each algorithm connects to the peers, so it cannot finish
+// until they call it too) fails the same way after `collective_timeout`, from that
+// thread; and teardown is bounded because NCCL's own is not: ncclCommAbort and
+// ncclCommDestroy wait until every peer rank has ended its communicator as well, so both
+// run on a helper thread that is waited for a bounded time (abort 10 s, destroy
+// `collective_timeout`) and then left behind. No wait of a rank on its peers is unbounded.
 #pragma once
 
 #include <chrono>
@@ -51,8 +58,9 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
   // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]).
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
-  // Called once, from the watchdog thread, after the communicator was aborted. Empty: log
-  // the message and exit(1).
+  // Called once, after the communicator was aborted (from the watchdog thread, or from the
+  // thread whose NCCL call never left "in progress"), or when destroy() timed out. Empty:
+  // log the message and exit(1).
   std::function<void(const std::string& message)> on_failure;
 };
 

@@ -9,8 +9,10 @@
 // calls NCCL on a communicator another thread is destroying.
 #include "dist/cuda/nccl_process_group.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <future>
 #include <memory>
 #include <utility>
@@ -27,8 +29,23 @@ using namespace std::chrono_literals;
 
 constexpr auto kWatchdogInterval = 10ms;
 constexpr auto kHostPollInterval = 100us;
-// ncclCommAbort normally returns at once; if it does not, the failure is reported anyway.
+// ncclCommAbort sets NCCL's abort flag at once (the kernels waiting on peers quit), but it
+// and ncclCommDestroy then wait for NCCL's proxy thread, which stays until every peer rank
+// connected to it has closed its end: teardown waits for the other ranks. So both run on
+// a helper thread and are waited for a bounded time; past it, the failure is reported
+// anyway and the helper thread is left to finish when the peers go (or the process ends).
 constexpr auto kAbortWait = 10s;
+
+// Runs `call` on a detached thread; true when it returned within `limit`.
+bool returns_within(std::function<void()> call, std::chrono::milliseconds limit) {
+  auto finished = std::make_shared<std::promise<void>>();
+  std::future<void> done = finished->get_future();
+  std::thread([call = std::move(call), finished] {
+    call();
+    finished->set_value();
+  }).detach();
+  return done.wait_for(limit) == std::future_status::ready;
+}
 
 ncclDataType_t nccl_type(DType dtype) { return dtype == DType::BF16 ? ncclBfloat16 : ncclFloat32; }
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : ncclSum; }
@@ -114,7 +131,10 @@ std::string NcclProcessGroup::settle(ncclResult_t result, const std::string& wha
                                      std::unique_lock<std::mutex>& comm_lock) {
   while (result == ncclInProgress) {
     if (Clock::now() >= deadline)
-      return fmt::format("{}: NCCL still busy after {}", what, seconds(options_.collective_timeout));
+      return fmt::format(
+          "{} did not complete within {} of being called (NCCL was still setting it up, which for a first "
+          "collective includes connecting to the peers: a peer rank died, hangs, or is in another collective)",
+          what, seconds(options_.collective_timeout));
     comm_lock.unlock();
     std::this_thread::sleep_for(kHostPollInterval);
     comm_lock.lock();
@@ -276,17 +296,10 @@ void NcclProcessGroup::fail(const std::string& cause) {
       std::lock_guard lock(comm_mu_);
       comm = std::exchange(comm_, nullptr);
     }
-    if (comm) {
-      auto aborted = std::make_shared<std::promise<void>>();
-      std::future<void> done = aborted->get_future();
-      std::thread([comm, aborted] {
-        ncclCommAbort(comm);
-        aborted->set_value();
-      }).detach();
-      if (done.wait_for(kAbortWait) == std::future_status::timeout)
-        log_error("rank {}: ncclCommAbort has not returned after {} s", rank_,
-                  std::chrono::duration<double>(kAbortWait).count());
-    }
+    if (comm && !returns_within([comm] { ncclCommAbort(comm); }, kAbortWait))
+      log_error("rank {}: ncclCommAbort has not returned after {} (it waits for the peer ranks to end their "
+                "communicators too); going on without it",
+                rank_, seconds(kAbortWait));
     options_.on_failure(failure_);
   });
   throw Error(failure_);
@@ -301,11 +314,24 @@ void NcclProcessGroup::destroy() {
       g.stop_watchdog_ = true;
       if (g.watchdog_.joinable()) g.watchdog_.join();
       std::lock_guard lock(g.flight_mu_);
+      // cudaFree waits for the whole GPU: only once the collectives still in flight (the
+      // aborted ones, after a failure) have ended, and that wait is bounded too.
+      const auto deadline = Clock::now() + kAbortWait;
+      bool idle = false;
+      while (!(idle = std::all_of(g.in_flight_.begin(), g.in_flight_.end(),
+                                  [](const InFlight& f) { return cudaEventQuery(f.done) != cudaErrorNotReady; })) &&
+             Clock::now() < deadline)
+        std::this_thread::sleep_for(kHostPollInterval);
       for (const InFlight& f : g.in_flight_) cudaEventDestroy(f.done);
       for (cudaEvent_t e : g.spare_events_) cudaEventDestroy(e);
       g.in_flight_.clear();
       g.spare_events_.clear();
-      cudaFree(g.barrier_value_);
+      if (idle) {
+        cudaFree(g.barrier_value_);
+      } else {
+        log_error("rank {}: collectives still running {} after the abort; their memory is left allocated", g.rank_,
+                  seconds(kAbortWait));
+      }
       g.barrier_value_ = nullptr;
       g.destroyed_ = true;
     }
@@ -317,10 +343,27 @@ void NcclProcessGroup::destroy() {
     std::unique_lock lock(comm_mu_);
     if (comm_) {
       error = settle(ncclCommFinalize(comm_), "ncclCommFinalize", Clock::now() + options_.collective_timeout, lock);
-      if (error.empty() && comm_) ncclCommDestroy(std::exchange(comm_, nullptr));
     }
   }
   if (!error.empty()) fail(error);
+  ncclComm_t comm = nullptr;
+  {
+    std::lock_guard lock(comm_mu_);
+    comm = std::exchange(comm_, nullptr);
+  }
+  if (comm && !returns_within([comm] { ncclCommDestroy(comm); }, options_.collective_timeout)) {
+    const std::string cause = fmt::format(
+        "ncclCommDestroy did not return within {} (NCCL's teardown waits for every peer rank to destroy or abort "
+        "its communicator too: a peer rank died, hangs, or has not reached its destroy)",
+        seconds(options_.collective_timeout));
+    std::call_once(failure_once_, [&] {
+      failure_ = fmt::format("rank {} of {} (GPU {}): {}", rank_, world_size_, device_, cause);
+      failed_ = true;
+      log_error("{}", failure_);
+      options_.on_failure(failure_);
+    });
+    throw Error(failure_);
+  }
 }
 
 }  // namespace forge
