@@ -94,7 +94,7 @@ std::string describe(const BenchResult& r) {
   return fmt::format("{:.1f} TFLOP/s/GPU, {:.0f} tokens/s/GPU, step {:.1f} ms (min {:.1f}, max {:.1f}){}, peak {}",
                      r.tflops_per_gpu, r.tokens_per_s_per_gpu, r.step_time_median_s * 1e3, r.step_time_min_s * 1e3,
                      r.step_time_max_s * 1e3, r.mfu ? fmt::format(", MFU {:.1f}%", *r.mfu * 100) : "",
-                     gib(r.peak_memory_bytes));
+                     r.peak_memory_bytes > 0 ? gib(r.peak_memory_bytes) : "n/a (not a GPU run)");
 }
 
 class BenchSession {
@@ -149,6 +149,18 @@ int run_bench_command(const std::vector<std::string>& args) {
       for (const auto& [key, value] : p.overrides)
         if (key == "training.local_batch_size")
           FORGE_FAIL("forge bench: --find-max-batch searches training.local_batch_size; do not set it too");
+  // Every combination is resolved before the first run, so that a bad value or file stops
+  // a long sweep at once rather than when its turn comes.
+  for (const SweepPoint& point : points) {
+    try {
+      const ExperimentConfig config = load_experiment(cmd.experiment, point.overrides);
+      if (cmd.find_max_batch && config.training.device != "cuda")
+        FORGE_FAIL("--find-max-batch searches GPU memory: it needs training.device cuda");
+    } catch (const Error& e) {
+      if (points.size() == 1) throw;
+      FORGE_FAIL("forge bench: sweep point {}: {}", point.args, e.what());
+    }
+  }
   std::filesystem::create_directories(cmd.output_dir);
   BenchSession session(cmd);
   std::vector<BenchResult> results;
@@ -157,8 +169,6 @@ int run_bench_command(const std::vector<std::string>& args) {
     const std::string label = point.args.empty() ? "(experiment as given)" : point.args;
     std::optional<int64_t> micro_batch;
     if (cmd.find_max_batch) {
-      if (load_experiment(cmd.experiment, point.overrides).training.device != "cuda")
-        FORGE_FAIL("forge bench --find-max-batch searches GPU memory: it needs training.device cuda ({})", label);
       const int64_t best = find_max_micro_batch([&](int64_t mb) {
         const BenchResult probe = session.run(point, mb, 1, 1);
         if (probe.status == "failed")
