@@ -4,21 +4,13 @@
 #include <chrono>
 #include <vector>
 
+#include "bench/median.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
 namespace forge {
-namespace {
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-}  // namespace
 
 BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yaml, const std::string& args,
                       int64_t warmup_steps) {
@@ -50,7 +42,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
       run = trainer.run();
     }
     std::vector<double> measured(run.step_seconds.begin() + warmup_steps, run.step_seconds.end());
-    r.step_time_median_s = median(measured);
+    r.step_time_median_s = median(measured).value();
     r.step_time_min_s = *std::min_element(measured.begin(), measured.end());
     r.step_time_max_s = *std::max_element(measured.begin(), measured.end());
     const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);

@@ -8,6 +8,7 @@
 #include <iterator>
 #include <optional>
 
+#include "bench/median.h"
 #include "bench/report_chart.h"
 
 namespace forge {
@@ -52,14 +53,6 @@ svg.chart .label { font-size: 12px; fill: #374151; }
 )";
 
 std::string color_of(size_t run) { return kPalette[run % std::size(kPalette)]; }
-
-std::optional<double> median(std::vector<double> values) {
-  std::erase_if(values, [](double v) { return !std::isfinite(v); });
-  if (values.empty()) return std::nullopt;
-  std::sort(values.begin(), values.end());
-  const size_t n = values.size();
-  return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
-}
 
 template <typename Get>
 std::optional<double> median_of(const std::vector<StepMetrics>& steps, Get get) {

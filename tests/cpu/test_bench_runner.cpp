@@ -1,8 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <set>
 
 #include "bench/bench_runner.h"
+#include "bench/median.h"
 
 namespace forge {
 namespace {
@@ -26,6 +28,13 @@ TEST(BenchMaxBatch, FindsTheLargestFittingSizeWithFewProbes) {
 TEST(BenchMaxBatch, StopsAtTheLimit) {
   EXPECT_EQ(find_max_micro_batch([](int64_t) { return true; }, 6), 6);
   EXPECT_EQ(find_max_micro_batch([](int64_t mb) { return mb <= 5; }, 6), 5);
+}
+
+TEST(BenchMedian, MiddleValueOfTheFiniteOnes) {
+  EXPECT_EQ(median({3.0, 1.0, 2.0}), 2.0);
+  EXPECT_EQ(median({4.0, 1.0, 2.0, 3.0}), 2.5);
+  EXPECT_EQ(median({5.0, std::numeric_limits<double>::quiet_NaN(), 1.0}), 3.0);
+  EXPECT_FALSE(median({}).has_value());
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <memory>
 
+#include "bench/median.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace forge::bench_cuda {
@@ -73,8 +74,7 @@ double median_call_seconds(const std::vector<TimedStream>& streams, const std::f
       seconds[i] = std::max(seconds[i], 1e-3 * ms);
     }
   }
-  std::nth_element(seconds.begin(), seconds.begin() + kIterations / 2, seconds.end());
-  return seconds[kIterations / 2];
+  return median(seconds).value();
 }
 
 }  // namespace forge::bench_cuda
