@@ -85,10 +85,10 @@ int run_info(const std::vector<std::string>& args) {
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype);
+  const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;
-    if (!cuda) plan.optimizer_state = DType::F32;  // the CPU reference keeps fp32 moments
-    else plan.optimizer_state = config.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
+    plan.optimizer_state = cuda ? configured_state : DType::F32;  // the CPU reference keeps fp32 moments
     fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan)));
   }
   return 0;
