@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import unittest
 
@@ -117,9 +118,14 @@ class Failures(unittest.TestCase):
         self.assertIn("rank 0 was killed by signal 9 (SIGKILL)", result.stderr)
 
     def test_a_rank_that_ignores_sigterm_is_killed_after_the_grace_period(self):
-        script = 'if [ "$RANK" = 1 ]; then exit 5; fi; trap "" TERM; sleep 60'
-        start = time.monotonic()
-        result = launch("--grace-period", "1", "--", "sh", "-c", script)
+        # Rank 1 fails only once rank 0 has set its trap: a SIGTERM that came before the trap
+        # would end rank 0 at once and the grace period would never be tested.
+        with tempfile.TemporaryDirectory() as tmp:
+            ready = os.path.join(tmp, "trapped")
+            script = (f'if [ "$RANK" = 1 ]; then while [ ! -e {ready} ]; do sleep 0.01; done; exit 5; fi; '
+                      f'trap "" TERM; touch {ready}; sleep 60')
+            start = time.monotonic()
+            result = launch("--grace-period", "1", "--", "sh", "-c", script)
         elapsed = time.monotonic() - start
         self.assertEqual(result.returncode, 5)
         self.assertGreaterEqual(elapsed, 1)
