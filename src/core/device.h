@@ -9,7 +9,13 @@
 
 #include "core/dtype.h"
 
+struct CUstream_st;
+
 namespace forge {
+
+// A cudaStream_t, named without CUDA's headers; nullptr is the legacy default stream,
+// the one forge's kernels run on.
+using CudaStream = CUstream_st*;
 
 // True when this build has the CUDA backend and a GPU is visible.
 bool cuda_available();

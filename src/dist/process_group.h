@@ -42,13 +42,9 @@
 #include "core/tensor.h"
 #include "dist/launch_env.h"
 
-struct CUstream_st;
+#include "core/device.h"
 
 namespace forge {
-
-// A cudaStream_t, named without CUDA's headers; nullptr is the legacy default stream,
-// the one forge's kernels run on.
-using CudaStream = CUstream_st*;
 
 enum class ReduceOp { Sum, Avg };
 
