@@ -154,4 +154,77 @@ void device_synchronize() {
 #endif
 }
 
+void device_memset_zero_on(void* ptr, size_t bytes, CudaStream stream) {
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemsetAsync(ptr, 0, bytes, stream), "cudaMemsetAsync");
+#else
+  (void)ptr;
+  (void)bytes;
+  (void)stream;
+  no_cuda("device_memset_zero_on");
+#endif
+}
+
+DeviceStream::DeviceStream(Device device) {
+  if (device != Device::CUDA) return;
+#ifdef FORGE_CUDA
+  cudaStream_t s = nullptr;
+  cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  stream_ = s;
+#else
+  no_cuda("DeviceStream");
+#endif
+}
+
+DeviceStream::~DeviceStream() {
+#ifdef FORGE_CUDA
+  if (stream_) cudaStreamDestroy(stream_);
+#endif
+}
+
+void DeviceStream::synchronize() const {
+#ifdef FORGE_CUDA
+  if (stream_) cuda_check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize");
+#endif
+}
+
+DeviceEvent::DeviceEvent(Device device) {
+  if (device != Device::CUDA) return;
+#ifdef FORGE_CUDA
+  cudaEvent_t e = nullptr;
+  cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  event_ = e;
+#else
+  no_cuda("DeviceEvent");
+#endif
+}
+
+DeviceEvent::~DeviceEvent() {
+#ifdef FORGE_CUDA
+  if (event_) cudaEventDestroy(static_cast<cudaEvent_t>(event_));
+#endif
+}
+
+void DeviceEvent::record(CudaStream stream) {
+#ifdef FORGE_CUDA
+  if (event_) cuda_check(cudaEventRecord(static_cast<cudaEvent_t>(event_), stream), "cudaEventRecord");
+#endif
+  (void)stream;
+  recorded_ = true;
+}
+
+void DeviceEvent::make_wait(CudaStream stream) const {
+#ifdef FORGE_CUDA
+  if (event_ && recorded_)
+    cuda_check(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(event_), 0), "cudaStreamWaitEvent");
+#endif
+  (void)stream;
+}
+
+void DeviceEvent::synchronize() const {
+#ifdef FORGE_CUDA
+  if (event_ && recorded_) cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
+#endif
+}
+
 }  // namespace forge

@@ -44,5 +44,44 @@ DeviceMemoryInfo device_memory_info();
 void device_memset_zero(void* ptr, size_t bytes);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void device_synchronize();
+// Zeroes `bytes` at ptr in stream order on `stream` (device memory).
+void device_memset_zero_on(void* ptr, size_t bytes, CudaStream stream);
+
+// NOTE [Streams and events]
+// forge's kernels run on the legacy default stream (nullptr). Communication that should
+// overlap with them (FSDP's all-gathers and reduce-scatters) runs on a DeviceStream of its
+// own, and DeviceEvents order the two: record() marks the point a stream has reached,
+// make_wait() makes another stream wait for that point without blocking the host. On the
+// CPU both are empty: there every operation is done when its call returns.
+class DeviceStream {
+ public:
+  explicit DeviceStream(Device device);  // a non-blocking CUDA stream; nothing on the CPU
+  ~DeviceStream();
+  DeviceStream(const DeviceStream&) = delete;
+  DeviceStream& operator=(const DeviceStream&) = delete;
+  CudaStream get() const { return stream_; }
+  void synchronize() const;  // the host waits for the stream's work
+
+ private:
+  CudaStream stream_ = nullptr;
+};
+
+class DeviceEvent {
+ public:
+  explicit DeviceEvent(Device device);  // a CUDA event without timing; nothing on the CPU
+  ~DeviceEvent();
+  DeviceEvent(const DeviceEvent&) = delete;
+  DeviceEvent& operator=(const DeviceEvent&) = delete;
+  // Marks the point `stream` has reached with the work enqueued so far.
+  void record(CudaStream stream);
+  // Work enqueued on `stream` from now on starts after the recorded point (no-op when
+  // never recorded).
+  void make_wait(CudaStream stream) const;
+  void synchronize() const;  // the host waits for the recorded point
+
+ private:
+  void* event_ = nullptr;  // cudaEvent_t
+  bool recorded_ = false;
+};
 
 }  // namespace forge

@@ -10,10 +10,13 @@ namespace forge {
 
 class Rng {
  public:
+  // Every next_u64() advances the state by this much.
+  static constexpr uint64_t kIncrement = 0x9E3779B97F4A7C15ull;
+
   explicit Rng(uint64_t seed = 0) : state_(seed) {}
 
   uint64_t next_u64() {
-    uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);
+    uint64_t z = (state_ += kIncrement);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);

@@ -1,5 +1,6 @@
 #include "model/parameters.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/parallel.h"
@@ -70,6 +71,25 @@ void FlatParameters::assign_from(const FlatParameters& other) {
   cast(flat_, src);
 }
 
+void initialize_parameter(const ModelConfig& config, const ParamSpec& s, uint64_t seed, float* p, int64_t begin,
+                          int64_t count) {
+  if (count < 0) count = shape_numel(s.shape) - begin;
+  if (s.shape.size() == 1) {
+    for (int64_t j = 0; j < count; ++j) p[j] = 1.0f;
+    return;
+  }
+  const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config.num_layers));
+  bool residual = s.name.ends_with("attention.o.weight") || s.name.ends_with("mlp.down.weight");
+  double std = config.init_std * (residual ? residual_scale : 1.0);
+  uint64_t name_hash = 1469598103934665603ull;
+  for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+  Rng rng(derive_seed(seed, name_hash));
+  // SplitMix64 is a counter: each normal() takes two steps, so value `begin` starts
+  // 2 * begin steps in.
+  rng.set_state(rng.state() + 2 * static_cast<uint64_t>(begin) * Rng::kIncrement);
+  for (int64_t j = 0; j < count; ++j) p[j] = static_cast<float>(std * rng.normal());
+}
+
 void FlatParameters::initialize(uint64_t seed) {
   if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
     FlatParameters host(config_);
@@ -77,25 +97,18 @@ void FlatParameters::initialize(uint64_t seed) {
     assign_from(host);
     return;
   }
-  const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config_.num_layers));
-  auto fill = [&](size_t i) {
-    const ParamSpec& s = specs_[i];
-    float* p = tensors_[i].data<float>();
-    int64_t n = tensors_[i].numel();
-    if (s.shape.size() == 1) {
-      for (int64_t j = 0; j < n; ++j) p[j] = 1.0f;
-      return;
+  // Every value is a function of (seed, name, index): pieces of 1M values fill in
+  // parallel with the same result.
+  constexpr int64_t kPiece = 1 << 20;
+  std::vector<std::pair<size_t, int64_t>> pieces;  // (tensor, first value)
+  for (size_t i = 0; i < specs_.size(); ++i)
+    for (int64_t b = 0; b < tensors_[i].numel(); b += kPiece) pieces.push_back({i, b});
+  parallel_for(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const auto [i, first] = pieces[static_cast<size_t>(k)];
+      const int64_t count = std::min(kPiece, tensors_[i].numel() - first);
+      initialize_parameter(config_, specs_[i], seed, tensors_[i].data<float>() + first, first, count);
     }
-    bool residual = s.name.ends_with("attention.o.weight") || s.name.ends_with("mlp.down.weight");
-    double std = config_.init_std * (residual ? residual_scale : 1.0);
-    uint64_t name_hash = 1469598103934665603ull;
-    for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
-    Rng rng(derive_seed(seed, name_hash));
-    for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(std * rng.normal());
-  };
-  // Tensors draw from independent streams, so they fill in parallel with the same result.
-  parallel_for(static_cast<int64_t>(specs_.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) fill(static_cast<size_t>(i));
   });
 }
 

@@ -31,6 +31,12 @@ struct ParamSpec {
 // attn_norm, qkv, o, mlp_norm, gate_up, down, then the final norm and (untied) output.
 std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
 
+// Writes values [begin, begin + count) of one parameter's initialization (count -1: to
+// the end) to `out`: the values FlatParameters::initialize gives it, computed from the
+// seed, the name and the index alone, so a rank that holds a shard draws only its part.
+void initialize_parameter(const ModelConfig& config, const ParamSpec& spec, uint64_t seed, float* out,
+                          int64_t begin = 0, int64_t count = -1);
+
 struct LayerWeights {
   Tensor attn_norm;  // [H]
   Tensor qkv;        // [(Hq + 2 Hkv) D, H]

@@ -53,4 +53,28 @@ void cast(const Tensor& out, const Tensor& in) {
   }
 }
 
+void accumulate(const Tensor& dst, const Tensor& src, CudaStream stream) {
+  OpProfileScope profile(OpClass::Elementwise, "accumulate");
+  check_dtype(dst, DType::F32, "accumulate destination");
+  FORGE_CHECK(dst.numel() == src.numel() && dst.device() == src.device(), "accumulate: {} {} into {} {}",
+              device_name(src.device()), shape_str(src.shape()), device_name(dst.device()), shape_str(dst.shape()));
+  FORGE_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16, "accumulate: source is {}, expected f32 or bf16",
+              dtype_name(src.dtype()));
+  if (dst.device() == Device::CPU) {
+    float* d = dst.data<float>();
+    if (src.dtype() == DType::F32) {
+      const float* s = src.data<float>();
+      for (int64_t i = 0; i < dst.numel(); ++i) d[i] += s[i];
+    } else {
+      const BFloat16* s = src.data<BFloat16>();
+      for (int64_t i = 0; i < dst.numel(); ++i) d[i] += to_float(s[i]);
+    }
+    return;
+  }
+  if (src.dtype() == DType::F32)
+    FORGE_CUDA_CALL("accumulate", cuda::accumulate(dst.data<float>(), src.data<float>(), dst.numel(), stream));
+  else
+    FORGE_CUDA_CALL("accumulate", cuda::accumulate(dst.data<float>(), bf16_ptr(src), dst.numel(), stream));
+}
+
 }  // namespace forge

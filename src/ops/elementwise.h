@@ -1,7 +1,8 @@
-// Whole-tensor helpers: the sum of squares behind the global grad norm, and fp32 <-> bf16
-// casts (NOTE [Op placement]).
+// Whole-tensor helpers: the sum of squares behind the global grad norm, fp32 <-> bf16
+// casts (NOTE [Op placement]), and the accumulation of reduced gradient shards (FSDP).
 #pragma once
 
+#include "core/device.h"
 #include "core/tensor.h"
 
 namespace forge {
@@ -10,5 +11,8 @@ namespace forge {
 double sum_of_squares(const Tensor& a);
 // out = in converted between fp32 and bf16 (same device, same element count)
 void cast(const Tensor& out, const Tensor& in);
+// dst += src elementwise: dst fp32, src fp32 or bf16 (same device, same element count),
+// enqueued on `stream` (CUDA; the CPU runs it at once).
+void accumulate(const Tensor& dst, const Tensor& src, CudaStream stream = nullptr);
 
 }  // namespace forge

@@ -1,9 +1,11 @@
-// Elementwise helpers on the GPU: dtype casts, and the sum of squares behind the global
+// Elementwise helpers on the GPU: dtype casts, the accumulation of reduced gradient
+// shards (on the stream FSDP communicates on), and the sum of squares behind the global
 // gradient norm. The sum is deterministic: a fixed grid of blocks each reduces a fixed
 // strided subset in fp64 (warp shuffles, then shared memory), writes one partial, and the
 // host adds the partials in block order.
 #include "kernels/cuda/elementwise.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "core/device.h"
@@ -26,6 +28,21 @@ __global__ void cast_to_bf16_kernel(bf16* out, const float* in, int64_t n) {
 __global__ void cast_to_float_kernel(float* out, const bf16* in, int64_t n) {
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) out[i] = __bfloat162float(in[i]);
+}
+
+template <typename Src>
+__global__ void accumulate_kernel(float* dst, const Src* src, int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    dst[i] += static_cast<float>(src[i]);
+}
+
+template <typename Src>
+void launch_accumulate(float* dst, const Src* src, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192));
+  accumulate_kernel<<<blocks, kThreads, 0, stream>>>(dst, src, n);
+  FORGE_CUDA_LAUNCH_CHECK();
 }
 
 __global__ void sum_of_squares_kernel(double* partial, const float* a, int64_t n) {
@@ -67,6 +84,14 @@ void cast(bf16* out, const float* in, int64_t n) {
 void cast(float* out, const bf16* in, int64_t n) {
   if (n) cast_to_float_kernel<<<blocks_for(n), kThreads>>>(out, in, n);
   FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream) {
+  launch_accumulate(dst, src, n, stream);
+}
+
+void accumulate(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
+  launch_accumulate(dst, src, n, stream);
 }
 
 }  // namespace forge::cuda

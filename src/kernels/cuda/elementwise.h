@@ -1,5 +1,7 @@
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 
 #include "kernels/cuda/types.h"
@@ -10,5 +12,8 @@ namespace forge::cuda {
 double sum_of_squares(const float* a, int64_t n);
 void cast(bf16* out, const float* in, int64_t n);
 void cast(float* out, const bf16* in, int64_t n);
+// dst[i] += src[i], enqueued on `stream`.
+void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream);
+void accumulate(float* dst, const bf16* src, int64_t n, cudaStream_t stream);
 
 }  // namespace forge::cuda
