@@ -1,0 +1,371 @@
+#include "dist/fsdp.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/parallel.h"
+#include "ops/elementwise.h"
+
+namespace forge {
+namespace {
+
+constexpr CudaStream kCompute = nullptr;  // the stream forge's kernels run on
+
+std::unique_ptr<DeviceEvent> make_event(Device device) { return std::make_unique<DeviceEvent>(device); }
+
+}  // namespace
+
+Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
+           const FsdpOptions& options)
+    : config_(config),
+      device_(device),
+      shard_group_(shard_group),
+      replicate_group_(replicate_group),
+      options_(options),
+      layout_(config, shard_group.world_size(), shard_group.rank()),
+      compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
+      comm_(device) {
+  FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);
+  FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
+              dtype_name(options.reduce_dtype));
+  const int units = layout_.num_units();
+  reduced_this_step_.assign(static_cast<size_t>(units), false);
+
+  master_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
+  grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
+
+  // Compute weights.
+  if (options.zero_stage <= 2) {
+    full_compute_ = Tensor::zeros({layout_.full_numel()}, compute_dtype_, device);
+    root_weights_ = root_views(unit_full(full_compute_, 0));
+    for (int i = 0; i < config.num_layers; ++i)
+      static_layers_.push_back(block_views(unit_full(full_compute_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
+  } else {
+    root_compute_ = Tensor::zeros({layout_.units()[0].numel}, compute_dtype_, device);
+    compute_shard_ = Tensor::zeros({layout_.shard_numel()}, compute_dtype_, device);
+    root_weights_ = root_views(root_compute_);
+    for (BlockSlot& slot : weight_slots_) {
+      slot.buffer = Tensor::zeros({std::max<int64_t>(layout_.max_block_numel(), 1)}, compute_dtype_, device);
+      slot.ready = make_event(device);
+      slot.released = make_event(device);
+    }
+  }
+  for (const FsdpSegment& s : layout_.segments()) {
+    master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
+    grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
+    const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
+    const Tensor chunk = options.zero_stage <= 2 ? own_chunk(unit_full(full_compute_, s.unit), s.unit)
+                                                 : shard_of(compute_shard_, s.unit);
+    compute_segments_.push_back(chunk.narrow(local, local + s.numel));
+  }
+
+  // Full-size gradients.
+  if (options.zero_stage == 1) {
+    full_grads_ = Tensor::zeros({layout_.full_numel()}, DType::F32, device);
+    root_grads_ = root_views(unit_full(full_grads_, 0));
+    for (int i = 0; i < config.num_layers; ++i)
+      static_layer_grads_.push_back(
+          block_views(unit_full(full_grads_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
+  } else {
+    full_grads_ = Tensor::zeros({layout_.units()[0].numel}, DType::F32, device);
+    root_grads_ = root_views(full_grads_);
+    for (size_t k = 0; k < grad_slots_.size(); ++k) {
+      grad_slots_[k].buffer = Tensor::zeros({std::max<int64_t>(layout_.max_block_numel(), 1)}, DType::F32, device);
+      grad_slots_[k].channel = static_cast<int>(k);
+    }
+  }
+
+  // Reduction channels.
+  const bool bf16_reduce = options.reduce_dtype == DType::BF16;
+  auto make_channel = [&](ReduceChannel& ch, int64_t full_numel) {
+    if (bf16_reduce) ch.staging = Tensor::zeros({full_numel}, DType::BF16, device);
+    ch.reduced = Tensor::zeros({layout_.max_shard_numel()}, options.reduce_dtype, device);
+    ch.ready = make_event(device);
+    ch.done = make_event(device);
+  };
+  for (ReduceChannel& ch : channels_) make_channel(ch, std::max<int64_t>(layout_.max_block_numel(), 1));
+  make_channel(root_channel_, layout_.units()[0].numel);
+  comm_done_ = make_event(device);
+  norm_scratch_ = Tensor::zeros({1}, DType::F32, device);
+}
+
+Fsdp::~Fsdp() {
+  // Nothing may still write into buffers that are about to be freed.
+  try {
+    comm_.synchronize();
+  } catch (...) {
+  }
+}
+
+Tensor Fsdp::unit_full(const Tensor& all_units, int unit) const {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  return all_units.narrow(u.full_offset, u.full_offset + u.numel);
+}
+
+Tensor Fsdp::own_chunk(const Tensor& unit_buffer, int unit) const {
+  const int64_t n = layout_.units()[static_cast<size_t>(unit)].shard_numel;
+  return unit_buffer.narrow(layout_.rank() * n, (layout_.rank() + 1) * n);
+}
+
+Tensor Fsdp::shard_of(const Tensor& shard, int unit) const {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  return shard.narrow(u.shard_offset, u.shard_offset + u.shard_numel);
+}
+
+LayerWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  FORGE_CHECK(u.params.size() == 6, "FSDP unit {} holds {} tensors, a block has 6", unit, u.params.size());
+  auto view = [&](size_t k) {
+    const FsdpParam& p = u.params[k];
+    return unit_buffer.narrow(p.offset, p.offset + p.numel).view(layout_.specs()[static_cast<size_t>(p.spec)].shape);
+  };
+  return LayerWeights{view(0), view(1), view(2), view(3), view(4), view(5)};
+}
+
+ModelWeights Fsdp::root_views(const Tensor& unit_buffer) const {
+  ModelWeights w;
+  for (const FsdpParam& p : layout_.units()[0].params) {
+    const ParamSpec& spec = layout_.specs()[static_cast<size_t>(p.spec)];
+    Tensor t = unit_buffer.narrow(p.offset, p.offset + p.numel).view(spec.shape);
+    if (spec.name == "embedding.weight") w.embedding = t;
+    else if (spec.name == "final_norm.weight") w.final_norm = t;
+    else if (spec.name == "output.weight") w.output = t;
+    else FORGE_FAIL("FSDP root unit: unexpected parameter '{}'", spec.name);
+  }
+  if (config_.tie_word_embeddings) w.output = w.embedding;
+  return w;
+}
+
+void Fsdp::initialize(uint64_t seed) {
+  // Each rank draws only its segments (a value depends on the seed, the name and its
+  // index alone), in pieces of 1M values filled in parallel.
+  constexpr int64_t kPiece = 1 << 20;
+  Tensor host_master = Tensor::zeros({layout_.shard_numel()}, DType::F32);
+  std::vector<std::pair<size_t, int64_t>> pieces;  // (segment, first value within it)
+  for (size_t i = 0; i < layout_.segments().size(); ++i)
+    for (int64_t b = 0; b < layout_.segments()[i].numel; b += kPiece) pieces.push_back({i, b});
+  parallel_for(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t k = begin; k < end; ++k) {
+      const auto [i, first] = pieces[static_cast<size_t>(k)];
+      const FsdpSegment& s = layout_.segments()[i];
+      initialize_parameter(config_, layout_.specs()[static_cast<size_t>(s.spec)], seed,
+                           host_master.data<float>() + s.shard_offset + first, s.param_begin + first,
+                           std::min(kPiece, s.numel - first));
+    }
+  });
+  master_.copy_from(host_master);
+  refresh_compute_weights(false);
+}
+
+void Fsdp::load_master(const std::function<void(int64_t, std::span<float>)>& read) {
+  Tensor host_master = Tensor::zeros({layout_.shard_numel()}, DType::F32);
+  for (const FsdpSegment& s : layout_.segments())
+    read(s.flat_offset, std::span<float>(host_master.data<float>() + s.shard_offset, static_cast<size_t>(s.numel)));
+  master_.copy_from(host_master);
+  refresh_compute_weights(false);
+}
+
+void Fsdp::refresh_compute_weights(bool chunk_written) {
+  if (!chunk_written)
+    for (size_t i = 0; i < master_segments_.size(); ++i) cast(compute_segments_[i], master_segments_[i]);
+  if (options_.zero_stage <= 2) {
+    for (int u = 0; u < layout_.num_units(); ++u) {
+      const Tensor full = unit_full(full_compute_, u);
+      shard_group_.all_gather(full, own_chunk(full, u), kCompute);
+    }
+    return;
+  }
+  shard_group_.all_gather(root_compute_, shard_of(compute_shard_, 0), kCompute);
+  // The gathered blocks hold the old weights: forget them, after the compute stream is
+  // done with them (the next gather into a slot waits for `released`).
+  for (BlockSlot& slot : weight_slots_) {
+    if (slot.unit >= 0) slot.released->record(kCompute);
+    slot.unit = -1;
+  }
+}
+
+void Fsdp::begin_step() {
+  grad_shard_.fill_zero();
+  full_grads_.fill_zero();
+  std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
+}
+
+void Fsdp::begin_micro_batch(bool last) { last_micro_batch_ = last; }
+
+void Fsdp::end_micro_batch() {
+  if (!last_micro_batch_) return;
+  root_channel_.done->make_wait(kCompute);
+  reduce_unit(0, unit_full(full_grads_, 0), root_channel_);
+}
+
+void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const bool bf16 = options_.reduce_dtype == DType::BF16;
+  Tensor source = grads;
+  if (bf16) {
+    source = ch.staging.narrow(0, u.numel);
+    cast(source, grads);  // compute stream, after the unit's backward
+  }
+  ch.ready->record(kCompute);
+  ch.ready->make_wait(comm_.get());
+  const Tensor chunk = shard_of(grad_shard_, unit);
+  // The step's first reduction of a unit may write the (zeroed) chunk directly.
+  const bool direct = !bf16 && !reduced_this_step_[static_cast<size_t>(unit)];
+  const Tensor out = direct ? chunk : ch.reduced.narrow(0, u.shard_numel);
+  shard_group_.reduce_scatter(out, source, ReduceOp::Sum, comm_.get());
+  if (replicate_group_) replicate_group_->all_reduce(out, ReduceOp::Sum, comm_.get());
+  if (!direct) accumulate(chunk, out, comm_.get());
+  ch.done->record(comm_.get());
+  reduced_this_step_[static_cast<size_t>(unit)] = true;
+}
+
+void Fsdp::finish_gradients() {
+  comm_done_->record(comm_.get());
+  comm_done_->make_wait(kCompute);
+}
+
+double Fsdp::all_reduce_scalar(ProcessGroup& group, double value) {
+  Tensor host = Tensor::empty({1}, DType::F32);
+  host.data<float>()[0] = static_cast<float>(value);
+  norm_scratch_.copy_from(host);
+  group.all_reduce(norm_scratch_, ReduceOp::Sum, kCompute);
+  return static_cast<double>(norm_scratch_.to(Device::CPU).data<float>()[0]);
+}
+
+double Fsdp::global_grad_sum_of_squares() {
+  // After the reductions every replica holds the same chunk: the shard group covers the model once.
+  return all_reduce_scalar(shard_group_, sum_of_squares(grad_shard_));
+}
+
+double Fsdp::sum_over_ranks(double value) {
+  value = all_reduce_scalar(shard_group_, value);
+  return replicate_group_ ? all_reduce_scalar(*replicate_group_, value) : value;
+}
+
+const LayerWeights& Fsdp::layer(int index) {
+  FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  if (options_.zero_stage <= 2) return static_layers_[static_cast<size_t>(index)];
+  const int unit = FsdpLayout::unit_of_layer(index);
+  auto slot_of = [&](int u) -> BlockSlot* {
+    for (BlockSlot& s : weight_slots_)
+      if (s.unit == u) return &s;
+    return nullptr;
+  };
+  if (!slot_of(unit)) gather_block(unit, unit);
+  BlockSlot& slot = *slot_of(unit);
+  // Prefetch the neighbours: the next block in a forward pass, the previous one in a
+  // backward pass (whichever is already there costs nothing).
+  for (int neighbour : {unit + 1, unit - 1})
+    if (neighbour >= 1 && neighbour <= config_.num_layers && !slot_of(neighbour)) gather_block(neighbour, unit);
+  slot.ready->make_wait(kCompute);
+  return slot.views;
+}
+
+void Fsdp::gather_block(int unit, int requested) {
+  BlockSlot* target = nullptr;
+  for (BlockSlot& s : weight_slots_)
+    if (s.unit < 0 || std::abs(s.unit - requested) > 1) {
+      target = &s;
+      break;
+    }
+  FORGE_CHECK(target, "FSDP: no free gather buffer for block {}", unit - 1);
+  if (target->unit >= 0) target->released->record(kCompute);  // every use of the old block is enqueued
+  target->released->make_wait(comm_.get());
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const Tensor full = target->buffer.narrow(0, u.numel);
+  shard_group_.all_gather(full, shard_of(compute_shard_, unit), comm_.get());
+  target->ready->record(comm_.get());
+  target->unit = unit;
+  target->views = block_views(full, unit);
+}
+
+const LayerWeights& Fsdp::layer_grads(int index) {
+  FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
+  const int unit = FsdpLayout::unit_of_layer(index);
+  for (BlockSlot& s : grad_slots_)
+    if (s.unit == unit) return s.views;
+  BlockSlot& slot = grad_slots_[static_cast<size_t>(next_channel_)];
+  next_channel_ = (next_channel_ + 1) % static_cast<int>(grad_slots_.size());
+  // Its previous reduce-scatter must be done before the buffer is zeroed and reused.
+  channels_[static_cast<size_t>(slot.channel)].done->make_wait(kCompute);
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const Tensor full = slot.buffer.narrow(0, u.numel);
+  full.fill_zero();
+  slot.unit = unit;
+  slot.views = block_views(full, unit);
+  return slot.views;
+}
+
+void Fsdp::layer_done(int index) {
+  const int unit = FsdpLayout::unit_of_layer(index);
+  if (options_.zero_stage == 1) {
+    if (!last_micro_batch_) return;
+    ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
+    next_channel_ = (next_channel_ + 1) % static_cast<int>(channels_.size());
+    ch.done->make_wait(kCompute);
+    reduce_unit(unit, unit_full(full_grads_, unit), ch);
+    return;
+  }
+  for (BlockSlot& s : grad_slots_) {
+    if (s.unit != unit) continue;
+    reduce_unit(unit, s.buffer.narrow(0, layout_.units()[static_cast<size_t>(unit)].numel),
+                channels_[static_cast<size_t>(s.channel)]);
+    s.unit = -1;  // the next layer_grads of this block starts a fresh buffer
+    return;
+  }
+  FORGE_FAIL("FSDP: layer_done({}) without layer_grads({})", index, index);
+}
+
+FsdpMemory Fsdp::memory() const {
+  FsdpMemory m;
+  m.master_weights = static_cast<int64_t>(master_.nbytes());
+  m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
+  for (const Tensor* t : {&full_compute_, &compute_shard_, &root_compute_})
+    if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
+  for (const BlockSlot& s : weight_slots_)
+    if (s.buffer.defined()) m.compute_weights += static_cast<int64_t>(s.buffer.nbytes());
+  m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
+  for (const BlockSlot& s : grad_slots_)
+    if (s.buffer.defined()) m.full_gradients += static_cast<int64_t>(s.buffer.nbytes());
+  for (const ReduceChannel* ch : {&channels_[0], &channels_[1], &root_channel_})
+    for (const Tensor* t : {&ch->staging, &ch->reduced})
+      if (t->defined()) m.reduce_buffers += static_cast<int64_t>(t->nbytes());
+  return m;
+}
+
+Tensor Fsdp::chunk_of(const std::vector<Tensor>& segments) const {
+  FORGE_CHECK(segments.size() == layout_.segments().size(), "FSDP chunk_of: {} tensors for {} segments",
+              segments.size(), layout_.segments().size());
+  Tensor chunk = Tensor::zeros({layout_.shard_numel()}, DType::F32, device_);
+  for (size_t i = 0; i < segments.size(); ++i) {
+    const FsdpSegment& s = layout_.segments()[i];
+    cast(chunk.narrow(s.shard_offset, s.shard_offset + s.numel), segments[i].view({s.numel}));
+  }
+  return chunk;
+}
+
+void Fsdp::gather_to_host(const Tensor& chunk, std::vector<float>& flat) {
+  FORGE_CHECK(chunk.numel() == layout_.shard_numel() && chunk.dtype() == DType::F32,
+              "FSDP gather_to_host: {} {} is not a fp32 chunk of {}", dtype_name(chunk.dtype()),
+              shape_str(chunk.shape()), layout_.shard_numel());
+  const bool root = layout_.rank() == 0;
+  std::vector<int64_t> flat_offsets;
+  int64_t total = 0;
+  for (const ParamSpec& spec : layout_.specs()) {
+    flat_offsets.push_back(total);
+    total += shape_numel(spec.shape);
+  }
+  if (root) flat.assign(static_cast<size_t>(total), 0.0f);
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
+    Tensor full = Tensor::empty({unit.numel}, DType::F32, device_);
+    shard_group_.all_gather(full, shard_of(chunk, u), kCompute);
+    if (!root) continue;
+    const Tensor host = full.to(Device::CPU);
+    for (const FsdpParam& p : unit.params)
+      std::copy_n(host.data<float>() + p.offset, p.numel, flat.data() + flat_offsets[static_cast<size_t>(p.spec)]);
+  }
+}
+
+}  // namespace forge

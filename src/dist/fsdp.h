@@ -1,0 +1,196 @@
+// FSDP: the model's parameters, gradients and optimizer state sharded across the
+// data-parallel ranks (ZeRO-1, -2 or -3), behind the ParamSource / GradSink interfaces the
+// Transformer already computes through. The model never sees a collective.
+//
+// NOTE [FSDP]
+// Every rank owns one chunk of every unit (NOTE [FSDP layout]): the fp32 master weights,
+// the fp32 gradient and (kept by the trainer's AdamW over this rank's segments) the
+// optimizer state of that chunk. What else exists in full depends on the ZeRO stage:
+//   ZeRO-1  full bf16 compute weights and full fp32 gradients on every rank; each unit's
+//           gradients are reduce-scattered once per step, on the last micro-batch, as
+//           soon as the unit's backward is done.
+//   ZeRO-2  full bf16 compute weights; block gradients go to one of two rotating full-size
+//           block buffers and are reduce-scattered after every micro-batch's backward of
+//           that block, the result added to the fp32 gradient chunk.
+//   ZeRO-3  as ZeRO-2, and the bf16 weights of a block exist in full only around its use:
+//           three rotating block buffers; asking for block i (ParamSource::layer) waits
+//           for its all-gather and starts those of blocks i - 1 and i + 1 if they are not
+//           there, so the forward pass prefetches one block ahead, the backward pass one
+//           block behind, and the turn from forward to backward (and from one
+//           micro-batch to the next) finds its blocks gathered. A buffer is reused only
+//           after the compute stream has passed its last use.
+// The root unit (embedding, final norm, output head) stays in full in every stage, its
+// gradients accumulate across micro-batches and are reduced once per step: it is used at
+// both ends of the step, so sharding it would gather it twice per micro-batch.
+// Collectives run on one communication stream, ordered against the compute stream (the
+// default stream the kernels use) by events (NOTE [Streams and events]): a gather waits
+// for the compute stream to be done with the buffer it overwrites, the compute stream
+// waits for the gather before using the block, a reduce-scatter waits for the block's
+// backward, and a gradient buffer is zeroed for reuse after its reduce-scatter. Gradients
+// are summed, not averaged: the loss is already divided by the global batch's target count
+// (NOTE [Loss normalization]). With fsdp reduce dtype bf16 the gradients are rounded to
+// bf16 before the reduce-scatter (half the traffic) and added to the fp32 chunk after it.
+// Hybrid sharding: with a replicate group, a chunk reduce-scattered within the shard group
+// is then all-reduced across the replicas, which hold the same chunk.
+// After the optimizer updated the fp32 chunk and wrote its bf16 copy
+// (compute_segments), refresh_compute_weights() all-gathers the compute weights that are
+// kept in full (every unit in ZeRO-1/2, the root in ZeRO-3) and forgets the gathered
+// blocks of ZeRO-3.
+// On the CPU the compute weights are fp32 and every collective is synchronous.
+#pragma once
+
+#include <array>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "core/device.h"
+#include "dist/fsdp_layout.h"
+#include "dist/process_group.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+struct FsdpOptions {
+  int zero_stage = 3;                // 1, 2 or 3
+  DType reduce_dtype = DType::F32;   // F32 | BF16: the gradients' dtype in the reduce-scatter
+};
+
+// Bytes this rank holds, by component (the memory report).
+struct FsdpMemory {
+  int64_t master_weights = 0;      // fp32 chunk
+  int64_t gradient_shard = 0;      // fp32 chunk
+  int64_t compute_weights = 0;     // bf16 (fp32 on the CPU): full, chunk and gather buffers
+  int64_t full_gradients = 0;      // fp32 full-size gradient buffers
+  int64_t reduce_buffers = 0;      // staging for bf16 reduction and the reduced chunks
+};
+
+class Fsdp final : public ParamSource, public GradSink {
+ public:
+  // shard_group: the ranks that split the parameters; replicate_group (may be null): the
+  // ranks that hold the same chunk (hybrid sharding). Both outlive this object.
+  Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
+       const FsdpOptions& options);
+  ~Fsdp() override;
+
+  const FsdpLayout& layout() const { return layout_; }
+  const FsdpOptions& options() const { return options_; }
+  DType compute_dtype() const { return compute_dtype_; }
+
+  // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
+  // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
+  const std::vector<Tensor>& master_segments() const { return master_segments_; }
+  const std::vector<Tensor>& grad_segments() const { return grad_segments_; }
+  const std::vector<Tensor>& compute_segments() const { return compute_segments_; }
+  const Tensor& master_shard() const { return master_; }
+  const Tensor& grad_shard() const { return grad_shard_; }
+
+  // Fills the master chunk from the seeded initialization (the values single-device
+  // training starts from) and refreshes the compute weights.
+  void initialize(uint64_t seed);
+  // Fills the master chunk segment by segment: read(flat_offset, out) must write the
+  // elements [flat_offset, flat_offset + out.size()) of the flat parameter vector. Then
+  // refreshes the compute weights.
+  void load_master(const std::function<void(int64_t, std::span<float>)>& read);
+
+  // The step's protocol, called identically on every rank:
+  //   begin_step(); for each micro-batch k of n: begin_micro_batch(k == n - 1);
+  //   model forward/backward through *this; end_micro_batch(); finish_gradients();
+  //   optimizer on the segments; refresh_compute_weights().
+  void begin_step();
+  void begin_micro_batch(bool last);
+  void end_micro_batch();
+  // Waits (on the compute stream) for every reduction of the step.
+  void finish_gradients();
+  // Sum of squares of the whole (global) gradient: this rank's chunk, all-reduced.
+  double global_grad_sum_of_squares();
+  // `value` summed over every data-parallel rank (shard and replicate groups).
+  double sum_over_ranks(double value);
+  // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
+  // CUDA); otherwise they are cast from the master chunk first.
+  void refresh_compute_weights(bool chunk_written);
+
+  FsdpMemory memory() const;
+
+  // Gathers a chunk-shaped fp32 tensor (the master chunk, or a moment assembled with
+  // chunk_of) from every shard rank into `flat` (parameter_specs order, every parameter,
+  // no padding) on shard rank 0; every shard rank calls it, the others' `flat` is left
+  // alone. One unit at a time: the device holds one full unit at most.
+  void gather_to_host(const Tensor& chunk, std::vector<float>& flat);
+  // Per-segment tensors (the optimizer's moments, any dtype) laid out as a fp32 chunk.
+  Tensor chunk_of(const std::vector<Tensor>& segments) const;
+
+  // ParamSource
+  const Tensor& embedding() override { return root_weights_.embedding; }
+  const LayerWeights& layer(int index) override;
+  const Tensor& final_norm() override { return root_weights_.final_norm; }
+  const Tensor& output() override { return root_weights_.output; }
+  // GradSink
+  const LayerWeights& layer_grads(int index) override;
+  void layer_done(int index) override;
+  const Tensor& embedding_grad() override { return root_grads_.embedding; }
+  const Tensor& final_norm_grad() override { return root_grads_.final_norm; }
+  const Tensor& output_grad() override { return root_grads_.output; }
+
+ private:
+  // A reduction in flight: staging for bf16, the reduced chunk, and the events that order
+  // it against the compute stream.
+  struct ReduceChannel {
+    Tensor staging;  // bf16 full unit (bf16 reduction only)
+    Tensor reduced;  // the reduce-scatter's output (reduce dtype), one chunk
+    std::unique_ptr<DeviceEvent> ready, done;
+  };
+  // A full-size block buffer (gathered weights in ZeRO-3, gradients in ZeRO-2/3).
+  struct BlockSlot {
+    int unit = -1;
+    Tensor buffer;
+    LayerWeights views;
+    std::unique_ptr<DeviceEvent> ready;     // ZeRO-3 weights: the gather is done
+    std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
+    int channel = -1;                       // gradients: the reduce channel it uses
+  };
+
+  LayerWeights block_views(const Tensor& unit_buffer, int unit) const;
+  ModelWeights root_views(const Tensor& unit_buffer) const;
+  Tensor unit_full(const Tensor& all_units, int unit) const;  // a unit inside a buffer of every unit
+  Tensor own_chunk(const Tensor& unit_buffer, int unit) const;
+  Tensor shard_of(const Tensor& shard, int unit) const;       // a unit's chunk inside a rank's shard
+  // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
+  void gather_block(int unit, int requested);
+  // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
+  void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
+  bool reduce_now() const { return options_.zero_stage >= 2 || last_micro_batch_; }
+
+  ModelConfig config_;
+  Device device_;
+  ProcessGroup& shard_group_;
+  ProcessGroup* replicate_group_;
+  FsdpOptions options_;
+  FsdpLayout layout_;
+  DType compute_dtype_;
+  DeviceStream comm_;
+
+  Tensor master_, grad_shard_;
+  std::vector<Tensor> master_segments_, grad_segments_, compute_segments_;
+  // ZeRO-1/2: every unit in full. ZeRO-3: the root in full plus this rank's chunk of every unit.
+  Tensor full_compute_, compute_shard_, root_compute_;
+  // ZeRO-1: every unit's gradients in full. ZeRO-2/3: the root's only.
+  Tensor full_grads_;
+  ModelWeights root_weights_, root_grads_;
+  std::vector<LayerWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
+  std::array<BlockSlot, 3> weight_slots_;  // ZeRO-3
+  std::array<BlockSlot, 2> grad_slots_;    // ZeRO-2/3
+  std::array<ReduceChannel, 2> channels_;  // blocks, alternating
+  ReduceChannel root_channel_;
+  int next_channel_ = 0;
+  bool first_reduction_ = true;  // the step's first micro-batch: a reduction may overwrite the chunk
+  bool last_micro_batch_ = true;
+  std::vector<bool> reduced_this_step_;  // per unit
+  std::unique_ptr<DeviceEvent> comm_done_;
+  Tensor norm_scratch_;
+  double all_reduce_scalar(ProcessGroup& group, double value);
+};
+
+}  // namespace forge

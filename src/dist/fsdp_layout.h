@@ -1,0 +1,83 @@
+// Which rank owns which part of which parameter under FSDP.
+//
+// NOTE [FSDP layout]
+// The parameters are grouped into units, the pieces FSDP gathers and reduces whole:
+// unit 0, the root, holds every parameter outside the blocks (embedding, final norm,
+// untied output head); unit 1 + i holds block i's six tensors. Inside a unit the
+// parameters follow parameter_specs order, each starting at a multiple of kFsdpAlign
+// elements, and the unit's length is padded up to a multiple of world * kFsdpAlign, so it
+// splits into `world` equal chunks: rank r owns chunk r of every unit. A rank's shard is
+// its chunks of all units, one after the other (unit order); the full buffers of ZeRO-1/2
+// hold the units one after the other too. The padding is zeros and stays zero (zero
+// gradient, zero weight: AdamW never moves it, and it is excluded from the optimizer).
+// A segment is the part of one parameter inside a rank's shard: the optimizer steps on
+// segments (each knows its weight-decay flag), and checkpoints read and write them at
+// their offsets in the flat index space of NOTE [Checkpoint format].
+// Chunks of equal size per unit are what NCCL's reduce-scatter and all-gather need; per
+// unit (rather than one flat split of the whole model) so that ZeRO-3 can gather one
+// block at a time.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/config.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+// 64 elements: 128 bytes of bf16, 256 of fp32, so every tensor view and every chunk
+// starts on a boundary the vectorized kernels and NCCL are happy with.
+inline constexpr int64_t kFsdpAlign = 64;
+
+struct FsdpParam {
+  int spec = 0;         // index into parameter_specs
+  int64_t offset = 0;   // first element inside the unit
+  int64_t numel = 0;
+};
+
+struct FsdpUnit {
+  std::vector<FsdpParam> params;
+  int64_t numel = 0;         // padded: world * shard_numel
+  int64_t shard_numel = 0;   // one rank's chunk
+  int64_t shard_offset = 0;  // where this unit's chunk starts in a rank's shard
+  int64_t full_offset = 0;   // where the unit starts in a buffer holding every unit
+};
+
+struct FsdpSegment {
+  int spec = 0;
+  int unit = 0;
+  int64_t param_begin = 0;   // first element of the parameter that is in the shard
+  int64_t numel = 0;
+  int64_t shard_offset = 0;  // where it sits in the rank's shard
+  int64_t flat_offset = 0;   // where it sits in FlatParameters' flat index space
+  bool weight_decay = true;
+};
+
+class FsdpLayout {
+ public:
+  FsdpLayout(const ModelConfig& config, int world_size, int rank);
+
+  int world_size() const { return world_size_; }
+  int rank() const { return rank_; }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  const std::vector<FsdpUnit>& units() const { return units_; }
+  static int unit_of_layer(int layer) { return layer + 1; }
+  int num_units() const { return static_cast<int>(units_.size()); }
+  // This rank's segments, in shard order.
+  const std::vector<FsdpSegment>& segments() const { return segments_; }
+  int64_t shard_numel() const { return shard_numel_; }  // this rank's elements, padding included
+  int64_t full_numel() const { return full_numel_; }    // every unit, padding included
+  int64_t max_block_numel() const;                      // the largest block unit (0 without blocks)
+  int64_t max_shard_numel() const;                      // the largest chunk of any unit
+  int64_t parameter_count() const;                      // without padding
+
+ private:
+  int world_size_, rank_;
+  std::vector<ParamSpec> specs_;
+  std::vector<FsdpUnit> units_;
+  std::vector<FsdpSegment> segments_;
+  int64_t shard_numel_ = 0, full_numel_ = 0;
+};
+
+}  // namespace forge

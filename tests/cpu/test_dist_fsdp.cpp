@@ -1,0 +1,230 @@
+// FSDP in one process: the layout's chunks tile every parameter exactly once at any world
+// size, and FSDP over the one-rank group (every stage, every reduce dtype) trains exactly
+// as single-device training does: the same losses and the same master weights bit for
+// bit with fp32 reduction, within bf16 rounding with bf16 reduction. The multi-rank runs,
+// through forge launch, are in tests/python/test_fsdp.py.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+
+#include "core/rng.h"
+#include "dist/fsdp.h"
+#include "dist/launch_env.h"
+#include "model/transformer.h"
+#include "optim/optimizer.h"
+
+namespace forge {
+namespace {
+
+ModelConfig tiny(bool tied) {
+  ModelConfig c;
+  c.name = "tiny";
+  c.vocab_size = 37;
+  c.hidden_size = 24;
+  c.num_layers = 3;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.ffn_hidden_size = 40;
+  c.max_seq_len = 64;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
+  Tensor x = Tensor::empty({b, t}, DType::I32);
+  Rng rng(seed);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
+  return x;
+}
+
+TEST(FsdpLayout, ChunksTileEveryParameterOnceAtAnyWorldSize) {
+  for (bool tied : {false, true}) {
+    const ModelConfig config = tiny(tied);
+    for (int world = 1; world <= 5; ++world) {
+      const FsdpLayout first(config, world, 0);
+      std::map<int, std::vector<std::pair<int64_t, int64_t>>> covered;  // spec -> [begin, end)
+      for (int rank = 0; rank < world; ++rank) {
+        const FsdpLayout layout(config, world, rank);
+        EXPECT_EQ(layout.shard_numel(), first.shard_numel());
+        EXPECT_EQ(layout.num_units(), config.num_layers + 1);
+        for (const FsdpUnit& unit : layout.units()) {
+          EXPECT_EQ(unit.numel, unit.shard_numel * world);
+          EXPECT_EQ(unit.shard_numel % kFsdpAlign, 0);
+          for (const FsdpParam& p : unit.params) EXPECT_EQ(p.offset % kFsdpAlign, 0);
+        }
+        int64_t previous_end = 0;
+        for (const FsdpSegment& s : layout.segments()) {
+          EXPECT_GE(s.shard_offset, previous_end);  // in shard order, never overlapping
+          previous_end = s.shard_offset + s.numel;
+          covered[s.spec].push_back({s.param_begin, s.param_begin + s.numel});
+          EXPECT_EQ(s.weight_decay, layout.specs()[static_cast<size_t>(s.spec)].weight_decay);
+        }
+        EXPECT_LE(previous_end, layout.shard_numel());
+      }
+      ASSERT_EQ(covered.size(), first.specs().size()) << "world " << world;
+      for (auto& [spec, ranges] : covered) {
+        std::sort(ranges.begin(), ranges.end());
+        int64_t next = 0;
+        for (auto [begin, end] : ranges) {
+          EXPECT_EQ(begin, next) << first.specs()[static_cast<size_t>(spec)].name << " world " << world;
+          next = end;
+        }
+        EXPECT_EQ(next, shape_numel(first.specs()[static_cast<size_t>(spec)].shape));
+      }
+    }
+  }
+}
+
+TEST(FsdpLayout, SegmentsPointIntoTheFlatParameterSpace) {
+  const ModelConfig config = tiny(false);
+  const FsdpLayout layout(config, 3, 1);
+  FlatParameters flat(config);
+  int64_t offset = 0;
+  std::vector<int64_t> offsets;
+  for (const Tensor& t : flat.tensors()) {
+    offsets.push_back(offset);
+    offset += t.numel();
+  }
+  for (const FsdpSegment& s : layout.segments())
+    EXPECT_EQ(s.flat_offset, offsets[static_cast<size_t>(s.spec)] + s.param_begin);
+}
+
+struct TrainedRun {
+  std::vector<double> losses;
+  std::vector<double> norms;
+  std::vector<float> weights;  // flat, parameter_specs order
+};
+
+constexpr int kSteps = 3, kAccum = 2, kMicro = 2, kSeq = 16;
+
+TrainedRun train_single(const ModelConfig& config, const OptimizerConfig& opt) {
+  FlatParameters params(config), grads(config);
+  params.initialize(7);
+  std::vector<bool> decay;
+  for (const auto& s : params.specs()) decay.push_back(s.weight_decay);
+  AdamW adamw(opt, params.tensors(), decay);
+  Transformer model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
+  TrainedRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    grads.zero();
+    LossSum loss;
+    for (int a = 0; a < kAccum; ++a) {
+      const uint64_t seed = 100 * step + a;
+      LossSum l = model.forward_backward(random_tokens(kMicro, kSeq, config.vocab_size, seed),
+                                         random_tokens(kMicro, kSeq, config.vocab_size, seed + 50), params, grads,
+                                         1.0f / (kAccum * kMicro * kSeq));
+      loss.sum += l.sum;
+      loss.tokens += l.tokens;
+    }
+    const double norm = global_grad_norm({grads.flat()});
+    adamw.step(grads.tensors(), 1e-2, clip_coefficient(norm, 0.5));
+    run.losses.push_back(loss.mean());
+    run.norms.push_back(norm);
+  }
+  run.weights.assign(params.flat().data<float>(), params.flat().data<float>() + params.flat().numel());
+  return run;
+}
+
+TrainedRun train_fsdp(const ModelConfig& config, const OptimizerConfig& opt, const FsdpOptions& options) {
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  Fsdp fsdp(config, Device::CPU, *group, nullptr, options);
+  fsdp.initialize(7);
+  std::vector<bool> decay;
+  for (const FsdpSegment& s : fsdp.layout().segments()) decay.push_back(s.weight_decay);
+  AdamW adamw(opt, fsdp.master_segments(), decay);
+  Transformer model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
+  TrainedRun run;
+  for (int step = 0; step < kSteps; ++step) {
+    fsdp.begin_step();
+    LossSum loss;
+    for (int a = 0; a < kAccum; ++a) {
+      const uint64_t seed = 100 * step + a;
+      fsdp.begin_micro_batch(a == kAccum - 1);
+      LossSum l = model.forward_backward(random_tokens(kMicro, kSeq, config.vocab_size, seed),
+                                         random_tokens(kMicro, kSeq, config.vocab_size, seed + 50), fsdp, fsdp,
+                                         1.0f / (kAccum * kMicro * kSeq));
+      fsdp.end_micro_batch();
+      loss.sum += l.sum;
+      loss.tokens += l.tokens;
+    }
+    fsdp.finish_gradients();
+    const double norm = std::sqrt(fsdp.global_grad_sum_of_squares());
+    adamw.step(fsdp.grad_segments(), 1e-2, clip_coefficient(norm, 0.5));
+    fsdp.refresh_compute_weights(false);
+    run.losses.push_back(loss.mean());
+    run.norms.push_back(norm);
+  }
+  run.weights.assign(static_cast<size_t>(config.total_params()), 0.0f);
+  for (size_t i = 0; i < fsdp.layout().segments().size(); ++i) {
+    const FsdpSegment& s = fsdp.layout().segments()[i];
+    const float* src = fsdp.master_segments()[i].data<float>();
+    std::copy_n(src, s.numel, run.weights.data() + s.flat_offset);
+  }
+  return run;
+}
+
+class FsdpOneRank : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+
+TEST_P(FsdpOneRank, TrainsAsSingleDeviceTrainingDoes) {
+  const auto [stage, tied] = GetParam();
+  const ModelConfig config = tiny(tied);
+  OptimizerConfig opt;
+  const TrainedRun single = train_single(config, opt);
+  FsdpOptions options;
+  options.zero_stage = stage;
+  const TrainedRun fsdp = train_fsdp(config, opt, options);
+  // fp32 reduction over one rank is a copy; what differs is only the order of additions
+  // (a block's micro-batch gradients are summed in a fresh buffer and then added, the
+  // norm's partial sums fall differently around the padding): fp32 rounding.
+  for (int i = 0; i < kSteps; ++i) EXPECT_NEAR(fsdp.losses[i], single.losses[i], 1e-6 * single.losses[i]);
+  double fp32_diff = 0;
+  for (size_t i = 0; i < single.weights.size(); ++i)
+    fp32_diff = std::max(fp32_diff, static_cast<double>(std::abs(fsdp.weights[i] - single.weights[i])));
+  EXPECT_LT(fp32_diff, 1e-6);
+
+  options.reduce_dtype = DType::BF16;
+  const TrainedRun rounded = train_fsdp(config, opt, options);
+  // bf16 gradients (8 bits of mantissa): the loss and the norm move by bf16 rounding; the
+  // weights' update differs by a few percent of itself (Adam divides by the gradient's
+  // size, so elements whose micro-batch gradients nearly cancel move by up to the lr
+  // either way when each micro-batch's gradient is rounded, as in ZeRO-2/3).
+  for (int i = 0; i < kSteps; ++i) {
+    EXPECT_NEAR(rounded.losses[i], single.losses[i], 1e-3 * std::abs(single.losses[i]));
+    EXPECT_NEAR(rounded.norms[i], single.norms[i], 3e-2 * single.norms[i]);
+  }
+  FlatParameters init(config);
+  init.initialize(7);
+  double diff = 0, update = 0, max_diff = 0;
+  for (size_t i = 0; i < single.weights.size(); ++i) {
+    const double d = rounded.weights[i] - single.weights[i], u = single.weights[i] - init.flat().data<float>()[i];
+    diff += d * d;
+    update += u * u;
+    max_diff = std::max(max_diff, std::abs(d));
+  }
+  EXPECT_LT(std::sqrt(diff / update), 0.05);
+  EXPECT_GT(max_diff, 0.0);  // it did round
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, FsdpOneRank,
+                         ::testing::Combine(::testing::Values(1, 2, 3), ::testing::Values(false, true)));
+
+TEST(FsdpMemory, FollowsTheStage) {
+  const ModelConfig config = tiny(false);
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  std::vector<FsdpMemory> m;
+  for (int stage = 1; stage <= 3; ++stage) {
+    FsdpOptions options;
+    options.zero_stage = stage;
+    m.push_back(Fsdp(config, Device::CPU, *group, nullptr, options).memory());
+  }
+  const FsdpLayout layout(config, 1, 0);
+  for (const FsdpMemory& each : m) EXPECT_EQ(each.master_weights, layout.shard_numel() * 4);
+  EXPECT_EQ(m[0].full_gradients, layout.full_numel() * 4);                  // ZeRO-1 keeps every gradient
+  EXPECT_LT(m[1].full_gradients, m[0].full_gradients);                       // ZeRO-2: root + two blocks
+  EXPECT_EQ(m[1].compute_weights, layout.full_numel() * 4);                  // fp32 compute on the CPU
+  EXPECT_EQ(m[2].compute_weights, (layout.units()[0].numel + layout.shard_numel() + 3 * layout.max_block_numel()) * 4);
+}
+
+}  // namespace
+}  // namespace forge
