@@ -148,8 +148,22 @@ std::vector<ConfigKey> build_schema() {
       key<&E::precision, &PrecisionConfig::compute_dtype>("precision.compute_dtype", "dtype of weights and activations",
                                                           {}, {"fp32", "bf16"}),
 
+      key<&E::precision, &PrecisionConfig::reduce_dtype>(
+          "precision.reduce_dtype", "dtype of gradients in FSDP's reduce-scatter", {}, {"fp32", "bf16"}),
+
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
-          "parallelism.data_parallel_shard_degree", "FSDP ranks (dp)", at_least(1)),
+          "parallelism.data_parallel_shard_degree", "ranks that shard the model (FSDP)", at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
+          "parallelism.data_parallel_replicate_degree",
+          "replicas of each shard group (hybrid sharding: shard within a node, replicate across)", at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::zero_stage>(
+          "parallelism.zero_stage", "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters",
+          ConfigRange{1, 3}),
+      key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
+          "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
+          ConfigRange{1, std::nullopt}),
+      key<&E::parallelism, &ParallelismConfig::rendezvous_timeout_s>(
+          "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", ConfigRange{1, std::nullopt}),
       key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(
           "activation_checkpoint.mode",
           "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},

@@ -115,21 +115,21 @@ void check_checkpoint(const ExperimentConfig& config, const ConfigOrigins& origi
 
 void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
   TrainingConfig& training = config.training;
-  const int64_t dp = config.parallelism.data_parallel_shard_degree;
+  const int64_t dp = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree;
   const int64_t samples_per_micro_step = training.local_batch_size * dp;
   auto show_key = [&](const std::string& key) { return show(config, origins, key); };
   if (training.global_batch_size > 0 && training.gradient_accumulation_steps > 0) {
     const int64_t implied = samples_per_micro_step * training.gradient_accumulation_steps;
     if (training.global_batch_size != implied) {
       FORGE_FAIL("{} must equal training.local_batch_size × training.gradient_accumulation_steps × "
-                 "parallelism.data_parallel_shard_degree = {} × {} × {} = {}",
+                 "data-parallel ranks (parallelism.data_parallel_shard_degree × data_parallel_replicate_degree) = {} × {} × {} = {}",
                  show_key("training.global_batch_size"), training.local_batch_size,
                  training.gradient_accumulation_steps, dp, implied);
     }
   } else if (training.global_batch_size > 0) {
     if (training.global_batch_size % samples_per_micro_step != 0) {
-      FORGE_FAIL("{} must be a multiple of training.local_batch_size × parallelism.data_parallel_shard_degree = "
-                 "{} × {} = {}",
+      FORGE_FAIL("{} must be a multiple of training.local_batch_size × data-parallel ranks "
+                 "(parallelism.data_parallel_shard_degree × data_parallel_replicate_degree) = {} × {} = {}",
                  show_key("training.global_batch_size"), training.local_batch_size, dp, samples_per_micro_step);
     }
     training.gradient_accumulation_steps = training.global_batch_size / samples_per_micro_step;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace forge {
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan) {
@@ -14,6 +16,19 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
+  if (!plan.fsdp) return e;
+
+  const double n = static_cast<double>(plan.shard_ranks);
+  const double block = static_cast<double>(config.params_per_layer());
+  const double root = params - block * static_cast<double>(config.num_layers);
+  const double compute_bytes = static_cast<double>(dtype_size(compute));
+  e.master_weights = params * 4 / n;
+  e.optimizer_state /= n;
+  e.gradients = params * 4 / n + (plan.zero_stage == 1 ? params * 4 : (root + 2 * block) * 4);
+  e.compute_weights = plan.zero_stage <= 2 ? params * compute_bytes
+                                           : (root + params / n + 3 * block) * compute_bytes;
+  const double largest_chunk = std::max(root, block) / n;
+  e.comm_buffers = 3 * largest_chunk * (plan.bf16_reduce ? 2 : 4) + (plan.bf16_reduce ? (root + 2 * block) * 2 : 0);
   return e;
 }
 
@@ -21,8 +36,10 @@ std::string describe(const MemoryEstimate& e) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   std::string s = fmt::format("master weights {} + ", gib(e.master_weights));
   if (e.compute_weights > 0) s += fmt::format("bf16 weights {} + ", gib(e.compute_weights));
-  s += fmt::format("gradients {} + AdamW state {} + activations {} = {}", gib(e.gradients), gib(e.optimizer_state),
-                   gib(e.activations), gib(e.total()));
+  s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),
+                   gib(e.activations));
+  if (e.comm_buffers > 0) s += fmt::format(" + FSDP reduction buffers {}", gib(e.comm_buffers));
+  s += fmt::format(" = {}", gib(e.total()));
   return s;
 }
 

@@ -8,6 +8,11 @@
 // arena]) for the micro-batch, sequence length and checkpointing mode. Library
 // workspaces (cuBLASLt's 32 MiB, cuDNN's attention workspace) and the CUDA context are
 // outside the estimate; kReserveBytes stands for them when checking against free memory.
+// Under FSDP (NOTE [FSDP] in dist/fsdp.h) the estimate is one rank's: 1/N of the master
+// weights, the gradient chunk and the optimizer state, plus the full-size buffers the ZeRO
+// stage keeps (ZeRO-1: all gradients and weights; ZeRO-2: all weights, two block gradient
+// buffers and the root's gradients; ZeRO-3: the root's weights and gradients, three
+// gathered blocks, two block gradient buffers) and the reduction buffers.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +29,10 @@ struct MemoryEstimate {
   double gradients = 0;        // fp32
   double optimizer_state = 0;  // AdamW m and v
   double activations = 0;      // the activation arena of one micro-batch
-  double total() const { return master_weights + compute_weights + gradients + optimizer_state + activations; }
+  double comm_buffers = 0;     // FSDP: bf16 staging and reduced chunks of the reduce-scatters
+  double total() const {
+    return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers;
+  }
 };
 
 struct MemoryPlan {
@@ -33,6 +41,10 @@ struct MemoryPlan {
   bool cuda = false;                   // bf16 compute copy and activations; fp32 on the CPU
   DType optimizer_state = DType::F32;  // F32 | BF16
   ActivationCheckpoint checkpoint = ActivationCheckpoint::None;
+  bool fsdp = false;         // more than one data-parallel rank
+  int64_t shard_ranks = 1;   // parallelism.data_parallel_shard_degree
+  int64_t zero_stage = 3;
+  bool bf16_reduce = false;
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

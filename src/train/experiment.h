@@ -38,6 +38,7 @@ struct LoggingConfig {
 
 struct PrecisionConfig {
   std::string compute_dtype = "fp32";  // fp32 (CPU reference) | bf16 (CUDA)
+  std::string reduce_dtype = "fp32";   // fp32 | bf16: gradients in FSDP's reduce-scatter (torchtitan's mixed_precision_reduce)
 };
 
 // torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).
@@ -45,8 +46,14 @@ struct ActivationCheckpointConfig {
   std::string mode = "none";         // none | selective | full
 };
 
+// Data parallelism (NOTE [FSDP] in dist/fsdp.h). The launcher's world size must equal
+// data_parallel_replicate_degree × data_parallel_shard_degree.
 struct ParallelismConfig {
-  int64_t data_parallel_shard_degree = 1;  // FSDP ranks; world size on one node for now
+  int64_t data_parallel_shard_degree = 1;      // ranks that shard parameters, gradients, optimizer state
+  int64_t data_parallel_replicate_degree = 1;  // hybrid sharding: replicas of each shard group
+  int64_t zero_stage = 3;                      // 1: optimizer state, 2: + gradients, 3: + parameters
+  double nccl_timeout_s = 600;                 // a collective that takes longer ends the job, naming the rank
+  double rendezvous_timeout_s = 300;           // how long ranks wait for each other at start
 };
 
 // Checkpoints, named as torchtitan's [checkpoint] section.

@@ -14,6 +14,11 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.cuda = config.training.device == "cuda";
   plan.optimizer_state = config.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
   plan.checkpoint = activation_checkpoint_from_name(config.activation_checkpoint.mode);
+  const ParallelismConfig& p = config.parallelism;
+  plan.fsdp = p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1;
+  plan.shard_ranks = p.data_parallel_shard_degree;
+  plan.zero_stage = p.zero_stage;
+  plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   return plan;
 }
 
@@ -28,6 +33,7 @@ void check_memory_fits(const ExperimentConfig& config) {
   if (plan.checkpoint != ActivationCheckpoint::Full) hints += ", activation_checkpoint.mode full";
   if (plan.optimizer_state != DType::BF16) hints += ", optimizer.state_dtype bf16";
   if (plan.micro_batch > 1) hints += ", a smaller training.local_batch_size";
+  if (plan.fsdp && plan.zero_stage < 3) hints += ", parallelism.zero_stage 3";
   hints += ", or more GPUs (FSDP shards weights, gradients and optimizer state)";
   const double gib = 1024.0 * 1024.0 * 1024.0;
   throw OutOfMemoryError(fmt::format(

@@ -57,28 +57,34 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
                config_.precision.compute_dtype);
   }
-  if (config_.parallelism.data_parallel_shard_degree != 1)
-    FORGE_FAIL("parallelism.data_parallel_shard_degree {} needs the NCCL backend; this build runs one process",
-               config_.parallelism.data_parallel_shard_degree);
+  // Before anything touches the GPU: the NCCL group makes GPU local_rank this process's device.
+  set_up_data_parallel();
 
   check_memory_fits(config_);
-  // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
-  // gradients; the model computes with a bf16 copy of the weights refreshed after every
-  // optimizer step. On the CPU the fp32 weights are used directly.
-  params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
-  grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
-  params_->initialize(derive_seed(t.seed, kWeightsSeed));
-  if (device_ == Device::CUDA) {
-    compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16);
-    compute_weights_->assign_from(*params_);
-  }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
+  std::vector<bool> decay;
+  if (fsdp_) {
+    fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
+    for (const FsdpSegment& segment : fsdp_->layout().segments()) decay.push_back(segment.weight_decay);
+    optimizer_ = std::make_unique<AdamW>(config_.optimizer, fsdp_->master_segments(), decay);
+    log_fsdp_memory();
+    if (rank_ != 0) set_log_level(LogLevel::Warn);
+  } else {
+    // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
+    // gradients; the model computes with a bf16 copy of the weights refreshed after every
+    // optimizer step. On the CPU the fp32 weights are used directly.
+    params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
+    grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
+    params_->initialize(derive_seed(t.seed, kWeightsSeed));
+    if (device_ == Device::CUDA) {
+      compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16);
+      compute_weights_->assign_from(*params_);
+    }
+    for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
+    optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
+  }
   model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode));
-
-  std::vector<bool> decay;
-  for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
-  optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
 
   uint64_t data_seed = derive_seed(t.seed, kDataSeed);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
@@ -87,7 +93,79 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed));
 }
 
+// Every rank says what it holds: the optimizer state (master weights and moments) is
+// 1/N of the model's on each of the N shard ranks (NOTE [FSDP]).
+void Trainer::log_fsdp_memory() const {
+  const FsdpMemory m = fsdp_->memory();
+  int64_t moments = 0;
+  for (const Tensor& t : optimizer_->exp_avg()) moments += static_cast<int64_t>(t.nbytes());
+  for (const Tensor& t : optimizer_->exp_avg_sq()) moments += static_cast<int64_t>(t.nbytes());
+  const double moment_bytes = config_.optimizer.state_dtype == "bf16" ? 4.0 : 8.0;
+  const double model_state = static_cast<double>(config_.model.total_params()) * (4.0 + moment_bytes);
+  const double own_state = static_cast<double>(m.master_weights + moments);
+  const int shards = shard_group_->world_size();
+  auto gib = [](double b) { return fmt::format("{:.3f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
+  log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas): optimizer state {} (master {} + moments {}) "
+           "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
+           "reduction buffers {}",
+           rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, gib(own_state),
+           gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
+           gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
+           gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
+}
+
+void Trainer::set_up_data_parallel() {
+  const ParallelismConfig& p = config_.parallelism;
+  const LaunchEnv env = read_launch_env();
+  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree;
+  if (env.world_size == 1 && ranks > 1)
+    FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree = {} × {} = {} ranks, but "
+               "this process was started alone: start {} ranks (forge launch --nproc-per-node {} -- train ..., "
+               "torchrun or srun)",
+               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, ranks, ranks, ranks);
+  if (env.world_size != ranks)
+    FORGE_FAIL("{} ranks were started ({}), but parallelism.data_parallel_shard_degree × "
+               "data_parallel_replicate_degree = {} × {} = {}: set them so that their product is the number of ranks",
+               env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, ranks);
+  if (ranks == 1) return;
+  rank_ = env.rank;
+  world_size_ = env.world_size;
+  ProcessGroupOptions options;
+  options.device = device_;
+  options.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rendezvous_timeout_s * 1000));
+  options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.nccl_timeout_s * 1000));
+  world_ = create_process_group(env, options);
+  shard_group_ = world_.get();
+  if (p.data_parallel_replicate_degree > 1) {
+    // Consecutive ranks shard (they share a node when the shard degree is the ranks per
+    // node); ranks the shard degree apart hold the same shard.
+    const int shard = static_cast<int>(p.data_parallel_shard_degree);
+    shard_split_ = world_->split(rank_ / shard, rank_);
+    replicate_group_ = world_->split(rank_ % shard, rank_);
+    shard_group_ = shard_split_.get();
+  }
+  FsdpOptions fsdp;
+  fsdp.zero_stage = static_cast<int>(p.zero_stage);
+  fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
+  fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
+}
+
 Trainer::~Trainer() = default;
+
+const FlatParameters& Trainer::parameters() const {
+  FORGE_CHECK(params_, "Trainer::parameters(): a data-parallel run holds shards, not the full parameters");
+  return *params_;
+}
+
+ParamSource& Trainer::weights() {
+  if (fsdp_) return *fsdp_;
+  return compute_weights_ ? *compute_weights_ : *params_;
+}
+
+GradSink& Trainer::gradients() {
+  if (fsdp_) return *fsdp_;
+  return *grads_;
+}
 
 // Everything that can refuse the run (an old run without a checkpoint, a bad checkpoint)
 // happens before the first write, so a refused run leaves the directory as it was.
@@ -113,6 +191,10 @@ void Trainer::prepare_run_dir() {
     load_initial_weights(ckpt.initial_load_path);
   }
   if (ckpt.last_save_in_hf) check_hf_export_target(run_dir_ + "/hf");
+  // Every rank has made its checks before rank 0 writes (another rank would otherwise
+  // see rank 0's fresh metrics.jsonl as an earlier run).
+  if (world_) world_->barrier();
+  if (rank_ != 0) return;
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
@@ -169,10 +251,11 @@ TrainResult Trainer::run() {
                                {"parameters", mc.total_params()},
                                {"flops_per_token", mc.flops_per_token(t.seq_len)},
                                {"tokens_per_step", tokens_per_step},
+                               {"ranks", world_size_},
                                {"device", accelerator_name()}};
   run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
-  metrics_->write(run_record);
-  if (resume_from_)
+  if (metrics_) metrics_->write(run_record);
+  if (resume_from_ && metrics_)
     metrics_->write(nlohmann::json{{"type", "resume"}, {"step", start_step_}, {"checkpoint", *resume_from_}});
   if (start_step_ >= t.steps)
     log_info("the checkpoint is at step {}, training.steps is {}: nothing left to train", start_step_, t.steps);
@@ -180,7 +263,7 @@ TrainResult Trainer::run() {
   // A long run in a terminal shows a progress bar between its log lines; elsewhere the
   // log lines (every logging.log_interval steps) are the progress.
   std::optional<ProgressReporter> progress;
-  if (isatty(fileno(stderr))) {
+  if (rank_ == 0 && isatty(fileno(stderr))) {
     progress.emplace(true);
     progress->start(static_cast<double>(t.steps), "training");
   }
@@ -193,24 +276,44 @@ TrainResult Trainer::run() {
     reset_op_profile();
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
-    grads_->zero();
+    if (fsdp_) fsdp_->begin_step();
+    else grads_->zero();
+    // NOTE [Data-parallel steps]: every rank reads the whole global batch and keeps its slice.
     int64_t targets = 0;
-    for (auto& b : batches) {
-      b = train_loader_->next();
-      const int32_t* tg = b.targets.data<int32_t>();
-      for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
+    for (int64_t a = 0; a < accum; ++a) {
+      for (int r = 0; r < world_size_; ++r) {
+        Batch b = train_loader_->next();
+        const int32_t* tg = b.targets.data<int32_t>();
+        for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
+        if (r == rank_) batches[static_cast<size_t>(a)] = std::move(b);
+      }
     }
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
-    for (auto& b : batches) {
-      LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), *grads_,
+    for (int64_t a = 0; a < accum; ++a) {
+      const Batch& b = batches[static_cast<size_t>(a)];
+      if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
+      LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale);
+      if (fsdp_) fsdp_->end_micro_batch();
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
-    const double norm = global_grad_norm({grads_->flat()});
-    optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
-                     compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
+    double norm = 0.0;
+    if (fsdp_) {
+      loss.sum = fsdp_->sum_over_ranks(loss.sum);
+      loss.tokens = targets;
+      fsdp_->finish_gradients();
+      norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
+      const bool fused_copy = device_ == Device::CUDA;  // AdamW writes the bf16 chunk as it updates
+      optimizer_->step(fsdp_->grad_segments(), lr, clip_coefficient(norm, t.max_norm),
+                       fused_copy ? fsdp_->compute_segments() : std::vector<Tensor>{});
+      fsdp_->refresh_compute_weights(fused_copy);
+    } else {
+      norm = global_grad_norm({grads_->flat()});
+      optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
+                       compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
+    }
     double dt = seconds_since(t0);
 
     StepMetrics m;
@@ -219,8 +322,9 @@ TrainResult Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.step_time_s = dt;
-    m.tokens_per_s = tokens_per_step / dt;
-    m.model_tflops = flops_per_step / dt / 1e12;
+    // Per GPU, as torchtitan and Megatron report them: the global work over the ranks.
+    m.tokens_per_s = tokens_per_step / dt / world_size_;
+    m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
     if (peak) m.mfu = m.model_tflops / *peak;
     if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
     if (op_profiling()) {
@@ -229,7 +333,7 @@ TrainResult Trainer::run() {
     }
     result.losses.push_back(m.loss);
     result.step_seconds.push_back(dt);
-    metrics_->write(m);
+    if (metrics_) metrics_->write(m);
     if (progress && (!std::isfinite(m.loss) || !std::isfinite(norm))) progress->clear();
     if (!std::isfinite(m.loss) || !std::isfinite(norm))
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
@@ -240,7 +344,7 @@ TrainResult Trainer::run() {
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
     if (eval_now) {
       EvalMetrics e = evaluate(m.step);
-      metrics_->write(e);
+      if (metrics_) metrics_->write(e);
       result.evals.push_back(e);
       log_line(format_eval(e, result.entropy_floor));
     }

@@ -12,6 +12,16 @@
 // is being minimized. The trainer counts the targets of all micro-batches first and
 // passes 1/count as the gradient scale.
 //
+// NOTE [Data-parallel steps]
+// With more than one data-parallel rank (parallelism.data_parallel_shard_degree ×
+// data_parallel_replicate_degree, equal to the launcher's world size) the model state is
+// sharded by FSDP (dist/fsdp.h) and every rank computes a slice of the global batch. Every
+// rank reads the whole global batch of the step, in the order a single device would read
+// it, counts its unmasked targets (NOTE [Loss normalization]) and keeps micro-batch
+// a * world + rank for its a-th accumulation step: the global batch, the loss and the
+// gradients mean the same thing at any world size. Rank 0 alone writes the run directory
+// (metrics, TensorBoard, config) and logs; the other ranks only warn.
+//
 // NOTE [Exact resume]
 // A checkpoint at step k holds everything the loop reads that changes from step to step:
 // parameters, AdamW m, v and step count, and the data loader position. The LR comes from
@@ -27,6 +37,8 @@
 #include <vector>
 
 #include "data/dataset.h"
+#include "dist/fsdp.h"
+#include "dist/process_group.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
@@ -52,13 +64,18 @@ class Trainer {
   TrainResult run();
   EvalMetrics evaluate(int64_t step);
 
-  const FlatParameters& parameters() const { return *params_; }
+  // The fp32 weights of single-device training (not available under FSDP, where each
+  // rank holds a shard).
+  const FlatParameters& parameters() const;
 
  private:
   void prepare_run_dir();
   double lr_for_step(int64_t step) const;
-  // The weights the model computes with: the bf16 copy on CUDA, the fp32 weights on the CPU.
-  FlatParameters& weights() { return compute_weights_ ? *compute_weights_ : *params_; }
+  // The weights the model computes with: FSDP's, else the bf16 copy on CUDA, else the fp32 weights.
+  ParamSource& weights();
+  GradSink& gradients();
+  void set_up_data_parallel();
+  void log_fsdp_memory() const;
 
   // trainer_checkpoint.cpp
   std::string checkpoint_folder() const;
@@ -67,7 +84,7 @@ class Trainer {
   void save_checkpoint(int64_t step);
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
-  void export_hf_model() const;
+  void export_hf_model();
 
   ExperimentConfig config_;
   std::string resolved_yaml_;
@@ -80,7 +97,12 @@ class Trainer {
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
-  std::unique_ptr<MetricsWriter> metrics_;
+  std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
+  // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
+  int rank_ = 0, world_size_ = 1;
+  std::unique_ptr<ProcessGroup> world_, shard_split_, replicate_group_;
+  ProcessGroup* shard_group_ = nullptr;
+  std::unique_ptr<Fsdp> fsdp_;
 };
 
 }  // namespace forge

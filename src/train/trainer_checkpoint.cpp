@@ -60,10 +60,20 @@ void Trainer::restore_checkpoint(const std::string& dir) {
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/true);
   const TrainingState& saved = ck.metadata.training;
   const int world = static_cast<int>(ck.metadata.shards.size());
-  read_into_tensor(ck, FlatState::Param, 0, params_->flat());
-  if (compute_weights_) compute_weights_->assign_from(*params_);
-  read_into_tensors(ck, FlatState::ExpAvg, optimizer_->exp_avg());
-  read_into_tensors(ck, FlatState::ExpAvgSq, optimizer_->exp_avg_sq());
+  if (fsdp_) {
+    // Each rank reads its segments, whatever world size saved the checkpoint.
+    fsdp_->load_master([&](int64_t offset, std::span<float> out) { read_flat_range(ck, FlatState::Param, offset, out); });
+    const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
+    for (size_t i = 0; i < segments.size(); ++i) {
+      read_into_tensor(ck, FlatState::ExpAvg, segments[i].flat_offset, optimizer_->exp_avg()[i]);
+      read_into_tensor(ck, FlatState::ExpAvgSq, segments[i].flat_offset, optimizer_->exp_avg_sq()[i]);
+    }
+  } else {
+    read_into_tensor(ck, FlatState::Param, 0, params_->flat());
+    if (compute_weights_) compute_weights_->assign_from(*params_);
+    read_into_tensors(ck, FlatState::ExpAvg, optimizer_->exp_avg());
+    read_into_tensors(ck, FlatState::ExpAvgSq, optimizer_->exp_avg_sq());
+  }
   optimizer_->set_step_count(saved.optimizer_step);
   train_loader_->set_position(saved.data_position);
   start_step_ = saved.step;
@@ -91,8 +101,13 @@ void Trainer::load_initial_weights(const std::string& path) {
   }
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
-  read_into_tensor(ck, FlatState::Param, 0, params_->flat());
-  if (compute_weights_) compute_weights_->assign_from(*params_);
+  if (fsdp_) {
+    // Each rank reads only its segments, whatever world size saved the checkpoint.
+    fsdp_->load_master([&](int64_t offset, std::span<float> out) { read_flat_range(ck, FlatState::Param, offset, out); });
+  } else {
+    read_into_tensor(ck, FlatState::Param, 0, params_->flat());
+    if (compute_weights_) compute_weights_->assign_from(*params_);
+  }
   log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}); the optimizer "
            "and data start fresh at step 0",
            dir, ck.metadata.training.step);
@@ -100,10 +115,24 @@ void Trainer::load_initial_weights(const std::string& path) {
 
 void Trainer::save_checkpoint(int64_t step) {
   auto t0 = std::chrono::steady_clock::now();
-  const std::vector<float> m = concatenate(optimizer_->exp_avg());
-  const std::vector<float> v = concatenate(optimizer_->exp_avg_sq());
-  const Tensor flat = params_->flat().to(Device::CPU);
-  ShardData shard{shard_ranges(flat.numel(), 1).front(), flat.data<float>(), m.data(), v.data()};
+  std::vector<float> m, v, params;
+  if (fsdp_) {
+    // Rank 0 gathers the whole state into host memory (12 bytes per parameter) and writes
+    // it; the file layout records this world size's ranges, and any world size reads it.
+    fsdp_->gather_to_host(fsdp_->master_shard(), params);
+    fsdp_->gather_to_host(fsdp_->chunk_of(optimizer_->exp_avg()), m);
+    fsdp_->gather_to_host(fsdp_->chunk_of(optimizer_->exp_avg_sq()), v);
+    if (rank_ != 0) return;
+  } else {
+    m = concatenate(optimizer_->exp_avg());
+    v = concatenate(optimizer_->exp_avg_sq());
+    const Tensor flat = params_->flat().to(Device::CPU);
+    params.assign(flat.data<float>(), flat.data<float>() + flat.numel());
+  }
+  const int64_t numel = static_cast<int64_t>(params.size());
+  std::vector<ShardData> shards;
+  for (const ShardRange& range : shard_ranges(numel, world_size_))
+    shards.push_back({range, params.data() + range.begin, m.data() + range.begin, v.data() + range.begin});
   TrainingState state;
   state.step = step;
   state.data_position = train_loader_->position();
@@ -111,10 +140,10 @@ void Trainer::save_checkpoint(int64_t step) {
   state.lr_schedule_steps = config_.training.steps;
   state.optimizer = config_.optimizer;
   state.optimizer_step = optimizer_->step_count();
-  const std::string dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, {shard},
+  const std::string dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, shards,
                                                  config_.checkpoint.keep_latest_k);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s)", dir, 3.0 * 4.0 * static_cast<double>(flat.numel()) / 1e6,
+  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s)", dir, 3.0 * 4.0 * static_cast<double>(numel) / 1e6,
            seconds);
 }
 

@@ -4,11 +4,21 @@
 // weights in host memory; on CUDA the master weights pass through a host copy.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
+
+#include <algorithm>
 #include "train/trainer.h"
 
 namespace forge {
 
 void Trainer::load_initial_hf_weights(const std::string& dir) {
+  if (fsdp_) {
+    // Every rank reads the model into host memory and keeps its segments.
+    FlatParameters host(config_.model);
+    load_hf_weights_checked(dir, host);
+    const float* flat = host.flat().data<float>();
+    fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
+    return;
+  }
   if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
   } else {
@@ -19,11 +29,19 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (compute_weights_) compute_weights_->assign_from(*params_);
 }
 
-void Trainer::export_hf_model() const {
+void Trainer::export_hf_model() {
   HfExportOptions options;
   options.dtype = config_.precision.compute_dtype == "bf16" ? SafetensorsDType::BF16 : SafetensorsDType::F32;
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
+  if (fsdp_) {
+    std::vector<float> flat;
+    fsdp_->gather_to_host(fsdp_->master_shard(), flat);
+    if (rank_ != 0) return;
+    FlatParameters host(config_.model);
+    std::copy(flat.begin(), flat.end(), host.flat().data<float>());
+    return save_hf_model(dir, host, options);
+  }
   if (params_->flat().device() == Device::CPU) return save_hf_model(dir, *params_, options);
   FlatParameters host(config_.model);
   host.assign_from(*params_);

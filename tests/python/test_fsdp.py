@@ -1,0 +1,162 @@
+"""FSDP across real processes on the CPU (forge launch, the CPU process group): the same
+run on 1, 2 and 4 ranks, with gradient accumulation keeping the global batch equal, gives
+the same loss curve within fp32 reordering; so do ZeRO-1, -2 and -3 and hybrid sharding
+(2 shard ranks x 2 replicas); bf16 gradient reduction stays within bf16 noise; every rank
+reports holding 1/N of the optimizer state; rank 0 alone writes the run directory; and
+the configuration errors a data-parallel run can meet are clear."""
+import json
+import os
+import re
+import subprocess
+import unittest
+
+import numpy
+
+from forge_test_util import forge_bin, scratch_dir
+
+TIMEOUT = 300
+STEPS = 30
+GLOBAL_BATCH = 8
+
+
+def train(run_dir, ranks, *overrides, check=True):
+    """debug-tiny for STEPS steps on `ranks` CPU ranks, micro-batch 2, accumulation filling
+    the global batch of 8 sequences."""
+    accum = GLOBAL_BATCH // (2 * ranks)
+    args = ["train", "--training.steps", str(STEPS), "--training.local_batch_size", "2",
+            "--training.gradient_accumulation_steps", str(accum), "--eval.interval", "0",
+            "--logging.run_dir", run_dir, "--parallelism.data_parallel_shard_degree", str(ranks), *overrides]
+    command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
+    env = dict(os.environ, FORGE_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r["loss"] for r in map(json.loads, f) if r.get("type") == "step"]
+
+
+def max_relative_difference(a, b):
+    assert len(a) == len(b) == STEPS, (len(a), len(b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+class Parity(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.single = losses(cls.run("single", 1))
+
+    @classmethod
+    def run(cls, name, ranks, *overrides):
+        run_dir = os.path.join(cls.tmp, name)
+        cls.last = train(run_dir, ranks, *overrides)
+        return run_dir
+
+    def test_two_and_four_ranks_follow_one(self):
+        for ranks in (2, 4):
+            with self.subTest(ranks=ranks):
+                curve = losses(self.run(f"ranks{ranks}", ranks))
+                self.assertLess(max_relative_difference(curve, self.single), 1e-4)
+        self.assertLess(self.single[-1], self.single[0] - 0.5)  # it trained
+
+    def test_every_zero_stage_follows_one_rank(self):
+        for stage in (1, 2):
+            with self.subTest(stage=stage):
+                curve = losses(self.run(f"zero{stage}", 2, "--parallelism.zero_stage", str(stage)))
+                self.assertLess(max_relative_difference(curve, self.single), 1e-4)
+
+    def test_hybrid_sharding_follows_one_rank(self):
+        run_dir = os.path.join(self.tmp, "hybrid")
+        result = subprocess.run(
+            [forge_bin(), "launch", "--nproc-per-node", "4", "--", "train", "--training.steps", str(STEPS),
+             "--training.local_batch_size", "2", "--training.gradient_accumulation_steps", "1", "--eval.interval", "0",
+             "--logging.run_dir", run_dir, "--parallelism.data_parallel_shard_degree", "2",
+             "--parallelism.data_parallel_replicate_degree", "2"],
+            capture_output=True, text=True, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        self.assertLess(max_relative_difference(losses(run_dir), self.single), 1e-4)
+        self.assertIn("2 shard ranks x 2 replicas", result.stdout)
+
+    def test_bf16_reduction_stays_close(self):
+        curve = losses(self.run("bf16", 2, "--precision.reduce_dtype", "bf16"))
+        self.assertLess(max_relative_difference(curve, self.single), 2e-2)
+
+    def test_each_rank_holds_a_quarter_of_the_optimizer_state(self):
+        self.run("memory", 4)
+        fractions = {}
+        for line in self.last.stdout.splitlines():
+            m = re.match(r"\[rank (\d)\] .*fsdp rank (\d) of 4 \(ZeRO-3.*= 1/([\d.]+) of the model's", line)
+            if m:
+                self.assertEqual(m.group(1), m.group(2))
+                fractions[int(m.group(1))] = float(m.group(3))
+        self.assertEqual(sorted(fractions), [0, 1, 2, 3], self.last.stdout[-3000:])
+        for rank, n in fractions.items():
+            # Each unit is padded to a multiple of 4 x 64 elements: just under a quarter.
+            self.assertTrue(3.9 < n <= 4.0, (rank, n))
+
+    def test_rank_zero_alone_writes_the_run_directory(self):
+        run_dir = self.run("writer", 2)
+        self.assertEqual(sorted(os.listdir(run_dir)), sorted(os.listdir(os.path.join(self.tmp, "single"))))
+        step_lines = [line for line in self.last.stdout.splitlines() if re.search(r"step +\d+/", line)]
+        self.assertTrue(step_lines and all(line.startswith("[rank 0]") for line in step_lines), step_lines[:4])
+
+
+class Errors(unittest.TestCase):
+    def expect_error(self, ranks, fragments, *overrides):
+        result = train(os.path.join(scratch_dir(), "run"), ranks, *overrides, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        for fragment in fragments:
+            self.assertIn(fragment, result.stderr)
+
+    def test_degree_that_is_not_the_world_size(self):
+        result = subprocess.run([forge_bin(), "train", "--parallelism.data_parallel_shard_degree", "2",
+                                 "--logging.run_dir", os.path.join(scratch_dir(), "run")],
+                                capture_output=True, text=True, timeout=TIMEOUT)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("forge launch --nproc-per-node 2", result.stderr)
+
+
+
+def checkpoint_weights(run_dir, step):
+    """The flat fp32 parameters of checkpoint step-<step>, from every rank's file."""
+    directory = os.path.join(run_dir, "checkpoints", f"step-{step}")
+    with open(os.path.join(directory, "metadata.json")) as f:
+        metadata = json.load(f)
+    weights = []
+    for rank, shard in enumerate(metadata["shards"]):
+        count = shard["flat_end"] - shard["flat_begin"]
+        weights.append(numpy.fromfile(os.path.join(directory, f"rank-{rank}.bin"), dtype="<f4", count=count))
+    return numpy.concatenate(weights)
+
+
+class Checkpoints(unittest.TestCase):
+    def test_weights_after_one_step_match_across_world_sizes(self):
+        tmp = scratch_dir()
+        weights = {}
+        for ranks in (1, 4):
+            run_dir = os.path.join(tmp, f"ranks{ranks}")
+            train(run_dir, ranks, "--training.steps", "1", "--checkpoint.enable", "true")
+            weights[ranks] = checkpoint_weights(run_dir, 1)
+        self.assertEqual(weights[1].shape, weights[4].shape)
+        self.assertLess(float(numpy.abs(weights[4] - weights[1]).max()), 1e-6)
+
+    def test_a_run_saved_on_two_ranks_resumes_on_one(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        train(run_dir, 2, "--checkpoint.enable", "true", "--checkpoint.interval", "15")
+        uninterrupted = losses(run_dir)
+        # Back to step 15, on one rank (accumulation 4 keeps the global batch).
+        result = train(run_dir, 1, "--checkpoint.enable", "true", "--checkpoint.load_step", "15")
+        self.assertIn("saved by 2 ranks", result.stdout)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            steps = [r for r in map(json.loads, f) if r.get("type") == "step"]
+        resumed = [r["loss"] for r in steps[STEPS:]]
+        self.assertEqual([r["step"] for r in steps[STEPS:]], list(range(16, STEPS + 1)))
+        self.assertLess(max(abs(a - b) / b for a, b in zip(resumed, uninterrupted[15:])), 1e-4)
+
+
+if __name__ == "__main__":
+    unittest.main()
