@@ -32,6 +32,12 @@ class SingleRankGroup final : public ProcessGroup {
   }
   void barrier() override { check_open(); }
   void destroy() override { destroyed_ = true; }
+  // The only rank forms a group of one whatever its color and key.
+  std::unique_ptr<ProcessGroup> split(int color, int) override {
+    check_open();
+    check_split(color);
+    return std::make_unique<SingleRankGroup>();
+  }
 
  private:
   void check_open() const { FORGE_CHECK(!destroyed_, "process group used after destroy()"); }
@@ -68,6 +74,10 @@ void check_all_gather(const Tensor& output, const Tensor& input, int world_size,
   FORGE_CHECK(output.numel() == input.numel() * world_size,
               "all_gather: output {} must hold world size {} chunks of input {}", shape_str(output.shape()), world_size,
               shape_str(input.shape()));
+}
+
+void check_split(int color) {
+  FORGE_CHECK(color >= 0, "split: color {} is negative (every rank must belong to a group)", color);
 }
 
 std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const ProcessGroupOptions& options) {

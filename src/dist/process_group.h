@@ -13,6 +13,15 @@
 // every forge Tensor is); reduce_scatter's input and all_gather's output hold world_size
 // equal chunks in rank order.
 //
+// split(color, key) makes groups of some of the ranks, as MPI_Comm_split and ncclCommSplit
+// do (hybrid sharding: a shard group within a node, a replicate group across nodes).
+// Every rank of the group calls it together, each with its color (>= 0) and key; each
+// gets the group of the ranks that passed its color, ranked by key, ties broken by the
+// rank in this group. The new group is independent of its parent as far as the caller
+// can tell: collectives on it involve only its ranks, it is destroyed on its own, and
+// may outlive the parent. On NCCL it is a new communicator (ncclCommSplit) with its own
+// watchdog.
+//
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is
 // non-blocking (ncclConfig_t::blocking = 0) and a watchdog thread checks, every few
@@ -56,7 +65,7 @@ struct ProcessGroupOptions {
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
   // Called once, after the communicator was aborted (from the watchdog thread, or from the
   // thread whose NCCL call never left "in progress"), or when destroy() timed out. Empty:
-  // log the message and exit(1).
+  // log the message and exit(1). Groups split from a group inherit its options.
   std::function<void(const std::string& message)> on_failure;
 };
 
@@ -80,6 +89,10 @@ class ProcessGroup {
   // Waits for the collectives in flight and releases the communicator; later calls are
   // errors. The destructor does this too (and never throws).
   virtual void destroy() = 0;
+  // Every rank of this group calls it together: returns the group of the ranks that
+  // passed the same `color` (>= 0), ranked by (`key`, rank in this group). See NOTE
+  // [Process group].
+  virtual std::unique_ptr<ProcessGroup> split(int color, int key) = 0;
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const ProcessGroupOptions& options);
@@ -88,5 +101,6 @@ std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const P
 void check_all_reduce(const Tensor& tensor, Device device);
 void check_reduce_scatter(const Tensor& output, const Tensor& input, int world_size, Device device);
 void check_all_gather(const Tensor& output, const Tensor& input, int world_size, Device device);
+void check_split(int color);
 
 }  // namespace forge

@@ -1,6 +1,7 @@
 // The process group on the CPU: the single-rank group whose collectives are the identity
-// (or a copy), argument checks shared with NCCL's group, and the clear refusals of what
-// the CPU cannot do (several ranks; CUDA without the CUDA backend).
+// (or a copy) and whose split is another single-rank group, argument checks shared with
+// NCCL's group, and the clear refusals of what the CPU cannot do (several ranks; CUDA
+// without the CUDA backend).
 #include <gtest/gtest.h>
 
 #include "config_test_support.h"
@@ -37,6 +38,28 @@ TEST(ProcessGroupCpu, OneRankCollectivesAreTheIdentity) {
   group->barrier();
   group->destroy();
   EXPECT_THROW(group->barrier(), Error);
+}
+
+TEST(ProcessGroupCpu, OneRankSplitsIntoAnotherOneRankGroup) {
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  auto sub = group->split(3, -7);
+  EXPECT_EQ(sub->rank(), 0);
+  EXPECT_EQ(sub->world_size(), 1);
+  auto subsub = sub->split(0, 0);
+  EXPECT_EQ(subsub->world_size(), 1);
+  group->destroy();  // the split group lives on
+  Tensor t = iota(4, 2);
+  sub->all_reduce(t, ReduceOp::Avg);
+  EXPECT_EQ(values(t), values(iota(4, 2)));
+  Tensor gathered = Tensor::zeros({4});
+  sub->all_gather(gathered, t);
+  EXPECT_EQ(values(gathered), values(t));
+  sub->barrier();
+  expect_error([&] { sub->split(-1, 0); }, {"split: color -1 is negative"});
+  expect_error([&] { group->split(0, 0); }, {"process group used after destroy()"});
+  sub->destroy();
+  EXPECT_THROW(sub->barrier(), Error);
+  subsub->barrier();
 }
 
 TEST(ProcessGroupCpu, ArgumentsAreChecked) {
