@@ -1,6 +1,7 @@
 #include "dist/process_group.h"
 
 #include "core/error.h"
+#include "dist/cpu_process_group.h"
 
 #ifdef FORGE_CUDA
 #include "dist/cuda/nccl_process_group.h"
@@ -88,11 +89,7 @@ std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const P
     FORGE_FAIL("{}: multi-GPU communication needs the CUDA backend (configure with -DFORGE_CUDA=ON)", describe(env));
 #endif
   }
-  if (env.world_size != 1)
-    FORGE_FAIL(
-        "{}: ranks communicate through NCCL, on GPUs; on the CPU forge runs as a single process "
-        "(train on cuda, or start one process)",
-        describe(env));
+  if (env.world_size > 1) return create_cpu_process_group(env, options);
   return std::make_unique<SingleRankGroup>();
 }
 

@@ -7,8 +7,11 @@
 //    node (it becomes this thread's current device). Rank 0 makes the NCCL unique id and
 //    hands it out over the TCP rendezvous (tcp_store.h). Collectives are enqueued on the
 //    caller's stream and return at once; fp32 and bf16 tensors, sum or average.
-//  - CPU: the single-rank group, where every collective is the identity (or a copy), so
-//    code written against ProcessGroup runs unchanged, and tested, without a GPU.
+//  - CPU, one rank: the single-rank group, where every collective is the identity (or a
+//    copy), so code written against ProcessGroup runs unchanged without a GPU.
+//  - CPU, several ranks: every collective computed by rank 0 over the rendezvous's TCP
+//    connections (cpu_process_group.h, NOTE [CPU process group]); for tests and the CPU
+//    reference path, so that multi-rank code (FSDP) is tested in CI, which has no GPU.
 // All tensors of one call are on the group's device, of one dtype, and contiguous (as
 // every forge Tensor is); reduce_scatter's input and all_gather's output hold world_size
 // equal chunks in rank order.
@@ -20,7 +23,8 @@
 // rank in this group. The new group is independent of its parent as far as the caller
 // can tell: collectives on it involve only its ranks, it is destroyed on its own, and
 // may outlive the parent. On NCCL it is a new communicator (ncclCommSplit) with its own
-// watchdog.
+// watchdog; on the CPU, every collective of any group still involves every rank of the
+// world (NOTE [CPU process group]).
 //
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is
@@ -61,11 +65,14 @@ struct ProcessGroupOptions {
   Device device = Device::CPU;
   // How long ranks wait for each other at the TCP rendezvous.
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
-  // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]).
+  // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]);
+  // on the CPU, how long a rank waits for the others in a collective.
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
-  // Called once, after the communicator was aborted (from the watchdog thread, or from the
-  // thread whose NCCL call never left "in progress"), or when destroy() timed out. Empty:
-  // log the message and exit(1). Groups split from a group inherit its options.
+  // NCCL: called once, after the communicator was aborted (from the watchdog thread, or
+  // from the thread whose NCCL call never left "in progress"), or when destroy() timed
+  // out. Empty: log the message and exit(1). CPU: called once, with the message the
+  // failed collective then throws (there is nothing asynchronous to abort); empty: only
+  // the throw. Groups split from a group inherit its options.
   std::function<void(const std::string& message)> on_failure;
 };
 
