@@ -20,11 +20,11 @@
 // do (hybrid sharding: a shard group within a node, a replicate group across nodes).
 // Every rank of the group calls it together, each with its color (>= 0) and key; each
 // gets the group of the ranks that passed its color, ranked by key, ties broken by the
-// rank in this group. The new group is independent of its parent as far as the caller
-// can tell: collectives on it involve only its ranks, it is destroyed on its own, and
-// may outlive the parent. On NCCL it is a new communicator (ncclCommSplit) with its own
-// watchdog; on the CPU, every collective of any group still involves every rank of the
-// world (NOTE [CPU process group]).
+// rank in this group. The new group's collectives combine its ranks' tensors only; it is
+// destroyed on its own and may outlive its parent. On NCCL it is a new communicator
+// (ncclCommSplit) with its own watchdog; on the CPU its collectives are relayed through
+// the world's connections, so every rank of the world must call one at the same time,
+// each on its own group (NOTE [CPU process group]).
 //
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is

@@ -247,7 +247,8 @@ Progress take_message(Connection& c, Inbound& in, std::string& detail) {
         return Progress::Unexpected;
       }
       if (in.sized) {
-        std::copy(frame.payload.begin(), frame.payload.end(), in.into.begin() + static_cast<std::ptrdiff_t>(in.received));
+        std::copy(frame.payload.begin(), frame.payload.end(),
+                  in.into.begin() + static_cast<std::ptrdiff_t>(in.received));
       } else {
         in.owned.insert(in.owned.end(), frame.payload.begin(), frame.payload.end());
       }

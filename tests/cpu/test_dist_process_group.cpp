@@ -135,7 +135,8 @@ TEST(ProcessGroupCpu, SeveralRanksFormTheCpuGroup) {
     if (group->rank() != r || group->world_size() != 3) throw Error("wrong rank or size");
     Tensor t = iota(4, static_cast<float>(r));  // r, r + 1, ...
     group->all_reduce(t, ReduceOp::Sum);
-    if (values(t) != std::vector<float>{3, 6, 9, 12}) throw Error(fmt::format("rank {}: all_reduce gave {}", r, values(t)));
+    if (values(t) != std::vector<float>{3, 6, 9, 12})
+      throw Error(fmt::format("rank {}: all_reduce gave {}", r, values(t)));
     // Ranks 0 and 2 form one group (ranked 2, 0 by the key), rank 1 another.
     auto sub = group->split(r % 2, -r);
     Tensor mine = iota(1, static_cast<float>(r));
@@ -193,7 +194,8 @@ TEST(ProcessGroupCpu, AFailureIsReportedOnceAndLasts) {
     }
   });
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
-  contains(errors[0], "rank 0 of 2: all_reduce #1 (f32, 8 elements, sum) on the world: rank 1 did not arrive within 0.3 s");
+  contains(errors[0],
+           "rank 0 of 2: all_reduce #1 (f32, 8 elements, sum) on the world: rank 1 did not arrive within 0.3 s");
   EXPECT_EQ(later, errors[0]);
   contains(errors[1], "rank 1 of 2: rank 0 stopped the job: all_reduce #1");
   std::lock_guard lock(mu);

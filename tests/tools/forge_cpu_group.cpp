@@ -130,8 +130,9 @@ void check_group(ProcessGroup& g, const std::vector<int>& members, uint32_t tag,
         Tensor x = make(n, dtype, [&](int64_t i) { return input_value(me, i, t); });
         g.all_reduce(x, op);
         const std::string what = fmt::format("{} all_reduce {} of {}", name, op_name(op), n);
-        expect_exact(x, [&](int64_t i) { return reduced(members, op, dtype, [&](int r) { return input_value(r, i, t); }); },
-                     what);
+        expect_exact(
+            x, [&](int64_t i) { return reduced(members, op, dtype, [&](int r) { return input_value(r, i, t); }); },
+            what);
         if (digests) print_digest(fmt::format("{}-all_reduce-{}-{}-{}", name, dtype_name(dtype), op_name(op), n), x);
       }
       const int64_t chunk = 1003;
@@ -205,7 +206,8 @@ void collectives(ProcessGroup& world_group, int world) {
 
   // Large buffers: 32 MiB all-reduced, 8 MiB per rank all-gathered.
   const int64_t big = int64_t{8} << 20;
-  Tensor x = make(big, DType::F32, [](int64_t i) { return static_cast<float>(g_rank + 1) * static_cast<float>(i % 1024); });
+  Tensor x =
+      make(big, DType::F32, [](int64_t i) { return static_cast<float>(g_rank + 1) * static_cast<float>(i % 1024); });
   const auto start = std::chrono::steady_clock::now();
   world_group.all_reduce(x, ReduceOp::Sum);
   const double reduce_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
