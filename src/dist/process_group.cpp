@@ -1,6 +1,7 @@
 #include "dist/process_group.h"
 
 #include "core/error.h"
+#include "dist/cpu_process_group.h"
 
 #ifdef FORGE_CUDA
 #include "dist/cuda/nccl_process_group.h"
@@ -32,6 +33,12 @@ class SingleRankGroup final : public ProcessGroup {
   }
   void barrier() override { check_open(); }
   void destroy() override { destroyed_ = true; }
+  // The only rank forms a group of one whatever its color and key.
+  std::unique_ptr<ProcessGroup> split(int color, int) override {
+    check_open();
+    check_split(color);
+    return std::make_unique<SingleRankGroup>();
+  }
 
  private:
   void check_open() const { FORGE_CHECK(!destroyed_, "process group used after destroy()"); }
@@ -70,6 +77,10 @@ void check_all_gather(const Tensor& output, const Tensor& input, int world_size,
               shape_str(input.shape()));
 }
 
+void check_split(int color) {
+  FORGE_CHECK(color >= 0, "split: color {} is negative (every rank must belong to a group)", color);
+}
+
 std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const ProcessGroupOptions& options) {
   if (options.device == Device::CUDA) {
 #ifdef FORGE_CUDA
@@ -78,11 +89,7 @@ std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const P
     FORGE_FAIL("{}: multi-GPU communication needs the CUDA backend (configure with -DFORGE_CUDA=ON)", describe(env));
 #endif
   }
-  if (env.world_size != 1)
-    FORGE_FAIL(
-        "{}: ranks communicate through NCCL, on GPUs; on the CPU forge runs as a single process "
-        "(train on cuda, or start one process)",
-        describe(env));
+  if (env.world_size > 1) return create_cpu_process_group(env, options);
   return std::make_unique<SingleRankGroup>();
 }
 

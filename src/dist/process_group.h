@@ -7,11 +7,24 @@
 //    node (it becomes this thread's current device). Rank 0 makes the NCCL unique id and
 //    hands it out over the TCP rendezvous (tcp_store.h). Collectives are enqueued on the
 //    caller's stream and return at once; fp32 and bf16 tensors, sum or average.
-//  - CPU: the single-rank group, where every collective is the identity (or a copy), so
-//    code written against ProcessGroup runs unchanged, and tested, without a GPU.
+//  - CPU, one rank: the single-rank group, where every collective is the identity (or a
+//    copy), so code written against ProcessGroup runs unchanged without a GPU.
+//  - CPU, several ranks: every collective computed by rank 0 over the rendezvous's TCP
+//    connections (cpu_process_group.h, NOTE [CPU process group]); for tests and the CPU
+//    reference path, so that multi-rank code (FSDP) is tested in CI, which has no GPU.
 // All tensors of one call are on the group's device, of one dtype, and contiguous (as
 // every forge Tensor is); reduce_scatter's input and all_gather's output hold world_size
 // equal chunks in rank order.
+//
+// split(color, key) makes groups of some of the ranks, as MPI_Comm_split and ncclCommSplit
+// do (hybrid sharding: a shard group within a node, a replicate group across nodes).
+// Every rank of the group calls it together, each with its color (>= 0) and key; each
+// gets the group of the ranks that passed its color, ranked by key, ties broken by the
+// rank in this group. The new group's collectives combine its ranks' tensors only; it is
+// destroyed on its own and may outlive its parent. On NCCL it is a new communicator
+// (ncclCommSplit) with its own watchdog; on the CPU its collectives are relayed through
+// the world's connections, so every rank of the world must call one at the same time,
+// each on its own group (NOTE [CPU process group]).
 //
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is
@@ -52,11 +65,14 @@ struct ProcessGroupOptions {
   Device device = Device::CPU;
   // How long ranks wait for each other at the TCP rendezvous.
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
-  // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]).
+  // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]);
+  // on the CPU, how long a rank waits for the others in a collective.
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
-  // Called once, after the communicator was aborted (from the watchdog thread, or from the
-  // thread whose NCCL call never left "in progress"), or when destroy() timed out. Empty:
-  // log the message and exit(1).
+  // NCCL: called once, after the communicator was aborted (from the watchdog thread, or
+  // from the thread whose NCCL call never left "in progress"), or when destroy() timed
+  // out. Empty: log the message and exit(1). CPU: called once, with the message the
+  // failed collective then throws (there is nothing asynchronous to abort); empty: only
+  // the throw. Groups split from a group inherit its options.
   std::function<void(const std::string& message)> on_failure;
 };
 
@@ -80,6 +96,10 @@ class ProcessGroup {
   // Waits for the collectives in flight and releases the communicator; later calls are
   // errors. The destructor does this too (and never throws).
   virtual void destroy() = 0;
+  // Every rank of this group calls it together: returns the group of the ranks that
+  // passed the same `color` (>= 0), ranked by (`key`, rank in this group). See NOTE
+  // [Process group].
+  virtual std::unique_ptr<ProcessGroup> split(int color, int key) = 0;
 };
 
 std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const ProcessGroupOptions& options);
@@ -88,5 +108,6 @@ std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const P
 void check_all_reduce(const Tensor& tensor, Device device);
 void check_reduce_scatter(const Tensor& output, const Tensor& input, int world_size, Device device);
 void check_all_gather(const Tensor& output, const Tensor& input, int world_size, Device device);
+void check_split(int color);
 
 }  // namespace forge

@@ -184,7 +184,8 @@ Fd connect_tcp(const std::string& host, int port, Deadline deadline) {
   }
 }
 
-void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, std::string_view what) {
+void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, std::string_view what,
+              const std::function<void()>& on_readable) {
   size_t sent = 0;
   while (sent < bytes.size()) {
     const ssize_t n = send(fd.get(), bytes.data() + sent, bytes.size() - sent, MSG_NOSIGNAL);
@@ -194,19 +195,22 @@ void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, s
     }
     if (errno == EINTR) continue;
     if (errno != EAGAIN && errno != EWOULDBLOCK) FORGE_FAIL("sending to {}: {}", what, errno_text(errno));
-    pollfd p{fd.get(), POLLOUT, 0};
+    pollfd p{fd.get(), static_cast<short>(POLLOUT | (on_readable ? POLLIN : 0)), 0};
     if (poll(&p, 1, milliseconds_until(deadline)) == 0) FORGE_FAIL("sending to {} timed out", what);
+    if (on_readable && (p.revents & (POLLIN | POLLHUP | POLLERR))) on_readable();
   }
 }
 
 bool read_available(const Fd& fd, std::vector<uint8_t>& buffer) {
-  uint8_t chunk[4096];
+  // Received straight into `buffer`, in pieces large enough that a message of many MiB
+  // takes few system calls.
+  constexpr size_t kPiece = 256 << 10;
   while (true) {
-    const ssize_t n = recv(fd.get(), chunk, sizeof(chunk), 0);
-    if (n > 0) {
-      buffer.insert(buffer.end(), chunk, chunk + n);
-      continue;
-    }
+    const size_t old_size = buffer.size();
+    buffer.resize(old_size + kPiece);
+    const ssize_t n = recv(fd.get(), buffer.data() + old_size, kPiece, 0);
+    buffer.resize(old_size + static_cast<size_t>(std::max<ssize_t>(n, 0)));
+    if (n > 0) continue;
     if (n == 0) return false;
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return true;

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -55,7 +56,10 @@ Fd accept_tcp(const Fd& listener, std::string& peer);
 Fd connect_tcp(const std::string& host, int port, Deadline deadline);
 
 // Sends every byte or throws (peer gone, or `deadline` passed); `what` names the peer.
-void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, std::string_view what);
+// While the socket takes no more bytes and the peer has sent something (or closed),
+// calls `on_readable`, when given, which reads it and may throw to end the send.
+void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, std::string_view what,
+              const std::function<void()>& on_readable = {});
 // Appends whatever can be read now without blocking; false when the peer closed the
 // connection (or reset it) and nothing more will come.
 bool read_available(const Fd& fd, std::vector<uint8_t>& buffer);

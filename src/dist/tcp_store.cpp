@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <poll.h>
 
+#include <algorithm>
+#include <functional>
+#include <initializer_list>
 #include <optional>
 #include <vector>
 
@@ -32,11 +35,28 @@ constexpr auto kAbortSendTimeout = std::chrono::seconds(1);
 // own deadline passes.
 constexpr std::chrono::milliseconds kVerdictGrace = std::chrono::seconds(5);
 
-enum class FrameType : uint16_t { Hello = 1, Welcome = 2, Abort = 3, Data = 4, Arrive = 5, Release = 6 };
+// Message and Part carry the messages of any length of the CPU process group: a Message
+// frame holds the length (u64), Part frames the bytes (NOTE [TCP messages]).
+enum class FrameType : uint16_t {
+  Hello = 1,
+  Welcome = 2,
+  Abort = 3,
+  Data = 4,
+  Arrive = 5,
+  Release = 6,
+  Message = 7,
+  Part = 8
+};
 
 struct Frame {
   FrameType type;
   std::vector<uint8_t> payload;
+};
+
+// A frame still in the connection's buffer.
+struct FrameView {
+  FrameType type;
+  std::span<const uint8_t> payload;
 };
 
 void put_u32(std::vector<uint8_t>& out, uint32_t v) {
@@ -49,13 +69,22 @@ uint32_t get_u32(const uint8_t* p) {
   return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
 }
 uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
+void put_u64(std::vector<uint8_t>& out, uint64_t v) {
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+uint64_t get_u64(const uint8_t* p) { return uint64_t(get_u32(p)) | uint64_t(get_u32(p + 4)) << 32; }
 
-std::vector<uint8_t> encode(FrameType type, std::span<const uint8_t> payload) {
+std::vector<uint8_t> frame_header(FrameType type, size_t payload_bytes) {
   std::vector<uint8_t> out;
   put_u32(out, kMagic);
   put_u16(out, kVersion);
   put_u16(out, static_cast<uint16_t>(type));
-  put_u32(out, static_cast<uint32_t>(payload.size()));
+  put_u32(out, static_cast<uint32_t>(payload_bytes));
+  return out;
+}
+
+std::vector<uint8_t> encode(FrameType type, std::span<const uint8_t> payload) {
+  std::vector<uint8_t> out = frame_header(type, payload.size());
   out.insert(out.end(), payload.begin(), payload.end());
   return out;
 }
@@ -68,28 +97,53 @@ std::string seconds_text(std::chrono::milliseconds ms) { return fmt::format("{:g
 
 struct Connection {
   net::Fd fd;
-  std::vector<uint8_t> buffer;
+  std::vector<uint8_t> buffer;  // bytes received; those before `start` are taken already
+  size_t start = 0;
   std::string address;
   bool closed = false;  // the other side closed; what is in `buffer` is all there will be
 };
 
 enum class Parsed { Incomplete, Frame, NotForge, OtherVersion };
 
-// Takes one complete frame off the front of c.buffer.
-Parsed take_frame(Connection& c, Frame& frame, uint16_t& version) {
-  const uint8_t* p = c.buffer.data();
-  if (c.buffer.size() >= 4 && get_u32(p) != kMagic) return Parsed::NotForge;
-  if (c.buffer.size() < kHeaderBytes) return Parsed::Incomplete;
+// The complete frame at the front of what `c` received, left in place.
+Parsed peek_frame(const Connection& c, FrameView& frame, uint16_t& version) {
+  const uint8_t* p = c.buffer.data() + c.start;
+  const size_t size = c.buffer.size() - c.start;
+  if (size >= 4 && get_u32(p) != kMagic) return Parsed::NotForge;
+  if (size < kHeaderBytes) return Parsed::Incomplete;
   version = get_u16(p + 4);
   const auto type = static_cast<FrameType>(get_u16(p + 6));
   const uint32_t length = get_u32(p + 8);
   if (version != kVersion && type != FrameType::Abort) return Parsed::OtherVersion;
   if (length > kMaxPayload) return Parsed::NotForge;
-  if (c.buffer.size() < kHeaderBytes + length) return Parsed::Incomplete;
+  if (size < kHeaderBytes + length) return Parsed::Incomplete;
   frame.type = type;
-  frame.payload.assign(c.buffer.begin() + kHeaderBytes, c.buffer.begin() + kHeaderBytes + length);
-  c.buffer.erase(c.buffer.begin(), c.buffer.begin() + kHeaderBytes + length);
+  frame.payload = {p + kHeaderBytes, length};
   return Parsed::Frame;
+}
+
+// Drops the frame peek_frame() returned. The buffer is emptied when everything in it was
+// taken, else compacted once more than half of it was, so large messages cost linear time.
+void drop_frame(Connection& c, const FrameView& frame) {
+  c.start += kHeaderBytes + frame.payload.size();
+  if (c.start == c.buffer.size()) {
+    c.buffer.clear();
+    c.start = 0;
+  } else if (c.start > c.buffer.size() / 2) {
+    c.buffer.erase(c.buffer.begin(), c.buffer.begin() + static_cast<std::ptrdiff_t>(c.start));
+    c.start = 0;
+  }
+}
+
+// Takes one complete frame off the front of what `c` received.
+Parsed take_frame(Connection& c, Frame& frame, uint16_t& version) {
+  FrameView view;
+  const Parsed parsed = peek_frame(c, view, version);
+  if (parsed != Parsed::Frame) return parsed;
+  frame.type = view.type;
+  frame.payload.assign(view.payload.begin(), view.payload.end());
+  drop_frame(c, view);
+  return parsed;
 }
 
 void send_frame(Connection& c, FrameType type, std::span<const uint8_t> payload, Deadline deadline,
@@ -116,6 +170,93 @@ std::vector<uint8_t> hello_payload(int rank, int world_size) {
   put_u32(out, static_cast<uint32_t>(rank));
   put_u32(out, static_cast<uint32_t>(world_size));
   return out;
+}
+
+// Sends `parts`, concatenated, as one message (NOTE [TCP messages]) without copying them.
+// `on_readable` as for net::send_all.
+void send_message(Connection& c, std::initializer_list<std::span<const uint8_t>> parts, Deadline deadline,
+                  std::string_view what, const std::function<void()>& on_readable = {}) {
+  uint64_t length = 0;
+  for (const auto& part : parts) length += part.size();
+  std::vector<uint8_t> start;
+  put_u64(start, length);
+  net::send_all(c.fd, encode(FrameType::Message, start), deadline, what, on_readable);
+  for (const auto& part : parts) {
+    for (size_t offset = 0; offset < part.size(); offset += kMaxPayload) {
+      const std::span<const uint8_t> piece = part.subspan(offset, std::min<size_t>(kMaxPayload, part.size() - offset));
+      net::send_all(c.fd, frame_header(FrameType::Part, piece.size()), deadline, what, on_readable);
+      net::send_all(c.fd, piece, deadline, what, on_readable);
+    }
+  }
+}
+
+// One message being received (NOTE [TCP messages]): into `into` when the receiver knows
+// its size (`sized`), else into `owned`.
+struct Inbound {
+  std::vector<uint8_t> owned;
+  std::span<uint8_t> into;
+  bool sized = false;
+  bool started = false;
+  uint64_t length = 0;
+  uint64_t received = 0;
+  bool complete() const { return started && received == length; }
+};
+
+enum class Progress { Incomplete, Complete, Abort, Unexpected };
+
+// Takes the frames of `in`'s message off what `c` received so far. Abort: `detail` is
+// rank 0's reason; Unexpected: `detail` says what came instead of the message.
+Progress take_message(Connection& c, Inbound& in, std::string& detail) {
+  while (!in.complete()) {
+    FrameView frame;
+    uint16_t version = 0;
+    switch (peek_frame(c, frame, version)) {
+      case Parsed::Incomplete:
+        return Progress::Incomplete;
+      case Parsed::NotForge:
+        detail = "bytes that are not forge's protocol";
+        return Progress::Unexpected;
+      case Parsed::OtherVersion:
+        detail = fmt::format("a frame of protocol version {}", version);
+        return Progress::Unexpected;
+      case Parsed::Frame:
+        break;
+    }
+    if (frame.type == FrameType::Abort) {
+      detail.assign(frame.payload.begin(), frame.payload.end());
+      drop_frame(c, frame);
+      return Progress::Abort;
+    }
+    if (!in.started) {
+      if (frame.type != FrameType::Message || frame.payload.size() != 8) {
+        detail = "something other than the start of a message";
+        return Progress::Unexpected;
+      }
+      in.length = get_u64(frame.payload.data());
+      if (in.sized && in.length != in.into.size()) {
+        detail = fmt::format("a message of {} bytes where {} were expected", in.length, in.into.size());
+        return Progress::Unexpected;
+      }
+      // A message is at most a few tensors; the cap only keeps a corrupt length from
+      // reserving absurd amounts before its bytes arrive.
+      if (!in.sized) in.owned.reserve(std::min<uint64_t>(in.length, uint64_t{1} << 32));
+      in.started = true;
+    } else {
+      if (frame.type != FrameType::Part || frame.payload.size() > in.length - in.received) {
+        detail = "a frame that does not continue the message";
+        return Progress::Unexpected;
+      }
+      if (in.sized) {
+        std::copy(frame.payload.begin(), frame.payload.end(),
+                  in.into.begin() + static_cast<std::ptrdiff_t>(in.received));
+      } else {
+        in.owned.insert(in.owned.end(), frame.payload.begin(), frame.payload.end());
+      }
+      in.received += frame.payload.size();
+    }
+    drop_frame(c, frame);
+  }
+  return Progress::Complete;
 }
 
 }  // namespace
@@ -188,6 +329,69 @@ struct TcpStore::Peers {
           fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, r, c.address));
         }
       }
+    }
+  }
+
+  // Rank 0: one message from every other rank, failing as gather() does.
+  std::vector<std::vector<uint8_t>> gather_messages(std::chrono::milliseconds timeout, std::string_view stage) {
+    const Deadline deadline = Clock::now() + timeout;
+    const int world = static_cast<int>(ranks.size());
+    std::vector<Inbound> messages(world);
+    int count = 1;
+    // Takes what arrived from rank r; true when its message is complete.
+    const auto take = [&](int r) {
+      Connection& c = ranks[r];
+      std::string detail;
+      switch (take_message(c, messages[r], detail)) {
+        case Progress::Complete:
+          return true;
+        case Progress::Incomplete:
+          if (c.closed)
+            fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, r, c.address));
+          return false;
+        case Progress::Abort:
+        case Progress::Unexpected:
+          break;
+      }
+      fail_all(fmt::format("{}: rank {} ({}) sent an unexpected message", stage, r, c.address));
+    };
+    for (int r = 1; r < world; ++r)
+      if (take(r)) ++count;
+    while (count < world) {
+      std::vector<pollfd> fds;
+      std::vector<int> fd_rank;
+      for (int r = 1; r < world; ++r) {
+        if (messages[r].complete()) continue;
+        fds.push_back({ranks[r].fd.get(), POLLIN, 0});
+        fd_rank.push_back(r);
+      }
+      if (poll(fds.data(), fds.size(), net::milliseconds_until(deadline)) == 0 || Clock::now() >= deadline) {
+        std::vector<int> missing;
+        for (int r = 1; r < world; ++r)
+          if (!messages[r].complete()) missing.push_back(r);
+        fail_all(fmt::format("{}: rank{} {} did not arrive within {} ({} of {} ranks did)", stage,
+                             missing.size() > 1 ? "s" : "", format_ranks(missing), seconds_text(timeout), count,
+                             world));
+      }
+      for (size_t i = 0; i < fds.size(); ++i) {
+        if (fds[i].revents == 0) continue;
+        pump(ranks[fd_rank[i]]);
+        if (take(fd_rank[i])) ++count;
+      }
+    }
+    std::vector<std::vector<uint8_t>> out(world);
+    for (int r = 1; r < world; ++r) out[r] = std::move(messages[r].owned);
+    return out;
+  }
+
+  // Rank 0: sends `data` to rank `r` as one message; a rank that cannot take it fails the job.
+  void send_to(int r, std::span<const uint8_t> data, std::chrono::milliseconds timeout, std::string_view stage) {
+    Connection& c = ranks[r];
+    try {
+      send_message(c, {data}, Clock::now() + timeout, fmt::format("rank {}", r));
+    } catch (const Error& e) {
+      fail_all(fmt::format("{}: rank {} ({}) did not take its result: {} (its process exited, or hangs?)", stage, r,
+                           c.address, e.what()));
     }
   }
 
@@ -291,47 +495,113 @@ struct TcpStore::Peers {
     return true;
   }
 
-  // Any other rank: the next frame from rank 0, which must be `expected` (or ABORT).
-  Frame receive(FrameType expected, std::chrono::milliseconds timeout, int my_rank, const char* stage) {
+  // Any other rank: reads from rank 0 until `take` (which looks at what arrived so far, and
+  // throws what is wrong with it) returns true, failing when rank 0 closes the connection
+  // or `deadline` passes. Messages start with `prefix`.
+  template <typename Take>
+  void await_root(Take&& take, Deadline deadline, std::chrono::milliseconds wait, std::string_view prefix,
+                  std::string_view stage) {
     Connection& c = ranks[0];
-    const std::chrono::milliseconds wait = timeout + std::min(timeout, kVerdictGrace);
-    const Deadline deadline = Clock::now() + wait;
     while (true) {
-      Frame frame;
-      uint16_t version = 0;
-      switch (take_frame(c, frame, version)) {
-        case Parsed::Frame:
-          if (frame.type == FrameType::Abort) {
-            failed = true;
-            FORGE_FAIL("rank {}: rank 0 stopped the job: {}", my_rank,
-                       std::string(frame.payload.begin(), frame.payload.end()));
-          }
-          if (frame.type != expected)
-            FORGE_FAIL("rank {}: {}: rank 0 at {} sent an unexpected message", my_rank, stage, where);
-          return frame;
-        case Parsed::NotForge:
-          FORGE_FAIL(
-              "rank {}: {} answered with something that is not forge's rendezvous (another service on "
-              "MASTER_PORT?)",
-              my_rank, where);
-        case Parsed::OtherVersion:
-          FORGE_FAIL(
-              "rank {}: rank 0 at {} speaks rendezvous protocol version {}, this rank {} (every rank must "
-              "run the same forge build)",
-              my_rank, where, version, kVersion);
-        case Parsed::Incomplete:
-          break;
-      }
+      if (take(c)) return;
       if (c.closed)
-        FORGE_FAIL("rank {}: {}: rank 0 at {} closed the connection (rank 0 failed or exited; its log says why)",
-                   my_rank, stage, where);
+        FORGE_FAIL("{}{}: rank 0 at {} closed the connection (rank 0 failed or exited; its log says why)", prefix,
+                   stage, where);
       pollfd p{c.fd.get(), POLLIN, 0};
       if (poll(&p, 1, net::milliseconds_until(deadline)) == 0 || Clock::now() >= deadline)
         FORGE_FAIL(
-            "rank {}: {}: no word from rank 0 at {} within {} (rank 0, or a rank it waits for, is stuck or "
+            "{}{}: no word from rank 0 at {} within {} (rank 0, or a rank it waits for, is stuck or "
             "missing)",
-            my_rank, stage, where, seconds_text(wait));
+            prefix, stage, where, seconds_text(wait));
       pump(c);
+    }
+  }
+
+  // Any other rank: the next frame from rank 0, which must be `expected` (or ABORT).
+  Frame receive(FrameType expected, std::chrono::milliseconds timeout, int my_rank, const char* stage) {
+    const std::chrono::milliseconds wait = timeout + std::min(timeout, kVerdictGrace);
+    Frame frame;
+    await_root(
+        [&](Connection& c) {
+          uint16_t version = 0;
+          switch (take_frame(c, frame, version)) {
+            case Parsed::Frame:
+              if (frame.type == FrameType::Abort) {
+                failed = true;
+                FORGE_FAIL("rank {}: rank 0 stopped the job: {}", my_rank,
+                           std::string(frame.payload.begin(), frame.payload.end()));
+              }
+              if (frame.type != expected)
+                FORGE_FAIL("rank {}: {}: rank 0 at {} sent an unexpected message", my_rank, stage, where);
+              return true;
+            case Parsed::NotForge:
+              FORGE_FAIL(
+                  "rank {}: {} answered with something that is not forge's rendezvous (another service on "
+                  "MASTER_PORT?)",
+                  my_rank, where);
+            case Parsed::OtherVersion:
+              FORGE_FAIL(
+                  "rank {}: rank 0 at {} speaks rendezvous protocol version {}, this rank {} (every rank must "
+                  "run the same forge build)",
+                  my_rank, where, version, kVersion);
+            case Parsed::Incomplete:
+              break;
+          }
+          return false;
+        },
+        Clock::now() + wait, wait, fmt::format("rank {}: ", my_rank), stage);
+    return frame;
+  }
+
+  // Any other rank: rank 0's next message, into `in`.
+  void receive_message(Inbound& in, std::chrono::milliseconds timeout, std::string_view stage) {
+    const std::chrono::milliseconds wait = timeout + std::min(timeout, kVerdictGrace);
+    await_root([&](Connection& c) { return took_from_root(c, in, stage); }, Clock::now() + wait, wait, "", stage);
+  }
+
+  // Any other rank: true once `in` is complete; throws rank 0's verdict when it sent one.
+  bool took_from_root(Connection& c, Inbound& in, std::string_view stage) {
+    std::string detail;
+    switch (take_message(c, in, detail)) {
+      case Progress::Complete:
+        return true;
+      case Progress::Incomplete:
+        return false;
+      case Progress::Abort:
+        failed = true;
+        throw Error("rank 0 stopped the job: " + detail);
+      case Progress::Unexpected:
+        failed = true;
+        FORGE_FAIL("{}: rank 0 at {} sent {}", stage, where, detail);
+    }
+    return false;
+  }
+
+  // Any other rank: sends a message to rank 0. Rank 0 reads it only once it has reached
+  // the same call, and may instead stop the job; so while the message does not fit into
+  // the connection, what rank 0 sends is read, and its verdict ends the wait.
+  void send_to_root(std::initializer_list<std::span<const uint8_t>> parts, std::chrono::milliseconds timeout,
+                    std::string_view stage) {
+    Connection& c = ranks[0];
+    const std::chrono::milliseconds wait = timeout + std::min(timeout, kVerdictGrace);
+    // Nothing but a verdict can come from rank 0 before it has this message.
+    Inbound nothing;
+    nothing.sized = true;
+    const auto check_verdict = [&] {
+      pump(c);
+      if (took_from_root(c, nothing, stage))
+        FORGE_FAIL("{}: rank 0 at {} sent a message before it had this rank's", stage, where);
+      if (c.closed)
+        FORGE_FAIL("{}: rank 0 at {} closed the connection (rank 0 failed or exited; its log says why)", stage,
+                   where);
+    };
+    try {
+      send_message(c, parts, Clock::now() + wait, "rank 0", check_verdict);
+    } catch (const Error& e) {
+      if (failed) throw;
+      // The connection broke or the deadline passed: rank 0 may have said why before.
+      check_verdict();
+      FORGE_FAIL("{}: {} (rank 0, or a rank it waits for, is stuck or missing)", stage, e.what());
     }
   }
 };
@@ -380,6 +650,50 @@ void TcpStore::broadcast(std::span<uint8_t> data) {
     FORGE_FAIL("rank {}: broadcast: rank 0 sent {} bytes, this rank expected {}", rank_, frame.payload.size(),
                data.size());
   std::copy(frame.payload.begin(), frame.payload.end(), data.begin());
+}
+
+void TcpStore::send_to_root(std::span<const uint8_t> head, std::span<const uint8_t> body,
+                            std::chrono::milliseconds timeout, std::string_view stage) {
+  FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");
+  FORGE_CHECK(rank_ != 0, "send_to_root on rank 0");
+  peers_->send_to_root({head, body}, timeout, stage);
+}
+
+std::vector<uint8_t> TcpStore::receive_from_root(std::chrono::milliseconds timeout, std::string_view stage) {
+  FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");
+  FORGE_CHECK(rank_ != 0, "receive_from_root on rank 0");
+  Inbound in;
+  peers_->receive_message(in, timeout, stage);
+  return std::move(in.owned);
+}
+
+void TcpStore::receive_from_root(std::span<uint8_t> data, std::chrono::milliseconds timeout, std::string_view stage) {
+  FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");
+  FORGE_CHECK(rank_ != 0, "receive_from_root on rank 0");
+  Inbound in;
+  in.into = data;
+  in.sized = true;
+  peers_->receive_message(in, timeout, stage);
+}
+
+std::vector<std::vector<uint8_t>> TcpStore::gather_at_root(std::chrono::milliseconds timeout, std::string_view stage) {
+  FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");
+  FORGE_CHECK(rank_ == 0, "gather_at_root on rank {}", rank_);
+  if (world_size_ == 1) return std::vector<std::vector<uint8_t>>(1);
+  return peers_->gather_messages(timeout, stage);
+}
+
+void TcpStore::send_to(int rank, std::span<const uint8_t> data, std::chrono::milliseconds timeout,
+                       std::string_view stage) {
+  FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");
+  FORGE_CHECK(rank_ == 0 && rank > 0 && rank < world_size_, "send_to rank {} from rank {}", rank, rank_);
+  peers_->send_to(rank, data, timeout, stage);
+}
+
+void TcpStore::abort(const std::string& reason) {
+  FORGE_CHECK(rank_ == 0, "abort on rank {}", rank_);
+  if (peers_->failed || world_size_ == 1) throw Error(reason);
+  peers_->fail_all(reason);
 }
 
 void TcpStore::barrier() {

@@ -18,6 +18,20 @@
 // peer got through, and usually reaches a barrier within the grace of the others, so its
 // deadline passes first and the peer hears the reason rather than a bare timeout. A rank
 // whose connection closes (its process died) ends rank 0's wait at once, named.
+//
+// NOTE [TCP messages]
+// The CPU process group (cpu_process_group.h) sends tensors through rank 0 over these
+// connections: messages of any length, each a MESSAGE frame holding the length (u64) and
+// then the bytes in PART frames of at most 1 MiB, the payload limit of every frame. The
+// others send to rank 0 (send_to_root) and receive from it (receive_from_root); rank 0
+// gathers one message from every rank (gather_at_root), answers each (send_to), or stops
+// the job telling everyone why (abort). The waits are those above with the caller's
+// timeout: rank 0 names the ranks that did not arrive or closed their connection and
+// sends that verdict to the others; a rank waiting on rank 0 (also while its message does
+// not fit into the connection yet, as rank 0 reads it only once it reaches the same call)
+// gets that verdict, or fails on its own after the timeout plus the grace. Bytes are
+// copied only into and out of the connection's buffer, never per frame of the message.
+// These errors do not start with this rank's number: the caller names it.
 #pragma once
 
 #include <chrono>
@@ -25,6 +39,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "dist/launch_env.h"
 
@@ -48,6 +64,22 @@ class TcpStore {
   void broadcast(std::span<uint8_t> data);
   // Returns once every rank has called barrier().
   void barrier();
+
+  // NOTE [TCP messages]. `stage` names the call in error messages.
+  // Any rank but 0: sends `head` followed by `body` to rank 0 as one message.
+  void send_to_root(std::span<const uint8_t> head, std::span<const uint8_t> body, std::chrono::milliseconds timeout,
+                    std::string_view stage);
+  // Any rank but 0: rank 0's next message; the second form receives it into `data`, which
+  // must be its size.
+  std::vector<uint8_t> receive_from_root(std::chrono::milliseconds timeout, std::string_view stage);
+  void receive_from_root(std::span<uint8_t> data, std::chrono::milliseconds timeout, std::string_view stage);
+  // Rank 0: one message from every other rank, indexed by rank ([0] is empty).
+  std::vector<std::vector<uint8_t>> gather_at_root(std::chrono::milliseconds timeout, std::string_view stage);
+  // Rank 0: sends `data` to `rank` as one message.
+  void send_to(int rank, std::span<const uint8_t> data, std::chrono::milliseconds timeout, std::string_view stage);
+  // Rank 0: tells every other rank that the job stops because of `reason` (best effort),
+  // then throws it. The store is unusable afterwards, as after any failure.
+  [[noreturn]] void abort(const std::string& reason);
 
  private:
   struct Peers;  // rank 0: the connections to ranks 1..world-1; others: the one to rank 0

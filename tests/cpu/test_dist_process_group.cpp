@@ -1,14 +1,26 @@
 // The process group on the CPU: the single-rank group whose collectives are the identity
-// (or a copy), argument checks shared with NCCL's group, and the clear refusals of what
-// the CPU cannot do (several ranks; CUDA without the CUDA backend).
+// (or a copy) and whose split is another single-rank group, argument checks shared with
+// NCCL's group, CUDA refused without the CUDA backend, and the CPU group of several ranks
+// with its ranks as threads of this process: the group create_process_group gives, its
+// failures reported and lasting. Its values across real processes are checked by
+// tests/python/test_cpu_process_group.py.
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
+
+#include <chrono>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
 
 #include "config_test_support.h"
 #include "dist/process_group.h"
+#include "dist/tcp_socket.h"
 
 namespace forge {
 namespace {
 
+using namespace std::chrono_literals;
 using config_test::expect_error;
 
 Tensor iota(int64_t n, float start) {
@@ -39,6 +51,28 @@ TEST(ProcessGroupCpu, OneRankCollectivesAreTheIdentity) {
   EXPECT_THROW(group->barrier(), Error);
 }
 
+TEST(ProcessGroupCpu, OneRankSplitsIntoAnotherOneRankGroup) {
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  auto sub = group->split(3, -7);
+  EXPECT_EQ(sub->rank(), 0);
+  EXPECT_EQ(sub->world_size(), 1);
+  auto subsub = sub->split(0, 0);
+  EXPECT_EQ(subsub->world_size(), 1);
+  group->destroy();  // the split group lives on
+  Tensor t = iota(4, 2);
+  sub->all_reduce(t, ReduceOp::Avg);
+  EXPECT_EQ(values(t), values(iota(4, 2)));
+  Tensor gathered = Tensor::zeros({4});
+  sub->all_gather(gathered, t);
+  EXPECT_EQ(values(gathered), values(t));
+  sub->barrier();
+  expect_error([&] { sub->split(-1, 0); }, {"split: color -1 is negative"});
+  expect_error([&] { group->split(0, 0); }, {"process group used after destroy()"});
+  sub->destroy();
+  EXPECT_THROW(sub->barrier(), Error);
+  subsub->barrier();
+}
+
 TEST(ProcessGroupCpu, ArgumentsAreChecked) {
   auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
   Tensor f32 = Tensor::zeros({4});
@@ -54,23 +88,129 @@ TEST(ProcessGroupCpu, ArgumentsAreChecked) {
                {"all_reduce: tensor is on cpu, the process group on cuda"});
 }
 
-TEST(ProcessGroupCpu, SeveralRanksNeedGpus) {
+LaunchEnv env_of(int rank, int world, int port) {
   LaunchEnv env;
-  env.rank = 1;
-  env.world_size = 2;
-  env.local_world_size = 2;
-  env.local_rank = 1;
+  env.rank = rank;
+  env.world_size = world;
+  env.local_world_size = world;
+  env.local_rank = rank;
   env.master_addr = "localhost";
-  env.master_port = 29500;
+  env.master_port = port;
   env.launcher = Launcher::Torchrun;
-  expect_error([&] { create_process_group(env, ProcessGroupOptions{}); },
-               {"rank 1 of 2", "ranks communicate through NCCL"});
+  return env;
+}
+
+int free_port() { return net::bound_port(net::listen_tcp(0)); }
+
+// Runs `body(rank)` for every rank of a world of `world` on its own thread; returns each
+// rank's error message, or "" for a rank that finished without one.
+std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body) {
+  std::vector<std::future<std::string>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(std::async(std::launch::async, [&body, r]() -> std::string {
+      try {
+        body(r);
+        return "";
+      } catch (const Error& e) {
+        return e.what();
+      }
+    }));
+  }
+  std::vector<std::string> out;
+  for (auto& rank : ranks) out.push_back(rank.get());
+  return out;
+}
+
+void contains(const std::string& message, const std::string& fragment) {
+  EXPECT_NE(message.find(fragment), std::string::npos) << "message: " << message << "\nlacks: " << fragment;
+}
+
+TEST(ProcessGroupCpu, SeveralRanksFormTheCpuGroup) {
+  const int port = free_port();
+  ProcessGroupOptions options;
+  options.rendezvous_timeout = 10s;
+  options.collective_timeout = 10s;
+  const auto errors = run_ranks(3, [&](int r) {
+    auto group = create_process_group(env_of(r, 3, port), options);
+    if (group->rank() != r || group->world_size() != 3) throw Error("wrong rank or size");
+    Tensor t = iota(4, static_cast<float>(r));  // r, r + 1, ...
+    group->all_reduce(t, ReduceOp::Sum);
+    if (values(t) != std::vector<float>{3, 6, 9, 12})
+      throw Error(fmt::format("rank {}: all_reduce gave {}", r, values(t)));
+    // Ranks 0 and 2 form one group (ranked 2, 0 by the key), rank 1 another.
+    auto sub = group->split(r % 2, -r);
+    Tensor mine = iota(1, static_cast<float>(r));
+    Tensor all = Tensor::zeros({sub->world_size()});
+    sub->all_gather(all, mine);
+    const std::vector<float> expected = r % 2 ? std::vector<float>{1} : std::vector<float>{2, 0};
+    if (values(all) != expected) throw Error(fmt::format("rank {}: split group holds {}", r, values(all)));
+    // The group's size sets reduce_scatter's chunks; a wrong size fails on the caller
+    // alone, before anything is sent, so the ranks stay in step.
+    const std::string wrong = fmt::format("input [3] must hold world size {} chunks", sub->world_size());
+    try {
+      sub->reduce_scatter(Tensor::zeros({2}), Tensor::zeros({3}), ReduceOp::Sum);
+      throw Error("reduce_scatter with a wrong input size was accepted");
+    } catch (const Error& e) {
+      if (std::string(e.what()).find(wrong) == std::string::npos) throw;
+    }
+    group->barrier();
+  });
+  for (const std::string& error : errors) EXPECT_EQ(error, "");
+}
+
+TEST(ProcessGroupCpu, AFailureIsReportedOnceAndLasts) {
+  const int port = free_port();
+  std::mutex mu;
+  std::vector<std::string> reported;
+  ProcessGroupOptions options;
+  options.rendezvous_timeout = 10s;
+  options.collective_timeout = 300ms;
+  options.on_failure = [&](const std::string& message) {
+    std::lock_guard lock(mu);
+    reported.push_back(message);
+  };
+  std::promise<void> rank0_failed;
+  std::shared_future<void> failed = rank0_failed.get_future().share();
+  std::string later;
+  const auto start = std::chrono::steady_clock::now();
+  const auto errors = run_ranks(2, [&](int r) {
+    auto group = create_process_group(env_of(r, 2, port), options);
+    if (r == 1) {
+      failed.wait();  // stays connected, but late for rank 0's all_reduce
+      group->barrier();
+      return;
+    }
+    Tensor t = Tensor::zeros({8});
+    try {
+      group->all_reduce(t, ReduceOp::Sum);
+    } catch (const Error&) {
+      rank0_failed.set_value();
+      try {
+        group->split(0, 0);  // a failed group stays failed
+      } catch (const Error& e) {
+        later = e.what();
+      }
+      throw;
+    }
+  });
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  contains(errors[0],
+           "rank 0 of 2: all_reduce #1 (f32, 8 elements, sum) on the world: rank 1 did not arrive within 0.3 s");
+  EXPECT_EQ(later, errors[0]);
+  contains(errors[1], "rank 1 of 2: rank 0 stopped the job: all_reduce #1");
+  std::lock_guard lock(mu);
+  EXPECT_EQ(reported.size(), 2u);
+  EXPECT_NE(std::find(reported.begin(), reported.end(), errors[0]), reported.end());
+  EXPECT_NE(std::find(reported.begin(), reported.end(), errors[1]), reported.end());
+}
+
 #ifndef FORGE_CUDA
+TEST(ProcessGroupCpu, CudaNeedsTheCudaBackend) {
   ProcessGroupOptions cuda;
   cuda.device = Device::CUDA;
-  expect_error([&] { create_process_group(env, cuda); }, {"rank 1 of 2", "-DFORGE_CUDA=ON"});
-#endif
+  expect_error([&] { create_process_group(env_of(1, 2, 29500), cuda); }, {"rank 1 of 2", "-DFORGE_CUDA=ON"});
 }
+#endif
 
 }  // namespace
 }  // namespace forge

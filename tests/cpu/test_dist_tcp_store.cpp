@@ -2,7 +2,10 @@
 // exchange and barriers succeed in any start order, and every way a job can be broken (a
 // rank that never comes, a wrong world size, another protocol version, a rank that dies,
 // a stranger on the port) ends every waiting rank with a message naming the cause, within
-// the timeout.
+// the timeout. The messages of the CPU process group (NOTE [TCP messages]): many frames
+// long, both ways, sizes checked, and rank 0's verdict reaching a rank that is stuck
+// sending.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/socket.h>
 
@@ -235,6 +238,92 @@ TEST(TcpStore, BroadcastSizesMustAgree) {
   });
   EXPECT_EQ(rank0.get(), "");
   contains(rank1.get(), "rank 0 sent 128 bytes, this rank expected 64");
+}
+
+// Bytes that differ with the rank and the position, so a misplaced frame shows.
+std::vector<uint8_t> pattern_of(int rank, size_t n) {
+  std::vector<uint8_t> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = static_cast<uint8_t>(i * 131 + i / 4099 + rank * 17);
+  return out;
+}
+
+TEST(TcpStore, MessagesOfManyFramesGoToRankZeroAndBack) {
+  const int port = free_port();
+  const int world = 3;
+  const size_t up = (size_t{3} << 20) + 5;  // 3 MiB and a bit: four frames after the head
+  std::vector<std::future<std::string>> ranks;
+  for (int r = 0; r < world; ++r) {
+    ranks.push_back(start_rank([=] {
+      TcpStore store(env_of(r, world, port), 10s);
+      const std::vector<uint8_t> head{uint8_t(r), 1, 2};
+      if (r == 0) {
+        std::vector<std::vector<uint8_t>> got = store.gather_at_root(5s, "test");
+        if (!got[0].empty()) throw Error("rank 0's own entry is not empty");
+        for (int q = 1; q < world; ++q) {
+          std::vector<uint8_t> expected = head;
+          expected[0] = uint8_t(q);
+          const std::vector<uint8_t> body = pattern_of(q, up);
+          expected.insert(expected.end(), body.begin(), body.end());
+          if (got[q] != expected) throw Error(fmt::format("rank {}'s message arrived changed", q));
+          store.send_to(q, pattern_of(q + 10, up * q), 5s, "test");
+        }
+        store.send_to(1, {}, 5s, "test");
+        return;
+      }
+      store.send_to_root(head, pattern_of(r, up), 5s, "test");
+      if (r == 1) {
+        std::vector<uint8_t> answer(up);
+        store.receive_from_root(answer, 5s, "test");
+        if (answer != pattern_of(r + 10, up)) throw Error("rank 1's answer arrived changed");
+        if (!store.receive_from_root(5s, "test").empty()) throw Error("rank 1's empty answer is not empty");
+      } else if (store.receive_from_root(5s, "test") != pattern_of(r + 10, up * r)) {
+        throw Error(fmt::format("rank {}'s answer arrived changed", r));
+      }
+    }));
+  }
+  for (auto& rank : ranks) EXPECT_EQ(rank.get(), "");
+}
+
+TEST(TcpStore, AMessageOfAnotherSizeIsRefused) {
+  const int port = free_port();
+  auto rank0 = start_rank([=] {
+    TcpStore store(env_of(0, 2, port), 5s);
+    store.send_to(1, pattern_of(0, 10), 5s, "test");
+  });
+  auto rank1 = start_rank([=] {
+    TcpStore store(env_of(1, 2, port), 5s);
+    std::vector<uint8_t> data(8);
+    store.receive_from_root(data, 5s, "all_gather #4");
+  });
+  EXPECT_EQ(rank0.get(), "");
+  contains(rank1.get(), "all_gather #4: rank 0 at localhost:" + std::to_string(port) +
+                            " sent a message of 10 bytes where 8 were expected");
+}
+
+TEST(TcpStore, ARankStuckSendingHearsRankZerosVerdict) {
+  const int port = free_port();
+  const auto start = std::chrono::steady_clock::now();
+  std::promise<void> done;
+  std::shared_future<void> finished = done.get_future().share();
+  auto rank0 = start_rank([=] {
+    TcpStore store(env_of(0, 2, port), 30s);
+    std::this_thread::sleep_for(300ms);  // rank 1's message fills the connection meanwhile
+    try {
+      store.abort("rank 2 is on fire");
+    } catch (const Error&) {
+      finished.wait();  // keeps the connection open: the verdict, not a reset, ends rank 1's wait
+      throw;
+    }
+  });
+  auto rank1 = start_rank([=] {
+    TcpStore store(env_of(1, 2, port), 30s);
+    store.send_to_root({}, pattern_of(1, size_t{64} << 20), 30s, "all_reduce #1");
+  });
+  const std::string message = rank1.get();
+  done.set_value();
+  EXPECT_EQ(message, "rank 0 stopped the job: rank 2 is on fire");
+  EXPECT_EQ(rank0.get(), "rank 2 is on fire");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 10s);
 }
 
 TEST(TcpStore, APortInUseIsNamed) {

@@ -12,6 +12,8 @@
 // launched, or by the enqueue itself while NCCL still waits to connect to the absent peer
 // (the first collective on a communicator connects lazily). Whatever its outcome, every
 // rank reaches the test's closing barrier, so one failed expectation cannot hang the job.
+// The split test makes a group of each parity (its own communicator) and checks that both
+// reduce and gather within themselves, in the order the keys give.
 // scripts/gpu-test-dist runs this on every GPU and prints a pass/fail line per rank.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -22,6 +24,7 @@
 #include <functional>
 #include <mutex>
 #include <thread>
+#include <vector>
 
 #include "dist/launch_env.h"
 #include "dist/process_group.h"
@@ -164,6 +167,38 @@ TEST(ProcessGroupCollectives, WorkOnTheCallersStream) {
     g.barrier();
     cudaStreamDestroy(stream);
   }
+}
+
+TEST(ProcessGroupSplit, HalvesWorkAtOnceEachWithinItself) {
+  ProcessGroup& g = GroupEnvironment::group();
+  const int world = g.world_size();
+  const int rank = g.rank();
+  // Halves by parity, the key reversing the rank order within each (world 1: a group of one).
+  auto half = g.split(rank % 2, world - rank);
+  std::vector<int> members;
+  for (int r = world - 1; r >= 0; --r)
+    if (r % 2 == rank % 2) members.push_back(r);
+  ASSERT_EQ(half->world_size(), static_cast<int>(members.size()));
+  ASSERT_EQ(members[half->rank()], rank);
+  float factor_sum = 0;
+  for (int m : members) factor_sum += static_cast<float>(m + 1);
+  for (DType dtype : kDtypes) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    Tensor sum = to_gpu(host_values(5000, [&](int64_t i) { return float(rank + 1) * pattern(i); }), dtype);
+    half->all_reduce(sum, ReduceOp::Sum);
+    expect_values(
+        sum, [&](int64_t i) { return factor_sum * pattern(i); }, dtype, "all_reduce on a split group");
+    const int64_t chunk = 777;
+    Tensor input = to_gpu(host_values(chunk, [&](int64_t i) { return float(rank + 1) * pattern(i); }), dtype);
+    Tensor output = poisoned_gpu({chunk * half->world_size()}, dtype);
+    half->all_gather(output, input);
+    expect_values(
+        output, [&](int64_t j) { return float(members[j / chunk] + 1) * pattern(j % chunk); }, dtype,
+        "all_gather on a split group (members in key order)");
+  }
+  half->barrier();
+  half->destroy();
+  g.barrier();
 }
 
 TEST(ProcessGroupChecks, BarriersAndBadArguments) {

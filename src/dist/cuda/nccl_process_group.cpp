@@ -53,40 +53,44 @@ const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
 
 std::string seconds(std::chrono::milliseconds ms) { return fmt::format("{:g} s", ms.count() / 1000.0); }
 
+// Every communicator forge makes, split ones included, is non-blocking (NOTE [NCCL watchdog]).
+ncclConfig_t nonblocking_config() {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
 }  // namespace
 
 NcclProcessGroup::NcclProcessGroup(const LaunchEnv& env, const ProcessGroupOptions& options)
-    : rank_(env.rank), world_size_(env.world_size), device_(env.local_rank), options_(options) {
-  if (!options_.on_failure) {
-    options_.on_failure = [](const std::string&) {
-      std::fflush(nullptr);
-      std::_Exit(1);  // no static destructors: other threads may be inside CUDA calls
-    };
-  }
+    : NcclProcessGroup(connect(env, options), env.rank, env.world_size, env.local_rank, options, "") {}
+
+ncclComm_t NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOptions& options) {
+  const int rank = env.rank;
+  const int device = env.local_rank;
   int devices = 0;
   CUDA_CHECK(cudaGetDeviceCount(&devices));
-  if (device_ >= devices)
+  if (device >= devices)
     FORGE_FAIL(
         "{}: local rank {} needs GPU {}, but this node shows {} GPU(s): start at most {} rank(s) per node, "
         "or check CUDA_VISIBLE_DEVICES",
-        describe(env), device_, device_, devices, devices);
-  CUDA_CHECK(cudaSetDevice(device_));
+        describe(env), device, device, devices, devices);
+  CUDA_CHECK(cudaSetDevice(device));
 
   ncclUniqueId id{};
   {
-    TcpStore store(env, options_.rendezvous_timeout);
-    if (rank_ == 0) {
+    TcpStore store(env, options.rendezvous_timeout);
+    if (rank == 0) {
       const ncclResult_t r = ncclGetUniqueId(&id);
       if (r != ncclSuccess) FORGE_FAIL("rank 0: ncclGetUniqueId: {}", ncclGetErrorString(r));
     }
     store.broadcast({reinterpret_cast<uint8_t*>(id.internal), sizeof(id.internal)});
   }
 
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 0;
+  ncclConfig_t config = nonblocking_config();
   ncclComm_t comm = nullptr;
-  ncclResult_t r = ncclCommInitRankConfig(&comm, world_size_, id, rank_, &config);
-  const auto deadline = Clock::now() + options_.rendezvous_timeout;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, env.world_size, id, rank, &config);
+  const auto deadline = Clock::now() + options.rendezvous_timeout;
   while (r == ncclInProgress && Clock::now() < deadline) {
     std::this_thread::sleep_for(1ms);
     ncclCommGetAsyncError(comm, &r);
@@ -98,11 +102,24 @@ NcclProcessGroup::NcclProcessGroup(const LaunchEnv& env, const ProcessGroupOptio
       FORGE_FAIL(
           "rank {} (GPU {}): NCCL communicator setup did not finish within {} (did another rank fail to "
           "start NCCL?)",
-          rank_, device_, seconds(options_.rendezvous_timeout));
-    FORGE_FAIL("rank {} (GPU {}): NCCL communicator setup failed: {} {}", rank_, device_, ncclGetErrorString(r),
+          rank, device, seconds(options.rendezvous_timeout));
+    FORGE_FAIL("rank {} (GPU {}): NCCL communicator setup failed: {} {}", rank, device, ncclGetErrorString(r),
                detail);
   }
+  return comm;
+}
+
+NcclProcessGroup::NcclProcessGroup(ncclComm_t comm, int rank, int world_size, int device,
+                                   const ProcessGroupOptions& options, std::string label)
+    : rank_(rank), world_size_(world_size), device_(device), label_(std::move(label)), options_(options) {
+  if (!options_.on_failure) {
+    options_.on_failure = [](const std::string&) {
+      std::fflush(nullptr);
+      std::_Exit(1);  // no static destructors: other threads may be inside CUDA calls
+    };
+  }
   try {
+    CUDA_CHECK(cudaSetDevice(device_));
     CUDA_CHECK(cudaMalloc(&barrier_value_, sizeof(float)));
     CUDA_CHECK(cudaMemset(barrier_value_, 0, sizeof(float)));
   } catch (const Error&) {
@@ -223,6 +240,71 @@ void NcclProcessGroup::barrier() {
   wait_all("barrier");
 }
 
+std::unique_ptr<ProcessGroup> NcclProcessGroup::split(int color, int key) {
+  check_usable("split");
+  check_split(color);
+  const uint64_t number = ++collectives_;
+  const std::string what = fmt::format("split #{} (color {}, key {})", number, color, key);
+  // With a non-blocking parent, ncclCommSplit returns ncclInProgress and creates the child
+  // on a thread of NCCL's: the parent's state stays ncclInProgress until then (settle()
+  // waits for that, bounded like a collective), and NCCL writes the child's handle only
+  // when done. The slot NCCL writes to is on the heap and left behind when the wait ends
+  // early, as NCCL's thread may still write to it after the abort.
+  auto* slot = new ncclComm_t(nullptr);
+  ncclConfig_t config = nonblocking_config();
+  std::string error;
+  {
+    std::unique_lock lock(comm_mu_);
+    if (!comm_) {
+      lock.unlock();
+      delete slot;
+      check_usable("split");
+      FORGE_FAIL("{}: the communicator is gone", what);
+    }
+    const auto deadline = Clock::now() + options_.collective_timeout;
+    error = settle(ncclCommSplit(comm_, color, key, slot, &config), what, deadline, lock);
+    if (error.empty() && !*slot) error = fmt::format("{}: NCCL returned no communicator", what);
+    if (error.empty()) {
+      // Newer NCCL reports the child's setup on the parent (waited for above); older ones on
+      // the child itself: wait for that too, within the same deadline.
+      ncclResult_t state = ncclInProgress;
+      while (true) {
+        const ncclResult_t query = ncclCommGetAsyncError(*slot, &state);
+        if (query != ncclSuccess) state = query;
+        if (state != ncclInProgress || Clock::now() >= deadline) break;
+        lock.unlock();
+        std::this_thread::sleep_for(kHostPollInterval);
+        lock.lock();
+      }
+      if (state != ncclSuccess) {
+        error = state == ncclInProgress
+                    ? fmt::format("{}: the new communicator was not ready within {} of the call", what,
+                                  seconds(options_.collective_timeout))
+                    : fmt::format("{}: the new communicator failed: {} ({})", what, ncclGetErrorString(state),
+                                  ncclGetLastError(*slot));
+      }
+    }
+  }
+  if (error.empty() && failed_) error = fmt::format("{}: the communicator was aborted meanwhile", what);
+  if (!error.empty()) {
+    if (ncclComm_t child = *slot)
+      if (!returns_within([child] { ncclCommAbort(child); }, kAbortWait))
+        log_error("rank {}: ncclCommAbort of the split's communicator has not returned after {}; going on without it",
+                  rank_, seconds(kAbortWait));
+    fail(error);  // the parent too: a rank whose peers cannot split with it cannot go on
+  }
+  const ncclComm_t child = *slot;
+  delete slot;
+  int child_rank = 0;
+  int child_size = 0;
+  if (ncclCommUserRank(child, &child_rank) != ncclSuccess || ncclCommCount(child, &child_size) != ncclSuccess) {
+    ncclCommAbort(child);
+    fail(fmt::format("{}: NCCL cannot say this rank's place in the new communicator", what));
+  }
+  return std::unique_ptr<ProcessGroup>(new NcclProcessGroup(child, child_rank, child_size, device_, options_,
+                                                            fmt::format(", split #{} color {}", number, color)));
+}
+
 void NcclProcessGroup::retire_completed() {
   std::string problem;
   {
@@ -288,7 +370,7 @@ void NcclProcessGroup::watchdog_loop() {
 
 void NcclProcessGroup::fail(const std::string& cause) {
   std::call_once(failure_once_, [&] {
-    failure_ = fmt::format("rank {} of {} (GPU {}): {}", rank_, world_size_, device_, cause);
+    failure_ = fmt::format("rank {} of {}{} (GPU {}): {}", rank_, world_size_, label_, device_, cause);
     failed_ = true;
     log_error("{}; aborting the NCCL communicator", failure_);
     ncclComm_t comm = nullptr;
@@ -357,7 +439,7 @@ void NcclProcessGroup::destroy() {
         "its communicator too: a peer rank died, hangs, or has not reached its destroy)",
         seconds(options_.collective_timeout));
     std::call_once(failure_once_, [&] {
-      failure_ = fmt::format("rank {} of {} (GPU {}): {}", rank_, world_size_, device_, cause);
+      failure_ = fmt::format("rank {} of {}{} (GPU {}): {}", rank_, world_size_, label_, device_, cause);
       failed_ = true;
       log_error("{}", failure_);
       options_.on_failure(failure_);

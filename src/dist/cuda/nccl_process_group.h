@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -35,9 +36,20 @@ class NcclProcessGroup final : public ProcessGroup {
   void all_gather(const Tensor& output, const Tensor& input, CudaStream stream) override;
   void barrier() override;
   void destroy() override;
+  // ncclCommSplit of this communicator, waited for as a collective is (NOTE [NCCL
+  // watchdog]): the new group has its own communicator, watchdog and failure state.
+  std::unique_ptr<ProcessGroup> split(int color, int key) override;
 
  private:
   using Clock = std::chrono::steady_clock;
+
+  // Takes over `comm`, a ready communicator whose rank `rank` of `world_size` this process
+  // is on GPU `device`: the setup both constructors share (the barrier's buffer, the
+  // watchdog). Aborts `comm` when it throws. `label` names the group in messages.
+  NcclProcessGroup(ncclComm_t comm, int rank, int world_size, int device, const ProcessGroupOptions& options,
+                   std::string label);
+  // The public constructor's part before that: the rendezvous and the new communicator.
+  static ncclComm_t connect(const LaunchEnv& env, const ProcessGroupOptions& options);
 
   // A collective enqueued and not yet seen complete.
   struct InFlight {
@@ -68,6 +80,7 @@ class NcclProcessGroup final : public ProcessGroup {
   int rank_;
   int world_size_;
   int device_;
+  std::string label_;  // "" for the world, ", split #1 color 0" for a group split from it
   ProcessGroupOptions options_;
 
   std::mutex comm_mu_;         // guards comm_: NCCL calls, and the abort

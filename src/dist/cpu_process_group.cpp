@@ -1,0 +1,455 @@
+// The CPU process group (NOTE [CPU process group] in cpu_process_group.h). Every call is a
+// round under the world's lock: the other ranks send rank 0 their call and input and wait
+// for their result; rank 0 gathers every rank's call, checks that they match, and then
+// computes and sends each group's results, group by group.
+#include "dist/cpu_process_group.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <numeric>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/bf16.h"
+#include "core/error.h"
+#include "dist/tcp_store.h"
+
+namespace forge {
+namespace {
+
+enum class Kind : uint32_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Barrier = 4, Split = 5 };
+
+// One rank's part in a round: the head of its message to rank 0, before its input.
+struct Call {
+  uint32_t group = 0;  // 0 is the world
+  Kind kind = Kind::Barrier;
+  uint64_t number = 0;  // the how-many-th call on the group this is, from 1
+  DType dtype = DType::F32;
+  ReduceOp op = ReduceOp::Sum;
+  uint64_t input = 0;   // elements the rank sends
+  uint64_t output = 0;  // elements it gets back
+  int32_t color = 0;    // split only
+  int32_t key = 0;
+};
+constexpr size_t kCallBytes = 48;
+
+void put(std::vector<uint8_t>& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(value >> (8 * i)));
+}
+uint64_t get(const uint8_t*& p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= uint64_t(p[i]) << (8 * i);
+  p += bytes;
+  return value;
+}
+
+std::vector<uint8_t> encode(const Call& c) {
+  std::vector<uint8_t> out;
+  put(out, c.group, 4);
+  put(out, static_cast<uint32_t>(c.kind), 4);
+  put(out, c.number, 8);
+  put(out, static_cast<uint32_t>(c.dtype), 4);
+  put(out, static_cast<uint32_t>(c.op), 4);
+  put(out, c.input, 8);
+  put(out, c.output, 8);
+  put(out, static_cast<uint32_t>(c.color), 4);
+  put(out, static_cast<uint32_t>(c.key), 4);
+  return out;
+}
+
+Call decode(const uint8_t* p) {
+  Call c;
+  c.group = static_cast<uint32_t>(get(p, 4));
+  c.kind = static_cast<Kind>(get(p, 4));
+  c.number = get(p, 8);
+  c.dtype = static_cast<DType>(get(p, 4));
+  c.op = static_cast<ReduceOp>(get(p, 4));
+  c.input = get(p, 8);
+  c.output = get(p, 8);
+  c.color = static_cast<int32_t>(get(p, 4));
+  c.key = static_cast<int32_t>(get(p, 4));
+  return c;
+}
+
+// "all_reduce #3 (bf16, 4096 elements, sum)": everything that must match across the ranks
+// of a group (a split's color and key need not).
+std::string call_text(const Call& c) {
+  const std::string_view dtype = dtype_name(c.dtype);
+  const char* op = c.op == ReduceOp::Avg ? "avg" : "sum";
+  switch (c.kind) {
+    case Kind::AllReduce:
+      return fmt::format("all_reduce #{} ({}, {} elements, {})", c.number, dtype, c.input, op);
+    case Kind::ReduceScatter:
+      return fmt::format("reduce_scatter #{} ({}, {} elements per rank, {})", c.number, dtype, c.output, op);
+    case Kind::AllGather:
+      return fmt::format("all_gather #{} ({}, {} elements per rank)", c.number, dtype, c.input);
+    case Kind::Barrier:
+      return fmt::format("barrier #{}", c.number);
+    case Kind::Split:
+      return fmt::format("split #{}", c.number);
+  }
+  return fmt::format("an unknown collective ({})", static_cast<uint32_t>(c.kind));
+}
+
+std::string group_text(uint32_t id, std::span<const int> members) {
+  return id == 0 ? std::string("the world") : fmt::format("group {} (world ranks {})", id, format_ranks(members));
+}
+
+std::span<uint8_t> bytes_of(const Tensor& t) { return {static_cast<uint8_t*>(t.raw()), t.nbytes()}; }
+
+// The sum (or mean) of `inputs`, `count` elements of `dtype` each, added in their order in
+// fp32 and rounded to `dtype` once.
+std::vector<uint8_t> reduce(const std::vector<std::span<const uint8_t>>& inputs, size_t count, DType dtype,
+                            ReduceOp op) {
+  std::vector<uint8_t> result(count * dtype_size(dtype));
+  std::vector<float> widened;
+  float* sum = nullptr;
+  if (dtype == DType::F32) {
+    sum = reinterpret_cast<float*>(result.data());
+  } else {
+    widened.resize(count);
+    sum = widened.data();
+  }
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    if (dtype == DType::F32) {
+      const float* in = reinterpret_cast<const float*>(inputs[k].data());
+      if (k == 0) {
+        std::copy(in, in + count, sum);
+      } else {
+        for (size_t i = 0; i < count; ++i) sum[i] += in[i];
+      }
+    } else {
+      const BFloat16* in = reinterpret_cast<const BFloat16*>(inputs[k].data());
+      if (k == 0) {
+        for (size_t i = 0; i < count; ++i) sum[i] = to_float(in[i]);
+      } else {
+        for (size_t i = 0; i < count; ++i) sum[i] += to_float(in[i]);
+      }
+    }
+  }
+  if (op == ReduceOp::Avg) {
+    const float n = static_cast<float>(inputs.size());
+    for (size_t i = 0; i < count; ++i) sum[i] /= n;
+  }
+  if (dtype == DType::BF16) {
+    BFloat16* out = reinterpret_cast<BFloat16*>(result.data());
+    for (size_t i = 0; i < count; ++i) out[i] = to_bf16(sum[i]);
+  }
+  return result;
+}
+
+// A split's answer to one rank: the new group's id and its members (world ranks, in its
+// rank order).
+std::vector<uint8_t> encode_group(uint32_t id, const std::vector<int>& members) {
+  std::vector<uint8_t> out;
+  put(out, id, 4);
+  put(out, members.size(), 4);
+  for (int m : members) put(out, static_cast<uint32_t>(m), 4);
+  return out;
+}
+
+std::pair<uint32_t, std::vector<int>> decode_group(const std::vector<uint8_t>& bytes) {
+  FORGE_CHECK(bytes.size() >= 8, "split answer of {} bytes", bytes.size());
+  const uint8_t* p = bytes.data();
+  const auto id = static_cast<uint32_t>(get(p, 4));
+  const auto count = static_cast<size_t>(get(p, 4));
+  FORGE_CHECK(bytes.size() == 8 + 4 * count, "split answer of {} bytes for {} ranks", bytes.size(), count);
+  std::vector<int> members(count);
+  for (int& m : members) m = static_cast<int>(get(p, 4));
+  return {id, std::move(members)};
+}
+
+// What every group of one world shares: the connections, and on rank 0 the members of
+// every group. Lives as long as any of its groups.
+struct World {
+  World(const LaunchEnv& env, const ProcessGroupOptions& options)
+      : store(env, options.rendezvous_timeout), rank(env.rank), size(env.world_size), options(options) {
+    std::vector<int> everyone(size);
+    std::iota(everyone.begin(), everyone.end(), 0);
+    groups[0] = std::move(everyone);
+  }
+
+  std::mutex mu;  // one round at a time, whichever group it is on
+  TcpStore store;
+  const int rank;
+  const int size;
+  const ProcessGroupOptions options;
+  std::string failure;  // once a round failed: the message every later call throws
+  // Rank 0: every group's members (world ranks, in the group's rank order), by id.
+  std::map<uint32_t, std::vector<int>> groups;
+  uint32_t next_group = 1;
+};
+
+class CpuProcessGroup final : public ProcessGroup {
+ public:
+  CpuProcessGroup(std::shared_ptr<World> world, uint32_t id, std::vector<int> members)
+      : world_(std::move(world)), id_(id), members_(std::move(members)), name_(group_text(id_, members_)) {
+    const auto me = std::find(members_.begin(), members_.end(), world_->rank);
+    FORGE_CHECK(me != members_.end(), "rank {} is not in {}", world_->rank, name_);
+    rank_ = static_cast<int>(me - members_.begin());
+  }
+  ~CpuProcessGroup() override { destroy(); }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return static_cast<int>(members_.size()); }
+
+  void all_reduce(const Tensor& tensor, ReduceOp op, CudaStream) override {
+    check_open("all_reduce");
+    check_all_reduce(tensor, Device::CPU);
+    Call call;
+    call.kind = Kind::AllReduce;
+    call.dtype = tensor.dtype();
+    call.op = op;
+    call.input = call.output = static_cast<uint64_t>(tensor.numel());
+    run(call, bytes_of(tensor), bytes_of(tensor));
+  }
+
+  void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, CudaStream) override {
+    check_open("reduce_scatter");
+    check_reduce_scatter(output, input, world_size(), Device::CPU);
+    Call call;
+    call.kind = Kind::ReduceScatter;
+    call.dtype = input.dtype();
+    call.op = op;
+    call.input = static_cast<uint64_t>(input.numel());
+    call.output = static_cast<uint64_t>(output.numel());
+    run(call, bytes_of(input), bytes_of(output));
+  }
+
+  void all_gather(const Tensor& output, const Tensor& input, CudaStream) override {
+    check_open("all_gather");
+    check_all_gather(output, input, world_size(), Device::CPU);
+    Call call;
+    call.kind = Kind::AllGather;
+    call.dtype = input.dtype();
+    call.input = static_cast<uint64_t>(input.numel());
+    call.output = static_cast<uint64_t>(output.numel());
+    run(call, bytes_of(input), bytes_of(output));
+  }
+
+  void barrier() override {
+    check_open("barrier");
+    Call call;
+    call.kind = Kind::Barrier;
+    run(call, {}, {});
+  }
+
+  std::unique_ptr<ProcessGroup> split(int color, int key) override {
+    check_open("split");
+    check_split(color);
+    Call call;
+    call.kind = Kind::Split;
+    call.color = color;
+    call.key = key;
+    std::vector<uint8_t> answer;
+    round(call, [&](const std::string& stage) {
+      if (world_->rank == 0) {
+        answer = serve(call, {}, {}, stage);
+      } else {
+        world_->store.send_to_root(encode(call), {}, world_->options.collective_timeout, stage);
+        answer = world_->store.receive_from_root(world_->options.collective_timeout, stage);
+      }
+    });
+    auto [id, members] = decode_group(answer);
+    return std::make_unique<CpuProcessGroup>(world_, id, std::move(members));
+  }
+
+  // Nothing is in flight between calls; the world's connections close with its last group.
+  void destroy() override { world_.reset(); }
+
+ private:
+  void check_open(const char* what) const {
+    FORGE_CHECK(world_ != nullptr, "{} on a process group after destroy()", what);
+  }
+
+  // Runs one round of `call` on this group: `body` does the talking, under the world's
+  // lock; a failure is recorded for every group of the world, reported, and thrown.
+  template <typename Body>
+  void round(Call& call, Body&& body) {
+    World& w = *world_;
+    std::lock_guard lock(w.mu);
+    if (!w.failure.empty()) throw Error(w.failure);
+    call.group = id_;
+    call.number = ++calls_;
+    const std::string stage = fmt::format("{} on {}", call_text(call), name_);
+    try {
+      body(stage);
+    } catch (const Error& e) {
+      w.failure = fmt::format("rank {} of {}: {}", w.rank, w.size, e.what());
+      if (w.options.on_failure) w.options.on_failure(w.failure);
+      throw Error(w.failure);
+    }
+  }
+
+  // A collective: `input` goes to rank 0, this rank's result comes back into `output`.
+  void run(Call& call, std::span<const uint8_t> input, std::span<uint8_t> output) {
+    round(call, [&](const std::string& stage) {
+      World& w = *world_;
+      if (w.rank == 0) {
+        serve(call, input, output, stage);
+        return;
+      }
+      w.store.send_to_root(encode(call), input, w.options.collective_timeout, stage);
+      w.store.receive_from_root(output, w.options.collective_timeout, stage);
+    });
+  }
+
+  // Rank 0's side of a round (its own call is `mine`): gathers the other ranks' calls,
+  // checks them, and answers each group. Returns rank 0's answer to a split.
+  std::vector<uint8_t> serve(const Call& mine, std::span<const uint8_t> input, std::span<uint8_t> output,
+                             const std::string& stage) {
+    World& w = *world_;
+    std::vector<std::vector<uint8_t>> messages = w.store.gather_at_root(w.options.collective_timeout, stage);
+    std::vector<Call> calls(w.size);
+    std::vector<std::span<const uint8_t>> inputs(w.size);
+    calls[0] = mine;
+    inputs[0] = input;
+    for (int r = 1; r < w.size; ++r) {
+      if (messages[r].size() < kCallBytes) w.store.abort(fmt::format("{}: rank {} sent a malformed call", stage, r));
+      calls[r] = decode(messages[r].data());
+      inputs[r] = std::span<const uint8_t>(messages[r]).subspan(kCallBytes);
+    }
+    const std::map<uint32_t, const std::vector<int>*> groups = check_calls(calls, inputs, stage);
+
+    std::vector<uint8_t> own_answer;
+    const auto deliver = [&](int r, std::span<const uint8_t> bytes) {
+      if (r != 0) {
+        w.store.send_to(r, bytes, w.options.collective_timeout, stage);
+      } else if (!bytes.empty()) {
+        std::memcpy(output.data(), bytes.data(), bytes.size());
+      }
+    };
+    for (const auto& [id, members_of] : groups) {
+      const std::vector<int>& members = *members_of;
+      const Call& call = calls[members[0]];
+      const size_t group_size = members.size();
+      switch (call.kind) {
+        case Kind::AllReduce:
+        case Kind::ReduceScatter: {
+          std::vector<std::span<const uint8_t>> group_inputs;
+          for (int m : members) group_inputs.push_back(inputs[m]);
+          const std::vector<uint8_t> result = reduce(group_inputs, call.input, call.dtype, call.op);
+          const size_t chunk = call.output * dtype_size(call.dtype);
+          for (size_t k = 0; k < group_size; ++k) {
+            const std::span<const uint8_t> all(result);
+            deliver(members[k], call.kind == Kind::AllReduce ? all : all.subspan(k * chunk, chunk));
+          }
+          break;
+        }
+        case Kind::AllGather: {
+          std::vector<uint8_t> result(call.output * dtype_size(call.dtype));
+          const size_t chunk = call.input * dtype_size(call.dtype);
+          for (size_t k = 0; k < group_size; ++k)
+            if (chunk > 0) std::memcpy(result.data() + k * chunk, inputs[members[k]].data(), chunk);
+          for (int m : members) deliver(m, result);
+          break;
+        }
+        case Kind::Barrier:
+          for (int m : members) deliver(m, {});
+          break;
+        case Kind::Split:
+          for (auto& [r, answer] : split_group(members, calls)) {
+            if (r == 0) {
+              own_answer = std::move(answer);
+            } else {
+              deliver(r, answer);
+            }
+          }
+          break;
+      }
+    }
+    return own_answer;
+  }
+
+  // Rank 0: checks that the members of every group in this round made the same call, and
+  // that each input has the size its call says. Returns the groups of the round by id.
+  std::map<uint32_t, const std::vector<int>*> check_calls(const std::vector<Call>& calls,
+                                                           const std::vector<std::span<const uint8_t>>& inputs,
+                                                           const std::string& stage) {
+    World& w = *world_;
+    std::map<uint32_t, const std::vector<int>*> groups;
+    std::vector<std::string> texts(w.size);
+    for (int r = 0; r < w.size; ++r) {
+      const auto group = w.groups.find(calls[r].group);
+      if (group == w.groups.end())
+        w.store.abort(fmt::format("{}: rank {} called {} on group {}, which rank 0 never made", stage, r,
+                                  call_text(calls[r]), calls[r].group));
+      groups[calls[r].group] = &group->second;
+      texts[r] = fmt::format("{} on {}", call_text(calls[r]), group_text(calls[r].group, group->second));
+    }
+    bool match = true;
+    for (int r = 0; r < w.size; ++r)
+      for (int m : *groups[calls[r].group]) match = match && texts[m] == texts[r];
+    if (!match) {
+      std::vector<std::pair<std::string, std::vector<int>>> by_call;  // in order of first rank
+      for (int r = 0; r < w.size; ++r) {
+        auto same = std::find_if(by_call.begin(), by_call.end(), [&](const auto& c) { return c.first == texts[r]; });
+        if (same == by_call.end()) {
+          by_call.push_back({texts[r], {r}});
+        } else {
+          same->second.push_back(r);
+        }
+      }
+      std::string list;
+      for (const auto& [text, ranks] : by_call)
+        list += fmt::format("{}{} {} called {}", list.empty() ? "" : "; ", ranks.size() > 1 ? "ranks" : "rank",
+                            format_ranks(ranks), text);
+      w.store.abort(fmt::format(
+          "collectives do not match across ranks: {} (on the CPU every rank of the world takes part in every "
+          "collective, on whichever group: all ranks must make the same calls in the same order)",
+          list));
+    }
+    for (int r = 1; r < w.size; ++r) {
+      const uint64_t expected = calls[r].input * dtype_size(calls[r].dtype);
+      if (inputs[r].size() != expected)
+        w.store.abort(fmt::format("{}: rank {} sent {} bytes for {}, which needs {}", stage, r, inputs[r].size(),
+                                  texts[r], expected));
+    }
+    return groups;
+  }
+
+  // Rank 0: splits the group of `members` by the colors and keys of their calls, records
+  // the new groups, and returns each member's answer.
+  std::vector<std::pair<int, std::vector<uint8_t>>> split_group(const std::vector<int>& members,
+                                                                const std::vector<Call>& calls) {
+    World& w = *world_;
+    std::map<int32_t, std::vector<std::pair<int32_t, size_t>>> by_color;  // color -> (key, rank in group)
+    for (size_t k = 0; k < members.size(); ++k)
+      by_color[calls[members[k]].color].push_back({calls[members[k]].key, k});
+    std::vector<std::pair<int, std::vector<uint8_t>>> answers;
+    for (auto& [color, entries] : by_color) {
+      std::sort(entries.begin(), entries.end());
+      std::vector<int> group;
+      for (const auto& entry : entries) group.push_back(members[entry.second]);
+      const uint32_t id = w.next_group++;
+      w.groups[id] = group;
+      const std::vector<uint8_t> answer = encode_group(id, group);
+      for (int r : group) answers.push_back({r, answer});
+    }
+    return answers;
+  }
+
+  std::shared_ptr<World> world_;  // null once destroyed
+  uint32_t id_;
+  std::vector<int> members_;  // world ranks, in this group's rank order
+  std::string name_;          // "the world", "group 2 (world ranks 1, 3)"
+  int rank_ = 0;
+  uint64_t calls_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ProcessGroup> create_cpu_process_group(const LaunchEnv& env, const ProcessGroupOptions& options) {
+  FORGE_CHECK(options.device == Device::CPU, "the CPU process group on {}", device_name(options.device));
+  auto world = std::make_shared<World>(env, options);
+  std::vector<int> everyone(env.world_size);
+  std::iota(everyone.begin(), everyone.end(), 0);
+  return std::make_unique<CpuProcessGroup>(std::move(world), 0, std::move(everyone));
+}
+
+}  // namespace forge
