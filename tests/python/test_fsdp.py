@@ -36,7 +36,7 @@ def train(run_dir, ranks, *overrides, check=True):
 
 def losses(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r["loss"] for r in map(json.loads, f) if r.get("type") == "step"]
+        return [r["loss"] for r in map(json.loads, f) if r.get("type") == "train"]
 
 
 def max_relative_difference(a, b):
@@ -48,10 +48,10 @@ class Parity(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = scratch_dir()
-        cls.single = losses(cls.run("single", 1))
+        cls.single = losses(cls.train_run("single", 1))
 
     @classmethod
-    def run(cls, name, ranks, *overrides):
+    def train_run(cls, name, ranks, *overrides):
         run_dir = os.path.join(cls.tmp, name)
         cls.last = train(run_dir, ranks, *overrides)
         return run_dir
@@ -59,14 +59,14 @@ class Parity(unittest.TestCase):
     def test_two_and_four_ranks_follow_one(self):
         for ranks in (2, 4):
             with self.subTest(ranks=ranks):
-                curve = losses(self.run(f"ranks{ranks}", ranks))
+                curve = losses(self.train_run(f"ranks{ranks}", ranks))
                 self.assertLess(max_relative_difference(curve, self.single), 1e-4)
         self.assertLess(self.single[-1], self.single[0] - 0.5)  # it trained
 
     def test_every_zero_stage_follows_one_rank(self):
         for stage in (1, 2):
             with self.subTest(stage=stage):
-                curve = losses(self.run(f"zero{stage}", 2, "--parallelism.zero_stage", str(stage)))
+                curve = losses(self.train_run(f"zero{stage}", 2, "--parallelism.zero_stage", str(stage)))
                 self.assertLess(max_relative_difference(curve, self.single), 1e-4)
 
     def test_hybrid_sharding_follows_one_rank(self):
@@ -82,11 +82,11 @@ class Parity(unittest.TestCase):
         self.assertIn("2 shard ranks x 2 replicas", result.stdout)
 
     def test_bf16_reduction_stays_close(self):
-        curve = losses(self.run("bf16", 2, "--precision.reduce_dtype", "bf16"))
+        curve = losses(self.train_run("bf16", 2, "--precision.reduce_dtype", "bf16"))
         self.assertLess(max_relative_difference(curve, self.single), 2e-2)
 
     def test_each_rank_holds_a_quarter_of_the_optimizer_state(self):
-        self.run("memory", 4)
+        self.train_run("memory", 4)
         fractions = {}
         for line in self.last.stdout.splitlines():
             m = re.match(r"\[rank (\d)\] .*fsdp rank (\d) of 4 \(ZeRO-3.*= 1/([\d.]+) of the model's", line)
@@ -95,12 +95,16 @@ class Parity(unittest.TestCase):
                 fractions[int(m.group(1))] = float(m.group(3))
         self.assertEqual(sorted(fractions), [0, 1, 2, 3], self.last.stdout[-3000:])
         for rank, n in fractions.items():
-            # Each unit is padded to a multiple of 4 x 64 elements: just under a quarter.
-            self.assertTrue(3.9 < n <= 4.0, (rank, n))
+            # Each unit is padded to a multiple of 4 x 64 elements: the padding (master
+            # weights only; the moments skip it) lands mostly on the last rank.
+            self.assertTrue(3.9 < n < 4.1, (rank, n))
 
     def test_rank_zero_alone_writes_the_run_directory(self):
-        run_dir = self.run("writer", 2)
-        self.assertEqual(sorted(os.listdir(run_dir)), sorted(os.listdir(os.path.join(self.tmp, "single"))))
+        run_dir = self.train_run("writer", 2)
+        def kinds(directory):
+            return sorted(name.split(".")[0] if name.startswith("events.out.tfevents") else name
+                          for name in os.listdir(directory))
+        self.assertEqual(kinds(run_dir), kinds(os.path.join(self.tmp, "single")))
         step_lines = [line for line in self.last.stdout.splitlines() if re.search(r"step +\d+/", line)]
         self.assertTrue(step_lines and all(line.startswith("[rank 0]") for line in step_lines), step_lines[:4])
 
@@ -152,7 +156,7 @@ class Checkpoints(unittest.TestCase):
         result = train(run_dir, 1, "--checkpoint.enable", "true", "--checkpoint.load_step", "15")
         self.assertIn("saved by 2 ranks", result.stdout)
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-            steps = [r for r in map(json.loads, f) if r.get("type") == "step"]
+            steps = [r for r in map(json.loads, f) if r.get("type") == "train"]
         resumed = [r["loss"] for r in steps[STEPS:]]
         self.assertEqual([r["step"] for r in steps[STEPS:]], list(range(16, STEPS + 1)))
         self.assertLess(max(abs(a - b) / b for a, b in zip(resumed, uninterrupted[15:])), 1e-4)
