@@ -176,10 +176,11 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
     return;
   }
   shard_group_.all_gather(root_compute_, shard_of(compute_shard_, 0), kCompute);
-  // The gathered blocks hold the old weights: forget them, after the compute stream is
-  // done with them (the next gather into a slot waits for `released`).
+  // The gathered blocks hold the old weights: forget them. The next gather into a slot
+  // waits for `released`, recorded here after everything enqueued so far: the last uses
+  // of the old block and the writes of the new chunk (AdamW's, or the cast above).
   for (BlockSlot& slot : weight_slots_) {
-    if (slot.unit >= 0) slot.released->record(kCompute);
+    slot.released->record(kCompute);
     slot.unit = -1;
   }
 }
