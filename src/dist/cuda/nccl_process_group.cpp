@@ -263,13 +263,26 @@ std::unique_ptr<ProcessGroup> NcclProcessGroup::split(int color, int key) {
     }
     const auto deadline = Clock::now() + options_.collective_timeout;
     error = settle(ncclCommSplit(comm_, color, key, slot, &config), what, deadline, lock);
-    if (error.empty() && !*slot) error = fmt::format("{}: NCCL returned no communicator", what);
+    // NCCL stores the child's handle (atomically, with release order) when its
+    // initialization job ends, which can be after the parent has left ncclInProgress: the
+    // first try on 4 H200s (NCCL 2.28) found the slot still empty here. Wait for it.
+    auto child_handle = [slot] { return std::atomic_ref<ncclComm_t>(*slot).load(std::memory_order_acquire); };
+    while (error.empty() && !child_handle()) {
+      if (Clock::now() >= deadline) {
+        error = fmt::format("{}: NCCL had not created the new communicator within {} of the call", what,
+                            seconds(options_.collective_timeout));
+        break;
+      }
+      lock.unlock();
+      std::this_thread::sleep_for(kHostPollInterval);
+      lock.lock();
+    }
     if (error.empty()) {
       // Newer NCCL reports the child's setup on the parent (waited for above); older ones on
       // the child itself: wait for that too, within the same deadline.
       ncclResult_t state = ncclInProgress;
       while (true) {
-        const ncclResult_t query = ncclCommGetAsyncError(*slot, &state);
+        const ncclResult_t query = ncclCommGetAsyncError(child_handle(), &state);
         if (query != ncclSuccess) state = query;
         if (state != ncclInProgress || Clock::now() >= deadline) break;
         lock.unlock();
@@ -281,13 +294,13 @@ std::unique_ptr<ProcessGroup> NcclProcessGroup::split(int color, int key) {
                     ? fmt::format("{}: the new communicator was not ready within {} of the call", what,
                                   seconds(options_.collective_timeout))
                     : fmt::format("{}: the new communicator failed: {} ({})", what, ncclGetErrorString(state),
-                                  ncclGetLastError(*slot));
+                                  ncclGetLastError(child_handle()));
       }
     }
   }
   if (error.empty() && failed_) error = fmt::format("{}: the communicator was aborted meanwhile", what);
   if (!error.empty()) {
-    if (ncclComm_t child = *slot)
+    if (ncclComm_t child = std::atomic_ref<ncclComm_t>(*slot).load(std::memory_order_acquire))
       if (!returns_within([child] { ncclCommAbort(child); }, kAbortWait))
         log_error("rank {}: ncclCommAbort of the split's communicator has not returned after {}; going on without it",
                   rank_, seconds(kAbortWait));
