@@ -188,13 +188,14 @@ void DeviceStream::synchronize() const {
 #endif
 }
 
-DeviceEvent::DeviceEvent(Device device) {
+DeviceEvent::DeviceEvent(Device device, bool timing) {
   if (device != Device::CUDA) return;
 #ifdef FORGE_CUDA
   cudaEvent_t e = nullptr;
-  cuda_check(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  cuda_check(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming), "cudaEventCreateWithFlags");
   event_ = e;
 #else
+  (void)timing;
   no_cuda("DeviceEvent");
 #endif
 }
@@ -224,6 +225,21 @@ void DeviceEvent::make_wait(CudaStream stream) const {
 void DeviceEvent::synchronize() const {
 #ifdef FORGE_CUDA
   if (event_ && recorded_) cuda_check(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
+#endif
+}
+
+double DeviceEvent::elapsed_seconds(const DeviceEvent& start, const DeviceEvent& end) {
+#ifdef FORGE_CUDA
+  if (!start.event_ || !end.event_ || !start.recorded_ || !end.recorded_) return 0.0;
+  end.synchronize();
+  float ms = 0.0f;
+  cuda_check(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(start.event_), static_cast<cudaEvent_t>(end.event_)),
+             "cudaEventElapsedTime");
+  return ms / 1e3;
+#else
+  (void)start;
+  (void)end;
+  return 0.0;
 #endif
 }
 

@@ -68,7 +68,8 @@ class DeviceStream {
 
 class DeviceEvent {
  public:
-  explicit DeviceEvent(Device device);  // a CUDA event without timing; nothing on the CPU
+  // A CUDA event (with timing only when asked for); nothing on the CPU.
+  explicit DeviceEvent(Device device, bool timing = false);
   ~DeviceEvent();
   DeviceEvent(const DeviceEvent&) = delete;
   DeviceEvent& operator=(const DeviceEvent&) = delete;
@@ -78,6 +79,8 @@ class DeviceEvent {
   // never recorded).
   void make_wait(CudaStream stream) const;
   void synchronize() const;  // the host waits for the recorded point
+  // Seconds between two recorded timing events (waits for `end`); 0 on the CPU.
+  static double elapsed_seconds(const DeviceEvent& start, const DeviceEvent& end);
 
  private:
   void* event_ = nullptr;  // cudaEvent_t

@@ -168,14 +168,17 @@ void Fsdp::load_master(const std::function<void(int64_t, std::span<float>)>& rea
 void Fsdp::refresh_compute_weights(bool chunk_written) {
   if (!chunk_written)
     for (size_t i = 0; i < master_segments_.size(); ++i) cast(compute_segments_[i], master_segments_[i]);
+  begin_exposed();
   if (options_.zero_stage <= 2) {
     for (int u = 0; u < layout_.num_units(); ++u) {
       const Tensor full = unit_full(full_compute_, u);
       shard_group_.all_gather(full, own_chunk(full, u), kCompute);
     }
+    end_exposed();
     return;
   }
   shard_group_.all_gather(root_compute_, shard_of(compute_shard_, 0), kCompute);
+  end_exposed();
   // The gathered blocks hold the old weights: forget them. The next gather into a slot
   // waits for `released`, recorded here after everything enqueued so far: the last uses
   // of the old block and the writes of the new chunk (AdamW's, or the cast above).
@@ -186,6 +189,8 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
 }
 
 void Fsdp::begin_step() {
+  stalls_used_ = 0;  // what evaluation waited for is not the step's
+  host_exposed_s_ = 0;
   grad_shard_.fill_zero();
   full_grads_.fill_zero();
   std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
@@ -195,7 +200,9 @@ void Fsdp::begin_micro_batch(bool last) { last_micro_batch_ = last; }
 
 void Fsdp::end_micro_batch() {
   if (!last_micro_batch_) return;
+  begin_exposed();
   root_channel_.done->make_wait(kCompute);
+  end_exposed();
   reduce_unit(0, unit_full(full_grads_, 0), root_channel_);
 }
 
@@ -207,6 +214,7 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
     source = ch.staging.narrow(0, u.numel);
     cast(source, grads);  // compute stream, after the unit's backward
   }
+  begin_exposed();  // on the CPU the collectives below block; on CUDA nothing here waits
   ch.ready->record(kCompute);
   ch.ready->make_wait(comm_.get());
   const Tensor chunk = shard_of(grad_shard_, unit);
@@ -218,18 +226,23 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
   if (!direct) accumulate(chunk, out, comm_.get());
   ch.done->record(comm_.get());
   reduced_this_step_[static_cast<size_t>(unit)] = true;
+  end_exposed();
 }
 
 void Fsdp::finish_gradients() {
+  begin_exposed();
   comm_done_->record(comm_.get());
   comm_done_->make_wait(kCompute);
+  end_exposed();
 }
 
 double Fsdp::all_reduce_scalar(ProcessGroup& group, double value) {
   Tensor host = Tensor::empty({1}, DType::F32);
   host.data<float>()[0] = static_cast<float>(value);
   norm_scratch_.copy_from(host);
+  begin_exposed();
   group.all_reduce(norm_scratch_, ReduceOp::Sum, kCompute);
+  end_exposed();
   return static_cast<double>(norm_scratch_.to(Device::CPU).data<float>()[0]);
 }
 
@@ -252,6 +265,7 @@ const LayerWeights& Fsdp::layer(int index) {
       if (s.unit == u) return &s;
     return nullptr;
   };
+  begin_exposed();
   if (!slot_of(unit)) gather_block(unit, unit);
   BlockSlot& slot = *slot_of(unit);
   // Prefetch the neighbours: the next block in a forward pass, the previous one in a
@@ -259,6 +273,7 @@ const LayerWeights& Fsdp::layer(int index) {
   for (int neighbour : {unit + 1, unit - 1})
     if (neighbour >= 1 && neighbour <= config_.num_layers && !slot_of(neighbour)) gather_block(neighbour, unit);
   slot.ready->make_wait(kCompute);
+  end_exposed();
   return slot.views;
 }
 
@@ -289,7 +304,9 @@ const LayerWeights& Fsdp::layer_grads(int index) {
   BlockSlot& slot = grad_slots_[static_cast<size_t>(next_channel_)];
   next_channel_ = (next_channel_ + 1) % static_cast<int>(grad_slots_.size());
   // Its previous reduce-scatter must be done before the buffer is zeroed and reused.
+  begin_exposed();
   channels_[static_cast<size_t>(slot.channel)].done->make_wait(kCompute);
+  end_exposed();
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
   const Tensor full = slot.buffer.narrow(0, u.numel);
   full.fill_zero();
@@ -304,7 +321,9 @@ void Fsdp::layer_done(int index) {
     if (!last_micro_batch_) return;
     ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
     next_channel_ = (next_channel_ + 1) % static_cast<int>(channels_.size());
+    begin_exposed();
     ch.done->make_wait(kCompute);
+    end_exposed();
     reduce_unit(unit, unit_full(full_grads_, unit), ch);
     return;
   }
@@ -367,6 +386,33 @@ void Fsdp::gather_to_host(const Tensor& chunk, std::vector<float>& flat) {
     for (const FsdpParam& p : unit.params)
       std::copy_n(host.data<float>() + p.offset, p.numel, flat.data() + flat_offsets[static_cast<size_t>(p.spec)]);
   }
+}
+
+void Fsdp::begin_exposed() {
+  if (device_ != Device::CUDA) {
+    host_stall_start_ = std::chrono::steady_clock::now();
+    return;
+  }
+  if (stalls_used_ == stall_events_.size())
+    stall_events_.emplace_back(std::make_unique<DeviceEvent>(device_, true), std::make_unique<DeviceEvent>(device_, true));
+  stall_events_[stalls_used_].first->record(kCompute);
+}
+
+void Fsdp::end_exposed() {
+  if (device_ != Device::CUDA) {
+    host_exposed_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - host_stall_start_).count();
+    return;
+  }
+  stall_events_[stalls_used_++].second->record(kCompute);
+}
+
+double Fsdp::take_exposed_comm_seconds() {
+  double total = host_exposed_s_;
+  for (size_t i = 0; i < stalls_used_; ++i)
+    total += DeviceEvent::elapsed_seconds(*stall_events_[i].first, *stall_events_[i].second);
+  stalls_used_ = 0;
+  host_exposed_s_ = 0;
+  return total;
 }
 
 }  // namespace forge

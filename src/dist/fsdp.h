@@ -37,9 +37,20 @@
 // kept in full (every unit in ZeRO-1/2, the root in ZeRO-3) and forgets the gathered
 // blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
+//
+// NOTE [Exposed communication]
+// The communication that is not hidden behind compute is the time the compute stream
+// stands still for it: every place where it waits for the communication stream (a block
+// not yet gathered, a gradient buffer whose reduce-scatter is not done, the end of the
+// step's reductions) and every collective it runs itself (the all-gathers after the
+// optimizer step, the loss and norm all-reduces) is bracketed by a pair of timing events
+// on the compute stream, and take_exposed_comm_seconds() adds up the gaps. On the CPU,
+// where collectives block, it is their host time. What this cannot see is compute that
+// runs slower because communication kernels share the GPU with it.
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -113,6 +124,9 @@ class Fsdp final : public ParamSource, public GradSink {
   void refresh_compute_weights(bool chunk_written);
 
   FsdpMemory memory() const;
+  // NOTE [Exposed communication]: seconds the compute stream waited for communication
+  // since the last call (synchronizes with the last such wait).
+  double take_exposed_comm_seconds();
 
   // Gathers a chunk-shaped fp32 tensor (the master chunk, or a moment assembled with
   // chunk_of) from every shard rank into `flat` (parameter_specs order, every parameter,
@@ -190,6 +204,13 @@ class Fsdp final : public ParamSource, public GradSink {
   std::vector<bool> reduced_this_step_;  // per unit
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;
+  // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.
+  void begin_exposed();
+  void end_exposed();
+  std::vector<std::pair<std::unique_ptr<DeviceEvent>, std::unique_ptr<DeviceEvent>>> stall_events_;
+  size_t stalls_used_ = 0;
+  double host_exposed_s_ = 0;
+  std::chrono::steady_clock::time_point host_stall_start_;
   double all_reduce_scalar(ProcessGroup& group, double value);
 };
 

@@ -20,7 +20,8 @@ std::string format_step(const StepMetrics& m, int64_t total_steps) {
   return fmt::format("step {:>{}}/{} | loss {:8.4f} | lr {:.3e} | grad norm {:7.3f} | {:9.0f} tok/s | {:8.1f} ms | "
                      "{:7.3f} TFLOP/s | MFU {}",
                      m.step, std::to_string(total_steps).size(), total_steps, m.loss, m.lr, m.grad_norm,
-                     m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu);
+                     m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu) +
+         (m.comm_exposed_s ? fmt::format(" | exposed comm {:.1f} ms", *m.comm_exposed_s * 1e3) : std::string());
 }
 
 std::string format_op_seconds(const StepMetrics& m) {
@@ -72,6 +73,7 @@ void MetricsWriter::write(const StepMetrics& m) {
                       {"tokens_per_s", m.tokens_per_s}, {"model_tflops", m.model_tflops}};
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
   if (m.peak_memory_bytes) j["peak_memory_bytes"] = *m.peak_memory_bytes;
+  if (m.comm_exposed_s) j["comm_exposed_s"] = *m.comm_exposed_s;
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];

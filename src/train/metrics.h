@@ -28,6 +28,7 @@ struct StepMetrics {
   double model_tflops = 0;         // per device
   std::optional<double> mfu;       // unset when the device's peak is unknown
   std::optional<int64_t> peak_memory_bytes;  // device allocator high-water mark; unset when not measured
+  std::optional<double> comm_exposed_s;      // data-parallel runs: communication not hidden (NOTE [Exposed communication])
   std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
   std::map<std::string, double> op_seconds_by_op;                // logging.profile_ops
 };

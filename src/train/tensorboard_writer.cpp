@@ -102,6 +102,7 @@ void TensorBoardWriter::write(const StepMetrics& m) {
                                                          {"throughput/model_tflops", m.model_tflops}};
   if (m.mfu) scalars.emplace_back("throughput/mfu_percent", *m.mfu * 100.0);
   if (m.peak_memory_bytes) scalars.emplace_back("memory/peak_gib", static_cast<double>(*m.peak_memory_bytes) / kGiB);
+  if (m.comm_exposed_s) scalars.emplace_back("throughput/exposed_comm_ms", *m.comm_exposed_s * 1e3);
   write_event(scalars_event(m.step, scalars));
 }
 

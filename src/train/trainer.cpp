@@ -327,6 +327,7 @@ TrainResult Trainer::run() {
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
     if (peak) m.mfu = m.model_tflops / *peak;
     if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
+    if (fsdp_) m.comm_exposed_s = fsdp_->take_exposed_comm_seconds();
     if (op_profiling()) {
       m.op_seconds = op_profile_seconds();
       m.op_seconds_by_op = op_profile_seconds_by_op();

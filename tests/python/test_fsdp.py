@@ -105,6 +105,11 @@ class Parity(unittest.TestCase):
             return sorted(name.split(".")[0] if name.startswith("events.out.tfevents") else name
                           for name in os.listdir(directory))
         self.assertEqual(kinds(run_dir), kinds(os.path.join(self.tmp, "single")))
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [r for r in map(json.loads, f) if r.get("type") == "train"]
+        self.assertTrue(all(r["comm_exposed_s"] >= 0 for r in records))  # NOTE [Exposed communication]
+        with open(os.path.join(self.tmp, "single", "metrics.jsonl")) as f:
+            self.assertFalse(any("comm_exposed_s" in r for r in map(json.loads, f)))
         step_lines = [line for line in self.last.stdout.splitlines() if re.search(r"step +\d+/", line)]
         self.assertTrue(step_lines and all(line.startswith("[rank 0]") for line in step_lines), step_lines[:4])
 
