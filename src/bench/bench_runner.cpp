@@ -24,7 +24,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   r.seq_len = t.seq_len;
   r.grad_accum = t.gradient_accumulation_steps;
   r.global_batch = t.global_batch_size;
-  r.n_gpus = c.parallelism.data_parallel_shard_degree;
+  r.n_gpus = c.parallelism.data_parallel_shard_degree * c.parallelism.data_parallel_replicate_degree;
   r.parallelism = r.n_gpus > 1 ? fmt::format("fsdp {}", r.n_gpus) : "single";
   r.activation_checkpoint = c.activation_checkpoint.mode;
   r.args = args;
