@@ -13,7 +13,7 @@
 namespace forge {
 
 BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yaml, const std::string& args,
-                      int64_t warmup_steps) {
+                      int64_t warmup_steps, ProcessGroup* world) {
   const TrainingConfig& t = c.training;
   FORGE_CHECK(warmup_steps >= 0 && warmup_steps < t.steps, "bench: {} warm-up steps of {}", warmup_steps, t.steps);
   const auto start = std::chrono::steady_clock::now();
@@ -38,7 +38,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   try {
     TrainResult run;
     {
-      Trainer trainer(c, resolved_yaml);
+      Trainer trainer(c, resolved_yaml, world);
       run = trainer.run();
     }
     std::vector<double> measured(run.step_seconds.begin() + warmup_steps, run.step_seconds.end());

@@ -22,13 +22,16 @@
 #include "bench/bench_result.h"
 #include "train/experiment.h"
 
+#include "dist/process_group.h"
+
 namespace forge {
 
 // config: the resolved experiment (training.steps = warmup_steps + measured steps);
 // resolved_yaml: the same as saved in the run directory; args: the overrides that define
-// this run, for the reports.
+// this run, for the reports. world: the ranks' process group under a launcher (one for
+// the whole sweep: a rendezvous per run would race the previous run's teardown), else null.
 BenchResult run_bench(const ExperimentConfig& config, const std::string& resolved_yaml, const std::string& args,
-                      int64_t warmup_steps);
+                      int64_t warmup_steps, ProcessGroup* world = nullptr);
 
 // The largest micro-batch in [1, limit] for which fits(micro_batch) holds, assuming it
 // holds for every size below one that fits: doubling from 1 until a size does not fit,

@@ -15,6 +15,9 @@
 #include "bench/bench_report.h"
 #include "bench/bench_runner.h"
 #include "bench/perf_csv.h"
+#include "dist/launch_env.h"
+#include "dist/process_group.h"
+#include "train/trainer.h"
 #include "cli/bench_sweep.h"
 #include "cli/commands.h"
 #include "cli/config.h"
@@ -129,7 +132,10 @@ class BenchSession {
       r.args = args;
       return r;
     }
-    BenchResult r = run_bench(config, yaml, args, warmup);
+    // Under a launcher, one process group serves every run of the sweep.
+    const LaunchEnv env = read_launch_env();
+    if (env.world_size > 1 && !world_) world_ = create_process_group(env, process_group_options(config));
+    BenchResult r = run_bench(config, yaml, args, warmup, world_.get());
     r.config = yaml_to_json(YAML::Load(yaml));
     return r;
   }
@@ -137,6 +143,7 @@ class BenchSession {
  private:
   const BenchCommand& cmd_;
   int runs_ = 0;
+  std::unique_ptr<ProcessGroup> world_;
 };
 
 }  // namespace
@@ -193,6 +200,16 @@ int run_bench_command(const std::vector<std::string>& args) {
     BenchResult r = session.run(point, micro_batch, cmd.warmup, cmd.steps);
     log_info("[{}/{}] {}: {}", i + 1, points.size(), r.args.empty() ? label : r.args, describe(r));
     results.push_back(std::move(r));
+  }
+  // Under a launcher every rank runs every point together (FSDP); rank 0 alone reports.
+  if (read_launch_env().rank != 0) {
+    int rc = 0;
+    for (const BenchResult& r : results)
+      if (r.status != "ok") {
+        log_warn("{}: {}", r.args, describe(r));
+        if (r.status == "failed") rc = 1;
+      }
+    return rc;
   }
   fmt::print("\n{}\n", bench_markdown_table(results));
   const std::string json_path = cmd.output_dir + "/bench.json";

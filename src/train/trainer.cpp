@@ -43,8 +43,8 @@ std::string human_count(double n) {
 
 }  // namespace
 
-Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml)
-    : config_(config), resolved_yaml_(std::move(resolved_config_yaml)) {
+Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml, ProcessGroup* world)
+    : config_(config), resolved_yaml_(std::move(resolved_config_yaml)), world_(world) {
   const TrainingConfig& t = config_.training;
   if (t.device == "cuda") {
     if (!cuda_available())
@@ -130,12 +130,13 @@ void Trainer::set_up_data_parallel() {
   if (ranks == 1) return;
   rank_ = env.rank;
   world_size_ = env.world_size;
-  ProcessGroupOptions options;
-  options.device = device_;
-  options.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rendezvous_timeout_s * 1000));
-  options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.nccl_timeout_s * 1000));
-  world_ = create_process_group(env, options);
-  shard_group_ = world_.get();
+  if (!world_) {
+    own_world_ = create_process_group(env, process_group_options(config_));
+    world_ = own_world_.get();
+  }
+  FORGE_CHECK(world_->world_size() == env.world_size, "the process group given has {} ranks, the launcher started {}",
+              world_->world_size(), env.world_size);
+  shard_group_ = world_;
   if (p.data_parallel_replicate_degree > 1) {
     // Consecutive ranks shard (they share a node when the shard degree is the ranks per
     // node); ranks the shard degree apart hold the same shard.
@@ -151,6 +152,15 @@ void Trainer::set_up_data_parallel() {
 }
 
 Trainer::~Trainer() = default;
+
+ProcessGroupOptions process_group_options(const ExperimentConfig& config) {
+  const ParallelismConfig& p = config.parallelism;
+  ProcessGroupOptions options;
+  options.device = config.training.device == "cuda" ? Device::CUDA : Device::CPU;
+  options.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rendezvous_timeout_s * 1000));
+  options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.nccl_timeout_s * 1000));
+  return options;
+}
 
 const FlatParameters& Trainer::parameters() const {
   FORGE_CHECK(params_, "Trainer::parameters(): a data-parallel run holds shards, not the full parameters");

@@ -55,10 +55,15 @@ struct TrainResult {
   std::string run_dir;
 };
 
+// The process group settings an experiment asks for (device, parallelism timeouts).
+ProcessGroupOptions process_group_options(const ExperimentConfig& config);
+
 class Trainer {
  public:
   // resolved_config_yaml is saved as <run_dir>/config.yaml.
-  Trainer(const ExperimentConfig& config, std::string resolved_config_yaml);
+  // world: the process group of a data-parallel run, when the caller keeps one across
+  // several trainers (forge bench's sweeps); null: the trainer makes its own if needed.
+  Trainer(const ExperimentConfig& config, std::string resolved_config_yaml, ProcessGroup* world = nullptr);
   ~Trainer();
 
   TrainResult run();
@@ -100,7 +105,8 @@ class Trainer {
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
   int rank_ = 0, world_size_ = 1;
-  std::unique_ptr<ProcessGroup> world_, shard_split_, replicate_group_;
+  std::unique_ptr<ProcessGroup> own_world_, shard_split_, replicate_group_;
+  ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
 };

@@ -130,6 +130,25 @@ class Errors(unittest.TestCase):
 
 
 
+class Bench(unittest.TestCase):
+    def test_bench_on_two_ranks_reports_once(self):
+        tmp = scratch_dir()
+        result = subprocess.run(
+            [forge_bin(), "launch", "--nproc-per-node", "2", "--", "bench", "--parallelism.data_parallel_shard_degree",
+             "2", "--training.local_batch_size", "2,4", "--training.steps", "4", "--warmup", "1", "--output-dir",
+             os.path.join(tmp, "out"), "--perf-csv", os.path.join(tmp, "perf.csv")],
+            capture_output=True, text=True, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        self.assertEqual(result.returncode, 0, result.stderr[-3000:])
+        with open(os.path.join(tmp, "perf.csv")) as f:
+            rows = f.read().splitlines()[1:]
+        self.assertEqual(len(rows), 2, rows)
+        with open(os.path.join(tmp, "out", "bench.json")) as f:
+            runs = json.load(f)
+        runs = runs["runs"] if isinstance(runs, dict) else runs
+        self.assertEqual([r["n_gpus"] for r in runs], [2, 2])
+        self.assertEqual(result.stdout.count("| Model |"), 1)
+
+
 def checkpoint_weights(run_dir, step):
     """The flat fp32 parameters of checkpoint step-<step>, from every rank's file."""
     directory = os.path.join(run_dir, "checkpoints", f"step-{step}")
