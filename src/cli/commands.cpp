@@ -1,3 +1,4 @@
+#include "dist/launch_env.h"
 #include "cli/commands.h"
 
 #include <fmt/ranges.h>
@@ -44,7 +45,7 @@ int run_train(const std::vector<std::string>& args) {
   Invocation inv = parse_invocation(args, "train");
   ExperimentConfig config = load_experiment(inv.positional, inv.overrides);
   std::string yaml = to_yaml(config);
-  log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
+  if (read_launch_env().rank == 0) log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
   Trainer trainer(config, yaml);
   TrainResult result = trainer.run();
   if (!result.evals.empty() && result.entropy_floor > 0) {

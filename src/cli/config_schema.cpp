@@ -152,7 +152,9 @@ std::vector<ConfigKey> build_schema() {
           "precision.reduce_dtype", "dtype of gradients in FSDP's reduce-scatter", {}, {"fp32", "bf16"}),
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
-          "parallelism.data_parallel_shard_degree", "ranks that shard the model (FSDP)", at_least(1)),
+          "parallelism.data_parallel_shard_degree",
+          "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate degree",
+          ConfigRange{-1, std::nullopt}),
       key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
           "parallelism.data_parallel_replicate_degree",
           "replicas of each shard group (hybrid sharding: shard within a node, replicate across)", at_least(1)),

@@ -1,4 +1,5 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
+#include "dist/launch_env.h"
 #include "cli/config_validate.h"
 
 #include <charconv>
@@ -113,6 +114,22 @@ void check_checkpoint(const ExperimentConfig& config, const ConfigOrigins& origi
   }
 }
 
+// parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
+// launcher started, over the replicate degree.
+void resolve_shard_degree(ExperimentConfig& config, const ConfigOrigins& origins) {
+  ParallelismConfig& p = config.parallelism;
+  if (p.data_parallel_shard_degree == 0)
+    FORGE_FAIL("{} must be >= 1, or -1 for every rank the launcher started",
+               show(config, origins, "parallelism.data_parallel_shard_degree"));
+  if (p.data_parallel_shard_degree != -1) return;
+  const int world = read_launch_env().world_size;
+  if (world % p.data_parallel_replicate_degree != 0)
+    FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {}",
+               show(config, origins, "parallelism.data_parallel_shard_degree"), world,
+               p.data_parallel_replicate_degree);
+  p.data_parallel_shard_degree = world / p.data_parallel_replicate_degree;
+}
+
 void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
   TrainingConfig& training = config.training;
   const int64_t dp = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree;
@@ -149,6 +166,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_checkpoint(config, origins);
   config.model.validate();
   validate(config.optimizer, config.lr_scheduler, config.training.steps);
+  resolve_shard_degree(config, origins);
   resolve_batch(config, origins);
 }
 

@@ -121,6 +121,18 @@ class Errors(unittest.TestCase):
         for fragment in fragments:
             self.assertIn(fragment, result.stderr)
 
+    def test_shard_degree_minus_one_takes_every_rank(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", "train", "--training.steps", "2",
+                                 "--parallelism.data_parallel_shard_degree", "-1", "--logging.run_dir", run_dir],
+                                capture_output=True, text=True, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        self.assertEqual(result.returncode, 0, result.stderr[-2000:])
+        self.assertIn("fsdp rank 0 of 2 (ZeRO-3, 2 shard ranks x 1 replicas)", result.stdout)
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            self.assertIn("data_parallel_shard_degree: 2", f.read())
+        self.expect_error(1, ["data_parallel_shard_degree = 0", "-1 for every rank"],
+                          "--parallelism.data_parallel_shard_degree", "0")
+
     def test_degree_that_is_not_the_world_size(self):
         result = subprocess.run([forge_bin(), "train", "--parallelism.data_parallel_shard_degree", "2",
                                  "--logging.run_dir", os.path.join(scratch_dir(), "run")],
