@@ -189,5 +189,21 @@ TEST(GpuElementwise, SumOfSquaresAndCasts) {
   }
 }
 
+TEST(GpuElementwise, AccumulateOnAStreamOfItsOwn) {
+  Rng rng(seed_for_current_test());
+  DeviceStream stream(Device::CUDA);
+  for (DType source : {DType::F32, DType::BF16}) {
+    for (int64_t n : {int64_t{1}, int64_t{4097}, int64_t{3000017}}) {
+      Tensor dst = random_f32({n}, rng), src = random_bf16_values({n}, rng);
+      Tensor expected = dst.to(Device::CPU);
+      accumulate(expected, src);
+      Tensor gpu_dst = dst.to(Device::CUDA);
+      accumulate(gpu_dst, to_gpu(src, source), stream.get());
+      stream.synchronize();
+      EXPECT_EQ(relative_l2(gpu_dst.to(Device::CPU), expected), 0.0) << dtype_name(source) << " " << n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace forge::gpu_test
