@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <map>
 
 #include "cli/config.h"
 #include "cli/config_model_files.h"
 #include "config_test_support.h"
+#include "core/error.h"
+#include "model/memory_estimate.h"
+#include "train/memory_check.h"
 
 namespace forge {
 namespace {
@@ -101,6 +105,43 @@ TEST(ConfigLoad, ShippedExperimentsLoad) {
   const ExperimentConfig tiny = load_experiment(source_path("configs/experiments/debug-tiny.yaml"), {});
   EXPECT_EQ(to_yaml(tiny), to_yaml(load_experiment("", {})))
       << "configs/experiments/debug-tiny.yaml must spell out exactly the built-in defaults";
+}
+
+// Every experiment shipped under configs/experiments/ (the benchmark presets included) must
+// load and validate, as `forge info FILE` does, so a broken preset fails CI. A preset in a
+// folder named after a GPU must also be a bf16 CUDA run whose per-rank memory estimate
+// (forge info's "one GPU" line) plus forge's reserve fits that GPU's usable memory.
+TEST(ConfigLoad, EveryShippedExperimentLoadsAndFitsItsGpu) {
+  ScopedEnv no_config_dir("FORGE_CONFIG_DIR", std::nullopt);
+  constexpr double gib = 1024.0 * 1024 * 1024;
+  const std::map<std::string, double> usable_gib = {{"h100", 79.2}, {"h200", 139.8}};  // H100 SXM 80GB, H200 141GB
+  int experiments = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(source_path("configs/experiments"))) {
+    if (!entry.is_regular_file() || entry.path().extension() != ".yaml") continue;
+    const std::string file = entry.path().string();
+    SCOPED_TRACE(file);
+    ++experiments;
+    ExperimentConfig config;
+    try {
+      config = load_experiment(file, {});
+    } catch (const Error& error) {
+      ADD_FAILURE() << error.what();
+      continue;
+    }
+    const TrainingConfig& t = config.training;
+    const ParallelismConfig& p = config.parallelism;
+    EXPECT_EQ(t.global_batch_size, t.local_batch_size * t.gradient_accumulation_steps *
+                                       p.data_parallel_shard_degree * p.data_parallel_replicate_degree);
+    const auto gpu = usable_gib.find(entry.path().parent_path().filename().string());
+    if (gpu == usable_gib.end()) continue;
+    EXPECT_EQ(t.device, "cuda");
+    EXPECT_EQ(config.precision.compute_dtype, "bf16");
+    MemoryPlan plan = memory_plan_of(config);
+    plan.cuda = true;
+    const double need_gib = (estimate_memory(config.model, plan).total() + kReserveBytes) / gib;
+    EXPECT_LE(need_gib, gpu->second) << "estimate plus reserve does not fit " << gpu->first;
+  }
+  EXPECT_GE(experiments, 14);
 }
 
 TEST(ConfigLoad, DefaultIsTheTinyModelOnSyntheticData) {
