@@ -1,14 +1,17 @@
 // The reference table and the verdict rule; see preflight_reference.h.
 //
 // NOTE [Preflight references]
-// Every reference was measured on the device machine (../shared/PERF.md, "Ceilings",
-// 2026-11-22), never taken from a data sheet: a data-sheet peak is never reached, and a
-// check against it would warn on every healthy GPU.
-//   bf16 GEMM 8192^3   784 TFLOP/s   PyTorch on H100 80GB HBM3; H200 measured ~790 with the
-//                                    same tensor cores and clocks, so 784 serves both
-//   fp8 GEMM 8192^3   1436 TFLOP/s   torch._scaled_mm on H100; applied to H200 for the same
-//                                    reason (its memory is faster, its math units are not)
-//   device copy       3000 GB/s H100, 4300 GB/s H200 (bytes read + bytes written)
+// Every reference was measured on the device machine, never taken from a data sheet: a
+// data-sheet peak is never reached, and a check against it would warn on every healthy GPU.
+// The GEMM references are forge preflight's own measurements (docs/PERF.md, "System
+// validation", 2026-11-22), with the inputs this check uses: GEMM throughput depends on the
+// data (power draw), and the earlier references, PyTorch's 784 / 1436 TFLOP/s from
+// ../shared/PERF.md's "Ceilings" on other inputs, put healthy GPUs at 85-87% (warn).
+//   bf16 GEMM 8192^3   733 TFLOP/s H100 80GB HBM3 (one run), 685 H200 (median of four GPUs
+//                      in two runs: 687, 683, 672, 686)
+//   fp8 GEMM 8192^3   1220 TFLOP/s H100 (one run), 1214 H200 (1187 and 1241)
+//   device copy       3000 GB/s H100, 4300 GB/s H200 (bytes read + bytes written;
+//                     ../shared/PERF.md; preflight measured 3011 and 4224-4229)
 //   all-reduce         355 GB/s bus bandwidth, bf16, 1 GiB, 4 x H200 over NVLink
 // Devices are matched by their exact CUDA name: "NVIDIA H100 80GB HBM3" is the SXM part;
 // the PCIe and NVL variants (lower power and clocks) and every other GPU get no
@@ -37,8 +40,8 @@ struct DeviceReference {
 };
 
 constexpr std::array<DeviceReference, 2> kReferences = {{
-    {"NVIDIA H100 80GB HBM3", 784, 1436, 3000, 0, 0},
-    {"NVIDIA H200", 784, 1436, 4300, 4, 355},
+    {"NVIDIA H100 80GB HBM3", 733, 1220, 3000, 0, 0},
+    {"NVIDIA H200", 685, 1214, 4300, 4, 355},
 }};
 
 }  // namespace

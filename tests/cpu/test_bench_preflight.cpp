@@ -35,10 +35,11 @@ TEST(PreflightBands, PassWarnFailAgainstTheReference) {
 }
 
 TEST(PreflightReferences, ByExactDeviceNameAndNothingGuessed) {
-  EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::Bf16Gemm, 1), 784.0);
-  EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::Fp8Gemm, 1), 1436.0);
+  EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::Bf16Gemm, 1), 733.0);
+  EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::Fp8Gemm, 1), 1220.0);
   EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::DeviceCopy, 1), 3000.0);
-  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::Bf16Gemm, 1), 784.0);
+  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::Bf16Gemm, 1), 685.0);
+  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::Fp8Gemm, 1), 1214.0);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::DeviceCopy, 4), 4300.0);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllReduce, 4), 355.0);
   // Measured with 4 H200s only; other counts, other GPUs and unmeasured checks have none.
