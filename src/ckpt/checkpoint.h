@@ -107,6 +107,26 @@ struct ShardData {
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
                             const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k);
 
+// The same save split in three, for ranks that each write their own shard in parallel
+// (NOTE [Parallel checkpoint saves] in train/trainer_checkpoint.cpp):
+//   1. one process: begin_checkpoint_save creates the folder, clears leftovers and makes
+//      the temporary directory <folder>/.tmp-step-<N>-<token> (token: the same on every
+//      rank, e.g. rank 0's pid), whose path checkpoint_temporary_dir gives every rank;
+//   2. every rank: write_checkpoint_shard writes rank-<rank>.bin (durably) and returns the
+//      CRC-32 of each of its pieces, in the order finish_checkpoint_save expects;
+//   3. the same process as 1, once every shard is written: finish_checkpoint_save writes
+//      the metadata from everyone's CRCs, renames the directory into place and prunes.
+std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, int64_t token);
+std::string begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
+std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
+                                             const std::vector<ShardRange>& ranges, int rank, const ShardData& shard);
+// The number of pieces (CRCs) rank `rank`'s shard has: every rank can work out everyone's.
+int64_t checkpoint_piece_count(const ModelConfig& model, const std::vector<ShardRange>& ranges, int rank);
+std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,
+                                   const std::string& experiment_yaml, const TrainingState& state,
+                                   const std::vector<ShardRange>& ranges,
+                                   const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k);
+
 // Steps of the complete checkpoints in folder, ascending (empty when there is none or the
 // folder does not exist).
 std::vector<int64_t> checkpoint_steps(const std::string& folder);

@@ -43,29 +43,55 @@ void remove_temporaries(const std::string& folder) {
   }
 }
 
-// One record per (state, parameter), one piece per shard the parameter overlaps.
-std::vector<TensorRecord> tensor_records(const std::vector<ParamSpec>& specs, const std::vector<ShardData>& shards) {
-  std::vector<TensorRecord> records;
+// One record per (state, parameter), one piece per shard the parameter overlaps; the
+// pieces of each rank come in this same order everywhere (records, CRC lists).
+template <typename PieceVisitor>
+void for_each_piece(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges, PieceVisitor&& visit) {
   for (FlatState state : kFlatStates) {
     int64_t offset = 0;
     for (const ParamSpec& spec : specs) {
-      TensorRecord rec{spec.name, state, spec.shape, offset, {}};
       const int64_t end = offset + shape_numel(spec.shape);
-      for (size_t r = 0; r < shards.size(); ++r) {
-        const ShardRange& range = shards[r].range;
+      for (size_t r = 0; r < ranges.size(); ++r) {
+        const ShardRange& range = ranges[r];
         const int64_t b = std::max(offset, range.begin), e = std::min(end, range.end);
         if (b >= e) continue;
-        const float* data = shard_vector(shards[r], state) + (b - range.begin);
-        const int64_t bytes = (e - b) * static_cast<int64_t>(sizeof(float));
-        const int64_t byte_offset =
-            (static_cast<int64_t>(state) * range.size() + (b - range.begin)) * static_cast<int64_t>(sizeof(float));
-        rec.pieces.push_back({static_cast<int>(r), b, byte_offset, bytes, crc32(data, static_cast<size_t>(bytes))});
+        visit(state, spec, offset, static_cast<int>(r), b, e);
       }
-      records.push_back(std::move(rec));
       offset = end;
     }
   }
+}
+
+std::vector<TensorRecord> tensor_records(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges,
+                                         const std::vector<std::vector<uint32_t>>& crcs_by_rank) {
+  std::vector<TensorRecord> records;
+  std::vector<size_t> next(ranges.size(), 0);
+  for_each_piece(specs, ranges, [&](FlatState state, const ParamSpec& spec, int64_t offset, int r, int64_t b, int64_t e) {
+    if (records.empty() || records.back().name != spec.name || records.back().state != state)
+      records.push_back({spec.name, state, spec.shape, offset, {}});
+    const ShardRange& range = ranges[static_cast<size_t>(r)];
+    const int64_t bytes = (e - b) * static_cast<int64_t>(sizeof(float));
+    const int64_t byte_offset =
+        (static_cast<int64_t>(state) * range.size() + (b - range.begin)) * static_cast<int64_t>(sizeof(float));
+    const auto& crcs = crcs_by_rank[static_cast<size_t>(r)];
+    FORGE_CHECK(next[static_cast<size_t>(r)] < crcs.size(), "checkpoint: rank {} sent {} CRCs, too few", r, crcs.size());
+    records.back().pieces.push_back({r, b, byte_offset, bytes, crcs[next[static_cast<size_t>(r)]++]});
+  });
+  for (size_t r = 0; r < ranges.size(); ++r)
+    FORGE_CHECK(next[r] == crcs_by_rank[r].size(), "checkpoint: rank {} sent {} CRCs for {} pieces", r,
+                crcs_by_rank[r].size(), next[r]);
   return records;
+}
+
+std::vector<uint32_t> shard_crcs(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges, int rank,
+                                 const ShardData& shard) {
+  std::vector<uint32_t> crcs;
+  for_each_piece(specs, ranges, [&](FlatState state, const ParamSpec&, int64_t, int r, int64_t b, int64_t e) {
+    if (r != rank) return;
+    const float* data = shard_vector(shard, state) + (b - shard.range.begin);
+    crcs.push_back(crc32(data, static_cast<size_t>(e - b) * sizeof(float)));
+  });
+  return crcs;
 }
 
 void write_shard(const std::string& path, const ShardData& shard) {
@@ -108,47 +134,82 @@ std::vector<ShardRange> shard_ranges(int64_t numel, int world) {
   return ranges;
 }
 
-std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
-                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k) {
-  const std::vector<ParamSpec> specs = parameter_specs(model);
-  int64_t numel = 0;
-  for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
-  FORGE_CHECK(!shards.empty(), "save_checkpoint without shards");
-  int64_t covered = 0;
-  for (const ShardData& shard : shards) {
-    FORGE_CHECK(shard.range.begin == covered && shard.range.end >= shard.range.begin, "shards must tile [0, {})",
-                numel);
-    covered = shard.range.end;
-  }
-  FORGE_CHECK(covered == numel, "shards cover {} of {} parameters", covered, numel);
+std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, int64_t token) {
+  return fmt::format("{}/{}step-{}-{}", folder, kTemporaryPrefix, step, token);
+}
 
+std::string begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token) {
   std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) FORGE_FAIL("cannot create checkpoint folder '{}' (checkpoint.folder): {}", folder, ec.message());
   remove_temporaries(folder);
-
-  const std::string tmp = fmt::format("{}/{}step-{}-{}", folder, kTemporaryPrefix, state.step, ::getpid());
+  const std::string tmp = checkpoint_temporary_dir(folder, step, token);
   fs::create_directory(tmp, ec);
   if (ec) FORGE_FAIL("cannot create '{}': {}", tmp, ec.message());
+  return tmp;
+}
+
+std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
+                                             const std::vector<ShardRange>& ranges, int rank, const ShardData& shard) {
+  FORGE_CHECK(rank >= 0 && static_cast<size_t>(rank) < ranges.size() && shard.range.begin == ranges[rank].begin &&
+                  shard.range.end == ranges[rank].end,
+              "checkpoint shard of rank {} does not hold its range", rank);
+  write_shard(fmt::format("{}/rank-{}.bin", temporary_dir, rank), shard);
+  return shard_crcs(parameter_specs(model), ranges, rank, shard);
+}
+
+int64_t checkpoint_piece_count(const ModelConfig& model, const std::vector<ShardRange>& ranges, int rank) {
+  int64_t n = 0;
+  for_each_piece(parameter_specs(model), ranges,
+                 [&](FlatState, const ParamSpec&, int64_t, int r, int64_t, int64_t) { n += r == rank; });
+  return n;
+}
+
+std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,
+                                   const std::string& experiment_yaml, const TrainingState& state,
+                                   const std::vector<ShardRange>& ranges,
+                                   const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k) {
+  const std::vector<ParamSpec> specs = parameter_specs(model);
+  int64_t numel = 0;
+  for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
+  FORGE_CHECK(!ranges.empty() && crcs_by_rank.size() == ranges.size(), "checkpoint: {} ranges, {} CRC lists",
+              ranges.size(), crcs_by_rank.size());
+  int64_t covered = 0;
+  for (const ShardRange& range : ranges) {
+    FORGE_CHECK(range.begin == covered && range.end >= range.begin, "shards must tile [0, {})", numel);
+    covered = range.end;
+  }
+  FORGE_CHECK(covered == numel, "shards cover {} of {} parameters", covered, numel);
 
   CheckpointMetadata md;
   md.model = model;
   md.experiment_yaml = experiment_yaml;
   md.training = state;
   md.flat_numel = numel;
-  for (const ShardData& shard : shards) md.shards.push_back(shard.range);
-  md.tensors = tensor_records(specs, shards);
-
-  for (size_t r = 0; r < shards.size(); ++r) write_shard(fmt::format("{}/rank-{}.bin", tmp, r), shards[r]);
-  write_file_durable(tmp + "/" + kCheckpointMetadataFile, metadata_to_json(md));
-  fsync_directory(tmp);
+  md.shards = ranges;
+  md.tensors = tensor_records(specs, ranges, crcs_by_rank);
+  write_file_durable(temporary_dir + "/" + kCheckpointMetadataFile, metadata_to_json(md));
+  fsync_directory(temporary_dir);
 
   const std::string dir = checkpoint_dir(folder, state.step);
-  const bool replaced = rename_replacing_directory(tmp, dir);
+  const bool replaced = rename_replacing_directory(temporary_dir, dir);
   fsync_directory(folder);
-  if (replaced) fs::remove_all(tmp, ec);  // the checkpoint step-<N> held before
+  std::error_code ec;
+  if (replaced) fs::remove_all(temporary_dir, ec);  // the checkpoint step-<N> held before
   if (keep_latest_k > 0) keep_latest(folder, state.step, keep_latest_k);
   return dir;
+}
+
+std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
+                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k) {
+  FORGE_CHECK(!shards.empty(), "save_checkpoint without shards");
+  std::vector<ShardRange> ranges;
+  for (const ShardData& shard : shards) ranges.push_back(shard.range);
+  const std::string tmp = begin_checkpoint_save(folder, state.step, ::getpid());
+  std::vector<std::vector<uint32_t>> crcs;
+  for (size_t r = 0; r < shards.size(); ++r)
+    crcs.push_back(write_checkpoint_shard(tmp, model, ranges, static_cast<int>(r), shards[r]));
+  return finish_checkpoint_save(folder, tmp, model, experiment_yaml, state, ranges, crcs, keep_latest_k);
 }
 
 }  // namespace forge

@@ -1,6 +1,7 @@
 #include "dist/fsdp.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "core/error.h"
 #include "core/parallel.h"
@@ -365,27 +366,65 @@ Tensor Fsdp::chunk_of(const std::vector<Tensor>& segments) const {
   return chunk;
 }
 
-void Fsdp::gather_to_host(const Tensor& chunk, std::vector<float>& flat) {
+void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, std::span<float> out) {
   FORGE_CHECK(chunk.numel() == layout_.shard_numel() && chunk.dtype() == DType::F32,
-              "FSDP gather_to_host: {} {} is not a fp32 chunk of {}", dtype_name(chunk.dtype()),
+              "FSDP gather_flat_range: {} {} is not a fp32 chunk of {}", dtype_name(chunk.dtype()),
               shape_str(chunk.shape()), layout_.shard_numel());
-  const bool root = layout_.rank() == 0;
+  FORGE_CHECK(begin <= end && static_cast<int64_t>(out.size()) == end - begin, "FSDP gather_flat_range: [{}, {}) into {}",
+              begin, end, out.size());
   std::vector<int64_t> flat_offsets;
   int64_t total = 0;
   for (const ParamSpec& spec : layout_.specs()) {
     flat_offsets.push_back(total);
     total += shape_numel(spec.shape);
   }
-  if (root) flat.assign(static_cast<size_t>(total), 0.0f);
+  const int world = layout_.world_size();
+  constexpr int64_t kSlice = int64_t{1} << 24;
+  Tensor gathered = Tensor::empty({world * std::min(kSlice, layout_.max_shard_numel())}, DType::F32, device_);
   for (int u = 0; u < layout_.num_units(); ++u) {
     const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
-    Tensor full = Tensor::empty({unit.numel}, DType::F32, device_);
-    shard_group_.all_gather(full, shard_of(chunk, u), kCompute);
-    if (!root) continue;
-    const Tensor host = full.to(Device::CPU);
-    for (const FsdpParam& p : unit.params)
-      std::copy_n(host.data<float>() + p.offset, p.numel, flat.data() + flat_offsets[static_cast<size_t>(p.spec)]);
+    for (int64_t k = 0; k < unit.shard_numel; k += kSlice) {
+      const int64_t n = std::min(kSlice, unit.shard_numel - k);
+      const Tensor slices = gathered.narrow(0, world * n);
+      shard_group_.all_gather(slices, shard_of(chunk, u).narrow(k, k + n), kCompute);
+      // Rank r's slice holds unit elements [r * shard_numel + k, ... + n).
+      std::optional<Tensor> host;
+      for (int r = 0; r < world; ++r) {
+        const int64_t a = r * unit.shard_numel + k, b = a + n;
+        for (const FsdpParam& p : unit.params) {
+          const int64_t lo = std::max(a, p.offset), hi = std::min(b, p.offset + p.numel);
+          if (lo >= hi) continue;
+          const int64_t flat_lo = flat_offsets[static_cast<size_t>(p.spec)] + (lo - p.offset);
+          const int64_t want_lo = std::max(flat_lo, begin), want_hi = std::min(flat_lo + (hi - lo), end);
+          if (want_lo >= want_hi) continue;
+          if (!host) host = slices.to(Device::CPU);
+          std::copy_n(host->data<float>() + r * n + (lo - a) + (want_lo - flat_lo), want_hi - want_lo,
+                      out.data() + (want_lo - begin));
+        }
+      }
+    }
   }
+}
+
+void Fsdp::gather_to_host(const Tensor& chunk, std::vector<float>& flat) {
+  const int64_t total = layout_.parameter_count();
+  const bool root = layout_.rank() == 0;
+  if (root) flat.assign(static_cast<size_t>(total), 0.0f);
+  gather_flat_range(chunk, 0, root ? total : 0, root ? std::span<float>(flat) : std::span<float>());
+}
+
+std::vector<uint32_t> Fsdp::all_gather_words(const std::vector<uint32_t>& words) {
+  // fp32 tensors carry the bits: an all-gather only moves them.
+  const int64_t n = std::max<int64_t>(static_cast<int64_t>(words.size()), 1);
+  Tensor mine = Tensor::zeros({n}, DType::F32);
+  std::copy_n(words.data(), words.size(), static_cast<uint32_t*>(mine.raw()));
+  Tensor all = Tensor::empty({n * layout_.world_size()}, DType::F32, device_);
+  shard_group_.all_gather(all, mine.to(device_), kCompute);
+  const Tensor host = all.to(Device::CPU);
+  std::vector<uint32_t> result(static_cast<size_t>(n * layout_.world_size()));
+  std::copy_n(static_cast<const uint32_t*>(host.raw()), result.size(), result.data());
+  if (words.empty()) result.clear();
+  return result;
 }
 
 void Fsdp::begin_exposed() {

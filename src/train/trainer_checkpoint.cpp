@@ -1,7 +1,11 @@
 // The trainer's side of checkpoints: which folder, what a save captures (world 1: one
 // shard holding every flat range), and what a resume or a fine-tuning start restores.
 // NOTE [Exact resume] in train/trainer.h says why this state is enough.
+#include <unistd.h>
+
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include "ckpt/checkpoint.h"
@@ -113,26 +117,19 @@ void Trainer::load_initial_weights(const std::string& path) {
            dir, ck.metadata.training.step);
 }
 
+// NOTE [Parallel checkpoint saves]
+// Under FSDP every rank of the first replica (the shard group that holds world rank 0)
+// writes its own shard file at once: the checkpoint's ranks are the shard ranks, and rank
+// r's file holds the contiguous flat range shard_ranges(numel, shards)[r] of the weights
+// and both moments, which Fsdp::gather_flat_range moves there from the per-unit chunks
+// (NOTE [FSDP layout]); every rank thus holds 12 bytes per parameter / shards in host
+// memory, never the whole model. Rank 0 makes the temporary directory (named with its pid,
+// which every rank learns through an all-reduce), every writer writes and fsyncs its file
+// and hands rank 0 the CRC-32s of its pieces, and rank 0 writes the metadata and renames
+// the directory into place (NOTE [Atomic checkpoints]). The ranks must see one filesystem
+// (one node, or a shared one across nodes), as with torch.distributed.checkpoint.
 void Trainer::save_checkpoint(int64_t step) {
   auto t0 = std::chrono::steady_clock::now();
-  std::vector<float> m, v, params;
-  if (fsdp_) {
-    // Rank 0 gathers the whole state into host memory (12 bytes per parameter) and writes
-    // it; the file layout records this world size's ranges, and any world size reads it.
-    fsdp_->gather_to_host(fsdp_->master_shard(), params);
-    fsdp_->gather_to_host(fsdp_->chunk_of(optimizer_->exp_avg()), m);
-    fsdp_->gather_to_host(fsdp_->chunk_of(optimizer_->exp_avg_sq()), v);
-    if (rank_ != 0) return;
-  } else {
-    m = concatenate(optimizer_->exp_avg());
-    v = concatenate(optimizer_->exp_avg_sq());
-    const Tensor flat = params_->flat().to(Device::CPU);
-    params.assign(flat.data<float>(), flat.data<float>() + flat.numel());
-  }
-  const int64_t numel = static_cast<int64_t>(params.size());
-  std::vector<ShardData> shards;
-  for (const ShardRange& range : shard_ranges(numel, world_size_))
-    shards.push_back({range, params.data() + range.begin, m.data() + range.begin, v.data() + range.begin});
   TrainingState state;
   state.step = step;
   state.data_position = train_loader_->position();
@@ -140,8 +137,49 @@ void Trainer::save_checkpoint(int64_t step) {
   state.lr_schedule_steps = config_.training.steps;
   state.optimizer = config_.optimizer;
   state.optimizer_step = optimizer_->step_count();
-  const std::string dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, shards,
-                                                 config_.checkpoint.keep_latest_k);
+  const int64_t numel = config_.model.total_params();
+  std::string dir;
+  if (fsdp_) {
+    const int shards = shard_group_->world_size(), shard_rank = shard_group_->rank();
+    const bool writer = rank_ < shards;  // the replica of world rank 0 (consecutive ranks shard)
+    const std::vector<ShardRange> ranges = shard_ranges(numel, shards);
+    const ShardRange mine = ranges[static_cast<size_t>(shard_rank)];
+    std::vector<float> params(static_cast<size_t>(mine.size())), m(params.size()), v(params.size());
+    fsdp_->gather_flat_range(fsdp_->master_shard(), mine.begin, mine.end, params);
+    fsdp_->gather_flat_range(fsdp_->chunk_of(optimizer_->exp_avg()), mine.begin, mine.end, m);
+    fsdp_->gather_flat_range(fsdp_->chunk_of(optimizer_->exp_avg_sq()), mine.begin, mine.end, v);
+    const int64_t token = std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
+    const std::string folder = checkpoint_folder();
+    std::string tmp = checkpoint_temporary_dir(folder, step, token);
+    if (rank_ == 0) tmp = begin_checkpoint_save(folder, step, token);
+    world_->barrier();
+    std::vector<uint32_t> crcs;
+    if (writer) crcs = write_checkpoint_shard(tmp, config_.model, ranges, shard_rank, {mine, params.data(), m.data(), v.data()});
+    // Every shard group exchanges CRC lists padded to the longest; only the first one's count.
+    int64_t longest = 0;
+    for (int r = 0; r < shards; ++r) longest = std::max(longest, checkpoint_piece_count(config_.model, ranges, r));
+    std::vector<uint32_t> padded(static_cast<size_t>(longest), 0);
+    std::copy(crcs.begin(), crcs.end(), padded.begin());
+    const std::vector<uint32_t> all = fsdp_->all_gather_words(padded);
+    if (rank_ == 0) {
+      std::vector<std::vector<uint32_t>> by_rank;
+      for (int r = 0; r < shards; ++r) {
+        const auto first = all.begin() + static_cast<std::ptrdiff_t>(r * longest);
+        by_rank.emplace_back(first, first + checkpoint_piece_count(config_.model, ranges, r));
+      }
+      dir = finish_checkpoint_save(folder, tmp, config_.model, resolved_yaml_, state, ranges, by_rank,
+                                   config_.checkpoint.keep_latest_k);
+    }
+    world_->barrier();  // the checkpoint is in place before any rank goes on
+    if (rank_ != 0) return;
+  } else {
+    const std::vector<float> m = concatenate(optimizer_->exp_avg());
+    const std::vector<float> v = concatenate(optimizer_->exp_avg_sq());
+    const Tensor flat = params_->flat().to(Device::CPU);
+    ShardData shard{shard_ranges(numel, 1).front(), flat.data<float>(), m.data(), v.data()};
+    dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, {shard},
+                                 config_.checkpoint.keep_latest_k);
+  }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s)", dir, 3.0 * 4.0 * static_cast<double>(numel) / 1e6,
            seconds);

@@ -184,6 +184,20 @@ class Checkpoints(unittest.TestCase):
         self.assertEqual(weights[1].shape, weights[4].shape)
         self.assertLess(float(numpy.abs(weights[4] - weights[1]).max()), 1e-6)
 
+    def test_hybrid_run_saves_one_replica_and_resumes_on_four_shards(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        train(run_dir, 4, "--parallelism.data_parallel_shard_degree", "2", "--parallelism.data_parallel_replicate_degree",
+              "2", "--checkpoint.enable", "true", "--checkpoint.interval", "15")
+        uninterrupted = losses(run_dir)
+        with open(os.path.join(run_dir, "checkpoints", "step-15", "metadata.json")) as f:
+            self.assertEqual(json.load(f)["world_size"], 2)  # the shard ranks of one replica wrote it
+        train(run_dir, 4, "--checkpoint.enable", "true", "--checkpoint.load_step", "15")
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            steps = [r for r in map(json.loads, f) if r.get("type") == "train"]
+        resumed = [r["loss"] for r in steps[STEPS:]]
+        self.assertEqual(len(resumed), STEPS - 15)
+        self.assertLess(max(abs(a - b) / b for a, b in zip(resumed, uninterrupted[15:])), 1e-4)
+
     def test_a_run_saved_on_two_ranks_resumes_on_one(self):
         run_dir = os.path.join(scratch_dir(), "run")
         train(run_dir, 2, "--checkpoint.enable", "true", "--checkpoint.interval", "15")
