@@ -39,6 +39,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
     TrainResult run;
     {
       Trainer trainer(c, resolved_yaml, world);
+      trainer.show_progress(false);  // forge bench shows the sweep's
       run = trainer.run();
     }
     std::vector<double> measured(run.step_seconds.begin() + warmup_steps, run.step_seconds.end());

@@ -9,6 +9,8 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <unistd.h>
+
 #include <filesystem>
 #include <optional>
 
@@ -23,6 +25,7 @@
 #include "cli/config.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/progress.h"
 
 namespace forge {
 namespace {
@@ -171,6 +174,16 @@ int run_bench_command(const std::vector<std::string>& args) {
   std::filesystem::create_directories(cmd.output_dir);
   BenchSession session(cmd);
   std::vector<BenchResult> results;
+  // On a terminal, a bar over the sweep's points (rank 0's); the per-point lines stay.
+  std::optional<ProgressReporter> progress;
+  if (::isatty(STDERR_FILENO) != 0 && read_launch_env().rank == 0) {
+    progress.emplace(true);
+    progress->start(static_cast<double>(points.size()), "bench");
+  }
+  auto sweep_line = [&](const std::string& line) {
+    if (progress) progress->clear();
+    log_info("{}", line);
+  };
   for (size_t i = 0; i < points.size(); ++i) {
     const SweepPoint& point = points[i];
     const std::string label = point.args.empty() ? "(experiment as given)" : point.args;
@@ -181,8 +194,8 @@ int run_bench_command(const std::vector<std::string>& args) {
         if (probe.status == "failed")
           FORGE_FAIL("forge bench --find-max-batch: micro-batch {} of {} failed for a reason other than memory: {}",
                      mb, label, probe.error);
-        log_info("[{}/{}] {}: micro-batch {} {}", i + 1, points.size(), label, mb,
-                 probe.status == "ok" ? "fits" : "does not fit");
+        sweep_line(fmt::format("[{}/{}] {}: micro-batch {} {}", i + 1, points.size(), label, mb,
+                               probe.status == "ok" ? "fits" : "does not fit"));
         return probe.status == "ok";
       });
       if (best == 0) {
@@ -190,17 +203,19 @@ int run_bench_command(const std::vector<std::string>& args) {
         r.status = "oom";
         r.error = "not even a micro-batch of 1 fits";
         r.args = point.args;
-        log_info("[{}/{}] {}: {}", i + 1, points.size(), label, describe(r));
+        sweep_line(fmt::format("[{}/{}] {}: {}", i + 1, points.size(), label, describe(r)));
         results.push_back(r);
         continue;
       }
-      log_info("[{}/{}] {}: largest micro-batch that fits: {}", i + 1, points.size(), label, best);
+      sweep_line(fmt::format("[{}/{}] {}: largest micro-batch that fits: {}", i + 1, points.size(), label, best));
       micro_batch = best;
     }
     BenchResult r = session.run(point, micro_batch, cmd.warmup, cmd.steps);
-    log_info("[{}/{}] {}: {}", i + 1, points.size(), r.args.empty() ? label : r.args, describe(r));
+    sweep_line(fmt::format("[{}/{}] {}: {}", i + 1, points.size(), r.args.empty() ? label : r.args, describe(r)));
     results.push_back(std::move(r));
+    if (progress) progress->update(static_cast<double>(i + 1), fmt::format("{} of {} runs", i + 1, points.size()));
   }
+  if (progress) progress->finish();
   // Under a launcher every rank runs every point together (FSDP); rank 0 alone reports.
   if (read_launch_env().rank != 0) {
     int rc = 0;

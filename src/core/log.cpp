@@ -1,5 +1,7 @@
 #include "core/log.h"
 
+#include "core/progress.h"
+
 #include <cstdio>
 #include <mutex>
 
@@ -16,8 +18,10 @@ void log_message(LogLevel level, const std::string& message) {
   std::lock_guard lock(g_mu);
   FILE* out = level >= LogLevel::Warn ? stderr : stdout;
   const char* prefix = level == LogLevel::Warn ? "warning: " : level == LogLevel::Error ? "error: " : "";
+  progress_line_hide();  // a progress bar on the terminal stays below the log (core/progress.h)
   std::fprintf(out, "%s%s\n", prefix, message.c_str());
   std::fflush(out);
+  progress_line_restore();
 }
 
 }  // namespace forge

@@ -21,7 +21,27 @@ double steady_seconds() {
 
 double fraction_done(double done, double total) { return total > 0 ? std::min(1.0, done / total) : 1.0; }
 
+// The reporter whose line is on the terminal now (one at a time), and whether a log line
+// has erased it.
+ProgressReporter* g_line_owner = nullptr;
+bool g_line_hidden = false;
+
 }  // namespace
+
+void progress_line_hide() {
+  if (!g_line_owner || !g_line_owner->line_open_ || g_line_hidden) return;
+  std::fprintf(g_line_owner->out_, "\r\033[K");
+  std::fflush(g_line_owner->out_);
+  g_line_hidden = true;
+}
+
+void progress_line_restore() {
+  if (!g_line_owner || !g_line_hidden) return;
+  g_line_hidden = false;
+  if (!g_line_owner->line_open_) return;
+  std::fprintf(g_line_owner->out_, "%s", g_line_owner->last_line_.c_str());
+  std::fflush(g_line_owner->out_);
+}
 
 std::string format_bytes(double bytes) {
   if (bytes >= 1e9) return fmt::format("{:.2f} GB", bytes / 1e9);
@@ -57,7 +77,10 @@ std::string format_progress(double done, double total, double elapsed_seconds, c
 ProgressReporter::ProgressReporter(bool terminal, std::FILE* out, Clock clock)
     : terminal_(terminal), out_(out), clock_(clock ? std::move(clock) : Clock(steady_seconds)) {}
 
-ProgressReporter::~ProgressReporter() { finish(); }
+ProgressReporter::~ProgressReporter() {
+  finish();
+  if (g_line_owner == this) g_line_owner = nullptr;
+}
 
 void ProgressReporter::start(double total, std::string label) {
   finish();
@@ -73,9 +96,11 @@ void ProgressReporter::update(double done, const std::string& extra_text) {
   next_print_seconds_ = elapsed + (terminal_ ? kTerminalInterval : kLogInterval);
   const std::string text = format_progress(done, total_, elapsed, extra_text);
   if (terminal_) {
-    std::fprintf(out_, "\r\033[K%s %s", format_progress_bar(fraction_done(done, total_), kBarWidth).c_str(),
-                 text.c_str());
+    last_line_ = format_progress_bar(fraction_done(done, total_), kBarWidth) + " " + text;
+    std::fprintf(out_, "\r\033[K%s", last_line_.c_str());
     line_open_ = true;
+    g_line_owner = this;
+    g_line_hidden = false;
   } else {
     std::fprintf(out_, "%s: %s\n", label_.c_str(), text.c_str());
   }
@@ -83,6 +108,7 @@ void ProgressReporter::update(double done, const std::string& extra_text) {
 }
 
 void ProgressReporter::clear() {
+  if (g_line_owner == this) g_line_hidden = false;
   if (!line_open_) return;
   std::fprintf(out_, "\r\033[K");
   std::fflush(out_);
@@ -90,6 +116,7 @@ void ProgressReporter::clear() {
 }
 
 void ProgressReporter::finish() {
+  if (g_line_owner == this) g_line_hidden = false;
   if (!line_open_) return;
   std::fprintf(out_, "\n");
   std::fflush(out_);

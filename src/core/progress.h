@@ -8,6 +8,9 @@
 // Elsewhere (a log file, a CI job) a plain line is printed every 10 seconds instead, so
 // logs stay readable:
 //   prep:  31.0% <extra text> | elapsed 0:42 | ETA 1:33
+// A log line printed while a bar is drawn goes above it: log_message() erases the bar,
+// prints, and draws the bar again (progress_line_hide / progress_line_restore), so a
+// sweep's bar stays at the bottom while its runs log.
 #pragma once
 
 #include <cstdio>
@@ -45,7 +48,15 @@ class ProgressReporter {
   double start_seconds_ = 0;
   double next_print_seconds_ = 0;
   bool line_open_ = false;
+  std::string last_line_;  // what the terminal line shows, to draw again after a log line
+  friend void progress_line_hide();
+  friend void progress_line_restore();
 };
+
+// For the logger: erase the progress line drawn on a terminal, if any, before a log line;
+// draw it again after.
+void progress_line_hide();
+void progress_line_restore();
 
 // The text of one progress line after the bar or label: percentage, the extra text,
 // elapsed time and ETA (from the average rate so far; 0:00 while no rate is known).

@@ -273,7 +273,7 @@ TrainResult Trainer::run() {
   // A long run in a terminal shows a progress bar between its log lines; elsewhere the
   // log lines (every logging.log_interval steps) are the progress.
   std::optional<ProgressReporter> progress;
-  if (rank_ == 0 && isatty(fileno(stderr))) {
+  if (show_progress_ && rank_ == 0 && isatty(fileno(stderr))) {
     progress.emplace(true);
     progress->start(static_cast<double>(t.steps), "training");
   }

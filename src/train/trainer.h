@@ -67,6 +67,9 @@ class Trainer {
   ~Trainer();
 
   TrainResult run();
+  // Whether run() draws its progress bar on a terminal (forge bench draws its own, for the
+  // whole sweep).
+  void show_progress(bool show) { show_progress_ = show; }
   EvalMetrics evaluate(int64_t step);
 
   // The fp32 weights of single-device training (not available under FSDP, where each
@@ -103,6 +106,7 @@ class Trainer {
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
+  bool show_progress_ = true;
   // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<ProcessGroup> own_world_, shard_split_, replicate_group_;

@@ -83,5 +83,29 @@ TEST(Progress, TerminalOutputRedrawsOneLineAndEndsIt) {
   std::fclose(out);
 }
 
+TEST(Progress, ALogLineGoesAboveTheBar) {
+  std::FILE* f = std::tmpfile();
+  double now = 0;
+  {
+    ProgressReporter p(true, f, [&] { return now; });
+    p.start(4, "bench");
+    now = 1;
+    p.update(1, "1 of 4 runs");
+    const std::string drawn = contents(f);
+    progress_line_hide();
+    std::fprintf(f, "a log line\n");
+    progress_line_restore();
+    progress_line_restore();  // once only
+    const std::string bar = drawn.substr(4);  // after "\r\033[K"
+    EXPECT_EQ(contents(f), drawn + "\r\033[Ka log line\n" + bar);
+    p.finish();
+    progress_line_hide();  // nothing drawn any more: nothing to erase
+    EXPECT_EQ(contents(f), drawn + "\r\033[Ka log line\n" + bar + "\n");
+  }
+  progress_line_hide();  // the reporter is gone
+  progress_line_restore();
+  std::fclose(f);
+}
+
 }  // namespace
 }  // namespace forge
