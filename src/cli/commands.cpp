@@ -84,13 +84,16 @@ int run_info(const std::vector<std::string>& args) {
   fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
              m.flops_per_token(t.seq_len), t.seq_len);
   MemoryPlan plan = memory_plan_of(config);
-  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}:\n",
-             t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype);
+  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",
+             t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
+             plan.fsdp ? fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks", plan.zero_stage,
+                                     plan.shard_ranks)
+                       : std::string());
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;
     plan.optimizer_state = cuda ? configured_state : DType::F32;  // the CPU reference keeps fp32 moments
-    fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan)));
+    fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda));
   }
   return 0;
 }

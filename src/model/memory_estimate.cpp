@@ -32,10 +32,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   return e;
 }
 
-std::string describe(const MemoryEstimate& e) {
+std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   std::string s = fmt::format("master weights {} + ", gib(e.master_weights));
-  if (e.compute_weights > 0) s += fmt::format("bf16 weights {} + ", gib(e.compute_weights));
+  if (e.compute_weights > 0) s += fmt::format("{} weights {} + ", bf16_compute ? "bf16" : "fp32", gib(e.compute_weights));
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),
                    gib(e.activations));
   if (e.comm_buffers > 0) s += fmt::format(" + FSDP reduction buffers {}", gib(e.comm_buffers));

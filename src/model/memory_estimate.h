@@ -53,6 +53,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 constexpr double kReserveBytes = 2.0 * 1024 * 1024 * 1024;
 
 // "master 32.1 GiB + compute copy 16.1 GiB + ... = 150.3 GiB"
-std::string describe(const MemoryEstimate& e);
+// bf16_compute: the compute copy is bf16 (CUDA) rather than fp32 (CPU FSDP).
+std::string describe(const MemoryEstimate& e, bool bf16_compute = true);
 
 }  // namespace forge
