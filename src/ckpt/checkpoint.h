@@ -120,8 +120,8 @@ std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, in
 std::string begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
 std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
                                              const std::vector<ShardRange>& ranges, int rank, const ShardData& shard);
-// The number of pieces (CRCs) rank `rank`'s shard has: every rank can work out everyone's.
-int64_t checkpoint_piece_count(const ModelConfig& model, const std::vector<ShardRange>& ranges, int rank);
+// The number of pieces (CRCs) of each rank's shard: every rank can work out everyone's.
+std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std::vector<ShardRange>& ranges);
 std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,

@@ -158,11 +158,11 @@ std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, c
   return shard_crcs(parameter_specs(model), ranges, rank, shard);
 }
 
-int64_t checkpoint_piece_count(const ModelConfig& model, const std::vector<ShardRange>& ranges, int rank) {
-  int64_t n = 0;
+std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std::vector<ShardRange>& ranges) {
+  std::vector<int64_t> counts(ranges.size(), 0);
   for_each_piece(parameter_specs(model), ranges,
-                 [&](FlatState, const ParamSpec&, int64_t, int r, int64_t, int64_t) { n += r == rank; });
-  return n;
+                 [&](FlatState, const ParamSpec&, int64_t, int r, int64_t, int64_t) { ++counts[static_cast<size_t>(r)]; });
+  return counts;
 }
 
 std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,

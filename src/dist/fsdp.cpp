@@ -4,7 +4,6 @@
 #include <optional>
 
 #include "core/error.h"
-#include "core/parallel.h"
 #include "ops/elementwise.h"
 
 namespace forge {
@@ -139,21 +138,12 @@ ModelWeights Fsdp::root_views(const Tensor& unit_buffer) const {
 
 void Fsdp::initialize(uint64_t seed) {
   // Each rank draws only its segments (a value depends on the seed, the name and its
-  // index alone), in pieces of 1M values filled in parallel.
-  constexpr int64_t kPiece = 1 << 20;
+  // index alone).
   Tensor host_master = Tensor::zeros({layout_.shard_numel()}, DType::F32);
-  std::vector<std::pair<size_t, int64_t>> pieces;  // (segment, first value within it)
-  for (size_t i = 0; i < layout_.segments().size(); ++i)
-    for (int64_t b = 0; b < layout_.segments()[i].numel; b += kPiece) pieces.push_back({i, b});
-  parallel_for(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t k = begin; k < end; ++k) {
-      const auto [i, first] = pieces[static_cast<size_t>(k)];
-      const FsdpSegment& s = layout_.segments()[i];
-      initialize_parameter(config_, layout_.specs()[static_cast<size_t>(s.spec)], seed,
-                           host_master.data<float>() + s.shard_offset + first, s.param_begin + first,
-                           std::min(kPiece, s.numel - first));
-    }
-  });
+  std::vector<ParameterRange> ranges;
+  for (const FsdpSegment& s : layout_.segments())
+    ranges.push_back({static_cast<size_t>(s.spec), s.param_begin, s.numel, host_master.data<float>() + s.shard_offset});
+  initialize_parameter_ranges(config_, layout_.specs(), seed, ranges);
   master_.copy_from(host_master);
   refresh_compute_weights(false);
 }
@@ -372,12 +362,6 @@ void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, st
               shape_str(chunk.shape()), layout_.shard_numel());
   FORGE_CHECK(begin <= end && static_cast<int64_t>(out.size()) == end - begin, "FSDP gather_flat_range: [{}, {}) into {}",
               begin, end, out.size());
-  std::vector<int64_t> flat_offsets;
-  int64_t total = 0;
-  for (const ParamSpec& spec : layout_.specs()) {
-    flat_offsets.push_back(total);
-    total += shape_numel(spec.shape);
-  }
   const int world = layout_.world_size();
   constexpr int64_t kSlice = int64_t{1} << 24;
   Tensor gathered = Tensor::empty({world * std::min(kSlice, layout_.max_shard_numel())}, DType::F32, device_);
@@ -394,7 +378,7 @@ void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, st
         for (const FsdpParam& p : unit.params) {
           const int64_t lo = std::max(a, p.offset), hi = std::min(b, p.offset + p.numel);
           if (lo >= hi) continue;
-          const int64_t flat_lo = flat_offsets[static_cast<size_t>(p.spec)] + (lo - p.offset);
+          const int64_t flat_lo = p.flat_offset + (lo - p.offset);
           const int64_t want_lo = std::max(flat_lo, begin), want_hi = std::min(flat_lo + (hi - lo), end);
           if (want_lo >= want_hi) continue;
           if (!host) host = slices.to(Device::CPU);

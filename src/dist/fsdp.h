@@ -53,7 +53,6 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <span>
 #include <vector>
 
@@ -180,7 +179,6 @@ class Fsdp final : public ParamSource, public GradSink {
   void gather_block(int unit, int requested);
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
   void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
-  bool reduce_now() const { return options_.zero_stage >= 2 || last_micro_batch_; }
 
   ModelConfig config_;
   Device device_;
@@ -204,7 +202,6 @@ class Fsdp final : public ParamSource, public GradSink {
   std::array<ReduceChannel, 2> channels_;  // blocks, alternating
   ReduceChannel root_channel_;
   int next_channel_ = 0;
-  bool first_reduction_ = true;  // the step's first micro-batch: a reduction may overwrite the chunk
   bool last_micro_batch_ = true;
   std::vector<bool> reduced_this_step_;  // per unit
   std::unique_ptr<DeviceEvent> comm_done_;

@@ -15,14 +15,12 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
     : world_size_(world_size), rank_(rank), specs_(parameter_specs(config)) {
   FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
   units_.resize(static_cast<size_t>(config.num_layers) + 1);
-  std::vector<int64_t> flat_offsets;
   int64_t flat = 0;
   for (size_t s = 0; s < specs_.size(); ++s) {
     FsdpUnit& unit = units_[static_cast<size_t>(unit_of_layer(specs_[s].layer))];
     const int64_t n = shape_numel(specs_[s].shape);
-    unit.params.push_back({static_cast<int>(s), round_up(unit.numel, kFsdpAlign), n});
+    unit.params.push_back({static_cast<int>(s), round_up(unit.numel, kFsdpAlign), n, flat});
     unit.numel = unit.params.back().offset + n;
-    flat_offsets.push_back(flat);
     flat += n;
   }
   for (FsdpUnit& unit : units_) {
@@ -41,7 +39,7 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
       if (a >= b) continue;
       const ParamSpec& spec = specs_[static_cast<size_t>(p.spec)];
       segments_.push_back({p.spec, static_cast<int>(u), a - p.offset, b - a, unit.shard_offset + (a - begin),
-                           flat_offsets[static_cast<size_t>(p.spec)] + (a - p.offset), spec.weight_decay});
+                           p.flat_offset + (a - p.offset), spec.weight_decay});
     }
   }
 }

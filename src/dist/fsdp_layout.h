@@ -32,8 +32,9 @@ inline constexpr int64_t kFsdpAlign = 64;
 
 struct FsdpParam {
   int spec = 0;         // index into parameter_specs
-  int64_t offset = 0;   // first element inside the unit
+  int64_t offset = 0;       // first element inside the unit
   int64_t numel = 0;
+  int64_t flat_offset = 0;  // first element in FlatParameters' flat index space
 };
 
 struct FsdpUnit {

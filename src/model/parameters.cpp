@@ -97,17 +97,25 @@ void FlatParameters::initialize(uint64_t seed) {
     assign_from(host);
     return;
   }
+  std::vector<ParameterRange> ranges;
+  for (size_t i = 0; i < specs_.size(); ++i) ranges.push_back({i, 0, tensors_[i].numel(), tensors_[i].data<float>()});
+  initialize_parameter_ranges(config_, specs_, seed, ranges);
+}
+
+void initialize_parameter_ranges(const ModelConfig& config, const std::vector<ParamSpec>& specs, uint64_t seed,
+                                 const std::vector<ParameterRange>& ranges) {
   // Every value is a function of (seed, name, index): pieces of 1M values fill in
   // parallel with the same result.
   constexpr int64_t kPiece = 1 << 20;
-  std::vector<std::pair<size_t, int64_t>> pieces;  // (tensor, first value)
-  for (size_t i = 0; i < specs_.size(); ++i)
-    for (int64_t b = 0; b < tensors_[i].numel(); b += kPiece) pieces.push_back({i, b});
+  std::vector<std::pair<size_t, int64_t>> pieces;  // (range, first value within it)
+  for (size_t r = 0; r < ranges.size(); ++r)
+    for (int64_t b = 0; b < ranges[r].count; b += kPiece) pieces.push_back({r, b});
   parallel_for(static_cast<int64_t>(pieces.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      const auto [i, first] = pieces[static_cast<size_t>(k)];
-      const int64_t count = std::min(kPiece, tensors_[i].numel() - first);
-      initialize_parameter(config_, specs_[i], seed, tensors_[i].data<float>() + first, first, count);
+      const auto [r, first] = pieces[static_cast<size_t>(k)];
+      const ParameterRange& range = ranges[r];
+      initialize_parameter(config, specs[range.spec], seed, range.out + first, range.begin + first,
+                           std::min(kPiece, range.count - first));
     }
   });
 }

@@ -37,6 +37,17 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
 void initialize_parameter(const ModelConfig& config, const ParamSpec& spec, uint64_t seed, float* out,
                           int64_t begin = 0, int64_t count = -1);
 
+// Values [begin, begin + count) of specs[spec]'s initialization, to be written to out.
+struct ParameterRange {
+  size_t spec = 0;
+  int64_t begin = 0, count = 0;
+  float* out = nullptr;
+};
+// initialize_parameter for every range, in parallel pieces of 1M values (the values do
+// not depend on how the work is split).
+void initialize_parameter_ranges(const ModelConfig& config, const std::vector<ParamSpec>& specs, uint64_t seed,
+                                 const std::vector<ParameterRange>& ranges);
+
 struct LayerWeights {
   Tensor attn_norm;  // [H]
   Tensor qkv;        // [(Hq + 2 Hkv) D, H]

@@ -156,8 +156,8 @@ void Trainer::save_checkpoint(int64_t step) {
     std::vector<uint32_t> crcs;
     if (writer) crcs = write_checkpoint_shard(tmp, config_.model, ranges, shard_rank, {mine, params.data(), m.data(), v.data()});
     // Every shard group exchanges CRC lists padded to the longest; only the first one's count.
-    int64_t longest = 0;
-    for (int r = 0; r < shards; ++r) longest = std::max(longest, checkpoint_piece_count(config_.model, ranges, r));
+    const std::vector<int64_t> counts = checkpoint_piece_counts(config_.model, ranges);
+    const int64_t longest = *std::max_element(counts.begin(), counts.end());
     std::vector<uint32_t> padded(static_cast<size_t>(longest), 0);
     std::copy(crcs.begin(), crcs.end(), padded.begin());
     const std::vector<uint32_t> all = fsdp_->all_gather_words(padded);
@@ -165,7 +165,7 @@ void Trainer::save_checkpoint(int64_t step) {
       std::vector<std::vector<uint32_t>> by_rank;
       for (int r = 0; r < shards; ++r) {
         const auto first = all.begin() + static_cast<std::ptrdiff_t>(r * longest);
-        by_rank.emplace_back(first, first + checkpoint_piece_count(config_.model, ranges, r));
+        by_rank.emplace_back(first, first + counts[static_cast<size_t>(r)]);
       }
       dir = finish_checkpoint_save(folder, tmp, config_.model, resolved_yaml_, state, ranges, by_rank,
                                    config_.checkpoint.keep_latest_k);

@@ -88,6 +88,8 @@ TEST(FsdpLayout, SegmentsPointIntoTheFlatParameterSpace) {
   }
   for (const FsdpSegment& s : layout.segments())
     EXPECT_EQ(s.flat_offset, offsets[static_cast<size_t>(s.spec)] + s.param_begin);
+  for (const FsdpUnit& unit : layout.units())
+    for (const FsdpParam& p : unit.params) EXPECT_EQ(p.flat_offset, offsets[static_cast<size_t>(p.spec)]);
 }
 
 struct TrainedRun {
