@@ -29,6 +29,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
               dtype_name(options.reduce_dtype));
   const int units = layout_.num_units();
+  const int embedding = FsdpLayout::kEmbeddingUnit, head = layout_.head_unit();
   reduced_this_step_.assign(static_cast<size_t>(units), false);
 
   master_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
@@ -37,14 +38,14 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   // Compute weights.
   if (options.zero_stage <= 2) {
     full_compute_ = Tensor::zeros({layout_.full_numel()}, compute_dtype_, device);
-    root_weights_ = root_views(unit_full(full_compute_, 0));
+    for (int u : {embedding, head}) root_views(unit_full(full_compute_, u), u, root_weights_);
     for (int i = 0; i < config.num_layers; ++i)
       static_layers_.push_back(block_views(unit_full(full_compute_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
   } else {
-    root_compute_ = Tensor::zeros({layout_.units()[0].numel}, compute_dtype_, device);
-    compute_shard_ = Tensor::zeros({layout_.shard_numel()}, compute_dtype_, device);
-    root_weights_ = root_views(root_compute_);
-    for (BlockSlot& slot : weight_slots_) {
+    const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
+    root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
+    for (int u : {embedding, head}) root_views(root_unit(u), u, root_weights_);
+    for (UnitSlot& slot : weight_slots_) {
       slot.buffer = Tensor::zeros({std::max<int64_t>(layout_.max_block_numel(), 1)}, compute_dtype_, device);
       slot.ready = make_event(device);
       slot.released = make_event(device);
@@ -54,23 +55,31 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
     grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
-    const Tensor chunk = options.zero_stage <= 2 ? own_chunk(unit_full(full_compute_, s.unit), s.unit)
-                                                 : shard_of(compute_shard_, s.unit);
-    compute_segments_.push_back(chunk.narrow(local, local + s.numel));
+    Tensor chunk;  // a ZeRO-3 block keeps no compute copy of its chunk
+    if (options.zero_stage <= 2) chunk = own_chunk(unit_full(full_compute_, s.unit), s.unit);
+    else if (!layout_.is_block(s.unit)) chunk = own_chunk(root_unit(s.unit), s.unit);
+    compute_segments_.push_back(chunk.defined() ? chunk.narrow(local, local + s.numel) : Tensor());
   }
 
-  // Full-size gradients.
+  // Full-size gradients: every unit's in ZeRO-1; in ZeRO-2/3 two rotating slots as large as
+  // the largest unit that goes through them, and the tied embedding's own buffer.
+  int64_t slot_numel = 1;
   if (options.zero_stage == 1) {
     full_grads_ = Tensor::zeros({layout_.full_numel()}, DType::F32, device);
-    root_grads_ = root_views(unit_full(full_grads_, 0));
+    for (int u : {embedding, head}) root_views(unit_full(full_grads_, u), u, root_grads_);
     for (int i = 0; i < config.num_layers; ++i)
       static_layer_grads_.push_back(
           block_views(unit_full(full_grads_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
+    slot_numel = layout_.max_unit_numel();
   } else {
-    full_grads_ = Tensor::zeros({layout_.units()[0].numel}, DType::F32, device);
-    root_grads_ = root_views(full_grads_);
+    for (int u = 0; u < units; ++u)
+      if (!(u == embedding && tied())) slot_numel = std::max(slot_numel, layout_.units()[static_cast<size_t>(u)].numel);
+    if (tied()) {
+      full_grads_ = Tensor::zeros({layout_.units()[static_cast<size_t>(embedding)].numel}, DType::F32, device);
+      root_views(full_grads_, embedding, root_grads_);
+    }
     for (size_t k = 0; k < grad_slots_.size(); ++k) {
-      grad_slots_[k].buffer = Tensor::zeros({std::max<int64_t>(layout_.max_block_numel(), 1)}, DType::F32, device);
+      grad_slots_[k].buffer = Tensor::zeros({slot_numel}, DType::F32, device);
       grad_slots_[k].channel = static_cast<int>(k);
     }
   }
@@ -79,12 +88,12 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   const bool bf16_reduce = options.reduce_dtype == DType::BF16;
   auto make_channel = [&](ReduceChannel& ch, int64_t full_numel) {
     if (bf16_reduce) ch.staging = Tensor::zeros({full_numel}, DType::BF16, device);
-    ch.reduced = Tensor::zeros({layout_.max_shard_numel()}, options.reduce_dtype, device);
     ch.ready = make_event(device);
     ch.done = make_event(device);
   };
-  for (ReduceChannel& ch : channels_) make_channel(ch, std::max<int64_t>(layout_.max_block_numel(), 1));
-  make_channel(root_channel_, layout_.units()[0].numel);
+  for (ReduceChannel& ch : channels_) make_channel(ch, slot_numel);
+  if (options.zero_stage >= 2 && tied())
+    make_channel(embedding_channel_, layout_.units()[static_cast<size_t>(embedding)].numel);
   comm_done_ = make_event(device);
   norm_scratch_ = Tensor::zeros({1}, DType::F32, device);
 }
@@ -112,6 +121,13 @@ Tensor Fsdp::shard_of(const Tensor& shard, int unit) const {
   return shard.narrow(u.shard_offset, u.shard_offset + u.shard_numel);
 }
 
+Tensor Fsdp::root_unit(int unit) const {
+  const int64_t embedding_numel = layout_.units()[FsdpLayout::kEmbeddingUnit].numel;
+  if (unit == FsdpLayout::kEmbeddingUnit) return root_compute_.narrow(0, embedding_numel);
+  FORGE_CHECK(unit == layout_.head_unit(), "FSDP: unit {} is neither the embedding nor the head", unit);
+  return root_compute_.narrow(embedding_numel, embedding_numel + layout_.units()[static_cast<size_t>(unit)].numel);
+}
+
 LayerWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
   FORGE_CHECK(u.params.size() == 6, "FSDP unit {} holds {} tensors, a block has 6", unit, u.params.size());
@@ -122,43 +138,62 @@ LayerWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
   return LayerWeights{view(0), view(1), view(2), view(3), view(4), view(5)};
 }
 
-ModelWeights Fsdp::root_views(const Tensor& unit_buffer) const {
-  ModelWeights w;
-  for (const FsdpParam& p : layout_.units()[0].params) {
+void Fsdp::root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const {
+  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
     const ParamSpec& spec = layout_.specs()[static_cast<size_t>(p.spec)];
     Tensor t = unit_buffer.narrow(p.offset, p.offset + p.numel).view(spec.shape);
     if (spec.name == "embedding.weight") w.embedding = t;
     else if (spec.name == "final_norm.weight") w.final_norm = t;
     else if (spec.name == "output.weight") w.output = t;
-    else FORGE_FAIL("FSDP root unit: unexpected parameter '{}'", spec.name);
+    else FORGE_FAIL("FSDP unit {}: unexpected parameter '{}'", unit, spec.name);
   }
-  if (config_.tie_word_embeddings) w.output = w.embedding;
-  return w;
+  if (tied() && unit == FsdpLayout::kEmbeddingUnit) w.output = w.embedding;
+}
+
+void Fsdp::fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill) {
+  // Through a bounded host window: a 70B model's shard is 35 GB per rank, and eight ranks
+  // staging whole shards at once would take (and wait for) a quarter of a TB of host memory.
+  const int64_t kWindow = std::max<int64_t>(options_.host_window, 1);  // 256 MiB of fp32 by default
+  const int64_t total = layout_.shard_numel();
+  Tensor host = Tensor::empty({std::max<int64_t>(std::min(kWindow, total), 1)}, DType::F32);
+  std::vector<MasterPiece> pieces;
+  for (int64_t w = 0; w < total; w += kWindow) {
+    const int64_t n = std::min(kWindow, total - w);
+    float* window = host.data<float>();
+    std::fill_n(window, n, 0.0f);  // the padding between segments stays zero
+    pieces.clear();
+    for (const FsdpSegment& s : layout_.segments()) {
+      const int64_t a = std::max(w, s.shard_offset), b = std::min(w + n, s.shard_offset + s.numel);
+      if (a < b) pieces.push_back({&s, a - s.shard_offset, b - a, window + (a - w)});
+    }
+    fill(pieces);
+    master_.narrow(w, w + n).copy_from(host.narrow(0, n));
+  }
+  refresh_compute_weights(false);
 }
 
 void Fsdp::initialize(uint64_t seed) {
   // Each rank draws only its segments (a value depends on the seed, the name and its
-  // index alone).
-  Tensor host_master = Tensor::zeros({layout_.shard_numel()}, DType::F32);
-  std::vector<ParameterRange> ranges;
-  for (const FsdpSegment& s : layout_.segments())
-    ranges.push_back({static_cast<size_t>(s.spec), s.param_begin, s.numel, host_master.data<float>() + s.shard_offset});
-  initialize_parameter_ranges(config_, layout_.specs(), seed, ranges);
-  master_.copy_from(host_master);
-  refresh_compute_weights(false);
+  // index alone), a window at a time, each window's pieces in parallel.
+  fill_master([&](const std::vector<MasterPiece>& pieces) {
+    std::vector<ParameterRange> ranges;
+    for (const MasterPiece& p : pieces)
+      ranges.push_back({static_cast<size_t>(p.segment->spec), p.segment->param_begin + p.begin, p.count, p.out});
+    initialize_parameter_ranges(config_, layout_.specs(), seed, ranges);
+  });
 }
 
 void Fsdp::load_master(const std::function<void(int64_t, std::span<float>)>& read) {
-  Tensor host_master = Tensor::zeros({layout_.shard_numel()}, DType::F32);
-  for (const FsdpSegment& s : layout_.segments())
-    read(s.flat_offset, std::span<float>(host_master.data<float>() + s.shard_offset, static_cast<size_t>(s.numel)));
-  master_.copy_from(host_master);
-  refresh_compute_weights(false);
+  fill_master([&](const std::vector<MasterPiece>& pieces) {
+    for (const MasterPiece& p : pieces)
+      read(p.segment->flat_offset + p.begin, std::span<float>(p.out, static_cast<size_t>(p.count)));
+  });
 }
 
 void Fsdp::refresh_compute_weights(bool chunk_written) {
   if (!chunk_written)
-    for (size_t i = 0; i < master_segments_.size(); ++i) cast(compute_segments_[i], master_segments_[i]);
+    for (size_t i = 0; i < master_segments_.size(); ++i)
+      if (compute_segments_[i].defined()) cast(compute_segments_[i], master_segments_[i]);
   begin_exposed();
   if (options_.zero_stage <= 2) {
     for (int u = 0; u < layout_.num_units(); ++u) {
@@ -168,12 +203,15 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
     end_exposed();
     return;
   }
-  shard_group_.all_gather(root_compute_, shard_of(compute_shard_, 0), kCompute);
+  for (int u : {FsdpLayout::kEmbeddingUnit, layout_.head_unit()}) {
+    const Tensor full = root_unit(u);
+    shard_group_.all_gather(full, own_chunk(full, u), kCompute);
+  }
   end_exposed();
   // The gathered blocks hold the old weights: forget them. The next gather into a slot
   // waits for `released`, recorded here after everything enqueued so far: the last uses
-  // of the old block and the writes of the new chunk (AdamW's, or the cast above).
-  for (BlockSlot& slot : weight_slots_) {
+  // of the old block and the optimizer's update of the master chunk it casts from.
+  for (UnitSlot& slot : weight_slots_) {
     slot.released->record(kCompute);
     slot.unit = -1;
   }
@@ -183,18 +221,15 @@ void Fsdp::begin_step() {
   stalls_used_ = 0;  // what evaluation waited for is not the step's
   host_exposed_s_ = 0;
   grad_shard_.fill_zero();
-  full_grads_.fill_zero();
+  if (full_grads_.defined()) full_grads_.fill_zero();
   std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
 }
 
 void Fsdp::begin_micro_batch(bool last) { last_micro_batch_ = last; }
 
 void Fsdp::end_micro_batch() {
-  if (!last_micro_batch_) return;
-  begin_exposed();
-  root_channel_.done->make_wait(kCompute);
-  end_exposed();
-  reduce_unit(0, unit_full(full_grads_, 0), root_channel_);
+  for (const UnitSlot& s : grad_slots_)
+    FORGE_CHECK(s.unit < 0, "FSDP: the gradients of unit {} were never reduced (no *_done call)", s.unit);
 }
 
 void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
@@ -205,12 +240,14 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
     source = ch.staging.narrow(0, u.numel);
     cast(source, grads);  // compute stream, after the unit's backward
   }
+  // The step's first reduction of a unit may write the (zeroed) chunk directly.
+  const bool direct = !bf16 && !reduced_this_step_[static_cast<size_t>(unit)];
+  if (!direct && !ch.reduced.defined())
+    ch.reduced = Tensor::zeros({layout_.max_shard_numel()}, options_.reduce_dtype, device_);
   begin_exposed();  // on the CPU the collectives below block; on CUDA nothing here waits
   ch.ready->record(kCompute);
   ch.ready->make_wait(comm_.get());
   const Tensor chunk = shard_of(grad_shard_, unit);
-  // The step's first reduction of a unit may write the (zeroed) chunk directly.
-  const bool direct = !bf16 && !reduced_this_step_[static_cast<size_t>(unit)];
   const Tensor out = direct ? chunk : ch.reduced.narrow(0, u.shard_numel);
   shard_group_.reduce_scatter(out, source, ReduceOp::Sum, comm_.get());
   if (replicate_group_) replicate_group_->all_reduce(out, ReduceOp::Sum, comm_.get());
@@ -251,26 +288,26 @@ const LayerWeights& Fsdp::layer(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
   if (options_.zero_stage <= 2) return static_layers_[static_cast<size_t>(index)];
   const int unit = FsdpLayout::unit_of_layer(index);
-  auto slot_of = [&](int u) -> BlockSlot* {
-    for (BlockSlot& s : weight_slots_)
+  auto slot_of = [&](int u) -> UnitSlot* {
+    for (UnitSlot& s : weight_slots_)
       if (s.unit == u) return &s;
     return nullptr;
   };
   begin_exposed();
   if (!slot_of(unit)) gather_block(unit, unit);
-  BlockSlot& slot = *slot_of(unit);
+  UnitSlot& slot = *slot_of(unit);
   // Prefetch the neighbours: the next block in a forward pass, the previous one in a
   // backward pass (whichever is already there costs nothing).
   for (int neighbour : {unit + 1, unit - 1})
-    if (neighbour >= 1 && neighbour <= config_.num_layers && !slot_of(neighbour)) gather_block(neighbour, unit);
+    if (layout_.is_block(neighbour) && !slot_of(neighbour)) gather_block(neighbour, unit);
   slot.ready->make_wait(kCompute);
   end_exposed();
-  return slot.views;
+  return slot.block;
 }
 
 void Fsdp::gather_block(int unit, int requested) {
-  BlockSlot* target = nullptr;
-  for (BlockSlot& s : weight_slots_)
+  UnitSlot* target = nullptr;
+  for (UnitSlot& s : weight_slots_)
     if (s.unit < 0 || std::abs(s.unit - requested) > 1) {
       target = &s;
       break;
@@ -280,34 +317,35 @@ void Fsdp::gather_block(int unit, int requested) {
   target->released->make_wait(comm_.get());
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
   const Tensor full = target->buffer.narrow(0, u.numel);
-  shard_group_.all_gather(full, shard_of(compute_shard_, unit), comm_.get());
+  // This rank's part comes from its master chunk, the others' from theirs, in place.
+  const Tensor mine = own_chunk(full, unit);
+  cast(mine, shard_of(master_, unit), comm_.get());
+  shard_group_.all_gather(full, mine, comm_.get());
   target->ready->record(comm_.get());
   target->unit = unit;
-  target->views = block_views(full, unit);
+  target->block = block_views(full, unit);
 }
 
-const LayerWeights& Fsdp::layer_grads(int index) {
-  FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
-  if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
-  const int unit = FsdpLayout::unit_of_layer(index);
-  for (BlockSlot& s : grad_slots_)
-    if (s.unit == unit) return s.views;
-  BlockSlot& slot = grad_slots_[static_cast<size_t>(next_channel_)];
+Fsdp::UnitSlot& Fsdp::grad_slot(int unit) {
+  for (UnitSlot& s : grad_slots_)
+    if (s.unit == unit) return s;
+  UnitSlot& slot = grad_slots_[static_cast<size_t>(next_channel_)];
+  FORGE_CHECK(slot.unit < 0, "FSDP: gradients of unit {} asked for while units {} and {} are not reduced", unit,
+              grad_slots_[0].unit, grad_slots_[1].unit);
   next_channel_ = (next_channel_ + 1) % static_cast<int>(grad_slots_.size());
   // Its previous reduce-scatter must be done before the buffer is zeroed and reused.
   begin_exposed();
   channels_[static_cast<size_t>(slot.channel)].done->make_wait(kCompute);
   end_exposed();
-  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
-  const Tensor full = slot.buffer.narrow(0, u.numel);
+  const Tensor full = slot.buffer.narrow(0, layout_.units()[static_cast<size_t>(unit)].numel);
   full.fill_zero();
   slot.unit = unit;
-  slot.views = block_views(full, unit);
-  return slot.views;
+  if (layout_.is_block(unit)) slot.block = block_views(full, unit);
+  else root_views(full, unit, slot.root);
+  return slot;
 }
 
-void Fsdp::layer_done(int index) {
-  const int unit = FsdpLayout::unit_of_layer(index);
+void Fsdp::unit_done(int unit) {
   if (options_.zero_stage == 1) {
     if (!last_micro_batch_) return;
     ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
@@ -318,28 +356,63 @@ void Fsdp::layer_done(int index) {
     reduce_unit(unit, unit_full(full_grads_, unit), ch);
     return;
   }
-  for (BlockSlot& s : grad_slots_) {
+  if (unit == FsdpLayout::kEmbeddingUnit && tied()) {
+    if (!last_micro_batch_) return;
+    begin_exposed();
+    embedding_channel_.done->make_wait(kCompute);
+    end_exposed();
+    reduce_unit(unit, full_grads_, embedding_channel_);
+    return;
+  }
+  for (UnitSlot& s : grad_slots_) {
     if (s.unit != unit) continue;
     reduce_unit(unit, s.buffer.narrow(0, layout_.units()[static_cast<size_t>(unit)].numel),
                 channels_[static_cast<size_t>(s.channel)]);
-    s.unit = -1;  // the next layer_grads of this block starts a fresh buffer
+    s.unit = -1;  // the next request for this unit's gradients starts a fresh buffer
     return;
   }
-  FORGE_FAIL("FSDP: layer_done({}) without layer_grads({})", index, index);
+  FORGE_FAIL("FSDP: unit {} done before its gradients were asked for", unit);
 }
+
+const LayerWeights& Fsdp::layer_grads(int index) {
+  FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
+  return grad_slot(FsdpLayout::unit_of_layer(index)).block;
+}
+
+void Fsdp::layer_done(int index) { unit_done(FsdpLayout::unit_of_layer(index)); }
+
+const Tensor& Fsdp::embedding_grad() {
+  if (options_.zero_stage == 1 || tied()) return root_grads_.embedding;
+  return grad_slot(FsdpLayout::kEmbeddingUnit).root.embedding;
+}
+
+void Fsdp::embedding_done() { unit_done(FsdpLayout::kEmbeddingUnit); }
+
+const Tensor& Fsdp::final_norm_grad() {
+  if (options_.zero_stage == 1) return root_grads_.final_norm;
+  return grad_slot(layout_.head_unit()).root.final_norm;
+}
+
+const Tensor& Fsdp::output_grad() {
+  if (options_.zero_stage == 1 || tied()) return root_grads_.output;
+  return grad_slot(layout_.head_unit()).root.output;
+}
+
+void Fsdp::head_done() { unit_done(layout_.head_unit()); }
 
 FsdpMemory Fsdp::memory() const {
   FsdpMemory m;
   m.master_weights = static_cast<int64_t>(master_.nbytes());
   m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
-  for (const Tensor* t : {&full_compute_, &compute_shard_, &root_compute_})
+  for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
-  for (const BlockSlot& s : weight_slots_)
+  for (const UnitSlot& s : weight_slots_)
     if (s.buffer.defined()) m.compute_weights += static_cast<int64_t>(s.buffer.nbytes());
-  m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
-  for (const BlockSlot& s : grad_slots_)
+  if (full_grads_.defined()) m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
+  for (const UnitSlot& s : grad_slots_)
     if (s.buffer.defined()) m.full_gradients += static_cast<int64_t>(s.buffer.nbytes());
-  for (const ReduceChannel* ch : {&channels_[0], &channels_[1], &root_channel_})
+  for (const ReduceChannel* ch : {&channels_[0], &channels_[1], &embedding_channel_})
     for (const Tensor* t : {&ch->staging, &ch->reduced})
       if (t->defined()) m.reduce_buffers += static_cast<int64_t>(t->nbytes());
   return m;

@@ -9,33 +9,43 @@
 //   ZeRO-1  full bf16 compute weights and full fp32 gradients on every rank; each unit's
 //           gradients are reduce-scattered once per step, on the last micro-batch, as
 //           soon as the unit's backward is done.
-//   ZeRO-2  full bf16 compute weights; block gradients go to one of two rotating full-size
-//           block buffers and are reduce-scattered after every micro-batch's backward of
-//           that block, the result added to the fp32 gradient chunk.
+//   ZeRO-2  full bf16 compute weights; a unit's gradients go to one of two rotating
+//           full-size buffers and are reduce-scattered after every micro-batch's backward
+//           of that unit, the result added to the fp32 gradient chunk. The head's are done
+//           first (head_done), then each block's (layer_done), the embedding's last
+//           (embedding_done): two buffers keep one reduction in flight behind the unit
+//           being computed.
 //   ZeRO-3  as ZeRO-2, and the bf16 weights of a block exist in full only around its use:
 //           three rotating block buffers; asking for block i (ParamSource::layer) waits
 //           for its all-gather and starts those of blocks i - 1 and i + 1 if they are not
 //           there, so the forward pass prefetches one block ahead, the backward pass one
 //           block behind, and the turn from forward to backward (and from one
 //           micro-batch to the next) finds its blocks gathered. A buffer is reused only
-//           after the compute stream has passed its last use.
-// The root unit (embedding, final norm, output head) stays in full in every stage, its
-// gradients accumulate across micro-batches and are reduced once per step: it is used at
-// both ends of the step, so sharding it would gather it twice per micro-batch.
+//           after the compute stream has passed its last use. A gather casts this rank's
+//           fp32 master chunk into its place in the buffer and all-gathers in place, so
+//           no bf16 copy of the chunk is kept between uses.
+// The embedding and head units keep their bf16 weights in full in every stage (they are
+// used at both ends of a micro-batch, so sharding them would gather them twice per
+// micro-batch); only the tied embedding of a model whose output projection is the
+// embedding keeps full-size gradients across the whole step in ZeRO-2/3 (both ends of the
+// backward write it), reduced once on the last micro-batch.
 // Collectives run on one communication stream, ordered against the compute stream (the
 // default stream the kernels use) by events (NOTE [Streams and events]): a gather waits
 // for the compute stream to be done with the buffer it overwrites, the compute stream
-// waits for the gather before using the block, a reduce-scatter waits for the block's
+// waits for the gather before using the block, a reduce-scatter waits for the unit's
 // backward, and a gradient buffer is zeroed for reuse after its reduce-scatter. Gradients
 // are summed, not averaged: the loss is already divided by the global batch's target count
 // (NOTE [Loss normalization]). With fsdp reduce dtype bf16 the gradients are rounded to
 // bf16 before the reduce-scatter (half the traffic) and added to the fp32 chunk after it.
+// The first reduction of a unit in a step (fp32) writes the zeroed chunk directly; later
+// ones go through a chunk-sized buffer allocated on first use (so one micro-batch per step
+// in fp32 needs none).
 // Hybrid sharding: with a replicate group, a chunk reduce-scattered within the shard group
 // is then all-reduced across the replicas, which hold the same chunk.
-// After the optimizer updated the fp32 chunk and wrote its bf16 copy
+// After the optimizer updated the fp32 chunk and wrote its bf16 copy where one is kept
 // (compute_segments), refresh_compute_weights() all-gathers the compute weights that are
-// kept in full (every unit in ZeRO-1/2, the root in ZeRO-3) and forgets the gathered
-// blocks of ZeRO-3.
+// kept in full (every unit in ZeRO-1/2, the embedding and head in ZeRO-3) and forgets the
+// gathered blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
 //
 // NOTE [Exposed communication]
@@ -66,6 +76,7 @@ namespace forge {
 struct FsdpOptions {
   int zero_stage = 3;                // 1, 2 or 3
   DType reduce_dtype = DType::F32;   // F32 | BF16: the gradients' dtype in the reduce-scatter
+  int64_t host_window = int64_t{1} << 26;  // fp32 elements staged on the host at a time (fill_master)
 };
 
 // Bytes this rank holds, by component (the memory report).
@@ -91,6 +102,8 @@ class Fsdp final : public ParamSource, public GradSink {
 
   // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
   // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
+  // A segment of a ZeRO-3 block has no compute copy (an undefined tensor): its gather
+  // casts the master chunk.
   const std::vector<Tensor>& master_segments() const { return master_segments_; }
   const std::vector<Tensor>& grad_segments() const { return grad_segments_; }
   const std::vector<Tensor>& compute_segments() const { return compute_segments_; }
@@ -148,37 +161,58 @@ class Fsdp final : public ParamSource, public GradSink {
   // GradSink
   const LayerWeights& layer_grads(int index) override;
   void layer_done(int index) override;
-  const Tensor& embedding_grad() override { return root_grads_.embedding; }
-  const Tensor& final_norm_grad() override { return root_grads_.final_norm; }
-  const Tensor& output_grad() override { return root_grads_.output; }
+  const Tensor& embedding_grad() override;
+  void embedding_done() override;
+  const Tensor& final_norm_grad() override;
+  const Tensor& output_grad() override;
+  void head_done() override;
 
  private:
   // A reduction in flight: staging for bf16, the reduced chunk, and the events that order
   // it against the compute stream.
   struct ReduceChannel {
     Tensor staging;  // bf16 full unit (bf16 reduction only)
-    Tensor reduced;  // the reduce-scatter's output (reduce dtype), one chunk
+    Tensor reduced;  // the reduce-scatter's output (reduce dtype), one chunk; made on first use
     std::unique_ptr<DeviceEvent> ready, done;
   };
-  // A full-size block buffer (gathered weights in ZeRO-3, gradients in ZeRO-2/3).
-  struct BlockSlot {
+  // A full-size unit buffer (gathered block weights in ZeRO-3, a unit's gradients in
+  // ZeRO-2/3) and its views.
+  struct UnitSlot {
     int unit = -1;
     Tensor buffer;
-    LayerWeights views;
+    LayerWeights block;  // a block unit's tensors
+    ModelWeights root;   // the embedding or head unit's tensors (the fields it holds)
     std::unique_ptr<DeviceEvent> ready;     // ZeRO-3 weights: the gather is done
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
   };
 
   LayerWeights block_views(const Tensor& unit_buffer, int unit) const;
-  ModelWeights root_views(const Tensor& unit_buffer) const;
+  // Fills the fields of `w` that unit (embedding or head) holds with views of its buffer.
+  void root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const;
   Tensor unit_full(const Tensor& all_units, int unit) const;  // a unit inside a buffer of every unit
   Tensor own_chunk(const Tensor& unit_buffer, int unit) const;
   Tensor shard_of(const Tensor& shard, int unit) const;       // a unit's chunk inside a rank's shard
+  // ZeRO-3: the embedding or head unit inside root_compute_.
+  Tensor root_unit(int unit) const;
+  // Writes the master chunk a host window at a time: fill(pieces) writes each piece's
+  // elements [begin, begin + count) of its segment to its `out`. Then refreshes the
+  // compute weights.
+  struct MasterPiece {
+    const FsdpSegment* segment;
+    int64_t begin, count;
+    float* out;
+  };
+  void fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill);
   // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
   void gather_block(int unit, int requested);
+  // ZeRO-2/3: the gradient slot of `unit`, taken (and zeroed) on the unit's first request.
+  UnitSlot& grad_slot(int unit);
+  // The unit's gradients are complete: reduce them (ZeRO-1: on the last micro-batch).
+  void unit_done(int unit);
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
   void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
+  bool tied() const { return config_.tie_word_embeddings; }
 
   ModelConfig config_;
   Device device_;
@@ -191,16 +225,16 @@ class Fsdp final : public ParamSource, public GradSink {
 
   Tensor master_, grad_shard_;
   std::vector<Tensor> master_segments_, grad_segments_, compute_segments_;
-  // ZeRO-1/2: every unit in full. ZeRO-3: the root in full plus this rank's chunk of every unit.
-  Tensor full_compute_, compute_shard_, root_compute_;
-  // ZeRO-1: every unit's gradients in full. ZeRO-2/3: the root's only.
+  // ZeRO-1/2: every unit in full. ZeRO-3: the embedding and head units in full (root_compute_).
+  Tensor full_compute_, root_compute_;
+  // ZeRO-1: every unit's gradients in full. ZeRO-2/3 with a tied embedding: its gradients.
   Tensor full_grads_;
-  ModelWeights root_weights_, root_grads_;
+  ModelWeights root_weights_, root_grads_;  // root_grads_: ZeRO-1, and the tied embedding's
   std::vector<LayerWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
-  std::array<BlockSlot, 3> weight_slots_;  // ZeRO-3
-  std::array<BlockSlot, 2> grad_slots_;    // ZeRO-2/3
-  std::array<ReduceChannel, 2> channels_;  // blocks, alternating
-  ReduceChannel root_channel_;
+  std::array<UnitSlot, 3> weight_slots_;  // ZeRO-3
+  std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
+  std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)
+  ReduceChannel embedding_channel_;       // the tied embedding's (ZeRO-2/3)
   int next_channel_ = 0;
   bool last_micro_batch_ = true;
   std::vector<bool> reduced_this_step_;  // per unit

@@ -14,10 +14,13 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
     : world_size_(world_size), rank_(rank), specs_(parameter_specs(config)) {
   FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
-  units_.resize(static_cast<size_t>(config.num_layers) + 1);
+  units_.resize(static_cast<size_t>(config.num_layers) + 2);
   int64_t flat = 0;
   for (size_t s = 0; s < specs_.size(); ++s) {
-    FsdpUnit& unit = units_[static_cast<size_t>(unit_of_layer(specs_[s].layer))];
+    const int u = specs_[s].layer >= 0           ? unit_of_layer(specs_[s].layer)
+                  : specs_[s].name == "embedding.weight" ? kEmbeddingUnit
+                                                         : head_unit();
+    FsdpUnit& unit = units_[static_cast<size_t>(u)];
     const int64_t n = shape_numel(specs_[s].shape);
     unit.params.push_back({static_cast<int>(s), round_up(unit.numel, kFsdpAlign), n, flat});
     unit.numel = unit.params.back().offset + n;
@@ -46,7 +49,14 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
 
 int64_t FsdpLayout::max_block_numel() const {
   int64_t m = 0;
-  for (size_t u = 1; u < units_.size(); ++u) m = std::max(m, units_[u].numel);
+  for (int u = 0; u < num_units(); ++u)
+    if (is_block(u)) m = std::max(m, units_[static_cast<size_t>(u)].numel);
+  return m;
+}
+
+int64_t FsdpLayout::max_unit_numel() const {
+  int64_t m = 0;
+  for (const FsdpUnit& unit : units_) m = std::max(m, unit.numel);
   return m;
 }
 

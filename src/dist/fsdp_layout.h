@@ -2,8 +2,11 @@
 //
 // NOTE [FSDP layout]
 // The parameters are grouped into units, the pieces FSDP gathers and reduces whole:
-// unit 0, the root, holds every parameter outside the blocks (embedding, final norm,
-// untied output head); unit 1 + i holds block i's six tensors. Inside a unit the
+// unit 0 holds the embedding, unit 1 + i block i's six tensors, and the last unit, the
+// head, the final norm and the untied output projection. The embedding and the head are
+// separate units because the backward pass finishes them at its two ends: the head's
+// gradients are complete before any block's, the embedding's only after every block's,
+// so each can be reduced (and its buffer reused) as soon as it is done. Inside a unit the
 // parameters follow parameter_specs order, each starting at a multiple of kFsdpAlign
 // elements, and the unit's length is padded up to a multiple of world * kFsdpAlign, so it
 // splits into `world` equal chunks: rank r owns chunk r of every unit. A rank's shard is
@@ -63,13 +66,17 @@ class FsdpLayout {
   int rank() const { return rank_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const std::vector<FsdpUnit>& units() const { return units_; }
+  static constexpr int kEmbeddingUnit = 0;
   static int unit_of_layer(int layer) { return layer + 1; }
+  int head_unit() const { return num_units() - 1; }
+  bool is_block(int unit) const { return unit > kEmbeddingUnit && unit < head_unit(); }
   int num_units() const { return static_cast<int>(units_.size()); }
   // This rank's segments, in shard order.
   const std::vector<FsdpSegment>& segments() const { return segments_; }
   int64_t shard_numel() const { return shard_numel_; }  // this rank's elements, padding included
   int64_t full_numel() const { return full_numel_; }    // every unit, padding included
   int64_t max_block_numel() const;                      // the largest block unit (0 without blocks)
+  int64_t max_unit_numel() const;                       // the largest unit
   int64_t max_shard_numel() const;                      // the largest chunk of any unit
   int64_t parameter_count() const;                      // without padding
 

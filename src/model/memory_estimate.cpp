@@ -18,17 +18,26 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
   if (!plan.fsdp) return e;
 
+  // The layout of NOTE [FSDP layout] and the buffers of NOTE [FSDP] (padding left out).
   const double n = static_cast<double>(plan.shard_ranks);
   const double block = static_cast<double>(config.params_per_layer());
-  const double root = params - block * static_cast<double>(config.num_layers);
+  const double embedding = static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
+  const double head = params - embedding - block * static_cast<double>(config.num_layers);
+  const bool tied = config.tie_word_embeddings;
   const double compute_bytes = static_cast<double>(dtype_size(compute));
+  const double largest_unit = std::max({embedding, head, block});
+  // ZeRO-2/3's two rotating gradient buffers fit the largest unit that goes through them.
+  const double slot = plan.zero_stage == 1 ? largest_unit : tied ? std::max(head, block) : largest_unit;
   e.master_weights = params * 4 / n;
   e.optimizer_state /= n;
-  e.gradients = params * 4 / n + (plan.zero_stage == 1 ? params * 4 : (root + 2 * block) * 4);
-  e.compute_weights = plan.zero_stage <= 2 ? params * compute_bytes
-                                           : (root + params / n + 3 * block) * compute_bytes;
-  const double largest_chunk = std::max(root, block) / n;
-  e.comm_buffers = 3 * largest_chunk * (plan.bf16_reduce ? 2 : 4) + (plan.bf16_reduce ? (root + 2 * block) * 2 : 0);
+  e.gradients = params * 4 / n + (plan.zero_stage == 1 ? params * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
+  e.compute_weights = plan.zero_stage <= 2 ? params * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
+  // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
+  // channel wherever a unit is reduced more than once per step (or in bf16).
+  const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;
+  const bool reduced_chunks = plan.bf16_reduce || (plan.zero_stage >= 2 && plan.micro_batches > 1);
+  e.comm_buffers = (reduced_chunks ? channels * largest_unit / n * (plan.bf16_reduce ? 2 : 4) : 0) +
+                   (plan.bf16_reduce ? (2 * slot + (plan.zero_stage >= 2 && tied ? embedding : 0)) * 2 : 0);
   return e;
 }
 

@@ -10,9 +10,10 @@
 // outside the estimate; kReserveBytes stands for them when checking against free memory.
 // Under FSDP (NOTE [FSDP] in dist/fsdp.h) the estimate is one rank's: 1/N of the master
 // weights, the gradient chunk and the optimizer state, plus the full-size buffers the ZeRO
-// stage keeps (ZeRO-1: all gradients and weights; ZeRO-2: all weights, two block gradient
-// buffers and the root's gradients; ZeRO-3: the root's weights and gradients, three
-// gathered blocks, two block gradient buffers) and the reduction buffers.
+// stage keeps (ZeRO-1: all gradients and weights; ZeRO-2: all weights and two gradient
+// buffers of the largest unit, plus a tied embedding's gradients; ZeRO-3: as ZeRO-2 but of
+// the weights only the embedding and head and three gathered blocks) and the reduction
+// buffers.
 #pragma once
 
 #include <cstdint>
@@ -45,6 +46,7 @@ struct MemoryPlan {
   int64_t shard_ranks = 1;   // parallelism.data_parallel_shard_degree
   int64_t zero_stage = 3;
   bool bf16_reduce = false;
+  int64_t micro_batches = 1;  // gradient accumulation steps
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

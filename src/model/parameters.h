@@ -75,17 +75,20 @@ class ParamSource {
   virtual const Tensor& output() = 0;
 };
 
-// Where the Transformer accumulates weight gradients (+=). layer_done(i) is called as soon
-// as block i's gradients for this micro-batch are complete, so a distributed sink can
-// start reducing them while the next block's backward runs.
+// Where the Transformer accumulates weight gradients (+=). head_done() is called as soon
+// as the final norm's and output projection's gradients for this micro-batch are
+// complete, layer_done(i) as soon as block i's are, embedding_done() when the embedding's
+// are, so a distributed sink can start reducing each while the rest of the backward runs.
 class GradSink {
  public:
   virtual ~GradSink() = default;
   virtual const LayerWeights& layer_grads(int index) = 0;
   virtual void layer_done(int index) = 0;
   virtual const Tensor& embedding_grad() = 0;
+  virtual void embedding_done() {}
   virtual const Tensor& final_norm_grad() = 0;
   virtual const Tensor& output_grad() = 0;
+  virtual void head_done() {}
 };
 
 // All parameters (or all gradients) in one contiguous buffer, viewed per tensor in

@@ -130,6 +130,7 @@ void Transformer::backward_blocks(const Tensor& tokens, ParamSource& weights, Gr
 
   b_.d_residual.fill_zero();
   rmsnorm_backward(b_.d_residual, grads.final_norm_grad(), b_.d_normed, b_.final_input, weights.final_norm(), b_.final_rstd);
+  grads.head_done();
   for (int i = config_.num_layers - 1; i >= 0; --i) {
     const LayerWeights& w = weights.layer(i);
     const LayerWeights& g = grads.layer_grads(i);
@@ -155,6 +156,7 @@ void Transformer::backward_blocks(const Tensor& tokens, ParamSource& weights, Gr
     grads.layer_done(i);
   }
   embedding_backward(grads.embedding_grad(), b_.d_residual, tokens.view({n}));
+  grads.embedding_done();
 }
 
 LossSum Transformer::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,

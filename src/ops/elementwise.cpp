@@ -24,7 +24,7 @@ double sum_of_squares(const Tensor& a) {
   FORGE_CUDA_CALL("sum_of_squares", return cuda::sum_of_squares(a.data<float>(), a.numel()));
 }
 
-void cast(const Tensor& out, const Tensor& in) {
+void cast(const Tensor& out, const Tensor& in, CudaStream stream) {
   OpProfileScope profile(OpClass::Elementwise, "cast");
   FORGE_CHECK(out.numel() == in.numel() && out.device() == in.device(), "cast: {} {} into {} {}",
               device_name(in.device()), shape_str(in.shape()), device_name(out.device()), shape_str(out.shape()));
@@ -45,11 +45,11 @@ void cast(const Tensor& out, const Tensor& in) {
   }
   if (in.dtype() == DType::F32) {
     check_dtype(out, DType::BF16, "cast output");
-    FORGE_CUDA_CALL("cast", cuda::cast(bf16_ptr(out), in.data<float>(), in.numel()));
+    FORGE_CUDA_CALL("cast", cuda::cast(bf16_ptr(out), in.data<float>(), in.numel(), stream));
   } else {
     check_dtype(in, DType::BF16, "cast input");
     check_dtype(out, DType::F32, "cast output");
-    FORGE_CUDA_CALL("cast", cuda::cast(out.data<float>(), bf16_ptr(in), in.numel()));
+    FORGE_CUDA_CALL("cast", cuda::cast(out.data<float>(), bf16_ptr(in), in.numel(), stream));
   }
 }
 

@@ -19,6 +19,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.shard_ranks = p.data_parallel_shard_degree;
   plan.zero_stage = p.zero_stage;
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
+  plan.micro_batches = config.training.gradient_accumulation_steps;
   return plan;
 }
 

@@ -76,13 +76,13 @@ double sum_of_squares(const float* a, int64_t n) {
   return total;
 }
 
-void cast(bf16* out, const float* in, int64_t n) {
-  if (n) cast_to_bf16_kernel<<<blocks_for(n), kThreads>>>(out, in, n);
+void cast(bf16* out, const float* in, int64_t n, cudaStream_t stream) {
+  if (n) cast_to_bf16_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, in, n);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
-void cast(float* out, const bf16* in, int64_t n) {
-  if (n) cast_to_float_kernel<<<blocks_for(n), kThreads>>>(out, in, n);
+void cast(float* out, const bf16* in, int64_t n, cudaStream_t stream) {
+  if (n) cast_to_float_kernel<<<blocks_for(n), kThreads, 0, stream>>>(out, in, n);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 

@@ -10,8 +10,9 @@ namespace forge::cuda {
 
 // Sum of squares of n fp32 values, accumulated in fp64 in a fixed order (deterministic).
 double sum_of_squares(const float* a, int64_t n);
-void cast(bf16* out, const float* in, int64_t n);
-void cast(float* out, const bf16* in, int64_t n);
+// out[i] = in[i] converted, enqueued on `stream`.
+void cast(bf16* out, const float* in, int64_t n, cudaStream_t stream = nullptr);
+void cast(float* out, const bf16* in, int64_t n, cudaStream_t stream = nullptr);
 // dst[i] += src[i], enqueued on `stream`.
 void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream);
 void accumulate(float* dst, const bf16* src, int64_t n, cudaStream_t stream);
