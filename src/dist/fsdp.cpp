@@ -31,6 +31,9 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   const int units = layout_.num_units();
   const int embedding = FsdpLayout::kEmbeddingUnit, head = layout_.head_unit();
   reduced_this_step_.assign(static_cast<size_t>(units), false);
+  unit_pending_.assign(static_cast<size_t>(units), false);
+  for (int u = 0; u < units; ++u) unit_ready_.push_back(make_event(device));
+  updated_ = make_event(device);
 
   master_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
   grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
@@ -194,27 +197,52 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   if (!chunk_written)
     for (size_t i = 0; i < master_segments_.size(); ++i)
       if (compute_segments_[i].defined()) cast(compute_segments_[i], master_segments_[i]);
-  begin_exposed();
-  if (options_.zero_stage <= 2) {
-    for (int u = 0; u < layout_.num_units(); ++u) {
-      const Tensor full = unit_full(full_compute_, u);
-      shard_group_.all_gather(full, own_chunk(full, u), kCompute);
-    }
-    end_exposed();
-    return;
-  }
-  for (int u : {FsdpLayout::kEmbeddingUnit, layout_.head_unit()}) {
-    const Tensor full = root_unit(u);
-    shard_group_.all_gather(full, own_chunk(full, u), kCompute);
+  // The units kept in full are all-gathered on the communication stream once the
+  // optimizer's writes are done, each marking its own event: the forward pass waits for
+  // each unit only where it first uses it, so the gathers of later blocks run behind the
+  // compute of earlier ones.
+  begin_exposed();  // on the CPU the collectives below block; on CUDA nothing here waits
+  updated_->record(kCompute);
+  updated_->make_wait(comm_.get());
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    if (options_.zero_stage == 3 && layout_.is_block(u)) continue;
+    const Tensor full = options_.zero_stage <= 2 ? unit_full(full_compute_, u) : root_unit(u);
+    shard_group_.all_gather(full, own_chunk(full, u), comm_.get());
+    unit_ready_[static_cast<size_t>(u)]->record(comm_.get());
+    unit_pending_[static_cast<size_t>(u)] = true;
   }
   end_exposed();
-  // The gathered blocks hold the old weights: forget them. The next gather into a slot
-  // waits for `released`, recorded here after everything enqueued so far: the last uses
-  // of the old block and the optimizer's update of the master chunk it casts from.
+  // ZeRO-3: the gathered blocks hold the old weights: forget them. The next gather into a
+  // slot waits for `released`, recorded here after everything enqueued so far: the last
+  // uses of the old block and the optimizer's update of the master chunk it casts from.
   for (UnitSlot& slot : weight_slots_) {
+    if (!slot.released) continue;
     slot.released->record(kCompute);
     slot.unit = -1;
   }
+}
+
+void Fsdp::await_unit(int unit) {
+  if (!unit_pending_[static_cast<size_t>(unit)]) return;
+  begin_exposed();
+  unit_ready_[static_cast<size_t>(unit)]->make_wait(kCompute);
+  end_exposed();
+  unit_pending_[static_cast<size_t>(unit)] = false;
+}
+
+const Tensor& Fsdp::embedding() {
+  await_unit(FsdpLayout::kEmbeddingUnit);
+  return root_weights_.embedding;
+}
+
+const Tensor& Fsdp::final_norm() {
+  await_unit(layout_.head_unit());
+  return root_weights_.final_norm;
+}
+
+const Tensor& Fsdp::output() {
+  await_unit(tied() ? FsdpLayout::kEmbeddingUnit : layout_.head_unit());
+  return root_weights_.output;
 }
 
 void Fsdp::begin_step() {
@@ -257,7 +285,9 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
   end_exposed();
 }
 
-void Fsdp::finish_gradients() {
+void Fsdp::finish_gradients() { join_comm(); }
+
+void Fsdp::join_comm() {
   begin_exposed();
   comm_done_->record(comm_.get());
   comm_done_->make_wait(kCompute);
@@ -268,6 +298,7 @@ double Fsdp::all_reduce_scalar(ProcessGroup& group, double value) {
   Tensor host = Tensor::empty({1}, DType::F32);
   host.data<float>()[0] = static_cast<float>(value);
   norm_scratch_.copy_from(host);
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
   begin_exposed();
   group.all_reduce(norm_scratch_, ReduceOp::Sum, kCompute);
   end_exposed();
@@ -286,7 +317,10 @@ double Fsdp::sum_over_ranks(double value) {
 
 const LayerWeights& Fsdp::layer(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
-  if (options_.zero_stage <= 2) return static_layers_[static_cast<size_t>(index)];
+  if (options_.zero_stage <= 2) {
+    await_unit(FsdpLayout::unit_of_layer(index));
+    return static_layers_[static_cast<size_t>(index)];
+  }
   const int unit = FsdpLayout::unit_of_layer(index);
   auto slot_of = [&](int u) -> UnitSlot* {
     for (UnitSlot& s : weight_slots_)
@@ -436,6 +470,7 @@ void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, st
   FORGE_CHECK(begin <= end && static_cast<int64_t>(out.size()) == end - begin, "FSDP gather_flat_range: [{}, {}) into {}",
               begin, end, out.size());
   const int world = layout_.world_size();
+  join_comm();
   constexpr int64_t kSlice = int64_t{1} << 24;
   Tensor gathered = Tensor::empty({world * std::min(kSlice, layout_.max_shard_numel())}, DType::F32, device_);
   for (int u = 0; u < layout_.num_units(); ++u) {
@@ -476,6 +511,7 @@ std::vector<uint32_t> Fsdp::all_gather_words(const std::vector<uint32_t>& words)
   Tensor mine = Tensor::zeros({n}, DType::F32);
   std::copy_n(words.data(), words.size(), static_cast<uint32_t*>(mine.raw()));
   Tensor all = Tensor::empty({n * layout_.world_size()}, DType::F32, device_);
+  join_comm();
   shard_group_.all_gather(all, mine.to(device_), kCompute);
   const Tensor host = all.to(Device::CPU);
   std::vector<uint32_t> result(static_cast<size_t>(n * layout_.world_size()));

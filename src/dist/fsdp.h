@@ -44,8 +44,9 @@
 // is then all-reduced across the replicas, which hold the same chunk.
 // After the optimizer updated the fp32 chunk and wrote its bf16 copy where one is kept
 // (compute_segments), refresh_compute_weights() all-gathers the compute weights that are
-// kept in full (every unit in ZeRO-1/2, the embedding and head in ZeRO-3) and forgets the
-// gathered blocks of ZeRO-3.
+// kept in full (every unit in ZeRO-1/2, the embedding and head in ZeRO-3) on the
+// communication stream, each unit awaited by the compute stream only at its first use, and
+// forgets the gathered blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
 //
 // NOTE [Exposed communication]
@@ -154,10 +155,10 @@ class Fsdp final : public ParamSource, public GradSink {
   Tensor chunk_of(const std::vector<Tensor>& segments) const;
 
   // ParamSource
-  const Tensor& embedding() override { return root_weights_.embedding; }
+  const Tensor& embedding() override;
   const LayerWeights& layer(int index) override;
-  const Tensor& final_norm() override { return root_weights_.final_norm; }
-  const Tensor& output() override { return root_weights_.output; }
+  const Tensor& final_norm() override;
+  const Tensor& output() override;
   // GradSink
   const LayerWeights& layer_grads(int index) override;
   void layer_done(int index) override;
@@ -204,6 +205,11 @@ class Fsdp final : public ParamSource, public GradSink {
     float* out;
   };
   void fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill);
+  // Makes the compute stream wait for everything enqueued on the communication stream
+  // (before a collective of its own, and at the end of the step's reductions).
+  void join_comm();
+  // Makes the compute stream wait for a unit kept in full, once after each refresh.
+  void await_unit(int unit);
   // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
   void gather_block(int unit, int requested);
   // ZeRO-2/3: the gradient slot of `unit`, taken (and zeroed) on the unit's first request.
@@ -238,6 +244,10 @@ class Fsdp final : public ParamSource, public GradSink {
   int next_channel_ = 0;
   bool last_micro_batch_ = true;
   std::vector<bool> reduced_this_step_;  // per unit
+  // Units kept in full: gathered after each optimizer step on the communication stream.
+  std::vector<std::unique_ptr<DeviceEvent>> unit_ready_;
+  std::vector<bool> unit_pending_;
+  std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;
   // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.

@@ -60,7 +60,15 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // Before anything touches the GPU: the NCCL group makes GPU local_rank this process's device.
   set_up_data_parallel();
 
+  // Before the first large allocation (the FSDP buffers): the estimate is checked against
+  // what the GPU has free, so nothing of this run may be counted as in use already.
   check_memory_fits(config_);
+  if (world_size_ > 1) {
+    FsdpOptions fsdp;
+    fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
+    fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
+    fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
+  }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   std::vector<bool> decay;
   if (fsdp_) {
@@ -145,10 +153,6 @@ void Trainer::set_up_data_parallel() {
     replicate_group_ = world_->split(rank_ % shard, rank_);
     shard_group_ = shard_split_.get();
   }
-  FsdpOptions fsdp;
-  fsdp.zero_stage = static_cast<int>(p.zero_stage);
-  fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
-  fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
 }
 
 Trainer::~Trainer() = default;

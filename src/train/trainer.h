@@ -82,6 +82,8 @@ class Trainer {
   // The weights the model computes with: FSDP's, else the bf16 copy on CUDA, else the fp32 weights.
   ParamSource& weights();
   GradSink& gradients();
+  // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
+  // after the memory check.
   void set_up_data_parallel();
   void log_fsdp_memory() const;
 
