@@ -12,12 +12,14 @@
 //   fp8 GEMM 8192^3   1220 TFLOP/s H100 (one run), 1214 H200 (1187 and 1241)
 //   device copy       3000 GB/s H100, 4300 GB/s H200 (bytes read + bytes written;
 //                     ../shared/PERF.md; preflight measured 3011 and 4224-4229)
-//   all-reduce         355 GB/s bus bandwidth, bf16, 1 GiB, 4 x H200 over NVLink
+//   all-reduce         355 GB/s bus bandwidth, bf16, 1 GiB, 4 x H200 over NVLink; 359 on
+//                      8 x H200 (forge preflight, nvidia-h200-x8, one run)
+//   all-gather         344 GB/s bus bandwidth, bf16, 1 GiB, 8 x H200 (the same run)
 // Devices are matched by their exact CUDA name: "NVIDIA H100 80GB HBM3" is the SXM part;
 // the PCIe and NVL variants (lower power and clocks) and every other GPU get no
 // reference, and their checks report "no reference" instead of a guess. Host-to-device
-// bandwidth depends on the host's PCIe link rather than the GPU, and all-gather and other
-// GPU counts were not measured: no reference either, until someone measures them.
+// bandwidth depends on the host's PCIe link rather than the GPU, and the collectives at
+// GPU counts not listed were not measured: no reference either, until someone measures them.
 //
 // The bands: >= 90% of the reference passes (run-to-run spread on a healthy GPU is a few
 // percent); >= 70% warns (a hot or power-capped GPU, a neighbour's job); below 70%
@@ -35,18 +37,35 @@ struct DeviceReference {
   double bf16_gemm_tflops;
   double fp8_gemm_tflops;
   double device_copy_gbps;
-  int allreduce_gpus;  // the GPU count allreduce_gbps was measured with; 0: none
-  double allreduce_gbps;
 };
 
 constexpr std::array<DeviceReference, 2> kReferences = {{
-    {"NVIDIA H100 80GB HBM3", 733, 1220, 3000, 0, 0},
-    {"NVIDIA H200", 685, 1214, 4300, 4, 355},
+    {"NVIDIA H100 80GB HBM3", 733, 1220, 3000},
+    {"NVIDIA H200", 685, 1214, 4300},
+}};
+
+// A collective's bus bandwidth, for the GPU count it was measured with.
+struct CollectiveReference {
+  const char* device_name;
+  PreflightMeasure measure;
+  int gpus;
+  double gbps;
+};
+
+constexpr std::array<CollectiveReference, 3> kCollectiveReferences = {{
+    {"NVIDIA H200", PreflightMeasure::AllReduce, 4, 355},
+    {"NVIDIA H200", PreflightMeasure::AllReduce, 8, 359},
+    {"NVIDIA H200", PreflightMeasure::AllGather, 8, 344},
 }};
 
 }  // namespace
 
 std::optional<double> preflight_reference(const std::string& device_name, PreflightMeasure measure, int n_gpus) {
+  if (measure == PreflightMeasure::AllReduce || measure == PreflightMeasure::AllGather) {
+    for (const CollectiveReference& r : kCollectiveReferences)
+      if (device_name == r.device_name && measure == r.measure && n_gpus == r.gpus) return r.gbps;
+    return std::nullopt;
+  }
   for (const DeviceReference& r : kReferences) {
     if (device_name != r.device_name) continue;
     switch (measure) {
@@ -54,10 +73,8 @@ std::optional<double> preflight_reference(const std::string& device_name, Prefli
       case PreflightMeasure::Fp8Gemm: return r.fp8_gemm_tflops;
       case PreflightMeasure::DeviceCopy: return r.device_copy_gbps;
       case PreflightMeasure::AllReduce:
-        if (r.allreduce_gpus != 0 && r.allreduce_gpus == n_gpus) return r.allreduce_gbps;
-        return std::nullopt;
-      case PreflightMeasure::HostToDevice:
-      case PreflightMeasure::AllGather: return std::nullopt;
+      case PreflightMeasure::AllGather:
+      case PreflightMeasure::HostToDevice: return std::nullopt;
     }
   }
   return std::nullopt;

@@ -42,8 +42,10 @@ TEST(PreflightReferences, ByExactDeviceNameAndNothingGuessed) {
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::Fp8Gemm, 1), 1214.0);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::DeviceCopy, 4), 4300.0);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllReduce, 4), 355.0);
-  // Measured with 4 H200s only; other counts, other GPUs and unmeasured checks have none.
-  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllReduce, 8), std::nullopt);
+  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllReduce, 8), 359.0);
+  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllGather, 8), 344.0);
+  // Measured with 4 and 8 H200s only; other counts, other GPUs and unmeasured checks have none.
+  EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllReduce, 2), std::nullopt);
   EXPECT_EQ(preflight_reference(kH100, PreflightMeasure::AllReduce, 4), std::nullopt);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::AllGather, 4), std::nullopt);
   EXPECT_EQ(preflight_reference(kH200, PreflightMeasure::HostToDevice, 1), std::nullopt);
