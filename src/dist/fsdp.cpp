@@ -452,33 +452,31 @@ FsdpMemory Fsdp::memory() const {
   return m;
 }
 
-Tensor Fsdp::chunk_of(const std::vector<Tensor>& segments) const {
-  FORGE_CHECK(segments.size() == layout_.segments().size(), "FSDP chunk_of: {} tensors for {} segments",
+void Fsdp::gather_flat_range(const std::vector<Tensor>& segments, int64_t begin, int64_t end, std::span<float> out) {
+  FORGE_CHECK(segments.size() == layout_.segments().size(), "FSDP gather_flat_range: {} tensors for {} segments",
               segments.size(), layout_.segments().size());
-  Tensor chunk = Tensor::zeros({layout_.shard_numel()}, DType::F32, device_);
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const FsdpSegment& s = layout_.segments()[i];
-    cast(chunk.narrow(s.shard_offset, s.shard_offset + s.numel), segments[i].view({s.numel}));
-  }
-  return chunk;
-}
-
-void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, std::span<float> out) {
-  FORGE_CHECK(chunk.numel() == layout_.shard_numel() && chunk.dtype() == DType::F32,
-              "FSDP gather_flat_range: {} {} is not a fp32 chunk of {}", dtype_name(chunk.dtype()),
-              shape_str(chunk.shape()), layout_.shard_numel());
   FORGE_CHECK(begin <= end && static_cast<int64_t>(out.size()) == end - begin, "FSDP gather_flat_range: [{}, {}) into {}",
               begin, end, out.size());
   const int world = layout_.world_size();
   join_comm();
   constexpr int64_t kSlice = int64_t{1} << 24;
   Tensor gathered = Tensor::empty({world * std::min(kSlice, layout_.max_shard_numel())}, DType::F32, device_);
+  // One unit's chunk at a time, in fp32 (the moments may be bf16): never the whole shard.
+  Tensor unit_chunk = Tensor::empty({std::max<int64_t>(layout_.max_shard_numel(), 1)}, DType::F32, device_);
   for (int u = 0; u < layout_.num_units(); ++u) {
     const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
+    const Tensor chunk = unit_chunk.narrow(0, unit.shard_numel);
+    chunk.fill_zero();
+    for (size_t i = 0; i < segments.size(); ++i) {
+      const FsdpSegment& s = layout_.segments()[i];
+      if (s.unit != u) continue;
+      const int64_t local = s.shard_offset - unit.shard_offset;
+      cast(chunk.narrow(local, local + s.numel), segments[i].view({s.numel}));
+    }
     for (int64_t k = 0; k < unit.shard_numel; k += kSlice) {
       const int64_t n = std::min(kSlice, unit.shard_numel - k);
       const Tensor slices = gathered.narrow(0, world * n);
-      shard_group_.all_gather(slices, shard_of(chunk, u).narrow(k, k + n), kCompute);
+      shard_group_.all_gather(slices, chunk.narrow(k, k + n), kCompute);
       // Rank r's slice holds unit elements [r * shard_numel + k, ... + n).
       std::optional<Tensor> host;
       for (int r = 0; r < world; ++r) {
@@ -498,11 +496,11 @@ void Fsdp::gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, st
   }
 }
 
-void Fsdp::gather_to_host(const Tensor& chunk, std::vector<float>& flat) {
+void Fsdp::gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat) {
   const int64_t total = layout_.parameter_count();
   const bool root = layout_.rank() == 0;
   if (root) flat.assign(static_cast<size_t>(total), 0.0f);
-  gather_flat_range(chunk, 0, root ? total : 0, root ? std::span<float>(flat) : std::span<float>());
+  gather_flat_range(segments, 0, root ? total : 0, root ? std::span<float>(flat) : std::span<float>());
 }
 
 std::vector<uint32_t> Fsdp::all_gather_words(const std::vector<uint32_t>& words) {

@@ -141,18 +141,17 @@ class Fsdp final : public ParamSource, public GradSink {
   // since the last call (synchronizes with the last such wait).
   double take_exposed_comm_seconds();
 
-  // Redistributes a chunk-shaped fp32 tensor (the master chunk, or a moment laid out by
-  // chunk_of) from the FSDP layout to the flat index space (parameter_specs order, no
-  // padding): this rank receives elements [begin, end) into `out` (end - begin floats;
-  // an empty range is fine). Every shard rank calls it; the chunks travel by all-gathers
-  // of slices, so the device holds world x 16M floats at most.
-  void gather_flat_range(const Tensor& chunk, int64_t begin, int64_t end, std::span<float> out);
+  // Redistributes per-segment tensors (layout().segments() order, fp32 or bf16: the master
+  // segments, or the optimizer's moments) from the FSDP layout to the flat index space
+  // (parameter_specs order, no padding): this rank receives elements [begin, end) into
+  // `out` (end - begin floats; an empty range is fine). Every shard rank calls it; a unit's
+  // chunk at a time is cast to fp32 and travels by all-gathers of slices, so the device
+  // holds one unit chunk plus world x 16M floats at most.
+  void gather_flat_range(const std::vector<Tensor>& segments, int64_t begin, int64_t end, std::span<float> out);
   // The whole flat vector on shard rank 0 (`flat` resized there), nothing elsewhere.
-  void gather_to_host(const Tensor& chunk, std::vector<float>& flat);
+  void gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat);
   // Every shard rank's `words` (equal counts), in rank order.
   std::vector<uint32_t> all_gather_words(const std::vector<uint32_t>& words);
-  // Per-segment tensors (the optimizer's moments, any dtype) laid out as a fp32 chunk.
-  Tensor chunk_of(const std::vector<Tensor>& segments) const;
 
   // ParamSource
   const Tensor& embedding() override;

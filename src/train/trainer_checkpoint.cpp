@@ -145,9 +145,9 @@ void Trainer::save_checkpoint(int64_t step) {
     const std::vector<ShardRange> ranges = shard_ranges(numel, shards);
     const ShardRange mine = ranges[static_cast<size_t>(shard_rank)];
     std::vector<float> params(static_cast<size_t>(mine.size())), m(params.size()), v(params.size());
-    fsdp_->gather_flat_range(fsdp_->master_shard(), mine.begin, mine.end, params);
-    fsdp_->gather_flat_range(fsdp_->chunk_of(optimizer_->exp_avg()), mine.begin, mine.end, m);
-    fsdp_->gather_flat_range(fsdp_->chunk_of(optimizer_->exp_avg_sq()), mine.begin, mine.end, v);
+    fsdp_->gather_flat_range(fsdp_->master_segments(), mine.begin, mine.end, params);
+    fsdp_->gather_flat_range(optimizer_->exp_avg(), mine.begin, mine.end, m);
+    fsdp_->gather_flat_range(optimizer_->exp_avg_sq(), mine.begin, mine.end, v);
     const int64_t token = std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
     const std::string folder = checkpoint_folder();
     std::string tmp = checkpoint_temporary_dir(folder, step, token);

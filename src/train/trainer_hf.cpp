@@ -36,7 +36,7 @@ void Trainer::export_hf_model() {
   const std::string dir = run_dir_ + "/hf";
   if (fsdp_) {
     std::vector<float> flat;
-    fsdp_->gather_to_host(fsdp_->master_shard(), flat);
+    fsdp_->gather_to_host(fsdp_->master_segments(), flat);
     if (rank_ != 0) return;
     FlatParameters host(config_.model);
     std::copy(flat.begin(), flat.end(), host.flat().data<float>());
