@@ -99,7 +99,6 @@ class Fsdp final : public ParamSource, public GradSink {
 
   const FsdpLayout& layout() const { return layout_; }
   const FsdpOptions& options() const { return options_; }
-  DType compute_dtype() const { return compute_dtype_; }
 
   // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
   // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
@@ -108,8 +107,8 @@ class Fsdp final : public ParamSource, public GradSink {
   const std::vector<Tensor>& master_segments() const { return master_segments_; }
   const std::vector<Tensor>& grad_segments() const { return grad_segments_; }
   const std::vector<Tensor>& compute_segments() const { return compute_segments_; }
+  // The whole fp32 master chunk, padding included.
   const Tensor& master_shard() const { return master_; }
-  const Tensor& grad_shard() const { return grad_shard_; }
 
   // Fills the master chunk from the seeded initialization (the values single-device
   // training starts from) and refreshes the compute weights.

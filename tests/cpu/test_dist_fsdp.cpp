@@ -11,32 +11,17 @@
 #include "core/rng.h"
 #include "dist/fsdp.h"
 #include "dist/launch_env.h"
+#include "model_testing.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"
 
 namespace forge {
 namespace {
 
-ModelConfig tiny(bool tied) {
-  ModelConfig c;
-  c.name = "tiny";
-  c.vocab_size = 37;
-  c.hidden_size = 24;
-  c.num_layers = 3;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 40;
-  c.max_seq_len = 64;
-  c.tie_word_embeddings = tied;
-  return c;
-}
+// Three blocks: ZeRO-3's three gather buffers all in use.
+ModelConfig tiny(bool tied) { return testing::tiny(tied, 3); }
 
-Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
-  Tensor x = Tensor::empty({b, t}, DType::I32);
-  Rng rng(seed);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
-  return x;
-}
+using testing::random_tokens;
 
 TEST(FsdpLayout, ChunksTileEveryParameterOnceAtAnyWorldSize) {
   for (bool tied : {false, true}) {

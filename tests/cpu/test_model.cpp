@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "core/rng.h"
+#include "model_testing.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 
@@ -27,26 +28,8 @@ ModelConfig llama31_8b() {
   return c;
 }
 
-ModelConfig tiny(bool tied = false) {
-  ModelConfig c;
-  c.name = "tiny";
-  c.vocab_size = 37;
-  c.hidden_size = 24;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 40;
-  c.max_seq_len = 64;
-  c.tie_word_embeddings = tied;
-  return c;
-}
-
-Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
-  Tensor x = Tensor::empty({b, t}, DType::I32);
-  Rng rng(seed);
-  for (int64_t i = 0; i < x.numel(); ++i) x.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
-  return x;
-}
+using testing::random_tokens;
+using testing::tiny;
 
 TEST(ModelAccounting, Llama31_8bParameterCount) {
   ModelConfig c = llama31_8b();
