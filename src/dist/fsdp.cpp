@@ -31,6 +31,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   const int units = layout_.num_units();
   const int embedding = FsdpLayout::kEmbeddingUnit, head = layout_.head_unit();
   reduced_this_step_.assign(static_cast<size_t>(units), false);
+  unit_fresh_.assign(static_cast<size_t>(units), false);
   unit_pending_.assign(static_cast<size_t>(units), false);
   for (int u = 0; u < units; ++u) unit_ready_.push_back(make_event(device));
   updated_ = make_event(device);
@@ -249,7 +250,9 @@ void Fsdp::begin_step() {
   stalls_used_ = 0;  // what evaluation waited for is not the step's
   host_exposed_s_ = 0;
   grad_shard_.fill_zero();
-  if (full_grads_.defined()) full_grads_.fill_zero();
+  // The full-size gradients (ZeRO-1, a tied embedding) are written over by the step's
+  // first micro-batch; their padding is never written and stays zero.
+  std::fill(unit_fresh_.begin(), unit_fresh_.end(), true);
   std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
 }
 
@@ -367,19 +370,31 @@ Fsdp::UnitSlot& Fsdp::grad_slot(int unit) {
   FORGE_CHECK(slot.unit < 0, "FSDP: gradients of unit {} asked for while units {} and {} are not reduced", unit,
               grad_slots_[0].unit, grad_slots_[1].unit);
   next_channel_ = (next_channel_ + 1) % static_cast<int>(grad_slots_.size());
-  // Its previous reduce-scatter must be done before the buffer is zeroed and reused.
+  // Its previous reduce-scatter must be done before the buffer is reused.
   begin_exposed();
   channels_[static_cast<size_t>(slot.channel)].done->make_wait(kCompute);
   end_exposed();
   const Tensor full = slot.buffer.narrow(0, layout_.units()[static_cast<size_t>(unit)].numel);
-  full.fill_zero();
+  zero_padding(full, unit);  // the model writes the rest (NOTE [Fresh gradient buffers])
+  unit_fresh_[static_cast<size_t>(unit)] = true;
   slot.unit = unit;
   if (layout_.is_block(unit)) slot.block = block_views(full, unit);
   else root_views(full, unit, slot.root);
   return slot;
 }
 
+void Fsdp::zero_padding(const Tensor& unit_buffer, int unit) const {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  int64_t end = 0;  // of the previous parameter
+  for (const FsdpParam& p : u.params) {
+    if (p.offset > end) unit_buffer.narrow(end, p.offset).fill_zero();
+    end = p.offset + p.numel;
+  }
+  if (u.numel > end) unit_buffer.narrow(end, u.numel).fill_zero();
+}
+
 void Fsdp::unit_done(int unit) {
+  unit_fresh_[static_cast<size_t>(unit)] = false;
   if (options_.zero_stage == 1) {
     if (!last_micro_batch_) return;
     ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
@@ -433,7 +448,16 @@ const Tensor& Fsdp::output_grad() {
   return grad_slot(layout_.head_unit()).root.output;
 }
 
-void Fsdp::head_done() { unit_done(layout_.head_unit()); }
+void Fsdp::head_done() {
+  if (tied()) unit_fresh_[FsdpLayout::kEmbeddingUnit] = false;  // the head wrote into the embedding's gradients
+  unit_done(layout_.head_unit());
+}
+
+bool Fsdp::layer_grads_fresh(int index) const {
+  return unit_fresh_[static_cast<size_t>(FsdpLayout::unit_of_layer(index))];
+}
+bool Fsdp::head_grads_fresh() const { return unit_fresh_[static_cast<size_t>(layout_.head_unit())]; }
+bool Fsdp::embedding_grad_fresh() const { return unit_fresh_[FsdpLayout::kEmbeddingUnit]; }
 
 FsdpMemory Fsdp::memory() const {
   FsdpMemory m;

@@ -33,7 +33,8 @@
 // default stream the kernels use) by events (NOTE [Streams and events]): a gather waits
 // for the compute stream to be done with the buffer it overwrites, the compute stream
 // waits for the gather before using the block, a reduce-scatter waits for the unit's
-// backward, and a gradient buffer is zeroed for reuse after its reduce-scatter. Gradients
+// backward, and a gradient buffer is reused after its reduce-scatter, written over by the
+// next unit's backward (NOTE [Fresh gradient buffers]; only its padding is zeroed). Gradients
 // are summed, not averaged: the loss is already divided by the global batch's target count
 // (NOTE [Loss normalization]). With fsdp reduce dtype bf16 the gradients are rounded to
 // bf16 before the reduce-scatter (half the traffic) and added to the fp32 chunk after it.
@@ -165,6 +166,9 @@ class Fsdp final : public ParamSource, public GradSink {
   const Tensor& final_norm_grad() override;
   const Tensor& output_grad() override;
   void head_done() override;
+  bool layer_grads_fresh(int index) const override;
+  bool head_grads_fresh() const override;
+  bool embedding_grad_fresh() const override;
 
  private:
   // A reduction in flight: staging for bf16, the reduced chunk, and the events that order
@@ -210,8 +214,10 @@ class Fsdp final : public ParamSource, public GradSink {
   void await_unit(int unit);
   // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
   void gather_block(int unit, int requested);
-  // ZeRO-2/3: the gradient slot of `unit`, taken (and zeroed) on the unit's first request.
+  // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE
+  // [Fresh gradient buffers]), its padding zeroed, the rest left for the model to write.
   UnitSlot& grad_slot(int unit);
+  void zero_padding(const Tensor& unit_buffer, int unit) const;
   // The unit's gradients are complete: reduce them (ZeRO-1: on the last micro-batch).
   void unit_done(int unit);
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
@@ -242,6 +248,7 @@ class Fsdp final : public ParamSource, public GradSink {
   int next_channel_ = 0;
   bool last_micro_batch_ = true;
   std::vector<bool> reduced_this_step_;  // per unit
+  std::vector<bool> unit_fresh_;         // per unit: its gradient buffers are to be overwritten
   // Units kept in full: gathered after each optimizer step on the communication stream.
   std::vector<std::unique_ptr<DeviceEvent>> unit_ready_;
   std::vector<bool> unit_pending_;

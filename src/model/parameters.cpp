@@ -56,12 +56,25 @@ FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType d
   }
   weights_.final_norm = tensors_[k++];
   weights_.output = config.tie_word_embeddings ? weights_.embedding : tensors_[k++];
+  layers_fresh_.assign(static_cast<size_t>(config.num_layers), 0);
 }
 
 const Tensor& FlatParameters::find(const std::string& name) const {
   for (size_t i = 0; i < specs_.size(); ++i)
     if (specs_[i].name == name) return tensors_[i];
   FORGE_FAIL("no parameter named '{}' in model '{}'", name, config_.name);
+}
+
+void FlatParameters::discard() {
+  std::fill(layers_fresh_.begin(), layers_fresh_.end(), 1);
+  head_fresh_ = embedding_fresh_ = true;
+}
+
+void FlatParameters::layer_done(int index) { layers_fresh_.at(static_cast<size_t>(index)) = 0; }
+
+void FlatParameters::head_done() {
+  head_fresh_ = false;
+  if (config_.tie_word_embeddings) embedding_fresh_ = false;  // the head wrote the embedding's gradient
 }
 
 void FlatParameters::assign_from(const FlatParameters& other) {

@@ -79,6 +79,18 @@ class ParamSource {
 // as the final norm's and output projection's gradients for this micro-batch are
 // complete, layer_done(i) as soon as block i's are, embedding_done() when the embedding's
 // are, so a distributed sink can start reducing each while the rest of the backward runs.
+//
+// NOTE [Fresh gradient buffers]
+// A sink may hand out buffers whose contents are to be overwritten rather than added to:
+// the first micro-batch of a step, or a buffer reused from another unit. The *_fresh()
+// calls say so per unit (asked after the unit's buffers were handed out); the model then
+// writes that unit's gradients with beta = 0 GEMMs and zeroes the few tensors it can
+// only add to (norm weights, the embedding's scatter-add) instead of the sink zeroing
+// every buffer first: per step that saves a write of every gradient and the first
+// micro-batch's read of it. With a tied output projection the output's gradient is the
+// embedding's: the head asks embedding_grad_fresh(), and after head_done() a sink must
+// report the embedding as no longer fresh. Anything in a fresh buffer that is not a
+// parameter (padding) is the sink's to keep zero. The defaults say "add".
 class GradSink {
  public:
   virtual ~GradSink() = default;
@@ -89,6 +101,9 @@ class GradSink {
   virtual const Tensor& final_norm_grad() = 0;
   virtual const Tensor& output_grad() = 0;
   virtual void head_done() {}
+  virtual bool layer_grads_fresh(int /*index*/) const { return false; }
+  virtual bool head_grads_fresh() const { return false; }  // final norm and untied output
+  virtual bool embedding_grad_fresh() const { return false; }
 };
 
 // All parameters (or all gradients) in one contiguous buffer, viewed per tensor in
@@ -107,6 +122,10 @@ class FlatParameters : public ParamSource, public GradSink {
   const Tensor& find(const std::string& name) const;
 
   void zero() { flat_.fill_zero(); }
+  // As a gradient sink: forgets what the buffers hold without touching them; the next
+  // gradients of each unit are written over them (NOTE [Fresh gradient buffers]). Every
+  // value is rewritten by one forward_backward, at no cost, where zero() writes them all.
+  void discard();
   // Copies every value of `other` (same model), converting device and dtype as needed.
   void assign_from(const FlatParameters& other);
   // Normal(0, init_std) matrices, with the two projections that feed the residual stream
@@ -121,10 +140,15 @@ class FlatParameters : public ParamSource, public GradSink {
   const Tensor& output() override { return weights_.output; }
 
   const LayerWeights& layer_grads(int index) override { return weights_.layers.at(index); }
-  void layer_done(int) override {}
+  void layer_done(int index) override;
   const Tensor& embedding_grad() override { return weights_.embedding; }
+  void embedding_done() override { embedding_fresh_ = false; }
   const Tensor& final_norm_grad() override { return weights_.final_norm; }
   const Tensor& output_grad() override { return weights_.output; }
+  void head_done() override;
+  bool layer_grads_fresh(int index) const override { return layers_fresh_.at(static_cast<size_t>(index)) != 0; }
+  bool head_grads_fresh() const override { return head_fresh_; }
+  bool embedding_grad_fresh() const override { return embedding_fresh_; }
 
  private:
   ModelConfig config_;
@@ -132,6 +156,8 @@ class FlatParameters : public ParamSource, public GradSink {
   Tensor flat_;
   std::vector<Tensor> tensors_;
   ModelWeights weights_;
+  std::vector<char> layers_fresh_;  // NOTE [Fresh gradient buffers], per block
+  bool head_fresh_ = false, embedding_fresh_ = false;
 };
 
 }  // namespace forge

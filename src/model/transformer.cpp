@@ -56,15 +56,13 @@ void Transformer::forward_layer(int i, ParamSource& weights, const Tensor* next)
   matmul(a.qkv.view({n, (hq + 2 * hkv) * d}), a.normed_attn, false, w.qkv, true);
   rope_forward(a.qkv, hq + hkv, rope_cos_, rope_sin_);
   attention_forward(a.attn_out, a.lse, a.qkv, attention);
-  a.mid.copy_from(a.input);
-  matmul(a.mid, a.attn_out.view({n, hq * d}), false, w.o, true, 1.0f, 1.0f);
+  matmul_add(a.mid, a.attn_out.view({n, hq * d}), false, w.o, true, a.input);
 
   rmsnorm_forward(a.normed_mlp, a.rstd_mlp, a.mid, w.mlp_norm, eps);
   matmul(a.gate_up, a.normed_mlp, false, w.gate_up, true);
   swiglu_forward(a.swiglu_out, a.gate_up);
   if (!next) return;
-  next->copy_from(a.mid);
-  matmul(*next, a.swiglu_out, false, w.down, true, 1.0f, 1.0f);
+  matmul_add(*next, a.swiglu_out, false, w.down, true, a.mid);
 }
 
 void Transformer::forward_blocks(const Tensor& tokens, ParamSource& weights) {
@@ -97,7 +95,12 @@ LossSum Transformer::output_head(const Tensor& targets, ParamSource& weights, Gr
   const int64_t n = tokens_;
   const Tensor flat_targets = targets.view({n});
   const Tensor& w_out = weights.output();
-  if (grads) b_.d_normed.fill_zero();
+  // NOTE [Fresh gradient buffers]: a tied output's gradient is the embedding's.
+  bool overwrite = false;
+  if (grads) {
+    grads->output_grad();  // hands the buffer out before asking whether it is fresh
+    overwrite = config_.tie_word_embeddings ? grads->embedding_grad_fresh() : grads->head_grads_fresh();
+  }
   const int64_t chunk_rows = b_.logits_chunk.dim(0);
   for (int64_t begin = 0; begin < n; begin += chunk_rows) {
     int64_t end = std::min(n, begin + chunk_rows);
@@ -108,7 +111,7 @@ LossSum Transformer::output_head(const Tensor& targets, ParamSource& weights, Gr
                                    flat_targets.narrow(begin, end), kIgnoreIndex, grad_scale);
     if (grads) {
       matmul(b_.d_normed.narrow(begin, end), logits, false, w_out, false);
-      matmul(grads->output_grad(), logits, true, x, false, 1.0f, 1.0f);
+      matmul(grads->output_grad(), logits, true, x, false, 1.0f, overwrite && begin == 0 ? 0.0f : 1.0f);
     }
   }
   LossSum loss;
@@ -129,33 +132,45 @@ void Transformer::backward_blocks(const Tensor& tokens, ParamSource& weights, Gr
   const AttentionShape attention{hq, hkv, config_.sliding_window, 1.0f / std::sqrt(static_cast<float>(d))};
 
   b_.d_residual.fill_zero();
-  rmsnorm_backward(b_.d_residual, grads.final_norm_grad(), b_.d_normed, b_.final_input, weights.final_norm(), b_.final_rstd);
+  const Tensor& final_norm_grad = grads.final_norm_grad();
+  if (grads.head_grads_fresh()) final_norm_grad.fill_zero();  // the norm's backward adds
+  rmsnorm_backward(b_.d_residual, final_norm_grad, b_.d_normed, b_.final_input, weights.final_norm(), b_.final_rstd);
   grads.head_done();
   for (int i = config_.num_layers - 1; i >= 0; --i) {
     const LayerWeights& w = weights.layer(i);
     const LayerWeights& g = grads.layer_grads(i);
+    // Weight gradients: written over a fresh buffer, added to one that holds earlier
+    // micro-batches' (NOTE [Fresh gradient buffers]).
+    const bool fresh = grads.layer_grads_fresh(i);
+    const float beta = fresh ? 0.0f : 1.0f;
+    if (fresh) {
+      g.mlp_norm.fill_zero();
+      g.attn_norm.fill_zero();
+    }
     recompute_layer(i, weights);
     LayerActivations& a = b_.layers[i];
     // next = mid + swiglu_out @ down^T
     matmul(b_.d_swiglu, b_.d_residual, false, w.down, false);
-    matmul(g.down, b_.d_residual, true, a.swiglu_out, false, 1.0f, 1.0f);
+    matmul(g.down, b_.d_residual, true, a.swiglu_out, false, 1.0f, beta);
     swiglu_backward(b_.d_gate_up, b_.d_swiglu, a.gate_up);
     matmul(b_.d_normed, b_.d_gate_up, false, w.gate_up, false);
-    matmul(g.gate_up, b_.d_gate_up, true, a.normed_mlp, false, 1.0f, 1.0f);
+    matmul(g.gate_up, b_.d_gate_up, true, a.normed_mlp, false, 1.0f, beta);
     rmsnorm_backward(b_.d_residual, g.mlp_norm, b_.d_normed, a.mid, w.mlp_norm, a.rstd_mlp);
     // mid = input + attn_out @ o^T
     matmul(b_.d_attn_out, b_.d_residual, false, w.o, false);
-    matmul(g.o, b_.d_residual, true, a.attn_out.view({n, hq * d}), false, 1.0f, 1.0f);
+    matmul(g.o, b_.d_residual, true, a.attn_out.view({n, hq * d}), false, 1.0f, beta);
     attention_backward(b_.d_qkv, b_.d_attn_out.view({micro_batch_, seq_len_, hq, d}), a.qkv, a.attn_out, a.lse,
                        attention);
     rope_backward(b_.d_qkv, hq + hkv, rope_cos_, rope_sin_);
     const Tensor d_qkv_2d = b_.d_qkv.view({n, (hq + 2 * hkv) * d});
     matmul(b_.d_normed, d_qkv_2d, false, w.qkv, false);
-    matmul(g.qkv, d_qkv_2d, true, a.normed_attn, false, 1.0f, 1.0f);
+    matmul(g.qkv, d_qkv_2d, true, a.normed_attn, false, 1.0f, beta);
     rmsnorm_backward(b_.d_residual, g.attn_norm, b_.d_normed, a.input, w.attn_norm, a.rstd_attn);
     grads.layer_done(i);
   }
-  embedding_backward(grads.embedding_grad(), b_.d_residual, tokens.view({n}));
+  const Tensor& embedding_grad = grads.embedding_grad();
+  if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
+  embedding_backward(embedding_grad, b_.d_residual, tokens.view({n}));
   grads.embedding_done();
 }
 

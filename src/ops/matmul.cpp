@@ -10,8 +10,11 @@
 
 namespace forge {
 
-void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
-            float beta) {
+namespace {
+
+// out = alpha op(a) op(b) + beta c, where c is out itself unless an addend is given.
+void gemm(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
+          float beta, const Tensor* addend) {
   OpProfileScope profile(OpClass::Gemm, "matmul");
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "matmul: out {}, a {}, b {} must be 2-D",
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
@@ -24,19 +27,40 @@ void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& 
                                    dtype_name(out.dtype())));
   FORGE_CHECK(out.raw() != a.raw() && out.raw() != b.raw(), "matmul: out must not alias an input");
   FORGE_CHECK(out.device() == a.device() && out.device() == b.device(), "matmul: tensors on different devices");
+  const bool separate_addend = addend && addend->raw() != out.raw();
+  if (addend) {
+    check_shape(*addend, out.shape(), "matmul addend");
+    check_dtype(*addend, out.dtype(), "matmul addend");
+    FORGE_CHECK(addend->device() == out.device(), "matmul: addend on a different device");
+    FORGE_CHECK(addend->raw() != a.raw() && addend->raw() != b.raw(), "matmul: addend must not alias an input");
+  }
   if (out.device() == Device::CUDA) {
     expect_tensor(a, Device::CUDA, DType::BF16, "matmul a");
     expect_tensor(b, Device::CUDA, DType::BF16, "matmul b");
     FORGE_CHECK(out.dtype() == DType::BF16 || out.dtype() == DType::F32, "matmul out is {}, expected bf16 or f32",
                 dtype_name(out.dtype()));
     FORGE_CUDA_CALL("matmul",
-                    cuda::matmul(out.raw(), out.dtype(), a.raw(), transpose_a, b.raw(), transpose_b, m, n, k, alpha, beta));
+                    cuda::matmul(out.raw(), out.dtype(), a.raw(), transpose_a, b.raw(), transpose_b, m, n, k, alpha,
+                                 beta, separate_addend ? addend->raw() : nullptr));
     return;
   }
+  if (separate_addend) out.copy_from(*addend);
   check_dtype(out, DType::F32, "matmul out");
   check_dtype(a, DType::F32, "matmul a");
   check_dtype(b, DType::F32, "matmul b");
   cpu::matmul(out.data<float>(), a.data<float>(), transpose_a, b.data<float>(), transpose_b, m, n, k, alpha, beta);
+}
+
+}  // namespace
+
+void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
+            float beta) {
+  gemm(out, a, transpose_a, b, transpose_b, alpha, beta, nullptr);
+}
+
+void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                const Tensor& addend) {
+  gemm(out, a, transpose_a, b, transpose_b, 1.0f, 1.0f, &addend);
 }
 
 void set_gemm_tuning(bool enabled) {

@@ -14,6 +14,12 @@ namespace forge {
 void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
             float alpha = 1.0f, float beta = 0.0f);
 
+// out = op(a) @ op(b) + addend, addend shaped and typed like out (a residual stream: the
+// block's input plus its projection). On the GPU the addend is the GEMM's C operand, so
+// nothing is copied; addend may be out itself.
+void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                const Tensor& addend);
+
 // GPU GEMMs: choose each shape's algorithm by timing cuBLASLt's candidates on first use
 // instead of taking its first heuristic choice (training.gemm_tuning). No effect on the
 // CPU reference.

@@ -291,7 +291,7 @@ TrainResult Trainer::run() {
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     if (fsdp_) fsdp_->begin_step();
-    else grads_->zero();
+    else grads_->discard();  // NOTE [Fresh gradient buffers]: no zeroing pass
     // NOTE [Data-parallel steps]: every rank reads the whole global batch and keeps its slice.
     int64_t targets = 0;
     for (int64_t a = 0; a < accum; ++a) {

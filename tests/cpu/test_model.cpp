@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 
 #include "core/rng.h"
 #include "model_testing.h"
@@ -139,6 +140,33 @@ TEST(ModelTraining, AccumulatingMicroBatchesEqualsOneBatch) {
       max_diff = std::max(max_diff, std::abs(double(a[i]) - b[i]));
     }
     EXPECT_LT(max_diff, 1e-5 * max_abs) << "tied=" << tied;
+  }
+}
+
+// NOTE [Fresh gradient buffers]: after discard() the model writes each unit's gradients
+// over whatever the buffers hold (here NaN), and later micro-batches add to them: the
+// same bits as zeroing first.
+TEST(ModelTraining, DiscardedGradientsAreWrittenOverNotAddedTo) {
+  for (bool tied : {false, true}) {
+    ModelConfig c = tiny(tied);
+    FlatParameters params(c), zeroed(c), discarded(c);
+    params.initialize(3);
+    Tensor tokens = random_tokens(2, 12, c.vocab_size, 5), targets = random_tokens(2, 12, c.vocab_size, 6);
+    Transformer model(c, 1, 12);
+    for (int step = 0; step < 2; ++step) {  // the second step finds the first one's sums
+      zeroed.zero();
+      if (step == 0) {
+        float* g = discarded.flat().data<float>();
+        for (int64_t i = 0; i < discarded.flat().numel(); ++i) g[i] = std::numeric_limits<float>::quiet_NaN();
+      }
+      discarded.discard();
+      for (int64_t m = 0; m < 2; ++m) {
+        model.forward_backward(tokens.narrow(m, m + 1), targets.narrow(m, m + 1), params, zeroed, 1.0f / 24);
+        model.forward_backward(tokens.narrow(m, m + 1), targets.narrow(m, m + 1), params, discarded, 1.0f / 24);
+      }
+      EXPECT_EQ(std::memcmp(zeroed.flat().data<float>(), discarded.flat().data<float>(), zeroed.flat().nbytes()), 0)
+          << "tied=" << tied << " step " << step;
+    }
   }
 }
 

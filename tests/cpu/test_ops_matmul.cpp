@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <tuple>
 
@@ -68,6 +69,23 @@ TEST_P(OpsMatmulShapes, BetaZeroNeverReadsOut) {
   for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << i;
 }
 
+TEST_P(OpsMatmulShapes, AddendIsAddedAndLeftAlone) {
+  auto [ta, tb] = GetParam();
+  Rng rng(13);
+  int64_t m = 7, n = 33, k = 65;
+  Tensor a = random_tensor(ta ? Shape{k, m} : Shape{m, k}, rng);
+  Tensor b = random_tensor(tb ? Shape{n, k} : Shape{k, n}, rng);
+  Tensor addend = random_tensor({m, n}, rng), kept = addend.clone();
+  std::vector<double> want = naive_matmul(addend, a, ta, b, tb, 1.0, 1.0);
+  Tensor out = Tensor::empty({m, n});
+  std::fill_n(out.data<float>(), out.numel(), std::numeric_limits<float>::quiet_NaN());
+  matmul_add(out, a, ta, b, tb, addend);
+  EXPECT_LT(relative_error(out, want), 1e-5);
+  EXPECT_EQ(std::memcmp(addend.data<float>(), kept.data<float>(), addend.nbytes()), 0);
+  matmul_add(addend, a, ta, b, tb, addend);  // in place
+  EXPECT_LT(relative_error(addend, want), 1e-5);
+}
+
 TEST_P(OpsMatmulShapes, IsDeterministic) {
   auto [ta, tb] = GetParam();
   Rng rng(13);
@@ -124,6 +142,8 @@ TEST(OpsMatmul, RejectsMismatchedShapes) {
   EXPECT_THROW(matmul(out, a, true, b, false), Error);
   Tensor ints = Tensor::zeros({4, 6}, DType::I32);
   EXPECT_THROW(matmul(out, a, false, ints, false), Error);
+  Tensor right = Tensor::zeros({4, 6});
+  EXPECT_THROW(matmul_add(out, a, false, right, false, Tensor::zeros({3, 5})), Error);  // addend shaped unlike out
 }
 
 }  // namespace

@@ -39,6 +39,17 @@ TEST(GpuMatmul, MatchesCpuForAllTransposesAndOutputs) {
         matmul(acc, a, ta, b, tb, 0.5f, 1.0f);
         matmul(acc_gpu, to_gpu(a, DType::BF16), ta, to_gpu(b, DType::BF16), tb, 0.5f, 1.0f);
         EXPECT_LT(relative_l2(to_cpu_f32(acc_gpu), acc), kF32Tolerance) << "accumulate " << ta << tb;
+
+        // A residual added from its own buffer (the GEMM's C operand), both output dtypes.
+        Tensor residual = random_bf16_values({c.m, c.n}, rng);
+        Tensor sum = residual.clone();
+        matmul(sum, a, ta, b, tb, 1.0f, 1.0f);
+        for (DType dtype : {DType::BF16, DType::F32}) {
+          Tensor residual_gpu = to_gpu(residual, dtype), out_add = poisoned_gpu({c.m, c.n}, dtype);
+          matmul_add(out_add, to_gpu(a, DType::BF16), ta, to_gpu(b, DType::BF16), tb, residual_gpu);
+          EXPECT_LT(relative_l2(to_cpu_f32(out_add), sum), kBf16Tolerance) << "addend " << ta << tb;
+          EXPECT_EQ(relative_l2(to_cpu_f32(residual_gpu), residual), 0.0) << "the addend is left as it was";
+        }
       }
     }
   }
@@ -122,18 +133,71 @@ TEST(GpuEmbedding, ForwardAndBackwardMatchCpu) {
   }
 }
 
+// Row lengths for both CUDA kernels (kernels/cuda/cross_entropy.cu). The streaming kernel:
+// 3, 1003 and 50257 (not multiples of 8: its scalar path) and 2000000 (too long for a
+// cluster). The cluster kernel: 1000 and 32000 (one CTA), 50304 (2), 128256 and 151936 (4),
+// 256000 (8) and 700000 (8 CTAs holding more than a third of an SM each).
+constexpr std::pair<int64_t, int64_t> kCrossEntropyShapes[] = {
+    {1, 3},        {33, 1003},    {57, 1000},   {9, 32000},  {7, 50257},  {11, 50304},
+    {300, 128256}, {5, 128256},   {6, 151936},  {3, 256000}, {2, 700000}, {2, 2000000}};
+
+// Random targets, but the first rows take the first and last class and the two classes
+// either side of the quarter point (where slices of a 4-CTA cluster meet at 128256 and
+// 151936), and the middle row is ignored.
+Tensor edge_targets(int64_t rows, int64_t vocab, Rng& rng) {
+  Tensor targets = random_ids(rows, vocab, rng);
+  int32_t* t = targets.data<int32_t>();
+  int64_t n = 0;
+  for (int64_t probe : {int64_t{0}, vocab - 1, vocab / 4 - 1, vocab / 4}) {
+    if (n == rows / 2) ++n;
+    if (n < rows && probe >= 0) t[n++] = static_cast<int32_t>(probe);
+  }
+  t[rows / 2] = kIgnoreIndex;
+  return targets;
+}
+
 TEST(GpuCrossEntropy, LossAndGradientMatchCpuInPlace) {
   Rng rng(seed_for_current_test());
-  for (auto [rows, vocab] : {std::pair<int64_t, int64_t>{1, 3}, {33, 1003}, {57, 1000}, {300, 128256}}) {
+  for (auto [rows, vocab] : kCrossEntropyShapes) {
     Tensor logits = random_bf16_values({rows, vocab}, rng, 3.0);
-    Tensor targets = random_ids(rows, vocab, rng);
-    targets.data<int32_t>()[rows / 2] = kIgnoreIndex;
+    Tensor targets = edge_targets(rows, vocab, rng);
     Tensor losses = Tensor::empty({rows}), dlogits = Tensor::empty({rows, vocab});
     cross_entropy_forward_backward(losses, dlogits, logits, targets, kIgnoreIndex, 1.0f / rows);
     Tensor lg = to_gpu(logits, DType::BF16), lossg = poisoned_gpu({rows}, DType::F32);
     cross_entropy_forward_backward(lossg, lg, lg, targets.to(Device::CUDA), kIgnoreIndex, 1.0f / rows);
     EXPECT_LT(relative_l2(to_cpu_f32(lossg), losses), kF32Tolerance) << rows << "x" << vocab;
     EXPECT_LT(relative_l2(to_cpu_f32(lg), dlogits), kBf16Tolerance) << rows << "x" << vocab;
+  }
+}
+
+TEST(GpuCrossEntropy, SeparateGradientLossOnlyAndUnalignedRows) {
+  Rng rng(seed_for_current_test());
+  for (auto [rows, vocab] : kCrossEntropyShapes) {
+    if (rows * vocab > 10'000'000) continue;  // the in-place test has the largest case
+    Tensor logits = random_bf16_values({rows, vocab}, rng, 3.0);
+    Tensor targets = edge_targets(rows, vocab, rng);
+    Tensor losses = Tensor::empty({rows}), dlogits = Tensor::empty({rows, vocab});
+    cross_entropy_forward_backward(losses, dlogits, logits, targets, kIgnoreIndex, 0.25f);
+    const Tensor tg = targets.to(Device::CUDA), lg = to_gpu(logits, DType::BF16);
+
+    Tensor dg = poisoned_gpu({rows, vocab}, DType::BF16), lossg = poisoned_gpu({rows}, DType::F32);
+    cross_entropy_forward_backward(lossg, dg, lg, tg, kIgnoreIndex, 0.25f);
+    EXPECT_LT(relative_l2(to_cpu_f32(lossg), losses), kF32Tolerance) << "separate " << rows << "x" << vocab;
+    EXPECT_LT(relative_l2(to_cpu_f32(dg), dlogits), kBf16Tolerance) << "separate " << rows << "x" << vocab;
+    EXPECT_EQ(relative_l2(to_cpu_f32(lg), logits), 0.0) << "the logits are left as they were";
+
+    Tensor loss_only = poisoned_gpu({rows}, DType::F32);
+    cross_entropy_forward_backward(loss_only, Tensor(), lg, tg, kIgnoreIndex, 0.25f);
+    EXPECT_LT(relative_l2(to_cpu_f32(loss_only), losses), kF32Tolerance) << "loss only " << rows << "x" << vocab;
+
+    // Logits 2 bytes past a 16-byte boundary, differentiated in place.
+    Tensor storage = poisoned_gpu({rows * vocab + 1}, DType::BF16);
+    Tensor shifted = storage.narrow(1, rows * vocab + 1).view({rows, vocab});
+    shifted.copy_from(lg);
+    Tensor loss_shifted = poisoned_gpu({rows}, DType::F32);
+    cross_entropy_forward_backward(loss_shifted, shifted, shifted, tg, kIgnoreIndex, 0.25f);
+    EXPECT_LT(relative_l2(to_cpu_f32(loss_shifted), losses), kF32Tolerance) << "unaligned " << rows << "x" << vocab;
+    EXPECT_LT(relative_l2(to_cpu_f32(shifted), dlogits), kBf16Tolerance) << "unaligned " << rows << "x" << vocab;
   }
 }
 

@@ -9,7 +9,9 @@
 //
 // Inputs are bf16 with fp32 accumulation (CUBLAS_COMPUTE_32F); the output is bf16 for
 // activations or fp32 for weight gradients, which accumulate across micro-batches with
-// beta = 1. One 32 MiB workspace per GPU is shared.
+// beta = 1 (the first micro-batch of a step writes them with beta = 0). The C operand is
+// the output itself, or a separate addend of the same layout (a block's residual input),
+// which saves copying it into the output first. One 32 MiB workspace per GPU is shared.
 //
 // NOTE [GEMM algorithm choice]
 // Each (shape, transposes, output dtype) gets its algorithm once, on first use, and keeps
@@ -80,13 +82,15 @@ struct Operands {
   const void* a;
   const void* b;
   float alpha, beta;
+  const void* c;  // the C operand: out itself, or a separate addend
 };
 
 // Mean milliseconds of one candidate over kTuningRepeats runs after a warm-up run, or a
 // negative value when the candidate fails to run.
 float time_algorithm(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& x, void* scratch) {
+  const void* c = x.c == x.out ? scratch : x.c;
   auto run = [&] {
-    return cublasLtMatmul(ctx.handle, p.op, &x.alpha, x.b, p.a, x.a, p.b, &x.beta, scratch, p.c, scratch, p.c, &algo,
+    return cublasLtMatmul(ctx.handle, p.op, &x.alpha, x.b, p.a, x.a, p.b, &x.beta, c, p.c, scratch, p.c, &algo,
                           ctx.workspace, kWorkspaceBytes, nullptr);
   };
   if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
@@ -112,7 +116,7 @@ void choose_by_timing(Context& ctx, Plan& p, const cublasLtMatmulHeuristicResult
     cudaGetLastError();  // clear the allocation failure; this shape keeps the heuristic choice
     return;
   }
-  if (x.beta != 0.0f) CUDA_CHECK(cudaMemcpy(scratch, x.out, out_bytes, cudaMemcpyDeviceToDevice));
+  if (x.beta != 0.0f && x.c == x.out) CUDA_CHECK(cudaMemcpy(scratch, x.out, out_bytes, cudaMemcpyDeviceToDevice));
   float best = -1.0f;
   for (int i = 0; i < count; ++i) {
     float ms = time_algorithm(ctx, p, candidates[i].algo, x, scratch);
@@ -167,19 +171,20 @@ Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
 }  // namespace
 
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
-            int64_t n, int64_t k, float alpha, float beta) {
+            int64_t n, int64_t k, float alpha, float beta, const void* addend) {
   if (m == 0 || n == 0) return;
+  const void* c = addend ? addend : out;
   Context& ctx = context();
   PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);
     auto it = ctx.plans.find(key);
-    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, {out, a, b, alpha, beta})).first;
+    if (it == ctx.plans.end()) it = ctx.plans.emplace(key, make_plan(ctx, key, {out, a, b, alpha, beta, c})).first;
     plan = &it->second;
   }
-  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, out, plan->c, out,
-                              plan->c, &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
+  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, c, plan->c, out, plan->c,
+                              &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
 
 void set_gemm_tuning(bool enabled) { g_tuning = enabled; }  // for shapes first seen from now on

@@ -6,11 +6,12 @@
 
 namespace forge::cuda {
 
-// Row-major out[M, N] = alpha * op(a) @ op(b) + beta * out on the GPU through cuBLASLt.
+// Row-major out[M, N] = alpha * op(a) @ op(b) + beta * c on the GPU through cuBLASLt,
+// where c is out itself, or `addend` (same shape and dtype as out) when one is given.
 // a and b are bf16; out is bf16 or fp32 (out_dtype); accumulation is fp32.
 // a is [M, K] ([K, M] with transpose_a); b is [K, N] ([N, K] with transpose_b).
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
-            int64_t n, int64_t k, float alpha, float beta);
+            int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr);
 
 // NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape.
 void set_gemm_tuning(bool enabled);
