@@ -57,7 +57,13 @@ TEST(GpuMatmul, MatchesCpuForAllTransposesAndOutputs) {
 
 TEST(GpuRmsnorm, ForwardAndBackwardMatchCpu) {
   Rng rng(seed_for_current_test());
-  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 8}, {37, 64}, {300, 4096}, {1025, 2048}}) {
+  // Every row layout of kernels/cuda/rmsnorm.cu: rows narrower than a warp (8, 24, 64), one
+  // and several rows per block, an odd width (4104), the 8B/70B/405B widths, and rows too
+  // wide for registers (16392: two slabs, the second holding one vector). Row counts leave
+  // partial blocks and partial last steps in the backward's row ranges (1003 and 530 give
+  // several steps per block).
+  for (auto [rows, dim] : {std::pair<int64_t, int64_t>{1, 8}, {7, 24}, {37, 64}, {1000, 4104}, {1003, 4096},
+                           {1025, 2048}, {67, 8192}, {33, 16384}, {530, 16392}}) {
     Tensor x = random_bf16_values({rows, dim}, rng), w = random_bf16_values({dim}, rng, 0.5);
     Tensor y = Tensor::empty({rows, dim}), rstd = Tensor::empty({rows});
     rmsnorm_forward(y, rstd, x, w, 1e-5f);
@@ -72,9 +78,16 @@ TEST(GpuRmsnorm, ForwardAndBackwardMatchCpu) {
     Tensor dx = dx0.clone(), dw = dw0.clone();
     rmsnorm_backward(dx, dw, dy, x, w, rstd);
     Tensor dxg = to_gpu(dx0, DType::BF16), dwg = dw0.to(Device::CUDA);
-    rmsnorm_backward(dxg, dwg, to_gpu(dy, DType::BF16), xg, wg, rstdg);
-    EXPECT_LT(relative_l2(to_cpu_f32(dxg), dx), kBf16Tolerance);
-    EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance);
+    Tensor dyg = to_gpu(dy, DType::BF16);
+    rmsnorm_backward(dxg, dwg, dyg, xg, wg, rstdg);
+    EXPECT_LT(relative_l2(to_cpu_f32(dxg), dx), kBf16Tolerance) << rows << "x" << dim;
+    EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance) << rows << "x" << dim;
+
+    // Deterministic: the same accumulation again gives the same bits.
+    Tensor dxg2 = to_gpu(dx0, DType::BF16), dwg2 = dw0.to(Device::CUDA);
+    rmsnorm_backward(dxg2, dwg2, dyg, xg, wg, rstdg);
+    EXPECT_EQ(relative_l2(to_cpu_f32(dxg2), to_cpu_f32(dxg)), 0.0) << rows << "x" << dim;
+    EXPECT_EQ(relative_l2(to_cpu_f32(dwg2), to_cpu_f32(dwg)), 0.0) << rows << "x" << dim;
   }
 }
 
