@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <vector>
 
 #include "core/rng.h"
@@ -69,6 +70,11 @@ inline std::vector<double> finite_difference(const Tensor& input, const std::fun
     grad[i] = (loss_plus - loss_minus) / (static_cast<double>(plus) - static_cast<double>(minus));
   }
   return grad;
+}
+
+// Fills an fp32 CPU tensor with NaN, so a value an op was meant to write but did not shows.
+inline void fill_nan(const Tensor& t) {
+  std::fill_n(t.data<float>(), t.numel(), std::numeric_limits<float>::quiet_NaN());
 }
 
 inline bool bitwise_equal(const Tensor& a, const Tensor& b) {

@@ -4,11 +4,9 @@
 // tests/python/test_model_vs_torch.py.
 #include <gtest/gtest.h>
 
-#include <cstring>
-#include <limits>
-
 #include "core/rng.h"
 #include "model_testing.h"
+#include "ops_testing.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 
@@ -75,7 +73,7 @@ TEST(ModelTraining, ForwardBackwardIsBitwiseDeterministic) {
   LossSum a = model.forward_backward(tokens, targets, params, g1, 1.0f / 32);
   LossSum b = model.forward_backward(tokens, targets, params, g2, 1.0f / 32);
   EXPECT_EQ(a.sum, b.sum);
-  EXPECT_EQ(0, std::memcmp(g1.flat().raw(), g2.flat().raw(), g1.flat().nbytes()));
+  EXPECT_TRUE(testing::bitwise_equal(g1.flat(), g2.flat()));
 }
 
 TEST(ModelTraining, ActivationCheckpointingGivesTheSameGradientsBitForBit) {
@@ -95,7 +93,7 @@ TEST(ModelTraining, ActivationCheckpointingGivesTheSameGradientsBitForBit) {
     grads.zero();
     LossSum got = model.forward_backward(tokens, targets, params, grads, 1.0f / 32);
     EXPECT_EQ(got.sum, expected.sum) << activation_checkpoint_name(mode);
-    EXPECT_EQ(0, std::memcmp(grads.flat().raw(), reference.flat().raw(), grads.flat().nbytes()))
+    EXPECT_TRUE(testing::bitwise_equal(grads.flat(), reference.flat()))
         << activation_checkpoint_name(mode);
   }
 }
@@ -155,17 +153,13 @@ TEST(ModelTraining, DiscardedGradientsAreWrittenOverNotAddedTo) {
     Transformer model(c, 1, 12);
     for (int step = 0; step < 2; ++step) {  // the second step finds the first one's sums
       zeroed.zero();
-      if (step == 0) {
-        float* g = discarded.flat().data<float>();
-        for (int64_t i = 0; i < discarded.flat().numel(); ++i) g[i] = std::numeric_limits<float>::quiet_NaN();
-      }
+      if (step == 0) testing::fill_nan(discarded.flat());
       discarded.discard();
       for (int64_t m = 0; m < 2; ++m) {
         model.forward_backward(tokens.narrow(m, m + 1), targets.narrow(m, m + 1), params, zeroed, 1.0f / 24);
         model.forward_backward(tokens.narrow(m, m + 1), targets.narrow(m, m + 1), params, discarded, 1.0f / 24);
       }
-      EXPECT_EQ(std::memcmp(zeroed.flat().data<float>(), discarded.flat().data<float>(), zeroed.flat().nbytes()), 0)
-          << "tied=" << tied << " step " << step;
+      EXPECT_TRUE(testing::bitwise_equal(zeroed.flat(), discarded.flat())) << "tied=" << tied << " step " << step;
     }
   }
 }

@@ -1,8 +1,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
-#include <limits>
 #include <tuple>
 
 #include "ops/matmul.h"
@@ -11,6 +9,8 @@
 namespace forge {
 namespace {
 
+using testing::bitwise_equal;
+using testing::fill_nan;
 using testing::random_tensor;
 using testing::relative_error;
 
@@ -64,7 +64,7 @@ TEST_P(OpsMatmulShapes, BetaZeroNeverReadsOut) {
   Tensor a = random_tensor(ta ? Shape{k, m} : Shape{m, k}, rng);
   Tensor b = random_tensor(tb ? Shape{n, k} : Shape{k, n}, rng);
   Tensor out = Tensor::empty({m, n});
-  std::fill_n(out.data<float>(), out.numel(), std::numeric_limits<float>::quiet_NaN());
+  fill_nan(out);
   matmul(out, a, ta, b, tb);
   for (int64_t i = 0; i < out.numel(); ++i) ASSERT_TRUE(std::isfinite(out.data<float>()[i])) << i;
 }
@@ -78,10 +78,10 @@ TEST_P(OpsMatmulShapes, AddendIsAddedAndLeftAlone) {
   Tensor addend = random_tensor({m, n}, rng), kept = addend.clone();
   std::vector<double> want = naive_matmul(addend, a, ta, b, tb, 1.0, 1.0);
   Tensor out = Tensor::empty({m, n});
-  std::fill_n(out.data<float>(), out.numel(), std::numeric_limits<float>::quiet_NaN());
+  fill_nan(out);
   matmul_add(out, a, ta, b, tb, addend);
   EXPECT_LT(relative_error(out, want), 1e-5);
-  EXPECT_EQ(std::memcmp(addend.data<float>(), kept.data<float>(), addend.nbytes()), 0);
+  EXPECT_TRUE(bitwise_equal(addend, kept));
   matmul_add(addend, a, ta, b, tb, addend);  // in place
   EXPECT_LT(relative_error(addend, want), 1e-5);
 }

@@ -40,6 +40,7 @@
 #include <cfloat>
 #include <climits>
 
+#include "kernels/cuda/bf16x8.cuh"
 #include "kernels/cuda/cuda_check.h"
 
 namespace forge::cuda {
@@ -84,27 +85,9 @@ __device__ MaxSum warp_merge(MaxSum acc) {
   return acc;
 }
 
-__device__ void unpack8(float* out, uint4 raw) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float2 f = __bfloat1622float2(h[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
+__device__ void load8(float (&out)[kVector], const bf16* p) { unpack8(*reinterpret_cast<const uint4*>(p), out); }
 
-__device__ uint4 pack8(const float* in) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
-  return raw;
-}
-
-__device__ void load8(float* out, const bf16* p) { unpack8(out, *reinterpret_cast<const uint4*>(p)); }
-
-__device__ void store8(bf16* p, const float* in) { *reinterpret_cast<uint4*>(p) = pack8(in); }
+__device__ void store8(bf16* p, const float (&in)[kVector]) { *reinterpret_cast<uint4*>(p) = pack8(in); }
 
 // 16 bytes from global to shared memory without passing through registers (LDGSTS).
 __device__ void copy16_async(uint4* shared, const uint4* global) {
@@ -203,7 +186,7 @@ __global__ void __launch_bounds__(kClusterThreads, kCtasPerSm)
   MaxSum acc{-FLT_MAX, 0.f};
   for (int i = threadIdx.x; i < count; i += kClusterThreads) {
     float values[kVector];
-    unpack8(values, slice[i]);
+    unpack8(slice[i], values);
     accumulate(acc, values, kVector);
   }
   acc = warp_merge(acc);
@@ -226,7 +209,7 @@ __global__ void __launch_bounds__(kClusterThreads, kCtasPerSm)
     losses[row] = lse - __bfloat162float(reinterpret_cast<const bf16*>(slice)[target_offset]);
   for (int i = threadIdx.x; i < count; i += kClusterThreads) {
     float values[kVector];
-    unpack8(values, slice[i]);
+    unpack8(slice[i], values);
     const int64_t offset = int64_t{i} * kVector;
 #pragma unroll
     for (int k = 0; k < kVector; ++k)

@@ -34,6 +34,7 @@
 
 #include <algorithm>
 
+#include "kernels/cuda/bf16x8.cuh"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/scratch.h"
 
@@ -47,24 +48,6 @@ constexpr int kMaxVectors = 8;             // 16-byte vectors a thread holds per
 constexpr int kBackwardBlocks = 264;       // about this many backward blocks (= dweight partial rows): 2 per H100 SM
 constexpr int kSumColumns = 32;            // columns per block of the partial-row sum
 constexpr int kSumLanes = 8;               // threads sharing one column there, each over every 8th partial row
-
-__device__ __forceinline__ void unpack(uint4 raw, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    float2 p = __bfloat1622float2(h[j]);
-    f[2 * j] = p.x;
-    f[2 * j + 1] = p.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack(const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return raw;
-}
 
 // Vector (slab * V + i) * row_threads + t of a row into v[i], zero past the row's end or
 // for an inactive row (zeros add nothing to the sums).
@@ -114,7 +97,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
     for (int i = 0; i < V; ++i) {
       float f[8];
-      unpack(v[i], f);
+      unpack8(v[i], f);
 #pragma unroll
       for (int k = 0; k < 8; ++k) ss += f[k] * f[k];
     }
@@ -130,11 +113,11 @@ __global__ void __launch_bounds__(kBlockThreads)
       const int c = (s * V + i) * row_threads + t;
       if (!active || c >= vectors) continue;
       float f[8], g[8];
-      unpack(v[i], f);
-      unpack(__ldg(wv + c), g);
+      unpack8(v[i], f);
+      unpack8(__ldg(wv + c), g);
 #pragma unroll
       for (int k = 0; k < 8; ++k) f[k] = f[k] * r * g[k];
-      yr[c] = pack(f);
+      yr[c] = pack8(f);
     }
   }
 }
@@ -177,9 +160,9 @@ __global__ void __launch_bounds__(kBlockThreads, V < kMaxVectors ? 2 : 1)
       for (int i = 0; i < V; ++i) {
         const int c = (s * V + i) * row_threads + t;
         float fx[8], fy[8], fw[8];
-        unpack(xv[i], fx);
-        unpack(dyv[i], fy);
-        unpack(c < vectors ? __ldg(wv + c) : make_uint4(0, 0, 0, 0), fw);
+        unpack8(xv[i], fx);
+        unpack8(dyv[i], fy);
+        unpack8(c < vectors ? __ldg(wv + c) : make_uint4(0, 0, 0, 0), fw);
 #pragma unroll
         for (int k = 0; k < 8; ++k) dot += fw[k] * fy[k] * fx[k];
       }
@@ -198,13 +181,13 @@ __global__ void __launch_bounds__(kBlockThreads, V < kMaxVectors ? 2 : 1)
         const int c = (s * V + i) * row_threads + t;
         if (!active || c >= vectors) continue;
         float fx[8], fy[8], fw[8], fd[8];
-        unpack(xv[i], fx);
-        unpack(dyv[i], fy);
-        unpack(__ldg(wv + c), fw);
-        unpack(dxv[i], fd);
+        unpack8(xv[i], fx);
+        unpack8(dyv[i], fy);
+        unpack8(__ldg(wv + c), fw);
+        unpack8(dxv[i], fd);
 #pragma unroll
         for (int k = 0; k < 8; ++k) fd[k] += fw[k] * fy[k] * r - fx[k] * correction;
-        dxr[c] = pack(fd);
+        dxr[c] = pack8(fd);
         if (slabs == 1) {
 #pragma unroll
           for (int k = 0; k < 8; ++k) acc[i][k] += fy[k] * fx[k] * r;
