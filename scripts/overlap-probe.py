@@ -8,7 +8,8 @@ Times, on one GPU with PyTorch, each pair alone and then both at once on two str
     backward-like pass over [8192, 28672] bf16).
 If "together" is well below "alone A + alone B", moving forge's weight-gradient GEMMs
 to a stream of their own can hide part of the rest of the backward. Prints one line per
-pair. Usage: python3 scripts/overlap-probe.py
+pair, then the attention backward's time alone against its time right after GEMMs (as it
+runs inside a training step). Usage: python3 scripts/overlap-probe.py
 """
 import torch
 import torch.nn.functional as F
@@ -80,6 +81,27 @@ def main():
         both = timed(together(other))
         print(f"overlap-probe: gemm {g_ms:.3f} ms + {name} {o_ms:.3f} ms = {g_ms + o_ms:.3f} ms alone; "
               f"{both:.3f} ms on two streams ({(g_ms + o_ms - both) / (g_ms + o_ms) * 100:.1f}% saved)")
+
+    # Attention between GEMMs, as in a training step: is it slower than alone (clocks drawn
+    # down by the GEMMs' power, cold caches)? Both timed by events around the attention only.
+    def between_gemms(repeats=20):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats + 3):
+            for _ in range(4):
+                gemm()
+            start.record()
+            attention_backward()
+            stop.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop))
+        times = sorted(times[3:])
+        return times[len(times) // 2]
+
+    alone = timed(attention_backward)
+    after = between_gemms()
+    print(f"overlap-probe: attention backward alone {alone:.3f} ms, right after 4 GEMMs {after:.3f} ms "
+          f"({(after - alone) / alone * 100:+.1f}%); cuDNN {torch.backends.cudnn.version()}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,9 @@
 // multiples of anything). See gpu_testing.h for the method.
 #include <gtest/gtest.h>
 
+#include <string>
+#include <utility>
+
 #include "gpu_testing.h"
 #include "ops/adamw.h"
 #include "ops/cross_entropy.h"
@@ -53,6 +56,36 @@ TEST(GpuMatmul, MatchesCpuForAllTransposesAndOutputs) {
       }
     }
   }
+}
+
+// Measured algorithm choice (NOTE [GEMM algorithm choice]) times candidates on the call's
+// own operands: the call's result must still be one product, written once (beta = 1 adds it
+// once to what was there), whatever candidate wins, and each beta gets its own choice.
+TEST(GpuMatmul, TunedChoiceComputesTheSameProduct) {
+  Rng rng(seed_for_current_test());
+  set_gemm_tuning(true);
+  for (GemmCase c : {GemmCase{256, 384, 512}, GemmCase{1000, 200, 72}, GemmCase{2048, 1024, 768}}) {
+    for (bool ta : {false, true}) {
+      Tensor a = random_bf16_values(ta ? Shape{c.k, c.m} : Shape{c.m, c.k}, rng);
+      Tensor b = random_bf16_values({c.n, c.k}, rng);
+      Tensor ag = to_gpu(a, DType::BF16), bg = to_gpu(b, DType::BF16);
+      Tensor ref = Tensor::empty({c.m, c.n});
+      matmul(ref, a, ta, b, true);
+      Tensor out = poisoned_gpu({c.m, c.n}, DType::BF16);
+      matmul(out, ag, ta, bg, true);
+      EXPECT_LT(relative_l2(to_cpu_f32(out), ref), kBf16Tolerance) << c.m << "x" << c.n << "x" << c.k << " " << ta;
+
+      Tensor acc = random_f32({c.m, c.n}, rng);
+      Tensor acc_gpu = acc.to(Device::CUDA);
+      Tensor fresh = poisoned_gpu({c.m, c.n}, DType::F32);
+      matmul(fresh, ag, ta, bg, true, 1.0f, 0.0f);  // tunes the beta-0 plan
+      matmul(acc, a, ta, b, true, 1.0f, 1.0f);
+      matmul(acc_gpu, ag, ta, bg, true, 1.0f, 1.0f);  // tunes the beta-1 plan on its own operands
+      EXPECT_LT(relative_l2(to_cpu_f32(fresh), ref), kBf16Tolerance) << "beta 0";
+      EXPECT_LT(relative_l2(to_cpu_f32(acc_gpu), acc), kF32Tolerance) << "beta 1 adds the product once";
+    }
+  }
+  set_gemm_tuning(false);
 }
 
 TEST(GpuRmsnorm, ForwardAndBackwardMatchCpu) {
@@ -143,6 +176,70 @@ TEST(GpuEmbedding, ForwardAndBackwardMatchCpu) {
     embedding_backward(dtable, dout, ids);
     embedding_backward(dtableg, to_gpu(dout, DType::BF16), idsg);
     EXPECT_LT(relative_l2(to_cpu_f32(dtableg), dtable), 1e-6);
+  }
+}
+
+// Token ids for the backward's grouping (kernels/cuda/embedding.cu): one token at every
+// position, every token once (a shuffle of [0, vocab)), or random with the first positions
+// taking the largest id and 0 and the last one 0 again.
+enum class IdPattern { Same, Distinct, Random };
+
+Tensor pattern_ids(IdPattern pattern, int64_t count, int64_t vocab, Rng& rng) {
+  Tensor t = Tensor::empty({count}, DType::I32);
+  int32_t* p = t.data<int32_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    switch (pattern) {
+      case IdPattern::Same: p[i] = static_cast<int32_t>(vocab - 1); break;
+      case IdPattern::Distinct: p[i] = static_cast<int32_t>(i); break;
+      case IdPattern::Random: p[i] = static_cast<int32_t>(rng.below(vocab)); break;
+    }
+  }
+  if (pattern == IdPattern::Distinct)
+    for (int64_t i = count - 1; i > 0; --i) std::swap(p[i], p[rng.below(i + 1)]);
+  if (pattern == IdPattern::Random) {
+    p[0] = static_cast<int32_t>(vocab - 1);
+    if (count > 2) p[1] = p[count - 1] = 0;
+  }
+  return t;
+}
+
+// The backward against the CPU reference on tokens that repeat from never to at every
+// position (runs shorter and longer than the 8 loads a thread keeps in flight), ids from 0
+// to past 2^21, counts that are multiples of nothing, rows of 8 to 4096 columns. dtable
+// starts random: rows no token hits keep their values exactly, and a second run on the
+// same inputs gives the same bits.
+TEST(GpuEmbedding, BackwardGroupsTokensDeterministically) {
+  Rng rng(seed_for_current_test());
+  struct Case {
+    IdPattern pattern;
+    int64_t count, vocab, hidden;
+  };
+  for (Case c : {Case{IdPattern::Same, 3001, 50, 8}, Case{IdPattern::Same, 1037, 9, 4096},
+                 Case{IdPattern::Distinct, 1000, 1000, 8}, Case{IdPattern::Distinct, 777, 777, 4096},
+                 Case{IdPattern::Random, 8191, 300, 8}, Case{IdPattern::Random, 4099, 3001, 4096},
+                 Case{IdPattern::Random, 2053, 128256, 64}, Case{IdPattern::Random, 513, (1 << 21) + 5, 8}}) {
+    Tensor ids = pattern_ids(c.pattern, c.count, c.vocab, rng);
+    Tensor dout = random_bf16_values({c.count, c.hidden}, rng), d0 = random_f32({c.vocab, c.hidden}, rng);
+    Tensor dtable = d0.clone();
+    embedding_backward(dtable, dout, ids);
+
+    Tensor idsg = ids.to(Device::CUDA), doutg = to_gpu(dout, DType::BF16);
+    Tensor first = d0.to(Device::CUDA), second = d0.to(Device::CUDA);
+    embedding_backward(first, doutg, idsg);
+    embedding_backward(second, doutg, idsg);
+    Tensor got = to_cpu_f32(first), again = to_cpu_f32(second);
+    const std::string where = fmt::format("pattern {} count {} vocab {} hidden {}", static_cast<int>(c.pattern),
+                                          c.count, c.vocab, c.hidden);
+    EXPECT_LT(relative_l2(got, dtable), 1e-6) << where;
+    EXPECT_EQ(std::memcmp(got.raw(), again.raw(), got.nbytes()), 0) << "two runs differ: " << where;
+
+    std::vector<bool> hit(static_cast<size_t>(c.vocab), false);
+    for (int64_t n = 0; n < c.count; ++n) hit[ids.data<int32_t>()[n]] = true;
+    int64_t changed = 0;
+    for (int64_t v = 0; v < c.vocab; ++v)
+      if (!hit[v]) changed += std::memcmp(got.data<float>() + v * c.hidden, d0.data<float>() + v * c.hidden,
+                                          sizeof(float) * c.hidden) != 0;
+    EXPECT_EQ(changed, 0) << "rows without a token changed: " << where;
   }
 }
 

@@ -14,11 +14,18 @@
 // which saves copying it into the output first. One 32 MiB workspace per GPU is shared.
 //
 // NOTE [GEMM algorithm choice]
-// Each (shape, transposes, output dtype) gets its algorithm once, on first use, and keeps
-// it. By default that is cuBLASLt's first heuristic choice. With measured selection
-// (training.gemm_tuning, what Megatron's GEMM_TUNING does) the first call times up to
-// kTuningCandidates of the heuristic's candidates on the call's own operands — into a
-// scratch copy of the output, so the call's result is untouched — and keeps the fastest.
+// Each (shape, transposes, output dtype, beta == 0) gets its algorithm once, on first use,
+// and keeps it. By default that is cuBLASLt's first heuristic choice. With measured
+// selection (training.gemm_tuning, what Megatron's GEMM_TUNING does) the first call times
+// candidates on the call's own operands, into a scratch copy of the output so the call's
+// result is untouched, and keeps the fastest. The candidates are the heuristic's first 16
+// and variants of its first 4 with every thread block cluster shape of 1x1, 2x1 and 1x2
+// and every "custom option" the algorithm accepts (cublasLtMatmulAlgoCheck says which
+// run): scripts/gemm-search.cu found these two knobs worth up to 7% on the 8B shapes
+// (docs/PERF.md). Each candidate is screened with one run after a warm-up; the 4 fastest
+// and the heuristic's first are then timed round robin, 5 rounds of 2 runs, and the
+// lowest median wins, so one slow or fast moment of the GPU's clock does not decide.
+// beta is part of the key because a beta-1 call reads C and may prefer another tile.
 // If the scratch copy does not fit in free memory, that shape keeps the heuristic choice.
 // Different algorithms round differently, so tuned runs are reproducible only on the same
 // GPU model and cuBLAS version.
@@ -26,10 +33,13 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "core/device.h"
 #include "kernels/cuda/cuda_check.h"
@@ -38,8 +48,11 @@ namespace forge::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
-constexpr int kTuningCandidates = 16;
-constexpr int kTuningRepeats = 5;
+constexpr int kHeuristicCandidates = 16;
+constexpr int kVariedCandidates = 4;   // of the heuristic's, varied in cluster shape and custom option
+constexpr int kFinalists = 4;
+constexpr int kFinalRounds = 5;
+constexpr int kRunsPerRound = 2;
 
 std::atomic<bool> g_tuning{false};  // set_gemm_tuning, for every GPU's context
 
@@ -49,7 +62,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
 };
 
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType>;
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool>;  // ..., beta == 0
 
 struct Context {
   cublasLtHandle_t handle = nullptr;
@@ -85,51 +98,101 @@ struct Operands {
   const void* c;  // the C operand: out itself, or a separate addend
 };
 
-// Mean milliseconds of one candidate over kTuningRepeats runs after a warm-up run, or a
-// negative value when the candidate fails to run.
-float time_algorithm(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& x, void* scratch) {
+// Milliseconds per run of one candidate over `runs` runs, or a negative value when it
+// fails to run.
+float time_algorithm(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& algo, const Operands& x, void* scratch,
+                     int runs) {
   const void* c = x.c == x.out ? scratch : x.c;
   auto run = [&] {
     return cublasLtMatmul(ctx.handle, p.op, &x.alpha, x.b, p.a, x.a, p.b, &x.beta, c, p.c, scratch, p.c, &algo,
                           ctx.workspace, kWorkspaceBytes, nullptr);
   };
-  if (run() != CUBLAS_STATUS_SUCCESS) return -1.0f;
   cudaEvent_t start, stop;
   CUDA_CHECK(cudaEventCreate(&start));
   CUDA_CHECK(cudaEventCreate(&stop));
   CUDA_CHECK(cudaEventRecord(start));
-  for (int i = 0; i < kTuningRepeats; ++i) CUBLAS_CHECK(run());
+  bool ok = true;
+  for (int i = 0; i < runs && ok; ++i) ok = run() == CUBLAS_STATUS_SUCCESS;
   CUDA_CHECK(cudaEventRecord(stop));
   CUDA_CHECK(cudaEventSynchronize(stop));
   float ms = 0.0f;
   CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  return ms / kTuningRepeats;
+  return ok ? ms / runs : -1.0f;
 }
 
-// The fastest of the heuristic's candidates, timed on a scratch copy of the output.
-void choose_by_timing(Context& ctx, Plan& p, const cublasLtMatmulHeuristicResult_t* candidates, int count,
-                      const Operands& x, size_t out_bytes) {
+// The heuristic's candidates, then variants of its first kVariedCandidates: every cluster
+// shape of 1x1, 2x1, 1x2 with every custom option, where cuBLASLt accepts the combination.
+std::vector<cublasLtMatmulAlgo_t> tuning_candidates(Context& ctx, const Plan& p,
+                                                    const cublasLtMatmulHeuristicResult_t* heuristic, int count) {
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+  for (int i = 0; i < count; ++i) candidates.push_back(heuristic[i].algo);
+  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_1x1x1, CUBLASLT_CLUSTER_SHAPE_2x1x1,
+                               CUBLASLT_CLUSTER_SHAPE_1x2x1};
+  for (int i = 0; i < std::min(count, kVariedCandidates); ++i) {
+    int32_t custom_max = 0;
+    size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&heuristic[i].algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max,
+                                          sizeof(custom_max), &written) != CUBLAS_STATUS_SUCCESS)
+      custom_max = 0;
+    for (uint16_t cluster : clusters)
+      for (int32_t custom = 0; custom <= custom_max; ++custom) {
+        cublasLtMatmulAlgo_t algo = heuristic[i].algo;
+        cublasLtMatmulHeuristicResult_t check{};
+        if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
+                                                 sizeof(cluster)) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom,
+                                                 sizeof(custom)) != CUBLAS_STATUS_SUCCESS ||
+            cublasLtMatmulAlgoCheck(ctx.handle, p.op, p.a, p.b, p.c, p.c, &algo, &check) != CUBLAS_STATUS_SUCCESS ||
+            check.workspaceSize > kWorkspaceBytes)
+          continue;
+        candidates.push_back(algo);
+      }
+  }
+  return candidates;
+}
+
+// The fastest candidate, timed on a scratch copy of the output: a screening run of each,
+// then the kFinalists fastest and the heuristic's first (candidates[0]) round robin.
+void choose_by_timing(Context& ctx, Plan& p, const std::vector<cublasLtMatmulAlgo_t>& candidates, const Operands& x,
+                      size_t out_bytes) {
   void* scratch = nullptr;
   if (cudaMalloc(&scratch, out_bytes) != cudaSuccess) {
     cudaGetLastError();  // clear the allocation failure; this shape keeps the heuristic choice
     return;
   }
   if (x.beta != 0.0f && x.c == x.out) CUDA_CHECK(cudaMemcpy(scratch, x.out, out_bytes, cudaMemcpyDeviceToDevice));
+  std::vector<std::pair<float, size_t>> screened;  // (ms, candidate index)
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    if (time_algorithm(ctx, p, candidates[i], x, scratch, 1) < 0.0f) continue;  // warm-up; skips failures
+    float ms = time_algorithm(ctx, p, candidates[i], x, scratch, 1);
+    if (ms >= 0.0f) screened.emplace_back(ms, i);
+  }
+  std::sort(screened.begin(), screened.end());
+  std::vector<size_t> finalists{0};
+  for (const auto& [ms, i] : screened)
+    if (i != 0 && finalists.size() <= static_cast<size_t>(kFinalists)) finalists.push_back(i);
+  std::vector<std::vector<float>> times(finalists.size());
+  for (int round = 0; round < kFinalRounds; ++round)
+    for (size_t f = 0; f < finalists.size(); ++f)
+      times[f].push_back(time_algorithm(ctx, p, candidates[finalists[f]], x, scratch, kRunsPerRound));
   float best = -1.0f;
-  for (int i = 0; i < count; ++i) {
-    float ms = time_algorithm(ctx, p, candidates[i].algo, x, scratch);
-    if (ms >= 0.0f && (best < 0.0f || ms < best)) {
-      best = ms;
-      p.algo = candidates[i].algo;
+  for (size_t f = 0; f < finalists.size(); ++f) {
+    std::sort(times[f].begin(), times[f].end());
+    float median = times[f][times[f].size() / 2];
+    if (times[f].front() < 0.0f) continue;  // failed in some round
+    if (best < 0.0f || median < best) {
+      best = median;
+      p.algo = candidates[finalists[f]];
     }
   }
   CUDA_CHECK(cudaFree(scratch));
 }
 
 Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype] = key;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  (void)beta_zero;  // the operands carry beta itself
   const bool tuning = g_tuning;
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -154,16 +217,16 @@ Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = kWorkspaceBytes;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  cublasLtMatmulHeuristicResult_t results[kTuningCandidates]{};
+  cublasLtMatmulHeuristicResult_t results[kHeuristicCandidates]{};
   int found = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref,
-                                              tuning ? kTuningCandidates : 1, results, &found));
+                                              tuning ? kHeuristicCandidates : 1, results, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   FORGE_CHECK(found > 0, "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", m, n, k, transpose_a,
               transpose_b, dtype_name(out_dtype));
   p.algo = results[0].algo;
-  if (tuning && found > 1)
-    choose_by_timing(ctx, p, results, found, operands,
+  if (tuning)
+    choose_by_timing(ctx, p, tuning_candidates(ctx, p, results, found), operands,
                      static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype));
   return p;
 }
@@ -175,7 +238,7 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
   if (m == 0 || n == 0) return;
   const void* c = addend ? addend : out;
   Context& ctx = context();
-  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype};
+  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);
