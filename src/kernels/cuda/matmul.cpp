@@ -21,7 +21,7 @@
 // result is untouched, and keeps the fastest. The candidates are the heuristic's first 16
 // and variants of its first 4 with every thread block cluster shape of 1x1, 2x1 and 1x2
 // and every "custom option" the algorithm accepts (cublasLtMatmulAlgoCheck says which
-// run): scripts/gemm-search.cu found these two knobs worth up to 7% on the 8B shapes
+// run): scripts/gemm-search.cu found these two knobs worth up to 7.5% on the 8B shapes
 // (docs/PERF.md). Each candidate is screened with one run after a warm-up; the 4 fastest
 // and the heuristic's first are then timed round robin, 5 rounds of 2 runs, and the
 // lowest median wins, so one slow or fast moment of the GPU's clock does not decide.
