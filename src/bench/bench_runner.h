@@ -22,7 +22,7 @@
 #include "bench/bench_result.h"
 #include "train/experiment.h"
 
-#include "dist/process_group.h"
+#include "distributed/process_group.h"
 
 namespace forge {
 

@@ -1,5 +1,5 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
-#include "dist/launch_env.h"
+#include "distributed/launch_env.h"
 #include "cli/config_validate.h"
 
 #include <charconv>

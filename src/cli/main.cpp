@@ -9,7 +9,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "dist/launcher.h"
+#include "distributed/launcher.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"forge: pre-train and fine-tune Llama-family models, and measure how fast a GPU system does it",

@@ -8,7 +8,7 @@
 // arena]) for the micro-batch, sequence length and checkpointing mode. Library
 // workspaces (cuBLASLt's 32 MiB, cuDNN's attention workspace) and the CUDA context are
 // outside the estimate; kReserveBytes stands for them when checking against free memory.
-// Under FSDP (NOTE [FSDP] in dist/fsdp.h) the estimate is one rank's: 1/N of the master
+// Under FSDP (NOTE [FSDP] in distributed/fsdp.h) the estimate is one rank's: 1/N of the master
 // weights, the gradient chunk and the optimizer state, plus the full-size buffers the ZeRO
 // stage keeps (ZeRO-1: all gradients and weights; ZeRO-2: all weights and two gradient
 // buffers of the largest unit, plus a tied embedding's gradients; ZeRO-3: as ZeRO-2 but of

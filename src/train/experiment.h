@@ -46,7 +46,7 @@ struct ActivationCheckpointConfig {
   std::string mode = "none";         // none | selective | full
 };
 
-// Data parallelism (NOTE [FSDP] in dist/fsdp.h). The launcher's world size must equal
+// Data parallelism (NOTE [FSDP] in distributed/fsdp.h). The launcher's world size must equal
 // data_parallel_replicate_degree × data_parallel_shard_degree.
 struct ParallelismConfig {
   int64_t data_parallel_shard_degree = 1;      // ranks that shard parameters, gradients, optimizer state

@@ -15,7 +15,7 @@
 // NOTE [Data-parallel steps]
 // With more than one data-parallel rank (parallelism.data_parallel_shard_degree ×
 // data_parallel_replicate_degree, equal to the launcher's world size) the model state is
-// sharded by FSDP (dist/fsdp.h) and every rank computes a slice of the global batch. Every
+// sharded by FSDP (distributed/fsdp.h) and every rank computes a slice of the global batch. Every
 // rank reads the whole global batch of the step, in the order a single device would read
 // it, counts its unmasked targets (NOTE [Loss normalization]) and keeps micro-batch
 // a * world + rank for its a-th accumulation step: the global batch, the loss and the
@@ -37,8 +37,8 @@
 #include <vector>
 
 #include "data/dataset.h"
-#include "dist/fsdp.h"
-#include "dist/process_group.h"
+#include "distributed/fsdp.h"
+#include "distributed/process_group.h"
 #include "model/parameters.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"

@@ -1,5 +1,5 @@
 // Helpers shared by the tests that train or run a whole model (test_model.cpp,
-// test_dist_fsdp.cpp): a tiny Llama-shaped config and random token ids.
+// test_distributed_fsdp.cpp): a tiny Llama-shaped config and random token ids.
 #pragma once
 
 #include <cstdint>

@@ -7,8 +7,8 @@
 
 #include <cmath>
 
-#include "dist/fsdp.h"
-#include "dist/launch_env.h"
+#include "distributed/fsdp.h"
+#include "distributed/launch_env.h"
 #include "gpu_testing.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"

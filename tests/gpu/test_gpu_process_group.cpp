@@ -26,8 +26,8 @@
 #include <thread>
 #include <vector>
 
-#include "dist/launch_env.h"
-#include "dist/process_group.h"
+#include "distributed/launch_env.h"
+#include "distributed/process_group.h"
 #include "gpu_testing.h"
 
 namespace forge {

@@ -31,8 +31,8 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
-#include "dist/launch_env.h"
-#include "dist/process_group.h"
+#include "distributed/launch_env.h"
+#include "distributed/process_group.h"
 
 namespace forge {
 namespace {

@@ -12,8 +12,8 @@
 #include <string>
 
 #include "core/error.h"
-#include "dist/launch_env.h"
-#include "dist/tcp_store.h"
+#include "distributed/launch_env.h"
+#include "distributed/tcp_store.h"
 
 int main(int argc, char** argv) {
   if (argc != 2 && argc != 3) {

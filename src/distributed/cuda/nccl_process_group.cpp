@@ -7,7 +7,7 @@
 // Locking: comm_mu_ is held for every NCCL call on comm_ (each returns promptly, being
 // non-blocking) and while the watchdog takes comm_ away to abort it, so no thread ever
 // calls NCCL on a communicator another thread is destroying.
-#include "dist/cuda/nccl_process_group.h"
+#include "distributed/cuda/nccl_process_group.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -19,7 +19,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "dist/tcp_store.h"
+#include "distributed/tcp_store.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace forge {

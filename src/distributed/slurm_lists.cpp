@@ -1,4 +1,4 @@
-#include "dist/slurm_lists.h"
+#include "distributed/slurm_lists.h"
 
 #include <fmt/format.h>
 

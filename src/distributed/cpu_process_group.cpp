@@ -2,7 +2,7 @@
 // round under the world's lock: the other ranks send rank 0 their call and input and wait
 // for their result; rank 0 gathers every rank's call, checks that they match, and then
 // computes and sends each group's results, group by group.
-#include "dist/cpu_process_group.h"
+#include "distributed/cpu_process_group.h"
 
 #include <fmt/format.h>
 
@@ -17,7 +17,7 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
-#include "dist/tcp_store.h"
+#include "distributed/tcp_store.h"
 
 namespace forge {
 namespace {

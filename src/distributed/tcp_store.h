@@ -42,7 +42,7 @@
 #include <string_view>
 #include <vector>
 
-#include "dist/launch_env.h"
+#include "distributed/launch_env.h"
 
 namespace forge {
 

@@ -1,4 +1,4 @@
-#include "dist/rank_output.h"
+#include "distributed/rank_output.h"
 
 #include <unistd.h>
 

@@ -5,8 +5,8 @@
 #include <map>
 
 #include "config_test_support.h"
-#include "dist/launch_env.h"
-#include "dist/slurm_lists.h"
+#include "distributed/launch_env.h"
+#include "distributed/slurm_lists.h"
 
 namespace forge {
 namespace {

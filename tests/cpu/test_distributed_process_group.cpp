@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "config_test_support.h"
-#include "dist/process_group.h"
-#include "dist/tcp_socket.h"
+#include "distributed/process_group.h"
+#include "distributed/tcp_socket.h"
 
 namespace forge {
 namespace {

@@ -1,4 +1,4 @@
-#include "dist/launcher.h"
+#include "distributed/launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -16,9 +16,9 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "dist/rank_output.h"
-#include "dist/tcp_socket.h"
-#include "dist/tcp_store.h"
+#include "distributed/rank_output.h"
+#include "distributed/tcp_socket.h"
+#include "distributed/tcp_store.h"
 
 extern char** environ;
 

@@ -32,7 +32,7 @@
 
 #include <memory>
 
-#include "dist/process_group.h"
+#include "distributed/process_group.h"
 
 namespace forge {
 

@@ -9,8 +9,8 @@
 #include <map>
 
 #include "core/rng.h"
-#include "dist/fsdp.h"
-#include "dist/launch_env.h"
+#include "distributed/fsdp.h"
+#include "distributed/launch_env.h"
 #include "model_testing.h"
 #include "model/transformer.h"
 #include "optim/optimizer.h"

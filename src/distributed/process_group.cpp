@@ -1,10 +1,10 @@
-#include "dist/process_group.h"
+#include "distributed/process_group.h"
 
 #include "core/error.h"
-#include "dist/cpu_process_group.h"
+#include "distributed/cpu_process_group.h"
 
 #ifdef FORGE_CUDA
-#include "dist/cuda/nccl_process_group.h"
+#include "distributed/cuda/nccl_process_group.h"
 #endif
 
 namespace forge {

@@ -15,8 +15,8 @@
 #include <thread>
 
 #include "core/error.h"
-#include "dist/tcp_socket.h"
-#include "dist/tcp_store.h"
+#include "distributed/tcp_socket.h"
+#include "distributed/tcp_store.h"
 
 namespace forge {
 namespace {

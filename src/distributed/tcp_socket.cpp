@@ -1,4 +1,4 @@
-#include "dist/tcp_socket.h"
+#include "distributed/tcp_socket.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>

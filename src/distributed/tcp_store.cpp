@@ -1,4 +1,4 @@
-#include "dist/tcp_store.h"
+#include "distributed/tcp_store.h"
 
 #include <fmt/format.h>
 #include <poll.h>
@@ -11,7 +11,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
-#include "dist/tcp_socket.h"
+#include "distributed/tcp_socket.h"
 
 namespace forge {
 namespace {

@@ -1,4 +1,4 @@
-#include "dist/fsdp.h"
+#include "distributed/fsdp.h"
 
 #include <algorithm>
 #include <optional>

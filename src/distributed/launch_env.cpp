@@ -1,4 +1,4 @@
-#include "dist/launch_env.h"
+#include "distributed/launch_env.h"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 #include <cstdlib>
 
 #include "core/error.h"
-#include "dist/slurm_lists.h"
+#include "distributed/slurm_lists.h"
 
 namespace forge {
 namespace {

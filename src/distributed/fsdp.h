@@ -69,8 +69,8 @@
 #include <vector>
 
 #include "core/device.h"
-#include "dist/fsdp_layout.h"
-#include "dist/process_group.h"
+#include "distributed/fsdp_layout.h"
+#include "distributed/process_group.h"
 #include "model/parameters.h"
 
 namespace forge {

@@ -53,7 +53,7 @@
 #include <string>
 
 #include "core/tensor.h"
-#include "dist/launch_env.h"
+#include "distributed/launch_env.h"
 
 #include "core/device.h"
 

@@ -1,4 +1,4 @@
-#include "dist/fsdp_layout.h"
+#include "distributed/fsdp_layout.h"
 
 #include <algorithm>
 
