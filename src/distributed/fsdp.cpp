@@ -132,14 +132,12 @@ Tensor Fsdp::root_unit(int unit) const {
   return root_compute_.narrow(embedding_numel, embedding_numel + layout_.units()[static_cast<size_t>(unit)].numel);
 }
 
-LayerWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
-  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
-  FORGE_CHECK(u.params.size() == 6, "FSDP unit {} holds {} tensors, a block has 6", unit, u.params.size());
-  auto view = [&](size_t k) {
-    const FsdpParam& p = u.params[k];
-    return unit_buffer.narrow(p.offset, p.offset + p.numel).view(layout_.specs()[static_cast<size_t>(p.spec)].shape);
-  };
-  return LayerWeights{view(0), view(1), view(2), view(3), view(4), view(5)};
+BlockWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
+  BlockWeights w;
+  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params)
+    w.params.push_back(
+        {unit_buffer.narrow(p.offset, p.offset + p.numel).view(layout_.specs()[static_cast<size_t>(p.spec)].shape)});
+  return w;
 }
 
 void Fsdp::root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const {
@@ -148,10 +146,10 @@ void Fsdp::root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) cons
     Tensor t = unit_buffer.narrow(p.offset, p.offset + p.numel).view(spec.shape);
     if (spec.name == "embedding.weight") w.embedding = t;
     else if (spec.name == "final_norm.weight") w.final_norm = t;
-    else if (spec.name == "output.weight") w.output = t;
+    else if (spec.name == "output.weight") w.output = {t};
     else FORGE_FAIL("FSDP unit {}: unexpected parameter '{}'", unit, spec.name);
   }
-  if (tied() && unit == FsdpLayout::kEmbeddingUnit) w.output = w.embedding;
+  if (tied() && unit == FsdpLayout::kEmbeddingUnit) w.output = {w.embedding};
 }
 
 void Fsdp::fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill) {
@@ -241,7 +239,7 @@ const Tensor& Fsdp::final_norm() {
   return root_weights_.final_norm;
 }
 
-const Tensor& Fsdp::output() {
+const LinearWeight& Fsdp::output() {
   await_unit(tied() ? FsdpLayout::kEmbeddingUnit : layout_.head_unit());
   return root_weights_.output;
 }
@@ -318,7 +316,7 @@ double Fsdp::sum_over_ranks(double value) {
   return replicate_group_ ? all_reduce_scalar(*replicate_group_, value) : value;
 }
 
-const LayerWeights& Fsdp::layer(int index) {
+const BlockWeights& Fsdp::layer(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
   if (options_.zero_stage <= 2) {
     await_unit(FsdpLayout::unit_of_layer(index));
@@ -423,7 +421,7 @@ void Fsdp::unit_done(int unit) {
   FORGE_FAIL("FSDP: unit {} done before its gradients were asked for", unit);
 }
 
-const LayerWeights& Fsdp::layer_grads(int index) {
+const BlockWeights& Fsdp::layer_grads(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
   if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
   return grad_slot(FsdpLayout::unit_of_layer(index)).block;
@@ -443,7 +441,7 @@ const Tensor& Fsdp::final_norm_grad() {
   return grad_slot(layout_.head_unit()).root.final_norm;
 }
 
-const Tensor& Fsdp::output_grad() {
+const LinearWeight& Fsdp::output_grad() {
   if (options_.zero_stage == 1 || tied()) return root_grads_.output;
   return grad_slot(layout_.head_unit()).root.output;
 }

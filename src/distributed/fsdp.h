@@ -1,6 +1,6 @@
 // FSDP: the model's parameters, gradients and optimizer state sharded across the
 // data-parallel ranks (ZeRO-1, -2 or -3), behind the ParamSource / GradSink interfaces the
-// Transformer already computes through. The model never sees a collective.
+// decoder already computes through. The model never sees a collective.
 //
 // NOTE [FSDP]
 // Every rank owns one chunk of every unit (NOTE [FSDP layout]): the fp32 master weights,
@@ -155,16 +155,16 @@ class Fsdp final : public ParamSource, public GradSink {
 
   // ParamSource
   const Tensor& embedding() override;
-  const LayerWeights& layer(int index) override;
+  const BlockWeights& layer(int index) override;
   const Tensor& final_norm() override;
-  const Tensor& output() override;
+  const LinearWeight& output() override;
   // GradSink
-  const LayerWeights& layer_grads(int index) override;
+  const BlockWeights& layer_grads(int index) override;
   void layer_done(int index) override;
   const Tensor& embedding_grad() override;
   void embedding_done() override;
   const Tensor& final_norm_grad() override;
-  const Tensor& output_grad() override;
+  const LinearWeight& output_grad() override;
   void head_done() override;
   bool layer_grads_fresh(int index) const override;
   bool head_grads_fresh() const override;
@@ -183,14 +183,14 @@ class Fsdp final : public ParamSource, public GradSink {
   struct UnitSlot {
     int unit = -1;
     Tensor buffer;
-    LayerWeights block;  // a block unit's tensors
+    BlockWeights block;  // a block unit's tensors
     ModelWeights root;   // the embedding or head unit's tensors (the fields it holds)
     std::unique_ptr<DeviceEvent> ready;     // ZeRO-3 weights: the gather is done
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
   };
 
-  LayerWeights block_views(const Tensor& unit_buffer, int unit) const;
+  BlockWeights block_views(const Tensor& unit_buffer, int unit) const;
   // Fills the fields of `w` that unit (embedding or head) holds with views of its buffer.
   void root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const;
   Tensor unit_full(const Tensor& all_units, int unit) const;  // a unit inside a buffer of every unit
@@ -240,7 +240,7 @@ class Fsdp final : public ParamSource, public GradSink {
   // ZeRO-1: every unit's gradients in full. ZeRO-2/3 with a tied embedding: its gradients.
   Tensor full_grads_;
   ModelWeights root_weights_, root_grads_;  // root_grads_: ZeRO-1, and the tied embedding's
-  std::vector<LayerWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
+  std::vector<BlockWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
   std::array<UnitSlot, 3> weight_slots_;  // ZeRO-3
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "model/decoder_lm.h"
+
 namespace forge {
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan) {

@@ -4,7 +4,7 @@
 //
 // Per parameter: the fp32 master weights (4 bytes) and fp32 gradients (4), AdamW's two
 // moments (8, or 4 with optimizer.state_dtype bf16), and on CUDA the bf16 compute copy
-// (2). Activations are the exact size of the Transformer's arena (NOTE [Activation
+// (2). Activations are the exact size of the decoder's arena (NOTE [Activation
 // arena]) for the micro-batch, sequence length and checkpointing mode. Library
 // workspaces (cuBLASLt's 32 MiB, cuDNN's attention workspace) and the CUDA context are
 // outside the estimate; kReserveBytes stands for them when checking against free memory.

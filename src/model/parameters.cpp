@@ -5,31 +5,33 @@
 
 #include "core/parallel.h"
 #include "core/rng.h"
+#include "model/block_components.h"
 #include "ops/elementwise.h"
 
 namespace forge {
 
 std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
-  const int64_t h = c.hidden_size, f = c.ffn_hidden_size;
+  const int64_t h = c.hidden_size;
   std::vector<ParamSpec> specs;
   specs.push_back({"embedding.weight", {c.vocab_size, h}, {"model.embed_tokens.weight"}, true, -1});
-  for (int i = 0; i < c.num_layers; ++i) {
-    std::string p = fmt::format("layers.{}.", i);
-    std::string hf = fmt::format("model.layers.{}.", i);
-    specs.push_back({p + "attn_norm.weight", {h}, {hf + "input_layernorm.weight"}, false, i});
-    specs.push_back({p + "attention.qkv.weight",
-                     {c.q_size() + 2 * c.kv_size(), h},
-                     {hf + "self_attn.q_proj.weight", hf + "self_attn.k_proj.weight", hf + "self_attn.v_proj.weight"},
-                     true, i});
-    specs.push_back({p + "attention.o.weight", {h, c.q_size()}, {hf + "self_attn.o_proj.weight"}, true, i});
-    specs.push_back({p + "mlp_norm.weight", {h}, {hf + "post_attention_layernorm.weight"}, false, i});
-    specs.push_back({p + "mlp.gate_up.weight", {2 * f, h}, {hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"},
-                     true, i});
-    specs.push_back({p + "mlp.down.weight", {h, f}, {hf + "mlp.down_proj.weight"}, true, i});
-  }
+  const BlockComponents components = make_block_components(c);
+  for (int i = 0; i < c.num_layers; ++i)
+    for (const auto& component : components)
+      for (ParamSpec& spec : component->param_specs(i)) specs.push_back(std::move(spec));
   specs.push_back({"final_norm.weight", {h}, {"model.norm.weight"}, false, -1});
   if (!c.tie_word_embeddings) specs.push_back({"output.weight", {c.vocab_size, h}, {"lm_head.weight"}, true, -1});
   return specs;
+}
+
+ComponentWeights::ComponentWeights(const BlockWeights& block, size_t first, size_t count)
+    : block_(&block), first_(first), count_(count) {
+  FORGE_CHECK(first + count <= block.params.size(), "component parameters [{}, {}) of a block of {}", first,
+              first + count, block.params.size());
+}
+
+const LinearWeight& ComponentWeights::at(size_t k) const {
+  FORGE_CHECK(k < count_, "component parameter {} of {}", k, count_);
+  return block_->params[first_ + k];
 }
 
 FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype)
@@ -43,19 +45,16 @@ FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType d
     tensors_.push_back(flat_.narrow(offset, offset + n).view(s.shape));
     offset += n;
   }
-  size_t k = 0;
-  weights_.embedding = tensors_[k++];
-  weights_.layers.resize(config.num_layers);
-  for (auto& layer : weights_.layers) {
-    layer.attn_norm = tensors_[k++];
-    layer.qkv = tensors_[k++];
-    layer.o = tensors_[k++];
-    layer.mlp_norm = tensors_[k++];
-    layer.gate_up = tensors_[k++];
-    layer.down = tensors_[k++];
+  weights_.layers.resize(static_cast<size_t>(config.num_layers));
+  for (size_t k = 0; k < specs_.size(); ++k) {
+    const ParamSpec& spec = specs_[k];
+    if (spec.layer >= 0) weights_.layers[static_cast<size_t>(spec.layer)].params.push_back({tensors_[k]});
+    else if (spec.name == "embedding.weight") weights_.embedding = tensors_[k];
+    else if (spec.name == "final_norm.weight") weights_.final_norm = tensors_[k];
+    else if (spec.name == "output.weight") weights_.output = {tensors_[k]};
+    else FORGE_FAIL("parameter '{}' belongs to no block and is not the embedding, final norm or output", spec.name);
   }
-  weights_.final_norm = tensors_[k++];
-  weights_.output = config.tie_word_embeddings ? weights_.embedding : tensors_[k++];
+  if (config.tie_word_embeddings) weights_.output = {weights_.embedding};
   layers_fresh_.assign(static_cast<size_t>(config.num_layers), 0);
 }
 
@@ -92,8 +91,7 @@ void initialize_parameter(const ModelConfig& config, const ParamSpec& s, uint64_
     return;
   }
   const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config.num_layers));
-  bool residual = s.name.ends_with("attention.o.weight") || s.name.ends_with("mlp.down.weight");
-  double std = config.init_std * (residual ? residual_scale : 1.0);
+  double std = config.init_std * (s.residual_projection ? residual_scale : 1.0);
   uint64_t name_hash = 1469598103934665603ull;
   for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
   Rng rng(derive_seed(seed, name_hash));

@@ -1,5 +1,5 @@
 // The model's parameters: their names, shapes and Hugging Face names, and the weight
-// containers the Transformer reads through ParamSource and writes gradients to through
+// containers the decoder reads through ParamSource and writes gradients to through
 // GradSink.
 //
 // NOTE [Fused projections]
@@ -16,6 +16,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "ops/linear.h"
 
 namespace forge {
 
@@ -25,10 +26,14 @@ struct ParamSpec {
   std::vector<std::string> hf_names;  // stacked along dim 0 in this order
   bool weight_decay = true;           // false for norm weights
   int layer = -1;                     // block index, -1 for embedding / final norm / output
+  // A projection into the residual stream (attention's o, the feed-forward's down): its
+  // initialization is scaled by 1/sqrt(2 * layers), as GPT-2 and Megatron do.
+  bool residual_projection = false;
 };
 
-// Every parameter of the model, in a fixed order: embedding, then each block's
-// attn_norm, qkv, o, mlp_norm, gate_up, down, then the final norm and (untied) output.
+// Every parameter of the model, in a fixed order: embedding, then each block's parameters
+// (its components' in order, NOTE [Composed blocks]: for the Llama family attn_norm, qkv,
+// o, mlp_norm, gate_up, down), then the final norm and (untied) output.
 std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
 
 // Writes values [begin, begin + count) of one parameter's initialization (count -1: to
@@ -48,34 +53,51 @@ struct ParameterRange {
 void initialize_parameter_ranges(const ModelConfig& config, const std::vector<ParamSpec>& specs, uint64_t seed,
                                  const std::vector<ParameterRange>& ranges);
 
-struct LayerWeights {
-  Tensor attn_norm;  // [H]
-  Tensor qkv;        // [(Hq + 2 Hkv) D, H]
-  Tensor o;          // [H, Hq D]
-  Tensor mlp_norm;   // [H]
-  Tensor gate_up;    // [2F, H]
-  Tensor down;       // [H, F]
+// NOTE [Block weights]
+// One block's parameters (or their gradients), as a ParamSource hands them out: one entry
+// per ParamSpec of the block, in parameter_specs order, each a LinearWeight descriptor
+// (NOTE [Linear weight descriptor]) whose compute tensor is the parameter. Holders of
+// weights (FlatParameters, FSDP) fill them from the specs alone, knowing nothing of what
+// a block is made of; each component of the block reads its own consecutive entries
+// through ComponentWeights, by its own numbering. A parameter that is not a projection (a
+// norm weight) is read as a plain tensor; only projections are ever passed to the linear
+// ops, so only they will carry more than the tensor.
+struct BlockWeights {
+  std::vector<LinearWeight> params;
+};
+
+// A component's entries of a block's weights: [first, first + count), numbered from 0.
+class ComponentWeights {
+ public:
+  ComponentWeights(const BlockWeights& block, size_t first, size_t count);
+  const LinearWeight& linear(size_t k) const { return at(k); }        // a projection
+  const Tensor& tensor(size_t k) const { return at(k).weight; }      // any parameter's tensor
+
+ private:
+  const LinearWeight& at(size_t k) const;
+  const BlockWeights* block_;
+  size_t first_, count_;
 };
 
 struct ModelWeights {
   Tensor embedding;   // [V, H]
-  std::vector<LayerWeights> layers;
+  std::vector<BlockWeights> layers;
   Tensor final_norm;  // [H]
-  Tensor output;      // [V, H]; the embedding tensor itself when tied
+  LinearWeight output;  // [V, H]; the embedding tensor itself when tied
 };
 
-// Where the Transformer gets its weights. Single-device training hands out views of one
+// Where the decoder gets its weights. Single-device training hands out views of one
 // flat buffer; FSDP will all-gather each block just before it is needed.
 class ParamSource {
  public:
   virtual ~ParamSource() = default;
   virtual const Tensor& embedding() = 0;
-  virtual const LayerWeights& layer(int index) = 0;
+  virtual const BlockWeights& layer(int index) = 0;
   virtual const Tensor& final_norm() = 0;
-  virtual const Tensor& output() = 0;
+  virtual const LinearWeight& output() = 0;
 };
 
-// Where the Transformer accumulates weight gradients (+=). head_done() is called as soon
+// Where the decoder accumulates weight gradients (+=). head_done() is called as soon
 // as the final norm's and output projection's gradients for this micro-batch are
 // complete, layer_done(i) as soon as block i's are, embedding_done() when the embedding's
 // are, so a distributed sink can start reducing each while the rest of the backward runs.
@@ -94,12 +116,12 @@ class ParamSource {
 class GradSink {
  public:
   virtual ~GradSink() = default;
-  virtual const LayerWeights& layer_grads(int index) = 0;
+  virtual const BlockWeights& layer_grads(int index) = 0;
   virtual void layer_done(int index) = 0;
   virtual const Tensor& embedding_grad() = 0;
   virtual void embedding_done() {}
   virtual const Tensor& final_norm_grad() = 0;
-  virtual const Tensor& output_grad() = 0;
+  virtual const LinearWeight& output_grad() = 0;
   virtual void head_done() {}
   virtual bool layer_grads_fresh(int /*index*/) const { return false; }
   virtual bool head_grads_fresh() const { return false; }  // final norm and untied output
@@ -135,16 +157,16 @@ class FlatParameters : public ParamSource, public GradSink {
   void initialize(uint64_t seed);
 
   const Tensor& embedding() override { return weights_.embedding; }
-  const LayerWeights& layer(int index) override { return weights_.layers.at(index); }
+  const BlockWeights& layer(int index) override { return weights_.layers.at(index); }
   const Tensor& final_norm() override { return weights_.final_norm; }
-  const Tensor& output() override { return weights_.output; }
+  const LinearWeight& output() override { return weights_.output; }
 
-  const LayerWeights& layer_grads(int index) override { return weights_.layers.at(index); }
+  const BlockWeights& layer_grads(int index) override { return weights_.layers.at(index); }
   void layer_done(int index) override;
   const Tensor& embedding_grad() override { return weights_.embedding; }
   void embedding_done() override { embedding_fresh_ = false; }
   const Tensor& final_norm_grad() override { return weights_.final_norm; }
-  const Tensor& output_grad() override { return weights_.output; }
+  const LinearWeight& output_grad() override { return weights_.output; }
   void head_done() override;
   bool layer_grads_fresh(int index) const override { return layers_fresh_.at(static_cast<size_t>(index)) != 0; }
   bool head_grads_fresh() const override { return head_fresh_; }

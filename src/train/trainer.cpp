@@ -91,7 +91,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
   }
-  model_ = std::make_unique<Transformer>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
+  model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode));
 
   uint64_t data_seed = derive_seed(t.seed, kDataSeed);

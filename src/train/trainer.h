@@ -40,7 +40,7 @@
 #include "distributed/fsdp.h"
 #include "distributed/process_group.h"
 #include "model/parameters.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
 #include "train/metrics.h"
@@ -103,7 +103,7 @@ class Trainer {
   int64_t start_step_ = 0;                  // optimizer steps already done (resumed runs)
   Device device_ = Device::CPU;
   std::unique_ptr<FlatParameters> params_, grads_, compute_weights_;
-  std::unique_ptr<Transformer> model_;
+  std::unique_ptr<DecoderLM> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;

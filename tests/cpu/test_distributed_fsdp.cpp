@@ -12,7 +12,7 @@
 #include "distributed/fsdp.h"
 #include "distributed/launch_env.h"
 #include "model_testing.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 #include "optim/optimizer.h"
 
 namespace forge {
@@ -93,7 +93,7 @@ TrainedRun train_single(const ModelConfig& config, const OptimizerConfig& opt) {
   std::vector<bool> decay;
   for (const auto& s : params.specs()) decay.push_back(s.weight_decay);
   AdamW adamw(opt, params.tensors(), decay);
-  Transformer model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
+  DecoderLM model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
   TrainedRun run;
   for (int step = 0; step < kSteps; ++step) {
     grads.zero();
@@ -122,7 +122,7 @@ TrainedRun train_fsdp(const ModelConfig& config, const OptimizerConfig& opt, con
   std::vector<bool> decay;
   for (const FsdpSegment& s : fsdp.layout().segments()) decay.push_back(s.weight_decay);
   AdamW adamw(opt, fsdp.master_segments(), decay);
-  Transformer model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
+  DecoderLM model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::None);
   TrainedRun run;
   for (int step = 0; step < kSteps; ++step) {
     fsdp.begin_step();

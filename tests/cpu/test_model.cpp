@@ -8,7 +8,7 @@
 #include "model_testing.h"
 #include "ops_testing.h"
 #include "model/parameters.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 
 namespace forge {
 namespace {
@@ -47,7 +47,7 @@ TEST(ModelAccounting, FlopsPerTokenFollowsPerfMd) {
 TEST(ModelAccounting, TiedEmbeddingsShareOneTensor) {
   ModelConfig c = tiny(true);
   FlatParameters p(c);
-  EXPECT_EQ(p.output().raw(), p.embedding().raw());
+  EXPECT_EQ(p.output().weight.raw(), p.embedding().raw());
   EXPECT_EQ(c.total_params(), p.flat().numel());
 }
 
@@ -66,7 +66,7 @@ TEST(ModelTraining, ForwardBackwardIsBitwiseDeterministic) {
   ModelConfig c = tiny();
   FlatParameters params(c), g1(c), g2(c);
   params.initialize(7);
-  Transformer model(c, 2, 16);
+  DecoderLM model(c, 2, 16);
   Tensor tokens = random_tokens(2, 16, c.vocab_size, 1), targets = random_tokens(2, 16, c.vocab_size, 2);
   g1.zero();
   g2.zero();
@@ -84,11 +84,11 @@ TEST(ModelTraining, ActivationCheckpointingGivesTheSameGradientsBitForBit) {
   FlatParameters params(c), reference(c);
   params.initialize(11);
   Tensor tokens = random_tokens(2, 16, c.vocab_size, 3), targets = random_tokens(2, 16, c.vocab_size, 4);
-  Transformer plain(c, 2, 16);
+  DecoderLM plain(c, 2, 16);
   reference.zero();
   LossSum expected = plain.forward_backward(tokens, targets, params, reference, 1.0f / 32);
   for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
-    Transformer model(c, 2, 16, Device::CPU, DType::F32, mode);
+    DecoderLM model(c, 2, 16, Device::CPU, DType::F32, mode);
     FlatParameters grads(c);
     grads.zero();
     LossSum got = model.forward_backward(tokens, targets, params, grads, 1.0f / 32);
@@ -111,9 +111,9 @@ TEST(ModelMemory, CheckpointingShrinksTheArenaAsPlanned) {
   // logits chunk: under 7 GiB here.
   EXPECT_LT(full, int64_t{7} << 30);
   EXPECT_GT(none, int64_t{32} << 30);
-  // The Transformer allocates exactly that arena.
+  // The decoder allocates exactly that arena.
   ModelConfig small = tiny();
-  Transformer model(small, 2, 16, Device::CPU, DType::F32, ActivationCheckpoint::Full);
+  DecoderLM model(small, 2, 16, Device::CPU, DType::F32, ActivationCheckpoint::Full);
   EXPECT_EQ(model.arena_bytes(), activation_bytes(small, 2, 16, DType::F32, ActivationCheckpoint::Full));
 }
 
@@ -123,7 +123,7 @@ TEST(ModelTraining, AccumulatingMicroBatchesEqualsOneBatch) {
     FlatParameters params(c), whole(c), accumulated(c);
     params.initialize(3);
     Tensor tokens = random_tokens(2, 12, c.vocab_size, 5), targets = random_tokens(2, 12, c.vocab_size, 6);
-    Transformer big(c, 2, 12), small(c, 1, 12);
+    DecoderLM big(c, 2, 12), small(c, 1, 12);
     whole.zero();
     accumulated.zero();
     LossSum lw = big.forward_backward(tokens, targets, params, whole, 1.0f / 24);
@@ -150,7 +150,7 @@ TEST(ModelTraining, DiscardedGradientsAreWrittenOverNotAddedTo) {
     FlatParameters params(c), zeroed(c), discarded(c);
     params.initialize(3);
     Tensor tokens = random_tokens(2, 12, c.vocab_size, 5), targets = random_tokens(2, 12, c.vocab_size, 6);
-    Transformer model(c, 1, 12);
+    DecoderLM model(c, 1, 12);
     for (int step = 0; step < 2; ++step) {  // the second step finds the first one's sums
       zeroed.zero();
       if (step == 0) testing::fill_nan(discarded.flat());
@@ -168,7 +168,7 @@ TEST(ModelTraining, MaskedTargetsContributeNothing) {
   ModelConfig c = tiny();
   FlatParameters params(c);
   params.initialize(11);
-  Transformer model(c, 1, 8);
+  DecoderLM model(c, 1, 8);
   Tensor tokens = random_tokens(1, 8, c.vocab_size, 3), targets = random_tokens(1, 8, c.vocab_size, 4);
   LossSum full = model.forward_loss(tokens, targets, params);
   targets.data<int32_t>()[5] = -100;

@@ -10,7 +10,7 @@
 #include "distributed/fsdp.h"
 #include "distributed/launch_env.h"
 #include "gpu_testing.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 #include "optim/optimizer.h"
 
 namespace forge::gpu_test {
@@ -50,7 +50,7 @@ Curve single_device(const ModelConfig& c) {
   std::vector<bool> decay;
   for (const auto& s : master.specs()) decay.push_back(s.weight_decay);
   AdamW adamw(OptimizerConfig{}, master.tensors(), decay);
-  Transformer model(c, kBatch, kSeq, Device::CUDA, DType::BF16);
+  DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16);
   Curve curve;
   for (int step = 0; step < kSteps; ++step) {
     grads.zero();
@@ -82,7 +82,7 @@ Curve fsdp(const ModelConfig& c, int stage, DType reduce) {
   std::vector<bool> decay;
   for (const FsdpSegment& s : sharded.layout().segments()) decay.push_back(s.weight_decay);
   AdamW adamw(OptimizerConfig{}, sharded.master_segments(), decay);
-  Transformer model(c, kBatch, kSeq, Device::CUDA, DType::BF16);
+  DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16);
   Curve curve;
   for (int step = 0; step < kSteps; ++step) {
     sharded.begin_step();

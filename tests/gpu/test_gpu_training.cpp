@@ -6,7 +6,7 @@
 
 #include "gpu_testing.h"
 #include "model/parameters.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 #include "ops/cross_entropy.h"
 #include "optim/optimizer.h"
 
@@ -53,11 +53,11 @@ TEST(GpuTraining, OneStepMatchesCpu) {
     targets.data<int32_t>()[5] = kIgnoreIndex;
     const float scale = 1.0f / (batch * seq - 1);
 
-    Transformer cpu_model(c, batch, seq);
+    DecoderLM cpu_model(c, batch, seq);
     cpu_grads.zero();
     LossSum cpu_loss = cpu_model.forward_backward(tokens, targets, cpu_params, cpu_grads, scale);
 
-    Transformer gpu_model(c, batch, seq, Device::CUDA, DType::BF16);
+    DecoderLM gpu_model(c, batch, seq, Device::CUDA, DType::BF16);
     gpu_grads.zero();
     LossSum gpu_loss = gpu_model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), gpu_compute,
                                                   gpu_grads, scale);
@@ -72,7 +72,7 @@ TEST(GpuTraining, OneStepMatchesCpu) {
     // Activation checkpointing recomputes with the same kernels: the same loss, and the
     // same gradients up to the attention backward's non-deterministic dQ accumulation.
     for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
-      Transformer checkpointed(c, batch, seq, Device::CUDA, DType::BF16, mode);
+      DecoderLM checkpointed(c, batch, seq, Device::CUDA, DType::BF16, mode);
       FlatParameters grads(c, Device::CUDA, DType::F32);
       grads.zero();
       LossSum loss = checkpointed.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), gpu_compute,

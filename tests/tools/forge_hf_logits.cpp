@@ -14,7 +14,7 @@
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "core/error.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 
 using namespace forge;
 
@@ -32,7 +32,7 @@ int logits(const std::string& dir, const std::string& tokens_path, int64_t batch
   std::ifstream in(tokens_path, std::ios::binary);
   in.read(static_cast<char*>(tokens.raw()), static_cast<std::streamsize>(tokens.nbytes()));
   FORGE_CHECK(in.gcount() == static_cast<std::streamsize>(tokens.nbytes()), "short read of {}", tokens_path);
-  Transformer transformer(model.config, batch, seq);
+  DecoderLM transformer(model.config, batch, seq);
   Tensor result = Tensor::empty({batch * seq, model.config.vocab_size});
   transformer.forward_logits(tokens, *model.params, result);
   std::ofstream(out, std::ios::binary).write(static_cast<const char*>(result.raw()),

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "model/parameters.h"
-#include "model/transformer.h"
+#include "model/decoder_lm.h"
 
 using nlohmann::json;
 using namespace forge;
@@ -86,7 +86,7 @@ int main(int argc, char** argv) {
   read_into(dir + "/tokens.bin", tokens.raw(), tokens.nbytes());
   read_into(dir + "/targets.bin", targets.raw(), targets.nbytes());
 
-  Transformer model(config, batch, seq);
+  DecoderLM model(config, batch, seq);
   Tensor logits = Tensor::empty({batch * seq, config.vocab_size});
   model.forward_logits(tokens, params, logits);
   write_from(dir + "/logits.bin", logits.raw(), logits.nbytes());

@@ -1,0 +1,66 @@
+// One residual sublayer of a decoder block, the unit blocks are composed of.
+//
+// NOTE [Composed blocks]
+// A decoder block is a sequence of components, each a residual sublayer out = x + f(x)
+// that owns everything of f: its parameters (param_specs: forge and Hugging Face names,
+// shapes, initialization), its activations (what it keeps per layer under each
+// activation-checkpointing mode, what it shares across layers and recomputes, its backward
+// scratch, all laid out in the model's one arena), and its forward, recomputation and
+// backward. The Llama family's block is an attention component (self_attention.h: GQA,
+// MHA, sliding window) followed by a feed-forward component (swiglu_feed_forward.h);
+// block_components.h chooses them from ModelConfig. A new attention (MLA) or feed-forward
+// (MoE) is a new component chosen there, not a branch in the block: the decoder
+// (decoder_lm.h) only carries the residual stream from one component to the next and asks
+// each to do its part. Components never see where their weights come from or where their
+// gradients go (ComponentWeights, NOTE [Block weights]).
+// Activation checkpointing, per component (NOTE [Activation checkpointing]):
+//   none       forward keeps all the backward reads; nothing is recomputed;
+//   selective  the component keeps what is costly to recompute (GEMM and attention
+//              outputs) and recompute_selective() restores the rest before the backward;
+//   full       the decoder keeps only each block's input and reruns the block's forward
+//              before its backward, the last component without its output
+//              (forward(..., nullptr)), so its final projection is skipped.
+// Under full checkpointing every per-layer buffer of a component is one shared set.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/activations.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+// The tokens of one micro-batch and the dtype its activations are kept in (statistics are fp32).
+struct StepShape {
+  int64_t micro_batch = 0, seq_len = 0;
+  DType dtype = DType::F32;
+  int64_t tokens() const { return micro_batch * seq_len; }
+};
+
+class BlockComponent {
+ public:
+  virtual ~BlockComponent() = default;
+
+  // Its parameters in block `layer`, in the order ComponentWeights numbers them.
+  virtual std::vector<ParamSpec> param_specs(int layer) const = 0;
+  // Places its activations for `num_layers` blocks and its backward scratch (ArenaLayout:
+  // called once to count, once more to make the views).
+  virtual void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) = 0;
+  // Device constants it computes with (rotary tables), made once before the first forward.
+  virtual void prepare(const StepShape& shape, Device device) {}
+
+  // *out = x + f(x) for block `layer` ([tokens, hidden]; out may not alias x). With no
+  // `out`, only what the backward needs is computed (recomputation, NOTE above).
+  virtual void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) = 0;
+  // Restores what selective checkpointing dropped, from the block input x.
+  virtual void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) = 0;
+  // d_stream holds dL/d(out) and becomes dL/dx (f's share added). The weight gradients go
+  // to `grads`, written over them when `overwrite` (NOTE [Fresh gradient buffers]), else
+  // added. d_hidden is a [tokens, hidden] scratch buffer the component may use.
+  virtual void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
+                        const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) = 0;
+};
+
+}  // namespace forge

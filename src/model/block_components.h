@@ -1,0 +1,19 @@
+// Which components a decoder block is made of, chosen from ModelConfig: the one place a
+// new attention or feed-forward kind is added (NOTE [Composed blocks]).
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "model/block_component.h"
+#include "model/config.h"
+
+namespace forge {
+
+// The components of every block, in the order a block applies them.
+using BlockComponents = std::vector<std::unique_ptr<BlockComponent>>;
+
+// Llama family: self-attention (GQA/MHA, optional sliding window), then a SwiGLU feed-forward.
+BlockComponents make_block_components(const ModelConfig& config);
+
+}  // namespace forge

@@ -1,0 +1,232 @@
+#include "model/decoder_lm.h"
+
+#include <algorithm>
+
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+
+namespace forge {
+// NOTE [Chunked output head]
+// The output projection and cross-entropy run over chunks of tokens: logits for one chunk
+// are computed, turned into loss and (in training) into dlogits in place, and immediately
+// pushed back through the projection (dx, dW). Only one chunk of logits ever exists: for
+// Llama 3 (vocab 128256) at 8192 tokens full fp32 logits would take 4 GiB. A chunk holds
+// as many rows as fit in 2 GiB (a power of two, at least 256; head_chunk_rows in
+// activations.cpp): the weight-gradient GEMM of every chunk reads and writes the whole
+// fp32 dW (2 GiB for Llama 3), so few large chunks beat many small ones — 8192 rows for
+// Llama 3 in bf16, whose 2 GiB of logits replace the 4 GiB fp32 ones.
+
+namespace {
+
+const ModelConfig& validated(const ModelConfig& config) {
+  config.validate();
+  return config;
+}
+
+// Every buffer of a step: the decoder's own (the residual stream between components, the
+// head, the shared backward scratch) and each component's.
+void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const ModelConfig& config,
+                     const StepShape& shape, ActivationCheckpoint mode, ArenaLayout& layout) {
+  const int64_t n = shape.tokens(), h = config.hidden_size;
+  auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
+  auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
+  std::vector<Tensor> shared(components.size());
+  if (mode == ActivationCheckpoint::Full)
+    for (size_t c = 1; c < components.size(); ++c) shared[c] = act({n, h});
+  b.stream.assign(static_cast<size_t>(config.num_layers), std::vector<Tensor>(components.size()));
+  for (std::vector<Tensor>& block : b.stream)
+    for (size_t c = 0; c < components.size(); ++c)
+      block[c] = c > 0 && mode == ActivationCheckpoint::Full ? shared[c] : act({n, h});
+  for (auto& component : components) component->lay_out(layout, shape, mode, config.num_layers);
+  b.final_input = act({n, h});
+  b.final_rstd = stat({n});
+  b.final_normed = act({n, h});
+  b.logits_chunk = act({head_chunk_rows(n, config.vocab_size, shape.dtype), config.vocab_size});
+  b.losses = stat({n});
+  b.d_stream = act({n, h});
+  b.d_hidden = act({n, h});
+}
+
+int64_t count_bytes(BlockComponents& components, const ModelConfig& config, const StepShape& shape,
+                    ActivationCheckpoint mode) {
+  DecoderActivations counted;
+  ArenaLayout counting(nullptr, Device::CPU);
+  lay_out_decoder(counted, components, config, shape, mode, counting);
+  return counting.bytes();
+}
+
+}  // namespace
+
+int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
+                         ActivationCheckpoint mode) {
+  BlockComponents components = make_block_components(validated(config));
+  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype}, mode);
+}
+
+DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
+                     DType compute_dtype, ActivationCheckpoint checkpoint)
+    : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
+                make_block_components(validated(config))) {}
+
+DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
+                     DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components)
+    : config_(config),
+      micro_batch_(micro_batch),
+      seq_len_(seq_len),
+      tokens_(micro_batch * seq_len),
+      device_(device),
+      compute_dtype_(compute_dtype),
+      checkpoint_(checkpoint),
+      components_(std::move(components)) {
+  config_.validate();
+  FORGE_CHECK(micro_batch >= 1 && seq_len >= 1, "micro_batch {} seq_len {}", micro_batch, seq_len);
+  FORGE_CHECK(device == Device::CUDA ? compute_dtype == DType::BF16 : compute_dtype == DType::F32,
+              "compute dtype {} on {} (NOTE [Op placement])", dtype_name(compute_dtype), device_name(device));
+  FORGE_CHECK(!components_.empty(), "a decoder block needs at least one component");
+  // The components must declare, in order, the parameters the weights will be laid out by.
+  std::vector<ParamSpec> declared;
+  first_param_.push_back(0);
+  for (const auto& component : components_) {
+    std::vector<ParamSpec> specs = component->param_specs(0);
+    declared.insert(declared.end(), specs.begin(), specs.end());
+    first_param_.push_back(declared.size());
+  }
+  std::vector<ParamSpec> expected;
+  for (ParamSpec& spec : parameter_specs(config_))
+    if (spec.layer == 0) expected.push_back(std::move(spec));
+  FORGE_CHECK(declared.size() == expected.size(), "the block's components declare {} parameters, the model has {}",
+              declared.size(), expected.size());
+  for (size_t k = 0; k < declared.size(); ++k)
+    FORGE_CHECK(declared[k].name == expected[k].name && declared[k].shape == expected[k].shape,
+                "block parameter {} is '{}' {} in the components, '{}' {} in the model", k, declared[k].name,
+                shape_str(declared[k].shape), expected[k].name, shape_str(expected[k].shape));
+
+  const StepShape shape{micro_batch, seq_len, compute_dtype};
+  for (auto& component : components_) component->prepare(shape, device);
+  arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint)}, DType::U8, device);
+  ArenaLayout layout(arena_.raw(), device);
+  lay_out_decoder(b_, components_, config_, shape, checkpoint, layout);
+}
+
+ComponentWeights DecoderLM::component_weights(const BlockWeights& block, size_t c) const {
+  FORGE_CHECK(block.params.size() == first_param_.back(), "a block's weights hold {} parameters, its components {}",
+              block.params.size(), first_param_.back());
+  return ComponentWeights(block, first_param_[c], first_param_[c + 1] - first_param_[c]);
+}
+
+const Tensor& DecoderLM::component_output(int i, size_t c) const {
+  if (c + 1 < components_.size()) return b_.stream[static_cast<size_t>(i)][c + 1];
+  if (i + 1 < config_.num_layers) return b_.stream[static_cast<size_t>(i) + 1][0];
+  return b_.final_input;
+}
+
+void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
+  for (size_t c = 0; c < components_.size(); ++c) {
+    const bool produce = to_output || c + 1 < components_.size();
+    components_[c]->forward(i, component_weights(w, c), b_.stream[static_cast<size_t>(i)][c],
+                            produce ? &component_output(i, c) : nullptr);
+  }
+}
+
+void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights) {
+  check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
+  embedding_forward(b_.stream[0][0], tokens.view({tokens_}), weights.embedding());
+  for (int i = 0; i < config_.num_layers; ++i) forward_block(i, weights.layer(i), true);
+  rmsnorm_forward(b_.final_normed, b_.final_rstd, b_.final_input, weights.final_norm(),
+                  static_cast<float>(config_.norm_eps));
+}
+
+void DecoderLM::recompute_block(int i, const BlockWeights& w) {
+  switch (checkpoint_) {
+    case ActivationCheckpoint::None: return;
+    case ActivationCheckpoint::Full: return forward_block(i, w, false);
+    case ActivationCheckpoint::Selective:
+      for (size_t c = 0; c < components_.size(); ++c)
+        components_[c]->recompute_selective(i, component_weights(w, c), b_.stream[static_cast<size_t>(i)][c]);
+      return;
+  }
+}
+
+LossSum DecoderLM::output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale) {
+  check_shape(targets, {micro_batch_, seq_len_}, "targets");
+  const int64_t n = tokens_;
+  const Tensor flat_targets = targets.view({n});
+  const LinearWeight& w_out = weights.output();
+  // NOTE [Fresh gradient buffers]: a tied output's gradient is the embedding's.
+  bool overwrite = false;
+  if (grads) {
+    grads->output_grad();  // hands the buffer out before asking whether it is fresh
+    overwrite = config_.tie_word_embeddings ? grads->embedding_grad_fresh() : grads->head_grads_fresh();
+  }
+  const int64_t chunk_rows = b_.logits_chunk.dim(0);
+  for (int64_t begin = 0; begin < n; begin += chunk_rows) {
+    int64_t end = std::min(n, begin + chunk_rows);
+    Tensor logits = b_.logits_chunk.narrow(0, end - begin);
+    Tensor x = b_.final_normed.narrow(begin, end);
+    linear_forward(logits, x, w_out);
+    cross_entropy_forward_backward(b_.losses.narrow(begin, end), grads ? logits : Tensor(), logits,
+                                   flat_targets.narrow(begin, end), kIgnoreIndex, grad_scale);
+    if (grads) {
+      linear_backward_input(b_.d_hidden.narrow(begin, end), logits, w_out);
+      linear_backward_weight(grads->output_grad(), logits, x, overwrite && begin == 0);
+    }
+  }
+  LossSum loss;
+  const Tensor host_losses = b_.losses.to(Device::CPU), host_targets = flat_targets.to(Device::CPU);
+  const float* l = host_losses.data<float>();
+  const int32_t* t = host_targets.data<int32_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == kIgnoreIndex) continue;
+    loss.sum += l[i];
+    ++loss.tokens;
+  }
+  return loss;
+}
+
+void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
+  b_.d_stream.fill_zero();
+  const Tensor& final_norm_grad = grads.final_norm_grad();
+  if (grads.head_grads_fresh()) final_norm_grad.fill_zero();  // the norm's backward adds
+  rmsnorm_backward(b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
+  grads.head_done();
+  for (int i = config_.num_layers - 1; i >= 0; --i) {
+    const BlockWeights& w = weights.layer(i);
+    const BlockWeights& g = grads.layer_grads(i);
+    // Weight gradients: written over a fresh buffer, added to one that holds earlier
+    // micro-batches' (NOTE [Fresh gradient buffers]).
+    const bool fresh = grads.layer_grads_fresh(i);
+    recompute_block(i, w);
+    for (size_t c = components_.size(); c-- > 0;)
+      components_[c]->backward(i, component_weights(w, c), component_weights(g, c), fresh,
+                               b_.stream[static_cast<size_t>(i)][c], b_.d_stream, b_.d_hidden);
+    grads.layer_done(i);
+  }
+  const Tensor& embedding_grad = grads.embedding_grad();
+  if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
+  embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+  grads.embedding_done();
+}
+
+LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                                    GradSink& grads, float grad_scale) {
+  forward_blocks(tokens, weights);
+  LossSum loss = output_head(targets, weights, &grads, grad_scale);
+  backward_blocks(tokens, weights, grads);
+  return loss;
+}
+
+LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights) {
+  forward_blocks(tokens, weights);
+  return output_head(targets, weights, nullptr, 0.0f);
+}
+
+void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits) {
+  check_shape(logits, {tokens_, config_.vocab_size}, "logits");
+  check_dtype(logits, compute_dtype_, "logits");
+  forward_blocks(tokens, weights);
+  linear_forward(logits, b_.final_normed, weights.output());
+}
+
+}  // namespace forge

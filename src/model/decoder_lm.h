@@ -1,0 +1,115 @@
+// The decoder language model (Llama family) with an explicit forward and backward.
+//
+//   tokens → embedding → [ block: component → component → ... ] × L
+//          → final rmsnorm → output projection + cross-entropy (in token chunks)
+//
+// Each block is a sequence of residual components (NOTE [Composed blocks]; for Llama
+// self-attention then a SwiGLU feed-forward) chosen from ModelConfig. There is no
+// autograd: forward_backward() keeps what each component's backward needs in activation
+// buffers planned once for (micro_batch, seq_len) in one arena (NOTE [Activation arena]),
+// then walks the blocks in reverse — recomputing what activation checkpointing dropped
+// (NOTE [Activation checkpointing]) — handing each block's weight gradients to the
+// GradSink as soon as they are complete. The model never knows where weights come from or
+// where gradients go (ParamSource / GradSink), which keeps it free of communication.
+//
+// NOTE [Model families]
+// A model family is a model of its own built from the shared pieces: the ops (ops/),
+// linear layers with their weight descriptors (ops/linear.h), the activation arena and
+// checkpointing modes (model/activations.h), weights through ParamSource / GradSink
+// (model/parameters.h). DecoderLM is the decoder-LM family (tokens in, next-token loss
+// out; ModelConfig is its configuration); a diffusion transformer (FLUX) will be a sibling
+// class with its own config, blocks and batch, not a mode of this one.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/activations.h"
+#include "model/block_components.h"
+#include "model/config.h"
+#include "model/parameters.h"
+
+namespace forge {
+
+struct LossSum {
+  double sum = 0.0;     // sum of per-token cross-entropy (nats) over unmasked targets
+  int64_t tokens = 0;   // number of unmasked targets
+  double mean() const { return tokens ? sum / static_cast<double>(tokens) : 0.0; }
+};
+
+// The decoder's own buffers around its blocks' components: the residual stream between
+// components, the head's, and the backward scratch every component shares.
+struct DecoderActivations {
+  // stream[i][c]: the residual stream entering component c of block i, [N, H]. c = 0 is
+  // the block input, kept per layer in every mode; the others are kept per layer unless
+  // checkpointing is full, where one shared set is recomputed.
+  std::vector<std::vector<Tensor>> stream;
+  Tensor final_input, final_rstd, final_normed;
+  Tensor logits_chunk, losses;
+  Tensor d_stream;  // the residual stream's gradient, [N, H]
+  Tensor d_hidden;  // scratch for a component's normalized-input gradient, and the head's, [N, H]
+};
+
+// Bytes of the activation arena of a (micro_batch, seq_len) step in compute dtype `dtype`
+// under `mode`, with the config's block components.
+int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
+                         ActivationCheckpoint mode);
+
+class DecoderLM {
+ public:
+  // Activations live on `device` in compute_dtype (fp32 on the CPU, bf16 on CUDA), with
+  // fp32 statistics (NOTE [Op placement]); the weights handed in must match.
+  DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
+            DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None);
+  // With the blocks' components given instead of chosen from the config: they must declare
+  // the parameters parameter_specs(config) lists for a block, in that order.
+  DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
+            ActivationCheckpoint checkpoint, BlockComponents components);
+
+  const ModelConfig& config() const { return config_; }
+  int64_t micro_batch() const { return micro_batch_; }
+  int64_t seq_len() const { return seq_len_; }
+
+  Device device() const { return device_; }
+  ActivationCheckpoint checkpoint() const { return checkpoint_; }
+  int64_t arena_bytes() const { return arena_.nbytes(); }
+
+  // Loss of one micro-batch (tokens/targets int32 [micro_batch, seq_len] on the model's
+  // device), and weight gradients of grad_scale * (sum of token losses) into grads
+  // (written over fresh buffers, else added: NOTE [Fresh gradient buffers]).
+  LossSum forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights, GradSink& grads,
+                           float grad_scale);
+  // Loss only (evaluation).
+  LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights);
+  // Full logits [micro_batch * seq_len, vocab] in the compute dtype (tests and small-model
+  // inspection).
+  void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits);
+
+ private:
+  // Component c's entries of a block's weights (NOTE [Block weights]).
+  ComponentWeights component_weights(const BlockWeights& block, size_t c) const;
+  // Where component c of block i writes its output: the next component's stream entry,
+  // the next block's input, or the final norm's input.
+  const Tensor& component_output(int i, size_t c) const;
+  void forward_blocks(const Tensor& tokens, ParamSource& weights);
+  // One block's forward. With `to_output` false the last component runs without its
+  // output (recomputation for the backward needs everything before its last projection).
+  void forward_block(int i, const BlockWeights& w, bool to_output);
+  // Restores what the checkpointing mode dropped from block i's activations.
+  void recompute_block(int i, const BlockWeights& w);
+  LossSum output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale);
+  void backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads);
+
+  ModelConfig config_;
+  int64_t micro_batch_, seq_len_, tokens_;
+  Device device_;
+  DType compute_dtype_;
+  ActivationCheckpoint checkpoint_;
+  BlockComponents components_;
+  std::vector<size_t> first_param_;  // per component: its first entry in BlockWeights; then the block's count
+  Tensor arena_;  // owns the memory every activation buffer views
+  DecoderActivations b_;
+};
+
+}  // namespace forge

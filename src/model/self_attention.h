@@ -1,0 +1,51 @@
+// The attention component of a Llama-family block (NOTE [Composed blocks]):
+//   out = x + o(attention(rope(qkv(rmsnorm(x)))))
+// Causal grouped-query attention (MHA when the KV heads equal the query heads), with a
+// sliding window when the config has one (Mistral 7B v0.1). Q, K and V come from one fused
+// projection (NOTE [Fused projections] in parameters.h); rotary embeddings are applied to
+// the query and key heads in place.
+#pragma once
+
+#include <vector>
+
+#include "model/block_component.h"
+#include "model/config.h"
+#include "ops/attention.h"
+
+namespace forge {
+
+class SelfAttention final : public BlockComponent {
+ public:
+  explicit SelfAttention(const ModelConfig& config);
+
+  std::vector<ParamSpec> param_specs(int layer) const override;
+  void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
+  void prepare(const StepShape& shape, Device device) override;
+  void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
+  void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
+  void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
+                const Tensor& d_stream, const Tensor& d_hidden) override;
+
+ private:
+  enum Param : size_t { kNorm, kQkv, kOut };  // ComponentWeights numbering, param_specs order
+
+  struct Activations {
+    Tensor rstd;    // [N] fp32
+    Tensor normed;  // [N, H]
+    Tensor qkv;     // [B, T, Hq + 2 Hkv, D] after rotary embedding
+    Tensor out;     // [B, T, Hq, D]
+    Tensor lse;     // [B, Hq, T] fp32
+  };
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_;
+  float eps_;
+  double rope_theta_;
+  RopeScaling rope_scaling_;
+  AttentionShape attention_;
+  StepShape shape_;
+  Tensor rope_cos_, rope_sin_;
+  std::vector<Activations> layers_;
+  Tensor d_out_, d_qkv_;  // backward scratch
+};
+
+}  // namespace forge

@@ -1,0 +1,42 @@
+// Linear layers: every projection of a model (attention's qkv and o, the feed-forward's
+// gate/up and down, the output head) goes through these three ops, with its weight given
+// as a LinearWeight descriptor instead of a bare tensor:
+//   linear_forward          y  = x W^T            (+ residual, as the GEMM's C operand)
+//   linear_backward_input   dx = dy W
+//   linear_backward_weight  dW = dy^T x           (written over, or added to, dW)
+// x and y are [tokens, features]; W is [out_features, in_features] (Hugging Face layout).
+//
+// NOTE [Linear weight descriptor]
+// A LinearWeight says what a linear layer's weight is, so that the code calling the layer
+// never has to. Today that is the weight in the compute dtype (bf16 on the GPU, fp32 on
+// the CPU reference). It is the one place where other representations enter: an FP8 copy
+// with its scales and recipe state, NF4 codes with their statistics, a LoRA adapter (A, B,
+// scale, dropout), a tensor-parallel shard. Each changes what the descriptor holds and
+// what these ops do with it, never the block code that calls them. The same type says
+// where a layer's gradients go (GradSink hands out LinearWeights of gradient buffers).
+// Model code builds no descriptors: it passes on the ones its ParamSource and GradSink
+// hand out (model/parameters.h), so a source that wraps another (an FP8 cast, an adapter)
+// can fill in what it adds.
+#pragma once
+
+#include "core/tensor.h"
+
+namespace forge {
+
+struct LinearWeight {
+  Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients)
+};
+
+// y = x W^T, or y = residual + x W^T with `residual` (shaped and typed like y; may be y
+// itself): the residual stream's add costs no pass of its own.
+void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual = nullptr);
+
+// dx = dy W (written over dx).
+void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w);
+
+// The weight's gradient dy^T x into `grad`: written over it when `overwrite` (the first
+// micro-batch into a fresh buffer, NOTE [Fresh gradient buffers] in model/parameters.h),
+// otherwise added to it.
+void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite);
+
+}  // namespace forge
