@@ -39,7 +39,7 @@ std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params) {
   std::vector<SafetensorsTensorRef> out;
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const float* data = params.tensors()[i].data<float>();
-    for (const HfPart& part : hf_parts(params.specs()[i], params.config()))
+    for (const HfPart& part : hf_parts(params.specs()[i]))
       out.push_back({part.name, part.shape, data + part.offset});
   }
   return out;

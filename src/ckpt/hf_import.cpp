@@ -73,7 +73,7 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const ParamSpec& spec = params.specs()[i];
     float* dst = params.tensors()[i].data<float>();
-    for (const HfPart& part : hf_parts(spec, config)) {
+    for (const HfPart& part : hf_parts(spec)) {
       LocatedTensor t = files.find(part.name);
       if (t.file == nullptr)
         FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,

@@ -13,13 +13,14 @@ namespace forge {
 std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
   const int64_t h = c.hidden_size;
   std::vector<ParamSpec> specs;
-  specs.push_back({"embedding.weight", {c.vocab_size, h}, {"model.embed_tokens.weight"}, true, -1});
+  specs.push_back({"embedding.weight", {c.vocab_size, h}, {{"model.embed_tokens.weight", c.vocab_size}}, true, -1});
   const BlockComponents components = make_block_components(c);
   for (int i = 0; i < c.num_layers; ++i)
     for (const auto& component : components)
       for (ParamSpec& spec : component->param_specs(i)) specs.push_back(std::move(spec));
-  specs.push_back({"final_norm.weight", {h}, {"model.norm.weight"}, false, -1});
-  if (!c.tie_word_embeddings) specs.push_back({"output.weight", {c.vocab_size, h}, {"lm_head.weight"}, true, -1});
+  specs.push_back({"final_norm.weight", {h}, {{"model.norm.weight", h}}, false, -1});
+  if (!c.tie_word_embeddings)
+    specs.push_back({"output.weight", {c.vocab_size, h}, {{"lm_head.weight", c.vocab_size}}, true, -1});
   return specs;
 }
 

@@ -6,8 +6,8 @@
 // Q, K and V are one [ (Hq + 2 Hkv) * D, hidden ] matrix and gate/up one [2F, hidden]
 // matrix, as Megatron's linear_qkv / linear_fc1: one GEMM each instead of three or two.
 // Hugging Face keeps them separate (q_proj, k_proj, v_proj; gate_proj, up_proj); each
-// ParamSpec lists the Hugging Face tensors it is made of, stacked in that order along the
-// first dimension, so import/export is a split or a concatenation.
+// ParamSpec lists the Hugging Face tensors it is made of and their rows, stacked in that
+// order along the first dimension, so import/export is a split or a concatenation.
 #pragma once
 
 #include <cstdint>
@@ -20,10 +20,17 @@
 
 namespace forge {
 
+// A Hugging Face tensor a forge parameter is made of, and its rows (its first dimension)
+// inside the parameter.
+struct HfTensor {
+  std::string name;
+  int64_t rows = 0;
+};
+
 struct ParamSpec {
   std::string name;                   // forge's name, e.g. "layers.3.attention.qkv.weight"
   Shape shape;
-  std::vector<std::string> hf_names;  // stacked along dim 0 in this order
+  std::vector<HfTensor> hf_tensors;   // stacked along dim 0 in this order; their rows add up to shape[0]
   bool weight_decay = true;           // false for norm weights
   int layer = -1;                     // block index, -1 for embedding / final norm / output
   // A projection into the residual stream (attention's o, the feed-forward's down): its

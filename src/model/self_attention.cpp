@@ -25,13 +25,15 @@ std::vector<ParamSpec> SelfAttention::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
   const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
   std::vector<ParamSpec> specs(3);
-  specs[kNorm] = {p + "attn_norm.weight", {hidden_}, {hf + "input_layernorm.weight"}, false, layer};
+  specs[kNorm] = {p + "attn_norm.weight", {hidden_}, {{hf + "input_layernorm.weight", hidden_}}, false, layer};
   specs[kQkv] = {p + "attention.qkv.weight",
                  {q + 2 * kv, hidden_},
-                 {hf + "self_attn.q_proj.weight", hf + "self_attn.k_proj.weight", hf + "self_attn.v_proj.weight"},
+                 {{hf + "self_attn.q_proj.weight", q}, {hf + "self_attn.k_proj.weight", kv},
+                  {hf + "self_attn.v_proj.weight", kv}},
                  true,
                  layer};
-  specs[kOut] = {p + "attention.o.weight", {hidden_, q}, {hf + "self_attn.o_proj.weight"}, true, layer, true};
+  specs[kOut] = {p + "attention.o.weight", {hidden_, q}, {{hf + "self_attn.o_proj.weight", hidden_}}, true, layer,
+                 true};
   return specs;
 }
 

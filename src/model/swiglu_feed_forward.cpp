@@ -14,13 +14,13 @@ SwiGluFeedForward::SwiGluFeedForward(const ModelConfig& config)
 std::vector<ParamSpec> SwiGluFeedForward::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
   std::vector<ParamSpec> specs(3);
-  specs[kNorm] = {p + "mlp_norm.weight", {hidden_}, {hf + "post_attention_layernorm.weight"}, false, layer};
+  specs[kNorm] = {p + "mlp_norm.weight", {hidden_}, {{hf + "post_attention_layernorm.weight", hidden_}}, false, layer};
   specs[kGateUp] = {p + "mlp.gate_up.weight",
                     {2 * ffn_, hidden_},
-                    {hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"},
+                    {{hf + "mlp.gate_proj.weight", ffn_}, {hf + "mlp.up_proj.weight", ffn_}},
                     true,
                     layer};
-  specs[kDown] = {p + "mlp.down.weight", {hidden_, ffn_}, {hf + "mlp.down_proj.weight"}, true, layer, true};
+  specs[kDown] = {p + "mlp.down.weight", {hidden_, ffn_}, {{hf + "mlp.down_proj.weight", hidden_}}, true, layer, true};
   return specs;
 }
 

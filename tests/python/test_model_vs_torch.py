@@ -110,6 +110,8 @@ class ModelVsTorch(unittest.TestCase):
         # forge's fused tensors are the Hugging Face tensors stacked along dim 0.
         flat = []
         for spec in specs:
+            for name, rows in zip(spec["hf_names"], spec["hf_rows"], strict=True):
+                self.assertEqual(state[name].shape[0], rows, f"{spec['name']}: rows of {name}")
             t = torch.cat([state.pop(name) for name in spec["hf_names"]], dim=0)
             self.assertEqual(list(t.shape), spec["shape"], spec["name"])
             flat.append(t.reshape(-1))

@@ -63,6 +63,18 @@ void write_from(const std::string& path, const void* data, size_t bytes) {
   FORGE_CHECK(static_cast<bool>(out), "short write of {}", path);
 }
 
+std::vector<std::string> hf_names(const ParamSpec& spec) {
+  std::vector<std::string> names;
+  for (const HfTensor& t : spec.hf_tensors) names.push_back(t.name);
+  return names;
+}
+
+std::vector<int64_t> hf_rows(const ParamSpec& spec) {
+  std::vector<int64_t> rows;
+  for (const HfTensor& t : spec.hf_tensors) rows.push_back(t.rows);
+  return rows;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -76,7 +88,7 @@ int main(int argc, char** argv) {
   if (mode == "specs") {
     json specs = json::array();
     for (const ParamSpec& s : parameter_specs(config))
-      specs.push_back({{"name", s.name}, {"shape", s.shape}, {"hf_names", s.hf_names}});
+      specs.push_back({{"name", s.name}, {"shape", s.shape}, {"hf_names", hf_names(s)}, {"hf_rows", hf_rows(s)}});
     std::ofstream(dir + "/specs.json") << specs.dump(1);
     return 0;
   }
