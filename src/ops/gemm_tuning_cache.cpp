@@ -222,7 +222,8 @@ ParsedGemmChoices parse_gemm_choices(std::string_view contents, const GemmTuning
   written.device_name = std::string(lines[1].substr(7));
   auto multiprocessors = parse_number<int64_t>(lines[2].substr(16));
   auto cublaslt_version = parse_number<uint64_t>(lines[3].substr(9));
-  if (!multiprocessors || !cublaslt_version) return fail("the header's multiprocessors or cublaslt line is not a number");
+  if (!multiprocessors || !cublaslt_version)
+    return fail("the header's multiprocessors or cublaslt line is not a number");
   written.multiprocessors = *multiprocessors;
   written.cublaslt_version = *cublaslt_version;
   if (written.device_name != one_line(target.device_name) || written.multiprocessors != target.multiprocessors ||

@@ -26,17 +26,20 @@
 // checksum (a truncated or flipped byte), names another target in its header, or has a
 // line that does not parse is ignored whole, with one warning naming the file and the
 // fault, and the first save replaces it. A file that cannot be read (permissions) is one
-// warning too, and left alone: that run saves nothing. Even a valid choice is only a candidate:
-// the CUDA side runs it past cublasLtMatmulAlgoCheck for its problem and tunes again when
-// the library rejects it.
+// warning too, and left alone: that run saves nothing. Even a valid choice is only a
+// candidate: the CUDA side runs it past cublasLtMatmulAlgoCheck for its problem and
+// tunes again when the library rejects it.
 //
-// Writes: after each newly tuned shape (a run killed mid-way keeps what it measured; a
-// save is a few KiB, small beside the tens to hundreds of milliseconds the timing of one
-// shape takes). A save re-reads the file, lays this process's choices over what is there
-// (so ranks and runs tuning at once keep each other's shapes) and replaces it with one
-// rename (write_file_atomic). Two savers racing may drop the other's newest shapes, which
-// the next run measures again and adds; the file is always whole. No fsync: a cache lost
-// to a power cut costs one tuning. A directory that cannot be written is one warning; the
+// Writes: after each newly tuned shape, so a run killed mid-way keeps what it measured;
+// a save reads and writes a few KiB, little beside timing the shape (the 8B proxy's
+// first step spends 10.8 s timing its shapes). A save re-reads the file, lays this
+// process's choices over what is there (so ranks and runs tuning at once keep each
+// other's shapes) and replaces it with one rename (write_file_atomic). Two savers racing
+// may drop the other's newest shapes, which the next run measures again and adds; the
+// file is always whole. The exception is a directory shared by several hosts: the
+// temporary is named by process id only, so two hosts' processes with the same id may
+// mix their writes, and the checksum then rejects the file. No fsync: a cache lost to a
+// power cut costs one tuning. A directory that cannot be written is one warning; the
 // choices then live in the process only.
 #pragma once
 
