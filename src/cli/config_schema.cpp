@@ -101,6 +101,11 @@ std::vector<ConfigKey> build_schema() {
       key<&E::training, &T::gemm_tuning>("training.gemm_tuning",
                                          "CUDA: time cuBLASLt's candidate algorithms per GEMM shape on first use and "
                                          "keep the fastest (Megatron's GEMM_TUNING)"),
+      key<&E::training, &T::gemm_tuning_cache>(
+          "training.gemm_tuning_cache",
+          "with gemm_tuning: directory that keeps the measured choices for later runs (one file per GPU model and "
+          "cuBLASLt version); empty: $FORGE_CACHE_DIR, else $XDG_CACHE_HOME/forge, else ~/.cache/forge; off: "
+          "measure in every run"),
 
       key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
       key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),

@@ -2,6 +2,8 @@
 #include "distributed/launch_env.h"
 #include "cli/config_validate.h"
 
+#include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <string_view>
 
@@ -46,6 +48,16 @@ void check_model(const ExperimentConfig& config, const ConfigOrigins& origins) {
   }
 }
 
+// A value of training.gemm_tuning_cache that reads as a switch, not a directory: "false"
+// would otherwise become a directory named false. Only "off" (exactly) is the switch.
+bool is_switch_word(const std::string& value) {
+  std::string lower = value;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char c) { return std::tolower(c); });
+  for (std::string_view word : {"true", "false", "yes", "no", "on", "off", "none", "null", "disable", "disabled"})
+    if (lower == word) return value != "off";
+  return false;
+}
+
 void check_training(const ExperimentConfig& config, const ConfigOrigins& origins) {
   auto show_key = [&](const std::string& key) { return show(config, origins, key); };
   if (config.training.seq_len > config.model.max_seq_len) {
@@ -57,6 +69,10 @@ void check_training(const ExperimentConfig& config, const ConfigOrigins& origins
   if (config.optimizer.state_dtype == "bf16" && config.training.device != "cuda") {
     FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",
                show_key("optimizer.state_dtype"));
+  }
+  if (is_switch_word(config.training.gemm_tuning_cache)) {
+    FORGE_FAIL("{} expects a directory, empty for forge's cache directory, or off to keep no cache",
+               show_key("training.gemm_tuning_cache"));
   }
 }
 

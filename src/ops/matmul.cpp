@@ -63,12 +63,20 @@ void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tens
   gemm(out, a, transpose_a, b, transpose_b, 1.0f, 1.0f, &addend);
 }
 
-void set_gemm_tuning(bool enabled) {
+void set_gemm_tuning(bool enabled, const std::string& cache_directory) {
 #ifdef FORGE_CUDA
-  if (cuda_available()) cuda::set_gemm_tuning(enabled);
+  if (cuda_available()) cuda::set_gemm_tuning(enabled, cache_directory);
 #else
   (void)enabled;
+  (void)cache_directory;
 #endif
+}
+
+GemmTuningStats gemm_tuning_stats() {
+#ifdef FORGE_CUDA
+  if (cuda_available()) return cuda::gemm_tuning_stats();
+#endif
+  return GemmTuningStats{};
 }
 
 }  // namespace forge

@@ -7,7 +7,10 @@
 //            dW += dy^T x    matmul(dW, dy, true, x, false, 1, 1)
 #pragma once
 
+#include <string>
+
 #include "core/tensor.h"
+#include "ops/gemm_tuning_cache.h"
 
 namespace forge {
 
@@ -21,8 +24,12 @@ void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tens
                 const Tensor& addend);
 
 // GPU GEMMs: choose each shape's algorithm by timing cuBLASLt's candidates on first use
-// instead of taking its first heuristic choice (training.gemm_tuning). No effect on the
-// CPU reference.
-void set_gemm_tuning(bool enabled);
+// instead of taking its first heuristic choice (training.gemm_tuning), keeping the
+// measured choices in `cache_directory` for later runs ("": not kept; see
+// gemm_tuning_cache_dir and NOTE [GEMM tuning cache]). No effect on the CPU reference.
+void set_gemm_tuning(bool enabled, const std::string& cache_directory = "");
+
+// How the current GPU's GEMM algorithms were chosen so far; all zero on the CPU.
+GemmTuningStats gemm_tuning_stats();
 
 }  // namespace forge

@@ -22,6 +22,7 @@ struct TrainingConfig {
   double max_norm = 1.0;             // global grad-norm clipping; 0 disables
   std::string device = "cpu";        // cpu | cuda
   bool gemm_tuning = false;          // time cuBLASLt's candidates per GEMM shape (NOTE [GEMM algorithm choice])
+  std::string gemm_tuning_cache;     // where measured choices are kept: a directory, "" forge's cache dir, "off" none
 };
 
 struct EvalConfig {

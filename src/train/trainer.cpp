@@ -246,7 +246,7 @@ TrainResult Trainer::run() {
   const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
   set_op_profiling(config_.logging.profile_ops);
-  set_gemm_tuning(t.gemm_tuning);
+  set_gemm_tuning(t.gemm_tuning, t.gemm_tuning ? gemm_tuning_cache_dir(t.gemm_tuning_cache) : "");
 
   TrainResult result;
   result.run_dir = run_dir_;
@@ -354,6 +354,9 @@ TrainResult Trainer::run() {
       FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
       log_line(format_step(m, t.steps) + (m.op_seconds ? "\n" + format_op_seconds(m) : ""));
+    // The first step plans nearly every GEMM shape the run has (NOTE [GEMM tuning cache]).
+    if (step == start_step_ && t.gemm_tuning && device_ == Device::CUDA)
+      log_line(describe_gemm_tuning(gemm_tuning_stats()));
     if (progress) progress->update(static_cast<double>(m.step), fmt::format("loss {:.4f}, {:.0f} tokens/s", m.loss, m.tokens_per_s));
 
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);

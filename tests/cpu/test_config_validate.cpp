@@ -51,6 +51,15 @@ TEST(ConfigValidate, IndexedDataNeedsAPathAndSplitMustParse) {
   EXPECT_EQ(load({{"data.split", "98,2"}}).data.split, "98,2");
 }
 
+TEST(ConfigValidate, GemmTuningCacheIsADirectoryOrOff) {
+  for (const char* word : {"false", "no", "True", "OFF", "none"})
+    expect_error([&] { load({{"training.gemm_tuning_cache", word}}); },
+                 {"training.gemm_tuning_cache = ", "(command line) expects a directory", "or off to keep no cache"});
+  EXPECT_EQ(load({{"training.gemm_tuning_cache", "off"}}).training.gemm_tuning_cache, "off");
+  EXPECT_EQ(load({{"training.gemm_tuning_cache", "/scratch/forge"}}).training.gemm_tuning_cache, "/scratch/forge");
+  EXPECT_EQ(load({}).training.gemm_tuning_cache, "");
+}
+
 TEST(ConfigValidate, MinLrMustNotExceedLr) {
   expect_error([] { load({{"lr_scheduler.min_lr", "1"}}); },
                {"lr_scheduler.min_lr = 1 (command line) must not exceed optimizer.lr = 0.005 (default value)"});

@@ -29,32 +29,57 @@
 // If the scratch copy does not fit in free memory, that shape keeps the heuristic choice.
 // Different algorithms round differently, so tuned runs are reproducible only on the same
 // GPU model and cuBLAS version.
+//
+// The timing costs seconds per run (10.8 s of the 8B proxy's first step on an H100), so
+// measured choices are kept on disk and taken by later runs on the same GPU model and
+// cuBLASLt version (NOTE [GEMM tuning cache] in ops/gemm_tuning_cache.h): a tuned plan
+// first looks there, runs the stored algorithm past cublasLtMatmulAlgoCheck for its
+// problem, and only times candidates when there is none or cuBLASLt rejects it; each
+// shape timed is added to the file at once. A side effect worth having: runs that share
+// a cache take the same algorithms, so they round alike, where each run's own timing
+// could pick differently.
 #include "kernels/cuda/matmul.h"
 
 #include <cublasLt.h>
 
 #include <algorithm>
-#include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
 #include "core/device.h"
+#include "core/log.h"
 #include "kernels/cuda/cuda_check.h"
+#include "ops/gemm_tuning_cache.h"
 
 namespace forge::cuda {
 namespace {
 
 constexpr size_t kWorkspaceBytes = 32u << 20;
+constexpr cublasComputeType_t kComputeType = CUBLAS_COMPUTE_32F;
 constexpr int kHeuristicCandidates = 16;
 constexpr int kVariedCandidates = 4;   // of the heuristic's, varied in cluster shape and custom option
 constexpr int kFinalists = 4;
 constexpr int kFinalRounds = 5;
 constexpr int kRunsPerRound = 2;
 
-std::atomic<bool> g_tuning{false};  // set_gemm_tuning, for every GPU's context
+struct TuningSettings {
+  bool enabled = false;
+  std::string cache_directory;  // where measured choices are kept; "" keeps none
+};
+
+std::mutex g_settings_mu;
+TuningSettings g_settings;  // set_gemm_tuning, for every GPU's context
+
+TuningSettings tuning_settings() {
+  std::lock_guard lock(g_settings_mu);
+  return g_settings;
+}
 
 struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
@@ -68,6 +93,8 @@ struct Context {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
+  std::optional<GemmTuningCache> cache;  // this GPU's measured choices on disk, opened by the first tuned plan
+  GemmTuningStats stats;                 // counters only; the cache fills in its file and what it loaded
   std::mutex mu;
 
   Context() {
@@ -122,6 +149,13 @@ float time_algorithm(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& al
   return ok ? ms / runs : -1.0f;
 }
 
+// Whether cuBLASLt runs `algo` for the plan's problem within the workspace.
+bool library_accepts(Context& ctx, const Plan& p, const cublasLtMatmulAlgo_t& algo) {
+  cublasLtMatmulHeuristicResult_t check{};
+  return cublasLtMatmulAlgoCheck(ctx.handle, p.op, p.a, p.b, p.c, p.c, &algo, &check) == CUBLAS_STATUS_SUCCESS &&
+         check.workspaceSize <= kWorkspaceBytes;
+}
+
 // The heuristic's candidates, then variants of its first kVariedCandidates: every cluster
 // shape of 1x1, 2x1, 1x2 with every custom option, where cuBLASLt accepts the combination.
 std::vector<cublasLtMatmulAlgo_t> tuning_candidates(Context& ctx, const Plan& p,
@@ -139,13 +173,11 @@ std::vector<cublasLtMatmulAlgo_t> tuning_candidates(Context& ctx, const Plan& p,
     for (uint16_t cluster : clusters)
       for (int32_t custom = 0; custom <= custom_max; ++custom) {
         cublasLtMatmulAlgo_t algo = heuristic[i].algo;
-        cublasLtMatmulHeuristicResult_t check{};
         if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, &cluster,
                                                  sizeof(cluster)) != CUBLAS_STATUS_SUCCESS ||
             cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, &custom,
                                                  sizeof(custom)) != CUBLAS_STATUS_SUCCESS ||
-            cublasLtMatmulAlgoCheck(ctx.handle, p.op, p.a, p.b, p.c, p.c, &algo, &check) != CUBLAS_STATUS_SUCCESS ||
-            check.workspaceSize > kWorkspaceBytes)
+            !library_accepts(ctx, p, algo))
           continue;
         candidates.push_back(algo);
       }
@@ -155,12 +187,13 @@ std::vector<cublasLtMatmulAlgo_t> tuning_candidates(Context& ctx, const Plan& p,
 
 // The fastest candidate, timed on a scratch copy of the output: a screening run of each,
 // then the kFinalists fastest and the heuristic's first (candidates[0]) round robin.
-void choose_by_timing(Context& ctx, Plan& p, const std::vector<cublasLtMatmulAlgo_t>& candidates, const Operands& x,
+// False when nothing could be timed and p keeps the heuristic's choice.
+bool choose_by_timing(Context& ctx, Plan& p, const std::vector<cublasLtMatmulAlgo_t>& candidates, const Operands& x,
                       size_t out_bytes) {
   void* scratch = nullptr;
   if (cudaMalloc(&scratch, out_bytes) != cudaSuccess) {
     cudaGetLastError();  // clear the allocation failure; this shape keeps the heuristic choice
-    return;
+    return false;
   }
   if (x.beta != 0.0f && x.c == x.out) CUDA_CHECK(cudaMemcpy(scratch, x.out, out_bytes, cudaMemcpyDeviceToDevice));
   std::vector<std::pair<float, size_t>> screened;  // (ms, candidate index)
@@ -188,16 +221,17 @@ void choose_by_timing(Context& ctx, Plan& p, const std::vector<cublasLtMatmulAlg
     }
   }
   CUDA_CHECK(cudaFree(scratch));
+  return best >= 0.0f;
 }
 
-Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
+// The plan's descriptors for the column-major problem (N, M, K), without an algorithm:
+// the first operand is b, the second a.
+Plan describe_problem(const PlanKey& key) {
   auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
-  (void)beta_zero;  // the operands carry beta itself
-  const bool tuning = g_tuning;
+  (void)beta_zero;  // it decides the algorithm, not the descriptors
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-  // Column-major problem (N, M, K): first operand is b, second is a.
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&p.op, kComputeType, CUDA_R_32F));
   cublasOperation_t op_first = transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   cublasOperation_t op_second = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
@@ -212,6 +246,80 @@ Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   else
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, n, m, n));
+  return p;
+}
+
+void destroy_plan(Plan& p) {
+  cublasLtMatrixLayoutDestroy(p.c);
+  cublasLtMatrixLayoutDestroy(p.b);
+  cublasLtMatrixLayoutDestroy(p.a);
+  cublasLtMatmulDescDestroy(p.op);
+}
+
+// The key of a plan's choice in the tuning cache: everything that decides it.
+GemmProblem tuning_problem(const PlanKey& key) {
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  return GemmProblem{m, n, k, transpose_a, transpose_b, DType::BF16, out_dtype, beta_zero, kComputeType,
+                     kWorkspaceBytes};
+}
+
+static_assert(sizeof(cublasLtMatmulAlgo_t) == sizeof(GemmAlgorithm), "cuBLASLt's algorithm is 8 words");
+
+GemmAlgorithm to_stored(const cublasLtMatmulAlgo_t& algo) {
+  GemmAlgorithm stored;
+  std::memcpy(stored.data(), &algo, sizeof(stored));
+  return stored;
+}
+
+cublasLtMatmulAlgo_t from_stored(const GemmAlgorithm& stored) {
+  cublasLtMatmulAlgo_t algo;
+  std::memcpy(&algo, stored.data(), sizeof(algo));
+  return algo;
+}
+
+GemmTuningTarget current_gpu_target() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp properties{};
+  CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+  return GemmTuningTarget{properties.name, properties.multiProcessorCount,
+                          static_cast<uint64_t>(cublasLtGetVersion())};
+}
+
+// The context's tuning cache in `directory` ("": none), opened when first asked for.
+GemmTuningCache* tuning_cache(Context& ctx, const std::string& directory) {
+  if (directory.empty()) {
+    ctx.cache.reset();
+    return nullptr;
+  }
+  if (!ctx.cache || ctx.cache->directory() != directory) ctx.cache.emplace(directory, current_gpu_target());
+  return &*ctx.cache;
+}
+
+// Gives p the choice stored for its problem, if there is one and cuBLASLt accepts it.
+bool take_stored_choice(Context& ctx, const GemmTuningCache& cache, const PlanKey& key, Plan& p) {
+  std::optional<GemmAlgorithm> stored = cache.find(tuning_problem(key));
+  if (!stored) return false;
+  const cublasLtMatmulAlgo_t algo = from_stored(*stored);
+  if (!library_accepts(ctx, p, algo)) {
+    if (ctx.stats.cached_rejected++ == 0)
+      log_warn("GEMM tuning cache {}: cuBLASLt rejects the stored algorithm for [{}x{}x{}]; every shape it rejects "
+               "is timed again",
+               cache.path(), std::get<0>(key), std::get<1>(key), std::get<2>(key));
+    return false;
+  }
+  p.algo = algo;
+  ++ctx.stats.shapes_from_cache;
+  return true;
+}
+
+Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  (void)beta_zero;  // the operands carry beta itself
+  const TuningSettings settings = tuning_settings();
+  Plan p = describe_problem(key);
+  GemmTuningCache* cache = settings.enabled ? tuning_cache(ctx, settings.cache_directory) : nullptr;
+  if (cache && take_stored_choice(ctx, *cache, key, p)) return p;
 
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
@@ -220,14 +328,17 @@ Plan make_plan(Context& ctx, const PlanKey& key, const Operands& operands) {
   cublasLtMatmulHeuristicResult_t results[kHeuristicCandidates]{};
   int found = 0;
   CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(ctx.handle, p.op, p.a, p.b, p.c, p.c, pref,
-                                              tuning ? kHeuristicCandidates : 1, results, &found));
+                                              settings.enabled ? kHeuristicCandidates : 1, results, &found));
   cublasLtMatmulPreferenceDestroy(pref);
   FORGE_CHECK(found > 0, "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", m, n, k, transpose_a,
               transpose_b, dtype_name(out_dtype));
   p.algo = results[0].algo;
-  if (tuning)
-    choose_by_timing(ctx, p, tuning_candidates(ctx, p, results, found), operands,
-                     static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype));
+  if (settings.enabled &&
+      choose_by_timing(ctx, p, tuning_candidates(ctx, p, results, found), operands,
+                       static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype))) {
+    ++ctx.stats.shapes_tuned;
+    if (cache) cache->add(tuning_problem(key), to_stored(p.algo));
+  }
   return p;
 }
 
@@ -250,6 +361,30 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
                               &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
 
-void set_gemm_tuning(bool enabled) { g_tuning = enabled; }  // for shapes first seen from now on
+void set_gemm_tuning(bool enabled, const std::string& cache_directory) {  // for shapes first seen from now on
+  std::lock_guard lock(g_settings_mu);
+  g_settings = TuningSettings{enabled, cache_directory};
+}
+
+GemmTuningStats gemm_tuning_stats() {
+  Context& ctx = context();
+  std::lock_guard lock(ctx.mu);
+  GemmTuningStats stats = ctx.stats;
+  if (ctx.cache) {
+    stats.cache_file = ctx.cache->path();
+    stats.choices_loaded = static_cast<int64_t>(ctx.cache->loaded());
+  }
+  return stats;
+}
+
+void forget_gemm_plans() {
+  Context& ctx = context();
+  std::lock_guard lock(ctx.mu);
+  CUDA_CHECK(cudaDeviceSynchronize());  // no GEMM in flight still reads a descriptor
+  for (auto& [key, plan] : ctx.plans) destroy_plan(plan);
+  ctx.plans.clear();
+  ctx.cache.reset();
+  ctx.stats = GemmTuningStats{};
+}
 
 }  // namespace forge::cuda

@@ -1,8 +1,10 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "core/dtype.h"
+#include "ops/gemm_tuning_cache.h"
 
 namespace forge::cuda {
 
@@ -13,7 +15,15 @@ namespace forge::cuda {
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
             int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr);
 
-// NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape.
-void set_gemm_tuning(bool enabled);
+// NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape,
+// measured choices kept in `cache_directory` ("": not kept; NOTE [GEMM tuning cache]).
+void set_gemm_tuning(bool enabled, const std::string& cache_directory);
+
+// How the current GPU's plans were chosen so far.
+GemmTuningStats gemm_tuning_stats();
+
+// Drops the current GPU's plans, its opened tuning cache and its counters, as if the
+// process had just started (for tests). Not while other threads run GEMMs on this GPU.
+void forget_gemm_plans();
 
 }  // namespace forge::cuda

@@ -1,0 +1,144 @@
+// Measured GEMM algorithm choices kept on disk, so that training.gemm_tuning times each
+// shape once per machine instead of once per run. Plain C++ (no CUDA): the algorithms are
+// opaque blobs here; kernels/cuda/matmul.cpp turns them into cuBLASLt's and checks them.
+//
+// NOTE [GEMM tuning cache]
+// Where: one directory, training.gemm_tuning_cache when it names one, else forge's cache
+// directory ($FORGE_CACHE_DIR, else $XDG_CACHE_HOME/forge, else $HOME/.cache/forge);
+// "off" keeps no cache. In it, one file per target (GPU name, SM count, cuBLASLt version,
+// file format), the target spelled in the file name (gemm_tuning_file_name), so another
+// GPU's or library's choices are never opened, never overwritten, never deleted.
+//
+// What: a text file, one line per choice, readable with cat:
+//   forge gemm tuning 1
+//   device NVIDIA H100 80GB HBM3
+//   multiprocessors 132
+//   cublaslt 130100
+//   gemm m=4096 n=14336 k=4096 a=N b=T in=bf16 out=bf16 beta=zero compute=68 workspace=33554432 algo=<128 hex>
+//   checksum <FNV-1a 64 of every byte above, 16 hex>
+// The key is everything that decides the choice: forge's row-major problem (m, n, k,
+// transposes), the input and output dtypes, whether beta is zero, the library's compute
+// type and the workspace the algorithm may use. The algorithm is cuBLASLt's
+// cublasLtMatmulAlgo_t, 8 words that the library documents as serializable for use with
+// the same library version.
+//
+// Trust: a file that lacks the magic line, has another format version, fails its
+// checksum (a truncated or flipped byte), names another target in its header, or has a
+// line that does not parse is ignored whole, with one warning naming the file and the
+// fault, and the first save replaces it. A file that cannot be read (permissions) is one
+// warning too, and left alone: that run saves nothing. Even a valid choice is only a
+// candidate: the CUDA side runs it past cublasLtMatmulAlgoCheck for its problem and
+// tunes again when the library rejects it.
+//
+// Writes: after each newly tuned shape, so a run killed mid-way keeps what it measured;
+// a save reads and writes a few KiB, little beside timing the shape (the 8B proxy's
+// first step spends 10.8 s timing its shapes). A save re-reads the file, lays this
+// process's choices over what is there (so ranks and runs tuning at once keep each
+// other's shapes) and replaces it with one rename (write_file_atomic). Two savers racing
+// may drop the other's newest shapes, which the next run measures again and adds; the
+// file is always whole. The exception is a directory shared by several hosts: the
+// temporary is named by process id only, so two hosts' processes with the same id may
+// mix their writes, and the checksum then rejects the file. No fsync: a cache lost to a
+// power cut costs one tuning. A directory that cannot be written is one warning; the
+// choices then live in the process only.
+#pragma once
+
+#include <array>
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "core/dtype.h"
+
+namespace forge {
+
+// What a choice was measured on: it is only used on the same.
+struct GemmTuningTarget {
+  std::string device_name;       // cudaDeviceProp::name, e.g. "NVIDIA H100 80GB HBM3"
+  int64_t multiprocessors = 0;   // a GPU partition (MIG) keeps the device name but has fewer SMs
+  uint64_t cublaslt_version = 0;  // cublasLtGetVersion()
+};
+
+// One GEMM problem as the algorithm choice sees it (NOTE [GEMM algorithm choice]).
+struct GemmProblem {
+  int64_t m = 0, n = 0, k = 0;  // forge's row-major out[m, n] = op(a)[m, k] op(b)[k, n]
+  bool transpose_a = false, transpose_b = false;
+  DType input_dtype = DType::BF16;
+  DType out_dtype = DType::BF16;
+  bool beta_zero = true;
+  int64_t compute_type = 0;      // cublasComputeType_t
+  uint64_t workspace_bytes = 0;  // the most workspace the algorithm may use
+  auto operator<=>(const GemmProblem&) const = default;
+};
+
+// cublasLtMatmulAlgo_t, byte for byte.
+using GemmAlgorithm = std::array<uint64_t, 8>;
+using GemmChoices = std::map<GemmProblem, GemmAlgorithm>;
+
+// The directory tuned choices are kept in (NOTE [GEMM tuning cache]), given the value of
+// training.gemm_tuning_cache: that value when it names a directory, "" (no cache) when it
+// is "off", and when it is empty forge's cache directory from the environment, or "" when
+// none of its variables is set.
+std::string gemm_tuning_cache_dir(const std::string& setting);
+
+// e.g. "gemm-tuning-v1-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt"
+std::string gemm_tuning_file_name(const GemmTuningTarget& target);
+
+std::string serialize_gemm_choices(const GemmTuningTarget& target, const GemmChoices& choices);
+
+// The choices in a file's contents, or why they are not usable for `target`.
+struct ParsedGemmChoices {
+  GemmChoices choices;
+  std::string error;  // empty when the contents are a valid cache for target
+};
+ParsedGemmChoices parse_gemm_choices(std::string_view contents, const GemmTuningTarget& target);
+
+// The choices of one target in one directory, as this process knows them. Not
+// thread-safe: its owner (one GPU's GEMM context) serializes calls; saves from several
+// caches of one process are serialized inside.
+class GemmTuningCache {
+ public:
+  // Reads the target's file in `directory`: a missing file is an empty cache; an invalid
+  // one is ignored with one warning and replaced by the first save; one that cannot be
+  // read is one warning and left alone (nothing is saved).
+  GemmTuningCache(std::string directory, GemmTuningTarget target);
+
+  const std::string& directory() const { return directory_; }
+  const std::string& path() const { return path_; }
+  size_t loaded() const { return loaded_; }  // choices read when the cache was opened
+
+  std::optional<GemmAlgorithm> find(const GemmProblem& problem) const;
+
+  // Records a choice this process measured and saves the file: what is on disk now with
+  // this process's choices laid over it, which this cache then holds too (so another
+  // rank's choices serve this one's next shapes). A failed save is one warning; later
+  // adds then only record.
+  void add(const GemmProblem& problem, const GemmAlgorithm& algorithm);
+
+ private:
+  void save();
+
+  std::string directory_, path_;
+  GemmTuningTarget target_;
+  GemmChoices choices_;
+  size_t loaded_ = 0;
+  bool saving_ = true;
+};
+
+// How this process chose its GEMM algorithms on one GPU, for the run's log and for tests.
+struct GemmTuningStats {
+  std::string cache_file;          // empty when choices are not kept on disk
+  int64_t choices_loaded = 0;      // read from cache_file when it was opened
+  int64_t shapes_from_cache = 0;   // plans that took a loaded choice
+  int64_t cached_rejected = 0;     // loaded choices cuBLASLt rejected for their problem, tuned again
+  int64_t shapes_tuned = 0;        // plans chosen by timing (and added to cache_file)
+};
+
+// One log line: where the cache is and what came from it.
+std::string describe_gemm_tuning(const GemmTuningStats& stats);
+
+}  // namespace forge
