@@ -10,7 +10,7 @@
 #include <string>
 
 #include "core/tensor.h"
-#include "ops/gemm_tuning_cache.h"
+#include "kernels/gemm_tuning_cache.h"
 
 namespace forge {
 

@@ -10,7 +10,7 @@
 #include <fmt/format.h>
 
 #include "config_test_support.h"
-#include "ops/gemm_tuning_cache.h"
+#include "kernels/gemm_tuning_cache.h"
 #include "test_data_temp_dir.h"
 
 namespace forge {

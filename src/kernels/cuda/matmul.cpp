@@ -32,7 +32,7 @@
 //
 // The timing costs seconds per run (10.8 s of the 8B proxy's first step on an H100), so
 // measured choices are kept on disk and taken by later runs on the same GPU model and
-// cuBLASLt version (NOTE [GEMM tuning cache] in ops/gemm_tuning_cache.h): a tuned plan
+// cuBLASLt version (NOTE [GEMM tuning cache] in kernels/gemm_tuning_cache.h): a tuned plan
 // first looks there, runs the stored algorithm past cublasLtMatmulAlgoCheck for its
 // problem, and only times candidates when there is none or cuBLASLt rejects it; each
 // shape timed is added to the file at once. A side effect worth having: runs that share
@@ -55,7 +55,7 @@
 #include "core/device.h"
 #include "core/log.h"
 #include "kernels/cuda/cuda_check.h"
-#include "ops/gemm_tuning_cache.h"
+#include "kernels/gemm_tuning_cache.h"
 
 namespace forge::cuda {
 namespace {

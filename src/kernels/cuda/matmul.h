@@ -4,7 +4,7 @@
 #include <string>
 
 #include "core/dtype.h"
-#include "ops/gemm_tuning_cache.h"
+#include "kernels/gemm_tuning_cache.h"
 
 namespace forge::cuda {
 

@@ -1,5 +1,5 @@
 // The GEMM tuning cache's file format, directory and merge (NOTE [GEMM tuning cache]).
-#include "ops/gemm_tuning_cache.h"
+#include "kernels/gemm_tuning_cache.h"
 
 #include <fcntl.h>
 #include <unistd.h>
