@@ -25,7 +25,7 @@ ConfigField field_at(ExperimentConfig& config) {
 }
 
 template <auto... Path>
-ConfigKey key(std::string name, std::string description, ConfigRange range = {},
+ConfigKey key(std::string name, std::string description, ValueRange range = {},
               std::vector<std::string> choices = {}) {
   using Field = std::remove_reference_t<decltype((std::declval<ExperimentConfig&>() .* ... .* Path))>;
   ConfigValueType type;
@@ -42,10 +42,8 @@ ConfigKey key(std::string name, std::string description, ConfigRange range = {},
   return ConfigKey{std::move(name), type, std::move(description), range, std::move(choices), &field_at<Path...>};
 }
 
-ConfigRange at_least(double min) { return {min, std::nullopt}; }
-ConfigRange above(double min) { return {min, std::nullopt, true}; }
 // [0, 1): Adam's betas (beta == 1 would divide by zero in the bias correction).
-ConfigRange unit_interval_open_above() { return {0.0, 1.0, false, true}; }
+ValueRange unit_interval_open_above() { return {0.0, 1.0, false, true}; }
 
 using E = ExperimentConfig;
 using M = ModelConfig;
@@ -154,18 +152,18 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",
           "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate degree",
-          ConfigRange{-1, std::nullopt}),
+          at_least(-1)),
       key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
           "parallelism.data_parallel_replicate_degree",
           "replicas of each shard group (hybrid sharding: shard within a node, replicate across)", at_least(1)),
       key<&E::parallelism, &ParallelismConfig::zero_stage>(
           "parallelism.zero_stage", "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters",
-          ConfigRange{1, 3}),
+          ValueRange{1, 3}),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
-          ConfigRange{1, std::nullopt}),
+          at_least(1)),
       key<&E::parallelism, &ParallelismConfig::rendezvous_timeout_s>(
-          "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", ConfigRange{1, std::nullopt}),
+          "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", at_least(1)),
       key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(
           "activation_checkpoint.mode",
           "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},
@@ -190,22 +188,10 @@ std::vector<ConfigKey> build_schema() {
   };
 }
 
-std::string format_bound(double bound) { return fmt::format("{}", bound); }
-
-std::string describe_range(const ConfigRange& range) {
-  if (range.min && range.max) {
-    return fmt::format(" in {}{}, {}{}", range.min_exclusive ? '(' : '[', format_bound(*range.min),
-                       format_bound(*range.max), range.max_exclusive ? ')' : ']');
-  }
-  if (range.min) return fmt::format(" {} {}", range.min_exclusive ? ">" : ">=", format_bound(*range.min));
-  if (range.max) return fmt::format(" {} {}", range.max_exclusive ? "<" : "<=", format_bound(*range.max));
-  return "";
-}
-
-bool in_range(double value, const ConfigRange& range) {
-  if (range.min && (range.min_exclusive ? value <= *range.min : value < *range.min)) return false;
-  if (range.max && (range.max_exclusive ? value >= *range.max : value > *range.max)) return false;
-  return true;
+// " >= 1" after "an integer", or nothing for an unbounded number.
+std::string describe_range(const ValueRange& range) {
+  const std::string bounds = range.describe();
+  return bounds.empty() ? "" : " " + bounds;
 }
 
 template <typename Number>
@@ -348,7 +334,7 @@ void check_config_value(const ConfigKey& key, const ExperimentConfig& config, co
             fail_expected(key, *field, where, did_you_mean(closest_match(*field, key.choices)));
           }
         } else if constexpr (!std::is_same_v<Field, bool>) {
-          if (!in_range(static_cast<double>(*field), key.range)) fail_expected(key, fmt::format("{}", *field), where);
+          if (!key.range.contains(static_cast<double>(*field))) fail_expected(key, fmt::format("{}", *field), where);
         }
       },
       field_for_reading(key, config));
