@@ -1,5 +1,6 @@
 // The table of config keys; see config_schema.h. Adding a field to ExperimentConfig means
-// adding one row here, and nothing else in the config system.
+// adding one row here, and nothing else in the config system (but for a model key with
+// bounds: those go beside the model's rules, which the row points at).
 #include "cli/config_schema.h"
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "cli/config_suggest.h"
 #include "core/error.h"
+#include "model/config_rules.h"
 
 namespace forge {
 namespace {
@@ -56,33 +58,40 @@ using D = DataConfig;
 std::vector<ConfigKey> build_schema() {
   return {
       key<&E::model, &M::name>("model.name", "architecture name; selects configs/models/<name>.yaml"),
-      key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", at_least(1)),
-      key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)", at_least(1)),
-      key<&E::model, &M::num_layers>("model.num_layers", "number of transformer blocks", at_least(1)),
-      key<&E::model, &M::num_heads>("model.num_heads", "query heads per block", at_least(1)),
+      key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", model_bounds::vocab_size),
+      key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)",
+                                      model_bounds::hidden_size),
+      key<&E::model, &M::num_layers>("model.num_layers", "number of transformer blocks", model_bounds::num_layers),
+      key<&E::model, &M::num_heads>("model.num_heads", "query heads per block", model_bounds::num_heads),
       key<&E::model, &M::num_kv_heads>("model.num_kv_heads", "key/value heads (GQA); equal to num_heads for MHA",
-                                       at_least(1)),
-      key<&E::model, &M::head_dim>("model.head_dim", "size of one head; 0: hidden_size / num_heads", at_least(0)),
-      key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size", at_least(1)),
-      key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", above(0)),
-      key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", above(0)),
+                                       model_bounds::num_kv_heads),
+      key<&E::model, &M::head_dim>("model.head_dim", "size of one head; 0: hidden_size / num_heads",
+                                   model_bounds::head_dim),
+      key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size",
+                                          model_bounds::ffn_hidden_size),
+      key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", model_bounds::norm_eps),
+      key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", model_bounds::rope_theta),
       key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",
                                                     "apply Llama 3.1 RoPE frequency scaling (rope_type llama3)"),
       key<&E::model, &M::rope_scaling, &R::factor>("model.rope_scaling.factor", "context extension factor",
-                                                   at_least(1)),
+                                                   model_bounds::rope_scaling_factor),
       key<&E::model, &M::rope_scaling, &R::low_freq_factor>("model.rope_scaling.low_freq_factor",
-                                                            "wavelengths above original / this are scaled", above(0)),
-      key<&E::model, &M::rope_scaling, &R::high_freq_factor>(
-          "model.rope_scaling.high_freq_factor", "wavelengths below original / this are kept", above(0)),
+                                                            "wavelengths above original / this are scaled",
+                                                            model_bounds::rope_scaling_low_freq_factor),
+      key<&E::model, &M::rope_scaling, &R::high_freq_factor>("model.rope_scaling.high_freq_factor",
+                                                             "wavelengths below original / this are kept",
+                                                             model_bounds::rope_scaling_high_freq_factor),
       key<&E::model, &M::rope_scaling, &R::original_max_position>(
-          "model.rope_scaling.original_max_position", "context length the model was pre-trained with", at_least(1)),
+          "model.rope_scaling.original_max_position", "context length the model was pre-trained with",
+          model_bounds::rope_scaling_original_max_position),
       key<&E::model, &M::max_seq_len>("model.max_seq_len", "longest supported sequence (max_position_embeddings)",
-                                      at_least(1)),
+                                      model_bounds::max_seq_len),
       key<&E::model, &M::sliding_window>("model.sliding_window", "attention window in tokens; 0: full causal",
-                                         at_least(0)),
+                                         model_bounds::sliding_window),
       key<&E::model, &M::tie_word_embeddings>("model.tie_word_embeddings",
                                               "output projection shares the input embedding"),
-      key<&E::model, &M::init_std>("model.init_std", "standard deviation of the normal weight init", above(0)),
+      key<&E::model, &M::init_std>("model.init_std", "standard deviation of the normal weight init",
+                                   model_bounds::init_std),
 
       key<&E::training, &T::local_batch_size>("training.local_batch_size", "micro-batch size per device",
                                               at_least(1)),

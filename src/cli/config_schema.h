@@ -7,7 +7,10 @@
 // A row's type is deduced from the C++ type of its field (int64_t and uint64_t are
 // integers, double is a float, bool, std::string), so the table cannot disagree with the
 // struct. A string row with allowed values is an enum.
-
+//
+// The model's keys take their ranges from the layer that owns them (model/config_rules.h),
+// which checks the same bounds where no config file exists; the rows here only point at
+// them.
 #pragma once
 
 #include <cstdint>
