@@ -1,6 +1,6 @@
 // The table of config keys; see config_schema.h. Adding a field to ExperimentConfig means
-// adding one row here, and nothing else in the config system (but for a model key with
-// bounds: those go beside the model's rules, which the row points at).
+// adding one row here, and nothing else in the config system (but for a model or
+// optimizer key with bounds: those go beside its owner's rules, which the row points at).
 #include "cli/config_schema.h"
 
 #include <algorithm>
@@ -15,6 +15,7 @@
 #include "cli/config_suggest.h"
 #include "core/error.h"
 #include "model/config_rules.h"
+#include "optim/config_rules.h"
 
 namespace forge {
 namespace {
@@ -43,9 +44,6 @@ ConfigKey key(std::string name, std::string description, ValueRange range = {},
   }
   return ConfigKey{std::move(name), type, std::move(description), range, std::move(choices), &field_at<Path...>};
 }
-
-// [0, 1): Adam's betas (beta == 1 would divide by zero in the bias correction).
-ValueRange unit_interval_open_above() { return {0.0, 1.0, false, true}; }
 
 using E = ExperimentConfig;
 using M = ModelConfig;
@@ -101,7 +99,7 @@ std::vector<ConfigKey> build_schema() {
           "training.gradient_accumulation_steps", "micro-batches per optimizer step; 0: from global_batch_size",
           at_least(0)),
       key<&E::training, &T::seq_len>("training.seq_len", "tokens per sample", at_least(1)),
-      key<&E::training, &T::steps>("training.steps", "optimizer steps to run", at_least(1)),
+      key<&E::training, &T::steps>("training.steps", "optimizer steps to run", optim_bounds::total_steps),
       key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
       key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
@@ -109,22 +107,26 @@ std::vector<ConfigKey> build_schema() {
                                          "CUDA: time cuBLASLt's candidate algorithms per GEMM shape on first use and "
                                          "keep the fastest (Megatron's GEMM_TUNING)"),
 
-      key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
-      key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),
-      key<&E::optimizer, &O::beta1>("optimizer.beta1", "AdamW first-moment decay", unit_interval_open_above()),
-      key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", unit_interval_open_above()),
-      key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", above(0)),
-      key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay", at_least(0)),
+      key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, optim_bounds::optimizer_names),
+      key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", optim_bounds::lr),
+      key<&E::optimizer, &O::beta1>("optimizer.beta1", "AdamW first-moment decay", optim_bounds::beta),
+      key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", optim_bounds::beta),
+      key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", optim_bounds::eps),
+      key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay",
+                                           optim_bounds::weight_decay),
       key<&E::optimizer, &O::state_dtype>("optimizer.state_dtype",
                                           "storage of AdamW's moments (bf16: CUDA only, half the memory)", {},
-                                          {"fp32", "bf16"}),
+                                          optim_bounds::state_dtypes),
 
-      key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps", at_least(0)),
+      key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps",
+                                              optim_bounds::warmup_steps),
       key<&E::lr_scheduler, &S::decay_style>("lr_scheduler.decay_style", "shape of the decay after warm-up", {},
-                                             {"cosine", "linear", "constant"}),
+                                             optim_bounds::decay_styles),
       key<&E::lr_scheduler, &S::decay_steps>("lr_scheduler.decay_steps",
-                                             "steps of decay after warm-up; 0: until training ends", at_least(0)),
-      key<&E::lr_scheduler, &S::min_lr>("lr_scheduler.min_lr", "learning rate at the end of decay", at_least(0)),
+                                             "steps of decay after warm-up; 0: until training ends",
+                                             optim_bounds::decay_steps),
+      key<&E::lr_scheduler, &S::min_lr>("lr_scheduler.min_lr", "learning rate at the end of decay",
+                                        optim_bounds::min_lr),
 
       key<&E::data, &D::source>("data.source", "where samples come from", {}, {"synthetic", "mock", "indexed"}),
       key<&E::data, &D::path>("data.path", "indexed: path prefix of <path>.bin and <path>.idx"),

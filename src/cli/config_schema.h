@@ -8,9 +8,9 @@
 // integers, double is a float, bool, std::string), so the table cannot disagree with the
 // struct. A string row with allowed values is an enum.
 //
-// The model's keys take their ranges from the layer that owns them (model/config_rules.h),
-// which checks the same bounds where no config file exists; the rows here only point at
-// them.
+// The model's and the optimizer's keys take their ranges and choices from the layer that
+// owns them (model/config_rules.h, optim/config_rules.h), which checks the same bounds
+// where no config file exists; the rows here only point at them.
 #pragma once
 
 #include <cstdint>

@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
-#include "optim/optimizer.h"
+#include "optim/config_rules.h"
 
 namespace forge {
 namespace {
@@ -21,11 +21,12 @@ std::string origin_of(const ConfigOrigins& origins, const std::string& key) {
 }
 
 // NOTE [Origins in config errors]
-// The model's rules live beside ModelConfig (model/config_rules.cpp) and name keys
-// through a KeyDescriber (NOTE [Config rules name their keys through the caller] in
-// core/config_check.h). This one adds the origins, so a rule reads "model.num_heads = 30
-// (exp.yaml:5) must be divisible by model.num_kv_heads = 4 (command line)". The relations
-// below, which no single section owns, say the same through it.
+// The model's and the optimizer's rules live beside what they constrain
+// (model/config_rules.cpp, optim/config_rules.cpp) and name keys through a KeyDescriber
+// (NOTE [Config rules name their keys through the caller] in core/config_check.h). This
+// one adds the origins, so a rule reads "model.num_heads = 30 (exp.yaml:5) must be
+// divisible by model.num_kv_heads = 4 (command line)". The relations below, which no
+// single section owns, say the same through it.
 KeyDescriber key_describer(const ConfigOrigins& origins) {
   return KeyDescriber([&origins](std::string_view key) { return origin_of(origins, std::string(key)); });
 }
@@ -39,10 +40,6 @@ std::string show(const ExperimentConfig& config, const KeyDescriber& keys, const
 void check_training(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.training.seq_len > config.model.max_seq_len) {
     FORGE_FAIL("{} exceeds {}", show(config, keys, "training.seq_len"), show(config, keys, "model.max_seq_len"));
-  }
-  if (config.lr_scheduler.min_lr > config.optimizer.lr) {
-    FORGE_FAIL("{} must not exceed {}", show(config, keys, "lr_scheduler.min_lr"),
-               show(config, keys, "optimizer.lr"));
   }
   if (config.optimizer.state_dtype == "bf16" && config.training.device != "cuda") {
     FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",
@@ -152,7 +149,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   const KeyDescriber keys = key_describer(origins);
   for (const auto& key : config_schema()) check_config_value(key, config, origin_of(origins, key.name));
   config.model.validate(keys);
-  validate(config.optimizer, config.lr_scheduler, config.training.steps);
+  validate(config.optimizer, config.lr_scheduler, config.training.steps, keys);
   check_training(config, keys);
   check_data(config, origins, keys);
   check_checkpoint(config, keys);
