@@ -3,7 +3,7 @@
 // Every value, whatever its source, becomes a ConfigSetting (key, text, origin) and goes
 // through the schema's set_config_value, so a YAML file and the command line accept and
 // reject exactly the same things. The origin of each key's final value is remembered for
-// the cross-key checks in validate_experiment.
+// the messages of validate_experiment's rules.
 #include <filesystem>
 
 #include <fmt/format.h>

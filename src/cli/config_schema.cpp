@@ -1,5 +1,6 @@
 // The table of config keys; see config_schema.h. Adding a field to ExperimentConfig means
-// adding one row here, and nothing else in the config system.
+// adding one row here, and nothing else in the config system (but for a model or
+// optimizer key with bounds: those go beside its owner's rules, which the row points at).
 #include "cli/config_schema.h"
 
 #include <algorithm>
@@ -13,6 +14,8 @@
 
 #include "cli/config_suggest.h"
 #include "core/error.h"
+#include "model/config_rules.h"
+#include "optim/config_rules.h"
 
 namespace forge {
 namespace {
@@ -25,7 +28,7 @@ ConfigField field_at(ExperimentConfig& config) {
 }
 
 template <auto... Path>
-ConfigKey key(std::string name, std::string description, ConfigRange range = {},
+ConfigKey key(std::string name, std::string description, ValueRange range = {},
               std::vector<std::string> choices = {}) {
   using Field = std::remove_reference_t<decltype((std::declval<ExperimentConfig&>() .* ... .* Path))>;
   ConfigValueType type;
@@ -42,11 +45,6 @@ ConfigKey key(std::string name, std::string description, ConfigRange range = {},
   return ConfigKey{std::move(name), type, std::move(description), range, std::move(choices), &field_at<Path...>};
 }
 
-ConfigRange at_least(double min) { return {min, std::nullopt}; }
-ConfigRange above(double min) { return {min, std::nullopt, true}; }
-// [0, 1): Adam's betas (beta == 1 would divide by zero in the bias correction).
-ConfigRange unit_interval_open_above() { return {0.0, 1.0, false, true}; }
-
 using E = ExperimentConfig;
 using M = ModelConfig;
 using R = RopeScaling;
@@ -58,33 +56,40 @@ using D = DataConfig;
 std::vector<ConfigKey> build_schema() {
   return {
       key<&E::model, &M::name>("model.name", "architecture name; selects configs/models/<name>.yaml"),
-      key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", at_least(1)),
-      key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)", at_least(1)),
-      key<&E::model, &M::num_layers>("model.num_layers", "number of transformer blocks", at_least(1)),
-      key<&E::model, &M::num_heads>("model.num_heads", "query heads per block", at_least(1)),
+      key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", model_bounds::vocab_size),
+      key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)",
+                                      model_bounds::hidden_size),
+      key<&E::model, &M::num_layers>("model.num_layers", "number of transformer blocks", model_bounds::num_layers),
+      key<&E::model, &M::num_heads>("model.num_heads", "query heads per block", model_bounds::num_heads),
       key<&E::model, &M::num_kv_heads>("model.num_kv_heads", "key/value heads (GQA); equal to num_heads for MHA",
-                                       at_least(1)),
-      key<&E::model, &M::head_dim>("model.head_dim", "size of one head; 0: hidden_size / num_heads", at_least(0)),
-      key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size", at_least(1)),
-      key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", above(0)),
-      key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", above(0)),
+                                       model_bounds::num_kv_heads),
+      key<&E::model, &M::head_dim>("model.head_dim", "size of one head; 0: hidden_size / num_heads",
+                                   model_bounds::head_dim),
+      key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size",
+                                          model_bounds::ffn_hidden_size),
+      key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", model_bounds::norm_eps),
+      key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", model_bounds::rope_theta),
       key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",
                                                     "apply Llama 3.1 RoPE frequency scaling (rope_type llama3)"),
       key<&E::model, &M::rope_scaling, &R::factor>("model.rope_scaling.factor", "context extension factor",
-                                                   at_least(1)),
+                                                   model_bounds::rope_scaling_factor),
       key<&E::model, &M::rope_scaling, &R::low_freq_factor>("model.rope_scaling.low_freq_factor",
-                                                            "wavelengths above original / this are scaled", above(0)),
-      key<&E::model, &M::rope_scaling, &R::high_freq_factor>(
-          "model.rope_scaling.high_freq_factor", "wavelengths below original / this are kept", above(0)),
+                                                            "wavelengths above original / this are scaled",
+                                                            model_bounds::rope_scaling_low_freq_factor),
+      key<&E::model, &M::rope_scaling, &R::high_freq_factor>("model.rope_scaling.high_freq_factor",
+                                                             "wavelengths below original / this are kept",
+                                                             model_bounds::rope_scaling_high_freq_factor),
       key<&E::model, &M::rope_scaling, &R::original_max_position>(
-          "model.rope_scaling.original_max_position", "context length the model was pre-trained with", at_least(1)),
+          "model.rope_scaling.original_max_position", "context length the model was pre-trained with",
+          model_bounds::rope_scaling_original_max_position),
       key<&E::model, &M::max_seq_len>("model.max_seq_len", "longest supported sequence (max_position_embeddings)",
-                                      at_least(1)),
+                                      model_bounds::max_seq_len),
       key<&E::model, &M::sliding_window>("model.sliding_window", "attention window in tokens; 0: full causal",
-                                         at_least(0)),
+                                         model_bounds::sliding_window),
       key<&E::model, &M::tie_word_embeddings>("model.tie_word_embeddings",
                                               "output projection shares the input embedding"),
-      key<&E::model, &M::init_std>("model.init_std", "standard deviation of the normal weight init", above(0)),
+      key<&E::model, &M::init_std>("model.init_std", "standard deviation of the normal weight init",
+                                   model_bounds::init_std),
 
       key<&E::training, &T::local_batch_size>("training.local_batch_size", "micro-batch size per device",
                                               at_least(1)),
@@ -94,7 +99,7 @@ std::vector<ConfigKey> build_schema() {
           "training.gradient_accumulation_steps", "micro-batches per optimizer step; 0: from global_batch_size",
           at_least(0)),
       key<&E::training, &T::seq_len>("training.seq_len", "tokens per sample", at_least(1)),
-      key<&E::training, &T::steps>("training.steps", "optimizer steps to run", at_least(1)),
+      key<&E::training, &T::steps>("training.steps", "optimizer steps to run", optim_bounds::total_steps),
       key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
       key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
@@ -107,22 +112,26 @@ std::vector<ConfigKey> build_schema() {
           "cuBLASLt version); empty: $FORGE_CACHE_DIR, else $XDG_CACHE_HOME/forge, else ~/.cache/forge; off: "
           "measure in every run"),
 
-      key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, {"adamw"}),
-      key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", at_least(0)),
-      key<&E::optimizer, &O::beta1>("optimizer.beta1", "AdamW first-moment decay", unit_interval_open_above()),
-      key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", unit_interval_open_above()),
-      key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", above(0)),
-      key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay", at_least(0)),
+      key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, optim_bounds::optimizer_names),
+      key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", optim_bounds::lr),
+      key<&E::optimizer, &O::beta1>("optimizer.beta1", "AdamW first-moment decay", optim_bounds::beta),
+      key<&E::optimizer, &O::beta2>("optimizer.beta2", "AdamW second-moment decay", optim_bounds::beta),
+      key<&E::optimizer, &O::eps>("optimizer.eps", "AdamW denominator epsilon", optim_bounds::eps),
+      key<&E::optimizer, &O::weight_decay>("optimizer.weight_decay", "decoupled weight decay",
+                                           optim_bounds::weight_decay),
       key<&E::optimizer, &O::state_dtype>("optimizer.state_dtype",
                                           "storage of AdamW's moments (bf16: CUDA only, half the memory)", {},
-                                          {"fp32", "bf16"}),
+                                          optim_bounds::state_dtypes),
 
-      key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps", at_least(0)),
+      key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps",
+                                              optim_bounds::warmup_steps),
       key<&E::lr_scheduler, &S::decay_style>("lr_scheduler.decay_style", "shape of the decay after warm-up", {},
-                                             {"cosine", "linear", "constant"}),
+                                             optim_bounds::decay_styles),
       key<&E::lr_scheduler, &S::decay_steps>("lr_scheduler.decay_steps",
-                                             "steps of decay after warm-up; 0: until training ends", at_least(0)),
-      key<&E::lr_scheduler, &S::min_lr>("lr_scheduler.min_lr", "learning rate at the end of decay", at_least(0)),
+                                             "steps of decay after warm-up; 0: until training ends",
+                                             optim_bounds::decay_steps),
+      key<&E::lr_scheduler, &S::min_lr>("lr_scheduler.min_lr", "learning rate at the end of decay",
+                                        optim_bounds::min_lr),
 
       key<&E::data, &D::source>("data.source", "where samples come from", {}, {"synthetic", "mock", "indexed"}),
       key<&E::data, &D::path>("data.path", "indexed: path prefix of <path>.bin and <path>.idx"),
@@ -159,18 +168,18 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",
           "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate degree",
-          ConfigRange{-1, std::nullopt}),
+          at_least(-1)),
       key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
           "parallelism.data_parallel_replicate_degree",
           "replicas of each shard group (hybrid sharding: shard within a node, replicate across)", at_least(1)),
       key<&E::parallelism, &ParallelismConfig::zero_stage>(
           "parallelism.zero_stage", "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters",
-          ConfigRange{1, 3}),
+          ValueRange{1, 3}),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
-          ConfigRange{1, std::nullopt}),
+          at_least(1)),
       key<&E::parallelism, &ParallelismConfig::rendezvous_timeout_s>(
-          "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", ConfigRange{1, std::nullopt}),
+          "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", at_least(1)),
       key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(
           "activation_checkpoint.mode",
           "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},
@@ -195,22 +204,10 @@ std::vector<ConfigKey> build_schema() {
   };
 }
 
-std::string format_bound(double bound) { return fmt::format("{}", bound); }
-
-std::string describe_range(const ConfigRange& range) {
-  if (range.min && range.max) {
-    return fmt::format(" in {}{}, {}{}", range.min_exclusive ? '(' : '[', format_bound(*range.min),
-                       format_bound(*range.max), range.max_exclusive ? ')' : ']');
-  }
-  if (range.min) return fmt::format(" {} {}", range.min_exclusive ? ">" : ">=", format_bound(*range.min));
-  if (range.max) return fmt::format(" {} {}", range.max_exclusive ? "<" : "<=", format_bound(*range.max));
-  return "";
-}
-
-bool in_range(double value, const ConfigRange& range) {
-  if (range.min && (range.min_exclusive ? value <= *range.min : value < *range.min)) return false;
-  if (range.max && (range.max_exclusive ? value >= *range.max : value > *range.max)) return false;
-  return true;
+// " >= 1" after "an integer", or nothing for an unbounded number.
+std::string describe_range(const ValueRange& range) {
+  const std::string bounds = range.describe();
+  return bounds.empty() ? "" : " " + bounds;
 }
 
 template <typename Number>
@@ -353,7 +350,7 @@ void check_config_value(const ConfigKey& key, const ExperimentConfig& config, co
             fail_expected(key, *field, where, did_you_mean(closest_match(*field, key.choices)));
           }
         } else if constexpr (!std::is_same_v<Field, bool>) {
-          if (!in_range(static_cast<double>(*field), key.range)) fail_expected(key, fmt::format("{}", *field), where);
+          if (!key.range.contains(static_cast<double>(*field))) fail_expected(key, fmt::format("{}", *field), where);
         }
       },
       field_for_reading(key, config));

@@ -7,27 +7,24 @@
 // A row's type is deduced from the C++ type of its field (int64_t and uint64_t are
 // integers, double is a float, bool, std::string), so the table cannot disagree with the
 // struct. A string row with allowed values is an enum.
+//
+// The model's and the optimizer's keys take their ranges and choices from the layer that
+// owns them (model/config_rules.h, optim/config_rules.h), which checks the same bounds
+// where no config file exists; the rows here only point at them.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <variant>
 #include <vector>
 
+#include "core/config_check.h"
 #include "train/experiment.h"
 
 namespace forge {
 
 enum class ConfigValueType { Integer, Float, Bool, String, Enum };
-
-// Inclusive bounds unless the matching *_exclusive flag is set.
-struct ConfigRange {
-  std::optional<double> min, max;
-  bool min_exclusive = false;
-  bool max_exclusive = false;
-};
 
 using ConfigField = std::variant<int64_t*, uint64_t*, double*, bool*, std::string*>;
 
@@ -35,7 +32,7 @@ struct ConfigKey {
   std::string name;  // dotted: section.key or section.group.key
   ConfigValueType type;
   std::string description;
-  ConfigRange range;                 // numbers only
+  ValueRange range;                  // numbers only
   std::vector<std::string> choices;  // enums only
   ConfigField (*field)(ExperimentConfig&);
 };

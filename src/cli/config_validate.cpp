@@ -1,5 +1,4 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
-#include "distributed/launch_env.h"
 #include "cli/config_validate.h"
 
 #include <algorithm>
@@ -12,7 +11,8 @@
 #include "cli/config_schema.h"
 #include "core/error.h"
 #include "data/blended_dataset.h"
-#include "optim/optimizer.h"
+#include "distributed/launch_env.h"
+#include "optim/config_rules.h"
 
 namespace forge {
 namespace {
@@ -22,30 +22,20 @@ std::string origin_of(const ConfigOrigins& origins, const std::string& key) {
   return it == origins.end() ? "default value" : it->second;
 }
 
-// "model.num_heads = 30 (exp.yaml:5)": a key, its value and where the value came from.
-std::string show(const ExperimentConfig& config, const ConfigOrigins& origins, const std::string& key) {
-  return fmt::format("{} = {} ({})", key, format_config_value(*find_config_key(key), config), origin_of(origins, key));
+// NOTE [Origins in config errors]
+// The model's and the optimizer's rules live beside what they constrain
+// (model/config_rules.cpp, optim/config_rules.cpp) and name keys through a KeyDescriber
+// (NOTE [Config rules name their keys through the caller] in core/config_check.h). This
+// one adds the origins, so a rule reads "model.num_heads = 30 (exp.yaml:5) must be
+// divisible by model.num_kv_heads = 4 (command line)". The relations below, which no
+// single section owns, say the same through it.
+KeyDescriber key_describer(const ConfigOrigins& origins) {
+  return KeyDescriber([&origins](std::string_view key) { return origin_of(origins, std::string(key)); });
 }
 
-void check_model(const ExperimentConfig& config, const ConfigOrigins& origins) {
-  const ModelConfig& model = config.model;
-  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
-  if (model.num_heads % model.num_kv_heads != 0) {
-    FORGE_FAIL("{} must be divisible by {}", show_key("model.num_heads"), show_key("model.num_kv_heads"));
-  }
-  if (model.head_dim == 0 && model.hidden_size % model.num_heads != 0) {
-    FORGE_FAIL("{} must be divisible by {} when model.head_dim is not given", show_key("model.hidden_size"),
-               show_key("model.num_heads"));
-  }
-  if (model.resolved_head_dim() % 2 != 0) {
-    FORGE_FAIL("the head size must be even for rotary embeddings, got {} from {}", model.resolved_head_dim(),
-               model.head_dim > 0 ? show_key("model.head_dim")
-                                  : show_key("model.hidden_size") + " / " + show_key("model.num_heads"));
-  }
-  if (model.rope_scaling.enabled && model.rope_scaling.high_freq_factor <= model.rope_scaling.low_freq_factor) {
-    FORGE_FAIL("{} must be greater than {}", show_key("model.rope_scaling.high_freq_factor"),
-               show_key("model.rope_scaling.low_freq_factor"));
-  }
+// "training.seq_len = 512 (exp.yaml:5)": a key, its value and where the value came from.
+std::string show(const ExperimentConfig& config, const KeyDescriber& keys, const std::string& key) {
+  return keys.describe(key, format_config_value(*find_config_key(key), config));
 }
 
 // A value of training.gemm_tuning_cache that reads as a switch, not a directory: "false"
@@ -58,21 +48,18 @@ bool is_switch_word(const std::string& value) {
   return false;
 }
 
-void check_training(const ExperimentConfig& config, const ConfigOrigins& origins) {
-  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+// Relations between the training section and the model or optimizer section.
+void check_training(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.training.seq_len > config.model.max_seq_len) {
-    FORGE_FAIL("{} exceeds {}", show_key("training.seq_len"), show_key("model.max_seq_len"));
-  }
-  if (config.lr_scheduler.min_lr > config.optimizer.lr) {
-    FORGE_FAIL("{} must not exceed {}", show_key("lr_scheduler.min_lr"), show_key("optimizer.lr"));
+    FORGE_FAIL("{} exceeds {}", show(config, keys, "training.seq_len"), show(config, keys, "model.max_seq_len"));
   }
   if (config.optimizer.state_dtype == "bf16" && config.training.device != "cuda") {
     FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",
-               show_key("optimizer.state_dtype"));
+               show(config, keys, "optimizer.state_dtype"));
   }
   if (is_switch_word(config.training.gemm_tuning_cache)) {
     FORGE_FAIL("{} expects a directory, empty for forge's cache directory, or off to keep no cache",
-               show_key("training.gemm_tuning_cache"));
+               show(config, keys, "training.gemm_tuning_cache"));
   }
 }
 
@@ -94,8 +81,8 @@ bool is_valid_split(std::string_view split) {
   return parts <= 3 && total > 0;
 }
 
-void check_data(const ExperimentConfig& config, const ConfigOrigins& origins) {
-  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+void check_data(const ExperimentConfig& config, const ConfigOrigins& origins, const KeyDescriber& keys) {
+  auto show_key = [&](const std::string& key) { return show(config, keys, key); };
   if (config.data.source == "indexed" && config.data.path.empty() && config.data.blend.empty()) {
     FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx files) or data.blend (\"W1 PREFIX1 W2 PREFIX2 "
                "...\")",
@@ -118,8 +105,8 @@ void check_data(const ExperimentConfig& config, const ConfigOrigins& origins) {
   }
 }
 
-void check_checkpoint(const ExperimentConfig& config, const ConfigOrigins& origins) {
-  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) {
+  auto show_key = [&](const std::string& key) { return show(config, keys, key); };
   if (config.checkpoint.initial_load_in_hf && config.checkpoint.initial_load_path.empty()) {
     FORGE_FAIL("{} needs checkpoint.initial_load_path: the Hugging Face model directory to start from",
                show_key("checkpoint.initial_load_in_hf"));
@@ -132,25 +119,25 @@ void check_checkpoint(const ExperimentConfig& config, const ConfigOrigins& origi
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
-void resolve_shard_degree(ExperimentConfig& config, const ConfigOrigins& origins) {
+void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
   ParallelismConfig& p = config.parallelism;
   if (p.data_parallel_shard_degree == 0)
     FORGE_FAIL("{} must be >= 1, or -1 for every rank the launcher started",
-               show(config, origins, "parallelism.data_parallel_shard_degree"));
+               show(config, keys, "parallelism.data_parallel_shard_degree"));
   if (p.data_parallel_shard_degree != -1) return;
   const int world = read_launch_env().world_size;
   if (world % p.data_parallel_replicate_degree != 0)
     FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {}",
-               show(config, origins, "parallelism.data_parallel_shard_degree"), world,
+               show(config, keys, "parallelism.data_parallel_shard_degree"), world,
                p.data_parallel_replicate_degree);
   p.data_parallel_shard_degree = world / p.data_parallel_replicate_degree;
 }
 
-void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
+void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
   TrainingConfig& training = config.training;
   const int64_t dp = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree;
   const int64_t samples_per_micro_step = training.local_batch_size * dp;
-  auto show_key = [&](const std::string& key) { return show(config, origins, key); };
+  auto show_key = [&](const std::string& key) { return show(config, keys, key); };
   if (training.global_batch_size > 0 && training.gradient_accumulation_steps > 0) {
     const int64_t implied = samples_per_micro_step * training.gradient_accumulation_steps;
     if (training.global_batch_size != implied) {
@@ -175,15 +162,15 @@ void resolve_batch(ExperimentConfig& config, const ConfigOrigins& origins) {
 }  // namespace
 
 void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins) {
+  const KeyDescriber keys = key_describer(origins);
   for (const auto& key : config_schema()) check_config_value(key, config, origin_of(origins, key.name));
-  check_model(config, origins);
-  check_training(config, origins);
-  check_data(config, origins);
-  check_checkpoint(config, origins);
-  config.model.validate();
-  validate(config.optimizer, config.lr_scheduler, config.training.steps);
-  resolve_shard_degree(config, origins);
-  resolve_batch(config, origins);
+  config.model.validate(keys);
+  validate(config.optimizer, config.lr_scheduler, config.training.steps, keys);
+  check_training(config, keys);
+  check_data(config, origins, keys);
+  check_checkpoint(config, keys);
+  resolve_shard_degree(config, keys);
+  resolve_batch(config, keys);
 }
 
 }  // namespace forge

@@ -1,6 +1,8 @@
 // Validation of a whole experiment config: every key's own range (for values that came
-// from defaults), then the relations between keys that no single key can check (heads
-// divisible by KV heads, sequence length within the model's, batch sizes that agree).
+// from defaults), then the model's and the optimizer's own rules (model/config_rules.cpp,
+// optim/config_rules.cpp: heads divisible by KV heads, min_lr within lr, ...) told where
+// each value came from, then the relations no single section owns (sequence length within
+// the model's, data and checkpoint keys that need each other, batch sizes that agree).
 // Finally the derived batch values are resolved so that the trainer reads both
 // gradient_accumulation_steps and global_batch_size, never a 0 that means "derive me".
 #pragma once

@@ -1,11 +1,12 @@
 // ModelConfig: every architecture knob of the Llama-family decoder, with the parameter and
 // FLOP accounting that forge info and the benchmark reports use (memory estimates live in
-// model/memory_estimate.h).
+// model/memory_estimate.h, the rules a config must satisfy in model/config_rules.h).
 #pragma once
 
 #include <cstdint>
 #include <string>
 
+#include "core/config_check.h"
 #include "ops/rope.h"
 
 namespace forge {
@@ -31,8 +32,10 @@ struct ModelConfig {
   int64_t q_size() const { return num_heads * resolved_head_dim(); }
   int64_t kv_size() const { return num_kv_heads * resolved_head_dim(); }
 
-  // Throws forge::Error naming the offending key when the architecture is inconsistent.
-  void validate() const;
+  // Throws forge::Error naming the offending keys, their values and what is expected when
+  // the architecture is inconsistent; `keys` adds where each value came from (the cli's).
+  // The rules are in model/config_rules.cpp.
+  void validate(const KeyDescriber& keys = {}) const;
 
   // Parameter counts.
   int64_t params_per_layer() const;

@@ -1,5 +1,6 @@
 // The optimizer layer: AdamW over a list of fp32 parameter tensors, LR schedules, and
-// global grad-norm clipping. Hyperparameters follow torch.optim.AdamW and torchtitan's
+// global grad-norm clipping (the rules its config sections must satisfy are in
+// optim/config_rules.h). Hyperparameters follow torch.optim.AdamW and torchtitan's
 // lr_scheduler section; tests/python/test_optim_vs_torch.py holds all three to PyTorch.
 #pragma once
 
@@ -27,10 +28,6 @@ struct LRSchedulerConfig {
   int64_t decay_steps = 0;             // steps of decay after warm-up; 0: until training ends
   double min_lr = 0.0;                 // floor reached at the end of decay
 };
-
-// Checks both sections before a run starts; FORGE_FAILs with the key as the user writes
-// it ("optimizer.lr must be > 0, got -1"). total_steps is training.steps.
-void validate(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t total_steps);
 
 // NOTE [LR schedule]
 // Learning rate for optimizer step `step` (0-based: step 0 is the first update) of a run

@@ -172,7 +172,7 @@ TEST(HfImportConfig, RejectsUnsupportedModelsNamingFileAndKey) {
   expect_error(c, "\"rope_parameters.low_freq_factor\" is missing");
   c = llama_json();
   c["num_key_value_heads"] = 3;
-  expect_error(c, "model.num_heads (4) must be a multiple of model.num_kv_heads (3)");
+  expect_error(c, "model.num_heads (4) must be divisible by model.num_kv_heads (3)");
 }
 
 TEST(HfImportConfig, ExportedConfigReadsBackAsTheSameArchitecture) {

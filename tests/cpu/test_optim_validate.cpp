@@ -4,7 +4,7 @@
 #include <functional>
 #include <string>
 
-#include "optim/optimizer.h"
+#include "optim/config_rules.h"
 
 namespace forge {
 namespace {
@@ -50,8 +50,8 @@ TEST(OptimValidate, SchedulerMessagesNameTheKey) {
               o.lr = 1e-4;
               s.min_lr = 3e-4;
             }),
-            "lr_scheduler.min_lr (0.0003) must be <= optimizer.lr (0.0001)");
-  EXPECT_EQ(validation_error([](auto&, auto&) {}, 0), "training.steps must be > 0, got 0");
+            "lr_scheduler.min_lr (0.0003) must not exceed optimizer.lr (0.0001)");
+  EXPECT_EQ(validation_error([](auto&, auto&) {}, 0), "training.steps must be >= 1, got 0");
 }
 
 TEST(OptimValidate, EdgeValuesPass) {

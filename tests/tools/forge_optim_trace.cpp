@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "optim/config_rules.h"
 #include "optim/optimizer.h"
 
 namespace {

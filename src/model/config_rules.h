@@ -1,0 +1,28 @@
+// The allowed values of ModelConfig's keys, each bound written once: ModelConfig::validate
+// (model/config_rules.cpp, with the rules that relate several keys) checks them, and the
+// cli's schema reads them to reject a bad value where it is set and to say in --help what
+// a key accepts.
+#pragma once
+
+#include "core/config_check.h"
+
+namespace forge::model_bounds {
+
+inline constexpr ValueRange vocab_size = at_least(1);
+inline constexpr ValueRange hidden_size = at_least(1);
+inline constexpr ValueRange num_layers = at_least(1);
+inline constexpr ValueRange num_heads = at_least(1);
+inline constexpr ValueRange num_kv_heads = at_least(1);
+inline constexpr ValueRange head_dim = at_least(0);  // 0: hidden_size / num_heads
+inline constexpr ValueRange ffn_hidden_size = at_least(1);
+inline constexpr ValueRange norm_eps = above(0);
+inline constexpr ValueRange rope_theta = above(0);
+inline constexpr ValueRange rope_scaling_factor = at_least(1);
+inline constexpr ValueRange rope_scaling_low_freq_factor = above(0);
+inline constexpr ValueRange rope_scaling_high_freq_factor = above(0);
+inline constexpr ValueRange rope_scaling_original_max_position = at_least(1);
+inline constexpr ValueRange max_seq_len = at_least(1);
+inline constexpr ValueRange sliding_window = at_least(0);  // 0: full causal attention
+inline constexpr ValueRange init_std = above(0);
+
+}  // namespace forge::model_bounds
