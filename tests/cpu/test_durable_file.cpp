@@ -107,6 +107,10 @@ class ChildWriter {
   explicit ChildWriter(const std::function<void(const std::function<void()>& report)>& work) {
     EXPECT_EQ(::pipe(pipe_), 0);
     pid_ = ::fork();
+    if (pid_ < 0) {
+      ADD_FAILURE() << "fork: " << std::strerror(errno);
+      reaped_ = true;  // nothing to kill or wait for: never signal pid -1 (every process)
+    }
     if (pid_ == 0) {
       ::close(pipe_[0]);
       try {
@@ -131,13 +135,13 @@ class ChildWriter {
     return ::read(pipe_[0], &c, 1) == 1;
   }
   void kill() {
-    ::kill(pid_, SIGKILL);
+    if (pid_ > 0) ::kill(pid_, SIGKILL);
     wait();
   }
   // The exit status as waitpid reports it.
   int wait() {
     int status = 0;
-    ::waitpid(pid_, &status, 0);
+    if (pid_ > 0) ::waitpid(pid_, &status, 0);
     reaped_ = true;
     return status;
   }
