@@ -6,7 +6,7 @@
 
 #include <fmt/format.h>
 
-#include "train/run_dir.h"
+#include "core/durable_file.h"
 
 namespace forge {
 namespace {
@@ -105,7 +105,7 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
 }
 
 void write_bench_json(const std::string& path, const std::vector<BenchResult>& results) {
-  write_file_atomic(path, nlohmann::json(results).dump(2) + "\n");
+  write_file_atomic(path, nlohmann::json(results).dump(2) + "\n", {.sync = false});  // NOTE [Durable files]
 }
 
 }  // namespace forge

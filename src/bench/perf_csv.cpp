@@ -42,8 +42,8 @@
 #include <fmt/ranges.h>
 
 #include "bench/csv.h"
+#include "core/durable_file.h"
 #include "core/error.h"
-#include "train/run_dir.h"
 
 namespace forge {
 namespace {
@@ -171,7 +171,7 @@ void append_perf_csv(const std::string& path, const std::vector<BenchResult>& re
     rows.push_back(row_for(result, context, rows));
     text += csv_line(rows.back());
   }
-  write_file_atomic(path, text);
+  write_file_atomic(path, text, {.sync = false});  // NOTE [Durable files]
 }
 
 }  // namespace forge

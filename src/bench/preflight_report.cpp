@@ -7,7 +7,7 @@
 #include <fmt/format.h>
 
 #include "bench/preflight_reference.h"
-#include "train/run_dir.h"
+#include "core/durable_file.h"
 
 namespace forge {
 namespace {
@@ -131,7 +131,7 @@ nlohmann::json preflight_json(const PreflightReport& report) {
 }
 
 void write_preflight_json(const std::string& path, const PreflightReport& report) {
-  write_file_atomic(path, preflight_json(report).dump(2) + "\n");
+  write_file_atomic(path, preflight_json(report).dump(2) + "\n", {.sync = false});  // NOTE [Durable files]
 }
 
 }  // namespace forge

@@ -23,10 +23,11 @@
 // NOTE [Atomic checkpoints]
 // A save writes everything into <folder>/.tmp-step-<N>-<pid>, fsyncs each file and the
 // directory, renames it to step-<N> (exchanging it with an existing step-<N> in one
-// step) and fsyncs the folder: a step-<N> directory is always complete. Only then are
-// checkpoints beyond keep_latest_k removed (renamed away first, so none is ever visible
-// half deleted). .tmp-* directories, left by crashes, are ignored by loading and removed
-// by the next save.
+// step) and fsyncs the folder: a step-<N> directory is always complete. This is an
+// AtomicDirectory of AtomicFiles, with sync (NOTE [Durable files] in core/durable_file.h).
+// Only then are checkpoints beyond keep_latest_k removed (renamed away first, so none is
+// ever visible half deleted). .tmp-* directories, left by crashes, are ignored by loading
+// and removed by the next save.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "core/durable_directory.h"
 #include "model/config.h"
 #include "optim/optimizer.h"
 
@@ -111,18 +113,19 @@ std::string save_checkpoint(const std::string& folder, const ModelConfig& model,
 // (NOTE [Parallel checkpoint saves] in train/trainer_checkpoint.cpp):
 //   1. one process: begin_checkpoint_save creates the folder, clears leftovers and makes
 //      the temporary directory <folder>/.tmp-step-<N>-<token> (token: the same on every
-//      rank, e.g. rank 0's pid), whose path checkpoint_temporary_dir gives every rank;
+//      rank, e.g. rank 0's pid), whose path checkpoint_temporary_dir gives every rank; the
+//      AtomicDirectory it returns removes that directory again unless the save finishes;
 //   2. every rank: write_checkpoint_shard writes rank-<rank>.bin (durably) and returns the
 //      CRC-32 of each of its pieces, in the order finish_checkpoint_save expects;
 //   3. the same process as 1, once every shard is written: finish_checkpoint_save writes
 //      the metadata from everyone's CRCs, renames the directory into place and prunes.
 std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, int64_t token);
-std::string begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
+AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
 std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
                                              const std::vector<ShardRange>& ranges, int rank, const ShardData& shard);
 // The number of pieces (CRCs) of each rank's shard: every rank can work out everyone's.
 std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std::vector<ShardRange>& ranges);
-std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k);

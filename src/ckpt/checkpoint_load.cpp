@@ -16,8 +16,8 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_crc32.h"
-#include "ckpt/checkpoint_files.h"
 #include "ckpt/checkpoint_metadata.h"
+#include "ckpt/file_reader.h"
 #include "core/error.h"
 #include "model/parameters.h"
 

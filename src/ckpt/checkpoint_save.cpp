@@ -9,8 +9,8 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_crc32.h"
-#include "ckpt/checkpoint_files.h"
 #include "ckpt/checkpoint_metadata.h"
+#include "core/durable_directory.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "model/parameters.h"
@@ -23,6 +23,8 @@ namespace fs = std::filesystem;
 static_assert(std::endian::native == std::endian::little, "shard files are little-endian fp32");
 
 constexpr const char* kTemporaryPrefix = ".tmp-";
+// Checkpoints are flushed to disk: NOTE [Durable files] in core/durable_file.h says why.
+constexpr DurableOptions kCheckpointDurability{.sync = true};
 
 const float* shard_vector(const ShardData& shard, FlatState state) {
   switch (state) {
@@ -95,10 +97,10 @@ std::vector<uint32_t> shard_crcs(const std::vector<ParamSpec>& specs, const std:
 }
 
 void write_shard(const std::string& path, const ShardData& shard) {
-  DurableFile file(path);
+  AtomicFile file(path, kCheckpointDurability);
   for (FlatState state : kFlatStates)
     file.write(shard_vector(shard, state), static_cast<size_t>(shard.range.size()) * sizeof(float));
-  file.close();
+  file.commit();
 }
 
 // Moves a checkpoint out of sight (one rename), then deletes it.
@@ -138,15 +140,13 @@ std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, in
   return fmt::format("{}/{}step-{}-{}", folder, kTemporaryPrefix, step, token);
 }
 
-std::string begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token) {
+AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token) {
   std::error_code ec;
   fs::create_directories(folder, ec);
   if (ec) FORGE_FAIL("cannot create checkpoint folder '{}' (checkpoint.folder): {}", folder, ec.message());
   remove_temporaries(folder);
-  const std::string tmp = checkpoint_temporary_dir(folder, step, token);
-  fs::create_directory(tmp, ec);
-  if (ec) FORGE_FAIL("cannot create '{}': {}", tmp, ec.message());
-  return tmp;
+  return AtomicDirectory(checkpoint_dir(folder, step), checkpoint_temporary_dir(folder, step, token),
+                         kCheckpointDurability);
 }
 
 std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
@@ -165,10 +165,12 @@ std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std
   return counts;
 }
 
-std::string finish_checkpoint_save(const std::string& folder, const std::string& temporary_dir, const ModelConfig& model,
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k) {
+  FORGE_CHECK(staging.path() == checkpoint_dir(folder, state.step), "checkpoint of step {} staged for '{}'", state.step,
+              staging.path());
   const std::vector<ParamSpec> specs = parameter_specs(model);
   int64_t numel = 0;
   for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
@@ -188,16 +190,11 @@ std::string finish_checkpoint_save(const std::string& folder, const std::string&
   md.flat_numel = numel;
   md.shards = ranges;
   md.tensors = tensor_records(specs, ranges, crcs_by_rank);
-  write_file_durable(temporary_dir + "/" + kCheckpointMetadataFile, metadata_to_json(md));
-  fsync_directory(temporary_dir);
-
-  const std::string dir = checkpoint_dir(folder, state.step);
-  const bool replaced = rename_replacing_directory(temporary_dir, dir);
-  fsync_directory(folder);
-  std::error_code ec;
-  if (replaced) fs::remove_all(temporary_dir, ec);  // the checkpoint step-<N> held before
+  write_file_atomic(staging.temporary_path() + "/" + kCheckpointMetadataFile, metadata_to_json(md),
+                    kCheckpointDurability);
+  staging.commit();
   if (keep_latest_k > 0) keep_latest(folder, state.step, keep_latest_k);
-  return dir;
+  return staging.path();
 }
 
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
@@ -205,11 +202,11 @@ std::string save_checkpoint(const std::string& folder, const ModelConfig& model,
   FORGE_CHECK(!shards.empty(), "save_checkpoint without shards");
   std::vector<ShardRange> ranges;
   for (const ShardData& shard : shards) ranges.push_back(shard.range);
-  const std::string tmp = begin_checkpoint_save(folder, state.step, ::getpid());
+  AtomicDirectory staging = begin_checkpoint_save(folder, state.step, ::getpid());
   std::vector<std::vector<uint32_t>> crcs;
   for (size_t r = 0; r < shards.size(); ++r)
-    crcs.push_back(write_checkpoint_shard(tmp, model, ranges, static_cast<int>(r), shards[r]));
-  return finish_checkpoint_save(folder, tmp, model, experiment_yaml, state, ranges, crcs, keep_latest_k);
+    crcs.push_back(write_checkpoint_shard(staging.temporary_path(), model, ranges, static_cast<int>(r), shards[r]));
+  return finish_checkpoint_save(folder, staging, model, experiment_yaml, state, ranges, crcs, keep_latest_k);
 }
 
 }  // namespace forge

@@ -1,12 +1,11 @@
 #include "ckpt/hf_export.h"
 
-#include <unistd.h>
-
 #include <filesystem>
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_layout.h"
 #include "ckpt/json_file.h"
+#include "core/durable_directory.h"
 #include "core/log.h"
 
 namespace forge {
@@ -19,21 +18,8 @@ namespace fs = std::filesystem;
 constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                            "tokenizer.model", "generation_config.json"};
 constexpr const char* kSpecialTokenKeys[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
-
-// Removes the temporary export directory unless it was renamed into place.
-class TempDirGuard {
- public:
-  explicit TempDirGuard(fs::path path) : path_(std::move(path)) {}
-  ~TempDirGuard() {
-    std::error_code ec;
-    if (!released_) fs::remove_all(path_, ec);
-  }
-  void release() { released_ = true; }
-
- private:
-  fs::path path_;
-  bool released_ = false;
-};
+// Exports are not flushed to disk: NOTE [Durable files] in core/durable_file.h says why.
+constexpr DurableOptions kExportDurability{.sync = false};
 
 std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params) {
   std::vector<SafetensorsTensorRef> out;
@@ -84,7 +70,7 @@ void write_weights(const fs::path& dir, const FlatParameters& params, const HfEx
   nlohmann::json index = {
       {"metadata", {{"total_parameters", params.config().total_params()}, {"total_size", total_bytes}}},
       {"weight_map", weight_map}};
-  write_text_file((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n");
+  write_file_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n", kExportDurability);
 }
 
 void write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
@@ -96,7 +82,7 @@ void write_config(const fs::path& dir, const FlatParameters& params, const HfExp
     for (const char* key : kSpecialTokenKeys)
       if (source.is_object() && source.contains(key)) config[key] = source[key];
   }
-  write_text_file((dir / "config.json").string(), config.dump(2) + "\n");
+  write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n", kExportDurability);
 }
 
 void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
@@ -137,21 +123,12 @@ void save_hf_model(const std::string& dir, const FlatParameters& params, const H
   std::error_code ec;
   if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
   if (ec) FORGE_FAIL("cannot create '{}': {}", target.parent_path().string(), ec.message());
-  fs::path temp = target;
-  temp += fmt::format(".tmp-{}", ::getpid());
-  fs::remove_all(temp, ec);
-  if (!fs::create_directory(temp, ec) || ec)
-    FORGE_FAIL("cannot create '{}': {}", temp.string(), ec ? ec.message() : "already exists");
-  TempDirGuard guard(temp);
-
+  AtomicDirectory staging(target.string(), kExportDurability);
+  const fs::path temp = staging.temporary_path();
   write_weights(temp, params, options);
   write_config(temp, params, options);
   if (!options.source_dir.empty()) copy_companion_files(temp, options.source_dir);
-
-  if (fs::exists(target)) fs::remove(target, ec);  // empty, checked above
-  fs::rename(temp, target, ec);
-  if (ec) FORGE_FAIL("cannot rename '{}' to '{}': {}", temp.string(), target.string(), ec.message());
-  guard.release();
+  staging.commit();  // replaces an empty target directory, checked above
   log_info("exported the model as Hugging Face {} ({}) to {}", params.config().sliding_window > 0 ? "Mistral" : "Llama",
            safetensors_dtype_name(options.dtype), target.string());
 }

@@ -6,9 +6,9 @@
 //
 // NOTE [Atomic export]
 // Everything is written into a temporary sibling directory that is renamed into place
-// only when complete, so a crash or a full disk never leaves a half-written model where
-// a loader would find it. An existing non-empty target is refused before any work, never
-// overwritten.
+// only when complete (an AtomicDirectory: NOTE [Durable files] in core/durable_file.h),
+// so a crash or a full disk never leaves a half-written model where a loader would find
+// it. An existing non-empty target is refused before any work, never overwritten.
 #pragma once
 
 #include <cstdint>

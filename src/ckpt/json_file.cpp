@@ -19,11 +19,4 @@ nlohmann::json read_json_file(const std::string& path) {
   }
 }
 
-void write_text_file(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.flush();
-  if (!out) FORGE_FAIL("cannot write '{}'", path);
-}
-
 }  // namespace forge

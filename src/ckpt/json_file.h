@@ -1,5 +1,5 @@
-// Reading and writing the small JSON files of model directories (config.json, index
-// files), with errors that name the file.
+// Reading the small JSON files of model directories (config.json, index files), with
+// errors that name the file.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -9,9 +9,5 @@ namespace forge {
 
 // Parses the file; throws forge::Error naming it when it cannot be read or is not JSON.
 nlohmann::json read_json_file(const std::string& path);
-
-// Writes text to path (not atomically: callers write into a directory that is renamed
-// into place when complete).
-void write_text_file(const std::string& path, const std::string& text);
 
 }  // namespace forge

@@ -87,7 +87,8 @@ struct SafetensorsTensorRef {
 };
 
 // Writes the tensors, stored as `stored` (F32 or BF16, converted from fp32 with
-// round-to-nearest-even), in the given order, atomically (path + ".tmp", then rename).
+// round-to-nearest-even), in the given order, atomically (an AtomicFile: NOTE [Durable
+// files] in core/durable_file.h).
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,
                        SafetensorsDType stored, const std::map<std::string, std::string>& metadata);
 

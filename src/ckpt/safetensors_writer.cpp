@@ -1,49 +1,17 @@
 // The safetensors writer. The header is built first (offsets follow from the shapes), so
 // the tensors can then be streamed to disk in bounded chunks: a multi-gigabyte shard
-// never needs a second copy in memory. bf16 output is converted chunk by chunk.
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
+// never needs a second copy in memory. bf16 output is converted chunk by chunk. The file
+// is an AtomicFile: readers see the old file or the complete new one.
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include "ckpt/half_float.h"
 #include "ckpt/safetensors.h"
+#include "core/durable_file.h"
 
 namespace forge {
 namespace {
-
-// Closes the FILE and removes the temporary file unless the write completed.
-class TempFile {
- public:
-  explicit TempFile(std::string path) : path_(std::move(path)) {
-    file_ = std::fopen(path_.c_str(), "wb");
-    if (file_ == nullptr) FORGE_FAIL("cannot create '{}': {}", path_, std::strerror(errno));
-  }
-  ~TempFile() {
-    if (file_ != nullptr) std::fclose(file_);
-    if (!committed_) std::remove(path_.c_str());
-  }
-  void write(const void* data, size_t bytes) {
-    if (bytes > 0 && std::fwrite(data, 1, bytes, file_) != bytes)
-      FORGE_FAIL("cannot write '{}': {}", path_, std::strerror(errno));
-  }
-  void commit(const std::string& final_path) {
-    int rc = std::fclose(file_);
-    file_ = nullptr;
-    if (rc != 0) FORGE_FAIL("cannot write '{}': {}", path_, std::strerror(errno));
-    std::error_code ec;
-    std::filesystem::rename(path_, final_path, ec);
-    if (ec) FORGE_FAIL("cannot rename '{}' to '{}': {}", path_, final_path, ec.message());
-    committed_ = true;
-  }
-
- private:
-  std::string path_;
-  std::FILE* file_ = nullptr;
-  bool committed_ = false;
-};
 
 std::string header_text(const std::vector<SafetensorsTensorRef>& tensors, SafetensorsDType stored,
                         const std::map<std::string, std::string>& metadata) {
@@ -71,7 +39,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
   const std::string header = header_text(tensors, stored, metadata);
   const uint64_t header_bytes = header.size();
 
-  TempFile out(path + ".tmp");
+  AtomicFile out(path, {.sync = false});  // NOTE [Durable files]
   out.write(&header_bytes, sizeof(header_bytes));
   out.write(header.data(), header.size());
   constexpr int64_t kChunk = 1 << 16;
@@ -88,7 +56,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
       out.write(converted.data(), static_cast<size_t>(count) * sizeof(uint16_t));
     }
   }
-  out.commit(path);
+  out.commit();
 }
 
 }  // namespace forge

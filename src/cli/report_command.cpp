@@ -9,9 +9,9 @@
 
 #include "bench/report_html.h"
 #include "cli/commands.h"
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "train/run_dir.h"
 
 namespace forge {
 namespace {
@@ -47,7 +47,7 @@ int run_report(const std::vector<std::string>& run_dirs, const std::string& outp
   std::vector<ReportRun> runs;
   for (const auto& dir : run_dirs) runs.push_back(load_report_run(dir));
   name_runs(runs);
-  write_file_atomic(output, render_report(runs, utc_now()));
+  write_file_atomic(output, render_report(runs, utc_now()), {.sync = false});  // NOTE [Durable files]
   log_info("report: {} run{} -> {}", runs.size(), runs.size() == 1 ? "" : "s", output);
   return 0;
 }

@@ -1,10 +1,10 @@
+// AtomicFile and fsync_directory; see NOTE [Durable files] in core/durable_file.h.
 #include "core/durable_file.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -15,22 +15,14 @@ namespace {
 
 std::string system_reason() { return std::strerror(errno); }
 
-void fsync_parent_directory(const std::string& path) {
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) FORGE_FAIL("cannot open directory '{}': {}", dir, system_reason());
-  int rc = ::fsync(fd);
-  int saved = errno;
-  ::close(fd);
-  errno = saved;
-  if (rc != 0) FORGE_FAIL("cannot flush directory '{}' to disk: {}", dir, system_reason());
-}
-
 }  // namespace
 
+std::string temporary_path_for(const std::string& target, int64_t pid) {
+  return target + ".tmp-" + std::to_string(pid);
+}
+
 AtomicFile::AtomicFile(std::string path, DurableOptions options)
-    : path_(std::move(path)), temporary_(path_ + ".tmp-" + std::to_string(::getpid())), options_(options) {
+    : path_(std::move(path)), temporary_(temporary_path_for(path_, ::getpid())), options_(options) {
   fd_ = ::open(temporary_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd_ < 0) FORGE_FAIL("cannot create '{}': {}", temporary_, system_reason());
 }
@@ -68,6 +60,21 @@ void write_file_atomic(const std::string& path, std::string_view contents, Durab
   AtomicFile file(path, options);
   file.write(contents.data(), contents.size());
   file.commit();
+}
+
+void fsync_directory(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) FORGE_FAIL("cannot open directory '{}': {}", path, system_reason());
+  int rc = ::fsync(fd);
+  int saved = errno;
+  ::close(fd);
+  errno = saved;
+  if (rc != 0) FORGE_FAIL("cannot flush directory '{}' to disk: {}", path, system_reason());
+}
+
+void fsync_parent_directory(const std::string& path) {
+  const std::string parent = std::filesystem::path(path).parent_path().string();
+  fsync_directory(parent.empty() ? "." : parent);
 }
 
 }  // namespace forge

@@ -1,9 +1,7 @@
-// prepare_dataset; see dataset_prep.h. This file owns the options' validation, the
-// temporary output files and their promotion into place (NOTE [Atomic dataset output]);
-// reading and tokenizing are prep_pipeline.h's.
+// prepare_dataset; see dataset_prep.h. This file owns the options' validation and the
+// order of the work; reading and tokenizing are prep_pipeline.h's, writing the output
+// (atomically: NOTE [Atomic dataset output]) is IndexedDatasetWriter's.
 #include "data/dataset_prep.h"
-
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -45,33 +43,6 @@ void validate(const PrepOptions& options, const Tokenizer& tokenizer) {
                "--no-append-eod or use a tokenizer with an EOS token");
 }
 
-// The temporary prefix beside the output, and removal of its files unless promoted.
-class TemporaryOutput {
- public:
-  explicit TemporaryOutput(const std::string& prefix)
-      : final_(prefix), temporary_(prefix + ".prep-" + std::to_string(::getpid())) {}
-  ~TemporaryOutput() {
-    std::error_code ignored;
-    fs::remove(temporary_ + ".bin", ignored);
-    fs::remove(temporary_ + ".idx", ignored);
-  }
-  const std::string& prefix() const { return temporary_; }
-
-  // Moves the finished files into place: old .idx out first, then .bin, then .idx.
-  void promote() {
-    std::error_code error;
-    fs::remove(final_ + ".idx", error);
-    if (error) FORGE_FAIL("{}.idx: cannot replace: {}", final_, error.message());
-    for (const char* suffix : {".bin", ".idx"}) {
-      fs::rename(temporary_ + suffix, final_ + suffix, error);
-      if (error) FORGE_FAIL("{}{}: cannot move {}{} into place: {}", final_, suffix, temporary_, suffix, error.message());
-    }
-  }
-
- private:
-  std::string final_, temporary_;
-};
-
 }  // namespace
 
 uint64_t prep_input_bytes(const std::vector<std::string>& inputs) {
@@ -104,8 +75,7 @@ PrepSummary prepare_dataset(const PrepOptions& options, const Tokenizer& tokeniz
   PrepProgress progress;
   progress.input_bytes_total = prep_input_bytes(options.inputs);
 
-  TemporaryOutput output(options.output_prefix);
-  IndexedDatasetWriter writer(output.prefix(), summary.dtype);
+  IndexedDatasetWriter writer(options.output_prefix, summary.dtype);
   DocumentReader reader(options.inputs,
                         {.json_key = options.json_key,
                          .text_per_line = options.text_per_line,
@@ -140,7 +110,6 @@ PrepSummary prepare_dataset(const PrepOptions& options, const Tokenizer& tokeniz
     }
   });
   writer.finalize();
-  output.promote();
 
   summary.skipped_lines = reader.skipped_lines();
   summary.input_bytes = progress.input_bytes_total;

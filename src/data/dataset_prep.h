@@ -15,13 +15,9 @@
 // batches in the order they were read. At most 2 x workers batches are in flight, so
 // memory stays bounded whatever the corpus size.
 //
-// NOTE [Atomic dataset output]
-// Everything is written to temporary files beside the output (<prefix>.prep-<pid>.bin
-// and .idx). Only after the last document is written and both files are closed is any
-// previous <prefix>.idx removed, the new .bin renamed into place and then the new .idx.
-// A run that fails or is interrupted before that point leaves the previous dataset (if
-// any) as it was and no file at <prefix>.bin/.idx that looks complete. A run that fails
-// removes its temporary files; one that is killed leaves them (named by its pid).
+// The output is written atomically: a failed or interrupted run leaves the dataset
+// already at the prefix as it was and never a .bin/.idx pair that looks complete but is
+// not (NOTE [Atomic dataset output] in data/indexed_dataset.h).
 #pragma once
 
 #include <cstdint>

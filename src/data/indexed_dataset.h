@@ -17,15 +17,27 @@
 // crash. Token values are validated against the model's vocabulary when read.
 // IndexedDatasetWriter writes the same format (one document per call, or several
 // sequences per document); megatron-core reads its output and vice versa.
+//
+// NOTE [Atomic dataset output]
+// IndexedDatasetWriter writes <prefix>.bin and <prefix>.idx as two AtomicFiles (NOTE
+// [Durable files] in core/durable_file.h), under temporary names beside them
+// (<prefix>.bin.tmp-<pid>, <prefix>.idx.tmp-<pid>). Only after the last document is
+// written and both files are complete does finalize() remove any previous <prefix>.idx,
+// then rename the new .bin into place and then the new .idx. A run that fails or is
+// interrupted before that point leaves the previous dataset (if any) as it was, and one
+// interrupted between those steps leaves a .bin without an .idx: no file at
+// <prefix>.bin/.idx ever looks complete unless it is. A writer destroyed before finalize()
+// (a failed run) removes its temporary files; a killed process leaves them (named by its
+// pid). The files are not flushed to disk (NOTE [Durable files] says why).
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "core/durable_file.h"
 #include "data/mapped_file.h"
 
 namespace forge {
@@ -77,7 +89,8 @@ class IndexedDataset {
 
 class IndexedDatasetWriter {
  public:
-  // Creates <prefix>.bin now; <prefix>.idx is written by finalize().
+  // Creates the temporary .bin now; finalize() writes the .idx and moves both into place
+  // (NOTE [Atomic dataset output]).
   IndexedDatasetWriter(std::string prefix, IndexedDType dtype);
 
   // Appends a document made of one sequence.
@@ -85,17 +98,19 @@ class IndexedDatasetWriter {
   // Appends a sequence to the current document; end_document() closes the document.
   void add_sequence(std::span<const int32_t> tokens);
   void end_document();
-  // Flushes .bin and writes .idx. Sequences after the last end_document() are closed
-  // into a final document.
+  // Writes the rest of .bin and the .idx, and moves both into place. Sequences after the
+  // last end_document() are closed into a final document.
   void finalize();
 
  private:
+  void write_buffered_tokens();
+
   std::string prefix_;
   IndexedDType dtype_;
-  std::ofstream bin_;
+  AtomicFile bin_;
   std::vector<int32_t> sequence_lengths_;
   std::vector<int64_t> document_indices_{0};
-  std::vector<uint8_t> buffer_;
+  std::vector<uint8_t> buffer_;  // encoded tokens not yet written to bin_
   bool finalized_ = false;
 };
 

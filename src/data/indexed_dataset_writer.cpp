@@ -1,4 +1,6 @@
+// IndexedDatasetWriter; see data/indexed_dataset.h and NOTE [Atomic dataset output] there.
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
 #include "core/error.h"
@@ -9,6 +11,10 @@ namespace forge {
 namespace {
 
 constexpr char kMagic[9] = {'M', 'M', 'I', 'D', 'I', 'D', 'X', '\0', '\0'};
+// Prepared datasets are not flushed to disk: NOTE [Durable files] in core/durable_file.h.
+constexpr DurableOptions kDatasetDurability{.sync = false};
+// Encoded tokens are written to .bin in pieces of about this size, not one per sequence.
+constexpr size_t kWriteBytes = 1 << 20;
 
 template <typename T> void append(std::vector<uint8_t>& bytes, T value) {
   uint8_t raw[sizeof(T)];
@@ -48,10 +54,9 @@ void append_token(std::vector<uint8_t>& bytes, int32_t value, IndexedDType dtype
 }  // namespace
 
 IndexedDatasetWriter::IndexedDatasetWriter(std::string prefix, IndexedDType dtype)
-    : prefix_(std::move(prefix)), dtype_(dtype), bin_(prefix_ + ".bin", std::ios::binary | std::ios::trunc) {
+    : prefix_(std::move(prefix)), dtype_(dtype), bin_(prefix_ + ".bin", kDatasetDurability) {
   if (dtype_ == IndexedDType::F32 || dtype_ == IndexedDType::F64)
     FORGE_FAIL("{}.bin: dtype {} cannot hold token ids", prefix_, indexed_dtype_name(dtype_));
-  if (!bin_) FORGE_FAIL("{}.bin: cannot create for writing", prefix_);
 }
 
 void IndexedDatasetWriter::add_document(std::span<const int32_t> tokens) {
@@ -64,16 +69,19 @@ void IndexedDatasetWriter::add_sequence(std::span<const int32_t> tokens) {
   if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
     FORGE_FAIL("{}.bin: sequence {} has {} tokens, more than the format's int32 length allows", prefix_,
                sequence_lengths_.size(), tokens.size());
-  buffer_.clear();
   for (size_t i = 0; i < tokens.size(); ++i) {
     if (!fits_dtype(tokens[i], dtype_))
       FORGE_FAIL("{}.bin: token {} of sequence {} is {}, which does not fit dtype {}", prefix_, i,
                  sequence_lengths_.size(), tokens[i], indexed_dtype_name(dtype_));
-    append_token(buffer_, tokens[i], dtype_);
   }
-  bin_.write(reinterpret_cast<const char*>(buffer_.data()), static_cast<std::streamsize>(buffer_.size()));
-  if (!bin_) FORGE_FAIL("{}.bin: write failed", prefix_);
+  for (int32_t token : tokens) append_token(buffer_, token, dtype_);
+  if (buffer_.size() >= kWriteBytes) write_buffered_tokens();
   sequence_lengths_.push_back(static_cast<int32_t>(tokens.size()));
+}
+
+void IndexedDatasetWriter::write_buffered_tokens() {
+  bin_.write(buffer_.data(), buffer_.size());
+  buffer_.clear();
 }
 
 void IndexedDatasetWriter::end_document() {
@@ -84,8 +92,7 @@ void IndexedDatasetWriter::finalize() {
   FORGE_CHECK(!finalized_, "{}: finalize called twice", prefix_);
   finalized_ = true;
   if (document_indices_.back() != static_cast<int64_t>(sequence_lengths_.size())) end_document();
-  bin_.close();
-  if (!bin_) FORGE_FAIL("{}.bin: write failed", prefix_);
+  write_buffered_tokens();
 
   std::vector<uint8_t> index(kMagic, kMagic + sizeof(kMagic));
   append<uint64_t>(index, 1);
@@ -100,10 +107,15 @@ void IndexedDatasetWriter::finalize() {
   }
   for (int64_t document : document_indices_) append<int64_t>(index, document);
 
-  std::ofstream idx(prefix_ + ".idx", std::ios::binary | std::ios::trunc);
-  idx.write(reinterpret_cast<const char*>(index.data()), static_cast<std::streamsize>(index.size()));
-  idx.close();
-  if (!idx) FORGE_FAIL("{}.idx: write failed", prefix_);
+  AtomicFile idx(prefix_ + ".idx", kDatasetDurability);
+  idx.write(index.data(), index.size());
+
+  // Into place, the old .idx out first: NOTE [Atomic dataset output].
+  std::error_code error;
+  std::filesystem::remove(prefix_ + ".idx", error);
+  if (error) FORGE_FAIL("{}.idx: cannot replace: {}", prefix_, error.message());
+  bin_.commit();
+  idx.commit();
 }
 
 }  // namespace forge

@@ -1,10 +1,8 @@
 #include "train/run_dir.h"
 
 #include <chrono>
-#include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 
 #include "core/error.h"
 
@@ -29,20 +27,6 @@ void create_run_dir(const std::string& path) {
   std::error_code ec;
   std::filesystem::create_directories(path, ec);
   if (ec) FORGE_FAIL("cannot create run directory '{}' (logging.run_dir): {}", path, ec.message());
-}
-
-void write_file_atomic(const std::string& path, const std::string& contents) {
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) FORGE_FAIL("cannot write '{}'", tmp);
-    out << contents;
-    out.flush();
-    if (!out) FORGE_FAIL("failed writing '{}'", tmp);
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) FORGE_FAIL("cannot rename '{}' to '{}': {}", tmp, path, ec.message());
 }
 
 }  // namespace forge

@@ -8,7 +8,5 @@ namespace forge {
 
 std::string expand_run_dir(const std::string& pattern, const std::string& model_name);
 void create_run_dir(const std::string& path);
-// Writes a whole file atomically (temp file + rename), so a crash never leaves half of it.
-void write_file_atomic(const std::string& path, const std::string& contents);
 
 }  // namespace forge

@@ -10,6 +10,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
 #include "core/device.h"
+#include "core/durable_file.h"
 #include "core/log.h"
 #include "core/op_profile.h"
 #include "core/parallel.h"
@@ -210,7 +211,7 @@ void Trainer::prepare_run_dir() {
   if (world_) world_->barrier();
   if (rank_ != 0) return;
   create_run_dir(run_dir_);
-  write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_);
+  write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_, {.sync = false});  // NOTE [Durable files]
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
   if (config_.logging.enable_tensorboard) metrics_->enable_tensorboard(run_dir_, start_step_);
   if (earlier_run) log_info("appending to {}/metrics.jsonl from step {}", run_dir_, start_step_ + 1);

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 
 #include "ckpt/checkpoint.h"
 #include "core/log.h"
@@ -150,8 +151,9 @@ void Trainer::save_checkpoint(int64_t step) {
     fsdp_->gather_flat_range(optimizer_->exp_avg_sq(), mine.begin, mine.end, v);
     const int64_t token = std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
     const std::string folder = checkpoint_folder();
-    std::string tmp = checkpoint_temporary_dir(folder, step, token);
-    if (rank_ == 0) tmp = begin_checkpoint_save(folder, step, token);
+    std::optional<AtomicDirectory> staging;
+    if (rank_ == 0) staging.emplace(begin_checkpoint_save(folder, step, token));
+    const std::string tmp = checkpoint_temporary_dir(folder, step, token);
     world_->barrier();
     std::vector<uint32_t> crcs;
     if (writer) crcs = write_checkpoint_shard(tmp, config_.model, ranges, shard_rank, {mine, params.data(), m.data(), v.data()});
@@ -167,7 +169,7 @@ void Trainer::save_checkpoint(int64_t step) {
         const auto first = all.begin() + static_cast<std::ptrdiff_t>(r * longest);
         by_rank.emplace_back(first, first + counts[static_cast<size_t>(r)]);
       }
-      dir = finish_checkpoint_save(folder, tmp, config_.model, resolved_yaml_, state, ranges, by_rank,
+      dir = finish_checkpoint_save(folder, *staging, config_.model, resolved_yaml_, state, ranges, by_rank,
                                    config_.checkpoint.keep_latest_k);
     }
     world_->barrier();  // the checkpoint is in place before any rank goes on

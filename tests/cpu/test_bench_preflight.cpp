@@ -12,6 +12,7 @@
 #include "bench/preflight_reference.h"
 #include "bench/preflight_report.h"
 #include "config_test_support.h"
+#include "core/durable_file.h"
 #include "test_data_temp_dir.h"
 
 namespace forge {
@@ -145,7 +146,7 @@ TEST(PreflightReport, JsonHasEveryFieldAndIsWrittenAtomically) {
   TempDir dir;
   const std::string path = dir.file("preflight.json");
   write_preflight_json(path, sample_report());
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(temporary_path_for(path, ::getpid())));
   std::ifstream in(path);
   const nlohmann::json json = nlohmann::json::parse(in);
   EXPECT_EQ(json["verdict"], "fail");

@@ -11,6 +11,7 @@
 #include "bench/csv.h"
 #include "bench/perf_csv.h"
 #include "config_test_support.h"
+#include "core/durable_file.h"
 #include "test_data_temp_dir.h"
 
 namespace forge {
@@ -111,7 +112,7 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
   unknown_peak.mfu.reset();
   write_bench_json(path, {ok_result("llama3.1-8b", 1, 412.5, "--training.local_batch_size 1"), unknown_peak,
                           failed_result("oom", "out of GPU memory", "--training.local_batch_size 8")});
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(temporary_path_for(path, ::getpid())));
   const nlohmann::json json = nlohmann::json::parse(read_file(path));
   ASSERT_TRUE(json.is_array());
   ASSERT_EQ(json.size(), 3u);
@@ -249,7 +250,7 @@ TEST(PerfCsv, MalformedExistingFileIsAnErrorAndNothingIsWritten) {
       for (const std::string& fragment : c.fragments) EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos) << error.what();
     }
     EXPECT_EQ(read_file(path), c.text);
-    EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+    EXPECT_FALSE(std::filesystem::exists(temporary_path_for(path, ::getpid())));
   }
   expect_error([&] { append_perf_csv(dir.file(""), results, {"host", ""}); }, {"is not a file"});
 }

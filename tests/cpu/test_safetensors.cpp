@@ -14,6 +14,7 @@
 
 #include "ckpt/half_float.h"
 #include "ckpt/safetensors.h"
+#include "core/durable_file.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
 
@@ -53,7 +54,7 @@ TEST(SafetensorsRoundTrip, F32TensorsMetadataAndLayout) {
   std::vector<float> b = {42.0f};
   write_safetensors(path, {{"b.weight", {2, 3}, a.data()}, {"a.scalar", {}, b.data()}, {"empty", {0, 4}, nullptr}},
                     SafetensorsDType::F32, {{"format", "pt"}});
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(temporary_path_for(path, ::getpid())));
 
   std::vector<uint8_t> bytes = read_bytes(path);
   uint64_t header_length;
@@ -144,7 +145,7 @@ TEST(SafetensorsRoundTrip, WriterReplacesAnExistingFileAtomically) {
   write_safetensors(path, {{"t", {2}, two.data()}}, SafetensorsDType::F32, {});
   SafetensorsFile file(path);
   EXPECT_EQ(file.find("t")->shape, Shape{2});
-  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
+  EXPECT_FALSE(std::filesystem::exists(temporary_path_for(path, ::getpid())));
 }
 
 TEST(SafetensorsRoundTrip, NonFloatTensorsAreReadableButNotAsWeights) {
