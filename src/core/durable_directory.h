@@ -12,7 +12,7 @@ namespace forge {
 
 class AtomicDirectory {
  public:
-  // Creates the temporary directory `<target>.tmp-<this process's pid>`.
+  // Creates the temporary directory temporary_path_for(target, this process's pid).
   AtomicDirectory(std::string target, DurableOptions options);
   // Creates the temporary directory `temporary`, a name of the caller's choosing in the
   // directory that holds `target`. A leftover at that name (a killed process's) is removed

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 
@@ -18,7 +19,13 @@ std::string system_reason() { return std::strerror(errno); }
 }  // namespace
 
 std::string temporary_path_for(const std::string& target, int64_t pid) {
-  return target + ".tmp-" + std::to_string(pid);
+  // The host name too: processes of two hosts writing into one shared directory (an NFS
+  // home, a cluster file system) can have the same pid.
+  char host[256] = {};
+  if (::gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') std::snprintf(host, sizeof(host), "host");
+  for (char* c = host; *c; ++c)
+    if (*c == '/') *c = '_';
+  return target + ".tmp-" + host + "-" + std::to_string(pid);
 }
 
 AtomicFile::AtomicFile(std::string path, DurableOptions options)

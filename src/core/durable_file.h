@@ -2,9 +2,10 @@
 // core/durable_directory.h does the same for a whole directory.
 //
 // NOTE [Durable files]
-// A file is written under a temporary name beside its target, `<target>.tmp-<pid>` (same
-// directory, so the rename below never crosses a file system), and commit() renames it
-// over the target in one step. A directory is filled the same way under a temporary name
+// A file is written under a temporary name beside its target, `<target>.tmp-<host>-<pid>`
+// (the same directory, so the rename below never crosses a file system; host and pid, so
+// no two processes share one, even on two hosts over a shared file system), and commit()
+// renames it over the target in one step. A directory is filled the same way under a temporary name
 // beside its target and renamed into place whole; an existing target directory is
 // exchanged with it in one step (renameat2 RENAME_EXCHANGE), so the target never goes
 // missing, and the old version, then at the temporary name, is deleted.
@@ -12,7 +13,7 @@
 // Failures. A writer destroyed before commit() (an error the process survives) removes
 // its temporary. A process killed at any moment leaves at the target either the old
 // version or the complete new one; killed before the rename, it also leaves its temporary
-// behind, named by its pid (checkpoint saves clear their folder's leftovers; elsewhere
+// behind, named by its host and pid (checkpoint saves clear their folder's leftovers; elsewhere
 // they stay until removed by hand). tests/cpu/test_durable_file.cpp injects each of these.
 //
 // Durability across a crash of the machine is a choice per writer (DurableOptions::sync):
@@ -42,12 +43,12 @@ struct DurableOptions {
   bool sync = true;  // fsync before the rename and the directory after it; who does: NOTE above
 };
 
-// `<target>.tmp-<pid>`: the temporary name of process `pid`'s writer of `target`.
+// `<target>.tmp-<host>-<pid>`: the temporary name of this host's process `pid`'s writer of `target`.
 std::string temporary_path_for(const std::string& target, int64_t pid);
 
 class AtomicFile {
  public:
-  // Creates (truncates) the temporary file `<path>.tmp-<this process's pid>`.
+  // Creates (truncates) the temporary file temporary_path_for(path, this process's pid).
   AtomicFile(std::string path, DurableOptions options);
   ~AtomicFile();
   AtomicFile(const AtomicFile&) = delete;

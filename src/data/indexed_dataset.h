@@ -21,7 +21,7 @@
 // NOTE [Atomic dataset output]
 // IndexedDatasetWriter writes <prefix>.bin and <prefix>.idx as two AtomicFiles (NOTE
 // [Durable files] in core/durable_file.h), under temporary names beside them
-// (<prefix>.bin.tmp-<pid>, <prefix>.idx.tmp-<pid>). Only after the last document is
+// (<prefix>.bin.tmp-<host>-<pid>, <prefix>.idx.tmp-<host>-<pid>). Only after the last document is
 // written and both files are complete does finalize() remove any previous <prefix>.idx,
 // then rename the new .bin into place and then the new .idx. A run that fails or is
 // interrupted before that point leaves the previous dataset (if any) as it was, and one

@@ -36,10 +36,9 @@
 // process's choices over what is there (so ranks and runs tuning at once keep each
 // other's shapes) and replaces it with one rename (write_file_atomic). Two savers racing
 // may drop the other's newest shapes, which the next run measures again and adds; the
-// file is always whole. The exception is a directory shared by several hosts: the
-// temporary is named by process id only, so two hosts' processes with the same id may
-// mix their writes, and the checksum then rejects the file. No fsync: a cache lost to a
-// power cut costs one tuning. A directory that cannot be written is one warning; the
+// file is always whole, also in a directory several hosts share (each writer's
+// temporary is named by its host and pid, NOTE [Durable files]). No fsync: a cache lost
+// to a power cut costs one tuning. A directory that cannot be written is one warning; the
 // choices then live in the process only.
 #pragma once
 
