@@ -13,6 +13,7 @@
 #include "config_test_support.h"
 #include "core/durable_file.h"
 #include "test_data_temp_dir.h"
+#include "file_testing.h"
 
 namespace forge {
 namespace {
@@ -53,14 +54,8 @@ BenchResult failed_result(const std::string& status, const std::string& error, c
   return r;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-void write_file(const std::string& path, const std::string& text) { std::ofstream(path, std::ios::binary) << text; }
+using testing::read_file;
+using testing::write_file;
 
 // perf.csv's records after the header, as fields.
 std::vector<std::vector<std::string>> perf_rows(const std::string& path) {

@@ -20,6 +20,7 @@
 #include "cli/config_validate.h"
 #include "config_test_support.h"
 #include "optim/config_rules.h"
+#include "expect_error.h"
 
 namespace forge {
 namespace {
@@ -59,16 +60,6 @@ ExperimentConfig default_config_with(const std::vector<Setting>& settings) {
 void validate_directly(const ExperimentConfig& config) {
   config.model.validate();
   validate(config.optimizer, config.lr_scheduler, config.training.steps);
-}
-
-// The message of the forge::Error `call` throws, or "" when it throws none.
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const Error& error) {
-    return error.what();
-  }
-  return "";
 }
 
 // An experiment file that sets each key on a line of its own: settings[i] on line i + 1.

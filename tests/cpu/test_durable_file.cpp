@@ -26,6 +26,7 @@
 #include "core/durable_file.h"
 #include "expect_error.h"
 #include "test_data_temp_dir.h"
+#include "file_testing.h"
 
 namespace forge {
 namespace {
@@ -40,14 +41,8 @@ std::string pattern(size_t size, uint32_t seed) {
   return out;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
-
-void write_plain(const std::string& path, const std::string& contents) {
-  std::ofstream(path, std::ios::binary) << contents;
-}
+using testing::read_file;
+using testing::write_file;
 
 std::set<std::string> names_in(const std::string& dir) {
   std::set<std::string> names;
@@ -197,7 +192,7 @@ TEST(AtomicFile, CommitTwiceAndWriteAfterCommitAreErrors) {
 TEST(AtomicFile, WriteErrorKeepsTheOldFileAndRemovesTheTemporary) {
   TempDir dir;
   const std::string target = dir.file("f.bin"), old_contents = pattern(4096, 1), new_contents = pattern(1 << 20, 2);
-  write_plain(target, old_contents);
+  write_file(target, old_contents);
   {
     FileSizeLimit limit(64 << 10);
     expect_error(
@@ -217,7 +212,7 @@ TEST(AtomicFile, RenameErrorKeepsTheTargetAndRemovesTheTemporary) {
   TempDir dir;
   const std::string target = dir.file("taken");
   fs::create_directory(target);
-  write_plain(target + "/inside", "kept");
+  write_file(target + "/inside", "kept");
   expect_error(
       [&] {
         AtomicFile file(target, {.sync = true});
@@ -324,7 +319,7 @@ TEST(AtomicDirectory, TemporaryOfTheCallersNamingReplacesALeftover) {
   TempDir dir;
   const std::string target = dir.file("step-2"), temporary = dir.file(".tmp-step-2-99");
   fs::create_directory(temporary);
-  write_plain(temporary + "/half", "x");
+  write_file(temporary + "/half", "x");
   AtomicDirectory staging(target, temporary, {.sync = true});
   EXPECT_TRUE(fs::is_empty(temporary));
   write_file_atomic(temporary + "/whole", "y", {.sync = true});
@@ -373,7 +368,7 @@ TEST(AtomicDirectory, WriteErrorKeepsTheOldDirectoryAndRemovesTheTemporary) {
 TEST(AtomicDirectory, RenameErrorKeepsTheTargetAndRemovesTheTemporary) {
   TempDir dir;
   const std::string target = dir.file("taken");
-  write_plain(target, "a file");
+  write_file(target, "a file");
   expect_error(
       [&] {
         AtomicDirectory staging(target, {.sync = true});

@@ -12,6 +12,7 @@
 #include "config_test_support.h"
 #include "kernels/gemm_tuning_cache.h"
 #include "test_data_temp_dir.h"
+#include "file_testing.h"
 
 namespace forge {
 namespace {
@@ -30,12 +31,8 @@ GemmAlgorithm algorithm(uint64_t seed) {
   return a;
 }
 
-std::string read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using testing::read_file;
+using testing::write_file;
 
 // The checksum line the format documents: FNV-1a 64 of every byte before it.
 std::string with_checksum(const std::string& body) {
@@ -44,7 +41,6 @@ std::string with_checksum(const std::string& body) {
   return body + fmt::format("checksum {:016x}\n", h);
 }
 
-void write(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 size_t count_warnings(const std::string& stderr_text) {
   size_t count = 0;
@@ -55,9 +51,9 @@ size_t count_warnings(const std::string& stderr_text) {
 
 // Opens a cache, returning it with what it wrote to stderr.
 std::pair<GemmTuningCache, std::string> open_capturing(const std::string& directory, const GemmTuningTarget& target) {
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   GemmTuningCache cache(directory, target);
-  return {std::move(cache), testing::internal::GetCapturedStderr()};
+  return {std::move(cache), ::testing::internal::GetCapturedStderr()};
 }
 
 TEST(GemmTuningCache, SavedChoiceIsFoundByTheNextProcess) {
@@ -122,7 +118,7 @@ TEST(GemmTuningCache, OtherGpuOrLibraryIsNotUsedNorTouched) {
   const std::string directory = dir.file("cache");
   GemmTuningCache h100(directory, kH100);
   h100.add(problem(64, 64, 64), algorithm(1));
-  const std::string h100_file = read(h100.path());
+  const std::string h100_file = read_file(h100.path());
 
   GemmTuningTarget other_gpu = kH100, other_partition = kH100, other_library = kH100;
   other_gpu.device_name = "NVIDIA H200";
@@ -136,7 +132,7 @@ TEST(GemmTuningCache, OtherGpuOrLibraryIsNotUsedNorTouched) {
     EXPECT_EQ(warnings, "");
     cache.add(problem(64, 64, 64), algorithm(2));
   }
-  EXPECT_EQ(read(h100.path()), h100_file) << "other targets' saves leave this one's file alone";
+  EXPECT_EQ(read_file(h100.path()), h100_file) << "other targets' saves leave this one's file alone";
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(directory), std::filesystem::directory_iterator()), 4);
 
   // A file holding another target's choices under this target's name (copied by hand) is
@@ -191,7 +187,7 @@ TEST(GemmTuningCache, DamagedFileIsIgnoredWithOneWarningAndRewritten) {
       cache.add(problem(128, 256, 512), algorithm(1));
       path = cache.path();
     }
-    write(path, damage.apply(read(path)));
+    write_file(path, damage.apply(read_file(path)));
 
     auto [cache, warnings] = open_capturing(directory, kH100);
     EXPECT_EQ(cache.loaded(), 0u);
@@ -200,10 +196,10 @@ TEST(GemmTuningCache, DamagedFileIsIgnoredWithOneWarningAndRewritten) {
     EXPECT_NE(warnings.find(path), std::string::npos) << warnings;
     EXPECT_NE(warnings.find(damage.reported), std::string::npos) << warnings;
 
-    testing::internal::CaptureStderr();
+    ::testing::internal::CaptureStderr();
     cache.add(problem(8, 8, 8), algorithm(2));
-    EXPECT_EQ(testing::internal::GetCapturedStderr(), "") << "the save replaces the damaged file silently";
-    ParsedGemmChoices rewritten = parse_gemm_choices(read(path), kH100);
+    EXPECT_EQ(::testing::internal::GetCapturedStderr(), "") << "the save replaces the damaged file silently";
+    ParsedGemmChoices rewritten = parse_gemm_choices(read_file(path), kH100);
     EXPECT_EQ(rewritten.error, "");
     EXPECT_EQ(rewritten.choices, (GemmChoices{{problem(8, 8, 8), algorithm(2)}}));
   }
@@ -252,14 +248,14 @@ TEST(GemmTuningCache, WritersMergeEachOthersChoices) {
 
 TEST(GemmTuningCache, UnwritableDirectoryIsOneWarningNotAFailure) {
   TempDir dir;
-  write(dir.file("a-file"), "not a directory");
+  write_file(dir.file("a-file"), "not a directory");
   const std::string directory = dir.file("a-file/cache");  // cannot be created, even by root
   auto [cache, open_warnings] = open_capturing(directory, kH100);
   EXPECT_EQ(open_warnings, "");
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   cache.add(problem(1, 2, 3), algorithm(1));
   cache.add(problem(4, 5, 6), algorithm(2));
-  const std::string warnings = testing::internal::GetCapturedStderr();
+  const std::string warnings = ::testing::internal::GetCapturedStderr();
   EXPECT_EQ(count_warnings(warnings), 1u) << warnings;
   EXPECT_NE(warnings.find(cache.path()), std::string::npos) << warnings;
   EXPECT_NE(warnings.find("kept in memory only"), std::string::npos) << warnings;
@@ -274,9 +270,9 @@ TEST(GemmTuningCache, UnreadableFileIsOneWarningAndLeftAlone) {
   auto [cache, warnings] = open_capturing(directory, kH100);
   EXPECT_EQ(count_warnings(warnings), 1u) << warnings;
   EXPECT_NE(warnings.find(path + " cannot be read"), std::string::npos) << warnings;
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   cache.add(problem(1, 2, 3), algorithm(1));
-  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(::testing::internal::GetCapturedStderr(), "");
   EXPECT_TRUE(std::filesystem::is_directory(path)) << "nothing replaced what could not be read";
   EXPECT_EQ(cache.find(problem(1, 2, 3)), algorithm(1));
 }

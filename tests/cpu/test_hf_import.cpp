@@ -17,20 +17,12 @@
 #include "ckpt/safetensors.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
+#include "expect_error.h"
 
 namespace forge {
 namespace {
 
 using nlohmann::json;
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 json llama_json() {
   return json::parse(R"({

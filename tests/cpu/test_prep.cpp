@@ -70,7 +70,7 @@ TEST(PrepInputStream, GzipAndZstdRoundTripAcrossMembersAndFrames) {
   const std::string data = sample_bytes(3'000'000);
   test::write_gzip_file(dir.file("a.txt.gz"), data, 3);
   test::write_zstd_file(dir.file("a.txt.zst"), data, 3);
-  test::write_text_file(dir.file("a.txt"), data);
+  test::write_file(dir.file("a.txt"), data);
   for (const char* name : {"a.txt.gz", "a.txt.zst", "a.txt"}) {
     EXPECT_EQ(read_stream(dir.file(name)), data) << name;
     EXPECT_EQ(read_stream(dir.file(name), 7), data) << name << " in 7-byte reads";
@@ -86,7 +86,7 @@ TEST(PrepInputStream, EmptyCompressedFilesAreEmpty) {
   TempDir dir;
   test::write_gzip_file(dir.file("e.txt.gz"), "");
   test::write_zstd_file(dir.file("e.txt.zst"), "");
-  test::write_text_file(dir.file("z.txt.zst"), "");
+  test::write_file(dir.file("z.txt.zst"), "");
   EXPECT_EQ(read_stream(dir.file("e.txt.gz")), "");
   EXPECT_EQ(read_stream(dir.file("e.txt.zst")), "");
   EXPECT_EQ(read_stream(dir.file("z.txt.zst")), "");
@@ -103,11 +103,11 @@ TEST(PrepInputStream, TruncatedAndCorruptFilesNameTheFile) {
       test::write_zstd_file(path, data);
     }
     const std::string whole = test::read_file(path);
-    test::write_text_file(path, whole.substr(0, whole.size() / 2));
+    test::write_file(path, whole.substr(0, whole.size() / 2));
     expect_error([&] { read_stream(path); }, {path, "truncated"});
     std::string corrupt = whole;
     for (size_t i = 20; i < 60; ++i) corrupt[i] = static_cast<char>(corrupt[i] ^ 0x5A);
-    test::write_text_file(path, corrupt);
+    test::write_file(path, corrupt);
     expect_error([&] { read_stream(path); }, {path, "corrupt"});
   }
   expect_error([&] { InputStream stream(dir.file("missing.jsonl")); }, {dir.file("missing.jsonl"), "cannot open"});
@@ -115,32 +115,32 @@ TEST(PrepInputStream, TruncatedAndCorruptFilesNameTheFile) {
 
 TEST(PrepDocuments, JsonLinesTextFilesAndTextPerLine) {
   TempDir dir;
-  test::write_text_file(dir.file("a.jsonl"),
+  test::write_file(dir.file("a.jsonl"),
                         "{\"text\": \"first\", \"id\": 1}\n\n  \n{\"text\": \"sec\\nond \\u00e9\"}\r\n{\"text\": \"\"}");
-  test::write_text_file(dir.file("b.txt"), "whole file\nis one document\n");
-  test::write_text_file(dir.file("c.txt"), "line one\r\n\nline two\nlast without newline");
+  test::write_file(dir.file("b.txt"), "whole file\nis one document\n");
+  test::write_file(dir.file("c.txt"), "line one\r\n\nline two\nlast without newline");
   EXPECT_EQ(read_all({dir.file("a.jsonl"), dir.file("b.txt")}),
             (std::vector<std::string>{"first", "sec\nond \xc3\xa9", "", "whole file\nis one document\n"}));
   EXPECT_EQ(read_all({dir.file("c.txt")}, {.text_per_line = true}),
             (std::vector<std::string>{"line one", "line two", "last without newline"}));
   EXPECT_EQ(read_all({dir.file("c.txt")}), (std::vector<std::string>{"line one\r\n\nline two\nlast without newline"}));
-  test::write_text_file(dir.file("k.jsonl"), "{\"content\": \"x\"}\n");
+  test::write_file(dir.file("k.jsonl"), "{\"content\": \"x\"}\n");
   EXPECT_EQ(read_all({dir.file("k.jsonl")}, {.json_key = "content"}), (std::vector<std::string>{"x"}));
 }
 
 TEST(PrepDocuments, MalformedLinesNameFileAndLine) {
   TempDir dir;
   const std::string path = dir.file("bad.jsonl");
-  test::write_text_file(path, "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"text\": \"unterminated}\n");
+  test::write_file(path, "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"text\": \"unterminated}\n");
   expect_error([&] { read_all({path}); }, {path + ":3:", "not valid JSON", "--skip-bad-lines"});
-  test::write_text_file(path, "{\"text\": \"ok\"}\n{\"body\": \"x\"}\n");
+  test::write_file(path, "{\"text\": \"ok\"}\n{\"body\": \"x\"}\n");
   expect_error([&] { read_all({path}); }, {path + ":2:", "no key \"text\""});
-  test::write_text_file(path, "{\"text\": 5}\n");
+  test::write_file(path, "{\"text\": 5}\n");
   expect_error([&] { read_all({path}); }, {path + ":1:", "is a number, expected a string"});
-  test::write_text_file(path, "[1, 2]\n");
+  test::write_file(path, "[1, 2]\n");
   expect_error([&] { read_all({path}); }, {path + ":1:", "expected a JSON object"});
 
-  test::write_text_file(path, "{\"text\": \"a\"}\nnot json\n{\"text\": 5}\n{\"text\": \"b\"}\n");
+  test::write_file(path, "{\"text\": \"a\"}\nnot json\n{\"text\": 5}\n{\"text\": \"b\"}\n");
   DocumentReader reader({path}, {.skip_bad_lines = true});
   std::vector<std::string> documents;
   for (std::string text; reader.next(text);) documents.push_back(text);
@@ -165,12 +165,12 @@ TEST(PrepDataset, AllInputKindsInOrderWithEod) {
     texts.push_back("document " + std::to_string(i) + std::string(static_cast<size_t>(i % 7), '!'));
     jsonl += "{\"text\": \"" + texts.back() + "\"}\n";
   }
-  test::write_text_file(dir.file("a.jsonl"), jsonl);
+  test::write_file(dir.file("a.jsonl"), jsonl);
   test::write_gzip_file(dir.file("b.jsonl.gz"), jsonl, 2);
   test::write_zstd_file(dir.file("c.json.zst"), jsonl, 2);
-  test::write_text_file(dir.file("d.txt"), "plain text\nfile\n");
+  test::write_file(dir.file("d.txt"), "plain text\nfile\n");
   test::write_zstd_file(dir.file("e.txt.zst"), "one\ntwo\n");
-  test::write_text_file(dir.file("f.jsonl"), "{\"text\": \"\"}\n{\"text\": \"after empty\"}\n");
+  test::write_file(dir.file("f.jsonl"), "{\"text\": \"\"}\n{\"text\": \"after empty\"}\n");
 
   ByteTokenizer tokenizer;
   PrepOptions options{.inputs = {dir.file("a.jsonl"), dir.file("b.jsonl.gz"), dir.file("c.json.zst"),
@@ -208,7 +208,7 @@ TEST(PrepDataset, AllInputKindsInOrderWithEod) {
 
 TEST(PrepDataset, WithoutEodAndWithALargeVocabulary) {
   TempDir dir;
-  test::write_text_file(dir.file("a.txt"), "ab\ncd\n");
+  test::write_file(dir.file("a.txt"), "ab\ncd\n");
   ByteTokenizer tokenizer(70000, 65600, std::nullopt);
   PrepOptions options{.inputs = {dir.file("a.txt")}, .output_prefix = dir.file("big"), .append_eod = false,
                       .text_per_line = true};
@@ -244,7 +244,7 @@ TEST(PrepDataset, FailedRunKeepsExistingDatasetAndLeavesNoFiles) {
   TempDir dir;
   std::string good;
   for (int i = 0; i < 30000; ++i) good += "{\"text\": \"doc " + std::to_string(i) + "\"}\n";
-  test::write_text_file(dir.file("good.jsonl"), good);
+  test::write_file(dir.file("good.jsonl"), good);
   test::write_gzip_file(dir.file("late_bad.jsonl.gz"), good + "{\"text\": broken}\n");
   ByteTokenizer tokenizer;
 
@@ -283,7 +283,7 @@ TEST(PrepDataset, FailedRunKeepsExistingDatasetAndLeavesNoFiles) {
 
 TEST(PrepDataset, BadOptionsAreRefusedBeforeWriting) {
   TempDir dir;
-  test::write_text_file(dir.file("a.jsonl"), "{\"text\": \"x\"}\n");
+  test::write_file(dir.file("a.jsonl"), "{\"text\": \"x\"}\n");
   ByteTokenizer tokenizer;
   expect_error([&] { prepare_dataset({.inputs = {}, .output_prefix = dir.file("o")}, tokenizer); }, {"--input"});
   expect_error([&] { prepare_dataset({.inputs = {dir.file("a.jsonl")}, .output_prefix = dir.file("o.bin")}, tokenizer); },

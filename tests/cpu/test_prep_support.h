@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "data/tokenizer.h"
+#include "file_testing.h"
 
 namespace forge::test {
 
@@ -46,9 +47,7 @@ class ByteTokenizer : public Tokenizer {
   std::optional<int32_t> eos_;
 };
 
-inline void write_text_file(const std::string& path, const std::string& data) {
-  std::ofstream(path, std::ios::binary) << data;
-}
+using testing::write_file;
 
 // gzip file of `data` as `members` concatenated gzip members.
 inline void write_gzip_file(const std::string& path, const std::string& data, int members = 1) {
@@ -77,12 +76,9 @@ inline void write_zstd_file(const std::string& path, const std::string& data, in
     frame.resize(ZSTD_compress(frame.data(), frame.size(), data.data() + begin, end - begin, 3));
     out += frame;
   }
-  write_text_file(path, out);
+  write_file(path, out);
 }
 
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using testing::read_file;
 
 }  // namespace forge::test

@@ -12,6 +12,7 @@
 #include "bench/report_html.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
+#include "file_testing.h"
 
 namespace forge {
 namespace {
@@ -24,10 +25,7 @@ std::string train_record(int step, double loss) {
                      step, loss);
 }
 
-void write(const std::string& path, const std::string& text) {
-  std::ofstream out(path);
-  out << text;
-}
+using testing::write_file;
 
 size_t occurrences(const std::string& text, const std::string& what) {
   size_t n = 0;
@@ -61,12 +59,12 @@ TEST(Report, TickLabels) {
 
 TEST(Report, ReadsARunAndDropsWhatAResumeSupersedes) {
   TempDir dir;
-  write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + train_record(1, 5.0) + "\n" +
+  write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + train_record(1, 5.0) + "\n" +
                                        train_record(2, 4.0) + "\n" + train_record(3, 3.0) + "\n" +
                                        R"({"type": "eval", "step": 3, "loss": 3.5, "perplexity": 33.1})" "\n" +
                                        kRunRecord + "\n" + R"({"type": "resume", "step": 2})" "\n" +
                                        train_record(3, 2.9) + "\n");
-  write(dir.file("config.yaml"),
+  write_file(dir.file("config.yaml"),
         "training:\n  local_batch_size: 4\n  gradient_accumulation_steps: 2\n  global_batch_size: 8\n"
         "  seq_len: 128\nprecision:\n  compute_dtype: fp32\n");
   const ReportRun run = load_report_run(dir.file(""));
@@ -88,19 +86,19 @@ TEST(Report, RefusesBadRunDirectories) {
   TempDir dir;
   expect_error([&] { load_report_run(dir.file("missing")); }, {"missing", "not found"});
   expect_error([&] { load_report_run(dir.file("")); }, {"holds no metrics.jsonl (nor bench.json)"});
-  write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + train_record(1, 5.0) + "\n{\"type\": \"train\", \n");
+  write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + train_record(1, 5.0) + "\n{\"type\": \"train\", \n");
   expect_error([&] { load_report_run(dir.file("")); }, {"metrics.jsonl:3", "not valid JSON"});
-  write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + R"({"type": "train", "step": 1})" "\n");
+  write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + R"({"type": "train", "step": 1})" "\n");
   expect_error([&] { load_report_run(dir.file("")); }, {"metrics.jsonl:2", "missing 'loss'"});
-  write(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n[1, 2]\n");
+  write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n[1, 2]\n");
   expect_error([&] { load_report_run(dir.file("")); }, {"metrics.jsonl:2", "expected a JSON object"});
-  write(dir.file("metrics.jsonl"), train_record(1, 5.0) + "\n");
+  write_file(dir.file("metrics.jsonl"), train_record(1, 5.0) + "\n");
   expect_error([&] { load_report_run(dir.file("")); }, {"metrics.jsonl", "no run record"});
 }
 
 TEST(Report, ReadsAndRefusesBenchResults) {
   TempDir dir;
-  write(dir.file("bench.json"), R"([{"model": "llama3.1-8b", "precision": "bf16", "micro_batch": 2, "seq_len": 8192,
+  write_file(dir.file("bench.json"), R"([{"model": "llama3.1-8b", "precision": "bf16", "micro_batch": 2, "seq_len": 8192,
       "tflops_per_gpu": 612.5, "tokens_per_s_per_gpu": 7890.1, "peak_memory_bytes": 70000000000, "status": "ok",
       "mfu": 0.62, "n_gpus": 8, "extra_field": [1]},
     {"model": "llama3.1-70b", "status": "oom", "error": "out of memory at micro_batch 4"}])");
@@ -111,20 +109,20 @@ TEST(Report, ReadsAndRefusesBenchResults) {
   EXPECT_EQ(results[0].mfu, 0.62);
   EXPECT_EQ(results[1].status, "oom");
   EXPECT_FALSE(results[1].mfu);
-  write(dir.file("bench.json"), R"({"model": "x"})");
+  write_file(dir.file("bench.json"), R"({"model": "x"})");
   expect_error([&] { load_bench_results(dir.file("bench.json")); }, {"bench.json", "expected a JSON array"});
-  write(dir.file("bench.json"), R"([{"model": "x", "status": "ok"}, {"status": "ok"}])");
+  write_file(dir.file("bench.json"), R"([{"model": "x", "status": "ok"}, {"status": "ok"}])");
   expect_error([&] { load_bench_results(dir.file("bench.json")); }, {"bench.json entry 2", "missing 'model'"});
-  write(dir.file("bench.json"), R"([{"model": "x", "status": "ok", "micro_batch": "two"}])");
+  write_file(dir.file("bench.json"), R"([{"model": "x", "status": "ok", "micro_batch": "two"}])");
   expect_error([&] { load_bench_results(dir.file("bench.json")); }, {"entry 1", "'micro_batch' must be an integer"});
-  write(dir.file("bench.json"), "[{");
+  write_file(dir.file("bench.json"), "[{");
   expect_error([&] { load_bench_results(dir.file("bench.json")); }, {"bench.json", "not valid JSON"});
 }
 
 TEST(Report, ReadsABenchOutputDirectory) {
   // forge bench's --output-dir: bench.json, and the runs in subdirectories.
   TempDir dir;
-  write(dir.file("bench.json"), R"([{"model": "llama3.1-8b", "status": "ok", "tflops_per_gpu": 612.5}])");
+  write_file(dir.file("bench.json"), R"([{"model": "llama3.1-8b", "status": "ok", "tflops_per_gpu": 612.5}])");
   ReportRun bench = load_report_run(dir.file(""));
   EXPECT_FALSE(bench.has_metrics);
   ASSERT_EQ(bench.bench.size(), 1u);

@@ -17,18 +17,10 @@
 #include "core/durable_file.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
+#include "expect_error.h"
 
 namespace forge {
 namespace {
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no error";
-}
 
 std::vector<uint8_t> read_bytes(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
