@@ -244,39 +244,56 @@ TEST(AtomicFile, KillBetweenWriteAndRenameKeepsTheOldFile) {
   EXPECT_EQ(fs::file_size(leftover), new_contents.size()) << "the child was killed after its write";
 }
 
-// Killed at moments spread over a whole write and commit: old or new, never a mixture,
-// and nothing beside the target but the killed writer's own temporary.
-TEST(AtomicFile, KillAtARandomMomentLeavesTheOldOrTheNewFile) {
-  TempDir dir;
-  const std::string target = dir.file("f.bin"), old_contents = pattern(kOldSize, 1), new_contents = pattern(kNewSize, 2);
-  auto write_new = [&](const std::function<void()>&) {
-    AtomicFile file(target, {.sync = false});
-    for (size_t offset = 0; offset < new_contents.size(); offset += 1 << 20)
-      file.write(new_contents.data() + offset, std::min<size_t>(1 << 20, new_contents.size() - offset));
-    file.commit();
-  };
+enum class Version { Neither, Old, New };
+
+// Kills a child running write_new at 16 moments spread over 1.2 times a whole write and
+// commit (fixed seed), write_old restoring the old version before each: after each kill
+// the target must hold the old or the new version, never a mixture, and nothing but the
+// killed writer's own temporary may lie beside it.
+void kill_at_random_moments(const TempDir& dir, const std::string& target, const std::function<void()>& write_old,
+                            const std::function<void(const std::function<void()>&)>& write_new,
+                            const std::function<Version()>& version, unsigned seed) {
+  write_old();
   const auto whole_write = time_to_finish(write_new);
-  std::mt19937 rng(7);
+  std::mt19937 rng(seed);
   std::uniform_real_distribution<double> fraction(0.0, 1.2);
   int saw_old = 0, saw_new = 0;
   for (int trial = 0; trial < 16; ++trial) {
-    write_file_atomic(target, old_contents, {.sync = false});
+    write_old();
     const auto delay = std::chrono::duration_cast<std::chrono::microseconds>(whole_write * fraction(rng));
     SCOPED_TRACE(::testing::Message() << "killed after " << delay.count() << " us of about "
                                       << std::chrono::duration_cast<std::chrono::microseconds>(whole_write).count());
     ChildWriter child(write_new);
     std::this_thread::sleep_for(delay);
     child.kill();
-    const std::string contents = read_file(target);
-    const bool is_old = contents == old_contents, is_new = contents == new_contents;
-    ASSERT_TRUE(is_old || is_new) << "the target holds " << contents.size() << " bytes of neither version";
-    (is_old ? saw_old : saw_new) += 1;
+    const Version found = version();
+    ASSERT_NE(found, Version::Neither) << "the target holds neither version";
+    (found == Version::Old ? saw_old : saw_new) += 1;
     const std::string leftover = temporary_path_for(target, child.pid());
-    for (const std::string& name : names_in(dir.file(""))) EXPECT_TRUE(name == "f.bin" || name == filename(leftover)) << name;
-    fs::remove(leftover);
+    for (const std::string& name : names_in(dir.file("")))
+      EXPECT_TRUE(name == filename(target) || name == filename(leftover)) << name;
+    fs::remove_all(leftover);
   }
-  RecordProperty("kept_old", saw_old);
-  RecordProperty("became_new", saw_new);
+  ::testing::Test::RecordProperty("kept_old", saw_old);
+  ::testing::Test::RecordProperty("became_new", saw_new);
+}
+
+TEST(AtomicFile, KillAtARandomMomentLeavesTheOldOrTheNewFile) {
+  TempDir dir;
+  const std::string target = dir.file("f.bin"), old_contents = pattern(kOldSize, 1), new_contents = pattern(kNewSize, 2);
+  kill_at_random_moments(
+      dir, target, [&] { write_file_atomic(target, old_contents, {.sync = false}); },
+      [&](const std::function<void()>&) {
+        AtomicFile file(target, {.sync = false});
+        for (size_t offset = 0; offset < new_contents.size(); offset += 1 << 20)
+          file.write(new_contents.data() + offset, std::min<size_t>(1 << 20, new_contents.size() - offset));
+        file.commit();
+      },
+      [&] {
+        const std::string contents = read_file(target);
+        return contents == old_contents ? Version::Old : contents == new_contents ? Version::New : Version::Neither;
+      },
+      7);
 }
 
 const Files& old_directory() {
@@ -401,34 +418,18 @@ TEST(AtomicDirectory, KillBetweenWriteAndRenameKeepsTheOldDirectory) {
 TEST(AtomicDirectory, KillAtARandomMomentLeavesTheOldOrTheNewDirectory) {
   TempDir dir;
   const std::string target = dir.file("step-4");
-  auto write_new = [&](const std::function<void()>&) {
-    AtomicDirectory staging(target, {.sync = false});
-    write_directory(staging.temporary_path(), new_directory(), {.sync = false});
-    staging.commit();
-  };
-  make_old_directory(target);
-  const auto whole_write = time_to_finish(write_new);
-  std::mt19937 rng(11);
-  std::uniform_real_distribution<double> fraction(0.0, 1.2);
-  int saw_old = 0, saw_new = 0;
-  for (int trial = 0; trial < 16; ++trial) {
-    make_old_directory(target);
-    const auto delay = std::chrono::duration_cast<std::chrono::microseconds>(whole_write * fraction(rng));
-    SCOPED_TRACE(::testing::Message() << "killed after " << delay.count() << " us of about "
-                                      << std::chrono::duration_cast<std::chrono::microseconds>(whole_write).count());
-    ChildWriter child(write_new);
-    std::this_thread::sleep_for(delay);
-    child.kill();
-    const Files files = read_directory(target);
-    const bool is_old = files == old_directory(), is_new = files == new_directory();
-    ASSERT_TRUE(is_old || is_new) << "the target holds " << files.size() << " files, neither version";
-    (is_old ? saw_old : saw_new) += 1;
-    const std::string leftover = temporary_path_for(target, child.pid());
-    for (const std::string& name : names_in(dir.file(""))) EXPECT_TRUE(name == "step-4" || name == filename(leftover)) << name;
-    fs::remove_all(leftover);
-  }
-  RecordProperty("kept_old", saw_old);
-  RecordProperty("became_new", saw_new);
+  kill_at_random_moments(
+      dir, target, [&] { make_old_directory(target); },
+      [&](const std::function<void()>&) {
+        AtomicDirectory staging(target, {.sync = false});
+        write_directory(staging.temporary_path(), new_directory(), {.sync = false});
+        staging.commit();
+      },
+      [&] {
+        const Files files = read_directory(target);
+        return files == old_directory() ? Version::Old : files == new_directory() ? Version::New : Version::Neither;
+      },
+      11);
 }
 
 }  // namespace
