@@ -286,7 +286,7 @@ int main(int argc, char** argv) {
   void* ws;
   CHECK_CUDA(cudaMalloc(&ws, kWorkspace));
   const long T = 8192, H = 4096, QKV = 6144, F2 = 28672, F = 14336, V = 128256;
-  // forge's calls in src/model/transformer.cpp, per micro-batch of 8192 tokens.
+  // forge's calls in src/model/ (its block components and the head), per micro-batch of 8192 tokens.
   const Shape shapes[] = {
       {"qkv fwd", T, QKV, H, false, true, false, 0},   {"o fwd", T, H, H, false, true, false, 1},
       {"gate_up fwd", T, F2, H, false, true, false, 0}, {"down fwd", T, H, F, false, true, false, 1},

@@ -33,7 +33,7 @@ constexpr ValueRange above(double min) { return {min, std::nullopt, true}; }
 // NOTE [Config rules name their keys through the caller]
 // Each config rule ("model.num_heads must be divisible by model.num_kv_heads") is written
 // once, beside what it constrains, and runs on two paths: the cli's, which knows where
-// every value came from, and every caller without a config file (the Transformer
+// every value came from, and every caller without a config file (the DecoderLM
 // constructor, Hugging Face import, tests). A rule names each key it involves through a
 // KeyDescriber, and the caller decides how much can be said:
 //   KeyDescriber{}             model.num_heads (30)

@@ -56,7 +56,7 @@ ExperimentConfig default_config_with(const std::vector<Setting>& settings) {
   return config;
 }
 
-// What the Transformer constructor, Hugging Face import, forge info and tests call.
+// What the DecoderLM constructor, Hugging Face import, forge info and tests call.
 void validate_directly(const ExperimentConfig& config) {
   config.model.validate();
   validate(config.optimizer, config.lr_scheduler, config.training.steps);
