@@ -3,13 +3,12 @@
 // refills) and memory stays bounded by the longest line.
 #include "data/document_reader.h"
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
 #include "core/log.h"
+#include "data/json_line.h"
 
 namespace forge {
 
@@ -23,18 +22,6 @@ bool ends_with(const std::string& text, const std::string& suffix) {
 
 bool is_blank(const std::string& line) {
   return std::all_of(line.begin(), line.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r'; });
-}
-
-// Why a JSON Lines line holds no document, or empty when it does (the text is in `text`).
-std::string parse_json_line(const std::string& line, const std::string& key, std::string& text) {
-  nlohmann::json value = nlohmann::json::parse(line, nullptr, false);
-  if (value.is_discarded()) return "not valid JSON";
-  if (!value.is_object()) return fmt::format("expected a JSON object, got a {}", value.type_name());
-  auto field = value.find(key);
-  if (field == value.end()) return fmt::format("no key \"{}\" (give the text's key with --json-key)", key);
-  if (!field->is_string()) return fmt::format("\"{}\" is a {}, expected a string", key, field->type_name());
-  text = field->get<std::string>();
-  return "";
 }
 
 }  // namespace
@@ -106,7 +93,7 @@ bool DocumentReader::next_from_json_lines(std::string& text) {
   std::string line;
   while (next_line(line)) {
     if (is_blank(line)) continue;
-    const std::string problem = parse_json_line(line, options_.json_key, text);
+    const std::string problem = json_line_text(line, options_.json_key, text);
     if (problem.empty()) return true;
     if (!options_.skip_bad_lines)
       FORGE_FAIL("{}:{}: {} (pass --skip-bad-lines to skip such lines)", stream_->path(), line_number_, problem);

@@ -4,10 +4,12 @@
 // Formats, chosen by the file name once a .gz or .zst suffix is removed:
 //   .jsonl, .json, .ndjson   JSON Lines: one JSON object per line; the document is the
 //                            string under the JSON key (default "text"), as Megatron's
-//                            preprocess_data.py reads its --input. Lines holding only
-//                            whitespace are skipped. A line that is not a JSON object,
-//                            lacks the key or whose value is not a string is an error
-//                            naming file:line, or with skip_bad_lines counted and skipped.
+//                            preprocess_data.py reads its --input with Python's json
+//                            (NaN, Infinity, huge numbers, duplicate keys: json_line.h).
+//                            Lines holding only whitespace are skipped. A line that is
+//                            not a JSON object, lacks the key or whose value is not a
+//                            string is an error naming file:line, or with skip_bad_lines
+//                            counted and skipped.
 //   .txt, .text              plain text: the whole file is one document (bytes as
 //                            they are, trailing newline included), or with
 //                            text_per_line every non-empty line is one (its "\n" or
