@@ -4,8 +4,10 @@ Face `tokenizers`, and the result is read back with megatron-core's own IndexedD
 Every document must hold exactly tokenizers' encode(text, add_special_tokens=False).ids
 plus EOS, and the files must be byte-identical to what megatron-core's
 IndexedDatasetBuilder writes when driven the way Megatron's tools/preprocess_data.py
-drives it (--append-eod, DType.optimal_dtype). Also: failures keep an existing dataset
-and name file:line, and a blend of prepared datasets trains."""
+drives it (--append-eod, DType.optimal_dtype). Lines Python's json.dumps writes beyond
+strict JSON (NaN, Infinity, numbers beyond double range, lone surrogates, duplicate keys)
+are read as Megatron's json.loads reads them. Also: failures keep an existing dataset and
+name file:line, and a blend of prepared datasets trains."""
 import gzip
 import json
 import os
@@ -44,6 +46,26 @@ def write_jsonl_zst(path, texts):
     with open(path, "wb") as raw, zstandard.ZstdCompressor().stream_writer(raw) as z:
         for i, text in enumerate(texts):
             z.write((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode())
+
+
+def python_json_lines(texts):
+    """JSON Lines as Python writes them beyond strict JSON, around each text: NaN, Infinity,
+    -Infinity and a 400-digit integer (json.dumps writes them), a lone surrogate escape in
+    another field (ensure_ascii), a decoy "text" before the real one (json.loads keeps the
+    last), exponents beyond double range and nesting."""
+    lines = []
+    for i, text in enumerate(texts):
+        record = {"id": i, "score": float("nan"), "max": float("inf"), "min": float("-inf"), "big": 10 ** (400 + i % 7),
+                  "text": text}
+        if i % 3 == 0:
+            record["title"] = "lone \ud800 surrogate"
+        line = json.dumps(record, ensure_ascii=i % 3 == 0 or i % 2 == 0)
+        if i % 4 == 1:
+            line = '{"text": "a decoy: the last duplicate key wins", ' + line[1:]
+        if i % 5 == 2:
+            line = line[:-1] + ', "huge": 1e400, "tiny": -1e999, "deep": [[{"a": [NaN, -Infinity]}], {}]}'
+        lines.append(line)
+    return lines
 
 
 def megatron_reference(prefix, texts, tokenizer, eos, append_eod=True):
@@ -137,6 +159,45 @@ class PrepVsMegatron(unittest.TestCase):
         for suffix in (".bin", ".idx"):
             self.assertEqual(read_bytes(prefix + suffix), read_bytes(reference + suffix), suffix)
         print(f"{len(lines)} lines of a .txt.zst, no EOD, Llama 2-style tokenizer: identical to megatron-core")
+
+    def test_python_json_extensions_identical_to_megatron(self):
+        lines = python_json_lines(self.texts)
+        path = os.path.join(self.dir, "python.jsonl")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write("\n".join(lines) + "\n")
+        read_by_python = [json.loads(line)["text"] for line in lines]
+        self.assertEqual(read_by_python, self.texts)
+        prefix = os.path.join(self.dir, "forge_python")
+        result = self.prep(prefix, inputs=[path])
+        self.assertEqual(result.returncode, 0, result.stderr)
+        reference = os.path.join(self.dir, "megatron_python")
+        megatron_reference(reference, read_by_python, self.tokenizer, self.eos)
+        for suffix in (".bin", ".idx"):
+            self.assertEqual(read_bytes(prefix + suffix), read_bytes(reference + suffix), suffix)
+        print(f"{len(lines)} lines with NaN, Infinity, 400-digit integers, 1e400, lone surrogates and duplicate keys "
+              f"outside the text: identical to megatron-core on what json.loads reads")
+
+    def test_lone_surrogate_in_text_is_a_bad_line(self):
+        lines = [json.dumps({"text": t}) for t in ["before", "a \ud800 lone surrogate", "after \U0001F600"]]
+        with self.assertRaises(TypeError):
+            self.tokenizer.encode(json.loads(lines[1])["text"], add_special_tokens=False)
+        path = os.path.join(self.dir, "surrogate.jsonl")
+        with open(path, "w", encoding="ascii") as f:
+            f.write("\n".join(lines) + "\n")
+        result = self.prep(os.path.join(self.dir, "surrogate"), inputs=[path])
+        print(result.stderr.strip())
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn(f"{path}:2:", result.stderr)
+        self.assertIn("lone surrogate", result.stderr)
+        prefix = os.path.join(self.dir, "surrogate_skipped")
+        skipped = self.prep(prefix, "--skip-bad-lines", inputs=[path])
+        self.assertEqual(skipped.returncode, 0, skipped.stderr)
+        self.assertIn("1 lines skipped", skipped.stdout)
+        reference = os.path.join(self.dir, "surrogate_megatron")
+        megatron_reference(reference, ["before", "after \U0001F600"], self.tokenizer, self.eos)
+        for suffix in (".bin", ".idx"):
+            self.assertEqual(read_bytes(prefix + suffix), read_bytes(reference + suffix), suffix)
+        print("a lone surrogate in the text (tokenizers raises on it in Megatron) is a bad line; the others match")
 
     def test_bad_line_names_file_and_line_and_keeps_existing_dataset(self):
         prefix = os.path.join(self.dir, "kept")
