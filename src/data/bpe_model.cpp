@@ -41,6 +41,23 @@ BpeModel::BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reade
     if (!id) reader.fail("model.unk_token", fmt::format("'{}' is not in model.vocab", unk));
     unk_id_ = *id;
   }
+  index_characters();
+  auto merges = model.find("merges");
+  if (merges == model.end() || !merges->is_array()) reader.fail("model", "missing 'merges' (a list)");
+  read_merges(*merges, reader);
+}
+
+BpeModel::BpeModel(TokenIdMap vocab, const std::vector<BpeMerge>& merges, bool ignore_merges)
+    : vocab_(std::move(vocab)), ignore_merges_(ignore_merges) {
+  index_characters();
+  merges_.reserve(merges.size());
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const BpeMerge& merge = merges[rank];
+    merges_[pair_key(merge.left, merge.right)] = Merge{static_cast<int32_t>(rank), merge.merged};
+  }
+}
+
+void BpeModel::index_characters() {
   bmp_character_ids_.assign(0x10000, -1);
   for (const auto& [token, id] : vocab_) {
     if (token.empty() || utf8::unit_length(token, 0) != token.size()) continue;
@@ -51,9 +68,6 @@ BpeModel::BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reade
   for (int b = 0; b < 256; ++b) {
     if (auto id = token_id(fmt::format("<0x{:02X}>", b))) byte_token_ids_[b] = *id;
   }
-  auto merges = model.find("merges");
-  if (merges == model.end() || !merges->is_array()) reader.fail("model", "missing 'merges' (a list)");
-  read_merges(*merges, reader);
 }
 
 void BpeModel::read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader) {

@@ -34,10 +34,18 @@ struct StringHash {
 };
 using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
+// A merge given as data: the ids of the adjacent pair and of the token it becomes.
+struct BpeMerge {
+  int32_t left, right, merged;
+};
+
 class BpeModel {
  public:
   // Reads tokenizer.json's "model" object (type BPE); fails naming the file and the field.
   BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reader);
+  // A BPE given as data (a tiktoken file's, tiktoken_tokenizer.h): `vocab` maps token
+  // strings to ids, `merges` are in rank order; no unk token, no byte fallback.
+  BpeModel(TokenIdMap vocab, const std::vector<BpeMerge>& merges, bool ignore_merges);
 
   // Appends the ids of one pre-tokenized word to `out`.
   void tokenize(std::string_view word, std::vector<int32_t>& out) const;
@@ -58,6 +66,7 @@ class BpeModel {
   static constexpr size_t kCacheShardCapacity = 16384;
   static constexpr size_t kMaxCachedWordBytes = 256;
 
+  void index_characters();
   void read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader);
   std::vector<int32_t> initial_symbols(std::string_view word) const;
   std::optional<int32_t> character_id(std::string_view character) const;
