@@ -13,14 +13,17 @@
 #include "core/parallel.h"
 #include "data/hf_tokenizer.h"
 #include "data/sentencepiece_tokenizer.h"
+#include "data/tiktoken_bpe_file.h"
+#include "data/tiktoken_tokenizer.h"
 
 namespace forge {
 namespace {
 
-enum class TokenizerFormat { HuggingFaceJson, SentencePieceModel };
+enum class TokenizerFormat { HuggingFaceJson, SentencePieceModel, TiktokenBpe };
 
-// tokenizer.json is JSON (an object); tokenizer.model is a protobuf whose first field is
-// the repeated `pieces` (tag byte 0x0A).
+// tokenizer.json is JSON (an object); tokenizer.model is a SentencePiece protobuf whose
+// first field is the repeated `pieces` (tag byte 0x0A), or a tiktoken BPE file (text
+// lines '<base64> <rank>', as Meta ships Llama 3's).
 TokenizerFormat detect_format(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
@@ -30,8 +33,10 @@ TokenizerFormat detect_format(const std::string& file) {
   if (!in) FORGE_FAIL("{}: the tokenizer file is empty", file);
   const std::string extension = std::filesystem::path(file).extension().string();
   if (first == '{' || extension == ".json") return TokenizerFormat::HuggingFaceJson;
+  if (looks_like_tiktoken_bpe(file)) return TokenizerFormat::TiktokenBpe;
   if (first == '\x0A' || extension == ".model") return TokenizerFormat::SentencePieceModel;
-  FORGE_FAIL("{}: neither a Hugging Face tokenizer.json (JSON) nor a SentencePiece tokenizer.model (protobuf)",
+  FORGE_FAIL("{}: neither a Hugging Face tokenizer.json (JSON), a SentencePiece tokenizer.model (protobuf) nor a "
+             "tiktoken BPE tokenizer.model (lines '<base64> <rank>')",
              file);
 }
 
@@ -67,6 +72,8 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path) {
       return load_json(file);
     case TokenizerFormat::SentencePieceModel:
       return std::make_unique<SentencePieceTokenizer>(file);
+    case TokenizerFormat::TiktokenBpe:
+      return std::make_unique<TiktokenTokenizer>(file);
   }
   FORGE_CHECK(false, "unreachable tokenizer format");
   return nullptr;

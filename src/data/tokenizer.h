@@ -1,6 +1,7 @@
 // Tokenizers turn text into token ids and back. forge reads the files models ship with:
 // Hugging Face tokenizer.json (byte-level BPE as in Llama 3, or SentencePiece-style BPE
-// with byte fallback as in Llama 2 and Mistral) and SentencePiece tokenizer.model files.
+// with byte fallback as in Llama 2 and Mistral), SentencePiece tokenizer.model files and
+// the tiktoken tokenizer.model of Meta's Llama 3 checkpoints.
 #pragma once
 
 #include <cstdint>
@@ -29,8 +30,8 @@ class Tokenizer {
   virtual std::optional<int32_t> eos_id() const = 0;
 };
 
-// Loads tokenizer.json or tokenizer.model (by content), or a directory holding one of
-// them. Fails naming the file and what is wrong.
+// Loads tokenizer.json or tokenizer.model (SentencePiece or tiktoken, told apart by
+// content), or a directory holding one of them. Fails naming the file and what is wrong.
 std::unique_ptr<Tokenizer> load_tokenizer(const std::string& path);
 
 }  // namespace forge
