@@ -1,7 +1,8 @@
 """Tokenizer files for the tokenizer tests, trained with the reference libraries themselves
 (Hugging Face `tokenizers`, `sentencepiece`) on a generated multilingual corpus, and the
-varied texts they are compared on. Shared by test_tokenizer_vs_hf.py and
-scripts/bench-tokenizer."""
+varied texts they are compared on. Shared by test_tokenizer_vs_hf.py,
+test_tiktoken_vs_hf.py and scripts/bench-tokenizer."""
+import base64
 import copy
 import json
 import os
@@ -193,4 +194,29 @@ def train_sentencepiece_model(directory):
     path = os.path.join(directory, "tokenizer.model")
     with open(path, "wb") as f:
         f.write(model.getvalue())
+    return path
+
+
+def train_tiktoken_file(directory):
+    """A tiktoken BPE file as Meta ships Llama 3's tokenizer.model: a byte-level BPE trained
+    by tokenizers on the Llama 3 split (no special tokens), each token's bytes with its id
+    as rank, one '<base64> <rank>' line per token in rank order, as
+    tiktoken.load.dump_tiktoken_bpe writes (which needs blobfile, so it is done here)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT_PATTERN), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    trainer = trainers.BpeTrainer(vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(corpus(), trainer)
+    byte_of_character = {character: byte for byte, character in bytes_to_unicode().items()}
+    ranks = {bytes(byte_of_character[c] for c in token): rank for token, rank in tok.get_vocab().items()}
+    path = os.path.join(directory, "tokenizer.model")
+    with open(path, "wb") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
     return path
