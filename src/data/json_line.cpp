@@ -198,7 +198,8 @@ bool JsonLineScanner::scan_string(StringScan& scan) {
       ++pos_;
       return true;
     }
-    if (c != '\\') return fail(fmt::format("control character 0x{:02X} inside a string (JSON writes it as an escape)", c));
+    if (c != '\\')
+      return fail(fmt::format("control character 0x{:02X} inside a string (JSON writes it as an escape)", c));
     ++pos_;
     if (!scan_escape(scan)) return false;
     run = pos_;

@@ -104,7 +104,8 @@ TEST(JsonLine, NotAnObjectOrNoTextString) {
   expect_problem("[1, 2] 3", "unexpected data after the JSON value");
   EXPECT_EQ(problem_of(R"({"body": "x"})"), "no key \"text\" (give the text's key with --json-key)");
   EXPECT_EQ(problem_of("{}"), "no key \"text\" (give the text's key with --json-key)");
-  EXPECT_EQ(problem_of(R"({"nested": {"text": "not top level"}})"), "no key \"text\" (give the text's key with --json-key)");
+  EXPECT_EQ(problem_of(R"({"nested": {"text": "not top level"}})"),
+            "no key \"text\" (give the text's key with --json-key)");
   EXPECT_EQ(problem_of(R"({"text": 5})"), "\"text\" is a number, expected a string");
   EXPECT_EQ(problem_of(R"({"text": ["a", "b"]})"), "\"text\" is an array, expected a string");
   EXPECT_EQ(problem_of(R"({"text": NaN})"), "\"text\" is a number, expected a string");
