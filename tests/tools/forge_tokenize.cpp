@@ -1,5 +1,5 @@
-// forge_tokenize: drives forge's tokenizers from tests/python/test_tokenizer_vs_hf.py and
-// scripts/bench-tokenizer.
+// forge_tokenize: drives forge's tokenizers from tests/python/test_tokenizer_vs_hf.py,
+// test_tiktoken_vs_hf.py and scripts/bench-tokenizer.
 //   forge_tokenize --info TOKENIZER           {"vocab_size", "bos_id", "eos_id"} as JSON
 //   forge_tokenize TOKENIZER TEXTS.jsonl      one {"ids": [...], "decoded_hex": "..."} line
 //                                             per input line
