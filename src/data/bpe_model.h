@@ -16,7 +16,6 @@
 
 #include <array>
 #include <cstdint>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -24,15 +23,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "data/string_map.h"
+#include "data/token_cache.h"
 #include "data/tokenizer_json_reader.h"
 
 namespace forge {
-
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
 class BpeModel {
  public:
@@ -50,14 +45,6 @@ class BpeModel {
     int32_t rank;
     int32_t merged_id;
   };
-  struct CacheShard {
-    std::mutex mutex;
-    std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> words;
-  };
-  static constexpr size_t kCacheShards = 64;
-  static constexpr size_t kCacheShardCapacity = 16384;
-  static constexpr size_t kMaxCachedWordBytes = 256;
-
   void read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader);
   std::vector<int32_t> initial_symbols(std::string_view word) const;
   std::optional<int32_t> character_id(std::string_view character) const;
@@ -72,7 +59,7 @@ class BpeModel {
   bool ignore_merges_ = false;
   std::array<int32_t, 256> byte_token_ids_{};  // "<0xNN>" ids, -1 where absent
   std::vector<int32_t> bmp_character_ids_;      // id of each single-character token below U+10000, -1 where absent
-  mutable std::array<CacheShard, kCacheShards> cache_;
+  mutable TokenCache cache_;
 };
 
 }  // namespace forge

@@ -1,0 +1,41 @@
+// The ids of recently encoded words, shared by the threads of encode_batch.
+//
+// NOTE [BPE word cache]
+// Natural text repeats words, so the ids of each word up to 256 bytes are cached. The
+// cache is split into shards, each behind its own mutex, so encode_batch threads rarely
+// wait on each other; a full shard is cleared rather than tracked for recency.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <mutex>
+#include <string_view>
+#include <vector>
+
+#include "data/string_map.h"
+
+namespace forge {
+
+class TokenCache {
+ public:
+  static constexpr size_t kMaxWordBytes = 256;
+
+  static bool cacheable(std::string_view word) { return word.size() <= kMaxWordBytes; }
+  // Appends the cached ids of `word` to `out` and returns true, or returns false.
+  bool find(std::string_view word, std::vector<int32_t>& out);
+  void insert(std::string_view word, std::vector<int32_t> ids);
+
+ private:
+  struct Shard {
+    std::mutex mutex;
+    StringMap<std::vector<int32_t>> words;
+  };
+  static constexpr size_t kShards = 64;
+  static constexpr size_t kShardCapacity = 16384;
+
+  Shard& shard(std::string_view word) { return shards_[StringHash{}(word) % kShards]; }
+
+  std::array<Shard, kShards> shards_;
+};
+
+}  // namespace forge
