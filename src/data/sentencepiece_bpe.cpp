@@ -98,6 +98,15 @@ void SentencePieceBpe::add_character_symbols(const std::vector<int32_t>& code_po
 // characters in a text piece is a join that cutting words must respect
 // (NOTE [SentencePiece BPE words]).
 void SentencePieceBpe::add_merges() {
+  bmp_whitespace_joins_.assign(0x10000, 0);
+  auto add_join = [&](int32_t code_point, uint8_t flag) {
+    if (code_point < 0) return;
+    if (code_point < 0x10000) {
+      bmp_whitespace_joins_[code_point] |= flag;
+    } else {
+      astral_whitespace_joins_[code_point] |= flag;
+    }
+  };
   auto symbol_of_text = [&](std::string_view text) {
     if (sentencepiece_character_length(text, 0) == text.size()) return symbol_of(utf8::code_point_at(text, 0));
     const auto id = vocab_.find_text_piece(text);
@@ -112,8 +121,8 @@ void SentencePieceBpe::add_merges() {
       const int32_t right = symbol_of_text(piece.substr(starts[i]));
       if (left != kInert && right != kInert) merges_[pair_key(left, right)] = Merge{id, vocab_.score(id)};
       const int32_t before = utf8::code_point_at(piece, starts[i - 1]), after = utf8::code_point_at(piece, starts[i]);
-      if (after == whitespace_code_point_) joined_before_whitespace_.insert(before);
-      if (before == whitespace_code_point_) joined_after_whitespace_.insert(after);
+      if (after == whitespace_code_point_) add_join(before, kJoinedBeforeWhitespace);
+      if (before == whitespace_code_point_) add_join(after, kJoinedAfterWhitespace);
     }
   }
 }
@@ -123,10 +132,19 @@ const SentencePieceBpe::Merge* SentencePieceBpe::find_merge(int32_t left, int32_
   return it == merges_.end() ? nullptr : &it->second;
 }
 
-bool SentencePieceBpe::cut_between(int32_t left_code_point, int32_t right_code_point) const {
-  if (symbol_of(left_code_point) == kInert || symbol_of(right_code_point) == kInert) return true;
-  if (right_code_point == whitespace_code_point_) return !joined_before_whitespace_.contains(left_code_point);
-  if (left_code_point == whitespace_code_point_) return !joined_after_whitespace_.contains(right_code_point);
+uint8_t SentencePieceBpe::whitespace_joins(int32_t code_point) const {
+  if (code_point < 0x10000) return bmp_whitespace_joins_[code_point];
+  auto it = astral_whitespace_joins_.find(code_point);
+  return it == astral_whitespace_joins_.end() ? 0 : it->second;
+}
+
+// NOTE [SentencePiece BPE words]: cutting is free next to a character no text piece
+// contains, and next to the whitespace character unless a text piece joins the two.
+bool SentencePieceBpe::cut_between(int32_t left_code_point, int32_t left_symbol, int32_t right_code_point,
+                                   int32_t right_symbol) const {
+  if (left_symbol == kInert || right_symbol == kInert) return true;
+  if (right_code_point == whitespace_code_point_) return !(whitespace_joins(left_code_point) & kJoinedBeforeWhitespace);
+  if (left_code_point == whitespace_code_point_) return !(whitespace_joins(right_code_point) & kJoinedAfterWhitespace);
   return false;
 }
 
@@ -238,7 +256,7 @@ void SentencePieceBpe::encode_whole(std::string_view text, std::vector<int32_t>&
 void SentencePieceBpe::encode(std::string_view text, std::vector<int32_t>& ids) const {
   if (has_unused_pieces_) return encode_whole(text, ids);
   size_t word_begin = 0, pos = 0;
-  int32_t previous_code_point = -1;
+  int32_t previous_code_point = -1, previous_symbol = kInert;
   while (pos < text.size()) {
     if (user_defined_symbols_.may_start_with(static_cast<uint8_t>(text[pos]))) {
       if (const size_t length = user_defined_symbols_.longest_prefix(text.substr(pos))) {
@@ -251,11 +269,13 @@ void SentencePieceBpe::encode(std::string_view text, std::vector<int32_t>& ids) 
       }
     }
     const int32_t code_point = utf8::code_point_at(text, pos);
-    if (pos > word_begin && cut_between(previous_code_point, code_point)) {
+    const int32_t symbol = symbol_of(code_point);
+    if (pos > word_begin && cut_between(previous_code_point, previous_symbol, code_point, symbol)) {
       encode_word(text.substr(word_begin, pos - word_begin), ids);
       word_begin = pos;
     }
     previous_code_point = code_point;
+    previous_symbol = symbol;
     pos += sentencepiece_character_length(text, pos);
   }
   encode_word(text.substr(word_begin), ids);

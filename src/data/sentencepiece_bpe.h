@@ -45,7 +45,6 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "data/byte_trie.h"
@@ -71,10 +70,14 @@ class SentencePieceBpe final : public SentencePieceModel {
   struct Symbols;  // one text's symbols while they merge (sentencepiece_bpe.cpp)
 
   static constexpr int32_t kInert = -1;  // a symbol that never merges
+  // Flags of a character some text piece joins to the whitespace character.
+  static constexpr uint8_t kJoinedBeforeWhitespace = 1;  // "a▁"
+  static constexpr uint8_t kJoinedAfterWhitespace = 2;   // "▁a"
 
   int32_t symbol_of(int32_t code_point) const;
   const Merge* find_merge(int32_t left, int32_t right) const;
-  bool cut_between(int32_t left_code_point, int32_t right_code_point) const;
+  uint8_t whitespace_joins(int32_t code_point) const;
+  bool cut_between(int32_t left_code_point, int32_t left_symbol, int32_t right_code_point, int32_t right_symbol) const;
   std::string_view symbol_text(int32_t symbol) const;
 
   void add_character_symbols(const std::vector<int32_t>& code_points);
@@ -96,8 +99,8 @@ class SentencePieceBpe final : public SentencePieceModel {
   std::vector<std::string> synthetic_symbol_texts_;  // the character of symbol vocab.size() + i
   std::vector<int32_t> output_ids_;                  // PieceToId of each symbol's text
   std::unordered_map<uint64_t, Merge> merges_;
-  // Characters a text piece joins to the whitespace character: "a▁" (before) or "▁a" (after).
-  std::unordered_set<int32_t> joined_before_whitespace_, joined_after_whitespace_;
+  std::vector<uint8_t> bmp_whitespace_joins_;  // kJoined* flags of each code point below U+10000
+  std::unordered_map<int32_t, uint8_t> astral_whitespace_joins_;
   mutable TokenCache cache_;
 };
 

@@ -64,15 +64,18 @@ void SentencePieceNormalizer::normalize(std::string_view input, std::string& out
   bool after_space = remove_extra_whitespaces_;
   while (!input.empty()) {
     const auto first = static_cast<uint8_t>(input[0]);
-    if (plain_bytes_[first]) {  // an ASCII character that no rule or symbol starts with
+    if (plain_bytes_[first]) {  // ASCII characters that no rule or symbol starts with
       if (first == ' ') {
         if (!after_space) append_space(out);
         after_space = remove_extra_whitespaces_;
-      } else {
-        out += static_cast<char>(first);
-        after_space = false;
+        input.remove_prefix(1);
+        continue;
       }
-      input.remove_prefix(1);
+      size_t run = 1;
+      while (run < input.size() && input[run] != ' ' && plain_bytes_[static_cast<uint8_t>(input[run])]) ++run;
+      out.append(input.data(), run);
+      after_space = false;
+      input.remove_prefix(run);
       continue;
     }
     auto [normalized, consumed] = normalize_prefix(input);
