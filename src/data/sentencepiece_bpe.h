@@ -22,9 +22,10 @@
 //   that occurs in no text piece can never merge. At load, every way of cutting every
 //   text piece in two whose halves are both symbols gives the merge table
 //   (left symbol, right symbol) -> (piece, score), so a candidate is one hash lookup.
-// - The queue holds (score, left position, merged piece); a popped candidate is stale
-//   when its left symbol is gone or no longer forms that piece with its right neighbour
-//   (symbols only grow, so the same piece means the same pair).
+// - The queue holds (score, left position, the pair's two symbols, merged piece); a
+//   popped candidate is stale when the left position or its right neighbour no longer
+//   holds the symbol it was queued with (symbols only grow, so equal symbols mean the
+//   same pair).
 //
 // NOTE [SentencePiece BPE words]
 // sentencepiece runs one merge queue over the whole text; forge cuts the text into words

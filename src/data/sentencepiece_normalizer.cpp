@@ -97,7 +97,9 @@ void SentencePieceNormalizer::normalize(std::string_view input, std::string& out
 
   if (remove_extra_whitespaces_) {
     const std::string_view space = escape_whitespaces_ ? kSpaceSymbol : " ";
-    while (out.ends_with(space)) out.resize(out.size() - space.size());
+    size_t length = out.size();
+    while (std::string_view(out.data(), length).ends_with(space)) length -= space.size();
+    out.erase(length);
   }
   if (add_dummy_prefix_ && treat_whitespace_as_suffix_) append_space(out);
 }

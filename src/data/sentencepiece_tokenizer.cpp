@@ -1,9 +1,7 @@
 #include "data/sentencepiece_tokenizer.h"
 
-#include <fstream>
-#include <iterator>
-
 #include "core/error.h"
+#include "data/mapped_file.h"
 #include "data/sentencepiece_bpe.h"
 #include "data/sentencepiece_model_proto.h"
 #include "data/sentencepiece_unigram.h"
@@ -15,12 +13,6 @@ namespace {
 constexpr std::string_view kSpaceSymbol = "\xE2\x96\x81";           // U+2581
 constexpr std::string_view kReplacementCharacter = "\xEF\xBF\xBD";  // U+FFFD
 constexpr std::string_view kDefaultUnknownSurface = " \xE2\x81\x87 ";  // " ⁇ "
-
-std::string read_file(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
 
 const char* model_type_name(SentencePieceModelType type) {
   switch (type) {
@@ -39,7 +31,9 @@ const char* model_type_name(SentencePieceModelType type) {
 }  // namespace
 
 SentencePieceTokenizer::SentencePieceTokenizer(const std::string& file) {
-  const SentencePieceModelProto model = parse_sentencepiece_model(read_file(file), file);
+  const MappedFile bytes(file);
+  const SentencePieceModelProto model =
+      parse_sentencepiece_model({reinterpret_cast<const char*>(bytes.data()), bytes.size()}, file);
   vocab_ = std::make_unique<SentencePieceVocab>(model, file);
   std::vector<std::pair<std::string, int32_t>> symbols;
   for (const std::string& symbol : vocab_->user_defined_symbols()) symbols.emplace_back(symbol, 0);

@@ -9,7 +9,7 @@
 // (found by walking a trie of the pieces) offers "best path to here + its score" to the
 // position where it ends, and a position keeps the first best offer it gets. UNUSED
 // pieces are skipped. A USER_DEFINED piece scores length_in_bytes × (highest NORMAL
-// score) − 0.1, which makes it win wherever it matches. Where no piece covers a single
+// score) − 0.1, which in practice makes it win wherever it matches. Where no piece covers a single
 // character, an unknown piece of that character scores (lowest NORMAL score) − 10.
 // The best path is read back from the end.
 //
@@ -19,8 +19,8 @@
 // float(piece score) + float(best path here), compared with the float stored at the end
 // position; a user-defined piece scores float(length) × highest − 0.1f). The highest
 // NORMAL score starts from FLT_MIN (the smallest positive float), as in sentencepiece,
-// so it is never negative. (sentencepiece's source before 0.2.3 added in double; the
-// tests found the float sums in 0.2.3's results: "1,000,000" segments differently.)
+// so it is never negative. (The 0.2.1 source read for this adds in double; 0.2.3's
+// results show float sums: a test text's "1,000,000" segments differently otherwise.)
 // Because every path score sums from the text's first character, splitting the text and
 // caching parts (as forge's BPE does) could change a rounding and with it a tie, so the
 // unigram model always runs over the whole text.
