@@ -2,7 +2,6 @@
 
 #include <bit>
 #include <cstring>
-#include <limits>
 
 #include "core/error.h"
 
@@ -118,15 +117,6 @@ uint64_t ProtoReader::varint(const ProtoField& field, std::string_view name) con
 
 bool ProtoReader::boolean(const ProtoField& field, std::string_view name) const {
   return varint(field, name) != 0;
-}
-
-// NOTE: protobuf writes a negative int32 as the ten-byte varint of its sign-extended
-// int64, so the value is read as int64 and must fit in 32 bits.
-int32_t ProtoReader::int32(const ProtoField& field, std::string_view name) const {
-  const auto value = static_cast<int64_t>(varint(field, name));
-  if (value < std::numeric_limits<int32_t>::min() || value > std::numeric_limits<int32_t>::max())
-    fail(field, name, fmt::format("{} does not fit in an int32", value));
-  return static_cast<int32_t>(value);
 }
 
 float ProtoReader::float32(const ProtoField& field, std::string_view name) const {

@@ -39,7 +39,6 @@ class ProtoReader {
   std::string_view bytes(const ProtoField& field, std::string_view name) const;
   uint64_t varint(const ProtoField& field, std::string_view name) const;
   bool boolean(const ProtoField& field, std::string_view name) const;
-  int32_t int32(const ProtoField& field, std::string_view name) const;  // fails when out of range
   float float32(const ProtoField& field, std::string_view name) const;
   // The message embedded in `field`; `name` ("trainer_spec", "pieces[3]") extends the
   // path that errors inside it name.

@@ -11,24 +11,13 @@ namespace {
 enum PieceField : uint32_t { kPiece = 1, kScore = 2, kType = 3 };
 enum TrainerField : uint32_t {
   kModelType = 3,
-  kVocabSize = 4,
-  kSplitByWhitespace = 22,
   kTreatWhitespaceAsSuffix = 24,
-  kSplitDigits = 25,
-  kAllowWhitespaceOnlyPieces = 26,
   kByteFallback = 35,
-  kUnkId = 40,
-  kBosId = 41,
-  kEosId = 42,
-  kPadId = 43,
   kUnkSurface = 44,
-  kUnkPiece = 45,
   kBosPiece = 46,
   kEosPiece = 47,
-  kPadPiece = 48,
 };
 enum NormalizerField : uint32_t {
-  kName = 1,
   kPrecompiledCharsmap = 2,
   kAddDummyPrefix = 3,
   kRemoveExtraWhitespaces = 4,
@@ -77,50 +66,20 @@ void parse_trainer_spec(ProtoReader reader, SentencePieceTrainerSpec& spec) {
         spec.model_type = static_cast<SentencePieceModelType>(type);
         break;
       }
-      case kVocabSize:
-        spec.vocab_size = reader.int32(field, "vocab_size");
-        break;
-      case kSplitByWhitespace:
-        spec.split_by_whitespace = reader.boolean(field, "split_by_whitespace");
-        break;
       case kTreatWhitespaceAsSuffix:
         spec.treat_whitespace_as_suffix = reader.boolean(field, "treat_whitespace_as_suffix");
-        break;
-      case kSplitDigits:
-        spec.split_digits = reader.boolean(field, "split_digits");
-        break;
-      case kAllowWhitespaceOnlyPieces:
-        spec.allow_whitespace_only_pieces = reader.boolean(field, "allow_whitespace_only_pieces");
         break;
       case kByteFallback:
         spec.byte_fallback = reader.boolean(field, "byte_fallback");
         break;
-      case kUnkId:
-        spec.unk_id = reader.int32(field, "unk_id");
-        break;
-      case kBosId:
-        spec.bos_id = reader.int32(field, "bos_id");
-        break;
-      case kEosId:
-        spec.eos_id = reader.int32(field, "eos_id");
-        break;
-      case kPadId:
-        spec.pad_id = reader.int32(field, "pad_id");
-        break;
       case kUnkSurface:
         spec.unk_surface = std::string(reader.bytes(field, "unk_surface"));
-        break;
-      case kUnkPiece:
-        spec.unk_piece = reader.bytes(field, "unk_piece");
         break;
       case kBosPiece:
         spec.bos_piece = reader.bytes(field, "bos_piece");
         break;
       case kEosPiece:
         spec.eos_piece = reader.bytes(field, "eos_piece");
-        break;
-      case kPadPiece:
-        spec.pad_piece = reader.bytes(field, "pad_piece");
         break;
       default:
         break;
@@ -132,9 +91,6 @@ void parse_normalizer_spec(ProtoReader reader, SentencePieceNormalizerSpec& spec
   ProtoField field;
   while (reader.next(field)) {
     switch (field.number) {
-      case kName:
-        spec.name = reader.bytes(field, "name");
-        break;
       case kPrecompiledCharsmap:
         spec.precompiled_charsmap = reader.bytes(field, "precompiled_charsmap");
         break;

@@ -1,7 +1,12 @@
 // The content of a SentencePiece tokenizer.model: the ModelProto message of sentencepiece's
 // sentencepiece_model.proto, read with forge's own wire reader (core/protobuf_reader.h).
-// Only the fields that encoding and decoding use are kept, with proto2's defaults where a
-// field is absent; training-only fields and self_test_data are skipped like unknown fields.
+// Only the fields that encoding and decoding read are kept, with proto2's defaults where a
+// field is absent. The rest are skipped like unknown fields: self_test_data, and the
+// trainer_spec fields that only shaped training (vocab_size, split_digits,
+// split_by_whitespace, allow_whitespace_only_pieces, ...: sentencepiece's encoder does not
+// read them either; what they did shows in which pieces exist), the trainer's
+// unk/bos/eos/pad ids (encoding finds <unk> by piece type, bos and eos by piece name), and
+// normalizer_spec.name (the rules it names are in precompiled_charsmap).
 #pragma once
 
 #include <cstdint>
@@ -26,21 +31,13 @@ struct SentencePiece {
 
 struct SentencePieceTrainerSpec {
   SentencePieceModelType model_type = SentencePieceModelType::Unigram;
-  int32_t vocab_size = 8000;
   bool byte_fallback = false;
   bool treat_whitespace_as_suffix = false;
-  // Training-time choices, kept to describe the model: sentencepiece's encoder does not
-  // read them (what they did at training shows in which pieces exist).
-  bool split_digits = false;
-  bool split_by_whitespace = true;
-  bool allow_whitespace_only_pieces = false;
-  int32_t unk_id = 0, bos_id = 1, eos_id = 2, pad_id = -1;
-  std::string unk_piece = "<unk>", bos_piece = "<s>", eos_piece = "</s>", pad_piece = "<pad>";
+  std::string bos_piece = "<s>", eos_piece = "</s>";
   std::optional<std::string> unk_surface;  // decode's text for <unk>; " \u2047 " when absent
 };
 
 struct SentencePieceNormalizerSpec {
-  std::string name;
   std::string precompiled_charsmap;
   bool add_dummy_prefix = true;
   bool remove_extra_whitespaces = true;

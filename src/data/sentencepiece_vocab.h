@@ -1,9 +1,9 @@
 // The pieces of a SentencePiece model and what encoding does with each kind, as
 // sentencepiece's ModelInterface and SentencePieceProcessor define it:
-//   NORMAL, USER_DEFINED, UNUSED  "text pieces": what BPE merges into and what a unigram
-//                                 lattice holds (USER_DEFINED ones are also matched whole
-//                                 in the text before anything else, NOTE in
-//                                 sentencepiece_normalizer.h)
+//   NORMAL, USER_DEFINED, UNUSED  "text pieces": what BPE merges into and unigram segments
+//                                 into (not UNUSED ones; USER_DEFINED ones are also matched whole
+//                                 in the text before anything else, NOTE
+//                                 [SentencePiece normalization])
 //   CONTROL (<s>, </s>)           never produced from text; decode to nothing
 //   UNKNOWN (exactly one, <unk>)  what text no piece covers becomes
 //   BYTE (<0x00>..<0xFF>)         with byte_fallback, what unknown text becomes instead
@@ -49,9 +49,6 @@ class SentencePieceVocab {
   // sentencepiece's PieceToId.
   int32_t piece_to_id(std::string_view piece) const;
   int32_t unk_id() const { return unk_id_; }
-  bool byte_fallback() const { return byte_fallback_; }
-  // The id of <0xNN>; byte_fallback only.
-  int32_t byte_id(uint8_t byte) const { return byte_ids_[byte]; }
   // The byte a BYTE piece stands for.
   uint8_t byte_value(int32_t id) const { return byte_values_[id]; }
   const std::vector<std::string>& user_defined_symbols() const { return user_defined_symbols_; }
@@ -71,8 +68,8 @@ class SentencePieceVocab {
   std::vector<std::string> user_defined_symbols_;
   int32_t unk_id_ = -1;
   bool byte_fallback_ = false;
-  std::array<int32_t, 256> byte_ids_{};
-  std::vector<uint8_t> byte_values_;  // per id; meaningful for BYTE pieces
+  std::array<int32_t, 256> byte_ids_{};  // the id of <0xNN>, with byte_fallback
+  std::vector<uint8_t> byte_values_;     // per id; meaningful for BYTE pieces
 };
 
 }  // namespace forge

@@ -86,7 +86,7 @@ using Ids = std::vector<int32_t>;
 
 TEST(ProtoReader, ReadsFieldsAndNamesWhereTheyBreak) {
   ProtoWriter inner, outer;
-  inner.add_varint(1, static_cast<uint64_t>(int64_t{-5}));
+  inner.add_varint(1, uint64_t{1} << 40);
   inner.add_float(2, 1.5f);
   outer.add_varint(7, 300);
   outer.add_bytes(4, inner.bytes());
@@ -99,11 +99,11 @@ TEST(ProtoReader, ReadsFieldsAndNamesWhereTheyBreak) {
   ProtoReader nested = reader.message(field, "spec");
   ProtoField value;
   ASSERT_TRUE(nested.next(value));
-  EXPECT_EQ(nested.int32(value, "id"), -5);
+  EXPECT_EQ(nested.varint(value, "id"), uint64_t{1} << 40);
   ASSERT_TRUE(nested.next(value));
   EXPECT_EQ(nested.float32(value, "score"), 1.5f);
   EXPECT_EQ(error_of([&] { nested.varint(value, "score"); }),
-            "file: spec.score (field 2) at byte 16: expected wire type 0 (varint), found 5 (fixed32)");
+            "file: spec.score (field 2) at byte 12: expected wire type 0 (varint), found 5 (fixed32)");
   EXPECT_FALSE(nested.next(value));
   EXPECT_FALSE(reader.next(field));
 
@@ -117,7 +117,8 @@ TEST(ProtoReader, ReadsFieldsAndNamesWhereTheyBreak) {
   EXPECT_EQ(error_of([&] { read_all(std::string("\x08\x01\x12\x05" "ab", 6)); }),
             "f: byte 2: field 2 needs 5 bytes but the message has 2 left");
   EXPECT_EQ(error_of([&] { read_all("\x0B"); }),
-            "f: byte 0: field 1 has wire type 3, which is not a valid protobuf field encoding (groups are not supported)");
+            "f: byte 0: field 1 has wire type 3, which is not a valid protobuf field encoding "
+            "(groups are not supported)");
   EXPECT_EQ(error_of([&] { read_all(std::string("\x00", 1)); }), "f: byte 0: invalid field number 0");
 }
 
@@ -222,7 +223,8 @@ TEST_F(SentencePieceTest, MalformedModelsNameTheFileAndTheField) {
   Model model = bpe_model();
   model.pieces[4].type = 9;
   expect_error([&] { load(model, "type.model"); },
-               {"type.model: not a valid SentencePiece model: pieces[4].type (field 3) at byte ", "unknown piece type 9"});
+               {"type.model: not a valid SentencePiece model: pieces[4].type (field 3) at byte ",
+                "unknown piece type 9"});
 
   model = bpe_model();
   model.model_type = 7;
@@ -266,7 +268,8 @@ TEST_F(SentencePieceTest, MalformedCharsmapIsNamed) {
   // One unit whose offset points far outside the four-unit array.
   std::string units(16, '\0');
   units[1] = '\x7f';
-  expect_error([&] { load_tokenizer(write("offset.model", with_charsmap(std::string("\x10\x00\x00\x00", 4) + units))); },
+  const std::string offset_model = with_charsmap(std::string("\x10\x00\x00\x00", 4) + units);
+  expect_error([&] { load_tokenizer(write("offset.model", offset_model)); },
                {"offset.model: normalizer_spec.precompiled_charsmap: trie unit 0 leads to unit", "outside the trie"});
 }
 

@@ -76,7 +76,8 @@ def random_texts(count=300, seed=1):
     for _ in range(count):
         parts = []
         for _ in range(rng.randint(1, 40)):
-            parts.append(rng.choice(words) if rng.random() < 0.5 else "".join(rng.choices(alphabet, k=rng.randint(1, 8))))
+            random_word = "".join(rng.choices(alphabet, k=rng.randint(1, 8)))
+            parts.append(rng.choice(words) if rng.random() < 0.5 else random_word)
         texts.append(rng.choice(["", " ", "  "]).join(parts))
     return texts
 

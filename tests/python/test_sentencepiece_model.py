@@ -65,9 +65,10 @@ class SentencePieceModelVsReference(unittest.TestCase):
         for text, line in zip(self.texts, lines):
             result = json.loads(line)
             expected = reference.encode(text)
+            forge_pieces = [reference.id_to_piece(i) for i in result["ids"]]
+            expected_pieces = [reference.id_to_piece(i) for i in expected]
             self.assertEqual(result["ids"], expected,
-                             f"{name}: ids of {text!r}\n forge:         {[reference.id_to_piece(i) for i in result['ids']]}"
-                             f"\n sentencepiece: {[reference.id_to_piece(i) for i in expected]}")
+                             f"{name}: ids of {text!r}\n forge:         {forge_pieces}\n sentencepiece: {expected_pieces}")
             decoded = bytes.fromhex(result["decoded_hex"]).decode("utf-8")
             self.assertEqual(decoded, reference.decode(expected), f"{name}: decode of {text!r}")
             tokens += len(expected)
