@@ -68,7 +68,8 @@ class SentencePieceModelVsReference(unittest.TestCase):
             forge_pieces = [reference.id_to_piece(i) for i in result["ids"]]
             expected_pieces = [reference.id_to_piece(i) for i in expected]
             self.assertEqual(result["ids"], expected,
-                             f"{name}: ids of {text!r}\n forge:         {forge_pieces}\n sentencepiece: {expected_pieces}")
+                             f"{name}: ids of {text!r}\n forge:         {forge_pieces}"
+                             f"\n sentencepiece: {expected_pieces}")
             decoded = bytes.fromhex(result["decoded_hex"]).decode("utf-8")
             self.assertEqual(decoded, reference.decode(expected), f"{name}: decode of {text!r}")
             tokens += len(expected)
