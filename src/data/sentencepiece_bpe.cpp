@@ -138,8 +138,8 @@ uint8_t SentencePieceBpe::whitespace_joins(int32_t code_point) const {
   return it == astral_whitespace_joins_.end() ? 0 : it->second;
 }
 
-// NOTE [SentencePiece BPE words]: cutting is free next to a character no text piece
-// contains, and next to the whitespace character unless a text piece joins the two.
+// Where words may be cut (NOTE [SentencePiece BPE words]): next to a character no text
+// piece contains, and next to the whitespace character unless a text piece joins the two.
 bool SentencePieceBpe::cut_between(int32_t left_code_point, int32_t left_symbol, int32_t right_code_point,
                                    int32_t right_symbol) const {
   if (left_symbol == kInert || right_symbol == kInert) return true;
