@@ -7,11 +7,7 @@
 // among equal ranks, until no adjacent pair has a merge. A min-heap of (rank, position)
 // with stale entries skipped gives exactly that order in O(n log n), as in Hugging Face's
 // Word::merge_all. With ignore_merges a word that is itself in the vocab is one token.
-//
-// NOTE [BPE word cache]
-// Natural text repeats words, so the ids of each word up to 256 bytes are cached. The
-// cache is split into shards, each behind its own mutex, so encode_batch threads rarely
-// wait on each other; a full shard is cleared rather than tracked for recency.
+// Words are cached, as token_cache.h's NOTE [BPE word cache] describes.
 #pragma once
 
 #include <array>
