@@ -192,16 +192,8 @@ void BpeModel::merge(std::vector<int32_t>& symbols) const {
 // computed the same way), so the cache is consulted first.
 void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const {
   if (word.empty()) return;
-  const bool cacheable = word.size() <= kMaxCachedWordBytes;
-  CacheShard& shard = cache_[StringHash{}(word) % kCacheShards];
-  if (cacheable) {
-    std::lock_guard lock(shard.mutex);
-    auto it = shard.words.find(word);
-    if (it != shard.words.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
-      return;
-    }
-  }
+  const bool cacheable = TokenCache::cacheable(word);
+  if (cacheable && cache_.find(word, out)) return;
   std::vector<int32_t> symbols;
   if (auto id = ignore_merges_ ? token_id(word) : std::nullopt) {
     symbols.push_back(*id);
@@ -210,11 +202,7 @@ void BpeModel::tokenize(std::string_view word, std::vector<int32_t>& out) const 
     merge(symbols);
   }
   out.insert(out.end(), symbols.begin(), symbols.end());
-  if (cacheable) {
-    std::lock_guard lock(shard.mutex);
-    if (shard.words.size() >= kCacheShardCapacity) shard.words.clear();
-    shard.words.emplace(word, std::move(symbols));
-  }
+  if (cacheable) cache_.insert(word, std::move(symbols));
 }
 
 }  // namespace forge

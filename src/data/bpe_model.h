@@ -7,16 +7,11 @@
 // among equal ranks, until no adjacent pair has a merge. A min-heap of (rank, position)
 // with stale entries skipped gives exactly that order in O(n log n), as in Hugging Face's
 // Word::merge_all. With ignore_merges a word that is itself in the vocab is one token.
-//
-// NOTE [BPE word cache]
-// Natural text repeats words, so the ids of each word up to 256 bytes are cached. The
-// cache is split into shards, each behind its own mutex, so encode_batch threads rarely
-// wait on each other; a full shard is cleared rather than tracked for recency.
+// Words are cached, as token_cache.h's NOTE [BPE word cache] describes.
 #pragma once
 
 #include <array>
 #include <cstdint>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -24,15 +19,11 @@
 #include <unordered_map>
 #include <vector>
 
+#include "data/string_map.h"
+#include "data/token_cache.h"
 #include "data/tokenizer_json_reader.h"
 
 namespace forge {
-
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
-};
-using TokenIdMap = std::unordered_map<std::string, int32_t, StringHash, std::equal_to<>>;
 
 // A merge given as data: the ids of the adjacent pair and of the token it becomes.
 struct BpeMerge {
@@ -58,14 +49,6 @@ class BpeModel {
     int32_t rank;
     int32_t merged_id;
   };
-  struct CacheShard {
-    std::mutex mutex;
-    std::unordered_map<std::string, std::vector<int32_t>, StringHash, std::equal_to<>> words;
-  };
-  static constexpr size_t kCacheShards = 64;
-  static constexpr size_t kCacheShardCapacity = 16384;
-  static constexpr size_t kMaxCachedWordBytes = 256;
-
   void index_characters();
   void read_merges(const nlohmann::json& merges, const TokenizerJsonReader& reader);
   std::vector<int32_t> initial_symbols(std::string_view word) const;
@@ -81,7 +64,7 @@ class BpeModel {
   bool ignore_merges_ = false;
   std::array<int32_t, 256> byte_token_ids_{};  // "<0xNN>" ids, -1 where absent
   std::vector<int32_t> bmp_character_ids_;      // id of each single-character token below U+10000, -1 where absent
-  mutable std::array<CacheShard, kCacheShards> cache_;
+  mutable TokenCache cache_;
 };
 
 }  // namespace forge

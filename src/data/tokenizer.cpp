@@ -27,14 +27,16 @@ enum class TokenizerFormat { HuggingFaceJson, SentencePieceModel, TiktokenBpe };
 TokenizerFormat detect_format(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
-  char first = 0;
-  while (in.get(first) && (first == ' ' || first == '\n' || first == '\r' || first == '\t')) {
+  char first_byte = 0, first = 0;
+  if (!in.get(first_byte)) FORGE_FAIL("{}: the tokenizer file is empty", file);
+  first = first_byte;
+  while ((first == ' ' || first == '\n' || first == '\r' || first == '\t') && in.get(first)) {
   }
-  if (!in) FORGE_FAIL("{}: the tokenizer file is empty", file);
   const std::string extension = std::filesystem::path(file).extension().string();
   if (first == '{' || extension == ".json") return TokenizerFormat::HuggingFaceJson;
   if (looks_like_tiktoken_bpe(file)) return TokenizerFormat::TiktokenBpe;
-  if (first == '\x0A' || extension == ".model") return TokenizerFormat::SentencePieceModel;
+  // The protobuf's first byte itself (a 0x0A is also a newline, which the JSON check skips).
+  if (first_byte == '\x0A' || extension == ".model") return TokenizerFormat::SentencePieceModel;
   FORGE_FAIL("{}: neither a Hugging Face tokenizer.json (JSON), a SentencePiece tokenizer.model (protobuf) nor a "
              "tiktoken BPE tokenizer.model (lines '<base64> <rank>')",
              file);

@@ -4,16 +4,18 @@ Face `tokenizers`, and the result is read back with megatron-core's own IndexedD
 Every document must hold exactly tokenizers' encode(text, add_special_tokens=False).ids
 plus EOS, and the files must be byte-identical to what megatron-core's
 IndexedDatasetBuilder writes when driven the way Megatron's tools/preprocess_data.py
-drives it (--append-eod, DType.optimal_dtype). Lines Python's json.dumps writes beyond
-strict JSON (NaN, Infinity, numbers beyond double range, lone surrogates, duplicate keys)
-are read as Megatron's json.loads reads them. Also: failures keep an existing dataset and
-name file:line, and a blend of prepared datasets trains."""
+drives it (--append-eod, DType.optimal_dtype). The same holds with a SentencePiece
+tokenizer.model trained by sentencepiece (ids from sentencepiece's encode). Lines Python's
+json.dumps writes beyond strict JSON (NaN, Infinity, numbers beyond double range, lone
+surrogates, duplicate keys) are read as Megatron's json.loads reads them. Also: failures keep
+an existing dataset and name file:line, and a blend of prepared datasets trains."""
 import gzip
 import json
 import os
 import subprocess
 import sys
 import unittest
+from types import SimpleNamespace
 
 import numpy
 import torch
@@ -22,6 +24,7 @@ from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, Indexe
 from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import sentencepiece_fixtures  # noqa: E402
 import tokenizer_fixtures  # noqa: E402
 from forge_test_util import forge_bin, scratch_dir  # noqa: E402
 
@@ -80,6 +83,21 @@ def megatron_reference(prefix, texts, tokenizer, eos, append_eod=True):
             lengths[-1] += 1
         builder.add_document(torch.tensor(ids, dtype=torch.int64), lengths)
     builder.finalize(prefix + ".idx")
+
+
+class SentencePieceReference:
+    """A sentencepiece model behind the part of tokenizers' interface megatron_reference uses."""
+
+    def __init__(self, path):
+        import sentencepiece
+
+        self.processor = sentencepiece.SentencePieceProcessor(model_file=path)
+
+    def get_vocab_size(self):
+        return self.processor.get_piece_size()
+
+    def encode(self, text, add_special_tokens=False):
+        return SimpleNamespace(ids=self.processor.encode(text))
 
 
 def read_documents(prefix):
@@ -198,6 +216,20 @@ class PrepVsMegatron(unittest.TestCase):
         for suffix in (".bin", ".idx"):
             self.assertEqual(read_bytes(prefix + suffix), read_bytes(reference + suffix), suffix)
         print("a lone surrogate in the text (tokenizers raises on it in Megatron) is a bad line; the others match")
+
+    def test_files_identical_to_megatron_builder_with_tokenizer_model(self):
+        name, options = sentencepiece_fixtures.BPE_CONFIGS[0]
+        tokenizer_path = sentencepiece_fixtures.train(name, options, self.dir)
+        tokenizer = SentencePieceReference(tokenizer_path)
+        prefix = os.path.join(self.dir, "forge_sentencepiece")
+        result = self.prep(prefix, "--workers", "2", tokenizer=tokenizer_path)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        reference = os.path.join(self.dir, "megatron_sentencepiece")
+        megatron_reference(reference, self.texts, tokenizer, tokenizer.processor.eos_id())
+        for suffix in (".bin", ".idx"):
+            self.assertEqual(read_bytes(prefix + suffix), read_bytes(reference + suffix), suffix)
+        print(f"forge prep with a {name} tokenizer.model: .bin/.idx byte-identical to megatron-core's builder fed "
+              f"sentencepiece's ids ({os.path.getsize(prefix + '.bin')} bytes)")
 
     def test_bad_line_names_file_and_line_and_keeps_existing_dataset(self):
         prefix = os.path.join(self.dir, "kept")

@@ -4,6 +4,8 @@
 //   forge_tokenize TOKENIZER TEXTS.jsonl      one {"ids": [...], "decoded_hex": "..."} line
 //                                             per input line
 //   forge_tokenize --bench TOKENIZER TEXTS.jsonl   {"bytes", "tokens", "seconds", "threads"}
+//   forge_tokenize --decode TOKENIZER IDS.jsonl    one {"decoded_hex": "..."} line per
+//                                                  input line {"ids": [...]}
 // Each input line is {"text": "..."} or, for bytes that are not valid UTF-8, {"hex": "..."}.
 // The ids mode encodes with encode_batch and also one text at a time, and exits 1 if the
 // two differ. TOKENIZER is anything load_tokenizer accepts. Errors go to stderr, exit 1.
@@ -55,12 +57,26 @@ std::vector<std::string> read_texts(const std::string& file) {
 
 nlohmann::json optional_id(std::optional<int32_t> id) { return id ? nlohmann::json(*id) : nlohmann::json(); }
 
+int decode_lines(const forge::Tokenizer& tokenizer, const std::string& file) {
+  std::ifstream in(file);
+  if (!in) FORGE_FAIL("{}: cannot open", file);
+  std::string line;
+  for (int line_number = 1; std::getline(in, line); ++line_number) {
+    const auto record = nlohmann::json::parse(line, nullptr, false);
+    if (!record.is_object() || !record.contains("ids") || !record["ids"].is_array())
+      FORGE_FAIL("{}:{}: expected {{\"ids\": [...]}}", file, line_number);
+    const nlohmann::json decoded{{"decoded_hex", to_hex(tokenizer.decode(record["ids"].get<std::vector<int32_t>>()))}};
+    std::printf("%s\n", decoded.dump().c_str());
+  }
+  return 0;
+}
+
 int run(int argc, char** argv) {
   const std::string mode = argc > 1 && std::string(argv[1]).starts_with("--") ? argv[1] : "";
   const int first = mode.empty() ? 1 : 2;
   if ((mode == "--info" && argc != 3) || (mode != "--info" && argc != first + 2) ||
-      (!mode.empty() && mode != "--info" && mode != "--bench")) {
-    std::fprintf(stderr, "usage: forge_tokenize [--info | --bench] TOKENIZER [TEXTS.jsonl]\n");
+      (!mode.empty() && mode != "--info" && mode != "--bench" && mode != "--decode")) {
+    std::fprintf(stderr, "usage: forge_tokenize [--info | --bench | --decode] TOKENIZER [TEXTS.jsonl | IDS.jsonl]\n");
     return 2;
   }
   const auto tokenizer = forge::load_tokenizer(argv[first]);
@@ -71,6 +87,7 @@ int run(int argc, char** argv) {
     std::printf("%s\n", info.dump().c_str());
     return 0;
   }
+  if (mode == "--decode") return decode_lines(*tokenizer, argv[first + 1]);
   const auto texts = read_texts(argv[first + 1]);
   const std::vector<std::string_view> views(texts.begin(), texts.end());
   if (mode == "--bench") {
