@@ -28,10 +28,11 @@ TokenizerFormat detect_format(const std::string& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
   char first_byte = 0, first = 0;
-  if (!in.get(first_byte)) FORGE_FAIL("{}: the tokenizer file is empty", file);
+  bool content = static_cast<bool>(in.get(first_byte));
   first = first_byte;
-  while ((first == ' ' || first == '\n' || first == '\r' || first == '\t') && in.get(first)) {
-  }
+  while (content && (first == ' ' || first == '\n' || first == '\r' || first == '\t'))
+    content = static_cast<bool>(in.get(first));
+  if (!content) FORGE_FAIL("{}: the tokenizer file is empty", file);
   const std::string extension = std::filesystem::path(file).extension().string();
   if (first == '{' || extension == ".json") return TokenizerFormat::HuggingFaceJson;
   if (looks_like_tiktoken_bpe(file)) return TokenizerFormat::TiktokenBpe;
