@@ -2,21 +2,10 @@
 
 #include <algorithm>
 
-#include "data/tokenizer_regex.h"
+#include "data/unicode_classes.h"
 #include "data/utf8.h"
 
 namespace forge {
-namespace {
-
-// Unicode's \w (UTS #18: Alphabetic, marks, decimal digits, connector punctuation, joiners),
-// which Hugging Face uses for single_word boundaries.
-bool is_word_character(std::string_view character) {
-  static const TokenizerRegex word(R"(^[\p{Alphabetic}\p{M}\p{Nd}\p{Pc}\x{200C}\x{200D}]$)", "(built-in)",
-                                   "word character class");
-  return !character.empty() && !word.find_all(character).empty();
-}
-
-}  // namespace
 
 AddedTokenMatcher::AddedTokenMatcher(std::vector<AddedToken> tokens)
     : tokens_(std::move(tokens)), by_first_byte_(256) {
@@ -54,9 +43,10 @@ std::vector<TextSegment> AddedTokenMatcher::split(std::string_view text) const {
   for (auto [begin, end, index] : matches) {
     const AddedToken& token = tokens_[index];
     if (token.single_word) {
-      const size_t before = begin > 0 ? utf8::unit_length_before(text, begin) : 0;
-      const bool word_before = before > 0 && is_word_character(text.substr(begin - before, before));
-      const bool word_after = end < text.size() && is_word_character(text.substr(end, utf8::unit_length(text, end)));
+      const bool word_before =
+          begin > 0 && unicode::is_added_token_word_character(utf8::code_point_before(text, begin));
+      const bool word_after =
+          end < text.size() && unicode::is_added_token_word_character(utf8::code_point_at(text, end));
       if (word_before || word_after) continue;
     }
     if (token.lstrip) {

@@ -2,8 +2,8 @@
 // added after training) are found in the text before pre-tokenization and become one id
 // each, as in Hugging Face's AddedVocabulary:
 //   - matching is leftmost-longest over all contents, non-overlapping;
-//   - single_word: a match touching a word character (alphanumeric or '_') on either side
-//     is skipped;
+//   - single_word: a match touching a word character on either side is skipped (the regex
+//     crate's Unicode \w, as tokenizers' AddedVocabulary checks it: unicode_classes.h);
 //   - lstrip / rstrip: whitespace left / right of the match is absorbed into it;
 //   - normalized: the token is matched in normalized text (its content normalized too),
 //     otherwise in the original text, before the normalizer runs.

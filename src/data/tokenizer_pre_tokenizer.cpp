@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "data/byte_level.h"
+#include "data/unicode_classes.h"
 
 namespace forge {
 namespace {
@@ -12,12 +13,13 @@ std::unique_ptr<TokenizerPattern> regex_pattern(const std::string& regex, const 
   return std::make_unique<TokenizerPattern>(nlohmann::json{{"pattern", {{"Regex", regex}}}}, reader, where);
 }
 
-void split_pieces(std::vector<PreToken>& pieces, const TokenizerPattern& pattern, SplitBehavior behavior,
-                  bool invert) {
+// `find(text)` gives the matches of the split's pattern in a piece's text.
+template <typename Find>
+void split_pieces(std::vector<PreToken>& pieces, Find find, SplitBehavior behavior, bool invert) {
   std::vector<PreToken> out;
   out.reserve(pieces.size());
   for (auto& piece : pieces) {
-    for (const auto& [begin, end] : split_ranges(piece.text, pattern.find_all(piece.text), behavior, invert))
+    for (const auto& [begin, end] : split_ranges(piece.text, find(piece.text), behavior, invert))
       out.push_back({piece.text.substr(begin, end - begin), piece.at_text_start && begin == 0});
   }
   pieces = std::move(out);
@@ -84,8 +86,7 @@ void PreTokenizer::add(const nlohmann::json& config, const TokenizerJsonReader& 
                                                       reader, where);
     step.behavior = SplitBehavior::MergedWithNext;
   } else if (type == "Digits") {
-    step.kind = Kind::Split;
-    step.pattern = regex_pattern(R"(\p{N})", reader, where);
+    step.kind = Kind::Digits;
     step.behavior = reader.boolean_or(config, where, "individual_digits", false) ? SplitBehavior::Isolated
                                                                                  : SplitBehavior::Contiguous;
   } else {
@@ -95,16 +96,21 @@ void PreTokenizer::add(const nlohmann::json& config, const TokenizerJsonReader& 
 }
 
 void PreTokenizer::apply(const Step& step, std::vector<PreToken>& pieces) {
+  const auto pattern_matches = [&](std::string_view text) { return step.pattern->find_all(text); };
   switch (step.kind) {
     case Kind::Split:
-      split_pieces(pieces, *step.pattern, step.behavior, step.invert);
+      split_pieces(pieces, pattern_matches, step.behavior, step.invert);
+      break;
+    case Kind::Digits:
+      split_pieces(pieces, [](std::string_view text) { return find_characters(text, unicode::is_numeric); },
+                   step.behavior, false);
       break;
     case Kind::ByteLevel:
       if (step.add_prefix_space) {
         for (auto& piece : pieces)
           if (piece.text.empty() || piece.text[0] != ' ') piece.text.insert(0, " ");
       }
-      if (step.pattern) split_pieces(pieces, *step.pattern, SplitBehavior::Isolated, false);
+      if (step.pattern) split_pieces(pieces, pattern_matches, SplitBehavior::Isolated, false);
       for (auto& piece : pieces) piece.text = byte_level::encode(piece.text);
       break;
     case Kind::Metaspace:
@@ -114,7 +120,7 @@ void PreTokenizer::apply(const Step& step, std::vector<PreToken>& pieces) {
                              (step.prepend_scheme == PrependScheme::First && piece.at_text_start);
         if (prepend && !piece.text.starts_with(step.replacement)) piece.text.insert(0, step.replacement);
       }
-      if (step.split) split_pieces(pieces, *step.pattern, SplitBehavior::MergedWithNext, false);
+      if (step.split) split_pieces(pieces, pattern_matches, SplitBehavior::MergedWithNext, false);
       break;
   }
 }

@@ -4,7 +4,9 @@
 //   ByteLevel(add_prefix_space, use_regex) maps bytes to GPT-2's characters (byte_level.h),
 //                                          optionally splitting with GPT-2's regex first
 //   Metaspace(replacement, prepend_scheme, split)  SentencePiece's "▁" words
-//   Digits(individual_digits), Sequence of the above.
+//   Digits(individual_digits)             splits off digits (Rust's char::is_numeric, as
+//                                          tokenizers does: unicode_classes.h)
+//   Sequence of the above.
 // Other types are rejected at load time naming the file and the type.
 #pragma once
 
@@ -31,7 +33,7 @@ class PreTokenizer {
   void pre_tokenize(std::vector<PreToken>& pieces) const;
 
  private:
-  enum class Kind { Split, ByteLevel, Metaspace };
+  enum class Kind { Split, ByteLevel, Metaspace, Digits };
   enum class PrependScheme { Always, First, Never };
   struct Step {
     Kind kind;

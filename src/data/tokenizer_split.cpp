@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "data/utf8.h"
+
 namespace forge {
 
 std::optional<SplitBehavior> split_behavior_from_name(std::string_view name) {
@@ -18,6 +20,16 @@ std::vector<ByteRange> find_literal(std::string_view text, std::string_view lite
   if (literal.empty()) return matches;
   for (size_t pos = text.find(literal); pos != std::string_view::npos; pos = text.find(literal, pos + literal.size()))
     matches.emplace_back(pos, pos + literal.size());
+  return matches;
+}
+
+std::vector<ByteRange> find_characters(std::string_view text, bool (*predicate)(int32_t)) {
+  std::vector<ByteRange> matches;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t length = utf8::unit_length(text, pos);
+    if (predicate(utf8::code_point_at(text, pos))) matches.emplace_back(pos, pos + length);
+    pos += length;
+  }
   return matches;
 }
 

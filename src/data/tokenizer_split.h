@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -24,6 +25,10 @@ using ByteRange = std::pair<size_t, size_t>;
 
 // Non-overlapping occurrences of `literal` in `text`, leftmost first.
 std::vector<ByteRange> find_literal(std::string_view text, std::string_view literal);
+
+// Each character of `text` for which `predicate(code point)` holds, as a match of its own
+// (tokenizers' pattern of a char predicate); invalid bytes are passed as -1.
+std::vector<ByteRange> find_characters(std::string_view text, bool (*predicate)(int32_t));
 
 // The pieces of `text` (as byte ranges) given the pattern's `matches`.
 std::vector<ByteRange> split_ranges(std::string_view text, const std::vector<ByteRange>& matches,

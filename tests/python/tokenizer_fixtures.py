@@ -82,10 +82,11 @@ def save_json(config, path):
     return path
 
 
-def train_byte_level(directory):
+def train_byte_level(directory, lines=None):
     """Llama 3 layout: Split(Llama 3 regex, Isolated) + ByteLevel(use_regex=false),
     ignore_merges, special tokens, BOS in a TemplateProcessing post-processor, plus two
-    non-special added tokens with single_word and lstrip/rstrip."""
+    non-special added tokens with single_word and lstrip/rstrip. Trained on `lines`
+    (default corpus())."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -96,7 +97,7 @@ def train_byte_level(directory):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=1500, special_tokens=LLAMA3_SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(lines or corpus(), trainer)
     bos = tok.token_to_id("<|begin_of_text|>")
     tok.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),
@@ -129,18 +130,18 @@ def byte_level_variants(path, directory):
     return {name: save_json(config, os.path.join(directory, f"{name}.json")) for name, config in variants.items()}
 
 
-def train_sentencepiece_style(directory):
+def train_sentencepiece_style(directory, lines=None):
     """Llama 2 / Mistral layout: BPE with byte_fallback and <unk>, "<0x00>".."<0xFF>" in
     the vocab after <unk>, <s>, </s>; normalizer Prepend("▁") + Replace(" ", "▁"), no
     pre-tokenizer; decoder Replace + ByteFallback + Fuse + Strip. Variants use the
-    Metaspace pre-tokenizer instead."""
+    Metaspace pre-tokenizer instead. Trained on `lines` (default corpus())."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     trainer = trainers.BpeTrainer(vocab_size=1200, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=150,
                                   show_progress=False)
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(lines or corpus(), trainer)
     config = json.loads(tok.to_str())
     vocab = config["model"]["vocab"]
     shifted = {}
