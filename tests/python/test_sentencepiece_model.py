@@ -8,8 +8,9 @@ custom rule TSV, remove_extra_whitespaces on and off, add_dummy_prefix off,
 user-defined and control symbols, treat_whitespace_as_suffix, no whitespace split, and
 unigram models; then edited the way published models differ from freshly trained ones
 (UNUSED pieces, a denormalizer and unk_surface, appended pieces, tied scores, unescaped
-whitespace). Each model encodes varied multilingual texts, random texts and invalid
-UTF-8 through tools/forge_tokenize (encode_batch, checked against one-by-one encode
+whitespace). Each model encodes varied multilingual texts, random texts, invalid UTF-8, every
+whitespace, format and control character (U+180E among them) and characters of the blocks
+added in Unicode 14 to 17 (unicode_texts.py) through tools/forge_tokenize (encode_batch, checked against one-by-one encode
 inside the tool); ids must equal sentencepiece's encode, decode must equal its decode,
 and decoding arbitrary id sequences (control, unknown, byte and "▁" pieces in any order)
 must equal its decode too.
@@ -25,6 +26,7 @@ import unittest
 sys.path.insert(0, os.path.dirname(__file__))
 import forge_test_util  # noqa: E402
 import sentencepiece_fixtures as fixtures  # noqa: E402
+import unicode_texts  # noqa: E402
 
 
 def forge_tool(*args):
@@ -44,7 +46,8 @@ class SentencePieceModelVsReference(unittest.TestCase):
         cls.directory = forge_test_util.scratch_dir()
         cls.models = fixtures.train_models(cls.directory)
         cls.models.update(fixtures.edited_models(cls.models, cls.directory))
-        cls.texts = fixtures.TEXTS + fixtures.random_texts() + fixtures.INVALID_UTF8_TEXTS
+        cls.texts = (fixtures.TEXTS + fixtures.random_texts() + fixtures.INVALID_UTF8_TEXTS +
+                     unicode_texts.separator_texts() + unicode_texts.block_texts())
         records = [{"hex": t.hex()} if isinstance(t, bytes) else {"text": t} for t in cls.texts]
         cls.texts_path = write_jsonl(os.path.join(cls.directory, "texts.jsonl"), records)
 
