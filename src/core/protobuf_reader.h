@@ -1,6 +1,6 @@
 // A protocol buffer decoder just large enough for files forge reads without their schema
 // compiler (SentencePiece's tokenizer.model): fields are read one by one in the wire
-// format (train/protobuf_wire.h describes it in NOTE [Protobuf wire format]), and the
+// format (core/protobuf_wire.h describes it in NOTE [Protobuf wire format]), and the
 // caller, which knows the schema, picks the fields it needs and skips the others, as
 // protobuf itself skips unknown fields. Every error names the file, the field's path
 // ("pieces[3].score"), its number and the byte offset in the file, so a truncated or

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "train/protobuf_wire.h"
+#include "core/protobuf_wire.h"
 #include "train/tfrecord.h"
 
 namespace forge {

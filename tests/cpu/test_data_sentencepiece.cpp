@@ -15,7 +15,7 @@
 #include "expect_error.h"
 #include "file_testing.h"
 #include "test_data_temp_dir.h"
-#include "train/protobuf_wire.h"
+#include "core/protobuf_wire.h"
 
 namespace forge {
 namespace {

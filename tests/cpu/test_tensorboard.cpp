@@ -8,7 +8,7 @@
 #include <cstring>
 #include <string>
 
-#include "train/protobuf_wire.h"
+#include "core/protobuf_wire.h"
 #include "train/tfrecord.h"
 
 namespace forge {

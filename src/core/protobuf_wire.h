@@ -1,7 +1,8 @@
-// A protocol buffer encoder just large enough for TensorBoard's event files: fields are
-// appended one by one in the wire format, and an embedded message is a finished
-// ProtoWriter's bytes added as a length-delimited field. No schema, no reflection, no
-// decoding; tensorboard_writer.cpp names the fields it writes.
+// A protocol buffer encoder just large enough for TensorBoard's event files (and the tests
+// that build SentencePiece models by hand): fields are appended one by one in the wire
+// format, and an embedded message is a finished ProtoWriter's bytes added as a
+// length-delimited field. No schema, no reflection; train/tensorboard_writer.cpp names the
+// fields it writes, and core/protobuf_reader.h decodes the same format.
 //
 // NOTE [Protobuf wire format]
 // A message is a sequence of fields, each a key varint (field_number << 3 | wire_type)

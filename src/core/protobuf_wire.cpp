@@ -1,4 +1,4 @@
-#include "train/protobuf_wire.h"
+#include "core/protobuf_wire.h"
 
 #include <bit>
 #include <cstring>
