@@ -22,13 +22,17 @@
 // IndexedDatasetWriter writes <prefix>.bin and <prefix>.idx as two AtomicFiles (NOTE
 // [Durable files] in core/durable_file.h), under temporary names beside them
 // (<prefix>.bin.tmp-<host>-<pid>, <prefix>.idx.tmp-<host>-<pid>). Only after the last document is
-// written and both files are complete does finalize() remove any previous <prefix>.idx,
-// then rename the new .bin into place and then the new .idx. A run that fails or is
-// interrupted before that point leaves the previous dataset (if any) as it was, and one
-// interrupted between those steps leaves a .bin without an .idx: no file at
-// <prefix>.bin/.idx ever looks complete unless it is. A writer destroyed before finalize()
-// (a failed run) removes its temporary files; a killed process leaves them (named by its
-// pid). The files are not flushed to disk (NOTE [Durable files] says why).
+// written and both files are complete does finalize() move any previous <prefix>.idx out
+// of the way (to <prefix>.idx.tmp-<host>-<pid>.previous), then rename the new .bin into
+// place and then the new .idx, and only then delete the previous index. A run that fails
+// or is interrupted before that point leaves the previous dataset (if any) as it was; one
+// whose .bin cannot be renamed into place (a directory in the way) moves the previous
+// .idx back, so the previous dataset is whole again; one interrupted between those steps
+// leaves a .bin without an .idx (and the previous index beside it, to restore by hand): no
+// file at <prefix>.bin/.idx ever looks complete unless it is. A writer destroyed before
+// finalize() (a failed run) removes its temporary files; a killed process leaves them
+// (named by its host and pid). The files are not flushed to disk (NOTE [Durable files]
+// says why).
 #pragma once
 
 #include <cstdint>

@@ -110,12 +110,22 @@ void IndexedDatasetWriter::finalize() {
   AtomicFile idx(prefix_ + ".idx", kDatasetDurability);
   idx.write(index.data(), index.size());
 
-  // Into place, the old .idx out first: NOTE [Atomic dataset output].
+  // Into place, the previous .idx out of the way first: NOTE [Atomic dataset output].
+  const std::string idx_path = prefix_ + ".idx", previous_idx = idx.temporary_path() + ".previous";
   std::error_code error;
-  std::filesystem::remove(prefix_ + ".idx", error);
-  if (error) FORGE_FAIL("{}.idx: cannot replace: {}", prefix_, error.message());
-  bin_.commit();
+  const bool had_previous = std::filesystem::exists(idx_path, error);
+  if (had_previous) {
+    std::filesystem::rename(idx_path, previous_idx, error);
+    if (error) FORGE_FAIL("{}.idx: cannot replace: {}", prefix_, error.message());
+  }
+  try {
+    bin_.commit();
+  } catch (const Error&) {
+    if (had_previous) std::filesystem::rename(previous_idx, idx_path, error);
+    throw;
+  }
   idx.commit();
+  if (had_previous) std::filesystem::remove(previous_idx, error);
 }
 
 }  // namespace forge

@@ -106,6 +106,27 @@ TEST(DataIndexed, WriterRejectsTokensOutsideTheDType) {
   EXPECT_THROW(writer.add_document(tokens), Error);
 }
 
+// NOTE [Atomic dataset output]: when the new .bin cannot be put in place (here a
+// directory stands at <prefix>.bin), the previous .idx is still there afterwards, byte for
+// byte, and nothing is left beside the dataset.
+TEST(DataIndexed, FailedPromotionKeepsThePreviousIndex) {
+  TempDir dir;
+  const std::string prefix = dir.file("corpus");
+  std::filesystem::create_directories(prefix + ".bin/in-the-way");
+  { std::ofstream(prefix + ".idx", std::ios::binary) << "the previous index"; }
+  {
+    IndexedDatasetWriter writer(prefix, IndexedDType::U16);
+    std::vector<int32_t> tokens = {1, 2, 3};
+    writer.add_document(tokens);
+    EXPECT_THROW(writer.finalize(), Error);
+  }
+  EXPECT_EQ(read_bytes(prefix + ".idx"), std::vector<uint8_t>(std::string_view("the previous index").begin(),
+                                                               std::string_view("the previous index").end()));
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir.file(""))) names.insert(entry.path().filename());
+  EXPECT_EQ(names, (std::set<std::string>{"corpus.bin", "corpus.idx"}));
+}
+
 class DataIndexedMalformed : public ::testing::Test {
  protected:
   // Three sequences of lengths 3, 4, 5 as uint16: .idx is 34 + 12*3 + 8*4 = 102 bytes.
