@@ -69,12 +69,15 @@ void IndexedDatasetWriter::add_sequence(std::span<const int32_t> tokens) {
   if (tokens.size() > static_cast<size_t>(std::numeric_limits<int32_t>::max()))
     FORGE_FAIL("{}.bin: sequence {} has {} tokens, more than the format's int32 length allows", prefix_,
                sequence_lengths_.size(), tokens.size());
+  const size_t sequence_start = buffer_.size();
   for (size_t i = 0; i < tokens.size(); ++i) {
-    if (!fits_dtype(tokens[i], dtype_))
+    if (!fits_dtype(tokens[i], dtype_)) {
+      buffer_.resize(sequence_start);  // a rejected sequence leaves nothing to be written
       FORGE_FAIL("{}.bin: token {} of sequence {} is {}, which does not fit dtype {}", prefix_, i,
                  sequence_lengths_.size(), tokens[i], indexed_dtype_name(dtype_));
+    }
+    append_token(buffer_, tokens[i], dtype_);
   }
-  for (int32_t token : tokens) append_token(buffer_, token, dtype_);
   if (buffer_.size() >= kWriteBytes) write_buffered_tokens();
   sequence_lengths_.push_back(static_cast<int32_t>(tokens.size()));
 }
