@@ -273,7 +273,7 @@ void GemmTuningCache::add(const GemmProblem& problem, const GemmAlgorithm& algor
 }
 
 void GemmTuningCache::save() {
-  // AtomicFile names its temporary by process id: two saves of one process must not interleave.
+  // AtomicFile names its temporary by host and process id: two saves of one process must not interleave.
   static std::mutex one_save_at_a_time;
   std::lock_guard lock(one_save_at_a_time);
   try {
