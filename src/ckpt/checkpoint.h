@@ -103,28 +103,29 @@ struct ShardData {
   const float* exp_avg_sq = nullptr;
 };
 
-// Saves step `state.step` to <folder>/step-<N> (NOTE [Atomic checkpoints]); `shards`, one
-// per rank, must tile [0, numel of model's parameters). keep_latest_k > 0 then removes all
-// but the newest k checkpoints (never the one just written). Returns the directory.
+// Saves step `state.step` to <folder>/step-<N> (NOTE [Atomic checkpoints]) from host
+// memory, through a staging buffer of buffer_bytes (NOTE [Streaming checkpoints] in
+// ckpt/checkpoint_stream.h); `shards`, one per rank, must tile [0, numel of model's
+// parameters). keep_latest_k > 0 then removes all but the newest k checkpoints (never the
+// one just written). Returns the directory.
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
-                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k);
+                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k,
+                            size_t buffer_bytes = size_t{1} << 28);
 
-// The same save split in three, for ranks that each write their own shard in parallel
-// (NOTE [Parallel checkpoint saves] in train/trainer_checkpoint.cpp):
+// The same save in steps, for a trainer whose state is on a GPU, or spread over ranks that
+// write in parallel (NOTE [Parallel checkpoint saves] in train/trainer_checkpoint.cpp):
 //   1. one process: begin_checkpoint_save creates the folder, clears leftovers and makes
 //      the temporary directory <folder>/.tmp-step-<N>-<token> (token: the same on every
 //      rank, e.g. rank 0's pid), whose path checkpoint_temporary_dir gives every rank; the
 //      AtomicDirectory it returns removes that directory again unless the save finishes;
-//   2. every rank: write_checkpoint_shard writes rank-<rank>.bin (durably) and returns the
-//      CRC-32 of each of its pieces, in the order finish_checkpoint_save expects;
-//   3. the same process as 1, once every shard is written: finish_checkpoint_save writes
-//      the metadata from everyone's CRCs, renames the directory into place and prunes.
+//      then create_checkpoint_shard_files (ckpt/checkpoint_stream.h) makes the shard files;
+//   2. every writer: a ShardFileWriter writes its segments into the shard files, wherever
+//      their flat elements belong, and returns CRC-32s of what it wrote;
+//   3. the same process as 1, once every writer is done: finish_checkpoint_save writes the
+//      metadata with the pieces' CRC-32s (combine_piece_crcs of every writer's), renames
+//      the directory into place and prunes.
 std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, int64_t token);
 AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
-std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
-                                             const std::vector<ShardRange>& ranges, int rank, const ShardData& shard);
-// The number of pieces (CRCs) of each rank's shard: every rank can work out everyone's.
-std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std::vector<ShardRange>& ranges);
 std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
@@ -155,7 +156,8 @@ Checkpoint open_checkpoint(const std::string& dir);
 void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);
 
 // Fills out with elements [begin, begin + out.size()) of one flat vector, from whichever
-// shard files hold them, checking each piece's CRC-32.
+// shard files hold them, checking each piece's CRC-32 (a ShardFileReader of
+// ckpt/checkpoint_stream.h with a default buffer).
 void read_flat_range(const Checkpoint& checkpoint, FlatState state, int64_t begin, std::span<float> out);
 
 }  // namespace forge

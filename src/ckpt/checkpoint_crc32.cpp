@@ -2,6 +2,8 @@
 // built once at compile time; the loop folds one byte per iteration.
 #include "ckpt/checkpoint_crc32.h"
 
+#include <zlib.h>
+
 #include <array>
 
 namespace forge {
@@ -28,6 +30,10 @@ uint32_t crc32(const void* data, size_t size, uint32_t crc) {
   crc = ~crc;
   for (size_t i = 0; i < size; ++i) crc = kTable[(crc ^ p[i]) & 0xFFu] ^ (crc >> 8);
   return ~crc;
+}
+
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, int64_t size_b) {
+  return static_cast<uint32_t>(::crc32_combine64(crc_a, crc_b, static_cast<z_off64_t>(size_b)));
 }
 
 }  // namespace forge

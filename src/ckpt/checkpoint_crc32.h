@@ -10,5 +10,8 @@ namespace forge {
 
 // crc of bytes [data, data + size), continuing from `crc` (0 to start).
 uint32_t crc32(const void* data, size_t size, uint32_t crc = 0);
+// The crc of A followed by B, from crc32(A), crc32(B) and B's length (zlib's
+// crc32_combine): a piece written in parts, in any order, gets the checksum of its bytes.
+uint32_t crc32_combine(uint32_t crc_a, uint32_t crc_b, int64_t size_b);
 
 }  // namespace forge

@@ -9,15 +9,13 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <memory>
 #include <sstream>
 
 #include <fmt/ranges.h>
 
 #include "ckpt/checkpoint.h"
-#include "ckpt/checkpoint_crc32.h"
 #include "ckpt/checkpoint_metadata.h"
-#include "ckpt/file_reader.h"
+#include "ckpt/checkpoint_stream.h"
 #include "core/error.h"
 #include "model/parameters.h"
 
@@ -234,34 +232,8 @@ void read_flat_range(const Checkpoint& ck, FlatState state, int64_t begin, std::
   const int64_t end = begin + static_cast<int64_t>(out.size());
   FORGE_CHECK(begin >= 0 && end <= ck.metadata.flat_numel, "range [{}, {}) of {}", begin, end,
               ck.metadata.flat_numel);
-  std::vector<std::unique_ptr<FileReader>> readers(ck.metadata.shards.size());
-  std::vector<float> piece_data;
-  int64_t filled = 0;
-  for (const TensorRecord& rec : ck.metadata.tensors) {
-    if (rec.state != state) continue;
-    for (const TensorPiece& p : rec.pieces) {
-      const int64_t p_end = p.flat_begin + p.byte_length / kFloatBytes;
-      const int64_t b = std::max(begin, p.flat_begin), e = std::min(end, p_end);
-      if (b >= e) continue;
-      auto& reader = readers[static_cast<size_t>(p.rank)];
-      if (!reader) reader = std::make_unique<FileReader>(shard_path(ck.dir, p.rank));
-      piece_data.resize(static_cast<size_t>(p_end - p.flat_begin));
-      if (!reader->read_at(p.byte_offset, piece_data.data(), static_cast<size_t>(p.byte_length)))
-        FORGE_FAIL("shard file '{}' ends inside {} (bytes {} to {})", shard_path(ck.dir, p.rank), describe(rec),
-                   p.byte_offset, p.byte_offset + p.byte_length);
-      const uint32_t actual = crc32(piece_data.data(), static_cast<size_t>(p.byte_length));
-      if (actual != p.crc32)
-        FORGE_FAIL("shard file '{}' is damaged: {} (bytes {} to {}) has CRC-32 {:08x}, the metadata recorded {:08x}",
-                   shard_path(ck.dir, p.rank), describe(rec), p.byte_offset, p.byte_offset + p.byte_length, actual,
-                   p.crc32);
-      std::copy(piece_data.begin() + (b - p.flat_begin), piece_data.begin() + (e - p.flat_begin),
-                out.begin() + (b - begin));
-      filled += e - b;
-    }
-  }
-  if (filled != end - begin)
-    FORGE_FAIL("checkpoint '{}' does not cover flat elements [{}, {}) of {}", ck.dir, begin, end,
-               flat_state_name(state));
+  const size_t bytes = std::clamp<size_t>(out.size() * sizeof(float), size_t{1} << 20, size_t{1} << 28);
+  ShardFileReader(ck, bytes).read(state, {begin, Tensor::wrap(out.data(), {static_cast<int64_t>(out.size())}, DType::F32)});
 }
 
 }  // namespace forge

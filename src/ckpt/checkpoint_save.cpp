@@ -1,4 +1,5 @@
-// Writing a checkpoint: shard files and metadata into a temporary directory, fsynced, then
+// Writing a checkpoint: shard files (streamed: NOTE [Streaming checkpoints] in
+// ckpt/checkpoint_stream.h) and metadata into a temporary directory, fsynced, then
 // renamed into place, then old checkpoints pruned. See NOTE [Checkpoint format] and
 // NOTE [Atomic checkpoints] in ckpt/checkpoint.h.
 #include <unistd.h>
@@ -10,6 +11,7 @@
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_crc32.h"
 #include "ckpt/checkpoint_metadata.h"
+#include "ckpt/checkpoint_stream.h"
 #include "core/durable_directory.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -25,15 +27,6 @@ static_assert(std::endian::native == std::endian::little, "shard files are littl
 constexpr const char* kTemporaryPrefix = ".tmp-";
 // Checkpoints are flushed to disk: NOTE [Durable files] in core/durable_file.h says why.
 constexpr DurableOptions kCheckpointDurability{.sync = true};
-
-const float* shard_vector(const ShardData& shard, FlatState state) {
-  switch (state) {
-    case FlatState::Param: return shard.params;
-    case FlatState::ExpAvg: return shard.exp_avg;
-    case FlatState::ExpAvgSq: return shard.exp_avg_sq;
-  }
-  return nullptr;
-}
 
 // Leftovers of saves or prunes that a crash interrupted.
 void remove_temporaries(const std::string& folder) {
@@ -85,24 +78,6 @@ std::vector<TensorRecord> tensor_records(const std::vector<ParamSpec>& specs, co
   return records;
 }
 
-std::vector<uint32_t> shard_crcs(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges, int rank,
-                                 const ShardData& shard) {
-  std::vector<uint32_t> crcs;
-  for_each_piece(specs, ranges, [&](FlatState state, const ParamSpec&, int64_t, int r, int64_t b, int64_t e) {
-    if (r != rank) return;
-    const float* data = shard_vector(shard, state) + (b - shard.range.begin);
-    crcs.push_back(crc32(data, static_cast<size_t>(e - b) * sizeof(float)));
-  });
-  return crcs;
-}
-
-void write_shard(const std::string& path, const ShardData& shard) {
-  AtomicFile file(path, kCheckpointDurability);
-  for (FlatState state : kFlatStates)
-    file.write(shard_vector(shard, state), static_cast<size_t>(shard.range.size()) * sizeof(float));
-  file.commit();
-}
-
 // Moves a checkpoint out of sight (one rename), then deletes it.
 void remove_checkpoint(const std::string& folder, int64_t step) {
   const std::string doomed = fmt::format("{}/{}delete-step-{}-{}", folder, kTemporaryPrefix, step, ::getpid());
@@ -149,20 +124,16 @@ AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, i
                          kCheckpointDurability);
 }
 
-std::vector<uint32_t> write_checkpoint_shard(const std::string& temporary_dir, const ModelConfig& model,
-                                             const std::vector<ShardRange>& ranges, int rank, const ShardData& shard) {
-  FORGE_CHECK(rank >= 0 && static_cast<size_t>(rank) < ranges.size() && shard.range.begin == ranges[rank].begin &&
-                  shard.range.end == ranges[rank].end,
-              "checkpoint shard of rank {} does not hold its range", rank);
-  write_shard(fmt::format("{}/rank-{}.bin", temporary_dir, rank), shard);
-  return shard_crcs(parameter_specs(model), ranges, rank, shard);
-}
-
-std::vector<int64_t> checkpoint_piece_counts(const ModelConfig& model, const std::vector<ShardRange>& ranges) {
-  std::vector<int64_t> counts(ranges.size(), 0);
+std::vector<PieceLayout> checkpoint_pieces(const ModelConfig& model, const std::vector<ShardRange>& ranges) {
+  std::vector<PieceLayout> pieces;
   for_each_piece(parameter_specs(model), ranges,
-                 [&](FlatState, const ParamSpec&, int64_t, int r, int64_t, int64_t) { ++counts[static_cast<size_t>(r)]; });
-  return counts;
+                 [&](FlatState state, const ParamSpec&, int64_t, int r, int64_t b, int64_t e) {
+                   const ShardRange& range = ranges[static_cast<size_t>(r)];
+                   const int64_t byte_offset = (static_cast<int64_t>(state) * range.size() + (b - range.begin)) *
+                                               static_cast<int64_t>(sizeof(float));
+                   pieces.push_back({state, r, b, e, byte_offset});
+                 });
+  return pieces;
 }
 
 std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
@@ -198,15 +169,22 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
 }
 
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
-                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k) {
+                            const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k,
+                            size_t buffer_bytes) {
   FORGE_CHECK(!shards.empty(), "save_checkpoint without shards");
   std::vector<ShardRange> ranges;
   for (const ShardData& shard : shards) ranges.push_back(shard.range);
   AtomicDirectory staging = begin_checkpoint_save(folder, state.step, ::getpid());
-  std::vector<std::vector<uint32_t>> crcs;
-  for (size_t r = 0; r < shards.size(); ++r)
-    crcs.push_back(write_checkpoint_shard(staging.temporary_path(), model, ranges, static_cast<int>(r), shards[r]));
-  return finish_checkpoint_save(folder, staging, model, experiment_yaml, state, ranges, crcs, keep_latest_k);
+  create_checkpoint_shard_files(staging.temporary_path(), ranges);
+  ShardFileWriter writer(staging.temporary_path(), model, ranges, buffer_bytes);
+  for (const ShardData& shard : shards) {
+    const float* vectors[] = {shard.params, shard.exp_avg, shard.exp_avg_sq};
+    for (FlatState s : kFlatStates)
+      writer.write(s, {shard.range.begin, Tensor::wrap(const_cast<float*>(vectors[static_cast<int>(s)]),
+                                                       {shard.range.size()}, DType::F32)});
+  }
+  return finish_checkpoint_save(folder, staging, model, experiment_yaml, state, ranges,
+                                combine_piece_crcs(model, ranges, writer.finish()), keep_latest_k);
 }
 
 }  // namespace forge

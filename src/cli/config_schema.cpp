@@ -201,6 +201,12 @@ std::vector<ConfigKey> build_schema() {
           "checkpoint.initial_load_in_hf", "initial_load_path is a Hugging Face model directory"),
       key<&E::checkpoint, &CheckpointConfig::last_save_in_hf>(
           "checkpoint.last_save_in_hf", "also export the final weights as a Hugging Face model directory"),
+      key<&E::checkpoint, &CheckpointConfig::buffer_mb>(
+          "checkpoint.buffer_mb", "host memory (MiB) a checkpoint save or load stages its data through",
+          ValueRange{1, 1 << 20}),
+      key<&E::checkpoint, &CheckpointConfig::async_mode>(
+          "checkpoint.async_mode", "async: snapshot the state and write it while training goes on", {},
+          {"disabled", "async"}),
   };
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <unordered_map>
@@ -146,6 +147,64 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
 #else
   no_cuda("copy_bytes");
 #endif
+}
+
+void copy_bytes_on(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes,
+                   CudaStream stream) {
+  if (bytes == 0) return;
+  if (dst_device == Device::CPU && src_device == Device::CPU) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+#else
+  (void)stream;
+  no_cuda("copy_bytes_on");
+#endif
+}
+
+int current_device_index() {
+#ifdef FORGE_CUDA
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) return device;
+  cudaGetLastError();
+#endif
+  return 0;
+}
+
+void set_current_device_index(int index) {
+#ifdef FORGE_CUDA
+  if (cuda_available()) cuda_check(cudaSetDevice(index), "cudaSetDevice");
+#else
+  (void)index;
+#endif
+}
+
+PinnedHostBuffer::PinnedHostBuffer(size_t bytes) : bytes_(bytes) {
+  const size_t size = std::max<size_t>(bytes, 1);
+#ifdef FORGE_CUDA
+  if (cuda_available()) {
+    if (cudaMallocHost(&data_, size) == cudaSuccess) {
+      pinned_ = true;
+      return;
+    }
+    cudaGetLastError();
+    data_ = nullptr;
+  }
+#endif
+  data_ = std::malloc(size);
+  if (!data_) throw OutOfMemoryError(fmt::format("out of host memory: asked for {:.1f} MiB of staging", size / 1048576.0));
+}
+
+PinnedHostBuffer::~PinnedHostBuffer() {
+#ifdef FORGE_CUDA
+  if (pinned_) {
+    cudaFreeHost(data_);
+    return;
+  }
+#endif
+  std::free(data_);
 }
 
 void device_synchronize() {

@@ -44,6 +44,35 @@ DeviceMemoryInfo device_memory_info();
 void device_memset_zero(void* ptr, size_t bytes);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes);
 void device_synchronize();
+// copy_bytes in the order of `stream` (a DeviceStream's; nullptr: the legacy default
+// stream): returns once the copy is enqueued, so the caller synchronizes the stream before
+// it reads the destination or reuses the source. Between two CPU buffers, a memcpy.
+void copy_bytes_on(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, CudaStream stream);
+// The GPU this thread works on (cudaGetDevice; 0 without CUDA), and making a new thread
+// work on the same one as the thread that started it.
+int current_device_index();
+void set_current_device_index(int index);
+
+// NOTE [Pinned host buffers]
+// Host memory that the GPU copies to and from at full speed (cudaMallocHost: page-locked,
+// so a copy needs no bounce through a driver buffer), for staging that is reused many
+// times, as checkpoint saves and loads do. Without a GPU (a CPU build, or no device
+// visible) it is ordinary host memory. Page-locked memory is taken from the machine's
+// memory for good while it is held, so only bounded buffers are pinned.
+class PinnedHostBuffer {
+ public:
+  explicit PinnedHostBuffer(size_t bytes);
+  ~PinnedHostBuffer();
+  PinnedHostBuffer(const PinnedHostBuffer&) = delete;
+  PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+  void* data() const { return data_; }
+  size_t size() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  bool pinned_ = false;
+};
 // Zeroes `bytes` at ptr in stream order on `stream` (device memory).
 void device_memset_zero_on(void* ptr, size_t bytes, CudaStream stream);
 

@@ -67,6 +67,8 @@ struct CheckpointConfig {
   std::string initial_load_path;     // start from these weights (a forge checkpoint or a Hugging Face dir)
   bool initial_load_in_hf = false;   // initial_load_path is a Hugging Face model directory
   bool last_save_in_hf = false;      // also export the final weights as a Hugging Face model directory
+  int64_t buffer_mb = 256;           // host staging of a save or load, MiB (NOTE [Streaming checkpoints])
+  std::string async_mode = "disabled";  // disabled | async: write while training goes on (NOTE [Async checkpoints])
 };
 
 struct ExperimentConfig {

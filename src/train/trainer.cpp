@@ -9,6 +9,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
+#include "train/checkpoint_save_job.h"
 #include "core/device.h"
 #include "core/durable_file.h"
 #include "core/log.h"
@@ -374,6 +375,7 @@ TrainResult Trainer::run() {
     }
   }
   if (progress) progress->clear();
+  finish_checkpoint_save_job();  // the last save is on disk before the run ends (NOTE [Async checkpoints])
   if (config_.checkpoint.last_save_in_hf) export_hf_model();
   return result;
 }

@@ -30,12 +30,14 @@
 // uninterrupted run computes (on the CPU path, whose kernels fix their summation order).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "ckpt/checkpoint_stream.h"
 #include "data/dataset.h"
 #include "distributed/fsdp.h"
 #include "distributed/process_group.h"
@@ -46,6 +48,8 @@
 #include "train/metrics.h"
 
 namespace forge {
+
+struct CheckpointSaveJob;
 
 struct TrainResult {
   std::vector<double> losses;       // per optimizer step
@@ -92,6 +96,15 @@ class Trainer {
   void restore_checkpoint(const std::string& dir);
   void load_initial_weights(const std::string& path);
   void save_checkpoint(int64_t step);
+  // Completes the save in progress, if any (NOTE [Async checkpoints]): waits for its
+  // writer, exchanges the CRC-32s and puts the checkpoint into place.
+  void finish_checkpoint_save_job();
+  size_t checkpoint_buffer_bytes() const;
+  // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]).
+  std::array<std::vector<FlatSegment>, 3> checkpoint_segments() const;
+  void read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
+  // Copies the segments to a snapshot (async saves); false when no memory holds one.
+  bool snapshot(CheckpointSaveJob& job, std::array<std::vector<FlatSegment>, 3>& segments);
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
   void export_hf_model();
@@ -115,6 +128,7 @@ class Trainer {
   ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
+  std::unique_ptr<CheckpointSaveJob> checkpoint_job_;  // a save not yet complete
 };
 
 }  // namespace forge

@@ -1,58 +1,108 @@
-// The trainer's side of checkpoints: which folder, what a save captures (world 1: one
-// shard holding every flat range), and what a resume or a fine-tuning start restores.
+// The trainer's side of checkpoints: which folder, what a save captures (world 1: the flat
+// parameters and every moment tensor; FSDP: this rank's segments), and what a resume or a
+// fine-tuning start restores, all streamed through checkpoint.buffer_mb of host memory
+// (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
 // NOTE [Exact resume] in train/trainer.h says why this state is enough.
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_stream.h"
 #include "core/log.h"
-#include "ops/elementwise.h"
+#include "train/checkpoint_save_job.h"
 #include "train/trainer.h"
 
 namespace forge {
 namespace {
 
-// AdamW keeps a moment tensor per parameter, in parameter order: their concatenation is
-// the flat layout of the checkpoint. Tensors may live on the GPU and moments may be bf16
-// (NOTE [Optimizer state in bf16]): checkpoints always pass through host memory and always
-// hold fp32, so a run can resume with either optimizer.state_dtype.
-std::vector<float> concatenate(const std::vector<Tensor>& tensors) {
-  std::vector<float> flat;
-  for (const Tensor& t : tensors) {
-    Tensor host = t.to(Device::CPU);
-    if (host.dtype() != DType::F32) {
-      Tensor wide = Tensor::empty(host.shape(), DType::F32);
-      cast(wide, host);
-      host = wide;
-    }
-    flat.insert(flat.end(), host.data<float>(), host.data<float>() + host.numel());
-  }
-  return flat;
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void read_into_tensor(const Checkpoint& ck, FlatState state, int64_t offset, const Tensor& t) {
-  const bool direct = t.device() == Device::CPU && t.dtype() == DType::F32;
-  Tensor host = direct ? t : Tensor::empty(t.shape(), DType::F32);
-  read_flat_range(ck, state, offset, std::span<float>(host.data<float>(), static_cast<size_t>(host.numel())));
-  if (direct) return;
-  if (t.dtype() == DType::F32) return t.copy_from(host);
-  cast(t, host.to(t.device()));
-}
+double mib(double bytes) { return bytes / 1048576.0; }
 
-void read_into_tensors(const Checkpoint& ck, FlatState state, const std::vector<Tensor>& tensors) {
+// Tensors laid end to end from flat element 0 (AdamW's moments are per parameter, in
+// parameter order: their concatenation is the flat layout of the checkpoint).
+std::vector<FlatSegment> consecutive(const std::vector<Tensor>& tensors) {
+  std::vector<FlatSegment> segments;
   int64_t offset = 0;
   for (const Tensor& t : tensors) {
-    read_into_tensor(ck, state, offset, t);
+    segments.push_back({offset, t.view({t.numel()})});
     offset += t.numel();
   }
+  return segments;
+}
+
+// The same offsets with other tensors (FSDP: the moments beside the master segments).
+std::vector<FlatSegment> at_offsets(const std::vector<FlatSegment>& like, const std::vector<Tensor>& tensors) {
+  std::vector<FlatSegment> segments;
+  for (size_t i = 0; i < like.size(); ++i) segments.push_back({like[i].flat_offset, tensors[i].view({tensors[i].numel()})});
+  return segments;
+}
+
+// Bytes the kernel says a new allocation can take without swapping (MemAvailable); -1
+// when unknown.
+int64_t host_memory_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return -1;
+}
+
+// The process's peak resident memory (VmHWM) and its reset to the current resident size
+// (Linux's clear_refs): the host memory a synchronous save adds is the peak after it less
+// the resident size before it.
+bool reset_host_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+int64_t host_status_bytes(const char* field) {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.starts_with(field)) return std::atoll(line.c_str() + std::strlen(field)) * 1024;
+  return -1;
 }
 
 }  // namespace
+
+void CheckpointSaveJob::start(StateSegments segments, bool background) {
+  auto write_all = [this, segments = std::move(segments)] {
+    try {
+      if (snapshot_ready) writer->after(*snapshot_ready);
+      for (FlatState s : kFlatStates)
+        for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) writer->write(s, segment);
+      crcs = writer->finish();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  };
+  if (!background) return write_all();
+  const int device = current_device_index();
+  thread = std::thread([write_all = std::move(write_all), device]() mutable {
+    set_current_device_index(device);
+    write_all();
+  });
+}
+
+void CheckpointSaveJob::wait() {
+  if (thread.joinable()) thread.join();
+}
+
+CheckpointSaveJob::~CheckpointSaveJob() { wait(); }
 
 std::string Trainer::checkpoint_folder() const {
   const std::string& folder = config_.checkpoint.folder;
@@ -60,25 +110,46 @@ std::string Trainer::checkpoint_folder() const {
   return run_dir_ + "/" + folder;
 }
 
+size_t Trainer::checkpoint_buffer_bytes() const {
+  return static_cast<size_t>(config_.checkpoint.buffer_mb) << 20;
+}
+
+std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
+  StateSegments segments;
+  auto& [params, m, v] = segments;
+  if (fsdp_) {
+    const std::vector<FsdpSegment>& layout = fsdp_->layout().segments();
+    for (size_t i = 0; i < layout.size(); ++i)
+      params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
+  } else {
+    params.push_back({0, params_->flat()});
+  }
+  const std::vector<FlatSegment> offsets = fsdp_ ? params : consecutive(params_->tensors());
+  m = at_offsets(offsets, optimizer_->exp_avg());
+  v = at_offsets(offsets, optimizer_->exp_avg_sq());
+  return segments;
+}
+
+// Every tensor is read straight into place through the buffer; the weights the model
+// computes with are then refreshed from the fp32 ones.
+void Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer) {
+  ShardFileReader reader(ck, checkpoint_buffer_bytes());
+  const StateSegments segments = checkpoint_segments();
+  for (FlatState s : kFlatStates) {
+    if (s != FlatState::Param && !with_optimizer) continue;
+    for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) reader.read(s, segment);
+  }
+  if (fsdp_) fsdp_->refresh_compute_weights(false);
+  else if (compute_weights_) compute_weights_->assign_from(*params_);
+}
+
 void Trainer::restore_checkpoint(const std::string& dir) {
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/true);
   const TrainingState& saved = ck.metadata.training;
   const int world = static_cast<int>(ck.metadata.shards.size());
-  if (fsdp_) {
-    // Each rank reads its segments, whatever world size saved the checkpoint.
-    fsdp_->load_master([&](int64_t offset, std::span<float> out) { read_flat_range(ck, FlatState::Param, offset, out); });
-    const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
-    for (size_t i = 0; i < segments.size(); ++i) {
-      read_into_tensor(ck, FlatState::ExpAvg, segments[i].flat_offset, optimizer_->exp_avg()[i]);
-      read_into_tensor(ck, FlatState::ExpAvgSq, segments[i].flat_offset, optimizer_->exp_avg_sq()[i]);
-    }
-  } else {
-    read_into_tensor(ck, FlatState::Param, 0, params_->flat());
-    if (compute_weights_) compute_weights_->assign_from(*params_);
-    read_into_tensors(ck, FlatState::ExpAvg, optimizer_->exp_avg());
-    read_into_tensors(ck, FlatState::ExpAvgSq, optimizer_->exp_avg_sq());
-  }
+  // Each rank reads its segments, whatever world size saved the checkpoint.
+  read_checkpoint_state(ck, /*with_optimizer=*/true);
   optimizer_->set_step_count(saved.optimizer_step);
   train_loader_->set_position(saved.data_position);
   start_step_ = saved.step;
@@ -106,13 +177,8 @@ void Trainer::load_initial_weights(const std::string& path) {
   }
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
-  if (fsdp_) {
-    // Each rank reads only its segments, whatever world size saved the checkpoint.
-    fsdp_->load_master([&](int64_t offset, std::span<float> out) { read_flat_range(ck, FlatState::Param, offset, out); });
-  } else {
-    read_into_tensor(ck, FlatState::Param, 0, params_->flat());
-    if (compute_weights_) compute_weights_->assign_from(*params_);
-  }
+  // Each rank reads only its segments, whatever world size saved the checkpoint.
+  read_checkpoint_state(ck, /*with_optimizer=*/false);
   log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}); the optimizer "
            "and data start fresh at step 0",
            dir, ck.metadata.training.step);
@@ -120,71 +186,186 @@ void Trainer::load_initial_weights(const std::string& path) {
 
 // NOTE [Parallel checkpoint saves]
 // Under FSDP every rank of the first replica (the shard group that holds world rank 0)
-// writes its own shard file at once: the checkpoint's ranks are the shard ranks, and rank
-// r's file holds the contiguous flat range shard_ranges(numel, shards)[r] of the weights
-// and both moments, which Fsdp::gather_flat_range moves there from the per-unit chunks
-// (NOTE [FSDP layout]); every rank thus holds 12 bytes per parameter / shards in host
-// memory, never the whole model. Rank 0 makes the temporary directory (named with its pid,
-// which every rank learns through an all-reduce), every writer writes and fsyncs its file
-// and hands rank 0 the CRC-32s of its pieces, and rank 0 writes the metadata and renames
-// the directory into place (NOTE [Atomic checkpoints]). The ranks must see one filesystem
-// (one node, or a shared one across nodes), as with torch.distributed.checkpoint.
+// writes its own segments (NOTE [FSDP layout]: its chunk of every unit, the master weights
+// and both moments) straight into the shard files, at the places their flat elements have
+// there, through its bounded buffer (NOTE [Streaming checkpoints]): no rank gathers
+// anything, and every rank writes at once. The checkpoint's ranks are the shard ranks:
+// file r holds the flat range shard_ranges(numel, shards)[r], written by every rank whose
+// chunks overlap it. Rank 0 makes the temporary directory (named with its pid, which
+// every rank learns through an all-reduce) and the shard files at their full size; every
+// writer writes and fsyncs; the ranks all-gather the CRC-32s of the runs they wrote, and
+// rank 0 combines them into each piece's, writes the metadata and renames the directory
+// into place (NOTE [Atomic checkpoints]). The ranks must see one filesystem (one node, or
+// a shared one across nodes), as with torch.distributed.checkpoint.
+//
+// NOTE [Async checkpoints]
+// With checkpoint.async_mode: async (torchtitan's name) a save stalls the step loop only
+// for a copy of this rank's state (its segments, in their dtypes: fp32 weights, fp32 or
+// bf16 moments): into spare GPU memory when the free memory holds it with 1 GiB (and 5%
+// of the GPU) to spare, else into host memory when MemAvailable holds it with 2 GiB to
+// spare, else this rank writes from the live state before the step loop goes on, with a
+// warning giving the sizes (its completion is still deferred, as every rank's is). A writer thread
+// then streams the copy to the shard files while training goes on. The collective parts
+// of a save (the pid all-reduce, the barriers, the CRC all-gather) run on the training
+// thread only, never on the writer thread, so they never run beside the step's
+// collectives on one communicator: the start (directory, files, barrier) happens before
+// the snapshot, and the completion (join the writer, exchange the CRCs and whether every
+// rank wrote its part, rank 0's metadata and rename, a barrier) at the next
+// synchronisation point: the next save, or the end of the run (before the Hugging Face
+// export). So a save waits for the one before it (one writer per directory), an error of
+// the writer thread surfaces there naming the checkpoint, and the checkpoint appears on
+// disk only then: a run killed before that point resumes from the one before, as a
+// synchronous save killed halfway would.
 void Trainer::save_checkpoint(int64_t step) {
-  auto t0 = std::chrono::steady_clock::now();
-  TrainingState state;
+  finish_checkpoint_save_job();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto job = std::make_unique<CheckpointSaveJob>();
+  job->started = t0;
+  TrainingState& state = job->state;
   state.step = step;
   state.data_position = train_loader_->position();
   state.seed = config_.training.seed;
   state.lr_schedule_steps = config_.training.steps;
   state.optimizer = config_.optimizer;
   state.optimizer_step = optimizer_->step_count();
-  const int64_t numel = config_.model.total_params();
-  std::string dir;
-  if (fsdp_) {
-    const int shards = shard_group_->world_size(), shard_rank = shard_group_->rank();
-    const bool writer = rank_ < shards;  // the replica of world rank 0 (consecutive ranks shard)
-    const std::vector<ShardRange> ranges = shard_ranges(numel, shards);
-    const ShardRange mine = ranges[static_cast<size_t>(shard_rank)];
-    std::vector<float> params(static_cast<size_t>(mine.size())), m(params.size()), v(params.size());
-    fsdp_->gather_flat_range(fsdp_->master_segments(), mine.begin, mine.end, params);
-    fsdp_->gather_flat_range(optimizer_->exp_avg(), mine.begin, mine.end, m);
-    fsdp_->gather_flat_range(optimizer_->exp_avg_sq(), mine.begin, mine.end, v);
-    const int64_t token = std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
-    const std::string folder = checkpoint_folder();
-    std::optional<AtomicDirectory> staging;
-    if (rank_ == 0) staging.emplace(begin_checkpoint_save(folder, step, token));
-    const std::string tmp = checkpoint_temporary_dir(folder, step, token);
-    world_->barrier();
-    std::vector<uint32_t> crcs;
-    if (writer) crcs = write_checkpoint_shard(tmp, config_.model, ranges, shard_rank, {mine, params.data(), m.data(), v.data()});
-    // Every shard group exchanges CRC lists padded to the longest; only the first one's count.
-    const std::vector<int64_t> counts = checkpoint_piece_counts(config_.model, ranges);
-    const int64_t longest = *std::max_element(counts.begin(), counts.end());
-    std::vector<uint32_t> padded(static_cast<size_t>(longest), 0);
-    std::copy(crcs.begin(), crcs.end(), padded.begin());
-    const std::vector<uint32_t> all = fsdp_->all_gather_words(padded);
-    if (rank_ == 0) {
-      std::vector<std::vector<uint32_t>> by_rank;
-      for (int r = 0; r < shards; ++r) {
-        const auto first = all.begin() + static_cast<std::ptrdiff_t>(r * longest);
-        by_rank.emplace_back(first, first + counts[static_cast<size_t>(r)]);
-      }
-      dir = finish_checkpoint_save(folder, *staging, config_.model, resolved_yaml_, state, ranges, by_rank,
-                                   config_.checkpoint.keep_latest_k);
-    }
-    world_->barrier();  // the checkpoint is in place before any rank goes on
-    if (rank_ != 0) return;
-  } else {
-    const std::vector<float> m = concatenate(optimizer_->exp_avg());
-    const std::vector<float> v = concatenate(optimizer_->exp_avg_sq());
-    const Tensor flat = params_->flat().to(Device::CPU);
-    ShardData shard{shard_ranges(numel, 1).front(), flat.data<float>(), m.data(), v.data()};
-    dir = forge::save_checkpoint(checkpoint_folder(), config_.model, resolved_yaml_, state, {shard},
-                                 config_.checkpoint.keep_latest_k);
+  const std::string folder = checkpoint_folder();
+  job->dir = checkpoint_dir(folder, step);
+  const int shards = fsdp_ ? shard_group_->world_size() : 1;
+  job->ranges = shard_ranges(config_.model.total_params(), shards);
+  const int64_t token =
+      fsdp_ ? std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
+  if (rank_ == 0) {
+    job->staging.emplace(begin_checkpoint_save(folder, step, token));
+    create_checkpoint_shard_files(job->staging->temporary_path(), job->ranges);
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s)", dir, 3.0 * 4.0 * static_cast<double>(numel) / 1e6,
-           seconds);
+  if (world_) world_->barrier();
+  const bool writer = rank_ < shards;  // the replica of world rank 0 (consecutive ranks shard)
+  const bool async_mode = config_.checkpoint.async_mode == "async";
+  // A synchronous save measures what the process's peak resident memory rises by, its
+  // buffer included (pinned memory is resident from its allocation on).
+  if (writer && !async_mode && reset_host_peak()) job->host_resident_before = host_status_bytes("VmRSS:");
+  if (writer) {
+    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token), config_.model,
+                                                    job->ranges, checkpoint_buffer_bytes());
+    StateSegments segments = checkpoint_segments();
+    bool async = false;
+    if (async_mode) {
+      try {
+        async = snapshot(*job, segments);
+      } catch (const OutOfMemoryError& e) {
+        log_warn("checkpoint.async_mode async: no room for the snapshot of step {} ({}); it is saved synchronously",
+                 step, e.what());
+        job->snapshot = {};
+        segments = checkpoint_segments();
+      }
+    }
+    if (!async) {
+      job->snapshot_ready = std::make_unique<DeviceEvent>(device_);
+      job->snapshot_ready->record(nullptr);  // the writer's copies start after the step's kernels
+    }
+    job->start(std::move(segments), async);
+    job->stall_seconds = seconds_since(t0);
+  }
+  checkpoint_job_ = std::move(job);
+  // Every rank defers the completion in async mode, whether its snapshot fitted or not, so
+  // that all ranks run its collectives at the same point.
+  if (!async_mode) finish_checkpoint_save_job();
+}
+
+bool Trainer::snapshot(CheckpointSaveJob& job, StateSegments& segments) {
+  std::array<int64_t, 3> bytes{};
+  for (size_t s = 0; s < 3; ++s)
+    for (const FlatSegment& segment : segments[s]) bytes[s] += static_cast<int64_t>(segment.data.nbytes());
+  const int64_t total = bytes[0] + bytes[1] + bytes[2];
+  Device place = Device::CPU;
+  const int64_t host_free = host_memory_available();
+  if (device_ == Device::CUDA) {
+    const DeviceMemoryInfo info = device_memory_info();
+    const int64_t margin = std::max<int64_t>(int64_t{1} << 30, static_cast<int64_t>(info.total / 20));
+    if (total + margin <= static_cast<int64_t>(info.free)) place = Device::CUDA;
+  }
+  if (place == Device::CPU && (host_free < 0 || total + (int64_t{2} << 30) > host_free)) {
+    log_warn("checkpoint.async_mode async: a snapshot of this rank's state takes {:.2f} GiB, more than spare GPU "
+             "memory or available host memory ({:.2f} GiB) hold; step {} is saved synchronously",
+             total / 1073741824.0, host_free / 1073741824.0, job.state.step);
+    return false;
+  }
+  for (size_t s = 0; s < 3; ++s) {
+    if (segments[s].empty()) continue;
+    // One buffer per vector (the segments of a vector share its dtype), the segments copied into it.
+    const DType dtype = segments[s].front().data.dtype();
+    job.snapshot[s] = Tensor::empty({bytes[s] / static_cast<int64_t>(dtype_size(dtype))}, dtype, place);
+    int64_t at = 0;
+    for (FlatSegment& segment : segments[s]) {
+      FORGE_CHECK(segment.data.dtype() == dtype, "checkpoint snapshot: mixed dtypes in one vector");
+      const Tensor copy = job.snapshot[s].narrow(at, at + segment.data.numel());
+      copy.copy_from(segment.data);
+      segment.data = copy;
+      at += segment.data.numel();
+    }
+  }
+  job.snapshot_ready = std::make_unique<DeviceEvent>(place);
+  job.snapshot_ready->record(nullptr);
+  job.snapshot_place = place == Device::CUDA ? "GPU memory" : "host memory";
+  job.snapshot_bytes = static_cast<size_t>(total);
+  return true;
+}
+
+void Trainer::finish_checkpoint_save_job() {
+  if (!checkpoint_job_) return;
+  std::unique_ptr<CheckpointSaveJob> job = std::move(checkpoint_job_);
+  job->wait();
+  // A synchronous save: what the process's resident memory rose by while it wrote.
+  const int64_t host_growth =
+      job->host_resident_before >= 0 ? host_status_bytes("VmHWM:") - job->host_resident_before : -1;
+  std::string failure;
+  if (job->error) {
+    try {
+      std::rethrow_exception(job->error);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  const size_t staging = job->writer ? job->writer->staging_bytes() : 0;
+  job->writer.reset();  // its buffer and files are released before the rename
+  const std::string what = fmt::format("checkpoint '{}' (step {})", job->dir, job->state.step);
+  std::vector<PieceCrc> parts = std::move(job->crcs);
+  if (fsdp_) {
+    // Whether every writer wrote its part, then everyone's CRC-32s, on the training thread
+    // (NOTE [Async checkpoints]).
+    const double failed = fsdp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
+    if (!failure.empty()) FORGE_FAIL("{} could not be written by rank {}: {}", what, rank_, failure);
+    if (failed > 0)
+      FORGE_FAIL("{} could not be written: {} rank(s) failed to write their part (their logs say why)", what,
+                 std::llround(failed));
+    const std::vector<uint32_t> counts = fsdp_->all_gather_words({static_cast<uint32_t>(parts.size())});
+    const uint32_t longest = *std::max_element(counts.begin(), counts.end());
+    std::vector<uint32_t> words = encode_piece_crcs(parts);
+    words.resize(static_cast<size_t>(longest) * kPieceCrcWords, 0);
+    const std::vector<uint32_t> all = fsdp_->all_gather_words(words);
+    parts.clear();
+    for (size_t r = 0; r < counts.size(); ++r) {
+      const std::vector<PieceCrc> theirs =
+          decode_piece_crcs(all.data() + r * longest * kPieceCrcWords, counts[r]);
+      parts.insert(parts.end(), theirs.begin(), theirs.end());
+    }
+  } else if (!failure.empty()) {
+    FORGE_FAIL("{} could not be written: {}", what, failure);
+  }
+  if (rank_ == 0)
+    finish_checkpoint_save(checkpoint_folder(), *job->staging, config_.model, resolved_yaml_, job->state, job->ranges,
+                           combine_piece_crcs(config_.model, job->ranges, std::move(parts)),
+                           config_.checkpoint.keep_latest_k);
+  if (world_) world_->barrier();  // the checkpoint is in place before any rank goes on
+  if (rank_ != 0) return;
+  const double bytes = 12.0 * static_cast<double>(config_.model.total_params());
+  std::string how = fmt::format("peak host staging {:.1f} MiB", mib(static_cast<double>(staging)));
+  if (host_growth >= 0) how += fmt::format(", process peak resident memory +{:.1f} MiB", mib(static_cast<double>(host_growth)));
+  if (!job->snapshot_place.empty())
+    how = fmt::format("asynchronous: the step loop waited {:.2f} s for a {:.2f} GiB snapshot in {}; {}",
+                      job->stall_seconds, job->snapshot_bytes / 1073741824.0, job->snapshot_place, how);
+  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s; {})", job->dir, bytes / 1e6, seconds_since(job->started),
+           how);
 }
 
 }  // namespace forge

@@ -68,6 +68,71 @@ def snapshot(run_dir):
     return contents
 
 
+def checkpoint_files(folder):
+    """{step-N/file: bytes} of every checkpoint in folder."""
+    files = {}
+    for step in steps_in(folder):
+        directory = os.path.join(folder, f"step-{step}")
+        for name in sorted(os.listdir(directory)):
+            with open(os.path.join(directory, name), "rb") as f:
+                files[f"step-{step}/{name}"] = f.read()
+    return files
+
+
+class AsyncSaves(unittest.TestCase):
+    """checkpoint.async_mode async: the losses and the checkpoints are bitwise those of
+    synchronous saves, a run resumed from an asynchronous save is exact, and a tiny
+    checkpoint.buffer_mb streams the same bytes."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = scratch(cls)
+        cls.runs = {}
+        for name, extra in (("sync", []), ("async", ["--checkpoint.async_mode", "async"]),
+                            ("small_buffer", ["--checkpoint.buffer_mb", "1"])):
+            run_dir = os.path.join(cls.root, name)
+            result = forge("--training.steps", "12", "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                           "--checkpoint.interval", "4", *TINY, *extra)
+            assert result.returncode == 0, result.stderr
+            cls.runs[name] = (run_dir, result)
+
+    def test_async_saves_leave_losses_and_checkpoints_bitwise_unchanged(self):
+        sync_dir, _ = self.runs["sync"]
+        async_dir, result = self.runs["async"]
+        self.assertEqual(train_losses(async_dir), train_losses(sync_dir))
+        self.assertIn("asynchronous: the step loop waited", result.stdout)
+        want = checkpoint_files(os.path.join(sync_dir, "checkpoints"))
+        self.assertEqual(sorted(want), sorted(checkpoint_files(os.path.join(async_dir, "checkpoints"))))
+        self.assertTrue(want == checkpoint_files(os.path.join(async_dir, "checkpoints")))
+        self.assertEqual(steps_in(os.path.join(async_dir, "checkpoints")), [4, 8, 12])
+
+    def test_buffer_size_does_not_change_the_bytes(self):
+        sync_dir, result = self.runs["sync"]
+        small_dir, small = self.runs["small_buffer"]
+        self.assertIn("peak host staging 256.0 MiB", result.stdout)
+        self.assertIn("peak host staging 1.0 MiB", small.stdout)
+        self.assertTrue(checkpoint_files(os.path.join(sync_dir, "checkpoints")) ==
+                        checkpoint_files(os.path.join(small_dir, "checkpoints")))
+
+    def test_resume_from_an_async_save_is_exact(self):
+        async_dir, _ = self.runs["async"]
+        run_dir = os.path.join(scratch(self), "resumed")
+        shutil.copytree(os.path.join(async_dir, "checkpoints", "step-8"), os.path.join(run_dir, "checkpoints", "step-8"))
+        result = forge("--training.steps", "12", "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "4", "--checkpoint.async_mode", "async", *TINY)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertEqual(train_losses(run_dir), train_losses(self.runs["sync"][0])[8:])
+
+    def test_bad_async_mode_and_buffer_are_refused(self):
+        for key, value, expected in (("checkpoint.async_mode", "sometimes", "disabled"),
+                                     ("checkpoint.buffer_mb", "0", "checkpoint.buffer_mb")):
+            result = forge("--training.steps", "1", "--logging.run_dir", os.path.join(scratch(self), "bad"),
+                           f"--{key}", value, *TINY)
+            self.assertNotEqual(result.returncode, 0)
+            self.assertIn(key, result.stderr)
+            self.assertIn(expected, result.stderr)
+
+
 class ExactResume(unittest.TestCase):
     @classmethod
     def setUpClass(cls):

@@ -198,6 +198,22 @@ class Checkpoints(unittest.TestCase):
         self.assertEqual(len(resumed), STEPS - 15)
         self.assertLess(max(abs(a - b) / b for a, b in zip(resumed, uninterrupted[15:])), 1e-4)
 
+    def test_async_saves_on_two_ranks_match_synchronous_ones(self):
+        root = scratch_dir()
+        runs = {}
+        for mode in ("disabled", "async"):
+            run_dir = os.path.join(root, mode)
+            result = train(run_dir, 2, "--training.steps", "10", "--checkpoint.enable", "true", "--checkpoint.interval",
+                           "5", "--checkpoint.async_mode", mode, "--checkpoint.buffer_mb", "1")
+            runs[mode] = run_dir
+        self.assertIn("asynchronous", result.stdout)
+        self.assertEqual(losses(runs["async"]), losses(runs["disabled"]))
+        for step in (5, 10):
+            for name in ("metadata.json", "rank-0.bin", "rank-1.bin"):
+                paths = [os.path.join(runs[m], "checkpoints", f"step-{step}", name) for m in ("disabled", "async")]
+                with open(paths[0], "rb") as a, open(paths[1], "rb") as b:
+                    self.assertTrue(a.read() == b.read(), paths)
+
     def test_a_run_saved_on_two_ranks_resumes_on_one(self):
         run_dir = os.path.join(scratch_dir(), "run")
         train(run_dir, 2, "--checkpoint.enable", "true", "--checkpoint.interval", "15")
