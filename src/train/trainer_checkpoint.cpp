@@ -133,7 +133,10 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
 // Every tensor is read straight into place through the buffer; the weights the model
 // computes with are then refreshed from the fp32 ones.
 void Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer) {
-  ShardFileReader reader(ck, checkpoint_buffer_bytes());
+  int64_t largest_piece = 1024;  // bytes: a buffer that holds the largest piece twice is large enough
+  for (const TensorRecord& rec : ck.metadata.tensors)
+    for (const TensorPiece& p : rec.pieces) largest_piece = std::max(largest_piece, p.byte_length);
+  ShardFileReader reader(ck, std::min(checkpoint_buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
   const StateSegments segments = checkpoint_segments();
   for (FlatState s : kFlatStates) {
     if (s != FlatState::Param && !with_optimizer) continue;
@@ -245,9 +248,13 @@ void Trainer::save_checkpoint(int64_t step) {
   // buffer included (pinned memory is resident from its allocation on).
   if (writer && !async_mode && reset_host_peak()) job->host_resident_before = host_status_bytes("VmRSS:");
   if (writer) {
-    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token), config_.model,
-                                                    job->ranges, checkpoint_buffer_bytes());
     StateSegments segments = checkpoint_segments();
+    int64_t elements = 0;  // a buffer that holds all of them twice over is large enough
+    for (const auto& of_state : segments)
+      for (const FlatSegment& segment : of_state) elements += segment.data.numel();
+    const size_t buffer = std::min(checkpoint_buffer_bytes(), static_cast<size_t>(std::max<int64_t>(elements, 1024)) * 8);
+    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token), config_.model,
+                                                    job->ranges, buffer);
     bool async = false;
     if (async_mode) {
       try {
