@@ -102,7 +102,8 @@ class Trainer {
   size_t checkpoint_buffer_bytes() const;
   // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]).
   std::array<std::vector<FlatSegment>, 3> checkpoint_segments() const;
-  void read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
+  // Reads the weights (and the optimizer state) into place; what it staged, for the log.
+  std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
   // Copies the segments to a snapshot (async saves); false when no memory holds one.
   bool snapshot(CheckpointSaveJob& job, std::array<std::vector<FlatSegment>, 3>& segments);
   // trainer_hf.cpp

@@ -131,19 +131,30 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
 }
 
 // Every tensor is read straight into place through the buffer; the weights the model
-// computes with are then refreshed from the fp32 ones.
-void Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer) {
+// computes with are then refreshed from the fp32 ones. Returns what the load staged on the
+// host, for the log.
+std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer) {
+  const int64_t resident_before = reset_host_peak() ? host_status_bytes("VmRSS:") : -1;
   int64_t largest_piece = 1024;  // bytes: a buffer that holds the largest piece twice is large enough
   for (const TensorRecord& rec : ck.metadata.tensors)
     for (const TensorPiece& p : rec.pieces) largest_piece = std::max(largest_piece, p.byte_length);
-  ShardFileReader reader(ck, std::min(checkpoint_buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
-  const StateSegments segments = checkpoint_segments();
-  for (FlatState s : kFlatStates) {
-    if (s != FlatState::Param && !with_optimizer) continue;
-    for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) reader.read(s, segment);
+  size_t staging = 0;
+  {
+    ShardFileReader reader(ck, std::min(checkpoint_buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
+    staging = reader.staging_bytes();
+    const StateSegments segments = checkpoint_segments();
+    for (FlatState s : kFlatStates) {
+      if (s != FlatState::Param && !with_optimizer) continue;
+      for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) reader.read(s, segment);
+    }
   }
+  std::string how = fmt::format("peak host staging {:.1f} MiB", mib(static_cast<double>(staging)));
+  if (resident_before >= 0)
+    how += fmt::format(", process peak resident memory +{:.1f} MiB",
+                       mib(static_cast<double>(host_status_bytes("VmHWM:") - resident_before)));
   if (fsdp_) fsdp_->refresh_compute_weights(false);
   else if (compute_weights_) compute_weights_->assign_from(*params_);
+  return how;
 }
 
 void Trainer::restore_checkpoint(const std::string& dir) {
@@ -152,12 +163,12 @@ void Trainer::restore_checkpoint(const std::string& dir) {
   const TrainingState& saved = ck.metadata.training;
   const int world = static_cast<int>(ck.metadata.shards.size());
   // Each rank reads its segments, whatever world size saved the checkpoint.
-  read_checkpoint_state(ck, /*with_optimizer=*/true);
+  const std::string staged = read_checkpoint_state(ck, /*with_optimizer=*/true);
   optimizer_->set_step_count(saved.optimizer_step);
   train_loader_->set_position(saved.data_position);
   start_step_ = saved.step;
-  log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}; data position {})", dir, saved.step, world,
-           world == 1 ? "" : "s", saved.data_position);
+  log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}; data position {}; {})", dir, saved.step,
+           world, world == 1 ? "" : "s", saved.data_position, staged);
   if (saved.seed != config_.training.seed)
     log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data order differs from the "
              "saved run's",
@@ -181,10 +192,10 @@ void Trainer::load_initial_weights(const std::string& path) {
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
   // Each rank reads only its segments, whatever world size saved the checkpoint.
-  read_checkpoint_state(ck, /*with_optimizer=*/false);
-  log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}); the optimizer "
-           "and data start fresh at step 0",
-           dir, ck.metadata.training.step);
+  const std::string staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
+  log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}; {}); the "
+           "optimizer and data start fresh at step 0",
+           dir, ck.metadata.training.step, staged);
 }
 
 // NOTE [Parallel checkpoint saves]

@@ -5,6 +5,7 @@ forge with the file and the tensor named, leaving the run directory as it was.""
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -127,6 +128,7 @@ class AsyncSaves(unittest.TestCase):
                        "--checkpoint.interval", "4", "--checkpoint.async_mode", "async", *TINY)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertEqual(train_losses(run_dir), train_losses(self.runs["sync"][0])[8:])
+        self.assertIn("peak host staging", result.stdout)
 
     def test_bad_async_mode_and_buffer_are_refused(self):
         for key, value, expected in (("checkpoint.async_mode", "sometimes", "disabled"),
@@ -136,6 +138,36 @@ class AsyncSaves(unittest.TestCase):
             self.assertNotEqual(result.returncode, 0)
             self.assertIn(key, result.stderr)
             self.assertIn(expected, result.stderr)
+
+
+# 16 M parameters: a 190 MB checkpoint, 190 times checkpoint.buffer_mb 1.
+LARGE_SHARD = ["--model.hidden_size", "512", "--model.ffn_hidden_size", "2048", "--model.num_layers", "4",
+               "--training.seq_len", "16", "--training.local_batch_size", "1", "--eval.interval", "0",
+               "--checkpoint.enable", "true", "--checkpoint.interval", "1", "--checkpoint.buffer_mb", "1"]
+
+
+def resident_growths(log):
+    """The 'process peak resident memory +X MiB' of every save and load in a log."""
+    return [float(x) for x in re.findall(r"process peak resident memory \+([0-9.]+) MiB", log)]
+
+
+class BoundedHostMemory(unittest.TestCase):
+    """A save and a resume of a checkpoint 190 times the buffer raise the process's peak
+    resident memory by about the buffer (NOTE [Streaming checkpoints])."""
+
+    def test_save_and_resume_stage_the_buffer_not_the_shard(self):
+        run_dir = os.path.join(scratch(self), "run")
+        first = forge("--training.steps", "1", "--logging.run_dir", run_dir, *LARGE_SHARD)
+        self.assertEqual(first.returncode, 0, first.stderr)
+        second = forge("--training.steps", "2", "--logging.run_dir", run_dir, *LARGE_SHARD)
+        self.assertEqual(second.returncode, 0, second.stderr)
+        size_mb = float(re.search(r"\(([0-9.]+) MB in", first.stdout).group(1))
+        self.assertGreater(size_mb, 150)
+        self.assertIn("peak host staging 1.0 MiB", first.stdout)
+        growths = resident_growths(first.stdout + second.stdout)
+        self.assertEqual(len(growths), 3, first.stdout + second.stdout)  # save, resume, save
+        for growth in growths:
+            self.assertLess(growth, 12.0, f"a {size_mb} MB checkpoint through a 1 MiB buffer")
 
 
 class ExactResume(unittest.TestCase):
