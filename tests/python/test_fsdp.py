@@ -219,6 +219,20 @@ class Checkpoints(unittest.TestCase):
                         del contents[-1]["experiment_config"]
                 self.assertTrue(contents[0] == contents[1], f"step-{step}/{name}")
 
+    def test_two_ranks_save_and_resume_through_a_one_mib_buffer(self):
+        """Each rank streams its segments into the shard files: a 190 MB checkpoint raises
+        rank 0's peak resident memory by about the 1 MiB buffer, saving and resuming."""
+        run_dir = os.path.join(scratch_dir(), "run")
+        large = ["--model.hidden_size", "512", "--model.ffn_hidden_size", "2048", "--model.num_layers", "4",
+                 "--training.seq_len", "16", "--checkpoint.enable", "true", "--checkpoint.interval", "1",
+                 "--checkpoint.buffer_mb", "1"]
+        logs = train(run_dir, 2, "--training.steps", "1", *large).stdout
+        logs += train(run_dir, 2, "--training.steps", "2", *large).stdout
+        self.assertGreater(float(re.search(r"\(([0-9.]+) MB in", logs).group(1)), 150)
+        growths = [float(x) for x in re.findall(r"process peak resident memory \+([0-9.]+) MiB", logs)]
+        self.assertEqual(len(growths), 3, logs)  # save, resume, save
+        self.assertLess(max(growths), 12.0)
+
     def test_a_run_saved_on_two_ranks_resumes_on_one(self):
         run_dir = os.path.join(scratch_dir(), "run")
         train(run_dir, 2, "--checkpoint.enable", "true", "--checkpoint.interval", "15")
