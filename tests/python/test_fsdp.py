@@ -230,6 +230,8 @@ class Checkpoints(unittest.TestCase):
         logs += train(run_dir, 2, "--training.steps", "2", *large).stdout
         self.assertGreater(float(re.search(r"\(([0-9.]+) MB in", logs).group(1)), 150)
         growths = [float(x) for x in re.findall(r"process peak resident memory \+([0-9.]+) MiB", logs)]
+        if not growths and "peak host staging" in logs:
+            self.skipTest("/proc/self/clear_refs cannot be written here: no peak resident memory to measure")
         self.assertEqual(len(growths), 3, logs)  # save, resume, save
         self.assertLess(max(growths), 12.0)
 
