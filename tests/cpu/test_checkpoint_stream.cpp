@@ -228,6 +228,23 @@ TEST(CheckpointStream, CombinedCrcsMustCoverEveryPieceOnce) {
   EXPECT_THROW(combine_piece_crcs(model, ranges, twice), Error);
 }
 
+TEST(CheckpointStream, AWriterThreadErrorSurfacesNamingTheFile) {
+  const ModelConfig model = model_of(8, 2, 16, 16);
+  const int64_t numel = numel_of(model);
+  TempDir tmp;
+  fs::create_directories(tmp.file("save"));  // no shard files were made: the writer thread cannot open them
+  std::vector<float> data(static_cast<size_t>(numel), 1.0f);
+  std::string message;
+  try {
+    ShardFileWriter writer(tmp.file("save"), model, shard_ranges(numel, 2), 64);
+    writer.write(FlatState::Param, {0, Tensor::wrap(data.data(), {numel}, DType::F32)});
+    writer.finish();
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("rank-0.bin"), std::string::npos) << message;
+}
+
 // NOTE [Streaming checkpoints]: the host memory a save or a load adds is its buffer. The
 // process's peak resident memory (VmHWM) is reset to its resident size (clear_refs) before
 // each, and what it rose by is compared with the buffer and the shard.
