@@ -154,6 +154,11 @@ Checkpoint open_checkpoint(const std::string& dir);
 // without, matching tensors suffice (weights to start a fine-tuning run from).
 void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);
 
+// Reads pieces part, part + parts, part + 2 × parts, ... (metadata order) of the shard files
+// and checks their CRC-32s; an error names the file, the tensor and the bytes. `parts`
+// ranks calling it with parts = world size read every piece once between them.
+void verify_checkpoint_pieces(const Checkpoint& checkpoint, int part, int parts);
+
 // Fills out with elements [begin, begin + out.size()) of one flat vector, from whichever
 // shard files hold them, checking each piece's CRC-32.
 void read_flat_range(const Checkpoint& checkpoint, FlatState state, int64_t begin, std::span<float> out);
