@@ -22,7 +22,7 @@ MODEL = ["--model.hidden_size", "128", "--model.ffn_hidden_size", "512", "--trai
          "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_steps", "8"]
 STEPS = 10
 KILLS = 20
-RANK_KILLS = 4
+RANK_KILLS = 6
 SEED = 1818
 TIMEOUT = 120
 ENV = dict(os.environ, FORGE_NUM_THREADS="1")

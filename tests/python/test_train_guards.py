@@ -138,11 +138,10 @@ class NonFinite(unittest.TestCase):
         self.assertIn("FORGE_TEST_INJECT_NAN", result.stderr)
 
 
-# Steps slow enough (tens of milliseconds) that a signal lands mid-run.
-SLOW = ["--model.hidden_size", "256", "--model.ffn_hidden_size", "1024", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--eval.interval", "0", "--logging.log_interval", "1",
-        "--lr_scheduler.warmup_steps", "2"]
-STEPS = 40
+# Enough steps (about 10 ms each on an idle core) that a signal sent after step 2 lands mid-run.
+SLOW = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--eval.interval", "0",
+        "--logging.log_interval", "1", "--lr_scheduler.warmup_steps", "2"]
+STEPS = 30
 
 
 class Signals(unittest.TestCase):
