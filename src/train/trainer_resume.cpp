@@ -13,6 +13,8 @@
 // The ranks split it (piece i is read by rank i mod world), so each rank reads 1/world of
 // the checkpoint, and one all-reduce per candidate makes every rank take the same one.
 // An explicit checkpoint.load_step is checked the same way, but a damaged one is an error.
+#include <chrono>
+
 #include "ckpt/checkpoint.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -33,8 +35,13 @@ std::string Trainer::checkpoint_problem(const std::string& dir) {
   // Another model's checkpoint is a configuration mistake, not damage: never skipped.
   if (ck) check_checkpoint_model(*ck, config_.model, /*same_architecture=*/true);
   if (ck) {
+    const auto t0 = std::chrono::steady_clock::now();
     try {
       verify_checkpoint_pieces(*ck, rank_, world_size_);
+      const double bytes = 3.0 * 4.0 * static_cast<double>(ck->metadata.flat_numel) / world_size_;
+      log_info("checked the CRC-32s of '{}' ({:.1f} MB{}) in {:.2f} s", dir, bytes / 1e6,
+               world_size_ > 1 ? " read by this rank" : "",
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     } catch (const Error& e) {
       problem = e.what();
     }
