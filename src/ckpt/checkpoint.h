@@ -104,8 +104,9 @@ struct ShardData {
 };
 
 // Saves step `state.step` to <folder>/step-<N> (NOTE [Atomic checkpoints]); `shards`, one
-// per rank, must tile [0, numel of model's parameters). keep_latest_k > 0 then removes all
-// but the newest k checkpoints (never the one just written). Returns the directory.
+// per rank, must tile [0, numel of model's parameters). keep_latest_k > 0 then keeps the one
+// just written and the newest k - 1 older ones that open whole, removing the other older
+// ones (later steps are left alone). Returns the directory.
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
                             const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k);
 
