@@ -106,8 +106,9 @@ struct ShardData {
 // Saves step `state.step` to <folder>/step-<N> (NOTE [Atomic checkpoints]) from host
 // memory, through a staging buffer of buffer_bytes (NOTE [Streaming checkpoints] in
 // ckpt/checkpoint_stream.h); `shards`, one per rank, must tile [0, numel of model's
-// parameters). keep_latest_k > 0 then removes all but the newest k checkpoints (never the
-// one just written). Returns the directory.
+// parameters). keep_latest_k > 0 then keeps the one just written and the newest k - 1 older
+// ones that open whole, removing the other older ones (later steps are left alone).
+// Returns the directory.
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,
                             const TrainingState& state, const std::vector<ShardData>& shards, int64_t keep_latest_k,
                             size_t buffer_bytes = size_t{1} << 28);
@@ -154,6 +155,11 @@ Checkpoint open_checkpoint(const std::string& dir);
 // architecture field of the saved model config must also equal model's (a resume);
 // without, matching tensors suffice (weights to start a fine-tuning run from).
 void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);
+
+// Reads pieces part, part + parts, part + 2 × parts, ... (metadata order) of the shard files
+// and checks their CRC-32s; an error names the file, the tensor and the bytes. `parts`
+// ranks calling it with parts = world size read every piece once between them.
+void verify_checkpoint_pieces(const Checkpoint& checkpoint, int part, int parts);
 
 // Fills out with elements [begin, begin + out.size()) of one flat vector, from whichever
 // shard files hold them, checking each piece's CRC-32 (a ShardFileReader of

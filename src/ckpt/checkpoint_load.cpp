@@ -182,6 +182,19 @@ Checkpoint open_checkpoint(const std::string& dir) {
   if (!fs::is_regular_file(file))
     FORGE_FAIL("checkpoint '{}' has no {} (not a forge checkpoint, or a damaged one)", dir, kCheckpointMetadataFile);
   Checkpoint ck{dir, metadata_from_json(read_text(file), file)};
+  // A step-<N> directory holds step N: one that says otherwise would be resumed at the wrong
+  // step and its saves would overwrite other checkpoints.
+  fs::path normal = fs::path(dir).lexically_normal();
+  if (!normal.has_filename()) normal = normal.parent_path();
+  const std::string name = normal.filename().string();
+  int64_t named_step = -1;
+  if (name.starts_with("step-")) {
+    auto [end, error] = std::from_chars(name.data() + 5, name.data() + name.size(), named_step);
+    if (error != std::errc() || end != name.data() + name.size()) named_step = -1;
+  }
+  if (named_step >= 0 && named_step != ck.metadata.training.step)
+    FORGE_FAIL("checkpoint '{}' is refused: its {} says step {}, its directory name says step {}", dir,
+               kCheckpointMetadataFile, ck.metadata.training.step, named_step);
   check_shards(file, ck.metadata);
   check_pieces(file, ck.metadata);
   check_shard_files(dir, ck.metadata);

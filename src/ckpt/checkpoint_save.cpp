@@ -89,12 +89,32 @@ void remove_checkpoint(const std::string& folder, int64_t step) {
   if (ec) log_warn("cannot delete '{}': {}", doomed, ec.message());
 }
 
+// Keeps the checkpoint just saved and the newest keep_latest_k - 1 older ones that are
+// whole as far as opening tells (metadata, shard files and sizes; the CRCs are checked at
+// resume); removes the other older ones. A damaged checkpoint never takes the place of a
+// whole one. Newer ones (a damaged checkpoint a resume passed over, or the later steps of a
+// run resumed with checkpoint.load_step) are left alone: this run replaces them as it gets
+// there.
 void keep_latest(const std::string& folder, int64_t saved_step, int64_t keep_latest_k) {
-  std::vector<int64_t> others;
+  std::vector<int64_t> older;
   for (int64_t step : checkpoint_steps(folder))
-    if (step != saved_step) others.push_back(step);
-  std::sort(others.rbegin(), others.rend());
-  for (size_t i = static_cast<size_t>(keep_latest_k - 1); i < others.size(); ++i) remove_checkpoint(folder, others[i]);
+    if (step < saved_step) older.push_back(step);
+  std::sort(older.rbegin(), older.rend());
+  int64_t kept = 1;  // the one just saved
+  for (int64_t step : older) {
+    bool whole = kept < keep_latest_k;
+    if (whole) {
+      try {
+        open_checkpoint(checkpoint_dir(folder, step));
+      } catch (const Error& e) {
+        log_warn("checkpoint.keep_latest_k: not counting '{}', which is damaged: {}", checkpoint_dir(folder, step),
+                 e.what());
+        whole = false;
+      }
+    }
+    if (whole) ++kept;
+    else remove_checkpoint(folder, step);
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "ckpt/hf_weight_files.h"
 #include "cli/config.h"
 #include "core/log.h"
+#include "core/stop_signal.h"
 #include "train/memory_check.h"
 #include "train/trainer.h"
 
@@ -46,8 +47,10 @@ int run_train(const std::vector<std::string>& args) {
   ExperimentConfig config = load_experiment(inv.positional, inv.overrides);
   std::string yaml = to_yaml(config);
   if (read_launch_env().rank == 0) log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
+  install_stop_signal_handlers();  // NOTE [Stop signals]
   Trainer trainer(config, yaml);
   TrainResult result = trainer.run();
+  if (result.stopped) return kExitStopped;
   if (!result.evals.empty() && result.entropy_floor > 0) {
     const EvalMetrics& last = result.evals.back();
     log_info("done: validation loss {:.4f} nats/token, entropy floor {:.4f}, gap {:.4f} ({:.1f}% above the floor)",

@@ -111,6 +111,14 @@ std::vector<ConfigKey> build_schema() {
           "with gemm_tuning: directory that keeps the measured choices for later runs (one file per GPU model and "
           "cuBLASLt version); empty: $FORGE_CACHE_DIR, else $XDG_CACHE_HOME/forge, else ~/.cache/forge; off: "
           "measure in every run"),
+      key<&E::training, &T::on_nonfinite>("training.on_nonfinite",
+                                          "a step whose loss or global gradient norm is NaN/Inf: stop the run naming "
+                                          "the step, micro-batch and first non-finite tensor, or skip its optimizer "
+                                          "step (Megatron's --check-for-nan-in-loss-and-grad)",
+                                          {}, {"stop", "skip"}),
+      key<&E::training, &T::max_skipped_steps>("training.max_skipped_steps",
+                                               "with on_nonfinite skip: this many skipped steps in a row stop the run",
+                                               at_least(1)),
 
       key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, optim_bounds::optimizer_names),
       key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", optim_bounds::lr),

@@ -99,7 +99,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   if (options.zero_stage >= 2 && tied())
     make_channel(embedding_channel_, layout_.units()[static_cast<size_t>(embedding)].numel);
   comm_done_ = make_event(device);
-  norm_scratch_ = Tensor::zeros({1}, DType::F32, device);
+  norm_scratch_ = Tensor::zeros({2}, DType::F32, device);
 }
 
 Fsdp::~Fsdp() {
@@ -296,14 +296,26 @@ void Fsdp::join_comm() {
 }
 
 double Fsdp::all_reduce_scalar(ProcessGroup& group, double value) {
-  Tensor host = Tensor::empty({1}, DType::F32);
-  host.data<float>()[0] = static_cast<float>(value);
-  norm_scratch_.copy_from(host);
+  return all_reduce_values(group, {value, 0.0}, 1).first;
+}
+
+std::pair<double, double> Fsdp::all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count) {
+  const Tensor scratch = norm_scratch_.narrow(0, count);
+  Tensor host = Tensor::empty({count}, DType::F32);
+  host.data<float>()[0] = static_cast<float>(values.first);
+  if (count > 1) host.data<float>()[1] = static_cast<float>(values.second);
+  scratch.copy_from(host);
   join_comm();  // one collective at a time on the communicator, in the same order everywhere
   begin_exposed();
-  group.all_reduce(norm_scratch_, ReduceOp::Sum, kCompute);
+  group.all_reduce(scratch, ReduceOp::Sum, kCompute);
   end_exposed();
-  return static_cast<double>(norm_scratch_.to(Device::CPU).data<float>()[0]);
+  const Tensor out = scratch.to(Device::CPU);
+  return {out.data<float>()[0], count > 1 ? out.data<float>()[1] : 0.0};
+}
+
+std::pair<double, double> Fsdp::sum_over_ranks(double first, double second) {
+  auto values = all_reduce_values(shard_group_, {first, second}, 2);
+  return replicate_group_ ? all_reduce_values(*replicate_group_, values, 2) : values;
 }
 
 double Fsdp::global_grad_sum_of_squares() {

@@ -132,6 +132,8 @@ class Fsdp final : public ParamSource, public GradSink {
   double global_grad_sum_of_squares();
   // `value` summed over every data-parallel rank (shard and replicate groups).
   double sum_over_ranks(double value);
+  // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
+  std::pair<double, double> sum_over_ranks(double first, double second);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);
@@ -263,6 +265,7 @@ class Fsdp final : public ParamSource, public GradSink {
   double host_exposed_s_ = 0;
   std::chrono::steady_clock::time_point host_stall_start_;
   double all_reduce_scalar(ProcessGroup& group, double value);
+  std::pair<double, double> all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count);
 };
 
 }  // namespace forge

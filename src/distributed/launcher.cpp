@@ -16,6 +16,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "core/stop_signal.h"
 #include "distributed/rank_output.h"
 #include "distributed/tcp_socket.h"
 #include "distributed/tcp_store.h"
@@ -245,6 +246,11 @@ class Job {
       const int status = first_failure_->status;
       return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
     }
+    // Every rank stopped by the signal after saving (NOTE [Stop signals]): the job may be requeued.
+    if (received_signal_ && std::all_of(ranks_.begin(), ranks_.end(), [](const Rank& r) {
+          return WIFEXITED(r.status) && WEXITSTATUS(r.status) == kExitStopped;
+        }))
+      return kExitStopped;
     if (received_signal_) return 128 + received_signal_;
     return 0;
   }

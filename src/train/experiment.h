@@ -23,6 +23,8 @@ struct TrainingConfig {
   std::string device = "cpu";        // cpu | cuda
   bool gemm_tuning = false;          // time cuBLASLt's candidates per GEMM shape (NOTE [GEMM algorithm choice])
   std::string gemm_tuning_cache;     // where measured choices are kept: a directory, "" forge's cache dir, "off" none
+  std::string on_nonfinite = "stop"; // stop | skip: a step whose loss or gradient norm is NaN/Inf (NOTE [Non-finite steps])
+  int64_t max_skipped_steps = 5;     // with skip: this many non-finite steps in a row stop the run
 };
 
 struct EvalConfig {

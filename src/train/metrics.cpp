@@ -74,6 +74,8 @@ void MetricsWriter::write(const StepMetrics& m) {
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
   if (m.peak_memory_bytes) j["peak_memory_bytes"] = *m.peak_memory_bytes;
   if (m.comm_exposed_s) j["comm_exposed_s"] = *m.comm_exposed_s;
+  if (m.skipped) j["skipped"] = true;
+  if (m.skipped_steps > 0) j["skipped_steps"] = m.skipped_steps;
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];

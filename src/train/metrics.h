@@ -31,6 +31,8 @@ struct StepMetrics {
   std::optional<double> comm_exposed_s;      // data-parallel runs: communication not hidden (NOTE [Exposed communication])
   std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
   std::map<std::string, double> op_seconds_by_op;                // logging.profile_ops
+  bool skipped = false;            // non-finite: no optimizer step (NOTE [Non-finite steps])
+  int64_t skipped_steps = 0;       // skipped so far in this process
 };
 
 struct EvalMetrics {

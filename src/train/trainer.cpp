@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <optional>
 
+#include <string.h>
 #include <unistd.h>
 
 #include "ckpt/checkpoint.h"
@@ -17,6 +18,7 @@
 #include "core/parallel.h"
 #include "core/progress.h"
 #include "core/rng.h"
+#include "core/stop_signal.h"
 #include "ops/matmul.h"
 #include "train/memory_check.h"
 #include "train/run_dir.h"
@@ -101,6 +103,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   if (config_.eval.interval > 0)
     eval_data_ = make_dataset(config_.data, Split::Validation, t.seq_len, config_.model.vocab_size, data_seed);
   train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed));
+  inject_nan_ = nan_injection_from_env();
+  if (inject_nan_)
+    log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the gradient of '{}' at step {}, micro-batch {}",
+             inject_nan_->tensor, inject_nan_->step, inject_nan_->micro_batch);
 }
 
 // Every rank says what it holds: the optimizer state (master weights and moments) is
@@ -188,13 +194,15 @@ GradSink& Trainer::gradients() {
 void Trainer::prepare_run_dir() {
   run_dir_ = expand_run_dir(config_.logging.run_dir, config_.model.name);
   const CheckpointConfig& ckpt = config_.checkpoint;
-  if (ckpt.enable) resume_from_ = find_checkpoint(checkpoint_folder(), ckpt.load_step);
+  if (ckpt.enable) resume_from_ = choose_checkpoint();
   const bool earlier_run = std::filesystem::exists(run_dir_ + "/metrics.jsonl");
-  if (earlier_run && !resume_from_) {
-    if (ckpt.enable)
-      FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl) and '{}' holds no checkpoint to resume "
-                 "from; choose another logging.run_dir",
-                 run_dir_, checkpoint_folder());
+  if (earlier_run && !resume_from_ && ckpt.enable) {
+    // A requeued job whose first attempt died before its first checkpoint: the same
+    // command starts the run again from step 0, appending to metrics.jsonl.
+    log_warn("run directory '{}' holds an earlier attempt (metrics.jsonl) but '{}' no checkpoint: starting the run "
+             "afresh from step 0",
+             run_dir_, checkpoint_folder());
+  } else if (earlier_run && !resume_from_) {
     FORGE_FAIL("run directory '{}' already holds a run (metrics.jsonl); choose another logging.run_dir, or enable "
                "checkpoint.enable to resume it from its checkpoints",
                run_dir_);
@@ -206,10 +214,14 @@ void Trainer::prepare_run_dir() {
   } else if (!ckpt.initial_load_path.empty()) {
     load_initial_weights(ckpt.initial_load_path);
   }
-  if (ckpt.last_save_in_hf) check_hf_export_target(run_dir_ + "/hf");
+  // A finished run started again (a requeue) has nothing to train and keeps the export it made.
+  hf_export_done_ = ckpt.last_save_in_hf && resume_from_ && start_step_ >= config_.training.steps &&
+                    std::filesystem::is_directory(run_dir_ + "/hf") && !std::filesystem::is_empty(run_dir_ + "/hf");
+  if (ckpt.last_save_in_hf && !hf_export_done_) check_hf_export_target(run_dir_ + "/hf");
   // Every rank has made its checks before rank 0 writes (another rank would otherwise
   // see rank 0's fresh metrics.jsonl as an earlier run).
   if (world_) world_->barrier();
+  earlier_run_ = earlier_run;
   if (rank_ != 0) return;
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_, {.sync = false});  // NOTE [Durable files]
@@ -271,8 +283,10 @@ TrainResult Trainer::run() {
                                {"device", accelerator_name()}};
   run_record["entropy_floor"] = result.entropy_floor > 0 ? nlohmann::json(result.entropy_floor) : nlohmann::json(nullptr);
   if (metrics_) metrics_->write(run_record);
-  if (resume_from_ && metrics_)
-    metrics_->write(nlohmann::json{{"type", "resume"}, {"step", start_step_}, {"checkpoint", *resume_from_}});
+  if (metrics_ && (resume_from_ || earlier_run_))
+    metrics_->write(nlohmann::json{{"type", "resume"},
+                                   {"step", start_step_},
+                                   {"checkpoint", resume_from_ ? nlohmann::json(*resume_from_) : nlohmann::json(nullptr)}});
   if (start_step_ >= t.steps)
     log_info("the checkpoint is at step {}, training.steps is {}: nothing left to train", start_step_, t.steps);
 
@@ -306,27 +320,46 @@ TrainResult Trainer::run() {
     }
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
+    std::vector<double> micro_losses(static_cast<size_t>(accum));
     for (int64_t a = 0; a < accum; ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];
       if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale);
       if (fsdp_) fsdp_->end_micro_batch();
+      if (inject_nan_ && !fsdp_) inject_test_nan(step + 1, a);
+      micro_losses[static_cast<size_t>(a)] = l.sum;
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
     double norm = 0.0;
+    // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
+    bool stop_now = stop_signal() != 0;
     if (fsdp_) {
-      loss.sum = fsdp_->sum_over_ranks(loss.sum);
+      const auto [loss_sum, stops] = fsdp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
+      loss.sum = loss_sum;
+      stop_now = stops > 0;
       loss.tokens = targets;
       fsdp_->finish_gradients();
+      if (inject_nan_ && inject_nan_->micro_batch < accum) inject_test_nan(step + 1, inject_nan_->micro_batch);
       norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
+    } else {
+      norm = global_grad_norm({grads_->flat()});
+    }
+    // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
+    const bool finite = std::isfinite(loss.sum) && std::isfinite(norm);
+    if (!finite) {
+      if (progress) progress->clear();
+      handle_nonfinite(step + 1, batches, grad_scale, micro_losses, loss.mean(), norm);  // throws unless skipping
+      if (fsdp_) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
+    } else if (fsdp_) {
+      skipped_in_a_row_ = 0;
       const bool fused_copy = device_ == Device::CUDA;  // AdamW writes the bf16 chunk as it updates
       optimizer_->step(fsdp_->grad_segments(), lr, clip_coefficient(norm, t.max_norm),
                        fused_copy ? fsdp_->compute_segments() : std::vector<Tensor>{});
       fsdp_->refresh_compute_weights(fused_copy);
     } else {
-      norm = global_grad_norm({grads_->flat()});
+      skipped_in_a_row_ = 0;
       optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
                        compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
     }
@@ -338,6 +371,8 @@ TrainResult Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.step_time_s = dt;
+    m.skipped = !finite;
+    m.skipped_steps = skipped_steps_;
     // Per GPU, as torchtitan and Megatron report them: the global work over the ranks.
     m.tokens_per_s = tokens_per_step / dt / world_size_;
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
@@ -351,9 +386,10 @@ TrainResult Trainer::run() {
     result.losses.push_back(m.loss);
     result.step_seconds.push_back(dt);
     if (metrics_) metrics_->write(m);
-    if (progress && (!std::isfinite(m.loss) || !std::isfinite(norm))) progress->clear();
-    if (!std::isfinite(m.loss) || !std::isfinite(norm))
-      FORGE_FAIL("training diverged at step {}: loss {}, grad norm {} (try a lower optimizer.lr)", m.step, m.loss, norm);
+    if (!finite && skipped_in_a_row_ >= t.max_skipped_steps)
+      FORGE_FAIL("training diverged: {} steps in a row up to step {} had a non-finite loss or gradient norm and were "
+                 "skipped (training.max_skipped_steps {}; try a lower optimizer.lr)",
+                 skipped_in_a_row_, m.step, t.max_skipped_steps);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
       log_line(format_step(m, t.steps) + (m.op_seconds ? "\n" + format_op_seconds(m) : ""));
     // The first step plans nearly every GEMM shape the run has (NOTE [GEMM tuning cache]).
@@ -369,14 +405,24 @@ TrainResult Trainer::run() {
       log_line(format_eval(e, result.entropy_floor));
     }
     const CheckpointConfig& ckpt = config_.checkpoint;
-    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps)) {
+    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps || stop_now)) {
       if (progress) progress->clear();
       save_checkpoint(m.step);
+    }
+    if (stop_now && m.step < t.steps) {
+      const int sig = stop_signal();
+      log_warn("stopped by {} after step {}{} (exit status {}); the same command resumes the run", 
+               sig ? fmt::format("SIG{}", sigabbrev_np(sig)) : std::string("a signal to another rank"), m.step,
+               ckpt.enable ? ", checkpoint saved" : ", nothing saved (checkpoint.enable is false)", kExitStopped);
+      result.stopped = true;
+      break;
     }
   }
   if (progress) progress->clear();
   finish_checkpoint_save_job();  // the last save is on disk before the run ends (NOTE [Async checkpoints])
-  if (config_.checkpoint.last_save_in_hf) export_hf_model();
+  if (result.stopped) return result;
+  if (hf_export_done_) log_info("the Hugging Face export '{}/hf' of this finished run is already there", run_dir_);
+  else if (config_.checkpoint.last_save_in_hf) export_hf_model();
   return result;
 }
 

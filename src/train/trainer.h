@@ -46,6 +46,7 @@
 #include "optim/optimizer.h"
 #include "train/experiment.h"
 #include "train/metrics.h"
+#include "train/nonfinite.h"
 
 namespace forge {
 
@@ -57,6 +58,7 @@ struct TrainResult {
   std::vector<EvalMetrics> evals;
   double entropy_floor = -1.0;      // of the training data, when known
   std::string run_dir;
+  bool stopped = false;             // by SIGTERM/SIGINT before training.steps (NOTE [Stop signals])
 };
 
 // The process group settings an experiment asks for (device, parallelism timeouts).
@@ -91,6 +93,9 @@ class Trainer {
   void set_up_data_parallel();
   void log_fsdp_memory() const;
 
+  // trainer_resume.cpp (NOTE [Choosing the checkpoint to resume])
+  std::optional<std::string> choose_checkpoint();
+  std::string checkpoint_problem(const std::string& dir);
   // trainer_checkpoint.cpp
   std::string checkpoint_folder() const;
   void restore_checkpoint(const std::string& dir);
@@ -106,6 +111,13 @@ class Trainer {
   std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
   // Copies the segments to a snapshot (async saves); false when no memory holds one.
   bool snapshot(CheckpointSaveJob& job, std::array<std::vector<FlatSegment>, 3>& segments);
+  // trainer_nonfinite.cpp (NOTE [Non-finite steps])
+  void inject_test_nan(int64_t step, int64_t micro_batch);
+  // A step whose loss sum or gradient norm is not finite: throws (on_nonfinite stop) naming
+  // what was found, or logs the skip and counts it.
+  void handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
+                        const std::vector<double>& micro_losses, double loss, double norm);
+  std::string first_nonfinite_gradient();   // "" when every gradient is finite
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
   void export_hf_model();
@@ -130,6 +142,10 @@ class Trainer {
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
   std::unique_ptr<CheckpointSaveJob> checkpoint_job_;  // a save not yet complete
+  std::optional<NanInjection> inject_nan_;  // FORGE_TEST_INJECT_NAN
+  int64_t skipped_in_a_row_ = 0, skipped_steps_ = 0;
+  bool earlier_run_ = false;     // the run directory held metrics.jsonl at start
+  bool hf_export_done_ = false;  // checkpoint.last_save_in_hf: a finished run's export is there
 };
 
 }  // namespace forge

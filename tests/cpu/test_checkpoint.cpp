@@ -345,7 +345,64 @@ TEST(CheckpointKeepLatest, NeverRemovesTheOneJustSaved) {
   const ModelConfig model = tiny_model();
   const FlatVectors data(numel_of(model), 7);
   for (int64_t step : {4, 5, 3}) save_as_world(tmp.file("ckpt"), model, data, 1, step, 2);
-  EXPECT_EQ(checkpoint_steps(tmp.file("ckpt")), (std::vector<int64_t>{3, 5}));
+  // Newer checkpoints (a resume with checkpoint.load_step, or damaged ones a resume passed
+  // over) are left for the run to replace as it gets there.
+  EXPECT_EQ(checkpoint_steps(tmp.file("ckpt")), (std::vector<int64_t>{3, 4, 5}));
+  save_as_world(tmp.file("ckpt"), model, data, 1, 4, 2);
+  EXPECT_EQ(checkpoint_steps(tmp.file("ckpt")), (std::vector<int64_t>{3, 4, 5}));
+  save_as_world(tmp.file("ckpt"), model, data, 1, 6, 2);
+  EXPECT_EQ(checkpoint_steps(tmp.file("ckpt")), (std::vector<int64_t>{5, 6}));
+}
+
+// NOTE [Choosing the checkpoint to resume]: a damaged checkpoint never takes the place of a
+// whole one among the k kept, so the only whole older one survives.
+TEST(CheckpointKeepLatest, DamagedCheckpointsDoNotCount) {
+  TempDir tmp;
+  const ModelConfig model = tiny_model();
+  const FlatVectors data(numel_of(model), 9);
+  for (int64_t step : {1, 2}) save_as_world(tmp.file("ckpt"), model, data, 1, step, 0);
+  const std::string damaged = checkpoint_dir(tmp.file("ckpt"), 2) + "/rank-0.bin";
+  fs::resize_file(damaged, fs::file_size(damaged) - 4);
+  save_as_world(tmp.file("ckpt"), model, data, 1, 3, 2);
+  EXPECT_EQ(checkpoint_steps(tmp.file("ckpt")), (std::vector<int64_t>{1, 3}));
+}
+
+TEST_F(CheckpointCorruption, StepThatDisagreesWithTheDirectoryName) {
+  const std::string renamed = tmp.file("ckpt") + "/step-7";
+  fs::rename(dir, renamed);
+  const std::string e = error_of([&] { open_checkpoint(renamed); });
+  EXPECT_NE(e.find(renamed), std::string::npos) << e;
+  EXPECT_NE(e.find("metadata.json says step 4, its directory name says step 7"), std::string::npos) << e;
+}
+
+TEST_F(CheckpointCorruption, VerifyReadsEveryPieceOnceAcrossParts) {
+  EXPECT_NO_THROW(verify_checkpoint_pieces(open_checkpoint(dir), 0, 1));
+  const TensorPiece piece = first_piece(dir, "output.weight", FlatState::ExpAvgSq);
+  std::fstream f(shard(piece.rank), std::ios::in | std::ios::out | std::ios::binary);
+  char byte = 0;
+  f.seekg(piece.byte_offset);
+  f.read(&byte, 1);
+  byte ^= 0x01;
+  f.seekp(piece.byte_offset);
+  f.write(&byte, 1);
+  f.close();
+  const Checkpoint ck = open_checkpoint(dir);
+  int failures = 0;
+  for (int part = 0; part < 3; ++part) {
+    const std::string e = [&] {
+      try {
+        verify_checkpoint_pieces(ck, part, 3);
+      } catch (const Error& error) {
+        return std::string(error.what());
+      }
+      return std::string();
+    }();
+    if (e.empty()) continue;
+    ++failures;
+    EXPECT_NE(e.find(shard(piece.rank)), std::string::npos) << e;
+    EXPECT_NE(e.find("tensor 'output.weight' (exp_avg_sq)"), std::string::npos) << e;
+  }
+  EXPECT_EQ(failures, 1);
 }
 
 TEST(CheckpointKeepLatest, ZeroKeepsAll) {

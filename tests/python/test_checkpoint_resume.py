@@ -226,10 +226,15 @@ class ExactResume(unittest.TestCase):
         run_dir = os.path.join(scratch(self), "run")
         self.assertEqual(forge("--training.steps", "1", "--logging.run_dir", run_dir, *TINY).returncode, 0)
         before = snapshot(run_dir)
-        result = forge("--training.steps", "2", "--logging.run_dir", run_dir, "--checkpoint.enable", "true", *TINY)
+        result = forge("--training.steps", "2", "--logging.run_dir", run_dir, *TINY)
         self.assertNotEqual(result.returncode, 0)
-        self.assertIn("no checkpoint to resume", result.stderr)
+        self.assertIn("already holds a run", result.stderr)
         self.assertEqual(snapshot(run_dir), before)
+        # With checkpoints on, a run directory without one is a requeued attempt that died
+        # before its first checkpoint: it starts afresh.
+        result = forge("--training.steps", "2", "--logging.run_dir", run_dir, "--checkpoint.enable", "true", *TINY)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("starting the run afresh", result.stderr)
 
     def test_checkpoint_keys_that_need_more(self):
         result = forge("--checkpoint.load_step", "3")
@@ -278,7 +283,7 @@ class DamagedCheckpoint(unittest.TestCase):
 
     def test_missing_metadata(self):
         os.remove(os.path.join(self.step_dir, "metadata.json"))
-        self.expect_refused([], self.step_dir, "metadata.json")
+        self.expect_refused([], self.step_dir, "metadata.json", "no checkpoint in")
 
     def test_other_model(self):
         self.expect_refused(["--model.ffn_hidden_size", "128"], self.step_dir,
@@ -327,13 +332,8 @@ class KilledRuns(unittest.TestCase):
         self.assertEqual(train_losses(run_dir), train_losses(reference))
 
     def start_over_if_no_checkpoint(self, args, run_dir, folder):
-        """A run killed before its first checkpoint cannot be resumed: forge refuses it, and
-        the next attempt starts afresh."""
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and not steps_in(folder):
-            refused = forge(*args[2:])
-            self.assertNotEqual(refused.returncode, 0)
-            self.assertIn("no checkpoint to resume", refused.stderr)
-            os.remove(os.path.join(run_dir, "metrics.jsonl"))
+        """A run killed before its first checkpoint starts afresh when started again (from
+        step 0, appending to metrics.jsonl): nothing to clear away."""
 
     @staticmethod
     def read_until_training_starts(proc):

@@ -1,0 +1,134 @@
+// The trainer's side of NOTE [Non-finite steps] (train/nonfinite.h): finding what made a
+// step non-finite, only once its loss or gradient norm says it is, and stopping or skipping.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+#include "core/log.h"
+#include "model/parameters.h"
+#include "train/trainer.h"
+
+namespace forge {
+namespace {
+
+constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+
+}  // namespace
+
+void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
+  if (!inject_nan_ || inject_nan_->step != step || inject_nan_->micro_batch != micro_batch) return;
+  bool found = false;
+  if (fsdp_) {
+    const std::vector<ParamSpec> specs = parameter_specs(config_.model);
+    const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
+    for (size_t i = 0; i < segments.size(); ++i) {
+      if (specs[static_cast<size_t>(segments[i].spec)].name != inject_nan_->tensor) continue;
+      found = true;
+      poison_first_element(fsdp_->grad_segments()[i]);
+    }
+    // A rank may hold no part of the tensor.
+    found = found || std::any_of(specs.begin(), specs.end(), [&](const ParamSpec& s) { return s.name == inject_nan_->tensor; });
+  } else {
+    for (size_t i = 0; i < params_->specs().size(); ++i)
+      if (params_->specs()[i].name == inject_nan_->tensor) {
+        found = true;
+        poison_first_element(grads_->tensors()[i]);
+      }
+  }
+  if (!found) FORGE_FAIL("FORGE_TEST_INJECT_NAN: the model has no parameter '{}'", inject_nan_->tensor);
+}
+
+// In parameter order; under FSDP every rank scans its chunk and the shard ranks agree on
+// the first (replicas hold the same reduced gradients).
+std::string Trainer::first_nonfinite_gradient() {
+  if (!fsdp_) {
+    const int64_t i = first_nonfinite_tensor(grads_->tensors());
+    return i < 0 ? "" : params_->specs()[static_cast<size_t>(i)].name;
+  }
+  const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
+  const int64_t i = first_nonfinite_tensor(fsdp_->grad_segments());
+  const uint32_t mine = i < 0 ? kNone : static_cast<uint32_t>(segments[static_cast<size_t>(i)].spec);
+  const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+  const uint32_t first = *std::min_element(all.begin(), all.end());
+  return first == kNone ? "" : parameter_specs(config_.model)[first].name;
+}
+
+void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
+                               const std::vector<double>& micro_losses, double loss, double norm) {
+  const int64_t accum = static_cast<int64_t>(batches.size());
+  if (config_.training.on_nonfinite == "skip") {
+    ++skipped_in_a_row_;
+    ++skipped_steps_;
+    const std::string tensor = first_nonfinite_gradient();
+    log_warn("step {}: loss {}, gradient norm {}{}: skipped (no optimizer step; {} skipped in a row, {} in all; "
+             "training.on_nonfinite skip)",
+             step, loss, norm, tensor.empty() ? "" : fmt::format(", first non-finite gradient '{}'", tensor),
+             skipped_in_a_row_, skipped_steps_);
+    return;
+  }
+  // Which micro-batch: a single rank names its own; under FSDP the accumulation step.
+  auto micro_batch_name = [&](int64_t a) {
+    if (!fsdp_) return fmt::format("micro-batch {} of {}", a, accum);
+    return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
+                       accum, a * world_size_, a * world_size_ + world_size_ - 1);
+  };
+  const std::string head =
+      fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
+
+  // 1. Weights that are not finite already (a loaded checkpoint or initial weights).
+  {
+    std::string weight;
+    if (!fsdp_) {
+      const int64_t i = first_nonfinite_tensor(params_->tensors());
+      if (i >= 0) weight = params_->specs()[static_cast<size_t>(i)].name;
+    } else {
+      const int64_t i = first_nonfinite_tensor(fsdp_->master_segments());
+      const uint32_t mine =
+          i < 0 ? kNone : static_cast<uint32_t>(fsdp_->layout().segments()[static_cast<size_t>(i)].spec);
+      const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+      const uint32_t first = *std::min_element(all.begin(), all.end());
+      if (first != kNone) weight = parameter_specs(config_.model)[first].name;
+    }
+    if (!weight.empty())
+      FORGE_FAIL("{}: the weight '{}' is already non-finite before the step's first micro-batch", head, weight);
+  }
+  // 2. A micro-batch whose loss is not finite (the forward pass).
+  for (int64_t a = 0; a < accum; ++a) {
+    const bool bad_here = !std::isfinite(micro_losses[static_cast<size_t>(a)]);
+    const bool bad = fsdp_ ? fsdp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
+    if (!bad) continue;
+    if (bad_here && fsdp_)
+      FORGE_FAIL("{}: micro-batch {} of the global batch (rank {}, accumulation step {}): the loss (forward pass) is "
+                 "non-finite",
+                 head, a * world_size_ + rank_, rank_, a);
+    FORGE_FAIL("{}: {}: the loss (forward pass) is non-finite", head, micro_batch_name(a));
+  }
+  // 3. The summed gradients, then each micro-batch's alone (run again).
+  const std::string summed = first_nonfinite_gradient();
+  for (int64_t a = 0; a < accum; ++a) {
+    const Batch& b = batches[static_cast<size_t>(a)];
+    if (fsdp_) {
+      fsdp_->begin_step();
+      fsdp_->begin_micro_batch(true);
+    } else {
+      grads_->discard();
+    }
+    model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(), grad_scale);
+    if (fsdp_) {
+      fsdp_->end_micro_batch();
+      fsdp_->finish_gradients();
+    }
+    inject_test_nan(step, a);
+    const std::string tensor = first_nonfinite_gradient();
+    if (!tensor.empty())
+      FORGE_FAIL("{}: {}: the first non-finite gradient (in parameter order) is '{}' (found by running the step's "
+                 "micro-batches again one at a time)",
+                 head, micro_batch_name(a), tensor);
+  }
+  if (!summed.empty())
+    FORGE_FAIL("{}: every micro-batch's gradients are finite, but their sum overflows first in '{}'", head, summed);
+  FORGE_FAIL("{}: the loss sum over micro-batches overflows", head);
+}
+
+}  // namespace forge
