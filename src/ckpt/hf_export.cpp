@@ -4,7 +4,7 @@
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_layout.h"
-#include "ckpt/json_file.h"
+#include "core/json_input.h"
 #include "core/durable_directory.h"
 #include "core/log.h"
 
