@@ -155,7 +155,7 @@ ModelConfig read_hf_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
   if (!std::filesystem::exists(path))
     FORGE_FAIL("{}: not found (is '{}' a Hugging Face model directory?)", path, dir);
-  json config = read_json_file(path);
+  json config = read_json_file(path, "the model's config.json");
   ModelConfig m = model_config_from_hf(config, path);
   m.name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (m.name.empty()) m.name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();

@@ -37,7 +37,7 @@ HfWeightFiles::HfWeightFiles(const std::string& dir) {
 }
 
 void HfWeightFiles::open_index(const std::string& dir, const std::string& index_path) {
-  nlohmann::json index = read_json_file(index_path);
+  nlohmann::json index = read_json_file(index_path, "the weight index");
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
     FORGE_FAIL("{}: expected an object with a \"weight_map\" object", index_path);
   std::map<std::string, std::string> tensor_to_file;

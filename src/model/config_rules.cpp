@@ -58,7 +58,7 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
     FORGE_FAIL("{}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
                keys.describe("model.vocab_size", vocab_size), keys.describe("model.hidden_size", hidden_size),
                keys.describe("model.num_layers", num_layers), keys.describe("model.num_heads", num_heads),
-               keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.head_dim", resolved_head_dim()),
+               keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.head_dim", head_dim),
                keys.describe("model.ffn_hidden_size", ffn_hidden_size),
                params ? fmt::format("{} parameters", *params) : "a parameter count that overflows 64-bit integers",
                kMaxParams);
