@@ -64,7 +64,7 @@ std::vector<double> ticks_with_min_step(double lo, double hi, int target, double
   std::vector<double> ticks;
   const auto count = static_cast<int64_t>(std::llround(steps));
   for (int64_t i = 0; i <= count; ++i) {
-    const double t = first + static_cast<double>(i) * step;
+    const double t = (first / 2 + static_cast<double>(i) * (step / 2)) * 2;  // i × step alone may overflow
     ticks.push_back(std::abs(t) < step * 1e-9 ? 0.0 : t);
   }
   return ticks;

@@ -243,8 +243,9 @@ TEST(BadInputJsonErrors, ChartsOfExtremeLossesRender) {
            {{1, -1.7e308}},
            {{-9e18, 1}, {9e18, 2}},
            {{1, 1e308}, {2, 1.7e308}}}) {
-    const std::string svg = chart_svg({"step", "loss", {{"run", "#000", points, false}}});
+    std::string svg = chart_svg({"step", "loss", {{"run", "#000", points, false}}});
     EXPECT_NE(svg.find("</svg>"), std::string::npos);
+    for (size_t at; (at = svg.find("dominant-baseline")) != std::string::npos;) svg.erase(at, 17);
     EXPECT_EQ(svg.find("nan"), std::string::npos) << svg;
     EXPECT_EQ(svg.find("inf"), std::string::npos) << svg;
   }
