@@ -48,7 +48,13 @@ std::vector<std::string> llama31_special_tokens() {
 bool beside_llama31_params(const std::string& file) {
   const auto params_path = std::filesystem::path(file).parent_path() / "params.json";
   if (!std::filesystem::is_regular_file(params_path)) return false;
-  const nlohmann::json params = read_json_file(params_path.string(), "params.json");
+  nlohmann::json params;
+  try {
+    params = read_json_file(params_path.string(), "params.json");
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: not a JSON object (forge reads its use_scaled_rope to name the special tokens of {}): {}",
+               params_path.string(), file, e.what());
+  }
   if (!params.is_object())
     FORGE_FAIL("{}: not a JSON object (forge reads its use_scaled_rope to name the special tokens of {})",
                params_path.string(), file);
