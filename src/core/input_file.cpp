@@ -38,12 +38,14 @@ int open_regular_file(const std::string& path, std::string_view what) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) FORGE_FAIL("{}: cannot open {}: {}", path, what, std::strerror(errno));
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+  if (::fstat(fd, &st) != 0) {
     const int error = errno;
-    const mode_t mode = st.st_mode;
     ::close(fd);
-    if (mode == 0) FORGE_FAIL("{}: cannot read {}: {}", path, what, std::strerror(error));
-    fail_kind(path, what, mode);
+    FORGE_FAIL("{}: cannot read {}: {}", path, what, std::strerror(error));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail_kind(path, what, st.st_mode);
   }
   const int flags = ::fcntl(fd, F_GETFL);
   if (flags < 0 || ::fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
