@@ -26,9 +26,16 @@ struct Range {
   bool empty() const { return lo > hi; }
 };
 
-// The tick step for a span: 1, 2 or 5 times a power of ten, at least min_step.
-double nice_step(double span, int target, double min_step) {
-  const double raw = span / std::max(target, 1);
+// NOTE [Charts of extreme values]
+// A diverged run logs losses up to ±1e308, whose span overflows to infinity. The chart
+// works with half-spans (finite for any two finite values), and when the "nice" ticks
+// would leave the finite doubles or be absurdly many it falls back to the data's own
+// ends as its two ticks: an ugly axis, never a crash or an endless loop.
+
+// The tick step for a span given as its half: 1, 2 or 5 times a power of ten, at least
+// min_step.
+double nice_step(double half_span, int target, double min_step) {
+  const double raw = half_span / std::max(target, 1) * 2;
   const double magnitude = std::pow(10.0, std::floor(std::log10(raw)));
   const double fraction = raw / magnitude;
   const double step = (fraction <= 1 ? 1 : fraction <= 2 ? 2 : fraction <= 5 ? 5 : 10) * magnitude;
@@ -36,18 +43,28 @@ double nice_step(double span, int target, double min_step) {
 }
 
 std::vector<double> ticks_with_min_step(double lo, double hi, int target, double min_step) {
-  if (!(hi > lo)) {  // one value: a span around it
+  if (!(hi > lo)) {  // one value: a span around it, on the side that stays finite
     const double pad = lo == 0 ? 1.0 : std::abs(lo) * 0.1;
-    lo -= pad;
-    hi += pad;
+    if (std::isfinite(lo - pad) && std::isfinite(hi + pad)) {
+      lo -= pad;
+      hi += pad;
+    } else if (lo > 0) {
+      lo -= pad;
+    } else {
+      hi += pad;
+    }
   }
-  const double step = nice_step(hi - lo, target, min_step);
+  constexpr double kMaxTicks = 1000;
+  const double step = nice_step(hi / 2 - lo / 2, target, min_step);
   const double first = std::floor(lo / step + 1e-9) * step;
   const double last = std::ceil(hi / step - 1e-9) * step;
+  const double steps = (last / 2 - first / 2) / step * 2;
+  if (!std::isfinite(first) || !std::isfinite(last) || !(step > 0) || !(steps >= 0 && steps <= kMaxTicks))
+    return {lo, hi};  // NOTE [Charts of extreme values]
   std::vector<double> ticks;
-  const auto count = static_cast<int64_t>(std::llround((last - first) / step));
+  const auto count = static_cast<int64_t>(std::llround(steps));
   for (int64_t i = 0; i <= count; ++i) {
-    const double t = first + static_cast<double>(i) * step;
+    const double t = (first / 2 + static_cast<double>(i) * (step / 2)) * 2;  // i × step alone may overflow
     ticks.push_back(std::abs(t) < step * 1e-9 ? 0.0 : t);
   }
   return ticks;
@@ -86,8 +103,10 @@ std::string chart_svg(const Chart& chart) {
   const std::vector<double> y_ticks = nice_ticks(ys.lo, ys.hi, kYTicks);
   const double x0 = x_ticks.front(), x1 = x_ticks.back(), y0 = y_ticks.front(), y1 = y_ticks.back();
   const double plot_w = kWidth - kLeft - kRight, plot_h = kHeight - kTop - kBottom;
-  auto px = [&](double x) { return kLeft + (x - x0) / (x1 - x0) * plot_w; };
-  auto py = [&](double y) { return kTop + (1.0 - (y - y0) / (y1 - y0)) * plot_h; };
+  // Fractions of the axis from halves, as the span itself may overflow (NOTE [Charts of extreme values]).
+  auto fraction = [](double v, double lo, double hi) { return (v / 2 - lo / 2) / (hi / 2 - lo / 2); };
+  auto px = [&](double x) { return kLeft + fraction(x, x0, x1) * plot_w; };
+  auto py = [&](double y) { return kTop + (1.0 - fraction(y, y0, y1)) * plot_h; };
 
   std::string svg = fmt::format(
       "<svg class=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 {} {}\" role=\"img\" "

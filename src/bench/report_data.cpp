@@ -8,6 +8,8 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/input_file.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
@@ -29,17 +31,17 @@ class Fields {
   double number(const char* key) const {
     const json& v = required(key);
     if (v.is_null()) return std::numeric_limits<double>::quiet_NaN();
-    if (!v.is_number()) FORGE_FAIL("{}: '{}' must be a number, found {}", where_, key, v.dump());
+    if (!v.is_number()) FORGE_FAIL("{}: '{}' must be a number, found {}", where_, key, describe_json(v));
     return v.get<double>();
   }
   int64_t integer(const char* key) const {
     const json& v = required(key);
-    if (!v.is_number_integer()) FORGE_FAIL("{}: '{}' must be an integer, found {}", where_, key, v.dump());
+    if (!v.is_number_integer()) FORGE_FAIL("{}: '{}' must be an integer, found {}", where_, key, describe_json(v));
     return v.get<int64_t>();
   }
   std::string string(const char* key) const {
     const json& v = required(key);
-    if (!v.is_string()) FORGE_FAIL("{}: '{}' must be a string, found {}", where_, key, v.dump());
+    if (!v.is_string()) FORGE_FAIL("{}: '{}' must be a string, found {}", where_, key, describe_json(v));
     return v.get<std::string>();
   }
   std::optional<double> optional_number(const char* key) const {
@@ -94,6 +96,7 @@ void drop_after(Records& records, int64_t step) {
 }
 
 void read_metrics(const std::string& path, ReportRun& run) {
+  require_regular_file(path, "the run's metrics");  // NOTE [User files must be regular files]
   std::ifstream in(path);
   if (!in) FORGE_FAIL("cannot read '{}'", path);
   bool have_run_record = false;
@@ -101,8 +104,7 @@ void read_metrics(const std::string& path, ReportRun& run) {
   for (int64_t number = 1; std::getline(in, line); ++number) {
     const std::string where = fmt::format("{}:{}", path, number);
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    json record = json::parse(line, nullptr, false);
-    if (record.is_discarded()) FORGE_FAIL("{}: not valid JSON: {}", where, line.substr(0, 80));
+    const json record = parse_json(line, where);
     const Fields f(record, where);
     const std::string type = f.string("type");
     if (type == "run") {
@@ -137,18 +139,24 @@ std::optional<int64_t> yaml_integer(const YAML::Node& root, const char* section,
   }
 }
 
+// The lookups are inside the try too: yaml-cpp throws when a section is a scalar or a list
+// ("training: 5"), not only when the text is not YAML.
 void read_config(const std::string& path, ReportRun& run) {
-  YAML::Node root;
+  const std::string text = read_regular_file(path, "the run's config");
   try {
-    root = YAML::LoadFile(path);
+    const YAML::Node root = YAML::Load(text);
+    if (!root.IsMap()) FORGE_FAIL("{}: expected a YAML mapping of config sections", path);
+    run.micro_batch = yaml_integer(root, "training", "local_batch_size", path);
+    run.grad_accum = yaml_integer(root, "training", "gradient_accumulation_steps", path);
+    run.global_batch = yaml_integer(root, "training", "global_batch_size", path);
+    run.seq_len = yaml_integer(root, "training", "seq_len", path);
+    if (const YAML::Node dtype = root["precision"]["compute_dtype"]) {
+      if (!dtype.IsScalar()) FORGE_FAIL("{}: precision.compute_dtype must be a name", path);
+      run.precision = dtype.Scalar();
+    }
   } catch (const YAML::Exception& e) {
-    FORGE_FAIL("{}: not valid YAML: {}", path, e.what());
+    FORGE_FAIL("{}: not a readable config: {}", path, e.what());
   }
-  run.micro_batch = yaml_integer(root, "training", "local_batch_size", path);
-  run.grad_accum = yaml_integer(root, "training", "gradient_accumulation_steps", path);
-  run.global_batch = yaml_integer(root, "training", "global_batch_size", path);
-  run.seq_len = yaml_integer(root, "training", "seq_len", path);
-  if (const YAML::Node dtype = root["precision"]["compute_dtype"]) run.precision = dtype.Scalar();
 }
 
 BenchResult bench_from(const Fields& f) {
@@ -176,10 +184,7 @@ BenchResult bench_from(const Fields& f) {
 }  // namespace
 
 std::vector<BenchResult> load_bench_results(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) FORGE_FAIL("cannot read '{}'", path);
-  json entries = json::parse(in, nullptr, false);
-  if (entries.is_discarded()) FORGE_FAIL("{}: not valid JSON", path);
+  const json entries = read_json_file(path, "benchmark results");
   if (!entries.is_array()) FORGE_FAIL("{}: expected a JSON array of benchmark results, found {}", path, entries.type_name());
   std::vector<BenchResult> results;
   for (size_t i = 0; i < entries.size(); ++i) results.push_back(bench_from(Fields(entries[i], fmt::format("{} entry {}", path, i + 1))));

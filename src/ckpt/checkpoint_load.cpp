@@ -7,9 +7,8 @@
 #include <bit>
 #include <charconv>
 #include <filesystem>
-#include <fstream>
 #include <map>
-#include <sstream>
+#include <memory>
 
 #include <fmt/ranges.h>
 
@@ -17,6 +16,7 @@
 #include "ckpt/checkpoint_metadata.h"
 #include "ckpt/checkpoint_stream.h"
 #include "core/error.h"
+#include "core/input_file.h"
 #include "model/parameters.h"
 
 namespace forge {
@@ -104,11 +104,7 @@ void check_shard_files(const std::string& dir, const CheckpointMetadata& md) {
 }
 
 std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) FORGE_FAIL("cannot read '{}'", path);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
+  return read_regular_file(path, "the checkpoint metadata");  // NOTE [User files must be regular files]
 }
 
 void check_architecture(const std::string& file, const ModelConfig& saved, const ModelConfig& model) {

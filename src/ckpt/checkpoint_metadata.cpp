@@ -2,12 +2,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/checked_math.h"
 #include "core/error.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
 
 using nlohmann::json;
+
+// 2^56 elements or bytes (64 PiB): far beyond any checkpoint, and 8 times it still fits in
+// int64_t. NOTE [Model sizes are checked before use] in model/config_rules.cpp.
+constexpr int64_t kMaxCheckpointSize = int64_t{1} << 56;
 
 json model_to_json(const ModelConfig& m) {
   const RopeScaling& s = m.rope_scaling;
@@ -46,6 +52,14 @@ class ObjectReader {
     if (!v.is_number_integer()) fail_key(key, "an integer", v);
     return v.get<int64_t>();
   }
+  // A count or offset of elements or bytes: bounded so that the sums and small multiples
+  // the loader forms from them (ckpt/checkpoint_load.cpp) cannot overflow.
+  int64_t size(const char* key) const {
+    const json& v = at(key);
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() > kMaxCheckpointSize)
+      fail_key(key, "an integer in [0, 2^56]", v);
+    return v.get<int64_t>();
+  }
   uint64_t unsigned_integer(const char* key) const {
     const json& v = at(key);
     if (!v.is_number_unsigned()) fail_key(key, "a non-negative integer", v);
@@ -81,11 +95,11 @@ class ObjectReader {
     return *it;
   }
   [[noreturn]] void fail_key(const char* key, const char* expected, const json& got) const {
-    FORGE_FAIL("checkpoint metadata '{}': '{}' must be {}, got {}", file_, child(key), expected, got.dump());
+    FORGE_FAIL("checkpoint metadata '{}': '{}' must be {}, got {}", file_, child(key), expected, describe_json(got));
   }
   [[noreturn]] void fail_type(const char* expected) const {
     FORGE_FAIL("checkpoint metadata '{}': '{}' must be {}, got {}", file_, path_.empty() ? "(top level)" : path_,
-               expected, object_.dump().substr(0, 80));
+               expected, describe_json(object_));
   }
 
   const json& object_;
@@ -184,16 +198,16 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
 }
 
 CheckpointMetadata metadata_from_json(const std::string& text, const std::string& file) {
-  json j = json::parse(text, nullptr, false);
-  if (j.is_discarded()) FORGE_FAIL("checkpoint metadata '{}' is not valid JSON", file);
+  const json j = parse_json(text, fmt::format("checkpoint metadata '{}'", file));
   ObjectReader top(j, file, "");
   if (top.string("format") != "forge-checkpoint")
     FORGE_FAIL("'{}' is not forge checkpoint metadata ('format' is not 'forge-checkpoint')", file);
   CheckpointMetadata md;
-  md.format_version = static_cast<int>(top.integer("format_version"));
-  if (md.format_version != kCheckpointFormatVersion)
+  const int64_t format_version = top.integer("format_version");
+  if (format_version != kCheckpointFormatVersion)
     FORGE_FAIL("checkpoint metadata '{}' has format_version {}; this forge reads format_version {}", file,
-               md.format_version, kCheckpointFormatVersion);
+               format_version, kCheckpointFormatVersion);
+  md.format_version = kCheckpointFormatVersion;
   TrainingState& t = md.training;
   t.step = top.integer("step");
   md.model = model_from_json(top.object("model"));
@@ -209,7 +223,7 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
   t.optimizer.eps = o.number("eps");
   t.optimizer.weight_decay = o.number("weight_decay");
   t.optimizer_step = o.integer("step");
-  md.flat_numel = top.integer("flat_numel");
+  md.flat_numel = top.size("flat_numel");
 
   const json& shards = top.array("shards");
   for (size_t r = 0; r < shards.size(); ++r) {
@@ -219,7 +233,7 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
     if (s.string("file") != fmt::format("rank-{}.bin", r))
       FORGE_FAIL("checkpoint metadata '{}': shards[{}] names file '{}', expected 'rank-{}.bin'", file, r,
                  s.string("file"), r);
-    md.shards.push_back({s.integer("flat_begin"), s.integer("flat_end")});
+    md.shards.push_back({s.size("flat_begin"), s.size("flat_end")});
   }
   if (top.integer("world_size") != static_cast<int64_t>(md.shards.size()))
     FORGE_FAIL("checkpoint metadata '{}': world_size is {} but {} shards are listed", file, top.integer("world_size"),
@@ -234,18 +248,30 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
     if (r.string("dtype") != "fp32")
       FORGE_FAIL("checkpoint metadata '{}': tensor '{}' ({}) has dtype '{}', expected fp32", file, rec.name,
                  flat_state_name(rec.state), r.string("dtype"));
+    std::optional<int64_t> numel = 1;
     for (const json& d : r.array("shape")) {
       if (!d.is_number_integer() || d.get<int64_t>() < 0)
-        FORGE_FAIL("checkpoint metadata '{}': tensor '{}' has a bad shape {}", file, rec.name,
-                   tensors[i]["shape"].dump());
+        FORGE_FAIL("checkpoint metadata '{}': tensor '{}' has a bad shape: dimension {} is not a non-negative integer",
+                   file, rec.name, describe_json(d));
       rec.shape.push_back(d.get<int64_t>());
+      numel = numel ? checked_mul(*numel, d.get<int64_t>()) : std::nullopt;
     }
-    rec.flat_offset = r.integer("flat_offset");
+    if (!numel || *numel > kMaxCheckpointSize)
+      FORGE_FAIL("checkpoint metadata '{}': tensor '{}' has shape {}, more than 2^56 elements", file, rec.name,
+                 shape_str(rec.shape));
+    rec.flat_offset = r.size("flat_offset");
     const json& pieces = r.array("pieces");
     for (size_t k = 0; k < pieces.size(); ++k) {
       ObjectReader p(pieces[k], file, fmt::format("tensors[{}].pieces[{}]", i, k));
-      rec.pieces.push_back({static_cast<int>(p.integer("rank")), p.integer("flat_begin"), p.integer("byte_offset"),
-                            p.integer("byte_length"), static_cast<uint32_t>(p.unsigned_integer("crc32"))});
+      const int64_t rank = p.integer("rank");
+      if (rank < 0 || rank >= static_cast<int64_t>(md.shards.size()))
+        FORGE_FAIL("checkpoint metadata '{}': tensors[{}].pieces[{}].rank is {}, but the world size is {}", file, i, k,
+                   rank, md.shards.size());
+      const uint64_t crc32 = p.unsigned_integer("crc32");
+      if (crc32 > UINT32_MAX)
+        FORGE_FAIL("checkpoint metadata '{}': tensors[{}].pieces[{}].crc32 is {}, more than 32 bits", file, i, k, crc32);
+      rec.pieces.push_back({static_cast<int>(rank), p.size("flat_begin"), p.size("byte_offset"),
+                            p.size("byte_length"), static_cast<uint32_t>(crc32)});
     }
     md.tensors.push_back(std::move(rec));
   }

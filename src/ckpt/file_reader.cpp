@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace forge {
 namespace {
@@ -18,8 +19,7 @@ std::string system_reason() { return std::strerror(errno); }
 }  // namespace
 
 FileReader::FileReader(std::string path) : path_(std::move(path)) {
-  fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) FORGE_FAIL("cannot open '{}': {}", path_, system_reason());
+  fd_ = open_regular_file(path_, "checkpoint file");  // NOTE [User files must be regular files]
   struct stat st {};
   if (::fstat(fd_, &st) != 0) FORGE_FAIL("cannot stat '{}': {}", path_, system_reason());
   size_ = st.st_size;

@@ -2,8 +2,9 @@
 
 #include <filesystem>
 
-#include "ckpt/json_file.h"
+#include "core/checked_math.h"
 #include "core/error.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
@@ -25,25 +26,25 @@ class HfConfigReader {
     if (!has(key)) return fallback;
     const json& v = config_[key];
     if (!v.is_number_integer() || v.get<int64_t>() < 1)
-      FORGE_FAIL("{}: \"{}\" is {}, expected a positive integer", path_, key, v.dump());
+      FORGE_FAIL("{}: \"{}\" is {}, expected a positive integer", path_, key, describe_json(v));
     return v.get<int64_t>();
   }
   double positive_number_or(const json& object, const char* key, double fallback, const std::string& where) const {
     if (!object.contains(key) || object[key].is_null()) return fallback;
     const json& v = object[key];
     if (!v.is_number() || !(v.get<double>() > 0))
-      FORGE_FAIL("{}: \"{}{}\" is {}, expected a positive number", path_, where, key, v.dump());
+      FORGE_FAIL("{}: \"{}{}\" is {}, expected a positive number", path_, where, key, describe_json(v));
     return v.get<double>();
   }
   bool boolean_or(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
-    if (!config_[key].is_boolean()) FORGE_FAIL("{}: \"{}\" is {}, expected true or false", path_, key, config_[key].dump());
+    if (!config_[key].is_boolean()) FORGE_FAIL("{}: \"{}\" is {}, expected true or false", path_, key, describe_json(config_[key]));
     return config_[key].get<bool>();
   }
   std::string string_or(const json& object, const char* key, const std::string& fallback, const std::string& where) const {
     if (!object.contains(key) || object[key].is_null()) return fallback;
     if (!object[key].is_string())
-      FORGE_FAIL("{}: \"{}{}\" is {}, expected a string", path_, where, key, object[key].dump());
+      FORGE_FAIL("{}: \"{}{}\" is {}, expected a string", path_, where, key, describe_json(object[key]));
     return object[key].get<std::string>();
   }
   const json& config() const { return config_; }
@@ -60,7 +61,7 @@ std::string model_family(const HfConfigReader& r) {
   if (r.has("architectures")) {
     const json& archs = c["architectures"];
     if (!archs.is_array() || archs.size() != 1 || !archs[0].is_string())
-      FORGE_FAIL("{}: \"architectures\" is {}, expected a list with one name", r.path(), archs.dump());
+      FORGE_FAIL("{}: \"architectures\" is {}, expected a list with one name", r.path(), describe_json(archs));
     std::string arch = archs[0].get<std::string>();
     if (arch == "LlamaForCausalLM") return "llama";
     if (arch == "MistralForCausalLM") return "mistral";
@@ -91,14 +92,14 @@ void read_rope(const HfConfigReader& r, ModelConfig& m) {
   } else if (r.has("rope_parameters")) {
     rope = c["rope_parameters"];
   }
-  if (!rope.is_object()) FORGE_FAIL("{}: \"{}\" is {}, expected an object", r.path(), where, rope.dump());
+  if (!rope.is_object()) FORGE_FAIL("{}: \"{}\" is {}, expected an object", r.path(), where, describe_json(rope));
   const std::string prefix = where + ".";
   const double top_theta = r.positive_number_or(c, "rope_theta", 10000.0, "");
   m.rope_theta = r.positive_number_or(rope, "rope_theta", top_theta, prefix);
   std::string type = r.string_or(rope, "rope_type", r.string_or(rope, "type", "default", prefix), prefix);
   if (rope.contains("partial_rotary_factor") && rope["partial_rotary_factor"] != 1.0)
     FORGE_FAIL("{}: \"{}partial_rotary_factor\" is {}; forge rotates the whole head", r.path(), prefix,
-               rope["partial_rotary_factor"].dump());
+               describe_json(rope["partial_rotary_factor"]));
   if (type == "default") return;
   if (type != "llama3")
     FORGE_FAIL("{}: \"{}rope_type\" is '{}'; forge supports \"default\" and \"llama3\"", r.path(), prefix, type);
@@ -112,7 +113,7 @@ void read_rope(const HfConfigReader& r, ModelConfig& m) {
                                                                             : json(m.max_seq_len);
   if (!original.is_number_integer() || original.get<int64_t>() < 1)
     FORGE_FAIL("{}: \"{}original_max_position_embeddings\" is {}, expected a positive integer", r.path(), prefix,
-               original.dump());
+               describe_json(original));
   m.rope_scaling.original_max_position = original.get<int64_t>();
 }
 
@@ -132,7 +133,7 @@ ModelConfig model_config_from_hf(const json& config, const std::string& path) {
   m.num_heads = r.positive_int("num_attention_heads");
   m.num_kv_heads = r.positive_int_or("num_key_value_heads", m.num_heads);
   const int64_t head_dim = r.positive_int_or("head_dim", m.hidden_size / m.num_heads);
-  m.head_dim = head_dim * m.num_heads == m.hidden_size ? 0 : head_dim;
+  m.head_dim = checked_mul(head_dim, m.num_heads) == m.hidden_size ? 0 : head_dim;
   m.norm_eps = r.positive_number_or(config, "rms_norm_eps", 1e-6, "");
   m.max_seq_len = r.positive_int_or("max_position_embeddings", family == "mistral" ? 4096 * 32 : 2048);
   m.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
@@ -154,7 +155,7 @@ ModelConfig read_hf_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
   if (!std::filesystem::exists(path))
     FORGE_FAIL("{}: not found (is '{}' a Hugging Face model directory?)", path, dir);
-  json config = read_json_file(path);
+  json config = read_json_file(path, "the model's config.json");
   ModelConfig m = model_config_from_hf(config, path);
   m.name = std::filesystem::path(dir).lexically_normal().filename().string();
   if (m.name.empty()) m.name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();

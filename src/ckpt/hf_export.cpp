@@ -4,7 +4,7 @@
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_layout.h"
-#include "ckpt/json_file.h"
+#include "core/json_input.h"
 #include "core/durable_directory.h"
 #include "core/log.h"
 
@@ -78,7 +78,7 @@ void write_config(const fs::path& dir, const FlatParameters& params, const HfExp
       hf_config_from_model(params.config(), options.dtype == SafetensorsDType::BF16 ? "bfloat16" : "float32");
   const fs::path source_config = fs::path(options.source_dir) / "config.json";
   if (!options.source_dir.empty() && fs::exists(source_config)) {
-    nlohmann::json source = read_json_file(source_config.string());
+    nlohmann::json source = read_json_file(source_config.string(), "the source model's config.json");
     for (const char* key : kSpecialTokenKeys)
       if (source.is_object() && source.contains(key)) config[key] = source[key];
   }

@@ -3,7 +3,7 @@
 #include <filesystem>
 #include <map>
 
-#include "ckpt/json_file.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
@@ -37,7 +37,7 @@ HfWeightFiles::HfWeightFiles(const std::string& dir) {
 }
 
 void HfWeightFiles::open_index(const std::string& dir, const std::string& index_path) {
-  nlohmann::json index = read_json_file(index_path);
+  nlohmann::json index = read_json_file(index_path, "the weight index");
   if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
     FORGE_FAIL("{}: expected an object with a \"weight_map\" object", index_path);
   std::map<std::string, std::string> tensor_to_file;
@@ -45,7 +45,7 @@ void HfWeightFiles::open_index(const std::string& dir, const std::string& index_
   for (const auto& [tensor, file] : index["weight_map"].items()) {
     if (!file.is_string() || !is_plain_file_name(file.get<std::string>()))
       FORGE_FAIL("{}: weight_map[\"{}\"] is {}, expected a file name in the same directory", index_path, tensor,
-                 file.dump());
+                 describe_json(file));
     const std::string name = file.get<std::string>();
     tensor_to_file[tensor] = name;
     if (file_slot.emplace(name, files_.size()).second) {

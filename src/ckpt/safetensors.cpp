@@ -9,6 +9,7 @@
 #include <set>
 
 #include "ckpt/half_float.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
@@ -61,10 +62,17 @@ nlohmann::json parse_header_json(std::string_view text, const std::string& path)
       duplicate = parsed.get<std::string>();
     return true;
   };
+  // NOTE [Strict safetensors parsing]: the reference reader (serde_json) takes JSON with
+  // surrounding whitespace and nothing else. nlohmann stops at a NUL byte as if the input
+  // ended there and skips a UTF-8 byte-order mark; serde_json rejects both.
+  if (const size_t nul = text.find('\0'); nul != std::string_view::npos)
+    FORGE_FAIL("{}: header holds a NUL byte at offset {} (pad a header with spaces, not NUL bytes)", path, 8 + nul);
+  if (text.starts_with("\xEF\xBB\xBF")) FORGE_FAIL("{}: header starts with a UTF-8 byte-order mark", path);
+  check_json_depth(text, path);
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(text.begin(), text.end(), on_event);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
     FORGE_FAIL("{}: header is not valid UTF-8 JSON: {}", path, e.what());
   }
   if (!duplicate.empty()) FORGE_FAIL("{}: header names '{}' more than once", path, duplicate);
@@ -133,20 +141,20 @@ void SafetensorsFile::parse_header(std::string_view text, uint64_t data_bytes) {
     const auto& dtype = value["dtype"];
     std::optional<SafetensorsDType> parsed = dtype.is_string() ? parse_safetensors_dtype(dtype.get<std::string>())
                                                                : std::nullopt;
-    if (!parsed) FORGE_FAIL("{}: tensor '{}': unknown dtype {} (expected one of {})", p, name, dtype.dump(), known_dtype_names());
+    if (!parsed) FORGE_FAIL("{}: tensor '{}': unknown dtype {} (expected one of {})", p, name, describe_json(dtype), known_dtype_names());
     e.dtype = *parsed;
     const auto& shape = value["shape"];
-    if (!shape.is_array()) FORGE_FAIL("{}: tensor '{}': shape {} is not a list", p, name, shape.dump());
+    if (!shape.is_array()) FORGE_FAIL("{}: tensor '{}': shape {} is not a list", p, name, describe_json(shape));
     for (const auto& d : shape) {
       if (!d.is_number_unsigned() || d.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
-        FORGE_FAIL("{}: tensor '{}': shape {} has a dimension that is not a non-negative integer", p, name, shape.dump());
+        FORGE_FAIL("{}: tensor '{}': shape {} has a dimension that is not a non-negative integer", p, name, describe_json(shape));
       e.shape.push_back(d.get<int64_t>());
     }
     const auto& offsets = value["data_offsets"];
     if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() ||
         !offsets[1].is_number_unsigned())
       FORGE_FAIL("{}: tensor '{}': data_offsets {} is not [begin, end] with non-negative integers", p, name,
-                 offsets.dump());
+                 describe_json(offsets));
     e.begin = offsets[0].get<uint64_t>();
     e.end = offsets[1].get<uint64_t>();
     if (e.end < e.begin) FORGE_FAIL("{}: tensor '{}': data_offsets [{}, {}] end before begin", p, name, e.begin, e.end);

@@ -9,7 +9,9 @@
 // A model file is untrusted input: the reader never reads past the file and rejects
 // anything the specification does not allow before any tensor is used. N must fit in the
 // file and stay under 100 MB (the reference implementation's limit); the header must be a
-// UTF-8 JSON object without duplicate names; every dtype must be known, every shape a list
+// UTF-8 JSON object without duplicate names, with nothing around it but JSON whitespace
+// (no NUL padding, no byte-order mark: tests/python/test_safetensors_strictness.py checks
+// forge accepts exactly what the reference reader accepts); every dtype must be known, every shape a list
 // of non-negative integers, and end - begin must equal numel × dtype size; sorted by begin,
 // the tensors must tile the data section exactly (no overlap, no gap, no trailing bytes),
 // which is also what catches a truncated file. Each error names the file, the tensor and

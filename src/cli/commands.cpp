@@ -67,7 +67,8 @@ int run_info(const std::vector<std::string>& args) {
   Invocation inv = parse_invocation(args, "info");
   if (inv.positional.empty()) FORGE_FAIL("forge info: give a model name (e.g. llama3.1-8b) or an experiment file");
   std::string experiment;
-  if (std::filesystem::is_regular_file(inv.positional)) {
+  std::error_code error;
+  if (std::filesystem::exists(inv.positional, error)) {  // load_experiment refuses what is not a regular file
     experiment = inv.positional;
   } else if (inv.positional.ends_with(".yaml") || inv.positional.ends_with(".yml")) {
     FORGE_FAIL("experiment file '{}' not found", inv.positional);

@@ -125,10 +125,11 @@ ConfigOverrides parse_overrides(const std::vector<std::string>& args) {
 ExperimentConfig load_experiment(const std::string& experiment_path, const ConfigOverrides& overrides) {
   std::vector<ConfigSetting> experiment_settings;
   if (!experiment_path.empty()) {
-    if (!std::filesystem::is_regular_file(experiment_path)) {
+    std::error_code error;
+    if (!std::filesystem::exists(experiment_path, error)) {
       FORGE_FAIL("experiment file '{}' not found", experiment_path);
     }
-    experiment_settings = read_config_file(experiment_path, "");
+    experiment_settings = read_config_file(experiment_path, "");  // says what a non-regular file is
   }
   std::vector<ConfigSetting> override_settings;
   for (const auto& override_pair : overrides) override_settings.push_back(override_setting(override_pair));

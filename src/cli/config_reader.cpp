@@ -11,6 +11,7 @@
 #include "cli/config_schema.h"
 #include "cli/config_suggest.h"
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace forge {
 namespace {
@@ -85,14 +86,17 @@ class FileWalker {
 }  // namespace
 
 std::vector<ConfigSetting> read_config_file(const std::string& path, const std::string& prefix) {
-  YAML::Node root;
+  const std::string text = read_regular_file(path, "the config file");  // NOTE [User files must be regular files]
+  std::vector<YAML::Node> documents;
   try {
-    root = YAML::LoadFile(path);
-  } catch (const YAML::BadFile&) {
-    FORGE_FAIL("cannot read config file '{}'", path);
-  } catch (const YAML::ParserException& e) {
+    documents = YAML::LoadAll(text);
+  } catch (const YAML::Exception& e) {
     FORGE_FAIL("{}:{}: invalid YAML: {}", path, e.mark.line + 1, e.msg);
   }
+  // A second document ("---") would be ignored silently: one file is one config.
+  if (documents.size() > 1)
+    FORGE_FAIL("{}: holds {} YAML documents (separated by '---'); a config file holds one", path, documents.size());
+  const YAML::Node root = documents.empty() ? YAML::Node() : documents.front();
   std::vector<ConfigSetting> settings;
   FileWalker walker(path, settings);
   if (root.IsNull()) return settings;

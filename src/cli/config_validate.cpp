@@ -4,11 +4,13 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <initializer_list>
 #include <string_view>
 
 #include <fmt/format.h>
 
 #include "cli/config_schema.h"
+#include "core/checked_math.h"
 #include "core/error.h"
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
@@ -135,11 +137,25 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
 
 void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
   TrainingConfig& training = config.training;
-  const int64_t dp = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree;
-  const int64_t samples_per_micro_step = training.local_batch_size * dp;
   auto show_key = [&](const std::string& key) { return show(config, keys, key); };
+  // Every product of these keys is checked (NOTE [Model sizes are checked before use]).
+  auto product = [&](int64_t a, int64_t b, std::initializer_list<const char*> names) {
+    if (auto p = checked_mul(a, b)) return *p;
+    std::string described;
+    for (const char* name : names) described += (described.empty() ? "" : " × ") + show_key(name);
+    FORGE_FAIL("{} overflows 64-bit integers", described);
+  };
+  const int64_t dp = product(config.parallelism.data_parallel_shard_degree,
+                             config.parallelism.data_parallel_replicate_degree,
+                             {"parallelism.data_parallel_shard_degree", "parallelism.data_parallel_replicate_degree"});
+  const int64_t samples_per_micro_step =
+      product(training.local_batch_size, dp,
+              {"training.local_batch_size", "parallelism.data_parallel_shard_degree",
+               "parallelism.data_parallel_replicate_degree"});
+  const auto all_batch_keys = {"training.local_batch_size", "training.gradient_accumulation_steps",
+                               "parallelism.data_parallel_shard_degree", "parallelism.data_parallel_replicate_degree"};
   if (training.global_batch_size > 0 && training.gradient_accumulation_steps > 0) {
-    const int64_t implied = samples_per_micro_step * training.gradient_accumulation_steps;
+    const int64_t implied = product(samples_per_micro_step, training.gradient_accumulation_steps, all_batch_keys);
     if (training.global_batch_size != implied) {
       FORGE_FAIL("{} must equal training.local_batch_size × training.gradient_accumulation_steps × "
                  "data-parallel ranks (parallelism.data_parallel_shard_degree × data_parallel_replicate_degree) = {} × {} × {} = {}",
@@ -155,7 +171,7 @@ void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
     training.gradient_accumulation_steps = training.global_batch_size / samples_per_micro_step;
   } else {
     if (training.gradient_accumulation_steps == 0) training.gradient_accumulation_steps = 1;
-    training.global_batch_size = samples_per_micro_step * training.gradient_accumulation_steps;
+    training.global_batch_size = product(samples_per_micro_step, training.gradient_accumulation_steps, all_batch_keys);
   }
 }
 

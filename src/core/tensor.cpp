@@ -3,15 +3,24 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/checked_math.h"
 #include "core/device.h"
 
 namespace forge {
 
 std::string shape_str(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+// Shapes read from files (safetensors headers, checkpoint metadata) are bounded where they
+// are read; an overflow here is a reader that forgot to, so it throws instead of wrapping.
 int64_t shape_numel(const Shape& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  const std::optional<int64_t> n = checked_numel(shape);
+  FORGE_CHECK(n.has_value(), "the element count of shape {} overflows 64-bit integers", shape_str(shape));
+  return *n;
+}
+
+std::optional<int64_t> checked_numel(const Shape& shape) {
+  std::optional<int64_t> n = 1;
+  for (int64_t d : shape) n = n ? checked_mul(*n, d) : std::nullopt;
   return n;
 }
 

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +23,8 @@ using Shape = std::vector<int64_t>;
 
 std::string shape_str(const Shape& shape);
 int64_t shape_numel(const Shape& shape);
+// The element count, or nothing when it overflows int64_t.
+std::optional<int64_t> checked_numel(const Shape& shape);
 
 class Tensor {
  public:

@@ -50,7 +50,15 @@ std::vector<BlendComponent> parse_blend(const std::string& blend) {
   if (components.size() > std::numeric_limits<uint16_t>::max())
     FORGE_FAIL("data.blend has {} datasets: at most {} are supported", components.size(),
                std::numeric_limits<uint16_t>::max());
-  for (auto& component : components) component.weight /= total;
+  if (!std::isfinite(total))
+    FORGE_FAIL("data.blend '{}': the weights add up to more than the largest number (they overflow); scale them down",
+               blend);
+  for (size_t i = 0; i < components.size(); ++i) {
+    components[i].weight /= total;
+    if (!(components[i].weight > 0))
+      FORGE_FAIL("data.blend: weight {} ('{}' for '{}') is too small next to the others' total {} to ever be drawn",
+                 i + 1, words[2 * i], components[i].prefix, total);
+  }
   return components;
 }
 

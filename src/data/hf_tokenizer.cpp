@@ -1,9 +1,9 @@
 #include "data/hf_tokenizer.h"
 
 #include <filesystem>
-#include <fstream>
 
 #include "core/error.h"
+#include "core/json_input.h"
 
 namespace forge {
 namespace {
@@ -45,6 +45,17 @@ std::optional<std::string> config_token(const nlohmann::json& config, const char
   return std::nullopt;
 }
 
+constexpr int64_t kMaxUnusedIds = int64_t{1} << 20;
+
+// Where the id came from, for the message: "model.vocab" or "added_tokens".
+std::string max_id_owner(const nlohmann::json& config, int32_t max_id) {
+  const auto& list = member_or_null(config, "added_tokens");
+  if (list.is_array())
+    for (const auto& token : list)
+      if (token.is_object() && token.contains("id") && token["id"] == max_id) return "added_tokens";
+  return "model.vocab";
+}
+
 }  // namespace
 
 HfTokenizer::HfTokenizer(const nlohmann::json& config, const std::string& file) {
@@ -63,7 +74,17 @@ HfTokenizer::HfTokenizer(const nlohmann::json& config, const std::string& file) 
   for (const auto& [token, id] : model_->vocab()) max_id = std::max(max_id, id);
   read_added_tokens(config, reader);
   for (const auto& token : added_tokens_) max_id = std::max(max_id, token.id);
-  id_to_token_.assign(max_id + 1, std::string());
+  // NOTE [Token ids are checked against the vocabulary]
+  // The id → token table is indexed by id, so its size is the largest id, not the number
+  // of tokens: one id near 2^31 in a ten-token file would allocate tens of GB. Real
+  // tokenizers number their tokens densely (added tokens continue the model's ids), so
+  // forge refuses ids more than kMaxUnusedIds past the number of tokens the file defines.
+  const int64_t defined = static_cast<int64_t>(model_->vocab().size() + added_tokens_.size());
+  if (max_id >= defined + kMaxUnusedIds)
+    reader.fail(max_id_owner(config, max_id),
+                fmt::format("token id {} is far beyond the {} tokens the file defines (ids must stay below {})", max_id,
+                            defined, defined + kMaxUnusedIds));
+  id_to_token_.assign(static_cast<size_t>(max_id) + 1, std::string());
   id_known_.assign(max_id + 1, false);
   for (const auto& [token, id] : model_->vocab()) id_to_token_[id] = token, id_known_[id] = true;
   for (const auto& token : added_tokens_) id_to_token_[token.id] = token.matched_content, id_known_[token.id] = true;
@@ -110,10 +131,9 @@ void HfTokenizer::find_bos_eos(const nlohmann::json& config, const TokenizerJson
 
   const auto config_path = std::filesystem::path(file).parent_path() / "tokenizer_config.json";
   if ((!bos || !eos) && std::filesystem::is_regular_file(config_path)) {
-    std::ifstream in(config_path);
-    nlohmann::json tokenizer_config = nlohmann::json::parse(in, nullptr, false);
-    if (tokenizer_config.is_discarded() || !tokenizer_config.is_object())
-      FORGE_FAIL("{}: not a valid JSON object", config_path.string());
+    const nlohmann::json tokenizer_config = read_json_file(config_path.string(), "tokenizer_config.json");
+    if (!tokenizer_config.is_object())
+      FORGE_FAIL("{}: expected a JSON object, got {}", config_path.string(), describe_json(tokenizer_config));
     if (!bos) bos = config_token(tokenizer_config, "bos_token");
     if (!eos) eos = config_token(tokenizer_config, "eos_token");
   }

@@ -4,6 +4,7 @@
 #include "data/input_stream.h"
 
 #include <zlib.h>
+#include <unistd.h>
 #include <zstd.h>
 
 #include <cerrno>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace forge {
 
@@ -149,8 +151,13 @@ std::string without_compression_suffix(const std::string& path) {
 }
 
 InputStream::InputStream(std::string path) : path_(std::move(path)) {
-  file_ = std::fopen(path_.c_str(), "rb");
-  if (!file_) FORGE_FAIL("{}: cannot open for reading: {}", path_, std::strerror(errno));
+  const int fd = open_regular_file(path_, "the input file");  // NOTE [User files must be regular files]
+  file_ = ::fdopen(fd, "rb");
+  if (!file_) {
+    const int error = errno;
+    ::close(fd);
+    FORGE_FAIL("{}: cannot open for reading: {}", path_, std::strerror(error));
+  }
   switch (compression_of(path_)) {
     case Compression::Gzip: decoder_ = std::make_unique<GzipDecoder>(*this); break;
     case Compression::Zstd: decoder_ = std::make_unique<ZstdDecoder>(*this); break;

@@ -9,12 +9,12 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace forge {
 
 MappedFile::MappedFile(std::string path) : path_(std::move(path)) {
-  int fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) FORGE_FAIL("{}: cannot open: {}", path_, std::strerror(errno));
+  const int fd = open_regular_file(path_, "the file");  // NOTE [User files must be regular files]
   struct stat st {};
   if (::fstat(fd, &st) != 0) {
     int err = errno;

@@ -6,12 +6,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <fstream>
-#include <iterator>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/input_file.h"
 
 namespace forge {
 namespace {
@@ -138,9 +138,7 @@ bool looks_like_tiktoken_bpe(const std::string& file) {
 }
 
 std::vector<std::string> read_tiktoken_bpe(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
-  const std::string content((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string content = read_regular_file(file, "the tokenizer file");
   const auto line_count = static_cast<int64_t>(std::count(content.begin(), content.end(), '\n')) + 1;
 
   std::vector<std::string> bytes_of_rank;

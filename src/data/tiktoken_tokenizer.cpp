@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string_view>
 #include <tuple>
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/json_input.h"
 #include "data/byte_level.h"
 #include "data/tiktoken_bpe_file.h"
 
@@ -48,9 +48,14 @@ std::vector<std::string> llama31_special_tokens() {
 bool beside_llama31_params(const std::string& file) {
   const auto params_path = std::filesystem::path(file).parent_path() / "params.json";
   if (!std::filesystem::is_regular_file(params_path)) return false;
-  std::ifstream in(params_path);
-  const nlohmann::json params = nlohmann::json::parse(in, nullptr, false);
-  if (params.is_discarded() || !params.is_object())
+  nlohmann::json params;
+  try {
+    params = read_json_file(params_path.string(), "params.json");
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: not a JSON object (forge reads its use_scaled_rope to name the special tokens of {}): {}",
+               params_path.string(), file, e.what());
+  }
+  if (!params.is_object())
     FORGE_FAIL("{}: not a JSON object (forge reads its use_scaled_rope to name the special tokens of {})",
                params_path.string(), file);
   const auto scaled_rope = params.find("use_scaled_rope");

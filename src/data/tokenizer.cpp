@@ -7,9 +7,10 @@
 #include <atomic>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/input_file.h"
+#include "core/json_input.h"
 #include "core/parallel.h"
 #include "data/hf_tokenizer.h"
 #include "data/sentencepiece_tokenizer.h"
@@ -25,6 +26,7 @@ enum class TokenizerFormat { HuggingFaceJson, SentencePieceModel, TiktokenBpe };
 // first field is the repeated `pieces` (tag byte 0x0A), or a tiktoken BPE file (text
 // lines '<base64> <rank>', as Meta ships Llama 3's).
 TokenizerFormat detect_format(const std::string& file) {
+  require_regular_file(file, "the tokenizer file");
   std::ifstream in(file, std::ios::binary);
   if (!in) FORGE_FAIL("{}: cannot open the tokenizer file", file);
   char first_byte = 0, first = 0;
@@ -44,14 +46,7 @@ TokenizerFormat detect_format(const std::string& file) {
 }
 
 std::unique_ptr<Tokenizer> load_json(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  nlohmann::json config;
-  try {
-    config = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    FORGE_FAIL("{}: not valid JSON: {}", file, e.what());
-  }
-  return std::make_unique<HfTokenizer>(config, file);
+  return std::make_unique<HfTokenizer>(read_json_file(file, "the tokenizer file"), file);
 }
 
 }  // namespace

@@ -4,6 +4,14 @@
 
 namespace forge {
 
+void check_pipeline_growth(const std::string& file, std::string_view pipeline, size_t input_bytes, size_t bytes) {
+  const size_t bound = 16 * input_bytes + (size_t{1} << 20);
+  if (bytes > bound)
+    FORGE_FAIL("{}: the {} grew a text of {} bytes to {} bytes (more than 16 times plus 1 MiB): its steps feed on "
+               "each other's output",
+               file, pipeline, input_bytes, bytes);
+}
+
 void TokenizerJsonReader::fail(std::string_view where, std::string_view what) const {
   FORGE_FAIL("{}: {}: {}", file_, where, what);
 }

@@ -9,6 +9,23 @@
 
 namespace forge {
 
+// NOTE [Bounded tokenizer pipelines]
+// A normalizer or pre-tokenizer is a list of steps, possibly nested in Sequences. Real
+// files have a handful; a crafted one can have thousands, nest Sequences deeply, or make
+// each step multiply the text (a Replace whose pattern matches the empty string inserts
+// its content between every two characters; one whose content contains its pattern, or a
+// repeated ByteLevel, grows it again at every step), which takes time and memory
+// exponential in the number of steps. So a file may nest Sequences at most
+// kMaxSequenceDepth deep and hold at most kMaxPipelineSteps steps per pipeline, a Replace
+// that matches the empty string is refused when the file is loaded, and a text that a
+// pipeline grows past check_pipeline_growth's bound is refused while encoding.
+inline constexpr int kMaxSequenceDepth = 16;
+inline constexpr size_t kMaxPipelineSteps = 64;
+
+// Throws forge::Error "<file>: <pipeline> grew a text of N bytes to M bytes ..." when
+// `bytes` exceeds 16 times the input plus 1 MiB.
+void check_pipeline_growth(const std::string& file, std::string_view pipeline, size_t input_bytes, size_t bytes);
+
 class TokenizerJsonReader {
  public:
   explicit TokenizerJsonReader(std::string file) : file_(std::move(file)) {}

@@ -29,7 +29,8 @@ class Normalizer {
     std::unique_ptr<TokenizerPattern> pattern;   // a Replace step otherwise
     std::string content;                         // Replace's replacement
   };
-  void add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where);
+  void add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where, int depth);
+  std::string file_;  // tokenizer.json, for errors while normalizing
   std::vector<Step> steps_;
 };
 

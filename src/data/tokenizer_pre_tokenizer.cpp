@@ -40,17 +40,23 @@ std::string replace_spaces(std::string_view text, std::string_view replacement) 
 
 }  // namespace
 
-PreTokenizer::PreTokenizer(const nlohmann::json& config, const TokenizerJsonReader& reader) {
-  if (!config.is_null()) add(config, reader, "pre_tokenizer");
+PreTokenizer::PreTokenizer(const nlohmann::json& config, const TokenizerJsonReader& reader) : file_(reader.file()) {
+  if (!config.is_null()) add(config, reader, "pre_tokenizer", 0);
 }
 
-void PreTokenizer::add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where) {
+// NOTE [Bounded tokenizer pipelines] in tokenizer_json_reader.h.
+void PreTokenizer::add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where,
+                       int depth) {
   const std::string type = reader.type(config, where);
+  if (type != "Sequence" && steps_.size() >= kMaxPipelineSteps)
+    reader.fail(where, fmt::format("more than {} pre-tokenizer steps", kMaxPipelineSteps));
   Step step;
   if (type == "Sequence") {
+    if (depth >= kMaxSequenceDepth) reader.fail(where, fmt::format("Sequences nested more than {} deep", kMaxSequenceDepth));
     auto it = config.find("pretokenizers");
     if (it == config.end() || !it->is_array()) reader.fail(where, "a Sequence needs a 'pretokenizers' list");
-    for (size_t i = 0; i < it->size(); ++i) add((*it)[i], reader, fmt::format("{}.pretokenizers[{}]", where, i));
+    for (size_t i = 0; i < it->size(); ++i)
+      add((*it)[i], reader, fmt::format("{}.pretokenizers[{}]", where, i), depth + 1);
     return;
   } else if (type == "Split") {
     step.kind = Kind::Split;
@@ -126,7 +132,16 @@ void PreTokenizer::apply(const Step& step, std::vector<PreToken>& pieces) {
 }
 
 void PreTokenizer::pre_tokenize(std::vector<PreToken>& pieces) const {
-  for (const auto& step : steps_) apply(step, pieces);
+  auto bytes = [&] {
+    size_t total = 0;
+    for (const PreToken& piece : pieces) total += piece.text.size();
+    return total;
+  };
+  const size_t input_bytes = bytes();
+  for (const auto& step : steps_) {
+    apply(step, pieces);
+    check_pipeline_growth(file_, "pre-tokenizer", input_bytes, bytes());
+  }
 }
 
 }  // namespace forge

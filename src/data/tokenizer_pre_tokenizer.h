@@ -45,7 +45,8 @@ class PreTokenizer {
     PrependScheme prepend_scheme = PrependScheme::Always;
     bool split = true;
   };
-  void add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where);
+  void add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where, int depth);
+  std::string file_;  // tokenizer.json, for errors while pre-tokenizing
   static void apply(const Step& step, std::vector<PreToken>& pieces);
 
   std::vector<Step> steps_;

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/checked_math.h"
 #include "core/tensor.h"
 #include "model/activations.h"
 #include "model/parameters.h"
@@ -36,7 +37,7 @@ namespace forge {
 struct StepShape {
   int64_t micro_batch = 0, seq_len = 0;
   DType dtype = DType::F32;
-  int64_t tokens() const { return micro_batch * seq_len; }
+  int64_t tokens() const { return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len"); }
 };
 
 class BlockComponent {

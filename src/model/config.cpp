@@ -1,19 +1,54 @@
 // ModelConfig's parameter and FLOP accounting; see config.h.
 #include "model/config.h"
 
-namespace forge {
+#include "core/checked_math.h"
 
+namespace forge {
+namespace {
+
+// Partial sums and products stay in optional: one overflow anywhere empties the result.
+std::optional<int64_t> add(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a && b ? checked_add(*a, *b) : std::nullopt;
+}
+std::optional<int64_t> mul(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a && b ? checked_mul(*a, *b) : std::nullopt;
+}
+
+}  // namespace
+
+std::optional<int64_t> ModelConfig::checked_params_per_layer() const {
+  const int64_t h = hidden_size;
+  const auto q = mul(num_heads, resolved_head_dim());
+  const auto kv = mul(num_kv_heads, resolved_head_dim());
+  const auto attention = add(mul(h, add(q, mul(2, kv))), mul(q, h));
+  const auto mlp = mul(mul(3, h), ffn_hidden_size);
+  return add(add(attention, mlp), mul(2, h));
+}
+
+std::optional<int64_t> ModelConfig::checked_total_params() const {
+  const auto embedding = mul(vocab_size, hidden_size);
+  const auto output = tie_word_embeddings ? std::optional<int64_t>(0) : embedding;
+  return add(add(add(embedding, mul(num_layers, checked_params_per_layer())), hidden_size), output);
+}
+
+// validate() refuses a config whose count overflows or exceeds kMaxParams, so after it
+// these never fail; a config that skipped validation fails here instead of wrapping.
 int64_t ModelConfig::params_per_layer() const {
-  int64_t h = hidden_size;
-  int64_t attention = h * (q_size() + 2 * kv_size()) + q_size() * h;
-  int64_t mlp = 3 * h * ffn_hidden_size;
-  int64_t norms = 2 * h;
-  return attention + mlp + norms;
+  const auto n = checked_params_per_layer();
+  FORGE_CHECK(n.has_value(), "the parameter count of one layer overflows 64-bit integers (unvalidated model config)");
+  return *n;
 }
 
 int64_t ModelConfig::total_params() const {
-  int64_t output = tie_word_embeddings ? 0 : vocab_size * hidden_size;
-  return embedding_params() + num_layers * params_per_layer() + hidden_size + output;
+  const auto n = checked_total_params();
+  FORGE_CHECK(n.has_value(), "the parameter count overflows 64-bit integers (unvalidated model config)");
+  return *n;
+}
+
+int64_t ModelConfig::embedding_params() const {
+  const auto n = checked_mul(vocab_size, hidden_size);
+  FORGE_CHECK(n.has_value(), "the embedding's size overflows 64-bit integers (unvalidated model config)");
+  return *n;
 }
 
 double ModelConfig::flops_per_token(int64_t seq_len) const {

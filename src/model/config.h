@@ -4,12 +4,18 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "core/config_check.h"
 #include "ops/rope.h"
 
 namespace forge {
+
+// The most parameters a model may have: about 1000 times the largest models trained today,
+// and small enough that every byte count derived from it (16 bytes a parameter for
+// weights, gradients and AdamW state) fits in int64_t with room to spare.
+inline constexpr int64_t kMaxParams = int64_t{1} << 50;
 
 struct ModelConfig {
   std::string name = "custom";
@@ -37,10 +43,14 @@ struct ModelConfig {
   // The rules are in model/config_rules.cpp.
   void validate(const KeyDescriber& keys = {}) const;
 
-  // Parameter counts.
+  // Parameter counts. validate() guarantees they fit (at most kMaxParams); on a config
+  // that was not validated they throw instead of overflowing. The checked_ forms give
+  // nothing when a product or sum overflows int64_t.
   int64_t params_per_layer() const;
-  int64_t embedding_params() const { return vocab_size * hidden_size; }
+  int64_t embedding_params() const;
   int64_t total_params() const;
+  std::optional<int64_t> checked_params_per_layer() const;
+  std::optional<int64_t> checked_total_params() const;
 
   // Model FLOPs per token for a training step (forward + backward) at sequence length
   // seq_len, as ../shared/PERF.md defines it:

@@ -47,6 +47,21 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
     FORGE_FAIL("{} must be greater than {} when model.rope_scaling.enabled is true",
                keys.describe("model.rope_scaling.high_freq_factor", rope_scaling.high_freq_factor),
                keys.describe("model.rope_scaling.low_freq_factor", rope_scaling.low_freq_factor));
+
+  // NOTE [Model sizes are checked before use]
+  // Every size forge derives from the architecture (parameter counts, memory estimates,
+  // buffer lengths) is a product of these keys. Each is bounded alone above, and the total
+  // parameter count, computed with overflow checks, must stay under kMaxParams: past this
+  // point those products fit in int64_t and the memory check sees a real number.
+  const std::optional<int64_t> params = checked_total_params();
+  if (!params || *params > kMaxParams)
+    FORGE_FAIL("{}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
+               keys.describe("model.vocab_size", vocab_size), keys.describe("model.hidden_size", hidden_size),
+               keys.describe("model.num_layers", num_layers), keys.describe("model.num_heads", num_heads),
+               keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.head_dim", head_dim),
+               keys.describe("model.ffn_hidden_size", ffn_hidden_size),
+               params ? fmt::format("{} parameters", *params) : "a parameter count that overflows 64-bit integers",
+               kMaxParams);
 }
 
 }  // namespace forge

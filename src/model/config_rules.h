@@ -8,9 +8,11 @@
 
 namespace forge::model_bounds {
 
-inline constexpr ValueRange vocab_size = at_least(1);
+inline constexpr ValueRange vocab_size = {1, 2147483647};  // token ids are int32
 inline constexpr ValueRange hidden_size = at_least(1);
-inline constexpr ValueRange num_layers = at_least(1);
+// Per-layer bookkeeping (the activation plan) is built before the memory check can refuse
+// a config: the bound keeps it small. The deepest models today have about 130 layers.
+inline constexpr ValueRange num_layers = {1, 65536};
 inline constexpr ValueRange num_heads = at_least(1);
 inline constexpr ValueRange num_kv_heads = at_least(1);
 inline constexpr ValueRange head_dim = at_least(0);  // 0: hidden_size / num_heads

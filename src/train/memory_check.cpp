@@ -2,8 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "core/device.h"
 #include "core/error.h"
+#include "core/host_memory.h"
+#include "distributed/launch_env.h"
 
 namespace forge {
 
@@ -23,9 +27,35 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   return plan;
 }
 
+namespace {
+
+// NOTE [The memory check on the CPU]
+// The CPU reference path allocates the same weights, gradients, AdamW state and activation
+// arena from host memory, so an absurd training.seq_len or local_batch_size would otherwise
+// go on to allocate (and swap, or be killed) instead of failing. The check runs before the
+// first allocation as on CUDA, against what the host has available (its cgroup limit
+// included), counting every rank this node starts: they share the host's memory.
+void check_host_memory_fits(const ExperimentConfig& config, const MemoryPlan& plan) {
+  const MemoryEstimate need = estimate_memory(config.model, plan);
+  const int ranks_here = std::max(read_launch_env().local_world_size, 1);
+  const HostMemoryInfo host = host_memory_info();
+  const double needed = need.total() * ranks_here;
+  if (needed <= static_cast<double>(host.available)) return;
+  const double gib = 1024.0 * 1024.0 * 1024.0;
+  throw OutOfMemoryError(fmt::format(
+      "{} (micro-batch {}, seq {}, activation_checkpoint.mode {}) does not fit in host memory on the CPU path: it "
+      "needs an estimated {}{}, and {:.2f} GiB of {:.2f} GiB are available. Try a smaller training.seq_len or "
+      "training.local_batch_size, activation_checkpoint.mode full, or a smaller model",
+      config.model.name, plan.micro_batch, plan.seq_len, activation_checkpoint_name(plan.checkpoint),
+      describe(need, false), ranks_here > 1 ? fmt::format(" per rank × {} ranks on this node", ranks_here) : "",
+      static_cast<double>(host.available) / gib, static_cast<double>(host.total) / gib));
+}
+
+}  // namespace
+
 void check_memory_fits(const ExperimentConfig& config) {
   const MemoryPlan plan = memory_plan_of(config);
-  if (!plan.cuda) return;
+  if (!plan.cuda) return check_host_memory_fits(config, plan);
   const MemoryEstimate need = estimate_memory(config.model, plan);
   const DeviceMemoryInfo gpu = device_memory_info();
   if (need.total() + kReserveBytes <= static_cast<double>(gpu.free)) return;

@@ -11,7 +11,8 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config);
 
 // On CUDA: throws OutOfMemoryError naming the estimate, the GPU's free memory and the
 // settings that would shrink the need, when the estimate plus kReserveBytes exceeds free
-// memory. Nothing to check on the CPU.
+// memory. On the CPU the same against the host's available memory (NOTE [The memory
+// check on the CPU] in memory_check.cpp).
 void check_memory_fits(const ExperimentConfig& config);
 
 }  // namespace forge

@@ -3,6 +3,7 @@
 #include <chrono>
 #include <ctime>
 #include <filesystem>
+#include <string_view>
 
 #include "core/error.h"
 
@@ -14,12 +15,21 @@ std::string expand_run_dir(const std::string& pattern, const std::string& model_
   gmtime_r(&now, &utc);
   char stamp[32];
   std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &utc);
-  std::string out = pattern;
-  auto replace_all = [&](const std::string& key, const std::string& value) {
-    for (size_t pos; (pos = out.find(key)) != std::string::npos;) out.replace(pos, key.size(), value);
-  };
-  replace_all("{model}", model_name);
-  replace_all("{time}", stamp);
+  // One pass over the pattern: a value is copied, never searched again, so a model named
+  // "{model}" or "x-{time}" expands once (searching the growing result looped forever).
+  std::string out;
+  for (size_t pos = 0; pos < pattern.size();) {
+    const std::string_view rest = std::string_view(pattern).substr(pos);
+    if (rest.starts_with("{model}")) {
+      out += model_name;
+      pos += 7;
+    } else if (rest.starts_with("{time}")) {
+      out += stamp;
+      pos += 6;
+    } else {
+      out += pattern[pos++];
+    }
+  }
   return out;
 }
 
