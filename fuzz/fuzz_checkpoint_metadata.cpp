@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   static const bool made = std::filesystem::create_directories(forge::fuzz::temp_dir() + "/step-1");

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "data/document_reader.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 namespace {
 constexpr const char* kNames[] = {"corpus.jsonl", "corpus.txt",     "corpus.jsonl.gz", "corpus.jsonl.zst",

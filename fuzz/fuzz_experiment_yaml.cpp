@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "cli/config.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto [yaml, arguments] = forge::fuzz::split_at_nul(forge::fuzz::as_view(data, size));

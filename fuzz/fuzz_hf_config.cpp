@@ -1,7 +1,7 @@
 // A Hugging Face config.json (ckpt/hf_config.h): read_hf_config turns it into a
 // ModelConfig, which is then written back as a config.json.
 #include "ckpt/hf_config.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   forge::fuzz::write_temp_file("config.json", forge::fuzz::as_view(data, size));

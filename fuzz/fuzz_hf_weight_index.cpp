@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "ckpt/hf_weight_files.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "data/indexed_dataset.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view input = forge::fuzz::as_view(data, size);

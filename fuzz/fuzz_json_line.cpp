@@ -3,7 +3,7 @@
 #include <string>
 
 #include "data/json_line.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string text;

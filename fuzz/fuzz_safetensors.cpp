@@ -3,7 +3,7 @@
 #include <vector>
 
 #include "ckpt/safetensors.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string path = forge::fuzz::write_temp_file("model.safetensors", forge::fuzz::as_view(data, size));

@@ -12,8 +12,9 @@
 # The static archives are not instrumented: the fuzzer sees coverage of forge's own code.
 # FORGE_FUZZ_OPT is -O0 by default: CI builds and fuzzes within minutes on two cores,
 # and -O1 compiles 1.7 times longer for roughly twice the executions per second.
-# forge_lib is built here from the parsers' layers only (FORGE_FUZZ_SOURCES): compiling
-# all of it instrumented takes CI's two cores too long. A parser that comes to need a
+# forge_lib is built here from the parsers' layers only (FORGE_FUZZ_SOURCES; the CPU ops
+# come with the model's parameter layout, which checkpoints are checked against):
+# compiling all of it instrumented takes CI's two cores too long. A parser that comes to need a
 # file of another layer fails to link here, and that file is added below.
 if(FORGE_CUDA)
   message(FATAL_ERROR "FORGE_FUZZ builds the CPU library only: configure it without FORGE_CUDA")
@@ -34,7 +35,7 @@ foreach(archive yaml-cpp pcre2-8 zstd z)
 endforeach()
 
 set(FORGE_FUZZ_SOURCES)
-foreach(layer core model data ckpt)
+foreach(layer core ops kernels/cpu model data ckpt)
   file(GLOB layer_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/src/${layer}/*.cpp)
   list(APPEND FORGE_FUZZ_SOURCES ${layer_sources})
 endforeach()
@@ -44,6 +45,6 @@ foreach(source data_loader dataset_prep generated_datasets make_dataset markov_s
 endforeach()
 file(GLOB config_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_SOURCE_DIR}/src/cli/config_*.cpp)
 list(APPEND FORGE_FUZZ_SOURCES ${config_sources})
-foreach(source distributed/launch_env distributed/slurm_lists ops/linear optim/config_rules)
+foreach(source distributed/launch_env distributed/slurm_lists optim/config_rules)
   list(APPEND FORGE_FUZZ_SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/src/${source}.cpp)
 endforeach()

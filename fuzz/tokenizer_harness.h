@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "data/tokenizer.h"
-#include "fuzz_support.h"
+#include "harness_support.h"
 
 namespace forge::fuzz {
 
