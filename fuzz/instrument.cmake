@@ -26,7 +26,7 @@ set(FORGE_BUILD_TESTS OFF CACHE BOOL "Build the tests" FORCE)
 set(FORGE_FUZZ_OPT -O0 CACHE STRING "Optimization flag of the fuzz build")
 set(FORGE_FUZZ_FLAGS -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer -g ${FORGE_FUZZ_OPT})
 add_compile_options(-fsanitize=fuzzer-no-link ${FORGE_FUZZ_FLAGS})
-add_link_options(${FORGE_FUZZ_FLAGS} -static-libstdc++ -static-libgcc LINKER:-rpath,$ORIGIN)
+add_link_options(${FORGE_FUZZ_FLAGS} -static-libstdc++ -static-libgcc)
 
 set(FORGE_FUZZ_LIBRARIES fmt::fmt)
 foreach(archive yaml-cpp pcre2-8 zstd z)
