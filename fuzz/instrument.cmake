@@ -11,7 +11,7 @@
 # scripts/fuzz --package copies it beside the binaries, which look there first ($ORIGIN).
 # The static archives are not instrumented: the fuzzer sees coverage of forge's own code.
 # FORGE_FUZZ_OPT is -O0 by default: CI builds and fuzzes within minutes on two cores,
-# and -O1 compiles 1.7 times longer for roughly twice the executions per second.
+# and -O1 compiles 1.7 times longer (faster harnesses for long campaigns; not measured yet).
 # forge_lib is built here from the parsers' layers only (FORGE_FUZZ_SOURCES; the CPU ops
 # come with the model's parameter layout, which checkpoints are checked against):
 # compiling all of it instrumented takes CI's two cores too long. A parser that comes to need a
