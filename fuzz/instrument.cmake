@@ -7,15 +7,16 @@
 # prebuilt binaries), so they link everything they can statically: the sanitizer and
 # libFuzzer runtimes (clang's default), libstdc++ and libgcc, and the .a archives of
 # yaml-cpp, PCRE2, zlib and zstd. Debian ships no libfmt.a, and fmt header-only makes
-# every file compile 40% longer, so libfmt.so.9 is the one shared library besides glibc:
+# every file compile 40% longer, so libfmt.so.9 is the one shared library besides glibc
+# (it needs libstdc++.so.6 and libgcc_s.so.1 itself: every machine with g++ has them):
 # scripts/fuzz --package copies it beside the binaries, which look there first ($ORIGIN).
 # The static archives are not instrumented: the fuzzer sees coverage of forge's own code.
 # FORGE_FUZZ_OPT is -O0 by default: CI builds and fuzzes within minutes on two cores,
 # and -O1 compiles 1.7 times longer (faster harnesses for long campaigns; not measured yet).
 # forge_lib is built here from the parsers' layers only (FORGE_FUZZ_SOURCES; the CPU ops
 # come with the model's parameter layout, which checkpoints are checked against):
-# compiling all of it instrumented takes CI's two cores too long. A parser that comes to need a
-# file of another layer fails to link here, and that file is added below.
+# compiling all of it instrumented takes CI's two cores too long. A parser that comes to
+# need a file of another layer fails to link here, and that file is added below.
 if(FORGE_CUDA)
   message(FATAL_ERROR "FORGE_FUZZ builds the CPU library only: configure it without FORGE_CUDA")
 endif()
