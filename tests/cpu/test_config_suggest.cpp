@@ -1,6 +1,8 @@
 // Edit distance and did-you-mean suggestions.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "cli/config_suggest.h"
 
 namespace forge {
@@ -18,6 +20,15 @@ TEST(ConfigSuggest, SuggestsOnlyCloseCandidates) {
   EXPECT_EQ(closest_match("mok", {"synthetic", "mock", "indexed"}), "mock");
   EXPECT_EQ(closest_match("llama3.1-7b", {"llama2-7b", "llama3.1-8b"}), "llama3.1-8b");
   EXPECT_EQ(closest_match("completely-different", {"mock"}), std::nullopt);
+}
+
+TEST(ConfigSuggest, AHugeUnknownWordIsNotComparedCellByCell) {
+  // Compared in full, each candidate would need a 4M x 10 table of distances (320 MB) and
+  // 40M steps; a candidate that short can never be within the threshold of 1M.
+  const std::string huge(4'000'000, 'k');
+  EXPECT_EQ(closest_match(huge, {"mock", "synthetic", "indexed"}), std::nullopt);
+  EXPECT_EQ(suggest_config_key(huge), std::nullopt);
+  EXPECT_EQ(suggest_config_key("training." + huge), std::nullopt);
 }
 
 TEST(ConfigSuggest, SuggestsConfigKeysByFullNameThenByLastComponent) {
