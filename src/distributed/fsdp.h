@@ -132,6 +132,8 @@ class Fsdp final : public ParamSource, public GradSink {
   double global_grad_sum_of_squares();
   // `value` summed over every data-parallel rank (shard and replicate groups).
   double sum_over_ranks(double value);
+  // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
+  int64_t count_over_ranks(int64_t count);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);
@@ -255,6 +257,8 @@ class Fsdp final : public ParamSource, public GradSink {
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;
+  static constexpr int kCountDigits = 3;  // count_over_ranks
+  Tensor count_scratch_;
   // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.
   void begin_exposed();
   void end_exposed();
