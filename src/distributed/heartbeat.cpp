@@ -377,6 +377,13 @@ Heartbeat::~Heartbeat() {
     if (std::uncaught_exceptions() == 0) {
       const std::vector<uint8_t> bye = frame(Type::Bye, 0);
       for (State::Peer& p : s.peers) s.send_to(p, bye);
+    } else {
+      // An error ends this rank; the process prints it once the stack has unwound.
+      const std::string why = "it is exiting on an error (its log says which)";
+      const std::vector<uint8_t> last =
+          s.rank == 0 ? frame(Type::Verdict, 0, fmt::format("rank 0 failed {}: {}", step_text(g_step.load()), why))
+                      : frame(Type::Fail, s.rank, why);
+      for (State::Peer& p : s.peers) s.send_to(p, last);
     }
   }
   const char byte = 1;

@@ -20,7 +20,9 @@
 // collectives: flight_recorder.h), runs `before_exit` (NCCL: abort the communicators)
 // and exits: 1 when it is the rank at fault or the fault is not one rank's,
 // kExitPeerFailed (core/exit_status.h) when another rank is named. A rank leaving on
-// purpose (its Heartbeat destroyed other than by an exception) says goodbye first.
+// purpose (its Heartbeat destroyed other than by an exception) says goodbye first; one
+// whose Heartbeat is destroyed by an exception says it is exiting on an error (its own
+// log then prints which), and the others stop naming it.
 #pragma once
 
 #include <chrono>

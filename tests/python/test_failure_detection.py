@@ -1,6 +1,7 @@
 """Failure detection and restarts across real processes on the CPU (forge launch, the CPU
 process group, NOTE [Failure detection]): a rank SIGKILLed mid-step in a 4-rank job makes
-every rank exit within 30 s naming it and its step; a rank stuck outside any collective is
+every rank exit within 30 s naming it and its step, a stopped one (SIGSTOP) after
+parallelism.heartbeat_timeout_s; a rank stuck outside any collective is
 reported with the collective the others wait in, its sequence number and every rank's
 flight record; with --max-restarts 1 the killed job finishes and its losses are bitwise
 those of the uninterrupted run; and each rank reading only its own micro-batches keeps
@@ -133,6 +134,26 @@ class FailureDetection(unittest.TestCase):
                                        r"in step 5")
         # No rank was left to the launcher's SIGTERM: each noticed on its own.
         self.assertNotIn("stopping them (SIGTERM", text)
+
+    def test_a_stopped_rank_is_named_after_the_heartbeat_timeout(self):
+        run_dir = os.path.join(self.tmp, "stopped")
+        job = Job(["--grace-period", "1"], train_args(run_dir, STEPS, RANKS, 1, "--parallelism.heartbeat_timeout_s", "4"),
+                  FORGE_DEBUG_HANG_AT="2:4")
+        pid = int(job.wait_for(r"^\[rank 2\] .*FORGE_DEBUG_HANG_AT: rank 2 \(pid (\d+)\)").group(1))
+        os.kill(pid, signal.SIGSTOP)  # its heartbeat thread stops too
+        try:
+            code, text = job.finish()
+        finally:
+            try:
+                os.kill(pid, signal.SIGKILL)  # the launcher has; never leave a stopped process behind
+            except ProcessLookupError:
+                pass
+        self.assertNotEqual(code, 0)
+        for rank in (0, 1, 3):
+            stops = [line for line in rank_lines(text, rank) if f"rank {rank} of 4 stops" in line]
+            self.assertTrue(stops, text[-3000:])
+            self.assertRegex(stops[0], r"rank 2 \(\S+\) sent no heartbeat for 4 s \(parallelism.heartbeat_timeout_s\), "
+                                       r"last in step 4")
 
     def test_a_hung_rank_is_reported_with_the_collective_and_its_sequence_number(self):
         run_dir = os.path.join(self.tmp, "hung")
