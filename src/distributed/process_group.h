@@ -45,6 +45,11 @@
 // ncclCommDestroy wait until every peer rank has ended its communicator as well, so both
 // run on a helper thread that is waited for a bounded time (abort 10 s, destroy
 // `collective_timeout`) and then left behind. No wait of a rank on its peers is unbounded.
+// Every collective enqueued goes into the flight record (flight_recorder.h), printed with
+// the failure. With options.heartbeat_timeout (NOTE [Failure detection] in heartbeat.h)
+// on_failure goes through the heartbeat, so rank 0 tells every rank, and a verdict that
+// arrives from another rank first aborts every communicator of this process.
+
 #pragma once
 
 #include <chrono>
