@@ -342,9 +342,7 @@ class Job {
       const std::string how = WIFEXITED(status) ? fmt::format("exited with code {}", WEXITSTATUS(status))
                                                 : fmt::format("was killed by {}", signal_text(WTERMSIG(status)));
       failure_text_ = fmt::format("rank {} {}", r.rank, how);
-      if (running() == 0) {
-        log_error("forge launch: {}", failure_text_);
-      } else if (!first) {
+      if (running() == 0 || !first) {
         log_error("forge launch: {}", failure_text_);
       } else if (notice_ > 0) {
         log_error("forge launch: {}; the other ranks have {:g} s to notice and exit before SIGTERM", failure_text_,
