@@ -288,7 +288,7 @@ class CpuProcessGroup final : public ProcessGroup {
       body(stage);
     } catch (const Error& e) {
       w.failure = fmt::format("rank {} of {}: {}", w.rank, w.size, e.what());
-      if (w.heartbeat) w.heartbeat->fail(w.failure);
+      if (w.heartbeat) w.heartbeat->fail(w.failure, w.rank == 0 ? w.store.culprit() : -1);
       if (w.options.on_failure) w.options.on_failure(w.failure);
       throw Error(w.failure);
     }

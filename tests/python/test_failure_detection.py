@@ -183,6 +183,10 @@ class FailureDetection(unittest.TestCase):
             else:
                 self.assertRegex(record[-1], rf"{collective} .* still running after")
         self.assertTrue(any(f"rank 2 of 4 stops in step 3" in line for line in rank_lines(text, 2)), text[-4000:])
+        # Rank 0 blamed rank 2: the others exit 76 (stopped because another failed), so
+        # the launcher names rank 2.
+        self.assertIn("forge launch: rank 2 exited with code 1", text)
+        self.assertEqual(code, 1)
 
     def test_restart_after_a_kill_reproduces_the_uninterrupted_losses(self):
         reference = os.path.join(self.tmp, "reference")
