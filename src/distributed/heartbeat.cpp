@@ -168,8 +168,7 @@ struct Heartbeat::State {
             case Type::Bye:
               p.left = true;
               break;
-            case Type::Fail:
-              p.left = true;
+            case Type::Fail:  // the peer waits for the verdict
               return Failure{fmt::format("rank {} failed {}: {}", p.rank, step_text(p.step), f->text),
                              static_cast<int>(f->value)};
             case Type::Verdict:
@@ -251,11 +250,15 @@ struct Heartbeat::State {
         const std::vector<uint8_t> verdict_frame = frame(Type::Verdict, at_fault, reason);
         for (Peer& p : peers) send_to(p, verdict_frame);
       } else if (!from_thread) {
-        send_to(peers[0], frame(Type::Fail, at_fault, reason));
-        // The heartbeat thread reads on; rank 0's verdict may name the rank at fault.
+        // Usually rank 0 knows already (this rank fails with what rank 0 sent it), and its
+        // verdict names the rank at fault: the heartbeat thread reads on while this waits.
+        // Only without one is rank 0 told, so that it never takes an echo of its own
+        // verdict for news.
         if (verdict_arrived.wait_for(lock, kVerdictWait, [&] { return verdict.has_value(); })) {
           reason += "; rank 0's verdict: " + verdict->reason;
           if (at_fault < 0) at_fault = verdict->at_fault;
+        } else {
+          send_to(peers[0], frame(Type::Fail, at_fault, reason));
         }
       }
     }

@@ -52,8 +52,9 @@ class Heartbeat {
   Heartbeat(const Heartbeat&) = delete;
   Heartbeat& operator=(const Heartbeat&) = delete;
 
-  // This rank cannot go on because of `reason`: rank 0 tells every rank (a peer tells
-  // rank 0, and waits briefly for its verdict), prints it with the flight record, exits.
+  // This rank cannot go on because of `reason`: rank 0 tells every rank (a peer waits
+  // briefly for rank 0's verdict, and tells rank 0 when none comes), prints it with the
+  // flight record, exits.
   // `at_fault`: the rank the reason blames, or -1.
   [[noreturn]] void fail(const std::string& reason, int at_fault = -1);
 
