@@ -186,6 +186,10 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
           at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::heartbeat_timeout_s>(
+          "parallelism.heartbeat_timeout_s",
+          "seconds without a heartbeat after which a rank counts as failed (a rank that exits is noticed at once)",
+          at_least(1)),
       key<&E::parallelism, &ParallelismConfig::rendezvous_timeout_s>(
           "parallelism.rendezvous_timeout_s", "seconds ranks wait for each other at start", at_least(1)),
       key<&E::activation_checkpoint, &ActivationCheckpointConfig::mode>(

@@ -73,6 +73,9 @@ int main(int argc, char** argv) {
                      "port rank 0 listens on (default: a free port on one node, 29500 on several)");
   launch->add_option("--grace-period", launch_options.grace_period_s,
                      "seconds from SIGTERM to SIGKILL when ranks are stopped")->capture_default_str();
+  launch->add_option("--max-restarts", launch_options.max_restarts,
+                     "after a failure, start this node's ranks again up to N times (they resume from the newest "
+                     "checkpoint)")->capture_default_str()->check(CLI::Range(0, 1000000));
   launch->add_option("COMMAND", launch_options.command,
                      "after --: a forge subcommand and its arguments (train ...), or a program to run")->required();
   std::string preflight_json;

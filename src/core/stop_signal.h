@@ -11,10 +11,9 @@
 // further SIGTERMs are ignored (the launcher escalates to SIGKILL after its grace period).
 #pragma once
 
-namespace forge {
+#include "core/exit_status.h"  // kExitStopped
 
-// Exit status of a run stopped by SIGTERM or SIGINT after saving (EX_TEMPFAIL: try again).
-inline constexpr int kExitStopped = 75;
+namespace forge {
 
 void install_stop_signal_handlers();
 // The first SIGTERM or SIGINT received since install_stop_signal_handlers, 0 when none.

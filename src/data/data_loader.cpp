@@ -1,4 +1,5 @@
-// DataLoader: the global sample stream cut into batches (NOTE [Epochs and sample order]).
+// DataLoader: the global sample stream cut into batches (NOTE [Epochs and sample order]);
+// with several ranks each reads only its own block of the global batch.
 #include <numeric>
 
 #include "core/error.h"
@@ -38,7 +39,7 @@ Batch DataLoader::next() {
   Batch batch{Tensor::empty({micro_batch_, seq_len}, DType::I32), Tensor::empty({micro_batch_, seq_len}, DType::I32)};
   std::vector<int32_t> sample(static_cast<size_t>(seq_len + 1));
   for (int64_t row = 0; row < micro_batch_; ++row) {
-    int64_t global = position_ + rank_ + row * world_;
+    int64_t global = position_ + rank_ * micro_batch_ + row;
     int64_t epoch = global / samples;
     dataset_.sample(epoch, sample_in_epoch(epoch, global % samples), sample.data());
     int32_t* tokens = batch.tokens.data<int32_t>() + row * seq_len;

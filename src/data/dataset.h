@@ -77,6 +77,10 @@ struct Batch {
 // the global batch) is the same at every world size.
 class DataLoader {
  public:
+  // Of every `world` consecutive micro-batches of the global stream, rank `rank` reads the
+  // rank-th (samples position + rank * micro_batch + row) and nothing else: the batch a
+  // single reader's rank-th next() would return, so the ranks together read the global
+  // batch once, in a single reader's order (NOTE [Data-parallel steps]).
   DataLoader(const TokenDataset& dataset, int64_t micro_batch, uint64_t seed, int rank = 0, int world = 1);
   Batch next();
   // Samples consumed so far by all ranks together (the same on every rank): the

@@ -17,6 +17,8 @@
 
 #include "core/bf16.h"
 #include "core/error.h"
+#include "distributed/flight_recorder.h"
+#include "distributed/heartbeat.h"
 #include "distributed/tcp_store.h"
 
 namespace forge {
@@ -172,6 +174,9 @@ struct World {
     std::vector<int> everyone(size);
     std::iota(everyone.begin(), everyone.end(), 0);
     groups[0] = std::move(everyone);
+    if (options.heartbeat_timeout.count() > 0)
+      heartbeat = std::make_unique<Heartbeat>(store, env, HeartbeatOptions{options.heartbeat_timeout,
+                                                                           options.rendezvous_timeout, {}});
   }
 
   std::mutex mu;  // one round at a time, whichever group it is on
@@ -183,6 +188,7 @@ struct World {
   // Rank 0: every group's members (world ranks, in the group's rank order), by id.
   std::map<uint32_t, std::vector<int>> groups;
   uint32_t next_group = 1;
+  std::unique_ptr<Heartbeat> heartbeat;  // NOTE [Failure detection]; after `store`, so it goes first
 };
 
 class CpuProcessGroup final : public ProcessGroup {
@@ -277,13 +283,16 @@ class CpuProcessGroup final : public ProcessGroup {
     call.group = id_;
     call.number = ++calls_;
     const std::string stage = fmt::format("{} on {}", call_text(call), name_);
+    const uint64_t record = flight_record_start(name_, call_text(call));
     try {
       body(stage);
     } catch (const Error& e) {
       w.failure = fmt::format("rank {} of {}: {}", w.rank, w.size, e.what());
+      if (w.heartbeat) w.heartbeat->fail(w.failure, w.rank == 0 ? w.store.culprit() : -1);
       if (w.options.on_failure) w.options.on_failure(w.failure);
       throw Error(w.failure);
     }
+    flight_record_end(record);
   }
 
   // A collective: `input` goes to rank 0, this rank's result comes back into `output`.

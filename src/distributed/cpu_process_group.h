@@ -25,7 +25,10 @@
 //    arrive, and a rank whose process died ends the wait at once, named. Rank 0 sends its
 //    verdict to every other rank before throwing it, so every rank throws the same cause
 //    (after on_failure, when one is set); the group, and every group of its world, stays
-//    failed. Ranks whose rank 0 died fail at once too, naming it.
+//    failed. Ranks whose rank 0 died fail at once too, naming it. With a heartbeat
+//    (options.heartbeat_timeout, NOTE [Failure detection]) a failed round instead ends
+//    the process, after rank 0 has told every rank, stuck ones included; each round is
+//    in the flight record (flight_recorder.h) as "all_reduce #N ... on <group>".
 // Argument checks (the shared check_* of process_group.h) fail on the calling rank alone,
 // before anything is sent, as on NCCL: the others then wait out the timeout.
 #pragma once

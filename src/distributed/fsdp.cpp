@@ -100,6 +100,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
     make_channel(embedding_channel_, layout_.units()[static_cast<size_t>(embedding)].numel);
   comm_done_ = make_event(device);
   norm_scratch_ = Tensor::zeros({2}, DType::F32, device);
+  count_scratch_ = Tensor::zeros({kCountDigits}, DType::F32, device);
 }
 
 Fsdp::~Fsdp() {
@@ -321,6 +322,29 @@ std::pair<double, double> Fsdp::sum_over_ranks(double first, double second) {
 double Fsdp::global_grad_sum_of_squares() {
   // After the reductions every replica holds the same chunk: the shard group covers the model once.
   return all_reduce_scalar(shard_group_, sum_of_squares(grad_shard_));
+}
+
+// fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
+// travels as three 12-bit digits: each digit's sum over at most 4096 ranks is exact in
+// any order of addition (NCCL's included), and the count is exact up to 2^36.
+int64_t Fsdp::count_over_ranks(int64_t count) {
+  constexpr int kDigitBits = 12;
+  const int64_t ranks = int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
+  FORGE_CHECK(count >= 0 && count < (int64_t{1} << (kDigitBits * kCountDigits)) && ranks <= (1 << kDigitBits),
+              "count_over_ranks: {} on {} ranks is outside what the exact fp32 digit sum holds", count, ranks);
+  Tensor host = Tensor::empty({kCountDigits}, DType::F32);
+  for (int d = 0; d < kCountDigits; ++d)
+    host.data<float>()[d] = static_cast<float>((count >> (kDigitBits * d)) & ((1 << kDigitBits) - 1));
+  count_scratch_.copy_from(host);
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
+  begin_exposed();
+  shard_group_.all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
+  end_exposed();
+  host = count_scratch_.to(Device::CPU);
+  int64_t total = 0;
+  for (int d = 0; d < kCountDigits; ++d) total += static_cast<int64_t>(host.data<float>()[d]) << (kDigitBits * d);
+  return total;
 }
 
 double Fsdp::sum_over_ranks(double value) {

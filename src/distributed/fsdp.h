@@ -134,6 +134,8 @@ class Fsdp final : public ParamSource, public GradSink {
   double sum_over_ranks(double value);
   // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
   std::pair<double, double> sum_over_ranks(double first, double second);
+  // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
+  int64_t count_over_ranks(int64_t count);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);
@@ -257,6 +259,8 @@ class Fsdp final : public ParamSource, public GradSink {
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;
+  static constexpr int kCountDigits = 3;  // count_over_ranks
+  Tensor count_scratch_;
   // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.
   void begin_exposed();
   void end_exposed();

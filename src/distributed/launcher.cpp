@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/exit_status.h"
 #include "core/log.h"
 #include "core/stop_signal.h"
 #include "distributed/rank_output.h"
@@ -32,6 +33,9 @@ constexpr int kDefaultMultiNodePort = 29500;  // torchrun's
 constexpr int kForwardedSignals[] = {SIGINT, SIGTERM, SIGHUP};
 // While only programs started by ranks remain, how often to look whether they are gone.
 constexpr int kLeftoverPollMs = 50;
+// How long the other ranks of a forge job have to notice a failed rank themselves (NOTE
+// [Failure detection]: at once for a rank that exited) and exit naming it, before SIGTERM.
+constexpr double kPeerNoticeSeconds = 5;
 
 std::string signal_text(int sig) {
   const char* abbrev = sigabbrev_np(sig);
@@ -205,7 +209,13 @@ int spawn(Rank& r, Program& program, std::vector<std::string>& env) {
 
 class Job {
  public:
-  Job(std::vector<Rank>& ranks, double grace_period_s) : ranks_(ranks), grace_(grace_period_s) {}
+  Job(std::vector<Rank>& ranks, double grace_period_s, double notice_s)
+      : ranks_(ranks), grace_(grace_period_s), notice_(notice_s) {}
+
+  // After run(): how the rank whose failure ended the job ended ("rank 2 was killed by
+  // signal 9 (SIGKILL)"), empty when none failed; and whether the launcher was signalled.
+  const std::string& failure() const { return failure_text_; }
+  bool signalled() const { return received_signal_ != 0; }
 
   // Runs the loop until every rank has ended; returns the launcher's exit code.
   int run(SignalRelay& signals) {
@@ -224,6 +234,10 @@ class Job {
       }
       int timeout_ms = -1;
       if (kill_at_) timeout_ms = net::milliseconds_until(*kill_at_);
+      if (stop_at_) {
+        const int until_stop = net::milliseconds_until(*stop_at_);
+        timeout_ms = timeout_ms < 0 ? until_stop : std::min(timeout_ms, until_stop);
+      }
       if (running() == 0) timeout_ms = timeout_ms < 0 ? kLeftoverPollMs : std::min(timeout_ms, kLeftoverPollMs);
       poll(fds.data(), fds.size(), timeout_ms);
       for (int sig : signals.take())
@@ -231,6 +245,15 @@ class Job {
       for (size_t i = 1; i < fds.size(); ++i)
         if (fds[i].revents != 0) pass_on(*owners[i - 1].first, owners[i - 1].second);
       reap();
+      if (stop_at_ && Clock::now() >= *stop_at_) {
+        stop_at_.reset();
+        if (running() > 0) {
+          log_error("forge launch: ranks still running {:g} s after rank {} failed; stopping them (SIGTERM, SIGKILL "
+                    "after {:g} s)",
+                    notice_, first_failure_->rank, grace_);
+          stop_all(SIGTERM);
+        }
+      }
       if (kill_at_ && Clock::now() >= *kill_at_) kill_remaining();
     }
     for (Rank& r : ranks_) {
@@ -258,6 +281,7 @@ class Job {
   // Stops every running rank (SIGTERM to its group now, SIGKILL after the grace period).
   void stop_all(int sig) {
     stopping_ = true;
+    stop_at_.reset();
     for (Rank& r : ranks_)
       if (r.running || group_alive(r)) kill(-r.pid, sig);
     if (!kill_at_)
@@ -304,6 +328,8 @@ class Job {
     return true;
   }
 
+  // A rank that exits kExitPeerFailed stopped because another failed (its log names which):
+  // the first rank that failed on its own is the one reported, whenever it is reaped.
   void reap() {
     for (Rank& r : ranks_) {
       if (!r.running) continue;
@@ -313,16 +339,25 @@ class Job {
       r.status = status;
       const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
       if (!failed || stopping_) continue;
+      const auto secondary = [](const Rank* f) {
+        return WIFEXITED(f->status) && WEXITSTATUS(f->status) == kExitPeerFailed;
+      };
+      if (first_failure_ && !(secondary(first_failure_) && !secondary(&r))) continue;
+      const bool first = first_failure_ == nullptr;
       first_failure_ = &r;
       const std::string how = WIFEXITED(status) ? fmt::format("exited with code {}", WEXITSTATUS(status))
                                                 : fmt::format("was killed by {}", signal_text(WTERMSIG(status)));
-      if (running() > 0) {
-        log_error("forge launch: rank {} {}; stopping the other ranks (SIGTERM, SIGKILL after {:g} s)", r.rank, how,
-                  grace_);
+      failure_text_ = fmt::format("rank {} {}", r.rank, how);
+      if (running() == 0 || !first) {
+        log_error("forge launch: {}", failure_text_);
+      } else if (notice_ > 0) {
+        log_error("forge launch: {}; the other ranks have {:g} s to notice and exit before SIGTERM", failure_text_,
+                  notice_);
+        stop_at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(notice_));
       } else {
-        log_error("forge launch: rank {} {}", r.rank, how);
+        log_error("forge launch: {}; stopping the other ranks (SIGTERM, SIGKILL after {:g} s)", failure_text_, grace_);
+        stop_all(SIGTERM);
       }
-      stop_all(SIGTERM);
     }
   }
 
@@ -342,7 +377,10 @@ class Job {
 
   std::vector<Rank>& ranks_;
   double grace_;
+  double notice_;  // seconds the others have to notice a failed rank before SIGTERM
+  std::optional<Clock::time_point> stop_at_;  // when they get SIGTERM
   std::optional<Clock::time_point> kill_at_;
+  std::string failure_text_;
   const Rank* first_failure_ = nullptr;
   int received_signal_ = 0;
   bool stopping_ = false;  // ranks that end from here on were stopped, not failed
@@ -359,6 +397,7 @@ void validate(const LaunchOptions& o) {
   if (o.master_port < 0 || o.master_port > 65535)
     FORGE_FAIL("forge launch: --master-port {} is not a TCP port (1 to 65535)", o.master_port);
   if (!(o.grace_period_s >= 0)) FORGE_FAIL("forge launch: --grace-period {} must be >= 0 seconds", o.grace_period_s);
+  if (o.max_restarts < 0) FORGE_FAIL("forge launch: --max-restarts {} must be >= 0", o.max_restarts);
   if (o.command.empty() || o.command[0].empty())
     FORGE_FAIL("forge launch: give the command after --, e.g. forge launch --nproc-per-node 2 -- train");
 }
@@ -369,39 +408,61 @@ int run_launch(const LaunchOptions& options, const std::vector<std::string>& for
   validate(options);
   const int world = options.nnodes * options.nproc_per_node;
   const std::string master_addr = options.master_addr.empty() ? "127.0.0.1" : options.master_addr;
-  int master_port = options.master_port;
-  if (master_port == 0) master_port = options.nnodes == 1 ? net::bound_port(net::listen_tcp(0)) : kDefaultMultiNodePort;
   Program program = resolve_program(options.command, forge_subcommands);
+  // Ranks of forge itself notice a failed peer on their own (NOTE [Failure detection]).
+  const double notice_s = program.path == "/proc/self/exe" ? kPeerNoticeSeconds : 0;
   const int first = options.node_rank * options.nproc_per_node;
   const int last = first + options.nproc_per_node - 1;
-  log_info("forge launch: {} of {} (node {} of {}), master {}:{}",
-           first == last ? fmt::format("rank {}", first) : fmt::format("ranks {}-{}", first, last), world,
-           options.node_rank, options.nnodes, master_addr, master_port);
-
   SignalRelay signals;
-  std::vector<Rank> ranks(options.nproc_per_node);
-  Job job(ranks, options.grace_period_s);
-  for (int local = 0; local < options.nproc_per_node; ++local) {
-    Rank& r = ranks[local];
-    r.local_rank = local;
-    r.rank = options.node_rank * options.nproc_per_node + local;
-    r.out_lines.emplace(r.rank, STDOUT_FILENO);
-    r.err_lines.emplace(r.rank, STDERR_FILENO);
-    std::vector<std::string> env = rank_environment({{"RANK", std::to_string(r.rank)},
-                                                     {"LOCAL_RANK", std::to_string(local)},
-                                                     {"WORLD_SIZE", std::to_string(world)},
-                                                     {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
-                                                     {"GROUP_RANK", std::to_string(options.node_rank)},
-                                                     {"MASTER_ADDR", master_addr},
-                                                     {"MASTER_PORT", std::to_string(master_port)},
-                                                     {"FORGE_LAUNCHED", "1"}});
-    if (const int error = spawn(r, program, env)) {
-      job.stop_all(SIGTERM);
-      job.run(signals);
-      FORGE_FAIL("forge launch: cannot run '{}': {}", program.path, std::strerror(error));
+  std::string last_failure;
+  for (int attempt = 0;; ++attempt) {
+    int master_port = options.master_port;
+    if (master_port == 0)
+      master_port = options.nnodes == 1 ? net::bound_port(net::listen_tcp(0)) : kDefaultMultiNodePort;
+    log_info("forge launch: {} of {} (node {} of {}), master {}:{}{}",
+             first == last ? fmt::format("rank {}", first) : fmt::format("ranks {}-{}", first, last), world,
+             options.node_rank, options.nnodes, master_addr, master_port,
+             attempt > 0 ? fmt::format(", restart {} of {}", attempt, options.max_restarts) : "");
+    std::vector<Rank> ranks(options.nproc_per_node);
+    Job job(ranks, options.grace_period_s, notice_s);
+    for (int local = 0; local < options.nproc_per_node; ++local) {
+      Rank& r = ranks[local];
+      r.local_rank = local;
+      r.rank = options.node_rank * options.nproc_per_node + local;
+      r.out_lines.emplace(r.rank, STDOUT_FILENO);
+      r.err_lines.emplace(r.rank, STDERR_FILENO);
+      std::vector<std::pair<std::string, std::string>> vars = {
+          {"RANK", std::to_string(r.rank)},
+          {"LOCAL_RANK", std::to_string(local)},
+          {"WORLD_SIZE", std::to_string(world)},
+          {"LOCAL_WORLD_SIZE", std::to_string(options.nproc_per_node)},
+          {"GROUP_RANK", std::to_string(options.node_rank)},
+          {"MASTER_ADDR", master_addr},
+          {"MASTER_PORT", std::to_string(master_port)},
+          {"FORGE_LAUNCHED", "1"},
+          {"FORGE_RESTART_COUNT", std::to_string(attempt)},
+          {"FORGE_MAX_RESTARTS", std::to_string(options.max_restarts)}};
+      if (attempt > 0) vars.push_back({"FORGE_RESTART_REASON", last_failure});
+      std::vector<std::string> env = rank_environment(vars);
+      if (const int error = spawn(r, program, env)) {
+        job.stop_all(SIGTERM);
+        job.run(signals);
+        FORGE_FAIL("forge launch: cannot run '{}': {}", program.path, std::strerror(error));
+      }
     }
+    const int code = job.run(signals);
+    // NOTE [Launcher restarts]: only a failure restarts; a stop on request does not.
+    if (code == 0 || job.signalled() || code == kExitStopped || job.failure().empty()) return code;
+    if (attempt >= options.max_restarts) {
+      if (options.max_restarts > 0)
+        log_error("forge launch: {} after {} restart{}: giving up", job.failure(), options.max_restarts,
+                  options.max_restarts > 1 ? "s" : "");
+      return code;
+    }
+    last_failure = job.failure();
+    log_warn("forge launch: restart {} of {} after {}: starting this node's ranks again", attempt + 1,
+             options.max_restarts, last_failure);
   }
-  return job.run(signals);
 }
 
 }  // namespace forge

@@ -45,6 +45,11 @@
 // ncclCommDestroy wait until every peer rank has ended its communicator as well, so both
 // run on a helper thread that is waited for a bounded time (abort 10 s, destroy
 // `collective_timeout`) and then left behind. No wait of a rank on its peers is unbounded.
+// Every collective enqueued goes into the flight record (flight_recorder.h), printed with
+// the failure. With options.heartbeat_timeout (NOTE [Failure detection] in heartbeat.h)
+// on_failure goes through the heartbeat, so rank 0 tells every rank, and a verdict that
+// arrives from another rank first aborts every communicator of this process.
+
 #pragma once
 
 #include <chrono>
@@ -68,6 +73,10 @@ struct ProcessGroupOptions {
   // How long a collective may run before the watchdog gives up on it (NOTE [NCCL watchdog]);
   // on the CPU, how long a rank waits for the others in a collective.
   std::chrono::milliseconds collective_timeout = std::chrono::minutes(10);
+  // Above zero: the ranks watch each other through a heartbeat (NOTE [Failure detection]
+  // in heartbeat.h), a rank silent this long has failed, and a failed collective ends the
+  // process (after printing its flight record) instead of calling on_failure. Zero: off.
+  std::chrono::milliseconds heartbeat_timeout{0};
   // NCCL: called once, after the communicator was aborted (from the watchdog thread, or
   // from the thread whose NCCL call never left "in progress"), or when destroy() timed
   // out. Empty: log the message and exit(1). CPU: called once, with the message the

@@ -280,6 +280,7 @@ struct TcpStore::Peers {
   std::vector<Connection> ranks;
   std::string where;  // "MASTER_ADDR:MASTER_PORT" for messages
   bool failed = false;
+  int culprit = -1;  // rank 0: the one rank a failed gather blamed
 
   // Rank 0: tells every connected rank why the job stops, then throws it.
   [[noreturn]] void fail_all(const std::string& reason) {
@@ -346,8 +347,10 @@ struct TcpStore::Peers {
         case Progress::Complete:
           return true;
         case Progress::Incomplete:
-          if (c.closed)
+          if (c.closed) {
+            culprit = r;
             fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, r, c.address));
+          }
           return false;
         case Progress::Abort:
         case Progress::Unexpected:
@@ -369,6 +372,7 @@ struct TcpStore::Peers {
         std::vector<int> missing;
         for (int r = 1; r < world; ++r)
           if (!messages[r].complete()) missing.push_back(r);
+        if (missing.size() == 1) culprit = missing[0];
         fail_all(fmt::format("{}: rank{} {} did not arrive within {} ({} of {} ranks did)", stage,
                              missing.size() > 1 ? "s" : "", format_ranks(missing), seconds_text(timeout), count,
                              world));
@@ -695,6 +699,8 @@ void TcpStore::abort(const std::string& reason) {
   if (peers_->failed || world_size_ == 1) throw Error(reason);
   peers_->fail_all(reason);
 }
+
+int TcpStore::culprit() const { return peers_->culprit; }
 
 void TcpStore::barrier() {
   FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");

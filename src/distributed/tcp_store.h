@@ -80,6 +80,9 @@ class TcpStore {
   // Rank 0: tells every other rank that the job stops because of `reason` (best effort),
   // then throws it. The store is unusable afterwards, as after any failure.
   [[noreturn]] void abort(const std::string& reason);
+  // Rank 0, after gather_at_root failed: the rank it blamed when that was one rank (it did
+  // not arrive in time, or closed its connection); -1 otherwise.
+  int culprit() const;
 
  private:
   struct Peers;  // rank 0: the connections to ranks 1..world-1; others: the one to rank 0

@@ -57,6 +57,7 @@ struct ParallelismConfig {
   int64_t zero_stage = 3;                      // 1: optimizer state, 2: + gradients, 3: + parameters
   double nccl_timeout_s = 600;                 // a collective that takes longer ends the job, naming the rank
   double rendezvous_timeout_s = 300;           // how long ranks wait for each other at start
+  double heartbeat_timeout_s = 60;             // a rank silent this long failed (NOTE [Failure detection])
 };
 
 // Checkpoints, named as torchtitan's [checkpoint] section.

@@ -19,8 +19,10 @@
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/stop_signal.h"
+#include "distributed/heartbeat.h"
 #include "ops/matmul.h"
 #include "train/memory_check.h"
+#include "train/restart_log.h"
 #include "train/run_dir.h"
 
 namespace forge {
@@ -102,7 +104,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
   if (config_.eval.interval > 0)
     eval_data_ = make_dataset(config_.data, Split::Validation, t.seq_len, config_.model.vocab_size, data_seed);
-  train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed));
+  train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed),
+                                               rank_, world_size_);
   inject_nan_ = nan_injection_from_env();
   if (inject_nan_)
     log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the gradient of '{}' at step {}, micro-batch {}",
@@ -171,6 +174,7 @@ ProcessGroupOptions process_group_options(const ExperimentConfig& config) {
   options.device = config.training.device == "cuda" ? Device::CUDA : Device::CPU;
   options.rendezvous_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.rendezvous_timeout_s * 1000));
   options.collective_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.nccl_timeout_s * 1000));
+  options.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(p.heartbeat_timeout_s * 1000));
   return options;
 }
 
@@ -225,6 +229,7 @@ void Trainer::prepare_run_dir() {
   if (rank_ != 0) return;
   create_run_dir(run_dir_);
   write_file_atomic(run_dir_ + "/config.yaml", resolved_yaml_, {.sync = false});  // NOTE [Durable files]
+  record_restart(run_dir_, resume_from_);  // NOTE [Launcher restarts]
   metrics_ = std::make_unique<MetricsWriter>(run_dir_ + "/metrics.jsonl");
   if (config_.logging.enable_tensorboard) metrics_->enable_tensorboard(run_dir_, start_step_);
   if (earlier_run) log_info("appending to {}/metrics.jsonl from step {}", run_dir_, start_step_ + 1);
@@ -303,21 +308,22 @@ TrainResult Trainer::run() {
   };
   std::vector<Batch> batches(accum);
   for (int64_t step = start_step_; step < t.steps; ++step) {
+    report_step(step + 1);  // NOTE [Failure detection]
+    debug_hang_if_requested(rank_, step + 1);
     reset_op_profile();
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     if (fsdp_) fsdp_->begin_step();
     else grads_->discard();  // NOTE [Fresh gradient buffers]: no zeroing pass
-    // NOTE [Data-parallel steps]: every rank reads the whole global batch and keeps its slice.
+    // NOTE [Data-parallel steps]: every rank reads its own micro-batches of the global batch.
     int64_t targets = 0;
     for (int64_t a = 0; a < accum; ++a) {
-      for (int r = 0; r < world_size_; ++r) {
-        Batch b = train_loader_->next();
-        const int32_t* tg = b.targets.data<int32_t>();
-        for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
-        if (r == rank_) batches[static_cast<size_t>(a)] = std::move(b);
-      }
+      Batch& b = batches[static_cast<size_t>(a)];
+      b = train_loader_->next();
+      const int32_t* tg = b.targets.data<int32_t>();
+      for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
     }
+    if (fsdp_) targets = fsdp_->count_over_ranks(targets);
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     std::vector<double> micro_losses(static_cast<size_t>(accum));

@@ -15,11 +15,12 @@
 // NOTE [Data-parallel steps]
 // With more than one data-parallel rank (parallelism.data_parallel_shard_degree ×
 // data_parallel_replicate_degree, equal to the launcher's world size) the model state is
-// sharded by FSDP (distributed/fsdp.h) and every rank computes a slice of the global batch. Every
-// rank reads the whole global batch of the step, in the order a single device would read
-// it, counts its unmasked targets (NOTE [Loss normalization]) and keeps micro-batch
-// a * world + rank for its a-th accumulation step: the global batch, the loss and the
-// gradients mean the same thing at any world size. Rank 0 alone writes the run directory
+// sharded by FSDP (distributed/fsdp.h) and every rank computes a slice of the global batch. For
+// its a-th accumulation step rank r reads micro-batch a * world + r of the global batch,
+// in the order a single device would read it, and nothing else (DataLoader's rank and
+// world), so reading does not grow with the world size; the ranks add up their unmasked
+// targets exactly (Fsdp::count_over_ranks, NOTE [Loss normalization]): the global batch,
+// the loss and the gradients mean the same thing at any world size. Rank 0 alone writes the run directory
 // (metrics, TensorBoard, config) and logs; the other ranks only warn.
 //
 // NOTE [Exact resume]

@@ -19,6 +19,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "distributed/flight_recorder.h"
 #include "distributed/tcp_store.h"
 #include "kernels/cuda/cuda_check.h"
 
@@ -53,6 +54,10 @@ const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
 
 std::string seconds(std::chrono::milliseconds ms) { return fmt::format("{:g} s", ms.count() / 1000.0); }
 
+// Every group with a communicator, for abort_all_communicators().
+std::mutex g_live_mu;
+std::vector<NcclProcessGroup*> g_live;
+
 // Every communicator forge makes, split ones included, is non-blocking (NOTE [NCCL watchdog]).
 ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -63,9 +68,13 @@ ncclConfig_t nonblocking_config() {
 }  // namespace
 
 NcclProcessGroup::NcclProcessGroup(const LaunchEnv& env, const ProcessGroupOptions& options)
-    : NcclProcessGroup(connect(env, options), env.rank, env.world_size, env.local_rank, options, "") {}
+    : NcclProcessGroup(connect(env, options), env.rank, env.world_size, env.local_rank, options) {}
 
-ncclComm_t NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOptions& options) {
+NcclProcessGroup::NcclProcessGroup(Connected connected, int rank, int world_size, int device,
+                                   const ProcessGroupOptions& options)
+    : NcclProcessGroup(connected.comm, rank, world_size, device, options, "", std::move(connected.heartbeat)) {}
+
+NcclProcessGroup::Connected NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOptions& options) {
   const int rank = env.rank;
   const int device = env.local_rank;
   int devices = 0;
@@ -78,6 +87,7 @@ ncclComm_t NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOpt
   CUDA_CHECK(cudaSetDevice(device));
 
   ncclUniqueId id{};
+  std::shared_ptr<Heartbeat> heartbeat;
   {
     TcpStore store(env, options.rendezvous_timeout);
     if (rank == 0) {
@@ -85,6 +95,9 @@ ncclComm_t NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOpt
       if (r != ncclSuccess) FORGE_FAIL("rank 0: ncclGetUniqueId: {}", ncclGetErrorString(r));
     }
     store.broadcast({reinterpret_cast<uint8_t*>(id.internal), sizeof(id.internal)});
+    if (options.heartbeat_timeout.count() > 0)
+      heartbeat = std::make_shared<Heartbeat>(
+          store, env, HeartbeatOptions{options.heartbeat_timeout, options.rendezvous_timeout, abort_all_communicators});
   }
 
   ncclConfig_t config = nonblocking_config();
@@ -106,12 +119,36 @@ ncclComm_t NcclProcessGroup::connect(const LaunchEnv& env, const ProcessGroupOpt
     FORGE_FAIL("rank {} (GPU {}): NCCL communicator setup failed: {} {}", rank, device, ncclGetErrorString(r),
                detail);
   }
-  return comm;
+  return {comm, std::move(heartbeat)};
+}
+
+void NcclProcessGroup::abort_all_communicators() {
+  std::lock_guard live(g_live_mu);
+  for (NcclProcessGroup* g : g_live) {
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard lock(g->comm_mu_);
+      comm = std::exchange(g->comm_, nullptr);
+    }
+    if (comm && !returns_within([comm] { ncclCommAbort(comm); }, kAbortWait))
+      log_error("rank {}: ncclCommAbort has not returned after {}; going on without it", g->rank_,
+                seconds(kAbortWait));
+  }
 }
 
 NcclProcessGroup::NcclProcessGroup(ncclComm_t comm, int rank, int world_size, int device,
-                                   const ProcessGroupOptions& options, std::string label)
-    : rank_(rank), world_size_(world_size), device_(device), label_(std::move(label)), options_(options) {
+                                   const ProcessGroupOptions& options, std::string label,
+                                   std::shared_ptr<Heartbeat> heartbeat)
+    : rank_(rank),
+      world_size_(world_size),
+      device_(device),
+      label_(std::move(label)),
+      options_(options),
+      heartbeat_(std::move(heartbeat)) {
+  if (!options_.on_failure && heartbeat_) {
+    // Rank 0 tells every rank (NOTE [Failure detection]); this process then ends.
+    options_.on_failure = [h = heartbeat_.get()](const std::string& message) { h->fail(message); };
+  }
   if (!options_.on_failure) {
     options_.on_failure = [](const std::string&) {
       std::fflush(nullptr);
@@ -128,6 +165,10 @@ NcclProcessGroup::NcclProcessGroup(ncclComm_t comm, int rank, int world_size, in
     throw;
   }
   comm_ = comm;
+  {
+    std::lock_guard live(g_live_mu);
+    g_live.push_back(this);
+  }
   watchdog_ = std::thread(&NcclProcessGroup::watchdog_loop, this);
 }
 
@@ -190,8 +231,9 @@ void NcclProcessGroup::enqueue(std::string what, CudaStream stream, Call&& call)
     fail(error);
   }
   CUDA_CHECK(cudaEventRecord(done, stream));
+  const uint64_t record = flight_record_start(label_.empty() ? "the world" : "NCCL group" + label_, what);
   std::lock_guard lock(flight_mu_);
-  in_flight_.push_back({done, std::move(what), Clock::now()});
+  in_flight_.push_back({done, std::move(what), Clock::now(), record});
 }
 
 void NcclProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, CudaStream stream) {
@@ -315,7 +357,8 @@ std::unique_ptr<ProcessGroup> NcclProcessGroup::split(int color, int key) {
     fail(fmt::format("{}: NCCL cannot say this rank's place in the new communicator", what));
   }
   return std::unique_ptr<ProcessGroup>(new NcclProcessGroup(child, child_rank, child_size, device_, options_,
-                                                            fmt::format(", split #{} color {}", number, color)));
+                                                            fmt::format(", split #{} color {}", number, color),
+                                                            heartbeat_));
 }
 
 void NcclProcessGroup::retire_completed() {
@@ -326,6 +369,7 @@ void NcclProcessGroup::retire_completed() {
     for (size_t i = 0; i < in_flight_.size();) {
       const cudaError_t state = cudaEventQuery(in_flight_[i].done);
       if (state == cudaSuccess) {
+        flight_record_end(in_flight_[i].record);
         spare_events_.push_back(in_flight_[i].done);
         in_flight_.erase(in_flight_.begin() + static_cast<std::ptrdiff_t>(i));
         continue;
@@ -385,7 +429,8 @@ void NcclProcessGroup::fail(const std::string& cause) {
   std::call_once(failure_once_, [&] {
     failure_ = fmt::format("rank {} of {}{} (GPU {}): {}", rank_, world_size_, label_, device_, cause);
     failed_ = true;
-    log_error("{}; aborting the NCCL communicator", failure_);
+    log_error("{}; aborting the NCCL communicator\nflight record of rank {}:{}", failure_, rank_,
+              flight_record_text());
     ncclComm_t comm = nullptr;
     {
       std::lock_guard lock(comm_mu_);
@@ -406,6 +451,10 @@ void NcclProcessGroup::destroy() {
   struct Release {
     NcclProcessGroup& g;
     ~Release() {
+      {
+        std::lock_guard live(g_live_mu);
+        std::erase(g_live, &g);
+      }
       g.stop_watchdog_ = true;
       if (g.watchdog_.joinable()) g.watchdog_.join();
       std::lock_guard lock(g.flight_mu_);

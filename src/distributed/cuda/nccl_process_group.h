@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "distributed/heartbeat.h"
 #include "distributed/process_group.h"
 
 namespace forge {
@@ -46,16 +47,29 @@ class NcclProcessGroup final : public ProcessGroup {
   // Takes over `comm`, a ready communicator whose rank `rank` of `world_size` this process
   // is on GPU `device`: the setup both constructors share (the barrier's buffer, the
   // watchdog). Aborts `comm` when it throws. `label` names the group in messages.
+  // `heartbeat` (shared by the world and its splits, may be null): a failure goes through
+  // it (NOTE [Failure detection]).
   NcclProcessGroup(ncclComm_t comm, int rank, int world_size, int device, const ProcessGroupOptions& options,
-                   std::string label);
-  // The public constructor's part before that: the rendezvous and the new communicator.
-  static ncclComm_t connect(const LaunchEnv& env, const ProcessGroupOptions& options);
+                   std::string label, std::shared_ptr<Heartbeat> heartbeat);
+  struct Connected;
+  NcclProcessGroup(Connected connected, int rank, int world_size, int device, const ProcessGroupOptions& options);
+  struct Connected {
+    ncclComm_t comm;
+    std::shared_ptr<Heartbeat> heartbeat;  // when options.heartbeat_timeout > 0
+  };
+  // The public constructor's part before that: the rendezvous, the heartbeat and the new
+  // communicator.
+  static Connected connect(const LaunchEnv& env, const ProcessGroupOptions& options);
+  // Aborts the communicator of every live group (the heartbeat's last act before it ends
+  // the process on another rank's failure), each waited for a bounded time.
+  static void abort_all_communicators();
 
   // A collective enqueued and not yet seen complete.
   struct InFlight {
     cudaEvent_t done;
     std::string what;  // "all_reduce #12 (bf16, 4096 elements, sum)"
     Clock::time_point enqueued;
+    uint64_t record;  // its flight record entry (flight_recorder.h)
   };
 
   // Runs one NCCL call on the communicator, waits out ncclInProgress, records the
@@ -99,6 +113,7 @@ class NcclProcessGroup final : public ProcessGroup {
   std::atomic<bool> stop_watchdog_{false};
   std::thread watchdog_;
   bool destroyed_ = false;
+  std::shared_ptr<Heartbeat> heartbeat_;
 };
 
 }  // namespace forge
