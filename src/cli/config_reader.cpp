@@ -3,9 +3,12 @@
 #include "cli/config_reader.h"
 
 #include <map>
+#include <sstream>
+#include <stdexcept>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <yaml-cpp/eventhandler.h>
 #include <yaml-cpp/yaml.h>
 
 #include "cli/config_schema.h"
@@ -83,20 +86,72 @@ class FileWalker {
   std::map<std::string, int> first_lines_;
 };
 
+// NOTE [Counting YAML documents]
+// A config file holds one YAML document; a second ("---") would be ignored, so it is
+// refused. yaml-cpp 0.7's LoadAll loops forever on some malformed text (a 34-byte file
+// found by fuzz_experiment_yaml made it build empty documents until 10 GB of memory were
+// gone), so the documents are counted through the parser's events instead, with a bound:
+// a document costs at least two events, and no text of n bytes yields more than a few
+// events per byte, so passing 4n + 64 events means the parser is not terminating.
+class DocumentCounter final : public YAML::EventHandler {
+ public:
+  explicit DocumentCounter(size_t text_bytes) : limit_(4 * text_bytes + 64) {}
+  size_t documents() const { return documents_; }
+  void OnDocumentStart(const YAML::Mark&) override {
+    ++documents_;
+    tick();
+  }
+  void OnDocumentEnd() override { tick(); }
+  void OnNull(const YAML::Mark&, YAML::anchor_t) override { tick(); }
+  void OnAlias(const YAML::Mark&, YAML::anchor_t) override { tick(); }
+  void OnScalar(const YAML::Mark&, const std::string&, YAML::anchor_t, const std::string&) override { tick(); }
+  void OnSequenceStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    tick();
+  }
+  void OnSequenceEnd() override { tick(); }
+  void OnMapStart(const YAML::Mark&, const std::string&, YAML::anchor_t, YAML::EmitterStyle::value) override {
+    tick();
+  }
+  void OnMapEnd() override { tick(); }
+
+ private:
+  void tick() {
+    if (++events_ > limit_) throw std::length_error("the YAML parser does not terminate on this text");
+  }
+  size_t limit_, events_ = 0, documents_ = 0;
+};
+
+size_t count_documents(const std::string& path, const std::string& text) {
+  std::istringstream stream(text);
+  YAML::Parser parser(stream);
+  DocumentCounter counter(text.size());
+  try {
+    while (parser.HandleNextDocument(counter)) {
+    }
+  } catch (const YAML::Exception& e) {
+    FORGE_FAIL("{}:{}: invalid YAML: {}", path, e.mark.line + 1, e.msg);
+  } catch (const std::length_error&) {
+    FORGE_FAIL("{}: invalid YAML: the parser found {} or more documents in {} bytes and does not stop", path,
+               counter.documents(), text.size());
+  }
+  return counter.documents();
+}
+
 }  // namespace
 
 std::vector<ConfigSetting> read_config_file(const std::string& path, const std::string& prefix) {
   const std::string text = read_regular_file(path, "the config file");  // NOTE [User files must be regular files]
-  std::vector<YAML::Node> documents;
+  // A second document ("---") would be ignored silently: one file is one config
+  // (NOTE [Counting YAML documents]).
+  const size_t documents = count_documents(path, text);
+  if (documents > 1)
+    FORGE_FAIL("{}: holds {} YAML documents (separated by '---'); a config file holds one", path, documents);
+  YAML::Node root;
   try {
-    documents = YAML::LoadAll(text);
+    root = YAML::Load(text);
   } catch (const YAML::Exception& e) {
     FORGE_FAIL("{}:{}: invalid YAML: {}", path, e.mark.line + 1, e.msg);
   }
-  // A second document ("---") would be ignored silently: one file is one config.
-  if (documents.size() > 1)
-    FORGE_FAIL("{}: holds {} YAML documents (separated by '---'); a config file holds one", path, documents.size());
-  const YAML::Node root = documents.empty() ? YAML::Node() : documents.front();
   std::vector<ConfigSetting> settings;
   FileWalker walker(path, settings);
   if (root.IsNull()) return settings;

@@ -342,6 +342,14 @@ TEST(BadInputSilentAcceptance, TwoYamlDocumentsAreRefused) {
   EXPECT_EQ(load_experiment(write(dir, "one.yaml", "---\ntraining:\n  steps: 3\n"), {}).training.steps, 3);
 }
 
+// Found by fuzz_experiment_yaml: yaml-cpp 0.7's LoadAll builds empty documents forever on
+// this text (10 GB in 30 s); NOTE [Counting YAML documents] bounds the count.
+TEST(BadInputPathologicalPipeline, YamlThatNeverEndsIsRefused) {
+  TempDir dir;
+  const std::string path = write(dir, "loop.yaml", ",b-trainmodel:\n 6.ing:\nini\nnyg\xe8s=0");
+  expect_error([&] { load_experiment(path, {}); }, {"loop.yaml", "invalid YAML"});
+}
+
 TEST(BadInputSilentAcceptance, BlendWeightsThatOverflowAreRefused) {
   expect_error([] { parse_blend("1e308 a 1e308 b"); }, {"data.blend", "overflow"});
   expect_error([] { parse_blend("1e300 a 1e-300 b"); }, {"data.blend", "weight 2", "too small"});
