@@ -33,6 +33,7 @@ namespace {
 
 using net::Clock;
 using net::Deadline;
+using net::seconds_text;
 
 constexpr uint32_t kMagic = 0x42485246;  // the bytes "FRHB"
 constexpr size_t kHeaderBytes = 17;
@@ -51,13 +52,10 @@ std::atomic<int64_t> g_step{0};
 std::vector<uint8_t> frame(Type type, int64_t value, std::string_view text = {}) {
   text = text.substr(0, kMaxText);
   std::vector<uint8_t> out;
-  auto put = [&](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-  };
-  put(kMagic, 4);
-  put(static_cast<uint8_t>(type), 1);
-  put(static_cast<uint64_t>(value), 8);
-  put(text.size(), 4);
+  net::put_le(out, kMagic, 4);
+  net::put_le(out, static_cast<uint8_t>(type), 1);
+  net::put_le(out, static_cast<uint64_t>(value), 8);
+  net::put_le(out, text.size(), 4);
   out.insert(out.end(), text.begin(), text.end());
   return out;
 }
@@ -68,30 +66,22 @@ struct Frame {
   std::string text;
 };
 
-uint64_t get(const uint8_t* p, int bytes) {
-  uint64_t v = 0;
-  for (int i = 0; i < bytes; ++i) v |= uint64_t(p[i]) << (8 * i);
-  return v;
-}
-
 // The next whole frame of `buffer` (consumed), nullopt when incomplete; throws on garbage.
 std::optional<Frame> take_frame(std::vector<uint8_t>& buffer) {
   if (buffer.size() < kHeaderBytes) return std::nullopt;
   const uint8_t* p = buffer.data();
   const uint8_t type = p[4];
-  const uint64_t length = get(p + 13, 4);
-  if (get(p, 4) != kMagic || type < 1 || type > 5 || length > kMaxText)
+  const uint64_t length = net::get_le(p + 13, 4);
+  if (net::get_le(p, 4) != kMagic || type < 1 || type > 5 || length > kMaxText)
     throw Error("sent something that is not a forge heartbeat");
   if (buffer.size() < kHeaderBytes + length) return std::nullopt;
-  Frame f{static_cast<Type>(type), static_cast<int64_t>(get(p + 5, 8)),
+  Frame f{static_cast<Type>(type), static_cast<int64_t>(net::get_le(p + 5, 8)),
           std::string(buffer.begin() + kHeaderBytes, buffer.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes + length))};
   buffer.erase(buffer.begin(), buffer.begin() + static_cast<std::ptrdiff_t>(kHeaderBytes + length));
   return f;
 }
 
 std::string step_text(int64_t step) { return step > 0 ? fmt::format("in step {}", step) : "before its first step"; }
-
-std::string seconds_text(std::chrono::milliseconds d) { return fmt::format("{:g} s", d.count() / 1000.0); }
 
 struct Failure {
   std::string reason;
@@ -290,7 +280,7 @@ Heartbeat::Heartbeat(TcpStore& store, const LaunchEnv& env, HeartbeatOptions opt
     for (int i = 0; i < 4; ++i) port[i] = static_cast<uint8_t>(p >> (8 * i));
   }
   store.broadcast(port);
-  const int heartbeat_port = static_cast<int>(get(port.data(), 4));
+  const int heartbeat_port = static_cast<int>(net::get_le(port.data(), 4));
   if (env.rank == 0) {
     s->peers.resize(env.world_size - 1);
     for (int r = 1; r < env.world_size; ++r) s->peers[r - 1].rank = r;

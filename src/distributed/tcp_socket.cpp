@@ -13,6 +13,8 @@
 #include <cstring>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 
 namespace forge::net {
@@ -218,5 +220,17 @@ bool read_available(const Fd& fd, std::vector<uint8_t>& buffer) {
     FORGE_FAIL("reading from a rendezvous connection: {}", errno_text(errno));
   }
 }
+
+void put_le(std::vector<uint8_t>& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(value >> (8 * i)));
+}
+
+uint64_t get_le(const uint8_t* p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= uint64_t(p[i]) << (8 * i);
+  return value;
+}
+
+std::string seconds_text(std::chrono::milliseconds wait) { return fmt::format("{:g} s", wait.count() / 1000.0); }
 
 }  // namespace forge::net

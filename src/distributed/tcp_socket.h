@@ -64,4 +64,12 @@ void send_all(const Fd& fd, std::span<const uint8_t> bytes, Deadline deadline, s
 // connection (or reset it) and nothing more will come.
 bool read_available(const Fd& fd, std::vector<uint8_t>& buffer);
 
+// Little-endian integers of `bytes` bytes (1..8), as forge's wire frames (the rendezvous,
+// NOTE [TCP rendezvous], and the heartbeat) spell them.
+void put_le(std::vector<uint8_t>& out, uint64_t value, int bytes);
+uint64_t get_le(const uint8_t* p, int bytes);
+
+// A wait as messages give it: "2.5 s".
+std::string seconds_text(std::chrono::milliseconds wait);
+
 }  // namespace forge::net

@@ -18,6 +18,7 @@ namespace {
 
 using net::Clock;
 using net::Deadline;
+using net::seconds_text;
 
 // Frame layout (NOTE [TCP rendezvous]), little-endian: magic u32, version u16, type u16,
 // payload length u32, payload. The layout of the header and of ABORT never changes, so a
@@ -59,20 +60,12 @@ struct FrameView {
   std::span<const uint8_t> payload;
 };
 
-void put_u32(std::vector<uint8_t>& out, uint32_t v) {
-  for (int i = 0; i < 4; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-void put_u16(std::vector<uint8_t>& out, uint16_t v) {
-  for (int i = 0; i < 2; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint32_t get_u32(const uint8_t* p) {
-  return uint32_t(p[0]) | uint32_t(p[1]) << 8 | uint32_t(p[2]) << 16 | uint32_t(p[3]) << 24;
-}
-uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | p[1] << 8); }
-void put_u64(std::vector<uint8_t>& out, uint64_t v) {
-  for (int i = 0; i < 8; ++i) out.push_back(static_cast<uint8_t>(v >> (8 * i)));
-}
-uint64_t get_u64(const uint8_t* p) { return uint64_t(get_u32(p)) | uint64_t(get_u32(p + 4)) << 32; }
+void put_u32(std::vector<uint8_t>& out, uint32_t v) { net::put_le(out, v, 4); }
+void put_u16(std::vector<uint8_t>& out, uint16_t v) { net::put_le(out, v, 2); }
+void put_u64(std::vector<uint8_t>& out, uint64_t v) { net::put_le(out, v, 8); }
+uint32_t get_u32(const uint8_t* p) { return static_cast<uint32_t>(net::get_le(p, 4)); }
+uint16_t get_u16(const uint8_t* p) { return static_cast<uint16_t>(net::get_le(p, 2)); }
+uint64_t get_u64(const uint8_t* p) { return net::get_le(p, 8); }
 
 std::vector<uint8_t> frame_header(FrameType type, size_t payload_bytes) {
   std::vector<uint8_t> out;
@@ -93,7 +86,6 @@ std::span<const uint8_t> text_bytes(const std::string& text) {
   return {reinterpret_cast<const uint8_t*>(text.data()), text.size()};
 }
 
-std::string seconds_text(std::chrono::milliseconds ms) { return fmt::format("{:g} s", ms.count() / 1000.0); }
 
 struct Connection {
   net::Fd fd;
