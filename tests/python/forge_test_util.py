@@ -1,5 +1,6 @@
 """Shared helpers for the Python reference tests: where the forge binaries are, a scratch
-directory per test, and the relative-error measure the tests use."""
+directory per test, a run's losses, and the relative-error measure the tests use."""
+import json
 import os
 import subprocess
 import tempfile
@@ -33,3 +34,14 @@ def relative_error(actual, expected):
     scale = float(abs(expected).max())
     diff = float(abs(actual - expected).max())
     return diff / scale if scale > 0 else diff
+
+
+def train_losses(run_dir):
+    """Loss per step of RUN_DIR/metrics.jsonl; a resumed run re-logs the steps after its
+    checkpoint, the last wins."""
+    by_step = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for record in map(json.loads, f):
+            if record["type"] == "train":
+                by_step[record["step"]] = record["loss"]
+    return [by_step[s] for s in sorted(by_step)]

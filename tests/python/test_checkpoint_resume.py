@@ -12,7 +12,7 @@ import subprocess
 import time
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import forge_bin, scratch_dir, train_losses
 
 TINY = ["--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_steps", "9", "--eval.interval", "0"]
 # Large enough that writing a checkpoint takes about as long as a training step.
@@ -33,16 +33,6 @@ def scratch(case):
 
 def forge(*args):
     return subprocess.run([forge_bin(), "train", *args], capture_output=True, text=True)
-
-
-def train_losses(run_dir):
-    """Loss per step; a resumed run re-logs the steps after its checkpoint, the last wins."""
-    losses = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for record in map(json.loads, f):
-            if record["type"] == "train":
-                losses[record["step"]] = record["loss"]
-    return [losses[s] for s in sorted(losses)]
 
 
 def steps_in(folder):

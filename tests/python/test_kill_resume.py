@@ -13,7 +13,7 @@ import subprocess
 import time
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import forge_bin, scratch_dir, train_losses
 
 # Saving a checkpoint (3.5 MB, fsynced) takes about as long as a step, so the random
 # instants land in both.
@@ -26,16 +26,6 @@ RANK_KILLS = 6
 SEED = 1818
 TIMEOUT = 120
 ENV = dict(os.environ, FORGE_NUM_THREADS="1")
-
-
-def losses(run_dir):
-    """Loss per step; a resumed run logs again the steps after its checkpoint, the last wins."""
-    by_step = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for record in map(json.loads, f):
-            if record["type"] == "train":
-                by_step[record["step"]] = record["loss"]
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def train_command(run_dir, ranks=1, steps=STEPS):
@@ -63,7 +53,7 @@ class Kills(unittest.TestCase):
         result = subprocess.run(train_command(run_dir, ranks), capture_output=True, text=True, timeout=TIMEOUT,
                                 env=ENV)
         self.assertEqual(result.returncode, 0, result.stderr)
-        return losses(run_dir)
+        return train_losses(run_dir)
 
     def kill_and_resume(self, ranks, kills, kill):
         """Rounds of one run each: started, killed after a random delay, started again with
@@ -91,7 +81,7 @@ class Kills(unittest.TestCase):
                 if not killed:
                     self.assertEqual(proc.returncode, 0, err)
                     break
-            self.assertEqual(losses(run_dir), reference, f"round {rounds}")
+            self.assertEqual(train_losses(run_dir), reference, f"round {rounds}")
             shutil.rmtree(run_dir)
         print(f"{done} kills in {rounds} runs, {in_save} of them during a save")
 
@@ -119,7 +109,7 @@ class DamagedNewest(unittest.TestCase):
         cls.full = os.path.join(cls.dir, "full")
         result = subprocess.run(cls.command(cls.full), capture_output=True, text=True, env=ENV, timeout=TIMEOUT)
         assert result.returncode == 0, result.stderr
-        cls.full_losses = losses(cls.full)
+        cls.full_losses = train_losses(cls.full)
 
     @staticmethod
     def command(run_dir):
@@ -135,7 +125,7 @@ class DamagedNewest(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn(f"checkpoint '{newest}' cannot be resumed from", result.stderr)
         self.assertIn(f"resuming from checkpoint '{os.path.join(run_dir, 'checkpoints', 'step-3')}'", result.stdout)
-        self.assertEqual(losses(run_dir), self.full_losses)
+        self.assertEqual(train_losses(run_dir), self.full_losses)
         # The run saved step 6 again, whole: it resumes from there now.
         again = subprocess.run(self.command(run_dir), capture_output=True, text=True, env=ENV, timeout=TIMEOUT)
         self.assertEqual(again.returncode, 0, again.stderr)
