@@ -18,7 +18,8 @@ const std::string& temp_dir();
 std::string write_temp_file(const std::string& name, std::string_view bytes);
 
 // Runs `parse`; a forge::Error (a rejected input, with its message) is the expected
-// outcome of a bad input and is swallowed. Anything else escapes: an exception of
+// outcome of a bad input and is swallowed, as is a std::filesystem::filesystem_error
+// (the system refusing a path; commands report it naming the path, core/filesystem_error.h). Anything else escapes: an exception of
 // another type (std::out_of_range, nlohmann::json's, std::bad_alloc) is a bug
 // (a message that names no file or key) and aborts the harness, as do sanitizer reports.
 void expect_only_forge_errors(const std::function<void()>& parse);

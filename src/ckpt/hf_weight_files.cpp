@@ -13,8 +13,13 @@ namespace fs = std::filesystem;
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
 
+// A shard's name in the index: one file name in the model's directory, no longer than a
+// file name may be (NAME_MAX, 255 bytes on Linux), so that looking it up can only find or
+// not find it.
 bool is_plain_file_name(const std::string& name) {
-  return !name.empty() && name.find('/') == std::string::npos && name != "." && name != "..";
+  constexpr size_t kMaxFileNameBytes = 255;
+  return !name.empty() && name.size() <= kMaxFileNameBytes && name.find('/') == std::string::npos &&
+         name.find('\0') == std::string::npos && name != "." && name != "..";
 }
 
 }  // namespace
@@ -44,7 +49,8 @@ void HfWeightFiles::open_index(const std::string& dir, const std::string& index_
   std::map<std::string, size_t> file_slot;
   for (const auto& [tensor, file] : index["weight_map"].items()) {
     if (!file.is_string() || !is_plain_file_name(file.get<std::string>()))
-      FORGE_FAIL("{}: weight_map[\"{}\"] is {}, expected a file name in the same directory", index_path, tensor,
+      FORGE_FAIL("{}: weight_map[\"{}\"] is {}, expected a file name in the same directory (at most 255 bytes)",
+                 index_path, tensor,
                  describe_json(file));
     const std::string name = file.get<std::string>();
     tensor_to_file[tensor] = name;

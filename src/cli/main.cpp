@@ -3,11 +3,13 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/filesystem_error.h"
 #include "core/log.h"
 #include "distributed/launcher.h"
 
@@ -117,6 +119,11 @@ int main(int argc, char** argv) {
     }
   } catch (const forge::Error& e) {
     forge::log_error("{}", e.what());
+    return 1;
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A path forge was given, or built from what it was given, that the system refused
+    // (a name too long, no permission, a loop of links): the path and the system's reason.
+    forge::log_error("{}", forge::describe_filesystem_error(e));
     return 1;
   } catch (const std::exception& e) {
     forge::log_error("internal error: {}", e.what());

@@ -21,6 +21,7 @@
 #include "ckpt/safetensors.h"
 #include "cli/config.h"
 #include "cli/config_defaults.h"
+#include "core/filesystem_error.h"
 #include "core/input_file.h"
 #include "core/json_input.h"
 #include "core/tensor.h"
@@ -358,3 +359,16 @@ TEST(BadInputSilentAcceptance, BlendWeightsThatOverflowAreRefused) {
 
 }  // namespace
 }  // namespace forge
+
+TEST(BadInputFileSystem, RefusedPathsAreDescribedWithPathAndReason) {
+  // What forge's commands print when the system refuses a path built from user input.
+  const std::string long_name = "/tmp/" + std::string(300, 'x');
+  try {
+    (void)std::filesystem::status(long_name);
+    FAIL() << "the system accepted a 300-byte file name";
+  } catch (const std::filesystem::filesystem_error& e) {
+    EXPECT_EQ(forge::describe_filesystem_error(e), "'" + long_name + "': File name too long");
+  }
+  const std::filesystem::filesystem_error two("rename", "/a", "/b", std::make_error_code(std::errc::permission_denied));
+  EXPECT_EQ(forge::describe_filesystem_error(two), "'/a' -> '/b': Permission denied");
+}

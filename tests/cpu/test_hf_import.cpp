@@ -340,6 +340,12 @@ TEST(HfImportShards, IndexMustAgreeWithTheShards) {
   json escaping = index;
   escaping["weight_map"]["model.norm.weight"] = "../model.safetensors";
   EXPECT_NE(with_index(escaping).find("expected a file name in the same directory"), std::string::npos);
+  // Longer than a file name may be: refused by the index check, not by the system's lookup
+  // (found by fuzz_hf_weight_index, which saw std::filesystem throw "File name too long").
+  json too_long = index;
+  too_long["weight_map"]["model.norm.weight"] = std::string(300, 'I') + ".safetensors";
+  EXPECT_NE(with_index(too_long).find("expected a file name in the same directory (at most 255 bytes)"),
+            std::string::npos);
   json unlisted = index;
   unlisted["weight_map"].erase("model.norm.weight");
   EXPECT_NE(with_index(unlisted).find("holds 'model.norm.weight', which the index maps to no file"), std::string::npos);
