@@ -82,9 +82,9 @@ void SftDatasetWriter::add_example(const SftTokens& example) {
 void SftDatasetWriter::finalize() {
   tokens_.write_index();
   mask_.write_index();
-  std::vector<std::string> files = dataset_files(prefix_);
-  for (const auto& file : dataset_files(mask_prefix(prefix_))) files.push_back(file);
-  SetAside previous(files);
+  // Index files first: without <prefix>.idx nothing looks like a dataset (NOTE [SFT dataset pair]).
+  const std::string mask = mask_prefix(prefix_);
+  SetAside previous({prefix_ + ".idx", mask + ".idx", prefix_ + ".bin", mask + ".bin"});
   try {
     mask_.commit();
     tokens_.commit();  // <prefix>.idx last: NOTE [SFT dataset pair]

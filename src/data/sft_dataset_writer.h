@@ -7,7 +7,7 @@
 // NOTE [SFT dataset pair]
 // Both datasets are written under temporary names (NOTE [Atomic dataset output]) and only
 // put in place once both are complete, in this order: every existing file among
-// <prefix>.bin, .idx, .mask.bin, .mask.idx is first renamed aside (to
+// <prefix>.idx, .mask.idx, .bin, .mask.bin is first renamed aside, in that order (to
 // <file>.tmp-<host>-<pid>.previous), then the new mask's .bin and .idx are renamed into
 // place, then the tokens' .bin, and the tokens' .idx last; then the set-aside files are
 // deleted. <prefix>.idx is what makes a dataset visible, and it appears last, so:
