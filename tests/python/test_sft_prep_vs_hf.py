@@ -396,6 +396,20 @@ class SftPrepVsTransformers(unittest.TestCase):
         self.assertEqual(len(tokens), 0)
         self.assertIn("2 dropped with no response token left", log)
 
+    def test_bad_line_exits_nonzero_naming_file_line_and_field(self):
+        inputs = os.path.join(self.directory, "bad.jsonl")
+        with open(inputs, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"messages": CONVERSATIONS[0]}) + "\n")
+            f.write(json.dumps({"messages": [user("q"), {"role": "tool", "content": "x"}]}) + "\n")
+        prefix = os.path.join(self.directory, "bad")
+        result = subprocess.run([forge_test_util.forge_bin(), "prep", "--format", "sft", "--input", inputs,
+                                 "--tokenizer", self.tokenizers["llama2"], "--output-prefix", prefix],
+                                capture_output=True, text=True)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn(f"{inputs}:2:", result.stderr)
+        self.assertIn('messages[1].role is "tool"', result.stderr)
+        self.assertFalse(any(os.path.exists(prefix + s) for s in (".bin", ".idx", ".mask.bin", ".mask.idx")))
+
     def test_unrecognized_template_is_refused(self):
         folder = os.path.join(self.directory, "custom")
         shutil.copytree(self.tokenizers["llama3"], folder)
