@@ -38,7 +38,8 @@ int main(int argc, char** argv) {
   for (auto* sub : {train, info, bench}) sub->prefix_command();
 
   forge::PrepOptions prep_options;
-  std::string prep_tokenizer;
+  std::string prep_tokenizer, prep_format = "text", prep_chat_template, prep_train_on = "all",
+                              prep_overlong = "truncate";
   bool no_append_eod = false;
   auto* prep = app.add_subcommand(
       "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx)");
@@ -60,6 +61,23 @@ int main(int argc, char** argv) {
                  "JSON Lines: skip and count malformed lines instead of failing");
   prep->add_option("--workers", prep_options.workers, "tokenizing threads (default: FORGE_NUM_THREADS or all cores)")
       ->check(CLI::Range(1, 4096));
+  prep->add_flag("--prepend-bos", prep_options.prepend_bos,
+                 "put the tokenizer's BOS id in front of every document that does not start with it");
+  prep->add_option("--format", prep_format,
+                   "text: documents under --json-key or .txt files; sft: instruction examples (prompt/completion, "
+                   "Alpaca, chat messages), writing PREFIX.bin/.idx and the loss mask PREFIX.mask.bin/.idx")
+      ->check(CLI::IsMember({"text", "sft"}))->capture_default_str();
+  prep->add_option("--chat-template", prep_chat_template,
+                   "sft: llama3|llama2|mistral|auto|none (default: auto when tokenizer_config.json beside the "
+                   "tokenizer has a chat_template, else none)")
+      ->check(CLI::IsMember({"llama3", "llama2", "mistral", "auto", "none"}));
+  prep->add_option("--train-on", prep_train_on, "sft chat: which assistant turns are trained on: all or last")
+      ->check(CLI::IsMember({"all", "last"}))->capture_default_str();
+  prep->add_option("--seq-len", prep_options.seq_len,
+                   "sft: training sequence length; an example fits with at most seq-len + 1 tokens (default 0: no limit)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  prep->add_option("--overlong", prep_overlong, "sft: truncate or drop examples longer than --seq-len + 1 tokens")
+      ->check(CLI::IsMember({"truncate", "drop"}))->capture_default_str();
 
   forge::LaunchOptions launch_options;
   auto* launch = app.add_subcommand(
@@ -115,7 +133,11 @@ int main(int argc, char** argv) {
     if (report->parsed()) return forge::run_report(report_dirs, report_output);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
-      return forge::run_prep(prep_options, prep_tokenizer);
+      prep_options.format = prep_format == "sft" ? forge::PrepFormat::Sft : forge::PrepFormat::Text;
+      prep_options.sft.train_on =
+          prep_train_on == "last" ? forge::TrainOn::LastAssistantTurn : forge::TrainOn::AllAssistantTurns;
+      prep_options.overlong = prep_overlong == "drop" ? forge::Overlong::Drop : forge::Overlong::Truncate;
+      return forge::run_prep(prep_options, prep_tokenizer, prep_chat_template);
     }
   } catch (const forge::Error& e) {
     forge::log_error("{}", e.what());

@@ -15,6 +15,14 @@
 // batches in the order they were read. At most 2 x workers batches are in flight, so
 // memory stays bounded whatever the corpus size.
 //
+// --prepend-bos (prepend_bos) puts the tokenizer's BOS id in front of every non-empty
+// document that does not already start with it.
+//
+// format Sft (`forge prep --format sft`) reads instruction examples instead, one per JSON
+// Lines line (sft_example.h), renders them (sft_tokenize.h, chat_template.h) and writes
+// tokens plus a loss mask as two datasets (sft_dataset_writer.h), with `seq_len` /
+// `overlong` deciding what happens to examples longer than a training sample.
+//
 // The output is written atomically: a failed or interrupted run leaves the dataset
 // already at the prefix as it was and never a .bin/.idx pair that looks complete but is
 // not (NOTE [Atomic dataset output] in data/indexed_dataset.h).
@@ -26,11 +34,15 @@
 #include <vector>
 
 #include "data/indexed_dataset.h"
+#include "data/sft_tokenize.h"
 #include "data/tokenizer.h"
 
 namespace forge {
 
+enum class PrepFormat { Text, Sft };
+
 struct PrepOptions {
+  PrepFormat format = PrepFormat::Text;
   std::vector<std::string> inputs;  // JSON Lines or text files, optionally .gz / .zst
   std::string output_prefix;        // writes <output_prefix>.bin and <output_prefix>.idx
   std::string json_key = "text";
@@ -38,6 +50,11 @@ struct PrepOptions {
   bool text_per_line = false;
   bool skip_bad_lines = false;
   int workers = 0;  // tokenizing threads; 0: num_threads()
+  bool prepend_bos = false;
+  // Sft only: rendering (the chat template, chosen by choose_chat_template) and length.
+  SftEncoderOptions sft;
+  int64_t seq_len = 0;  // 0: no limit
+  Overlong overlong = Overlong::Truncate;
 };
 
 // Where a run stands; handed to the progress callback after every written batch.
@@ -59,6 +76,12 @@ struct PrepSummary {
   uint64_t output_bytes = 0;  // .bin + .idx
   IndexedDType dtype = IndexedDType::U16;
   double seconds = 0;
+  // Sft only (documents above counts the examples written):
+  int64_t examples_read = 0;        // lines parsed, skipped bad lines not included
+  int64_t truncated = 0;            // overlong, cut to seq_len + 1 tokens
+  int64_t dropped_overlong = 0;     // overlong with overlong = Drop
+  int64_t dropped_no_response = 0;  // no response token left after truncation
+  int64_t response_tokens = 0;      // mask ones written
 };
 
 // The inputs' total size as stored (the progress total); a file that cannot be read

@@ -93,6 +93,10 @@ bool DocumentReader::next_from_json_lines(std::string& text) {
   std::string line;
   while (next_line(line)) {
     if (is_blank(line)) continue;
+    if (options_.raw_lines) {
+      text = std::move(line);
+      return true;
+    }
     const std::string problem = json_line_text(line, options_.json_key, text);
     if (problem.empty()) return true;
     if (!options_.skip_bad_lines)
@@ -119,6 +123,10 @@ bool DocumentReader::next_from_text(std::string& text) {
     if (n == 0) return true;
     text.append(buffer_.data(), n);
   }
+}
+
+std::string DocumentReader::location() const {
+  return stream_ ? fmt::format("{}:{}", stream_->path(), line_number_) : std::string("(no input open)");
 }
 
 bool DocumentReader::next(std::string& text) {

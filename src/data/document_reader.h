@@ -35,6 +35,9 @@ struct DocumentReaderOptions {
   std::string json_key = "text";
   bool text_per_line = false;
   bool skip_bad_lines = false;
+  // JSON Lines: every non-blank line is returned whole, unparsed (the caller parses it;
+  // `forge prep --format sft`), and location() names it.
+  bool raw_lines = false;
 };
 
 class DocumentReader {
@@ -47,6 +50,9 @@ class DocumentReader {
   bool next(std::string& text);
   // Bytes of the input files (as stored, compressed or not) consumed so far.
   uint64_t file_bytes_read() const { return finished_files_bytes_ + (stream_ ? stream_->file_bytes_read() : 0); }
+  // "file:line" of the document next() returned last (JSON Lines and --text-per-line).
+  std::string location() const;
+  bool raw_lines() const { return options_.raw_lines; }
   // Lines skipped as malformed (only with skip_bad_lines).
   int64_t skipped_lines() const { return skipped_lines_; }
 

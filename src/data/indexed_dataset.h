@@ -36,6 +36,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <string_view>
@@ -104,7 +105,15 @@ class IndexedDatasetWriter {
   void end_document();
   // Writes the rest of .bin and the .idx, and moves both into place. Sequences after the
   // last end_document() are closed into a final document.
-  void finalize();
+  void finalize() {
+    write_index();
+    commit();
+  }
+  // finalize() in two steps, for a caller that promotes several datasets together (NOTE
+  // [SFT dataset pair] in data/sft_dataset_writer.h): write_index() completes both
+  // temporary files; commit() moves them into place as NOTE [Atomic dataset output] says.
+  void write_index();
+  void commit();
 
  private:
   void write_buffered_tokens();
@@ -115,6 +124,7 @@ class IndexedDatasetWriter {
   std::vector<int32_t> sequence_lengths_;
   std::vector<int64_t> document_indices_{0};
   std::vector<uint8_t> buffer_;  // encoded tokens not yet written to bin_
+  std::unique_ptr<AtomicFile> idx_;  // written by write_index()
   bool finalized_ = false;
 };
 

@@ -91,7 +91,7 @@ void IndexedDatasetWriter::end_document() {
   document_indices_.push_back(static_cast<int64_t>(sequence_lengths_.size()));
 }
 
-void IndexedDatasetWriter::finalize() {
+void IndexedDatasetWriter::write_index() {
   FORGE_CHECK(!finalized_, "{}: finalize called twice", prefix_);
   finalized_ = true;
   if (document_indices_.back() != static_cast<int64_t>(sequence_lengths_.size())) end_document();
@@ -110,8 +110,13 @@ void IndexedDatasetWriter::finalize() {
   }
   for (int64_t document : document_indices_) append<int64_t>(index, document);
 
-  AtomicFile idx(prefix_ + ".idx", kDatasetDurability);
-  idx.write(index.data(), index.size());
+  idx_ = std::make_unique<AtomicFile>(prefix_ + ".idx", kDatasetDurability);
+  idx_->write(index.data(), index.size());
+}
+
+void IndexedDatasetWriter::commit() {
+  FORGE_CHECK(finalized_ && idx_, "{}: commit before write_index", prefix_);
+  AtomicFile& idx = *idx_;
 
   // Into place, the previous .idx out of the way first: NOTE [Atomic dataset output].
   const std::string idx_path = prefix_ + ".idx", previous_idx = idx.temporary_path() + ".previous";

@@ -22,8 +22,8 @@ constexpr size_t kBatchDocuments = 4096;
 
 class OrderedPipeline {
  public:
-  OrderedPipeline(DocumentReader& reader, const Tokenizer& tokenizer, int workers)
-      : reader_(reader), tokenizer_(tokenizer), workers_(workers), max_in_flight_(2 * static_cast<int64_t>(workers)) {}
+  OrderedPipeline(DocumentReader& reader, std::function<void(TokenizedBatch&)> work, int workers)
+      : reader_(reader), work_(std::move(work)), workers_(workers), max_in_flight_(2 * static_cast<int64_t>(workers)) {}
 
   void run(const std::function<void(const TokenizedBatch&)>& consume) {
     std::vector<std::thread> threads;
@@ -63,6 +63,7 @@ class OrderedPipeline {
       while (batch.texts.size() < kBatchDocuments && batch.text_bytes < kBatchTextBytes && (more = reader_.next(text))) {
         batch.text_bytes += text.size();
         batch.texts.push_back(std::move(text));
+        if (reader_.raw_lines()) batch.locations.push_back(reader_.location());
       }
       batch.file_bytes_read = reader_.file_bytes_read();
       std::unique_lock lock(mutex_);
@@ -84,11 +85,9 @@ class OrderedPipeline {
         job = std::move(waiting_.front());
         waiting_.pop_front();
       }
-      TokenizedBatch& batch = job.second;
-      batch.ids.reserve(batch.texts.size());
-      for (const auto& text : batch.texts) batch.ids.push_back(tokenizer_.encode(text));
+      work_(job.second);
       std::lock_guard lock(mutex_);
-      finished_.emplace(job.first, std::move(batch));
+      finished_.emplace(job.first, std::move(job.second));
       changed_.notify_all();
     }
   }
@@ -114,7 +113,7 @@ class OrderedPipeline {
   }
 
   DocumentReader& reader_;
-  const Tokenizer& tokenizer_;
+  const std::function<void(TokenizedBatch&)> work_;
   const int workers_;
   const int64_t max_in_flight_;
 
@@ -130,10 +129,21 @@ class OrderedPipeline {
 
 }  // namespace
 
+void process_in_order(DocumentReader& reader, int workers, const std::function<void(TokenizedBatch&)>& work,
+                      const std::function<void(const TokenizedBatch&)>& consume) {
+  FORGE_CHECK(workers >= 1, "{} workers", workers);
+  OrderedPipeline(reader, work, workers).run(consume);
+}
+
 void tokenize_in_order(DocumentReader& reader, const Tokenizer& tokenizer, int workers,
                        const std::function<void(const TokenizedBatch&)>& consume) {
-  FORGE_CHECK(workers >= 1, "{} workers", workers);
-  OrderedPipeline(reader, tokenizer, workers).run(consume);
+  process_in_order(
+      reader, workers,
+      [&](TokenizedBatch& batch) {
+        batch.ids.reserve(batch.texts.size());
+        for (const auto& text : batch.texts) batch.ids.push_back(tokenizer.encode(text));
+      },
+      consume);
 }
 
 }  // namespace forge

@@ -24,12 +24,20 @@ namespace forge {
 
 struct TokenizedBatch {
   std::vector<std::string> texts;
+  std::vector<std::string> locations;     // "file:line" of texts[i], when the reader has raw_lines
   std::vector<std::vector<int32_t>> ids;  // ids[i]: tokens of texts[i], no BOS/EOS
+  std::vector<std::vector<uint8_t>> masks;  // filled by process_in_order's work, when it makes masks
+  std::vector<std::string> errors;          // likewise: why texts[i] was refused, empty if it was not
   uint64_t file_bytes_read = 0;           // reader's input position after this batch
   uint64_t text_bytes = 0;
 };
 
 void tokenize_in_order(DocumentReader& reader, const Tokenizer& tokenizer, int workers,
                        const std::function<void(const TokenizedBatch&)>& consume);
+
+// The same pipeline with another worker step: `work` fills a batch's outputs from its
+// texts (on the worker threads, so it must be safe to run on several batches at once).
+void process_in_order(DocumentReader& reader, int workers, const std::function<void(TokenizedBatch&)>& work,
+                      const std::function<void(const TokenizedBatch&)>& consume);
 
 }  // namespace forge
