@@ -43,6 +43,8 @@ class IncrementalDecoder {
                      DType compute_dtype = DType::F32);
 
   const ModelConfig& config() const { return config_; }
+  Device device() const { return device_; }
+  DType compute_dtype() const { return dtype_; }
   int64_t capacity() const { return capacity_; }
   // Positions cached so far: the next step's tokens sit at position() onwards.
   int64_t position() const { return position_; }
