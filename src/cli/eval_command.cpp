@@ -88,9 +88,9 @@ Split parse_split(const std::string& name) {
   FORGE_FAIL("forge eval: --split '{}': expected train, validation or test", name);
 }
 
-// The model's architecture as model.* overrides (its name included).
+// The model's architecture as model.* overrides.
 ConfigOverrides model_overrides(const ModelConfig& model) {
-  ConfigOverrides out{{"model.name", model.name}};
+  ConfigOverrides out;
   std::istringstream words(model_overrides_for(model));
   std::string key, value;
   while (words >> key >> value) out.emplace_back(key.substr(2), value);
@@ -106,10 +106,13 @@ int run_eval(const std::vector<std::string>& args) {
   ConfigOverrides overrides = model_overrides(loaded.config);
   overrides.insert(overrides.end(), a.overrides.begin(), a.overrides.end());
   ExperimentConfig config = load_experiment(a.experiment, overrides);
-  const std::vector<std::string> differences = architecture_differences(config.model, loaded.config);
+  std::vector<std::string> differences = architecture_differences(config.model, loaded.config);
+  for (std::string& d : differences)  // the model may be a forge checkpoint: no config.json
+    if (d.ends_with(" in config.json")) d = d.substr(0, d.size() - 15) + " in the model";
   if (!differences.empty())
     FORGE_FAIL("forge eval: the overrides contradict the architecture of {} (\"here\" is the override; drop it): {}",
                loaded.description, fmt::join(differences, "; "));
+  config.model.name = loaded.config.name;  // model.name would name a preset file, not the model
   const int64_t batches = a.batches > 0 ? a.batches : config.eval.steps;
   if (batches < 1) FORGE_FAIL("forge eval: eval.steps is {}: give --batches N (N >= 1)", config.eval.steps);
   log_info("evaluating {} ({} parameters) on {} data, {} split: {} batches of {} x {} tokens on {}",

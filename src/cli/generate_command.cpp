@@ -114,7 +114,13 @@ int run_generate(const GenerateOptions& o) {
     FORGE_FAIL("{} has no tokenizer of its own: give --tokenizer (tokenizer.json, tokenizer.model or a folder "
                "holding one)",
                model.description);
-  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_path);
+  std::unique_ptr<Tokenizer> tokenizer;
+  try {
+    tokenizer = load_tokenizer(tokenizer_path);
+  } catch (const Error& e) {
+    if (!o.tokenizer.empty()) throw;
+    FORGE_FAIL("{} (the tokenizer of {}; give --tokenizer to use another)", e.what(), model.description);
+  }
   const int64_t vocab = model.config.vocab_size;
   if (tokenizer->vocab_size() > vocab)
     FORGE_FAIL("tokenizer '{}' has {} tokens but the model's vocabulary is {} ({}): they do not belong together",
