@@ -19,13 +19,13 @@
 
 #include "ckpt/model_source.h"
 #include "cli/commands.h"
+#include "core/device.h"
 #include "core/durable_file.h"
 #include "core/json_input.h"
 #include "core/log.h"
 #include "data/tokenizer.h"
 #include "model/incremental_decoder.h"
 #include "train/text_generation.h"
-#include "train/trainer.h"
 
 namespace forge {
 namespace {
@@ -102,10 +102,9 @@ int run_generate(const GenerateOptions& o) {
   prompt_text += o.prompt;
   if (prompt_text.empty())
     FORGE_FAIL("the prompt is empty: give --prompt TEXT and/or --prompt-file FILE with some text");
-  ExperimentConfig device_config;  // the device checks forge train makes (build, GPU visible)
-  device_config.training.device = o.device;
-  device_config.precision.compute_dtype = o.device == "cuda" ? "bf16" : "fp32";
-  const Device device = compute_device(device_config);
+  const Device device = o.device == "cuda" ? Device::CUDA : Device::CPU;
+  if (device == Device::CUDA && !cuda_available())
+    FORGE_FAIL("--device cuda: no GPU is visible, or this build of forge has no CUDA backend");
 
   set_log_level(LogLevel::Warn);  // stdout carries the generated text alone
   LoadedModel model = load_model(o.model);

@@ -53,7 +53,7 @@ GenerationResult generate_tokens(IncrementalDecoder& decoder, ParamSource& weigh
   std::vector<float> row = host_logits(logits);
   result.prefill_seconds = seconds_since(t0);
   t0 = std::chrono::steady_clock::now();
-  Tensor next = Tensor::empty({1}, DType::I32);
+  Tensor next = Tensor::empty({1}, DType::I32), next_on_device = Tensor::empty({1}, DType::I32, device);
   while (true) {
     const int32_t token = sampler.next(row);
     result.tokens.push_back(token);
@@ -64,7 +64,8 @@ GenerationResult generate_tokens(IncrementalDecoder& decoder, ParamSource& weigh
     }
     if (static_cast<int64_t>(result.tokens.size()) == options.max_new_tokens) break;
     next.data<int32_t>()[0] = token;
-    decoder.forward(next.to(device), weights, logits);
+    next_on_device.copy_from(next);
+    decoder.forward(next_on_device, weights, logits);
     row = host_logits(logits);
   }
   result.decode_seconds = seconds_since(t0);
