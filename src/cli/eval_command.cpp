@@ -64,9 +64,10 @@ EvalArgs parse_eval_args(const std::vector<std::string>& args) {
       if (std::string(flag) == "--split") out.split = value;
       if (std::string(flag) == "--batches") out.batches = parse_batches(value);
       if (std::string(flag) == "--json") out.json = value;
+      break;
     }
     if (matched) continue;
-    if (i == 0 && !arg.starts_with("--")) {
+    if (!arg.starts_with("--") && out.experiment.empty() && overrides.empty()) {
       out.experiment = arg;
     } else {
       overrides.push_back(arg);

@@ -212,6 +212,10 @@ class EvalGenerate(unittest.TestCase):
         forge("eval", "--model", run_dir, *common, "--json", out)
         with open(out) as f:
             self.assertAlmostEqual(json.load(f)["loss"], evals[4], places=9)
+        # The run's own config.yaml as the experiment, named after --model.
+        forge("eval", "--model", run_dir, os.path.join(run_dir, "config.yaml"), "--json", out)
+        with open(out) as f:
+            self.assertAlmostEqual(json.load(f)["loss"], evals[4], places=9)
         # The newest checkpoint damaged: the one before it is evaluated, with a warning.
         shard = os.path.join(run_dir, "checkpoints", "step-4", "rank-0.bin")
         with open(shard, "r+b") as f:
