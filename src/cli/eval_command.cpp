@@ -4,7 +4,8 @@
 //   forge eval [EXPERIMENT.yaml] --model PATH [--split validation|train|test]
 //              [--batches N] [--json FILE] [--section.key VALUE ...]
 //
-// The architecture is the model's: its keys are given to the experiment as model.*
+// With no experiment file and a run directory as the model, the run's config.yaml is the
+// experiment (its data, batch shape and device). The architecture is the model's: its keys are given to the experiment as model.*
 // overrides ahead of the user's, so the experiment file's model section is not used and an
 // explicit --model.* override that contradicts the model is an error. The data, batch
 // shape (training.local_batch_size, training.seq_len) and device (training.device) are the
@@ -12,6 +13,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <sstream>
 
 #include "ckpt/hf_import.h"
@@ -103,6 +105,12 @@ ConfigOverrides model_overrides(const ModelConfig& model) {
 int run_eval(const std::vector<std::string>& args) {
   EvalArgs a = parse_eval_args(args);
   const Split split = parse_split(a.split);
+  std::error_code error;
+  const std::string run_config = (std::filesystem::path(a.model) / "config.yaml").string();
+  if (a.experiment.empty() && std::filesystem::is_regular_file(run_config, error)) {
+    a.experiment = run_config;  // a run directory: evaluate on the data it trained with
+    log_info("experiment: {} (the run's own; give an experiment file to use other data)", run_config);
+  }
   LoadedModel loaded = load_model(a.model);
   ConfigOverrides overrides = model_overrides(loaded.config);
   overrides.insert(overrides.end(), a.overrides.begin(), a.overrides.end());

@@ -209,10 +209,11 @@ class EvalGenerate(unittest.TestCase):
                 if record["type"] == "eval":
                     evals[record["step"]] = record["loss"]
         out = os.path.join(self.work, "run_eval.json")
-        forge("eval", "--model", run_dir, *common, "--json", out)
+        result = forge("eval", "--model", run_dir, "--json", out)  # the run's config.yaml is the experiment
+        self.assertIn("config.yaml (the run's own", result.stdout.decode())
         with open(out) as f:
             self.assertAlmostEqual(json.load(f)["loss"], evals[4], places=9)
-        # The run's own config.yaml as the experiment, named after --model.
+        # Given explicitly, after --model.
         forge("eval", "--model", run_dir, os.path.join(run_dir, "config.yaml"), "--json", out)
         with open(out) as f:
             self.assertAlmostEqual(json.load(f)["loss"], evals[4], places=9)
