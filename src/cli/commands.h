@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "data/dataset_prep.h"
+#include "train/token_sampler.h"
 
 namespace forge {
 
@@ -18,6 +19,16 @@ int run_hf_info(const std::string& dir);
 int run_prep(PrepOptions options, const std::string& tokenizer_path, const std::string& chat_template);
 // Exit code 1 when any check failed; json_path empty: no JSON report.
 int run_preflight(const std::string& json_path);
+// forge eval [EXPERIMENT.yaml] --model PATH [--split S] [--batches N] [--json FILE] [overrides]
+int run_eval(const std::vector<std::string>& args);
+
+struct GenerateOptions {
+  std::string model, tokenizer, prompt, prompt_file, device = "cpu", json;
+  int64_t max_new_tokens = 128;
+  SamplingOptions sampling;
+  bool no_bos = false, ignore_eos = false;
+};
+int run_generate(const GenerateOptions& options);
 int run_report(const std::vector<std::string>& run_dirs, const std::string& output);
 
 }  // namespace forge

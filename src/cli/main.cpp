@@ -35,7 +35,42 @@ int main(int argc, char** argv) {
   auto* hf_info = app.add_subcommand("hf-info", "Architecture of a Hugging Face model directory and the --model.* "
                                                  "overrides that train from it: forge hf-info DIR");
   hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
-  for (auto* sub : {train, info, bench}) sub->prefix_command();
+  auto* eval = app.add_subcommand(
+      "eval", "Loss and perplexity of a model on an experiment's data: forge eval [EXPERIMENT.yaml] --model "
+              "CHECKPOINT|RUN_DIR|HF_DIR [--split validation|train|test] [--batches N] [--json FILE] "
+              "[--section.key VALUE ...]");
+  eval->footer("The architecture comes from the model; the data, training.local_batch_size, training.seq_len and "
+               "training.device from the experiment and overrides. --batches defaults to eval.steps.");
+  for (auto* sub : {train, info, bench, eval}) sub->prefix_command();
+
+  forge::GenerateOptions generate_options;
+  auto* generate = app.add_subcommand(
+      "generate", "Generate text from a model and a prompt with a KV cache, greedy or sampled, streamed to stdout");
+  generate->footer("Example: forge generate --model /models/Llama-3.2-1B --prompt 'The capital of France is' "
+                   "--max-new-tokens 32");
+  generate->add_option("--model", generate_options.model,
+                       "forge checkpoint (step-N), folder of checkpoints, run directory, or Hugging Face folder")
+      ->required();
+  generate->add_option("--tokenizer", generate_options.tokenizer,
+                       "tokenizer.json, tokenizer.model or a folder holding one (default: the Hugging Face folder)");
+  generate->add_option("--prompt", generate_options.prompt, "prompt text (after --prompt-file's, when both)");
+  generate->add_option("--prompt-file", generate_options.prompt_file, "file whose text starts the prompt");
+  generate->add_option("--max-new-tokens", generate_options.max_new_tokens, "tokens to generate at most")
+      ->capture_default_str();
+  generate->add_option("--temperature", generate_options.sampling.temperature, "0: greedy; > 0: sample")
+      ->capture_default_str();
+  generate->add_option("--top-k", generate_options.sampling.top_k, "sample among the k most likely (0: all)")
+      ->capture_default_str();
+  generate->add_option("--top-p", generate_options.sampling.top_p, "nucleus sampling: the most likely tokens "
+                                                                  "whose probability reaches p")
+      ->capture_default_str();
+  generate->add_option("--seed", generate_options.sampling.seed, "seed of the sampling")->capture_default_str();
+  generate->add_option("--device", generate_options.device, "cpu or cuda")->capture_default_str();
+  generate->add_flag("--no-bos", generate_options.no_bos, "do not put the tokenizer's BOS before the prompt");
+  generate->add_flag("--ignore-eos", generate_options.ignore_eos, "generate max-new-tokens whatever comes");
+  generate->add_option("--json", generate_options.json,
+                       "also write the prompt's and the new tokens' ids, the text and timings to FILE")
+      ->type_name("FILE");
 
   forge::PrepOptions prep_options;
   std::string prep_tokenizer, prep_format = "text", prep_chat_template, prep_train_on = "all",
@@ -121,6 +156,8 @@ int main(int argc, char** argv) {
     if (train->parsed()) return forge::run_train(train->remaining());
     if (info->parsed()) return forge::run_info(info->remaining());
     if (bench->parsed()) return forge::run_bench_command(bench->remaining());
+    if (eval->parsed()) return forge::run_eval(eval->remaining());
+    if (generate->parsed()) return forge::run_generate(generate_options);
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
     if (launch->parsed()) {

@@ -52,17 +52,7 @@ std::string human_count(double n) {
 Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yaml, ProcessGroup* world)
     : config_(config), resolved_yaml_(std::move(resolved_config_yaml)), world_(world) {
   const TrainingConfig& t = config_.training;
-  if (t.device == "cuda") {
-    if (!cuda_available())
-      FORGE_FAIL("training.device is 'cuda' but {}", kCudaBuilt ? "no GPU is visible"
-                                                                      : "this build of forge has no CUDA backend");
-    if (config_.precision.compute_dtype != "bf16")
-      FORGE_FAIL("precision.compute_dtype '{}' is not available on CUDA: use bf16", config_.precision.compute_dtype);
-    device_ = Device::CUDA;
-  } else if (config_.precision.compute_dtype != "fp32") {
-    FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
-               config_.precision.compute_dtype);
-  }
+  device_ = compute_device(config_);
   // Before anything touches the GPU: the NCCL group makes GPU local_rank this process's device.
   set_up_data_parallel();
 
@@ -100,7 +90,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode));
 
-  uint64_t data_seed = derive_seed(t.seed, kDataSeed);
+  uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
   if (config_.eval.interval > 0)
     eval_data_ = make_dataset(config_.data, Split::Validation, t.seq_len, config_.model.vocab_size, data_seed);
@@ -167,6 +157,23 @@ void Trainer::set_up_data_parallel() {
 }
 
 Trainer::~Trainer() = default;
+
+Device compute_device(const ExperimentConfig& config) {
+  if (config.training.device == "cuda") {
+    if (!cuda_available())
+      FORGE_FAIL("training.device is 'cuda' but {}", kCudaBuilt ? "no GPU is visible"
+                                                                      : "this build of forge has no CUDA backend");
+    if (config.precision.compute_dtype != "bf16")
+      FORGE_FAIL("precision.compute_dtype '{}' is not available on CUDA: use bf16", config.precision.compute_dtype);
+    return Device::CUDA;
+  }
+  if (config.precision.compute_dtype != "fp32")
+    FORGE_FAIL("precision.compute_dtype '{}' is not available on the CPU reference path: use fp32",
+               config.precision.compute_dtype);
+  return Device::CPU;
+}
+
+uint64_t dataset_seed(const TrainingConfig& training) { return derive_seed(training.seed, kDataSeed); }
 
 ProcessGroupOptions process_group_options(const ExperimentConfig& config) {
   const ParallelismConfig& p = config.parallelism;

@@ -64,6 +64,12 @@ struct TrainResult {
 
 // The process group settings an experiment asks for (device, parallelism timeouts).
 ProcessGroupOptions process_group_options(const ExperimentConfig& config);
+// The device an experiment computes on (training.device), checked against the build, the
+// GPUs visible and precision.compute_dtype (NOTE [Op placement]).
+Device compute_device(const ExperimentConfig& config);
+// The seed make_dataset draws the experiment's data with (training.seed's data stream):
+// forge eval reads the validation data forge train evaluates on.
+uint64_t dataset_seed(const TrainingConfig& training);
 
 class Trainer {
  public:

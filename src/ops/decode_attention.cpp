@@ -1,0 +1,87 @@
+#include "ops/decode_attention.h"
+
+#include "core/op_profile.h"
+#include "kernels/cpu/decode_attention.h"
+#include "ops/placement.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/decode_attention.h"
+#endif
+
+namespace forge {
+namespace {
+
+cpu::DecodeAttentionDims decode_dims(const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
+                                     int64_t position, const AttentionShape& shape, const char* op) {
+  FORGE_CHECK(shape.num_kv_heads > 0 && shape.num_q_heads > 0 && shape.num_q_heads % shape.num_kv_heads == 0,
+              "{}: {} query heads do not split into groups over {} kv heads", op, shape.num_q_heads,
+              shape.num_kv_heads);
+  FORGE_CHECK(shape.sliding_window >= 0, "{}: sliding window {} is negative", op, shape.sliding_window);
+  FORGE_CHECK(shape.scale > 0.0f, "{}: scale {} must be positive", op, shape.scale);
+  FORGE_CHECK(qkv.ndim() == 4 && qkv.dim(2) == shape.num_q_heads + 2 * shape.num_kv_heads,
+              "{}: qkv {} must be [B, n, {} + 2 * {}, D]", op, shape_str(qkv.shape()), shape.num_q_heads,
+              shape.num_kv_heads);
+  FORGE_CHECK(k_cache.ndim() == 4 && k_cache.dim(0) == qkv.dim(0) && k_cache.dim(2) == shape.num_kv_heads &&
+                  k_cache.dim(3) == qkv.dim(3),
+              "{}: k_cache {} must be [{}, capacity, {}, {}]", op, shape_str(k_cache.shape()), qkv.dim(0),
+              shape.num_kv_heads, qkv.dim(3));
+  check_shape(v_cache, k_cache.shape(), op);
+  FORGE_CHECK(position >= 0 && position + qkv.dim(1) <= k_cache.dim(1),
+              "{}: positions {} .. {} do not fit a cache of {}", op, position, position + qkv.dim(1) - 1,
+              k_cache.dim(1));
+  const DType dtype = qkv.device() == Device::CUDA ? DType::BF16 : DType::F32;
+  expect_tensor(qkv, qkv.device(), dtype, op);
+  expect_tensor(k_cache, qkv.device(), dtype, op);
+  expect_tensor(v_cache, qkv.device(), dtype, op);
+  return cpu::DecodeAttentionDims{.batch = qkv.dim(0),
+                                  .queries = qkv.dim(1),
+                                  .capacity = k_cache.dim(1),
+                                  .q_heads = shape.num_q_heads,
+                                  .kv_heads = shape.num_kv_heads,
+                                  .head_dim = qkv.dim(3),
+                                  .window = shape.sliding_window,
+                                  .position = position,
+                                  .scale = shape.scale};
+}
+
+#ifdef FORGE_CUDA
+cuda::DecodeAttentionProblem cuda_problem(const cpu::DecodeAttentionDims& d) {
+  return {d.batch, d.queries, d.capacity, d.q_heads, d.kv_heads, d.head_dim, d.window, d.position, d.scale};
+}
+#endif
+
+}  // namespace
+
+void kv_cache_append(const Tensor& k_cache, const Tensor& v_cache, const Tensor& qkv, int64_t position,
+                     const AttentionShape& shape) {
+  OpProfileScope profile(OpClass::Elementwise, "kv_cache_append");
+  const cpu::DecodeAttentionDims dims = decode_dims(qkv, k_cache, v_cache, position, shape, "kv_cache_append");
+  if (qkv.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("kv_cache_append",
+                    cuda::kv_cache_append(static_cast<cuda::bf16*>(k_cache.raw()),
+                                          static_cast<cuda::bf16*>(v_cache.raw()),
+                                          static_cast<const cuda::bf16*>(qkv.raw()), cuda_problem(dims)));
+    return;
+  }
+  cpu::kv_cache_append(k_cache.data<float>(), v_cache.data<float>(), qkv.data<float>(), dims);
+}
+
+void decode_attention_forward(const Tensor& out, const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
+                              int64_t position, const AttentionShape& shape) {
+  OpProfileScope profile(OpClass::Attention, "decode_attention_forward");
+  const cpu::DecodeAttentionDims dims =
+      decode_dims(qkv, k_cache, v_cache, position, shape, "decode_attention_forward");
+  check_shape(out, {dims.batch, dims.queries, dims.q_heads, dims.head_dim}, "decode_attention_forward out");
+  expect_tensor(out, qkv.device(), qkv.dtype(), "decode_attention_forward out");
+  if (qkv.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("decode_attention_forward",
+                    cuda::decode_attention_forward(static_cast<cuda::bf16*>(out.raw()),
+                                                   static_cast<const cuda::bf16*>(qkv.raw()),
+                                                   static_cast<const cuda::bf16*>(k_cache.raw()),
+                                                   static_cast<const cuda::bf16*>(v_cache.raw()), cuda_problem(dims)));
+    return;
+  }
+  cpu::decode_attention_forward(out.data<float>(), qkv.data<float>(), k_cache.data<float>(), v_cache.data<float>(),
+                                dims);
+}
+
+}  // namespace forge
