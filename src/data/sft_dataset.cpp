@@ -78,6 +78,8 @@ SftDataset::SftDataset(const std::string& prefix, const std::string& split, Spli
   }
   sample_begin_.push_back(pieces_.size());
   dropped_ += empty;
+  log_info("data: {} split of {}: {} examples in {} {} samples of seq_len + 1 = {} tokens", split_name(which), prefix,
+           pieces_.size(), sample_begin_.size() - 1, options.packed ? "packed" : "padded", capacity);
   if (truncated_ + dropped_ > 0)
     log_info("data: {} split of {}: {} examples over seq_len + 1 = {} tokens {}, {} empty ones skipped",
              split_name(which), prefix, options.drop_overlong ? dropped_ - empty : truncated_, capacity,
