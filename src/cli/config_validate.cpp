@@ -85,6 +85,13 @@ bool is_valid_split(std::string_view split) {
 
 void check_data(const ExperimentConfig& config, const ConfigOrigins& origins, const KeyDescriber& keys) {
   auto show_key = [&](const std::string& key) { return show(config, keys, key); };
+  if (config.data.source == "sft" && config.data.path.empty()) {
+    FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx and .mask.bin/.mask.idx files)",
+               show_key("data.source"));
+  }
+  if (config.data.source == "sft" && !config.data.blend.empty()) {
+    FORGE_FAIL("{} reads one dataset: data.blend is for indexed data", show_key("data.source"));
+  }
   if (config.data.source == "indexed" && config.data.path.empty() && config.data.blend.empty()) {
     FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx files) or data.blend (\"W1 PREFIX1 W2 PREFIX2 "
                "...\")",

@@ -1,5 +1,6 @@
 // DataLoader: the global sample stream cut into batches (NOTE [Epochs and sample order]);
 // with several ranks each reads only its own block of the global batch.
+#include <algorithm>
 #include <numeric>
 
 #include "core/error.h"
@@ -33,14 +34,52 @@ int64_t DataLoader::sample_in_epoch(int64_t epoch, int64_t index) {
   return order_[static_cast<size_t>(index)];
 }
 
+void TokenDataset::sample_examples(int64_t epoch, int64_t index, int32_t* tokens, int32_t* example,
+                                   uint8_t* response) const {
+  sample(epoch, index, tokens);
+  std::fill_n(example, seq_len() + 1, 0);
+  std::fill_n(response, seq_len() + 1, uint8_t{1});
+}
+
+// NOTE [Example batches]: targets, positions and segments of one row.
+void DataLoader::fill_example_row(int64_t epoch, int64_t index, int64_t row, Batch& batch) {
+  const int64_t seq_len = dataset_.seq_len();
+  std::vector<int32_t> sample(static_cast<size_t>(seq_len + 1)), example(sample.size());
+  std::vector<uint8_t> response(sample.size());
+  dataset_.sample_examples(epoch, index, sample.data(), example.data(), response.data());
+  int32_t* tokens = batch.tokens.data<int32_t>() + row * seq_len;
+  int32_t* targets = batch.targets.data<int32_t>() + row * seq_len;
+  int32_t* positions = batch.positions.data<int32_t>() + row * seq_len;
+  int32_t* segments = batch.segments.data<int32_t>() + row * seq_len;
+  for (int64_t i = 0; i < seq_len; ++i) {
+    const size_t at = static_cast<size_t>(i);
+    tokens[i] = sample[at];
+    const bool counted = example[at] >= 0 && example[at + 1] == example[at] && response[at + 1] != 0;
+    targets[i] = counted ? sample[at + 1] : kIgnoreIndex;
+    positions[i] = i > 0 && example[at] == example[at - 1] ? positions[i - 1] + 1 : 0;
+    segments[i] = example[at];
+  }
+}
+
 Batch DataLoader::next() {
   const int64_t seq_len = dataset_.seq_len();
   const int64_t samples = dataset_.num_samples();
-  Batch batch{Tensor::empty({micro_batch_, seq_len}, DType::I32), Tensor::empty({micro_batch_, seq_len}, DType::I32)};
+  Batch batch;
+  batch.tokens = Tensor::empty({micro_batch_, seq_len}, DType::I32);
+  batch.targets = Tensor::empty({micro_batch_, seq_len}, DType::I32);
+  const bool examples = dataset_.has_examples();
+  if (examples) {
+    batch.positions = Tensor::empty({micro_batch_, seq_len}, DType::I32);
+    batch.segments = Tensor::empty({micro_batch_, seq_len}, DType::I32);
+  }
   std::vector<int32_t> sample(static_cast<size_t>(seq_len + 1));
   for (int64_t row = 0; row < micro_batch_; ++row) {
     int64_t global = position_ + rank_ * micro_batch_ + row;
     int64_t epoch = global / samples;
+    if (examples) {
+      fill_example_row(epoch, sample_in_epoch(epoch, global % samples), row, batch);
+      continue;
+    }
     dataset_.sample(epoch, sample_in_epoch(epoch, global % samples), sample.data());
     int32_t* tokens = batch.tokens.data<int32_t>() + row * seq_len;
     int32_t* targets = batch.targets.data<int32_t>() + row * seq_len;

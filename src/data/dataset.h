@@ -13,6 +13,17 @@
 // g = 0, 1, 2, ...: epoch = g / num_samples(), and within the epoch it visits samples in
 // a seeded random order when the dataset asks for it (shuffle_samples()), else in order
 // (generated samples are already random, and their epochs are too large to permute).
+//
+// NOTE [Example batches]
+// Instruction data (sft_dataset.h) is made of examples, several packed into one sample or
+// one padded, each token marked as a response token or not. Such a dataset says so
+// (has_examples()) and gives, beside each of a sample's seq_len + 1 tokens, the example it
+// belongs to (-1 for padding) and its response flag. The loader turns that into the batch:
+// the target of input token i is token i + 1 only when both are in the same example and
+// token i + 1 is a response token, else kIgnoreIndex (so the last token of an example never
+// predicts the next example's first, and padding predicts nothing); positions count from 0
+// in each example (and in the padding run); segments carry the example ids. Batches of
+// other data leave positions and segments empty.
 #pragma once
 
 #include <cstdint>
@@ -27,10 +38,12 @@
 namespace forge {
 
 struct DataConfig {
-  std::string source = "synthetic";  // synthetic | mock | indexed
-  std::string path;                  // indexed: path prefix of <path>.bin / <path>.idx
+  std::string source = "synthetic";  // synthetic | mock | indexed | sft
+  std::string path;                  // indexed, sft: path prefix of <path>.bin / <path>.idx (sft_dataset.h)
   std::string blend;                 // indexed: "W1 PREFIX1 W2 PREFIX2 ..." instead of path (blended_dataset.h)
-  std::string split = "969,30,1";    // indexed: train,validation,test weights (Megatron --split)
+  std::string split = "969,30,1";    // indexed, sft: train,validation,test weights (Megatron --split)
+  std::string packing = "packed";    // sft: packed | padded (NOTE [SFT samples] in sft_dataset.h)
+  std::string overlong = "truncate"; // sft: truncate | drop examples over seq_len + 1 tokens
   int64_t synthetic_order = 2;       // synthetic: Markov order (tokens of context)
   double synthetic_concentration = 0.1;  // synthetic: Dirichlet-like sharpness of transitions
   int64_t num_samples = 0;           // mock/synthetic: samples per epoch (0: effectively unbounded)
@@ -51,6 +64,13 @@ class TokenDataset {
   virtual void sample(int64_t epoch, int64_t index, int32_t* out) const = 0;
   // Whether the loader should visit this dataset's samples in a seeded random order.
   virtual bool shuffle_samples() const { return false; }
+  // Whether samples are made of examples with response flags (NOTE [Example batches]).
+  virtual bool has_examples() const { return false; }
+  // Writes sample() 's seq_len() + 1 tokens and, for each, its example (0, 1, ... in the
+  // sample; -1 for padding) and whether it is a response token. Without examples: one
+  // example of response tokens.
+  virtual void sample_examples(int64_t epoch, int64_t index, int32_t* tokens, int32_t* example,
+                               uint8_t* response) const;
   // Best achievable mean cross-entropy in nats per target token, when known (mock and
   // synthetic data); -1 when unknown.
   virtual double entropy_floor() const { return -1.0; }
@@ -69,6 +89,10 @@ double data_entropy_floor(const DataConfig& config, int64_t seq_len, int64_t voc
 struct Batch {
   Tensor tokens;   // int32 [micro_batch, seq_len]
   Tensor targets;  // int32 [micro_batch, seq_len]; kIgnoreIndex where no target
+  // Data with examples only (NOTE [Example batches]), else empty:
+  Tensor positions;  // int32 [micro_batch, seq_len]: each token's position within its example
+  Tensor segments;   // int32 [micro_batch, seq_len]: its example's id (-1: padding)
+  bool has_examples() const { return positions.defined(); }
 };
 
 // Iterates over a dataset epoch after epoch. Each next() consumes one block of
@@ -90,6 +114,7 @@ class DataLoader {
 
  private:
   int64_t sample_in_epoch(int64_t epoch, int64_t index);
+  void fill_example_row(int64_t epoch, int64_t index, int64_t row, Batch& batch);
 
   const TokenDataset& dataset_;
   int64_t micro_batch_;

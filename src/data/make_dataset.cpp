@@ -12,6 +12,7 @@
 #include "data/dataset.h"
 #include "data/generated_datasets.h"
 #include "data/packed_dataset.h"
+#include "data/sft_dataset.h"
 
 namespace forge {
 
@@ -28,8 +29,15 @@ void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
     FORGE_FAIL("model vocab_size is {}: expected 1 to {}", vocab_size, std::numeric_limits<int32_t>::max());
   if (config.num_samples < 0)
     FORGE_FAIL("data.num_samples is {}: expected 0 (unbounded) or a positive count", config.num_samples);
-  if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed")
-    FORGE_FAIL("data.source is '{}': expected synthetic, mock or indexed", config.source);
+  if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed" && config.source != "sft")
+    FORGE_FAIL("data.source is '{}': expected synthetic, mock, indexed or sft", config.source);
+  if (config.packing != "packed" && config.packing != "padded")
+    FORGE_FAIL("data.packing is '{}': expected packed or padded", config.packing);
+  if (config.overlong != "truncate" && config.overlong != "drop")
+    FORGE_FAIL("data.overlong is '{}': expected truncate or drop", config.overlong);
+  if (config.source == "sft" && (config.path.empty() || !config.blend.empty()))
+    FORGE_FAIL("data.source sft reads one dataset: data.path must name its prefix (<path>.bin, <path>.idx, "
+               "<path>.mask.bin, <path>.mask.idx) and data.blend be empty");
   if (config.source == "indexed" && config.path.empty() && config.blend.empty())
     FORGE_FAIL("data.path and data.blend are empty: the indexed source needs the prefix of <path>.bin and "
                "<path>.idx, or a blend \"W1 PREFIX1 W2 PREFIX2 ...\"");
@@ -95,6 +103,9 @@ std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split
   if (config.source == "synthetic")
     return std::make_unique<SyntheticDataset>(synthetic_source(config, vocab_size, seed), seq_len,
                                               samples_per_epoch(config), split_seed(seed, split));
+  if (config.source == "sft")
+    return std::make_unique<SftDataset>(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split),
+                                        SftOptions{config.packing == "packed", config.overlong == "drop"});
   if (!config.blend.empty()) return make_blended_dataset(config, split, seq_len, vocab_size, split_seed(seed, split));
   return make_packed_dataset(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split));
 }

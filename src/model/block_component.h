@@ -40,6 +40,13 @@ struct StepShape {
   int64_t tokens() const { return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len"); }
 };
 
+// The examples packed into a micro-batch's rows (NOTE [Packed examples] in ops/attention.h),
+// on the host, as the data loader makes them.
+struct SequenceLayout {
+  Tensor positions;  // int32 [micro_batch, seq_len]: each token's position within its example
+  Tensor segments;   // int32 [micro_batch, seq_len]: a run of equal ids in a row is one example
+};
+
 class BlockComponent {
  public:
   virtual ~BlockComponent() = default;
@@ -51,6 +58,9 @@ class BlockComponent {
   virtual void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) = 0;
   // Device constants it computes with (rotary tables), made once before the first forward.
   virtual void prepare(const StepShape& shape, Device device) {}
+  // The micro-batch's examples, before its forward (null: each row is one sequence). The
+  // layout holds for the micro-batch's recomputation and backward too.
+  virtual void set_sequence_layout(const SequenceLayout* layout) {}
 
   // *out = x + f(x) for block `layer` ([tokens, hidden]; out may not alias x). With no
   // `out`, only what the backward needs is computed (recomputation, NOTE above).

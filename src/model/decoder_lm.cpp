@@ -5,6 +5,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
+#include "ops/placement.h"
 #include "ops/rmsnorm.h"
 
 namespace forge {
@@ -130,8 +131,19 @@ void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
   }
 }
 
-void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights) {
+void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout) {
   check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
+  if (layout) {
+    expect_tensor(layout->positions, Device::CPU, DType::I32, "sequence layout positions");
+    expect_tensor(layout->segments, Device::CPU, DType::I32, "sequence layout segments");
+    check_shape(layout->positions, {micro_batch_, seq_len_}, "sequence layout positions");
+    check_shape(layout->segments, {micro_batch_, seq_len_}, "sequence layout segments");
+    const int32_t* p = layout->positions.data<int32_t>();
+    for (int64_t i = 0; i < tokens_; ++i)
+      FORGE_CHECK(p[i] >= 0 && p[i] < seq_len_, "sequence layout: position {} of token {} is outside [0, {})", p[i],
+                  i, seq_len_);
+  }
+  for (auto& component : components_) component->set_sequence_layout(layout);
   embedding_forward(b_.stream[0][0], tokens.view({tokens_}), weights.embedding());
   for (int i = 0; i < config_.num_layers; ++i) forward_block(i, weights.layer(i), true);
   rmsnorm_forward(b_.final_normed, b_.final_rstd, b_.final_input, weights.final_norm(),
@@ -210,22 +222,24 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
 }
 
 LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
-                                    GradSink& grads, float grad_scale) {
-  forward_blocks(tokens, weights);
+                                    GradSink& grads, float grad_scale, const SequenceLayout* layout) {
+  forward_blocks(tokens, weights, layout);
   LossSum loss = output_head(targets, weights, &grads, grad_scale);
   backward_blocks(tokens, weights, grads);
   return loss;
 }
 
-LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights) {
-  forward_blocks(tokens, weights);
+LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                                const SequenceLayout* layout) {
+  forward_blocks(tokens, weights, layout);
   return output_head(targets, weights, nullptr, 0.0f);
 }
 
-void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits) {
+void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
+                               const SequenceLayout* layout) {
   check_shape(logits, {tokens_, config_.vocab_size}, "logits");
   check_dtype(logits, compute_dtype_, "logits");
-  forward_blocks(tokens, weights);
+  forward_blocks(tokens, weights, layout);
   linear_forward(logits, b_.final_normed, weights.output());
 }
 

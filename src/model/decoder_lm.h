@@ -77,14 +77,18 @@ class DecoderLM {
 
   // Loss of one micro-batch (tokens/targets int32 [micro_batch, seq_len] on the model's
   // device), and weight gradients of grad_scale * (sum of token losses) into grads
-  // (written over fresh buffers, else added: NOTE [Fresh gradient buffers]).
+  // (written over fresh buffers, else added: NOTE [Fresh gradient buffers]). `layout`: the
+  // examples packed into the rows, on the host (NOTE [Packed examples]); null: each row is
+  // one sequence with positions 0, 1, ...
   LossSum forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights, GradSink& grads,
-                           float grad_scale);
+                           float grad_scale, const SequenceLayout* layout = nullptr);
   // Loss only (evaluation).
-  LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights);
+  LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                       const SequenceLayout* layout = nullptr);
   // Full logits [micro_batch * seq_len, vocab] in the compute dtype (tests and small-model
   // inspection).
-  void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits);
+  void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
+                      const SequenceLayout* layout = nullptr);
 
  private:
   // Component c's entries of a block's weights (NOTE [Block weights]).
@@ -92,7 +96,7 @@ class DecoderLM {
   // Where component c of block i writes its output: the next component's stream entry,
   // the next block's input, or the final norm's input.
   const Tensor& component_output(int i, size_t c) const;
-  void forward_blocks(const Tensor& tokens, ParamSource& weights);
+  void forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout);
   // One block's forward. With `to_output` false the last component runs without its
   // output (recomputation for the backward needs everything before its last projection).
   void forward_block(int i, const BlockWeights& w, bool to_output);

@@ -70,6 +70,14 @@ void SelfAttention::prepare(const StepShape& shape, Device device) {
   rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, rope_theta_, rope_scaling_), shape.seq_len);
   rope_cos_ = rope_cos_.to(device);
   rope_sin_ = rope_sin_.to(device);
+  device_ = device;
+}
+
+void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
+  packed_ = layout != nullptr;
+  if (!packed_) return;
+  positions_ = layout->positions.to(device_);
+  segments_ = attention_segments(layout->segments, attention_, head_dim_, device_);
 }
 
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
@@ -77,8 +85,8 @@ void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& 
   const int64_t n = shape_.tokens();
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), a.normed, w.linear(kQkv));
-  rope_forward(a.qkv, heads_ + kv_heads_, rope_cos_, rope_sin_);
-  attention_forward(a.out, a.lse, a.qkv, attention_);
+  rope_forward(a.qkv, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
+  attention_forward(a.out, a.lse, a.qkv, attention_, packed_ ? &segments_ : nullptr);
   if (!out) return;
   linear_forward(*out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), &x);
 }
@@ -97,8 +105,8 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   linear_backward_input(d_out_, d_stream, w.linear(kOut));
   linear_backward_weight(grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}), overwrite);
   attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, head_dim_}), a.qkv, a.out,
-                     a.lse, attention_);
-  rope_backward(d_qkv_, heads_ + kv_heads_, rope_cos_, rope_sin_);
+                     a.lse, attention_, packed_ ? &segments_ : nullptr);
+  rope_backward(d_qkv_, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
   linear_backward_input(d_hidden, d_qkv, w.linear(kQkv));
   linear_backward_weight(grads.linear(kQkv), d_qkv, a.normed, overwrite);

@@ -1,7 +1,8 @@
 // The attention component of a Llama-family block (NOTE [Composed blocks]):
 //   out = x + o(attention(rope(qkv(rmsnorm(x)))))
 // Causal grouped-query attention (MHA when the KV heads equal the query heads), with a
-// sliding window when the config has one (Mistral 7B v0.1). Q, K and V come from one fused
+// sliding window when the config has one (Mistral 7B v0.1), confined to each example when
+// the micro-batch packs several (NOTE [Packed examples] in ops/attention.h). Q, K and V come from one fused
 // projection (NOTE [Fused projections] in parameters.h); rotary embeddings are applied to
 // the query and key heads in place.
 #pragma once
@@ -21,6 +22,7 @@ class SelfAttention final : public BlockComponent {
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   void prepare(const StepShape& shape, Device device) override;
+  void set_sequence_layout(const SequenceLayout* layout) override;
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
@@ -44,6 +46,11 @@ class SelfAttention final : public BlockComponent {
   AttentionShape attention_;
   StepShape shape_;
   Tensor rope_cos_, rope_sin_;
+  Device device_ = Device::CPU;
+  // The micro-batch's packed examples, when it has them (NOTE [Packed examples]).
+  bool packed_ = false;
+  Tensor positions_;  // int32 [B, T] on the device
+  AttentionSegments segments_;
   std::vector<Activations> layers_;
   Tensor d_out_, d_qkv_;  // backward scratch
 };

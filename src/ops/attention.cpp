@@ -1,5 +1,8 @@
 #include "ops/attention.h"
 
+#include <bit>
+#include <vector>
+
 #include "kernels/cpu/attention.h"
 #include "core/op_profile.h"
 #include "ops/placement.h"
@@ -28,19 +31,79 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
                             .scale = shape.scale};
 }
 
+// The segments must describe this qkv's rows, on its device.
+void check_segments(const AttentionSegments* segments, const cpu::AttentionDims& d, Device device, const char* op) {
+  if (!segments) return;
+  FORGE_CHECK(segments->device == device && segments->batch == d.batch && segments->seq == d.seq,
+              "{}: segments for [{}, {}] on {}, qkv [{}, {}] on {}", op, segments->batch, segments->seq,
+              device_name(segments->device), d.batch, d.seq, device_name(device));
+}
+
 #ifdef FORGE_CUDA
-cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d) {
+cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d, const AttentionSegments* segments) {
   // cuDNN's fused attention rejects a single-token sequence; no training run has one.
   if (d.seq < 2) FORGE_FAIL("attention on CUDA needs a sequence of at least 2 tokens, got {}", d.seq);
-  return {d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.window, d.scale};
+  cuda::AttentionProblem p{d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.window, d.scale};
+  if (segments)
+    p.ragged = {segments->capacity, segments->lengths.data<int32_t>(), segments->qkv_offsets.data<int64_t>(),
+                segments->out_offsets.data<int64_t>(), segments->lse_offsets.data<int64_t>()};
+  return p;
 }
 #endif
 
 }  // namespace
 
-void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape) {
+AttentionSegments attention_segments(const Tensor& segment_ids, const AttentionShape& shape, int64_t head_dim,
+                                     Device device) {
+  expect_tensor(segment_ids, Device::CPU, DType::I32, "attention_segments segment_ids");
+  FORGE_CHECK(segment_ids.ndim() == 2 && segment_ids.numel() > 0, "attention_segments: segment ids {} must be [B, T]",
+              shape_str(segment_ids.shape()));
+  AttentionSegments s;
+  s.device = device;
+  s.batch = segment_ids.dim(0);
+  s.seq = segment_ids.dim(1);
+  const int32_t* ids = segment_ids.data<int32_t>();
+  std::vector<int32_t> start(static_cast<size_t>(s.batch * s.seq));
+  std::vector<int64_t> first_tokens;  // of each example, in [0, B * T)
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t t = 0; t < s.seq; ++t) {
+      const int64_t i = b * s.seq + t;
+      const bool begins = t == 0 || ids[i] != ids[i - 1];
+      start[static_cast<size_t>(i)] = begins ? static_cast<int32_t>(t) : start[static_cast<size_t>(i - 1)];
+      if (begins) first_tokens.push_back(i);
+    }
+  s.num_examples = static_cast<int64_t>(first_tokens.size());
+  if (device == Device::CPU) {
+    s.example_start = Tensor::empty({s.batch, s.seq}, DType::I32);
+    std::copy(start.begin(), start.end(), s.example_start.data<int32_t>());
+    return s;
+  }
+  s.capacity = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(s.num_examples)));
+  const int64_t tokens = s.batch * s.seq, packed = shape.num_q_heads + 2 * shape.num_kv_heads;
+  Tensor lengths = Tensor::empty({s.capacity}, DType::I32), qkv = Tensor::empty({s.capacity + 1}, DType::I64),
+         out = Tensor::empty({s.capacity + 1}, DType::I64), lse = Tensor::empty({s.capacity + 1}, DType::I64);
+  for (int64_t e = 0; e <= s.capacity; ++e) {
+    const int64_t first = e < s.num_examples ? first_tokens[static_cast<size_t>(e)] : tokens;
+    if (e < s.capacity) {
+      const int64_t next = e + 1 < s.num_examples ? first_tokens[static_cast<size_t>(e + 1)] : tokens;
+      lengths.data<int32_t>()[e] = static_cast<int32_t>(e < s.num_examples ? next - first : 0);
+    }
+    qkv.data<int64_t>()[e] = first * packed * head_dim;
+    out.data<int64_t>()[e] = first * shape.num_q_heads * head_dim;
+    lse.data<int64_t>()[e] = first * shape.num_q_heads;
+  }
+  s.lengths = lengths.to(device);
+  s.qkv_offsets = qkv.to(device);
+  s.out_offsets = out.to(device);
+  s.lse_offsets = lse.to(device);
+  return s;
+}
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape,
+                       const AttentionSegments* segments) {
   OpProfileScope profile(OpClass::Attention, "attention_forward");
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_forward");
+  check_segments(segments, dims, qkv.device(), "attention_forward");
   check_shape(out, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_forward out");
   check_shape(lse, {dims.batch, dims.q_heads, dims.seq}, "attention_forward lse");
   if (qkv.device() == Device::CUDA) {
@@ -49,19 +112,21 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, 
     expect_tensor(qkv, Device::CUDA, DType::BF16, "attention_forward qkv");
     FORGE_CUDA_CALL("attention_forward",
                     cuda::attention_forward(static_cast<cuda::bf16*>(out.raw()), lse.data<float>(),
-                                            static_cast<const cuda::bf16*>(qkv.raw()), cuda_problem(dims)));
+                                            static_cast<const cuda::bf16*>(qkv.raw()), cuda_problem(dims, segments)));
     return;
   }
   expect_tensor(out, Device::CPU, DType::F32, "attention_forward out");
   expect_tensor(lse, Device::CPU, DType::F32, "attention_forward lse");
   expect_tensor(qkv, Device::CPU, DType::F32, "attention_forward qkv");
+  if (segments) dims.example_start = segments->example_start.data<int32_t>();
   cpu::attention_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), dims);
 }
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape) {
+                        const Tensor& lse, const AttentionShape& shape, const AttentionSegments* segments) {
   OpProfileScope profile(OpClass::Attention, "attention_backward");
   cpu::AttentionDims dims = attention_dims(qkv, shape, "attention_backward");
+  check_segments(segments, dims, qkv.device(), "attention_backward");
   check_shape(dqkv, qkv.shape(), "attention_backward dqkv");
   check_shape(dout, {dims.batch, dims.seq, dims.q_heads, dims.head_dim}, "attention_backward dout");
   check_shape(out, dout.shape(), "attention_backward out");
@@ -78,7 +143,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
                                              static_cast<const cuda::bf16*>(dout.raw()),
                                              static_cast<const cuda::bf16*>(qkv.raw()),
                                              static_cast<const cuda::bf16*>(out.raw()), lse.data<float>(),
-                                             cuda_problem(dims)));
+                                             cuda_problem(dims, segments)));
     return;
   }
   expect_tensor(dqkv, Device::CPU, DType::F32, "attention_backward dqkv");
@@ -86,6 +151,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
   expect_tensor(qkv, Device::CPU, DType::F32, "attention_backward qkv");
   expect_tensor(out, Device::CPU, DType::F32, "attention_backward out");
   expect_tensor(lse, Device::CPU, DType::F32, "attention_backward lse");
+  if (segments) dims.example_start = segments->example_start.data<int32_t>();
   cpu::attention_backward(dqkv.data<float>(), dout.data<float>(), qkv.data<float>(), out.data<float>(),
                           lse.data<float>(), dims);
 }

@@ -7,6 +7,20 @@
 //   out[b,i,h,:] = sum_j softmax_j(scale * q.k_j) v_j      out is [B, T, Hq, D]
 //   lse[b,h,i]   = log sum_j exp(scale * q.k_j)           lse is [B, Hq, T], fp32
 // The backward recomputes probabilities from lse and overwrites dqkv (same packing).
+//
+// NOTE [Packed examples]
+// A packed sample holds several examples one after another (instruction data, see
+// data/sft_dataset.h). Attention is then confined to each example: query i sees key j only
+// when both are in the same example (and j <= i, and within the sliding window), and the
+// rotary positions restart at 0 with each example (ops/rope.h), so every example computes
+// exactly what it would alone. An example is a run of equal segment ids in a row of the
+// batch (padding after the last example is a run of its own, computed and ignored).
+// AttentionSegments holds that layout in the form the tensors' device reads, built once per
+// micro-batch and used by every layer: on the CPU the first token of each token's example;
+// on CUDA cuDNN's ragged ("THD") description — every example of the micro-batch is one
+// sequence of cuDNN's batch, given by its length and the element offset of its first token
+// in qkv, out and lse, with cuDNN's padding mask — and the softmax statistics are kept
+// token-major, lse [B * T, Hq] (the same number of floats), as ragged statistics are.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +36,26 @@ struct AttentionShape {
   float scale = 0.0f;          // usually 1/sqrt(head_dim)
 };
 
-void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape);
+// The examples of a micro-batch (NOTE [Packed examples]), for one device.
+struct AttentionSegments {
+  Device device = Device::CPU;
+  int64_t batch = 0, seq = 0;
+  Tensor example_start;  // CPU: int32 [B, T], the index in its row of each token's example's first token
+  // CUDA: `capacity` sequences for cuDNN (the examples, then empty ones: a power of two, so
+  // that few graphs are built), device int32 lengths [capacity] and int64 element offsets
+  // [capacity + 1] of each sequence's first token in qkv, out and lse.
+  int64_t num_examples = 0, capacity = 0;
+  Tensor lengths, qkv_offsets, out_offsets, lse_offsets;
+};
+
+// segment_ids: int32 [B, T] on the CPU; each run of equal ids in a row is one example.
+AttentionSegments attention_segments(const Tensor& segment_ids, const AttentionShape& shape, int64_t head_dim,
+                                     Device device);
+
+// segments: the micro-batch's packed examples (null: each row is one sequence).
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape,
+                       const AttentionSegments* segments = nullptr);
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& lse, const AttentionShape& shape);
+                        const Tensor& lse, const AttentionShape& shape, const AttentionSegments* segments = nullptr);
 
 }  // namespace forge

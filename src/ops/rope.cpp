@@ -29,7 +29,7 @@ double llama3_scaled(double inv_freq, const RopeScaling& s) {
 }
 
 void check_rope_args(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
-                     const char* op) {
+                     const Tensor* positions, const char* op) {
   FORGE_CHECK(x.ndim() == 4, "{}: x {} must be [B, T, heads, D]", op, shape_str(x.shape()));
   FORGE_CHECK(x.dim(3) % 2 == 0, "{}: head_dim {} must be even", op, x.dim(3));
   FORGE_CHECK(0 <= num_rotated_heads && num_rotated_heads <= x.dim(2), "{}: {} rotated heads of {}", op,
@@ -41,18 +41,28 @@ void check_rope_args(const Tensor& x, int64_t num_rotated_heads, const Tensor& c
   expect_tensor(x, x.device(), x.device() == Device::CUDA ? DType::BF16 : DType::F32, op);
   expect_tensor(cos, x.device(), DType::F32, op);
   expect_tensor(sin, x.device(), DType::F32, op);
+  if (!positions) return;
+  check_shape(*positions, {x.dim(0), x.dim(1)}, op);
+  expect_tensor(*positions, x.device(), DType::I32, op);
+  if (positions->device() != Device::CPU) return;
+  const int32_t* p = positions->data<int32_t>();
+  for (int64_t i = 0; i < positions->numel(); ++i)
+    FORGE_CHECK(p[i] >= 0 && p[i] < cos.dim(0), "{}: position {} of token {} is outside the table's {} rows", op,
+                p[i], i, cos.dim(0));
 }
 
-void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin, bool inverse,
-                const char* op) {
-  check_rope_args(x, num_rotated_heads, cos, sin, op);
+void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                const Tensor* positions, bool inverse, const char* op) {
+  check_rope_args(x, num_rotated_heads, cos, sin, positions, op);
+  const int32_t* position_data = positions ? positions->data<int32_t>() : nullptr;
   if (x.device() == Device::CUDA) {
     FORGE_CUDA_CALL(op, cuda::rope_rotate(static_cast<cuda::bf16*>(x.raw()), x.dim(0), x.dim(1), x.dim(2), x.dim(3),
-                                          num_rotated_heads, cos.data<float>(), sin.data<float>(), inverse));
+                                          num_rotated_heads, cos.data<float>(), sin.data<float>(), position_data,
+                                          inverse));
     return;
   }
   cpu::rope_rotate(x.data<float>(), x.dim(0), x.dim(1), x.dim(2), x.dim(3), num_rotated_heads, cos.data<float>(),
-                   sin.data<float>(), inverse);
+                   sin.data<float>(), position_data, inverse);
 }
 
 }  // namespace
@@ -89,14 +99,16 @@ void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, 
   }
 }
 
-void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                  const Tensor* positions) {
   OpProfileScope profile(OpClass::Elementwise, "rope_forward");
-  rope_apply(x, num_rotated_heads, cos, sin, false, "rope_forward");
+  rope_apply(x, num_rotated_heads, cos, sin, positions, false, "rope_forward");
 }
 
-void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin) {
+void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                   const Tensor* positions) {
   OpProfileScope profile(OpClass::Elementwise, "rope_backward");
-  rope_apply(dx, num_rotated_heads, cos, sin, true, "rope_backward");
+  rope_apply(dx, num_rotated_heads, cos, sin, positions, true, "rope_backward");
 }
 
 }  // namespace forge

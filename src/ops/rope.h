@@ -27,7 +27,12 @@ std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScal
 // cos/sin tables [max_positions, D/2] (fp32, CPU) for the given frequencies.
 void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, int64_t max_positions);
 
-void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin);
-void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin);
+// positions: int32 [B, T] on x's device, each token's position (packed examples restart at
+// 0, NOTE [Packed examples] in ops/attention.h); null: position t for token t of every row.
+// Positions must index rows of the tables (checked on the CPU; on CUDA the caller's duty).
+void rope_forward(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                  const Tensor* positions = nullptr);
+void rope_backward(const Tensor& dx, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
+                   const Tensor* positions = nullptr);
 
 }  // namespace forge

@@ -251,7 +251,9 @@ EvalMetrics Trainer::evaluate(int64_t step) {
   LossSum total;
   for (int64_t i = 0; i < config_.eval.steps; ++i) {
     Batch batch = loader.next();
-    LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights());
+    const SequenceLayout layout = sequence_layout(batch);
+    LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights(),
+                                     batch.has_examples() ? &layout : nullptr);
     total.sum += l.sum;
     total.tokens += l.tokens;
   }
@@ -337,8 +339,9 @@ TrainResult Trainer::run() {
     for (int64_t a = 0; a < accum; ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];
       if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
+      const SequenceLayout layout = sequence_layout(b);
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
-                                           grad_scale);
+                                           grad_scale, b.has_examples() ? &layout : nullptr);
       if (fsdp_) fsdp_->end_micro_batch();
       if (inject_nan_ && !fsdp_) inject_test_nan(step + 1, a);
       micro_losses[static_cast<size_t>(a)] = l.sum;

@@ -51,6 +51,10 @@
 
 namespace forge {
 
+// The model's view of a batch's examples (NOTE [Example batches] in data/dataset.h);
+// passed to the model only when batch.has_examples().
+inline SequenceLayout sequence_layout(const Batch& batch) { return {batch.positions, batch.segments}; }
+
 struct CheckpointSaveJob;
 
 struct TrainResult {

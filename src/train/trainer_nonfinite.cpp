@@ -114,7 +114,9 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
     } else {
       grads_->discard();
     }
-    model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(), grad_scale);
+    const SequenceLayout layout = sequence_layout(b);
+    model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(), grad_scale,
+                             b.has_examples() ? &layout : nullptr);
     if (fsdp_) {
       fsdp_->end_micro_batch();
       fsdp_->finish_gradients();

@@ -51,6 +51,18 @@ TEST(ConfigValidate, IndexedDataNeedsAPathAndSplitMustParse) {
   EXPECT_EQ(load({{"data.split", "98,2"}}).data.split, "98,2");
 }
 
+TEST(ConfigValidate, SftDataNeedsOnePathAndKnownPacking) {
+  expect_error([] { load({{"data.source", "sft"}}); }, {"data.source = sft (command line) needs data.path"});
+  expect_error([] { load({{"data.source", "sft"}, {"data.path", "/d/x"}, {"data.blend", "1 /a"}}); },
+               {"data.source = sft", "data.blend is for indexed data"});
+  expect_error([] { load({{"data.source", "sft"}, {"data.blend", "1 /a"}}); }, {"needs data.path"});
+  expect_error([] { load({{"data.packing", "squeeze"}}); }, {"data.packing", "packed, padded"});
+  expect_error([] { load({{"data.overlong", "wrap"}}); }, {"data.overlong", "truncate, drop"});
+  const auto config = load({{"data.source", "sft"}, {"data.path", "/d/x"}, {"data.packing", "padded"}});
+  EXPECT_EQ(config.data.packing, "padded");
+  EXPECT_EQ(config.data.overlong, "truncate");
+}
+
 TEST(ConfigValidate, GemmTuningCacheIsADirectoryOrOff) {
   for (const char* word : {"false", "no", "True", "OFF", "none"})
     expect_error([&] { load({{"training.gemm_tuning_cache", word}}); },

@@ -58,16 +58,19 @@ TEST(OpsRope, TablesHoldCosAndSinOfPositionTimesFrequency) {
   }
 }
 
-// The rotate-half rotation of the first `rotated` heads, in double.
-std::vector<double> naive_rope(const Tensor& x, int64_t rotated, const std::vector<double>& inv_freq) {
+// The rotate-half rotation of the first `rotated` heads, in double, at position t (or
+// positions[b * seq + t]).
+std::vector<double> naive_rope(const Tensor& x, int64_t rotated, const std::vector<double>& inv_freq,
+                               const int32_t* positions = nullptr) {
   int64_t batch = x.dim(0), seq = x.dim(1), heads = x.dim(2), dim = x.dim(3), half = dim / 2;
   std::vector<double> out = testing::to_double(x);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t t = 0; t < seq; ++t) {
       for (int64_t h = 0; h < rotated; ++h) {
         double* v = out.data() + ((b * seq + t) * heads + h) * dim;
+        const double p = positions ? positions[b * seq + t] : static_cast<double>(t);
         for (int64_t i = 0; i < half; ++i) {
-          double c = std::cos(t * inv_freq[i]), s = std::sin(t * inv_freq[i]);
+          double c = std::cos(p * inv_freq[i]), s = std::sin(p * inv_freq[i]);
           double lo = v[i], hi = v[i + half];
           v[i] = lo * c - hi * s;
           v[i + half] = hi * c + lo * s;
@@ -95,6 +98,37 @@ TEST(OpsRope, ForwardMatchesDoublePrecision) {
     rope_forward(x, c.rotated, cos, sin);
     EXPECT_LT(relative_error(x, want), 1e-5) << c.batch << "," << c.seq << "," << c.heads << "," << c.dim;
   }
+}
+
+// Packed examples (NOTE [Packed examples]): each token rotated by its given position.
+TEST(OpsRope, ExplicitPositionsRotateByThePositionGiven) {
+  Rng rng(64);
+  for (const RopeCase& c : kCases) {
+    std::vector<double> inv_freq = rope_inv_freq(c.dim, 100.0, RopeScaling{});
+    Tensor cos, sin;
+    rope_tables(cos, sin, inv_freq, c.seq);
+    Tensor positions = Tensor::empty({c.batch, c.seq}, DType::I32);
+    for (int64_t i = 0; i < positions.numel(); ++i) positions.data<int32_t>()[i] = static_cast<int32_t>(rng.below(c.seq));
+    Tensor x = random_tensor({c.batch, c.seq, c.heads, c.dim}, rng);
+    Tensor original = x.clone();
+    std::vector<double> want = naive_rope(x, c.rotated, inv_freq, positions.data<int32_t>());
+    rope_forward(x, c.rotated, cos, sin, &positions);
+    EXPECT_LT(relative_error(x, want), 1e-5) << c.batch << "," << c.seq << "," << c.heads << "," << c.dim;
+    rope_backward(x, c.rotated, cos, sin, &positions);
+    EXPECT_LT(relative_error(x, testing::to_double(original)), 1e-5);
+  }
+  // Positions 0, 1, ... are the default rotation, bit for bit.
+  std::vector<double> inv_freq = rope_inv_freq(8, 10000.0, RopeScaling{});
+  Tensor cos, sin;
+  rope_tables(cos, sin, inv_freq, 9);
+  Tensor positions = Tensor::empty({2, 9}, DType::I32);
+  for (int64_t i = 0; i < 18; ++i) positions.data<int32_t>()[i] = static_cast<int32_t>(i % 9);
+  Tensor a = random_tensor({2, 9, 3, 8}, rng), b = a.clone();
+  rope_forward(a, 2, cos, sin);
+  rope_forward(b, 2, cos, sin, &positions);
+  EXPECT_TRUE(testing::bitwise_equal(a, b));
+  positions.data<int32_t>()[4] = 9;
+  EXPECT_THROW(rope_forward(b, 2, cos, sin, &positions), Error);
 }
 
 TEST(OpsRope, BackwardMatchesFiniteDifferences) {

@@ -5,8 +5,12 @@
 //   forge_model_reference run DIR       reads DIR/config.json, DIR/weights.bin (fp32, all
 //                                       parameters in specs order), DIR/tokens.bin and
 //                                       DIR/targets.bin (int32 [batch, seq]); writes
-//                                       DIR/logits.bin, DIR/grads.bin, DIR/loss.json
+//                                       DIR/logits.bin, DIR/grads.bin, DIR/loss.json; with
+//                                       DIR/segments.bin (int32 [batch, seq]) the rows are
+//                                       packed examples (NOTE [Packed examples]), positions
+//                                       restarting with each run of equal ids
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -98,14 +102,25 @@ int main(int argc, char** argv) {
   read_into(dir + "/tokens.bin", tokens.raw(), tokens.nbytes());
   read_into(dir + "/targets.bin", targets.raw(), targets.nbytes());
 
+  SequenceLayout layout{Tensor::empty({batch, seq}, DType::I32), Tensor::empty({batch, seq}, DType::I32)};
+  const bool packed = std::filesystem::exists(dir + "/segments.bin");
+  if (packed) {
+    read_into(dir + "/segments.bin", layout.segments.raw(), layout.segments.nbytes());
+    const int32_t* id = layout.segments.data<int32_t>();
+    int32_t* position = layout.positions.data<int32_t>();
+    for (int64_t i = 0; i < batch * seq; ++i) position[i] = i % seq == 0 || id[i] != id[i - 1] ? 0 : position[i - 1] + 1;
+  }
+  const SequenceLayout* rows = packed ? &layout : nullptr;
+
   DecoderLM model(config, batch, seq);
   Tensor logits = Tensor::empty({batch * seq, config.vocab_size});
-  model.forward_logits(tokens, params, logits);
+  model.forward_logits(tokens, params, logits, rows);
   write_from(dir + "/logits.bin", logits.raw(), logits.nbytes());
 
-  LossSum probe = model.forward_loss(tokens, targets, params);
+  LossSum probe = model.forward_loss(tokens, targets, params, rows);
   grads.zero();
-  LossSum loss = model.forward_backward(tokens, targets, params, grads, 1.0f / static_cast<float>(probe.tokens));
+  LossSum loss =
+      model.forward_backward(tokens, targets, params, grads, 1.0f / static_cast<float>(probe.tokens), rows);
   write_from(dir + "/grads.bin", grads.flat().raw(), grads.flat().nbytes());
   std::ofstream(dir + "/loss.json") << json{{"loss", loss.mean()}, {"tokens", loss.tokens}}.dump();
   return 0;

@@ -2,7 +2,8 @@
 //
 // Query position i of query head h attends to key positions j in [first(i), i], where
 // first(i) = 0 without a sliding window and max(0, i - W + 1) with window W, so the key
-// at j = i is always visible. Query head h uses key/value head h / (q_heads / kv_heads).
+// at j = i is always visible. With packed examples first(i) is also at least the start of
+// i's example, so no token sees another example's. Query head h uses key/value head h / (q_heads / kv_heads).
 //
 // Forward, one (batch, head, query) row at a time: scores s_j = scale * q.k_j, softmax
 // with the row maximum subtracted (exponents <= 0, the sum in double), out = sum_j p_j v_j,
@@ -41,7 +42,10 @@ struct Layout {
   int64_t value(int64_t b, int64_t t, int64_t g) const { return qkv_row(b, t, d.q_heads + d.kv_heads + g); }
   int64_t out_row(int64_t b, int64_t t, int64_t h) const { return ((b * d.seq + t) * d.q_heads + h) * d.head_dim; }
   int64_t lse_index(int64_t b, int64_t h, int64_t t) const { return (b * d.q_heads + h) * d.seq + t; }
-  int64_t first_key(int64_t i) const { return d.window > 0 ? std::max<int64_t>(0, i - d.window + 1) : 0; }
+  int64_t first_key(int64_t b, int64_t i) const {
+    int64_t first = d.window > 0 ? std::max<int64_t>(0, i - d.window + 1) : 0;
+    return d.example_start ? std::max<int64_t>(first, d.example_start[b * d.seq + i]) : first;
+  }
   int64_t kv_head_of(int64_t h) const { return h / (d.q_heads / d.kv_heads); }
 };
 
@@ -55,7 +59,7 @@ void attention_forward(float* out, float* lse, const float* qkv, const Attention
     std::vector<float> p(dims.seq);
     for (int64_t row = begin; row < end; ++row) {
       int64_t i = row % dims.seq, h = (row / dims.seq) % dims.q_heads, b = row / (dims.seq * dims.q_heads);
-      int64_t g = at.kv_head_of(h), first = at.first_key(i);
+      int64_t g = at.kv_head_of(h), first = at.first_key(b, i);
       const float* q = qkv + at.query(b, i, h);
       float max_score = -INFINITY;
       for (int64_t j = first; j <= i; ++j) {
@@ -97,7 +101,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* dq = dqkv + at.query(b, i, h);
           float lse_i = lse[at.lse_index(b, h, i)];
           float correction = dot(dout_i, out + at.out_row(b, i, h), d);
-          for (int64_t j = at.first_key(i); j <= i; ++j) {
+          for (int64_t j = at.first_key(b, i); j <= i; ++j) {
             const float* k = qkv + at.key(b, j, g);
             const float* v = qkv + at.value(b, j, g);
             float p = std::exp(dims.scale * dot(q, k, d) - lse_i);

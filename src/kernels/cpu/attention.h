@@ -6,7 +6,9 @@ namespace forge::cpu {
 
 // The packed layout of ops/attention.h: qkv [batch, seq, q_heads + 2 * kv_heads, head_dim],
 // out [batch, seq, q_heads, head_dim], lse [batch, q_heads, seq]. q_heads is a multiple of
-// kv_heads; window 0 means no sliding window.
+// kv_heads; window 0 means no sliding window. example_start, when given, is int32 [batch, seq]:
+// the index in its row of the first token of each token's example (packed examples, NOTE
+// [Packed examples] in ops/attention.h); a query sees no key before it.
 struct AttentionDims {
   int64_t batch = 0;
   int64_t seq = 0;
@@ -15,6 +17,7 @@ struct AttentionDims {
   int64_t head_dim = 0;
   int64_t window = 0;
   float scale = 0.0f;
+  const int32_t* example_start = nullptr;
 };
 
 void attention_forward(float* out, float* lse, const float* qkv, const AttentionDims& dims);

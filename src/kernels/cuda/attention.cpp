@@ -13,8 +13,16 @@
 // rule as the CPU reference. The softmax statistics cuDNN saves are the log-sum-exp of
 // the scaled scores, which is what the CPU reference calls lse.
 //
-// Built graphs are cached per problem shape (batch, seq, heads, head_dim, window, scale);
-// building one takes tens of milliseconds, executing it microseconds to milliseconds.
+// Packed examples (NOTE [Packed examples] in ops/attention.h) use cuDNN's ragged ("THD")
+// layout: the graph's batch is the micro-batch's examples (rounded up to a power of two with
+// empty sequences), each at most T tokens, found through per-sequence ragged offset tensors
+// (element offsets of its first token in Q/K/V, O/dO and the statistics) and lengths
+// (seq_len_q = seq_len_kv) with the padding mask; the same causal mask and window then
+// apply within each example. The statistics are ragged too: token-major [B * T, Hq].
+//
+// Built graphs are cached per problem shape (batch, seq, heads, head_dim, window, scale,
+// ragged capacity); building one takes tens of milliseconds, executing it microseconds to
+// milliseconds.
 #include "kernels/cuda/attention.h"
 
 #include <cudnn.h>
@@ -34,7 +42,12 @@ namespace {
 
 namespace fe = cudnn_frontend;
 
-enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV };
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kdO, kdQ, kdK, kdV,
+  // ragged sequences: lengths and the offset tensor of each ragged input or output
+  kSeqLenQ, kSeqLenKV, kQOffset, kKOffset, kVOffset, kOOffset, kStatsOffset, kdOOffset, kdQOffset, kdKOffset,
+  kdVOffset
+};
 
 void check_fe(fe::error_t status, const char* what) {
   if (status.is_bad()) FORGE_FAIL("cuDNN attention: {} failed: {}", what, status.get_message());
@@ -45,7 +58,7 @@ struct CachedGraph {
   int64_t workspace_bytes = 0;
 };
 
-using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, bool>;
+using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool>;
 
 struct Context {
   cudnnHandle_t handle = nullptr;
@@ -79,15 +92,19 @@ struct Views {
   std::vector<int64_t> q_dim, kv_dim, qkv_stride, o_stride, stats_dim, stats_stride;
 };
 
+// With ragged sequences the batch is their capacity, and the statistics are token-major.
 Views views_of(const AttentionProblem& p) {
-  int64_t packed = p.q_heads + 2 * p.kv_heads;
+  const int64_t packed = p.q_heads + 2 * p.kv_heads;
+  const bool ragged = p.ragged.capacity > 0;
+  const int64_t batch = ragged ? p.ragged.capacity : p.batch;
   return {
-      {p.batch, p.q_heads, p.seq, p.head_dim},
-      {p.batch, p.kv_heads, p.seq, p.head_dim},
+      {batch, p.q_heads, p.seq, p.head_dim},
+      {batch, p.kv_heads, p.seq, p.head_dim},
       {p.seq * packed * p.head_dim, p.head_dim, packed * p.head_dim, 1},
       {p.seq * p.q_heads * p.head_dim, p.head_dim, p.q_heads * p.head_dim, 1},
-      {p.batch, p.q_heads, p.seq, 1},
-      {p.q_heads * p.seq, p.seq, 1, 1},
+      {batch, p.q_heads, p.seq, 1},
+      ragged ? std::vector<int64_t>{p.q_heads * p.seq, 1, p.q_heads, 1}
+             : std::vector<int64_t>{p.q_heads * p.seq, p.seq, 1, 1},
   };
 }
 
@@ -105,9 +122,29 @@ std::shared_ptr<fe::graph::Tensor_attributes> input(fe::graph::Graph& g, const c
   return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim(dim).set_stride(stride));
 }
 
-template <typename Attributes> void set_mask(Attributes& attributes, const AttentionProblem& p) {
+// A [capacity, 1, 1, 1] int tensor of the ragged description (lengths or offsets).
+std::shared_ptr<fe::graph::Tensor_attributes> ragged_input(fe::graph::Graph& g, const char* name, Uid uid,
+                                                            const AttentionProblem& p, fe::DataType_t type) {
+  const int64_t n = p.ragged.capacity + (type == fe::DataType_t::INT64 ? 1 : 0);
+  return g.tensor(fe::graph::Tensor_attributes().set_name(name).set_uid(uid).set_dim({n, 1, 1, 1}).set_stride(
+      {1, 1, 1, 1}).set_data_type(type));
+}
+
+void make_ragged(fe::graph::Graph& g, fe::graph::Tensor_attributes& tensor, const char* name, Uid uid,
+                 const AttentionProblem& p) {
+  if (p.ragged.capacity > 0) tensor.set_ragged_offset(ragged_input(g, name, uid, p, fe::DataType_t::INT64));
+}
+
+template <typename Attributes>
+void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProblem& p) {
   attributes.set_causal_mask(true).set_attn_scale(p.scale);
   if (p.sliding_window > 0) attributes.set_diagonal_band_left_bound(static_cast<int>(p.sliding_window));
+  if (p.ragged.capacity == 0) return;
+  attributes.set_padding_mask(true)
+      .set_seq_len_q(ragged_input(g, "seq_len_q", kSeqLenQ, p, fe::DataType_t::INT32))
+      .set_seq_len_kv(ragged_input(g, "seq_len_kv", kSeqLenKV, p, fe::DataType_t::INT32))
+      .set_max_total_seq_len_q(p.batch * p.seq)
+      .set_max_total_seq_len_kv(p.batch * p.seq);
 }
 
 CachedGraph finish(Context& ctx, std::shared_ptr<fe::graph::Graph> g) {
@@ -127,12 +164,17 @@ CachedGraph build_forward(Context& ctx, const AttentionProblem& p) {
   auto q = input(*g, "Q", kQ, v.q_dim, v.qkv_stride);
   auto k = input(*g, "K", kK, v.kv_dim, v.qkv_stride);
   auto val = input(*g, "V", kV, v.kv_dim, v.qkv_stride);
+  make_ragged(*g, *q, "Q_offset", kQOffset, p);
+  make_ragged(*g, *k, "K_offset", kKOffset, p);
+  make_ragged(*g, *val, "V_offset", kVOffset, p);
   auto attributes = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true);
-  set_mask(attributes, p);
+  set_mask(*g, attributes, p);
   auto [o, stats] = g->sdpa(q, k, val, attributes);
   o->set_output(true).set_uid(kO).set_dim(v.q_dim).set_stride(v.o_stride);
   stats->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim(v.stats_dim).set_stride(
       v.stats_stride);
+  make_ragged(*g, *o, "O_offset", kOOffset, p);
+  make_ragged(*g, *stats, "Stats_offset", kStatsOffset, p);
   return finish(ctx, g);
 }
 
@@ -146,21 +188,45 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
   auto d_o = input(*g, "dO", kdO, v.q_dim, v.o_stride);
   auto stats = input(*g, "Stats", kStats, v.stats_dim, v.stats_stride);
   stats->set_data_type(fe::DataType_t::FLOAT);
+  make_ragged(*g, *q, "Q_offset", kQOffset, p);
+  make_ragged(*g, *k, "K_offset", kKOffset, p);
+  make_ragged(*g, *val, "V_offset", kVOffset, p);
+  make_ragged(*g, *o, "O_offset", kOOffset, p);
+  make_ragged(*g, *d_o, "dO_offset", kdOOffset, p);
+  make_ragged(*g, *stats, "Stats_offset", kStatsOffset, p);
   auto attributes = fe::graph::SDPA_backward_attributes().set_name("attention_backward");
-  set_mask(attributes, p);
+  set_mask(*g, attributes, p);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, val, o, d_o, stats, attributes);
   dq->set_output(true).set_uid(kdQ).set_dim(v.q_dim).set_stride(v.qkv_stride);
   dk->set_output(true).set_uid(kdK).set_dim(v.kv_dim).set_stride(v.qkv_stride);
   dv->set_output(true).set_uid(kdV).set_dim(v.kv_dim).set_stride(v.qkv_stride);
+  make_ragged(*g, *dq, "dQ_offset", kdQOffset, p);
+  make_ragged(*g, *dk, "dK_offset", kdKOffset, p);
+  make_ragged(*g, *dv, "dV_offset", kdVOffset, p);
   return finish(ctx, g);
 }
 
 const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool backward) {
-  ProblemKey key{p.batch, p.seq, p.q_heads, p.kv_heads, p.head_dim, p.sliding_window, p.scale, backward};
+  ProblemKey key{p.batch, p.seq, p.q_heads, p.kv_heads, p.head_dim, p.sliding_window, p.scale, p.ragged.capacity,
+                 backward};
   auto it = ctx.graphs.find(key);
   if (it == ctx.graphs.end())
     it = ctx.graphs.emplace(key, backward ? build_backward(ctx, p) : build_forward(ctx, p)).first;
   return it->second;
+}
+
+// The ragged description's device arrays, for the uids the graph declared.
+void add_ragged(std::unordered_map<int64_t, void*>& pack, const RaggedSequences& r, bool backward) {
+  if (r.capacity == 0) return;
+  auto arg = [](const auto* pointer) { return const_cast<void*>(static_cast<const void*>(pointer)); };
+  pack[kSeqLenQ] = arg(r.lengths);
+  pack[kSeqLenKV] = arg(r.lengths);
+  pack[kQOffset] = pack[kKOffset] = pack[kVOffset] = arg(r.qkv_offsets);
+  pack[kOOffset] = arg(r.out_offsets);
+  pack[kStatsOffset] = arg(r.lse_offsets);
+  if (!backward) return;
+  pack[kdOOffset] = arg(r.out_offsets);
+  pack[kdQOffset] = pack[kdKOffset] = pack[kdVOffset] = arg(r.qkv_offsets);
 }
 
 void execute(Context& ctx, const CachedGraph& cached, std::unordered_map<int64_t, void*>& pack) {
@@ -180,6 +246,7 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionPr
                                              {kV, base + (p.q_heads + p.kv_heads) * p.head_dim},
                                              {kO, out},
                                              {kStats, lse}};
+  add_ragged(pack, p.ragged, false);
   execute(ctx, g, pack);
 }
 
@@ -194,6 +261,7 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
       {kQ, base},           {kK, base + k_offset},  {kV, base + v_offset},       {kO, const_cast<bf16*>(out)},
       {kdO, const_cast<bf16*>(dout)}, {kStats, const_cast<float*>(lse)}, {kdQ, dqkv},
       {kdK, dqkv + k_offset}, {kdV, dqkv + v_offset}};
+  add_ragged(pack, p.ragged, true);
   execute(ctx, g, pack);
 }
 

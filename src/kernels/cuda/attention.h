@@ -6,14 +6,25 @@
 
 namespace forge::cuda {
 
+// Packed examples as cuDNN's ragged sequences (NOTE [Packed examples] in ops/attention.h):
+// `capacity` sequences (those past the examples have length 0), device arrays.
+struct RaggedSequences {
+  int64_t capacity = 0;                // 0: every row of the batch is one sequence
+  const int32_t* lengths = nullptr;    // [capacity] tokens
+  const int64_t* qkv_offsets = nullptr;  // [capacity + 1] element offset of the first token in qkv
+  const int64_t* out_offsets = nullptr;  // ... in out (and dout)
+  const int64_t* lse_offsets = nullptr;  // ... in lse
+};
+
 struct AttentionProblem {
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   int64_t sliding_window;  // 0: none
   float scale;
+  RaggedSequences ragged{};
 };
 
 // qkv bf16 [B, T, Hq + 2 Hkv, D] (packed as the fused projection writes it); out bf16
-// [B, T, Hq, D]; lse fp32 [B, Hq, T].
+// [B, T, Hq, D]; lse fp32 [B, Hq, T], or [B * T, Hq] with ragged sequences.
 void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionProblem& p);
 // Overwrites dqkv (same packing as qkv) from dout bf16 [B, T, Hq, D].
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
