@@ -13,7 +13,7 @@ int run_train(const std::vector<std::string>& args);
 int run_bench_command(const std::vector<std::string>& args);
 int run_info(const std::vector<std::string>& args);
 int run_keys();
-int run_hf_info(const std::string& dir);
+int run_hf_info(const std::vector<std::string>& args);
 int run_prep(const PrepOptions& options, const std::string& tokenizer_path);
 // Exit code 1 when any check failed; json_path empty: no JSON report.
 int run_preflight(const std::string& json_path);
