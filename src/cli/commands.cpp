@@ -6,8 +6,6 @@
 #include <filesystem>
 #include <map>
 
-#include "ckpt/hf_config.h"
-#include "ckpt/hf_import.h"
 #include "ckpt/hf_weight_files.h"
 #include "ckpt/initial_load.h"
 #include "cli/config.h"
@@ -50,10 +48,10 @@ std::string architecture_summary(const ModelConfig& m) {
 
 // The config of a run that starts from the Hugging Face model in `dir`.
 ExperimentConfig hf_experiment(const std::string& dir, ConfigOverrides overrides) {
-  if (!is_hf_model_dir(dir)) read_hf_config(dir);  // fails: "DIR/config.json: not found (is 'DIR' a ...?)"
-  // Absolute, so the printed config runs from any directory.
+  // Absolute, so the printed config runs from any directory. A directory without
+  // config.json fails naming it ("DIR/config.json: not found (is 'DIR' a Hugging Face ...?)").
   const std::string path = std::filesystem::absolute(dir).lexically_normal().string();
-  overrides.insert(overrides.begin(), {"checkpoint.initial_load_path", path});
+  overrides.insert(overrides.begin(), {{"checkpoint.initial_load_path", path}, {"checkpoint.initial_load_in_hf", "true"}});
   return load_experiment("", overrides);
 }
 

@@ -31,8 +31,7 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
 
 void Trainer::export_hf_model() {
   HfExportOptions options;
-  const std::string& dtype = config_.checkpoint.export_dtype;  // resolved by the cli: never auto here
-  FORGE_CHECK(dtype == "bf16" || dtype == "fp16" || dtype == "fp32", "checkpoint.export_dtype '{}' unresolved", dtype);
+  const std::string& dtype = config_.checkpoint.export_dtype;  // bf16, fp16 or fp32: checked before training
   options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : dtype == "fp16" ? SafetensorsDType::F16 : SafetensorsDType::F32;
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
