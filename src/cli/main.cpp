@@ -93,7 +93,10 @@ int main(int argc, char** argv) {
   report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
   report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
 
-  app.footer(overrides_footer);  // set last: subcommands created after it would inherit it
+  // Set last: subcommands created after it would inherit it.
+  app.footer("train, info, bench and hf-info take overrides: any config key as --section.key VALUE or "
+             "--section.key=VALUE, e.g. --training.local_batch_size 6.\nRun 'forge keys' for every key with its "
+             "default and meaning.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
