@@ -6,6 +6,7 @@
 // the messages of validate_experiment's rules.
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -103,7 +104,8 @@ class ExperimentBuilder {
   }
 
   ExperimentConfig finish() {
-    // Origins record only the keys the files and the command line set, for the conflict check.
+    // A model key whose origin is not config.json was set by a file or the command line:
+    // those are what the conflict check compares.
     if (hf_start_) {
       check_hf_model_conflicts(config_, *hf_start_, origins_);
       // The default seq_len is a pre-training default, not a request: a smaller model's own length replaces it.
