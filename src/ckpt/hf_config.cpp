@@ -55,7 +55,6 @@ class HfConfigReader {
   const std::string& path_;
 };
 
-// "llama" or "mistral", from "architectures" (or "model_type" when that is absent).
 std::string model_family(const HfConfigReader& r) {
   const json& c = r.config();
   if (r.has("architectures")) {
@@ -151,19 +150,51 @@ ModelConfig model_config_from_hf(const json& config, const std::string& path) {
   return m;
 }
 
+std::string hf_model_family(const json& config, const std::string& path) {
+  if (!config.is_object()) FORGE_FAIL("{}: expected a JSON object, got {}", path, config.type_name());
+  return model_family(HfConfigReader(config, path));
+}
+
+std::string hf_declared_dtype(const json& config, const std::string& path) {
+  for (const char* key : {"dtype", "torch_dtype"}) {
+    if (!config.is_object() || !config.contains(key) || config[key].is_null()) continue;
+    const json& v = config[key];
+    if (v.is_string() && (v == "float32" || v == "bfloat16" || v == "float16")) return v.get<std::string>();
+    FORGE_FAIL("{}: \"{}\" is {}, expected \"float32\", \"bfloat16\" or \"float16\"", path, key, describe_json(v));
+  }
+  return "";
+}
+
 ModelConfig read_hf_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
   if (!std::filesystem::exists(path))
     FORGE_FAIL("{}: not found (is '{}' a Hugging Face model directory?)", path, dir);
   json config = read_json_file(path, "the model's config.json");
   ModelConfig m = model_config_from_hf(config, path);
-  m.name = std::filesystem::path(dir).lexically_normal().filename().string();
-  if (m.name.empty()) m.name = std::filesystem::path(dir).lexically_normal().parent_path().filename().string();
+  m.name = hf_model_name(dir);
   return m;
 }
 
-nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::string& dtype) {
-  const bool mistral = m.sliding_window > 0;
+bool is_hf_model_dir(const std::string& dir) {
+  std::error_code error;
+  return std::filesystem::exists(std::filesystem::path(dir) / "config.json", error);
+}
+
+std::string hf_model_name(const std::string& dir) {
+  std::filesystem::path path = std::filesystem::path(dir).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();
+  if (path.filename().empty() || path.filename() == "." || path.filename() == "..")
+    path = std::filesystem::absolute(path).lexically_normal();
+  const std::string repo = path.parent_path().parent_path().filename().string();
+  if (path.parent_path().filename() == "snapshots" && repo.starts_with("models--"))
+    return repo.substr(repo.rfind("--") + 2);
+  return path.filename().string();
+}
+
+nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::string& dtype, const std::string& family) {
+  FORGE_CHECK(family.empty() || family == "llama" || family == "mistral", "unknown model family '{}'", family);
+  FORGE_CHECK(family != "llama" || m.sliding_window == 0, "a Llama model has no sliding window");
+  const bool mistral = family.empty() ? m.sliding_window > 0 : family == "mistral";
   nlohmann::ordered_json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling.enabled ? "llama3" : "default"}};
   if (m.rope_scaling.enabled) {
     rope["factor"] = m.rope_scaling.factor;
@@ -191,7 +222,7 @@ nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::str
   legacy_scaling.erase("rope_theta");
   c["rope_scaling"] = m.rope_scaling.enabled ? legacy_scaling : nlohmann::ordered_json(nullptr);
   if (mistral) {
-    c["sliding_window"] = m.sliding_window;
+    c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json(nullptr);
   } else {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;

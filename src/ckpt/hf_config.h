@@ -11,9 +11,15 @@
 // MistralForCausalLM.
 //
 // Writing produces the config.json that transformers 5 writes for the same model
-// (rope_parameters, dtype), choosing MistralForCausalLM only when a sliding window is set,
-// plus the same facts under the older names (rope_theta, rope_scaling, torch_dtype) that
-// transformers 4.x and other readers use; transformers 5 accepts both without warnings.
+// (rope_parameters, dtype), as the family asked for (the source model's, so a Mistral with
+// "sliding_window": null stays Mistral; without one, MistralForCausalLM only when a
+// sliding window is set), plus the same facts under the older names (rope_theta,
+// rope_scaling, torch_dtype) that transformers 4.x and other readers use; transformers 5
+// accepts both without warnings.
+//
+// A model read from a directory is named after it (hf_model_name): the directory's name,
+// or for a snapshot in the Hugging Face hub cache (.../models--ORG--NAME/snapshots/REV),
+// NAME, so runs, logs and reports say which model they trained.
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -25,10 +31,27 @@ namespace forge {
 
 // Maps a parsed config.json; `path` names it in errors. The result is validated.
 ModelConfig model_config_from_hf(const nlohmann::json& config, const std::string& path);
-// Reads and maps DIR/config.json.
+// Reads and maps DIR/config.json; the model is named hf_model_name(dir).
 ModelConfig read_hf_config(const std::string& dir);
 
-// config.json for `config`, with torch dtype name `dtype` ("float32" or "bfloat16").
-nlohmann::ordered_json hf_config_from_model(const ModelConfig& config, const std::string& dtype);
+// True when DIR holds a config.json (what makes a directory a Hugging Face model to forge).
+bool is_hf_model_dir(const std::string& dir);
+
+// The model's name for DIR (see above).
+std::string hf_model_name(const std::string& dir);
+
+// "llama" or "mistral", from a parsed config.json's "architectures" (or "model_type");
+// anything else fails naming `path`.
+std::string hf_model_family(const nlohmann::json& config, const std::string& path);
+
+// The torch dtype name ("float32", "bfloat16", "float16") a parsed config.json declares in
+// "dtype" (transformers 5) or "torch_dtype" (4.x); empty when it declares none.
+std::string hf_declared_dtype(const nlohmann::json& config, const std::string& path);
+
+// config.json for `config`, with torch dtype name `dtype` ("float32", "bfloat16" or
+// "float16"), as `family` ("llama", "mistral"; empty: mistral exactly when a sliding
+// window is set). A Mistral without a window gets "sliding_window": null.
+nlohmann::ordered_json hf_config_from_model(const ModelConfig& config, const std::string& dtype,
+                                            const std::string& family = "");
 
 }  // namespace forge

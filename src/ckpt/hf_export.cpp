@@ -17,7 +17,6 @@ namespace fs = std::filesystem;
 // weights: they belong with any model trained from it.
 constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                                            "tokenizer.model", "generation_config.json"};
-constexpr const char* kSpecialTokenKeys[] = {"bos_token_id", "eos_token_id", "pad_token_id"};
 // Exports are not flushed to disk: NOTE [Durable files] in core/durable_file.h says why.
 constexpr DurableOptions kExportDurability{.sync = false};
 
@@ -73,16 +72,29 @@ void write_weights(const fs::path& dir, const FlatParameters& params, const HfEx
   write_file_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n", kExportDurability);
 }
 
-void write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
-  nlohmann::ordered_json config =
-      hf_config_from_model(params.config(), options.dtype == SafetensorsDType::BF16 ? "bfloat16" : "float32");
+const char* torch_dtype_name(SafetensorsDType dtype) {
+  switch (dtype) {
+    case SafetensorsDType::BF16: return "bfloat16";
+    case SafetensorsDType::F16: return "float16";
+    default: return "float32";
+  }
+}
+
+// NOTE [Export keeps the source's config] in hf_export.h.
+// Returns the architecture class written.
+std::string write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
   const fs::path source_config = fs::path(options.source_dir) / "config.json";
+  nlohmann::ordered_json config;
+  std::string family;
   if (!options.source_dir.empty() && fs::exists(source_config)) {
     nlohmann::json source = read_json_file(source_config.string(), "the source model's config.json");
-    for (const char* key : kSpecialTokenKeys)
-      if (source.is_object() && source.contains(key)) config[key] = source[key];
+    family = hf_model_family(source, source_config.string());
+    config = nlohmann::ordered_json::parse(source.dump());
   }
+  const nlohmann::ordered_json written = hf_config_from_model(params.config(), torch_dtype_name(options.dtype), family);
+  for (const auto& [key, value] : written.items()) config[key] = value;
   write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n", kExportDurability);
+  return config["architectures"][0].get<std::string>();
 }
 
 void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
@@ -108,8 +120,9 @@ void check_hf_export_target(const std::string& dir) {
 }
 
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options) {
-  FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16,
-              "Hugging Face export stores F32 or BF16, not {}", safetensors_dtype_name(options.dtype));
+  FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16 ||
+                  options.dtype == SafetensorsDType::F16,
+              "Hugging Face export stores F32, BF16 or F16, not {}", safetensors_dtype_name(options.dtype));
   FORGE_CHECK(options.max_shard_bytes > 0, "max_shard_bytes must be positive");
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "Hugging Face export reads fp32 weights in host memory");
@@ -126,11 +139,11 @@ void save_hf_model(const std::string& dir, const FlatParameters& params, const H
   AtomicDirectory staging(target.string(), kExportDurability);
   const fs::path temp = staging.temporary_path();
   write_weights(temp, params, options);
-  write_config(temp, params, options);
+  const std::string architecture = write_config(temp, params, options);
   if (!options.source_dir.empty()) copy_companion_files(temp, options.source_dir);
   staging.commit();  // replaces an empty target directory, checked above
-  log_info("exported the model as Hugging Face {} ({}) to {}", params.config().sliding_window > 0 ? "Mistral" : "Llama",
-           safetensors_dtype_name(options.dtype), target.string());
+  log_info("exported the model as Hugging Face {} ({}) to {}", architecture, safetensors_dtype_name(options.dtype),
+           target.string());
 }
 
 }  // namespace forge

@@ -2,7 +2,15 @@
 // from_pretrained loads: config.json (hf_config.h), the weights as safetensors split into
 // the Hugging Face tensors (hf_layout.h), sharded with model.safetensors.index.json when
 // they exceed max_shard_bytes, and, when the model came from a Hugging Face directory,
-// that directory's tokenizer files, generation_config.json and special token ids.
+// that directory's tokenizer files and generation_config.json.
+//
+// NOTE [Export keeps the source's config]
+// A model that came from a Hugging Face directory is exported as that directory's model:
+// its config.json is the source's with every key forge writes (hf_config.h) updated to
+// the trained model and the export's dtype, and every other key (special token ids,
+// _name_or_path, pretraining_tp, keys of later transformers versions) carried over as it
+// was; the architecture class is the source's (a Mistral with "sliding_window": null
+// stays MistralForCausalLM rather than becoming the Llama it computes like).
 //
 // NOTE [Atomic export]
 // Everything is written into a temporary sibling directory that is renamed into place
@@ -20,10 +28,10 @@
 namespace forge {
 
 struct HfExportOptions {
-  SafetensorsDType dtype = SafetensorsDType::F32;  // F32 or BF16
+  SafetensorsDType dtype = SafetensorsDType::F32;  // F32, BF16 or F16
   // A Hugging Face model directory (usually the one training started from) whose
-  // tokenizer files, generation_config.json and bos/eos/pad token ids go with the export;
-  // empty for none.
+  // config.json, tokenizer files and generation_config.json go with the export (NOTE
+  // [Export keeps the source's config]); empty for none.
   std::string source_dir;
   uint64_t max_shard_bytes = 5'000'000'000;  // as save_pretrained's default "5GB"
 };

@@ -88,7 +88,7 @@ struct SafetensorsTensorRef {
   const float* data = nullptr;
 };
 
-// Writes the tensors, stored as `stored` (F32 or BF16, converted from fp32 with
+// Writes the tensors, stored as `stored` (F32, BF16 or F16, converted from fp32 with
 // round-to-nearest-even), in the given order, atomically (an AtomicFile: NOTE [Durable
 // files] in core/durable_file.h).
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,

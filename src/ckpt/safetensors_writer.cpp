@@ -1,6 +1,6 @@
 // The safetensors writer. The header is built first (offsets follow from the shapes), so
 // the tensors can then be streamed to disk in bounded chunks: a multi-gigabyte shard
-// never needs a second copy in memory. bf16 output is converted chunk by chunk. The file
+// never needs a second copy in memory. bf16 and fp16 output is converted chunk by chunk. The file
 // is an AtomicFile: readers see the old file or the complete new one.
 #include <algorithm>
 #include <nlohmann/json.hpp>
@@ -34,8 +34,9 @@ std::string header_text(const std::vector<SafetensorsTensorRef>& tensors, Safete
 
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,
                        SafetensorsDType stored, const std::map<std::string, std::string>& metadata) {
-  FORGE_CHECK(stored == SafetensorsDType::F32 || stored == SafetensorsDType::BF16,
-              "safetensors writer stores F32 or BF16, not {}", safetensors_dtype_name(stored));
+  FORGE_CHECK(stored == SafetensorsDType::F32 || stored == SafetensorsDType::BF16 || stored == SafetensorsDType::F16,
+              "safetensors writer stores F32, BF16 or F16, not {}", safetensors_dtype_name(stored));
+  uint16_t (*narrow)(float) = stored == SafetensorsDType::BF16 ? float_to_bf16 : float_to_f16;
   const std::string header = header_text(tensors, stored, metadata);
   const uint64_t header_bytes = header.size();
 
@@ -52,7 +53,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
     }
     for (int64_t start = 0; start < n; start += kChunk) {
       const int64_t count = std::min(kChunk, n - start);
-      for (int64_t i = 0; i < count; ++i) converted[i] = float_to_bf16(t.data[start + i]);
+      for (int64_t i = 0; i < count; ++i) converted[i] = narrow(t.data[start + i]);
       out.write(converted.data(), static_cast<size_t>(count) * sizeof(uint16_t));
     }
   }

@@ -6,9 +6,8 @@
 #include <filesystem>
 #include <map>
 
-#include "ckpt/hf_config.h"
-#include "ckpt/hf_import.h"
 #include "ckpt/hf_weight_files.h"
+#include "ckpt/initial_load.h"
 #include "cli/config.h"
 #include "core/log.h"
 #include "core/stop_signal.h"
@@ -40,6 +39,29 @@ Invocation parse_invocation(const std::vector<std::string>& args, const char* co
   return inv;
 }
 
+std::string architecture_summary(const ModelConfig& m) {
+  return fmt::format("{} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}", m.num_layers,
+                     m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
+                     m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
+                     m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
+}
+
+// The config of a run that starts from the Hugging Face model in `dir`.
+ExperimentConfig hf_experiment(const std::string& dir, ConfigOverrides overrides) {
+  // Absolute, so the printed config runs from any directory. A directory without
+  // config.json fails naming it ("DIR/config.json: not found (is 'DIR' a Hugging Face ...?)").
+  const std::string path = std::filesystem::absolute(dir).lexically_normal().string();
+  overrides.insert(overrides.begin(), {{"checkpoint.initial_load_path", path}, {"checkpoint.initial_load_in_hf", "true"}});
+  return load_experiment("", overrides);
+}
+
+void print_implied_yaml(const ExperimentConfig& config, const std::string& dir) {
+  fmt::print("# The config a run from {} implies, as `forge train FILE` accepts it. config.json sets every\n"
+             "# model key (drop them or keep them: a different value is refused); checkpoint.initial_load_path\n"
+             "# is the only key a run from it needs.\n{}",
+             dir, to_yaml(config));
+}
+
 }  // namespace
 
 int run_train(const std::vector<std::string>& args) {
@@ -68,7 +90,12 @@ int run_info(const std::vector<std::string>& args) {
   if (inv.positional.empty()) FORGE_FAIL("forge info: give a model name (e.g. llama3.1-8b) or an experiment file");
   std::string experiment;
   std::error_code error;
-  if (std::filesystem::exists(inv.positional, error)) {  // load_experiment refuses what is not a regular file
+  const bool hf_dir = std::filesystem::is_directory(inv.positional, error) &&
+                      classify_initial_load(inv.positional, "forge info") == InitialLoadKind::HuggingFace;
+  if (hf_dir) {
+    inv.overrides.insert(inv.overrides.begin(),
+                         {"checkpoint.initial_load_path", std::filesystem::absolute(inv.positional).lexically_normal().string()});
+  } else if (std::filesystem::exists(inv.positional, error)) {  // load_experiment refuses what is not a regular file
     experiment = inv.positional;
   } else if (inv.positional.ends_with(".yaml") || inv.positional.ends_with(".yml")) {
     FORGE_FAIL("experiment file '{}' not found", inv.positional);
@@ -79,10 +106,7 @@ int run_info(const std::vector<std::string>& args) {
   const ModelConfig& m = config.model;
   const TrainingConfig& t = config.training;
   fmt::print("model            {}\n", m.name);
-  fmt::print("architecture     {} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}\n",
-             m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
-             m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
-             m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
+  fmt::print("architecture     {}\n", architecture_summary(m));
   fmt::print("parameters       {:.2f} B ({} total; {} without the input embedding)\n", m.total_params() / 1e9,
              m.total_params(), m.total_params() - m.embedding_params());
   fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
@@ -99,11 +123,16 @@ int run_info(const std::vector<std::string>& args) {
     plan.optimizer_state = cuda ? configured_state : DType::F32;  // the CPU reference keeps fp32 moments
     fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda));
   }
+  if (hf_dir) print_implied_yaml(config, inv.positional);
   return 0;
 }
 
-int run_hf_info(const std::string& dir) {
-  const ModelConfig m = read_hf_config(dir);
+int run_hf_info(const std::vector<std::string>& args) {
+  Invocation inv = parse_invocation(args, "hf-info");
+  if (inv.positional.empty()) FORGE_FAIL("forge hf-info: give a Hugging Face model directory");
+  const std::string& dir = inv.positional;
+  const ExperimentConfig config = hf_experiment(dir, inv.overrides);
+  const ModelConfig& m = config.model;
   HfWeightFiles files(dir);
   std::map<std::string, int64_t> tensors_by_dtype;
   int64_t stored_elements = 0;
@@ -113,15 +142,11 @@ int run_hf_info(const std::string& dir) {
   }
   std::vector<std::string> dtypes;
   for (const auto& [dtype, count] : tensors_by_dtype) dtypes.push_back(fmt::format("{} {}", count, dtype));
-  fmt::print("model            {}\n", m.name);
-  fmt::print("architecture     {} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}\n",
-             m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
-             m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
-             m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
-  fmt::print("parameters       {} by config.json; {} stored in {} file(s): {} tensors\n", m.total_params(),
+  fmt::print("# model          {}\n", m.name);
+  fmt::print("# architecture   {}\n", architecture_summary(m));
+  fmt::print("# parameters     {} by config.json; {} stored in {} file(s): {} tensors\n", m.total_params(),
              stored_elements, files.files().size(), fmt::join(dtypes, ", "));
-  fmt::print("train from it    forge train --checkpoint.initial_load_in_hf true --checkpoint.initial_load_path {} {}\n",
-             dir, model_overrides_for(m));
+  print_implied_yaml(config, dir);
   return 0;
 }
 

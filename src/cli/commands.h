@@ -14,7 +14,7 @@ int run_train(const std::vector<std::string>& args);
 int run_bench_command(const std::vector<std::string>& args);
 int run_info(const std::vector<std::string>& args);
 int run_keys();
-int run_hf_info(const std::string& dir);
+int run_hf_info(const std::vector<std::string>& args);
 // `chat_template` is --chat-template's value (empty when not given; --format sft only).
 int run_prep(PrepOptions options, const std::string& tokenizer_path, const std::string& chat_template);
 // Exit code 1 when any check failed; json_path empty: no JSON report.

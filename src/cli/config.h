@@ -8,6 +8,8 @@
 //   ← command-line overrides.
 // model.name picks the model file wherever it is set; a --model.name override wins over
 // the experiment file's and is applied first, then the other keys in the order above.
+// A Hugging Face model directory as checkpoint.initial_load_path takes the model file's
+// place (NOTE [A Hugging Face directory is the model file] in config_hf_model.h).
 //
 // Model files are searched in $FORGE_CONFIG_DIR/models, then configs/models next to each
 // ancestor directory of the experiment file (nearest first), then the source tree's

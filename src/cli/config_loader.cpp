@@ -4,13 +4,16 @@
 // through the schema's set_config_value, so a YAML file and the command line accept and
 // reject exactly the same things. The origin of each key's final value is remembered for
 // the messages of validate_experiment's rules.
+#include <algorithm>
 #include <filesystem>
+#include <optional>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "cli/config.h"
 #include "cli/config_defaults.h"
+#include "cli/config_hf_model.h"
 #include "cli/config_model_files.h"
 #include "cli/config_reader.h"
 #include "cli/config_schema.h"
@@ -41,11 +44,11 @@ std::string bare_name(const std::string& arg) {
   return arg.substr(start, arg.find('=', start) - start);
 }
 
-// The last setting of model.name, or nullptr.
-const ConfigSetting* model_name_setting(const std::vector<ConfigSetting>& settings) {
+// The last setting of `key`, or nullptr.
+const ConfigSetting* last_setting(const std::vector<ConfigSetting>& settings, const std::string& key) {
   const ConfigSetting* found = nullptr;
   for (const auto& setting : settings) {
-    if (setting.key == "model.name") found = &setting;
+    if (setting.key == key) found = &setting;
   }
   return found;
 }
@@ -86,7 +89,31 @@ class ExperimentBuilder {
     origins_["model.name"] = name_origin;
   }
 
+  // NOTE [A Hugging Face directory is the model file] in config_hf_model.h.
+  void load_hf_model(HfStart start, const ConfigSetting* name_setting) {
+    config_.model = start.model;
+    for (const auto& key : config_schema())
+      if (key.name.starts_with("model.")) origins_[key.name] = hf_config_origin(start);
+    if (name_setting) {
+      config_.model.name = name_setting->value;
+      origins_["model.name"] = name_setting->where;
+    }
+    config_.checkpoint.initial_load_in_hf = true;
+    origins_["checkpoint.initial_load_in_hf"] = "implied by checkpoint.initial_load_path";
+    hf_start_ = std::move(start);
+  }
+
   ExperimentConfig finish() {
+    // A model key whose origin is not config.json was set by a file or the command line:
+    // those are what the conflict check compares.
+    if (hf_start_) {
+      check_hf_model_conflicts(config_, *hf_start_, origins_);
+      // The default seq_len is a pre-training default, not a request: a smaller model's own length replaces it.
+      if (!origins_.contains("training.seq_len")) {
+        config_.training.seq_len = std::min(config_.training.seq_len, config_.model.max_seq_len);
+      }
+    }
+    if (config_.checkpoint.export_dtype == "auto") config_.checkpoint.export_dtype = default_export_dtype(hf_start_);
     validate_experiment(config_, origins_);
     return config_;
   }
@@ -94,6 +121,7 @@ class ExperimentBuilder {
  private:
   ExperimentConfig config_;
   ConfigOrigins origins_;
+  std::optional<HfStart> hf_start_;
 };
 
 }  // namespace
@@ -134,12 +162,21 @@ ExperimentConfig load_experiment(const std::string& experiment_path, const Confi
   std::vector<ConfigSetting> override_settings;
   for (const auto& override_pair : overrides) override_settings.push_back(override_setting(override_pair));
 
-  const ConfigSetting* name_setting = model_name_setting(override_settings);
-  if (!name_setting) name_setting = model_name_setting(experiment_settings);
+  // The final setting of a key: the command line's, else the experiment file's.
+  auto final_setting = [&](const std::string& key) {
+    const ConfigSetting* setting = last_setting(override_settings, key);
+    return setting ? setting : last_setting(experiment_settings, key);
+  };
+  const ConfigSetting* name_setting = final_setting("model.name");
 
   ExperimentBuilder builder;
-  builder.load_model(name_setting ? name_setting->value : kDefaultModelName,
-                     name_setting ? name_setting->where : "default value", experiment_path);
+  if (auto hf = find_hf_start(final_setting("checkpoint.initial_load_path"),
+                              final_setting("checkpoint.initial_load_in_hf"))) {
+    builder.load_hf_model(std::move(*hf), name_setting);
+  } else {
+    builder.load_model(name_setting ? name_setting->value : kDefaultModelName,
+                       name_setting ? name_setting->where : "default value", experiment_path);
+  }
   for (const auto* settings : {&experiment_settings, &override_settings}) {
     for (const auto& setting : *settings) {
       if (setting.key != "model.name") builder.apply(setting);

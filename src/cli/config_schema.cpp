@@ -55,7 +55,9 @@ using D = DataConfig;
 
 std::vector<ConfigKey> build_schema() {
   return {
-      key<&E::model, &M::name>("model.name", "architecture name; selects configs/models/<name>.yaml"),
+      key<&E::model, &M::name>("model.name",
+                               "architecture name; selects configs/models/<name>.yaml (only names the run when "
+                               "checkpoint.initial_load_path is a Hugging Face model)"),
       key<&E::model, &M::vocab_size>("model.vocab_size", "number of token ids", model_bounds::vocab_size),
       key<&E::model, &M::hidden_size>("model.hidden_size", "width of the residual stream (d_model)",
                                       model_bounds::hidden_size),
@@ -99,6 +101,9 @@ std::vector<ConfigKey> build_schema() {
           "training.gradient_accumulation_steps", "micro-batches per optimizer step; 0: from global_batch_size",
           at_least(0)),
       key<&E::training, &T::seq_len>("training.seq_len", "tokens per sample", at_least(1)),
+      key<&E::training, &T::allow_longer_seq_len>(
+          "training.allow_longer_seq_len",
+          "allow seq_len beyond model.max_seq_len (max_position_embeddings), for long-context fine-tuning"),
       key<&E::training, &T::steps>("training.steps", "optimizer steps to run", optim_bounds::total_steps),
       key<&E::training, &T::seed>("training.seed", "seed of weight init and data order"),
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
@@ -214,11 +219,18 @@ std::vector<ConfigKey> build_schema() {
                                                         "resume from this step; -1: the latest, if any",
                                                         at_least(-1)),
       key<&E::checkpoint, &CheckpointConfig::initial_load_path>(
-          "checkpoint.initial_load_path", "start from these weights (forge checkpoint or Hugging Face directory)"),
+          "checkpoint.initial_load_path",
+          "start from these weights: a forge checkpoint, or a Hugging Face model directory, whose config.json then "
+          "sets the model keys and model.name"),
       key<&E::checkpoint, &CheckpointConfig::initial_load_in_hf>(
-          "checkpoint.initial_load_in_hf", "initial_load_path is a Hugging Face model directory"),
+          "checkpoint.initial_load_in_hf",
+          "initial_load_path is a Hugging Face model directory (implied when it holds config.json)"),
       key<&E::checkpoint, &CheckpointConfig::last_save_in_hf>(
           "checkpoint.last_save_in_hf", "also export the final weights as a Hugging Face model directory"),
+      key<&E::checkpoint, &CheckpointConfig::export_dtype>(
+          "checkpoint.export_dtype",
+          "dtype of the Hugging Face export; auto: the source model's (config.json's dtype), bf16 from scratch", {},
+          {"auto", "bf16", "fp16", "fp32"}),
       key<&E::checkpoint, &CheckpointConfig::buffer_mb>(
           "checkpoint.buffer_mb", "host memory (MiB) a checkpoint save or load stages its data through",
           ValueRange{1, 1 << 20}),

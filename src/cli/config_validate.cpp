@@ -12,6 +12,7 @@
 #include "cli/config_schema.h"
 #include "core/checked_math.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
 #include "optim/config_rules.h"
@@ -52,8 +53,15 @@ bool is_switch_word(const std::string& value) {
 
 // Relations between the training section and the model or optimizer section.
 void check_training(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (config.training.seq_len > config.model.max_seq_len && !config.training.allow_longer_seq_len) {
+    FORGE_FAIL("{} exceeds {}; to train on longer sequences than the model was built for (long-context "
+               "fine-tuning), set training.allow_longer_seq_len true",
+               show(config, keys, "training.seq_len"), show(config, keys, "model.max_seq_len"));
+  }
   if (config.training.seq_len > config.model.max_seq_len) {
-    FORGE_FAIL("{} exceeds {}", show(config, keys, "training.seq_len"), show(config, keys, "model.max_seq_len"));
+    log_warn("{} exceeds {} ({}): positions past the model's are extrapolated by RoPE until training adapts them",
+             show(config, keys, "training.seq_len"), show(config, keys, "model.max_seq_len"),
+             show(config, keys, "training.allow_longer_seq_len"));
   }
   if (config.optimizer.state_dtype == "bf16" && config.training.device != "cuda") {
     FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",

@@ -18,30 +18,25 @@ int main(int argc, char** argv) {
                "forge"};
   app.set_version_flag("--version", std::string("forge ") + FORGE_VERSION);
   app.require_subcommand(1);
-  app.footer(
+  const std::string overrides_footer =
       "Overrides: any config key as --section.key VALUE or --section.key=VALUE, e.g. --training.local_batch_size 6.\n"
-      "Run 'forge keys' for every key with its default and meaning.");
+      "Run 'forge keys' for every key with its default and meaning.";
 
   std::vector<std::string> args;
   auto* train = app.add_subcommand("train", "Train a model: forge train [EXPERIMENT.yaml] [--section.key VALUE ...]");
-  auto* info = app.add_subcommand("info", "Parameters, FLOPs per token and memory of a model: forge info MODEL|EXPERIMENT.yaml [overrides]");
+  auto* info = app.add_subcommand("info", "Parameters, FLOPs per token and memory of a model, and for a Hugging Face "
+                                          "directory the config it implies: forge info MODEL|EXPERIMENT.yaml|HF_DIR "
+                                          "[overrides]");
   auto* bench = app.add_subcommand(
       "bench",
       "Benchmark an experiment (or a sweep: --section.key V1,V2) for warm-up + measured steps on mock data: "
       "forge bench [EXPERIMENT.yaml] [--warmup N] [--steps N] [--find-max-batch] [--output-dir DIR] "
       "[--perf-csv FILE] [--section.key VALUE ...]");
   auto* keys = app.add_subcommand("keys", "List every config key with its type, default and description");
-  std::string hf_dir;
-  auto* hf_info = app.add_subcommand("hf-info", "Architecture of a Hugging Face model directory and the --model.* "
-                                                 "overrides that train from it: forge hf-info DIR");
-  hf_info->add_option("DIR", hf_dir, "Hugging Face model directory (config.json + safetensors)")->required();
   auto* eval = app.add_subcommand(
       "eval", "Loss and perplexity of a model on an experiment's data: forge eval [EXPERIMENT.yaml] --model "
               "CHECKPOINT|RUN_DIR|HF_DIR [--split validation|train|test] [--batches N] [--json FILE] "
               "[--section.key VALUE ...]");
-  eval->footer("The architecture comes from the model; the data, training.local_batch_size, training.seq_len and "
-               "training.device from the experiment and overrides. --batches defaults to eval.steps.");
-  for (auto* sub : {train, info, bench, eval}) sub->prefix_command();
 
   forge::GenerateOptions generate_options;
   auto* generate = app.add_subcommand(
@@ -71,6 +66,14 @@ int main(int argc, char** argv) {
   generate->add_option("--json", generate_options.json,
                        "also write the prompt's and the new tokens' ids, the text and timings to FILE")
       ->type_name("FILE");
+  auto* hf_info = app.add_subcommand(
+      "hf-info", "The experiment YAML that trains from a Hugging Face model directory (config.json + safetensors), "
+                 "with its architecture as comments: forge hf-info DIR [--section.key VALUE ...] > exp.yaml");
+  // The commands that take --section.key overrides say so; the others take none.
+  for (auto* sub : {train, info, bench, hf_info, eval}) sub->prefix_command()->footer(overrides_footer);
+  eval->footer("The architecture comes from the model; the data, training.local_batch_size, training.seq_len and "
+               "training.device from the experiment and overrides. --batches defaults to eval.steps.\n" +
+               overrides_footer);
 
   forge::PrepOptions prep_options;
   std::string prep_tokenizer, prep_format = "text", prep_chat_template, prep_train_on = "all",
@@ -146,6 +149,10 @@ int main(int argc, char** argv) {
   report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
   report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
 
+  // Set last: subcommands created after it would inherit it.
+  app.footer("train, info, bench and hf-info take overrides: any config key as --section.key VALUE or "
+             "--section.key=VALUE, e.g. --training.local_batch_size 6.\nRun 'forge keys' for every key with its "
+             "default and meaning.");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -159,7 +166,7 @@ int main(int argc, char** argv) {
     if (eval->parsed()) return forge::run_eval(eval->remaining());
     if (generate->parsed()) return forge::run_generate(generate_options);
     if (keys->parsed()) return forge::run_keys();
-    if (hf_info->parsed()) return forge::run_hf_info(hf_dir);
+    if (hf_info->parsed()) return forge::run_hf_info(hf_info->remaining());
     if (launch->parsed()) {
       std::vector<std::string> subcommands;
       for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))

@@ -14,7 +14,8 @@ namespace forge {
 namespace optim_bounds {
 
 inline const std::vector<std::string> optimizer_names = {"adamw"};
-inline constexpr ValueRange lr = above(0);
+// 0 is a dry run: the whole pipeline runs and the weights stay as they were.
+inline constexpr ValueRange lr = at_least(0);
 // [0, 1): a beta of 1 would divide by zero in Adam's bias correction.
 inline constexpr ValueRange beta = {0.0, 1.0, false, true};
 inline constexpr ValueRange eps = above(0);

@@ -11,6 +11,7 @@ namespace forge {
 double lr_at(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_t step, int64_t total_steps) {
   FORGE_CHECK(step >= 0, "lr_at: step is 0-based, got {}", step);
   const double peak = opt.lr;
+  if (peak == 0) return 0;  // a dry run; min_lr <= lr makes every step's rate 0 (and linear divides by peak)
   const int64_t warmup = sched.warmup_steps;
   if (step < warmup) return peak * (static_cast<double>(step + 1) / static_cast<double>(warmup + 1));
   if (sched.decay_style == "constant") return peak;

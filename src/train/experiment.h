@@ -17,6 +17,7 @@ struct TrainingConfig {
   int64_t global_batch_size = 0;     // 0: local_batch_size * gradient_accumulation_steps * dp
   int64_t gradient_accumulation_steps = 0;  // 0: derived from global_batch_size (or 1)
   int64_t seq_len = 128;
+  bool allow_longer_seq_len = false; // seq_len may exceed model.max_seq_len (a warning instead of an error)
   int64_t steps = 300;
   uint64_t seed = 42;
   double max_norm = 1.0;             // global grad-norm clipping; 0 disables
@@ -70,6 +71,7 @@ struct CheckpointConfig {
   std::string initial_load_path;     // start from these weights (a forge checkpoint or a Hugging Face dir)
   bool initial_load_in_hf = false;   // initial_load_path is a Hugging Face model directory
   bool last_save_in_hf = false;      // also export the final weights as a Hugging Face model directory
+  std::string export_dtype = "auto"; // auto | bf16 | fp16 | fp32; auto is resolved by the cli (the source's, else bf16)
   int64_t buffer_mb = 256;           // host staging of a save or load, MiB (NOTE [Streaming checkpoints])
   std::string async_mode = "disabled";  // disabled | async: write while training goes on (NOTE [Async checkpoints])
 };

@@ -228,7 +228,11 @@ void Trainer::prepare_run_dir() {
   // A finished run started again (a requeue) has nothing to train and keeps the export it made.
   hf_export_done_ = ckpt.last_save_in_hf && resume_from_ && start_step_ >= config_.training.steps &&
                     std::filesystem::is_directory(run_dir_ + "/hf") && !std::filesystem::is_empty(run_dir_ + "/hf");
-  if (ckpt.last_save_in_hf && !hf_export_done_) check_hf_export_target(run_dir_ + "/hf");
+  if (ckpt.last_save_in_hf && !hf_export_done_) {
+    check_hf_export_target(run_dir_ + "/hf");
+    FORGE_CHECK(ckpt.export_dtype == "bf16" || ckpt.export_dtype == "fp16" || ckpt.export_dtype == "fp32",
+                "checkpoint.export_dtype '{}': the cli resolves auto before a run (load_experiment)", ckpt.export_dtype);
+  }
   // Every rank has made its checks before rank 0 writes (another rank would otherwise
   // see rank 0's fresh metrics.jsonl as an earlier run).
   if (world_) world_->barrier();

@@ -16,6 +16,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_stream.h"
+#include "ckpt/initial_load.h"
 #include "core/log.h"
 #include "train/checkpoint_save_job.h"
 #include "train/trainer.h"
@@ -180,9 +181,9 @@ void Trainer::restore_checkpoint(const std::string& dir) {
 
 void Trainer::load_initial_weights(const std::string& path) {
   if (config_.checkpoint.initial_load_in_hf) return load_initial_hf_weights(path);
-  if (!std::filesystem::is_directory(path))
-    FORGE_FAIL("checkpoint.initial_load_path '{}' is not a directory (expected a forge checkpoint, step-<N>, or a "
-               "folder of them)",
+  if (classify_initial_load(path, "checkpoint.initial_load_path") == InitialLoadKind::HuggingFace)
+    FORGE_FAIL("checkpoint.initial_load_path '{}' is a Hugging Face model directory, but "
+               "checkpoint.initial_load_in_hf is false",
                path);
   std::string dir = path;
   if (!std::filesystem::exists(path + "/metadata.json")) {

@@ -1,6 +1,6 @@
 // The trainer's side of Hugging Face models: starting from one
 // (checkpoint.initial_load_in_hf) and exporting the final weights as one
-// (checkpoint.last_save_in_hf, into <run_dir>/hf). The ckpt layer reads and writes fp32
+// (checkpoint.last_save_in_hf, into <run_dir>/hf, in checkpoint.export_dtype). The ckpt layer reads and writes fp32
 // weights in host memory; on CUDA the master weights pass through a host copy.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
@@ -31,7 +31,8 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
 
 void Trainer::export_hf_model() {
   HfExportOptions options;
-  options.dtype = config_.precision.compute_dtype == "bf16" ? SafetensorsDType::BF16 : SafetensorsDType::F32;
+  const std::string& dtype = config_.checkpoint.export_dtype;  // bf16, fp16 or fp32: checked before training
+  options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : dtype == "fp16" ? SafetensorsDType::F16 : SafetensorsDType::F32;
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
   if (fsdp_) {

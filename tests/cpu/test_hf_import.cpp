@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 
+#include "ckpt/half_float.h"
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
@@ -397,6 +398,62 @@ TEST(HfExport, CarriesTokenizerFilesAndSpecialTokensFromTheSource) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("out/tokenizer.json")));
   EXPECT_TRUE(std::filesystem::exists(dir.file("out/generation_config.json")));
   EXPECT_FALSE(std::filesystem::exists(dir.file("out/tokenizer.model")));
+}
+
+TEST(HfExport, KeepsTheSourcesClassAndConfigFields) {
+  // NOTE [Export keeps the source's config]: a Mistral with "sliding_window": null stays
+  // Mistral, unknown keys ride along, and the keys forge writes take the exported values.
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  const std::string source = dir.file("source");
+  save_hf_model(source, params);
+  json config = json::parse(std::ifstream(source + "/config.json"));
+  config["architectures"] = {"MistralForCausalLM"};
+  config["model_type"] = "mistral";
+  config["sliding_window"] = nullptr;
+  config.erase("attention_bias");
+  config.erase("mlp_bias");
+  config["_name_or_path"] = "mistralai/Tiny";
+  config["some_future_field"] = json::object({{"x", 1}});
+  config["rms_norm_eps"] = 0.5;  // forge's value (1e-5, params' config) must replace it
+  std::ofstream(source + "/config.json") << config.dump();
+  HfExportOptions options;
+  options.source_dir = source;
+  options.dtype = SafetensorsDType::F16;
+  save_hf_model(dir.file("out"), params, options);
+  json written = json::parse(std::ifstream(dir.file("out/config.json")));
+  EXPECT_EQ(written["architectures"], json::array({"MistralForCausalLM"}));
+  EXPECT_EQ(written["model_type"], "mistral");
+  EXPECT_TRUE(written["sliding_window"].is_null());
+  EXPECT_FALSE(written.contains("attention_bias"));
+  EXPECT_EQ(written["_name_or_path"], "mistralai/Tiny");
+  EXPECT_EQ(written["some_future_field"]["x"], 1);
+  EXPECT_EQ(written["rms_norm_eps"], 1e-5);
+  EXPECT_EQ(written["dtype"], "float16");
+  EXPECT_EQ(written["torch_dtype"], "float16");
+  EXPECT_EQ(model_config_from_hf(written, "out").sliding_window, 0);
+}
+
+TEST(HfImportWeights, F16ExportRoundsEachWeight) {
+  TempDir dir;
+  FlatParameters params(tiny_model(false, 0));
+  fill_pattern(params);
+  save_hf_model(dir.file("out"), params, {.dtype = SafetensorsDType::F16});
+  HfModel back = load_hf_model(dir.file("out"));
+  const float* want = params.flat().data<float>();
+  const float* got = back.params->flat().data<float>();
+  for (int64_t i = 0; i < params.flat().numel(); ++i) ASSERT_EQ(got[i], f16_to_float(float_to_f16(want[i]))) << i;
+}
+
+TEST(HfConfigNames, ModelNamesAndDeclaredDtypes) {
+  EXPECT_EQ(hf_model_name("/models/Llama-3.2-1B"), "Llama-3.2-1B");
+  EXPECT_EQ(hf_model_name("/models/Llama-3.2-1B/"), "Llama-3.2-1B");
+  EXPECT_EQ(hf_model_name("/hub/models--mistralai--Mistral-7B-v0.1/snapshots/26bca36b"), "Mistral-7B-v0.1");
+  EXPECT_EQ(hf_declared_dtype(json::parse(R"({"dtype": "bfloat16", "torch_dtype": "float32"})"), "c"), "bfloat16");
+  EXPECT_EQ(hf_declared_dtype(json::parse(R"({"torch_dtype": "float16"})"), "c"), "float16");
+  EXPECT_EQ(hf_declared_dtype(json::parse(R"({"dtype": null})"), "c"), "");
+  const std::string e = error_of([] { hf_declared_dtype(json::parse(R"({"torch_dtype": "int8"})"), "/m/config.json"); });
+  EXPECT_NE(e.find("/m/config.json: \"torch_dtype\" is \"int8\""), std::string::npos) << e;
 }
 
 }  // namespace

@@ -35,6 +35,15 @@ TEST(OptimSchedule, NoWarmupStartsAtPeak) {
   EXPECT_DOUBLE_EQ(lr_at(peak(3e-4), schedule(0, "linear", 0, 0.0), 0, 10), 3e-4);
 }
 
+TEST(OptimSchedule, ZeroPeakIsZeroThroughout) {
+  // optimizer.lr 0 is a dry run; linear decay would otherwise divide min_lr by the peak.
+  for (const char* style : {"cosine", "linear", "constant"})
+    for (int64_t step : {0, 1, 3, 9}) {
+      const double lr = lr_at(peak(0.0), schedule(2, style, 0, 0.0), step, 10);
+      EXPECT_EQ(lr, 0.0) << style << " step " << step;
+    }
+}
+
 TEST(OptimSchedule, CosineMidpointAndFloor) {
   OptimizerConfig opt = peak(1.0);
   LRSchedulerConfig s = schedule(2, "cosine", 10, 0.1);

@@ -28,8 +28,9 @@ TEST(OptimValidate, DefaultsPass) {
 
 TEST(OptimValidate, OptimizerMessagesNameTheKey) {
   EXPECT_EQ(validation_error([](auto& o, auto&) { o.name = "sgd"; }), "optimizer.name must be adamw, got 'sgd'");
-  EXPECT_EQ(validation_error([](auto& o, auto&) { o.lr = -1; }), "optimizer.lr must be > 0, got -1");
-  EXPECT_EQ(validation_error([](auto& o, auto&) { o.lr = std::nan(""); }), "optimizer.lr must be > 0, got nan");
+  EXPECT_EQ(validation_error([](auto& o, auto&) { o.lr = -1; }), "optimizer.lr must be >= 0, got -1");
+  EXPECT_EQ(validation_error([](auto& o, auto&) { o.lr = std::nan(""); }), "optimizer.lr must be >= 0, got nan");
+  EXPECT_EQ(validation_error([](auto& o, auto&) { o.lr = 0; }), "");  // a dry run
   EXPECT_EQ(validation_error([](auto& o, auto&) { o.beta1 = 1.0; }), "optimizer.beta1 must be in [0, 1), got 1");
   EXPECT_EQ(validation_error([](auto& o, auto&) { o.beta2 = -0.5; }), "optimizer.beta2 must be in [0, 1), got -0.5");
   EXPECT_EQ(validation_error([](auto& o, auto&) { o.eps = 0; }), "optimizer.eps must be > 0, got 0");

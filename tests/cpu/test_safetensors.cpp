@@ -100,6 +100,28 @@ TEST(SafetensorsRoundTrip, Bf16RoundsToNearestEven) {
   EXPECT_EQ(back[6], bf16_to_float(float_to_bf16(1e-40f)));
 }
 
+TEST(HalfFloat, NarrowingToF16RoundsAsPyTorch) {
+  // Expected bits from torch.tensor([...], dtype=torch.float32).half().view(torch.int16).
+  EXPECT_EQ(float_to_f16(1.0f), 0x3c00);
+  EXPECT_EQ(float_to_f16(-2.0f), 0xc000);
+  EXPECT_EQ(float_to_f16(1.0f + 1.0f / 2048), 0x3c00);       // a tie rounds to the even mantissa
+  EXPECT_EQ(float_to_f16(1.0f + 3.0f / 2048), 0x3c02);       // a tie rounds up to the even one
+  EXPECT_EQ(float_to_f16(65504.0f), 0x7bff);                 // largest finite
+  EXPECT_EQ(float_to_f16(65519.0f), 0x7bff);
+  EXPECT_EQ(float_to_f16(65520.0f), 0x7c00);                 // rounds to infinity
+  EXPECT_EQ(float_to_f16(-1e9f), 0xfc00);
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -14)), 0x0400);    // smallest normal
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -24)), 0x0001);    // smallest subnormal
+  EXPECT_EQ(float_to_f16(std::ldexp(1.0f, -25)), 0x0000);    // a tie to even: zero
+  EXPECT_EQ(float_to_f16(std::ldexp(3.0f, -26)), 0x0001);
+  EXPECT_EQ(float_to_f16(std::ldexp(1023.5f, -24)), 0x0400); // the top subnormal rounds into the normals
+  EXPECT_EQ(float_to_f16(-0.0f), 0x8000);
+  EXPECT_EQ(float_to_f16(std::numeric_limits<float>::infinity()), 0x7c00);
+  EXPECT_TRUE(std::isnan(f16_to_float(float_to_f16(std::nanf("")))));
+  for (float x : {0.1f, -3.14159f, 1234.5678f, 6.1e-5f, 3e-7f})
+    EXPECT_EQ(f16_to_float(float_to_f16(f16_to_float(float_to_f16(x)))), f16_to_float(float_to_f16(x))) << x;
+}
+
 TEST(SafetensorsRoundTrip, F16AndF64WidenToFloat) {
   TempDir dir;
   const std::string path = dir.file("h.safetensors");

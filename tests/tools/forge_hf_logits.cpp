@@ -3,7 +3,7 @@
 //
 //   forge_hf_logits logits HF_DIR TOKENS BATCH SEQ OUT
 //       TOKENS: int32 [BATCH, SEQ]; writes forge's fp32 logits [BATCH * SEQ, vocab] to OUT
-//   forge_hf_logits export HF_DIR OUT_DIR f32|bf16 [MAX_SHARD_BYTES]
+//   forge_hf_logits export HF_DIR OUT_DIR f32|bf16|f16 [MAX_SHARD_BYTES]
 //       writes the imported model back as a Hugging Face directory (with HF_DIR's
 //       tokenizer files and special token ids)
 #include <cstdio>
@@ -22,7 +22,7 @@ namespace {
 
 int usage() {
   std::cerr << "usage: forge_hf_logits logits HF_DIR TOKENS BATCH SEQ OUT\n"
-               "       forge_hf_logits export HF_DIR OUT_DIR f32|bf16 [MAX_SHARD_BYTES]\n";
+               "       forge_hf_logits export HF_DIR OUT_DIR f32|bf16|f16 [MAX_SHARD_BYTES]\n";
   return 2;
 }
 
@@ -43,8 +43,8 @@ int logits(const std::string& dir, const std::string& tokens_path, int64_t batch
 int export_model(const std::string& dir, const std::string& out, const std::string& dtype, uint64_t max_shard_bytes) {
   HfModel model = load_hf_model(dir);
   HfExportOptions options;
-  FORGE_CHECK(dtype == "f32" || dtype == "bf16", "dtype must be f32 or bf16, got {}", dtype);
-  options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : SafetensorsDType::F32;
+  FORGE_CHECK(dtype == "f32" || dtype == "bf16" || dtype == "f16", "dtype must be f32, bf16 or f16, got {}", dtype);
+  options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : dtype == "f16" ? SafetensorsDType::F16 : SafetensorsDType::F32;
   options.source_dir = dir;
   if (max_shard_bytes > 0) options.max_shard_bytes = max_shard_bytes;
   save_hf_model(out, *model.params, options);
