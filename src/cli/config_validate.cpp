@@ -185,6 +185,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_training(config, keys);
   check_data(config, origins, keys);
   check_checkpoint(config, keys);
+  config.lora.validate(keys);
   resolve_shard_degree(config, keys);
   resolve_batch(config, keys);
 }
