@@ -134,6 +134,18 @@ std::vector<std::string> LoraAdapters::master_names() const {
   return names;
 }
 
+std::vector<ParamSpec> LoraAdapters::checkpoint_specs() const {
+  std::vector<ParamSpec> specs;
+  const std::vector<std::string> names = master_names();
+  for (size_t i = 0; i < masters_.size(); ++i)
+    specs.push_back({names[i], masters_[i].shape(), {}, true, targets_[i / 2].layer});
+  return specs;
+}
+
+void LoraAdapters::set_training(bool training) {
+  for (LoraAdapter& adapter : adapters_) adapter.dropout = training ? static_cast<float>(lora_.dropout) : 0.0f;
+}
+
 int64_t LoraAdapters::trainable_params() const {
   int64_t n = 0;
   for (const LoraTarget& t : targets_)

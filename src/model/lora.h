@@ -72,6 +72,8 @@ class LoraAdapters : public ParamSource, public GradSink {
   const Tensor& gradient_flat() const { return grad_flat_; }
   // Names of masters(), in order: "<target name without .weight>.lora_a" / ".lora_b".
   std::vector<std::string> master_names() const;
+  // masters() as checkpoint tensors (NOTE [LoRA checkpoints] in ckpt/checkpoint.h).
+  std::vector<ParamSpec> checkpoint_specs() const;
   // A and B values of every part: what PEFT counts as trainable (b's zeros excluded).
   int64_t trainable_params() const;
 
@@ -85,6 +87,8 @@ class LoraAdapters : public ParamSource, public GradSink {
   void set_dropout_step(uint64_t seed, uint64_t index);
   // As a gradient sink: the next gradients are written over the buffers.
   void discard();
+  // Dropout on (training) or off (evaluation, as PEFT's model.eval()).
+  void set_training(bool training);
 
   // A part's A [rank, in] or B [rows, rank] on the host, fp32; and the reverse.
   Tensor part_matrix(size_t target, size_t part, char matrix) const;
