@@ -50,6 +50,20 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
   return targets;
 }
 
+LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens) {
+  LoraSizes sizes;
+  int64_t widest_low_rank = 0, widest_in = 0;
+  for (const LoraTarget& t : lora_targets(config, lora_target_modules(lora.target_modules))) {
+    const int64_t low = lora.rank * static_cast<int64_t>(t.parts.size());
+    sizes.stored += low * (t.in + t.out);
+    for (const LoraPart& p : t.parts) sizes.trainable += lora.rank * (t.in + p.row_end - p.row_begin);
+    widest_low_rank = std::max(widest_low_rank, low);
+    widest_in = std::max(widest_in, t.in);
+  }
+  sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0);
+  return sizes;
+}
+
 std::string peft_tensor_name(const LoraPart& part, char matrix) {
   return fmt::format("base_model.model.{}.lora_{}.weight", part.hf_prefix, matrix == 'a' ? 'A' : 'B');
 }

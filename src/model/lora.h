@@ -52,6 +52,13 @@ struct LoraTarget {
 // The projections `modules` (lora_target_modules) adapt, in parameter order.
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules);
 
+// What LoRA adds to a model, in values: the adapters as stored (masters(), b's zeros
+// included), what PEFT counts as trainable, and the workspace for `tokens` tokens.
+struct LoraSizes {
+  int64_t stored = 0, trainable = 0, workspace = 0;
+};
+LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens);
+
 // PEFT's name of a part's A or B: base_model.model.<hf_prefix>.lora_A.weight.
 std::string peft_tensor_name(const LoraPart& part, char matrix);
 

@@ -8,6 +8,7 @@
 #include "expect_error.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/memory_estimate.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 
@@ -91,6 +92,64 @@ TEST(ModelLora, PeftInitializationAndTrainingLeavesTheBaseAlone) {
       (k % 2 ? b_grad : a_grad) += std::abs(double(adapters.gradients()[k].data<float>()[i]));
   EXPECT_EQ(a_grad, 0.0);
   EXPECT_GT(b_grad, 0.0);
+}
+
+TEST(ModelLora, SizesAndMemoryEstimateCountNoStateForTheBase) {
+  const ModelConfig config = testing::tiny();
+  LoraConfig c = lora(4, "q_proj,k_proj,down_proj");
+  c.dropout = 0.1;
+  const LoraAdapters adapters(config, c, Device::CPU, 32);
+  const LoraSizes sizes = lora_sizes(config, c, 32);
+  EXPECT_EQ(sizes.stored, adapters.master_flat().numel());
+  EXPECT_EQ(sizes.trainable, adapters.trainable_params());
+
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.cuda = true;
+  const MemoryEstimate full = estimate_memory(config, plan);
+  plan.lora = c;
+  const MemoryEstimate e = estimate_memory(config, plan);
+  const double params = static_cast<double>(config.total_params()), stored = static_cast<double>(sizes.stored);
+  EXPECT_EQ(e.frozen_weights, params * 2);  // bf16, no master
+  EXPECT_EQ(e.master_weights, stored * 4);
+  EXPECT_EQ(e.gradients, stored * 4);
+  EXPECT_EQ(e.optimizer_state, stored * 8);
+  EXPECT_EQ(e.compute_weights, stored * 2);
+  EXPECT_EQ(e.activations, full.activations + static_cast<double>(sizes.workspace) * 2);
+  EXPECT_NE(describe(e).find("frozen bf16 weights"), std::string::npos);
+}
+
+// The adapters' gradients do not depend on what activation checkpointing drops and
+// recomputes (dropout included: the masks are recomputed from their seeds).
+TEST(ModelLora, EveryCheckpointingModeGivesTheSameGradients) {
+  const ModelConfig config = testing::tiny();
+  LoraConfig c = lora(3, "all-linear");
+  c.dropout = 0.2;
+  FlatParameters base(config);
+  base.initialize(1);
+  const Tensor tokens = testing::random_tokens(2, 8, config.vocab_size, 3);
+  const Tensor targets = testing::random_tokens(2, 8, config.vocab_size, 4);
+  std::vector<Tensor> grads;
+  for (ActivationCheckpoint mode : {ActivationCheckpoint::None, ActivationCheckpoint::Selective,
+                                    ActivationCheckpoint::Full}) {
+    LoraAdapters adapters(config, c, Device::CPU, 16);
+    adapters.initialize(2);
+    for (size_t k = 0; k < adapters.targets().size(); ++k)  // nonzero B, so A has gradients
+      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p) {
+        Tensor b = adapters.part_matrix(k, p, 'b');
+        for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
+        adapters.set_part_matrix(k, p, 'b', b);
+      }
+    adapters.set_base(base);
+    adapters.set_dropout_step(9, 0);
+    DecoderLM model(config, 2, 8, Device::CPU, DType::F32, mode);
+    adapters.discard();
+    model.forward_backward(tokens, targets, adapters, adapters, 1.0f / 16);
+    grads.push_back(adapters.gradient_flat().clone());
+  }
+  EXPECT_TRUE(testing::bitwise_equal(grads[0], grads[1]));
+  EXPECT_TRUE(testing::bitwise_equal(grads[0], grads[2]));
 }
 
 TEST(ModelLora, ConfigRulesNameTheKey) {
