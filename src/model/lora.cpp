@@ -18,6 +18,11 @@ std::string module_of(const std::string& hf_name) {
   return stem.substr(stem.rfind('.') + 1);
 }
 
+// Each adapter tensor starts 256-byte aligned in bf16 (512 in fp32) in the flat buffers,
+// as cuBLASLt's algorithms assume of their operands by default.
+constexpr int64_t kAlignValues = 128;
+int64_t aligned(int64_t n) { return (n + kAlignValues - 1) / kAlignValues * kAlignValues; }
+
 uint64_t name_hash(const std::string& name) {
   uint64_t h = 1469598103934665603ull;
   for (char ch : name) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
@@ -78,7 +83,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   int64_t total = 0, widest_low_rank = 0, widest_in = 0;
   for (const LoraTarget& t : targets_) {
     const int64_t low = r * static_cast<int64_t>(t.parts.size());
-    total += low * (t.in + t.out);
+    total += aligned(low * t.in) + aligned(low * t.out);
     widest_low_rank = std::max(widest_low_rank, low);
     widest_in = std::max(widest_in, t.in);
   }
@@ -105,12 +110,12 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
     adapter.grad_a = take(grad_flat_, a, offset);
     masters_.push_back(take(master_flat_, a, offset));
     grads_.push_back(adapter.grad_a);
-    offset += shape_numel(a);
+    offset += aligned(shape_numel(a));
     adapter.b = take(compute_flat_, b, offset);
     adapter.grad_b = take(grad_flat_, b, offset);
     masters_.push_back(take(master_flat_, b, offset));
     grads_.push_back(adapter.grad_b);
-    offset += shape_numel(b);
+    offset += aligned(shape_numel(b));
     adapter.rank = r;
     adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
     adapter.dropout = static_cast<float>(lora_.dropout);
@@ -160,6 +165,12 @@ void LoraAdapters::set_training(bool training) {
   for (LoraAdapter& adapter : adapters_) adapter.dropout = training ? static_cast<float>(lora_.dropout) : 0.0f;
 }
 
+int64_t LoraAdapters::stored_values() const {
+  int64_t n = 0;
+  for (const Tensor& t : masters_) n += t.numel();
+  return n;
+}
+
 int64_t LoraAdapters::trainable_params() const {
   int64_t n = 0;
   for (const LoraTarget& t : targets_)
@@ -168,18 +179,16 @@ int64_t LoraAdapters::trainable_params() const {
 }
 
 void LoraAdapters::initialize(uint64_t seed) {
-  Tensor host = Tensor::zeros({master_flat_.numel()});
-  int64_t offset = 0;
-  for (const LoraTarget& t : targets_) {
-    const int64_t a = lora_.rank * static_cast<int64_t>(t.parts.size()) * t.in;
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    Tensor a = Tensor::empty(masters_[2 * k].shape());
     // kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
     const double bound = 1.0 / std::sqrt(static_cast<double>(t.in));
     Rng rng(derive_seed(seed, name_hash(t.name)));
-    float* p = host.data<float>() + offset;
-    for (int64_t j = 0; j < a; ++j) p[j] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
-    offset += a + t.out * lora_.rank * static_cast<int64_t>(t.parts.size());  // b stays zero
+    for (int64_t j = 0; j < a.numel(); ++j) a.data<float>()[j] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+    masters_[2 * k].copy_from(a.to(device_));
+    masters_[2 * k + 1].fill_zero();
   }
-  master_flat_.copy_from(host.to(device_));
   refresh_compute();
 }
 

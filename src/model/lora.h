@@ -75,8 +75,12 @@ class LoraAdapters : public ParamSource, public GradSink {
   // [out, parts * rank] (NOTE [LoRA linear]); and their gradients, the same shapes.
   const std::vector<Tensor>& masters() const { return masters_; }
   const std::vector<Tensor>& gradients() const { return grads_; }
+  // All masters (gradients) in one buffer, each tensor 256-byte aligned: the padding
+  // between them is zero and stays zero.
   const Tensor& master_flat() const { return master_flat_; }
   const Tensor& gradient_flat() const { return grad_flat_; }
+  // Values of masters() together (b's zeros included, padding not).
+  int64_t stored_values() const;
   // Names of masters(), in order: "<target name without .weight>.lora_a" / ".lora_b".
   std::vector<std::string> master_names() const;
   // masters() as checkpoint tensors (NOTE [LoRA checkpoints] in ckpt/checkpoint.h).

@@ -24,6 +24,9 @@
 // Nothing of the adapter is kept between forward and backward: u and the dropout masks
 // are recomputed from x (2 · tokens · in · parts · rank FLOPs), so every activation-
 // checkpointing mode works unchanged and the activation memory does not grow.
+// Alignment: the holder places a and b 256-byte aligned (model/lora.h); with dropout, a
+// part's rows of a and u^T start k · rank · in and k · rank · tokens values in, 16-byte
+// aligned in bf16 for ranks that are multiples of 8.
 //
 // NOTE [LoRA dropout]
 // PEFT applies nn.Dropout(p) to the adapter's input, per module. forge draws the mask from

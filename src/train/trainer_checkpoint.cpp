@@ -122,7 +122,7 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
   } else if (lora_) {
-    params.push_back({0, lora_->master_flat()});  // NOTE [LoRA checkpoints]
+    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]
   } else {
     params.push_back({0, params_->flat()});
   }
@@ -260,7 +260,7 @@ void Trainer::save_checkpoint(int64_t step) {
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
   const int shards = fsdp_ ? shard_group_->world_size() : 1;
-  const int64_t numel = lora_ ? lora_->master_flat().numel() : config_.model.total_params();
+  const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
   job->ranges = shard_ranges(numel, shards);
   const int64_t token =
       fsdp_ ? std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();

@@ -100,7 +100,7 @@ TEST(ModelLora, SizesAndMemoryEstimateCountNoStateForTheBase) {
   c.dropout = 0.1;
   const LoraAdapters adapters(config, c, Device::CPU, 32);
   const LoraSizes sizes = lora_sizes(config, c, 32);
-  EXPECT_EQ(sizes.stored, adapters.master_flat().numel());
+  EXPECT_EQ(sizes.stored, adapters.stored_values());
   EXPECT_EQ(sizes.trainable, adapters.trainable_params());
 
   MemoryPlan plan;
