@@ -38,6 +38,7 @@
 
 #include "core/durable_directory.h"
 #include "model/config.h"
+#include "model/parameters.h"
 #include "optim/optimizer.h"
 
 namespace forge {
@@ -131,6 +132,16 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k);
+// NOTE [LoRA checkpoints]
+// A LoRA run's checkpoint holds its adapters (LoraAdapters::checkpoint_specs: each fused
+// projection's a and b, fp32) with their AdamW moments instead of the model's parameters,
+// in the same format; the frozen base comes from the run's initial load every time. The
+// overloads taking `specs` save and check such a checkpoint; `model` is still recorded
+// (and compared on resume).
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
+                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                   const TrainingState& state, const std::vector<ShardRange>& ranges,
+                                   const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k);
 
 // Steps of the complete checkpoints in folder, ascending (empty when there is none or the
 // folder does not exist).
@@ -155,6 +166,9 @@ Checkpoint open_checkpoint(const std::string& dir);
 // architecture field of the saved model config must also equal model's (a resume);
 // without, matching tensors suffice (weights to start a fine-tuning run from).
 void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);
+// The same against `specs` instead of the model's parameters (NOTE [LoRA checkpoints]).
+void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, const std::vector<ParamSpec>& specs,
+                            bool same_architecture);
 
 // Reads pieces part, part + parts, part + 2 × parts, ... (metadata order) of the shard files
 // and checks their CRC-32s; an error names the file, the tensor and the bytes. `parts`

@@ -198,6 +198,11 @@ Checkpoint open_checkpoint(const std::string& dir) {
 }
 
 void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool same_architecture) {
+  check_checkpoint_model(ck, model, parameter_specs(model), same_architecture);
+}
+
+void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, const std::vector<ParamSpec>& specs,
+                            bool same_architecture) {
   const std::string file = metadata_path(ck.dir);
   const CheckpointMetadata& md = ck.metadata;
   std::map<std::pair<int, std::string>, const TensorRecord*> saved;
@@ -205,7 +210,6 @@ void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, bool
     if (!saved.emplace(std::make_pair(static_cast<int>(rec.state), rec.name), &rec).second)
       FORGE_FAIL("checkpoint metadata '{}' lists {} twice", file, describe(rec));
 
-  const std::vector<ParamSpec> specs = parameter_specs(model);
   std::vector<std::pair<const TensorRecord*, int64_t>> placed;  // record, flat offset the model gives it
   for (FlatState state : kFlatStates) {
     int64_t offset = 0;

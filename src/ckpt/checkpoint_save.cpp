@@ -145,8 +145,12 @@ AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, i
 }
 
 std::vector<PieceLayout> checkpoint_pieces(const ModelConfig& model, const std::vector<ShardRange>& ranges) {
+  return checkpoint_pieces(parameter_specs(model), ranges);
+}
+
+std::vector<PieceLayout> checkpoint_pieces(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges) {
   std::vector<PieceLayout> pieces;
-  for_each_piece(parameter_specs(model), ranges,
+  for_each_piece(specs, ranges,
                  [&](FlatState state, const ParamSpec&, int64_t, int r, int64_t b, int64_t e) {
                    const ShardRange& range = ranges[static_cast<size_t>(r)];
                    const int64_t byte_offset = (static_cast<int64_t>(state) * range.size() + (b - range.begin)) *
@@ -160,9 +164,16 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k) {
+  return finish_checkpoint_save(folder, staging, model, parameter_specs(model), experiment_yaml, state, ranges,
+                                crcs_by_rank, keep_latest_k);
+}
+
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
+                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                   const TrainingState& state, const std::vector<ShardRange>& ranges,
+                                   const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k) {
   FORGE_CHECK(staging.path() == checkpoint_dir(folder, state.step), "checkpoint of step {} staged for '{}'", state.step,
               staging.path());
-  const std::vector<ParamSpec> specs = parameter_specs(model);
   int64_t numel = 0;
   for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
   FORGE_CHECK(!ranges.empty() && crcs_by_rank.size() == ranges.size(), "checkpoint: {} ranges, {} CRC lists",

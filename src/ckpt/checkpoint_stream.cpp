@@ -92,7 +92,12 @@ void create_checkpoint_shard_files(const std::string& temporary_dir, const std::
 
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const ModelConfig& model, const std::vector<ShardRange>& ranges,
                                                       std::vector<PieceCrc> parts) {
-  const std::vector<PieceLayout> pieces = checkpoint_pieces(model, ranges);
+  return combine_piece_crcs(parameter_specs(model), ranges, std::move(parts));
+}
+
+std::vector<std::vector<uint32_t>> combine_piece_crcs(const std::vector<ParamSpec>& specs,
+                                                      const std::vector<ShardRange>& ranges, std::vector<PieceCrc> parts) {
+  const std::vector<PieceLayout> pieces = checkpoint_pieces(specs, ranges);
   std::sort(parts.begin(), parts.end(), [](const PieceCrc& a, const PieceCrc& b) {
     return a.piece != b.piece ? a.piece < b.piece : a.byte_begin < b.byte_begin;
   });
@@ -147,9 +152,13 @@ std::vector<PieceCrc> decode_piece_crcs(const uint32_t* words, size_t count) {
 
 ShardFileWriter::ShardFileWriter(std::string temporary_dir, const ModelConfig& model, std::vector<ShardRange> ranges,
                                  size_t buffer_bytes)
+    : ShardFileWriter(std::move(temporary_dir), parameter_specs(model), std::move(ranges), buffer_bytes) {}
+
+ShardFileWriter::ShardFileWriter(std::string temporary_dir, const std::vector<ParamSpec>& specs,
+                                 std::vector<ShardRange> ranges, size_t buffer_bytes)
     : dir_(std::move(temporary_dir)),
       ranges_(std::move(ranges)),
-      pieces_(checkpoint_pieces(model, ranges_)),
+      pieces_(checkpoint_pieces(specs, ranges_)),
       pieces_by_state_(3),
       buffer_(static_cast<size_t>(2 * half_buffer_elements(buffer_bytes) * kFloatBytes)),
       chunk_elements_(half_buffer_elements(buffer_bytes)),

@@ -59,6 +59,10 @@ struct PieceLayout {
   int64_t byte_offset = 0;  // in rank-<rank>.bin
 };
 std::vector<PieceLayout> checkpoint_pieces(const ModelConfig& model, const std::vector<ShardRange>& ranges);
+// The same for a checkpoint of other tensors than the model's parameters (NOTE [LoRA
+// checkpoints] in ckpt/checkpoint.h); every function taking a ModelConfig for its
+// parameter_specs has such an overload.
+std::vector<PieceLayout> checkpoint_pieces(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges);
 
 // The CRC-32 of bytes [byte_begin, byte_begin + byte_length) of piece `piece` (an index
 // into checkpoint_pieces), counted from the piece's first byte.
@@ -77,6 +81,8 @@ void create_checkpoint_shard_files(const std::string& temporary_dir, const std::
 // every writer's PieceCrcs; an error unless they cover each piece exactly once.
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const ModelConfig& model, const std::vector<ShardRange>& ranges,
                                                       std::vector<PieceCrc> parts);
+std::vector<std::vector<uint32_t>> combine_piece_crcs(const std::vector<ParamSpec>& specs,
+                                                      const std::vector<ShardRange>& ranges, std::vector<PieceCrc> parts);
 
 // PieceCrcs in 32-bit words and back (the FSDP ranks exchange them by all-gather).
 std::vector<uint32_t> encode_piece_crcs(const std::vector<PieceCrc>& parts);
@@ -90,6 +96,8 @@ inline constexpr size_t kPieceCrcWords = 7;
 class ShardFileWriter {
  public:
   ShardFileWriter(std::string temporary_dir, const ModelConfig& model, std::vector<ShardRange> ranges,
+                  size_t buffer_bytes);
+  ShardFileWriter(std::string temporary_dir, const std::vector<ParamSpec>& specs, std::vector<ShardRange> ranges,
                   size_t buffer_bytes);
   // Waits for the writer thread; a save not finished is abandoned (its directory is the
   // caller's to remove).

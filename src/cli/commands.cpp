@@ -11,6 +11,7 @@
 #include "cli/config.h"
 #include "core/log.h"
 #include "core/stop_signal.h"
+#include "model/lora.h"
 #include "train/memory_check.h"
 #include "train/trainer.h"
 
@@ -111,6 +112,13 @@ int run_info(const std::vector<std::string>& args) {
              m.total_params(), m.total_params() - m.embedding_params());
   fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
              m.flops_per_token(t.seq_len), t.seq_len);
+  if (config.lora.enabled()) {
+    const LoraSizes lora = lora_sizes(m, config.lora, 1);
+    fmt::print("LoRA             rank {}, alpha {} on {}: {} trainable parameters ({:.3f}% of the model's), the "
+               "model's frozen\n",
+               config.lora.rank, config.lora.alpha, config.lora.target_modules, lora.trainable,
+               100.0 * static_cast<double>(lora.trainable) / static_cast<double>(m.total_params()));
+  }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,

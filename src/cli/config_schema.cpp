@@ -15,6 +15,7 @@
 #include "cli/config_suggest.h"
 #include "core/error.h"
 #include "model/config_rules.h"
+#include "model/lora_config.h"
 #include "optim/config_rules.h"
 
 namespace forge {
@@ -237,6 +238,20 @@ std::vector<ConfigKey> build_schema() {
       key<&E::checkpoint, &CheckpointConfig::async_mode>(
           "checkpoint.async_mode", "async: snapshot the state and write it while training goes on", {},
           {"disabled", "async"}),
+
+      key<&E::lora, &LoraConfig::rank>("lora.rank", "LoRA rank r: train adapters on the frozen model; 0: off",
+                                       lora_bounds::rank),
+      key<&E::lora, &LoraConfig::alpha>("lora.alpha", "LoRA scaling: the update is alpha / rank * B A",
+                                        lora_bounds::alpha),
+      key<&E::lora, &LoraConfig::dropout>("lora.dropout", "dropout probability on the adapters' input",
+                                          lora_bounds::dropout),
+      key<&E::lora, &LoraConfig::target_modules>(
+          "lora.target_modules",
+          "adapted modules, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or "
+          "all-linear"),
+      key<&E::lora, &LoraConfig::adapter_path>(
+          "lora.adapter_path", "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start "
+                               "the adapters from"),
   };
 }
 
@@ -326,7 +341,7 @@ const std::vector<ConfigKey>& config_schema() {
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
                                                     "eval",  "logging",  "precision", "parallelism",
-                                                    "activation_checkpoint", "checkpoint"};
+                                                    "activation_checkpoint", "checkpoint", "lora"};
   return sections;
 }
 

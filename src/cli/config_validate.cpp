@@ -134,6 +134,15 @@ void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) 
   }
 }
 
+void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
+  config.lora.validate(keys);
+  const ParallelismConfig& p = config.parallelism;
+  if (config.lora.enabled() && p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1)
+    FORGE_FAIL("{} trains on one device: LoRA under FSDP (a frozen sharded base) is not implemented yet; set "
+               "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1 (they are {} and {})",
+               show(config, keys, "lora.rank"), p.data_parallel_shard_degree, p.data_parallel_replicate_degree);
+}
+
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
 void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -201,6 +210,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_data(config, origins, keys);
   check_checkpoint(config, keys);
   resolve_shard_degree(config, keys);
+  check_lora(config, keys);
   resolve_batch(config, keys);
 }
 

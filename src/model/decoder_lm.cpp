@@ -216,8 +216,10 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
     grads.layer_done(i);
   }
   const Tensor& embedding_grad = grads.embedding_grad();
-  if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
-  embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+  if (embedding_grad.defined()) {  // undefined: a frozen embedding (NOTE [LoRA training])
+    if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
+    embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+  }
   grads.embedding_done();
 }
 

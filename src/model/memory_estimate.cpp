@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 
 namespace forge {
 
@@ -18,6 +19,18 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
+  if (plan.lora.enabled()) {
+    // NOTE [LoRA training]: only the adapters have masters, gradients and AdamW state.
+    const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
+    const double adapters = static_cast<double>(lora.stored), compute_bytes = static_cast<double>(dtype_size(compute));
+    e.frozen_weights = params * compute_bytes;
+    e.master_weights = adapters * 4;
+    e.compute_weights = plan.cuda ? adapters * 2 : 0.0;
+    e.gradients = adapters * 4;
+    e.optimizer_state = adapters * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
+    e.activations += static_cast<double>(lora.workspace) * compute_bytes;
+    return e;
+  }
   if (!plan.fsdp) return e;
 
   // The layout of NOTE [FSDP layout] and the buffers of NOTE [FSDP] (padding left out).
@@ -45,7 +58,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 
 std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
-  std::string s = fmt::format("master weights {} + ", gib(e.master_weights));
+  std::string s;
+  if (e.frozen_weights > 0)
+    s = fmt::format("frozen {} weights {} + LoRA adapters: ", bf16_compute ? "bf16" : "fp32", gib(e.frozen_weights));
+  s += fmt::format("master weights {} + ", gib(e.master_weights));
   if (e.compute_weights > 0) s += fmt::format("{} weights {} + ", bf16_compute ? "bf16" : "fp32", gib(e.compute_weights));
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),
                    gib(e.activations));

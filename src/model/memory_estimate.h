@@ -21,6 +21,7 @@
 #include "core/dtype.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/lora_config.h"
 
 namespace forge {
 
@@ -31,8 +32,12 @@ struct MemoryEstimate {
   double optimizer_state = 0;  // AdamW m and v
   double activations = 0;      // the activation arena of one micro-batch
   double comm_buffers = 0;     // FSDP: bf16 staging and reduced chunks of the reduce-scatters
+  // LoRA (NOTE [LoRA training]): the model's weights, frozen in the compute dtype; the
+  // fields above are then the adapters' (their workspace counted with the activations).
+  double frozen_weights = 0;
   double total() const {
-    return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers;
+    return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers +
+           frozen_weights;
   }
 };
 
@@ -47,6 +52,7 @@ struct MemoryPlan {
   int64_t zero_stage = 3;
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
+  LoraConfig lora;            // rank > 0: LoRA training on one device
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

@@ -1,5 +1,6 @@
 #include "ops/linear.h"
 
+#include "ops/lora.h"
 #include "ops/matmul.h"
 
 namespace forge {
@@ -13,14 +14,17 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
     matmul_add(y, x, false, w.weight, true, *residual);
   else
     matmul(y, x, false, w.weight, true);
+  if (w.lora) lora_forward_add(y, x, *w.lora);
 }
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
   matmul(dx, dy, false, w.weight, false);
+  if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite) {
-  matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
+  if (grad.weight.defined()) matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
+  if (grad.lora) lora_backward_weight(*grad.lora, dy, x, overwrite);
 }
 
 }  // namespace forge

@@ -23,9 +23,20 @@
 
 namespace forge {
 
+struct LoraAdapter;  // ops/lora.h
+
 struct LinearWeight {
-  Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients)
+  Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients); in a
+                  // gradient descriptor undefined when the weight is frozen (no gradient)
+
+  // --- LoRA (NOTE [LoRA linear] in ops/lora.h) ---
+  // The low-rank adapter added to this layer, owned by whoever handed the descriptor out;
+  // null without one. A gradient descriptor points at the same adapter, whose grad_a /
+  // grad_b receive its gradients.
+  const LoraAdapter* lora = nullptr;
 };
+
+// With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).
 
 // y = x W^T, or y = residual + x W^T with `residual` (shaped and typed like y; may be y
 // itself): the residual stream's add costs no pass of its own.

@@ -37,7 +37,11 @@ EvalSummary evaluate_weights(const ExperimentConfig& config, FlatParameters& wei
   LossSum total;
   for (int64_t i = 0; i < batches; ++i) {
     Batch batch = loader.next();
-    const LossSum l = model.forward_loss(batch.tokens.to(device), batch.targets.to(device), source);
+    // Packed instruction data: attention stays inside each example, positions restart
+    // (NOTE [Packed examples] in ops/attention.h), exactly as in training.
+    const SequenceLayout layout = sequence_layout(batch);
+    const LossSum l = model.forward_loss(batch.tokens.to(device), batch.targets.to(device), source,
+                                         batch.has_examples() ? &layout : nullptr);
     total.sum += l.sum;
     total.tokens += l.tokens;
   }

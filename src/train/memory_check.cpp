@@ -24,6 +24,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.zero_stage = p.zero_stage;
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
+  plan.lora = config.lora;
   return plan;
 }
 

@@ -10,6 +10,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
+#include "ckpt/peft_adapter.h"
 #include "train/checkpoint_save_job.h"
 #include "core/device.h"
 #include "core/durable_file.h"
@@ -34,7 +35,7 @@ constexpr bool kCudaBuilt = true;
 constexpr bool kCudaBuilt = false;
 #endif
 
-enum SeedStream : uint64_t { kWeightsSeed = 1, kDataSeed = 2, kOrderSeed = 3 };
+enum SeedStream : uint64_t { kWeightsSeed = 1, kDataSeed = 2, kOrderSeed = 3, kLoraSeed = 4, kLoraDropoutSeed = 5 };
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -67,7 +68,17 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   std::vector<bool> decay;
-  if (fsdp_) {
+  if (config_.lora.enabled()) {
+    FORGE_CHECK(!fsdp_, "LoRA with data-parallel ranks (refused by the config check)");
+    // NOTE [LoRA training]: the frozen base once, in the compute dtype; the adapters train.
+    params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);
+    params_->initialize(derive_seed(t.seed, kWeightsSeed));
+    lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
+    lora_->initialize(derive_seed(t.seed, kLoraSeed));
+    lora_->set_base(*params_);
+    decay.assign(lora_->masters().size(), true);
+    optimizer_ = std::make_unique<AdamW>(config_.optimizer, lora_->masters(), decay);
+  } else if (fsdp_) {
     fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
     for (const FsdpSegment& segment : fsdp_->layout().segments()) decay.push_back(segment.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, fsdp_->master_segments(), decay);
@@ -192,12 +203,34 @@ const FlatParameters& Trainer::parameters() const {
 
 ParamSource& Trainer::weights() {
   if (fsdp_) return *fsdp_;
+  if (lora_) return *lora_;
   return compute_weights_ ? *compute_weights_ : *params_;
 }
 
 GradSink& Trainer::gradients() {
   if (fsdp_) return *fsdp_;
+  if (lora_) return *lora_;
   return *grads_;
+}
+
+std::vector<Tensor> Trainer::trainable_weights() const { return lora_ ? lora_->masters() : params_->tensors(); }
+
+std::vector<Tensor> Trainer::trainable_gradients() const { return lora_ ? lora_->gradients() : grads_->tensors(); }
+
+std::vector<std::string> Trainer::trainable_names() const {
+  if (lora_) return lora_->master_names();
+  std::vector<std::string> names;
+  for (const ParamSpec& spec : params_->specs()) names.push_back(spec.name);
+  return names;
+}
+
+void Trainer::discard_gradients() {
+  if (lora_) lora_->discard();
+  else grads_->discard();
+}
+
+std::vector<ParamSpec> Trainer::checkpoint_specs() const {
+  return lora_ ? lora_->checkpoint_specs() : parameter_specs(config_.model);
 }
 
 // Everything that can refuse the run (an old run without a checkpoint, a bad checkpoint)
@@ -219,11 +252,19 @@ void Trainer::prepare_run_dir() {
                run_dir_);
   }
   if (resume_from_) {
-    if (!ckpt.initial_load_path.empty())
+    // A LoRA checkpoint holds the adapters only: the frozen base is loaded again.
+    if (lora_ && !ckpt.initial_load_path.empty()) load_initial_weights(ckpt.initial_load_path);
+    else if (!ckpt.initial_load_path.empty())
       log_info("checkpoint.initial_load_path is ignored: resuming from a checkpoint of this run");
+    if (lora_ && !config_.lora.adapter_path.empty())
+      log_info("lora.adapter_path is ignored: resuming from a checkpoint of this run");
     restore_checkpoint(*resume_from_);
-  } else if (!ckpt.initial_load_path.empty()) {
-    load_initial_weights(ckpt.initial_load_path);
+  } else {
+    if (!ckpt.initial_load_path.empty()) load_initial_weights(ckpt.initial_load_path);
+    if (lora_ && !config_.lora.adapter_path.empty()) {
+      load_peft_adapter(config_.lora.adapter_path, *lora_);
+      log_info("LoRA adapters from the PEFT adapter '{}' (lora.adapter_path)", config_.lora.adapter_path);
+    }
   }
   // A finished run started again (a requeue) has nothing to train and keeps the export it made.
   hf_export_done_ = ckpt.last_save_in_hf && resume_from_ && start_step_ >= config_.training.steps &&
@@ -252,6 +293,7 @@ double Trainer::lr_for_step(int64_t step) const {
 
 EvalMetrics Trainer::evaluate(int64_t step) {
   DataLoader loader(*eval_data_, config_.training.local_batch_size, 0);
+  if (lora_) lora_->set_training(false);  // no adapter dropout, as PEFT's eval()
   LossSum total;
   for (int64_t i = 0; i < config_.eval.steps; ++i) {
     Batch batch = loader.next();
@@ -261,6 +303,7 @@ EvalMetrics Trainer::evaluate(int64_t step) {
     total.sum += l.sum;
     total.tokens += l.tokens;
   }
+  if (lora_) lora_->set_training(true);
   EvalMetrics m;
   m.step = step;
   m.loss = total.mean();
@@ -287,6 +330,12 @@ TrainResult Trainer::run() {
   log_info("model {}: {} parameters, {} layers, hidden {}, heads {}/{} (q/kv), vocab {}", mc.name,
            human_count(static_cast<double>(mc.total_params())), mc.num_layers, mc.hidden_size, mc.num_heads,
            mc.num_kv_heads, mc.vocab_size);
+  if (lora_)
+    log_info("LoRA rank {}, alpha {}, dropout {} on {}: {} trainable parameters in {} adapted projections; the "
+             "model's own are frozen in {}",
+             config_.lora.rank, config_.lora.alpha, config_.lora.dropout, config_.lora.target_modules,
+             human_count(static_cast<double>(lora_->trainable_params())), lora_->targets().size(),
+             config_.precision.compute_dtype);
   log_info("batch: {} micro-batch x {} accumulation = {} sequences of {} tokens per step; {} steps on {} ({} threads)",
            t.local_batch_size, accum, t.global_batch_size, t.seq_len, t.steps, t.device, num_threads());
   log_info("data: {}{}", config_.data.source,
@@ -327,7 +376,7 @@ TrainResult Trainer::run() {
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     if (fsdp_) fsdp_->begin_step();
-    else grads_->discard();  // NOTE [Fresh gradient buffers]: no zeroing pass
+    else discard_gradients();  // NOTE [Fresh gradient buffers]: no zeroing pass
     // NOTE [Data-parallel steps]: every rank reads its own micro-batches of the global batch.
     int64_t targets = 0;
     for (int64_t a = 0; a < accum; ++a) {
@@ -344,6 +393,7 @@ TrainResult Trainer::run() {
       const Batch& b = batches[static_cast<size_t>(a)];
       if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
       const SequenceLayout layout = sequence_layout(b);
+      if (lora_) lora_->set_dropout_step(derive_seed(t.seed, kLoraDropoutSeed), static_cast<uint64_t>(step * accum + a));
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale, b.has_examples() ? &layout : nullptr);
       if (fsdp_) fsdp_->end_micro_batch();
@@ -364,7 +414,7 @@ TrainResult Trainer::run() {
       if (inject_nan_ && inject_nan_->micro_batch < accum) inject_test_nan(step + 1, inject_nan_->micro_batch);
       norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
     } else {
-      norm = global_grad_norm({grads_->flat()});
+      norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
     }
     // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
     const bool finite = std::isfinite(loss.sum) && std::isfinite(norm);
@@ -380,8 +430,9 @@ TrainResult Trainer::run() {
       fsdp_->refresh_compute_weights(fused_copy);
     } else {
       skipped_in_a_row_ = 0;
-      optimizer_->step(grads_->tensors(), lr, clip_coefficient(norm, t.max_norm),
+      optimizer_->step(trainable_gradients(), lr, clip_coefficient(norm, t.max_norm),
                        compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
+      if (lora_) lora_->refresh_compute();
     }
     double dt = seconds_since(t0);
 
@@ -443,6 +494,7 @@ TrainResult Trainer::run() {
   if (result.stopped) return result;
   if (hf_export_done_) log_info("the Hugging Face export '{}/hf' of this finished run is already there", run_dir_);
   else if (config_.checkpoint.last_save_in_hf) export_hf_model();
+  if (lora_) save_peft_adapter_to_run_dir();
   return result;
 }
 

@@ -44,6 +44,7 @@
 #include "distributed/process_group.h"
 #include "model/parameters.h"
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
 #include "train/metrics.h"
@@ -99,6 +100,15 @@ class Trainer {
   // The weights the model computes with: FSDP's, else the bf16 copy on CUDA, else the fp32 weights.
   ParamSource& weights();
   GradSink& gradients();
+  // What the optimizer trains on one device: the parameters, or under LoRA the adapters
+  // (NOTE [LoRA training]); their gradients, names, and the checkpoint's tensors.
+  std::vector<Tensor> trainable_weights() const;
+  std::vector<Tensor> trainable_gradients() const;
+  std::vector<std::string> trainable_names() const;
+  void discard_gradients();
+  std::vector<ParamSpec> checkpoint_specs() const;
+  // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
+  void save_peft_adapter_to_run_dir();
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();
@@ -120,6 +130,9 @@ class Trainer {
   std::array<std::vector<FlatSegment>, 3> checkpoint_segments() const;
   // Reads the weights (and the optimizer state) into place; what it staged, for the log.
   std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
+  // The same into the given segments (a LoRA run's frozen base from a forge checkpoint).
+  std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer,
+                                    const std::array<std::vector<FlatSegment>, 3>& segments);
   // Copies the segments to a snapshot (async saves); false when no memory holds one.
   bool snapshot(CheckpointSaveJob& job, std::array<std::vector<FlatSegment>, 3>& segments);
   // trainer_nonfinite.cpp (NOTE [Non-finite steps])
@@ -142,6 +155,7 @@ class Trainer {
   std::unique_ptr<FlatParameters> params_, grads_, compute_weights_;
   std::unique_ptr<DecoderLM> model_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<LoraAdapters> lora_;  // lora.rank > 0 (NOTE [LoRA training]); params_ is then the frozen base
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only

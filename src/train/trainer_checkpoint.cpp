@@ -122,10 +122,12 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
     const std::vector<FsdpSegment>& layout = fsdp_->layout().segments();
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
+  } else if (lora_) {
+    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]
   } else {
     params.push_back({0, params_->flat()});
   }
-  const std::vector<FlatSegment> offsets = fsdp_ ? params : consecutive(params_->tensors());
+  const std::vector<FlatSegment> offsets = fsdp_ ? params : consecutive(trainable_weights());
   m = at_offsets(offsets, optimizer_->exp_avg());
   v = at_offsets(offsets, optimizer_->exp_avg_sq());
   return segments;
@@ -135,6 +137,10 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
 // computes with are then refreshed from the fp32 ones. Returns what the load staged on the
 // host, for the log.
 std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer) {
+  return read_checkpoint_state(ck, with_optimizer, checkpoint_segments());
+}
+
+std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optimizer, const StateSegments& segments) {
   const int64_t resident_before = reset_host_peak() ? host_status_bytes("VmRSS:") : -1;
   int64_t largest_piece = 1024;  // bytes: a buffer that holds the largest piece twice is large enough
   for (const TensorRecord& rec : ck.metadata.tensors)
@@ -143,7 +149,6 @@ std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optim
   {
     ShardFileReader reader(ck, std::min(checkpoint_buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
     staging = reader.staging_bytes();
-    const StateSegments segments = checkpoint_segments();
     for (FlatState s : kFlatStates) {
       if (s != FlatState::Param && !with_optimizer) continue;
       for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) reader.read(s, segment);
@@ -154,13 +159,14 @@ std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optim
     how += fmt::format(", process peak resident memory +{:.1f} MiB",
                        mib(static_cast<double>(host_status_bytes("VmHWM:") - resident_before)));
   if (fsdp_) fsdp_->refresh_compute_weights(false);
+  else if (lora_) lora_->refresh_compute();
   else if (compute_weights_) compute_weights_->assign_from(*params_);
   return how;
 }
 
 void Trainer::restore_checkpoint(const std::string& dir) {
   Checkpoint ck = open_checkpoint(dir);
-  check_checkpoint_model(ck, config_.model, /*same_architecture=*/true);
+  check_checkpoint_model(ck, config_.model, checkpoint_specs(), /*same_architecture=*/true);
   const TrainingState& saved = ck.metadata.training;
   const int world = static_cast<int>(ck.metadata.shards.size());
   // Each rank reads its segments, whatever world size saved the checkpoint.
@@ -192,8 +198,16 @@ void Trainer::load_initial_weights(const std::string& path) {
   }
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
-  // Each rank reads only its segments, whatever world size saved the checkpoint.
-  const std::string staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
+  std::string staged;
+  if (lora_) {
+    // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory.
+    FlatParameters host(config_.model);
+    staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{{{0, host.flat()}}, {}, {}}});
+    params_->assign_from(host);
+  } else {
+    // Each rank reads only its segments, whatever world size saved the checkpoint.
+    staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
+  }
   log_info("initial weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}; {}); the "
            "optimizer and data start fresh at step 0",
            dir, ck.metadata.training.step, staged);
@@ -233,6 +247,7 @@ void Trainer::load_initial_weights(const std::string& path) {
 // synchronous save killed halfway would.
 void Trainer::save_checkpoint(int64_t step) {
   finish_checkpoint_save_job();
+  if (lora_) save_peft_adapter_to_run_dir();  // the adapters of this step, in PEFT's format
   const auto t0 = std::chrono::steady_clock::now();
   auto job = std::make_unique<CheckpointSaveJob>();
   job->started = t0;
@@ -246,7 +261,8 @@ void Trainer::save_checkpoint(int64_t step) {
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
   const int shards = fsdp_ ? shard_group_->world_size() : 1;
-  job->ranges = shard_ranges(config_.model.total_params(), shards);
+  const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
+  job->ranges = shard_ranges(numel, shards);
   const int64_t token =
       fsdp_ ? std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
   if (rank_ == 0) {
@@ -265,8 +281,8 @@ void Trainer::save_checkpoint(int64_t step) {
     for (const auto& of_state : segments)
       for (const FlatSegment& segment : of_state) elements += segment.data.numel();
     const size_t buffer = std::min(checkpoint_buffer_bytes(), static_cast<size_t>(std::max<int64_t>(elements, 1024)) * 8);
-    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token), config_.model,
-                                                    job->ranges, buffer);
+    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token),
+                                                    checkpoint_specs(), job->ranges, buffer);
     bool async = false;
     if (async_mode) {
       try {
@@ -372,12 +388,12 @@ void Trainer::finish_checkpoint_save_job() {
     FORGE_FAIL("{} could not be written: {}", what, failure);
   }
   if (rank_ == 0)
-    finish_checkpoint_save(checkpoint_folder(), *job->staging, config_.model, resolved_yaml_, job->state, job->ranges,
-                           combine_piece_crcs(config_.model, job->ranges, std::move(parts)),
+    finish_checkpoint_save(checkpoint_folder(), *job->staging, config_.model, checkpoint_specs(), resolved_yaml_,
+                           job->state, job->ranges, combine_piece_crcs(checkpoint_specs(), job->ranges, std::move(parts)),
                            config_.checkpoint.keep_latest_k);
   if (world_) world_->barrier();  // the checkpoint is in place before any rank goes on
   if (rank_ != 0) return;
-  const double bytes = 12.0 * static_cast<double>(config_.model.total_params());
+  const double bytes = 12.0 * static_cast<double>(job->ranges.back().end);
   std::string how = fmt::format("peak host staging {:.1f} MiB", mib(static_cast<double>(staging)));
   if (host_growth >= 0) how += fmt::format(", process peak resident memory +{:.1f} MiB", mib(static_cast<double>(host_growth)));
   if (!job->snapshot_place.empty())

@@ -4,8 +4,11 @@
 // weights in host memory; on CUDA the master weights pass through a host copy.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/peft_adapter.h"
 
 #include <algorithm>
+
+#include "core/log.h"
 #include "train/trainer.h"
 
 namespace forge {
@@ -43,10 +46,24 @@ void Trainer::export_hf_model() {
     std::copy(flat.begin(), flat.end(), host.flat().data<float>());
     return save_hf_model(dir, host, options);
   }
+  if (lora_) {
+    // The merged model: base + alpha / rank * B A for every adapted module.
+    FlatParameters host(config_.model);
+    host.assign_from(*params_);
+    lora_->merge_into(host);
+    save_hf_model(dir, host, options);
+    return log_info("exported the base model with the LoRA adapters merged to {}", dir);
+  }
   if (params_->flat().device() == Device::CPU) return save_hf_model(dir, *params_, options);
   FlatParameters host(config_.model);
   host.assign_from(*params_);
   save_hf_model(dir, host, options);
+}
+
+void Trainer::save_peft_adapter_to_run_dir() {
+  const CheckpointConfig& ckpt = config_.checkpoint;
+  const std::string base = ckpt.initial_load_in_hf ? ckpt.initial_load_path : config_.model.name;
+  save_peft_adapter(run_dir_ + "/adapter", *lora_, base);
 }
 
 }  // namespace forge

@@ -30,10 +30,11 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
     // A rank may hold no part of the tensor.
     found = found || std::any_of(specs.begin(), specs.end(), [&](const ParamSpec& s) { return s.name == inject_nan_->tensor; });
   } else {
-    for (size_t i = 0; i < params_->specs().size(); ++i)
-      if (params_->specs()[i].name == inject_nan_->tensor) {
+    const std::vector<std::string> names = trainable_names();
+    for (size_t i = 0; i < names.size(); ++i)
+      if (names[i] == inject_nan_->tensor) {
         found = true;
-        poison_first_element(grads_->tensors()[i]);
+        poison_first_element(trainable_gradients()[i]);
       }
   }
   if (!found) FORGE_FAIL("FORGE_TEST_INJECT_NAN: the model has no parameter '{}'", inject_nan_->tensor);
@@ -43,8 +44,8 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
 // the first (replicas hold the same reduced gradients).
 std::string Trainer::first_nonfinite_gradient() {
   if (!fsdp_) {
-    const int64_t i = first_nonfinite_tensor(grads_->tensors());
-    return i < 0 ? "" : params_->specs()[static_cast<size_t>(i)].name;
+    const int64_t i = first_nonfinite_tensor(trainable_gradients());
+    return i < 0 ? "" : trainable_names()[static_cast<size_t>(i)];
   }
   const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
   const int64_t i = first_nonfinite_tensor(fsdp_->grad_segments());
@@ -80,8 +81,8 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   {
     std::string weight;
     if (!fsdp_) {
-      const int64_t i = first_nonfinite_tensor(params_->tensors());
-      if (i >= 0) weight = params_->specs()[static_cast<size_t>(i)].name;
+      const int64_t i = first_nonfinite_tensor(trainable_weights());
+      if (i >= 0) weight = trainable_names()[static_cast<size_t>(i)];
     } else {
       const int64_t i = first_nonfinite_tensor(fsdp_->master_segments());
       const uint32_t mine =
@@ -112,7 +113,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
       fsdp_->begin_step();
       fsdp_->begin_micro_batch(true);
     } else {
-      grads_->discard();
+      discard_gradients();
     }
     const SequenceLayout layout = sequence_layout(b);
     model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(), grad_scale,

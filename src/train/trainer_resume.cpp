@@ -33,7 +33,7 @@ std::string Trainer::checkpoint_problem(const std::string& dir) {
     problem = e.what();
   }
   // Another model's checkpoint is a configuration mistake, not damage: never skipped.
-  if (ck) check_checkpoint_model(*ck, config_.model, /*same_architecture=*/true);
+  if (ck) check_checkpoint_model(*ck, config_.model, checkpoint_specs(), /*same_architecture=*/true);
   if (ck) {
     const auto t0 = std::chrono::steady_clock::now();
     try {

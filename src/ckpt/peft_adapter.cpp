@@ -1,0 +1,153 @@
+#include "ckpt/peft_adapter.h"
+
+#include <algorithm>
+#include <filesystem>
+#include <set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "ckpt/safetensors.h"
+#include "core/durable_directory.h"
+#include "core/error.h"
+#include "core/json_input.h"
+
+namespace forge {
+
+using nlohmann::json;
+
+namespace {
+
+constexpr const char* kConfigFile = "adapter_config.json";
+constexpr const char* kWeightsFile = "adapter_model.safetensors";
+
+json adapter_config(const LoraAdapters& adapters, const std::string& base_model) {
+  const LoraConfig& lora = adapters.lora_config();
+  std::set<std::string> modules;
+  for (const LoraTarget& t : adapters.targets())
+    for (const LoraPart& p : t.parts) modules.insert(p.module);
+  return json{{"peft_type", "LORA"},
+              {"task_type", "CAUSAL_LM"},
+              {"base_model_name_or_path", base_model.empty() ? json(nullptr) : json(base_model)},
+              {"r", lora.rank},
+              {"lora_alpha", lora.alpha},
+              {"lora_dropout", lora.dropout},
+              {"target_modules", std::vector<std::string>(modules.begin(), modules.end())},
+              {"bias", "none"},
+              {"fan_in_fan_out", false},
+              {"inference_mode", true},
+              {"init_lora_weights", true},
+              {"modules_to_save", nullptr},
+              {"layers_to_transform", nullptr},
+              {"rank_pattern", json::object()},
+              {"alpha_pattern", json::object()},
+              {"use_rslora", false},
+              {"use_dora", false},
+              {"library_name", "forge"}};
+}
+
+// The adapter must be the plain LoRA the run configures.
+void check_adapter_config(const json& j, const std::string& path, const LoraAdapters& adapters) {
+  const LoraConfig& lora = adapters.lora_config();
+  auto fail = [&](const std::string& what) { FORGE_FAIL("{}: {}", path, what); };
+  if (!j.is_object()) fail("expected a JSON object");
+  if (j.value("peft_type", std::string()) != "LORA")
+    fail(fmt::format("peft_type is {}, expected \"LORA\"", j.contains("peft_type") ? j["peft_type"].dump() : "missing"));
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() != lora.rank)
+    fail(fmt::format("r is {}, but lora.rank is {}: set lora.rank to the adapter's rank",
+                     j.contains("r") ? j["r"].dump() : "missing", lora.rank));
+  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || j["lora_alpha"].get<double>() != lora.alpha)
+    fail(fmt::format("lora_alpha is {}, but lora.alpha is {}: set lora.alpha to the adapter's",
+                     j.contains("lora_alpha") ? j["lora_alpha"].dump() : "missing", lora.alpha));
+  std::vector<std::string> expected = lora_target_modules(lora.target_modules);
+  std::vector<std::string> found;
+  const json targets = j.value("target_modules", json());
+  if (targets.is_string() && targets.get<std::string>() == "all-linear") {
+    found = kLoraModules;
+  } else if (targets.is_array()) {
+    for (const json& t : targets) {
+      if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
+      // PEFT writes all-linear out as module paths ("model.layers.0.mlp.up_proj"); which
+      // layers carry one is checked by the tensors below.
+      std::string name = t.get<std::string>();
+      name = name.substr(name.rfind('.') + 1);
+      if (std::find(found.begin(), found.end(), name) == found.end()) found.push_back(name);
+    }
+  } else {
+    fail(fmt::format("target_modules is {}, expected a list of module names", targets.dump()));
+  }
+  std::sort(found.begin(), found.end());
+  std::sort(expected.begin(), expected.end());
+  if (found != expected)
+    fail(fmt::format("target_modules are [{}], but lora.target_modules is '{}': set it to the adapter's",
+                     fmt::join(found, ", "), lora.target_modules));
+  auto require = [&](const char* key, const json& plain) {
+    if (j.contains(key) && !j[key].is_null() && j[key] != plain)
+      fail(fmt::format("{} is {}: forge trains plain LoRA adapters ({} {})", key, j[key].dump(), key, plain.dump()));
+  };
+  require("use_dora", false);
+  require("use_rslora", false);
+  require("fan_in_fan_out", false);
+  require("bias", "none");
+  require("rank_pattern", json::object());
+  require("alpha_pattern", json::object());
+  require("layers_to_transform", nullptr);
+  require("modules_to_save", nullptr);
+}
+
+}  // namespace
+
+void save_peft_adapter(const std::string& dir, const LoraAdapters& adapters, const std::string& base_model) {
+  std::vector<Tensor> values;
+  std::vector<SafetensorsTensorRef> refs;
+  const auto& targets = adapters.targets();
+  for (size_t k = 0; k < targets.size(); ++k)
+    for (size_t p = 0; p < targets[k].parts.size(); ++p)
+      for (char m : {'a', 'b'}) {
+        values.push_back(adapters.part_matrix(k, p, m));
+        refs.push_back({peft_tensor_name(targets[k].parts[p], m), values.back().shape(), values.back().data<float>()});
+      }
+  AtomicDirectory out(dir, DurableOptions{});
+  write_safetensors(out.temporary_path() + "/" + kWeightsFile, refs, SafetensorsDType::F32, {{"format", "pt"}});
+  write_file_atomic(out.temporary_path() + "/" + kConfigFile, adapter_config(adapters, base_model).dump(2) + "\n",
+                    DurableOptions{});
+  out.commit();
+}
+
+void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
+  const std::string config_path = dir + "/" + kConfigFile, weights_path = dir + "/" + kWeightsFile;
+  if (!std::filesystem::is_directory(dir))
+    FORGE_FAIL("lora.adapter_path '{}' is not a directory (expected a PEFT adapter: {} and {})", dir, kConfigFile,
+               kWeightsFile);
+  check_adapter_config(read_json_file(config_path, "PEFT adapter config"), config_path, adapters);
+  const SafetensorsFile file(weights_path);
+  std::set<std::string> expected;
+  const auto& targets = adapters.targets();
+  const int64_t r = adapters.lora_config().rank;
+  for (size_t k = 0; k < targets.size(); ++k)
+    for (size_t p = 0; p < targets[k].parts.size(); ++p) {
+      const LoraPart& part = targets[k].parts[p];
+      for (char m : {'a', 'b'}) {
+        const std::string name = peft_tensor_name(part, m);
+        expected.insert(name);
+        const SafetensorsEntry* entry = file.find(name);
+        if (!entry) FORGE_FAIL("{}: no tensor '{}' (the adapter does not match the model or lora.target_modules)",
+                               weights_path, name);
+        const Shape shape = m == 'a' ? Shape{r, targets[k].in} : Shape{part.row_end - part.row_begin, r};
+        if (entry->shape != shape)
+          FORGE_FAIL("{}: tensor '{}' is {}, expected {} (lora.rank {} and the model's dimensions)", weights_path, name,
+                     shape_str(entry->shape), shape_str(shape), r);
+        Tensor values = Tensor::empty(shape);
+        file.read_as_float(*entry, values.data<float>());
+        adapters.set_part_matrix(k, p, m, values);
+      }
+    }
+  for (const SafetensorsEntry& entry : file.entries())
+    if (!expected.count(entry.name))
+      FORGE_FAIL("{}: tensor '{}' is not an adapter of this model with lora.target_modules '{}'", weights_path,
+                 entry.name, adapters.lora_config().target_modules);
+  adapters.refresh_compute();
+}
+
+}  // namespace forge

@@ -1,0 +1,268 @@
+#include "model/lora.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/rng.h"
+#include "ops/elementwise.h"
+#include "ops/matmul.h"
+
+namespace forge {
+namespace {
+
+// "model.layers.3.self_attn.q_proj.weight" -> "q_proj"
+std::string module_of(const std::string& hf_name) {
+  const std::string stem = hf_name.substr(0, hf_name.rfind('.'));
+  return stem.substr(stem.rfind('.') + 1);
+}
+
+// Each adapter tensor starts 256-byte aligned in bf16 (512 in fp32) in the flat buffers,
+// as cuBLASLt's algorithms assume of their operands by default.
+constexpr int64_t kAlignValues = 128;
+int64_t aligned(int64_t n) { return (n + kAlignValues - 1) / kAlignValues * kAlignValues; }
+
+uint64_t name_hash(const std::string& name) {
+  uint64_t h = 1469598103934665603ull;
+  for (char ch : name) h = (h ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+  return h;
+}
+
+std::string stem(const std::string& name) {
+  return name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+}
+
+}  // namespace
+
+std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules) {
+  std::vector<LoraTarget> targets;
+  std::vector<size_t> next_entry(static_cast<size_t>(config.num_layers), 0);
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (spec.layer < 0) continue;
+    const size_t entry = next_entry[static_cast<size_t>(spec.layer)]++;
+    if (spec.shape.size() != 2) continue;
+    LoraTarget target{spec.layer, entry, spec.name, spec.shape[1], spec.shape[0], {}};
+    int64_t row = 0;
+    for (const HfTensor& t : spec.hf_tensors) {
+      const std::string module = module_of(t.name);
+      if (std::find(modules.begin(), modules.end(), module) != modules.end())
+        target.parts.push_back({module, stem(t.name), row, row + t.rows});
+      row += t.rows;
+    }
+    if (!target.parts.empty()) targets.push_back(std::move(target));
+  }
+  return targets;
+}
+
+LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens) {
+  LoraSizes sizes;
+  int64_t widest_low_rank = 0, widest_in = 0;
+  for (const LoraTarget& t : lora_targets(config, lora_target_modules(lora.target_modules))) {
+    const int64_t low = lora.rank * static_cast<int64_t>(t.parts.size());
+    sizes.stored += low * (t.in + t.out);
+    for (const LoraPart& p : t.parts) sizes.trainable += lora.rank * (t.in + p.row_end - p.row_begin);
+    widest_low_rank = std::max(widest_low_rank, low);
+    widest_in = std::max(widest_in, t.in);
+  }
+  sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0);
+  return sizes;
+}
+
+std::string peft_tensor_name(const LoraPart& part, char matrix) {
+  return fmt::format("base_model.model.{}.lora_{}.weight", part.hf_prefix, matrix == 'a' ? 'A' : 'B');
+}
+
+LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, Device device, int64_t tokens)
+    : config_(config), lora_(lora), device_(device) {
+  lora_.validate();
+  FORGE_CHECK(lora_.enabled(), "LoRA adapters with lora.rank 0");
+  targets_ = lora_targets(config_, lora_target_modules(lora_.target_modules));
+  FORGE_CHECK(!targets_.empty(), "lora.target_modules '{}' adapts no projection of the model", lora_.target_modules);
+  const int64_t r = lora_.rank;
+  int64_t total = 0, widest_low_rank = 0, widest_in = 0;
+  for (const LoraTarget& t : targets_) {
+    const int64_t low = r * static_cast<int64_t>(t.parts.size());
+    total += aligned(low * t.in) + aligned(low * t.out);
+    widest_low_rank = std::max(widest_low_rank, low);
+    widest_in = std::max(widest_in, t.in);
+  }
+  const DType compute = device == Device::CUDA ? DType::BF16 : DType::F32;
+  master_flat_ = Tensor::zeros({total}, DType::F32, device);
+  grad_flat_ = Tensor::zeros({total}, DType::F32, device);
+  compute_flat_ = compute == DType::F32 ? master_flat_ : Tensor::zeros({total}, compute, device);
+  workspace_.low_rank = Tensor::zeros({widest_low_rank * tokens}, compute, device);
+  workspace_.low_rank_grad = Tensor::zeros({widest_low_rank * tokens}, compute, device);
+  if (lora_.dropout > 0.0) workspace_.wide = Tensor::zeros({widest_in * tokens}, compute, device);
+
+  target_of_.assign(static_cast<size_t>(config_.num_layers), {});
+  adapters_.resize(targets_.size());
+  int64_t offset = 0;
+  auto take = [&](const Tensor& flat, Shape shape, int64_t at) {
+    return flat.narrow(at, at + shape_numel(shape)).view(std::move(shape));
+  };
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    const int64_t low = r * static_cast<int64_t>(t.parts.size());
+    const Shape a{low, t.in}, b{t.out, low};
+    LoraAdapter& adapter = adapters_[k];
+    adapter.a = take(compute_flat_, a, offset);
+    adapter.grad_a = take(grad_flat_, a, offset);
+    masters_.push_back(take(master_flat_, a, offset));
+    grads_.push_back(adapter.grad_a);
+    offset += aligned(shape_numel(a));
+    adapter.b = take(compute_flat_, b, offset);
+    adapter.grad_b = take(grad_flat_, b, offset);
+    masters_.push_back(take(master_flat_, b, offset));
+    grads_.push_back(adapter.grad_b);
+    offset += aligned(shape_numel(b));
+    adapter.rank = r;
+    adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
+    adapter.dropout = static_cast<float>(lora_.dropout);
+    for (const LoraPart& p : t.parts) adapter.parts.push_back({p.row_begin, p.row_end});
+    adapter.workspace = &workspace_;
+  }
+
+  // The gradient side: frozen projections, the adapters' buffers, one scratch for norms.
+  norm_scratch_ = Tensor::zeros({config_.hidden_size}, DType::F32, device);
+  grad_layers_.assign(static_cast<size_t>(config_.num_layers), {});
+  for (const ParamSpec& spec : parameter_specs(config_)) {
+    if (spec.layer < 0) continue;
+    FORGE_CHECK(spec.shape.size() == 2 || spec.shape == Shape{config_.hidden_size},
+                "parameter '{}' {} is neither a projection nor a norm weight of the hidden size", spec.name,
+                shape_str(spec.shape));
+    BlockWeights& block = grad_layers_[static_cast<size_t>(spec.layer)];
+    block.params.push_back(spec.shape.size() == 2 ? LinearWeight{} : LinearWeight{norm_scratch_});
+    target_of_[static_cast<size_t>(spec.layer)].push_back(-1);
+  }
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    grad_layers_[static_cast<size_t>(t.layer)].params.at(t.param).lora = &adapters_[k];
+    target_of_[static_cast<size_t>(t.layer)].at(t.param) = static_cast<int>(k);
+  }
+  layers_.assign(static_cast<size_t>(config_.num_layers), {});
+  fresh_.assign(static_cast<size_t>(config_.num_layers), 1);
+}
+
+std::vector<std::string> LoraAdapters::master_names() const {
+  std::vector<std::string> names;
+  for (const LoraTarget& t : targets_) {
+    names.push_back(stem(t.name) + ".lora_a");
+    names.push_back(stem(t.name) + ".lora_b");
+  }
+  return names;
+}
+
+std::vector<ParamSpec> LoraAdapters::checkpoint_specs() const {
+  std::vector<ParamSpec> specs;
+  const std::vector<std::string> names = master_names();
+  for (size_t i = 0; i < masters_.size(); ++i)
+    specs.push_back({names[i], masters_[i].shape(), {}, true, targets_[i / 2].layer});
+  return specs;
+}
+
+void LoraAdapters::set_training(bool training) {
+  for (LoraAdapter& adapter : adapters_) adapter.dropout = training ? static_cast<float>(lora_.dropout) : 0.0f;
+}
+
+int64_t LoraAdapters::stored_values() const {
+  int64_t n = 0;
+  for (const Tensor& t : masters_) n += t.numel();
+  return n;
+}
+
+int64_t LoraAdapters::trainable_params() const {
+  int64_t n = 0;
+  for (const LoraTarget& t : targets_)
+    for (const LoraPart& p : t.parts) n += lora_.rank * (t.in + (p.row_end - p.row_begin));
+  return n;
+}
+
+void LoraAdapters::initialize(uint64_t seed) {
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    Tensor a = Tensor::empty(masters_[2 * k].shape());
+    // kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(t.in));
+    Rng rng(derive_seed(seed, name_hash(t.name)));
+    for (int64_t j = 0; j < a.numel(); ++j) a.data<float>()[j] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+    masters_[2 * k].copy_from(a.to(device_));
+    masters_[2 * k + 1].fill_zero();
+  }
+  refresh_compute();
+}
+
+void LoraAdapters::refresh_compute() {
+  if (compute_flat_.raw() != master_flat_.raw()) cast(compute_flat_, master_flat_);
+}
+
+void LoraAdapters::set_dropout_step(uint64_t seed, uint64_t index) {
+  const uint64_t step_seed = derive_seed(seed, index);
+  for (size_t k = 0; k < adapters_.size(); ++k) adapters_[k].dropout_seed = derive_seed(step_seed, k + 1);
+}
+
+void LoraAdapters::discard() { std::fill(fresh_.begin(), fresh_.end(), 1); }
+
+ParamSource& LoraAdapters::base() {
+  FORGE_CHECK(base_, "LoRA adapters used before set_base");
+  return *base_;
+}
+
+const BlockWeights& LoraAdapters::layer(int index) {
+  const size_t i = static_cast<size_t>(index);
+  BlockWeights& block = layers_.at(i);
+  block = base().layer(index);
+  FORGE_CHECK(block.params.size() == target_of_.at(i).size(), "block {} has {} weights, the adapters expect {}", index,
+              block.params.size(), target_of_[i].size());
+  for (size_t e = 0; e < block.params.size(); ++e)
+    if (target_of_[i][e] >= 0) block.params[e].lora = &adapters_[static_cast<size_t>(target_of_[i][e])];
+  return block;
+}
+
+Tensor& LoraAdapters::master_of(size_t target, char matrix) {
+  return masters_.at(2 * target + (matrix == 'a' ? 0 : 1));
+}
+
+Tensor LoraAdapters::part_matrix(size_t target, size_t part, char matrix) const {
+  const LoraTarget& t = targets_.at(target);
+  const LoraPart& p = t.parts.at(part);
+  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  const Tensor all = masters_.at(2 * target + (matrix == 'a' ? 0 : 1)).to(Device::CPU);
+  if (matrix == 'a') return all.narrow(k * r, (k + 1) * r).clone();
+  const int64_t rows = p.row_end - p.row_begin;
+  Tensor out = Tensor::empty({rows, r});
+  for (int64_t o = 0; o < rows; ++o)
+    for (int64_t c = 0; c < r; ++c) out.data<float>()[o * r + c] = all.data<float>()[(p.row_begin + o) * low + k * r + c];
+  return out;
+}
+
+void LoraAdapters::set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values) {
+  const LoraTarget& t = targets_.at(target);
+  const LoraPart& p = t.parts.at(part);
+  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  Tensor& master = master_of(target, matrix);
+  Tensor all = master.to(Device::CPU);
+  if (matrix == 'a') {
+    check_shape(values, {r, t.in}, "LoRA A");
+    all.narrow(k * r, (k + 1) * r).copy_from(values);
+  } else {
+    const int64_t rows = p.row_end - p.row_begin;
+    check_shape(values, {rows, r}, "LoRA B");
+    for (int64_t o = 0; o < rows; ++o)
+      for (int64_t c = 0; c < r; ++c)
+        all.data<float>()[(p.row_begin + o) * low + k * r + c] = values.data<float>()[o * r + c];
+  }
+  master.copy_from(all.to(master.device()));
+}
+
+void LoraAdapters::merge_into(FlatParameters& params) const {
+  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
+              "LoRA merge into {} {} parameters (fp32 host ones expected)", device_name(params.flat().device()),
+              dtype_name(params.flat().dtype()));
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
+    matmul(params.find(targets_[k].name), b, false, a, false, adapters_[k].scale, 1.0f);
+  }
+}
+
+}  // namespace forge

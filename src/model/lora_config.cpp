@@ -1,0 +1,56 @@
+#include "model/lora_config.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+
+namespace forge {
+
+std::vector<std::string> lora_target_modules(const std::string& target_modules, const KeyDescriber& keys) {
+  std::vector<std::string> names;
+  size_t start = 0;
+  while (start <= target_modules.size()) {
+    size_t comma = target_modules.find(',', start);
+    if (comma == std::string::npos) comma = target_modules.size();
+    std::string name = target_modules.substr(start, comma - start);
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    names.push_back(name);
+    start = comma + 1;
+  }
+  const std::string key = "lora.target_modules";
+  const std::string expected = fmt::format("a comma-separated list of {} or all-linear", fmt::join(kLoraModules, ", "));
+  if (names.size() == 1 && names[0] == "all-linear") return kLoraModules;
+  std::vector<std::string> chosen;
+  for (const std::string& name : names) {
+    if (name.empty())
+      FORGE_FAIL("{} has an empty module name: expected {}", keys.describe(key, "'" + target_modules + "'"), expected);
+    if (name == "all-linear")
+      FORGE_FAIL("{}: all-linear already names every module and stands alone", keys.describe(key, target_modules));
+    if (std::find(kLoraModules.begin(), kLoraModules.end(), name) == kLoraModules.end())
+      FORGE_FAIL("{}: '{}' is not a module of the decoder; expected {}", keys.describe(key, target_modules), name,
+                 expected);
+    if (std::find(chosen.begin(), chosen.end(), name) != chosen.end())
+      FORGE_FAIL("{}: '{}' is named twice", keys.describe(key, target_modules), name);
+    chosen.push_back(name);
+  }
+  std::vector<std::string> ordered;
+  for (const std::string& m : kLoraModules)
+    if (std::find(chosen.begin(), chosen.end(), m) != chosen.end()) ordered.push_back(m);
+  return ordered;
+}
+
+void LoraConfig::validate(const KeyDescriber& keys) const {
+  check_range(keys, "lora.rank", rank, lora_bounds::rank);
+  check_range(keys, "lora.alpha", alpha, lora_bounds::alpha);
+  check_range(keys, "lora.dropout", dropout, lora_bounds::dropout);
+  lora_target_modules(target_modules, keys);
+  if (!enabled() && !adapter_path.empty())
+    FORGE_FAIL("{} is set but {}: set lora.rank (and lora.alpha, lora.target_modules) to the adapter's values",
+               keys.describe("lora.adapter_path", adapter_path), keys.describe("lora.rank", rank));
+}
+
+}  // namespace forge
