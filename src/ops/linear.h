@@ -17,14 +17,27 @@
 // Model code builds no descriptors: it passes on the ones its ParamSource and GradSink
 // hand out (model/parameters.h), so a source that wraps another (an FP8 cast, an adapter)
 // can fill in what it adds.
+//
+// NOTE [NF4 linear weights]
+// A frozen base weight stored as NF4 (QLoRA, NOTE [NF4 storage] in ops/nf4.h) sets `nf4`;
+// `weight` is then a scratch buffer [out, in] in the compute dtype (bf16 on the GPU, fp32
+// on the CPU) that linear_forward and linear_backward_input dequantize the codes into
+// before running the same GEMM as for a plain weight. One buffer, sized for the largest
+// projection, can serve every layer: nothing reads it after the op returns. A frozen
+// weight has no gradient, so linear_backward_weight refuses an NF4 descriptor.
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/nf4.h"
 
 namespace forge {
 
 struct LinearWeight {
   Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients)
+
+  // NF4 storage (NOTE [NF4 linear weights]): the codes `weight` is dequantized from, owned
+  // by whoever hands out the descriptor; null for a weight held in the compute dtype.
+  const Nf4Tensor* nf4 = nullptr;
 };
 
 // y = x W^T, or y = residual + x W^T with `residual` (shaped and typed like y; may be y
