@@ -24,7 +24,9 @@
 // on the CPU) that linear_forward and linear_backward_input dequantize the codes into
 // before running the same GEMM as for a plain weight. One buffer, sized for the largest
 // projection, can serve every layer: nothing reads it after the op returns. A frozen
-// weight has no gradient, so linear_backward_weight refuses an NF4 descriptor.
+// weight has no gradient, so linear_backward_weight refuses an NF4 descriptor. A fused
+// projection (qkv, gate_up) keeps one NF4 tensor per Hugging Face weight it stacks, so its
+// codes are exactly bitsandbytes' for each.
 #pragma once
 
 #include "core/tensor.h"
@@ -37,7 +39,7 @@ struct LinearWeight {
 
   // NF4 storage (NOTE [NF4 linear weights]): the codes `weight` is dequantized from, owned
   // by whoever hands out the descriptor; null for a weight held in the compute dtype.
-  const Nf4Tensor* nf4 = nullptr;
+  const Nf4Weight* nf4 = nullptr;
 };
 
 // y = x W^T, or y = residual + x W^T with `residual` (shaped and typed like y; may be y

@@ -36,6 +36,30 @@ Nf4Tensor Nf4Tensor::to(Device device) const {
   return Nf4Tensor{shape, codes.to(device), absmax_codes.to(device), absmax_scales.to(device), absmax_offset};
 }
 
+Shape Nf4Weight::shape() const {
+  FORGE_CHECK(!parts.empty(), "nf4: a weight without parts");
+  Shape shape = parts.front().shape;
+  FORGE_CHECK(shape.size() == 2, "nf4: a stacked weight's parts must be matrices, got {}", shape_str(shape));
+  for (size_t i = 1; i < parts.size(); ++i) {
+    FORGE_CHECK(parts[i].shape.size() == 2 && parts[i].shape[1] == shape[1],
+                "nf4: part {} is {}, expected [rows, {}] like part 0", i, shape_str(parts[i].shape), shape[1]);
+    shape[0] += parts[i].shape[0];
+  }
+  return shape;
+}
+
+size_t Nf4Weight::nbytes() const {
+  size_t total = 0;
+  for (const Nf4Tensor& part : parts) total += part.nbytes();
+  return total;
+}
+
+Nf4Weight Nf4Weight::to(Device device) const {
+  Nf4Weight moved;
+  for (const Nf4Tensor& part : parts) moved.parts.push_back(part.to(device));
+  return moved;
+}
+
 Nf4Tensor nf4_quantize(const Tensor& weight) {
   FORGE_CHECK(weight.device() == Device::CPU, "nf4_quantize: the weight must be on the CPU (quantization runs at import)");
   FORGE_CHECK(weight.dtype() == DType::F32 || weight.dtype() == DType::BF16,
@@ -98,6 +122,16 @@ void nf4_dequantize(const Tensor& out, const Nf4Tensor& q) {
   }
   expect_tensor(out, Device::CPU, DType::F32, "nf4_dequantize out");
   cpu::nf4_dequantize(q.codes.data<uint8_t>(), absmax.data<float>(), n, out.data<float>());
+}
+
+void nf4_dequantize(const Tensor& out, const Nf4Weight& w) {
+  check_shape(out, w.shape(), "nf4_dequantize out");
+  int64_t row = 0;
+  for (const Nf4Tensor& part : w.parts) {
+    const int64_t rows = part.shape[0];
+    nf4_dequantize(out.narrow(row, row + rows), part);
+    row += rows;
+  }
 }
 
 }  // namespace forge

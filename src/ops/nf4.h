@@ -24,6 +24,8 @@
 // Quantization runs on the CPU (at import); dequantization on either device.
 #pragma once
 
+#include <vector>
+
 #include "core/tensor.h"
 
 namespace forge {
@@ -41,6 +43,17 @@ struct Nf4Tensor {
   Nf4Tensor to(Device device) const;
 };
 
+// A weight made of tensors stacked along dim 0 (forge's fused qkv and gate_up, NOTE [Fused
+// projections] in model/parameters.h), each quantized on its own as bitsandbytes quantizes
+// each Hugging Face Linear4bit; a plain projection has one part.
+struct Nf4Weight {
+  std::vector<Nf4Tensor> parts;  // each [rows_i, in_features]
+
+  Shape shape() const;  // [sum of rows_i, in_features]
+  size_t nbytes() const;
+  Nf4Weight to(Device device) const;
+};
+
 // Quantizes a CPU tensor (f32 or bf16, finite, at least one element).
 Nf4Tensor nf4_quantize(const Tensor& weight);
 
@@ -49,5 +62,7 @@ Tensor nf4_absmax(const Nf4Tensor& q);
 
 // Dequantizes into `out` (the weight's shape): on the CPU in f32 or bf16, on CUDA in bf16.
 void nf4_dequantize(const Tensor& out, const Nf4Tensor& q);
+// Each part into its rows of `out`.
+void nf4_dequantize(const Tensor& out, const Nf4Weight& w);
 
 }  // namespace forge

@@ -135,16 +135,35 @@ TEST(OpsNf4, RejectsBadWeightsAndBuffers) {
   expect_error([&] { nf4_dequantize(Tensor::empty({8, 64}), wrong_stats); }, {"nf4 absmax_scales", "[2]", "[1]"});
 }
 
+TEST(OpsNf4, StackedPartsDequantizeIntoTheirRows) {
+  Rng rng(6);
+  const Nf4Weight w{{nf4_quantize(random_tensor({3, 70}, rng)), nf4_quantize(random_tensor({5, 70}, rng))}};
+  EXPECT_EQ(w.shape(), (Shape{8, 70}));
+  EXPECT_EQ(w.nbytes(), w.parts[0].nbytes() + w.parts[1].nbytes());
+  Tensor out = Tensor::empty({8, 70});
+  testing::fill_nan(out);
+  nf4_dequantize(out, w);
+  EXPECT_TRUE(bitwise_equal(out.narrow(0, 3), dequantized(w.parts[0])));
+  EXPECT_TRUE(bitwise_equal(out.narrow(3, 8), dequantized(w.parts[1])));
+  const Nf4Weight mismatched{{nf4_quantize(random_tensor({3, 70}, rng)), nf4_quantize(random_tensor({5, 64}, rng))}};
+  expect_error([&] { mismatched.shape(); }, {"part 1", "[5, 64]", "[rows, 70]"});
+  expect_error([&] { nf4_dequantize(Tensor::empty({7, 70}), w); }, {"nf4_dequantize out", "[7, 70]", "[8, 70]"});
+}
+
+// A stacked weight (as forge's fused qkv: three Hugging Face tensors) on the linear ops.
 TEST(OpsNf4, LinearOnAnNf4WeightEqualsLinearOnItsDequantizedWeight) {
   Rng rng(5);
-  for (const auto& [tokens, in, out] : std::vector<std::array<int64_t, 3>>{{5, 64, 48}, {3, 100, 7}, {16, 96, 200}}) {
+  for (const auto& [tokens, in, out] : std::vector<std::array<int64_t, 3>>{{5, 64, 48}, {3, 100, 9}, {16, 96, 200}}) {
     const Tensor x = random_tensor({tokens, in}, rng), dy = random_tensor({tokens, out}, rng);
     const Tensor residual = random_tensor({tokens, out}, rng);
-    const Nf4Tensor q = nf4_quantize(random_tensor({out, in}, rng, 0.05));
-    const Tensor plain = dequantized(q);
+    Nf4Weight w;
+    for (int64_t rows : {out / 3, out / 3, out - 2 * (out / 3)})
+      w.parts.push_back(nf4_quantize(random_tensor({rows, in}, rng, 0.05)));
+    Tensor plain = Tensor::empty({out, in});
+    nf4_dequantize(plain, w);
     Tensor scratch = Tensor::empty({out, in});
     testing::fill_nan(scratch);
-    const LinearWeight nf4_weight{scratch, &q}, plain_weight{plain};
+    const LinearWeight nf4_weight{scratch, &w}, plain_weight{plain};
 
     Tensor y = Tensor::empty({tokens, out}), y_plain = Tensor::empty({tokens, out});
     linear_forward(y, x, nf4_weight);
@@ -161,7 +180,7 @@ TEST(OpsNf4, LinearOnAnNf4WeightEqualsLinearOnItsDequantizedWeight) {
     linear_backward_input(dx_plain, dy, plain_weight);
     EXPECT_TRUE(bitwise_equal(dx, dx_plain)) << "input gradient";
 
-    const LinearWeight grad{Tensor::zeros({out, in}), &q};
+    const LinearWeight grad{Tensor::zeros({out, in}), &w};
     expect_error([&] { linear_backward_weight(grad, dy, x, true); }, {"NF4", "frozen", "no gradient"});
   }
 }

@@ -1,8 +1,8 @@
 // NF4 on the GPU (ops/nf4.h): the CUDA dequantization against the CPU reference on fresh
 // random weights, bit for bit (both round the same fp32 products to bf16), over shapes
 // that exercise the vector path, partial blocks of 64 and 256, odd counts and a buffer
-// offset that forces the scalar path; and the linear op on an NF4 descriptor against the
-// same GEMMs on the dequantized weight.
+// offset that forces the scalar path; and the linear op on a stacked NF4 descriptor
+// against the same GEMMs on the dequantized weight.
 #include <cstring>
 
 #include "gpu_testing.h"
@@ -47,7 +47,10 @@ TEST(GpuNf4, LinearOnAnNf4WeightEqualsLinearOnItsDequantizedWeight) {
   Rng rng(seed_for_current_test());
   for (const auto& [tokens, in, out] : std::vector<std::array<int64_t, 3>>{{33, 64, 16}, {1000, 200, 72},
                                                                           {2048, 1024, 768}}) {
-    const Nf4Tensor q = nf4_quantize(random_bf16_values({out, in}, rng, 0.02)).to(Device::CUDA);
+    Nf4Weight stacked;  // as forge's fused gate_up: two Hugging Face tensors
+    stacked.parts.push_back(nf4_quantize(random_bf16_values({out / 2, in}, rng, 0.02)));
+    stacked.parts.push_back(nf4_quantize(random_bf16_values({out - out / 2, in}, rng, 0.02)));
+    const Nf4Weight q = stacked.to(Device::CUDA);
     const Tensor x = to_gpu(random_bf16_values({tokens, in}, rng), DType::BF16);
     const Tensor dy = to_gpu(random_bf16_values({tokens, out}, rng), DType::BF16);
     Tensor plain = poisoned_gpu({out, in}, DType::BF16);

@@ -4,7 +4,10 @@ codes, the absmax codes, the second-level scales, the offset and both code table
 dequantization to fp32 and to bf16 equals dequantize_4bit's bit for bit (NOTE [NF4 storage]
 in src/ops/nf4.h). Weights: random normal in several shapes (odd sizes, partial blocks of
 64 and of 256, cascade-summed absmax counts), fp32 and bf16, with outliers, zero blocks,
-all-zero and constant weights, and tiny values."""
+all-zero and constant weights, and tiny values. Then a small Hugging Face Llama saved in
+bf16: the base forge quantizes at import (the seven projections of every block, one NF4
+tensor per Hugging Face weight, NOTE [NF4 base weights]) is what bitsandbytes stores for
+each of those tensors, and nothing else is quantized."""
 import os
 import subprocess
 import sys
@@ -100,10 +103,48 @@ def check_rejected(directory, w, dtype, rows, cols, expected):
     return ok
 
 
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_model_import(directory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(16)
+    config = LlamaConfig(vocab_size=50, hidden_size=128, intermediate_size=200, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    source = os.path.join(directory, "model")
+    model.save_pretrained(source)
+    out = os.path.join(directory, "base")
+    os.makedirs(out)
+    result = subprocess.run([tool("forge_nf4"), "--hf", source, out], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise AssertionError(f"forge_nf4 --hf exited {result.returncode}: {result.stderr}")
+    with open(os.path.join(out, "quantized")) as f:
+        quantized = sorted(f.read().split())
+    state = model.state_dict()
+    expected = sorted(name for name in state if name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS)
+    failures = [] if quantized == expected else [f"quantized {quantized}, expected {expected}"]
+    for name in expected:
+        packed, qstate = F.quantize_4bit(state[name], blocksize=64, compress_statistics=True, quant_type="nf4")
+        theirs = {"codes": packed.view(-1).numpy(), "absmax_codes": qstate.absmax.numpy(),
+                  "absmax_scales": bits(qstate.state2.absmax), "offset": bits(qstate.offset.reshape(1))}
+        for field, want in theirs.items():
+            path = os.path.join(out, f"{name}.{field}")
+            got = np.fromfile(path, dtype=want.dtype) if os.path.exists(path) else None
+            if got is None or not np.array_equal(got, want):
+                failures.append(f"{name}.{field}")
+    print(f"Hugging Face import: {len(expected)} projection tensors, "
+          f"{'bitwise equal' if not failures else 'DIFFER: ' + ', '.join(failures)}")
+    return failures
+
+
 def main():
     torch.set_num_threads(1)  # one summation order for the offset (NOTE [NF4 storage])
     directory = scratch_dir()
-    failures = []
+    failures = check_model_import(directory)
     for name, w in weights():
         ours, theirs = forge_quantize(w, directory), reference(w)
         differing = []

@@ -1,9 +1,13 @@
-// Runs forge's NF4 quantizer on raw little-endian weights and writes what it stores, for
+// Runs forge's NF4 quantizer and writes what it stores, for
 // tests/python/test_nf4_vs_bitsandbytes.py to compare with bitsandbytes' quantize_4bit:
-//   forge_nf4 WEIGHTS.raw f32|bf16 ROWS COLS OUT_DIR
-// OUT_DIR receives codes, absmax_codes (u8), absmax_scales, offset, absmax (the
-// double-quantized absmax expanded), dequant_f32 (f32) and dequant_bf16 (bf16 bits), and
-// the code tables nf4_code and dynamic_code (f32). Exits 1 with the error on stderr.
+//   forge_nf4 WEIGHTS.raw f32|bf16 ROWS COLS OUT_DIR    raw little-endian weights
+//   forge_nf4 --hf MODEL_DIR OUT_DIR                     a Hugging Face model's base (QLoRA)
+// For raw weights OUT_DIR receives codes, absmax_codes (u8), absmax_scales, offset, absmax
+// (the double-quantized absmax expanded), dequant_f32 (f32) and dequant_bf16 (bf16 bits),
+// and the code tables nf4_code and dynamic_code (f32); for a model, the codes,
+// absmax_codes, absmax_scales and offset of each quantized Hugging Face tensor, as
+// OUT_DIR/<hf name>.<field>, and OUT_DIR/quantized listing those names. Exits 1 with the
+// error on stderr.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -11,6 +15,8 @@
 #include "core/bf16.h"
 #include "core/tensor.h"
 #include "kernels/cpu/nf4.h"
+#include "ckpt/hf_import.h"
+#include "model/nf4_base.h"
 #include "ops/nf4.h"
 
 namespace {
@@ -25,9 +31,37 @@ void write(const std::string& path, const forge::Tensor& t) { write(path, t.raw(
 
 }  // namespace
 
+void write_model_base(const std::string& model_dir, const std::string& dir) {
+  const forge::HfModel model = forge::load_hf_model(model_dir);
+  const forge::Nf4Base base = forge::quantize_base_nf4(*model.params);
+  std::ofstream names(dir + "/quantized");
+  for (size_t k = 0; k < model.params->specs().size(); ++k) {
+    if (!base.quantized(k)) continue;
+    const auto& hf_tensors = model.params->specs()[k].hf_tensors;
+    for (size_t p = 0; p < hf_tensors.size(); ++p) {
+      const forge::Nf4Tensor& q = base.weights[k].parts[p];
+      const std::string prefix = dir + "/" + hf_tensors[p].name;
+      write(prefix + ".codes", q.codes);
+      write(prefix + ".absmax_codes", q.absmax_codes);
+      write(prefix + ".absmax_scales", q.absmax_scales);
+      write(prefix + ".offset", &q.absmax_offset, sizeof(float));
+      names << hf_tensors[p].name << "\n";
+    }
+  }
+}
+
 int main(int argc, char** argv) {
+  if (argc == 4 && std::string(argv[1]) == "--hf") {
+    try {
+      write_model_base(argv[2], argv[3]);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s\n", e.what());
+      return 1;
+    }
+    return 0;
+  }
   if (argc != 6) {
-    std::fprintf(stderr, "usage: forge_nf4 WEIGHTS.raw f32|bf16 ROWS COLS OUT_DIR\n");
+    std::fprintf(stderr, "usage: forge_nf4 WEIGHTS.raw f32|bf16 ROWS COLS OUT_DIR | --hf MODEL_DIR OUT_DIR\n");
     return 2;
   }
   try {
