@@ -18,6 +18,22 @@ Nf4Base Nf4Base::to(Device device) const {
   return moved;
 }
 
+double nf4_base_bytes(const ModelConfig& config) {
+  double total = 0;
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (!is_base_projection(spec)) continue;
+    for (const HfTensor& part : spec.hf_tensors) total += static_cast<double>(nf4_bytes(part.rows * spec.shape[1]));
+  }
+  return total;
+}
+
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype) {
+  int64_t largest = 0;
+  for (const ParamSpec& spec : parameter_specs(config))
+    if (is_base_projection(spec)) largest = std::max(largest, shape_numel(spec.shape));
+  return static_cast<double>(largest) * static_cast<double>(dtype_size(compute_dtype));
+}
+
 Nf4Base quantize_base_nf4(const FlatParameters& params) {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "quantize_base_nf4: the parameters must be fp32 on the CPU (as imported), got {} on {}",

@@ -32,6 +32,13 @@ struct Nf4Base {
   Nf4Base to(Device device) const;
 };
 
+// Device bytes of the NF4 base of `config` (codes and statistics of every base projection,
+// exactly what quantize_base_nf4 produces: about 0.516 byte per weight) and of the
+// Nf4BaseSource scratch buffer (the largest projection in `compute_dtype`), for the
+// memory estimate of a QLoRA run.
+double nf4_base_bytes(const ModelConfig& config);
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype);
+
 // Quantizes every base projection of `params` (fp32 on the CPU), one NF4 tensor per
 // Hugging Face weight it is made of.
 Nf4Base quantize_base_nf4(const FlatParameters& params);

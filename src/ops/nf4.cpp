@@ -60,6 +60,11 @@ Nf4Weight Nf4Weight::to(Device device) const {
   return moved;
 }
 
+size_t nf4_bytes(int64_t numel) {
+  const int64_t blocks = blocks_of(numel);
+  return static_cast<size_t>((numel + 1) / 2 + blocks + 4 * groups_of(blocks) + 4);
+}
+
 Nf4Tensor nf4_quantize(const Tensor& weight) {
   FORGE_CHECK(weight.device() == Device::CPU, "nf4_quantize: the weight must be on the CPU (quantization runs at import)");
   FORGE_CHECK(weight.dtype() == DType::F32 || weight.dtype() == DType::BF16,

@@ -54,6 +54,9 @@ struct Nf4Weight {
   Nf4Weight to(Device device) const;
 };
 
+// The bytes an Nf4Tensor of `numel` weights holds (Nf4Tensor::nbytes without building one).
+size_t nf4_bytes(int64_t numel);
+
 // Quantizes a CPU tensor (f32 or bf16, finite, at least one element).
 Nf4Tensor nf4_quantize(const Tensor& weight);
 

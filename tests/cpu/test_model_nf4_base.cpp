@@ -41,7 +41,8 @@ TEST(ModelNf4Base, QuantizesTheSevenProjectionsPerHuggingFaceTensor) {
     }
   }
   EXPECT_EQ(quantized_tensors, 7u * static_cast<size_t>(c.num_layers));  // q k v o gate up down
-  EXPECT_GT(base.nbytes(), 0u);
+  EXPECT_EQ(nf4_base_bytes(c), static_cast<double>(base.nbytes()));
+  EXPECT_EQ(nf4_scratch_bytes(c, DType::BF16), 2.0 * 2 * c.ffn_hidden_size * c.hidden_size);  // gate_up
 
   FlatParameters on_cuda_dtype(c, Device::CPU, DType::BF16);
   expect_error([&] { quantize_base_nf4(on_cuda_dtype); }, {"fp32 on the CPU", "bf16"});
@@ -94,6 +95,19 @@ TEST(ModelNf4Base, SourceRejectsMissingOrMisplacedCodes) {
   short_list.weights.pop_back();
   expect_error([&] { Nf4BaseSource(params, params.specs(), short_list, Device::CPU, DType::F32); },
                {"NF4 entries", "parameters"});
+}
+
+TEST(ModelNf4Base, Llama8bBaseIsAboutHalfAByteAWeight) {
+  ModelConfig c;
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.ffn_hidden_size = 14336;
+  const double projection_weights = 32.0 * (4096.0 * (4096 + 2 * 1024) + 4096.0 * 4096 + 3 * 4096.0 * 14336);
+  // 0.5 byte of codes, 1/64 byte of absmax codes, 4/16384 byte of scales, 4 bytes of offset per tensor.
+  EXPECT_NEAR(nf4_base_bytes(c), projection_weights * (0.5 + 1.0 / 64 + 4.0 / 16384) + 7 * 32 * 4, 1.0);
 }
 
 }  // namespace
