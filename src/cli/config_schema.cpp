@@ -219,6 +219,10 @@ std::vector<ConfigKey> build_schema() {
       key<&E::checkpoint, &CheckpointConfig::async_mode>(
           "checkpoint.async_mode", "async: snapshot the state and write it while training goes on", {},
           {"disabled", "async"}),
+
+      key<&E::lora, &LoraConfig::quantize_base>(
+          "lora.quantize_base", "nf4: store the frozen base projections in 4-bit NF4 (QLoRA, bitsandbytes' format)",
+          {}, {"none", "nf4"}),
   };
 }
 
@@ -308,7 +312,7 @@ const std::vector<ConfigKey>& config_schema() {
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
                                                     "eval",  "logging",  "precision", "parallelism",
-                                                    "activation_checkpoint", "checkpoint"};
+                                                    "activation_checkpoint", "checkpoint", "lora"};
   return sections;
 }
 

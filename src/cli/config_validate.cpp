@@ -119,6 +119,15 @@ void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) 
   }
 }
 
+// QLoRA trains LoRA adapters on the NF4 base; until the trainer has adapters, an NF4 base
+// would be a frozen model with nothing to train.
+void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (config.lora.quantize_base == "nf4")
+    FORGE_FAIL("{}: QLoRA training needs LoRA adapters on the NF4 base, which this build's trainer does not have "
+               "yet; use none",
+               show(config, keys, "lora.quantize_base"));
+}
+
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
 void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -185,6 +194,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_training(config, keys);
   check_data(config, origins, keys);
   check_checkpoint(config, keys);
+  check_lora(config, keys);
   resolve_shard_degree(config, keys);
   resolve_batch(config, keys);
 }

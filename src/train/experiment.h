@@ -8,6 +8,7 @@
 
 #include "data/dataset.h"
 #include "model/config.h"
+#include "model/lora_config.h"
 #include "optim/optimizer.h"
 
 namespace forge {
@@ -86,6 +87,7 @@ struct ExperimentConfig {
   ParallelismConfig parallelism;
   ActivationCheckpointConfig activation_checkpoint;
   CheckpointConfig checkpoint;
+  LoraConfig lora;
 };
 
 }  // namespace forge
