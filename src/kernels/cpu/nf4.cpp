@@ -5,11 +5,11 @@
 // step copies what it does:
 //  - First level (its Python "default" kernel): absmax = max |w| per block of 64; a full
 //    block is scaled by w * (1 / max(absmax, 1e-38)) (a reciprocal, then a product), the
-//    last, partial block by w / max(absmax, 1e-38) (a true division); the result is clamped
-//    to [-1, 1] and coded as the number of midpoints (c[i] + c[i+1]) / 2 strictly below it
-//    (torch.bucketize, right=False: a value on a midpoint takes the lower code). Element 2i
-//    goes to the high nibble of byte i; an odd count pads the last low nibble with the code
-//    of 0.0 (7).
+//    last, partial block by w / max(absmax, 1e-38) (a true division, and that clamped value
+//    is the absmax it stores); the result is clamped to [-1, 1] and coded as the number of
+//    midpoints (c[i] + c[i+1]) / 2 strictly below it (torch.bucketize, right=False: a value
+//    on a midpoint takes the lower code). Element 2i goes to the high nibble of byte i; an
+//    odd count pads the last low nibble with the code of 0.0 (7).
 //  - Second level: offset = mean of the absmax values, summed in PyTorch's CPU cascade
 //    order (torch_order_sum below; the mean is that sum divided by the count); then each
 //    group of 256 of (absmax - offset) has its own fp32 absmax and is coded by its C kernel
