@@ -252,6 +252,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::lora, &LoraConfig::adapter_path>(
           "lora.adapter_path", "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start "
                                "the adapters from"),
+      key<&E::lora, &LoraConfig::quantize_base>(
+          "lora.quantize_base", "nf4: store the frozen base projections in 4-bit NF4 (QLoRA, bitsandbytes' format)",
+          {}, {"none", "nf4"}),
   };
 }
 

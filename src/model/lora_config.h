@@ -16,6 +16,8 @@ struct LoraConfig {
   double dropout = 0.0;                       // dropout on the adapters' input (PEFT's lora_dropout)
   std::string target_modules = "q_proj,v_proj";  // comma-separated module names, or all-linear
   std::string adapter_path;                   // a PEFT adapter directory to continue training from
+  std::string quantize_base = "none";         // none | nf4: the frozen base projections stored as NF4 (QLoRA,
+                                              // NOTE [NF4 base weights] in model/nf4_base.h)
 
   bool enabled() const { return rank > 0; }
   // Throws naming the lora.* key when a value is out of range or a module name unknown.

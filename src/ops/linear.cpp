@@ -2,27 +2,40 @@
 
 #include "ops/lora.h"
 #include "ops/matmul.h"
+#include "ops/nf4.h"
 
 namespace forge {
+namespace {
+
+// The weight the GEMM reads: an NF4 layer's codes dequantized into its scratch buffer
+// first (NOTE [NF4 linear weights]).
+const Tensor& compute_weight(const LinearWeight& w) {
+  if (w.nf4) nf4_dequantize(w.weight, *w.nf4);
+  return w.weight;
+}
+
+}  // namespace
 
 // The weight is [out, in]: the forward multiplies by its transpose, the input gradient by
 // the weight itself, and the weight gradient is dy^T x; every transpose is a GEMM flag
 // (NOTE [Contiguous tensors]).
 
 void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual) {
+  const Tensor& weight = compute_weight(w);
   if (residual)
-    matmul_add(y, x, false, w.weight, true, *residual);
+    matmul_add(y, x, false, weight, true, *residual);
   else
-    matmul(y, x, false, w.weight, true);
+    matmul(y, x, false, weight, true);
   if (w.lora) lora_forward_add(y, x, *w.lora);
 }
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
-  matmul(dx, dy, false, w.weight, false);
+  matmul(dx, dy, false, compute_weight(w), false);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite) {
+  FORGE_CHECK(!grad.nf4, "linear_backward_weight: an NF4 weight is frozen and has no gradient");
   if (grad.weight.defined()) matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
   if (grad.lora) lora_backward_weight(*grad.lora, dy, x, overwrite);
 }

@@ -17,9 +17,20 @@
 // Model code builds no descriptors: it passes on the ones its ParamSource and GradSink
 // hand out (model/parameters.h), so a source that wraps another (an FP8 cast, an adapter)
 // can fill in what it adds.
+//
+// NOTE [NF4 linear weights]
+// A frozen base weight stored as NF4 (QLoRA, NOTE [NF4 storage] in ops/nf4.h) sets `nf4`;
+// `weight` is then a scratch buffer [out, in] in the compute dtype (bf16 on the GPU, fp32
+// on the CPU) that linear_forward and linear_backward_input dequantize the codes into
+// before running the same GEMM as for a plain weight. One buffer, sized for the largest
+// projection, can serve every layer: nothing reads it after the op returns. A frozen
+// weight has no gradient, so linear_backward_weight refuses an NF4 descriptor. A fused
+// projection (qkv, gate_up) keeps one NF4 tensor per Hugging Face weight it stacks, so its
+// codes are exactly bitsandbytes' for each.
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/nf4.h"
 
 namespace forge {
 
@@ -34,6 +45,10 @@ struct LinearWeight {
   // null without one. A gradient descriptor points at the same adapter, whose grad_a /
   // grad_b receive its gradients.
   const LoraAdapter* lora = nullptr;
+
+  // NF4 storage (NOTE [NF4 linear weights]): the codes `weight` is dequantized from, owned
+  // by whoever hands out the descriptor; null for a weight held in the compute dtype.
+  const Nf4Weight* nf4 = nullptr;
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).

@@ -32,6 +32,13 @@ TEST(ConfigValidate, HeadDimMustBeEven) {
   expect_error([] { load({{"model.hidden_size", "36"}}); }, {"must be even", "got 9", "model.hidden_size = 36"});
 }
 
+TEST(ConfigValidate, NF4BaseIsRefusedUntilTheTrainerHasAdapters) {
+  EXPECT_EQ(load({}).lora.quantize_base, "none");
+  expect_error([] { load({{"lora.quantize_base", "nf4"}}); },
+               {"lora.quantize_base = nf4 (command line)", "needs LoRA adapters", "use none"});
+  expect_error([] { load({{"lora.quantize_base", "int4"}}); }, {"lora.quantize_base", "none", "nf4"});
+}
+
 TEST(ConfigValidate, SequenceMustFitTheModel) {
   expect_error([] { load({{"training.seq_len", "512"}}); },
                {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});

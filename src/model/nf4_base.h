@@ -1,0 +1,67 @@
+// QLoRA's frozen base weights in NF4 (NOTE [NF4 storage] in ops/nf4.h).
+//
+// NOTE [NF4 base weights]
+// As QLoRA, PEFT (BitsAndBytesConfig(load_in_4bit, nf4, double quant)) and torchtune do,
+// only the seven projection weights of every block (q, k, v, o, gate, up and down) are
+// quantized; the embedding, the norms and the output head stay in their dtype. forge
+// fuses q/k/v and gate/up (NOTE [Fused projections]); their NF4 form keeps one tensor per
+// Hugging Face weight, each exactly what bitsandbytes' quantize_4bit stores for that
+// Linear4bit, so codes can be checked (and exchanged) tensor by tensor. Quantization runs
+// once, on the CPU, from the fp32 values the Hugging Face import produced (bf16 weights
+// convert to fp32 exactly, so this equals quantizing the bf16 tensors themselves).
+// Nf4BaseSource then hands the decoder descriptors whose projections are these codes and
+// a shared scratch buffer (NOTE [NF4 linear weights]), the rest taken from another source.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "model/parameters.h"
+#include "ops/nf4.h"
+
+namespace forge {
+
+// A block's projection (a matrix with layer >= 0): what QLoRA quantizes.
+bool is_base_projection(const ParamSpec& spec);
+
+struct Nf4Base {
+  std::vector<Nf4Weight> weights;  // per ParamSpec, in parameter_specs order; no parts when not quantized
+
+  bool quantized(size_t spec) const { return !weights.at(spec).parts.empty(); }
+  size_t nbytes() const;  // codes and statistics of every quantized weight
+  Nf4Base to(Device device) const;
+};
+
+// Device bytes of the NF4 base of `config` (codes and statistics of every base projection,
+// exactly what quantize_base_nf4 produces: about 0.516 byte per weight) and of the
+// Nf4BaseSource scratch buffer (the largest projection in `compute_dtype`), for the
+// memory estimate of a QLoRA run.
+double nf4_base_bytes(const ModelConfig& config);
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype);
+
+// Quantizes every base projection of `params` (fp32 on the CPU), one NF4 tensor per
+// Hugging Face weight it is made of.
+Nf4Base quantize_base_nf4(const FlatParameters& params);
+
+// The decoder's weights with the base projections read from NF4 codes: embedding, norms
+// and output from `rest` (whose projection tensors are never read), projections as NF4
+// descriptors over one scratch buffer of `dtype` on `device`, sized for the largest.
+class Nf4BaseSource : public ParamSource {
+ public:
+  Nf4BaseSource(ParamSource& rest, const std::vector<ParamSpec>& specs, const Nf4Base& base, Device device,
+                DType dtype);
+
+  const Tensor& embedding() override { return rest_.embedding(); }
+  const BlockWeights& layer(int index) override;
+  const Tensor& final_norm() override { return rest_.final_norm(); }
+  const LinearWeight& output() override { return rest_.output(); }
+
+ private:
+  ParamSource& rest_;
+  const Nf4Base& base_;
+  std::vector<std::vector<size_t>> layer_specs_;  // per block: the spec index of each entry
+  Tensor scratch_;
+  std::vector<BlockWeights> layers_;
+};
+
+}  // namespace forge
