@@ -35,7 +35,7 @@ TEST(ConfigValidate, HeadDimMustBeEven) {
 TEST(ConfigValidate, NF4BaseIsRefusedUntilTheTrainerHasAdapters) {
   EXPECT_EQ(load({}).lora.quantize_base, "none");
   expect_error([] { load({{"lora.quantize_base", "nf4"}}); },
-               {"lora.quantize_base = nf4 (command line)", "needs LoRA adapters", "use none"});
+               {"lora.quantize_base = nf4 (command line)", "not wired into the trainer", "use none"});
   expect_error([] { load({{"lora.quantize_base", "int4"}}); }, {"lora.quantize_base", "none", "nf4"});
 }
 
