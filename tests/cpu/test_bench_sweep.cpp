@@ -60,6 +60,12 @@ TEST(BenchSweep, NoOverridesIsOnePointAndFreeTextIsKeptWhole) {
   EXPECT_EQ(points[0].args, "--data.split 969,30,1 --data.blend '0.3 /d/a 0.7 /d/it'\\''s' --logging.run_dir runs/x");
 }
 
+TEST(BenchSweep, LoraTargetModulesAreOneValue) {
+  const auto points = expand_sweep({{"lora.target_modules", "q_proj,k_proj,v_proj,o_proj"}});
+  ASSERT_EQ(points.size(), 1u);
+  EXPECT_EQ(points[0].overrides[0].second, "q_proj,k_proj,v_proj,o_proj");
+}
+
 TEST(BenchSweep, RefusesListsOnKeysThatTakeOneValue) {
   expect_error([] { expand_sweep({{"data.path", "/d/a,/d/b"}}); },
                {"--data.path takes one value", "'/d/a,/d/b'", "model.name"});
