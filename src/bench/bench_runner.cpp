@@ -7,6 +7,7 @@
 #include "bench/median.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "model/lora.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
@@ -48,7 +49,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
     r.step_time_max_s = *std::max_element(measured.begin(), measured.end());
     const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
     r.tokens_per_s_per_gpu = tokens_per_step / r.step_time_median_s / static_cast<double>(r.n_gpus);
-    r.tflops_per_gpu = r.tokens_per_s_per_gpu * c.model.flops_per_token(t.seq_len) / 1e12;
+    r.tflops_per_gpu = r.tokens_per_s_per_gpu * training_flops_per_token(c.model, c.lora, t.seq_len) / 1e12;
     if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
   } catch (const OutOfMemoryError& e) {
     r.status = "oom";

@@ -118,6 +118,8 @@ int run_info(const std::vector<std::string>& args) {
                "model's frozen\n",
                config.lora.rank, config.lora.alpha, config.lora.target_modules, lora.trainable,
                100.0 * static_cast<double>(lora.trainable) / static_cast<double>(m.total_params()));
+    fmt::print("LoRA FLOPs/token {:.3e} (4 x frozen + 6 x adapter params + attention; NOTE [LoRA FLOPs])\n",
+               training_flops_per_token(m, config.lora, t.seq_len));
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",

@@ -55,6 +55,16 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
   return targets;
 }
 
+double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len) {
+  if (!lora.enabled()) return config.flops_per_token(seq_len);
+  double frozen = static_cast<double>(config.total_params() - config.embedding_params());
+  if (config.tie_word_embeddings) frozen += static_cast<double>(config.vocab_size * config.hidden_size);
+  const double adapters = static_cast<double>(lora_sizes(config, lora, 1).trainable);
+  const double attention = 6.0 * static_cast<double>(config.num_layers) * static_cast<double>(config.hidden_size) *
+                           static_cast<double>(seq_len);
+  return 4.0 * frozen + 6.0 * adapters + attention;
+}
+
 LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens) {
   LoraSizes sizes;
   int64_t widest_low_rank = 0, widest_in = 0;

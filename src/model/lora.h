@@ -59,6 +59,16 @@ struct LoraSizes {
 };
 LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens);
 
+// NOTE [LoRA FLOPs]
+// The work of one trained token under LoRA, as the PEFT peer counts it (shared/PERF.md):
+// the frozen weights (every projection and the head, not the input embedding) do a
+// forward and an input-gradient GEMM, 4 FLOPs per parameter, and no weight gradient; the
+// adapters do all three, 6 per trainable parameter; attention does its forward and
+// backward as in full training, 6 x layers x hidden x seq. Full training's count
+// (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run with a third
+// more work than it does. Without LoRA this is ModelConfig::flops_per_token.
+double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len);
+
 // PEFT's name of a part's A or B: base_model.model.<hf_prefix>.lora_A.weight.
 std::string peft_tensor_name(const LoraPart& part, char matrix);
 

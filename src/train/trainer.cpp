@@ -21,6 +21,7 @@
 #include "core/rng.h"
 #include "core/stop_signal.h"
 #include "distributed/heartbeat.h"
+#include "model/lora.h"
 #include "ops/matmul.h"
 #include "train/memory_check.h"
 #include "train/restart_log.h"
@@ -318,7 +319,7 @@ TrainResult Trainer::run() {
   const ModelConfig& mc = config_.model;
   const int64_t accum = t.gradient_accumulation_steps;
   const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
-  const double flops_per_step = mc.flops_per_token(t.seq_len) * tokens_per_step;
+  const double flops_per_step = training_flops_per_token(mc, config_.lora, t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
   set_op_profiling(config_.logging.profile_ops);
   set_gemm_tuning(t.gemm_tuning, t.gemm_tuning ? gemm_tuning_cache_dir(t.gemm_tuning_cache) : "");
@@ -344,7 +345,7 @@ TrainResult Trainer::run() {
   nlohmann::json run_record = {{"type", "run"},
                                {"model", mc.name},
                                {"parameters", mc.total_params()},
-                               {"flops_per_token", mc.flops_per_token(t.seq_len)},
+                               {"flops_per_token", training_flops_per_token(mc, config_.lora, t.seq_len)},
                                {"tokens_per_step", tokens_per_step},
                                {"ranks", world_size_},
                                {"device", accelerator_name()}};
