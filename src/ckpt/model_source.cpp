@@ -79,6 +79,7 @@ void merge_adapter(LoadedModel& model, const std::string& dir, const LoraConfig*
   LoraAdapters adapters(model.config, lora, Device::CPU, /*tokens=*/1);
   load_peft_adapter(dir, adapters);
   adapters.merge_into(*model.params);
+  model.adapter_dir = dir;
   model.description += fmt::format(" with the LoRA adapter '{}' merged (r {}, alpha {}, {})", dir, lora.rank,
                                    lora.alpha, lora.target_modules);
 }

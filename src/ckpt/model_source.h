@@ -40,6 +40,7 @@ struct LoadedModel {
   std::unique_ptr<FlatParameters> params;  // fp32, host memory
   std::string description;                 // what was loaded, for logs and reports
   std::string hf_dir;                      // the Hugging Face folder, when the model is one
+  std::string adapter_dir;                 // the LoRA adapter merged into params, if any
 };
 
 // Loads the model `path` names (NOTE [Model sources]); errors name the path and the forms

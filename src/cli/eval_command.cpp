@@ -136,7 +136,7 @@ int run_eval(const std::vector<std::string>& args) {
              s.perplexity, s.tokens, s.sequences, s.seconds);
   if (!a.json.empty()) {
     const nlohmann::ordered_json report = {{"model", a.model},
-                                           {"adapter", a.adapter},
+                                           {"adapter", loaded.adapter_dir},
                                            {"model_name", config.model.name},
                                            {"source", loaded.description},
                                            {"data_source", config.data.source},

@@ -181,6 +181,7 @@ int run_generate(const GenerateOptions& o) {
              steps > 0 && result.decode_seconds > 0 ? steps / result.decode_seconds : 0.0);
   if (!o.json.empty()) {
     const nlohmann::ordered_json report = {{"model", o.model},
+                                           {"adapter", model.adapter_dir},
                                            {"source", model.description},
                                            {"prompt_tokens", prompt},
                                            {"new_tokens", result.tokens},

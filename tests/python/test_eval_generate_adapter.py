@@ -144,6 +144,7 @@ class EvalGenerateAdapter(unittest.TestCase):
         adapter = os.path.join(run_dir, "adapter")
         report, generated = self.check_against_peft(adapter, "--model", run_dir)
         self.assertIn(run_dir, report["source"])
+        self.assertEqual((report["adapter"], generated["adapter"]), (adapter, adapter))
         explicit = self.forge_eval("--model", self.base, "--adapter", adapter)
         self.assertEqual(explicit["loss"], report["loss"])
         explicit_generated, _ = self.forge_generate("--model", self.base, "--adapter", adapter)
