@@ -158,8 +158,10 @@ LoraConfig read_peft_adapter_settings(const std::string& dir) {
   auto fail = [&](const std::string& what) { FORGE_FAIL("{}: {}", path, what); };
   if (!j.is_object()) fail("expected a JSON object");
   LoraConfig lora;
-  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1)
-    fail(fmt::format("r is {}, expected the rank, an integer >= 1", j.contains("r") ? j["r"].dump() : "missing"));
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1 ||
+      !lora_bounds::rank.contains(static_cast<double>(j["r"].get<int64_t>())))
+    fail(fmt::format("r is {}, expected the rank, an integer in [1, {}]", j.contains("r") ? j["r"].dump() : "missing",
+                     *lora_bounds::rank.max));
   lora.rank = j["r"].get<int64_t>();
   if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || !(j["lora_alpha"].get<double>() > 0))
     fail(fmt::format("lora_alpha is {}, expected a number > 0",
