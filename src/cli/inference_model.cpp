@@ -34,6 +34,11 @@ LoadedModel load_inference_model(const std::string& model, const std::string& ad
         FORGE_FAIL("{} (the base model of the LoRA run '{}': checkpoint.initial_load_path in {})", e.what(), model,
                    run_config.string());
       }
+      if (run.lora.quantize_base != "none")
+        log_warn("the LoRA run '{}' trained on its base quantized to {} (lora.quantize_base); its adapter is merged "
+                 "into the base's unquantized weights, as PEFT merges a QLoRA adapter, so results differ slightly "
+                 "from the quantized model it trained with",
+                 model, run.lora.quantize_base);
       merge_adapter(loaded, run_adapter, &run.lora);
       return loaded;
     }

@@ -10,7 +10,9 @@
 // the current directory), with its newest adapter, <run_dir>/adapter (rewritten at every
 // checkpoint save and at the end of training), merged; the adapter must have the run's
 // lora.rank, lora.alpha and lora.target_modules. --adapter beside such a run is refused:
-// give the base as --model instead.
+// give the base as --model instead. A QLoRA run's adapter is merged into the unquantized
+// base (as PEFT merges one), with a warning that this differs slightly from the NF4 base
+// it trained on.
 #pragma once
 
 #include <string>
