@@ -5,6 +5,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/peft_adapter.h"
 #include "core/log.h"
 
 namespace forge {
@@ -70,6 +71,17 @@ LoadedModel load_model(const std::string& path) {
   FORGE_FAIL("model '{}' holds no config.json (Hugging Face), no metadata.json (forge checkpoint) and no step-<N> "
              "checkpoints, in itself or in checkpoints/",
              path);
+}
+
+void merge_adapter(LoadedModel& model, const std::string& dir, const LoraConfig* expected) {
+  LoraConfig lora = expected ? *expected : read_peft_adapter_settings(dir);
+  lora.adapter_path = dir;
+  LoraAdapters adapters(model.config, lora, Device::CPU, /*tokens=*/1);
+  load_peft_adapter(dir, adapters);
+  adapters.merge_into(*model.params);
+  model.adapter_dir = dir;
+  model.description += fmt::format(" with the LoRA adapter '{}' merged (r {}, alpha {}, {})", dir, lora.rank,
+                                   lora.alpha, lora.target_modules);
 }
 
 }  // namespace forge

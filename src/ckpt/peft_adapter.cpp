@@ -150,4 +150,51 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
   adapters.refresh_compute();
 }
 
+LoraConfig read_peft_adapter_settings(const std::string& dir) {
+  const std::string path = dir + "/" + kConfigFile;
+  if (!std::filesystem::is_directory(dir))
+    FORGE_FAIL("adapter '{}' is not a directory (expected a PEFT adapter: {} and {})", dir, kConfigFile, kWeightsFile);
+  const json j = read_json_file(path, "PEFT adapter config");
+  auto fail = [&](const std::string& what) { FORGE_FAIL("{}: {}", path, what); };
+  if (!j.is_object()) fail("expected a JSON object");
+  LoraConfig lora;
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1 ||
+      !lora_bounds::rank.contains(static_cast<double>(j["r"].get<int64_t>())))
+    fail(fmt::format("r is {}, expected the rank, an integer in [1, {}]", j.contains("r") ? j["r"].dump() : "missing",
+                     *lora_bounds::rank.max));
+  lora.rank = j["r"].get<int64_t>();
+  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || !(j["lora_alpha"].get<double>() > 0))
+    fail(fmt::format("lora_alpha is {}, expected a number > 0",
+                     j.contains("lora_alpha") ? j["lora_alpha"].dump() : "missing"));
+  lora.alpha = j["lora_alpha"].get<double>();
+  if (j.contains("lora_dropout") && !j["lora_dropout"].is_null()) {
+    if (!j["lora_dropout"].is_number() || j["lora_dropout"].get<double>() < 0 || j["lora_dropout"].get<double>() >= 1)
+      fail(fmt::format("lora_dropout is {}, expected a number in [0, 1)", j["lora_dropout"].dump()));
+    lora.dropout = j["lora_dropout"].get<double>();
+  }
+  const json targets = j.value("target_modules", json());
+  if (targets.is_string() && targets.get<std::string>() == "all-linear") {
+    lora.target_modules = "all-linear";
+  } else if (targets.is_array() && !targets.empty()) {
+    std::set<std::string> names;
+    for (const json& t : targets) {
+      if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
+      std::string name = t.get<std::string>();
+      name = name.substr(name.rfind('.') + 1);  // PEFT writes all-linear out as module paths
+      if (std::find(kLoraModules.begin(), kLoraModules.end(), name) == kLoraModules.end())
+        fail(fmt::format("target_modules names '{}', which forge cannot adapt (expected among {})", t.get<std::string>(),
+                         fmt::join(kLoraModules, ", ")));
+      names.insert(name);
+    }
+    std::vector<std::string> ordered;
+    for (const std::string& m : kLoraModules)
+      if (names.count(m)) ordered.push_back(m);
+    lora.target_modules = fmt::format("{}", fmt::join(ordered, ","));
+  } else {
+    fail(fmt::format("target_modules is {}, expected a non-empty list of module names or \"all-linear\"",
+                     targets.dump()));
+  }
+  return lora;
+}
+
 }  // namespace forge

@@ -23,4 +23,9 @@ void save_peft_adapter(const std::string& dir, const LoraAdapters& adapters, con
 // with its shape, none extra); every error names the file and the key or tensor.
 void load_peft_adapter(const std::string& dir, LoraAdapters& adapters);
 
+// The LoRA settings the adapter `dir` states in adapter_config.json: r, lora_alpha,
+// lora_dropout and target_modules (as forge's module names, comma-separated). Errors
+// name the file and the key; load_peft_adapter then checks the rest against the model.
+LoraConfig read_peft_adapter_settings(const std::string& dir);
+
 }  // namespace forge

@@ -23,7 +23,7 @@ int run_preflight(const std::string& json_path);
 int run_eval(const std::vector<std::string>& args);
 
 struct GenerateOptions {
-  std::string model, tokenizer, prompt, prompt_file, device = "cpu", json;
+  std::string model, adapter, tokenizer, prompt, prompt_file, device = "cpu", json;
   int64_t max_new_tokens = 128;
   SamplingOptions sampling;
   bool no_bos = false, ignore_eos = false;

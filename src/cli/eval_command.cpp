@@ -1,8 +1,11 @@
 // forge eval: the loss and perplexity of a model (a forge checkpoint, a run directory or a
 // Hugging Face folder: NOTE [Model sources]) on an experiment's data.
 //
-//   forge eval [EXPERIMENT.yaml] --model PATH [--split validation|train|test]
+//   forge eval [EXPERIMENT.yaml] --model PATH [--adapter DIR] [--split validation|train|test]
 //              [--batches N] [--json FILE] [--section.key VALUE ...]
+//
+// --adapter merges a PEFT adapter into the model; a LoRA run directory as --model brings
+// its base and adapter itself (cli/inference_model.h).
 //
 // With no experiment file and a run directory as the model, the run's config.yaml is the
 // experiment (its data, batch shape and device). The architecture is the model's: its keys are given to the experiment as model.*
@@ -17,7 +20,7 @@
 #include <sstream>
 
 #include "ckpt/hf_import.h"
-#include "ckpt/model_source.h"
+#include "cli/inference_model.h"
 #include "cli/commands.h"
 #include "cli/config.h"
 #include "core/durable_file.h"
@@ -28,7 +31,7 @@ namespace forge {
 namespace {
 
 struct EvalArgs {
-  std::string experiment, model, split = "validation", json;
+  std::string experiment, model, adapter, split = "validation", json;
   int64_t batches = -1;  // -1: eval.steps
   ConfigOverrides overrides;
 };
@@ -51,7 +54,7 @@ EvalArgs parse_eval_args(const std::vector<std::string>& args) {
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];
     bool matched = false;
-    for (const char* flag : {"--model", "--split", "--batches", "--json"}) {
+    for (const char* flag : {"--model", "--adapter", "--split", "--batches", "--json"}) {
       std::string value;
       if (arg == flag) {
         if (i + 1 == args.size()) FORGE_FAIL("forge eval: {} needs a value", flag);
@@ -63,6 +66,7 @@ EvalArgs parse_eval_args(const std::vector<std::string>& args) {
       }
       matched = true;
       if (std::string(flag) == "--model") out.model = value;
+      if (std::string(flag) == "--adapter") out.adapter = value;
       if (std::string(flag) == "--split") out.split = value;
       if (std::string(flag) == "--batches") out.batches = parse_batches(value);
       if (std::string(flag) == "--json") out.json = value;
@@ -111,7 +115,7 @@ int run_eval(const std::vector<std::string>& args) {
     a.experiment = run_config;  // a run directory: evaluate on the data it trained with
     log_info("experiment: {} (the run's own; give an experiment file to use other data)", run_config);
   }
-  LoadedModel loaded = load_model(a.model);
+  LoadedModel loaded = load_inference_model(a.model, a.adapter);
   ConfigOverrides overrides = model_overrides(loaded.config);
   overrides.insert(overrides.end(), a.overrides.begin(), a.overrides.end());
   ExperimentConfig config = load_experiment(a.experiment, overrides);
@@ -132,6 +136,7 @@ int run_eval(const std::vector<std::string>& args) {
              s.perplexity, s.tokens, s.sequences, s.seconds);
   if (!a.json.empty()) {
     const nlohmann::ordered_json report = {{"model", a.model},
+                                           {"adapter", loaded.adapter_dir},
                                            {"model_name", config.model.name},
                                            {"source", loaded.description},
                                            {"data_source", config.data.source},

@@ -8,6 +8,8 @@
 // BOS), unless --no-bos. Generation stops after max_new_tokens or at a stop token: the
 // tokenizer's EOS and, for a Hugging Face folder, generation_config.json's eos_token_id
 // (one id or a list), unless --ignore-eos; the stop token itself is not printed.
+// --adapter merges a PEFT adapter into the model; a LoRA run directory as --model brings
+// its base (whose tokenizer is used) and adapter itself (cli/inference_model.h).
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -17,7 +19,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "ckpt/model_source.h"
+#include "cli/inference_model.h"
 #include "cli/commands.h"
 #include "core/device.h"
 #include "core/durable_file.h"
@@ -107,7 +109,7 @@ int run_generate(const GenerateOptions& o) {
     FORGE_FAIL("--device cuda: no GPU is visible, or this build of forge has no CUDA backend");
 
   set_log_level(LogLevel::Warn);  // stdout carries the generated text alone
-  LoadedModel model = load_model(o.model);
+  LoadedModel model = load_inference_model(o.model, o.adapter);
   const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : model.hf_dir;
   if (tokenizer_path.empty())
     FORGE_FAIL("{} has no tokenizer of its own: give --tokenizer (tokenizer.json, tokenizer.model or a folder "
@@ -179,6 +181,7 @@ int run_generate(const GenerateOptions& o) {
              steps > 0 && result.decode_seconds > 0 ? steps / result.decode_seconds : 0.0);
   if (!o.json.empty()) {
     const nlohmann::ordered_json report = {{"model", o.model},
+                                           {"adapter", model.adapter_dir},
                                            {"source", model.description},
                                            {"prompt_tokens", prompt},
                                            {"new_tokens", result.tokens},

@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   auto* keys = app.add_subcommand("keys", "List every config key with its type, default and description");
   auto* eval = app.add_subcommand(
       "eval", "Loss and perplexity of a model on an experiment's data: forge eval [EXPERIMENT.yaml] --model "
-              "CHECKPOINT|RUN_DIR|HF_DIR [--split validation|train|test] [--batches N] [--json FILE] "
+              "CHECKPOINT|RUN_DIR|HF_DIR [--adapter DIR] [--split validation|train|test] [--batches N] [--json FILE] "
               "[--section.key VALUE ...]");
 
   forge::GenerateOptions generate_options;
@@ -46,6 +46,9 @@ int main(int argc, char** argv) {
   generate->add_option("--model", generate_options.model,
                        "forge checkpoint (step-N), folder of checkpoints, run directory, or Hugging Face folder")
       ->required();
+  generate->add_option("--adapter", generate_options.adapter,
+                       "a PEFT LoRA adapter directory merged into the model (a LoRA run directory as --model brings "
+                       "its own)");
   generate->add_option("--tokenizer", generate_options.tokenizer,
                        "tokenizer.json, tokenizer.model or a folder holding one (default: the Hugging Face folder)");
   generate->add_option("--prompt", generate_options.prompt, "prompt text (after --prompt-file's, when both)");
