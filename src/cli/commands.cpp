@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "core/stop_signal.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 #include "train/memory_check.h"
 #include "train/trainer.h"
 
@@ -118,6 +119,16 @@ int run_info(const std::vector<std::string>& args) {
                "model's frozen\n",
                config.lora.rank, config.lora.alpha, config.lora.target_modules, lora.trainable,
                100.0 * static_cast<double>(lora.trainable) / static_cast<double>(m.total_params()));
+  }
+  if (config.lora.quantize_base == "nf4") {
+    int64_t projections = 0;
+    for (const ParamSpec& spec : parameter_specs(m))
+      if (is_base_projection(spec)) projections += shape_numel(spec.shape);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    fmt::print("QLoRA            {} block projection weights in NF4: {:.2f} GiB of codes and statistics ({:.3f} byte "
+               "per weight), dequantized per layer into a scratch of {:.2f} GiB (bf16 on a GPU)\n",
+               projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
+               nf4_scratch_bytes(m, DType::BF16) / gib);
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",

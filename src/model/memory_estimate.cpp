@@ -70,7 +70,8 @@ std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   if (e.nf4_base > 0)
     s = fmt::format("frozen NF4 projections with their scratch {} + ", gib(e.nf4_base));
   if (e.frozen_weights > 0)
-    s += fmt::format("frozen {} weights {} + LoRA adapters: ", bf16_compute ? "bf16" : "fp32", gib(e.frozen_weights));
+    s += fmt::format("frozen {} {} {} + LoRA adapters: ", bf16_compute ? "bf16" : "fp32",
+                     e.nf4_base > 0 ? "embedding, norms and head" : "weights", gib(e.frozen_weights));
   s += fmt::format("master weights {} + ", gib(e.master_weights));
   if (e.compute_weights > 0) s += fmt::format("{} weights {} + ", bf16_compute ? "bf16" : "fp32", gib(e.compute_weights));
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),

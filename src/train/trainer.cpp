@@ -346,7 +346,8 @@ TrainResult Trainer::run() {
              "model's own are frozen in {}",
              config_.lora.rank, config_.lora.alpha, config_.lora.dropout, config_.lora.target_modules,
              human_count(static_cast<double>(lora_->trainable_params())), lora_->targets().size(),
-             config_.precision.compute_dtype);
+             nf4_base_ ? fmt::format("NF4 (the block projections; the rest in {})", config_.precision.compute_dtype)
+                       : config_.precision.compute_dtype);
   log_info("batch: {} micro-batch x {} accumulation = {} sequences of {} tokens per step; {} steps on {} ({} threads)",
            t.local_batch_size, accum, t.global_batch_size, t.seq_len, t.steps, t.device, num_threads());
   log_info("data: {}{}", config_.data.source,

@@ -32,9 +32,11 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
       nf4_base_ = std::make_unique<Nf4FrozenBase>(host, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
     }
     lora_->set_base(*nf4_base_);
-    return log_info("QLoRA: the base's projections quantized to NF4 at import ({:.3f} GiB on {} with the rest of the "
-                    "frozen base and the dequantization scratch)",
-                    static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0 * 1024.0), device_name(device_));
+    return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "
+                    "NF4 codes and statistics {:.2f} MiB, the rest and the dequantization scratch in {})",
+                    static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_),
+                    static_cast<double>(nf4_base_->codes().nbytes()) / (1024.0 * 1024.0),
+                    config_.precision.compute_dtype);
   }
   if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
