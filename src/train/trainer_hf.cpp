@@ -23,14 +23,13 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     return;
   }
   if (config_.lora.quantize_base == "nf4") {
-    // NOTE [QLoRA base]: the fp32 host model lives until its projections are quantized (a
-    // resumed run imports and quantizes again, to bitwise the same codes).
+    // NOTE [QLoRA base]: each parameter quantized (or cast) as it is read, so the host holds
+    // one parameter in fp32 at a time (a resumed run imports and quantizes again, to
+    // bitwise the same codes).
     nf4_base_.reset();
-    {
-      FlatParameters host(config_.model);
-      load_hf_weights_checked(dir, host);
-      nf4_base_ = std::make_unique<Nf4FrozenBase>(host, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
-    }
+    nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
+    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) { nf4_base_->set(spec, values); });
+    nf4_base_->finish();
     lora_->set_base(*nf4_base_);
     return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "
                     "NF4 codes and statistics {:.2f} MiB, the rest and the dequantization scratch in {})",

@@ -5,6 +5,7 @@
 // estimate counts what the frozen base really holds.
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/memory_estimate.h"
@@ -129,6 +130,12 @@ TEST(ModelQlora, FrozenBaseHoldsCodesAndTheRestAndQuantizesDeterministically) {
   const double rest = static_cast<double>(c.total_params()) - projections;
   EXPECT_EQ(static_cast<double>(frozen.nbytes()),
             nf4_base_bytes(c) + rest * 4 + nf4_scratch_bytes(c, DType::F32));
+
+  // Filled one parameter at a time (the Hugging Face import's way): every one, once, in fp32.
+  Nf4FrozenBase partial(c, Device::CPU, DType::F32);
+  for (size_t k = 1; k < imported.specs().size(); ++k) partial.set(k, imported.tensors()[k]);
+  expect_error([&] { partial.finish(); }, {"embedding.weight was never set"});
+  expect_error([&] { partial.set(0, imported.tensors()[1]); }, {"embedding.weight expects fp32 host values of shape"});
 }
 
 TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {
