@@ -9,7 +9,8 @@ quantizes it itself;
   - forge's merged export equals PEFT's merge_and_unload() on the dequantized base;
 and `forge train` with lora.quantize_base nf4 end to end: the adapters train, the PEFT
 adapter and the merged export agree, a resumed run is bitwise the uninterrupted one (the
-base is quantized again at import), and QLoRA without a Hugging Face import is refused."""
+base is quantized again at import), resuming QLoRA adapters on an unquantized base warns,
+and QLoRA without adapters or a Hugging Face import is refused."""
 import json
 import os
 import shutil
@@ -164,6 +165,12 @@ class QloraTraining(unittest.TestCase):
         run(self.command(resumed, "--training.steps", "6", *common))
         self.assertEqual(train_losses(straight), train_losses(resumed))
         self.assertEqual(len(train_losses(straight)), 6)
+
+        # The same adapters continued on the bf16 base: allowed, with a warning.
+        cmd = self.command(resumed, "--training.steps", "7", *common)
+        cmd[cmd.index("--lora.quantize_base") + 1] = "none"
+        out = run(cmd)
+        self.assertIn("trained with lora.quantize_base nf4, this run has none", out.stderr + out.stdout)
 
     def test_needs_adapters_and_a_hugging_face_import(self):
         cmd = self.command(os.path.join(self.work, "bad"), "--training.steps", "1")
