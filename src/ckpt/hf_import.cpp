@@ -62,29 +62,25 @@ const std::vector<ArchitectureField>& architecture_fields() {
   return fields;
 }
 
-}  // namespace
-
-void load_hf_weights(const std::string& dir, FlatParameters& params) {
-  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
-              "Hugging Face import writes fp32 weights in host memory");
-  HfWeightFiles files(dir);
-  const ModelConfig& config = params.config();
-  std::set<std::string> used;
-  for (size_t i = 0; i < params.specs().size(); ++i) {
-    const ParamSpec& spec = params.specs()[i];
-    float* dst = params.tensors()[i].data<float>();
-    for (const HfPart& part : hf_parts(spec)) {
-      LocatedTensor t = files.find(part.name);
-      if (t.file == nullptr)
-        FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,
-                   shape_str(part.shape), spec.name);
-      if (t.entry->shape != part.shape)
-        FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
-                   shape_str(t.entry->shape), shape_str(part.shape));
-      t.file->read_as_float(*t.entry, dst + part.offset);
-      used.insert(part.name);
-    }
+// One forge parameter's Hugging Face tensors into dst (fp32), each checked.
+void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec, float* dst,
+                    std::set<std::string>& used) {
+  for (const HfPart& part : hf_parts(spec)) {
+    LocatedTensor t = files.find(part.name);
+    if (t.file == nullptr)
+      FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,
+                 shape_str(part.shape), spec.name);
+    if (t.entry->shape != part.shape)
+      FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
+                 shape_str(t.entry->shape), shape_str(part.shape));
+    t.file->read_as_float(*t.entry, dst + part.offset);
+    used.insert(part.name);
   }
+}
+
+// Fails naming the tensors of the files that no parameter took.
+void check_all_used(const std::string& dir, const HfWeightFiles& files, const ModelConfig& config,
+                    const std::set<std::string>& used) {
   std::vector<std::string> unexpected;
   for (const LocatedTensor& t : files.all())
     if (!used.count(t.entry->name) && !ignorable(t.entry->name)) unexpected.push_back(t.entry->name);
@@ -96,6 +92,45 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
     FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(),
                config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
   }
+}
+
+void check_architecture(const std::string& dir, const ModelConfig& config) {
+  ModelConfig hf = read_hf_config(dir);
+  std::vector<std::string> diffs = architecture_differences(config, hf);
+  if (!diffs.empty())
+    FORGE_FAIL("the configured model does not match the Hugging Face model in '{}':\n  {}\nset the model keys to "
+               "match, e.g. with the overrides\n  {}",
+               dir, fmt::join(diffs, "\n  "), model_overrides_for(hf));
+}
+
+}  // namespace
+
+void load_hf_weights(const std::string& dir, FlatParameters& params) {
+  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
+              "Hugging Face import writes fp32 weights in host memory");
+  HfWeightFiles files(dir);
+  std::set<std::string> used;
+  for (size_t i = 0; i < params.specs().size(); ++i)
+    read_parameter(dir, files, params.specs()[i], params.tensors()[i].data<float>(), used);
+  check_all_used(dir, files, params.config(), used);
+}
+
+void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
+                           const std::function<void(size_t, const Tensor&)>& consume) {
+  check_architecture(dir, config);
+  HfWeightFiles files(dir);
+  const std::vector<ParamSpec> specs = parameter_specs(config);
+  int64_t largest = 0;
+  for (const ParamSpec& spec : specs) largest = std::max(largest, shape_numel(spec.shape));
+  Tensor buffer = Tensor::empty({largest});
+  std::set<std::string> used;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const Tensor values = buffer.narrow(0, shape_numel(specs[i].shape)).view(specs[i].shape);
+    read_parameter(dir, files, specs[i], values.data<float>(), used);
+    consume(i, values);
+  }
+  check_all_used(dir, files, config, used);
+  log_info("weights: {} parameters read from the Hugging Face model in {}", config.total_params(), dir);
 }
 
 HfModel load_hf_model(const std::string& dir) {
@@ -127,12 +162,7 @@ std::string model_overrides_for(const ModelConfig& hf) {
 }
 
 void load_hf_weights_checked(const std::string& dir, FlatParameters& params) {
-  ModelConfig hf = read_hf_config(dir);
-  std::vector<std::string> diffs = architecture_differences(params.config(), hf);
-  if (!diffs.empty())
-    FORGE_FAIL("the configured model does not match the Hugging Face model in '{}':\n  {}\nset the model keys to "
-               "match, e.g. with the overrides\n  {}",
-               dir, fmt::join(diffs, "\n  "), model_overrides_for(hf));
+  check_architecture(dir, params.config());
   load_hf_weights(dir, params);
   log_info("weights: {} parameters loaded from the Hugging Face model in {}", params.config().total_params(), dir);
 }

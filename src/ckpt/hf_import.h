@@ -9,6 +9,7 @@
 // model), except the rotary inv_freq buffers some exporters save, which are recomputed.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -43,5 +44,11 @@ std::string model_overrides_for(const ModelConfig& hf);
 // DIR/config.json describes (failing with every difference and the overrides that would
 // fix them), then loads the weights.
 void load_hf_weights_checked(const std::string& dir, FlatParameters& params);
+
+// The same checks and reads, one forge parameter at a time (parameter_specs order): each
+// is handed to `consume` as fp32 host values in a buffer reused for the next, so only the
+// largest parameter is ever held (QLoRA's import, NOTE [QLoRA base] in model/nf4_base.h).
+void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
+                           const std::function<void(size_t, const Tensor&)>& consume);
 
 }  // namespace forge

@@ -12,6 +12,7 @@
 #include "core/log.h"
 #include "core/stop_signal.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 #include "train/memory_check.h"
 #include "train/trainer.h"
 
@@ -120,6 +121,16 @@ int run_info(const std::vector<std::string>& args) {
                100.0 * static_cast<double>(lora.trainable) / static_cast<double>(m.total_params()));
     fmt::print("LoRA FLOPs/token {:.3e} (4 x frozen + 6 x adapter params + attention; NOTE [LoRA FLOPs])\n",
                training_flops_per_token(m, config.lora, t.seq_len));
+  }
+  if (config.lora.quantize_base == "nf4") {
+    int64_t projections = 0;
+    for (const ParamSpec& spec : parameter_specs(m))
+      if (is_base_projection(spec)) projections += shape_numel(spec.shape);
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    fmt::print("QLoRA            {} block projection weights in NF4: {:.2f} GiB of codes and statistics ({:.3f} byte "
+               "per weight), dequantized per layer into a scratch of {:.2f} GiB (bf16 on a GPU)\n",
+               projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
+               nf4_scratch_bytes(m, DType::BF16) / gib);
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",

@@ -141,11 +141,13 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} trains on one device: LoRA under FSDP (a frozen sharded base) is not implemented yet; set "
                "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1 (they are {} and {})",
                show(config, keys, "lora.rank"), p.data_parallel_shard_degree, p.data_parallel_replicate_degree);
-  // QLoRA: LoRA adapters on the NF4 base. The trainer does not yet hand the adapters an NF4
-  // base (model/nf4_base.h), so an NF4 base would be trained as if it were not there.
-  if (config.lora.quantize_base == "nf4")
-    FORGE_FAIL("{}: QLoRA training (LoRA adapters on the NF4 base) is not wired into the trainer in this build; use none",
-               show(config, keys, "lora.quantize_base"));
+  // QLoRA (NOTE [QLoRA base] in model/nf4_base.h): the NF4 base is frozen, so only
+  // adapters can train on it. (That it is imported from Hugging Face weights is the
+  // trainer's check: forge info sizes a QLoRA preset without a model folder.)
+  if (config.lora.quantize_base == "nf4" && !config.lora.enabled())
+    FORGE_FAIL("{} freezes the base in NF4 and needs LoRA adapters to train: set lora.rank > 0 (it is {}), or "
+               "lora.quantize_base none for full training",
+               show(config, keys, "lora.quantize_base"), config.lora.rank);
 }
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the

@@ -6,6 +6,7 @@
 
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 
 namespace forge {
 
@@ -24,6 +25,13 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
     const double adapters = static_cast<double>(lora.stored), compute_bytes = static_cast<double>(dtype_size(compute));
     e.frozen_weights = params * compute_bytes;
+    if (plan.lora.quantize_base == "nf4") {
+      double projections = 0;
+      for (const ParamSpec& spec : parameter_specs(config))
+        if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+      e.frozen_weights = (params - projections) * compute_bytes;
+      e.nf4_base = nf4_base_bytes(config) + nf4_scratch_bytes(config, compute);
+    }
     e.master_weights = adapters * 4;
     e.compute_weights = plan.cuda ? adapters * 2 : 0.0;
     e.gradients = adapters * 4;
@@ -59,8 +67,11 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   auto gib = [](double b) { return fmt::format("{:.2f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   std::string s;
+  if (e.nf4_base > 0)
+    s = fmt::format("frozen NF4 projections with their scratch {} + ", gib(e.nf4_base));
   if (e.frozen_weights > 0)
-    s = fmt::format("frozen {} weights {} + LoRA adapters: ", bf16_compute ? "bf16" : "fp32", gib(e.frozen_weights));
+    s += fmt::format("frozen {} {} {} + LoRA adapters: ", bf16_compute ? "bf16" : "fp32",
+                     e.nf4_base > 0 ? "embedding, norms and head" : "weights", gib(e.frozen_weights));
   s += fmt::format("master weights {} + ", gib(e.master_weights));
   if (e.compute_weights > 0) s += fmt::format("{} weights {} + ", bf16_compute ? "bf16" : "fp32", gib(e.compute_weights));
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),

@@ -35,9 +35,12 @@ struct MemoryEstimate {
   // LoRA (NOTE [LoRA training]): the model's weights, frozen in the compute dtype; the
   // fields above are then the adapters' (their workspace counted with the activations).
   double frozen_weights = 0;
+  // QLoRA (NOTE [QLoRA base]): the projections' NF4 codes and statistics and the
+  // dequantization scratch; frozen_weights is then the rest (embedding, norms, head).
+  double nf4_base = 0;
   double total() const {
     return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers +
-           frozen_weights;
+           frozen_weights + nf4_base;
   }
 };
 

@@ -2,9 +2,28 @@
 
 #include <algorithm>
 
+#include "ops/elementwise.h"
+
 namespace forge {
 
 bool is_base_projection(const ParamSpec& spec) { return spec.layer >= 0 && spec.shape.size() == 2; }
+
+namespace {
+
+// One NF4 tensor per Hugging Face weight the projection is made of.
+Nf4Weight quantize_projection(const ParamSpec& spec, const Tensor& values) {
+  Nf4Weight w;
+  int64_t row = 0;
+  for (const HfTensor& part : spec.hf_tensors) {
+    w.parts.push_back(nf4_quantize(values.narrow(row, row + part.rows)));
+    row += part.rows;
+  }
+  FORGE_CHECK(row == spec.shape[0], "quantize_base_nf4: {}'s Hugging Face tensors cover {} of its {} rows", spec.name,
+              row, spec.shape[0]);
+  return w;
+}
+
+}  // namespace
 
 size_t Nf4Base::nbytes() const {
   size_t total = 0;
@@ -42,15 +61,7 @@ Nf4Base quantize_base_nf4(const FlatParameters& params) {
   Nf4Base base;
   base.weights.resize(specs.size());
   for (size_t k = 0; k < specs.size(); ++k) {
-    if (!is_base_projection(specs[k])) continue;
-    const Tensor& tensor = params.tensors()[k];
-    int64_t row = 0;
-    for (const HfTensor& part : specs[k].hf_tensors) {
-      base.weights[k].parts.push_back(nf4_quantize(tensor.narrow(row, row + part.rows)));
-      row += part.rows;
-    }
-    FORGE_CHECK(row == specs[k].shape[0], "quantize_base_nf4: {}'s Hugging Face tensors cover {} of its {} rows",
-                specs[k].name, row, specs[k].shape[0]);
+    if (is_base_projection(specs[k])) base.weights[k] = quantize_projection(specs[k], params.tensors()[k]);
   }
   return base;
 }
@@ -96,6 +107,112 @@ const BlockWeights& Nf4BaseSource::layer(int index) {
   for (size_t k = 0; k < mine.params.size(); ++k)
     if (!mine.params[k].nf4) mine.params[k] = source.params[k];  // norms: the source's own tensors
   return mine;
+}
+
+// Everything but the base projections, in one buffer of the compute dtype; a projection's
+// entry is an empty descriptor (Nf4BaseSource never reads it).
+class Nf4FrozenBase::Rest : public ParamSource {
+ public:
+  Rest(const ModelConfig& config, const std::vector<ParamSpec>& specs, Device device, DType dtype) {
+    int64_t total = 0;
+    for (const ParamSpec& spec : specs)
+      if (!is_base_projection(spec)) total += shape_numel(spec.shape);
+    flat_ = Tensor::zeros({total}, dtype, device);
+    views_.resize(specs.size());
+    layers_.resize(static_cast<size_t>(config.num_layers));
+    int64_t offset = 0;
+    for (size_t k = 0; k < specs.size(); ++k) {
+      const ParamSpec& spec = specs[k];
+      if (is_base_projection(spec)) {
+        layers_.at(static_cast<size_t>(spec.layer)).params.emplace_back();
+        continue;
+      }
+      const int64_t n = shape_numel(spec.shape);
+      views_[k] = flat_.narrow(offset, offset + n).view(spec.shape);
+      offset += n;
+      if (spec.layer >= 0) layers_.at(static_cast<size_t>(spec.layer)).params.push_back({views_[k]});
+      else if (spec.name == "embedding.weight") embedding_ = views_[k];
+      else if (spec.name == "final_norm.weight") final_norm_ = views_[k];
+      else output_ = {views_[k]};
+    }
+    if (config.tie_word_embeddings) output_ = {embedding_};
+  }
+
+  const Tensor& embedding() override { return embedding_; }
+  const BlockWeights& layer(int index) override { return layers_.at(static_cast<size_t>(index)); }
+  const Tensor& final_norm() override { return final_norm_; }
+  const LinearWeight& output() override { return output_; }
+  size_t nbytes() const { return flat_.nbytes(); }
+  const Tensor& view(size_t spec) const { return views_.at(spec); }
+
+ private:
+  Tensor flat_, embedding_, final_norm_;
+  std::vector<Tensor> views_;  // per spec; undefined for a base projection
+  LinearWeight output_;
+  std::vector<BlockWeights> layers_;
+};
+
+Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype)
+    : config_(config), specs_(parameter_specs(config)), device_(device), dtype_(dtype) {
+  codes_.weights.resize(specs_.size());
+  filled_.assign(specs_.size(), 0);
+  rest_ = std::make_unique<Rest>(config, specs_, device, dtype);
+}
+
+Nf4FrozenBase::Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype)
+    : Nf4FrozenBase(host.config(), device, dtype) {
+  for (size_t k = 0; k < specs_.size(); ++k) set(k, host.tensors()[k]);
+  finish();
+}
+
+void Nf4FrozenBase::set(size_t spec, const Tensor& values) {
+  FORGE_CHECK(!source_, "Nf4FrozenBase::set after finish()");
+  const ParamSpec& s = specs_.at(spec);
+  FORGE_CHECK(values.device() == Device::CPU && values.dtype() == DType::F32 && values.shape() == s.shape,
+              "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
+              shape_str(s.shape), dtype_name(values.dtype()), shape_str(values.shape()), device_name(values.device()));
+  if (is_base_projection(s)) {
+    Nf4Weight w = quantize_projection(s, values);
+    codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
+  } else {
+    cast(rest_->view(spec), device_ == Device::CPU ? values : values.to(device_));
+  }
+  filled_[spec] = 1;
+}
+
+void Nf4FrozenBase::finish() {
+  for (size_t k = 0; k < specs_.size(); ++k)
+    FORGE_CHECK(filled_[k], "Nf4FrozenBase: {} was never set", specs_[k].name);
+  source_ = std::make_unique<Nf4BaseSource>(*rest_, specs_, codes_, device_, dtype_);
+  scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_));
+}
+
+Nf4FrozenBase::~Nf4FrozenBase() = default;
+
+const Tensor& Nf4FrozenBase::embedding() { return rest_->embedding(); }
+const BlockWeights& Nf4FrozenBase::layer(int index) {
+  FORGE_CHECK(source_, "Nf4FrozenBase: read before finish()");
+  return source_->layer(index);
+}
+const Tensor& Nf4FrozenBase::final_norm() { return rest_->final_norm(); }
+const LinearWeight& Nf4FrozenBase::output() { return rest_->output(); }
+
+size_t Nf4FrozenBase::nbytes() const { return codes_.nbytes() + rest_->nbytes() + scratch_bytes_; }
+
+void Nf4FrozenBase::dequantize_into(FlatParameters& host) const {
+  FORGE_CHECK(host.flat().device() == Device::CPU && host.flat().dtype() == DType::F32 &&
+                  host.specs().size() == specs_.size(),
+              "Nf4FrozenBase::dequantize_into: fp32 host parameters of the same model expected");
+  for (size_t k = 0; k < specs_.size(); ++k) {
+    const Tensor& out = host.tensors()[k];
+    if (is_base_projection(specs_[k])) {
+      const Nf4Weight& w = codes_.weights[k];
+      nf4_dequantize(out, w.parts.front().device() == Device::CPU ? w : w.to(Device::CPU));
+    } else {
+      const Tensor& value = rest_->view(k);
+      cast(out, value.device() == Device::CPU ? value : value.to(Device::CPU));
+    }
+  }
 }
 
 }  // namespace forge

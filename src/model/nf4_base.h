@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "model/parameters.h"
@@ -62,6 +63,54 @@ class Nf4BaseSource : public ParamSource {
   std::vector<std::vector<size_t>> layer_specs_;  // per block: the spec index of each entry
   Tensor scratch_;
   std::vector<BlockWeights> layers_;
+};
+
+// NOTE [QLoRA base]
+// The frozen base of a QLoRA run (lora.quantize_base: nf4, NOTE [LoRA training]). It keeps
+// the seven projections of every block as NF4 codes only (each quantized on the host as
+// quantize_base_nf4 does, then moved to `device`) and the rest (embedding, norms, output
+// head) in the compute dtype in a buffer of its own. It is filled one parameter at a time
+// (set, then finish) so that the Hugging Face import can hand it each parameter as it is
+// read: no full-precision copy of the model exists at any time, only of the parameter at
+// hand. The decoder reads it through Nf4BaseSource (each projection dequantized into the
+// one shared scratch just before its GEMM, forward and backward alike); LoraAdapters
+// attach the adapters on top. Quantization is a pure function of the imported values, so
+// a resumed run that imports and quantizes again holds bitwise the same base.
+class Nf4FrozenBase : public ParamSource {
+ public:
+  // Empty: every parameter is set() once, then finish().
+  Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype);
+  // From fp32 host parameters, finished.
+  Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype);
+  ~Nf4FrozenBase() override;
+
+  // parameter_specs(config)[spec]'s values, fp32 on the host, in its shape.
+  void set(size_t spec, const Tensor& values);
+  void finish();
+
+  const Nf4Base& codes() const { return codes_; }
+  // Device bytes: codes and statistics, the rest in the compute dtype, the scratch.
+  size_t nbytes() const;
+  // The base as fp32 host parameters (same model), projections dequantized: what
+  // bitsandbytes' dequantize_4bit gives, the starting point of a merged export.
+  void dequantize_into(FlatParameters& host) const;
+
+  const Tensor& embedding() override;
+  const BlockWeights& layer(int index) override;
+  const Tensor& final_norm() override;
+  const LinearWeight& output() override;
+
+ private:
+  class Rest;
+  ModelConfig config_;
+  std::vector<ParamSpec> specs_;
+  Device device_;
+  DType dtype_;
+  Nf4Base codes_;
+  std::vector<char> filled_;
+  std::unique_ptr<Rest> rest_;
+  std::unique_ptr<Nf4BaseSource> source_;
+  size_t scratch_bytes_ = 0;
 };
 
 }  // namespace forge

@@ -71,12 +71,22 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   std::vector<bool> decay;
   if (config_.lora.enabled()) {
     FORGE_CHECK(!fsdp_, "LoRA with data-parallel ranks (refused by the config check)");
-    // NOTE [LoRA training]: the frozen base once, in the compute dtype; the adapters train.
-    params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);
-    params_->initialize(derive_seed(t.seed, kWeightsSeed));
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
-    lora_->set_base(*params_);
+    if (config_.lora.quantize_base == "nf4") {
+      // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported.
+      const CheckpointConfig& ckpt = config_.checkpoint;
+      if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty())
+        FORGE_FAIL("lora.quantize_base nf4 quantizes the base model when forge imports it: set "
+                   "checkpoint.initial_load_path to a Hugging Face model directory (checkpoint.initial_load_in_hf "
+                   "true; it is {}, the path '{}')",
+                   ckpt.initial_load_in_hf, ckpt.initial_load_path);
+    } else {
+      // NOTE [LoRA training]: the frozen base once, in the compute dtype; the adapters train.
+      params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);
+      params_->initialize(derive_seed(t.seed, kWeightsSeed));
+      lora_->set_base(*params_);
+    }
     decay.assign(lora_->masters().size(), true);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, lora_->masters(), decay);
   } else if (fsdp_) {
@@ -198,7 +208,8 @@ ProcessGroupOptions process_group_options(const ExperimentConfig& config) {
 }
 
 const FlatParameters& Trainer::parameters() const {
-  FORGE_CHECK(params_, "Trainer::parameters(): a data-parallel run holds shards, not the full parameters");
+  FORGE_CHECK(params_, "Trainer::parameters(): a data-parallel run holds shards and a QLoRA run NF4 codes, not the "
+                       "full parameters");
   return *params_;
 }
 
@@ -336,7 +347,8 @@ TrainResult Trainer::run() {
              "model's own are frozen in {}",
              config_.lora.rank, config_.lora.alpha, config_.lora.dropout, config_.lora.target_modules,
              human_count(static_cast<double>(lora_->trainable_params())), lora_->targets().size(),
-             config_.precision.compute_dtype);
+             nf4_base_ ? fmt::format("NF4 (the block projections; the rest in {})", config_.precision.compute_dtype)
+                       : config_.precision.compute_dtype);
   log_info("batch: {} micro-batch x {} accumulation = {} sequences of {} tokens per step; {} steps on {} ({} threads)",
            t.local_batch_size, accum, t.global_batch_size, t.seq_len, t.steps, t.device, num_threads());
   log_info("data: {}{}", config_.data.source,

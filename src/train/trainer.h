@@ -45,6 +45,7 @@
 #include "model/parameters.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
 #include "train/metrics.h"
@@ -156,6 +157,7 @@ class Trainer {
   std::unique_ptr<DecoderLM> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LoraAdapters> lora_;  // lora.rank > 0 (NOTE [LoRA training]); params_ is then the frozen base
+  std::unique_ptr<Nf4FrozenBase> nf4_base_;  // QLoRA (NOTE [QLoRA base]): the frozen base instead of params_
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only

@@ -14,6 +14,8 @@
 #include <fstream>
 #include <optional>
 
+#include <yaml-cpp/yaml.h>
+
 #include "ckpt/checkpoint.h"
 #include "ckpt/checkpoint_stream.h"
 #include "ckpt/initial_load.h"
@@ -180,6 +182,20 @@ void Trainer::restore_checkpoint(const std::string& dir) {
     log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data order differs from the "
              "saved run's",
              saved.seed, config_.training.seed);
+  if (lora_) {
+    // Adapters trained on an NF4 base continue on a bf16 one (or the reverse) only when asked.
+    std::string saved_base = "none";
+    try {
+      const YAML::Node lora = YAML::Load(ck.metadata.experiment_yaml)["lora"];
+      if (lora && lora["quantize_base"]) saved_base = lora["quantize_base"].as<std::string>();
+    } catch (const YAML::Exception&) {
+      saved_base = "unknown";
+    }
+    if (saved_base != config_.lora.quantize_base)
+      log_warn("the checkpoint's adapters were trained with lora.quantize_base {}, this run has {}: they continue on "
+               "a base {} NF4",
+               saved_base, config_.lora.quantize_base, config_.lora.quantize_base == "nf4" ? "quantized to" : "not in");
+  }
   if (saved.lr_schedule_steps != config_.training.steps)
     log_info("the LR schedule now spans training.steps = {} (the checkpoint's run had {})", config_.training.steps,
              saved.lr_schedule_steps);

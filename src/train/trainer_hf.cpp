@@ -22,6 +22,21 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
     return;
   }
+  if (config_.lora.quantize_base == "nf4") {
+    // NOTE [QLoRA base]: each parameter quantized (or cast) as it is read, so the host holds
+    // one parameter in fp32 at a time (a resumed run imports and quantizes again, to
+    // bitwise the same codes).
+    nf4_base_.reset();
+    nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
+    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) { nf4_base_->set(spec, values); });
+    nf4_base_->finish();
+    lora_->set_base(*nf4_base_);
+    return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "
+                    "NF4 codes and statistics {:.2f} MiB, the rest and the dequantization scratch in {})",
+                    static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_),
+                    static_cast<double>(nf4_base_->codes().nbytes()) / (1024.0 * 1024.0),
+                    config_.precision.compute_dtype);
+  }
   if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
   } else {
@@ -47,9 +62,11 @@ void Trainer::export_hf_model() {
     return save_hf_model(dir, host, options);
   }
   if (lora_) {
-    // The merged model: base + alpha / rank * B A for every adapted module.
+    // The merged model: base + alpha / rank * B A for every adapted module. A QLoRA base
+    // is dequantized first, as PEFT's merge_and_unload does on a bitsandbytes 4-bit model.
     FlatParameters host(config_.model);
-    host.assign_from(*params_);
+    if (nf4_base_) nf4_base_->dequantize_into(host);
+    else host.assign_from(*params_);
     lora_->merge_into(host);
     save_hf_model(dir, host, options);
     return log_info("exported the base model with the LoRA adapters merged to {}", dir);

@@ -32,10 +32,11 @@ TEST(ConfigValidate, HeadDimMustBeEven) {
   expect_error([] { load({{"model.hidden_size", "36"}}); }, {"must be even", "got 9", "model.hidden_size = 36"});
 }
 
-TEST(ConfigValidate, NF4BaseIsRefusedUntilTheTrainerHasAdapters) {
+TEST(ConfigValidate, NF4BaseNeedsAdapters) {
   EXPECT_EQ(load({}).lora.quantize_base, "none");
   expect_error([] { load({{"lora.quantize_base", "nf4"}}); },
-               {"lora.quantize_base = nf4 (command line)", "not wired into the trainer", "use none"});
+               {"lora.quantize_base = nf4 (command line)", "set lora.rank > 0 (it is 0)", "lora.quantize_base none"});
+  EXPECT_EQ(load({{"lora.quantize_base", "nf4"}, {"lora.rank", "4"}}).lora.quantize_base, "nf4");
   expect_error([] { load({{"lora.quantize_base", "int4"}}); }, {"lora.quantize_base", "none", "nf4"});
 }
 

@@ -9,8 +9,12 @@
 //            DIR/forge_grads (the adapters' gradients of the mean token loss, as a PEFT
 //            adapter), DIR/forge_adapter (the adapters as forge saves them) and
 //            DIR/merged (the base with the adapters merged, as a Hugging Face model)
+//     With "quantize_base": "nf4" in lora.json (tests/python/test_qlora_vs_peft.py) the base
+//     is QLoRA's (NOTE [QLoRA base]): its projections quantized to NF4 as the trainer does
+//     at import, and the merged model starts from their dequantized values.
 #include <fstream>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -20,6 +24,7 @@
 #include "core/error.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 
 using nlohmann::json;
 using namespace forge;
@@ -42,8 +47,11 @@ int run(const std::string& dir) {
   HfModel base = load_hf_model(dir + "/base");
   const ModelConfig& config = base.config;
 
+  std::unique_ptr<Nf4FrozenBase> nf4;
+  if (j.value("quantize_base", "none") == "nf4") nf4 = std::make_unique<Nf4FrozenBase>(*base.params, Device::CPU, DType::F32);
   LoraAdapters adapters(config, lora, Device::CPU, batch * seq);
-  adapters.set_base(*base.params);
+  if (nf4) adapters.set_base(*nf4);
+  else adapters.set_base(*base.params);
   load_peft_adapter(dir + "/peft_adapter", adapters);
 
   Tensor tokens = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
@@ -66,6 +74,7 @@ int run(const std::string& dir) {
   save_peft_adapter(dir + "/forge_grads", grads, "");
   save_peft_adapter(dir + "/forge_adapter", adapters, dir + "/base");
 
+  if (nf4) nf4->dequantize_into(*base.params);
   adapters.merge_into(*base.params);
   HfExportOptions options;
   options.source_dir = dir + "/base";

@@ -1,0 +1,171 @@
+// QLoRA at the model level (NOTE [QLoRA base] in model/nf4_base.h): LoRA adapters over the
+// NF4 frozen base train exactly as over a base whose projections are the dequantized NF4
+// values, in every activation-checkpointing mode; the codes never change; quantizing the
+// same import again gives the same codes (what a resumed run relies on); and the memory
+// estimate counts what the frozen base really holds.
+#include <gtest/gtest.h>
+
+#include "expect_error.h"
+#include "model/decoder_lm.h"
+#include "model/lora.h"
+#include "model/memory_estimate.h"
+#include "model/nf4_base.h"
+#include "model_testing.h"
+#include "ops_testing.h"
+#include "optim/optimizer.h"
+
+namespace forge {
+namespace {
+
+using testing::bitwise_equal;
+using testing::tiny;
+
+LoraConfig qlora() {
+  LoraConfig c;
+  c.rank = 3;
+  c.alpha = 8.0;
+  c.dropout = 0.2;
+  c.target_modules = "all-linear";
+  c.quantize_base = "nf4";
+  return c;
+}
+
+// Adapters with a nonzero B (so A has gradients too), over `base`.
+std::unique_ptr<LoraAdapters> adapters_over(ParamSource& base, const ModelConfig& config) {
+  auto adapters = std::make_unique<LoraAdapters>(config, qlora(), Device::CPU, 2 * 16);
+  adapters->initialize(2);
+  for (size_t k = 0; k < adapters->targets().size(); ++k)
+    for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p) {
+      Tensor b = adapters->part_matrix(k, p, 'b');
+      for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
+      adapters->set_part_matrix(k, p, 'b', b);
+    }
+  adapters->set_base(base);
+  return adapters;
+}
+
+std::vector<Tensor> code_copies(const Nf4Base& base) {
+  std::vector<Tensor> copies;
+  for (const Nf4Weight& w : base.weights)
+    for (const Nf4Tensor& part : w.parts) {
+      copies.push_back(part.codes.clone());
+      copies.push_back(part.absmax_codes.clone());
+    }
+  return copies;
+}
+
+// Three optimizer steps of QLoRA and of LoRA on the dequantized base: the same losses and
+// adapter gradients, bitwise (the GEMMs read the same fp32 weight values; only where they
+// come from differs), so the same adapters after every AdamW step.
+TEST(ModelQlora, TrainingEqualsLoraOnTheDequantizedBase) {
+  for (bool tied : {false, true})
+    for (ActivationCheckpoint mode :
+         {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
+      const ModelConfig c = tiny(tied);
+      FlatParameters imported(c), dequantized(c);
+      imported.initialize(11);
+      Nf4FrozenBase frozen(imported, Device::CPU, DType::F32);
+      frozen.dequantize_into(dequantized);
+      const std::vector<Tensor> codes_before = code_copies(frozen.codes());
+
+      auto q = adapters_over(frozen, c);
+      auto l = adapters_over(dequantized, c);
+      OptimizerConfig oc;
+      oc.lr = 1e-2;
+      AdamW q_opt(oc, q->masters(), std::vector<bool>(q->masters().size(), true));
+      AdamW l_opt(oc, l->masters(), std::vector<bool>(l->masters().size(), true));
+      DecoderLM model(c, 2, 16, Device::CPU, DType::F32, mode);
+      for (int step = 0; step < 3; ++step) {
+        const Tensor tokens = testing::random_tokens(2, 16, c.vocab_size, 1 + static_cast<uint64_t>(step));
+        const Tensor targets = testing::random_tokens(2, 16, c.vocab_size, 9 + static_cast<uint64_t>(step));
+        q->set_dropout_step(7, static_cast<uint64_t>(step));
+        l->set_dropout_step(7, static_cast<uint64_t>(step));
+        q->discard();
+        l->discard();
+        const LossSum a = model.forward_backward(tokens, targets, *q, *q, 1.0f / 32);
+        const LossSum b = model.forward_backward(tokens, targets, *l, *l, 1.0f / 32);
+        ASSERT_EQ(a.sum, b.sum) << "tied " << tied << ", step " << step;
+        ASSERT_TRUE(bitwise_equal(q->gradient_flat(), l->gradient_flat())) << "tied " << tied << ", step " << step;
+        q_opt.step(q->gradients(), 1e-2);
+        l_opt.step(l->gradients(), 1e-2);
+        q->refresh_compute();
+        l->refresh_compute();
+      }
+      EXPECT_TRUE(bitwise_equal(q->master_flat(), l->master_flat()));
+      const std::vector<Tensor> codes_after = code_copies(frozen.codes());
+      ASSERT_EQ(codes_after.size(), codes_before.size());
+      for (size_t k = 0; k < codes_after.size(); ++k)
+        EXPECT_TRUE(bitwise_equal(codes_after[k], codes_before[k])) << "the frozen NF4 codes changed";
+    }
+}
+
+// The base keeps no full-precision projection: what it holds is the codes, the rest in the
+// compute dtype and the scratch; dequantize_into gives the embedding, norms and head back
+// as imported and the projections as NF4 dequantizes them. A second import quantizes to
+// the same codes.
+TEST(ModelQlora, FrozenBaseHoldsCodesAndTheRestAndQuantizesDeterministically) {
+  const ModelConfig c = tiny();
+  FlatParameters imported(c), back(c);
+  imported.initialize(4);
+  Nf4FrozenBase frozen(imported, Device::CPU, DType::F32);
+  frozen.dequantize_into(back);
+  const Nf4Base reference = quantize_base_nf4(imported);
+  for (size_t k = 0; k < imported.specs().size(); ++k) {
+    if (!is_base_projection(imported.specs()[k])) {
+      EXPECT_TRUE(bitwise_equal(back.tensors()[k], imported.tensors()[k])) << imported.specs()[k].name;
+      continue;
+    }
+    Tensor expected = Tensor::empty(imported.specs()[k].shape);
+    nf4_dequantize(expected, reference.weights[k]);
+    EXPECT_TRUE(bitwise_equal(back.tensors()[k], expected)) << imported.specs()[k].name;
+  }
+  const Nf4FrozenBase again(imported, Device::CPU, DType::F32);
+  const std::vector<Tensor> first = code_copies(frozen.codes()), second = code_copies(again.codes());
+  ASSERT_EQ(first.size(), second.size());
+  for (size_t k = 0; k < first.size(); ++k) EXPECT_TRUE(bitwise_equal(first[k], second[k]));
+
+  double projections = 0;
+  for (const ParamSpec& spec : imported.specs())
+    if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+  const double rest = static_cast<double>(c.total_params()) - projections;
+  EXPECT_EQ(static_cast<double>(frozen.nbytes()),
+            nf4_base_bytes(c) + rest * 4 + nf4_scratch_bytes(c, DType::F32));
+
+  // Filled one parameter at a time (the Hugging Face import's way): every one, once, in fp32.
+  Nf4FrozenBase partial(c, Device::CPU, DType::F32);
+  for (size_t k = 1; k < imported.specs().size(); ++k) partial.set(k, imported.tensors()[k]);
+  expect_error([&] { partial.finish(); }, {"embedding.weight was never set"});
+  expect_error([&] { partial.set(0, imported.tensors()[1]); }, {"embedding.weight expects fp32 host values of shape"});
+}
+
+TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {
+  const ModelConfig c = tiny();
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.cuda = true;
+  LoraConfig l = qlora();
+  l.quantize_base = "none";
+  plan.lora = l;
+  const MemoryEstimate lora = estimate_memory(c, plan);
+  plan.lora.quantize_base = "nf4";
+  const MemoryEstimate q = estimate_memory(c, plan);
+  double projections = 0;
+  for (const ParamSpec& spec : parameter_specs(c))
+    if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+  EXPECT_EQ(q.frozen_weights, (static_cast<double>(c.total_params()) - projections) * 2);
+  EXPECT_EQ(q.nf4_base, nf4_base_bytes(c) + nf4_scratch_bytes(c, DType::BF16));
+  EXPECT_EQ(q.total(), lora.total() - projections * 2 + q.nf4_base);  // adapters, activations: as LoRA
+  EXPECT_NE(describe(q).find("frozen NF4 projections with their scratch"), std::string::npos);
+
+  // On the CPU the estimate is what Nf4FrozenBase allocates.
+  plan.cuda = false;
+  const MemoryEstimate cpu = estimate_memory(c, plan);
+  FlatParameters imported(c);
+  imported.initialize(1);
+  EXPECT_EQ(cpu.frozen_weights + cpu.nf4_base,
+            static_cast<double>(Nf4FrozenBase(imported, Device::CPU, DType::F32).nbytes()));
+}
+
+}  // namespace
+}  // namespace forge
