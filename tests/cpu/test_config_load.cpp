@@ -129,8 +129,6 @@ TEST(ConfigLoad, EveryShippedExperimentLoadsAndFitsItsGpu) {
       {"llama3.1-70b-finetune-lora-fsdp8-seq8192.yaml", lora_fsdp},
       {"llama3.3-70b-finetune-lora-fsdp8-seq8192.yaml", lora_fsdp},
       {"llama2-70b-lora-fsdp8-seq8192.yaml", lora_fsdp},
-      {"llama3.3-70b-finetune-qlora-seq8192.yaml",
-       {"QLoRA training (LoRA adapters on the NF4 base) is not wired into the trainer", {{"lora.quantize_base", "none"}}}},
   };
   int experiments = 0;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(source_path("configs/experiments"))) {
