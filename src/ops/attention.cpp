@@ -11,9 +11,8 @@
 #endif
 
 namespace forge {
-namespace {
 
-cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape, const char* op) {
+void check_attention_shape(const Tensor& qkv, const AttentionShape& shape, const char* op) {
   FORGE_CHECK(shape.num_kv_heads > 0 && shape.num_q_heads > 0 && shape.num_q_heads % shape.num_kv_heads == 0,
               "{}: {} query heads do not split into groups over {} kv heads", op, shape.num_q_heads,
               shape.num_kv_heads);
@@ -22,6 +21,12 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
   FORGE_CHECK(qkv.ndim() == 4 && qkv.dim(2) == shape.num_q_heads + 2 * shape.num_kv_heads,
               "{}: qkv {} must be [B, T, {} + 2 * {}, D]", op, shape_str(qkv.shape()), shape.num_q_heads,
               shape.num_kv_heads);
+}
+
+namespace {
+
+cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape, const char* op) {
+  check_attention_shape(qkv, shape, op);
   return cpu::AttentionDims{.batch = qkv.dim(0),
                             .seq = qkv.dim(1),
                             .q_heads = shape.num_q_heads,

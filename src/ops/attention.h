@@ -53,6 +53,11 @@ AttentionSegments attention_segments(const Tensor& segment_ids, const AttentionS
                                      Device device);
 
 // segments: the micro-batch's packed examples (null: each row is one sequence).
+// Throws naming `op` unless `shape` is valid (heads that split into groups, window >= 0,
+// scale > 0) for a packed qkv [B, T, Hq + 2 Hkv, D]. Shared by the training and decode
+// attention ops.
+void check_attention_shape(const Tensor& qkv, const AttentionShape& shape, const char* op);
+
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape,
                        const AttentionSegments* segments = nullptr);
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,

@@ -12,14 +12,7 @@ namespace {
 
 cpu::DecodeAttentionDims decode_dims(const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
                                      int64_t position, const AttentionShape& shape, const char* op) {
-  FORGE_CHECK(shape.num_kv_heads > 0 && shape.num_q_heads > 0 && shape.num_q_heads % shape.num_kv_heads == 0,
-              "{}: {} query heads do not split into groups over {} kv heads", op, shape.num_q_heads,
-              shape.num_kv_heads);
-  FORGE_CHECK(shape.sliding_window >= 0, "{}: sliding window {} is negative", op, shape.sliding_window);
-  FORGE_CHECK(shape.scale > 0.0f, "{}: scale {} must be positive", op, shape.scale);
-  FORGE_CHECK(qkv.ndim() == 4 && qkv.dim(2) == shape.num_q_heads + 2 * shape.num_kv_heads,
-              "{}: qkv {} must be [B, n, {} + 2 * {}, D]", op, shape_str(qkv.shape()), shape.num_q_heads,
-              shape.num_kv_heads);
+  check_attention_shape(qkv, shape, op);
   FORGE_CHECK(k_cache.ndim() == 4 && k_cache.dim(0) == qkv.dim(0) && k_cache.dim(2) == shape.num_kv_heads &&
                   k_cache.dim(3) == qkv.dim(3),
               "{}: k_cache {} must be [{}, capacity, {}, {}]", op, shape_str(k_cache.shape()), qkv.dim(0),
