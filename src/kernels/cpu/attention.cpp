@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "core/parallel.h"
+#include "kernels/cpu/attention_row.h"
 #include "kernels/cpu/vector_math.h"
 
 namespace forge::cpu {
@@ -60,23 +61,10 @@ void attention_forward(float* out, float* lse, const float* qkv, const Attention
     for (int64_t row = begin; row < end; ++row) {
       int64_t i = row % dims.seq, h = (row / dims.seq) % dims.q_heads, b = row / (dims.seq * dims.q_heads);
       int64_t g = at.kv_head_of(h), first = at.first_key(b, i);
-      const float* q = qkv + at.query(b, i, h);
-      float max_score = -INFINITY;
-      for (int64_t j = first; j <= i; ++j) {
-        p[j] = dims.scale * dot(q, qkv + at.key(b, j, g), dims.head_dim);
-        max_score = std::max(max_score, p[j]);
-      }
-      double sum = 0.0;
-      for (int64_t j = first; j <= i; ++j) {
-        p[j] = std::exp(p[j] - max_score);
-        sum += p[j];
-      }
-      float* o = out + at.out_row(b, i, h);
-      std::fill(o, o + dims.head_dim, 0.0f);
-      for (int64_t j = first; j <= i; ++j) axpy(o, p[j], qkv + at.value(b, j, g), dims.head_dim);
-      float inv_sum = static_cast<float>(1.0 / sum);
-      for (int64_t e = 0; e < dims.head_dim; ++e) o[e] *= inv_sum;
-      lse[at.lse_index(b, h, i)] = static_cast<float>(max_score + std::log(sum));
+      const double row_lse = attend_row(
+          out + at.out_row(b, i, h), qkv + at.query(b, i, h), first, i, dims.scale, dims.head_dim, p.data(),
+          [&](int64_t j) { return qkv + at.key(b, j, g); }, [&](int64_t j) { return qkv + at.value(b, j, g); });
+      lse[at.lse_index(b, h, i)] = static_cast<float>(row_lse);
     }
   });
 }

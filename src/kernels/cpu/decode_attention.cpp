@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/parallel.h"
-#include "kernels/cpu/vector_math.h"
+#include "kernels/cpu/attention_row.h"
 
 namespace forge::cpu {
 namespace {
@@ -54,22 +54,10 @@ void decode_attention_forward(float* out, const float* qkv, const float* k_cache
       const int64_t b = row / (dims.q_heads * dims.queries), g = h / group;
       const int64_t last = dims.position + i;
       const int64_t first = dims.window > 0 ? std::max<int64_t>(0, last - dims.window + 1) : 0;
-      const float* q = qkv + at.qkv_row(b, i, h);
-      float max_score = -INFINITY;
-      for (int64_t j = first; j <= last; ++j) {
-        p[j] = dims.scale * dot(q, k_cache + at.cache_row(b, j, g), dims.head_dim);
-        max_score = std::max(max_score, p[j]);
-      }
-      double sum = 0.0;
-      for (int64_t j = first; j <= last; ++j) {
-        p[j] = std::exp(p[j] - max_score);
-        sum += p[j];
-      }
-      float* o = out + at.out_row(b, i, h);
-      std::fill(o, o + dims.head_dim, 0.0f);
-      for (int64_t j = first; j <= last; ++j) axpy(o, p[j], v_cache + at.cache_row(b, j, g), dims.head_dim);
-      const float inv_sum = static_cast<float>(1.0 / sum);
-      for (int64_t e = 0; e < dims.head_dim; ++e) o[e] *= inv_sum;
+      attend_row(
+          out + at.out_row(b, i, h), qkv + at.qkv_row(b, i, h), first, last, dims.scale, dims.head_dim, p.data(),
+          [&](int64_t j) { return k_cache + at.cache_row(b, j, g); },
+          [&](int64_t j) { return v_cache + at.cache_row(b, j, g); });
     }
   });
 }
