@@ -187,6 +187,15 @@ void Nf4FrozenBase::finish() {
   scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_));
 }
 
+void Nf4FrozenBase::initialize(uint64_t seed) {
+  for (size_t k = 0; k < specs_.size(); ++k) {
+    Tensor values = Tensor::empty(specs_[k].shape, DType::F32, Device::CPU);
+    initialize_parameter_ranges(config_, specs_, seed, {{k, 0, values.numel(), values.data<float>()}});
+    set(k, values);
+  }
+  finish();
+}
+
 Nf4FrozenBase::~Nf4FrozenBase() = default;
 
 const Tensor& Nf4FrozenBase::embedding() { return rest_->embedding(); }

@@ -87,6 +87,10 @@ class Nf4FrozenBase : public ParamSource {
   // parameter_specs(config)[spec]'s values, fp32 on the host, in its shape.
   void set(size_t spec, const Tensor& values);
   void finish();
+  // Sets every parameter from the seeded initialization (FlatParameters::initialize's
+  // values), one parameter in fp32 on the host at a time, then finish(): a QLoRA run
+  // from random weights (a benchmark, or a model too large to initialize whole).
+  void initialize(uint64_t seed);
 
   const Nf4Base& codes() const { return codes_; }
   // Device bytes: codes and statistics, the rest in the compute dtype, the scratch.

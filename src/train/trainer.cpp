@@ -74,13 +74,18 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
     if (config_.lora.quantize_base == "nf4") {
-      // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported.
+      // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported;
+      // without them, from the seeded initialization, one parameter at a time (a resumed
+      // run initializes and quantizes again, to bitwise the same codes).
       const CheckpointConfig& ckpt = config_.checkpoint;
-      if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty())
-        FORGE_FAIL("lora.quantize_base nf4 quantizes the base model when forge imports it: set "
-                   "checkpoint.initial_load_path to a Hugging Face model directory (checkpoint.initial_load_in_hf "
-                   "true; it is {}, the path '{}')",
-                   ckpt.initial_load_in_hf, ckpt.initial_load_path);
+      if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty()) {
+        nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype);
+        nf4_base_->initialize(derive_seed(t.seed, kWeightsSeed));
+        lora_->set_base(*nf4_base_);
+        log_info("QLoRA: the base's projections quantized to NF4 from the seeded initialization (no "
+                 "checkpoint.initial_load_path); the frozen base holds {:.2f} MiB on {}",
+                 static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_));
+      }
     } else {
       // NOTE [LoRA training]: the frozen base once, in the compute dtype; the adapters train.
       params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);

@@ -1,8 +1,8 @@
 // QLoRA at the model level (NOTE [QLoRA base] in model/nf4_base.h): LoRA adapters over the
 // NF4 frozen base train exactly as over a base whose projections are the dequantized NF4
 // values, in every activation-checkpointing mode; the codes never change; quantizing the
-// same import again gives the same codes (what a resumed run relies on); and the memory
-// estimate counts what the frozen base really holds.
+// same import (or seeded initialization) again gives the same codes (what a resumed run
+// relies on); and the memory estimate counts what the frozen base really holds.
 #include <gtest/gtest.h>
 
 #include "expect_error.h"
@@ -136,6 +136,23 @@ TEST(ModelQlora, FrozenBaseHoldsCodesAndTheRestAndQuantizesDeterministically) {
   for (size_t k = 1; k < imported.specs().size(); ++k) partial.set(k, imported.tensors()[k]);
   expect_error([&] { partial.finish(); }, {"embedding.weight was never set"});
   expect_error([&] { partial.set(0, imported.tensors()[1]); }, {"embedding.weight expects fp32 host values of shape"});
+}
+
+// A QLoRA run without a Hugging Face import quantizes the seeded initialization one
+// parameter at a time: the same codes and rest as quantizing the whole initialized model.
+TEST(ModelQlora, SeededInitializationEqualsQuantizingTheInitializedModel) {
+  const ModelConfig c = tiny();
+  FlatParameters whole(c), back(c), expected(c);
+  whole.initialize(7);
+  const Nf4FrozenBase reference(whole, Device::CPU, DType::F32);
+  Nf4FrozenBase streamed(c, Device::CPU, DType::F32);
+  streamed.initialize(7);
+  const std::vector<Tensor> a = code_copies(reference.codes()), b = code_copies(streamed.codes());
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(bitwise_equal(a[k], b[k]));
+  reference.dequantize_into(expected);
+  streamed.dequantize_into(back);
+  EXPECT_TRUE(bitwise_equal(back.flat(), expected.flat()));
 }
 
 TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {
