@@ -9,8 +9,9 @@
 //    documents on sm_90 (NOTE [FP8 GEMM scale modes on sm_90]), E4M3 x E4M3, E4M3 x E5M2
 //    and E5M2 x E4M3, bf16 and fp32 outputs, with and without fast accumulation, and
 //    accumulation into the output (beta = 1); within a relative L2 error of 1e-2 for bf16
-//    outputs and fast accumulation, 1e-4 for fp32 outputs (the GPU sums in fp32, the
-//    reference in double);
+//    outputs and fast accumulation, 1e-3 for fp32 outputs (the reference sums in double;
+//    Hopper's FP8 tensor cores keep fewer bits than fp32 between promotions, DeepSeek-V3's
+//    report measured about 14, and a wrong factor or layout is off by far more);
 //  - what cuBLASLt cannot run is refused with its reason before any GPU work;
 //  - which scale-mode combinations this GPU's cuBLASLt has algorithms for (printed).
 #include <cmath>
@@ -265,7 +266,7 @@ void check_gemm(const GemmCase& c, Rng& rng, bool accumulate = false) {
     for (int64_t i = 0; i < expected.numel(); ++i) expected.data<float>()[i] += initial.data<float>()[i];
   }
   cuda::fp8_matmul(out.raw(), c.out_dtype, a.gpu(), b.gpu(), c.m, c.n, c.k, 1.0f, accumulate ? 1.0f : 0.0f, c.fast);
-  const double tolerance = c.out_dtype == DType::BF16 || c.fast ? 1e-2 : 1e-4;
+  const double tolerance = c.out_dtype == DType::BF16 || c.fast ? 1e-2 : 1e-3;
   EXPECT_LT(gpu_test::relative_l2(gpu_test::to_cpu_f32(out), expected), tolerance);
 }
 

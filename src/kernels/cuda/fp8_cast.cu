@@ -2,11 +2,11 @@
 // scale, and the cast that also writes the transpose (NOTE [FP8 scaling recipes] in
 // kernels/cpu/fp8_scaling.h, whose CPU functions these equal bit for bit).
 //
-// Cast: out = cvt.rn.satfinite(x * scale), the fp32 product rounded once (__fmul_rn, as
-// torchao's tensor.to(float32) * scale) and converted by the hardware instruction Hopper
-// has for it (__nv_cvt_float_to_fp8 with __NV_SATFINITE): round to nearest even, finite
-// values and infinities beyond the largest finite clamped to it. NaN is written as
-// 0x7f | sign explicitly, as the CPU reference does, whatever the instruction's NaN.
+// Cast: out = cvt.rn.satfinite(clamp(x * scale, -max, max)), the fp32 product rounded once
+// (__fmul_rn, as torchao's tensor.to(float32) * scale), clamped to the largest finite as
+// torchao's to_fp8_saturated does (infinities too), and converted by the instruction Hopper
+// has for it (__nv_cvt_float_to_fp8 with __NV_SATFINITE): round to nearest even. NaN is
+// written as 0x7f | sign explicitly, as the CPU reference does, whatever the instruction's NaN.
 // Memory-bound: 2 bytes read and 1 written per element. Each thread takes 8 consecutive
 // elements (one 16-byte load, one 8-byte store) when the buffers allow vector access, the
 // scalar path otherwise; the format is a template parameter, so the inner loop has no branch.
@@ -44,6 +44,8 @@ constexpr int kTileRowsPerPass = kThreads / kTile;  // 4
 template <Fp8Format F>
 __device__ __forceinline__ uint8_t cast_saturated(float v) {
   if (isnan(v)) return signbit(v) ? 0xff : 0x7f;
+  constexpr float top = F == Fp8Format::E4M3 ? cpu::kFp8E4M3Max : cpu::kFp8E5M2Max;
+  v = fminf(fmaxf(v, -top), top);  // torchao's clamp; infinities included, whatever the instruction does with them
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
