@@ -54,6 +54,7 @@
 
 #include "core/device.h"
 #include "core/log.h"
+#include "kernels/cuda/cublaslt_context.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/gemm_tuning_cache.h"
 
@@ -359,6 +360,11 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
   }
   CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, c, plan->c, out, plan->c,
                               &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
+}
+
+CublasLtContext cublaslt_context() {
+  Context& ctx = context();
+  return CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes};
 }
 
 void set_gemm_tuning(bool enabled, const std::string& cache_directory) {  // for shapes first seen from now on

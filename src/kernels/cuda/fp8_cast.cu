@@ -1,0 +1,209 @@
+// bf16 -> FP8 casts with a scale held on the device, the amax reductions that produce the
+// scale, and the cast that also writes the transpose (NOTE [FP8 scaling recipes] in
+// kernels/cpu/fp8_scaling.h, whose CPU functions these equal bit for bit).
+//
+// Cast: out = cvt.rn.satfinite(clamp(x * scale, -max, max)), the fp32 product rounded once
+// (__fmul_rn, as torchao's tensor.to(float32) * scale), clamped to the largest finite as
+// torchao's to_fp8_saturated does (infinities too), and converted by the instruction Hopper
+// has for it (__nv_cvt_float_to_fp8 with __NV_SATFINITE): round to nearest even. NaN is
+// written as 0x7f | sign explicitly, as the CPU reference does, whatever the instruction's NaN.
+// Memory-bound: 2 bytes read and 1 written per element. Each thread takes 8 consecutive
+// elements (one 16-byte load, one 8-byte store) when the buffers allow vector access, the
+// scalar path otherwise; the format is a template parameter, so the inner loop has no branch.
+//
+// Amax: every thread keeps the largest |x| it saw as the bits of a non-negative float;
+// those order like unsigned integers, and a NaN (exponent all ones, mantissa non-zero)
+// compares above +inf, so the integer maximum propagates NaN as torch.max(abs(x)) does.
+// A warp reduces with __reduce_max_sync, a block through shared memory, and one atomicMax
+// per block lands in the output, which the launcher zeroes first (cudaMemsetAsync): the
+// result stays on the device and no step waits for the host.
+//
+// Cast + transpose: a block owns a 64x64 tile; its 256 threads read the tile row by row
+// (consecutive threads on consecutive columns), write the row-major codes at once and
+// keep them in shared memory (65 bytes a row, so the column reads of the second phase do
+// not all hit one bank), then write the tile's columns as rows of out_t, consecutive
+// threads on consecutive bytes. Tiles at the right and bottom edges are partial. This is
+// the plain version: one byte per thread per store; its bandwidth is yet to be measured.
+#include "kernels/cuda/fp8_cast.h"
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "kernels/cuda/cuda_check.h"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kPerThread = 8;
+constexpr int kTile = 64;
+constexpr int kTileRowsPerPass = kThreads / kTile;  // 4
+
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t cast_saturated(float v) {
+  if (isnan(v)) return signbit(v) ? 0xff : 0x7f;
+  constexpr float top = F == Fp8Format::E4M3 ? cpu::kFp8E4M3Max : cpu::kFp8E5M2Max;
+  v = fminf(fmaxf(v, -top), top);  // torchao's clamp; infinities included, whatever the instruction does with them
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The block's largest value of `mine` (unsigned), atomically folded into *amax.
+__device__ void block_max_into(unsigned mine, float* amax) {
+  __shared__ unsigned warp_max[kThreads / 32];
+  mine = __reduce_max_sync(0xffffffffu, mine);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_max[warp] = mine;
+  __syncthreads();
+  if (warp == 0) {
+    mine = lane < kThreads / 32 ? warp_max[lane] : 0u;
+    mine = __reduce_max_sync(0xffffffffu, mine);
+    if (lane == 0 && mine != 0u) atomicMax(reinterpret_cast<unsigned*>(amax), mine);
+  }
+}
+
+__global__ void amax_kernel(const bf16* x, int64_t n, float* amax, bool vector_ok) {
+  unsigned mine = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kPerThread;
+  for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread; first < n;
+       first += stride) {
+    if (vector_ok && first + kPerThread <= n) {
+      const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
+      const bf16* values = reinterpret_cast<const bf16*>(&packed);
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) mine = max(mine, abs_bits(__bfloat162float(values[k])));
+    } else {
+      for (int64_t i = first; i < n && i < first + kPerThread; ++i) mine = max(mine, abs_bits(__bfloat162float(x[i])));
+    }
+  }
+  block_max_into(mine, amax);
+}
+
+// torchao's amax_to_scale: float64 division, rounded to fp32; the power of 2 below it
+// through an fp32 log2 (see the CPU reference).
+__global__ void scale_from_amax_kernel(const float* amax, float fp8_max, bool power_of_2, float* scale,
+                                       float* scale_inv) {
+  const float a = *amax;
+  const double clamped = isnan(a) ? static_cast<double>(a) : fmax(static_cast<double>(a), 1e-12);
+  float s = static_cast<float>(static_cast<double>(fp8_max) / clamped);
+  if (power_of_2) s = exp2f(floorf(static_cast<float>(log2(static_cast<double>(s)))));
+  *scale = s;
+  *scale_inv = 1.0f / s;
+}
+
+template <Fp8Format F>
+__global__ void cast_kernel(const bf16* x, int64_t n, const float* scale_ptr, uint8_t* out, float* amax,
+                            bool vector_ok) {
+  const float scale = *scale_ptr;
+  unsigned mine = 0;
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread;
+  if (first < n) {
+    if (vector_ok && first + kPerThread <= n) {
+      const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
+      const bf16* values = reinterpret_cast<const bf16*>(&packed);
+      uint2 codes;
+      uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
+#pragma unroll
+      for (int k = 0; k < kPerThread; ++k) {
+        const float v = __bfloat162float(values[k]);
+        mine = max(mine, abs_bits(v));
+        bytes[k] = cast_saturated<F>(__fmul_rn(v, scale));
+      }
+      *reinterpret_cast<uint2*>(out + first) = codes;
+    } else {
+      for (int64_t i = first; i < n && i < first + kPerThread; ++i) {
+        const float v = __bfloat162float(x[i]);
+        mine = max(mine, abs_bits(v));
+        out[i] = cast_saturated<F>(__fmul_rn(v, scale));
+      }
+    }
+  }
+  if (amax) block_max_into(mine, amax);
+}
+
+template <Fp8Format F>
+__global__ void cast_transpose_kernel(const bf16* x, int64_t rows, int64_t cols, const float* scale_ptr, uint8_t* out,
+                                      uint8_t* out_t, float* amax) {
+  __shared__ uint8_t tile[kTile][kTile + 1];
+  const float scale = *scale_ptr;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile, col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;
+  unsigned mine = 0;
+  for (int r = ty; r < kTile; r += kTileRowsPerPass) {
+    const int64_t row = row0 + r, col = col0 + tx;
+    if (row < rows && col < cols) {
+      const float v = __bfloat162float(x[row * cols + col]);
+      mine = max(mine, abs_bits(v));
+      const uint8_t code = cast_saturated<F>(__fmul_rn(v, scale));
+      if (out) out[row * cols + col] = code;
+      tile[r][tx] = code;
+    }
+  }
+  if (out_t) {
+    __syncthreads();
+    for (int c = ty; c < kTile; c += kTileRowsPerPass) {
+      const int64_t col = col0 + c, row = row0 + tx;  // out_t[col][row]
+      if (col < cols && row < rows) out_t[col * rows + row] = tile[tx][c];
+    }
+  }
+  if (amax) block_max_into(mine, amax);
+}
+
+bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+unsigned blocks_for(int64_t n) {
+  return static_cast<unsigned>((n + kThreads * kPerThread - 1) / (kThreads * kPerThread));
+}
+
+}  // namespace
+
+void fp8_amax(const bf16* x, int64_t n, float* amax) {
+  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
+  if (n == 0) return;
+  // Enough blocks to fill the GPU a few times over; each thread strides through the rest.
+  const unsigned blocks = std::min(blocks_for(n), 132u * 16u);
+  amax_kernel<<<blocks, kThreads>>>(x, n, amax, aligned(x, 16));
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_scale_from_amax(const float* amax, Fp8Format format, bool power_of_2, float* scale, float* scale_inv) {
+  scale_from_amax_kernel<<<1, 1>>>(amax, cpu::fp8_max(format), power_of_2, scale, scale_inv);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_cast(const bf16* x, int64_t n, const float* scale, Fp8Format format, uint8_t* out, float* amax) {
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
+  if (n == 0) return;
+  const bool vector_ok = aligned(x, 16) && aligned(out, 8);
+  if (format == Fp8Format::E4M3)
+    cast_kernel<Fp8Format::E4M3><<<blocks_for(n), kThreads>>>(x, n, scale, out, amax, vector_ok);
+  else
+    cast_kernel<Fp8Format::E5M2><<<blocks_for(n), kThreads>>>(x, n, scale, out, amax, vector_ok);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Format format,
+                        uint8_t* out, uint8_t* out_t, float* amax) {
+  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
+  if (rows == 0 || cols == 0) return;
+  FORGE_CHECK((rows + kTile - 1) / kTile <= 65535, "fp8_cast_transpose: {} rows exceed the grid's {} tiles of {}",
+              rows, 65535, kTile);
+  const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
+  if (format == Fp8Format::E4M3)
+    cast_transpose_kernel<Fp8Format::E4M3><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);
+  else
+    cast_transpose_kernel<Fp8Format::E5M2><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void fp8_quantize_tensorwise(const bf16* x, int64_t n, Fp8Format format, bool power_of_2, uint8_t* out, float* amax,
+                             float* scale, float* scale_inv) {
+  fp8_amax(x, n, amax);
+  fp8_scale_from_amax(amax, format, power_of_2, scale, scale_inv);
+  fp8_cast(x, n, scale, format, out, nullptr);
+}
+
+}  // namespace forge::cuda

@@ -1,0 +1,234 @@
+// Scaled FP8 GEMM through cuBLASLt (NOTE [FP8 GEMM layout] and NOTE [FP8 GEMM scale modes
+// on sm_90] in fp8_matmul.h).
+//
+// As in matmul.cpp (NOTE [Row-major GEMM on a column-major library]), the row-major
+// out[M, N] = a[M, K] @ b[N, K]^T is the column-major out^T[N, M] = b a^T: cuBLASLt's A is
+// b, stored K x N column-major (ld K) and transposed, its B is a, stored K x M (ld K) and
+// not transposed: the "TN" layout Hopper's FP8 kernels require. A's dequantization factors
+// are therefore b's, B's are a's. The handle and the 32 MiB workspace are matmul.cpp's
+// (kernels/cuda/cublaslt_context.h). Each (shape, formats, scale modes, output, beta == 0,
+// fast accumulation) keeps cuBLASLt's first heuristic choice, found on first use; the
+// measured selection and on-disk cache of bf16 GEMMs (NOTE [GEMM algorithm choice]) key
+// on a DType, which has no FP8 member yet, and are not applied to FP8 GEMMs.
+// The factor pointers change from call to call, so they are set on the plan's descriptor
+// just before each cublasLtMatmul, under the plans' lock.
+#include "kernels/cuda/fp8_matmul.h"
+
+#include <cublasLt.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "core/error.h"
+#include "kernels/cuda/cublaslt_context.h"
+#include "kernels/cuda/cuda_check.h"
+
+namespace forge::cuda {
+namespace {
+
+constexpr int64_t kBlock = 128;
+
+struct Problem {
+  DType out_dtype;
+  Fp8Format a_format, b_format;
+  Fp8GemmScaling a_scaling, b_scaling;
+  int64_t m, n, k;
+  bool beta_zero, fast_accumulation;
+
+  auto key() const {
+    return std::tuple(out_dtype, a_format, b_format, a_scaling, b_scaling, m, n, k, beta_zero, fast_accumulation);
+  }
+  bool operator<(const Problem& o) const { return key() < o.key(); }
+};
+
+struct Plan {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our b), B (our a), C = D
+  cublasLtMatmulAlgo_t algo{};
+};
+
+cudaDataType_t cuda_type(Fp8Format format) { return format == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
+
+int32_t scale_mode(Fp8GemmScaling scaling) {
+  switch (scaling) {
+    case Fp8GemmScaling::Tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case Fp8GemmScaling::Row: return CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+    case Fp8GemmScaling::Block1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8GemmScaling::Block128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
+bool is_block(Fp8GemmScaling s) { return s == Fp8GemmScaling::Block1x128 || s == Fp8GemmScaling::Block128x128; }
+
+// What cuBLASLt cannot run on sm_90, in words; "" when the problem is one it documents.
+std::string refusal(const Problem& p) {
+  if (p.out_dtype != DType::BF16 && p.out_dtype != DType::F32)
+    return fmt::format("the output is {}, expected bf16 or f32", dtype_name(p.out_dtype));
+  if (p.a_format == Fp8Format::E5M2 && p.b_format == Fp8Format::E5M2) return "both operands are E5M2";
+  if (p.k % 16 != 0) return fmt::format("k = {} is not a multiple of 16", p.k);
+  if (p.n * static_cast<int64_t>(dtype_size(p.out_dtype)) % 16 != 0)
+    return fmt::format("n = {} rows of {} output are not a multiple of 16 bytes", p.n, dtype_name(p.out_dtype));
+  const bool row_a = p.a_scaling == Fp8GemmScaling::Row, row_b = p.b_scaling == Fp8GemmScaling::Row;
+  if (row_a != row_b) return "row scaling must be set for both operands";
+  if (is_block(p.a_scaling) != is_block(p.b_scaling)) return "block scaling must be set for both operands";
+  if (p.a_scaling == Fp8GemmScaling::Block128x128 && p.b_scaling == Fp8GemmScaling::Block128x128)
+    return "128x128 blocks on both operands are not supported";
+  if (is_block(p.a_scaling) && (p.m % 4 != 0 || p.n % 4 != 0))
+    return fmt::format("block scaling needs m and n multiples of 4, got m = {}, n = {}", p.m, p.n);
+  if (is_block(p.a_scaling) && p.fast_accumulation) return "block scaling does not allow fast accumulation";
+  return "";
+}
+
+Plan describe(const Problem& p) {
+  Plan plan;
+  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t transpose = CUBLAS_OP_T, none = CUBLAS_OP_N;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSA, &transpose, sizeof(transpose)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_TRANSB, &none, sizeof(none)));
+  const int32_t mode_a = scale_mode(p.b_scaling), mode_b = scale_mode(p.a_scaling);
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+  const int8_t fast = p.fast_accumulation ? 1 : 0;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.a, cuda_type(p.b_format), p.k, p.n, p.k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.b, cuda_type(p.a_format), p.k, p.m, p.k));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&plan.c, p.out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF, p.n, p.m,
+                                          p.n));
+  return plan;
+}
+
+void destroy(Plan& plan) {
+  cublasLtMatrixLayoutDestroy(plan.c);
+  cublasLtMatrixLayoutDestroy(plan.b);
+  cublasLtMatrixLayoutDestroy(plan.a);
+  cublasLtMatmulDescDestroy(plan.op);
+}
+
+// cuBLASLt's first heuristic algorithm for the plan, if it has one.
+bool find_algorithm(const CublasLtContext& ctx, Plan& plan) {
+  cublasLtMatmulPreference_t pref;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  size_t ws = ctx.workspace_bytes;
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status =
+      cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
+  plan.algo = result.algo;
+  return true;
+}
+
+struct Plans {
+  std::mutex mu;
+  std::map<std::pair<int, Problem>, Plan> plans;  // (GPU, problem); kept for the life of the process
+};
+
+Plans& plans() {
+  static Plans* p = new Plans();  // never destroyed: destroying descriptors at exit races the driver
+  return *p;
+}
+
+std::string describe_problem(const Problem& p) {
+  return fmt::format("FP8 GEMM [{}x{}x{}] a {} {}, b {} {}, out {}{}", p.m, p.n, p.k, cpu::fp8_format_name(p.a_format),
+                     fp8_gemm_scaling_name(p.a_scaling), cpu::fp8_format_name(p.b_format),
+                     fp8_gemm_scaling_name(p.b_scaling), dtype_name(p.out_dtype),
+                     p.fast_accumulation ? ", fast accumulation" : "");
+}
+
+bool aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+}  // namespace
+
+const char* fp8_gemm_scaling_name(Fp8GemmScaling scaling) {
+  switch (scaling) {
+    case Fp8GemmScaling::Tensor: return "tensorwise";
+    case Fp8GemmScaling::Row: return "rowwise";
+    case Fp8GemmScaling::Block1x128: return "1x128 blocks";
+    case Fp8GemmScaling::Block128x128: return "128x128 blocks";
+  }
+  return "?";
+}
+
+void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8GemmOperand& b, int64_t m, int64_t n,
+                int64_t k, float alpha, float beta, bool fast_accumulation) {
+  const Problem p{out_dtype, a.format, b.format, a.scaling, b.scaling, m, n, k, beta == 0.0f, fast_accumulation};
+  const std::string why = refusal(p);
+  FORGE_CHECK(why.empty(), "{}: {}", describe_problem(p), why);
+  FORGE_CHECK(aligned(out, 16) && aligned(a.codes, 16) && aligned(b.codes, 16),
+              "{}: the output and the codes must start 16-byte aligned", describe_problem(p));
+  const size_t factor_alignment = is_block(a.scaling) ? 16 : 4;  // block factors: 16 bytes (cuBLAS docs 3.1.4.5.1)
+  FORGE_CHECK(aligned(a.factors, factor_alignment) && aligned(b.factors, factor_alignment),
+              "{}: the factors must start {}-byte aligned", describe_problem(p), factor_alignment);
+  if (m == 0 || n == 0) return;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const CublasLtContext ctx = cublaslt_context();
+  Plans& all = plans();
+  std::lock_guard lock(all.mu);
+  auto it = all.plans.find({device, p});
+  if (it == all.plans.end()) {
+    Plan plan = describe(p);
+    if (!find_algorithm(ctx, plan)) {
+      destroy(plan);
+      throw_error(__FILE__, __LINE__, describe_problem(p) + ": cuBLASLt has no algorithm for it on this GPU");
+    }
+    it = all.plans.emplace(std::pair{device, p}, plan).first;
+  }
+  Plan& plan = it->second;
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b.factors,
+                                              sizeof(b.factors)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a.factors,
+                                              sizeof(a.factors)));
+  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta, out, plan.c, out,
+                              plan.c, &plan.algo, ctx.workspace, ctx.workspace_bytes, nullptr));
+}
+
+bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_scaling, Fp8Format b_format,
+                          Fp8GemmScaling b_scaling, int64_t m, int64_t n, int64_t k, bool fast_accumulation) {
+  const Problem p{out_dtype, a_format, b_format, a_scaling, b_scaling, m, n, k, true, fast_accumulation};
+  if (!refusal(p).empty() || m == 0 || n == 0) return false;
+  Plan plan = describe(p);
+  const bool found = find_algorithm(cublaslt_context(), plan);
+  destroy(plan);
+  return found;
+}
+
+int64_t fp8_gemm_factor_count(int64_t rows, int64_t k, Fp8GemmScaling scaling) {
+  const int64_t k_blocks = (k + kBlock - 1) / kBlock;
+  switch (scaling) {
+    case Fp8GemmScaling::Tensor: return 1;
+    case Fp8GemmScaling::Row: return rows;
+    case Fp8GemmScaling::Block1x128: return k_blocks * rows;
+    case Fp8GemmScaling::Block128x128: return (rows + kBlock - 1) / kBlock * ((k_blocks + 3) / 4 * 4);
+  }
+  return 0;
+}
+
+std::vector<float> fp8_gemm_factor_layout(const float* grid, int64_t rows, int64_t k, Fp8GemmScaling scaling) {
+  std::vector<float> out(static_cast<size_t>(fp8_gemm_factor_count(rows, k, scaling)), 0.0f);
+  const int64_t k_blocks = (k + kBlock - 1) / kBlock;
+  switch (scaling) {
+    case Fp8GemmScaling::Tensor:
+    case Fp8GemmScaling::Row:
+      for (size_t i = 0; i < out.size(); ++i) out[i] = grid[i];
+      break;
+    case Fp8GemmScaling::Block1x128:  // grid [rows][k_blocks] -> [k_blocks][rows]
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t b = 0; b < k_blocks; ++b) out[static_cast<size_t>(b * rows + r)] = grid[r * k_blocks + b];
+      break;
+    case Fp8GemmScaling::Block128x128: {  // grid [row_blocks][k_blocks] -> [row_blocks][L4]
+      const int64_t padded = (k_blocks + 3) / 4 * 4;
+      for (int64_t p = 0; p < (rows + kBlock - 1) / kBlock; ++p)
+        for (int64_t b = 0; b < k_blocks; ++b) out[static_cast<size_t>(p * padded + b)] = grid[p * k_blocks + b];
+      break;
+    }
+  }
+  return out;
+}
+
+}  // namespace forge::cuda
