@@ -7,6 +7,8 @@
 #include <cstring>
 #include <vector>
 
+#include "core/parallel.h"
+
 namespace forge::cpu {
 namespace {
 
@@ -89,23 +91,26 @@ void fp8_matmul_reference(const Fp8Operand& a, const Fp8Operand& b, int64_t m, i
   std::vector<float> decoded_a(static_cast<size_t>(m * k)), decoded_b(static_cast<size_t>(n * k));
   fp8_to_float(a.codes, m * k, a.format, decoded_a.data());
   fp8_to_float(b.codes, n * k, b.format, decoded_b.data());
-  for (int64_t i = 0; i < m; ++i)
-    for (int64_t j = 0; j < n; ++j) {
-      double total = 0.0, run = 0.0;
-      int64_t run_a = scale_index(i, 0, k, a.blocks), run_b = scale_index(j, 0, k, b.blocks);
-      for (int64_t c = 0; c < k; ++c) {
-        const int64_t sa = scale_index(i, c, k, a.blocks), sb = scale_index(j, c, k, b.blocks);
-        if (sa != run_a || sb != run_b) {
-          total += run * (1.0f / a.scales[run_a]) * (1.0f / b.scales[run_b]);
-          run = 0.0;
-          run_a = sa;
-          run_b = sb;
+  // Rows in parallel: each output element is one thread's, summed in the same order.
+  parallel_for(m, 1, [&](int64_t row_begin, int64_t row_end) {
+    for (int64_t i = row_begin; i < row_end; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double total = 0.0, run = 0.0;
+        int64_t run_a = scale_index(i, 0, k, a.blocks), run_b = scale_index(j, 0, k, b.blocks);
+        for (int64_t c = 0; c < k; ++c) {
+          const int64_t sa = scale_index(i, c, k, a.blocks), sb = scale_index(j, c, k, b.blocks);
+          if (sa != run_a || sb != run_b) {
+            total += run * (1.0f / a.scales[run_a]) * (1.0f / b.scales[run_b]);
+            run = 0.0;
+            run_a = sa;
+            run_b = sb;
+          }
+          run += static_cast<double>(decoded_a[i * k + c]) * decoded_b[j * k + c];
         }
-        run += static_cast<double>(decoded_a[i * k + c]) * decoded_b[j * k + c];
+        total += run * (1.0f / a.scales[run_a]) * (1.0f / b.scales[run_b]);
+        out[i * n + j] = static_cast<float>(total);
       }
-      total += run * (1.0f / a.scales[run_a]) * (1.0f / b.scales[run_b]);
-      out[i * n + j] = static_cast<float>(total);
-    }
+  });
 }
 
 }  // namespace forge::cpu
