@@ -36,8 +36,9 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   for (int u = 0; u < units; ++u) unit_ready_.push_back(make_event(device));
   updated_ = make_event(device);
 
-  master_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
-  grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
+  // NOTE [Frozen FSDP base]: a frozen chunk is held in the compute dtype, with no gradient.
+  master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
+  if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
   // Compute weights.
   if (options.zero_stage <= 2) {
@@ -57,13 +58,17 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   }
   for (const FsdpSegment& s : layout_.segments()) {
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
-    grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
+    if (!options.frozen) grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
     Tensor chunk;  // a ZeRO-3 block keeps no compute copy of its chunk
     if (options.zero_stage <= 2) chunk = own_chunk(unit_full(full_compute_, s.unit), s.unit);
     else if (!layout_.is_block(s.unit)) chunk = own_chunk(root_unit(s.unit), s.unit);
     compute_segments_.push_back(chunk.defined() ? chunk.narrow(local, local + s.numel) : Tensor());
   }
+  comm_done_ = make_event(device);
+  norm_scratch_ = Tensor::zeros({2}, DType::F32, device);
+  count_scratch_ = Tensor::zeros({kCountDigits}, DType::F32, device);
+  if (options.frozen) return;
 
   // Full-size gradients: every unit's in ZeRO-1; in ZeRO-2/3 two rotating slots as large as
   // the largest unit that goes through them, and the tied embedding's own buffer.
@@ -98,9 +103,6 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   for (ReduceChannel& ch : channels_) make_channel(ch, slot_numel);
   if (options.zero_stage >= 2 && tied())
     make_channel(embedding_channel_, layout_.units()[static_cast<size_t>(embedding)].numel);
-  comm_done_ = make_event(device);
-  norm_scratch_ = Tensor::zeros({2}, DType::F32, device);
-  count_scratch_ = Tensor::zeros({kCountDigits}, DType::F32, device);
 }
 
 Fsdp::~Fsdp() {
@@ -170,7 +172,9 @@ void Fsdp::fill_master(const std::function<void(const std::vector<MasterPiece>&)
       if (a < b) pieces.push_back({&s, a - s.shard_offset, b - a, window + (a - w)});
     }
     fill(pieces);
-    master_.narrow(w, w + n).copy_from(host.narrow(0, n));
+    const Tensor window_out = master_.narrow(w, w + n);
+    if (window_out.dtype() == DType::F32) window_out.copy_from(host.narrow(0, n));
+    else cast(window_out, host.narrow(0, n).to(device_));  // a frozen bf16 chunk (NOTE [Frozen FSDP base])
   }
   refresh_compute_weights(false);
 }
@@ -248,6 +252,7 @@ const LinearWeight& Fsdp::output() {
 void Fsdp::begin_step() {
   stalls_used_ = 0;  // what evaluation waited for is not the step's
   host_exposed_s_ = 0;
+  if (options_.frozen) return;  // nothing to reduce (NOTE [Frozen FSDP base])
   grad_shard_.fill_zero();
   // The full-size gradients (ZeRO-1, a tied embedding) are written over by the step's
   // first micro-batch; their padding is never written and stays zero.
@@ -320,6 +325,7 @@ std::pair<double, double> Fsdp::sum_over_ranks(double first, double second) {
 }
 
 double Fsdp::global_grad_sum_of_squares() {
+  check_trainable("global_grad_sum_of_squares");
   // After the reductions every replica holds the same chunk: the shard group covers the model once.
   return all_reduce_scalar(shard_group_, sum_of_squares(grad_shard_));
 }
@@ -345,6 +351,14 @@ int64_t Fsdp::count_over_ranks(int64_t count) {
   int64_t total = 0;
   for (int d = 0; d < kCountDigits; ++d) total += static_cast<int64_t>(host.data<float>()[d]) << (kDigitBits * d);
   return total;
+}
+
+void Fsdp::all_reduce_sum(const Tensor& tensor) {
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
+  begin_exposed();
+  shard_group_.all_reduce(tensor, ReduceOp::Sum, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(tensor, ReduceOp::Sum, kCompute);
+  end_exposed();
 }
 
 double Fsdp::sum_over_ranks(double value) {
@@ -457,7 +471,12 @@ void Fsdp::unit_done(int unit) {
   FORGE_FAIL("FSDP: unit {} done before its gradients were asked for", unit);
 }
 
+void Fsdp::check_trainable(const char* what) const {
+  FORGE_CHECK(!options_.frozen, "FSDP: {} of a frozen base (NOTE [Frozen FSDP base]: it has no gradients)", what);
+}
+
 const BlockWeights& Fsdp::layer_grads(int index) {
+  check_trainable("layer_grads");
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
   if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
   return grad_slot(FsdpLayout::unit_of_layer(index)).block;
@@ -466,6 +485,7 @@ const BlockWeights& Fsdp::layer_grads(int index) {
 void Fsdp::layer_done(int index) { unit_done(FsdpLayout::unit_of_layer(index)); }
 
 const Tensor& Fsdp::embedding_grad() {
+  check_trainable("embedding_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.embedding;
   return grad_slot(FsdpLayout::kEmbeddingUnit).root.embedding;
 }
@@ -473,11 +493,13 @@ const Tensor& Fsdp::embedding_grad() {
 void Fsdp::embedding_done() { unit_done(FsdpLayout::kEmbeddingUnit); }
 
 const Tensor& Fsdp::final_norm_grad() {
+  check_trainable("final_norm_grad");
   if (options_.zero_stage == 1) return root_grads_.final_norm;
   return grad_slot(layout_.head_unit()).root.final_norm;
 }
 
 const LinearWeight& Fsdp::output_grad() {
+  check_trainable("output_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.output;
   return grad_slot(layout_.head_unit()).root.output;
 }
@@ -495,8 +517,8 @@ bool Fsdp::embedding_grad_fresh() const { return unit_fresh_[FsdpLayout::kEmbedd
 
 FsdpMemory Fsdp::memory() const {
   FsdpMemory m;
-  m.master_weights = static_cast<int64_t>(master_.nbytes());
-  m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
+  (options_.frozen ? m.compute_weights : m.master_weights) = static_cast<int64_t>(master_.nbytes());
+  if (grad_shard_.defined()) m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
   for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   for (const UnitSlot& s : weight_slots_)

@@ -50,6 +50,18 @@
 // forgets the gathered blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
 //
+// NOTE [Frozen FSDP base]
+// A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each
+// rank's chunk in the compute dtype (bf16 on CUDA, fp32 on the CPU) in place of the fp32
+// master, with no gradient chunk, no gradient buffers, no reduction channels and no
+// optimizer state. The weights reach the model exactly as above: in ZeRO-3 the blocks are
+// all-gathered around their use through the three rotating buffers (a gather copies the
+// chunk into place, nothing to cast), the embedding and head are held in full; in ZeRO-1/2
+// every unit is held in full. Nothing is ever reduced for the base, so replicas (hybrid
+// sharding) simply hold identical chunks. The GradSink side is not used: the LoRA adapters
+// are the model's gradient sink, replicated on every rank, and their gradients are summed
+// over every data-parallel rank with all_reduce_sum once per step.
+//
 // NOTE [Exposed communication]
 // The communication that is not hidden behind compute is the time the compute stream
 // stands still for it: every place where it waits for the communication stream (a block
@@ -79,11 +91,12 @@ struct FsdpOptions {
   int zero_stage = 3;                // 1, 2 or 3
   DType reduce_dtype = DType::F32;   // F32 | BF16: the gradients' dtype in the reduce-scatter
   int64_t host_window = int64_t{1} << 26;  // fp32 elements staged on the host at a time (fill_master)
+  bool frozen = false;  // NOTE [Frozen FSDP base]: a compute-dtype chunk, nothing trainable
 };
 
 // Bytes this rank holds, by component (the memory report).
 struct FsdpMemory {
-  int64_t master_weights = 0;      // fp32 chunk
+  int64_t master_weights = 0;      // fp32 chunk (frozen: none; its chunk is a compute weight)
   int64_t gradient_shard = 0;      // fp32 chunk
   int64_t compute_weights = 0;     // bf16 (fp32 on the CPU): full, chunk and gather buffers
   int64_t full_gradients = 0;      // fp32 full-size gradient buffers
@@ -104,7 +117,8 @@ class Fsdp final : public ParamSource, public GradSink {
   // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
   // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
   // A segment of a ZeRO-3 block has no compute copy (an undefined tensor): its gather
-  // casts the master chunk.
+  // casts the master chunk. Frozen (NOTE [Frozen FSDP base]): the master segments are the
+  // compute-dtype chunk and there are no gradient segments.
   const std::vector<Tensor>& master_segments() const { return master_segments_; }
   const std::vector<Tensor>& grad_segments() const { return grad_segments_; }
   const std::vector<Tensor>& compute_segments() const { return compute_segments_; }
@@ -134,6 +148,9 @@ class Fsdp final : public ParamSource, public GradSink {
   double sum_over_ranks(double value);
   // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
   std::pair<double, double> sum_over_ranks(double first, double second);
+  // `tensor` (on this device) summed in place over every data-parallel rank: a frozen base's
+  // LoRA adapter gradients. Every rank ends with the same bits.
+  void all_reduce_sum(const Tensor& tensor);
   // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
   int64_t count_over_ranks(int64_t count);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
@@ -227,6 +244,7 @@ class Fsdp final : public ParamSource, public GradSink {
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
   void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
   bool tied() const { return config_.tie_word_embeddings; }
+  void check_trainable(const char* what) const;  // a frozen base has no gradients
 
   ModelConfig config_;
   Device device_;

@@ -107,6 +107,13 @@ class Trainer {
   std::vector<Tensor> trainable_gradients() const;
   std::vector<std::string> trainable_names() const;
   void discard_gradients();
+  // The step's gradients start afresh (NOTE [Fresh gradient buffers]) and, under data
+  // parallelism, end summed over every rank (FSDP's reductions, or the LoRA adapters'
+  // all-reduce: NOTE [LoRA under data parallelism]).
+  void begin_gradients();
+  void finish_gradients();
+  // FSDP holds the trainable state (full training under data parallelism; not LoRA).
+  bool sharded_gradients() const { return fsdp_ && !lora_; }
   std::vector<ParamSpec> checkpoint_specs() const;
   // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
   void save_peft_adapter_to_run_dir();
@@ -145,6 +152,9 @@ class Trainer {
   std::string first_nonfinite_gradient();   // "" when every gradient is finite
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
+  // Fills every rank's FSDP chunk from the whole model in host memory (the parameters
+  // under full training, the frozen base under LoRA).
+  void load_fsdp_chunks(const FlatParameters& host);
   void export_hf_model();
 
   ExperimentConfig config_;

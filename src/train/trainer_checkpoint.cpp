@@ -120,16 +120,16 @@ size_t Trainer::checkpoint_buffer_bytes() const {
 std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
   StateSegments segments;
   auto& [params, m, v] = segments;
-  if (fsdp_) {
+  if (lora_) {
+    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]; whole on every rank under data parallelism
+  } else if (fsdp_) {
     const std::vector<FsdpSegment>& layout = fsdp_->layout().segments();
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
-  } else if (lora_) {
-    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]
   } else {
     params.push_back({0, params_->flat()});
   }
-  const std::vector<FlatSegment> offsets = fsdp_ ? params : consecutive(trainable_weights());
+  const std::vector<FlatSegment> offsets = sharded_gradients() ? params : consecutive(trainable_weights());
   m = at_offsets(offsets, optimizer_->exp_avg());
   v = at_offsets(offsets, optimizer_->exp_avg_sq());
   return segments;
@@ -160,8 +160,8 @@ std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optim
   if (resident_before >= 0)
     how += fmt::format(", process peak resident memory +{:.1f} MiB",
                        mib(static_cast<double>(host_status_bytes("VmHWM:") - resident_before)));
-  if (fsdp_) fsdp_->refresh_compute_weights(false);
-  else if (lora_) lora_->refresh_compute();
+  if (lora_) lora_->refresh_compute();
+  else if (fsdp_) fsdp_->refresh_compute_weights(false);
   else if (compute_weights_) compute_weights_->assign_from(*params_);
   return how;
 }
@@ -219,7 +219,8 @@ void Trainer::load_initial_weights(const std::string& path) {
     // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory.
     FlatParameters host(config_.model);
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{{{0, host.flat()}}, {}, {}}});
-    params_->assign_from(host);
+    if (fsdp_) load_fsdp_chunks(host);  // NOTE [LoRA under data parallelism]
+    else params_->assign_from(host);
   } else {
     // Each rank reads only its segments, whatever world size saved the checkpoint.
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
@@ -230,6 +231,7 @@ void Trainer::load_initial_weights(const std::string& path) {
 }
 
 // NOTE [Parallel checkpoint saves]
+// (A LoRA run under data parallelism saves its replicated adapters from rank 0 alone.)
 // Under FSDP every rank of the first replica (the shard group that holds world rank 0)
 // writes its own segments (NOTE [FSDP layout]: its chunk of every unit, the master weights
 // and both moments) straight into the shard files, at the places their flat elements have
@@ -276,7 +278,8 @@ void Trainer::save_checkpoint(int64_t step) {
   state.optimizer_step = optimizer_->step_count();
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
-  const int shards = fsdp_ ? shard_group_->world_size() : 1;
+  // LoRA's adapters are whole on every rank: one shard, written by rank 0.
+  const int shards = sharded_gradients() ? shard_group_->world_size() : 1;
   const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
   job->ranges = shard_ranges(numel, shards);
   const int64_t token =

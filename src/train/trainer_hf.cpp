@@ -15,12 +15,11 @@ namespace forge {
 
 void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (fsdp_) {
-    // Every rank reads the model into host memory and keeps its segments.
+    // Every rank reads the model into host memory and keeps its segments (a LoRA run's
+    // frozen base too: NOTE [Frozen FSDP base]).
     FlatParameters host(config_.model);
     load_hf_weights_checked(dir, host);
-    const float* flat = host.flat().data<float>();
-    fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
-    return;
+    return load_fsdp_chunks(host);
   }
   if (config_.lora.quantize_base == "nf4") {
     // NOTE [QLoRA base]: each parameter quantized (or cast) as it is read, so the host holds
@@ -47,6 +46,11 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (compute_weights_) compute_weights_->assign_from(*params_);
 }
 
+void Trainer::load_fsdp_chunks(const FlatParameters& host) {
+  const float* flat = host.flat().data<float>();
+  fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
+}
+
 void Trainer::export_hf_model() {
   HfExportOptions options;
   const std::string& dtype = config_.checkpoint.export_dtype;  // bf16, fp16 or fp32: checked before training
@@ -59,7 +63,11 @@ void Trainer::export_hf_model() {
     if (rank_ != 0) return;
     FlatParameters host(config_.model);
     std::copy(flat.begin(), flat.end(), host.flat().data<float>());
-    return save_hf_model(dir, host, options);
+    if (!lora_) return save_hf_model(dir, host, options);
+    // NOTE [LoRA under data parallelism]: the gathered frozen base with the adapters merged.
+    lora_->merge_into(host);
+    save_hf_model(dir, host, options);
+    return log_info("exported the base model with the LoRA adapters merged to {}", dir);
   }
   if (lora_) {
     // The merged model: base + alpha / rank * B A for every adapted module. A QLoRA base
@@ -78,6 +86,7 @@ void Trainer::export_hf_model() {
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {
+  if (rank_ != 0) return;  // the adapters are the same on every rank (NOTE [LoRA under data parallelism])
   const CheckpointConfig& ckpt = config_.checkpoint;
   const std::string base = ckpt.initial_load_in_hf ? ckpt.initial_load_path : config_.model.name;
   save_peft_adapter(run_dir_ + "/adapter", *lora_, base);
