@@ -197,6 +197,18 @@ void Fsdp::load_master(const std::function<void(int64_t, std::span<float>)>& rea
   });
 }
 
+void Fsdp::set_parameter(size_t spec, const Tensor& values) {
+  FORGE_CHECK(spec < layout_.specs().size() && values.numel() == shape_numel(layout_.specs()[spec].shape) &&
+                  values.dtype() == DType::F32 && values.device() == Device::CPU,
+              "FSDP set_parameter: {} fp32 host values for parameter {}", values.numel(), spec);
+  const Tensor flat = values.view({values.numel()});
+  for (size_t i = 0; i < layout_.segments().size(); ++i) {
+    const FsdpSegment& s = layout_.segments()[i];
+    if (s.spec != static_cast<int>(spec)) continue;
+    cast(master_segments_[i], flat.narrow(s.param_begin, s.param_begin + s.numel).to(device_));
+  }
+}
+
 void Fsdp::refresh_compute_weights(bool chunk_written) {
   if (!chunk_written)
     for (size_t i = 0; i < master_segments_.size(); ++i)

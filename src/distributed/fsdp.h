@@ -132,6 +132,10 @@ class Fsdp final : public ParamSource, public GradSink {
   // elements [flat_offset, flat_offset + out.size()) of the flat parameter vector. Then
   // refreshes the compute weights.
   void load_master(const std::function<void(int64_t, std::span<float>)>& read);
+  // Writes this rank's segments of parameter `spec` (parameter_specs order) from its whole
+  // fp32 host values, so an import holds one parameter at a time; after the last one,
+  // refresh_compute_weights(false).
+  void set_parameter(size_t spec, const Tensor& values);
 
   // The step's protocol, called identically on every rank:
   //   begin_step(); for each micro-batch k of n: begin_micro_batch(k == n - 1);

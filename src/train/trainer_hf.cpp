@@ -15,11 +15,12 @@ namespace forge {
 
 void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (fsdp_) {
-    // Every rank reads the model into host memory and keeps its segments (a LoRA run's
-    // frozen base too: NOTE [Frozen FSDP base]).
-    FlatParameters host(config_.model);
-    load_hf_weights_checked(dir, host);
-    return load_fsdp_chunks(host);
+    // Every rank reads the model one parameter at a time and keeps its segments (a LoRA
+    // run's frozen base too: NOTE [Frozen FSDP base]): the host holds the largest
+    // parameter in fp32, not the model.
+    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); });
+    fsdp_->refresh_compute_weights(false);
+    return;
   }
   if (config_.lora.quantize_base == "nf4") {
     // NOTE [QLoRA base]: each parameter quantized (or cast) as it is read, so the host holds

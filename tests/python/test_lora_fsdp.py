@@ -4,7 +4,8 @@ give the losses, the final adapters and the merged export of the single-process 
 same global batch (within fp32 reordering: the adapter gradients are summed over the ranks
 in another order than one process accumulates them); a run resumed under data parallelism
 gives bitwise the losses and adapters of the uninterrupted data-parallel run; every rank
-holds half of the frozen base."""
+holds half of the frozen base. (Full fine-tuning's import under FSDP, one parameter at a
+time like the frozen base's, is checked here too.)"""
 import json
 import os
 import shutil
@@ -48,20 +49,21 @@ class LoraDataParallel(unittest.TestCase):
         shutil.rmtree(cls.work, ignore_errors=True)
 
     @classmethod
-    def train(cls, name, shards, replicas, *extra, steps=6, export=True):
+    def train(cls, name, shards, replicas, *extra, steps=6, export=True, lora=True):
         """LoRA on the HF base for `steps` steps on shards x replicas CPU ranks, micro-batch 2,
         accumulation filling the global batch of 8 sequences, full activation checkpointing;
-        export: the merged model into <run_dir>/hf."""
+        export: the merged model into <run_dir>/hf; lora False: full fine-tuning."""
         ranks = shards * replicas
         run_dir = os.path.join(cls.work, name)
         args = ["train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", cls.base,
-                "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear",
                 "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * ranks)), "--training.seq_len", "32",
                 "--training.steps", str(steps), "--eval.interval", "0", "--lr_scheduler.warmup_steps", "2",
                 "--lr_scheduler.decay_steps", "8", "--logging.run_dir", run_dir,
                 "--parallelism.data_parallel_shard_degree", str(shards),
                 "--parallelism.data_parallel_replicate_degree", str(replicas), *extra]
+        if lora:
+            args += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear"]
         if export:
             args += ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
         command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
@@ -116,6 +118,11 @@ class LoraDataParallel(unittest.TestCase):
         first, second = self.adapters(straight), self.adapters(resumed)
         for name in first:
             self.assertTrue(torch.equal(first[name], second[name]), name)
+
+    def test_full_fine_tune_imports_the_same_weights_on_two_ranks(self):
+        single = self.train("full1", 1, 1, steps=2, export=False, lora=False)
+        double = self.train("full2", 2, 1, steps=2, export=False, lora=False)
+        self.assertLess(relative_error(np.array(train_losses(double)), np.array(train_losses(single))), LOSS_TOLERANCE)
 
     def test_qlora_with_data_parallel_ranks_is_refused(self):
         result = subprocess.run(
