@@ -205,7 +205,12 @@ void Fsdp::set_parameter(size_t spec, const Tensor& values) {
   for (size_t i = 0; i < layout_.segments().size(); ++i) {
     const FsdpSegment& s = layout_.segments()[i];
     if (s.spec != static_cast<int>(spec)) continue;
-    cast(master_segments_[i], flat.narrow(s.param_begin, s.param_begin + s.numel).to(device_));
+    // A host window at a time: on the GPU the fp32 staging stays within options_.host_window.
+    const int64_t window = std::max<int64_t>(options_.host_window, 1);
+    for (int64_t k = 0; k < s.numel; k += window) {
+      const int64_t n = std::min(window, s.numel - k);
+      cast(master_segments_[i].narrow(k, k + n), flat.narrow(s.param_begin + k, s.param_begin + k + n).to(device_));
+    }
   }
 }
 

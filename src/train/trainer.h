@@ -15,7 +15,8 @@
 // NOTE [Data-parallel steps]
 // With more than one data-parallel rank (parallelism.data_parallel_shard_degree ×
 // data_parallel_replicate_degree, equal to the launcher's world size) the model state is
-// sharded by FSDP (distributed/fsdp.h) and every rank computes a slice of the global batch. For
+// sharded by FSDP (distributed/fsdp.h; under LoRA the frozen base alone, NOTE [LoRA under
+// data parallelism] in trainer.cpp) and every rank computes a slice of the global batch. For
 // its a-th accumulation step rank r reads micro-batch a * world + r of the global batch,
 // in the order a single device would read it, and nothing else (DataLoader's rank and
 // world), so reading does not grow with the world size; the ranks add up their unmasked

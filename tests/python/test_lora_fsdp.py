@@ -50,11 +50,17 @@ class LoraDataParallel(unittest.TestCase):
 
     @classmethod
     def train(cls, name, shards, replicas, *extra, steps=6, export=True, lora=True):
+        run_dir = os.path.join(cls.work, name)
+        command = cls.command(run_dir, shards, replicas, *extra, steps=steps, export=export, lora=lora)
+        cls.last = run(command, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        return run_dir
+
+    @classmethod
+    def command(cls, run_dir, shards, replicas, *extra, steps=6, export=True, lora=True):
         """LoRA on the HF base for `steps` steps on shards x replicas CPU ranks, micro-batch 2,
         accumulation filling the global batch of 8 sequences, full activation checkpointing;
         export: the merged model into <run_dir>/hf; lora False: full fine-tuning."""
         ranks = shards * replicas
-        run_dir = os.path.join(cls.work, name)
         args = ["train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", cls.base,
                 "--activation_checkpoint.mode", "full", "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * ranks)), "--training.seq_len", "32",
@@ -66,9 +72,7 @@ class LoraDataParallel(unittest.TestCase):
             args += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear"]
         if export:
             args += ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
-        command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
-        cls.last = run(command, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
-        return run_dir
+        return [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
 
     def adapters(self, run_dir):
         return load_file(os.path.join(run_dir, "adapter", "adapter_model.safetensors"))
@@ -123,6 +127,17 @@ class LoraDataParallel(unittest.TestCase):
         single = self.train("full1", 1, 1, steps=2, export=False, lora=False)
         double = self.train("full2", 2, 1, steps=2, export=False, lora=False)
         self.assertLess(relative_error(np.array(train_losses(double)), np.array(train_losses(single))), LOSS_TOLERANCE)
+
+    def test_a_non_finite_adapter_gradient_is_named(self):
+        command = self.command(os.path.join(self.work, "nan"), 2, 1, steps=3, export=False)
+        result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT,
+                                env=dict(os.environ, FORGE_NUM_THREADS="1",
+                                         FORGE_TEST_INJECT_NAN="2:layers.1.attention.qkv.lora_b:1"))
+        self.assertNotEqual(result.returncode, 0)
+        # Every rank finds the same; one may hear of the other's failure first and stop on that.
+        self.assertRegex(result.stdout + result.stderr,
+                         r"\[rank [01]\] error: non-finite step 2 .*accumulation step 1 of 2 .*first non-finite "
+                         r"gradient \(in parameter order\) is 'layers\.1\.attention\.qkv\.lora_b'")
 
     def test_qlora_with_data_parallel_ranks_is_refused(self):
         result = subprocess.run(
