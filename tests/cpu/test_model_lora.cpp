@@ -164,12 +164,7 @@ TEST(ModelLora, EveryCheckpointingModeGivesTheSameGradients) {
                                     ActivationCheckpoint::Full}) {
     LoraAdapters adapters(config, c, Device::CPU, 16);
     adapters.initialize(2);
-    for (size_t k = 0; k < adapters.targets().size(); ++k)  // nonzero B, so A has gradients
-      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p) {
-        Tensor b = adapters.part_matrix(k, p, 'b');
-        for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
-        adapters.set_part_matrix(k, p, 'b', b);
-      }
+    testing::set_nonzero_lora_b(adapters);
     adapters.set_base(base);
     adapters.set_dropout_step(9, 0);
     DecoderLM model(config, 2, 8, Device::CPU, DType::F32, mode);

@@ -161,6 +161,10 @@ TEST(GpuFsdp, LoraOverAFrozenBaseMatchesTheWholeBase) {
   auto run = [&](ParamSource& base) {
     LoraAdapters adapters(c, lora, Device::CUDA, kBatch * kSeq);
     adapters.initialize(3);
+    Rng rng(17);
+    for (size_t k = 0; k < adapters.targets().size(); ++k)  // B nonzero, so A has gradients
+      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p)
+        adapters.set_part_matrix(k, p, 'b', random_f32(adapters.part_matrix(k, p, 'b').shape(), rng, 0.02));
     adapters.set_base(base);
     DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
     std::vector<double> losses;
