@@ -136,15 +136,6 @@ void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) 
 
 void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
   config.lora.validate(keys);
-  const ParallelismConfig& p = config.parallelism;
-  // LoRA under data parallelism shards its bf16 base (NOTE [LoRA under data parallelism]
-  // in train/trainer.cpp); QLoRA's NF4 base has no data-parallel form yet.
-  if (config.lora.enabled() && config.lora.quantize_base == "nf4" &&
-      p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1)
-    FORGE_FAIL("{} (QLoRA) trains on one device: its NF4 base is neither sharded nor replicated across data-parallel "
-               "ranks yet (plain LoRA, lora.quantize_base none, is); set parallelism.data_parallel_shard_degree and "
-               "data_parallel_replicate_degree to 1 (they are {} and {})",
-               show(config, keys, "lora.quantize_base"), p.data_parallel_shard_degree, p.data_parallel_replicate_degree);
   // QLoRA (NOTE [QLoRA base] in model/nf4_base.h): the NF4 base is frozen, so only
   // adapters can train on it. (That it is imported from Hugging Face weights is the
   // trainer's check: forge info sizes a QLoRA preset without a model folder.)

@@ -74,13 +74,13 @@
 #pragma once
 
 #include <array>
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <span>
 #include <vector>
 
 #include "core/device.h"
+#include "distributed/data_parallel_comm.h"
 #include "distributed/fsdp_layout.h"
 #include "distributed/process_group.h"
 #include "model/parameters.h"
@@ -103,7 +103,9 @@ struct FsdpMemory {
   int64_t reduce_buffers = 0;      // staging for bf16 reduction and the reduced chunks
 };
 
-class Fsdp final : public ParamSource, public GradSink {
+// The step's scalar collectives (sum_over_ranks, count_over_ranks, all_reduce_sum,
+// all_gather_words, take_exposed_comm_seconds) come from DataParallelComm.
+class Fsdp final : public DataParallelComm, public ParamSource, public GradSink {
  public:
   // shard_group: the ranks that split the parameters; replicate_group (may be null): the
   // ranks that hold the same chunk (hybrid sharding). Both outlive this object.
@@ -148,23 +150,11 @@ class Fsdp final : public ParamSource, public GradSink {
   void finish_gradients();
   // Sum of squares of the whole (global) gradient: this rank's chunk, all-reduced.
   double global_grad_sum_of_squares();
-  // `value` summed over every data-parallel rank (shard and replicate groups).
-  double sum_over_ranks(double value);
-  // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
-  std::pair<double, double> sum_over_ranks(double first, double second);
-  // `tensor` (on this device) summed in place over every data-parallel rank: a frozen base's
-  // LoRA adapter gradients. Every rank ends with the same bits.
-  void all_reduce_sum(const Tensor& tensor);
-  // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
-  int64_t count_over_ranks(int64_t count);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);
 
   FsdpMemory memory() const;
-  // NOTE [Exposed communication]: seconds the compute stream waited for communication
-  // since the last call (synchronizes with the last such wait).
-  double take_exposed_comm_seconds();
 
   // Redistributes per-segment tensors (layout().segments() order, fp32 or bf16: the master
   // segments, or the optimizer's moments) from the FSDP layout to the flat index space
@@ -175,8 +165,6 @@ class Fsdp final : public ParamSource, public GradSink {
   void gather_flat_range(const std::vector<Tensor>& segments, int64_t begin, int64_t end, std::span<float> out);
   // The whole flat vector on shard rank 0 (`flat` resized there), nothing elsewhere.
   void gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat);
-  // Every shard rank's `words` (equal counts), in rank order.
-  std::vector<uint32_t> all_gather_words(const std::vector<uint32_t>& words);
 
   // ParamSource
   const Tensor& embedding() override;
@@ -232,9 +220,6 @@ class Fsdp final : public ParamSource, public GradSink {
     float* out;
   };
   void fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill);
-  // Makes the compute stream wait for everything enqueued on the communication stream
-  // (before a collective of its own, and at the end of the step's reductions).
-  void join_comm();
   // Makes the compute stream wait for a unit kept in full, once after each refresh.
   void await_unit(int unit);
   // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
@@ -251,13 +236,9 @@ class Fsdp final : public ParamSource, public GradSink {
   void check_trainable(const char* what) const;  // a frozen base has no gradients
 
   ModelConfig config_;
-  Device device_;
-  ProcessGroup& shard_group_;
-  ProcessGroup* replicate_group_;
   FsdpOptions options_;
   FsdpLayout layout_;
   DType compute_dtype_;
-  DeviceStream comm_;
 
   Tensor master_, grad_shard_;
   std::vector<Tensor> master_segments_, grad_segments_, compute_segments_;
@@ -279,19 +260,6 @@ class Fsdp final : public ParamSource, public GradSink {
   std::vector<std::unique_ptr<DeviceEvent>> unit_ready_;
   std::vector<bool> unit_pending_;
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
-  std::unique_ptr<DeviceEvent> comm_done_;
-  Tensor norm_scratch_;
-  static constexpr int kCountDigits = 3;  // count_over_ranks
-  Tensor count_scratch_;
-  // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.
-  void begin_exposed();
-  void end_exposed();
-  std::vector<std::pair<std::unique_ptr<DeviceEvent>, std::unique_ptr<DeviceEvent>>> stall_events_;
-  size_t stalls_used_ = 0;
-  double host_exposed_s_ = 0;
-  std::chrono::steady_clock::time_point host_stall_start_;
-  double all_reduce_scalar(ProcessGroup& group, double value);
-  std::pair<double, double> all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count);
 };
 
 }  // namespace forge

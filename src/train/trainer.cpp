@@ -61,12 +61,17 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // Before the first large allocation (the FSDP buffers): the estimate is checked against
   // what the GPU has free, so nothing of this run may be counted as in use already.
   check_memory_fits(config_);
-  if (world_size_ > 1) {
+  if (world_size_ > 1 && config_.lora.quantize_base == "nf4") {
+    // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives.
+    replicated_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    dp_ = replicated_comm_.get();
+  } else if (world_size_ > 1) {
     FsdpOptions fsdp;
     fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
     fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
+    dp_ = fsdp_.get();
   }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   std::vector<bool> decay;
@@ -74,7 +79,6 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
     if (fsdp_) {
-      FORGE_CHECK(config_.lora.quantize_base != "nf4", "QLoRA with data-parallel ranks (refused by the config check)");
       // NOTE [LoRA under data parallelism]: the frozen base sharded, the adapters replicated.
       fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
       lora_->set_base(*fsdp_);
@@ -112,7 +116,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
   }
-  if (fsdp_) {
+  if (dp_) {
     log_fsdp_memory();
     if (rank_ != 0) set_log_level(LogLevel::Warn);
   }
@@ -134,12 +138,17 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
 // Every rank says what it holds: the optimizer state (master weights and moments) is
 // 1/N of the model's on each of the N shard ranks (NOTE [FSDP]).
 void Trainer::log_fsdp_memory() const {
+  if (!fsdp_)
+    return log_info("data-parallel rank {} of {}, QLoRA: the NF4 base and the LoRA adapters ({} values) replicated "
+                    "on every rank",
+                    rank_, world_size_, lora_->stored_values());
   const FsdpMemory m = fsdp_->memory();
   auto gib = [](double b) { return fmt::format("{:.3f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   const int shards = shard_group_->world_size();
   if (lora_) {
     const double chunk = static_cast<double>(fsdp_->master_shard().nbytes());
-    const double base = static_cast<double>(config_.model.total_params()) * static_cast<double>(dtype_size(fsdp_->master_shard().dtype()));
+    const double base = static_cast<double>(config_.model.total_params()) *
+                        static_cast<double>(dtype_size(fsdp_->master_shard().dtype()));
     return log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas), LoRA: frozen base chunk {} = 1/{:.3f} "
                     "of the base's {}; compute weights {} (the chunk, the embedding and head in full{}); LoRA "
                     "adapters replicated: {} values",
@@ -260,6 +269,7 @@ void Trainer::discard_gradients() {
 }
 
 void Trainer::begin_gradients() {
+  if (dp_) dp_->reset_exposed_comm();  // what evaluation waited for is not the step's
   if (fsdp_) fsdp_->begin_step();
   if (!sharded_gradients()) discard_gradients();  // NOTE [Fresh gradient buffers]: no zeroing pass
 }
@@ -277,10 +287,12 @@ void Trainer::begin_gradients() {
 // all-reduce). Checkpoints hold the adapters alone (NOTE [LoRA checkpoints]) as one shard,
 // written by rank 0; the PEFT adapter is written by rank 0; the merged Hugging Face export
 // gathers the base to rank 0's host (Fsdp::gather_to_host) and merges there.
+// QLoRA's NF4 base is not sharded but replicated: every rank imports and quantizes the
+// whole base (bitwise the same codes everywhere), and a DataParallelComm alone carries the
+// collectives (the adapters' all-reduce, the loss, the counts); rank 0 exports.
 void Trainer::finish_gradients() {
-  if (!fsdp_) return;
-  fsdp_->finish_gradients();
-  if (lora_) fsdp_->all_reduce_sum(lora_->gradient_flat());
+  if (fsdp_) fsdp_->finish_gradients();
+  if (dp_ && lora_) dp_->all_reduce_sum(lora_->gradient_flat());
 }
 
 std::vector<ParamSpec> Trainer::checkpoint_specs() const {
@@ -439,7 +451,7 @@ TrainResult Trainer::run() {
       const int32_t* tg = b.targets.data<int32_t>();
       for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
     }
-    if (fsdp_) targets = fsdp_->count_over_ranks(targets);
+    if (dp_) targets = dp_->count_over_ranks(targets);
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     std::vector<double> micro_losses(static_cast<size_t>(accum));
@@ -459,8 +471,8 @@ TrainResult Trainer::run() {
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;
-    if (fsdp_) {
-      const auto [loss_sum, stops] = fsdp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
+    if (dp_) {
+      const auto [loss_sum, stops] = dp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
       loss.sum = loss_sum;
       stop_now = stops > 0;
       loss.tokens = targets;
@@ -505,7 +517,7 @@ TrainResult Trainer::run() {
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
     if (peak) m.mfu = m.model_tflops / *peak;
     if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
-    if (fsdp_) m.comm_exposed_s = fsdp_->take_exposed_comm_seconds();
+    if (dp_) m.comm_exposed_s = dp_->take_exposed_comm_seconds();
     if (op_profiling()) {
       m.op_seconds = op_profile_seconds();
       m.op_seconds_by_op = op_profile_seconds_by_op();

@@ -179,6 +179,9 @@ class Trainer {
   ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
+  // QLoRA under data parallelism: the collectives alone (its NF4 base is replicated).
+  std::unique_ptr<DataParallelComm> replicated_comm_;
+  DataParallelComm* dp_ = nullptr;  // fsdp_ or replicated_comm_: the step's collectives
   std::unique_ptr<CheckpointSaveJob> checkpoint_job_;  // a save not yet complete
   std::optional<NanInjection> inject_nan_;  // FORGE_TEST_INJECT_NAN
   int64_t skipped_in_a_row_ = 0, skipped_steps_ = 0;

@@ -283,7 +283,7 @@ void Trainer::save_checkpoint(int64_t step) {
   const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
   job->ranges = shard_ranges(numel, shards);
   const int64_t token =
-      fsdp_ ? std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
+      dp_ ? std::llround(dp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
   if (rank_ == 0) {
     job->staging.emplace(begin_checkpoint_save(folder, step, token));
     create_checkpoint_shard_files(job->staging->temporary_path(), job->ranges);
@@ -384,19 +384,19 @@ void Trainer::finish_checkpoint_save_job() {
   job->writer.reset();  // its buffer and files are released before the rename
   const std::string what = fmt::format("checkpoint '{}' (step {})", job->dir, job->state.step);
   std::vector<PieceCrc> parts = std::move(job->crcs);
-  if (fsdp_) {
+  if (dp_) {
     // Whether every writer wrote its part, then everyone's CRC-32s, on the training thread
     // (NOTE [Async checkpoints]).
-    const double failed = fsdp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
+    const double failed = dp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
     if (!failure.empty()) FORGE_FAIL("{} could not be written by rank {}: {}", what, rank_, failure);
     if (failed > 0)
       FORGE_FAIL("{} could not be written: {} rank(s) failed to write their part (their logs say why)", what,
                  std::llround(failed));
-    const std::vector<uint32_t> counts = fsdp_->all_gather_words({static_cast<uint32_t>(parts.size())});
+    const std::vector<uint32_t> counts = dp_->all_gather_words({static_cast<uint32_t>(parts.size())});
     const uint32_t longest = *std::max_element(counts.begin(), counts.end());
     std::vector<uint32_t> words = encode_piece_crcs(parts);
     words.resize(static_cast<size_t>(longest) * kPieceCrcWords, 0);
-    const std::vector<uint32_t> all = fsdp_->all_gather_words(words);
+    const std::vector<uint32_t> all = dp_->all_gather_words(words);
     parts.clear();
     for (size_t r = 0; r < counts.size(); ++r) {
       const std::vector<PieceCrc> theirs =

@@ -18,7 +18,8 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     // Every rank reads the model one parameter at a time and keeps its segments (a LoRA
     // run's frozen base too: NOTE [Frozen FSDP base]): the host holds the largest
     // parameter in fp32, not the model.
-    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); });
+    for_each_hf_parameter(dir, config_.model,
+                          [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); });
     fsdp_->refresh_compute_weights(false);
     return;
   }
@@ -70,6 +71,7 @@ void Trainer::export_hf_model() {
     save_hf_model(dir, host, options);
     return log_info("exported the base model with the LoRA adapters merged to {}", dir);
   }
+  if (rank_ != 0) return;  // QLoRA under data parallelism: every rank holds the same model
   if (lora_) {
     // The merged model: base + alpha / rank * B A for every adapted module. A QLoRA base
     // is dequantized first, as PEFT's merge_and_unload does on a bitsandbytes 4-bit model.

@@ -51,7 +51,7 @@ std::string Trainer::first_nonfinite_gradient() {
   const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
   const int64_t i = first_nonfinite_tensor(fsdp_->grad_segments());
   const uint32_t mine = i < 0 ? kNone : static_cast<uint32_t>(segments[static_cast<size_t>(i)].spec);
-  const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+  const std::vector<uint32_t> all = dp_->all_gather_words({mine});
   const uint32_t first = *std::min_element(all.begin(), all.end());
   return first == kNone ? "" : parameter_specs(config_.model)[first].name;
 }
@@ -71,7 +71,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   }
   // Which micro-batch: a single rank names its own; under FSDP the accumulation step.
   auto micro_batch_name = [&](int64_t a) {
-    if (!fsdp_) return fmt::format("micro-batch {} of {}", a, accum);
+    if (!dp_) return fmt::format("micro-batch {} of {}", a, accum);
     return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
                        accum, a * world_size_, a * world_size_ + world_size_ - 1);
   };
@@ -88,7 +88,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
       const int64_t i = first_nonfinite_tensor(fsdp_->master_segments());
       const uint32_t mine =
           i < 0 ? kNone : static_cast<uint32_t>(fsdp_->layout().segments()[static_cast<size_t>(i)].spec);
-      const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+      const std::vector<uint32_t> all = dp_->all_gather_words({mine});
       const uint32_t first = *std::min_element(all.begin(), all.end());
       if (first != kNone) weight = parameter_specs(config_.model)[first].name;
     }
@@ -98,9 +98,9 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   // 2. A micro-batch whose loss is not finite (the forward pass).
   for (int64_t a = 0; a < accum; ++a) {
     const bool bad_here = !std::isfinite(micro_losses[static_cast<size_t>(a)]);
-    const bool bad = fsdp_ ? fsdp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
+    const bool bad = dp_ ? dp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
     if (!bad) continue;
-    if (bad_here && fsdp_)
+    if (bad_here && dp_)
       FORGE_FAIL("{}: micro-batch {} of the global batch (rank {}, accumulation step {}): the loss (forward pass) is "
                  "non-finite",
                  head, a * world_size_ + rank_, rank_, a);

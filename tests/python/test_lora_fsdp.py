@@ -2,10 +2,11 @@
 Llama, with activation checkpointing: 2 ranks (shard 2) and 4 ranks (shard 2 x replicate 2)
 give the losses, the final adapters and the merged export of the single-process run on the
 same global batch (within fp32 reordering: the adapter gradients are summed over the ranks
-in another order than one process accumulates them); a run resumed under data parallelism
-gives bitwise the losses and adapters of the uninterrupted data-parallel run; every rank
-holds half of the frozen base. (Full fine-tuning's import under FSDP, one parameter at a
-time like the frozen base's, is checked here too.)"""
+in another order than one process accumulates them); so does QLoRA, its NF4 base
+replicated on every rank; a run resumed under data parallelism gives bitwise the losses and
+adapters of the uninterrupted data-parallel run (LoRA and QLoRA); every rank holds half of
+the frozen base. (Full fine-tuning's import under FSDP, one parameter at a time like the
+frozen base's, is checked here too.)"""
 import json
 import os
 import shutil
@@ -72,7 +73,9 @@ class LoraDataParallel(unittest.TestCase):
             args += ["--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear"]
         if export:
             args += ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
-        return [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
+        if ranks == 1:
+            return [forge_bin(), *args]
+        return [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args]
 
     def adapters(self, run_dir):
         return load_file(os.path.join(run_dir, "adapter", "adapter_model.safetensors"))
@@ -89,7 +92,8 @@ class LoraDataParallel(unittest.TestCase):
         merged = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
         reference_merged = load_file(os.path.join(self.single, "hf", "model.safetensors"))
         for name in reference_merged:
-            self.assertLess(relative_error(merged[name].numpy(), reference_merged[name].numpy()), ADAPTER_TOLERANCE, name)
+            self.assertLess(relative_error(merged[name].numpy(), reference_merged[name].numpy()), ADAPTER_TOLERANCE,
+                            name)
         base = load_file(os.path.join(self.base, "model.safetensors"))
         for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.1.input_layernorm.weight"):
             self.assertTrue(torch.equal(base[name], merged[name]), f"{name}: the frozen base, bit for bit")
@@ -109,19 +113,21 @@ class LoraDataParallel(unittest.TestCase):
         self.assert_follows_single(self.train("zero1", 2, 1, "--parallelism.zero_stage", "1"))
 
     def test_resume_under_data_parallelism_is_bitwise(self):
-        common = ["--lora.dropout", "0.1", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-        straight = self.train("straight", 2, 1, *common, export=False)
-        resumed = self.train("resumed", 2, 1, *common, steps=3, export=False)
-        with open(os.path.join(resumed, "checkpoints", "step-3", "metadata.json")) as f:
-            metadata = json.load(f)
-        self.assertEqual(len(metadata["shards"]), 1, "the replicated adapters are saved once")
-        self.assertFalse(any(t["name"].endswith(".weight") for t in metadata["tensors"]), "adapters only")
-        self.train("resumed", 2, 1, *common, export=False)
-        self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
-        self.assertEqual(train_losses(straight), train_losses(resumed))
-        first, second = self.adapters(straight), self.adapters(resumed)
-        for name in first:
-            self.assertTrue(torch.equal(first[name], second[name]), name)
+        for kind, extra in (("lora", []), ("qlora", ["--lora.quantize_base", "nf4"])):
+            with self.subTest(kind):
+                common = ["--lora.dropout", "0.1", "--checkpoint.enable", "true", "--checkpoint.interval", "3", *extra]
+                straight = self.train(f"{kind}-straight", 2, 1, *common, export=False)
+                resumed = self.train(f"{kind}-resumed", 2, 1, *common, steps=3, export=False)
+                with open(os.path.join(resumed, "checkpoints", "step-3", "metadata.json")) as f:
+                    metadata = json.load(f)
+                self.assertEqual(len(metadata["shards"]), 1, "the replicated adapters are saved once")
+                self.assertFalse(any(t["name"].endswith(".weight") for t in metadata["tensors"]), "adapters only")
+                self.train(f"{kind}-resumed", 2, 1, *common, export=False)
+                self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
+                self.assertEqual(train_losses(straight), train_losses(resumed))
+                first, second = self.adapters(straight), self.adapters(resumed)
+                for name in first:
+                    self.assertTrue(torch.equal(first[name], second[name]), name)
 
     def test_full_fine_tune_imports_the_same_weights_on_two_ranks(self):
         single = self.train("full1", 1, 1, steps=2, export=False, lora=False)
@@ -139,14 +145,34 @@ class LoraDataParallel(unittest.TestCase):
                          r"\[rank [01]\] error: non-finite step 2 .*accumulation step 1 of 2 .*first non-finite "
                          r"gradient \(in parameter order\) is 'layers\.1\.attention\.qkv\.lora_b'")
 
-    def test_qlora_with_data_parallel_ranks_is_refused(self):
-        result = subprocess.run(
-            [forge_bin(), "launch", "--nproc-per-node", "2", "--", "train", "--checkpoint.initial_load_in_hf", "true",
-             "--checkpoint.initial_load_path", self.base, "--lora.rank", "4", "--lora.quantize_base", "nf4",
-             "--logging.run_dir", os.path.join(self.work, "qlora"), "--parallelism.data_parallel_shard_degree", "2"],
-            capture_output=True, text=True, timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
-        self.assertNotEqual(result.returncode, 0)
-        self.assertIn("(QLoRA) trains on one device", result.stdout + result.stderr)
+    def test_qlora_replicates_its_nf4_base_and_follows_one_process(self):
+        qlora = ["--lora.quantize_base", "nf4"]
+        single = self.train("qlora1", 1, 1, *qlora)
+        for name, shards, replicas in (("qlora2", 2, 1), ("qlora4", 2, 2)):
+            with self.subTest(name):
+                run_dir = self.train(name, shards, replicas, *qlora)
+                self.assertIn("QLoRA: the NF4 base and the LoRA adapters", self.last.stdout + self.last.stderr)
+                self.assertLess(relative_error(np.array(train_losses(run_dir)), np.array(train_losses(single))),
+                                LOSS_TOLERANCE)
+                mine, theirs = self.adapters(run_dir), self.adapters(single)
+                for tensor in theirs:
+                    self.assertLess(relative_error(mine[tensor].numpy(), theirs[tensor].numpy()), ADAPTER_TOLERANCE,
+                                    tensor)
+                merged = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+                reference = load_file(os.path.join(single, "hf", "model.safetensors"))
+                for tensor in reference:
+                    self.assertLess(relative_error(merged[tensor].numpy(), reference[tensor].numpy()),
+                                    ADAPTER_TOLERANCE, tensor)
+
+
+    def test_forge_info_sizes_a_rank(self):
+        def info(*extra):
+            return run([forge_bin(), "info", "debug-tiny", "--lora.rank", "4",
+                        "--parallelism.data_parallel_shard_degree", "4", *extra]).stdout
+        self.assertIn("per rank of FSDP ZeRO-3 over 4 shard ranks", info())
+        self.assertRegex(info(), r"frozen fp32 weights .* \+ LoRA adapters")
+        self.assertIn("per rank of 4 data-parallel ranks (the NF4 base and the adapters replicated)",
+                      info("--lora.quantize_base", "nf4"))
 
 
 if __name__ == "__main__":
