@@ -15,6 +15,7 @@
 // the weights only the embedding and head and three gathered blocks) and the reduction
 // buffers. LoRA under FSDP (NOTE [Frozen FSDP base]): the frozen base's chunk in the
 // compute dtype plus what the ZeRO stage holds in full; the adapters whole on every rank.
+// QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
 #pragma once
 
 #include <cstdint>
