@@ -135,9 +135,11 @@ int run_info(const std::vector<std::string>& args) {
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
-             plan.fsdp ? fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks", plan.zero_stage,
-                                     plan.shard_ranks)
-                       : std::string());
+             !plan.fsdp ? std::string()
+             : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
+                 ? fmt::format("; per rank of {} data-parallel ranks (the NF4 base and the adapters replicated)",
+                               plan.shard_ranks * config.parallelism.data_parallel_replicate_degree)
+                 : fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks", plan.zero_stage, plan.shard_ranks));
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;

@@ -136,11 +136,6 @@ void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) 
 
 void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
   config.lora.validate(keys);
-  const ParallelismConfig& p = config.parallelism;
-  if (config.lora.enabled() && p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1)
-    FORGE_FAIL("{} trains on one device: LoRA under FSDP (a frozen sharded base) is not implemented yet; set "
-               "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1 (they are {} and {})",
-               show(config, keys, "lora.rank"), p.data_parallel_shard_degree, p.data_parallel_replicate_degree);
   // QLoRA (NOTE [QLoRA base] in model/nf4_base.h): the NF4 base is frozen, so only
   // adapters can train on it. (That it is imported from Hugging Face weights is the
   // trainer's check: forge info sizes a QLoRA preset without a model folder.)

@@ -17,14 +17,11 @@ std::unique_ptr<DeviceEvent> make_event(Device device) { return std::make_unique
 
 Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
            const FsdpOptions& options)
-    : config_(config),
-      device_(device),
-      shard_group_(shard_group),
-      replicate_group_(replicate_group),
+    : DataParallelComm(device, shard_group, replicate_group),
+      config_(config),
       options_(options),
       layout_(config, shard_group.world_size(), shard_group.rank()),
-      compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
-      comm_(device) {
+      compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
   FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);
   FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
               dtype_name(options.reduce_dtype));
@@ -36,8 +33,9 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   for (int u = 0; u < units; ++u) unit_ready_.push_back(make_event(device));
   updated_ = make_event(device);
 
-  master_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
-  grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
+  // NOTE [Frozen FSDP base]: a frozen chunk is held in the compute dtype, with no gradient.
+  master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
+  if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
   // Compute weights.
   if (options.zero_stage <= 2) {
@@ -57,13 +55,14 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   }
   for (const FsdpSegment& s : layout_.segments()) {
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
-    grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
+    if (!options.frozen) grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
     Tensor chunk;  // a ZeRO-3 block keeps no compute copy of its chunk
     if (options.zero_stage <= 2) chunk = own_chunk(unit_full(full_compute_, s.unit), s.unit);
     else if (!layout_.is_block(s.unit)) chunk = own_chunk(root_unit(s.unit), s.unit);
     compute_segments_.push_back(chunk.defined() ? chunk.narrow(local, local + s.numel) : Tensor());
   }
+  if (options.frozen) return;
 
   // Full-size gradients: every unit's in ZeRO-1; in ZeRO-2/3 two rotating slots as large as
   // the largest unit that goes through them, and the tied embedding's own buffer.
@@ -98,9 +97,6 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   for (ReduceChannel& ch : channels_) make_channel(ch, slot_numel);
   if (options.zero_stage >= 2 && tied())
     make_channel(embedding_channel_, layout_.units()[static_cast<size_t>(embedding)].numel);
-  comm_done_ = make_event(device);
-  norm_scratch_ = Tensor::zeros({2}, DType::F32, device);
-  count_scratch_ = Tensor::zeros({kCountDigits}, DType::F32, device);
 }
 
 Fsdp::~Fsdp() {
@@ -170,7 +166,9 @@ void Fsdp::fill_master(const std::function<void(const std::vector<MasterPiece>&)
       if (a < b) pieces.push_back({&s, a - s.shard_offset, b - a, window + (a - w)});
     }
     fill(pieces);
-    master_.narrow(w, w + n).copy_from(host.narrow(0, n));
+    const Tensor window_out = master_.narrow(w, w + n);
+    if (window_out.dtype() == DType::F32) window_out.copy_from(host.narrow(0, n));
+    else cast(window_out, host.narrow(0, n).to(device_));  // a frozen bf16 chunk (NOTE [Frozen FSDP base])
   }
   refresh_compute_weights(false);
 }
@@ -191,6 +189,23 @@ void Fsdp::load_master(const std::function<void(int64_t, std::span<float>)>& rea
     for (const MasterPiece& p : pieces)
       read(p.segment->flat_offset + p.begin, std::span<float>(p.out, static_cast<size_t>(p.count)));
   });
+}
+
+void Fsdp::set_parameter(size_t spec, const Tensor& values) {
+  FORGE_CHECK(spec < layout_.specs().size() && values.numel() == shape_numel(layout_.specs()[spec].shape) &&
+                  values.dtype() == DType::F32 && values.device() == Device::CPU,
+              "FSDP set_parameter: {} fp32 host values for parameter {}", values.numel(), spec);
+  const Tensor flat = values.view({values.numel()});
+  for (size_t i = 0; i < layout_.segments().size(); ++i) {
+    const FsdpSegment& s = layout_.segments()[i];
+    if (s.spec != static_cast<int>(spec)) continue;
+    // A host window at a time: on the GPU the fp32 staging stays within options_.host_window.
+    const int64_t window = std::max<int64_t>(options_.host_window, 1);
+    for (int64_t k = 0; k < s.numel; k += window) {
+      const int64_t n = std::min(window, s.numel - k);
+      cast(master_segments_[i].narrow(k, k + n), flat.narrow(s.param_begin + k, s.param_begin + k + n).to(device_));
+    }
+  }
 }
 
 void Fsdp::refresh_compute_weights(bool chunk_written) {
@@ -246,8 +261,8 @@ const LinearWeight& Fsdp::output() {
 }
 
 void Fsdp::begin_step() {
-  stalls_used_ = 0;  // what evaluation waited for is not the step's
-  host_exposed_s_ = 0;
+  reset_exposed_comm();  // what evaluation waited for is not the step's
+  if (options_.frozen) return;  // nothing to reduce (NOTE [Frozen FSDP base])
   grad_shard_.fill_zero();
   // The full-size gradients (ZeRO-1, a tied embedding) are written over by the step's
   // first micro-batch; their padding is never written and stays zero.
@@ -289,67 +304,10 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
 
 void Fsdp::finish_gradients() { join_comm(); }
 
-void Fsdp::join_comm() {
-  begin_exposed();
-  comm_done_->record(comm_.get());
-  comm_done_->make_wait(kCompute);
-  end_exposed();
-}
-
-double Fsdp::all_reduce_scalar(ProcessGroup& group, double value) {
-  return all_reduce_values(group, {value, 0.0}, 1).first;
-}
-
-std::pair<double, double> Fsdp::all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count) {
-  const Tensor scratch = norm_scratch_.narrow(0, count);
-  Tensor host = Tensor::empty({count}, DType::F32);
-  host.data<float>()[0] = static_cast<float>(values.first);
-  if (count > 1) host.data<float>()[1] = static_cast<float>(values.second);
-  scratch.copy_from(host);
-  join_comm();  // one collective at a time on the communicator, in the same order everywhere
-  begin_exposed();
-  group.all_reduce(scratch, ReduceOp::Sum, kCompute);
-  end_exposed();
-  const Tensor out = scratch.to(Device::CPU);
-  return {out.data<float>()[0], count > 1 ? out.data<float>()[1] : 0.0};
-}
-
-std::pair<double, double> Fsdp::sum_over_ranks(double first, double second) {
-  auto values = all_reduce_values(shard_group_, {first, second}, 2);
-  return replicate_group_ ? all_reduce_values(*replicate_group_, values, 2) : values;
-}
-
 double Fsdp::global_grad_sum_of_squares() {
+  check_trainable("global_grad_sum_of_squares");
   // After the reductions every replica holds the same chunk: the shard group covers the model once.
   return all_reduce_scalar(shard_group_, sum_of_squares(grad_shard_));
-}
-
-// fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
-// travels as three 12-bit digits: each digit's sum over at most 4096 ranks is exact in
-// any order of addition (NCCL's included), and the count is exact up to 2^36.
-int64_t Fsdp::count_over_ranks(int64_t count) {
-  constexpr int kDigitBits = 12;
-  const int64_t ranks = int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
-  FORGE_CHECK(count >= 0 && count < (int64_t{1} << (kDigitBits * kCountDigits)) && ranks <= (1 << kDigitBits),
-              "count_over_ranks: {} on {} ranks is outside what the exact fp32 digit sum holds", count, ranks);
-  Tensor host = Tensor::empty({kCountDigits}, DType::F32);
-  for (int d = 0; d < kCountDigits; ++d)
-    host.data<float>()[d] = static_cast<float>((count >> (kDigitBits * d)) & ((1 << kDigitBits) - 1));
-  count_scratch_.copy_from(host);
-  join_comm();  // one collective at a time on the communicator, in the same order everywhere
-  begin_exposed();
-  shard_group_.all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
-  if (replicate_group_) replicate_group_->all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
-  end_exposed();
-  host = count_scratch_.to(Device::CPU);
-  int64_t total = 0;
-  for (int d = 0; d < kCountDigits; ++d) total += static_cast<int64_t>(host.data<float>()[d]) << (kDigitBits * d);
-  return total;
-}
-
-double Fsdp::sum_over_ranks(double value) {
-  value = all_reduce_scalar(shard_group_, value);
-  return replicate_group_ ? all_reduce_scalar(*replicate_group_, value) : value;
 }
 
 const BlockWeights& Fsdp::layer(int index) {
@@ -457,7 +415,12 @@ void Fsdp::unit_done(int unit) {
   FORGE_FAIL("FSDP: unit {} done before its gradients were asked for", unit);
 }
 
+void Fsdp::check_trainable(const char* what) const {
+  FORGE_CHECK(!options_.frozen, "FSDP: {} of a frozen base (NOTE [Frozen FSDP base]: it has no gradients)", what);
+}
+
 const BlockWeights& Fsdp::layer_grads(int index) {
+  check_trainable("layer_grads");
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
   if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
   return grad_slot(FsdpLayout::unit_of_layer(index)).block;
@@ -466,6 +429,7 @@ const BlockWeights& Fsdp::layer_grads(int index) {
 void Fsdp::layer_done(int index) { unit_done(FsdpLayout::unit_of_layer(index)); }
 
 const Tensor& Fsdp::embedding_grad() {
+  check_trainable("embedding_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.embedding;
   return grad_slot(FsdpLayout::kEmbeddingUnit).root.embedding;
 }
@@ -473,11 +437,13 @@ const Tensor& Fsdp::embedding_grad() {
 void Fsdp::embedding_done() { unit_done(FsdpLayout::kEmbeddingUnit); }
 
 const Tensor& Fsdp::final_norm_grad() {
+  check_trainable("final_norm_grad");
   if (options_.zero_stage == 1) return root_grads_.final_norm;
   return grad_slot(layout_.head_unit()).root.final_norm;
 }
 
 const LinearWeight& Fsdp::output_grad() {
+  check_trainable("output_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.output;
   return grad_slot(layout_.head_unit()).root.output;
 }
@@ -495,8 +461,8 @@ bool Fsdp::embedding_grad_fresh() const { return unit_fresh_[FsdpLayout::kEmbedd
 
 FsdpMemory Fsdp::memory() const {
   FsdpMemory m;
-  m.master_weights = static_cast<int64_t>(master_.nbytes());
-  m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
+  (options_.frozen ? m.compute_weights : m.master_weights) = static_cast<int64_t>(master_.nbytes());
+  if (grad_shard_.defined()) m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
   for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   for (const UnitSlot& s : weight_slots_)
@@ -559,48 +525,6 @@ void Fsdp::gather_to_host(const std::vector<Tensor>& segments, std::vector<float
   const bool root = layout_.rank() == 0;
   if (root) flat.assign(static_cast<size_t>(total), 0.0f);
   gather_flat_range(segments, 0, root ? total : 0, root ? std::span<float>(flat) : std::span<float>());
-}
-
-std::vector<uint32_t> Fsdp::all_gather_words(const std::vector<uint32_t>& words) {
-  // fp32 tensors carry the bits: an all-gather only moves them.
-  const int64_t n = std::max<int64_t>(static_cast<int64_t>(words.size()), 1);
-  Tensor mine = Tensor::zeros({n}, DType::F32);
-  std::copy_n(words.data(), words.size(), static_cast<uint32_t*>(mine.raw()));
-  Tensor all = Tensor::empty({n * layout_.world_size()}, DType::F32, device_);
-  join_comm();
-  shard_group_.all_gather(all, mine.to(device_), kCompute);
-  const Tensor host = all.to(Device::CPU);
-  std::vector<uint32_t> result(static_cast<size_t>(n * layout_.world_size()));
-  std::copy_n(static_cast<const uint32_t*>(host.raw()), result.size(), result.data());
-  if (words.empty()) result.clear();
-  return result;
-}
-
-void Fsdp::begin_exposed() {
-  if (device_ != Device::CUDA) {
-    host_stall_start_ = std::chrono::steady_clock::now();
-    return;
-  }
-  if (stalls_used_ == stall_events_.size())
-    stall_events_.emplace_back(std::make_unique<DeviceEvent>(device_, true), std::make_unique<DeviceEvent>(device_, true));
-  stall_events_[stalls_used_].first->record(kCompute);
-}
-
-void Fsdp::end_exposed() {
-  if (device_ != Device::CUDA) {
-    host_exposed_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - host_stall_start_).count();
-    return;
-  }
-  stall_events_[stalls_used_++].second->record(kCompute);
-}
-
-double Fsdp::take_exposed_comm_seconds() {
-  double total = host_exposed_s_;
-  for (size_t i = 0; i < stalls_used_; ++i)
-    total += DeviceEvent::elapsed_seconds(*stall_events_[i].first, *stall_events_[i].second);
-  stalls_used_ = 0;
-  host_exposed_s_ = 0;
-  return total;
 }
 
 }  // namespace forge

@@ -50,6 +50,18 @@
 // forgets the gathered blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
 //
+// NOTE [Frozen FSDP base]
+// A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each
+// rank's chunk in the compute dtype (bf16 on CUDA, fp32 on the CPU) in place of the fp32
+// master, with no gradient chunk, no gradient buffers, no reduction channels and no
+// optimizer state. The weights reach the model exactly as above: in ZeRO-3 the blocks are
+// all-gathered around their use through the three rotating buffers (a gather copies the
+// chunk into place, nothing to cast), the embedding and head are held in full; in ZeRO-1/2
+// every unit is held in full. Nothing is ever reduced for the base, so replicas (hybrid
+// sharding) simply hold identical chunks. The GradSink side is not used: the LoRA adapters
+// are the model's gradient sink, replicated on every rank, and their gradients are summed
+// over every data-parallel rank with all_reduce_sum once per step.
+//
 // NOTE [Exposed communication]
 // The communication that is not hidden behind compute is the time the compute stream
 // stands still for it: every place where it waits for the communication stream (a block
@@ -62,13 +74,13 @@
 #pragma once
 
 #include <array>
-#include <chrono>
 #include <functional>
 #include <memory>
 #include <span>
 #include <vector>
 
 #include "core/device.h"
+#include "distributed/data_parallel_comm.h"
 #include "distributed/fsdp_layout.h"
 #include "distributed/process_group.h"
 #include "model/parameters.h"
@@ -79,18 +91,21 @@ struct FsdpOptions {
   int zero_stage = 3;                // 1, 2 or 3
   DType reduce_dtype = DType::F32;   // F32 | BF16: the gradients' dtype in the reduce-scatter
   int64_t host_window = int64_t{1} << 26;  // fp32 elements staged on the host at a time (fill_master)
+  bool frozen = false;  // NOTE [Frozen FSDP base]: a compute-dtype chunk, nothing trainable
 };
 
 // Bytes this rank holds, by component (the memory report).
 struct FsdpMemory {
-  int64_t master_weights = 0;      // fp32 chunk
+  int64_t master_weights = 0;      // fp32 chunk (frozen: none; its chunk is a compute weight)
   int64_t gradient_shard = 0;      // fp32 chunk
   int64_t compute_weights = 0;     // bf16 (fp32 on the CPU): full, chunk and gather buffers
   int64_t full_gradients = 0;      // fp32 full-size gradient buffers
   int64_t reduce_buffers = 0;      // staging for bf16 reduction and the reduced chunks
 };
 
-class Fsdp final : public ParamSource, public GradSink {
+// The step's scalar collectives (sum_over_ranks, count_over_ranks, all_reduce_sum,
+// all_gather_words, take_exposed_comm_seconds) come from DataParallelComm.
+class Fsdp final : public DataParallelComm, public ParamSource, public GradSink {
  public:
   // shard_group: the ranks that split the parameters; replicate_group (may be null): the
   // ranks that hold the same chunk (hybrid sharding). Both outlive this object.
@@ -104,7 +119,8 @@ class Fsdp final : public ParamSource, public GradSink {
   // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
   // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
   // A segment of a ZeRO-3 block has no compute copy (an undefined tensor): its gather
-  // casts the master chunk.
+  // casts the master chunk. Frozen (NOTE [Frozen FSDP base]): the master segments are the
+  // compute-dtype chunk and there are no gradient segments.
   const std::vector<Tensor>& master_segments() const { return master_segments_; }
   const std::vector<Tensor>& grad_segments() const { return grad_segments_; }
   const std::vector<Tensor>& compute_segments() const { return compute_segments_; }
@@ -118,6 +134,10 @@ class Fsdp final : public ParamSource, public GradSink {
   // elements [flat_offset, flat_offset + out.size()) of the flat parameter vector. Then
   // refreshes the compute weights.
   void load_master(const std::function<void(int64_t, std::span<float>)>& read);
+  // Writes this rank's segments of parameter `spec` (parameter_specs order) from its whole
+  // fp32 host values, so an import holds one parameter at a time; after the last one,
+  // refresh_compute_weights(false).
+  void set_parameter(size_t spec, const Tensor& values);
 
   // The step's protocol, called identically on every rank:
   //   begin_step(); for each micro-batch k of n: begin_micro_batch(k == n - 1);
@@ -130,20 +150,11 @@ class Fsdp final : public ParamSource, public GradSink {
   void finish_gradients();
   // Sum of squares of the whole (global) gradient: this rank's chunk, all-reduced.
   double global_grad_sum_of_squares();
-  // `value` summed over every data-parallel rank (shard and replicate groups).
-  double sum_over_ranks(double value);
-  // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
-  std::pair<double, double> sum_over_ranks(double first, double second);
-  // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
-  int64_t count_over_ranks(int64_t count);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);
 
   FsdpMemory memory() const;
-  // NOTE [Exposed communication]: seconds the compute stream waited for communication
-  // since the last call (synchronizes with the last such wait).
-  double take_exposed_comm_seconds();
 
   // Redistributes per-segment tensors (layout().segments() order, fp32 or bf16: the master
   // segments, or the optimizer's moments) from the FSDP layout to the flat index space
@@ -154,8 +165,6 @@ class Fsdp final : public ParamSource, public GradSink {
   void gather_flat_range(const std::vector<Tensor>& segments, int64_t begin, int64_t end, std::span<float> out);
   // The whole flat vector on shard rank 0 (`flat` resized there), nothing elsewhere.
   void gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat);
-  // Every shard rank's `words` (equal counts), in rank order.
-  std::vector<uint32_t> all_gather_words(const std::vector<uint32_t>& words);
 
   // ParamSource
   const Tensor& embedding() override;
@@ -211,9 +220,6 @@ class Fsdp final : public ParamSource, public GradSink {
     float* out;
   };
   void fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill);
-  // Makes the compute stream wait for everything enqueued on the communication stream
-  // (before a collective of its own, and at the end of the step's reductions).
-  void join_comm();
   // Makes the compute stream wait for a unit kept in full, once after each refresh.
   void await_unit(int unit);
   // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
@@ -227,15 +233,12 @@ class Fsdp final : public ParamSource, public GradSink {
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
   void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
   bool tied() const { return config_.tie_word_embeddings; }
+  void check_trainable(const char* what) const;  // a frozen base has no gradients
 
   ModelConfig config_;
-  Device device_;
-  ProcessGroup& shard_group_;
-  ProcessGroup* replicate_group_;
   FsdpOptions options_;
   FsdpLayout layout_;
   DType compute_dtype_;
-  DeviceStream comm_;
 
   Tensor master_, grad_shard_;
   std::vector<Tensor> master_segments_, grad_segments_, compute_segments_;
@@ -257,19 +260,6 @@ class Fsdp final : public ParamSource, public GradSink {
   std::vector<std::unique_ptr<DeviceEvent>> unit_ready_;
   std::vector<bool> unit_pending_;
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
-  std::unique_ptr<DeviceEvent> comm_done_;
-  Tensor norm_scratch_;
-  static constexpr int kCountDigits = 3;  // count_over_ranks
-  Tensor count_scratch_;
-  // Stall timing (NOTE [Exposed communication]): event pairs on CUDA, a host clock on the CPU.
-  void begin_exposed();
-  void end_exposed();
-  std::vector<std::pair<std::unique_ptr<DeviceEvent>, std::unique_ptr<DeviceEvent>>> stall_events_;
-  size_t stalls_used_ = 0;
-  double host_exposed_s_ = 0;
-  std::chrono::steady_clock::time_point host_stall_start_;
-  double all_reduce_scalar(ProcessGroup& group, double value);
-  std::pair<double, double> all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count);
 };
 
 }  // namespace forge

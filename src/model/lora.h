@@ -18,6 +18,8 @@
 // module; PEFT's tensors are the parts (peft_tensor_name). A is initialized
 // kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and B with zeros, as
 // PEFT does, so training starts from the base model's function.
+// Under data parallelism the base is a frozen FSDP (sharded, NOTE [Frozen FSDP base]) and the
+// adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp).
 #pragma once
 
 #include <cstdint>

@@ -10,6 +10,21 @@
 
 namespace forge {
 
+namespace {
+
+// The values of FSDP's units (NOTE [FSDP layout]), padding left out.
+struct FsdpUnitSizes {
+  double block, embedding, head;
+};
+FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config) {
+  const double block = static_cast<double>(config.params_per_layer());
+  const double embedding = static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
+  return {block, embedding,
+          static_cast<double>(config.total_params()) - embedding - block * static_cast<double>(config.num_layers)};
+}
+
+}  // namespace
+
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan) {
   const double params = static_cast<double>(config.total_params());
   const DType compute = plan.cuda ? DType::BF16 : DType::F32;
@@ -25,6 +40,14 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
     const double adapters = static_cast<double>(lora.stored), compute_bytes = static_cast<double>(dtype_size(compute));
     e.frozen_weights = params * compute_bytes;
+    if (plan.fsdp && plan.lora.quantize_base != "nf4") {
+      // NOTE [Frozen FSDP base]: this rank's chunk in the compute dtype, and what the ZeRO
+      // stage holds in full (ZeRO-3: the embedding, the head and three gathered blocks).
+      const FsdpUnitSizes u = fsdp_unit_sizes(config);
+      e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
+                          (plan.zero_stage <= 2 ? params : u.embedding + u.head + 3 * u.block)) *
+                         compute_bytes;
+    }
     if (plan.lora.quantize_base == "nf4") {
       double projections = 0;
       for (const ParamSpec& spec : parameter_specs(config))
@@ -43,9 +66,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 
   // The layout of NOTE [FSDP layout] and the buffers of NOTE [FSDP] (padding left out).
   const double n = static_cast<double>(plan.shard_ranks);
-  const double block = static_cast<double>(config.params_per_layer());
-  const double embedding = static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
-  const double head = params - embedding - block * static_cast<double>(config.num_layers);
+  const auto [block, embedding, head] = fsdp_unit_sizes(config);
   const bool tied = config.tie_word_embeddings;
   const double compute_bytes = static_cast<double>(dtype_size(compute));
   const double largest_unit = std::max({embedding, head, block});

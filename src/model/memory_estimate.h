@@ -13,7 +13,9 @@
 // stage keeps (ZeRO-1: all gradients and weights; ZeRO-2: all weights and two gradient
 // buffers of the largest unit, plus a tied embedding's gradients; ZeRO-3: as ZeRO-2 but of
 // the weights only the embedding and head and three gathered blocks) and the reduction
-// buffers.
+// buffers. LoRA under FSDP (NOTE [Frozen FSDP base]): the frozen base's chunk in the
+// compute dtype plus what the ZeRO stage holds in full; the adapters whole on every rank.
+// QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
 #pragma once
 
 #include <cstdint>
@@ -55,7 +57,7 @@ struct MemoryPlan {
   int64_t zero_stage = 3;
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
-  LoraConfig lora;            // rank > 0: LoRA training on one device
+  LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

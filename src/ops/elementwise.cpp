@@ -28,7 +28,9 @@ void cast(const Tensor& out, const Tensor& in, CudaStream stream) {
   OpProfileScope profile(OpClass::Elementwise, "cast");
   FORGE_CHECK(out.numel() == in.numel() && out.device() == in.device(), "cast: {} {} into {} {}",
               device_name(in.device()), shape_str(in.shape()), device_name(out.device()), shape_str(out.shape()));
-  if (out.dtype() == in.dtype()) return out.copy_from(in);
+  // The same dtype: a copy, in the stream's order too (a frozen FSDP chunk's gather).
+  if (out.dtype() == in.dtype())
+    return copy_bytes_on(out.raw(), out.device(), in.raw(), in.device(), out.nbytes(), stream);
   if (in.device() == Device::CPU) {
     if (in.dtype() == DType::F32 && out.dtype() == DType::BF16) {
       const float* src = in.data<float>();

@@ -9,7 +9,8 @@ namespace forge {
 
 // sum of squares of all elements, accumulated in double (for the global grad norm)
 double sum_of_squares(const Tensor& a);
-// out = in converted between fp32 and bf16 (same device, same element count), enqueued
+// out = in converted between fp32 and bf16, or copied when the dtypes are equal (same
+// device, same element count), enqueued
 // on `stream` (CUDA; the CPU runs it at once).
 void cast(const Tensor& out, const Tensor& in, CudaStream stream = nullptr);
 // dst += src elementwise: dst fp32, src fp32 or bf16 (same device, same element count),

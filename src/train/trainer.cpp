@@ -61,19 +61,28 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // Before the first large allocation (the FSDP buffers): the estimate is checked against
   // what the GPU has free, so nothing of this run may be counted as in use already.
   check_memory_fits(config_);
-  if (world_size_ > 1) {
+  if (world_size_ > 1 && config_.lora.quantize_base == "nf4") {
+    // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives.
+    replicated_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    dp_ = replicated_comm_.get();
+  } else if (world_size_ > 1) {
     FsdpOptions fsdp;
     fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
     fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
+    fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
+    dp_ = fsdp_.get();
   }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   std::vector<bool> decay;
   if (config_.lora.enabled()) {
-    FORGE_CHECK(!fsdp_, "LoRA with data-parallel ranks (refused by the config check)");
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
-    if (config_.lora.quantize_base == "nf4") {
+    if (fsdp_) {
+      // NOTE [LoRA under data parallelism]: the frozen base sharded, the adapters replicated.
+      fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
+      lora_->set_base(*fsdp_);
+    } else if (config_.lora.quantize_base == "nf4") {
       // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported;
       // without them, from the seeded initialization, one parameter at a time (a resumed
       // run initializes and quantizes again, to bitwise the same codes).
@@ -98,8 +107,6 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
     for (const FsdpSegment& segment : fsdp_->layout().segments()) decay.push_back(segment.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, fsdp_->master_segments(), decay);
-    log_fsdp_memory();
-    if (rank_ != 0) set_log_level(LogLevel::Warn);
   } else {
     // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
     // gradients; the model computes with a bf16 copy of the weights refreshed after every
@@ -113,6 +120,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     }
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
+  }
+  if (dp_) {
+    log_fsdp_memory();
+    if (rank_ != 0) set_log_level(LogLevel::Warn);
   }
   model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode));
@@ -132,15 +143,31 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
 // Every rank says what it holds: the optimizer state (master weights and moments) is
 // 1/N of the model's on each of the N shard ranks (NOTE [FSDP]).
 void Trainer::log_fsdp_memory() const {
+  if (!fsdp_)
+    return log_info("data-parallel rank {} of {}, QLoRA: the NF4 base and the LoRA adapters ({} values) replicated "
+                    "on every rank",
+                    rank_, world_size_, lora_->stored_values());
   const FsdpMemory m = fsdp_->memory();
+  auto gib = [](double b) { return fmt::format("{:.3f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
+  const int shards = shard_group_->world_size();
+  if (lora_) {
+    const double chunk = static_cast<double>(fsdp_->master_shard().nbytes());
+    const double base = static_cast<double>(config_.model.total_params()) *
+                        static_cast<double>(dtype_size(fsdp_->master_shard().dtype()));
+    return log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas), LoRA: frozen base chunk {} = 1/{:.3f} "
+                    "of the base's {}; compute weights {} (the chunk, the embedding and head in full{}); LoRA "
+                    "adapters replicated: {} values",
+                    rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, gib(chunk),
+                    base / chunk, gib(base), gib(static_cast<double>(m.compute_weights)),
+                    fsdp_->options().zero_stage == 3 ? ", three gathered blocks" : ", every block",
+                    lora_->stored_values());
+  }
   int64_t moments = 0;
   for (const Tensor& t : optimizer_->exp_avg()) moments += static_cast<int64_t>(t.nbytes());
   for (const Tensor& t : optimizer_->exp_avg_sq()) moments += static_cast<int64_t>(t.nbytes());
   const double moment_bytes = config_.optimizer.state_dtype == "bf16" ? 4.0 : 8.0;
   const double model_state = static_cast<double>(config_.model.total_params()) * (4.0 + moment_bytes);
   const double own_state = static_cast<double>(m.master_weights + moments);
-  const int shards = shard_group_->world_size();
-  auto gib = [](double b) { return fmt::format("{:.3f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas): optimizer state {} (master {} + moments {}) "
            "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
            "reduction buffers {}",
@@ -219,14 +246,14 @@ const FlatParameters& Trainer::parameters() const {
 }
 
 ParamSource& Trainer::weights() {
+  if (lora_) return *lora_;  // over FSDP's frozen base under data parallelism
   if (fsdp_) return *fsdp_;
-  if (lora_) return *lora_;
   return compute_weights_ ? *compute_weights_ : *params_;
 }
 
 GradSink& Trainer::gradients() {
-  if (fsdp_) return *fsdp_;
   if (lora_) return *lora_;
+  if (fsdp_) return *fsdp_;
   return *grads_;
 }
 
@@ -244,6 +271,33 @@ std::vector<std::string> Trainer::trainable_names() const {
 void Trainer::discard_gradients() {
   if (lora_) lora_->discard();
   else grads_->discard();
+}
+
+void Trainer::begin_gradients() {
+  if (dp_) dp_->reset_exposed_comm();  // what evaluation waited for is not the step's
+  if (fsdp_) fsdp_->begin_step();
+  if (!sharded_gradients()) discard_gradients();  // NOTE [Fresh gradient buffers]: no zeroing pass
+}
+
+// NOTE [LoRA under data parallelism]
+// With several data-parallel ranks a LoRA run keeps its frozen base in a frozen Fsdp (NOTE
+// [Frozen FSDP base]: each shard rank holds its chunk in the compute dtype, blocks gathered
+// around their use in ZeRO-3) and the adapters, their gradients and their AdamW state whole
+// on every rank. Each rank reads its micro-batches (NOTE [Data-parallel steps]) and writes
+// its adapter gradients; after the step's last backward the flat gradient buffer (its
+// padding zero) is summed over every rank, once. The loss is already divided by the global
+// target count (NOTE [Loss normalization]), so the sum is the global gradient, its norm the
+// global norm with no further reduction, and the optimizer, run alike on every rank, keeps
+// the adapters bitwise identical everywhere (every rank receives the same bits from the
+// all-reduce). Checkpoints hold the adapters alone (NOTE [LoRA checkpoints]) as one shard,
+// written by rank 0; the PEFT adapter is written by rank 0; the merged Hugging Face export
+// gathers the base to rank 0's host (Fsdp::gather_to_host) and merges there.
+// QLoRA's NF4 base is not sharded but replicated: every rank imports and quantizes the
+// whole base (bitwise the same codes everywhere), and a DataParallelComm alone carries the
+// collectives (the adapters' all-reduce, the loss, the counts); rank 0 exports.
+void Trainer::finish_gradients() {
+  if (fsdp_) fsdp_->finish_gradients();
+  if (dp_ && lora_) dp_->all_reduce_sum(lora_->gradient_flat());
 }
 
 std::vector<ParamSpec> Trainer::checkpoint_specs() const {
@@ -393,8 +447,7 @@ TrainResult Trainer::run() {
     reset_op_profile();
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
-    if (fsdp_) fsdp_->begin_step();
-    else discard_gradients();  // NOTE [Fresh gradient buffers]: no zeroing pass
+    begin_gradients();
     // NOTE [Data-parallel steps]: every rank reads its own micro-batches of the global batch.
     int64_t targets = 0;
     for (int64_t a = 0; a < accum; ++a) {
@@ -403,7 +456,7 @@ TrainResult Trainer::run() {
       const int32_t* tg = b.targets.data<int32_t>();
       for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
     }
-    if (fsdp_) targets = fsdp_->count_over_ranks(targets);
+    if (dp_) targets = dp_->count_over_ranks(targets);
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     std::vector<double> micro_losses(static_cast<size_t>(accum));
@@ -415,7 +468,7 @@ TrainResult Trainer::run() {
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale, b.has_examples() ? &layout : nullptr);
       if (fsdp_) fsdp_->end_micro_batch();
-      if (inject_nan_ && !fsdp_) inject_test_nan(step + 1, a);
+      if (inject_nan_ && !sharded_gradients()) inject_test_nan(step + 1, a);
       micro_losses[static_cast<size_t>(a)] = l.sum;
       loss.sum += l.sum;
       loss.tokens += l.tokens;
@@ -423,14 +476,16 @@ TrainResult Trainer::run() {
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;
-    if (fsdp_) {
-      const auto [loss_sum, stops] = fsdp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
+    if (dp_) {
+      const auto [loss_sum, stops] = dp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
       loss.sum = loss_sum;
       stop_now = stops > 0;
       loss.tokens = targets;
-      fsdp_->finish_gradients();
-      if (inject_nan_ && inject_nan_->micro_batch < accum) inject_test_nan(step + 1, inject_nan_->micro_batch);
-      norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
+      finish_gradients();
+      if (inject_nan_ && sharded_gradients() && inject_nan_->micro_batch < accum)
+        inject_test_nan(step + 1, inject_nan_->micro_batch);
+      // Replicated adapters hold the global gradient after finish_gradients: their norm is the global one.
+      norm = lora_ ? global_grad_norm({lora_->gradient_flat()}) : std::sqrt(fsdp_->global_grad_sum_of_squares());
     } else {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
     }
@@ -439,8 +494,8 @@ TrainResult Trainer::run() {
     if (!finite) {
       if (progress) progress->clear();
       handle_nonfinite(step + 1, batches, grad_scale, micro_losses, loss.mean(), norm);  // throws unless skipping
-      if (fsdp_) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
-    } else if (fsdp_) {
+      if (sharded_gradients()) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
+    } else if (sharded_gradients()) {
       skipped_in_a_row_ = 0;
       const bool fused_copy = device_ == Device::CUDA;  // AdamW writes the bf16 chunk as it updates
       optimizer_->step(fsdp_->grad_segments(), lr, clip_coefficient(norm, t.max_norm),
@@ -467,7 +522,7 @@ TrainResult Trainer::run() {
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
     if (peak) m.mfu = m.model_tflops / *peak;
     if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
-    if (fsdp_) m.comm_exposed_s = fsdp_->take_exposed_comm_seconds();
+    if (dp_) m.comm_exposed_s = dp_->take_exposed_comm_seconds();
     if (op_profiling()) {
       m.op_seconds = op_profile_seconds();
       m.op_seconds_by_op = op_profile_seconds_by_op();

@@ -15,7 +15,8 @@
 // NOTE [Data-parallel steps]
 // With more than one data-parallel rank (parallelism.data_parallel_shard_degree ×
 // data_parallel_replicate_degree, equal to the launcher's world size) the model state is
-// sharded by FSDP (distributed/fsdp.h) and every rank computes a slice of the global batch. For
+// sharded by FSDP (distributed/fsdp.h; under LoRA the frozen base alone, NOTE [LoRA under
+// data parallelism] in trainer.cpp) and every rank computes a slice of the global batch. For
 // its a-th accumulation step rank r reads micro-batch a * world + r of the global batch,
 // in the order a single device would read it, and nothing else (DataLoader's rank and
 // world), so reading does not grow with the world size; the ranks add up their unmasked
@@ -107,6 +108,13 @@ class Trainer {
   std::vector<Tensor> trainable_gradients() const;
   std::vector<std::string> trainable_names() const;
   void discard_gradients();
+  // The step's gradients start afresh (NOTE [Fresh gradient buffers]) and, under data
+  // parallelism, end summed over every rank (FSDP's reductions, or the LoRA adapters'
+  // all-reduce: NOTE [LoRA under data parallelism]).
+  void begin_gradients();
+  void finish_gradients();
+  // FSDP holds the trainable state (full training under data parallelism; not LoRA).
+  bool sharded_gradients() const { return fsdp_ && !lora_; }
   std::vector<ParamSpec> checkpoint_specs() const;
   // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
   void save_peft_adapter_to_run_dir();
@@ -145,6 +153,9 @@ class Trainer {
   std::string first_nonfinite_gradient();   // "" when every gradient is finite
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
+  // Fills every rank's FSDP chunk from the whole model in host memory (the parameters
+  // under full training, the frozen base under LoRA).
+  void load_fsdp_chunks(const FlatParameters& host);
   void export_hf_model();
 
   ExperimentConfig config_;
@@ -168,6 +179,9 @@ class Trainer {
   ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
+  // QLoRA under data parallelism: the collectives alone (its NF4 base is replicated).
+  std::unique_ptr<DataParallelComm> replicated_comm_;
+  DataParallelComm* dp_ = nullptr;  // fsdp_ or replicated_comm_: the step's collectives
   std::unique_ptr<CheckpointSaveJob> checkpoint_job_;  // a save not yet complete
   std::optional<NanInjection> inject_nan_;  // FORGE_TEST_INJECT_NAN
   int64_t skipped_in_a_row_ = 0, skipped_steps_ = 0;

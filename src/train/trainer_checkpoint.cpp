@@ -120,16 +120,16 @@ size_t Trainer::checkpoint_buffer_bytes() const {
 std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
   StateSegments segments;
   auto& [params, m, v] = segments;
-  if (fsdp_) {
+  if (lora_) {
+    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]; whole on every rank under data parallelism
+  } else if (fsdp_) {
     const std::vector<FsdpSegment>& layout = fsdp_->layout().segments();
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
-  } else if (lora_) {
-    params = consecutive(lora_->masters());  // NOTE [LoRA checkpoints]
   } else {
     params.push_back({0, params_->flat()});
   }
-  const std::vector<FlatSegment> offsets = fsdp_ ? params : consecutive(trainable_weights());
+  const std::vector<FlatSegment> offsets = sharded_gradients() ? params : consecutive(trainable_weights());
   m = at_offsets(offsets, optimizer_->exp_avg());
   v = at_offsets(offsets, optimizer_->exp_avg_sq());
   return segments;
@@ -160,8 +160,8 @@ std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optim
   if (resident_before >= 0)
     how += fmt::format(", process peak resident memory +{:.1f} MiB",
                        mib(static_cast<double>(host_status_bytes("VmHWM:") - resident_before)));
-  if (fsdp_) fsdp_->refresh_compute_weights(false);
-  else if (lora_) lora_->refresh_compute();
+  if (lora_) lora_->refresh_compute();
+  else if (fsdp_) fsdp_->refresh_compute_weights(false);
   else if (compute_weights_) compute_weights_->assign_from(*params_);
   return how;
 }
@@ -219,7 +219,8 @@ void Trainer::load_initial_weights(const std::string& path) {
     // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory.
     FlatParameters host(config_.model);
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{{{0, host.flat()}}, {}, {}}});
-    params_->assign_from(host);
+    if (fsdp_) load_fsdp_chunks(host);  // NOTE [LoRA under data parallelism]
+    else params_->assign_from(host);
   } else {
     // Each rank reads only its segments, whatever world size saved the checkpoint.
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
@@ -230,6 +231,7 @@ void Trainer::load_initial_weights(const std::string& path) {
 }
 
 // NOTE [Parallel checkpoint saves]
+// (A LoRA run under data parallelism saves its replicated adapters from rank 0 alone.)
 // Under FSDP every rank of the first replica (the shard group that holds world rank 0)
 // writes its own segments (NOTE [FSDP layout]: its chunk of every unit, the master weights
 // and both moments) straight into the shard files, at the places their flat elements have
@@ -276,11 +278,12 @@ void Trainer::save_checkpoint(int64_t step) {
   state.optimizer_step = optimizer_->step_count();
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
-  const int shards = fsdp_ ? shard_group_->world_size() : 1;
+  // LoRA's adapters are whole on every rank: one shard, written by rank 0.
+  const int shards = sharded_gradients() ? shard_group_->world_size() : 1;
   const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
   job->ranges = shard_ranges(numel, shards);
   const int64_t token =
-      fsdp_ ? std::llround(fsdp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
+      dp_ ? std::llround(dp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
   if (rank_ == 0) {
     job->staging.emplace(begin_checkpoint_save(folder, step, token));
     create_checkpoint_shard_files(job->staging->temporary_path(), job->ranges);
@@ -381,19 +384,19 @@ void Trainer::finish_checkpoint_save_job() {
   job->writer.reset();  // its buffer and files are released before the rename
   const std::string what = fmt::format("checkpoint '{}' (step {})", job->dir, job->state.step);
   std::vector<PieceCrc> parts = std::move(job->crcs);
-  if (fsdp_) {
+  if (dp_) {
     // Whether every writer wrote its part, then everyone's CRC-32s, on the training thread
     // (NOTE [Async checkpoints]).
-    const double failed = fsdp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
+    const double failed = dp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
     if (!failure.empty()) FORGE_FAIL("{} could not be written by rank {}: {}", what, rank_, failure);
     if (failed > 0)
       FORGE_FAIL("{} could not be written: {} rank(s) failed to write their part (their logs say why)", what,
                  std::llround(failed));
-    const std::vector<uint32_t> counts = fsdp_->all_gather_words({static_cast<uint32_t>(parts.size())});
+    const std::vector<uint32_t> counts = dp_->all_gather_words({static_cast<uint32_t>(parts.size())});
     const uint32_t longest = *std::max_element(counts.begin(), counts.end());
     std::vector<uint32_t> words = encode_piece_crcs(parts);
     words.resize(static_cast<size_t>(longest) * kPieceCrcWords, 0);
-    const std::vector<uint32_t> all = fsdp_->all_gather_words(words);
+    const std::vector<uint32_t> all = dp_->all_gather_words(words);
     parts.clear();
     for (size_t r = 0; r < counts.size(); ++r) {
       const std::vector<PieceCrc> theirs =

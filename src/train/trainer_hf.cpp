@@ -15,11 +15,12 @@ namespace forge {
 
 void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (fsdp_) {
-    // Every rank reads the model into host memory and keeps its segments.
-    FlatParameters host(config_.model);
-    load_hf_weights_checked(dir, host);
-    const float* flat = host.flat().data<float>();
-    fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
+    // Every rank reads the model one parameter at a time and keeps its segments (a LoRA
+    // run's frozen base too: NOTE [Frozen FSDP base]): the host holds the largest
+    // parameter in fp32, not the model.
+    for_each_hf_parameter(dir, config_.model,
+                          [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); });
+    fsdp_->refresh_compute_weights(false);
     return;
   }
   if (config_.lora.quantize_base == "nf4") {
@@ -47,6 +48,11 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (compute_weights_) compute_weights_->assign_from(*params_);
 }
 
+void Trainer::load_fsdp_chunks(const FlatParameters& host) {
+  const float* flat = host.flat().data<float>();
+  fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
+}
+
 void Trainer::export_hf_model() {
   HfExportOptions options;
   const std::string& dtype = config_.checkpoint.export_dtype;  // bf16, fp16 or fp32: checked before training
@@ -59,8 +65,13 @@ void Trainer::export_hf_model() {
     if (rank_ != 0) return;
     FlatParameters host(config_.model);
     std::copy(flat.begin(), flat.end(), host.flat().data<float>());
-    return save_hf_model(dir, host, options);
+    if (!lora_) return save_hf_model(dir, host, options);
+    // NOTE [LoRA under data parallelism]: the gathered frozen base with the adapters merged.
+    lora_->merge_into(host);
+    save_hf_model(dir, host, options);
+    return log_info("exported the base model with the LoRA adapters merged to {}", dir);
   }
+  if (rank_ != 0) return;  // QLoRA under data parallelism: every rank holds the same model
   if (lora_) {
     // The merged model: base + alpha / rank * B A for every adapted module. A QLoRA base
     // is dequantized first, as PEFT's merge_and_unload does on a bitsandbytes 4-bit model.
@@ -78,6 +89,7 @@ void Trainer::export_hf_model() {
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {
+  if (rank_ != 0) return;  // the adapters are the same on every rank (NOTE [LoRA under data parallelism])
   const CheckpointConfig& ckpt = config_.checkpoint;
   const std::string base = ckpt.initial_load_in_hf ? ckpt.initial_load_path : config_.model.name;
   save_peft_adapter(run_dir_ + "/adapter", *lora_, base);

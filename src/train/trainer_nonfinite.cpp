@@ -19,7 +19,7 @@ constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
   if (!inject_nan_ || inject_nan_->step != step || inject_nan_->micro_batch != micro_batch) return;
   bool found = false;
-  if (fsdp_) {
+  if (sharded_gradients()) {
     const std::vector<ParamSpec> specs = parameter_specs(config_.model);
     const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
     for (size_t i = 0; i < segments.size(); ++i) {
@@ -41,16 +41,17 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
 }
 
 // In parameter order; under FSDP every rank scans its chunk and the shard ranks agree on
-// the first (replicas hold the same reduced gradients).
+// the first (replicas hold the same reduced gradients). LoRA's replicated adapters hold the
+// same summed gradients on every rank (NOTE [LoRA under data parallelism]).
 std::string Trainer::first_nonfinite_gradient() {
-  if (!fsdp_) {
+  if (!sharded_gradients()) {
     const int64_t i = first_nonfinite_tensor(trainable_gradients());
     return i < 0 ? "" : trainable_names()[static_cast<size_t>(i)];
   }
   const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
   const int64_t i = first_nonfinite_tensor(fsdp_->grad_segments());
   const uint32_t mine = i < 0 ? kNone : static_cast<uint32_t>(segments[static_cast<size_t>(i)].spec);
-  const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+  const std::vector<uint32_t> all = dp_->all_gather_words({mine});
   const uint32_t first = *std::min_element(all.begin(), all.end());
   return first == kNone ? "" : parameter_specs(config_.model)[first].name;
 }
@@ -70,7 +71,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   }
   // Which micro-batch: a single rank names its own; under FSDP the accumulation step.
   auto micro_batch_name = [&](int64_t a) {
-    if (!fsdp_) return fmt::format("micro-batch {} of {}", a, accum);
+    if (!dp_) return fmt::format("micro-batch {} of {}", a, accum);
     return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
                        accum, a * world_size_, a * world_size_ + world_size_ - 1);
   };
@@ -80,14 +81,14 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   // 1. Weights that are not finite already (a loaded checkpoint or initial weights).
   {
     std::string weight;
-    if (!fsdp_) {
+    if (!sharded_gradients()) {
       const int64_t i = first_nonfinite_tensor(trainable_weights());
       if (i >= 0) weight = trainable_names()[static_cast<size_t>(i)];
     } else {
       const int64_t i = first_nonfinite_tensor(fsdp_->master_segments());
       const uint32_t mine =
           i < 0 ? kNone : static_cast<uint32_t>(fsdp_->layout().segments()[static_cast<size_t>(i)].spec);
-      const std::vector<uint32_t> all = fsdp_->all_gather_words({mine});
+      const std::vector<uint32_t> all = dp_->all_gather_words({mine});
       const uint32_t first = *std::min_element(all.begin(), all.end());
       if (first != kNone) weight = parameter_specs(config_.model)[first].name;
     }
@@ -97,9 +98,9 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   // 2. A micro-batch whose loss is not finite (the forward pass).
   for (int64_t a = 0; a < accum; ++a) {
     const bool bad_here = !std::isfinite(micro_losses[static_cast<size_t>(a)]);
-    const bool bad = fsdp_ ? fsdp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
+    const bool bad = dp_ ? dp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
     if (!bad) continue;
-    if (bad_here && fsdp_)
+    if (bad_here && dp_)
       FORGE_FAIL("{}: micro-batch {} of the global batch (rank {}, accumulation step {}): the loss (forward pass) is "
                  "non-finite",
                  head, a * world_size_ + rank_, rank_, a);
@@ -109,20 +110,16 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   const std::string summed = first_nonfinite_gradient();
   for (int64_t a = 0; a < accum; ++a) {
     const Batch& b = batches[static_cast<size_t>(a)];
-    if (fsdp_) {
-      fsdp_->begin_step();
-      fsdp_->begin_micro_batch(true);
-    } else {
-      discard_gradients();
-    }
+    begin_gradients();
+    if (fsdp_) fsdp_->begin_micro_batch(true);
     const SequenceLayout layout = sequence_layout(b);
     model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(), grad_scale,
                              b.has_examples() ? &layout : nullptr);
-    if (fsdp_) {
-      fsdp_->end_micro_batch();
-      fsdp_->finish_gradients();
-    }
-    inject_test_nan(step, a);
+    if (fsdp_) fsdp_->end_micro_batch();
+    // LoRA under data parallelism: injected before the sum, as in the step.
+    if (!sharded_gradients()) inject_test_nan(step, a);
+    finish_gradients();
+    if (sharded_gradients()) inject_test_nan(step, a);
     const std::string tensor = first_nonfinite_gradient();
     if (!tensor.empty())
       FORGE_FAIL("{}: {}: the first non-finite gradient (in parameter order) is '{}' (found by running the step's "

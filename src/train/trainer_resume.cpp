@@ -46,7 +46,7 @@ std::string Trainer::checkpoint_problem(const std::string& dir) {
       problem = e.what();
     }
   }
-  const bool anywhere = fsdp_ ? fsdp_->sum_over_ranks(problem.empty() ? 0.0 : 1.0) > 0 : !problem.empty();
+  const bool anywhere = dp_ ? dp_->sum_over_ranks(problem.empty() ? 0.0 : 1.0) > 0 : !problem.empty();
   if (anywhere && problem.empty()) problem = "another rank found it damaged (see its message)";
   return problem;
 }

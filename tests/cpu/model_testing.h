@@ -1,5 +1,6 @@
 // Helpers shared by the tests that train or run a whole model (test_model.cpp,
-// test_distributed_fsdp.cpp): a tiny Llama-shaped config and random token ids.
+// test_distributed_fsdp.cpp, the LoRA tests): a tiny Llama-shaped config, random token
+// ids, LoRA adapters with a nonzero B.
 #pragma once
 
 #include <cstdint>
@@ -7,6 +8,7 @@
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "model/config.h"
+#include "model/lora.h"
 
 namespace forge::testing {
 
@@ -31,6 +33,17 @@ inline Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) 
   Rng rng(seed);
   for (int64_t i = 0; i < x.numel(); ++i) x.data<int32_t>()[i] = static_cast<int32_t>(rng.below(vocab));
   return x;
+}
+
+// Sets every B of `adapters` to small nonzero values (PEFT starts it at zero), so A has
+// gradients too.
+inline void set_nonzero_lora_b(LoraAdapters& adapters) {
+  for (size_t k = 0; k < adapters.targets().size(); ++k)
+    for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p) {
+      Tensor b = adapters.part_matrix(k, p, 'b');
+      for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
+      adapters.set_part_matrix(k, p, 'b', b);
+    }
 }
 
 }  // namespace forge::testing

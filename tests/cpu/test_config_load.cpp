@@ -111,25 +111,10 @@ TEST(ConfigLoad, ShippedExperimentsLoad) {
 // load and validate, as `forge info FILE` does, so a broken preset fails CI. A preset in a
 // folder named after a GPU must also be a bf16 CUDA run whose per-rank memory estimate
 // (forge info's "one GPU" line) plus forge's reserve fits that GPU's usable memory.
-// The fine-tuning presets awaiting a capability this build refuses (README "Benchmark
-// presets" says so beside them) may fail with exactly that refusal; the rest of their
-// config must then load once the refused setting is taken away, and when the capability
-// lands they are checked as all the others.
 TEST(ConfigLoad, EveryShippedExperimentLoadsAndFitsItsGpu) {
   ScopedEnv no_config_dir("FORGE_CONFIG_DIR", std::nullopt);
   constexpr double gib = 1024.0 * 1024 * 1024;
   const std::map<std::string, double> usable_gib = {{"h100", 79.2}, {"h200", 139.8}};  // H100 SXM 80GB, H200 141GB
-  struct Awaiting {
-    std::string refusal;
-    ConfigOverrides without;  // what makes the rest loadable
-  };
-  const Awaiting lora_fsdp = {"LoRA under FSDP (a frozen sharded base) is not implemented yet",
-                              {{"parallelism.data_parallel_shard_degree", "1"}}};
-  const std::map<std::string, Awaiting> awaiting = {
-      {"llama3.1-70b-finetune-lora-fsdp8-seq8192.yaml", lora_fsdp},
-      {"llama3.3-70b-finetune-lora-fsdp8-seq8192.yaml", lora_fsdp},
-      {"llama2-70b-lora-fsdp8-seq8192.yaml", lora_fsdp},
-  };
   int experiments = 0;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(source_path("configs/experiments"))) {
     if (!entry.is_regular_file() || entry.path().extension() != ".yaml") continue;
@@ -140,13 +125,7 @@ TEST(ConfigLoad, EveryShippedExperimentLoadsAndFitsItsGpu) {
     try {
       config = load_experiment(file, {});
     } catch (const Error& error) {
-      const auto waiting = awaiting.find(entry.path().filename().string());
-      if (waiting == awaiting.end()) {
-        ADD_FAILURE() << error.what();
-      } else {
-        EXPECT_NE(std::string(error.what()).find(waiting->second.refusal), std::string::npos) << error.what();
-        EXPECT_NO_THROW(load_experiment(file, waiting->second.without));
-      }
+      ADD_FAILURE() << error.what();
       continue;
     }
     const TrainingConfig& t = config.training;

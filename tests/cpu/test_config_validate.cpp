@@ -40,6 +40,18 @@ TEST(ConfigValidate, NF4BaseNeedsAdapters) {
   expect_error([] { load({{"lora.quantize_base", "int4"}}); }, {"lora.quantize_base", "none", "nf4"});
 }
 
+// LoRA shards its frozen base under data parallelism, QLoRA replicates its NF4 base (NOTE
+// [LoRA under data parallelism]): both pass the check on several ranks.
+TEST(ConfigValidate, LoraAndQloraRunOnDataParallelRanks) {
+  const ExperimentConfig hybrid = load({{"lora.rank", "4"}, {"parallelism.data_parallel_shard_degree", "2"},
+                                        {"parallelism.data_parallel_replicate_degree", "2"}});
+  EXPECT_EQ(hybrid.training.global_batch_size, 4 * hybrid.training.local_batch_size *
+                                                   hybrid.training.gradient_accumulation_steps);
+  const ExperimentConfig qlora =
+      load({{"lora.rank", "4"}, {"lora.quantize_base", "nf4"}, {"parallelism.data_parallel_shard_degree", "2"}});
+  EXPECT_EQ(qlora.lora.quantize_base, "nf4");
+}
+
 TEST(ConfigValidate, SequenceMustFitTheModel) {
   expect_error([] { load({{"training.seq_len", "512"}}); },
                {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});

@@ -1,8 +1,10 @@
 // FSDP in one process: the layout's chunks tile every parameter exactly once at any world
 // size, and FSDP over the one-rank group (every stage, every reduce dtype) trains exactly
 // as single-device training does: the same losses and the same master weights bit for
-// bit with fp32 reduction, within bf16 rounding with bf16 reduction. The multi-rank runs,
-// through forge launch, are in tests/python/test_fsdp.py.
+// bit with fp32 reduction, within bf16 rounding with bf16 reduction. A frozen Fsdp (NOTE
+// [Frozen FSDP base]) holds only its chunk and hands LoRA the base bit for bit. The
+// multi-rank runs, through forge launch, are in tests/python/test_fsdp.py and
+// tests/python/test_lora_fsdp.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,8 +14,11 @@
 #include "distributed/fsdp.h"
 #include "distributed/launch_env.h"
 #include "model_testing.h"
+#include "ops_testing.h"
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 #include "optim/optimizer.h"
+#include "expect_error.h"
 
 namespace forge {
 namespace {
@@ -248,6 +253,71 @@ TEST(FsdpMemory, FollowsTheStage) {
     // ZeRO-3: the embedding and head in full and three gathered blocks, no copy of the chunk.
     EXPECT_EQ(m[2].compute_weights, (embedding + head + 3 * layout.max_block_numel()) * 4);
     for (const FsdpMemory& each : m) EXPECT_EQ(each.reduce_buffers, 0);  // fp32: made on first use
+  }
+}
+
+// NOTE [Frozen FSDP base]: the chunk in the compute dtype (fp32 on the CPU) and what the
+// stage holds in full; no master, no gradient, no reduction buffer.
+TEST(FsdpFrozen, HoldsItsChunkAndNothingTrainable) {
+  const ModelConfig config = tiny(false);
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const FsdpLayout layout(config, 1, 0);
+  const int64_t embedding = layout.units()[FsdpLayout::kEmbeddingUnit].numel;
+  const int64_t head = layout.units()[static_cast<size_t>(layout.head_unit())].numel;
+  for (int stage : {1, 3}) {
+    FsdpOptions options;
+    options.zero_stage = stage;
+    options.frozen = true;
+    Fsdp fsdp(config, Device::CPU, *group, nullptr, options);
+    const FsdpMemory m = fsdp.memory();
+    EXPECT_EQ(m.master_weights, 0);
+    EXPECT_EQ(m.gradient_shard, 0);
+    EXPECT_EQ(m.full_gradients, 0);
+    EXPECT_EQ(m.reduce_buffers, 0);
+    const int64_t held = stage == 3 ? embedding + head + 3 * layout.max_block_numel() : layout.full_numel();
+    EXPECT_EQ(m.compute_weights, (layout.shard_numel() + held) * 4);
+    EXPECT_TRUE(fsdp.grad_segments().empty());
+    expect_error([&] { fsdp.layer_grads(0); }, {"frozen base", "no gradients"});
+    expect_error([&] { fsdp.global_grad_sum_of_squares(); }, {"frozen base"});
+  }
+}
+
+// LoRA over a frozen Fsdp computes bit for bit what it computes over the whole base, in
+// every stage and with activation checkpointing (one rank: the gathers are copies).
+TEST(FsdpFrozen, LoraOverTheFrozenBaseMatchesTheWholeBase) {
+  const ModelConfig config = tiny(false);
+  LoraConfig c;
+  c.rank = 3;
+  c.alpha = 6.0;
+  c.target_modules = "all-linear";
+  c.dropout = 0.1;
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const Tensor tokens = random_tokens(kMicro, kSeq, config.vocab_size, 3);
+  const Tensor targets = random_tokens(kMicro, kSeq, config.vocab_size, 4);
+  auto gradients = [&](ParamSource& base) {
+    LoraAdapters adapters(config, c, Device::CPU, kMicro * kSeq);
+    adapters.initialize(2);
+    testing::set_nonzero_lora_b(adapters);
+    adapters.set_base(base);
+    adapters.set_dropout_step(9, 0);
+    DecoderLM model(config, kMicro, kSeq, Device::CPU, DType::F32, ActivationCheckpoint::Full);
+    adapters.discard();
+    const LossSum loss = model.forward_backward(tokens, targets, adapters, adapters, 1.0f / (kMicro * kSeq));
+    return std::make_pair(loss.sum, adapters.gradient_flat().clone());
+  };
+  FlatParameters whole(config);
+  whole.initialize(7);
+  const auto expected = gradients(whole);
+  for (int stage : {1, 2, 3}) {
+    SCOPED_TRACE(stage);
+    FsdpOptions options;
+    options.zero_stage = stage;
+    options.frozen = true;
+    Fsdp fsdp(config, Device::CPU, *group, nullptr, options);
+    fsdp.initialize(7);
+    const auto got = gradients(fsdp);
+    EXPECT_EQ(got.first, expected.first);
+    EXPECT_TRUE(testing::bitwise_equal(got.second, expected.second));
   }
 }
 

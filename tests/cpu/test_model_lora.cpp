@@ -120,6 +120,35 @@ TEST(ModelLora, SizesAndMemoryEstimateCountNoStateForTheBase) {
   EXPECT_NE(describe(e).find("frozen bf16 weights"), std::string::npos);
 }
 
+// NOTE [Frozen FSDP base]: under FSDP a rank holds 1/N of the frozen base plus what the
+// ZeRO stage keeps in full; the adapters stay whole and nothing is reduce-scattered.
+TEST(ModelLora, MemoryEstimateUnderFsdpShardsTheBase) {
+  const ModelConfig config = testing::tiny();
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.cuda = true;
+  plan.lora = lora(4, "all-linear");
+  const MemoryEstimate one = estimate_memory(config, plan);
+  plan.fsdp = true;
+  plan.shard_ranks = 4;
+  plan.micro_batches = 2;
+  const double params = static_cast<double>(config.total_params());
+  const double block = static_cast<double>(config.params_per_layer());
+  const double embedding = static_cast<double>(config.vocab_size * config.hidden_size);
+  const double head = params - embedding - block * static_cast<double>(config.num_layers);
+  for (int64_t stage : {1, 3}) {
+    plan.zero_stage = stage;
+    const MemoryEstimate e = estimate_memory(config, plan);
+    EXPECT_EQ(e.frozen_weights, (params / 4 + (stage == 3 ? embedding + head + 3 * block : params)) * 2) << stage;
+    EXPECT_EQ(e.master_weights, one.master_weights);  // the adapters, whole on every rank
+    EXPECT_EQ(e.optimizer_state, one.optimizer_state);
+    EXPECT_EQ(e.gradients, one.gradients);
+    EXPECT_EQ(e.comm_buffers, 0);
+    EXPECT_EQ(e.activations, one.activations);
+  }
+}
+
 // The adapters' gradients do not depend on what activation checkpointing drops and
 // recomputes (dropout included: the masks are recomputed from their seeds).
 TEST(ModelLora, EveryCheckpointingModeGivesTheSameGradients) {
@@ -135,12 +164,7 @@ TEST(ModelLora, EveryCheckpointingModeGivesTheSameGradients) {
                                     ActivationCheckpoint::Full}) {
     LoraAdapters adapters(config, c, Device::CPU, 16);
     adapters.initialize(2);
-    for (size_t k = 0; k < adapters.targets().size(); ++k)  // nonzero B, so A has gradients
-      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p) {
-        Tensor b = adapters.part_matrix(k, p, 'b');
-        for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
-        adapters.set_part_matrix(k, p, 'b', b);
-      }
+    testing::set_nonzero_lora_b(adapters);
     adapters.set_base(base);
     adapters.set_dropout_step(9, 0);
     DecoderLM model(config, 2, 8, Device::CPU, DType::F32, mode);

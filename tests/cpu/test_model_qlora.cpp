@@ -34,12 +34,7 @@ LoraConfig qlora() {
 std::unique_ptr<LoraAdapters> adapters_over(ParamSource& base, const ModelConfig& config) {
   auto adapters = std::make_unique<LoraAdapters>(config, qlora(), Device::CPU, 2 * 16);
   adapters->initialize(2);
-  for (size_t k = 0; k < adapters->targets().size(); ++k)
-    for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p) {
-      Tensor b = adapters->part_matrix(k, p, 'b');
-      for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = 0.01f * static_cast<float>(i % 7 - 3);
-      adapters->set_part_matrix(k, p, 'b', b);
-    }
+  testing::set_nonzero_lora_b(*adapters);
   adapters->set_base(base);
   return adapters;
 }

@@ -2,7 +2,9 @@
 // reduce dtype trains three steps with accumulation like the single-device CUDA path does,
 // which exercises the communication stream, the events that order it against the compute
 // stream, ZeRO-3's rotating gather buffers and prefetch, and the accumulation of reduced
-// chunks on the GPU. Multi-GPU parity runs through scripts/gpu-fsdp.
+// chunks on the GPU; and LoRA over a frozen base (NOTE [Frozen FSDP base]: bf16 chunks
+// gathered by copies on the communication stream) computes what it computes over the whole
+// bf16 base. Multi-GPU parity runs through scripts/gpu-fsdp (its lora section for LoRA).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -11,6 +13,7 @@
 #include "distributed/launch_env.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 #include "optim/optimizer.h"
 
 namespace forge::gpu_test {
@@ -140,6 +143,63 @@ TEST(GpuFsdp, OneRankTrainsLikeTheSingleDevicePath) {
       EXPECT_LT(update_fraction(got.weights), reduce == DType::F32 ? 0.05 : 0.1)
           << "ZeRO-" << stage << " " << dtype_name(reduce);
     }
+  }
+}
+
+// Three micro-batches of LoRA gradients (all-linear, rank 8, dropout) over a one-rank frozen
+// Fsdp in every stage against the same over a bf16 FlatParameters base: the base values
+// are the same bf16 numbers and the gathers copy them, so only the attention backward's
+// nondeterminism can tell them apart.
+TEST(GpuFsdp, LoraOverAFrozenBaseMatchesTheWholeBase) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  const ModelConfig c = fsdp_model();
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16.0;
+  lora.dropout = 0.1;
+  lora.target_modules = "all-linear";
+  auto run = [&](ParamSource& base) {
+    LoraAdapters adapters(c, lora, Device::CUDA, kBatch * kSeq);
+    adapters.initialize(3);
+    Rng rng(17);
+    for (size_t k = 0; k < adapters.targets().size(); ++k)  // B nonzero, so A has gradients
+      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p)
+        adapters.set_part_matrix(k, p, 'b', random_f32(adapters.part_matrix(k, p, 'b').shape(), rng, 0.02));
+    adapters.set_base(base);
+    DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
+    std::vector<double> losses;
+    adapters.discard();
+    for (int a = 0; a < 3; ++a) {
+      adapters.set_dropout_step(9, static_cast<uint64_t>(a));
+      losses.push_back(model.forward_backward(ids(10 + a, c.vocab_size).to(Device::CUDA),
+                                              ids(1010 + a, c.vocab_size).to(Device::CUDA), adapters, adapters,
+                                              1.0f / (3 * kBatch * kSeq)).sum);
+    }
+    return std::make_pair(losses, adapters.gradient_flat().to(Device::CPU));
+  };
+  FlatParameters base(c, Device::CUDA, DType::BF16);
+  base.initialize(5);
+  const auto reference = run(base);
+  ProcessGroupOptions options;
+  options.device = Device::CUDA;
+  auto group = create_process_group(LaunchEnv{}, options);
+  for (int stage : {1, 3}) {
+    FsdpOptions fsdp_options;
+    fsdp_options.zero_stage = stage;
+    fsdp_options.frozen = true;
+    Fsdp frozen(c, Device::CUDA, *group, nullptr, fsdp_options);
+    frozen.initialize(5);
+    EXPECT_EQ(frozen.memory().master_weights, 0);
+    const auto got = run(frozen);
+    for (size_t i = 0; i < reference.first.size(); ++i)
+      EXPECT_NEAR(got.first[i], reference.first[i], 1e-5 * std::abs(reference.first[i])) << "ZeRO-" << stage;
+    double diff = 0, norm = 0;
+    for (int64_t i = 0; i < got.second.numel(); ++i) {
+      const double d = got.second.data<float>()[i] - reference.second.data<float>()[i];
+      diff += d * d;
+      norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
+    }
+    EXPECT_LT(std::sqrt(diff / norm), 1e-3) << "ZeRO-" << stage;
   }
 }
 

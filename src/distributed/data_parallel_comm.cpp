@@ -1,0 +1,141 @@
+#include "distributed/data_parallel_comm.h"
+
+#include "core/error.h"
+
+namespace forge {
+namespace {
+
+constexpr CudaStream kCompute = nullptr;  // the stream forge's kernels run on
+
+}  // namespace
+
+DataParallelComm::DataParallelComm(Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group)
+    : device_(device),
+      shard_group_(shard_group),
+      replicate_group_(replicate_group),
+      comm_(device),
+      comm_done_(std::make_unique<DeviceEvent>(device)),
+      norm_scratch_(Tensor::zeros({2}, DType::F32, device)),
+      count_scratch_(Tensor::zeros({kCountDigits}, DType::F32, device)) {}
+
+DataParallelComm::~DataParallelComm() {
+  // Nothing may still run on the communication stream when its buffers go.
+  try {
+    comm_.synchronize();
+  } catch (...) {
+  }
+}
+
+void DataParallelComm::reset_exposed_comm() {
+  stalls_used_ = 0;
+  host_exposed_s_ = 0;
+}
+
+void DataParallelComm::join_comm() {
+  begin_exposed();
+  comm_done_->record(comm_.get());
+  comm_done_->make_wait(kCompute);
+  end_exposed();
+}
+
+double DataParallelComm::all_reduce_scalar(ProcessGroup& group, double value) {
+  return all_reduce_values(group, {value, 0.0}, 1).first;
+}
+
+std::pair<double, double> DataParallelComm::all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count) {
+  const Tensor scratch = norm_scratch_.narrow(0, count);
+  Tensor host = Tensor::empty({count}, DType::F32);
+  host.data<float>()[0] = static_cast<float>(values.first);
+  if (count > 1) host.data<float>()[1] = static_cast<float>(values.second);
+  scratch.copy_from(host);
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
+  begin_exposed();
+  group.all_reduce(scratch, ReduceOp::Sum, kCompute);
+  end_exposed();
+  const Tensor out = scratch.to(Device::CPU);
+  return {out.data<float>()[0], count > 1 ? out.data<float>()[1] : 0.0};
+}
+
+std::pair<double, double> DataParallelComm::sum_over_ranks(double first, double second) {
+  auto values = all_reduce_values(shard_group_, {first, second}, 2);
+  return replicate_group_ ? all_reduce_values(*replicate_group_, values, 2) : values;
+}
+
+// fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
+// travels as three 12-bit digits: each digit's sum over at most 4096 ranks is exact in
+// any order of addition (NCCL's included), and the count is exact up to 2^36.
+int64_t DataParallelComm::count_over_ranks(int64_t count) {
+  constexpr int kDigitBits = 12;
+  const int64_t ranks = int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
+  FORGE_CHECK(count >= 0 && count < (int64_t{1} << (kDigitBits * kCountDigits)) && ranks <= (1 << kDigitBits),
+              "count_over_ranks: {} on {} ranks is outside what the exact fp32 digit sum holds", count, ranks);
+  Tensor host = Tensor::empty({kCountDigits}, DType::F32);
+  for (int d = 0; d < kCountDigits; ++d)
+    host.data<float>()[d] = static_cast<float>((count >> (kDigitBits * d)) & ((1 << kDigitBits) - 1));
+  count_scratch_.copy_from(host);
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
+  begin_exposed();
+  shard_group_.all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
+  end_exposed();
+  host = count_scratch_.to(Device::CPU);
+  int64_t total = 0;
+  for (int d = 0; d < kCountDigits; ++d) total += static_cast<int64_t>(host.data<float>()[d]) << (kDigitBits * d);
+  return total;
+}
+
+void DataParallelComm::all_reduce_sum(const Tensor& tensor) {
+  join_comm();  // one collective at a time on the communicator, in the same order everywhere
+  begin_exposed();
+  shard_group_.all_reduce(tensor, ReduceOp::Sum, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(tensor, ReduceOp::Sum, kCompute);
+  end_exposed();
+}
+
+double DataParallelComm::sum_over_ranks(double value) {
+  value = all_reduce_scalar(shard_group_, value);
+  return replicate_group_ ? all_reduce_scalar(*replicate_group_, value) : value;
+}
+
+std::vector<uint32_t> DataParallelComm::all_gather_words(const std::vector<uint32_t>& words) {
+  // fp32 tensors carry the bits: an all-gather only moves them.
+  const int64_t n = std::max<int64_t>(static_cast<int64_t>(words.size()), 1);
+  Tensor mine = Tensor::zeros({n}, DType::F32);
+  std::copy_n(words.data(), words.size(), static_cast<uint32_t*>(mine.raw()));
+  Tensor all = Tensor::empty({n * shard_group_.world_size()}, DType::F32, device_);
+  join_comm();
+  shard_group_.all_gather(all, mine.to(device_), kCompute);
+  const Tensor host = all.to(Device::CPU);
+  std::vector<uint32_t> result(static_cast<size_t>(n * shard_group_.world_size()));
+  std::copy_n(static_cast<const uint32_t*>(host.raw()), result.size(), result.data());
+  if (words.empty()) result.clear();
+  return result;
+}
+
+void DataParallelComm::begin_exposed() {
+  if (device_ != Device::CUDA) {
+    host_stall_start_ = std::chrono::steady_clock::now();
+    return;
+  }
+  if (stalls_used_ == stall_events_.size())
+    stall_events_.emplace_back(std::make_unique<DeviceEvent>(device_, true), std::make_unique<DeviceEvent>(device_, true));
+  stall_events_[stalls_used_].first->record(kCompute);
+}
+
+void DataParallelComm::end_exposed() {
+  if (device_ != Device::CUDA) {
+    host_exposed_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - host_stall_start_).count();
+    return;
+  }
+  stall_events_[stalls_used_++].second->record(kCompute);
+}
+
+double DataParallelComm::take_exposed_comm_seconds() {
+  double total = host_exposed_s_;
+  for (size_t i = 0; i < stalls_used_; ++i)
+    total += DeviceEvent::elapsed_seconds(*stall_events_[i].first, *stall_events_[i].second);
+  stalls_used_ = 0;
+  host_exposed_s_ = 0;
+  return total;
+}
+}  // namespace forge
