@@ -2,6 +2,7 @@
 #include "cli/config_suggest.h"
 
 #include <algorithm>
+#include <array>
 #include <fmt/format.h>
 
 #include "cli/config_schema.h"
@@ -73,6 +74,9 @@ std::optional<std::string> closest_match(std::string_view word, const std::vecto
   std::optional<std::string> best;
   std::size_t best_distance = threshold + 1;
   std::vector<std::size_t> rows;  // bounded_distance's table, reused
+  // How often each byte occurs in `word`, for the bag distance below.
+  std::array<std::ptrdiff_t, 256> word_counts{};
+  for (char c : word) ++word_counts[static_cast<unsigned char>(c)];
   for (const auto& candidate : candidates) {
     // The distance is at least the difference in length, so a candidate that differs by
     // that much cannot win and is not compared: a mistyped key of megabytes (found by
@@ -80,6 +84,16 @@ std::optional<std::string> closest_match(std::string_view word, const std::vecto
     const std::size_t length_difference =
         word.size() > candidate.size() ? word.size() - candidate.size() : candidate.size() - word.size();
     if (length_difference >= best_distance) continue;
+    // It is also at least the bag distance: the larger of the number of the candidate's
+    // characters that `word` lacks and the number of `word`'s that the candidate lacks
+    // (each edit changes either count by at most one, a swap by none). Most candidates
+    // fail this test, for the cost of one pass over them.
+    std::size_t unmatched = 0;  // characters of the candidate not found in word
+    for (char c : candidate)
+      if (--word_counts[static_cast<unsigned char>(c)] < 0) ++unmatched;
+    for (char c : candidate) ++word_counts[static_cast<unsigned char>(c)];
+    const std::size_t word_unmatched = word.size() - (candidate.size() - unmatched);
+    if (std::max(unmatched, word_unmatched) >= best_distance) continue;
     // Only a distance below best_distance matters (NOTE [Bounded edit distance]).
     const std::size_t distance = bounded_distance(word, candidate, best_distance - 1, rows);
     if (distance < best_distance) {

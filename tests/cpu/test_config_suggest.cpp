@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,6 +60,33 @@ TEST(ConfigSuggest, SuggestsOnlyCloseCandidates) {
   EXPECT_EQ(closest_match("mok", {"synthetic", "mock", "indexed"}), "mock");
   EXPECT_EQ(closest_match("llama3.1-7b", {"llama2-7b", "llama3.1-8b"}), "llama3.1-8b");
   EXPECT_EQ(closest_match("completely-different", {"mock"}), std::nullopt);
+}
+
+TEST(ConfigSuggest, ClosestMatchIsTheNearestCandidateWithinTheThreshold) {
+  // closest_match skips candidates by length and by bag distance before computing a
+  // bounded distance; none of that may change its answer: the first candidate at the
+  // smallest distance, if within max(2, |word| / 4).
+  std::mt19937 random(1812);
+  auto word = [&](std::size_t max_length) {
+    std::string w(random() % (max_length + 1), 'a');
+    for (char& c : w) c = static_cast<char>('a' + random() % 4);
+    return w;
+  };
+  for (int trial = 0; trial < 500; ++trial) {
+    const std::string target = word(24);
+    std::vector<std::string> candidates;
+    for (int i = 0; i < 12; ++i) candidates.push_back(word(24));
+    std::optional<std::string> expected;
+    std::size_t best = std::max<std::size_t>(2, target.size() / 4) + 1;
+    for (const auto& candidate : candidates) {
+      const std::size_t distance = reference_distance(target, candidate);
+      if (distance < best) {
+        best = distance;
+        expected = candidate;
+      }
+    }
+    ASSERT_EQ(closest_match(target, candidates), expected) << target;
+  }
 }
 
 TEST(ConfigSuggest, AHugeUnknownWordIsNotComparedCellByCell) {
