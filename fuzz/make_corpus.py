@@ -156,6 +156,9 @@ def corpus_files():
     put("fuzz_document_reader", "txt-gz", b"\x04" + gzip.compress(plain.encode()))
     put("fuzz_document_reader", "txt-zst-two-frames", b"\x0d" + zstandard.ZstdCompressor().compress(b"a\nb\n") +
         zstandard.ZstdCompressor(write_content_size=False).compress(b"c\r\nd"))
+    # Bits 6-7 of the first byte: a 1-byte and a 64-byte read buffer, lines across refills.
+    put("fuzz_document_reader", "jsonl-buffer-1", b"\xc0" + jsonl.encode())
+    put("fuzz_document_reader", "txt-gz-per-line-buffer-64", b"\x8c" + gzip.compress(plain.encode(), mtime=0))
 
 
 def checkpoints(forge):

@@ -16,6 +16,11 @@ namespace forge {
 
 std::size_t edit_distance(std::string_view a, std::string_view b);
 
+// edit_distance(a, b) when it is at most `limit`, else limit + 1; costs O(|a| * limit) at
+// most and stops as soon as two rows of the table exceed the limit (NOTE [Bounded edit
+// distance] in config_suggest.cpp).
+std::size_t edit_distance_within(std::string_view a, std::string_view b, std::size_t limit);
+
 // The candidate nearest to `word`, if one is within max(2, |word| / 4) edits; ties go to
 // the earlier candidate.
 std::optional<std::string> closest_match(std::string_view word, const std::vector<std::string>& candidates);

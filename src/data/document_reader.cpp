@@ -1,4 +1,4 @@
-// DocumentReader; see document_reader.h. Lines are cut from a 1 MiB buffer of
+// DocumentReader; see document_reader.h. Lines are cut from a 1 MiB buffer (by default) of
 // decompressed bytes, so a line may be longer than the buffer (it is assembled across
 // refills) and memory stays bounded by the longest line.
 #include "data/document_reader.h"
@@ -13,8 +13,6 @@
 namespace forge {
 
 namespace {
-
-constexpr size_t kReadBuffer = size_t{1} << 20;
 
 bool ends_with(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -38,7 +36,9 @@ InputFormat input_format(const std::string& path) {
 }
 
 DocumentReader::DocumentReader(std::vector<std::string> paths, DocumentReaderOptions options)
-    : paths_(std::move(paths)), options_(std::move(options)), buffer_(kReadBuffer) {
+    : paths_(std::move(paths)), options_(std::move(options)) {
+  FORGE_CHECK(options_.buffer_bytes > 0, "DocumentReader with a buffer of 0 bytes");
+  buffer_ = std::make_unique_for_overwrite<char[]>(options_.buffer_bytes);
   for (const auto& path : paths_) input_format(path);
 }
 
@@ -49,7 +49,7 @@ bool DocumentReader::open_next_file() {
   if (next_path_ == paths_.size()) return false;
   const std::string& path = paths_[next_path_++];
   format_ = input_format(path);
-  stream_ = std::make_unique<InputStream>(path);
+  stream_ = std::make_unique<InputStream>(path, std::max<size_t>(1, options_.buffer_bytes / 4));
   whole_file_read_ = false;
   line_number_ = 0;
   buffer_begin_ = buffer_end_ = 0;
@@ -68,15 +68,15 @@ bool DocumentReader::next_line(std::string& line) {
   while (true) {
     if (buffer_begin_ == buffer_end_) {
       buffer_begin_ = 0;
-      buffer_end_ = stream_->read(buffer_.data(), buffer_.size());
+      buffer_end_ = stream_->read(buffer_.get(), options_.buffer_bytes);
       if (buffer_end_ == 0) {
         if (any) ++line_number_;
         return any;
       }
     }
     any = true;
-    const char* begin = buffer_.data() + buffer_begin_;
-    const char* end = buffer_.data() + buffer_end_;
+    const char* begin = buffer_.get() + buffer_begin_;
+    const char* end = buffer_.get() + buffer_end_;
     const char* newline = static_cast<const char*>(std::memchr(begin, '\n', static_cast<size_t>(end - begin)));
     if (newline) {
       line.append(begin, newline);
@@ -119,9 +119,9 @@ bool DocumentReader::next_from_text(std::string& text) {
   whole_file_read_ = true;
   text.clear();
   while (true) {
-    const size_t n = stream_->read(buffer_.data(), buffer_.size());
+    const size_t n = stream_->read(buffer_.get(), options_.buffer_bytes);
     if (n == 0) return true;
-    text.append(buffer_.data(), n);
+    text.append(buffer_.get(), n);
   }
 }
 

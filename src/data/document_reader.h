@@ -38,6 +38,10 @@ struct DocumentReaderOptions {
   // JSON Lines: every non-blank line is returned whole, unparsed (the caller parses it;
   // `forge prep --format sft`), and location() names it.
   bool raw_lines = false;
+  // The buffer of decompressed bytes that lines are cut from; a compressed file is read a
+  // quarter of this at a time. Tests and fuzz_document_reader make it small, so that
+  // lines and compressed data cross refills within small inputs.
+  size_t buffer_bytes = size_t{1} << 20;
 };
 
 class DocumentReader {
@@ -70,7 +74,7 @@ class DocumentReader {
   InputFormat format_ = InputFormat::Text;
   bool whole_file_read_ = false;
   int64_t line_number_ = 0;
-  std::vector<char> buffer_;
+  std::unique_ptr<char[]> buffer_;  // options_.buffer_bytes, not zeroed (only what a read fills is used)
   size_t buffer_begin_ = 0, buffer_end_ = 0;
   uint64_t finished_files_bytes_ = 0;
   int64_t skipped_lines_ = 0;

@@ -1,5 +1,5 @@
 // Streaming decompression for InputStream; see input_stream.h. Each decoder pulls
-// compressed bytes from the file in 256 KiB reads and fills the caller's buffer, flushing
+// compressed bytes from the file in 256 KiB reads (by default) and fills the caller's buffer, flushing
 // what the library still holds after the file's end before declaring the data complete.
 #include "data/input_stream.h"
 
@@ -10,7 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 #include "core/error.h"
 #include "core/input_file.h"
@@ -18,8 +18,6 @@
 namespace forge {
 
 namespace {
-
-constexpr size_t kFileChunk = size_t{1} << 18;
 
 bool ends_with(const std::string& text, const std::string& suffix) {
   return text.size() >= suffix.size() && text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -29,7 +27,7 @@ bool ends_with(const std::string& text, const std::string& suffix) {
 
 class InputStream::Decoder {
  public:
-  explicit Decoder(InputStream& source) : source_(source), buffer_(kFileChunk) {}
+  explicit Decoder(InputStream& source) : source_(source) {}
   virtual ~Decoder() = default;
   virtual size_t read(char* out, size_t capacity) = 0;
 
@@ -37,10 +35,13 @@ class InputStream::Decoder {
   // Reads up to `capacity` bytes of the file itself; 0 at its end.
   size_t pull(char* out, size_t capacity) { return source_.read_file(out, capacity); }
   // Reads the next chunk of the file into buffer_; returns its size (0 at the end).
-  size_t refill() { return pull(buffer_.data(), buffer_.size()); }
+  size_t refill() {
+    if (!buffer_) buffer_ = std::make_unique_for_overwrite<char[]>(source_.file_chunk_);
+    return pull(buffer_.get(), source_.file_chunk_);
+  }
 
   InputStream& source_;
-  std::vector<char> buffer_;
+  std::unique_ptr<char[]> buffer_;  // file_chunk_ bytes, not zeroed, from the first refill
 };
 
 namespace {
@@ -59,7 +60,7 @@ class GzipDecoder : public InputStream::Decoder {
       if (stream_.avail_in == 0 && !at_file_end_) {
         const size_t n = refill();
         at_file_end_ = n == 0;
-        stream_.next_in = reinterpret_cast<Bytef*>(buffer_.data());
+        stream_.next_in = reinterpret_cast<Bytef*>(buffer_.get());
         stream_.avail_in = static_cast<uInt>(n);
       }
       if (between_members_) {
@@ -99,7 +100,7 @@ class ZstdDecoder : public InputStream::Decoder {
       if (input_.pos == input_.size && !at_file_end_) {
         const size_t n = refill();
         at_file_end_ = n == 0;
-        input_ = {buffer_.data(), n, 0};
+        input_ = {buffer_.get(), n, 0};
         if (n > 0) started_ = true;
       }
       if (!started_) return 0;
@@ -150,7 +151,8 @@ std::string without_compression_suffix(const std::string& path) {
   return path;
 }
 
-InputStream::InputStream(std::string path) : path_(std::move(path)) {
+InputStream::InputStream(std::string path, size_t file_chunk) : path_(std::move(path)), file_chunk_(file_chunk) {
+  FORGE_CHECK(file_chunk_ > 0, "file chunk of 0 bytes for {}", path_);
   const int fd = open_regular_file(path_, "the input file");  // NOTE [User files must be regular files]
   file_ = ::fdopen(fd, "rb");
   if (!file_) {

@@ -30,8 +30,12 @@ std::string without_compression_suffix(const std::string& path);
 
 class InputStream {
  public:
-  // Opens the file; fails naming it when it cannot be read.
-  explicit InputStream(std::string path);
+  // The compressed bytes a decoder reads from the file at a time, by default.
+  static constexpr size_t kDefaultFileChunk = size_t{1} << 18;
+
+  // Opens the file; fails naming it when it cannot be read. A compressed file is read
+  // `file_chunk` bytes at a time (allocated on the first read; a plain file needs none).
+  explicit InputStream(std::string path, size_t file_chunk = kDefaultFileChunk);
   ~InputStream();
   InputStream(const InputStream&) = delete;
   InputStream& operator=(const InputStream&) = delete;
@@ -49,6 +53,7 @@ class InputStream {
 
   std::string path_;
   std::FILE* file_ = nullptr;
+  size_t file_chunk_;
   uint64_t file_bytes_read_ = 0;
   std::unique_ptr<Decoder> decoder_;
 };

@@ -168,6 +168,21 @@ TEST(BadInputDeepJson, NestingIsBoundedBeforeParsing) {
   EXPECT_NO_THROW(parse_json(nested('[', ']', 128), "ok.json"));
 }
 
+TEST(BadInputDeepJson, DepthCheckFollowsStringsAndEscapes) {
+  // 129 levels: the error names the byte of the 129th bracket.
+  expect_error([&] { check_json_depth("  " + nested('{', '}', 129), "deep.json"); }, {"deep.json", "(at byte 130)"});
+  // An escaped quote does not end a string, an escaped backslash before a quote does.
+  const std::string inside = "\"\\\"" + std::string(200, '[') + "\"";  // "\"[[[...": one string
+  EXPECT_NO_THROW(check_json_depth(inside, "escaped-quote.json"));
+  const std::string outside = "[\"\\\\\"," + nested('[', ']', 128) + "]";  // ["\\", [[...]]]: 129 levels
+  expect_error([&] { check_json_depth(outside, "escaped-backslash.json"); }, {"escaped-backslash.json", "nested deeper"});
+  EXPECT_NO_THROW(check_json_depth("[\"\\\\\"," + nested('[', ']', 127) + "]", "ok.json"));
+  // Closing brackets inside strings do not count either; an unterminated string ends the check.
+  expect_error([&] { check_json_depth("[\"]]]]\"," + nested('[', ']', 128) + "]", "closers.json"); },
+               {"closers.json", "nested deeper"});
+  EXPECT_NO_THROW(check_json_depth("\"" + std::string(300, '['), "unterminated.json"));
+}
+
 TEST(BadInputDeepJson, EveryJsonReaderRefusesDeepNesting) {
   TempDir dir;
   const std::string deep = nested('[', ']', 100000);

@@ -128,6 +128,33 @@ TEST(PrepDocuments, JsonLinesTextFilesAndTextPerLine) {
   EXPECT_EQ(read_all({dir.file("k.jsonl")}, {.json_key = "content"}), (std::vector<std::string>{"x"}));
 }
 
+TEST(PrepDocuments, SmallBuffersReadTheSameDocuments) {
+  // Lines and compressed members cross refills of the buffer (and of the file chunk, a
+  // quarter of it) at every size; the documents and the bytes counted do not change.
+  TempDir dir;
+  std::string jsonl;
+  for (int i = 0; i < 40; ++i) jsonl += "{\"text\": \"document " + std::to_string(i) + std::string(i * 7, 'x') + "\"}\r\n\n";
+  const std::string text = "line one\r\n\nline two " + std::string(300, 'y') + "\nlast without newline";
+  test::write_file(dir.file("a.jsonl"), jsonl);
+  test::write_gzip_file(dir.file("a.jsonl.gz"), jsonl, 3);
+  test::write_zstd_file(dir.file("a.jsonl.zst"), jsonl, 3);
+  test::write_file(dir.file("t.txt"), text);
+  test::write_zstd_file(dir.file("t.txt.zst"), text, 2);
+  for (const char* name : {"a.jsonl", "a.jsonl.gz", "a.jsonl.zst", "t.txt", "t.txt.zst"}) {
+    for (bool per_line : {false, true}) {
+      const std::vector<std::string> expected = read_all({dir.file(name)}, {.text_per_line = per_line});
+      ASSERT_FALSE(expected.empty()) << name;
+      for (size_t bytes : {1, 2, 3, 7, 64, 4096}) {
+        DocumentReader reader({dir.file(name)}, {.text_per_line = per_line, .buffer_bytes = bytes});
+        std::vector<std::string> documents;
+        for (std::string document; reader.next(document);) documents.push_back(document);
+        EXPECT_EQ(documents, expected) << name << " with a buffer of " << bytes << " bytes";
+        EXPECT_EQ(reader.file_bytes_read(), std::filesystem::file_size(dir.file(name))) << name;
+      }
+    }
+  }
+}
+
 TEST(PrepDocuments, MalformedLinesNameFileAndLine) {
   TempDir dir;
   const std::string path = dir.file("bad.jsonl");
