@@ -14,25 +14,12 @@ import unittest
 import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+from hf_tiny import random_model
 from forge_test_util import forge_bin, run, scratch_dir
 from tokenizer_fixtures import corpus, train_byte_level
 
 MAX_NEW = 24
-
-
-def random_model(family, config, seed):
-    torch.manual_seed(seed)
-    cls, cfg = (MistralForCausalLM, MistralConfig) if family == "mistral" else (LlamaForCausalLM, LlamaConfig)
-    model = cls(cfg(attn_implementation="eager", **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-    return model.float().eval()
 
 
 def forge(*args, check=True):

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from hf_tiny import ROPE, random_model
 from forge_test_util import forge_bin, scratch_dir
 from tokenizer_fixtures import corpus, train_byte_level
 
@@ -35,16 +36,9 @@ def forge(*args, check=True):
 
 
 def random_llama(vocab, seed, hidden=48):
-    torch.manual_seed(seed)
-    config = LlamaConfig(attn_implementation="eager", vocab_size=vocab, hidden_size=hidden, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=128, tie_word_embeddings=False,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.3)
-    return model.float().eval()
+    return random_model("llama", dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                      tie_word_embeddings=False, rope_parameters=ROPE), seed)
 
 
 class EvalGenerateAdapter(unittest.TestCase):

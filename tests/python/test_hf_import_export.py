@@ -14,16 +14,14 @@ import unittest
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import AutoModelForCausalLM
 
+from hf_tiny import DEBUG_TINY, random_model
 from forge_test_util import forge_bin, relative_error, run, scratch_dir, tool
 
 TOLERANCE = 1e-4
 BATCH, SEQ = 2, 13
 
-DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 
 CASES = [
     dict(name="llama_gqa", family="llama",
@@ -50,21 +48,6 @@ CASES = [
          config=dict(vocab_size=40, hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
 ]
-
-
-def random_model(family, config, seed):
-    torch.manual_seed(seed)
-    if family == "mistral":
-        model = MistralForCausalLM(MistralConfig(attn_implementation="eager", **config))
-    else:
-        model = LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **config))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))  # not all ones, so norm weights are exercised
-            else:
-                p.normal_(0.0, 0.3)
-    return model.float().eval()
 
 
 def transformers_logits(model_dir, tokens):

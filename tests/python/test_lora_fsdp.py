@@ -16,13 +16,10 @@ import unittest
 import numpy as np
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_tiny import DEBUG_TINY, random_model
 from forge_test_util import forge_bin, relative_error, run, scratch_dir, train_losses
 
-DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 GLOBAL_BATCH = 8
 TIMEOUT = 300
 # A data-parallel run against one process: fp32 sums in another order.
@@ -37,12 +34,7 @@ class LoraDataParallel(unittest.TestCase):
     def setUpClass(cls):
         cls.work = scratch_dir()
         cls.base = os.path.join(cls.work, "base")
-        torch.manual_seed(7)
-        model = LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **DEBUG_TINY))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.3)
-        model.float().save_pretrained(cls.base)
+        random_model("llama", DEBUG_TINY, seed=7).save_pretrained(cls.base)
         cls.single = cls.train("single", 1, 1)
 
     @classmethod

@@ -14,13 +14,11 @@ import numpy as np
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
+from hf_tiny import DEBUG_TINY, random_model
 from forge_test_util import forge_bin, relative_error, run, scratch_dir, train_losses
 
-DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False,
-                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
 SCHEDULE = ["--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_steps", "8", "--eval.interval", "0"]
 
 
@@ -29,12 +27,7 @@ class LoraTraining(unittest.TestCase):
         self.work = scratch_dir()
         self.addCleanup(shutil.rmtree, self.work, ignore_errors=True)
         self.base = os.path.join(self.work, "base")
-        torch.manual_seed(5)
-        model = LlamaForCausalLM(LlamaConfig(attn_implementation="eager", **DEBUG_TINY))
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.3)
-        model.float().save_pretrained(self.base)
+        random_model("llama", DEBUG_TINY, seed=5).save_pretrained(self.base)
 
     def command(self, run_dir, *extra):
         return [forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",

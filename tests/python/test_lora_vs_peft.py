@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
+from hf_tiny import ROPE, random_model
 from forge_test_util import relative_error, run, scratch_dir, tool
 
 TOLERANCE = 1e-4
@@ -32,20 +33,11 @@ CASES = [
 
 
 def base_model(case, seed):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=53, hidden_size=24, intermediate_size=40, num_hidden_layers=case["layers"],
-                         num_attention_heads=case["heads"], num_key_value_heads=case["kv_heads"],
-                         head_dim=24 // case["heads"], max_position_embeddings=64,
-                         tie_word_embeddings=case["tied"], attn_implementation="eager",
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.3)
-    return model.float().eval()
+    return random_model("llama", dict(vocab_size=53, hidden_size=24, intermediate_size=40,
+                                      num_hidden_layers=case["layers"], num_attention_heads=case["heads"],
+                                      num_key_value_heads=case["kv_heads"], head_dim=24 // case["heads"],
+                                      max_position_embeddings=64, tie_word_embeddings=case["tied"],
+                                      rope_parameters=ROPE), seed)
 
 
 def peft_config(case):

@@ -23,8 +23,9 @@ import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
+from hf_tiny import ROPE, random_model
 from forge_test_util import forge_bin, relative_error, run, scratch_dir, tool, train_losses
 
 TOLERANCE = 1e-4
@@ -42,16 +43,9 @@ def nf4_roundtrip(w):
 
 
 def base_model(seed, tied):
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=53, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
-                         tie_word_embeddings=tied, attn_implementation="eager",
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p)) if "norm" in name else p.normal_(0.0, 0.3)
-    return model.float().eval()
+    return random_model("llama", dict(vocab_size=53, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=64, tie_word_embeddings=tied, rope_parameters=ROPE), seed)
 
 
 def dequantized_copy(model):
