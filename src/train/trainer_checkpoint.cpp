@@ -183,11 +183,16 @@ void Trainer::restore_checkpoint(const std::string& dir) {
              "saved run's",
              saved.seed, config_.training.seed);
   if (lora_) {
-    // Adapters trained on an NF4 base continue on a bf16 one (or the reverse) only when asked.
+    // Adapters trained on an NF4 base continue on a bf16 one (or the reverse), or with another
+    // alpha or dropout, only when asked: each difference is said. (Another rank or target
+    // list changes the adapters' shapes: check_checkpoint_model refuses that.)
     std::string saved_base = "none";
+    std::optional<double> saved_alpha, saved_dropout;
     try {
       const YAML::Node lora = YAML::Load(ck.metadata.experiment_yaml)["lora"];
       if (lora && lora["quantize_base"]) saved_base = lora["quantize_base"].as<std::string>();
+      if (lora && lora["alpha"]) saved_alpha = lora["alpha"].as<double>();
+      if (lora && lora["dropout"]) saved_dropout = lora["dropout"].as<double>();
     } catch (const YAML::Exception&) {
       saved_base = "unknown";
     }
@@ -195,6 +200,14 @@ void Trainer::restore_checkpoint(const std::string& dir) {
       log_warn("the checkpoint's adapters were trained with lora.quantize_base {}, this run has {}: they continue on "
                "a base {} NF4",
                saved_base, config_.lora.quantize_base, config_.lora.quantize_base == "nf4" ? "quantized to" : "not in");
+    if (saved_alpha && *saved_alpha != config_.lora.alpha)
+      log_warn("the checkpoint's adapters were trained with lora.alpha {}, this run has {}: their update B A is scaled "
+               "by alpha / rank = {} from now on (it was {})",
+               *saved_alpha, config_.lora.alpha, config_.lora.alpha / static_cast<double>(config_.lora.rank),
+               *saved_alpha / static_cast<double>(config_.lora.rank));
+    if (saved_dropout && *saved_dropout != config_.lora.dropout)
+      log_warn("the checkpoint's adapters were trained with lora.dropout {}, this run has {}", *saved_dropout,
+               config_.lora.dropout);
   }
   if (saved.lr_schedule_steps != config_.training.steps)
     log_info("the LR schedule now spans training.steps = {} (the checkpoint's run had {})", config_.training.steps,

@@ -76,9 +76,17 @@ class LoraTraining(unittest.TestCase):
             names = {t["name"] for t in json.load(f)["tensors"]}
         self.assertIn("layers.0.attention.qkv.lora_a", names)
         self.assertFalse(any(n.endswith(".weight") for n in names), "a LoRA checkpoint holds the adapters only")
-        self.train(resumed, "--training.steps", "6", *common)
+        out = self.train(resumed, "--training.steps", "6", *common)
+        self.assertNotIn("the checkpoint's adapters were trained with", out.stdout + out.stderr)
         self.assertEqual(train_losses(straight), train_losses(resumed))
         self.assertEqual(len(train_losses(straight)), 6)
+
+        # Another alpha or dropout continues the adapters, and says so.
+        out = self.train(resumed, "--training.steps", "7", "--lora.alpha", "4", "--lora.dropout", "0.2",
+                         *common[2:])
+        said = out.stdout + out.stderr
+        self.assertIn("trained with lora.alpha 8, this run has 4", said)
+        self.assertIn("trained with lora.dropout 0.1, this run has 0.2", said)
 
     def test_continues_from_a_peft_adapter_and_refuses_a_mismatch(self):
         first = os.path.join(self.work, "first")
