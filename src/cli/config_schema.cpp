@@ -193,7 +193,7 @@ std::vector<ConfigKey> build_schema() {
           "precision.fp8_grad_format",
           "FP8 format of the gradients in the backward GEMMs: e5m2 (default, as torchao tensorwise: gradients "
           "span a wider range than activations and weights, e5m2 reaches 57344 and down to 2^-16 where e4m3 stops "
-          "at 448 and 2^-9) or e4m3 (one more mantissa bit, TE's HYBRID uses e5m2 too)",
+          "at 448 and 2^-9; Transformer Engine's HYBRID does the same) or e4m3 (one more mantissa bit, less range)",
           {}, {"e5m2", "e4m3"}),
       key<&E::precision, &PrecisionConfig::fp8_output_head>(
           "precision.fp8_output_head", "with precision.fp8: the output head's GEMMs in FP8 too (default bf16, as "

@@ -4,6 +4,7 @@
 
 #include "core/op_profile.h"
 #include "kernels/cpu/fp8_scaling.h"
+#include "ops/matmul.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/fp8_cast.h"
@@ -22,44 +23,33 @@ void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const c
 
 // ---- CPU reference ----
 
-// A row-major [rows, cols] fp32 tensor quantized tensorwise: its codes (optionally
-// transposed to [cols, rows]) and its one scale.
+// A row-major fp32 tensor quantized tensorwise, its codes decoded back to fp32 (exact:
+// every FP8 value is an fp32 value), and the inverse of its scale, the GEMM's factor.
 struct HostFp8 {
-  std::vector<uint8_t> codes;
-  float scale = 1.0f;
-  Fp8Format format = kE4M3;
+  Tensor decoded;
+  float scale_inv = 1.0f;
 };
 
-HostFp8 quantize_host(const Tensor& t, Fp8Format format, bool transpose) {
+HostFp8 quantize_host(const Tensor& t, Fp8Format format) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
   const cpu::Fp8Blocks whole{rows, cols};
-  HostFp8 q;
-  q.format = format;
   float amax = 0.0f;
   cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
-  q.scale = cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
+  const float scale = cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
   std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
-  cpu::fp8_quantize(t.data<float>(), rows, cols, whole, &q.scale, format, codes.data());
-  if (!transpose) {
-    q.codes = std::move(codes);
-    return q;
-  }
-  q.codes.resize(codes.size());
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) q.codes[static_cast<size_t>(c * rows + r)] = codes[static_cast<size_t>(r * cols + c)];
+  cpu::fp8_quantize(t.data<float>(), rows, cols, whole, &scale, format, codes.data());
+  HostFp8 q{Tensor::empty(t.shape()), 1.0f / scale};
+  cpu::fp8_to_float(codes.data(), t.numel(), format, q.decoded.data<float>());
   return q;
 }
 
-// out = a @ b^T (+ addend when given, which may be out itself), a [m, k] and b [n, k] codes.
-void host_gemm(const Tensor& out, const HostFp8& a, const HostFp8& b, int64_t m, int64_t n, int64_t k,
-               const Tensor* addend) {
-  const cpu::Fp8Operand oa{a.codes.data(), a.format, &a.scale, {m, k}};
-  const cpu::Fp8Operand ob{b.codes.data(), b.format, &b.scale, {n, k}};
-  std::vector<float> product(static_cast<size_t>(m * n));
-  cpu::fp8_matmul_reference(oa, ob, m, n, k, product.data());
-  float* o = out.data<float>();
-  const float* add = addend ? addend->data<float>() : nullptr;
-  for (int64_t i = 0; i < m * n; ++i) o[i] = add ? add[i] + product[static_cast<size_t>(i)] : product[static_cast<size_t>(i)];
+// out = op(a) op(b) x (a.scale_inv x b.scale_inv) + beta x out: the decoded codes'
+// products are exact in fp32 and summed in fp32, then scaled once, as the GPU's FP8 GEMM
+// does (the same up to summation order; fp8_matmul_reference in double agrees to fp32
+// rounding).
+void host_gemm(const Tensor& out, const HostFp8& a, bool transpose_a, const HostFp8& b, bool transpose_b,
+               float beta) {
+  matmul(out, a.decoded, transpose_a, b.decoded, transpose_b, a.scale_inv * b.scale_inv, beta);
 }
 
 void expect_cpu(const Tensor& t, const char* what) { expect_tensor(t, Device::CPU, DType::F32, what); }
@@ -136,7 +126,9 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
   expect_cpu(x, "fp8_linear_forward x");
   expect_cpu(w, "fp8_linear_forward W");
   if (residual) expect_cpu(*residual, "fp8_linear_forward residual");
-  host_gemm(y, quantize_host(x, kE4M3, false), quantize_host(w, kE4M3, false), t, out, in, residual);
+  const HostFp8 xq = quantize_host(x, kE4M3), wq = quantize_host(w, kE4M3);
+  if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
+  host_gemm(y, xq, false, wq, true, residual ? 1.0f : 0.0f);
 }
 
 void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8) {
@@ -162,7 +154,7 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
   expect_cpu(dx, "fp8_linear_backward_input dx");
   expect_cpu(dy, "fp8_linear_backward_input dy");
   expect_cpu(w, "fp8_linear_backward_input W");
-  host_gemm(dx, quantize_host(dy, fp8.grad_format, false), quantize_host(w, kE4M3, true), t, in, out, nullptr);
+  host_gemm(dx, quantize_host(dy, fp8.grad_format), false, quantize_host(w, kE4M3), false, 0.0f);
 }
 
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
@@ -191,8 +183,7 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
   expect_cpu(grad, "fp8_linear_backward_weight dW");
   expect_cpu(dy, "fp8_linear_backward_weight dy");
   expect_cpu(x, "fp8_linear_backward_weight x");
-  host_gemm(grad, quantize_host(dy, fp8.grad_format, true), quantize_host(x, kE4M3, true), out, in, t,
-            overwrite ? nullptr : &grad);
+  host_gemm(grad, quantize_host(dy, fp8.grad_format), true, quantize_host(x, kE4M3), false, overwrite ? 0.0f : 1.0f);
 }
 
 }  // namespace forge

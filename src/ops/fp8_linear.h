@@ -11,9 +11,10 @@
 //   input gradient  dx = dy W     dy in the grad format, W E4M3
 //   weight gradient dW = dy^T x   dy in the grad format, x E4M3   (written over or added to)
 // The grad format is E5M2 by default (precision.fp8_grad_format), E4M3 on request.
-// On the CPU (fp32 tensors) this is the reference: quantization with kernels/cpu/fp8_scaling
-// and fp8_matmul_reference (exact products, fp32 inverse scales), then the fp32 add of the
-// residual or of the gradient already there. On CUDA (bf16 x, W, y, dy, dx; fp32 dW): the
+// On the CPU (fp32 tensors) this is the reference: quantization with kernels/cpu/fp8_scaling,
+// the codes decoded to fp32 (exactly), the fp32 GEMM of ops/matmul.h on them with alpha =
+// the product of the two inverse scales and beta 1 for the residual or the gradient
+// already there: what the GPU's FP8 GEMM computes, up to summation order. On CUDA (bf16 x, W, y, dy, dx; fp32 dW): the
 // device amax, scale and saturating cast of kernels/cuda/fp8_cast (the amax and scales
 // never leave the device, nothing synchronizes the host), cast + transpose where Hopper's
 // TN-only FP8 GEMM needs the other major-ness (NOTE [FP8 GEMM layout] in
