@@ -5,7 +5,10 @@
 #include <cctype>
 #include <charconv>
 #include <initializer_list>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -162,6 +165,24 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                "is not built yet; set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to "
                "1, or precision.fp8 none",
                show(config, keys, "precision.fp8"));
+  if (config.training.device != "cuda") return;
+  // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a
+  // multiple of 16 and write rows of 16-byte multiples: every dimension of a projection and
+  // the micro-batch's tokens are contracted in one of the three GEMMs.
+  const ModelConfig& m = config.model;
+  std::vector<std::pair<std::string, int64_t>> dims = {
+      {"model.hidden_size", m.hidden_size},
+      {"the attention's query width (num_heads × head_dim)", m.q_size()},
+      {"the qkv projection's width ((num_heads + 2 × num_kv_heads) × head_dim)", m.q_size() + 2 * m.kv_size()},
+      {"model.ffn_hidden_size", m.ffn_hidden_size},
+      {"the tokens of a micro-batch (training.local_batch_size × training.seq_len)",
+       config.training.local_batch_size * config.training.seq_len}};
+  if (config.precision.fp8_output_head) dims.emplace_back("model.vocab_size (precision.fp8_output_head)", m.vocab_size);
+  for (const auto& [what, value] : dims)
+    if (value % 16 != 0)
+      FORGE_FAIL("{} on CUDA runs Hopper's FP8 GEMMs, which need every contracted dimension to be a multiple of 16: "
+                 "{} is {}",
+                 show(config, keys, "precision.fp8"), what, value);
 }
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the

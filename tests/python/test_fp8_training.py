@@ -1,7 +1,8 @@
 """FP8 tensorwise training on the CPU reference (precision.fp8, NOTE [FP8 projections]):
 debug-tiny for 40 steps in FP8 follows the fp32 run's loss curve, with the head in FP8
 and E4M3 gradients as well; the keys' wrong values and the combinations not built yet
-(LoRA, QLoRA, data parallelism) are refused naming the key.
+(LoRA, QLoRA, data parallelism) and dimensions Hopper's FP8 GEMMs cannot take on CUDA are
+refused naming the key.
 
 Tolerance of the curves: FP8 rounds every projection's operands to 3 (E4M3) or 2 (E5M2)
 mantissa bits, a per-step perturbation of the gradients of a few percent (tests/cpu/
@@ -89,6 +90,13 @@ class Fp8Training(unittest.TestCase):
                           "--precision.fp8", "tensorwise", "--lora.rank", "4", "--lora.quantize_base", "nf4")
         self.expect_error(["precision.fp8 = tensorwise", "runs on one device for now"],
                           "--precision.fp8", "tensorwise", "--parallelism.data_parallel_shard_degree", "2")
+        # Checked before any device is needed: the config alone says the FP8 GEMMs cannot run.
+        self.expect_error(["precision.fp8 = tensorwise", "multiple of 16", "model.ffn_hidden_size is 200"],
+                          "--precision.fp8", "tensorwise", "--training.device", "cuda",
+                          "--model.ffn_hidden_size", "200")
+        self.expect_error(["multiple of 16", "model.vocab_size (precision.fp8_output_head) is"],
+                          "--precision.fp8", "tensorwise", "--training.device", "cuda",
+                          "--precision.fp8_output_head", "true", "--model.vocab_size", "1001")
 
 
 if __name__ == "__main__":
