@@ -1,7 +1,8 @@
 // FP8 tensorwise training on the GPU (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h)
 // against the CPU FP8 reference on the same bf16 values: the three linear ops with an
 // FP8 descriptor (outputs poisoned first), and one training micro-batch of a small model
-// with Fp8Projections (model/fp8_projections.h).
+// with Fp8Projections (model/fp8_projections.h): E5M2 gradients with the head in bf16, and
+// E4M3 gradients with the head in FP8.
 //
 // The ops: both sides quantize the same values with the same torchao scale (the casts and
 // the device scale are bitwise the CPU's, GpuFp8.*), so the codes agree and what differs
@@ -94,37 +95,41 @@ TEST(GpuFp8Linear, TrainingMicroBatchMatchesCpuFp8) {
   config.max_seq_len = 64;
   const int64_t batch = 2, seq = 64;
 
-  FlatParameters params(config), grads_cpu(config);
+  FlatParameters params(config);
   params.initialize(3);
   Tensor rounded = Tensor::empty({params.flat().numel()}, DType::BF16);  // the GPU's bf16 weights, on both sides
   cast(rounded, params.flat());
   cast(params.flat(), rounded);
-  FlatParameters weights_gpu(config, Device::CUDA, DType::BF16), grads_gpu(config, Device::CUDA, DType::F32),
-      grads_gpu_bf16(config, Device::CUDA, DType::F32);
+  FlatParameters weights_gpu(config, Device::CUDA, DType::BF16), grads_bf16(config, Device::CUDA, DType::F32);
   weights_gpu.assign_from(params);
-
-  const Fp8Settings settings{Fp8Format::E5M2, false};
-  Fp8Projections cpu(config, settings, Device::CPU, batch * seq), gpu(config, settings, Device::CUDA, batch * seq);
-  cpu.set_base(params, grads_cpu);
-  gpu.set_base(weights_gpu, grads_gpu);
 
   Rng rng(seed_for_current_test());
   Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
   Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  const Tensor tokens_g = tokens.to(Device::CUDA), targets_g = targets.to(Device::CUDA);
   DecoderLM model_cpu(config, batch, seq);
   DecoderLM model_gpu(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
   const float scale = 1.0f / static_cast<float>(batch * seq);
-  grads_cpu.discard();
-  grads_gpu.discard();
-  grads_gpu_bf16.discard();
-  const double loss_cpu = model_cpu.forward_backward(tokens, targets, cpu, cpu, scale).mean();
-  const Tensor tokens_g = tokens.to(Device::CUDA), targets_g = targets.to(Device::CUDA);
-  const double loss_gpu = model_gpu.forward_backward(tokens_g, targets_g, gpu, gpu, scale).mean();
-  const double loss_bf16 = model_gpu.forward_backward(tokens_g, targets_g, weights_gpu, grads_gpu_bf16, scale).mean();
-  EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu);
-  EXPECT_NE(loss_gpu, loss_bf16);  // the FP8 GEMMs ran
-  for (size_t k = 0; k < params.specs().size(); ++k)
-    EXPECT_LT(relative_l2(to_cpu_f32(grads_gpu.tensors()[k]), grads_cpu.tensors()[k]), 0.1) << params.specs()[k].name;
+  grads_bf16.discard();
+  const double loss_bf16 = model_gpu.forward_backward(tokens_g, targets_g, weights_gpu, grads_bf16, scale).mean();
+
+  for (const Fp8Settings settings : {Fp8Settings{Fp8Format::E5M2, false}, Fp8Settings{Fp8Format::E4M3, true}}) {
+    SCOPED_TRACE(::testing::Message() << fp8_format_name(settings.grad_format)
+                                      << (settings.output_head ? ", FP8 head" : ", bf16 head"));
+    FlatParameters grads_cpu(config), grads_gpu(config, Device::CUDA, DType::F32);
+    Fp8Projections cpu(config, settings, Device::CPU, batch * seq), gpu(config, settings, Device::CUDA, batch * seq);
+    cpu.set_base(params, grads_cpu);
+    gpu.set_base(weights_gpu, grads_gpu);
+    grads_cpu.discard();
+    grads_gpu.discard();
+    const double loss_cpu = model_cpu.forward_backward(tokens, targets, cpu, cpu, scale).mean();
+    const double loss_gpu = model_gpu.forward_backward(tokens_g, targets_g, gpu, gpu, scale).mean();
+    EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu);
+    EXPECT_NE(loss_gpu, loss_bf16);  // the FP8 GEMMs ran
+    for (size_t k = 0; k < params.specs().size(); ++k)
+      EXPECT_LT(relative_l2(to_cpu_f32(grads_gpu.tensors()[k]), grads_cpu.tensors()[k]), 0.1)
+          << params.specs()[k].name;
+  }
 }
 
 }  // namespace
