@@ -184,6 +184,20 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::precision, &PrecisionConfig::reduce_dtype>(
           "precision.reduce_dtype", "dtype of gradients in FSDP's reduce-scatter", {}, {"fp32", "bf16"}),
+      key<&E::precision, &PrecisionConfig::fp8>(
+          "precision.fp8",
+          "FP8 GEMMs of the block projections (qkv, o, gate/up, down): none, or tensorwise (current per-tensor "
+          "scales, as torchao's tensorwise and Transformer Engine's Float8CurrentScaling)",
+          {}, {"none", "tensorwise"}),
+      key<&E::precision, &PrecisionConfig::fp8_grad_format>(
+          "precision.fp8_grad_format",
+          "FP8 format of the gradients in the backward GEMMs: e5m2 (default, as torchao tensorwise: gradients "
+          "span a wider range than activations and weights, e5m2 reaches 57344 and down to 2^-16 where e4m3 stops "
+          "at 448 and 2^-9; Transformer Engine's HYBRID does the same) or e4m3 (one more mantissa bit, less range)",
+          {}, {"e5m2", "e4m3"}),
+      key<&E::precision, &PrecisionConfig::fp8_output_head>(
+          "precision.fp8_output_head", "with precision.fp8: the output head's GEMMs in FP8 too (default bf16, as "
+          "torchtitan and Transformer Engine keep it)"),
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",

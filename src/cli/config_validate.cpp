@@ -5,7 +5,10 @@
 #include <cctype>
 #include <charconv>
 #include <initializer_list>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -145,6 +148,43 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "lora.quantize_base"), config.lora.rank);
 }
 
+// precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
+// device for now. LoRA's frozen base and QLoRA's NF4 codes would need FP8 descriptors
+// combined with adapters; FSDP would gather bf16 weights instead of the FP8 all-gather the
+// recipe calls for.
+void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (config.precision.fp8 == "none") return;
+  if (config.lora.enabled() || config.lora.quantize_base != "none")
+    FORGE_FAIL("{} trains the full model's projections in FP8 and cannot be combined with LoRA or QLoRA yet "
+               "(lora.rank {}, lora.quantize_base {}): set precision.fp8 none for a LoRA run, or lora.rank 0 and "
+               "lora.quantize_base none for FP8 training",
+               show(config, keys, "precision.fp8"), config.lora.rank, config.lora.quantize_base);
+  const ParallelismConfig& p = config.parallelism;
+  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
+    FORGE_FAIL("{} runs on one device for now: FP8 under data parallelism (FSDP with the weights gathered in FP8) "
+               "is not built yet; set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to "
+               "1, or precision.fp8 none",
+               show(config, keys, "precision.fp8"));
+  if (config.training.device != "cuda") return;
+  // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a
+  // multiple of 16 and write rows of 16-byte multiples: every dimension of a projection and
+  // the micro-batch's tokens are contracted in one of the three GEMMs.
+  const ModelConfig& m = config.model;
+  std::vector<std::pair<std::string, int64_t>> dims = {
+      {"model.hidden_size", m.hidden_size},
+      {"the attention's query width (num_heads × head_dim)", m.q_size()},
+      {"the qkv projection's width ((num_heads + 2 × num_kv_heads) × head_dim)", m.q_size() + 2 * m.kv_size()},
+      {"model.ffn_hidden_size", m.ffn_hidden_size},
+      {"the tokens of a micro-batch (training.local_batch_size × training.seq_len)",
+       config.training.local_batch_size * config.training.seq_len}};
+  if (config.precision.fp8_output_head) dims.emplace_back("model.vocab_size (precision.fp8_output_head)", m.vocab_size);
+  for (const auto& [what, value] : dims)
+    if (value % 16 != 0)
+      FORGE_FAIL("{} on CUDA runs Hopper's FP8 GEMMs, which need every contracted dimension to be a multiple of 16: "
+                 "{} is {}",
+                 show(config, keys, "precision.fp8"), what, value);
+}
+
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
 void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -213,6 +253,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_checkpoint(config, keys);
   resolve_shard_degree(config, keys);
   check_lora(config, keys);
+  check_fp8(config, keys);
   resolve_batch(config, keys);
 }
 

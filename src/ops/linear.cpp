@@ -21,22 +21,31 @@ const Tensor& compute_weight(const LinearWeight& w) {
 // (NOTE [Contiguous tensors]).
 
 void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual) {
-  const Tensor& weight = compute_weight(w);
-  if (residual)
-    matmul_add(y, x, false, weight, true, *residual);
+  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_forward: a weight cannot be both NF4 and FP8");
+  if (w.fp8)
+    fp8_linear_forward(y, x, w.weight, *w.fp8, residual);
+  else if (residual)
+    matmul_add(y, x, false, compute_weight(w), true, *residual);
   else
-    matmul(y, x, false, weight, true);
+    matmul(y, x, false, compute_weight(w), true);
   if (w.lora) lora_forward_add(y, x, *w.lora);
 }
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
-  matmul(dx, dy, false, compute_weight(w), false);
+  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_backward_input: a weight cannot be both NF4 and FP8");
+  if (w.fp8)
+    fp8_linear_backward_input(dx, dy, w.weight, *w.fp8);
+  else
+    matmul(dx, dy, false, compute_weight(w), false);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite) {
   FORGE_CHECK(!grad.nf4, "linear_backward_weight: an NF4 weight is frozen and has no gradient");
-  if (grad.weight.defined()) matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
+  if (grad.weight.defined() && grad.fp8)
+    fp8_linear_backward_weight(grad.weight, dy, x, *grad.fp8, overwrite);
+  else if (grad.weight.defined())
+    matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
   if (grad.lora) lora_backward_weight(*grad.lora, dy, x, overwrite);
 }
 

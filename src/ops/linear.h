@@ -27,9 +27,20 @@
 // weight has no gradient, so linear_backward_weight refuses an NF4 descriptor. A fused
 // projection (qkv, gate_up) keeps one NF4 tensor per Hugging Face weight it stacks, so its
 // codes are exactly bitsandbytes' for each.
+//
+// NOTE [FP8 linear weights]
+// A projection trained in FP8 (precision.fp8) sets `fp8`: the three ops then quantize
+// their operands and run FP8 GEMMs (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h);
+// `weight` stays the compute-dtype weight the codes are cast from, and a gradient
+// descriptor's `weight` the fp32 gradient. The settings and the CUDA scratch live in the
+// Fp8Projections that wrap the run's ParamSource and GradSink (model/fp8_projections.h),
+// which set `fp8` on the block projections they hand out (and on the head when asked);
+// model code is the same with or without FP8. An FP8 weight is not combined with NF4
+// codes (refused here) or LoRA (refused by the config, precision.fp8).
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/fp8_linear.h"
 #include "ops/nf4.h"
 
 namespace forge {
@@ -49,6 +60,10 @@ struct LinearWeight {
   // NF4 storage (NOTE [NF4 linear weights]): the codes `weight` is dequantized from, owned
   // by whoever hands out the descriptor; null for a weight held in the compute dtype.
   const Nf4Weight* nf4 = nullptr;
+
+  // FP8 training (NOTE [FP8 linear weights]): the layer's recipe settings and scratch,
+  // owned by whoever hands out the descriptor; null for GEMMs in the compute dtype.
+  const Fp8Linear* fp8 = nullptr;
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).

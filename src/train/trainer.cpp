@@ -120,6 +120,16 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     }
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
+    if (config_.precision.fp8 != "none") {
+      // NOTE [FP8 projections]: the config allows FP8 only here (full training, one device).
+      const PrecisionConfig& p = config_.precision;
+      const Fp8Settings fp8{p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2, p.fp8_output_head};
+      fp8_ = std::make_unique<Fp8Projections>(config_.model, fp8, device_, t.local_batch_size * t.seq_len);
+      fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
+      log_info("FP8 {}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
+               "output head in {}",
+               p.fp8, p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
+    }
   }
   if (dp_) {
     log_fsdp_memory();
@@ -248,12 +258,14 @@ const FlatParameters& Trainer::parameters() const {
 ParamSource& Trainer::weights() {
   if (lora_) return *lora_;  // over FSDP's frozen base under data parallelism
   if (fsdp_) return *fsdp_;
+  if (fp8_) return *fp8_;
   return compute_weights_ ? *compute_weights_ : *params_;
 }
 
 GradSink& Trainer::gradients() {
   if (lora_) return *lora_;
   if (fsdp_) return *fsdp_;
+  if (fp8_) return *fp8_;
   return *grads_;
 }
 

@@ -45,6 +45,7 @@
 #include "distributed/process_group.h"
 #include "model/parameters.h"
 #include "model/decoder_lm.h"
+#include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
 #include "optim/optimizer.h"
@@ -168,7 +169,9 @@ class Trainer {
   std::unique_ptr<DecoderLM> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LoraAdapters> lora_;  // lora.rank > 0 (NOTE [LoRA training]); params_ is then the frozen base
-  std::unique_ptr<Nf4FrozenBase> nf4_base_;  // QLoRA (NOTE [QLoRA base]): the frozen base instead of params_
+  std::unique_ptr<Nf4FrozenBase> nf4_base_;
+  // precision.fp8: wraps the weights and gradients the model is handed (NOTE [FP8 projections])
+  std::unique_ptr<Fp8Projections> fp8_;  // QLoRA (NOTE [QLoRA base]): the frozen base instead of params_
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only

@@ -1,0 +1,70 @@
+#include "model/fp8_projections.h"
+
+#include <algorithm>
+
+namespace forge {
+
+int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
+  int64_t most = 0;
+  auto add = [&](int64_t out, int64_t in) { most = std::max({most, tokens * in, tokens * out, out * in}); };
+  for (const ParamSpec& spec : parameter_specs(config))
+    if (spec.layer >= 0 && spec.shape.size() == 2) add(spec.shape[0], spec.shape[1]);
+  if (settings.output_head) add(config.vocab_size, config.hidden_size);
+  return most;
+}
+
+Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& settings, Device device, int64_t tokens)
+    : config_(config), settings_(settings) {
+  if (device == Device::CUDA) {
+    const int64_t codes = fp8_workspace_codes(config, settings, tokens);
+    workspace_.a_codes = Tensor::empty({codes}, DType::U8, device);
+    workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
+    workspace_.stats = Tensor::zeros({6}, DType::F32, device);
+  }
+  fp8_.grad_format = settings.grad_format;
+  fp8_.workspace = &workspace_;
+  layers_.resize(static_cast<size_t>(config.num_layers));
+  grad_layers_.resize(static_cast<size_t>(config.num_layers));
+}
+
+void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {
+  weights_ = &weights;
+  gradients_ = &gradients;
+}
+
+ParamSource& Fp8Projections::weights() const {
+  FORGE_CHECK(weights_, "FP8 projections used before set_base");
+  return *weights_;
+}
+
+GradSink& Fp8Projections::gradients() const {
+  FORGE_CHECK(gradients_, "FP8 projections used before set_base");
+  return *gradients_;
+}
+
+const BlockWeights& Fp8Projections::with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out) {
+  BlockWeights& block = out.at(static_cast<size_t>(index));
+  block = base;
+  for (LinearWeight& entry : block.params)
+    if (entry.weight.ndim() == 2) entry.fp8 = &fp8_;
+  return block;
+}
+
+const LinearWeight& Fp8Projections::head(const LinearWeight& base, LinearWeight& out) {
+  if (!settings_.output_head) return base;
+  out = base;
+  out.fp8 = &fp8_;
+  return out;
+}
+
+const BlockWeights& Fp8Projections::layer(int index) { return with_fp8(weights().layer(index), index, layers_); }
+
+const BlockWeights& Fp8Projections::layer_grads(int index) {
+  return with_fp8(gradients().layer_grads(index), index, grad_layers_);
+}
+
+const LinearWeight& Fp8Projections::output() { return head(weights().output(), output_); }
+
+const LinearWeight& Fp8Projections::output_grad() { return head(gradients().output_grad(), output_grad_); }
+
+}  // namespace forge

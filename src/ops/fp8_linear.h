@@ -1,0 +1,61 @@
+// A linear layer's three GEMMs in FP8 with current (just-in-time) tensorwise scaling, as
+// torchao's "tensorwise" recipe and Transformer Engine's Float8CurrentScaling. The linear
+// ops (ops/linear.h) call these for a descriptor whose `fp8` is set.
+//
+// NOTE [FP8 tensorwise linear]
+// Each GEMM quantizes both operands from the tensors at hand: amax = max |t|, scale =
+// torchao's amax_to_scale(amax) (fp8_max / amax, not rounded to a power of 2; NOTE [FP8
+// scaling recipes] in kernels/cpu/fp8_scaling.h), codes = cast_saturated(t * scale); the
+// GEMM multiplies the codes with fp32 accumulation and applies the two inverse scales:
+//   forward         y  = x W^T    x E4M3, W E4M3          (+ residual)
+//   input gradient  dx = dy W     dy in the grad format, W E4M3
+//   weight gradient dW = dy^T x   dy in the grad format, x E4M3   (written over or added to)
+// The grad format is E5M2 by default (precision.fp8_grad_format), E4M3 on request.
+// On the CPU (fp32 tensors) this is the reference: quantization with kernels/cpu/fp8_scaling,
+// the codes decoded to fp32 (exactly), the fp32 GEMM of ops/matmul.h on them with alpha =
+// the product of the two inverse scales and beta 1 for the residual or the gradient
+// already there: what the GPU's FP8 GEMM computes, up to summation order. On CUDA (bf16 x, W, y, dy, dx; fp32 dW): the
+// device amax, scale and saturating cast of kernels/cuda/fp8_cast (the amax and scales
+// never leave the device, nothing synchronizes the host), cast + transpose where Hopper's
+// TN-only FP8 GEMM needs the other major-ness (NOTE [FP8 GEMM layout] in
+// kernels/cuda/fp8_matmul.h), and cuBLASLt's scaled FP8 GEMM with bf16 output for y and
+// dx (the residual as C with beta = 1) and fp32 output for dW (beta 0 or 1). The forward
+// GEMM uses Hopper's fast FP8 accumulation, the two backward GEMMs do not, as torchao.
+// A non-finite amax is not refused here: it gives a NaN or zero scale, exactly as torchao,
+// so the NaN reaches the loss or the gradients, where the trainer's non-finite handling
+// sees it (a named error per tensor is later work, as are the amax fused into the kernels
+// that produce x and dy, and the weight cast done once per optimizer step).
+// What is recomputed: every GEMM quantizes its operands again (x in the forward and the
+// weight gradient, W in the forward and the input gradient, dy in both backward GEMMs); the
+// codes and scales are identical each time, since the same tensor gives the same amax.
+#pragma once
+
+#include "core/tensor.h"
+#include "kernels/cpu/fp8.h"
+
+namespace forge {
+
+using cpu::Fp8Format;
+
+// Device scratch of the CUDA path, shared by every FP8 layer of a model (they run one after
+// another): two code buffers, each at least max(tokens x in, tokens x out, out x in) bytes
+// over the layers, and 6 fp32 values (amax, scale, inverse scale of each operand). Unused
+// on the CPU.
+struct Fp8LinearWorkspace {
+  Tensor a_codes, b_codes;  // U8, flat
+  Tensor stats;             // F32 [6]
+};
+
+// A layer's FP8 settings, owned by whoever hands out the descriptor (model/fp8_projections.h).
+struct Fp8Linear {
+  Fp8Format grad_format = Fp8Format::E5M2;
+  Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
+};
+
+void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
+                        const Tensor* residual);
+void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8);
+void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
+                                bool overwrite);
+
+}  // namespace forge

@@ -1,0 +1,136 @@
+// FP8 tensorwise training on the GPU (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h)
+// against the CPU FP8 reference on the same bf16 values: the three linear ops with an
+// FP8 descriptor (outputs poisoned first), and one training micro-batch of a small model
+// with Fp8Projections (model/fp8_projections.h): E5M2 gradients with the head in bf16, and
+// E4M3 gradients with the head in FP8.
+//
+// The ops: both sides quantize the same values with the same torchao scale (the casts and
+// the device scale are bitwise the CPU's, GpuFp8.*), so the codes agree and what differs
+// is the GEMM's summation (fp32 on both; Hopper's fast accumulation in the forward) and
+// the bf16 rounding of y and dx: kBf16Tolerance for y and dx, kF32Tolerance for the fp32 dW.
+// The micro-batch: the GPU's activations are bf16 where the CPU's are fp32, and an FP8
+// cast of a slightly different value lands on a neighbouring code now and then (E4M3's
+// step is 2^-3 relative, bf16's 2^-8: about one element in 30 moves by one FP8 step), on
+// top of the bf16 model's own differences (5% in GpuLora's micro-batch): gradients within
+// 10% (relative L2), the loss within 1%. A wrong operand (transposed, unscaled, the wrong
+// format) is off by 50% or more.
+#include "gpu_testing.h"
+
+#include "model/decoder_lm.h"
+#include "model/fp8_projections.h"
+#include "ops/linear.h"
+
+namespace forge {
+namespace {
+
+using namespace gpu_test;
+
+Fp8LinearWorkspace device_workspace(int64_t codes) {
+  return {poisoned_gpu({codes}, DType::U8), poisoned_gpu({codes}, DType::U8), poisoned_gpu({6}, DType::F32)};
+}
+
+struct Fp8OpCase {
+  int64_t tokens, in, out;
+  Fp8Format grad_format;
+};
+
+TEST(GpuFp8Linear, OpsMatchTheCpuReference) {
+  Rng rng(seed_for_current_test());
+  // k (in, out, tokens) a multiple of 16 and n x 2 (bf16 y, dx) or n x 4 (fp32 dW) bytes
+  // a multiple of 16, as cuBLASLt's FP8 GEMM needs (NOTE [FP8 GEMM layout]).
+  for (const Fp8OpCase c : {Fp8OpCase{128, 64, 192, Fp8Format::E5M2}, Fp8OpCase{256, 512, 384, Fp8Format::E5M2},
+                            Fp8OpCase{512, 256, 1024, Fp8Format::E4M3}}) {
+    SCOPED_TRACE(::testing::Message() << c.tokens << "x" << c.in << "x" << c.out << " " << fp8_format_name(c.grad_format));
+    const Tensor x = random_bf16_values({c.tokens, c.in}, rng), w = random_bf16_values({c.out, c.in}, rng, 0.02);
+    const Tensor dy = random_bf16_values({c.tokens, c.out}, rng, 1e-3);
+    const Tensor residual = random_bf16_values({c.tokens, c.out}, rng);
+    const Fp8Linear cpu_fp8{c.grad_format, nullptr};
+    Fp8LinearWorkspace ws = device_workspace(std::max({c.tokens * c.in, c.tokens * c.out, c.out * c.in}));
+    const Fp8Linear gpu_fp8{c.grad_format, &ws};
+    const Tensor xg = to_gpu(x, DType::BF16), wg = to_gpu(w, DType::BF16), dyg = to_gpu(dy, DType::BF16);
+    const LinearWeight cpu_w{w, nullptr, nullptr, &cpu_fp8}, gpu_w{wg, nullptr, nullptr, &gpu_fp8};
+
+    Tensor y = Tensor::empty({c.tokens, c.out});
+    linear_forward(y, x, cpu_w);
+    Tensor yg = poisoned_gpu({c.tokens, c.out}, DType::BF16);
+    linear_forward(yg, xg, gpu_w);
+    EXPECT_LT(relative_l2(to_cpu_f32(yg), y), kBf16Tolerance) << "forward";
+
+    linear_forward(y, x, cpu_w, &residual);
+    yg = poisoned_gpu({c.tokens, c.out}, DType::BF16);
+    const Tensor residual_g = to_gpu(residual, DType::BF16);
+    linear_forward(yg, xg, gpu_w, &residual_g);
+    EXPECT_LT(relative_l2(to_cpu_f32(yg), y), kBf16Tolerance) << "forward with a residual";
+    Tensor in_place = to_gpu(residual, DType::BF16);
+    linear_forward(in_place, xg, gpu_w, &in_place);
+    EXPECT_LT(relative_l2(to_cpu_f32(in_place), y), kBf16Tolerance) << "forward into the residual itself";
+
+    Tensor dx = Tensor::empty({c.tokens, c.in});
+    linear_backward_input(dx, dy, cpu_w);
+    Tensor dxg = poisoned_gpu({c.tokens, c.in}, DType::BF16);
+    linear_backward_input(dxg, dyg, gpu_w);
+    EXPECT_LT(relative_l2(to_cpu_f32(dxg), dx), kBf16Tolerance) << "input gradient";
+
+    Tensor dw = Tensor::empty({c.out, c.in});
+    linear_backward_weight(LinearWeight{dw, nullptr, nullptr, &cpu_fp8}, dy, x, true);
+    Tensor dwg = poisoned_gpu({c.out, c.in}, DType::F32);
+    const LinearWeight gpu_grad{dwg, nullptr, nullptr, &gpu_fp8};
+    linear_backward_weight(gpu_grad, dyg, xg, true);
+    EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance) << "weight gradient written over";
+    linear_backward_weight(LinearWeight{dw, nullptr, nullptr, &cpu_fp8}, dy, x, false);
+    linear_backward_weight(gpu_grad, dyg, xg, false);
+    EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance) << "weight gradient added";
+  }
+}
+
+TEST(GpuFp8Linear, TrainingMicroBatchMatchesCpuFp8) {
+  ModelConfig config;
+  config.name = "fp8-gpu";
+  config.vocab_size = 256;
+  config.hidden_size = 128;
+  config.num_layers = 2;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.ffn_hidden_size = 256;
+  config.max_seq_len = 64;
+  const int64_t batch = 2, seq = 64;
+
+  FlatParameters params(config);
+  params.initialize(3);
+  Tensor rounded = Tensor::empty({params.flat().numel()}, DType::BF16);  // the GPU's bf16 weights, on both sides
+  cast(rounded, params.flat());
+  cast(params.flat(), rounded);
+  FlatParameters weights_gpu(config, Device::CUDA, DType::BF16), grads_bf16(config, Device::CUDA, DType::F32);
+  weights_gpu.assign_from(params);
+
+  Rng rng(seed_for_current_test());
+  Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  const Tensor tokens_g = tokens.to(Device::CUDA), targets_g = targets.to(Device::CUDA);
+  DecoderLM model_cpu(config, batch, seq);
+  DecoderLM model_gpu(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  grads_bf16.discard();
+  const double loss_bf16 = model_gpu.forward_backward(tokens_g, targets_g, weights_gpu, grads_bf16, scale).mean();
+
+  for (const Fp8Settings settings : {Fp8Settings{Fp8Format::E5M2, false}, Fp8Settings{Fp8Format::E4M3, true}}) {
+    SCOPED_TRACE(::testing::Message() << fp8_format_name(settings.grad_format)
+                                      << (settings.output_head ? ", FP8 head" : ", bf16 head"));
+    FlatParameters grads_cpu(config), grads_gpu(config, Device::CUDA, DType::F32);
+    Fp8Projections cpu(config, settings, Device::CPU, batch * seq), gpu(config, settings, Device::CUDA, batch * seq);
+    cpu.set_base(params, grads_cpu);
+    gpu.set_base(weights_gpu, grads_gpu);
+    grads_cpu.discard();
+    grads_gpu.discard();
+    const double loss_cpu = model_cpu.forward_backward(tokens, targets, cpu, cpu, scale).mean();
+    const double loss_gpu = model_gpu.forward_backward(tokens_g, targets_g, gpu, gpu, scale).mean();
+    EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu);
+    EXPECT_NE(loss_gpu, loss_bf16);  // the FP8 GEMMs ran
+    for (size_t k = 0; k < params.specs().size(); ++k)
+      EXPECT_LT(relative_l2(to_cpu_f32(grads_gpu.tensors()[k]), grads_cpu.tensors()[k]), 0.1)
+          << params.specs()[k].name;
+  }
+}
+
+}  // namespace
+}  // namespace forge
