@@ -10,12 +10,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "core/bf16.h"
 #include "core/device.h"
 #include "core/rng.h"
 #include "core/tensor.h"
+#include "model/config.h"
 #include "ops/elementwise.h"
 
 namespace forge::gpu_test {
@@ -85,6 +87,22 @@ inline double relative_l2(const Tensor& a, const Tensor& b) {
     ref += double(pb[i]) * pb[i];
   }
   return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
+}
+
+// The small decoder the training-step tests run on both sides: 2 layers, hidden 128, GQA
+// (4 heads, 2 KV heads), vocabulary 256, sequences up to 64 (every FP8 dimension a multiple
+// of 16).
+inline ModelConfig small_model(const std::string& name) {
+  ModelConfig config;
+  config.name = name;
+  config.vocab_size = 256;
+  config.hidden_size = 128;
+  config.num_layers = 2;
+  config.num_heads = 4;
+  config.num_kv_heads = 2;
+  config.ffn_hidden_size = 256;
+  config.max_seq_len = 64;
+  return config;
 }
 
 // Tolerances of ‖gpu − cpu‖/‖cpu‖ (METHOD.md): bf16 outputs land between 1e-3 and 1e-2.

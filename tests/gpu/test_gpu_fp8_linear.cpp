@@ -84,15 +84,7 @@ TEST(GpuFp8Linear, OpsMatchTheCpuReference) {
 }
 
 TEST(GpuFp8Linear, TrainingMicroBatchMatchesCpuFp8) {
-  ModelConfig config;
-  config.name = "fp8-gpu";
-  config.vocab_size = 256;
-  config.hidden_size = 128;
-  config.num_layers = 2;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.ffn_hidden_size = 256;
-  config.max_seq_len = 64;
+  const ModelConfig config = small_model("fp8-gpu");
   const int64_t batch = 2, seq = 64;
 
   FlatParameters params(config);

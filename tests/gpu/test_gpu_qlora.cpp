@@ -32,15 +32,7 @@ bool same_codes(const Nf4FrozenBase& cpu, const Nf4FrozenBase& gpu) {
 }
 
 TEST(GpuQlora, TrainingMicroBatchMatchesCpu) {
-  ModelConfig config;
-  config.name = "qlora-gpu";
-  config.vocab_size = 256;
-  config.hidden_size = 128;
-  config.num_layers = 2;
-  config.num_heads = 4;
-  config.num_kv_heads = 2;
-  config.ffn_hidden_size = 256;
-  config.max_seq_len = 64;
+  const ModelConfig config = small_model("qlora-gpu");
   LoraConfig lora;
   lora.rank = 8;
   lora.alpha = 16;
