@@ -11,13 +11,12 @@ test_model_fp8.cpp) that training averages out. Measured on debug-tiny (40 steps
 step within 2%, the mean within 0.5%) are several times that and still far below what
 broken FP8 training shows (a loss that stalls or diverges is off by 10% or more within 40
 steps)."""
-import json
 import os
 import shutil
 import subprocess
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import forge_bin, scratch_dir, train_losses
 
 STEPS = 40
 TIMEOUT = 300
@@ -33,16 +32,11 @@ def train(run_dir, *overrides, check=True):
     return result
 
 
-def losses(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r["loss"] for r in map(json.loads, f) if r.get("type") == "train"]
-
-
 class Fp8Training(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.tmp = scratch_dir()
-        cls.fp32 = losses(cls.train_run("fp32"))
+        cls.fp32 = train_losses(cls.train_run("fp32"))
 
     @classmethod
     def tearDownClass(cls):
@@ -64,12 +58,12 @@ class Fp8Training(unittest.TestCase):
 
     def test_tensorwise_follows_fp32(self):
         run_dir = self.train_run("tensorwise", "--precision.fp8", "tensorwise")
-        self.assert_tracks_fp32(losses(run_dir))
+        self.assert_tracks_fp32(train_losses(run_dir))
         with open(os.path.join(run_dir, "config.yaml")) as f:
             self.assertIn("fp8: tensorwise", f.read())
 
     def test_head_and_e4m3_gradients_follow_fp32(self):
-        self.assert_tracks_fp32(losses(self.train_run("head-e4m3", "--precision.fp8", "tensorwise",
+        self.assert_tracks_fp32(train_losses(self.train_run("head-e4m3", "--precision.fp8", "tensorwise",
                                                 "--precision.fp8_output_head", "true",
                                                 "--precision.fp8_grad_format", "e4m3")))
 
