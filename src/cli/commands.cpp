@@ -132,6 +132,15 @@ int run_info(const std::vector<std::string>& args) {
                projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
                nf4_scratch_bytes(m, DType::BF16) / gib);
   }
+  if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config.precision)) {
+    const PrecisionConfig& p = config.precision;
+    const double share = 6.0 * static_cast<double>(fp8_gemm_params(m, *fp8)) / m.flops_per_token(t.seq_len);
+    fmt::print("FP8              {}: the forward, input- and weight-gradient GEMMs of qkv, o, gate/up and down{} in "
+               "FP8 ({:.1f}% of the FLOPs per token), activations and weights e4m3, gradients {}; the output head "
+               "{}, embedding, attention, norms and optimizer in bf16/fp32\n",
+               p.fp8, fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
+               fp8->output_head ? "in FP8" : "in bf16");
+  }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,

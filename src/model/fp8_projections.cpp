@@ -1,16 +1,38 @@
 #include "model/fp8_projections.h"
 
 #include <algorithm>
+#include <utility>
 
 namespace forge {
 
+namespace {
+
+// [out, in] of every matrix trained in FP8 (NOTE [FP8 projections]).
+std::vector<std::pair<int64_t, int64_t>> fp8_matrices(const ModelConfig& config, const Fp8Settings& settings) {
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (const ParamSpec& spec : parameter_specs(config))
+    if (spec.layer >= 0 && spec.shape.size() == 2) out.emplace_back(spec.shape[0], spec.shape[1]);
+  if (settings.output_head) out.emplace_back(config.vocab_size, config.hidden_size);
+  return out;
+}
+
+}  // namespace
+
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   int64_t most = 0;
-  auto add = [&](int64_t out, int64_t in) { most = std::max({most, tokens * in, tokens * out, out * in}); };
-  for (const ParamSpec& spec : parameter_specs(config))
-    if (spec.layer >= 0 && spec.shape.size() == 2) add(spec.shape[0], spec.shape[1]);
-  if (settings.output_head) add(config.vocab_size, config.hidden_size);
+  for (const auto& [out, in] : fp8_matrices(config, settings))
+    most = std::max({most, tokens * in, tokens * out, out * in});
   return most;
+}
+
+int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings) {
+  int64_t params = 0;
+  for (const auto& [out, in] : fp8_matrices(config, settings)) params += out * in;
+  return params;
+}
+
+int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
+  return 2 * fp8_workspace_codes(config, settings, tokens) + kFp8WorkspaceStats * static_cast<int64_t>(sizeof(float));
 }
 
 Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& settings, Device device, int64_t tokens)
@@ -19,7 +41,7 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     const int64_t codes = fp8_workspace_codes(config, settings, tokens);
     workspace_.a_codes = Tensor::empty({codes}, DType::U8, device);
     workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
-    workspace_.stats = Tensor::zeros({6}, DType::F32, device);
+    workspace_.stats = Tensor::zeros({kFp8WorkspaceStats}, DType::F32, device);
   }
   fp8_.grad_format = settings.grad_format;
   fp8_.workspace = &workspace_;

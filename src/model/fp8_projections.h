@@ -35,6 +35,18 @@ struct Fp8Settings {
 // tokens x in, tokens x out and out x in.
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
+// Parameters of the matrices whose GEMMs run in FP8 (the block projections, and the head
+// with output_head): 6 x this is their share of the FLOPs per token (forge info).
+int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
+
+// fp32 values of the scratch's statistics (amax, scale and inverse scale of each operand).
+constexpr int64_t kFp8WorkspaceStats = 6;
+
+// Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): two code
+// buffers of fp8_workspace_codes bytes and the statistics. The memory estimate counts
+// this (model/memory_estimate.h); the CPU path allocates none.
+int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
+
 class Fp8Projections : public ParamSource, public GradSink {
  public:
   // `tokens`: the most tokens one linear call sees (micro_batch × seq_len), for the CUDA

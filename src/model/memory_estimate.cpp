@@ -35,6 +35,8 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
+  if (plan.fp8 && plan.cuda)
+    e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
   if (plan.lora.enabled()) {
     // NOTE [LoRA training]: only the adapters have masters, gradients and AdamW state.
     const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
@@ -97,6 +99,7 @@ std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   if (e.compute_weights > 0) s += fmt::format("{} weights {} + ", bf16_compute ? "bf16" : "fp32", gib(e.compute_weights));
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),
                    gib(e.activations));
+  if (e.fp8_scratch > 0) s += fmt::format(" + FP8 GEMM scratch {}", gib(e.fp8_scratch));
   if (e.comm_buffers > 0) s += fmt::format(" + FSDP reduction buffers {}", gib(e.comm_buffers));
   s += fmt::format(" = {}", gib(e.total()));
   return s;

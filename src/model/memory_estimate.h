@@ -16,13 +16,17 @@
 // buffers. LoRA under FSDP (NOTE [Frozen FSDP base]): the frozen base's chunk in the
 // compute dtype plus what the ZeRO stage holds in full; the adapters whole on every rank.
 // QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
+// precision.fp8 on CUDA adds the FP8 GEMMs' scratch (fp8_scratch_bytes, the function
+// Fp8Projections allocates by); the CPU path allocates none.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "core/dtype.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/fp8_projections.h"
 #include "model/lora_config.h"
 
 namespace forge {
@@ -40,9 +44,10 @@ struct MemoryEstimate {
   // QLoRA (NOTE [QLoRA base]): the projections' NF4 codes and statistics and the
   // dequantization scratch; frozen_weights is then the rest (embedding, norms, head).
   double nf4_base = 0;
+  double fp8_scratch = 0;  // precision.fp8 on CUDA: the FP8 GEMMs' code buffers (NOTE [FP8 projections])
   double total() const {
     return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers +
-           frozen_weights + nf4_base;
+           frozen_weights + nf4_base + fp8_scratch;
   }
 };
 
@@ -58,6 +63,7 @@ struct MemoryPlan {
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)
+  std::optional<Fp8Settings> fp8;  // precision.fp8 set
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

@@ -25,7 +25,13 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;
+  plan.fp8 = fp8_settings_of(config.precision);
   return plan;
+}
+
+std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
+  if (p.fp8 == "none") return std::nullopt;
+  return Fp8Settings{p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2, p.fp8_output_head};
 }
 
 namespace {

@@ -9,6 +9,9 @@ namespace forge {
 
 MemoryPlan memory_plan_of(const ExperimentConfig& config);
 
+// precision.fp8's settings (NOTE [FP8 projections]); unset with precision.fp8 none.
+std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& precision);
+
 // On CUDA: throws OutOfMemoryError naming the estimate, the GPU's free memory and the
 // settings that would shrink the need, when the estimate plus kReserveBytes exceeds free
 // memory. On the CPU the same against the host's available memory (NOTE [The memory

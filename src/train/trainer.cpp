@@ -124,8 +124,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     if (config_.precision.fp8 != "none") {
       // NOTE [FP8 projections]: the config allows FP8 only here (full training, one device).
       const PrecisionConfig& p = config_.precision;
-      const Fp8Settings fp8{p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2, p.fp8_output_head};
-      fp8_ = std::make_unique<Fp8Projections>(config_.model, fp8, device_, t.local_batch_size * t.seq_len);
+      fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(p), device_,
+                                              t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
       log_info("FP8 {}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
                "output head in {}",

@@ -8,6 +8,7 @@
 
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
+#include "model/memory_estimate.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 
@@ -44,6 +45,65 @@ TEST(ModelFp8, ProjectionsCarryFp8AndTheRestPassesThrough) {
   // [37, 24] only when it runs in FP8 (no larger here).
   EXPECT_EQ(fp8_workspace_codes(config, {Fp8Format::E5M2, false}, 16), 80 * 24);
   EXPECT_EQ(fp8_workspace_codes(config, {Fp8Format::E5M2, true}, 100), 100 * 80);
+}
+
+ModelConfig llama31_8b() {
+  ModelConfig c;
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.ffn_hidden_size = 14336;
+  return c;
+}
+
+// The memory estimate counts the CUDA scratch Fp8Projections allocates: two code buffers of
+// fp8_workspace_codes bytes and six fp32 statistics (one function computes it for both).
+TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
+  struct Case {
+    ModelConfig config;
+    int64_t micro_batch, seq_len;
+    bool head;
+  };
+  const std::vector<Case> cases = {{testing::tiny(), 1, 16, false}, {testing::tiny(), 2, 50, true},
+                                   {llama31_8b(), 1, 8192, false}, {llama31_8b(), 2, 4096, true}};
+  for (const Case& c : cases) {
+    const Fp8Settings settings{Fp8Format::E5M2, c.head};
+    const int64_t tokens = c.micro_batch * c.seq_len;
+    const int64_t bytes = fp8_scratch_bytes(c.config, settings, tokens);
+    EXPECT_EQ(bytes, 2 * fp8_workspace_codes(c.config, settings, tokens) + 6 * 4);
+    MemoryPlan plan;
+    plan.micro_batch = c.micro_batch;
+    plan.seq_len = c.seq_len;
+    plan.cuda = true;
+    const MemoryEstimate bf16 = estimate_memory(c.config, plan);
+    plan.fp8 = settings;
+    const MemoryEstimate fp8 = estimate_memory(c.config, plan);
+    EXPECT_EQ(fp8.fp8_scratch, static_cast<double>(bytes));
+    EXPECT_EQ(fp8.total(), bf16.total() + fp8.fp8_scratch);
+    EXPECT_NE(describe(fp8).find(" + FP8 GEMM scratch "), std::string::npos);
+    EXPECT_EQ(describe(bf16).find("FP8"), std::string::npos);
+    plan.cuda = false;  // the CPU path allocates no scratch
+    EXPECT_EQ(estimate_memory(c.config, plan).fp8_scratch, 0.0);
+  }
+  // Llama 3.1 8B, one sequence of 8192 tokens: gate_up's tokens x 2 x 14336 codes, twice
+  // (the README's 0.44 GiB); with the head in FP8, tokens x vocab.
+  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {}, 8192), 2 * int64_t{8192} * 28672 + 24);
+  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {Fp8Format::E5M2, true}, 8192), 2 * int64_t{8192} * 128256 + 24);
+  MemoryPlan plan;
+  plan.seq_len = 8192;
+  plan.cuda = true;
+  plan.fp8 = Fp8Settings{};
+  EXPECT_NE(describe(estimate_memory(llama31_8b(), plan)).find("FP8 GEMM scratch 0.44 GiB"), std::string::npos);
+}
+
+// forge info's share of the FLOPs in FP8: 6 x the parameters of the matrices trained in FP8.
+TEST(ModelFp8, GemmParamsAreTheProjectionsAndTheHeadOnRequest) {
+  const ModelConfig c = llama31_8b();
+  const int64_t per_layer = int64_t{4096} * (4096 + 2 * 1024) + 4096 * 4096 + 2 * 14336 * 4096 + 4096 * 14336;
+  EXPECT_EQ(fp8_gemm_params(c, {}), 32 * per_layer);
+  EXPECT_EQ(fp8_gemm_params(c, {Fp8Format::E5M2, true}), 32 * per_layer + 128256 * int64_t{4096});
 }
 
 // sqrt(sum (got - want)^2 / sum want^2).

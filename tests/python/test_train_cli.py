@@ -85,6 +85,29 @@ class Commands(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("8.03 B", result.stdout)
 
+    def test_info_fp8(self):
+        # Llama 3.1 8B at seq 8192: the block projections' weights are 32 x (4096 x 6144 +
+        # 4096 x 4096 + 3 x 4096 x 14336); their GEMMs' share of 6 x (params - embedding) +
+        # 6 x layers x hidden x seq. The GPU memory line counts the FP8 scratch (0.44 GiB).
+        result = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--training.seq_len", "8192",
+                       "--training.local_batch_size", "1")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        fp8 = [line for line in result.stdout.splitlines() if line.startswith("FP8 ")]
+        self.assertEqual(len(fp8), 1, result.stdout)
+        projections = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+        params = 8030261248
+        share = 6 * projections / (6 * (params - 128256 * 4096) + 6 * 32 * 4096 * 8192)
+        self.assertIn(f"tensorwise: the forward, input- and weight-gradient GEMMs of qkv, o, gate/up and down in "
+                      f"FP8 ({100 * share:.1f}% of the FLOPs per token)", fp8[0])
+        self.assertIn("gradients e5m2; the output head in bf16", fp8[0])
+        gpu = [line for line in result.stdout.splitlines() if "one GPU" in line]
+        self.assertIn("FP8 GEMM scratch 0.44 GiB", gpu[0])
+        cpu = [line for line in result.stdout.splitlines() if "CPU (fp32)" in line]
+        self.assertNotIn("FP8", cpu[0])
+        head = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_output_head", "true")
+        self.assertIn("qkv, o, gate/up and down and of the output head in FP8", head.stdout)
+        self.assertNotIn("FP8", forge("info", "llama3.1-8b").stdout)
+
     def test_info_every_model(self):
         models = sorted(f[:-5] for f in os.listdir(os.path.join(source_dir(), "configs", "models")))
         self.assertGreaterEqual(len(models), 10)
