@@ -51,7 +51,18 @@ std::string status_cell(const BenchResult& r) {
   return r.error.empty() ? r.status : fmt::format("{}: {}", r.status, r.error);
 }
 
+// The bf16-peak MFU, and for FP8 runs the fp8-peak one beside it: "41.2% (FP8 peak 20.6%)".
+std::string mfu_cell(const BenchResult& r) {
+  std::string text = r.mfu ? fmt::format("{:.1f}%", 100.0 * *r.mfu) : "n/a";
+  if (r.fp8 != "none") text += r.mfu_fp8 ? fmt::format(" (FP8 peak {:.1f}%)", 100.0 * *r.mfu_fp8) : " (FP8 peak n/a)";
+  return text;
+}
+
 }  // namespace
+
+std::string precision_label(const BenchResult& r) {
+  return r.fp8 == "none" || r.fp8.empty() ? upper(r.precision) : fmt::format("FP8 ({})", r.fp8);
+}
 
 std::string bench_markdown_table(const std::vector<BenchResult>& results) {
   std::string table =
@@ -59,12 +70,12 @@ std::string bench_markdown_table(const std::vector<BenchResult>& results) {
       "| Step time (median, min-max) | MFU | Peak memory (GiB) | Status |\n"
       "|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---|\n";
   for (const BenchResult& r : results) {
-    table += fmt::format("| {} | {} | {} | {} | {} | {} ", cell(model_cell(r)), cell(upper(r.precision)),
+    table += fmt::format("| {} | {} | {} | {} | {} | {} ", cell(model_cell(r)), cell(precision_label(r)),
                          r.micro_batch, r.seq_len, r.grad_accum,
                          cell(r.activation_checkpoint.empty() ? "-" : r.activation_checkpoint));
     if (r.status == "ok") {
       table += fmt::format("| {:.2f} | {:.0f} | {} | {} | {} ", r.tflops_per_gpu, r.tokens_per_s_per_gpu,
-                           step_time_cell(r), r.mfu ? fmt::format("{:.1f}%", 100.0 * *r.mfu) : "n/a",
+                           step_time_cell(r), mfu_cell(r),
                            r.peak_memory_bytes > 0 ? fmt::format("{:.2f}", r.peak_memory_bytes / 1073741824.0) : "n/a");
     } else {
       table += "| - | - | - | - | - ";
@@ -78,6 +89,7 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
   out = nlohmann::json{
       {"model", r.model},
       {"precision", r.precision},
+      {"fp8", r.fp8},
       {"micro_batch", r.micro_batch},
       {"seq_len", r.seq_len},
       {"grad_accum", r.grad_accum},
@@ -99,6 +111,7 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
       {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
       {"tflops_per_gpu", r.tflops_per_gpu},
       {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
+      {"mfu_fp8", r.mfu_fp8 ? nlohmann::json(*r.mfu_fp8) : nlohmann::json(nullptr)},
       {"peak_memory_bytes", r.peak_memory_bytes},
       {"duration_s", r.duration_s},
   };

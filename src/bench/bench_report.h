@@ -13,14 +13,15 @@
 
 namespace forge {
 
-// Columns: Model, Precision, Batch Size (micro-batch per GPU), Sequence Length,
-// TFLOP/s/GPU, Tokens/s/GPU, Step time (median, min-max), MFU, Peak memory (GiB),
+// Columns: Model, Precision (precision_label: "BF16", "FP8 (tensorwise)"), Batch Size
+// (micro-batch per GPU), Sequence Length, TFLOP/s/GPU, Tokens/s/GPU, Step time (median,
+// min-max), MFU (against the bf16 peak; an FP8 run adds "(FP8 peak x%)"), Peak memory (GiB),
 // Status. A run that ran out of memory or failed shows "-" for every measured number and
 // its status ("OOM", "failed: <why>").
 std::string bench_markdown_table(const std::vector<BenchResult>& results);
 
-// Every field under its C++ name; mfu is null when the device's peak is unknown, config
-// is the resolved experiment config.
+// Every field under its C++ name; mfu (and mfu_fp8) is null when the device's peak is
+// unknown (mfu_fp8 also when the run is not FP8), config is the resolved experiment config.
 void to_json(nlohmann::json& out, const BenchResult& result);
 
 // The results as a JSON array, written to a temporary file beside `path` and renamed over

@@ -4,7 +4,9 @@
 // Figures follow ../shared/PERF.md: tokens/s/GPU = global batch tokens per step / step
 // time / GPUs over the measured (post-warm-up) steps, model TFLOP/s/GPU = tokens/s/GPU x
 // FLOPs per token (6 x non-embedding parameters + 6 x layers x hidden x seq), MFU against
-// the dense peak of the device's matrix units when the device is known.
+// the dense peak of the device's matrix units when the device is known: the bf16 peak for
+// every run (for FP8 runs the BF16-equivalent figure, comparable with BF16 runs), and for
+// precision.fp8 runs also the fp8 peak (mfu_fp8).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,7 @@ struct BenchResult {
   // What ran.
   std::string model;                  // model.name
   std::string precision;              // precision.compute_dtype: bf16 | fp32
+  std::string fp8 = "none";           // precision.fp8: none | tensorwise
   int64_t micro_batch = 0;            // training.local_batch_size
   int64_t seq_len = 0;                // training.seq_len
   int64_t grad_accum = 0;             // training.gradient_accumulation_steps
@@ -41,9 +44,15 @@ struct BenchResult {
   double step_time_max_s = 0;
   double tokens_per_s_per_gpu = 0;
   double tflops_per_gpu = 0;          // model TFLOP/s per GPU
-  std::optional<double> mfu;          // unset when the device's peak is unknown
+  std::optional<double> mfu;          // against the bf16 peak; unset when the device's peak is unknown
+  std::optional<double> mfu_fp8;      // FP8 runs: against the fp8 peak; unset otherwise or when unknown
   int64_t peak_memory_bytes = 0;      // device allocator high-water mark (0 on the CPU)
   double duration_s = 0;              // wall time of the whole run, set-up included
 };
+
+// The Precision column of the reports: "FP8 (tensorwise)" for a precision.fp8 run, else
+// the compute dtype upper-cased ("BF16"). perf.csv writes it in lower case. (Defined in
+// bench_report.cpp.)
+std::string precision_label(const BenchResult& r);
 
 }  // namespace forge

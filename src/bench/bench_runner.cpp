@@ -21,6 +21,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   BenchResult r;
   r.model = c.model.name;
   r.precision = c.precision.compute_dtype;
+  r.fp8 = c.precision.fp8;
   r.micro_batch = t.local_batch_size;
   r.seq_len = t.seq_len;
   r.grad_accum = t.gradient_accumulation_steps;
@@ -51,6 +52,8 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
     r.tokens_per_s_per_gpu = tokens_per_step / r.step_time_median_s / static_cast<double>(r.n_gpus);
     r.tflops_per_gpu = r.tokens_per_s_per_gpu * training_flops_per_token(c.model, c.lora, t.seq_len) / 1e12;
     if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
+    if (const auto peak = peak_fp8_tflops(r.device_name); peak && r.fp8 != "none")
+      r.mfu_fp8 = r.tflops_per_gpu / *peak;
   } catch (const OutOfMemoryError& e) {
     r.status = "oom";
     r.error = e.what();

@@ -5,7 +5,8 @@
 // MAD's perf.csv has one row per measured run and metric. forge fills its columns so:
 //   model               model.name ("llama3.1-8b")
 //   n_gpus              GPUs the run used
-//   training_precision  precision.compute_dtype ("bf16")
+//   training_precision  precision.compute_dtype ("bf16"), or "fp8 (tensorwise)" for a
+//                       precision.fp8 run (its MFU is in the JSON report)
 //   pipeline            the CI pipeline from $pipeline, as MAD reads it; empty outside CI
 //   args                the command-line overrides that define the run, as given
 //   tags                "forge", then the parallelism and activation checkpointing when
@@ -17,7 +18,8 @@
 //   metric              "TFLOPS_per_gpu", MAD's name for it in its PyTorch training
 //                       reports (tokens/s/GPU and the rest are in the JSON report)
 //   relative_change     percent change of performance against the latest earlier row
-//                       with the same model, args and metric that has a performance,
+//                       with the same model, args, training_precision and metric that
+//                       has a performance,
 //                       2 decimals ("-3.25"); empty when there is none or this run failed
 //   status              SUCCESS or FAILURE, as MAD writes it (an OOM is a FAILURE)
 //   build_duration      empty: forge builds no container per run
@@ -30,6 +32,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <charconv>
 #include <climits>
 #include <cstdlib>
@@ -121,7 +124,10 @@ std::vector<std::string> row_for(const BenchResult& r, const PerfCsvContext& con
   std::vector<std::string> row(kColumnCount);
   row[kModel] = r.model;
   row[kNGpus] = std::to_string(r.n_gpus);
-  row[kPrecision] = r.precision;
+  std::string precision = precision_label(r);
+  std::transform(precision.begin(), precision.end(), precision.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  row[kPrecision] = precision;
   row[kPipeline] = context.pipeline;
   row[kArgs] = r.args;
   row[kTags] = tags_for(r);
@@ -134,7 +140,9 @@ std::vector<std::string> row_for(const BenchResult& r, const PerfCsvContext& con
   row[kPerformance] = fmt::format("{:.2f}", r.tflops_per_gpu);
   for (auto it = earlier.rbegin(); it != earlier.rend(); ++it) {
     const auto& previous = *it;
-    if (previous[kModel] != r.model || previous[kArgs] != r.args || previous[kMetricColumn] != kMetric) continue;
+    if (previous[kModel] != r.model || previous[kArgs] != r.args || previous[kPrecision] != row[kPrecision] ||
+        previous[kMetricColumn] != kMetric)
+      continue;
     const std::optional<double> base = parse_performance(previous[kPerformance]);
     if (!base) continue;
     if (*base > 0) row[kRelativeChange] = fmt::format("{:.2f}", 100.0 * (r.tflops_per_gpu / *base - 1.0));

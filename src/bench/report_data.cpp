@@ -77,6 +77,7 @@ StepMetrics step_from(const Fields& f) {
   m.tokens_per_s = f.number("tokens_per_s");
   m.model_tflops = f.number("model_tflops");
   m.mfu = f.optional_number("mfu");
+  m.mfu_fp8 = f.optional_number("mfu_fp8");
   if (f.has("peak_memory_bytes")) m.peak_memory_bytes = f.integer("peak_memory_bytes");
   return m;
 }
@@ -154,6 +155,10 @@ void read_config(const std::string& path, ReportRun& run) {
       if (!dtype.IsScalar()) FORGE_FAIL("{}: precision.compute_dtype must be a name", path);
       run.precision = dtype.Scalar();
     }
+    if (const YAML::Node fp8 = root["precision"]["fp8"]) {
+      if (!fp8.IsScalar()) FORGE_FAIL("{}: precision.fp8 must be a name", path);
+      if (fp8.Scalar() != "none") run.precision = fmt::format("FP8 ({})", fp8.Scalar());
+    }
   } catch (const YAML::Exception& e) {
     FORGE_FAIL("{}: not a readable config: {}", path, e.what());
   }
@@ -177,6 +182,8 @@ BenchResult bench_from(const Fields& f) {
   f.read("tokens_per_s_per_gpu", r.tokens_per_s_per_gpu);
   f.read("tflops_per_gpu", r.tflops_per_gpu);
   r.mfu = f.optional_number("mfu");
+  f.read("fp8", r.fp8);  // absent from reports written before precision.fp8
+  r.mfu_fp8 = f.optional_number("mfu_fp8");
   f.read("peak_memory_bytes", r.peak_memory_bytes);
   return r;
 }

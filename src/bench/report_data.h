@@ -38,7 +38,7 @@ struct ReportRun {
   int64_t parameters = 0;
   // From config.yaml, when the directory has one.
   std::optional<int64_t> micro_batch, grad_accum, global_batch, seq_len;
-  std::string precision;
+  std::string precision;  // precision.compute_dtype, or "FP8 (<recipe>)" with precision.fp8
   std::vector<StepMetrics> steps;  // in step order
   std::vector<EvalMetrics> evals;  // in step order
   std::vector<BenchResult> bench;  // bench.json, when present

@@ -126,6 +126,7 @@ std::string runs_table(const std::vector<ReportRun>& runs) {
     const auto tok = median_of(r.steps, [](const StepMetrics& m) { return std::optional<double>(m.tokens_per_s); });
     const auto tf = median_of(r.steps, [](const StepMetrics& m) { return std::optional<double>(m.model_tflops); });
     const auto mfu = median_of(r.steps, [](const StepMetrics& m) { return m.mfu; });
+    const auto mfu_fp8 = median_of(r.steps, [](const StepMetrics& m) { return m.mfu_fp8; });
     const auto step_time = median_of(r.steps, [](const StepMetrics& m) { return std::optional<double>(m.step_time_s); });
     std::optional<double> peak;
     for (const auto& m : r.steps)
@@ -137,11 +138,23 @@ std::string runs_table(const std::vector<ReportRun>& runs) {
             num_cell(r.steps.empty() ? "0" : std::to_string(r.steps.back().step)) +
             num_cell(r.steps.empty() ? kNotAvailable : fmt::format("{:.4f}", r.steps.back().loss)) +
             num_cell(r.evals.empty() ? kNotAvailable : fmt::format("{:.4f}", r.evals.back().loss)) +
-            num_cell(or_na(tok, grouped)) + num_cell(or_na(tf, tflops)) + num_cell(or_na(mfu, percent)) +
-            num_cell(or_na(step_time, seconds)) + num_cell(or_na(peak, gib)) + "</tr>\n";
+            num_cell(or_na(tok, grouped)) + num_cell(or_na(tf, tflops)) +
+            "<td class=\"num\">" + html_escape(or_na(mfu, percent)) +
+            (mfu_fp8 ? "<div class=\"sub\">FP8 peak " + html_escape(percent(*mfu_fp8)) + "</div>" : std::string()) +
+            "</td>" + num_cell(or_na(step_time, seconds)) + num_cell(or_na(peak, gib)) + "</tr>\n";
   }
   return html + "</table></div>\n<p class=\"note\">Tokens/s (all devices), model TFLOP/s (per device), MFU and "
                 "step time are medians over the run's steps; peak memory is the highest of any step.</p>\n";
+}
+
+// MFU against the bf16 peak, and for an FP8 run against the fp8 peak beneath it.
+std::string mfu_cell(const BenchResult& b) {
+  const bool ok = b.status == "ok";
+  std::string html = "<td class=\"num\">" + html_escape(ok && b.mfu ? percent(*b.mfu) : std::string(kNotAvailable));
+  if (ok && !b.fp8.empty() && b.fp8 != "none")
+    html += "<div class=\"sub\">FP8 peak " + html_escape(b.mfu_fp8 ? percent(*b.mfu_fp8) : std::string(kNotAvailable)) +
+            "</div>";
+  return html + "</td>";
 }
 
 std::string bench_table(const std::vector<BenchResult>& results) {
@@ -157,12 +170,12 @@ std::string bench_table(const std::vector<BenchResult>& results) {
     auto measured = [&](double v, auto format) { return ok && v > 0 ? format(v) : std::string(kNotAvailable); };
     std::string status = fmt::format("<td class=\"{}\">{}", ok ? "status-ok" : "status-bad", html_escape(b.status));
     if (!b.error.empty()) status += "<div class=\"error\">" + html_escape(b.error) + "</div>";
-    html += "<tr>" + cell(b.model) + cell(text(b.precision)) + cell(text(b.parallelism)) + num_cell(positive(b.n_gpus)) +
+    html += "<tr>" + cell(b.model) + cell(b.fp8.empty() || b.fp8 == "none" ? text(b.precision) : precision_label(b)) + cell(text(b.parallelism)) + num_cell(positive(b.n_gpus)) +
             num_cell(positive(b.micro_batch)) + num_cell(positive(b.seq_len)) + num_cell(positive(b.grad_accum)) +
             num_cell(positive(b.global_batch)) + cell(text(b.activation_checkpoint)) +
             num_cell(measured(b.step_time_median_s, seconds)) + num_cell(measured(b.tokens_per_s_per_gpu, grouped)) +
             num_cell(measured(b.tflops_per_gpu, tflops)) +
-            num_cell(ok && b.mfu ? percent(*b.mfu) : std::string(kNotAvailable)) +
+            mfu_cell(b) +
             num_cell(measured(static_cast<double>(b.peak_memory_bytes), gib)) + status + "</td></tr>\n";
   }
   return html + "</table></div>\n";

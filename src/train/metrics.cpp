@@ -15,12 +15,19 @@ std::optional<double> peak_tflops(const std::string& device_name) {
   return std::nullopt;
 }
 
+std::optional<double> peak_fp8_tflops(const std::string& device_name) {
+  // ../shared/PERF.md: H100 SXM and H200 dense fp8 peak (twice bf16's).
+  if (device_name.find("H100") != std::string::npos || device_name.find("H200") != std::string::npos) return 1979.0;
+  return std::nullopt;
+}
+
 std::string format_step(const StepMetrics& m, int64_t total_steps) {
   std::string mfu = m.mfu ? fmt::format("{:5.1f}%", *m.mfu * 100.0) : std::string("  n/a");
   return fmt::format("step {:>{}}/{} | loss {:8.4f} | lr {:.3e} | grad norm {:7.3f} | {:9.0f} tok/s | {:8.1f} ms | "
                      "{:7.3f} TFLOP/s | MFU {}",
                      m.step, std::to_string(total_steps).size(), total_steps, m.loss, m.lr, m.grad_norm,
                      m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu) +
+         (m.mfu_fp8 ? fmt::format(" (FP8 peak {:.1f}%)", *m.mfu_fp8 * 100.0) : std::string()) +
          (m.comm_exposed_s ? fmt::format(" | exposed comm {:.1f} ms", *m.comm_exposed_s * 1e3) : std::string());
 }
 
@@ -72,6 +79,7 @@ void MetricsWriter::write(const StepMetrics& m) {
                       {"grad_norm", m.grad_norm}, {"step_time_s", m.step_time_s},
                       {"tokens_per_s", m.tokens_per_s}, {"model_tflops", m.model_tflops}};
   j["mfu"] = m.mfu ? nlohmann::json(*m.mfu) : nlohmann::json(nullptr);
+  if (m.mfu_fp8) j["mfu_fp8"] = *m.mfu_fp8;
   if (m.peak_memory_bytes) j["peak_memory_bytes"] = *m.peak_memory_bytes;
   if (m.comm_exposed_s) j["comm_exposed_s"] = *m.comm_exposed_s;
   if (m.skipped) j["skipped"] = true;

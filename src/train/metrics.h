@@ -26,7 +26,8 @@ struct StepMetrics {
   double step_time_s = 0;
   double tokens_per_s = 0;
   double model_tflops = 0;         // per device
-  std::optional<double> mfu;       // unset when the device's peak is unknown
+  std::optional<double> mfu;       // against the bf16 peak; unset when the device's peak is unknown
+  std::optional<double> mfu_fp8;   // precision.fp8 runs: against the fp8 peak; unset otherwise or unknown
   std::optional<int64_t> peak_memory_bytes;  // device allocator high-water mark; unset when not measured
   std::optional<double> comm_exposed_s;      // data-parallel runs: communication not hidden (NOTE [Exposed communication])
   std::optional<std::array<double, kOpClassCount>> op_seconds;  // logging.profile_ops
@@ -44,6 +45,9 @@ struct EvalMetrics {
 
 // Dense bf16 matrix peak (TFLOP/s) for a device name, from PERF.md; unset when unknown.
 std::optional<double> peak_tflops(const std::string& device_name);
+// Dense fp8 (e4m3) matrix peak (TFLOP/s), from PERF.md: the MFU of precision.fp8 runs
+// against it, beside the bf16 figure; unset when unknown.
+std::optional<double> peak_fp8_tflops(const std::string& device_name);
 
 // One console line: step, loss, lr, grad norm, tokens/s, step time, TFLOP/s, MFU.
 std::string format_step(const StepMetrics& m, int64_t total_steps);

@@ -412,6 +412,8 @@ TrainResult Trainer::run() {
   const double tokens_per_step = static_cast<double>(t.global_batch_size * t.seq_len);
   const double flops_per_step = training_flops_per_token(mc, config_.lora, t.seq_len) * tokens_per_step;
   const std::optional<double> peak = peak_tflops(accelerator_name());
+  const std::optional<double> fp8_peak =
+      config_.precision.fp8 != "none" ? peak_fp8_tflops(accelerator_name()) : std::nullopt;
   set_op_profiling(config_.logging.profile_ops);
   set_gemm_tuning(t.gemm_tuning, t.gemm_tuning ? gemm_tuning_cache_dir(t.gemm_tuning_cache) : "");
 
@@ -542,6 +544,7 @@ TrainResult Trainer::run() {
     m.tokens_per_s = tokens_per_step / dt / world_size_;
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
     if (peak) m.mfu = m.model_tflops / *peak;
+    if (fp8_peak) m.mfu_fp8 = m.model_tflops / *fp8_peak;
     if (device_ == Device::CUDA) m.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
     if (dp_) m.comm_exposed_s = dp_->take_exposed_comm_seconds();
     if (op_profiling()) {

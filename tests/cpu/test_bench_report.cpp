@@ -13,6 +13,7 @@
 #include "config_test_support.h"
 #include "core/durable_file.h"
 #include "test_data_temp_dir.h"
+#include "train/metrics.h"
 #include "file_testing.h"
 
 namespace forge {
@@ -99,6 +100,64 @@ TEST(BenchMarkdown, RowsLikeTheSeedsTablesAndNoNumbersForFailures) {
   EXPECT_EQ(rows[5], "| llama3.1-8b | BF16 | 8 | 8192 | 1 | none | - | - | - | - | - | failed: bad \\| thing here |");
 }
 
+BenchResult fp8_result(double tflops, const std::string& args) {
+  BenchResult r = ok_result("llama3.1-8b", 1, tflops, args);
+  r.fp8 = "tensorwise";
+  r.mfu = tflops / *peak_tflops(r.device_name);
+  r.mfu_fp8 = tflops / *peak_fp8_tflops(r.device_name);
+  return r;
+}
+
+// An FP8 run names its recipe and adds its MFU against the fp8 peak; the columns stay.
+TEST(BenchMarkdown, Fp8RunsShowTheRecipeAndBothMfus) {
+  EXPECT_EQ(peak_tflops("NVIDIA H100 80GB HBM3"), 989.0);
+  EXPECT_EQ(peak_fp8_tflops("NVIDIA H100 80GB HBM3"), 1979.0);
+  EXPECT_EQ(peak_fp8_tflops("NVIDIA H200"), 1979.0);
+  EXPECT_FALSE(peak_fp8_tflops("NVIDIA A100-SXM4-80GB").has_value());
+  BenchResult unknown = fp8_result(0.5, "");
+  unknown.mfu.reset();
+  unknown.mfu_fp8.reset();
+  BenchResult oom = failed_result("oom", "out of GPU memory", "");
+  oom.fp8 = "tensorwise";
+  const std::string table = bench_markdown_table({fp8_result(742.5, ""), unknown, oom});
+  std::istringstream lines(table);
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(lines, line);) rows.push_back(line);
+  ASSERT_EQ(rows.size(), 5u);
+  EXPECT_EQ(rows[2],
+            "| llama3.1-8b | FP8 (tensorwise) | 1 | 8192 | 1 | none | 742.50 | 43512 | 1.50 s (1.25-1.75) | 75.1% "
+            "(FP8 peak 37.5%) | 3.00 | ok |");
+  EXPECT_EQ(rows[3],
+            "| llama3.1-8b | FP8 (tensorwise) | 1 | 8192 | 1 | none | 0.50 | 43512 | 1.50 s (1.25-1.75) | n/a (FP8 "
+            "peak n/a) | 3.00 | ok |");
+  EXPECT_EQ(rows[4], "| llama3.1-8b | FP8 (tensorwise) | 8 | 8192 | 1 | none | - | - | - | - | - | OOM |");
+
+  TempDir dir;
+  write_bench_json(dir.file("bench.json"), {fp8_result(742.5, "")});
+  const nlohmann::json json = nlohmann::json::parse(read_file(dir.file("bench.json")));
+  EXPECT_EQ(json[0]["precision"], "bf16");
+  EXPECT_EQ(json[0]["fp8"], "tensorwise");
+  EXPECT_DOUBLE_EQ(json[0]["mfu"].get<double>(), 742.5 / 989.0);
+  EXPECT_DOUBLE_EQ(json[0]["mfu_fp8"].get<double>(), 742.5 / 1979.0);
+}
+
+// perf.csv's training_precision names the recipe, and a run's relative change is against
+// earlier rows of its own precision only.
+TEST(PerfCsv, Fp8RowsNameTheRecipeAndCompareWithFp8RowsOnly) {
+  TempDir dir;
+  const std::string path = dir.file("perf.csv");
+  const PerfCsvContext context{"host", ""};
+  append_perf_csv(path, {fp8_result(700, "x"), ok_result("llama3.1-8b", 1, 400, "x")}, context);
+  append_perf_csv(path, {fp8_result(770, "x"), ok_result("llama3.1-8b", 1, 440, "x")}, context);
+  const auto rows = perf_rows(path);
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_EQ(column(rows[0], "training_precision"), "fp8 (tensorwise)");
+  EXPECT_EQ(column(rows[1], "training_precision"), "bf16");
+  EXPECT_EQ(column(rows[1], "relative_change"), "");
+  EXPECT_EQ(column(rows[2], "relative_change"), "10.00");
+  EXPECT_EQ(column(rows[3], "relative_change"), "10.00");
+}
+
 TEST(BenchJson, EveryFieldWrittenAtomically) {
   TempDir dir;
   const std::string path = dir.file("bench.json");
@@ -116,10 +175,12 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "parallelism", "activation_checkpoint", "args", "device_name", "gpu_architecture", "config",
                           "status", "error", "warmup_steps", "measured_steps", "step_time_median_s",
                           "step_time_min_s", "step_time_max_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                          "peak_memory_bytes", "duration_s"}) {
+                          "peak_memory_bytes", "duration_s", "fp8", "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 25u);
+  EXPECT_EQ(first.size(), 27u);
+  EXPECT_EQ(first["fp8"], "none");
+  EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");
   EXPECT_EQ(first["micro_batch"], 1);
   EXPECT_DOUBLE_EQ(first["tflops_per_gpu"].get<double>(), 412.5);

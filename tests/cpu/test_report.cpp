@@ -192,6 +192,36 @@ TEST(Report, RendersEveryRunsSeriesAndTables) {
   EXPECT_EQ(occurrences(html, "Benchmark: "), 1u);
 }
 
+// A precision.fp8 run: its precision from config.yaml, and its MFU against the fp8 peak
+// (metrics.jsonl's mfu_fp8, bench.json's mfu_fp8) under the bf16 one.
+TEST(Report, Fp8RunsShowTheRecipeAndTheFp8PeakMfu) {
+  TempDir dir;
+  std::string record = train_record(1, 5.0);
+  record.replace(record.find(R"("mfu": null)"), 11, R"("mfu": 0.6, "mfu_fp8": 0.3)");
+  write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + record + "\n");
+  write_file(dir.file("config.yaml"), "training:\n  seq_len: 128\nprecision:\n  compute_dtype: bf16\n  fp8: tensorwise\n");
+  ReportRun run = load_report_run(dir.file(""));
+  EXPECT_EQ(run.precision, "FP8 (tensorwise)");
+  ASSERT_EQ(run.steps.size(), 1u);
+  EXPECT_EQ(run.steps[0].mfu_fp8, 0.3);
+  BenchResult bench;
+  bench.model = "llama3.1-8b";
+  bench.precision = "bf16";
+  bench.fp8 = "tensorwise";
+  bench.mfu = 0.75;
+  bench.mfu_fp8 = 0.375;
+  bench.tflops_per_gpu = 742;
+  run.bench = {bench};
+  const std::string html = render_report({run}, "now");
+  EXPECT_EQ(occurrences(html, "FP8 (tensorwise)"), 2u);  // the runs table and the benchmark's
+  EXPECT_NE(html.find("60.0%<div class=\"sub\">FP8 peak 30.0%</div>"), std::string::npos);
+  EXPECT_NE(html.find("75.0%<div class=\"sub\">FP8 peak 37.5%</div>"), std::string::npos);
+  write_file(dir.file("config.yaml"), "training:\n  seq_len: 128\nprecision:\n  fp8: [tensorwise]\n");
+  expect_error([&] { load_report_run(dir.file("")); }, {"precision.fp8 must be a name"});
+  // forge train's step line: both figures.
+  EXPECT_NE(format_step(run.steps[0], 10).find("MFU  60.0% (FP8 peak 30.0%)"), std::string::npos);
+}
+
 TEST(Report, LeavesOutTheMemoryChartWhenNoRunMeasuredIt) {
   const std::string html = render_report({sample_run("a", false)}, "now");
   EXPECT_EQ(occurrences(html, "<svg "), 3u);

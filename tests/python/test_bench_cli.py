@@ -40,6 +40,42 @@ class Bench(unittest.TestCase):
         self.assertEqual(len(rows), 4)
         self.assertIn("--training.local_batch_size 2", rows[2]["args"])
 
+    def test_fp8_is_a_sweep_axis_and_named_in_every_report(self):
+        tmp = scratch_dir()
+        out = os.path.join(tmp, "bench-fp8")
+        perf = os.path.join(tmp, "perf-fp8.csv")
+        result = forge("bench", "--warmup", "1", "--steps", "2", "--output-dir", out, "--perf-csv", perf,
+                       "--precision.fp8", "none,tensorwise")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        rows = [line for line in result.stdout.splitlines() if line.startswith("| debug-tiny")]
+        self.assertEqual(len(rows), 2, result.stdout)
+        self.assertIn("| FP32 |", rows[0])
+        self.assertNotIn("FP8", rows[0])
+        # The CPU has no known peak: both MFUs n/a.
+        self.assertIn("| FP8 (tensorwise) |", rows[1])
+        self.assertIn("| n/a (FP8 peak n/a) |", rows[1])
+        with open(os.path.join(out, "bench.json")) as f:
+            runs = json.load(f)
+        self.assertEqual([(r["status"], r["fp8"]) for r in runs], [("ok", "none"), ("ok", "tensorwise")])
+        self.assertEqual(runs[1]["config"]["precision"]["fp8"], "tensorwise")
+        self.assertIsNone(runs[1]["mfu_fp8"])
+        self.assertGreater(runs[1]["tflops_per_gpu"], 0)
+        with open(perf) as f:
+            self.assertEqual([r["training_precision"] for r in csv.DictReader(f)], ["fp32", "fp8 (tensorwise)"])
+        report = forge("report", out, "--output", os.path.join(tmp, "bench-fp8.html"))
+        self.assertEqual(report.returncode, 0, report.stderr)
+        with open(os.path.join(tmp, "bench-fp8.html")) as f:
+            html = f.read()
+        self.assertIn("FP8 (tensorwise)", html)
+        self.assertIn("FP8 peak n/a", html)
+        # Each run's own directory: the runs table names the precision from its config.yaml.
+        run_dirs = sorted(os.path.join(out, d) for d in os.listdir(out) if os.path.isdir(os.path.join(out, d)))
+        self.assertEqual(len(run_dirs), 2)
+        report = forge("report", *run_dirs, "--output", os.path.join(tmp, "bench-fp8-runs.html"))
+        self.assertEqual(report.returncode, 0, report.stderr)
+        with open(os.path.join(tmp, "bench-fp8-runs.html")) as f:
+            self.assertEqual(f.read().count("FP8 (tensorwise)"), 1)
+
     def test_a_run_that_fails_does_not_end_the_sweep(self):
         # On a build without the CUDA backend (CI's) the cuda run fails when it starts.
         out = os.path.join(scratch_dir(), "bench-fail")
