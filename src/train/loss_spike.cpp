@@ -44,22 +44,31 @@ void LossSpikeDetector::restore(const std::vector<double>& losses) {
   recent_.assign(losses.end() - static_cast<std::ptrdiff_t>(keep), losses.end());
 }
 
-std::optional<LossScaling> loss_scaling_from_env() {
+std::vector<LossScaling> loss_scalings_from_env() {
   const char* raw = std::getenv(kScaleVariable);
-  if (!raw || !*raw) return std::nullopt;
+  std::vector<LossScaling> scalings;
+  if (!raw || !*raw) return scalings;
   const std::string value = raw;
-  const size_t colon = value.find(':');
-  LossScaling s;
-  bool ok = colon != std::string::npos;
-  if (ok) {
-    const char* begin = value.data();
-    auto [end, error] = std::from_chars(begin, begin + colon, s.step);
-    ok = error == std::errc() && end == begin + colon && s.step >= 1;
-    auto [fend, ferror] = std::from_chars(begin + colon + 1, begin + value.size(), s.factor);
-    ok = ok && ferror == std::errc() && fend == begin + value.size() && std::isfinite(s.factor) && s.factor > 0;
+  for (size_t begin = 0; begin <= value.size();) {
+    const size_t comma = std::min(value.find(',', begin), value.size());
+    const std::string item = value.substr(begin, comma - begin);
+    const size_t colon = item.find(':');
+    LossScaling s;
+    bool ok = colon != std::string::npos;
+    if (ok) {
+      const char* p = item.data();
+      auto [end, error] = std::from_chars(p, p + colon, s.step);
+      ok = error == std::errc() && end == p + colon && s.step >= 1;
+      auto [fend, ferror] = std::from_chars(p + colon + 1, p + item.size(), s.factor);
+      ok = ok && ferror == std::errc() && fend == p + item.size() && std::isfinite(s.factor) && s.factor > 0;
+    }
+    if (!ok)
+      FORGE_FAIL("{}='{}': '{}' is not STEP:FACTOR (a step >= 1, a positive factor; several separated by commas)",
+                 kScaleVariable, value, item);
+    scalings.push_back(s);
+    begin = comma + 1;
   }
-  if (!ok) FORGE_FAIL("{}='{}': expected STEP:FACTOR (a step >= 1, a positive factor)", kScaleVariable, value);
-  return s;
+  return scalings;
 }
 
 }  // namespace forge

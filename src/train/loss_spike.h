@@ -19,14 +19,13 @@
 // The window is saved in checkpoints (metadata.json "loss_spike"."recent_losses", exact
 // doubles), so a resumed run decides as the uninterrupted one; the mean is summed afresh in
 // window order every step, never kept as a running sum, so it does not depend on history.
-// Tests make a loss spike through FORGE_TEST_SCALE_LOSS=STEP:FACTOR (1-based step): the
-// step's global loss, as logged and as the detector sees it, is multiplied by FACTOR (the
-// gradients are untouched). It is a test hook only; forge warns when it is set.
+// Tests make loss spikes through FORGE_TEST_SCALE_LOSS=STEP:FACTOR[,STEP:FACTOR...] (1-based
+// steps): the step's global loss, as logged and as the detector sees it, is multiplied by
+// FACTOR (the gradients are untouched). It is a test hook only; forge warns when it is set.
 #pragma once
 
 #include <cstdint>
 #include <deque>
-#include <optional>
 #include <vector>
 
 namespace forge {
@@ -63,7 +62,8 @@ struct LossScaling {
   double factor = 1;
 };
 
-// FORGE_TEST_SCALE_LOSS, parsed (an error names the variable when it is malformed).
-std::optional<LossScaling> loss_scaling_from_env();
+// FORGE_TEST_SCALE_LOSS, parsed (empty when unset; an error names the variable when it is
+// malformed).
+std::vector<LossScaling> loss_scalings_from_env();
 
 }  // namespace forge

@@ -150,10 +150,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the gradient of '{}' at step {}, micro-batch {}",
              inject_nan_->tensor, inject_nan_->step, inject_nan_->micro_batch);
   loss_spike_ = LossSpikeDetector(t.loss_spike_factor, t.loss_spike_window);
-  scale_loss_ = loss_scaling_from_env();
-  if (scale_loss_)
+  scale_loss_ = loss_scalings_from_env();
+  for (const LossScaling& s : scale_loss_)
     log_warn("FORGE_TEST_SCALE_LOSS: a test hook multiplies the loss of step {} by {} (the gradients are untouched)",
-             scale_loss_->step, scale_loss_->factor);
+             s.step, s.factor);
 }
 
 // Every rank says what it holds: the optimizer state (master weights and moments) is
@@ -515,7 +515,8 @@ TrainResult Trainer::run() {
     } else {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
     }
-    if (scale_loss_ && scale_loss_->step == step + 1) loss.sum *= scale_loss_->factor;
+    for (const LossScaling& s : scale_loss_)
+      if (s.step == step + 1) loss.sum *= s.factor;
     // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
     const bool finite = std::isfinite(loss.sum) && std::isfinite(norm);
     if (!finite) {

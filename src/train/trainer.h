@@ -195,7 +195,7 @@ class Trainer {
   int64_t skipped_in_a_row_ = 0, skipped_steps_ = 0;
   LossSpikeDetector loss_spike_{0, 1};     // NOTE [Loss spikes]: set from the config in the constructor
   std::vector<int64_t> loss_spike_steps_;  // the spikes of this process
-  std::optional<LossScaling> scale_loss_;  // FORGE_TEST_SCALE_LOSS
+  std::vector<LossScaling> scale_loss_;    // FORGE_TEST_SCALE_LOSS
   bool earlier_run_ = false;     // the run directory held metrics.jsonl at start
   bool hf_export_done_ = false;  // checkpoint.last_save_in_hf: a finished run's export is there
 };

@@ -137,19 +137,23 @@ TEST(LossSpikeConfig, KeysAreValidatedByName) {
 class ScaleLossVariable : public ::testing::Test {
  protected:
   void TearDown() override { unsetenv("FORGE_TEST_SCALE_LOSS"); }
-  std::optional<LossScaling> parse(const char* value) {
+  std::vector<LossScaling> parse(const char* value) {
     setenv("FORGE_TEST_SCALE_LOSS", value, 1);
-    return loss_scaling_from_env();
+    return loss_scalings_from_env();
   }
 };
 
 TEST_F(ScaleLossVariable, ParsesAndNamesTheVariable) {
-  EXPECT_FALSE(parse(""));
+  EXPECT_TRUE(parse("").empty());
   const auto s = parse("7:2.5");
-  ASSERT_TRUE(s);
-  EXPECT_EQ(s->step, 7);
-  EXPECT_EQ(s->factor, 2.5);
-  for (const char* bad : {"7", "x:2", "0:2", "3:-1", "3:0", "3:2x", "3:inf"})
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].step, 7);
+  EXPECT_EQ(s[0].factor, 2.5);
+  const auto two = parse("3:4,12:0.5");
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[1].step, 12);
+  EXPECT_EQ(two[1].factor, 0.5);
+  for (const char* bad : {"7", "x:2", "0:2", "3:-1", "3:0", "3:2x", "3:inf", "3:2,", ",3:2"})
     expect_error([&] { parse(bad); }, {"FORGE_TEST_SCALE_LOSS", "STEP:FACTOR"});
 }
 
