@@ -602,8 +602,9 @@ TrainResult Trainer::run() {
   finish_checkpoint_save_job();  // the last save is on disk before the run ends (NOTE [Async checkpoints])
   result.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
   if (loss_spike_.enabled()) {
-    std::string steps;
-    for (size_t i = 0; i < loss_spike_steps_.size() && i < 20; ++i) steps += fmt::format("{}{}", i ? ", " : "", loss_spike_steps_[i]);
+    std::string steps;  // the first 20
+    for (size_t i = 0; i < loss_spike_steps_.size() && i < 20; ++i)
+      steps += fmt::format("{}{}", i ? ", " : "", loss_spike_steps_[i]);
     if (loss_spike_steps_.size() > 20) steps += ", ...";
     log_info("loss spikes: {}{} (training.loss_spike_factor {}, on_loss_spike {})", loss_spike_steps_.size(),
              steps.empty() ? "" : fmt::format(" at step{} {}", loss_spike_steps_.size() == 1 ? "" : "s", steps),
