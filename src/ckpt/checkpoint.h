@@ -68,6 +68,9 @@ struct TrainingState {
   int64_t lr_schedule_steps = 0;    // the LR schedule's total steps (training.steps)
   OptimizerConfig optimizer;
   int64_t optimizer_step = 0;       // AdamW::step_count()
+  // NOTE [Loss spikes] (train/loss_spike.h): the detector's window, oldest first. Optional
+  // in metadata.json ("loss_spike"); a checkpoint without it loads with an empty window.
+  std::vector<double> recent_losses;
 };
 
 struct TensorPiece {

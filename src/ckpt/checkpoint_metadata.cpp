@@ -1,5 +1,7 @@
 #include "ckpt/checkpoint_metadata.h"
 
+#include <cmath>
+
 #include <nlohmann/json.hpp>
 
 #include "core/checked_math.h"
@@ -85,6 +87,7 @@ class ObjectReader {
     if (!v.is_array()) fail_key(key, "an array", v);
     return v;
   }
+  bool has(const char* key) const { return object_.contains(key); }
   ObjectReader object(const char* key) const { return ObjectReader(at(key), file_, child(key)); }
   std::string child(const std::string& key) const { return path_.empty() ? key : path_ + "." + key; }
 
@@ -190,6 +193,7 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
               {"eps", o.eps},
               {"weight_decay", o.weight_decay},
               {"step", t.optimizer_step}}},
+            {"loss_spike", {{"recent_losses", t.recent_losses}}},
             {"world_size", md.shards.size()},
             {"flat_numel", md.flat_numel},
             {"shards", shards},
@@ -223,6 +227,17 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
   t.optimizer.eps = o.number("eps");
   t.optimizer.weight_decay = o.number("weight_decay");
   t.optimizer_step = o.integer("step");
+  if (top.has("loss_spike")) {  // absent before the loss-spike detector: an empty window
+    const ObjectReader spike = top.object("loss_spike");
+    const json& losses = spike.array("recent_losses");
+    for (size_t i = 0; i < losses.size(); ++i) {
+      if (!losses[i].is_number() || !std::isfinite(losses[i].get<double>()) || losses[i].get<double>() < 0)
+        FORGE_FAIL("checkpoint metadata '{}': 'loss_spike.recent_losses[{}]' must be a finite non-negative number, "
+                   "got {}",
+                   file, i, describe_json(losses[i]));
+      t.recent_losses.push_back(losses[i].get<double>());
+    }
+  }
   md.flat_numel = top.size("flat_numel");
 
   const json& shards = top.array("shards");

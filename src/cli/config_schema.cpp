@@ -123,8 +123,21 @@ std::vector<ConfigKey> build_schema() {
                                           "step (Megatron's --check-for-nan-in-loss-and-grad)",
                                           {}, {"stop", "skip"}),
       key<&E::training, &T::max_skipped_steps>("training.max_skipped_steps",
-                                               "with on_nonfinite skip: this many skipped steps in a row stop the run",
+                                               "with on_nonfinite or on_loss_spike skip: this many skipped steps in "
+                                               "a row stop the run",
                                                at_least(1)),
+      key<&E::training, &T::loss_spike_factor>(
+          "training.loss_spike_factor",
+          "0: off; a step whose loss exceeds this factor (above 1) × the mean of the last loss_spike_window "
+          "non-spike losses is a loss spike (detection starts once min(loss_spike_window, 10) are known)",
+          ValueRange{0, 1e6}),
+      key<&E::training, &T::loss_spike_window>("training.loss_spike_window",
+                                               "how many recent non-spike losses form the loss-spike mean",
+                                               ValueRange{1, 1e6}),
+      key<&E::training, &T::on_loss_spike>("training.on_loss_spike",
+                                           "a loss spike: warn, skip its optimizer step (as on_nonfinite skip), or "
+                                           "stop the run naming the step, its loss and the running mean",
+                                           {}, {"warn", "skip", "stop"}),
 
       key<&E::optimizer, &O::name>("optimizer.name", "optimizer", {}, optim_bounds::optimizer_names),
       key<&E::optimizer, &O::lr>("optimizer.lr", "peak learning rate", optim_bounds::lr),

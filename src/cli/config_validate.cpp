@@ -70,6 +70,10 @@ void check_training(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} needs training.device cuda: the CPU reference keeps fp32 moments",
                show(config, keys, "optimizer.state_dtype"));
   }
+  if (config.training.loss_spike_factor > 0 && config.training.loss_spike_factor <= 1) {
+    FORGE_FAIL("{} must be 0 (off) or above 1: a factor of at most 1 makes ordinary steps spikes",
+               show(config, keys, "training.loss_spike_factor"));
+  }
   if (is_switch_word(config.training.gemm_tuning_cache)) {
     FORGE_FAIL("{} expects a directory, empty for forge's cache directory, or off to keep no cache",
                show(config, keys, "training.gemm_tuning_cache"));

@@ -26,7 +26,11 @@ struct TrainingConfig {
   bool gemm_tuning = false;          // time cuBLASLt's candidates per GEMM shape (NOTE [GEMM algorithm choice])
   std::string gemm_tuning_cache;     // where measured choices are kept: a directory, "" forge's cache dir, "off" none
   std::string on_nonfinite = "stop"; // stop | skip: a step whose loss or gradient norm is NaN/Inf (NOTE [Non-finite steps])
-  int64_t max_skipped_steps = 5;     // with skip: this many non-finite steps in a row stop the run
+  int64_t max_skipped_steps = 5;     // skip: this many skipped steps (non-finite or loss spike) in a row stop the run
+  // NOTE [Loss spikes] (train/loss_spike.h)
+  double loss_spike_factor = 0;      // 0: off; a loss above factor × the recent non-spike mean is a spike
+  int64_t loss_spike_window = 100;   // how many recent non-spike losses form the mean
+  std::string on_loss_spike = "warn";  // warn | skip | stop
 };
 
 struct EvalConfig {

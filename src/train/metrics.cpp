@@ -84,6 +84,11 @@ void MetricsWriter::write(const StepMetrics& m) {
   if (m.comm_exposed_s) j["comm_exposed_s"] = *m.comm_exposed_s;
   if (m.skipped) j["skipped"] = true;
   if (m.skipped_steps > 0) j["skipped_steps"] = m.skipped_steps;
+  if (m.loss_spike_mean) {
+    j["loss_spike"] = true;
+    j["loss_spike_mean"] = *m.loss_spike_mean;
+  }
+  if (m.loss_spikes > 0) j["loss_spikes"] = m.loss_spikes;
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];

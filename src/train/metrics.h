@@ -34,6 +34,8 @@ struct StepMetrics {
   std::map<std::string, double> op_seconds_by_op;                // logging.profile_ops
   bool skipped = false;            // non-finite: no optimizer step (NOTE [Non-finite steps])
   int64_t skipped_steps = 0;       // skipped so far in this process
+  std::optional<double> loss_spike_mean;  // a loss spike: the mean it exceeded (NOTE [Loss spikes])
+  int64_t loss_spikes = 0;         // loss spikes so far in this process
 };
 
 struct EvalMetrics {

@@ -149,6 +149,11 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   if (inject_nan_)
     log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the gradient of '{}' at step {}, micro-batch {}",
              inject_nan_->tensor, inject_nan_->step, inject_nan_->micro_batch);
+  loss_spike_ = LossSpikeDetector(t.loss_spike_factor, t.loss_spike_window);
+  scale_loss_ = loss_scalings_from_env();
+  for (const LossScaling& s : scale_loss_)
+    log_warn("FORGE_TEST_SCALE_LOSS: a test hook multiplies the loss of step {} by {} (the gradients are untouched)",
+             s.step, s.factor);
 }
 
 // Every rank says what it holds: the optimizer state (master weights and moments) is
@@ -512,11 +517,19 @@ TrainResult Trainer::run() {
     } else {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
     }
+    for (const LossScaling& s : scale_loss_)
+      if (s.step == step + 1) loss.sum *= s.factor;
     // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
     const bool finite = std::isfinite(loss.sum) && std::isfinite(norm);
     if (!finite) {
       if (progress) progress->clear();
       handle_nonfinite(step + 1, batches, grad_scale, micro_losses, loss.mean(), norm);  // throws unless skipping
+    }
+    // NOTE [Loss spikes]: the global loss, the same on every rank.
+    const LossSpikeDetector::Verdict spike = finite ? loss_spike_.observe(loss.mean()) : LossSpikeDetector::Verdict{};
+    if (spike.spike && progress) progress->clear();
+    const bool skip = !finite || (spike.spike && handle_loss_spike(step + 1, loss.mean(), spike));
+    if (skip) {
       if (sharded_gradients()) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
     } else if (sharded_gradients()) {
       skipped_in_a_row_ = 0;
@@ -538,8 +551,10 @@ TrainResult Trainer::run() {
     m.lr = lr;
     m.grad_norm = norm;
     m.step_time_s = dt;
-    m.skipped = !finite;
+    m.skipped = skip;
     m.skipped_steps = skipped_steps_;
+    if (spike.spike) m.loss_spike_mean = spike.mean;
+    m.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
     // Per GPU, as torchtitan and Megatron report them: the global work over the ranks.
     m.tokens_per_s = tokens_per_step / dt / world_size_;
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;
@@ -554,9 +569,9 @@ TrainResult Trainer::run() {
     result.losses.push_back(m.loss);
     result.step_seconds.push_back(dt);
     if (metrics_) metrics_->write(m);
-    if (!finite && skipped_in_a_row_ >= t.max_skipped_steps)
-      FORGE_FAIL("training diverged: {} steps in a row up to step {} had a non-finite loss or gradient norm and were "
-                 "skipped (training.max_skipped_steps {}; try a lower optimizer.lr)",
+    if (skip && skipped_in_a_row_ >= t.max_skipped_steps)
+      FORGE_FAIL("training diverged: {} steps in a row up to step {} had a non-finite loss or gradient norm, or a loss "
+                 "spike, and were skipped (training.max_skipped_steps {}; try a lower optimizer.lr)",
                  skipped_in_a_row_, m.step, t.max_skipped_steps);
     if (m.step % config_.logging.log_interval == 0 || m.step == 1 || m.step == t.steps)
       log_line(format_step(m, t.steps) + (m.op_seconds ? "\n" + format_op_seconds(m) : ""));
@@ -588,6 +603,16 @@ TrainResult Trainer::run() {
   }
   if (progress) progress->clear();
   finish_checkpoint_save_job();  // the last save is on disk before the run ends (NOTE [Async checkpoints])
+  result.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
+  if (loss_spike_.enabled()) {
+    std::string steps;  // the first 20
+    for (size_t i = 0; i < loss_spike_steps_.size() && i < 20; ++i)
+      steps += fmt::format("{}{}", i ? ", " : "", loss_spike_steps_[i]);
+    if (loss_spike_steps_.size() > 20) steps += ", ...";
+    log_info("loss spikes: {}{} (training.loss_spike_factor {}, on_loss_spike {})", loss_spike_steps_.size(),
+             steps.empty() ? "" : fmt::format(" at step{} {}", loss_spike_steps_.size() == 1 ? "" : "s", steps),
+             t.loss_spike_factor, t.on_loss_spike);
+  }
   if (result.stopped) return result;
   if (hf_export_done_) log_info("the Hugging Face export '{}/hf' of this finished run is already there", run_dir_);
   else if (config_.checkpoint.last_save_in_hf) export_hf_model();

@@ -50,6 +50,7 @@
 #include "model/nf4_base.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
+#include "train/loss_spike.h"
 #include "train/metrics.h"
 #include "train/nonfinite.h"
 
@@ -68,6 +69,7 @@ struct TrainResult {
   double entropy_floor = -1.0;      // of the training data, when known
   std::string run_dir;
   bool stopped = false;             // by SIGTERM/SIGINT before training.steps (NOTE [Stop signals])
+  int64_t loss_spikes = 0;          // NOTE [Loss spikes]: in this process
 };
 
 // The process group settings an experiment asks for (device, parallelism timeouts).
@@ -152,6 +154,9 @@ class Trainer {
   void handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
                         const std::vector<double>& micro_losses, double loss, double norm);
   std::string first_nonfinite_gradient();   // "" when every gradient is finite
+  // A loss spike (NOTE [Loss spikes]): warns, throws (on_loss_spike stop), or counts the
+  // skip; true when the step's update is to be skipped.
+  bool handle_loss_spike(int64_t step, double loss, const LossSpikeDetector::Verdict& spike);
   // trainer_hf.cpp
   void load_initial_hf_weights(const std::string& dir);
   // Fills every rank's FSDP chunk from the whole model in host memory (the parameters
@@ -188,6 +193,9 @@ class Trainer {
   std::unique_ptr<CheckpointSaveJob> checkpoint_job_;  // a save not yet complete
   std::optional<NanInjection> inject_nan_;  // FORGE_TEST_INJECT_NAN
   int64_t skipped_in_a_row_ = 0, skipped_steps_ = 0;
+  LossSpikeDetector loss_spike_{0, 1};     // NOTE [Loss spikes]: set from the config in the constructor
+  std::vector<int64_t> loss_spike_steps_;  // the spikes of this process
+  std::vector<LossScaling> scale_loss_;    // FORGE_TEST_SCALE_LOSS
   bool earlier_run_ = false;     // the run directory held metrics.jsonl at start
   bool hf_export_done_ = false;  // checkpoint.last_save_in_hf: a finished run's export is there
 };

@@ -176,6 +176,12 @@ void Trainer::restore_checkpoint(const std::string& dir) {
   optimizer_->set_step_count(saved.optimizer_step);
   train_loader_->set_position(saved.data_position);
   start_step_ = saved.step;
+  // NOTE [Loss spikes]: a checkpoint from before the detector has no window: it fills again.
+  loss_spike_.restore(saved.recent_losses);
+  if (loss_spike_.enabled() && saved.recent_losses.empty() && saved.step > 0)
+    log_info("the checkpoint holds no recent losses for training.loss_spike_factor: spike detection starts after {} "
+             "more steps",
+             std::min(config_.training.loss_spike_window, kLossSpikeWarmup));
   log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}; data position {}; {})", dir, saved.step,
            world, world == 1 ? "" : "s", saved.data_position, staged);
   if (saved.seed != config_.training.seed)
@@ -289,6 +295,7 @@ void Trainer::save_checkpoint(int64_t step) {
   state.lr_schedule_steps = config_.training.steps;
   state.optimizer = config_.optimizer;
   state.optimizer_step = optimizer_->step_count();
+  state.recent_losses = loss_spike_.recent();  // NOTE [Loss spikes]
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
   // LoRA's adapters are whole on every rank: one shard, written by rank 0.

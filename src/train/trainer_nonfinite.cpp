@@ -1,5 +1,6 @@
 // The trainer's side of NOTE [Non-finite steps] (train/nonfinite.h): finding what made a
-// step non-finite, only once its loss or gradient norm says it is, and stopping or skipping.
+// step non-finite, only once its loss or gradient norm says it is, and stopping or skipping;
+// and of NOTE [Loss spikes] (train/loss_spike.h): what a loss spike does.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -129,6 +130,25 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   if (!summed.empty())
     FORGE_FAIL("{}: every micro-batch's gradients are finite, but their sum overflows first in '{}'", head, summed);
   FORGE_FAIL("{}: the loss sum over micro-batches overflows", head);
+}
+
+bool Trainer::handle_loss_spike(int64_t step, double loss, const LossSpikeDetector::Verdict& spike) {
+  const TrainingConfig& t = config_.training;
+  loss_spike_steps_.push_back(step);
+  const std::string what = fmt::format(
+      "loss spike at step {}: loss {} exceeds training.loss_spike_factor {} × the running mean {} of the last {} "
+      "non-spike losses",
+      step, loss, t.loss_spike_factor, spike.mean, spike.count);
+  if (t.on_loss_spike == "stop") FORGE_FAIL("{} (training.on_loss_spike stop)", what);
+  if (t.on_loss_spike == "warn") {
+    log_warn("{}; the step's update is applied (training.on_loss_spike warn)", what);
+    return false;
+  }
+  ++skipped_in_a_row_;
+  ++skipped_steps_;
+  log_warn("{}: skipped (no optimizer step; {} skipped in a row, {} in all; training.on_loss_spike skip)", what,
+           skipped_in_a_row_, skipped_steps_);
+  return true;
 }
 
 }  // namespace forge

@@ -3,7 +3,8 @@ stops the run naming the step, micro-batch and tensor, or is skipped leaving the
 AdamW's state bitwise as they were (one rank and two); SIGTERM / SIGINT finish the step, save
 and exit 75 (ranks agree on the step even when only one got the signal), and the same
 command resumes bitwise; a requeued run with no checkpoint yet starts afresh; a finished run
-started again keeps its Hugging Face export."""
+started again keeps its Hugging Face export; loss spikes (FORGE_TEST_SCALE_LOSS) are warned
+about, skipped bitwise or stop the run, and a resumed run judges them as the uninterrupted one."""
 import json
 import os
 import shutil
@@ -136,6 +137,96 @@ class NonFinite(unittest.TestCase):
                        env={"FORGE_TEST_INJECT_NAN": "two:embedding.weight"})
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("FORGE_TEST_INJECT_NAN", result.stderr)
+
+
+class LossSpikes(unittest.TestCase):
+    """NOTE [Loss spikes]: FORGE_TEST_SCALE_LOSS multiplies chosen steps' global loss (not
+    their gradients); with a window of 3 detection starts at step 4."""
+    SPIKE = ["--training.loss_spike_factor", "2", "--training.loss_spike_window", "3", *TINY]
+
+    def run_with(self, action, steps=6, scale="5:4", ranks=1, run_dir=None, extra=()):
+        run_dir = run_dir or os.path.join(scratch(self), "run")
+        result = forge("--training.steps", str(steps), "--logging.run_dir", run_dir, "--training.on_loss_spike",
+                       action, *self.SPIKE, *extra, env={"FORGE_TEST_SCALE_LOSS": scale}, ranks=ranks)
+        return run_dir, result
+
+    def skip_run(self, ranks):
+        run_dir, result = self.run_with("skip", ranks=ranks, extra=["--checkpoint.enable", "true",
+                                                                    "--checkpoint.interval", "1"])
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("loss spike at step 5", result.stderr)
+        self.assertIn("training.on_loss_spike skip", result.stderr)
+        self.assertIn("loss spikes: 1 at step 5", result.stdout + result.stderr)
+        steps = records(run_dir)
+        mean = (steps[1]["loss"] + steps[2]["loss"] + steps[3]["loss"]) / 3
+        self.assertTrue(steps[4]["skipped"])
+        self.assertTrue(steps[4]["loss_spike"])
+        self.assertEqual(steps[4]["loss_spike_mean"], mean)
+        self.assertEqual((steps[4]["loss_spikes"], steps[4]["skipped_steps"]), (1, 1))
+        self.assertFalse(any(r.get("loss_spike") for r in steps[:4] + steps[5:]))
+        # Weights, both moments and AdamW's step count: bitwise those of step 4.
+        before, after = checkpoint_state(run_dir, 4), checkpoint_state(run_dir, 5)
+        self.assertEqual(before[1], after[1])
+        self.assertEqual(before[0], after[0])
+        self.assertNotEqual(checkpoint_state(run_dir, 6)[0], after[0])
+
+    def test_skip_leaves_weights_and_optimizer_state_bitwise(self):
+        self.skip_run(1)
+
+    def test_skip_on_two_ranks(self):
+        self.skip_run(2)
+
+    def test_warn_applies_the_update_and_counts(self):
+        run_dir, result = self.run_with("warn")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("loss spike at step 5", result.stderr)
+        self.assertIn("the step's update is applied", result.stderr)
+        steps = records(run_dir)
+        self.assertTrue(steps[4]["loss_spike"])
+        self.assertNotIn("skipped", steps[4])
+        self.assertEqual(steps[5]["loss_spikes"], 1)
+
+    def test_stop_names_step_loss_and_mean(self):
+        run_dir, result = self.run_with("stop")
+        self.assertEqual(result.returncode, 1, result.stderr)
+        steps = records(run_dir)
+        self.assertEqual([r["step"] for r in steps], [1, 2, 3, 4])
+        mean = (steps[1]["loss"] + steps[2]["loss"] + steps[3]["loss"]) / 3
+        self.assertIn("loss spike at step 5: loss ", result.stderr)
+        self.assertIn(f"running mean {mean!r} of the last 3", result.stderr)
+        self.assertIn("training.on_loss_spike stop", result.stderr)
+
+    def test_no_detection_while_the_window_fills(self):
+        run_dir, result = self.run_with("stop", steps=4, scale="3:100")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertFalse(any(r.get("loss_spike") for r in records(run_dir)))
+
+    def test_resume_decides_as_the_uninterrupted_run(self):
+        # Spikes at 4 (before the checkpoint) and 6: at 6 the mean needs the saved window.
+        scale = "4:4,6:4"
+        whole, result = self.run_with("skip", steps=8, scale=scale)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        run_dir = os.path.join(scratch(self), "run")
+        ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+        for steps in (4, 8):
+            _, result = self.run_with("skip", steps=steps, scale=scale, run_dir=run_dir, extra=ckpt)
+            self.assertEqual(result.returncode, 0, result.stderr)
+        with open(os.path.join(run_dir, "checkpoints", "step-4", "metadata.json")) as f:
+            self.assertEqual(len(json.load(f)["loss_spike"]["recent_losses"]), 3)
+
+        def decisions(folder):
+            latest = {r["step"]: r for r in records(folder)}
+            return [(s, latest[s]["loss"], latest[s].get("loss_spike"), latest[s].get("loss_spike_mean"))
+                    for s in sorted(latest)]
+        self.assertEqual([d[0] for d in decisions(whole) if d[2]], [4, 6])
+        self.assertEqual(decisions(run_dir), decisions(whole))
+
+    def test_bad_settings_name_the_key(self):
+        for key, value in (("training.loss_spike_factor", "0.5"), ("training.loss_spike_window", "0"),
+                           ("training.on_loss_spike", "ignore")):
+            result = forge(f"--{key}", value)
+            self.assertNotEqual(result.returncode, 0)
+            self.assertIn(key, result.stderr)
 
 
 # Enough steps (about 10 ms each on an idle core) that a signal sent after step 2 lands mid-run.
