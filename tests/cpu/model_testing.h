@@ -27,6 +27,21 @@ inline ModelConfig tiny(bool tied = false, int64_t num_layers = 2) {
   return c;
 }
 
+// Llama 3.1 8B's shape (configs/models/llama3.1-8b.yaml), for size and memory arithmetic.
+inline ModelConfig llama31_8b() {
+  ModelConfig c;
+  c.name = "llama3.1-8b";
+  c.vocab_size = 128256;
+  c.hidden_size = 4096;
+  c.num_layers = 32;
+  c.num_heads = 32;
+  c.num_kv_heads = 8;
+  c.ffn_hidden_size = 14336;
+  c.rope_theta = 500000;
+  c.max_seq_len = 131072;
+  return c;
+}
+
 // [b, t] int32 ids below `vocab`, drawn from `seed`.
 inline Tensor random_tokens(int64_t b, int64_t t, int64_t vocab, uint64_t seed) {
   Tensor x = Tensor::empty({b, t}, DType::I32);

@@ -13,20 +13,7 @@
 namespace forge {
 namespace {
 
-ModelConfig llama31_8b() {
-  ModelConfig c;
-  c.name = "llama3.1-8b";
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.ffn_hidden_size = 14336;
-  c.rope_theta = 500000;
-  c.max_seq_len = 131072;
-  return c;
-}
-
+using testing::llama31_8b;
 using testing::random_tokens;
 using testing::tiny;
 

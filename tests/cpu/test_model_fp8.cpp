@@ -15,6 +15,8 @@
 namespace forge {
 namespace {
 
+using testing::llama31_8b;
+
 TEST(ModelFp8, ProjectionsCarryFp8AndTheRestPassesThrough) {
   const ModelConfig config = testing::tiny();
   FlatParameters params(config), grads(config);
@@ -45,17 +47,6 @@ TEST(ModelFp8, ProjectionsCarryFp8AndTheRestPassesThrough) {
   // [37, 24] only when it runs in FP8 (no larger here).
   EXPECT_EQ(fp8_workspace_codes(config, {Fp8Format::E5M2, false}, 16), 80 * 24);
   EXPECT_EQ(fp8_workspace_codes(config, {Fp8Format::E5M2, true}, 100), 100 * 80);
-}
-
-ModelConfig llama31_8b() {
-  ModelConfig c;
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.ffn_hidden_size = 14336;
-  return c;
 }
 
 // The memory estimate counts the CUDA scratch Fp8Projections allocates: two code buffers of

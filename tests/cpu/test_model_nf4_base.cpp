@@ -98,13 +98,7 @@ TEST(ModelNf4Base, SourceRejectsMissingOrMisplacedCodes) {
 }
 
 TEST(ModelNf4Base, Llama8bBaseIsAboutHalfAByteAWeight) {
-  ModelConfig c;
-  c.vocab_size = 128256;
-  c.hidden_size = 4096;
-  c.num_layers = 32;
-  c.num_heads = 32;
-  c.num_kv_heads = 8;
-  c.ffn_hidden_size = 14336;
+  const ModelConfig c = testing::llama31_8b();
   const double projection_weights = 32.0 * (4096.0 * (4096 + 2 * 1024) + 4096.0 * 4096 + 3 * 4096.0 * 14336);
   // 0.5 byte of codes, 1/64 byte of absmax codes, 4/16384 byte of scales, 4 bytes of offset per tensor.
   EXPECT_NEAR(nf4_base_bytes(c), projection_weights * (0.5 + 1.0 / 64 + 4.0 / 16384) + 7 * 32 * 4, 1.0);
