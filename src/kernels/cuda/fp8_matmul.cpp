@@ -107,8 +107,20 @@ void destroy(Plan& plan) {
   cublasLtMatmulDescDestroy(plan.op);
 }
 
-// cuBLASLt's first heuristic algorithm for the plan, if it has one.
-bool find_algorithm(const CublasLtContext& ctx, Plan& plan) {
+// Points cuBLASLt's A and B scale factors (our b's and a's) at `b_factors` / `a_factors`.
+void set_factors(Plan& plan, const void* a_factors, const void* b_factors) {
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b_factors,
+                                              sizeof(b_factors)));
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a_factors,
+                                              sizeof(a_factors)));
+}
+
+// cuBLASLt's first heuristic algorithm for the plan, if it has one. The scale pointers are
+// set first, as Transformer Engine and PyTorch do before their heuristic queries: a null
+// pointer means "factor 1" only in the per-tensor mode, and the outer-vector and block modes
+// found no algorithm on the H100 while they were null (docs/PERF.md; to be confirmed there).
+bool find_algorithm(const CublasLtContext& ctx, Plan& plan, const void* a_factors, const void* b_factors) {
+  set_factors(plan, a_factors, b_factors);
   cublasLtMatmulPreference_t pref;
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   size_t ws = ctx.workspace_bytes;
@@ -173,17 +185,14 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
   auto it = all.plans.find({device, p});
   if (it == all.plans.end()) {
     Plan plan = describe(p);
-    if (!find_algorithm(ctx, plan)) {
+    if (!find_algorithm(ctx, plan, a.factors, b.factors)) {
       destroy(plan);
       throw_error(__FILE__, __LINE__, describe_problem(p) + ": cuBLASLt has no algorithm for it on this GPU");
     }
     it = all.plans.emplace(std::pair{device, p}, plan).first;
   }
   Plan& plan = it->second;
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &b.factors,
-                                              sizeof(b.factors)));
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(plan.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &a.factors,
-                                              sizeof(a.factors)));
+  set_factors(plan, a.factors, b.factors);
   CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta, out, plan.c, out,
                               plan.c, &plan.algo, ctx.workspace, ctx.workspace_bytes, nullptr));
 }
@@ -192,8 +201,10 @@ bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_
                           Fp8GemmScaling b_scaling, int64_t m, int64_t n, int64_t k, bool fast_accumulation) {
   const Problem p{out_dtype, a_format, b_format, a_scaling, b_scaling, m, n, k, true, fast_accumulation};
   if (!refusal(p).empty() || m == 0 || n == 0) return false;
+  // No factors exist yet: the workspace stands in for them (device memory, 256-byte aligned).
+  const CublasLtContext ctx = cublaslt_context();
   Plan plan = describe(p);
-  const bool found = find_algorithm(cublaslt_context(), plan);
+  const bool found = find_algorithm(ctx, plan, ctx.workspace, ctx.workspace);
   destroy(plan);
   return found;
 }
