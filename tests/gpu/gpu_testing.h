@@ -89,6 +89,14 @@ inline double relative_l2(const Tensor& a, const Tensor& b) {
   return ref > 0 ? std::sqrt(diff / ref) : std::sqrt(diff);
 }
 
+// Rounds fp32 host values in place to the nearest bf16 (round to nearest even), so the CPU
+// reference computes with exactly the weights the GPU holds in bf16.
+inline void round_to_bf16(const Tensor& values) {
+  Tensor rounded = Tensor::empty(values.shape(), DType::BF16);
+  cast(rounded, values);
+  cast(values, rounded);
+}
+
 // The small decoder the training-step tests run on both sides: 2 layers, hidden 128, GQA
 // (4 heads, 2 KV heads), vocabulary 256, sequences up to 64 (every FP8 dimension a multiple
 // of 16).

@@ -89,9 +89,7 @@ TEST(GpuFp8Linear, TrainingMicroBatchMatchesCpuFp8) {
 
   FlatParameters params(config);
   params.initialize(3);
-  Tensor rounded = Tensor::empty({params.flat().numel()}, DType::BF16);  // the GPU's bf16 weights, on both sides
-  cast(rounded, params.flat());
-  cast(params.flat(), rounded);
+  round_to_bf16(params.flat());  // the GPU's bf16 weights, on both sides
   FlatParameters weights_gpu(config, Device::CUDA, DType::BF16), grads_bf16(config, Device::CUDA, DType::F32);
   weights_gpu.assign_from(params);
 

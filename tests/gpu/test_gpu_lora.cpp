@@ -108,9 +108,7 @@ TEST(GpuLora, TrainingMicroBatchMatchesCpu) {
 
   FlatParameters base(config);
   base.initialize(3);
-  Tensor rounded = Tensor::empty({base.flat().numel()}, DType::BF16);  // the GPU's bf16 base, on both sides
-  cast(rounded, base.flat());
-  cast(base.flat(), rounded);
+  round_to_bf16(base.flat());  // the GPU's bf16 base, on both sides
   FlatParameters base_gpu(config, Device::CUDA, DType::BF16);
   base_gpu.assign_from(base);
 

@@ -121,9 +121,7 @@ TEST(GpuPacking, PackedTrainingStepMatchesCpuAndEachExampleAlone) {
   Rng rng(seed_for_current_test());
   FlatParameters cpu_params(c), cpu_grads(c);
   cpu_params.initialize(17);
-  Tensor rounded = Tensor::empty(cpu_params.flat().shape(), DType::BF16);
-  cast(rounded, cpu_params.flat());
-  cast(cpu_params.flat(), rounded);
+  round_to_bf16(cpu_params.flat());
   FlatParameters gpu_compute(c, Device::CUDA, DType::BF16), gpu_grads(c, Device::CUDA, DType::F32),
       alone_grads(c, Device::CUDA, DType::F32);
   gpu_compute.assign_from(cpu_params);
