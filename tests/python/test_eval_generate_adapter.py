@@ -18,7 +18,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import LlamaForCausalLM
 
-from hf_tiny import ROPE, random_model
+from hf_tiny import ROPE, edit_peft_adapter, random_model
 from forge_test_util import forge_bin, scratch_dir
 from tokenizer_fixtures import corpus, train_byte_level
 
@@ -165,17 +165,7 @@ class EvalGenerateAdapter(unittest.TestCase):
         path = os.path.join(self.work, name)
         shutil.rmtree(path, ignore_errors=True)
         shutil.copytree(self.adapter, path)
-        if edit_config:
-            config_path = os.path.join(path, "adapter_config.json")
-            with open(config_path) as f:
-                config = json.load(f)
-            edit_config(config)
-            with open(config_path, "w") as f:
-                json.dump(config, f)
-        if tensors:
-            from safetensors.torch import load_file, save_file
-            weights = os.path.join(path, "adapter_model.safetensors")
-            save_file(tensors(load_file(weights)), weights)
+        edit_peft_adapter(path, edit_config, tensors)
         return path
 
     def test_bad_adapters_are_refused_naming_the_file(self):
@@ -183,15 +173,12 @@ class EvalGenerateAdapter(unittest.TestCase):
 
         def drop(t):
             del t[q_b]
-            return t
 
         def widen(t):
             t[q_b] = torch.zeros(48, 5)
-            return t
 
         def extra(t):
             t["base_model.model.model.layers.1.mlp.up_proj.lora_A.weight"] = torch.zeros(4, 48)
-            return t
 
         cases = [
             (os.path.join(self.work, "nowhere"), "is not a directory"),

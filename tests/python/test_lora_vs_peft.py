@@ -13,10 +13,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_tiny import ROPE, random_model
+from hf_tiny import ROPE, edit_peft_adapter, random_model
 from forge_test_util import relative_error, run, scratch_dir, tool
 
 TOLERANCE = 1e-4
@@ -122,19 +122,7 @@ class LoraVsPeft(unittest.TestCase):
                 self.check_case(case)
 
     def refused(self, work, edit_config=None, edit_tensors=None):
-        adapter = os.path.join(work, "peft_adapter")
-        if edit_config:
-            path = os.path.join(adapter, "adapter_config.json")
-            with open(path) as f:
-                config = json.load(f)
-            edit_config(config)
-            with open(path, "w") as f:
-                json.dump(config, f)
-        if edit_tensors:
-            path = os.path.join(adapter, "adapter_model.safetensors")
-            tensors = load_file(path)
-            edit_tensors(tensors)
-            save_file(tensors, path)
+        edit_peft_adapter(os.path.join(work, "peft_adapter"), edit_config, edit_tensors)
         result = __import__("subprocess").run([tool("forge_lora_reference"), work], capture_output=True, text=True)
         self.assertEqual(result.returncode, 1, result.stderr)
         return result.stderr
