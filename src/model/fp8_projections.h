@@ -8,12 +8,14 @@
 // every projection of the block (qkv, o, gate_up, down: the entries that are matrices,
 // NOTE [Block weights]), output() and output_grad() on the head only with
 // precision.fp8_output_head; the embedding and the norm weights pass through untouched,
-// as do the GradSink's done/fresh calls. With `tensorwise` scaling the state is only the
-// recipe's settings (the gradient format) and, on CUDA, one scratch shared by every layer
-// (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h): scales are computed from each tensor
-// when it is used, so nothing per layer outlives a GEMM. The recipes to come keep their
-// state here too, per projection: `delayed` its amax histories and scales, and the weight
-// cast once per optimizer step (reused by every micro-batch, not yet done) its codes.
+// as do the GradSink's done/fresh calls. With `tensorwise` scaling the state is the
+// recipe's settings (the gradient format), on CUDA one scratch shared by every layer
+// (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h), and per projection the statistics
+// of its last forward (NOTE [FP8 forward statistics]): one Fp8Linear per projection, whose
+// weight and gradient descriptors point at the same one, with 1.5 KiB of device memory,
+// made the first time a layer is handed out. The recipes to come keep their state here
+// too, per projection: `delayed` its amax histories and scales, and the weight cast once
+// per optimizer step (reused by every micro-batch, not yet done) its codes.
 #pragma once
 
 #include <cstdint>
@@ -39,11 +41,9 @@ int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settin
 // with output_head): 6 x this is their share of the FLOPs per token (forge info).
 int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
-// fp32 values of the scratch's statistics (amax, scale and inverse scale of each operand).
-constexpr int64_t kFp8WorkspaceStats = 6;
-
-// Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): two code
-// buffers of fp8_workspace_codes bytes and the statistics. The memory estimate counts
+// Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
+// buffers of fp8_workspace_codes bytes, the shared statistics and every projection's
+// forward statistics (kFp8WorkspaceStats floats each). The memory estimate counts
 // this (model/memory_estimate.h); the CPU path allocates none.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
@@ -80,10 +80,20 @@ class Fp8Projections : public ParamSource, public GradSink {
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
 
+  // The FP8 descriptors of one layer's (or the head's) projections, by parameter index.
+  struct Projections {
+    Tensor stats;                           // CUDA: kFp8WorkspaceStats floats per parameter
+    std::vector<Fp8ForwardStats> forward;   // sized once: Fp8Linears point into it
+    std::vector<Fp8Linear> linears;
+  };
+  Projections& projections(std::vector<Projections>& all, size_t index, size_t params);
+
   ModelConfig config_;
   Fp8Settings settings_;
+  Device device_;
   Fp8LinearWorkspace workspace_;
   Fp8Linear fp8_;
+  std::vector<Projections> layer_projections_, head_projections_;
   ParamSource* weights_ = nullptr;
   GradSink* gradients_ = nullptr;
   std::vector<BlockWeights> layers_, grad_layers_;

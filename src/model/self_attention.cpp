@@ -102,14 +102,12 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   const int64_t n = shape_.tokens();
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + attention_out @ o^T
-  linear_backward_input(d_out_, d_stream, w.linear(kOut));
-  linear_backward_weight(grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}), overwrite);
+  linear_backward(d_out_, grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
   attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, head_dim_}), a.qkv, a.out,
                      a.lse, attention_, packed_ ? &segments_ : nullptr);
   rope_backward(d_qkv_, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
-  linear_backward_input(d_hidden, d_qkv, w.linear(kQkv));
-  linear_backward_weight(grads.linear(kQkv), d_qkv, a.normed, overwrite);
+  linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 

@@ -80,11 +80,9 @@ void SwiGluFeedForward::backward(int layer, const ComponentWeights& w, const Com
   Activations& a = layers_.at(static_cast<size_t>(layer));
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + swiglu @ down^T
-  linear_backward_input(d_swiglu_, d_stream, w.linear(kDown));
-  linear_backward_weight(grads.linear(kDown), d_stream, a.swiglu, overwrite);
+  linear_backward(d_swiglu_, grads.linear(kDown), d_stream, a.swiglu, w.linear(kDown), overwrite);
   swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up);
-  linear_backward_input(d_hidden, d_gate_up_, w.linear(kGateUp));
-  linear_backward_weight(grads.linear(kGateUp), d_gate_up_, a.normed, overwrite);
+  linear_backward(d_hidden, grads.linear(kGateUp), d_gate_up_, a.normed, w.linear(kGateUp), overwrite);
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 

@@ -1,5 +1,7 @@
 #include "ops/fp8_linear.h"
 
+#include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "core/op_profile.h"
@@ -64,12 +66,16 @@ struct DeviceOperand {
   float* scale_inv;
 };
 
+// Operand 0 (codes in a_codes) and 1 (b_codes) each have their own statistics; operand 2
+// is dy's transpose in c_codes, quantized with operand 0's statistics.
 DeviceOperand operand(const Fp8LinearWorkspace& ws, int which, int64_t bytes, const char* op) {
-  const Tensor& codes = which == 0 ? ws.a_codes : ws.b_codes;
+  const Tensor& codes = which == 0 ? ws.a_codes : which == 1 ? ws.b_codes : ws.c_codes;
   FORGE_CHECK(codes.numel() >= bytes, "{}: the FP8 workspace holds {} codes, this layer needs {}", op, codes.numel(),
               bytes);
-  float* stats = ws.stats.data<float>() + 3 * which;
-  return {codes.data<uint8_t>(), stats, stats + 1, stats + 2};
+  FORGE_CHECK(ws.stats.numel() >= kFp8WorkspaceStats, "{}: the FP8 workspace holds {} statistics, expected {}", op,
+              ws.stats.numel(), kFp8WorkspaceStats);
+  float* stats = ws.stats.data<float>() + 3 * (which % 2) * kFp8StatStride;
+  return {codes.data<uint8_t>(), stats, stats + kFp8StatStride, stats + 2 * kFp8StatStride};
 }
 
 const Fp8LinearWorkspace& workspace_of(const Fp8Linear& fp8, const char* op) {
@@ -92,8 +98,58 @@ void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const De
   cuda::fp8_cast_transpose(bf16_of(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
 }
 
+// The codes of `op` with statistics slot `which` (0 x, 1 W) of a projection's forward
+// statistics instead of the workspace's.
+DeviceOperand with_forward_stats(DeviceOperand op, const Fp8ForwardStats& saved, int which) {
+  float* stats = saved.device + 3 * which * kFp8StatStride;
+  return {op.codes, stats, stats + kFp8StatStride, stats + 2 * kFp8StatStride};
+}
+
+// Whether the forward statistics are those of x and w (either may be null: not asked).
+bool saw(const Fp8ForwardStats* saved, const Tensor* x, const Tensor* w) {
+  if (!saved || !saved->device) return false;
+  if (x && (saved->x != x->raw() || saved->x_numel != x->numel())) return false;
+  if (w && (saved->w != w->raw() || saved->w_numel != w->numel())) return false;
+  return true;
+}
+
+// t [rows, cols] transposed into dst's codes with the scale its forward found (no amax).
+void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand& dst) {
+  cuda::fp8_cast_transpose(bf16_of(t), t.dim(0), t.dim(1), dst.scale, format, nullptr, dst.codes, nullptr);
+}
+
+// W^T (E4M3) into b's codes: with the forward's scale when it saw this W (b then points
+// at those statistics), quantized afresh otherwise.
+void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOperand& b) {
+  if (saw(fp8.forward, nullptr, &w)) {
+    b = with_forward_stats(b, *fp8.forward, 1);
+    cast_transpose_with(w, kE4M3, b);
+  } else {
+    quantize_device(w, kE4M3, /*transpose=*/true, b);
+  }
+}
+
+// x^T (E4M3) into b's codes, the same way with the forward's x statistics.
+void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOperand& b) {
+  if (saw(fp8.forward, &x, nullptr)) {
+    b = with_forward_stats(b, *fp8.forward, 0);
+    cast_transpose_with(x, kE4M3, b);
+  } else {
+    quantize_device(x, kE4M3, /*transpose=*/true, b);
+  }
+}
+
 cuda::Fp8GemmOperand gemm_operand(const DeviceOperand& d, Fp8Format format) {
   return {d.codes, format, d.scale_inv, cuda::Fp8GemmScaling::Tensor};
+}
+
+// The CUDA path profiles its casts ("fp8_quantize", elementwise) apart from its GEMMs
+// ("fp8_gemm [m x n x k]"), so that logging.profile_ops shows what FP8 costs beside what it
+// saves; the CPU reference is one op.
+void profiled_gemm(const char* op, int64_t m, int64_t n, int64_t k, const std::function<void()>& gemm) {
+  OpProfileScope profile(OpClass::Gemm, "fp8_gemm");
+  if (profile.active()) profile.set_detail(fmt::format("{} {}x{}x{}", op, m, n, k));
+  gemm();
 }
 #endif
 
@@ -101,7 +157,6 @@ cuda::Fp8GemmOperand gemm_operand(const DeviceOperand& d, Fp8Format format) {
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
                         const Tensor* residual) {
-  OpProfileScope profile(OpClass::Gemm, "fp8_linear_forward");
   check_matrices(y, x, w, "fp8_linear_forward");
   const int64_t t = x.dim(0), in = x.dim(1), out = w.dim(0);
   FORGE_CHECK(w.dim(1) == in, "fp8_linear_forward: x {} and W {} disagree on in_features", shape_str(x.shape()),
@@ -113,15 +168,26 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       for (const Tensor* p : {&y, &x, &w}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_forward");
       if (residual) expect_tensor(*residual, Device::CUDA, DType::BF16, "fp8_linear_forward residual");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_forward");
-      const DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
-      quantize_device(x, kE4M3, false, a);
-      quantize_device(w, kE4M3, false, b);
-      if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
-      cuda::fp8_matmul(y.raw(), DType::BF16, gemm_operand(a, kE4M3), gemm_operand(b, kE4M3), t, out, in, 1.0f,
-                       residual ? 1.0f : 0.0f, /*fast_accumulation=*/true);
+      DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
+      if (fp8.forward && fp8.forward->device) {  // kept for the backward
+        a = with_forward_stats(a, *fp8.forward, 0);
+        b = with_forward_stats(b, *fp8.forward, 1);
+        *fp8.forward = {fp8.forward->device, x.raw(), w.raw(), x.numel(), w.numel()};
+      }
+      {
+        OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+        quantize_device(x, kE4M3, false, a);
+        quantize_device(w, kE4M3, false, b);
+        if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
+      }
+      profiled_gemm("forward", t, out, in, [&] {
+        cuda::fp8_matmul(y.raw(), DType::BF16, gemm_operand(a, kE4M3), gemm_operand(b, kE4M3), t, out, in, 1.0f,
+                         residual ? 1.0f : 0.0f, /*fast_accumulation=*/true);
+      });
     }());
     return;
   }
+  OpProfileScope profile(OpClass::Gemm, "fp8_linear_forward");
   expect_cpu(y, "fp8_linear_forward y");
   expect_cpu(x, "fp8_linear_forward x");
   expect_cpu(w, "fp8_linear_forward W");
@@ -132,7 +198,6 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
 }
 
 void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8) {
-  OpProfileScope profile(OpClass::Gemm, "fp8_linear_backward_input");
   check_matrices(dx, dy, w, "fp8_linear_backward_input");
   const int64_t t = dy.dim(0), out = dy.dim(1), in = w.dim(1);
   FORGE_CHECK(w.dim(0) == out, "fp8_linear_backward_input: dy {} and W {} disagree on out_features",
@@ -142,24 +207,74 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
     FORGE_CUDA_CALL("fp8_linear_backward_input", [&] {
       for (const Tensor* p : {&dx, &dy, &w}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward_input");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_input");
-      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_input"),
-                          b = operand(ws, 1, out * in, "fp8_linear_backward_input");
-      quantize_device(dy, fp8.grad_format, false, a);
-      quantize_device(w, kE4M3, /*transpose=*/true, b);  // W^T [in, out]
-      cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
-                       1.0f, 0.0f, false);
+      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_input");
+      DeviceOperand b = operand(ws, 1, out * in, "fp8_linear_backward_input");
+      {
+        OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+        quantize_device(dy, fp8.grad_format, false, a);
+        quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
+      }
+      profiled_gemm("backward_input", t, in, out, [&] {
+        cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
+                         1.0f, 0.0f, false);
+      });
     }());
     return;
   }
+  OpProfileScope profile(OpClass::Gemm, "fp8_linear_backward_input");
   expect_cpu(dx, "fp8_linear_backward_input dx");
   expect_cpu(dy, "fp8_linear_backward_input dy");
   expect_cpu(w, "fp8_linear_backward_input W");
   host_gemm(dx, quantize_host(dy, fp8.grad_format), false, quantize_host(w, kE4M3), false, 0.0f);
 }
 
+void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
+                         const Fp8Linear& fp8, bool overwrite) {
+  if (dy.device() != Device::CUDA) {  // the reference quantizes dy twice, to the same codes
+    fp8_linear_backward_input(dx, dy, w, fp8);
+    fp8_linear_backward_weight(grad, dy, x, fp8, overwrite);
+    return;
+  }
+  check_matrices(dx, dy, w, "fp8_linear_backward");
+  check_matrices(grad, dy, x, "fp8_linear_backward");
+  const int64_t t = dy.dim(0), out = dy.dim(1), in = w.dim(1);
+  FORGE_CHECK(w.dim(0) == out && x.dim(0) == t && x.dim(1) == in,
+              "fp8_linear_backward: dy {}, W {} and x {} disagree", shape_str(dy.shape()), shape_str(w.shape()),
+              shape_str(x.shape()));
+  check_shape(dx, {t, in}, "fp8_linear_backward dx");
+  check_shape(grad, {out, in}, "fp8_linear_backward dW");
+  FORGE_CUDA_CALL("fp8_linear_backward", [&] {
+    for (const Tensor* p : {&dx, &dy, &w, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward");
+    expect_tensor(grad, Device::CUDA, DType::F32, "fp8_linear_backward dW");
+    const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward");
+    const DeviceOperand d = operand(ws, 0, t * out, "fp8_linear_backward"),
+                        d_t = operand(ws, 2, t * out, "fp8_linear_backward");
+    DeviceOperand b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
+    {
+      OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+      cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
+      cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv);
+      cuda::fp8_cast_transpose(bf16_of(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
+      quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
+    }
+    profiled_gemm("backward_input", t, in, out, [&] {
+      cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(d, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
+                       1.0f, 0.0f, false);
+    });
+    b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
+    {
+      OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+      quantize_input_transposed(x, fp8, b);  // x^T [in, t]
+    }
+    profiled_gemm("backward_weight", out, in, t, [&] {
+      cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(d_t, fp8.grad_format), gemm_operand(b, kE4M3), out, in,
+                       t, 1.0f, overwrite ? 0.0f : 1.0f, false);
+    });
+  }());
+}
+
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
                                 bool overwrite) {
-  OpProfileScope profile(OpClass::Gemm, "fp8_linear_backward_weight");
   check_matrices(grad, dy, x, "fp8_linear_backward_weight");
   const int64_t t = dy.dim(0), out = dy.dim(1), in = x.dim(1);
   FORGE_CHECK(x.dim(0) == t, "fp8_linear_backward_weight: dy {} and x {} disagree on tokens", shape_str(dy.shape()),
@@ -171,15 +286,21 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
       expect_tensor(dy, Device::CUDA, DType::BF16, "fp8_linear_backward_weight dy");
       expect_tensor(x, Device::CUDA, DType::BF16, "fp8_linear_backward_weight x");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_weight");
-      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_weight"),
-                          b = operand(ws, 1, t * in, "fp8_linear_backward_weight");
-      quantize_device(dy, fp8.grad_format, true, a);  // dy^T [out, t]
-      quantize_device(x, kE4M3, true, b);             // x^T [in, t]
-      cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in, t,
-                       1.0f, overwrite ? 0.0f : 1.0f, false);
+      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_weight");
+      DeviceOperand b = operand(ws, 1, t * in, "fp8_linear_backward_weight");
+      {
+        OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+        quantize_device(dy, fp8.grad_format, true, a);  // dy^T [out, t]
+        quantize_input_transposed(x, fp8, b);           // x^T [in, t]
+      }
+      profiled_gemm("backward_weight", out, in, t, [&] {
+        cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in, t,
+                         1.0f, overwrite ? 0.0f : 1.0f, false);
+      });
     }());
     return;
   }
+  OpProfileScope profile(OpClass::Gemm, "fp8_linear_backward_weight");
   expect_cpu(grad, "fp8_linear_backward_weight dW");
   expect_cpu(dy, "fp8_linear_backward_weight dy");
   expect_cpu(x, "fp8_linear_backward_weight x");

@@ -25,9 +25,22 @@
 // so the NaN reaches the loss or the gradients, where the trainer's non-finite handling
 // sees it (a named error per tensor is later work, as are the amax fused into the kernels
 // that produce x and dy, and the weight cast done once per optimizer step).
-// What is recomputed: every GEMM quantizes its operands again (x in the forward and the
-// weight gradient, W in the forward and the input gradient, dy in both backward GEMMs); the
-// codes and scales are identical each time, since the same tensor gives the same amax.
+// What is recomputed: every GEMM casts its operands again (x in the forward and the weight
+// gradient, W in the forward and the input gradient); the codes and scales are identical
+// each time, since the same tensor gives the same amax. dy is quantized once for both
+// backward GEMMs when they come as one call (fp8_linear_backward, which the blocks use
+// through linear_backward): one amax and one cast that writes dy's codes and their
+// transpose together, the same codes the two separate ops produce.
+//
+// NOTE [FP8 forward statistics]
+// The backward GEMMs quantize the x and W the forward quantized: the activations kept for
+// the backward (or recomputed bitwise by activation checkpointing) and the weights, which
+// change only at the optimizer step. So their amax and scales are the forward's, and a
+// projection with an Fp8ForwardStats (CUDA; one per projection, Fp8Projections) keeps them
+// there from its forward and its backward skips the two amax passes. The backward reuses
+// them only for the same tensors (data pointer and size) the last forward saw, and computes
+// them otherwise (a backward with no forward before it, the head's chunks): the codes are
+// the same either way, bit for bit.
 #pragma once
 
 #include "core/tensor.h"
@@ -38,23 +51,41 @@ namespace forge {
 using cpu::Fp8Format;
 
 // Device scratch of the CUDA path, shared by every FP8 layer of a model (they run one after
-// another): two code buffers, each at least max(tokens x in, tokens x out, out x in) bytes
-// over the layers, and 6 fp32 values (amax, scale, inverse scale of each operand). Unused
-// on the CPU.
+// another): three code buffers, each at least max(tokens x in, tokens x out, out x in) bytes
+// over the layers (the third holds dy's transpose in fp8_linear_backward), and 6 fp32 values (amax, scale, inverse scale of each operand), each at
+// its own 256-byte boundary (kFp8StatStride): cuBLASLt reads the inverse scales through
+// pointers, and the H100 refused (CUBLAS_STATUS_NOT_SUPPORTED at the matmul, after the
+// heuristic had found an algorithm) a GEMM whose scale pointers were 8 and 20 bytes into one
+// allocation (GpuFp8Gemm.ScalePointerAlignment probes the offsets). Unused on the CPU.
+constexpr int64_t kFp8StatStride = 64;  // floats: 256 bytes
+constexpr int64_t kFp8WorkspaceStats = 6 * kFp8StatStride;
 struct Fp8LinearWorkspace {
-  Tensor a_codes, b_codes;  // U8, flat
-  Tensor stats;             // F32 [6]
+  Tensor a_codes, b_codes, c_codes;  // U8, flat
+  Tensor stats;             // F32 [kFp8WorkspaceStats]
 };
 
 // A layer's FP8 settings, owned by whoever hands out the descriptor (model/fp8_projections.h).
+// One projection's statistics from its last forward (NOTE [FP8 forward statistics]).
+struct Fp8ForwardStats {
+  float* device = nullptr;  // x's amax, scale and inverse scale, then W's: kFp8WorkspaceStats floats
+  const void* x = nullptr;  // the tensors the last forward quantized, by data pointer and size
+  const void* w = nullptr;
+  int64_t x_numel = 0, w_numel = 0;
+};
+
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
+  Fp8ForwardStats* forward = nullptr;       // CUDA, optional: this projection's own
 };
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
                         const Tensor* residual);
 void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8);
+// Both backward GEMMs of one layer: fp8_linear_backward_input then
+// fp8_linear_backward_weight, bitwise, with dy quantized once.
+void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
+                         const Fp8Linear& fp8, bool overwrite);
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
                                 bool overwrite);
 

@@ -49,4 +49,14 @@ void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Te
   if (grad.lora) lora_backward_weight(*grad.lora, dy, x, overwrite);
 }
 
+void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& dy, const Tensor& x,
+                     const LinearWeight& w, bool overwrite) {
+  if (w.fp8 && grad.fp8 && grad.weight.defined() && !w.nf4 && !w.lora && !grad.lora) {
+    fp8_linear_backward(dx, grad.weight, dy, w.weight, x, *grad.fp8, overwrite);
+    return;
+  }
+  linear_backward_input(dx, dy, w);
+  linear_backward_weight(grad, dy, x, overwrite);
+}
+
 }  // namespace forge

@@ -80,4 +80,11 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
 // otherwise added to it.
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite);
 
+// Both backward ops of one layer, what a block's backward does with each projection:
+// linear_backward_input(dx, dy, w) then linear_backward_weight(grad, dy, x, overwrite),
+// with the same results; an FP8 layer without an adapter quantizes dy once for both
+// (fp8_linear_backward).
+void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& dy, const Tensor& x,
+                     const LinearWeight& w, bool overwrite);
+
 }  // namespace forge

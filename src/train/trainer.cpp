@@ -235,14 +235,6 @@ Device compute_device(const ExperimentConfig& config) {
                                                                       : "this build of forge has no CUDA backend");
     if (config.precision.compute_dtype != "bf16")
       FORGE_FAIL("precision.compute_dtype '{}' is not available on CUDA: use bf16", config.precision.compute_dtype);
-    // NOTE [Unverified FP8 on CUDA]: the CUDA FP8 linear path is built and compiled, and its
-    // GPU tests (GpuFp8Linear.*) are written, but they have not run on a GPU yet; until they
-    // have, a training run must ask for it explicitly (the GPU checks do).
-    if (config.precision.fp8 != "none" && !std::getenv("FORGE_ALLOW_UNVERIFIED_FP8"))
-      FORGE_FAIL("precision.fp8 '{}' on CUDA has not been verified on a GPU yet (issue 15: the FP8 linear ops and "
-                 "an FP8 micro-batch against the CPU reference, GpuFp8Linear.*, have not run): use precision.fp8 none, "
-                 "the CPU reference (training.device cpu), or set FORGE_ALLOW_UNVERIFIED_FP8=1 to run it anyway",
-                 config.precision.fp8);
     return Device::CUDA;
   }
   if (config.precision.compute_dtype != "fp32")

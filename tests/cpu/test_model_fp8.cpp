@@ -63,7 +63,8 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
     const Fp8Settings settings{Fp8Format::E5M2, c.head};
     const int64_t tokens = c.micro_batch * c.seq_len;
     const int64_t bytes = fp8_scratch_bytes(c.config, settings, tokens);
-    EXPECT_EQ(bytes, 2 * fp8_workspace_codes(c.config, settings, tokens) + 6 * 4);
+    const int64_t stats = 1 + c.config.num_layers * 6 + (c.head ? 1 : 0);  // shared, per layer parameter, head
+    EXPECT_EQ(bytes, 3 * fp8_workspace_codes(c.config, settings, tokens) + stats * kFp8WorkspaceStats * 4);
     MemoryPlan plan;
     plan.micro_batch = c.micro_batch;
     plan.seq_len = c.seq_len;
@@ -80,13 +81,14 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
   }
   // Llama 3.1 8B, one sequence of 8192 tokens: gate_up's tokens x 2 x 14336 codes, twice
   // (the README's 0.44 GiB); with the head in FP8, tokens x vocab.
-  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {}, 8192), 2 * int64_t{8192} * 28672 + 24);
-  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {Fp8Format::E5M2, true}, 8192), 2 * int64_t{8192} * 128256 + 24);
+  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {}, 8192), 3 * int64_t{8192} * 28672 + (1 + 32 * 6) * kFp8WorkspaceStats * 4);
+  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {Fp8Format::E5M2, true}, 8192),
+            3 * int64_t{8192} * 128256 + (2 + 32 * 6) * kFp8WorkspaceStats * 4);
   MemoryPlan plan;
   plan.seq_len = 8192;
   plan.cuda = true;
   plan.fp8 = Fp8Settings{};
-  EXPECT_NE(describe(estimate_memory(llama31_8b(), plan)).find("FP8 GEMM scratch 0.44 GiB"), std::string::npos);
+  EXPECT_NE(describe(estimate_memory(llama31_8b(), plan)).find("FP8 GEMM scratch 0.66 GiB"), std::string::npos);
 }
 
 // forge info's share of the FLOPs in FP8: 6 x the parameters of the matrices trained in FP8.

@@ -76,6 +76,15 @@ inline Tensor to_cpu_f32(const Tensor& gpu) {
 }
 
 // ||a - b|| / ||b||, with any non-finite value in a reported as infinity.
+// A GPU tensor's bytes as host values of T (bitwise comparisons: uint16_t for bf16).
+template <typename T>
+std::vector<T> host_values(const Tensor& gpu) {
+  const Tensor host = gpu.to(Device::CPU);
+  std::vector<T> v(host.nbytes() / sizeof(T));
+  std::memcpy(v.data(), host.raw(), host.nbytes());
+  return v;
+}
+
 inline double relative_l2(const Tensor& a, const Tensor& b) {
   EXPECT_EQ(a.numel(), b.numel());
   const float* pa = a.data<float>();

@@ -32,6 +32,7 @@ namespace {
 using cpu::Fp8Blocks;
 using cpu::Fp8Format;
 using cuda::Fp8GemmScaling;
+using gpu_test::host_values;
 using gpu_test::poisoned_gpu;
 using gpu_test::seed_for_current_test;
 using gpu_test::to_gpu;
@@ -44,14 +45,6 @@ Tensor wide_values(int64_t n, Rng& rng) {
   for (int64_t i = 0; i < n; ++i)
     t.data<float>()[i] = to_float(to_bf16(static_cast<float>(rng.normal() * std::exp(2.0 * rng.normal()))));
   return t;
-}
-
-template <typename T>
-std::vector<T> host_values(const Tensor& gpu) {
-  const Tensor host = gpu.to(Device::CPU);
-  std::vector<T> v(host.nbytes() / sizeof(T));
-  std::memcpy(v.data(), host.raw(), host.nbytes());
-  return v;
 }
 
 template <typename T>
@@ -161,7 +154,8 @@ TEST(GpuFp8, TensorwiseQuantizationMatchesTorchaoScalesBitwise) {
 TEST(GpuFp8, CastTransposeMatchesCpuBitwise) {
   Rng rng(seed_for_current_test());
   for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
-           {1, 1}, {7, 13}, {64, 64}, {65, 129}, {333, 777}, {4096, 1000}, {1000, 4096}}) {
+           {1, 1}, {7, 13}, {64, 64}, {65, 129}, {333, 777}, {4096, 1000}, {1000, 4096}, {128, 192}, {256, 4096},
+           {4096, 320}}) {
     const Tensor x = wide_values(rows * cols, rng);
     const Tensor x_gpu = to_gpu(x, DType::BF16);
     for (Fp8Format format : kFormats) {
@@ -301,6 +295,59 @@ TEST(GpuFp8Gemm, RowwiseAndBlockwiseMatchCpuReference) {
   check_gemm({512, 512, 512, Fp8Format::E4M3, Fp8Format::E5M2, S::Row, S::Row, DType::BF16, true}, rng);
   check_gemm({512, 512, 512, Fp8Format::E5M2, Fp8Format::E4M3, S::Block1x128, S::Block128x128, DType::BF16, false},
              rng);
+}
+
+// Where the per-tensor scale pointers may sit: the inverse scales copied to byte offsets of
+// one allocation, each offset with a shape of its own (so the heuristic query sees the
+// offset pointers, as the linear ops' first call does) and again on a shape whose plan was
+// found with aligned pointers. On the H100 cuBLASLt returned CUBLAS_STATUS_NOT_SUPPORTED
+// at the matmul for 4, 8, 12 and 20 bytes and ran 16 and its multiples: fp8_matmul refuses
+// a factor pointer that is not 16-byte aligned, naming the problem, before cuBLASLt sees it.
+TEST(GpuFp8Gemm, ScalePointerAlignment) {
+  Rng rng(seed_for_current_test());
+  using S = Fp8GemmScaling;
+  const int64_t k = 256, n = 256;
+  const Operand b = quantize_operand(n, k, Fp8Format::E4M3, S::Tensor, rng);
+  const Operand cached_a = quantize_operand(64, k, Fp8Format::E4M3, S::Tensor, rng);
+  const Tensor cached_out = poisoned_gpu({64, n}, DType::BF16);
+  cuda::fp8_matmul(cached_out.raw(), DType::BF16, cached_a.gpu(), b.gpu(), 64, n, k, 1.0f, 0.0f, false);
+  const int64_t offsets[] = {256, 4, 8, 12, 16, 20, 32, 64, 128};
+  for (size_t i = 0; i < std::size(offsets); ++i) {
+    const int64_t offset = offsets[i], m = 128 + 16 * static_cast<int64_t>(i);
+    const Operand a = quantize_operand(m, k, Fp8Format::E4M3, S::Tensor, rng);
+    // Three 256-byte slots: a's, cached_a's and b's inverse scale, each `offset` bytes in.
+    std::vector<float> host(3 * 64, std::nanf(""));
+    const size_t at = static_cast<size_t>(offset / 4) % 64;
+    host[at] = 1.0f / a.scales[0];
+    host[64 + at] = 1.0f / cached_a.scales[0];
+    host[128 + at] = 1.0f / b.scales[0];
+    const Tensor factors = gpu_values(host, DType::F32);
+    auto run = [&](const Operand& op, int64_t slot, const Tensor& out) -> std::string {
+      const int64_t rows = op.codes_gpu.numel() / k;
+      cuda::Fp8GemmOperand ga = op.gpu(), gb = b.gpu();
+      ga.factors = factors.data<float>() + slot * 64 + static_cast<int64_t>(at);
+      gb.factors = factors.data<float>() + 128 + static_cast<int64_t>(at);
+      try {
+        cuda::fp8_matmul(out.raw(), DType::BF16, ga, gb, rows, n, k, 1.0f, 0.0f, false);
+      } catch (const std::exception& e) {
+        return std::string("refused: ") + e.what();
+      }
+      Tensor expected = Tensor::empty({rows, n});
+      cpu::fp8_matmul_reference(op.reference(), b.reference(), rows, n, k, expected.data<float>());
+      const double error = gpu_test::relative_l2(gpu_test::to_cpu_f32(out), expected);
+      return error < 1e-2 ? "ok" : "wrong result (relative L2 " + std::to_string(error) + ")";
+    };
+    const Tensor out = poisoned_gpu({m, n}, DType::BF16);
+    const std::string fresh = run(a, 0, out), cached = run(cached_a, 1, cached_out);
+    SCOPED_TRACE("scale pointers " + std::to_string(offset % 256) + " bytes past a 256-byte boundary");
+    if (offset % 16 == 0) {
+      EXPECT_EQ(fresh, "ok");
+      EXPECT_EQ(cached, "ok");
+    } else {
+      for (const std::string& r : {fresh, cached})
+        EXPECT_NE(r.find("the factors must start 16-byte aligned"), std::string::npos) << r;
+    }
+  }
 }
 
 TEST(GpuFp8Gemm, RefusesWhatCublasLtCannotRunWithTheReason) {

@@ -26,7 +26,8 @@ namespace {
 using namespace gpu_test;
 
 Fp8LinearWorkspace device_workspace(int64_t codes) {
-  return {poisoned_gpu({codes}, DType::U8), poisoned_gpu({codes}, DType::U8), poisoned_gpu({6}, DType::F32)};
+  return {poisoned_gpu({codes}, DType::U8), poisoned_gpu({codes}, DType::U8), poisoned_gpu({codes}, DType::U8),
+          poisoned_gpu({kFp8WorkspaceStats}, DType::F32)};
 }
 
 struct Fp8OpCase {
@@ -80,6 +81,47 @@ TEST(GpuFp8Linear, OpsMatchTheCpuReference) {
     linear_backward_weight(LinearWeight{dw, nullptr, nullptr, &cpu_fp8}, dy, x, false);
     linear_backward_weight(gpu_grad, dyg, xg, false);
     EXPECT_LT(relative_l2(to_cpu_f32(dwg), dw), kF32Tolerance) << "weight gradient added";
+
+    // Both backward GEMMs in one call (dy quantized once, its transpose from the same
+    // cast) equal the two ops bit for bit, written over and added to.
+    for (const bool overwrite : {true, false}) {
+      Tensor dx_one = poisoned_gpu({c.tokens, c.in}, DType::BF16);
+      Tensor dw_one = to_gpu(to_cpu_f32(dwg), DType::F32), dw_two = to_gpu(to_cpu_f32(dwg), DType::F32);
+      Tensor dx_two = poisoned_gpu({c.tokens, c.in}, DType::BF16);
+      linear_backward(dx_one, LinearWeight{dw_one, nullptr, nullptr, &gpu_fp8}, dyg, xg, gpu_w, overwrite);
+      linear_backward_input(dx_two, dyg, gpu_w);
+      linear_backward_weight(LinearWeight{dw_two, nullptr, nullptr, &gpu_fp8}, dyg, xg, overwrite);
+      EXPECT_EQ(host_values<uint16_t>(dx_one), host_values<uint16_t>(dx_two)) << "one-call input gradient";
+      EXPECT_EQ(host_values<float>(dw_one), host_values<float>(dw_two)) << "one-call weight gradient";
+    }
+
+    // With the projection's forward statistics (NOTE [FP8 forward statistics]) the backward
+    // skips the amax of x and W and gets the same bits; for other tensors than the
+    // forward's it computes them itself, the same bits again.
+    const Tensor saved = poisoned_gpu({kFp8WorkspaceStats}, DType::F32);
+    Fp8ForwardStats forward{saved.data<float>()};
+    const Fp8Linear kept_fp8{c.grad_format, &ws, &forward};
+    const LinearWeight kept_w{wg, nullptr, nullptr, &kept_fp8};
+    Tensor y_kept = poisoned_gpu({c.tokens, c.out}, DType::BF16), y_plain = poisoned_gpu({c.tokens, c.out}, DType::BF16);
+    linear_forward(y_kept, xg, kept_w);
+    linear_forward(y_plain, xg, gpu_w);
+    EXPECT_EQ(host_values<uint16_t>(y_kept), host_values<uint16_t>(y_plain)) << "forward keeping its statistics";
+    const Tensor x_copy = to_gpu(x, DType::BF16), w_copy = to_gpu(w, DType::BF16);
+    for (const bool same_tensors : {true, false}) {
+      SCOPED_TRACE(same_tensors ? "the forward's tensors" : "copies of them");
+      const Tensor& xb = same_tensors ? xg : x_copy;
+      const LinearWeight wb{same_tensors ? wg : w_copy, nullptr, nullptr, &kept_fp8};
+      Tensor dx_kept = poisoned_gpu({c.tokens, c.in}, DType::BF16), dx_plain = poisoned_gpu({c.tokens, c.in}, DType::BF16);
+      Tensor dw_kept = poisoned_gpu({c.out, c.in}, DType::F32), dw_plain = poisoned_gpu({c.out, c.in}, DType::F32);
+      linear_backward(dx_kept, LinearWeight{dw_kept, nullptr, nullptr, &kept_fp8}, dyg, xb, wb, true);
+      linear_backward(dx_plain, LinearWeight{dw_plain, nullptr, nullptr, &gpu_fp8}, dyg, xg, gpu_w, true);
+      EXPECT_EQ(host_values<uint16_t>(dx_kept), host_values<uint16_t>(dx_plain)) << "input gradient";
+      EXPECT_EQ(host_values<float>(dw_kept), host_values<float>(dw_plain)) << "weight gradient";
+      linear_backward_input(dx_kept, dyg, wb);
+      linear_backward_weight(LinearWeight{dw_kept, nullptr, nullptr, &kept_fp8}, dyg, xb, true);
+      EXPECT_EQ(host_values<uint16_t>(dx_kept), host_values<uint16_t>(dx_plain)) << "separate input gradient";
+      EXPECT_EQ(host_values<float>(dw_kept), host_values<float>(dw_plain)) << "separate weight gradient";
+    }
   }
 }
 

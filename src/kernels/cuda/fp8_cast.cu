@@ -23,7 +23,18 @@
 // keep them in shared memory (65 bytes a row, so the column reads of the second phase do
 // not all hit one bank), then write the tile's columns as rows of out_t, consecutive
 // threads on consecutive bytes. Tiles at the right and bottom edges are partial. This is
-// the plain version: one byte per thread per store; its bandwidth is yet to be measured.
+// the plain version, one element per thread per access, kept for shapes that are not whole
+// tiles: on the 8B-shape proxy its share of the profiled casts put it near 0.9 TB/s
+// (docs/PERF.md, "FP8 on the GPU").
+//
+// Whole tiles take the vector version (rows and cols multiples of 64, x 16-byte aligned,
+// the outputs 8-byte aligned): a 64x64 tile, each thread loading 8 consecutive bf16 (one
+// 16-byte load; 8 threads cover a 128-byte row segment) and storing their 8 codes at once
+// into out (8 bytes) and into the shared tile (two words); then each thread gathers 8
+// consecutive rows of one column from the tile and stores them as 8 bytes of out_t, 4
+// threads writing one 32-byte sector of an out_t row. The tile's rows are padded to 68
+// bytes (17 words, odd): a gathering warp reads 4 row groups x 8 columns, 8 row groups'
+// worth of words that land on distinct banks.
 #include "kernels/cuda/fp8_cast.h"
 
 #include <cuda_fp8.h>
@@ -152,6 +163,54 @@ __global__ void cast_transpose_kernel(const bf16* x, int64_t rows, int64_t cols,
   if (amax) block_max_into(mine, amax);
 }
 
+constexpr int kTileStride = kTile + 4;  // bytes per row of the vector kernel's shared tile
+
+template <Fp8Format F>
+__global__ void cast_transpose_vector_kernel(const bf16* x, int64_t rows, int64_t cols, const float* scale_ptr,
+                                             uint8_t* out, uint8_t* out_t, float* amax) {
+  __shared__ __align__(16) uint8_t tile[kTile * kTileStride];
+  const float scale = *scale_ptr;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile, col0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int t = threadIdx.x;
+  unsigned mine = 0;
+  // Load and cast: 32 rows x 8 chunks of 8 per pass.
+  const int chunk = (t % 8) * 8;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int r = pass * 32 + t / 8;
+    const int64_t at = (row0 + r) * cols + col0 + chunk;
+    const uint4 packed = *reinterpret_cast<const uint4*>(x + at);
+    const bf16* values = reinterpret_cast<const bf16*>(&packed);
+    uint2 codes;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const float v = __bfloat162float(values[k]);
+      mine = max(mine, abs_bits(v));
+      bytes[k] = cast_saturated<F>(__fmul_rn(v, scale));
+    }
+    if (out) *reinterpret_cast<uint2*>(out + at) = codes;
+    unsigned* slot = reinterpret_cast<unsigned*>(tile + r * kTileStride + chunk);
+    slot[0] = codes.x;
+    slot[1] = codes.y;
+  }
+  if (out_t) {
+    __syncthreads();
+    // Gather: a warp takes 8 columns x 4 groups of 8 rows; two passes cover the 64 rows.
+    const int c = (t / 32) * 8 + t % 8;
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int g = pass * 4 + (t % 32) / 8;
+      uint2 codes;
+      uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bytes[j] = tile[(g * 8 + j) * kTileStride + c];
+      *reinterpret_cast<uint2*>(out_t + (col0 + c) * rows + row0 + g * 8) = codes;
+    }
+  }
+  if (amax) block_max_into(mine, amax);
+}
+
 bool aligned(const void* p, size_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 unsigned blocks_for(int64_t n) {
@@ -192,7 +251,13 @@ void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* 
   FORGE_CHECK((rows + kTile - 1) / kTile <= 65535, "fp8_cast_transpose: {} rows exceed the grid's {} tiles of {}",
               rows, 65535, kTile);
   const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
-  if (format == Fp8Format::E4M3)
+  const bool whole_tiles = rows % kTile == 0 && cols % kTile == 0 && aligned(x, 16) && (!out || aligned(out, 8)) &&
+                           (!out_t || aligned(out_t, 8));
+  if (whole_tiles && format == Fp8Format::E4M3)
+    cast_transpose_vector_kernel<Fp8Format::E4M3><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);
+  else if (whole_tiles)
+    cast_transpose_vector_kernel<Fp8Format::E5M2><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);
+  else if (format == Fp8Format::E4M3)
     cast_transpose_kernel<Fp8Format::E4M3><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);
   else
     cast_transpose_kernel<Fp8Format::E5M2><<<grid, kThreads>>>(x, rows, cols, scale, out, out_t, amax);

@@ -173,7 +173,11 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
   FORGE_CHECK(why.empty(), "{}: {}", describe_problem(p), why);
   FORGE_CHECK(aligned(out, 16) && aligned(a.codes, 16) && aligned(b.codes, 16),
               "{}: the output and the codes must start 16-byte aligned", describe_problem(p));
-  const size_t factor_alignment = is_block(a.scaling) ? 16 : 4;  // block factors: 16 bytes (cuBLAS docs 3.1.4.5.1)
+  // 16 bytes for every mode: the block factors by cuBLAS's documentation (3.1.4.5.1), the
+  // per-tensor ones as measured on the H100 (GpuFp8Gemm.ScalePointerAlignment: 4, 8, 12
+  // and 20 bytes past a 256-byte boundary were refused with CUBLAS_STATUS_NOT_SUPPORTED,
+  // 16 and its multiples ran).
+  constexpr size_t factor_alignment = 16;
   FORGE_CHECK(aligned(a.factors, factor_alignment) && aligned(b.factors, factor_alignment),
               "{}: the factors must start {}-byte aligned", describe_problem(p), factor_alignment);
   if (m == 0 || n == 0) return;
@@ -193,8 +197,15 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
   }
   Plan& plan = it->second;
   set_factors(plan, a.factors, b.factors);
-  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta, out, plan.c, out,
-                              plan.c, &plan.algo, ctx.workspace, ctx.workspace_bytes, nullptr));
+  const cublasStatus_t status = cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta,
+                                               out, plan.c, out, plan.c, &plan.algo, ctx.workspace,
+                                               ctx.workspace_bytes, nullptr);
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw_error(__FILE__, __LINE__,
+                fmt::format("{}: cublasLtMatmul returned status {} (output {}, codes {} / {}, factors {} / {})",
+                            describe_problem(p), static_cast<int>(status), out, static_cast<const void*>(a.codes),
+                            static_cast<const void*>(b.codes), static_cast<const void*>(a.factors),
+                            static_cast<const void*>(b.factors)));
 }
 
 bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_scaling, Fp8Format b_format,
