@@ -24,8 +24,8 @@
 // not all hit one bank), then write the tile's columns as rows of out_t, consecutive
 // threads on consecutive bytes. Tiles at the right and bottom edges are partial. This is
 // the plain version, one element per thread per access, kept for shapes that are not whole
-// tiles: on the 8B-shape proxy its share of the profiled casts put it near 0.9 TB/s
-// (docs/PERF.md, "FP8 on the GPU").
+// tiles: on the 8B-shape proxy it was estimated, from the profiled casts' traffic, near
+// 0.9 TB/s (docs/PERF.md, "FP8 on the GPU").
 //
 // Whole tiles take the vector version (rows and cols multiples of 64, x 16-byte aligned,
 // the outputs 8-byte aligned): a 64x64 tile, each thread loading 8 consecutive bf16 (one
