@@ -38,6 +38,7 @@
 
 #include "core/durable_directory.h"
 #include "model/config.h"
+#include "model/fp8_delayed_state.h"
 #include "model/parameters.h"
 #include "optim/optimizer.h"
 
@@ -71,6 +72,8 @@ struct TrainingState {
   // NOTE [Loss spikes] (train/loss_spike.h): the detector's window, oldest first. Optional
   // in metadata.json ("loss_spike"); a checkpoint without it loads with an empty window.
   std::vector<double> recent_losses;
+  // precision.fp8 delayed's histories and scales ("fp8_delayed"; absent for other runs).
+  std::optional<Fp8DelayedState> fp8_delayed;
 };
 
 struct TensorPiece {

@@ -135,6 +135,38 @@ ModelConfig model_from_json(const ObjectReader& r) {
   return m;
 }
 
+// "fp8_delayed" (NOTE [FP8 step end] in model/fp8_projections.h): the numbers are what the
+// histories and scales can hold (amaxes finite and >= 0, scales finite and > 0, within
+// fp32), and the two arrays agree on the number of projections; that the model has as many
+// is checked when the run restores them.
+Fp8DelayedState fp8_delayed_from_json(const ObjectReader& r, const std::string& file) {
+  Fp8DelayedState f;
+  f.active = r.boolean("active");
+  f.history_length = r.integer("history_length");
+  if (f.history_length < 1 || f.history_length > (1 << 16))
+    FORGE_FAIL("checkpoint metadata '{}': '{}' must be in [1, 65536], got {}", file, r.child("history_length"),
+               f.history_length);
+  auto read = [&](const char* key, bool positive, std::vector<float>& out) {
+    const json& values = r.array(key);
+    out.reserve(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+      const json& v = values[i];
+      const double d = v.is_number() ? v.get<double>() : -1.0;
+      if (!v.is_number() || !std::isfinite(d) || d < 0 || (positive && d <= 0) || d > 3.4e38)
+        FORGE_FAIL("checkpoint metadata '{}': '{}[{}]' must be a finite {} fp32 number, got {}", file, r.child(key),
+                   i, positive ? "positive" : "non-negative", describe_json(v));
+      out.push_back(static_cast<float>(d));
+    }
+  };
+  read("scales", true, f.scales);
+  read("histories", false, f.histories);
+  if (f.scales.size() % 3 != 0 || f.histories.size() != f.scales.size() * static_cast<size_t>(f.history_length))
+    FORGE_FAIL("checkpoint metadata '{}': '{}' holds {} scales and {} history values; expected 3 scales per "
+               "projection and history_length ({}) values per scale",
+               file, r.child("scales"), f.scales.size(), f.histories.size(), f.history_length);
+  return f;
+}
+
 FlatState state_from_name(const std::string& name, const std::string& file, const std::string& key) {
   for (FlatState s : kFlatStates)
     if (name == flat_state_name(s)) return s;
@@ -198,6 +230,13 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
             {"flat_numel", md.flat_numel},
             {"shards", shards},
             {"tensors", tensors}};
+  if (t.fp8_delayed) {
+    const Fp8DelayedState& f = *t.fp8_delayed;
+    j["fp8_delayed"] = {{"active", f.active},
+                        {"history_length", f.history_length},
+                        {"scales", f.scales},
+                        {"histories", f.histories}};
+  }
   return j.dump(1) + "\n";
 }
 
@@ -238,6 +277,7 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
       t.recent_losses.push_back(losses[i].get<double>());
     }
   }
+  if (top.has("fp8_delayed")) t.fp8_delayed = fp8_delayed_from_json(top.object("fp8_delayed"), file);
   md.flat_numel = top.size("flat_numel");
 
   const json& shards = top.array("shards");

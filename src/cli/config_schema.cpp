@@ -199,9 +199,10 @@ std::vector<ConfigKey> build_schema() {
           "precision.reduce_dtype", "dtype of gradients in FSDP's reduce-scatter", {}, {"fp32", "bf16"}),
       key<&E::precision, &PrecisionConfig::fp8>(
           "precision.fp8",
-          "FP8 GEMMs of the block projections (qkv, o, gate/up, down): none, or tensorwise (current per-tensor "
-          "scales, as torchao's tensorwise and Transformer Engine's Float8CurrentScaling)",
-          {}, {"none", "tensorwise"}),
+          "FP8 GEMMs of the block projections (qkv, o, gate/up, down): none, tensorwise (current per-tensor "
+          "scales, as torchao's tensorwise and Transformer Engine's Float8CurrentScaling) or delayed (scales from "
+          "an amax history updated once per step, as Transformer Engine's DelayedScaling)",
+          {}, {"none", "tensorwise", "delayed"}),
       key<&E::precision, &PrecisionConfig::fp8_grad_format>(
           "precision.fp8_grad_format",
           "FP8 format of the gradients in the backward GEMMs: e5m2 (default, as torchao tensorwise: gradients "
@@ -211,6 +212,19 @@ std::vector<ConfigKey> build_schema() {
       key<&E::precision, &PrecisionConfig::fp8_output_head>(
           "precision.fp8_output_head", "with precision.fp8: the output head's GEMMs in FP8 too (default bf16, as "
           "torchtitan and Transformer Engine keep it)"),
+      key<&E::precision, &PrecisionConfig::fp8_amax_history_len>(
+          "precision.fp8_amax_history_len",
+          "with precision.fp8 delayed: steps of amax history per tensor (Transformer Engine's amax_history_len)",
+          ValueRange{1, 1 << 16}),
+      key<&E::precision, &PrecisionConfig::fp8_amax_compute_algo>(
+          "precision.fp8_amax_compute_algo",
+          "with precision.fp8 delayed: the scale's amax, max (of the whole history) or most_recent "
+          "(Transformer Engine's amax_compute_algo)",
+          {}, {"max", "most_recent"}),
+      key<&E::precision, &PrecisionConfig::fp8_margin>(
+          "precision.fp8_margin",
+          "with precision.fp8 delayed: scales are fp8_max × 2^-margin / amax (Transformer Engine's margin)",
+          ValueRange{0, 32}),
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <utility>
 
+#include "core/error.h"
+#include "ops/fp8_statistics.h"
+
 namespace forge {
 
 namespace {
@@ -31,13 +34,21 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings) 
   return params;
 }
 
+int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& settings) {
+  return static_cast<int64_t>(fp8_matrices(config, settings).size());
+}
+
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   // The shared statistics, and each layer parameter's (and the FP8 head's) forward statistics.
   int64_t layer_params = 0;
   for (const ParamSpec& spec : parameter_specs(config)) layer_params += spec.layer >= 0 ? 1 : 0;
   const int64_t stats = 1 + layer_params + (settings.output_head ? 1 : 0);
+  const int64_t projections = fp8_projection_count(config, settings);
+  const int64_t history =
+      settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
   return 3 * fp8_workspace_codes(config, settings, tokens) +
-         stats * kFp8WorkspaceStats * static_cast<int64_t>(sizeof(float));
+         (stats * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
+             static_cast<int64_t>(sizeof(float));
 }
 
 Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& settings, Device device, int64_t tokens)
@@ -51,6 +62,25 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
   }
   fp8_.grad_format = settings.grad_format;
   fp8_.workspace = &workspace_;
+  // Statistics blocks, numbered in parameter order (NOTE [FP8 projections]).
+  projection_of_.resize(static_cast<size_t>(config.num_layers));
+  std::string head_name = "embedding.weight";  // tied
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (spec.name == "output.weight") head_name = spec.name;
+    if (spec.layer < 0) continue;
+    std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
+    layer.push_back(spec.shape.size() == 2 ? static_cast<int64_t>(names_.size()) : -1);
+    if (spec.shape.size() == 2) names_.push_back(spec.name);
+  }
+  if (settings.output_head) names_.push_back(head_name);
+  const auto projections = static_cast<int64_t>(names_.size());
+  stats_ = Tensor::empty({projections * cpu::kFp8ProjectionStats}, DType::F32, device);
+  fp8_stats_init(stats_);
+  if (settings.recipe == Fp8Recipe::Delayed) {
+    FORGE_CHECK(settings.amax_history_length >= 1, "FP8 delayed scaling: the amax history length must be >= 1, got {}",
+                settings.amax_history_length);
+    history_ = Tensor::zeros({projections * cpu::kFp8Roles * settings.amax_history_length}, DType::F32, device);
+  }
   layers_.resize(static_cast<size_t>(config.num_layers));
   grad_layers_.resize(static_cast<size_t>(config.num_layers));
   layer_projections_.resize(static_cast<size_t>(config.num_layers));
@@ -65,6 +95,14 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
               p.linears.size());
   p.forward.resize(params);
   p.linears.assign(params, fp8_);
+  const bool head = &all == &head_projections_;
+  for (size_t k = 0; k < params; ++k) {
+    const int64_t block = head ? static_cast<int64_t>(names_.size()) - 1
+                               : projection_of_.at(index).at(k);  // -1: not a matrix
+    if (block < 0) continue;
+    p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
+    p.linears[k].delayed = delayed_active_;
+  }
   if (device_ == Device::CUDA) {
     p.stats = Tensor::zeros({static_cast<int64_t>(params) * kFp8WorkspaceStats}, DType::F32, device_);
     for (size_t k = 0; k < params; ++k) {
@@ -73,6 +111,70 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     }
   }
   return p;
+}
+
+std::string Fp8Projections::nonfinite_amax() const {
+  const int64_t slot = fp8_stats_first_nonfinite(stats_);
+  if (slot < 0) return "";
+  const auto role = static_cast<cpu::Fp8Role>(slot % cpu::kFp8Roles);
+  return fmt::format("'{}' {}: amax {}", names_.at(static_cast<size_t>(slot / cpu::kFp8Roles)),
+                     cpu::fp8_role_name(role), fp8_stats_seen(stats_, slot));
+}
+
+void Fp8Projections::end_step(bool update) {
+  if (settings_.recipe != Fp8Recipe::Delayed || !update) return fp8_stats_clear_seen(stats_);
+  fp8_stats_delayed_step(stats_, history_,
+                         {settings_.amax_history_length, settings_.amax_algorithm, settings_.margin,
+                          settings_.grad_format});
+  set_delayed_active(true);
+}
+
+void Fp8Projections::set_delayed_active(bool active) {
+  delayed_active_ = active;
+  for (auto* all : {&layer_projections_, &head_projections_})
+    for (Projections& p : *all)
+      for (Fp8Linear& linear : p.linears)
+        if (linear.stats) linear.delayed = active;
+}
+
+Fp8DelayedState Fp8Projections::delayed_state() const {
+  Fp8DelayedState state;
+  if (settings_.recipe != Fp8Recipe::Delayed) return state;
+  state.active = delayed_active_;
+  state.history_length = settings_.amax_history_length;
+  const Tensor history = history_.to(Device::CPU), stats = stats_.to(Device::CPU);
+  state.histories.assign(history.data<float>(), history.data<float>() + history.numel());
+  const int64_t projections = static_cast<int64_t>(names_.size());
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < cpu::kFp8Roles; ++r)
+      state.scales.push_back(stats.data<float>()[cpu::fp8_scale_offset(p, static_cast<cpu::Fp8Role>(r))]);
+  return state;
+}
+
+void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
+  FORGE_CHECK(settings_.recipe == Fp8Recipe::Delayed, "FP8: a delayed-scaling state given to a {} run", "tensorwise");
+  const int64_t projections = static_cast<int64_t>(names_.size());
+  FORGE_CHECK(state.history_length == settings_.amax_history_length,
+              "FP8 delayed scaling: the checkpoint's amax history length is {}, precision.fp8_amax_history_len is {}",
+              state.history_length, settings_.amax_history_length);
+  FORGE_CHECK(static_cast<int64_t>(state.scales.size()) == projections * cpu::kFp8Roles &&
+                  static_cast<int64_t>(state.histories.size()) == history_.numel(),
+              "FP8 delayed scaling: the checkpoint holds {} scales and {} history values, this model needs {} and {}",
+              state.scales.size(), state.histories.size(), projections * cpu::kFp8Roles, history_.numel());
+  Tensor history = Tensor::empty({history_.numel()}, DType::F32, Device::CPU);
+  std::copy(state.histories.begin(), state.histories.end(), history.data<float>());
+  history_.copy_from(history);
+  Tensor stats = Tensor::empty({stats_.numel()}, DType::F32, Device::CPU);
+  cpu::fp8_init_stats(stats.data<float>(), projections);
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < cpu::kFp8Roles; ++r) {
+      const auto role = static_cast<cpu::Fp8Role>(r);
+      const float scale = state.scales[static_cast<size_t>(p * cpu::kFp8Roles + r)];
+      stats.data<float>()[cpu::fp8_scale_offset(p, role)] = scale;
+      stats.data<float>()[cpu::fp8_scale_inv_offset(p, role)] = 1.0f / scale;
+    }
+  stats_.copy_from(stats);
+  set_delayed_active(state.active);
 }
 
 void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {

@@ -13,25 +13,51 @@
 // (NOTE [FP8 tensorwise linear] in ops/fp8_linear.h), and per projection the statistics
 // of its last forward (NOTE [FP8 forward statistics]): one Fp8Linear per projection, whose
 // weight and gradient descriptors point at the same one, with 1.5 KiB of device memory,
-// made the first time a layer is handed out. The recipes to come keep their state here
-// too, per projection: `delayed` its amax histories and scales, and the weight cast once
-// per optimizer step (reused by every micro-batch, not yet done) its codes.
+// made the first time a layer is handed out. Every projection also has a statistics block
+// in one model-wide array (NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h),
+// numbered in parameter order (the head last), where its casts fold the step's amaxes;
+// `delayed` adds the amax histories, and its scales live in the same blocks.
+//
+// NOTE [FP8 step end]
+// The trainer calls nonfinite_amax() once the step's micro-batches are done and counts a
+// non-finite amax as a non-finite step (NOTE [Non-finite steps] in train/nonfinite.h),
+// naming the projection and the tensor; then end_step(update): with `delayed` and a step
+// that reached the optimizer, every history takes its seen amax and the scales are
+// recomputed (TE's amax_and_scale_update), and from then on the projections quantize with
+// them (NOTE [FP8 delayed scaling] in ops/fp8_linear.h); a skipped step drops its amaxes.
+// The first step of a delayed run has no history yet and uses current scales, as
+// `tensorwise` (Transformer Engine starts from scale 1 instead, which flushes the first
+// step's small weights and gradients to zero). The histories and scales are saved in
+// checkpoints (delayed_state / restore_delayed_state), so a resumed run quantizes as the
+// uninterrupted one would.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "model/fp8_delayed_state.h"
 #include "model/parameters.h"
 #include "ops/fp8_linear.h"
 
 namespace forge {
 
+enum class Fp8Recipe : uint8_t { Tensorwise, Delayed };
+
 struct Fp8Settings {
   Fp8Format grad_format = Fp8Format::E5M2;
   bool output_head = false;  // the head's GEMMs in FP8 as well
+  Fp8Recipe recipe = Fp8Recipe::Tensorwise;
+  // delayed: TE DelayedScaling's amax_history_len, amax_compute_algo and margin.
+  int64_t amax_history_length = 1024;
+  cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
+  float margin = 0.0f;
 };
+
+// Number of projections trained in FP8 (each has a statistics block).
+int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& settings);
 
 // Bytes one code buffer of the CUDA scratch needs: max over the FP8 projections of
 // tokens x in, tokens x out and out x in.
@@ -43,8 +69,9 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
 // buffers of fp8_workspace_codes bytes, the shared statistics and every projection's
-// forward statistics (kFp8WorkspaceStats floats each). The memory estimate counts
-// this (model/memory_estimate.h); the CPU path allocates none.
+// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks and, with
+// `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
+// the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
 class Fp8Projections : public ParamSource, public GradSink {
@@ -70,6 +97,14 @@ class Fp8Projections : public ParamSource, public GradSink {
   const Tensor& final_norm_grad() override { return gradients().final_norm_grad(); }
   const LinearWeight& output_grad() override;
   void head_done() override { gradients().head_done(); }
+
+  // NOTE [FP8 step end]. "" when every amax since the last end_step was finite, else the
+  // first non-finite one named: "'layers.3.mlp.down.weight' output gradient dy: amax nan".
+  std::string nonfinite_amax() const;
+  void end_step(bool update);
+  // Delayed scaling's state for checkpoints; restore checks it against this model.
+  Fp8DelayedState delayed_state() const;
+  void restore_delayed_state(const Fp8DelayedState& state);
   bool layer_grads_fresh(int index) const override { return gradients().layer_grads_fresh(index); }
   bool head_grads_fresh() const override { return gradients().head_grads_fresh(); }
   bool embedding_grad_fresh() const override { return gradients().embedding_grad_fresh(); }
@@ -79,6 +114,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   GradSink& gradients() const;
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
+  void set_delayed_active(bool active);
 
   // The FP8 descriptors of one layer's (or the head's) projections, by parameter index.
   struct Projections {
@@ -91,6 +127,10 @@ class Fp8Projections : public ParamSource, public GradSink {
   ModelConfig config_;
   Fp8Settings settings_;
   Device device_;
+  std::vector<std::vector<int64_t>> projection_of_;  // [layer][parameter]: block number or -1
+  std::vector<std::string> names_;                   // per block: its parameter's name
+  Tensor stats_, history_;                           // every block; delayed's histories
+  bool delayed_active_ = false;
   Fp8LinearWorkspace workspace_;
   Fp8Linear fp8_;
   std::vector<Projections> layer_projections_, head_projections_;

@@ -1,6 +1,7 @@
 #include "ops/fp8_linear.h"
 
 #include <algorithm>
+#include <cmath>
 #include <functional>
 #include <vector>
 
@@ -17,6 +18,12 @@ namespace forge {
 namespace {
 
 constexpr Fp8Format kE4M3 = Fp8Format::E4M3;
+using cpu::Fp8Role;
+
+// The role's `seen` in the projection's statistics block, or null without one.
+float* seen_of(const Fp8Linear& fp8, Fp8Role role) {
+  return fp8.stats ? fp8.stats + cpu::fp8_seen_offset(0, role) : nullptr;
+}
 
 void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const char* op) {
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "{}: operands must be matrices, got {}, {} and {}", op,
@@ -32,15 +39,20 @@ struct HostFp8 {
   float scale_inv = 1.0f;
 };
 
-HostFp8 quantize_host(const Tensor& t, Fp8Format format) {
+// With the projection's statistics: t's amax folded into the role's seen (NaN winning, as
+// the GPU's integer maximum), and with `delayed` the block's scale instead of t's own.
+HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, Fp8Role role) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
   const cpu::Fp8Blocks whole{rows, cols};
   float amax = 0.0f;
   cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
-  const float scale = cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
+  if (float* seen = seen_of(fp8, role); seen && !std::isnan(*seen) && (std::isnan(amax) || amax > *seen)) *seen = amax;
+  const bool delayed = fp8.delayed && fp8.stats;
+  const float scale = delayed ? fp8.stats[cpu::fp8_scale_offset(0, role)]
+                              : cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
   std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
   cpu::fp8_quantize(t.data<float>(), rows, cols, whole, &scale, format, codes.data());
-  HostFp8 q{Tensor::empty(t.shape()), 1.0f / scale};
+  HostFp8 q{Tensor::empty(t.shape()), delayed ? fp8.stats[cpu::fp8_scale_inv_offset(0, role)] : 1.0f / scale};
   cpu::fp8_to_float(codes.data(), t.numel(), format, q.decoded.data<float>());
   return q;
 }
@@ -86,17 +98,39 @@ const Fp8LinearWorkspace& workspace_of(const Fp8Linear& fp8, const char* op) {
 
 const cuda::bf16* bf16_of(const Tensor& t) { return static_cast<const cuda::bf16*>(t.raw()); }
 
-// The codes of t [rows, cols] (bf16) at `dst`, transposed to [cols, rows] when asked.
-void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst) {
+// The codes of t [rows, cols] (bf16) at `dst` with its current scale, transposed to
+// [cols, rows] when asked; t's amax folded into `seen` when not null.
+void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst, float* seen) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
   if (!transpose) {
-    cuda::fp8_quantize_tensorwise(bf16_of(t), t.numel(), format, false, dst.codes, dst.amax, dst.scale, dst.scale_inv);
+    cuda::fp8_quantize_tensorwise(bf16_of(t), t.numel(), format, false, dst.codes, dst.amax, dst.scale, dst.scale_inv,
+                                  seen);
     return;
   }
   cuda::fp8_amax(bf16_of(t), t.numel(), dst.amax);
-  cuda::fp8_scale_from_amax(dst.amax, format, false, dst.scale, dst.scale_inv);
+  cuda::fp8_scale_from_amax(dst.amax, format, false, dst.scale, dst.scale_inv, seen);
   cuda::fp8_cast_transpose(bf16_of(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
 }
+
+// NOTE [FP8 delayed scaling]: the role's statistics in the projection's block, codes at `codes`.
+DeviceOperand delayed_operand(const Fp8Linear& fp8, Fp8Role role, uint8_t* codes) {
+  float* seen = seen_of(fp8, role);
+  return {codes, seen, seen + kFp8StatStride, seen + 2 * kFp8StatStride};
+}
+
+// t's codes with the delayed scale, its amax folded into the role's seen in the same pass;
+// `transpose` writes [cols, rows] instead; also_transposed, when given, takes the transpose beside the codes.
+void cast_delayed(const Tensor& t, Fp8Format format, const DeviceOperand& dst, bool transpose,
+                  uint8_t* also_transposed = nullptr) {
+  if (!transpose && !also_transposed) {
+    cuda::fp8_cast(bf16_of(t), t.numel(), dst.scale, format, dst.codes, dst.amax);
+    return;
+  }
+  cuda::fp8_cast_transpose(bf16_of(t), t.dim(0), t.dim(1), dst.scale, format, transpose ? nullptr : dst.codes,
+                           transpose ? dst.codes : also_transposed, dst.amax);
+}
+
+bool delayed_on_device(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
 
 // The codes of `op` with statistics slot `which` (0 x, 1 W) of a projection's forward
 // statistics instead of the workspace's.
@@ -121,21 +155,37 @@ void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand&
 // W^T (E4M3) into b's codes: with the forward's scale when it saw this W (b then points
 // at those statistics), quantized afresh otherwise.
 void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOperand& b) {
-  if (saw(fp8.forward, nullptr, &w)) {
+  if (delayed_on_device(fp8)) {
+    b = delayed_operand(fp8, Fp8Role::W, b.codes);
+    cast_delayed(w, kE4M3, b, /*transpose=*/true);
+  } else if (saw(fp8.forward, nullptr, &w)) {
     b = with_forward_stats(b, *fp8.forward, 1);
     cast_transpose_with(w, kE4M3, b);
   } else {
-    quantize_device(w, kE4M3, /*transpose=*/true, b);
+    quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W));
   }
 }
 
 // x^T (E4M3) into b's codes, the same way with the forward's x statistics.
 void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOperand& b) {
-  if (saw(fp8.forward, &x, nullptr)) {
+  if (delayed_on_device(fp8)) {
+    b = delayed_operand(fp8, Fp8Role::X, b.codes);
+    cast_delayed(x, kE4M3, b, /*transpose=*/true);
+  } else if (saw(fp8.forward, &x, nullptr)) {
     b = with_forward_stats(b, *fp8.forward, 0);
     cast_transpose_with(x, kE4M3, b);
   } else {
-    quantize_device(x, kE4M3, /*transpose=*/true, b);
+    quantize_device(x, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::X));
+  }
+}
+
+// dy (grad format) into d's codes, row-major, for the input gradient.
+void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, DeviceOperand& d) {
+  if (delayed_on_device(fp8)) {
+    d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
+    cast_delayed(dy, fp8.grad_format, d, /*transpose=*/false);
+  } else {
+    quantize_device(dy, fp8.grad_format, false, d, seen_of(fp8, Fp8Role::Dy));
   }
 }
 
@@ -169,15 +219,24 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       if (residual) expect_tensor(*residual, Device::CUDA, DType::BF16, "fp8_linear_forward residual");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_forward");
       DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
-      if (fp8.forward && fp8.forward->device) {  // kept for the backward
+      const bool delayed = delayed_on_device(fp8);
+      if (delayed) {
+        a = delayed_operand(fp8, Fp8Role::X, a.codes);
+        b = delayed_operand(fp8, Fp8Role::W, b.codes);
+      } else if (fp8.forward && fp8.forward->device) {  // kept for the backward
         a = with_forward_stats(a, *fp8.forward, 0);
         b = with_forward_stats(b, *fp8.forward, 1);
         *fp8.forward = {fp8.forward->device, x.raw(), w.raw(), x.numel(), w.numel()};
       }
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        quantize_device(x, kE4M3, false, a);
-        quantize_device(w, kE4M3, false, b);
+        if (delayed) {
+          cast_delayed(x, kE4M3, a, false);
+          cast_delayed(w, kE4M3, b, false);
+        } else {
+          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X));
+          quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W));
+        }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
       }
       profiled_gemm("forward", t, out, in, [&] {
@@ -192,7 +251,7 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
   expect_cpu(x, "fp8_linear_forward x");
   expect_cpu(w, "fp8_linear_forward W");
   if (residual) expect_cpu(*residual, "fp8_linear_forward residual");
-  const HostFp8 xq = quantize_host(x, kE4M3), wq = quantize_host(w, kE4M3);
+  const HostFp8 xq = quantize_host(x, kE4M3, fp8, Fp8Role::X), wq = quantize_host(w, kE4M3, fp8, Fp8Role::W);
   if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
   host_gemm(y, xq, false, wq, true, residual ? 1.0f : 0.0f);
 }
@@ -207,11 +266,11 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
     FORGE_CUDA_CALL("fp8_linear_backward_input", [&] {
       for (const Tensor* p : {&dx, &dy, &w}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward_input");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_input");
-      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_input");
+      DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_input");
       DeviceOperand b = operand(ws, 1, out * in, "fp8_linear_backward_input");
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        quantize_device(dy, fp8.grad_format, false, a);
+        quantize_output_gradient(dy, fp8, a);
         quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
       }
       profiled_gemm("backward_input", t, in, out, [&] {
@@ -225,7 +284,8 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
   expect_cpu(dx, "fp8_linear_backward_input dx");
   expect_cpu(dy, "fp8_linear_backward_input dy");
   expect_cpu(w, "fp8_linear_backward_input W");
-  host_gemm(dx, quantize_host(dy, fp8.grad_format), false, quantize_host(w, kE4M3), false, 0.0f);
+  host_gemm(dx, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), false, quantize_host(w, kE4M3, fp8, Fp8Role::W),
+            false, 0.0f);
 }
 
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
@@ -247,14 +307,20 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     for (const Tensor* p : {&dx, &dy, &w, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward");
     expect_tensor(grad, Device::CUDA, DType::F32, "fp8_linear_backward dW");
     const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward");
-    const DeviceOperand d = operand(ws, 0, t * out, "fp8_linear_backward"),
-                        d_t = operand(ws, 2, t * out, "fp8_linear_backward");
+    DeviceOperand d = operand(ws, 0, t * out, "fp8_linear_backward"),
+                  d_t = operand(ws, 2, t * out, "fp8_linear_backward");
     DeviceOperand b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
     {
       OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-      cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
-      cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv);
-      cuda::fp8_cast_transpose(bf16_of(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
+      if (delayed_on_device(fp8)) {
+        d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
+        cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
+      } else {
+        cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
+        cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, seen_of(fp8, Fp8Role::Dy));
+        cuda::fp8_cast_transpose(bf16_of(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
+      }
+      d_t = {d_t.codes, d.amax, d.scale, d.scale_inv};  // dy^T: dy's statistics
       quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
     }
     profiled_gemm("backward_input", t, in, out, [&] {
@@ -286,11 +352,16 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
       expect_tensor(dy, Device::CUDA, DType::BF16, "fp8_linear_backward_weight dy");
       expect_tensor(x, Device::CUDA, DType::BF16, "fp8_linear_backward_weight x");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_weight");
-      const DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_weight");
+      DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_weight");
       DeviceOperand b = operand(ws, 1, t * in, "fp8_linear_backward_weight");
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        quantize_device(dy, fp8.grad_format, true, a);  // dy^T [out, t]
+        if (delayed_on_device(fp8)) {  // dy^T [out, t]
+          a = delayed_operand(fp8, Fp8Role::Dy, a.codes);
+          cast_delayed(dy, fp8.grad_format, a, /*transpose=*/true);
+        } else {
+          quantize_device(dy, fp8.grad_format, true, a, seen_of(fp8, Fp8Role::Dy));
+        }
         quantize_input_transposed(x, fp8, b);           // x^T [in, t]
       }
       profiled_gemm("backward_weight", out, in, t, [&] {
@@ -304,7 +375,8 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
   expect_cpu(grad, "fp8_linear_backward_weight dW");
   expect_cpu(dy, "fp8_linear_backward_weight dy");
   expect_cpu(x, "fp8_linear_backward_weight x");
-  host_gemm(grad, quantize_host(dy, fp8.grad_format), true, quantize_host(x, kE4M3), false, overwrite ? 0.0f : 1.0f);
+  host_gemm(grad, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), true, quantize_host(x, kE4M3, fp8, Fp8Role::X),
+            false, overwrite ? 0.0f : 1.0f);
 }
 
 }  // namespace forge

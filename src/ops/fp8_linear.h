@@ -21,10 +21,11 @@
 // kernels/cuda/fp8_matmul.h), and cuBLASLt's scaled FP8 GEMM with bf16 output for y and
 // dx (the residual as C with beta = 1) and fp32 output for dW (beta 0 or 1). The forward
 // GEMM uses Hopper's fast FP8 accumulation, the two backward GEMMs do not, as torchao.
-// A non-finite amax is not refused here: it gives a NaN or zero scale, exactly as torchao,
-// so the NaN reaches the loss or the gradients, where the trainer's non-finite handling
-// sees it (a named error per tensor is later work, as are the amax fused into the kernels
-// that produce x and dy, and the weight cast done once per optimizer step).
+// A non-finite amax is not refused here: it gives a NaN or zero scale, exactly as torchao;
+// with a statistics block (Fp8Linear::stats) every cast folds its amax into the block, and
+// the trainer names the first non-finite one at the step's end (NOTE [FP8 step end] in
+// model/fp8_projections.h). Later work: the amax fused into the kernels that produce x and
+// dy, and the weight cast done once per optimizer step.
 // What is recomputed: every GEMM casts its operands again (x in the forward and the weight
 // gradient, W in the forward and the input gradient); the codes and scales are identical
 // each time, since the same tensor gives the same amax. dy is quantized once for both
@@ -41,10 +42,20 @@
 // them only for the same tensors (data pointer and size) the last forward saw, and computes
 // them otherwise (a backward with no forward before it, the head's chunks): the codes are
 // the same either way, bit for bit.
+//
+// NOTE [FP8 delayed scaling]
+// precision.fp8 delayed (Transformer Engine's DelayedScaling): a projection with `delayed`
+// set quantizes x, W and dy with the scales its statistics block holds, which the step
+// before computed from each role's amax history (kernels/cpu/fp8_scaling.h), and folds the
+// amax of what it casts into the role's `seen` in the same pass: no amax pass before the
+// cast, the saving delayed scaling exists for. The GEMM's factors are the block's scale_inv.
+// model/fp8_projections.h runs the once-per-step update. On the CPU, the same with the
+// block in host memory.
 #pragma once
 
 #include "core/tensor.h"
 #include "kernels/cpu/fp8.h"
+#include "kernels/cpu/fp8_scaling.h"
 
 namespace forge {
 
@@ -57,7 +68,7 @@ using cpu::Fp8Format;
 // pointers, and the H100 refused (CUBLAS_STATUS_NOT_SUPPORTED at the matmul, after the
 // heuristic had found an algorithm) a GEMM whose scale pointers were 8 and 20 bytes into one
 // allocation (GpuFp8Gemm.ScalePointerAlignment probes the offsets). Unused on the CPU.
-constexpr int64_t kFp8StatStride = 64;  // floats: 256 bytes
+using cpu::kFp8StatStride;  // floats: 256 bytes
 constexpr int64_t kFp8WorkspaceStats = 6 * kFp8StatStride;
 struct Fp8LinearWorkspace {
   Tensor a_codes, b_codes, c_codes;  // U8, flat
@@ -76,7 +87,13 @@ struct Fp8ForwardStats {
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
-  Fp8ForwardStats* forward = nullptr;       // CUDA, optional: this projection's own
+  Fp8ForwardStats* forward = nullptr;       // CUDA, optional: this projection's own (tensorwise)
+  // Optional: this projection's statistics block (kFp8ProjectionStats floats on the tensors'
+  // device, NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h). Every
+  // quantization folds its tensor's amax into the role's `seen`.
+  float* stats = nullptr;
+  // Quantize with the scales in `stats` (NOTE [FP8 delayed scaling]) instead of current ones.
+  bool delayed = false;
 };
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,

@@ -49,9 +49,14 @@ struct PrecisionConfig {
   std::string compute_dtype = "fp32";  // fp32 (CPU reference) | bf16 (CUDA)
   std::string reduce_dtype = "fp32";   // fp32 | bf16: gradients in FSDP's reduce-scatter (torchtitan's mixed_precision_reduce)
   // FP8 GEMMs of the block projections (NOTE [FP8 projections] in model/fp8_projections.h).
-  std::string fp8 = "none";            // none | tensorwise (torchao tensorwise, TE Float8CurrentScaling)
+  // none | tensorwise (torchao tensorwise, TE Float8CurrentScaling) | delayed (TE DelayedScaling)
+  std::string fp8 = "none";
   std::string fp8_grad_format = "e5m2";  // e5m2 | e4m3: gradients' FP8 format in the backward GEMMs
   bool fp8_output_head = false;        // the output head's GEMMs in FP8 too
+  // delayed (TE DelayedScaling's defaults): amax history length, max | most_recent, margin (scale × 2^-margin).
+  int64_t fp8_amax_history_len = 1024;
+  std::string fp8_amax_compute_algo = "max";
+  int64_t fp8_margin = 0;
 };
 
 // torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).

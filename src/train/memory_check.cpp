@@ -31,7 +31,15 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
 
 std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
   if (p.fp8 == "none") return std::nullopt;
-  return Fp8Settings{p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2, p.fp8_output_head};
+  Fp8Settings s;
+  s.recipe = p.fp8 == "delayed" ? Fp8Recipe::Delayed : Fp8Recipe::Tensorwise;
+  s.grad_format = p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2;
+  s.output_head = p.fp8_output_head;
+  s.amax_history_length = p.fp8_amax_history_len;
+  s.amax_algorithm = p.fp8_amax_compute_algo == "most_recent" ? cpu::Fp8AmaxAlgorithm::MostRecent
+                                                              : cpu::Fp8AmaxAlgorithm::Max;
+  s.margin = static_cast<float>(p.fp8_margin);
+  return s;
 }
 
 namespace {

@@ -127,9 +127,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(p), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
-      log_info("FP8 {}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
+      log_info("FP8 {}{}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
                "output head in {}",
-               p.fp8, p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
+               p.fp8,
+               p.fp8 == "delayed" ? fmt::format(" (amax history {}, {}, margin {})", p.fp8_amax_history_len,
+                                                p.fp8_amax_compute_algo, p.fp8_margin)
+                                  : std::string(),
+               p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
     }
   }
   if (dp_) {
@@ -512,15 +516,18 @@ TrainResult Trainer::run() {
     for (const LossScaling& s : scale_loss_)
       if (s.step == step + 1) loss.sum *= s.factor;
     // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
-    const bool finite = std::isfinite(loss.sum) && std::isfinite(norm);
+    // NOTE [FP8 step end]: a non-finite FP8 amax makes the step non-finite too (FP8 runs on one device).
+    const std::string fp8_amax = fp8_ ? fp8_->nonfinite_amax() : std::string();
+    const bool finite = std::isfinite(loss.sum) && std::isfinite(norm) && fp8_amax.empty();
     if (!finite) {
       if (progress) progress->clear();
-      handle_nonfinite(step + 1, batches, grad_scale, micro_losses, loss.mean(), norm);  // throws unless skipping
+      handle_nonfinite(step + 1, batches, grad_scale, micro_losses, loss.mean(), norm, fp8_amax);  // throws unless skipping
     }
     // NOTE [Loss spikes]: the global loss, the same on every rank.
     const LossSpikeDetector::Verdict spike = finite ? loss_spike_.observe(loss.mean()) : LossSpikeDetector::Verdict{};
     if (spike.spike && progress) progress->clear();
     const bool skip = !finite || (spike.spike && handle_loss_spike(step + 1, loss.mean(), spike));
+    if (fp8_) fp8_->end_step(/*update=*/!skip);
     if (skip) {
       if (sharded_gradients()) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
     } else if (sharded_gradients()) {

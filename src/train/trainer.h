@@ -152,7 +152,8 @@ class Trainer {
   // A step whose loss sum or gradient norm is not finite: throws (on_nonfinite stop) naming
   // what was found, or logs the skip and counts it.
   void handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
-                        const std::vector<double>& micro_losses, double loss, double norm);
+                        const std::vector<double>& micro_losses, double loss, double norm,
+                        const std::string& fp8_amax);
   std::string first_nonfinite_gradient();   // "" when every gradient is finite
   // A loss spike (NOTE [Loss spikes]): warns, throws (on_loss_spike stop), or counts the
   // skip; true when the step's update is to be skipped.

@@ -178,6 +178,20 @@ void Trainer::restore_checkpoint(const std::string& dir) {
   start_step_ = saved.step;
   // NOTE [Loss spikes]: a checkpoint from before the detector has no window: it fills again.
   loss_spike_.restore(saved.recent_losses);
+  // NOTE [FP8 step end]: delayed scaling goes on from the saved histories; a checkpoint of
+  // another run (bf16, tensorwise) has none, and the first step uses current scales again.
+  if (fp8_ && config_.precision.fp8 == "delayed") {
+    if (saved.fp8_delayed) {
+      try {
+        fp8_->restore_delayed_state(*saved.fp8_delayed);
+      } catch (const Error& e) {
+        FORGE_FAIL("checkpoint '{}': its FP8 delayed-scaling state does not fit this run: {}", dir, e.what());
+      }
+    } else if (saved.step > 0) {
+      log_info("the checkpoint holds no FP8 amax histories (saved by a run without precision.fp8 delayed): the "
+               "histories start empty and the first step uses current scales");
+    }
+  }
   if (loss_spike_.enabled() && saved.recent_losses.empty() && saved.step > 0)
     log_info("the checkpoint holds no recent losses for training.loss_spike_factor: spike detection starts after {} "
              "more steps",
@@ -296,6 +310,7 @@ void Trainer::save_checkpoint(int64_t step) {
   state.optimizer = config_.optimizer;
   state.optimizer_step = optimizer_->step_count();
   state.recent_losses = loss_spike_.recent();  // NOTE [Loss spikes]
+  if (fp8_ && config_.precision.fp8 == "delayed") state.fp8_delayed = fp8_->delayed_state();  // NOTE [FP8 step end]
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
   // LoRA's adapters are whole on every rank: one shard, written by rank 0.

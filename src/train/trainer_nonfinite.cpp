@@ -58,16 +58,18 @@ std::string Trainer::first_nonfinite_gradient() {
 }
 
 void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
-                               const std::vector<double>& micro_losses, double loss, double norm) {
+                               const std::vector<double>& micro_losses, double loss, double norm,
+                               const std::string& fp8_amax) {
   const int64_t accum = static_cast<int64_t>(batches.size());
   if (config_.training.on_nonfinite == "skip") {
     ++skipped_in_a_row_;
     ++skipped_steps_;
     const std::string tensor = first_nonfinite_gradient();
-    log_warn("step {}: loss {}, gradient norm {}{}: skipped (no optimizer step; {} skipped in a row, {} in all; "
+    log_warn("step {}: loss {}, gradient norm {}{}{}: skipped (no optimizer step; {} skipped in a row, {} in all; "
              "training.on_nonfinite skip)",
              step, loss, norm, tensor.empty() ? "" : fmt::format(", first non-finite gradient '{}'", tensor),
-             skipped_in_a_row_, skipped_steps_);
+             fp8_amax.empty() ? "" : fmt::format(", first non-finite FP8 amax {}", fp8_amax), skipped_in_a_row_,
+             skipped_steps_);
     return;
   }
   // Which micro-batch: a single rank names its own; under FSDP the accumulation step.
@@ -96,7 +98,11 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
     if (!weight.empty())
       FORGE_FAIL("{}: the weight '{}' is already non-finite before the step's first micro-batch", head, weight);
   }
-  // 2. A micro-batch whose loss is not finite (the forward pass).
+  // 2. A non-finite FP8 amax (NOTE [FP8 step end]): the projection and tensor whose scale it would make.
+  if (!fp8_amax.empty())
+    FORGE_FAIL("{}: FP8 (precision.fp8 {}): the first non-finite amax, in parameter order, is {}", head,
+               config_.precision.fp8, fp8_amax);
+  // 3. A micro-batch whose loss is not finite (the forward pass).
   for (int64_t a = 0; a < accum; ++a) {
     const bool bad_here = !std::isfinite(micro_losses[static_cast<size_t>(a)]);
     const bool bad = dp_ ? dp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
@@ -107,7 +113,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
                  head, a * world_size_ + rank_, rank_, a);
     FORGE_FAIL("{}: {}: the loss (forward pass) is non-finite", head, micro_batch_name(a));
   }
-  // 3. The summed gradients, then each micro-batch's alone (run again).
+  // 4. The summed gradients, then each micro-batch's alone (run again).
   const std::string summed = first_nonfinite_gradient();
   for (int64_t a = 0; a < accum; ++a) {
     const Batch& b = batches[static_cast<size_t>(a)];

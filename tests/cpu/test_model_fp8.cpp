@@ -64,7 +64,13 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
     const int64_t tokens = c.micro_batch * c.seq_len;
     const int64_t bytes = fp8_scratch_bytes(c.config, settings, tokens);
     const int64_t stats = 1 + c.config.num_layers * 6 + (c.head ? 1 : 0);  // shared, per layer parameter, head
-    EXPECT_EQ(bytes, 3 * fp8_workspace_codes(c.config, settings, tokens) + stats * kFp8WorkspaceStats * 4);
+    const int64_t blocks = c.config.num_layers * 4 + (c.head ? 1 : 0);     // NOTE [FP8 projection statistics]
+    EXPECT_EQ(fp8_projection_count(c.config, settings), blocks);
+    EXPECT_EQ(bytes, 3 * fp8_workspace_codes(c.config, settings, tokens) + stats * kFp8WorkspaceStats * 4 +
+                         blocks * cpu::kFp8ProjectionStats * 4);
+    Fp8Settings delayed = settings;
+    delayed.recipe = Fp8Recipe::Delayed;  // + the amax histories: 3 per projection
+    EXPECT_EQ(fp8_scratch_bytes(c.config, delayed, tokens), bytes + blocks * 3 * 1024 * 4);
     MemoryPlan plan;
     plan.micro_batch = c.micro_batch;
     plan.seq_len = c.seq_len;
@@ -81,9 +87,10 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
   }
   // Llama 3.1 8B, one sequence of 8192 tokens: gate_up's tokens x 2 x 14336 codes, twice
   // (the README's 0.44 GiB); with the head in FP8, tokens x vocab.
-  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {}, 8192), 3 * int64_t{8192} * 28672 + (1 + 32 * 6) * kFp8WorkspaceStats * 4);
+  EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {}, 8192), 3 * int64_t{8192} * 28672 + (1 + 32 * 6) * kFp8WorkspaceStats * 4 +
+                                                           32 * 4 * cpu::kFp8ProjectionStats * 4);
   EXPECT_EQ(fp8_scratch_bytes(llama31_8b(), {Fp8Format::E5M2, true}, 8192),
-            3 * int64_t{8192} * 128256 + (2 + 32 * 6) * kFp8WorkspaceStats * 4);
+            3 * int64_t{8192} * 128256 + (2 + 32 * 6) * kFp8WorkspaceStats * 4 + (32 * 4 + 1) * cpu::kFp8ProjectionStats * 4);
   MemoryPlan plan;
   plan.seq_len = 8192;
   plan.cuda = true;

@@ -91,7 +91,8 @@ TEST(GpuFp8, CastAndAmaxMatchCpuBitwise) {
     for (Fp8Format format : kFormats)
       for (float scale : {1.0f, 0.37f, 1048576.0f, 3.0e-5f}) {
         const Tensor scale_gpu = gpu_scalar(scale);
-        Tensor out = poisoned_gpu({n}, DType::U8), amax = poisoned_gpu({1}, DType::F32);
+        // The amax is folded into what the output holds (zero here: x's own amax).
+        Tensor out = poisoned_gpu({n}, DType::U8), amax = Tensor::zeros({1}, DType::F32, Device::CUDA);
         cuda::fp8_cast(static_cast<const cuda::bf16*>(x_gpu.raw()), n, scale_gpu.data<float>(), format,
                        out.data<uint8_t>(), amax.data<float>());
         const std::vector<uint8_t> expected = cpu_codes(x, scale, format);
@@ -136,10 +137,20 @@ TEST(GpuFp8, TensorwiseQuantizationMatchesTorchaoScalesBitwise) {
       for (bool power_of_2 : {false, true}) {
         Tensor out = poisoned_gpu({n}, DType::U8), amax = poisoned_gpu({1}, DType::F32);
         Tensor scale = poisoned_gpu({1}, DType::F32), scale_inv = poisoned_gpu({1}, DType::F32);
+        // `seen` folds the amax in (NOTE [FP8 projection statistics]): a smaller value is
+        // replaced, a larger one kept.
+        const float larger = 3e38f;
+        Tensor seen_host = Tensor::zeros({2});
+        seen_host.data<float>()[1] = larger;
+        const Tensor seen = to_gpu(seen_host, DType::F32);
         cuda::fp8_quantize_tensorwise(static_cast<const cuda::bf16*>(x_gpu.raw()), n, format, power_of_2,
                                       out.data<uint8_t>(), amax.data<float>(), scale.data<float>(),
-                                      scale_inv.data<float>());
+                                      scale_inv.data<float>(), seen.data<float>());
+        cuda::fp8_scale_from_amax(amax.data<float>(), format, power_of_2, scale.data<float>(), scale_inv.data<float>(),
+                                  seen.data<float>() + 1);
         const float want_amax = cpu_amax(x);
+        EXPECT_TRUE(same_float(host_values<float>(seen)[0], want_amax));
+        EXPECT_EQ(host_values<float>(seen)[1], larger);
         const float want_scale = cpu::fp8_scale_torchao(want_amax, format, power_of_2);
         EXPECT_TRUE(same_float(host_values<float>(amax)[0], want_amax));
         EXPECT_TRUE(same_float(host_values<float>(scale)[0], want_scale))
@@ -166,7 +177,7 @@ TEST(GpuFp8, CastTransposeMatchesCpuBitwise) {
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t c = 0; c < cols; ++c) expected_t[c * rows + r] = expected[r * cols + c];
       Tensor out = poisoned_gpu({rows * cols}, DType::U8), out_t = poisoned_gpu({rows * cols}, DType::U8);
-      Tensor amax = poisoned_gpu({1}, DType::F32);
+      Tensor amax = Tensor::zeros({1}, DType::F32, Device::CUDA);  // folded into: x's own amax
       cuda::fp8_cast_transpose(static_cast<const cuda::bf16*>(x_gpu.raw()), rows, cols, scale_gpu.data<float>(),
                                format, out.data<uint8_t>(), out_t.data<uint8_t>(), amax.data<float>());
       const std::string what = std::string(cpu::fp8_format_name(format)) + " " + std::to_string(rows) + "x" +

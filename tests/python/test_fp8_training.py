@@ -1,6 +1,9 @@
-"""FP8 tensorwise training on the CPU reference (precision.fp8, NOTE [FP8 projections]):
-debug-tiny for 40 steps in FP8 follows the fp32 run's loss curve, with the head in FP8
-and E4M3 gradients as well; the keys' wrong values and the combinations not built yet
+"""FP8 training on the CPU reference (precision.fp8, NOTE [FP8 projections]): debug-tiny
+for 40 steps in FP8 (tensorwise, and delayed with a short and the default amax history)
+follows the fp32 run's loss curve, with the head in FP8 and E4M3 gradients as well; a
+delayed run stopped and resumed from its checkpoint gives bitwise the uninterrupted
+run's losses (the amax histories travel in the checkpoint); the keys' wrong values and the
+combinations not built yet
 (LoRA, QLoRA, data parallelism) and dimensions Hopper's FP8 GEMMs cannot take on CUDA are
 refused naming the key.
 
@@ -11,6 +14,7 @@ test_model_fp8.cpp) that training averages out. Measured on debug-tiny (40 steps
 step within 2%, the mean within 0.5%) are several times that and still far below what
 broken FP8 training shows (a loss that stalls or diverges is off by 10% or more within 40
 steps)."""
+import json
 import os
 import shutil
 import subprocess
@@ -62,6 +66,39 @@ class Fp8Training(unittest.TestCase):
         with open(os.path.join(run_dir, "config.yaml")) as f:
             self.assertIn("fp8: tensorwise", f.read())
 
+    def test_delayed_follows_fp32(self):
+        run_dir = self.train_run("delayed", "--precision.fp8", "delayed")
+        self.assert_tracks_fp32(train_losses(run_dir))
+        with open(os.path.join(run_dir, "config.yaml")) as f:
+            config = f.read()
+        for line in ("fp8: delayed", "fp8_amax_history_len: 1024", "fp8_amax_compute_algo: max", "fp8_margin: 0"):
+            self.assertIn(line, config)
+        self.assert_tracks_fp32(train_losses(self.train_run("delayed-short", "--precision.fp8", "delayed",
+                                                "--precision.fp8_amax_history_len", "4",
+                                                "--precision.fp8_amax_compute_algo", "most_recent",
+                                                "--precision.fp8_margin", "1")))
+
+    def test_delayed_resume_is_exact(self):
+        delayed = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8",
+                   "--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_steps", "9",
+                   "--checkpoint.enable", "true", "--checkpoint.interval", "6", "--training.steps", "12"]
+        full = os.path.join(self.tmp, "delayed-full")
+        train(full, *delayed)
+        run_dir = os.path.join(self.tmp, "delayed-resumed")
+        train(run_dir, *delayed[:-1], "6")
+        with open(os.path.join(run_dir, "checkpoints", "step-6", "metadata.json")) as f:
+            state = json.load(f)["fp8_delayed"]
+        self.assertTrue(state["active"])
+        self.assertEqual(state["history_length"], 8)
+        self.assertEqual(len(state["histories"]), 8 * len(state["scales"]))
+        result = train(run_dir, *delayed)
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertEqual(train_losses(run_dir), train_losses(full)[:12])
+        # Another history length cannot take the saved histories.
+        result = train(run_dir, *delayed[:-1], "18", "--precision.fp8_amax_history_len", "4", check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("amax history length is 8, precision.fp8_amax_history_len is 4", result.stderr)
+
     def test_head_and_e4m3_gradients_follow_fp32(self):
         self.assert_tracks_fp32(train_losses(self.train_run("head-e4m3", "--precision.fp8", "tensorwise",
                                                 "--precision.fp8_output_head", "true",
@@ -74,8 +111,13 @@ class Fp8Training(unittest.TestCase):
             self.assertIn(fragment, result.stderr)
 
     def test_refusals_name_the_key(self):
-        self.expect_error(["precision.fp8 expects one of none, tensorwise, got 'delayed'"],
-                          "--precision.fp8", "delayed")
+        self.expect_error(["precision.fp8 expects one of none, tensorwise, delayed, got 'current'"],
+                          "--precision.fp8", "current")
+        self.expect_error(["precision.fp8_amax_compute_algo expects one of max, most_recent"],
+                          "--precision.fp8", "delayed", "--precision.fp8_amax_compute_algo", "mean")
+        self.expect_error(["precision.fp8_amax_history_len"], "--precision.fp8", "delayed",
+                          "--precision.fp8_amax_history_len", "0")
+        self.expect_error(["precision.fp8_margin"], "--precision.fp8", "delayed", "--precision.fp8_margin", "-1")
         self.expect_error(["precision.fp8_grad_format expects one of e5m2, e4m3"],
                           "--precision.fp8_grad_format", "e3m4")
         self.expect_error(["precision.fp8 = tensorwise", "cannot be combined with LoRA or QLoRA", "lora.rank 4"],

@@ -113,4 +113,54 @@ void fp8_matmul_reference(const Fp8Operand& a, const Fp8Operand& b, int64_t m, i
   });
 }
 
+const char* fp8_role_name(Fp8Role role) {
+  switch (role) {
+    case Fp8Role::X: return "input x";
+    case Fp8Role::W: return "weight W";
+    case Fp8Role::Dy: return "output gradient dy";
+  }
+  return "?";
+}
+
+Fp8Format fp8_role_format(Fp8Role role, Fp8Format grad_format) {
+  return role == Fp8Role::Dy ? grad_format : Fp8Format::E4M3;
+}
+
+void fp8_init_stats(float* stats, int64_t projections) {
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < kFp8Roles; ++r) {
+      const auto role = static_cast<Fp8Role>(r);
+      stats[fp8_seen_offset(p, role)] = 0.0f;
+      stats[fp8_scale_offset(p, role)] = 1.0f;
+      stats[fp8_scale_inv_offset(p, role)] = 1.0f;
+    }
+}
+
+int64_t fp8_first_nonfinite_seen(const float* stats, int64_t projections) {
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < kFp8Roles; ++r)
+      if (!std::isfinite(stats[fp8_seen_offset(p, static_cast<Fp8Role>(r))])) return p * kFp8Roles + r;
+  return -1;
+}
+
+void fp8_delayed_step(float* stats, float* history, int64_t projections, const Fp8DelayedRecipe& recipe) {
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < kFp8Roles; ++r) {
+      const auto role = static_cast<Fp8Role>(r);
+      float* h = history + (p * kFp8Roles + r) * recipe.history_length;
+      h[0] = stats[fp8_seen_offset(p, role)];
+      const float scale = fp8_delayed_scale_update(h, recipe.history_length, stats[fp8_scale_offset(p, role)],
+                                                   recipe.algorithm, recipe.margin,
+                                                   fp8_role_format(role, recipe.grad_format));
+      stats[fp8_scale_offset(p, role)] = scale;
+      stats[fp8_scale_inv_offset(p, role)] = 1.0f / scale;
+    }
+  fp8_clear_seen(stats, projections);
+}
+
+void fp8_clear_seen(float* stats, int64_t projections) {
+  for (int64_t p = 0; p < projections; ++p)
+    for (int r = 0; r < kFp8Roles; ++r) stats[fp8_seen_offset(p, static_cast<Fp8Role>(r))] = 0.0f;
+}
+
 }  // namespace forge::cpu

@@ -60,6 +60,53 @@ enum class Fp8AmaxAlgorithm : uint8_t { Max, MostRecent };
 float fp8_delayed_scale_update(float* history, int64_t length, float previous_scale, Fp8AmaxAlgorithm algorithm,
                                float margin, Fp8Format format);
 
+// NOTE [FP8 projection statistics]
+// Each projection trained in FP8 keeps one fp32 block of kFp8ProjectionStats floats on the
+// run's device: for each of the three tensors it quantizes (its role: the input x, the
+// weight W, the output gradient dy) `seen`, the largest |t| met since the last optimizer
+// step (every quantization folds its amax in, NaN winning), and the delayed recipe's
+// `scale` and `scale_inv`. Each value sits on its own kFp8StatStride boundary (256 bytes:
+// cuBLASLt reads scale_inv through a pointer and the H100 refused pointers 4-20 bytes past
+// a 256-byte boundary, ops/fp8_linear.h). A model's blocks are one array, so a step's end
+// is a pass over it (the functions below and their CUDA twins in kernels/cuda/fp8_delayed.h):
+// find the first non-finite seen amax (which the trainer names), then, for delayed
+// scaling, put each seen amax into history[0] of its role and run TE's update
+// (fp8_delayed_scale_update: x and W in E4M3, dy in the gradient format), and zero every
+// seen. The histories are [projection][role][length] fp32.
+enum class Fp8Role : uint8_t { X = 0, W = 1, Dy = 2 };
+inline constexpr int kFp8Roles = 3;
+inline constexpr int64_t kFp8StatStride = 64;  // floats: 256 bytes
+inline constexpr int64_t kFp8ProjectionStats = 3 * kFp8Roles * kFp8StatStride;
+constexpr int64_t fp8_seen_offset(int64_t projection, Fp8Role role) {
+  return projection * kFp8ProjectionStats + 3 * static_cast<int64_t>(role) * kFp8StatStride;
+}
+constexpr int64_t fp8_scale_offset(int64_t projection, Fp8Role role) {
+  return fp8_seen_offset(projection, role) + kFp8StatStride;
+}
+constexpr int64_t fp8_scale_inv_offset(int64_t projection, Fp8Role role) {
+  return fp8_seen_offset(projection, role) + 2 * kFp8StatStride;
+}
+const char* fp8_role_name(Fp8Role role);  // "input x", "weight W", "output gradient dy"
+
+// precision.fp8 delayed's settings (TE DelayedScaling's amax_history_len, amax_compute_algo,
+// margin) and the gradients' format.
+struct Fp8DelayedRecipe {
+  int64_t history_length = 1024;
+  Fp8AmaxAlgorithm algorithm = Fp8AmaxAlgorithm::Max;
+  float margin = 0.0f;
+  Fp8Format grad_format = Fp8Format::E5M2;
+};
+Fp8Format fp8_role_format(Fp8Role role, Fp8Format grad_format);
+
+// Fresh blocks: seen 0, scale and scale_inv 1 (TE's initial scale).
+void fp8_init_stats(float* stats, int64_t projections);
+// projection * kFp8Roles + role of the first non-finite seen amax, or -1.
+int64_t fp8_first_nonfinite_seen(const float* stats, int64_t projections);
+// The delayed update of every projection and role (history [projections][kFp8Roles][length]),
+// then seen zeroed.
+void fp8_delayed_step(float* stats, float* history, int64_t projections, const Fp8DelayedRecipe& recipe);
+void fp8_clear_seen(float* stats, int64_t projections);
+
 // q = cast_saturated(x * scale of its block).
 void fp8_quantize(const float* x, int64_t rows, int64_t cols, Fp8Blocks blocks, const float* scales,
                   Fp8Format format, uint8_t* q);

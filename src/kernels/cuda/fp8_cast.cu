@@ -15,8 +15,9 @@
 // those order like unsigned integers, and a NaN (exponent all ones, mantissa non-zero)
 // compares above +inf, so the integer maximum propagates NaN as torch.max(abs(x)) does.
 // A warp reduces with __reduce_max_sync, a block through shared memory, and one atomicMax
-// per block lands in the output, which the launcher zeroes first (cudaMemsetAsync): the
-// result stays on the device and no step waits for the host.
+// per block lands in the output: fp8_amax zeroes it first (cudaMemsetAsync), the casts fold
+// their amax into whatever the output holds (a step's running maximum for delayed scaling).
+// The result stays on the device and no step waits for the host.
 //
 // Cast + transpose: a block owns a 64x64 tile; its 256 threads read the tile row by row
 // (consecutive threads on consecutive columns), write the row-major codes at once and
@@ -96,8 +97,9 @@ __global__ void amax_kernel(const bf16* x, int64_t n, float* amax, bool vector_o
 // torchao's amax_to_scale: float64 division, rounded to fp32; the power of 2 below it
 // through an fp32 log2 (see the CPU reference).
 __global__ void scale_from_amax_kernel(const float* amax, float fp8_max, bool power_of_2, float* scale,
-                                       float* scale_inv) {
+                                       float* scale_inv, float* seen) {
   const float a = *amax;
+  if (seen) atomicMax(reinterpret_cast<unsigned*>(seen), abs_bits(a));
   const double clamped = isnan(a) ? static_cast<double>(a) : fmax(static_cast<double>(a), 1e-12);
   float s = static_cast<float>(static_cast<double>(fp8_max) / clamped);
   if (power_of_2) s = exp2f(floorf(static_cast<float>(log2(static_cast<double>(s)))));
@@ -228,13 +230,13 @@ void fp8_amax(const bf16* x, int64_t n, float* amax) {
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
-void fp8_scale_from_amax(const float* amax, Fp8Format format, bool power_of_2, float* scale, float* scale_inv) {
-  scale_from_amax_kernel<<<1, 1>>>(amax, cpu::fp8_max(format), power_of_2, scale, scale_inv);
+void fp8_scale_from_amax(const float* amax, Fp8Format format, bool power_of_2, float* scale, float* scale_inv,
+                         float* seen) {
+  scale_from_amax_kernel<<<1, 1>>>(amax, cpu::fp8_max(format), power_of_2, scale, scale_inv, seen);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
 void fp8_cast(const bf16* x, int64_t n, const float* scale, Fp8Format format, uint8_t* out, float* amax) {
-  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
   if (n == 0) return;
   const bool vector_ok = aligned(x, 16) && aligned(out, 8);
   if (format == Fp8Format::E4M3)
@@ -246,7 +248,6 @@ void fp8_cast(const bf16* x, int64_t n, const float* scale, Fp8Format format, ui
 
 void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Format format,
                         uint8_t* out, uint8_t* out_t, float* amax) {
-  if (amax) CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
   if (rows == 0 || cols == 0) return;
   FORGE_CHECK((rows + kTile - 1) / kTile <= 65535, "fp8_cast_transpose: {} rows exceed the grid's {} tiles of {}",
               rows, 65535, kTile);
@@ -265,9 +266,9 @@ void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* 
 }
 
 void fp8_quantize_tensorwise(const bf16* x, int64_t n, Fp8Format format, bool power_of_2, uint8_t* out, float* amax,
-                             float* scale, float* scale_inv) {
+                             float* scale, float* scale_inv, float* seen) {
   fp8_amax(x, n, amax);
-  fp8_scale_from_amax(amax, format, power_of_2, scale, scale_inv);
+  fp8_scale_from_amax(amax, format, power_of_2, scale, scale_inv, seen);
   fp8_cast(x, n, scale, format, out, nullptr);
 }
 

@@ -17,10 +17,15 @@ void fp8_amax(const bf16* x, int64_t n, float* amax);
 
 // scale[0] = torchao's amax_to_scale(amax[0]) (NOTE [FP8 scaling recipes] in
 // kernels/cpu/fp8_scaling.h) and scale_inv[0] = 1 / scale[0], the GEMM's dequantization factor.
-void fp8_scale_from_amax(const float* amax, Fp8Format format, bool power_of_2, float* scale, float* scale_inv);
+// With seen not null, amax[0] is also folded into seen[0] (seen[0] = max(seen[0], amax[0]),
+// NaN winning): a projection's running maximum over the step (NOTE [FP8 projection statistics]
+// in kernels/cpu/fp8_scaling.h).
+void fp8_scale_from_amax(const float* amax, Fp8Format format, bool power_of_2, float* scale, float* scale_inv,
+                         float* seen = nullptr);
 
-// out[i] = cast_saturated(x[i] * scale[0]). With amax not null, amax[0] = max |x[i]| of the
-// same input, from the same pass (delayed scaling records it for the next step's scale).
+// out[i] = cast_saturated(x[i] * scale[0]). With amax not null, max |x[i]| of the same input,
+// from the same pass, is folded into amax[0] (amax[0] = max(amax[0], max |x[i]|), NaN
+// winning; zero it first for the amax of x alone): delayed scaling records a step's amax so.
 void fp8_cast(const bf16* x, int64_t n, const float* scale, Fp8Format format, uint8_t* out, float* amax);
 
 // x [rows, cols] row-major cast as fp8_cast into out [rows, cols] and its transpose
@@ -32,8 +37,8 @@ void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* 
 
 // Current (just-in-time) tensorwise scaling, as torchao's "tensorwise" recipe and TE's
 // Float8CurrentScaling: fp8_amax, fp8_scale_from_amax, fp8_cast; out, amax, scale and
-// scale_inv all written on the device.
+// scale_inv all written on the device; seen as fp8_scale_from_amax.
 void fp8_quantize_tensorwise(const bf16* x, int64_t n, Fp8Format format, bool power_of_2, uint8_t* out, float* amax,
-                             float* scale, float* scale_inv);
+                             float* scale, float* scale_inv, float* seen = nullptr);
 
 }  // namespace forge::cuda
