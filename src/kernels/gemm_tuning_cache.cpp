@@ -180,8 +180,8 @@ std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_vie
   if (!m || !n || !k || *m <= 0 || *n <= 0 || *k <= 0 || !transpose_a || !transpose_b || !input_dtype || !out_dtype ||
       !beta_zero || !compute_type || !workspace_bytes || !algorithm)
     return std::nullopt;
-  GemmProblem problem{*m,         *n,           *k,         *transpose_a,  *transpose_b,     *input_dtype,
-                      *out_dtype, *beta_zero, *compute_type, *workspace_bytes, fp8_inputs};
+  GemmProblem problem{*m, *n, *k, *transpose_a, *transpose_b, *input_dtype, *out_dtype, *beta_zero, *compute_type,
+                      *workspace_bytes, fp8_inputs};
   return std::pair{problem, *algorithm};
 }
 
