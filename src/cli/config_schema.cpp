@@ -110,8 +110,8 @@ std::vector<ConfigKey> build_schema() {
       key<&E::training, &T::max_norm>("training.max_norm", "global gradient-norm clipping; 0 disables", at_least(0)),
       key<&E::training, &T::device>("training.device", "where the step runs", {}, {"cpu", "cuda"}),
       key<&E::training, &T::gemm_tuning>("training.gemm_tuning",
-                                         "CUDA: time cuBLASLt's candidate algorithms per GEMM shape on first use and "
-                                         "keep the fastest (Megatron's GEMM_TUNING)"),
+                                         "CUDA: time cuBLASLt's candidate algorithms per GEMM shape (bf16 and FP8) on "
+                                         "first use and keep the fastest (Megatron's GEMM_TUNING)"),
       key<&E::training, &T::gemm_tuning_cache>(
           "training.gemm_tuning_cache",
           "with gemm_tuning: directory that keeps the measured choices for later runs (one file per GPU model and "

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <initializer_list>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -24,7 +25,8 @@
 namespace forge {
 namespace {
 
-constexpr int kFormatVersion = 1;
+constexpr int kFormatVersion = 2;
+constexpr int kFirstFormatVersion = 1;  // no fp8gemm lines
 constexpr std::string_view kMagic = "forge gemm tuning ";
 constexpr DType kDTypes[] = {DType::F32, DType::BF16, DType::F16, DType::I32, DType::I64, DType::U16, DType::U8};
 
@@ -67,6 +69,18 @@ std::optional<bool> parse_transpose(std::string_view text) {
   return std::nullopt;
 }
 
+std::optional<cpu::Fp8Format> parse_fp8_format(std::string_view name) {
+  for (cpu::Fp8Format f : {cpu::Fp8Format::E4M3, cpu::Fp8Format::E5M2})
+    if (cpu::fp8_format_name(f) == name) return f;
+  return std::nullopt;
+}
+
+std::optional<bool> parse_fast_accumulation(std::string_view text) {
+  if (text == "fast") return true;
+  if (text == "full") return false;
+  return std::nullopt;
+}
+
 std::optional<bool> parse_beta_zero(std::string_view text) {
   if (text == "zero") return true;
   if (text == "nonzero") return false;
@@ -94,40 +108,80 @@ std::vector<std::string_view> split(std::string_view text, char separator) {
   }
 }
 
+// The input part of an entry line: "in=bf16" for a bf16 GEMM, the FP8 fields for an FP8 one.
+std::string input_fields(const GemmProblem& p) {
+  if (!p.fp8) return fmt::format("in={}", dtype_name(p.input_dtype));
+  return fmt::format("in={},{} scale={},{} accumulate={}", cpu::fp8_format_name(p.fp8->a_format),
+                     cpu::fp8_format_name(p.fp8->b_format), p.fp8->a_scale_mode, p.fp8->b_scale_mode,
+                     p.fp8->fast_accumulation ? "fast" : "full");
+}
+
 std::string entry_line(const GemmProblem& p, const GemmAlgorithm& algorithm) {
-  std::string line = fmt::format("gemm m={} n={} k={} a={} b={} in={} out={} beta={} compute={} workspace={} algo=",
-                                 p.m, p.n, p.k, p.transpose_a ? 'T' : 'N', p.transpose_b ? 'T' : 'N',
-                                 dtype_name(p.input_dtype), dtype_name(p.out_dtype), p.beta_zero ? "zero" : "nonzero",
-                                 p.compute_type, p.workspace_bytes);
+  std::string line = fmt::format("{} m={} n={} k={} a={} b={} {} out={} beta={} compute={} workspace={} algo=",
+                                 p.fp8 ? "fp8gemm" : "gemm", p.m, p.n, p.k, p.transpose_a ? 'T' : 'N',
+                                 p.transpose_b ? 'T' : 'N', input_fields(p), dtype_name(p.out_dtype),
+                                 p.beta_zero ? "zero" : "nonzero", p.compute_type, p.workspace_bytes);
   for (uint64_t word : algorithm) line += fmt::format("{:016x}", word);
   return line + "\n";
 }
 
-// One "gemm name=value ..." line, the names in the order entry_line writes them.
-std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_view line) {
-  static const char* const names[] = {"m", "n", "k", "a", "b", "in", "out", "beta", "compute", "workspace", "algo"};
-  std::vector<std::string_view> tokens = split(line, ' ');
-  if (tokens.size() != 1 + std::size(names) || tokens[0] != "gemm") return std::nullopt;
-  std::string_view values[std::size(names)];
-  for (size_t i = 0; i < std::size(names); ++i) {
-    std::string_view token = tokens[i + 1];
-    const size_t name_size = std::strlen(names[i]);
-    if (token.size() <= name_size || token.substr(0, name_size) != names[i] || token[name_size] != '=')
-      return std::nullopt;
-    values[i] = token.substr(name_size + 1);
+// The values of a line's "name=value" tokens after its first, the names in the order
+// given, or nothing when the tokens are not exactly those.
+std::optional<std::vector<std::string_view>> named_values(const std::vector<std::string_view>& tokens,
+                                                          std::initializer_list<std::string_view> names) {
+  if (tokens.size() != 1 + names.size()) return std::nullopt;
+  std::vector<std::string_view> values;
+  for (std::string_view name : names) {
+    std::string_view token = tokens[values.size() + 1];
+    if (token.size() <= name.size() || !token.starts_with(name) || token[name.size()] != '=') return std::nullopt;
+    values.push_back(token.substr(name.size() + 1));
   }
-  auto m = parse_number<int64_t>(values[0]), n = parse_number<int64_t>(values[1]), k = parse_number<int64_t>(values[2]);
-  auto transpose_a = parse_transpose(values[3]), transpose_b = parse_transpose(values[4]);
-  auto input_dtype = parse_dtype(values[5]), out_dtype = parse_dtype(values[6]);
-  auto beta_zero = parse_beta_zero(values[7]);
-  auto compute_type = parse_number<int64_t>(values[8]);
-  auto workspace_bytes = parse_number<uint64_t>(values[9]);
-  auto algorithm = parse_algorithm(values[10]);
+  return values;
+}
+
+// The FP8 fields of an fp8gemm line: "e4m3,e5m2", "0,0", "fast".
+std::optional<GemmFp8Inputs> parse_fp8_inputs(std::string_view formats, std::string_view scale_modes,
+                                              std::string_view accumulate) {
+  std::vector<std::string_view> f = split(formats, ','), s = split(scale_modes, ',');
+  if (f.size() != 2 || s.size() != 2) return std::nullopt;
+  auto a_format = parse_fp8_format(f[0]), b_format = parse_fp8_format(f[1]);
+  auto a_mode = parse_number<int32_t>(s[0]), b_mode = parse_number<int32_t>(s[1]);
+  auto fast = parse_fast_accumulation(accumulate);
+  if (!a_format || !b_format || !a_mode || !b_mode || *a_mode < 0 || *b_mode < 0 || !fast) return std::nullopt;
+  return GemmFp8Inputs{*a_format, *b_format, *a_mode, *b_mode, *fast};
+}
+
+// One "gemm name=value ..." or (from format 2 on) "fp8gemm name=value ..." line, the
+// names in the order entry_line writes them.
+std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_view line, int format_version) {
+  const std::vector<std::string_view> tokens = split(line, ' ');
+  const bool fp8 = tokens[0] == "fp8gemm" && format_version >= 2;
+  if (tokens[0] != "gemm" && !fp8) return std::nullopt;
+  auto values = fp8 ? named_values(tokens, {"m", "n", "k", "a", "b", "in", "scale", "accumulate", "out", "beta",
+                                            "compute", "workspace", "algo"})
+                    : named_values(tokens, {"m", "n", "k", "a", "b", "in", "out", "beta", "compute", "workspace",
+                                            "algo"});
+  if (!values) return std::nullopt;
+  std::optional<GemmFp8Inputs> fp8_inputs;
+  if (fp8) {
+    fp8_inputs = parse_fp8_inputs((*values)[5], (*values)[6], (*values)[7]);
+    if (!fp8_inputs) return std::nullopt;
+    values->erase(values->begin() + 5, values->begin() + 8);  // the rest as in a gemm line, less "in"
+    values->insert(values->begin() + 5, dtype_name(DType::U8));
+  }
+  const std::vector<std::string_view>& v = *values;
+  auto m = parse_number<int64_t>(v[0]), n = parse_number<int64_t>(v[1]), k = parse_number<int64_t>(v[2]);
+  auto transpose_a = parse_transpose(v[3]), transpose_b = parse_transpose(v[4]);
+  auto input_dtype = parse_dtype(v[5]), out_dtype = parse_dtype(v[6]);
+  auto beta_zero = parse_beta_zero(v[7]);
+  auto compute_type = parse_number<int64_t>(v[8]);
+  auto workspace_bytes = parse_number<uint64_t>(v[9]);
+  auto algorithm = parse_algorithm(v[10]);
   if (!m || !n || !k || *m <= 0 || *n <= 0 || *k <= 0 || !transpose_a || !transpose_b || !input_dtype || !out_dtype ||
       !beta_zero || !compute_type || !workspace_bytes || !algorithm)
     return std::nullopt;
   GemmProblem problem{*m, *n, *k, *transpose_a, *transpose_b, *input_dtype, *out_dtype, *beta_zero, *compute_type,
-                      *workspace_bytes};
+                      *workspace_bytes, fp8_inputs};
   return std::pair{problem, *algorithm};
 }
 
@@ -175,7 +229,7 @@ std::string gemm_tuning_cache_dir(const std::string& setting) {
   return "";
 }
 
-std::string gemm_tuning_file_name(const GemmTuningTarget& target) {
+std::string gemm_tuning_file_name(const GemmTuningTarget& target, int format_version) {
   std::string slug;
   for (unsigned char c : target.device_name) {
     if (std::isalnum(c)) slug += static_cast<char>(std::tolower(c));
@@ -183,7 +237,7 @@ std::string gemm_tuning_file_name(const GemmTuningTarget& target) {
   }
   while (!slug.empty() && slug.back() == '-') slug.pop_back();
   if (slug.empty()) slug = "gpu";
-  return fmt::format("gemm-tuning-v{}-{}-{}sm-cublaslt{}.txt", kFormatVersion, slug, target.multiprocessors,
+  return fmt::format("gemm-tuning-v{}-{}-{}sm-cublaslt{}.txt", format_version, slug, target.multiprocessors,
                      target.cublaslt_version);
 }
 
@@ -199,8 +253,10 @@ ParsedGemmChoices parse_gemm_choices(std::string_view contents, const GemmTuning
   if (contents.empty()) return fail("the file is empty");
   if (!contents.starts_with(kMagic)) return fail("not a forge GEMM tuning cache (bad magic line)");
   std::string_view version = contents.substr(kMagic.size(), contents.find('\n') - kMagic.size());
-  if (parse_number<int>(version) != kFormatVersion)
-    return fail(fmt::format("format version '{}', this forge reads {}", version, kFormatVersion));
+  const std::optional<int> format_version = parse_number<int>(version);
+  if (!format_version || *format_version < kFirstFormatVersion || *format_version > kFormatVersion)
+    return fail(fmt::format("format version '{}', this forge reads {} to {}", version, kFirstFormatVersion,
+                            kFormatVersion));
 
   // The last line is the checksum of everything before it; a file cut anywhere lacks it.
   if (contents.back() != '\n') return fail("truncated (the last line is incomplete)");
@@ -232,8 +288,8 @@ ParsedGemmChoices parse_gemm_choices(std::string_view contents, const GemmTuning
 
   ParsedGemmChoices parsed;
   for (size_t i = 4; i < lines.size(); ++i) {
-    auto entry = parse_entry(lines[i]);
-    if (!entry) return fail(fmt::format("line {} is not a GEMM choice", i + 1));
+    auto entry = parse_entry(lines[i], *format_version);
+    if (!entry) return fail(fmt::format("line {} is not a GEMM choice of format {}", i + 1, *format_version));
     parsed.choices[entry->first] = entry->second;
   }
   return parsed;
@@ -244,7 +300,10 @@ GemmTuningCache::GemmTuningCache(std::string directory, GemmTuningTarget target)
       path_((std::filesystem::path(directory_) / gemm_tuning_file_name(target)).string()),
       target_(std::move(target)) {
   FileContents file = read_whole_file(path_);
-  if (file.missing) return;
+  if (file.missing) {
+    read_first_format_file();
+    return;
+  }
   if (!file.error.empty()) {
     log_warn("GEMM tuning cache {} cannot be read ({}): this run measures every shape and leaves the file alone",
              path_, file.error);
@@ -254,6 +313,22 @@ GemmTuningCache::GemmTuningCache(std::string directory, GemmTuningTarget target)
   ParsedGemmChoices parsed = parse_gemm_choices(file.bytes, target_);
   if (!parsed.error.empty()) {
     log_warn("GEMM tuning cache {} is ignored: {}; shapes are timed again and the file rewritten", path_,
+             parsed.error);
+    return;
+  }
+  choices_ = std::move(parsed.choices);
+  loaded_ = choices_.size();
+}
+
+void GemmTuningCache::read_first_format_file() {
+  const std::string path =
+      (std::filesystem::path(directory_) / gemm_tuning_file_name(target_, kFirstFormatVersion)).string();
+  FileContents file = read_whole_file(path);
+  if (file.missing) return;
+  ParsedGemmChoices parsed =
+      file.error.empty() ? parse_gemm_choices(file.bytes, target_) : ParsedGemmChoices{{}, file.error};
+  if (!parsed.error.empty()) {
+    log_warn("GEMM tuning cache {} (format {}) is not taken over into {}: {}", path, kFirstFormatVersion, path_,
              parsed.error);
     return;
   }

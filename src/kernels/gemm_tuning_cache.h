@@ -1,6 +1,6 @@
 // Measured GEMM algorithm choices kept on disk, so that training.gemm_tuning times each
 // shape once per machine instead of once per run. Plain C++ (no CUDA): the algorithms are
-// opaque blobs here; kernels/cuda/matmul.cpp turns them into cuBLASLt's and checks them.
+// opaque blobs here; kernels/cuda/gemm_tuner.cpp turns them into cuBLASLt's and checks them.
 //
 // NOTE [GEMM tuning cache]
 // Where: one directory, training.gemm_tuning_cache when it names one, else forge's cache
@@ -10,19 +10,29 @@
 // GPU's or library's choices are never opened, never overwritten, never deleted.
 //
 // What: a text file, one line per choice, readable with cat:
-//   forge gemm tuning 1
+//   forge gemm tuning 2
 //   device NVIDIA H100 80GB HBM3
 //   multiprocessors 132
 //   cublaslt 130100
 //   gemm m=4096 n=14336 k=4096 a=N b=T in=bf16 out=bf16 beta=zero compute=68 workspace=33554432 algo=<128 hex>
+//   fp8gemm m=4096 n=14336 k=4096 a=N b=T in=e4m3,e4m3 scale=0,0 accumulate=fast out=bf16 beta=zero
+//     compute=68 workspace=33554432 algo=<128 hex>   (one line)
 //   checksum <FNV-1a 64 of every byte above, 16 hex>
 // The key is everything that decides the choice: forge's row-major problem (m, n, k,
 // transposes), the input and output dtypes, whether beta is zero, the library's compute
-// type and the workspace the algorithm may use. The algorithm is cuBLASLt's
+// type and the workspace the algorithm may use; for an FP8 GEMM (kernels/cuda/fp8_matmul.h)
+// also each operand's format (a's, then b's), each operand's scale mode as cuBLASLt numbers
+// them (cublasLtMatmulMatrixScale_t; like compute, fixed within the file's cuBLASLt
+// version) and whether accumulation is fast or full. The algorithm is cuBLASLt's
 // cublasLtMatmulAlgo_t, 8 words that the library documents as serializable for use with
 // the same library version.
 //
-// Trust: a file that lacks the magic line, has another format version, fails its
+// Versions: format 1 had only gemm lines; format 2 adds fp8gemm lines. A format-1 file of
+// the same target (its name says v1) is read when there is no format-2 file yet, its
+// choices taken over into the format-2 file by the first save and the v1 file left as it
+// is (for forge builds that read only format 1, which never open a v2 file).
+//
+// Trust: a file that lacks the magic line, has a format version other than 1 or 2, fails its
 // checksum (a truncated or flipped byte), names another target in its header, or has a
 // line that does not parse is ignored whole, with one warning naming the file and the
 // fault, and the first save replaces it. A file that cannot be read (permissions) is one
@@ -52,6 +62,7 @@
 #include <string_view>
 
 #include "core/dtype.h"
+#include "kernels/cpu/fp8.h"
 
 namespace forge {
 
@@ -62,15 +73,24 @@ struct GemmTuningTarget {
   uint64_t cublaslt_version = 0;  // cublasLtGetVersion()
 };
 
+// What an FP8 GEMM adds to its problem's key (kernels/cuda/fp8_matmul.h).
+struct GemmFp8Inputs {
+  cpu::Fp8Format a_format = cpu::Fp8Format::E4M3, b_format = cpu::Fp8Format::E4M3;
+  int32_t a_scale_mode = 0, b_scale_mode = 0;  // cublasLtMatmulMatrixScale_t of forge's a and b
+  bool fast_accumulation = false;
+  auto operator<=>(const GemmFp8Inputs&) const = default;
+};
+
 // One GEMM problem as the algorithm choice sees it (NOTE [GEMM algorithm choice]).
 struct GemmProblem {
   int64_t m = 0, n = 0, k = 0;  // forge's row-major out[m, n] = op(a)[m, k] op(b)[k, n]
   bool transpose_a = false, transpose_b = false;
-  DType input_dtype = DType::BF16;
+  DType input_dtype = DType::BF16;  // U8 for FP8 codes, whose formats are in fp8
   DType out_dtype = DType::BF16;
   bool beta_zero = true;
   int64_t compute_type = 0;      // cublasComputeType_t
   uint64_t workspace_bytes = 0;  // the most workspace the algorithm may use
+  std::optional<GemmFp8Inputs> fp8;  // set for FP8 GEMMs only
   auto operator<=>(const GemmProblem&) const = default;
 };
 
@@ -84,8 +104,9 @@ using GemmChoices = std::map<GemmProblem, GemmAlgorithm>;
 // none of its variables is set.
 std::string gemm_tuning_cache_dir(const std::string& setting);
 
-// e.g. "gemm-tuning-v1-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt"
-std::string gemm_tuning_file_name(const GemmTuningTarget& target);
+// e.g. "gemm-tuning-v2-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt"; format_version 1
+// names the file of forge builds before FP8 choices (NOTE [GEMM tuning cache], Versions).
+std::string gemm_tuning_file_name(const GemmTuningTarget& target, int format_version = 2);
 
 std::string serialize_gemm_choices(const GemmTuningTarget& target, const GemmChoices& choices);
 
@@ -101,9 +122,10 @@ ParsedGemmChoices parse_gemm_choices(std::string_view contents, const GemmTuning
 // caches of one process are serialized inside.
 class GemmTuningCache {
  public:
-  // Reads the target's file in `directory`: a missing file is an empty cache; an invalid
-  // one is ignored with one warning and replaced by the first save; one that cannot be
-  // read is one warning and left alone (nothing is saved).
+  // Reads the target's file in `directory`: a missing file is an empty cache (or the
+  // choices of the target's format-1 file, when there is a valid one); an invalid one is
+  // ignored with one warning and replaced by the first save; one that cannot be read is
+  // one warning and left alone (nothing is saved).
   GemmTuningCache(std::string directory, GemmTuningTarget target);
 
   const std::string& directory() const { return directory_; }
@@ -120,6 +142,7 @@ class GemmTuningCache {
 
  private:
   void save();
+  void read_first_format_file();  // when the target has no current-format file
 
   std::string directory_, path_;
   GemmTuningTarget target_;

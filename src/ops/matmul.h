@@ -23,9 +23,9 @@ void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& 
 void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
                 const Tensor& addend);
 
-// GPU GEMMs: choose each shape's algorithm by timing cuBLASLt's candidates on first use
-// instead of taking its first heuristic choice (training.gemm_tuning), keeping the
-// measured choices in `cache_directory` for later runs ("": not kept; see
+// GPU GEMMs, bf16 and FP8: choose each shape's algorithm by timing cuBLASLt's candidates
+// on first use instead of taking its first heuristic choice (training.gemm_tuning),
+// keeping the measured choices in `cache_directory` for later runs ("": not kept; see
 // gemm_tuning_cache_dir and NOTE [GEMM tuning cache]). No effect on the CPU reference.
 void set_gemm_tuning(bool enabled, const std::string& cache_directory = "");
 

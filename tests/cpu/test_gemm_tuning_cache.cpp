@@ -67,7 +67,7 @@ TEST(GemmTuningCache, SavedChoiceIsFoundByTheNextProcess) {
   }
   auto [second, warnings] = open_capturing(directory, kH100);
   EXPECT_EQ(warnings, "");
-  EXPECT_EQ(second.path(), directory + "/gemm-tuning-v1-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt");
+  EXPECT_EQ(second.path(), directory + "/gemm-tuning-v2-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt");
   EXPECT_EQ(second.loaded(), 2u);
   EXPECT_EQ(second.find(problem(4096, 14336, 4096)), algorithm(1));
   EXPECT_EQ(second.find(problem(4096, 4096, 14336)), algorithm(2));
@@ -107,10 +107,11 @@ TEST(GemmTuningCache, SerializedChoicesParseBackExactly) {
 }
 
 TEST(GemmTuningCache, FileNameSpellsTheTarget) {
-  EXPECT_EQ(gemm_tuning_file_name(kH100), "gemm-tuning-v1-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt");
+  EXPECT_EQ(gemm_tuning_file_name(kH100), "gemm-tuning-v2-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt");
   EXPECT_EQ(gemm_tuning_file_name({"  NVIDIA  H200 / MIG 3g.71gb ", 60, 130201}),
-            "gemm-tuning-v1-nvidia-h200-mig-3g-71gb-60sm-cublaslt130201.txt");
-  EXPECT_EQ(gemm_tuning_file_name({"", 1, 2}), "gemm-tuning-v1-gpu-1sm-cublaslt2.txt");
+            "gemm-tuning-v2-nvidia-h200-mig-3g-71gb-60sm-cublaslt130201.txt");
+  EXPECT_EQ(gemm_tuning_file_name({"", 1, 2}), "gemm-tuning-v2-gpu-1sm-cublaslt2.txt");
+  EXPECT_EQ(gemm_tuning_file_name(kH100, 1), "gemm-tuning-v1-nvidia-h100-80gb-hbm3-132sm-cublaslt130100.txt");
 }
 
 TEST(GemmTuningCache, OtherGpuOrLibraryIsNotUsedNorTouched) {
@@ -159,8 +160,8 @@ TEST(GemmTuningCache, DamagedFileIsIgnoredWithOneWarningAndRewritten) {
       {"cut at a line", [](const std::string& v) { return v.substr(0, v.find("checksum")); }, "truncated"},
       {"last byte missing", [](const std::string& v) { return v.substr(0, v.size() - 1); }, "truncated"},
       {"bad magic", [](const std::string& v) { return "forge gemm tunin9" + v.substr(17); }, "bad magic"},
-      {"other format version", [](const std::string& v) { return "forge gemm tuning 2" + v.substr(19); },
-       "format version '2'"},
+      {"other format version", [](const std::string& v) { return "forge gemm tuning 3" + v.substr(19); },
+       "format version '3', this forge reads 1 to 2"},
       {"flipped byte in an algorithm",
        [](const std::string& v) {
          std::string d = v;
@@ -216,7 +217,7 @@ TEST(GemmTuningCache, ALineThatDoesNotParseIsReported) {
   std::string body = text.substr(0, text.find("checksum"));
   body.replace(body.find("a=N"), 3, "a=X");  // checksummed again below: only the line is wrong
   ParsedGemmChoices parsed = parse_gemm_choices(with_checksum(body), kH100);
-  EXPECT_EQ(parsed.error, "line 5 is not a GEMM choice");
+  EXPECT_EQ(parsed.error, "line 5 is not a GEMM choice of format 2");
   EXPECT_TRUE(parsed.choices.empty());
 
   std::string header = text.substr(0, text.find("\ngemm ") + 1);

@@ -7,23 +7,30 @@
 // not transposed: the "TN" layout Hopper's FP8 kernels require. A's dequantization factors
 // are therefore b's, B's are a's. The handle and the 32 MiB workspace are matmul.cpp's
 // (kernels/cuda/cublaslt_context.h). Each (shape, formats, scale modes, output, beta == 0,
-// fast accumulation) keeps cuBLASLt's first heuristic choice, found on first use; the
-// measured selection and on-disk cache of bf16 GEMMs (NOTE [GEMM algorithm choice]) key
-// on a DType, which has no FP8 member yet, and are not applied to FP8 GEMMs.
+// fast accumulation) gets its algorithm on first use and keeps it, chosen as the bf16
+// GEMMs' are (NOTE [GEMM algorithm choice] in matmul.cpp, kernels/cuda/gemm_tuner.h):
+// cuBLASLt's first heuristic choice, or with training.gemm_tuning the fastest candidate
+// timed on the call's own codes and factors (into a scratch copy of the output), kept in
+// the same tuning cache file as an fp8gemm entry keyed on all of the above
+// (NOTE [GEMM tuning cache]).
 // The factor pointers change from call to call, so they are set on the plan's descriptor
-// just before each cublasLtMatmul, under the plans' lock.
+// just before each cublasLtMatmul, under the plans' lock; the first call sets them before
+// its algorithm is chosen, so the heuristic and every timing run see the call's own.
 #include "kernels/cuda/fp8_matmul.h"
 
 #include <cublasLt.h>
 
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "core/error.h"
 #include "kernels/cuda/cublaslt_context.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/gemm_tuner.h"
 
 namespace forge::cuda {
 namespace {
@@ -115,23 +122,30 @@ void set_factors(Plan& plan, const void* a_factors, const void* b_factors) {
                                               sizeof(a_factors)));
 }
 
-// cuBLASLt's first heuristic algorithm for the plan, if it has one. The scale pointers are
-// set first, as Transformer Engine and PyTorch do before their heuristic queries: a null
-// pointer means "factor 1" only in the per-tensor mode, and the outer-vector and block modes
-// found no algorithm on the H100 while they were null (docs/PERF.md; to be confirmed there).
-bool find_algorithm(const CublasLtContext& ctx, Plan& plan, const void* a_factors, const void* b_factors) {
-  set_factors(plan, a_factors, b_factors);
-  cublasLtMatmulPreference_t pref;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
-  size_t ws = ctx.workspace_bytes;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t status =
-      cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan.op, plan.a, plan.b, plan.c, plan.c, pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (status != CUBLAS_STATUS_SUCCESS || found == 0) return false;
-  plan.algo = result.algo;
+CublasLtDescriptors descriptors(const Plan& plan) { return {plan.op, plan.a, plan.b, plan.c, plan.c}; }
+
+// The key of a problem's choice in the GEMM tuning cache: forge's row-major a @ b^T.
+GemmProblem tuning_problem(const Problem& p, const CublasLtContext& ctx) {
+  const GemmFp8Inputs fp8{p.a_format, p.b_format, scale_mode(p.a_scaling), scale_mode(p.b_scaling),
+                          p.fast_accumulation};
+  return GemmProblem{p.m, p.n, p.k, false, true, DType::U8, p.out_dtype, p.beta_zero, CUBLAS_COMPUTE_32F,
+                     ctx.workspace_bytes, fp8};
+}
+
+// The algorithm for the plan, chosen on the call's own operands (NOTE [GEMM algorithm
+// choice]), if cuBLASLt has one. The scale pointers are set first, as Transformer Engine and
+// PyTorch do before their heuristic queries: a null pointer means "factor 1" only in the
+// per-tensor mode, and the outer-vector and block modes found no algorithm on the H100
+// while they were null (docs/PERF.md; to be confirmed there); the timing runs need them too.
+bool find_algorithm(const CublasLtContext& ctx, Plan& plan, const Problem& p, void* out, const Fp8GemmOperand& a,
+                    const Fp8GemmOperand& b, float alpha, float beta) {
+  set_factors(plan, a.factors, b.factors);
+  const CublasLtOperands operands{b.codes, a.codes, out, out, alpha, beta,
+                                  static_cast<size_t>(p.m) * static_cast<size_t>(p.n) * dtype_size(p.out_dtype)};
+  const std::optional<cublasLtMatmulAlgo_t> algo =
+      choose_gemm_algorithm(ctx, descriptors(plan), operands, tuning_problem(p, ctx));
+  if (!algo) return false;
+  plan.algo = *algo;
   return true;
 }
 
@@ -189,7 +203,7 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
   auto it = all.plans.find({device, p});
   if (it == all.plans.end()) {
     Plan plan = describe(p);
-    if (!find_algorithm(ctx, plan, a.factors, b.factors)) {
+    if (!find_algorithm(ctx, plan, p, out, a, b, alpha, beta)) {
       destroy(plan);
       throw_error(__FILE__, __LINE__, describe_problem(p) + ": cuBLASLt has no algorithm for it on this GPU");
     }
@@ -215,9 +229,26 @@ bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_
   // No factors exist yet: the workspace stands in for them (device memory, 256-byte aligned).
   const CublasLtContext ctx = cublaslt_context();
   Plan plan = describe(p);
-  const bool found = find_algorithm(ctx, plan, ctx.workspace, ctx.workspace);
+  set_factors(plan, ctx.workspace, ctx.workspace);
+  const bool found = !heuristic_algorithms(ctx, descriptors(plan), 1).empty();
   destroy(plan);
   return found;
+}
+
+void forget_fp8_gemm_plans() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  Plans& all = plans();
+  std::lock_guard lock(all.mu);
+  CUDA_CHECK(cudaDeviceSynchronize());  // no GEMM in flight still reads a descriptor
+  for (auto it = all.plans.begin(); it != all.plans.end();) {
+    if (it->first.first != device) {
+      ++it;
+      continue;
+    }
+    destroy(it->second);
+    it = all.plans.erase(it);
+  }
 }
 
 int64_t fp8_gemm_factor_count(int64_t rows, int64_t k, Fp8GemmScaling scaling) {

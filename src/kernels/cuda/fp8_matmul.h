@@ -64,7 +64,9 @@ struct Fp8GemmOperand {
 // is wrong for shapes, alignments and combinations cuBLASLt cannot run (NOTE [FP8 GEMM
 // scale modes on sm_90]): k a multiple of 16, n * sizeof(out) of 16 bytes, 16-byte aligned
 // buffers. fast_accumulation: Hopper's FP8 accumulation without periodic promotion to full
-// fp32 (faster, less exact; torchao uses it for the forward GEMM only).
+// fp32 (faster, less exact; torchao uses it for the forward GEMM only). The algorithm is
+// chosen as the bf16 GEMMs' (set_gemm_tuning in matmul.h): with tuning on, the first call
+// of a problem times candidates on its own operands and factors.
 void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8GemmOperand& b, int64_t m, int64_t n,
                 int64_t k, float alpha, float beta, bool fast_accumulation);
 
@@ -72,6 +74,9 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
 // also for what fp8_matmul refuses).
 bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_scaling, Fp8Format b_format,
                           Fp8GemmScaling b_scaling, int64_t m, int64_t n, int64_t k, bool fast_accumulation);
+
+// Drops the current GPU's FP8 GEMM plans (forget_gemm_plans in matmul.h, for tests).
+void forget_fp8_gemm_plans();
 
 // Number of fp32 factors an operand of [rows, k] holds for `scaling`, padding included.
 int64_t fp8_gemm_factor_count(int64_t rows, int64_t k, Fp8GemmScaling scaling);

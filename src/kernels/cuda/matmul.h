@@ -17,13 +17,15 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
 
 // NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape,
 // measured choices kept in `cache_directory` ("": not kept; NOTE [GEMM tuning cache]).
+// One switch for the bf16 and the FP8 GEMMs (fp8_matmul.h); defined in gemm_tuner.cpp.
 void set_gemm_tuning(bool enabled, const std::string& cache_directory);
 
-// How the current GPU's plans were chosen so far.
+// How the current GPU's plans, bf16 and FP8, were chosen so far.
 GemmTuningStats gemm_tuning_stats();
 
-// Drops the current GPU's plans, its opened tuning cache and its counters, as if the
-// process had just started (for tests). Not while other threads run GEMMs on this GPU.
+// Drops the current GPU's plans (bf16 and FP8), its opened tuning cache and its counters,
+// as if the process had just started (for tests). Not while other threads run GEMMs on
+// this GPU.
 void forget_gemm_plans();
 
 }  // namespace forge::cuda
