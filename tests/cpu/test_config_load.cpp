@@ -107,6 +107,27 @@ TEST(ConfigLoad, ShippedExperimentsLoad) {
       << "configs/experiments/debug-tiny.yaml must spell out exactly the built-in defaults";
 }
 
+// The FP8 convergence baseline (scripts/fp8-convergence) is a CUDA bf16 run of llama-150m on
+// the prepared web-bible corpus; its FP8 variants are the same file with precision.fp8 set on
+// the command line, so the FP8 rules (widths and tokens per micro-batch multiples of 16) must
+// accept it as it stands.
+TEST(ConfigLoad, Fp8ConvergenceExperimentTakesTheFp8Recipes) {
+  const std::string file = source_path("configs/experiments/fp8-convergence/llama-150m-web-bible.yaml");
+  const ExperimentConfig base = load_experiment(file, {});
+  EXPECT_EQ(base.model.name, "llama-150m");
+  EXPECT_EQ(base.model.vocab_size, 8192);
+  EXPECT_EQ(base.data.source, "indexed");
+  EXPECT_EQ(base.training.device, "cuda");
+  EXPECT_EQ(base.precision.compute_dtype, "bf16");
+  EXPECT_EQ(base.precision.fp8, "none");
+  EXPECT_EQ(base.training.steps, 2000);
+  const ExperimentConfig fp8 = load_experiment(file, {{"precision.fp8", "tensorwise"}});
+  EXPECT_EQ(fp8.precision.fp8, "tensorwise");
+  ExperimentConfig same = fp8;
+  same.precision.fp8 = "none";
+  EXPECT_EQ(to_yaml(same), to_yaml(base)) << "the FP8 run must differ from the baseline in precision.fp8 only";
+}
+
 // Every experiment shipped under configs/experiments/ (the benchmark presets included) must
 // load and validate, as `forge info FILE` does, so a broken preset fails CI. A preset in a
 // folder named after a GPU must also be a bf16 CUDA run whose per-rank memory estimate
