@@ -221,6 +221,10 @@ std::vector<ConfigKey> build_schema() {
           "with precision.fp8 delayed: the scale's amax, max (of the whole history) or most_recent "
           "(Transformer Engine's amax_compute_algo)",
           {}, {"max", "most_recent"}),
+      key<&E::precision, &PrecisionConfig::fp8_weight_cache>(
+          "precision.fp8_weight_cache",
+          "with precision.fp8 on CUDA: each FP8 weight and its transpose cast once per optimizer step and kept "
+          "for every micro-batch (2 bytes per weight; false casts them in every micro-batch)"),
       key<&E::precision, &PrecisionConfig::fp8_margin>(
           "precision.fp8_margin",
           "with precision.fp8 delayed: scales are fp8_max × 2^-margin / amax (Transformer Engine's margin)",

@@ -46,7 +46,8 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   const int64_t projections = fp8_projection_count(config, settings);
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
-  return 3 * fp8_workspace_codes(config, settings, tokens) +
+  const int64_t weight_cache = settings.weight_cache ? 2 * fp8_gemm_params(config, settings) : 0;
+  return 3 * fp8_workspace_codes(config, settings, tokens) + weight_cache +
          (stats * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
              static_cast<int64_t>(sizeof(float));
 }
@@ -94,6 +95,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
   FORGE_CHECK(p.linears.empty(), "FP8 projections: layer {} has {} parameters, earlier {}", index, params,
               p.linears.size());
   p.forward.resize(params);
+  p.caches.resize(params);
   p.linears.assign(params, fp8_);
   const bool head = &all == &head_projections_;
   for (size_t k = 0; k < params; ++k) {
@@ -102,6 +104,24 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     if (block < 0) continue;
     p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
     p.linears[k].delayed = delayed_active_;
+  }
+  if (device_ == Device::CUDA && settings_.weight_cache) {  // NOTE [FP8 weight cache]
+    const std::vector<ParamSpec> specs = parameter_specs(config_);
+    for (size_t k = 0; k < params; ++k) {
+      int64_t numel = 0;
+      if (head) {
+        numel = config_.vocab_size * config_.hidden_size;
+      } else if (projection_of_.at(index).at(k) >= 0) {
+        size_t seen = 0;  // the k-th parameter of layer `index`
+        for (const ParamSpec& spec : specs)
+          if (spec.layer == static_cast<int>(index) && seen++ == k) numel = spec.shape[0] * spec.shape[1];
+      }
+      if (numel == 0) continue;
+      p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
+      p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
+      p.caches[k].generation = &generation_;
+      p.linears[k].weight_cache = &p.caches[k];
+    }
   }
   if (device_ == Device::CUDA) {
     p.stats = Tensor::zeros({static_cast<int64_t>(params) * kFp8WorkspaceStats}, DType::F32, device_);
@@ -121,7 +141,10 @@ std::string Fp8Projections::nonfinite_amax() const {
                      cpu::fp8_role_name(role), fp8_stats_seen(stats_, slot));
 }
 
+void Fp8Projections::discard_amaxes() { fp8_stats_clear_seen(stats_); }
+
 void Fp8Projections::end_step(bool update) {
+  ++generation_;  // the optimizer may change every weight now: NOTE [FP8 weight cache]
   if (settings_.recipe != Fp8Recipe::Delayed || !update) return fp8_stats_clear_seen(stats_);
   fp8_stats_delayed_step(stats_, history_,
                          {settings_.amax_history_length, settings_.amax_algorithm, settings_.margin,

@@ -50,6 +50,9 @@ struct Fp8Settings {
   Fp8Format grad_format = Fp8Format::E5M2;
   bool output_head = false;  // the head's GEMMs in FP8 as well
   Fp8Recipe recipe = Fp8Recipe::Tensorwise;
+  // CUDA: each projection's W and W^T codes cast once per optimizer step (NOTE [FP8 weight
+  // cache] in ops/fp8_linear.h), 2 bytes per FP8 weight.
+  bool weight_cache = false;
   // delayed: TE DelayedScaling's amax_history_len, amax_compute_algo and margin.
   int64_t amax_history_length = 1024;
   cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
@@ -69,8 +72,8 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
 // buffers of fp8_workspace_codes bytes, the shared statistics and every projection's
-// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks and, with
-// `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
+// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks, with
+// `delayed` the amax histories, and with weight_cache 2 bytes per FP8 weight. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
@@ -102,6 +105,9 @@ class Fp8Projections : public ParamSource, public GradSink {
   // first non-finite one named: "'layers.3.mlp.down.weight' output gradient dy: amax nan".
   std::string nonfinite_amax() const;
   void end_step(bool update);
+  // Drops the amaxes recorded since the last end_step (an evaluation's forwards, which must
+  // not reach a delayed history).
+  void discard_amaxes();
   // Delayed scaling's state for checkpoints; restore checks it against this model.
   Fp8DelayedState delayed_state() const;
   void restore_delayed_state(const Fp8DelayedState& state);
@@ -120,6 +126,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   struct Projections {
     Tensor stats;                           // CUDA: kFp8WorkspaceStats floats per parameter
     std::vector<Fp8ForwardStats> forward;   // sized once: Fp8Linears point into it
+    std::vector<Fp8WeightCache> caches;     // likewise (NOTE [FP8 weight cache])
     std::vector<Fp8Linear> linears;
   };
   Projections& projections(std::vector<Projections>& all, size_t index, size_t params);
@@ -131,6 +138,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   std::vector<std::string> names_;                   // per block: its parameter's name
   Tensor stats_, history_;                           // every block; delayed's histories
   bool delayed_active_ = false;
+  uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock
   Fp8LinearWorkspace workspace_;
   Fp8Linear fp8_;
   std::vector<Projections> layer_projections_, head_projections_;

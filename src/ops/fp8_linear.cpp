@@ -132,6 +132,29 @@ void cast_delayed(const Tensor& t, Fp8Format format, const DeviceOperand& dst, b
 
 bool delayed_on_device(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
 
+// NOTE [FP8 weight cache]: the cached codes of w (transposed or not) when they are this
+// step's, else null.
+uint8_t* cached_weight(const Fp8Linear& fp8, const Tensor& w, bool transposed) {
+  const Fp8WeightCache* c = fp8.weight_cache;
+  if (!c || !c->generation || c->w != w.raw() || c->numel != w.numel()) return nullptr;
+  if ((transposed ? c->codes_t_of : c->codes_of) != *c->generation) return nullptr;
+  return (transposed ? c->codes_t : c->codes).data<uint8_t>();
+}
+
+// Where w's codes are to be cast so that the cache keeps them (marked as this step's), or
+// `fallback` without a cache that fits.
+uint8_t* caching_target(const Fp8Linear& fp8, const Tensor& w, bool transposed, uint8_t* fallback) {
+  Fp8WeightCache* c = fp8.weight_cache;
+  if (!c || !c->generation || (transposed ? c->codes_t : c->codes).numel() < w.numel()) return fallback;
+  if (c->w != w.raw() || c->numel != w.numel()) {
+    c->w = w.raw();
+    c->numel = w.numel();
+    c->codes_of = c->codes_t_of = ~uint64_t{0};
+  }
+  (transposed ? c->codes_t_of : c->codes_of) = *c->generation;
+  return (transposed ? c->codes_t : c->codes).data<uint8_t>();
+}
+
 // The codes of `op` with statistics slot `which` (0 x, 1 W) of a projection's forward
 // statistics instead of the workspace's.
 DeviceOperand with_forward_stats(DeviceOperand op, const Fp8ForwardStats& saved, int which) {
@@ -157,9 +180,19 @@ void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand&
 void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOperand& b) {
   if (delayed_on_device(fp8)) {
     b = delayed_operand(fp8, Fp8Role::W, b.codes);
+    if (uint8_t* kept = cached_weight(fp8, w, true)) {
+      b.codes = kept;
+      return;
+    }
+    b.codes = caching_target(fp8, w, true, b.codes);
     cast_delayed(w, kE4M3, b, /*transpose=*/true);
   } else if (saw(fp8.forward, nullptr, &w)) {
     b = with_forward_stats(b, *fp8.forward, 1);
+    if (uint8_t* kept = cached_weight(fp8, w, true)) {
+      b.codes = kept;
+      return;
+    }
+    b.codes = caching_target(fp8, w, true, b.codes);
     cast_transpose_with(w, kE4M3, b);
   } else {
     quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W));
@@ -230,12 +263,18 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       }
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
+        // NOTE [FP8 weight cache]: W's codes and scale are this step's already, or cast into the cache.
+        // Tensorwise keeps W's scale in the forward statistics, so it caches only with them.
+        const bool cacheable = delayed || (fp8.forward && fp8.forward->device);
+        uint8_t* kept = cacheable ? cached_weight(fp8, w, false) : nullptr;
+        if (kept) b.codes = kept;
+        else if (cacheable) b.codes = caching_target(fp8, w, false, b.codes);
         if (delayed) {
           cast_delayed(x, kE4M3, a, false);
-          cast_delayed(w, kE4M3, b, false);
+          if (!kept) cast_delayed(w, kE4M3, b, false);
         } else {
           quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X));
-          quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W));
+          if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W));
         }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
       }

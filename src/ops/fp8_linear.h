@@ -84,6 +84,25 @@ struct Fp8ForwardStats {
   int64_t x_numel = 0, w_numel = 0;
 };
 
+// NOTE [FP8 weight cache]
+// A weight changes only at the optimizer step, so its codes (W for the forward, W^T for the
+// input gradient) are the same in every micro-batch of a step. With a cache (CUDA,
+// precision.fp8_weight_cache) a projection casts W and W^T into its own buffers the first
+// time a step needs them and reuses them until `*generation` (bumped by Fp8Projections at
+// every step's end, before the optimizer changes the weights) moves on: at accum N the
+// weights are cast once instead of N times (plus recomputation's forwards). The codes are
+// the same bytes either way, so results are bitwise those without the cache. A cache entry
+// belongs to one weight tensor (data pointer and size); anything else is cast as before. The
+// scales travel with the codes: tensorwise's in the projection's forward statistics (which
+// the caching cast wrote), delayed's in its statistics block. Costs 2 bytes per weight.
+struct Fp8WeightCache {
+  Tensor codes, codes_t;                // U8 [out * in]: W and W^T
+  const uint64_t* generation = nullptr;  // the step the codes must be from
+  const void* w = nullptr;              // the weight they were cast from
+  int64_t numel = 0;
+  uint64_t codes_of = ~uint64_t{0}, codes_t_of = ~uint64_t{0};  // the generation each was cast in
+};
+
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
@@ -94,6 +113,7 @@ struct Fp8Linear {
   float* stats = nullptr;
   // Quantize with the scales in `stats` (NOTE [FP8 delayed scaling]) instead of current ones.
   bool delayed = false;
+  Fp8WeightCache* weight_cache = nullptr;  // CUDA, optional: NOTE [FP8 weight cache]
 };
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,

@@ -57,6 +57,8 @@ struct PrecisionConfig {
   int64_t fp8_amax_history_len = 1024;
   std::string fp8_amax_compute_algo = "max";
   int64_t fp8_margin = 0;
+  // CUDA: each FP8 weight (and its transpose) cast once per optimizer step, not per micro-batch.
+  bool fp8_weight_cache = true;
 };
 
 // torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).

@@ -39,6 +39,7 @@ std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
   s.amax_algorithm = p.fp8_amax_compute_algo == "most_recent" ? cpu::Fp8AmaxAlgorithm::MostRecent
                                                               : cpu::Fp8AmaxAlgorithm::Max;
   s.margin = static_cast<float>(p.fp8_margin);
+  s.weight_cache = p.fp8_weight_cache;
   return s;
 }
 

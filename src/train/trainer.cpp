@@ -582,6 +582,7 @@ TrainResult Trainer::run() {
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
     if (eval_now) {
       EvalMetrics e = evaluate(m.step);
+      if (fp8_) fp8_->discard_amaxes();  // NOTE [FP8 step end]: the validation data stays out of the histories
       if (metrics_) metrics_->write(e);
       result.evals.push_back(e);
       log_line(format_eval(e, result.entropy_floor));

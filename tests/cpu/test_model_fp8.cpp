@@ -71,6 +71,9 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
     Fp8Settings delayed = settings;
     delayed.recipe = Fp8Recipe::Delayed;  // + the amax histories: 3 per projection
     EXPECT_EQ(fp8_scratch_bytes(c.config, delayed, tokens), bytes + blocks * 3 * 1024 * 4);
+    Fp8Settings cached = settings;
+    cached.weight_cache = true;  // NOTE [FP8 weight cache]: W and W^T codes, a byte each
+    EXPECT_EQ(fp8_scratch_bytes(c.config, cached, tokens), bytes + 2 * fp8_gemm_params(c.config, settings));
     MemoryPlan plan;
     plan.micro_batch = c.micro_batch;
     plan.seq_len = c.seq_len;

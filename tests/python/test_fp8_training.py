@@ -71,7 +71,8 @@ class Fp8Training(unittest.TestCase):
         self.assert_tracks_fp32(train_losses(run_dir))
         with open(os.path.join(run_dir, "config.yaml")) as f:
             config = f.read()
-        for line in ("fp8: delayed", "fp8_amax_history_len: 1024", "fp8_amax_compute_algo: max", "fp8_margin: 0"):
+        for line in ("fp8: delayed", "fp8_amax_history_len: 1024", "fp8_amax_compute_algo: max", "fp8_margin: 0",
+                     "fp8_weight_cache: true"):
             self.assertIn(line, config)
         self.assert_tracks_fp32(train_losses(self.train_run("delayed-short", "--precision.fp8", "delayed",
                                                 "--precision.fp8_amax_history_len", "4",
