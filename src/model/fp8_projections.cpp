@@ -198,6 +198,7 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
     }
   stats_.copy_from(stats);
   set_delayed_active(state.active);
+  ++generation_;  // cached weight codes were cast with the old scales: NOTE [FP8 weight cache]
 }
 
 void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {

@@ -19,6 +19,7 @@
 
 #include <fmt/format.h>
 
+#include "gemm_tuning_testing.h"
 #include "gpu_testing.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cpu/fp8_scaling.h"
@@ -124,27 +125,8 @@ std::string read_file(const std::string& path) {
   return s.str();
 }
 
-// Tuning on with a cache in a fresh directory; every plan (bf16 and FP8) forgotten before
-// and after, so no other test's plans or settings leak in or out.
-class GpuFp8GemmTuning : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    directory_ = (std::filesystem::temp_directory_path() /
-                  fmt::format("forge_gpu_fp8_tuning_{}_{}", info->name(), ::getpid()))
-                     .string();
-    std::filesystem::remove_all(directory_);
-    cuda::forget_gemm_plans();
-    set_gemm_tuning(true, directory_);
-  }
-  void TearDown() override {
-    set_gemm_tuning(false);
-    cuda::forget_gemm_plans();
-    std::filesystem::remove_all(directory_);
-  }
-
-  std::string directory_;
-};
+// A fresh cache directory and no plans around each test (tests/gpu/gemm_tuning_testing.h).
+class GpuFp8GemmTuning : public GemmTuningTest {};
 
 TEST_F(GpuFp8GemmTuning, TunedGemmsMatchCpuReference) {
   Rng rng(seed_for_current_test());

@@ -13,6 +13,7 @@
 
 #include <fmt/format.h>
 
+#include "gemm_tuning_testing.h"
 #include "gpu_testing.h"
 #include "kernels/cuda/matmul.h"
 #include "ops/matmul.h"
@@ -36,27 +37,8 @@ bool bitwise_equal(const Tensor& gpu_a, const Tensor& gpu_b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
 }
 
-// Tuning on with a cache in a fresh directory; every plan forgotten before and after, so
-// no other test's plans or settings leak in or out.
-class GpuGemmTuningCache : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    directory_ = (std::filesystem::temp_directory_path() /
-                  fmt::format("forge_gpu_gemm_cache_{}_{}", info->name(), ::getpid()))
-                     .string();
-    std::filesystem::remove_all(directory_);
-    cuda::forget_gemm_plans();
-    set_gemm_tuning(true, directory_);
-  }
-  void TearDown() override {
-    set_gemm_tuning(false);
-    cuda::forget_gemm_plans();
-    std::filesystem::remove_all(directory_);
-  }
-
-  std::string directory_;
-};
+// A fresh cache directory and no plans around each test (tests/gpu/gemm_tuning_testing.h).
+class GpuGemmTuningCache : public GemmTuningTest {};
 
 // A forward-like GEMM (bf16 out, beta 0) and a weight-gradient-like one (fp32 out
 // accumulating, beta 1), shapes no other test uses.
