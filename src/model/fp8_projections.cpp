@@ -38,6 +38,10 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
   return static_cast<int64_t>(fp8_matrices(config, settings).size());
 }
 
+int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings) {
+  return settings.weight_cache ? 2 * fp8_gemm_params(config, settings) : 0;
+}
+
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   // The shared statistics, and each layer parameter's (and the FP8 head's) forward statistics.
   int64_t layer_params = 0;
@@ -46,8 +50,7 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   const int64_t projections = fp8_projection_count(config, settings);
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
-  const int64_t weight_cache = settings.weight_cache ? 2 * fp8_gemm_params(config, settings) : 0;
-  return 3 * fp8_workspace_codes(config, settings, tokens) + weight_cache +
+  return 3 * fp8_workspace_codes(config, settings, tokens) +
          (stats * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
              static_cast<int64_t>(sizeof(float));
 }

@@ -72,10 +72,12 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
 // buffers of fp8_workspace_codes bytes, the shared statistics and every projection's
-// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks, with
-// `delayed` the amax histories, and with weight_cache 2 bytes per FP8 weight. The memory estimate counts this (model/memory_estimate.h);
+// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks and, with
+// `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
+// The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight, 0 without it.
+int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings);
 
 class Fp8Projections : public ParamSource, public GradSink {
  public:

@@ -35,8 +35,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
-  if (plan.fp8 && plan.cuda)
+  if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
+    e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));
+  }
   if (plan.lora.enabled()) {
     // NOTE [LoRA training]: only the adapters have masters, gradients and AdamW state.
     const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
@@ -100,6 +102,7 @@ std::string describe(const MemoryEstimate& e, bool bf16_compute) {
   s += fmt::format("gradients {} + AdamW state {} + activations {}", gib(e.gradients), gib(e.optimizer_state),
                    gib(e.activations));
   if (e.fp8_scratch > 0) s += fmt::format(" + FP8 GEMM scratch {}", gib(e.fp8_scratch));
+  if (e.fp8_weight_cache > 0) s += fmt::format(" + FP8 weight cache {}", gib(e.fp8_weight_cache));
   if (e.comm_buffers > 0) s += fmt::format(" + FSDP reduction buffers {}", gib(e.comm_buffers));
   s += fmt::format(" = {}", gib(e.total()));
   return s;

@@ -45,9 +45,10 @@ struct MemoryEstimate {
   // dequantization scratch; frozen_weights is then the rest (embedding, norms, head).
   double nf4_base = 0;
   double fp8_scratch = 0;  // precision.fp8 on CUDA: the FP8 GEMMs' code buffers (NOTE [FP8 projections])
+  double fp8_weight_cache = 0;  // precision.fp8_weight_cache on CUDA (NOTE [FP8 weight cache])
   double total() const {
     return master_weights + compute_weights + gradients + optimizer_state + activations + comm_buffers +
-           frozen_weights + nf4_base + fp8_scratch;
+           frozen_weights + nf4_base + fp8_scratch + fp8_weight_cache;
   }
 };
 

@@ -73,7 +73,9 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
     EXPECT_EQ(fp8_scratch_bytes(c.config, delayed, tokens), bytes + blocks * 3 * 1024 * 4);
     Fp8Settings cached = settings;
     cached.weight_cache = true;  // NOTE [FP8 weight cache]: W and W^T codes, a byte each
-    EXPECT_EQ(fp8_scratch_bytes(c.config, cached, tokens), bytes + 2 * fp8_gemm_params(c.config, settings));
+    EXPECT_EQ(fp8_scratch_bytes(c.config, cached, tokens), bytes);
+    EXPECT_EQ(fp8_weight_cache_bytes(c.config, cached), 2 * fp8_gemm_params(c.config, settings));
+    EXPECT_EQ(fp8_weight_cache_bytes(c.config, settings), 0);
     MemoryPlan plan;
     plan.micro_batch = c.micro_batch;
     plan.seq_len = c.seq_len;

@@ -101,7 +101,13 @@ class Commands(unittest.TestCase):
                       f"FP8 ({100 * share:.1f}% of the FLOPs per token)", fp8[0])
         self.assertIn("gradients e5m2; the output head in bf16", fp8[0])
         gpu = [line for line in result.stdout.splitlines() if "one GPU" in line]
-        self.assertIn("FP8 GEMM scratch 0.66 GiB", gpu[0])
+        self.assertIn("FP8 GEMM scratch 0.66 GiB + FP8 weight cache 13.00 GiB", gpu[0])  # 2 x the projections
+        self.assertIn("weights cast in every micro-batch", fp8[0])  # the CPU has no weight cache
+        on_gpu = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--training.device", "cuda")
+        self.assertIn("weights cast once per optimizer step (precision.fp8_weight_cache)", on_gpu.stdout)
+        uncached = forge("info", "llama3.1-8b", "--precision.fp8", "delayed", "--precision.fp8_weight_cache", "false")
+        self.assertIn("FP8              delayed (amax history 1024, max, margin 0): ", uncached.stdout)
+        self.assertNotIn("weight cache", uncached.stdout)
         cpu = [line for line in result.stdout.splitlines() if "CPU (fp32)" in line]
         self.assertNotIn("FP8", cpu[0])
         head = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_output_head", "true")
