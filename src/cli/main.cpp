@@ -152,6 +152,18 @@ int main(int argc, char** argv) {
   report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
   report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
 
+  auto* mlperf = app.add_subcommand("mlperf", "MLPerf Training: score a set of runs' MLLOG result files");
+  mlperf->require_subcommand(1);
+  std::string mlperf_score_dir, mlperf_score_benchmark;
+  auto* mlperf_score = mlperf->add_subcommand(
+      "score", "Time-to-train of DIR/result_*.txt: olympic mean, RCP normalization and score, as the MLPerf "
+               "result summarizer and RCP checker compute them");
+  mlperf_score->add_option("DIR", mlperf_score_dir, "directory of result_*.txt files")->required();
+  mlperf_score->add_option("--benchmark", mlperf_score_benchmark,
+                           "llama31_8b or llama2_70b_lora (default: the logs' submission_benchmark)")
+      ->check(CLI::IsMember({"llama31_8b", "llama2_70b_lora"}));
+  mlperf_score->footer("Exits with 1 when a file is malformed, the set cannot be scored, or the RCP check fails.");
+
   // Set last: subcommands created after it would inherit it.
   app.footer("train, info, bench and hf-info take overrides: any config key as --section.key VALUE or "
              "--section.key=VALUE, e.g. --training.local_batch_size 6.\nRun 'forge keys' for every key with its "
@@ -178,6 +190,7 @@ int main(int argc, char** argv) {
     }
     if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (report->parsed()) return forge::run_report(report_dirs, report_output);
+    if (mlperf_score->parsed()) return forge::run_mlperf_score(mlperf_score_dir, mlperf_score_benchmark);
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       prep_options.format = prep_format == "sft" ? forge::PrepFormat::Sft : forge::PrepFormat::Text;
