@@ -384,6 +384,7 @@ int64_t read_npy_records(const std::string& path, const std::function<void(int64
   const int64_t count = static_cast<int64_t>(elements.items.empty() ? elements.ints.size() : elements.items.size());
   if (count != header.shape[0])
     FORGE_FAIL("{}: the header declares {} records, the pickle holds {}", path, header.shape[0], count);
+  uint64_t total_values = 0;
   for (int64_t r = 0; r < count; ++r) {
     if (elements.items.empty()) FORGE_FAIL("{}: record {}: expected a dict, found an int", path, r);
     const Value& element = elements.items[static_cast<size_t>(r)];
@@ -395,7 +396,15 @@ int64_t read_npy_records(const std::string& path, const std::function<void(int64
       if (dict.items[k].kind != Kind::Str)
         FORGE_FAIL("{}: record {}: expected str keys, found {}", path, r, kind_name(dict.items[k].kind));
       const std::string& key = dict.items[k].obj->s;
-      record[key] = field_values(dict.items[k + 1], fmt::format("{}: record {} '{}'", path, r, key));
+      std::vector<int64_t>& values = record[key];
+      values = field_values(dict.items[k + 1], fmt::format("{}: record {} '{}'", path, r, key));
+      // Every value costs the file at least one byte, unless the pickle repeats a memoized
+      // object (BINGET): bounded so that a small file cannot expand without limit.
+      total_values += values.size();
+      if (total_values > file.size())
+        FORGE_FAIL("{}: record {} '{}': the records hold more values than the file has bytes ({}): a pickle that "
+                   "repeats shared objects is refused",
+                   path, r, key, file.size());
     }
     visit(r, record);
   }

@@ -165,6 +165,11 @@ class Records(unittest.TestCase):
         self.assertEqual(result.returncode, 1)
         self.assertIn(path, result.stderr)
         self.assertIn("the pickle names the global 'collections.OrderedDict'", result.stderr)
+        shared = list(range(5000))  # one memoized list named by every record: a small file, huge records
+        np.save(path, [{"input_ids": shared} for _ in range(2000)])
+        result = forge_read("records", path)
+        self.assertEqual(result.returncode, 1)
+        self.assertIn("the records hold more values than the file has bytes", result.stderr)
         np.save(path, [{"input_ids": [1, 2]}])
         data = open(path, "rb").read()
         open(path, "wb").write(data[:-5])
