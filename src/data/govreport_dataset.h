@@ -3,8 +3,8 @@
 // data.path DIR).
 //
 // NOTE [GovReport .npy layout]
-// The MLCommons reference (mlcommons/training, llama2_70b_lora/scripts/utils.py
-// create_datasets, commit 42aaab30) tokenizes each report as
+// The MLCommons reference's preprocessing (mlcommons/training, llama2_70b_lora/scripts/
+// utils.py create_datasets, last changed in commit 42aaab30, read at aa344c7f) formats as
 //   "### Summarize the following text:\n {input}\n ### Summary:\n {output}</s>",
 // drops examples over 8192 tokens and packs the rest back to back into blocks of exactly
 // 8192 tokens (group_texts; the remainder is dropped): labels = input_ids for training,

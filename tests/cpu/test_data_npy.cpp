@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "data/govreport_dataset.h"
 #include "data/npy_array.h"
 #include "test_data_temp_dir.h"
 
@@ -173,6 +174,35 @@ TEST(Npy, RefusesU64AboveInt64AndNamesTheFile) {
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("missing.npy"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace forge
+
+namespace forge {
+namespace {
+
+TEST(GovReportNpy, SplitsAreTheTwoFilesAndTestIsRefused) {
+  EXPECT_EQ(govreport_npy_file("/d/gov", Split::Train), "/d/gov/train.npy");
+  EXPECT_EQ(govreport_npy_file("/d/gov", Split::Validation), "/d/gov/validation.npy");
+  try {
+    (void)govreport_npy_file("/d/gov", Split::Test);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no test split"), std::string::npos) << e.what();
+  }
+}
+
+TEST(GovReportNpy, AnIntegerArrayIsNotARecordFile) {
+  TempDir dir;
+  const std::string path = dir.file("train.npy");
+  write(path, npy_file("{'descr': '<i4', 'fortran_order': False, 'shape': (2,)}", elements({1, 2}, 4, false)));
+  try {
+    GovReportDataset dataset(path, 1, 8, true);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path + ": 'descr' is '<i4': expected '|O'"), std::string::npos) << e.what();
   }
 }
 
