@@ -3,7 +3,7 @@
 tokenizers, sentencepiece, safetensors, transformers and zstandard; `forge` for the
 checkpoint seeds: python fuzz/make_corpus.py [path/to/forge]). Every seed is made here
 from made-up text and tiny made-up models, so the corpora carry no third-party data."""
-import base64, gzip, io, json, os, struct, subprocess, sys, tempfile
+import base64, gzip, io, json, os, pickle, struct, subprocess, sys, tempfile
 import numpy as np
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -179,7 +179,28 @@ def checkpoints(forge):
         put("fuzz_checkpoint_metadata", "tiny-step-1-no-shard", metadata)
 
 
+def npy_files():
+    def npy(array, version=None, protocol=None):
+        f = io.BytesIO()
+        if protocol is None:
+            np.lib.format.write_array(f, array, version=version)
+        else:  # an object array pickled as numpy 1 (protocol 3) or numpy 2 (4) saves it
+            np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(array))
+            f.write(pickle.dumps(array, protocol=protocol))
+        return f.getvalue()
+    put("fuzz_npy", "i4-2d-v1", npy(np.arange(12, dtype="<i4").reshape(3, 4)))
+    put("fuzz_npy", "u2-be-v2", npy(np.arange(5, dtype=">u2"), (2, 0)))
+    put("fuzz_npy", "i8-0d-v3", npy(np.array(-7, dtype="<i8"), (3, 0)))
+    put("fuzz_npy", "bool-empty", npy(np.zeros((0, 3), dtype="?")))
+    records = np.empty(2, dtype=object)
+    records[0] = {"input_ids": np.arange(9, dtype=np.int64), "loss_mask": [0, 0, 1, 1, 1, 1, 1, 1, 0],
+                  "seq_start_id": [0]}
+    records[1] = {"input_ids": np.arange(9, dtype=np.int32), "loss_mask": [1] * 9, "seq_start_id": [0, 4]}
+    put("fuzz_npy", "records-protocol3", npy(records, protocol=3))
+    put("fuzz_npy", "records-protocol4", npy(records, protocol=4))
+
+
 if __name__ == "__main__":
-    json_lines(); experiments(); indexed(); safetensors_files(); hf_configs(); hf_weight_index()
+    json_lines(); experiments(); indexed(); npy_files(); safetensors_files(); hf_configs(); hf_weight_index()
     tokenizers_json(); sentencepiece_models(); tiktoken_files(); corpus_files()
     checkpoints(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "build", "forge"))

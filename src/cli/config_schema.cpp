@@ -161,9 +161,10 @@ std::vector<ConfigKey> build_schema() {
                                         optim_bounds::min_lr),
 
       key<&E::data, &D::source>("data.source", "where samples come from", {},
-                                {"synthetic", "mock", "indexed", "sft"}),
+                                {"synthetic", "mock", "indexed", "sft", "govreport_npy"}),
       key<&E::data, &D::path>("data.path",
-                              "indexed/sft: path prefix of <path>.bin and <path>.idx (sft: and <path>.mask.*)"),
+                              "indexed/sft: path prefix of <path>.bin and <path>.idx (sft: and <path>.mask.*); "
+                              "govreport_npy: the folder of train.npy and validation.npy"),
       key<&E::data, &D::blend>("data.blend",
                                "indexed: \"W1 PREFIX1 W2 PREFIX2 ...\" weighted blend instead of data.path "
                                "(Megatron --data-path)"),

@@ -104,7 +104,10 @@ void check_data(const ExperimentConfig& config, const ConfigOrigins& origins, co
     FORGE_FAIL("{} needs data.path (the prefix of the .bin/.idx and .mask.bin/.mask.idx files)",
                show_key("data.source"));
   }
-  if (config.data.source == "sft" && !config.data.blend.empty()) {
+  if (config.data.source == "govreport_npy" && config.data.path.empty()) {
+    FORGE_FAIL("{} needs data.path (the folder of train.npy and validation.npy)", show_key("data.source"));
+  }
+  if ((config.data.source == "sft" || config.data.source == "govreport_npy") && !config.data.blend.empty()) {
     FORGE_FAIL("{} reads one dataset: data.blend is for indexed data", show_key("data.source"));
   }
   if (config.data.source == "indexed" && config.data.path.empty() && config.data.blend.empty()) {

@@ -38,8 +38,9 @@
 namespace forge {
 
 struct DataConfig {
-  std::string source = "synthetic";  // synthetic | mock | indexed | sft
-  std::string path;                  // indexed, sft: path prefix of <path>.bin / <path>.idx (sft_dataset.h)
+  std::string source = "synthetic";  // synthetic | mock | indexed | sft | govreport_npy
+  std::string path;                  // indexed, sft: path prefix of <path>.bin / <path>.idx (sft_dataset.h);
+                                     // govreport_npy: the folder of train.npy, validation.npy (govreport_dataset.h)
   std::string blend;                 // indexed: "W1 PREFIX1 W2 PREFIX2 ..." instead of path (blended_dataset.h)
   std::string split = "969,30,1";    // indexed, sft: train,validation,test weights (Megatron --split)
   std::string packing = "packed";    // sft: packed | padded (NOTE [SFT samples] in sft_dataset.h)

@@ -11,6 +11,7 @@
 #include "data/blended_dataset.h"
 #include "data/dataset.h"
 #include "data/generated_datasets.h"
+#include "data/govreport_dataset.h"
 #include "data/packed_dataset.h"
 #include "data/sft_dataset.h"
 
@@ -29,8 +30,9 @@ void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
     FORGE_FAIL("model vocab_size is {}: expected 1 to {}", vocab_size, std::numeric_limits<int32_t>::max());
   if (config.num_samples < 0)
     FORGE_FAIL("data.num_samples is {}: expected 0 (unbounded) or a positive count", config.num_samples);
-  if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed" && config.source != "sft")
-    FORGE_FAIL("data.source is '{}': expected synthetic, mock, indexed or sft", config.source);
+  if (config.source != "synthetic" && config.source != "mock" && config.source != "indexed" && config.source != "sft" &&
+      config.source != "govreport_npy")
+    FORGE_FAIL("data.source is '{}': expected synthetic, mock, indexed, sft or govreport_npy", config.source);
   if (config.packing != "packed" && config.packing != "padded")
     FORGE_FAIL("data.packing is '{}': expected packed or padded", config.packing);
   if (config.overlong != "truncate" && config.overlong != "drop")
@@ -38,6 +40,9 @@ void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
   if (config.source == "sft" && (config.path.empty() || !config.blend.empty()))
     FORGE_FAIL("data.source sft reads one dataset: data.path must name its prefix (<path>.bin, <path>.idx, "
                "<path>.mask.bin, <path>.mask.idx) and data.blend be empty");
+  if (config.source == "govreport_npy" && (config.path.empty() || !config.blend.empty()))
+    FORGE_FAIL("data.source govreport_npy reads one directory: data.path must name the folder of train.npy and "
+               "validation.npy and data.blend be empty");
   if (config.source == "indexed" && config.path.empty() && config.blend.empty())
     FORGE_FAIL("data.path and data.blend are empty: the indexed source needs the prefix of <path>.bin and "
                "<path>.idx, or a blend \"W1 PREFIX1 W2 PREFIX2 ...\"");
@@ -106,6 +111,9 @@ std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split
   if (config.source == "sft")
     return std::make_unique<SftDataset>(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split),
                                         SftOptions{config.packing == "packed", config.overlong == "drop"});
+  if (config.source == "govreport_npy")
+    return std::make_unique<GovReportDataset>(govreport_npy_file(config.path, split), seq_len, vocab_size,
+                                              split == Split::Train);
   if (!config.blend.empty()) return make_blended_dataset(config, split, seq_len, vocab_size, split_seed(seed, split));
   return make_packed_dataset(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split));
 }

@@ -83,6 +83,13 @@ TEST(ConfigValidate, SftDataNeedsOnePathAndKnownPacking) {
   EXPECT_EQ(config.data.overlong, "truncate");
 }
 
+TEST(ConfigValidate, GovReportNpyDataNeedsItsFolder) {
+  expect_error([] { load({{"data.source", "govreport_npy"}}); },
+               {"data.source = govreport_npy (command line) needs data.path", "train.npy and validation.npy"});
+  expect_error([] { load({{"data.source", "govreport_npy"}, {"data.blend", "1 /a"}}); }, {"needs data.path"});
+  EXPECT_EQ(load({{"data.source", "govreport_npy"}, {"data.path", "/d/gov"}}).data.path, "/d/gov");
+}
+
 TEST(ConfigValidate, GemmTuningCacheIsADirectoryOrOff) {
   for (const char* word : {"false", "no", "True", "OFF", "none"})
     expect_error([&] { load({{"training.gemm_tuning_cache", word}}); },
