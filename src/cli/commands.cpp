@@ -135,14 +135,10 @@ int run_info(const std::vector<std::string>& args) {
   if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config.precision)) {
     const PrecisionConfig& p = config.precision;
     const double share = 6.0 * static_cast<double>(fp8_gemm_params(m, *fp8)) / m.flops_per_token(t.seq_len);
-    fmt::print("FP8              {}{}: the forward, input- and weight-gradient GEMMs of qkv, o, gate/up and down{} in "
+    fmt::print("FP8              {}: the forward, input- and weight-gradient GEMMs of qkv, o, gate/up and down{} in "
                "FP8 ({:.1f}% of the FLOPs per token), activations and weights e4m3, gradients {}; the output head "
                "{}, embedding, attention, norms and optimizer in bf16/fp32; weights cast {}\n",
-               p.fp8,
-               p.fp8 == "delayed" ? fmt::format(" (amax history {}, {}, margin {})", p.fp8_amax_history_len,
-                                                p.fp8_amax_compute_algo, p.fp8_margin)
-                                  : std::string(),
-               fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
+               fp8_recipe_description(p), fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16",
                p.fp8_weight_cache && t.device == "cuda" ? "once per optimizer step (precision.fp8_weight_cache)"
                                                         : "in every micro-batch");

@@ -74,9 +74,15 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
     layer.push_back(spec.shape.size() == 2 ? static_cast<int64_t>(names_.size()) : -1);
-    if (spec.shape.size() == 2) names_.push_back(spec.name);
+    if (spec.shape.size() == 2) {
+      names_.push_back(spec.name);
+      numels_.push_back(spec.shape[0] * spec.shape[1]);
+    }
   }
-  if (settings.output_head) names_.push_back(head_name);
+  if (settings.output_head) {
+    names_.push_back(head_name);
+    numels_.push_back(config.vocab_size * config.hidden_size);
+  }
   const auto projections = static_cast<int64_t>(names_.size());
   stats_ = Tensor::empty({projections * cpu::kFp8ProjectionStats}, DType::F32, device);
   fp8_stats_init(stats_);
@@ -107,19 +113,8 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     if (block < 0) continue;
     p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
     p.linears[k].delayed = delayed_active_;
-  }
-  if (device_ == Device::CUDA && settings_.weight_cache) {  // NOTE [FP8 weight cache]
-    const std::vector<ParamSpec> specs = parameter_specs(config_);
-    for (size_t k = 0; k < params; ++k) {
-      int64_t numel = 0;
-      if (head) {
-        numel = config_.vocab_size * config_.hidden_size;
-      } else if (projection_of_.at(index).at(k) >= 0) {
-        size_t seen = 0;  // the k-th parameter of layer `index`
-        for (const ParamSpec& spec : specs)
-          if (spec.layer == static_cast<int>(index) && seen++ == k) numel = spec.shape[0] * spec.shape[1];
-      }
-      if (numel == 0) continue;
+    if (device_ == Device::CUDA && settings_.weight_cache) {  // NOTE [FP8 weight cache]
+      const int64_t numel = numels_.at(static_cast<size_t>(block));
       p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].generation = &generation_;

@@ -138,6 +138,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   Device device_;
   std::vector<std::vector<int64_t>> projection_of_;  // [layer][parameter]: block number or -1
   std::vector<std::string> names_;                   // per block: its parameter's name
+  std::vector<int64_t> numels_;                      // per block: its weight's elements
   Tensor stats_, history_;                           // every block; delayed's histories
   bool delayed_active_ = false;
   uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock

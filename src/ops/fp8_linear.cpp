@@ -25,6 +25,9 @@ float* seen_of(const Fp8Linear& fp8, Fp8Role role) {
   return fp8.stats ? fp8.stats + cpu::fp8_seen_offset(0, role) : nullptr;
 }
 
+// Whether the layer quantizes with its block's delayed scales (NOTE [FP8 delayed scaling]).
+bool uses_delayed_scales(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
+
 void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const char* op) {
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "{}: operands must be matrices, got {}, {} and {}", op,
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
@@ -47,7 +50,7 @@ HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, F
   float amax = 0.0f;
   cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
   if (float* seen = seen_of(fp8, role); seen && !std::isnan(*seen) && (std::isnan(amax) || amax > *seen)) *seen = amax;
-  const bool delayed = fp8.delayed && fp8.stats;
+  const bool delayed = uses_delayed_scales(fp8);
   const float scale = delayed ? fp8.stats[cpu::fp8_scale_offset(0, role)]
                               : cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
   std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
@@ -130,8 +133,6 @@ void cast_delayed(const Tensor& t, Fp8Format format, const DeviceOperand& dst, b
                            transpose ? dst.codes : also_transposed, dst.amax);
 }
 
-bool delayed_on_device(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
-
 // NOTE [FP8 weight cache]: the cached codes of w (transposed or not) when they are this
 // step's, else null.
 uint8_t* cached_weight(const Fp8Linear& fp8, const Tensor& w, bool transposed) {
@@ -177,31 +178,30 @@ void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand&
 
 // W^T (E4M3) into b's codes: with the forward's scale when it saw this W (b then points
 // at those statistics), quantized afresh otherwise.
+// With a known scale (delayed, or the forward's) the codes come from or go to the weight
+// cache (NOTE [FP8 weight cache]).
 void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOperand& b) {
-  if (delayed_on_device(fp8)) {
+  const bool delayed = uses_delayed_scales(fp8);
+  if (delayed) {
     b = delayed_operand(fp8, Fp8Role::W, b.codes);
-    if (uint8_t* kept = cached_weight(fp8, w, true)) {
-      b.codes = kept;
-      return;
-    }
-    b.codes = caching_target(fp8, w, true, b.codes);
-    cast_delayed(w, kE4M3, b, /*transpose=*/true);
   } else if (saw(fp8.forward, nullptr, &w)) {
     b = with_forward_stats(b, *fp8.forward, 1);
-    if (uint8_t* kept = cached_weight(fp8, w, true)) {
-      b.codes = kept;
-      return;
-    }
-    b.codes = caching_target(fp8, w, true, b.codes);
-    cast_transpose_with(w, kE4M3, b);
   } else {
     quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W));
+    return;
   }
+  if (uint8_t* kept = cached_weight(fp8, w, true)) {
+    b.codes = kept;
+    return;
+  }
+  b.codes = caching_target(fp8, w, true, b.codes);
+  if (delayed) cast_delayed(w, kE4M3, b, /*transpose=*/true);
+  else cast_transpose_with(w, kE4M3, b);
 }
 
 // x^T (E4M3) into b's codes, the same way with the forward's x statistics.
 void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOperand& b) {
-  if (delayed_on_device(fp8)) {
+  if (uses_delayed_scales(fp8)) {
     b = delayed_operand(fp8, Fp8Role::X, b.codes);
     cast_delayed(x, kE4M3, b, /*transpose=*/true);
   } else if (saw(fp8.forward, &x, nullptr)) {
@@ -212,13 +212,14 @@ void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOper
   }
 }
 
-// dy (grad format) into d's codes, row-major, for the input gradient.
-void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, DeviceOperand& d) {
-  if (delayed_on_device(fp8)) {
+// dy (grad format) into d's codes: row-major for the input gradient, transposed (dy^T
+// [out, t]) for the weight gradient.
+void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool transpose, DeviceOperand& d) {
+  if (uses_delayed_scales(fp8)) {
     d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
-    cast_delayed(dy, fp8.grad_format, d, /*transpose=*/false);
+    cast_delayed(dy, fp8.grad_format, d, transpose);
   } else {
-    quantize_device(dy, fp8.grad_format, false, d, seen_of(fp8, Fp8Role::Dy));
+    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy));
   }
 }
 
@@ -252,7 +253,7 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       if (residual) expect_tensor(*residual, Device::CUDA, DType::BF16, "fp8_linear_forward residual");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_forward");
       DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
-      const bool delayed = delayed_on_device(fp8);
+      const bool delayed = uses_delayed_scales(fp8);
       if (delayed) {
         a = delayed_operand(fp8, Fp8Role::X, a.codes);
         b = delayed_operand(fp8, Fp8Role::W, b.codes);
@@ -309,7 +310,7 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
       DeviceOperand b = operand(ws, 1, out * in, "fp8_linear_backward_input");
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        quantize_output_gradient(dy, fp8, a);
+        quantize_output_gradient(dy, fp8, /*transpose=*/false, a);
         quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
       }
       profiled_gemm("backward_input", t, in, out, [&] {
@@ -351,7 +352,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     DeviceOperand b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
     {
       OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-      if (delayed_on_device(fp8)) {
+      if (uses_delayed_scales(fp8)) {
         d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
       } else {
@@ -395,13 +396,8 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
       DeviceOperand b = operand(ws, 1, t * in, "fp8_linear_backward_weight");
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        if (delayed_on_device(fp8)) {  // dy^T [out, t]
-          a = delayed_operand(fp8, Fp8Role::Dy, a.codes);
-          cast_delayed(dy, fp8.grad_format, a, /*transpose=*/true);
-        } else {
-          quantize_device(dy, fp8.grad_format, true, a, seen_of(fp8, Fp8Role::Dy));
-        }
-        quantize_input_transposed(x, fp8, b);           // x^T [in, t]
+        quantize_output_gradient(dy, fp8, /*transpose=*/true, a);  // dy^T [out, t]
+        quantize_input_transposed(x, fp8, b);                       // x^T [in, t]
       }
       profiled_gemm("backward_weight", out, in, t, [&] {
         cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in, t,

@@ -43,6 +43,12 @@ std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
   return s;
 }
 
+std::string fp8_recipe_description(const PrecisionConfig& p) {
+  if (p.fp8 != "delayed") return p.fp8;
+  return fmt::format("delayed (amax history {}, {}, margin {})", p.fp8_amax_history_len, p.fp8_amax_compute_algo,
+                     p.fp8_margin);
+}
+
 namespace {
 
 // NOTE [The memory check on the CPU]

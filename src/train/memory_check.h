@@ -11,6 +11,9 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config);
 
 // precision.fp8's settings (NOTE [FP8 projections]); unset with precision.fp8 none.
 std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& precision);
+// The recipe as forge info and the training log name it: "tensorwise", or "delayed (amax
+// history 1024, max, margin 0)".
+std::string fp8_recipe_description(const PrecisionConfig& precision);
 
 // On CUDA: throws OutOfMemoryError naming the estimate, the GPU's free memory and the
 // settings that would shrink the need, when the estimate plus kReserveBytes exceeds free

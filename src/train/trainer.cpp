@@ -127,13 +127,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(p), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
-      log_info("FP8 {}{}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
+      log_info("FP8 {}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
                "output head in {}",
-               p.fp8,
-               p.fp8 == "delayed" ? fmt::format(" (amax history {}, {}, margin {})", p.fp8_amax_history_len,
-                                                p.fp8_amax_compute_algo, p.fp8_margin)
-                                  : std::string(),
-               p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
+               fp8_recipe_description(p), p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
     }
   }
   if (dp_) {
