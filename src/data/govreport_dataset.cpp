@@ -64,20 +64,23 @@ GovReportDataset::GovReportDataset(const std::string& path, int64_t seq_len, int
   if (num_samples_ == 0) FORGE_FAIL("{}: holds no records: expected at least one 8192-token block", path);
 }
 
-void GovReportDataset::sample_examples(int64_t epoch, int64_t index, int32_t* tokens, int32_t* example,
-                                       uint8_t* response) const {
+size_t GovReportDataset::sample_offset(int64_t epoch, int64_t index) const {
   FORGE_CHECK(index >= 0 && index < num_samples_ && epoch >= 0, "sample {} of {} in epoch {}", index, num_samples_,
               epoch);
-  const size_t width = static_cast<size_t>(seq_len_ + 1), at = static_cast<size_t>(index) * width;
+  return static_cast<size_t>(index) * static_cast<size_t>(seq_len_ + 1);
+}
+
+void GovReportDataset::sample_examples(int64_t epoch, int64_t index, int32_t* tokens, int32_t* example,
+                                       uint8_t* response) const {
+  const size_t width = static_cast<size_t>(seq_len_ + 1), at = sample_offset(epoch, index);
   std::memcpy(tokens, tokens_.data() + at, width * sizeof(int32_t));
   std::memcpy(example, example_.data() + at, width * sizeof(int32_t));
   std::memcpy(response, loss_mask_.data() + at, width);
 }
 
 void GovReportDataset::sample(int64_t epoch, int64_t index, int32_t* out) const {
-  std::vector<int32_t> example(static_cast<size_t>(seq_len_ + 1));
-  std::vector<uint8_t> response(example.size());
-  sample_examples(epoch, index, out, example.data(), response.data());
+  const size_t width = static_cast<size_t>(seq_len_ + 1);
+  std::memcpy(out, tokens_.data() + sample_offset(epoch, index), width * sizeof(int32_t));
 }
 
 }  // namespace forge

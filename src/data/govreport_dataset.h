@@ -52,6 +52,8 @@ class GovReportDataset : public TokenDataset {
                        uint8_t* response) const override;
 
  private:
+  size_t sample_offset(int64_t epoch, int64_t index) const;  // of sample `index` in the arrays below
+
   int64_t seq_len_, num_samples_ = 0;
   bool shuffle_;
   std::vector<int32_t> tokens_, example_;  // num_samples x (seq_len + 1)

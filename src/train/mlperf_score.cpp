@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/input_file.h"
+#include "core/json_input.h"
 #include "train/mllog.h"
 
 namespace forge::mlperf {
@@ -18,20 +19,26 @@ using mllog::Json;
 
 // One `:::MLLOG` line's JSON, checked for the fields mllog.py writes
 // (NOTE [MLLOG line format]).
+// Parsed as every user JSON is (NOTE [Bounded JSON input] in core/json_input.h), and its
+// values shown in messages through describe_json.
 Json parse_line(const std::string& path, size_t lineno, const std::string& text) {
-  Json j = Json::parse(text, nullptr, false, false);
   const auto where = fmt::format("{}:{}", path, lineno);
-  if (j.is_discarded()) FORGE_FAIL("{}: the text after ':::MLLOG ' is not valid JSON", where);
+  Json j;
+  try {
+    j = parse_json(text, "the MLLOG record");
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: the text after ':::MLLOG ' is not valid JSON ({})", where, e.what());
+  }
   if (!j.is_object()) FORGE_FAIL("{}: the text after ':::MLLOG ' must be a JSON object", where);
   for (const char* field : {"namespace", "time_ms", "event_type", "key", "value", "metadata"})
     if (!j.contains(field)) FORGE_FAIL("{}: the MLLOG record has no '{}'", where, field);
   if (!j["time_ms"].is_number() || !std::isfinite(j["time_ms"].get<double>()))
-    FORGE_FAIL("{}: time_ms must be a number of milliseconds, got {}", where, j["time_ms"].dump());
-  if (!j["key"].is_string()) FORGE_FAIL("{}: key must be a string, got {}", where, j["key"].dump());
+    FORGE_FAIL("{}: time_ms must be a number of milliseconds, got {}", where, describe_json(j["time_ms"]));
+  if (!j["key"].is_string()) FORGE_FAIL("{}: key must be a string, got {}", where, describe_json(j["key"]));
   const auto& type = j["event_type"];
   if (!type.is_string() || (type != "POINT_IN_TIME" && type != "INTERVAL_START" && type != "INTERVAL_END"))
-    FORGE_FAIL("{}: event_type must be POINT_IN_TIME, INTERVAL_START or INTERVAL_END, got {}", where, type.dump());
-  if (!j["metadata"].is_object()) FORGE_FAIL("{}: metadata must be a JSON object, got {}", where, j["metadata"].dump());
+    FORGE_FAIL("{}: event_type must be POINT_IN_TIME, INTERVAL_START or INTERVAL_END, got {}", where, describe_json(type));
+  if (!j["metadata"].is_object()) FORGE_FAIL("{}: metadata must be a JSON object, got {}", where, describe_json(j["metadata"]));
   return j;
 }
 
@@ -68,13 +75,13 @@ ResultRun read_result_file(const std::string& path) {
     const Json& metadata = j["metadata"];
     const double time_ms = j["time_ms"].get<double>();
     if (key == mllog::kSubmissionBenchmark) {
-      if (!value.is_string()) FORGE_FAIL("{}: submission_benchmark must be a string, got {}", where, value.dump());
+      if (!value.is_string()) FORGE_FAIL("{}: submission_benchmark must be a string, got {}", where, describe_json(value));
       if (!run.benchmark.empty() && run.benchmark != value.get<std::string>())
-        FORGE_FAIL("{}: a second submission_benchmark, {}, after '{}'", where, value.dump(), run.benchmark);
+        FORGE_FAIL("{}: a second submission_benchmark, {}, after '{}'", where, describe_json(value), run.benchmark);
       run.benchmark = value;
     } else if (key == mllog::kGlobalBatchSize) {
       if (!value.is_number_integer() || value.get<int64_t>() <= 0)
-        FORGE_FAIL("{}: global_batch_size must be a positive integer, got {}", where, value.dump());
+        FORGE_FAIL("{}: global_batch_size must be a positive integer, got {}", where, describe_json(value));
       run.global_batch = value;
     } else if (key == mllog::kRunStart) {
       if (have_start) FORGE_FAIL("{}: a second run_start (the rules allow exactly one per result file)", where);
@@ -84,8 +91,8 @@ ResultRun read_result_file(const std::string& path) {
       if (!metadata.contains(mllog::kSamplesCount) || !metadata[mllog::kSamplesCount].is_number_integer())
         FORGE_FAIL("{}: eval_accuracy needs an integer metadata.samples_count (the 5.1 rules of llama31_8b and "
                    "llama2_70b_lora), got metadata {}",
-                   where, metadata.dump());
-      if (!value.is_number()) FORGE_FAIL("{}: eval_accuracy's value must be a number, got {}", where, value.dump());
+                   where, describe_json(metadata));
+      if (!value.is_number()) FORGE_FAIL("{}: eval_accuracy's value must be a number, got {}", where, describe_json(value));
       last_samples = metadata[mllog::kSamplesCount];
       run.last_eval = value.get<double>();
     } else if (key == mllog::kRunStop) {
@@ -93,7 +100,7 @@ ResultRun read_result_file(const std::string& path) {
       if (have_stop) FORGE_FAIL("{}: a second run_stop (the rules allow exactly one per result file)", where);
       have_stop = true;
       if (!metadata.contains(mllog::kStatus) || !metadata[mllog::kStatus].is_string())
-        FORGE_FAIL("{}: run_stop needs metadata.status (success or aborted), got metadata {}", where, metadata.dump());
+        FORGE_FAIL("{}: run_stop needs metadata.status (success or aborted), got metadata {}", where, describe_json(metadata));
       const std::string status = metadata[mllog::kStatus];
       if (status == mllog::kSuccess) {
         run.converged = true;
