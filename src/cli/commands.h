@@ -30,6 +30,9 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options);
 int run_report(const std::vector<std::string>& run_dirs, const std::string& output);
+// forge mlperf BENCHMARK [--runs N] [--seeds S,...] [--output DIR] [--org NAME] [--platform NAME]
+// [--section.key VALUE ...] (mlperf_run_command.cpp): 0 when every run reached the target.
+int run_mlperf_benchmark(const std::string& benchmark, const std::vector<std::string>& args);
 // forge mlperf score DIR [--benchmark NAME]: exit code 1 when the RCP check fails.
 int run_mlperf_score(const std::string& dir, const std::string& benchmark);
 

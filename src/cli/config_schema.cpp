@@ -183,6 +183,11 @@ std::vector<ConfigKey> build_schema() {
       key<&E::eval, &EvalConfig::interval>("eval.interval", "evaluate every N steps and after the last; 0 disables",
                                            at_least(0)),
       key<&E::eval, &EvalConfig::steps>("eval.steps", "validation micro-batches per evaluation", at_least(1)),
+      key<&E::eval, &EvalConfig::average>(
+          "eval.average",
+          "tokens: the loss is the mean over every counted target; micro_batches: the mean of each micro-batch's "
+          "mean, as Hugging Face Trainer's eval_loss (with micro-batch 1: every sequence weighs the same)",
+          {}, {"tokens", "micro_batches"}),
 
       key<&E::logging, &LoggingConfig::log_interval>("logging.log_interval", "console line every N steps",
                                                      at_least(1)),

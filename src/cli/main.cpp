@@ -1,6 +1,7 @@
 // forge: the command line. Subcommands parse their own arguments into an experiment
 // config (file + --section.key overrides) and hand it to the layer that does the work.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -152,8 +153,27 @@ int main(int argc, char** argv) {
   report->add_option("RUN_DIR", report_dirs, "run directory (metrics.jsonl; bench.json when present)")->required();
   report->add_option("--output,-o", report_output, "HTML file to write")->capture_default_str();
 
-  auto* mlperf = app.add_subcommand("mlperf", "MLPerf Training: score a set of runs' MLLOG result files");
+  auto* mlperf = app.add_subcommand("mlperf", "MLPerf Training: run a benchmark to its quality target with MLLOG "
+                                              "result files, or score a set of them");
   mlperf->require_subcommand(1);
+  std::vector<CLI::App*> mlperf_runs;
+  for (const char* name : {"llama31_8b", "llama2_70b_lora"}) {
+    auto* run = mlperf->add_subcommand(
+        name, fmt::format("Run MLPerf Training's {} as its reference does: forge mlperf {} [--runs N] "
+                          "[--seeds S1,S2,...] [--output DIR] [--org NAME] [--platform NAME] [--section.key VALUE ...]",
+                          name, name));
+    run->prefix_command();
+    run->footer(std::string(name) == std::string("llama31_8b")
+                    ? "Needs --data.path PREFIX (c4-train.en_6_text_document) and --data.validation_path PREFIX "
+                      "(c4-validation-91205-samples.en_text_document). Writes DIR/result_K.txt and DIR/run_K per "
+                      "run (DIR default mlperf-results). Overrides: the hyperparameters the rules let a submitter "
+                      "choose and the system settings; see the README's \"MLPerf\" section."
+                    : "Needs --data.path DIR (GovReport train.npy and validation.npy) and "
+                      "--checkpoint.initial_load_path DIR (Hugging Face Llama 2 70B). Writes DIR/result_K.txt and "
+                      "DIR/run_K per run (DIR default mlperf-results). Overrides: the hyperparameters the rules let "
+                      "a submitter choose and the system settings; see the README's \"MLPerf\" section.");
+    mlperf_runs.push_back(run);
+  }
   std::string mlperf_score_dir, mlperf_score_benchmark;
   auto* mlperf_score = mlperf->add_subcommand(
       "score", "Time-to-train of DIR/result_*.txt: olympic mean, RCP normalization and score, as the MLPerf "
@@ -191,6 +211,8 @@ int main(int argc, char** argv) {
     if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (report->parsed()) return forge::run_report(report_dirs, report_output);
     if (mlperf_score->parsed()) return forge::run_mlperf_score(mlperf_score_dir, mlperf_score_benchmark);
+    for (auto* run : mlperf_runs)
+      if (run->parsed()) return forge::run_mlperf_benchmark(run->get_name(), run->remaining());
     if (prep->parsed()) {
       if (no_append_eod) prep_options.append_eod = false;
       prep_options.format = prep_format == "sft" ? forge::PrepFormat::Sft : forge::PrepFormat::Text;

@@ -35,6 +35,8 @@ EvalSummary evaluate_weights(const ExperimentConfig& config, FlatParameters& wei
   DataLoader loader(*data, t.local_batch_size, 0);
   const auto t0 = std::chrono::steady_clock::now();
   LossSum total;
+  double batch_means = 0.0;  // eval.average micro_batches (NOTE [Evaluation mean] in trainer.cpp)
+  int64_t counted_batches = 0;
   for (int64_t i = 0; i < batches; ++i) {
     Batch batch = loader.next();
     // Packed instruction data: attention stays inside each example, positions restart
@@ -44,10 +46,14 @@ EvalSummary evaluate_weights(const ExperimentConfig& config, FlatParameters& wei
                                          batch.has_examples() ? &layout : nullptr);
     total.sum += l.sum;
     total.tokens += l.tokens;
+    if (l.tokens > 0) {
+      batch_means += l.mean();
+      ++counted_batches;
+    }
   }
   summary.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (total.tokens == 0) FORGE_FAIL("the {} batches evaluated hold no target tokens (every target masked)", batches);
-  summary.loss = total.mean();
+  summary.loss = config.eval.average == "micro_batches" ? batch_means / static_cast<double>(counted_batches) : total.mean();
   summary.perplexity = std::exp(summary.loss);
   summary.tokens = total.tokens;
   return summary;

@@ -36,6 +36,7 @@ struct TrainingConfig {
 struct EvalConfig {
   int64_t interval = 100;            // evaluate every N steps (and after the last); 0 disables
   int64_t steps = 8;                 // validation micro-batches per evaluation
+  std::string average = "tokens";    // tokens | micro_batches: how the loss is averaged (NOTE [Evaluation mean])
 };
 
 struct LoggingConfig {

@@ -66,6 +66,7 @@ inline constexpr const char* kOptLearningRateWarmupSteps = "opt_learning_rate_wa
 inline constexpr const char* kOptLearningRateDecaySteps = "opt_learning_rate_decay_steps";
 inline constexpr const char* kOptLearningRateDecaySchedule = "opt_learning_rate_decay_schedule";
 inline constexpr const char* kOptLearningRateTrainingSteps = "opt_learning_rate_training_steps";
+inline constexpr const char* kOptLearningRateWarmupFactor = "opt_learning_rate_warmup_factor";
 inline constexpr const char* kOptAdamwBeta1 = "opt_adamw_beta_1";
 inline constexpr const char* kOptAdamwBeta2 = "opt_adamw_beta_2";
 inline constexpr const char* kOptAdamwEpsilon = "opt_adamw_epsilon";

@@ -380,10 +380,20 @@ double Trainer::lr_for_step(int64_t step) const {
   return lr_at(config_.optimizer, config_.lr_scheduler, step, config_.training.steps);
 }
 
+// NOTE [Evaluation mean]
+// eval.average tokens: the loss is the mean over every counted target of the evaluation
+// (each token weighs the same, as NOTE [Loss normalization]). micro_batches: the mean of
+// each micro-batch's own mean, as Hugging Face Trainer's eval_loss (which averages the
+// per-batch losses over the samples): with training.local_batch_size 1 every sequence
+// weighs the same however many of its tokens are counted, which is what MLPerf's Llama 2 70B
+// LoRA reference measures on GovReport. A micro-batch without a counted target is left
+// out of that mean, as it adds nothing to the token mean.
 EvalMetrics Trainer::evaluate(int64_t step) {
   DataLoader loader(*eval_data_, config_.training.local_batch_size, 0);
   if (lora_) lora_->set_training(false);  // no adapter dropout, as PEFT's eval()
   LossSum total;
+  double batch_means = 0.0;
+  int64_t counted_batches = 0;
   for (int64_t i = 0; i < config_.eval.steps; ++i) {
     Batch batch = loader.next();
     const SequenceLayout layout = sequence_layout(batch);
@@ -391,11 +401,17 @@ EvalMetrics Trainer::evaluate(int64_t step) {
                                      batch.has_examples() ? &layout : nullptr);
     total.sum += l.sum;
     total.tokens += l.tokens;
+    if (l.tokens > 0) {
+      batch_means += l.mean();
+      ++counted_batches;
+    }
   }
   if (lora_) lora_->set_training(true);
   EvalMetrics m;
   m.step = step;
-  m.loss = total.mean();
+  m.loss = config_.eval.average == "micro_batches"
+               ? (counted_batches > 0 ? batch_means / static_cast<double>(counted_batches) : total.mean())
+               : total.mean();
   m.perplexity = std::exp(m.loss);
   m.tokens = total.tokens;
   return m;
@@ -461,6 +477,8 @@ TrainResult Trainer::run() {
     log_info("{}", line);
   };
   std::vector<Batch> batches(accum);
+  const int64_t samples_per_step = t.global_batch_size;
+  if (observer_) observer_->training_begins(start_step_ * samples_per_step);
   for (int64_t step = start_step_; step < t.steps; ++step) {
     report_step(step + 1);  // NOTE [Failure detection]
     debug_hang_if_requested(rank_, step + 1);
@@ -575,16 +593,25 @@ TrainResult Trainer::run() {
       log_line(describe_gemm_tuning(gemm_tuning_stats()));
     if (progress) progress->update(static_cast<double>(m.step), fmt::format("loss {:.4f}, {:.0f} tokens/s", m.loss, m.tokens_per_s));
 
+    const int64_t samples = m.step * samples_per_step;
+    if (observer_) observer_->step_done(m, samples);
     bool eval_now = config_.eval.interval > 0 && (m.step % config_.eval.interval == 0 || m.step == t.steps);
+    if (observer_ && eval_data_) eval_now = observer_->evaluation_due(m.step, samples, eval_now);
     if (eval_now) {
+      if (observer_) observer_->evaluation_begins(samples);
       EvalMetrics e = evaluate(m.step);
       if (fp8_) fp8_->discard_amaxes();  // NOTE [FP8 step end]: the validation data stays out of the histories
       if (metrics_) metrics_->write(e);
       result.evals.push_back(e);
       log_line(format_eval(e, result.entropy_floor));
+      if (observer_ && observer_->evaluation_done(e, samples)) {
+        result.stopped_by_observer = true;
+        log_line(fmt::format("training ends after step {}: the evaluation reached the run's target", m.step));
+      }
     }
     const CheckpointConfig& ckpt = config_.checkpoint;
-    if (ckpt.enable && (m.step % ckpt.interval == 0 || m.step == t.steps || stop_now)) {
+    if (ckpt.enable &&
+        (m.step % ckpt.interval == 0 || m.step == t.steps || stop_now || result.stopped_by_observer)) {
       if (progress) progress->clear();
       save_checkpoint(m.step);
     }
@@ -596,8 +623,12 @@ TrainResult Trainer::run() {
       result.stopped = true;
       break;
     }
+    if (result.stopped_by_observer) break;
   }
   if (progress) progress->clear();
+  if (observer_)
+    observer_->training_ends(static_cast<int64_t>(result.losses.size() + start_step_) * samples_per_step,
+                             result.stopped_by_observer);
   finish_checkpoint_save_job();  // the last save is on disk before the run ends (NOTE [Async checkpoints])
   result.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
   if (loss_spike_.enabled()) {

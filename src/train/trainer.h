@@ -53,6 +53,7 @@
 #include "train/loss_spike.h"
 #include "train/metrics.h"
 #include "train/nonfinite.h"
+#include "train/training_observer.h"
 
 namespace forge {
 
@@ -69,6 +70,7 @@ struct TrainResult {
   double entropy_floor = -1.0;      // of the training data, when known
   std::string run_dir;
   bool stopped = false;             // by SIGTERM/SIGINT before training.steps (NOTE [Stop signals])
+  bool stopped_by_observer = false; // the TrainingObserver ended training after an evaluation
   int64_t loss_spikes = 0;          // NOTE [Loss spikes]: in this process
 };
 
@@ -93,7 +95,13 @@ class Trainer {
   // Whether run() draws its progress bar on a terminal (forge bench draws its own, for the
   // whole sweep).
   void show_progress(bool show) { show_progress_ = show; }
+  // Hears the step loop and may decide evaluations and an early stop (training_observer.h);
+  // not owned, outlives run().
+  void set_observer(TrainingObserver* observer) { observer_ = observer; }
   EvalMetrics evaluate(int64_t step);
+
+  // The training data (forge mlperf logs its size).
+  const TokenDataset& train_data() const { return *train_data_; }
 
   // The fp32 weights of single-device training (not available under FSDP, where each
   // rank holds a shard).
@@ -182,6 +190,7 @@ class Trainer {
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   bool show_progress_ = true;
+  TrainingObserver* observer_ = nullptr;
   // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<ProcessGroup> own_world_, shard_split_, replicate_group_;
