@@ -168,7 +168,12 @@ std::vector<ConfigKey> build_schema() {
       key<&E::data, &D::blend>("data.blend",
                                "indexed: \"W1 PREFIX1 W2 PREFIX2 ...\" weighted blend instead of data.path "
                                "(Megatron --data-path)"),
-      key<&E::data, &D::split>("data.split", "indexed/sft: train,validation,test weights (Megatron --split)"),
+      key<&E::data, &D::validation_path>("data.validation_path",
+                                         "indexed: prefix of a separate validation/test dataset, read whole in file "
+                                         "order, unshuffled; data.split then unused (Megatron --valid-data-path)"),
+      key<&E::data, &D::split>("data.split",
+                               "indexed/sft: train,validation,test weights (Megatron --split); unused with "
+                               "data.validation_path"),
       key<&E::data, &D::packing>("data.packing", "sft: several examples per sample, or one padded", {},
                                  {"packed", "padded"}),
       key<&E::data, &D::overlong>("data.overlong", "sft: examples over training.seq_len + 1 tokens", {},

@@ -118,6 +118,9 @@ void check_data(const ExperimentConfig& config, const ConfigOrigins& origins, co
   if (!config.data.path.empty() && !config.data.blend.empty()) {
     FORGE_FAIL("{} and {} are both set: give one of them", show_key("data.path"), show_key("data.blend"));
   }
+  if (!config.data.validation_path.empty() && config.data.source != "indexed") {
+    FORGE_FAIL("{} is for data.source indexed, but {}", show_key("data.validation_path"), show_key("data.source"));
+  }
   if (config.data.source == "indexed" && !config.data.blend.empty()) {
     try {
       parse_blend(config.data.blend);

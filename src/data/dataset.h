@@ -42,7 +42,10 @@ struct DataConfig {
   std::string path;                  // indexed, sft: path prefix of <path>.bin / <path>.idx (sft_dataset.h);
                                      // govreport_npy: the folder of train.npy, validation.npy (govreport_dataset.h)
   std::string blend;                 // indexed: "W1 PREFIX1 W2 PREFIX2 ..." instead of path (blended_dataset.h)
-  std::string split = "969,30,1";    // indexed, sft: train,validation,test weights (Megatron --split)
+  std::string validation_path;       // indexed: prefix of a separate validation/test dataset, read whole,
+                                     // unshuffled (NOTE [Separate validation data] in make_dataset.cpp)
+  std::string split = "969,30,1";    // indexed, sft: train,validation,test weights (Megatron --split);
+                                     // unused when validation_path is set
   std::string packing = "packed";    // sft: packed | padded (NOTE [SFT samples] in sft_dataset.h)
   std::string overlong = "truncate"; // sft: truncate | drop examples over seq_len + 1 tokens
   int64_t synthetic_order = 2;       // synthetic: Markov order (tokens of context)

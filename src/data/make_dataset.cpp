@@ -3,6 +3,17 @@
 // stream for the synthetic transition table (shared by all splits, so validation
 // measures the same source), and one per split for sample contents and shuffles, so that
 // train, validation and test never share samples; a blend derives one more per component.
+//
+// NOTE [Separate validation data]
+// data.validation_path (Megatron-LM's --valid-data-path) names an indexed dataset that the
+// Validation and Test splits read instead of a data.split share of the training data: all
+// of its sequences, packed as the training data is but in file order and visited in order
+// (PackedOrder::InFileOrder), so every evaluation reads the first N windows of the file's
+// concatenated token stream, whatever the seed or epoch. This is MLPerf's llama31_8b
+// evaluation: "the first 1024 sequences in the validation dataset ... We do not shuffle the
+// validation dataset" (mlcommons/training small_llm_pretraining/nemo/README.md), read from
+// c4-validation-91205-samples.en_text_document. The Train split then reads all of data.path
+// (or of each data.blend dataset), shuffled as usual; data.split is not used.
 #include <cmath>
 #include <limits>
 
@@ -48,6 +59,9 @@ void validate(const DataConfig& config, int64_t seq_len, int64_t vocab_size) {
                "<path>.idx, or a blend \"W1 PREFIX1 W2 PREFIX2 ...\"");
   if (config.source == "indexed" && !config.path.empty() && !config.blend.empty())
     FORGE_FAIL("data.path ('{}') and data.blend ('{}') are both set: give one of them", config.path, config.blend);
+  if (!config.validation_path.empty() && config.source != "indexed")
+    FORGE_FAIL("data.validation_path ('{}') is for data.source indexed, but data.source is '{}'",
+               config.validation_path, config.source);
 }
 
 int64_t samples_per_epoch(const DataConfig& config) {
@@ -63,11 +77,26 @@ std::shared_ptr<const MarkovSource> synthetic_source(const DataConfig& config, i
                                               derive_seed(seed, kSyntheticTableStream));
 }
 
-std::unique_ptr<TokenDataset> make_packed_dataset(const std::string& prefix, const std::string& split_weights,
-                                                  Split split, int64_t seq_len, int64_t vocab_size, uint64_t seed) {
+// The training data's share for `split`: all of it when validation comes from its own file.
+std::unique_ptr<TokenDataset> make_packed_dataset(const std::string& prefix, const DataConfig& config, Split split,
+                                                  int64_t seq_len, int64_t vocab_size, uint64_t seed) {
   auto data = std::make_shared<const IndexedDataset>(prefix);
-  SequenceRange range = split_sequence_range(split_weights, split, data->num_sequences());
+  SequenceRange range = config.validation_path.empty()
+                            ? split_sequence_range(config.split, split, data->num_sequences())
+                            : SequenceRange{0, data->num_sequences()};
   return std::make_unique<PackedDataset>(std::move(data), range, seq_len, vocab_size, seed);
+}
+
+// NOTE [Separate validation data]: the whole file, in file order.
+std::unique_ptr<TokenDataset> make_validation_file_dataset(const DataConfig& config, int64_t seq_len,
+                                                           int64_t vocab_size) {
+  try {
+    auto data = std::make_shared<const IndexedDataset>(config.validation_path);
+    SequenceRange all{0, data->num_sequences()};
+    return std::make_unique<PackedDataset>(std::move(data), all, seq_len, vocab_size, 0, PackedOrder::InFileOrder);
+  } catch (const Error& e) {
+    FORGE_FAIL("data.validation_path ('{}'): {}", config.validation_path, e.what());
+  }
 }
 
 // Each component gets its own seed, so that two components built from the same files
@@ -79,7 +108,7 @@ std::unique_ptr<TokenDataset> make_blended_dataset(const DataConfig& config, Spl
   std::vector<double> weights;
   for (size_t i = 0; i < blend.size(); ++i) {
     try {
-      components.push_back(make_packed_dataset(blend[i].prefix, config.split, split, seq_len, vocab_size,
+      components.push_back(make_packed_dataset(blend[i].prefix, config, split, seq_len, vocab_size,
                                                derive_seed(seed, kBlendComponentStreamBase + i)));
     } catch (const Error& e) {
       FORGE_FAIL("data.blend dataset {} of {} ('{}'): {}", i + 1, blend.size(), blend[i].prefix, e.what());
@@ -114,8 +143,10 @@ std::unique_ptr<TokenDataset> make_dataset(const DataConfig& config, Split split
   if (config.source == "govreport_npy")
     return std::make_unique<GovReportDataset>(govreport_npy_file(config.path, split), seq_len, vocab_size,
                                               split == Split::Train);
+  if (!config.validation_path.empty() && split != Split::Train)
+    return make_validation_file_dataset(config, seq_len, vocab_size);
   if (!config.blend.empty()) return make_blended_dataset(config, split, seq_len, vocab_size, split_seed(seed, split));
-  return make_packed_dataset(config.path, config.split, split, seq_len, vocab_size, split_seed(seed, split));
+  return make_packed_dataset(config.path, config, split, seq_len, vocab_size, split_seed(seed, split));
 }
 
 double data_entropy_floor(const DataConfig& config, int64_t seq_len, int64_t vocab_size, uint64_t seed) {

@@ -56,8 +56,9 @@ SequenceRange split_sequence_range(const std::string& split, Split which, int64_
 }
 
 PackedDataset::PackedDataset(std::shared_ptr<const IndexedDataset> data, SequenceRange range, int64_t seq_len,
-                             int64_t vocab_size, uint64_t split_seed)
-    : data_(std::move(data)), range_(range), seq_len_(seq_len), vocab_size_(vocab_size), split_seed_(split_seed) {
+                             int64_t vocab_size, uint64_t split_seed, PackedOrder order)
+    : data_(std::move(data)), range_(range), seq_len_(seq_len), vocab_size_(vocab_size), split_seed_(split_seed),
+      order_(order) {
   int64_t tokens = 0;
   for (int64_t s = range_.begin; s < range_.end; ++s) tokens += data_->sequence_length(s);
   num_samples_ = tokens > 0 ? (tokens - 1) / seq_len_ : 0;
@@ -68,13 +69,15 @@ PackedDataset::PackedDataset(std::shared_ptr<const IndexedDataset> data, Sequenc
 
 std::shared_ptr<const PackedDataset::EpochLayout> PackedDataset::layout(int64_t epoch) const {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (cached_ && cached_->epoch == epoch) return cached_;
+  if (cached_ && (cached_->epoch == epoch || order_ == PackedOrder::InFileOrder)) return cached_;
   auto next = std::make_shared<EpochLayout>();
   next->epoch = epoch;
   next->order.resize(static_cast<size_t>(range_.end - range_.begin));
   std::iota(next->order.begin(), next->order.end(), range_.begin);
-  Rng rng(derive_seed(split_seed_, static_cast<uint64_t>(epoch)));
-  for (size_t i = next->order.size(); i > 1; --i) std::swap(next->order[i - 1], next->order[rng.below(i)]);
+  if (order_ == PackedOrder::Shuffled) {
+    Rng rng(derive_seed(split_seed_, static_cast<uint64_t>(epoch)));
+    for (size_t i = next->order.size(); i > 1; --i) std::swap(next->order[i - 1], next->order[rng.below(i)]);
+  }
   next->starts.resize(next->order.size() + 1);
   next->starts[0] = 0;
   for (size_t i = 0; i < next->order.size(); ++i)

@@ -11,6 +11,12 @@
 // samples are visited is shuffled by the DataLoader (shuffle_samples() is true). The
 // shuffles use forge's Rng, not numpy's, so the sample contents differ from Megatron's
 // for the same seed while the packing rules are the same.
+//
+// PackedOrder::InFileOrder packs the same way without any shuffle: the range's sequences
+// in file order, the same stream every epoch, and samples visited in order
+// (shuffle_samples() is false), so the first N samples are the stream's first N windows.
+// It is how a separate validation file is read (NOTE [Separate validation data] in
+// make_dataset.cpp).
 #pragma once
 
 #include <cstdint>
@@ -33,14 +39,20 @@ struct SequenceRange {
 // gives the split nothing.
 SequenceRange split_sequence_range(const std::string& split, Split which, int64_t num_sequences);
 
+enum class PackedOrder {
+  Shuffled,     // sequences reshuffled by seed every epoch, samples visited in a seeded order
+  InFileOrder,  // sequences in file order, samples in order, the same in every epoch
+};
+
 class PackedDataset : public TokenDataset {
  public:
+  // split_seed is unused in file order.
   PackedDataset(std::shared_ptr<const IndexedDataset> data, SequenceRange range, int64_t seq_len,
-                int64_t vocab_size, uint64_t split_seed);
+                int64_t vocab_size, uint64_t split_seed, PackedOrder order = PackedOrder::Shuffled);
   int64_t num_samples() const override { return num_samples_; }
   int64_t seq_len() const override { return seq_len_; }
   void sample(int64_t epoch, int64_t index, int32_t* out) const override;
-  bool shuffle_samples() const override { return true; }
+  bool shuffle_samples() const override { return order_ == PackedOrder::Shuffled; }
 
  private:
   // One epoch's sequence order and where each sequence starts in the token stream.
@@ -55,6 +67,7 @@ class PackedDataset : public TokenDataset {
   SequenceRange range_;
   int64_t seq_len_, vocab_size_;
   uint64_t split_seed_;
+  PackedOrder order_;
   int64_t num_samples_ = 0;
   mutable std::mutex mutex_;
   mutable std::shared_ptr<const EpochLayout> cached_;

@@ -71,6 +71,17 @@ TEST(ConfigValidate, IndexedDataNeedsAPathAndSplitMustParse) {
   EXPECT_EQ(load({{"data.split", "98,2"}}).data.split, "98,2");
 }
 
+TEST(ConfigValidate, ValidationPathIsForIndexedData) {
+  expect_error([] { load({{"data.validation_path", "/d/v"}}); },
+               {"data.validation_path = /d/v (command line) is for data.source indexed, but data.source = synthetic"});
+  expect_error([] { load({{"data.source", "sft"}, {"data.path", "/d/x"}, {"data.validation_path", "/d/v"}}); },
+               {"data.validation_path", "data.source = sft"});
+  EXPECT_EQ(load({}).data.validation_path, "");
+  EXPECT_EQ(
+      load({{"data.source", "indexed"}, {"data.path", "/d/x"}, {"data.validation_path", "/d/v"}}).data.validation_path,
+      "/d/v");
+}
+
 TEST(ConfigValidate, SftDataNeedsOnePathAndKnownPacking) {
   expect_error([] { load({{"data.source", "sft"}}); }, {"data.source = sft (command line) needs data.path"});
   expect_error([] { load({{"data.source", "sft"}, {"data.path", "/d/x"}, {"data.blend", "1 /a"}}); },

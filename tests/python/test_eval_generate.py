@@ -180,6 +180,24 @@ class EvalGenerate(unittest.TestCase):
         self.assertLess(abs(report["loss"] - expected) / expected, 1e-5, result.stdout)
         self.assertAlmostEqual(report["perplexity"], float(np.exp(report["loss"])), places=6)
         self.assertIn(f"loss {report['loss']:.6f}", result.stdout.decode())
+        # data.validation_path: the same tokens as three documents, read in file order and
+        # unshuffled, so two batches are the first two windows, for validation and test.
+        valid = os.path.join(self.work, "eval_valid")
+        builder = IndexedDatasetBuilder(valid + ".bin", dtype=np.int32)
+        for document in np.split(tokens, [5, 27]):
+            builder.add_item(torch.tensor(document, dtype=torch.int64))
+            builder.end_document()
+        builder.finalize(valid + ".idx")
+        for split in ("validation", "test"):
+            first = forge("eval", "--model", path, "--data.source", "indexed", "--data.path", prefix,
+                          "--data.validation_path", valid, "--split", split, "--training.seq_len", str(seq),
+                          "--training.local_batch_size", "1", "--training.global_batch_size", "1", "--batches", "2",
+                          "--json", out)
+            with open(out) as f:
+                report = json.load(f)
+            expected = float(losses[0] + losses[1]) / (2 * seq)
+            self.assertEqual(report["samples_in_split"], windows)
+            self.assertLess(abs(report["loss"] - expected) / expected, 1e-5, first.stdout)
         # An override that contradicts the model's architecture is refused.
         bad = forge("eval", "--model", path, "--training.seq_len", "16", "--model.num_layers", "3", check=False)
         self.assertEqual(bad.returncode, 1)
