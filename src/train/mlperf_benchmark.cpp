@@ -196,6 +196,8 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
     // r 16, alpha 32, dropout 0.1 on the fused qkv and o projections; GovReport blocks of
     // 8,192 tokens (8,191 predictions).
     KeyValues more = {{"training.seq_len", "8191"},
+                      // Llama 2's config.json says 4,096 positions; the reference trains at 8,192 (RoPE unscaled).
+                      {"training.allow_longer_seq_len", "true"},
                       {"training.steps", std::to_string(kLoraTrainingSteps)},
                       {"training.max_norm", "0.3"},
                       {"optimizer.beta1", "0.9"},
@@ -208,11 +210,11 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
                       {"lora.alpha", "32"},
                       {"lora.dropout", "0.1"},
                       {"lora.target_modules", "q_proj,k_proj,v_proj,o_proj"},
-                      {"checkpoint.initial_load_in_hf", "true"},
                       {"activation_checkpoint.mode", "full"},
                       {"data.source", "govreport_npy"},
                       {"eval.average", "micro_batches"}};
     o.insert(o.end(), more.begin(), more.end());
+    if (given.count("checkpoint.initial_load_path")) o.emplace_back("checkpoint.initial_load_in_hf", "true");
   }
   for (const auto& [key, value] : user) {
     if (key_role(b, key) == KeyRole::Hyperparameter)
