@@ -30,7 +30,8 @@ struct GenerateOptions {
 };
 int run_generate(const GenerateOptions& options);
 int run_report(const std::vector<std::string>& run_dirs, const std::string& output);
-// forge mlperf score DIR [--benchmark NAME]: exit code 1 when the RCP check fails.
-int run_mlperf_score(const std::string& dir, const std::string& benchmark);
+// forge mlperf score DIR [--benchmark NAME] [--html FILE]: exit code 1 when the RCP check
+// fails; `html` empty: no report.
+int run_mlperf_score(const std::string& dir, const std::string& benchmark, const std::string& html);
 
 }  // namespace forge

@@ -132,6 +132,18 @@ TEST(MlperfScore, BadFilesNameFileAndLine) {
   expect_bad(start + line("global_batch_size", "8.5", "{}"), {path + ":2", "positive integer"});
   expect_bad(line("seed", "1", "{}"), {path, "no run_start"});
   expect_bad(start + line("run_stop", "null", R"({"status": "success"})"), {path, "no eval_accuracy before it"});
+  // tracked_stats: an object of numbers, metadata.step a count; seed an integer.
+  expect_bad(start + line("tracked_stats", "12.5", "{}"), {path + ":2", "tracked_stats' value must be a JSON object"});
+  expect_bad(start + line("tracked_stats", "[12.5]", "{}"), {path + ":2", "JSON object"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": "fast"})", "{}"),
+             {path + ":2", "tracked_stats' throughput must be a number", "fast"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1, "tflops_per_gpu": null})", "{}"),
+             {path + ":2", "tflops_per_gpu must be a number"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": -4})"),
+             {path + ":2", "metadata.step must be a non-negative integer"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": "x"})"), {path + ":2", "metadata.step"});
+  expect_bad(line("seed", "\"abc\"", "{}") + start, {path + ":1", "seed must be an integer"});
+  expect_bad(line("seed", "1.5", "{}") + start, {path + ":1", "seed must be an integer"});
 }
 
 TEST(MlperfScore, KeepsTheSeedTheEvalCurveAndTrackedStats) {
@@ -173,27 +185,6 @@ TEST(MlperfScore, KeepsTheSeedTheEvalCurveAndTrackedStats) {
   EXPECT_FALSE(bare.seed.has_value());
   EXPECT_TRUE(bare.evals.empty());
   EXPECT_TRUE(bare.tracked_stats.empty());
-}
-
-TEST(MlperfScore, MalformedTrackedStatsAndSeedNameFileAndLine) {
-  TempDir dir;
-  const std::string path = dir.file("result_0.txt");
-  const std::string start = line("run_start", "null", "{}");
-  auto expect_bad = [&](const std::string& text, const std::vector<std::string>& fragments) {
-    testing::write_file(path, text);
-    expect_error([&] { mlperf::read_result_file(path); }, fragments);
-  };
-  expect_bad(start + line("tracked_stats", "12.5", "{}"), {path + ":2", "tracked_stats' value must be a JSON object"});
-  expect_bad(start + line("tracked_stats", "[12.5]", "{}"), {path + ":2", "JSON object"});
-  expect_bad(start + line("tracked_stats", R"({"throughput": "fast"})", "{}"),
-             {path + ":2", "tracked_stats' throughput must be a number", "fast"});
-  expect_bad(start + line("tracked_stats", R"({"throughput": 1, "tflops_per_gpu": null})", "{}"),
-             {path + ":2", "tflops_per_gpu must be a number"});
-  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": -4})"),
-             {path + ":2", "metadata.step must be a non-negative integer"});
-  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": "x"})"), {path + ":2", "metadata.step"});
-  expect_bad(line("seed", "\"abc\"", "{}") + start, {path + ":1", "seed must be an integer"});
-  expect_bad(line("seed", "1.5", "{}") + start, {path + ":1", "seed must be an integer"});
 }
 
 TEST(MlperfScore, RunsWithoutSuccessAreNotConverged) {
