@@ -110,7 +110,8 @@ ResultRun read_result_file(const std::string& path) {
         FORGE_FAIL("{}: global_batch_size must be a positive integer, got {}", where, describe_json(value));
       run.global_batch = value;
     } else if (key == mllog::kSeed) {
-      if (!value.is_number_integer()) FORGE_FAIL("{}: seed must be an integer, got {}", where, describe_json(value));
+      if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<uint64_t>() > INT64_MAX))
+        FORGE_FAIL("{}: seed must be an integer (64-bit), got {}", where, describe_json(value));
       run.seed = value.get<int64_t>();
     } else if (key == mllog::kTrackedStats && !have_stop) {
       run.tracked_stats.push_back(parse_tracked_stats(where, value, metadata));

@@ -29,7 +29,8 @@ struct EvalPoint {
 };
 
 // One tracked_stats line: the throughput of a block's training steps. forge's run mode
-// logs all three members; other logs may hold only throughput, or other members (kept out).
+// logs all three members; other logs may hold only throughput, or members of their own
+// (checked to be numbers, not kept).
 struct TrackedStats {
   int64_t step = -1;                           // metadata.step (forge: the samples count), -1 when absent
   std::optional<double> throughput;            // samples per second

@@ -144,6 +144,7 @@ TEST(MlperfScore, BadFilesNameFileAndLine) {
   expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": "x"})"), {path + ":2", "metadata.step"});
   expect_bad(line("seed", "\"abc\"", "{}") + start, {path + ":1", "seed must be an integer"});
   expect_bad(line("seed", "1.5", "{}") + start, {path + ":1", "seed must be an integer"});
+  expect_bad(line("seed", "18446744073709551615", "{}") + start, {path + ":1", "seed must be an integer (64-bit)"});
 }
 
 TEST(MlperfScore, KeepsTheSeedTheEvalCurveAndTrackedStats) {
