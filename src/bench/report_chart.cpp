@@ -6,7 +6,7 @@
 #include <cmath>
 #include <limits>
 
-#include "bench/report_html.h"
+#include "bench/report_page.h"
 
 namespace forge {
 namespace {
@@ -92,6 +92,8 @@ std::string chart_svg(const Chart& chart) {
         xs.add(x);
         ys.add(y);
       }
+  for (const auto& rule : chart.rules)
+    if (std::isfinite(rule.y)) ys.add(rule.y);
   if (xs.empty()) {
     xs.add(0);
     xs.add(1);
@@ -134,6 +136,14 @@ std::string chart_svg(const Chart& chart) {
       "<text class=\"label\" x=\"14\" y=\"{}\" text-anchor=\"middle\" transform=\"rotate(-90 14 {})\">{}</text>\n",
       number(kTop + plot_h / 2), number(kTop + plot_h / 2), html_escape(chart.y_label));
 
+  for (const auto& rule : chart.rules) {
+    if (!std::isfinite(rule.y)) continue;
+    const std::string y = number(py(rule.y));
+    svg += fmt::format("<line class=\"target\" x1=\"{}\" y1=\"{}\" x2=\"{}\" y2=\"{}\"/>", number(kLeft), y,
+                       number(kWidth - kRight), y);
+    svg += fmt::format("<text class=\"tick\" x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>\n",
+                       number(kWidth - kRight - 4), number(py(rule.y) - 4), html_escape(rule.label));
+  }
   for (const auto& s : chart.series) {
     std::vector<std::pair<double, double>> finite;
     for (const auto& p : s.points)
@@ -141,8 +151,8 @@ std::string chart_svg(const Chart& chart) {
     if (finite.empty()) continue;
     if (s.dots || finite.size() == 1) {
       for (const auto& [x, y] : finite)
-        svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3.5\" fill=\"{}\"><title>{}: step {:g}, {:g}</title></circle>\n",
-                           number(px(x)), number(py(y)), s.color, html_escape(s.name), x, y);
+        svg += fmt::format("<circle cx=\"{}\" cy=\"{}\" r=\"3.5\" fill=\"{}\"><title>{}: {} {:g}, {:g}</title></circle>\n",
+                           number(px(x)), number(py(y)), s.color, html_escape(s.name), html_escape(chart.x_label), x, y);
       continue;
     }
     svg += fmt::format("<polyline fill=\"none\" stroke=\"{}\" stroke-width=\"1.6\" stroke-linejoin=\"round\" points=\"",

@@ -1,4 +1,4 @@
-// Line charts as inline SVG for `forge report`: no script, no external file, so the page
+// Line charts as inline SVG for forge's HTML pages (bench/report_page.h): no script, no external file, so the page
 // renders anywhere, offline, and prints. One chart is an x/y plot of several series, each
 // a polyline (training curves) or a set of dots (evaluations), over axes with "nice"
 // ticks (1, 2 or 5 times a power of ten) and light grid lines. Each point carries a
@@ -19,10 +19,17 @@ struct ChartSeries {
   bool dots = false;  // dots instead of a line (a line of one point is drawn as a dot)
 };
 
+// A horizontal line across the plot, such as a target, labelled at its right end.
+struct ChartRule {
+  double y = 0;
+  std::string label;
+};
+
 struct Chart {
-  std::string x_label;
+  std::string x_label;  // also names x in dot tooltips ("step 10")
   std::string y_label;
   std::vector<ChartSeries> series;
+  std::vector<ChartRule> rules;  // the y range includes them
 };
 
 // An <svg> element, scaled to its container's width.

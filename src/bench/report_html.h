@@ -8,21 +8,16 @@
 //     tokens/s, model TFLOP/s per device, and peak memory when a run measured it
 //   per directory with a bench.json, its benchmark table
 //
-// The markup is also well-formed XML (every element closed, only numeric character
-// references), so tools and tests can parse it strictly; every text from the files read
-// (names, paths, device and model names, errors) is escaped.
+// Built from bench/report_page.h's pieces: well-formed XML, every text from the files read
+// (names, paths, device and model names, errors) escaped.
 #pragma once
 
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "bench/report_data.h"
 
 namespace forge {
-
-// Escapes & < > " ' for use in HTML text and attribute values.
-std::string html_escape(std::string_view text);
 
 // `generated_at` is printed in the page's header (e.g. "2025-06-01 12:00 UTC").
 std::string render_report(const std::vector<ReportRun>& runs, const std::string& generated_at);

@@ -33,7 +33,8 @@ int run_report(const std::vector<std::string>& run_dirs, const std::string& outp
 // forge mlperf BENCHMARK [--runs N] [--seeds S,...] [--output DIR] [--org NAME] [--platform NAME]
 // [--section.key VALUE ...] (mlperf_run_command.cpp): 0 when every run reached the target.
 int run_mlperf_benchmark(const std::string& benchmark, const std::vector<std::string>& args);
-// forge mlperf score DIR [--benchmark NAME]: exit code 1 when the RCP check fails.
-int run_mlperf_score(const std::string& dir, const std::string& benchmark);
+// forge mlperf score DIR [--benchmark NAME] [--html FILE]: exit code 1 when the RCP check
+// fails; `html` empty: no report.
+int run_mlperf_score(const std::string& dir, const std::string& benchmark, const std::string& html);
 
 }  // namespace forge

@@ -174,7 +174,7 @@ int main(int argc, char** argv) {
                       "a submitter choose and the system settings; see the README's \"MLPerf\" section.");
     mlperf_runs.push_back(run);
   }
-  std::string mlperf_score_dir, mlperf_score_benchmark;
+  std::string mlperf_score_dir, mlperf_score_benchmark, mlperf_score_html;
   auto* mlperf_score = mlperf->add_subcommand(
       "score", "Time-to-train of DIR/result_*.txt: olympic mean, RCP normalization and score, as the MLPerf "
                "result summarizer and RCP checker compute them");
@@ -182,6 +182,10 @@ int main(int argc, char** argv) {
   mlperf_score->add_option("--benchmark", mlperf_score_benchmark,
                            "llama31_8b or llama2_70b_lora (default: the logs' submission_benchmark)")
       ->check(CLI::IsMember({"llama31_8b", "llama2_70b_lora"}));
+  mlperf_score->add_option("--html", mlperf_score_html,
+                           "also write a self-contained HTML report (summary, runs with throughput, eval curves) "
+                           "to FILE")
+      ->type_name("FILE");
   mlperf_score->footer("Exits with 1 when a file is malformed, the set cannot be scored, or the RCP check fails.");
 
   // Set last: subcommands created after it would inherit it.
@@ -210,7 +214,7 @@ int main(int argc, char** argv) {
     }
     if (preflight->parsed()) return forge::run_preflight(preflight_json);
     if (report->parsed()) return forge::run_report(report_dirs, report_output);
-    if (mlperf_score->parsed()) return forge::run_mlperf_score(mlperf_score_dir, mlperf_score_benchmark);
+    if (mlperf_score->parsed()) return forge::run_mlperf_score(mlperf_score_dir, mlperf_score_benchmark, mlperf_score_html);
     for (auto* run : mlperf_runs)
       if (run->parsed()) return forge::run_mlperf_benchmark(run->get_name(), run->remaining());
     if (prep->parsed()) {

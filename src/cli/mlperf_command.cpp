@@ -1,23 +1,27 @@
-// forge mlperf score DIR [--benchmark NAME]: reads and validates every DIR/result_*.txt
-// (train/mlperf_score.h), then prints each run, the olympic mean time-to-train, the RCP
-// check and normalization factor (NOTE [RCP normalization]) and the score.
+// forge mlperf score DIR [--benchmark NAME] [--html FILE]: reads and validates every
+// DIR/result_*.txt (train/mlperf_score.h), then prints each run, the olympic mean
+// time-to-train, the RCP check and normalization factor (NOTE [RCP normalization]) and the
+// score; with --html also writes the report of bench/mlperf_report.h, atomically (an
+// earlier report stays whole when the write fails), also when the RCP check fails or the
+// set cannot be scored (the page then says why; the exit status is the same).
 #include <fmt/format.h>
 
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 
+#include "bench/mlperf_report.h"
+#include "bench/report_page.h"
 #include "cli/commands.h"
+#include "core/durable_file.h"
+#include "core/error.h"
 #include "core/log.h"
 #include "train/mlperf_score.h"
 
 namespace forge {
+namespace {
 
-int run_mlperf_score(const std::string& dir, const std::string& benchmark) {
-  std::vector<mlperf::ResultRun> runs;
-  for (const auto& file : mlperf::result_files(dir)) runs.push_back(mlperf::read_result_file(file));
-  const mlperf::Score s = mlperf::score_runs(std::move(runs), benchmark);
-
+void print_summary(const mlperf::Score& s, const std::string& dir) {
   fmt::print("benchmark: {} at global batch {}, {} result files in {}\n", s.benchmark, s.global_batch, s.runs.size(),
              dir);
   fmt::print("{:<24} {:>12} {:>12} {:>12}  {}\n", "run", "minutes", "samples", "last eval", "status");
@@ -25,24 +29,45 @@ int run_mlperf_score(const std::string& dir, const std::string& benchmark) {
     const std::string name = std::filesystem::path(r.file).filename().string();
     const std::string eval = std::isnan(r.last_eval) ? "-" : fmt::format("{:.4f}", r.last_eval);
     if (r.converged)
-      fmt::print("{:<24} {:>12.4f} {:>12} {:>12}  converged\n", name, r.minutes, r.samples, eval);
+      fmt::print("{:<24} {:>12.4f} {:>12} {:>12}  {}\n", name, r.minutes, r.samples, eval, mlperf::run_status(r));
     else
-      fmt::print("{:<24} {:>12} {:>12} {:>12}  not converged: {}\n", name, "-", "-", eval, r.why_not);
+      fmt::print("{:<24} {:>12} {:>12} {:>12}  {}\n", name, "-", "-", eval, mlperf::run_status(r));
   }
-  if (static_cast<int>(s.runs.size()) < s.required_runs)
-    log_warn("{} runs: the rules require {} for {} (rcp_checker.submission_runs): not a complete submission set",
-             s.runs.size(), s.required_runs, s.benchmark);
-  fmt::print("runs: {} ({} converged; the olympic mean averages {})\n", s.runs.size(),
-             s.runs.size() - static_cast<size_t>(s.not_converged), s.averaged_runs);
-  fmt::print("mean time-to-train: {:.4f} minutes\n", s.mean_minutes);
-  if (s.rcp.have_record)
-    fmt::print("samples to converge: {:.1f} (olympic mean); RCP {}: mean {:.1f}, minimum acceptable {:.1f}\n",
-               s.rcp.submission_mean, s.rcp.record.name, s.rcp.record.mean, s.rcp.record.mean / s.rcp.record.max_speedup);
-  fmt::print("RCP check: {} ({})\n", s.rcp.passed ? "PASSED" : "FAILED", s.rcp.message);
-  fmt::print("normalization factor: {:.6f}\n", s.rcp.norm_factor);
-  fmt::print("score: {:.4f} minutes\n", s.score_minutes);
+  if (const std::string warning = mlperf::incomplete_set_warning(s); !warning.empty()) log_warn("{}", warning);
+  for (const auto& [label, text] : mlperf::score_summary(s)) fmt::print("{}: {}\n", label, text);
   std::fflush(stdout);
-  return s.rcp.passed ? 0 : 1;
+}
+
+void write_report(const std::string& path, const MlperfReport& report) {
+  try {
+    write_file_atomic(path, render_mlperf_report(report, utc_timestamp()), {.sync = false});  // NOTE [Durable files]
+  } catch (const Error& e) {
+    FORGE_FAIL("cannot write the HTML report '{}': {}", path, e.what());
+  }
+  log_info("report: {} result file{} -> {}", report.runs.size(), report.runs.size() == 1 ? "" : "s", path);
+}
+
+}  // namespace
+
+int run_mlperf_score(const std::string& dir, const std::string& benchmark, const std::string& html) {
+  std::error_code error;
+  if (!html.empty() && std::filesystem::is_directory(html, error))
+    FORGE_FAIL("--html '{}' is a directory: give the HTML file to write, such as {}/mlperf.html", html, html);
+  std::vector<mlperf::ResultRun> runs;
+  for (const auto& file : mlperf::result_files(dir)) runs.push_back(mlperf::read_result_file(file));
+  MlperfReport report{dir, runs, std::nullopt, "", mlperf::common_benchmark(runs, benchmark)};
+  try {
+    report.score = mlperf::score_runs(std::move(runs), benchmark);
+  } catch (const Error& e) {
+    if (!html.empty()) {
+      report.no_score = e.what();
+      write_report(html, report);
+    }
+    throw;
+  }
+  print_summary(*report.score, dir);
+  if (!html.empty()) write_report(html, report);
+  return report.score->rcp.passed ? 0 : 1;
 }
 
 }  // namespace forge

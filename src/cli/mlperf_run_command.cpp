@@ -4,7 +4,7 @@
 // in train/mlperf_benchmark.h), N times with fresh seeds, each run to its quality target
 // or to training.steps, writing DIR/result_K.txt (NOTE [MLPerf run timeline]) and the run
 // directory DIR/run_K; then, with 3 or more result files in DIR, the score as `forge
-// mlperf score DIR` prints it. Exit status 0 when every run reached the target, 1 when one
+// mlperf score DIR` prints it, and DIR/report.html (forge mlperf score --html) in any case. Exit status 0 when every run reached the target, 1 when one
 // did not, kExitStopped when a signal stopped one.
 #include <fmt/format.h>
 
@@ -192,11 +192,13 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
                                                                        "the target {}", run_config.training.steps,
                                                                        b.target));
   }
-  if (rank0 && mlperf::result_files(a.output).size() >= 3) {
+  if (rank0) {
+    // Every run in DIR, this invocation's and earlier ones', scored when they can be (3 or
+    // more), and the HTML report in any case.
     try {
-      run_mlperf_score(a.output, name);
+      run_mlperf_score(a.output, name, a.output + "/report.html");
     } catch (const Error& e) {
-      log_warn("forge mlperf score {}: {}", a.output, e.what());
+      log_info("no score yet for {}: {}", a.output, e.what());
     }
   }
   return failed ? 1 : 0;

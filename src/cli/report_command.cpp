@@ -2,12 +2,11 @@
 // (bench/report_data.h), renders the page (bench/report_html.h) and writes it atomically.
 // All reading and checking happens first, so a bad run directory leaves no output file,
 // and an existing report is replaced only by a complete one.
-#include <chrono>
-#include <ctime>
 #include <filesystem>
 #include <map>
 
 #include "bench/report_html.h"
+#include "bench/report_page.h"
 #include "cli/commands.h"
 #include "core/durable_file.h"
 #include "core/error.h"
@@ -28,15 +27,6 @@ void name_runs(std::vector<ReportRun>& runs) {
   for (auto& r : runs) r.name = uses[base(r.dir)] == 1 && !base(r.dir).empty() ? base(r.dir) : r.dir;
 }
 
-std::string utc_now() {
-  const std::time_t now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm utc{};
-  gmtime_r(&now, &utc);
-  char stamp[32];
-  std::strftime(stamp, sizeof(stamp), "%Y-%m-%d %H:%M UTC", &utc);
-  return stamp;
-}
-
 }  // namespace
 
 int run_report(const std::vector<std::string>& run_dirs, const std::string& output) {
@@ -47,7 +37,7 @@ int run_report(const std::vector<std::string>& run_dirs, const std::string& outp
   std::vector<ReportRun> runs;
   for (const auto& dir : run_dirs) runs.push_back(load_report_run(dir));
   name_runs(runs);
-  write_file_atomic(output, render_report(runs, utc_now()), {.sync = false});  // NOTE [Durable files]
+  write_file_atomic(output, render_report(runs, utc_timestamp()), {.sync = false});  // NOTE [Durable files]
   log_info("report: {} run{} -> {}", runs.size(), runs.size() == 1 ? "" : "s", output);
   return 0;
 }

@@ -36,6 +36,10 @@ struct RcpRecord {
 struct RcpBenchmark {
   std::string name;
   int submission_runs = 0;  // rcp_checker.submission_runs["training"][name]
+  // The quality target: a run has converged once an eval_accuracy is at or below it
+  // (compliance_checker/training_5.1.0/closed_<name>.yaml; llama31_8b: log perplexity,
+  // llama2_70b_lora: evaluation loss).
+  double target = 0;
   std::vector<RcpRecord> records;  // ascending batch size, statistics filled in
 };
 

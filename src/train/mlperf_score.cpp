@@ -51,7 +51,33 @@ double olympic_time_mean(std::vector<double> minutes, int not_converged, int& av
   return std::accumulate(minutes.begin() + 1, minutes.end() - static_cast<std::ptrdiff_t>(drop_top), 0.0) / averaged;
 }
 
+// A tracked_stats line: its value an object of numbers, metadata.step a count when present.
+TrackedStats parse_tracked_stats(const std::string& where, const Json& value, const Json& metadata) {
+  if (!value.is_object())
+    FORGE_FAIL("{}: tracked_stats' value must be a JSON object of numbers (throughput, tokens_per_s_per_gpu, "
+               "tflops_per_gpu), got {}",
+               where, describe_json(value));
+  TrackedStats stats;
+  for (const auto& [name, member] : value.items()) {
+    if (!member.is_number())
+      FORGE_FAIL("{}: tracked_stats' {} must be a number, got {}", where, name, describe_json(member));
+    const double v = member.get<double>();
+    if (name == "throughput") stats.throughput = v;
+    else if (name == "tokens_per_s_per_gpu") stats.tokens_per_s_per_gpu = v;
+    else if (name == "tflops_per_gpu") stats.tflops_per_gpu = v;
+  }
+  if (metadata.contains(mllog::kStep)) {
+    const Json& step = metadata[mllog::kStep];
+    if (!step.is_number_integer() || step.get<int64_t>() < 0)
+      FORGE_FAIL("{}: tracked_stats' metadata.step must be a non-negative integer, got {}", where, describe_json(step));
+    stats.step = step;
+  }
+  return stats;
+}
+
 }  // namespace
+
+std::string run_status(const ResultRun& run) { return run.converged ? "converged" : "not converged: " + run.why_not; }
 
 ResultRun read_result_file(const std::string& path) {
   const std::string text = read_regular_file(path, "MLPerf result file");
@@ -83,6 +109,12 @@ ResultRun read_result_file(const std::string& path) {
       if (!value.is_number_integer() || value.get<int64_t>() <= 0)
         FORGE_FAIL("{}: global_batch_size must be a positive integer, got {}", where, describe_json(value));
       run.global_batch = value;
+    } else if (key == mllog::kSeed) {
+      if (!value.is_number_integer() || (value.is_number_unsigned() && value.get<uint64_t>() > INT64_MAX))
+        FORGE_FAIL("{}: seed must be an integer (64-bit), got {}", where, describe_json(value));
+      run.seed = value.get<int64_t>();
+    } else if (key == mllog::kTrackedStats && !have_stop) {
+      run.tracked_stats.push_back(parse_tracked_stats(where, value, metadata));
     } else if (key == mllog::kRunStart) {
       if (have_start) FORGE_FAIL("{}: a second run_start (the rules allow exactly one per result file)", where);
       have_start = true;
@@ -95,6 +127,7 @@ ResultRun read_result_file(const std::string& path) {
       if (!value.is_number()) FORGE_FAIL("{}: eval_accuracy's value must be a number, got {}", where, describe_json(value));
       last_samples = metadata[mllog::kSamplesCount];
       run.last_eval = value.get<double>();
+      run.evals.push_back({last_samples, run.last_eval});
     } else if (key == mllog::kRunStop) {
       if (!have_start) FORGE_FAIL("{}: run_stop before any run_start", where);
       if (have_stop) FORGE_FAIL("{}: a second run_stop (the rules allow exactly one per result file)", where);
@@ -130,6 +163,38 @@ std::vector<std::string> result_files(const std::string& dir) {
   if (files.empty()) FORGE_FAIL("'{}' holds no result_*.txt files", dir);
   std::sort(files.begin(), files.end());
   return files;
+}
+
+std::string common_benchmark(const std::vector<ResultRun>& runs, const std::string& benchmark) {
+  std::string common = benchmark;
+  for (const auto& r : runs) {
+    if (r.benchmark.empty()) continue;
+    if (common.empty()) common = r.benchmark;
+    if (r.benchmark != common) return "";
+  }
+  return common;
+}
+
+std::vector<std::pair<std::string, std::string>> score_summary(const Score& s) {
+  std::vector<std::pair<std::string, std::string>> lines;
+  lines.emplace_back("runs", fmt::format("{} ({} converged; the olympic mean averages {})", s.runs.size(),
+                                         s.runs.size() - static_cast<size_t>(s.not_converged), s.averaged_runs));
+  lines.emplace_back("mean time-to-train", fmt::format("{:.4f} minutes", s.mean_minutes));
+  if (s.rcp.have_record)
+    lines.emplace_back("samples to converge",
+                       fmt::format("{:.1f} (olympic mean); RCP {}: mean {:.1f}, minimum acceptable {:.1f}",
+                                   s.rcp.submission_mean, s.rcp.record.name, s.rcp.record.mean,
+                                   s.rcp.record.mean / s.rcp.record.max_speedup));
+  lines.emplace_back("RCP check", fmt::format("{} ({})", s.rcp.passed ? "PASSED" : "FAILED", s.rcp.message));
+  lines.emplace_back("normalization factor", fmt::format("{:.6f}", s.rcp.norm_factor));
+  lines.emplace_back("score", fmt::format("{:.4f} minutes", s.score_minutes));
+  return lines;
+}
+
+std::string incomplete_set_warning(const Score& s) {
+  if (static_cast<int>(s.runs.size()) >= s.required_runs) return "";
+  return fmt::format("{} runs: the rules require {} for {} (rcp_checker.submission_runs): not a complete submission set",
+                     s.runs.size(), s.required_runs, s.benchmark);
 }
 
 Score score_runs(std::vector<ResultRun> runs, const std::string& benchmark) {

@@ -13,27 +13,52 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "train/mlperf_rcp.h"
 
 namespace forge::mlperf {
 
+// One eval_accuracy line: the evaluation after `samples` training samples.
+struct EvalPoint {
+  int64_t samples = 0;
+  double value = 0;
+};
+
+// One tracked_stats line: the throughput of a block's training steps. forge's run mode
+// logs all three members; other logs may hold only throughput, or members of their own
+// (checked to be numbers, not kept).
+struct TrackedStats {
+  int64_t step = -1;                           // metadata.step (forge: the samples count), -1 when absent
+  std::optional<double> throughput;            // samples per second
+  std::optional<double> tokens_per_s_per_gpu;
+  std::optional<double> tflops_per_gpu;
+};
+
 struct ResultRun {
   std::string file;
   std::string benchmark;       // submission_benchmark's value, empty when not logged
   int64_t global_batch = -1;   // global_batch_size's value, -1 when not logged
+  std::optional<int64_t> seed;  // seed's value
   bool converged = false;      // run_stop with status success
   std::string why_not;         // when not converged: "no run_stop", "run_stop status aborted"
   double minutes = 0;          // run_stop - run_start (converged runs)
   int64_t samples = -1;        // samples to converge (converged runs that logged eval_accuracy)
   double last_eval = 0;        // the last eval_accuracy value before run_stop (NaN when none)
+  std::vector<EvalPoint> evals;              // every eval_accuracy before run_stop, in file order
+  std::vector<TrackedStats> tracked_stats;   // every tracked_stats before run_stop, in file order
 };
 
+// "converged", or "not converged: " and why.
+std::string run_status(const ResultRun& run);
+
 // Reads and validates one result file. A malformed `:::MLLOG` line, a missing or repeated
-// run_start, an eval_accuracy without samples_count, a non-integer global_batch_size:
-// forge::Error naming FILE:LINE and what was expected.
+// run_start, an eval_accuracy without samples_count, a non-integer global_batch_size or
+// seed, a tracked_stats value that is not an object of numbers: forge::Error naming
+// FILE:LINE and what was expected.
 ResultRun read_result_file(const std::string& path);
 
 // DIR/result_*.txt, sorted by name; throws when there are none.
@@ -50,6 +75,18 @@ struct Score {
   RcpCheck rcp;
   double score_minutes = 0;     // mean_minutes * rcp.norm_factor
 };
+
+// The summary `forge mlperf score` prints and its HTML report shows, as (label, text):
+// runs, mean time-to-train, samples to converge (when an RCP was compared with), RCP
+// check, normalization factor, score.
+std::vector<std::pair<std::string, std::string>> score_summary(const Score& score);
+// The warning for fewer runs than the rules require (rcp_checker.submission_runs); empty
+// for a complete set.
+std::string incomplete_set_warning(const Score& score);
+
+// The common submission_benchmark of `runs` (or `benchmark` when given); empty when none is
+// logged or they differ.
+std::string common_benchmark(const std::vector<ResultRun>& runs, const std::string& benchmark);
 
 // `benchmark`: empty to take the logs' submission_benchmark; else the logs must agree with
 // it (or not name one). Throws forge::Error for sets that cannot be scored: runs of mixed

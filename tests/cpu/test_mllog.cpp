@@ -132,6 +132,60 @@ TEST(MlperfScore, BadFilesNameFileAndLine) {
   expect_bad(start + line("global_batch_size", "8.5", "{}"), {path + ":2", "positive integer"});
   expect_bad(line("seed", "1", "{}"), {path, "no run_start"});
   expect_bad(start + line("run_stop", "null", R"({"status": "success"})"), {path, "no eval_accuracy before it"});
+  // tracked_stats: an object of numbers, metadata.step a count; seed an integer.
+  expect_bad(start + line("tracked_stats", "12.5", "{}"), {path + ":2", "tracked_stats' value must be a JSON object"});
+  expect_bad(start + line("tracked_stats", "[12.5]", "{}"), {path + ":2", "JSON object"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": "fast"})", "{}"),
+             {path + ":2", "tracked_stats' throughput must be a number", "fast"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1, "tflops_per_gpu": null})", "{}"),
+             {path + ":2", "tflops_per_gpu must be a number"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": -4})"),
+             {path + ":2", "metadata.step must be a non-negative integer"});
+  expect_bad(start + line("tracked_stats", R"({"throughput": 1})", R"({"step": "x"})"), {path + ":2", "metadata.step"});
+  expect_bad(line("seed", "\"abc\"", "{}") + start, {path + ":1", "seed must be an integer"});
+  expect_bad(line("seed", "1.5", "{}") + start, {path + ":1", "seed must be an integer"});
+  expect_bad(line("seed", "18446744073709551615", "{}") + start, {path + ":1", "seed must be an integer (64-bit)"});
+}
+
+TEST(MlperfScore, KeepsTheSeedTheEvalCurveAndTrackedStats) {
+  TempDir dir;
+  const std::string path = dir.file("result_0.txt");
+  testing::write_file(
+      path, line("seed", "4242", "{}") + line("run_start", "null", "{}") +
+                line("tracked_stats", R"({"throughput": 12.5, "tokens_per_s_per_gpu": 12800, "tflops_per_gpu": 614.4})",
+                     R"({"step": 384})") +
+                line("eval_accuracy", "1.1", R"({"samples_count": 384})") +
+                line("tracked_stats", R"({"throughput": 13, "train_loss": 1.2})", "{}") +  // an older file's
+                line("eval_accuracy", "0.92", R"({"samples_count": 768})") + line("tracked_stats", "{}", "{}") +
+                line("run_stop", "null", R"({"status": "success"})") +
+                line("eval_accuracy", "0.91", R"({"samples_count": 1152})") +
+                line("tracked_stats", R"({"throughput": 99})", "{}"));
+  const auto run = mlperf::read_result_file(path);
+  ASSERT_TRUE(run.seed.has_value());
+  EXPECT_EQ(*run.seed, 4242);
+  ASSERT_EQ(run.evals.size(), 2u);  // those before run_stop, as samples to converge
+  EXPECT_EQ(run.evals[0].samples, 384);
+  EXPECT_DOUBLE_EQ(run.evals[0].value, 1.1);
+  EXPECT_EQ(run.evals[1].samples, 768);
+  EXPECT_DOUBLE_EQ(run.evals[1].value, 0.92);
+  ASSERT_EQ(run.tracked_stats.size(), 3u);
+  const auto& full = run.tracked_stats[0];
+  EXPECT_EQ(full.step, 384);
+  EXPECT_EQ(full.throughput, 12.5);
+  EXPECT_EQ(full.tokens_per_s_per_gpu, 12800.0);
+  EXPECT_EQ(full.tflops_per_gpu, 614.4);
+  const auto& older = run.tracked_stats[1];
+  EXPECT_EQ(older.step, -1);
+  EXPECT_EQ(older.throughput, 13.0);
+  EXPECT_FALSE(older.tokens_per_s_per_gpu.has_value());
+  EXPECT_FALSE(older.tflops_per_gpu.has_value());
+  EXPECT_FALSE(run.tracked_stats[2].throughput.has_value());
+
+  testing::write_file(path, line("run_start", "null", "{}"));
+  const auto bare = mlperf::read_result_file(path);
+  EXPECT_FALSE(bare.seed.has_value());
+  EXPECT_TRUE(bare.evals.empty());
+  EXPECT_TRUE(bare.tracked_stats.empty());
 }
 
 TEST(MlperfScore, RunsWithoutSuccessAreNotConverged) {
@@ -192,6 +246,26 @@ TEST(MlperfRcp, StudentTMatchesScipy) {
   EXPECT_NEAR(mlperf::student_t_cdf(1.5, 26), 0.9271696360729664, 1e-13);
   EXPECT_NEAR(mlperf::student_t_cdf(-0.3, 3), 0.3918816460199595, 1e-13);
   EXPECT_DOUBLE_EQ(mlperf::student_t_cdf(0.0, 7), 0.5);
+}
+
+TEST(MlperfScore, SummaryIsWhatTheCommandPrints) {
+  std::vector<mlperf::ResultRun> runs;
+  for (double m : {30.0, 20.0, 21.0, 22.0, 10.0}) runs.push_back(converged(m, 3072));
+  EXPECT_EQ(mlperf::common_benchmark(runs, ""), "llama2_70b_lora");
+  const auto s = mlperf::score_runs(runs, "");
+  const auto lines = mlperf::score_summary(s);
+  ASSERT_EQ(lines.size(), 6u);
+  EXPECT_EQ(lines[0], std::make_pair(std::string("runs"), std::string("5 (5 converged; the olympic mean averages 3)")));
+  EXPECT_EQ(lines[1].second, "21.0000 minutes");
+  EXPECT_EQ(lines[2].first, "samples to converge");
+  EXPECT_EQ(lines[3].second, "PASSED (RCP found)");
+  EXPECT_EQ(lines[5].first, "score");
+  EXPECT_NE(mlperf::incomplete_set_warning(s).find("the rules require 10"), std::string::npos);
+  runs.back().benchmark = "llama31_8b";
+  EXPECT_EQ(mlperf::common_benchmark(runs, ""), "");
+  runs.back().benchmark = "";
+  EXPECT_EQ(mlperf::common_benchmark(runs, ""), "llama2_70b_lora");
+  EXPECT_EQ(mlperf::common_benchmark({}, "llama31_8b"), "llama31_8b");
 }
 
 TEST(MlperfRcp, UnknownBenchmarkIsAnError) {

@@ -10,6 +10,7 @@
 #include "bench/report_chart.h"
 #include "bench/report_data.h"
 #include "bench/report_html.h"
+#include "bench/report_page.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
 #include "file_testing.h"

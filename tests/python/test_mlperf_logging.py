@@ -9,7 +9,11 @@
  - the RCP tables embedded in forge equal the package's JSON files, with the same
    statistics and the same pruning;
  - on synthetic sets of runs, forge's normalization factor, RCP verdict and score equal
-   rcp_checker.check_directory's and the result summarizer's."""
+   rcp_checker.check_directory's and the result summarizer's;
+ - `forge mlperf score DIR --html FILE` writes a well-formed page with every run (its seed
+   and tracked_stats throughput), the printed summary and the eval-curve chart, also when
+   the RCP check fails or the set is too small to score, and fails naming FILE when it
+   cannot be written."""
 import collections
 import glob
 import json
@@ -19,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import unittest
+import xml.etree.ElementTree as ET
 
 from forge_test_util import forge_bin, run, scratch_dir, tool
 
@@ -63,12 +68,14 @@ class Compliance(unittest.TestCase):
 
     def test_synthetic_logs_pass_the_compliance_checker(self):
         for benchmark in BENCHMARKS:
-            with self.subTest(benchmark=benchmark):
-                path = synthetic(benchmark, os.path.join(self.dir, f"result_{benchmark}.txt"))
-                status, output = compliance(path)
-                self.assertEqual(status, 0, output)
-                self.assertIn(f"training_{RULESET}/closed_{benchmark}.yaml", output)
-                self.assertIn("SUCCESS", output)
+            # tracked_stats as forge's run mode logs it (all three members) too
+            for options in ([], ["--tracked-stats", "all"]):
+                with self.subTest(benchmark=benchmark, options=options):
+                    path = synthetic(benchmark, os.path.join(self.dir, f"result_{benchmark}.txt"), *options)
+                    status, output = compliance(path)
+                    self.assertEqual(status, 0, output)
+                    self.assertIn(f"training_{RULESET}/closed_{benchmark}.yaml", output)
+                    self.assertIn("SUCCESS", output)
 
     def test_checker_rejects_missing_keys_and_wrong_values(self):
         cases = [
@@ -241,6 +248,77 @@ class Score(unittest.TestCase):
         result = forge_score(directory)
         self.assertEqual(result.returncode, 1)
         self.assertIn(f"{path}:5: the text after ':::MLLOG ' is not valid JSON", result.stderr)
+
+
+class HtmlReport(unittest.TestCase):
+    def setUp(self):
+        self.dir = scratch_dir()
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def make_set(self, name, runs, *options):
+        directory = os.path.join(self.dir, name)
+        os.makedirs(directory)
+        for i, (samples, minutes) in enumerate(runs):
+            synthetic("llama2_70b_lora", os.path.join(directory, f"result_{i}.txt"), "--samples", samples,
+                      "--minutes", minutes, "--set", f"seed={7000 + i}", "--throughput", 10 + i,
+                      "--start-ms", 1732000000000 + i * 10**8, *options)
+        return directory
+
+    def report(self, directory, expected_status):
+        page = os.path.join(self.dir, os.path.basename(directory) + ".html")
+        result = forge_score(directory, "--html", page)
+        self.assertEqual(result.returncode, expected_status, result.stdout + result.stderr)
+        with open(page) as f:
+            html = f.read()
+        ET.fromstring(html)  # well-formed
+        return result, html
+
+    def test_report_holds_every_run_the_summary_and_the_eval_chart(self):
+        directory = self.make_set("full", [(3072 + 384 * (i % 2), 20 + i) for i in range(5)], "--tracked-stats", "all")
+        result, html = self.report(directory, 0)
+        for line in result.stdout.splitlines():
+            label, _, text = line.partition(": ")
+            if label in ("runs", "mean time-to-train", "samples to converge", "RCP check", "normalization factor",
+                         "score"):
+                self.assertIn(f"<tr><th>{label}</th><td>{text}</td></tr>", html)
+        self.assertIn("<tr><th>score</th>", html)
+        for i in range(5):
+            # seed, the means of the tracked_stats members: S samples/s, S x 1024 tokens/s/GPU,
+            # that x 6 x 8e9 / 1e12 TFLOP/s/GPU (forge_mllog_synthetic)
+            tokens = (10 + i) * 1024
+            self.assertIn(f"result_{i}.txt</td><td class=\"num\">{7000 + i}</td>", html)
+            self.assertIn(f"<td class=\"num\">{10 + i}.00</td><td class=\"num\">{tokens:,}</td>"
+                          f"<td class=\"num\">{tokens * 6 * 8e9 / 1e12:.1f}</td></tr>", html)
+        self.assertEqual(html.count("<svg "), 1)
+        self.assertEqual(html.count("<polyline "), 5)
+        self.assertIn(">target 0.925</text>", html)
+
+    def test_report_of_a_failing_set_and_of_older_logs(self):
+        # Converging in fewer samples than the RCP allows: the check fails, the page is written.
+        directory = self.make_set("too_fast", [(1536, 20 + i) for i in range(4)])
+        result, html = self.report(directory, 1)
+        self.assertIn("RCP check: FAILED", result.stdout)
+        self.assertIn("<tr><th>RCP check</th><td>FAILED", html)
+        # tracked_stats with throughput only: the other two columns say "-".
+        self.assertIn("<td class=\"num\">10.00</td><td class=\"num\">-</td><td class=\"num\">-</td></tr>", html)
+
+    def test_report_of_too_few_runs_says_why_there_is_no_score(self):
+        directory = self.make_set("two", [(3072, 20), (3456, 21)])
+        result, html = self.report(directory, 1)
+        self.assertIn("needs at least 3", result.stderr)
+        self.assertIn("No score: 2 runs: the olympic mean drops the fastest and the slowest", html)
+        self.assertIn("result_1.txt", html)
+        self.assertEqual(html.count("<polyline "), 2)
+
+    def test_unwritable_report_is_an_error_naming_the_file(self):
+        directory = self.make_set("set", [(3072, 20 + i) for i in range(3)])
+        page = os.path.join(self.dir, "missing", "report.html")
+        result = forge_score(directory, "--html", page)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn(f"cannot write the HTML report '{page}'", result.stderr)
+        self.assertFalse(os.path.exists(os.path.dirname(page)))
 
 
 if __name__ == "__main__":

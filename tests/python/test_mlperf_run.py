@@ -147,12 +147,18 @@ class MlperfRun(unittest.TestCase):
             self.assertEqual(len([l for l in failed if "CHECK for" in l]), 1, text)
             self.assertIn("CHECK for 'max_sequence_length' failed", text)
             self.assertTrue(os.path.isfile(os.path.join(out, f"run_{k}", "metrics.jsonl")))
+        with open(os.path.join(out, "report.html")) as f:
+            page = f.read()
+        self.assertIn("result_1.txt", page)
+        self.assertIn("No score", page)
         # A third run is numbered after the two; with three result files the set is scored.
         third = self.llama31_8b(out)
         self.assertEqual(third.returncode, 0, third.stderr)
         self.assertTrue(os.path.isfile(os.path.join(out, "result_2.txt")))
         self.assertIn("mean time-to-train", third.stdout)
         self.assertIn("RCP check", third.stdout)
+        with open(os.path.join(out, "report.html")) as f:
+            self.assertIn("result_2.txt", f.read())
 
     def test_refused_overrides_write_nothing(self):
         out = os.path.join(self.dir, "refused")

@@ -3,13 +3,17 @@
 //
 //   forge_mllog_synthetic log BENCHMARK FILE [--samples N] [--minutes M] [--batch B]
 //       [--status success|aborted|none] [--omit KEY] [--set KEY=JSON] [--start-ms T]
+//       [--tracked-stats throughput|all] [--throughput S]
 //     A complete synthetic run of llama31_8b or llama2_70b_lora with the reference
 //     hyperparameters the 5.1 rules check (compliance_checker/training_5.1.0/
 //     closed_<benchmark>.yaml): header, init, run_start, a block + evaluation every
 //     evaluation interval up to N samples (the last evaluation reaches the target unless the
 //     status is not success), run_stop
 //     with the status (none: no run_stop) M minutes after run_start. --omit drops every line
-//     of KEY; --set replaces the value of the header line KEY.
+//     of KEY; --set replaces the value of the header line KEY. Each block logs tracked_stats
+//     with throughput S samples/s (default 12.5), and with --tracked-stats all also
+//     tokens_per_s_per_gpu (S x 8192 / 8 GPUs) and tflops_per_gpu (that x 6 x 8e9 / 1e12),
+//     as forge's run mode does.
 //   forge_mllog_synthetic rcps
 //     The embedded RCP tables (train/mlperf_rcp.h) and their statistics as JSON.
 #include <cstdint>
@@ -30,7 +34,8 @@ namespace {
 using mllog::Json;
 
 struct Options {
-  std::string benchmark, file, status = "success";
+  std::string benchmark, file, status = "success", tracked_stats = "throughput";
+  double throughput = 12.5;
   int64_t samples = -1, batch = -1, start_ms = 1732000000000;
   double minutes = 100;
   std::set<std::string> omit;
@@ -39,7 +44,7 @@ struct Options {
 
 struct Benchmark {
   int64_t batch, eval_interval, default_samples;
-  double first_eval, target;
+  double first_eval;
   std::vector<std::pair<std::string, Json>> header;  // the hyperparameter lines, in order
 };
 
@@ -49,7 +54,7 @@ Benchmark benchmark_of(const std::string& name, int64_t batch) {
   if (name == "llama31_8b") {
     if (batch < 0) batch = 32;
     const int64_t warmup_steps = 4096 / batch;  // 4,096 warm-up samples
-    return {batch, 12288, 184320, 4.2, 3.3, {
+    return {batch, 12288, 184320, 4.2, {
       {mllog::kGlobalBatchSize, batch},
       {mllog::kGradientAccumulationSteps, 1},
       {mllog::kMaxSequenceLength, 8192},
@@ -71,7 +76,7 @@ Benchmark benchmark_of(const std::string& name, int64_t batch) {
   }
   if (name == "llama2_70b_lora") {
     if (batch < 0) batch = 8;
-    return {batch, 384, 3072, 1.1, 0.925, {
+    return {batch, 384, 3072, 1.1, {
       {mllog::kGlobalBatchSize, batch},
       {mllog::kGradientAccumulationSteps, 1},
       {mllog::kMaxSequenceLength, 8192},
@@ -124,16 +129,23 @@ void write_log(const Options& o) {
   const int64_t run_start = now;
   start(mllog::kRunStart);
   const int64_t evals = samples / b.eval_interval;
+  const double target = mlperf::rcp_benchmark(o.benchmark).target;
   const double total_ms = o.minutes * 60 * 1000;
   for (int64_t i = 1; i <= evals; ++i) {
     const int64_t first = (i - 1) * b.eval_interval, last = i * b.eval_interval;
     start(mllog::kBlockStart, {{mllog::kSamplesCount, first}});
     now = run_start + static_cast<int64_t>(total_ms * static_cast<double>(i) / static_cast<double>(evals)) - 500;
-    event(mllog::kTrackedStats, {{"throughput", 12.5}}, {{mllog::kStep, last}});
+    Json stats = {{"throughput", o.throughput}};
+    if (o.tracked_stats == "all") {
+      const double tokens_per_gpu = o.throughput * 8192 / 8;
+      stats["tokens_per_s_per_gpu"] = tokens_per_gpu;
+      stats["tflops_per_gpu"] = tokens_per_gpu * 6 * 8e9 / 1e12;
+    }
+    event(mllog::kTrackedStats, stats, {{mllog::kStep, last}});
     end(mllog::kBlockStop, {{mllog::kSamplesCount, last}});
     start(mllog::kEvalStart, {{mllog::kSamplesCount, last}});
     // A run that does not end in success never reaches the target (as the checkers expect).
-    const double last_accuracy = o.status == "success" ? b.target : b.target + 0.05;
+    const double last_accuracy = o.status == "success" ? target : target + 0.05;
     const double accuracy =
         evals == 1 ? last_accuracy : b.first_eval + (last_accuracy - b.first_eval) * (i - 1) / (evals - 1);
     now += 400;
@@ -178,6 +190,11 @@ int run(int argc, char** argv) {
     else if (flag == "--batch") o.batch = std::stoll(v);
     else if (flag == "--status") o.status = v;
     else if (flag == "--start-ms") o.start_ms = std::stoll(v);
+    else if (flag == "--throughput") o.throughput = std::stod(v);
+    else if (flag == "--tracked-stats") {
+      FORGE_CHECK(v == "throughput" || v == "all", "--tracked-stats throughput or all, got {}", v);
+      o.tracked_stats = v;
+    }
     else if (flag == "--omit") o.omit.insert(v);
     else if (flag == "--set") {
       const size_t eq = v.find('=');
