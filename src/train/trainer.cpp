@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <optional>
+#include <tuple>
 
 #include <string.h>
 #include <unistd.h>
@@ -388,13 +389,25 @@ double Trainer::lr_for_step(int64_t step) const {
 // weighs the same however many of its tokens are counted, which is what MLPerf's Llama 2 70B
 // LoRA reference measures on GovReport. A micro-batch without a counted target is left
 // out of that mean, as it adds nothing to the token mean.
+//
+// NOTE [Evaluation under data parallelism]
+// With several data-parallel ranks and eval.steps a multiple of their number, rank r
+// evaluates micro-batches r, r + world, ... of the evaluation (the DataLoader's rank and
+// world, as training reads its batches), and the loss sums, target counts and micro-batch
+// means are added over the ranks: the same sequences and the same mean as on one device (up
+// to the order of the additions), in 1/world of the time. Otherwise every rank evaluates
+// every micro-batch (correct, world times the work; the log says so once).
 EvalMetrics Trainer::evaluate(int64_t step) {
-  DataLoader loader(*eval_data_, config_.training.local_batch_size, 0);
+  const bool split = dp_ && world_size_ > 1 && config_.eval.steps % world_size_ == 0;
+  if (dp_ && world_size_ > 1 && !split && rank_ == 0 && eval_split_noted_++ == 0)
+    log_info("eval.steps {} is not a multiple of the {} data-parallel ranks: every rank evaluates all of them",
+             config_.eval.steps, world_size_);
+  DataLoader loader(*eval_data_, config_.training.local_batch_size, 0, split ? rank_ : 0, split ? world_size_ : 1);
   if (lora_) lora_->set_training(false);  // no adapter dropout, as PEFT's eval()
   LossSum total;
   double batch_means = 0.0;
   int64_t counted_batches = 0;
-  for (int64_t i = 0; i < config_.eval.steps; ++i) {
+  for (int64_t i = 0; i < (split ? config_.eval.steps / world_size_ : config_.eval.steps); ++i) {
     Batch batch = loader.next();
     const SequenceLayout layout = sequence_layout(batch);
     LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights(),
@@ -407,6 +420,11 @@ EvalMetrics Trainer::evaluate(int64_t step) {
     }
   }
   if (lora_) lora_->set_training(true);
+  if (split) {
+    std::tie(total.sum, batch_means) = dp_->sum_over_ranks(total.sum, batch_means);
+    total.tokens = dp_->count_over_ranks(total.tokens);
+    counted_batches = dp_->count_over_ranks(counted_batches);
+  }
   EvalMetrics m;
   m.step = step;
   m.loss = config_.eval.average == "micro_batches"

@@ -190,6 +190,7 @@ class Trainer {
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only
   bool show_progress_ = true;
+  int64_t eval_split_noted_ = 0;  // NOTE [Evaluation under data parallelism]: the note is logged once
   TrainingObserver* observer_ = nullptr;
   // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
   int rank_ = 0, world_size_ = 1;

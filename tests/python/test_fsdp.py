@@ -63,6 +63,22 @@ class Parity(unittest.TestCase):
                 self.assertLess(max_relative_difference(curve, self.single), 1e-4)
         self.assertLess(self.single[-1], self.single[0] - 0.5)  # it trained
 
+    def test_evaluation_is_split_over_ranks(self):
+        """NOTE [Evaluation under data parallelism]: 4 validation micro-batches on 2 ranks
+        are 2 each, summed: the mean of 1 rank's 4; 3 are evaluated whole on every rank."""
+        def evals(name, ranks, steps):
+            run_dir = self.train_run(name, ranks, "--eval.interval", "15", "--eval.steps", str(steps))
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                return [r["loss"] for r in map(json.loads, f) if r.get("type") == "eval"], self.last
+        for steps in (4, 3):
+            with self.subTest(steps=steps):
+                one, _ = evals(f"eval1-{steps}", 1, steps)
+                two, result = evals(f"eval2-{steps}", 2, steps)
+                self.assertEqual(len(one), 2)
+                self.assertLess(max(abs(a - b) / b for a, b in zip(two, one)), 1e-4)
+                noted = "every rank evaluates all of them" in result.stdout + result.stderr
+                self.assertEqual(noted, steps == 3)
+
     def test_every_zero_stage_follows_one_rank(self):
         for stage in (1, 2):
             with self.subTest(stage=stage):
