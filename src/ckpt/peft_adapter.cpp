@@ -181,13 +181,13 @@ LoraConfig read_peft_adapter_settings(const std::string& dir) {
       if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
       std::string name = t.get<std::string>();
       name = name.substr(name.rfind('.') + 1);  // PEFT writes all-linear out as module paths
-      if (std::find(kLoraModules.begin(), kLoraModules.end(), name) == kLoraModules.end())
+      if (std::find(kLoraModuleNames.begin(), kLoraModuleNames.end(), name) == kLoraModuleNames.end())
         fail(fmt::format("target_modules names '{}', which forge cannot adapt (expected among {})", t.get<std::string>(),
-                         fmt::join(kLoraModules, ", ")));
+                         fmt::join(kLoraModuleNames, ", ")));
       names.insert(name);
     }
     std::vector<std::string> ordered;
-    for (const std::string& m : kLoraModules)
+    for (const std::string& m : kLoraModuleNames)
       if (names.count(m)) ordered.push_back(m);
     lora.target_modules = fmt::format("{}", fmt::join(ordered, ","));
   } else {

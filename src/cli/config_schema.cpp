@@ -304,7 +304,7 @@ std::vector<ConfigKey> build_schema() {
       key<&E::lora, &LoraConfig::target_modules>(
           "lora.target_modules",
           "adapted modules, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or "
-          "all-linear"),
+          "all-linear; qkv_proj and gate_up_proj adapt the fused projection with one adapter (MLPerf's LoRA)"),
       key<&E::lora, &LoraConfig::adapter_path>(
           "lora.adapter_path", "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start "
                                "the adapters from"),

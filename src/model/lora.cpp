@@ -43,6 +43,14 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
     const size_t entry = next_entry[static_cast<size_t>(spec.layer)]++;
     if (spec.shape.size() != 2) continue;
     LoraTarget target{spec.layer, entry, spec.name, spec.shape[1], spec.shape[0], {}};
+    // NOTE [Fused LoRA targets]: a fused name takes the whole projection as one part.
+    std::vector<std::string> members;
+    for (const HfTensor& t : spec.hf_tensors) members.push_back(module_of(t.name));
+    for (const auto& [fused, fused_members] : kLoraFusedModules)
+      if (members == fused_members && std::find(modules.begin(), modules.end(), fused) != modules.end()) {
+        const std::string first = stem(spec.hf_tensors.front().name);
+        target.parts.push_back({fused, first.substr(0, first.rfind('.') + 1) + fused, 0, spec.shape[0]});
+      }
     int64_t row = 0;
     for (const HfTensor& t : spec.hf_tensors) {
       const std::string module = module_of(t.name);

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/config_check.h"
@@ -34,9 +35,26 @@ inline constexpr ValueRange dropout = {0.0, 1.0, false, true};
 inline const std::vector<std::string> kLoraModules = {"q_proj", "k_proj", "v_proj", "o_proj",
                                                       "gate_proj", "up_proj", "down_proj"};
 
-// The modules lora.target_modules names, in kLoraModules order ("all-linear": all of
-// them; PEFT's all-linear leaves the output head out, as forge does). Throws naming the
-// key on an unknown or repeated name, an empty list, or all-linear beside other names.
+// NOTE [Fused LoRA targets]
+// qkv_proj and gate_up_proj name forge's fused projections whole (NOTE [Fused projections]
+// in model/parameters.h): one adapter, A of rank r over the input and B over all the fused
+// rows, instead of one per member module. That is LoRA on a model whose attention has a
+// fused qkv_proj, as MLPerf's Llama 2 70B LoRA reference trains it (its
+// llama-v2-fused-qkv checkpoint, --lora_target_modules "qkv_proj,o_proj"), and NeMo's
+// linear_qkv adapter: fewer parameters than separate q, k and v adapters (r × (in + q + 2
+// kv) against r × (3 in + q + 2 kv)) and not the same function family. PEFT names its
+// tensors base_model.model.model.layers.N.self_attn.qkv_proj.lora_A.weight. A fused name
+// cannot be combined with its members.
+inline const std::vector<std::pair<std::string, std::vector<std::string>>> kLoraFusedModules = {
+    {"qkv_proj", {"q_proj", "k_proj", "v_proj"}}, {"gate_up_proj", {"gate_proj", "up_proj"}}};
+// Every name lora.target_modules accepts, in the order lora_target_modules returns them.
+inline const std::vector<std::string> kLoraModuleNames = {"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                          "gate_up_proj", "gate_proj", "up_proj", "down_proj"};
+
+// The modules lora.target_modules names, in kLoraModuleNames order ("all-linear": the
+// separate modules, kLoraModules; PEFT's all-linear leaves the output head out, as forge
+// does). Throws naming the key on an unknown or repeated name, an empty list, all-linear
+// beside other names, or a fused name beside one of its members.
 std::vector<std::string> lora_target_modules(const std::string& target_modules, const KeyDescriber& keys = {});
 
 }  // namespace forge

@@ -209,7 +209,7 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
                       {"lora.rank", "16"},
                       {"lora.alpha", "32"},
                       {"lora.dropout", "0.1"},
-                      {"lora.target_modules", "q_proj,k_proj,v_proj,o_proj"},
+                      {"lora.target_modules", "qkv_proj,o_proj"},
                       {"activation_checkpoint.mode", "full"},
                       {"data.source", "govreport_npy"},
                       {"eval.average", "micro_batches"}};

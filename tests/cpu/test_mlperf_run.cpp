@@ -66,7 +66,7 @@ TEST(MlperfPlan, LoraReferenceAndSchedule) {
   EXPECT_EQ(v["lora.rank"], "16");
   EXPECT_EQ(v["lora.alpha"], "32");
   EXPECT_EQ(v["lora.dropout"], "0.1");
-  EXPECT_EQ(v["lora.target_modules"], "q_proj,k_proj,v_proj,o_proj");
+  EXPECT_EQ(v["lora.target_modules"], "qkv_proj,o_proj");  // the reference's, on its fused-qkv model
   EXPECT_EQ(v["training.max_norm"], "0.3");
   EXPECT_EQ(v["optimizer.weight_decay"], "0.0001");
   EXPECT_EQ(v["optimizer.beta2"], "0.999");

@@ -41,6 +41,55 @@ TEST(ModelLora, TargetsAreThePartsOfTheFusedProjections) {
   EXPECT_EQ(lora_targets(config, lora_target_modules("all-linear")).size(), 4u * static_cast<size_t>(config.num_layers));
 }
 
+// NOTE [Fused LoRA targets]: qkv_proj is one adapter over the whole fused projection, and
+// computes what separate q, k, v adapters compute when they share that A and split B's rows.
+TEST(ModelLora, AFusedTargetIsOneAdapterOverTheWholeProjection) {
+  const ModelConfig config = testing::tiny();
+  EXPECT_EQ(lora_target_modules("o_proj,qkv_proj"), (std::vector<std::string>{"qkv_proj", "o_proj"}));
+  expect_error([] { lora_target_modules("qkv_proj,k_proj"); },
+               {"lora.target_modules", "'qkv_proj' adapts q_proj, k_proj, v_proj whole", "'k_proj'"});
+  expect_error([] { lora_target_modules("gate_up_proj,up_proj"); }, {"'gate_up_proj'", "'up_proj'"});
+  const std::vector<LoraTarget> targets = lora_targets(config, lora_target_modules("qkv_proj,gate_up_proj"));
+  ASSERT_EQ(targets.size(), 2u * static_cast<size_t>(config.num_layers));
+  ASSERT_EQ(targets[0].parts.size(), 1u);
+  EXPECT_EQ(targets[0].parts[0].module, "qkv_proj");
+  EXPECT_EQ(targets[0].parts[0].row_begin, 0);
+  EXPECT_EQ(targets[0].parts[0].row_end, config.q_size() + 2 * config.kv_size());
+  EXPECT_EQ(peft_tensor_name(targets[0].parts[0], 'b'), "base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight");
+  EXPECT_EQ(targets[1].parts[0].hf_prefix, "model.layers.0.mlp.gate_up_proj");
+  const int64_t r = 4, h = config.hidden_size, q = config.q_size(), kv = config.kv_size();
+  LoraAdapters fused(config, lora(r, "qkv_proj"), Device::CPU, 16);
+  EXPECT_EQ(fused.trainable_params(), r * (h + q + 2 * kv) * config.num_layers);
+
+  LoraAdapters split(config, lora(r, "q_proj,k_proj,v_proj"), Device::CPU, 16);
+  fused.initialize(3);
+  testing::set_nonzero_lora_b(fused);
+  for (size_t k = 0; k < fused.targets().size(); ++k) {
+    const Tensor& fa = fused.masters()[2 * k];
+    const Tensor& fb = fused.masters()[2 * k + 1];  // [out, r]
+    const Tensor& sa = split.masters()[2 * k];      // [3r, in]: A three times
+    const Tensor& sb = split.masters()[2 * k + 1];  // [out, 3r]: part p's rows in columns [p r, (p+1) r)
+    for (int p = 0; p < 3; ++p)
+      std::copy(fa.data<float>(), fa.data<float>() + fa.numel(), sa.data<float>() + p * fa.numel());
+    const int64_t bounds[4] = {0, q, q + kv, q + 2 * kv};
+    for (int p = 0; p < 3; ++p)
+      for (int64_t row = bounds[p]; row < bounds[p + 1]; ++row)
+        for (int64_t c = 0; c < r; ++c)
+          sb.data<float>()[row * 3 * r + p * r + c] = fb.data<float>()[row * r + c];
+  }
+  FlatParameters base(config);
+  base.initialize(1);
+  fused.set_base(base);
+  split.set_base(base);
+  DecoderLM model(config, 2, 8);
+  const Tensor tokens = testing::random_tokens(2, 8, config.vocab_size, 3);
+  const Tensor targets_ids = testing::random_tokens(2, 8, config.vocab_size, 4);
+  const double base_loss = model.forward_loss(tokens, targets_ids, base).mean();
+  const double fused_loss = model.forward_loss(tokens, targets_ids, fused).mean();
+  EXPECT_NE(fused_loss, base_loss);
+  EXPECT_NEAR(model.forward_loss(tokens, targets_ids, split).mean(), fused_loss, 1e-6 * std::abs(fused_loss));
+}
+
 TEST(ModelLora, OnlyTheAdaptersAreTrainable) {
   const ModelConfig config = testing::tiny();
   LoraAdapters adapters(config, lora(4, "all-linear"), Device::CPU, 16);
