@@ -138,11 +138,11 @@ int run_info(const std::vector<std::string>& args) {
     const PrecisionConfig& p = config.precision;
     const double share = (fp8->frozen ? 4.0 : 6.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
                          training_flops_per_token(m, config.lora, t.seq_len);
-    fmt::print("FP8              {}: the {} GEMMs of qkv, o, gate/up and down{} in FP8 ({:.1f}% of the FLOPs per "
+    fmt::print("FP8              {}: the {} qkv, o, gate/up and down{} in FP8 ({:.1f}% of the FLOPs per "
                "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
                "norms and optimizer in bf16/fp32; weights cast {}\n",
                fp8_recipe_description(p),
-               fp8->frozen ? "forward and input-gradient (the frozen base's)" : "forward, input- and weight-gradient",
+               fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
