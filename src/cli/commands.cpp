@@ -132,16 +132,22 @@ int run_info(const std::vector<std::string>& args) {
                projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
                nf4_scratch_bytes(m, DType::BF16) / gib);
   }
-  if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config.precision)) {
+  if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config)) {
+    // Under LoRA (NOTE [FP8 frozen base]) the frozen base has no weight gradient: 4 FLOPs
+    // per weight in FP8, of NOTE [LoRA FLOPs]'s count.
     const PrecisionConfig& p = config.precision;
-    const double share = 6.0 * static_cast<double>(fp8_gemm_params(m, *fp8)) / m.flops_per_token(t.seq_len);
-    fmt::print("FP8              {}: the forward, input- and weight-gradient GEMMs of qkv, o, gate/up and down{} in "
-               "FP8 ({:.1f}% of the FLOPs per token), activations and weights e4m3, gradients {}; the output head "
-               "{}, embedding, attention, norms and optimizer in bf16/fp32; weights cast {}\n",
-               fp8_recipe_description(p), fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
-               fp8->output_head ? "in FP8" : "in bf16",
-               p.fp8_weight_cache && t.device == "cuda" ? "once per optimizer step (precision.fp8_weight_cache)"
-                                                        : "in every micro-batch");
+    const double share = (fp8->frozen ? 4.0 : 6.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
+                         training_flops_per_token(m, config.lora, t.seq_len);
+    fmt::print("FP8              {}: the {} qkv, o, gate/up and down{} in FP8 ({:.1f}% of the FLOPs per "
+               "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
+               "norms and optimizer in bf16/fp32; weights cast {}\n",
+               fp8_recipe_description(p),
+               fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
+               fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
+               fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
+               !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
+               : fp8->frozen ? "once for the run (precision.fp8_weight_cache: the base is frozen)"
+                             : "once per optimizer step (precision.fp8_weight_cache)");
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",

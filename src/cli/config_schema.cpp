@@ -210,9 +210,10 @@ std::vector<ConfigKey> build_schema() {
           "precision.reduce_dtype", "dtype of gradients in FSDP's reduce-scatter", {}, {"fp32", "bf16"}),
       key<&E::precision, &PrecisionConfig::fp8>(
           "precision.fp8",
-          "FP8 GEMMs of the block projections (qkv, o, gate/up, down): none, tensorwise (current per-tensor "
-          "scales, as torchao's tensorwise and Transformer Engine's Float8CurrentScaling) or delayed (scales from "
-          "an amax history updated once per step, as Transformer Engine's DelayedScaling)",
+          "FP8 GEMMs of the block projections (qkv, o, gate/up, down; under LoRA the frozen base's): none, "
+          "tensorwise (current per-tensor scales, as torchao's tensorwise and Transformer Engine's "
+          "Float8CurrentScaling) or delayed (scales from an amax history updated once per step, as Transformer "
+          "Engine's DelayedScaling)",
           {}, {"none", "tensorwise", "delayed"}),
       key<&E::precision, &PrecisionConfig::fp8_grad_format>(
           "precision.fp8_grad_format",
@@ -234,8 +235,9 @@ std::vector<ConfigKey> build_schema() {
           {}, {"max", "most_recent"}),
       key<&E::precision, &PrecisionConfig::fp8_weight_cache>(
           "precision.fp8_weight_cache",
-          "with precision.fp8 on CUDA: each FP8 weight and its transpose cast once per optimizer step and kept "
-          "for every micro-batch (2 bytes per weight; false casts them in every micro-batch)"),
+          "with precision.fp8 on CUDA: each FP8 weight and its transpose cast once per optimizer step (under "
+          "LoRA once for the run) and kept for every micro-batch (2 bytes per weight; false casts them in every "
+          "micro-batch)"),
       key<&E::precision, &PrecisionConfig::fp8_margin>(
           "precision.fp8_margin",
           "with precision.fp8 delayed: scales are fp8_max × 2^-margin / amax (Transformer Engine's margin)",

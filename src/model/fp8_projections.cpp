@@ -50,7 +50,7 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   const int64_t projections = fp8_projection_count(config, settings);
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
-  return 3 * fp8_workspace_codes(config, settings, tokens) +
+  return (settings.frozen ? 2 : 3) * fp8_workspace_codes(config, settings, tokens) +
          (stats * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
              static_cast<int64_t>(sizeof(float));
 }
@@ -61,7 +61,7 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     const int64_t codes = fp8_workspace_codes(config, settings, tokens);
     workspace_.a_codes = Tensor::empty({codes}, DType::U8, device);
     workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
-    workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);
+    if (!settings.frozen) workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);  // dy^T for dW
     workspace_.stats = Tensor::zeros({kFp8WorkspaceStats}, DType::F32, device);
   }
   fp8_.grad_format = settings.grad_format;
@@ -118,7 +118,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
       p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].generation = &generation_;
-      p.linears[k].weight_cache = &p.caches[k];
+      p.linears[k].weight_cache = cache_in_use(p.caches[k]);
     }
   }
   if (device_ == Device::CUDA) {
@@ -141,8 +141,17 @@ std::string Fp8Projections::nonfinite_amax() const {
 
 void Fp8Projections::discard_amaxes() { fp8_stats_clear_seen(stats_); }
 
+Fp8WeightCache* Fp8Projections::cache_in_use(Fp8WeightCache& cache) const {
+  if (!cache.codes.defined()) return nullptr;
+  // NOTE [FP8 frozen base]: a frozen W is cached with its delayed scale only.
+  if (settings_.frozen && settings_.recipe == Fp8Recipe::Delayed && !delayed_active_) return nullptr;
+  return &cache;
+}
+
 void Fp8Projections::end_step(bool update) {
-  ++generation_;  // the optimizer may change every weight now: NOTE [FP8 weight cache]
+  // NOTE [FP8 weight cache]: the optimizer may change every weight now (not a frozen one:
+  // NOTE [FP8 frozen base]).
+  if (!settings_.frozen) ++generation_;
   if (settings_.recipe != Fp8Recipe::Delayed || !update) return fp8_stats_clear_seen(stats_);
   fp8_stats_delayed_step(stats_, history_,
                          {settings_.amax_history_length, settings_.amax_algorithm, settings_.margin,
@@ -154,8 +163,11 @@ void Fp8Projections::set_delayed_active(bool active) {
   delayed_active_ = active;
   for (auto* all : {&layer_projections_, &head_projections_})
     for (Projections& p : *all)
-      for (Fp8Linear& linear : p.linears)
-        if (linear.stats) linear.delayed = active;
+      for (size_t k = 0; k < p.linears.size(); ++k)
+        if (p.linears[k].stats) {
+          p.linears[k].delayed = active;
+          p.linears[k].weight_cache = cache_in_use(p.caches[k]);
+        }
 }
 
 Fp8DelayedState Fp8Projections::delayed_state() const {
@@ -200,8 +212,14 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
 }
 
 void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {
+  FORGE_CHECK(!settings_.frozen, "FP8 projections of a frozen base take no gradient sink");
   weights_ = &weights;
   gradients_ = &gradients;
+}
+
+void Fp8Projections::set_base(ParamSource& weights) {
+  FORGE_CHECK(settings_.frozen, "FP8 projections of trained weights need a gradient sink");
+  weights_ = &weights;
 }
 
 ParamSource& Fp8Projections::weights() const {
@@ -210,6 +228,7 @@ ParamSource& Fp8Projections::weights() const {
 }
 
 GradSink& Fp8Projections::gradients() const {
+  FORGE_CHECK(!settings_.frozen, "FP8 projections of a frozen base hand out no gradients (NOTE [FP8 frozen base])");
   FORGE_CHECK(gradients_, "FP8 projections used before set_base");
   return *gradients_;
 }

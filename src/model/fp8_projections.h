@@ -30,6 +30,24 @@
 // step's small weights and gradients to zero). The histories and scales are saved in
 // checkpoints (delayed_state / restore_delayed_state), so a resumed run quantizes as the
 // uninterrupted one would.
+//
+// NOTE [FP8 frozen base]
+// Under LoRA (lora.rank > 0, lora.quantize_base none; Fp8Settings::frozen) the projections
+// wrap the frozen base alone (set_base(weights)): LoraAdapters wraps them in turn and adds
+// its adapters to the descriptors they hand out, and the gradient descriptors are
+// LoraAdapters' (no base weight), so each projection runs its forward and its input
+// gradient in FP8 (x, W and dy quantized as above) and no weight gradient, while the
+// adapters run in the compute dtype (NOTE [Linear weight descriptor]). The CUDA scratch
+// then needs no third code buffer (it holds dy's transpose for the weight gradient).
+// The weights never change, so the weight cache is filled once for the run: end_step does
+// not move the cache's clock (restore_delayed_state, which changes the scales, does). With
+// `delayed` the cache is in use once the delayed scales are (from the end of the first
+// step): a frozen W's amax is constant, so its delayed scale is constant from that first
+// update on; a cached W folds no amax into its `seen`, its history then takes zeros, and
+// TE's update keeps the previous scale for an amax of zero, the same value. Before that
+// update W is cast in every micro-batch, so that the update that activates the scales has
+// seen every W (an evaluation's amaxes are discarded and a skipped step's dropped, which
+// would otherwise leave a W cached in them without an amax, and its scale 1).
 #pragma once
 
 #include <cstdint>
@@ -53,6 +71,8 @@ struct Fp8Settings {
   // CUDA: each projection's W and W^T codes cast once per optimizer step (NOTE [FP8 weight
   // cache] in ops/fp8_linear.h), 2 bytes per FP8 weight.
   bool weight_cache = false;
+  // LoRA's frozen base (NOTE [FP8 frozen base]): no weight gradients, weights cast once.
+  bool frozen = false;
   // delayed: TE DelayedScaling's amax_history_len, amax_compute_algo and margin.
   int64_t amax_history_length = 1024;
   cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
@@ -67,13 +87,14 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
 // Parameters of the matrices whose GEMMs run in FP8 (the block projections, and the head
-// with output_head): 6 x this is their share of the FLOPs per token (forge info).
+// with output_head): 6 x this is their share of the FLOPs per token (forge info), 4 x under
+// LoRA (no weight gradient).
 int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
-// buffers of fp8_workspace_codes bytes, the shared statistics and every projection's
-// forward statistics (kFp8WorkspaceStats floats each), the statistics blocks and, with
-// `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
+// buffers of fp8_workspace_codes bytes (two for a frozen base), the shared statistics and
+// every projection's forward statistics (kFp8WorkspaceStats floats each), the statistics
+// blocks and, with `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 // The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight, 0 without it.
@@ -89,6 +110,8 @@ class Fp8Projections : public ParamSource, public GradSink {
 
   // What the FP8 settings are attached to; both must outlive this object's use.
   void set_base(ParamSource& weights, GradSink& gradients);
+  // A frozen base (Fp8Settings::frozen, NOTE [FP8 frozen base]): weights only, no gradients.
+  void set_base(ParamSource& weights);
 
   const Tensor& embedding() override { return weights().embedding(); }
   const BlockWeights& layer(int index) override;
@@ -123,6 +146,8 @@ class Fp8Projections : public ParamSource, public GradSink {
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
   void set_delayed_active(bool active);
+  // The weight cache a projection uses now (NOTE [FP8 frozen base]), or null.
+  Fp8WeightCache* cache_in_use(Fp8WeightCache& cache) const;
 
   // The FP8 descriptors of one layer's (or the head's) projections, by parameter index.
   struct Projections {

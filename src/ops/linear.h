@@ -36,7 +36,10 @@
 // Fp8Projections that wrap the run's ParamSource and GradSink (model/fp8_projections.h),
 // which set `fp8` on the block projections they hand out (and on the head when asked);
 // model code is the same with or without FP8. An FP8 weight is not combined with NF4
-// codes (refused here) or LoRA (refused by the config, precision.fp8).
+// codes (refused here). With a LoRA adapter (NOTE [FP8 frozen base] in
+// model/fp8_projections.h) the base's GEMMs run in FP8 and the adapter's share is added
+// in the compute dtype, as without FP8; the gradient descriptor of a frozen weight has no
+// `weight`, so there is no FP8 weight gradient.
 #pragma once
 
 #include "core/tensor.h"

@@ -25,11 +25,12 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;
-  plan.fp8 = fp8_settings_of(config.precision);
+  plan.fp8 = fp8_settings_of(config);
   return plan;
 }
 
-std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
+std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config) {
+  const PrecisionConfig& p = config.precision;
   if (p.fp8 == "none") return std::nullopt;
   Fp8Settings s;
   s.recipe = p.fp8 == "delayed" ? Fp8Recipe::Delayed : Fp8Recipe::Tensorwise;
@@ -40,6 +41,7 @@ std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& p) {
                                                               : cpu::Fp8AmaxAlgorithm::Max;
   s.margin = static_cast<float>(p.fp8_margin);
   s.weight_cache = p.fp8_weight_cache;
+  s.frozen = config.lora.enabled();
   return s;
 }
 
@@ -87,6 +89,7 @@ void check_memory_fits(const ExperimentConfig& config) {
   if (plan.optimizer_state != DType::BF16) hints += ", optimizer.state_dtype bf16";
   if (plan.micro_batch > 1) hints += ", a smaller training.local_batch_size";
   if (plan.fsdp && plan.zero_stage < 3) hints += ", parallelism.zero_stage 3";
+  if (need.fp8_weight_cache > 0) hints += ", precision.fp8_weight_cache false";
   hints += ", or more GPUs (FSDP shards weights, gradients and optimizer state)";
   const double gib = 1024.0 * 1024.0 * 1024.0;
   throw OutOfMemoryError(fmt::format(

@@ -9,8 +9,9 @@ namespace forge {
 
 MemoryPlan memory_plan_of(const ExperimentConfig& config);
 
-// precision.fp8's settings (NOTE [FP8 projections]); unset with precision.fp8 none.
-std::optional<Fp8Settings> fp8_settings_of(const PrecisionConfig& precision);
+// precision.fp8's settings (NOTE [FP8 projections]; under LoRA, NOTE [FP8 frozen base]);
+// unset with precision.fp8 none.
+std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config);
 // The recipe as forge info and the training log name it: "tensorwise", or "delayed (amax
 // history 1024, max, margin 0)".
 std::string fp8_recipe_description(const PrecisionConfig& precision);

@@ -102,6 +102,14 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);
       params_->initialize(derive_seed(t.seed, kWeightsSeed));
       lora_->set_base(*params_);
+      if (config_.precision.fp8 != "none") {
+        // NOTE [FP8 frozen base]: the base's GEMMs in FP8 under the adapters.
+        fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
+                                                t.local_batch_size * t.seq_len);
+        fp8_->set_base(*params_);
+        lora_->set_base(*fp8_);
+        log_fp8();
+      }
     }
     decay.assign(lora_->masters().size(), true);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, lora_->masters(), decay);
@@ -123,14 +131,12 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
     if (config_.precision.fp8 != "none") {
-      // NOTE [FP8 projections]: the config allows FP8 only here (full training, one device).
-      const PrecisionConfig& p = config_.precision;
-      fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(p), device_,
+      // NOTE [FP8 projections]: the config allows FP8 here (full training, one device) and
+      // under LoRA on one device (above).
+      fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
-      log_info("FP8 {}: the block projections' GEMMs in FP8 (activations and weights e4m3, gradients {}), the "
-               "output head in {}",
-               fp8_recipe_description(p), p.fp8_grad_format, p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32");
+      log_fp8();
     }
   }
   if (dp_) {
@@ -155,6 +161,16 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   for (const LossScaling& s : scale_loss_)
     log_warn("FORGE_TEST_SCALE_LOSS: a test hook multiplies the loss of step {} by {} (the gradients are untouched)",
              s.step, s.factor);
+}
+
+void Trainer::log_fp8() const {
+  const PrecisionConfig& p = config_.precision;
+  log_info("FP8 {}: the {} GEMMs of the {}block projections in FP8 (activations and weights e4m3, gradients {}), the "
+           "output head in {}{}",
+           fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
+           lora_ ? "frozen base's " : "", p.fp8_grad_format,
+           p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32",
+           lora_ ? fmt::format(", the LoRA adapters in {}", p.compute_dtype) : "");
 }
 
 // Every rank says what it holds: the optimizer state (master weights and moments) is

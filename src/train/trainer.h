@@ -133,6 +133,7 @@ class Trainer {
   // after the memory check.
   void set_up_data_parallel();
   void log_fsdp_memory() const;
+  void log_fp8() const;  // what precision.fp8 runs in FP8
 
   // trainer_resume.cpp (NOTE [Choosing the checkpoint to resume])
   std::optional<std::string> choose_checkpoint();
@@ -183,9 +184,10 @@ class Trainer {
   std::unique_ptr<DecoderLM> model_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<LoraAdapters> lora_;  // lora.rank > 0 (NOTE [LoRA training]); params_ is then the frozen base
-  std::unique_ptr<Nf4FrozenBase> nf4_base_;
-  // precision.fp8: wraps the weights and gradients the model is handed (NOTE [FP8 projections])
-  std::unique_ptr<Fp8Projections> fp8_;  // QLoRA (NOTE [QLoRA base]): the frozen base instead of params_
+  std::unique_ptr<Nf4FrozenBase> nf4_base_;  // QLoRA (NOTE [QLoRA base]): the frozen base instead of params_
+  // precision.fp8: wraps the weights and gradients the model is handed (NOTE [FP8 projections]),
+  // under LoRA the frozen base beneath lora_ (NOTE [FP8 frozen base])
+  std::unique_ptr<Fp8Projections> fp8_;
   std::unique_ptr<TokenDataset> train_data_, eval_data_;
   std::unique_ptr<DataLoader> train_loader_;
   std::unique_ptr<MetricsWriter> metrics_;  // rank 0 only

@@ -110,6 +110,24 @@ class Commands(unittest.TestCase):
         self.assertNotIn("weight cache", uncached.stdout)
         cpu = [line for line in result.stdout.splitlines() if "CPU (fp32)" in line]
         self.assertNotIn("FP8", cpu[0])
+
+    def test_info_fp8_under_lora(self):
+        # NOTE [FP8 frozen base]: the frozen projections' forward and input-gradient GEMMs, 4
+        # FLOPs per weight of NOTE [LoRA FLOPs]'s count; two code buffers of scratch (no dW).
+        result = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--training.seq_len", "8192",
+                       "--training.local_batch_size", "1", "--training.device", "cuda", "--lora.rank", "16")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        fp8 = [line for line in result.stdout.splitlines() if line.startswith("FP8 ")]
+        flops = [line for line in result.stdout.splitlines() if line.startswith("LoRA FLOPs/token")]
+        projections = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+        share = 4 * projections / float(flops[0].split()[2])
+        self.assertIn(f"tensorwise: the forward and input-gradient GEMMs of the frozen qkv, o, gate/up and down in "
+                      f"FP8 ({100 * share:.1f}% of the FLOPs per token)", fp8[0])
+        self.assertIn("the output head in bf16, LoRA adapters, embedding", fp8[0])
+        self.assertIn("weights cast once for the run (precision.fp8_weight_cache: the base is frozen)", fp8[0])
+        gpu = [line for line in result.stdout.splitlines() if "one GPU" in line]
+        self.assertIn("frozen bf16 weights", gpu[0])
+        self.assertIn("FP8 GEMM scratch 0.44 GiB + FP8 weight cache 13.00 GiB", gpu[0])
         head = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_output_head", "true")
         self.assertIn("qkv, o, gate/up and down and of the output head in FP8", head.stdout)
         self.assertNotIn("FP8", forge("info", "llama3.1-8b").stdout)
