@@ -167,6 +167,12 @@ class Fp8Training(unittest.TestCase):
         self.expect_error(["multiple of 16", "model.vocab_size (precision.fp8_output_head) is"],
                           "--precision.fp8", "tensorwise", "--training.device", "cuda",
                           "--precision.fp8_output_head", "true", "--model.vocab_size", "1001")
+        # Full training contracts over the tokens (weight gradient); a frozen LoRA base does not.
+        odd_tokens = ("--precision.fp8", "tensorwise", "--training.device", "cuda", "--training.seq_len", "63",
+                      "--training.local_batch_size", "1")
+        self.expect_error(["multiple of 16", "the tokens of a micro-batch"], *odd_tokens)
+        lora = train(os.path.join(self.tmp, "refused"), *odd_tokens, "--lora.rank", "4", check=False)
+        self.assertNotIn("multiple of 16", lora.stderr)
 
 
 if __name__ == "__main__":
