@@ -189,7 +189,8 @@ int main(int argc, char** argv) {
   mlperf_score->footer("Exits with 1 when a file is malformed, the set cannot be scored, or the RCP check fails.");
 
   // Set last: subcommands created after it would inherit it.
-  app.footer("train, info, bench and hf-info take overrides: any config key as --section.key VALUE or "
+  app.footer("train, info, bench, hf-info, eval and mlperf BENCHMARK take overrides: any config key as "
+             "--section.key VALUE or "
              "--section.key=VALUE, e.g. --training.local_batch_size 6.\nRun 'forge keys' for every key with its "
              "default and meaning.");
   try {
