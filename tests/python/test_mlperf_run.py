@@ -33,7 +33,10 @@ except ImportError:
 
 VOCAB = 32  # debug-tiny's
 SEQ = 64
-CPU = ["--training.device", "cpu", "--precision.compute_dtype", "fp32", "--model.name", "debug-tiny"]
+# FORGE_TEST_DEVICE=cuda runs the same flows on the GPU (bf16), as scripts/mlperf-gpu-check does.
+DEVICE = os.environ.get("FORGE_TEST_DEVICE", "cpu")
+CPU = ["--training.device", DEVICE, "--precision.compute_dtype", "bf16" if DEVICE == "cuda" else "fp32",
+       "--model.name", "debug-tiny"]
 
 
 def mllog_lines(path):
