@@ -182,6 +182,14 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
       outcome = trainer.run();
     } catch (...) {
       logger.abort();
+      // A run that failed before run_start (a bad data file, too little memory) never ran:
+      // its result file would only hold cache_clear and init_start, which no checker or
+      // score can read, so it is removed; a run that started keeps its log, run_stop aborted.
+      if (rank0 && !logger.run_started()) {
+        std::error_code ignored;
+        std::filesystem::remove(result, ignored);
+        log_warn("MLPerf {} run {}: failed before run_start; {} removed", name, r + 1, result);
+      }
       throw;
     }
     if (outcome.stopped) return kExitStopped;

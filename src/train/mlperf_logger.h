@@ -65,6 +65,7 @@ class MlperfLogger : public TrainingObserver {
   void abort();
 
   bool succeeded() const { return succeeded_; }
+  bool run_started() const { return run_started_; }
   const std::string& path() const;
 
  private:

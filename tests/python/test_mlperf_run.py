@@ -178,6 +178,11 @@ class MlperfRun(unittest.TestCase):
                                  "--data.path", self.c4_train, "--output", out], capture_output=True, text=True)
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("--data.validation_path", result.stderr)
+        # A bad data file fails the run before run_start: an error naming it, and no result file left.
+        result = self.llama31_8b(out, "--data.validation_path", os.path.join(self.dir, "missing"))
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("missing", result.stderr)
+        self.assertFalse(os.path.exists(os.path.join(out, "result_0.txt")))
 
     def lora_base(self):
         """A tiny base model trained on the stand-in, as a Hugging Face folder: LoRA on a
