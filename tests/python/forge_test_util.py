@@ -1,7 +1,9 @@
 """Shared helpers for the Python reference tests: where the forge binaries are, a scratch
 directory per test, a run's losses, and the relative-error measure the tests use."""
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 
@@ -26,7 +28,12 @@ def run(args, **kwargs):
 
 
 def scratch_dir():
-    return tempfile.mkdtemp(prefix="forge-test-")
+    """A fresh directory, removed when the test process exits (kept when FORGE_KEEP_TEST_DIRS
+    is set, to look at a failure)."""
+    path = tempfile.mkdtemp(prefix="forge-test-")
+    if not os.environ.get("FORGE_KEEP_TEST_DIRS"):
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def relative_error(actual, expected):
