@@ -105,6 +105,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
               p.linears.size());
   p.forward.resize(params);
   p.caches.resize(params);
+  p.produced.resize(params);
   p.linears.assign(params, fp8_);
   const bool head = &all == &head_projections_;
   for (size_t k = 0; k < params; ++k) {
@@ -126,6 +127,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     for (size_t k = 0; k < params; ++k) {
       p.forward[k].device = p.stats.data<float>() + static_cast<int64_t>(k) * kFp8WorkspaceStats;
       p.linears[k].forward = &p.forward[k];
+      if (settings_.fused_producers) p.linears[k].produced = &p.produced[k];
     }
   }
   return p;

@@ -73,6 +73,9 @@ struct Fp8Settings {
   bool weight_cache = false;
   // LoRA's frozen base (NOTE [FP8 frozen base]): no weight gradients, weights cast once.
   bool frozen = false;
+  // CUDA: the kernels producing a projection's x and dy do its amax pass or cast (NOTE
+  // [FP8 fused producers] in ops/fp8_linear.h); off only to compare against (same bits).
+  bool fused_producers = true;
   // delayed: TE DelayedScaling's amax_history_len, amax_compute_algo and margin.
   int64_t amax_history_length = 1024;
   cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
@@ -154,6 +157,7 @@ class Fp8Projections : public ParamSource, public GradSink {
     Tensor stats;                           // CUDA: kFp8WorkspaceStats floats per parameter
     std::vector<Fp8ForwardStats> forward;   // sized once: Fp8Linears point into it
     std::vector<Fp8WeightCache> caches;     // likewise (NOTE [FP8 weight cache])
+    std::vector<Fp8Produced> produced;      // likewise (NOTE [FP8 fused producers])
     std::vector<Fp8Linear> linears;
   };
   Projections& projections(std::vector<Projections>& all, size_t index, size_t params);

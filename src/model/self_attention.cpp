@@ -83,7 +83,7 @@ void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
-  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kQkv));
   linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), a.normed, w.linear(kQkv));
   rope_forward(a.qkv, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
   attention_forward(a.out, a.lse, a.qkv, attention_, packed_ ? &segments_ : nullptr);

@@ -62,9 +62,9 @@ void SwiGluFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Act
 
 void SwiGluFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
-  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kGateUp));
   linear_forward(a.gate_up, a.normed, w.linear(kGateUp));
-  swiglu_forward(a.swiglu, a.gate_up);
+  swiglu_forward(a.swiglu, a.gate_up, out ? &w.linear(kDown) : nullptr);
   if (!out) return;
   linear_forward(*out, a.swiglu, w.linear(kDown), &x);
 }
@@ -81,7 +81,7 @@ void SwiGluFeedForward::backward(int layer, const ComponentWeights& w, const Com
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + swiglu @ down^T
   linear_backward(d_swiglu_, grads.linear(kDown), d_stream, a.swiglu, w.linear(kDown), overwrite);
-  swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up);
+  swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up, &w.linear(kGateUp));
   linear_backward(d_hidden, grads.linear(kGateUp), d_gate_up_, a.normed, w.linear(kGateUp), overwrite);
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }

@@ -103,16 +103,31 @@ const cuda::bf16* bf16_of(const Tensor& t) { return static_cast<const cuda::bf16
 
 // The codes of t [rows, cols] (bf16) at `dst` with its current scale, transposed to
 // [cols, rows] when asked; t's amax folded into `seen` when not null.
-void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst, float* seen) {
+// With amax_ready, t's amax is in dst.amax already (NOTE [FP8 fused producers]).
+void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst, float* seen,
+                     bool amax_ready = false) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
-  if (!transpose) {
-    cuda::fp8_quantize_tensorwise(bf16_of(t), t.numel(), format, false, dst.codes, dst.amax, dst.scale, dst.scale_inv,
-                                  seen);
-    return;
-  }
-  cuda::fp8_amax(bf16_of(t), t.numel(), dst.amax);
+  if (!amax_ready) cuda::fp8_amax(bf16_of(t), t.numel(), dst.amax);
   cuda::fp8_scale_from_amax(dst.amax, format, false, dst.scale, dst.scale_inv, seen);
-  cuda::fp8_cast_transpose(bf16_of(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
+  if (transpose) cuda::fp8_cast_transpose(bf16_of(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
+  else cuda::fp8_cast(bf16_of(t), t.numel(), dst.scale, format, dst.codes, nullptr);
+}
+
+// NOTE [FP8 fused producers]: whether a producer prepared x (its amax, or with `codes` its
+// codes) for this forward; the record is used once.
+bool produced_input(const Fp8Linear& fp8, const Tensor& x, bool codes) {
+  Fp8Produced* p = fp8.produced;
+  if (!p || p->x != x.raw() || p->x_numel != x.numel() || p->x_codes != codes) return false;
+  p->x = nullptr;
+  return true;
+}
+
+// Whether a producer folded dy's amax into the workspace's first slot; used once.
+bool produced_output_gradient(const Fp8Linear& fp8, const Tensor& dy) {
+  Fp8Produced* p = fp8.produced;
+  if (!p || p->dy != dy.raw() || p->dy_numel != dy.numel()) return false;
+  p->dy = nullptr;
+  return true;
 }
 
 // NOTE [FP8 delayed scaling]: the role's statistics in the projection's block, codes at `codes`.
@@ -219,7 +234,9 @@ void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool trans
     d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
     cast_delayed(dy, fp8.grad_format, d, transpose);
   } else {
-    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy));
+    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy),
+                    d.amax == workspace_of(fp8, "quantize_output_gradient").stats.data<float>() &&
+                        produced_output_gradient(fp8, dy));
   }
 }
 
@@ -271,10 +288,11 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
         if (kept) b.codes = kept;
         else if (cacheable) b.codes = caching_target(fp8, w, false, b.codes);
         if (delayed) {
-          cast_delayed(x, kE4M3, a, false);
+          if (!produced_input(fp8, x, true)) cast_delayed(x, kE4M3, a, false);
           if (!kept) cast_delayed(w, kE4M3, b, false);
         } else {
-          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X));
+          const bool amax_ready = fp8.forward && fp8.forward->device && produced_input(fp8, x, false);
+          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_ready);
           if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W));
         }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
@@ -356,7 +374,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
         d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
       } else {
-        cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
+        if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
         cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, seen_of(fp8, Fp8Role::Dy));
         cuda::fp8_cast_transpose(bf16_of(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       }
@@ -412,6 +430,49 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
   expect_cpu(x, "fp8_linear_backward_weight x");
   host_gemm(grad, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), true, quantize_host(x, kE4M3, fp8, Fp8Role::X),
             false, overwrite ? 0.0f : 1.0f);
+}
+
+cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer) {
+#ifdef FORGE_CUDA
+  if (!consumer || !consumer->produced || x.device() != Device::CUDA || x.ndim() != 2) return {};
+  const Fp8Linear& fp8 = *consumer;
+  Fp8Produced& p = *fp8.produced;
+  if (uses_delayed_scales(fp8)) {
+    const Tensor& codes = workspace_of(fp8, "fp8_input_epilogue").a_codes;
+    if (codes.numel() < x.numel()) return {};
+    const DeviceOperand d = delayed_operand(fp8, Fp8Role::X, codes.data<uint8_t>());
+    p.x = x.raw();
+    p.x_numel = x.numel();
+    p.x_codes = true;
+    return {d.amax, d.scale, d.codes};  // the role's seen, scale and the forward's code buffer
+  }
+  if (!fp8.forward || !fp8.forward->device) return {};
+  float* amax = fp8.forward->device;  // x's slot of the forward statistics
+  cuda::fp8_amax_reset(amax);
+  p.x = x.raw();
+  p.x_numel = x.numel();
+  p.x_codes = false;
+  return {amax, nullptr, nullptr};
+#else
+  (void)x;
+  (void)consumer;
+  return {};
+#endif
+}
+
+float* fp8_output_gradient_amax(const Tensor& dy, const Fp8Linear* consumer) {
+#ifdef FORGE_CUDA
+  if (!consumer || !consumer->produced || dy.device() != Device::CUDA || uses_delayed_scales(*consumer)) return nullptr;
+  float* amax = workspace_of(*consumer, "fp8_output_gradient_amax").stats.data<float>();  // operand 0's amax
+  cuda::fp8_amax_reset(amax);
+  consumer->produced->dy = dy.raw();
+  consumer->produced->dy_numel = dy.numel();
+  return amax;
+#else
+  (void)dy;
+  (void)consumer;
+  return nullptr;
+#endif
 }
 
 }  // namespace forge

@@ -24,8 +24,9 @@
 // A non-finite amax is not refused here: it gives a NaN or zero scale, exactly as torchao;
 // with a statistics block (Fp8Linear::stats) every cast folds its amax into the block, and
 // the trainer names the first non-finite one at the step's end (NOTE [FP8 step end] in
-// model/fp8_projections.h). Later work: the amax fused into the kernels that produce x and
-// dy, and the weight cast done once per optimizer step.
+// model/fp8_projections.h). The amax of x and dy comes from the kernels that produce them
+// where forge writes those (NOTE [FP8 fused producers]); the weights are cast once per
+// optimizer step (NOTE [FP8 weight cache]).
 // What is recomputed: every GEMM casts its operands again (x in the forward and the weight
 // gradient, W in the forward and the input gradient); the codes and scales are identical
 // each time, since the same tensor gives the same amax. dy is quantized once for both
@@ -56,6 +57,7 @@
 #include "core/tensor.h"
 #include "kernels/cpu/fp8.h"
 #include "kernels/cpu/fp8_scaling.h"
+#include "kernels/cuda/fp8_epilogue.h"
 
 namespace forge {
 
@@ -103,6 +105,37 @@ struct Fp8WeightCache {
   uint64_t codes_of = ~uint64_t{0}, codes_t_of = ~uint64_t{0};  // the generation each was cast in
 };
 
+// NOTE [FP8 fused producers]
+// Quantizing a projection's x (and, in the backward, its dy) starts with a pass over the
+// tensor: its amax (tensorwise) or its cast (delayed). Where a kernel of forge's own writes
+// that tensor just before the projection reads it, the kernel does that pass on the values
+// it holds in registers (kernels/cuda/fp8_epilogue.h): RMSNorm's output for the qkv and
+// gate/up projections, SwiGLU's output for the down projection (the blocks pass the
+// consumer's descriptor to the producing op), and SwiGLU's backward output, the gate/up
+// projection's dy. With `tensorwise` the producer folds x's amax into the projection's
+// forward statistics (dy's into the shared workspace's) and the GEMM's quantization then
+// only computes the scale and casts; with `delayed` the producer also writes x's E4M3
+// codes with the role's delayed scale into the workspace, folding the amax into the role's
+// `seen`, and the forward does no cast of x at all (dy under `delayed` has no amax pass to
+// save: its cast already folds it, and it writes dy's transpose too, which an elementwise
+// producer cannot). The producer records what it did, for which tensor (data pointer and
+// size), in the projection's Fp8Produced; the next quantization of that very tensor uses it
+// once and clears it, anything else quantizes as before. The amax and codes are computed
+// from the bf16 values as stored, so every code, scale and result is bitwise the unfused
+// path's (GpuFp8Linear.FusedProducersGiveTheSameBits). What it saves on the 8B-shape proxy:
+// one read of x for qkv, gate/up and down and of dy for gate/up: 0.83 GB per layer and
+// micro-batch under tensorwise, 0.36 GB under delayed (docs/PERF.md). The attention output
+// (cuDNN) and the residual-stream gradients (the o and down projections' dy) are made by
+// kernels that cannot take the epilogue, and keep their passes. CUDA only: on the CPU the
+// reference quantizes every tensor itself.
+struct Fp8Produced {
+  const void* x = nullptr;  // the forward input a producer prepared, by data pointer and size
+  int64_t x_numel = 0;
+  bool x_codes = false;      // its codes too (delayed), in the workspace's a_codes
+  const void* dy = nullptr;  // the output gradient whose amax is in the workspace's first slot
+  int64_t dy_numel = 0;
+};
+
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
@@ -114,7 +147,16 @@ struct Fp8Linear {
   // Quantize with the scales in `stats` (NOTE [FP8 delayed scaling]) instead of current ones.
   bool delayed = false;
   Fp8WeightCache* weight_cache = nullptr;  // CUDA, optional: NOTE [FP8 weight cache]
+  Fp8Produced* produced = nullptr;         // CUDA, optional: NOTE [FP8 fused producers]
 };
+
+// NOTE [FP8 fused producers]: the epilogue for the kernel about to write x, which the
+// projection with these FP8 settings quantizes next in its forward; inactive (nothing to
+// do) on the CPU, without settings or without `produced`. Records what the epilogue will do.
+cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer);
+// The same for the kernel about to write dy, the projection's output gradient: where its
+// amax goes (tensorwise), or null.
+float* fp8_output_gradient_amax(const Tensor& dy, const Fp8Linear* consumer);
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
                         const Tensor* residual);

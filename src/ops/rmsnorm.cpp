@@ -8,7 +8,8 @@
 #endif
 
 namespace forge {
-void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps) {
+void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
+                     const LinearWeight* feeds) {
   OpProfileScope profile(OpClass::Elementwise, "rmsnorm_forward");
   FORGE_CHECK(x.ndim() == 2, "rmsnorm_forward: x {} must be [N, D]", shape_str(x.shape()));
   int64_t rows = x.dim(0), dim = x.dim(1);
@@ -20,10 +21,11 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
     expect_tensor(rstd, Device::CUDA, DType::F32, "rmsnorm_forward rstd");
     expect_tensor(x, Device::CUDA, DType::BF16, "rmsnorm_forward x");
     expect_tensor(weight, Device::CUDA, DType::BF16, "rmsnorm_forward weight");
+    const cuda::Fp8Epilogue fp8 = fp8_input_epilogue(y, feeds ? feeds->fp8 : nullptr);
     FORGE_CUDA_CALL("rmsnorm_forward",
                     cuda::rmsnorm_forward(static_cast<cuda::bf16*>(y.raw()), rstd.data<float>(),
                                           static_cast<const cuda::bf16*>(x.raw()),
-                                          static_cast<const cuda::bf16*>(weight.raw()), rows, dim, eps));
+                                          static_cast<const cuda::bf16*>(weight.raw()), rows, dim, eps, fp8));
     return;
   }
   expect_tensor(y, Device::CPU, DType::F32, "rmsnorm_forward y");

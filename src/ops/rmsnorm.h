@@ -6,10 +6,14 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/linear.h"
 
 namespace forge {
 
-void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps);
+// `feeds`: the projection that reads y next, if any; an FP8 one gets y's amax (or codes)
+// from this pass (NOTE [FP8 fused producers] in ops/fp8_linear.h). y is the same either way.
+void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& weight, float eps,
+                     const LinearWeight* feeds = nullptr);
 void rmsnorm_backward(const Tensor& dx, const Tensor& dweight, const Tensor& dy, const Tensor& x,
                       const Tensor& weight, const Tensor& rstd);
 

@@ -8,7 +8,7 @@
 #endif
 
 namespace forge {
-void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
+void swiglu_forward(const Tensor& out, const Tensor& gate_up, const LinearWeight* feeds) {
   OpProfileScope profile(OpClass::Elementwise, "swiglu_forward");
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_forward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
@@ -17,8 +17,10 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
   if (gate_up.device() == Device::CUDA) {
     expect_tensor(out, Device::CUDA, DType::BF16, "swiglu_forward out");
     expect_tensor(gate_up, Device::CUDA, DType::BF16, "swiglu_forward gate_up");
-    FORGE_CUDA_CALL("swiglu_forward", cuda::swiglu_forward(static_cast<cuda::bf16*>(out.raw()),
-                                                           static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
+    const cuda::Fp8Epilogue fp8 = fp8_input_epilogue(out, feeds ? feeds->fp8 : nullptr);
+    FORGE_CUDA_CALL("swiglu_forward",
+                    cuda::swiglu_forward(static_cast<cuda::bf16*>(out.raw()),
+                                         static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn, fp8));
     return;
   }
   expect_tensor(out, Device::CPU, DType::F32, "swiglu_forward out");
@@ -26,7 +28,8 @@ void swiglu_forward(const Tensor& out, const Tensor& gate_up) {
   cpu::swiglu_forward(out.data<float>(), gate_up.data<float>(), rows, ffn);
 }
 
-void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up) {
+void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up,
+                     const LinearWeight* feeds) {
   OpProfileScope profile(OpClass::Elementwise, "swiglu_backward");
   FORGE_CHECK(gate_up.ndim() == 2 && gate_up.dim(1) % 2 == 0, "swiglu_backward: gate_up {} must be [N, 2F]",
               shape_str(gate_up.shape()));
@@ -37,10 +40,11 @@ void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& g
     expect_tensor(dgate_up, Device::CUDA, DType::BF16, "swiglu_backward dgate_up");
     expect_tensor(dout, Device::CUDA, DType::BF16, "swiglu_backward dout");
     expect_tensor(gate_up, Device::CUDA, DType::BF16, "swiglu_backward gate_up");
+    float* amax = fp8_output_gradient_amax(dgate_up, feeds ? feeds->fp8 : nullptr);
     FORGE_CUDA_CALL("swiglu_backward",
                     cuda::swiglu_backward(static_cast<cuda::bf16*>(dgate_up.raw()),
                                           static_cast<const cuda::bf16*>(dout.raw()),
-                                          static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn));
+                                          static_cast<const cuda::bf16*>(gate_up.raw()), rows, ffn, amax));
     return;
   }
   expect_tensor(dgate_up, Device::CPU, DType::F32, "swiglu_backward dgate_up");

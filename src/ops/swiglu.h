@@ -5,10 +5,15 @@
 #pragma once
 
 #include "core/tensor.h"
+#include "ops/linear.h"
 
 namespace forge {
 
-void swiglu_forward(const Tensor& out, const Tensor& gate_up);
-void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up);
+// `feeds`: the projection that reads out next (the forward) or dgate_up (the backward: its
+// output gradient), if any; an FP8 one gets that tensor's amax (or codes) from this pass
+// (NOTE [FP8 fused producers] in ops/fp8_linear.h). The outputs are the same either way.
+void swiglu_forward(const Tensor& out, const Tensor& gate_up, const LinearWeight* feeds = nullptr);
+void swiglu_backward(const Tensor& dgate_up, const Tensor& dout, const Tensor& gate_up,
+                     const LinearWeight* feeds = nullptr);
 
 }  // namespace forge

@@ -209,5 +209,57 @@ TEST(GpuFp8Linear, WeightCacheGivesTheSameBits) {
   }
 }
 
+// NOTE [FP8 fused producers]: with the amax passes (tensorwise) and x's casts (delayed) done
+// by RMSNorm and SwiGLU, every loss, gradient and delayed scale is bitwise the unfused
+// run's, under each activation checkpointing mode (selective and full recompute the
+// producers without or with the projection that reads them), over steps whose weights move.
+TEST(GpuFp8Linear, FusedProducersGiveTheSameBits) {
+  const ModelConfig config = small_model("fp8-producers-gpu");
+  const int64_t batch = 2, seq = 64;
+  FlatParameters params(config);
+  params.initialize(6);
+  Rng rng(seed_for_current_test());
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
+    for (const ActivationCheckpoint mode :
+         {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
+      SCOPED_TRACE(testing::Message() << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise") << ", checkpoint "
+                                      << static_cast<int>(mode));
+      std::vector<std::vector<double>> losses(2);
+      std::vector<std::vector<std::vector<float>>> grads(2);
+      std::vector<std::vector<float>> scales(2);
+      for (const bool fused : {false, true}) {
+        FlatParameters weights(config, Device::CUDA, DType::BF16), g(config, Device::CUDA, DType::F32);
+        weights.assign_from(params);
+        Fp8Settings settings;
+        settings.recipe = recipe;
+        settings.fused_producers = fused;
+        settings.weight_cache = true;
+        Fp8Projections fp8(config, settings, Device::CUDA, batch * seq);
+        fp8.set_base(weights, g);
+        DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode);
+        for (int step = 0; step < 3; ++step) {
+          for (int micro = 0; micro < 2; ++micro) {
+            g.discard();
+            losses[fused].push_back(model.forward_backward(tokens, targets, fp8, fp8, scale).mean());
+            grads[fused].push_back(host_values<float>(g.flat()));
+          }
+          fp8.end_step(true);
+          FlatParameters changed(config);
+          changed.assign_from(params);
+          for (int64_t i = 0; i < changed.flat().numel(); ++i) changed.flat().data<float>()[i] *= 1.0f - 0.02f * step;
+          weights.assign_from(changed);
+        }
+        if (recipe == Fp8Recipe::Delayed) scales[fused] = fp8.delayed_state().scales;
+      }
+      EXPECT_EQ(losses[1], losses[0]);
+      ASSERT_EQ(grads[1].size(), grads[0].size());
+      for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(grads[1][i] == grads[0][i]) << "micro-batch " << i;
+      EXPECT_EQ(scales[1], scales[0]);
+    }
+}
+
 }  // namespace
 }  // namespace forge

@@ -44,6 +44,7 @@
 #include <algorithm>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/fp8_device.cuh"
 
 namespace forge::cuda {
 namespace {
@@ -52,30 +53,6 @@ constexpr int kThreads = 256;
 constexpr int64_t kPerThread = 8;
 constexpr int kTile = 64;
 constexpr int kTileRowsPerPass = kThreads / kTile;  // 4
-
-template <Fp8Format F>
-__device__ __forceinline__ uint8_t cast_saturated(float v) {
-  if (isnan(v)) return signbit(v) ? 0xff : 0x7f;
-  constexpr float top = F == Fp8Format::E4M3 ? cpu::kFp8E4M3Max : cpu::kFp8E5M2Max;
-  v = fminf(fmaxf(v, -top), top);  // torchao's clamp; infinities included, whatever the instruction does with them
-  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
-}
-
-__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
-
-// The block's largest value of `mine` (unsigned), atomically folded into *amax.
-__device__ void block_max_into(unsigned mine, float* amax) {
-  __shared__ unsigned warp_max[kThreads / 32];
-  mine = __reduce_max_sync(0xffffffffu, mine);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_max[warp] = mine;
-  __syncthreads();
-  if (warp == 0) {
-    mine = lane < kThreads / 32 ? warp_max[lane] : 0u;
-    mine = __reduce_max_sync(0xffffffffu, mine);
-    if (lane == 0 && mine != 0u) atomicMax(reinterpret_cast<unsigned*>(amax), mine);
-  }
-}
 
 __global__ void amax_kernel(const bf16* x, int64_t n, float* amax, bool vector_ok) {
   unsigned mine = 0;
@@ -221,8 +198,10 @@ unsigned blocks_for(int64_t n) {
 
 }  // namespace
 
+void fp8_amax_reset(float* amax) { CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float))); }
+
 void fp8_amax(const bf16* x, int64_t n, float* amax) {
-  CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float)));
+  fp8_amax_reset(amax);
   if (n == 0) return;
   // Enough blocks to fill the GPU a few times over; each thread strides through the rest.
   const unsigned blocks = std::min(blocks_for(n), 132u * 16u);

@@ -14,6 +14,8 @@ using cpu::Fp8Format;
 
 // amax[0] = max |x[i]| over bf16 x[n] (NaN if an element is NaN; 0 for n = 0).
 void fp8_amax(const bf16* x, int64_t n, float* amax);
+// amax[0] = 0, before kernels fold an amax into it (fp8_cast's, an Fp8Epilogue's).
+void fp8_amax_reset(float* amax);
 
 // scale[0] = torchao's amax_to_scale(amax[0]) (NOTE [FP8 scaling recipes] in
 // kernels/cpu/fp8_scaling.h) and scale_inv[0] = 1 / scale[0], the GEMM's dequantization factor.

@@ -1,0 +1,61 @@
+// Device pieces every kernel that writes FP8 codes or an amax shares: the saturating
+// cast, the amax as integer bits, the block's maximum folded into one device float, and
+// the epilogue a producer kernel runs on its output (kernels/cuda/fp8_epilogue.h). Device
+// code only; fp8_cast.cu says why each is done so (NOTE [FP8 scaling recipes] in
+// kernels/cpu/fp8_scaling.h is the reference).
+#pragma once
+
+#include <cuda_fp8.h>
+
+#include "kernels/cpu/fp8.h"
+#include "kernels/cuda/fp8_epilogue.h"
+#include "kernels/cuda/types.h"
+
+namespace forge::cuda {
+
+using cpu::Fp8Format;
+
+template <Fp8Format F>
+__device__ __forceinline__ uint8_t cast_saturated(float v) {
+  if (isnan(v)) return signbit(v) ? 0xff : 0x7f;
+  constexpr float top = F == Fp8Format::E4M3 ? cpu::kFp8E4M3Max : cpu::kFp8E5M2Max;
+  v = fminf(fmaxf(v, -top), top);  // torchao's clamp; infinities included, whatever the instruction does with them
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
+}
+
+// |v| as the bits of a non-negative float: orders as unsigned, NaN above +inf.
+__device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The block's largest `mine`, atomically folded into *amax (as unsigned bits). Every thread
+// of the block calls it; blockDim.x is a multiple of 32, at most 1024.
+__device__ __forceinline__ void block_max_into(unsigned mine, float* amax) {
+  __shared__ unsigned warp_max[32];
+  mine = __reduce_max_sync(0xffffffffu, mine);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  if (lane == 0) warp_max[warp] = mine;
+  __syncthreads();
+  if (warp == 0) {
+    mine = lane < warps ? warp_max[lane] : 0u;
+    mine = __reduce_max_sync(0xffffffffu, mine);
+    if (lane == 0 && mine != 0u) atomicMax(reinterpret_cast<unsigned*>(amax), mine);
+  }
+}
+
+// NOTE [FP8 fused producers] in ops/fp8_linear.h: the epilogue of a kernel writing 8
+// consecutive bf16 outputs `out` (already rounded) at element `at` of its output: their
+// amax into `mine`, and with e.codes their E4M3 codes (8 bytes) at e.codes + at.
+__device__ __forceinline__ void fp8_epilogue8(const Fp8Epilogue& e, uint4 out, int64_t at, unsigned& mine) {
+  const bf16* values = reinterpret_cast<const bf16*>(&out);
+  uint2 codes;
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
+  const float scale = e.codes ? *e.scale : 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float v = __bfloat162float(values[k]);
+    mine = max(mine, abs_bits(v));
+    if (e.codes) bytes[k] = cast_saturated<Fp8Format::E4M3>(__fmul_rn(v, scale));
+  }
+  if (e.codes) *reinterpret_cast<uint2*>(e.codes + at) = codes;
+}
+
+}  // namespace forge::cuda
