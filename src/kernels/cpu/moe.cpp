@@ -1,0 +1,75 @@
+#include "kernels/cpu/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+namespace forge::cpu {
+
+void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
+                      int32_t* expert_ids, float* weights) {
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* l = logits + t * experts;
+    float* p = probs + t * experts;
+    float top = l[0];
+    for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
+    double sum = 0.0;
+    for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - top);
+    for (int64_t e = 0; e < experts; ++e) p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - top) / sum);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    double chosen = 0.0;
+    for (int64_t j = 0; j < k; ++j) chosen += p[order[static_cast<size_t>(j)]];
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = order[static_cast<size_t>(j)];
+      expert_ids[t * k + j] = e;
+      weights[t * k + j] = normalize ? static_cast<float>(p[e] / chosen) : p[e];
+    }
+  }
+}
+
+void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, const float* probs,
+                               const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
+                               int64_t k, bool normalize, float* d_logits) {
+  std::vector<double> dp(static_cast<size_t>(experts));
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* p = probs + t * experts;
+    const float* dw = d_weights + t * k;
+    const float* w = weights + t * k;
+    for (int64_t e = 0; e < experts; ++e) dp[static_cast<size_t>(e)] = d_probs ? d_probs[t * experts + e] : 0.0;
+    if (normalize) {
+      // w_j = p_j / Z over the chosen: dL/dp_j = (dw_j - sum_m dw_m w_m) / Z.
+      double z = 0.0, dot = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        z += p[expert_ids[t * k + j]];
+        dot += static_cast<double>(dw[j]) * w[j];
+      }
+      for (int64_t j = 0; j < k; ++j) dp[static_cast<size_t>(expert_ids[t * k + j])] += (dw[j] - dot) / z;
+    } else {
+      for (int64_t j = 0; j < k; ++j) dp[static_cast<size_t>(expert_ids[t * k + j])] += dw[j];
+    }
+    double dot = 0.0;  // softmax: dl = p (dp - <dp, p>)
+    for (int64_t e = 0; e < experts; ++e) dot += dp[static_cast<size_t>(e)] * p[e];
+    for (int64_t e = 0; e < experts; ++e)
+      d_logits[t * experts + e] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot));
+  }
+}
+
+void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, int64_t experts, int64_t* offsets,
+                        int32_t* source, int32_t* row_of) {
+  const int64_t n = tokens * k;
+  std::fill(offsets, offsets + experts + 1, 0);
+  for (int64_t a = 0; a < n; ++a) ++offsets[expert_ids[a] + 1];
+  for (int64_t e = 0; e < experts; ++e) offsets[e + 1] += offsets[e];
+  std::vector<int64_t> next(offsets, offsets + experts);
+  for (int64_t a = 0; a < n; ++a) {
+    const int64_t row = next[static_cast<size_t>(expert_ids[a])]++;
+    source[row] = static_cast<int32_t>(a);
+    row_of[a] = static_cast<int32_t>(row);
+  }
+}
+
+}  // namespace forge::cpu

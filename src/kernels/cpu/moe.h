@@ -1,0 +1,31 @@
+// Mixture-of-Experts routing and token movement on the CPU: the reference the CUDA kernels
+// of issue 20 will be checked against. Everything is fp32 values with int32 indices, one
+// token per row. NOTE [MoE routing] in ops/moe.h says what each step computes and why.
+#pragma once
+
+#include <cstdint>
+
+namespace forge::cpu {
+
+// probs [tokens, experts] = softmax of each row of logits; then each token's k largest
+// probabilities (ties: the lower expert id) into expert_ids / weights [tokens, k], in
+// descending order; with `normalize` the k weights are divided by their sum (Mixtral).
+void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
+                      int32_t* expert_ids, float* weights);
+
+// d_logits [tokens, experts] (written over) from d_weights [tokens, k], through the
+// normalization and the softmax; d_probs, when not null, [tokens, experts], is a gradient
+// with respect to the probabilities added before the softmax's backward (the balancing
+// loss's).
+void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, const float* probs,
+                               const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
+                               int64_t k, bool normalize, float* d_logits);
+
+// The tokens*k assignments (token t's j-th expert is assignment t*k + j) sorted by expert,
+// stable in assignment order: offsets [experts + 1] (expert e owns permuted rows
+// [offsets[e], offsets[e + 1])), source [tokens*k] (the assignment at each permuted row) and
+// row_of [tokens*k] (the permuted row of each assignment).
+void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, int64_t experts, int64_t* offsets,
+                        int32_t* source, int32_t* row_of);
+
+}  // namespace forge::cpu

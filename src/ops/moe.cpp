@@ -1,0 +1,225 @@
+#include "ops/moe.h"
+
+#include "core/error.h"
+#include "core/op_profile.h"
+#include "kernels/cpu/moe.h"
+#include "ops/linear.h"
+#include "ops/placement.h"
+#include "ops/swiglu.h"
+
+namespace forge {
+namespace {
+
+// NOTE [MoE routing]: the CPU reference only, so far.
+void expect_cpu(const Tensor& t, DType dtype, const char* what) {
+  FORGE_CHECK(t.device() == Device::CPU, "{}: the MoE ops run on the CPU only (their CUDA kernels are not built yet)",
+              what);
+  expect_tensor(t, Device::CPU, dtype, what);
+}
+
+// Expert e's [2F, H] or [H, F] matrix of a stacked [E, ., .] tensor.
+Tensor expert_matrix(const Tensor& stacked, int64_t e) {
+  return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)});
+}
+
+void check_experts(const MoeExpertWeights& w, const MoeRouting& r, int64_t hidden, const char* op) {
+  FORGE_CHECK(w.gate_up.ndim() == 3 && w.down.ndim() == 3 && w.gate_up.dim(0) == r.experts &&
+                  w.down.dim(0) == r.experts && w.gate_up.dim(2) == hidden && w.down.dim(1) == hidden &&
+                  w.gate_up.dim(1) == 2 * w.down.dim(2),
+              "{}: expert weights gate_up {} and down {} must be [{}, 2F, {}] and [{}, {}, F]", op,
+              shape_str(w.gate_up.shape()), shape_str(w.down.shape()), r.experts, hidden, r.experts, hidden);
+}
+
+void check_routing(const MoeRouting& r, const char* op) {
+  FORGE_CHECK(r.offsets.size() == static_cast<size_t>(r.experts + 1) && r.source.numel() == r.tokens * r.k,
+              "{}: the routing is not from moe_route", op);
+}
+
+}  // namespace
+
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_route");
+  FORGE_CHECK(logits.ndim() == 2, "moe_route: logits {} must be [tokens, experts]", shape_str(logits.shape()));
+  expect_cpu(logits, DType::F32, "moe_route logits");
+  MoeRouting r;
+  r.tokens = logits.dim(0);
+  r.experts = logits.dim(1);
+  r.k = k;
+  r.normalize = normalize;
+  FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
+  r.probs = Tensor::empty({r.tokens, r.experts});
+  r.expert_ids = Tensor::empty({r.tokens, k}, DType::I32);
+  r.weights = Tensor::empty({r.tokens, k});
+  cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
+                        r.expert_ids.data<int32_t>(), r.weights.data<float>());
+  r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
+  r.source = Tensor::empty({r.tokens * k}, DType::I32);
+  r.row_of = Tensor::empty({r.tokens * k}, DType::I32);
+  cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, k, r.experts, r.offsets.data(),
+                          r.source.data<int32_t>(), r.row_of.data<int32_t>());
+  return r;
+}
+
+double moe_balancing_loss(const MoeRouting& r) {
+  check_routing(r, "moe_balancing_loss");
+  if (r.tokens == 0) return 0.0;
+  const float* p = r.probs.data<float>();
+  double loss = 0.0;
+  for (int64_t e = 0; e < r.experts; ++e) {
+    double mean_p = 0.0;
+    for (int64_t t = 0; t < r.tokens; ++t) mean_p += p[t * r.experts + e];
+    loss += static_cast<double>(r.rows(e)) / static_cast<double>(r.tokens) * (mean_p / static_cast<double>(r.tokens));
+  }
+  return static_cast<double>(r.experts) * loss;
+}
+
+void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& r, float aux_coefficient) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_route_backward");
+  check_routing(r, "moe_route_backward");
+  check_shape(d_logits, {r.tokens, r.experts}, "moe_route_backward d_logits");
+  check_shape(d_weights, {r.tokens, r.k}, "moe_route_backward d_weights");
+  expect_cpu(d_logits, DType::F32, "moe_route_backward d_logits");
+  expect_cpu(d_weights, DType::F32, "moe_route_backward d_weights");
+  Tensor d_probs;
+  if (aux_coefficient != 0.0f && r.tokens > 0) {
+    // d(E * sum_e f_e * mean_t p[t, e]) / d p[t, e] = E * f_e / tokens.
+    d_probs = Tensor::empty({r.tokens, r.experts});
+    for (int64_t e = 0; e < r.experts; ++e) {
+      const double g = aux_coefficient * static_cast<double>(r.experts) * static_cast<double>(r.rows(e)) /
+                       (static_cast<double>(r.tokens) * static_cast<double>(r.tokens));
+      for (int64_t t = 0; t < r.tokens; ++t) d_probs.data<float>()[t * r.experts + e] = static_cast<float>(g);
+    }
+  }
+  cpu::moe_topk_softmax_backward(d_weights.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
+                                 r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
+                                 r.experts, r.k, r.normalize, d_logits.data<float>());
+}
+
+void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_permute");
+  check_routing(r, "moe_permute");
+  FORGE_CHECK(x.ndim() == 2 && x.dim(0) == r.tokens, "moe_permute: x {} must be [{}, hidden]", shape_str(x.shape()),
+              r.tokens);
+  const int64_t hidden = x.dim(1);
+  check_shape(permuted, {r.tokens * r.k, hidden}, "moe_permute permuted");
+  expect_cpu(x, DType::F32, "moe_permute x");
+  expect_cpu(permuted, DType::F32, "moe_permute permuted");
+  const int32_t* source = r.source.data<int32_t>();
+  for (int64_t row = 0; row < r.tokens * r.k; ++row) {
+    const float* from = x.data<float>() + source[row] / r.k * hidden;
+    std::copy(from, from + hidden, permuted.data<float>() + row * hidden);
+  }
+}
+
+void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeRouting& r) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_permute_backward");
+  check_routing(r, "moe_permute_backward");
+  FORGE_CHECK(dx.ndim() == 2 && dx.dim(0) == r.tokens, "moe_permute_backward: dx {} must be [{}, hidden]",
+              shape_str(dx.shape()), r.tokens);
+  const int64_t hidden = dx.dim(1);
+  check_shape(d_permuted, {r.tokens * r.k, hidden}, "moe_permute_backward d_permuted");
+  expect_cpu(dx, DType::F32, "moe_permute_backward dx");
+  expect_cpu(d_permuted, DType::F32, "moe_permute_backward d_permuted");
+  const int32_t* row_of = r.row_of.data<int32_t>();
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    float* to = dx.data<float>() + t * hidden;
+    std::fill(to, to + hidden, 0.0f);
+    for (int64_t j = 0; j < r.k; ++j) {
+      const float* from = d_permuted.data<float>() + static_cast<int64_t>(row_of[t * r.k + j]) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) to[h] += from[h];
+    }
+  }
+}
+
+void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& r, const Tensor* residual) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_combine");
+  check_routing(r, "moe_combine");
+  FORGE_CHECK(out.ndim() == 2 && out.dim(0) == r.tokens, "moe_combine: out {} must be [{}, hidden]",
+              shape_str(out.shape()), r.tokens);
+  const int64_t hidden = out.dim(1);
+  check_shape(expert_out, {r.tokens * r.k, hidden}, "moe_combine expert_out");
+  expect_cpu(out, DType::F32, "moe_combine out");
+  expect_cpu(expert_out, DType::F32, "moe_combine expert_out");
+  if (residual) {
+    check_shape(*residual, out.shape(), "moe_combine residual");
+    expect_cpu(*residual, DType::F32, "moe_combine residual");
+  }
+  const int32_t* row_of = r.row_of.data<int32_t>();
+  const float* w = r.weights.data<float>();
+  std::vector<double> sum(static_cast<size_t>(hidden));
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    float* to = out.data<float>() + t * hidden;
+    for (int64_t h = 0; h < hidden; ++h) sum[static_cast<size_t>(h)] = residual ? residual->data<float>()[t * hidden + h] : 0.0;
+    for (int64_t j = 0; j < r.k; ++j) {
+      const float* y = expert_out.data<float>() + static_cast<int64_t>(row_of[t * r.k + j]) * hidden;
+      for (int64_t h = 0; h < hidden; ++h) sum[static_cast<size_t>(h)] += static_cast<double>(w[t * r.k + j]) * y[h];
+    }
+    for (int64_t h = 0; h < hidden; ++h) to[h] = static_cast<float>(sum[static_cast<size_t>(h)]);
+  }
+}
+
+void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, const Tensor& dout,
+                          const Tensor& expert_out, const MoeRouting& r) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_combine_backward");
+  check_routing(r, "moe_combine_backward");
+  FORGE_CHECK(dout.ndim() == 2 && dout.dim(0) == r.tokens, "moe_combine_backward: dout {} must be [{}, hidden]",
+              shape_str(dout.shape()), r.tokens);
+  const int64_t hidden = dout.dim(1);
+  check_shape(d_expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward d_expert_out");
+  check_shape(expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward expert_out");
+  check_shape(d_weights, {r.tokens, r.k}, "moe_combine_backward d_weights");
+  for (const Tensor* t : {&d_expert_out, &d_weights, &dout, &expert_out}) expect_cpu(*t, DType::F32, "moe_combine_backward");
+  const int32_t* row_of = r.row_of.data<int32_t>();
+  const float* w = r.weights.data<float>();
+  for (int64_t t = 0; t < r.tokens; ++t) {
+    const float* g = dout.data<float>() + t * hidden;
+    for (int64_t j = 0; j < r.k; ++j) {
+      const int64_t row = row_of[t * r.k + j];
+      const float* y = expert_out.data<float>() + row * hidden;
+      float* dy = d_expert_out.data<float>() + row * hidden;
+      double dot = 0.0;
+      for (int64_t h = 0; h < hidden; ++h) {
+        dy[h] = w[t * r.k + j] * g[h];
+        dot += static_cast<double>(g[h]) * y[h];
+      }
+      d_weights.data<float>()[t * r.k + j] = static_cast<float>(dot);
+    }
+  }
+}
+
+void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& r) {
+  check_routing(r, "moe_experts_forward");
+  check_experts(w, r, a.permuted.dim(1), "moe_experts_forward");
+  for (int64_t e = 0; e < r.experts; ++e) {
+    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
+    if (b == end) continue;
+    linear_forward(a.gate_up.narrow(b, end), a.permuted.narrow(b, end), {expert_matrix(w.gate_up, e)});
+    swiglu_forward(a.swiglu.narrow(b, end), a.gate_up.narrow(b, end));
+    linear_forward(a.expert_out.narrow(b, end), a.swiglu.narrow(b, end), {expert_matrix(w.down, e)});
+  }
+}
+
+void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
+                          const Tensor& d_expert_out, const MoeExpertBuffers& a, const MoeExpertWeights& w,
+                          const MoeRouting& r, const Tensor& d_swiglu, const Tensor& d_gate_up) {
+  check_routing(r, "moe_experts_backward");
+  check_experts(w, r, a.permuted.dim(1), "moe_experts_backward");
+  check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
+  for (int64_t e = 0; e < r.experts; ++e) {
+    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
+    if (b == end) {  // no rows: a zero gradient when written over, nothing to add otherwise
+      if (overwrite) {
+        expert_matrix(grads.gate_up, e).fill_zero();
+        expert_matrix(grads.down, e).fill_zero();
+      }
+      continue;
+    }
+    linear_backward(d_swiglu.narrow(b, end), {expert_matrix(grads.down, e)}, d_expert_out.narrow(b, end),
+                    a.swiglu.narrow(b, end), {expert_matrix(w.down, e)}, overwrite);
+    swiglu_backward(d_gate_up.narrow(b, end), d_swiglu.narrow(b, end), a.gate_up.narrow(b, end));
+    linear_backward(d_permuted.narrow(b, end), {expert_matrix(grads.gate_up, e)}, d_gate_up.narrow(b, end),
+                    a.permuted.narrow(b, end), {expert_matrix(w.gate_up, e)}, overwrite);
+  }
+}
+
+}  // namespace forge

@@ -1,0 +1,97 @@
+// Mixture-of-Experts routing and token movement: the ops a MoE feed-forward component
+// (issue 20) composes around its experts, which are SwiGLU feed-forwards run through the
+// linear ops on each expert's rows.
+//
+// NOTE [MoE routing]
+// A MoE feed-forward sends each token to k of its E experts and adds their outputs,
+// weighted. As Mixtral (transformers' MixtralSparseMoeBlock) does it:
+//   logits = x W_router^T                      [tokens, E]   (a linear op)
+//   probs = softmax(logits)                    per token, in fp32
+//   expert_ids, weights = top-k of probs       descending; ties go to the lower expert id
+//   weights /= sum(weights)                    with `normalize` (Mixtral's; Qwen2-MoE's and
+//                                              DeepSeek-V2's norm_topk_prob may turn it off)
+//   out[t] = x[t] + sum_j weights[t, j] * expert_{expert_ids[t, j]}(x[t])
+// The experts do not run per token: the tokens*k assignments (token t's j-th choice is
+// assignment t*k + j) are sorted by expert, stably (moe_route), the tokens are copied into
+// that order (moe_permute), each expert runs its GEMMs on its own contiguous rows
+// [offsets[e], offsets[e + 1]) (no rows: nothing to run; dropless, nothing is ever cut), and
+// moe_combine adds each assignment's output, weighted, back to its token. The backward
+// runs the same steps in reverse: moe_combine_backward gives each permuted row's gradient
+// (its weight times the token's) and each weight's (the dot product of the token's gradient
+// with that row's expert output), moe_permute_backward sums a token's k row gradients, and
+// moe_route_backward carries the weights' gradient through the normalization and the softmax
+// to the logits. The top-k choice itself has no gradient, as in every MoE.
+// Load balancing (Switch Transformer's auxiliary loss, Mixtral's load_balancing_loss_func):
+//   L_aux = E * sum_e f_e * P_e,   f_e = (assignments to e) / tokens,  P_e = mean_t probs[t, e]
+// (f sums to k; transformers sums over the k choices the same way). Its gradient reaches the
+// logits through P only (f counts choices), which moe_route_backward adds when given a
+// coefficient. On the CPU everything is fp32 with int32 indices (kernels/cpu/moe.h); the
+// CUDA kernels are not built yet, and these ops refuse CUDA tensors saying so.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace forge {
+
+struct MoeRouting {
+  int64_t tokens = 0, experts = 0, k = 0;
+  bool normalize = true;
+  Tensor probs;                  // F32 [tokens, experts]
+  Tensor expert_ids;             // I32 [tokens, k]
+  Tensor weights;                // F32 [tokens, k]
+  std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
+  Tensor source;                 // I32 [tokens * k]: the assignment at each permuted row
+  Tensor row_of;                 // I32 [tokens * k]: the permuted row of each assignment
+  int64_t rows(int64_t expert) const { return offsets.at(static_cast<size_t>(expert) + 1) - offsets.at(static_cast<size_t>(expert)); }
+};
+
+// Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]).
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize);
+
+// d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with aux_coefficient
+// not 0, the gradient of aux_coefficient x moe_balancing_loss(routing) is added.
+void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& routing,
+                        float aux_coefficient = 0.0f);
+
+// L_aux = E * sum_e f_e * P_e (NOTE [MoE routing]), in double.
+double moe_balancing_loss(const MoeRouting& routing);
+
+// permuted [tokens * k, hidden]: row r is x's row of the token whose assignment it holds.
+void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& routing);
+// dx [tokens, hidden] (written over) = the sum of each token's k rows of d_permuted.
+void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeRouting& routing);
+
+// out [tokens, hidden] = residual (when given; may be out itself) + sum over each token's k
+// assignments of weight x expert_out's row.
+void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& routing, const Tensor* residual);
+// d_expert_out [tokens * k, hidden] (written over): each row's weight times its token's
+// dout row; d_weights [tokens, k] (written over): dout[t] . expert_out[row of (t, j)].
+void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, const Tensor& dout,
+                          const Tensor& expert_out, const MoeRouting& routing);
+
+// The routed experts, each a SwiGLU feed-forward (gate_up [2F, H] with the gate rows first,
+// then down [H, F], transformers' MixtralExperts layout), run on their own rows of the
+// permuted buffers: one gate/up GEMM, SwiGLU and one down GEMM per expert with rows, through
+// the linear and SwiGLU ops. Buffers are [tokens * k, ...] in permuted order.
+struct MoeExpertWeights {
+  Tensor gate_up;  // [experts, 2 * ffn, hidden]
+  Tensor down;     // [experts, hidden, ffn]
+};
+struct MoeExpertBuffers {
+  Tensor permuted;    // [rows, hidden]: the input, from moe_permute
+  Tensor gate_up;     // [rows, 2 * ffn]
+  Tensor swiglu;      // [rows, ffn]
+  Tensor expert_out;  // [rows, hidden]: the output, for moe_combine
+};
+void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& routing);
+// d_permuted [rows, hidden] (written over) from d_expert_out; the weights' gradients into
+// `grads` (fp32, written over when `overwrite`, else added; an expert with no rows adds
+// nothing). d_swiglu [rows, ffn] and d_gate_up [rows, 2 * ffn] are scratch.
+void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
+                          const Tensor& d_expert_out, const MoeExpertBuffers& a, const MoeExpertWeights& w,
+                          const MoeRouting& routing, const Tensor& d_swiglu, const Tensor& d_gate_up);
+
+}  // namespace forge

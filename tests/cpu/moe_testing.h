@@ -1,0 +1,73 @@
+// A Mixtral-style MoE feed-forward without its RMSNorm, composed from the MoE ops (ops/moe.h)
+// and the linear op: out = x + sum_j w_j * expert_j(x), and its backward. Shared by
+// test_ops_moe.cpp (against finite differences) and tools/forge_moe_reference.cpp (against
+// transformers' MixtralSparseMoeBlock). Not a model component: that is issue 20's next step.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/linear.h"
+#include "ops/moe.h"
+
+namespace forge::testing {
+
+// A Mixtral-style MoE feed-forward (without its RMSNorm): out = x + sum_j w_j * expert_j(x).
+struct MoeLayer {
+  int64_t hidden, ffn, experts, k;
+  bool normalize;
+  Tensor router, gate_up, down;  // [E, H], [E, 2F, H], [E, H, F]
+  float aux = 0.0f;              // the balancing loss's coefficient
+
+};
+
+struct MoeActivations {
+  Tensor logits;
+  MoeRouting routing;
+  Tensor permuted, gate_up, swiglu, expert_out;
+  MoeExpertBuffers buffers() const { return {permuted, gate_up, swiglu, expert_out}; }
+};
+
+inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a) {
+  const int64_t tokens = x.dim(0), rows = tokens * m.k;
+  a.logits = Tensor::empty({tokens, m.experts});
+  linear_forward(a.logits, x, {m.router});
+  a.routing = moe_route(a.logits, m.k, m.normalize);
+  a.permuted = Tensor::empty({rows, m.hidden});
+  a.gate_up = Tensor::empty({rows, 2 * m.ffn});
+  a.swiglu = Tensor::empty({rows, m.ffn});
+  a.expert_out = Tensor::empty({rows, m.hidden});
+  moe_permute(a.permuted, x, a.routing);
+  moe_experts_forward(a.buffers(), {m.gate_up, m.down}, a.routing);
+  Tensor out = Tensor::empty(x.shape());
+  moe_combine(out, a.expert_out, a.routing, &x);
+  return out;
+}
+
+struct MoeGrads {
+  Tensor dx, router, gate_up, down;
+};
+
+inline MoeGrads moe_backward(const MoeLayer& m, const Tensor& x, const MoeActivations& a, const Tensor& dout) {
+  const int64_t tokens = x.dim(0), rows = tokens * m.k;
+  MoeGrads g{Tensor::empty(x.shape()), Tensor::empty(m.router.shape()), Tensor::empty(m.gate_up.shape()),
+             Tensor::empty(m.down.shape())};
+  std::fill_n(g.gate_up.data<float>(), g.gate_up.numel(), std::nanf(""));  // every expert's gradient is
+  std::fill_n(g.down.data<float>(), g.down.numel(), std::nanf(""));        // written, those with no rows as 0
+  Tensor d_expert_out = Tensor::empty({rows, m.hidden}), d_weights = Tensor::empty({tokens, m.k});
+  moe_combine_backward(d_expert_out, d_weights, dout, a.expert_out, a.routing);
+  Tensor d_swiglu = Tensor::empty({rows, m.ffn}), d_gate_up = Tensor::empty({rows, 2 * m.ffn});
+  Tensor d_permuted = Tensor::empty({rows, m.hidden});
+  moe_experts_backward(d_permuted, {g.gate_up, g.down}, true, d_expert_out, a.buffers(), {m.gate_up, m.down},
+                       a.routing, d_swiglu, d_gate_up);
+  Tensor dx_experts = Tensor::empty(x.shape()), d_logits = Tensor::empty({tokens, m.experts});
+  moe_permute_backward(dx_experts, d_permuted, a.routing);
+  moe_route_backward(d_logits, d_weights, a.routing, m.aux);
+  Tensor dx_router = Tensor::empty(x.shape());
+  linear_backward(dx_router, {g.router}, d_logits, x, {m.router}, true);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    g.dx.data<float>()[i] = dout.data<float>()[i] + dx_experts.data<float>()[i] + dx_router.data<float>()[i];
+  return g;
+}
+
+}  // namespace forge::testing

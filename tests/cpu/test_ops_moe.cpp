@@ -1,0 +1,186 @@
+// The MoE routing and token-movement ops (ops/moe.h, NOTE [MoE routing]) on the CPU:
+//  - routing against a double-precision softmax and top-k, with and without Mixtral's
+//    renormalization, and the sort by expert (stable, every expert's rows contiguous, an
+//    expert with no tokens);
+//  - a whole Mixtral-style MoE feed-forward composed from them and the linear and SwiGLU
+//    ops (router, permute, per-expert GEMMs on contiguous rows, combine with the residual)
+//    against a per-token double-precision reference, and its backward against central finite
+//    differences for the input, the router and every expert's weights, with and without the
+//    balancing loss;
+//  - bad inputs refused.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "expect_error.h"
+#include "ops/moe.h"
+#include "moe_testing.h"
+#include "ops_testing.h"
+
+namespace forge {
+namespace {
+
+using testing::finite_difference;
+using testing::MoeActivations;
+using testing::MoeGrads;
+using testing::MoeLayer;
+using testing::moe_backward;
+using testing::moe_forward;
+using testing::random_tensor;
+using testing::relative_error;
+
+TEST(OpsMoe, RoutingMatchesDoubleSoftmaxTopK) {
+  Rng rng(71);
+  for (const bool normalize : {true, false}) {
+    const int64_t tokens = 9, experts = 6, k = 2;
+    Tensor logits = random_tensor({tokens, experts}, rng, 2.0);
+    for (int64_t t = 0; t < tokens; ++t) logits.data<float>()[t * experts + 4] = -30.0f;  // expert 4 gets no token
+    const MoeRouting r = moe_route(logits, k, normalize);
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<double> p(experts);
+      double sum = 0.0;
+      for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(static_cast<double>(logits.data<float>()[t * experts + e]));
+      for (double& v : p) v /= sum;
+      std::vector<int> order(experts);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a, int b) { return p[a] > p[b]; });
+      const double chosen = p[order[0]] + p[order[1]];
+      for (int64_t e = 0; e < experts; ++e) EXPECT_NEAR(r.probs.data<float>()[t * experts + e], p[e], 1e-6);
+      for (int64_t j = 0; j < k; ++j) {
+        EXPECT_EQ(r.expert_ids.data<int32_t>()[t * k + j], order[j]);
+        EXPECT_NEAR(r.weights.data<float>()[t * k + j], normalize ? p[order[j]] / chosen : p[order[j]], 1e-6);
+      }
+    }
+    // The sort: offsets count each expert's assignments, source and row_of invert each other,
+    // rows are grouped by expert in ascending assignment order.
+    EXPECT_EQ(r.offsets.front(), 0);
+    EXPECT_EQ(r.offsets.back(), tokens * k);
+    EXPECT_EQ(r.rows(4), 0);
+    for (int64_t e = 0; e < experts; ++e) {
+      int64_t count = 0;
+      for (int64_t a = 0; a < tokens * k; ++a) count += r.expert_ids.data<int32_t>()[a] == e;
+      EXPECT_EQ(r.rows(e), count) << "expert " << e;
+      for (int64_t row = r.offsets[e]; row < r.offsets[e + 1]; ++row) {
+        const int32_t a = r.source.data<int32_t>()[row];
+        EXPECT_EQ(r.expert_ids.data<int32_t>()[a], e);
+        EXPECT_EQ(r.row_of.data<int32_t>()[a], row);
+        if (row > r.offsets[e]) EXPECT_LT(r.source.data<int32_t>()[row - 1], a);
+      }
+    }
+  }
+}
+
+MoeLayer random_layer(Rng& rng, int64_t hidden, int64_t ffn, int64_t experts, int64_t k, bool normalize) {
+  return {hidden, ffn, experts, k, normalize, random_tensor({experts, hidden}, rng, 0.7),
+          random_tensor({experts, 2 * ffn, hidden}, rng, 0.4), random_tensor({experts, hidden, ffn}, rng, 0.4)};
+}
+
+TEST(OpsMoe, FeedForwardMatchesPerTokenDoubleReference) {
+  Rng rng(72);
+  for (const bool normalize : {true, false}) {
+    const MoeLayer m = random_layer(rng, 8, 12, 5, 2, normalize);
+    const int64_t tokens = 7;
+    Tensor x = random_tensor({tokens, m.hidden}, rng);
+    MoeActivations a;
+    const Tensor out = moe_forward(m, x, a);
+    std::vector<double> want(static_cast<size_t>(tokens * m.hidden));
+    const float* xs = x.data<float>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::vector<double> p(m.experts);
+      double sum = 0.0;
+      for (int64_t e = 0; e < m.experts; ++e) {
+        double l = 0.0;
+        for (int64_t h = 0; h < m.hidden; ++h) l += static_cast<double>(m.router.data<float>()[e * m.hidden + h]) * xs[t * m.hidden + h];
+        sum += p[e] = std::exp(l);
+      }
+      for (double& v : p) v /= sum;
+      std::vector<int> order(m.experts);
+      std::iota(order.begin(), order.end(), 0);
+      std::sort(order.begin(), order.end(), [&](int a1, int b1) { return p[a1] > p[b1]; });
+      double chosen = 0.0;
+      for (int64_t j = 0; j < m.k; ++j) chosen += p[order[j]];
+      for (int64_t h = 0; h < m.hidden; ++h) want[t * m.hidden + h] = xs[t * m.hidden + h];
+      for (int64_t j = 0; j < m.k; ++j) {
+        const int e = order[j];
+        const double w = normalize ? p[e] / chosen : p[e];
+        const float* gu = m.gate_up.data<float>() + e * 2 * m.ffn * m.hidden;
+        const float* dn = m.down.data<float>() + e * m.hidden * m.ffn;
+        std::vector<double> hmid(m.ffn);
+        for (int64_t f = 0; f < m.ffn; ++f) {
+          double gate = 0.0, up = 0.0;
+          for (int64_t h = 0; h < m.hidden; ++h) {
+            gate += static_cast<double>(gu[f * m.hidden + h]) * xs[t * m.hidden + h];
+            up += static_cast<double>(gu[(m.ffn + f) * m.hidden + h]) * xs[t * m.hidden + h];
+          }
+          hmid[f] = gate / (1.0 + std::exp(-gate)) * up;
+        }
+        for (int64_t h = 0; h < m.hidden; ++h) {
+          double y = 0.0;
+          for (int64_t f = 0; f < m.ffn; ++f) y += static_cast<double>(dn[h * m.ffn + f]) * hmid[f];
+          want[t * m.hidden + h] += w * y;
+        }
+      }
+    }
+    EXPECT_LT(relative_error(out, want), 1e-5) << (normalize ? "normalized" : "not normalized");
+  }
+}
+
+TEST(OpsMoe, BackwardMatchesFiniteDifferences) {
+  Rng rng(73);
+  struct Case {
+    int64_t experts, k, tokens;
+  };
+  // The second case leaves at least 6 of its 8 experts without a token.
+  for (const Case c : {Case{4, 2, 5}, Case{8, 1, 2}})
+  for (const float aux : {0.0f, 0.5f}) {
+    for (const bool normalize : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << c.experts << " experts, top-" << c.k << ", "
+                                        << (normalize ? "normalized" : "not normalized") << ", aux " << aux);
+      MoeLayer m = random_layer(rng, 6, 5, c.experts, c.k, normalize);
+      m.aux = aux;
+      const int64_t tokens = c.tokens;
+      Tensor x = random_tensor({tokens, m.hidden}, rng), r = random_tensor({tokens, m.hidden}, rng);
+      auto loss = [&] {
+        MoeActivations a;
+        const Tensor out = moe_forward(m, x, a);
+        return testing::weighted_sum(out, r) + m.aux * moe_balancing_loss(a.routing);
+      };
+      MoeActivations a;
+      moe_forward(m, x, a);
+      const MoeGrads g = moe_backward(m, x, a, r);
+      EXPECT_LT(relative_error(g.dx, finite_difference(x, loss, 1e-3f)), 1e-2);
+      EXPECT_LT(relative_error(g.router, finite_difference(m.router, loss, 1e-3f)), 1e-2);
+      EXPECT_LT(relative_error(g.gate_up, finite_difference(m.gate_up, loss, 1e-3f)), 1e-2);
+      EXPECT_LT(relative_error(g.down, finite_difference(m.down, loss, 1e-3f)), 1e-2);
+    }
+  }
+}
+
+TEST(OpsMoe, BalancingLossIsTransformersForm) {
+  // Two tokens, two experts, top-1: token 0 picks expert 0 (p = 0.8), token 1 expert 1 (0.6).
+  Tensor logits = Tensor::empty({2, 2});
+  const float l0 = std::log(0.8f / 0.2f), l1 = std::log(0.6f / 0.4f);
+  logits.data<float>()[0] = l0;
+  logits.data<float>()[1] = 0.0f;
+  logits.data<float>()[2] = 0.0f;
+  logits.data<float>()[3] = l1;
+  const MoeRouting r = moe_route(logits, 1, true);
+  // E * sum_e f_e P_e = 2 * (0.5 * (0.8 + 0.4) / 2 + 0.5 * (0.2 + 0.6) / 2) = 1.0
+  EXPECT_NEAR(moe_balancing_loss(r), 1.0, 1e-6);
+}
+
+TEST(OpsMoe, RefusesBadInputs) {
+  Tensor logits = Tensor::zeros({3, 4});
+  expect_error([&] { moe_route(logits, 0, true); }, {"top-k 0 must be between 1 and the 4 experts"});
+  expect_error([&] { moe_route(logits, 5, true); }, {"top-k 5 must be between 1 and the 4 experts"});
+  const MoeRouting r = moe_route(logits, 2, true);
+  Tensor x = Tensor::zeros({3, 8}), wrong = Tensor::zeros({5, 8});
+  expect_error([&] { moe_permute(wrong, x, r); }, {"moe_permute permuted"});
+  expect_error([&] { moe_combine(x, wrong, r, nullptr); }, {"moe_combine expert_out"});
+}
+
+}  // namespace
+}  // namespace forge
