@@ -35,6 +35,15 @@ void check_routing(const MoeRouting& r, const char* op) {
               "{}: the routing is not from moe_route", op);
 }
 
+// The routing's sort by expert, from its expert_ids.
+void sort_by_expert(MoeRouting& r) {
+  r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
+  r.source = Tensor::empty({r.tokens * r.k}, DType::I32);
+  r.row_of = Tensor::empty({r.tokens * r.k}, DType::I32);
+  cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.offsets.data(),
+                          r.source.data<int32_t>(), r.row_of.data<int32_t>());
+}
+
 }  // namespace
 
 MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
@@ -52,16 +61,46 @@ MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
   r.weights = Tensor::empty({r.tokens, k});
   cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
                         r.expert_ids.data<int32_t>(), r.weights.data<float>());
-  r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
-  r.source = Tensor::empty({r.tokens * k}, DType::I32);
-  r.row_of = Tensor::empty({r.tokens * k}, DType::I32);
-  cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, k, r.experts, r.offsets.data(),
-                          r.source.data<int32_t>(), r.row_of.data<int32_t>());
+  sort_by_expert(r);
+  return r;
+}
+
+MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
+                             bool normalize, float scaling) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_route");
+  FORGE_CHECK(logits.ndim() == 2, "moe_route_sigmoid: logits {} must be [tokens, experts]", shape_str(logits.shape()));
+  expect_cpu(logits, DType::F32, "moe_route_sigmoid logits");
+  MoeRouting r;
+  r.tokens = logits.dim(0);
+  r.experts = logits.dim(1);
+  r.k = k;
+  r.normalize = normalize;
+  r.sigmoid = true;
+  r.scaling = scaling;
+  FORGE_CHECK(groups >= 1 && r.experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
+              "moe_route_sigmoid: {} experts in {} groups keeping {}: the groups must divide the experts and keep "
+              "between 1 and all of them",
+              r.experts, groups, topk_groups);
+  FORGE_CHECK(k >= 1 && k <= topk_groups * (r.experts / groups),
+              "moe_route_sigmoid: top-k {} must be between 1 and the {} experts of the {} groups kept", k,
+              topk_groups * (r.experts / groups), topk_groups);
+  if (bias.defined()) {
+    check_shape(bias, {r.experts}, "moe_route_sigmoid bias");
+    expect_cpu(bias, DType::F32, "moe_route_sigmoid bias");
+  }
+  r.probs = Tensor::empty({r.tokens, r.experts});
+  r.expert_ids = Tensor::empty({r.tokens, k}, DType::I32);
+  r.weights = Tensor::empty({r.tokens, k});
+  cpu::moe_topk_sigmoid(logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, r.tokens, r.experts, k,
+                        groups, topk_groups, normalize, scaling, r.probs.data<float>(), r.expert_ids.data<int32_t>(),
+                        r.weights.data<float>());
+  sort_by_expert(r);
   return r;
 }
 
 double moe_balancing_loss(const MoeRouting& r) {
   check_routing(r, "moe_balancing_loss");
+  FORGE_CHECK(!r.sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
   if (r.tokens == 0) return 0.0;
   const float* p = r.probs.data<float>();
   double loss = 0.0;
@@ -80,6 +119,12 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   check_shape(d_weights, {r.tokens, r.k}, "moe_route_backward d_weights");
   expect_cpu(d_logits, DType::F32, "moe_route_backward d_logits");
   expect_cpu(d_weights, DType::F32, "moe_route_backward d_weights");
+  if (r.sigmoid) {
+    FORGE_CHECK(aux_coefficient == 0.0f, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
+    cpu::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(), r.expert_ids.data<int32_t>(),
+                                   r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>());
+    return;
+  }
   Tensor d_probs;
   if (aux_coefficient != 0.0f && r.tokens > 0) {
     // d(E * sum_e f_e * mean_t p[t, e]) / d p[t, e] = E * f_e / tokens.

@@ -25,7 +25,15 @@
 //   L_aux = E * sum_e f_e * P_e,   f_e = (assignments to e) / tokens,  P_e = mean_t probs[t, e]
 // (f sums to k; transformers sums over the k choices the same way). Its gradient reaches the
 // logits through P only (f counts choices), which moe_route_backward adds when given a
-// coefficient. On the CPU everything is fp32 with int32 indices (kernels/cpu/moe.h); the
+// coefficient.
+// DeepSeek-V3 routes differently (moe_route_sigmoid, transformers' DeepseekV3TopkRouter):
+// sigmoid scores instead of a softmax, the choice made on scores + a per-expert bias (the
+// auxiliary-loss-free balancing's correction, which never reaches the weights),
+// group-limited (only the best `topk_groups` of `groups` expert groups, ranked by the sum of
+// their two best choice values, take part), the chosen scores renormalized (norm_topk_prob)
+// and multiplied by routed_scaling_factor. Its backward runs through the scaling, the
+// normalization and the sigmoid; the Switch balancing loss is for softmax routing only.
+// On the CPU everything is fp32 with int32 indices (kernels/cpu/moe.h); the
 // CUDA kernels are not built yet, and these ops refuse CUDA tensors saying so.
 #pragma once
 
@@ -39,7 +47,9 @@ namespace forge {
 struct MoeRouting {
   int64_t tokens = 0, experts = 0, k = 0;
   bool normalize = true;
-  Tensor probs;                  // F32 [tokens, experts]
+  bool sigmoid = false;          // DeepSeek-V3's scores (moe_route_sigmoid) instead of a softmax
+  float scaling = 1.0f;          // routed_scaling_factor (sigmoid routing)
+  Tensor probs;                  // F32 [tokens, experts]: the softmax's probabilities or the sigmoid's scores
   Tensor expert_ids;             // I32 [tokens, k]
   Tensor weights;                // F32 [tokens, k]
   std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
@@ -50,6 +60,10 @@ struct MoeRouting {
 
 // Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]).
 MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize);
+
+// DeepSeek-V3's routing (NOTE [MoE routing]); bias [experts] (fp32) may be undefined (zero).
+MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
+                             bool normalize, float scaling);
 
 // d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with aux_coefficient
 // not 0, the gradient of aux_coefficient x moe_balancing_loss(routing) is added.

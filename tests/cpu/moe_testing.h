@@ -1,7 +1,8 @@
-// A Mixtral-style MoE feed-forward without its RMSNorm, composed from the MoE ops (ops/moe.h)
-// and the linear op: out = x + sum_j w_j * expert_j(x), and its backward. Shared by
+// A MoE feed-forward's routed experts without its RMSNorm or shared experts, composed from the
+// MoE ops (ops/moe.h) and the linear op: out = x + sum_j w_j * expert_j(x), with Mixtral's
+// softmax routing or DeepSeek-V3's sigmoid routing, and its backward. Shared by
 // test_ops_moe.cpp (against finite differences) and tools/forge_moe_reference.cpp (against
-// transformers' MixtralSparseMoeBlock). Not a model component: that is issue 20's next step.
+// transformers' MixtralSparseMoeBlock and DeepseekV3TopkRouter + DeepseekV3Experts).
 #pragma once
 
 #include <algorithm>
@@ -12,13 +13,16 @@
 
 namespace forge::testing {
 
-// A Mixtral-style MoE feed-forward (without its RMSNorm): out = x + sum_j w_j * expert_j(x).
 struct MoeLayer {
   int64_t hidden, ffn, experts, k;
   bool normalize;
   Tensor router, gate_up, down;  // [E, H], [E, 2F, H], [E, H, F]
-  float aux = 0.0f;              // the balancing loss's coefficient
-
+  float aux = 0.0f;              // the balancing loss's coefficient (softmax routing)
+  // DeepSeek-V3's routing (moe_route_sigmoid) instead of Mixtral's.
+  bool sigmoid = false;
+  Tensor bias;  // [E] or undefined
+  int64_t groups = 1, topk_groups = 1;
+  float scaling = 1.0f;
 };
 
 struct MoeActivations {
@@ -32,7 +36,8 @@ inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a)
   const int64_t tokens = x.dim(0), rows = tokens * m.k;
   a.logits = Tensor::empty({tokens, m.experts});
   linear_forward(a.logits, x, {m.router});
-  a.routing = moe_route(a.logits, m.k, m.normalize);
+  a.routing = m.sigmoid ? moe_route_sigmoid(a.logits, m.bias, m.k, m.groups, m.topk_groups, m.normalize, m.scaling)
+                        : moe_route(a.logits, m.k, m.normalize);
   a.permuted = Tensor::empty({rows, m.hidden});
   a.gate_up = Tensor::empty({rows, 2 * m.ffn});
   a.swiglu = Tensor::empty({rows, m.ffn});

@@ -159,6 +159,55 @@ TEST(OpsMoe, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// DeepSeek-V3's sigmoid routing: scores, the bias steering the choice only, the group limit,
+// the weights; then the layer's backward against finite differences.
+TEST(OpsMoe, SigmoidGroupLimitedRouting) {
+  Rng rng(74);
+  const int64_t tokens = 6, experts = 8, k = 2, groups = 4, topk_groups = 2;
+  Tensor logits = random_tensor({tokens, experts}, rng, 1.5), bias = random_tensor({experts}, rng, 0.3);
+  const MoeRouting r = moe_route_sigmoid(logits, bias, k, groups, topk_groups, true, 2.5f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> s(experts), c(experts);
+    for (int64_t e = 0; e < experts; ++e) {
+      s[e] = 1.0 / (1.0 + std::exp(-static_cast<double>(logits.data<float>()[t * experts + e])));
+      c[e] = s[e] + bias.data<float>()[e];
+    }
+    std::vector<double> group(groups);  // groups of 2: the sum of both
+    for (int64_t g = 0; g < groups; ++g) group[g] = c[2 * g] + c[2 * g + 1];
+    std::vector<int> gorder(groups);
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::sort(gorder.begin(), gorder.end(), [&](int a1, int b1) { return group[a1] > group[b1]; });
+    std::vector<int> allowed;
+    for (int g : {gorder[0], gorder[1]}) allowed.insert(allowed.end(), {2 * g, 2 * g + 1});
+    std::sort(allowed.begin(), allowed.end(), [&](int a1, int b1) { return c[a1] > c[b1]; });
+    const double z = s[allowed[0]] + s[allowed[1]];
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(r.expert_ids.data<int32_t>()[t * k + j], allowed[j]) << "token " << t;
+      EXPECT_NEAR(r.weights.data<float>()[t * k + j], 2.5 * s[allowed[j]] / z, 1e-5);
+    }
+  }
+  for (const bool normalize : {true, false}) {
+    SCOPED_TRACE(normalize ? "normalized" : "not normalized");
+    MoeLayer m = random_layer(rng, 6, 5, experts, k, normalize);
+    m.sigmoid = true;
+    m.bias = bias;
+    m.groups = groups;
+    m.topk_groups = topk_groups;
+    m.scaling = 2.5f;
+    Tensor x = random_tensor({5, m.hidden}, rng), g_out = random_tensor({5, m.hidden}, rng);
+    auto loss = [&] {
+      MoeActivations a;
+      return testing::weighted_sum(moe_forward(m, x, a), g_out);
+    };
+    MoeActivations a;
+    moe_forward(m, x, a);
+    const MoeGrads g = moe_backward(m, x, a, g_out);
+    EXPECT_LT(relative_error(g.dx, finite_difference(x, loss, 1e-3f)), 1e-2);
+    EXPECT_LT(relative_error(g.router, finite_difference(m.router, loss, 1e-3f)), 1e-2);
+    EXPECT_LT(relative_error(g.gate_up, finite_difference(m.gate_up, loss, 1e-3f)), 1e-2);
+  }
+}
+
 TEST(OpsMoe, BalancingLossIsTransformersForm) {
   // Two tokens, two experts, top-1: token 0 picks expert 0 (p = 0.8), token 1 expert 1 (0.6).
   Tensor logits = Tensor::empty({2, 2});
@@ -180,6 +229,12 @@ TEST(OpsMoe, RefusesBadInputs) {
   Tensor x = Tensor::zeros({3, 8}), wrong = Tensor::zeros({5, 8});
   expect_error([&] { moe_permute(wrong, x, r); }, {"moe_permute permuted"});
   expect_error([&] { moe_combine(x, wrong, r, nullptr); }, {"moe_combine expert_out"});
+  Tensor eight = Tensor::zeros({3, 8});
+  expect_error([&] { moe_route_sigmoid(eight, Tensor(), 2, 3, 1, true, 1.0f); }, {"8 experts in 3 groups"});
+  expect_error([&] { moe_route_sigmoid(eight, Tensor(), 5, 4, 2, true, 1.0f); },
+               {"top-k 5 must be between 1 and the 4 experts of the 2 groups kept"});
+  const MoeRouting sig = moe_route_sigmoid(eight, Tensor(), 2, 1, 1, true, 1.0f);
+  expect_error([&] { moe_balancing_loss(sig); }, {"for softmax routing"});
 }
 
 }  // namespace

@@ -1,17 +1,19 @@
 """forge's MoE feed-forward ops (ops/moe.h: routing, permutation, per-expert SwiGLU GEMMs,
-combine, balancing loss) against transformers' MixtralSparseMoeBlock and
-load_balancing_loss_func in float64, on tiny random configs (several expert counts and
-top-k, experts left without tokens): the block's output, the balancing loss, and the
-gradients of sum(out * dout) + coefficient * loss with respect to the input, the router and
-every expert's weights, within 1e-4 relative (forge computes in fp32; transformers' router
-takes its softmax in fp32 too)."""
+combine, balancing loss) against transformers in float64 on tiny random configs (several
+expert counts and top-k, experts left without tokens): Mixtral's MixtralSparseMoeBlock with
+load_balancing_loss_func, and DeepSeek-V3's DeepseekV3TopkRouter (sigmoid scores, the
+correction bias, group-limited top-k, routed_scaling_factor) with DeepseekV3Experts. The
+output, the balancing loss, and the gradients of sum(out * dout) (+ coefficient * loss) with
+respect to the input, the router and every expert's weights must agree within 1e-4 relative
+(forge computes in fp32; transformers' routers work in fp32 too)."""
 import os
 import unittest
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import MixtralConfig
+from transformers import DeepseekV3Config, MixtralConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 
 from forge_test_util import relative_error, run, scratch_dir, tool
@@ -26,6 +28,31 @@ CASES = [
     dict(tokens=9, hidden=8, ffn=16, experts=8, k=3),
     dict(tokens=2, hidden=8, ffn=8, experts=8, k=1),  # at least 6 experts get no token
 ]
+
+
+# DeepSeek-V3's routing: groups of experts, the best topk_group of them kept.
+DEEPSEEK_CASES = [
+    dict(tokens=7, hidden=8, ffn=12, experts=8, k=2, groups=4, topk_groups=2, normalize=True, scaling=2.5),
+    dict(tokens=11, hidden=12, ffn=8, experts=16, k=4, groups=4, topk_groups=3, normalize=True, scaling=1.0),
+    dict(tokens=6, hidden=8, ffn=8, experts=6, k=3, groups=1, topk_groups=1, normalize=False, scaling=1.5),
+]
+
+
+class DeepseekMoe(torch.nn.Module):
+    """DeepseekV3MoE's routed half (its shared experts are a plain SwiGLU MLP)."""
+
+    def __init__(self, case):
+        super().__init__()
+        config = DeepseekV3Config(hidden_size=case["hidden"], moe_intermediate_size=case["ffn"],
+                                  n_routed_experts=case["experts"], num_experts_per_tok=case["k"],
+                                  n_group=case["groups"], topk_group=case["topk_groups"],
+                                  norm_topk_prob=case["normalize"], routed_scaling_factor=case["scaling"])
+        self.gate = DeepseekV3TopkRouter(config)
+        self.experts = DeepseekV3Experts(config)
+
+    def forward(self, x):
+        _, weights, indices = self.gate(x)
+        return x + self.experts(x, indices, weights.to(x.dtype))
 
 
 def reference(case, x, dout):
@@ -70,6 +97,46 @@ class MoeVsTransformers(unittest.TestCase):
                 with open(os.path.join(d, "aux")) as a:
                     self.assertLess(abs(float(a.read()) - aux) / aux, TOLERANCE)
                 self.assertLess(relative_error(got("dx", (t, h)), dx), TOLERANCE)
+                self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
+                                               block.experts.gate_up_proj.grad.numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("d_down", (e, h, f)), block.experts.down_proj.grad.numpy()),
+                                TOLERANCE)
+
+
+    def test_deepseek_v3_routing(self):
+        rng = np.random.RandomState(21)
+        torch.manual_seed(21)
+        for case in DEEPSEEK_CASES:
+            with self.subTest(**case):
+                t, h, f, e, k = case["tokens"], case["hidden"], case["ffn"], case["experts"], case["k"]
+                block = DeepseekMoe(case).double()
+                with torch.no_grad():
+                    block.gate.weight.normal_(0.0, 0.7)
+                    block.gate.e_score_correction_bias.copy_(torch.randn(e) * 0.3)
+                    block.experts.gate_up_proj.normal_(0.0, 0.4)
+                    block.experts.down_proj.normal_(0.0, 0.4)
+                x = torch.tensor(rng.normal(size=(t, h)), dtype=torch.float64, requires_grad=True)
+                dout = rng.normal(size=(t, h))
+                out = block(x)
+                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                d = scratch_dir()
+                with open(os.path.join(d, "shape"), "w") as s:
+                    s.write(f"{t} {h} {f} {e} {k} {int(case['normalize'])} 0 "
+                            f"{case['groups']} {case['topk_groups']} {case['scaling']}\n")
+                arrays = dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
+                              bias=block.gate.e_score_correction_bias.numpy(),
+                              gate_up=block.experts.gate_up_proj.detach().numpy(),
+                              down=block.experts.down_proj.detach().numpy())
+                for name, value in arrays.items():
+                    value.astype(np.float32).tofile(os.path.join(d, name))
+                run([tool("forge_moe_reference"), d])
+
+                def got(name, shape):
+                    return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
+
+                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
                                                block.experts.gate_up_proj.grad.numpy()), TOLERANCE)

@@ -2,7 +2,9 @@
 // inputs written by tests/python/test_moe_vs_transformers.py and writes what it computes,
 // for comparison with transformers' MixtralSparseMoeBlock and load_balancing_loss_func:
 //   forge_moe_reference DIR
-// DIR/shape holds "tokens hidden ffn experts k normalize aux_coefficient"; DIR/x, router,
+// DIR/shape holds "tokens hidden ffn experts k normalize aux_coefficient", then for
+// DeepSeek-V3's sigmoid routing "groups topk_groups scaling" (and DIR/bias, fp32 [experts]);
+// DIR/x, router,
 // gate_up, down and dout are raw little-endian fp32 ([tokens, hidden], [experts, hidden],
 // [experts, 2 ffn, hidden], [experts, hidden, ffn], [tokens, hidden]). Writes DIR/out, dx,
 // d_router, d_gate_up, d_down (fp32; the gradients of sum(out * dout) + aux_coefficient x
@@ -42,6 +44,9 @@ int main(int argc, char** argv) {
     shape >> tokens >> hidden >> ffn >> experts >> k >> normalize >> aux;
     FORGE_CHECK(shape && tokens > 0 && hidden > 0 && ffn > 0 && experts > 0 && k > 0,
                 "{}/shape: expected 'tokens hidden ffn experts k normalize aux'", dir);
+    int64_t groups = 0, topk_groups = 0;
+    float scaling = 1.0f;
+    const bool sigmoid = static_cast<bool>(shape >> groups >> topk_groups >> scaling);
     forge::testing::MoeLayer m{hidden,
                                ffn,
                                experts,
@@ -51,6 +56,13 @@ int main(int argc, char** argv) {
                                read(dir + "/gate_up", {experts, 2 * ffn, hidden}),
                                read(dir + "/down", {experts, hidden, ffn}),
                                aux};
+    if (sigmoid) {
+      m.sigmoid = true;
+      m.bias = read(dir + "/bias", {experts});
+      m.groups = groups;
+      m.topk_groups = topk_groups;
+      m.scaling = scaling;
+    }
     const forge::Tensor x = read(dir + "/x", {tokens, hidden}), dout = read(dir + "/dout", {tokens, hidden});
     forge::testing::MoeActivations a;
     write(dir + "/out", forge::testing::moe_forward(m, x, a));
@@ -59,7 +71,7 @@ int main(int argc, char** argv) {
     write(dir + "/d_router", g.router);
     write(dir + "/d_gate_up", g.gate_up);
     write(dir + "/d_down", g.down);
-    std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", forge::moe_balancing_loss(a.routing));
+    if (!sigmoid) std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", forge::moe_balancing_loss(a.routing));
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "forge_moe_reference: %s\n", e.what());

@@ -58,6 +58,73 @@ void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, con
   }
 }
 
+void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
+                      int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
+                      int32_t* expert_ids, float* weights) {
+  const int64_t group_size = experts / groups;
+  std::vector<float> choice(static_cast<size_t>(experts));
+  std::vector<int32_t> order(static_cast<size_t>(experts)), group_order(static_cast<size_t>(groups));
+  std::vector<float> group_score(static_cast<size_t>(groups));
+  std::vector<char> kept(static_cast<size_t>(groups));
+  for (int64_t t = 0; t < tokens; ++t) {
+    float* s = scores + t * experts;
+    for (int64_t e = 0; e < experts; ++e) {
+      s[e] = 1.0f / (1.0f + std::exp(-logits[t * experts + e]));
+      choice[static_cast<size_t>(e)] = s[e] + (bias ? bias[e] : 0.0f);
+    }
+    for (int64_t g = 0; g < groups; ++g) {  // the sum of the group's two largest choice values
+      float first = -INFINITY, second = -INFINITY;
+      for (int64_t e = g * group_size; e < (g + 1) * group_size; ++e) {
+        const float c = choice[static_cast<size_t>(e)];
+        if (c > first) second = first, first = c;
+        else if (c > second) second = c;
+      }
+      group_score[static_cast<size_t>(g)] = group_size > 1 ? first + second : first;
+    }
+    std::iota(group_order.begin(), group_order.end(), 0);
+    std::partial_sort(group_order.begin(), group_order.begin() + topk_groups, group_order.end(), [&](int32_t a, int32_t b) {
+      return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
+    });
+    std::fill(kept.begin(), kept.end(), 0);
+    for (int64_t g = 0; g < topk_groups; ++g) kept[static_cast<size_t>(group_order[static_cast<size_t>(g)])] = 1;
+    order.clear();
+    for (int32_t e = 0; e < experts; ++e)
+      if (kept[static_cast<size_t>(e / group_size)]) order.push_back(e);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      return choice[a] > choice[b] || (choice[a] == choice[b] && a < b);
+    });
+    double chosen = 0.0;
+    for (int64_t j = 0; j < k; ++j) chosen += s[order[static_cast<size_t>(j)]];
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = order[static_cast<size_t>(j)];
+      expert_ids[t * k + j] = e;
+      weights[t * k + j] = static_cast<float>((normalize ? s[e] / (chosen + 1e-20) : s[e]) * scaling);
+    }
+  }
+}
+
+void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
+                               int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
+                               float* d_logits) {
+  for (int64_t t = 0; t < tokens; ++t) {
+    const float* s = scores + t * experts;
+    const float* dw = d_weights + t * k;
+    float* dl = d_logits + t * experts;
+    std::fill(dl, dl + experts, 0.0f);
+    // w_j = scaling * s_j / Z (Z = sum of the chosen + 1e-20): dL/ds_j = scaling (dw_j - sum_m dw_m s_m / Z) / Z.
+    double z = 1e-20, dot = 0.0;
+    for (int64_t j = 0; j < k; ++j) {
+      z += s[expert_ids[t * k + j]];
+      dot += static_cast<double>(dw[j]) * s[expert_ids[t * k + j]];
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t e = expert_ids[t * k + j];
+      const double ds = normalize ? scaling * (dw[j] - dot / z) / z : static_cast<double>(scaling) * dw[j];
+      dl[e] = static_cast<float>(ds * s[e] * (1.0 - s[e]));
+    }
+  }
+}
+
 void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, int64_t experts, int64_t* offsets,
                         int32_t* source, int32_t* row_of) {
   const int64_t n = tokens * k;

@@ -21,6 +21,23 @@ void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, con
                                const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
                                int64_t k, bool normalize, float* d_logits);
 
+// DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): scores [tokens, experts] =
+// sigmoid(logits); the choice ranks scores + bias (bias [experts], auxiliary-loss-free
+// balancing's correction; null: zero); the experts form `groups` equal groups, each group
+// ranked by the sum of its two best choice values, and only the `topk_groups` best groups
+// take part (group-limited routing; groups 1: all); then the k best choice values among
+// those (ties: the lower id). weights = the chosen scores (without the bias), divided by
+// their sum + 1e-20 with `normalize`, times `scaling` (routed_scaling_factor).
+void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
+                      int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
+                      int32_t* expert_ids, float* weights);
+
+// d_logits [tokens, experts] (written over) from d_weights [tokens, k], through the
+// normalization, the scaling and the sigmoid (the bias and the choice have no gradient).
+void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
+                               int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
+                               float* d_logits);
+
 // The tokens*k assignments (token t's j-th expert is assignment t*k + j) sorted by expert,
 // stable in assignment order: offsets [experts + 1] (expert e owns permuted rows
 // [offsets[e], offsets[e + 1])), source [tokens*k] (the assignment at each permuted row) and
