@@ -132,11 +132,15 @@ void check_architecture(const std::string& file, const ModelConfig& saved, const
   }
   same("sliding_window", saved.sliding_window, model.sliding_window);
   same("tie_word_embeddings", saved.tie_word_embeddings, model.tie_word_embeddings);
+  same("num_experts", saved.num_experts, model.num_experts);
+  same("num_experts_per_tok", saved.num_experts_per_tok, model.num_experts_per_tok);
 }
 
 std::string describe_model(const ModelConfig& m) {
-  return fmt::format("'{}': {} layers, hidden {}, ffn {}, vocab {}", m.name, m.num_layers, m.hidden_size,
-                     m.ffn_hidden_size, m.vocab_size);
+  return fmt::format("'{}': {} layers, hidden {}, ffn {}{}, vocab {}", m.name, m.num_layers, m.hidden_size,
+                     m.ffn_hidden_size,
+                     m.moe() ? fmt::format(" in {} experts (top-{})", m.num_experts, m.num_experts_per_tok) : "",
+                     m.vocab_size);
 }
 
 }  // namespace

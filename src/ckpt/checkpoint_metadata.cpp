@@ -38,6 +38,8 @@ json model_to_json(const ModelConfig& m) {
               {"max_seq_len", m.max_seq_len},
               {"sliding_window", m.sliding_window},
               {"tie_word_embeddings", m.tie_word_embeddings},
+              {"num_experts", m.num_experts},
+              {"num_experts_per_tok", m.num_experts_per_tok},
               {"init_std", m.init_std}};
 }
 
@@ -132,6 +134,9 @@ ModelConfig model_from_json(const ObjectReader& r) {
   m.sliding_window = r.integer("sliding_window");
   m.tie_word_embeddings = r.boolean("tie_word_embeddings");
   m.init_std = r.number("init_std");
+  // Checkpoints from before MoE models have neither key: dense.
+  if (r.has("num_experts")) m.num_experts = r.integer("num_experts");
+  if (r.has("num_experts_per_tok")) m.num_experts_per_tok = r.integer("num_experts_per_tok");
   return m;
 }
 

@@ -194,6 +194,10 @@ std::string hf_model_name(const std::string& dir) {
 nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::string& dtype, const std::string& family) {
   FORGE_CHECK(family.empty() || family == "llama" || family == "mistral", "unknown model family '{}'", family);
   FORGE_CHECK(family != "llama" || m.sliding_window == 0, "a Llama model has no sliding window");
+  FORGE_CHECK(!m.moe(),
+              "Hugging Face export of a Mixture-of-Experts model (model.num_experts {}) is not built yet: forge "
+              "writes LlamaForCausalLM and MistralForCausalLM, not MixtralForCausalLM",
+              m.num_experts);
   const bool mistral = family.empty() ? m.sliding_window > 0 : family == "mistral";
   nlohmann::ordered_json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling.enabled ? "llama3" : "default"}};
   if (m.rope_scaling.enabled) {

@@ -42,8 +42,11 @@ Invocation parse_invocation(const std::vector<std::string>& args, const char* co
 }
 
 std::string architecture_summary(const ModelConfig& m) {
-  return fmt::format("{} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}, vocab {}{}{}", m.num_layers,
-                     m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(), m.ffn_hidden_size,
+  return fmt::format("{} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}{}, vocab {}{}{}",
+                     m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(),
+                     m.ffn_hidden_size,
+                     m.moe() ? fmt::format(" per expert, {} experts, top-{}", m.num_experts, m.num_experts_per_tok)
+                             : "",
                      m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
                      m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
 }
@@ -111,8 +114,11 @@ int run_info(const std::vector<std::string>& args) {
   fmt::print("architecture     {}\n", architecture_summary(m));
   fmt::print("parameters       {:.2f} B ({} total; {} without the input embedding)\n", m.total_params() / 1e9,
              m.total_params(), m.total_params() - m.embedding_params());
-  fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x (params - embedding) + 6 x layers x hidden x seq)\n",
-             m.flops_per_token(t.seq_len), t.seq_len);
+  if (m.moe())
+    fmt::print("active params    {:.2f} B per token ({}: the router and {} of the {} experts of each block)\n",
+               m.active_params() / 1e9, m.active_params(), m.num_experts_per_tok, m.num_experts);
+  fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x ({}params - embedding) + 6 x layers x hidden x seq)\n",
+             m.flops_per_token(t.seq_len), t.seq_len, m.moe() ? "active " : "");
   if (config.lora.enabled()) {
     const LoraSizes lora = lora_sizes(m, config.lora, 1);
     fmt::print("LoRA             rank {}, alpha {} on {}: {} trainable parameters ({:.3f}% of the model's), the "
@@ -161,7 +167,8 @@ int run_info(const std::vector<std::string>& args) {
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;
     plan.optimizer_state = cuda ? configured_state : DType::F32;  // the CPU reference keeps fp32 moments
-    fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda));
+    fmt::print("  {:14} {}{}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda),
+               cuda && m.moe() ? " (an estimate: MoE models do not run on CUDA yet)" : "");
   }
   if (hf_dir) print_implied_yaml(config, inv.positional);
   return 0;

@@ -70,6 +70,14 @@ std::vector<ConfigKey> build_schema() {
                                    model_bounds::head_dim),
       key<&E::model, &M::ffn_hidden_size>("model.ffn_hidden_size", "SwiGLU intermediate size",
                                           model_bounds::ffn_hidden_size),
+      key<&E::model, &M::num_experts>("model.num_experts",
+                                      "Mixture-of-Experts: routed SwiGLU experts per block (Mixtral's "
+                                      "num_local_experts); 0: a dense model. CPU only so far",
+                                      model_bounds::num_experts),
+      key<&E::model, &M::num_experts_per_tok>("model.num_experts_per_tok",
+                                              "Mixture-of-Experts: experts each token is routed to (top-k); 0 for a "
+                                              "dense model",
+                                              model_bounds::num_experts_per_tok),
       key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", model_bounds::norm_eps),
       key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", model_bounds::rope_theta),
       key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",

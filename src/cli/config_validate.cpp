@@ -198,6 +198,34 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  show(config, keys, "precision.fp8"), what, value);
 }
 
+// model.num_experts > 0 (NOTE [MoE feed-forward] in model/moe_feed_forward.h): what is built
+// is the CPU reference of a Mixtral-style model trained on one process. Everything else a
+// MoE run would need is refused here, naming what to change.
+void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (!config.model.moe()) return;
+  const std::string moe = show(config, keys, "model.num_experts");
+  if (config.training.device != "cpu")
+    FORGE_FAIL("{} (a Mixture-of-Experts model) runs on the CPU only so far: its CUDA kernels (routing, permutation, "
+               "grouped expert GEMMs) are not built yet; set training.device cpu, or model.num_experts 0",
+               moe);
+  const ParallelismConfig& p = config.parallelism;
+  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
+    FORGE_FAIL("{} (a Mixture-of-Experts model) trains on one process so far: data and expert parallelism for MoE "
+               "are not built yet; set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1",
+               moe);
+  if (config.precision.fp8 != "none")
+    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
+               show(config, keys, "precision.fp8"));
+  if (config.lora.enabled() || config.lora.quantize_base != "none")
+    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
+               "lora.quantize_base none",
+               moe);
+  if (config.checkpoint.last_save_in_hf)
+    FORGE_FAIL("{} (a Mixture-of-Experts model) has no Hugging Face export yet (MixtralForCausalLM is not written); "
+               "set checkpoint.last_save_in_hf false",
+               moe);
+}
+
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
 void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -267,6 +295,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   resolve_shard_degree(config, keys);
   check_lora(config, keys);
   check_fp8(config, keys);
+  check_moe(config, keys);
   resolve_batch(config, keys);
 }
 

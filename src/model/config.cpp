@@ -21,7 +21,9 @@ std::optional<int64_t> ModelConfig::checked_params_per_layer() const {
   const auto q = mul(num_heads, resolved_head_dim());
   const auto kv = mul(num_kv_heads, resolved_head_dim());
   const auto attention = add(mul(h, add(q, mul(2, kv))), mul(q, h));
-  const auto mlp = mul(mul(3, h), ffn_hidden_size);
+  const auto expert = mul(mul(3, h), ffn_hidden_size);
+  // A MoE block: num_experts experts and the router's [num_experts, hidden] weight.
+  const auto mlp = moe() ? add(mul(num_experts, expert), mul(num_experts, h)) : expert;
   return add(add(attention, mlp), mul(2, h));
 }
 
@@ -45,6 +47,11 @@ int64_t ModelConfig::total_params() const {
   return *n;
 }
 
+int64_t ModelConfig::active_params() const {
+  const int64_t idle_experts = moe() ? num_experts - num_experts_per_tok : 0;
+  return total_params() - num_layers * idle_experts * 3 * hidden_size * ffn_hidden_size;
+}
+
 int64_t ModelConfig::embedding_params() const {
   const auto n = checked_mul(vocab_size, hidden_size);
   FORGE_CHECK(n.has_value(), "the embedding's size overflows 64-bit integers (unvalidated model config)");
@@ -52,7 +59,7 @@ int64_t ModelConfig::embedding_params() const {
 }
 
 double ModelConfig::flops_per_token(int64_t seq_len) const {
-  double dense = 6.0 * static_cast<double>(total_params() - embedding_params());
+  double dense = 6.0 * static_cast<double>(active_params() - embedding_params());
   // NOTE [Tied embeddings in the FLOP count]
   // With tied weights the output projection still does a V x H matmul per token, but the
   // matrix is counted under "input embedding"; add it back so tied models are not credited

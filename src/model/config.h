@@ -33,6 +33,13 @@ struct ModelConfig {
   int64_t sliding_window = 0;      // 0: full causal attention
   bool tie_word_embeddings = false;
   double init_std = 0.02;          // normal init of weights when training from scratch
+  // Mixture-of-Experts feed-forward (NOTE [MoE feed-forward] in model/moe_feed_forward.h):
+  // every block's SwiGLU is num_experts routed experts of ffn_hidden_size each, of which
+  // each token uses num_experts_per_tok (Mixtral's routing). 0 and 0: a dense model.
+  int64_t num_experts = 0;          // Hugging Face num_local_experts
+  int64_t num_experts_per_tok = 0;  // top-k
+
+  bool moe() const { return num_experts > 0; }
 
   int64_t resolved_head_dim() const { return head_dim > 0 ? head_dim : hidden_size / num_heads; }
   int64_t q_size() const { return num_heads * resolved_head_dim(); }
@@ -49,12 +56,16 @@ struct ModelConfig {
   int64_t params_per_layer() const;
   int64_t embedding_params() const;
   int64_t total_params() const;
+  // The parameters one token uses: all but the experts it is not routed to (total_params()
+  // for a dense model).
+  int64_t active_params() const;
   std::optional<int64_t> checked_params_per_layer() const;
   std::optional<int64_t> checked_total_params() const;
 
   // Model FLOPs per token for a training step (forward + backward) at sequence length
   // seq_len, as ../shared/PERF.md defines it:
   //   6 * (parameters - input embedding) + 6 * layers * hidden * seq_len
+  // with a MoE's active parameters (active_params()) in place of its parameters.
   double flops_per_token(int64_t seq_len) const;
 };
 

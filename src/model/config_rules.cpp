@@ -30,6 +30,15 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
   check_range(keys, "model.max_seq_len", max_seq_len, model_bounds::max_seq_len);
   check_range(keys, "model.sliding_window", sliding_window, model_bounds::sliding_window);
   check_range(keys, "model.init_std", init_std, model_bounds::init_std);
+  check_range(keys, "model.num_experts", num_experts, model_bounds::num_experts);
+  check_range(keys, "model.num_experts_per_tok", num_experts_per_tok, model_bounds::num_experts_per_tok);
+  if (moe() && (num_experts_per_tok < 1 || num_experts_per_tok > num_experts))
+    FORGE_FAIL("{} must be between 1 and {} (each token is routed to that many experts)",
+               keys.describe("model.num_experts_per_tok", num_experts_per_tok),
+               keys.describe("model.num_experts", num_experts));
+  if (!moe() && num_experts_per_tok != 0)
+    FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
+               keys.describe("model.num_experts_per_tok", num_experts_per_tok));
 
   if (num_heads % num_kv_heads != 0)
     FORGE_FAIL("{} must be divisible by {}", keys.describe("model.num_heads", num_heads),
@@ -55,11 +64,12 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
   // point those products fit in int64_t and the memory check sees a real number.
   const std::optional<int64_t> params = checked_total_params();
   if (!params || *params > kMaxParams)
-    FORGE_FAIL("{}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
+    FORGE_FAIL("{}, {}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
                keys.describe("model.vocab_size", vocab_size), keys.describe("model.hidden_size", hidden_size),
                keys.describe("model.num_layers", num_layers), keys.describe("model.num_heads", num_heads),
                keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.head_dim", head_dim),
                keys.describe("model.ffn_hidden_size", ffn_hidden_size),
+               keys.describe("model.num_experts", num_experts),
                params ? fmt::format("{} parameters", *params) : "a parameter count that overflows 64-bit integers",
                kMaxParams);
 }

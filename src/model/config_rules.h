@@ -26,5 +26,7 @@ inline constexpr ValueRange rope_scaling_original_max_position = at_least(1);
 inline constexpr ValueRange max_seq_len = at_least(1);
 inline constexpr ValueRange sliding_window = at_least(0);  // 0: full causal attention
 inline constexpr ValueRange init_std = above(0);
+inline constexpr ValueRange num_experts = {0, 65536};  // 0: a dense model
+inline constexpr ValueRange num_experts_per_tok = {0, 65536};
 
 }  // namespace forge::model_bounds

@@ -42,6 +42,8 @@ ModelConfig read_config(const std::string& dir, int64_t* batch, int64_t* seq) {
   c.max_seq_len = j.at("max_seq_len");
   c.sliding_window = j.value("sliding_window", 0);
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
+  c.num_experts = j.value("num_experts", 0);
+  c.num_experts_per_tok = j.value("num_experts_per_tok", 0);
   if (j.contains("rope_scaling")) {
     const json& r = j["rope_scaling"];
     c.rope_scaling.enabled = true;

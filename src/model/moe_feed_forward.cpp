@@ -1,0 +1,82 @@
+#include "model/moe_feed_forward.h"
+
+#include <fmt/format.h>
+
+#include "ops/elementwise.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+
+namespace forge {
+
+MoeFeedForward::MoeFeedForward(const ModelConfig& config)
+    : hidden_(config.hidden_size),
+      ffn_(config.ffn_hidden_size),
+      experts_(config.num_experts),
+      top_k_(config.num_experts_per_tok),
+      eps_(static_cast<float>(config.norm_eps)) {}
+
+std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
+  const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
+  std::vector<ParamSpec> specs(4);
+  specs[kNorm] = {p + "mlp_norm.weight", {hidden_}, {{hf + "post_attention_layernorm.weight", hidden_}}, false, layer};
+  specs[kRouter] = {p + "moe.router.weight", {experts_, hidden_}, {{hf + "mlp.gate.weight", experts_}}, true, layer};
+  specs[kGateUp] = {p + "moe.experts.gate_up",
+                    {experts_, 2 * ffn_, hidden_},
+                    {{hf + "mlp.experts.gate_up_proj", experts_}},
+                    true,
+                    layer};
+  specs[kDown] = {p + "moe.experts.down",
+                  {experts_, hidden_, ffn_},
+                  {{hf + "mlp.experts.down_proj", experts_}},
+                  true,
+                  layer,
+                  true};
+  return specs;
+}
+
+void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint, int num_layers) {
+  const int64_t n = shape.tokens(), rows = n * top_k_;
+  auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
+  auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
+  layers_.assign(static_cast<size_t>(num_layers), Activations{});
+  for (Activations& a : layers_) {
+    a.rstd = stat({n});
+    a.normed = act({n, hidden_});
+    a.logits = stat({n, experts_});
+    a.rows = {act({rows, hidden_}), act({rows, 2 * ffn_}), act({rows, ffn_}), act({rows, hidden_})};
+  }
+  d_expert_out_ = act({rows, hidden_});
+  d_swiglu_ = act({rows, ffn_});
+  d_gate_up_ = act({rows, 2 * ffn_});
+  d_permuted_ = act({rows, hidden_});
+  d_weights_ = stat({n, top_k_});
+  d_logits_ = stat({n, experts_});
+  d_router_input_ = act({n, hidden_});
+}
+
+void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
+  Activations& a = layers_.at(static_cast<size_t>(layer));
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
+  linear_forward(a.logits, a.normed, w.linear(kRouter));
+  a.routing = moe_route(a.logits, top_k_, /*normalize=*/true);
+  moe_permute(a.rows.permuted, a.normed, a.routing);
+  moe_experts_forward(a.rows, {w.tensor(kGateUp), w.tensor(kDown)}, a.routing);
+  if (out) moe_combine(*out, a.rows.expert_out, a.routing, &x);
+}
+
+void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
+                              const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
+  Activations& a = layers_.at(static_cast<size_t>(layer));
+  if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
+  // out = x + combine(experts(permute(h)), routing(h W_router^T))
+  moe_combine_backward(d_expert_out_, d_weights_, d_stream, a.rows.expert_out, a.routing);
+  moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
+                       {w.tensor(kGateUp), w.tensor(kDown)}, a.routing, d_swiglu_, d_gate_up_);
+  moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
+  moe_route_backward(d_logits_, d_weights_, a.routing);
+  linear_backward(d_router_input_, grads.linear(kRouter), d_logits_, a.normed, w.linear(kRouter), overwrite);
+  accumulate(d_hidden, d_router_input_);  // and through the router
+  rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
+}
+
+}  // namespace forge

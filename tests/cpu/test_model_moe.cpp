@@ -1,0 +1,104 @@
+// Mixture-of-Experts models (model.num_experts, NOTE [MoE feed-forward] in
+// model/moe_feed_forward.h): the parameter and FLOP accounting against Mixtral 8x7B's
+// published sizes, the config rules, what a MoE run refuses (each naming the key to change),
+// the block's parameters, and a small MoE trained on the CPU. The model's numbers are
+// checked against transformers' Mixtral in tests/python/test_model_vs_torch.py.
+#include <gtest/gtest.h>
+
+#include "cli/config.h"
+#include "core/rng.h"
+#include "config_test_support.h"
+#include "model/decoder_lm.h"
+#include "model/parameters.h"
+
+namespace forge {
+namespace {
+
+using config_test::expect_error;
+
+ExperimentConfig load(const ConfigOverrides& overrides) { return load_experiment("", overrides); }
+
+ExperimentConfig load_moe(ConfigOverrides overrides = {}) {
+  overrides.insert(overrides.begin(), {{"model.name", "debug-tiny-moe"}});
+  return load(overrides);
+}
+
+TEST(ModelMoe, MixtralCountsAreThePublishedOnes) {
+  const ModelConfig m = load({{"model.name", "mixtral-8x7b"}, {"training.seq_len", "4096"}}).model;
+  EXPECT_EQ(m.total_params(), 46702792704);   // 46.7 B
+  EXPECT_EQ(m.active_params(), 12879925248);  // 12.9 B per token
+  // FLOPs per token by active parameters: 6 (active - embedding) + 6 layers hidden seq.
+  EXPECT_DOUBLE_EQ(m.flops_per_token(4096), 6.0 * (12879925248.0 - 32000.0 * 4096.0) + 6.0 * 32 * 4096 * 4096);
+  const ModelConfig dense = load({}).model;
+  EXPECT_EQ(dense.active_params(), dense.total_params());
+}
+
+TEST(ModelMoe, ConfigRules) {
+  EXPECT_EQ(load_moe().model.num_experts_per_tok, 2);
+  expect_error([] { load_moe({{"model.num_experts_per_tok", "5"}}); },
+               {"model.num_experts_per_tok = 5 (command line) must be between 1 and model.num_experts = 4"});
+  expect_error([] { load_moe({{"model.num_experts_per_tok", "0"}}); }, {"must be between 1 and model.num_experts"});
+  expect_error([] { load({{"model.num_experts_per_tok", "2"}}); },
+               {"model.num_experts_per_tok = 2 (command line) needs model.num_experts > 0"});
+  expect_error([] { load({{"model.num_experts", "-1"}}); }, {"model.num_experts"});
+}
+
+TEST(ModelMoe, WhatIsNotBuiltIsRefusedNamingTheKey) {
+  expect_error([] { load_moe({{"training.device", "cuda"}}); },
+               {"model.num_experts = 4", "runs on the CPU only so far", "set training.device cpu"});
+  expect_error([] { load_moe({{"parallelism.data_parallel_shard_degree", "2"}}); },
+               {"trains on one process so far", "parallelism.data_parallel_shard_degree"});
+  expect_error([] { load_moe({{"precision.fp8", "tensorwise"}}); }, {"cannot be combined with precision.fp8"});
+  expect_error([] { load_moe({{"lora.rank", "8"}}); }, {"cannot be fine-tuned with LoRA or QLoRA yet"});
+  expect_error([] { load_moe({{"checkpoint.last_save_in_hf", "true"}}); },
+               {"no Hugging Face export yet", "checkpoint.last_save_in_hf false"});
+}
+
+TEST(ModelMoe, BlockParametersAreTheRouterAndStackedExperts) {
+  const ModelConfig m = load_moe().model;
+  std::vector<std::string> names;
+  for (const ParamSpec& spec : parameter_specs(m))
+    if (spec.layer == 0) names.push_back(spec.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"layers.0.attn_norm.weight", "layers.0.attention.qkv.weight",
+                                             "layers.0.attention.o.weight", "layers.0.mlp_norm.weight",
+                                             "layers.0.moe.router.weight", "layers.0.moe.experts.gate_up",
+                                             "layers.0.moe.experts.down"}));
+  int64_t sum = 0;
+  for (const ParamSpec& spec : parameter_specs(m)) sum += shape_numel(spec.shape);
+  EXPECT_EQ(sum, m.total_params());
+}
+
+// A few steps of the CPU model on one batch: the loss falls, under each checkpointing mode,
+// and the modes agree (the routing is recomputed the same).
+TEST(ModelMoe, TrainsOnTheCpuUnderEveryCheckpointMode) {
+  const ModelConfig m = load_moe().model;
+  const int64_t batch = 2, seq = 16;
+  Rng rng(11);
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < batch * seq; ++i) {
+    tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(m.vocab_size));
+    targets.data<int32_t>()[i] = static_cast<int32_t>((tokens.data<int32_t>()[i] + 1) % m.vocab_size);
+  }
+  std::vector<std::vector<double>> curves;
+  for (const ActivationCheckpoint mode :
+       {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
+    FlatParameters params(m), grads(m);
+    params.initialize(3);
+    DecoderLM model(m, batch, seq, Device::CPU, DType::F32, mode);
+    std::vector<double> losses;
+    for (int step = 0; step < 30; ++step) {
+      grads.discard();
+      losses.push_back(model.forward_backward(tokens, targets, params, grads, 1.0f / (batch * seq)).mean());
+      float* p = params.flat().data<float>();
+      const float* g = grads.flat().data<float>();
+      for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 1.0f * g[i];
+    }
+    EXPECT_LT(losses.back(), 0.8 * losses.front()) << "mode " << static_cast<int>(mode) << ": " << losses.back();
+    curves.push_back(losses);
+  }
+  EXPECT_EQ(curves[1], curves[0]);
+  EXPECT_EQ(curves[2], curves[0]);
+}
+
+}  // namespace
+}  // namespace forge
