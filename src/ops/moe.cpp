@@ -1,5 +1,7 @@
 #include "ops/moe.h"
 
+#include <algorithm>
+
 #include "core/error.h"
 #include "core/op_profile.h"
 #include "kernels/cpu/moe.h"
@@ -44,21 +46,27 @@ void sort_by_expert(MoeRouting& r) {
                           r.source.data<int32_t>(), r.row_of.data<int32_t>());
 }
 
-}  // namespace
-
-MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
-  OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  FORGE_CHECK(logits.ndim() == 2, "moe_route: logits {} must be [tokens, experts]", shape_str(logits.shape()));
-  expect_cpu(logits, DType::F32, "moe_route logits");
+// A routing of logits [tokens, experts] with its outputs allocated, before the router fills them.
+MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const char* op) {
+  FORGE_CHECK(logits.ndim() == 2, "{}: logits {} must be [tokens, experts]", op, shape_str(logits.shape()));
+  expect_cpu(logits, DType::F32, op);
   MoeRouting r;
   r.tokens = logits.dim(0);
   r.experts = logits.dim(1);
   r.k = k;
   r.normalize = normalize;
-  FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
   r.probs = Tensor::empty({r.tokens, r.experts});
-  r.expert_ids = Tensor::empty({r.tokens, k}, DType::I32);
-  r.weights = Tensor::empty({r.tokens, k});
+  r.expert_ids = Tensor::empty({r.tokens, std::max<int64_t>(k, 0)}, DType::I32);
+  r.weights = Tensor::empty({r.tokens, std::max<int64_t>(k, 0)});
+  return r;
+}
+
+}  // namespace
+
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
+  OpProfileScope profile(OpClass::Elementwise, "moe_route");
+  MoeRouting r = new_routing(logits, k, normalize, "moe_route logits");
+  FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
   cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
                         r.expert_ids.data<int32_t>(), r.weights.data<float>());
   sort_by_expert(r);
@@ -68,13 +76,7 @@ MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
                              bool normalize, float scaling) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  FORGE_CHECK(logits.ndim() == 2, "moe_route_sigmoid: logits {} must be [tokens, experts]", shape_str(logits.shape()));
-  expect_cpu(logits, DType::F32, "moe_route_sigmoid logits");
-  MoeRouting r;
-  r.tokens = logits.dim(0);
-  r.experts = logits.dim(1);
-  r.k = k;
-  r.normalize = normalize;
+  MoeRouting r = new_routing(logits, k, normalize, "moe_route_sigmoid logits");
   r.sigmoid = true;
   r.scaling = scaling;
   FORGE_CHECK(groups >= 1 && r.experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
@@ -88,9 +90,6 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
     check_shape(bias, {r.experts}, "moe_route_sigmoid bias");
     expect_cpu(bias, DType::F32, "moe_route_sigmoid bias");
   }
-  r.probs = Tensor::empty({r.tokens, r.experts});
-  r.expert_ids = Tensor::empty({r.tokens, k}, DType::I32);
-  r.weights = Tensor::empty({r.tokens, k});
   cpu::moe_topk_sigmoid(logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, r.tokens, r.experts, k,
                         groups, topk_groups, normalize, scaling, r.probs.data<float>(), r.expert_ids.data<int32_t>(),
                         r.weights.data<float>());

@@ -70,6 +70,24 @@ def reference(case, x, dout):
     return block, out.detach().numpy(), float(aux.detach()), x.grad.numpy()
 
 
+def run_forge(shape_line, arrays):
+    """Writes the inputs, runs forge_moe_reference, returns a reader of its fp32 outputs."""
+    d = scratch_dir()
+    with open(os.path.join(d, "shape"), "w") as s:
+        s.write(shape_line + "\n")
+    for name, value in arrays.items():
+        value.astype(np.float32).tofile(os.path.join(d, name))
+    run([tool("forge_moe_reference"), d])
+
+    def got(name, shape=None):
+        if name == "aux":
+            with open(os.path.join(d, "aux")) as a:
+                return float(a.read())
+        return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
+
+    return got
+
+
 class MoeVsTransformers(unittest.TestCase):
     def test_cases(self):
         rng = np.random.RandomState(20)
@@ -80,22 +98,12 @@ class MoeVsTransformers(unittest.TestCase):
                 x = rng.normal(size=(t, h))
                 dout = rng.normal(size=(t, h))
                 block, out, aux, dx = reference(case, x, dout)
-                d = scratch_dir()
-                with open(os.path.join(d, "shape"), "w") as s:
-                    s.write(f"{t} {h} {f} {e} {k} 1 {AUX}\n")
-                arrays = dict(x=x, dout=dout, router=block.gate.weight.detach().numpy(),
-                              gate_up=block.experts.gate_up_proj.detach().numpy(),
-                              down=block.experts.down_proj.detach().numpy())
-                for name, value in arrays.items():
-                    value.astype(np.float32).tofile(os.path.join(d, name))
-                run([tool("forge_moe_reference"), d])
-
-                def got(name, shape):
-                    return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
-
+                got = run_forge(f"{t} {h} {f} {e} {k} 1 {AUX}",
+                                dict(x=x, dout=dout, router=block.gate.weight.detach().numpy(),
+                                     gate_up=block.experts.gate_up_proj.detach().numpy(),
+                                     down=block.experts.down_proj.detach().numpy()))
                 self.assertLess(relative_error(got("out", (t, h)), out), TOLERANCE)
-                with open(os.path.join(d, "aux")) as a:
-                    self.assertLess(abs(float(a.read()) - aux) / aux, TOLERANCE)
+                self.assertLess(abs(got("aux") - aux) / aux, TOLERANCE)
                 self.assertLess(relative_error(got("dx", (t, h)), dx), TOLERANCE)
                 self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
@@ -120,21 +128,12 @@ class MoeVsTransformers(unittest.TestCase):
                 dout = rng.normal(size=(t, h))
                 out = block(x)
                 (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
-                d = scratch_dir()
-                with open(os.path.join(d, "shape"), "w") as s:
-                    s.write(f"{t} {h} {f} {e} {k} {int(case['normalize'])} 0 "
-                            f"{case['groups']} {case['topk_groups']} {case['scaling']}\n")
-                arrays = dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
-                              bias=block.gate.e_score_correction_bias.numpy(),
-                              gate_up=block.experts.gate_up_proj.detach().numpy(),
-                              down=block.experts.down_proj.detach().numpy())
-                for name, value in arrays.items():
-                    value.astype(np.float32).tofile(os.path.join(d, name))
-                run([tool("forge_moe_reference"), d])
-
-                def got(name, shape):
-                    return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
-
+                got = run_forge(f"{t} {h} {f} {e} {k} {int(case['normalize'])} 0 "
+                                f"{case['groups']} {case['topk_groups']} {case['scaling']}",
+                                dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
+                                     bias=block.gate.e_score_correction_bias.numpy(),
+                                     gate_up=block.experts.gate_up_proj.detach().numpy(),
+                                     down=block.experts.down_proj.detach().numpy()))
                 self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
