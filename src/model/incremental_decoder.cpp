@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "model/moe_feed_forward.h"
 #include "model/self_attention.h"
 #include "model/swiglu_feed_forward.h"
 #include "ops/decode_attention.h"
@@ -45,7 +46,8 @@ IncrementalDecoder::IncrementalDecoder(const ModelConfig& config, int64_t capaci
                       specs[kOut].name.ends_with("attention.o.weight"),
                   "self-attention's parameters are not the norm, qkv and o the KV-cache decoder reads");
       is_attention_.push_back(true);
-    } else if (dynamic_cast<const SwiGluFeedForward*>(component.get())) {
+    } else if (dynamic_cast<const SwiGluFeedForward*>(component.get()) ||
+               dynamic_cast<const MoeFeedForward*>(component.get())) {
       is_attention_.push_back(false);  // works on each position alone
     } else {
       FORGE_FAIL("incremental decoding (NOTE [Incremental decoding]) does not know the block component declaring '{}'",

@@ -38,7 +38,10 @@ std::vector<Case> cases() {
   scaled.rope_theta = 500000.0;
   scaled.rope_scaling.enabled = true;
   scaled.rope_scaling.original_max_position = 8;
-  return {{"gqa", gqa}, {"mha_tied", mha}, {"sliding_window", window}, {"llama3_rope", scaled}};
+  ModelConfig moe = tiny(false, 2);  // NOTE [MoE feed-forward]: works on each position alone
+  moe.num_experts = 4;
+  moe.num_experts_per_tok = 2;
+  return {{"gqa", gqa}, {"mha_tied", mha}, {"sliding_window", window}, {"llama3_rope", scaled}, {"moe", moe}};
 }
 
 // Logits of every position of one sequence by the full forward, [T, V].

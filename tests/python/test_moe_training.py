@@ -1,7 +1,8 @@
 """Mixture-of-Experts models (model.num_experts) trained end to end on the CPU with forge
 train: debug-tiny-moe learns the built-in synthetic corpus down to near its entropy floor
 as the dense default run does, a stopped and resumed run is bitwise the uninterrupted one,
-a MoE checkpoint refuses a dense model naming both, and forge info counts Mixtral
+a MoE checkpoint refuses a dense model naming both, forge eval of the run gives its
+validation loss, forge generate refuses --device cuda for it, and forge info counts Mixtral
 8x7B's total and active parameters."""
 import json
 import os
@@ -50,6 +51,21 @@ class MoeTraining(unittest.TestCase):
         self.assertNotEqual(dense.returncode, 0)
         self.assertIn("saved for model 'debug-tiny-moe': 2 layers, hidden 64, ffn 96 in 4 experts (top-2)", dense.stderr)
         self.assertIn("the configured model is 'debug-tiny'", dense.stderr)
+
+    def test_eval_and_generate_of_a_moe_run(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        common = [*MOE, "--training.steps", "4", "--eval.interval", "4", "--eval.steps", "2"]
+        result = forge("train", *common, "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                       "--checkpoint.interval", "4")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        out = os.path.join(scratch_dir(), "eval.json")
+        result = forge("eval", "--model", run_dir, "--json", out)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        with open(out) as f:
+            self.assertAlmostEqual(json.load(f)["loss"], records(run_dir, "eval")[-1]["loss"], places=9)
+        gpu = forge("generate", "--model", run_dir, "--device", "cuda", "--prompt", "x")
+        self.assertNotEqual(gpu.returncode, 0)
+        self.assertTrue("runs on the CPU only so far" in gpu.stderr or "no GPU is visible" in gpu.stderr, gpu.stderr)
 
     def test_info_counts_active_parameters(self):
         result = forge("info", "mixtral-8x7b")
