@@ -72,6 +72,9 @@ class BlockComponent {
   // added. d_hidden is a [tokens, hidden] scratch buffer the component may use.
   virtual void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                         const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) = 0;
+  // A Mixture-of-Experts component's routing in block `layer`'s last forward: the
+  // assignments each expert received (tokens × top-k in all); empty for any other component.
+  virtual std::vector<int64_t> expert_load(int layer) const { return {}; }
 };
 
 }  // namespace forge

@@ -123,6 +123,19 @@ const Tensor& DecoderLM::component_output(int i, size_t c) const {
   return b_.final_input;
 }
 
+std::vector<std::vector<int64_t>> DecoderLM::expert_load() const {
+  std::vector<std::vector<int64_t>> load;
+  for (int i = 0; i < config_.num_layers; ++i) {
+    std::vector<int64_t> block;
+    for (const auto& component : components_) {
+      const std::vector<int64_t> part = component->expert_load(i);
+      block.insert(block.end(), part.begin(), part.end());
+    }
+    if (!block.empty()) load.push_back(std::move(block));
+  }
+  return load;
+}
+
 void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
   for (size_t c = 0; c < components_.size(); ++c) {
     const bool produce = to_output || c + 1 < components_.size();

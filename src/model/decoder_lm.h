@@ -89,6 +89,9 @@ class DecoderLM {
   // inspection).
   void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                       const SequenceLayout* layout = nullptr);
+  // A Mixture-of-Experts model's routing in the last forward: per block, the assignments
+  // each expert received (NOTE [MoE feed-forward]); empty for a dense model.
+  std::vector<std::vector<int64_t>> expert_load() const;
 
  private:
   // Component c's entries of a block's weights (NOTE [Block weights]).

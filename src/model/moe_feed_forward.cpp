@@ -64,6 +64,14 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
   if (out) moe_combine(*out, a.rows.expert_out, a.routing, &x);
 }
 
+std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {
+  const MoeRouting& r = layers_.at(static_cast<size_t>(layer)).routing;
+  std::vector<int64_t> load(static_cast<size_t>(experts_), 0);
+  if (r.offsets.empty()) return load;  // no forward yet
+  for (int64_t e = 0; e < experts_; ++e) load[static_cast<size_t>(e)] = r.rows(e);
+  return load;
+}
+
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                               const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
   Activations& a = layers_.at(static_cast<size_t>(layer));

@@ -37,6 +37,7 @@ class MoeFeedForward final : public BlockComponent {
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override {}  // all kept
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
+  std::vector<int64_t> expert_load(int layer) const override;
 
  private:
   enum Param : size_t { kNorm, kRouter, kGateUp, kDown };  // ComponentWeights numbering, param_specs order

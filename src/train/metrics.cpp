@@ -21,6 +21,19 @@ std::optional<double> peak_fp8_tflops(const std::string& device_name) {
   return std::nullopt;
 }
 
+double StepMetrics::expert_load_max_over_mean() const {
+  double worst = 0.0;
+  for (const std::vector<int64_t>& block : expert_load) {
+    int64_t total = 0, most = 0;
+    for (int64_t n : block) {
+      total += n;
+      most = std::max(most, n);
+    }
+    if (total > 0) worst = std::max(worst, static_cast<double>(most) * static_cast<double>(block.size()) / total);
+  }
+  return worst;
+}
+
 std::string format_step(const StepMetrics& m, int64_t total_steps) {
   std::string mfu = m.mfu ? fmt::format("{:5.1f}%", *m.mfu * 100.0) : std::string("  n/a");
   return fmt::format("step {:>{}}/{} | loss {:8.4f} | lr {:.3e} | grad norm {:7.3f} | {:9.0f} tok/s | {:8.1f} ms | "
@@ -28,7 +41,9 @@ std::string format_step(const StepMetrics& m, int64_t total_steps) {
                      m.step, std::to_string(total_steps).size(), total_steps, m.loss, m.lr, m.grad_norm,
                      m.tokens_per_s, m.step_time_s * 1e3, m.model_tflops, mfu) +
          (m.mfu_fp8 ? fmt::format(" (FP8 peak {:.1f}%)", *m.mfu_fp8 * 100.0) : std::string()) +
-         (m.comm_exposed_s ? fmt::format(" | exposed comm {:.1f} ms", *m.comm_exposed_s * 1e3) : std::string());
+         (m.comm_exposed_s ? fmt::format(" | exposed comm {:.1f} ms", *m.comm_exposed_s * 1e3) : std::string()) +
+         (m.expert_load.empty() ? std::string()
+                                : fmt::format(" | MoE load max/mean {:.2f}", m.expert_load_max_over_mean()));
 }
 
 std::string format_op_seconds(const StepMetrics& m) {
@@ -89,6 +104,10 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["loss_spike_mean"] = *m.loss_spike_mean;
   }
   if (m.loss_spikes > 0) j["loss_spikes"] = m.loss_spikes;
+  if (!m.expert_load.empty()) {
+    j["expert_load"] = m.expert_load;
+    j["expert_load_max_over_mean"] = m.expert_load_max_over_mean();
+  }
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];

@@ -11,6 +11,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -36,6 +37,12 @@ struct StepMetrics {
   int64_t skipped_steps = 0;       // skipped so far in this process
   std::optional<double> loss_spike_mean;  // a loss spike: the mean it exceeded (NOTE [Loss spikes])
   int64_t loss_spikes = 0;         // loss spikes so far in this process
+  // A Mixture-of-Experts model's routing over the step's micro-batches: per block, the
+  // assignments each expert received (NOTE [MoE feed-forward]); empty for a dense model.
+  std::vector<std::vector<int64_t>> expert_load;
+  // The most loaded expert's assignments over the mean per expert, the largest over the
+  // blocks (1: perfectly balanced; experts / top-k at most); 0 when dense.
+  double expert_load_max_over_mean() const;
 };
 
 struct EvalMetrics {

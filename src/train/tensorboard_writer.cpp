@@ -103,6 +103,7 @@ void TensorBoardWriter::write(const StepMetrics& m) {
   if (m.mfu) scalars.emplace_back("throughput/mfu_percent", *m.mfu * 100.0);
   if (m.peak_memory_bytes) scalars.emplace_back("memory/peak_gib", static_cast<double>(*m.peak_memory_bytes) / kGiB);
   if (m.comm_exposed_s) scalars.emplace_back("throughput/exposed_comm_ms", *m.comm_exposed_s * 1e3);
+  if (!m.expert_load.empty()) scalars.emplace_back("moe/load_max_over_mean", m.expert_load_max_over_mean());
   write_event(scalars_event(m.step, scalars));
 }
 

@@ -32,6 +32,15 @@
 namespace forge {
 namespace {
 
+// Adds one micro-batch's expert load (per block, per expert) into the step's.
+void add_expert_load(std::vector<std::vector<int64_t>>& total, const std::vector<std::vector<int64_t>>& load) {
+  if (total.empty()) total.assign(load.size(), {});
+  for (size_t i = 0; i < load.size(); ++i) {
+    if (total[i].empty()) total[i].assign(load[i].size(), 0);
+    for (size_t e = 0; e < load[i].size(); ++e) total[i][e] += load[i][e];
+  }
+}
+
 #ifdef FORGE_CUDA
 constexpr bool kCudaBuilt = true;
 #else
@@ -531,6 +540,7 @@ TrainResult Trainer::run() {
     if (dp_) targets = dp_->count_over_ranks(targets);
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
+    std::vector<std::vector<int64_t>> expert_load;  // NOTE [MoE feed-forward]: summed over the micro-batches
     std::vector<double> micro_losses(static_cast<size_t>(accum));
     for (int64_t a = 0; a < accum; ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];
@@ -542,6 +552,7 @@ TrainResult Trainer::run() {
       if (fsdp_) fsdp_->end_micro_batch();
       if (inject_nan_ && !sharded_gradients()) inject_test_nan(step + 1, a);
       micro_losses[static_cast<size_t>(a)] = l.sum;
+      if (config_.model.moe()) add_expert_load(expert_load, model_->expert_load());
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
@@ -602,6 +613,7 @@ TrainResult Trainer::run() {
     m.skipped_steps = skipped_steps_;
     if (spike.spike) m.loss_spike_mean = spike.mean;
     m.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
+    m.expert_load = std::move(expert_load);
     // Per GPU, as torchtitan and Megatron report them: the global work over the ranks.
     m.tokens_per_s = tokens_per_step / dt / world_size_;
     m.model_tflops = flops_per_step / dt / 1e12 / world_size_;

@@ -54,6 +54,12 @@ TEST(ModelMoe, WhatIsNotBuiltIsRefusedNamingTheKey) {
                {"no Hugging Face export yet", "checkpoint.last_save_in_hf false"});
 }
 
+TEST(ModelMoe, DenseModelsHaveNoExpertLoad) {
+  const ModelConfig m = load({}).model;
+  DecoderLM model(m, 1, 4);
+  EXPECT_TRUE(model.expert_load().empty());
+}
+
 TEST(ModelMoe, BlockParametersAreTheRouterAndStackedExperts) {
   const ModelConfig m = load_moe().model;
   std::vector<std::string> names;
@@ -94,6 +100,15 @@ TEST(ModelMoe, TrainsOnTheCpuUnderEveryCheckpointMode) {
       for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 1.0f * g[i];
     }
     EXPECT_LT(losses.back(), 0.8 * losses.front()) << "mode " << static_cast<int>(mode) << ": " << losses.back();
+    // Each block's routing: every token's top-k assignments, spread over the experts.
+    const std::vector<std::vector<int64_t>> load = model.expert_load();
+    ASSERT_EQ(load.size(), static_cast<size_t>(m.num_layers));
+    for (const std::vector<int64_t>& block : load) {
+      ASSERT_EQ(block.size(), static_cast<size_t>(m.num_experts));
+      int64_t total = 0;
+      for (int64_t n : block) total += n;
+      EXPECT_EQ(total, batch * seq * m.num_experts_per_tok);
+    }
     curves.push_back(losses);
   }
   EXPECT_EQ(curves[1], curves[0]);

@@ -1,6 +1,6 @@
 """Mixture-of-Experts models (model.num_experts) trained end to end on the CPU with forge
 train: debug-tiny-moe learns the built-in synthetic corpus down to near its entropy floor
-as the dense default run does, a stopped and resumed run is bitwise the uninterrupted one,
+as the dense default run does (logging each block's expert load every step), a stopped and resumed run is bitwise the uninterrupted one,
 a MoE checkpoint refuses a dense model naming both, forge eval of the run gives its
 validation loss, forge generate refuses --device cuda for it, and forge info counts Mixtral
 8x7B's total and active parameters."""
@@ -34,6 +34,16 @@ class MoeTraining(unittest.TestCase):
         print(f"entropy floor {floor:.4f}, final eval loss {final:.4f}, gap {final - floor:.4f}")
         self.assertLess(final - floor, FLOOR_MARGIN)
         self.assertGreater(final, floor - 0.02)
+        # Every step logs each block's routing: all tokens x top-2 assignments, over 4 experts.
+        run_record = records(run_dir, "run")[0]
+        for r in records(run_dir, "train"):
+            self.assertEqual(len(r["expert_load"]), 2)
+            for block in r["expert_load"]:
+                self.assertEqual(len(block), 4)
+                self.assertEqual(sum(block), run_record["tokens_per_step"] * 2)
+            worst = max(max(b) * len(b) / sum(b) for b in r["expert_load"])
+            self.assertAlmostEqual(r["expert_load_max_over_mean"], worst, places=12)
+        self.assertIn("MoE load max/mean", result.stdout)
 
     def test_stop_and_resume_is_exact(self):
         full_dir = os.path.join(scratch_dir(), "full")
