@@ -78,6 +78,11 @@ std::vector<ConfigKey> build_schema() {
                                               "Mixture-of-Experts: experts each token is routed to (top-k); 0 for a "
                                               "dense model",
                                               model_bounds::num_experts_per_tok),
+      key<&E::model, &M::router_aux_loss_coef>(
+          "model.router_aux_loss_coef",
+          "Mixture-of-Experts: weight of the load-balancing loss in the training loss (transformers' "
+          "router_aux_loss_coef); 0: none",
+          model_bounds::router_aux_loss_coef),
       key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", model_bounds::norm_eps),
       key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", model_bounds::rope_theta),
       key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",

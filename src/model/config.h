@@ -38,6 +38,9 @@ struct ModelConfig {
   // each token uses num_experts_per_tok (Mixtral's routing). 0 and 0: a dense model.
   int64_t num_experts = 0;          // Hugging Face num_local_experts
   int64_t num_experts_per_tok = 0;  // top-k
+  // The balancing loss's weight in the training loss (NOTE [MoE balancing loss] in
+  // model/moe_feed_forward.h; transformers' router_aux_loss_coef); 0: none.
+  double router_aux_loss_coef = 0.0;
 
   bool moe() const { return num_experts > 0; }
 

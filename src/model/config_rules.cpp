@@ -36,6 +36,10 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
     FORGE_FAIL("{} must be between 1 and {} (each token is routed to that many experts)",
                keys.describe("model.num_experts_per_tok", num_experts_per_tok),
                keys.describe("model.num_experts", num_experts));
+  check_range(keys, "model.router_aux_loss_coef", router_aux_loss_coef, model_bounds::router_aux_loss_coef);
+  if (!moe() && router_aux_loss_coef != 0.0)
+    FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
+               keys.describe("model.router_aux_loss_coef", router_aux_loss_coef));
   if (!moe() && num_experts_per_tok != 0)
     FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
                keys.describe("model.num_experts_per_tok", num_experts_per_tok));

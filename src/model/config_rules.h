@@ -28,5 +28,6 @@ inline constexpr ValueRange sliding_window = at_least(0);  // 0: full causal att
 inline constexpr ValueRange init_std = above(0);
 inline constexpr ValueRange num_experts = {0, 65536};  // 0: a dense model
 inline constexpr ValueRange num_experts_per_tok = {0, 65536};
+inline constexpr ValueRange router_aux_loss_coef = at_least(0);
 
 }  // namespace forge::model_bounds

@@ -240,6 +240,13 @@ LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets,
                                     GradSink& grads, float grad_scale, const SequenceLayout* layout) {
   forward_blocks(tokens, weights, layout);
   LossSum loss = output_head(targets, weights, &grads, grad_scale);
+  // NOTE [MoE balancing loss]: a component's loss counts as the micro-batch's mean, weighted
+  // like its cross-entropy.
+  const double weight = static_cast<double>(grad_scale) * static_cast<double>(loss.tokens);
+  for (auto& component : components_) {
+    loss.sum += component->auxiliary_loss() * static_cast<double>(loss.tokens);
+    component->set_auxiliary_loss_weight(weight);
+  }
   backward_blocks(tokens, weights, grads);
   return loss;
 }

@@ -33,7 +33,9 @@
 namespace forge {
 
 struct LossSum {
-  double sum = 0.0;     // sum of per-token cross-entropy (nats) over unmasked targets
+  // Sum of per-token cross-entropy (nats) over unmasked targets; in training, plus the
+  // auxiliary losses x tokens (NOTE [MoE balancing loss] in model/moe_feed_forward.h)
+  double sum = 0.0;
   int64_t tokens = 0;   // number of unmasked targets
   double mean() const { return tokens ? sum / static_cast<double>(tokens) : 0.0; }
 };

@@ -13,7 +13,8 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& config)
       ffn_(config.ffn_hidden_size),
       experts_(config.num_experts),
       top_k_(config.num_experts_per_tok),
-      eps_(static_cast<float>(config.norm_eps)) {}
+      eps_(static_cast<float>(config.norm_eps)),
+      aux_coefficient_(config.router_aux_loss_coef) {}
 
 std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
@@ -72,6 +73,23 @@ std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {
   return load;
 }
 
+double MoeFeedForward::auxiliary_loss() {
+  aux_gradient_.clear();
+  if (aux_coefficient_ == 0.0) return 0.0;
+  std::vector<const MoeRouting*> routings;
+  for (const Activations& a : layers_) routings.push_back(&a.routing);
+  return aux_coefficient_ * moe_balancing_loss(routings).loss;
+}
+
+void MoeFeedForward::set_auxiliary_loss_weight(double weight) {
+  aux_gradient_.clear();
+  if (aux_coefficient_ == 0.0 || weight == 0.0) return;
+  std::vector<const MoeRouting*> routings;
+  for (const Activations& a : layers_) routings.push_back(&a.routing);
+  aux_gradient_ = moe_balancing_loss(routings).prob_gradient;
+  for (double& g : aux_gradient_) g *= aux_coefficient_ * weight;
+}
+
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                               const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
@@ -81,7 +99,7 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
                        {w.tensor(kGateUp), w.tensor(kDown)}, a.routing, d_swiglu_, d_gate_up_);
   moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
-  moe_route_backward(d_logits_, d_weights_, a.routing);
+  moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_.empty() ? nullptr : &aux_gradient_);
   linear_backward(d_router_input_, grads.linear(kRouter), d_logits_, a.normed, w.linear(kRouter), overwrite);
   accumulate(d_hidden, d_router_input_);  // and through the router
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);

@@ -14,9 +14,21 @@
 // Face names model.layers.N.mlp.gate.weight, .mlp.experts.gate_up_proj and .down_proj).
 // Every activation is kept for the backward under every checkpointing mode (a MoE's are
 // not recomputed yet; full checkpointing reruns the whole forward before the backward, the
-// routing included, which gives the same routing). What is not built yet (issue 20): the
-// balancing loss in the training loss (the op exists), shared experts, DeepSeek's routing
-// in a model, the CUDA kernels and expert parallelism; configs refuse what needs them.
+// routing included, which gives the same routing). What is not built yet (issue 20): shared
+// experts, DeepSeek's routing in a model, the CUDA kernels and expert parallelism; configs
+// refuse what needs them.
+//
+// NOTE [MoE balancing loss]
+// With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's
+// with output_router_logits: cross-entropy + c x L_aux, L_aux the Switch balancing loss over
+// all the model's MoE layers pooled (moe_balancing_loss over every layer's routing: f and P
+// over layers x tokens rows, every token of the micro-batch, masked targets included). The
+// decoder adds c x L_aux x the micro-batch's targets to its loss sum and gives the component
+// the weight of the micro-batch's mean (targets x grad_scale: 1 for a lone micro-batch), so
+// over accumulated micro-batches the step's loss and gradient take each micro-batch's L_aux
+// weighted by its share of the targets, as its cross-entropy. Its gradient enters each
+// layer's router through the softmax's probabilities (moe_route_backward). Evaluation
+// reports the cross-entropy alone. Megatron's aux_loss differs: per layer, divided by top-k.
 #pragma once
 
 #include <vector>
@@ -38,6 +50,8 @@ class MoeFeedForward final : public BlockComponent {
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
   std::vector<int64_t> expert_load(int layer) const override;
+  double auxiliary_loss() override;
+  void set_auxiliary_loss_weight(double weight) override;
 
  private:
   enum Param : size_t { kNorm, kRouter, kGateUp, kDown };  // ComponentWeights numbering, param_specs order
@@ -52,6 +66,8 @@ class MoeFeedForward final : public BlockComponent {
 
   int64_t hidden_, ffn_, experts_, top_k_;
   float eps_;
+  double aux_coefficient_;
+  std::vector<double> aux_gradient_;  // the balancing loss's probability gradient, weighted; empty: none
   std::vector<Activations> layers_;
   // Backward scratch.
   Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_router_input_;

@@ -97,21 +97,35 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   return r;
 }
 
-double moe_balancing_loss(const MoeRouting& r) {
-  check_routing(r, "moe_balancing_loss");
-  FORGE_CHECK(!r.sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
-  if (r.tokens == 0) return 0.0;
-  const float* p = r.probs.data<float>();
-  double loss = 0.0;
-  for (int64_t e = 0; e < r.experts; ++e) {
-    double mean_p = 0.0;
-    for (int64_t t = 0; t < r.tokens; ++t) mean_p += p[t * r.experts + e];
-    loss += static_cast<double>(r.rows(e)) / static_cast<double>(r.tokens) * (mean_p / static_cast<double>(r.tokens));
+MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
+  FORGE_CHECK(!routings.empty(), "moe_balancing_loss: no routing given");
+  const int64_t experts = routings.front()->experts;
+  std::vector<double> assigned(static_cast<size_t>(experts), 0.0), probs(static_cast<size_t>(experts), 0.0);
+  double rows = 0.0;
+  for (const MoeRouting* r : routings) {
+    check_routing(*r, "moe_balancing_loss");
+    FORGE_CHECK(!r->sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
+    FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
+    const float* p = r->probs.data<float>();
+    for (int64_t e = 0; e < experts; ++e) {
+      assigned[static_cast<size_t>(e)] += static_cast<double>(r->rows(e));
+      for (int64_t t = 0; t < r->tokens; ++t) probs[static_cast<size_t>(e)] += p[t * experts + e];
+    }
+    rows += static_cast<double>(r->tokens);
   }
-  return static_cast<double>(r.experts) * loss;
+  MoeBalance b;
+  b.prob_gradient.assign(static_cast<size_t>(experts), 0.0);
+  if (rows == 0.0) return b;
+  for (int64_t e = 0; e < experts; ++e) {
+    const double f = assigned[static_cast<size_t>(e)] / rows;
+    b.loss += static_cast<double>(experts) * f * probs[static_cast<size_t>(e)] / rows;
+    b.prob_gradient[static_cast<size_t>(e)] = static_cast<double>(experts) * f / rows;
+  }
+  return b;
 }
 
-void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& r, float aux_coefficient) {
+void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& r,
+                        const std::vector<double>* prob_gradient) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route_backward");
   check_routing(r, "moe_route_backward");
   check_shape(d_logits, {r.tokens, r.experts}, "moe_route_backward d_logits");
@@ -119,20 +133,20 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   expect_cpu(d_logits, DType::F32, "moe_route_backward d_logits");
   expect_cpu(d_weights, DType::F32, "moe_route_backward d_weights");
   if (r.sigmoid) {
-    FORGE_CHECK(aux_coefficient == 0.0f, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
+    FORGE_CHECK(!prob_gradient, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
     cpu::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(), r.expert_ids.data<int32_t>(),
                                    r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>());
     return;
   }
   Tensor d_probs;
-  if (aux_coefficient != 0.0f && r.tokens > 0) {
-    // d(E * sum_e f_e * mean_t p[t, e]) / d p[t, e] = E * f_e / tokens.
+  if (prob_gradient && r.tokens > 0) {
+    FORGE_CHECK(prob_gradient->size() == static_cast<size_t>(r.experts),
+                "moe_route_backward: a probability gradient for {} experts, the routing has {}", prob_gradient->size(),
+                r.experts);
     d_probs = Tensor::empty({r.tokens, r.experts});
-    for (int64_t e = 0; e < r.experts; ++e) {
-      const double g = aux_coefficient * static_cast<double>(r.experts) * static_cast<double>(r.rows(e)) /
-                       (static_cast<double>(r.tokens) * static_cast<double>(r.tokens));
-      for (int64_t t = 0; t < r.tokens; ++t) d_probs.data<float>()[t * r.experts + e] = static_cast<float>(g);
-    }
+    for (int64_t t = 0; t < r.tokens; ++t)
+      for (int64_t e = 0; e < r.experts; ++e)
+        d_probs.data<float>()[t * r.experts + e] = static_cast<float>((*prob_gradient)[static_cast<size_t>(e)]);
   }
   cpu::moe_topk_softmax_backward(d_weights.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
                                  r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,

@@ -21,11 +21,12 @@
 // with that row's expert output), moe_permute_backward sums a token's k row gradients, and
 // moe_route_backward carries the weights' gradient through the normalization and the softmax
 // to the logits. The top-k choice itself has no gradient, as in every MoE.
-// Load balancing (Switch Transformer's auxiliary loss, Mixtral's load_balancing_loss_func):
-//   L_aux = E * sum_e f_e * P_e,   f_e = (assignments to e) / tokens,  P_e = mean_t probs[t, e]
-// (f sums to k; transformers sums over the k choices the same way). Its gradient reaches the
-// logits through P only (f counts choices), which moe_route_backward adds when given a
-// coefficient.
+// Load balancing (Switch Transformer's auxiliary loss, transformers' load_balancing_loss_func
+// for Mixtral): over the routings of all a model's MoE layers, N rows in all (layers x tokens),
+//   L_aux = E * sum_e f_e * P_e,   f_e = (assignments to e) / N,  P_e = (sum of probs[., e]) / N
+// (f sums to k: transformers counts the k choices the same way; one layer is the per-layer
+// form). Its gradient reaches the logits through P only (f counts choices): every
+// probability of expert e gets E f_e / N, which moe_route_backward adds when given it.
 // DeepSeek-V3 routes differently (moe_route_sigmoid, transformers' DeepseekV3TopkRouter):
 // sigmoid scores instead of a softmax, the choice made on scores + a per-expert bias (the
 // auxiliary-loss-free balancing's correction, which never reaches the weights),
@@ -65,13 +66,20 @@ MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize);
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
                              bool normalize, float scaling);
 
-// d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with aux_coefficient
-// not 0, the gradient of aux_coefficient x moe_balancing_loss(routing) is added.
+// d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with prob_gradient
+// ([experts], softmax routing only) that gradient with respect to each of the expert's
+// probabilities is added for every token (a balancing loss's: MoeBalance::prob_gradient
+// times its coefficient).
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& routing,
-                        float aux_coefficient = 0.0f);
+                        const std::vector<double>* prob_gradient = nullptr);
 
-// L_aux = E * sum_e f_e * P_e (NOTE [MoE routing]), in double.
-double moe_balancing_loss(const MoeRouting& routing);
+// The balancing loss over a model's softmax routings (NOTE [MoE routing]), in double, and its
+// gradient with respect to each probability of each expert (the same for every row).
+struct MoeBalance {
+  double loss = 0.0;
+  std::vector<double> prob_gradient;  // [experts]: E f_e / N
+};
+MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
 
 // permuted [tokens * k, hidden]: row r is x's row of the token whose assignment it holds.
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& routing);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "ops/linear.h"
 #include "ops/moe.h"
@@ -67,7 +68,12 @@ inline MoeGrads moe_backward(const MoeLayer& m, const Tensor& x, const MoeActiva
                        a.routing, d_swiglu, d_gate_up);
   Tensor dx_experts = Tensor::empty(x.shape()), d_logits = Tensor::empty({tokens, m.experts});
   moe_permute_backward(dx_experts, d_permuted, a.routing);
-  moe_route_backward(d_logits, d_weights, a.routing, m.aux);
+  std::vector<double> aux_gradient;  // the per-layer balancing loss's, times its coefficient
+  if (m.aux != 0.0f) {
+    aux_gradient = moe_balancing_loss({&a.routing}).prob_gradient;
+    for (double& g : aux_gradient) g *= m.aux;
+  }
+  moe_route_backward(d_logits, d_weights, a.routing, aux_gradient.empty() ? nullptr : &aux_gradient);
   Tensor dx_router = Tensor::empty(x.shape());
   linear_backward(dx_router, {g.router}, d_logits, x, {m.router}, true);
   for (int64_t i = 0; i < x.numel(); ++i)

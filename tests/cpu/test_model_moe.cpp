@@ -54,6 +54,26 @@ TEST(ModelMoe, WhatIsNotBuiltIsRefusedNamingTheKey) {
                {"no Hugging Face export yet", "checkpoint.last_save_in_hf false"});
 }
 
+// NOTE [MoE balancing loss]: the training loss is the cross-entropy (what evaluation
+// reports) plus the coefficient times L_aux, which lies between 0 and E (every token routed
+// to the same experts); a dense model refuses the key. The gradient is checked against transformers
+// in tests/python/test_model_vs_torch.py.
+TEST(ModelMoe, BalancingLossJoinsTheTrainingLossOnly) {
+  const ModelConfig m = load_moe({{"model.router_aux_loss_coef", "0.5"}}).model;
+  const int64_t batch = 1, seq = 8;
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < seq; ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((5 * i + 3) % m.vocab_size);
+  FlatParameters params(m), grads(m);
+  params.initialize(4);
+  DecoderLM model(m, batch, seq);
+  const double eval = model.forward_loss(tokens, tokens, params).mean();
+  const double train = model.forward_backward(tokens, tokens, params, grads, 1.0f / seq).mean();
+  EXPECT_GT(train - eval, 0.0);
+  EXPECT_LE(train - eval, 0.5 * 4 + 1e-9);
+  expect_error([] { load({{"model.router_aux_loss_coef", "0.1"}}); },
+               {"model.router_aux_loss_coef = 0.1 (command line) needs model.num_experts > 0"});
+}
+
 TEST(ModelMoe, DenseModelsHaveNoExpertLoad) {
   const ModelConfig m = load({}).model;
   DecoderLM model(m, 1, 4);
@@ -74,10 +94,10 @@ TEST(ModelMoe, BlockParametersAreTheRouterAndStackedExperts) {
   EXPECT_EQ(sum, m.total_params());
 }
 
-// A few steps of the CPU model on one batch: the loss falls, under each checkpointing mode,
-// and the modes agree (the routing is recomputed the same).
+// A few steps of the CPU model on one batch, with the balancing loss: the loss falls, under
+// each checkpointing mode, and the modes agree (the routing is recomputed the same).
 TEST(ModelMoe, TrainsOnTheCpuUnderEveryCheckpointMode) {
-  const ModelConfig m = load_moe().model;
+  const ModelConfig m = load_moe({{"model.router_aux_loss_coef", "0.01"}}).model;
   const int64_t batch = 2, seq = 16;
   Rng rng(11);
   Tensor tokens = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);

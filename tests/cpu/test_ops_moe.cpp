@@ -146,7 +146,7 @@ TEST(OpsMoe, BackwardMatchesFiniteDifferences) {
       auto loss = [&] {
         MoeActivations a;
         const Tensor out = moe_forward(m, x, a);
-        return testing::weighted_sum(out, r) + m.aux * moe_balancing_loss(a.routing);
+        return testing::weighted_sum(out, r) + m.aux * moe_balancing_loss({&a.routing}).loss;
       };
       MoeActivations a;
       moe_forward(m, x, a);
@@ -218,7 +218,12 @@ TEST(OpsMoe, BalancingLossIsTransformersForm) {
   logits.data<float>()[3] = l1;
   const MoeRouting r = moe_route(logits, 1, true);
   // E * sum_e f_e P_e = 2 * (0.5 * (0.8 + 0.4) / 2 + 0.5 * (0.2 + 0.6) / 2) = 1.0
-  EXPECT_NEAR(moe_balancing_loss(r), 1.0, 1e-6);
+  EXPECT_NEAR(moe_balancing_loss({&r}).loss, 1.0, 1e-6);
+  // Over two layers' routings, the counts and probabilities pool: the same routing twice
+  // gives the same loss, and each probability's gradient E f_e / N.
+  const MoeBalance two = moe_balancing_loss({&r, &r});
+  EXPECT_NEAR(two.loss, 1.0, 1e-6);
+  EXPECT_NEAR(two.prob_gradient[0], 2.0 * 0.5 / 4.0, 1e-12);
 }
 
 TEST(OpsMoe, RefusesBadInputs) {
@@ -234,7 +239,7 @@ TEST(OpsMoe, RefusesBadInputs) {
   expect_error([&] { moe_route_sigmoid(eight, Tensor(), 5, 4, 2, true, 1.0f); },
                {"top-k 5 must be between 1 and the 4 experts of the 2 groups kept"});
   const MoeRouting sig = moe_route_sigmoid(eight, Tensor(), 2, 1, 1, true, 1.0f);
-  expect_error([&] { moe_balancing_loss(sig); }, {"for softmax routing"});
+  expect_error([&] { moe_balancing_loss({&sig}); }, {"for softmax routing"});
 }
 
 }  // namespace

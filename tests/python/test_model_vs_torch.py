@@ -62,6 +62,9 @@ CASES += [
          ffn_hidden_size=16, batch=1, seq_len=9, experts=3, top_k=1, tie_word_embeddings=True),
     dict(name="mixtral_8_experts", vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2,
          ffn_hidden_size=20, batch=3, seq_len=6, experts=8, top_k=2),
+    # With the balancing loss in the training loss (transformers' output_router_logits).
+    dict(name="mixtral_balancing_loss", vocab_size=48, hidden_size=24, num_layers=3, num_heads=4, num_kv_heads=2,
+         ffn_hidden_size=16, batch=2, seq_len=7, experts=4, top_k=2, aux=0.3),
 ]
 
 
@@ -80,6 +83,7 @@ def hf_model(case):
                 "original_max_position_embeddings": r["original_max_position"]}
     if case.get("experts"):
         config = MixtralConfig(num_local_experts=case["experts"], num_experts_per_tok=case["top_k"],
+                               output_router_logits="aux" in case, router_aux_loss_coef=case.get("aux", 0.0),
                                router_jitter_noise=0.0, sliding_window=None, rope_parameters=rope,
                                experts_implementation="eager", **common)
         model = MixtralForCausalLM(config)
@@ -109,7 +113,8 @@ def forge_config(case):
     if "rope_scaling" in case:
         config["rope_scaling"] = case["rope_scaling"]
     if case.get("experts"):
-        config.update(num_experts=case["experts"], num_experts_per_tok=case["top_k"])
+        config.update(num_experts=case["experts"], num_experts_per_tok=case["top_k"],
+                      router_aux_loss_coef=case.get("aux", 0.0))
     return config
 
 
@@ -153,8 +158,11 @@ class ModelVsTorch(unittest.TestCase):
             for p in model.parameters():
                 p.copy_(p.float().double())
         model.zero_grad()
-        logits = model(input_ids=tokens.long()).logits
+        out = model(input_ids=tokens.long())
+        logits = out.logits
         loss = F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1).long(), ignore_index=-100)
+        if "aux" in case:  # MixtralForCausalLM adds it so when given labels
+            loss = loss + case["aux"] * out.aux_loss
         loss.backward()
 
         forge_logits = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, v)

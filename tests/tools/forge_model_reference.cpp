@@ -44,6 +44,7 @@ ModelConfig read_config(const std::string& dir, int64_t* batch, int64_t* seq) {
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   c.num_experts = j.value("num_experts", 0);
   c.num_experts_per_tok = j.value("num_experts_per_tok", 0);
+  c.router_aux_loss_coef = j.value("router_aux_loss_coef", 0.0);
   if (j.contains("rope_scaling")) {
     const json& r = j["rope_scaling"];
     c.rope_scaling.enabled = true;

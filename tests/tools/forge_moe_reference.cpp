@@ -71,7 +71,7 @@ int main(int argc, char** argv) {
     write(dir + "/d_router", g.router);
     write(dir + "/d_gate_up", g.gate_up);
     write(dir + "/d_down", g.down);
-    if (!sigmoid) std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", forge::moe_balancing_loss(a.routing));
+    if (!sigmoid) std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", forge::moe_balancing_loss({&a.routing}).loss);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "forge_moe_reference: %s\n", e.what());
