@@ -73,20 +73,21 @@ std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {
   return load;
 }
 
+std::vector<const MoeRouting*> MoeFeedForward::routings() const {
+  std::vector<const MoeRouting*> all;
+  for (const Activations& a : layers_) all.push_back(&a.routing);
+  return all;
+}
+
 double MoeFeedForward::auxiliary_loss() {
   aux_gradient_.clear();
-  if (aux_coefficient_ == 0.0) return 0.0;
-  std::vector<const MoeRouting*> routings;
-  for (const Activations& a : layers_) routings.push_back(&a.routing);
-  return aux_coefficient_ * moe_balancing_loss(routings).loss;
+  return aux_coefficient_ == 0.0 ? 0.0 : aux_coefficient_ * moe_balancing_loss(routings()).loss;
 }
 
 void MoeFeedForward::set_auxiliary_loss_weight(double weight) {
   aux_gradient_.clear();
   if (aux_coefficient_ == 0.0 || weight == 0.0) return;
-  std::vector<const MoeRouting*> routings;
-  for (const Activations& a : layers_) routings.push_back(&a.routing);
-  aux_gradient_ = moe_balancing_loss(routings).prob_gradient;
+  aux_gradient_ = moe_balancing_loss(routings()).prob_gradient;
   for (double& g : aux_gradient_) g *= aux_coefficient_ * weight;
 }
 

@@ -64,6 +64,8 @@ class MoeFeedForward final : public BlockComponent {
     MoeExpertBuffers rows;  // [N * k, ...] in expert order
   };
 
+  std::vector<const MoeRouting*> routings() const;  // every layer's, from the last forward
+
   int64_t hidden_, ffn_, experts_, top_k_;
   float eps_;
   double aux_coefficient_;
