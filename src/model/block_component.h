@@ -73,11 +73,10 @@ class BlockComponent {
   virtual void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                         const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) = 0;
   // A loss the component adds to the training loss, from the forward just run (over all
-  // blocks), and the weight its gradient takes in the backward that follows (the weight the
-  // decoder gives the micro-batch's mean cross-entropy). 0 and ignored for most components
+  // blocks); its gradient enters the backward that follows with `gradient_weight` (the
+  // weight the decoder gives the micro-batch's mean cross-entropy). 0 for most components
   // (NOTE [MoE balancing loss] in moe_feed_forward.h).
-  virtual double auxiliary_loss() { return 0.0; }
-  virtual void set_auxiliary_loss_weight(double weight) {}
+  virtual double auxiliary_loss(double gradient_weight) { return 0.0; }
   // A Mixture-of-Experts component's routing in block `layer`'s last forward: the
   // assignments each expert received (tokens × top-k in all); empty for any other component.
   virtual std::vector<int64_t> expert_load(int layer) const { return {}; }

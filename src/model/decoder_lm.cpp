@@ -243,10 +243,8 @@ LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets,
   // NOTE [MoE balancing loss]: a component's loss counts as the micro-batch's mean, weighted
   // like its cross-entropy.
   const double weight = static_cast<double>(grad_scale) * static_cast<double>(loss.tokens);
-  for (auto& component : components_) {
-    loss.sum += component->auxiliary_loss() * static_cast<double>(loss.tokens);
-    component->set_auxiliary_loss_weight(weight);
-  }
+  for (auto& component : components_)
+    loss.sum += component->auxiliary_loss(weight) * static_cast<double>(loss.tokens);
   backward_blocks(tokens, weights, grads);
   return loss;
 }

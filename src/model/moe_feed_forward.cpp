@@ -79,16 +79,15 @@ std::vector<const MoeRouting*> MoeFeedForward::routings() const {
   return all;
 }
 
-double MoeFeedForward::auxiliary_loss() {
+double MoeFeedForward::auxiliary_loss(double gradient_weight) {
   aux_gradient_.clear();
-  return aux_coefficient_ == 0.0 ? 0.0 : aux_coefficient_ * moe_balancing_loss(routings()).loss;
-}
-
-void MoeFeedForward::set_auxiliary_loss_weight(double weight) {
-  aux_gradient_.clear();
-  if (aux_coefficient_ == 0.0 || weight == 0.0) return;
-  aux_gradient_ = moe_balancing_loss(routings()).prob_gradient;
-  for (double& g : aux_gradient_) g *= aux_coefficient_ * weight;
+  if (aux_coefficient_ == 0.0) return 0.0;
+  const MoeBalance balance = moe_balancing_loss(routings());
+  if (gradient_weight != 0.0) {
+    aux_gradient_ = balance.prob_gradient;
+    for (double& g : aux_gradient_) g *= aux_coefficient_ * gradient_weight;
+  }
+  return aux_coefficient_ * balance.loss;
 }
 
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,

@@ -50,8 +50,7 @@ class MoeFeedForward final : public BlockComponent {
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
   std::vector<int64_t> expert_load(int layer) const override;
-  double auxiliary_loss() override;
-  void set_auxiliary_loss_weight(double weight) override;
+  double auxiliary_loss(double gradient_weight) override;
 
  private:
   enum Param : size_t { kNorm, kRouter, kGateUp, kDown };  // ComponentWeights numbering, param_specs order
