@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include <fmt/format.h>
+
 #include "core/error.h"
 #include "core/op_profile.h"
 #include "kernels/cpu/moe.h"
@@ -44,6 +46,20 @@ void sort_by_expert(MoeRouting& r) {
   r.row_of = Tensor::empty({r.tokens * r.k}, DType::I32);
   cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.offsets.data(),
                           r.source.data<int32_t>(), r.row_of.data<int32_t>());
+}
+
+// The hidden width shared by a token tensor [tokens, hidden] and a row tensor [tokens * k,
+// hidden] of the routing (permuted order), both fp32 on the CPU; refused otherwise, naming each.
+int64_t token_and_row_width(const MoeRouting& r, const char* op, const Tensor& by_token, const char* token_name,
+                            const Tensor& by_row, const char* row_name) {
+  check_routing(r, op);
+  FORGE_CHECK(by_token.ndim() == 2 && by_token.dim(0) == r.tokens, "{}: {} {} must be [{}, hidden]", op, token_name,
+              shape_str(by_token.shape()), r.tokens);
+  const int64_t hidden = by_token.dim(1);
+  check_shape(by_row, {r.tokens * r.k, hidden}, fmt::format("{} {}", op, row_name).c_str());
+  expect_cpu(by_token, DType::F32, fmt::format("{} {}", op, token_name).c_str());
+  expect_cpu(by_row, DType::F32, fmt::format("{} {}", op, row_name).c_str());
+  return hidden;
 }
 
 // A routing of logits [tokens, experts] with its outputs allocated, before the router fills them.
@@ -155,13 +171,7 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
 
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute");
-  check_routing(r, "moe_permute");
-  FORGE_CHECK(x.ndim() == 2 && x.dim(0) == r.tokens, "moe_permute: x {} must be [{}, hidden]", shape_str(x.shape()),
-              r.tokens);
-  const int64_t hidden = x.dim(1);
-  check_shape(permuted, {r.tokens * r.k, hidden}, "moe_permute permuted");
-  expect_cpu(x, DType::F32, "moe_permute x");
-  expect_cpu(permuted, DType::F32, "moe_permute permuted");
+  const int64_t hidden = token_and_row_width(r, "moe_permute", x, "x", permuted, "permuted");
   const int32_t* source = r.source.data<int32_t>();
   for (int64_t row = 0; row < r.tokens * r.k; ++row) {
     const float* from = x.data<float>() + source[row] / r.k * hidden;
@@ -171,13 +181,7 @@ void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
 
 void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute_backward");
-  check_routing(r, "moe_permute_backward");
-  FORGE_CHECK(dx.ndim() == 2 && dx.dim(0) == r.tokens, "moe_permute_backward: dx {} must be [{}, hidden]",
-              shape_str(dx.shape()), r.tokens);
-  const int64_t hidden = dx.dim(1);
-  check_shape(d_permuted, {r.tokens * r.k, hidden}, "moe_permute_backward d_permuted");
-  expect_cpu(dx, DType::F32, "moe_permute_backward dx");
-  expect_cpu(d_permuted, DType::F32, "moe_permute_backward d_permuted");
+  const int64_t hidden = token_and_row_width(r, "moe_permute_backward", dx, "dx", d_permuted, "d_permuted");
   const int32_t* row_of = r.row_of.data<int32_t>();
   for (int64_t t = 0; t < r.tokens; ++t) {
     float* to = dx.data<float>() + t * hidden;
@@ -191,13 +195,7 @@ void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeR
 
 void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& r, const Tensor* residual) {
   OpProfileScope profile(OpClass::Elementwise, "moe_combine");
-  check_routing(r, "moe_combine");
-  FORGE_CHECK(out.ndim() == 2 && out.dim(0) == r.tokens, "moe_combine: out {} must be [{}, hidden]",
-              shape_str(out.shape()), r.tokens);
-  const int64_t hidden = out.dim(1);
-  check_shape(expert_out, {r.tokens * r.k, hidden}, "moe_combine expert_out");
-  expect_cpu(out, DType::F32, "moe_combine out");
-  expect_cpu(expert_out, DType::F32, "moe_combine expert_out");
+  const int64_t hidden = token_and_row_width(r, "moe_combine", out, "out", expert_out, "expert_out");
   if (residual) {
     check_shape(*residual, out.shape(), "moe_combine residual");
     expect_cpu(*residual, DType::F32, "moe_combine residual");
@@ -219,14 +217,11 @@ void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& 
 void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, const Tensor& dout,
                           const Tensor& expert_out, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_combine_backward");
-  check_routing(r, "moe_combine_backward");
-  FORGE_CHECK(dout.ndim() == 2 && dout.dim(0) == r.tokens, "moe_combine_backward: dout {} must be [{}, hidden]",
-              shape_str(dout.shape()), r.tokens);
-  const int64_t hidden = dout.dim(1);
+  const int64_t hidden = token_and_row_width(r, "moe_combine_backward", dout, "dout", expert_out, "expert_out");
   check_shape(d_expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward d_expert_out");
-  check_shape(expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward expert_out");
   check_shape(d_weights, {r.tokens, r.k}, "moe_combine_backward d_weights");
-  for (const Tensor* t : {&d_expert_out, &d_weights, &dout, &expert_out}) expect_cpu(*t, DType::F32, "moe_combine_backward");
+  expect_cpu(d_expert_out, DType::F32, "moe_combine_backward d_expert_out");
+  expect_cpu(d_weights, DType::F32, "moe_combine_backward d_weights");
   const int32_t* row_of = r.row_of.data<int32_t>();
   const float* w = r.weights.data<float>();
   for (int64_t t = 0; t < r.tokens; ++t) {
