@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/rmsnorm.h"
 #include "core/op_profile.h"
+#include "ops/linear.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/rmsnorm.h"

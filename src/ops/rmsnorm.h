@@ -6,9 +6,10 @@
 #pragma once
 
 #include "core/tensor.h"
-#include "ops/linear.h"
 
 namespace forge {
+
+struct LinearWeight;  // ops/linear.h
 
 // `feeds`: the projection that reads y next, if any; an FP8 one gets y's amax (or codes)
 // from this pass (NOTE [FP8 fused producers] in ops/fp8_linear.h). y is the same either way.

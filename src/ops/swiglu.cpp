@@ -2,6 +2,7 @@
 
 #include "kernels/cpu/swiglu.h"
 #include "core/op_profile.h"
+#include "ops/linear.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/swiglu.h"

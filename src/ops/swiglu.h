@@ -5,9 +5,10 @@
 #pragma once
 
 #include "core/tensor.h"
-#include "ops/linear.h"
 
 namespace forge {
+
+struct LinearWeight;  // ops/linear.h
 
 // `feeds`: the projection that reads out next (the forward) or dgate_up (the backward: its
 // output gradient), if any; an FP8 one gets that tensor's amax (or codes) from this pass
