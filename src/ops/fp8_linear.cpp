@@ -234,9 +234,11 @@ void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool trans
     d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
     cast_delayed(dy, fp8.grad_format, d, transpose);
   } else {
+    // A producer's amax is operand 0's (fp8_output_gradient_amax), where d's is here.
+    const char* op = "quantize_output_gradient";
+    const float* produced_at = operand(workspace_of(fp8, op), 0, 0, op).amax;
     quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy),
-                    d.amax == workspace_of(fp8, "quantize_output_gradient").stats.data<float>() &&
-                        produced_output_gradient(fp8, dy));
+                    d.amax == produced_at && produced_output_gradient(fp8, dy));
   }
 }
 
@@ -463,7 +465,9 @@ cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer)
 float* fp8_output_gradient_amax(const Tensor& dy, const Fp8Linear* consumer) {
 #ifdef FORGE_CUDA
   if (!consumer || !consumer->produced || dy.device() != Device::CUDA || uses_delayed_scales(*consumer)) return nullptr;
-  float* amax = workspace_of(*consumer, "fp8_output_gradient_amax").stats.data<float>();  // operand 0's amax
+  // Operand 0's amax: where the backward quantizes dy (fp8_linear_backward, quantize_output_gradient).
+  const char* op = "fp8_output_gradient_amax";
+  float* amax = operand(workspace_of(*consumer, op), 0, 0, op).amax;
   cuda::fp8_amax_reset(amax);
   consumer->produced->dy = dy.raw();
   consumer->produced->dy_numel = dy.numel();

@@ -143,9 +143,13 @@ TEST(GpuFp8, TensorwiseQuantizationMatchesTorchaoScalesBitwise) {
         Tensor seen_host = Tensor::zeros({2});
         seen_host.data<float>()[1] = larger;
         const Tensor seen = to_gpu(seen_host, DType::F32);
-        cuda::fp8_quantize_tensorwise(static_cast<const cuda::bf16*>(x_gpu.raw()), n, format, power_of_2,
-                                      out.data<uint8_t>(), amax.data<float>(), scale.data<float>(),
-                                      scale_inv.data<float>(), seen.data<float>());
+        // Current (just-in-time) tensorwise scaling, as torchao's "tensorwise" recipe and TE's
+        // Float8CurrentScaling: amax, scale, cast, all on the device.
+        const auto* x_bf16 = static_cast<const cuda::bf16*>(x_gpu.raw());
+        cuda::fp8_amax(x_bf16, n, amax.data<float>());
+        cuda::fp8_scale_from_amax(amax.data<float>(), format, power_of_2, scale.data<float>(), scale_inv.data<float>(),
+                                  seen.data<float>());
+        cuda::fp8_cast(x_bf16, n, scale.data<float>(), format, out.data<uint8_t>(), nullptr);
         cuda::fp8_scale_from_amax(amax.data<float>(), format, power_of_2, scale.data<float>(), scale_inv.data<float>(),
                                   seen.data<float>() + 1);
         const float want_amax = cpu_amax(x);

@@ -244,11 +244,5 @@ void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* 
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
-void fp8_quantize_tensorwise(const bf16* x, int64_t n, Fp8Format format, bool power_of_2, uint8_t* out, float* amax,
-                             float* scale, float* scale_inv, float* seen) {
-  fp8_amax(x, n, amax);
-  fp8_scale_from_amax(amax, format, power_of_2, scale, scale_inv, seen);
-  fp8_cast(x, n, scale, format, out, nullptr);
-}
 
 }  // namespace forge::cuda

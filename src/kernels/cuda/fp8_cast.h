@@ -37,10 +37,4 @@ void fp8_cast(const bf16* x, int64_t n, const float* scale, Fp8Format format, ui
 void fp8_cast_transpose(const bf16* x, int64_t rows, int64_t cols, const float* scale, Fp8Format format,
                         uint8_t* out, uint8_t* out_t, float* amax);
 
-// Current (just-in-time) tensorwise scaling, as torchao's "tensorwise" recipe and TE's
-// Float8CurrentScaling: fp8_amax, fp8_scale_from_amax, fp8_cast; out, amax, scale and
-// scale_inv all written on the device; seen as fp8_scale_from_amax.
-void fp8_quantize_tensorwise(const bf16* x, int64_t n, Fp8Format format, bool power_of_2, uint8_t* out, float* amax,
-                             float* scale, float* scale_inv, float* seen = nullptr);
-
 }  // namespace forge::cuda
