@@ -44,6 +44,17 @@ inline double relative_error(const Tensor& got, const std::vector<double>& want)
   return relative_error(to_double(got), want);
 }
 
+// sqrt(sum (got - want)^2 / sum want^2) over fp32 CPU tensors.
+inline double relative_l2(const Tensor& got, const Tensor& want) {
+  double diff = 0.0, norm = 0.0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double w = want.data<float>()[i], e = got.data<float>()[i] - w;
+    diff += e * e;
+    norm += w * w;
+  }
+  return std::sqrt(diff / norm);
+}
+
 // sum(out * weights) in double: the scalar loss whose gradient with respect to out is weights.
 inline double weighted_sum(const Tensor& out, const Tensor& weights) {
   const float* o = out.data<float>();

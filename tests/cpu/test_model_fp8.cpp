@@ -15,6 +15,8 @@
 namespace forge {
 namespace {
 
+using testing::relative_l2;
+
 using testing::llama31_8b;
 
 TEST(ModelFp8, ProjectionsCarryFp8AndTheRestPassesThrough) {
@@ -109,17 +111,6 @@ TEST(ModelFp8, GemmParamsAreTheProjectionsAndTheHeadOnRequest) {
   const int64_t per_layer = int64_t{4096} * (4096 + 2 * 1024) + 4096 * 4096 + 2 * 14336 * 4096 + 4096 * 14336;
   EXPECT_EQ(fp8_gemm_params(c, {}), 32 * per_layer);
   EXPECT_EQ(fp8_gemm_params(c, {Fp8Format::E5M2, true}), 32 * per_layer + 128256 * int64_t{4096});
-}
-
-// sqrt(sum (got - want)^2 / sum want^2).
-double relative_l2(const Tensor& got, const Tensor& want) {
-  double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double w = want.data<float>()[i], e = got.data<float>()[i] - w;
-    diff += e * e;
-    norm += w * w;
-  }
-  return std::sqrt(diff / norm);
 }
 
 struct StepResult {

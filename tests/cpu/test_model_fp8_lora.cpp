@@ -21,6 +21,8 @@
 namespace forge {
 namespace {
 
+using testing::relative_l2;
+
 using cpu::Fp8Role;
 
 LoraConfig lora_config(const std::string& targets) {
@@ -50,16 +52,6 @@ void randomize_b(LoraAdapters& adapters, uint64_t seed) {
       adapters.set_part_matrix(k, p, 'b', b);
     }
   adapters.refresh_compute();
-}
-
-double relative_l2(const Tensor& got, const Tensor& want) {
-  double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double w = want.data<float>()[i], e = got.data<float>()[i] - w;
-    diff += e * e;
-    norm += w * w;
-  }
-  return std::sqrt(diff / norm);
 }
 
 // Every projection's base is FP8 (adapted or not), adapters where targeted; the gradient

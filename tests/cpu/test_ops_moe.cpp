@@ -128,6 +128,24 @@ TEST(OpsMoe, FeedForwardMatchesPerTokenDoubleReference) {
   }
 }
 
+// The layer's backward (its balancing loss included when m.aux is set) against central
+// finite differences for the input, the router and both expert weights, with dout as the
+// loss's weights.
+void expect_backward_matches_finite_differences(MoeLayer& m, Tensor& x, const Tensor& dout) {
+  auto loss = [&] {
+    MoeActivations a;
+    const Tensor out = moe_forward(m, x, a);
+    return testing::weighted_sum(out, dout) + (m.aux != 0.0f ? m.aux * moe_balancing_loss({&a.routing}).loss : 0.0);
+  };
+  MoeActivations a;
+  moe_forward(m, x, a);
+  const MoeGrads g = moe_backward(m, x, a, dout);
+  EXPECT_LT(relative_error(g.dx, finite_difference(x, loss, 1e-3f)), 1e-2);
+  EXPECT_LT(relative_error(g.router, finite_difference(m.router, loss, 1e-3f)), 1e-2);
+  EXPECT_LT(relative_error(g.gate_up, finite_difference(m.gate_up, loss, 1e-3f)), 1e-2);
+  EXPECT_LT(relative_error(g.down, finite_difference(m.down, loss, 1e-3f)), 1e-2);
+}
+
 TEST(OpsMoe, BackwardMatchesFiniteDifferences) {
   Rng rng(73);
   struct Case {
@@ -143,18 +161,7 @@ TEST(OpsMoe, BackwardMatchesFiniteDifferences) {
       m.aux = aux;
       const int64_t tokens = c.tokens;
       Tensor x = random_tensor({tokens, m.hidden}, rng), r = random_tensor({tokens, m.hidden}, rng);
-      auto loss = [&] {
-        MoeActivations a;
-        const Tensor out = moe_forward(m, x, a);
-        return testing::weighted_sum(out, r) + m.aux * moe_balancing_loss({&a.routing}).loss;
-      };
-      MoeActivations a;
-      moe_forward(m, x, a);
-      const MoeGrads g = moe_backward(m, x, a, r);
-      EXPECT_LT(relative_error(g.dx, finite_difference(x, loss, 1e-3f)), 1e-2);
-      EXPECT_LT(relative_error(g.router, finite_difference(m.router, loss, 1e-3f)), 1e-2);
-      EXPECT_LT(relative_error(g.gate_up, finite_difference(m.gate_up, loss, 1e-3f)), 1e-2);
-      EXPECT_LT(relative_error(g.down, finite_difference(m.down, loss, 1e-3f)), 1e-2);
+      expect_backward_matches_finite_differences(m, x, r);
     }
   }
 }
@@ -195,16 +202,7 @@ TEST(OpsMoe, SigmoidGroupLimitedRouting) {
     m.topk_groups = topk_groups;
     m.scaling = 2.5f;
     Tensor x = random_tensor({5, m.hidden}, rng), g_out = random_tensor({5, m.hidden}, rng);
-    auto loss = [&] {
-      MoeActivations a;
-      return testing::weighted_sum(moe_forward(m, x, a), g_out);
-    };
-    MoeActivations a;
-    moe_forward(m, x, a);
-    const MoeGrads g = moe_backward(m, x, a, g_out);
-    EXPECT_LT(relative_error(g.dx, finite_difference(x, loss, 1e-3f)), 1e-2);
-    EXPECT_LT(relative_error(g.router, finite_difference(m.router, loss, 1e-3f)), 1e-2);
-    EXPECT_LT(relative_error(g.gate_up, finite_difference(m.gate_up, loss, 1e-3f)), 1e-2);
+    expect_backward_matches_finite_differences(m, x, g_out);
   }
 }
 

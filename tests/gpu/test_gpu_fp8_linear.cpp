@@ -14,6 +14,10 @@
 // top of the bf16 model's own differences (5% in GpuLora's micro-batch): gradients within
 // 10% (relative L2), the loss within 1%. A wrong operand (transposed, unscaled, the wrong
 // format) is off by 50% or more.
+#include <functional>
+#include <utility>
+#include <vector>
+
 #include "gpu_testing.h"
 
 #include "model/decoder_lm.h"
@@ -164,48 +168,76 @@ TEST(GpuFp8Linear, TrainingMicroBatchMatchesCpuFp8) {
   }
 }
 
+// What a few steps of FP8 training on the GPU gave: every micro-batch's loss and fp32
+// gradients, and the delayed scales at the end (empty under tensorwise).
+struct Fp8StepTrace {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> grads;
+  std::vector<float> scales;
+};
+
+// Three steps of two micro-batches each of `config` from `params` with `settings`; between
+// steps, the optimizer's turn: every weight of `params` scaled by weight_factor(step).
+Fp8StepTrace fp8_steps(const ModelConfig& config, const FlatParameters& params, const Tensor& tokens,
+                       const Tensor& targets, const Fp8Settings& settings, ActivationCheckpoint mode,
+                       const std::function<float(int)>& weight_factor) {
+  const int64_t batch = tokens.dim(0), seq = tokens.dim(1);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  FlatParameters weights(config, Device::CUDA, DType::BF16), g(config, Device::CUDA, DType::F32);
+  weights.assign_from(params);
+  Fp8Projections fp8(config, settings, Device::CUDA, batch * seq);
+  fp8.set_base(weights, g);
+  DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode);
+  Fp8StepTrace trace;
+  for (int step = 0; step < 3; ++step) {
+    for (int micro = 0; micro < 2; ++micro) {
+      g.discard();
+      trace.losses.push_back(model.forward_backward(tokens, targets, fp8, fp8, scale).mean());
+      trace.grads.push_back(host_values<float>(g.flat()));
+    }
+    fp8.end_step(true);
+    FlatParameters changed(config);
+    changed.assign_from(params);
+    for (int64_t i = 0; i < changed.flat().numel(); ++i) changed.flat().data<float>()[i] *= weight_factor(step);
+    weights.assign_from(changed);
+  }
+  if (settings.recipe == Fp8Recipe::Delayed) trace.scales = fp8.delayed_state().scales;
+  return trace;
+}
+
+void expect_same_losses_and_gradients(const Fp8StepTrace& got, const Fp8StepTrace& want) {
+  EXPECT_EQ(got.losses, want.losses);
+  ASSERT_EQ(got.grads.size(), want.grads.size());
+  for (size_t i = 0; i < want.grads.size(); ++i) EXPECT_TRUE(got.grads[i] == want.grads[i]) << "micro-batch " << i;
+}
+
+// Random token ids and targets [batch, seq] on the GPU.
+std::pair<Tensor, Tensor> random_batch(const ModelConfig& config, int64_t batch, int64_t seq, Rng& rng) {
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  return {tokens, random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA)};
+}
+
 // NOTE [FP8 weight cache]: with the weights cast once per step (and kept across the
 // micro-batches, activation checkpointing's recomputation and a changed weight after the
 // step's end) every loss and gradient is bitwise the uncached run's, for both recipes.
 TEST(GpuFp8Linear, WeightCacheGivesTheSameBits) {
   const ModelConfig config = small_model("fp8-cache-gpu");
-  const int64_t batch = 2, seq = 64;
   FlatParameters params(config);
   params.initialize(5);
   Rng rng(seed_for_current_test());
-  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-  const float scale = 1.0f / static_cast<float>(batch * seq);
+  const auto [tokens, targets] = random_batch(config, 2, 64, rng);
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
     SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
-    std::vector<std::vector<double>> losses(2);
-    std::vector<std::vector<std::vector<float>>> grads(2);
+    std::vector<Fp8StepTrace> runs;
     for (const bool cache : {false, true}) {
-      FlatParameters weights(config, Device::CUDA, DType::BF16), g(config, Device::CUDA, DType::F32);
-      weights.assign_from(params);
       Fp8Settings settings;
       settings.recipe = recipe;
       settings.weight_cache = cache;
       settings.output_head = true;
-      Fp8Projections fp8(config, settings, Device::CUDA, batch * seq);
-      fp8.set_base(weights, g);
-      DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
-      for (int step = 0; step < 3; ++step) {
-        for (int micro = 0; micro < 2; ++micro) {
-          g.discard();
-          losses[cache].push_back(model.forward_backward(tokens, targets, fp8, fp8, scale).mean());
-          grads[cache].push_back(host_values<float>(g.flat()));
-        }
-        fp8.end_step(true);
-        FlatParameters changed(config);  // the optimizer's turn: every weight moves
-        changed.assign_from(params);
-        for (int64_t i = 0; i < changed.flat().numel(); ++i) changed.flat().data<float>()[i] *= 1.0f + 0.01f * (step + 1);
-        weights.assign_from(changed);
-      }
+      runs.push_back(fp8_steps(config, params, tokens, targets, settings, ActivationCheckpoint::Full,
+                               [](int step) { return 1.0f + 0.01f * (step + 1); }));
     }
-    EXPECT_EQ(losses[1], losses[0]);
-    ASSERT_EQ(grads[1].size(), grads[0].size());
-    for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(grads[1][i] == grads[0][i]) << "micro-batch " << i;
+    expect_same_losses_and_gradients(runs[1], runs[0]);
   }
 }
 
@@ -215,49 +247,26 @@ TEST(GpuFp8Linear, WeightCacheGivesTheSameBits) {
 // producers without or with the projection that reads them), over steps whose weights move.
 TEST(GpuFp8Linear, FusedProducersGiveTheSameBits) {
   const ModelConfig config = small_model("fp8-producers-gpu");
-  const int64_t batch = 2, seq = 64;
   FlatParameters params(config);
   params.initialize(6);
   Rng rng(seed_for_current_test());
-  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-  const float scale = 1.0f / static_cast<float>(batch * seq);
+  const auto [tokens, targets] = random_batch(config, 2, 64, rng);
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
     for (const ActivationCheckpoint mode :
          {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
       SCOPED_TRACE(testing::Message() << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise") << ", checkpoint "
                                       << static_cast<int>(mode));
-      std::vector<std::vector<double>> losses(2);
-      std::vector<std::vector<std::vector<float>>> grads(2);
-      std::vector<std::vector<float>> scales(2);
+      std::vector<Fp8StepTrace> runs;
       for (const bool fused : {false, true}) {
-        FlatParameters weights(config, Device::CUDA, DType::BF16), g(config, Device::CUDA, DType::F32);
-        weights.assign_from(params);
         Fp8Settings settings;
         settings.recipe = recipe;
         settings.fused_producers = fused;
         settings.weight_cache = true;
-        Fp8Projections fp8(config, settings, Device::CUDA, batch * seq);
-        fp8.set_base(weights, g);
-        DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode);
-        for (int step = 0; step < 3; ++step) {
-          for (int micro = 0; micro < 2; ++micro) {
-            g.discard();
-            losses[fused].push_back(model.forward_backward(tokens, targets, fp8, fp8, scale).mean());
-            grads[fused].push_back(host_values<float>(g.flat()));
-          }
-          fp8.end_step(true);
-          FlatParameters changed(config);
-          changed.assign_from(params);
-          for (int64_t i = 0; i < changed.flat().numel(); ++i) changed.flat().data<float>()[i] *= 1.0f - 0.02f * step;
-          weights.assign_from(changed);
-        }
-        if (recipe == Fp8Recipe::Delayed) scales[fused] = fp8.delayed_state().scales;
+        runs.push_back(fp8_steps(config, params, tokens, targets, settings, mode,
+                                 [](int step) { return 1.0f - 0.02f * step; }));
       }
-      EXPECT_EQ(losses[1], losses[0]);
-      ASSERT_EQ(grads[1].size(), grads[0].size());
-      for (size_t i = 0; i < grads[0].size(); ++i) EXPECT_TRUE(grads[1][i] == grads[0][i]) << "micro-batch " << i;
-      EXPECT_EQ(scales[1], scales[0]);
+      expect_same_losses_and_gradients(runs[1], runs[0]);
+      EXPECT_EQ(runs[1].scales, runs[0].scales);
     }
 }
 
