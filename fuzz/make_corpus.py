@@ -76,7 +76,7 @@ def safetensors_files():
 
 
 def hf_configs():
-    from transformers import LlamaConfig, MistralConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig
     small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, max_position_embeddings=128)
     put("fuzz_hf_config", "llama", LlamaConfig(**small).to_json_string())
@@ -84,6 +84,8 @@ def hf_configs():
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}, tie_word_embeddings=True, head_dim=16).to_json_string())
     put("fuzz_hf_config", "mistral", MistralConfig(**small, sliding_window=64).to_json_string())
+    put("fuzz_hf_config", "mixtral", MixtralConfig(**small, num_local_experts=4, num_experts_per_tok=2,
+                                                   output_router_logits=True, router_aux_loss_coef=0.02).to_json_string())
     put("fuzz_hf_config", "old-names", json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
         "rms_norm_eps": 1e-6, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "max_position_embeddings": 64}))

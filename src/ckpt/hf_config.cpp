@@ -36,6 +36,13 @@ class HfConfigReader {
       FORGE_FAIL("{}: \"{}{}\" is {}, expected a positive number", path_, where, key, describe_json(v));
     return v.get<double>();
   }
+  double non_negative_number_or(const char* key, double fallback) const {
+    if (!has(key)) return fallback;
+    const json& v = config_[key];
+    if (!v.is_number() || !(v.get<double>() >= 0))
+      FORGE_FAIL("{}: \"{}\" is {}, expected a number >= 0", path_, key, describe_json(v));
+    return v.get<double>();
+  }
   bool boolean_or(const char* key, bool fallback) const {
     if (!has(key)) return fallback;
     if (!config_[key].is_boolean()) FORGE_FAIL("{}: \"{}\" is {}, expected true or false", path_, key, describe_json(config_[key]));
@@ -64,11 +71,15 @@ std::string model_family(const HfConfigReader& r) {
     std::string arch = archs[0].get<std::string>();
     if (arch == "LlamaForCausalLM") return "llama";
     if (arch == "MistralForCausalLM") return "mistral";
-    FORGE_FAIL("{}: \"architectures\" is [\"{}\"]; forge imports LlamaForCausalLM and MistralForCausalLM", r.path(), arch);
+    if (arch == "MixtralForCausalLM") return "mixtral";
+    FORGE_FAIL("{}: \"architectures\" is [\"{}\"]; forge imports LlamaForCausalLM, MistralForCausalLM and "
+               "MixtralForCausalLM",
+               r.path(), arch);
   }
   std::string type = r.string_or(c, "model_type", "", "");
-  if (type == "llama" || type == "mistral") return type;
-  FORGE_FAIL("{}: no \"architectures\" and \"model_type\" is '{}'; forge imports Llama and Mistral models", r.path(), type);
+  if (type == "llama" || type == "mistral" || type == "mixtral") return type;
+  FORGE_FAIL("{}: no \"architectures\" and \"model_type\" is '{}'; forge imports Llama, Mistral and Mixtral models",
+             r.path(), type);
 }
 
 void reject_unsupported(const HfConfigReader& r) {
@@ -79,9 +90,19 @@ void reject_unsupported(const HfConfigReader& r) {
   if (act != "silu") FORGE_FAIL("{}: \"hidden_act\" is '{}'; forge's MLP is SwiGLU and needs \"silu\"", r.path(), act);
 }
 
+// Mixtral's experts (NOTE [Mixtral config keys] in hf_config.h).
+void read_experts(const HfConfigReader& r, ModelConfig& m) {
+  m.num_experts = r.positive_int_or("num_local_experts", 8);
+  m.num_experts_per_tok = r.positive_int_or("num_experts_per_tok", 2);
+  const double coefficient = r.non_negative_number_or("router_aux_loss_coef", 0.001);
+  m.router_aux_loss_coef = r.boolean_or("output_router_logits", false) ? coefficient : 0.0;
+  if (const double jitter = r.non_negative_number_or("router_jitter_noise", 0.0); jitter != 0.0)
+    FORGE_FAIL("{}: \"router_jitter_noise\" is {}; forge's router has no jitter (expected 0)", r.path(), jitter);
+}
+
 // RoPE, as transformers resolves it: legacy rope_scaling wins over rope_parameters;
-// rope_theta from inside the dict, else the top level, else 10000.
-void read_rope(const HfConfigReader& r, ModelConfig& m) {
+// rope_theta from inside the dict, else the top level, else the family's default_theta.
+void read_rope(const HfConfigReader& r, ModelConfig& m, double default_theta) {
   const json& c = r.config();
   std::string where = "rope_parameters";
   json rope = json::object();
@@ -93,7 +114,7 @@ void read_rope(const HfConfigReader& r, ModelConfig& m) {
   }
   if (!rope.is_object()) FORGE_FAIL("{}: \"{}\" is {}, expected an object", r.path(), where, describe_json(rope));
   const std::string prefix = where + ".";
-  const double top_theta = r.positive_number_or(c, "rope_theta", 10000.0, "");
+  const double top_theta = r.positive_number_or(c, "rope_theta", default_theta, "");
   m.rope_theta = r.positive_number_or(rope, "rope_theta", top_theta, prefix);
   std::string type = r.string_or(rope, "rope_type", r.string_or(rope, "type", "default", prefix), prefix);
   if (rope.contains("partial_rotary_factor") && rope["partial_rotary_factor"] != 1.0)
@@ -124,23 +145,27 @@ ModelConfig model_config_from_hf(const json& config, const std::string& path) {
   const std::string family = model_family(r);
   reject_unsupported(r);
 
+  const bool mixtral = family == "mixtral";
   ModelConfig m;
   m.vocab_size = r.positive_int("vocab_size");
   m.hidden_size = r.positive_int("hidden_size");
   m.ffn_hidden_size = r.positive_int("intermediate_size");
   m.num_layers = r.positive_int("num_hidden_layers");
   m.num_heads = r.positive_int("num_attention_heads");
-  m.num_kv_heads = r.positive_int_or("num_key_value_heads", m.num_heads);
+  m.num_kv_heads = r.positive_int_or("num_key_value_heads", mixtral ? 8 : m.num_heads);
   const int64_t head_dim = r.positive_int_or("head_dim", m.hidden_size / m.num_heads);
   m.head_dim = checked_mul(head_dim, m.num_heads) == m.hidden_size ? 0 : head_dim;
-  m.norm_eps = r.positive_number_or(config, "rms_norm_eps", 1e-6, "");
-  m.max_seq_len = r.positive_int_or("max_position_embeddings", family == "mistral" ? 4096 * 32 : 2048);
+  m.norm_eps = r.positive_number_or(config, "rms_norm_eps", mixtral ? 1e-5 : 1e-6, "");
+  m.max_seq_len = r.positive_int_or("max_position_embeddings", family == "llama" ? 2048 : 4096 * 32);
   m.tie_word_embeddings = r.boolean_or("tie_word_embeddings", false);
   if (family == "mistral") {
     // MistralConfig defaults sliding_window to 4096 when the key is absent; null means none.
     m.sliding_window = config.contains("sliding_window") ? r.positive_int_or("sliding_window", 0) : 4096;
+  } else if (mixtral) {
+    m.sliding_window = r.positive_int_or("sliding_window", 0);  // MixtralConfig's default: none
   }
-  read_rope(r, m);
+  if (mixtral) read_experts(r, m);
+  read_rope(r, m, mixtral ? 1e6 : 10000.0);
   if (r.has("initializer_range")) m.init_std = r.positive_number_or(config, "initializer_range", m.init_std, "");
   try {
     m.validate();
@@ -192,13 +217,15 @@ std::string hf_model_name(const std::string& dir) {
 }
 
 nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::string& dtype, const std::string& family) {
-  FORGE_CHECK(family.empty() || family == "llama" || family == "mistral", "unknown model family '{}'", family);
+  FORGE_CHECK(family.empty() || family == "llama" || family == "mistral" || family == "mixtral",
+              "unknown model family '{}'", family);
   FORGE_CHECK(family != "llama" || m.sliding_window == 0, "a Llama model has no sliding window");
-  FORGE_CHECK(!m.moe(),
-              "Hugging Face export of a Mixture-of-Experts model (model.num_experts {}) is not built yet: forge "
-              "writes LlamaForCausalLM and MistralForCausalLM, not MixtralForCausalLM",
-              m.num_experts);
-  const bool mistral = family.empty() ? m.sliding_window > 0 : family == "mistral";
+  FORGE_CHECK(family.empty() || m.moe() == (family == "mixtral"), "a {} model cannot be written as a {} model",
+              m.moe() ? "Mixture-of-Experts" : "dense", family);
+  // A MoE model is always Mixtral (with or without a sliding window).
+  const bool mixtral = m.moe();
+  const bool mistral = !mixtral && (family.empty() ? m.sliding_window > 0 : family == "mistral");
+  const char* architecture = mixtral ? "MixtralForCausalLM" : mistral ? "MistralForCausalLM" : "LlamaForCausalLM";
   nlohmann::ordered_json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling.enabled ? "llama3" : "default"}};
   if (m.rope_scaling.enabled) {
     rope["factor"] = m.rope_scaling.factor;
@@ -207,8 +234,8 @@ nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::str
     rope["original_max_position_embeddings"] = m.rope_scaling.original_max_position;
   }
   nlohmann::ordered_json c;
-  c["architectures"] = {mistral ? "MistralForCausalLM" : "LlamaForCausalLM"};
-  c["model_type"] = mistral ? "mistral" : "llama";
+  c["architectures"] = {architecture};
+  c["model_type"] = mixtral ? "mixtral" : mistral ? "mistral" : "llama";
   c["vocab_size"] = m.vocab_size;
   c["hidden_size"] = m.hidden_size;
   c["intermediate_size"] = m.ffn_hidden_size;
@@ -225,11 +252,18 @@ nlohmann::ordered_json hf_config_from_model(const ModelConfig& m, const std::str
   nlohmann::ordered_json legacy_scaling = rope;
   legacy_scaling.erase("rope_theta");
   c["rope_scaling"] = m.rope_scaling.enabled ? legacy_scaling : nlohmann::ordered_json(nullptr);
-  if (mistral) {
+  if (mistral || mixtral) {
     c["sliding_window"] = m.sliding_window > 0 ? nlohmann::ordered_json(m.sliding_window) : nlohmann::ordered_json(nullptr);
   } else {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;
+  }
+  if (mixtral) {  // NOTE [Mixtral config keys] in hf_config.h
+    c["num_local_experts"] = m.num_experts;
+    c["num_experts_per_tok"] = m.num_experts_per_tok;
+    c["output_router_logits"] = m.router_aux_loss_coef > 0;
+    if (m.router_aux_loss_coef > 0) c["router_aux_loss_coef"] = m.router_aux_loss_coef;
+    c["router_jitter_noise"] = 0.0;
   }
   c["attention_dropout"] = 0.0;
   c["tie_word_embeddings"] = m.tie_word_embeddings;

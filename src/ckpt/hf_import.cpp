@@ -58,18 +58,31 @@ const std::vector<ArchitectureField>& architecture_fields() {
       {"max_seq_len", [](const ModelConfig& m) { return fmt::format("{}", m.max_seq_len); }},
       {"sliding_window", [](const ModelConfig& m) { return fmt::format("{}", m.sliding_window); }},
       {"tie_word_embeddings", [](const ModelConfig& m) { return fmt::format("{}", m.tie_word_embeddings); }},
+      {"num_experts", [](const ModelConfig& m) { return fmt::format("{}", m.num_experts); }},
+      {"num_experts_per_tok", [](const ModelConfig& m) { return fmt::format("{}", m.num_experts_per_tok); }},
   };
   return fields;
 }
 
-// One forge parameter's Hugging Face tensors into dst (fp32), each checked.
+// One forge parameter's Hugging Face tensors into dst (fp32), each checked: its parts, or
+// the one tensor of its alias (ParamSpec::hf_alias) when the files hold that instead.
 void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec, float* dst,
                     std::set<std::string>& used) {
-  for (const HfPart& part : hf_parts(spec)) {
+  const std::vector<HfPart> parts = hf_parts(spec);
+  std::vector<HfPart> read = parts;
+  if (!spec.hf_alias.empty() && files.find(spec.hf_alias).file != nullptr) {
+    if (LocatedTensor other = files.find(parts.front().name); other.file != nullptr)
+      FORGE_FAIL("{}: holds both '{}' and '{}', two forms of forge's '{}' (transformers 5's in-memory name and the "
+                 "published one); expected one of them",
+                 other.file->path(), spec.hf_alias, parts.front().name, spec.name);
+    read = {{spec.hf_alias, spec.shape, 0}};
+  }
+  for (const HfPart& part : read) {
     LocatedTensor t = files.find(part.name);
     if (t.file == nullptr)
-      FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}')", dir, part.name,
-                 shape_str(part.shape), spec.name);
+      FORGE_FAIL("{}: no tensor '{}' in the weight files (expected {} for forge's '{}'{})", dir, part.name,
+                 shape_str(part.shape), spec.name,
+                 spec.hf_alias.empty() ? "" : fmt::format(", or '{}' {} whole", spec.hf_alias, shape_str(spec.shape)));
     if (t.entry->shape != part.shape)
       FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
                  shape_str(t.entry->shape), shape_str(part.shape));
@@ -86,11 +99,17 @@ void check_all_used(const std::string& dir, const HfWeightFiles& files, const Mo
     if (!used.count(t.entry->name) && !ignorable(t.entry->name)) unexpected.push_back(t.entry->name);
   if (!unexpected.empty()) {
     const bool has_lm_head = std::find(unexpected.begin(), unexpected.end(), "lm_head.weight") != unexpected.end();
+    const bool has_expert = std::any_of(unexpected.begin(), unexpected.end(), [](const std::string& name) {
+      return name.find(".block_sparse_moe.experts.") != std::string::npos;
+    });
     std::string hint = config.tie_word_embeddings && has_lm_head
                            ? " (the output is tied to the embedding, yet the files hold lm_head.weight)"
+                       : config.moe() && has_expert
+                           ? fmt::format(" (config.json's num_local_experts is {}: experts 0 to {})", config.num_experts,
+                                         config.num_experts - 1)
                            : "";
     FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(),
-               config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
+               config.moe() ? "Mixtral" : config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
   }
 }
 

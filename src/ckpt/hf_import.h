@@ -1,9 +1,11 @@
-// Importing a Hugging Face Llama / Mistral model directory into forge.
+// Importing a Hugging Face Llama / Mistral / Mixtral model directory into forge.
 //
 // config.json gives the architecture (hf_config.h); the safetensors files give the
 // weights (hf_weight_files.h), looked up by each parameter's Hugging Face names and, for
-// forge's fused qkv and gate_up tensors, stacked along dim 0 (NOTE [Fused projections] in
-// model/parameters.h). Weights stored as F32, BF16, F16 or F64 are converted to fp32.
+// forge's fused qkv and gate_up tensors and a MoE block's stacked experts, stacked along
+// dim 0 (NOTE [Fused projections] in model/parameters.h; Mixtral's per-expert names, or
+// transformers 5's whole stacks: NOTE [MoE Hugging Face names] in model/moe_feed_forward.h).
+// Weights stored as F32, BF16, F16 or F64 are converted to fp32.
 // Every expected tensor must be present with exactly the shape the config implies; a
 // tensor forge would not use is an error too (it means the file describes another
 // model), except the rotary inv_freq buffers some exporters save, which are recomputed.

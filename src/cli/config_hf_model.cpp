@@ -38,7 +38,7 @@ constexpr ArchitectureKey kArchitectureKeys[] = {
     {"model.max_seq_len", "max_position_embeddings"},
     {"model.sliding_window", "sliding_window"},
     {"model.tie_word_embeddings", "tie_word_embeddings"},
-    {"model.num_experts", "num_local_experts"},  // 0 for the dense models forge imports
+    {"model.num_experts", "num_local_experts"},  // 0 for Llama and Mistral
     {"model.num_experts_per_tok", "num_experts_per_tok"},
 };
 

@@ -220,10 +220,6 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
                "lora.quantize_base none",
                moe);
-  if (config.checkpoint.last_save_in_hf)
-    FORGE_FAIL("{} (a Mixture-of-Experts model) has no Hugging Face export yet (MixtralForCausalLM is not written); "
-               "set checkpoint.last_save_in_hf false",
-               moe);
 }
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the

@@ -16,22 +16,25 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& config)
       eps_(static_cast<float>(config.norm_eps)),
       aux_coefficient_(config.router_aux_loss_coef) {}
 
+// NOTE [MoE Hugging Face names] in moe_feed_forward.h.
 std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
+  const std::string moe = hf + "block_sparse_moe.";
+  std::vector<HfTensor> gate_up, down;
+  for (int64_t e = 0; e < experts_; ++e) {
+    const std::string expert = fmt::format("{}experts.{}.", moe, e);
+    gate_up.push_back({expert + "w1.weight", ffn_});  // gate
+    gate_up.push_back({expert + "w3.weight", ffn_});  // up
+    down.push_back({expert + "w2.weight", hidden_});
+  }
   std::vector<ParamSpec> specs(4);
   specs[kNorm] = {p + "mlp_norm.weight", {hidden_}, {{hf + "post_attention_layernorm.weight", hidden_}}, false, layer};
-  specs[kRouter] = {p + "moe.router.weight", {experts_, hidden_}, {{hf + "mlp.gate.weight", experts_}}, true, layer};
-  specs[kGateUp] = {p + "moe.experts.gate_up",
-                    {experts_, 2 * ffn_, hidden_},
-                    {{hf + "mlp.experts.gate_up_proj", experts_}},
-                    true,
-                    layer};
-  specs[kDown] = {p + "moe.experts.down",
-                  {experts_, hidden_, ffn_},
-                  {{hf + "mlp.experts.down_proj", experts_}},
-                  true,
-                  layer,
-                  true};
+  specs[kRouter] = {p + "moe.router.weight", {experts_, hidden_}, {{moe + "gate.weight", experts_}}, true, layer,
+                    false, hf + "mlp.gate.weight"};
+  specs[kGateUp] = {p + "moe.experts.gate_up", {experts_, 2 * ffn_, hidden_}, std::move(gate_up), true, layer,
+                    false, hf + "mlp.experts.gate_up_proj"};
+  specs[kDown] = {p + "moe.experts.down", {experts_, hidden_, ffn_}, std::move(down), true, layer,
+                  true, hf + "mlp.experts.down_proj"};
   return specs;
 }
 

@@ -11,8 +11,7 @@
 // token is ever dropped, an expert with no tokens runs nothing), combine into the residual
 // stream. The weights are stacked per block: the router [E, hidden], the experts' gate/up
 // [E, 2F, hidden] and down [E, hidden, F] (transformers' MixtralExperts layout; Hugging
-// Face names model.layers.N.mlp.gate.weight, .mlp.experts.gate_up_proj and .down_proj).
-// Every activation is kept for the backward under every checkpointing mode (a MoE's are
+// Face names: NOTE [MoE Hugging Face names]). Every activation is kept for the backward under every checkpointing mode (a MoE's are
 // not recomputed yet; full checkpointing reruns the whole forward before the backward, the
 // routing included, which gives the same routing). What is not built yet (issue 20): shared
 // experts, DeepSeek's routing in a model, the CUDA kernels and expert parallelism; configs
@@ -29,6 +28,19 @@
 // weighted by its share of the targets, as its cross-entropy. Its gradient enters each
 // layer's router through the softmax's probabilities (moe_route_backward). Evaluation
 // reports the cross-entropy alone. Megatron's aux_loss differs: per layer, divided by top-k.
+//
+// NOTE [MoE Hugging Face names]
+// The Hugging Face names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
+// which transformers 4 loads as they are and transformers 5 converts on load and writes back
+// on save_pretrained: per block model.layers.N.block_sparse_moe.gate.weight [E, hidden] (the
+// router), and per expert e .block_sparse_moe.experts.e.w1.weight (gate, [F, hidden]),
+// .w3.weight (up, [F, hidden]) and .w2.weight (down, [hidden, F]). Row-major, gate/up
+// [E, 2F, hidden] is E blocks of (w1, w3) and down [E, hidden, F] E blocks of w2, so each is
+// a slice of the stack's rows (NOTE [Fused projections] in model/parameters.h). Import also
+// accepts transformers 5's in-memory names, whole stacks in forge's own layout, which its
+// save_pretrained(save_original_format=False) writes: .mlp.gate.weight,
+// .mlp.experts.gate_up_proj and .mlp.experts.down_proj (ParamSpec::hf_alias). Export writes
+// the published names, which both transformers 4 and 5 load.
 #pragma once
 
 #include <vector>

@@ -7,7 +7,11 @@
 // matrix, as Megatron's linear_qkv / linear_fc1: one GEMM each instead of three or two.
 // Hugging Face keeps them separate (q_proj, k_proj, v_proj; gate_proj, up_proj); each
 // ParamSpec lists the Hugging Face tensors it is made of and their rows, stacked in that
-// order along the first dimension, so import/export is a split or a concatenation.
+// order along the first dimension, so import/export is a split or a concatenation. A stack
+// of matrices [E, R, C] (a MoE block's experts) counts its rows across the stack: its
+// E x R rows of C, matrix after matrix, so that per-expert Hugging Face tensors ([rows, C]
+// each) are slices of it in the same way (NOTE [MoE Hugging Face names] in
+// model/moe_feed_forward.h).
 #pragma once
 
 #include <cstdint>
@@ -21,7 +25,7 @@
 namespace forge {
 
 // A Hugging Face tensor a forge parameter is made of, and its rows (its first dimension)
-// inside the parameter.
+// inside the parameter (for a stack of matrices, rows of the stack: NOTE [Fused projections]).
 struct HfTensor {
   std::string name;
   int64_t rows = 0;
@@ -30,12 +34,18 @@ struct HfTensor {
 struct ParamSpec {
   std::string name;                   // forge's name, e.g. "layers.3.attention.qkv.weight"
   Shape shape;
-  std::vector<HfTensor> hf_tensors;   // stacked along dim 0 in this order; their rows add up to shape[0]
+  // Stacked along dim 0 in this order; their rows add up to shape[0] (for a stack of
+  // matrices [E, R, C], to E x R). What export writes and import reads.
+  std::vector<HfTensor> hf_tensors;
   bool weight_decay = true;           // false for norm weights
   int layer = -1;                     // block index, -1 for embedding / final norm / output
   // A projection into the residual stream (attention's o, the feed-forward's down): its
   // initialization is scaled by 1/sqrt(2 * layers), as GPT-2 and Megatron do.
   bool residual_projection = false;
+  // Another Hugging Face name import accepts instead of hf_tensors: one tensor holding the
+  // whole parameter in its own shape (transformers 5's in-memory MoE tensors, which its
+  // save_pretrained(save_original_format=False) writes). Empty: none.
+  std::string hf_alias = {};
 };
 
 // Every parameter of the model, in a fixed order: embedding, then each block's parameters

@@ -1,8 +1,9 @@
 // Hugging Face import and export: config.json mapping as transformers reads it (defaults,
-// legacy and transformers-5 RoPE keys, Mistral's sliding window) and its errors, weights
-// exported and imported back bit for bit (single file and sharded), and the checks on
-// weight files: missing, misshapen and unexpected tensors, inconsistent shard indexes, and
-// an export that refuses to overwrite.
+// legacy and transformers-5 RoPE keys, Mistral's sliding window, Mixtral's experts) and its
+// errors, weights exported and imported back bit for bit (single file and sharded; Mixtral's
+// per-expert tensors as slices of forge's stacks, and transformers 5's whole stacks), and the
+// checks on weight files: missing, misshapen and unexpected tensors, inconsistent shard
+// indexes, and an export that refuses to overwrite.
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
@@ -10,12 +11,15 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 
 #include "ckpt/half_float.h"
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/hf_layout.h"
 #include "ckpt/safetensors.h"
+#include "cli/config.h"
 #include "core/error.h"
 #include "test_data_temp_dir.h"
 #include "expect_error.h"
@@ -454,6 +458,321 @@ TEST(HfConfigNames, ModelNamesAndDeclaredDtypes) {
   EXPECT_EQ(hf_declared_dtype(json::parse(R"({"dtype": null})"), "c"), "");
   const std::string e = error_of([] { hf_declared_dtype(json::parse(R"({"torch_dtype": "int8"})"), "/m/config.json"); });
   EXPECT_NE(e.find("/m/config.json: \"torch_dtype\" is \"int8\""), std::string::npos) << e;
+}
+
+// A Mixtral as the hub's config.json gives it (mistralai/Mixtral-8x7B-v0.1's keys, tiny).
+json mixtral_json() {
+  return json::parse(R"({
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": 40, "hidden_size": 16,
+    "intermediate_size": 12, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-05, "max_position_embeddings": 64, "hidden_act": "silu", "tie_word_embeddings": false,
+    "rope_theta": 1000000.0, "sliding_window": null, "num_local_experts": 3, "num_experts_per_tok": 2,
+    "output_router_logits": false, "router_aux_loss_coef": 0.02, "torch_dtype": "bfloat16"
+  })");
+}
+
+ModelConfig tiny_mixtral() { return model_config_from_hf(mixtral_json(), "config.json"); }
+
+TEST(HfImportConfig, MapsMixtralKeys) {
+  ModelConfig m = tiny_mixtral();
+  EXPECT_EQ(m.num_experts, 3);
+  EXPECT_EQ(m.num_experts_per_tok, 2);
+  EXPECT_EQ(m.router_aux_loss_coef, 0.0);  // output_router_logits false: transformers trains without it
+  EXPECT_EQ(m.rope_theta, 1e6);
+  EXPECT_EQ(m.sliding_window, 0);
+  EXPECT_EQ(m.ffn_hidden_size, 12);
+  json c = mixtral_json();
+  c["output_router_logits"] = true;
+  c["sliding_window"] = 7;
+  m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.router_aux_loss_coef, 0.02);
+  EXPECT_EQ(m.sliding_window, 7);
+  c.erase("router_aux_loss_coef");
+  EXPECT_EQ(model_config_from_hf(c, "config.json").router_aux_loss_coef, 0.001);  // MixtralConfig's default
+  c = mixtral_json();
+  c.erase("architectures");
+  EXPECT_EQ(model_config_from_hf(c, "config.json").num_experts, 3);  // by model_type
+  EXPECT_EQ(hf_model_family(mixtral_json(), "config.json"), "mixtral");
+}
+
+// mistralai/Mixtral-8x7B-v0.1's config.json is forge's mixtral-8x7b model file.
+TEST(HfImportConfig, PublishedMixtral8x7bIsTheCatalogModel) {
+  const json published = json::parse(R"({
+    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32, "num_experts_per_tok": 2,
+    "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0",
+    "use_cache": true, "vocab_size": 32000
+  })");
+  const ModelConfig hf = model_config_from_hf(published, "config.json");
+  const ModelConfig catalog = load_experiment("", {{"model.name", "mixtral-8x7b"}}).model;
+  EXPECT_TRUE(architecture_differences(catalog, hf).empty())
+      << fmt::format("{}", fmt::join(architecture_differences(catalog, hf), "; "));
+  EXPECT_EQ(hf.total_params(), 46702792704);
+  EXPECT_EQ(hf.router_aux_loss_coef, catalog.router_aux_loss_coef);  // 0: the 0.02 is dormant
+}
+
+TEST(HfImportConfig, AppliesMixtralConfigDefaults) {
+  json c = mixtral_json();
+  for (const char* key : {"num_key_value_heads", "rms_norm_eps", "max_position_embeddings", "rope_theta",
+                          "sliding_window", "num_local_experts", "num_experts_per_tok", "output_router_logits",
+                          "router_aux_loss_coef"})
+    c.erase(key);
+  c["num_attention_heads"] = 8;
+  c["hidden_size"] = 32;
+  ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.num_kv_heads, 8);  // MixtralConfig's default, not num_attention_heads
+  EXPECT_EQ(m.norm_eps, 1e-5);
+  EXPECT_EQ(m.max_seq_len, 4096 * 32);
+  EXPECT_EQ(m.rope_theta, 1e6);
+  EXPECT_EQ(m.sliding_window, 0);
+  EXPECT_EQ(m.num_experts, 8);
+  EXPECT_EQ(m.num_experts_per_tok, 2);
+  EXPECT_EQ(m.router_aux_loss_coef, 0.0);
+}
+
+TEST(HfImportConfig, RejectsUnsupportedMixtralsNamingFileAndKey) {
+  json c = mixtral_json();
+  c["router_jitter_noise"] = 0.1;
+  expect_error(c, "\"router_jitter_noise\" is 0.1; forge's router has no jitter");
+  c = mixtral_json();
+  c["num_local_experts"] = "3";
+  expect_error(c, "\"num_local_experts\" is \"3\", expected a positive integer");
+  c = mixtral_json();
+  c["num_experts_per_tok"] = 4;
+  expect_error(c, "model.num_experts_per_tok (4) must be between 1 and model.num_experts (3)");
+  c = mixtral_json();
+  c["router_aux_loss_coef"] = -1;
+  expect_error(c, "\"router_aux_loss_coef\" is -1, expected a number >= 0");
+  c = mixtral_json();
+  c["architectures"] = {"Qwen2MoeForCausalLM"};
+  expect_error(c, "\"architectures\" is [\"Qwen2MoeForCausalLM\"]; forge imports LlamaForCausalLM, "
+                  "MistralForCausalLM and MixtralForCausalLM");
+}
+
+TEST(HfImportConfig, ExportedMixtralConfigReadsBackAsTheSameModel) {
+  for (double coefficient : {0.0, 0.05})
+    for (int64_t window : {0, 6}) {
+      ModelConfig m = tiny_mixtral();
+      m.router_aux_loss_coef = coefficient;
+      m.sliding_window = window;
+      json written = json::parse(hf_config_from_model(m, "bfloat16").dump());
+      EXPECT_EQ(written["architectures"], json::array({"MixtralForCausalLM"}));
+      EXPECT_EQ(written["model_type"], "mixtral");
+      EXPECT_EQ(written["num_local_experts"], 3);
+      EXPECT_EQ(written["num_experts_per_tok"], 2);
+      EXPECT_EQ(written["output_router_logits"], coefficient > 0);
+      EXPECT_EQ(written.contains("router_aux_loss_coef"), coefficient > 0);
+      EXPECT_EQ(written["router_jitter_noise"], 0.0);
+      EXPECT_FALSE(written.contains("attention_bias"));
+      if (window == 0) EXPECT_TRUE(written["sliding_window"].is_null());
+      ModelConfig back = model_config_from_hf(written, "config.json");
+      EXPECT_TRUE(architecture_differences(m, back).empty())
+          << fmt::format("{}", fmt::join(architecture_differences(m, back), "; "));
+      EXPECT_EQ(back.router_aux_loss_coef, coefficient);
+    }
+  std::string e = error_of([] { hf_config_from_model(tiny_mixtral(), "float32", "llama"); });
+  EXPECT_NE(e.find("a Mixture-of-Experts model cannot be written as a llama model"), std::string::npos) << e;
+  e = error_of([] { hf_config_from_model(tiny_model(false, 0), "float32", "mixtral"); });
+  EXPECT_NE(e.find("a dense model cannot be written as a mixtral model"), std::string::npos) << e;
+}
+
+TEST(HfImportConfig, ArchitectureDifferencesNameTheExperts) {
+  ModelConfig a = tiny_mixtral(), b = tiny_mixtral();
+  b.num_experts = 4;
+  EXPECT_EQ(architecture_differences(a, b), std::vector<std::string>{"model.num_experts: 3 here, 4 in config.json"});
+  EXPECT_NE(model_overrides_for(b).find("--model.num_experts 4 --model.num_experts_per_tok 2"), std::string::npos);
+}
+
+// NOTE [MoE Hugging Face names]: forge's stacks are the per-expert matrices one after another.
+TEST(HfLayout, MixtralExpertsAreSlicesOfTheStacks) {
+  const ModelConfig m = tiny_mixtral();
+  const int64_t E = 3, F = 12, H = 16;
+  std::map<std::string, std::vector<HfPart>> parts;
+  for (const ParamSpec& spec : parameter_specs(m))
+    if (spec.layer == 1) parts[spec.name] = hf_parts(spec);
+  const auto& router = parts.at("layers.1.moe.router.weight");
+  ASSERT_EQ(router.size(), 1u);
+  EXPECT_EQ(router[0].name, "model.layers.1.block_sparse_moe.gate.weight");
+  EXPECT_EQ(router[0].shape, (Shape{E, H}));
+  const auto& gate_up = parts.at("layers.1.moe.experts.gate_up");
+  ASSERT_EQ(gate_up.size(), static_cast<size_t>(2 * E));
+  const auto& down = parts.at("layers.1.moe.experts.down");
+  ASSERT_EQ(down.size(), static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string expert = fmt::format("model.layers.1.block_sparse_moe.experts.{}.", e);
+    const HfPart& w1 = gate_up[static_cast<size_t>(2 * e)];
+    const HfPart& w3 = gate_up[static_cast<size_t>(2 * e + 1)];
+    const HfPart& w2 = down[static_cast<size_t>(e)];
+    EXPECT_EQ(w1.name, expert + "w1.weight");
+    EXPECT_EQ(w3.name, expert + "w3.weight");
+    EXPECT_EQ(w2.name, expert + "w2.weight");
+    EXPECT_EQ(w1.shape, (Shape{F, H}));
+    EXPECT_EQ(w3.shape, (Shape{F, H}));
+    EXPECT_EQ(w2.shape, (Shape{H, F}));
+    EXPECT_EQ(w1.offset, e * 2 * F * H);  // expert e's [2F, H] block: gate rows, then up rows
+    EXPECT_EQ(w3.offset, e * 2 * F * H + F * H);
+    EXPECT_EQ(w2.offset, e * H * F);
+  }
+  // A dense model's layout is unchanged: gate_up is gate_proj then up_proj along dim 0.
+  for (const ParamSpec& spec : parameter_specs(tiny_model(false, 0)))
+    if (spec.name == "layers.0.mlp.gate_up.weight") {
+      const std::vector<HfPart> dense = hf_parts(spec);
+      ASSERT_EQ(dense.size(), 2u);
+      EXPECT_EQ(dense[1].name, "model.layers.0.mlp.up_proj.weight");
+      EXPECT_EQ(dense[1].shape, (Shape{24, 16}));
+      EXPECT_EQ(dense[1].offset, 24 * 16);
+    }
+}
+
+TEST(HfImportWeights, MixtralExportImportRoundTripIsExact) {
+  for (uint64_t shard_bytes : {uint64_t{5'000'000'000}, uint64_t{3000}}) {
+    TempDir dir;
+    FlatParameters params(tiny_mixtral());
+    fill_pattern(params);
+    HfExportOptions options;
+    options.max_shard_bytes = shard_bytes;
+    save_hf_model(dir.file("out"), params, options);
+    HfModel model = load_hf_model(dir.file("out"));
+    EXPECT_TRUE(architecture_differences(params.config(), model.config).empty());
+    expect_same_weights(params, *model.params);
+    if (shard_bytes > 3000) {
+      SafetensorsFile file(dir.file("out/model.safetensors"));
+      size_t experts = 0;
+      for (const auto& e : file.entries()) {
+        EXPECT_EQ(e.name.find(".mlp."), std::string::npos) << e.name;  // the published names only
+        experts += e.name.find(".block_sparse_moe.experts.") != std::string::npos;
+      }
+      EXPECT_EQ(experts, 2u * 3u * 3u);  // layers x experts x (w1, w2, w3)
+    }
+  }
+}
+
+// transformers 5's save_pretrained(save_original_format=False) writes its in-memory names:
+// whole stacks, in forge's own layout (ParamSpec::hf_alias).
+TEST(HfImportWeights, MixtralFromTransformers5InMemoryNames) {
+  TempDir dir;
+  FlatParameters params(tiny_mixtral());
+  fill_pattern(params);
+  const std::string out = dir.file("out");
+  save_hf_model(out, params);
+  const auto fuse = [&](std::vector<SafetensorsTensorRef>& refs) {
+    std::erase_if(refs, [](const auto& r) { return r.name.find(".block_sparse_moe.") != std::string::npos; });
+    for (int layer = 0; layer < 2; ++layer) {
+      const std::string hf = fmt::format("model.layers.{}.mlp.", layer), p = fmt::format("layers.{}.moe.", layer);
+      refs.push_back({hf + "gate.weight", {3, 16}, params.find(p + "router.weight").data<float>()});
+      refs.push_back({hf + "experts.gate_up_proj", {3, 24, 16}, params.find(p + "experts.gate_up").data<float>()});
+      refs.push_back({hf + "experts.down_proj", {3, 16, 12}, params.find(p + "experts.down").data<float>()});
+    }
+  };
+  rewrite_weights(out, fuse);
+  expect_same_weights(params, *load_hf_model(out).params);
+  // Both forms of one parameter at once are refused, naming both.
+  save_hf_model(dir.file("both"), params);
+  std::vector<float> stack(3 * 24 * 16);
+  rewrite_weights(dir.file("both"), [&](auto& refs) {
+    refs.push_back({"model.layers.1.mlp.experts.gate_up_proj", {3, 24, 16}, stack.data()});
+  });
+  const std::string e = error_of([&] { load_hf_model(dir.file("both")); });
+  EXPECT_NE(e.find("holds both 'model.layers.1.mlp.experts.gate_up_proj' and "
+                   "'model.layers.1.block_sparse_moe.experts.0.w1.weight'"),
+            std::string::npos)
+      << e;
+}
+
+class HfImportBadMixtral : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    params_ = std::make_unique<FlatParameters>(tiny_mixtral());
+    fill_pattern(*params_);
+    out_ = dir_.file("out");
+    save_hf_model(out_, *params_);
+  }
+  std::string import_error() { return error_of([&] { load_hf_model(out_); }); }
+  void set_config(const std::function<void(json&)>& edit) {
+    json config = json::parse(std::ifstream(out_ + "/config.json"));
+    edit(config);
+    std::ofstream(out_ + "/config.json") << config.dump();
+  }
+
+  TempDir dir_;
+  std::unique_ptr<FlatParameters> params_;
+  std::string out_;
+};
+
+TEST_F(HfImportBadMixtral, MissingExpertTensorIsNamed) {
+  rewrite_weights(out_, [](auto& refs) {
+    std::erase_if(refs, [](const auto& r) { return r.name == "model.layers.1.block_sparse_moe.experts.2.w3.weight"; });
+  });
+  const std::string e = import_error();
+  EXPECT_NE(e.find(out_ + ": no tensor 'model.layers.1.block_sparse_moe.experts.2.w3.weight' in the weight files "
+                          "(expected [12, 16] for forge's 'layers.1.moe.experts.gate_up', or "
+                          "'model.layers.1.mlp.experts.gate_up_proj' [3, 24, 16] whole)"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadMixtral, WrongExpertShapeNamesFileTensorAndShapes) {
+  std::vector<float> big(12 * 20);
+  rewrite_weights(out_, [&](auto& refs) {
+    for (auto& r : refs)
+      if (r.name == "model.layers.0.block_sparse_moe.experts.1.w2.weight") r = {r.name, {20, 12}, big.data()};
+  });
+  const std::string e = import_error();
+  EXPECT_NE(e.find(out_ + "/model.safetensors: tensor 'model.layers.0.block_sparse_moe.experts.1.w2.weight' has "
+                          "shape [20, 12], but the model's architecture needs [16, 12]"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadMixtral, ExpertCountDisagreeingWithConfigIsRefused) {
+  // config.json says fewer experts than the files hold: the router's shape is wrong.
+  set_config([](json& c) { c["num_local_experts"] = 2; });
+  std::string e = import_error();
+  EXPECT_NE(e.find("tensor 'model.layers.0.block_sparse_moe.gate.weight' has shape [3, 16], but the model's "
+                   "architecture needs [2, 16]"),
+            std::string::npos)
+      << e;
+  // More than the files hold.
+  set_config([](json& c) { c["num_local_experts"] = 4; });
+  e = import_error();
+  EXPECT_NE(e.find("has shape [3, 16], but the model's architecture needs [4, 16]"), std::string::npos) << e;
+  // A router that agrees with config.json, but an expert the config does not have.
+  set_config([](json& c) { c["num_local_experts"] = 3; });
+  std::vector<float> extra(12 * 16);
+  rewrite_weights(out_, [&](auto& refs) {
+    refs.push_back({"model.layers.0.block_sparse_moe.experts.3.w1.weight", {12, 16}, extra.data()});
+  });
+  e = import_error();
+  EXPECT_NE(e.find("1 tensor(s) that a Mixtral model does not have: model.layers.0.block_sparse_moe.experts.3.w1.weight "
+                   "(config.json's num_local_experts is 3: experts 0 to 2)"),
+            std::string::npos)
+      << e;
+}
+
+TEST(HfExport, MixtralKeepsTheSourcesDormantBalancingCoefficient) {
+  // NOTE [Mixtral config keys]: the published Mixtral's 0.02 with output_router_logits false
+  // is forge's 0, and its export keeps the 0.02; a coefficient forge trains with replaces it.
+  TempDir dir;
+  const std::string source = dir.file("source");
+  std::filesystem::create_directories(source);
+  std::ofstream(source + "/config.json") << mixtral_json().dump();
+  FlatParameters params(tiny_mixtral());
+  HfExportOptions options;
+  options.source_dir = source;
+  save_hf_model(dir.file("out"), params, options);
+  json written = json::parse(std::ifstream(dir.file("out/config.json")));
+  EXPECT_EQ(written["architectures"], json::array({"MixtralForCausalLM"}));
+  EXPECT_EQ(written["router_aux_loss_coef"], 0.02);
+  EXPECT_EQ(written["output_router_logits"], false);
+  ModelConfig trained = tiny_mixtral();
+  trained.router_aux_loss_coef = 0.3;
+  save_hf_model(dir.file("trained"), FlatParameters(trained), options);
+  written = json::parse(std::ifstream(dir.file("trained/config.json")));
+  EXPECT_EQ(written["router_aux_loss_coef"], 0.3);
+  EXPECT_EQ(written["output_router_logits"], true);
 }
 
 }  // namespace

@@ -1,13 +1,15 @@
 """Tiny random Hugging Face models for the reference tests: forge's debug-tiny shape as a
-transformers config, and a seeded Llama or Mistral whose weights are large enough to
-exercise every path (N(0, 0.3) matrices; norm weights 1 + N(0, 0.1), so they are not all
-ones); and an editor of saved PEFT adapters, for the tests of bad ones."""
+transformers config, and a seeded Llama, Mistral or Mixtral whose weights are large enough
+to exercise every path (N(0, 0.3) matrices; norm weights 1 + N(0, 0.1), so they are not all
+ones); Mixtral's in-memory tensors under the published checkpoints' names; and an editor of
+saved PEFT adapters, for the tests of bad ones."""
 import json
 import os
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig,
+                          MixtralForCausalLM)
 
 ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
@@ -15,11 +17,17 @@ DEBUG_TINY = dict(vocab_size=32, hidden_size=64, intermediate_size=192, num_hidd
                   rope_parameters=ROPE)
 
 
+FAMILIES = {"llama": (LlamaForCausalLM, LlamaConfig), "mistral": (MistralForCausalLM, MistralConfig),
+            "mixtral": (MixtralForCausalLM, MixtralConfig)}
+
+
 def random_model(family, config, seed):
-    """A seeded "llama" or "mistral" with eager attention, fp32, in eval mode."""
+    """A seeded "llama", "mistral" or "mixtral" with eager attention (and eager experts), fp32,
+    in eval mode."""
     torch.manual_seed(seed)
-    cls, cfg = (MistralForCausalLM, MistralConfig) if family == "mistral" else (LlamaForCausalLM, LlamaConfig)
-    model = cls(cfg(attn_implementation="eager", **config))
+    cls, cfg = FAMILIES[family]
+    extra = {"experts_implementation": "eager"} if family == "mixtral" else {}
+    model = cls(cfg(attn_implementation="eager", **extra, **config))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -27,6 +35,30 @@ def random_model(family, config, seed):
             else:
                 p.normal_(0.0, 0.3)
     return model.float().eval()
+
+
+def published_names(tensors):
+    """transformers 5's in-memory Mixtral tensors (per block mlp.gate.weight, the stacks
+    mlp.experts.gate_up_proj [E, 2F, H] and mlp.experts.down_proj [E, H, F]) under the names
+    of the published checkpoints, which its save_pretrained writes: block_sparse_moe.gate.weight
+    and per expert e block_sparse_moe.experts.e.w1 (gate), .w3 (up) and .w2 (down). Other
+    tensors keep their names."""
+    out = {}
+    for name, t in tensors.items():
+        block = name[:name.find(".mlp.") + 1]
+        if name.endswith(".mlp.gate.weight"):
+            out[block + "block_sparse_moe.gate.weight"] = t
+        elif name.endswith(".mlp.experts.gate_up_proj"):
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{block}block_sparse_moe.experts.{e}.w1.weight"] = t[e, :ffn]
+                out[f"{block}block_sparse_moe.experts.{e}.w3.weight"] = t[e, ffn:]
+        elif name.endswith(".mlp.experts.down_proj"):
+            for e in range(t.shape[0]):
+                out[f"{block}block_sparse_moe.experts.{e}.w2.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
 
 
 def edit_peft_adapter(adapter_dir, edit_config=None, edit_tensors=None):

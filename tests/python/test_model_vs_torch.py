@@ -15,6 +15,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           MixtralForCausalLM)
 
 from forge_test_util import relative_error, run, scratch_dir, tool
+from hf_tiny import published_names
 
 TOLERANCE = 1e-4
 
@@ -122,7 +123,7 @@ class ModelVsTorch(unittest.TestCase):
     def check_case(self, case):
         torch.manual_seed(hash(case["name"]) % 1000)
         model = hf_model(case)
-        state = dict(model.state_dict())
+        state = published_names(dict(model.state_dict()))
         if case.get("tie_word_embeddings"):
             state.pop("lm_head.weight", None)
         work = scratch_dir()
@@ -132,12 +133,16 @@ class ModelVsTorch(unittest.TestCase):
         with open(os.path.join(work, "specs.json")) as f:
             specs = json.load(f)
 
-        # forge's fused tensors are the Hugging Face tensors stacked along dim 0.
+        # forge's fused tensors are the Hugging Face tensors stacked along dim 0 (a MoE block's
+        # experts: the per-expert matrices one after another, NOTE [MoE Hugging Face names]).
         flat = []
         for spec in specs:
             for name, rows in zip(spec["hf_names"], spec["hf_rows"], strict=True):
                 self.assertEqual(state[name].shape[0], rows, f"{spec['name']}: rows of {name}")
             t = torch.cat([state.pop(name) for name in spec["hf_names"]], dim=0)
+            if len(spec["shape"]) == 3:
+                self.assertEqual(list(t.shape), [spec["shape"][0] * spec["shape"][1], spec["shape"][2]], spec["name"])
+                t = t.reshape(spec["shape"])
             self.assertEqual(list(t.shape), spec["shape"], spec["name"])
             flat.append(t.reshape(-1))
         self.assertEqual(state, {}, "Hugging Face parameters not covered by forge's layout")
@@ -174,7 +179,7 @@ class ModelVsTorch(unittest.TestCase):
             forge_loss = json.load(f)["loss"]
         self.assertAlmostEqual(forge_loss, loss.item(), delta=TOLERANCE * abs(loss.item()))
 
-        grads = dict((n, p.grad) for n, p in model.named_parameters())
+        grads = published_names(dict((n, p.grad) for n, p in model.named_parameters()))
         forge_grads = np.fromfile(os.path.join(work, "grads.bin"), dtype=np.float32).astype(np.float64)
         offset = 0
         for spec in specs:
