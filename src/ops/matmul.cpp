@@ -14,7 +14,7 @@ namespace {
 
 // out = alpha op(a) op(b) + beta c, where c is out itself unless an addend is given.
 void gemm(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
-          float beta, const Tensor* addend) {
+          float beta, const Tensor* addend, const GemmVarying* varying = nullptr) {
   OpProfileScope profile(OpClass::Gemm, "matmul");
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "matmul: out {}, a {}, b {} must be 2-D",
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
@@ -39,6 +39,14 @@ void gemm(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
     expect_tensor(b, Device::CUDA, DType::BF16, "matmul b");
     FORGE_CHECK(out.dtype() == DType::BF16 || out.dtype() == DType::F32, "matmul out is {}, expected bf16 or f32",
                 dtype_name(out.dtype()));
+    if (varying) {
+      FORGE_CHECK(!addend, "matmul_varying: no addend");
+      FORGE_CUDA_CALL("matmul",
+                      cuda::matmul_varying(*varying == GemmVarying::M ? cuda::GemmVarying::M : cuda::GemmVarying::K,
+                                           out.raw(), out.dtype(), a.raw(), transpose_a, b.raw(), transpose_b, m, n,
+                                           k, alpha, beta));
+      return;
+    }
     FORGE_CUDA_CALL("matmul",
                     cuda::matmul(out.raw(), out.dtype(), a.raw(), transpose_a, b.raw(), transpose_b, m, n, k, alpha,
                                  beta, separate_addend ? addend->raw() : nullptr));
@@ -56,6 +64,11 @@ void gemm(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
 void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, float alpha,
             float beta) {
   gemm(out, a, transpose_a, b, transpose_b, alpha, beta, nullptr);
+}
+
+void matmul_varying(GemmVarying varying, const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
+                    bool transpose_b, float alpha, float beta) {
+  gemm(out, a, transpose_a, b, transpose_b, alpha, beta, nullptr, &varying);
 }
 
 void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,

@@ -23,6 +23,14 @@ void matmul(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& 
 void matmul_add(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
                 const Tensor& addend);
 
+// As matmul, for a GEMM one of whose dimensions changes from call to call while the rest
+// of its problem stays (a Mixture-of-Experts expert's rows: M of its forward and input
+// gradient, K of its weight gradient): on the GPU the sizes of a bucket share one cuBLASLt
+// plan (NOTE [GEMMs of varying size] in kernels/cuda/matmul.cpp); the CPU runs matmul.
+enum class GemmVarying : uint8_t { M, K };
+void matmul_varying(GemmVarying varying, const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
+                    bool transpose_b, float alpha = 1.0f, float beta = 0.0f);
+
 // GPU GEMMs, bf16 and FP8: choose each shape's algorithm by timing cuBLASLt's candidates
 // on first use instead of taking its first heuristic choice (training.gemm_tuning),
 // keeping the measured choices in `cache_directory` for later runs ("": not kept; see

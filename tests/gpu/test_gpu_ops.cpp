@@ -62,6 +62,49 @@ TEST(GpuMatmul, MatchesCpuForAllTransposesAndOutputs) {
 // Measured algorithm choice (NOTE [GEMM algorithm choice]) times candidates on the call's
 // own operands: the call's result must still be one product, written once (beta = 1 adds it
 // once to what was there), whatever candidate wins, and each beta gets its own choice.
+// NOTE [GEMMs of varying size]: sizes that share a bucket's plan (and some that do not),
+// in each of the three uses (an expert's forward and input gradient vary M, its weight
+// gradient K, written over and accumulated), against the CPU.
+TEST(GpuMatmul, VaryingSizesShareAPlanAndMatchCpu) {
+  Rng rng(seed_for_current_test());
+  const int64_t n = 384, k = 136;
+  for (int64_t rows : {300, 290, 511, 257, 1, 7, 256, 600, 300}) {
+    for (int use = 0; use < 3; ++use) {
+      const bool weight_gradient = use == 2;
+      const Tensor x = random_bf16_values({rows, weight_gradient ? k : n}, rng);
+      const Tensor w = random_bf16_values(use == 0 ? Shape{n, k} : use == 1 ? Shape{n, k} : Shape{rows, n}, rng);
+      // forward: y[rows, n] = x[rows, k] W[n, k]^T; input gradient: dx[rows, k] = dy[rows, n] W[n, k];
+      // weight gradient: dW[n, k] (+)= dy[rows, n]^T x[rows, k].
+      if (use == 0) {
+        const Tensor in = random_bf16_values({rows, k}, rng);
+        Tensor ref = Tensor::empty({rows, n});
+        matmul(ref, in, false, w, true);
+        Tensor out = poisoned_gpu({rows, n}, DType::BF16);
+        matmul_varying(GemmVarying::M, out, to_gpu(in, DType::BF16), false, to_gpu(w, DType::BF16), true);
+        EXPECT_LT(relative_l2(to_cpu_f32(out), ref), kBf16Tolerance) << "forward, rows " << rows;
+      } else if (use == 1) {
+        Tensor ref = Tensor::empty({rows, k});
+        matmul(ref, x, false, w, false);
+        Tensor out = poisoned_gpu({rows, k}, DType::BF16);
+        matmul_varying(GemmVarying::M, out, to_gpu(x, DType::BF16), false, to_gpu(w, DType::BF16), false);
+        EXPECT_LT(relative_l2(to_cpu_f32(out), ref), kBf16Tolerance) << "input gradient, rows " << rows;
+      } else {
+        Tensor acc = random_f32({n, k}, rng);
+        Tensor acc_gpu = acc.to(Device::CUDA);
+        matmul(acc, w, true, x, false, 1.0f, 1.0f);
+        matmul_varying(GemmVarying::K, acc_gpu, to_gpu(w, DType::BF16), true, to_gpu(x, DType::BF16), false, 1.0f,
+                       1.0f);
+        EXPECT_LT(relative_l2(to_cpu_f32(acc_gpu), acc), kF32Tolerance) << "weight gradient added, rows " << rows;
+        Tensor fresh = Tensor::empty({n, k});
+        matmul(fresh, w, true, x, false);
+        Tensor fresh_gpu = poisoned_gpu({n, k}, DType::F32);
+        matmul_varying(GemmVarying::K, fresh_gpu, to_gpu(w, DType::BF16), true, to_gpu(x, DType::BF16), false);
+        EXPECT_LT(relative_l2(to_cpu_f32(fresh_gpu), fresh), kF32Tolerance) << "weight gradient, rows " << rows;
+      }
+    }
+  }
+}
+
 TEST(GpuMatmul, TunedChoiceComputesTheSameProduct) {
   Rng rng(seed_for_current_test());
   set_gemm_tuning(true);

@@ -35,6 +35,18 @@
 // only cuBLASLt's descriptors and pointers; the settings, the cache and the counters are
 // shared by both kinds of GEMM.
 //
+// NOTE [GEMMs of varying size]
+// A routed expert's GEMMs see a different row count nearly every step, so keyed by exact
+// shape each would make a new plan (a heuristic query, or with tuning a timing) on most
+// calls, and keep it forever. matmul_varying keys the plan by the varying dimension
+// rounded up to a multiple of kVaryingBucket instead: the first call of a bucket chooses
+// the algorithm for its own size (on its own operands, as any plan), and later calls of
+// the bucket set their size on the plan's layouts (CUBLASLT_MATRIX_LAYOUT_ROWS/COLS) and
+// run the same algorithm. A size the algorithm does not take (cuBLASLt refuses the call
+// before launching anything) gets a plan of its own, kept in the bucket's place. The
+// varying dimension is never a leading dimension in forge's three uses, so only the
+// layouts' row or column counts change.
+//
 // The timing costs seconds per run (10.8 s of the 8B proxy's first step on an H100), so
 // measured choices are kept on disk and taken by later runs on the same GPU model and
 // cuBLASLt version (NOTE [GEMM tuning cache] in kernels/gemm_tuning_cache.h): a tuned plan
@@ -68,14 +80,18 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  int64_t varying_size = 0;  // a varying plan's size on its layouts now
 };
 
 using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool>;  // ..., beta == 0
+
+constexpr int64_t kVaryingBucket = 256;  // NOTE [GEMMs of varying size]
 
 struct Context {
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
+  std::map<std::pair<PlanKey, GemmVarying>, Plan> varying_plans;  // by bucket (NOTE [GEMMs of varying size])
   std::mutex mu;
 
   Context() {
@@ -174,6 +190,56 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
                               &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
 
+namespace {
+
+// Sets a varying plan's layouts to `size` in its varying dimension (the plan's problem is
+// cuBLAS's (N, M, K): C is n x m, the first operand b, the second a; describe_problem).
+void set_varying_size(Plan& p, GemmVarying varying, bool transpose_a, bool transpose_b, int64_t size) {
+  auto set = [](cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t what, int64_t value) {
+    const uint64_t v = static_cast<uint64_t>(value);
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, what, &v, sizeof(v)));
+  };
+  if (varying == GemmVarying::M) {
+    set(p.c, CUBLASLT_MATRIX_LAYOUT_COLS, size);
+    set(p.b, transpose_a ? CUBLASLT_MATRIX_LAYOUT_ROWS : CUBLASLT_MATRIX_LAYOUT_COLS, size);
+  } else {
+    set(p.a, transpose_b ? CUBLASLT_MATRIX_LAYOUT_ROWS : CUBLASLT_MATRIX_LAYOUT_COLS, size);
+    set(p.b, transpose_a ? CUBLASLT_MATRIX_LAYOUT_COLS : CUBLASLT_MATRIX_LAYOUT_ROWS, size);
+  }
+  p.varying_size = size;
+}
+
+}  // namespace
+
+void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void* a, bool transpose_a, const void* b,
+                    bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, float beta) {
+  if (varying == GemmVarying::None) return matmul(out, out_dtype, a, transpose_a, b, transpose_b, m, n, k, alpha, beta);
+  if (m == 0 || n == 0) return;
+  const int64_t size = varying == GemmVarying::M ? m : k;
+  const int64_t bucket = (size + kVaryingBucket - 1) / kVaryingBucket * kVaryingBucket;
+  Context& ctx = context();
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
+  PlanKey bucket_key = key;
+  (varying == GemmVarying::M ? std::get<0>(bucket_key) : std::get<2>(bucket_key)) = bucket;
+  std::lock_guard lock(ctx.mu);  // the plan's layouts change per call: held through the launch
+  auto it = ctx.varying_plans.find({bucket_key, varying});
+  if (it == ctx.varying_plans.end()) {
+    it = ctx.varying_plans.emplace(std::pair{bucket_key, varying}, make_plan(ctx, key, out, a, b, alpha, beta, out)).first;
+    it->second.varying_size = size;
+  }
+  Plan& plan = it->second;
+  if (plan.varying_size != size) set_varying_size(plan, varying, transpose_a, transpose_b, size);
+  cublasStatus_t status = cublasLtMatmul(ctx.handle, plan.op, &alpha, b, plan.a, a, plan.b, &beta, out, plan.c, out,
+                                         plan.c, &plan.algo, ctx.workspace, kWorkspaceBytes, nullptr);
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  // The bucket's algorithm does not take this size: a plan of this size in its place.
+  destroy_plan(plan);
+  plan = make_plan(ctx, key, out, a, b, alpha, beta, out);
+  plan.varying_size = size;
+  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b, plan.a, a, plan.b, &beta, out, plan.c, out, plan.c,
+                              &plan.algo, ctx.workspace, kWorkspaceBytes, nullptr));
+}
+
 CublasLtContext cublaslt_context() {
   Context& ctx = context();
   return CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes};
@@ -186,6 +252,8 @@ void forget_gemm_plans() {
     CUDA_CHECK(cudaDeviceSynchronize());  // no GEMM in flight still reads a descriptor
     for (auto& [key, plan] : ctx.plans) destroy_plan(plan);
     ctx.plans.clear();
+    for (auto& [key, plan] : ctx.varying_plans) destroy_plan(plan);
+    ctx.varying_plans.clear();
   }
   forget_fp8_gemm_plans();
   forget_gemm_tuning_state();

@@ -15,6 +15,15 @@ namespace forge::cuda {
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
             int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr);
 
+// A dimension of a GEMM that changes from call to call while the rest of its problem stays
+// (a Mixture-of-Experts expert's rows: M of its forward and input gradient, K of its weight
+// gradient). NOTE [GEMMs of varying size] in matmul.cpp.
+enum class GemmVarying : uint8_t { None, M, K };
+
+// As matmul, with `varying` naming the dimension that varies between calls.
+void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void* a, bool transpose_a, const void* b,
+                    bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, float beta);
+
 // NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape,
 // measured choices kept in `cache_directory` ("": not kept; NOTE [GEMM tuning cache]).
 // One switch for the bf16 and the FP8 GEMMs (fp8_matmul.h); defined in gemm_tuner.cpp.
