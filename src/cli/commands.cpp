@@ -167,8 +167,7 @@ int run_info(const std::vector<std::string>& args) {
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;
     plan.optimizer_state = cuda ? configured_state : DType::F32;  // the CPU reference keeps fp32 moments
-    fmt::print("  {:14} {}{}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda),
-               cuda && m.moe() ? " (an estimate: MoE models do not run on CUDA yet)" : "");
+    fmt::print("  {:14} {}\n", cuda ? "one GPU (bf16)" : "CPU (fp32)", describe(estimate_memory(m, plan), cuda));
   }
   if (hf_dir) print_implied_yaml(config, inv.positional);
   return 0;

@@ -204,10 +204,10 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
 void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (!config.model.moe()) return;
   const std::string moe = show(config, keys, "model.num_experts");
-  if (config.training.device != "cpu")
-    FORGE_FAIL("{} (a Mixture-of-Experts model) runs on the CPU only so far: its CUDA kernels (routing, permutation, "
-               "grouped expert GEMMs) are not built yet; set training.device cpu, or model.num_experts 0",
-               moe);
+  // On CUDA the router's GEMMs have the experts as a leading dimension, which cuBLASLt
+  // wants 16-byte aligned in bf16; the routing kernels hold a token's scores in one warp.
+  if (config.training.device == "cuda" && (config.model.num_experts % 8 != 0 || config.model.num_experts > 1024))
+    FORGE_FAIL("{} must be a multiple of 8 and at most 1024 on CUDA (training.device cuda)", moe);
   const ParallelismConfig& p = config.parallelism;
   if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
     FORGE_FAIL("{} (a Mixture-of-Experts model) trains on one process so far: data and expert parallelism for MoE "

@@ -111,8 +111,8 @@ int run_generate(const GenerateOptions& o) {
   set_log_level(LogLevel::Warn);  // stdout carries the generated text alone
   LoadedModel model = load_inference_model(o.model, o.adapter);
   if (model.config.moe() && device == Device::CUDA)
-    FORGE_FAIL("{} is a Mixture-of-Experts model ({} experts), which runs on the CPU only so far (its CUDA kernels "
-               "are not built yet): use --device cpu",
+    FORGE_FAIL("{} is a Mixture-of-Experts model ({} experts): forge generate decodes those on the CPU only so far "
+               "(training runs on CUDA, KV-cache decoding of them is not built there): use --device cpu",
                model.description, model.config.num_experts);
   const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : model.hf_dir;
   if (tokenizer_path.empty())

@@ -2,8 +2,11 @@
 
 #include <fmt/format.h>
 
+#include "core/device.h"
+
 #include "ops/elementwise.h"
 #include "ops/linear.h"
+#include "ops/matmul.h"
 #include "ops/rmsnorm.h"
 
 namespace forge {
@@ -42,11 +45,15 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   const int64_t n = shape.tokens(), rows = n * top_k_;
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
+  auto index = [&](Shape s) { return layout.take(std::move(s), DType::I32); };
   layers_.assign(static_cast<size_t>(num_layers), Activations{});
   for (Activations& a : layers_) {
     a.rstd = stat({n});
     a.normed = act({n, hidden_});
     a.logits = stat({n, experts_});
+    a.routing_buffers = {stat({n, experts_}), index({n, top_k_}),  stat({n, top_k_}),
+                         index({rows}),       index({rows}),       layout.take({experts_ + 1}, DType::I64),
+                         stat({experts_})};
     a.rows = {act({rows, hidden_}), act({rows, 2 * ffn_}), act({rows, ffn_}), act({rows, hidden_})};
   }
   d_expert_out_ = act({rows, hidden_});
@@ -55,14 +62,15 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   d_permuted_ = act({rows, hidden_});
   d_weights_ = stat({n, top_k_});
   d_logits_ = stat({n, experts_});
-  d_router_input_ = act({n, hidden_});
+  d_logits_compute_ = act({n, experts_});
+  aux_gradient_ = stat({experts_});
 }
 
 void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   linear_forward(a.logits, a.normed, w.linear(kRouter));
-  a.routing = moe_route(a.logits, top_k_, /*normalize=*/true);
+  a.routing = moe_route(a.logits, top_k_, /*normalize=*/true, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   moe_experts_forward(a.rows, {w.tensor(kGateUp), w.tensor(kDown)}, a.routing);
   if (out) moe_combine(*out, a.rows.expert_out, a.routing, &x);
@@ -83,12 +91,14 @@ std::vector<const MoeRouting*> MoeFeedForward::routings() const {
 }
 
 double MoeFeedForward::auxiliary_loss(double gradient_weight) {
-  aux_gradient_.clear();
+  aux_gradient_used_ = false;
   if (aux_coefficient_ == 0.0) return 0.0;
   const MoeBalance balance = moe_balancing_loss(routings());
-  if (gradient_weight != 0.0) {
-    aux_gradient_ = balance.prob_gradient;
-    for (double& g : aux_gradient_) g *= aux_coefficient_ * gradient_weight;
+  if (gradient_weight != 0.0) {  // the same for every layer: copied to the device once
+    std::vector<float> g(balance.prob_gradient.size());
+    for (size_t e = 0; e < g.size(); ++e) g[e] = static_cast<float>(balance.prob_gradient[e] * aux_coefficient_ * gradient_weight);
+    copy_bytes(aux_gradient_.raw(), aux_gradient_.device(), g.data(), Device::CPU, g.size() * sizeof(float));
+    aux_gradient_used_ = true;
   }
   return aux_coefficient_ * balance.loss;
 }
@@ -102,9 +112,12 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
                        {w.tensor(kGateUp), w.tensor(kDown)}, a.routing, d_swiglu_, d_gate_up_);
   moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
-  moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_.empty() ? nullptr : &aux_gradient_);
-  linear_backward(d_router_input_, grads.linear(kRouter), d_logits_, a.normed, w.linear(kRouter), overwrite);
-  accumulate(d_hidden, d_router_input_);  // and through the router
+  moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_used_ ? &aux_gradient_ : nullptr);
+  // The router's GEMMs read the logits' gradient in the compute dtype (bf16 on CUDA, as
+  // its forward reads h); dL/dh through the router is added to d_hidden by the GEMM.
+  cast(d_logits_compute_, d_logits_);
+  linear_backward_weight(grads.linear(kRouter), d_logits_compute_, a.normed, overwrite);
+  matmul_add(d_hidden, d_logits_compute_, false, w.tensor(kRouter), false, d_hidden);
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 

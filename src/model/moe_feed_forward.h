@@ -11,11 +11,14 @@
 // token is ever dropped, an expert with no tokens runs nothing), combine into the residual
 // stream. The weights are stacked per block: the router [E, hidden], the experts' gate/up
 // [E, 2F, hidden] and down [E, hidden, F] (transformers' MixtralExperts layout; Hugging
-// Face names: NOTE [MoE Hugging Face names]). Every activation is kept for the backward under every checkpointing mode (a MoE's are
-// not recomputed yet; full checkpointing reruns the whole forward before the backward, the
-// routing included, which gives the same routing). What is not built yet (issue 20): shared
-// experts, DeepSeek's routing in a model, the CUDA kernels and expert parallelism; configs
-// refuse what needs them.
+// Face names: NOTE [MoE Hugging Face names]). Every activation is kept for the backward
+// under every checkpointing mode (a MoE's are not recomputed yet; full checkpointing reruns
+// the whole forward before the backward, the routing included, which gives the same
+// routing). On CUDA the routing is written into per-layer buffers of the arena
+// (MoeRoutingBuffers), the router's GEMMs read the logits' gradient in bf16, and the
+// balancing loss's gradient is copied to the device once per micro-batch. What is not built
+// yet (issue 20): shared experts, DeepSeek's routing in a model and expert parallelism;
+// configs refuse what needs them.
 //
 // NOTE [MoE balancing loss]
 // With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's
@@ -71,7 +74,8 @@ class MoeFeedForward final : public BlockComponent {
     Tensor rstd;            // [N] fp32
     Tensor normed;          // [N, H]
     Tensor logits;          // [N, E] fp32
-    MoeRouting routing;     // this micro-batch's
+    MoeRoutingBuffers routing_buffers;
+    MoeRouting routing;     // this micro-batch's, in routing_buffers
     MoeExpertBuffers rows;  // [N * k, ...] in expert order
   };
 
@@ -80,10 +84,13 @@ class MoeFeedForward final : public BlockComponent {
   int64_t hidden_, ffn_, experts_, top_k_;
   float eps_;
   double aux_coefficient_;
-  std::vector<double> aux_gradient_;  // the balancing loss's probability gradient, weighted; empty: none
   std::vector<Activations> layers_;
+  // The balancing loss's probability gradient, weighted (F32 [E], every layer's); used in
+  // the backward when auxiliary_loss gave it.
+  Tensor aux_gradient_;
+  bool aux_gradient_used_ = false;
   // Backward scratch.
-  Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_router_input_;
+  Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_logits_compute_;
 };
 
 }  // namespace forge

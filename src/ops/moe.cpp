@@ -4,22 +4,26 @@
 
 #include <fmt/format.h>
 
+#include "core/device.h"
 #include "core/error.h"
 #include "core/op_profile.h"
 #include "kernels/cpu/moe.h"
-#include "ops/linear.h"
+#include "ops/matmul.h"
 #include "ops/placement.h"
 #include "ops/swiglu.h"
+#ifdef FORGE_CUDA
+#include "kernels/cuda/moe.h"
+#endif
 
 namespace forge {
 namespace {
 
-// NOTE [MoE routing]: the CPU reference only, so far.
-void expect_cpu(const Tensor& t, DType dtype, const char* what) {
-  FORGE_CHECK(t.device() == Device::CPU, "{}: the MoE ops run on the CPU only (their CUDA kernels are not built yet)",
-              what);
-  expect_tensor(t, Device::CPU, dtype, what);
-}
+#ifdef FORGE_CUDA
+cuda::bf16* bf16_ptr(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
+#endif
+
+// Token rows are fp32 on the CPU and bf16 on CUDA (NOTE [Op placement]).
+DType row_dtype(Device device) { return device == Device::CUDA ? DType::BF16 : DType::F32; }
 
 // Expert e's [2F, H] or [H, F] matrix of a stacked [E, ., .] tensor.
 Tensor expert_matrix(const Tensor& stacked, int64_t e) {
@@ -39,17 +43,26 @@ void check_routing(const MoeRouting& r, const char* op) {
               "{}: the routing is not from moe_route", op);
 }
 
-// The routing's sort by expert, from its expert_ids.
+// The routing's sort by expert, from its expert_ids; on CUDA also each expert's summed
+// probabilities, and the offsets copied to the host (the routing's one synchronization).
 void sort_by_expert(MoeRouting& r) {
   r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
-  r.source = Tensor::empty({r.tokens * r.k}, DType::I32);
-  r.row_of = Tensor::empty({r.tokens * r.k}, DType::I32);
+  if (r.probs.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("moe_route", {
+      cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
+                               r.device_offsets.data<int64_t>(), r.source.data<int32_t>(), r.row_of.data<int32_t>());
+      cuda::moe_prob_column_sums(r.probs.data<float>(), r.tokens, r.experts, r.prob_sums.data<float>());
+    });
+    copy_bytes(r.offsets.data(), Device::CPU, r.device_offsets.raw(), Device::CUDA, r.offsets.size() * sizeof(int64_t));
+    return;
+  }
   cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.offsets.data(),
                           r.source.data<int32_t>(), r.row_of.data<int32_t>());
 }
 
 // The hidden width shared by a token tensor [tokens, hidden] and a row tensor [tokens * k,
-// hidden] of the routing (permuted order), both fp32 on the CPU; refused otherwise, naming each.
+// hidden] of the routing (permuted order), both on the routing's device in its row dtype;
+// refused otherwise, naming each.
 int64_t token_and_row_width(const MoeRouting& r, const char* op, const Tensor& by_token, const char* token_name,
                             const Tensor& by_row, const char* row_name) {
   check_routing(r, op);
@@ -57,42 +70,74 @@ int64_t token_and_row_width(const MoeRouting& r, const char* op, const Tensor& b
               shape_str(by_token.shape()), r.tokens);
   const int64_t hidden = by_token.dim(1);
   check_shape(by_row, {r.tokens * r.k, hidden}, fmt::format("{} {}", op, row_name).c_str());
-  expect_cpu(by_token, DType::F32, fmt::format("{} {}", op, token_name).c_str());
-  expect_cpu(by_row, DType::F32, fmt::format("{} {}", op, row_name).c_str());
+  const Device device = r.probs.device();
+  expect_tensor(by_token, device, row_dtype(device), fmt::format("{} {}", op, token_name).c_str());
+  expect_tensor(by_row, device, row_dtype(device), fmt::format("{} {}", op, row_name).c_str());
+  FORGE_CHECK(device == Device::CPU || hidden % 8 == 0, "{}: hidden {} must be a multiple of 8 on CUDA", op, hidden);
   return hidden;
 }
 
-// A routing of logits [tokens, experts] with its outputs allocated, before the router fills them.
-MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const char* op) {
+// A routing of logits [tokens, experts], its outputs in `buffers` (checked) or, on the CPU
+// without them, allocated, before the router fills them.
+MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers,
+                       const char* op) {
   FORGE_CHECK(logits.ndim() == 2, "{}: logits {} must be [tokens, experts]", op, shape_str(logits.shape()));
-  expect_cpu(logits, DType::F32, op);
+  const Device device = logits.device();
+  expect_tensor(logits, device, DType::F32, op);
   MoeRouting r;
   r.tokens = logits.dim(0);
   r.experts = logits.dim(1);
   r.k = k;
   r.normalize = normalize;
-  r.probs = Tensor::empty({r.tokens, r.experts});
-  r.expert_ids = Tensor::empty({r.tokens, std::max<int64_t>(k, 0)}, DType::I32);
-  r.weights = Tensor::empty({r.tokens, std::max<int64_t>(k, 0)});
+  const int64_t kept = std::max<int64_t>(k, 0);
+  if (!buffers.defined()) {
+    FORGE_CHECK(device == Device::CPU, "{}: a routing on CUDA is written into buffers laid out by the caller", op);
+    r.probs = Tensor::empty({r.tokens, r.experts});
+    r.expert_ids = Tensor::empty({r.tokens, kept}, DType::I32);
+    r.weights = Tensor::empty({r.tokens, kept});
+    r.source = Tensor::empty({r.tokens * kept}, DType::I32);
+    r.row_of = Tensor::empty({r.tokens * kept}, DType::I32);
+    return r;
+  }
+  auto take = [&](const Tensor& t, Shape shape, DType dtype, const char* name) {
+    check_shape(t, shape, fmt::format("{} buffer {}", op, name).c_str());
+    expect_tensor(t, device, dtype, fmt::format("{} buffer {}", op, name).c_str());
+    return t;
+  };
+  r.probs = take(buffers.probs, {r.tokens, r.experts}, DType::F32, "probs");
+  r.expert_ids = take(buffers.expert_ids, {r.tokens, kept}, DType::I32, "expert_ids");
+  r.weights = take(buffers.weights, {r.tokens, kept}, DType::F32, "weights");
+  r.source = take(buffers.source, {r.tokens * kept}, DType::I32, "source");
+  r.row_of = take(buffers.row_of, {r.tokens * kept}, DType::I32, "row_of");
+  if (device == Device::CUDA) {
+    FORGE_CHECK(r.experts <= 1024, "{}: {} experts; the CUDA router takes at most 1024", op, r.experts);
+    r.device_offsets = take(buffers.offsets, {r.experts + 1}, DType::I64, "offsets");
+    r.prob_sums = take(buffers.prob_sums, {r.experts}, DType::F32, "prob_sums");
+  }
   return r;
 }
 
 }  // namespace
 
-MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize) {
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  MoeRouting r = new_routing(logits, k, normalize, "moe_route logits");
+  MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route logits");
   FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
-  cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
-                        r.expert_ids.data<int32_t>(), r.weights.data<float>());
+  if (logits.device() == Device::CUDA)
+    FORGE_CUDA_CALL("moe_route", cuda::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize,
+                                                        r.probs.data<float>(), r.expert_ids.data<int32_t>(),
+                                                        r.weights.data<float>()));
+  else
+    cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
+                          r.expert_ids.data<int32_t>(), r.weights.data<float>());
   sort_by_expert(r);
   return r;
 }
 
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
-                             bool normalize, float scaling) {
+                             bool normalize, float scaling, const MoeRoutingBuffers& buffers) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  MoeRouting r = new_routing(logits, k, normalize, "moe_route_sigmoid logits");
+  MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route_sigmoid logits");
   r.sigmoid = true;
   r.scaling = scaling;
   FORGE_CHECK(groups >= 1 && r.experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
@@ -104,11 +149,17 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
               topk_groups * (r.experts / groups), topk_groups);
   if (bias.defined()) {
     check_shape(bias, {r.experts}, "moe_route_sigmoid bias");
-    expect_cpu(bias, DType::F32, "moe_route_sigmoid bias");
+    expect_tensor(bias, logits.device(), DType::F32, "moe_route_sigmoid bias");
   }
-  cpu::moe_topk_sigmoid(logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, r.tokens, r.experts, k,
-                        groups, topk_groups, normalize, scaling, r.probs.data<float>(), r.expert_ids.data<int32_t>(),
-                        r.weights.data<float>());
+  const float* b = bias.defined() ? bias.data<float>() : nullptr;
+  if (logits.device() == Device::CUDA)
+    FORGE_CUDA_CALL("moe_route_sigmoid",
+                    cuda::moe_topk_sigmoid(logits.data<float>(), b, r.tokens, r.experts, k, groups, topk_groups,
+                                           normalize, scaling, r.probs.data<float>(), r.expert_ids.data<int32_t>(),
+                                           r.weights.data<float>()));
+  else
+    cpu::moe_topk_sigmoid(logits.data<float>(), b, r.tokens, r.experts, k, groups, topk_groups, normalize, scaling,
+                          r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>());
   sort_by_expert(r);
   return r;
 }
@@ -122,10 +173,14 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
     check_routing(*r, "moe_balancing_loss");
     FORGE_CHECK(!r->sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
     FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
-    const float* p = r->probs.data<float>();
-    for (int64_t e = 0; e < experts; ++e) {
-      assigned[static_cast<size_t>(e)] += static_cast<double>(r->rows(e));
-      for (int64_t t = 0; t < r->tokens; ++t) probs[static_cast<size_t>(e)] += p[t * experts + e];
+    for (int64_t e = 0; e < experts; ++e) assigned[static_cast<size_t>(e)] += static_cast<double>(r->rows(e));
+    if (r->probs.device() == Device::CUDA) {  // summed on the device by the router
+      const Tensor sums = r->prob_sums.to(Device::CPU);
+      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(e)] += sums.data<float>()[e];
+    } else {
+      const float* p = r->probs.data<float>();
+      for (int64_t e = 0; e < experts; ++e)
+        for (int64_t t = 0; t < r->tokens; ++t) probs[static_cast<size_t>(e)] += p[t * experts + e];
     }
     rows += static_cast<double>(r->tokens);
   }
@@ -141,28 +196,44 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
 }
 
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& r,
-                        const std::vector<double>* prob_gradient) {
+                        const Tensor* prob_gradient) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route_backward");
   check_routing(r, "moe_route_backward");
+  const Device device = r.probs.device();
   check_shape(d_logits, {r.tokens, r.experts}, "moe_route_backward d_logits");
   check_shape(d_weights, {r.tokens, r.k}, "moe_route_backward d_weights");
-  expect_cpu(d_logits, DType::F32, "moe_route_backward d_logits");
-  expect_cpu(d_weights, DType::F32, "moe_route_backward d_weights");
+  expect_tensor(d_logits, device, DType::F32, "moe_route_backward d_logits");
+  expect_tensor(d_weights, device, DType::F32, "moe_route_backward d_weights");
+  if (prob_gradient) {
+    FORGE_CHECK(!r.sigmoid, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
+    check_shape(*prob_gradient, {r.experts}, "moe_route_backward prob_gradient");
+    expect_tensor(*prob_gradient, device, DType::F32, "moe_route_backward prob_gradient");
+  }
+  if (device == Device::CUDA) {
+    if (r.sigmoid)
+      FORGE_CUDA_CALL("moe_route_backward",
+                      cuda::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(),
+                                                      r.expert_ids.data<int32_t>(), r.tokens, r.experts, r.k,
+                                                      r.normalize, r.scaling, d_logits.data<float>()));
+    else
+      FORGE_CUDA_CALL("moe_route_backward",
+                      cuda::moe_topk_softmax_backward(
+                          d_weights.data<float>(), prob_gradient ? prob_gradient->data<float>() : nullptr,
+                          r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
+                          r.experts, r.k, r.normalize, d_logits.data<float>()));
+    return;
+  }
   if (r.sigmoid) {
-    FORGE_CHECK(!prob_gradient, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
     cpu::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(), r.expert_ids.data<int32_t>(),
                                    r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>());
     return;
   }
-  Tensor d_probs;
+  Tensor d_probs;  // the per-expert gradient, the same for every token
   if (prob_gradient && r.tokens > 0) {
-    FORGE_CHECK(prob_gradient->size() == static_cast<size_t>(r.experts),
-                "moe_route_backward: a probability gradient for {} experts, the routing has {}", prob_gradient->size(),
-                r.experts);
     d_probs = Tensor::empty({r.tokens, r.experts});
     for (int64_t t = 0; t < r.tokens; ++t)
-      for (int64_t e = 0; e < r.experts; ++e)
-        d_probs.data<float>()[t * r.experts + e] = static_cast<float>((*prob_gradient)[static_cast<size_t>(e)]);
+      std::copy(prob_gradient->data<float>(), prob_gradient->data<float>() + r.experts,
+                d_probs.data<float>() + t * r.experts);
   }
   cpu::moe_topk_softmax_backward(d_weights.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
                                  r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
@@ -172,6 +243,11 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute");
   const int64_t hidden = token_and_row_width(r, "moe_permute", x, "x", permuted, "permuted");
+  if (x.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("moe_permute", cuda::moe_permute(bf16_ptr(permuted), bf16_ptr(x), r.source.data<int32_t>(),
+                                                     r.tokens, r.k, hidden));
+    return;
+  }
   const int32_t* source = r.source.data<int32_t>();
   for (int64_t row = 0; row < r.tokens * r.k; ++row) {
     const float* from = x.data<float>() + source[row] / r.k * hidden;
@@ -182,6 +258,11 @@ void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
 void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute_backward");
   const int64_t hidden = token_and_row_width(r, "moe_permute_backward", dx, "dx", d_permuted, "d_permuted");
+  if (dx.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("moe_permute_backward", cuda::moe_permute_backward(bf16_ptr(dx), bf16_ptr(d_permuted),
+                                                                       r.row_of.data<int32_t>(), r.tokens, r.k, hidden));
+    return;
+  }
   const int32_t* row_of = r.row_of.data<int32_t>();
   for (int64_t t = 0; t < r.tokens; ++t) {
     float* to = dx.data<float>() + t * hidden;
@@ -198,7 +279,14 @@ void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& 
   const int64_t hidden = token_and_row_width(r, "moe_combine", out, "out", expert_out, "expert_out");
   if (residual) {
     check_shape(*residual, out.shape(), "moe_combine residual");
-    expect_cpu(*residual, DType::F32, "moe_combine residual");
+    expect_tensor(*residual, out.device(), out.dtype(), "moe_combine residual");
+  }
+  if (out.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("moe_combine",
+                    cuda::moe_combine(bf16_ptr(out), bf16_ptr(expert_out), r.row_of.data<int32_t>(),
+                                      r.weights.data<float>(), residual ? bf16_ptr(*residual) : nullptr, r.tokens, r.k,
+                                      hidden));
+    return;
   }
   const int32_t* row_of = r.row_of.data<int32_t>();
   const float* w = r.weights.data<float>();
@@ -220,8 +308,15 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
   const int64_t hidden = token_and_row_width(r, "moe_combine_backward", dout, "dout", expert_out, "expert_out");
   check_shape(d_expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward d_expert_out");
   check_shape(d_weights, {r.tokens, r.k}, "moe_combine_backward d_weights");
-  expect_cpu(d_expert_out, DType::F32, "moe_combine_backward d_expert_out");
-  expect_cpu(d_weights, DType::F32, "moe_combine_backward d_weights");
+  expect_tensor(d_expert_out, dout.device(), dout.dtype(), "moe_combine_backward d_expert_out");
+  expect_tensor(d_weights, dout.device(), DType::F32, "moe_combine_backward d_weights");
+  if (dout.device() == Device::CUDA) {
+    FORGE_CUDA_CALL("moe_combine_backward",
+                    cuda::moe_combine_backward(bf16_ptr(d_expert_out), d_weights.data<float>(), bf16_ptr(dout),
+                                               bf16_ptr(expert_out), r.row_of.data<int32_t>(),
+                                               r.weights.data<float>(), r.tokens, r.k, hidden));
+    return;
+  }
   const int32_t* row_of = r.row_of.data<int32_t>();
   const float* w = r.weights.data<float>();
   for (int64_t t = 0; t < r.tokens; ++t) {
@@ -240,16 +335,20 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
   }
 }
 
+// NOTE [MoE expert GEMMs] in moe.h.
 void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& r) {
   check_routing(r, "moe_experts_forward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_forward");
-  for (int64_t e = 0; e < r.experts; ++e) {
-    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
-    if (b == end) continue;
-    linear_forward(a.gate_up.narrow(b, end), a.permuted.narrow(b, end), {expert_matrix(w.gate_up, e)});
-    swiglu_forward(a.swiglu.narrow(b, end), a.gate_up.narrow(b, end));
-    linear_forward(a.expert_out.narrow(b, end), a.swiglu.narrow(b, end), {expert_matrix(w.down, e)});
-  }
+  // y_e = x_e W_e^T on each expert's rows.
+  auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight) {
+    for (int64_t e = 0; e < r.experts; ++e) {
+      const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
+      if (b != end) matmul_varying(GemmVarying::M, y.narrow(b, end), x.narrow(b, end), false, expert_matrix(weight, e), true);
+    }
+  };
+  per_expert(a.gate_up, a.permuted, w.gate_up);
+  swiglu_forward(a.swiglu, a.gate_up);  // every row at once: SwiGLU works on each row alone
+  per_expert(a.expert_out, a.swiglu, w.down);
 }
 
 void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
@@ -258,21 +357,23 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
   check_routing(r, "moe_experts_backward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_backward");
   check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
-  for (int64_t e = 0; e < r.experts; ++e) {
-    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
-    if (b == end) {  // no rows: a zero gradient when written over, nothing to add otherwise
-      if (overwrite) {
-        expert_matrix(grads.gate_up, e).fill_zero();
-        expert_matrix(grads.down, e).fill_zero();
+  // Each expert's dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on its rows; no rows: a zero
+  // gradient when written over, nothing to add otherwise.
+  auto per_expert = [&](const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& weight) {
+    for (int64_t e = 0; e < r.experts; ++e) {
+      const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
+      if (b != end) {
+        matmul_varying(GemmVarying::M, dx.narrow(b, end), dy.narrow(b, end), false, expert_matrix(weight, e), false);
+        matmul_varying(GemmVarying::K, expert_matrix(dw, e), dy.narrow(b, end), true, x.narrow(b, end), false, 1.0f,
+                       overwrite ? 0.0f : 1.0f);
+      } else if (overwrite) {
+        expert_matrix(dw, e).fill_zero();
       }
-      continue;
     }
-    linear_backward(d_swiglu.narrow(b, end), {expert_matrix(grads.down, e)}, d_expert_out.narrow(b, end),
-                    a.swiglu.narrow(b, end), {expert_matrix(w.down, e)}, overwrite);
-    swiglu_backward(d_gate_up.narrow(b, end), d_swiglu.narrow(b, end), a.gate_up.narrow(b, end));
-    linear_backward(d_permuted.narrow(b, end), {expert_matrix(grads.gate_up, e)}, d_gate_up.narrow(b, end),
-                    a.permuted.narrow(b, end), {expert_matrix(w.gate_up, e)}, overwrite);
-  }
+  };
+  per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down);
+  swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
+  per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up);
 }
 
 }  // namespace forge

@@ -34,8 +34,11 @@
 // their two best choice values, take part), the chosen scores renormalized (norm_topk_prob)
 // and multiplied by routed_scaling_factor. Its backward runs through the scaling, the
 // normalization and the sigmoid; the Switch balancing loss is for softmax routing only.
-// On the CPU everything is fp32 with int32 indices (kernels/cpu/moe.h); the
-// CUDA kernels are not built yet, and these ops refuse CUDA tensors saying so.
+// On the CPU everything is fp32 with int32 indices (kernels/cpu/moe.h). On CUDA
+// (kernels/cuda/moe.h) the routing is fp32 with int32 indices too, token rows are bf16, and
+// the routing is written into buffers the caller laid out (MoeRoutingBuffers), since a
+// device allocation per call would synchronize; the one host synchronization per routing
+// is the copy of the experts' row offsets, which the per-expert GEMMs need on the host.
 #pragma once
 
 #include <cstdint>
@@ -56,22 +59,37 @@ struct MoeRouting {
   std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
   Tensor source;                 // I32 [tokens * k]: the assignment at each permuted row
   Tensor row_of;                 // I32 [tokens * k]: the permuted row of each assignment
+  Tensor device_offsets;         // CUDA only: I64 [experts + 1], offsets on the device
+  Tensor prob_sums;              // CUDA only: F32 [experts], each expert's probabilities summed over tokens
   int64_t rows(int64_t expert) const { return offsets.at(static_cast<size_t>(expert) + 1) - offsets.at(static_cast<size_t>(expert)); }
 };
 
+// Where a routing of `tokens` tokens over `experts` experts with top-k is written: required
+// on CUDA (laid out once, e.g. in a model's arena), optional on the CPU (undefined: each
+// routing allocates its own).
+struct MoeRoutingBuffers {
+  Tensor probs;           // F32 [tokens, experts]
+  Tensor expert_ids;      // I32 [tokens, k]
+  Tensor weights;         // F32 [tokens, k]
+  Tensor source, row_of;  // I32 [tokens * k]
+  Tensor offsets;         // CUDA: I64 [experts + 1]
+  Tensor prob_sums;       // CUDA: F32 [experts]
+  bool defined() const { return probs.defined(); }
+};
+
 // Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]).
-MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize);
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers = {});
 
 // DeepSeek-V3's routing (NOTE [MoE routing]); bias [experts] (fp32) may be undefined (zero).
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
-                             bool normalize, float scaling);
+                             bool normalize, float scaling, const MoeRoutingBuffers& buffers = {});
 
 // d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with prob_gradient
-// ([experts], softmax routing only) that gradient with respect to each of the expert's
-// probabilities is added for every token (a balancing loss's: MoeBalance::prob_gradient
-// times its coefficient).
+// (F32 [experts] on the routing's device; softmax routing only) that gradient with respect
+// to each of the expert's probabilities is added for every token (a balancing loss's:
+// MoeBalance::prob_gradient times its coefficient).
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& routing,
-                        const std::vector<double>* prob_gradient = nullptr);
+                        const Tensor* prob_gradient = nullptr);
 
 // The balancing loss over a model's softmax routings (NOTE [MoE routing]), in double, and its
 // gradient with respect to each probability of each expert (the same for every row).
@@ -109,6 +127,19 @@ struct MoeExpertBuffers {
   Tensor expert_out;  // [rows, hidden]: the output, for moe_combine
 };
 void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& routing);
+
+// NOTE [MoE expert GEMMs]
+// The experts' GEMMs run one per expert with rows, on the expert's block of rows (on CUDA
+// one cuBLASLt GEMM each; SwiGLU runs once over all rows), with the sizes from the
+// routing's host offsets. Not grouped, measured on the H100 (docs/PERF.md,
+// "Mixture-of-Experts"): cuBLAS 13.0's cublasGemmGroupedBatchedEx takes bf16 operands only
+// with a bf16 output (no fp32 weight gradients), and returned CUBLAS_STATUS_NOT_SUPPORTED
+// for the bf16 forward there; cuBLASLt's grouped GEMM (CUDA 13.1) and cuDNN's MoE grouped
+// matmul (9.15, its backward 9.22) are newer than the device's CUDA 13.0 and cuDNN 9.14.
+// An expert's row count changes every step, so its GEMMs are matmul_varying's, whose
+// cuBLASLt plans serve every size of a bucket (NOTE [GEMMs of varying size]) rather than
+// one plan, made on first sight, per size.
+
 // d_permuted [rows, hidden] (written over) from d_expert_out; the weights' gradients into
 // `grads` (fp32, written over when `overwrite`, else added; an expert with no rows adds
 // nothing). d_swiglu [rows, ffn] and d_gate_up [rows, 2 * ffn] are scratch.

@@ -68,12 +68,14 @@ inline MoeGrads moe_backward(const MoeLayer& m, const Tensor& x, const MoeActiva
                        a.routing, d_swiglu, d_gate_up);
   Tensor dx_experts = Tensor::empty(x.shape()), d_logits = Tensor::empty({tokens, m.experts});
   moe_permute_backward(dx_experts, d_permuted, a.routing);
-  std::vector<double> aux_gradient;  // the per-layer balancing loss's, times its coefficient
+  Tensor aux_gradient;  // the per-layer balancing loss's, times its coefficient
   if (m.aux != 0.0f) {
-    aux_gradient = moe_balancing_loss({&a.routing}).prob_gradient;
-    for (double& g : aux_gradient) g *= m.aux;
+    const std::vector<double> per_expert = moe_balancing_loss({&a.routing}).prob_gradient;
+    aux_gradient = Tensor::empty({m.experts});
+    for (int64_t e = 0; e < m.experts; ++e)
+      aux_gradient.data<float>()[e] = static_cast<float>(per_expert[static_cast<size_t>(e)] * m.aux);
   }
-  moe_route_backward(d_logits, d_weights, a.routing, aux_gradient.empty() ? nullptr : &aux_gradient);
+  moe_route_backward(d_logits, d_weights, a.routing, aux_gradient.defined() ? &aux_gradient : nullptr);
   Tensor dx_router = Tensor::empty(x.shape());
   linear_backward(dx_router, {g.router}, d_logits, x, {m.router}, true);
   for (int64_t i = 0; i < x.numel(); ++i)

@@ -238,6 +238,31 @@ TEST(OpsMoe, RefusesBadInputs) {
                {"top-k 5 must be between 1 and the 4 experts of the 2 groups kept"});
   const MoeRouting sig = moe_route_sigmoid(eight, Tensor(), 2, 1, 1, true, 1.0f);
   expect_error([&] { moe_balancing_loss({&sig}); }, {"for softmax routing"});
+  Tensor d_logits = Tensor::empty({3, 4}), d_weights = Tensor::zeros({3, 2}), three = Tensor::zeros({3});
+  expect_error([&] { moe_route_backward(d_logits, d_weights, r, &three); }, {"moe_route_backward prob_gradient"});
+}
+
+// Buffers laid out by the caller (as the model's arena does; required on CUDA) receive the
+// same routing as one the op allocates; a buffer of the wrong shape is refused by name.
+TEST(OpsMoe, RoutesIntoGivenBuffers) {
+  Rng rng(11);
+  const int64_t tokens = 7, experts = 5, k = 2;
+  Tensor logits = Tensor::empty({tokens, experts});
+  for (int64_t i = 0; i < logits.numel(); ++i) logits.data<float>()[i] = static_cast<float>(rng.normal());
+  const MoeRouting own = moe_route(logits, k, true);
+  MoeRoutingBuffers buffers{Tensor::empty({tokens, experts}), Tensor::empty({tokens, k}, DType::I32),
+                            Tensor::empty({tokens, k}), Tensor::empty({tokens * k}, DType::I32),
+                            Tensor::empty({tokens * k}, DType::I32)};
+  const MoeRouting given = moe_route(logits, k, true, buffers);
+  EXPECT_EQ(given.expert_ids.raw(), buffers.expert_ids.raw());
+  EXPECT_EQ(given.offsets, own.offsets);
+  for (int64_t i = 0; i < tokens * k; ++i) {
+    EXPECT_EQ(given.expert_ids.data<int32_t>()[i], own.expert_ids.data<int32_t>()[i]);
+    EXPECT_EQ(given.weights.data<float>()[i], own.weights.data<float>()[i]);
+    EXPECT_EQ(given.row_of.data<int32_t>()[i], own.row_of.data<int32_t>()[i]);
+  }
+  buffers.weights = Tensor::empty({tokens, k + 1});
+  expect_error([&] { moe_route(logits, k, true, buffers); }, {"moe_route logits buffer weights"});
 }
 
 }  // namespace

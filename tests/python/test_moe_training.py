@@ -75,7 +75,8 @@ class MoeTraining(unittest.TestCase):
             self.assertAlmostEqual(json.load(f)["loss"], records(run_dir, "eval")[-1]["loss"], places=9)
         gpu = forge("generate", "--model", run_dir, "--device", "cuda", "--prompt", "x")
         self.assertNotEqual(gpu.returncode, 0)
-        self.assertTrue("runs on the CPU only so far" in gpu.stderr or "no GPU is visible" in gpu.stderr, gpu.stderr)
+        self.assertTrue("decodes those on the CPU only so far" in gpu.stderr or "no GPU is visible" in gpu.stderr,
+                        gpu.stderr)
 
     def test_info_counts_active_parameters(self):
         result = forge("info", "mixtral-8x7b")
@@ -83,7 +84,6 @@ class MoeTraining(unittest.TestCase):
         self.assertIn("ffn 14336 per expert, 8 experts, top-2", result.stdout)
         self.assertIn("46.70 B (46702792704 total", result.stdout)
         self.assertIn("active params    12.88 B per token (12879925248", result.stdout)
-        self.assertIn("MoE models do not run on CUDA yet", result.stdout)
 
 
 if __name__ == "__main__":
