@@ -145,6 +145,24 @@ struct RouteCase {
   int64_t tokens, experts, k;
 };
 
+// The GPU's sort by expert of ids_gpu (the values of the host's `ids`) equals
+// cpu::moe_sort_by_expert's exactly: offsets, source and row_of.
+void expect_sort_like_cpu(const Tensor& ids, const Tensor& ids_gpu, int64_t tokens, int64_t k, int64_t experts,
+                          const std::string& what) {
+  const int64_t n = tokens * k;
+  std::vector<int64_t> offsets(experts + 1);
+  Tensor source = Tensor::empty({n}, DType::I32), row_of = Tensor::empty({n}, DType::I32);
+  cpu::moe_sort_by_expert(ids.data<int32_t>(), tokens, k, experts, offsets.data(), source.data<int32_t>(),
+                          row_of.data<int32_t>());
+  Tensor offsets_gpu = poisoned_gpu({experts + 1}, DType::I64), source_gpu = poisoned_gpu({n}, DType::I32),
+         row_of_gpu = poisoned_gpu({n}, DType::I32);
+  cuda::moe_sort_by_expert(ids_gpu.data<int32_t>(), tokens, k, experts, offsets_gpu.data<int64_t>(),
+                           source_gpu.data<int32_t>(), row_of_gpu.data<int32_t>());
+  EXPECT_EQ(host_values<int64_t>(offsets_gpu), offsets) << what;
+  EXPECT_EQ(host_values<int32_t>(source_gpu), host_values<int32_t>(source)) << what;
+  EXPECT_EQ(host_values<int32_t>(row_of_gpu), host_values<int32_t>(row_of)) << what;
+}
+
 TEST(GpuMoeKernels, TopkSoftmaxMatchesCpu) {
   Rng rng(seed_for_current_test());
   const std::vector<RouteCase> cases = {{1, 8, 2},    {7, 8, 1},      {33, 8, 8},   {257, 64, 6},   {1000, 256, 8},
@@ -180,18 +198,7 @@ TEST(GpuMoeKernels, TopkSoftmaxMatchesCpu) {
         for (int32_t id : gpu_ids) EXPECT_NE(id, experts / 2) << what;
 
       // The GPU's ids sorted by expert on the GPU: the CPU's sort of the same ids.
-      const int64_t n = tokens * k;
-      std::vector<int64_t> offsets(experts + 1);
-      Tensor source = Tensor::empty({n}, DType::I32), row_of = Tensor::empty({n}, DType::I32);
-      cpu::moe_sort_by_expert(ids.data<int32_t>(), tokens, k, experts, offsets.data(), source.data<int32_t>(),
-                              row_of.data<int32_t>());
-      Tensor offsets_gpu = poisoned_gpu({experts + 1}, DType::I64), source_gpu = poisoned_gpu({n}, DType::I32),
-             row_of_gpu = poisoned_gpu({n}, DType::I32);
-      cuda::moe_sort_by_expert(ids_gpu.data<int32_t>(), tokens, k, experts, offsets_gpu.data<int64_t>(),
-                               source_gpu.data<int32_t>(), row_of_gpu.data<int32_t>());
-      EXPECT_EQ(host_values<int64_t>(offsets_gpu), offsets) << what;
-      EXPECT_EQ(host_values<int32_t>(source_gpu), host_values<int32_t>(source)) << what;
-      EXPECT_EQ(host_values<int32_t>(row_of_gpu), host_values<int32_t>(row_of)) << what;
+      expect_sort_like_cpu(ids, ids_gpu, tokens, k, experts, what);
     }
   }
 }
@@ -343,19 +350,7 @@ TEST(GpuMoeKernels, SortByExpertMatchesCpuExactly) {
         if (special == Special::AllToOneExpert) id = static_cast<int32_t>(experts - 1);
         ids.data<int32_t>()[a] = id;
       }
-      std::vector<int64_t> offsets(experts + 1);
-      Tensor source = Tensor::empty({n}, DType::I32), row_of = Tensor::empty({n}, DType::I32);
-      cpu::moe_sort_by_expert(ids.data<int32_t>(), tokens, k, experts, offsets.data(), source.data<int32_t>(),
-                              row_of.data<int32_t>());
-
-      const Tensor ids_gpu = ids.to(Device::CUDA);
-      Tensor offsets_gpu = poisoned_gpu({experts + 1}, DType::I64), source_gpu = poisoned_gpu({n}, DType::I32),
-             row_of_gpu = poisoned_gpu({n}, DType::I32);
-      cuda::moe_sort_by_expert(ids_gpu.data<int32_t>(), tokens, k, experts, offsets_gpu.data<int64_t>(),
-                               source_gpu.data<int32_t>(), row_of_gpu.data<int32_t>());
-      EXPECT_EQ(host_values<int64_t>(offsets_gpu), offsets) << what;
-      EXPECT_EQ(host_values<int32_t>(source_gpu), host_values<int32_t>(source)) << what;
-      EXPECT_EQ(host_values<int32_t>(row_of_gpu), host_values<int32_t>(row_of)) << what;
+      expect_sort_like_cpu(ids, ids.to(Device::CUDA), tokens, k, experts, what);
     }
   }
 }

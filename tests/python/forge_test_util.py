@@ -43,6 +43,12 @@ def relative_error(actual, expected):
     return diff / scale if scale > 0 else diff
 
 
+def records(run_dir, kind="train"):
+    """The records of RUN_DIR/metrics.jsonl whose type is KIND ("train", "eval", "run", ...)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r["type"] == kind]
+
+
 def train_losses(run_dir):
     """Loss per step of RUN_DIR/metrics.jsonl; a resumed run re-logs the steps after its
     checkpoint, the last wins."""

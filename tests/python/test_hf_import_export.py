@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import DEBUG_TINY, random_model
-from forge_test_util import forge_bin, relative_error, run, scratch_dir, tool
+from forge_test_util import forge_bin, records, relative_error, run, scratch_dir, tool
 
 TOLERANCE = 1e-4
 BATCH, SEQ = 2, 13
@@ -113,10 +113,6 @@ class ImportExport(unittest.TestCase):
             with self.subTest(case["name"]):
                 self.check_case(case)
 
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
 
 
 class TrainFromHuggingFace(unittest.TestCase):

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from forge_test_util import forge_bin, relative_error, run, scratch_dir, tool
+from forge_test_util import forge_bin, records, relative_error, run, scratch_dir, tool
 from hf_tiny import published_names, random_model
 
 TOLERANCE = 1e-4
@@ -230,10 +230,6 @@ class DamagedCheckpoints(unittest.TestCase):
         self.assertIn(f"{self.config}: \"router_jitter_noise\" is 0.01; forge's router has no jitter",
                       self.refusal())
 
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
 
 
 class TrainFromMixtral(unittest.TestCase):

@@ -9,7 +9,7 @@ import os
 import subprocess
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir, train_losses
+from forge_test_util import forge_bin, records, scratch_dir, train_losses
 
 FLOOR_MARGIN = 0.15  # as the dense default run's (test_train_cli.py)
 MOE = ["--model.name", "debug-tiny-moe"]
@@ -18,10 +18,6 @@ MOE = ["--model.name", "debug-tiny-moe"]
 def forge(*args):
     return subprocess.run([forge_bin(), *args], capture_output=True, text=True)
 
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
 
 
 class MoeTraining(unittest.TestCase):

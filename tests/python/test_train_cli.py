@@ -1,12 +1,11 @@
 """forge's command line end to end: the default run learns the built-in synthetic corpus
 down to near its entropy floor, runs are deterministic, and bad input of every kind is a
 clear error with a non-zero exit."""
-import json
 import os
 import subprocess
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir, source_dir
+from forge_test_util import forge_bin, records, scratch_dir, source_dir
 
 # The default run (forge train, no arguments) must end with a validation loss within this
 # many nats/token of the synthetic corpus's entropy floor.
@@ -16,10 +15,6 @@ FLOOR_MARGIN = 0.15
 def forge(*args, cwd=None):
     return subprocess.run([forge_bin(), *args], capture_output=True, text=True, cwd=cwd)
 
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
 
 
 class DefaultRun(unittest.TestCase):

@@ -13,7 +13,7 @@ import subprocess
 import time
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import forge_bin, records, scratch_dir
 
 TINY = ["--lr_scheduler.warmup_steps", "3", "--lr_scheduler.decay_steps", "9", "--eval.interval", "0"]
 TENSOR = "layers.1.attention.o.weight"
@@ -35,10 +35,6 @@ def forge(*args, env=None, ranks=1):
     return subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT,
                           env=dict(os.environ, FORGE_NUM_THREADS="1", **(env or {})))
 
-
-def records(run_dir, kind="train"):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r["type"] == kind]
 
 
 def train_losses(run_dir):
