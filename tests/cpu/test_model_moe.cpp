@@ -29,6 +29,9 @@ TEST(ModelMoe, MixtralCountsAreThePublishedOnes) {
   EXPECT_EQ(m.active_params(), 12879925248);  // 12.9 B per token
   // FLOPs per token by active parameters: 6 (active - embedding) + 6 layers hidden seq.
   EXPECT_DOUBLE_EQ(m.flops_per_token(4096), 6.0 * (12879925248.0 - 32000.0 * 4096.0) + 6.0 * 32 * 4096 * 4096);
+  const ModelConfig big = load({{"model.name", "mixtral-8x22b"}}).model;
+  EXPECT_EQ(big.total_params(), 140630071296);   // 141 B as announced
+  EXPECT_EQ(big.active_params(), 39161468928);   // 39 B per token
   const ModelConfig dense = load({}).model;
   EXPECT_EQ(dense.active_params(), dense.total_params());
 }
