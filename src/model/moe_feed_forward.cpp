@@ -8,6 +8,7 @@
 #include "ops/linear.h"
 #include "ops/matmul.h"
 #include "ops/rmsnorm.h"
+#include "ops/swiglu.h"
 
 namespace forge {
 
@@ -41,20 +42,51 @@ std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
   return specs;
 }
 
-void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint, int num_layers) {
+// What each layer keeps (NOTE [Activation checkpointing]): the routing always (small, and
+// read after the forward: expert loads, the balancing loss); the router's logits never
+// (the backward reads the probabilities). none: everything. selective: the GEMM outputs
+// (gate/up, the experts' outputs) and the norm's statistics; the normalized input, its
+// permutation and SwiGLU are recomputed (recompute_selective). full: one shared set, the
+// block's forward rerun before its backward.
+void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode,
+                             int num_layers) {
   const int64_t n = shape.tokens(), rows = n * top_k_;
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
   auto index = [&](Shape s) { return layout.take(std::move(s), DType::I32); };
-  layers_.assign(static_cast<size_t>(num_layers), Activations{});
-  for (Activations& a : layers_) {
+  auto costly = [&](Activations& a) {
     a.rstd = stat({n});
+    a.rows.gate_up = act({rows, 2 * ffn_});
+    a.rows.expert_out = act({rows, hidden_});
+  };
+  auto cheap = [&](Activations& a) {
     a.normed = act({n, hidden_});
-    a.logits = stat({n, experts_});
+    a.rows.permuted = act({rows, hidden_});
+    a.rows.swiglu = act({rows, ffn_});
+  };
+  logits_ = stat({n, experts_});
+  layers_.assign(static_cast<size_t>(num_layers), Activations{});
+  Activations shared;
+  if (mode == ActivationCheckpoint::Full) costly(shared);
+  if (mode != ActivationCheckpoint::None) cheap(shared);
+  for (Activations& a : layers_) {
     a.routing_buffers = {stat({n, experts_}), index({n, top_k_}),  stat({n, top_k_}),
                          index({rows}),       index({rows}),       layout.take({experts_ + 1}, DType::I64),
                          stat({experts_})};
-    a.rows = {act({rows, hidden_}), act({rows, 2 * ffn_}), act({rows, ffn_}), act({rows, hidden_})};
+    if (mode == ActivationCheckpoint::Full) {
+      a.rstd = shared.rstd;
+      a.rows = shared.rows;
+      a.normed = shared.normed;
+      continue;
+    }
+    costly(a);
+    if (mode == ActivationCheckpoint::None) {
+      cheap(a);
+    } else {
+      a.normed = shared.normed;
+      a.rows.permuted = shared.rows.permuted;
+      a.rows.swiglu = shared.rows.swiglu;
+    }
   }
   d_expert_out_ = act({rows, hidden_});
   d_swiglu_ = act({rows, ffn_});
@@ -69,11 +101,18 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
 void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
-  linear_forward(a.logits, a.normed, w.linear(kRouter));
-  a.routing = moe_route(a.logits, top_k_, /*normalize=*/true, a.routing_buffers);
+  linear_forward(logits_, a.normed, w.linear(kRouter));
+  a.routing = moe_route(logits_, top_k_, /*normalize=*/true, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   moe_experts_forward(a.rows, {w.tensor(kGateUp), w.tensor(kDown)}, a.routing);
   if (out) moe_combine(*out, a.rows.expert_out, a.routing, &x);
+}
+
+void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
+  Activations& a = layers_.at(static_cast<size_t>(layer));  // routing, gate/up and expert outputs kept
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
+  moe_permute(a.rows.permuted, a.normed, a.routing);
+  swiglu_forward(a.rows.swiglu, a.rows.gate_up);
 }
 
 std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {

@@ -11,10 +11,11 @@
 // token is ever dropped, an expert with no tokens runs nothing), combine into the residual
 // stream. The weights are stacked per block: the router [E, hidden], the experts' gate/up
 // [E, 2F, hidden] and down [E, hidden, F] (transformers' MixtralExperts layout; Hugging
-// Face names: NOTE [MoE Hugging Face names]). Every activation is kept for the backward
-// under every checkpointing mode (a MoE's are not recomputed yet; full checkpointing reruns
-// the whole forward before the backward, the routing included, which gives the same
-// routing). On CUDA the routing is written into per-layer buffers of the arena
+// Face names: NOTE [MoE Hugging Face names]). Under selective checkpointing a layer keeps
+// its GEMM outputs and routing and recomputes its normalized input, their permutation and
+// SwiGLU; under full checkpointing the decoder reruns the whole forward before the
+// backward, the routing included, which gives the same routing (lay_out says what is kept
+// where). On CUDA the routing is written into per-layer buffers of the arena
 // (MoeRoutingBuffers), the router's GEMMs read the logits' gradient in bf16, and the
 // balancing loss's gradient is copied to the device once per micro-batch. What is not built
 // yet (issue 20): shared experts, DeepSeek's routing in a model and expert parallelism;
@@ -61,7 +62,7 @@ class MoeFeedForward final : public BlockComponent {
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
-  void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override {}  // all kept
+  void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
   std::vector<int64_t> expert_load(int layer) const override;
@@ -73,7 +74,6 @@ class MoeFeedForward final : public BlockComponent {
   struct Activations {
     Tensor rstd;            // [N] fp32
     Tensor normed;          // [N, H]
-    Tensor logits;          // [N, E] fp32
     MoeRoutingBuffers routing_buffers;
     MoeRouting routing;     // this micro-batch's, in routing_buffers
     MoeExpertBuffers rows;  // [N * k, ...] in expert order
@@ -85,6 +85,7 @@ class MoeFeedForward final : public BlockComponent {
   float eps_;
   double aux_coefficient_;
   std::vector<Activations> layers_;
+  Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing
   // The balancing loss's probability gradient, weighted (F32 [E], every layer's); used in
   // the backward when auxiliary_loss gave it.
   Tensor aux_gradient_;

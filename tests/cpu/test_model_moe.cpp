@@ -135,6 +135,13 @@ TEST(ModelMoe, TrainsOnTheCpuUnderEveryCheckpointMode) {
   }
   EXPECT_EQ(curves[1], curves[0]);
   EXPECT_EQ(curves[2], curves[0]);
+  // Checkpointing saves MoE memory: selective drops each layer's normalized input, its
+  // permutation and SwiGLU; full keeps one set for all layers.
+  const int64_t none = activation_bytes(m, batch, seq, DType::F32, ActivationCheckpoint::None),
+                selective = activation_bytes(m, batch, seq, DType::F32, ActivationCheckpoint::Selective),
+                full = activation_bytes(m, batch, seq, DType::F32, ActivationCheckpoint::Full);
+  EXPECT_LT(selective, none);
+  EXPECT_LT(full, selective);
 }
 
 }  // namespace
