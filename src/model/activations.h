@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/tensor.h"
 
@@ -53,6 +54,24 @@ class ArenaLayout {
   Device device_;
   int64_t offset_ = 0;
 };
+
+// A component's per-layer activations under an activation-checkpointing mode (NOTE
+// [Activation checkpointing] in block_component.h): costly(a) lays out in `a` what
+// selective checkpointing keeps, cheap(a) what it recomputes. none: both per layer;
+// selective: costly per layer and one cheap set shared by every layer; full: one set of
+// both shared by every layer.
+template <typename Activations, typename Costly, typename Cheap>
+std::vector<Activations> lay_out_layers(int num_layers, ActivationCheckpoint mode, Costly costly, Cheap cheap) {
+  Activations shared;
+  if (mode == ActivationCheckpoint::Full) costly(shared);
+  if (mode != ActivationCheckpoint::None) cheap(shared);
+  std::vector<Activations> layers(static_cast<size_t>(num_layers), shared);
+  for (Activations& a : layers) {
+    if (mode != ActivationCheckpoint::Full) costly(a);
+    if (mode == ActivationCheckpoint::None) cheap(a);
+  }
+  return layers;
+}
 
 // Rows of the output head's logits chunk (NOTE [Chunked output head] in decoder_lm.cpp).
 int64_t head_chunk_rows(int64_t tokens, int64_t vocab, DType dtype);

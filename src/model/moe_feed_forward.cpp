@@ -65,29 +65,11 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
     a.rows.swiglu = act({rows, ffn_});
   };
   logits_ = stat({n, experts_});
-  layers_.assign(static_cast<size_t>(num_layers), Activations{});
-  Activations shared;
-  if (mode == ActivationCheckpoint::Full) costly(shared);
-  if (mode != ActivationCheckpoint::None) cheap(shared);
-  for (Activations& a : layers_) {
+  layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
+  for (Activations& a : layers_)  // in every mode
     a.routing_buffers = {stat({n, experts_}), index({n, top_k_}),  stat({n, top_k_}),
                          index({rows}),       index({rows}),       layout.take({experts_ + 1}, DType::I64),
                          stat({experts_})};
-    if (mode == ActivationCheckpoint::Full) {
-      a.rstd = shared.rstd;
-      a.rows = shared.rows;
-      a.normed = shared.normed;
-      continue;
-    }
-    costly(a);
-    if (mode == ActivationCheckpoint::None) {
-      cheap(a);
-    } else {
-      a.normed = shared.normed;
-      a.rows.permuted = shared.rows.permuted;
-      a.rows.swiglu = shared.rows.swiglu;
-    }
-  }
   d_expert_out_ = act({rows, hidden_});
   d_swiglu_ = act({rows, ffn_});
   d_gate_up_ = act({rows, 2 * ffn_});
@@ -135,7 +117,8 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
   const MoeBalance balance = moe_balancing_loss(routings());
   if (gradient_weight != 0.0) {  // the same for every layer: copied to the device once
     std::vector<float> g(balance.prob_gradient.size());
-    for (size_t e = 0; e < g.size(); ++e) g[e] = static_cast<float>(balance.prob_gradient[e] * aux_coefficient_ * gradient_weight);
+    for (size_t e = 0; e < g.size(); ++e)
+      g[e] = static_cast<float>(balance.prob_gradient[e] * aux_coefficient_ * gradient_weight);
     copy_bytes(aux_gradient_.raw(), aux_gradient_.device(), g.data(), Device::CPU, g.size() * sizeof(float));
     aux_gradient_used_ = true;
   }

@@ -50,18 +50,8 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
     a.out = act({b, t, heads_, head_dim_});
     a.lse = stat({b, heads_, t});
   };
-  layers_.assign(static_cast<size_t>(num_layers), Activations{});
-  Activations shared;
-  if (mode == ActivationCheckpoint::Full) costly(shared);
-  if (mode != ActivationCheckpoint::None) shared.normed = act({n, hidden_});
-  for (Activations& a : layers_) {
-    if (mode == ActivationCheckpoint::Full) {
-      a = shared;
-      continue;
-    }
-    costly(a);
-    a.normed = mode == ActivationCheckpoint::None ? act({n, hidden_}) : shared.normed;
-  }
+  auto cheap = [&](Activations& a) { a.normed = act({n, hidden_}); };
+  layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   d_out_ = act({n, heads_ * head_dim_});
   d_qkv_ = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
 }

@@ -39,23 +39,7 @@ void SwiGluFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Act
     a.normed = act({n, hidden_});
     a.swiglu = act({n, ffn_});
   };
-  layers_.assign(static_cast<size_t>(num_layers), Activations{});
-  Activations shared;
-  if (mode == ActivationCheckpoint::Full) costly(shared);
-  if (mode != ActivationCheckpoint::None) cheap(shared);
-  for (Activations& a : layers_) {
-    if (mode == ActivationCheckpoint::Full) {
-      a = shared;
-      continue;
-    }
-    costly(a);
-    if (mode == ActivationCheckpoint::None) {
-      cheap(a);
-    } else {
-      a.normed = shared.normed;
-      a.swiglu = shared.swiglu;
-    }
-  }
+  layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   d_swiglu_ = act({n, ffn_});
   d_gate_up_ = act({n, 2 * ffn_});
 }
