@@ -9,13 +9,6 @@
 #endif
 
 namespace forge {
-namespace {
-
-#ifdef FORGE_CUDA
-cuda::bf16* bf16_ptr(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
-#endif
-
-}  // namespace
 
 double sum_of_squares(const Tensor& a) {
   OpProfileScope profile(OpClass::Elementwise, "sum_of_squares");

@@ -99,18 +99,16 @@ const Fp8LinearWorkspace& workspace_of(const Fp8Linear& fp8, const char* op) {
   return *fp8.workspace;
 }
 
-const cuda::bf16* bf16_of(const Tensor& t) { return static_cast<const cuda::bf16*>(t.raw()); }
-
 // The codes of t [rows, cols] (bf16) at `dst` with its current scale, transposed to
 // [cols, rows] when asked; t's amax folded into `seen` when not null.
 // With amax_ready, t's amax is in dst.amax already (NOTE [FP8 fused producers]).
 void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst, float* seen,
                      bool amax_ready = false) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
-  if (!amax_ready) cuda::fp8_amax(bf16_of(t), t.numel(), dst.amax);
+  if (!amax_ready) cuda::fp8_amax(bf16_ptr(t), t.numel(), dst.amax);
   cuda::fp8_scale_from_amax(dst.amax, format, false, dst.scale, dst.scale_inv, seen);
-  if (transpose) cuda::fp8_cast_transpose(bf16_of(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
-  else cuda::fp8_cast(bf16_of(t), t.numel(), dst.scale, format, dst.codes, nullptr);
+  if (transpose) cuda::fp8_cast_transpose(bf16_ptr(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
+  else cuda::fp8_cast(bf16_ptr(t), t.numel(), dst.scale, format, dst.codes, nullptr);
 }
 
 // NOTE [FP8 fused producers]: whether a producer prepared x (its amax, or with `codes` its
@@ -141,10 +139,10 @@ DeviceOperand delayed_operand(const Fp8Linear& fp8, Fp8Role role, uint8_t* codes
 void cast_delayed(const Tensor& t, Fp8Format format, const DeviceOperand& dst, bool transpose,
                   uint8_t* also_transposed = nullptr) {
   if (!transpose && !also_transposed) {
-    cuda::fp8_cast(bf16_of(t), t.numel(), dst.scale, format, dst.codes, dst.amax);
+    cuda::fp8_cast(bf16_ptr(t), t.numel(), dst.scale, format, dst.codes, dst.amax);
     return;
   }
-  cuda::fp8_cast_transpose(bf16_of(t), t.dim(0), t.dim(1), dst.scale, format, transpose ? nullptr : dst.codes,
+  cuda::fp8_cast_transpose(bf16_ptr(t), t.dim(0), t.dim(1), dst.scale, format, transpose ? nullptr : dst.codes,
                            transpose ? dst.codes : also_transposed, dst.amax);
 }
 
@@ -188,7 +186,7 @@ bool saw(const Fp8ForwardStats* saved, const Tensor* x, const Tensor* w) {
 
 // t [rows, cols] transposed into dst's codes with the scale its forward found (no amax).
 void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand& dst) {
-  cuda::fp8_cast_transpose(bf16_of(t), t.dim(0), t.dim(1), dst.scale, format, nullptr, dst.codes, nullptr);
+  cuda::fp8_cast_transpose(bf16_ptr(t), t.dim(0), t.dim(1), dst.scale, format, nullptr, dst.codes, nullptr);
 }
 
 // W^T (E4M3) into b's codes: with the forward's scale when it saw this W (b then points
@@ -376,9 +374,9 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
         d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
       } else {
-        if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_of(dy), dy.numel(), d.amax);
+        if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_ptr(dy), dy.numel(), d.amax);
         cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, seen_of(fp8, Fp8Role::Dy));
-        cuda::fp8_cast_transpose(bf16_of(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
+        cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       }
       d_t = {d_t.codes, d.amax, d.scale, d.scale_inv};  // dy^T: dy's statistics
       quantize_weight_transposed(w, fp8, b);  // W^T [in, out]

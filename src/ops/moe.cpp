@@ -18,10 +18,6 @@
 namespace forge {
 namespace {
 
-#ifdef FORGE_CUDA
-cuda::bf16* bf16_ptr(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
-#endif
-
 // Token rows are fp32 on the CPU and bf16 on CUDA (NOTE [Op placement]).
 DType row_dtype(Device device) { return device == Device::CUDA ? DType::BF16 : DType::F32; }
 

@@ -22,3 +22,14 @@ void expect_tensor(const Tensor& t, Device device, DType dtype, const char* what
 #else
 #define FORGE_CUDA_CALL(op, ...) ::forge::fail_without_cuda(op)
 #endif
+
+#ifdef FORGE_CUDA
+#include "kernels/cuda/types.h"
+
+namespace forge {
+
+// A bf16 tensor's elements as the CUDA kernels take them.
+inline cuda::bf16* bf16_ptr(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
+
+}  // namespace forge
+#endif
