@@ -39,16 +39,15 @@ void check_routing(const MoeRouting& r, const char* op) {
               "{}: the routing is not from moe_route", op);
 }
 
-// The routing's sort by expert, from its expert_ids; on CUDA also each expert's summed
-// probabilities, and the offsets copied to the host (the routing's one synchronization).
+// The routing's sort by expert, from its expert_ids; on CUDA the offsets are copied to
+// the host (the routing's one synchronization).
 void sort_by_expert(MoeRouting& r) {
   r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
   if (r.probs.device() == Device::CUDA) {
-    FORGE_CUDA_CALL("moe_route", {
-      cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
-                               r.device_offsets.data<int64_t>(), r.source.data<int32_t>(), r.row_of.data<int32_t>());
-      cuda::moe_prob_column_sums(r.probs.data<float>(), r.tokens, r.experts, r.prob_sums.data<float>());
-    });
+    FORGE_CUDA_CALL("moe_route",
+                    cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
+                                             r.device_offsets.data<int64_t>(), r.source.data<int32_t>(),
+                                             r.row_of.data<int32_t>()));
     copy_bytes(r.offsets.data(), Device::CPU, r.device_offsets.raw(), Device::CUDA, r.offsets.size() * sizeof(int64_t));
     return;
   }
@@ -170,7 +169,9 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
     FORGE_CHECK(!r->sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
     FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
     for (int64_t e = 0; e < experts; ++e) assigned[static_cast<size_t>(e)] += static_cast<double>(r->rows(e));
-    if (r->probs.device() == Device::CUDA) {  // summed on the device by the router
+    if (r->probs.device() == Device::CUDA) {  // summed on the device, only when a loss asks
+      FORGE_CUDA_CALL("moe_balancing_loss", cuda::moe_prob_column_sums(r->probs.data<float>(), r->tokens, experts,
+                                                                       r->prob_sums.data<float>()));
       const Tensor sums = r->prob_sums.to(Device::CPU);
       for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(e)] += sums.data<float>()[e];
     } else {
@@ -255,8 +256,9 @@ void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeR
   OpProfileScope profile(OpClass::Elementwise, "moe_permute_backward");
   const int64_t hidden = token_and_row_width(r, "moe_permute_backward", dx, "dx", d_permuted, "d_permuted");
   if (dx.device() == Device::CUDA) {
-    FORGE_CUDA_CALL("moe_permute_backward", cuda::moe_permute_backward(bf16_ptr(dx), bf16_ptr(d_permuted),
-                                                                       r.row_of.data<int32_t>(), r.tokens, r.k, hidden));
+    FORGE_CUDA_CALL("moe_permute_backward",
+                    cuda::moe_permute_backward(bf16_ptr(dx), bf16_ptr(d_permuted), r.row_of.data<int32_t>(), r.tokens,
+                                               r.k, hidden));
     return;
   }
   const int32_t* row_of = r.row_of.data<int32_t>();
@@ -289,7 +291,8 @@ void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& 
   std::vector<double> sum(static_cast<size_t>(hidden));
   for (int64_t t = 0; t < r.tokens; ++t) {
     float* to = out.data<float>() + t * hidden;
-    for (int64_t h = 0; h < hidden; ++h) sum[static_cast<size_t>(h)] = residual ? residual->data<float>()[t * hidden + h] : 0.0;
+    for (int64_t h = 0; h < hidden; ++h)
+      sum[static_cast<size_t>(h)] = residual ? residual->data<float>()[t * hidden + h] : 0.0;
     for (int64_t j = 0; j < r.k; ++j) {
       const float* y = expert_out.data<float>() + static_cast<int64_t>(row_of[t * r.k + j]) * hidden;
       for (int64_t h = 0; h < hidden; ++h) sum[static_cast<size_t>(h)] += static_cast<double>(w[t * r.k + j]) * y[h];
@@ -339,7 +342,8 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
   auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight) {
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
-      if (b != end) matmul_varying(GemmVarying::M, y.narrow(b, end), x.narrow(b, end), false, expert_matrix(weight, e), true);
+      if (b != end)
+        matmul_varying(GemmVarying::M, y.narrow(b, end), x.narrow(b, end), false, expert_matrix(weight, e), true);
     }
   };
   per_expert(a.gate_up, a.permuted, w.gate_up);

@@ -60,7 +60,7 @@ struct MoeRouting {
   Tensor source;                 // I32 [tokens * k]: the assignment at each permuted row
   Tensor row_of;                 // I32 [tokens * k]: the permuted row of each assignment
   Tensor device_offsets;         // CUDA only: I64 [experts + 1], offsets on the device
-  Tensor prob_sums;              // CUDA only: F32 [experts], each expert's probabilities summed over tokens
+  Tensor prob_sums;              // CUDA only: F32 [experts], moe_balancing_loss's per-expert sums of probs
   int64_t rows(int64_t expert) const { return offsets.at(static_cast<size_t>(expert) + 1) - offsets.at(static_cast<size_t>(expert)); }
 };
 
@@ -73,7 +73,7 @@ struct MoeRoutingBuffers {
   Tensor weights;         // F32 [tokens, k]
   Tensor source, row_of;  // I32 [tokens * k]
   Tensor offsets;         // CUDA: I64 [experts + 1]
-  Tensor prob_sums;       // CUDA: F32 [experts]
+  Tensor prob_sums;       // CUDA: F32 [experts], the balancing loss's scratch
   bool defined() const { return probs.defined(); }
 };
 
