@@ -55,7 +55,8 @@ IncrementalDecoder::IncrementalDecoder(const ModelConfig& config, int64_t capaci
     }
     first_param_.push_back(first_param_.back() + specs.size());
   }
-  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, config_.rope_theta, config_.rope_scaling), capacity);
+  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, config_.rope_theta, config_.rope_scaling), capacity,
+              rope_attention_factor(config_.rope_scaling));
   rope_cos_ = rope_cos_.to(device);
   rope_sin_ = rope_sin_.to(device);
   for (int i = 0; i < config_.num_layers; ++i) {

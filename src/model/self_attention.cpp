@@ -57,7 +57,8 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
 }
 
 void SelfAttention::prepare(const StepShape& shape, Device device) {
-  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, rope_theta_, rope_scaling_), shape.seq_len);
+  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, rope_theta_, rope_scaling_), shape.seq_len,
+              rope_attention_factor(rope_scaling_));
   rope_cos_ = rope_cos_.to(device);
   rope_sin_ = rope_sin_.to(device);
   device_ = device;

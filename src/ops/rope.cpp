@@ -1,5 +1,6 @@
 #include "ops/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -26,6 +27,30 @@ double llama3_scaled(double inv_freq, const RopeScaling& s) {
   if (wavelen < high_freq_wavelen) return inv_freq;
   double smooth = (original / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
   return (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq;
+}
+
+// mscale(s, m) of NOTE in ops/rope.h (transformers' get_mscale).
+double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; }
+
+// YaRN's frequencies (NOTE at RopeScaling in ops/rope.h), in double where transformers
+// computes in fp32.
+std::vector<double> yarn_inv_freq(int64_t head_dim, double theta, const RopeScaling& s) {
+  const double dim = static_cast<double>(head_dim), original = static_cast<double>(s.original_max_position);
+  // The dimension whose wavelength turns `rotations` times within the original context.
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(theta));
+  };
+  double low = std::max(std::floor(correction_dim(s.beta_fast)), 0.0);
+  double high = std::min(std::ceil(correction_dim(s.beta_slow)), dim - 1.0);
+  if (low == high) high += 0.001;  // as transformers, against a zero-width ramp
+  std::vector<double> inv_freq(static_cast<size_t>(head_dim / 2));
+  for (int64_t i = 0; i < head_dim / 2; ++i) {
+    const double extrapolated = 1.0 / std::pow(theta, static_cast<double>(2 * i) / dim);
+    const double ramp = std::clamp((static_cast<double>(i) - low) / (high - low), 0.0, 1.0);
+    const double keep = 1.0 - ramp;  // the share of the extrapolated (unscaled) frequency
+    inv_freq[static_cast<size_t>(i)] = extrapolated / s.factor * (1.0 - keep) + extrapolated * keep;
+  }
+  return inv_freq;
 }
 
 void check_rope_args(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, const Tensor& sin,
@@ -70,7 +95,15 @@ void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, c
 std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling) {
   FORGE_CHECK(head_dim > 0 && head_dim % 2 == 0, "rope_inv_freq: head_dim {} must be even", head_dim);
   FORGE_CHECK(theta > 0.0, "rope_inv_freq: theta {} must be positive", theta);
+  if (scaling.yarn()) {
+    FORGE_CHECK(scaling.factor >= 1.0 && scaling.original_max_position > 0 && scaling.beta_fast > 0.0 &&
+                    scaling.beta_slow > 0.0,
+                "rope_inv_freq: bad yarn scaling (factor {}, original {}, beta_fast {}, beta_slow {})", scaling.factor,
+                scaling.original_max_position, scaling.beta_fast, scaling.beta_slow);
+    return yarn_inv_freq(head_dim, theta, scaling);
+  }
   if (scaling.enabled) {
+    FORGE_CHECK(scaling.type == "llama3", "rope_inv_freq: unknown rope scaling type '{}'", scaling.type);
     FORGE_CHECK(scaling.factor > 0.0 && scaling.low_freq_factor > 0.0 &&
                     scaling.high_freq_factor > scaling.low_freq_factor && scaling.original_max_position > 0,
                 "rope_inv_freq: bad llama3 scaling (factor {}, low {}, high {}, original {})", scaling.factor,
@@ -84,7 +117,20 @@ std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScal
   return inv_freq;
 }
 
-void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, int64_t max_positions) {
+double rope_attention_factor(const RopeScaling& s) {
+  if (!s.yarn()) return 1.0;
+  if (s.mscale != 0.0 && s.mscale_all_dim != 0.0) return yarn_mscale(s.factor, s.mscale) / yarn_mscale(s.factor, s.mscale_all_dim);
+  return yarn_mscale(s.factor, 1.0);
+}
+
+double rope_softmax_scale(const RopeScaling& s) {
+  if (!s.yarn() || s.mscale_all_dim == 0.0) return 1.0;
+  const double m = yarn_mscale(s.factor, s.mscale_all_dim);
+  return m * m;
+}
+
+void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, int64_t max_positions,
+                 double scale) {
   int64_t half = static_cast<int64_t>(inv_freq.size());
   cos = Tensor::empty({max_positions, half});
   sin = Tensor::empty({max_positions, half});
@@ -93,8 +139,8 @@ void rope_tables(Tensor& cos, Tensor& sin, const std::vector<double>& inv_freq, 
   for (int64_t t = 0; t < max_positions; ++t) {
     for (int64_t i = 0; i < half; ++i) {
       double angle = static_cast<double>(t) * inv_freq[i];
-      c[t * half + i] = static_cast<float>(std::cos(angle));
-      s[t * half + i] = static_cast<float>(std::sin(angle));
+      c[t * half + i] = static_cast<float>(scale * std::cos(angle));
+      s[t * half + i] = static_cast<float>(scale * std::sin(angle));
     }
   }
 }

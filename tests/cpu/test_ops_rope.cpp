@@ -36,6 +36,48 @@ TEST(OpsRope, Llama31InverseFrequencies) {
   for (auto [i, want] : expected) EXPECT_NEAR(inv_freq[i] / want, 1.0, 1e-12) << "index " << i;
 }
 
+// DeepSeek-V2-Lite's YaRN: qk_rope_head_dim 64, rope_theta 10000, rope_scaling {type yarn,
+// factor 40, original_max_position_embeddings 4096, beta_fast 32, beta_slow 1, mscale and
+// mscale_all_dim 0.707}. Expected values from transformers 5.23's
+// ROPE_INIT_FUNCTIONS["yarn"] (computed in fp32, hence 1e-6) and, for the softmax scale,
+// its DeepSeek-V2 yarn_apply_mscale.
+TEST(OpsRope, YarnMatchesTransformers) {
+  RopeScaling s;
+  s.enabled = true;
+  s.type = "yarn";
+  s.factor = 40.0;
+  s.original_max_position = 4096;
+  s.mscale = s.mscale_all_dim = 0.707;
+  const std::vector<double> inv_freq = rope_inv_freq(64, 10000.0, s);
+  ASSERT_EQ(inv_freq.size(), 32u);
+  const std::pair<int, double> expected[] = {
+      {0, 1.0},  {5, 0.23713736236095428},  {10, 0.05623412877321243},  {15, 0.0083345090970397},
+      {20, 0.0007905694073997438}, {25, 1.8747354260995053e-05}, {31, 3.3338035336782923e-06},
+  };
+  for (auto [i, want] : expected) EXPECT_NEAR(inv_freq[i] / want, 1.0, 1e-6) << "index " << i;
+  EXPECT_DOUBLE_EQ(rope_attention_factor(s), 1.0);  // equal mscales cancel
+  EXPECT_NEAR(rope_softmax_scale(s), 1.5896261651208736, 1e-12);
+  s.mscale = 1.0;
+  s.mscale_all_dim = 0.8;
+  EXPECT_NEAR(rope_attention_factor(s), 1.0569662567531275, 1e-12);
+  EXPECT_NEAR(rope_softmax_scale(s), 1.677310835070927, 1e-12);
+  s.enabled = false;  // the factors only apply while scaling is on
+  EXPECT_EQ(rope_attention_factor(s), 1.0);
+  EXPECT_EQ(rope_softmax_scale(s), 1.0);
+}
+
+// The tables carry the attention factor: cos and sin scaled alike.
+TEST(OpsRope, TablesTakeAScale) {
+  Tensor cos, sin, cos2, sin2;
+  const std::vector<double> inv_freq = rope_inv_freq(8, 10000.0, RopeScaling{});
+  rope_tables(cos, sin, inv_freq, 5);
+  rope_tables(cos2, sin2, inv_freq, 5, 1.25);
+  for (int64_t i = 0; i < cos.numel(); ++i) {
+    EXPECT_FLOAT_EQ(cos2.data<float>()[i], static_cast<float>(1.25 * cos.data<float>()[i]));
+    EXPECT_FLOAT_EQ(sin2.data<float>()[i], static_cast<float>(1.25 * sin.data<float>()[i]));
+  }
+}
+
 TEST(OpsRope, UnscaledInverseFrequencies) {
   std::vector<double> inv_freq = rope_inv_freq(8, 10000.0, RopeScaling{});
   const double expected[] = {1.0, 0.1, 0.01, 0.001};
