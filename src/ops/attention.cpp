@@ -32,6 +32,7 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
                             .q_heads = shape.num_q_heads,
                             .kv_heads = shape.num_kv_heads,
                             .head_dim = qkv.dim(3),
+                            .v_head_dim = qkv.dim(3),
                             .window = shape.sliding_window,
                             .scale = shape.scale};
 }

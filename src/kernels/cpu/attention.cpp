@@ -1,4 +1,7 @@
 // Exact causal grouped-query attention, forward and backward, on the packed QKV tensor.
+// Queries and keys have head_dim elements, values and outputs v_head_dim (NOTE [Value head
+// dim] in ops/attention.h); every loop below runs over the dim of the vectors it touches,
+// so equal dims are simply the case v_head_dim = head_dim.
 //
 // Query position i of query head h attends to key positions j in [first(i), i], where
 // first(i) = 0 without a sliding window and max(0, i - W + 1) with window W, so the key
@@ -33,15 +36,21 @@
 namespace forge::cpu {
 namespace {
 
-// Element offsets into the packed tensors.
+// Element offsets into the packed tensors. A token's row of qkv holds its query heads, key
+// heads and value heads one after another.
 struct Layout {
   const AttentionDims& d;
-  int64_t heads() const { return d.q_heads + 2 * d.kv_heads; }
-  int64_t qkv_row(int64_t b, int64_t t, int64_t head) const { return ((b * d.seq + t) * heads() + head) * d.head_dim; }
-  int64_t query(int64_t b, int64_t t, int64_t h) const { return qkv_row(b, t, h); }
-  int64_t key(int64_t b, int64_t t, int64_t g) const { return qkv_row(b, t, d.q_heads + g); }
-  int64_t value(int64_t b, int64_t t, int64_t g) const { return qkv_row(b, t, d.q_heads + d.kv_heads + g); }
-  int64_t out_row(int64_t b, int64_t t, int64_t h) const { return ((b * d.seq + t) * d.q_heads + h) * d.head_dim; }
+  int64_t width;  // elements per token of qkv
+
+  explicit Layout(const AttentionDims& dims)
+      : d(dims), width((dims.q_heads + dims.kv_heads) * dims.head_dim + dims.kv_heads * dims.v_head_dim) {}
+  int64_t token(int64_t b, int64_t t) const { return (b * d.seq + t) * width; }
+  int64_t query(int64_t b, int64_t t, int64_t h) const { return token(b, t) + h * d.head_dim; }
+  int64_t key(int64_t b, int64_t t, int64_t g) const { return token(b, t) + (d.q_heads + g) * d.head_dim; }
+  int64_t value(int64_t b, int64_t t, int64_t g) const {
+    return token(b, t) + (d.q_heads + d.kv_heads) * d.head_dim + g * d.v_head_dim;
+  }
+  int64_t out_row(int64_t b, int64_t t, int64_t h) const { return ((b * d.seq + t) * d.q_heads + h) * d.v_head_dim; }
   int64_t lse_index(int64_t b, int64_t h, int64_t t) const { return (b * d.q_heads + h) * d.seq + t; }
   int64_t first_key(int64_t b, int64_t i) const {
     int64_t first = d.window > 0 ? std::max<int64_t>(0, i - d.window + 1) : 0;
@@ -53,7 +62,7 @@ struct Layout {
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, const AttentionDims& dims) {
-  Layout at{dims};
+  const Layout at(dims);
   int64_t rows = dims.batch * dims.q_heads * dims.seq;
   int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dims.seq * dims.head_dim));
   parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
@@ -62,7 +71,8 @@ void attention_forward(float* out, float* lse, const float* qkv, const Attention
       int64_t i = row % dims.seq, h = (row / dims.seq) % dims.q_heads, b = row / (dims.seq * dims.q_heads);
       int64_t g = at.kv_head_of(h), first = at.first_key(b, i);
       const double row_lse = attend_row(
-          out + at.out_row(b, i, h), qkv + at.query(b, i, h), first, i, dims.scale, dims.head_dim, p.data(),
+          out + at.out_row(b, i, h), qkv + at.query(b, i, h), first, i, dims.scale, dims.head_dim, dims.v_head_dim,
+          p.data(),
           [&](int64_t j) { return qkv + at.key(b, j, g); }, [&](int64_t j) { return qkv + at.value(b, j, g); });
       lse[at.lse_index(b, h, i)] = static_cast<float>(row_lse);
     }
@@ -71,15 +81,15 @@ void attention_forward(float* out, float* lse, const float* qkv, const Attention
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                         const AttentionDims& dims) {
-  Layout at{dims};
-  int64_t group = dims.q_heads / dims.kv_heads;
-  int64_t d = dims.head_dim;
+  const Layout at(dims);
+  const int64_t group = dims.q_heads / dims.kv_heads;
+  const int64_t d = dims.head_dim, dv = dims.v_head_dim;
   parallel_for(dims.batch * dims.kv_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pair = begin; pair < end; ++pair) {
       int64_t b = pair / dims.kv_heads, g = pair % dims.kv_heads;
       for (int64_t t = 0; t < dims.seq; ++t) {
         std::fill_n(dqkv + at.key(b, t, g), d, 0.0f);
-        std::fill_n(dqkv + at.value(b, t, g), d, 0.0f);
+        std::fill_n(dqkv + at.value(b, t, g), dv, 0.0f);
         for (int64_t h = g * group; h < (g + 1) * group; ++h) std::fill_n(dqkv + at.query(b, t, h), d, 0.0f);
       }
       for (int64_t h = g * group; h < (g + 1) * group; ++h) {
@@ -88,13 +98,13 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           const float* dout_i = dout + at.out_row(b, i, h);
           float* dq = dqkv + at.query(b, i, h);
           float lse_i = lse[at.lse_index(b, h, i)];
-          float correction = dot(dout_i, out + at.out_row(b, i, h), d);
+          float correction = dot(dout_i, out + at.out_row(b, i, h), dv);
           for (int64_t j = at.first_key(b, i); j <= i; ++j) {
             const float* k = qkv + at.key(b, j, g);
             const float* v = qkv + at.value(b, j, g);
             float p = std::exp(dims.scale * dot(q, k, d) - lse_i);
-            float dscore = dims.scale * p * (dot(dout_i, v, d) - correction);
-            axpy(dqkv + at.value(b, j, g), p, dout_i, d);
+            float dscore = dims.scale * p * (dot(dout_i, v, dv) - correction);
+            axpy(dqkv + at.value(b, j, g), p, dout_i, dv);
             axpy(dqkv + at.key(b, j, g), dscore, q, d);
             axpy(dq, dscore, k, d);
           }

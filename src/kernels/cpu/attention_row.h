@@ -12,12 +12,13 @@
 namespace forge::cpu {
 
 // o = sum_j softmax_j(scale * q.k_j) v_j over keys j in [first, last], with the row maximum
-// subtracted (exponents <= 0) and the sum in double. key(j) and value(j) point at key and
-// value j; p is scratch of at least last + 1 floats. Returns the log-sum-exp of the scaled
-// scores (the training attention's lse).
+// subtracted (exponents <= 0) and the sum in double. q and key j have head_dim elements,
+// value j and o v_head_dim. key(j) and value(j) point at key and value j; p is scratch of
+// at least last + 1 floats. Returns the log-sum-exp of the scaled scores (the training
+// attention's lse).
 template <class KeyAt, class ValueAt>
-double attend_row(float* o, const float* q, int64_t first, int64_t last, float scale, int64_t head_dim, float* p,
-                  KeyAt key, ValueAt value) {
+double attend_row(float* o, const float* q, int64_t first, int64_t last, float scale, int64_t head_dim,
+                  int64_t v_head_dim, float* p, KeyAt key, ValueAt value) {
   float max_score = -INFINITY;
   for (int64_t j = first; j <= last; ++j) {
     p[j] = scale * dot(q, key(j), head_dim);
@@ -28,10 +29,10 @@ double attend_row(float* o, const float* q, int64_t first, int64_t last, float s
     p[j] = std::exp(p[j] - max_score);
     sum += p[j];
   }
-  std::fill(o, o + head_dim, 0.0f);
-  for (int64_t j = first; j <= last; ++j) axpy(o, p[j], value(j), head_dim);
+  std::fill(o, o + v_head_dim, 0.0f);
+  for (int64_t j = first; j <= last; ++j) axpy(o, p[j], value(j), v_head_dim);
   const float inv_sum = static_cast<float>(1.0 / sum);
-  for (int64_t e = 0; e < head_dim; ++e) o[e] *= inv_sum;
+  for (int64_t e = 0; e < v_head_dim; ++e) o[e] *= inv_sum;
   return max_score + std::log(sum);
 }
 

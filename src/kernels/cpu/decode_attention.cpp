@@ -55,7 +55,8 @@ void decode_attention_forward(float* out, const float* qkv, const float* k_cache
       const int64_t last = dims.position + i;
       const int64_t first = dims.window > 0 ? std::max<int64_t>(0, last - dims.window + 1) : 0;
       attend_row(
-          out + at.out_row(b, i, h), qkv + at.qkv_row(b, i, h), first, last, dims.scale, dims.head_dim, p.data(),
+          out + at.out_row(b, i, h), qkv + at.qkv_row(b, i, h), first, last, dims.scale, dims.head_dim,
+          dims.head_dim, p.data(),
           [&](int64_t j) { return k_cache + at.cache_row(b, j, g); },
           [&](int64_t j) { return v_cache + at.cache_row(b, j, g); });
     }
