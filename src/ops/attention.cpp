@@ -49,7 +49,7 @@ void check_segments(const AttentionSegments* segments, const cpu::AttentionDims&
 cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d, const AttentionSegments* segments) {
   // cuDNN's fused attention rejects a single-token sequence; no training run has one.
   if (d.seq < 2) FORGE_FAIL("attention on CUDA needs a sequence of at least 2 tokens, got {}", d.seq);
-  cuda::AttentionProblem p{d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.window, d.scale};
+  cuda::AttentionProblem p{d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.v_head_dim, d.window, d.scale};
   if (segments)
     p.ragged = {segments->capacity, segments->lengths.data<int32_t>(), segments->qkv_offsets.data<int64_t>(),
                 segments->out_offsets.data<int64_t>(), segments->lse_offsets.data<int64_t>()};

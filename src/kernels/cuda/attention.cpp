@@ -8,6 +8,16 @@
 // h / (Hq / Hkv) itself. dQKV is written through the same three views, so the backward's
 // output is already in the layout the QKV projection's backward GEMM reads.
 //
+// Values with a head dim Dv of their own (NOTE [Value head dim] in ops/attention.h, MLA's
+// D = 192, Dv = 128) change only the views' numbers. A token's row of qkv is then
+// R = (Hq + Hkv) D + Hkv Dv elements: Q [b, Hq, s, D] at element 0 and K [b, Hkv, s, D] at
+// Hq D, both with strides (T R, D, R, 1); V [b, Hkv, s, Dv] at (Hq + Hkv) D with strides
+// (T R, Dv, R, 1); O and dO [b, Hq, s, Dv] with strides (T Hq Dv, Dv, Hq Dv, 1). cuDNN's
+// SDPA takes V's head dim from V itself, forward and backward; for fp16/bf16 on Hopper
+// cudnn-frontend accepts head dims up to 256 that are multiples of 8, d_qk and d_v apart,
+// and its support matrix names d_qk = 192 with d_v = 128 for prefill and backprop.
+// With Dv = D these are the uniform form's views.
+//
 // Masking is causal with the diagonal at the top left; a sliding window W sets the band's
 // left bound to W, which keeps key j for query i when j + W > i, i.e. i - j < W, the same
 // rule as the CPU reference. The softmax statistics cuDNN saves are the log-sum-exp of
@@ -16,13 +26,14 @@
 // Packed examples (NOTE [Packed examples] in ops/attention.h) use cuDNN's ragged ("THD")
 // layout: the graph's batch is the micro-batch's examples (rounded up to a power of two with
 // empty sequences), each at most T tokens, found through per-sequence ragged offset tensors
-// (element offsets of its first token in Q/K/V, O/dO and the statistics) and lengths
-// (seq_len_q = seq_len_kv) with the padding mask; the same causal mask and window then
-// apply within each example. The statistics are ragged too: token-major [B * T, Hq].
+// (element offsets of its first token in Q/K/V, which share qkv's rows and so one offset
+// tensor, in O/dO and in the statistics) and lengths (seq_len_q = seq_len_kv) with the
+// padding mask; the same causal mask and window then apply within each example. The
+// statistics are ragged too: token-major [B * T, Hq].
 //
-// Built graphs are cached per problem shape (batch, seq, heads, head_dim, window, scale,
-// ragged capacity); building one takes tens of milliseconds, executing it microseconds to
-// milliseconds.
+// Built graphs are cached per problem shape (batch, seq, heads, both head dims, window,
+// scale, ragged capacity); building one takes tens of milliseconds, executing it
+// microseconds to milliseconds.
 #include "kernels/cuda/attention.h"
 
 #include <cudnn.h>
@@ -58,7 +69,8 @@ struct CachedGraph {
   int64_t workspace_bytes = 0;
 };
 
-using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool>;
+using ProblemKey =
+    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool>;
 
 struct Context {
   cudnnHandle_t handle = nullptr;
@@ -88,20 +100,32 @@ Context& context() {
   return *ctx;
 }
 
+// Elements per token of qkv: the query heads, the key heads, the value heads.
+int64_t qkv_width(const AttentionProblem& p) {
+  return (p.q_heads + p.kv_heads) * p.head_dim + p.kv_heads * p.v_head_dim;
+}
+
+// Where K and V start in a token's row of qkv (Q starts at 0).
+int64_t k_offset(const AttentionProblem& p) { return p.q_heads * p.head_dim; }
+int64_t v_offset(const AttentionProblem& p) { return (p.q_heads + p.kv_heads) * p.head_dim; }
+
 struct Views {
-  std::vector<int64_t> q_dim, kv_dim, qkv_stride, o_stride, stats_dim, stats_stride;
+  std::vector<int64_t> q_dim, k_dim, v_dim, o_dim, qk_stride, v_stride, o_stride, stats_dim, stats_stride;
 };
 
 // With ragged sequences the batch is their capacity, and the statistics are token-major.
 Views views_of(const AttentionProblem& p) {
-  const int64_t packed = p.q_heads + 2 * p.kv_heads;
+  const int64_t width = qkv_width(p);
   const bool ragged = p.ragged.capacity > 0;
   const int64_t batch = ragged ? p.ragged.capacity : p.batch;
   return {
       {batch, p.q_heads, p.seq, p.head_dim},
       {batch, p.kv_heads, p.seq, p.head_dim},
-      {p.seq * packed * p.head_dim, p.head_dim, packed * p.head_dim, 1},
-      {p.seq * p.q_heads * p.head_dim, p.head_dim, p.q_heads * p.head_dim, 1},
+      {batch, p.kv_heads, p.seq, p.v_head_dim},
+      {batch, p.q_heads, p.seq, p.v_head_dim},
+      {p.seq * width, p.head_dim, width, 1},
+      {p.seq * width, p.v_head_dim, width, 1},
+      {p.seq * p.q_heads * p.v_head_dim, p.v_head_dim, p.q_heads * p.v_head_dim, 1},
       {batch, p.q_heads, p.seq, 1},
       ragged ? std::vector<int64_t>{p.q_heads * p.seq, 1, p.q_heads, 1}
              : std::vector<int64_t>{p.q_heads * p.seq, p.seq, 1, 1},
@@ -161,16 +185,16 @@ CachedGraph finish(Context& ctx, std::shared_ptr<fe::graph::Graph> g) {
 CachedGraph build_forward(Context& ctx, const AttentionProblem& p) {
   Views v = views_of(p);
   auto g = new_graph();
-  auto q = input(*g, "Q", kQ, v.q_dim, v.qkv_stride);
-  auto k = input(*g, "K", kK, v.kv_dim, v.qkv_stride);
-  auto val = input(*g, "V", kV, v.kv_dim, v.qkv_stride);
+  auto q = input(*g, "Q", kQ, v.q_dim, v.qk_stride);
+  auto k = input(*g, "K", kK, v.k_dim, v.qk_stride);
+  auto val = input(*g, "V", kV, v.v_dim, v.v_stride);
   make_ragged(*g, *q, "Q_offset", kQOffset, p);
   make_ragged(*g, *k, "K_offset", kKOffset, p);
   make_ragged(*g, *val, "V_offset", kVOffset, p);
   auto attributes = fe::graph::SDPA_attributes().set_name("attention_forward").set_generate_stats(true);
   set_mask(*g, attributes, p);
   auto [o, stats] = g->sdpa(q, k, val, attributes);
-  o->set_output(true).set_uid(kO).set_dim(v.q_dim).set_stride(v.o_stride);
+  o->set_output(true).set_uid(kO).set_dim(v.o_dim).set_stride(v.o_stride);
   stats->set_output(true).set_uid(kStats).set_data_type(fe::DataType_t::FLOAT).set_dim(v.stats_dim).set_stride(
       v.stats_stride);
   make_ragged(*g, *o, "O_offset", kOOffset, p);
@@ -181,11 +205,11 @@ CachedGraph build_forward(Context& ctx, const AttentionProblem& p) {
 CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
   Views v = views_of(p);
   auto g = new_graph();
-  auto q = input(*g, "Q", kQ, v.q_dim, v.qkv_stride);
-  auto k = input(*g, "K", kK, v.kv_dim, v.qkv_stride);
-  auto val = input(*g, "V", kV, v.kv_dim, v.qkv_stride);
-  auto o = input(*g, "O", kO, v.q_dim, v.o_stride);
-  auto d_o = input(*g, "dO", kdO, v.q_dim, v.o_stride);
+  auto q = input(*g, "Q", kQ, v.q_dim, v.qk_stride);
+  auto k = input(*g, "K", kK, v.k_dim, v.qk_stride);
+  auto val = input(*g, "V", kV, v.v_dim, v.v_stride);
+  auto o = input(*g, "O", kO, v.o_dim, v.o_stride);
+  auto d_o = input(*g, "dO", kdO, v.o_dim, v.o_stride);
   auto stats = input(*g, "Stats", kStats, v.stats_dim, v.stats_stride);
   stats->set_data_type(fe::DataType_t::FLOAT);
   make_ragged(*g, *q, "Q_offset", kQOffset, p);
@@ -197,9 +221,9 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
   auto attributes = fe::graph::SDPA_backward_attributes().set_name("attention_backward");
   set_mask(*g, attributes, p);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, val, o, d_o, stats, attributes);
-  dq->set_output(true).set_uid(kdQ).set_dim(v.q_dim).set_stride(v.qkv_stride);
-  dk->set_output(true).set_uid(kdK).set_dim(v.kv_dim).set_stride(v.qkv_stride);
-  dv->set_output(true).set_uid(kdV).set_dim(v.kv_dim).set_stride(v.qkv_stride);
+  dq->set_output(true).set_uid(kdQ).set_dim(v.q_dim).set_stride(v.qk_stride);
+  dk->set_output(true).set_uid(kdK).set_dim(v.k_dim).set_stride(v.qk_stride);
+  dv->set_output(true).set_uid(kdV).set_dim(v.v_dim).set_stride(v.v_stride);
   make_ragged(*g, *dq, "dQ_offset", kdQOffset, p);
   make_ragged(*g, *dk, "dK_offset", kdKOffset, p);
   make_ragged(*g, *dv, "dV_offset", kdVOffset, p);
@@ -207,8 +231,8 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
 }
 
 const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool backward) {
-  ProblemKey key{p.batch, p.seq, p.q_heads, p.kv_heads, p.head_dim, p.sliding_window, p.scale, p.ragged.capacity,
-                 backward};
+  ProblemKey key{p.batch,          p.seq,   p.q_heads,          p.kv_heads, p.head_dim, p.v_head_dim,
+                 p.sliding_window, p.scale, p.ragged.capacity, backward};
   auto it = ctx.graphs.find(key);
   if (it == ctx.graphs.end())
     it = ctx.graphs.emplace(key, backward ? build_backward(ctx, p) : build_forward(ctx, p)).first;
@@ -241,11 +265,8 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionPr
   std::lock_guard lock(ctx.mu);
   const CachedGraph& g = cached_graph(ctx, p, false);
   bf16* base = const_cast<bf16*>(qkv);
-  std::unordered_map<int64_t, void*> pack = {{kQ, base},
-                                             {kK, base + p.q_heads * p.head_dim},
-                                             {kV, base + (p.q_heads + p.kv_heads) * p.head_dim},
-                                             {kO, out},
-                                             {kStats, lse}};
+  std::unordered_map<int64_t, void*> pack = {
+      {kQ, base}, {kK, base + k_offset(p)}, {kV, base + v_offset(p)}, {kO, out}, {kStats, lse}};
   add_ragged(pack, p.ragged, false);
   execute(ctx, g, pack);
 }
@@ -256,11 +277,15 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
   std::lock_guard lock(ctx.mu);
   const CachedGraph& g = cached_graph(ctx, p, true);
   bf16* base = const_cast<bf16*>(qkv);
-  int64_t k_offset = p.q_heads * p.head_dim, v_offset = (p.q_heads + p.kv_heads) * p.head_dim;
-  std::unordered_map<int64_t, void*> pack = {
-      {kQ, base},           {kK, base + k_offset},  {kV, base + v_offset},       {kO, const_cast<bf16*>(out)},
-      {kdO, const_cast<bf16*>(dout)}, {kStats, const_cast<float*>(lse)}, {kdQ, dqkv},
-      {kdK, dqkv + k_offset}, {kdV, dqkv + v_offset}};
+  std::unordered_map<int64_t, void*> pack = {{kQ, base},
+                                             {kK, base + k_offset(p)},
+                                             {kV, base + v_offset(p)},
+                                             {kO, const_cast<bf16*>(out)},
+                                             {kdO, const_cast<bf16*>(dout)},
+                                             {kStats, const_cast<float*>(lse)},
+                                             {kdQ, dqkv},
+                                             {kdK, dqkv + k_offset(p)},
+                                             {kdV, dqkv + v_offset(p)}};
   add_ragged(pack, p.ragged, true);
   execute(ctx, g, pack);
 }

@@ -17,16 +17,19 @@ struct RaggedSequences {
 };
 
 struct AttentionProblem {
-  int64_t batch, seq, q_heads, kv_heads, head_dim;
+  int64_t batch, seq, q_heads, kv_heads;
+  int64_t head_dim;    // of queries and keys
+  int64_t v_head_dim;  // of values, out and dout
   int64_t sliding_window;  // 0: none
   float scale;
   RaggedSequences ragged{};
 };
 
-// qkv bf16 [B, T, Hq + 2 Hkv, D] (packed as the fused projection writes it); out bf16
-// [B, T, Hq, D]; lse fp32 [B, Hq, T], or [B * T, Hq] with ragged sequences.
+// qkv bf16 [B, T, (Hq + Hkv) D + Hkv Dv] (packed as the fused projection writes it: per
+// token the query heads, the key heads, the value heads; [B, T, Hq + 2 Hkv, D] when Dv = D);
+// out bf16 [B, T, Hq, Dv]; lse fp32 [B, Hq, T], or [B * T, Hq] with ragged sequences.
 void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionProblem& p);
-// Overwrites dqkv (same packing as qkv) from dout bf16 [B, T, Hq, D].
+// Overwrites dqkv (same packing as qkv) from dout bf16 [B, T, Hq, Dv].
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         const AttentionProblem& p);
 
