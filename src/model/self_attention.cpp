@@ -19,7 +19,7 @@ SelfAttention::SelfAttention(const ModelConfig& config)
       rope_theta_(config.rope_theta),
       rope_scaling_(config.rope_scaling),
       attention_{config.num_heads, config.num_kv_heads, config.sliding_window,
-                 1.0f / std::sqrt(static_cast<float>(config.resolved_head_dim()))} {}
+                 1.0f / std::sqrt(static_cast<float>(config.resolved_head_dim())), config.resolved_head_dim()} {}
 
 std::vector<ParamSpec> SelfAttention::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
@@ -68,7 +68,7 @@ void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
   packed_ = layout != nullptr;
   if (!packed_) return;
   positions_ = layout->positions.to(device_);
-  segments_ = attention_segments(layout->segments, attention_, head_dim_, device_);
+  segments_ = attention_segments(layout->segments, attention_, device_);
 }
 
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {

@@ -8,6 +8,18 @@
 //   lse[b,h,i]   = log sum_j exp(scale * q.k_j)           lse is [B, Hq, T], fp32
 // The backward recomputes probabilities from lse and overwrites dqkv (same packing).
 //
+// NOTE [Value head dim]
+// Values may have a head dim of their own, Dv, different from the queries' and keys' D
+// (DeepSeek's multi-head latent attention: D = 192, 128 of them content and 64 rotary,
+// Dv = 128). A value head is then not a head of the 4-D tensor above, so qkv is 3-D,
+// [B, T, (Hq + Hkv) D + Hkv Dv]: per token the Hq query heads (D each), then the Hkv key
+// heads (D each), then the Hkv value heads (Dv each), one after another. out (and dout) are
+// [B, T, Hq, Dv]; lse is unchanged; dqkv has qkv's layout. The shape says which form it
+// expects (AttentionShape::distinct_v_head_dim): the 3-D one when v_head_dim is set and
+// differs from head_dim, which must then be set too; else the 4-D one, whose last dim must
+// equal head_dim where that is set. Everything else (GQA, the window, packed examples) is
+// the same in both forms; the uniform form is the 3-D one's layout with Dv = D.
+//
 // NOTE [Packed examples]
 // A packed sample holds several examples one after another (instruction data, see
 // data/sft_dataset.h). Attention is then confined to each example: query i sees key j only
@@ -34,12 +46,24 @@ struct AttentionShape {
   int64_t num_kv_heads = 0;
   int64_t sliding_window = 0;  // 0: unlimited
   float scale = 0.0f;          // usually 1/sqrt(head_dim)
+  // NOTE [Value head dim]. head_dim: of queries and keys, 0 to read it off a 4-D qkv;
+  // v_head_dim: of values, 0 for head_dim.
+  int64_t head_dim = 0;
+  int64_t v_head_dim = 0;
+
+  // Whether qkv takes the 3-D form, with values of their own head dim.
+  bool distinct_v_head_dim() const { return v_head_dim > 0 && v_head_dim != head_dim; }
+  // The qkv and out shapes of a [batch, seq] micro-batch in the form this shape expects
+  // (head_dim must be set).
+  Shape qkv_shape(int64_t batch, int64_t seq) const;
+  Shape out_shape(int64_t batch, int64_t seq) const;
 };
 
 // The examples of a micro-batch (NOTE [Packed examples]), for one device.
 struct AttentionSegments {
   Device device = Device::CPU;
   int64_t batch = 0, seq = 0;
+  int64_t qkv_width = 0, out_width = 0;  // elements per token of the qkv and out it was built for
   Tensor example_start;  // CPU: int32 [B, T], the index in its row of each token's example's first token
   // CUDA: `capacity` sequences for cuDNN (the examples, then empty ones: a power of two, so
   // that few graphs are built), device int32 lengths [capacity] and int64 element offsets
@@ -49,15 +73,15 @@ struct AttentionSegments {
 };
 
 // segment_ids: int32 [B, T] on the CPU; each run of equal ids in a row is one example.
-AttentionSegments attention_segments(const Tensor& segment_ids, const AttentionShape& shape, int64_t head_dim,
-                                     Device device);
+// shape must set head_dim (and v_head_dim for the 3-D form): CUDA's offsets count elements.
+AttentionSegments attention_segments(const Tensor& segment_ids, const AttentionShape& shape, Device device);
 
-// segments: the micro-batch's packed examples (null: each row is one sequence).
 // Throws naming `op` unless `shape` is valid (heads that split into groups, window >= 0,
-// scale > 0) for a packed qkv [B, T, Hq + 2 Hkv, D]. Shared by the training and decode
-// attention ops.
+// scale > 0, head dims >= 0) and qkv has the form it expects (NOTE [Value head dim]).
+// Shared by the training and decode attention ops.
 void check_attention_shape(const Tensor& qkv, const AttentionShape& shape, const char* op);
 
+// segments: the micro-batch's packed examples (null: each row is one sequence).
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const AttentionShape& shape,
                        const AttentionSegments* segments = nullptr);
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,

@@ -12,6 +12,9 @@ namespace {
 
 cpu::DecodeAttentionDims decode_dims(const Tensor& qkv, const Tensor& k_cache, const Tensor& v_cache,
                                      int64_t position, const AttentionShape& shape, const char* op) {
+  FORGE_CHECK(!shape.distinct_v_head_dim(),
+              "{}: decoding takes one head dim for queries, keys and values, not {} and {}", op, shape.head_dim,
+              shape.v_head_dim);
   check_attention_shape(qkv, shape, op);
   FORGE_CHECK(k_cache.ndim() == 4 && k_cache.dim(0) == qkv.dim(0) && k_cache.dim(2) == shape.num_kv_heads &&
                   k_cache.dim(3) == qkv.dim(3),

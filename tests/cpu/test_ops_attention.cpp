@@ -2,7 +2,9 @@
 
 #include <cmath>
 
+#include "expect_error.h"
 #include "ops/attention.h"
+#include "ops/decode_attention.h"
 #include "ops_testing.h"
 
 namespace forge {
@@ -30,7 +32,8 @@ AttentionShape shape_of(const AttentionCase& c) {
   return AttentionShape{.num_q_heads = c.q_heads,
                         .num_kv_heads = c.kv_heads,
                         .sliding_window = c.window,
-                        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim)))};
+                        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim))),
+                        .head_dim = c.head_dim};
 }
 
 // Softmax attention in double, written straight from the definition in ops/attention.h;
@@ -163,7 +166,7 @@ TEST(OpsAttention, SegmentsConfineAttentionToEachExample) {
   for (const AttentionCase& c : kCases) {
     Tensor qkv = random_tensor({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.head_dim}, rng, 1.5);
     Tensor ids = random_segments(c.batch, c.seq, rng);
-    AttentionSegments segments = attention_segments(ids, shape_of(c), c.head_dim, Device::CPU);
+    AttentionSegments segments = attention_segments(ids, shape_of(c), Device::CPU);
     Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim});
     Tensor lse = Tensor::empty({c.batch, c.q_heads, c.seq});
     attention_forward(out, lse, qkv, shape_of(c), &segments);
@@ -183,7 +186,7 @@ TEST(OpsAttention, PackedExamplesMatchEachExampleAlone) {
   Tensor qkv = random_tensor({c.batch, c.seq, heads, c.head_dim}, rng, 1.5);
   Tensor dout = random_tensor({c.batch, c.seq, c.q_heads, c.head_dim}, rng);
   Tensor ids = random_segments(c.batch, c.seq, rng);
-  AttentionSegments segments = attention_segments(ids, shape_of(c), c.head_dim, Device::CPU);
+  AttentionSegments segments = attention_segments(ids, shape_of(c), Device::CPU);
   EXPECT_GT(segments.num_examples, 2);
   Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
   Tensor dqkv = Tensor::empty(qkv.shape());
@@ -214,8 +217,228 @@ TEST(OpsAttention, SegmentsMustDescribeTheBatch) {
   const AttentionCase c{1, 6, 2, 1, 4, 0};
   Tensor qkv = Tensor::zeros({1, 6, 4, 4}), out = Tensor::empty({1, 6, 2, 4}), lse = Tensor::empty({1, 2, 6});
   Tensor ids = Tensor::zeros({1, 5}, DType::I32);
-  AttentionSegments segments = attention_segments(ids, shape_of(c), 4, Device::CPU);
+  AttentionSegments segments = attention_segments(ids, shape_of(c), Device::CPU);
   EXPECT_THROW(attention_forward(out, lse, qkv, shape_of(c), &segments), Error);
+}
+
+// NOTE [Value head dim]: values of a head dim of their own, in the 3-D qkv form. The
+// reference is the uniform form with every head zero-padded to the larger of the two dims:
+// zero columns add nothing to q.k, and a zero column of v gives a zero column of out.
+struct ValueDimCase {
+  int64_t batch, seq, q_heads, kv_heads, head_dim, v_head_dim, window;
+  int64_t padded() const { return std::max(head_dim, v_head_dim); }
+  int64_t width() const { return (q_heads + kv_heads) * head_dim + kv_heads * v_head_dim; }
+};
+
+std::string describe(const ValueDimCase& c) {
+  return fmt::format("B={} T={} Hq={} Hkv={} D={} Dv={} W={}", c.batch, c.seq, c.q_heads, c.kv_heads, c.head_dim,
+                     c.v_head_dim, c.window);
+}
+
+// T = 1, MHA and GQA (Hq = 4, Hkv = 2; 3 query heads), windows, Dv below and above D, and
+// MLA's proportions (D = 1.5 Dv).
+const ValueDimCase kValueDimCases[] = {
+    {1, 1, 1, 1, 8, 4, 0},  {2, 7, 3, 3, 6, 4, 0},   {1, 9, 4, 2, 12, 8, 0},  {2, 10, 4, 2, 8, 4, 3},
+    {1, 6, 2, 1, 4, 6, 2},  {1, 8, 4, 4, 24, 16, 0}, {2, 11, 4, 2, 12, 8, 1},
+};
+
+AttentionShape shape_of(const ValueDimCase& c) {
+  return AttentionShape{.num_q_heads = c.q_heads,
+                        .num_kv_heads = c.kv_heads,
+                        .sliding_window = c.window,
+                        .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim))),
+                        .head_dim = c.head_dim,
+                        .v_head_dim = c.v_head_dim};
+}
+
+// The uniform form's shape for the padded tensors: the same scale, head dim padded().
+AttentionShape padded_shape_of(const ValueDimCase& c) {
+  AttentionShape shape = shape_of(c);
+  shape.head_dim = c.padded();
+  shape.v_head_dim = 0;
+  return shape;
+}
+
+// The padded head h of token (b, t) in a 4-D qkv and where its first element sits in the
+// 3-D one, with the number of real columns.
+struct HeadSpan {
+  int64_t padded_offset, offset, columns;
+};
+HeadSpan head_span(const ValueDimCase& c, int64_t token, int64_t head) {
+  const int64_t p = c.padded(), heads = c.q_heads + 2 * c.kv_heads, first_value = c.q_heads + c.kv_heads;
+  const int64_t offset = head < first_value ? head * c.head_dim
+                                            : first_value * c.head_dim + (head - first_value) * c.v_head_dim;
+  return {(token * heads + head) * p, token * c.width() + offset, head < first_value ? c.head_dim : c.v_head_dim};
+}
+
+// qkv [B, T, width] -> [B, T, Hq + 2 Hkv, padded], the missing columns zero.
+Tensor pad_qkv(const Tensor& qkv, const ValueDimCase& c) {
+  Tensor padded = Tensor::zeros({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.padded()});
+  for (int64_t token = 0; token < c.batch * c.seq; ++token)
+    for (int64_t head = 0; head < c.q_heads + 2 * c.kv_heads; ++head) {
+      const HeadSpan span = head_span(c, token, head);
+      std::copy_n(qkv.data<float>() + span.offset, span.columns, padded.data<float>() + span.padded_offset);
+    }
+  return padded;
+}
+
+// The inverse: the real columns of a padded qkv (or dqkv) in the 3-D layout.
+Tensor unpad_qkv(const Tensor& padded, const ValueDimCase& c) {
+  Tensor qkv = Tensor::empty({c.batch, c.seq, c.width()});
+  for (int64_t token = 0; token < c.batch * c.seq; ++token)
+    for (int64_t head = 0; head < c.q_heads + 2 * c.kv_heads; ++head) {
+      const HeadSpan span = head_span(c, token, head);
+      std::copy_n(padded.data<float>() + span.padded_offset, span.columns, qkv.data<float>() + span.offset);
+    }
+  return qkv;
+}
+
+// out [B, T, Hq, Dv] <-> [B, T, Hq, padded] (the columns past Dv zero).
+Tensor pad_out(const Tensor& out, const ValueDimCase& c) {
+  Tensor padded = Tensor::zeros({c.batch, c.seq, c.q_heads, c.padded()});
+  for (int64_t row = 0; row < c.batch * c.seq * c.q_heads; ++row)
+    std::copy_n(out.data<float>() + row * c.v_head_dim, c.v_head_dim, padded.data<float>() + row * c.padded());
+  return padded;
+}
+Tensor unpad_out(const Tensor& padded, const ValueDimCase& c) {
+  Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.v_head_dim});
+  for (int64_t row = 0; row < c.batch * c.seq * c.q_heads; ++row)
+    std::copy_n(padded.data<float>() + row * c.padded(), c.v_head_dim, out.data<float>() + row * c.v_head_dim);
+  return out;
+}
+
+// The largest |x| over the padded columns of out, which must stay zero.
+double padding_magnitude(const Tensor& padded_out, const ValueDimCase& c) {
+  double largest = 0.0;
+  for (int64_t row = 0; row < c.batch * c.seq * c.q_heads; ++row)
+    for (int64_t e = c.v_head_dim; e < c.padded(); ++e)
+      largest = std::max(largest, std::abs(static_cast<double>(padded_out.data<float>()[row * c.padded() + e])));
+  return largest;
+}
+
+// Forward and backward of the 3-D form against the padded uniform form, each run with the
+// same packed examples when segment ids are given.
+void expect_value_dim_matches_padded(const ValueDimCase& c, Rng& rng, const Tensor* ids) {
+  const AttentionShape shape = shape_of(c), padded_shape = padded_shape_of(c);
+  AttentionSegments segments, padded_segments;
+  if (ids) {
+    segments = attention_segments(*ids, shape, Device::CPU);
+    padded_segments = attention_segments(*ids, padded_shape, Device::CPU);
+  }
+  Tensor qkv = random_tensor(shape.qkv_shape(c.batch, c.seq), rng, 1.5);
+  ASSERT_EQ(qkv.ndim(), c.v_head_dim == c.head_dim ? 4 : 3) << describe(c);
+  Tensor out = Tensor::empty(shape.out_shape(c.batch, c.seq)), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
+  attention_forward(out, lse, qkv, shape, ids ? &segments : nullptr);
+  Tensor padded = pad_qkv(qkv, c);
+  Tensor padded_out = Tensor::empty({c.batch, c.seq, c.q_heads, c.padded()});
+  Tensor padded_lse = Tensor::empty(lse.shape());
+  attention_forward(padded_out, padded_lse, padded, padded_shape, ids ? &padded_segments : nullptr);
+  EXPECT_LT(relative_error(out, testing::to_double(unpad_out(padded_out, c))), 1e-6) << describe(c);
+  EXPECT_EQ(padding_magnitude(padded_out, c), 0.0) << describe(c);
+  EXPECT_LT(relative_error(lse, testing::to_double(padded_lse)), 1e-6) << describe(c);
+
+  Tensor dout = random_tensor(out.shape(), rng);
+  Tensor dqkv = Tensor::empty(qkv.shape()), padded_dqkv = Tensor::empty(padded.shape());
+  std::fill_n(dqkv.data<float>(), dqkv.numel(), 7.0f);  // overwritten
+  attention_backward(dqkv, dout, qkv, out, lse, shape, ids ? &segments : nullptr);
+  attention_backward(padded_dqkv, pad_out(dout, c), padded, padded_out, padded_lse, padded_shape,
+                     ids ? &padded_segments : nullptr);
+  EXPECT_LT(relative_error(dqkv, testing::to_double(unpad_qkv(padded_dqkv, c))), 1e-5) << describe(c);
+}
+
+TEST(OpsAttention, ValueHeadDimMatchesZeroPaddedValues) {
+  Rng rng(81);
+  for (const ValueDimCase& c : kValueDimCases) expect_value_dim_matches_padded(c, rng, nullptr);
+}
+
+TEST(OpsAttention, ValueHeadDimWithPackedExamplesMatchesZeroPaddedValues) {
+  Rng rng(82);
+  for (const ValueDimCase& c : kValueDimCases) {
+    Tensor ids = random_segments(c.batch, c.seq, rng);
+    expect_value_dim_matches_padded(c, rng, &ids);
+  }
+}
+
+// A shape whose v_head_dim equals its head_dim is the uniform form, 4-D.
+TEST(OpsAttention, EqualValueHeadDimIsTheUniformForm) {
+  Rng rng(83);
+  expect_value_dim_matches_padded(ValueDimCase{2, 6, 4, 2, 8, 8, 3}, rng, nullptr);
+}
+
+TEST(OpsAttention, ValueHeadDimBackwardMatchesFiniteDifferences) {
+  Rng rng(84);
+  for (const ValueDimCase& c : {ValueDimCase{1, 5, 2, 1, 6, 3, 0}, ValueDimCase{1, 7, 4, 2, 4, 2, 3},
+                                ValueDimCase{2, 6, 2, 2, 3, 5, 0}}) {
+    const AttentionShape shape = shape_of(c);
+    Tensor ids = random_segments(c.batch, c.seq, rng);
+    AttentionSegments segments = attention_segments(ids, shape, Device::CPU);
+    const AttentionSegments* packed = c.batch == 2 ? &segments : nullptr;  // the last case packs examples
+    Tensor qkv = random_tensor(shape.qkv_shape(c.batch, c.seq), rng);
+    Tensor out = Tensor::empty(shape.out_shape(c.batch, c.seq)), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
+    Tensor r = random_tensor(out.shape(), rng);
+    auto loss = [&] {
+      attention_forward(out, lse, qkv, shape, packed);
+      return testing::weighted_sum(out, r);
+    };
+    std::vector<double> fd = testing::finite_difference(qkv, loss);
+    attention_forward(out, lse, qkv, shape, packed);
+    Tensor dqkv = Tensor::empty(qkv.shape());
+    std::fill_n(dqkv.data<float>(), dqkv.numel(), 5.0f);
+    attention_backward(dqkv, r, qkv, out, lse, shape, packed);
+    EXPECT_LT(relative_error(dqkv, fd), 1e-2) << describe(c);
+  }
+}
+
+TEST(OpsAttention, ShapeSaysWhichFormItExpects) {
+  const AttentionShape mla{.num_q_heads = 4, .num_kv_heads = 2, .scale = 0.1f, .head_dim = 6, .v_head_dim = 4};
+  EXPECT_TRUE(mla.distinct_v_head_dim());
+  EXPECT_EQ(mla.qkv_shape(2, 3), (Shape{2, 3, (4 + 2) * 6 + 2 * 4}));
+  EXPECT_EQ(mla.out_shape(2, 3), (Shape{2, 3, 4, 4}));
+  AttentionShape uniform = mla;
+  uniform.v_head_dim = 6;
+  EXPECT_FALSE(uniform.distinct_v_head_dim());
+  EXPECT_EQ(uniform.qkv_shape(2, 3), (Shape{2, 3, 8, 6}));
+  EXPECT_EQ(uniform.out_shape(2, 3), (Shape{2, 3, 4, 6}));
+  uniform.v_head_dim = 0;
+  EXPECT_FALSE(uniform.distinct_v_head_dim());
+  EXPECT_EQ(uniform.qkv_shape(2, 3), (Shape{2, 3, 8, 6}));
+  EXPECT_THROW(AttentionShape{}.qkv_shape(1, 1), Error);
+}
+
+TEST(OpsAttention, ValueHeadDimShapeErrorsAreClear) {
+  const AttentionShape mla{.num_q_heads = 2, .num_kv_heads = 1, .scale = 0.5f, .head_dim = 6, .v_head_dim = 4};
+  const Tensor out = Tensor::zeros({1, 3, 2, 4}), lse = Tensor::zeros({1, 2, 3});
+  const Tensor qkv = Tensor::zeros(mla.qkv_shape(1, 3));  // [1, 3, 22]
+  // The 4-D form, or a row of the wrong width, for a shape with its own value head dim.
+  expect_error([&] { attention_forward(out, lse, Tensor::zeros({1, 3, 4, 6}), mla); },
+               {"attention_forward", "[B, T, (2 + 1) * 6 + 1 * 4] = [B, T, 22]", "v_head_dim 4"});
+  expect_error([&] { attention_forward(out, lse, Tensor::zeros({1, 3, 21}), mla); }, {"[1, 3, 21]", "22"});
+  // A value head dim without the query/key head dim.
+  AttentionShape no_head_dim = mla;
+  no_head_dim.head_dim = 0;
+  expect_error([&] { attention_forward(out, lse, qkv, no_head_dim); }, {"needs head_dim"});
+  AttentionShape negative = mla;
+  negative.v_head_dim = -4;
+  expect_error([&] { attention_forward(out, lse, qkv, negative); }, {"must not be negative"});
+  // A 3-D qkv for the uniform form, and a head dim that disagrees with the 4-D qkv.
+  AttentionShape uniform = mla;
+  uniform.v_head_dim = 0;
+  expect_error([&] { attention_forward(out, lse, qkv, uniform); }, {"set v_head_dim and head_dim"});
+  expect_error([&] { attention_forward(Tensor::zeros({1, 3, 2, 8}), lse, Tensor::zeros({1, 3, 4, 8}), uniform); },
+               {"head dim 8", "says 6"});
+  // out and dout take the value head dim.
+  EXPECT_THROW(attention_forward(Tensor::zeros({1, 3, 2, 6}), lse, qkv, mla), Error);
+  Tensor dqkv = Tensor::zeros(qkv.shape());
+  EXPECT_THROW(attention_backward(dqkv, Tensor::zeros({1, 3, 2, 6}), qkv, out, lse, mla), Error);
+  EXPECT_NO_THROW(attention_backward(dqkv, out, qkv, out, lse, mla));
+  // Segments are built for one shape's row widths.
+  const Tensor ids = Tensor::zeros({1, 3}, DType::I32);
+  expect_error([&] { attention_segments(ids, AttentionShape{1, 1, 0, 0.5f}, Device::CPU); }, {"head_dim"});
+  AttentionSegments uniform_segments = attention_segments(ids, uniform, Device::CPU);
+  expect_error([&] { attention_forward(out, lse, qkv, mla, &uniform_segments); }, {"segments for tokens of"});
+  // Decoding keeps one head dim.
+  const Tensor cache = Tensor::zeros({1, 4, 1, 6});
+  expect_error([&] { kv_cache_append(cache, cache, qkv, 0, mla); }, {"one head dim"});
 }
 
 }  // namespace

@@ -56,12 +56,13 @@ TEST(GpuPacking, AttentionWithSegmentsMatchesCpu) {
   for (Case c : {Case{1, 64, 2, 1, 64, 0, 20}, Case{2, 100, 4, 4, 64, 0, 40}, Case{2, 129, 8, 2, 128, 16, 50},
                  Case{1, 512, 32, 8, 128, 0, 200}, Case{3, 96, 4, 2, 128, 0, 3}, Case{1, 256, 4, 1, 64, 0, 256}}) {
     const int64_t heads = c.q_heads + 2 * c.kv_heads;
-    const AttentionShape shape{c.q_heads, c.kv_heads, c.window, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+    const AttentionShape shape{c.q_heads, c.kv_heads, c.window, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                               c.head_dim};
     const std::string what = fmt::format("b{} t{} hq{} hkv{} d{} w{} examples up to {}", c.batch, c.seq, c.q_heads,
                                          c.kv_heads, c.head_dim, c.window, c.max_length);
     Tensor ids = random_segments(c.batch, c.seq, c.max_length, rng);
-    AttentionSegments cpu_segments = attention_segments(ids, shape, c.head_dim, Device::CPU);
-    AttentionSegments gpu_segments = attention_segments(ids, shape, c.head_dim, Device::CUDA);
+    AttentionSegments cpu_segments = attention_segments(ids, shape, Device::CPU);
+    AttentionSegments gpu_segments = attention_segments(ids, shape, Device::CUDA);
     Tensor qkv = random_bf16_values({c.batch, c.seq, heads, c.head_dim}, rng);
     Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
     attention_forward(out, lse, qkv, shape, &cpu_segments);
