@@ -1,7 +1,7 @@
 // Packed examples on the GPU (NOTE [Packed examples] in ops/attention.h) against the CPU
 // reference: cuDNN attention in its ragged (THD) layout with per-example lengths, forward
-// and backward; RoPE at explicit positions; and a whole packed training step, which must
-// also equal the examples run one per row on the GPU.
+// and backward, also with values of their own head dim; RoPE at explicit positions; and a
+// whole packed training step, which must also equal the examples run one per row on the GPU.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -80,6 +80,33 @@ TEST(GpuPacking, AttentionWithSegmentsMatchesCpu) {
     attention_backward(dqkvg, to_gpu(dout, DType::BF16), qkvg, outg, lseg, shape, &gpu_segments);
     EXPECT_LT(relative_l2(to_cpu_f32(dqkvg), dqkv), 2 * kBf16Tolerance) << what;
   }
+}
+
+// Values of their own head dim (NOTE [Value head dim] in ops/attention.h) at MLA's dims:
+// the ragged offsets of Q/K/V count rows of (Hq + Hkv) D + Hkv Dv elements, those of O Hq Dv.
+TEST(GpuPacking, AttentionWithValueHeadDimAndSegmentsMatchesCpu) {
+  Rng rng(seed_for_current_test());
+  const int64_t batch = 2, seq = 256, heads = 4, d = 192, dv = 128;
+  const AttentionShape shape{heads, heads, 0, 1.0f / std::sqrt(static_cast<float>(d)), d, dv};
+  Tensor ids = random_segments(batch, seq, 100, rng);
+  AttentionSegments cpu_segments = attention_segments(ids, shape, Device::CPU);
+  AttentionSegments gpu_segments = attention_segments(ids, shape, Device::CUDA);
+  Tensor qkv = random_bf16_values(shape.qkv_shape(batch, seq), rng);
+  Tensor out = Tensor::empty(shape.out_shape(batch, seq)), lse = Tensor::empty({batch, heads, seq});
+  attention_forward(out, lse, qkv, shape, &cpu_segments);
+
+  Tensor qkvg = to_gpu(qkv, DType::BF16);
+  Tensor outg = poisoned_gpu(out.shape(), DType::BF16), lseg = poisoned_gpu(lse.shape(), DType::F32);
+  attention_forward(outg, lseg, qkvg, shape, &gpu_segments);
+  EXPECT_LT(relative_l2(to_cpu_f32(outg), out), kBf16Tolerance);
+  EXPECT_LT(relative_l2(to_cpu_f32(lseg), token_major(lse)), kF32Tolerance);
+
+  Tensor dout = random_bf16_values(out.shape(), rng);
+  Tensor dqkv = Tensor::empty(qkv.shape());
+  attention_backward(dqkv, dout, qkv, out, lse, shape, &cpu_segments);
+  Tensor dqkvg = poisoned_gpu(qkv.shape(), DType::BF16);
+  attention_backward(dqkvg, to_gpu(dout, DType::BF16), qkvg, outg, lseg, shape, &gpu_segments);
+  EXPECT_LT(relative_l2(to_cpu_f32(dqkvg), dqkv), 2 * kBf16Tolerance);
 }
 
 TEST(GpuPacking, RopeAtPositionsMatchesCpu) {
