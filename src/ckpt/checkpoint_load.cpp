@@ -129,11 +129,31 @@ void check_architecture(const std::string& file, const ModelConfig& saved, const
     same("rope_scaling.high_freq_factor", saved.rope_scaling.high_freq_factor, model.rope_scaling.high_freq_factor);
     same("rope_scaling.original_max_position", saved.rope_scaling.original_max_position,
          model.rope_scaling.original_max_position);
+    same("rope_scaling.type", saved.rope_scaling.type, model.rope_scaling.type);
+    if (model.rope_scaling.yarn()) {
+      same("rope_scaling.beta_fast", saved.rope_scaling.beta_fast, model.rope_scaling.beta_fast);
+      same("rope_scaling.beta_slow", saved.rope_scaling.beta_slow, model.rope_scaling.beta_slow);
+      same("rope_scaling.mscale", saved.rope_scaling.mscale, model.rope_scaling.mscale);
+      same("rope_scaling.mscale_all_dim", saved.rope_scaling.mscale_all_dim, model.rope_scaling.mscale_all_dim);
+    }
   }
   same("sliding_window", saved.sliding_window, model.sliding_window);
   same("tie_word_embeddings", saved.tie_word_embeddings, model.tie_word_embeddings);
   same("num_experts", saved.num_experts, model.num_experts);
   same("num_experts_per_tok", saved.num_experts_per_tok, model.num_experts_per_tok);
+  same("moe_ffn_hidden_size", saved.resolved_moe_ffn(), model.resolved_moe_ffn());
+  same("num_shared_experts", saved.num_shared_experts, model.num_shared_experts);
+  same("first_dense_layers", saved.first_dense_layers, model.first_dense_layers);
+  same("router_score_function", saved.router_score_function, model.router_score_function);
+  same("router_normalize_topk", saved.router_normalize_topk, model.router_normalize_topk);
+  same("router_scaling_factor", saved.router_scaling_factor, model.router_scaling_factor);
+  same("router_num_groups", saved.router_num_groups, model.router_num_groups);
+  same("router_topk_groups", saved.router_topk_groups, model.router_topk_groups);
+  same("q_lora_rank", saved.q_lora_rank, model.q_lora_rank);
+  same("kv_lora_rank", saved.kv_lora_rank, model.kv_lora_rank);
+  same("qk_nope_head_dim", saved.qk_nope_head_dim, model.qk_nope_head_dim);
+  same("qk_rope_head_dim", saved.qk_rope_head_dim, model.qk_rope_head_dim);
+  same("v_head_dim", saved.v_head_dim, model.v_head_dim);
 }
 
 std::string describe_model(const ModelConfig& m) {

@@ -34,12 +34,30 @@ json model_to_json(const ModelConfig& m) {
                 {"factor", s.factor},
                 {"low_freq_factor", s.low_freq_factor},
                 {"high_freq_factor", s.high_freq_factor},
-                {"original_max_position", s.original_max_position}}},
+                {"original_max_position", s.original_max_position},
+                {"type", s.type},
+                {"beta_fast", s.beta_fast},
+                {"beta_slow", s.beta_slow},
+                {"mscale", s.mscale},
+                {"mscale_all_dim", s.mscale_all_dim}}},
               {"max_seq_len", m.max_seq_len},
               {"sliding_window", m.sliding_window},
               {"tie_word_embeddings", m.tie_word_embeddings},
               {"num_experts", m.num_experts},
               {"num_experts_per_tok", m.num_experts_per_tok},
+              {"moe_ffn_hidden_size", m.moe_ffn_hidden_size},
+              {"num_shared_experts", m.num_shared_experts},
+              {"first_dense_layers", m.first_dense_layers},
+              {"router_score_function", m.router_score_function},
+              {"router_normalize_topk", m.router_normalize_topk},
+              {"router_scaling_factor", m.router_scaling_factor},
+              {"router_num_groups", m.router_num_groups},
+              {"router_topk_groups", m.router_topk_groups},
+              {"q_lora_rank", m.q_lora_rank},
+              {"kv_lora_rank", m.kv_lora_rank},
+              {"qk_nope_head_dim", m.qk_nope_head_dim},
+              {"qk_rope_head_dim", m.qk_rope_head_dim},
+              {"v_head_dim", m.v_head_dim},
               {"init_std", m.init_std}};
 }
 
@@ -130,6 +148,14 @@ ModelConfig model_from_json(const ObjectReader& r) {
   m.rope_scaling.low_freq_factor = s.number("low_freq_factor");
   m.rope_scaling.high_freq_factor = s.number("high_freq_factor");
   m.rope_scaling.original_max_position = s.integer("original_max_position");
+  // Checkpoints from before YaRN have Llama 3.1's scaling only.
+  if (s.has("type")) {
+    m.rope_scaling.type = s.string("type");
+    m.rope_scaling.beta_fast = s.number("beta_fast");
+    m.rope_scaling.beta_slow = s.number("beta_slow");
+    m.rope_scaling.mscale = s.number("mscale");
+    m.rope_scaling.mscale_all_dim = s.number("mscale_all_dim");
+  }
   m.max_seq_len = r.integer("max_seq_len");
   m.sliding_window = r.integer("sliding_window");
   m.tie_word_embeddings = r.boolean("tie_word_embeddings");
@@ -137,6 +163,22 @@ ModelConfig model_from_json(const ObjectReader& r) {
   // Checkpoints from before MoE models have neither key: dense.
   if (r.has("num_experts")) m.num_experts = r.integer("num_experts");
   if (r.has("num_experts_per_tok")) m.num_experts_per_tok = r.integer("num_experts_per_tok");
+  // Checkpoints from before DeepSeek's models have none of these: Mixtral's routing, GQA.
+  if (r.has("moe_ffn_hidden_size")) {
+    m.moe_ffn_hidden_size = r.integer("moe_ffn_hidden_size");
+    m.num_shared_experts = r.integer("num_shared_experts");
+    m.first_dense_layers = r.integer("first_dense_layers");
+    m.router_score_function = r.string("router_score_function");
+    m.router_normalize_topk = r.boolean("router_normalize_topk");
+    m.router_scaling_factor = r.number("router_scaling_factor");
+    m.router_num_groups = r.integer("router_num_groups");
+    m.router_topk_groups = r.integer("router_topk_groups");
+    m.q_lora_rank = r.integer("q_lora_rank");
+    m.kv_lora_rank = r.integer("kv_lora_rank");
+    m.qk_nope_head_dim = r.integer("qk_nope_head_dim");
+    m.qk_rope_head_dim = r.integer("qk_rope_head_dim");
+    m.v_head_dim = r.integer("v_head_dim");
+  }
   return m;
 }
 

@@ -42,13 +42,28 @@ Invocation parse_invocation(const std::vector<std::string>& args, const char* co
 }
 
 std::string architecture_summary(const ModelConfig& m) {
-  return fmt::format("{} layers, hidden {}, {} heads / {} kv heads (head dim {}), ffn {}{}, vocab {}{}{}",
-                     m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.resolved_head_dim(),
-                     m.ffn_hidden_size,
-                     m.moe() ? fmt::format(" per expert, {} experts, top-{}", m.num_experts, m.num_experts_per_tok)
-                             : "",
+  const std::string attention =
+      m.mla() ? fmt::format("{} heads of Multi-head Latent Attention (q {}, kv rank {}, qk head dim {} + {} rotary, v "
+                            "head dim {})",
+                            m.num_heads, m.q_lora_rank > 0 ? fmt::format("rank {}", m.q_lora_rank) : "uncompressed",
+                            m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim)
+              : fmt::format("{} heads / {} kv heads (head dim {})", m.num_heads, m.num_kv_heads, m.resolved_head_dim());
+  std::string mlp = fmt::format("ffn {}", m.ffn_hidden_size);
+  if (m.moe()) {
+    mlp = fmt::format("{} experts of ffn {}, top-{} ({} scores{}{}{})", m.num_experts, m.resolved_moe_ffn(),
+                      m.num_experts_per_tok, m.router_score_function,
+                      m.router_num_groups > 1
+                          ? fmt::format(", best {} of {} groups", m.router_topk_groups, m.router_num_groups)
+                          : "",
+                      m.router_normalize_topk ? ", renormalized" : "",
+                      m.router_scaling_factor != 1.0 ? fmt::format(", x {}", m.router_scaling_factor) : "");
+    if (m.num_shared_experts > 0) mlp += fmt::format(" + {} shared", m.num_shared_experts);
+    if (m.first_dense_layers > 0) mlp += fmt::format(", the first {} blocks dense (ffn {})", m.first_dense_layers, m.ffn_hidden_size);
+  }
+  return fmt::format("{} layers, hidden {}, {}, {}, vocab {}{}{}{}", m.num_layers, m.hidden_size, attention, mlp,
                      m.vocab_size, m.tie_word_embeddings ? ", tied embeddings" : "",
-                     m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "");
+                     m.sliding_window ? fmt::format(", sliding window {}", m.sliding_window) : "",
+                     m.rope_scaling.yarn() ? fmt::format(", YaRN RoPE x{}", m.rope_scaling.factor) : "");
 }
 
 // The config of a run that starts from the Hugging Face model in `dir`.
@@ -115,10 +130,13 @@ int run_info(const std::vector<std::string>& args) {
   fmt::print("parameters       {:.2f} B ({} total; {} without the input embedding)\n", m.total_params() / 1e9,
              m.total_params(), m.total_params() - m.embedding_params());
   if (m.moe())
-    fmt::print("active params    {:.2f} B per token ({}: the router and {} of the {} experts of each block)\n",
-               m.active_params() / 1e9, m.active_params(), m.num_experts_per_tok, m.num_experts);
-  fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x ({}params - embedding) + 6 x layers x hidden x seq)\n",
-             m.flops_per_token(t.seq_len), t.seq_len, m.moe() ? "active " : "");
+    fmt::print("active params    {:.2f} B per token ({}: the router{} and {} of the {} routed experts of each MoE "
+               "block)\n",
+               m.active_params() / 1e9, m.active_params(), m.num_shared_experts > 0 ? ", the shared experts" : "",
+               m.num_experts_per_tok, m.num_experts);
+  fmt::print("FLOPs per token  {:.3e} at seq_len {} (6 x ({}params - embedding) + 6 x layers x {} x seq)\n",
+             m.flops_per_token(t.seq_len), t.seq_len, m.moe() ? "active " : "",
+             m.mla() ? "heads x (qk + v head dims) / 2" : "hidden");
   if (config.lora.enabled()) {
     const LoraSizes lora = lora_sizes(m, config.lora, 1);
     fmt::print("LoRA             rank {}, alpha {} on {}: {} trainable parameters ({:.3f}% of the model's), the "

@@ -72,7 +72,7 @@ std::vector<ConfigKey> build_schema() {
                                           model_bounds::ffn_hidden_size),
       key<&E::model, &M::num_experts>("model.num_experts",
                                       "Mixture-of-Experts: routed SwiGLU experts per block (Mixtral's "
-                                      "num_local_experts); 0: a dense model. CPU only so far",
+                                      "num_local_experts, DeepSeek's n_routed_experts); 0: a dense model",
                                       model_bounds::num_experts),
       key<&E::model, &M::num_experts_per_tok>("model.num_experts_per_tok",
                                               "Mixture-of-Experts: experts each token is routed to (top-k); 0 for a "
@@ -83,10 +83,61 @@ std::vector<ConfigKey> build_schema() {
           "Mixture-of-Experts: weight of the load-balancing loss in the training loss (transformers' "
           "router_aux_loss_coef); 0: none",
           model_bounds::router_aux_loss_coef),
+      key<&E::model, &M::moe_ffn_hidden_size>("model.moe_ffn_hidden_size",
+                                              "Mixture-of-Experts: SwiGLU intermediate size of each routed and shared "
+                                              "expert (DeepSeek's moe_intermediate_size); 0: ffn_hidden_size",
+                                              model_bounds::moe_ffn_hidden_size),
+      key<&E::model, &M::num_shared_experts>("model.num_shared_experts",
+                                             "Mixture-of-Experts: experts every token goes through beside the "
+                                             "routed ones (DeepSeek's n_shared_experts)",
+                                             model_bounds::num_shared_experts),
+      key<&E::model, &M::first_dense_layers>("model.first_dense_layers",
+                                             "Mixture-of-Experts: the first blocks keep a dense SwiGLU of "
+                                             "ffn_hidden_size (DeepSeek's first_k_dense_replace)",
+                                             model_bounds::first_dense_layers),
+      key<&E::model, &M::router_score_function>("model.router_score_function",
+                                                "Mixture-of-Experts: router scores, softmax (Mixtral, DeepSeek-V2) "
+                                                "or sigmoid (DeepSeek-V3)",
+                                                {}, model_bounds::router_score_functions),
+      key<&E::model, &M::router_normalize_topk>("model.router_normalize_topk",
+                                                "Mixture-of-Experts: renormalize each token's chosen weights to sum "
+                                                "to 1 (norm_topk_prob)"),
+      key<&E::model, &M::router_scaling_factor>("model.router_scaling_factor",
+                                                "Mixture-of-Experts: the chosen weights are multiplied by this "
+                                                "(routed_scaling_factor)",
+                                                model_bounds::router_scaling_factor),
+      key<&E::model, &M::router_num_groups>("model.router_num_groups",
+                                            "Mixture-of-Experts: expert groups of group-limited routing (n_group); "
+                                            "1: not limited",
+                                            model_bounds::router_num_groups),
+      key<&E::model, &M::router_topk_groups>("model.router_topk_groups",
+                                             "Mixture-of-Experts: groups each token may choose from (topk_group)",
+                                             model_bounds::router_topk_groups),
+      key<&E::model, &M::q_lora_rank>("model.q_lora_rank",
+                                      "Multi-head Latent Attention: rank of the compressed query projection; 0: "
+                                      "queries projected directly",
+                                      model_bounds::q_lora_rank),
+      key<&E::model, &M::kv_lora_rank>("model.kv_lora_rank",
+                                       "Multi-head Latent Attention (DeepSeek-V2/V3) when > 0: rank of the "
+                                       "compressed key/value projection; 0: grouped-query attention",
+                                       model_bounds::kv_lora_rank),
+      key<&E::model, &M::qk_nope_head_dim>("model.qk_nope_head_dim",
+                                           "Multi-head Latent Attention: query/key head dims without rotary "
+                                           "embedding",
+                                           model_bounds::qk_nope_head_dim),
+      key<&E::model, &M::qk_rope_head_dim>("model.qk_rope_head_dim",
+                                           "Multi-head Latent Attention: query/key head dims with rotary "
+                                           "embedding (the key's shared by all heads)",
+                                           model_bounds::qk_rope_head_dim),
+      key<&E::model, &M::v_head_dim>("model.v_head_dim", "Multi-head Latent Attention: value head dims",
+                                     model_bounds::v_head_dim),
       key<&E::model, &M::norm_eps>("model.norm_eps", "RMSNorm epsilon", model_bounds::norm_eps),
       key<&E::model, &M::rope_theta>("model.rope_theta", "RoPE base frequency", model_bounds::rope_theta),
       key<&E::model, &M::rope_scaling, &R::enabled>("model.rope_scaling.enabled",
-                                                    "apply Llama 3.1 RoPE frequency scaling (rope_type llama3)"),
+                                                    "apply RoPE frequency scaling of model.rope_scaling.type"),
+      key<&E::model, &M::rope_scaling, &R::type>("model.rope_scaling.type",
+                                                 "llama3 (Llama 3.1's rope_type) or yarn (YaRN, DeepSeek-V2/V3)", {},
+                                                 model_bounds::rope_scaling_types),
       key<&E::model, &M::rope_scaling, &R::factor>("model.rope_scaling.factor", "context extension factor",
                                                    model_bounds::rope_scaling_factor),
       key<&E::model, &M::rope_scaling, &R::low_freq_factor>("model.rope_scaling.low_freq_factor",
@@ -98,6 +149,19 @@ std::vector<ConfigKey> build_schema() {
       key<&E::model, &M::rope_scaling, &R::original_max_position>(
           "model.rope_scaling.original_max_position", "context length the model was pre-trained with",
           model_bounds::rope_scaling_original_max_position),
+      key<&E::model, &M::rope_scaling, &R::beta_fast>("model.rope_scaling.beta_fast",
+                                                      "yarn: rotations where the ramp to interpolation starts",
+                                                      model_bounds::rope_scaling_beta),
+      key<&E::model, &M::rope_scaling, &R::beta_slow>("model.rope_scaling.beta_slow",
+                                                      "yarn: rotations where the ramp to interpolation ends",
+                                                      model_bounds::rope_scaling_beta),
+      key<&E::model, &M::rope_scaling, &R::mscale>("model.rope_scaling.mscale",
+                                                   "yarn: mscale of the attention factor; 0: not set",
+                                                   model_bounds::rope_scaling_mscale),
+      key<&E::model, &M::rope_scaling, &R::mscale_all_dim>(
+          "model.rope_scaling.mscale_all_dim",
+          "yarn: mscale_all_dim of the attention factor and of MLA's softmax scale; 0: not set",
+          model_bounds::rope_scaling_mscale),
       key<&E::model, &M::max_seq_len>("model.max_seq_len", "longest supported sequence (max_position_embeddings)",
                                       model_bounds::max_seq_len),
       key<&E::model, &M::sliding_window>("model.sliding_window", "attention window in tokens; 0: full causal",

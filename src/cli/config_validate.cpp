@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -222,6 +223,32 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
                moe);
 }
 
+// model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
+// its projections run in the compute dtype, without adapters.
+void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (!config.model.mla()) return;
+  const std::string mla = show(config, keys, "model.kv_lora_rank");
+  // On CUDA the packing kernel moves 16-byte vectors of 8 bf16 (mla_pack_qkv, a rotary pair
+  // group of 16), and cuBLASLt and cuDNN want every row 16-byte aligned.
+  const ModelConfig& m = config.model;
+  if (config.training.device == "cuda")
+    for (auto [key, value, multiple] : {std::tuple{"model.qk_rope_head_dim", m.qk_rope_head_dim, int64_t{16}},
+                                        {"model.qk_nope_head_dim", m.qk_nope_head_dim, int64_t{8}},
+                                        {"model.v_head_dim", m.v_head_dim, int64_t{8}},
+                                        {"model.kv_lora_rank", m.kv_lora_rank, int64_t{8}},
+                                        {"model.q_lora_rank", m.q_lora_rank, int64_t{8}}})
+      if (value % multiple != 0)
+        FORGE_FAIL("{} must be a multiple of {} on CUDA (training.device cuda) with Multi-head Latent Attention",
+                   show(config, keys, key), multiple);
+  if (config.precision.fp8 != "none")
+    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be combined with {} yet", mla,
+               show(config, keys, "precision.fp8"));
+  if (config.lora.enabled() || config.lora.quantize_base != "none")
+    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
+               "lora.quantize_base none",
+               mla);
+}
+
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the
 // launcher started, over the replicate degree.
 void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -292,6 +319,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_lora(config, keys);
   check_fp8(config, keys);
   check_moe(config, keys);
+  check_mla(config, keys);
   resolve_batch(config, keys);
 }
 

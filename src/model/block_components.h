@@ -13,7 +13,9 @@ namespace forge {
 // The components of every block, in the order a block applies them.
 using BlockComponents = std::vector<std::unique_ptr<BlockComponent>>;
 
-// Llama family: self-attention (GQA/MHA, optional sliding window), then a SwiGLU feed-forward.
+// Llama family: self-attention (GQA/MHA, optional sliding window), then a SwiGLU
+// feed-forward; a Mixture-of-Experts model's feed-forward is MoeFeedForward, after
+// model.first_dense_layers dense blocks (SplitByLayer).
 BlockComponents make_block_components(const ModelConfig& config);
 
 }  // namespace forge

@@ -5,6 +5,7 @@
 #include "model/config_rules.h"
 
 #include <string>
+#include <utility>
 
 #include "model/config.h"
 
@@ -43,20 +44,33 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
   if (!moe() && num_experts_per_tok != 0)
     FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
                keys.describe("model.num_experts_per_tok", num_experts_per_tok));
+  check_moe_rules(keys);
+  check_mla_rules(keys);
 
   if (num_heads % num_kv_heads != 0)
     FORGE_FAIL("{} must be divisible by {}", keys.describe("model.num_heads", num_heads),
                keys.describe("model.num_kv_heads", num_kv_heads));
-  if (head_dim == 0 && hidden_size % num_heads != 0)
+  if (!mla() && head_dim == 0 && hidden_size % num_heads != 0)
     FORGE_FAIL("{} must be divisible by {} when model.head_dim is not given",
                keys.describe("model.hidden_size", hidden_size), keys.describe("model.num_heads", num_heads));
-  if (resolved_head_dim() % 2 != 0) {
+  if (!mla() && resolved_head_dim() % 2 != 0) {
     const std::string source = head_dim > 0 ? keys.describe("model.head_dim", head_dim)
                                             : keys.describe("model.hidden_size", hidden_size) + " / " +
                                                   keys.describe("model.num_heads", num_heads);
     FORGE_FAIL("the head size must be even for rotary embeddings, got {} from {}", resolved_head_dim(), source);
   }
-  if (rope_scaling.enabled && !(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor))
+  check_choice(keys, "model.rope_scaling.type", rope_scaling.type, model_bounds::rope_scaling_types);
+  check_range(keys, "model.rope_scaling.beta_fast", rope_scaling.beta_fast, model_bounds::rope_scaling_beta);
+  check_range(keys, "model.rope_scaling.beta_slow", rope_scaling.beta_slow, model_bounds::rope_scaling_beta);
+  check_range(keys, "model.rope_scaling.mscale", rope_scaling.mscale, model_bounds::rope_scaling_mscale);
+  check_range(keys, "model.rope_scaling.mscale_all_dim", rope_scaling.mscale_all_dim,
+              model_bounds::rope_scaling_mscale);
+  if (rope_scaling.yarn() && !(rope_scaling.beta_fast > rope_scaling.beta_slow))
+    FORGE_FAIL("{} must be greater than {} (YaRN's ramp runs from the fast to the slow bound)",
+               keys.describe("model.rope_scaling.beta_fast", rope_scaling.beta_fast),
+               keys.describe("model.rope_scaling.beta_slow", rope_scaling.beta_slow));
+  if (rope_scaling.enabled && rope_scaling.type == "llama3" &&
+      !(rope_scaling.high_freq_factor > rope_scaling.low_freq_factor))
     FORGE_FAIL("{} must be greater than {} when model.rope_scaling.enabled is true",
                keys.describe("model.rope_scaling.high_freq_factor", rope_scaling.high_freq_factor),
                keys.describe("model.rope_scaling.low_freq_factor", rope_scaling.low_freq_factor));
@@ -68,14 +82,105 @@ void ModelConfig::validate(const KeyDescriber& keys) const {
   // point those products fit in int64_t and the memory check sees a real number.
   const std::optional<int64_t> params = checked_total_params();
   if (!params || *params > kMaxParams)
-    FORGE_FAIL("{}, {}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
+    FORGE_FAIL("{}, {}, {}, {}, {}, {}, {}, {}, {} and {} give {}: forge supports at most {} (2^50) parameters",
                keys.describe("model.vocab_size", vocab_size), keys.describe("model.hidden_size", hidden_size),
                keys.describe("model.num_layers", num_layers), keys.describe("model.num_heads", num_heads),
                keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.head_dim", head_dim),
                keys.describe("model.ffn_hidden_size", ffn_hidden_size),
                keys.describe("model.num_experts", num_experts),
+               keys.describe("model.moe_ffn_hidden_size", moe_ffn_hidden_size),
+               keys.describe("model.kv_lora_rank", kv_lora_rank),
                params ? fmt::format("{} parameters", *params) : "a parameter count that overflows 64-bit integers",
                kMaxParams);
+}
+
+// The Mixture-of-Experts keys beyond the expert count and top-k (NOTE [MoE feed-forward]).
+void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
+  check_range(keys, "model.moe_ffn_hidden_size", moe_ffn_hidden_size, model_bounds::moe_ffn_hidden_size);
+  check_range(keys, "model.num_shared_experts", num_shared_experts, model_bounds::num_shared_experts);
+  check_range(keys, "model.first_dense_layers", first_dense_layers, model_bounds::first_dense_layers);
+  check_range(keys, "model.router_scaling_factor", router_scaling_factor, model_bounds::router_scaling_factor);
+  check_range(keys, "model.router_num_groups", router_num_groups, model_bounds::router_num_groups);
+  check_range(keys, "model.router_topk_groups", router_topk_groups, model_bounds::router_topk_groups);
+  check_choice(keys, "model.router_score_function", router_score_function, model_bounds::router_score_functions);
+  if (!moe()) {
+    // A dense model: every routing key must keep its default, so that a key set by
+    // mistake is not silently ignored.
+    auto dense_only = [&](const char* key, auto value, auto fallback) {
+      if (value != fallback)
+        FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
+                   keys.describe(key, value));
+    };
+    dense_only("model.moe_ffn_hidden_size", moe_ffn_hidden_size, int64_t{0});
+    dense_only("model.num_shared_experts", num_shared_experts, int64_t{0});
+    dense_only("model.first_dense_layers", first_dense_layers, int64_t{0});
+    dense_only("model.router_score_function", router_score_function, std::string("softmax"));
+    dense_only("model.router_num_groups", router_num_groups, int64_t{1});
+    dense_only("model.router_topk_groups", router_topk_groups, int64_t{1});
+    dense_only("model.router_scaling_factor", router_scaling_factor, 1.0);
+    return;
+  }
+  if (first_dense_layers >= num_layers)
+    FORGE_FAIL("{} must be less than {}: a Mixture-of-Experts model has at least one MoE block",
+               keys.describe("model.first_dense_layers", first_dense_layers),
+               keys.describe("model.num_layers", num_layers));
+  if (num_experts % router_num_groups != 0)
+    FORGE_FAIL("{} must divide {} (the experts form equal groups)",
+               keys.describe("model.router_num_groups", router_num_groups),
+               keys.describe("model.num_experts", num_experts));
+  if (router_topk_groups > router_num_groups)
+    FORGE_FAIL("{} must be at most {}", keys.describe("model.router_topk_groups", router_topk_groups),
+               keys.describe("model.router_num_groups", router_num_groups));
+  if (router_topk_groups * (num_experts / router_num_groups) < num_experts_per_tok)
+    FORGE_FAIL("{} groups of {} experts cannot hold {} choices", keys.describe("model.router_topk_groups", router_topk_groups),
+               num_experts / router_num_groups, keys.describe("model.num_experts_per_tok", num_experts_per_tok));
+  if (router_score_function == "softmax" && router_num_groups > 1)
+    FORGE_FAIL("{} with {}: group-limited softmax routing (DeepSeek-V2's group_limited_greedy) is not built; "
+               "group-limited routing runs with model.router_score_function sigmoid (DeepSeek-V3's)",
+               keys.describe("model.router_num_groups", router_num_groups),
+               keys.describe("model.router_score_function", router_score_function));
+  if (router_score_function == "softmax" && router_scaling_factor != 1.0)
+    FORGE_FAIL("{} with {}: scaled softmax routing (DeepSeek-V2's 236B models, which also route group-limited) is "
+               "not built; it runs with model.router_score_function sigmoid",
+               keys.describe("model.router_scaling_factor", router_scaling_factor),
+               keys.describe("model.router_score_function", router_score_function));
+  if (router_score_function == "sigmoid" && router_num_groups > 1 && num_experts / router_num_groups < 2)
+    FORGE_FAIL("{} leaves groups of {} expert; sigmoid routing ranks a group by its two best scores",
+               keys.describe("model.router_num_groups", router_num_groups), num_experts / router_num_groups);
+  if (router_score_function == "sigmoid" && router_aux_loss_coef != 0.0)
+    FORGE_FAIL("{} with {}: the Switch balancing loss is for softmax routing",
+               keys.describe("model.router_aux_loss_coef", router_aux_loss_coef),
+               keys.describe("model.router_score_function", router_score_function));
+}
+
+// Multi-head Latent Attention's keys (NOTE [Multi-head Latent Attention]).
+void ModelConfig::check_mla_rules(const KeyDescriber& keys) const {
+  check_range(keys, "model.q_lora_rank", q_lora_rank, model_bounds::q_lora_rank);
+  check_range(keys, "model.kv_lora_rank", kv_lora_rank, model_bounds::kv_lora_rank);
+  check_range(keys, "model.qk_nope_head_dim", qk_nope_head_dim, model_bounds::qk_nope_head_dim);
+  check_range(keys, "model.qk_rope_head_dim", qk_rope_head_dim, model_bounds::qk_rope_head_dim);
+  check_range(keys, "model.v_head_dim", v_head_dim, model_bounds::v_head_dim);
+  if (!mla()) {
+    for (auto [key, value] : {std::pair{"model.q_lora_rank", q_lora_rank}, {"model.qk_nope_head_dim", qk_nope_head_dim},
+                              {"model.qk_rope_head_dim", qk_rope_head_dim}, {"model.v_head_dim", v_head_dim}})
+      if (value != 0)
+        FORGE_FAIL("{} needs model.kv_lora_rank > 0 (Multi-head Latent Attention); it is 0, grouped-query attention",
+                   keys.describe(key, value));
+    return;
+  }
+  if (qk_nope_head_dim < 1 || v_head_dim < 1)
+    FORGE_FAIL("{} and {} must be at least 1 with Multi-head Latent Attention ({})",
+               keys.describe("model.qk_nope_head_dim", qk_nope_head_dim), keys.describe("model.v_head_dim", v_head_dim),
+               keys.describe("model.kv_lora_rank", kv_lora_rank));
+  if (qk_rope_head_dim < 2 || qk_rope_head_dim % 2 != 0)
+    FORGE_FAIL("{} must be even and at least 2 (the rotary part of each query/key head)",
+               keys.describe("model.qk_rope_head_dim", qk_rope_head_dim));
+  if (num_kv_heads != num_heads)
+    FORGE_FAIL("{} must equal {} with Multi-head Latent Attention (every head has its own key and value)",
+               keys.describe("model.num_kv_heads", num_kv_heads), keys.describe("model.num_heads", num_heads));
+  if (sliding_window != 0)
+    FORGE_FAIL("{}: Multi-head Latent Attention has no sliding window; set it to 0",
+               keys.describe("model.sliding_window", sliding_window));
 }
 
 }  // namespace forge

@@ -4,6 +4,9 @@
 // a key accepts.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "core/config_check.h"
 
 namespace forge::model_bounds {
@@ -29,5 +32,20 @@ inline constexpr ValueRange init_std = above(0);
 inline constexpr ValueRange num_experts = {0, 65536};  // 0: a dense model
 inline constexpr ValueRange num_experts_per_tok = {0, 65536};
 inline constexpr ValueRange router_aux_loss_coef = at_least(0);
+inline constexpr ValueRange moe_ffn_hidden_size = at_least(0);  // 0: ffn_hidden_size
+inline constexpr ValueRange num_shared_experts = {0, 65536};
+inline constexpr ValueRange first_dense_layers = {0, 65536};
+inline constexpr ValueRange router_scaling_factor = above(0);
+inline constexpr ValueRange router_num_groups = {1, 65536};
+inline constexpr ValueRange router_topk_groups = {1, 65536};
+inline constexpr ValueRange q_lora_rank = at_least(0);   // 0: queries projected directly
+inline constexpr ValueRange kv_lora_rank = at_least(0);  // 0: grouped-query attention, not MLA
+inline constexpr ValueRange qk_nope_head_dim = at_least(0);
+inline constexpr ValueRange qk_rope_head_dim = at_least(0);
+inline constexpr ValueRange v_head_dim = at_least(0);
+inline constexpr ValueRange rope_scaling_beta = above(0);
+inline constexpr ValueRange rope_scaling_mscale = at_least(0);  // 0: not set
+inline const std::vector<std::string> rope_scaling_types = {"llama3", "yarn"};
+inline const std::vector<std::string> router_score_functions = {"softmax", "sigmoid"};
 
 }  // namespace forge::model_bounds

@@ -87,22 +87,26 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
               "compute dtype {} on {} (NOTE [Op placement])", dtype_name(compute_dtype), device_name(device));
   FORGE_CHECK(!components_.empty(), "a decoder block needs at least one component");
   // The components must declare, in order, the parameters the weights will be laid out by.
-  std::vector<ParamSpec> declared;
-  first_param_.push_back(0);
-  for (const auto& component : components_) {
-    std::vector<ParamSpec> specs = component->param_specs(0);
-    declared.insert(declared.end(), specs.begin(), specs.end());
-    first_param_.push_back(declared.size());
-  }
-  std::vector<ParamSpec> expected;
+  std::vector<std::vector<ParamSpec>> expected(static_cast<size_t>(config_.num_layers));
   for (ParamSpec& spec : parameter_specs(config_))
-    if (spec.layer == 0) expected.push_back(std::move(spec));
-  FORGE_CHECK(declared.size() == expected.size(), "the block's components declare {} parameters, the model has {}",
-              declared.size(), expected.size());
-  for (size_t k = 0; k < declared.size(); ++k)
-    FORGE_CHECK(declared[k].name == expected[k].name && declared[k].shape == expected[k].shape,
-                "block parameter {} is '{}' {} in the components, '{}' {} in the model", k, declared[k].name,
-                shape_str(declared[k].shape), expected[k].name, shape_str(expected[k].shape));
+    if (spec.layer >= 0) expected.at(static_cast<size_t>(spec.layer)).push_back(std::move(spec));
+  for (int i = 0; i < config_.num_layers; ++i) {
+    std::vector<ParamSpec> declared;
+    std::vector<size_t> first{0};
+    for (const auto& component : components_) {
+      std::vector<ParamSpec> specs = component->param_specs(i);
+      declared.insert(declared.end(), specs.begin(), specs.end());
+      first.push_back(declared.size());
+    }
+    const std::vector<ParamSpec>& model = expected[static_cast<size_t>(i)];
+    FORGE_CHECK(declared.size() == model.size(), "block {}'s components declare {} parameters, the model has {}", i,
+                declared.size(), model.size());
+    for (size_t k = 0; k < declared.size(); ++k)
+      FORGE_CHECK(declared[k].name == model[k].name && declared[k].shape == model[k].shape,
+                  "block parameter {} is '{}' {} in the components, '{}' {} in the model", k, declared[k].name,
+                  shape_str(declared[k].shape), model[k].name, shape_str(model[k].shape));
+    first_param_.push_back(std::move(first));
+  }
 
   const StepShape shape{micro_batch, seq_len, compute_dtype};
   for (auto& component : components_) component->prepare(shape, device);
@@ -111,10 +115,11 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
   lay_out_decoder(b_, components_, config_, shape, checkpoint, layout);
 }
 
-ComponentWeights DecoderLM::component_weights(const BlockWeights& block, size_t c) const {
-  FORGE_CHECK(block.params.size() == first_param_.back(), "a block's weights hold {} parameters, its components {}",
-              block.params.size(), first_param_.back());
-  return ComponentWeights(block, first_param_[c], first_param_[c + 1] - first_param_[c]);
+ComponentWeights DecoderLM::component_weights(int i, const BlockWeights& block, size_t c) const {
+  const std::vector<size_t>& first = first_param_.at(static_cast<size_t>(i));
+  FORGE_CHECK(block.params.size() == first.back(), "block {}'s weights hold {} parameters, its components {}", i,
+              block.params.size(), first.back());
+  return ComponentWeights(block, first[c], first[c + 1] - first[c]);
 }
 
 const Tensor& DecoderLM::component_output(int i, size_t c) const {
@@ -139,7 +144,7 @@ std::vector<std::vector<int64_t>> DecoderLM::expert_load() const {
 void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
   for (size_t c = 0; c < components_.size(); ++c) {
     const bool produce = to_output || c + 1 < components_.size();
-    components_[c]->forward(i, component_weights(w, c), b_.stream[static_cast<size_t>(i)][c],
+    components_[c]->forward(i, component_weights(i, w, c), b_.stream[static_cast<size_t>(i)][c],
                             produce ? &component_output(i, c) : nullptr);
   }
 }
@@ -169,7 +174,7 @@ void DecoderLM::recompute_block(int i, const BlockWeights& w) {
     case ActivationCheckpoint::Full: return forward_block(i, w, false);
     case ActivationCheckpoint::Selective:
       for (size_t c = 0; c < components_.size(); ++c)
-        components_[c]->recompute_selective(i, component_weights(w, c), b_.stream[static_cast<size_t>(i)][c]);
+        components_[c]->recompute_selective(i, component_weights(i, w, c), b_.stream[static_cast<size_t>(i)][c]);
       return;
   }
 }
@@ -224,7 +229,7 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
     const bool fresh = grads.layer_grads_fresh(i);
     recompute_block(i, w);
     for (size_t c = components_.size(); c-- > 0;)
-      components_[c]->backward(i, component_weights(w, c), component_weights(g, c), fresh,
+      components_[c]->backward(i, component_weights(i, w, c), component_weights(i, g, c), fresh,
                                b_.stream[static_cast<size_t>(i)][c], b_.d_stream, b_.d_hidden);
     grads.layer_done(i);
   }

@@ -96,8 +96,8 @@ class DecoderLM {
   std::vector<std::vector<int64_t>> expert_load() const;
 
  private:
-  // Component c's entries of a block's weights (NOTE [Block weights]).
-  ComponentWeights component_weights(const BlockWeights& block, size_t c) const;
+  // Component c's entries of block i's weights (NOTE [Block weights]).
+  ComponentWeights component_weights(int i, const BlockWeights& block, size_t c) const;
   // Where component c of block i writes its output: the next component's stream entry,
   // the next block's input, or the final norm's input.
   const Tensor& component_output(int i, size_t c) const;
@@ -116,7 +116,9 @@ class DecoderLM {
   DType compute_dtype_;
   ActivationCheckpoint checkpoint_;
   BlockComponents components_;
-  std::vector<size_t> first_param_;  // per component: its first entry in BlockWeights; then the block's count
+  // Per block, per component: its first entry in BlockWeights; then the block's count
+  // (blocks differ where a component does: SplitByLayer).
+  std::vector<std::vector<size_t>> first_param_;
   Tensor arena_;  // owns the memory every activation buffer views
   DecoderActivations b_;
 };

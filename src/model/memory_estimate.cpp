@@ -12,15 +12,16 @@ namespace forge {
 
 namespace {
 
-// The values of FSDP's units (NOTE [FSDP layout]), padding left out.
+// The values of FSDP's units (NOTE [FSDP layout]), padding left out; `block` is the largest
+// block's (a MoE model's dense first blocks are smaller), which sizes the buffers.
 struct FsdpUnitSizes {
   double block, embedding, head;
 };
 FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config) {
-  const double block = static_cast<double>(config.params_per_layer());
-  const double embedding = static_cast<double>(config.vocab_size) * static_cast<double>(config.hidden_size);
-  return {block, embedding,
-          static_cast<double>(config.total_params()) - embedding - block * static_cast<double>(config.num_layers)};
+  const double block = static_cast<double>(config.largest_layer_params());
+  const double embedding = static_cast<double>(config.embedding_params());
+  const double head = static_cast<double>(config.hidden_size) + (config.tie_word_embeddings ? 0.0 : embedding);
+  return {block, embedding, head};
 }
 
 }  // namespace

@@ -14,31 +14,54 @@ namespace forge {
 
 MoeFeedForward::MoeFeedForward(const ModelConfig& config)
     : hidden_(config.hidden_size),
-      ffn_(config.ffn_hidden_size),
+      ffn_(config.resolved_moe_ffn()),
       experts_(config.num_experts),
       top_k_(config.num_experts_per_tok),
+      shared_ffn_(config.num_shared_experts * config.resolved_moe_ffn()),
+      deepseek_names_(config.mla() || config.num_shared_experts > 0 || config.first_dense_layers > 0),
+      sigmoid_(config.router_score_function == "sigmoid"),
+      normalize_(config.router_normalize_topk),
+      scaling_(static_cast<float>(config.router_scaling_factor)),
+      groups_(config.router_num_groups),
+      topk_groups_(config.router_topk_groups),
+      bias_index_(config.num_shared_experts > 0 ? kSharedDown + 1 : kDown + 1),
       eps_(static_cast<float>(config.norm_eps)),
       aux_coefficient_(config.router_aux_loss_coef) {}
 
 // NOTE [MoE Hugging Face names] in moe_feed_forward.h.
 std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
-  const std::string moe = hf + "block_sparse_moe.";
+  const std::string moe = hf + (deepseek_names_ ? "mlp." : "block_sparse_moe.");
   std::vector<HfTensor> gate_up, down;
   for (int64_t e = 0; e < experts_; ++e) {
     const std::string expert = fmt::format("{}experts.{}.", moe, e);
-    gate_up.push_back({expert + "w1.weight", ffn_});  // gate
-    gate_up.push_back({expert + "w3.weight", ffn_});  // up
-    down.push_back({expert + "w2.weight", hidden_});
+    gate_up.push_back({expert + (deepseek_names_ ? "gate_proj.weight" : "w1.weight"), ffn_});
+    gate_up.push_back({expert + (deepseek_names_ ? "up_proj.weight" : "w3.weight"), ffn_});
+    down.push_back({expert + (deepseek_names_ ? "down_proj.weight" : "w2.weight"), hidden_});
   }
-  std::vector<ParamSpec> specs(4);
+  std::vector<ParamSpec> specs(bias_index_ + (sigmoid_ ? 1 : 0));
   specs[kNorm] = {p + "mlp_norm.weight", {hidden_}, {{hf + "post_attention_layernorm.weight", hidden_}}, false, layer};
   specs[kRouter] = {p + "moe.router.weight", {experts_, hidden_}, {{moe + "gate.weight", experts_}}, true, layer,
-                    false, hf + "mlp.gate.weight"};
+                    false, deepseek_names_ ? "" : hf + "mlp.gate.weight"};
   specs[kGateUp] = {p + "moe.experts.gate_up", {experts_, 2 * ffn_, hidden_}, std::move(gate_up), true, layer,
                     false, hf + "mlp.experts.gate_up_proj"};
   specs[kDown] = {p + "moe.experts.down", {experts_, hidden_, ffn_}, std::move(down), true, layer,
                   true, hf + "mlp.experts.down_proj"};
+  if (shared_ffn_ > 0) {
+    const std::string shared = moe + "shared_experts.";
+    specs[kSharedGateUp] = {p + "moe.shared.gate_up.weight",
+                            {2 * shared_ffn_, hidden_},
+                            {{shared + "gate_proj.weight", shared_ffn_}, {shared + "up_proj.weight", shared_ffn_}},
+                            true,
+                            layer};
+    specs[kSharedDown] = {p + "moe.shared.down.weight", {hidden_, shared_ffn_}, {{shared + "down_proj.weight", hidden_}},
+                          true, layer, true};
+  }
+  if (sigmoid_) {
+    specs[bias_index_] = {p + "moe.router.bias", {experts_}, {{moe + "gate.e_score_correction_bias", experts_}}, false,
+                          layer};
+    specs[bias_index_].zero_init = true;
+  }
   return specs;
 }
 
@@ -58,11 +81,13 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
     a.rstd = stat({n});
     a.rows.gate_up = act({rows, 2 * ffn_});
     a.rows.expert_out = act({rows, hidden_});
+    if (shared_ffn_ > 0) a.shared_gate_up = act({n, 2 * shared_ffn_});
   };
   auto cheap = [&](Activations& a) {
     a.normed = act({n, hidden_});
     a.rows.permuted = act({rows, hidden_});
     a.rows.swiglu = act({rows, ffn_});
+    if (shared_ffn_ > 0) a.shared_swiglu = act({n, shared_ffn_});
   };
   logits_ = stat({n, experts_});
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
@@ -78,16 +103,39 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   d_logits_ = stat({n, experts_});
   d_logits_compute_ = act({n, experts_});
   aux_gradient_ = stat({experts_});
+  if (sigmoid_) bias_ = stat({experts_});
+  if (shared_ffn_ > 0) {
+    d_shared_swiglu_ = act({n, shared_ffn_});
+    d_shared_gate_up_ = act({n, 2 * shared_ffn_});
+  }
+}
+
+MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuffers& buffers) {
+  if (!sigmoid_) return moe_route(logits_, top_k_, normalize_, buffers);  // scaling 1 (config rules)
+  const Tensor& bias = w.tensor(bias_index_);
+  if (bias.dtype() != DType::F32) cast(bias_, bias);  // the routing reads it in fp32
+  return moe_route_sigmoid(logits_, bias.dtype() == DType::F32 ? bias : bias_, top_k_, groups_, topk_groups_, normalize_,
+                           scaling_, buffers);
 }
 
 void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   linear_forward(logits_, a.normed, w.linear(kRouter));
-  a.routing = moe_route(logits_, top_k_, /*normalize=*/true, a.routing_buffers);
+  a.routing = route(w, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   moe_experts_forward(a.rows, {w.tensor(kGateUp), w.tensor(kDown)}, a.routing);
-  if (out) moe_combine(*out, a.rows.expert_out, a.routing, &x);
+  if (shared_ffn_ > 0) {
+    linear_forward(a.shared_gate_up, a.normed, w.linear(kSharedGateUp));
+    swiglu_forward(a.shared_swiglu, a.shared_gate_up);
+  }
+  if (!out) return;
+  if (shared_ffn_ > 0) {  // out = x + shared(h), then the routed experts' share added
+    linear_forward(*out, a.shared_swiglu, w.linear(kSharedDown), &x);
+    moe_combine(*out, a.rows.expert_out, a.routing, out);
+  } else {
+    moe_combine(*out, a.rows.expert_out, a.routing, &x);
+  }
 }
 
 void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
@@ -95,6 +143,7 @@ void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, c
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   swiglu_forward(a.rows.swiglu, a.rows.gate_up);
+  if (shared_ffn_ > 0) swiglu_forward(a.shared_swiglu, a.shared_gate_up);
 }
 
 std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {
@@ -128,7 +177,10 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                               const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
-  if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
+  if (overwrite) {
+    grads.tensor(kNorm).fill_zero();  // the norm's backward adds
+    if (sigmoid_) grads.tensor(bias_index_).fill_zero();  // the bias takes no gradient
+  }
   // out = x + combine(experts(permute(h)), routing(h W_router^T))
   moe_combine_backward(d_expert_out_, d_weights_, d_stream, a.rows.expert_out, a.routing);
   moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
@@ -140,6 +192,13 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   cast(d_logits_compute_, d_logits_);
   linear_backward_weight(grads.linear(kRouter), d_logits_compute_, a.normed, overwrite);
   matmul_add(d_hidden, d_logits_compute_, false, w.tensor(kRouter), false, d_hidden);
+  if (shared_ffn_ > 0) {  // out += shared(h): its weights' gradients, and dL/dh through it added
+    linear_backward(d_shared_swiglu_, grads.linear(kSharedDown), d_stream, a.shared_swiglu, w.linear(kSharedDown),
+                    overwrite);
+    swiglu_backward(d_shared_gate_up_, d_shared_swiglu_, a.shared_gate_up);
+    linear_backward_weight(grads.linear(kSharedGateUp), d_shared_gate_up_, a.normed, overwrite);
+    matmul_add(d_hidden, d_shared_gate_up_, false, w.tensor(kSharedGateUp), false, d_hidden);
+  }
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 

@@ -1,25 +1,33 @@
 // The Mixture-of-Experts feed-forward component of a block (NOTE [Composed blocks]), as
-// Mixtral's (transformers' MixtralSparseMoeBlock), in place of SwiGluFeedForward when
-// model.num_experts > 0.
+// Mixtral's (transformers' MixtralSparseMoeBlock) and DeepSeek's (DeepseekV2Moe /
+// DeepseekV3MoE), in place of SwiGluFeedForward when model.num_experts > 0.
 //
 // NOTE [MoE feed-forward]
-//   h = rmsnorm(x);  logits = h W_router^T;  out = x + sum_j w_j * expert_{e_j}(h)
-// with e_j and w_j each token's num_experts_per_tok experts and their renormalized softmax
-// weights, and every expert a SwiGLU feed-forward of ffn_hidden_size (gate/up fused, then
-// down). It is composed from the MoE ops (NOTE [MoE routing] in ops/moe.h): route, permute
-// the normalized tokens by expert, each expert's two GEMMs on its own rows (dropless: no
-// token is ever dropped, an expert with no tokens runs nothing), combine into the residual
-// stream. The weights are stacked per block: the router [E, hidden], the experts' gate/up
-// [E, 2F, hidden] and down [E, hidden, F] (transformers' MixtralExperts layout; Hugging
-// Face names: NOTE [MoE Hugging Face names]). Under selective checkpointing a layer keeps
-// its GEMM outputs and routing and recomputes its normalized input, their permutation and
-// SwiGLU; under full checkpointing the decoder reruns the whole forward before the
-// backward, the routing included, which gives the same routing (lay_out says what is kept
-// where). On CUDA the routing is written into per-layer buffers of the arena
-// (MoeRoutingBuffers), the router's GEMMs read the logits' gradient in bf16, and the
-// balancing loss's gradient is copied to the device once per micro-batch. What is not built
-// yet (issue 20): shared experts, DeepSeek's routing in a model and expert parallelism;
-// configs refuse what needs them.
+//   h = rmsnorm(x);  logits = h W_router^T;  out = x + sum_j w_j * expert_{e_j}(h) + shared(h)
+// with e_j and w_j each token's num_experts_per_tok experts and their weights (NOTE [MoE
+// routing] in ops/moe.h: softmax or sigmoid scores, renormalized or not, scaled, group-limited,
+// as the config says), every routed expert a SwiGLU feed-forward of moe_ffn_hidden_size
+// (gate/up fused, then down), and `shared` DeepSeek's shared experts: one SwiGLU of
+// num_shared_experts x moe_ffn_hidden_size that every token goes through (absent when 0).
+// It is composed from the MoE ops: route, permute the normalized tokens by expert, each
+// expert's two GEMMs on its own rows (dropless: no token is ever dropped, an expert with no
+// tokens runs nothing), combine into the residual stream, which the shared experts' down
+// projection has already added to. The routed weights are stacked per block: the router
+// [E, hidden], the experts' gate/up [E, 2F, hidden] and down [E, hidden, F] (transformers'
+// MixtralExperts layout; Hugging Face names: NOTE [MoE Hugging Face names]). Under
+// selective checkpointing a layer keeps its GEMM outputs and routing and recomputes its
+// normalized input, their permutation and the SwiGLUs; under full checkpointing the
+// decoder reruns the whole forward before the backward, the routing included, which gives
+// the same routing (lay_out says what is kept where). On CUDA the routing is written into
+// per-layer buffers of the arena (MoeRoutingBuffers), the router's GEMMs read the logits'
+// gradient in bf16, and the balancing loss's gradient is copied to the device once per
+// micro-batch. DeepSeek's dense first blocks are SwiGluFeedForward (SplitByLayer).
+// Sigmoid routing (DeepSeek-V3's) chooses on scores plus a per-expert bias, a parameter of
+// the block (Hugging Face's e_score_correction_bias) that takes no gradient: its gradient is
+// always zero, so AdamW (without weight decay, as every 1-D parameter) leaves it where
+// import or initialization (zeros) put it, as transformers' training does. What is not built
+// yet (issue 20): the bias update of auxiliary-loss-free balancing, the sequence-wise
+// balancing loss and expert parallelism; configs refuse what needs them.
 //
 // NOTE [MoE balancing loss]
 // With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's
@@ -34,17 +42,20 @@
 // reports the cross-entropy alone. Megatron's aux_loss differs: per layer, divided by top-k.
 //
 // NOTE [MoE Hugging Face names]
-// The Hugging Face names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
+// Mixtral's names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
 // which transformers 4 loads as they are and transformers 5 converts on load and writes back
 // on save_pretrained: per block model.layers.N.block_sparse_moe.gate.weight [E, hidden] (the
 // router), and per expert e .block_sparse_moe.experts.e.w1.weight (gate, [F, hidden]),
 // .w3.weight (up, [F, hidden]) and .w2.weight (down, [hidden, F]). Row-major, gate/up
 // [E, 2F, hidden] is E blocks of (w1, w3) and down [E, hidden, F] E blocks of w2, so each is
-// a slice of the stack's rows (NOTE [Fused projections] in model/parameters.h). Import also
-// accepts transformers 5's in-memory names, whole stacks in forge's own layout, which its
-// save_pretrained(save_original_format=False) writes: .mlp.gate.weight,
-// .mlp.experts.gate_up_proj and .mlp.experts.down_proj (ParamSpec::hf_alias). Export writes
-// the published names, which both transformers 4 and 5 load.
+// a slice of the stack's rows (NOTE [Fused projections] in model/parameters.h). DeepSeek's
+// (deepseek-ai/DeepSeek-V2-Lite, a model with Multi-head Latent Attention, shared experts or
+// dense first blocks) are .mlp.gate.weight, .mlp.experts.e.gate_proj/up_proj/down_proj.weight
+// and the shared experts' .mlp.shared_experts.gate_proj/up_proj/down_proj.weight. Import
+// also accepts transformers 5's in-memory names, whole stacks in forge's own layout, which
+// its save_pretrained(save_original_format=False) writes: .mlp.gate.weight,
+// .mlp.experts.gate_up_proj and .mlp.experts.down_proj (ParamSpec::hf_alias). Export
+// writes the published names, which both transformers 4 and 5 load.
 #pragma once
 
 #include <vector>
@@ -69,7 +80,9 @@ class MoeFeedForward final : public BlockComponent {
   double auxiliary_loss(double gradient_weight) override;
 
  private:
-  enum Param : size_t { kNorm, kRouter, kGateUp, kDown };  // ComponentWeights numbering, param_specs order
+  // ComponentWeights numbering, param_specs order: the shared experts' two only with them,
+  // then with sigmoid routing the router's per-expert bias (bias_index_).
+  enum Param : size_t { kNorm, kRouter, kGateUp, kDown, kSharedGateUp, kSharedDown };
 
   struct Activations {
     Tensor rstd;            // [N] fp32
@@ -77,21 +90,33 @@ class MoeFeedForward final : public BlockComponent {
     MoeRoutingBuffers routing_buffers;
     MoeRouting routing;     // this micro-batch's, in routing_buffers
     MoeExpertBuffers rows;  // [N * k, ...] in expert order
+    Tensor shared_gate_up;  // [N, 2 Fs]: the shared experts' (with them)
+    Tensor shared_swiglu;   // [N, Fs]
   };
 
   std::vector<const MoeRouting*> routings() const;  // every layer's, from the last forward
 
+  MoeRouting route(const ComponentWeights& w, const MoeRoutingBuffers& buffers);
+
   int64_t hidden_, ffn_, experts_, top_k_;
+  int64_t shared_ffn_;  // the shared experts' SwiGLU size; 0: none
+  bool deepseek_names_;  // NOTE [MoE Hugging Face names]
+  bool sigmoid_, normalize_;
+  float scaling_;
+  int64_t groups_, topk_groups_;
+  size_t bias_index_;  // sigmoid routing: where the router's bias is among the parameters
   float eps_;
   double aux_coefficient_;
   std::vector<Activations> layers_;
   Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing
+  Tensor bias_;    // [E] fp32: sigmoid routing's bias, cast from the compute weights on CUDA
   // The balancing loss's probability gradient, weighted (F32 [E], every layer's); used in
   // the backward when auxiliary_loss gave it.
   Tensor aux_gradient_;
   bool aux_gradient_used_ = false;
   // Backward scratch.
   Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_logits_compute_;
+  Tensor d_shared_swiglu_, d_shared_gate_up_;
 };
 
 }  // namespace forge

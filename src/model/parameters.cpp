@@ -99,7 +99,7 @@ void initialize_parameter(const ModelConfig& config, const ParamSpec& s, uint64_
                           int64_t count) {
   if (count < 0) count = shape_numel(s.shape) - begin;
   if (s.shape.size() == 1) {
-    for (int64_t j = 0; j < count; ++j) p[j] = 1.0f;
+    for (int64_t j = 0; j < count; ++j) p[j] = s.zero_init ? 0.0f : 1.0f;
     return;
   }
   const double residual_scale = 1.0 / std::sqrt(2.0 * static_cast<double>(config.num_layers));

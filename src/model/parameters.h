@@ -24,11 +24,22 @@
 
 namespace forge {
 
+// Rows of a Hugging Face tensor that hold rotary features in interleaved pairs (DeepSeek's
+// Multi-head Latent Attention), which forge keeps in its rotate-half order (NOTE
+// [Multi-head Latent Attention] in model/latent_attention.h): in every block of `period`
+// rows, the `count` rows from `first` on are reordered, forge's row first + j being the
+// tensor's row first + 2j and forge's row first + count/2 + j its row first + 2j + 1.
+// Import applies it, export undoes it. period 0: none.
+struct HfRotaryRows {
+  int64_t period = 0, first = 0, count = 0;
+};
+
 // A Hugging Face tensor a forge parameter is made of, and its rows (its first dimension)
 // inside the parameter (for a stack of matrices, rows of the stack: NOTE [Fused projections]).
 struct HfTensor {
   std::string name;
   int64_t rows = 0;
+  HfRotaryRows rotary_rows = {};
 };
 
 struct ParamSpec {
@@ -46,6 +57,8 @@ struct ParamSpec {
   // whole parameter in its own shape (transformers 5's in-memory MoE tensors, which its
   // save_pretrained(save_original_format=False) writes). Empty: none.
   std::string hf_alias = {};
+  // A vector that starts at zero instead of one (a routing bias, not a norm weight).
+  bool zero_init = false;
 };
 
 // Every parameter of the model, in a fixed order: embedding, then each block's parameters
@@ -168,8 +181,9 @@ class FlatParameters : public ParamSource, public GradSink {
   // Copies every value of `other` (same model), converting device and dtype as needed.
   void assign_from(const FlatParameters& other);
   // Normal(0, init_std) matrices, with the two projections that feed the residual stream
-  // (o, down) scaled by 1/sqrt(2 * layers); norm weights 1. Each tensor draws from its own
-  // seeded stream, so initialization does not depend on anything but the seed and name.
+  // (o, down) scaled by 1/sqrt(2 * layers); norm weights 1, routing biases 0 (zero_init).
+  // Each tensor draws from its own seeded stream, so initialization does not depend on
+  // anything but the seed and name.
   // Values are drawn on the CPU in fp32 and then moved here.
   void initialize(uint64_t seed);
 

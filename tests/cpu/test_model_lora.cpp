@@ -183,7 +183,7 @@ TEST(ModelLora, MemoryEstimateUnderFsdpShardsTheBase) {
   plan.shard_ranks = 4;
   plan.micro_batches = 2;
   const double params = static_cast<double>(config.total_params());
-  const double block = static_cast<double>(config.params_per_layer());
+  const double block = static_cast<double>(config.largest_layer_params());
   const double embedding = static_cast<double>(config.vocab_size * config.hidden_size);
   const double head = params - embedding - block * static_cast<double>(config.num_layers);
   for (int64_t stage : {1, 3}) {

@@ -1,0 +1,93 @@
+// The attention component of a DeepSeek-V2/V3 block (NOTE [Composed blocks]): Multi-head
+// Latent Attention, in place of SelfAttention when model.kv_lora_rank > 0.
+//
+// NOTE [Multi-head Latent Attention]
+// With H heads, a no-rotary query/key part of dn dims, a rotary part of dr, values of dv,
+// and h = rmsnorm(x):
+//   q      = h W_q^T                                   [N, H (dn + dr)]
+//            (or with q_lora_rank: rmsnorm(h W_qa^T) W_qb^T, the compressed query)
+//   c_kv   = rmsnorm(h W_kva[:r]^T)                    [N, r]  (r = kv_lora_rank)
+//   k_pe   = h W_kva[r:]^T                             [N, dr] one rotary key for every head
+//   kv     = c_kv W_kvb^T                              [N, H (dn + dv)] per head k_nope, v
+//   q_h = [q_nope_h | rope(q_pe_h)],  k_h = [k_nope_h | rope(k_pe)],  v_h
+//   out    = x + attention(q, k, v) W_o^T              causal, softmax scale (dn + dr)^-1/2
+//                                                      times YaRN's mscale^2 (ops/rope.h)
+// which is transformers' DeepseekV2Attention / DeepseekV3Attention. The rows of W_kva are
+// Hugging Face's kv_a_proj_with_mqa in one parameter; its two parts run as two GEMMs on
+// row views of it, so the compressed part lands contiguous for its norm. The queries, k_pe
+// and kv are assembled with rotary embedding into one packed row per token (mla_pack_qkv, ops/latent_attention.h)
+// that the attention op reads with a value head dim of its own (dv, where queries and keys
+// have dn + dr: ops/attention.h); nothing is padded. DeepSeek rotates interleaved pairs
+// (x[2i], x[2i+1]) where forge rotates halves (x[i], x[i + dr/2]); the two agree once the
+// rotary rows of the query and k_pe projections are reordered, which import and export do
+// (HfTensor::rotary_rows in parameters.h), and the attention scores do not change since
+// queries and keys are reordered alike.
+// Under selective checkpointing a layer keeps its GEMM outputs that the backward reads (the
+// compressed projections before their norms, the packed rotary q/k/v, the attention output
+// and its statistics) and recomputes the three norms' outputs; q, k_pe and kv themselves are
+// only read by the packing and live in scratch shared by every layer.
+#pragma once
+
+#include <vector>
+
+#include "model/block_component.h"
+#include "model/config.h"
+#include "ops/attention.h"
+#include "ops/latent_attention.h"
+
+namespace forge {
+
+class LatentAttention final : public BlockComponent {
+ public:
+  explicit LatentAttention(const ModelConfig& config);
+
+  std::vector<ParamSpec> param_specs(int layer) const override;
+  void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
+  void prepare(const StepShape& shape, Device device) override;
+  void set_sequence_layout(const SequenceLayout* layout) override;
+  void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
+  void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
+  void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
+                const Tensor& d_stream, const Tensor& d_hidden) override;
+
+ private:
+  // ComponentWeights numbering, param_specs order: attn_norm, then the query projection
+  // (q, or q_a, q_a_norm, q_b), then kv_a, kv_a_norm, kv_b, o.
+  struct Params {
+    size_t norm = 0, q = 0, q_a = 0, q_a_norm = 0, q_b = 0, kv_a = 0, kv_a_norm = 0, kv_b = 0, out = 0, count = 0;
+  };
+  struct Activations {
+    Tensor rstd;                      // [N] fp32
+    Tensor normed;                    // [N, hidden]
+    Tensor q_a, q_rstd, q_compressed; // with q_lora_rank: [N, rq], [N] fp32, its norm's output [N, rq]
+    Tensor kv_a, kv_rstd, kv_compressed;  // [N, r], [N] fp32, its norm's output [N, r]
+    Tensor qkv;                       // packed rotary queries, keys and values [B, T, W]
+    Tensor out;                       // [B, T, H, dv]
+    Tensor lse;                       // [B, H, T] fp32
+  };
+
+  // Rows [begin, end) of a [r + dr, hidden] kv_a weight (or gradient) as a projection.
+  static LinearWeight rows(const LinearWeight& w, int64_t begin, int64_t end);
+  void project_queries(Activations& a, const ComponentWeights& w);
+
+  int64_t hidden_, heads_, q_rank_, kv_rank_;
+  MlaDims dims_;  // kv_rank 0: k_pe is handed to the packing on its own
+  float eps_;
+  double rope_theta_;
+  RopeScaling rope_scaling_;
+  AttentionShape attention_;
+  Params p_;
+  StepShape shape_;
+  Tensor rope_cos_, rope_sin_;
+  Device device_ = Device::CPU;
+  bool packed_ = false;  // the micro-batch's packed examples (NOTE [Packed examples])
+  Tensor positions_;     // int32 [B, T] on the device
+  AttentionSegments segments_;
+  std::vector<Activations> layers_;
+  // Shared by every layer: the forward's projections, read once by the packing, and the
+  // backward's scratch.
+  Tensor q_, k_pe_, kv_;
+  Tensor d_out_, d_qkv_, d_q_, d_k_pe_, d_kv_, d_kv_compressed_, d_kv_a_, d_q_compressed_, d_q_a_;
+};
+
+}  // namespace forge

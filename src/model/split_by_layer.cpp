@@ -1,0 +1,50 @@
+#include "model/split_by_layer.h"
+
+#include "core/error.h"
+
+namespace forge {
+
+SplitByLayer::SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest)
+    : boundary_(boundary), first_(std::move(first)), rest_(std::move(rest)) {
+  FORGE_CHECK(boundary_ > 0 && first_ && rest_, "SplitByLayer: boundary {} needs both parts", boundary_);
+}
+
+std::vector<ParamSpec> SplitByLayer::param_specs(int layer) const { return part(layer).param_specs(layer); }
+
+void SplitByLayer::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) {
+  FORGE_CHECK(num_layers > boundary_, "SplitByLayer: {} blocks, the second part starts at block {}", num_layers,
+              boundary_);
+  first_->lay_out(layout, shape, mode, boundary_);
+  rest_->lay_out(layout, shape, mode, num_layers - boundary_);
+}
+
+void SplitByLayer::prepare(const StepShape& shape, Device device) {
+  first_->prepare(shape, device);
+  rest_->prepare(shape, device);
+}
+
+void SplitByLayer::set_sequence_layout(const SequenceLayout* layout) {
+  first_->set_sequence_layout(layout);
+  rest_->set_sequence_layout(layout);
+}
+
+void SplitByLayer::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
+  part(layer).forward(local(layer), w, x, out);
+}
+
+void SplitByLayer::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
+  part(layer).recompute_selective(local(layer), w, x);
+}
+
+void SplitByLayer::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
+                            const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
+  part(layer).backward(local(layer), w, grads, overwrite, x, d_stream, d_hidden);
+}
+
+double SplitByLayer::auxiliary_loss(double gradient_weight) {
+  return first_->auxiliary_loss(gradient_weight) + rest_->auxiliary_loss(gradient_weight);
+}
+
+std::vector<int64_t> SplitByLayer::expert_load(int layer) const { return part(layer).expert_load(local(layer)); }
+
+}  // namespace forge

@@ -1,0 +1,42 @@
+// A block component that is one kind in the first blocks and another in the rest:
+// DeepSeek's dense SwiGLU feed-forward in its first first_dense_layers blocks, its
+// Mixture-of-Experts feed-forward after them (NOTE [Composed blocks]).
+//
+// Each part is a whole component of its own that sees only its blocks, numbered from 0:
+// it lays out activations for its blocks alone and is asked for block `layer - boundary`
+// when it is the second part. Parameter names are the exception: param_specs(layer) is
+// passed the model's block index, since names say where in the model a weight is.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "model/block_component.h"
+
+namespace forge {
+
+class SplitByLayer final : public BlockComponent {
+ public:
+  // `first` in blocks [0, boundary), `rest` in [boundary, num_layers); 0 < boundary.
+  SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest);
+
+  std::vector<ParamSpec> param_specs(int layer) const override;
+  void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
+  void prepare(const StepShape& shape, Device device) override;
+  void set_sequence_layout(const SequenceLayout* layout) override;
+  void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
+  void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
+  void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
+                const Tensor& d_stream, const Tensor& d_hidden) override;
+  double auxiliary_loss(double gradient_weight) override;
+  std::vector<int64_t> expert_load(int layer) const override;
+
+ private:
+  BlockComponent& part(int layer) const { return layer < boundary_ ? *first_ : *rest_; }
+  int local(int layer) const { return layer < boundary_ ? layer : layer - boundary_; }
+
+  int boundary_;
+  std::unique_ptr<BlockComponent> first_, rest_;
+};
+
+}  // namespace forge
