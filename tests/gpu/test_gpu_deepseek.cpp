@@ -4,9 +4,9 @@
 // with a value head dim of its own), a dense first block, then MoE blocks with shared experts;
 // with softmax routing (DeepSeek-V2) and group-limited sigmoid routing with a bias
 // (DeepSeek-V3). The loss, the routing and every parameter's gradient, and the same step
-// under activation checkpointing. As in test_gpu_moe.cpp a few assignments may move between
-// experts where bf16 rounding decides a near tie; the routed weights' gradients then get a
-// loose bound.
+// under activation checkpointing. As in test_gpu_moe.cpp the routers are built so that no
+// token is near a tie between experts (NOTE [Routers without near ties] in gpu_testing.h);
+// should a token still move, the gradients get looser bounds.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -66,13 +66,15 @@ void step_matches_cpu(const ModelConfig& c) {
   Rng rng(seed_for_current_test());
 
   // Weights exactly representable in bf16, so both paths start from the same values; the
-  // routing biases of sigmoid routing drawn small and distinct.
+  // routing biases of sigmoid routing drawn distinct and small against the routers' spread,
+  // so that they do not put ties back (NOTE [Routers without near ties]).
   FlatParameters cpu_params(c), cpu_grads(c);
   cpu_params.initialize(29);
+  separate_router_choices(cpu_params, rng);  // NOTE [Routers without near ties]
   for (size_t i = 0; i < cpu_params.specs().size(); ++i)
     if (cpu_params.specs()[i].name.ends_with("moe.router.bias"))
       for (int64_t e = 0; e < c.num_experts; ++e)
-        cpu_params.tensors()[i].data<float>()[e] = static_cast<float>(0.05 * rng.normal());
+        cpu_params.tensors()[i].data<float>()[e] = static_cast<float>(0.005 * rng.normal());
   Tensor rounded = Tensor::empty(cpu_params.flat().shape(), DType::BF16);
   cast(rounded, cpu_params.flat());
   cast(cpu_params.flat(), rounded);
@@ -103,7 +105,7 @@ void step_matches_cpu(const ModelConfig& c) {
   const int64_t assignments = static_cast<int64_t>(gpu_load.size()) * batch * seq * c.num_experts_per_tok;
   std::printf("%s step, GPU against CPU: %ld of %ld assignments routed differently\n", c.name.c_str(),
               static_cast<long>(moved), static_cast<long>(assignments));
-  ASSERT_LE(moved * 100, 3 * assignments) << "more than 3% of the assignments routed differently: beyond near ties";
+  ASSERT_LE(moved * 100, assignments) << "more than 1% of the assignments routed differently: beyond near ties";
 
   EXPECT_EQ(gpu_loss.tokens, cpu_loss.tokens);
   EXPECT_NEAR(gpu_loss.mean(), cpu_loss.mean(), 1e-2 * cpu_loss.mean());
@@ -116,7 +118,7 @@ void step_matches_cpu(const ModelConfig& c) {
     const double err = relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]);
     std::printf("  %-36s %.2e\n", name.c_str(), err);
     const bool routed = name.find(".moe.experts") != std::string::npos || name.find(".moe.router") != std::string::npos;
-    EXPECT_LT(err, routed && moved > 0 ? 2e-1 : 5e-2) << name << " (" << moved << " moved)";
+    EXPECT_LT(err, moved == 0 ? 5e-2 : routed ? 2.5e-1 : 1e-1) << name << " (" << moved << " moved)";
   }
 
   for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {

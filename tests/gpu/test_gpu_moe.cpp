@@ -3,13 +3,13 @@
 // with the balancing loss on: the routing (every expert's load in every layer), the loss
 // and every parameter's gradient; and the same step under activation checkpointing. The
 // kernels themselves are checked one by one in test_gpu_moe_kernels.cpp.
-// The router's top-k is a discontinuous choice: a token whose k-th and (k+1)-th logits are
-// closer than bf16's rounding could go to different experts on the two paths. The data is
-// seeded from the test's name, so the test is repeatable; the loads are compared first.
-// With bf16 activations through attention and the residual stream a logit moves by about
-// 1% of the logits' spread, and on the H100 7 of 768 and 5 of 256 assignments moved in two
-// runs: at most 3% may, and the routed weights' gradients then get a loose bound. The layer
-// itself is checked exactly below (LayerMatchesCpu), where both sides route the same logits.
+// The router's top-k is a discontinuous choice: a token whose k-th and (k+1)-th scores are
+// closer than bf16's rounding could go to different experts on the two paths, and a moved
+// token changes every gradient upstream of it. The step's routers are built so that no
+// token is near such a tie (NOTE [Routers without near ties] in gpu_testing.h) and the
+// loads are compared first; should a token still move, the gradients get looser bounds.
+// The layer itself is checked exactly below (LayerMatchesCpu), where both sides route the
+// same logits of random routers.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -48,12 +48,13 @@ ModelConfig small_moe() {
 
 TEST(GpuMoe, TrainingStepMatchesCpu) {
   const ModelConfig c = small_moe();
-  const int64_t batch = 1, seq = 64;
+  const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test());
 
   // Weights exactly representable in bf16, so both paths start from the same values.
   FlatParameters cpu_params(c), cpu_grads(c);
   cpu_params.initialize(23);
+  separate_router_choices(cpu_params, rng);  // NOTE [Routers without near ties]
   Tensor rounded = Tensor::empty(cpu_params.flat().shape(), DType::BF16);
   cast(rounded, cpu_params.flat());
   cast(cpu_params.flat(), rounded);
@@ -87,8 +88,8 @@ TEST(GpuMoe, TrainingStepMatchesCpu) {
   moved /= 2;
   std::printf("MoE step, GPU against CPU: %ld of %ld assignments routed differently\n", static_cast<long>(moved),
               static_cast<long>(c.num_layers * batch * seq * c.num_experts_per_tok));
-  ASSERT_LE(moved * 100, 3 * c.num_layers * batch * seq * c.num_experts_per_tok)
-      << "more than 3% of the assignments routed differently: beyond near ties";
+  ASSERT_LE(moved * 100, c.num_layers * batch * seq * c.num_experts_per_tok)
+      << "more than 1% of the assignments routed differently: beyond near ties";
   EXPECT_GT(busiest, batch * seq * c.num_experts_per_tok / c.num_experts) << "some expert above the mean load";
 
   EXPECT_EQ(gpu_loss.tokens, cpu_loss.tokens);
@@ -97,7 +98,8 @@ TEST(GpuMoe, TrainingStepMatchesCpu) {
     const double err = relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]);
     std::printf("  %-32s %.2e\n", cpu_grads.specs()[i].name.c_str(), err);
     const bool routed = cpu_grads.specs()[i].name.find(".moe.") != std::string::npos;
-    EXPECT_LT(err, routed && moved > 0 ? 2e-1 : 5e-2) << cpu_grads.specs()[i].name << " (" << moved << " moved)";
+    EXPECT_LT(err, moved == 0 ? 5e-2 : routed ? 2.5e-1 : 1e-1) << cpu_grads.specs()[i].name << " (" << moved
+                                                                 << " moved)";
   }
 
   // Checkpointing reruns the same kernels: the same loss and routing, and the same
