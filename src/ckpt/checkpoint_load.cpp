@@ -157,9 +157,15 @@ void check_architecture(const std::string& file, const ModelConfig& saved, const
 }
 
 std::string describe_model(const ModelConfig& m) {
-  return fmt::format("'{}': {} layers, hidden {}, ffn {}{}, vocab {}", m.name, m.num_layers, m.hidden_size,
-                     m.ffn_hidden_size,
-                     m.moe() ? fmt::format(" in {} experts (top-{})", m.num_experts, m.num_experts_per_tok) : "",
+  std::string ffn = fmt::format("ffn {}", m.ffn_hidden_size);
+  if (m.moe() && (m.moe_ffn_hidden_size > 0 || m.num_shared_experts > 0 || m.first_dense_layers > 0))
+    ffn = fmt::format("ffn {} in the first {} blocks, then {} experts of {} (top-{}, {} shared)", m.ffn_hidden_size,
+                      m.first_dense_layers, m.num_experts, m.resolved_moe_ffn(), m.num_experts_per_tok,
+                      m.num_shared_experts);
+  else if (m.moe())
+    ffn += fmt::format(" in {} experts (top-{})", m.num_experts, m.num_experts_per_tok);
+  return fmt::format("'{}': {} layers, hidden {}, {}{}, vocab {}", m.name, m.num_layers, m.hidden_size, ffn,
+                     m.mla() ? fmt::format(", MLA (q rank {}, kv rank {})", m.q_lora_rank, m.kv_lora_rank) : "",
                      m.vocab_size);
 }
 

@@ -53,6 +53,7 @@ json model_to_json(const ModelConfig& m) {
               {"router_scaling_factor", m.router_scaling_factor},
               {"router_num_groups", m.router_num_groups},
               {"router_topk_groups", m.router_topk_groups},
+              {"router_bias_update_rate", m.router_bias_update_rate},
               {"q_lora_rank", m.q_lora_rank},
               {"kv_lora_rank", m.kv_lora_rank},
               {"qk_nope_head_dim", m.qk_nope_head_dim},
@@ -173,6 +174,7 @@ ModelConfig model_from_json(const ObjectReader& r) {
     m.router_scaling_factor = r.number("router_scaling_factor");
     m.router_num_groups = r.integer("router_num_groups");
     m.router_topk_groups = r.integer("router_topk_groups");
+    m.router_bias_update_rate = r.number("router_bias_update_rate");
     m.q_lora_rank = r.integer("q_lora_rank");
     m.kv_lora_rank = r.integer("kv_lora_rank");
     m.qk_nope_head_dim = r.integer("qk_nope_head_dim");

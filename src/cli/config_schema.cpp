@@ -106,6 +106,12 @@ std::vector<ConfigKey> build_schema() {
                                                 "Mixture-of-Experts: the chosen weights are multiplied by this "
                                                 "(routed_scaling_factor)",
                                                 model_bounds::router_scaling_factor),
+      key<&E::model, &M::router_bias_update_rate>("model.router_bias_update_rate",
+                                                  "Mixture-of-Experts, sigmoid routing: auxiliary-loss-free "
+                                                  "balancing, each step every routing bias moves this much towards "
+                                                  "the experts' mean load (Megatron's moe_router_bias_update_rate, "
+                                                  "DeepSeek-V3's 0.001); 0: the biases stay",
+                                                  model_bounds::router_bias_update_rate),
       key<&E::model, &M::router_num_groups>("model.router_num_groups",
                                             "Mixture-of-Experts: expert groups of group-limited routing (n_group); "
                                             "1: not limited",

@@ -57,6 +57,10 @@ struct ModelConfig {
   // The balancing loss's weight in the training loss (NOTE [MoE balancing loss] in
   // model/moe_feed_forward.h; transformers' router_aux_loss_coef); 0: none.
   double router_aux_loss_coef = 0.0;
+  // Auxiliary-loss-free balancing (DeepSeek-V3; Megatron's moe_router_bias_update_rate):
+  // after every optimizer step each sigmoid-routing bias moves by this much towards balance
+  // (NOTE [Routing bias update] in train/trainer.cpp); 0: the biases stay as they are.
+  double router_bias_update_rate = 0.0;
   // Multi-head Latent Attention (DeepSeek-V2/V3; NOTE [Multi-head Latent Attention] in
   // model/latent_attention.h) in place of grouped-query attention when kv_lora_rank > 0:
   // keys and values come from a kv_lora_rank-wide compressed projection, queries directly

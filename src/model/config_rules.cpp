@@ -102,6 +102,7 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   check_range(keys, "model.router_scaling_factor", router_scaling_factor, model_bounds::router_scaling_factor);
   check_range(keys, "model.router_num_groups", router_num_groups, model_bounds::router_num_groups);
   check_range(keys, "model.router_topk_groups", router_topk_groups, model_bounds::router_topk_groups);
+  check_range(keys, "model.router_bias_update_rate", router_bias_update_rate, model_bounds::router_bias_update_rate);
   check_choice(keys, "model.router_score_function", router_score_function, model_bounds::router_score_functions);
   if (!moe()) {
     // A dense model: every routing key must keep its default, so that a key set by
@@ -118,6 +119,7 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
     dense_only("model.router_num_groups", router_num_groups, int64_t{1});
     dense_only("model.router_topk_groups", router_topk_groups, int64_t{1});
     dense_only("model.router_scaling_factor", router_scaling_factor, 1.0);
+    dense_only("model.router_bias_update_rate", router_bias_update_rate, 0.0);
     return;
   }
   if (first_dense_layers >= num_layers)
@@ -147,6 +149,9 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   if (router_score_function == "sigmoid" && router_num_groups > 1 && num_experts / router_num_groups < 2)
     FORGE_FAIL("{} leaves groups of {} expert; sigmoid routing ranks a group by its two best scores",
                keys.describe("model.router_num_groups", router_num_groups), num_experts / router_num_groups);
+  if (router_bias_update_rate != 0.0 && router_score_function != "sigmoid")
+    FORGE_FAIL("{} needs model.router_score_function sigmoid (the routing bias is sigmoid routing's); it is {}",
+               keys.describe("model.router_bias_update_rate", router_bias_update_rate), router_score_function);
   if (router_score_function == "sigmoid" && router_aux_loss_coef != 0.0)
     FORGE_FAIL("{} with {}: the Switch balancing loss is for softmax routing",
                keys.describe("model.router_aux_loss_coef", router_aux_loss_coef),

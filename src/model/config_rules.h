@@ -36,6 +36,7 @@ inline constexpr ValueRange moe_ffn_hidden_size = at_least(0);  // 0: ffn_hidden
 inline constexpr ValueRange num_shared_experts = {0, 65536};
 inline constexpr ValueRange first_dense_layers = {0, 65536};
 inline constexpr ValueRange router_scaling_factor = above(0);
+inline constexpr ValueRange router_bias_update_rate = at_least(0);
 inline constexpr ValueRange router_num_groups = {1, 65536};
 inline constexpr ValueRange router_topk_groups = {1, 65536};
 inline constexpr ValueRange q_lora_rank = at_least(0);   // 0: queries projected directly

@@ -25,9 +25,10 @@
 // Sigmoid routing (DeepSeek-V3's) chooses on scores plus a per-expert bias, a parameter of
 // the block (Hugging Face's e_score_correction_bias) that takes no gradient: its gradient is
 // always zero, so AdamW (without weight decay, as every 1-D parameter) leaves it where
-// import or initialization (zeros) put it, as transformers' training does. What is not built
-// yet (issue 20): the bias update of auxiliary-loss-free balancing, the sequence-wise
-// balancing loss and expert parallelism; configs refuse what needs them.
+// import or initialization (zeros) put it, as transformers' training does, unless
+// model.router_bias_update_rate moves it after each step (auxiliary-loss-free balancing:
+// NOTE [Routing bias update] in train/trainer.cpp). What is not built yet (issue 20): the
+// sequence-wise balancing loss and expert parallelism; configs refuse what needs them.
 //
 // NOTE [MoE balancing loss]
 // With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's

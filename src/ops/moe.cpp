@@ -237,6 +237,20 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
                                  r.experts, r.k, r.normalize, d_logits.data<float>());
 }
 
+void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate) {
+  expect_tensor(bias, Device::CPU, DType::F32, "moe_update_routing_bias bias");
+  check_shape(bias, {static_cast<int64_t>(load.size())}, "moe_update_routing_bias bias");
+  FORGE_CHECK(!load.empty() && rate >= 0, "moe_update_routing_bias: {} experts, rate {}", load.size(), rate);
+  double mean = 0.0;
+  for (int64_t n : load) mean += static_cast<double>(n);
+  mean /= static_cast<double>(load.size());
+  float* b = bias.data<float>();
+  for (size_t e = 0; e < load.size(); ++e) {
+    const double offset = mean - static_cast<double>(load[e]);
+    b[e] = static_cast<float>(b[e] + rate * static_cast<double>((offset > 0) - (offset < 0)));
+  }
+}
+
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute");
   const int64_t hidden = token_and_row_width(r, "moe_permute", x, "x", permuted, "permuted");

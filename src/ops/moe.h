@@ -99,6 +99,10 @@ struct MoeBalance {
 };
 MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
 
+// Auxiliary-loss-free balancing's step (NOTE [Routing bias update] in train/trainer.cpp):
+// bias [experts] (F32, CPU) += rate x sign(mean load - load_e) for each expert e.
+void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate);
+
 // permuted [tokens * k, hidden]: row r is x's row of the token whose assignment it holds.
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& routing);
 // dx [tokens, hidden] (written over) = the sum of each token's k rows of d_permuted.

@@ -24,7 +24,9 @@
 #include "core/stop_signal.h"
 #include "distributed/heartbeat.h"
 #include "model/lora.h"
+#include "ops/elementwise.h"
 #include "ops/matmul.h"
+#include "ops/moe.h"
 #include "train/memory_check.h"
 #include "train/restart_log.h"
 #include "train/run_dir.h"
@@ -317,6 +319,30 @@ void Trainer::discard_gradients() {
   else grads_->discard();
 }
 
+// NOTE [Routing bias update]
+// Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 section 2.1.2; Megatron's
+// moe_router_enable_expert_bias with moe_router_bias_update_rate): sigmoid routing chooses
+// each token's experts on score + bias (NOTE [MoE routing] in ops/moe.h), and after every
+// optimizer step each block's bias moves towards balance,
+//   bias_e += rate x sign(mean load - load_e)
+// with load_e the assignments expert e received over the step's micro-batches (the
+// expert_load the step logs) and the mean over the block's experts: an overloaded expert's
+// bias falls, an idle one's rises, an expert at the mean keeps its bias. The bias is a
+// parameter without gradient (AdamW leaves it alone), so the update writes the fp32 master
+// value and, on CUDA, its bf16 compute copy. A skipped step (non-finite, loss spike)
+// updates nothing, as it updates no weight.
+void Trainer::update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load) {
+  const ModelConfig& m = config_.model;
+  for (size_t j = 0; j < expert_load.size(); ++j) {
+    const std::string name = fmt::format("layers.{}.moe.router.bias", m.first_dense_layers + static_cast<int64_t>(j));
+    const Tensor& master = params_->find(name);
+    Tensor bias = master.to(Device::CPU);
+    moe_update_routing_bias(bias, expert_load[j], m.router_bias_update_rate);
+    copy_bytes(master.raw(), master.device(), bias.raw(), Device::CPU, bias.nbytes());
+    if (compute_weights_) cast(compute_weights_->find(name), master);
+  }
+}
+
 void Trainer::begin_gradients() {
   if (dp_) dp_->reset_exposed_comm();  // what evaluation waited for is not the step's
   if (fsdp_) fsdp_->begin_step();
@@ -600,6 +626,7 @@ TrainResult Trainer::run() {
       optimizer_->step(trainable_gradients(), lr, clip_coefficient(norm, t.max_norm),
                        compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
       if (lora_) lora_->refresh_compute();
+      if (config_.model.router_bias_update_rate > 0) update_routing_biases(expert_load);
     }
     double dt = seconds_since(t0);
 

@@ -122,6 +122,8 @@ class Trainer {
   // The step's gradients start afresh (NOTE [Fresh gradient buffers]) and, under data
   // parallelism, end summed over every rank (FSDP's reductions, or the LoRA adapters'
   // all-reduce: NOTE [LoRA under data parallelism]).
+  // NOTE [Routing bias update] in trainer.cpp: after an optimizer step, from the step's loads.
+  void update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load);
   void begin_gradients();
   void finish_gradients();
   // FSDP holds the trainable state (full training under data parallelism; not LoRA).

@@ -265,5 +265,19 @@ TEST(OpsMoe, RoutesIntoGivenBuffers) {
   expect_error([&] { moe_route(logits, k, true, buffers); }, {"moe_route logits buffer weights"});
 }
 
+// NOTE [Routing bias update]: an expert above the mean load loses `rate`, one below gains it,
+// one at the mean keeps its bias.
+TEST(OpsMoe, RoutingBiasMovesTowardsTheMeanLoad) {
+  Tensor bias = Tensor::empty({4});
+  const float start[] = {0.5f, -0.25f, 0.0f, 1.0f};
+  std::copy(start, start + 4, bias.data<float>());
+  moe_update_routing_bias(bias, {10, 2, 6, 6}, 0.125);  // mean 6
+  EXPECT_EQ(bias.data<float>()[0], 0.375f);
+  EXPECT_EQ(bias.data<float>()[1], -0.125f);
+  EXPECT_EQ(bias.data<float>()[2], 0.0f);
+  EXPECT_EQ(bias.data<float>()[3], 1.0f);
+  EXPECT_THROW(moe_update_routing_bias(bias, {1, 2, 3}, 0.1), Error);
+}
+
 }  // namespace
 }  // namespace forge

@@ -3,7 +3,10 @@ train: debug-tiny-moe learns the built-in synthetic corpus down to near its entr
 as the dense default run does (logging each block's expert load every step), a stopped and resumed run is bitwise the uninterrupted one,
 a MoE checkpoint refuses a dense model naming both, forge eval of the run gives its
 validation loss, forge generate refuses --device cuda for it, and forge info counts Mixtral
-8x7B's total and active parameters."""
+8x7B's total and active parameters. The same for a DeepSeek-shaped model (debug-tiny-mla:
+Multi-head Latent Attention, a dense first block, shared experts), with sigmoid routing and
+auxiliary-loss-free balancing's bias update (model.router_bias_update_rate) in its
+checkpoints and resume, the update balancing the experts' load."""
 import json
 import os
 import subprocess
@@ -77,9 +80,72 @@ class MoeTraining(unittest.TestCase):
     def test_info_counts_active_parameters(self):
         result = forge("info", "mixtral-8x7b")
         self.assertEqual(result.returncode, 0, result.stderr)
-        self.assertIn("ffn 14336 per expert, 8 experts, top-2", result.stdout)
+        self.assertIn("8 experts of ffn 14336, top-2 (softmax scores, renormalized)", result.stdout)
         self.assertIn("46.70 B (46702792704 total", result.stdout)
         self.assertIn("active params    12.88 B per token (12879925248", result.stdout)
+
+
+MLA = ["--model.name", "debug-tiny-mla"]
+SIGMOID = ["--model.router_score_function", "sigmoid", "--model.router_normalize_topk", "true",
+           "--model.router_scaling_factor", "2.5", "--model.router_num_groups", "4", "--model.router_topk_groups", "2"]
+
+
+class DeepseekTraining(unittest.TestCase):
+    def test_tiny_mla_reaches_the_entropy_floor(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = forge("train", *MLA, "--logging.run_dir", run_dir)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        floor = records(run_dir, "run")[0]["entropy_floor"]
+        final = records(run_dir, "eval")[-1]["loss"]
+        print(f"debug-tiny-mla: entropy floor {floor:.4f}, final eval loss {final:.4f}, gap {final - floor:.4f}")
+        self.assertLess(final - floor, FLOOR_MARGIN)
+        # Two MoE blocks after the dense first one: each logs its 8 experts' loads.
+        for r in records(run_dir, "train"):
+            self.assertEqual([len(b) for b in r["expert_load"]], [8, 8])
+
+    def test_stop_and_resume_with_routing_bias_updates_is_exact(self):
+        flags = [*MLA, *SIGMOID, "--model.router_bias_update_rate", "0.01"]
+        full_dir = os.path.join(scratch_dir(), "full")
+        self.assertEqual(forge("train", *flags, "--training.steps", "12", "--logging.run_dir", full_dir).returncode, 0)
+        run_dir = os.path.join(scratch_dir(), "run")
+        common = [*flags, "--logging.run_dir", run_dir, "--checkpoint.enable", "true", "--checkpoint.interval", "6"]
+        self.assertEqual(forge("train", "--training.steps", "6", *common).returncode, 0)
+        result = forge("train", "--training.steps", "12", *common)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertEqual(train_losses(run_dir), train_losses(full_dir))
+        # The checkpoint is an MLA model's without a compressed query: one with is refused, naming both.
+        gqa = forge("train", "--training.steps", "12", "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
+                    "--checkpoint.interval", "6", *MLA, *SIGMOID, "--model.q_lora_rank", "16")
+        self.assertNotEqual(gqa.returncode, 0)
+        self.assertIn("has no tensor 'layers.0.attention.q_a.weight'", gqa.stderr)
+        self.assertIn("MLA (q rank 0, kv rank 32)", gqa.stderr)
+        self.assertIn("MLA (q rank 16, kv rank 32)", gqa.stderr)
+
+    def test_routing_bias_update_balances_the_load(self):
+        def imbalance(rate):
+            run_dir = os.path.join(scratch_dir(), f"rate-{rate}")
+            result = forge("train", *MLA, *SIGMOID, "--model.router_bias_update_rate", str(rate), "--training.steps",
+                           "80", "--eval.interval", "0", "--logging.run_dir", run_dir)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            late = [r["expert_load_max_over_mean"] for r in records(run_dir, "train")[-30:]]
+            return sum(late) / len(late)
+        fixed, updated = imbalance(0), imbalance(0.02)
+        print(f"load max/mean over the last 30 of 80 steps: biases fixed {fixed:.3f}, updated {updated:.3f}")
+        self.assertLess(updated, fixed)
+
+    def test_generate_refuses_and_info_counts(self):
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = forge("train", *MLA, "--training.steps", "2", "--eval.interval", "0", "--logging.run_dir", run_dir,
+                       "--checkpoint.enable", "true", "--checkpoint.interval", "2")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        generate = forge("generate", "--model", run_dir, "--device", "cpu", "--prompt", "x")
+        self.assertNotEqual(generate.returncode, 0)
+        self.assertIn("KV-cache decoding of it is not built", generate.stderr)
+        info = forge("info", "deepseek-v2-lite")
+        self.assertEqual(info.returncode, 0, info.stderr)
+        self.assertIn("15.71 B (15706484224 total", info.stdout)
+        self.assertIn("64 experts of ffn 1408, top-6 (softmax scores) + 2 shared, the first 1 blocks dense", info.stdout)
 
 
 if __name__ == "__main__":
