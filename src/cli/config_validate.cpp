@@ -199,9 +199,8 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  show(config, keys, "precision.fp8"), what, value);
 }
 
-// model.num_experts > 0 (NOTE [MoE feed-forward] in model/moe_feed_forward.h): what is built
-// is the CPU reference of a Mixtral-style model trained on one process. Everything else a
-// MoE run would need is refused here, naming what to change.
+// model.num_experts > 0 (NOTE [MoE feed-forward] in model/moe_feed_forward.h): what a MoE
+// run cannot combine with yet is refused here, naming what to change.
 void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (!config.model.moe()) return;
   const std::string moe = show(config, keys, "model.num_experts");
@@ -209,11 +208,15 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   // wants 16-byte aligned in bf16; the routing kernels hold a token's scores in one warp.
   if (config.training.device == "cuda" && (config.model.num_experts % 8 != 0 || config.model.num_experts > 1024))
     FORGE_FAIL("{} must be a multiple of 8 and at most 1024 on CUDA (training.device cuda)", moe);
+  // Data parallelism (FSDP) shards the experts with every other weight; each rank routes its
+  // own tokens through all of them (no expert parallelism yet). The routing biases' update
+  // writes the full master values, which FSDP shards.
   const ParallelismConfig& p = config.parallelism;
-  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
-    FORGE_FAIL("{} (a Mixture-of-Experts model) trains on one process so far: data and expert parallelism for MoE "
-               "are not built yet; set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1",
-               moe);
+  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1 &&
+      config.model.router_bias_update_rate != 0.0)
+    FORGE_FAIL("{} runs on one process so far (its update writes the routing biases' master values, which FSDP "
+               "shards); set it to 0 or train on one process",
+               show(config, keys, "model.router_bias_update_rate"));
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
                show(config, keys, "precision.fp8"));

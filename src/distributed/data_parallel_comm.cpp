@@ -64,24 +64,38 @@ std::pair<double, double> DataParallelComm::sum_over_ranks(double first, double 
 // fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
 // travels as three 12-bit digits: each digit's sum over at most 4096 ranks is exact in
 // any order of addition (NCCL's included), and the count is exact up to 2^36.
-int64_t DataParallelComm::count_over_ranks(int64_t count) {
+int64_t DataParallelComm::count_over_ranks(int64_t count) { return counts_over_ranks({count}).front(); }
+
+// Exact in fp32: each count is split into kCountDigits digits of 12 bits, which stay below
+// 2^24 when summed over at most 4096 ranks, and recombined on the host.
+std::vector<int64_t> DataParallelComm::counts_over_ranks(const std::vector<int64_t>& counts) {
   constexpr int kDigitBits = 12;
   const int64_t ranks = int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
-  FORGE_CHECK(count >= 0 && count < (int64_t{1} << (kDigitBits * kCountDigits)) && ranks <= (1 << kDigitBits),
-              "count_over_ranks: {} on {} ranks is outside what the exact fp32 digit sum holds", count, ranks);
-  Tensor host = Tensor::empty({kCountDigits}, DType::F32);
-  for (int d = 0; d < kCountDigits; ++d)
-    host.data<float>()[d] = static_cast<float>((count >> (kDigitBits * d)) & ((1 << kDigitBits) - 1));
-  count_scratch_.copy_from(host);
+  const int64_t n = static_cast<int64_t>(counts.size());
+  Tensor host = Tensor::empty({n * kCountDigits}, DType::F32);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t count = counts[static_cast<size_t>(i)];
+    FORGE_CHECK(count >= 0 && count < (int64_t{1} << (kDigitBits * kCountDigits)) && ranks <= (1 << kDigitBits),
+                "count_over_ranks: {} on {} ranks is outside what the exact fp32 digit sum holds", count, ranks);
+    for (int d = 0; d < kCountDigits; ++d)
+      host.data<float>()[i * kCountDigits + d] =
+          static_cast<float>((count >> (kDigitBits * d)) & ((1 << kDigitBits) - 1));
+  }
+  if (count_scratch_.numel() < host.numel()) count_scratch_ = Tensor::zeros({host.numel()}, DType::F32, device_);
+  const Tensor scratch = count_scratch_.narrow(0, host.numel());
+  scratch.copy_from(host);
   join_comm();  // one collective at a time on the communicator, in the same order everywhere
   begin_exposed();
-  shard_group_.all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
-  if (replicate_group_) replicate_group_->all_reduce(count_scratch_, ReduceOp::Sum, kCompute);
+  shard_group_.all_reduce(scratch, ReduceOp::Sum, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(scratch, ReduceOp::Sum, kCompute);
   end_exposed();
-  host = count_scratch_.to(Device::CPU);
-  int64_t total = 0;
-  for (int d = 0; d < kCountDigits; ++d) total += static_cast<int64_t>(host.data<float>()[d]) << (kDigitBits * d);
-  return total;
+  host = scratch.to(Device::CPU);
+  std::vector<int64_t> totals(counts.size(), 0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int d = 0; d < kCountDigits; ++d)
+      totals[static_cast<size_t>(i)] += static_cast<int64_t>(host.data<float>()[i * kCountDigits + d])
+                                        << (kDigitBits * d);
+  return totals;
 }
 
 void DataParallelComm::all_reduce_sum(const Tensor& tensor) {

@@ -33,6 +33,9 @@ class DataParallelComm {
   std::pair<double, double> sum_over_ranks(double first, double second);
   // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
   int64_t count_over_ranks(int64_t count);
+  // Each of `counts` (as count_over_ranks) summed over every data-parallel rank, in one
+  // reduction: a Mixture-of-Experts step's expert loads.
+  std::vector<int64_t> counts_over_ranks(const std::vector<int64_t>& counts);
   // `tensor` (on this device) summed in place over every data-parallel rank: LoRA's
   // replicated adapter gradients. Every rank ends with the same bits.
   void all_reduce_sum(const Tensor& tensor);
@@ -64,7 +67,7 @@ class DataParallelComm {
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;
   static constexpr int kCountDigits = 3;  // count_over_ranks
-  Tensor count_scratch_;
+  Tensor count_scratch_;  // [kCountDigits x the most counts reduced at once]
   std::vector<std::pair<std::unique_ptr<DeviceEvent>, std::unique_ptr<DeviceEvent>>> stall_events_;
   size_t stalls_used_ = 0;
   double host_exposed_s_ = 0;

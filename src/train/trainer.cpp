@@ -343,6 +343,17 @@ void Trainer::update_routing_biases(const std::vector<std::vector<int64_t>>& exp
   }
 }
 
+std::vector<std::vector<int64_t>> Trainer::loads_over_ranks(const std::vector<std::vector<int64_t>>& load) {
+  std::vector<int64_t> flat;
+  for (const std::vector<int64_t>& block : load) flat.insert(flat.end(), block.begin(), block.end());
+  flat = dp_->counts_over_ranks(flat);
+  std::vector<std::vector<int64_t>> total = load;
+  size_t next = 0;
+  for (std::vector<int64_t>& block : total)
+    for (int64_t& n : block) n = flat[next++];
+  return total;
+}
+
 void Trainer::begin_gradients() {
   if (dp_) dp_->reset_exposed_comm();  // what evaluation waited for is not the step's
   if (fsdp_) fsdp_->begin_step();
@@ -582,6 +593,8 @@ TrainResult Trainer::run() {
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
+    // Every rank routed its own tokens: the step's loads are the sum over the ranks.
+    if (dp_ && config_.model.moe()) expert_load = loads_over_ranks(expert_load);
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;

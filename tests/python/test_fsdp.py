@@ -63,6 +63,24 @@ class Parity(unittest.TestCase):
                 self.assertLess(max_relative_difference(curve, self.single), 1e-4)
         self.assertLess(self.single[-1], self.single[0] - 0.5)  # it trained
 
+    def test_moe_models_follow_one_rank(self):
+        """Mixture-of-Experts models shard their experts with every other weight (no expert
+        parallelism): each rank routes its own micro-batches, whose balancing losses weigh as
+        on one rank; the logged loads are the sum over the ranks. Mixtral-style with the
+        balancing loss, and DeepSeek-shaped (MLA, a dense first block, shared experts) under
+        ZeRO-3 and ZeRO-1."""
+        def records_of(run_dir):
+            with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+                return [r for r in map(json.loads, f) if r.get("type") == "train"]
+        for name, flags in (("moe", ["--model.name", "debug-tiny-moe", "--model.router_aux_loss_coef", "0.01"]),
+                            ("mla", ["--model.name", "debug-tiny-mla"]),
+                            ("mla-zero1", ["--model.name", "debug-tiny-mla", "--parallelism.zero_stage", "1"])):
+            with self.subTest(model=name):
+                one = records_of(self.train_run(f"{name}-1", 1, *flags))
+                two = records_of(self.train_run(f"{name}-2", 2, *flags))
+                self.assertLess(max_relative_difference([r["loss"] for r in two], [r["loss"] for r in one]), 1e-4)
+                self.assertEqual([r["expert_load"] for r in two][:3], [r["expert_load"] for r in one][:3])
+
     def test_evaluation_is_split_over_ranks(self):
         """NOTE [Evaluation under data parallelism]: 4 validation micro-batches on 2 ranks
         are 2 each, summed: the mean of 1 rank's 4; 3 are evaluated whole on every rank."""
