@@ -16,6 +16,7 @@
 #include <cstdlib>
 
 #include "gpu_testing.h"
+#include "moe_step_testing.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
@@ -46,76 +47,7 @@ ModelConfig small_moe() {
   return c;
 }
 
-TEST(GpuMoe, TrainingStepMatchesCpu) {
-  const ModelConfig c = small_moe();
-  const int64_t batch = 2, seq = 128;
-  Rng rng(seed_for_current_test());
-
-  // Weights exactly representable in bf16, so both paths start from the same values.
-  FlatParameters cpu_params(c), cpu_grads(c);
-  cpu_params.initialize(23);
-  separate_router_choices(cpu_params, rng);  // NOTE [Routers without near ties]
-  Tensor rounded = Tensor::empty(cpu_params.flat().shape(), DType::BF16);
-  cast(rounded, cpu_params.flat());
-  cast(cpu_params.flat(), rounded);
-  FlatParameters gpu_compute(c, Device::CUDA, DType::BF16), gpu_grads(c, Device::CUDA, DType::F32);
-  gpu_compute.assign_from(cpu_params);
-
-  Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq});
-  Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq});
-  targets.data<int32_t>()[7] = kIgnoreIndex;
-  const float scale = 1.0f / (batch * seq - 1);
-
-  DecoderLM cpu_model(c, batch, seq);
-  cpu_grads.zero();
-  const LossSum cpu_loss = cpu_model.forward_backward(tokens, targets, cpu_params, cpu_grads, scale);
-
-  DecoderLM gpu_model(c, batch, seq, Device::CUDA, DType::BF16);
-  gpu_grads.zero();
-  const Tensor gpu_tokens = tokens.to(Device::CUDA), gpu_targets = targets.to(Device::CUDA);
-  const LossSum gpu_loss = gpu_model.forward_backward(gpu_tokens, gpu_targets, gpu_compute, gpu_grads, scale);
-
-  // A few assignments may move between experts where the two paths' rounding decides a
-  // near tie (see the top); more than that is a routing bug.
-  const auto cpu_load = cpu_model.expert_load(), gpu_load = gpu_model.expert_load();
-  ASSERT_EQ(gpu_load.size(), cpu_load.size());
-  int64_t moved = 0, busiest = 0;
-  for (size_t layer = 0; layer < gpu_load.size(); ++layer)
-    for (size_t e = 0; e < gpu_load[layer].size(); ++e) {
-      moved += std::abs(gpu_load[layer][e] - cpu_load[layer][e]);
-      busiest = std::max(busiest, gpu_load[layer][e]);
-    }
-  moved /= 2;
-  std::printf("MoE step, GPU against CPU: %ld of %ld assignments routed differently\n", static_cast<long>(moved),
-              static_cast<long>(c.num_layers * batch * seq * c.num_experts_per_tok));
-  ASSERT_LE(moved * 100, c.num_layers * batch * seq * c.num_experts_per_tok)
-      << "more than 1% of the assignments routed differently: beyond near ties";
-  EXPECT_GT(busiest, batch * seq * c.num_experts_per_tok / c.num_experts) << "some expert above the mean load";
-
-  EXPECT_EQ(gpu_loss.tokens, cpu_loss.tokens);
-  EXPECT_NEAR(gpu_loss.mean(), cpu_loss.mean(), 1e-2 * cpu_loss.mean());
-  for (size_t i = 0; i < cpu_grads.specs().size(); ++i) {
-    const double err = relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]);
-    std::printf("  %-32s %.2e\n", cpu_grads.specs()[i].name.c_str(), err);
-    const bool routed = cpu_grads.specs()[i].name.find(".moe.") != std::string::npos;
-    EXPECT_LT(err, moved == 0 ? 5e-2 : routed ? 2.5e-1 : 1e-1) << cpu_grads.specs()[i].name << " (" << moved
-                                                                 << " moved)";
-  }
-
-  // Checkpointing reruns the same kernels: the same loss and routing, and the same
-  // gradients up to the attention backward's non-deterministic dQ accumulation.
-  for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
-    DecoderLM checkpointed(c, batch, seq, Device::CUDA, DType::BF16, mode);
-    FlatParameters grads(c, Device::CUDA, DType::F32);
-    grads.zero();
-    const LossSum loss = checkpointed.forward_backward(gpu_tokens, gpu_targets, gpu_compute, grads, scale);
-    EXPECT_EQ(loss.sum, gpu_loss.sum) << activation_checkpoint_name(mode);
-    EXPECT_EQ(checkpointed.expert_load(), gpu_load) << activation_checkpoint_name(mode);
-    for (size_t i = 0; i < grads.specs().size(); ++i)
-      EXPECT_LT(relative_l2(to_cpu_f32(grads.tensors()[i]), to_cpu_f32(gpu_grads.tensors()[i])), 1e-2)
-          << grads.specs()[i].name << " " << activation_checkpoint_name(mode);
-  }
-}
+TEST(GpuMoe, TrainingStepMatchesCpu) { expect_training_step_matches_cpu(small_moe(), 23); }
 
 // One MoE layer's routed experts (tests/cpu/moe_testing.h's composition: router, route,
 // permute, experts, combine into the residual, and the whole backward with the balancing
