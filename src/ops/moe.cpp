@@ -88,6 +88,7 @@ MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const Mo
   if (!buffers.defined()) {
     FORGE_CHECK(device == Device::CPU, "{}: a routing on CUDA is written into buffers laid out by the caller", op);
     r.probs = Tensor::empty({r.tokens, r.experts});
+    r.lse = Tensor::empty({r.tokens});
     r.expert_ids = Tensor::empty({r.tokens, kept}, DType::I32);
     r.weights = Tensor::empty({r.tokens, kept});
     r.source = Tensor::empty({r.tokens * kept}, DType::I32);
@@ -104,6 +105,7 @@ MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const Mo
   r.weights = take(buffers.weights, {r.tokens, kept}, DType::F32, "weights");
   r.source = take(buffers.source, {r.tokens * kept}, DType::I32, "source");
   r.row_of = take(buffers.row_of, {r.tokens * kept}, DType::I32, "row_of");
+  if (buffers.lse.defined()) r.lse = take(buffers.lse, {r.tokens}, DType::F32, "lse");
   if (device == Device::CUDA) {
     FORGE_CHECK(r.experts <= 1024, "{}: {} experts; the CUDA router takes at most 1024", op, r.experts);
     r.device_offsets = take(buffers.offsets, {r.experts + 1}, DType::I64, "offsets");
@@ -121,10 +123,12 @@ MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeR
   if (logits.device() == Device::CUDA)
     FORGE_CUDA_CALL("moe_route", cuda::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize,
                                                         r.probs.data<float>(), r.expert_ids.data<int32_t>(),
-                                                        r.weights.data<float>()));
+                                                        r.weights.data<float>(),
+                                                        r.lse.defined() ? r.lse.data<float>() : nullptr));
   else
     cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
-                          r.expert_ids.data<int32_t>(), r.weights.data<float>());
+                          r.expert_ids.data<int32_t>(), r.weights.data<float>(),
+                          r.lse.defined() ? r.lse.data<float>() : nullptr);
   sort_by_expert(r);
   return r;
 }
@@ -134,6 +138,7 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
   MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route_sigmoid logits");
   r.sigmoid = true;
+  r.lse = Tensor();  // not kept: the z-loss with sigmoid routing is not built
   r.scaling = scaling;
   FORGE_CHECK(groups >= 1 && r.experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
               "moe_route_sigmoid: {} experts in {} groups keeping {}: the groups must divide the experts and keep "
@@ -192,8 +197,60 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
   return b;
 }
 
+MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {
+  check_routing(r, "moe_grouped_balancing_loss");
+  FORGE_CHECK(!r.sigmoid, "moe_grouped_balancing_loss: the Switch balancing loss is for softmax routing");
+  FORGE_CHECK(groups >= 1 && r.tokens % groups == 0, "moe_grouped_balancing_loss: {} groups must divide the {} tokens",
+              groups, r.tokens);
+  const int64_t experts = r.experts, per_group = r.tokens / groups;
+  std::vector<double> assigned(static_cast<size_t>(groups * experts), 0.0), probs(assigned.size(), 0.0);
+  if (groups == 1) {
+    for (int64_t e = 0; e < experts; ++e) assigned[static_cast<size_t>(e)] = static_cast<double>(r.rows(e));
+  } else {  // counted per group from the expert ids (on CUDA copied to the host)
+    const Tensor ids = r.expert_ids.device() == Device::CPU ? r.expert_ids : r.expert_ids.to(Device::CPU);
+    const int32_t* id = ids.data<int32_t>();
+    for (int64_t a = 0; a < r.tokens * r.k; ++a)
+      assigned[static_cast<size_t>((a / r.k / per_group) * experts + id[a])] += 1.0;
+  }
+  if (r.probs.device() == Device::CUDA) {  // each group's column sums on the device, one group at a time
+    for (int64_t g = 0; g < groups; ++g) {
+      FORGE_CUDA_CALL("moe_grouped_balancing_loss",
+                      cuda::moe_prob_column_sums(r.probs.data<float>() + g * per_group * experts, per_group, experts,
+                                                 r.prob_sums.data<float>()));
+      const Tensor sums = r.prob_sums.to(Device::CPU);
+      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(g * experts + e)] = sums.data<float>()[e];
+    }
+  } else {
+    const float* p = r.probs.data<float>();
+    for (int64_t t = 0; t < r.tokens; ++t)
+      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>((t / per_group) * experts + e)] += p[t * experts + e];
+  }
+  MoeBalance b;
+  b.prob_gradient.assign(assigned.size(), 0.0);
+  if (per_group == 0) return b;
+  const double s = static_cast<double>(per_group), scale = static_cast<double>(experts) / static_cast<double>(r.k) /
+                                                           static_cast<double>(groups);
+  for (size_t i = 0; i < assigned.size(); ++i) {
+    const double f = assigned[i] / s;
+    b.loss += scale * f * probs[i] / s;
+    b.prob_gradient[i] = scale * f / s;
+  }
+  return b;
+}
+
+double moe_z_loss(const MoeRouting& r) {
+  check_routing(r, "moe_z_loss");
+  FORGE_CHECK(!r.sigmoid && r.lse.defined(), "moe_z_loss: the routing kept no logsumexp (softmax routing with "
+                                             "MoeRoutingBuffers::lse)");
+  if (r.tokens == 0) return 0.0;
+  const Tensor lse = r.lse.device() == Device::CPU ? r.lse : r.lse.to(Device::CPU);
+  double sum = 0.0;
+  for (int64_t t = 0; t < r.tokens; ++t) sum += static_cast<double>(lse.data<float>()[t]) * lse.data<float>()[t];
+  return sum / static_cast<double>(r.tokens);
+}
+
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& r,
-                        const Tensor* prob_gradient) {
+                        const Tensor* prob_gradient, double z_scale) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route_backward");
   check_routing(r, "moe_route_backward");
   const Device device = r.probs.device();
@@ -201,11 +258,24 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   check_shape(d_weights, {r.tokens, r.k}, "moe_route_backward d_weights");
   expect_tensor(d_logits, device, DType::F32, "moe_route_backward d_logits");
   expect_tensor(d_weights, device, DType::F32, "moe_route_backward d_weights");
+  int64_t group_tokens = std::max<int64_t>(r.tokens, 1);
   if (prob_gradient) {
     FORGE_CHECK(!r.sigmoid, "moe_route_backward: the Switch/Mixtral balancing loss is for softmax routing");
-    check_shape(*prob_gradient, {r.experts}, "moe_route_backward prob_gradient");
+    const int64_t groups = prob_gradient->ndim() == 2 ? prob_gradient->dim(0) : 1;
+    FORGE_CHECK(groups >= 1 && r.tokens % groups == 0,
+                "moe_route_backward: prob_gradient {}'s {} groups must divide the {} tokens",
+                shape_str(prob_gradient->shape()), groups, r.tokens);
+    if (prob_gradient->ndim() == 2) check_shape(*prob_gradient, {groups, r.experts}, "moe_route_backward prob_gradient");
+    else check_shape(*prob_gradient, {r.experts}, "moe_route_backward prob_gradient");
     expect_tensor(*prob_gradient, device, DType::F32, "moe_route_backward prob_gradient");
+    if (r.tokens > 0) group_tokens = r.tokens / groups;
   }
+  const bool z = z_scale != 0.0;
+  if (z)
+    FORGE_CHECK(!r.sigmoid && r.lse.defined(),
+                "moe_route_backward: the z-loss's gradient needs softmax routing that kept its logsumexp");
+  const float* pg = prob_gradient ? prob_gradient->data<float>() : nullptr;
+  const float* lse = z ? r.lse.data<float>() : nullptr;
   if (device == Device::CUDA) {
     if (r.sigmoid)
       FORGE_CUDA_CALL("moe_route_backward",
@@ -214,10 +284,10 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
                                                       r.normalize, r.scaling, d_logits.data<float>()));
     else
       FORGE_CUDA_CALL("moe_route_backward",
-                      cuda::moe_topk_softmax_backward(
-                          d_weights.data<float>(), prob_gradient ? prob_gradient->data<float>() : nullptr,
-                          r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
-                          r.experts, r.k, r.normalize, d_logits.data<float>()));
+                      cuda::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),
+                                                      r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
+                                                      r.experts, r.k, r.normalize, d_logits.data<float>(), lse,
+                                                      z_scale));
     return;
   }
   if (r.sigmoid) {
@@ -225,16 +295,9 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
                                    r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>());
     return;
   }
-  Tensor d_probs;  // the per-expert gradient, the same for every token
-  if (prob_gradient && r.tokens > 0) {
-    d_probs = Tensor::empty({r.tokens, r.experts});
-    for (int64_t t = 0; t < r.tokens; ++t)
-      std::copy(prob_gradient->data<float>(), prob_gradient->data<float>() + r.experts,
-                d_probs.data<float>() + t * r.experts);
-  }
-  cpu::moe_topk_softmax_backward(d_weights.data<float>(), d_probs.defined() ? d_probs.data<float>() : nullptr,
-                                 r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
-                                 r.experts, r.k, r.normalize, d_logits.data<float>());
+  cpu::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),
+                                 r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens, r.experts, r.k,
+                                 r.normalize, d_logits.data<float>(), lse, z_scale);
 }
 
 void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate) {

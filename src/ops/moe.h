@@ -27,6 +27,17 @@
 // (f sums to k: transformers counts the k choices the same way; one layer is the per-layer
 // form). Its gradient reaches the logits through P only (f counts choices): every
 // probability of expert e gets E f_e / N, which moe_route_backward adds when given it.
+// Megatron-Core's forms (moe_grouped_balancing_loss): per layer, its aux_loss,
+//   L = (E / k) sum_e f_e P_e   over one layer's N tokens (f_e = assignments / N sums to k),
+// and per sequence, its seq_aux_loss (DeepSeek-V2/V3's sequence-wise balance loss): the same
+// over each sequence's S tokens, averaged over the B sequences,
+//   L = (1 / B) sum_b (E / k) sum_e f_be P_be,
+// whose probability gradient is a row per sequence: E f_be / (k S B) for each probability of
+// expert e in sequence b (per layer: B = 1, S = N). The router z-loss (ST-MoE's, Megatron's
+// z_loss_func): z = mean over tokens of logsumexp(logits_t)^2, its gradient with respect to
+// logits_t 2 lse_t softmax(logits_t) / N; the softmax routing keeps each token's logsumexp
+// (MoeRouting::lse, from the max and sum its softmax computes) and moe_route_backward adds
+// that gradient, scaled, given z_scale.
 // DeepSeek-V3 routes differently (moe_route_sigmoid, transformers' DeepseekV3TopkRouter):
 // sigmoid scores instead of a softmax, the choice made on scores + a per-expert bias (the
 // auxiliary-loss-free balancing's correction, which never reaches the weights),
@@ -54,6 +65,8 @@ struct MoeRouting {
   bool sigmoid = false;          // DeepSeek-V3's scores (moe_route_sigmoid) instead of a softmax
   float scaling = 1.0f;          // routed_scaling_factor (sigmoid routing)
   Tensor probs;                  // F32 [tokens, experts]: the softmax's probabilities or the sigmoid's scores
+  Tensor lse;                    // F32 [tokens]: softmax routing's logsumexp of each row of logits (undefined
+                                 // when the buffers have none)
   Tensor expert_ids;             // I32 [tokens, k]
   Tensor weights;                // F32 [tokens, k]
   std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
@@ -74,6 +87,7 @@ struct MoeRoutingBuffers {
   Tensor source, row_of;  // I32 [tokens * k]
   Tensor offsets;         // CUDA: I64 [experts + 1]
   Tensor prob_sums;       // CUDA: F32 [experts], the balancing loss's scratch
+  Tensor lse;             // F32 [tokens], optional: softmax routing's logsumexp (the z-loss's)
   bool defined() const { return probs.defined(); }
 };
 
@@ -84,20 +98,33 @@ MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeR
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
                              bool normalize, float scaling, const MoeRoutingBuffers& buffers = {});
 
-// d_logits [tokens, experts] (written over) from d_weights [tokens, k]; with prob_gradient
-// (F32 [experts] on the routing's device; softmax routing only) that gradient with respect
-// to each of the expert's probabilities is added for every token (a balancing loss's:
-// MoeBalance::prob_gradient times its coefficient).
+// d_logits [tokens, experts] (written over) from d_weights [tokens, k]. Softmax routing
+// only: with prob_gradient (F32 [experts], or [groups, experts] with groups dividing the
+// tokens, on the routing's device) that gradient with respect to each probability of each
+// expert is added, row g for the tokens of group g (tokens / groups consecutive tokens; a
+// balancing loss's: MoeBalance::prob_gradient times its coefficient); with z_scale != 0,
+// z_scale x lse_t x probs_t is added to each token's logits gradient (the z-loss's:
+// z_scale = 2 coefficient / tokens; the routing must have kept lse).
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& routing,
-                        const Tensor* prob_gradient = nullptr);
+                        const Tensor* prob_gradient = nullptr, double z_scale = 0.0);
 
-// The balancing loss over a model's softmax routings (NOTE [MoE routing]), in double, and its
-// gradient with respect to each probability of each expert (the same for every row).
+// A balancing loss over softmax routings (NOTE [MoE routing]), in double, and its gradient
+// with respect to each probability: [experts] (the same for every token) or [groups,
+// experts] (a row per group of tokens).
 struct MoeBalance {
   double loss = 0.0;
-  std::vector<double> prob_gradient;  // [experts]: E f_e / N
+  std::vector<double> prob_gradient;
 };
+// transformers' Mixtral form, pooled over the routings (every layer's): prob_gradient
+// [experts], E f_e / N.
 MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
+// Megatron's, over one routing whose tokens form `groups` equal groups of consecutive tokens
+// (1: its aux_loss; the micro-batch's sequences: its seq_aux_loss): (1 / groups) sum_g (E / k)
+// sum_e f_ge P_ge; prob_gradient [groups, experts], E f_ge / (k S groups), S = tokens / groups.
+MoeBalance moe_grouped_balancing_loss(const MoeRouting& routing, int64_t groups);
+// The router z-loss of one softmax routing, in double: the mean over its tokens of lse^2
+// (without the coefficient; 0 without tokens).
+double moe_z_loss(const MoeRouting& routing);
 
 // Auxiliary-loss-free balancing's step (NOTE [Routing bias update] in train/trainer.cpp):
 // bias [experts] (F32, CPU) += rate x sign(mean load - load_e) for each expert e.

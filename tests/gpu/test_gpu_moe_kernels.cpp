@@ -1,11 +1,13 @@
 // The MoE CUDA kernels (kernels/cuda/moe.h) against their CPU references on fresh random
 // data with poisoned outputs (gpu_testing.h):
 //  - routing: softmax top-k and DeepSeek-V3's group-limited sigmoid top-k against
-//    kernels/cpu/moe.h (probabilities and weights within fp32 rounding, expert ids exactly:
+//    kernels/cpu/moe.h (probabilities, weights and the softmax's logsumexp within fp32
+//    rounding, expert ids exactly:
 //    the logits are spread enough that a tie closer than fp32 rounding does not occur, and
 //    a differing id is reported unless it is such a near-tie), and their backwards; experts
 //    8 to 1024, k 1 to all experts, groups of 1 to 32 experts, an expert receiving no token,
-//    every token routed to one expert;
+//    every token routed to one expert; the softmax's backward with no probability
+//    gradient, one row for every token, a row per group of tokens, and the z-loss's term;
 //  - the sort by expert, exactly (offsets, source, row_of), over the single-chunk and the
 //    chunked paths;
 //  - the probabilities' column sums against double sums, and bitwise the same twice;
@@ -176,15 +178,22 @@ TEST(GpuMoeKernels, TopkSoftmaxMatchesCpu) {
                                            normalize, special_name(special));
       const Tensor logits = routing_logits(tokens, experts, special, rng);
       Tensor probs = Tensor::empty({tokens, experts}), ids = Tensor::empty({tokens, k}, DType::I32),
-             weights = Tensor::empty({tokens, k});
+             weights = Tensor::empty({tokens, k}), lse = Tensor::empty({tokens});
       cpu::moe_topk_softmax(logits.data<float>(), tokens, experts, k, normalize, probs.data<float>(),
-                            ids.data<int32_t>(), weights.data<float>());
+                            ids.data<int32_t>(), weights.data<float>(), lse.data<float>());
 
       const Tensor logits_gpu = to_gpu(logits, DType::F32);
       Tensor probs_gpu = poisoned_gpu({tokens, experts}, DType::F32), ids_gpu = poisoned_gpu({tokens, k}, DType::I32),
-             weights_gpu = poisoned_gpu({tokens, k}, DType::F32);
+             weights_gpu = poisoned_gpu({tokens, k}, DType::F32), lse_gpu = poisoned_gpu({tokens}, DType::F32);
+      // Every other case without the logsumexp (null: not written).
       cuda::moe_topk_softmax(logits_gpu.data<float>(), tokens, experts, k, normalize, probs_gpu.data<float>(),
-                             ids_gpu.data<int32_t>(), weights_gpu.data<float>());
+                             ids_gpu.data<int32_t>(), weights_gpu.data<float>(),
+                             normalize ? lse_gpu.data<float>() : nullptr);
+      if (normalize) {  // the z-loss's logsumexp: the max plus logf of the fp32 sum
+        const Tensor lse_back = to_cpu_f32(lse_gpu);
+        EXPECT_LT(relative_l2(lse_back, lse), kRoutingTolerance) << what;
+        EXPECT_LT(max_relative(lse_back, lse), 2 * kRoutingTolerance) << what;
+      }
       const Tensor probs_back = to_cpu_f32(probs_gpu);
       EXPECT_LT(relative_l2(probs_back, probs), kRoutingTolerance) << what;
       EXPECT_LT(max_relative(probs_back, probs), 2 * kRoutingTolerance) << what;
@@ -210,33 +219,49 @@ TEST(GpuMoeKernels, TopkSoftmaxBackwardMatchesCpu) {
   for (size_t ci = 0; ci < cases.size(); ++ci) {
     const auto [tokens, experts, k] = cases[ci];
     for (const bool normalize : {true, false}) {
-      for (const bool with_prob_gradient : {false, true}) {
-        const std::string what = fmt::format("{} tokens, {} experts, k {}, normalize {}, probability gradient {}",
-                                             tokens, experts, k, normalize, with_prob_gradient);
+      // The added gradients: none; a probability gradient [experts] for every token (a
+      // layer's balancing loss); one row per group of tokens ([groups, experts], the
+      // sequence-wise loss's; the largest of 4, 3, 2, 1 groups dividing the tokens); that
+      // with the z-loss's term.
+      for (const int mode : {0, 1, 2, 3}) {
+        int64_t groups = 1;
+        if (mode >= 2)
+          for (const int64_t g : {4, 3, 2, 1})
+            if (tokens % g == 0) {
+              groups = g;
+              break;
+            }
+        const double z_scale = mode == 3 ? 0.37 : 0.0;
+        const std::string what = fmt::format("{} tokens, {} experts, k {}, normalize {}, {}", tokens, experts, k,
+                                             normalize,
+                                             mode == 0   ? "no probability gradient"
+                                             : mode == 1 ? "a probability gradient for every token"
+                                                         : fmt::format("a probability gradient per {} groups{}", groups,
+                                                                       mode == 3 ? ", the z-loss" : ""));
         // The forward on the CPU gives both sides the same routing.
         const Tensor logits = routing_logits(tokens, experts, special_for(ci, k, experts), rng);
         Tensor probs = Tensor::empty({tokens, experts}), ids = Tensor::empty({tokens, k}, DType::I32),
-               weights = Tensor::empty({tokens, k});
+               weights = Tensor::empty({tokens, k}), lse = Tensor::empty({tokens});
         cpu::moe_topk_softmax(logits.data<float>(), tokens, experts, k, normalize, probs.data<float>(),
-                              ids.data<int32_t>(), weights.data<float>());
+                              ids.data<int32_t>(), weights.data<float>(), lse.data<float>());
         const Tensor d_weights = random_f32({tokens, k}, rng);
-        const Tensor prob_gradient = random_f32({experts}, rng, 0.5);
-        Tensor d_probs = Tensor::empty({tokens, experts});  // the per-expert gradient for every token
-        for (int64_t t = 0; t < tokens; ++t)
-          for (int64_t e = 0; e < experts; ++e) d_probs.data<float>()[t * experts + e] = prob_gradient.data<float>()[e];
+        const Tensor prob_gradient = random_f32({groups, experts}, rng, 0.5);
+        const float* pg = mode == 0 ? nullptr : prob_gradient.data<float>();
         Tensor d_logits = Tensor::empty({tokens, experts});
-        cpu::moe_topk_softmax_backward(d_weights.data<float>(), with_prob_gradient ? d_probs.data<float>() : nullptr,
-                                       probs.data<float>(), ids.data<int32_t>(), weights.data<float>(), tokens,
-                                       experts, k, normalize, d_logits.data<float>());
+        cpu::moe_topk_softmax_backward(d_weights.data<float>(), pg, tokens / groups, probs.data<float>(),
+                                       ids.data<int32_t>(), weights.data<float>(), tokens, experts, k, normalize,
+                                       d_logits.data<float>(), mode == 3 ? lse.data<float>() : nullptr, z_scale);
 
         const Tensor d_weights_gpu = to_gpu(d_weights, DType::F32);
         const Tensor prob_gradient_gpu = to_gpu(prob_gradient, DType::F32), probs_gpu = to_gpu(probs, DType::F32);
         const Tensor ids_gpu = ids.to(Device::CUDA), weights_gpu = to_gpu(weights, DType::F32);
+        const Tensor lse_gpu = to_gpu(lse, DType::F32);
         Tensor d_logits_gpu = poisoned_gpu({tokens, experts}, DType::F32);
-        cuda::moe_topk_softmax_backward(d_weights_gpu.data<float>(),
-                                        with_prob_gradient ? prob_gradient_gpu.data<float>() : nullptr,
-                                        probs_gpu.data<float>(), ids_gpu.data<int32_t>(), weights_gpu.data<float>(),
-                                        tokens, experts, k, normalize, d_logits_gpu.data<float>());
+        cuda::moe_topk_softmax_backward(d_weights_gpu.data<float>(), mode == 0 ? nullptr : prob_gradient_gpu.data<float>(),
+                                        tokens / groups, probs_gpu.data<float>(), ids_gpu.data<int32_t>(),
+                                        weights_gpu.data<float>(), tokens, experts, k, normalize,
+                                        d_logits_gpu.data<float>(), mode == 3 ? lse_gpu.data<float>() : nullptr,
+                                        z_scale);
         expect_routing_gradient_close(d_logits_gpu, d_logits, what);
       }
     }
@@ -516,7 +541,7 @@ TEST(GpuMoeKernels, CombineBackwardMatchesCpuAndRepeatsBitwise) {
 TEST(GpuMoeKernels, ZeroTokensLaunchNothing) {
   const int64_t experts = 64, k = 4, hidden = 64;
   cuda::moe_topk_softmax(nullptr, 0, experts, k, true, nullptr, nullptr, nullptr);
-  cuda::moe_topk_softmax_backward(nullptr, nullptr, nullptr, nullptr, nullptr, 0, experts, k, true, nullptr);
+  cuda::moe_topk_softmax_backward(nullptr, nullptr, 1, nullptr, nullptr, nullptr, 0, experts, k, true, nullptr);
   cuda::moe_topk_sigmoid(nullptr, nullptr, 0, experts, k, 8, 4, true, 2.5f, nullptr, nullptr, nullptr);
   cuda::moe_topk_sigmoid_backward(nullptr, nullptr, nullptr, 0, experts, k, true, 2.5f, nullptr);
   cuda::moe_permute(nullptr, nullptr, nullptr, 0, k, hidden);
@@ -582,7 +607,7 @@ TEST(GpuMoeKernels, RunsAtDeepSeekV3Scale) {
   const double column_sums =
       time_us([&] { cuda::moe_prob_column_sums(probs.data<float>(), tokens, experts, sums.data<float>()); });
   const double softmax_backward = time_us([&] {  // the column sums stand in for the balancing loss's gradient
-    cuda::moe_topk_softmax_backward(d_weights.data<float>(), sums.data<float>(), probs.data<float>(),
+    cuda::moe_topk_softmax_backward(d_weights.data<float>(), sums.data<float>(), tokens, probs.data<float>(),
                                     ids.data<int32_t>(), weights.data<float>(), tokens, experts, k, true,
                                     d_logits.data<float>());
   });

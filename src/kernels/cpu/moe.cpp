@@ -8,7 +8,7 @@
 namespace forge::cpu {
 
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights) {
+                      int32_t* expert_ids, float* weights, float* lse) {
   std::vector<int32_t> order(static_cast<size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits + t * experts;
@@ -18,6 +18,7 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
     double sum = 0.0;
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - top);
     for (int64_t e = 0; e < experts; ++e) p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - top) / sum);
+    if (lse) lse[t] = static_cast<float>(top + std::log(sum));
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
@@ -31,15 +32,17 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
   }
 }
 
-void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, const float* probs,
-                               const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
-                               int64_t k, bool normalize, float* d_logits) {
+void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
+                               const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
+                               int64_t experts, int64_t k, bool normalize, float* d_logits, const float* lse,
+                               double z_scale) {
   std::vector<double> dp(static_cast<size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* p = probs + t * experts;
     const float* dw = d_weights + t * k;
     const float* w = weights + t * k;
-    for (int64_t e = 0; e < experts; ++e) dp[static_cast<size_t>(e)] = d_probs ? d_probs[t * experts + e] : 0.0;
+    const float* g = prob_gradient ? prob_gradient + (t / group_tokens) * experts : nullptr;
+    for (int64_t e = 0; e < experts; ++e) dp[static_cast<size_t>(e)] = g ? g[e] : 0.0;
     if (normalize) {
       // w_j = p_j / Z over the chosen: dL/dp_j = (dw_j - sum_m dw_m w_m) / Z.
       double z = 0.0, dot = 0.0;
@@ -51,10 +54,11 @@ void moe_topk_softmax_backward(const float* d_weights, const float* d_probs, con
     } else {
       for (int64_t j = 0; j < k; ++j) dp[static_cast<size_t>(expert_ids[t * k + j])] += dw[j];
     }
-    double dot = 0.0;  // softmax: dl = p (dp - <dp, p>)
+    double dot = 0.0;  // softmax: dl = p (dp - <dp, p>); the z-loss's: + z_scale lse p
     for (int64_t e = 0; e < experts; ++e) dot += dp[static_cast<size_t>(e)] * p[e];
+    const double z = lse ? z_scale * lse[t] : 0.0;
     for (int64_t e = 0; e < experts; ++e)
-      d_logits[t * experts + e] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot));
+      d_logits[t * experts + e] = static_cast<float>(p[e] * (dp[static_cast<size_t>(e)] - dot + z));
   }
 }
 

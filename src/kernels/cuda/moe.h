@@ -17,16 +17,18 @@ constexpr int64_t kMoeMaxExperts = 1024;
 
 // As cpu::moe_topk_softmax: probs [tokens, experts] = each row's softmax; each token's k
 // largest probabilities (ties: the lower expert id) into expert_ids / weights [tokens, k],
-// descending; with `normalize` divided by their sum.
+// descending; with `normalize` divided by their sum; lse [tokens] (null: not written) each
+// row's logsumexp (fp32: max + logf of the fp32 sum).
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights);
+                      int32_t* expert_ids, float* weights, float* lse = nullptr);
 
-// As cpu::moe_topk_softmax_backward, except that the added probability gradient is one
-// value per expert, the same for every token (prob_gradient [experts], the balancing
-// loss's; null: none). d_logits [tokens, experts] is written over.
-void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, const float* probs,
-                               const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
-                               int64_t k, bool normalize, float* d_logits);
+// As cpu::moe_topk_softmax_backward: prob_gradient [tokens / group_tokens, experts] (null:
+// none), row g added for the tokens of group g; with lse, z_scale x lse[t] x probs[t] added
+// to d_logits. d_logits [tokens, experts] is written over.
+void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
+                               const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
+                               int64_t experts, int64_t k, bool normalize, float* d_logits,
+                               const float* lse = nullptr, double z_scale = 0.0);
 
 // As cpu::moe_topk_sigmoid (DeepSeek-V3's group-limited sigmoid router; bias may be null).
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,

@@ -31,6 +31,10 @@
 // experts reads for the group scores and groups^2 compares for the ranks (DeepSeek-V3: 256
 // and 64), spread over the lanes. Excluded experts never take part in the k rounds.
 //
+// The softmax's forward also writes each token's logsumexp (max + logf(sum), from the max
+// and sum it computes anyway) when asked: the router z-loss's, with no other pass over the
+// logits.
+//
 // Backwards: one warp per token, the same lane layout, in double as on the CPU. A saturated
 // router (one probability near 1) makes d_logits a difference of nearly equal terms: in
 // fp32 that leaves rounding noise near 1e-7 x the gradient where the true value is far
@@ -39,7 +43,10 @@
 // The softmax's adds each choice's probability gradient to its expert's register: the k
 // (id, gradient) pairs are broadcast by shuffles and the owning lane adds into the matching
 // slot by an unrolled compare (a register array cannot be indexed at run time), in j
-// order; then <dp, p> is a warp sum and d_logits = p (dp - <dp, p>). The sigmoid's writes
+// order; then <dp, p> is a warp sum and d_logits = p (dp - <dp, p> + z_scale lse) (the last
+// term the z-loss's, with lse). The added probability gradient is a row per group of
+// group_tokens tokens (one row: a layer's balancing loss; one per sequence: the sequence-wise
+// loss), read by each token's warp from its group's row. The sigmoid's writes
 // zeros over the row, orders them before the k chosen entries with __syncwarp (which orders
 // memory among the warp's lanes) and writes those (ids distinct per token, as the routers
 // write them).
@@ -156,7 +163,8 @@ __device__ __forceinline__ float choose_top_k(const float (&value)[V], const flo
 template <int V>
 __global__ void __launch_bounds__(kRouteWarps* kWarp)
     topk_softmax_kernel(const float* __restrict__ logits, int64_t tokens, int experts, int k, bool normalize,
-                        float* __restrict__ probs, int32_t* __restrict__ expert_ids, float* __restrict__ weights) {
+                        float* __restrict__ probs, int32_t* __restrict__ expert_ids, float* __restrict__ weights,
+                        float* __restrict__ lse) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + threadIdx.x / kWarp;
   if (t >= tokens) return;  // the whole warp
@@ -177,6 +185,7 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
     sum += p[i];
   }
   sum = warp_sum(sum);
+  if (lse && lane == 0) lse[t] = top + logf(sum);  // the z-loss's logsumexp, from the softmax's own max and sum
   unsigned excluded = 0;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
@@ -195,9 +204,10 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
 template <int V>
 __global__ void __launch_bounds__(kRouteWarps* kWarp)
     topk_softmax_backward_kernel(const float* __restrict__ d_weights, const float* __restrict__ prob_gradient,
-                                 const float* __restrict__ probs, const int32_t* __restrict__ expert_ids,
-                                 const float* __restrict__ weights, int64_t tokens, int experts, int k, bool normalize,
-                                 float* __restrict__ d_logits) {
+                                 int64_t group_tokens, const float* __restrict__ probs,
+                                 const int32_t* __restrict__ expert_ids, const float* __restrict__ weights,
+                                 int64_t tokens, int experts, int k, bool normalize, float* __restrict__ d_logits,
+                                 const float* __restrict__ lse, double z_scale) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + threadIdx.x / kWarp;
   if (t >= tokens) return;
@@ -205,13 +215,14 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
   const int32_t* ids = expert_ids + t * k;
   const float* dw = d_weights + t * k;
   const float* w = weights + t * k;
+  const float* g = prob_gradient ? prob_gradient + (t / group_tokens) * experts : nullptr;  // this token's group's
   float p[V];
   double dp[V];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int e = i * kWarp + lane;
     p[i] = e < experts ? p_row[e] : 0.f;
-    dp[i] = e < experts && prob_gradient ? prob_gradient[e] : 0.0;
+    dp[i] = e < experts && g ? g[e] : 0.0;
   }
   // w_j = p_j / Z over the chosen: dL/dp_j = (dw_j - sum_m dw_m w_m) / Z.
   double z = 0.0, dot = 0.0;
@@ -240,10 +251,11 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
       for (int i = 0; i < V; ++i) dp[i] = i == slot ? dp[i] + d : dp[i];
     }
   }
-  double pdot = 0.0;  // softmax: dl = p (dp - <dp, p>)
+  double pdot = 0.0;  // softmax: dl = p (dp - <dp, p>); the z-loss's: + z_scale lse p
 #pragma unroll
   for (int i = 0; i < V; ++i) pdot += dp[i] * p[i];
   pdot = warp_sum(pdot);
+  if (lse) pdot -= z_scale * lse[t];
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     const int e = i * kWarp + lane;
@@ -529,25 +541,28 @@ void check_routing(const char* op, int64_t tokens, int64_t experts, int64_t k) {
 }  // namespace
 
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights) {
+                      int32_t* expert_ids, float* weights, float* lse) {
   check_routing("moe_topk_softmax", tokens, experts, k);
   if (tokens == 0) return;
   with_slots(experts, [&](auto slots) {
     topk_softmax_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp>>>(
-        logits, tokens, static_cast<int>(experts), static_cast<int>(k), normalize, probs, expert_ids, weights);
+        logits, tokens, static_cast<int>(experts), static_cast<int>(k), normalize, probs, expert_ids, weights, lse);
   });
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
-void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, const float* probs,
-                               const int32_t* expert_ids, const float* weights, int64_t tokens, int64_t experts,
-                               int64_t k, bool normalize, float* d_logits) {
+void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
+                               const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
+                               int64_t experts, int64_t k, bool normalize, float* d_logits, const float* lse,
+                               double z_scale) {
   check_routing("moe_topk_softmax_backward", tokens, experts, k);
+  FORGE_CHECK(!prob_gradient || (group_tokens >= 1 && tokens % group_tokens == 0),
+              "moe_topk_softmax_backward: groups of {} tokens must divide the {} tokens", group_tokens, tokens);
   if (tokens == 0) return;
   with_slots(experts, [&](auto slots) {
     topk_softmax_backward_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp>>>(
-        d_weights, prob_gradient, probs, expert_ids, weights, tokens, static_cast<int>(experts), static_cast<int>(k),
-        normalize, d_logits);
+        d_weights, prob_gradient, group_tokens, probs, expert_ids, weights, tokens, static_cast<int>(experts),
+        static_cast<int>(k), normalize, d_logits, lse, z_scale);
   });
   FORGE_CUDA_LAUNCH_CHECK();
 }
