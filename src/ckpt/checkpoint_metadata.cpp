@@ -54,6 +54,8 @@ json model_to_json(const ModelConfig& m) {
               {"router_num_groups", m.router_num_groups},
               {"router_topk_groups", m.router_topk_groups},
               {"router_bias_update_rate", m.router_bias_update_rate},
+              {"router_aux_loss_type", m.router_aux_loss_type},
+              {"router_z_loss_coef", m.router_z_loss_coef},
               {"q_lora_rank", m.q_lora_rank},
               {"kv_lora_rank", m.kv_lora_rank},
               {"qk_nope_head_dim", m.qk_nope_head_dim},
@@ -181,6 +183,10 @@ ModelConfig model_from_json(const ObjectReader& r) {
     m.qk_rope_head_dim = r.integer("qk_rope_head_dim");
     m.v_head_dim = r.integer("v_head_dim");
   }
+  // Checkpoints from before the per-layer and sequence-wise losses and the z-loss: the
+  // pooled loss, no z-loss.
+  if (r.has("router_aux_loss_type")) m.router_aux_loss_type = r.string("router_aux_loss_type");
+  if (r.has("router_z_loss_coef")) m.router_z_loss_coef = r.number("router_z_loss_coef");
   return m;
 }
 

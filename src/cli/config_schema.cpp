@@ -83,6 +83,17 @@ std::vector<ConfigKey> build_schema() {
           "Mixture-of-Experts: weight of the load-balancing loss in the training loss (transformers' "
           "router_aux_loss_coef); 0: none",
           model_bounds::router_aux_loss_coef),
+      key<&E::model, &M::router_aux_loss_type>(
+          "model.router_aux_loss_type",
+          "Mixture-of-Experts: which balancing loss router_aux_loss_coef weighs: pooled (transformers' Mixtral "
+          "form, over all layers), per_layer (Megatron's aux_loss) or sequence (Megatron's seq_aux_loss, "
+          "DeepSeek's sequence-wise loss)",
+          {}, model_bounds::router_aux_loss_types),
+      key<&E::model, &M::router_z_loss_coef>(
+          "model.router_z_loss_coef",
+          "Mixture-of-Experts: weight of the router z-loss (mean logsumexp(logits)^2 per layer, summed; "
+          "Megatron's moe_z_loss_coeff) in the training loss; 0: none",
+          model_bounds::router_z_loss_coef),
       key<&E::model, &M::moe_ffn_hidden_size>("model.moe_ffn_hidden_size",
                                               "Mixture-of-Experts: SwiGLU intermediate size of each routed and shared "
                                               "expert (DeepSeek's moe_intermediate_size); 0: ffn_hidden_size",

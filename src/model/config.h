@@ -61,6 +61,13 @@ struct ModelConfig {
   // after every optimizer step each sigmoid-routing bias moves by this much towards balance
   // (NOTE [Routing bias update] in train/trainer.cpp); 0: the biases stay as they are.
   double router_bias_update_rate = 0.0;
+  // Which balancing loss (NOTE [MoE balancing loss]): "pooled" (transformers' Mixtral form,
+  // over all layers' tokens), "per_layer" (Megatron's aux_loss: each layer's, E/k, summed)
+  // or "sequence" (Megatron's seq_aux_loss, DeepSeek's sequence-wise balance loss). Softmax
+  // routing only.
+  std::string router_aux_loss_type = "pooled";
+  // The router z-loss's weight (Megatron's moe_z_loss_coeff; NOTE [MoE balancing loss]); 0: none.
+  double router_z_loss_coef = 0.0;
   // Multi-head Latent Attention (DeepSeek-V2/V3; NOTE [Multi-head Latent Attention] in
   // model/latent_attention.h) in place of grouped-query attention when kv_lora_rank > 0:
   // keys and values come from a kv_lora_rank-wide compressed projection, queries directly

@@ -104,6 +104,8 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   check_range(keys, "model.router_topk_groups", router_topk_groups, model_bounds::router_topk_groups);
   check_range(keys, "model.router_bias_update_rate", router_bias_update_rate, model_bounds::router_bias_update_rate);
   check_choice(keys, "model.router_score_function", router_score_function, model_bounds::router_score_functions);
+  check_choice(keys, "model.router_aux_loss_type", router_aux_loss_type, model_bounds::router_aux_loss_types);
+  check_range(keys, "model.router_z_loss_coef", router_z_loss_coef, model_bounds::router_z_loss_coef);
   if (!moe()) {
     // A dense model: every routing key must keep its default, so that a key set by
     // mistake is not silently ignored.
@@ -120,6 +122,8 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
     dense_only("model.router_topk_groups", router_topk_groups, int64_t{1});
     dense_only("model.router_scaling_factor", router_scaling_factor, 1.0);
     dense_only("model.router_bias_update_rate", router_bias_update_rate, 0.0);
+    dense_only("model.router_aux_loss_type", router_aux_loss_type, std::string("pooled"));
+    dense_only("model.router_z_loss_coef", router_z_loss_coef, 0.0);
     return;
   }
   if (first_dense_layers >= num_layers)
@@ -155,6 +159,14 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   if (router_score_function == "sigmoid" && router_aux_loss_coef != 0.0)
     FORGE_FAIL("{} with {}: the Switch balancing loss is for softmax routing",
                keys.describe("model.router_aux_loss_coef", router_aux_loss_coef),
+               keys.describe("model.router_score_function", router_score_function));
+  if (router_aux_loss_type != "pooled" && router_aux_loss_coef == 0.0)
+    FORGE_FAIL("{} needs model.router_aux_loss_coef > 0 (it chooses which balancing loss that weighs); it is 0",
+               keys.describe("model.router_aux_loss_type", router_aux_loss_type));
+  if (router_score_function == "sigmoid" && router_z_loss_coef != 0.0)
+    FORGE_FAIL("{} with {}: the router z-loss with sigmoid routing is not built (the routing keeps the logits' "
+               "logsumexp for softmax routing only)",
+               keys.describe("model.router_z_loss_coef", router_z_loss_coef),
                keys.describe("model.router_score_function", router_score_function));
 }
 

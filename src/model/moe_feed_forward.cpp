@@ -26,7 +26,11 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& config)
       topk_groups_(config.router_topk_groups),
       bias_index_(config.num_shared_experts > 0 ? kSharedDown + 1 : kDown + 1),
       eps_(static_cast<float>(config.norm_eps)),
-      aux_coefficient_(config.router_aux_loss_coef) {}
+      aux_coefficient_(config.router_aux_loss_coef),
+      aux_type_(config.router_aux_loss_type == "sequence"    ? AuxLoss::kSequence
+                : config.router_aux_loss_type == "per_layer" ? AuxLoss::kPerLayer
+                                                             : AuxLoss::kPooled),
+      z_coefficient_(config.router_z_loss_coef) {}
 
 // NOTE [MoE Hugging Face names] in moe_feed_forward.h.
 std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
@@ -91,10 +95,12 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   };
   logits_ = stat({n, experts_});
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
-  for (Activations& a : layers_)  // in every mode
+  for (Activations& a : layers_) {  // in every mode
     a.routing_buffers = {stat({n, experts_}), index({n, top_k_}),  stat({n, top_k_}),
                          index({rows}),       index({rows}),       layout.take({experts_ + 1}, DType::I64),
-                         stat({experts_})};
+                         stat({experts_}),    sigmoid_ ? Tensor() : stat({n})};  // lse: the z-loss's
+  }
+  sequences_ = shape.micro_batch;
   d_expert_out_ = act({rows, hidden_});
   d_swiglu_ = act({rows, ffn_});
   d_gate_up_ = act({rows, 2 * ffn_});
@@ -102,7 +108,10 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   d_weights_ = stat({n, top_k_});
   d_logits_ = stat({n, experts_});
   d_logits_compute_ = act({n, experts_});
-  aux_gradient_ = stat({experts_});
+  const int64_t layers = static_cast<int64_t>(layers_.size());
+  aux_gradient_ = aux_type_ == AuxLoss::kPooled     ? stat({experts_})
+                  : aux_type_ == AuxLoss::kPerLayer ? stat({layers, experts_})
+                                                    : stat({layers, sequences_, experts_});
   if (sigmoid_) bias_ = stat({experts_});
   if (shared_ffn_ > 0) {
     d_shared_swiglu_ = act({n, shared_ffn_});
@@ -160,18 +169,44 @@ std::vector<const MoeRouting*> MoeFeedForward::routings() const {
   return all;
 }
 
+// NOTE [MoE balancing loss].
 double MoeFeedForward::auxiliary_loss(double gradient_weight) {
   aux_gradient_used_ = false;
-  if (aux_coefficient_ == 0.0) return 0.0;
-  const MoeBalance balance = moe_balancing_loss(routings());
-  if (gradient_weight != 0.0) {  // the same for every layer: copied to the device once
-    std::vector<float> g(balance.prob_gradient.size());
-    for (size_t e = 0; e < g.size(); ++e)
-      g[e] = static_cast<float>(balance.prob_gradient[e] * aux_coefficient_ * gradient_weight);
+  z_scale_ = 0.0;
+  double loss = 0.0;
+  if (z_coefficient_ != 0.0) {
+    for (const MoeRouting* r : routings()) loss += z_coefficient_ * moe_z_loss(*r);
+    const int64_t n = layers_.front().routing.tokens;
+    if (n > 0) z_scale_ = 2.0 * z_coefficient_ / static_cast<double>(n) * gradient_weight;
+  }
+  if (aux_coefficient_ == 0.0) return loss;
+  std::vector<double> gradient;  // aux_gradient_'s values, unweighted: copied to the device once
+  if (aux_type_ == AuxLoss::kPooled) {
+    const MoeBalance balance = moe_balancing_loss(routings());
+    loss += aux_coefficient_ * balance.loss;
+    gradient = balance.prob_gradient;
+  } else {
+    for (const MoeRouting* r : routings()) {
+      const MoeBalance balance = moe_grouped_balancing_loss(*r, aux_type_ == AuxLoss::kSequence ? sequences_ : 1);
+      loss += aux_coefficient_ * balance.loss;
+      gradient.insert(gradient.end(), balance.prob_gradient.begin(), balance.prob_gradient.end());
+    }
+  }
+  if (gradient_weight != 0.0) {
+    FORGE_CHECK(static_cast<int64_t>(gradient.size()) == aux_gradient_.numel(),
+                "MoeFeedForward: {} balancing-loss gradients for a buffer of {}", gradient.size(), aux_gradient_.numel());
+    std::vector<float> g(gradient.size());
+    for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(gradient[i] * aux_coefficient_ * gradient_weight);
     copy_bytes(aux_gradient_.raw(), aux_gradient_.device(), g.data(), Device::CPU, g.size() * sizeof(float));
     aux_gradient_used_ = true;
   }
-  return aux_coefficient_ * balance.loss;
+  return loss;
+}
+
+Tensor MoeFeedForward::layer_aux_gradient(int layer) const {
+  if (aux_type_ == AuxLoss::kPooled) return aux_gradient_;
+  const Tensor rows = aux_gradient_.narrow(layer, layer + 1);
+  return aux_type_ == AuxLoss::kPerLayer ? rows.view({experts_}) : rows.view({sequences_, experts_});
 }
 
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
@@ -186,7 +221,8 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
                        {w.tensor(kGateUp), w.tensor(kDown)}, a.routing, d_swiglu_, d_gate_up_);
   moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
-  moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_used_ ? &aux_gradient_ : nullptr);
+  const Tensor aux_gradient = aux_gradient_used_ ? layer_aux_gradient(layer) : Tensor();
+  moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_used_ ? &aux_gradient : nullptr, z_scale_);
   // The router's GEMMs read the logits' gradient in the compute dtype (bf16 on CUDA, as
   // its forward reads h); dL/dh through the router is added to d_hidden by the GEMM.
   cast(d_logits_compute_, d_logits_);

@@ -28,7 +28,7 @@
 // import or initialization (zeros) put it, as transformers' training does, unless
 // model.router_bias_update_rate moves it after each step (auxiliary-loss-free balancing:
 // NOTE [Routing bias update] in train/trainer.cpp). What is not built yet (issue 20): the
-// sequence-wise balancing loss and expert parallelism; configs refuse what needs them.
+// z-loss with sigmoid routing and expert parallelism; configs refuse what needs them.
 //
 // NOTE [MoE balancing loss]
 // With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's
@@ -40,7 +40,29 @@
 // over accumulated micro-batches the step's loss and gradient take each micro-batch's L_aux
 // weighted by its share of the targets, as its cross-entropy. Its gradient enters each
 // layer's router through the softmax's probabilities (moe_route_backward). Evaluation
-// reports the cross-entropy alone. Megatron's aux_loss differs: per layer, divided by top-k.
+// reports the cross-entropy alone.
+// model.router_aux_loss_type picks the balancing loss (NOTE [MoE routing] in ops/moe.h has
+// the formulas): "pooled" the above; "per_layer" Megatron-Core's aux_loss, each layer's
+// (E/k) sum_e f_e P_e over that layer's N = batch x seq tokens, summed over the layers;
+// "sequence" its seq_aux_loss (DeepSeek-V2/V3's sequence-wise balance loss), the same over
+// each row of the micro-batch's [batch, seq] tokens, averaged over the rows, summed over the
+// layers (moe_grouped_balancing_loss; its gradient is a [batch, E] probability gradient per
+// layer). model.router_z_loss_coef c_z adds the router z-loss, Megatron's z_loss_func: per
+// layer c_z x the mean over the N tokens of logsumexp(logits)^2, summed over layers; its
+// gradient, c_z x 2 lse_t softmax(logits_t) / N, enters the router's logits in
+// moe_route_backward from the logsumexp the routing kept (softmax routing only; sigmoid
+// routing refuses it in config rules). Every one of them is computed over the micro-batch's
+// tokens (masked targets included, as Megatron without a padding mask) and weighted in the
+// step as the pooled loss: its value x the micro-batch's share of the step's targets, and
+// the same factor on its gradient (gradient_weight). Megatron weights them per micro-batch
+// differently: without calculate_per_token_loss MoEAuxLossAutoScaler scales each
+// micro-batch's auxiliary-loss gradient by 1 / num_microbatches (the main loss's scale), so
+// every micro-batch counts the same; with it, by the micro-batch's tokens over the step's.
+// The two agree when every micro-batch has as many targets as the others (forge's share
+// counts targets, not masked ones; Megatron's tokens every token). Within one micro-batch the
+// values and gradients are Megatron's (tests/python/test_moe_vs_megatron.py). Megatron's
+// coefficient of aux_loss is divided by top-k in the loss and applies per layer, so the same
+// coefficient weighs differently from the pooled form's.
 //
 // NOTE [MoE Hugging Face names]
 // Mixtral's names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
@@ -108,13 +130,19 @@ class MoeFeedForward final : public BlockComponent {
   size_t bias_index_;  // sigmoid routing: where the router's bias is among the parameters
   float eps_;
   double aux_coefficient_;
+  enum class AuxLoss { kPooled, kPerLayer, kSequence } aux_type_;  // NOTE [MoE balancing loss]
+  double z_coefficient_;
+  int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
   std::vector<Activations> layers_;
   Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing
   Tensor bias_;    // [E] fp32: sigmoid routing's bias, cast from the compute weights on CUDA
-  // The balancing loss's probability gradient, weighted (F32 [E], every layer's); used in
-  // the backward when auxiliary_loss gave it.
+  // The balancing loss's probability gradient, weighted, F32: pooled [E] (every layer's),
+  // per_layer [layers, E], sequence [layers, sequences, E]; used in the backward when
+  // auxiliary_loss gave it. z_scale_: the z-loss's 2 c_z / N, weighted (0: none).
   Tensor aux_gradient_;
   bool aux_gradient_used_ = false;
+  double z_scale_ = 0.0;
+  Tensor layer_aux_gradient(int layer) const;  // this layer's rows of aux_gradient_
   // Backward scratch.
   Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_logits_compute_;
   Tensor d_shared_swiglu_, d_shared_gate_up_;

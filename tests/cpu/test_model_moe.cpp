@@ -5,6 +5,12 @@
 // checked against transformers' Mixtral in tests/python/test_model_vs_torch.py.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+
+#include <nlohmann/json.hpp>
+
+#include "ckpt/checkpoint_metadata.h"
 #include "cli/config.h"
 #include "core/rng.h"
 #include "config_test_support.h"
@@ -78,6 +84,131 @@ TEST(ModelMoe, BalancingLossJoinsTheTrainingLossOnly) {
                {"model.router_aux_loss_coef = 0.1 (command line) needs model.num_experts > 0"});
 }
 
+TEST(ModelMoe, LossKeysRules) {
+  EXPECT_EQ(load_moe().model.router_aux_loss_type, "pooled");
+  EXPECT_EQ(load_moe().model.router_z_loss_coef, 0.0);
+  EXPECT_EQ(load_moe({{"model.router_aux_loss_coef", "0.01"}, {"model.router_aux_loss_type", "sequence"}})
+                .model.router_aux_loss_type,
+            "sequence");
+  EXPECT_EQ(load_moe({{"model.router_z_loss_coef", "0.001"}}).model.router_z_loss_coef, 0.001);
+  expect_error([] { load_moe({{"model.router_aux_loss_type", "global"}}); }, {"model.router_aux_loss_type"});
+  expect_error([] { load_moe({{"model.router_z_loss_coef", "-1"}}); }, {"model.router_z_loss_coef"});
+  expect_error([] { load_moe({{"model.router_aux_loss_type", "per_layer"}}); },
+               {"model.router_aux_loss_type = per_layer (command line) needs model.router_aux_loss_coef > 0"});
+  expect_error([] { load({{"model.router_z_loss_coef", "0.001"}}); },
+               {"model.router_z_loss_coef = 0.001 (command line) needs model.num_experts > 0"});
+  expect_error([] { load({{"model.router_aux_loss_type", "sequence"}}); },
+               {"model.router_aux_loss_type = sequence (command line) needs model.num_experts > 0"});
+  expect_error([] { load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_z_loss_coef", "0.001"}}); },
+               {"model.router_z_loss_coef = 0.001", "sigmoid routing is not built"});
+  expect_error(
+      [] {
+        load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_aux_loss_coef", "0.01"},
+                  {"model.router_aux_loss_type", "sequence"}});
+      },
+      {"the Switch balancing loss is for softmax routing"});
+}
+
+// The per-layer and sequence-wise balancing losses and the z-loss (NOTE [MoE balancing
+// loss]) join the training loss, not evaluation; their gradient through the whole model
+// (every layer's router, the layers below through the routers' inputs) is the derivative
+// of train - eval (the losses alone: the forward is the same) along a random direction of
+// all parameters, by central differences. Megatron's values and the layer's gradients are
+// checked in tests/python/test_moe_vs_megatron.py.
+TEST(ModelMoe, LossesJoinTheTrainingLossAndTheirGradientIsTheirs) {
+  const int64_t batch = 2, seq = 8;
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < batch * seq; ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((7 * i + 3) % 32);
+  const std::vector<ConfigOverrides> cases = {
+      {{"model.router_aux_loss_coef", "0.5"}, {"model.router_aux_loss_type", "per_layer"}},
+      {{"model.router_aux_loss_coef", "0.5"}, {"model.router_aux_loss_type", "sequence"}},
+      {{"model.router_z_loss_coef", "0.2"}},
+      {{"model.router_aux_loss_coef", "0.3"}, {"model.router_aux_loss_type", "sequence"},
+       {"model.router_z_loss_coef", "0.1"}},
+  };
+  const ModelConfig plain = load_moe({{"model.init_std", "0.3"}}).model;
+  for (const ConfigOverrides& c : cases) {
+    ConfigOverrides overrides = c;
+    overrides.push_back({"model.init_std", "0.3"});  // routers far from uniform
+    const ModelConfig m = load_moe(overrides).model;
+    FlatParameters params(m), grads(m), plain_grads(m);
+    params.initialize(5);
+    DecoderLM model(m, batch, seq), plain_model(plain, batch, seq);
+    const float scale = 1.0f / static_cast<float>(batch * seq);
+    const double train = model.forward_backward(tokens, tokens, params, grads, scale).mean();
+    const double eval = model.forward_loss(tokens, tokens, params).mean();
+    EXPECT_GT(train - eval, 1e-3) << c.front().first;
+    EXPECT_NEAR(plain_model.forward_backward(tokens, tokens, params, plain_grads, scale).mean(), eval, 1e-6);
+    // d(train - eval)/dt along a direction u: (grads - plain_grads) . u.
+    Rng rng(9);
+    const int64_t n = params.flat().numel();
+    std::vector<float> u(static_cast<size_t>(n));
+    double norm = 0.0;
+    for (float& v : u) norm += (v = static_cast<float>(rng.normal())) * static_cast<double>(v);
+    for (float& v : u) v = static_cast<float>(v / std::sqrt(norm));  // a unit step: no top-k choice flips
+    double analytic = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      analytic += static_cast<double>(grads.flat().data<float>()[i] - plain_grads.flat().data<float>()[i]) *
+                  u[static_cast<size_t>(i)];
+    }
+    auto losses_at = [&](float step) {
+      FlatParameters moved(m);
+      std::copy(params.flat().data<float>(), params.flat().data<float>() + n, moved.flat().data<float>());
+      for (int64_t i = 0; i < n; ++i) moved.flat().data<float>()[i] += step * u[static_cast<size_t>(i)];
+      FlatParameters scratch(m);
+      return model.forward_backward(tokens, tokens, moved, scratch, scale).mean() -
+             model.forward_loss(tokens, tokens, moved).mean();
+    };
+    const float eps = 2e-3f;
+    const double numeric = (losses_at(eps) - losses_at(-eps)) / (2.0 * eps);
+    EXPECT_GT(std::abs(analytic), 1e-4);
+    EXPECT_NEAR(numeric, analytic, 0.02 * std::abs(analytic) + 1e-6) << c.front().first;
+  }
+}
+
+// The sequence-wise loss of a micro-batch whose rows are the same sequence is the per-layer
+// loss (each row's f and P are the whole micro-batch's).
+TEST(ModelMoe, SequenceLossOfEqualRowsIsThePerLayerLoss) {
+  const int64_t batch = 3, seq = 8;
+  Tensor tokens = Tensor::empty({batch, seq}, DType::I32);
+  for (int64_t i = 0; i < batch * seq; ++i) tokens.data<int32_t>()[i] = static_cast<int32_t>((5 * (i % seq) + 1) % 32);
+  double losses[2];
+  for (int j = 0; j < 2; ++j) {
+    const ModelConfig m = load_moe({{"model.router_aux_loss_coef", "1"}, {"model.init_std", "0.3"},
+                                    {"model.router_aux_loss_type", j == 0 ? "sequence" : "per_layer"}})
+                              .model;
+    FlatParameters params(m), grads(m);
+    params.initialize(6);
+    DecoderLM model(m, batch, seq);
+    losses[j] = model.forward_backward(tokens, tokens, params, grads, 1.0f / (batch * seq)).mean() -
+                model.forward_loss(tokens, tokens, params).mean();
+  }
+  EXPECT_GT(losses[1], 0.5);
+  EXPECT_NEAR(losses[0], losses[1], 1e-6 * losses[1]);
+}
+
+// Checkpoints record the loss keys; those from before them load with the defaults (the
+// pooled loss, no z-loss). Resuming with other loss keys is allowed, as with
+// router_aux_loss_coef: they weigh the training loss, they are not the architecture.
+TEST(ModelMoe, CheckpointMetadataRecordsTheLossKeys) {
+  CheckpointMetadata md;
+  md.model = load_moe({{"model.router_aux_loss_coef", "0.01"}, {"model.router_aux_loss_type", "sequence"},
+                       {"model.router_z_loss_coef", "0.001"}})
+                 .model;
+  md.flat_numel = 8;
+  md.shards = {{0, 8}};
+  md.tensors = {{"w", FlatState::Param, {2, 4}, 0, {{0, 0, 0, 32, 0}}}};
+  const CheckpointMetadata back = metadata_from_json(metadata_to_json(md), "ck/metadata.json");
+  EXPECT_EQ(back.model.router_aux_loss_type, "sequence");
+  EXPECT_EQ(back.model.router_z_loss_coef, 0.001);
+  nlohmann::json old = nlohmann::json::parse(metadata_to_json(md));
+  old["model"].erase("router_aux_loss_type");
+  old["model"].erase("router_z_loss_coef");
+  const CheckpointMetadata before = metadata_from_json(old.dump(), "ck/metadata.json");
+  EXPECT_EQ(before.model.router_aux_loss_type, "pooled");
+  EXPECT_EQ(before.model.router_z_loss_coef, 0.0);
+}
+
 TEST(ModelMoe, DenseModelsHaveNoExpertLoad) {
   const ModelConfig m = load({}).model;
   DecoderLM model(m, 1, 4);
@@ -98,10 +229,21 @@ TEST(ModelMoe, BlockParametersAreTheRouterAndStackedExperts) {
   EXPECT_EQ(sum, m.total_params());
 }
 
-// A few steps of the CPU model on one batch, with the balancing loss: the loss falls, under
-// each checkpointing mode, and the modes agree (the routing is recomputed the same).
-TEST(ModelMoe, TrainsOnTheCpuUnderEveryCheckpointMode) {
-  const ModelConfig m = load_moe({{"model.router_aux_loss_coef", "0.01"}}).model;
+// A few steps of the CPU model on one batch, with the balancing loss (each form, the last
+// with the z-loss): the loss falls, under each checkpointing mode, and the modes agree (the
+// routing is recomputed the same).
+class ModelMoeTrains : public ::testing::TestWithParam<ConfigOverrides> {};
+
+INSTANTIATE_TEST_SUITE_P(Losses, ModelMoeTrains,
+                         ::testing::Values(ConfigOverrides{{"model.router_aux_loss_coef", "0.01"}},
+                                           ConfigOverrides{{"model.router_aux_loss_coef", "0.01"},
+                                                           {"model.router_aux_loss_type", "per_layer"}},
+                                           ConfigOverrides{{"model.router_aux_loss_coef", "0.01"},
+                                                           {"model.router_aux_loss_type", "sequence"},
+                                                           {"model.router_z_loss_coef", "0.001"}}));
+
+TEST_P(ModelMoeTrains, UnderEveryCheckpointMode) {
+  const ModelConfig m = load_moe(GetParam()).model;
   const int64_t batch = 2, seq = 16;
   Rng rng(11);
   Tensor tokens = Tensor::empty({batch, seq}, DType::I32), targets = Tensor::empty({batch, seq}, DType::I32);
