@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "ops/linear.h"
@@ -19,6 +20,11 @@ struct MoeLayer {
   bool normalize;
   Tensor router, gate_up, down;  // [E, H], [E, 2F, H], [E, H, F]
   float aux = 0.0f;              // the balancing loss's coefficient (softmax routing)
+  // Which balancing loss (model.router_aux_loss_type): "pooled" (over this one layer),
+  // "per_layer" or "sequence" (the tokens are `sequences` rows of equal length).
+  std::string aux_type = "pooled";
+  int64_t sequences = 1;
+  float z = 0.0f;  // the router z-loss's coefficient (softmax routing)
   // DeepSeek-V3's routing (moe_route_sigmoid) instead of Mixtral's.
   bool sigmoid = false;
   Tensor bias;  // [E] or undefined
@@ -50,6 +56,12 @@ inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a)
   return out;
 }
 
+// The layer's balancing loss (its MoeBalance, unweighted) as m.aux_type says.
+inline MoeBalance moe_layer_balance(const MoeLayer& m, const MoeActivations& a) {
+  if (m.aux_type == "pooled") return moe_balancing_loss({&a.routing});
+  return moe_grouped_balancing_loss(a.routing, m.aux_type == "sequence" ? m.sequences : 1);
+}
+
 struct MoeGrads {
   Tensor dx, router, gate_up, down;
 };
@@ -68,14 +80,15 @@ inline MoeGrads moe_backward(const MoeLayer& m, const Tensor& x, const MoeActiva
                        a.routing, d_swiglu, d_gate_up);
   Tensor dx_experts = Tensor::empty(x.shape()), d_logits = Tensor::empty({tokens, m.experts});
   moe_permute_backward(dx_experts, d_permuted, a.routing);
-  Tensor aux_gradient;  // the per-layer balancing loss's, times its coefficient
+  Tensor aux_gradient;  // the layer's balancing loss's, times its coefficient
   if (m.aux != 0.0f) {
-    const std::vector<double> per_expert = moe_balancing_loss({&a.routing}).prob_gradient;
-    aux_gradient = Tensor::empty({m.experts});
-    for (int64_t e = 0; e < m.experts; ++e)
-      aux_gradient.data<float>()[e] = static_cast<float>(per_expert[static_cast<size_t>(e)] * m.aux);
+    const std::vector<double> gradient = moe_layer_balance(m, a).prob_gradient;
+    const int64_t rows = static_cast<int64_t>(gradient.size()) / m.experts;
+    aux_gradient = rows == 1 ? Tensor::empty({m.experts}) : Tensor::empty({rows, m.experts});
+    for (size_t i = 0; i < gradient.size(); ++i) aux_gradient.data<float>()[i] = static_cast<float>(gradient[i] * m.aux);
   }
-  moe_route_backward(d_logits, d_weights, a.routing, aux_gradient.defined() ? &aux_gradient : nullptr);
+  const double z_scale = m.z != 0.0f ? 2.0 * m.z / static_cast<double>(tokens) : 0.0;
+  moe_route_backward(d_logits, d_weights, a.routing, aux_gradient.defined() ? &aux_gradient : nullptr, z_scale);
   Tensor dx_router = Tensor::empty(x.shape());
   linear_backward(dx_router, {g.router}, d_logits, x, {m.router}, true);
   for (int64_t i = 0; i < x.numel(); ++i)

@@ -25,6 +25,8 @@
 namespace forge::gpu_test {
 
 inline void expect_training_step_matches_cpu(const ModelConfig& c, uint64_t init_seed) {
+  SCOPED_TRACE(c.name + ", " + c.router_aux_loss_type + " balancing loss, z-loss " +
+               std::to_string(c.router_z_loss_coef));
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test());
 

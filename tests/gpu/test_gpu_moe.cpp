@@ -14,6 +14,9 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "gpu_testing.h"
 #include "moe_step_testing.h"
@@ -47,14 +50,30 @@ ModelConfig small_moe() {
   return c;
 }
 
+
 TEST(GpuMoe, TrainingStepMatchesCpu) { expect_training_step_matches_cpu(small_moe(), 23); }
+
+// Megatron's sequence-wise balancing loss over the micro-batch's two rows and the router
+// z-loss, through the whole step.
+TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
+  ModelConfig c = small_moe();
+  c.router_aux_loss_type = "sequence";
+  c.router_z_loss_coef = 0.01;
+  expect_training_step_matches_cpu(c, 23);
+  c.router_aux_loss_type = "per_layer";
+  expect_training_step_matches_cpu(c, 23);
+}
 
 // One MoE layer's routed experts (tests/cpu/moe_testing.h's composition: router, route,
 // permute, experts, combine into the residual, and the whole backward with the balancing
 // loss's gradient) on the GPU against the CPU reference on the same bf16 values. Here the
 // router reads the same input on both sides, so the logits differ only by fp32 summation
-// order, far below any top-k margin of random data: the choices are compared exactly.
-TEST(GpuMoe, LayerMatchesCpu) {
+// order, far below any top-k margin of random data: the choices are compared exactly. With
+// each balancing loss (pooled, per_layer, sequence over `sequences` rows) and the z-loss
+// (z: its coefficient; 0: none), whose values from the device's routing (its column sums,
+// its logsumexp) must be the CPU's.
+void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) {
+  SCOPED_TRACE(fmt::format("{} balancing loss over {} sequences, z-loss {}", aux_type, sequences, z));
   const int64_t tokens = 96, hidden = 64, ffn = 48, experts = 8, k = 2, rows = tokens * k;
   Rng rng(seed_for_current_test());
   testing::MoeLayer m{hidden,
@@ -66,6 +85,9 @@ TEST(GpuMoe, LayerMatchesCpu) {
                       random_bf16_values({experts, 2 * ffn, hidden}, rng, 0.1),
                       random_bf16_values({experts, hidden, ffn}, rng, 0.1)};
   m.aux = 0.1f;
+  m.aux_type = aux_type;
+  m.sequences = sequences;
+  m.z = z;
   const Tensor x = random_bf16_values({tokens, hidden}, rng), dout = random_bf16_values({tokens, hidden}, rng);
   testing::MoeActivations ca;
   const Tensor cpu_out = testing::moe_forward(m, x, ca);
@@ -79,7 +101,7 @@ TEST(GpuMoe, LayerMatchesCpu) {
   const MoeRoutingBuffers buffers{gpu({tokens, experts}, DType::F32), gpu({tokens, k}, DType::I32),
                                   gpu({tokens, k}, DType::F32),       gpu({rows}, DType::I32),
                                   gpu({rows}, DType::I32),            gpu({experts + 1}, DType::I64),
-                                  gpu({experts}, DType::F32)};
+                                  gpu({experts}, DType::F32),         gpu({tokens}, DType::F32)};
   const MoeRouting r = moe_route(logits, k, true, buffers);
   const Tensor ids = r.expert_ids.to(Device::CPU);
   for (int64_t i = 0; i < tokens * k; ++i)
@@ -94,11 +116,18 @@ TEST(GpuMoe, LayerMatchesCpu) {
   EXPECT_LT(relative_l2(to_cpu_f32(out), cpu_out), kBf16Tolerance);
 
   // The balancing loss from the device's sums, and its gradient as the CPU harness weighs it.
-  const MoeBalance cpu_balance = moe_balancing_loss({&ca.routing}), balance = moe_balancing_loss({&r});
+  const int64_t groups = aux_type == "sequence" ? sequences : 1;
+  const MoeBalance cpu_balance = testing::moe_layer_balance(m, ca),
+                   balance = aux_type == "pooled" ? moe_balancing_loss({&r}) : moe_grouped_balancing_loss(r, groups);
   EXPECT_NEAR(balance.loss, cpu_balance.loss, 1e-5 * cpu_balance.loss);
-  Tensor aux_gradient = Tensor::empty({experts});
-  for (int64_t e = 0; e < experts; ++e)
-    aux_gradient.data<float>()[e] = static_cast<float>(balance.prob_gradient[static_cast<size_t>(e)] * m.aux);
+  ASSERT_EQ(balance.prob_gradient.size(), cpu_balance.prob_gradient.size());
+  for (size_t i = 0; i < balance.prob_gradient.size(); ++i)
+    EXPECT_NEAR(balance.prob_gradient[i], cpu_balance.prob_gradient[i], 1e-12) << i;  // counts: exact
+  const double cpu_z = moe_z_loss(ca.routing), gpu_z = moe_z_loss(r);
+  EXPECT_NEAR(gpu_z, cpu_z, 1e-5 * cpu_z);
+  Tensor aux_gradient = aux_type == "sequence" ? Tensor::empty({groups, experts}) : Tensor::empty({experts});
+  for (int64_t i = 0; i < aux_gradient.numel(); ++i)
+    aux_gradient.data<float>()[i] = static_cast<float>(balance.prob_gradient[static_cast<size_t>(i)] * m.aux);
   const Tensor aux_gradient_gpu = aux_gradient.to(Device::CUDA);
 
   // The backward as MoeFeedForward::backward runs it (without the norm).
@@ -112,7 +141,7 @@ TEST(GpuMoe, LayerMatchesCpu) {
   Tensor dx = poisoned_gpu({tokens, hidden}, DType::BF16);
   moe_permute_backward(dx, d_permuted, r);
   Tensor d_logits = poisoned_gpu({tokens, experts}, DType::F32), d_logits_bf16 = gpu({tokens, experts}, DType::BF16);
-  moe_route_backward(d_logits, d_weights, r, &aux_gradient_gpu);
+  moe_route_backward(d_logits, d_weights, r, &aux_gradient_gpu, z != 0.0f ? 2.0 * z / tokens : 0.0);
   cast(d_logits_bf16, d_logits);
   Tensor g_router = poisoned_gpu({experts, hidden}, DType::F32);
   matmul(g_router, d_logits_bf16, true, gx, false);
@@ -123,6 +152,17 @@ TEST(GpuMoe, LayerMatchesCpu) {
   EXPECT_LT(relative_l2(to_cpu_f32(g_router), cg.router), 2e-2);
   EXPECT_LT(relative_l2(to_cpu_f32(g.gate_up), cg.gate_up), 2e-2);
   EXPECT_LT(relative_l2(to_cpu_f32(g.down), cg.down), 2e-2);
+}
+
+TEST(GpuMoe, LayerMatchesCpu) { layer_matches_cpu("pooled", 1, 0.0f); }
+
+// Megatron's per-layer and sequence-wise balancing losses ([groups, experts] probability
+// gradients) and the router z-loss (the routing's logsumexp) on the device.
+TEST(GpuMoe, LayerWithMegatronLossesMatchesCpu) {
+  layer_matches_cpu("per_layer", 1, 0.0f);
+  layer_matches_cpu("sequence", 4, 0.0f);
+  layer_matches_cpu("sequence", 3, 0.05f);
+  layer_matches_cpu("per_layer", 1, 0.2f);
 }
 
 // Two micro-batches accumulate into the gradients written fresh by the first (over NaN):

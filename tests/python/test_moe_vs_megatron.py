@@ -1,0 +1,157 @@
+"""forge's per-layer and sequence-wise balancing losses and router z-loss (ops/moe.h:
+moe_grouped_balancing_loss, moe_z_loss, moe_route_backward's [groups, experts] probability
+gradient and z-loss term) against megatron-core 0.16's own functions in float64:
+switch_load_balancing_loss_func (called as TopKRouter._apply_aux_loss and
+_apply_seq_aux_loss call it, the sequence form on Megatron's [seq, batch] token order),
+z_loss_func, and MoEAuxLossAutoScaler, which attaches each loss to the router's activations
+so that its gradient (scale 1, one micro-batch) flows into the router as in Megatron. The
+MoE layer around them (softmax top-k routing with the chosen probabilities renormalized,
+SwiGLU experts, out = x + sum_j w_j expert_j(x)) is written here in torch; one layer and
+several layers applied in turn, several expert counts and top-k, one and several sequences.
+The output, each loss, and the gradients of sum(out * dout) + the coefficients x the losses
+with respect to the input, every router and every expert's weights must agree within 1e-4
+relative (forge computes in fp32); a case with dout = 0 leaves only the losses' gradients in
+the routers."""
+import os
+import unittest
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, switch_load_balancing_loss_func,
+                                                         z_loss_func)
+
+from forge_test_util import relative_error, run, scratch_dir, tool
+
+TOLERANCE = 1e-4
+
+CASES = [
+    # sequences: the micro-batch's rows (tokens = sequences x seq).
+    dict(sequences=1, seq=9, hidden=8, ffn=12, experts=4, k=2, layers=1, aux_type="per_layer", aux=0.3, z=0.0),
+    dict(sequences=1, seq=12, hidden=8, ffn=8, experts=8, k=2, layers=1, aux_type="per_layer", aux=0.0, z=0.2),
+    dict(sequences=1, seq=16, hidden=16, ffn=24, experts=8, k=3, layers=3, aux_type="per_layer", aux=0.5, z=0.1),
+    dict(sequences=3, seq=5, hidden=12, ffn=8, experts=6, k=1, layers=1, aux_type="sequence", aux=0.4, z=0.0),
+    dict(sequences=2, seq=7, hidden=8, ffn=16, experts=8, k=2, layers=2, aux_type="sequence", aux=0.6, z=0.05),
+    dict(sequences=4, seq=3, hidden=8, ffn=8, experts=16, k=4, layers=2, aux_type="sequence", aux=1.0, z=0.3),
+    dict(sequences=2, seq=6, hidden=8, ffn=8, experts=8, k=2, layers=2, aux_type="sequence", aux=0.7, z=0.2,
+         zero_dout=True),
+]
+
+
+def megatron_block(case, x, routers, gate_ups, downs):
+    """The layers in torch with Megatron's losses attached; returns out and the losses."""
+    b, s, e, k = case["sequences"], case["seq"], case["experts"], case["k"]
+    aux_total = torch.zeros((), dtype=torch.float64)
+    z_total = torch.zeros((), dtype=torch.float64)
+    h = x
+    for router, gate_up, down in zip(routers, gate_ups, downs):
+        logits = F.linear(h, router)  # [tokens, experts], forge's [batch, seq] order
+        if case["z"] > 0:  # as TopKRouter.apply_z_loss
+            z = z_loss_func(logits, case["z"])
+            logits = MoEAuxLossAutoScaler.apply(logits, z)
+            z_total = z_total + z.detach() / case["z"]
+        probs = torch.softmax(logits, dim=-1)
+        top, ids = torch.topk(probs, k, dim=-1)
+        weights = top / top.sum(dim=-1, keepdim=True)
+        routing_map = torch.zeros_like(probs, dtype=torch.bool).scatter(1, ids, True)
+        scores = torch.softmax(logits, dim=-1)  # scores_for_aux_loss
+        if case["aux_type"] == "per_layer":  # as TopKRouter._apply_aux_loss
+            aux = switch_load_balancing_loss_func(probs=scores, tokens_per_expert=routing_map.sum(dim=0),
+                                                  total_num_tokens=routing_map.shape[0], topk=k, num_experts=e,
+                                                  moe_aux_loss_coeff=case["aux"])
+        else:  # as TopKRouter._apply_seq_aux_loss, on Megatron's [seq, batch] token order
+            seq_major = lambda t: t.view(b, s, e).transpose(0, 1).reshape(s, -1)
+            scores_sb, map_sb = seq_major(scores), seq_major(routing_map)
+            aux = switch_load_balancing_loss_func(probs=scores_sb, tokens_per_expert=map_sb.sum(dim=0),
+                                                  total_num_tokens=map_sb.shape[0], topk=k, num_experts=e,
+                                                  moe_aux_loss_coeff=case["aux"]) / b
+        if case["aux"] > 0:
+            weights = MoEAuxLossAutoScaler.apply(weights, aux)
+            aux_total = aux_total + aux.detach() / case["aux"]
+        out = h.clone()
+        for j in range(k):
+            g, u = gate_up[ids[:, j]].split(case["ffn"], dim=1)  # [tokens, F, H]
+            act = F.silu(torch.einsum("th,tfh->tf", h, g)) * torch.einsum("th,tfh->tf", h, u)
+            out = out + weights[:, j:j + 1] * torch.einsum("tf,thf->th", act, down[ids[:, j]])
+        h = out
+    return h, float(aux_total), float(z_total)
+
+
+def run_forge(case, x, dout, routers, gate_ups, downs):
+    d = scratch_dir()
+    t = case["sequences"] * case["seq"]
+    with open(os.path.join(d, "shape"), "w") as f:
+        f.write(f"{t} {case['hidden']} {case['ffn']} {case['experts']} {case['k']} 1 {case['aux']}\n")
+    with open(os.path.join(d, "losses"), "w") as f:
+        f.write(f"{case['layers']} {case['aux_type']} {case['z']} {case['sequences']}\n")
+    for name, value in dict(x=x, dout=dout, router=np.stack(routers), gate_up=np.stack(gate_ups),
+                            down=np.stack(downs)).items():
+        value.astype(np.float32).tofile(os.path.join(d, name))
+    run([tool("forge_moe_reference"), d])
+
+    def got(name, shape=None):
+        if name in ("aux", "z"):
+            with open(os.path.join(d, name)) as f:
+                return float(f.read())
+        return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
+
+    return got
+
+
+class MoeVsMegatron(unittest.TestCase):
+    def test_cases(self):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        rng = np.random.RandomState(16)
+        for case in CASES:
+            with self.subTest(**case):
+                b, s, h, f, e, n = (case["sequences"], case["seq"], case["hidden"], case["ffn"], case["experts"],
+                                    case["layers"])
+                t = b * s
+                x = rng.normal(size=(t, h))
+                dout = np.zeros((t, h)) if case.get("zero_dout") else rng.normal(size=(t, h))
+                routers = [rng.normal(0.0, 0.7, size=(e, h)) for _ in range(n)]
+                gate_ups = [rng.normal(0.0, 0.25, size=(e, 2 * f, h)) for _ in range(n)]
+                downs = [rng.normal(0.0, 0.25, size=(e, h, f)) for _ in range(n)]
+                leaf = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)
+                xt, rt, gt, dt = leaf(x), [leaf(a) for a in routers], [leaf(a) for a in gate_ups], [
+                    leaf(a) for a in downs]
+                out, aux, z = megatron_block(case, xt, rt, gt, dt)
+                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                got = run_forge(case, x, dout, routers, gate_ups, downs)
+                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+                if case["aux"] > 0:
+                    self.assertLess(abs(got("aux") - aux) / aux, TOLERANCE)
+                if case["z"] > 0:
+                    self.assertLess(abs(got("z") - z) / z, TOLERANCE)
+                self.assertLess(relative_error(got("dx", (t, h)), xt.grad.numpy()), TOLERANCE)
+                d_router = got("d_router", (n, e, h))
+                d_gate_up = got("d_gate_up", (n, e, 2 * f, h))
+                d_down = got("d_down", (n, e, h, f))
+                for layer in range(n):
+                    self.assertGreater(float(abs(rt[layer].grad).max()), 0.0)
+                    self.assertLess(relative_error(d_router[layer], rt[layer].grad.numpy()), TOLERANCE)
+                    self.assertLess(relative_error(d_gate_up[layer], gt[layer].grad.numpy()), TOLERANCE)
+                    self.assertLess(relative_error(d_down[layer], dt[layer].grad.numpy()), TOLERANCE)
+
+    def test_losses_change_the_router_gradient(self):
+        """Each loss's gradient is not lost in the others: without it the routers' gradient differs."""
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        rng = np.random.RandomState(17)
+        case = dict(sequences=2, seq=6, hidden=8, ffn=8, experts=8, k=2, layers=1, aux_type="sequence", aux=0.5,
+                    z=0.2)
+        t, h, f, e = 12, 8, 8, 8
+        x, dout = rng.normal(size=(t, h)), rng.normal(size=(t, h))
+        router, gate_up, down = rng.normal(0, 0.7, (e, h)), rng.normal(0, 0.4, (e, 2 * f, h)), rng.normal(0, 0.4,
+                                                                                                          (e, h, f))
+        base = run_forge(case, x, dout, [router], [gate_up], [down])("d_router", (1, e, h))
+        for change in (dict(aux=0.0, aux_type="pooled"), dict(z=0.0), dict(aux_type="per_layer")):
+            other = run_forge({**case, **change}, x, dout, [router], [gate_up], [down])("d_router", (1, e, h))
+            self.assertGreater(relative_error(other, base), 1e-3, change)
+
+
+if __name__ == "__main__":
+    unittest.main()
