@@ -35,13 +35,8 @@ double yarn_mscale(double scale, double m) { return scale <= 1.0 ? 1.0 : 0.1 * m
 // YaRN's frequencies (NOTE at RopeScaling in ops/rope.h), in double where transformers
 // computes in fp32.
 std::vector<double> yarn_inv_freq(int64_t head_dim, double theta, const RopeScaling& s) {
-  const double dim = static_cast<double>(head_dim), original = static_cast<double>(s.original_max_position);
-  // The dimension whose wavelength turns `rotations` times within the original context.
-  auto correction_dim = [&](double rotations) {
-    return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(theta));
-  };
-  double low = std::max(std::floor(correction_dim(s.beta_fast)), 0.0);
-  double high = std::min(std::ceil(correction_dim(s.beta_slow)), dim - 1.0);
+  const double dim = static_cast<double>(head_dim);
+  auto [low, high] = yarn_ramp(head_dim, theta, s);
   if (low == high) high += 0.001;  // as transformers, against a zero-width ramp
   std::vector<double> inv_freq(static_cast<size_t>(head_dim / 2));
   for (int64_t i = 0; i < head_dim / 2; ++i) {
@@ -91,6 +86,16 @@ void rope_apply(const Tensor& x, int64_t num_rotated_heads, const Tensor& cos, c
 }
 
 }  // namespace
+
+YarnRamp yarn_ramp(int64_t head_dim, double theta, const RopeScaling& s, bool rounded) {
+  const double dim = static_cast<double>(head_dim), original = static_cast<double>(s.original_max_position);
+  // The dimension whose wavelength turns `rotations` times within the original context.
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) / (2.0 * std::log(theta));
+  };
+  const double low = correction_dim(s.beta_fast), high = correction_dim(s.beta_slow);
+  return {std::max(rounded ? std::floor(low) : low, 0.0), std::min(rounded ? std::ceil(high) : high, dim - 1.0)};
+}
 
 std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling) {
   FORGE_CHECK(head_dim > 0 && head_dim % 2 == 0, "rope_inv_freq: head_dim {} must be even", head_dim);

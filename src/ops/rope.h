@@ -39,6 +39,16 @@ struct RopeScaling {
   bool yarn() const { return enabled && type == "yarn"; }
 };
 
+// YaRN's ramp: the dimensions (of head_dim) from `low`, where interpolation starts, to `high`,
+// where it is complete, i.e. where the wavelength turns beta_fast and beta_slow times within
+// original_max_position; `rounded` floors low and ceils high, as forge and transformers'
+// default (its rope parameter "truncate": true) do; both are then clamped to [0, head_dim - 1].
+struct YarnRamp {
+  double low = 0.0, high = 0.0;
+  bool operator==(const YarnRamp&) const = default;
+};
+YarnRamp yarn_ramp(int64_t head_dim, double theta, const RopeScaling& scaling, bool rounded = true);
+
 // inv_freq[i] = theta^(-2i/D), i < D/2, then the scaling if enabled.
 std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling);
 // What cos/sin are multiplied by: YaRN's attention factor; 1 otherwise.
