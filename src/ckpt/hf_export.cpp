@@ -20,24 +20,48 @@ constexpr const char* kCompanionFiles[] = {"tokenizer.json", "tokenizer_config.j
 // Exports are not flushed to disk: NOTE [Durable files] in core/durable_file.h says why.
 constexpr DurableOptions kExportDurability{.sync = false};
 
-std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params) {
+// The source model's config.json, its family and how its weights are stored; empty, "" and
+// the default layout without one.
+struct SourceConfig {
+  nlohmann::json config;
+  std::string family;
+  HfWeightLayout layout;
+};
+
+SourceConfig read_source_config(const std::string& source_dir) {
+  SourceConfig source;
+  const fs::path path = fs::path(source_dir) / "config.json";
+  if (source_dir.empty() || !fs::exists(path)) return source;
+  source.config = read_json_file(path.string(), "the source model's config.json");
+  source.family = hf_model_family(source.config, path.string());
+  source.layout = hf_weight_layout(source.config, path.string());
+  return source;
+}
+
+std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params, const HfWeightLayout& layout) {
   std::vector<SafetensorsTensorRef> out;
   for (size_t i = 0; i < params.specs().size(); ++i) {
     const float* data = params.tensors()[i].data<float>();
-    for (const HfPart& part : hf_parts(params.specs()[i]))
-      out.push_back({part.name, part.shape, data + part.offset});
+    for (HfPart& part : hf_parts(params.specs()[i], layout.interleaved_rotary))
+      out.push_back({part.name, part.shape, data + part.offset, std::move(part.row_order),
+                     part.keep_fp32 ? std::optional(SafetensorsDType::F32) : std::nullopt});
   }
+  for (const HfPart& part : hf_empty_parts(params.config())) out.push_back({part.name, part.shape, nullptr});
   return out;
+}
+
+uint64_t stored_bytes(const SafetensorsTensorRef& t, SafetensorsDType dtype) {
+  return static_cast<uint64_t>(shape_numel(t.shape)) * safetensors_dtype_size(t.stored.value_or(dtype));
 }
 
 // Consecutive runs of tensors of at most max_bytes each (a larger tensor gets a shard of
 // its own), as save_pretrained splits them.
 std::vector<std::vector<SafetensorsTensorRef>> split_into_shards(const std::vector<SafetensorsTensorRef>& tensors,
-                                                                 size_t element_bytes, uint64_t max_bytes) {
+                                                                 SafetensorsDType dtype, uint64_t max_bytes) {
   std::vector<std::vector<SafetensorsTensorRef>> shards(1);
   uint64_t bytes = 0;
   for (const auto& t : tensors) {
-    const uint64_t size = static_cast<uint64_t>(shape_numel(t.shape)) * element_bytes;
+    const uint64_t size = stored_bytes(t, dtype);
     if (!shards.back().empty() && bytes + size > max_bytes) {
       shards.emplace_back();
       bytes = 0;
@@ -48,10 +72,10 @@ std::vector<std::vector<SafetensorsTensorRef>> split_into_shards(const std::vect
   return shards;
 }
 
-void write_weights(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
+void write_weights(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options,
+                   const HfWeightLayout& layout) {
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  const size_t element_bytes = safetensors_dtype_size(options.dtype);
-  auto shards = split_into_shards(hf_tensors(params), element_bytes, options.max_shard_bytes);
+  auto shards = split_into_shards(hf_tensors(params, layout), options.dtype, options.max_shard_bytes);
   if (shards.size() == 1) {
     write_safetensors((dir / "model.safetensors").string(), shards[0], options.dtype, metadata);
     return;
@@ -63,7 +87,7 @@ void write_weights(const fs::path& dir, const FlatParameters& params, const HfEx
     write_safetensors((dir / file).string(), shards[s], options.dtype, metadata);
     for (const auto& t : shards[s]) {
       weight_map[t.name] = file;
-      total_bytes += static_cast<uint64_t>(shape_numel(t.shape)) * element_bytes;
+      total_bytes += stored_bytes(t, options.dtype);
     }
   }
   nlohmann::json index = {
@@ -82,16 +106,12 @@ const char* torch_dtype_name(SafetensorsDType dtype) {
 
 // NOTE [Export keeps the source's config] in hf_export.h.
 // Returns the architecture class written.
-std::string write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options) {
-  const fs::path source_config = fs::path(options.source_dir) / "config.json";
-  nlohmann::ordered_json config;
-  std::string family;
-  if (!options.source_dir.empty() && fs::exists(source_config)) {
-    nlohmann::json source = read_json_file(source_config.string(), "the source model's config.json");
-    family = hf_model_family(source, source_config.string());
-    config = nlohmann::ordered_json::parse(source.dump());
-  }
-  const nlohmann::ordered_json written = hf_config_from_model(params.config(), torch_dtype_name(options.dtype), family);
+std::string write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options,
+                         const SourceConfig& source) {
+  nlohmann::ordered_json config =
+      source.config.is_null() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(source.config.dump());
+  const nlohmann::ordered_json written =
+      hf_config_from_model(params.config(), torch_dtype_name(options.dtype), source.family, source.layout);
   for (const auto& [key, value] : written.items()) config[key] = value;
   write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n", kExportDurability);
   return config["architectures"][0].get<std::string>();
@@ -119,6 +139,11 @@ void check_hf_export_target(const std::string& dir) {
                dir);
 }
 
+void check_hf_exportable(const ModelConfig& config, const std::string& source_dir) {
+  const SourceConfig source = read_source_config(source_dir);
+  hf_config_from_model(config, "float32", source.family, source.layout);
+}
+
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options) {
   FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16 ||
                   options.dtype == SafetensorsDType::F16,
@@ -136,10 +161,12 @@ void save_hf_model(const std::string& dir, const FlatParameters& params, const H
   std::error_code ec;
   if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
   if (ec) FORGE_FAIL("cannot create '{}': {}", target.parent_path().string(), ec.message());
+  const SourceConfig source = read_source_config(options.source_dir);
+  hf_config_from_model(params.config(), "float32", source.family, source.layout);  // refuses before writing
   AtomicDirectory staging(target.string(), kExportDurability);
   const fs::path temp = staging.temporary_path();
-  write_weights(temp, params, options);
-  const std::string architecture = write_config(temp, params, options);
+  write_weights(temp, params, options, source.layout);
+  const std::string architecture = write_config(temp, params, options, source);
   if (!options.source_dir.empty()) copy_companion_files(temp, options.source_dir);
   staging.commit();  // replaces an empty target directory, checked above
   log_info("exported the model as Hugging Face {} ({}) to {}", architecture, safetensors_dtype_name(options.dtype),

@@ -2,7 +2,11 @@
 // from_pretrained loads: config.json (hf_config.h), the weights as safetensors split into
 // the Hugging Face tensors (hf_layout.h), sharded with model.safetensors.index.json when
 // they exceed max_shard_bytes, and, when the model came from a Hugging Face directory,
-// that directory's tokenizer files and generation_config.json.
+// that directory's tokenizer files and generation_config.json. DeepSeek's rotary rows go
+// back to their interleaved order (hf_layout.h) unless the source stores them otherwise
+// (rope_interleave false), V3's routing bias is written in fp32 whatever the dtype (as
+// transformers' save_pretrained does), and MoE blocks without shared experts get the empty
+// shared-expert tensors transformers writes (hf_empty_parts).
 //
 // NOTE [Export keeps the source's config]
 // A model that came from a Hugging Face directory is exported as that directory's model:
@@ -43,5 +47,10 @@ void save_hf_model(const std::string& dir, const FlatParameters& params, const H
 // Fails, naming dir, when save_hf_model would refuse it (it exists and is not an empty
 // directory), so a run can refuse before it trains rather than after.
 void check_hf_export_target(const std::string& dir);
+
+// Fails, saying why, when no Hugging Face class forge writes computes `config` (hf_config.h:
+// shared experts without Multi-head Latent Attention, say), with the source directory's
+// config.json, if any, for its class; for the same early refusal.
+void check_hf_exportable(const ModelConfig& config, const std::string& source_dir);
 
 }  // namespace forge

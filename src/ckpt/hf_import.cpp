@@ -3,17 +3,50 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <map>
 #include <set>
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_layout.h"
 #include "ckpt/hf_weight_files.h"
+#include "core/json_input.h"
 #include "core/log.h"
 
 namespace forge {
 namespace {
 
-bool ignorable(const std::string& name) { return name.ends_with(".rotary_emb.inv_freq"); }
+// Tensors of the files that no parameter takes and that are not an error: the rotary
+// inv_freq buffers some exporters save, the empty shared experts transformers writes for
+// DeepSeek blocks without them (hf_empty_parts, with exactly their shapes), and DeepSeek-V3's
+// multi-token-prediction blocks (HfWeightLayout::extra_layers).
+class Ignorable {
+ public:
+  Ignorable(const ModelConfig& config, const HfWeightLayout& layout) {
+    for (const HfPart& part : hf_empty_parts(config)) empty_[part.name] = part.shape;
+    for (int64_t i = 0; i < layout.extra_layers; ++i)
+      extra_prefixes_.push_back(fmt::format("model.layers.{}.", config.num_layers + i));
+  }
+  bool operator()(const SafetensorsEntry& t) const {
+    if (t.name.ends_with(".rotary_emb.inv_freq")) return true;
+    if (auto it = empty_.find(t.name); it != empty_.end()) return t.shape == it->second;
+    return extra_layer(t.name);
+  }
+  bool extra_layer(const std::string& name) const {
+    return std::any_of(extra_prefixes_.begin(), extra_prefixes_.end(),
+                       [&](const std::string& prefix) { return name.starts_with(prefix); });
+  }
+
+ private:
+  std::map<std::string, Shape> empty_;
+  std::vector<std::string> extra_prefixes_;
+};
+
+// The family's name in messages.
+std::string model_kind(const ModelConfig& config) {
+  if (config.mla()) return config.moe() && config.router_score_function == "sigmoid" ? "DeepSeek-V3" : "DeepSeek-V2";
+  return config.moe() ? "Mixtral" : config.sliding_window > 0 ? "Mistral" : "Llama";
+}
 
 std::string list_some(const std::vector<std::string>& names) {
   constexpr size_t kShown = 8;
@@ -28,6 +61,20 @@ struct ArchitectureField {
   std::string (*value)(const ModelConfig&);
 };
 
+bool llama3(const ModelConfig& m) { return m.rope_scaling.enabled && !m.rope_scaling.yarn(); }
+
+// The MoE routing and MLA fields are text only for a model that has them, so a Llama's
+// differences and overrides do not list a dozen defaults.
+// (F: a captureless lambda, default-constructible.)
+template <typename F>
+constexpr auto moe_field(F) {
+  return +[](const ModelConfig& m) { return m.moe() ? F{}(m) : std::string(); };
+}
+template <typename F>
+constexpr auto mla_field(F) {
+  return +[](const ModelConfig& m) { return m.mla() ? F{}(m) : std::string(); };
+}
+
 // Every field that changes what the network computes, as YAML-ready text.
 const std::vector<ArchitectureField>& architecture_fields() {
   static const std::vector<ArchitectureField> fields = {
@@ -41,34 +88,72 @@ const std::vector<ArchitectureField>& architecture_fields() {
       {"norm_eps", [](const ModelConfig& m) { return fmt::format("{}", m.norm_eps); }},
       {"rope_theta", [](const ModelConfig& m) { return fmt::format("{}", m.rope_theta); }},
       {"rope_scaling.enabled", [](const ModelConfig& m) { return fmt::format("{}", m.rope_scaling.enabled); }},
+      {"rope_scaling.type",
+       [](const ModelConfig& m) { return m.rope_scaling.enabled ? m.rope_scaling.type : std::string(); }},
       {"rope_scaling.factor",
        [](const ModelConfig& m) { return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.factor) : ""; }},
       {"rope_scaling.low_freq_factor",
        [](const ModelConfig& m) {
-         return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.low_freq_factor) : "";
+         return llama3(m) ? fmt::format("{}", m.rope_scaling.low_freq_factor) : "";
        }},
       {"rope_scaling.high_freq_factor",
        [](const ModelConfig& m) {
-         return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.high_freq_factor) : "";
+         return llama3(m) ? fmt::format("{}", m.rope_scaling.high_freq_factor) : "";
        }},
       {"rope_scaling.original_max_position",
        [](const ModelConfig& m) {
          return m.rope_scaling.enabled ? fmt::format("{}", m.rope_scaling.original_max_position) : "";
+       }},
+      {"rope_scaling.beta_fast",
+       [](const ModelConfig& m) { return m.rope_scaling.yarn() ? fmt::format("{}", m.rope_scaling.beta_fast) : ""; }},
+      {"rope_scaling.beta_slow",
+       [](const ModelConfig& m) { return m.rope_scaling.yarn() ? fmt::format("{}", m.rope_scaling.beta_slow) : ""; }},
+      {"rope_scaling.mscale",
+       [](const ModelConfig& m) { return m.rope_scaling.yarn() ? fmt::format("{}", m.rope_scaling.mscale) : ""; }},
+      {"rope_scaling.mscale_all_dim",
+       [](const ModelConfig& m) {
+         return m.rope_scaling.yarn() ? fmt::format("{}", m.rope_scaling.mscale_all_dim) : "";
        }},
       {"max_seq_len", [](const ModelConfig& m) { return fmt::format("{}", m.max_seq_len); }},
       {"sliding_window", [](const ModelConfig& m) { return fmt::format("{}", m.sliding_window); }},
       {"tie_word_embeddings", [](const ModelConfig& m) { return fmt::format("{}", m.tie_word_embeddings); }},
       {"num_experts", [](const ModelConfig& m) { return fmt::format("{}", m.num_experts); }},
       {"num_experts_per_tok", [](const ModelConfig& m) { return fmt::format("{}", m.num_experts_per_tok); }},
+      // DeepSeek's experts and routing, for a MoE model (the defaults otherwise).
+      {"moe_ffn_hidden_size", moe_field([](const ModelConfig& m) { return fmt::format("{}", m.moe_ffn_hidden_size); })},
+      {"num_shared_experts", moe_field([](const ModelConfig& m) { return fmt::format("{}", m.num_shared_experts); })},
+      {"first_dense_layers", moe_field([](const ModelConfig& m) { return fmt::format("{}", m.first_dense_layers); })},
+      {"router_score_function", moe_field([](const ModelConfig& m) { return m.router_score_function; })},
+      {"router_normalize_topk",
+       moe_field([](const ModelConfig& m) { return fmt::format("{}", m.router_normalize_topk); })},
+      {"router_scaling_factor",
+       moe_field([](const ModelConfig& m) { return fmt::format("{}", m.router_scaling_factor); })},
+      {"router_num_groups", moe_field([](const ModelConfig& m) { return fmt::format("{}", m.router_num_groups); })},
+      {"router_topk_groups", moe_field([](const ModelConfig& m) { return fmt::format("{}", m.router_topk_groups); })},
+      // Multi-head Latent Attention's dims, for an MLA model (0 otherwise).
+      {"kv_lora_rank", [](const ModelConfig& m) { return fmt::format("{}", m.kv_lora_rank); }},
+      {"q_lora_rank", mla_field([](const ModelConfig& m) { return fmt::format("{}", m.q_lora_rank); })},
+      {"qk_nope_head_dim", mla_field([](const ModelConfig& m) { return fmt::format("{}", m.qk_nope_head_dim); })},
+      {"qk_rope_head_dim", mla_field([](const ModelConfig& m) { return fmt::format("{}", m.qk_rope_head_dim); })},
+      {"v_head_dim", mla_field([](const ModelConfig& m) { return fmt::format("{}", m.v_head_dim); })},
   };
   return fields;
 }
 
+// Rows of a part read in the tensor's order put in forge's (HfPart::row_order).
+void reorder_rows(const HfPart& part, float* rows) {
+  if (part.row_order.empty()) return;
+  const int64_t row = shape_numel(part.shape) / part.shape[0];
+  const std::vector<float> stored(rows, rows + shape_numel(part.shape));
+  for (size_t r = 0; r < part.row_order.size(); ++r)
+    std::copy_n(stored.data() + static_cast<int64_t>(r) * row, row, rows + part.row_order[r] * row);
+}
+
 // One forge parameter's Hugging Face tensors into dst (fp32), each checked: its parts, or
 // the one tensor of its alias (ParamSpec::hf_alias) when the files hold that instead.
-void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec, float* dst,
-                    std::set<std::string>& used) {
-  const std::vector<HfPart> parts = hf_parts(spec);
+void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec,
+                    const HfWeightLayout& layout, float* dst, std::set<std::string>& used) {
+  const std::vector<HfPart> parts = hf_parts(spec, layout.interleaved_rotary);
   std::vector<HfPart> read = parts;
   if (!spec.hf_alias.empty() && files.find(spec.hf_alias).file != nullptr) {
     if (LocatedTensor other = files.find(parts.front().name); other.file != nullptr)
@@ -87,30 +172,48 @@ void read_parameter(const std::string& dir, const HfWeightFiles& files, const Pa
       FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
                  shape_str(t.entry->shape), shape_str(part.shape));
     t.file->read_as_float(*t.entry, dst + part.offset);
+    reorder_rows(part, dst + part.offset);
     used.insert(part.name);
   }
 }
 
 // Fails naming the tensors of the files that no parameter took.
 void check_all_used(const std::string& dir, const HfWeightFiles& files, const ModelConfig& config,
-                    const std::set<std::string>& used) {
+                    const HfWeightLayout& layout, const std::set<std::string>& used) {
+  const Ignorable ignorable(config, layout);
   std::vector<std::string> unexpected;
-  for (const LocatedTensor& t : files.all())
-    if (!used.count(t.entry->name) && !ignorable(t.entry->name)) unexpected.push_back(t.entry->name);
+  size_t extra_layer_tensors = 0;
+  for (const LocatedTensor& t : files.all()) {
+    if (used.count(t.entry->name)) continue;
+    if (!ignorable(*t.entry)) unexpected.push_back(t.entry->name);
+    else extra_layer_tensors += ignorable.extra_layer(t.entry->name);
+  }
+  if (extra_layer_tensors > 0)
+    log_info("weights: {} tensor(s) of the multi-token-prediction block(s) after the last (num_nextn_predict_layers {}) "
+             "not read: forge does not train them",
+             extra_layer_tensors, layout.extra_layers);
   if (!unexpected.empty()) {
     const bool has_lm_head = std::find(unexpected.begin(), unexpected.end(), "lm_head.weight") != unexpected.end();
     const bool has_expert = std::any_of(unexpected.begin(), unexpected.end(), [](const std::string& name) {
-      return name.find(".block_sparse_moe.experts.") != std::string::npos;
+      return name.find(".block_sparse_moe.experts.") != std::string::npos ||
+             name.find(".mlp.experts.") != std::string::npos;
     });
+    const char* experts_key = config.mla() ? "n_routed_experts" : "num_local_experts";
     std::string hint = config.tie_word_embeddings && has_lm_head
                            ? " (the output is tied to the embedding, yet the files hold lm_head.weight)"
                        : config.moe() && has_expert
-                           ? fmt::format(" (config.json's num_local_experts is {}: experts 0 to {})", config.num_experts,
+                           ? fmt::format(" (config.json's {} is {}: experts 0 to {})", experts_key, config.num_experts,
                                          config.num_experts - 1)
                            : "";
-    FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(),
-               config.moe() ? "Mixtral" : config.sliding_window > 0 ? "Mistral" : "Llama", list_some(unexpected), hint);
+    FORGE_FAIL("{}: {} tensor(s) that a {} model does not have: {}{}", dir, unexpected.size(), model_kind(config),
+               list_some(unexpected), hint);
   }
+}
+
+HfWeightLayout read_weight_layout(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  if (!std::filesystem::exists(path)) return {};
+  return hf_weight_layout(read_json_file(path, "the model's config.json"), path);
 }
 
 void check_architecture(const std::string& dir, const ModelConfig& config) {
@@ -127,16 +230,18 @@ void check_architecture(const std::string& dir, const ModelConfig& config) {
 void load_hf_weights(const std::string& dir, FlatParameters& params) {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "Hugging Face import writes fp32 weights in host memory");
+  const HfWeightLayout layout = read_weight_layout(dir);
   HfWeightFiles files(dir);
   std::set<std::string> used;
   for (size_t i = 0; i < params.specs().size(); ++i)
-    read_parameter(dir, files, params.specs()[i], params.tensors()[i].data<float>(), used);
-  check_all_used(dir, files, params.config(), used);
+    read_parameter(dir, files, params.specs()[i], layout, params.tensors()[i].data<float>(), used);
+  check_all_used(dir, files, params.config(), layout, used);
 }
 
 void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
                            const std::function<void(size_t, const Tensor&)>& consume) {
   check_architecture(dir, config);
+  const HfWeightLayout layout = read_weight_layout(dir);
   HfWeightFiles files(dir);
   const std::vector<ParamSpec> specs = parameter_specs(config);
   int64_t largest = 0;
@@ -145,10 +250,10 @@ void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
   std::set<std::string> used;
   for (size_t i = 0; i < specs.size(); ++i) {
     const Tensor values = buffer.narrow(0, shape_numel(specs[i].shape)).view(specs[i].shape);
-    read_parameter(dir, files, specs[i], values.data<float>(), used);
+    read_parameter(dir, files, specs[i], layout, values.data<float>(), used);
     consume(i, values);
   }
-  check_all_used(dir, files, config, used);
+  check_all_used(dir, files, config, layout, used);
   log_info("weights: {} parameters read from the Hugging Face model in {}", config.total_params(), dir);
 }
 

@@ -86,11 +86,15 @@ struct SafetensorsTensorRef {
   std::string name;
   Shape shape;
   const float* data = nullptr;
+  // Row r of the tensor (along dim 0) is row row_order[r] of `data`; empty: row r.
+  std::vector<int64_t> row_order = {};
+  // Stored as this instead of the file's dtype (F32, BF16 or F16).
+  std::optional<SafetensorsDType> stored = std::nullopt;
 };
 
 // Writes the tensors, stored as `stored` (F32, BF16 or F16, converted from fp32 with
-// round-to-nearest-even), in the given order, atomically (an AtomicFile: NOTE [Durable
-// files] in core/durable_file.h).
+// round-to-nearest-even) unless a tensor says otherwise, in the given order, atomically
+// (an AtomicFile: NOTE [Durable files] in core/durable_file.h).
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,
                        SafetensorsDType stored, const std::map<std::string, std::string>& metadata);
 

@@ -62,7 +62,10 @@ std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
                           true, layer, true};
   }
   if (sigmoid_) {
-    specs[bias_index_] = {p + "moe.router.bias", {experts_}, {{moe + "gate.e_score_correction_bias", experts_}}, false,
+    specs[bias_index_] = {p + "moe.router.bias",
+                          {experts_},
+                          {{moe + "gate.e_score_correction_bias", experts_, {}, /*keep_fp32=*/true}},
+                          false,
                           layer};
     specs[bias_index_].zero_init = true;
   }

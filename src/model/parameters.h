@@ -40,6 +40,9 @@ struct HfTensor {
   std::string name;
   int64_t rows = 0;
   HfRotaryRows rotary_rows = {};
+  // Stored in fp32 whatever the export's dtype, as transformers keeps it
+  // (_keep_in_fp32_modules_strict: DeepSeek-V3's routing bias, e_score_correction_bias).
+  bool keep_fp32 = false;
 };
 
 struct ParamSpec {

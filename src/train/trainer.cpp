@@ -423,6 +423,7 @@ void Trainer::prepare_run_dir() {
                     std::filesystem::is_directory(run_dir_ + "/hf") && !std::filesystem::is_empty(run_dir_ + "/hf");
   if (ckpt.last_save_in_hf && !hf_export_done_) {
     check_hf_export_target(run_dir_ + "/hf");
+    check_hf_exportable(config_.model, ckpt.initial_load_in_hf ? ckpt.initial_load_path : "");
     FORGE_CHECK(ckpt.export_dtype == "bf16" || ckpt.export_dtype == "fp16" || ckpt.export_dtype == "fp32",
                 "checkpoint.export_dtype '{}': the cli resolves auto before a run (load_experiment)", ckpt.export_dtype);
   }
