@@ -99,6 +99,30 @@ TEST_F(ConfigHfStart, ConflictsNameTheKeyBothValuesAndTheFile) {
   }, {"model.rope_scaling.enabled = true", "gives false"});
 }
 
+// A DeepSeek directory sets DeepSeek's keys, and a conflict names DeepSeek's config.json key.
+TEST_F(ConfigHfStart, DeepseekConflictsNameDeepseeksKeys) {
+  ModelConfig tiny = load_experiment("", {{"model.name", "debug-tiny-mla"}}).model;
+  tiny.rope_scaling = {.enabled = true, .factor = 4.0, .original_max_position = 64, .type = "yarn", .mscale_all_dim = 1.0};
+  const std::string model_dir = hf_dir("DeepSeek-Tiny", tiny);
+  const ExperimentConfig config = load_experiment("", {{"checkpoint.initial_load_path", model_dir}});
+  EXPECT_EQ(config.model.kv_lora_rank, 32);
+  EXPECT_EQ(config.model.num_shared_experts, 1);
+  EXPECT_EQ(config.model.first_dense_layers, 1);
+  EXPECT_EQ(config.model.rope_scaling.type, "yarn");
+  EXPECT_EQ(config.model.rope_scaling.mscale_all_dim, 1.0);
+  expect_error([&] {
+    load_experiment("", {{"checkpoint.initial_load_path", model_dir}, {"model.num_experts", "4"}});
+  }, {"model.num_experts = 4", "(n_routed_experts) gives 8"});
+  expect_error([&] {
+    load_experiment("", {{"checkpoint.initial_load_path", model_dir}, {"model.num_shared_experts", "2"}});
+  }, {"model.num_shared_experts = 2", "(n_shared_experts) gives 1"});
+  expect_error([&] {
+    load_experiment("", {{"checkpoint.initial_load_path", model_dir}, {"model.rope_scaling.mscale_all_dim", "0.5"}});
+  }, {"model.rope_scaling.mscale_all_dim = 0.5", "(rope_scaling.mscale_all_dim) gives 1"});
+  // Llama 3.1's keys are not YaRN's: an equal default is no conflict either way.
+  load_experiment("", {{"checkpoint.initial_load_path", model_dir}, {"model.rope_scaling.low_freq_factor", "2"}});
+}
+
 TEST_F(ConfigHfStart, LongerSequencesOnlyWhenAsked) {
   const std::string model_dir = hf_dir("m", small_mistral());
   expect_error([&] {

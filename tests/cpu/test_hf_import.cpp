@@ -1,9 +1,12 @@
 // Hugging Face import and export: config.json mapping as transformers reads it (defaults,
-// legacy and transformers-5 RoPE keys, Mistral's sliding window, Mixtral's experts) and its
-// errors, weights exported and imported back bit for bit (single file and sharded; Mixtral's
-// per-expert tensors as slices of forge's stacks, and transformers 5's whole stacks), and the
-// checks on weight files: missing, misshapen and unexpected tensors, inconsistent shard
-// indexes, and an export that refuses to overwrite.
+// legacy and transformers-5 RoPE keys, Mistral's sliding window, Mixtral's experts,
+// DeepSeek-V2/V3's Multi-head Latent Attention, experts, routing and YaRN) and its errors,
+// weights exported and imported back bit for bit (single file and sharded; Mixtral's and
+// DeepSeek's per-expert tensors as slices of forge's stacks, and transformers 5's whole
+// stacks; DeepSeek's interleaved rotary rows reordered, V3's routing bias kept in fp32, the
+// empty shared experts transformers writes), and the checks on weight files: missing,
+// misshapen and unexpected tensors, inconsistent shard indexes, and an export that refuses
+// to overwrite.
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
@@ -48,7 +51,7 @@ ModelConfig tiny_model(bool tied, int64_t window) {
 void expect_error(const json& config, const std::string& expected) {
   std::string e = error_of([&] { model_config_from_hf(config, "/models/x/config.json"); });
   EXPECT_NE(e.find("/models/x/config.json"), std::string::npos) << e;
-  EXPECT_NE(e.find(expected), std::string::npos) << e;
+  EXPECT_NE(e.find(expected), std::string::npos) << e << " (expected: " << expected << ")";
 }
 
 TEST(HfImportConfig, MapsLlamaKeys) {
@@ -549,7 +552,7 @@ TEST(HfImportConfig, RejectsUnsupportedMixtralsNamingFileAndKey) {
   c = mixtral_json();
   c["architectures"] = {"Qwen2MoeForCausalLM"};
   expect_error(c, "\"architectures\" is [\"Qwen2MoeForCausalLM\"]; forge imports LlamaForCausalLM, "
-                  "MistralForCausalLM and MixtralForCausalLM");
+                  "MistralForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM and DeepseekV3ForCausalLM");
 }
 
 TEST(HfImportConfig, ExportedMixtralConfigReadsBackAsTheSameModel) {
@@ -773,6 +776,624 @@ TEST(HfExport, MixtralKeepsTheSourcesDormantBalancingCoefficient) {
   written = json::parse(std::ifstream(dir.file("trained/config.json")));
   EXPECT_EQ(written["router_aux_loss_coef"], 0.3);
   EXPECT_EQ(written["output_router_logits"], true);
+}
+
+// DeepSeek-V2-Lite's config.json keys (deepseek-ai/DeepSeek-V2-Lite), tiny: MLA with
+// uncompressed queries, one dense block, 2 shared experts, greedy top-2 softmax routing, YaRN.
+json deepseek_v2_json() {
+  return json::parse(R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 40, "hidden_size": 16,
+    "intermediate_size": 24, "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": null, "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4, "v_head_dim": 6, "max_position_embeddings": 64, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 0.707,
+    "mscale_all_dim": 0.707, "original_max_position_embeddings": 16, "type": "yarn"},
+    "norm_topk_prob": false, "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+    "scoring_func": "softmax", "moe_layer_freq": 1, "aux_loss_alpha": 0.001, "seq_aux": true, "ep_size": 1,
+    "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false, "torch_dtype": "bfloat16"
+  })");
+}
+
+// DeepSeek-V3's config.json keys (deepseek-ai/DeepSeek-V3, without its FP8 quantization_config),
+// tiny: a compressed query, group-limited sigmoid routing with the bias, renormalized, x 2.5.
+json deepseek_v3_json() {
+  return json::parse(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 40, "hidden_size": 16,
+    "intermediate_size": 24, "moe_intermediate_size": 8, "num_hidden_layers": 3, "num_attention_heads": 2,
+    "num_key_value_heads": 2, "n_routed_experts": 8, "num_experts_per_tok": 3, "n_shared_experts": 1,
+    "first_k_dense_replace": 1, "kv_lora_rank": 8, "q_lora_rank": 12, "qk_nope_head_dim": 4,
+    "qk_rope_head_dim": 4, "v_head_dim": 6, "max_position_embeddings": 64, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 1.0,
+    "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "type": "yarn"},
+    "norm_topk_prob": true, "routed_scaling_factor": 2.5, "topk_method": "noaux_tc", "n_group": 4, "topk_group": 2,
+    "scoring_func": "sigmoid", "moe_layer_freq": 1, "aux_loss_alpha": 0.001, "seq_aux": true, "ep_size": 1,
+    "num_nextn_predict_layers": 1, "hidden_act": "silu", "attention_bias": false, "tie_word_embeddings": false,
+    "torch_dtype": "bfloat16"
+  })");
+}
+
+// A value as a file of `dtype` holds it.
+float round_to(SafetensorsDType dtype, float value) {
+  return dtype == SafetensorsDType::BF16 ? bf16_to_float(float_to_bf16(value)) : value;
+}
+
+std::string read_file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+ModelConfig tiny_deepseek(bool v3) { return model_config_from_hf(v3 ? deepseek_v3_json() : deepseek_v2_json(), "config.json"); }
+
+TEST(HfImportConfig, MapsDeepseekV2Keys) {
+  const ModelConfig m = tiny_deepseek(false);
+  EXPECT_EQ(m.num_heads, 2);
+  EXPECT_EQ(m.num_kv_heads, 2);
+  EXPECT_EQ(m.head_dim, 0);
+  EXPECT_EQ(m.q_lora_rank, 0);  // null: uncompressed queries
+  EXPECT_EQ(m.kv_lora_rank, 8);
+  EXPECT_EQ(m.qk_nope_head_dim, 4);
+  EXPECT_EQ(m.qk_rope_head_dim, 4);
+  EXPECT_EQ(m.v_head_dim, 6);
+  EXPECT_EQ(m.ffn_hidden_size, 24);
+  EXPECT_EQ(m.moe_ffn_hidden_size, 8);
+  EXPECT_EQ(m.num_experts, 4);
+  EXPECT_EQ(m.num_experts_per_tok, 2);
+  EXPECT_EQ(m.num_shared_experts, 2);
+  EXPECT_EQ(m.first_dense_layers, 1);
+  EXPECT_EQ(m.router_score_function, "softmax");
+  EXPECT_FALSE(m.router_normalize_topk);
+  EXPECT_EQ(m.router_scaling_factor, 1.0);
+  EXPECT_EQ(m.router_num_groups, 1);
+  EXPECT_EQ(m.router_aux_loss_coef, 0.0);  // aux_loss_alpha: transformers computes no balancing loss
+  EXPECT_EQ(m.norm_eps, 1e-6);
+  EXPECT_EQ(m.max_seq_len, 64);
+  EXPECT_TRUE(m.rope_scaling.yarn());
+  EXPECT_EQ(m.rope_scaling.factor, 4.0);
+  EXPECT_EQ(m.rope_scaling.original_max_position, 16);
+  EXPECT_EQ(m.rope_scaling.beta_fast, 32.0);
+  EXPECT_EQ(m.rope_scaling.beta_slow, 1.0);
+  EXPECT_EQ(m.rope_scaling.mscale, 0.707);
+  EXPECT_EQ(m.rope_scaling.mscale_all_dim, 0.707);
+  EXPECT_EQ(hf_model_family(deepseek_v2_json(), "config.json"), "deepseek_v2");
+  const HfWeightLayout layout = hf_weight_layout(deepseek_v2_json(), "config.json");
+  EXPECT_TRUE(layout.interleaved_rotary);
+  EXPECT_EQ(layout.extra_layers, 0);
+  json c = deepseek_v2_json();
+  c.erase("architectures");
+  EXPECT_EQ(model_config_from_hf(c, "config.json").kv_lora_rank, 8);  // by model_type
+  // transformers 5's rope_parameters, with beta_fast and beta_slow null (32 and 1).
+  c = deepseek_v2_json();
+  c.erase("rope_scaling");
+  c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 500.0}, {"factor", 2.0}, {"beta_fast", nullptr},
+                          {"beta_slow", 0}, {"original_max_position_embeddings", 8}};
+  ModelConfig m2 = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m2.rope_theta, 500.0);
+  EXPECT_EQ(m2.rope_scaling.beta_fast, 32.0);
+  EXPECT_EQ(m2.rope_scaling.beta_slow, 1.0);
+  EXPECT_EQ(m2.rope_scaling.mscale, 0.0);
+  // A top-level original_max_position_embeddings wins, as in transformers.
+  c["original_max_position_embeddings"] = 4;
+  EXPECT_EQ(model_config_from_hf(c, "config.json").rope_scaling.original_max_position, 4);
+  // An attention_factor equal to forge's is accepted.
+  c = deepseek_v2_json();
+  c["rope_scaling"]["attention_factor"] = rope_attention_factor(m.rope_scaling);
+  EXPECT_EQ(model_config_from_hf(c, "config.json").rope_scaling.mscale, 0.707);
+}
+
+TEST(HfImportConfig, MapsDeepseekV3Keys) {
+  const ModelConfig m = tiny_deepseek(true);
+  EXPECT_EQ(m.q_lora_rank, 12);
+  EXPECT_EQ(m.num_experts, 8);
+  EXPECT_EQ(m.num_experts_per_tok, 3);
+  EXPECT_EQ(m.num_shared_experts, 1);
+  EXPECT_EQ(m.router_score_function, "sigmoid");
+  EXPECT_TRUE(m.router_normalize_topk);
+  EXPECT_EQ(m.router_scaling_factor, 2.5);
+  EXPECT_EQ(m.router_num_groups, 4);
+  EXPECT_EQ(m.router_topk_groups, 2);
+  EXPECT_EQ(m.router_aux_loss_coef, 0.0);
+  EXPECT_EQ(m.rope_scaling.mscale_all_dim, 0.8);
+  EXPECT_EQ(hf_model_family(deepseek_v3_json(), "config.json"), "deepseek_v3");
+  HfWeightLayout layout = hf_weight_layout(deepseek_v3_json(), "config.json");
+  EXPECT_TRUE(layout.interleaved_rotary);
+  EXPECT_EQ(layout.extra_layers, 1);
+  json c = deepseek_v3_json();
+  c["rope_interleave"] = false;
+  c["num_nextn_predict_layers"] = 0;
+  layout = hf_weight_layout(c, "config.json");
+  EXPECT_FALSE(layout.interleaved_rotary);
+  EXPECT_EQ(layout.extra_layers, 0);
+  c = deepseek_v3_json();
+  c["norm_topk_prob"] = false;
+  c.erase("topk_method");
+  c.erase("scoring_func");
+  EXPECT_FALSE(model_config_from_hf(c, "config.json").router_normalize_topk);
+}
+
+TEST(HfImportConfig, AppliesDeepseekConfigDefaults) {
+  json c = json::parse(R"({"architectures": ["DeepseekV2ForCausalLM"], "vocab_size": 40, "hidden_size": 32,
+                           "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts_per_tok": 6})");
+  ModelConfig m = model_config_from_hf(c, "config.json");  // DeepseekV2Config's defaults
+  EXPECT_EQ(m.num_kv_heads, 2);
+  EXPECT_EQ(m.q_lora_rank, 1536);
+  EXPECT_EQ(m.kv_lora_rank, 512);
+  EXPECT_EQ(m.qk_nope_head_dim, 128);
+  EXPECT_EQ(m.qk_rope_head_dim, 64);
+  EXPECT_EQ(m.v_head_dim, 128);
+  EXPECT_EQ(m.num_experts, 64);
+  EXPECT_EQ(m.moe_ffn_hidden_size, 1407);
+  EXPECT_EQ(m.num_shared_experts, 2);
+  EXPECT_EQ(m.first_dense_layers, 0);
+  EXPECT_EQ(m.ffn_hidden_size, 11008);
+  EXPECT_EQ(m.max_seq_len, 2048);
+  EXPECT_EQ(m.norm_eps, 1e-6);
+  EXPECT_EQ(m.rope_theta, 10000.0);
+  EXPECT_FALSE(m.rope_scaling.enabled);
+  EXPECT_FALSE(m.router_normalize_topk);
+  c.erase("num_experts_per_tok");
+  expect_error(c, "\"num_experts_per_tok\" is missing (expected a positive integer; DeepseekV2Config has no default)");
+  // DeepseekV3Config's: 128 key/value heads, so the key must be there unless there are 128 heads.
+  c = json::parse(R"({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 40, "hidden_size": 128,
+                      "num_hidden_layers": 4, "num_attention_heads": 128})");
+  m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.num_kv_heads, 128);
+  EXPECT_EQ(m.num_experts, 256);
+  EXPECT_EQ(m.num_experts_per_tok, 8);
+  EXPECT_EQ(m.moe_ffn_hidden_size, 2048);
+  EXPECT_EQ(m.num_shared_experts, 1);
+  EXPECT_EQ(m.first_dense_layers, 3);
+  EXPECT_EQ(m.ffn_hidden_size, 18432);
+  EXPECT_EQ(m.router_num_groups, 8);
+  EXPECT_EQ(m.router_topk_groups, 4);
+  EXPECT_TRUE(m.router_normalize_topk);
+  EXPECT_EQ(m.router_scaling_factor, 2.5);
+  EXPECT_EQ(m.max_seq_len, 4096);
+  c["num_attention_heads"] = 4;
+  expect_error(c, "\"num_key_value_heads\" is 128 (DeepseekV3Config's default, the key being absent); Multi-head "
+                  "Latent Attention gives each of the 4 heads (\"num_attention_heads\") keys and values of its own: "
+                  "expected 4");
+}
+
+// deepseek-ai/DeepSeek-V2-Lite's and deepseek-ai/DeepSeek-V3's config.json are forge's
+// deepseek-v2-lite and deepseek-v3 model files (V3's without its FP8 quantization_config,
+// which is refused).
+TEST(HfImportConfig, PublishedDeepseekModelsAreTheCatalogModels) {
+  const json lite = json::parse(R"({
+    "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+    "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+    "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16, "num_experts_per_tok": 6,
+    "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": null,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1", "use_cache": true, "v_head_dim": 128, "vocab_size": 102400
+  })");
+  ModelConfig hf = model_config_from_hf(lite, "config.json");
+  ModelConfig catalog = load_experiment("", {{"model.name", "deepseek-v2-lite"}}).model;
+  EXPECT_TRUE(architecture_differences(catalog, hf).empty())
+      << fmt::format("{}", fmt::join(architecture_differences(catalog, hf), "; "));
+  EXPECT_EQ(hf.total_params(), 15706484224);  // transformers' count (test_model_deepseek.cpp)
+  json v3 = json::parse(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": true,
+    "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+    "transformers_version": "4.46.3", "use_cache": true, "v_head_dim": 128, "vocab_size": 129280
+  })");
+  hf = model_config_from_hf(v3, "config.json");
+  catalog = load_experiment("", {{"model.name", "deepseek-v3"}}).model;
+  EXPECT_TRUE(architecture_differences(catalog, hf).empty())
+      << fmt::format("{}", fmt::join(architecture_differences(catalog, hf), "; "));
+  EXPECT_EQ(hf_weight_layout(v3, "config.json").extra_layers, 1);
+  v3["quantization_config"] = {{"activation_scheme", "dynamic"}, {"fmt", "e4m3"}, {"quant_method", "fp8"}};
+  expect_error(v3, "\"quantization_config\" is set (a quantized checkpoint, such as DeepSeek-V3's FP8 weights); "
+                   "forge reads unquantized F32, BF16, F16 or F64 weights");
+}
+
+TEST(HfImportConfig, RejectsUnsupportedDeepseeksNamingFileAndKey) {
+  auto v2 = [](const std::function<void(json&)>& edit) {
+    json c = deepseek_v2_json();
+    edit(c);
+    return c;
+  };
+  auto v3 = [](const std::function<void(json&)>& edit) {
+    json c = deepseek_v3_json();
+    edit(c);
+    return c;
+  };
+  expect_error(v2([](json& c) { c["topk_method"] = "group_limited_greedy"; }),
+               "\"topk_method\" is 'group_limited_greedy'; forge does not build group-limited softmax routing");
+  expect_error(v2([](json& c) { c["topk_method"] = "noaux_tc"; }), "\"topk_method\" is 'noaux_tc'");
+  expect_error(v2([](json& c) { c["n_group"] = 8; }),
+               "\"n_group\" is 8 with topk_method \"greedy\", which does not limit the experts to groups: expected 1 "
+               "or null");
+  expect_error(v2([](json& c) { c["norm_topk_prob"] = true; }),
+               "\"norm_topk_prob\" is true; DeepseekV2ForCausalLM never renormalizes the top-k weights");
+  expect_error(v2([](json& c) { c["routed_scaling_factor"] = 16.0; }),
+               "\"routed_scaling_factor\" is 16; forge's softmax routing is not scaled");
+  expect_error(v2([](json& c) { c["scoring_func"] = "sigmoid"; }),
+               "\"scoring_func\" is 'sigmoid'; DeepseekV2ForCausalLM routes on softmax scores (expected \"softmax\")");
+  expect_error(v2([](json& c) { c["moe_layer_freq"] = 2; }), "\"moe_layer_freq\" is 2;");
+  expect_error(v2([](json& c) { c["num_key_value_heads"] = 1; }),
+               "\"num_key_value_heads\" is 1; Multi-head Latent Attention gives each of the 2 heads");
+  expect_error(v2([](json& c) { c["attention_bias"] = true; }), "\"attention_bias\" is true");
+  expect_error(v2([](json& c) { c["mlp_bias"] = true; }), "\"mlp_bias\" is true");
+  expect_error(v2([](json& c) { c["hidden_act"] = "gelu"; }), "\"hidden_act\" is 'gelu'");
+  expect_error(v2([](json& c) { c["n_shared_experts"] = -1; }), "\"n_shared_experts\" is -1, expected an integer >= 0");
+  expect_error(v2([](json& c) { c["rope_scaling"]["type"] = "llama3"; }),
+               "\"rope_scaling.rope_type\" is 'llama3'; forge supports \"default\" and \"yarn\" for DeepSeek models");
+  expect_error(v2([](json& c) { c["rope_scaling"].erase("factor"); }),
+               "\"rope_scaling.factor\" is missing (required by rope_type yarn)");
+  expect_error(v2([](json& c) { c["rope_scaling"]["factor"] = 0.5; }), "\"rope_scaling.factor\" is 0.5; YaRN extends");
+  expect_error(v2([](json& c) { c["rope_scaling"]["beta_slow"] = 40; }),
+               "\"rope_scaling.beta_fast\" (32) must be greater than \"rope_scaling.beta_slow\" (40)");
+  expect_error(v2([](json& c) { c["rope_scaling"]["attention_factor"] = 1.5; }),
+               "\"rope_scaling.attention_factor\" is 1.5; forge scales cos/sin by the factor YaRN derives from factor, "
+               "mscale and mscale_all_dim, 1");
+  // truncate false: the ramp's bounds (here 0.49 and 2.47 of the 4 rotary dims) unrounded.
+  expect_error(v2([](json& c) { c["rope_scaling"]["truncate"] = false; }),
+               "\"rope_scaling.truncate\" is false: YaRN's ramp would run from dimension");
+  expect_error(v2([](json& c) { c["rope_scaling"]["partial_rotary_factor"] = 0.5; }), "partial_rotary_factor");
+  expect_error(v3([](json& c) { c["scoring_func"] = "softmax"; }),
+               "\"scoring_func\" is 'softmax'; DeepseekV3ForCausalLM routes on sigmoid scores (expected \"sigmoid\")");
+  expect_error(v3([](json& c) { c["topk_method"] = "greedy"; }), "\"topk_method\" is 'greedy';");
+  expect_error(v3([](json& c) { c["n_group"] = 3; }), "model.router_num_groups (3) must divide model.num_experts (8)");
+  expect_error(v3([](json& c) { c["rope_interleave"] = "yes"; }), "\"rope_interleave\" is \"yes\", expected true or false");
+  json c = deepseek_v3_json();
+  c["num_nextn_predict_layers"] = -1;
+  EXPECT_NE(error_of([&] { hf_weight_layout(c, "config.json"); }).find("\"num_nextn_predict_layers\" is -1"),
+            std::string::npos);
+}
+
+TEST(HfImportConfig, ADeepseekWhoseBlocksAreAllDenseIsADenseModel) {
+  json c = deepseek_v2_json();
+  c["first_k_dense_replace"] = 3;
+  c["topk_method"] = "group_limited_greedy";  // never read: no block routes
+  const ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_FALSE(m.moe());
+  EXPECT_EQ(m.first_dense_layers, 0);
+  EXPECT_TRUE(m.mla());
+  const json written = json::parse(hf_config_from_model(m, "float32").dump());
+  EXPECT_EQ(written["architectures"], json::array({"DeepseekV2ForCausalLM"}));
+  EXPECT_EQ(written["first_k_dense_replace"], 3);
+  EXPECT_FALSE(written.contains("n_routed_experts"));
+  EXPECT_TRUE(architecture_differences(m, model_config_from_hf(written, "config.json")).empty());
+}
+
+TEST(HfImportConfig, ExportedDeepseekConfigReadsBackAsTheSameModel) {
+  for (bool v3 : {false, true}) {
+    ModelConfig m = tiny_deepseek(v3);
+    json written = json::parse(hf_config_from_model(m, "bfloat16").dump());
+    EXPECT_EQ(written["architectures"], json::array({v3 ? "DeepseekV3ForCausalLM" : "DeepseekV2ForCausalLM"}));
+    EXPECT_EQ(written["model_type"], v3 ? "deepseek_v3" : "deepseek_v2");
+    EXPECT_EQ(written["q_lora_rank"], v3 ? json(12) : json(nullptr));
+    EXPECT_EQ(written["num_key_value_heads"], 2);
+    EXPECT_EQ(written["head_dim"], 4);  // transformers writes qk_rope_head_dim there
+    EXPECT_EQ(written["qk_head_dim"], 8);
+    EXPECT_EQ(written["rope_parameters"]["rope_type"], "yarn");
+    EXPECT_EQ(written["rope_scaling"]["type"], "yarn");
+    EXPECT_EQ(written["rope_scaling"]["mscale_all_dim"], v3 ? 0.8 : 0.707);
+    EXPECT_EQ(written["topk_method"], v3 ? "noaux_tc" : "greedy");
+    EXPECT_EQ(written["scoring_func"], v3 ? "sigmoid" : "softmax");
+    EXPECT_EQ(written["norm_topk_prob"], v3);
+    EXPECT_EQ(written["moe_layer_freq"], 1);
+    EXPECT_EQ(written.contains("rope_interleave"), v3);
+    EXPECT_EQ(written.contains("num_nextn_predict_layers"), v3);
+    if (v3) EXPECT_EQ(written["num_nextn_predict_layers"], 0);
+    EXPECT_EQ(written.contains("mlp_bias"), !v3);
+    EXPECT_FALSE(written.contains("sliding_window"));
+    ModelConfig back = model_config_from_hf(written, "config.json");
+    EXPECT_TRUE(architecture_differences(m, back).empty())
+        << fmt::format("{}", fmt::join(architecture_differences(m, back), "; "));
+    // Without rope scaling and with a compressed query.
+    m.rope_scaling = {};
+    m.q_lora_rank = 5;
+    written = json::parse(hf_config_from_model(m, "float32").dump());
+    EXPECT_TRUE(written["rope_scaling"].is_null());
+    EXPECT_TRUE(architecture_differences(m, model_config_from_hf(written, "config.json")).empty());
+  }
+  HfWeightLayout rotate_half;
+  rotate_half.interleaved_rotary = false;
+  EXPECT_EQ(json::parse(hf_config_from_model(tiny_deepseek(true), "float32", "", rotate_half).dump())["rope_interleave"],
+            false);
+  std::string e = error_of([] { hf_config_from_model(tiny_deepseek(true), "float32", "mixtral"); });
+  EXPECT_NE(e.find("a model with Multi-head Latent Attention cannot be written as a mixtral model"), std::string::npos)
+      << e;
+}
+
+TEST(HfImportConfig, RefusesToWriteModelsNoHuggingFaceClassComputes) {
+  auto refusal = [](const std::function<void(ModelConfig&)>& edit, bool mla) {
+    ModelConfig m = mla ? tiny_deepseek(false) : tiny_mixtral();
+    edit(m);
+    return error_of([&] { hf_config_from_model(m, "float32"); });
+  };
+  std::string e = refusal([](ModelConfig& m) { m.num_shared_experts = 1; }, false);
+  EXPECT_NE(e.find("cannot write the model as Hugging Face: model.num_shared_experts is 1; forge writes Llama, "
+                   "Mistral and Mixtral models"),
+            std::string::npos)
+      << e;
+  e = refusal([](ModelConfig& m) { m.first_dense_layers = 1; }, false);
+  EXPECT_NE(e.find("model.first_dense_layers is 1"), std::string::npos) << e;
+  e = refusal([](ModelConfig& m) { m.router_score_function = "sigmoid"; }, false);
+  EXPECT_NE(e.find("model.router_score_function is sigmoid"), std::string::npos) << e;
+  e = refusal([](ModelConfig& m) { m.router_normalize_topk = false; }, false);
+  EXPECT_NE(e.find("model.router_normalize_topk is false"), std::string::npos) << e;
+  e = refusal([](ModelConfig& m) { m.moe_ffn_hidden_size = 5; }, false);
+  EXPECT_NE(e.find("model.moe_ffn_hidden_size is 5, not model.ffn_hidden_size (12)"), std::string::npos) << e;
+  e = refusal(
+      [](ModelConfig& m) {
+        m.num_experts = 0;
+        m.num_experts_per_tok = 0;
+        m.rope_scaling.enabled = true;
+        m.rope_scaling.type = "yarn";
+      },
+      false);
+  EXPECT_NE(e.find("YaRN RoPE (model.rope_scaling.type yarn) is DeepSeek's"), std::string::npos) << e;
+  e = refusal([](ModelConfig& m) { m.router_normalize_topk = true; }, true);
+  EXPECT_NE(e.find("cannot write the model as Hugging Face DeepseekV2ForCausalLM: its softmax routing renormalizes"),
+            std::string::npos)
+      << e;
+  e = refusal([](ModelConfig& m) { m.rope_scaling.type = "llama3"; }, true);
+  EXPECT_NE(e.find("forge writes DeepSeek models with default or YaRN RoPE"), std::string::npos) << e;
+  // A plain Mixtral and a top-1 softmax DeepSeek (renormalizing one weight changes nothing)
+  // are written.
+  hf_config_from_model(tiny_mixtral(), "float32");
+  ModelConfig top1 = tiny_deepseek(false);
+  top1.num_experts_per_tok = 1;
+  top1.router_normalize_topk = true;
+  hf_config_from_model(top1, "float32");
+}
+
+TEST(HfImportConfig, ArchitectureDifferencesNameDeepseeksKeys) {
+  ModelConfig a = tiny_deepseek(true), b = tiny_deepseek(true);
+  b.router_topk_groups = 1;
+  b.q_lora_rank = 6;
+  b.rope_scaling.mscale_all_dim = 1.0;
+  EXPECT_EQ(architecture_differences(a, b),
+            (std::vector<std::string>{"model.rope_scaling.mscale_all_dim: 0.8 here, 1 in config.json",
+                                      "model.router_topk_groups: 2 here, 1 in config.json",
+                                      "model.q_lora_rank: 12 here, 6 in config.json"}));
+  const std::string overrides = model_overrides_for(a);
+  for (const char* expected :
+       {"--model.rope_scaling.type yarn", "--model.rope_scaling.beta_fast 32", "--model.num_shared_experts 1",
+        "--model.router_score_function sigmoid", "--model.router_normalize_topk true",
+        "--model.router_scaling_factor 2.5", "--model.kv_lora_rank 8", "--model.v_head_dim 6"})
+    EXPECT_NE(overrides.find(expected), std::string::npos) << expected << " in " << overrides;
+  // A Llama's overrides do not list the MoE and MLA keys it leaves at their defaults.
+  EXPECT_EQ(model_overrides_for(tiny_model(false, 0)).find("router_score_function"), std::string::npos);
+  EXPECT_EQ(model_overrides_for(tiny_model(false, 0)).find("qk_rope_head_dim"), std::string::npos);
+}
+
+// DeepSeek's rotary rows: in each query head's qk rows and in kv_a's last rows, the tensor's
+// interleaved pairs are forge's halves (HfTensor::rotary_rows).
+TEST(HfLayout, DeepseekRotaryRowsAreReorderedAndTheRoutingBiasKeptInFp32) {
+  const ModelConfig m = tiny_deepseek(true);  // 2 heads of 4 + 4, kv rank 8, q rank 12
+  std::map<std::string, std::vector<HfPart>> parts;
+  for (const ParamSpec& spec : parameter_specs(m))
+    if (spec.layer == 1) parts[spec.name] = hf_parts(spec);
+  const HfPart& q_b = parts.at("layers.1.attention.q_b.weight").at(0);
+  EXPECT_EQ(q_b.name, "model.layers.1.self_attn.q_b_proj.weight");
+  EXPECT_EQ(q_b.row_order, (std::vector<int64_t>{0, 1, 2, 3, 4, 6, 5, 7, 8, 9, 10, 11, 12, 14, 13, 15}));
+  const HfPart& kv_a = parts.at("layers.1.attention.kv_a.weight").at(0);
+  EXPECT_EQ(kv_a.name, "model.layers.1.self_attn.kv_a_proj_with_mqa.weight");
+  EXPECT_EQ(kv_a.row_order, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 10, 9, 11}));
+  EXPECT_TRUE(parts.at("layers.1.attention.kv_b.weight").at(0).row_order.empty());
+  EXPECT_TRUE(parts.at("layers.1.attention.q_a.weight").at(0).row_order.empty());
+  const HfPart& bias = parts.at("layers.1.moe.router.bias").at(0);
+  EXPECT_EQ(bias.name, "model.layers.1.mlp.gate.e_score_correction_bias");
+  EXPECT_TRUE(bias.keep_fp32);
+  EXPECT_FALSE(parts.at("layers.1.moe.router.weight").at(0).keep_fp32);
+  const auto& gate_up = parts.at("layers.1.moe.experts.gate_up");
+  EXPECT_EQ(gate_up[2].name, "model.layers.1.mlp.experts.1.gate_proj.weight");
+  EXPECT_EQ(gate_up[3].name, "model.layers.1.mlp.experts.1.up_proj.weight");
+  EXPECT_EQ(parts.at("layers.1.moe.shared.gate_up.weight").at(1).name,
+            "model.layers.1.mlp.shared_experts.up_proj.weight");
+  // rope_interleave false: no reordering.
+  for (const ParamSpec& spec : parameter_specs(m))
+    for (const HfPart& part : hf_parts(spec, false)) EXPECT_TRUE(part.row_order.empty()) << part.name;
+  // Empty shared experts, in every MoE block, only without shared experts.
+  EXPECT_TRUE(hf_empty_parts(m).empty());
+  ModelConfig unshared = m;
+  unshared.num_shared_experts = 0;
+  const std::vector<HfPart> empty = hf_empty_parts(unshared);
+  ASSERT_EQ(empty.size(), 6u);  // blocks 1 and 2
+  EXPECT_EQ(empty[0].name, "model.layers.1.mlp.shared_experts.gate_proj.weight");
+  EXPECT_EQ(empty[0].shape, (Shape{0, 16}));
+  EXPECT_EQ(empty[5].name, "model.layers.2.mlp.shared_experts.down_proj.weight");
+  EXPECT_EQ(empty[5].shape, (Shape{16, 0}));
+  EXPECT_TRUE(hf_empty_parts(tiny_mixtral()).empty());
+}
+
+TEST(HfImportWeights, DeepseekExportImportRoundTripIsExact) {
+  for (bool v3 : {false, true})
+    for (int64_t shared : {0, 2}) {
+      TempDir dir;
+      ModelConfig config = tiny_deepseek(v3);
+      config.num_shared_experts = shared;
+      FlatParameters params(config);
+      fill_pattern(params);
+      for (SafetensorsDType dtype : {SafetensorsDType::F32, SafetensorsDType::BF16}) {
+        const std::string out = dir.file(std::string("out-") + std::string(safetensors_dtype_name(dtype)));
+        HfExportOptions options;
+        options.dtype = dtype;
+        save_hf_model(out, params, options);
+        SafetensorsFile file(out + "/model.safetensors");
+        // Rows of the file: the interleaved pairs of forge's halves.
+        const SafetensorsEntry* kv_a = file.find("model.layers.0.self_attn.kv_a_proj_with_mqa.weight");
+        ASSERT_NE(kv_a, nullptr);
+        std::vector<float> rows(static_cast<size_t>(kv_a->numel()));
+        file.read_as_float(*kv_a, rows.data());
+        const float* forge_rows = params.find("layers.0.attention.kv_a.weight").data<float>();
+        for (int64_t c = 0; c < 16; ++c) {
+          EXPECT_EQ(rows[static_cast<size_t>(9 * 16 + c)], round_to(dtype, forge_rows[10 * 16 + c]));  // row 9 is forge's 10
+          EXPECT_EQ(rows[static_cast<size_t>(10 * 16 + c)], round_to(dtype, forge_rows[9 * 16 + c]));
+        }
+        size_t empty = 0;
+        for (const auto& e : file.entries()) {
+          const bool bias = e.name.ends_with("e_score_correction_bias");
+          EXPECT_EQ(e.dtype, bias ? SafetensorsDType::F32 : dtype) << e.name;  // the bias in fp32 always
+          empty += e.numel() == 0;
+        }
+        EXPECT_EQ(empty, shared == 0 ? 6u : 0u);  // transformers' empty shared experts of blocks 1 and 2
+        HfModel model = load_hf_model(out);
+        EXPECT_TRUE(architecture_differences(config, model.config).empty());
+        if (dtype == SafetensorsDType::F32) expect_same_weights(params, *model.params);
+        if (v3)
+          for (int layer : {1, 2}) {
+            const std::string bias = fmt::format("layers.{}.moe.router.bias", layer);
+            EXPECT_EQ(0, std::memcmp(params.find(bias).raw(), model.params->find(bias).raw(),
+                                     params.find(bias).nbytes()));
+          }
+        // The export of the import is the same file.
+        const std::string again = out + "-again";
+        HfExportOptions from_source = options;
+        from_source.source_dir = out;
+        save_hf_model(again, *model.params, from_source);
+        EXPECT_EQ(read_file_bytes(out + "/model.safetensors"), read_file_bytes(again + "/model.safetensors"));
+      }
+    }
+}
+
+// V3's rope_interleave false: the rows are rotate-half already, neither import nor export
+// reorders them, and the export says so again.
+TEST(HfImportWeights, DeepseekV3RopeNotInterleavedKeepsTheRows) {
+  TempDir dir;
+  FlatParameters params(tiny_deepseek(true));
+  fill_pattern(params);
+  const std::string source = dir.file("source");
+  std::filesystem::create_directories(source);
+  json config = deepseek_v3_json();
+  config["rope_interleave"] = false;
+  std::ofstream(source + "/config.json") << config.dump();
+  HfExportOptions options;
+  options.source_dir = source;
+  save_hf_model(dir.file("out"), params, options);
+  EXPECT_EQ(json::parse(std::ifstream(dir.file("out/config.json")))["rope_interleave"], false);
+  SafetensorsFile file(dir.file("out/model.safetensors"));
+  const SafetensorsEntry* q_b = file.find("model.layers.2.self_attn.q_b_proj.weight");
+  ASSERT_NE(q_b, nullptr);
+  std::vector<float> rows(static_cast<size_t>(q_b->numel()));
+  file.read_as_float(*q_b, rows.data());
+  const Tensor& mine = params.find("layers.2.attention.q_b.weight");
+  EXPECT_EQ(0, std::memcmp(rows.data(), mine.raw(), mine.nbytes()));
+  expect_same_weights(params, *load_hf_model(dir.file("out")).params);
+}
+
+// transformers 5's save_pretrained(save_original_format=False): the experts' whole stacks.
+TEST(HfImportWeights, DeepseekFromTransformers5InMemoryNames) {
+  TempDir dir;
+  FlatParameters params(tiny_deepseek(true));
+  fill_pattern(params);
+  const std::string out = dir.file("out");
+  save_hf_model(out, params);
+  rewrite_weights(out, [&](std::vector<SafetensorsTensorRef>& refs) {
+    std::erase_if(refs, [](const auto& r) { return r.name.find(".mlp.experts.") != std::string::npos; });
+    for (int layer : {1, 2}) {
+      const std::string hf = fmt::format("model.layers.{}.mlp.experts.", layer), p = fmt::format("layers.{}.moe.", layer);
+      refs.push_back({hf + "gate_up_proj", {8, 16, 16}, params.find(p + "experts.gate_up").data<float>()});
+      refs.push_back({hf + "down_proj", {8, 16, 8}, params.find(p + "experts.down").data<float>()});
+    }
+  });
+  expect_same_weights(params, *load_hf_model(out).params);
+}
+
+class HfImportBadDeepseek : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ModelConfig config = tiny_deepseek(true);
+    config.num_shared_experts = 0;
+    params_ = std::make_unique<FlatParameters>(config);
+    fill_pattern(*params_);
+    out_ = dir_.file("out");
+    save_hf_model(out_, *params_);
+  }
+  std::string import_error() { return error_of([&] { load_hf_model(out_); }); }
+  void set_config(const std::function<void(json&)>& edit) {
+    json config = json::parse(std::ifstream(out_ + "/config.json"));
+    edit(config);
+    std::ofstream(out_ + "/config.json") << config.dump();
+  }
+
+  TempDir dir_;
+  std::unique_ptr<FlatParameters> params_;
+  std::string out_;
+};
+
+TEST_F(HfImportBadDeepseek, MisshapenAndMissingTensorsAreNamed) {
+  std::vector<float> big(14 * 16);
+  rewrite_weights(out_, [&](auto& refs) {
+    for (auto& r : refs)
+      if (r.name == "model.layers.0.self_attn.kv_a_proj_with_mqa.weight") r = {r.name, {14, 16}, big.data()};
+  });
+  std::string e = import_error();
+  EXPECT_NE(e.find(out_ + "/model.safetensors: tensor 'model.layers.0.self_attn.kv_a_proj_with_mqa.weight' has shape "
+                          "[14, 16], but the model's architecture needs [12, 16]"),
+            std::string::npos)
+      << e;
+  save_hf_model(dir_.file("fresh"), *params_);
+  out_ = dir_.file("fresh");
+  rewrite_weights(out_, [](auto& refs) {
+    std::erase_if(refs, [](const auto& r) { return r.name == "model.layers.2.mlp.gate.e_score_correction_bias"; });
+  });
+  e = import_error();
+  EXPECT_NE(e.find(out_ + ": no tensor 'model.layers.2.mlp.gate.e_score_correction_bias' in the weight files (expected "
+                          "[8] for forge's 'layers.2.moe.router.bias')"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadDeepseek, SharedExpertsMustBeEmptyWithoutThem) {
+  // The empty ones transformers writes are accepted (SetUp's export has them); a real one is not.
+  expect_same_weights(*params_, *load_hf_model(out_).params);
+  std::vector<float> weights(8 * 16);
+  rewrite_weights(out_, [&](auto& refs) {
+    for (auto& r : refs)
+      if (r.name == "model.layers.1.mlp.shared_experts.up_proj.weight") r = {r.name, {8, 16}, weights.data()};
+  });
+  const std::string e = import_error();
+  EXPECT_NE(e.find("1 tensor(s) that a DeepSeek-V3 model does not have: model.layers.1.mlp.shared_experts.up_proj.weight"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadDeepseek, MultiTokenPredictionBlocksAreNotRead) {
+  // DeepSeek-V3's num_nextn_predict_layers blocks come after the last: not read, while
+  // config.json has them; anything else after the last block is refused.
+  std::vector<float> extra(16 * 16);
+  rewrite_weights(out_, [&](auto& refs) {
+    refs.push_back({"model.layers.3.eh_proj.weight", {16, 16}, extra.data()});
+    refs.push_back({"model.layers.3.self_attn.o_proj.weight", {16, 12}, extra.data()});
+  });
+  set_config([](json& c) { c["num_nextn_predict_layers"] = 1; });
+  expect_same_weights(*params_, *load_hf_model(out_).params);
+  set_config([](json& c) { c["num_nextn_predict_layers"] = 0; });
+  const std::string e = import_error();
+  EXPECT_NE(e.find("2 tensor(s) that a DeepSeek-V3 model does not have: model.layers.3.eh_proj.weight"),
+            std::string::npos)
+      << e;
+}
+
+TEST_F(HfImportBadDeepseek, ExpertCountDisagreeingWithConfigIsRefused) {
+  set_config([](json& c) { c["n_routed_experts"] = 4; c["n_group"] = 2; c["topk_group"] = 2; });
+  std::string e = import_error();
+  EXPECT_NE(e.find("tensor 'model.layers.1.mlp.gate.weight' has shape [8, 16], but the model's architecture needs "
+                   "[4, 16]"),
+            std::string::npos)
+      << e;
 }
 
 }  // namespace
