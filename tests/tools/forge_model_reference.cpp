@@ -1,7 +1,8 @@
 // Test tool: runs forge's CPU model on inputs written by tests/python/test_model_vs_torch.py.
 //
 //   forge_model_reference specs DIR     reads DIR/config.json, writes DIR/specs.json
-//                                       (parameter names, shapes, Hugging Face names)
+//                                       (parameter names, shapes, Hugging Face names, their
+//                                       rows and rotary rows: HfTensor in model/parameters.h)
 //   forge_model_reference run DIR       reads DIR/config.json, DIR/weights.bin (fp32, all
 //                                       parameters in specs order), DIR/tokens.bin and
 //                                       DIR/targets.bin (int32 [batch, seq]); writes
@@ -45,14 +46,37 @@ ModelConfig read_config(const std::string& dir, int64_t* batch, int64_t* seq) {
   c.num_experts = j.value("num_experts", 0);
   c.num_experts_per_tok = j.value("num_experts_per_tok", 0);
   c.router_aux_loss_coef = j.value("router_aux_loss_coef", 0.0);
+  // DeepSeek's experts, routing and Multi-head Latent Attention.
+  c.moe_ffn_hidden_size = j.value("moe_ffn_hidden_size", 0);
+  c.num_shared_experts = j.value("num_shared_experts", 0);
+  c.first_dense_layers = j.value("first_dense_layers", 0);
+  c.router_score_function = j.value("router_score_function", std::string("softmax"));
+  c.router_normalize_topk = j.value("router_normalize_topk", true);
+  c.router_scaling_factor = j.value("router_scaling_factor", 1.0);
+  c.router_num_groups = j.value("router_num_groups", 1);
+  c.router_topk_groups = j.value("router_topk_groups", 1);
+  c.q_lora_rank = j.value("q_lora_rank", 0);
+  c.kv_lora_rank = j.value("kv_lora_rank", 0);
+  c.qk_nope_head_dim = j.value("qk_nope_head_dim", 0);
+  c.qk_rope_head_dim = j.value("qk_rope_head_dim", 0);
+  c.v_head_dim = j.value("v_head_dim", 0);
   if (j.contains("rope_scaling")) {
     const json& r = j["rope_scaling"];
     c.rope_scaling.enabled = true;
+    c.rope_scaling.type = r.value("type", std::string("llama3"));
     c.rope_scaling.factor = r.at("factor");
-    c.rope_scaling.low_freq_factor = r.at("low_freq_factor");
-    c.rope_scaling.high_freq_factor = r.at("high_freq_factor");
     c.rope_scaling.original_max_position = r.at("original_max_position");
+    if (c.rope_scaling.yarn()) {
+      c.rope_scaling.beta_fast = r.value("beta_fast", 32.0);
+      c.rope_scaling.beta_slow = r.value("beta_slow", 1.0);
+      c.rope_scaling.mscale = r.value("mscale", 0.0);
+      c.rope_scaling.mscale_all_dim = r.value("mscale_all_dim", 0.0);
+    } else {
+      c.rope_scaling.low_freq_factor = r.at("low_freq_factor");
+      c.rope_scaling.high_freq_factor = r.at("high_freq_factor");
+    }
   }
+  c.validate();
   *batch = j.value("batch", 1);
   *seq = j.value("seq_len", 1);
   return c;
@@ -82,6 +106,14 @@ std::vector<int64_t> hf_rows(const ParamSpec& spec) {
   return rows;
 }
 
+// Each tensor's HfRotaryRows as [period, first, count] ([0, 0, 0]: none).
+json hf_rotary_rows(const ParamSpec& spec) {
+  json rows = json::array();
+  for (const HfTensor& t : spec.hf_tensors)
+    rows.push_back({t.rotary_rows.period, t.rotary_rows.first, t.rotary_rows.count});
+  return rows;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -95,7 +127,11 @@ int main(int argc, char** argv) {
   if (mode == "specs") {
     json specs = json::array();
     for (const ParamSpec& s : parameter_specs(config))
-      specs.push_back({{"name", s.name}, {"shape", s.shape}, {"hf_names", hf_names(s)}, {"hf_rows", hf_rows(s)}});
+      specs.push_back({{"name", s.name},
+                       {"shape", s.shape},
+                       {"hf_names", hf_names(s)},
+                       {"hf_rows", hf_rows(s)},
+                       {"hf_rotary_rows", hf_rotary_rows(s)}});
     std::ofstream(dir + "/specs.json") << specs.dump(1);
     return 0;
   }
