@@ -225,7 +225,8 @@ class DamagedCheckpoints(unittest.TestCase):
     def test_unknown_architecture_and_router_jitter(self):
         self.edit_config(lambda c: c.update(architectures=["Qwen2MoeForCausalLM"]))
         self.assertIn(f"{self.config}: \"architectures\" is [\"Qwen2MoeForCausalLM\"]; forge imports "
-                      "LlamaForCausalLM, MistralForCausalLM and MixtralForCausalLM", self.refusal())
+                      "LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, DeepseekV2ForCausalLM and "
+                      "DeepseekV3ForCausalLM", self.refusal())
         self.edit_config(lambda c: c.update(architectures=["MixtralForCausalLM"], router_jitter_noise=0.01))
         self.assertIn(f"{self.config}: \"router_jitter_noise\" is 0.01; forge's router has no jitter",
                       self.refusal())
@@ -287,7 +288,7 @@ class TrainFromMixtral(unittest.TestCase):
 
     def test_hf_info_names_the_experts(self):
         out = run([forge_bin(), "hf-info", self.source]).stdout
-        self.assertIn("ffn 24 per expert, 4 experts, top-2", out)
+        self.assertIn("4 experts of ffn 24, top-2 (softmax scores, renormalized)", out)
         self.assertIn("num_experts: 4", out)
         self.assertIn("router_aux_loss_coef: 0", out)
 
