@@ -5,6 +5,7 @@
 #include "distributed/cpu_process_group.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cstring>
@@ -24,7 +25,7 @@
 namespace forge {
 namespace {
 
-enum class Kind : uint32_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Barrier = 4, Split = 5 };
+enum class Kind : uint32_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Barrier = 4, Split = 5, AllToAll = 6 };
 
 // One rank's part in a round: the head of its message to rank 0, before its input.
 struct Call {
@@ -37,8 +38,12 @@ struct Call {
   uint64_t output = 0;  // elements it gets back
   int32_t color = 0;    // split only
   int32_t key = 0;
+  uint64_t row = 0;  // all_to_all only: elements per row
 };
-constexpr size_t kCallBytes = 48;
+constexpr size_t kCallBytes = 56;
+// An all_to_all's message carries, between the call and the rows, the rank's send and
+// then receive counts: one u64 per rank of the group, each.
+constexpr size_t kCountBytes = 8;
 
 void put(std::vector<uint8_t>& out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(value >> (8 * i)));
@@ -61,6 +66,7 @@ std::vector<uint8_t> encode(const Call& c) {
   put(out, c.output, 8);
   put(out, static_cast<uint32_t>(c.color), 4);
   put(out, static_cast<uint32_t>(c.key), 4);
+  put(out, c.row, 8);
   return out;
 }
 
@@ -75,6 +81,7 @@ Call decode(const uint8_t* p) {
   c.output = get(p, 8);
   c.color = static_cast<int32_t>(get(p, 4));
   c.key = static_cast<int32_t>(get(p, 4));
+  c.row = get(p, 8);
   return c;
 }
 
@@ -94,8 +101,18 @@ std::string call_text(const Call& c) {
       return fmt::format("barrier #{}", c.number);
     case Kind::Split:
       return fmt::format("split #{}", c.number);
+    case Kind::AllToAll:  // the row counts differ from rank to rank
+      return fmt::format("all_to_all #{} ({}, rows of {} elements)", c.number, dtype, c.row);
   }
   return fmt::format("an unknown collective ({})", static_cast<uint32_t>(c.kind));
+}
+
+// An all_to_all's send and receive counts as sent (u64 each); empty for other calls.
+std::vector<int64_t> decode_counts(std::span<const uint8_t> bytes) {
+  std::vector<int64_t> counts(bytes.size() / kCountBytes);
+  const uint8_t* p = bytes.data();
+  for (int64_t& n : counts) n = static_cast<int64_t>(get(p, kCountBytes));
+  return counts;
 }
 
 std::string group_text(uint32_t id, std::span<const int> members) {
@@ -238,6 +255,33 @@ class CpuProcessGroup final : public ProcessGroup {
     run(call, bytes_of(input), bytes_of(output));
   }
 
+  void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                  const std::vector<int64_t>& send_counts, CudaStream) override {
+    check_open("all_to_all");
+    check_all_to_all(output, recv_counts, input, send_counts, world_size(), Device::CPU);
+    const int64_t row = row_elements(input);
+    const size_t row_bytes = static_cast<size_t>(row) * dtype_size(input.dtype());
+    int64_t sent = 0;
+    int64_t received = 0;
+    std::vector<uint8_t> counts;
+    for (int64_t n : send_counts) {
+      put(counts, static_cast<uint64_t>(n), kCountBytes);
+      sent += n;
+    }
+    for (int64_t n : recv_counts) {
+      put(counts, static_cast<uint64_t>(n), kCountBytes);
+      received += n;
+    }
+    Call call;
+    call.kind = Kind::AllToAll;
+    call.dtype = input.dtype();
+    call.row = static_cast<uint64_t>(row);
+    call.input = static_cast<uint64_t>(sent * row);
+    call.output = static_cast<uint64_t>(received * row);
+    run(call, bytes_of(input).first(static_cast<size_t>(sent) * row_bytes),
+        bytes_of(output).first(static_cast<size_t>(received) * row_bytes), counts);
+  }
+
   void barrier() override {
     check_open("barrier");
     Call call;
@@ -296,34 +340,41 @@ class CpuProcessGroup final : public ProcessGroup {
   }
 
   // A collective: `input` goes to rank 0, this rank's result comes back into `output`.
-  void run(Call& call, std::span<const uint8_t> input, std::span<uint8_t> output) {
+  // `counts`: an all_to_all's send and receive counts, sent between the call and `input`.
+  void run(Call& call, std::span<const uint8_t> input, std::span<uint8_t> output,
+           std::span<const uint8_t> counts = {}) {
     round(call, [&](const std::string& stage) {
       World& w = *world_;
       if (w.rank == 0) {
-        serve(call, input, output, stage);
+        serve(call, input, output, stage, counts);
         return;
       }
-      w.store.send_to_root(encode(call), input, w.options.collective_timeout, stage);
+      std::vector<uint8_t> head = encode(call);
+      head.insert(head.end(), counts.begin(), counts.end());
+      w.store.send_to_root(head, input, w.options.collective_timeout, stage);
       w.store.receive_from_root(output, w.options.collective_timeout, stage);
     });
   }
 
-  // Rank 0's side of a round (its own call is `mine`): gathers the other ranks' calls,
-  // checks them, and answers each group. Returns rank 0's answer to a split.
+  // Rank 0's side of a round (its own call is `mine`, `my_counts` those of its
+  // all_to_all): gathers the other ranks' calls, checks them, and answers each group.
+  // Returns rank 0's answer to a split.
   std::vector<uint8_t> serve(const Call& mine, std::span<const uint8_t> input, std::span<uint8_t> output,
-                             const std::string& stage) {
+                             const std::string& stage, std::span<const uint8_t> my_counts = {}) {
     World& w = *world_;
     std::vector<std::vector<uint8_t>> messages = w.store.gather_at_root(w.options.collective_timeout, stage);
     std::vector<Call> calls(w.size);
     std::vector<std::span<const uint8_t>> inputs(w.size);
+    std::vector<std::vector<int64_t>> counts(w.size);  // all_to_all: send, then receive counts
     calls[0] = mine;
     inputs[0] = input;
+    counts[0] = decode_counts(my_counts);
     for (int r = 1; r < w.size; ++r) {
       if (messages[r].size() < kCallBytes) w.store.abort(fmt::format("{}: rank {} sent a malformed call", stage, r));
       calls[r] = decode(messages[r].data());
       inputs[r] = std::span<const uint8_t>(messages[r]).subspan(kCallBytes);
     }
-    const std::map<uint32_t, const std::vector<int>*> groups = check_calls(calls, inputs, stage);
+    const std::map<uint32_t, const std::vector<int>*> groups = check_calls(calls, inputs, counts, stage);
 
     std::vector<uint8_t> own_answer;
     const auto deliver = [&](int r, std::span<const uint8_t> bytes) {
@@ -361,6 +412,26 @@ class CpuProcessGroup final : public ProcessGroup {
         case Kind::Barrier:
           for (int m : members) deliver(m, {});
           break;
+        case Kind::AllToAll: {
+          // Member j gets, from each member i in group rank order, i's rows for j.
+          const size_t row_bytes = call.row * dtype_size(call.dtype);
+          for (size_t j = 0; j < group_size; ++j) {
+            std::vector<uint8_t> result(calls[members[j]].output * dtype_size(call.dtype));
+            size_t at = 0;
+            for (size_t i = 0; i < group_size; ++i) {
+              const std::vector<int64_t>& send = counts[members[i]];
+              int64_t offset = 0;
+              for (size_t k = 0; k < j; ++k) offset += send[k];
+              const size_t bytes = static_cast<size_t>(send[j]) * row_bytes;
+              if (bytes > 0)
+                std::memcpy(result.data() + at, inputs[members[i]].data() + static_cast<size_t>(offset) * row_bytes,
+                            bytes);
+              at += bytes;
+            }
+            deliver(members[j], result);
+          }
+          break;
+        }
         case Kind::Split:
           for (auto& [r, answer] : split_group(members, calls)) {
             if (r == 0) {
@@ -377,8 +448,11 @@ class CpuProcessGroup final : public ProcessGroup {
 
   // Rank 0: checks that the members of every group in this round made the same call, and
   // that each input has the size its call says. Returns the groups of the round by id.
+  // An all_to_all's counts are split off the front of the other ranks' inputs into
+  // `counts` (rank 0's are there already), and checked against the receivers'.
   std::map<uint32_t, const std::vector<int>*> check_calls(const std::vector<Call>& calls,
-                                                           const std::vector<std::span<const uint8_t>>& inputs,
+                                                           std::vector<std::span<const uint8_t>>& inputs,
+                                                           std::vector<std::vector<int64_t>>& counts,
                                                            const std::string& stage) {
     World& w = *world_;
     std::map<uint32_t, const std::vector<int>*> groups;
@@ -414,10 +488,51 @@ class CpuProcessGroup final : public ProcessGroup {
           list));
     }
     for (int r = 1; r < w.size; ++r) {
-      const uint64_t expected = calls[r].input * dtype_size(calls[r].dtype);
+      const size_t count_bytes =
+          calls[r].kind == Kind::AllToAll ? 2 * kCountBytes * groups[calls[r].group]->size() : 0;
+      const uint64_t expected = count_bytes + calls[r].input * dtype_size(calls[r].dtype);
       if (inputs[r].size() != expected)
         w.store.abort(fmt::format("{}: rank {} sent {} bytes for {}, which needs {}", stage, r, inputs[r].size(),
                                   texts[r], expected));
+      counts[r] = decode_counts(inputs[r].first(count_bytes));
+      inputs[r] = inputs[r].subspan(count_bytes);
+    }
+    for (const auto& [id, members_of] : groups) {
+      const std::vector<int>& members = *members_of;
+      if (calls[members[0]].kind != Kind::AllToAll) continue;
+      const size_t n = members.size();
+      std::vector<std::string> mismatches;
+      for (int m : members) {
+        const std::vector<int64_t>& mine = counts[m];
+        bool valid = mine.size() == 2 * n;
+        uint64_t sent = 0;
+        uint64_t received = 0;
+        for (size_t j = 0; valid && j < n; ++j) {
+          valid = mine[j] >= 0 && mine[n + j] >= 0;
+          sent += static_cast<uint64_t>(mine[j]);
+          received += static_cast<uint64_t>(mine[n + j]);
+        }
+        if (!valid || sent * calls[m].row != calls[m].input || received * calls[m].row != calls[m].output)
+          w.store.abort(fmt::format("{}: rank {} sent row counts that do not add up to its rows", texts[m], m));
+      }
+      for (size_t i = 0; i < n; ++i) {
+        const std::vector<int64_t>& mine = counts[members[i]];
+        for (size_t j = 0; j < n; ++j) {
+          const int64_t expects = counts[members[j]][n + i];
+          if (mine[j] != expects)
+            mismatches.push_back(fmt::format("rank {} sends {} rows to rank {}, which expects {} from it", members[i],
+                                             mine[j], members[j], expects));
+        }
+      }
+      if (!mismatches.empty()) {
+        constexpr size_t kShown = 8;
+        const size_t more = mismatches.size() > kShown ? mismatches.size() - kShown : 0;
+        mismatches.resize(mismatches.size() - more);
+        w.store.abort(fmt::format(
+            "{}: the ranks' row counts do not match (every rank's send_counts[j] must equal rank j's "
+            "recv_counts[its rank]; ranks are world ranks): {}{}",
+            texts[members[0]], fmt::join(mismatches, "; "), more ? fmt::format(" (and {} more)", more) : ""));
+      }
     }
     return groups;
   }

@@ -21,6 +21,12 @@
 //  - Calls that do not match (a rank in all_gather while another is in all_reduce, other
 //    sizes or dtypes, another group, one call more on a group) fail the round on every
 //    rank, with a message listing which (world) ranks called what.
+//  - all_to_all (NOTE [All-to-all] in process_group.h): each rank sends its send and
+//    receive counts ahead of the rows it sends; rank 0 checks that every rank's
+//    send_counts[j] equals rank j's recv_counts[that rank] (a mismatch fails the round on
+//    every rank, naming the pairs) and answers each rank with its rows from every member
+//    in group rank order (its own rows to itself included). The rows must have the same
+//    dtype and width on every rank (part of the call that must match); their numbers not.
 //  - Every wait is bounded by collective_timeout; rank 0 names the ranks that did not
 //    arrive, and a rank whose process died ends the wait at once, named. Rank 0 sends its
 //    verdict to every other rank before throwing it, so every rank throws the same cause

@@ -1,5 +1,9 @@
 #include "distributed/process_group.h"
 
+#include <cstring>
+#include <tuple>
+#include <utility>
+
 #include "core/error.h"
 #include "distributed/cpu_process_group.h"
 
@@ -30,6 +34,17 @@ class SingleRankGroup final : public ProcessGroup {
     check_open();
     check_all_gather(output, input, 1, Device::CPU);
     if (output.raw() != input.raw()) output.copy_from(input);
+  }
+  // Counts [n] and [n]: the first n rows of `input` into the first n rows of `output`.
+  void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                  const std::vector<int64_t>& send_counts, CudaStream) override {
+    check_open();
+    check_all_to_all(output, recv_counts, input, send_counts, 1, Device::CPU);
+    FORGE_CHECK(send_counts[0] == recv_counts[0],
+                "all_to_all: rank 0 sends {} rows to rank 0 (itself), which expects {} from it", send_counts[0],
+                recv_counts[0]);
+    const size_t bytes = static_cast<size_t>(send_counts[0] * row_elements(input)) * dtype_size(input.dtype());
+    if (bytes > 0) std::memcpy(output.raw(), input.raw(), bytes);
   }
   void barrier() override { check_open(); }
   void destroy() override { destroyed_ = true; }
@@ -75,6 +90,45 @@ void check_all_gather(const Tensor& output, const Tensor& input, int world_size,
   FORGE_CHECK(output.numel() == input.numel() * world_size,
               "all_gather: output {} must hold world size {} chunks of input {}", shape_str(output.shape()), world_size,
               shape_str(input.shape()));
+}
+
+int64_t row_elements(const Tensor& t) {
+  int64_t n = 1;
+  for (int i = 1; i < t.ndim(); ++i) n *= t.dim(i);
+  return n;
+}
+
+void check_all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                      const std::vector<int64_t>& send_counts, int world_size, Device device) {
+  for (const auto& [t, what] : {std::pair{&output, "output"}, std::pair{&input, "input"}}) {
+    FORGE_CHECK(t->defined(), "all_to_all: {} is undefined", what);
+    FORGE_CHECK(t->device() == device, "all_to_all: {} is on {}, the process group on {}", what,
+                device_name(t->device()), device_name(device));
+    FORGE_CHECK(t->ndim() >= 1, "all_to_all: {} is a scalar, expected rows along dim 0", what);
+  }
+  FORGE_CHECK(output.dtype() == input.dtype(), "all_to_all: output is {}, input {}", dtype_name(output.dtype()),
+              dtype_name(input.dtype()));
+  FORGE_CHECK(row_elements(output) == row_elements(input),
+              "all_to_all: output {} has rows of {} elements, input {} of {}: both must be the same", shape_str(output.shape()),
+              row_elements(output), shape_str(input.shape()), row_elements(input));
+  for (const auto& [counts, what, t] : {std::tuple{&send_counts, "send_counts", &input},
+                                        std::tuple{&recv_counts, "recv_counts", &output}}) {
+    FORGE_CHECK(counts->size() == static_cast<size_t>(world_size),
+                "all_to_all: {} has {} entries, expected one per rank of the group ({})", what, counts->size(),
+                world_size);
+    int64_t sum = 0;
+    for (size_t r = 0; r < counts->size(); ++r) {
+      FORGE_CHECK((*counts)[r] >= 0, "all_to_all: {}[{}] is {}, expected a row count >= 0", what, r, (*counts)[r]);
+      sum += (*counts)[r];
+    }
+    FORGE_CHECK(sum <= t->dim(0), "all_to_all: {} add up to {} rows, but {} {} has {}", what, sum,
+                t == &input ? "input" : "output", shape_str(t->shape()), t->dim(0));
+  }
+  const auto* out = static_cast<const uint8_t*>(output.raw());
+  const auto* in = static_cast<const uint8_t*>(input.raw());
+  FORGE_CHECK(output.nbytes() == 0 || input.nbytes() == 0 || out + output.nbytes() <= in ||
+                  in + input.nbytes() <= out,
+              "all_to_all: output and input overlap (it does not work in place)");
 }
 
 void check_split(int color) {

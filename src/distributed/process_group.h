@@ -1,5 +1,6 @@
 // The ranks of a job as one communicator: the collectives data-parallel training needs
-// (all-reduce, reduce-scatter, all-gather) on whole tensors, and a barrier.
+// (all-reduce, reduce-scatter, all-gather) on whole tensors, the all-to-all of rows with
+// variable counts that expert parallelism dispatches tokens with, and a barrier.
 //
 // NOTE [Process group]
 // create_process_group() picks the implementation by device:
@@ -25,6 +26,32 @@
 // (ncclCommSplit) with its own watchdog; on the CPU its collectives are relayed through
 // the world's connections, so every rank of the world must call one at the same time,
 // each on its own group (NOTE [CPU process group]).
+//
+// NOTE [All-to-all]
+// all_to_all(output, recv_counts, input, send_counts) exchanges rows (slices along dim 0;
+// a row is the product of the other dims, the same width in `input` and `output`) between
+// every pair of ranks of the group, as expert parallelism dispatches tokens to the ranks
+// holding their experts and combines them back. Both count vectors have world_size
+// entries, in group rank order, >= 0; offsets are implicit, the prefix sums of the counts:
+// rank i sends its input rows [sum(send_counts[0..j)), ... + send_counts[j]) to rank j,
+// and rank j receives them into its output rows [sum(recv_counts[0..i)), ... +
+// recv_counts[i]). Rows past sum(send_counts) of `input` are not sent, and rows past
+// sum(recv_counts) of `output` are left as they were, so buffers sized for the worst case
+// work. What every rank must pass:
+//  - rank i's send_counts[j] equals rank j's recv_counts[i] (each rank learns its
+//    receive counts beforehand, in MoE from an all_to_all of the per-rank counts). The CPU
+//    group checks it (rank 0 sees every rank's counts, and a mismatch fails every rank,
+//    naming the pairs); NCCL does not and cannot cheaply: there a mismatch is undefined
+//    (a receive larger than the send hangs until the watchdog's timeout, a smaller one
+//    corrupts), so get it right.
+//  - the same dtype and row width on every rank (the CPU group checks that too).
+// Zero counts are allowed anywhere (nothing is sent or received for that pair, and a call
+// whose counts are all zero is valid), as is a rank sending every row to one rank, and a
+// rank sending to itself (send_counts[rank()] == recv_counts[rank()]: a local copy, made
+// by NCCL's send/recv to self, or by rank 0 on the CPU). Rows are moved as bytes, never
+// converted, so any dtype works (MoE sends bf16 token rows and int32 indices; NCCL sends
+// ncclUint8, as its dtype mapping covers only f32 and bf16). `input` and `output` must
+// not overlap. The one-rank group copies (counts [n] and [n]).
 //
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is
@@ -56,6 +83,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "distributed/launch_env.h"
@@ -99,6 +127,12 @@ class ProcessGroup {
   virtual void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, CudaStream stream = nullptr) = 0;
   // `output` (world_size chunks) becomes every rank's `input`, in rank order.
   virtual void all_gather(const Tensor& output, const Tensor& input, CudaStream stream = nullptr) = 0;
+  // Rows (along dim 0) with variable counts: this rank's input rows [sum(send_counts[0..r)),
+  // ... + send_counts[r]) go to rank r, and rank r's rows for this rank arrive in output
+  // rows [sum(recv_counts[0..r)), ... + recv_counts[r]). Every rank's send_counts[j] must
+  // equal rank j's recv_counts[this rank]. See NOTE [All-to-all].
+  virtual void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                          const std::vector<int64_t>& send_counts, CudaStream stream = nullptr) = 0;
   // Returns when every rank has called barrier() and the collectives this rank enqueued
   // before it have completed.
   virtual void barrier() = 0;
@@ -117,6 +151,12 @@ std::unique_ptr<ProcessGroup> create_process_group(const LaunchEnv& env, const P
 void check_all_reduce(const Tensor& tensor, Device device);
 void check_reduce_scatter(const Tensor& output, const Tensor& input, int world_size, Device device);
 void check_all_gather(const Tensor& output, const Tensor& input, int world_size, Device device);
+// all_to_all: world_size counts each, none negative, their sums within the tensors' rows,
+// output and input of one dtype, row width and device, not overlapping.
+void check_all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                      const std::vector<int64_t>& send_counts, int world_size, Device device);
+// The elements of one row of `t` (the product of its dims after the first).
+int64_t row_elements(const Tensor& t);
 void check_split(int color);
 
 }  // namespace forge

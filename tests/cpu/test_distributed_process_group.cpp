@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <future>
@@ -14,6 +15,7 @@
 #include <thread>
 
 #include "config_test_support.h"
+#include "core/bf16.h"
 #include "distributed/process_group.h"
 #include "distributed/tcp_socket.h"
 
@@ -88,6 +90,71 @@ TEST(ProcessGroupCpu, ArgumentsAreChecked) {
                {"all_reduce: tensor is on cpu, the process group on cuda"});
 }
 
+TEST(ProcessGroupCpu, OneRankAllToAllCopiesItsRowsToItself) {
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  // f32 rows of 3: the first 4 of 5 rows go to itself; the output's last 2 rows stay.
+  Tensor input = iota(15, 1).view({5, 3});
+  Tensor output = Tensor::empty({6, 3});
+  std::fill(output.data<float>(), output.data<float>() + 18, -1.0f);
+  group->all_to_all(output, {4}, input, {4});
+  std::vector<float> expected = values(iota(12, 1));
+  expected.resize(18, -1.0f);
+  EXPECT_EQ(values(output), expected);
+  // int32 rows of one element (a 1-d tensor), and bf16 rows of 2 x 2.
+  Tensor indices = Tensor::empty({3}, DType::I32);
+  for (int i = 0; i < 3; ++i) indices.data<int32_t>()[i] = 7 - i;
+  Tensor got = Tensor::zeros({3}, DType::I32);
+  group->all_to_all(got, {3}, indices, {3});
+  EXPECT_EQ(std::vector<int32_t>(got.data<int32_t>(), got.data<int32_t>() + 3), (std::vector<int32_t>{7, 6, 5}));
+  Tensor tokens = Tensor::empty({2, 2, 2}, DType::BF16);
+  for (int i = 0; i < 8; ++i) tokens.data<BFloat16>()[i] = to_bf16(0.5f * static_cast<float>(i));
+  Tensor tokens_out = Tensor::zeros({2, 4}, DType::BF16);  // the same rows of 4 elements, another shape
+  group->all_to_all(tokens_out, {2}, tokens, {2});
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(tokens_out.data<BFloat16>()[i].bits, tokens.data<BFloat16>()[i].bits);
+  // Nothing to move, also with empty tensors.
+  group->all_to_all(output, {0}, input, {0});
+  EXPECT_EQ(values(output), expected);
+  group->all_to_all(Tensor::zeros({0, 3}), {0}, Tensor::zeros({0, 3}), {0});
+  auto sub = group->split(0, 0);
+  Tensor sub_out = Tensor::zeros({5, 3});
+  sub->all_to_all(sub_out, {5}, input, {5});
+  EXPECT_EQ(values(sub_out), values(input));
+  group->destroy();
+  expect_error([&] { group->all_to_all(output, {1}, input, {1}); }, {"process group used after destroy()"});
+}
+
+TEST(ProcessGroupCpu, AllToAllArgumentsAreChecked) {
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  Tensor input = Tensor::zeros({4, 3});
+  Tensor output = Tensor::zeros({4, 3});
+  expect_error([&] { group->all_to_all(output, {4}, input, {3}); },
+               {"all_to_all: rank 0 sends 3 rows to rank 0 (itself), which expects 4 from it"});
+  expect_error([&] { group->all_to_all(output, {1}, input, {1, 0}); },
+               {"all_to_all: send_counts has 2 entries, expected one per rank of the group (1)"});
+  expect_error([&] { group->all_to_all(output, {}, input, {1}); },
+               {"all_to_all: recv_counts has 0 entries, expected one per rank of the group (1)"});
+  expect_error([&] { group->all_to_all(output, {-1}, input, {-1}); },
+               {"all_to_all: send_counts[0] is -1, expected a row count >= 0"});
+  expect_error([&] { group->all_to_all(output, {5}, input, {5}); },
+               {"all_to_all: send_counts add up to 5 rows, but input [4, 3] has 4"});
+  expect_error([&] { group->all_to_all(Tensor::zeros({2, 3}), {3}, input, {3}); },
+               {"all_to_all: recv_counts add up to 3 rows, but output [2, 3] has 2"});
+  expect_error([&] { group->all_to_all(Tensor::zeros({4, 3}, DType::BF16), {1}, input, {1}); },
+               {"all_to_all: output is bf16, input f32"});
+  expect_error([&] { group->all_to_all(Tensor::zeros({4, 2}), {1}, input, {1}); },
+               {"all_to_all: output [4, 2] has rows of 2 elements, input [4, 3] of 3"});
+  expect_error([&] { group->all_to_all(output, {1}, Tensor::zeros({}), {0}); },
+               {"all_to_all: input is a scalar, expected rows along dim 0"});
+  expect_error([&] { group->all_to_all(input.narrow(1, 3), {1}, input.narrow(0, 2), {1}); },
+               {"all_to_all: output and input overlap"});
+  expect_error([&] { group->all_to_all(output, {1}, Tensor(), {1}); }, {"all_to_all: input is undefined"});
+  expect_error([] { check_all_to_all(Tensor::zeros({4}), {1, 2}, Tensor::zeros({4}), {2, 1}, 2, Device::CUDA); },
+               {"all_to_all: output is on cpu, the process group on cuda"});
+  check_all_to_all(Tensor::zeros({4}), {1, 2}, Tensor::zeros({4}), {2, 1}, 2, Device::CPU);  // valid
+  expect_error([] { check_all_to_all(Tensor::zeros({4}), {1, 2}, Tensor::zeros({4}), {2, 1}, 3, Device::CPU); },
+               {"all_to_all: send_counts has 2 entries, expected one per rank of the group (3)"});
+}
+
 LaunchEnv env_of(int rank, int world, int port) {
   LaunchEnv env;
   env.rank = rank;
@@ -156,6 +223,41 @@ TEST(ProcessGroupCpu, SeveralRanksFormTheCpuGroup) {
     group->barrier();
   });
   for (const std::string& error : errors) EXPECT_EQ(error, "");
+}
+
+TEST(ProcessGroupCpu, AllToAllAcrossThreeRanksAndMismatchedCountsFailEveryRank) {
+  const int port = free_port();
+  ProcessGroupOptions options;
+  options.rendezvous_timeout = 10s;
+  options.collective_timeout = 10s;
+  const auto errors = run_ranks(3, [&](int r) {
+    auto group = create_process_group(env_of(r, 3, port), options);
+    // Rank i sends i + j rows to rank j, row k of them holding 100 i + 10 j + k.
+    std::vector<int64_t> send(3);
+    std::vector<int64_t> recv(3);
+    std::vector<float> rows;
+    for (int j = 0; j < 3; ++j) {
+      send[j] = r + j;
+      recv[j] = j + r;
+      for (int k = 0; k < r + j; ++k) rows.push_back(static_cast<float>(100 * r + 10 * j + k));
+    }
+    Tensor input = Tensor::empty({static_cast<int64_t>(rows.size())});
+    std::copy(rows.begin(), rows.end(), input.data<float>());
+    Tensor output = Tensor::zeros({3 * r + 3});
+    group->all_to_all(output, recv, input, send);
+    std::vector<float> expected;
+    for (int i = 0; i < 3; ++i)
+      for (int k = 0; k < i + r; ++k) expected.push_back(static_cast<float>(100 * i + 10 * r + k));
+    if (values(output) != expected) throw Error(fmt::format("rank {}: all_to_all gave {}", r, values(output)));
+    // Rank 2 expects one row more from rank 0 than rank 0 sends it.
+    if (r == 2) recv[0] += 1;
+    group->all_to_all(Tensor::zeros({3 * r + 4}), recv, input, send);
+  });
+  for (int r = 0; r < 3; ++r) {
+    contains(errors[r], "all_to_all #2 (f32, rows of 1 elements) on the world: the ranks' row counts do not match");
+    contains(errors[r], "rank 0 sends 2 rows to rank 2, which expects 3 from it");
+  }
+  contains(errors[1], "rank 1 of 3: rank 0 stopped the job");
 }
 
 TEST(ProcessGroupCpu, AFailureIsReportedOnceAndLasts) {

@@ -272,6 +272,46 @@ void NcclProcessGroup::all_gather(const Tensor& output, const Tensor& input, Cud
   });
 }
 
+void NcclProcessGroup::all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                                  const std::vector<int64_t>& send_counts, CudaStream stream) {
+  check_usable("all_to_all");
+  check_all_to_all(output, recv_counts, input, send_counts, world_size_, Device::CUDA);
+  // Rows move as bytes (ncclUint8): nothing is reduced, so any dtype works, int32 indices
+  // included, which nccl_type() does not map.
+  const size_t row_bytes = static_cast<size_t>(row_elements(input)) * dtype_size(input.dtype());
+  int64_t sent = 0;
+  int64_t received = 0;
+  for (int r = 0; r < world_size_; ++r) {
+    sent += send_counts[r];
+    received += recv_counts[r];
+  }
+  // Every rank counts the call, even one with nothing to move, so that the numbers of the
+  // flight records agree across ranks.
+  const std::string what = fmt::format("all_to_all #{} ({}, rows of {} elements, {} rows sent, {} received)",
+                                       ++collectives_, dtype_name(input.dtype()), row_elements(input), sent, received);
+  enqueue(what, stream, [&](ncclComm_t comm) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    const auto* in = static_cast<const uint8_t*>(input.raw());
+    auto* out = static_cast<uint8_t*>(output.raw());
+    size_t send_at = 0;
+    size_t recv_at = 0;
+    for (int r = 0; r < world_size_ && result == ncclSuccess; ++r) {
+      const size_t send_bytes = static_cast<size_t>(send_counts[r]) * row_bytes;
+      const size_t recv_bytes = static_cast<size_t>(recv_counts[r]) * row_bytes;
+      if (send_bytes > 0) result = ncclSend(in + send_at, send_bytes, ncclUint8, r, comm, stream);
+      if (result == ncclSuccess && recv_bytes > 0)
+        result = ncclRecv(out + recv_at, recv_bytes, ncclUint8, r, comm, stream);
+      send_at += send_bytes;
+      recv_at += recv_bytes;
+    }
+    // The group is ended whatever happened inside it; its result (ncclInProgress on a
+    // non-blocking communicator) is what settle() waits on.
+    const ncclResult_t end = ncclGroupEnd();
+    return result != ncclSuccess ? result : end;
+  });
+}
+
 void NcclProcessGroup::barrier() {
   check_usable("barrier");
   // On the legacy default stream, which waits for the work of every other (blocking)

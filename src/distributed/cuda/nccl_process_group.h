@@ -35,6 +35,9 @@ class NcclProcessGroup final : public ProcessGroup {
   void all_reduce(const Tensor& tensor, ReduceOp op, CudaStream stream) override;
   void reduce_scatter(const Tensor& output, const Tensor& input, ReduceOp op, CudaStream stream) override;
   void all_gather(const Tensor& output, const Tensor& input, CudaStream stream) override;
+  // One ncclSend/ncclRecv per peer with rows to move (self included), in one NCCL group.
+  void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                  const std::vector<int64_t>& send_counts, CudaStream stream) override;
   void barrier() override;
   void destroy() override;
   // ncclCommSplit of this communicator, waited for as a collective is (NOTE [NCCL
