@@ -2,10 +2,14 @@
 forge_cpu_group tool as the ranks. Under forge launch with 2, 3 and 4 ranks every rank
 checks every collective's exact values (f32 and bf16, sum and avg, reduce_scatter's and
 all_gather's chunk order, two splits whose groups work at once, a split of a split, 32 MiB
-buffers, a group outliving the world), and the results are bit-identical across ranks.
+buffers, a group outliving the world), and the results are bit-identical across ranks;
+all_to_all moves every rank's rows exactly (random counts with zeros, everything to one
+rank, self-sends, f32, bf16 and int32 rows, on the world and on split groups at once) and
+refuses bad arguments.
 Ranks started directly (so that no launcher stops them before they speak) show that a
 mismatch between ranks, a rank that exits and a rank that never calls end every rank with
-the cause, at once or after the collective timeout."""
+the cause, at once or after the collective timeout, as do all_to_all row counts that do not
+match between a sender and its receiver."""
 import os
 import socket
 import subprocess
@@ -64,6 +68,17 @@ class Collectives(unittest.TestCase):
                 for rank in range(1, world):
                     self.assertEqual(digests[rank], digests[0], f"rank {rank} differs from rank 0")
 
+    def test_all_to_all_on_two_three_and_four_ranks(self):
+        for world in (2, 3, 4):
+            with self.subTest(world=world):
+                result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", str(world), "--",
+                                         tool("forge_cpu_group"), "all-to-all"], capture_output=True, text=True,
+                                        timeout=TIMEOUT)
+                self.assertEqual(result.returncode, 0, result.stderr)
+                for rank in range(world):
+                    lines = rank_lines(result.stdout, rank)
+                    self.assertEqual(lines[-1], f"rank {rank} of {world}: all_to_all ok", result.stdout)
+
 
 class Failures(unittest.TestCase):
     def check_every_rank(self, results, world, fragment):
@@ -89,6 +104,15 @@ class Failures(unittest.TestCase):
         results = run_ranks(3, "mismatch-kind", 30000)
         self.check_every_rank(results, 3, "ranks 0-1 called all_reduce #1 (f32, 1000 elements, sum) on the world; "
                                        "rank 2 called all_gather #1 (f32, 1000 elements per rank) on the world")
+
+    def test_all_to_all_counts_that_do_not_match_fail_every_rank_naming_the_pair(self):
+        start = time.monotonic()
+        results = run_ranks(3, "mismatch-counts", 30000)
+        self.assertLess(time.monotonic() - start, 10)
+        self.check_every_rank(results, 3, "all_to_all #1 (f32, rows of 4 elements) on the world: the ranks' row "
+                                       "counts do not match")
+        for _, _, stderr in results:
+            self.assertIn("rank 0 sends 2 rows to rank 2, which expects 3 from it", stderr)
 
     def test_forge_launch_exits_non_zero_on_a_mismatch(self):
         result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", tool("forge_cpu_group"),

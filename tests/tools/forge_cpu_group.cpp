@@ -9,7 +9,15 @@
 //    order in fp32, divided by the group size for avg, rounded to bf16 once. Prints
 //    "digest NAME HEX" per result that must be the same on every rank, and last
 //    "rank R of W: collectives ok".
+//  - all-to-all: all_to_all (NOTE [All-to-all]) on the world, on the halves of a split
+//    (both at once) and on pairs: random row counts with zeros, every rank sending all its
+//    rows to one rank, only self-sends, nothing at all, in f32, bf16 and int32 rows of
+//    several widths, into outputs with spare rows (which must stay as they were); every
+//    rank checks the exact bytes of its rows from every rank; bad arguments are refused
+//    on the calling rank. Prints last "rank R of W: all_to_all ok".
 //  - mismatch-size: the last rank all-reduces one element more than the others.
+//  - mismatch-counts: in an all_to_all, the last rank expects one row more from rank 0
+//    than rank 0 sends it.
 //  - mismatch-kind: the last rank all-gathers while the others all-reduce.
 //  - early-exit: the last rank leaves right after the group is made; the others
 //    all-reduce. rank0-exit: the same with rank 0 leaving.
@@ -245,6 +253,160 @@ void collectives(ProcessGroup& world_group, int world) {
   parity->barrier();
 }
 
+// Element e of the k-th row that world rank `from` sends world rank `to` in the all_to_all
+// test `tag`, written into t's element `index`.
+void put_element(const Tensor& t, int64_t index, int from, int to, int64_t k, int64_t e, uint32_t tag) {
+  const int64_t where = (static_cast<int64_t>(to) * 4096 + k) * 64 + e;
+  switch (t.dtype()) {
+    case DType::F32:
+      t.data<float>()[index] = input_value(from, where, tag);
+      break;
+    case DType::BF16:
+      t.data<BFloat16>()[index] = to_bf16(input_value(from, where, tag));
+      break;
+    case DType::I32:
+      t.data<int32_t>()[index] = static_cast<int32_t>(tag * 7919u + static_cast<uint32_t>(from) * 1000003u +
+                                                      static_cast<uint32_t>(where));
+      break;
+    default:
+      fail("put_element: unexpected dtype");
+  }
+}
+
+// One all_to_all on `g` (members: world ranks in group rank order): group rank i sends
+// count(i, j) rows of `width` elements to group rank j. Checks this rank's output byte for
+// byte, spare rows included.
+void check_all_to_all_case(ProcessGroup& g, const std::vector<int>& members, DType dtype, int64_t width,
+                           const std::function<int64_t(int, int)>& count, uint32_t tag, const std::string& name) {
+  const int n = g.world_size();
+  const int me = g.rank();
+  std::vector<int64_t> send(n);
+  std::vector<int64_t> recv(n);
+  int64_t sent = 0;
+  int64_t received = 0;
+  for (int j = 0; j < n; ++j) {
+    send[j] = count(me, j);
+    recv[j] = count(j, me);
+    sent += send[j];
+    received += recv[j];
+  }
+  const int64_t spare = 2;  // rows past the counts: not sent, and left as they were
+  Tensor input = Tensor::empty({sent + spare, width}, dtype);
+  Tensor output = Tensor::empty({received + spare, width}, dtype);
+  Tensor expected = Tensor::empty({received + spare, width}, dtype);
+  std::memset(input.raw(), 0x5A, input.nbytes());
+  std::memset(output.raw(), 0xA5, output.nbytes());
+  std::memset(expected.raw(), 0xA5, expected.nbytes());
+  int64_t row = 0;
+  for (int j = 0; j < n; ++j)
+    for (int64_t k = 0; k < send[j]; ++k, ++row)
+      for (int64_t e = 0; e < width; ++e) put_element(input, row * width + e, members[me], members[j], k, e, tag);
+  row = 0;
+  for (int i = 0; i < n; ++i)
+    for (int64_t k = 0; k < recv[i]; ++k, ++row)
+      for (int64_t e = 0; e < width; ++e) put_element(expected, row * width + e, members[i], members[me], k, e, tag);
+  g.all_to_all(output, recv, input, send);
+  const size_t row_bytes = static_cast<size_t>(width) * dtype_size(dtype);
+  for (int64_t r = 0; r < received + spare; ++r) {
+    if (std::memcmp(static_cast<const uint8_t*>(output.raw()) + r * row_bytes,
+                    static_cast<const uint8_t*>(expected.raw()) + r * row_bytes, row_bytes) != 0)
+      fail(fmt::format("{} all_to_all ({}, rows of {}): output row {} of {} ({} received, {} spare) is wrong", name,
+                       dtype_name(dtype), width, r, received + spare, received, spare));
+  }
+}
+
+uint32_t mix(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t h = a * 0x9E3779B1u ^ b * 0x85EBCA77u ^ c * 0xC2B2AE3Du;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  h ^= h >> 12;
+  return h;
+}
+
+// `world`: the world's size. Every rank of the world makes as many calls (NOTE [CPU process
+// group]), whatever the size of its group.
+void check_all_to_all_group(ProcessGroup& g, const std::vector<int>& members, int world, uint32_t tag,
+                            const std::string& name) {
+  const int n = g.world_size();
+  struct Kind {
+    DType dtype;
+    int64_t width;
+  };
+  for (const Kind kind : {Kind{DType::F32, 5}, Kind{DType::BF16, 8}, Kind{DType::I32, 2}, Kind{DType::I32, 1}}) {
+    const std::string what = fmt::format("{} {}", name, dtype_name(kind.dtype));
+    // Random counts 0..6, about a third of them zero.
+    for (uint32_t seed = 1; seed <= 3; ++seed) {
+      const uint32_t t = tag + seed * 10;
+      check_all_to_all_case(
+          g, members, kind.dtype, kind.width,
+          [&](int i, int j) {
+            const uint32_t h = mix(static_cast<uint32_t>(i), static_cast<uint32_t>(j), t);
+            return h % 3 == 0 ? int64_t{0} : static_cast<int64_t>(h % 7);
+          },
+          t, what + fmt::format(" random counts (seed {})", seed));
+    }
+    // Every rank sends all its rows to one rank (itself included), for each rank.
+    for (int h = 0; h < world; ++h) {
+      const int hot = h % n;
+      check_all_to_all_case(
+          g, members, kind.dtype, kind.width, [&](int i, int j) { return j == hot ? int64_t{3 + i} : int64_t{0}; },
+          tag + 50 + static_cast<uint32_t>(hot), what + fmt::format(" everything to rank {}", hot));
+    }
+    // Only self-sends: a local copy on every rank.
+    check_all_to_all_case(
+        g, members, kind.dtype, kind.width, [](int i, int j) { return i == j ? int64_t{4} : int64_t{0}; }, tag + 70,
+        what + " self-sends only");
+    // Nothing at all.
+    check_all_to_all_case(g, members, kind.dtype, kind.width, [](int, int) { return int64_t{0}; }, tag + 80,
+                          what + " all counts zero");
+  }
+  // A large exchange: 1000 rows of 1024 f32 (4 MiB) from every rank to every rank.
+  check_all_to_all_case(g, members, DType::F32, 1024, [](int, int) { return int64_t{1000}; }, tag + 90,
+                        name + " 4 MiB per pair");
+}
+
+void all_to_all_scenario(ProcessGroup& world_group, int world) {
+  const std::vector<int> everyone = ranks_where(world, [](int) { return true; });
+  check_all_to_all_group(world_group, everyone, world, 5000, "world");
+
+  // Bad arguments fail on the calling rank, before anything is sent (every rank makes the
+  // same mistakes, so they stay in step).
+  const auto refused = [&](const std::function<void()>& call, const std::string& fragment) {
+    try {
+      call();
+    } catch (const Error& e) {
+      if (std::string(e.what()).find(fragment) == std::string::npos)
+        fail(fmt::format("a bad all_to_all failed with '{}', expected '{}'", e.what(), fragment));
+      return;
+    }
+    fail("a bad all_to_all was accepted: expected " + fragment);
+  };
+  Tensor rows = Tensor::zeros({4, 2});
+  Tensor out = Tensor::zeros({4, 2});
+  std::vector<int64_t> ones(world, 1);
+  refused([&] { world_group.all_to_all(out, ones, rows, std::vector<int64_t>(world + 1, 0)); },
+          fmt::format("send_counts has {} entries, expected one per rank of the group ({})", world + 1, world));
+  std::vector<int64_t> negative(world, 0);
+  negative[world - 1] = -2;
+  refused([&] { world_group.all_to_all(out, negative, rows, std::vector<int64_t>(world, 0)); },
+          fmt::format("recv_counts[{}] is -2", world - 1));
+  refused([&] { world_group.all_to_all(out, ones, rows, std::vector<int64_t>(world, 5)); },
+          fmt::format("send_counts add up to {} rows, but input [4, 2] has 4", 5 * world));
+  refused([&] { world_group.all_to_all(Tensor::zeros({4, 2}, DType::I32), ones, rows, ones); },
+          "output is i32, input f32");
+  world_group.barrier();
+
+  // The halves by parity at once, each within itself; then pairs, with the order reversed.
+  auto parity = world_group.split(g_rank % 2, g_rank);
+  const std::vector<int> same_parity = ranks_where(world, [](int r) { return r % 2 == g_rank % 2; });
+  check_all_to_all_group(*parity, same_parity, world, 6000 + g_rank % 2 * 1000, "parity group");
+  auto pair = world_group.split(g_rank / 2, world - g_rank);
+  std::vector<int> same_pair = ranks_where(world, [](int r) { return r / 2 == g_rank / 2; });
+  std::reverse(same_pair.begin(), same_pair.end());
+  check_all_to_all_group(*pair, same_pair, world, 8000 + g_rank / 2 * 1000, "pair group");
+  world_group.barrier();
+}
+
 }  // namespace
 }  // namespace forge
 
@@ -268,6 +430,21 @@ int main(int argc, char** argv) {
     if (scenario == "collectives") {
       collectives(*group, env.world_size);
       std::printf("rank %d of %d: collectives ok\n", env.rank, env.world_size);
+      return 0;
+    }
+    if (scenario == "all-to-all") {
+      all_to_all_scenario(*group, env.world_size);
+      std::printf("rank %d of %d: all_to_all ok\n", env.rank, env.world_size);
+      return 0;
+    }
+    if (scenario == "mismatch-counts") {
+      // Two rows to every rank; the last rank expects three from rank 0.
+      std::vector<int64_t> send(env.world_size, 2);
+      std::vector<int64_t> recv(env.world_size, 2);
+      if (last) recv[0] = 3;
+      group->all_to_all(Tensor::zeros({2 * env.world_size + 1, 4}), recv, Tensor::zeros({2 * env.world_size, 4}),
+                        send);
+      std::printf("rank %d: no error\n", env.rank);
       return 0;
     }
     if ((scenario == "early-exit" && last) || (scenario == "rank0-exit" && env.rank == 0)) return 0;
