@@ -12,6 +12,9 @@
 // launched, or by the enqueue itself while NCCL still waits to connect to the absent peer
 // (the first collective on a communicator connects lazily). Whatever its outcome, every
 // rank reaches the test's closing barrier, so one failed expectation cannot hang the job.
+// The all_to_all test has rank i send (i + 2 j + 3) % 4 rows to rank j (zeros and self-sends
+// included; alone, a copy of its rows to itself), bf16 token rows and int32 index rows,
+// and compares the bytes received, spare output rows untouched included.
 // The split test makes a group of each parity (its own communicator) and checks that both
 // reduce and gather within themselves, in the order the keys give.
 // scripts/gpu-test-dist runs this on every GPU and prints a pass/fail line per rank.
@@ -21,11 +24,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "core/bf16.h"
 #include "distributed/launch_env.h"
 #include "distributed/process_group.h"
 #include "gpu_testing.h"
@@ -167,6 +172,70 @@ TEST(ProcessGroupCollectives, WorkOnTheCallersStream) {
     g.barrier();
     cudaStreamDestroy(stream);
   }
+}
+
+// Element e of row k that rank `from` sends rank `to`, as raw bits: a bf16 small integer
+// (exact) or an int32 that names all four.
+uint32_t all_to_all_bits(DType dtype, int from, int to, int64_t k, int64_t e) {
+  if (dtype == DType::BF16) return to_bf16(static_cast<float>((from * 31 + to * 7 + k * 3 + e) % 250)).bits;
+  return static_cast<uint32_t>(from * 1000000 + to * 10000 + k * 100 + e);
+}
+
+TEST(ProcessGroupCollectives, AllToAllMovesRowsWithVariableCounts) {
+  ProcessGroup& g = GroupEnvironment::group();
+  const int world = g.world_size();
+  const int me = g.rank();
+  const auto count = [](int i, int j) { return static_cast<int64_t>((i + 2 * j + 3) % 4); };
+  for (DType dtype : {DType::BF16, DType::I32}) {
+    SCOPED_TRACE(std::string(dtype_name(dtype)));
+    for (int64_t width : {int64_t{1}, int64_t{4096}}) {
+      std::vector<int64_t> send(world);
+      std::vector<int64_t> recv(world);
+      int64_t sent = 0;
+      int64_t received = 0;
+      for (int j = 0; j < world; ++j) {
+        send[j] = count(me, j);
+        recv[j] = count(j, me);
+        sent += send[j];
+        received += recv[j];
+      }
+      const int64_t spare = 1;
+      const size_t element = dtype_size(dtype);
+      const auto put = [&](Tensor& t, int64_t index, uint32_t bits) {
+        std::memcpy(static_cast<uint8_t*>(t.raw()) + index * element, &bits, element);
+      };
+      Tensor input = Tensor::zeros({sent + spare, width}, dtype);
+      int64_t row = 0;
+      for (int j = 0; j < world; ++j)
+        for (int64_t k = 0; k < send[j]; ++k, ++row)
+          for (int64_t e = 0; e < width; ++e) put(input, row * width + e, all_to_all_bits(dtype, me, j, k, e));
+      Tensor expected = Tensor::empty({received + spare, width}, dtype);
+      std::memset(expected.raw(), 0xff, expected.nbytes());  // as poisoned_gpu
+      row = 0;
+      for (int i = 0; i < world; ++i)
+        for (int64_t k = 0; k < recv[i]; ++k, ++row)
+          for (int64_t e = 0; e < width; ++e) put(expected, row * width + e, all_to_all_bits(dtype, i, me, k, e));
+      Tensor output = poisoned_gpu({received + spare, width}, dtype);
+      g.all_to_all(output, recv, input.to(Device::CUDA), send);
+      const Tensor got = output.to(Device::CPU);
+      ASSERT_EQ(got.nbytes(), expected.nbytes());
+      EXPECT_EQ(std::memcmp(got.raw(), expected.raw(), got.nbytes()), 0)
+          << "rows of " << width << ": " << received << " rows received, then " << spare << " spare";
+      // Nothing to move: a valid call that leaves the output as it was.
+      g.all_to_all(output, std::vector<int64_t>(world, 0), input.to(Device::CUDA), std::vector<int64_t>(world, 0));
+      const Tensor again = output.to(Device::CPU);
+      EXPECT_EQ(std::memcmp(again.raw(), expected.raw(), again.nbytes()), 0);
+    }
+  }
+  // Refused on the calling rank before anything is enqueued.
+  Tensor rows = Tensor::zeros({4, 2}, DType::BF16, Device::CUDA);
+  EXPECT_THROW(g.all_to_all(Tensor::zeros({4, 2}, DType::I32, Device::CUDA), std::vector<int64_t>(world, 0), rows,
+                            std::vector<int64_t>(world, 0)),
+               Error);
+  EXPECT_THROW(g.all_to_all(Tensor::zeros({4, 2}, DType::BF16, Device::CUDA), std::vector<int64_t>(world, 5), rows,
+                            std::vector<int64_t>(world, 5)),
+               Error);
+  g.barrier();
 }
 
 TEST(ProcessGroupSplit, HalvesWorkAtOnceEachWithinItself) {
