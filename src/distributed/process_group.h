@@ -41,9 +41,10 @@
 //  - rank i's send_counts[j] equals rank j's recv_counts[i] (each rank learns its
 //    receive counts beforehand, in MoE from an all_to_all of the per-rank counts). The CPU
 //    group checks it (rank 0 sees every rank's counts, and a mismatch fails every rank,
-//    naming the pairs); NCCL does not and cannot cheaply: there a mismatch is undefined
-//    (a receive larger than the send hangs until the watchdog's timeout, a smaller one
-//    corrupts), so get it right.
+//    naming the pairs); the NCCL group does not (it would cost another exchange per
+//    call): there a mismatch is NCCL's undefined behaviour (a receive waiting for bytes
+//    that never come is ended by the watchdog's timeout; other mismatches may go
+//    unnoticed), so get it right, and test new callers on the CPU group.
 //  - the same dtype and row width on every rank (the CPU group checks that too).
 // Zero counts are allowed anywhere (nothing is sent or received for that pair, and a call
 // whose counts are all zero is valid), as is a rank sending every row to one rank, and a
