@@ -107,7 +107,7 @@ bool is_deepseek(const std::string& family) { return family == "deepseek_v2" || 
 void reject_unsupported(const HfConfigReader& r) {
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (r.boolean_or(key, false))
-      FORGE_FAIL("{}: \"{}\" is true; forge's Llama has no bias terms", r.path(), key);
+      FORGE_FAIL("{}: \"{}\" is true; forge's projections have no bias terms", r.path(), key);
   std::string act = r.string_or(r.config(), "hidden_act", "silu", "");
   if (act != "silu") FORGE_FAIL("{}: \"hidden_act\" is '{}'; forge's MLP is SwiGLU and needs \"silu\"", r.path(), act);
 }
