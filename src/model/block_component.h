@@ -29,14 +29,18 @@
 #include "core/checked_math.h"
 #include "core/tensor.h"
 #include "model/activations.h"
+#include "model/expert_dispatch.h"
 #include "model/parameters.h"
 
 namespace forge {
 
-// The tokens of one micro-batch and the dtype its activations are kept in (statistics are fp32).
+// The tokens of one micro-batch and the dtype its activations are kept in (statistics are
+// fp32); expert_parallel: the expert-parallel degree, which sizes what a rank may receive
+// (NOTE [Expert parallelism] in model/expert_dispatch.h).
 struct StepShape {
   int64_t micro_batch = 0, seq_len = 0;
   DType dtype = DType::F32;
+  int64_t expert_parallel = 1;
   int64_t tokens() const { return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len"); }
 };
 
@@ -61,6 +65,9 @@ class BlockComponent {
   // The micro-batch's examples, before its forward (null: each row is one sequence). The
   // layout holds for the micro-batch's recomputation and backward too.
   virtual void set_sequence_layout(const SequenceLayout* layout) {}
+  // Under expert parallelism, how a Mixture-of-Experts component reaches the other ranks'
+  // experts (set before lay_out, outlives the component); ignored by every other component.
+  virtual void set_expert_dispatch(ExpertDispatch* dispatch) {}
 
   // *out = x + f(x) for block `layer` ([tokens, hidden]; out may not alias x). With no
   // `out`, only what the backward needs is computed (recomputation, NOTE above).

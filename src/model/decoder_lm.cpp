@@ -61,18 +61,19 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 }  // namespace
 
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode) {
+                         ActivationCheckpoint mode, int64_t expert_parallel) {
   BlockComponents components = make_block_components(validated(config));
-  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype}, mode);
+  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype, expert_parallel}, mode);
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
-                     DType compute_dtype, ActivationCheckpoint checkpoint)
+                     DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts)
     : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
-                make_block_components(validated(config))) {}
+                make_block_components(validated(config)), experts) {}
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
-                     DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components)
+                     DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components,
+                     ExpertDispatch* experts)
     : config_(config),
       micro_batch_(micro_batch),
       seq_len_(seq_len),
@@ -108,8 +109,15 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
     first_param_.push_back(std::move(first));
   }
 
-  const StepShape shape{micro_batch, seq_len, compute_dtype};
-  for (auto& component : components_) component->prepare(shape, device);
+  const int64_t expert_parallel = experts ? experts->size() : 1;
+  FORGE_CHECK(expert_parallel == 1 || (config_.moe() && config_.num_experts % expert_parallel == 0),
+              "expert parallelism over {} ranks needs a Mixture-of-Experts model whose experts it divides ({} experts)",
+              expert_parallel, config_.num_experts);
+  const StepShape shape{micro_batch, seq_len, compute_dtype, expert_parallel};
+  for (auto& component : components_) {
+    component->set_expert_dispatch(experts);
+    component->prepare(shape, device);
+  }
   arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint)}, DType::U8, device);
   ArenaLayout layout(arena_.raw(), device);
   lay_out_decoder(b_, components_, config_, shape, checkpoint, layout);

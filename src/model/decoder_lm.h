@@ -55,19 +55,24 @@ struct DecoderActivations {
 
 // Bytes of the activation arena of a (micro_batch, seq_len) step in compute dtype `dtype`
 // under `mode`, with the config's block components.
+// expert_parallel: the expert-parallel degree (a rank's received rows grow with it).
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode);
+                         ActivationCheckpoint mode, int64_t expert_parallel = 1);
 
 class DecoderLM {
  public:
   // Activations live on `device` in compute_dtype (fp32 on the CPU, bf16 on CUDA), with
   // fp32 statistics (NOTE [Op placement]); the weights handed in must match.
+  // `experts`: under expert parallelism (NOTE [Expert parallelism] in
+  // model/expert_dispatch.h) how the MoE blocks reach the other ranks' experts; it outlives
+  // the model, and the weights handed in then hold this rank's local experts only.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
-            DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None);
+            DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None,
+            ExpertDispatch* experts = nullptr);
   // With the blocks' components given instead of chosen from the config: they must declare
   // the parameters parameter_specs(config) lists for a block, in that order.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
-            ActivationCheckpoint checkpoint, BlockComponents components);
+            ActivationCheckpoint checkpoint, BlockComponents components, ExpertDispatch* experts = nullptr);
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }

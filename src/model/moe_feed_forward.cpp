@@ -51,6 +51,7 @@ std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
                     false, hf + "mlp.experts.gate_up_proj"};
   specs[kDown] = {p + "moe.experts.down", {experts_, hidden_, ffn_}, std::move(down), true, layer,
                   true, hf + "mlp.experts.down_proj"};
+  specs[kGateUp].expert_stack = specs[kDown].expert_stack = true;
   if (shared_ffn_ > 0) {
     const std::string shared = moe + "shared_experts.";
     specs[kSharedGateUp] = {p + "moe.shared.gate_up.weight",
@@ -81,19 +82,34 @@ std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
 void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode,
                              int num_layers) {
   const int64_t n = shape.tokens(), rows = n * top_k_;
+  // Expert parallelism: a rank may receive every row of its group (NOTE [Expert parallelism]).
+  expert_parallel_ = shape.expert_parallel;
+  const int64_t received = mul_or_fail(rows, expert_parallel_, "the rows a rank's experts may receive");
+  const bool ep = expert_parallel_ > 1;
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
   auto index = [&](Shape s) { return layout.take(std::move(s), DType::I32); };
+  // Under expert parallelism the experts' GEMMs run on the received rows (a.local): their
+  // input is kept (it came over the network), their SwiGLU recomputed; the layer's own
+  // permuted rows are scratch, its expert outputs (returned) kept for the combine's backward.
   auto costly = [&](Activations& a) {
     a.rstd = stat({n});
-    a.rows.gate_up = act({rows, 2 * ffn_});
     a.rows.expert_out = act({rows, hidden_});
+    if (ep) {
+      a.local.permuted = act({received, hidden_});
+      a.local.gate_up = act({received, 2 * ffn_});
+    } else {
+      a.rows.gate_up = act({rows, 2 * ffn_});
+    }
     if (shared_ffn_ > 0) a.shared_gate_up = act({n, 2 * shared_ffn_});
   };
   auto cheap = [&](Activations& a) {
     a.normed = act({n, hidden_});
-    a.rows.permuted = act({rows, hidden_});
-    a.rows.swiglu = act({rows, ffn_});
+    if (ep) a.local.swiglu = act({received, ffn_});
+    else {
+      a.rows.permuted = act({rows, hidden_});
+      a.rows.swiglu = act({rows, ffn_});
+    }
     if (shared_ffn_ > 0) a.shared_swiglu = act({n, shared_ffn_});
   };
   logits_ = stat({n, experts_});
@@ -105,9 +121,20 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   }
   sequences_ = shape.micro_batch;
   d_expert_out_ = act({rows, hidden_});
-  d_swiglu_ = act({rows, ffn_});
-  d_gate_up_ = act({rows, 2 * ffn_});
+  d_swiglu_ = act({received, ffn_});
+  d_gate_up_ = act({received, 2 * ffn_});
   d_permuted_ = act({rows, hidden_});
+  if (ep) {
+    permuted_ = act({rows, hidden_});
+    staging_ = act({received, hidden_});
+    local_out_ = act({received, hidden_});
+    d_local_out_ = act({received, hidden_});
+    d_local_permuted_ = act({received, hidden_});
+    for (Activations& a : layers_) {
+      a.rows.permuted = permuted_;
+      a.local.expert_out = local_out_;
+    }
+  }
   d_weights_ = stat({n, top_k_});
   d_logits_ = stat({n, experts_});
   d_logits_compute_ = act({n, experts_});
@@ -130,13 +157,45 @@ MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuff
                            scaling_, buffers);
 }
 
+void MoeFeedForward::set_expert_dispatch(ExpertDispatch* dispatch) {
+  exchange_ = dispatch && dispatch->size() > 1 ? std::make_unique<ExpertExchange>(*dispatch, experts_) : nullptr;
+}
+
+MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
+  if (!exchange_) return a.rows;
+  const int64_t r = a.plan.received;
+  return {a.local.permuted.narrow(0, r), a.local.gate_up.narrow(0, r), a.local.swiglu.narrow(0, r),
+          a.local.expert_out.narrow(0, r)};
+}
+
+// The stacked experts' weights (or gradients) of this rank: all E, or under expert
+// parallelism its local experts' slices (the ParamSource hands out those alone).
+MoeExpertWeights MoeFeedForward::expert_weights(const ComponentWeights& w) const {
+  const MoeExpertWeights e{w.tensor(kGateUp), w.tensor(kDown)};
+  const int64_t held = exchange_ ? exchange_->local_experts() : experts_;
+  FORGE_CHECK(e.gate_up.dim(0) == held && e.down.dim(0) == held,
+              "MoE block: the weights hold {} experts, this rank computes with {} (expert parallelism {} of {})",
+              e.gate_up.dim(0), held, exchange_ ? exchange_->size() : 1, experts_);
+  FORGE_CHECK((exchange_ ? exchange_->size() : 1) == expert_parallel_,
+              "MoE block: laid out for expert parallelism {}, dispatching over {} ranks", expert_parallel_,
+              exchange_ ? exchange_->size() : 1);
+  return e;
+}
+
 void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   linear_forward(logits_, a.normed, w.linear(kRouter));
   a.routing = route(w, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
-  moe_experts_forward(a.rows, {w.tensor(kGateUp), w.tensor(kDown)}, a.routing);
+  if (exchange_) {  // NOTE [Expert parallelism]: to the experts' ranks, through them, and back
+    a.plan = exchange_->plan(a.routing);
+    exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
+    moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
+    exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
+  } else {
+    moe_experts_forward(a.rows, expert_weights(w), a.routing);
+  }
   if (shared_ffn_ > 0) {
     linear_forward(a.shared_gate_up, a.normed, w.linear(kSharedGateUp));
     swiglu_forward(a.shared_swiglu, a.shared_gate_up);
@@ -153,8 +212,13 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
 void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
   Activations& a = layers_.at(static_cast<size_t>(layer));  // routing, gate/up and expert outputs kept
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
-  moe_permute(a.rows.permuted, a.normed, a.routing);
-  swiglu_forward(a.rows.swiglu, a.rows.gate_up);
+  if (exchange_) {  // the received rows were kept: only their SwiGLU
+    const MoeExpertBuffers local = expert_rows(a);
+    swiglu_forward(local.swiglu, local.gate_up);
+  } else {
+    moe_permute(a.rows.permuted, a.normed, a.routing);
+    swiglu_forward(a.rows.swiglu, a.rows.gate_up);
+  }
   if (shared_ffn_ > 0) swiglu_forward(a.shared_swiglu, a.shared_gate_up);
 }
 
@@ -221,8 +285,17 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   }
   // out = x + combine(experts(permute(h)), routing(h W_router^T))
   moe_combine_backward(d_expert_out_, d_weights_, d_stream, a.rows.expert_out, a.routing);
-  moe_experts_backward(d_permuted_, {grads.tensor(kGateUp), grads.tensor(kDown)}, overwrite, d_expert_out_, a.rows,
-                       {w.tensor(kGateUp), w.tensor(kDown)}, a.routing, d_swiglu_, d_gate_up_);
+  if (exchange_) {  // the outputs' gradients to the experts' ranks, the inputs' back
+    const int64_t r = a.plan.received;
+    exchange_->dispatch(a.plan, d_local_out_, d_expert_out_, staging_);
+    moe_experts_backward(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite, d_local_out_.narrow(0, r),
+                         expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),
+                         d_gate_up_.narrow(0, r));
+    exchange_->combine(a.plan, d_permuted_, d_local_permuted_, staging_);
+  } else {
+    moe_experts_backward(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
+                         a.routing, d_swiglu_, d_gate_up_);
+  }
   moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
   const Tensor aux_gradient = aux_gradient_used_ ? layer_aux_gradient(layer) : Tensor();
   moe_route_backward(d_logits_, d_weights_, a.routing, aux_gradient_used_ ? &aux_gradient : nullptr, z_scale_);

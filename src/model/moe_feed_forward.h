@@ -27,8 +27,11 @@
 // always zero, so AdamW (without weight decay, as every 1-D parameter) leaves it where
 // import or initialization (zeros) put it, as transformers' training does, unless
 // model.router_bias_update_rate moves it after each step (auxiliary-loss-free balancing:
-// NOTE [Routing bias update] in train/trainer.cpp). What is not built yet (issue 20): the
-// z-loss with sigmoid routing and expert parallelism; configs refuse what needs them.
+// NOTE [Routing bias update] in train/trainer.cpp). Under expert parallelism (NOTE [Expert
+// parallelism] in model/expert_dispatch.h) the block holds its local experts' slices of the
+// stacked weights, and the permuted rows travel to the experts' ranks and back between the
+// permutation and the combine (ExpertExchange); everything else is as on one rank. What is
+// not built yet (issue 20): the z-loss with sigmoid routing; configs refuse it.
 //
 // NOTE [MoE balancing loss]
 // With model.router_aux_loss_coef c > 0 the training loss is, as transformers' Mixtral's
@@ -81,10 +84,12 @@
 // writes the published names, which both transformers 4 and 5 load.
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "model/block_component.h"
 #include "model/config.h"
+#include "model/expert_exchange.h"
 #include "ops/moe.h"
 
 namespace forge {
@@ -101,6 +106,7 @@ class MoeFeedForward final : public BlockComponent {
                 const Tensor& d_stream, const Tensor& d_hidden) override;
   std::vector<int64_t> expert_load(int layer) const override;
   double auxiliary_loss(double gradient_weight) override;
+  void set_expert_dispatch(ExpertDispatch* dispatch) override;
 
  private:
   // ComponentWeights numbering, param_specs order: the shared experts' two only with them,
@@ -113,6 +119,10 @@ class MoeFeedForward final : public BlockComponent {
     MoeRoutingBuffers routing_buffers;
     MoeRouting routing;     // this micro-batch's, in routing_buffers
     MoeExpertBuffers rows;  // [N * k, ...] in expert order
+    // Expert parallelism: the rows this rank's experts received, [P N k, ...] sorted by
+    // local expert (their expert_out is the shared scratch local_out_), and the traffic.
+    MoeExpertBuffers local;
+    ExpertExchange::Plan plan;
     Tensor shared_gate_up;  // [N, 2 Fs]: the shared experts' (with them)
     Tensor shared_swiglu;   // [N, Fs]
   };
@@ -120,6 +130,11 @@ class MoeFeedForward final : public BlockComponent {
   std::vector<const MoeRouting*> routings() const;  // every layer's, from the last forward
 
   MoeRouting route(const ComponentWeights& w, const MoeRoutingBuffers& buffers);
+  // The experts' buffers and routing of a layer's own GEMMs: the layer's rows, or under
+  // expert parallelism its received rows (narrowed to what arrived) and the local routing.
+  MoeExpertBuffers expert_rows(const Activations& a) const;
+  const MoeRouting& expert_routing(const Activations& a) const { return exchange_ ? a.plan.local : a.routing; }
+  MoeExpertWeights expert_weights(const ComponentWeights& w) const;
 
   int64_t hidden_, ffn_, experts_, top_k_;
   int64_t shared_ffn_;  // the shared experts' SwiGLU size; 0: none
@@ -133,6 +148,8 @@ class MoeFeedForward final : public BlockComponent {
   enum class AuxLoss { kPooled, kPerLayer, kSequence } aux_type_;  // NOTE [MoE balancing loss]
   double z_coefficient_;
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
+  std::unique_ptr<ExpertExchange> exchange_;  // expert parallelism (degree > 1) only
+  int64_t expert_parallel_ = 1;               // the degree the buffers were laid out for
   std::vector<Activations> layers_;
   Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing
   Tensor bias_;    // [E] fp32: sigmoid routing's bias, cast from the compute weights on CUDA
@@ -146,6 +163,10 @@ class MoeFeedForward final : public BlockComponent {
   // Backward scratch.
   Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_logits_compute_;
   Tensor d_shared_swiglu_, d_shared_gate_up_;
+  // Expert parallelism's scratch, [P N k, H]: arrivals before the sort, the local experts'
+  // outputs, and the backward's local gradients.
+  // permuted_: the layer's own permuted rows before they leave, [N k, H].
+  Tensor permuted_, staging_, local_out_, d_local_out_, d_local_permuted_;
 };
 
 }  // namespace forge

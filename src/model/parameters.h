@@ -62,6 +62,9 @@ struct ParamSpec {
   std::string hf_alias = {};
   // A vector that starts at zero instead of one (a routing bias, not a norm weight).
   bool zero_init = false;
+  // A stack of the routed experts' matrices, the expert along the first dim: under expert
+  // parallelism a rank holds its local experts' slice (NOTE [Expert parallelism]).
+  bool expert_stack = false;
 };
 
 // Every parameter of the model, in a fixed order: embedding, then each block's parameters

@@ -28,6 +28,11 @@ void SplitByLayer::set_sequence_layout(const SequenceLayout* layout) {
   rest_->set_sequence_layout(layout);
 }
 
+void SplitByLayer::set_expert_dispatch(ExpertDispatch* dispatch) {
+  first_->set_expert_dispatch(dispatch);
+  rest_->set_expert_dispatch(dispatch);
+}
+
 void SplitByLayer::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   part(layer).forward(local(layer), w, x, out);
 }

@@ -24,6 +24,7 @@ class SplitByLayer final : public BlockComponent {
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   void prepare(const StepShape& shape, Device device) override;
   void set_sequence_layout(const SequenceLayout* layout) override;
+  void set_expert_dispatch(ExpertDispatch* dispatch) override;
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,

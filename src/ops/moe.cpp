@@ -34,6 +34,15 @@ void check_experts(const MoeExpertWeights& w, const MoeRouting& r, int64_t hidde
               shape_str(w.gate_up.shape()), shape_str(w.down.shape()), r.experts, hidden, r.experts, hidden);
 }
 
+// The expert ops read only the experts' row offsets, which must lie within the buffers'
+// rows (a layer's routing, or expert parallelism's local one: NOTE [Expert parallelism]).
+void check_expert_offsets(const MoeRouting& r, int64_t rows, const char* op) {
+  FORGE_CHECK(r.experts >= 0 && r.offsets.size() == static_cast<size_t>(r.experts + 1) && r.offsets.front() == 0 &&
+                  r.offsets.back() <= rows,
+              "{}: {} expert offsets ending at {} for buffers of {} rows", op, r.offsets.size(),
+              r.offsets.empty() ? 0 : r.offsets.back(), rows);
+}
+
 void check_routing(const MoeRouting& r, const char* op) {
   FORGE_CHECK(r.offsets.size() == static_cast<size_t>(r.experts + 1) && r.source.numel() == r.tokens * r.k,
               "{}: the routing is not from moe_route", op);
@@ -413,7 +422,7 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
 
 // NOTE [MoE expert GEMMs] in moe.h.
 void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& r) {
-  check_routing(r, "moe_experts_forward");
+  check_expert_offsets(r, a.permuted.dim(0), "moe_experts_forward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_forward");
   // y_e = x_e W_e^T on each expert's rows.
   auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight) {
@@ -431,7 +440,7 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
 void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
                           const Tensor& d_expert_out, const MoeExpertBuffers& a, const MoeExpertWeights& w,
                           const MoeRouting& r, const Tensor& d_swiglu, const Tensor& d_gate_up) {
-  check_routing(r, "moe_experts_backward");
+  check_expert_offsets(r, a.permuted.dim(0), "moe_experts_backward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_backward");
   check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
   // Each expert's dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on its rows; no rows: a zero

@@ -146,7 +146,10 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
 // The routed experts, each a SwiGLU feed-forward (gate_up [2F, H] with the gate rows first,
 // then down [H, F], transformers' MixtralExperts layout), run on their own rows of the
 // permuted buffers: one gate/up GEMM, SwiGLU and one down GEMM per expert with rows, through
-// the linear and SwiGLU ops. Buffers are [tokens * k, ...] in permuted order.
+// the linear and SwiGLU ops. Buffers are [tokens * k, ...] in permuted order. Only the
+// routing's `experts` and `offsets` are read (within the buffers' rows), so a routing that
+// holds just those serves too: expert parallelism's received rows (NOTE [Expert
+// parallelism] in model/expert_dispatch.h), whose buffers are narrowed to what arrived.
 struct MoeExpertWeights {
   Tensor gate_up;  // [experts, 2 * ffn, hidden]
   Tensor down;     // [experts, hidden, ffn]

@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "config_test_support.h"
+#include "rank_threads.h"
 #include "core/bf16.h"
 #include "distributed/process_group.h"
 #include "distributed/tcp_socket.h"
@@ -24,6 +25,9 @@ namespace {
 
 using namespace std::chrono_literals;
 using config_test::expect_error;
+using testing::env_of;
+using testing::free_port;
+using testing::run_ranks;
 
 Tensor iota(int64_t n, float start) {
   Tensor t = Tensor::empty({n});
@@ -153,39 +157,6 @@ TEST(ProcessGroupCpu, AllToAllArgumentsAreChecked) {
   check_all_to_all(Tensor::zeros({4}), {1, 2}, Tensor::zeros({4}), {2, 1}, 2, Device::CPU);  // valid
   expect_error([] { check_all_to_all(Tensor::zeros({4}), {1, 2}, Tensor::zeros({4}), {2, 1}, 3, Device::CPU); },
                {"all_to_all: send_counts has 2 entries, expected one per rank of the group (3)"});
-}
-
-LaunchEnv env_of(int rank, int world, int port) {
-  LaunchEnv env;
-  env.rank = rank;
-  env.world_size = world;
-  env.local_world_size = world;
-  env.local_rank = rank;
-  env.master_addr = "localhost";
-  env.master_port = port;
-  env.launcher = Launcher::Torchrun;
-  return env;
-}
-
-int free_port() { return net::bound_port(net::listen_tcp(0)); }
-
-// Runs `body(rank)` for every rank of a world of `world` on its own thread; returns each
-// rank's error message, or "" for a rank that finished without one.
-std::vector<std::string> run_ranks(int world, const std::function<void(int)>& body) {
-  std::vector<std::future<std::string>> ranks;
-  for (int r = 0; r < world; ++r) {
-    ranks.push_back(std::async(std::launch::async, [&body, r]() -> std::string {
-      try {
-        body(r);
-        return "";
-      } catch (const Error& e) {
-        return e.what();
-      }
-    }));
-  }
-  std::vector<std::string> out;
-  for (auto& rank : ranks) out.push_back(rank.get());
-  return out;
 }
 
 void contains(const std::string& message, const std::string& fragment) {

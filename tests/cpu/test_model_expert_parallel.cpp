@@ -1,0 +1,191 @@
+// Expert parallelism in the model (NOTE [Expert parallelism] in model/expert_dispatch.h):
+// P ranks (threads of this process over the CPU process group), each holding its local
+// experts' slices and routing its own micro-batch, give the loss and the gradients one rank
+// gives on all their tokens: the non-expert gradients summed over the ranks, each rank's
+// experts' gradients its slice of the whole. Mixtral-style and DeepSeek-shaped models, every
+// activation-checkpointing mode, 2 and 4 ranks, and a router that sends every token to the
+// same two experts (the other ranks receive nothing). FSDP's expert sharding and a whole
+// training run are tested in tests/python/test_fsdp.py.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <mutex>
+
+#include "cli/config.h"
+#include "core/rng.h"
+#include "distributed/expert_dispatch_group.h"
+#include "model/decoder_lm.h"
+#include "model/parameters.h"
+#include "model_testing.h"
+#include "rank_threads.h"
+
+namespace forge {
+namespace {
+
+using namespace std::chrono_literals;
+
+// A rank's view of whole-model parameters (or gradients): every tensor in full but the
+// routed experts' stacks, narrowed to the rank's local experts, as FSDP hands them out.
+class LocalExperts final : public ParamSource, public GradSink {
+ public:
+  LocalExperts(FlatParameters& all, int64_t first, int64_t count) : all_(all) {
+    for (int i = 0; i < all.config().num_layers; ++i) {
+      BlockWeights block = all.layer(i);
+      size_t k = 0;
+      for (const ParamSpec& spec : all.specs()) {
+        if (spec.layer != i) continue;
+        if (spec.expert_stack) block.params[k].weight = block.params[k].weight.narrow(first, first + count);
+        ++k;
+      }
+      layers_.push_back(std::move(block));
+    }
+  }
+  const Tensor& embedding() override { return all_.embedding(); }
+  const BlockWeights& layer(int index) override { return layers_.at(static_cast<size_t>(index)); }
+  const Tensor& final_norm() override { return all_.final_norm(); }
+  const LinearWeight& output() override { return all_.output(); }
+  const BlockWeights& layer_grads(int index) override { return layers_.at(static_cast<size_t>(index)); }
+  void layer_done(int index) override { all_.layer_done(index); }
+  const Tensor& embedding_grad() override { return all_.embedding_grad(); }
+  void embedding_done() override { all_.embedding_done(); }
+  const Tensor& final_norm_grad() override { return all_.final_norm_grad(); }
+  const LinearWeight& output_grad() override { return all_.output_grad(); }
+  void head_done() override { all_.head_done(); }
+
+ private:
+  FlatParameters& all_;
+  std::vector<BlockWeights> layers_;
+};
+
+Tensor random_ids(int64_t rows, int64_t seq, int64_t vocab, uint64_t seed) {
+  return testing::random_tokens(rows, seq, vocab, seed);
+}
+
+// Rows [first, first + count) of a [rows, seq] token tensor.
+Tensor rows_of(const Tensor& t, int64_t first, int64_t count) {
+  Tensor out = Tensor::empty({count, t.dim(1)}, DType::I32);
+  out.copy_from(t.narrow(first, first + count));
+  return out;
+}
+
+double relative_gap(const Tensor& a, const Tensor& b) {
+  double worst = 0.0, scale = 0.0;
+  for (int64_t i = 0; i < a.numel(); ++i) scale = std::max(scale, std::abs(static_cast<double>(b.data<float>()[i])));
+  for (int64_t i = 0; i < a.numel(); ++i)
+    worst = std::max(worst, std::abs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
+  return scale > 0 ? worst / scale : worst;
+}
+
+struct Case {
+  std::string model;
+  int ranks;
+  ActivationCheckpoint mode;
+  bool one_pair = false;  // a zero router: every token to experts 0 and 1 (ties go to the lower id)
+};
+
+void expect_ranks_match_one(const Case& c) {
+  SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}", c.model, c.ranks, static_cast<int>(c.mode),
+                           c.one_pair ? ", every token to experts 0 and 1" : ""));
+  const ModelConfig m = load_experiment("", {{"model.name", c.model}}).model;
+  const int64_t micro = 2, seq = 8, p = c.ranks, local = m.num_experts / p;
+  const Tensor tokens = random_ids(p * micro, seq, m.vocab_size, 11), targets = random_ids(p * micro, seq, m.vocab_size, 12);
+  const float scale = 1.0f / static_cast<float>(p * micro * seq);
+
+  FlatParameters params(m), reference_grads(m);
+  params.initialize(5);
+  if (c.one_pair)
+    for (size_t s = 0; s < params.specs().size(); ++s)
+      if (params.specs()[s].name.ends_with("moe.router.weight")) params.tensors()[s].fill_zero();
+  DecoderLM one(m, p * micro, seq, Device::CPU, DType::F32, c.mode);
+  const LossSum reference = one.forward_backward(tokens, targets, params, reference_grads, scale);
+
+  std::vector<std::unique_ptr<FlatParameters>> grads;
+  for (int r = 0; r < p; ++r) grads.push_back(std::make_unique<FlatParameters>(m));
+  std::vector<LossSum> losses(static_cast<size_t>(p));
+  std::vector<std::vector<std::vector<int64_t>>> loads(static_cast<size_t>(p));
+  const int port = testing::free_port();
+  ProcessGroupOptions options;
+  options.rendezvous_timeout = 20s;
+  options.collective_timeout = 20s;
+  const auto errors = testing::run_ranks(c.ranks, [&](int r) {
+    auto group = create_process_group(testing::env_of(r, c.ranks, port), options);
+    GroupExpertDispatch dispatch(*group, Device::CPU);
+    LocalExperts weights(params, r * local, local), sink(*grads[static_cast<size_t>(r)], r * local, local);
+    DecoderLM model(m, micro, seq, Device::CPU, DType::F32, c.mode, &dispatch);
+    losses[static_cast<size_t>(r)] = model.forward_backward(rows_of(tokens, r * micro, micro),
+                                                            rows_of(targets, r * micro, micro), weights, sink, scale);
+    loads[static_cast<size_t>(r)] = model.expert_load();
+    group->barrier();
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  double sum = 0.0;
+  int64_t targets_counted = 0;
+  for (const LossSum& l : losses) {
+    sum += l.sum;
+    targets_counted += l.tokens;
+  }
+  EXPECT_EQ(targets_counted, reference.tokens);
+  EXPECT_NEAR(sum, reference.sum, 1e-5 * std::abs(reference.sum));
+  // Each rank's loads are its own tokens' choices; summed they are the whole batch's.
+  const std::vector<std::vector<int64_t>> whole = one.expert_load();
+  for (size_t layer = 0; layer < whole.size(); ++layer) {
+    std::vector<int64_t> total(whole[layer].size(), 0);
+    for (const auto& rank : loads)
+      for (size_t e = 0; e < total.size(); ++e) total[e] += rank[layer][e];
+    EXPECT_EQ(total, whole[layer]) << "block " << layer;
+    if (c.one_pair && !whole[layer].empty()) EXPECT_EQ(whole[layer][2], 0);
+  }
+  for (size_t s = 0; s < params.specs().size(); ++s) {
+    const ParamSpec& spec = params.specs()[s];
+    const Tensor& expected = reference_grads.tensors()[s];
+    if (spec.expert_stack) {  // each rank computed its own experts' slice, from every rank's tokens
+      for (int r = 0; r < p; ++r) {
+        const Tensor mine = grads[static_cast<size_t>(r)]->tensors()[s].narrow(r * local, (r + 1) * local);
+        EXPECT_LT(relative_gap(mine, expected.narrow(r * local, (r + 1) * local)), 1e-5)
+            << spec.name << " on rank " << r;
+      }
+    } else {  // every rank's share of the batch, summed
+      Tensor total = Tensor::zeros(expected.shape());
+      for (const auto& g : grads)
+        for (int64_t i = 0; i < total.numel(); ++i) total.data<float>()[i] += g->tensors()[s].data<float>()[i];
+      EXPECT_LT(relative_gap(total, expected), 1e-5) << spec.name;
+    }
+  }
+}
+
+TEST(ModelExpertParallel, TwoAndFourRanksMatchOneMixtralStyle) {
+  for (int ranks : {2, 4}) expect_ranks_match_one({"debug-tiny-moe", ranks, ActivationCheckpoint::None});
+}
+
+TEST(ModelExpertParallel, DeepSeekShapedInEveryCheckpointingMode) {
+  for (ActivationCheckpoint mode : {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full})
+    expect_ranks_match_one({"debug-tiny-mla", 2, mode});
+  expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective});
+}
+
+TEST(ModelExpertParallel, EveryTokenOnOneRanksExpertsAndRanksThatReceiveNothing) {
+  expect_ranks_match_one({"debug-tiny-moe", 2, ActivationCheckpoint::None, true});
+  expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Full, true});
+}
+
+TEST(ModelExpertParallel, TheDegreeMustDivideTheExperts) {
+  const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny-moe"}}).model;  // 4 experts
+  const int port = testing::free_port();
+  ProcessGroupOptions options;
+  options.rendezvous_timeout = 20s;
+  const auto errors = testing::run_ranks(3, [&](int r) {
+    auto group = create_process_group(testing::env_of(r, 3, port), options);
+    GroupExpertDispatch dispatch(*group, Device::CPU);
+    DecoderLM model(m, 1, 4, Device::CPU, DType::F32, ActivationCheckpoint::None, &dispatch);
+  });
+  for (const std::string& e : errors)
+    EXPECT_NE(e.find("expert parallelism over 3 ranks needs a Mixture-of-Experts model whose experts it divides (4 experts)"),
+              std::string::npos)
+        << e;
+}
+
+}  // namespace
+}  // namespace forge
