@@ -180,7 +180,12 @@ int run_info(const std::vector<std::string>& args) {
              : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
                  ? fmt::format("; per rank of {} data-parallel ranks (the NF4 base and the adapters replicated)",
                                plan.shard_ranks * config.parallelism.data_parallel_replicate_degree)
-                 : fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks", plan.zero_stage, plan.shard_ranks));
+                 : fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks{}", plan.zero_stage, plan.shard_ranks,
+                               plan.expert_parallel > 1
+                                   ? fmt::format(", expert parallelism {} ({} of the {} routed experts per rank)",
+                                                 plan.expert_parallel, m.num_experts / plan.expert_parallel,
+                                                 m.num_experts)
+                                   : std::string()));
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;

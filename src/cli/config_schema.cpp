@@ -347,6 +347,11 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::zero_stage>(
           "parallelism.zero_stage", "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters",
           ValueRange{1, 3}),
+      key<&E::parallelism, &ParallelismConfig::expert_parallel_degree>(
+          "parallelism.expert_parallel_degree",
+          "consecutive ranks that split a Mixture-of-Experts model's routed experts, tokens dispatched to them "
+          "by all-to-all (1: every rank runs every expert)",
+          at_least(1)),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
           at_least(1)),

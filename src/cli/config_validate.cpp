@@ -209,8 +209,9 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.training.device == "cuda" && (config.model.num_experts % 8 != 0 || config.model.num_experts > 1024))
     FORGE_FAIL("{} must be a multiple of 8 and at most 1024 on CUDA (training.device cuda)", moe);
   // Data parallelism (FSDP) shards the experts with every other weight; each rank routes its
-  // own tokens through all of them (no expert parallelism yet). The routing biases' update
-  // writes the full master values, which FSDP shards.
+  // own tokens through all of them, or with parallelism.expert_parallel_degree through the
+  // ranks that hold them. The routing biases' update writes the full master values, which
+  // FSDP shards.
   const ParallelismConfig& p = config.parallelism;
   if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1 &&
       config.model.router_bias_update_rate != 0.0)
@@ -224,6 +225,29 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
                "lora.quantize_base none",
                moe);
+}
+
+// parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
+// model/expert_dispatch.h): groups of P consecutive shard ranks split the routed experts,
+// so P divides the experts and the shard ranks; the expert parts are sharded over the
+// shard ranks that hold the same experts, which hybrid sharding's replicas would
+// duplicate (not built).
+void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& keys) {
+  const ParallelismConfig& p = config.parallelism;
+  if (p.expert_parallel_degree == 1) return;
+  const std::string ep = show(config, keys, "parallelism.expert_parallel_degree");
+  if (!config.model.moe())
+    FORGE_FAIL("{} needs a Mixture-of-Experts model (model.num_experts > 0); {} is dense", ep, config.model.name);
+  if (config.model.num_experts % p.expert_parallel_degree != 0)
+    FORGE_FAIL("{} must divide {} (each rank holds an equal share of the experts)", ep,
+               show(config, keys, "model.num_experts"));
+  if (p.data_parallel_shard_degree % p.expert_parallel_degree != 0)
+    FORGE_FAIL("{} must divide {} (expert-parallel groups are formed from the shard ranks)", ep,
+               show(config, keys, "parallelism.data_parallel_shard_degree"));
+  if (p.data_parallel_replicate_degree != 1)
+    FORGE_FAIL("{} cannot be combined with {} yet (hybrid sharding's replicas of expert shards are not built); set "
+               "the replicate degree to 1",
+               ep, show(config, keys, "parallelism.data_parallel_replicate_degree"));
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
@@ -322,6 +346,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_lora(config, keys);
   check_fp8(config, keys);
   check_moe(config, keys);
+  check_expert_parallel(config, keys);
   check_mla(config, keys);
   resolve_batch(config, keys);
 }

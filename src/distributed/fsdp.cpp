@@ -16,12 +16,21 @@ std::unique_ptr<DeviceEvent> make_event(Device device) { return std::make_unique
 }  // namespace
 
 Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
-           const FsdpOptions& options)
+           const FsdpOptions& options, ProcessGroup* expert_group)
     : DataParallelComm(device, shard_group, replicate_group),
       config_(config),
       options_(options),
-      layout_(config, shard_group.world_size(), shard_group.rank()),
+      expert_group_(expert_group),
+      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel),
       compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
+  if (options.expert_parallel > 1) {
+    const int holders = shard_group.world_size() / options.expert_parallel;
+    FORGE_CHECK(expert_group && expert_group->world_size() == holders &&
+                    expert_group->rank() == shard_group.rank() / options.expert_parallel && !replicate_group,
+                "FSDP with expert parallelism {}: needs the group of the {} ranks holding the same experts, and no "
+                "replicas",
+                options.expert_parallel, holders);
+  }
   FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);
   FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
               dtype_name(options.reduce_dtype));
@@ -57,10 +66,10 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
     if (!options.frozen) grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
-    Tensor chunk;  // a ZeRO-3 block keeps no compute copy of its chunk
-    if (options.zero_stage <= 2) chunk = own_chunk(unit_full(full_compute_, s.unit), s.unit);
-    else if (!layout_.is_block(s.unit)) chunk = own_chunk(root_unit(s.unit), s.unit);
-    compute_segments_.push_back(chunk.defined() ? chunk.narrow(local, local + s.numel) : Tensor());
+    Tensor unit;  // a ZeRO-3 block keeps no compute copy of its chunk
+    if (options.zero_stage <= 2) unit = unit_full(full_compute_, s.unit);
+    else if (!layout_.is_block(s.unit)) unit = root_unit(s.unit);
+    compute_segments_.push_back(unit.defined() ? chunk_in_unit(unit, s.unit, local, s.numel) : Tensor());
   }
   if (options.frozen) return;
 
@@ -112,9 +121,27 @@ Tensor Fsdp::unit_full(const Tensor& all_units, int unit) const {
   return all_units.narrow(u.full_offset, u.full_offset + u.numel);
 }
 
-Tensor Fsdp::own_chunk(const Tensor& unit_buffer, int unit) const {
-  const int64_t n = layout_.units()[static_cast<size_t>(unit)].shard_numel;
-  return unit_buffer.narrow(layout_.rank() * n, (layout_.rank() + 1) * n);
+Tensor Fsdp::own_piece(const Tensor& unit_buffer, const FsdpPart& part) {
+  const int64_t begin = part.begin + part.index * part.shard_numel;
+  return unit_buffer.narrow(begin, begin + part.shard_numel);
+}
+
+Tensor Fsdp::chunk_piece(const Tensor& unit_chunk, const FsdpPart& part) {
+  return unit_chunk.narrow(part.shard_begin, part.shard_begin + part.shard_numel);
+}
+
+Tensor Fsdp::chunk_in_unit(const Tensor& unit_buffer, int unit, int64_t local, int64_t numel) const {
+  for (const FsdpPart& part : layout_.units()[static_cast<size_t>(unit)].parts)
+    if (local >= part.shard_begin && local + numel <= part.shard_begin + part.shard_numel) {
+      const int64_t begin = part.begin + part.index * part.shard_numel + (local - part.shard_begin);
+      return unit_buffer.narrow(begin, begin + numel);
+    }
+  FORGE_FAIL("FSDP: elements [{}, {}) of unit {}'s chunk are not within one part", local, local + numel, unit);
+}
+
+void Fsdp::gather_unit(const Tensor& full, int unit, CudaStream stream) {
+  for (const FsdpPart& part : layout_.units()[static_cast<size_t>(unit)].parts)
+    group_of(part).all_gather(full.narrow(part.begin, part.begin + part.numel), own_piece(full, part), stream);
 }
 
 Tensor Fsdp::shard_of(const Tensor& shard, int unit) const {
@@ -132,8 +159,7 @@ Tensor Fsdp::root_unit(int unit) const {
 BlockWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
   BlockWeights w;
   for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params)
-    w.params.push_back(
-        {unit_buffer.narrow(p.offset, p.offset + p.numel).view(layout_.specs()[static_cast<size_t>(p.spec)].shape)});
+    w.params.push_back({unit_buffer.narrow(p.offset, p.offset + p.numel).view(p.shape)});
   return w;
 }
 
@@ -222,7 +248,7 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   for (int u = 0; u < layout_.num_units(); ++u) {
     if (options_.zero_stage == 3 && layout_.is_block(u)) continue;
     const Tensor full = options_.zero_stage <= 2 ? unit_full(full_compute_, u) : root_unit(u);
-    shard_group_.all_gather(full, own_chunk(full, u), comm_.get());
+    gather_unit(full, u, comm_.get());
     unit_ready_[static_cast<size_t>(u)]->record(comm_.get());
     unit_pending_[static_cast<size_t>(u)] = true;
   }
@@ -294,7 +320,9 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
   ch.ready->make_wait(comm_.get());
   const Tensor chunk = shard_of(grad_shard_, unit);
   const Tensor out = direct ? chunk : ch.reduced.narrow(0, u.shard_numel);
-  shard_group_.reduce_scatter(out, source, ReduceOp::Sum, comm_.get());
+  for (const FsdpPart& part : u.parts)
+    group_of(part).reduce_scatter(chunk_piece(out, part), source.narrow(part.begin, part.begin + part.numel),
+                                  ReduceOp::Sum, comm_.get());
   if (replicate_group_) replicate_group_->all_reduce(out, ReduceOp::Sum, comm_.get());
   if (!direct) accumulate(chunk, out, comm_.get());
   ch.done->record(comm_.get());
@@ -347,9 +375,8 @@ void Fsdp::gather_block(int unit, int requested) {
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
   const Tensor full = target->buffer.narrow(0, u.numel);
   // This rank's part comes from its master chunk, the others' from theirs, in place.
-  const Tensor mine = own_chunk(full, unit);
-  cast(mine, shard_of(master_, unit), comm_.get());
-  shard_group_.all_gather(full, mine, comm_.get());
+  for (const FsdpPart& part : u.parts) cast(own_piece(full, part), chunk_piece(shard_of(master_, unit), part), comm_.get());
+  gather_unit(full, unit, comm_.get());
   target->ready->record(comm_.get());
   target->unit = unit;
   target->block = block_views(full, unit);
@@ -377,10 +404,13 @@ Fsdp::UnitSlot& Fsdp::grad_slot(int unit) {
 
 void Fsdp::zero_padding(const Tensor& unit_buffer, int unit) const {
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // the parameters' [offset, end), in unit order
+  for (const FsdpParam& p : u.params) ranges.emplace_back(p.offset, p.offset + p.numel);
+  std::sort(ranges.begin(), ranges.end());  // an expert part's parameters follow the dense part's
   int64_t end = 0;  // of the previous parameter
-  for (const FsdpParam& p : u.params) {
-    if (p.offset > end) unit_buffer.narrow(end, p.offset).fill_zero();
-    end = p.offset + p.numel;
+  for (const auto& [begin, stop] : ranges) {
+    if (begin > end) unit_buffer.narrow(end, begin).fill_zero();
+    end = stop;
   }
   if (u.numel > end) unit_buffer.narrow(end, u.numel).fill_zero();
 }
@@ -497,23 +527,31 @@ void Fsdp::gather_flat_range(const std::vector<Tensor>& segments, int64_t begin,
       const int64_t local = s.shard_offset - unit.shard_offset;
       cast(chunk.narrow(local, local + s.numel), segments[i].view({s.numel}));
     }
-    for (int64_t k = 0; k < unit.shard_numel; k += kSlice) {
-      const int64_t n = std::min(kSlice, unit.shard_numel - k);
-      const Tensor slices = gathered.narrow(0, world * n);
-      shard_group_.all_gather(slices, chunk.narrow(k, k + n), kCompute);
-      // Rank r's slice holds unit elements [r * shard_numel + k, ... + n).
-      std::optional<Tensor> host;
-      for (int r = 0; r < world; ++r) {
-        const int64_t a = r * unit.shard_numel + k, b = a + n;
-        for (const FsdpParam& p : unit.params) {
-          const int64_t lo = std::max(a, p.offset), hi = std::min(b, p.offset + p.numel);
-          if (lo >= hi) continue;
-          const int64_t flat_lo = p.flat_offset + (lo - p.offset);
-          const int64_t want_lo = std::max(flat_lo, begin), want_hi = std::min(flat_lo + (hi - lo), end);
-          if (want_lo >= want_hi) continue;
-          if (!host) host = slices.to(Device::CPU);
-          std::copy_n(host->data<float>() + r * n + (lo - a) + (want_lo - flat_lo), want_hi - want_lo,
-                      out.data() + (want_lo - begin));
+    // Every part is gathered over all the shard ranks, so that rank 0 sees every expert:
+    // rank r's piece of the dense part is its chunk r, of an expert part the chunk r / P of
+    // expert-parallel rank r % P's experts (NOTE [FSDP layout]).
+    const int p = layout_.expert_parallel();
+    for (const FsdpPart& part : unit.parts) {
+      const Tensor piece = chunk_piece(chunk, part);
+      for (int64_t k = 0; k < part.shard_numel; k += kSlice) {
+        const int64_t n = std::min(kSlice, part.shard_numel - k);
+        const Tensor slices = gathered.narrow(0, world * n);
+        shard_group_.all_gather(slices, piece.narrow(k, k + n), kCompute);
+        std::optional<Tensor> host;
+        for (int r = 0; r < world; ++r) {
+          const int64_t a = part.begin + (part.expert ? r / p : r) * part.shard_numel + k, b = a + n;
+          for (const FsdpParam& param : unit.params) {
+            if (param.expert != part.expert) continue;
+            const int64_t lo = std::max(a, param.offset), hi = std::min(b, param.offset + param.numel);
+            if (lo >= hi) continue;
+            const int64_t slice_shift = param.expert ? (r % p - layout_.rank() % p) * param.numel : 0;
+            const int64_t flat_lo = param.flat_offset + slice_shift + (lo - param.offset);
+            const int64_t want_lo = std::max(flat_lo, begin), want_hi = std::min(flat_lo + (hi - lo), end);
+            if (want_lo >= want_hi) continue;
+            if (!host) host = slices.to(Device::CPU);
+            std::copy_n(host->data<float>() + r * n + (lo - a) + (want_lo - flat_lo), want_hi - want_lo,
+                        out.data() + (want_lo - begin));
+          }
         }
       }
     }

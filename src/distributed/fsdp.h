@@ -92,6 +92,9 @@ struct FsdpOptions {
   DType reduce_dtype = DType::F32;   // F32 | BF16: the gradients' dtype in the reduce-scatter
   int64_t host_window = int64_t{1} << 26;  // fp32 elements staged on the host at a time (fill_master)
   bool frozen = false;  // NOTE [Frozen FSDP base]: a compute-dtype chunk, nothing trainable
+  // NOTE [Expert parallelism] in model/expert_dispatch.h: each rank holds its local experts
+  // only, sharded over the ranks that hold the same ones (NOTE [FSDP layout]).
+  int expert_parallel = 1;
 };
 
 // Bytes this rank holds, by component (the memory report).
@@ -108,9 +111,12 @@ struct FsdpMemory {
 class Fsdp final : public DataParallelComm, public ParamSource, public GradSink {
  public:
   // shard_group: the ranks that split the parameters; replicate_group (may be null): the
-  // ranks that hold the same chunk (hybrid sharding). Both outlive this object.
+  // ranks that hold the same chunk (hybrid sharding); expert_group (with
+  // options.expert_parallel > 1, else null): the shard ranks that hold the same experts,
+  // which split the expert parts (ranks r with equal r % expert_parallel, ranked by r).
+  // All outlive this object.
   Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
-       const FsdpOptions& options);
+       const FsdpOptions& options, ProcessGroup* expert_group = nullptr);
   ~Fsdp() override;
 
   const FsdpLayout& layout() const { return layout_; }
@@ -207,8 +213,17 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Fills the fields of `w` that unit (embedding or head) holds with views of its buffer.
   void root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const;
   Tensor unit_full(const Tensor& all_units, int unit) const;  // a unit inside a buffer of every unit
-  Tensor own_chunk(const Tensor& unit_buffer, int unit) const;
   Tensor shard_of(const Tensor& shard, int unit) const;       // a unit's chunk inside a rank's shard
+  // A part's group, this rank's piece of the part inside a unit buffer, and the part's
+  // piece of this rank's chunk of the unit (NOTE [FSDP layout]).
+  ProcessGroup& group_of(const FsdpPart& part) const { return part.expert ? *expert_group_ : shard_group_; }
+  static Tensor own_piece(const Tensor& unit_buffer, const FsdpPart& part);
+  static Tensor chunk_piece(const Tensor& unit_chunk, const FsdpPart& part);
+  // Elements [local, local + numel) of this rank's chunk of `unit`, where they sit in a
+  // buffer holding the whole unit.
+  Tensor chunk_in_unit(const Tensor& unit_buffer, int unit, int64_t local, int64_t numel) const;
+  // Every part of the unit all-gathered in place in `full`, each over its group.
+  void gather_unit(const Tensor& full, int unit, CudaStream stream);
   // ZeRO-3: the embedding or head unit inside root_compute_.
   Tensor root_unit(int unit) const;
   // Writes the master chunk a host window at a time: fill(pieces) writes each piece's
@@ -237,6 +252,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
 
   ModelConfig config_;
   FsdpOptions options_;
+  ProcessGroup* expert_group_;
   FsdpLayout layout_;
   DType compute_dtype_;
 

@@ -11,24 +11,56 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 
 }  // namespace
 
-FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
-    : world_size_(world_size), rank_(rank), specs_(parameter_specs(config)) {
+FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel)
+    : world_size_(world_size), rank_(rank), expert_parallel_(expert_parallel), specs_(parameter_specs(config)) {
   FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
+  const int p = expert_parallel;
+  FORGE_CHECK(p >= 1 && world_size % p == 0 && (p == 1 || (config.moe() && config.num_experts % p == 0)),
+              "FSDP layout: expert parallelism {} needs a world size ({}) and an expert count ({}) it divides", p,
+              world_size, config.num_experts);
+  const int groups = world_size / p;  // the ranks holding the same experts
   units_.resize(static_cast<size_t>(config.num_layers) + 2);
+  std::vector<int64_t> expert_numel(units_.size(), 0);  // each unit's expert part so far
   int64_t flat = 0;
   for (size_t s = 0; s < specs_.size(); ++s) {
-    const int u = specs_[s].layer >= 0           ? unit_of_layer(specs_[s].layer)
-                  : specs_[s].name == "embedding.weight" ? kEmbeddingUnit
-                                                         : head_unit();
+    const ParamSpec& spec = specs_[s];
+    const int u = spec.layer >= 0                  ? unit_of_layer(spec.layer)
+                  : spec.name == "embedding.weight" ? kEmbeddingUnit
+                                                    : head_unit();
     FsdpUnit& unit = units_[static_cast<size_t>(u)];
-    const int64_t n = shape_numel(specs_[s].shape);
-    unit.params.push_back({static_cast<int>(s), round_up(unit.numel, kFsdpAlign), n, flat});
-    unit.numel = unit.params.back().offset + n;
+    const int64_t n = shape_numel(spec.shape);
+    FsdpParam param{static_cast<int>(s), 0, n, flat, spec.shape, 0, false};
+    if (p > 1 && spec.expert_stack) {  // this rank's experts' slice, in the expert part
+      const int64_t local = n / p;
+      param.numel = local;
+      param.param_begin = (rank % p) * local;
+      param.flat_offset = flat + param.param_begin;
+      param.shape[0] /= p;
+      param.expert = true;
+      param.offset = round_up(expert_numel[static_cast<size_t>(u)], kFsdpAlign);  // within the part, for now
+      expert_numel[static_cast<size_t>(u)] = param.offset + local;
+    } else {
+      param.offset = round_up(unit.numel, kFsdpAlign);
+      unit.numel = param.offset + n;
+    }
+    unit.params.push_back(param);
     flat += n;
   }
-  for (FsdpUnit& unit : units_) {
-    unit.numel = round_up(std::max<int64_t>(unit.numel, 1), world_size * kFsdpAlign);
-    unit.shard_numel = unit.numel / world_size;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    FsdpUnit& unit = units_[u];
+    const int64_t dense = round_up(std::max<int64_t>(unit.numel, 1), world_size * kFsdpAlign);
+    unit.parts = {{0, dense, 0, dense / world_size, world_size, rank, false}};
+    if (expert_numel[u] > 0) {
+      const int64_t experts = round_up(expert_numel[u], groups * kFsdpAlign);
+      unit.parts.push_back({dense, experts, dense / world_size, experts / groups, groups, rank / p, true});
+      for (FsdpParam& param : unit.params)
+        if (param.expert) param.offset += dense;
+    }
+    unit.numel = unit.shard_numel = 0;
+    for (const FsdpPart& part : unit.parts) {
+      unit.numel += part.numel;
+      unit.shard_numel += part.shard_numel;
+    }
     unit.shard_offset = shard_numel_;
     unit.full_offset = full_numel_;
     shard_numel_ += unit.shard_numel;
@@ -36,13 +68,16 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank)
   }
   for (size_t u = 0; u < units_.size(); ++u) {
     const FsdpUnit& unit = units_[u];
-    const int64_t begin = rank * unit.shard_numel, end = begin + unit.shard_numel;
-    for (const FsdpParam& p : unit.params) {
-      const int64_t a = std::max(begin, p.offset), b = std::min(end, p.offset + p.numel);
-      if (a >= b) continue;
-      const ParamSpec& spec = specs_[static_cast<size_t>(p.spec)];
-      segments_.push_back({p.spec, static_cast<int>(u), a - p.offset, b - a, unit.shard_offset + (a - begin),
-                           p.flat_offset + (a - p.offset), spec.weight_decay});
+    for (const FsdpPart& part : unit.parts) {
+      const int64_t begin = part.begin + part.index * part.shard_numel, end = begin + part.shard_numel;
+      for (const FsdpParam& param : unit.params) {
+        if (param.expert != part.expert) continue;
+        const int64_t a = std::max(begin, param.offset), b = std::min(end, param.offset + param.numel);
+        if (a >= b) continue;
+        segments_.push_back({param.spec, static_cast<int>(u), param.param_begin + (a - param.offset), b - a,
+                             unit.shard_offset + part.shard_begin + (a - begin), param.flat_offset + (a - param.offset),
+                             specs_[static_cast<size_t>(param.spec)].weight_decay});
+      }
     }
   }
 }

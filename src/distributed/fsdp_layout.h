@@ -19,6 +19,16 @@
 // Chunks of equal size per unit are what NCCL's reduce-scatter and all-gather need; per
 // unit (rather than one flat split of the whole model) so that ZeRO-3 can gather one
 // block at a time.
+// Under expert parallelism of degree P (NOTE [Expert parallelism] in
+// model/expert_dispatch.h) a MoE block's unit has two parts. Its dense part (every
+// parameter but the routed experts' stacks) is laid out and split over all `world` ranks
+// as above. Its expert part holds this rank's local experts' slices of the stacks
+// (expert_stack parameters: experts [j E/P, (j + 1) E/P) for expert-parallel rank j =
+// rank % P), padded to a multiple of (world / P) x kFsdpAlign and split over the world / P
+// ranks that hold the same experts (rank = g P + j, chunk g). The unit's buffer is the
+// dense part, then the expert part; a rank's chunk of the unit is its dense chunk, then its
+// expert chunk. Every element of every parameter still belongs to exactly one rank's chunk,
+// so the segments of all ranks tile the flat index space once.
 #pragma once
 
 #include <cstdint>
@@ -38,12 +48,28 @@ struct FsdpParam {
   int64_t offset = 0;       // first element inside the unit
   int64_t numel = 0;
   int64_t flat_offset = 0;  // first element in FlatParameters' flat index space
+  // What this rank holds of the parameter: all of it, or under expert parallelism an
+  // expert stack's slice of local experts (param_begin: its first element in the whole).
+  Shape shape;
+  int64_t param_begin = 0;
+  bool expert = false;  // in the unit's expert part
+};
+
+// One part of a unit, split over its own ranks: the dense part over all ranks, a MoE
+// block's expert part over the ranks that hold the same experts.
+struct FsdpPart {
+  int64_t begin = 0, numel = 0;  // within the unit's buffer; numel = ranks * shard_numel
+  int64_t shard_begin = 0;       // within a rank's chunk of the unit
+  int64_t shard_numel = 0;       // one rank's chunk of the part
+  int ranks = 1, index = 0;      // how many ranks split it, and this rank's chunk
+  bool expert = false;
 };
 
 struct FsdpUnit {
   std::vector<FsdpParam> params;
-  int64_t numel = 0;         // padded: world * shard_numel
-  int64_t shard_numel = 0;   // one rank's chunk
+  std::vector<FsdpPart> parts;  // the dense part, then (expert parallelism) the expert part
+  int64_t numel = 0;         // padded: the parts' sum
+  int64_t shard_numel = 0;   // one rank's chunk (of every part)
   int64_t shard_offset = 0;  // where this unit's chunk starts in a rank's shard
   int64_t full_offset = 0;   // where the unit starts in a buffer holding every unit
 };
@@ -60,10 +86,12 @@ struct FsdpSegment {
 
 class FsdpLayout {
  public:
-  FsdpLayout(const ModelConfig& config, int world_size, int rank);
+  // expert_parallel: P, dividing world_size and the model's experts (1: none).
+  FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel = 1);
 
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }
+  int expert_parallel() const { return expert_parallel_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const std::vector<FsdpUnit>& units() const { return units_; }
   static constexpr int kEmbeddingUnit = 0;
@@ -81,7 +109,7 @@ class FsdpLayout {
   int64_t parameter_count() const;                      // without padding
 
  private:
-  int world_size_, rank_;
+  int world_size_, rank_, expert_parallel_;
   std::vector<ParamSpec> specs_;
   std::vector<FsdpUnit> units_;
   std::vector<FsdpSegment> segments_;

@@ -14,14 +14,26 @@ namespace {
 
 // The values of FSDP's units (NOTE [FSDP layout]), padding left out; `block` is the largest
 // block's (a MoE model's dense first blocks are smaller), which sizes the buffers.
+// Under expert parallelism P a MoE block's unit holds 1/P of its routed experts; `held` is
+// every unit's values in full on one rank.
 struct FsdpUnitSizes {
-  double block, embedding, head;
+  double block, embedding, head, held;
 };
-FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config) {
-  const double block = static_cast<double>(config.largest_layer_params());
+FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel) {
+  const double p = static_cast<double>(expert_parallel);
+  const double routed = config.moe() ? static_cast<double>(config.num_experts) * 3.0 *
+                                           static_cast<double>(config.hidden_size * config.resolved_moe_ffn())
+                                     : 0.0;
+  auto block_of = [&](int64_t layer) {
+    return static_cast<double>(config.layer_params(layer)) - (config.moe_layer(layer) ? routed * (p - 1) / p : 0.0);
+  };
+  const double block = std::max(block_of(0), block_of(config.num_layers - 1));
   const double embedding = static_cast<double>(config.embedding_params());
   const double head = static_cast<double>(config.hidden_size) + (config.tie_word_embeddings ? 0.0 : embedding);
-  return {block, embedding, head};
+  int64_t moe_layers = 0;
+  for (int64_t i = 0; i < config.num_layers; ++i) moe_layers += config.moe_layer(i) ? 1 : 0;
+  const double held = static_cast<double>(config.total_params()) - static_cast<double>(moe_layers) * routed * (p - 1) / p;
+  return {block, embedding, head, held};
 }
 
 }  // namespace
@@ -35,7 +47,8 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.gradients = params * 4;
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
-      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint));
+      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint,
+                                           plan.expert_parallel));
   if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
     e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));
@@ -48,7 +61,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     if (plan.fsdp && plan.lora.quantize_base != "nf4") {
       // NOTE [Frozen FSDP base]: this rank's chunk in the compute dtype, and what the ZeRO
       // stage holds in full (ZeRO-3: the embedding, the head and three gathered blocks).
-      const FsdpUnitSizes u = fsdp_unit_sizes(config);
+      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1);
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
                           (plan.zero_stage <= 2 ? params : u.embedding + u.head + 3 * u.block)) *
                          compute_bytes;
@@ -71,7 +84,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 
   // The layout of NOTE [FSDP layout] and the buffers of NOTE [FSDP] (padding left out).
   const double n = static_cast<double>(plan.shard_ranks);
-  const auto [block, embedding, head] = fsdp_unit_sizes(config);
+  const auto [block, embedding, head, held] = fsdp_unit_sizes(config, plan.expert_parallel);
   const bool tied = config.tie_word_embeddings;
   const double compute_bytes = static_cast<double>(dtype_size(compute));
   const double largest_unit = std::max({embedding, head, block});
@@ -79,8 +92,8 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   const double slot = plan.zero_stage == 1 ? largest_unit : tied ? std::max(head, block) : largest_unit;
   e.master_weights = params * 4 / n;
   e.optimizer_state /= n;
-  e.gradients = params * 4 / n + (plan.zero_stage == 1 ? params * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
-  e.compute_weights = plan.zero_stage <= 2 ? params * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
+  e.gradients = params * 4 / n + (plan.zero_stage == 1 ? held * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
+  e.compute_weights = plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).
   const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;

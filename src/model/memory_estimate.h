@@ -18,6 +18,9 @@
 // QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
 // precision.fp8 on CUDA adds the FP8 GEMMs' scratch (fp8_scratch_bytes, the function
 // Fp8Projections allocates by); the CPU path allocates none.
+// Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
+// the units' full-size buffers hold 1/P of each MoE block's routed experts, and a rank's
+// received rows (in the activations) may be P times a micro-batch's assignments.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +64,7 @@ struct MemoryPlan {
   bool fsdp = false;         // more than one data-parallel rank
   int64_t shard_ranks = 1;   // parallelism.data_parallel_shard_degree
   int64_t zero_stage = 3;
+  int64_t expert_parallel = 1;  // parallelism.expert_parallel_degree
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)

@@ -22,6 +22,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.fsdp = p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1;
   plan.shard_ranks = p.data_parallel_shard_degree;
   plan.zero_stage = p.zero_stage;
+  plan.expert_parallel = p.expert_parallel_degree;
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;

@@ -22,6 +22,7 @@
 #include "core/progress.h"
 #include "core/rng.h"
 #include "core/stop_signal.h"
+#include "distributed/expert_dispatch_group.h"
 #include "distributed/heartbeat.h"
 #include "model/lora.h"
 #include "ops/elementwise.h"
@@ -83,7 +84,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
     fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
-    fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp);
+    fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
+    fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
+                                   expert_shard_group_.get());
     dp_ = fsdp_.get();
   }
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
@@ -155,7 +158,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     if (rank_ != 0) set_log_level(LogLevel::Warn);
   }
   model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
-                                         activation_checkpoint_from_name(config_.activation_checkpoint.mode));
+                                         activation_checkpoint_from_name(config_.activation_checkpoint.mode),
+                                         expert_dispatch_.get());
 
   uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
@@ -212,10 +216,16 @@ void Trainer::log_fsdp_memory() const {
   const double moment_bytes = config_.optimizer.state_dtype == "bf16" ? 4.0 : 8.0;
   const double model_state = static_cast<double>(config_.model.total_params()) * (4.0 + moment_bytes);
   const double own_state = static_cast<double>(m.master_weights + moments);
-  log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas): optimizer state {} (master {} + moments {}) "
+  const int ep = fsdp_->options().expert_parallel;
+  const std::string experts =
+      ep > 1 ? fmt::format(", expert parallelism {}: routed experts {}-{} of {}", ep,
+                           (rank_ % ep) * (config_.model.num_experts / ep),
+                           (rank_ % ep + 1) * (config_.model.num_experts / ep) - 1, config_.model.num_experts)
+             : std::string();
+  log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas{}): optimizer state {} (master {} + moments {}) "
            "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
            "reduction buffers {}",
-           rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, gib(own_state),
+           rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, experts, gib(own_state),
            gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
            gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
            gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
@@ -251,6 +261,12 @@ void Trainer::set_up_data_parallel() {
     shard_split_ = world_->split(rank_ / shard, rank_);
     replicate_group_ = world_->split(rank_ % shard, rank_);
     shard_group_ = shard_split_.get();
+  }
+  if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks, no replicas
+    const int ep = static_cast<int>(p.expert_parallel_degree);
+    expert_parallel_group_ = world_->split(rank_ / ep, rank_);
+    expert_shard_group_ = world_->split(rank_ % ep, rank_);
+    expert_dispatch_ = std::make_unique<GroupExpertDispatch>(*expert_parallel_group_, device_);
   }
 }
 

@@ -201,6 +201,10 @@ class Trainer {
   // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
   int rank_ = 0, world_size_ = 1;
   std::unique_ptr<ProcessGroup> own_world_, shard_split_, replicate_group_;
+  // Expert parallelism (NOTE [Expert parallelism]): the consecutive ranks that split the
+  // experts, the ranks that hold the same experts, and the model's dispatch over the former.
+  std::unique_ptr<ProcessGroup> expert_parallel_group_, expert_shard_group_;
+  std::unique_ptr<ExpertDispatch> expert_dispatch_;
   ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;
