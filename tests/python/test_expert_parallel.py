@@ -4,8 +4,9 @@ routed experts, FSDP shards the rest over every rank and each expert slice over 
 that hold it. The loss curves and loads follow one rank's with the global batch kept equal
 (Mixtral-style with its balancing loss, DeepSeek-shaped with MLA, a dense first block and
 shared experts; ZeRO-1, -2 and -3; P = 2 and 4 of 4 ranks); a checkpoint saved under expert
-parallelism holds the same weights as one rank's and resumes on one rank; forge info sizes
-a rank's memory by the degree; and the degrees that cannot work are refused by name. The
+parallelism holds the same weights as one rank's and resumes on one rank, and its Hugging
+Face export is one rank's; forge info sizes a rank's memory by the degree; and the degrees
+that cannot work are refused by name. The
 model-level equality of gradients (2 and 4 ranks, every checkpointing mode, ranks that
 receive no tokens) is tests/cpu/test_model_expert_parallel.cpp."""
 import json
@@ -64,6 +65,24 @@ class Checkpoints(unittest.TestCase):
         resumed = [r["loss"] for r in records(split)[STEPS:]]
         self.assertEqual(len(resumed), STEPS - 15)
         self.assertLess(max(abs(a - b) / b for a, b in zip(resumed, uninterrupted[15:])), 1e-4)
+
+
+    def test_hugging_face_export_matches_one_rank(self):
+        """The export gathers every rank's experts (Fsdp::gather_to_host) into the same
+        DeepseekV2ForCausalLM weights one rank writes."""
+        from safetensors.numpy import load_file
+        tmp = scratch_dir()
+        flags = ["--model.name", "debug-tiny-mla", "--training.steps", "3", "--checkpoint.last_save_in_hf", "true",
+                 "--checkpoint.export_dtype", "fp32"]
+        tensors = {}
+        for ranks, degree in ((1, 1), (4, 4)):
+            run_dir = os.path.join(tmp, f"ep{degree}")
+            train(run_dir, ranks, *flags, EP, str(degree))
+            tensors[degree] = load_file(os.path.join(run_dir, "hf", "model.safetensors"))
+        self.assertEqual(tensors[1].keys(), tensors[4].keys())
+        self.assertIn("model.layers.1.mlp.experts.7.down_proj.weight", tensors[4])
+        for name, value in tensors[1].items():
+            self.assertLess(float(numpy.abs(tensors[4][name] - value).max()), 1e-6, name)
 
 
 def info(model, *flags):
