@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "core/device.h"
+#include "core/log.h"
 
 #include "ops/elementwise.h"
 #include "ops/linear.h"
@@ -90,23 +91,26 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
   auto index = [&](Shape s) { return layout.take(std::move(s), DType::I32); };
   // Under expert parallelism the experts' GEMMs run on the received rows (a.local): their
-  // input is kept (it came over the network), their SwiGLU recomputed; the layer's own
-  // permuted rows are scratch, its expert outputs (returned) kept for the combine's backward.
+  // input is kept (it came over the network), their SwiGLU recomputed under selective
+  // checkpointing; the layer's own permuted rows are scratch, its expert outputs (returned)
+  // kept for the combine's backward. What each layer keeps of its received rows is taken
+  // from the received-row pool (NOTE [Received-row pool]), except under full checkpointing,
+  // whose one shared set is laid out for the most a rank can receive.
   auto costly = [&](Activations& a) {
     a.rstd = stat({n});
     a.rows.expert_out = act({rows, hidden_});
-    if (ep) {
+    if (!ep) a.rows.gate_up = act({rows, 2 * ffn_});
+    else if (mode == ActivationCheckpoint::Full) {
       a.local.permuted = act({received, hidden_});
       a.local.gate_up = act({received, 2 * ffn_});
-    } else {
-      a.rows.gate_up = act({rows, 2 * ffn_});
     }
     if (shared_ffn_ > 0) a.shared_gate_up = act({n, 2 * shared_ffn_});
   };
   auto cheap = [&](Activations& a) {
     a.normed = act({n, hidden_});
-    if (ep) a.local.swiglu = act({received, ffn_});
-    else {
+    if (ep) {
+      if (mode != ActivationCheckpoint::None) a.local.swiglu = act({received, ffn_});  // one shared set
+    } else {
       a.rows.permuted = act({rows, hidden_});
       a.rows.swiglu = act({rows, ffn_});
     }
@@ -124,15 +128,23 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   d_swiglu_ = act({received, ffn_});
   d_gate_up_ = act({received, 2 * ffn_});
   d_permuted_ = act({rows, hidden_});
+  pool_ = {};
   if (ep) {
     permuted_ = act({rows, hidden_});
     staging_ = act({received, hidden_});
-    local_out_ = act({received, hidden_});
-    d_local_out_ = act({received, hidden_});
+    local_out_ = act({received, hidden_});  // the forward's; the backward's d_local_out_ reuses it
+    d_local_out_ = local_out_;
     d_local_permuted_ = act({received, hidden_});
     for (Activations& a : layers_) {
       a.rows.permuted = permuted_;
       a.local.expert_out = local_out_;
+    }
+    if (mode != ActivationCheckpoint::Full) {  // NOTE [Received-row pool]
+      pool_.rows = mul_or_fail(mul_or_fail(rows, num_layers, "the received-row pool"), kReceivedSlack,
+                               "the received-row pool");
+      pool_.permuted = act({pool_.rows, hidden_});
+      pool_.gate_up = act({pool_.rows, 2 * ffn_});
+      if (mode == ActivationCheckpoint::None) pool_.swiglu = act({pool_.rows, ffn_});
     }
   }
   d_weights_ = stat({n, top_k_});
@@ -159,6 +171,44 @@ MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuff
 
 void MoeFeedForward::set_expert_dispatch(ExpertDispatch* dispatch) {
   exchange_ = dispatch && dispatch->size() > 1 ? std::make_unique<ExpertExchange>(*dispatch, experts_) : nullptr;
+}
+
+// NOTE [Received-row pool]
+// Under expert parallelism a rank's experts receive a different number of rows in every
+// layer and micro-batch: N k on average (each rank sends its N k rows, which the group's
+// ranks share), up to P N k when the whole group chooses its experts. Laying out every
+// layer's kept rows for P N k would multiply those activations by P, so under no and
+// selective checkpointing the layers take what they keep (the received rows, their gate/up
+// GEMM output, and without checkpointing their SwiGLU) from one pool, in forward order: the
+// first MoE layer of a micro-batch's forward starts it over, each layer takes exactly its
+// received rows. The pool holds kReceivedSlack x N k rows per layer. A micro-batch whose
+// layers receive more than that in all (a routing far from balanced on this rank) gets
+// the rest of its layers' rows from fresh device allocations, logged once per run: slower
+// (an allocation synchronizes) but never wrong. Full checkpointing keeps one set for every
+// layer, laid out for P N k rows; the scratch shared by all layers is laid out for P N k
+// too.
+void MoeFeedForward::take_received(int layer, Activations& a) {
+  if (pool_.rows == 0) return;  // full checkpointing: the shared set
+  if (layer == 0) pool_.top = 0;
+  const int64_t r = a.plan.received;
+  if (pool_.top + r <= pool_.rows) {
+    a.local.permuted = pool_.permuted.narrow(pool_.top, pool_.top + r);
+    a.local.gate_up = pool_.gate_up.narrow(pool_.top, pool_.top + r);
+    if (pool_.swiglu.defined()) a.local.swiglu = pool_.swiglu.narrow(pool_.top, pool_.top + r);
+    pool_.top += r;
+    return;
+  }
+  if (!pool_.overflowed)
+    log_warn("expert parallelism: MoE layer {} received {} rows, past the received-row pool ({} of its {} rows "
+             "taken by the layers before it): its rows and those of later layers that do not fit are allocated "
+             "on the device (NOTE [Received-row pool]; logged once)",
+             layer, r, pool_.top, pool_.rows);
+  pool_.overflowed = true;
+  const Device device = pool_.permuted.device();
+  const DType dtype = pool_.permuted.dtype();
+  a.local.permuted = Tensor::empty({r, hidden_}, dtype, device);
+  a.local.gate_up = Tensor::empty({r, 2 * ffn_}, dtype, device);
+  if (pool_.swiglu.defined()) a.local.swiglu = Tensor::empty({r, ffn_}, dtype, device);
 }
 
 MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
@@ -190,6 +240,7 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
   moe_permute(a.rows.permuted, a.normed, a.routing);
   if (exchange_) {  // NOTE [Expert parallelism]: to the experts' ranks, through them, and back
     a.plan = exchange_->plan(a.routing);
+    take_received(layer, a);
     exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
     moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
     exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
@@ -214,7 +265,7 @@ void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, c
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
   if (exchange_) {  // the received rows were kept: only their SwiGLU
     const MoeExpertBuffers local = expert_rows(a);
-    swiglu_forward(local.swiglu, local.gate_up);
+    if (a.plan.received > 0) swiglu_forward(local.swiglu, local.gate_up);
   } else {
     moe_permute(a.rows.permuted, a.normed, a.routing);
     swiglu_forward(a.rows.swiglu, a.rows.gate_up);

@@ -135,6 +135,9 @@ class MoeFeedForward final : public BlockComponent {
   MoeExpertBuffers expert_rows(const Activations& a) const;
   const MoeRouting& expert_routing(const Activations& a) const { return exchange_ ? a.plan.local : a.routing; }
   MoeExpertWeights expert_weights(const ComponentWeights& w) const;
+  // Expert parallelism: where layer `layer` keeps its received rows this micro-batch (NOTE
+  // [Received-row pool] in moe_feed_forward.cpp).
+  void take_received(int layer, Activations& a);
 
   int64_t hidden_, ffn_, experts_, top_k_;
   int64_t shared_ffn_;  // the shared experts' SwiGLU size; 0: none
@@ -167,6 +170,14 @@ class MoeFeedForward final : public BlockComponent {
   // outputs, and the backward's local gradients.
   // permuted_: the layer's own permuted rows before they leave, [N k, H].
   Tensor permuted_, staging_, local_out_, d_local_out_, d_local_permuted_;
+  // The kept received rows of every layer, kReceivedSlack x N k rows per layer (NOTE
+  // [Received-row pool]); swiglu only without checkpointing. rows 0: no pool.
+  static constexpr int64_t kReceivedSlack = 2;
+  struct ReceivedPool {
+    Tensor permuted, gate_up, swiglu;
+    int64_t rows = 0, top = 0;
+    bool overflowed = false;
+  } pool_;
 };
 
 }  // namespace forge

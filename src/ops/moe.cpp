@@ -433,7 +433,8 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
     }
   };
   per_expert(a.gate_up, a.permuted, w.gate_up);
-  swiglu_forward(a.swiglu, a.gate_up);  // every row at once: SwiGLU works on each row alone
+  // Every row at once: SwiGLU works on each row alone (none: a rank's experts received nothing).
+  if (a.gate_up.dim(0) > 0) swiglu_forward(a.swiglu, a.gate_up);
   per_expert(a.expert_out, a.swiglu, w.down);
 }
 
@@ -458,7 +459,7 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
     }
   };
   per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down);
-  swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
+  if (a.gate_up.dim(0) > 0) swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
   per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up);
 }
 

@@ -4,7 +4,7 @@
 // gives on all their tokens: the non-expert gradients summed over the ranks, each rank's
 // experts' gradients its slice of the whole. Mixtral-style and DeepSeek-shaped models, every
 // activation-checkpointing mode, 2 and 4 ranks, and a router that sends every token to the
-// same two experts (the other ranks receive nothing). FSDP's expert sharding and a whole
+// same two experts (the other ranks receive nothing, one rank receives past its pool). FSDP's expert sharding and a whole
 // training run are tested in tests/python/test_fsdp.py.
 #include <gtest/gtest.h>
 
@@ -166,8 +166,14 @@ TEST(ModelExpertParallel, DeepSeekShapedInEveryCheckpointingMode) {
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective});
 }
 
+// Rank 0 holds experts 0 and 1 and receives every row. With 4 experts on 2 ranks that is
+// twice its own rows per layer, what the received-row pool holds; with 8 on 4 ranks four
+// times, so the second MoE layer's rows come from device allocations (NOTE [Received-row
+// pool] in model/moe_feed_forward.cpp).
 TEST(ModelExpertParallel, EveryTokenOnOneRanksExpertsAndRanksThatReceiveNothing) {
   expect_ranks_match_one({"debug-tiny-moe", 2, ActivationCheckpoint::None, true});
+  expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::None, true});
+  expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective, true});
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Full, true});
 }
 
