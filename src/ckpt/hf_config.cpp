@@ -177,28 +177,28 @@ void read_deepseek_experts(const HfConfigReader& r, ModelConfig& m, bool v3) {
   }
   r.expect_string("scoring_func", "softmax", "DeepseekV2ForCausalLM routes on softmax scores");
   const std::string method = r.string_or(r.config(), "topk_method", "greedy", "");
-  if (method == "group_limited_greedy")
-    FORGE_FAIL("{}: \"topk_method\" is 'group_limited_greedy'; forge does not build group-limited softmax routing "
-               "(DeepSeek-V2's 236B models): it routes DeepSeek-V2 models \"greedy\" (expected), and group-limited "
-               "only on sigmoid scores (DeepseekV3ForCausalLM)",
-               r.path());
-  if (method != "greedy")
-    FORGE_FAIL("{}: \"topk_method\" is '{}'; DeepseekV2ForCausalLM routes \"greedy\" or "
-               "\"group_limited_greedy\", and forge \"greedy\" (expected)",
+  if (method == "group_limited_greedy") {  // the 236B models: groups ranked by their best probability
+    for (const char* key : {"n_group", "topk_group"})
+      if (!r.has(key) || !r.config()[key].is_number_integer())
+        FORGE_FAIL("{}: \"{}\" is {} with topk_method \"group_limited_greedy\": expected a positive integer", r.path(),
+                   key, r.has(key) ? describe_json(r.config()[key]) : std::string("missing or null"));
+    m.router_num_groups = r.positive_int_or("n_group", 1);
+    m.router_topk_groups = r.positive_int_or("topk_group", 1);
+  } else if (method == "greedy") {
+    for (const char* key : {"n_group", "topk_group"})
+      if (r.has(key) && !r.config()[key].is_null() && r.config()[key] != 1)
+        FORGE_FAIL("{}: \"{}\" is {} with topk_method \"greedy\", which does not limit the experts to groups: "
+                   "expected 1 or null",
+                   r.path(), key, describe_json(r.config()[key]));
+  } else {
+    FORGE_FAIL("{}: \"topk_method\" is '{}'; DeepseekV2ForCausalLM routes \"greedy\" or \"group_limited_greedy\"",
                r.path(), method);
-  for (const char* key : {"n_group", "topk_group"})
-    if (r.has(key) && r.config()[key] != 1)
-      FORGE_FAIL("{}: \"{}\" is {} with topk_method \"greedy\", which does not limit the experts to groups: "
-                 "expected 1 or null",
-                 r.path(), key, describe_json(r.config()[key]));
+  }
   if (r.boolean_or("norm_topk_prob", false) && m.num_experts_per_tok > 1)
     FORGE_FAIL("{}: \"norm_topk_prob\" is true; DeepseekV2ForCausalLM never renormalizes the top-k weights, where "
                "DeepSeek's own code would: expected false",
                r.path());
-  if (scaling != 1.0)
-    FORGE_FAIL("{}: \"routed_scaling_factor\" is {}; forge's softmax routing is not scaled (scaled routing runs "
-               "on sigmoid scores, DeepseekV3ForCausalLM): expected 1.0",
-               r.path(), scaling);
+  m.router_scaling_factor = scaling;
   m.router_score_function = "softmax";
   m.router_normalize_topk = false;
 }
@@ -500,7 +500,8 @@ nlohmann::ordered_json deepseek_config_from_model(const ModelConfig& m, const st
     c["routed_scaling_factor"] = m.router_scaling_factor;
     c["n_group"] = m.router_num_groups;
     c["topk_group"] = m.router_topk_groups;
-    c["topk_method"] = v3 ? "noaux_tc" : "greedy";  // V3's: DeepSeek's own name, which transformers does not read
+    // V3's: DeepSeek's own name, which transformers does not read; V2's limits the groups or not.
+    c["topk_method"] = v3 ? "noaux_tc" : m.router_topk_groups < m.router_num_groups ? "group_limited_greedy" : "greedy";
     c["scoring_func"] = v3 ? "sigmoid" : "softmax";
     c["moe_layer_freq"] = 1;
   }

@@ -56,11 +56,11 @@
 //                                                       attention_factor and truncate false are
 //                                                       accepted only where they equal what
 //                                                       forge computes
-// V2 routes greedily on softmax scores, unnormalized and unscaled (its router never reads
-// norm_topk_prob, which must be false where DeepSeek's own code would renormalize, top-k
-// above 1; routed_scaling_factor must be 1, as forge's softmax routing is unscaled;
-// topk_method "greedy" with n_group and topk_group 1 or null; "group_limited_greedy", the
-// 236B models' group-limited softmax routing, is refused: forge does not build it). V3 routes
+// V2 routes on softmax scores, unnormalized (its router never reads norm_topk_prob, which
+// must be false where DeepSeek's own code would renormalize, top-k above 1) and scaled by
+// routed_scaling_factor (default 1; the 236B models' 16); topk_method "greedy" with n_group
+// and topk_group 1 or null, or "group_limited_greedy" (the 236B models': n_group and
+// topk_group required, each group ranked by its largest probability). V3 routes
 // on sigmoid scores plus e_score_correction_bias, group-limited (n_group, topk_group;
 // defaults 8 and 4), renormalized with norm_topk_prob (default true) and scaled by
 // routed_scaling_factor (default 2.5). DeepSeek's own keys that transformers ignores are

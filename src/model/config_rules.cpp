@@ -140,16 +140,6 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   if (router_topk_groups * (num_experts / router_num_groups) < num_experts_per_tok)
     FORGE_FAIL("{} groups of {} experts cannot hold {} choices", keys.describe("model.router_topk_groups", router_topk_groups),
                num_experts / router_num_groups, keys.describe("model.num_experts_per_tok", num_experts_per_tok));
-  if (router_score_function == "softmax" && router_num_groups > 1)
-    FORGE_FAIL("{} with {}: group-limited softmax routing (DeepSeek-V2's group_limited_greedy) is not built; "
-               "group-limited routing runs with model.router_score_function sigmoid (DeepSeek-V3's)",
-               keys.describe("model.router_num_groups", router_num_groups),
-               keys.describe("model.router_score_function", router_score_function));
-  if (router_score_function == "softmax" && router_scaling_factor != 1.0)
-    FORGE_FAIL("{} with {}: scaled softmax routing (DeepSeek-V2's 236B models, which also route group-limited) is "
-               "not built; it runs with model.router_score_function sigmoid",
-               keys.describe("model.router_scaling_factor", router_scaling_factor),
-               keys.describe("model.router_score_function", router_score_function));
   if (router_score_function == "sigmoid" && router_num_groups > 1 && num_experts / router_num_groups < 2)
     FORGE_FAIL("{} leaves groups of {} expert; sigmoid routing ranks a group by its two best scores",
                keys.describe("model.router_num_groups", router_num_groups), num_experts / router_num_groups);

@@ -162,7 +162,7 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
 }
 
 MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuffers& buffers) {
-  if (!sigmoid_) return moe_route(logits_, top_k_, normalize_, buffers);  // scaling 1 (config rules)
+  if (!sigmoid_) return moe_route_softmax(logits_, top_k_, groups_, topk_groups_, normalize_, scaling_, buffers);
   const Tensor& bias = w.tensor(bias_index_);
   if (bias.dtype() != DType::F32) cast(bias_, bias);  // the routing reads it in fp32
   return moe_route_sigmoid(logits_, bias.dtype() == DType::F32 ? bias : bias_, top_k_, groups_, topk_groups_, normalize_,

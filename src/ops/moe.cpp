@@ -123,21 +123,39 @@ MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const Mo
   return r;
 }
 
+// Group-limited routing's shape: `groups` equal groups of experts, `topk_groups` of them kept,
+// holding at least k experts.
+void check_groups(const char* op, int64_t experts, int64_t k, int64_t groups, int64_t topk_groups) {
+  FORGE_CHECK(groups >= 1 && experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
+              "{}: {} experts in {} groups keeping {}: the groups must divide the experts and keep between 1 and all "
+              "of them",
+              op, experts, groups, topk_groups);
+  FORGE_CHECK(k >= 1 && k <= topk_groups * (experts / groups),
+              "{}: top-k {} must be between 1 and the {} experts of the {} groups kept", op, k,
+              topk_groups * (experts / groups), topk_groups);
+}
+
 }  // namespace
 
 MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers) {
+  return moe_route_softmax(logits, k, 1, 1, normalize, 1.0f, buffers);
+}
+
+MoeRouting moe_route_softmax(const Tensor& logits, int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                             float scaling, const MoeRoutingBuffers& buffers) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
   MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route logits");
+  r.scaling = scaling;
   FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
+  check_groups("moe_route", r.experts, k, groups, topk_groups);
+  float* lse = r.lse.defined() ? r.lse.data<float>() : nullptr;
   if (logits.device() == Device::CUDA)
     FORGE_CUDA_CALL("moe_route", cuda::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize,
                                                         r.probs.data<float>(), r.expert_ids.data<int32_t>(),
-                                                        r.weights.data<float>(),
-                                                        r.lse.defined() ? r.lse.data<float>() : nullptr));
+                                                        r.weights.data<float>(), lse, groups, topk_groups, scaling));
   else
     cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
-                          r.expert_ids.data<int32_t>(), r.weights.data<float>(),
-                          r.lse.defined() ? r.lse.data<float>() : nullptr);
+                          r.expert_ids.data<int32_t>(), r.weights.data<float>(), lse, groups, topk_groups, scaling);
   sort_by_expert(r);
   return r;
 }
@@ -149,13 +167,7 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   r.sigmoid = true;
   r.lse = Tensor();  // not kept: the z-loss with sigmoid routing is not built
   r.scaling = scaling;
-  FORGE_CHECK(groups >= 1 && r.experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
-              "moe_route_sigmoid: {} experts in {} groups keeping {}: the groups must divide the experts and keep "
-              "between 1 and all of them",
-              r.experts, groups, topk_groups);
-  FORGE_CHECK(k >= 1 && k <= topk_groups * (r.experts / groups),
-              "moe_route_sigmoid: top-k {} must be between 1 and the {} experts of the {} groups kept", k,
-              topk_groups * (r.experts / groups), topk_groups);
+  check_groups("moe_route_sigmoid", r.experts, k, groups, topk_groups);
   if (bias.defined()) {
     check_shape(bias, {r.experts}, "moe_route_sigmoid bias");
     expect_tensor(bias, logits.device(), DType::F32, "moe_route_sigmoid bias");
@@ -296,7 +308,7 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
                       cuda::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),
                                                       r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens,
                                                       r.experts, r.k, r.normalize, d_logits.data<float>(), lse,
-                                                      z_scale));
+                                                      z_scale, r.scaling));
     return;
   }
   if (r.sigmoid) {
@@ -306,7 +318,7 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   }
   cpu::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),
                                  r.expert_ids.data<int32_t>(), r.weights.data<float>(), r.tokens, r.experts, r.k,
-                                 r.normalize, d_logits.data<float>(), lse, z_scale);
+                                 r.normalize, d_logits.data<float>(), lse, z_scale, r.scaling);
 }
 
 void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate) {

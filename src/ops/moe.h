@@ -38,6 +38,11 @@
 // logits_t 2 lse_t softmax(logits_t) / N; the softmax routing keeps each token's logsumexp
 // (MoeRouting::lse, from the max and sum its softmax computes) and moe_route_backward adds
 // that gradient, scaled, given z_scale.
+// DeepSeek-V2 (moe_route_softmax, transformers' DeepseekV2TopkRouter) keeps the softmax and
+// may limit the choice to groups (group_limited_greedy: the experts form equal groups, each
+// ranked by its largest probability, and only the best `topk_groups` take part) and scale
+// the chosen probabilities (routed_scaling_factor; V2 does not renormalize them); the
+// backward carries the scaling, the group limit has no gradient.
 // DeepSeek-V3 routes differently (moe_route_sigmoid, transformers' DeepseekV3TopkRouter):
 // sigmoid scores instead of a softmax, the choice made on scores + a per-expert bias (the
 // auxiliary-loss-free balancing's correction, which never reaches the weights),
@@ -63,7 +68,7 @@ struct MoeRouting {
   int64_t tokens = 0, experts = 0, k = 0;
   bool normalize = true;
   bool sigmoid = false;          // DeepSeek-V3's scores (moe_route_sigmoid) instead of a softmax
-  float scaling = 1.0f;          // routed_scaling_factor (sigmoid routing)
+  float scaling = 1.0f;          // routed_scaling_factor
   Tensor probs;                  // F32 [tokens, experts]: the softmax's probabilities or the sigmoid's scores
   Tensor lse;                    // F32 [tokens]: softmax routing's logsumexp of each row of logits (undefined
                                  // when the buffers have none)
@@ -93,6 +98,13 @@ struct MoeRoutingBuffers {
 
 // Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]).
 MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers = {});
+
+// The same with DeepSeek-V2's options (NOTE [MoE routing]): with topk_groups < groups only the
+// experts of the topk_groups groups with the largest best probability take part
+// (group_limited_greedy), and the chosen weights are multiplied by `scaling`
+// (routed_scaling_factor). moe_route is groups 1 and scaling 1.
+MoeRouting moe_route_softmax(const Tensor& logits, int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
+                             float scaling, const MoeRoutingBuffers& buffers = {});
 
 // DeepSeek-V3's routing (NOTE [MoE routing]); bias [experts] (fp32) may be undefined (zero).
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,

@@ -28,6 +28,8 @@ struct MoeLayer {
   // DeepSeek-V3's routing (moe_route_sigmoid) instead of Mixtral's.
   bool sigmoid = false;
   Tensor bias;  // [E] or undefined
+  // Group-limited routing (sigmoid, or softmax as DeepSeek-V2's group_limited_greedy) and the
+  // weights' scaling (routed_scaling_factor).
   int64_t groups = 1, topk_groups = 1;
   float scaling = 1.0f;
 };
@@ -44,7 +46,7 @@ inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a)
   a.logits = Tensor::empty({tokens, m.experts});
   linear_forward(a.logits, x, {m.router});
   a.routing = m.sigmoid ? moe_route_sigmoid(a.logits, m.bias, m.k, m.groups, m.topk_groups, m.normalize, m.scaling)
-                        : moe_route(a.logits, m.k, m.normalize);
+                        : moe_route_softmax(a.logits, m.k, m.groups, m.topk_groups, m.normalize, m.scaling);
   a.permuted = Tensor::empty({rows, m.hidden});
   a.gate_up = Tensor::empty({rows, 2 * m.ffn});
   a.swiglu = Tensor::empty({rows, m.ffn});

@@ -881,6 +881,29 @@ TEST(HfImportConfig, MapsDeepseekV2Keys) {
   EXPECT_EQ(model_config_from_hf(c, "config.json").rope_scaling.mscale, 0.707);
 }
 
+// DeepSeek-V2's 236B models route group-limited (group_limited_greedy) with scaled softmax
+// weights; transformers' DeepseekV2TopkRouter reads n_group, topk_group and
+// routed_scaling_factor, and so does forge; the written config routes the same.
+TEST(HfImportConfig, MapsDeepseekV2GroupLimitedScaledRouting) {
+  json c = deepseek_v2_json();
+  c["topk_method"] = "group_limited_greedy";
+  c["n_group"] = 2;
+  c["topk_group"] = 1;
+  c["routed_scaling_factor"] = 16.0;
+  const ModelConfig m = model_config_from_hf(c, "config.json");
+  EXPECT_EQ(m.router_score_function, "softmax");
+  EXPECT_EQ(m.router_num_groups, 2);
+  EXPECT_EQ(m.router_topk_groups, 1);
+  EXPECT_EQ(m.router_scaling_factor, 16.0);
+  EXPECT_FALSE(m.router_normalize_topk);
+  const json written = json::parse(hf_config_from_model(m, "float32").dump());
+  EXPECT_EQ(written["topk_method"], "group_limited_greedy");
+  EXPECT_EQ(written["n_group"], 2);
+  EXPECT_EQ(written["topk_group"], 1);
+  EXPECT_EQ(written["routed_scaling_factor"], 16.0);
+  EXPECT_TRUE(architecture_differences(m, model_config_from_hf(written, "config.json")).empty());
+}
+
 TEST(HfImportConfig, MapsDeepseekV3Keys) {
   const ModelConfig m = tiny_deepseek(true);
   EXPECT_EQ(m.q_lora_rank, 12);
@@ -1015,16 +1038,23 @@ TEST(HfImportConfig, RejectsUnsupportedDeepseeksNamingFileAndKey) {
     edit(c);
     return c;
   };
-  expect_error(v2([](json& c) { c["topk_method"] = "group_limited_greedy"; }),
-               "\"topk_method\" is 'group_limited_greedy'; forge does not build group-limited softmax routing");
+  expect_error(v2([](json& c) {
+                 c["topk_method"] = "group_limited_greedy";
+                 c["n_group"] = nullptr;
+               }),
+               "\"n_group\" is missing or null with topk_method \"group_limited_greedy\": expected a positive integer");
+  expect_error(v2([](json& c) {
+                 c["topk_method"] = "group_limited_greedy";
+                 c["n_group"] = 8;
+                 c.erase("topk_group");
+               }),
+               "\"topk_group\" is missing or null with topk_method \"group_limited_greedy\": expected a positive integer");
   expect_error(v2([](json& c) { c["topk_method"] = "noaux_tc"; }), "\"topk_method\" is 'noaux_tc'");
   expect_error(v2([](json& c) { c["n_group"] = 8; }),
                "\"n_group\" is 8 with topk_method \"greedy\", which does not limit the experts to groups: expected 1 "
                "or null");
   expect_error(v2([](json& c) { c["norm_topk_prob"] = true; }),
                "\"norm_topk_prob\" is true; DeepseekV2ForCausalLM never renormalizes the top-k weights");
-  expect_error(v2([](json& c) { c["routed_scaling_factor"] = 16.0; }),
-               "\"routed_scaling_factor\" is 16; forge's softmax routing is not scaled");
   expect_error(v2([](json& c) { c["scoring_func"] = "sigmoid"; }),
                "\"scoring_func\" is 'sigmoid'; DeepseekV2ForCausalLM routes on softmax scores (expected \"softmax\")");
   expect_error(v2([](json& c) { c["moe_layer_freq"] = 2; }), "\"moe_layer_freq\" is 2;");

@@ -29,8 +29,9 @@ ExperimentConfig load_tiny(ConfigOverrides overrides = {}) {
 }
 
 // transformers 5.23 counts the parameters of DeepseekV2ForCausalLM / DeepseekV3ForCausalLM
-// built from the same configs (on the meta device): 15,706,484,224 for DeepSeek-V2-Lite and
-// 671,026,404,352 for DeepSeek-V3 without its multi-token-prediction module. V3's routing
+// built from the same configs (on the meta device): 15,706,484,224 for DeepSeek-V2-Lite,
+// 235,741,434,880 for DeepSeek-V2 and 671,026,404,352 for DeepSeek-V3 without its
+// multi-token-prediction module. V3's routing
 // biases (58 MoE blocks x 256) are buffers there and parameters (without gradient) in forge.
 TEST(ModelDeepseek, CountsAreTransformers) {
   const ModelConfig lite = load({{"model.name", "deepseek-v2-lite"}}).model;
@@ -42,6 +43,9 @@ TEST(ModelDeepseek, CountsAreTransformers) {
   // FLOPs per token: the attention's products are heads x (192 + 128) / 2 wide.
   EXPECT_DOUBLE_EQ(lite.flops_per_token(4096),
                    6.0 * static_cast<double>(lite.active_params() - 102400 * 2048) + 6.0 * 27 * 16 * 160 * 4096.0);
+  const ModelConfig v2 = load({{"model.name", "deepseek-v2"}}).model;
+  EXPECT_EQ(v2.total_params(), 235741434880);
+  EXPECT_EQ(v2.active_params(), v2.total_params() - 59 * (160 - 6) * int64_t{3 * 5120 * 1536});  // 21.4 B
   const ModelConfig v3 = load({{"model.name", "deepseek-v3"}}).model;
   EXPECT_EQ(v3.total_params(), 671026404352 + 58 * 256);
   EXPECT_EQ(v3.active_params(), v3.total_params() - 58 * (256 - 8) * int64_t{3 * 7168 * 2048});  // 37.6 B
@@ -60,9 +64,6 @@ TEST(ModelDeepseek, ConfigRules) {
   expect_error([] { load_tiny({{"model.qk_rope_head_dim", "7"}}); }, {"model.qk_rope_head_dim = 7", "must be even"});
   expect_error([] { load_tiny({{"model.qk_rope_head_dim", "8"}, {"training.device", "cuda"}}); },
                {"model.qk_rope_head_dim = 8 (command line) must be a multiple of 16 on CUDA"});
-  expect_error([] { load_tiny({{"model.router_num_groups", "2"}}); },
-               {"group-limited softmax routing (DeepSeek-V2's group_limited_greedy) is not built"});
-  expect_error([] { load_tiny({{"model.router_scaling_factor", "16"}}); }, {"scaled softmax routing"});
   expect_error([] { load_tiny({{"model.router_score_function", "sigmoid"}, {"model.router_aux_loss_coef", "0.01"}}); },
                {"the Switch balancing loss is for softmax routing"});
   expect_error([] { load_tiny({{"model.router_score_function", "sigmoid"}, {"model.router_num_groups", "3"}}); },

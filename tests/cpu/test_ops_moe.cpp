@@ -206,6 +206,48 @@ TEST(OpsMoe, SigmoidGroupLimitedRouting) {
   }
 }
 
+// DeepSeek-V2's softmax routing: group-limited (groups ranked by their largest probability,
+// transformers' group_limited_greedy) and scaled (routed_scaling_factor); then the layer's
+// backward against finite differences.
+TEST(OpsMoe, SoftmaxGroupLimitedScaledRouting) {
+  Rng rng(75);
+  const int64_t tokens = 6, experts = 8, k = 2, groups = 4, topk_groups = 2;
+  Tensor logits = random_tensor({tokens, experts}, rng, 1.5);
+  const MoeRouting r = moe_route_softmax(logits, k, groups, topk_groups, false, 16.0f);
+  EXPECT_EQ(r.scaling, 16.0f);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> p(experts);
+    double sum = 0.0;
+    for (int64_t e = 0; e < experts; ++e) sum += p[e] = std::exp(static_cast<double>(logits.data<float>()[t * experts + e]));
+    for (double& v : p) v /= sum;
+    std::vector<double> group(groups);  // groups of 2: the larger
+    for (int64_t g = 0; g < groups; ++g) group[g] = std::max(p[2 * g], p[2 * g + 1]);
+    std::vector<int> gorder(groups);
+    std::iota(gorder.begin(), gorder.end(), 0);
+    std::sort(gorder.begin(), gorder.end(), [&](int a1, int b1) { return group[a1] > group[b1]; });
+    std::vector<int> allowed;
+    for (int g : {gorder[0], gorder[1]}) allowed.insert(allowed.end(), {2 * g, 2 * g + 1});
+    std::sort(allowed.begin(), allowed.end(), [&](int a1, int b1) { return p[a1] > p[b1]; });
+    for (int64_t j = 0; j < k; ++j) {
+      EXPECT_EQ(r.expert_ids.data<int32_t>()[t * k + j], allowed[j]) << "token " << t;
+      EXPECT_NEAR(r.weights.data<float>()[t * k + j], 16.0 * p[allowed[j]], 1e-5);
+    }
+  }
+  expect_error([&] { moe_route_softmax(logits, 5, 4, 2, false, 1.0f); },
+               {"moe_route: top-k 5 must be between 1 and the 4 experts of the 2 groups kept"});
+  expect_error([&] { moe_route_softmax(logits, 2, 3, 1, false, 1.0f); }, {"8 experts in 3 groups"});
+  for (const bool normalize : {true, false}) {
+    SCOPED_TRACE(normalize ? "normalized" : "not normalized");
+    MoeLayer m = random_layer(rng, 6, 5, experts, k, normalize);
+    m.groups = groups;
+    m.topk_groups = topk_groups;
+    m.scaling = 2.5f;
+    m.aux = 0.3f;  // the balancing loss's probability gradient joins the scaled weights'
+    Tensor x = random_tensor({5, m.hidden}, rng), g_out = random_tensor({5, m.hidden}, rng);
+    expect_backward_matches_finite_differences(m, x, g_out);
+  }
+}
+
 TEST(OpsMoe, BalancingLossIsTransformersForm) {
   // Two tokens, two experts, top-1: token 0 picks expert 0 (p = 0.8), token 1 expert 1 (0.6).
   Tensor logits = Tensor::empty({2, 2});

@@ -351,6 +351,58 @@ TEST(GpuMoeKernels, TopkSigmoidBackwardMatchesCpu) {
   }
 }
 
+// DeepSeek-V2's softmax routing, group-limited (groups ranked by their best probability) and
+// scaled: the forward's probabilities, choices and weights, and the backward through the
+// scaling, against the CPU, over the sigmoid cases' group shapes.
+TEST(GpuMoeKernels, TopkSoftmaxGroupLimitedAndScaledMatchesCpu) {
+  Rng rng(seed_for_current_test());
+  for (size_t ci = 0; ci < kSigmoidCases.size(); ++ci) {
+    const auto [tokens, experts, k, groups, topk_groups] = kSigmoidCases[ci];
+    for (const bool normalize : {true, false}) {
+      const float scaling = normalize ? 2.5f : 16.0f;
+      const std::string what = fmt::format("{} tokens, {} experts, k {}, {} groups keeping {}, normalize {}, x {}",
+                                           tokens, experts, k, groups, topk_groups, normalize, scaling);
+      const Tensor logits = routing_logits(tokens, experts, Special::None, rng);
+      Tensor probs = Tensor::empty({tokens, experts}), ids = Tensor::empty({tokens, k}, DType::I32),
+             weights = Tensor::empty({tokens, k});
+      cpu::moe_topk_softmax(logits.data<float>(), tokens, experts, k, normalize, probs.data<float>(),
+                            ids.data<int32_t>(), weights.data<float>(), nullptr, groups, topk_groups, scaling);
+      const Tensor logits_gpu = to_gpu(logits, DType::F32);
+      Tensor probs_gpu = poisoned_gpu({tokens, experts}, DType::F32), ids_gpu = poisoned_gpu({tokens, k}, DType::I32),
+             weights_gpu = poisoned_gpu({tokens, k}, DType::F32);
+      cuda::moe_topk_softmax(logits_gpu.data<float>(), tokens, experts, k, normalize, probs_gpu.data<float>(),
+                             ids_gpu.data<int32_t>(), weights_gpu.data<float>(), nullptr, groups, topk_groups, scaling);
+      const Tensor probs_back = to_cpu_f32(probs_gpu);
+      EXPECT_LT(relative_l2(probs_back, probs), kRoutingTolerance) << what;
+      const std::vector<float> rank(probs.data<float>(), probs.data<float>() + probs.numel());
+      const std::vector<int32_t> gpu_ids = host_values<int32_t>(ids_gpu);
+      if (topk_groups < groups)  // every choice in a kept group: at most topk_groups distinct groups per token
+        for (int64_t t = 0; t < tokens; ++t) {
+          std::vector<int32_t> chosen_groups;
+          for (int64_t j = 0; j < k; ++j) chosen_groups.push_back(gpu_ids[t * k + j] / (experts / groups));
+          std::sort(chosen_groups.begin(), chosen_groups.end());
+          EXPECT_LE(std::unique(chosen_groups.begin(), chosen_groups.end()) - chosen_groups.begin(), topk_groups)
+              << what << ": token " << t;
+        }
+      if (!expect_same_choices(gpu_ids, ids, rank, tokens, experts, k, what)) continue;
+      EXPECT_LT(relative_l2(to_cpu_f32(weights_gpu), weights), kRoutingTolerance) << what;
+
+      const Tensor d_weights = random_f32({tokens, k}, rng);
+      Tensor d_logits = Tensor::empty({tokens, experts});
+      cpu::moe_topk_softmax_backward(d_weights.data<float>(), nullptr, tokens, probs.data<float>(),
+                                     ids.data<int32_t>(), weights.data<float>(), tokens, experts, k, normalize,
+                                     d_logits.data<float>(), nullptr, 0.0, scaling);
+      const Tensor d_weights_gpu = to_gpu(d_weights, DType::F32), probs_in = to_gpu(probs, DType::F32),
+                   ids_in = ids.to(Device::CUDA), weights_in = to_gpu(weights, DType::F32);
+      Tensor d_logits_gpu = poisoned_gpu({tokens, experts}, DType::F32);
+      cuda::moe_topk_softmax_backward(d_weights_gpu.data<float>(), nullptr, tokens, probs_in.data<float>(),
+                                      ids_in.data<int32_t>(), weights_in.data<float>(), tokens, experts, k, normalize,
+                                      d_logits_gpu.data<float>(), nullptr, 0.0, scaling);
+      expect_routing_gradient_close(d_logits_gpu, d_logits, what);
+    }
+  }
+}
+
 struct SortCase {
   int64_t tokens, k, experts;
 };

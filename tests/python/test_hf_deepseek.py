@@ -60,6 +60,10 @@ CASES = [
     dict(name="v2_yarn", family="deepseek_v2", config=deepseek_v2(rope_parameters=YARN)),
     dict(name="v2_no_shared_experts_compressed_query_sharded", family="deepseek_v2", max_shard_size="20KB",
          config=deepseek_v2(n_shared_experts=0, q_lora_rank=12, first_k_dense_replace=0, num_experts_per_tok=1)),
+    # DeepSeek-V2 236B's routing: group_limited_greedy (the best 2 of 3 groups) scaled by 16.
+    dict(name="v2_group_limited_scaled", family="deepseek_v2",
+         config=deepseek_v2(topk_method="group_limited_greedy", n_group=3, topk_group=2,
+                            routed_scaling_factor=16.0)),
     dict(name="v3_yarn_mscale_all_dim", family="deepseek_v3",
          config=deepseek_v3(rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=0.8))),
     dict(name="v3_bf16_tied_rope_not_interleaved", family="deepseek_v3", save_dtype=torch.bfloat16,
@@ -249,8 +253,8 @@ class DamagedCheckpoints(unittest.TestCase):
     def test_config_settings_forge_does_not_build(self):
         refusals = [
             (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", topk_method="group_limited_greedy",
-                  norm_topk_prob=False, routed_scaling_factor=1.0),
-             "\"topk_method\" is 'group_limited_greedy'; forge does not build group-limited softmax routing"),
+                  n_group=None, norm_topk_prob=False, routed_scaling_factor=1.0),
+             "\"n_group\" is missing or null with topk_method \"group_limited_greedy\": expected a positive integer"),
             (dict(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", n_group=1, topk_group=1,
                   norm_topk_prob=True, routed_scaling_factor=1.0),
              "\"norm_topk_prob\" is true; DeepseekV2ForCausalLM never renormalizes the top-k weights"),

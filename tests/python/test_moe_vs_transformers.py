@@ -1,7 +1,8 @@
 """forge's MoE feed-forward ops (ops/moe.h: routing, permutation, per-expert SwiGLU GEMMs,
 combine, balancing loss) against transformers in float64 on tiny random configs (several
 expert counts and top-k, experts left without tokens): Mixtral's MixtralSparseMoeBlock with
-load_balancing_loss_func, and DeepSeek-V3's DeepseekV3TopkRouter (sigmoid scores, the
+load_balancing_loss_func, DeepSeek-V2's DeepseekV2TopkRouter (group-limited, scaled softmax)
+with DeepseekV2Experts, and DeepSeek-V3's DeepseekV3TopkRouter (sigmoid scores, the
 correction bias, group-limited top-k, routed_scaling_factor) with DeepseekV3Experts. The
 output, the balancing loss, and the gradients of sum(out * dout) (+ coefficient * loss) with
 respect to the input, the router and every expert's weights must agree within 1e-4 relative
@@ -12,7 +13,8 @@ import unittest
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV3Config, MixtralConfig
+from transformers import DeepseekV2Config, DeepseekV3Config, MixtralConfig
+from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2Experts, DeepseekV2TopkRouter
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts, DeepseekV3TopkRouter
 from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock, load_balancing_loss_func
 
@@ -36,6 +38,36 @@ DEEPSEEK_CASES = [
     dict(tokens=11, hidden=12, ffn=8, experts=16, k=4, groups=4, topk_groups=3, normalize=True, scaling=1.0),
     dict(tokens=6, hidden=8, ffn=8, experts=6, k=3, groups=1, topk_groups=1, normalize=False, scaling=1.5),
 ]
+
+
+# DeepSeek-V2's routing: softmax, group_limited_greedy (groups ranked by their best
+# probability) or greedy, never renormalized, scaled by routed_scaling_factor (the 236B
+# models' 16).
+DEEPSEEK_V2_CASES = [
+    dict(tokens=7, hidden=8, ffn=12, experts=8, k=2, groups=4, topk_groups=2, scaling=16.0),
+    dict(tokens=11, hidden=12, ffn=8, experts=16, k=3, groups=8, topk_groups=3, scaling=1.0),
+    dict(tokens=6, hidden=8, ffn=8, experts=6, k=2, groups=1, topk_groups=1, scaling=2.0),
+]
+
+
+class DeepseekV2RoutedMoe(torch.nn.Module):
+    """DeepseekV2Moe's routed half."""
+
+    def __init__(self, case):
+        super().__init__()
+        grouped = case["topk_groups"] < case["groups"]
+        config = DeepseekV2Config(hidden_size=case["hidden"], num_attention_heads=1, num_key_value_heads=1,
+                                  moe_intermediate_size=case["ffn"],
+                                  n_routed_experts=case["experts"], num_experts_per_tok=case["k"],
+                                  topk_method="group_limited_greedy" if grouped else "greedy",
+                                  n_group=case["groups"], topk_group=case["topk_groups"],
+                                  routed_scaling_factor=case["scaling"])
+        self.gate = DeepseekV2TopkRouter(config)
+        self.experts = DeepseekV2Experts(config)
+
+    def forward(self, x):
+        _, weights, indices = self.gate(x)
+        return x + self.experts(x, indices, weights.to(x.dtype))
 
 
 class DeepseekMoe(torch.nn.Module):
@@ -132,6 +164,34 @@ class MoeVsTransformers(unittest.TestCase):
                                 f"{case['groups']} {case['topk_groups']} {case['scaling']}",
                                 dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
                                      bias=block.gate.e_score_correction_bias.numpy(),
+                                     gate_up=block.experts.gate_up_proj.detach().numpy(),
+                                     down=block.experts.down_proj.detach().numpy()))
+                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
+                                               block.experts.gate_up_proj.grad.numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("d_down", (e, h, f)), block.experts.down_proj.grad.numpy()),
+                                TOLERANCE)
+
+    def test_deepseek_v2_routing(self):
+        rng = np.random.RandomState(22)
+        torch.manual_seed(22)
+        for case in DEEPSEEK_V2_CASES:
+            with self.subTest(**case):
+                t, h, f, e, k = case["tokens"], case["hidden"], case["ffn"], case["experts"], case["k"]
+                block = DeepseekV2RoutedMoe(case).double()
+                with torch.no_grad():
+                    block.gate.weight.normal_(0.0, 0.7)
+                    block.experts.gate_up_proj.normal_(0.0, 0.4)
+                    block.experts.down_proj.normal_(0.0, 0.4)
+                x = torch.tensor(rng.normal(size=(t, h)), dtype=torch.float64, requires_grad=True)
+                dout = rng.normal(size=(t, h))
+                out = block(x)
+                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                got = run_forge(f"{t} {h} {f} {e} {k} 0 0 {case['groups']} {case['topk_groups']} {case['scaling']} "
+                                "softmax",
+                                dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
                                      gate_up=block.experts.gate_up_proj.detach().numpy(),
                                      down=block.experts.down_proj.detach().numpy()))
                 self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)

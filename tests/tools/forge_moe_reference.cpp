@@ -4,7 +4,9 @@
 // load_balancing_loss_func, and with Megatron-Core's balancing losses and z-loss:
 //   forge_moe_reference DIR
 // DIR/shape holds "tokens hidden ffn experts k normalize aux_coefficient", then for
-// DeepSeek-V3's sigmoid routing "groups topk_groups scaling" (and DIR/bias, fp32 [experts]);
+// DeepSeek-V3's sigmoid routing "groups topk_groups scaling" (and DIR/bias, fp32 [experts]),
+// or for DeepSeek-V2's group-limited, scaled softmax routing "groups topk_groups scaling
+// softmax";
 // DIR/x, router, gate_up, down and dout are raw little-endian fp32 ([tokens, hidden],
 // [experts, hidden], [experts, 2 ffn, hidden], [experts, hidden, ffn], [tokens, hidden]).
 // With DIR/losses ("layers aux_type z_coefficient sequences"; aux_type pooled, per_layer or
@@ -61,7 +63,10 @@ int main(int argc, char** argv) {
                 "{}/shape: expected 'tokens hidden ffn experts k normalize aux'", dir);
     int64_t groups = 0, topk_groups = 0;
     float scaling = 1.0f;
-    const bool sigmoid = static_cast<bool>(shape >> groups >> topk_groups >> scaling);
+    const bool grouped = static_cast<bool>(shape >> groups >> topk_groups >> scaling);
+    std::string score_function = "sigmoid";
+    if (grouped) shape >> score_function;
+    const bool sigmoid = grouped && score_function != "softmax";
     int64_t layers = 1, sequences = 1;
     std::string aux_type = "pooled";
     float z = 0.0f;
@@ -83,9 +88,9 @@ int main(int argc, char** argv) {
       m.aux_type = aux_type;
       m.sequences = sequences;
       m.z = z;
-      if (sigmoid) {
-        m.sigmoid = true;
-        m.bias = read(dir + "/bias", {experts});
+      if (grouped) {
+        m.sigmoid = sigmoid;
+        if (sigmoid) m.bias = read(dir + "/bias", {experts});
         m.groups = groups;
         m.topk_groups = topk_groups;
         m.scaling = scaling;

@@ -8,8 +8,12 @@
 namespace forge::cpu {
 
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights, float* lse) {
-  std::vector<int32_t> order(static_cast<size_t>(experts));
+                      int32_t* expert_ids, float* weights, float* lse, int64_t groups, int64_t topk_groups,
+                      float scaling) {
+  const int64_t group_size = experts / groups;
+  std::vector<int32_t> order(static_cast<size_t>(experts)), group_order(static_cast<size_t>(groups));
+  std::vector<float> group_score(static_cast<size_t>(groups));
+  std::vector<char> kept(static_cast<size_t>(groups));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* l = logits + t * experts;
     float* p = probs + t * experts;
@@ -19,7 +23,22 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
     for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - top);
     for (int64_t e = 0; e < experts; ++e) p[e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - top) / sum);
     if (lse) lse[t] = static_cast<float>(top + std::log(sum));
-    std::iota(order.begin(), order.end(), 0);
+    order.clear();
+    if (topk_groups < groups) {  // DeepSeek-V2's group_limited_greedy: groups ranked by their best probability
+      for (int64_t g = 0; g < groups; ++g)
+        group_score[static_cast<size_t>(g)] = *std::max_element(p + g * group_size, p + (g + 1) * group_size);
+      std::iota(group_order.begin(), group_order.end(), 0);
+      std::partial_sort(group_order.begin(), group_order.begin() + topk_groups, group_order.end(),
+                        [&](int32_t a, int32_t b) {
+                          return group_score[a] > group_score[b] || (group_score[a] == group_score[b] && a < b);
+                        });
+      std::fill(kept.begin(), kept.end(), 0);
+      for (int64_t g = 0; g < topk_groups; ++g) kept[static_cast<size_t>(group_order[static_cast<size_t>(g)])] = 1;
+      for (int32_t e = 0; e < experts; ++e)
+        if (kept[static_cast<size_t>(e / group_size)]) order.push_back(e);
+    } else {
+      for (int32_t e = 0; e < experts; ++e) order.push_back(e);
+    }
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int32_t a, int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     double chosen = 0.0;
@@ -27,7 +46,7 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
     for (int64_t j = 0; j < k; ++j) {
       const int32_t e = order[static_cast<size_t>(j)];
       expert_ids[t * k + j] = e;
-      weights[t * k + j] = normalize ? static_cast<float>(p[e] / chosen) : p[e];
+      weights[t * k + j] = (normalize ? static_cast<float>(p[e] / chosen) : p[e]) * scaling;
     }
   }
 }
@@ -35,7 +54,7 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
 void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
                                const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
                                int64_t experts, int64_t k, bool normalize, float* d_logits, const float* lse,
-                               double z_scale) {
+                               double z_scale, float scaling) {
   std::vector<double> dp(static_cast<size_t>(experts));
   for (int64_t t = 0; t < tokens; ++t) {
     const float* p = probs + t * experts;
@@ -44,15 +63,17 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
     const float* g = prob_gradient ? prob_gradient + (t / group_tokens) * experts : nullptr;
     for (int64_t e = 0; e < experts; ++e) dp[static_cast<size_t>(e)] = g ? g[e] : 0.0;
     if (normalize) {
-      // w_j = p_j / Z over the chosen: dL/dp_j = (dw_j - sum_m dw_m w_m) / Z.
+      // w_j = s p_j / Z over the chosen (s: scaling): dL/dp_j = (s dw_j - sum_m dw_m w_m) / Z.
       double z = 0.0, dot = 0.0;
       for (int64_t j = 0; j < k; ++j) {
         z += p[expert_ids[t * k + j]];
         dot += static_cast<double>(dw[j]) * w[j];
       }
-      for (int64_t j = 0; j < k; ++j) dp[static_cast<size_t>(expert_ids[t * k + j])] += (dw[j] - dot) / z;
+      for (int64_t j = 0; j < k; ++j)
+        dp[static_cast<size_t>(expert_ids[t * k + j])] += (static_cast<double>(scaling) * dw[j] - dot) / z;
     } else {
-      for (int64_t j = 0; j < k; ++j) dp[static_cast<size_t>(expert_ids[t * k + j])] += dw[j];
+      for (int64_t j = 0; j < k; ++j)
+        dp[static_cast<size_t>(expert_ids[t * k + j])] += static_cast<double>(scaling) * dw[j];
     }
     double dot = 0.0;  // softmax: dl = p (dp - <dp, p>); the z-loss's: + z_scale lse p
     for (int64_t e = 0; e < experts; ++e) dot += dp[static_cast<size_t>(e)] * p[e];

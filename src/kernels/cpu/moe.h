@@ -9,14 +9,18 @@ namespace forge::cpu {
 
 // probs [tokens, experts] = softmax of each row of logits; then each token's k largest
 // probabilities (ties: the lower expert id) into expert_ids / weights [tokens, k], in
-// descending order; with `normalize` the k weights are divided by their sum (Mixtral).
-// lse [tokens], when not null: each row's logsumexp (max + log of the sum of exp(l - max);
-// the router z-loss's).
+// descending order; with `normalize` the k weights are divided by their sum (Mixtral); the
+// weights times `scaling` (DeepSeek-V2's routed_scaling_factor). With topk_groups < groups
+// (DeepSeek-V2's group_limited_greedy) the experts form `groups` equal groups, each ranked
+// by its largest probability, and only the `topk_groups` best groups (ties: the lower
+// group) take part in the top-k. lse [tokens], when not null: each row's logsumexp (max +
+// log of the sum of exp(l - max); the router z-loss's).
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights, float* lse = nullptr);
+                      int32_t* expert_ids, float* weights, float* lse = nullptr, int64_t groups = 1,
+                      int64_t topk_groups = 1, float scaling = 1.0f);
 
 // d_logits [tokens, experts] (written over) from d_weights [tokens, k], through the
-// normalization and the softmax. prob_gradient, when not null, [tokens / group_tokens,
+// scaling, the normalization and the softmax (the group limit has no gradient). prob_gradient, when not null, [tokens / group_tokens,
 // experts], is a gradient with respect to the probabilities added before the softmax's
 // backward, row g for the tokens [g group_tokens, (g + 1) group_tokens) (a balancing loss's:
 // one row for a layer's tokens, or one per sequence). With lse (the forward's) and
@@ -25,7 +29,7 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
 void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
                                const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
                                int64_t experts, int64_t k, bool normalize, float* d_logits,
-                               const float* lse = nullptr, double z_scale = 0.0);
+                               const float* lse = nullptr, double z_scale = 0.0, float scaling = 1.0f);
 
 // DeepSeek-V3's router (transformers' DeepseekV3TopkRouter): scores [tokens, experts] =
 // sigmoid(logits); the choice ranks scores + bias (bias [experts], auxiliary-loss-free

@@ -17,18 +17,21 @@ constexpr int64_t kMoeMaxExperts = 1024;
 
 // As cpu::moe_topk_softmax: probs [tokens, experts] = each row's softmax; each token's k
 // largest probabilities (ties: the lower expert id) into expert_ids / weights [tokens, k],
-// descending; with `normalize` divided by their sum; lse [tokens] (null: not written) each
-// row's logsumexp (fp32: max + logf of the fp32 sum).
+// descending; with `normalize` divided by their sum; times `scaling`; with topk_groups <
+// groups only the experts of the topk_groups groups with the largest best probability
+// (DeepSeek-V2's group_limited_greedy); lse [tokens] (null: not written) each row's
+// logsumexp (fp32: max + logf of the fp32 sum).
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights, float* lse = nullptr);
+                      int32_t* expert_ids, float* weights, float* lse = nullptr, int64_t groups = 1,
+                      int64_t topk_groups = 1, float scaling = 1.0f);
 
 // As cpu::moe_topk_softmax_backward: prob_gradient [tokens / group_tokens, experts] (null:
 // none), row g added for the tokens of group g; with lse, z_scale x lse[t] x probs[t] added
-// to d_logits. d_logits [tokens, experts] is written over.
+// to d_logits; `scaling` the forward's. d_logits [tokens, experts] is written over.
 void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
                                const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
                                int64_t experts, int64_t k, bool normalize, float* d_logits,
-                               const float* lse = nullptr, double z_scale = 0.0);
+                               const float* lse = nullptr, double z_scale = 0.0, float scaling = 1.0f);
 
 // As cpu::moe_topk_sigmoid (DeepSeek-V3's group-limited sigmoid router; bias may be null).
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,

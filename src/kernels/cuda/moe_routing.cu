@@ -23,10 +23,11 @@
 // (105 us where their 64 MB of traffic would take 21), and __reduce_max_sync /
 // __reduce_min_sync on order-preserving integer keys could replace the shuffle argmax.
 // Experts fewer than 32 leave lanes idle (Mixtral's 8 use a quarter of the warp).
-// Sigmoid routing with topk_groups < groups first ranks the groups, through shared memory
-// (per warp the row's choice values, then the group scores): lane g scans group g's choice
-// values in expert order for the two largest, as the CPU does, so the group score is the
-// same sum; a group is kept when fewer than topk_groups groups rank above it (score higher,
+// Group-limited routing (sigmoid, and softmax's DeepSeek-V2 group_limited_greedy) with
+// topk_groups < groups first ranks the groups, through shared memory (per warp the row's
+// choice values, then the group scores): lane g scans group g's choice values in expert
+// order for the two largest (sigmoid: their sum; softmax: the largest alone), as the CPU
+// does, so the group score is the same; a group is kept when fewer than topk_groups groups rank above it (score higher,
 // or equal and a lower id): the CPU's partial_sort selects the same set. Cost per token:
 // experts reads for the group scores and groups^2 compares for the ranks (DeepSeek-V3: 256
 // and 64), spread over the lanes. Excluded experts never take part in the k rounds.
@@ -160,13 +161,56 @@ __device__ __forceinline__ float choose_top_k(const float (&value)[V], const flo
   return chosen;
 }
 
+// Group-limited routing: marks in `excluded` every expert outside the `topk_groups` best
+// of `groups` equal groups (a group is kept when fewer than topk_groups groups rank above
+// it: score higher, or equal with a lower index). A group's score is the sum of its two
+// largest values (DeepSeek-V3, `top_two`; its one value for groups of one) or its largest
+// (DeepSeek-V2's group_limited_greedy). `row` is the warp's shared scratch of experts +
+// groups floats.
+template <int V>
+__device__ __forceinline__ void exclude_groups(const float (&value)[V], int experts, int groups, int topk_groups,
+                                               bool top_two, int lane, float* row, unsigned& excluded) {
+  float* group_score = row + experts;
+  const int group_size = experts / groups;
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (i * kWarp + lane < experts) row[i * kWarp + lane] = value[i];
+  __syncwarp();
+  for (int g = lane; g < groups; g += kWarp) {
+    float first = -INFINITY, second = -INFINITY;
+    for (int e = g * group_size; e < (g + 1) * group_size; ++e) {
+      const float c = row[e];
+      if (c > first) second = first, first = c;
+      else if (c > second) second = c;
+    }
+    group_score[g] = top_two && group_size > 1 ? first + second : first;
+  }
+  __syncwarp();
+  for (int g = lane; g < groups; g += kWarp) {
+    const float mine = group_score[g];
+    int above = 0;
+    for (int h = 0; h < groups; ++h) {
+      const float other = group_score[h];
+      above += other > mine || (other == mine && h < g);
+    }
+    row[g] = above < topk_groups ? 1.f : 0.f;  // row's values are no longer read
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const int e = i * kWarp + lane;
+    if (e < experts && row[e / group_size] == 0.f) excluded |= 1u << i;
+  }
+}
+
 template <int V>
 __global__ void __launch_bounds__(kRouteWarps* kWarp)
     topk_softmax_kernel(const float* __restrict__ logits, int64_t tokens, int experts, int k, bool normalize,
-                        float* __restrict__ probs, int32_t* __restrict__ expert_ids, float* __restrict__ weights,
-                        float* __restrict__ lse) {
-  const int lane = threadIdx.x % kWarp;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + threadIdx.x / kWarp;
+                        int groups, int topk_groups, float scaling, float* __restrict__ probs,
+                        int32_t* __restrict__ expert_ids, float* __restrict__ weights, float* __restrict__ lse) {
+  extern __shared__ float group_smem[];  // per warp, when group-limited: probabilities [experts], group scores [groups]
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
   if (t >= tokens) return;  // the whole warp
   const float* l = logits + t * experts;
   float p[V];
@@ -194,11 +238,13 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
     if (e < experts) probs[t * experts + e] = p[i];
     else excluded |= 1u << i;
   }
+  if (topk_groups < groups)  // DeepSeek-V2's group_limited_greedy: groups ranked by their best probability
+    exclude_groups<V>(p, experts, groups, topk_groups, /*top_two=*/false, lane,
+                      group_smem + warp * (experts + groups), excluded);
   int32_t* ids = expert_ids + t * k;
   float* w = weights + t * k;
   const float chosen = choose_top_k<V>(p, p, excluded, k, lane, ids, w);
-  if (normalize)
-    for (int j = lane; j < k; j += kWarp) w[j] = w[j] / chosen;  // this lane wrote w[j]
+  for (int j = lane; j < k; j += kWarp) w[j] = (normalize ? w[j] / chosen : w[j]) * scaling;  // this lane wrote w[j]
 }
 
 template <int V>
@@ -207,7 +253,7 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
                                  int64_t group_tokens, const float* __restrict__ probs,
                                  const int32_t* __restrict__ expert_ids, const float* __restrict__ weights,
                                  int64_t tokens, int experts, int k, bool normalize, float* __restrict__ d_logits,
-                                 const float* __restrict__ lse, double z_scale) {
+                                 const float* __restrict__ lse, double z_scale, float scaling) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + threadIdx.x / kWarp;
   if (t >= tokens) return;
@@ -224,7 +270,7 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
     p[i] = e < experts ? p_row[e] : 0.f;
     dp[i] = e < experts && g ? g[e] : 0.0;
   }
-  // w_j = p_j / Z over the chosen: dL/dp_j = (dw_j - sum_m dw_m w_m) / Z.
+  // w_j = s p_j / Z over the chosen (s: scaling): dL/dp_j = (s dw_j - sum_m dw_m w_m) / Z.
   double z = 0.0, dot = 0.0;
   if (normalize) {
     for (int j = lane; j < k; j += kWarp) {
@@ -240,7 +286,8 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
     double delta = 0.0;
     if (j < k) {
       id = ids[j];
-      delta = normalize ? (dw[j] - dot) / z : dw[j];
+      const double scaled = static_cast<double>(scaling) * dw[j];
+      delta = normalize ? (scaled - dot) / z : scaled;
     }
     const int n = min(kWarp, k - j0);
     for (int s = 0; s < n; ++s) {
@@ -287,40 +334,9 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
       excluded |= 1u << i;
     }
   }
-  if (topk_groups < groups) {  // group-limited: only the best topk_groups groups take part
-    float* row = group_smem + warp * (experts + groups);
-    float* group_score = row + experts;
-    const int group_size = experts / groups;
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (i * kWarp + lane < experts) row[i * kWarp + lane] = choice[i];
-    __syncwarp();
-    for (int g = lane; g < groups; g += kWarp) {  // the sum of the group's two largest choice values
-      float first = -INFINITY, second = -INFINITY;
-      for (int e = g * group_size; e < (g + 1) * group_size; ++e) {
-        const float c = row[e];
-        if (c > first) second = first, first = c;
-        else if (c > second) second = c;
-      }
-      group_score[g] = group_size > 1 ? first + second : first;
-    }
-    __syncwarp();
-    for (int g = lane; g < groups; g += kWarp) {  // kept: fewer than topk_groups groups rank above
-      const float mine = group_score[g];
-      int above = 0;
-      for (int h = 0; h < groups; ++h) {
-        const float other = group_score[h];
-        above += other > mine || (other == mine && h < g);
-      }
-      row[g] = above < topk_groups ? 1.f : 0.f;  // row's choice values are no longer read
-    }
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      const int e = i * kWarp + lane;
-      if (e < experts && row[e / group_size] == 0.f) excluded |= 1u << i;
-    }
-  }
+  if (topk_groups < groups)  // group-limited: only the best topk_groups groups take part
+    exclude_groups<V>(choice, experts, groups, topk_groups, /*top_two=*/true, lane,
+                      group_smem + warp * (experts + groups), excluded);
   int32_t* ids = expert_ids + t * k;
   float* w = weights + t * k;
   const float chosen = choose_top_k<V>(choice, s, excluded, k, lane, ids, w);
@@ -538,15 +554,33 @@ void check_routing(const char* op, int64_t tokens, int64_t experts, int64_t k) {
   FORGE_CHECK(tokens * k <= INT32_MAX, "{}: {} tokens x top-k {} assignments do not fit int32 indices", op, tokens, k);
 }
 
+void check_groups(const char* op, int64_t experts, int64_t k, int64_t groups, int64_t topk_groups) {
+  FORGE_CHECK(groups >= 1 && experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
+              "{}: {} experts in {} groups keeping {}: the groups must divide the experts and keep between 1 and all "
+              "of them",
+              op, experts, groups, topk_groups);
+  FORGE_CHECK(k <= topk_groups * (experts / groups), "{}: top-k {} must be at most the {} experts of the {} groups kept",
+              op, k, topk_groups * (experts / groups), topk_groups);
+}
+
+// Shared memory only for group-limited routing: at most 4 warps x 2048 floats = 32 KB.
+size_t group_smem_bytes(int64_t experts, int64_t groups, int64_t topk_groups) {
+  return topk_groups < groups ? sizeof(float) * kRouteWarps * static_cast<size_t>(experts + groups) : 0;
+}
+
 }  // namespace
 
 void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int64_t k, bool normalize, float* probs,
-                      int32_t* expert_ids, float* weights, float* lse) {
+                      int32_t* expert_ids, float* weights, float* lse, int64_t groups, int64_t topk_groups,
+                      float scaling) {
   check_routing("moe_topk_softmax", tokens, experts, k);
+  check_groups("moe_topk_softmax", experts, k, groups, topk_groups);
   if (tokens == 0) return;
+  const size_t smem = group_smem_bytes(experts, groups, topk_groups);
   with_slots(experts, [&](auto slots) {
-    topk_softmax_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp>>>(
-        logits, tokens, static_cast<int>(experts), static_cast<int>(k), normalize, probs, expert_ids, weights, lse);
+    topk_softmax_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp, smem>>>(
+        logits, tokens, static_cast<int>(experts), static_cast<int>(k), normalize, static_cast<int>(groups),
+        static_cast<int>(topk_groups), scaling, probs, expert_ids, weights, lse);
   });
   FORGE_CUDA_LAUNCH_CHECK();
 }
@@ -554,7 +588,7 @@ void moe_topk_softmax(const float* logits, int64_t tokens, int64_t experts, int6
 void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradient, int64_t group_tokens,
                                const float* probs, const int32_t* expert_ids, const float* weights, int64_t tokens,
                                int64_t experts, int64_t k, bool normalize, float* d_logits, const float* lse,
-                               double z_scale) {
+                               double z_scale, float scaling) {
   check_routing("moe_topk_softmax_backward", tokens, experts, k);
   FORGE_CHECK(!prob_gradient || (group_tokens >= 1 && tokens % group_tokens == 0),
               "moe_topk_softmax_backward: groups of {} tokens must divide the {} tokens", group_tokens, tokens);
@@ -562,7 +596,7 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
   with_slots(experts, [&](auto slots) {
     topk_softmax_backward_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp>>>(
         d_weights, prob_gradient, group_tokens, probs, expert_ids, weights, tokens, static_cast<int>(experts),
-        static_cast<int>(k), normalize, d_logits, lse, z_scale);
+        static_cast<int>(k), normalize, d_logits, lse, z_scale, scaling);
   });
   FORGE_CUDA_LAUNCH_CHECK();
 }
@@ -571,16 +605,9 @@ void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, in
                       int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
                       int32_t* expert_ids, float* weights) {
   check_routing("moe_topk_sigmoid", tokens, experts, k);
-  FORGE_CHECK(groups >= 1 && experts % groups == 0 && topk_groups >= 1 && topk_groups <= groups,
-              "moe_topk_sigmoid: {} experts in {} groups keeping {}: the groups must divide the experts and keep "
-              "between 1 and all of them",
-              experts, groups, topk_groups);
-  FORGE_CHECK(k <= topk_groups * (experts / groups),
-              "moe_topk_sigmoid: top-k {} must be at most the {} experts of the {} groups kept", k,
-              topk_groups * (experts / groups), topk_groups);
+  check_groups("moe_topk_sigmoid", experts, k, groups, topk_groups);
   if (tokens == 0) return;
-  // Shared memory only for group-limited routing: at most 4 warps x 2048 floats = 32 KB.
-  const size_t smem = topk_groups < groups ? sizeof(float) * kRouteWarps * (experts + groups) : 0;
+  const size_t smem = group_smem_bytes(experts, groups, topk_groups);
   with_slots(experts, [&](auto slots) {
     topk_sigmoid_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp, smem>>>(
         logits, bias, tokens, static_cast<int>(experts), static_cast<int>(k), static_cast<int>(groups),
