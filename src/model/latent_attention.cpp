@@ -18,12 +18,11 @@ LatentAttention::LatentAttention(const ModelConfig& config)
       kv_rank_(config.kv_lora_rank),
       dims_{config.num_heads, config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, 0},
       eps_(static_cast<float>(config.norm_eps)),
-      rope_theta_(config.rope_theta),
-      rope_scaling_(config.rope_scaling) {
+      rotary_(config.qk_rope_head_dim, config.rope_theta, config.rope_scaling) {
   attention_.num_q_heads = heads_;
   attention_.num_kv_heads = heads_;
   attention_.sliding_window = 0;
-  attention_.scale = static_cast<float>(rope_softmax_scale(rope_scaling_) /
+  attention_.scale = static_cast<float>(rope_softmax_scale(config.rope_scaling) /
                                         std::sqrt(static_cast<double>(config.qk_head_dim())));
   attention_.head_dim = config.qk_head_dim();
   attention_.v_head_dim = config.v_head_dim;
@@ -124,20 +123,9 @@ void LatentAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activ
   }
 }
 
-void LatentAttention::prepare(const StepShape& shape, Device device) {
-  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(dims_.rope_dim, rope_theta_, rope_scaling_), shape.seq_len,
-              rope_attention_factor(rope_scaling_));
-  rope_cos_ = rope_cos_.to(device);
-  rope_sin_ = rope_sin_.to(device);
-  device_ = device;
-}
+void LatentAttention::prepare(const StepShape& shape, Device device) { rotary_.prepare(shape.seq_len, device); }
 
-void LatentAttention::set_sequence_layout(const SequenceLayout* layout) {
-  packed_ = layout != nullptr;
-  if (!packed_) return;
-  positions_ = layout->positions.to(device_);
-  segments_ = attention_segments(layout->segments, attention_, device_);
-}
+void LatentAttention::set_sequence_layout(const SequenceLayout* layout) { rotary_.set_layout(layout, attention_); }
 
 LinearWeight LatentAttention::rows(const LinearWeight& w, int64_t begin, int64_t end) {
   return LinearWeight{w.weight.narrow(begin, end).view({end - begin, w.weight.dim(1)})};
@@ -163,8 +151,8 @@ void LatentAttention::forward(int layer, const ComponentWeights& w, const Tensor
   linear_forward(k_pe_, a.normed, rows(kv_a, kv_rank_, kv_rank_ + dims_.rope_dim));
   rmsnorm_forward(a.kv_compressed, a.kv_rstd, a.kv_a, w.tensor(p_.kv_a_norm), eps_);
   linear_forward(kv_, a.kv_compressed, w.linear(p_.kv_b));
-  mla_pack_qkv(a.qkv, q_, k_pe_, kv_, dims_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
-  attention_forward(a.out, a.lse, a.qkv, attention_, packed_ ? &segments_ : nullptr);
+  mla_pack_qkv(a.qkv, q_, k_pe_, kv_, dims_, rotary_.cos(), rotary_.sin(), rotary_.positions());
+  attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
   if (!out) return;
   linear_forward(*out, a.out.view({n, heads_ * dims_.v_dim}), w.linear(p_.out), &x);
 }
@@ -189,8 +177,8 @@ void LatentAttention::backward(int layer, const ComponentWeights& w, const Compo
   linear_backward(d_out_, grads.linear(p_.out), d_stream, a.out.view({n, heads_ * dims_.v_dim}), w.linear(p_.out),
                   overwrite);
   attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, dims_.v_dim}), a.qkv, a.out,
-                     a.lse, attention_, packed_ ? &segments_ : nullptr);
-  mla_pack_qkv_backward(d_q_, d_k_pe_, d_kv_, d_qkv_, dims_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
+                     a.lse, attention_, rotary_.segments());
+  mla_pack_qkv_backward(d_q_, d_k_pe_, d_kv_, d_qkv_, dims_, rotary_.cos(), rotary_.sin(), rotary_.positions());
   // kv = rmsnorm(h W_kva[:r]^T) W_kvb^T
   linear_backward(d_kv_compressed_, grads.linear(p_.kv_b), d_kv_, a.kv_compressed, w.linear(p_.kv_b), overwrite);
   d_kv_a_.fill_zero();  // the norm's backward adds

@@ -32,6 +32,7 @@
 
 #include "model/block_component.h"
 #include "model/config.h"
+#include "model/rotary_positions.h"
 #include "ops/attention.h"
 #include "ops/latent_attention.h"
 
@@ -73,16 +74,10 @@ class LatentAttention final : public BlockComponent {
   int64_t hidden_, heads_, q_rank_, kv_rank_;
   MlaDims dims_;  // kv_rank 0: k_pe is handed to the packing on its own
   float eps_;
-  double rope_theta_;
-  RopeScaling rope_scaling_;
+  RotaryPositions rotary_;
   AttentionShape attention_;
   Params p_;
   StepShape shape_;
-  Tensor rope_cos_, rope_sin_;
-  Device device_ = Device::CPU;
-  bool packed_ = false;  // the micro-batch's packed examples (NOTE [Packed examples])
-  Tensor positions_;     // int32 [B, T] on the device
-  AttentionSegments segments_;
   std::vector<Activations> layers_;
   // Shared by every layer: the forward's projections, read once by the packing, and the
   // backward's scratch.

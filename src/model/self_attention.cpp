@@ -16,8 +16,7 @@ SelfAttention::SelfAttention(const ModelConfig& config)
       kv_heads_(config.num_kv_heads),
       head_dim_(config.resolved_head_dim()),
       eps_(static_cast<float>(config.norm_eps)),
-      rope_theta_(config.rope_theta),
-      rope_scaling_(config.rope_scaling),
+      rotary_(config.resolved_head_dim(), config.rope_theta, config.rope_scaling),
       attention_{config.num_heads, config.num_kv_heads, config.sliding_window,
                  1.0f / std::sqrt(static_cast<float>(config.resolved_head_dim())), config.resolved_head_dim()} {}
 
@@ -56,28 +55,17 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
   d_qkv_ = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
 }
 
-void SelfAttention::prepare(const StepShape& shape, Device device) {
-  rope_tables(rope_cos_, rope_sin_, rope_inv_freq(head_dim_, rope_theta_, rope_scaling_), shape.seq_len,
-              rope_attention_factor(rope_scaling_));
-  rope_cos_ = rope_cos_.to(device);
-  rope_sin_ = rope_sin_.to(device);
-  device_ = device;
-}
+void SelfAttention::prepare(const StepShape& shape, Device device) { rotary_.prepare(shape.seq_len, device); }
 
-void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
-  packed_ = layout != nullptr;
-  if (!packed_) return;
-  positions_ = layout->positions.to(device_);
-  segments_ = attention_segments(layout->segments, attention_, device_);
-}
+void SelfAttention::set_sequence_layout(const SequenceLayout* layout) { rotary_.set_layout(layout, attention_); }
 
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kQkv));
   linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), a.normed, w.linear(kQkv));
-  rope_forward(a.qkv, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
-  attention_forward(a.out, a.lse, a.qkv, attention_, packed_ ? &segments_ : nullptr);
+  rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
+  attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
   if (!out) return;
   linear_forward(*out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), &x);
 }
@@ -95,8 +83,8 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   // out = x + attention_out @ o^T
   linear_backward(d_out_, grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
   attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, head_dim_}), a.qkv, a.out,
-                     a.lse, attention_, packed_ ? &segments_ : nullptr);
-  rope_backward(d_qkv_, heads_ + kv_heads_, rope_cos_, rope_sin_, packed_ ? &positions_ : nullptr);
+                     a.lse, attention_, rotary_.segments());
+  rope_backward(d_qkv_, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
   linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);

@@ -11,6 +11,7 @@
 
 #include "model/block_component.h"
 #include "model/config.h"
+#include "model/rotary_positions.h"
 #include "ops/attention.h"
 
 namespace forge {
@@ -41,16 +42,9 @@ class SelfAttention final : public BlockComponent {
 
   int64_t hidden_, heads_, kv_heads_, head_dim_;
   float eps_;
-  double rope_theta_;
-  RopeScaling rope_scaling_;
+  RotaryPositions rotary_;
   AttentionShape attention_;
   StepShape shape_;
-  Tensor rope_cos_, rope_sin_;
-  Device device_ = Device::CPU;
-  // The micro-batch's packed examples, when it has them (NOTE [Packed examples]).
-  bool packed_ = false;
-  Tensor positions_;  // int32 [B, T] on the device
-  AttentionSegments segments_;
   std::vector<Activations> layers_;
   Tensor d_out_, d_qkv_;  // backward scratch
 };
