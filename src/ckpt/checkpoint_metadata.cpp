@@ -56,6 +56,9 @@ json model_to_json(const ModelConfig& m) {
               {"router_bias_update_rate", m.router_bias_update_rate},
               {"router_aux_loss_type", m.router_aux_loss_type},
               {"router_z_loss_coef", m.router_z_loss_coef},
+              {"moe_capacity_factor", m.moe_capacity_factor},
+              {"moe_token_drop_policy", m.moe_token_drop_policy},
+              {"moe_pad_to_capacity", m.moe_pad_to_capacity},
               {"q_lora_rank", m.q_lora_rank},
               {"kv_lora_rank", m.kv_lora_rank},
               {"qk_nope_head_dim", m.qk_nope_head_dim},
@@ -187,6 +190,10 @@ ModelConfig model_from_json(const ObjectReader& r) {
   // pooled loss, no z-loss.
   if (r.has("router_aux_loss_type")) m.router_aux_loss_type = r.string("router_aux_loss_type");
   if (r.has("router_z_loss_coef")) m.router_z_loss_coef = r.number("router_z_loss_coef");
+  // From before token dropping: dropless.
+  if (r.has("moe_capacity_factor")) m.moe_capacity_factor = r.number("moe_capacity_factor");
+  if (r.has("moe_token_drop_policy")) m.moe_token_drop_policy = r.string("moe_token_drop_policy");
+  if (r.has("moe_pad_to_capacity")) m.moe_pad_to_capacity = r.boolean("moe_pad_to_capacity");
   return m;
 }
 

@@ -94,6 +94,20 @@ std::vector<ConfigKey> build_schema() {
           "Mixture-of-Experts: weight of the router z-loss (mean logsumexp(logits)^2 per layer, summed; "
           "Megatron's moe_z_loss_coeff) in the training loss; 0: none",
           model_bounds::router_z_loss_coef),
+      key<&E::model, &M::moe_capacity_factor>(
+          "model.moe_capacity_factor",
+          "Mixture-of-Experts: token dropping (Megatron's moe_expert_capacity_factor): each expert keeps at most "
+          "ceil(tokens x top-k / num_experts x factor) of a micro-batch's assignments; 0: dropless",
+          model_bounds::moe_capacity_factor),
+      key<&E::model, &M::moe_token_drop_policy>(
+          "model.moe_token_drop_policy",
+          "Mixture-of-Experts: which assignments an expert over its capacity keeps: probs (the largest routing "
+          "weights) or position (the first in token order); Megatron's moe_token_drop_policy",
+          {}, model_bounds::moe_token_drop_policies),
+      key<&E::model, &M::moe_pad_to_capacity>(
+          "model.moe_pad_to_capacity",
+          "Mixture-of-Experts: every expert runs exactly its capacity of rows, padded with zero rows, so the "
+          "experts' row offsets are known without reading the GPU (Megatron's moe_pad_expert_input_to_capacity)"),
       key<&E::model, &M::moe_ffn_hidden_size>("model.moe_ffn_hidden_size",
                                               "Mixture-of-Experts: SwiGLU intermediate size of each routed and shared "
                                               "expert (DeepSeek's moe_intermediate_size); 0: ffn_hidden_size",

@@ -85,7 +85,8 @@ class BlockComponent {
   // (NOTE [MoE balancing loss] in moe_feed_forward.h).
   virtual double auxiliary_loss(double gradient_weight) { return 0.0; }
   // A Mixture-of-Experts component's routing in block `layer`'s last forward: the
-  // assignments each expert received (tokens × top-k in all); empty for any other component.
+  // assignments each expert kept (tokens × top-k in all unless it drops tokens: NOTE [MoE
+  // capacity] in ops/moe.h); empty for any other component.
   virtual std::vector<int64_t> expert_load(int layer) const { return {}; }
 };
 

@@ -68,6 +68,15 @@ struct ModelConfig {
   std::string router_aux_loss_type = "pooled";
   // The router z-loss's weight (Megatron's moe_z_loss_coeff; NOTE [MoE balancing loss]); 0: none.
   double router_z_loss_coef = 0.0;
+  // Token dropping (Megatron's --moe-expert-capacity-factor, --moe-token-drop-policy and
+  // --moe-pad-expert-input-to-capacity; NOTE [MoE capacity] in ops/moe.h): with a factor
+  // > 0 each expert keeps at most ceil(tokens x top-k / num_experts x factor) of a
+  // micro-batch's assignments, those with the largest routing weights ("probs") or the first
+  // in token order ("position"), and with moe_pad_to_capacity every expert runs exactly that
+  // many rows. 0: dropless.
+  double moe_capacity_factor = 0.0;
+  std::string moe_token_drop_policy = "probs";
+  bool moe_pad_to_capacity = false;
   // Multi-head Latent Attention (DeepSeek-V2/V3; NOTE [Multi-head Latent Attention] in
   // model/latent_attention.h) in place of grouped-query attention when kv_lora_rank > 0:
   // keys and values come from a kv_lora_rank-wide compressed projection, queries directly

@@ -106,6 +106,8 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   check_choice(keys, "model.router_score_function", router_score_function, model_bounds::router_score_functions);
   check_choice(keys, "model.router_aux_loss_type", router_aux_loss_type, model_bounds::router_aux_loss_types);
   check_range(keys, "model.router_z_loss_coef", router_z_loss_coef, model_bounds::router_z_loss_coef);
+  check_range(keys, "model.moe_capacity_factor", moe_capacity_factor, model_bounds::moe_capacity_factor);
+  check_choice(keys, "model.moe_token_drop_policy", moe_token_drop_policy, model_bounds::moe_token_drop_policies);
   if (!moe()) {
     // A dense model: every routing key must keep its default, so that a key set by
     // mistake is not silently ignored.
@@ -124,6 +126,9 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
     dense_only("model.router_bias_update_rate", router_bias_update_rate, 0.0);
     dense_only("model.router_aux_loss_type", router_aux_loss_type, std::string("pooled"));
     dense_only("model.router_z_loss_coef", router_z_loss_coef, 0.0);
+    dense_only("model.moe_capacity_factor", moe_capacity_factor, 0.0);
+    dense_only("model.moe_token_drop_policy", moe_token_drop_policy, std::string("probs"));
+    dense_only("model.moe_pad_to_capacity", moe_pad_to_capacity, false);
     return;
   }
   if (first_dense_layers >= num_layers)
@@ -158,6 +163,16 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
                "logsumexp for softmax routing only)",
                keys.describe("model.router_z_loss_coef", router_z_loss_coef),
                keys.describe("model.router_score_function", router_score_function));
+  // NOTE [MoE capacity] in ops/moe.h: the policy and the padding only mean something with a
+  // capacity, so without one they must keep their defaults.
+  if (moe_capacity_factor == 0.0 && moe_token_drop_policy != "probs")
+    FORGE_FAIL("{} needs model.moe_capacity_factor > 0 (it chooses which assignments an expert over its capacity "
+               "drops); it is 0, dropless routing",
+               keys.describe("model.moe_token_drop_policy", moe_token_drop_policy));
+  if (moe_capacity_factor == 0.0 && moe_pad_to_capacity)
+    FORGE_FAIL("{} needs model.moe_capacity_factor > 0 (each expert's rows are padded to its capacity); it is 0, "
+               "dropless routing",
+               keys.describe("model.moe_pad_to_capacity", moe_pad_to_capacity));
 }
 
 // Multi-head Latent Attention's keys (NOTE [Multi-head Latent Attention]).

@@ -33,6 +33,7 @@ inline constexpr ValueRange num_experts = {0, 65536};  // 0: a dense model
 inline constexpr ValueRange num_experts_per_tok = {0, 65536};
 inline constexpr ValueRange router_aux_loss_coef = at_least(0);
 inline constexpr ValueRange router_z_loss_coef = at_least(0);
+inline constexpr ValueRange moe_capacity_factor = at_least(0);  // 0: dropless
 inline constexpr ValueRange moe_ffn_hidden_size = at_least(0);  // 0: ffn_hidden_size
 inline constexpr ValueRange num_shared_experts = {0, 65536};
 inline constexpr ValueRange first_dense_layers = {0, 65536};
@@ -50,5 +51,6 @@ inline constexpr ValueRange rope_scaling_mscale = at_least(0);  // 0: not set
 inline const std::vector<std::string> rope_scaling_types = {"llama3", "yarn"};
 inline const std::vector<std::string> router_score_functions = {"softmax", "sigmoid"};
 inline const std::vector<std::string> router_aux_loss_types = {"pooled", "per_layer", "sequence"};
+inline const std::vector<std::string> moe_token_drop_policies = {"probs", "position"};
 
 }  // namespace forge::model_bounds

@@ -31,7 +31,8 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& config)
       aux_type_(config.router_aux_loss_type == "sequence"    ? AuxLoss::kSequence
                 : config.router_aux_loss_type == "per_layer" ? AuxLoss::kPerLayer
                                                              : AuxLoss::kPooled),
-      z_coefficient_(config.router_z_loss_coef) {}
+      z_coefficient_(config.router_z_loss_coef),
+      capacity_{config.moe_capacity_factor, config.moe_token_drop_policy == "position", config.moe_pad_to_capacity} {}
 
 // NOTE [MoE Hugging Face names] in moe_feed_forward.h.
 std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
@@ -82,7 +83,8 @@ std::vector<ParamSpec> MoeFeedForward::param_specs(int layer) const {
 // block's forward rerun before its backward.
 void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode,
                              int num_layers) {
-  const int64_t n = shape.tokens(), rows = n * top_k_;
+  // The permuted rows: N k, or with padding E x capacity (NOTE [MoE capacity]).
+  const int64_t n = shape.tokens(), rows = capacity_.permuted_rows(n, top_k_, experts_);
   // Expert parallelism: a rank may receive every row of its group (NOTE [Expert parallelism]).
   expert_parallel_ = shape.expert_parallel;
   const int64_t received = mul_or_fail(rows, expert_parallel_, "the rows a rank's experts may receive");
@@ -119,9 +121,16 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   logits_ = stat({n, experts_});
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   for (Activations& a : layers_) {  // in every mode
-    a.routing_buffers = {stat({n, experts_}), index({n, top_k_}),  stat({n, top_k_}),
-                         index({rows}),       index({rows}),       layout.take({experts_ + 1}, DType::I64),
-                         stat({experts_}),    sigmoid_ ? Tensor() : stat({n})};  // lse: the z-loss's
+    const bool dropping = capacity_.factor > 0;  // offsets: the kept and the assigned running sums
+    a.routing_buffers = {stat({n, experts_}),
+                         index({n, top_k_}),
+                         stat({n, top_k_}),
+                         index({rows}),
+                         index({n * top_k_}),
+                         layout.take(dropping ? Shape{2, experts_ + 1} : Shape{experts_ + 1}, DType::I64),
+                         stat({experts_}),
+                         sigmoid_ ? Tensor() : stat({n}),  // lse: the z-loss's
+                         dropping ? index({n * top_k_}) : Tensor()};
   }
   sequences_ = shape.micro_batch;
   d_expert_out_ = act({rows, hidden_});
@@ -162,11 +171,12 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
 }
 
 MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuffers& buffers) {
-  if (!sigmoid_) return moe_route_softmax(logits_, top_k_, groups_, topk_groups_, normalize_, scaling_, buffers);
+  if (!sigmoid_)
+    return moe_route_softmax(logits_, top_k_, groups_, topk_groups_, normalize_, scaling_, buffers, capacity_);
   const Tensor& bias = w.tensor(bias_index_);
   if (bias.dtype() != DType::F32) cast(bias_, bias);  // the routing reads it in fp32
   return moe_route_sigmoid(logits_, bias.dtype() == DType::F32 ? bias : bias_, top_k_, groups_, topk_groups_, normalize_,
-                           scaling_, buffers);
+                           scaling_, buffers, capacity_);
 }
 
 void MoeFeedForward::set_expert_dispatch(ExpertDispatch* dispatch) {
@@ -273,12 +283,14 @@ void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, c
   if (shared_ffn_ > 0) swiglu_forward(a.shared_swiglu, a.shared_gate_up);
 }
 
+// The assignments each expert kept (NOTE [MoE capacity]: after the drop, without padding;
+// Megatron's routing map after dropping, which its bias update counts too; with padding
+// Megatron's map also holds its padding tokens, every expert at capacity, so that its bias
+// update stands still where forge's still sees the kept loads).
 std::vector<int64_t> MoeFeedForward::expert_load(int layer) const {
   const MoeRouting& r = layers_.at(static_cast<size_t>(layer)).routing;
-  std::vector<int64_t> load(static_cast<size_t>(experts_), 0);
-  if (r.offsets.empty()) return load;  // no forward yet
-  for (int64_t e = 0; e < experts_; ++e) load[static_cast<size_t>(e)] = r.rows(e);
-  return load;
+  if (r.offsets.empty()) return std::vector<int64_t>(static_cast<size_t>(experts_), 0);  // no forward yet
+  return moe_expert_counts(r).kept;
 }
 
 std::vector<const MoeRouting*> MoeFeedForward::routings() const {

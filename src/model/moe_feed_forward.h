@@ -10,8 +10,9 @@
 // (gate/up fused, then down), and `shared` DeepSeek's shared experts: one SwiGLU of
 // num_shared_experts x moe_ffn_hidden_size that every token goes through (absent when 0).
 // It is composed from the MoE ops: route, permute the normalized tokens by expert, each
-// expert's two GEMMs on its own rows (dropless: no token is ever dropped, an expert with no
-// tokens runs nothing), combine into the residual stream, which the shared experts' down
+// expert's two GEMMs on its own rows (an expert with no tokens runs nothing; dropless unless
+// model.moe_capacity_factor > 0, NOTE [MoE capacity] in ops/moe.h, which drops what exceeds
+// an expert's capacity and may pad every expert to it), combine into the residual stream, which the shared experts' down
 // projection has already added to. The routed weights are stacked per block: the router
 // [E, hidden], the experts' gate/up [E, 2F, hidden] and down [E, hidden, F] (transformers'
 // MixtralExperts layout; Hugging Face names: NOTE [MoE Hugging Face names]). Under
@@ -118,7 +119,7 @@ class MoeFeedForward final : public BlockComponent {
     Tensor normed;          // [N, H]
     MoeRoutingBuffers routing_buffers;
     MoeRouting routing;     // this micro-batch's, in routing_buffers
-    MoeExpertBuffers rows;  // [N * k, ...] in expert order
+    MoeExpertBuffers rows;  // [N * k, ...] in expert order; [E x capacity, ...] with padding
     // Expert parallelism: the rows this rank's experts received, [P N k, ...] sorted by
     // local expert (their expert_out is the shared scratch local_out_), and the traffic.
     MoeExpertBuffers local;
@@ -150,6 +151,7 @@ class MoeFeedForward final : public BlockComponent {
   double aux_coefficient_;
   enum class AuxLoss { kPooled, kPerLayer, kSequence } aux_type_;  // NOTE [MoE balancing loss]
   double z_coefficient_;
+  MoeCapacity capacity_;   // NOTE [MoE capacity]: factor 0, dropless
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
   std::unique_ptr<ExpertExchange> exchange_;  // expert parallelism (degree > 1) only
   int64_t expert_parallel_ = 1;               // the degree the buffers were laid out for

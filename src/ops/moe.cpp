@@ -1,6 +1,7 @@
 #include "ops/moe.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -44,24 +45,64 @@ void check_expert_offsets(const MoeRouting& r, int64_t rows, const char* op) {
 }
 
 void check_routing(const MoeRouting& r, const char* op) {
-  FORGE_CHECK(r.offsets.size() == static_cast<size_t>(r.experts + 1) && r.source.numel() == r.tokens * r.k,
+  FORGE_CHECK(r.offsets.size() == static_cast<size_t>(r.experts + 1) && r.source.numel() == r.permuted_rows() &&
+                  r.row_of.numel() == r.tokens * r.k,
               "{}: the routing is not from moe_route", op);
 }
 
-// The routing's sort by expert, from its expert_ids; on CUDA the offsets are copied to
-// the host (the routing's one synchronization).
-void sort_by_expert(MoeRouting& r) {
-  r.offsets.assign(static_cast<size_t>(r.experts + 1), 0);
+// Padding's offsets, e x capacity: known without the device (NOTE [MoE capacity]).
+std::vector<int64_t> padded_offsets(int64_t experts, int64_t capacity) {
+  std::vector<int64_t> offsets(static_cast<size_t>(experts + 1));
+  for (int64_t e = 0; e <= experts; ++e) offsets[static_cast<size_t>(e)] = e * capacity;
+  return offsets;
+}
+
+// The routing's sort by expert, from its expert_ids, then when dropping the drop by the
+// policy (NOTE [MoE capacity]); on CUDA the offsets are copied to the host (the routing's one
+// synchronization), except with padding, whose offsets the host knows.
+void sort_by_expert(MoeRouting& r, bool by_position) {
+  const size_t n = static_cast<size_t>(r.experts + 1);
+  r.offsets.assign(n, 0);
+  const bool drop = r.dropping;
   if (r.probs.device() == Device::CUDA) {
-    FORGE_CUDA_CALL("moe_route",
-                    cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
-                                             r.device_offsets.data<int64_t>(), r.source.data<int32_t>(),
-                                             r.row_of.data<int32_t>()));
-    copy_bytes(r.offsets.data(), Device::CPU, r.device_offsets.raw(), Device::CUDA, r.offsets.size() * sizeof(int64_t));
+    int64_t* kept = r.device_offsets.data<int64_t>();
+    int64_t* assigned = drop ? kept + n : kept;
+    FORGE_CUDA_CALL("moe_route", cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
+                                                          assigned,
+                                                          drop ? r.sorted.data<int32_t>() : r.source.data<int32_t>(),
+                                                          r.row_of.data<int32_t>()));
+    if (drop)
+      FORGE_CUDA_CALL("moe_route",
+                      cuda::moe_drop_to_capacity(r.sorted.data<int32_t>(), assigned, r.weights.data<float>(), r.tokens,
+                                                 r.k, r.experts, r.capacity, by_position, r.pad, kept,
+                                                 r.source.data<int32_t>(), r.row_of.data<int32_t>()));
+    if (r.pad) {
+      r.offsets = padded_offsets(r.experts, r.capacity);
+      return;
+    }
+    std::vector<int64_t> both(drop ? 2 * n : n);
+    copy_bytes(both.data(), Device::CPU, r.device_offsets.raw(), Device::CUDA, both.size() * sizeof(int64_t));
+    r.offsets.assign(both.begin(), both.begin() + static_cast<std::ptrdiff_t>(n));
+    if (drop) {
+      r.kept_offsets = r.offsets;
+      r.assigned_offsets.assign(both.begin() + static_cast<std::ptrdiff_t>(n), both.end());
+    }
     return;
   }
-  cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.offsets.data(),
-                          r.source.data<int32_t>(), r.row_of.data<int32_t>());
+  if (!drop) {
+    cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.offsets.data(),
+                            r.source.data<int32_t>(), r.row_of.data<int32_t>());
+    return;
+  }
+  std::vector<int32_t> sorted(static_cast<size_t>(r.tokens * r.k));
+  r.assigned_offsets.assign(n, 0);
+  r.kept_offsets.assign(n, 0);
+  cpu::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts, r.assigned_offsets.data(),
+                          sorted.data(), r.row_of.data<int32_t>());
+  cpu::moe_drop_to_capacity(sorted.data(), r.assigned_offsets.data(), r.weights.data<float>(), r.tokens, r.k,
+                            r.experts, r.capacity, by_position, r.pad, r.kept_offsets.data(),
+                            r.source.data<int32_t>(), r.row_of.data<int32_t>());
+  r.offsets = r.pad ? padded_offsets(r.experts, r.capacity) : r.kept_offsets;
 }
 
 // The hidden width shared by a token tensor [tokens, hidden] and a row tensor [tokens * k,
@@ -73,7 +114,7 @@ int64_t token_and_row_width(const MoeRouting& r, const char* op, const Tensor& b
   FORGE_CHECK(by_token.ndim() == 2 && by_token.dim(0) == r.tokens, "{}: {} {} must be [{}, hidden]", op, token_name,
               shape_str(by_token.shape()), r.tokens);
   const int64_t hidden = by_token.dim(1);
-  check_shape(by_row, {r.tokens * r.k, hidden}, fmt::format("{} {}", op, row_name).c_str());
+  check_shape(by_row, {r.permuted_rows(), hidden}, fmt::format("{} {}", op, row_name).c_str());
   const Device device = r.probs.device();
   expect_tensor(by_token, device, row_dtype(device), fmt::format("{} {}", op, token_name).c_str());
   expect_tensor(by_row, device, row_dtype(device), fmt::format("{} {}", op, row_name).c_str());
@@ -84,7 +125,7 @@ int64_t token_and_row_width(const MoeRouting& r, const char* op, const Tensor& b
 // A routing of logits [tokens, experts], its outputs in `buffers` (checked) or, on the CPU
 // without them, allocated, before the router fills them.
 MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers,
-                       const char* op) {
+                       const MoeCapacity& capacity, const char* op) {
   FORGE_CHECK(logits.ndim() == 2, "{}: logits {} must be [tokens, experts]", op, shape_str(logits.shape()));
   const Device device = logits.device();
   expect_tensor(logits, device, DType::F32, op);
@@ -93,14 +134,20 @@ MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const Mo
   r.experts = logits.dim(1);
   r.k = k;
   r.normalize = normalize;
+  FORGE_CHECK(capacity.factor >= 0 && std::isfinite(capacity.factor) && (capacity.factor > 0 || !capacity.pad),
+              "{}: capacity factor {} (0: dropless) with padding {}", op, capacity.factor, capacity.pad);
   const int64_t kept = std::max<int64_t>(k, 0);
+  r.dropping = capacity.factor > 0;
+  r.capacity = r.experts > 0 ? capacity.capacity(r.tokens, kept, r.experts) : 0;
+  r.pad = capacity.pad;
+  const int64_t rows = r.permuted_rows();
   if (!buffers.defined()) {
     FORGE_CHECK(device == Device::CPU, "{}: a routing on CUDA is written into buffers laid out by the caller", op);
     r.probs = Tensor::empty({r.tokens, r.experts});
     r.lse = Tensor::empty({r.tokens});
     r.expert_ids = Tensor::empty({r.tokens, kept}, DType::I32);
     r.weights = Tensor::empty({r.tokens, kept});
-    r.source = Tensor::empty({r.tokens * kept}, DType::I32);
+    r.source = Tensor::empty({rows}, DType::I32);
     r.row_of = Tensor::empty({r.tokens * kept}, DType::I32);
     return r;
   }
@@ -112,12 +159,14 @@ MoeRouting new_routing(const Tensor& logits, int64_t k, bool normalize, const Mo
   r.probs = take(buffers.probs, {r.tokens, r.experts}, DType::F32, "probs");
   r.expert_ids = take(buffers.expert_ids, {r.tokens, kept}, DType::I32, "expert_ids");
   r.weights = take(buffers.weights, {r.tokens, kept}, DType::F32, "weights");
-  r.source = take(buffers.source, {r.tokens * kept}, DType::I32, "source");
+  r.source = take(buffers.source, {rows}, DType::I32, "source");
   r.row_of = take(buffers.row_of, {r.tokens * kept}, DType::I32, "row_of");
   if (buffers.lse.defined()) r.lse = take(buffers.lse, {r.tokens}, DType::F32, "lse");
   if (device == Device::CUDA) {
     FORGE_CHECK(r.experts <= 1024, "{}: {} experts; the CUDA router takes at most 1024", op, r.experts);
-    r.device_offsets = take(buffers.offsets, {r.experts + 1}, DType::I64, "offsets");
+    r.device_offsets = capacity.factor > 0 ? take(buffers.offsets, {2, r.experts + 1}, DType::I64, "offsets")
+                                           : take(buffers.offsets, {r.experts + 1}, DType::I64, "offsets");
+    if (capacity.factor > 0) r.sorted = take(buffers.sorted, {r.tokens * kept}, DType::I32, "sorted");
     r.prob_sums = take(buffers.prob_sums, {r.experts}, DType::F32, "prob_sums");
   }
   return r;
@@ -137,14 +186,53 @@ void check_groups(const char* op, int64_t experts, int64_t k, int64_t groups, in
 
 }  // namespace
 
-MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers) {
-  return moe_route_softmax(logits, k, 1, 1, normalize, 1.0f, buffers);
+int64_t MoeCapacity::capacity(int64_t tokens, int64_t k, int64_t experts) const {
+  if (factor <= 0.0) return 0;
+  FORGE_CHECK(experts > 0 && tokens >= 0 && k >= 0, "MoE capacity: {} tokens, top-k {}, {} experts", tokens, k,
+              experts);
+  // Megatron's get_capacity(num_tokens = tokens * k): ceil((num_tokens / num_experts) * factor), in double.
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(tokens * k) / static_cast<double>(experts) * factor));
+}
+
+int64_t MoeCapacity::permuted_rows(int64_t tokens, int64_t k, int64_t experts) const {
+  return pad ? experts * capacity(tokens, k, experts) : tokens * k;
+}
+
+MoeCounts moe_expert_counts(const MoeRouting& r) {
+  check_routing(r, "moe_expert_counts");
+  const size_t n = static_cast<size_t>(r.experts);
+  MoeCounts c;
+  c.assigned.resize(n);
+  c.kept.resize(n);
+  if (!r.dropping) {  // dropless: every assignment has its row
+    for (int64_t e = 0; e < r.experts; ++e)
+      c.assigned[static_cast<size_t>(e)] = c.kept[static_cast<size_t>(e)] = r.rows(e);
+    return c;
+  }
+  std::vector<int64_t> kept = r.kept_offsets, assigned = r.assigned_offsets;
+  if (assigned.empty()) {  // CUDA with padding: the running sums are on the device alone
+    std::vector<int64_t> both(2 * (n + 1));
+    copy_bytes(both.data(), Device::CPU, r.device_offsets.raw(), Device::CUDA, both.size() * sizeof(int64_t));
+    kept.assign(both.begin(), both.begin() + static_cast<std::ptrdiff_t>(n + 1));
+    assigned.assign(both.begin() + static_cast<std::ptrdiff_t>(n + 1), both.end());
+  }
+  for (size_t e = 0; e < n; ++e) {
+    c.assigned[e] = assigned[e + 1] - assigned[e];
+    c.kept[e] = kept[e + 1] - kept[e];
+  }
+  return c;
+}
+
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers,
+                     const MoeCapacity& capacity) {
+  return moe_route_softmax(logits, k, 1, 1, normalize, 1.0f, buffers, capacity);
 }
 
 MoeRouting moe_route_softmax(const Tensor& logits, int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
-                             float scaling, const MoeRoutingBuffers& buffers) {
+                             float scaling, const MoeRoutingBuffers& buffers, const MoeCapacity& capacity) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route logits");
+  MoeRouting r = new_routing(logits, k, normalize, buffers, capacity, "moe_route logits");
   r.scaling = scaling;
   FORGE_CHECK(k >= 1 && k <= r.experts, "moe_route: top-k {} must be between 1 and the {} experts", k, r.experts);
   check_groups("moe_route", r.experts, k, groups, topk_groups);
@@ -156,14 +244,15 @@ MoeRouting moe_route_softmax(const Tensor& logits, int64_t k, int64_t groups, in
   else
     cpu::moe_topk_softmax(logits.data<float>(), r.tokens, r.experts, k, normalize, r.probs.data<float>(),
                           r.expert_ids.data<int32_t>(), r.weights.data<float>(), lse, groups, topk_groups, scaling);
-  sort_by_expert(r);
+  sort_by_expert(r, capacity.by_position);
   return r;
 }
 
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
-                             bool normalize, float scaling, const MoeRoutingBuffers& buffers) {
+                             bool normalize, float scaling, const MoeRoutingBuffers& buffers,
+                             const MoeCapacity& capacity) {
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
-  MoeRouting r = new_routing(logits, k, normalize, buffers, "moe_route_sigmoid logits");
+  MoeRouting r = new_routing(logits, k, normalize, buffers, capacity, "moe_route_sigmoid logits");
   r.sigmoid = true;
   r.lse = Tensor();  // not kept: the z-loss with sigmoid routing is not built
   r.scaling = scaling;
@@ -181,7 +270,7 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   else
     cpu::moe_topk_sigmoid(logits.data<float>(), b, r.tokens, r.experts, k, groups, topk_groups, normalize, scaling,
                           r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>());
-  sort_by_expert(r);
+  sort_by_expert(r, capacity.by_position);
   return r;
 }
 
@@ -194,7 +283,9 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
     check_routing(*r, "moe_balancing_loss");
     FORGE_CHECK(!r->sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
     FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
-    for (int64_t e = 0; e < experts; ++e) assigned[static_cast<size_t>(e)] += static_cast<double>(r->rows(e));
+    const std::vector<int64_t> counts = moe_expert_counts(*r).assigned;  // before any drop (NOTE [MoE capacity])
+    for (int64_t e = 0; e < experts; ++e)
+      assigned[static_cast<size_t>(e)] += static_cast<double>(counts[static_cast<size_t>(e)]);
     if (r->probs.device() == Device::CUDA) {  // summed on the device, only when a loss asks
       FORGE_CUDA_CALL("moe_balancing_loss", cuda::moe_prob_column_sums(r->probs.data<float>(), r->tokens, experts,
                                                                        r->prob_sums.data<float>()));
@@ -225,8 +316,10 @@ MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {
               groups, r.tokens);
   const int64_t experts = r.experts, per_group = r.tokens / groups;
   std::vector<double> assigned(static_cast<size_t>(groups * experts), 0.0), probs(assigned.size(), 0.0);
-  if (groups == 1) {
-    for (int64_t e = 0; e < experts; ++e) assigned[static_cast<size_t>(e)] = static_cast<double>(r.rows(e));
+  if (groups == 1) {  // before any drop (NOTE [MoE capacity])
+    const std::vector<int64_t> counts = moe_expert_counts(r).assigned;
+    for (int64_t e = 0; e < experts; ++e)
+      assigned[static_cast<size_t>(e)] = static_cast<double>(counts[static_cast<size_t>(e)]);
   } else {  // counted per group from the expert ids (on CUDA copied to the host)
     const Tensor ids = r.expert_ids.device() == Device::CPU ? r.expert_ids : r.expert_ids.to(Device::CPU);
     const int32_t* id = ids.data<int32_t>();
@@ -338,15 +431,21 @@ void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& loa
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_permute");
   const int64_t hidden = token_and_row_width(r, "moe_permute", x, "x", permuted, "permuted");
+  const int64_t rows = r.offsets.back();  // the kept rows, or with padding every row
   if (x.device() == Device::CUDA) {
-    FORGE_CUDA_CALL("moe_permute", cuda::moe_permute(bf16_ptr(permuted), bf16_ptr(x), r.source.data<int32_t>(),
-                                                     r.tokens, r.k, hidden));
+    FORGE_CUDA_CALL("moe_permute", cuda::moe_permute(bf16_ptr(permuted), bf16_ptr(x), r.source.data<int32_t>(), rows,
+                                                     r.k, hidden));
     return;
   }
   const int32_t* source = r.source.data<int32_t>();
-  for (int64_t row = 0; row < r.tokens * r.k; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
+    float* to = permuted.data<float>() + row * hidden;
+    if (source[row] < 0) {  // padding
+      std::fill(to, to + hidden, 0.0f);
+      continue;
+    }
     const float* from = x.data<float>() + source[row] / r.k * hidden;
-    std::copy(from, from + hidden, permuted.data<float>() + row * hidden);
+    std::copy(from, from + hidden, to);
   }
 }
 
@@ -364,6 +463,7 @@ void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeR
     float* to = dx.data<float>() + t * hidden;
     std::fill(to, to + hidden, 0.0f);
     for (int64_t j = 0; j < r.k; ++j) {
+      if (row_of[t * r.k + j] < 0) continue;  // dropped
       const float* from = d_permuted.data<float>() + static_cast<int64_t>(row_of[t * r.k + j]) * hidden;
       for (int64_t h = 0; h < hidden; ++h) to[h] += from[h];
     }
@@ -392,6 +492,7 @@ void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& 
     for (int64_t h = 0; h < hidden; ++h)
       sum[static_cast<size_t>(h)] = residual ? residual->data<float>()[t * hidden + h] : 0.0;
     for (int64_t j = 0; j < r.k; ++j) {
+      if (row_of[t * r.k + j] < 0) continue;  // dropped
       const float* y = expert_out.data<float>() + static_cast<int64_t>(row_of[t * r.k + j]) * hidden;
       for (int64_t h = 0; h < hidden; ++h) sum[static_cast<size_t>(h)] += static_cast<double>(w[t * r.k + j]) * y[h];
     }
@@ -403,11 +504,14 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
                           const Tensor& expert_out, const MoeRouting& r) {
   OpProfileScope profile(OpClass::Elementwise, "moe_combine_backward");
   const int64_t hidden = token_and_row_width(r, "moe_combine_backward", dout, "dout", expert_out, "expert_out");
-  check_shape(d_expert_out, {r.tokens * r.k, hidden}, "moe_combine_backward d_expert_out");
+  check_shape(d_expert_out, {r.permuted_rows(), hidden}, "moe_combine_backward d_expert_out");
   check_shape(d_weights, {r.tokens, r.k}, "moe_combine_backward d_weights");
   expect_tensor(d_expert_out, dout.device(), dout.dtype(), "moe_combine_backward d_expert_out");
   expect_tensor(d_weights, dout.device(), DType::F32, "moe_combine_backward d_weights");
   if (dout.device() == Device::CUDA) {
+    if (r.pad)  // the experts' GEMMs read every padded row's gradient (NOTE [MoE capacity])
+      FORGE_CUDA_CALL("moe_combine_backward", cuda::moe_zero_padding(bf16_ptr(d_expert_out), r.source.data<int32_t>(),
+                                                                     r.permuted_rows(), hidden));
     FORGE_CUDA_CALL("moe_combine_backward",
                     cuda::moe_combine_backward(bf16_ptr(d_expert_out), d_weights.data<float>(), bf16_ptr(dout),
                                                bf16_ptr(expert_out), r.row_of.data<int32_t>(),
@@ -416,10 +520,19 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
   }
   const int32_t* row_of = r.row_of.data<int32_t>();
   const float* w = r.weights.data<float>();
+  if (r.pad) {
+    const int32_t* source = r.source.data<int32_t>();
+    for (int64_t row = 0; row < r.permuted_rows(); ++row)
+      if (source[row] < 0) std::fill_n(d_expert_out.data<float>() + row * hidden, hidden, 0.0f);
+  }
   for (int64_t t = 0; t < r.tokens; ++t) {
     const float* g = dout.data<float>() + t * hidden;
     for (int64_t j = 0; j < r.k; ++j) {
       const int64_t row = row_of[t * r.k + j];
+      if (row < 0) {  // dropped: no row, no gradient
+        d_weights.data<float>()[t * r.k + j] = 0.0f;
+        continue;
+      }
       const float* y = expert_out.data<float>() + row * hidden;
       float* dy = d_expert_out.data<float>() + row * hidden;
       double dot = 0.0;

@@ -14,7 +14,8 @@
 // The experts do not run per token: the tokens*k assignments (token t's j-th choice is
 // assignment t*k + j) are sorted by expert, stably (moe_route), the tokens are copied into
 // that order (moe_permute), each expert runs its GEMMs on its own contiguous rows
-// [offsets[e], offsets[e + 1]) (no rows: nothing to run; dropless, nothing is ever cut), and
+// [offsets[e], offsets[e + 1]) (no rows: nothing to run; dropless unless a capacity is given:
+// NOTE [MoE capacity]), and
 // moe_combine adds each assignment's output, weighted, back to its token. The backward
 // runs the same steps in reverse: moe_combine_backward gives each permuted row's gradient
 // (its weight times the token's) and each weight's (the dot product of the token's gradient
@@ -54,7 +55,37 @@
 // (kernels/cuda/moe.h) the routing is fp32 with int32 indices too, token rows are bf16, and
 // the routing is written into buffers the caller laid out (MoeRoutingBuffers), since a
 // device allocation per call would synchronize; the one host synchronization per routing
-// is the copy of the experts' row offsets, which the per-expert GEMMs need on the host.
+// is the copy of the experts' row offsets, which the per-expert GEMMs need on the host
+// (none with padding to capacity: NOTE [MoE capacity]).
+//
+// NOTE [MoE capacity]
+// Token dropping, as Megatron-Core 0.16's apply_router_token_dropping (its
+// moe_expert_capacity_factor, moe_token_drop_policy, moe_pad_expert_input_to_capacity). With
+// a capacity factor f > 0 (MoeCapacity) each expert takes at most
+//   C = ceil((tokens * k / experts) * f)          (Megatron's get_capacity, no minimum)
+// of a routing's assignments: with policy "probs" the C with the largest routing weights
+// (the weights after normalization and scaling, Megatron's routing_probs; ties to the lower
+// assignment, i.e. the earlier token: torch.topk leaves ties unspecified), with "position"
+// the first C in token order. The rest are dropped: row_of is -1, they contribute nothing
+// to the output, and their weights' gradient is zero (moe_combine_backward writes 0), which
+// the routing's backward carries through the normalization as Megatron's mask does; the kept
+// weights are not renormalized. `weights` keeps the router's values; a drop is only row_of.
+// The kept rows stay in assignment order within each expert, so the permuted layout is the
+// dropless one with the dropped rows taken out: offsets count the kept rows. The balancing
+// losses count the router's assignments before the drop (moe_expert_counts' `assigned`), as
+// Megatron's aux losses take their routing map from a fresh top-k
+// (compute_routing_scores_for_aux_loss), and the z-loss reads the logits: neither changes.
+// With `pad` every expert gets exactly C rows, [e C, (e + 1) C): its kept rows, then zero
+// rows (source -1), which the experts turn into zero outputs that nothing reads, and whose
+// gradients moe_combine_backward writes as zeros, so they add nothing to the weights'
+// gradients. Megatron pads with other tokens at zero probability instead; the outputs and
+// gradients are the same. The offsets are then known on the host, e C, and on CUDA the
+// routing skips the copy of the offsets: routing and expert GEMMs run without a host
+// synchronization. The counts (moe_expert_counts, for the loads the trainer logs and the
+// balancing loss) are then read from the device when asked, after the layer's work is queued.
+// Megatron refuses padding when C exceeds the tokens (its permute needs C tokens per expert);
+// here an expert then simply has more padding. On CUDA the drop ranks an over-full expert's
+// assignments by comparing each with all of the expert's others (kernels/cuda/moe_routing.cu).
 #pragma once
 
 #include <cstdint>
@@ -64,8 +95,23 @@
 
 namespace forge {
 
+// Token dropping's settings (NOTE [MoE capacity]): factor 0 is dropless.
+struct MoeCapacity {
+  double factor = 0.0;
+  bool by_position = false;  // policy "position"; "probs" otherwise
+  bool pad = false;          // every expert exactly `capacity` rows
+  // Each expert's capacity for a routing of `tokens` tokens (Megatron's get_capacity of
+  // tokens * k assignments); 0 when dropless.
+  int64_t capacity(int64_t tokens, int64_t k, int64_t experts) const;
+  // The rows of the permuted buffers: experts x capacity with padding, else tokens x k.
+  int64_t permuted_rows(int64_t tokens, int64_t k, int64_t experts) const;
+};
+
 struct MoeRouting {
   int64_t tokens = 0, experts = 0, k = 0;
+  bool dropping = false;         // NOTE [MoE capacity]: a capacity factor was given
+  int64_t capacity = 0;          // each expert's capacity when dropping
+  bool pad = false;              // when dropping: every expert `capacity` rows
   bool normalize = true;
   bool sigmoid = false;          // DeepSeek-V3's scores (moe_route_sigmoid) instead of a softmax
   float scaling = 1.0f;          // routed_scaling_factor
@@ -75,12 +121,26 @@ struct MoeRouting {
   Tensor expert_ids;             // I32 [tokens, k]
   Tensor weights;                // F32 [tokens, k]
   std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
-  Tensor source;                 // I32 [tokens * k]: the assignment at each permuted row
-  Tensor row_of;                 // I32 [tokens * k]: the permuted row of each assignment
-  Tensor device_offsets;         // CUDA only: I64 [experts + 1], offsets on the device
+  // With a capacity, where the host knows them (not on CUDA with padding): experts + 1
+  // running sums of each expert's assignments before the drop and of those kept.
+  std::vector<int64_t> assigned_offsets, kept_offsets;
+  Tensor source;                 // I32 [permuted_rows()]: the assignment at each permuted row, -1 at none
+  Tensor row_of;                 // I32 [tokens * k]: the permuted row of each assignment, -1 when dropped
+  Tensor sorted;                 // CUDA with a capacity: I32 [tokens * k], the sort's order before the drop
+  Tensor device_offsets;         // CUDA only: I64 [experts + 1], offsets on the device; with a capacity
+                                 // [2, experts + 1], the kept and the assigned running sums
   Tensor prob_sums;              // CUDA only: F32 [experts], moe_balancing_loss's per-expert sums of probs
   int64_t rows(int64_t expert) const { return offsets.at(static_cast<size_t>(expert) + 1) - offsets.at(static_cast<size_t>(expert)); }
+  int64_t permuted_rows() const { return pad ? experts * capacity : tokens * k; }
 };
+
+// Per expert, the router's assignments before any drop and those kept (without padding);
+// dropless both are the rows. On CUDA with padding read from the device (it waits for the
+// routing).
+struct MoeCounts {
+  std::vector<int64_t> assigned, kept;
+};
+MoeCounts moe_expert_counts(const MoeRouting& routing);
 
 // Where a routing of `tokens` tokens over `experts` experts with top-k is written: required
 // on CUDA (laid out once, e.g. in a model's arena), optional on the CPU (undefined: each
@@ -89,26 +149,31 @@ struct MoeRoutingBuffers {
   Tensor probs;           // F32 [tokens, experts]
   Tensor expert_ids;      // I32 [tokens, k]
   Tensor weights;         // F32 [tokens, k]
-  Tensor source, row_of;  // I32 [tokens * k]
-  Tensor offsets;         // CUDA: I64 [experts + 1]
+  Tensor source;          // I32 [permuted rows] (MoeCapacity::permuted_rows)
+  Tensor row_of;          // I32 [tokens * k]
+  Tensor offsets;         // CUDA: I64 [experts + 1]; with a capacity [2, experts + 1]
   Tensor prob_sums;       // CUDA: F32 [experts], the balancing loss's scratch
   Tensor lse;             // F32 [tokens], optional: softmax routing's logsumexp (the z-loss's)
+  Tensor sorted;          // CUDA with a capacity: I32 [tokens * k], the sort's order before the drop
   bool defined() const { return probs.defined(); }
 };
 
-// Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]).
-MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers = {});
+// Routes each row of logits [tokens, experts] to its top k experts (NOTE [MoE routing]),
+// dropping what exceeds each expert's capacity when one is given (NOTE [MoE capacity]).
+MoeRouting moe_route(const Tensor& logits, int64_t k, bool normalize, const MoeRoutingBuffers& buffers = {},
+                     const MoeCapacity& capacity = {});
 
 // The same with DeepSeek-V2's options (NOTE [MoE routing]): with topk_groups < groups only the
 // experts of the topk_groups groups with the largest best probability take part
 // (group_limited_greedy), and the chosen weights are multiplied by `scaling`
 // (routed_scaling_factor). moe_route is groups 1 and scaling 1.
 MoeRouting moe_route_softmax(const Tensor& logits, int64_t k, int64_t groups, int64_t topk_groups, bool normalize,
-                             float scaling, const MoeRoutingBuffers& buffers = {});
+                             float scaling, const MoeRoutingBuffers& buffers = {}, const MoeCapacity& capacity = {});
 
 // DeepSeek-V3's routing (NOTE [MoE routing]); bias [experts] (fp32) may be undefined (zero).
 MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k, int64_t groups, int64_t topk_groups,
-                             bool normalize, float scaling, const MoeRoutingBuffers& buffers = {});
+                             bool normalize, float scaling, const MoeRoutingBuffers& buffers = {},
+                             const MoeCapacity& capacity = {});
 
 // d_logits [tokens, experts] (written over) from d_weights [tokens, k]. Softmax routing
 // only: with prob_gradient (F32 [experts], or [groups, experts] with groups dividing the
@@ -142,23 +207,25 @@ double moe_z_loss(const MoeRouting& routing);
 // bias [experts] (F32, CPU) += rate x sign(mean load - load_e) for each expert e.
 void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate);
 
-// permuted [tokens * k, hidden]: row r is x's row of the token whose assignment it holds.
+// permuted [permuted rows, hidden]: row r is x's row of the token whose assignment it holds,
+// for the rows below offsets.back(); a padding row is zero (NOTE [MoE capacity]).
 void moe_permute(const Tensor& permuted, const Tensor& x, const MoeRouting& routing);
-// dx [tokens, hidden] (written over) = the sum of each token's k rows of d_permuted.
+// dx [tokens, hidden] (written over) = the sum of each token's kept rows of d_permuted.
 void moe_permute_backward(const Tensor& dx, const Tensor& d_permuted, const MoeRouting& routing);
 
-// out [tokens, hidden] = residual (when given; may be out itself) + sum over each token's k
-// assignments of weight x expert_out's row.
+// out [tokens, hidden] = residual (when given; may be out itself) + sum over each token's
+// kept assignments of weight x expert_out's row.
 void moe_combine(const Tensor& out, const Tensor& expert_out, const MoeRouting& routing, const Tensor* residual);
-// d_expert_out [tokens * k, hidden] (written over): each row's weight times its token's
-// dout row; d_weights [tokens, k] (written over): dout[t] . expert_out[row of (t, j)].
+// d_expert_out [permuted rows, hidden] (written over): each kept row's weight times its
+// token's dout row, padding rows zero (rows of no assignment otherwise untouched);
+// d_weights [tokens, k] (written over): dout[t] . expert_out[row of (t, j)], 0 when dropped.
 void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, const Tensor& dout,
                           const Tensor& expert_out, const MoeRouting& routing);
 
 // The routed experts, each a SwiGLU feed-forward (gate_up [2F, H] with the gate rows first,
 // then down [H, F], transformers' MixtralExperts layout), run on their own rows of the
 // permuted buffers: one gate/up GEMM, SwiGLU and one down GEMM per expert with rows, through
-// the linear and SwiGLU ops. Buffers are [tokens * k, ...] in permuted order. Only the
+// the linear and SwiGLU ops. Buffers are [permuted rows, ...] in permuted order. Only the
 // routing's `experts` and `offsets` are read (within the buffers' rows), so a routing that
 // holds just those serves too: expert parallelism's received rows (NOTE [Expert
 // parallelism] in model/expert_dispatch.h), whose buffers are narrowed to what arrived.

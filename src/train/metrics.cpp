@@ -43,7 +43,9 @@ std::string format_step(const StepMetrics& m, int64_t total_steps) {
          (m.mfu_fp8 ? fmt::format(" (FP8 peak {:.1f}%)", *m.mfu_fp8 * 100.0) : std::string()) +
          (m.comm_exposed_s ? fmt::format(" | exposed comm {:.1f} ms", *m.comm_exposed_s * 1e3) : std::string()) +
          (m.expert_load.empty() ? std::string()
-                                : fmt::format(" | MoE load max/mean {:.2f}", m.expert_load_max_over_mean()));
+                                : fmt::format(" | MoE load max/mean {:.2f}", m.expert_load_max_over_mean())) +
+         (m.expert_dropped_share ? fmt::format(" | MoE dropped {:.2f}%", *m.expert_dropped_share * 100.0)
+                                 : std::string());
 }
 
 std::string format_op_seconds(const StepMetrics& m) {
@@ -108,6 +110,7 @@ void MetricsWriter::write(const StepMetrics& m) {
     j["expert_load"] = m.expert_load;
     j["expert_load_max_over_mean"] = m.expert_load_max_over_mean();
   }
+  if (m.expert_dropped_share) j["expert_dropped_share"] = *m.expert_dropped_share;
   if (m.op_seconds) {
     nlohmann::json ops;
     for (int c = 0; c < kOpClassCount; ++c) ops[std::string(op_class_name(static_cast<OpClass>(c)))] = (*m.op_seconds)[c];

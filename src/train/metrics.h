@@ -40,6 +40,10 @@ struct StepMetrics {
   // A Mixture-of-Experts model's routing over the step's micro-batches: per block, the
   // assignments each expert received (NOTE [MoE feed-forward]); empty for a dense model.
   std::vector<std::vector<int64_t>> expert_load;
+  // With token dropping (model.moe_capacity_factor > 0; NOTE [MoE capacity] in ops/moe.h):
+  // the share of the step's assignments (every MoE block's tokens x top-k) that were dropped;
+  // unset when dropless.
+  std::optional<double> expert_dropped_share;
   // The most loaded expert's assignments over the mean per expert, the largest over the
   // blocks (1: perfectly balanced; experts / top-k at most); 0 when dense.
   double expert_load_max_over_mean() const;

@@ -104,6 +104,7 @@ void TensorBoardWriter::write(const StepMetrics& m) {
   if (m.peak_memory_bytes) scalars.emplace_back("memory/peak_gib", static_cast<double>(*m.peak_memory_bytes) / kGiB);
   if (m.comm_exposed_s) scalars.emplace_back("throughput/exposed_comm_ms", *m.comm_exposed_s * 1e3);
   if (!m.expert_load.empty()) scalars.emplace_back("moe/load_max_over_mean", m.expert_load_max_over_mean());
+  if (m.expert_dropped_share) scalars.emplace_back("moe/dropped_share", *m.expert_dropped_share);
   write_event(scalars_event(m.step, scalars));
 }
 

@@ -44,6 +44,16 @@ void add_expert_load(std::vector<std::vector<int64_t>>& total, const std::vector
   }
 }
 
+// The share of a step's assignments dropped (NOTE [MoE capacity] in ops/moe.h): the loads
+// count the kept ones, and every block routed `assignments` (the step's tokens x top-k).
+double dropped_share(const std::vector<std::vector<int64_t>>& load, double assignments) {
+  double kept = 0.0;
+  for (const std::vector<int64_t>& block : load)
+    for (int64_t n : block) kept += static_cast<double>(n);
+  const double all = assignments * static_cast<double>(load.size());
+  return all > 0 ? 1.0 - kept / all : 0.0;
+}
+
 #ifdef FORGE_CUDA
 constexpr bool kCudaBuilt = true;
 #else
@@ -670,6 +680,8 @@ TrainResult Trainer::run() {
     m.skipped_steps = skipped_steps_;
     if (spike.spike) m.loss_spike_mean = spike.mean;
     m.loss_spikes = static_cast<int64_t>(loss_spike_steps_.size());
+    if (config_.model.moe_capacity_factor > 0 && !expert_load.empty())
+      m.expert_dropped_share = dropped_share(expert_load, tokens_per_step * static_cast<double>(mc.num_experts_per_tok));
     m.expert_load = std::move(expert_load);
     // Per GPU, as torchtitan and Megatron report them: the global work over the ranks.
     m.tokens_per_s = tokens_per_step / dt / world_size_;

@@ -32,6 +32,7 @@ struct MoeLayer {
   // weights' scaling (routed_scaling_factor).
   int64_t groups = 1, topk_groups = 1;
   float scaling = 1.0f;
+  MoeCapacity capacity;  // token dropping (NOTE [MoE capacity]); factor 0: dropless
 };
 
 struct MoeActivations {
@@ -42,11 +43,14 @@ struct MoeActivations {
 };
 
 inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a) {
-  const int64_t tokens = x.dim(0), rows = tokens * m.k;
+  const int64_t tokens = x.dim(0);
   a.logits = Tensor::empty({tokens, m.experts});
   linear_forward(a.logits, x, {m.router});
-  a.routing = m.sigmoid ? moe_route_sigmoid(a.logits, m.bias, m.k, m.groups, m.topk_groups, m.normalize, m.scaling)
-                        : moe_route_softmax(a.logits, m.k, m.groups, m.topk_groups, m.normalize, m.scaling);
+  a.routing = m.sigmoid ? moe_route_sigmoid(a.logits, m.bias, m.k, m.groups, m.topk_groups, m.normalize, m.scaling,
+                                            {}, m.capacity)
+                        : moe_route_softmax(a.logits, m.k, m.groups, m.topk_groups, m.normalize, m.scaling, {},
+                                            m.capacity);
+  const int64_t rows = a.routing.permuted_rows();
   a.permuted = Tensor::empty({rows, m.hidden});
   a.gate_up = Tensor::empty({rows, 2 * m.ffn});
   a.swiglu = Tensor::empty({rows, m.ffn});
@@ -69,7 +73,7 @@ struct MoeGrads {
 };
 
 inline MoeGrads moe_backward(const MoeLayer& m, const Tensor& x, const MoeActivations& a, const Tensor& dout) {
-  const int64_t tokens = x.dim(0), rows = tokens * m.k;
+  const int64_t tokens = x.dim(0), rows = a.routing.permuted_rows();
   MoeGrads g{Tensor::empty(x.shape()), Tensor::empty(m.router.shape()), Tensor::empty(m.gate_up.shape()),
              Tensor::empty(m.down.shape())};
   std::fill_n(g.gate_up.data<float>(), g.gate_up.numel(), std::nanf(""));  // every expert's gradient is

@@ -16,6 +16,7 @@
 #include "config_test_support.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
+#include "ops/moe.h"
 
 namespace forge {
 namespace {
@@ -209,6 +210,53 @@ TEST(ModelMoe, CheckpointMetadataRecordsTheLossKeys) {
   EXPECT_EQ(before.model.router_z_loss_coef, 0.0);
 }
 
+// Token dropping's keys (NOTE [MoE capacity] in ops/moe.h): recorded in checkpoints, the
+// defaults (dropless) for checkpoints from before them; like the loss keys they are not the
+// architecture, so resuming with others is allowed.
+TEST(ModelMoe, CheckpointMetadataRecordsTheCapacityKeys) {
+  CheckpointMetadata md;
+  md.model = load_moe({{"model.moe_capacity_factor", "1.25"}, {"model.moe_token_drop_policy", "position"},
+                       {"model.moe_pad_to_capacity", "true"}})
+                 .model;
+  md.flat_numel = 8;
+  md.shards = {{0, 8}};
+  md.tensors = {{"w", FlatState::Param, {2, 4}, 0, {{0, 0, 0, 32, 0}}}};
+  const CheckpointMetadata back = metadata_from_json(metadata_to_json(md), "ck/metadata.json");
+  EXPECT_EQ(back.model.moe_capacity_factor, 1.25);
+  EXPECT_EQ(back.model.moe_token_drop_policy, "position");
+  EXPECT_TRUE(back.model.moe_pad_to_capacity);
+  nlohmann::json old = nlohmann::json::parse(metadata_to_json(md));
+  for (const char* key : {"moe_capacity_factor", "moe_token_drop_policy", "moe_pad_to_capacity"})
+    old["model"].erase(key);
+  const CheckpointMetadata before = metadata_from_json(old.dump(), "ck/metadata.json");
+  EXPECT_EQ(before.model.moe_capacity_factor, 0.0);
+  EXPECT_EQ(before.model.moe_token_drop_policy, "probs");
+  EXPECT_FALSE(before.model.moe_pad_to_capacity);
+}
+
+TEST(ModelMoe, CapacityKeysRules) {
+  const ModelConfig m = load_moe().model;
+  EXPECT_EQ(m.moe_capacity_factor, 0.0);
+  EXPECT_EQ(m.moe_token_drop_policy, "probs");
+  EXPECT_FALSE(m.moe_pad_to_capacity);
+  const ModelConfig on = load_moe({{"model.moe_capacity_factor", "1.5"}, {"model.moe_token_drop_policy", "position"},
+                                   {"model.moe_pad_to_capacity", "true"}})
+                             .model;
+  EXPECT_EQ(on.moe_capacity_factor, 1.5);
+  EXPECT_EQ(on.moe_token_drop_policy, "position");
+  EXPECT_TRUE(on.moe_pad_to_capacity);
+  expect_error([] { load_moe({{"model.moe_capacity_factor", "-1"}}); }, {"model.moe_capacity_factor"});
+  expect_error([] { load_moe({{"model.moe_capacity_factor", "1"}, {"model.moe_token_drop_policy", "random"}}); },
+               {"model.moe_token_drop_policy"});
+  expect_error([] { load_moe({{"model.moe_pad_to_capacity", "true"}}); },
+               {"model.moe_pad_to_capacity", "needs model.moe_capacity_factor > 0"});
+  expect_error([] { load_moe({{"model.moe_token_drop_policy", "position"}}); },
+               {"model.moe_token_drop_policy = position (command line) needs model.moe_capacity_factor > 0"});
+  expect_error([] { load({{"model.moe_capacity_factor", "1"}}); },
+               {"model.moe_capacity_factor", "needs model.num_experts > 0"});
+  expect_error([] { load({{"model.moe_pad_to_capacity", "true"}}); }, {"model.moe_pad_to_capacity", "num_experts > 0"});
+}
+
 TEST(ModelMoe, DenseModelsHaveNoExpertLoad) {
   const ModelConfig m = load({}).model;
   DecoderLM model(m, 1, 4);
@@ -230,8 +278,8 @@ TEST(ModelMoe, BlockParametersAreTheRouterAndStackedExperts) {
 }
 
 // A few steps of the CPU model on one batch, with the balancing loss (each form, the last
-// with the z-loss): the loss falls, under each checkpointing mode, and the modes agree (the
-// routing is recomputed the same).
+// with the z-loss; then with token dropping, by each policy, padded or not): the loss falls,
+// under each checkpointing mode, and the modes agree (the routing is recomputed the same).
 class ModelMoeTrains : public ::testing::TestWithParam<ConfigOverrides> {};
 
 INSTANTIATE_TEST_SUITE_P(Losses, ModelMoeTrains,
@@ -240,7 +288,16 @@ INSTANTIATE_TEST_SUITE_P(Losses, ModelMoeTrains,
                                                            {"model.router_aux_loss_type", "per_layer"}},
                                            ConfigOverrides{{"model.router_aux_loss_coef", "0.01"},
                                                            {"model.router_aux_loss_type", "sequence"},
-                                                           {"model.router_z_loss_coef", "0.001"}}));
+                                                           {"model.router_z_loss_coef", "0.001"}},
+                                           ConfigOverrides{{"model.router_aux_loss_coef", "0.01"},
+                                                           {"model.moe_capacity_factor", "1.0"}},
+                                           ConfigOverrides{{"model.router_aux_loss_coef", "0.01"},
+                                                           {"model.router_aux_loss_type", "per_layer"},
+                                                           {"model.moe_capacity_factor", "0.75"},
+                                                           {"model.moe_token_drop_policy", "position"},
+                                                           {"model.moe_pad_to_capacity", "true"}},
+                                           ConfigOverrides{{"model.moe_capacity_factor", "1.5"},
+                                                           {"model.moe_pad_to_capacity", "true"}}));
 
 TEST_P(ModelMoeTrains, UnderEveryCheckpointMode) {
   const ModelConfig m = load_moe(GetParam()).model;
@@ -266,14 +323,21 @@ TEST_P(ModelMoeTrains, UnderEveryCheckpointMode) {
       for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 1.0f * g[i];
     }
     EXPECT_LT(losses.back(), 0.8 * losses.front()) << "mode " << static_cast<int>(mode) << ": " << losses.back();
-    // Each block's routing: every token's top-k assignments, spread over the experts.
+    // Each block's routing: every token's top-k assignments, spread over the experts; with
+    // a capacity at most that many per expert (NOTE [MoE capacity]).
     const std::vector<std::vector<int64_t>> load = model.expert_load();
     ASSERT_EQ(load.size(), static_cast<size_t>(m.num_layers));
+    const int64_t capacity = MoeCapacity{m.moe_capacity_factor}.capacity(batch * seq, m.num_experts_per_tok,
+                                                                         m.num_experts);
     for (const std::vector<int64_t>& block : load) {
       ASSERT_EQ(block.size(), static_cast<size_t>(m.num_experts));
       int64_t total = 0;
-      for (int64_t n : block) total += n;
-      EXPECT_EQ(total, batch * seq * m.num_experts_per_tok);
+      for (int64_t n : block) {
+        total += n;
+        if (capacity > 0) EXPECT_LE(n, capacity);
+      }
+      if (capacity == 0) EXPECT_EQ(total, batch * seq * m.num_experts_per_tok);
+      else EXPECT_LE(total, batch * seq * m.num_experts_per_tok);
     }
     curves.push_back(losses);
   }

@@ -55,6 +55,17 @@ TEST(GpuMoe, TrainingStepMatchesCpu) { expect_training_step_matches_cpu(small_mo
 
 // Megatron's sequence-wise balancing loss over the micro-batch's two rows and the router
 // z-loss, through the whole step.
+// Token dropping (NOTE [MoE capacity]) through the whole step: dropped by weight, then by
+// position with every expert padded to its capacity (no offsets copied to the host).
+TEST(GpuMoe, TrainingStepWithTokenDroppingMatchesCpu) {
+  ModelConfig c = small_moe();
+  c.moe_capacity_factor = 1.25;
+  expect_training_step_matches_cpu(c, 23);
+  c.moe_token_drop_policy = "position";
+  c.moe_pad_to_capacity = true;
+  expect_training_step_matches_cpu(c, 23);
+}
+
 TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
   ModelConfig c = small_moe();
   c.router_aux_loss_type = "sequence";
@@ -71,10 +82,14 @@ TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
 // order, far below any top-k margin of random data: the choices are compared exactly. With
 // each balancing loss (pooled, per_layer, sequence over `sequences` rows) and the z-loss
 // (z: its coefficient; 0: none), whose values from the device's routing (its column sums,
-// its logsumexp) must be the CPU's.
-void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) {
-  SCOPED_TRACE(fmt::format("{} balancing loss over {} sequences, z-loss {}", aux_type, sequences, z));
-  const int64_t tokens = 96, hidden = 64, ffn = 48, experts = 8, k = 2, rows = tokens * k;
+// its logsumexp) must be the CPU's. With a capacity (NOTE [MoE capacity]) both sides drop the
+// same assignments: the kept rows, offsets and counts are compared exactly.
+void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z, const MoeCapacity& capacity = {}) {
+  SCOPED_TRACE(fmt::format("{} balancing loss over {} sequences, z-loss {}, capacity factor {} ({}{})", aux_type,
+                           sequences, z, capacity.factor, capacity.by_position ? "position" : "probs",
+                           capacity.pad ? ", padded" : ""));
+  const int64_t tokens = 96, hidden = 64, ffn = 48, experts = 8, k = 2;
+  const int64_t rows = capacity.permuted_rows(tokens, k, experts);
   Rng rng(seed_for_current_test());
   testing::MoeLayer m{hidden,
                       ffn,
@@ -88,6 +103,7 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) 
   m.aux_type = aux_type;
   m.sequences = sequences;
   m.z = z;
+  m.capacity = capacity;
   const Tensor x = random_bf16_values({tokens, hidden}, rng), dout = random_bf16_values({tokens, hidden}, rng);
   testing::MoeActivations ca;
   const Tensor cpu_out = testing::moe_forward(m, x, ca);
@@ -98,15 +114,31 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) 
   const MoeExpertWeights w{to_gpu(m.gate_up, DType::BF16), to_gpu(m.down, DType::BF16)};
   Tensor logits = gpu({tokens, experts}, DType::F32);
   linear_forward(logits, gx, {router});
-  const MoeRoutingBuffers buffers{gpu({tokens, experts}, DType::F32), gpu({tokens, k}, DType::I32),
-                                  gpu({tokens, k}, DType::F32),       gpu({rows}, DType::I32),
-                                  gpu({rows}, DType::I32),            gpu({experts + 1}, DType::I64),
-                                  gpu({experts}, DType::F32),         gpu({tokens}, DType::F32)};
-  const MoeRouting r = moe_route(logits, k, true, buffers);
+  const bool dropping = capacity.factor > 0;
+  const MoeRoutingBuffers buffers{gpu({tokens, experts}, DType::F32),
+                                  gpu({tokens, k}, DType::I32),
+                                  gpu({tokens, k}, DType::F32),
+                                  gpu({rows}, DType::I32),
+                                  gpu({tokens * k}, DType::I32),
+                                  gpu(dropping ? Shape{2, experts + 1} : Shape{experts + 1}, DType::I64),
+                                  gpu({experts}, DType::F32),
+                                  gpu({tokens}, DType::F32),
+                                  dropping ? gpu({tokens * k}, DType::I32) : Tensor()};
+  const MoeRouting r = moe_route(logits, k, true, buffers, capacity);
   const Tensor ids = r.expert_ids.to(Device::CPU);
   for (int64_t i = 0; i < tokens * k; ++i)
     ASSERT_EQ(ids.data<int32_t>()[i], ca.routing.expert_ids.data<int32_t>()[i]) << "assignment " << i;
   EXPECT_EQ(r.offsets, ca.routing.offsets);
+  if (dropping) {
+    EXPECT_EQ(host_values<int32_t>(r.row_of), host_values<int32_t>(ca.routing.row_of));
+    EXPECT_EQ(host_values<int32_t>(r.source), host_values<int32_t>(ca.routing.source));
+    const MoeCounts counts = moe_expert_counts(r), cpu_counts = moe_expert_counts(ca.routing);
+    EXPECT_EQ(counts.assigned, cpu_counts.assigned);
+    EXPECT_EQ(counts.kept, cpu_counts.kept);
+    int64_t kept = 0;
+    for (int64_t n : counts.kept) kept += n;
+    EXPECT_LT(kept, tokens * k) << "the case drops nothing";
+  }
   const MoeExpertBuffers a{gpu({rows, hidden}, DType::BF16), gpu({rows, 2 * ffn}, DType::BF16),
                            gpu({rows, ffn}, DType::BF16), gpu({rows, hidden}, DType::BF16)};
   moe_permute(a.permuted, gx, r);
@@ -131,7 +163,7 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) 
   const Tensor aux_gradient_gpu = aux_gradient.to(Device::CUDA);
 
   // The backward as MoeFeedForward::backward runs it (without the norm).
-  Tensor d_expert_out = gpu({rows, hidden}, DType::BF16), d_weights = gpu({tokens, k}, DType::F32);
+  Tensor d_expert_out = poisoned_gpu({rows, hidden}, DType::BF16), d_weights = gpu({tokens, k}, DType::F32);
   const Tensor gdout = to_gpu(dout, DType::BF16);
   moe_combine_backward(d_expert_out, d_weights, gdout, a.expert_out, r);
   const MoeExpertWeights g{poisoned_gpu(w.gate_up.shape(), DType::F32), poisoned_gpu(w.down.shape(), DType::F32)};
@@ -155,6 +187,15 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z) 
 }
 
 TEST(GpuMoe, LayerMatchesCpu) { layer_matches_cpu("pooled", 1, 0.0f); }
+
+// Token dropping through the whole layer: both policies, padded or not, a capacity below and
+// above the mean load, with the balancing loss (counted before the drop).
+TEST(GpuMoe, LayerWithTokenDroppingMatchesCpu) {
+  for (const double factor : {0.5, 1.25})
+    for (const bool by_position : {false, true})
+      for (const bool pad : {false, true})
+        layer_matches_cpu("per_layer", 1, 0.0f, MoeCapacity{factor, by_position, pad});
+}
 
 // Megatron's per-layer and sequence-wise balancing losses ([groups, experts] probability
 // gradients) and the router z-loss (the routing's logsumexp) on the device.

@@ -497,7 +497,7 @@ TEST(GpuMoeKernels, PermuteAndBackwardMatchCpuBitwise) {
     moe_permute(permuted, x, r.cpu);
     const Tensor x_gpu = to_gpu(x, DType::BF16);
     Tensor permuted_gpu = poisoned_gpu({rows, c.hidden}, DType::BF16);
-    cuda::moe_permute(bf16_out(permuted_gpu), bf16_in(x_gpu), r.source.data<int32_t>(), c.tokens, c.k, c.hidden);
+    cuda::moe_permute(bf16_out(permuted_gpu), bf16_in(x_gpu), r.source.data<int32_t>(), rows, c.k, c.hidden);
     EXPECT_EQ(relative_l2(to_cpu_f32(permuted_gpu), permuted), 0.0) << what;
 
     const Tensor d_permuted = random_bf16_values({rows, c.hidden}, rng);
@@ -676,7 +676,7 @@ TEST(GpuMoeKernels, RunsAtDeepSeekV3Scale) {
                              source.data<int32_t>(), row_of.data<int32_t>());
   });
   const double permute = time_us([&] {
-    cuda::moe_permute(bf16_out(permuted), bf16_in(x), source.data<int32_t>(), tokens, k, hidden);
+    cuda::moe_permute(bf16_out(permuted), bf16_in(x), source.data<int32_t>(), tokens * k, k, hidden);
   });
   const double permute_backward = time_us([&] {
     cuda::moe_permute_backward(bf16_out(dx), bf16_in(permuted), row_of.data<int32_t>(), tokens, k, hidden);

@@ -44,6 +44,31 @@ class MoeTraining(unittest.TestCase):
             self.assertAlmostEqual(r["expert_load_max_over_mean"], worst, places=12)
         self.assertIn("MoE load max/mean", result.stdout)
 
+    def test_token_dropping_run_learns_and_logs_what_it_dropped(self):
+        """model.moe_capacity_factor 1.0 (NOTE [MoE capacity]): each expert keeps at most its share
+        of a micro-batch's assignments; the run still reaches the floor, and every step logs the
+        share of assignments dropped, the loads counting the kept ones."""
+        run_dir = os.path.join(scratch_dir(), "run")
+        result = forge("train", *MOE, "--model.moe_capacity_factor", "1.0", "--logging.run_dir", run_dir)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        floor = records(run_dir, "run")[0]["entropy_floor"]
+        final = records(run_dir, "eval")[-1]["loss"]
+        print(f"capacity 1.0: entropy floor {floor:.4f}, final eval loss {final:.4f}, gap {final - floor:.4f}")
+        self.assertLess(final - floor, FLOOR_MARGIN)
+        routed = records(run_dir, "run")[0]["tokens_per_step"] * 2  # per block, top-2
+        shares = []
+        for r in records(run_dir, "train"):
+            kept = sum(sum(block) for block in r["expert_load"])
+            self.assertAlmostEqual(r["expert_dropped_share"], 1.0 - kept / (2 * routed), places=12)
+            shares.append(r["expert_dropped_share"])
+        self.assertGreater(max(shares), 0.0)
+        self.assertLess(max(shares), 0.5)
+        self.assertIn("MoE dropped", result.stdout)
+        dropless = os.path.join(scratch_dir(), "dropless")
+        result = forge("train", *MOE, "--training.steps", "2", "--logging.run_dir", dropless)
+        self.assertNotIn("MoE dropped", result.stdout)
+        self.assertNotIn("expert_dropped_share", records(dropless, "train")[0])
+
     def test_stop_and_resume_is_exact(self):
         full_dir = os.path.join(scratch_dir(), "full")
         self.assertEqual(forge("train", *MOE, "--training.steps", "12", "--logging.run_dir", full_dir).returncode, 0)

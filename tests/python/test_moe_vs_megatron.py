@@ -11,7 +11,16 @@ several layers applied in turn, several expert counts and top-k, one and several
 The output, each loss, and the gradients of sum(out * dout) + the coefficients x the losses
 with respect to the input, every router and every expert's weights must agree within 1e-4
 relative (forge computes in fp32); a case with dout = 0 leaves only the losses' gradients in
-the routers."""
+the routers.
+
+Token dropping (NOTE [MoE capacity]) against Megatron's own routing: topk_routing_with_score_function
+and apply_router_token_dropping, capacity factors 0.5, 0.75, 1.0 and 1.25, policies probs and
+position, with and without padding to capacity. The kept map (Megatron's final map and its routing
+map), the kept probabilities, the layer's output, its balancing loss (Megatron's takes its routing
+map before the drop) and every gradient must agree. Megatron's position policy takes torch.topk of
+the 0/1 routing map, whose ties torch leaves unordered (on the CPU it keeps other than the first
+assignments); its documentation says the tokens at the end are dropped, which forge does, so the
+test runs Megatron's function with torch.topk ranking equal values in index order."""
 import os
 import unittest
 import warnings
@@ -22,8 +31,11 @@ import torch.nn.functional as F
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, switch_load_balancing_loss_func,
-                                                         z_loss_func)
+    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler, apply_router_token_dropping,
+                                                         compute_routing_scores_for_aux_loss,
+                                                         switch_load_balancing_loss_func,
+                                                         topk_routing_with_score_function, z_loss_func)
 
 from forge_test_util import relative_error, run, scratch_dir, tool
 
@@ -81,6 +93,62 @@ def megatron_block(case, x, routers, gate_ups, downs):
     return h, float(aux_total), float(z_total)
 
 
+CAPACITY_CASES = [
+    dict(sequences=1, seq=16, hidden=8, ffn=8, experts=4, k=2, layers=1, aux_type="per_layer", aux=0.0, z=0.0,
+         capacity=factor, policy=policy, pad=pad)
+    for factor in (0.5, 1.0, 1.25) for policy in ("probs", "position") for pad in (False, True)
+] + [
+    dict(sequences=1, seq=24, hidden=8, ffn=12, experts=8, k=2, layers=2, aux_type="per_layer", aux=0.4, z=0.0,
+         capacity=1.0, policy="probs", pad=False),
+    dict(sequences=1, seq=24, hidden=8, ffn=12, experts=8, k=3, layers=1, aux_type="per_layer", aux=0.3, z=0.0,
+         capacity=0.75, policy="position", pad=True),
+]
+
+
+def stable_topk(values, k, dim, sorted=True):
+    """torch.topk with equal values ranked by index (what Megatron's position policy means)."""
+    order = torch.argsort(values, dim=dim, descending=True, stable=True).narrow(dim, 0, k)
+    return torch.gather(values, dim, order), order
+
+
+def megatron_capacity_block(case, x, routers, gate_ups, downs):
+    """The layers with Megatron's routing and token dropping; returns out, the per-layer
+    balancing losses (on the routing map before the drop, as TopKRouter.routing), the kept
+    maps and the kept probabilities."""
+    e, k = case["experts"], case["k"]
+    aux_total = torch.zeros((), dtype=torch.float64)
+    kept_maps, kept_probs = [], []
+    h = x
+    for router, gate_up, down in zip(routers, gate_ups, downs):
+        logits = F.linear(h, router)
+        probs, routing_map = topk_routing_with_score_function(logits, k, score_function="softmax")
+        topk = moe_utils.torch.topk
+        if case["policy"] == "position":
+            moe_utils.torch.topk = stable_topk
+        try:
+            probs, final_map = apply_router_token_dropping(probs, routing_map, router_topk=k,
+                                                           capacity_factor=case["capacity"],
+                                                           drop_policy=case["policy"], pad_to_capacity=case["pad"])
+        finally:
+            moe_utils.torch.topk = topk
+        kept_maps.append((final_map & routing_map).double())
+        kept_probs.append(probs.detach().clone())
+        if case["aux"] > 0:
+            aux_map, scores = compute_routing_scores_for_aux_loss(logits, k, "softmax")
+            aux = switch_load_balancing_loss_func(probs=scores, tokens_per_expert=aux_map.sum(dim=0),
+                                                  total_num_tokens=aux_map.shape[0], topk=k, num_experts=e,
+                                                  moe_aux_loss_coeff=case["aux"])
+            probs = MoEAuxLossAutoScaler.apply(probs, aux)
+            aux_total = aux_total + aux.detach() / case["aux"]
+        out = h.clone()
+        for expert in range(e):
+            g, u = gate_up[expert].split(case["ffn"], dim=0)
+            act = F.silu(h @ g.T) * (h @ u.T)
+            out = out + probs[:, expert:expert + 1] * (act @ down[expert].T)
+        h = out
+    return h, float(aux_total), kept_maps, kept_probs
+
+
 def run_forge(case, x, dout, routers, gate_ups, downs):
     d = scratch_dir()
     t = case["sequences"] * case["seq"]
@@ -88,6 +156,9 @@ def run_forge(case, x, dout, routers, gate_ups, downs):
         f.write(f"{t} {case['hidden']} {case['ffn']} {case['experts']} {case['k']} 1 {case['aux']}\n")
     with open(os.path.join(d, "losses"), "w") as f:
         f.write(f"{case['layers']} {case['aux_type']} {case['z']} {case['sequences']}\n")
+    if case.get("capacity"):
+        with open(os.path.join(d, "capacity"), "w") as f:
+            f.write(f"{case['capacity']} {case['policy']} {int(case['pad'])}\n")
     for name, value in dict(x=x, dout=dout, router=np.stack(routers), gate_up=np.stack(gate_ups),
                             down=np.stack(downs)).items():
         value.astype(np.float32).tofile(os.path.join(d, name))
@@ -136,6 +207,44 @@ class MoeVsMegatron(unittest.TestCase):
                     self.assertLess(relative_error(d_router[layer], rt[layer].grad.numpy()), TOLERANCE)
                     self.assertLess(relative_error(d_gate_up[layer], gt[layer].grad.numpy()), TOLERANCE)
                     self.assertLess(relative_error(d_down[layer], dt[layer].grad.numpy()), TOLERANCE)
+
+    def test_token_dropping(self):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        rng = np.random.RandomState(18)
+        dropped = 0
+        for case in CAPACITY_CASES:
+            with self.subTest(**case):
+                t, h, f, e, n = case["seq"], case["hidden"], case["ffn"], case["experts"], case["layers"]
+                x = rng.normal(size=(t, h))
+                dout = rng.normal(size=(t, h))
+                routers = [rng.normal(0.0, 0.7, size=(e, h)) for _ in range(n)]
+                for r in routers:  # expert 0 favoured by every token, so that it overflows
+                    r[0] += 3.0 * x.mean(axis=0) / np.dot(x.mean(axis=0), x.mean(axis=0))
+                gate_ups = [rng.normal(0.0, 0.25, size=(e, 2 * f, h)) for _ in range(n)]
+                downs = [rng.normal(0.0, 0.25, size=(e, h, f)) for _ in range(n)]
+                leaf = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)
+                xt, rt, gt, dt = leaf(x), [leaf(a) for a in routers], [leaf(a) for a in gate_ups], [
+                    leaf(a) for a in downs]
+                out, aux, kept_maps, kept_probs = megatron_capacity_block(case, xt, rt, gt, dt)
+                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                got = run_forge(case, x, dout, routers, gate_ups, downs)
+                forge_maps, forge_probs = got("kept_map", (n, t, e)), got("kept_probs", (n, t, e))
+                for layer in range(n):
+                    np.testing.assert_array_equal(forge_maps[layer], kept_maps[layer].numpy())
+                    self.assertLess(relative_error(forge_probs[layer], kept_probs[layer].numpy()), TOLERANCE)
+                    dropped += int(t * case["k"] - kept_maps[layer].sum())
+                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+                if case["aux"] > 0:
+                    self.assertLess(abs(got("aux") - aux) / aux, TOLERANCE)
+                self.assertLess(relative_error(got("dx", (t, h)), xt.grad.numpy()), TOLERANCE)
+                d_router = got("d_router", (n, e, h))
+                d_gate_up = got("d_gate_up", (n, e, 2 * f, h))
+                d_down = got("d_down", (n, e, h, f))
+                for layer in range(n):
+                    self.assertLess(relative_error(d_router[layer], rt[layer].grad.numpy()), TOLERANCE)
+                    self.assertLess(relative_error(d_gate_up[layer], gt[layer].grad.numpy()), TOLERANCE)
+                    self.assertLess(relative_error(d_down[layer], dt[layer].grad.numpy()), TOLERANCE)
+        self.assertGreater(dropped, 0)
 
     def test_losses_change_the_router_gradient(self):
         """Each loss's gradient is not lost in the others: without it the routers' gradient differs."""

@@ -16,8 +16,11 @@
 // after the other. Writes DIR/out, dx, d_router, d_gate_up, d_down (fp32, every layer's;
 // the gradients of sum(out * dout) + the losses times their coefficients), DIR/aux (the
 // balancing losses summed over layers, without the coefficient, text) and DIR/z (the
-// z-losses, mean logsumexp^2, summed, without the coefficient). Exits 1 with the error on
-// stderr.
+// z-losses, mean logsumexp^2, summed, without the coefficient). With DIR/capacity ("factor
+// policy pad": a capacity factor, probs or position, 0 or 1) every layer drops tokens (NOTE
+// [MoE capacity]), and the tool also writes DIR/kept_probs and DIR/kept_map (fp32 [layers,
+// tokens, experts]: each kept assignment's weight, and 1, at its token and expert; 0
+// elsewhere). Exits 1 with the error on stderr.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -74,6 +77,16 @@ int main(int argc, char** argv) {
       losses >> layers >> aux_type >> z >> sequences;
       FORGE_CHECK(losses && layers >= 1 && sequences >= 1, "{}/losses: expected 'layers aux_type z sequences'", dir);
     }
+    forge::MoeCapacity capacity;
+    if (std::ifstream in(dir + "/capacity"); in) {
+      std::string policy;
+      int pad = 0;
+      in >> capacity.factor >> policy >> pad;
+      FORGE_CHECK(in && capacity.factor > 0 && (policy == "probs" || policy == "position"),
+                  "{}/capacity: expected 'factor probs|position pad'", dir);
+      capacity.by_position = policy == "position";
+      capacity.pad = pad != 0;
+    }
     std::vector<forge::testing::MoeLayer> block;
     for (int64_t l = 0; l < layers; ++l) {
       forge::testing::MoeLayer m{hidden,
@@ -88,6 +101,7 @@ int main(int argc, char** argv) {
       m.aux_type = aux_type;
       m.sequences = sequences;
       m.z = z;
+      m.capacity = capacity;
       if (grouped) {
         m.sigmoid = sigmoid;
         if (sigmoid) m.bias = read(dir + "/bias", {experts});
@@ -108,6 +122,21 @@ int main(int argc, char** argv) {
       }
     }
     write(dir + "/out", inputs.back());
+    if (capacity.factor > 0) {
+      std::ofstream kept_probs(dir + "/kept_probs", std::ios::binary), kept_map(dir + "/kept_map", std::ios::binary);
+      for (const auto& a : acts) {
+        forge::Tensor probs = forge::Tensor::zeros({tokens, experts}), map = forge::Tensor::zeros({tokens, experts});
+        const forge::MoeRouting& r = a.routing;
+        for (int64_t i = 0; i < tokens * k; ++i) {
+          if (r.row_of.data<int32_t>()[i] < 0) continue;
+          const int64_t at = i / k * experts + r.expert_ids.data<int32_t>()[i];
+          probs.data<float>()[at] = r.weights.data<float>()[i];
+          map.data<float>()[at] = 1.0f;
+        }
+        write(kept_probs, probs);
+        write(kept_map, map);
+      }
+    }
     forge::Tensor d = read(dir + "/dout", {tokens, hidden});
     std::vector<forge::testing::MoeGrads> grads(block.size());
     for (size_t l = block.size(); l-- > 0;) {

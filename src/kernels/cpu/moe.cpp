@@ -164,4 +164,42 @@ void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, in
   }
 }
 
+void moe_drop_to_capacity(const int32_t* sorted, const int64_t* sorted_offsets, const float* weights, int64_t tokens,
+                          int64_t k, int64_t experts, int64_t capacity, bool by_position, bool pad,
+                          int64_t* kept_offsets, int32_t* source, int32_t* row_of) {
+  const int64_t rows = pad ? experts * capacity : tokens * k;
+  std::fill(source, source + rows, -1);
+  kept_offsets[0] = 0;
+  std::vector<int64_t> order;
+  std::vector<char> kept;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t begin = sorted_offsets[e], n = sorted_offsets[e + 1] - begin;
+    kept.assign(static_cast<size_t>(n), 1);
+    if (n > capacity) {
+      if (by_position) {
+        std::fill(kept.begin() + capacity, kept.end(), 0);
+      } else {  // the capacity largest weights, ties to the lower assignment (the earlier in the segment)
+        order.resize(static_cast<size_t>(n));
+        std::iota(order.begin(), order.end(), 0);
+        auto key = [&](int64_t i) { return moe_weight_key(weights[sorted[begin + i]]); };
+        std::nth_element(order.begin(), order.begin() + capacity, order.end(), [&](int64_t a, int64_t b) {
+          return key(a) > key(b) || (key(a) == key(b) && a < b);
+        });
+        for (int64_t i = capacity; i < n; ++i) kept[static_cast<size_t>(order[static_cast<size_t>(i)])] = 0;
+      }
+    }
+    int64_t row = pad ? e * capacity : kept_offsets[e];
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t a = sorted[begin + i];
+      if (kept[static_cast<size_t>(i)]) {
+        source[row] = a;
+        row_of[a] = static_cast<int32_t>(row++);
+      } else {
+        row_of[a] = -1;
+      }
+    }
+    kept_offsets[e + 1] = kept_offsets[e] + std::min(n, capacity);
+  }
+}
+
 }  // namespace forge::cpu

@@ -3,6 +3,7 @@
 // token per row. NOTE [MoE routing] in ops/moe.h says what each step computes and why.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 namespace forge::cpu {
@@ -54,5 +55,26 @@ void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, cons
 // row_of [tokens*k] (the permuted row of each assignment).
 void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, int64_t experts, int64_t* offsets,
                         int32_t* source, int32_t* row_of);
+
+// Token dropping (NOTE [MoE capacity] in ops/moe.h), after moe_sort_by_expert: sorted
+// [tokens * k] and sorted_offsets [experts + 1] are its source and offsets. Each expert keeps
+// at most `capacity` of its assignments: the first in assignment order (`by_position`), or
+// those with the largest weights [tokens * k] (compared as ordered keys of their bits, ties to
+// the lower assignment), kept in assignment order. kept_offsets [experts + 1]: the running sum
+// of the kept counts. source [pad ? experts * capacity : tokens * k]: the assignment at each
+// permuted row, expert e's kept rows from kept_offsets[e] (pad: from e * capacity, then its
+// padding), -1 at rows without one (padding, and without `pad` the rows past the last kept).
+// row_of [tokens * k]: each assignment's permuted row, -1 when dropped.
+void moe_drop_to_capacity(const int32_t* sorted, const int64_t* sorted_offsets, const float* weights, int64_t tokens,
+                          int64_t k, int64_t experts, int64_t capacity, bool by_position, bool pad,
+                          int64_t* kept_offsets, int32_t* source, int32_t* row_of);
+
+// The order moe_drop_to_capacity ranks weights by (larger first): a float's bits mapped to
+// an unsigned key that orders every value, NaNs included, so that exactly `capacity`
+// assignments are kept whatever the weights.
+inline uint32_t moe_weight_key(float w) {
+  const uint32_t u = std::bit_cast<uint32_t>(w);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
 
 }  // namespace forge::cpu

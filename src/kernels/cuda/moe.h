@@ -48,26 +48,40 @@ void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, cons
 void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, int64_t experts, int64_t* offsets,
                         int32_t* source, int32_t* row_of);
 
+// As cpu::moe_drop_to_capacity (NOTE [MoE capacity] in ops/moe.h), after moe_sort_by_expert
+// wrote sorted and sorted_offsets: kept_offsets [experts + 1], source [pad ? experts *
+// capacity : tokens * k] (-1 at rows without an assignment) and row_of [tokens * k] (-1
+// when dropped), the same values as the CPU's. kept_offsets must not alias sorted_offsets.
+void moe_drop_to_capacity(const int32_t* sorted, const int64_t* sorted_offsets, const float* weights, int64_t tokens,
+                          int64_t k, int64_t experts, int64_t capacity, bool by_position, bool pad,
+                          int64_t* kept_offsets, int32_t* source, int32_t* row_of);
+
 // sums [experts] (written over) = the sum over tokens of probs [tokens, experts]'s column,
 // in a fixed order (the balancing loss's P, times tokens).
 void moe_prob_column_sums(const float* probs, int64_t tokens, int64_t experts, float* sums);
 
-// permuted [tokens * k, hidden]: row r is x's row source[r] / k. hidden % 8 == 0.
-void moe_permute(bf16* permuted, const bf16* x, const int32_t* source, int64_t tokens, int64_t k, int64_t hidden);
+// permuted [rows, hidden]: row r is x's row source[r] / k, or zero where source[r] < 0
+// (padding). hidden % 8 == 0.
+void moe_permute(bf16* permuted, const bf16* x, const int32_t* source, int64_t rows, int64_t k, int64_t hidden);
+
+// rows [n, hidden]: each row r with source[r] < 0 (padding) written zero, the others left.
+void moe_zero_padding(bf16* rows, const int32_t* source, int64_t n, int64_t hidden);
 
 // dx [tokens, hidden] (written over): the sum, in fp32, of rows row_of[t * k + j] of
-// d_permuted over j (one rounding).
+// d_permuted over j (one rounding), skipping row_of < 0 (dropped).
 void moe_permute_backward(bf16* dx, const bf16* d_permuted, const int32_t* row_of, int64_t tokens, int64_t k,
                           int64_t hidden);
 
 // out [tokens, hidden] = residual (null: none; may be out itself) + sum over j of
-// weights[t * k + j] x expert_out's row row_of[t * k + j], in fp32 (one rounding).
+// weights[t * k + j] x expert_out's row row_of[t * k + j], in fp32 (one rounding); a
+// dropped assignment (row_of < 0) adds nothing.
 void moe_combine(bf16* out, const bf16* expert_out, const int32_t* row_of, const float* weights, const bf16* residual,
                  int64_t tokens, int64_t k, int64_t hidden);
 
 // d_expert_out [tokens * k, hidden] (written over): row row_of[t * k + j] = weights[t * k +
 // j] x dout's row t; d_weights [tokens, k] (written over): dout[t] . expert_out[row_of[t * k
-// + j]], summed in fp32 in a fixed order.
+// + j]], summed in fp32 in a fixed order. A dropped assignment (row_of < 0) writes no row
+// and a zero weight gradient.
 void moe_combine_backward(bf16* d_expert_out, float* d_weights, const bf16* dout, const bf16* expert_out,
                           const int32_t* row_of, const float* weights, int64_t tokens, int64_t k, int64_t hidden);
 

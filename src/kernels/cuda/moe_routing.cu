@@ -70,6 +70,22 @@
 // latency-bound, 162 us for 262144 assignments; loading a chunk's ids into registers before
 // the walk and a wider scan would be the next steps.
 //
+// Drop to capacity (NOTE [MoE capacity] in ops/moe.h), after the sort: one block of 256
+// threads per expert, on the expert's segment of the sorted assignments (in assignment
+// order). The block first sums min(count, capacity) over the experts before it (a fixed-order
+// integer sum over the sort's offsets), which is where its kept rows begin without padding.
+// Then it walks its segment 256 assignments at a time: "position" keeps the first capacity;
+// "probs", for an expert over its capacity, ranks each assignment by counting the segment's
+// assignments that come before it (a larger weight key, or an equal key and an earlier
+// assignment), with the keys staged through shared memory 256 at a time, and keeps those
+// ranked below the capacity. The keys order every float (cpu::moe_weight_key), so exactly
+// capacity are kept, as on the CPU. A block-wide count of the kept flags (ballots, per-warp
+// counts in shared memory) places each kept assignment after the kept ones before it, so the
+// kept rows stay in assignment order: the CPU's layout, bit for bit. Cost: an over-full
+// expert's count squared compares over 256 threads (2048 assignments: 16k compares a thread);
+// a segmented radix select would make it linear, should an expert's count reach the tens of
+// thousands.
+//
 // Column sums: one block per 8 experts, 1024 threads: thread i sums column 8b + i % 8 over
 // rows i / 8, i / 8 + 128, ... in order (a warp reads 4 rows x 32 bytes per load, 8 loads
 // in flight), and 8 threads fold the block's 128 partial sums per column in a fixed order.
@@ -89,6 +105,7 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kRouteWarps = 4;  // tokens per block of the routing kernels
 constexpr int kSortWarps = 4;   // chunks per block of the sort kernels
 constexpr int kScanThreads = 1024;
+constexpr int kDropThreads = 256;  // threads per block (one expert) of the drop to capacity
 constexpr int kSumColumns = 8;  // columns per block of the column sums
 constexpr int kSumThreads = 1024;
 constexpr int kSumUnroll = 8;  // loads in flight per thread
@@ -546,6 +563,96 @@ void with_slots(int64_t experts, F&& launch) {
   else launch(std::integral_constant<int, 32>{});
 }
 
+// cpu::moe_weight_key: a float's bits as an unsigned key ordering every value.
+__device__ __forceinline__ uint32_t weight_key(float w) {
+  const uint32_t u = __float_as_uint(w);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Each thread's number of set flags in the threads below it; *total the block's. Every
+// thread of the block calls it.
+__device__ int block_exclusive_count(bool flag, int* warp_counts, int* total) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const unsigned ballot = __ballot_sync(kFullMask, flag);
+  if (lane == 0) warp_counts[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, all = 0;
+  for (int w = 0; w < kDropThreads / kWarp; ++w) {
+    if (w < warp) before += warp_counts[w];
+    all += warp_counts[w];
+  }
+  __syncthreads();  // warp_counts is read before the next call writes it
+  *total = all;
+  return before + __popc(ballot & ((1u << lane) - 1u));
+}
+
+// One block per expert: its kept assignments' rows, the others' -1 (see the essay above).
+__global__ void __launch_bounds__(kDropThreads)
+    drop_to_capacity_kernel(const int32_t* __restrict__ sorted, const int64_t* __restrict__ sorted_offsets,
+                            const float* __restrict__ weights, int64_t assignments, int experts, int64_t capacity,
+                            bool by_position, bool pad, int64_t* __restrict__ kept_offsets,
+                            int32_t* __restrict__ source, int32_t* __restrict__ row_of) {
+  __shared__ uint32_t keys[kDropThreads];
+  __shared__ int warp_counts[kDropThreads / kWarp];
+  __shared__ long long warp_sums[kDropThreads / kWarp];
+  const int e = blockIdx.x;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  long long before = 0;  // the kept rows of the experts before e
+  for (int i = threadIdx.x; i < e; i += kDropThreads) {
+    const long long count = sorted_offsets[i + 1] - sorted_offsets[i];
+    before += count < capacity ? count : capacity;
+  }
+  before = warp_sum(before);
+  if (lane == 0) warp_sums[warp] = before;
+  __syncthreads();
+  int64_t base = 0;
+  for (int w = 0; w < kDropThreads / kWarp; ++w) base += warp_sums[w];
+  const int64_t begin = sorted_offsets[e], n = sorted_offsets[e + 1] - begin;
+  const int64_t keep = n < capacity ? n : capacity;
+  if (threadIdx.x == 0) {
+    kept_offsets[e + 1] = base + keep;
+    if (e == 0) kept_offsets[0] = 0;
+  }
+  const int64_t first = pad ? e * capacity : base;
+  const bool rank = !by_position && n > capacity;  // the same for the whole block
+  int64_t taken = 0;
+  for (int64_t c0 = 0; c0 < n; c0 += kDropThreads) {
+    const int64_t i = c0 + threadIdx.x;
+    const int32_t a = i < n ? sorted[begin + i] : -1;
+    bool kept = i < n && i < capacity;  // by position, and every one of an expert within its capacity
+    if (rank) {
+      const uint32_t key = i < n ? weight_key(weights[a]) : 0u;
+      int64_t above = 0;  // the segment's assignments ranked before this one
+      for (int64_t t0 = 0; t0 < n; t0 += kDropThreads) {
+        __syncthreads();  // the previous tile is read before this one is written
+        if (t0 + threadIdx.x < n) keys[threadIdx.x] = weight_key(weights[sorted[begin + t0 + threadIdx.x]]);
+        __syncthreads();
+        const int tile = static_cast<int>(n - t0 < kDropThreads ? n - t0 : kDropThreads);
+        if (i < n)
+          for (int m = 0; m < tile; ++m) above += keys[m] > key || (keys[m] == key && t0 + m < i);
+      }
+      kept = i < n && above < capacity;
+    }
+    int total = 0;
+    const int64_t row = first + taken + block_exclusive_count(kept, warp_counts, &total);
+    if (i < n) {
+      if (kept) {
+        source[row] = a;
+        row_of[a] = static_cast<int32_t>(row);
+      } else {
+        row_of[a] = -1;
+      }
+    }
+    taken += total;
+  }
+  // Rows without an assignment: the expert's padding, or without padding the rows after the
+  // last kept one (marked by the last expert's block).
+  if (pad)
+    for (int64_t r = keep + threadIdx.x; r < capacity; r += kDropThreads) source[first + r] = -1;
+  else if (e == experts - 1)
+    for (int64_t r = base + keep + threadIdx.x; r < assignments; r += kDropThreads) source[r] = -1;
+}
+
 void check_routing(const char* op, int64_t tokens, int64_t experts, int64_t k) {
   FORGE_CHECK(tokens >= 0 && tokens <= INT32_MAX, "{}: {} tokens (0 to {} on CUDA)", op, tokens, INT32_MAX);
   FORGE_CHECK(experts >= 1 && experts <= kMoeMaxExperts, "{}: {} experts (1 to {} on CUDA)", op, experts,
@@ -653,6 +760,20 @@ void moe_sort_by_expert(const int32_t* expert_ids, int64_t tokens, int64_t k, in
   sort_place_kernel<<<grid, kSortWarps * kWarp, smem>>>(expert_ids, n, e, chunk, chunks, row_of, offsets, source);
   FORGE_CUDA_LAUNCH_CHECK();
   sort_row_of_kernel<<<blocks_for(n, 256), 256>>>(source, n, row_of);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void moe_drop_to_capacity(const int32_t* sorted, const int64_t* sorted_offsets, const float* weights, int64_t tokens,
+                          int64_t k, int64_t experts, int64_t capacity, bool by_position, bool pad,
+                          int64_t* kept_offsets, int32_t* source, int32_t* row_of) {
+  check_routing("moe_drop_to_capacity", tokens, experts, k);
+  FORGE_CHECK(capacity >= 0 && (!pad || experts * capacity <= INT32_MAX),
+              "moe_drop_to_capacity: capacity {} for {} experts (padded rows within int32 indices)", capacity, experts);
+  FORGE_CHECK(kept_offsets != sorted_offsets, "moe_drop_to_capacity: kept_offsets must not alias sorted_offsets");
+  // Launched with no assignments too: the offsets and the padding are still written.
+  drop_to_capacity_kernel<<<static_cast<unsigned>(experts), kDropThreads>>>(
+      sorted, sorted_offsets, weights, tokens * k, static_cast<int>(experts), capacity, by_position, pad, kept_offsets,
+      source, row_of);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 

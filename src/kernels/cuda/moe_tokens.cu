@@ -26,8 +26,14 @@
 // that scatters each token's row to its k rows (it would take row_of instead of source)
 // would read x once: about 1.4 ms.
 //
+// Token dropping (NOTE [MoE capacity] in ops/moe.h) marks a dropped assignment with row_of
+// -1 and a padding row with source -1: permute writes a padding row as zeros, the gathers
+// skip dropped assignments (combine_backward writes their weight gradient as 0), and
+// moe_zero_padding writes zeros over the padding rows of the experts' output gradient, which
+// the experts' GEMMs read; a block per row, the blocks of other rows return at once.
+//
 // Assumes hidden % 8 == 0 and 16-byte aligned rows (checked), and row_of / source the
-// inverse permutations from moe_sort_by_expert.
+// inverse permutations from moe_sort_by_expert or moe_drop_to_capacity.
 #include <algorithm>
 #include <cstdint>
 
@@ -43,16 +49,28 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxThreads = 128;  // threads per block (one row): 2 to 8 vectors each at hidden 2048 to 8192
 constexpr int kBatch = 8;         // rows of a token loaded before they are added
 
-// permuted row r = x's row source[r] / k.
+// permuted row r = x's row source[r] / k; zeros for padding (source[r] < 0).
 __global__ void __launch_bounds__(kMaxThreads)
     permute_kernel(uint4* __restrict__ permuted, const uint4* __restrict__ x, const int32_t* __restrict__ source,
                    int k, int64_t vectors) {
   const int64_t r = blockIdx.x;
+  uint4* to = permuted + r * vectors;
+  if (source[r] < 0) {
+    for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) to[c] = make_uint4(0, 0, 0, 0);
+    return;
+  }
   const int64_t token = source[r] / k;
   const uint4* from = x + token * vectors;
-  uint4* to = permuted + r * vectors;
 #pragma unroll 4
   for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) to[c] = from[c];
+}
+
+// rows row r = zeros where source[r] < 0 (padding); other rows untouched.
+__global__ void __launch_bounds__(kMaxThreads)
+    zero_padding_kernel(uint4* __restrict__ rows, const int32_t* __restrict__ source, int64_t vectors) {
+  const int64_t r = blockIdx.x;
+  if (source[r] >= 0) return;
+  for (int64_t c = threadIdx.x; c < vectors; c += blockDim.x) rows[r * vectors + c] = make_uint4(0, 0, 0, 0);
 }
 
 // dx row t = sum over j of d_permuted's row row_of[t * k + j], in fp32, in j order.
@@ -67,10 +85,11 @@ __global__ void __launch_bounds__(kMaxThreads)
       uint4 v[kBatch];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q)
-        if (j0 + q < k) v[q] = d_permuted[static_cast<int64_t>(rows[j0 + q]) * vectors + c];
+        if (j0 + q < k && rows[j0 + q] >= 0) v[q] = d_permuted[static_cast<int64_t>(rows[j0 + q]) * vectors + c];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q) {
         if (j0 + q >= k) break;
+        if (rows[j0 + q] < 0) continue;  // dropped
         float y[8];
         unpack8(v[q], y);
 #pragma unroll
@@ -95,10 +114,11 @@ __global__ void __launch_bounds__(kMaxThreads)
       uint4 v[kBatch];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q)
-        if (j0 + q < k) v[q] = expert_out[static_cast<int64_t>(rows[j0 + q]) * vectors + c];
+        if (j0 + q < k && rows[j0 + q] >= 0) v[q] = expert_out[static_cast<int64_t>(rows[j0 + q]) * vectors + c];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q) {
         if (j0 + q >= k) break;
+        if (rows[j0 + q] < 0) continue;  // dropped
         const float wq = w[j0 + q];
         float y[8];
         unpack8(v[q], y);
@@ -136,10 +156,11 @@ __global__ void __launch_bounds__(kMaxThreads)
       uint4 v[kBatch];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q)
-        if (q < batch) v[q] = expert_out[rows[q] * vectors + c];
+        if (q < batch && rows[q] >= 0) v[q] = expert_out[rows[q] * vectors + c];
 #pragma unroll
       for (int q = 0; q < kBatch; ++q) {
         if (q >= batch) break;
+        if (rows[q] < 0) continue;  // dropped: no row, its dot stays 0
         float y[8], dy[8];
         unpack8(v[q], y);
         float d = 0.f;
@@ -187,12 +208,22 @@ void check_tokens(const char* op, int64_t tokens, int64_t k, int64_t hidden,
 
 }  // namespace
 
-void moe_permute(bf16* permuted, const bf16* x, const int32_t* source, int64_t tokens, int64_t k, int64_t hidden) {
-  check_tokens("moe_permute", tokens, k, hidden, {permuted, x});
-  if (tokens == 0) return;
+void moe_permute(bf16* permuted, const bf16* x, const int32_t* source, int64_t rows, int64_t k, int64_t hidden) {
+  check_tokens("moe_permute", rows, 1, hidden, {permuted, x});
+  FORGE_CHECK(k >= 1, "moe_permute: top-k {} must be at least 1", k);
+  if (rows == 0) return;
   const int64_t vectors = hidden / 8;
-  permute_kernel<<<static_cast<unsigned>(tokens * k), threads_for(vectors)>>>(
+  permute_kernel<<<static_cast<unsigned>(rows), threads_for(vectors)>>>(
       reinterpret_cast<uint4*>(permuted), reinterpret_cast<const uint4*>(x), source, static_cast<int>(k), vectors);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
+
+void moe_zero_padding(bf16* rows, const int32_t* source, int64_t n, int64_t hidden) {
+  check_tokens("moe_zero_padding", n, 1, hidden, {rows});
+  if (n == 0) return;
+  const int64_t vectors = hidden / 8;
+  zero_padding_kernel<<<static_cast<unsigned>(n), threads_for(vectors)>>>(reinterpret_cast<uint4*>(rows), source,
+                                                                           vectors);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
