@@ -164,14 +164,21 @@ int run_info(const std::vector<std::string>& args) {
                          training_flops_per_token(m, config.lora, t.seq_len);
     fmt::print("FP8              {}: the {} qkv, o, gate/up and down{} in FP8 ({:.1f}% of the FLOPs per "
                "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
-               "norms and optimizer in bf16/fp32; weights cast {}\n",
+               "norms and optimizer in bf16/fp32; weights cast {}{}\n",
                fp8_recipe_description(p),
                fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
                : fp8->frozen ? "once for the run (precision.fp8_weight_cache: the base is frozen)"
-                             : "once per optimizer step (precision.fp8_weight_cache)");
+                             : "once per optimizer step (precision.fp8_weight_cache)",
+               // NOTE [FP8 under data parallelism]
+               config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree == 1
+                   ? std::string()
+                   : fmt::format("; under FSDP each rank casts the bf16 weights its gathers bring{}{}",
+                                 p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "",
+                                 p.fp8_weight_cache && t.device == "cuda" ? ", the cache holding every FP8 weight in full"
+                                                                           : ""));
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",

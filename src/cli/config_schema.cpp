@@ -344,8 +344,8 @@ std::vector<ConfigKey> build_schema() {
       key<&E::precision, &PrecisionConfig::fp8_weight_cache>(
           "precision.fp8_weight_cache",
           "with precision.fp8 on CUDA: each FP8 weight and its transpose cast once per optimizer step (under "
-          "LoRA once for the run) and kept for every micro-batch (2 bytes per weight; false casts them in every "
-          "micro-batch)"),
+          "LoRA once for the run) and kept for every micro-batch (2 bytes per weight, under FSDP every weight in "
+          "full; false casts them in every micro-batch)"),
       key<&E::precision, &PrecisionConfig::fp8_margin>(
           "precision.fp8_margin",
           "with precision.fp8 delayed: scales are fp8_max × 2^-margin / amax (Transformer Engine's margin)",

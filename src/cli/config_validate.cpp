@@ -159,11 +159,12 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "lora.quantize_base"), config.lora.rank);
 }
 
-// precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training, and
-// LoRA over a bf16 base (NOTE [FP8 frozen base]: the base's forward and input-gradient GEMMs
-// in FP8, the adapters in bf16), on one device. QLoRA's NF4 codes are dequantized to bf16
-// for each GEMM (an FP8 GEMM would need them cast to FP8 instead); under data parallelism
-// FSDP would gather bf16 weights instead of the FP8 all-gather the recipe calls for.
+// precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
+// device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), and
+// LoRA over a bf16 base on one device (NOTE [FP8 frozen base]: the base's forward and
+// input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are dequantized to
+// bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead); LoRA's frozen FSDP
+// base would need its Fp8Projections beneath the adapters there too (not built).
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") return;
   if (config.lora.quantize_base != "none")
@@ -171,11 +172,11 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                "precision.fp8 none for a QLoRA run, or lora.quantize_base none for LoRA with the base's GEMMs in FP8",
                show(config, keys, "precision.fp8"), config.lora.quantize_base);
   const ParallelismConfig& p = config.parallelism;
-  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
-    FORGE_FAIL("{} runs on one device for now: FP8 under data parallelism (FSDP with the weights gathered in FP8{}) "
-               "is not built yet; set parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to "
-               "1, or precision.fp8 none",
-               show(config, keys, "precision.fp8"), config.lora.enabled() ? ", or LoRA's frozen FSDP base" : "");
+  if (config.lora.enabled() && p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
+    FORGE_FAIL("{} under LoRA runs on one device for now: LoRA's frozen FSDP base in FP8 is not built yet; set "
+               "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1, or precision.fp8 none "
+               "(full training runs FP8 under FSDP)",
+               show(config, keys, "precision.fp8"));
   if (config.training.device != "cuda") return;
   // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a
   // multiple of 16 and write rows of 16-byte multiples: every dimension of a projection and,

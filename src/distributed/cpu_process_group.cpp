@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -89,7 +90,7 @@ Call decode(const uint8_t* p) {
 // of a group (a split's color and key need not).
 std::string call_text(const Call& c) {
   const std::string_view dtype = dtype_name(c.dtype);
-  const char* op = c.op == ReduceOp::Avg ? "avg" : "sum";
+  const char* op = reduce_op_name(c.op);
   switch (c.kind) {
     case Kind::AllReduce:
       return fmt::format("all_reduce #{} ({}, {} elements, {})", c.number, dtype, c.input, op);
@@ -121,8 +122,13 @@ std::string group_text(uint32_t id, std::span<const int> members) {
 
 std::span<uint8_t> bytes_of(const Tensor& t) { return {static_cast<uint8_t*>(t.raw()), t.nbytes()}; }
 
-// The sum (or mean) of `inputs`, `count` elements of `dtype` each, added in their order in
-// fp32 and rounded to `dtype` once.
+// The sum (or mean, or maximum) of `inputs`, `count` elements of `dtype` each, added (or
+// compared, a NaN winning) in their order in fp32 and rounded to `dtype` once.
+float combine(float acc, float value, ReduceOp op) {
+  if (op != ReduceOp::Max) return acc + value;
+  return std::isnan(acc) || value <= acc ? acc : value;  // NaN wins
+}
+
 std::vector<uint8_t> reduce(const std::vector<std::span<const uint8_t>>& inputs, size_t count, DType dtype,
                             ReduceOp op) {
   std::vector<uint8_t> result(count * dtype_size(dtype));
@@ -140,14 +146,14 @@ std::vector<uint8_t> reduce(const std::vector<std::span<const uint8_t>>& inputs,
       if (k == 0) {
         std::copy(in, in + count, sum);
       } else {
-        for (size_t i = 0; i < count; ++i) sum[i] += in[i];
+        for (size_t i = 0; i < count; ++i) sum[i] = combine(sum[i], in[i], op);
       }
     } else {
       const BFloat16* in = reinterpret_cast<const BFloat16*>(inputs[k].data());
       if (k == 0) {
         for (size_t i = 0; i < count; ++i) sum[i] = to_float(in[i]);
       } else {
-        for (size_t i = 0; i < count; ++i) sum[i] += to_float(in[i]);
+        for (size_t i = 0; i < count; ++i) sum[i] = combine(sum[i], to_float(in[i]), op);
       }
     }
   }

@@ -15,7 +15,7 @@ DataParallelComm::DataParallelComm(Device device, ProcessGroup& shard_group, Pro
       replicate_group_(replicate_group),
       comm_(device),
       comm_done_(std::make_unique<DeviceEvent>(device)),
-      norm_scratch_(Tensor::zeros({2}, DType::F32, device)),
+      norm_scratch_(Tensor::zeros({3}, DType::F32, device)),
       count_scratch_(Tensor::zeros({kCountDigits}, DType::F32, device)) {}
 
 DataParallelComm::~DataParallelComm() {
@@ -39,26 +39,32 @@ void DataParallelComm::join_comm() {
 }
 
 double DataParallelComm::all_reduce_scalar(ProcessGroup& group, double value) {
-  return all_reduce_values(group, {value, 0.0}, 1).first;
+  return all_reduce_values(group, {value}).front();
 }
 
-std::pair<double, double> DataParallelComm::all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count) {
+std::vector<double> DataParallelComm::all_reduce_values(ProcessGroup& group, const std::vector<double>& values) {
+  const auto count = static_cast<int64_t>(values.size());
+  if (norm_scratch_.numel() < count) norm_scratch_ = Tensor::zeros({count}, DType::F32, device_);
   const Tensor scratch = norm_scratch_.narrow(0, count);
   Tensor host = Tensor::empty({count}, DType::F32);
-  host.data<float>()[0] = static_cast<float>(values.first);
-  if (count > 1) host.data<float>()[1] = static_cast<float>(values.second);
+  for (int64_t i = 0; i < count; ++i) host.data<float>()[i] = static_cast<float>(values[static_cast<size_t>(i)]);
   scratch.copy_from(host);
   join_comm();  // one collective at a time on the communicator, in the same order everywhere
   begin_exposed();
   group.all_reduce(scratch, ReduceOp::Sum, kCompute);
   end_exposed();
   const Tensor out = scratch.to(Device::CPU);
-  return {out.data<float>()[0], count > 1 ? out.data<float>()[1] : 0.0};
+  return {out.data<float>(), out.data<float>() + count};
 }
 
 std::pair<double, double> DataParallelComm::sum_over_ranks(double first, double second) {
-  auto values = all_reduce_values(shard_group_, {first, second}, 2);
-  return replicate_group_ ? all_reduce_values(*replicate_group_, values, 2) : values;
+  const std::vector<double> sums = sum_over_ranks(std::vector<double>{first, second});
+  return {sums[0], sums[1]};
+}
+
+std::vector<double> DataParallelComm::sum_over_ranks(const std::vector<double>& values) {
+  const std::vector<double> sums = all_reduce_values(shard_group_, values);
+  return replicate_group_ ? all_reduce_values(*replicate_group_, sums) : sums;
 }
 
 // fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
@@ -98,11 +104,15 @@ std::vector<int64_t> DataParallelComm::counts_over_ranks(const std::vector<int64
   return totals;
 }
 
-void DataParallelComm::all_reduce_sum(const Tensor& tensor) {
+void DataParallelComm::all_reduce_sum(const Tensor& tensor) { all_reduce(tensor, ReduceOp::Sum); }
+
+void DataParallelComm::all_reduce_max(const Tensor& tensor) { all_reduce(tensor, ReduceOp::Max); }
+
+void DataParallelComm::all_reduce(const Tensor& tensor, ReduceOp op) {
   join_comm();  // one collective at a time on the communicator, in the same order everywhere
   begin_exposed();
-  shard_group_.all_reduce(tensor, ReduceOp::Sum, kCompute);
-  if (replicate_group_) replicate_group_->all_reduce(tensor, ReduceOp::Sum, kCompute);
+  shard_group_.all_reduce(tensor, op, kCompute);
+  if (replicate_group_) replicate_group_->all_reduce(tensor, op, kCompute);
   end_exposed();
 }
 

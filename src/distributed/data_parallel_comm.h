@@ -31,6 +31,9 @@ class DataParallelComm {
   double sum_over_ranks(double value);
   // Two values summed in one reduction (the step's loss and its stop flag, NOTE [Stop signals]).
   std::pair<double, double> sum_over_ranks(double first, double second);
+  // Several values summed in one reduction (the step's loss, stop flag and FP8 flag), in
+  // fp32 as the others.
+  std::vector<double> sum_over_ranks(const std::vector<double>& values);
   // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
   int64_t count_over_ranks(int64_t count);
   // Each of `counts` (as count_over_ranks) summed over every data-parallel rank, in one
@@ -39,6 +42,9 @@ class DataParallelComm {
   // `tensor` (on this device) summed in place over every data-parallel rank: LoRA's
   // replicated adapter gradients. Every rank ends with the same bits.
   void all_reduce_sum(const Tensor& tensor);
+  // The elementwise maximum over every data-parallel rank, in place (fp32): FP8 amaxes
+  // (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp).
+  void all_reduce_max(const Tensor& tensor);
   // Every shard rank's `words` (equal counts), in rank order.
   std::vector<uint32_t> all_gather_words(const std::vector<uint32_t>& words);
   // NOTE [Exposed communication]: seconds the compute stream waited for communication
@@ -62,7 +68,8 @@ class DataParallelComm {
   DeviceStream comm_;
 
  private:
-  std::pair<double, double> all_reduce_values(ProcessGroup& group, std::pair<double, double> values, int count);
+  std::vector<double> all_reduce_values(ProcessGroup& group, const std::vector<double>& values);
+  void all_reduce(const Tensor& tensor, ReduceOp op);
 
   std::unique_ptr<DeviceEvent> comm_done_;
   Tensor norm_scratch_;

@@ -12,6 +12,16 @@
 #endif
 
 namespace forge {
+
+const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::Sum: return "sum";
+    case ReduceOp::Avg: return "avg";
+    case ReduceOp::Max: return "max";
+  }
+  return "an unknown reduction";
+}
+
 namespace {
 
 // The one-rank group on the CPU (NOTE [Process group]): a sum or mean over one rank is

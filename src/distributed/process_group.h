@@ -93,7 +93,11 @@
 
 namespace forge {
 
-enum class ReduceOp { Sum, Avg };
+// Max: the elementwise maximum (FP8 amaxes, NOTE [FP8 under data parallelism] in
+// train/trainer_fp8.cpp); which of a NaN and a number wins is the backend's (NCCL's is not
+// documented), so callers reduce only finite values or do not read a NaN's result.
+enum class ReduceOp { Sum, Avg, Max };
+const char* reduce_op_name(ReduceOp op);  // "sum", "avg", "max"
 
 struct ProcessGroupOptions {
   Device device = Device::CPU;
@@ -121,7 +125,7 @@ class ProcessGroup {
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
 
-  // In place: `tensor` becomes the elementwise sum (or mean) of every rank's `tensor`.
+  // In place: `tensor` becomes the elementwise sum (mean, maximum) of every rank's `tensor`.
   virtual void all_reduce(const Tensor& tensor, ReduceOp op, CudaStream stream = nullptr) = 0;
   // `input` is world_size equal chunks; `output` (one chunk) becomes the sum (or mean)
   // over ranks of chunk `rank()`.

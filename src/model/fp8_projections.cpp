@@ -133,12 +133,27 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
   return p;
 }
 
-std::string Fp8Projections::nonfinite_amax() const {
+Fp8Projections::NonfiniteAmax Fp8Projections::first_nonfinite_amax() const {
   const int64_t slot = fp8_stats_first_nonfinite(stats_);
-  if (slot < 0) return "";
-  const auto role = static_cast<cpu::Fp8Role>(slot % cpu::kFp8Roles);
-  return fmt::format("'{}' {}: amax {}", names_.at(static_cast<size_t>(slot / cpu::kFp8Roles)),
-                     cpu::fp8_role_name(role), fp8_stats_seen(stats_, slot));
+  return slot < 0 ? NonfiniteAmax{} : NonfiniteAmax{slot, fp8_stats_seen(stats_, slot)};
+}
+
+std::string Fp8Projections::describe(const NonfiniteAmax& found) const {
+  FORGE_CHECK(found.slot >= 0 && found.slot < static_cast<int64_t>(names_.size()) * cpu::kFp8Roles,
+              "FP8 projections: amax slot {} of {}", found.slot, names_.size() * cpu::kFp8Roles);
+  const auto role = static_cast<cpu::Fp8Role>(found.slot % cpu::kFp8Roles);
+  return fmt::format("'{}' {}: amax {}", names_.at(static_cast<size_t>(found.slot / cpu::kFp8Roles)),
+                     cpu::fp8_role_name(role), found.amax);
+}
+
+int64_t Fp8Projections::projection_index(const std::string& name) const {
+  const auto it = std::find(names_.begin(), names_.end(), name);
+  return it == names_.end() ? -1 : static_cast<int64_t>(it - names_.begin());
+}
+
+std::string Fp8Projections::nonfinite_amax() const {
+  const NonfiniteAmax found = first_nonfinite_amax();
+  return found.slot < 0 ? "" : describe(found);
 }
 
 void Fp8Projections::discard_amaxes() { fp8_stats_clear_seen(stats_); }

@@ -129,9 +129,25 @@ class Fp8Projections : public ParamSource, public GradSink {
   const LinearWeight& output_grad() override;
   void head_done() override { gradients().head_done(); }
 
-  // NOTE [FP8 step end]. "" when every amax since the last end_step was finite, else the
-  // first non-finite one named: "'layers.3.mlp.down.weight' output gradient dy: amax nan".
+  // NOTE [FP8 step end]. The first non-finite amax since the last end_step, in parameter
+  // order: its slot (projection x kFp8Roles + role) and value; slot -1 when all were finite.
+  struct NonfiniteAmax {
+    int64_t slot = -1;
+    float amax = 0.0f;
+  };
+  NonfiniteAmax first_nonfinite_amax() const;
+  // That amax named: "'layers.3.mlp.down.weight' output gradient dy: amax nan".
+  std::string describe(const NonfiniteAmax& found) const;
+  // "" when every amax since the last end_step was finite, else the first one described.
   std::string nonfinite_amax() const;
+  // Every projection's statistics block (NOTE [FP8 projection statistics] in
+  // kernels/cpu/fp8_scaling.h) on the run's device: under data parallelism the trainer
+  // max-reduces it over the ranks before a delayed end_step (NOTE [FP8 under data
+  // parallelism] in train/trainer_fp8.cpp).
+  const Tensor& statistics() const { return stats_; }
+  bool delayed() const { return settings_.recipe == Fp8Recipe::Delayed; }
+  // The statistics block of the projection whose weight is `name` (in parameter order), or -1.
+  int64_t projection_index(const std::string& name) const;
   void end_step(bool update);
   // Drops the amaxes recorded since the last end_step (an evaluation's forwards, which must
   // not reach a delayed history).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <string_view>
 
 #include "core/error.h"
 #include "ops/elementwise.h"
@@ -38,6 +39,11 @@ std::optional<NanInjection> nan_injection_from_env() {
   if (second != std::string::npos) {
     injection.micro_batch = parse_count(rest.substr(second + 1), value, "micro-batch");
     rest = rest.substr(0, second);
+  }
+  constexpr std::string_view kAmax = "@fp8_amax";
+  if (rest.size() > kAmax.size() && rest.ends_with(kAmax)) {
+    injection.fp8_amax = true;
+    rest.resize(rest.size() - kAmax.size());
   }
   if (rest.empty()) FORGE_FAIL("{}='{}': the tensor name is empty", kInjectVariable, value);
   injection.tensor = rest;

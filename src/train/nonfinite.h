@@ -19,7 +19,10 @@
 // Tests inject a NaN through FORGE_TEST_INJECT_NAN=STEP:TENSOR[:MICRO_BATCH] (1-based
 // step, a parameter name, micro-batch 0 by default): after that micro-batch's backward (under
 // FSDP, after the step's reduction) the first element of the tensor's gradient is set to
-// NaN. It is a test hook only; forge warns when it is set.
+// NaN. A TENSOR written NAME@fp8_amax instead sets the weight amax that projection NAME's FP8
+// casts recorded this step to NaN, after that micro-batch on this rank alone (tests start it
+// on one rank of several: NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp). It is a
+// test hook only; forge warns when it is set.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +38,7 @@ struct NanInjection {
   int64_t step = 0;         // 1-based optimizer step
   std::string tensor;       // parameter name
   int64_t micro_batch = 0;  // local accumulation index
+  bool fp8_amax = false;    // NAME@fp8_amax: the projection's recorded weight amax, not a gradient
 };
 
 // FORGE_TEST_INJECT_NAN, parsed (an error names the variable when it is malformed).

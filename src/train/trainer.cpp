@@ -141,6 +141,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
     for (const FsdpSegment& segment : fsdp_->layout().segments()) decay.push_back(segment.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, fsdp_->master_segments(), decay);
+    if (config_.precision.fp8 != "none") {
+      // NOTE [FP8 under data parallelism]: the gathered compute weights, quantized per rank.
+      fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
+                                              t.local_batch_size * t.seq_len);
+      fp8_->set_base(*fsdp_, *fsdp_);
+      log_fp8();
+    }
   } else {
     // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
     // gradients; the model computes with a bf16 copy of the weights refreshed after every
@@ -155,8 +162,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
     if (config_.precision.fp8 != "none") {
-      // NOTE [FP8 projections]: the config allows FP8 here (full training, one device) and
-      // under LoRA on one device (above).
+      // NOTE [FP8 projections]: the config allows FP8 here (full training, one device), under
+      // FSDP (above) and under LoRA on one device (above).
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
@@ -179,8 +186,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                                                rank_, world_size_);
   inject_nan_ = nan_injection_from_env();
   if (inject_nan_)
-    log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the gradient of '{}' at step {}, micro-batch {}",
-             inject_nan_->tensor, inject_nan_->step, inject_nan_->micro_batch);
+    log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the {} of '{}' at step {}, micro-batch {}",
+             inject_nan_->fp8_amax ? "FP8 weight amax" : "gradient", inject_nan_->tensor, inject_nan_->step,
+             inject_nan_->micro_batch);
   loss_spike_ = LossSpikeDetector(t.loss_spike_factor, t.loss_spike_window);
   scale_loss_ = loss_scalings_from_env();
   for (const LossScaling& s : scale_loss_)
@@ -317,15 +325,15 @@ const FlatParameters& Trainer::parameters() const {
 
 ParamSource& Trainer::weights() {
   if (lora_) return *lora_;  // over FSDP's frozen base under data parallelism
+  if (fp8_) return *fp8_;    // over FSDP's or the flat weights
   if (fsdp_) return *fsdp_;
-  if (fp8_) return *fp8_;
   return compute_weights_ ? *compute_weights_ : *params_;
 }
 
 GradSink& Trainer::gradients() {
   if (lora_) return *lora_;
-  if (fsdp_) return *fsdp_;
   if (fp8_) return *fp8_;
+  if (fsdp_) return *fsdp_;
   return *grads_;
 }
 
@@ -614,7 +622,7 @@ TrainResult Trainer::run() {
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale, b.has_examples() ? &layout : nullptr);
       if (fsdp_) fsdp_->end_micro_batch();
-      if (inject_nan_ && !sharded_gradients()) inject_test_nan(step + 1, a);
+      if (inject_nan_ && (!sharded_gradients() || inject_nan_->fp8_amax)) inject_test_nan(step + 1, a);
       micro_losses[static_cast<size_t>(a)] = l.sum;
       if (config_.model.moe()) add_expert_load(expert_load, model_->expert_load());
       loss.sum += l.sum;
@@ -625,13 +633,19 @@ TrainResult Trainer::run() {
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;
+    // NOTE [FP8 step end]: this rank's first non-finite amax, if any; the ranks that saw one
+    // are counted in the loss's all-reduce (NOTE [FP8 under data parallelism]).
+    const Fp8Projections::NonfiniteAmax own_amax = fp8_ ? fp8_->first_nonfinite_amax() : Fp8Projections::NonfiniteAmax{};
+    int64_t amax_ranks = own_amax.slot >= 0 ? 1 : 0;
     if (dp_) {
-      const auto [loss_sum, stops] = dp_->sum_over_ranks(loss.sum, stop_now ? 1.0 : 0.0);
-      loss.sum = loss_sum;
-      stop_now = stops > 0;
+      const std::vector<double> sums =
+          dp_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, static_cast<double>(amax_ranks)});
+      loss.sum = sums[0];
+      stop_now = sums[1] > 0;
+      amax_ranks = std::llround(sums[2]);
       loss.tokens = targets;
       finish_gradients();
-      if (inject_nan_ && sharded_gradients() && inject_nan_->micro_batch < accum)
+      if (inject_nan_ && sharded_gradients() && !inject_nan_->fp8_amax && inject_nan_->micro_batch < accum)
         inject_test_nan(step + 1, inject_nan_->micro_batch);
       // Replicated adapters hold the global gradient after finish_gradients: their norm is the global one.
       norm = lora_ ? global_grad_norm({lora_->gradient_flat()}) : std::sqrt(fsdp_->global_grad_sum_of_squares());
@@ -641,8 +655,8 @@ TrainResult Trainer::run() {
     for (const LossScaling& s : scale_loss_)
       if (s.step == step + 1) loss.sum *= s.factor;
     // NOTE [Non-finite steps]: loss and norm are on the host already (and agreed by every rank).
-    // NOTE [FP8 step end]: a non-finite FP8 amax makes the step non-finite too (FP8 runs on one device).
-    const std::string fp8_amax = fp8_ ? fp8_->nonfinite_amax() : std::string();
+    // NOTE [FP8 step end]: a non-finite FP8 amax on any rank makes the step non-finite too.
+    const std::string fp8_amax = amax_ranks > 0 ? describe_nonfinite_amax(own_amax, amax_ranks) : std::string();
     const bool finite = std::isfinite(loss.sum) && std::isfinite(norm) && fp8_amax.empty();
     if (!finite) {
       if (progress) progress->clear();
@@ -652,7 +666,7 @@ TrainResult Trainer::run() {
     const LossSpikeDetector::Verdict spike = finite ? loss_spike_.observe(loss.mean()) : LossSpikeDetector::Verdict{};
     if (spike.spike && progress) progress->clear();
     const bool skip = !finite || (spike.spike && handle_loss_spike(step + 1, loss.mean(), spike));
-    if (fp8_) fp8_->end_step(/*update=*/!skip);
+    if (fp8_) end_fp8_step(/*update=*/!skip);
     if (skip) {
       if (sharded_gradients()) fsdp_->refresh_compute_weights(false);  // from the unchanged master weights
     } else if (sharded_gradients()) {

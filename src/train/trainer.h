@@ -168,6 +168,11 @@ class Trainer {
                         const std::vector<double>& micro_losses, double loss, double norm,
                         const std::string& fp8_amax);
   std::string first_nonfinite_gradient();   // "" when every gradient is finite
+  // trainer_fp8.cpp (NOTE [FP8 under data parallelism]): the step's first non-finite FP8
+  // amax named, the same on every rank (`ranks` ranks saw one, this one `own`, maybe none).
+  std::string describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax& own, int64_t ranks);
+  // The step's amaxes agreed over the ranks (delayed), then Fp8Projections::end_step.
+  void end_fp8_step(bool update);
   // A loss spike (NOTE [Loss spikes]): warns, throws (on_loss_spike stop), or counts the
   // skip; true when the step's update is to be skipped.
   bool handle_loss_spike(int64_t step, double loss, const LossSpikeDetector::Verdict& spike);

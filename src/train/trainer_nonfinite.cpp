@@ -19,6 +19,15 @@ constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
 
 void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
   if (!inject_nan_ || inject_nan_->step != step || inject_nan_->micro_batch != micro_batch) return;
+  if (inject_nan_->fp8_amax) {
+    const int64_t projection = fp8_ ? fp8_->projection_index(inject_nan_->tensor) : -1;
+    if (projection < 0)
+      FORGE_FAIL("FORGE_TEST_INJECT_NAN: '{}' is not a projection trained in FP8 (precision.fp8 {})",
+                 inject_nan_->tensor, config_.precision.fp8);
+    const int64_t seen = cpu::fp8_seen_offset(projection, cpu::Fp8Role::W);
+    poison_first_element(fp8_->statistics().narrow(seen, seen + 1));
+    return;
+  }
   bool found = false;
   if (sharded_gradients()) {
     const std::vector<ParamSpec> specs = parameter_specs(config_.model);

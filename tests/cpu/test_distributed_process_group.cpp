@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <future>
+#include <limits>
 #include <mutex>
 #include <thread>
 
@@ -175,6 +177,15 @@ TEST(ProcessGroupCpu, SeveralRanksFormTheCpuGroup) {
     group->all_reduce(t, ReduceOp::Sum);
     if (values(t) != std::vector<float>{3, 6, 9, 12})
       throw Error(fmt::format("rank {}: all_reduce gave {}", r, values(t)));
+    // The maximum: rank r holds 10 - 4 r, r, 2 r and a NaN on rank 1 alone (it wins).
+    Tensor m = Tensor::empty({4});
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float mine_max[4] = {10.0f - 4.0f * static_cast<float>(r), static_cast<float>(r), 2.0f * static_cast<float>(r),
+                               r == 1 ? nan : 1.0f};
+    std::copy_n(mine_max, 4, m.data<float>());
+    group->all_reduce(m, ReduceOp::Max);
+    if (m.data<float>()[0] != 10 || m.data<float>()[1] != 2 || m.data<float>()[2] != 4 || !std::isnan(m.data<float>()[3]))
+      throw Error(fmt::format("rank {}: all_reduce max gave {}", r, values(m)));
     // Ranks 0 and 2 form one group (ranked 2, 0 by the key), rank 1 another.
     auto sub = group->split(r % 2, -r);
     Tensor mine = iota(1, static_cast<float>(r));

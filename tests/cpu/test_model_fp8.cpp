@@ -105,6 +105,29 @@ TEST(ModelFp8, MemoryEstimateCountsTheCudaScratch) {
   EXPECT_NE(describe(estimate_memory(llama31_8b(), plan)).find("FP8 GEMM scratch 0.66 GiB"), std::string::npos);
 }
 
+// NOTE [FP8 under data parallelism]: under FSDP every rank holds the same FP8 scratch as one
+// device and, with the weight cache, the codes of every FP8 weight in full (not sharded).
+TEST(ModelFp8, MemoryEstimateUnderFsdpCountsTheScratchAndTheWholeCache) {
+  MemoryPlan plan;
+  plan.seq_len = 8192;
+  plan.cuda = true;
+  plan.fsdp = true;
+  plan.shard_ranks = 8;
+  for (const int64_t stage : {1, 3}) {
+    plan.zero_stage = stage;
+    plan.fp8.reset();
+    const MemoryEstimate bf16 = estimate_memory(llama31_8b(), plan);
+    Fp8Settings settings;
+    settings.weight_cache = true;
+    plan.fp8 = settings;
+    const MemoryEstimate fp8 = estimate_memory(llama31_8b(), plan);
+    EXPECT_EQ(fp8.fp8_scratch, static_cast<double>(fp8_scratch_bytes(llama31_8b(), settings, 8192)));
+    EXPECT_EQ(fp8.fp8_weight_cache, static_cast<double>(fp8_weight_cache_bytes(llama31_8b(), settings)));
+    EXPECT_EQ(fp8.total(), bf16.total() + fp8.fp8_scratch + fp8.fp8_weight_cache) << "ZeRO-" << stage;
+    EXPECT_NE(describe(fp8).find("FP8 weight cache 13.00 GiB"), std::string::npos) << describe(fp8);
+  }
+}
+
 // forge info's share of the FLOPs in FP8: 6 x the parameters of the matrices trained in FP8.
 TEST(ModelFp8, GemmParamsAreTheProjectionsAndTheHeadOnRequest) {
   const ModelConfig c = llama31_8b();

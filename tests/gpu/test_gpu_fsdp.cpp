@@ -4,15 +4,21 @@
 // stream, ZeRO-3's rotating gather buffers and prefetch, and the accumulation of reduced
 // chunks on the GPU; and LoRA over a frozen base (NOTE [Frozen FSDP base]: bf16 chunks
 // gathered by copies on the communication stream) computes what it computes over the whole
-// bf16 base. Multi-GPU parity runs through scripts/gpu-fsdp (its lora section for LoRA).
+// bf16 base; FP8 over a ZeRO-3 Fsdp (NOTE [FP8 under data parallelism]) computes the flat
+// weights' losses, and its weight cache, whose projections see their weights in rotating
+// gather buffers, changes no bit. Multi-GPU parity runs through scripts/gpu-fsdp (its lora
+// section for LoRA).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
+#include <span>
 
 #include "distributed/fsdp.h"
 #include "distributed/launch_env.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
+#include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "optim/optimizer.h"
 
@@ -200,6 +206,99 @@ TEST(GpuFsdp, LoraOverAFrozenBaseMatchesTheWholeBase) {
       norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
     }
     EXPECT_LT(std::sqrt(diff / norm), 1e-3) << "ZeRO-" << stage;
+  }
+}
+
+// NOTE [FP8 under data parallelism], NOTE [FP8 weight cache]: FP8 training steps over a
+// one-rank ZeRO-3 Fsdp, whose four blocks rotate through three gather buffers, so a
+// projection meets its weights at another buffer's address than other projections did
+// before it. Between steps the optimizer's turn is played by loading every weight scaled
+// (the weights move, the cache's codes go stale). With the cache every loss and gradient
+// chunk is bitwise the uncached run's, and the losses and delayed scales are those of the
+// flat bf16 weights on one device (the same bf16 values, the same casts): a projection that
+// reused another layer's codes, or codes of an earlier step, would change them.
+struct Fp8FsdpTrace {
+  std::vector<double> losses;
+  std::vector<std::vector<float>> grads;  // per step: the gradient chunk, segment by segment
+  std::vector<float> scales;
+};
+
+Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool sharded_run) {
+  FlatParameters init(c);
+  init.initialize(5);
+  auto scaled = [&](int step, int64_t offset, std::span<float> out) {
+    for (size_t i = 0; i < out.size(); ++i)
+      out[i] = init.flat().data<float>()[offset + static_cast<int64_t>(i)] * (1.0f + 0.01f * static_cast<float>(step));
+  };
+  std::unique_ptr<ProcessGroup> group;
+  std::unique_ptr<Fsdp> sharded;
+  if (sharded_run) {
+    ProcessGroupOptions options;
+    options.device = Device::CUDA;
+    group = create_process_group(LaunchEnv{}, options);
+    FsdpOptions fsdp_options;
+    fsdp_options.zero_stage = 3;
+    sharded = std::make_unique<Fsdp>(c, Device::CUDA, *group, nullptr, fsdp_options);
+  }
+  FlatParameters flat(c, Device::CUDA, DType::BF16), flat_grads(c, Device::CUDA, DType::F32);
+  Fp8Projections fp8(c, settings, Device::CUDA, kBatch * kSeq);
+  if (sharded) fp8.set_base(*sharded, *sharded);
+  else fp8.set_base(flat, flat_grads);
+  DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
+  Fp8FsdpTrace trace;
+  for (int step = 0; step < kSteps; ++step) {
+    if (sharded) {
+      sharded->load_master([&](int64_t offset, std::span<float> out) { scaled(step, offset, out); });
+      sharded->begin_step();
+    } else {
+      FlatParameters host(c);
+      scaled(step, 0, std::span<float>(host.flat().data<float>(), static_cast<size_t>(host.flat().numel())));
+      flat.assign_from(host);
+      flat_grads.discard();
+    }
+    for (int a = 0; a < kAccum; ++a) {
+      if (sharded) sharded->begin_micro_batch(a == kAccum - 1);
+      trace.losses.push_back(model
+                                 .forward_backward(ids(10 * step + a, c.vocab_size).to(Device::CUDA),
+                                                   ids(1000 + 10 * step + a, c.vocab_size).to(Device::CUDA), fp8, fp8,
+                                                   1.0f / (kAccum * kBatch * kSeq))
+                                 .mean());
+      if (sharded) sharded->end_micro_batch();
+    }
+    if (sharded) {
+      sharded->finish_gradients();
+      std::vector<float> chunk;
+      for (const Tensor& segment : sharded->grad_segments()) {
+        const std::vector<float> values = host_values<float>(segment);
+        chunk.insert(chunk.end(), values.begin(), values.end());
+      }
+      trace.grads.push_back(std::move(chunk));
+    }
+    fp8.end_step(true);
+  }
+  if (settings.recipe == Fp8Recipe::Delayed) trace.scales = fp8.delayed_state().scales;
+  return trace;
+}
+
+TEST(GpuFsdp, Fp8WeightCacheUnderZero3) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  ModelConfig c = small_model("gpu-fsdp-fp8");
+  c.num_layers = 4;  // more blocks than ZeRO-3's three gather buffers
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+    SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
+    Fp8Settings settings;
+    settings.recipe = recipe;
+    settings.weight_cache = true;
+    const Fp8FsdpTrace flat = fp8_steps(c, settings, false);
+    const Fp8FsdpTrace cached = fp8_steps(c, settings, true);
+    settings.weight_cache = false;
+    const Fp8FsdpTrace uncached = fp8_steps(c, settings, true);
+    EXPECT_EQ(cached.losses, uncached.losses);
+    ASSERT_EQ(cached.grads.size(), uncached.grads.size());
+    for (size_t i = 0; i < cached.grads.size(); ++i) EXPECT_TRUE(cached.grads[i] == uncached.grads[i]) << "step " << i;
+    EXPECT_EQ(cached.losses, flat.losses);
+    EXPECT_EQ(cached.scales, uncached.scales);
+    EXPECT_EQ(cached.scales, flat.scales);
   }
 }
 

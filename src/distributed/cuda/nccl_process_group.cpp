@@ -49,8 +49,7 @@ bool returns_within(std::function<void()> call, std::chrono::milliseconds limit)
 }
 
 ncclDataType_t nccl_type(DType dtype) { return dtype == DType::BF16 ? ncclBfloat16 : ncclFloat32; }
-ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : ncclSum; }
-const char* op_name(ReduceOp op) { return op == ReduceOp::Avg ? "avg" : "sum"; }
+ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::Avg ? ncclAvg : op == ReduceOp::Max ? ncclMax : ncclSum; }
 
 std::string seconds(std::chrono::milliseconds ms) { return fmt::format("{:g} s", ms.count() / 1000.0); }
 
@@ -241,7 +240,7 @@ void NcclProcessGroup::all_reduce(const Tensor& tensor, ReduceOp op, CudaStream 
   check_all_reduce(tensor, Device::CUDA);
   if (tensor.numel() == 0) return;
   const std::string what = fmt::format("all_reduce #{} ({}, {} elements, {})", ++collectives_,
-                                       dtype_name(tensor.dtype()), tensor.numel(), op_name(op));
+                                       dtype_name(tensor.dtype()), tensor.numel(), reduce_op_name(op));
   enqueue(what, stream, [&](ncclComm_t comm) {
     return ncclAllReduce(tensor.raw(), tensor.raw(), static_cast<size_t>(tensor.numel()), nccl_type(tensor.dtype()),
                          nccl_op(op), comm, stream);
@@ -253,7 +252,7 @@ void NcclProcessGroup::reduce_scatter(const Tensor& output, const Tensor& input,
   check_reduce_scatter(output, input, world_size_, Device::CUDA);
   if (output.numel() == 0) return;
   const std::string what = fmt::format("reduce_scatter #{} ({}, {} elements per rank, {})", ++collectives_,
-                                       dtype_name(output.dtype()), output.numel(), op_name(op));
+                                       dtype_name(output.dtype()), output.numel(), reduce_op_name(op));
   enqueue(what, stream, [&](ncclComm_t comm) {
     return ncclReduceScatter(input.raw(), output.raw(), static_cast<size_t>(output.numel()), nccl_type(output.dtype()),
                              nccl_op(op), comm, stream);
