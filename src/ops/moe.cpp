@@ -66,7 +66,7 @@ void sort_by_expert(MoeRouting& r, bool by_position) {
   const bool drop = r.dropping;
   if (r.probs.device() == Device::CUDA) {
     int64_t* kept = r.device_offsets.data<int64_t>();
-    int64_t* assigned = drop ? kept + n : kept;
+    [[maybe_unused]] int64_t* assigned = drop ? kept + n : kept;
     FORGE_CUDA_CALL("moe_route", cuda::moe_sort_by_expert(r.expert_ids.data<int32_t>(), r.tokens, r.k, r.experts,
                                                           assigned,
                                                           drop ? r.sorted.data<int32_t>() : r.source.data<int32_t>(),

@@ -240,7 +240,7 @@ TEST(ConfigRules, BothPathsAgreeOnRandomConfigs) {
     // Attention's (each needs model.kv_lora_rank, which needs them) and YaRN's:
     // ModelDeepseek.ConfigRules checks their relations.
     const bool moe_or_mla = std::ranges::any_of(
-        std::vector<std::string_view>{"model.moe_ffn_hidden_size", "model.num_shared_experts", "model.first_dense_layers",
+        std::vector<std::string_view>{"model.moe_", "model.num_shared_experts", "model.first_dense_layers",
                                       "model.router_", "model.q_lora_rank", "model.kv_lora_rank", "model.qk_",
                                       "model.v_head_dim", "model.rope_scaling.beta_", "model.rope_scaling.mscale"},
         [&](std::string_view prefix) { return std::string_view(key.name).starts_with(prefix); });
