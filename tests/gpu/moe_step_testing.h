@@ -84,7 +84,11 @@ inline void expect_training_step_matches_cpu(const ModelConfig& c, uint64_t init
     }
     const double err = relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]);
     std::printf("  %-36s %.2e\n", name.c_str(), err);
-    const bool routed = name.find(".moe.experts") != std::string::npos || name.find(".moe.router") != std::string::npos;
+    // With token dropping a moved assignment can also change which others its expert keeps,
+    // without changing the expert's kept count (the loads compared above): every gradient then
+    // gets the routed parameters' bound.
+    const bool routed = name.find(".moe.experts") != std::string::npos || name.find(".moe.router") != std::string::npos ||
+                        c.moe_capacity_factor > 0.0;
     EXPECT_LT(err, moved == 0 ? 5e-2 : routed ? 2.5e-1 : 1e-1) << name << " (" << moved << " moved)";
   }
 

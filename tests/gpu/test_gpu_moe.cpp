@@ -137,7 +137,9 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z, 
     EXPECT_EQ(counts.kept, cpu_counts.kept);
     int64_t kept = 0;
     for (int64_t n : counts.kept) kept += n;
-    EXPECT_LT(kept, tokens * k) << "the case drops nothing";
+    // Below a factor of 1 some expert must be over its capacity; at 1.25 a balanced random
+    // router may drop nothing, which still runs the capacity's (and padding's) paths.
+    if (capacity.factor < 1.0) EXPECT_LT(kept, tokens * k) << "the case drops nothing";
   }
   const MoeExpertBuffers a{gpu({rows, hidden}, DType::BF16), gpu({rows, 2 * ffn}, DType::BF16),
                            gpu({rows, ffn}, DType::BF16), gpu({rows, hidden}, DType::BF16)};
