@@ -17,6 +17,7 @@
 #include "core/device.h"
 #include "core/rng.h"
 #include "core/tensor.h"
+#include "kernels/cuda/types.h"
 #include "model/config.h"
 #include "model/parameters.h"
 #include "ops/elementwise.h"
@@ -85,6 +86,10 @@ inline void separate_router_choices(FlatParameters& params, Rng& rng, double spr
 }
 
 // A CPU fp32 tensor's values on the GPU in `dtype` (bf16 or fp32).
+// A bf16 device tensor's data for a CUDA kernel's pointer arguments.
+inline const cuda::bf16* bf16_in(const Tensor& t) { return static_cast<const cuda::bf16*>(t.raw()); }
+inline cuda::bf16* bf16_out(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
+
 inline Tensor to_gpu(const Tensor& cpu, DType dtype) {
   if (dtype == cpu.dtype()) return cpu.to(Device::CUDA);
   Tensor converted = Tensor::empty(cpu.shape(), dtype);

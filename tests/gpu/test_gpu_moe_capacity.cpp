@@ -26,6 +26,8 @@
 namespace forge {
 namespace {
 
+using gpu_test::bf16_in;
+using gpu_test::bf16_out;
 using gpu_test::host_values;
 using gpu_test::poisoned_gpu;
 using gpu_test::random_bf16_values;
@@ -36,8 +38,6 @@ using gpu_test::seed_for_current_test;
 using gpu_test::to_cpu_f32;
 using gpu_test::to_gpu;
 
-const cuda::bf16* bf16_in(const Tensor& t) { return static_cast<const cuda::bf16*>(t.raw()); }
-cuda::bf16* bf16_out(const Tensor& t) { return static_cast<cuda::bf16*>(t.raw()); }
 
 enum class Load { Random, ExpertWithoutAssignments, AllOnOneExpert };
 

@@ -144,6 +144,16 @@ class MoeVsTransformers(unittest.TestCase):
                                 TOLERANCE)
 
 
+    def check_routed_block(self, got, case, block, x, out):
+        """forge's output and gradients against a DeepSeek block's after its backward."""
+        t, h, f, e = case["tokens"], case["hidden"], case["ffn"], case["experts"]
+        self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+        self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
+        self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
+        self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)), block.experts.gate_up_proj.grad.numpy()),
+                        TOLERANCE)
+        self.assertLess(relative_error(got("d_down", (e, h, f)), block.experts.down_proj.grad.numpy()), TOLERANCE)
+
     def test_deepseek_v3_routing(self):
         rng = np.random.RandomState(21)
         torch.manual_seed(21)
@@ -166,13 +176,7 @@ class MoeVsTransformers(unittest.TestCase):
                                      bias=block.gate.e_score_correction_bias.numpy(),
                                      gate_up=block.experts.gate_up_proj.detach().numpy(),
                                      down=block.experts.down_proj.detach().numpy()))
-                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
-                                               block.experts.gate_up_proj.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_down", (e, h, f)), block.experts.down_proj.grad.numpy()),
-                                TOLERANCE)
+                self.check_routed_block(got, case, block, x, out)
 
     def test_deepseek_v2_routing(self):
         rng = np.random.RandomState(22)
@@ -194,13 +198,7 @@ class MoeVsTransformers(unittest.TestCase):
                                 dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
                                      gate_up=block.experts.gate_up_proj.detach().numpy(),
                                      down=block.experts.down_proj.detach().numpy()))
-                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("dx", (t, h)), x.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_router", (e, h)), block.gate.weight.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_gate_up", (e, 2 * f, h)),
-                                               block.experts.gate_up_proj.grad.numpy()), TOLERANCE)
-                self.assertLess(relative_error(got("d_down", (e, h, f)), block.experts.down_proj.grad.numpy()),
-                                TOLERANCE)
+                self.check_routed_block(got, case, block, x, out)
 
 
 if __name__ == "__main__":
