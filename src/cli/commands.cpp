@@ -58,6 +58,9 @@ std::string architecture_summary(const ModelConfig& m) {
                       m.router_normalize_topk ? ", renormalized" : "",
                       m.router_scaling_factor != 1.0 ? fmt::format(", x {}", m.router_scaling_factor) : "");
     if (m.num_shared_experts > 0) mlp += fmt::format(" + {} shared", m.num_shared_experts);
+    if (m.moe_capacity_factor > 0)
+      mlp += fmt::format(", capacity factor {} (drops by {}{})", m.moe_capacity_factor, m.moe_token_drop_policy,
+                         m.moe_pad_to_capacity ? ", padded to capacity" : "");
     if (m.first_dense_layers > 0) mlp += fmt::format(", the first {} blocks dense (ffn {})", m.first_dense_layers, m.ffn_hidden_size);
   }
   return fmt::format("{} layers, hidden {}, {}, {}, vocab {}{}{}{}", m.num_layers, m.hidden_size, attention, mlp,

@@ -108,6 +108,11 @@ class MoeTraining(unittest.TestCase):
         self.assertIn("8 experts of ffn 14336, top-2 (softmax scores, renormalized)", result.stdout)
         self.assertIn("46.70 B (46702792704 total", result.stdout)
         self.assertIn("active params    12.88 B per token (12879925248", result.stdout)
+        dropping = forge("info", "mixtral-8x7b", "--model.moe_capacity_factor", "1.25", "--model.moe_pad_to_capacity",
+                         "true")
+        self.assertEqual(dropping.returncode, 0, dropping.stderr)
+        self.assertIn("top-2 (softmax scores, renormalized), capacity factor 1.25 (drops by probs, padded to capacity)",
+                      dropping.stdout)
 
 
 MLA = ["--model.name", "debug-tiny-mla"]
