@@ -10,6 +10,16 @@
 #include "model/config.h"
 
 namespace forge {
+namespace {
+
+// A key that only means something with a feature must keep its default without it, so that
+// a key set by mistake is not silently ignored; `without` says what is missing.
+template <typename T>
+void keep_default(const KeyDescriber& keys, const char* key, const T& value, const T& fallback, const char* without) {
+  if (value != fallback) FORGE_FAIL("{} {}", keys.describe(key, value), without);
+}
+
+}  // namespace
 
 void ModelConfig::validate(const KeyDescriber& keys) const {
   check_range(keys, "model.vocab_size", vocab_size, model_bounds::vocab_size);
@@ -109,26 +119,20 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   check_range(keys, "model.moe_capacity_factor", moe_capacity_factor, model_bounds::moe_capacity_factor);
   check_choice(keys, "model.moe_token_drop_policy", moe_token_drop_policy, model_bounds::moe_token_drop_policies);
   if (!moe()) {
-    // A dense model: every routing key must keep its default, so that a key set by
-    // mistake is not silently ignored.
-    auto dense_only = [&](const char* key, auto value, auto fallback) {
-      if (value != fallback)
-        FORGE_FAIL("{} needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model",
-                   keys.describe(key, value));
-    };
-    dense_only("model.moe_ffn_hidden_size", moe_ffn_hidden_size, int64_t{0});
-    dense_only("model.num_shared_experts", num_shared_experts, int64_t{0});
-    dense_only("model.first_dense_layers", first_dense_layers, int64_t{0});
-    dense_only("model.router_score_function", router_score_function, std::string("softmax"));
-    dense_only("model.router_num_groups", router_num_groups, int64_t{1});
-    dense_only("model.router_topk_groups", router_topk_groups, int64_t{1});
-    dense_only("model.router_scaling_factor", router_scaling_factor, 1.0);
-    dense_only("model.router_bias_update_rate", router_bias_update_rate, 0.0);
-    dense_only("model.router_aux_loss_type", router_aux_loss_type, std::string("pooled"));
-    dense_only("model.router_z_loss_coef", router_z_loss_coef, 0.0);
-    dense_only("model.moe_capacity_factor", moe_capacity_factor, 0.0);
-    dense_only("model.moe_token_drop_policy", moe_token_drop_policy, std::string("probs"));
-    dense_only("model.moe_pad_to_capacity", moe_pad_to_capacity, false);
+    const char* dense = "needs model.num_experts > 0 (a Mixture-of-Experts model); it is 0, a dense model";
+    keep_default(keys, "model.moe_ffn_hidden_size", moe_ffn_hidden_size, int64_t{0}, dense);
+    keep_default(keys, "model.num_shared_experts", num_shared_experts, int64_t{0}, dense);
+    keep_default(keys, "model.first_dense_layers", first_dense_layers, int64_t{0}, dense);
+    keep_default(keys, "model.router_score_function", router_score_function, std::string("softmax"), dense);
+    keep_default(keys, "model.router_num_groups", router_num_groups, int64_t{1}, dense);
+    keep_default(keys, "model.router_topk_groups", router_topk_groups, int64_t{1}, dense);
+    keep_default(keys, "model.router_scaling_factor", router_scaling_factor, 1.0, dense);
+    keep_default(keys, "model.router_bias_update_rate", router_bias_update_rate, 0.0, dense);
+    keep_default(keys, "model.router_aux_loss_type", router_aux_loss_type, std::string("pooled"), dense);
+    keep_default(keys, "model.router_z_loss_coef", router_z_loss_coef, 0.0, dense);
+    keep_default(keys, "model.moe_capacity_factor", moe_capacity_factor, 0.0, dense);
+    keep_default(keys, "model.moe_token_drop_policy", moe_token_drop_policy, std::string("probs"), dense);
+    keep_default(keys, "model.moe_pad_to_capacity", moe_pad_to_capacity, false, dense);
     return;
   }
   if (first_dense_layers >= num_layers)
@@ -183,11 +187,11 @@ void ModelConfig::check_mla_rules(const KeyDescriber& keys) const {
   check_range(keys, "model.qk_rope_head_dim", qk_rope_head_dim, model_bounds::qk_rope_head_dim);
   check_range(keys, "model.v_head_dim", v_head_dim, model_bounds::v_head_dim);
   if (!mla()) {
-    for (auto [key, value] : {std::pair{"model.q_lora_rank", q_lora_rank}, {"model.qk_nope_head_dim", qk_nope_head_dim},
-                              {"model.qk_rope_head_dim", qk_rope_head_dim}, {"model.v_head_dim", v_head_dim}})
-      if (value != 0)
-        FORGE_FAIL("{} needs model.kv_lora_rank > 0 (Multi-head Latent Attention); it is 0, grouped-query attention",
-                   keys.describe(key, value));
+    const char* gqa = "needs model.kv_lora_rank > 0 (Multi-head Latent Attention); it is 0, grouped-query attention";
+    keep_default(keys, "model.q_lora_rank", q_lora_rank, int64_t{0}, gqa);
+    keep_default(keys, "model.qk_nope_head_dim", qk_nope_head_dim, int64_t{0}, gqa);
+    keep_default(keys, "model.qk_rope_head_dim", qk_rope_head_dim, int64_t{0}, gqa);
+    keep_default(keys, "model.v_head_dim", v_head_dim, int64_t{0}, gqa);
     return;
   }
   if (qk_nope_head_dim < 1 || v_head_dim < 1)
