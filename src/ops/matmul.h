@@ -31,6 +31,12 @@ enum class GemmVarying : uint8_t { M, K };
 void matmul_varying(GemmVarying varying, const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
                     bool transpose_b, float alpha = 1.0f, float beta = 0.0f);
 
+// `batch` GEMMs of one shape at once: out [batch, M, N], a [batch, M, K] (or [batch, K, M]),
+// b [batch, K, N] (or [batch, N, K]), matrix i of out from matrix i of a and b. On the GPU
+// one cuBLASLt call (NOTE [Batched GEMMs] in kernels/cuda/matmul.cpp); the CPU runs each.
+void matmul_batched(const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b,
+                    float alpha = 1.0f, float beta = 0.0f);
+
 // GPU GEMMs, bf16 and FP8: choose each shape's algorithm by timing cuBLASLt's candidates
 // on first use instead of taking its first heuristic choice (training.gemm_tuning),
 // keeping the measured choices in `cache_directory` for later runs ("": not kept; see

@@ -27,6 +27,21 @@ Tensor expert_matrix(const Tensor& stacked, int64_t e) {
   return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)});
 }
 
+// NOTE [MoE expert GEMMs]: the rows every expert has when all have the same (padding to
+// capacity, NOTE [MoE capacity]), so that their GEMMs run batched; 0 otherwise.
+int64_t uniform_expert_rows(const MoeRouting& r) {
+  if (r.experts < 2) return 0;
+  const int64_t rows = r.rows(0);
+  for (int64_t e = 1; e < r.experts; ++e)
+    if (r.rows(e) != rows) return 0;
+  return rows;
+}
+
+// The first experts x rows rows of a permuted buffer [rows, width] as [experts, rows, width].
+Tensor by_expert(const Tensor& t, int64_t experts, int64_t rows) {
+  return t.narrow(0, experts * rows).view({experts, rows, t.dim(1)});
+}
+
 void check_experts(const MoeExpertWeights& w, const MoeRouting& r, int64_t hidden, const char* op) {
   FORGE_CHECK(w.gate_up.ndim() == 3 && w.down.ndim() == 3 && w.gate_up.dim(0) == r.experts &&
                   w.down.dim(0) == r.experts && w.gate_up.dim(2) == hidden && w.down.dim(1) == hidden &&
@@ -549,8 +564,11 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
 void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& r) {
   check_expert_offsets(r, a.permuted.dim(0), "moe_experts_forward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_forward");
-  // y_e = x_e W_e^T on each expert's rows.
+  // y_e = x_e W_e^T on each expert's rows; batched when every expert has the same rows.
+  const int64_t uniform = uniform_expert_rows(r);
   auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight) {
+    if (uniform > 0)
+      return matmul_batched(by_expert(y, r.experts, uniform), by_expert(x, r.experts, uniform), false, weight, true);
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end)
@@ -570,8 +588,16 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
   check_experts(w, r, a.permuted.dim(1), "moe_experts_backward");
   check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
   // Each expert's dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on its rows; no rows: a zero
-  // gradient when written over, nothing to add otherwise.
+  // gradient when written over, nothing to add otherwise. Batched when every expert has the
+  // same rows.
+  const int64_t uniform = uniform_expert_rows(r);
   auto per_expert = [&](const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& weight) {
+    if (uniform > 0) {
+      const Tensor dy_e = by_expert(dy, r.experts, uniform);
+      matmul_batched(by_expert(dx, r.experts, uniform), dy_e, false, weight, false);
+      matmul_batched(dw, dy_e, true, by_expert(x, r.experts, uniform), false, 1.0f, overwrite ? 0.0f : 1.0f);
+      return;
+    }
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end) {

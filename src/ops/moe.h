@@ -251,7 +251,12 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
 // matmul (9.15, its backward 9.22) are newer than the device's CUDA 13.0 and cuDNN 9.14.
 // An expert's row count changes every step, so its GEMMs are matmul_varying's, whose
 // cuBLASLt plans serve every size of a bucket (NOTE [GEMMs of varying size]) rather than
-// one plan, made on first sight, per size.
+// one plan, made on first sight, per size. When every expert has the same rows (padding to
+// capacity, NOTE [MoE capacity]; under expert parallelism each local expert then receives
+// the same rows from every rank) the experts' GEMMs are one batched GEMM each, every
+// expert's matrices one stride apart (matmul_batched, NOTE [Batched GEMMs] in
+// kernels/cuda/matmul.cpp): one launch per GEMM kind instead of one per expert, and no row
+// count read from the device.
 
 // d_permuted [rows, hidden] (written over) from d_expert_out; the weights' gradients into
 // `grads` (fp32, written over when `overwrite`, else added; an expert with no rows adds

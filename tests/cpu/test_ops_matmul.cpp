@@ -3,6 +3,7 @@
 #include <cmath>
 #include <tuple>
 
+#include "expect_error.h"
 #include "ops/matmul.h"
 #include "ops_testing.h"
 
@@ -134,6 +135,33 @@ TEST(OpsMatmul, LinearLayerBackwardMatchesFiniteDifferences) {
   for (size_t i = 0; i < dw_added.size(); ++i) dw_added[i] -= dw_before[i];
   EXPECT_LT(relative_error(testing::to_double(dx), testing::finite_difference(x, loss)), 1e-2);
   EXPECT_LT(relative_error(dw_added, testing::finite_difference(w, loss)), 1e-2);
+}
+
+// matmul_batched is each matrix's matmul, bit for bit on the CPU, in the three uses of the
+// MoE experts (forward, input gradient, weight gradient added); bad shapes are refused.
+TEST(OpsMatmul, BatchedIsEachMatrixsProduct) {
+  Rng rng(15);
+  const int64_t batch = 3, m = 5, n = 4, k = 6;
+  for (const bool transpose_a : {false, true})
+    for (const bool transpose_b : {false, true}) {
+      const Tensor a = random_tensor(transpose_a ? Shape{batch, k, m} : Shape{batch, m, k}, rng);
+      const Tensor b = random_tensor(transpose_b ? Shape{batch, n, k} : Shape{batch, k, n}, rng);
+      Tensor out = random_tensor({batch, m, n}, rng);
+      const Tensor before = out.clone();
+      matmul_batched(out, a, transpose_a, b, transpose_b, 0.5f, 1.0f);
+      for (int64_t i = 0; i < batch; ++i) {
+        Tensor want = before.narrow(i, i + 1).view({m, n}).clone();
+        matmul(want, a.narrow(i, i + 1).view(transpose_a ? Shape{k, m} : Shape{m, k}), transpose_a,
+               b.narrow(i, i + 1).view(transpose_b ? Shape{n, k} : Shape{k, n}), transpose_b, 0.5f, 1.0f);
+        for (int64_t j = 0; j < m * n; ++j)
+          EXPECT_EQ(out.data<float>()[i * m * n + j], want.data<float>()[j]) << transpose_a << transpose_b;
+      }
+    }
+  Tensor out = Tensor::zeros({2, 3, 4});
+  expect_error([&] { matmul_batched(out, Tensor::zeros({2, 3, 5}), false, Tensor::zeros({3, 5, 4}), false); },
+               {"matmul_batched b"});
+  expect_error([&] { matmul_batched(out, Tensor::zeros({3, 5}), false, Tensor::zeros({5, 4}), false); },
+               {"must be 3-D"});
 }
 
 TEST(OpsMatmul, RejectsMismatchedShapes) {

@@ -105,6 +105,33 @@ TEST(GpuMatmul, VaryingSizesShareAPlanAndMatchCpu) {
   }
 }
 
+// NOTE [Batched GEMMs]: one batched call against the CPU's product of each matrix, in the MoE
+// experts' three uses (forward, input gradient, weight gradient written over and added), at
+// a padded expert's shapes (8 experts of 96 rows).
+TEST(GpuMatmul, BatchedMatchesCpuInTheExpertsUses) {
+  Rng rng(seed_for_current_test());
+  const int64_t experts = 8, rows = 96, n = 384, k = 136;
+  const Tensor x = random_bf16_values({experts, rows, k}, rng), w = random_bf16_values({experts, n, k}, rng);
+  const Tensor dy = random_bf16_values({experts, rows, n}, rng);
+  Tensor y = Tensor::empty({experts, rows, n});
+  matmul_batched(y, x, false, w, true);
+  Tensor y_gpu = poisoned_gpu({experts, rows, n}, DType::BF16);
+  matmul_batched(y_gpu, to_gpu(x, DType::BF16), false, to_gpu(w, DType::BF16), true);
+  EXPECT_LT(relative_l2(to_cpu_f32(y_gpu), y), kBf16Tolerance) << "forward";
+  Tensor dx = Tensor::empty({experts, rows, k});
+  matmul_batched(dx, dy, false, w, false);
+  Tensor dx_gpu = poisoned_gpu({experts, rows, k}, DType::BF16);
+  matmul_batched(dx_gpu, to_gpu(dy, DType::BF16), false, to_gpu(w, DType::BF16), false);
+  EXPECT_LT(relative_l2(to_cpu_f32(dx_gpu), dx), kBf16Tolerance) << "input gradient";
+  for (const float beta : {0.0f, 1.0f}) {
+    Tensor dw = random_f32({experts, n, k}, rng);
+    Tensor dw_gpu = beta == 0.0f ? poisoned_gpu({experts, n, k}, DType::F32) : dw.to(Device::CUDA);
+    matmul_batched(dw, dy, true, x, false, 1.0f, beta);
+    matmul_batched(dw_gpu, to_gpu(dy, DType::BF16), true, to_gpu(x, DType::BF16), false, 1.0f, beta);
+    EXPECT_LT(relative_l2(to_cpu_f32(dw_gpu), dw), kF32Tolerance) << "weight gradient, beta " << beta;
+  }
+}
+
 TEST(GpuMatmul, TunedChoiceComputesTheSameProduct) {
   Rng rng(seed_for_current_test());
   set_gemm_tuning(true);

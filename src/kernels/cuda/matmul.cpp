@@ -47,6 +47,15 @@
 // varying dimension is never a leading dimension in forge's three uses, so only the
 // layouts' row or column counts change.
 //
+// NOTE [Batched GEMMs]
+// matmul_batched runs `batch` problems of one shape whose operands lie one after another in
+// memory (a Mixture-of-Experts layer whose experts all have the same rows: padding to
+// capacity, NOTE [MoE capacity] in ops/moe.h) as one cuBLASLt call: each layout gets
+// CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT and a STRIDED_BATCH_OFFSET of one matrix's elements,
+// so one launch covers every expert instead of one per expert. Its plans are kept per
+// (shape, batch) and take cuBLASLt's first heuristic algorithm: the tuning cache keys
+// single problems, so training.gemm_tuning does not measure these.
+//
 // The timing costs seconds per run (10.8 s of the 8B proxy's first step on an H100), so
 // measured choices are kept on disk and taken by later runs on the same GPU model and
 // cuBLASLt version (NOTE [GEMM tuning cache] in kernels/gemm_tuning_cache.h): a tuned plan
@@ -59,10 +68,12 @@
 
 #include <cublasLt.h>
 
+#include <climits>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "core/device.h"
 #include "kernels/cuda/cublaslt_context.h"
@@ -92,6 +103,7 @@ struct Context {
   void* workspace = nullptr;
   std::map<PlanKey, Plan> plans;
   std::map<std::pair<PlanKey, GemmVarying>, Plan> varying_plans;  // by bucket (NOTE [GEMMs of varying size])
+  std::map<std::pair<PlanKey, int64_t>, Plan> batched_plans;        // by batch count (NOTE [Batched GEMMs])
   std::mutex mu;
 
   Context() {
@@ -240,6 +252,51 @@ void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void*
                               &plan.algo, ctx.workspace, kWorkspaceBytes, nullptr));
 }
 
+namespace {
+
+// A batched plan (NOTE [Batched GEMMs]): the problem's layouts, each with the batch count
+// and one matrix's elements as its stride, and the heuristic's first algorithm.
+Plan make_batched_plan(Context& ctx, const PlanKey& key, int64_t batch) {
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  (void)transpose_a, (void)transpose_b, (void)out_dtype, (void)beta_zero;
+  Plan p = describe_problem(key);
+  auto set_batch = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
+    const int32_t count = static_cast<int32_t>(batch);
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    CUBLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  };
+  set_batch(p.a, n * k);  // cuBLASLt's A is forge's b
+  set_batch(p.b, m * k);
+  set_batch(p.c, m * n);
+  const std::vector<cublasLtMatmulHeuristicResult_t> found =
+      heuristic_algorithms(CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes}, {p.op, p.a, p.b, p.c, p.c}, 1);
+  if (found.empty()) destroy_plan(p);
+  FORGE_CHECK(!found.empty(), "cuBLASLt has no algorithm for {} batched [{}x{}x{}] ta={} tb={} out={}", batch, m, n,
+              k, std::get<3>(key), std::get<4>(key), dtype_name(std::get<5>(key)));
+  p.algo = found.front().algo;
+  return p;
+}
+
+}  // namespace
+
+void matmul_batched(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
+                    int64_t m, int64_t n, int64_t k, int64_t batch, float alpha, float beta) {
+  if (m == 0 || n == 0 || batch == 0) return;
+  FORGE_CHECK(batch <= INT32_MAX, "matmul_batched: {} matrices (cuBLASLt counts them in int32)", batch);
+  Context& ctx = context();
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
+  const Plan* plan;
+  {
+    std::lock_guard lock(ctx.mu);
+    auto it = ctx.batched_plans.find({key, batch});
+    if (it == ctx.batched_plans.end()) it = ctx.batched_plans.emplace(std::pair{key, batch}, make_batched_plan(ctx, key, batch)).first;
+    plan = &it->second;
+  }
+  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, out, plan->c, out, plan->c,
+                              &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
+}
+
 CublasLtContext cublaslt_context() {
   Context& ctx = context();
   return CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes};
@@ -254,6 +311,8 @@ void forget_gemm_plans() {
     ctx.plans.clear();
     for (auto& [key, plan] : ctx.varying_plans) destroy_plan(plan);
     ctx.varying_plans.clear();
+    for (auto& [key, plan] : ctx.batched_plans) destroy_plan(plan);
+    ctx.batched_plans.clear();
   }
   forget_fp8_gemm_plans();
   forget_gemm_tuning_state();

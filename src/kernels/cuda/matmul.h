@@ -24,6 +24,12 @@ enum class GemmVarying : uint8_t { None, M, K };
 void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void* a, bool transpose_a, const void* b,
                     bool transpose_b, int64_t m, int64_t n, int64_t k, float alpha, float beta);
 
+// `batch` GEMMs of one shape (NOTE [Batched GEMMs] in matmul.cpp): out, a and b each hold
+// `batch` matrices one after another, matrix i of each at i x its own size; otherwise as
+// matmul, without an addend.
+void matmul_batched(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
+                    int64_t m, int64_t n, int64_t k, int64_t batch, float alpha, float beta);
+
 // NOTE [GEMM algorithm choice] in matmul.cpp: heuristic (default) or measured per shape,
 // measured choices kept in `cache_directory` ("": not kept; NOTE [GEMM tuning cache]).
 // One switch for the bf16 and the FP8 GEMMs (fp8_matmul.h); defined in gemm_tuner.cpp.
