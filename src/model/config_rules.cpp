@@ -162,11 +162,6 @@ void ModelConfig::check_moe_rules(const KeyDescriber& keys) const {
   if (router_aux_loss_type != "pooled" && router_aux_loss_coef == 0.0)
     FORGE_FAIL("{} needs model.router_aux_loss_coef > 0 (it chooses which balancing loss that weighs); it is 0",
                keys.describe("model.router_aux_loss_type", router_aux_loss_type));
-  if (router_score_function == "sigmoid" && router_z_loss_coef != 0.0)
-    FORGE_FAIL("{} with {}: the router z-loss with sigmoid routing is not built (the routing keeps the logits' "
-               "logsumexp for softmax routing only)",
-               keys.describe("model.router_z_loss_coef", router_z_loss_coef),
-               keys.describe("model.router_score_function", router_score_function));
   // NOTE [MoE capacity] in ops/moe.h: the policy and the padding only mean something with a
   // capacity, so without one they must keep their defaults.
   if (moe_capacity_factor == 0.0 && moe_token_drop_policy != "probs")

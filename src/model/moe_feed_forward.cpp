@@ -129,8 +129,9 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
                          index({n * top_k_}),
                          layout.take(dropping ? Shape{2, experts_ + 1} : Shape{experts_ + 1}, DType::I64),
                          stat({experts_}),
-                         sigmoid_ ? Tensor() : stat({n}),  // lse: the z-loss's
-                         dropping ? index({n * top_k_}) : Tensor()};
+                         !sigmoid_ || z_coefficient_ != 0.0 ? stat({n}) : Tensor(),  // lse: the z-loss's
+                         dropping ? index({n * top_k_}) : Tensor(),
+                         sigmoid_ && z_coefficient_ != 0.0 ? stat({n, experts_}) : Tensor()};  // and its softmax
   }
   sequences_ = shape.micro_batch;
   d_expert_out_ = act({rows, hidden_});

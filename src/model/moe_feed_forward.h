@@ -54,8 +54,8 @@
 // layer). model.router_z_loss_coef c_z adds the router z-loss, Megatron's z_loss_func: per
 // layer c_z x the mean over the N tokens of logsumexp(logits)^2, summed over layers; its
 // gradient, c_z x 2 lse_t softmax(logits_t) / N, enters the router's logits in
-// moe_route_backward from the logsumexp the routing kept (softmax routing only; sigmoid
-// routing refuses it in config rules). Every one of them is computed over the micro-batch's
+// moe_route_backward from the logsumexp the routing kept (with sigmoid routing also the
+// logits' softmax, which the routing then keeps: [N, E] fp32 per layer). Every one of them is computed over the micro-batch's
 // tokens (masked targets included, as Megatron without a padding mask) and weighted in the
 // step as the pooled loss: its value x the micro-batch's share of the step's targets, and
 // the same factor on its gradient (gradient_weight). Megatron weights them per micro-batch

@@ -269,8 +269,20 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   OpProfileScope profile(OpClass::Elementwise, "moe_route");
   MoeRouting r = new_routing(logits, k, normalize, buffers, capacity, "moe_route_sigmoid logits");
   r.sigmoid = true;
-  r.lse = Tensor();  // not kept: the z-loss with sigmoid routing is not built
   r.scaling = scaling;
+  // The z-loss's logsumexp and softmax of the logits: kept on the CPU without buffers, and
+  // where the buffers have both.
+  if (!buffers.defined()) {
+    r.softmax = Tensor::empty({r.tokens, r.experts});
+  } else if (buffers.lse.defined() && buffers.softmax.defined()) {
+    check_shape(buffers.softmax, {r.tokens, r.experts}, "moe_route_sigmoid buffer softmax");
+    expect_tensor(buffers.softmax, logits.device(), DType::F32, "moe_route_sigmoid buffer softmax");
+    r.softmax = buffers.softmax;
+  } else {
+    r.lse = Tensor();
+  }
+  float* lse = r.softmax.defined() ? r.lse.data<float>() : nullptr;
+  float* softmax = r.softmax.defined() ? r.softmax.data<float>() : nullptr;
   check_groups("moe_route_sigmoid", r.experts, k, groups, topk_groups);
   if (bias.defined()) {
     check_shape(bias, {r.experts}, "moe_route_sigmoid bias");
@@ -281,10 +293,10 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
     FORGE_CUDA_CALL("moe_route_sigmoid",
                     cuda::moe_topk_sigmoid(logits.data<float>(), b, r.tokens, r.experts, k, groups, topk_groups,
                                            normalize, scaling, r.probs.data<float>(), r.expert_ids.data<int32_t>(),
-                                           r.weights.data<float>()));
+                                           r.weights.data<float>(), lse, softmax));
   else
     cpu::moe_topk_sigmoid(logits.data<float>(), b, r.tokens, r.experts, k, groups, topk_groups, normalize, scaling,
-                          r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>());
+                          r.probs.data<float>(), r.expert_ids.data<int32_t>(), r.weights.data<float>(), lse, softmax);
   sort_by_expert(r, capacity.by_position);
   return r;
 }
@@ -369,8 +381,8 @@ MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {
 
 double moe_z_loss(const MoeRouting& r) {
   check_routing(r, "moe_z_loss");
-  FORGE_CHECK(!r.sigmoid && r.lse.defined(), "moe_z_loss: the routing kept no logsumexp (softmax routing with "
-                                             "MoeRoutingBuffers::lse)");
+  FORGE_CHECK(r.lse.defined(), "moe_z_loss: the routing kept no logsumexp (MoeRoutingBuffers::lse, and softmax for "
+                               "sigmoid routing)");
   if (r.tokens == 0) return 0.0;
   const Tensor lse = r.lse.device() == Device::CPU ? r.lse : r.lse.to(Device::CPU);
   double sum = 0.0;
@@ -401,16 +413,19 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   }
   const bool z = z_scale != 0.0;
   if (z)
-    FORGE_CHECK(!r.sigmoid && r.lse.defined(),
-                "moe_route_backward: the z-loss's gradient needs softmax routing that kept its logsumexp");
+    FORGE_CHECK(r.lse.defined() && (!r.sigmoid || r.softmax.defined()),
+                "moe_route_backward: the z-loss's gradient needs a routing that kept the logits' logsumexp (and, "
+                "routing on sigmoid scores, their softmax)");
   const float* pg = prob_gradient ? prob_gradient->data<float>() : nullptr;
   const float* lse = z ? r.lse.data<float>() : nullptr;
+  const float* softmax = z && r.sigmoid ? r.softmax.data<float>() : nullptr;
   if (device == Device::CUDA) {
     if (r.sigmoid)
       FORGE_CUDA_CALL("moe_route_backward",
                       cuda::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(),
                                                       r.expert_ids.data<int32_t>(), r.tokens, r.experts, r.k,
-                                                      r.normalize, r.scaling, d_logits.data<float>()));
+                                                      r.normalize, r.scaling, d_logits.data<float>(), lse, softmax,
+                                                      z_scale));
     else
       FORGE_CUDA_CALL("moe_route_backward",
                       cuda::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),
@@ -421,7 +436,8 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
   }
   if (r.sigmoid) {
     cpu::moe_topk_sigmoid_backward(d_weights.data<float>(), r.probs.data<float>(), r.expert_ids.data<int32_t>(),
-                                   r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>());
+                                   r.tokens, r.experts, r.k, r.normalize, r.scaling, d_logits.data<float>(), lse,
+                                   softmax, z_scale);
     return;
   }
   cpu::moe_topk_softmax_backward(d_weights.data<float>(), pg, group_tokens, r.probs.data<float>(),

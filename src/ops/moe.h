@@ -38,7 +38,9 @@
 // z_loss_func): z = mean over tokens of logsumexp(logits_t)^2, its gradient with respect to
 // logits_t 2 lse_t softmax(logits_t) / N; the softmax routing keeps each token's logsumexp
 // (MoeRouting::lse, from the max and sum its softmax computes) and moe_route_backward adds
-// that gradient, scaled, given z_scale.
+// that gradient, scaled, given z_scale. Megatron takes the z-loss of the logits whatever the
+// score function; sigmoid routing asked for it (MoeRoutingBuffers::lse and ::softmax) keeps
+// the logits' logsumexp and softmax beside its scores, in the same pass.
 // DeepSeek-V2 (moe_route_softmax, transformers' DeepseekV2TopkRouter) keeps the softmax and
 // may limit the choice to groups (group_limited_greedy: the experts form equal groups, each
 // ranked by its largest probability, and only the best `topk_groups` take part) and scale
@@ -116,8 +118,10 @@ struct MoeRouting {
   bool sigmoid = false;          // DeepSeek-V3's scores (moe_route_sigmoid) instead of a softmax
   float scaling = 1.0f;          // routed_scaling_factor
   Tensor probs;                  // F32 [tokens, experts]: the softmax's probabilities or the sigmoid's scores
-  Tensor lse;                    // F32 [tokens]: softmax routing's logsumexp of each row of logits (undefined
+  Tensor lse;                    // F32 [tokens]: the logsumexp of each row of logits, the z-loss's (undefined
                                  // when the buffers have none)
+  Tensor softmax;                // F32 [tokens, experts]: sigmoid routing's softmax of the logits, kept with
+                                 // lse for the z-loss's gradient (undefined otherwise)
   Tensor expert_ids;             // I32 [tokens, k]
   Tensor weights;                // F32 [tokens, k]
   std::vector<int64_t> offsets;  // experts + 1: expert e's permuted rows [offsets[e], offsets[e + 1])
@@ -153,8 +157,9 @@ struct MoeRoutingBuffers {
   Tensor row_of;          // I32 [tokens * k]
   Tensor offsets;         // CUDA: I64 [experts + 1]; with a capacity [2, experts + 1]
   Tensor prob_sums;       // CUDA: F32 [experts], the balancing loss's scratch
-  Tensor lse;             // F32 [tokens], optional: softmax routing's logsumexp (the z-loss's)
+  Tensor lse;             // F32 [tokens], optional: the logits' logsumexp (the z-loss's)
   Tensor sorted;          // CUDA with a capacity: I32 [tokens * k], the sort's order before the drop
+  Tensor softmax;         // F32 [tokens, experts], optional: sigmoid routing's softmax of the logits, with lse
   bool defined() const { return probs.defined(); }
 };
 
@@ -180,8 +185,9 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
 // tokens, on the routing's device) that gradient with respect to each probability of each
 // expert is added, row g for the tokens of group g (tokens / groups consecutive tokens; a
 // balancing loss's: MoeBalance::prob_gradient times its coefficient); with z_scale != 0,
-// z_scale x lse_t x probs_t is added to each token's logits gradient (the z-loss's:
-// z_scale = 2 coefficient / tokens; the routing must have kept lse).
+// z_scale x lse_t x softmax(logits_t) is added to each token's logits gradient (the
+// z-loss's: z_scale = 2 coefficient / tokens; the routing must have kept lse, and with
+// sigmoid routing the softmax).
 void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const MoeRouting& routing,
                         const Tensor* prob_gradient = nullptr, double z_scale = 0.0);
 

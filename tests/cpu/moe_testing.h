@@ -24,7 +24,7 @@ struct MoeLayer {
   // "per_layer" or "sequence" (the tokens are `sequences` rows of equal length).
   std::string aux_type = "pooled";
   int64_t sequences = 1;
-  float z = 0.0f;  // the router z-loss's coefficient (softmax routing)
+  float z = 0.0f;  // the router z-loss's coefficient
   // DeepSeek-V3's routing (moe_route_sigmoid) instead of Mixtral's.
   bool sigmoid = false;
   Tensor bias;  // [E] or undefined

@@ -100,8 +100,9 @@ TEST(ModelMoe, LossKeysRules) {
                {"model.router_z_loss_coef = 0.001 (command line) needs model.num_experts > 0"});
   expect_error([] { load({{"model.router_aux_loss_type", "sequence"}}); },
                {"model.router_aux_loss_type = sequence (command line) needs model.num_experts > 0"});
-  expect_error([] { load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_z_loss_coef", "0.001"}}); },
-               {"model.router_z_loss_coef = 0.001", "sigmoid routing is not built"});
+  EXPECT_EQ(load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_z_loss_coef", "0.001"}})
+                .model.router_z_loss_coef,
+            0.001);  // Megatron's z-loss takes the logits whatever the score function
   expect_error(
       [] {
         load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_aux_loss_coef", "0.01"},
@@ -126,12 +127,15 @@ TEST(ModelMoe, LossesJoinTheTrainingLossAndTheirGradientIsTheirs) {
       {{"model.router_z_loss_coef", "0.2"}},
       {{"model.router_aux_loss_coef", "0.3"}, {"model.router_aux_loss_type", "sequence"},
        {"model.router_z_loss_coef", "0.1"}},
+      {{"model.router_z_loss_coef", "0.2"}, {"model.router_score_function", "sigmoid"},
+       {"model.router_scaling_factor", "2.5"}},
   };
-  const ModelConfig plain = load_moe({{"model.init_std", "0.3"}}).model;
   for (const ConfigOverrides& c : cases) {
-    ConfigOverrides overrides = c;
+    ConfigOverrides overrides = c, plain_overrides;
     overrides.push_back({"model.init_std", "0.3"});  // routers far from uniform
-    const ModelConfig m = load_moe(overrides).model;
+    for (const auto& [key, value] : overrides)  // the same model without the losses
+      if (!key.starts_with("model.router_aux") && !key.starts_with("model.router_z")) plain_overrides.push_back({key, value});
+    const ModelConfig m = load_moe(overrides).model, plain = load_moe(plain_overrides).model;
     FlatParameters params(m), grads(m), plain_grads(m);
     params.initialize(5);
     DecoderLM model(m, batch, seq), plain_model(plain, batch, seq);

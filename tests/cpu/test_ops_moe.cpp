@@ -135,7 +135,8 @@ void expect_backward_matches_finite_differences(MoeLayer& m, Tensor& x, const Te
   auto loss = [&] {
     MoeActivations a;
     const Tensor out = moe_forward(m, x, a);
-    return testing::weighted_sum(out, dout) + (m.aux != 0.0f ? m.aux * moe_balancing_loss({&a.routing}).loss : 0.0);
+    return testing::weighted_sum(out, dout) + (m.aux != 0.0f ? m.aux * moe_balancing_loss({&a.routing}).loss : 0.0) +
+           (m.z != 0.0f ? m.z * moe_z_loss(a.routing) : 0.0);
   };
   MoeActivations a;
   moe_forward(m, x, a);
@@ -201,6 +202,7 @@ TEST(OpsMoe, SigmoidGroupLimitedRouting) {
     m.groups = groups;
     m.topk_groups = topk_groups;
     m.scaling = 2.5f;
+    m.z = normalize ? 0.3f : 0.0f;  // the router z-loss of the logits, as Megatron's with any score function
     Tensor x = random_tensor({5, m.hidden}, rng), g_out = random_tensor({5, m.hidden}, rng);
     expect_backward_matches_finite_differences(m, x, g_out);
   }

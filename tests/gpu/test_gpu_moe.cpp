@@ -73,6 +73,11 @@ TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
   expect_training_step_matches_cpu(c, 23);
   c.router_aux_loss_type = "per_layer";
   expect_training_step_matches_cpu(c, 23);
+  // The z-loss with sigmoid routing (its logits' softmax kept beside the scores).
+  c.router_aux_loss_coef = 0.0;
+  c.router_aux_loss_type = "pooled";
+  c.router_score_function = "sigmoid";
+  expect_training_step_matches_cpu(c, 23);
 }
 
 // One MoE layer's routed experts (tests/cpu/moe_testing.h's composition: router, route,

@@ -295,16 +295,25 @@ TEST(GpuMoeKernels, TopkSigmoidMatchesCpu) {
       const Tensor bias = random_f32({experts}, rng, 0.05);
       const float* bias_cpu = with_bias ? bias.data<float>() : nullptr;
       Tensor scores = Tensor::empty({tokens, experts}), ids = Tensor::empty({tokens, k}, DType::I32),
-             weights = Tensor::empty({tokens, k});
+             weights = Tensor::empty({tokens, k}), lse = Tensor::empty({tokens}),
+             softmax = Tensor::empty({tokens, experts});
       cpu::moe_topk_sigmoid(logits.data<float>(), bias_cpu, tokens, experts, k, groups, topk_groups, normalize,
-                            scaling, scores.data<float>(), ids.data<int32_t>(), weights.data<float>());
+                            scaling, scores.data<float>(), ids.data<int32_t>(), weights.data<float>(),
+                            lse.data<float>(), softmax.data<float>());
 
       const Tensor logits_gpu = to_gpu(logits, DType::F32), bias_gpu = to_gpu(bias, DType::F32);
       Tensor scores_gpu = poisoned_gpu({tokens, experts}, DType::F32),
-             ids_gpu = poisoned_gpu({tokens, k}, DType::I32), weights_gpu = poisoned_gpu({tokens, k}, DType::F32);
+             ids_gpu = poisoned_gpu({tokens, k}, DType::I32), weights_gpu = poisoned_gpu({tokens, k}, DType::F32),
+             lse_gpu = poisoned_gpu({tokens}, DType::F32), softmax_gpu = poisoned_gpu({tokens, experts}, DType::F32);
+      // The z-loss's logsumexp and softmax in the normalized cases only (null: not written).
       cuda::moe_topk_sigmoid(logits_gpu.data<float>(), with_bias ? bias_gpu.data<float>() : nullptr, tokens, experts,
                              k, groups, topk_groups, normalize, scaling, scores_gpu.data<float>(),
-                             ids_gpu.data<int32_t>(), weights_gpu.data<float>());
+                             ids_gpu.data<int32_t>(), weights_gpu.data<float>(),
+                             normalize ? lse_gpu.data<float>() : nullptr, normalize ? softmax_gpu.data<float>() : nullptr);
+      if (normalize) {
+        EXPECT_LT(max_relative(to_cpu_f32(lse_gpu), lse), 2 * kRoutingTolerance) << what;
+        EXPECT_LT(relative_l2(to_cpu_f32(softmax_gpu), softmax), kRoutingTolerance) << what;
+      }
       const Tensor scores_back = to_cpu_f32(scores_gpu);
       EXPECT_LT(relative_l2(scores_back, scores), 1e-6) << what;  // no sums: a few fp32 ulps
       EXPECT_LT(max_relative(scores_back, scores), 1e-5) << what;
@@ -333,19 +342,28 @@ TEST(GpuMoeKernels, TopkSigmoidBackwardMatchesCpu) {
                                            experts, k, groups, topk_groups, normalize);
       const Tensor logits = routing_logits(tokens, experts, Special::None, rng);
       Tensor scores = Tensor::empty({tokens, experts}), ids = Tensor::empty({tokens, k}, DType::I32),
-             weights = Tensor::empty({tokens, k});
+             weights = Tensor::empty({tokens, k}), lse = Tensor::empty({tokens}),
+             softmax = Tensor::empty({tokens, experts});
       cpu::moe_topk_sigmoid(logits.data<float>(), nullptr, tokens, experts, k, groups, topk_groups, normalize,
-                            scaling, scores.data<float>(), ids.data<int32_t>(), weights.data<float>());
+                            scaling, scores.data<float>(), ids.data<int32_t>(), weights.data<float>(),
+                            lse.data<float>(), softmax.data<float>());
+      // With the z-loss's term in the normalized cases.
+      const double z_scale = normalize ? 0.37 : 0.0;
+      const float* z_lse = normalize ? lse.data<float>() : nullptr;
+      const float* z_softmax = normalize ? softmax.data<float>() : nullptr;
       const Tensor d_weights = random_f32({tokens, k}, rng);
       Tensor d_logits = Tensor::empty({tokens, experts});
       cpu::moe_topk_sigmoid_backward(d_weights.data<float>(), scores.data<float>(), ids.data<int32_t>(), tokens,
-                                     experts, k, normalize, scaling, d_logits.data<float>());
+                                     experts, k, normalize, scaling, d_logits.data<float>(), z_lse, z_softmax, z_scale);
 
       const Tensor d_weights_gpu = to_gpu(d_weights, DType::F32), scores_gpu = to_gpu(scores, DType::F32),
-                   ids_gpu = ids.to(Device::CUDA);
+                   ids_gpu = ids.to(Device::CUDA), lse_gpu = to_gpu(lse, DType::F32),
+                   softmax_gpu = to_gpu(softmax, DType::F32);
       Tensor d_logits_gpu = poisoned_gpu({tokens, experts}, DType::F32);
       cuda::moe_topk_sigmoid_backward(d_weights_gpu.data<float>(), scores_gpu.data<float>(), ids_gpu.data<int32_t>(),
-                                      tokens, experts, k, normalize, scaling, d_logits_gpu.data<float>());
+                                      tokens, experts, k, normalize, scaling, d_logits_gpu.data<float>(),
+                                      normalize ? lse_gpu.data<float>() : nullptr,
+                                      normalize ? softmax_gpu.data<float>() : nullptr, z_scale);
       expect_routing_gradient_close(d_logits_gpu, d_logits, what);
     }
   }

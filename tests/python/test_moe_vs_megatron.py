@@ -93,6 +93,34 @@ def megatron_block(case, x, routers, gate_ups, downs):
     return h, float(aux_total), float(z_total)
 
 
+# Megatron applies the router z-loss to the logits whatever the score function: sigmoid
+# routing (DeepSeek-V3's scores, renormalized, scaled), no balancing loss.
+SIGMOID_Z_CASES = [
+    dict(sequences=1, seq=10, hidden=8, ffn=8, experts=8, k=2, layers=1, z=0.2, scaling=2.5),
+    dict(sequences=2, seq=6, hidden=12, ffn=8, experts=16, k=4, layers=2, z=0.05, scaling=1.0),
+]
+
+
+def megatron_sigmoid_block(case, x, routers, gate_ups, downs):
+    """The layers with Megatron's sigmoid routing and z-loss; returns out and the z-losses."""
+    z_total = torch.zeros((), dtype=torch.float64)
+    h = x
+    for router, gate_up, down in zip(routers, gate_ups, downs):
+        logits = F.linear(h, router)
+        z = z_loss_func(logits, case["z"])  # as TopKRouter.apply_z_loss
+        logits = MoEAuxLossAutoScaler.apply(logits, z)
+        z_total = z_total + z.detach() / case["z"]
+        probs, routing_map = topk_routing_with_score_function(logits, case["k"], score_function="sigmoid",
+                                                              scaling_factor=case["scaling"])
+        out = h.clone()
+        for e in range(case["experts"]):
+            g, u = gate_up[e].split(case["ffn"], dim=0)
+            act = F.silu(h @ g.T) * (h @ u.T)
+            out = out + probs[:, e:e + 1] * (act @ down[e].T) * routing_map[:, e:e + 1]
+        h = out
+    return h, float(z_total)
+
+
 CAPACITY_CASES = [
     dict(sequences=1, seq=16, hidden=8, ffn=8, experts=4, k=2, layers=1, aux_type="per_layer", aux=0.0, z=0.0,
          capacity=factor, policy=policy, pad=pad)
@@ -207,6 +235,45 @@ class MoeVsMegatron(unittest.TestCase):
                     self.assertLess(relative_error(d_router[layer], rt[layer].grad.numpy()), TOLERANCE)
                     self.assertLess(relative_error(d_gate_up[layer], gt[layer].grad.numpy()), TOLERANCE)
                     self.assertLess(relative_error(d_down[layer], dt[layer].grad.numpy()), TOLERANCE)
+
+    def test_z_loss_with_sigmoid_routing(self):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        rng = np.random.RandomState(19)
+        for case in SIGMOID_Z_CASES:
+            with self.subTest(**case):
+                b, s, h, f, e, n, k = (case["sequences"], case["seq"], case["hidden"], case["ffn"], case["experts"],
+                                       case["layers"], case["k"])
+                t = b * s
+                x = rng.normal(size=(t, h))
+                dout = rng.normal(size=(t, h))
+                routers = [rng.normal(0.0, 0.7, size=(e, h)) for _ in range(n)]
+                gate_ups = [rng.normal(0.0, 0.25, size=(e, 2 * f, h)) for _ in range(n)]
+                downs = [rng.normal(0.0, 0.25, size=(e, h, f)) for _ in range(n)]
+                leaf = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)
+                xt, rt, gt, dt = leaf(x), [leaf(a) for a in routers], [leaf(a) for a in gate_ups], [
+                    leaf(a) for a in downs]
+                out, z = megatron_sigmoid_block(case, xt, rt, gt, dt)
+                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                d = scratch_dir()
+                with open(os.path.join(d, "shape"), "w") as fh:  # sigmoid routing: groups 1 of 1, the scaling
+                    fh.write(f"{t} {h} {f} {e} {k} 1 0 1 1 {case['scaling']}\n")
+                with open(os.path.join(d, "losses"), "w") as fh:
+                    fh.write(f"{n} per_layer {case['z']} {b}\n")
+                for name, value in dict(x=x, dout=dout, router=np.stack(routers), gate_up=np.stack(gate_ups),
+                                        down=np.stack(downs), bias=np.zeros(e)).items():
+                    value.astype(np.float32).tofile(os.path.join(d, name))
+                run([tool("forge_moe_reference"), d])
+                got = lambda name, shape: np.fromfile(os.path.join(d, name), dtype=np.float32).astype(
+                    np.float64).reshape(shape)
+                with open(os.path.join(d, "z")) as fh:
+                    self.assertLess(abs(float(fh.read()) - z) / z, TOLERANCE)
+                self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
+                self.assertLess(relative_error(got("dx", (t, h)), xt.grad.numpy()), TOLERANCE)
+                d_router = got("d_router", (n, e, h))
+                for layer in range(n):
+                    self.assertLess(relative_error(d_router[layer], rt[layer].grad.numpy()), TOLERANCE)
+                    self.assertLess(relative_error(got("d_gate_up", (n, e, 2 * f, h))[layer],
+                                                   gt[layer].grad.numpy()), TOLERANCE)
 
     def test_token_dropping(self):
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))

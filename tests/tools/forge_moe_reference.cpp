@@ -16,7 +16,7 @@
 // after the other. Writes DIR/out, dx, d_router, d_gate_up, d_down (fp32, every layer's;
 // the gradients of sum(out * dout) + the losses times their coefficients), DIR/aux (the
 // balancing losses summed over layers, without the coefficient, text) and DIR/z (the
-// z-losses, mean logsumexp^2, summed, without the coefficient). With DIR/capacity ("factor
+// z-losses, mean logsumexp^2, summed, without the coefficient; with sigmoid routing too). With DIR/capacity ("factor
 // policy pad": a capacity factor, probs or position, 0 or 1) every layer drops tokens (NOTE
 // [MoE capacity]), and the tool also writes DIR/kept_probs and DIR/kept_map (fp32 [layers,
 // tokens, experts]: each kept assignment's weight, and 1, at its token and expert; 0
@@ -116,10 +116,8 @@ int main(int argc, char** argv) {
     double aux_loss = 0.0, z_loss = 0.0;
     for (size_t l = 0; l < block.size(); ++l) {
       inputs.push_back(forge::testing::moe_forward(block[l], inputs[l], acts[l]));
-      if (!sigmoid) {
-        aux_loss += forge::testing::moe_layer_balance(block[l], acts[l]).loss;
-        z_loss += forge::moe_z_loss(acts[l].routing);
-      }
+      if (!sigmoid) aux_loss += forge::testing::moe_layer_balance(block[l], acts[l]).loss;
+      z_loss += forge::moe_z_loss(acts[l].routing);  // every routing keeps the logits' logsumexp on the CPU
     }
     write(dir + "/out", inputs.back());
     if (capacity.factor > 0) {
@@ -151,10 +149,8 @@ int main(int argc, char** argv) {
       write(gate_up, g.gate_up);
       write(down, g.down);
     }
-    if (!sigmoid) {
-      std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", aux_loss);
-      std::ofstream(dir + "/z") << fmt::format("{:.9g}\n", z_loss);
-    }
+    if (!sigmoid) std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", aux_loss);
+    std::ofstream(dir + "/z") << fmt::format("{:.9g}\n", z_loss);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "forge_moe_reference: %s\n", e.what());

@@ -85,7 +85,7 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
 
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
                       int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
-                      int32_t* expert_ids, float* weights) {
+                      int32_t* expert_ids, float* weights, float* lse, float* softmax) {
   const int64_t group_size = experts / groups;
   std::vector<float> choice(static_cast<size_t>(experts));
   std::vector<int32_t> order(static_cast<size_t>(experts)), group_order(static_cast<size_t>(groups));
@@ -96,6 +96,16 @@ void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, in
     for (int64_t e = 0; e < experts; ++e) {
       s[e] = 1.0f / (1.0f + std::exp(-logits[t * experts + e]));
       choice[static_cast<size_t>(e)] = s[e] + (bias ? bias[e] : 0.0f);
+    }
+    if (lse) {  // the router z-loss's: the logits' logsumexp and softmax, beside the sigmoid scores
+      const float* l = logits + t * experts;
+      float top = l[0];
+      for (int64_t e = 1; e < experts; ++e) top = std::max(top, l[e]);
+      double sum = 0.0;
+      for (int64_t e = 0; e < experts; ++e) sum += std::exp(static_cast<double>(l[e]) - top);
+      lse[t] = static_cast<float>(top + std::log(sum));
+      for (int64_t e = 0; e < experts; ++e)
+        softmax[t * experts + e] = static_cast<float>(std::exp(static_cast<double>(l[e]) - top) / sum);
     }
     for (int64_t g = 0; g < groups; ++g) {  // the sum of the group's two largest choice values
       float first = -INFINITY, second = -INFINITY;
@@ -130,12 +140,13 @@ void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, in
 
 void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
                                int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
-                               float* d_logits) {
+                               float* d_logits, const float* lse, const float* softmax, double z_scale) {
   for (int64_t t = 0; t < tokens; ++t) {
     const float* s = scores + t * experts;
     const float* dw = d_weights + t * k;
     float* dl = d_logits + t * experts;
     std::fill(dl, dl + experts, 0.0f);
+    const double zl = lse ? z_scale * lse[t] : 0.0;  // the z-loss's: z_scale lse softmax(logits)
     // w_j = scaling * s_j / Z (Z = sum of the chosen + 1e-20): dL/ds_j = scaling (dw_j - sum_m dw_m s_m / Z) / Z.
     double z = 1e-20, dot = 0.0;
     for (int64_t j = 0; j < k; ++j) {
@@ -147,6 +158,8 @@ void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, cons
       const double ds = normalize ? scaling * (dw[j] - dot / z) / z : static_cast<double>(scaling) * dw[j];
       dl[e] = static_cast<float>(ds * s[e] * (1.0 - s[e]));
     }
+    if (lse)
+      for (int64_t e = 0; e < experts; ++e) dl[e] = static_cast<float>(dl[e] + zl * softmax[t * experts + e]);
   }
 }
 

@@ -38,16 +38,22 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
 // ranked by the sum of its two best choice values, and only the `topk_groups` best groups
 // take part (group-limited routing; groups 1: all); then the k best choice values among
 // those (ties: the lower id). weights = the chosen scores (without the bias), divided by
-// their sum + 1e-20 with `normalize`, times `scaling` (routed_scaling_factor).
+// their sum + 1e-20 with `normalize`, times `scaling` (routed_scaling_factor). With lse
+// [tokens] and softmax [tokens, experts] (both or neither), each row's logsumexp and the
+// softmax of its logits too: the router z-loss's, which Megatron takes of the logits
+// whatever the score function.
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
                       int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
-                      int32_t* expert_ids, float* weights);
+                      int32_t* expert_ids, float* weights, float* lse = nullptr, float* softmax = nullptr);
 
 // d_logits [tokens, experts] (written over) from d_weights [tokens, k], through the
 // normalization, the scaling and the sigmoid (the bias and the choice have no gradient).
+// With lse and softmax (the forward's), z_scale x lse[t] x softmax[t] is added (the z-loss's
+// gradient, z_scale = 2 coefficient / tokens).
 void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
                                int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
-                               float* d_logits);
+                               float* d_logits, const float* lse = nullptr, const float* softmax = nullptr,
+                               double z_scale = 0.0);
 
 // The tokens*k assignments (token t's j-th expert is assignment t*k + j) sorted by expert,
 // stable in assignment order: offsets [experts + 1] (expert e owns permuted rows

@@ -33,15 +33,17 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
                                int64_t experts, int64_t k, bool normalize, float* d_logits,
                                const float* lse = nullptr, double z_scale = 0.0, float scaling = 1.0f);
 
-// As cpu::moe_topk_sigmoid (DeepSeek-V3's group-limited sigmoid router; bias may be null).
+// As cpu::moe_topk_sigmoid (DeepSeek-V3's group-limited sigmoid router; bias may be null;
+// lse and softmax, both or neither, the z-loss's: fp32 max + logf of the fp32 sum).
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
                       int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
-                      int32_t* expert_ids, float* weights);
+                      int32_t* expert_ids, float* weights, float* lse = nullptr, float* softmax = nullptr);
 
 // As cpu::moe_topk_sigmoid_backward.
 void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
                                int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
-                               float* d_logits);
+                               float* d_logits, const float* lse = nullptr, const float* softmax = nullptr,
+                               double z_scale = 0.0);
 
 // As cpu::moe_sort_by_expert, stable in assignment order: offsets [experts + 1] (int64),
 // source and row_of [tokens * k]. Every expert id must be in [0, experts).

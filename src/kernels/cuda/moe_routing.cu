@@ -34,7 +34,9 @@
 //
 // The softmax's forward also writes each token's logsumexp (max + logf(sum), from the max
 // and sum it computes anyway) when asked: the router z-loss's, with no other pass over the
-// logits.
+// logits. The sigmoid's forward, asked for them, computes the logits' logsumexp and softmax
+// the same way from the row it holds in registers (the z-loss of sigmoid routing), and its
+// backward adds z_scale x lse x softmax where it writes each row.
 //
 // Backwards: one warp per token, the same lane layout, in double as on the CPU. A saturated
 // router (one probability near 1) makes d_logits a difference of nearly equal terms: in
@@ -331,7 +333,8 @@ template <int V>
 __global__ void __launch_bounds__(kRouteWarps* kWarp)
     topk_sigmoid_kernel(const float* __restrict__ logits, const float* __restrict__ bias, int64_t tokens,
                         int experts, int k, int groups, int topk_groups, bool normalize, float scaling,
-                        float* __restrict__ scores, int32_t* __restrict__ expert_ids, float* __restrict__ weights) {
+                        float* __restrict__ scores, int32_t* __restrict__ expert_ids, float* __restrict__ weights,
+                        float* __restrict__ lse, float* __restrict__ softmax) {
   extern __shared__ float group_smem[];  // per warp: choice [experts], then group scores [groups]
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + warp;
@@ -351,6 +354,24 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
       excluded |= 1u << i;
     }
   }
+  if (lse) {  // the router z-loss's logsumexp and softmax of the logits, as the softmax router's
+    float top = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (i * kWarp + lane < experts) top = fmaxf(top, l[i * kWarp + lane]);
+    top = warp_max(top);
+    float ex[V], sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      ex[i] = i * kWarp + lane < experts ? expf(l[i * kWarp + lane] - top) : 0.f;
+      sum += ex[i];
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) lse[t] = top + logf(sum);
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (i * kWarp + lane < experts) softmax[t * experts + i * kWarp + lane] = ex[i] / sum;
+  }
   if (topk_groups < groups)  // group-limited: only the best topk_groups groups take part
     exclude_groups<V>(choice, experts, groups, topk_groups, /*top_two=*/true, lane,
                       group_smem + warp * (experts + groups), excluded);
@@ -364,7 +385,8 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
 __global__ void __launch_bounds__(kRouteWarps* kWarp)
     topk_sigmoid_backward_kernel(const float* __restrict__ d_weights, const float* __restrict__ scores,
                                  const int32_t* __restrict__ expert_ids, int64_t tokens, int experts, int k,
-                                 bool normalize, float scaling, float* __restrict__ d_logits) {
+                                 bool normalize, float scaling, float* __restrict__ d_logits,
+                                 const float* __restrict__ lse, const float* __restrict__ softmax, double z_scale) {
   const int lane = threadIdx.x % kWarp;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kRouteWarps + threadIdx.x / kWarp;
   if (t >= tokens) return;
@@ -372,7 +394,10 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
   const int32_t* ids = expert_ids + t * k;
   const float* dw = d_weights + t * k;
   float* dl = d_logits + t * experts;
-  for (int e = lane; e < experts; e += kWarp) dl[e] = 0.f;
+  // The z-loss's z_scale lse softmax(logits) where it is asked for, else zeros; the chosen
+  // experts' sigmoid gradients are added below, in double as on the CPU.
+  const double zl = lse ? z_scale * lse[t] : 0.0;
+  for (int e = lane; e < experts; e += kWarp) dl[e] = lse ? static_cast<float>(zl * softmax[t * experts + e]) : 0.f;
   // w_j = scaling * s_j / Z (Z = sum of the chosen + 1e-20): dL/ds_j = scaling (dw_j - sum_m dw_m s_m / Z) / Z.
   double z = 0.0, dot = 0.0;
   for (int j = lane; j < k; j += kWarp) {
@@ -387,7 +412,8 @@ __global__ void __launch_bounds__(kRouteWarps* kWarp)
     const int e = ids[j];
     const double v = s[e];
     const double ds = normalize ? scaling * (dw[j] - dot / z) / z : static_cast<double>(scaling) * dw[j];
-    dl[e] = static_cast<float>(ds * v * (1.0 - v));
+    dl[e] = lse ? static_cast<float>(ds * v * (1.0 - v) + zl * softmax[t * experts + e])
+                : static_cast<float>(ds * v * (1.0 - v));
   }
 }
 
@@ -710,27 +736,29 @@ void moe_topk_softmax_backward(const float* d_weights, const float* prob_gradien
 
 void moe_topk_sigmoid(const float* logits, const float* bias, int64_t tokens, int64_t experts, int64_t k,
                       int64_t groups, int64_t topk_groups, bool normalize, float scaling, float* scores,
-                      int32_t* expert_ids, float* weights) {
+                      int32_t* expert_ids, float* weights, float* lse, float* softmax) {
   check_routing("moe_topk_sigmoid", tokens, experts, k);
+  FORGE_CHECK((lse == nullptr) == (softmax == nullptr), "moe_topk_sigmoid: lse and softmax come together");
   check_groups("moe_topk_sigmoid", experts, k, groups, topk_groups);
   if (tokens == 0) return;
   const size_t smem = group_smem_bytes(experts, groups, topk_groups);
   with_slots(experts, [&](auto slots) {
     topk_sigmoid_kernel<decltype(slots)::value><<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp, smem>>>(
         logits, bias, tokens, static_cast<int>(experts), static_cast<int>(k), static_cast<int>(groups),
-        static_cast<int>(topk_groups), normalize, scaling, scores, expert_ids, weights);
+        static_cast<int>(topk_groups), normalize, scaling, scores, expert_ids, weights, lse, softmax);
   });
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
 void moe_topk_sigmoid_backward(const float* d_weights, const float* scores, const int32_t* expert_ids,
                                int64_t tokens, int64_t experts, int64_t k, bool normalize, float scaling,
-                               float* d_logits) {
+                               float* d_logits, const float* lse, const float* softmax, double z_scale) {
   check_routing("moe_topk_sigmoid_backward", tokens, experts, k);
+  FORGE_CHECK((lse == nullptr) == (softmax == nullptr), "moe_topk_sigmoid_backward: lse and softmax come together");
   if (tokens == 0) return;
   topk_sigmoid_backward_kernel<<<blocks_for(tokens, kRouteWarps), kRouteWarps * kWarp>>>(
       d_weights, scores, expert_ids, tokens, static_cast<int>(experts), static_cast<int>(k), normalize, scaling,
-      d_logits);
+      d_logits, lse, softmax, z_scale);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
