@@ -50,10 +50,10 @@ TEST(GpuFp8WeightChunk, CodesAreTheBf16GatherPaths) {
       float* amax = stats.data<float>();
       float* scale = amax + cpu::kFp8StatStride;
       float* scale_inv = amax + 2 * cpu::kFp8StatStride;
-      cuda::fp8_amax(reinterpret_cast<const bf16*>(bf16.raw()), n, amax);
+      cuda::fp8_amax(static_cast<const cuda::bf16*>(bf16.raw()), n, amax);
       cuda::fp8_scale_from_amax(amax, cpu::Fp8Format::E4M3, false, scale, scale_inv);
       Tensor expected = poisoned_gpu({n}, DType::U8);
-      cuda::fp8_cast(reinterpret_cast<const bf16*>(bf16.raw()), n, scale, cpu::Fp8Format::E4M3,
+      cuda::fp8_cast(static_cast<const cuda::bf16*>(bf16.raw()), n, scale, cpu::Fp8Format::E4M3,
                      expected.data<uint8_t>(), nullptr);
       // The chunk path.
       Tensor chunk_amax = poisoned_gpu({1}, DType::F32);

@@ -56,7 +56,7 @@ __global__ void chunk_amax_kernel(const float* x, int64_t n, float* amax) {
 __global__ void chunk_scales_kernel(const float* amax, int64_t count, float* scale, float* scale_inv, int64_t stride) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (k >= count) return;
-  const float s = scale_from_amax(amax[k], cpu::fp8_max(Fp8Format::E4M3), false);
+  const float s = scale_from_amax(amax[k], cpu::kFp8E4M3Max, false);
   scale[k * stride] = s;
   scale_inv[k * stride] = 1.0f / s;
 }
