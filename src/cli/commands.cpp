@@ -172,12 +172,18 @@ int run_info(const std::vector<std::string>& args) {
                fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
-               !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
+               p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"
+               : !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
                : fp8->frozen ? "once for the run (precision.fp8_weight_cache: the base is frozen)"
                              : "once per optimizer step (precision.fp8_weight_cache)",
                // NOTE [FP8 under data parallelism]
                config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree == 1
                    ? std::string()
+                   : p.fp8_fsdp_all_gather
+                   ? fmt::format("; under FSDP the blocks' FP8 weights are all-gathered as E4M3 codes, 1 byte each "
+                                 "(precision.fp8_fsdp_all_gather){}",
+                                 p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks"
+                                                    : ", each weight's amax max-reduced over the ranks per gather")
                    : fmt::format("; under FSDP each rank casts the bf16 weights its gathers bring{}{}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "",
                                  p.fp8_weight_cache && t.device == "cuda" ? ", the cache holding every FP8 weight in full"

@@ -346,6 +346,11 @@ std::vector<ConfigKey> build_schema() {
           "with precision.fp8 on CUDA: each FP8 weight and its transpose cast once per optimizer step (under "
           "LoRA once for the run) and kept for every micro-batch (2 bytes per weight, under FSDP every weight in "
           "full; false casts them in every micro-batch)"),
+      key<&E::precision, &PrecisionConfig::fp8_fsdp_all_gather>(
+          "precision.fp8_fsdp_all_gather",
+          "with precision.fp8 under FSDP (full training): each rank casts its chunk of every block projection's "
+          "weight to E4M3 and the ranks all-gather 1-byte codes instead of bf16 (torchao's "
+          "enable_fsdp_float8_all_gather), bitwise the same results"),
       key<&E::precision, &PrecisionConfig::fp8_margin>(
           "precision.fp8_margin",
           "with precision.fp8 delayed: scales are fp8_max × 2^-margin / amax (Transformer Engine's margin)",

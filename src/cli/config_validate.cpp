@@ -166,12 +166,27 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead); LoRA's frozen FSDP
 // base would need its Fp8Projections beneath the adapters there too (not built).
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
-  if (config.precision.fp8 == "none") return;
+  if (config.precision.fp8 == "none") {
+    if (config.precision.fp8_fsdp_all_gather)
+      FORGE_FAIL("{} gathers the FP8 projections' weights as FP8 codes, and precision.fp8 is none: set it to false, "
+                 "or precision.fp8 tensorwise or delayed",
+                 show(config, keys, "precision.fp8_fsdp_all_gather"));
+    return;
+  }
   if (config.lora.quantize_base != "none")
     FORGE_FAIL("{} cannot be combined with QLoRA yet (lora.quantize_base {}: the NF4 base's GEMMs run in bf16): set "
                "precision.fp8 none for a QLoRA run, or lora.quantize_base none for LoRA with the base's GEMMs in FP8",
                show(config, keys, "precision.fp8"), config.lora.quantize_base);
   const ParallelismConfig& p = config.parallelism;
+  if (config.precision.fp8_fsdp_all_gather) {
+    const std::string key = show(config, keys, "precision.fp8_fsdp_all_gather");
+    if (p.data_parallel_shard_degree == 1)
+      FORGE_FAIL("{} gathers FSDP's shards, and this run has none (parallelism.data_parallel_shard_degree 1): set "
+                 "it to false, or shard over several ranks",
+                 key);
+    if (config.lora.enabled() || config.lora.quantize_base != "none")
+      FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base does not run in FP8 (set it to false)", key);
+  }
   if (config.lora.enabled() && p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
     FORGE_FAIL("{} under LoRA runs on one device for now: LoRA's frozen FSDP base in FP8 is not built yet; set "
                "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1, or precision.fp8 none "

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "ops/elementwise.h"
+#include "ops/fp8_weight_chunk.h"
 
 namespace forge {
 namespace {
@@ -46,8 +47,10 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
   if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
+  FORGE_CHECK(!options.fp8_all_gather || (!options.frozen && options.expert_parallel == 1 && !config.moe()),
+              "FSDP's FP8 all-gather is for full training of dense models (NOTE [FP8 all-gather])");
   // Compute weights.
-  if (options.zero_stage <= 2) {
+  if (!gathers_blocks()) {
     full_compute_ = Tensor::zeros({layout_.full_numel()}, compute_dtype_, device);
     for (int u : {embedding, head}) root_views(unit_full(full_compute_, u), u, root_weights_);
     for (int i = 0; i < config.num_layers; ++i)
@@ -56,8 +59,38 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
     const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
     for (int u : {embedding, head}) root_views(root_unit(u), u, root_weights_);
+    weight_slots_.resize(options.zero_stage == 3 ? 3 : static_cast<size_t>(config.num_layers));
+    // NOTE [FP8 all-gather]: the largest block's FP8 weights, norms, and what any rank holds of its norms.
+    int64_t fp8_weights = 0, norms = 0;
+    for (int u = 0; u < units; ++u) {
+      if (!layout_.is_block(u) || !options.fp8_all_gather) continue;
+      const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
+      int64_t weights = 0, unit_norms = 0;
+      for (const FsdpParam& p : unit.params) (is_fp8(p) ? weights : unit_norms) += is_fp8(p) ? 1 : p.numel;
+      fp8_weights = std::max(fp8_weights, weights);
+      norms = std::max(norms, unit_norms);
+      const FsdpPart& part = unit.parts.front();
+      for (int r = 0; r < part.ranks; ++r) {
+        const int64_t lo = part.begin + r * part.shard_numel, hi = lo + part.shard_numel;
+        int64_t held = 0;
+        for (const FsdpParam& p : unit.params)
+          if (!is_fp8(p)) held += std::max<int64_t>(0, std::min(hi, p.offset + p.numel) - std::max(lo, p.offset));
+        norm_wire_numel_ = std::max(norm_wire_numel_, held);
+      }
+    }
+    if (options.fp8_all_gather)
+      norm_wire_ = Tensor::zeros({std::max<int64_t>(norm_wire_numel_ * layout_.world_size(), 1)}, compute_dtype_, device);
     for (UnitSlot& slot : weight_slots_) {
-      slot.buffer = Tensor::zeros({std::max<int64_t>(layout_.max_block_numel(), 1)}, compute_dtype_, device);
+      const int64_t numel = std::max<int64_t>(layout_.max_block_numel(), 1);
+      if (options.fp8_all_gather) {
+        slot.codes = Tensor::zeros({numel}, DType::U8, device);
+        slot.norms = Tensor::zeros({std::max<int64_t>(norms, 1)}, compute_dtype_, device);
+        slot.amax = Tensor::zeros({std::max<int64_t>(fp8_weights, 1)}, DType::F32, device);
+        slot.scales = Tensor::zeros({std::max<int64_t>(2 * fp8_weights, 1) * cpu::kFp8StatStride}, DType::F32, device);
+        slot.gathered.resize(static_cast<size_t>(fp8_weights));
+      } else {
+        slot.buffer = Tensor::zeros({numel}, compute_dtype_, device);
+      }
       slot.ready = make_event(device);
       slot.released = make_event(device);
     }
@@ -66,8 +99,8 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
     if (!options.frozen) grad_segments_.push_back(grad_shard_.narrow(s.shard_offset, s.shard_offset + s.numel));
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
-    Tensor unit;  // a ZeRO-3 block keeps no compute copy of its chunk
-    if (options.zero_stage <= 2) unit = unit_full(full_compute_, s.unit);
+    Tensor unit;  // a gathered block (ZeRO-3, FP8 all-gather) keeps no compute copy of its chunk
+    if (!gathers_blocks()) unit = unit_full(full_compute_, s.unit);
     else if (!layout_.is_block(s.unit)) unit = root_unit(s.unit);
     compute_segments_.push_back(unit.defined() ? chunk_in_unit(unit, s.unit, local, s.numel) : Tensor());
   }
@@ -246,14 +279,14 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   updated_->record(kCompute);
   updated_->make_wait(comm_.get());
   for (int u = 0; u < layout_.num_units(); ++u) {
-    if (options_.zero_stage == 3 && layout_.is_block(u)) continue;
-    const Tensor full = options_.zero_stage <= 2 ? unit_full(full_compute_, u) : root_unit(u);
+    if (gathers_blocks() && layout_.is_block(u)) continue;
+    const Tensor full = gathers_blocks() ? root_unit(u) : unit_full(full_compute_, u);
     gather_unit(full, u, comm_.get());
     unit_ready_[static_cast<size_t>(u)]->record(comm_.get());
     unit_pending_[static_cast<size_t>(u)] = true;
   }
   end_exposed();
-  // ZeRO-3: the gathered blocks hold the old weights: forget them. The next gather into a
+  // Gathered blocks (ZeRO-3, FP8 all-gather) hold the old weights: forget them. The next gather into a
   // slot waits for `released`, recorded here after everything enqueued so far: the last
   // uses of the old block and the optimizer's update of the master chunk it casts from.
   for (UnitSlot& slot : weight_slots_) {
@@ -340,11 +373,20 @@ double Fsdp::global_grad_sum_of_squares() {
 
 const BlockWeights& Fsdp::layer(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
-  if (options_.zero_stage <= 2) {
+  if (!gathers_blocks()) {
     await_unit(FsdpLayout::unit_of_layer(index));
     return static_layers_[static_cast<size_t>(index)];
   }
   const int unit = FsdpLayout::unit_of_layer(index);
+  if (options_.fp8_all_gather) {
+    FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
+    // NOTE [FP8 all-gather]: codes of an older weight generation are gathered again.
+    for (UnitSlot& s : weight_slots_)
+      if (s.unit >= 0 && s.generation != fp8_->weight_generation()) {
+        s.released->record(kCompute);
+        s.unit = -1;
+      }
+  }
   auto slot_of = [&](int u) -> UnitSlot* {
     for (UnitSlot& s : weight_slots_)
       if (s.unit == u) return &s;
@@ -364,12 +406,27 @@ const BlockWeights& Fsdp::layer(int index) {
 
 void Fsdp::gather_block(int unit, int requested) {
   UnitSlot* target = nullptr;
-  for (UnitSlot& s : weight_slots_)
-    if (s.unit < 0 || std::abs(s.unit - requested) > 1) {
-      target = &s;
-      break;
-    }
+  if (weight_slots_.size() == 3) {
+    for (UnitSlot& s : weight_slots_)
+      if (s.unit < 0 || std::abs(s.unit - requested) > 1) {
+        target = &s;
+        break;
+      }
+  } else {
+    target = &weight_slots_.at(static_cast<size_t>(unit - 1));  // one slot per block (FP8 all-gather, ZeRO-1/2)
+  }
   FORGE_CHECK(target, "FSDP: no free gather buffer for block {}", unit - 1);
+  if (options_.fp8_all_gather) {
+    copy_delayed_scales(*target, unit);  // after every use of the old block, on the compute stream
+    target->released->record(kCompute);
+    target->released->make_wait(comm_.get());
+    gather_fp8_block(*target, unit);
+    target->ready->record(comm_.get());
+    target->unit = unit;
+    target->generation = fp8_->weight_generation();
+    fp8_block_views(*target, unit);
+    return;
+  }
   if (target->unit >= 0) target->released->record(kCompute);  // every use of the old block is enqueued
   target->released->make_wait(comm_.get());
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
@@ -380,6 +437,117 @@ void Fsdp::gather_block(int unit, int requested) {
   target->ready->record(comm_.get());
   target->unit = unit;
   target->block = block_views(full, unit);
+}
+
+void Fsdp::set_fp8_projections(const Fp8Projections& fp8) {
+  FORGE_CHECK(options_.fp8_all_gather, "FSDP: FP8 projections given without the FP8 all-gather");
+  fp8_ = &fp8;
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    if (!layout_.is_block(u)) continue;
+    for (const FsdpParam& p : layout_.units()[static_cast<size_t>(u)].params)
+      FORGE_CHECK(!is_fp8(p) || fp8.projection_index(layout_.specs()[static_cast<size_t>(p.spec)].name) >= 0,
+                  "FSDP's FP8 all-gather: '{}' has no FP8 projection", layout_.specs()[static_cast<size_t>(p.spec)].name);
+  }
+}
+
+void Fsdp::copy_delayed_scales(UnitSlot& slot, int unit) {
+  FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
+  if (!fp8_->delayed_active()) return;
+  constexpr int64_t kStride = cpu::kFp8StatStride;
+  int64_t j = 0;
+  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
+    if (!is_fp8(p)) continue;
+    const int64_t projection = fp8_->projection_index(layout_.specs()[static_cast<size_t>(p.spec)].name);
+    const int64_t scale = cpu::fp8_scale_offset(projection, cpu::Fp8Role::W);
+    const int64_t scale_inv = cpu::fp8_scale_inv_offset(projection, cpu::Fp8Role::W);
+    cast(slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), fp8_->statistics().narrow(scale, scale + 1), kCompute);
+    cast(slot.scales.narrow((2 * j + 1) * kStride, (2 * j + 1) * kStride + 1),
+         fp8_->statistics().narrow(scale_inv, scale_inv + 1), kCompute);
+    ++j;
+  }
+}
+
+void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
+  constexpr int64_t kStride = cpu::kFp8StatStride;
+  const CudaStream stream = comm_.get();
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const FsdpPart& part = u.parts.front();  // a dense block: one part over every shard rank
+  const int64_t own = part.begin + part.index * part.shard_numel, own_end = own + part.shard_numel;
+  const Tensor chunk = shard_of(master_, unit);
+  // This rank's elements [lo, hi) of parameter p (unit offsets), empty when it holds none.
+  auto overlap = [&](const FsdpParam& p, int64_t begin, int64_t end) {
+    const int64_t lo = std::min(std::max(begin, p.offset), end), hi = std::min(end, p.offset + p.numel);
+    return std::pair{lo, std::max(lo, hi)};
+  };
+  // 1-2. Each FP8 weight's amax over this rank's chunk; tensorwise: max-reduced, then the scales.
+  int64_t weights = 0;
+  for (const FsdpParam& p : u.params) {
+    if (!is_fp8(p)) continue;
+    const auto [lo, hi] = overlap(p, own, own_end);
+    fp8_chunk_amax(slot.amax.narrow(weights, weights + 1), chunk.narrow(lo - own, hi - own), stream);
+    ++weights;
+  }
+  const Tensor amax = slot.amax.narrow(0, std::max<int64_t>(weights, 1));
+  if (!fp8_->delayed_active()) {
+    shard_group_.all_reduce(amax, ReduceOp::Max, stream);
+    fp8_chunk_scales(slot.scales, amax, stream);
+  }
+  // 3. This rank's codes into its place, and the byte all-gather.
+  const Tensor codes = slot.codes.narrow(0, u.numel);
+  int64_t j = 0;
+  for (const FsdpParam& p : u.params) {
+    if (!is_fp8(p)) continue;
+    const auto [lo, hi] = overlap(p, own, own_end);
+    if (hi > lo)
+        fp8_chunk_cast(codes.narrow(lo, hi), chunk.narrow(lo - own, hi - own),
+                     slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), Tensor(), stream);
+    ++j;
+  }
+  shard_group_.all_gather(codes.narrow(part.begin, part.begin + part.numel), codes.narrow(own, own_end), stream);
+  // 4. The norms: packed by each rank, gathered, unpacked from every rank's pieces.
+  if (norm_wire_numel_ == 0) return;
+  const int64_t m = norm_wire_numel_;
+  int64_t packed = 0;
+  const Tensor mine = norm_wire_.narrow(part.index * m, (part.index + 1) * m);
+  for (const FsdpParam& p : u.params) {
+    if (is_fp8(p)) continue;
+    const auto [lo, hi] = overlap(p, own, own_end);
+    if (hi > lo) cast(mine.narrow(packed, packed + (hi - lo)), chunk.narrow(lo - own, hi - own), stream);
+    packed += hi - lo;
+  }
+  shard_group_.all_gather(norm_wire_.narrow(0, part.ranks * m), mine, stream);
+  for (int r = 0; r < part.ranks; ++r) {
+    const int64_t begin = part.begin + r * part.shard_numel;
+    int64_t at = r * m, norms = 0;  // in the wire; in the slot's norm buffer
+    for (const FsdpParam& p : u.params) {
+      if (is_fp8(p)) continue;
+      const auto [lo, hi] = overlap(p, begin, begin + part.shard_numel);
+      const int64_t into = norms + (lo - p.offset);
+      if (hi > lo) cast(slot.norms.narrow(into, into + (hi - lo)), norm_wire_.narrow(at, at + (hi - lo)), stream);
+      at += hi - lo;
+      norms += p.numel;
+    }
+  }
+}
+
+void Fsdp::fp8_block_views(UnitSlot& slot, int unit) {
+  constexpr int64_t kStride = cpu::kFp8StatStride;
+  slot.block.params.clear();
+  int64_t j = 0, norms = 0;
+  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
+    if (!is_fp8(p)) {
+      slot.block.params.push_back({slot.norms.narrow(norms, norms + p.numel).view(p.shape)});
+      norms += p.numel;
+      continue;
+    }
+    Fp8GatheredWeight& g = slot.gathered.at(static_cast<size_t>(j));
+    float* scales = slot.scales.data<float>();
+    g = {slot.amax.data<float>() + j, scales + 2 * j * kStride, scales + (2 * j + 1) * kStride};
+    LinearWeight w{slot.codes.narrow(p.offset, p.offset + p.numel).view(p.shape)};
+    w.fp8_gathered = &g;
+    slot.block.params.push_back(w);
+    ++j;
+  }
 }
 
 Fsdp::UnitSlot& Fsdp::grad_slot(int unit) {
@@ -496,7 +664,9 @@ FsdpMemory Fsdp::memory() const {
   for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   for (const UnitSlot& s : weight_slots_)
-    if (s.buffer.defined()) m.compute_weights += static_cast<int64_t>(s.buffer.nbytes());
+    for (const Tensor* t : {&s.buffer, &s.codes, &s.norms, &s.amax, &s.scales})
+      if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
+  if (norm_wire_.defined()) m.compute_weights += static_cast<int64_t>(norm_wire_.nbytes());
   if (full_grads_.defined()) m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
   for (const UnitSlot& s : grad_slots_)
     if (s.buffer.defined()) m.full_gradients += static_cast<int64_t>(s.buffer.nbytes());

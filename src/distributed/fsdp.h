@@ -62,6 +62,42 @@
 // are the model's gradient sink, replicated on every rank, and their gradients are summed
 // over every data-parallel rank with all_reduce_sum once per step.
 //
+// NOTE [FP8 all-gather]
+// With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather, full
+// training only) the blocks' FP8 projections travel as E4M3 codes, 1 byte per element
+// instead of bf16's 2, as torchao's enable_fsdp_float8_all_gather. Every stage then handles
+// its blocks as ZeRO-3 does: gathered from the master chunk around their use (prefetched
+// one block ahead or behind), into the three rotating slots under ZeRO-3 and into one slot
+// per block, kept until the next optimizer step, under ZeRO-1/2; the embedding and head
+// units are gathered in the compute dtype as before (the head's GEMMs, even with
+// fp8_output_head, quantize its gathered bf16 weight). A block's gather, on the
+// communication stream:
+//   1. each FP8 weight's amax over this rank's chunk of it, the values taken in the compute
+//      dtype (fp8_chunk_amax: bf16-rounded on CUDA);
+//   2. tensorwise (and a delayed run's first step, which uses current scales): one
+//      max-all-reduce of the block's amax vector over the shard group gives each whole
+//      weight's amax (torchao's precompute_float8_dynamic_scale_for_fsdp), and the scale is
+//      torchao's amax_to_scale of it, the function the linear ops use; delayed: the
+//      projection's history scale, copied from its statistics block on the compute stream;
+//   3. this rank's chunk cast to E4M3 with that scale into its place in the slot's byte
+//      buffer (fp8_chunk_cast, through the compute dtype), and one all-gather of bytes;
+//   4. the unit's other parameters (the norms, a few thousand elements a block) cannot
+//      travel as bytes: each rank packs its elements of them into a small compute-dtype
+//      buffer (as many elements as the most any rank holds), one all-gather of those, and
+//      each rank unpacks every rank's pieces into the slot's norm buffer. Two collectives
+//      of the right dtypes are simpler than one mixed-type buffer, and the second is tiny.
+// The slot hands out each FP8 projection's LinearWeight as its codes [out, in] with an
+// Fp8GatheredWeight (NOTE [FP8 gathered weights] in ops/fp8_linear.h): the amax (the whole
+// weight's; delayed: this rank's chunk's, which the step-end max-reduce of NOTE [FP8 under
+// data parallelism] makes the whole weight's), the scale and its inverse. The codes are
+// the bytes the bf16-gather path's cast of the gathered weight writes (same values, same
+// amax, same scale function, same saturating cast), so a run is bitwise the bf16-gather
+// run. A slot remembers the FP8 projections' weight generation it was cast in, and one
+// from an older generation (the optimizer stepped, or a resume restored the delayed scales)
+// is gathered again. Memory: a slot holds 1 byte per block element instead of 2.
+// A non-finite amax: NCCL's max may not carry a NaN across ranks, but the NaN codes do, so
+// the loss is non-finite on every rank.
+//
 // NOTE [Exposed communication]
 // The communication that is not hidden behind compute is the time the compute stream
 // stands still for it: every place where it waits for the communication stream (a block
@@ -83,6 +119,7 @@
 #include "distributed/data_parallel_comm.h"
 #include "distributed/fsdp_layout.h"
 #include "distributed/process_group.h"
+#include "model/fp8_projections.h"
 #include "model/parameters.h"
 
 namespace forge {
@@ -95,6 +132,9 @@ struct FsdpOptions {
   // NOTE [Expert parallelism] in model/expert_dispatch.h: each rank holds its local experts
   // only, sharded over the ranks that hold the same ones (NOTE [FSDP layout]).
   int expert_parallel = 1;
+  // NOTE [FP8 all-gather]: the blocks' FP8 projections gathered as E4M3 codes; needs
+  // set_fp8_projections before the first layer().
+  bool fp8_all_gather = false;
 };
 
 // Bytes this rank holds, by component (the memory report).
@@ -162,6 +202,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
 
   FsdpMemory memory() const;
 
+  // NOTE [FP8 all-gather]: the projections whose scales, statistics and clock the FP8
+  // gathers use (outlives this object's use).
+  void set_fp8_projections(const Fp8Projections& fp8);
+
   // Redistributes per-segment tensors (layout().segments() order, fp32 or bf16: the master
   // segments, or the optimizer's moments) from the FSDP layout to the flat index space
   // (parameter_specs order, no padding): this rank receives elements [begin, end) into
@@ -207,6 +251,13 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     std::unique_ptr<DeviceEvent> ready;     // ZeRO-3 weights: the gather is done
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
+    // NOTE [FP8 all-gather]: the codes (U8, the unit's layout), the norms (compute dtype,
+    // one after the other), each FP8 weight's amax (F32, contiguous: all-reduced at once)
+    // and scales (scale, inverse, kFp8StatStride apart), the descriptors' statistics, and
+    // the weight generation the codes are from.
+    Tensor codes, norms, amax, scales;
+    std::vector<Fp8GatheredWeight> gathered;
+    uint64_t generation = 0;
   };
 
   BlockWeights block_views(const Tensor& unit_buffer, int unit) const;
@@ -237,8 +288,16 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void fill_master(const std::function<void(const std::vector<MasterPiece>&)>& fill);
   // Makes the compute stream wait for a unit kept in full, once after each refresh.
   void await_unit(int unit);
-  // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3).
+  // Issues the all-gather of block unit `unit` into a free slot (ZeRO-3, FP8 all-gather).
   void gather_block(int unit, int requested);
+  // Whether block units are gathered around their use (ZeRO-3, or NOTE [FP8 all-gather]).
+  bool gathers_blocks() const { return options_.zero_stage == 3 || options_.fp8_all_gather; }
+  // NOTE [FP8 all-gather]: the delayed scales into the slot (compute stream), then its
+  // gather (communication stream); the slot's block views.
+  void copy_delayed_scales(UnitSlot& slot, int unit);
+  void gather_fp8_block(UnitSlot& slot, int unit);
+  void fp8_block_views(UnitSlot& slot, int unit);
+  bool is_fp8(const FsdpParam& p) const { return fp8_block_projection(layout_.specs()[static_cast<size_t>(p.spec)]); }
   // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE
   // [Fresh gradient buffers]), its padding zeroed, the rest left for the model to write.
   UnitSlot& grad_slot(int unit);
@@ -264,7 +323,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   Tensor full_grads_;
   ModelWeights root_weights_, root_grads_;  // root_grads_: ZeRO-1, and the tied embedding's
   std::vector<BlockWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
-  std::array<UnitSlot, 3> weight_slots_;  // ZeRO-3
+  std::vector<UnitSlot> weight_slots_;  // ZeRO-3: three; FP8 all-gather under ZeRO-1/2: one per block
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)
   ReduceChannel embedding_channel_;       // the tied embedding's (ZeRO-2/3)
@@ -276,6 +335,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   std::vector<std::unique_ptr<DeviceEvent>> unit_ready_;
   std::vector<bool> unit_pending_;
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
+  // NOTE [FP8 all-gather]
+  const Fp8Projections* fp8_ = nullptr;
+  Tensor norm_wire_;            // world x norm_wire_numel_ elements of the compute dtype
+  int64_t norm_wire_numel_ = 0;  // the most norm elements any rank holds of any block
 };
 
 }  // namespace forge

@@ -70,12 +70,13 @@ class SingleRankGroup final : public ProcessGroup {
   bool destroyed_ = false;
 };
 
-void check_tensor(const Tensor& t, Device device, const char* collective, const char* what) {
+// bytes: U8 is accepted too (an all-gather moves FP8 codes: NOTE [FP8 all-gather] in distributed/fsdp.h).
+void check_tensor(const Tensor& t, Device device, const char* collective, const char* what, bool bytes = false) {
   FORGE_CHECK(t.defined(), "{}: {} is undefined", collective, what);
   FORGE_CHECK(t.device() == device, "{}: {} is on {}, the process group on {}", collective, what,
               device_name(t.device()), device_name(device));
-  FORGE_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16, "{}: {} is {}, expected f32 or bf16", collective,
-              what, dtype_name(t.dtype()));
+  FORGE_CHECK(t.dtype() == DType::F32 || t.dtype() == DType::BF16 || (bytes && t.dtype() == DType::U8),
+              "{}: {} is {}, expected f32 or bf16{}", collective, what, dtype_name(t.dtype()), bytes ? " or u8" : "");
 }
 
 }  // namespace
@@ -93,8 +94,8 @@ void check_reduce_scatter(const Tensor& output, const Tensor& input, int world_s
 }
 
 void check_all_gather(const Tensor& output, const Tensor& input, int world_size, Device device) {
-  check_tensor(output, device, "all_gather", "output");
-  check_tensor(input, device, "all_gather", "input");
+  check_tensor(output, device, "all_gather", "output", /*bytes=*/true);
+  check_tensor(input, device, "all_gather", "input", /*bytes=*/true);
   FORGE_CHECK(output.dtype() == input.dtype(), "all_gather: output is {}, input {}", dtype_name(output.dtype()),
               dtype_name(input.dtype()));
   FORGE_CHECK(output.numel() == input.numel() * world_size,

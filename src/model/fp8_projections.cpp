@@ -14,7 +14,7 @@ namespace {
 std::vector<std::pair<int64_t, int64_t>> fp8_matrices(const ModelConfig& config, const Fp8Settings& settings) {
   std::vector<std::pair<int64_t, int64_t>> out;
   for (const ParamSpec& spec : parameter_specs(config))
-    if (spec.layer >= 0 && spec.shape.size() == 2) out.emplace_back(spec.shape[0], spec.shape[1]);
+    if (fp8_block_projection(spec)) out.emplace_back(spec.shape[0], spec.shape[1]);
   if (settings.output_head) out.emplace_back(config.vocab_size, config.hidden_size);
   return out;
 }

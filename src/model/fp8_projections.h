@@ -82,6 +82,10 @@ struct Fp8Settings {
   float margin = 0.0f;
 };
 
+// Whether a parameter is a projection trained in FP8 (NOTE [FP8 projections]): a block's
+// matrix; the head is one only with output_head.
+inline bool fp8_block_projection(const ParamSpec& spec) { return spec.layer >= 0 && spec.shape.size() == 2; }
+
 // Number of projections trained in FP8 (each has a statistics block).
 int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& settings);
 
@@ -146,6 +150,11 @@ class Fp8Projections : public ParamSource, public GradSink {
   // parallelism] in train/trainer_fp8.cpp).
   const Tensor& statistics() const { return stats_; }
   bool delayed() const { return settings_.recipe == Fp8Recipe::Delayed; }
+  // Whether the projections quantize with their delayed scales now (from the end of a
+  // delayed run's first step), and the clock that moves whenever the weights or those
+  // scales change (NOTE [FP8 weight cache]): FSDP's FP8 all-gather casts with them.
+  bool delayed_active() const { return delayed_active_; }
+  uint64_t weight_generation() const { return generation_; }
   // The statistics block of the projection whose weight is `name` (in parameter order), or -1.
   int64_t projection_index(const std::string& name) const;
   void end_step(bool update);

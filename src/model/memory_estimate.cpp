@@ -94,6 +94,17 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state /= n;
   e.gradients = params * 4 / n + (plan.zero_stage == 1 ? held * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
   e.compute_weights = plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
+  if (plan.fp8_all_gather && plan.fp8) {
+    // NOTE [FP8 all-gather]: the embedding and head in full; gathered blocks (three slots,
+    // or one per block under ZeRO-1/2) of 1 byte per element, their norms in the compute
+    // dtype, and the norms' wire (at most every norm element of a block, per rank).
+    double norms = 0;
+    for (const ParamSpec& spec : parameter_specs(config))
+      if (spec.layer == 0 && !fp8_block_projection(spec)) norms += static_cast<double>(shape_numel(spec.shape));
+    const double slots = plan.zero_stage == 3 ? 3 : static_cast<double>(config.num_layers);
+    e.compute_weights = (embedding + head) * compute_bytes + slots * (block + norms * compute_bytes) +
+                        std::min(norms, block / n) * n * compute_bytes;
+  }
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).
   const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;

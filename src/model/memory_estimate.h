@@ -69,6 +69,7 @@ struct MemoryPlan {
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)
   std::optional<Fp8Settings> fp8;  // precision.fp8 set
+  bool fp8_all_gather = false;     // precision.fp8_fsdp_all_gather (NOTE [FP8 all-gather] in distributed/fsdp.h)
 };
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan);

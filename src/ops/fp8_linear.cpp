@@ -12,6 +12,7 @@
 #ifdef FORGE_CUDA
 #include "kernels/cuda/fp8_cast.h"
 #include "kernels/cuda/fp8_matmul.h"
+#include "kernels/cuda/fp8_weight_chunk.h"
 #endif
 
 namespace forge {
@@ -34,6 +35,8 @@ void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const c
 }
 
 // ---- CPU reference ----
+
+void expect_cpu(const Tensor& t, const char* what) { expect_tensor(t, Device::CPU, DType::F32, what); }
 
 // A row-major fp32 tensor quantized tensorwise, its codes decoded back to fp32 (exact:
 // every FP8 value is an fp32 value), and the inverse of its scale, the GEMM's factor.
@@ -60,6 +63,23 @@ HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, F
   return q;
 }
 
+// NOTE [FP8 gathered weights]: the gathered codes decoded, their amax folded into W's seen.
+HostFp8 gathered_host(const Tensor& codes, const Fp8GatheredWeight& g, const Fp8Linear& fp8) {
+  expect_tensor(codes, Device::CPU, DType::U8, "FP8 gathered weight codes");
+  if (float* seen = seen_of(fp8, Fp8Role::W); seen && !std::isnan(*seen) && (std::isnan(*g.amax) || *g.amax > *seen))
+    *seen = *g.amax;
+  HostFp8 q{Tensor::empty(codes.shape()), *g.scale_inv};
+  cpu::fp8_to_float(codes.data<uint8_t>(), codes.numel(), kE4M3, q.decoded.data<float>());
+  return q;
+}
+
+// W quantized for the reference: cast here, or the gathered codes.
+HostFp8 weight_host(const Tensor& w, const Fp8Linear& fp8, const Fp8GatheredWeight* gathered) {
+  if (gathered) return gathered_host(w, *gathered, fp8);
+  expect_cpu(w, "FP8 linear W");
+  return quantize_host(w, kE4M3, fp8, Fp8Role::W);
+}
+
 // out = op(a) op(b) x (a.scale_inv x b.scale_inv) + beta x out: the decoded codes'
 // products are exact in fp32 and summed in fp32, then scaled once, as the GPU's FP8 GEMM
 // does (the same up to summation order; fp8_matmul_reference in double agrees to fp32
@@ -69,7 +89,6 @@ void host_gemm(const Tensor& out, const HostFp8& a, bool transpose_a, const Host
   matmul(out, a.decoded, transpose_a, b.decoded, transpose_b, a.scale_inv * b.scale_inv, beta);
 }
 
-void expect_cpu(const Tensor& t, const char* what) { expect_tensor(t, Device::CPU, DType::F32, what); }
 
 #ifdef FORGE_CUDA
 // ---- CUDA ----
@@ -240,6 +259,22 @@ void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool trans
   }
 }
 
+// NOTE [FP8 gathered weights]: the gathered codes as the forward's W operand, their amax
+// folded into W's seen.
+DeviceOperand gathered_operand(const Tensor& codes, const Fp8GatheredWeight& g, const Fp8Linear& fp8) {
+  expect_tensor(codes, Device::CUDA, DType::U8, "FP8 gathered weight codes");
+  if (float* seen = seen_of(fp8, Fp8Role::W)) cuda::fp8_fold_amax(g.amax, seen, nullptr);
+  return {codes.data<uint8_t>(), const_cast<float*>(g.amax), const_cast<float*>(g.scale),
+          const_cast<float*>(g.scale_inv)};
+}
+
+// W^T's codes [in, out] into b's: the gathered codes transposed.
+void transpose_gathered(const Tensor& codes, const Fp8GatheredWeight& g, const Fp8Linear& fp8, DeviceOperand& b) {
+  const DeviceOperand w = gathered_operand(codes, g, fp8);
+  cuda::fp8_transpose_codes(w.codes, codes.dim(0), codes.dim(1), b.codes, nullptr);
+  b = {b.codes, w.amax, w.scale, w.scale_inv};
+}
+
 cuda::Fp8GemmOperand gemm_operand(const DeviceOperand& d, Fp8Format format) {
   return {d.codes, format, d.scale_inv, cuda::Fp8GemmScaling::Tensor};
 }
@@ -257,7 +292,7 @@ void profiled_gemm(const char* op, int64_t m, int64_t n, int64_t k, const std::f
 }  // namespace
 
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
-                        const Tensor* residual) {
+                        const Tensor* residual, const Fp8GatheredWeight* gathered) {
   check_matrices(y, x, w, "fp8_linear_forward");
   const int64_t t = x.dim(0), in = x.dim(1), out = w.dim(0);
   FORGE_CHECK(w.dim(1) == in, "fp8_linear_forward: x {} and W {} disagree on in_features", shape_str(x.shape()),
@@ -266,7 +301,8 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
   if (residual) check_shape(*residual, y.shape(), "fp8_linear_forward residual");
   if (x.device() == Device::CUDA) {
     FORGE_CUDA_CALL("fp8_linear_forward", [&] {
-      for (const Tensor* p : {&y, &x, &w}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_forward");
+      for (const Tensor* p : {&y, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_forward");
+      if (!gathered) expect_tensor(w, Device::CUDA, DType::BF16, "fp8_linear_forward W");
       if (residual) expect_tensor(*residual, Device::CUDA, DType::BF16, "fp8_linear_forward residual");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_forward");
       DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
@@ -277,15 +313,19 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       } else if (fp8.forward && fp8.forward->device) {  // kept for the backward
         a = with_forward_stats(a, *fp8.forward, 0);
         b = with_forward_stats(b, *fp8.forward, 1);
-        *fp8.forward = {fp8.forward->device, x.raw(), w.raw(), x.numel(), w.numel()};
+        // A gathered W's statistics travel with its codes: the backward does not look here for them.
+        *fp8.forward = {fp8.forward->device, x.raw(), gathered ? nullptr : w.raw(), x.numel(), gathered ? 0 : w.numel()};
       }
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
         // NOTE [FP8 weight cache]: W's codes and scale are this step's already, or cast into the cache.
         // Tensorwise keeps W's scale in the forward statistics, so it caches only with them.
-        const bool cacheable = delayed || (fp8.forward && fp8.forward->device);
+        const bool cacheable = !gathered && (delayed || (fp8.forward && fp8.forward->device));
         uint8_t* kept = cacheable ? cached_weight(fp8, w, false) : nullptr;
-        if (kept) b.codes = kept;
+        if (gathered) {
+          b = gathered_operand(w, *gathered, fp8);
+          kept = b.codes;
+        } else if (kept) b.codes = kept;
         else if (cacheable) b.codes = caching_target(fp8, w, false, b.codes);
         if (delayed) {
           if (!produced_input(fp8, x, true)) cast_delayed(x, kE4M3, a, false);
@@ -307,14 +347,14 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
   OpProfileScope profile(OpClass::Gemm, "fp8_linear_forward");
   expect_cpu(y, "fp8_linear_forward y");
   expect_cpu(x, "fp8_linear_forward x");
-  expect_cpu(w, "fp8_linear_forward W");
   if (residual) expect_cpu(*residual, "fp8_linear_forward residual");
-  const HostFp8 xq = quantize_host(x, kE4M3, fp8, Fp8Role::X), wq = quantize_host(w, kE4M3, fp8, Fp8Role::W);
+  const HostFp8 xq = quantize_host(x, kE4M3, fp8, Fp8Role::X), wq = weight_host(w, fp8, gathered);
   if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
   host_gemm(y, xq, false, wq, true, residual ? 1.0f : 0.0f);
 }
 
-void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8) {
+void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                               const Fp8GatheredWeight* gathered) {
   check_matrices(dx, dy, w, "fp8_linear_backward_input");
   const int64_t t = dy.dim(0), out = dy.dim(1), in = w.dim(1);
   FORGE_CHECK(w.dim(0) == out, "fp8_linear_backward_input: dy {} and W {} disagree on out_features",
@@ -322,14 +362,16 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
   check_shape(dx, {t, in}, "fp8_linear_backward_input dx");
   if (dy.device() == Device::CUDA) {
     FORGE_CUDA_CALL("fp8_linear_backward_input", [&] {
-      for (const Tensor* p : {&dx, &dy, &w}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward_input");
+      for (const Tensor* p : {&dx, &dy}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward_input");
+      if (!gathered) expect_tensor(w, Device::CUDA, DType::BF16, "fp8_linear_backward_input W");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_input");
       DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_input");
       DeviceOperand b = operand(ws, 1, out * in, "fp8_linear_backward_input");
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
         quantize_output_gradient(dy, fp8, /*transpose=*/false, a);
-        quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
+        if (gathered) transpose_gathered(w, *gathered, fp8, b);
+        else quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
       }
       profiled_gemm("backward_input", t, in, out, [&] {
         cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
@@ -341,15 +383,14 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
   OpProfileScope profile(OpClass::Gemm, "fp8_linear_backward_input");
   expect_cpu(dx, "fp8_linear_backward_input dx");
   expect_cpu(dy, "fp8_linear_backward_input dy");
-  expect_cpu(w, "fp8_linear_backward_input W");
-  host_gemm(dx, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), false, quantize_host(w, kE4M3, fp8, Fp8Role::W),
-            false, 0.0f);
+  host_gemm(dx, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), false, weight_host(w, fp8, gathered), false,
+            0.0f);
 }
 
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
-                         const Fp8Linear& fp8, bool overwrite) {
+                         const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered) {
   if (dy.device() != Device::CUDA) {  // the reference quantizes dy twice, to the same codes
-    fp8_linear_backward_input(dx, dy, w, fp8);
+    fp8_linear_backward_input(dx, dy, w, fp8, gathered);
     fp8_linear_backward_weight(grad, dy, x, fp8, overwrite);
     return;
   }
@@ -362,7 +403,8 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
   check_shape(dx, {t, in}, "fp8_linear_backward dx");
   check_shape(grad, {out, in}, "fp8_linear_backward dW");
   FORGE_CUDA_CALL("fp8_linear_backward", [&] {
-    for (const Tensor* p : {&dx, &dy, &w, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward");
+    for (const Tensor* p : {&dx, &dy, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward");
+    if (!gathered) expect_tensor(w, Device::CUDA, DType::BF16, "fp8_linear_backward W");
     expect_tensor(grad, Device::CUDA, DType::F32, "fp8_linear_backward dW");
     const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward");
     DeviceOperand d = operand(ws, 0, t * out, "fp8_linear_backward"),
@@ -379,7 +421,8 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
         cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       }
       d_t = {d_t.codes, d.amax, d.scale, d.scale_inv};  // dy^T: dy's statistics
-      quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
+      if (gathered) transpose_gathered(w, *gathered, fp8, b);
+      else quantize_weight_transposed(w, fp8, b);  // W^T [in, out]
     }
     profiled_gemm("backward_input", t, in, out, [&] {
       cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(d, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,

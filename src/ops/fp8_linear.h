@@ -136,6 +136,22 @@ struct Fp8Produced {
   int64_t dy_numel = 0;
 };
 
+// NOTE [FP8 gathered weights]
+// Under FSDP with precision.fp8_fsdp_all_gather (NOTE [FP8 all-gather] in
+// distributed/fsdp.h) a projection's weight arrives already quantized: the ops' `w` is then
+// its E4M3 codes (U8 [out, in]) and an Fp8GatheredWeight says how they were cast. The ops
+// use them as a weight-cache hit: the forward casts no W and takes the codes and their
+// inverse scale; the input gradient's W^T is the codes transposed (fp8_transpose_codes,
+// into the scratch's W buffer); every use folds `amax` into the W role's `seen`, as a
+// cast of W would. On the CPU the reference decodes the codes to fp32 (exactly). The codes
+// and scale are the bf16-gather path's (same amax, same scale function, same cast), so
+// the results are bitwise the same.
+struct Fp8GatheredWeight {
+  const float* amax = nullptr;       // the whole weight's (delayed: this rank's chunk's, max-reduced at the step's end)
+  const float* scale = nullptr;      // the scale the codes were cast with
+  const float* scale_inv = nullptr;  // its inverse, the GEMM's factor (256-byte aligned on CUDA)
+};
+
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
@@ -158,13 +174,15 @@ cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer)
 // amax goes (tensorwise), or null.
 float* fp8_output_gradient_amax(const Tensor& dy, const Fp8Linear* consumer);
 
+// With `gathered`, w is the weight's E4M3 codes (NOTE [FP8 gathered weights]).
 void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const Fp8Linear& fp8,
-                        const Tensor* residual);
-void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8);
+                        const Tensor* residual, const Fp8GatheredWeight* gathered = nullptr);
+void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                               const Fp8GatheredWeight* gathered = nullptr);
 // Both backward GEMMs of one layer: fp8_linear_backward_input then
 // fp8_linear_backward_weight, bitwise, with dy quantized once.
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
-                         const Fp8Linear& fp8, bool overwrite);
+                         const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered = nullptr);
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
                                 bool overwrite);
 

@@ -22,8 +22,9 @@ const Tensor& compute_weight(const LinearWeight& w) {
 
 void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual) {
   FORGE_CHECK(!(w.fp8 && w.nf4), "linear_forward: a weight cannot be both NF4 and FP8");
+  FORGE_CHECK(w.fp8 || !w.fp8_gathered, "linear_forward: gathered FP8 codes without FP8 settings");
   if (w.fp8)
-    fp8_linear_forward(y, x, w.weight, *w.fp8, residual);
+    fp8_linear_forward(y, x, w.weight, *w.fp8, residual, w.fp8_gathered);
   else if (residual)
     matmul_add(y, x, false, compute_weight(w), true, *residual);
   else
@@ -34,7 +35,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
   FORGE_CHECK(!(w.fp8 && w.nf4), "linear_backward_input: a weight cannot be both NF4 and FP8");
   if (w.fp8)
-    fp8_linear_backward_input(dx, dy, w.weight, *w.fp8);
+    fp8_linear_backward_input(dx, dy, w.weight, *w.fp8, w.fp8_gathered);
   else
     matmul(dx, dy, false, compute_weight(w), false);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
@@ -52,7 +53,7 @@ void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Te
 void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& dy, const Tensor& x,
                      const LinearWeight& w, bool overwrite) {
   if (w.fp8 && grad.fp8 && grad.weight.defined() && !w.nf4 && !w.lora && !grad.lora) {
-    fp8_linear_backward(dx, grad.weight, dy, w.weight, x, *grad.fp8, overwrite);
+    fp8_linear_backward(dx, grad.weight, dy, w.weight, x, *grad.fp8, overwrite, w.fp8_gathered);
     return;
   }
   linear_backward_input(dx, dy, w);

@@ -67,6 +67,9 @@ struct LinearWeight {
   // FP8 training (NOTE [FP8 linear weights]): the layer's recipe settings and scratch,
   // owned by whoever hands out the descriptor; null for GEMMs in the compute dtype.
   const Fp8Linear* fp8 = nullptr;
+  // FSDP's FP8 all-gather (NOTE [FP8 gathered weights] in ops/fp8_linear.h): `weight` is
+  // then the E4M3 codes (U8 [out, in]) and this says how they were cast; needs `fp8`.
+  const Fp8GatheredWeight* fp8_gathered = nullptr;
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).

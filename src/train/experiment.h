@@ -60,6 +60,8 @@ struct PrecisionConfig {
   int64_t fp8_margin = 0;
   // CUDA: each FP8 weight (and its transpose) cast once per optimizer step, not per micro-batch.
   bool fp8_weight_cache = true;
+  // FSDP: the blocks' FP8 weights all-gathered as E4M3 codes (NOTE [FP8 all-gather] in distributed/fsdp.h).
+  bool fp8_fsdp_all_gather = false;
 };
 
 // torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).

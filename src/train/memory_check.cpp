@@ -27,6 +27,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;
   plan.fp8 = fp8_settings_of(config);
+  plan.fp8_all_gather = config.precision.fp8_fsdp_all_gather;
   return plan;
 }
 
@@ -41,7 +42,8 @@ std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config) {
   s.amax_algorithm = p.fp8_amax_compute_algo == "most_recent" ? cpu::Fp8AmaxAlgorithm::MostRecent
                                                               : cpu::Fp8AmaxAlgorithm::Max;
   s.margin = static_cast<float>(p.fp8_margin);
-  s.weight_cache = p.fp8_weight_cache;
+  // The FP8 all-gather brings the blocks' codes ready to use (NOTE [FP8 all-gather]): no cache.
+  s.weight_cache = p.fp8_weight_cache && !p.fp8_fsdp_all_gather;
   s.frozen = config.lora.enabled();
   return s;
 }

@@ -95,6 +95,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
+    fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
                                    expert_shard_group_.get());
     dp_ = fsdp_.get();
@@ -146,6 +147,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(*fsdp_, *fsdp_);
+      if (config_.precision.fp8_fsdp_all_gather) fsdp_->set_fp8_projections(*fp8_);
       log_fp8();
     }
   } else {

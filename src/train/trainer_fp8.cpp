@@ -33,7 +33,10 @@
 // used (a changed pointer recasts), never another layer's (each layer has its own
 // projections and caches); GpuFsdp.Fp8WeightCacheUnderZero3 checks the cached run bitwise
 // against the uncached one. The cache holds every FP8 weight in full (2 bytes each, not
-// sharded), which ZeRO-3 runs of large models will want off.
+// sharded), which ZeRO-3 runs of large models will want off. With the FP8 all-gather (NOTE
+// [FP8 all-gather] in distributed/fsdp.h) a tensorwise weight's amax is max-reduced at each
+// gather instead, and a delayed weight's W record holds this rank's chunk's amax until the
+// step-end all-reduce above makes it the whole weight's.
 #include <cmath>
 #include <cstring>
 #include <limits>

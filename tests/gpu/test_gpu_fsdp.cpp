@@ -223,7 +223,9 @@ struct Fp8FsdpTrace {
   std::vector<float> scales;
 };
 
-Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool sharded_run) {
+// zero_stage and fp8_gather: the sharded run's (NOTE [FP8 all-gather]).
+Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool sharded_run, int zero_stage = 3,
+                       bool fp8_gather = false) {
   FlatParameters init(c);
   init.initialize(5);
   auto scaled = [&](int step, int64_t offset, std::span<float> out) {
@@ -237,12 +239,14 @@ Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool s
     options.device = Device::CUDA;
     group = create_process_group(LaunchEnv{}, options);
     FsdpOptions fsdp_options;
-    fsdp_options.zero_stage = 3;
+    fsdp_options.zero_stage = zero_stage;
+    fsdp_options.fp8_all_gather = fp8_gather;
     sharded = std::make_unique<Fsdp>(c, Device::CUDA, *group, nullptr, fsdp_options);
   }
   FlatParameters flat(c, Device::CUDA, DType::BF16), flat_grads(c, Device::CUDA, DType::F32);
   Fp8Projections fp8(c, settings, Device::CUDA, kBatch * kSeq);
   if (sharded) fp8.set_base(*sharded, *sharded);
+  if (fp8_gather) sharded->set_fp8_projections(fp8);
   else fp8.set_base(flat, flat_grads);
   DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
   Fp8FsdpTrace trace;
@@ -299,6 +303,33 @@ TEST(GpuFsdp, Fp8WeightCacheUnderZero3) {
     EXPECT_EQ(cached.losses, flat.losses);
     EXPECT_EQ(cached.scales, uncached.scales);
     EXPECT_EQ(cached.scales, flat.scales);
+  }
+}
+
+// NOTE [FP8 all-gather]: the blocks' projections gathered as E4M3 codes, cast from the master
+// chunk with the whole weight's scale, give bitwise the losses, gradient chunks and delayed
+// scales of the bf16 gather whose weights each projection casts itself: the same codes and
+// scales, through the pre-quantized path of the FP8 linear ops (the forward's codes, the
+// input gradient's byte transpose). ZeRO-3 (four blocks through three slots) and ZeRO-1
+// (one slot per block, gathered again after each step).
+TEST(GpuFsdp, Fp8AllGatherIsTheBf16Gather) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  ModelConfig c = small_model("gpu-fsdp-fp8-gather");
+  c.num_layers = 4;
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+    for (const int stage : {3, 1}) {
+      SCOPED_TRACE(testing::Message() << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise") << " ZeRO-"
+                                      << stage);
+      Fp8Settings settings;
+      settings.recipe = recipe;
+      const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
+      const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
+      EXPECT_EQ(gathered.losses, bf16.losses);
+      ASSERT_EQ(gathered.grads.size(), bf16.grads.size());
+      for (size_t i = 0; i < gathered.grads.size(); ++i)
+        EXPECT_TRUE(gathered.grads[i] == bf16.grads[i]) << "step " << i;
+      EXPECT_EQ(gathered.scales, bf16.scales);
+    }
   }
 }
 

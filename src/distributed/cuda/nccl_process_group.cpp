@@ -266,6 +266,9 @@ void NcclProcessGroup::all_gather(const Tensor& output, const Tensor& input, Cud
   const std::string what = fmt::format("all_gather #{} ({}, {} elements per rank)", ++collectives_,
                                        dtype_name(input.dtype()), input.numel());
   enqueue(what, stream, [&](ncclComm_t comm) {
+    // Nothing is reduced: U8 (FP8 codes, NOTE [FP8 all-gather] in distributed/fsdp.h) moves as bytes.
+    if (input.dtype() == DType::U8)
+      return ncclAllGather(input.raw(), output.raw(), static_cast<size_t>(input.numel()), ncclUint8, comm, stream);
     return ncclAllGather(input.raw(), output.raw(), static_cast<size_t>(input.numel()), nccl_type(input.dtype()), comm,
                          stream);
   });

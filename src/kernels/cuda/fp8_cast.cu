@@ -71,15 +71,12 @@ __global__ void amax_kernel(const bf16* x, int64_t n, float* amax, bool vector_o
   block_max_into(mine, amax);
 }
 
-// torchao's amax_to_scale: float64 division, rounded to fp32; the power of 2 below it
-// through an fp32 log2 (see the CPU reference).
+// torchao's amax_to_scale (scale_from_amax in fp8_device.cuh).
 __global__ void scale_from_amax_kernel(const float* amax, float fp8_max, bool power_of_2, float* scale,
                                        float* scale_inv, float* seen) {
   const float a = *amax;
   if (seen) atomicMax(reinterpret_cast<unsigned*>(seen), abs_bits(a));
-  const double clamped = isnan(a) ? static_cast<double>(a) : fmax(static_cast<double>(a), 1e-12);
-  float s = static_cast<float>(static_cast<double>(fp8_max) / clamped);
-  if (power_of_2) s = exp2f(floorf(static_cast<float>(log2(static_cast<double>(s)))));
+  const float s = scale_from_amax(a, fp8_max, power_of_2);
   *scale = s;
   *scale_inv = 1.0f / s;
 }

@@ -23,6 +23,16 @@ __device__ __forceinline__ uint8_t cast_saturated(float v) {
   return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, F == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2));
 }
 
+// torchao's amax_to_scale: float64 division, rounded to fp32; the power of 2 below it
+// through an fp32 log2 (see the CPU reference). Every kernel that turns an amax into a
+// scale calls this, so their scales are the same bits.
+__device__ __forceinline__ float scale_from_amax(float a, float fp8_max, bool power_of_2) {
+  const double clamped = isnan(a) ? static_cast<double>(a) : fmax(static_cast<double>(a), 1e-12);
+  float s = static_cast<float>(static_cast<double>(fp8_max) / clamped);
+  if (power_of_2) s = exp2f(floorf(static_cast<float>(log2(static_cast<double>(s)))));
+  return s;
+}
+
 // |v| as the bits of a non-negative float: orders as unsigned, NaN above +inf.
 __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 

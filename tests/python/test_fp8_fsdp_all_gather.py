@@ -1,0 +1,72 @@
+"""FSDP's FP8 all-gather on CPU ranks (precision.fp8_fsdp_all_gather; NOTE [FP8 all-gather] in
+src/distributed/fsdp.h): each rank casts its master chunk of every block projection to E4M3
+with the whole weight's scale (tensorwise: its amax max-reduced over the ranks; delayed: the
+history's scale) and the ranks gather the codes. The codes and scales are those the gather of
+the compute weights (fp32 on the CPU) and the cast of the gathered weight produce, so the runs
+are bitwise the same: debug-tiny on 2 ranks, tensorwise and delayed, ZeRO-3 and ZeRO-1, the
+loss curve and (delayed) the saved amax histories and scales equal; a delayed run stopped and
+resumed with the FP8 gather is bitwise the uninterrupted one; and the key is refused where it
+does not apply, naming it."""
+import os
+import shutil
+import unittest
+
+from test_fp8_fsdp import STEPS, delayed_state, train
+from forge_test_util import scratch_dir, train_losses
+
+GATHER = ["--precision.fp8_fsdp_all_gather", "true"]
+CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+
+
+class Fp8AllGather(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_bitwise_the_compute_dtype_gather(self):
+        for recipe in ("tensorwise", "delayed"):
+            for stage in (3, 1):
+                with self.subTest(recipe=recipe, zero_stage=stage):
+                    runs = {}
+                    for name, extra in (("plain", []), ("fp8", GATHER)):
+                        run_dir = os.path.join(self.tmp, f"{recipe}-zero{stage}-{name}")
+                        train(run_dir, 2, "--precision.fp8", recipe, "--parallelism.zero_stage", str(stage),
+                              *CHECKPOINTS, *extra)
+                        runs[name] = run_dir
+                    plain, fp8 = train_losses(runs["plain"]), train_losses(runs["fp8"])
+                    self.assertEqual(len(fp8), STEPS)
+                    self.assertEqual(fp8, plain)
+                    self.assertLess(fp8[-1], fp8[0] - 0.5)  # it trained
+                    if recipe == "delayed":
+                        self.assertEqual(delayed_state(runs["fp8"], 4), delayed_state(runs["plain"], 4))
+
+    def test_delayed_resume_is_exact(self):
+        delayed = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8", *GATHER,
+                   "--checkpoint.enable", "true", "--checkpoint.interval", "6", "--training.steps", "12"]
+        full = os.path.join(self.tmp, "resume-full")
+        train(full, 2, *delayed)
+        run_dir = os.path.join(self.tmp, "resume")
+        train(run_dir, 2, *delayed[:-1], "6")
+        self.assertTrue(delayed_state(run_dir, 6)["active"])
+        result = train(run_dir, 2, *delayed)
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertEqual(train_losses(run_dir), train_losses(full))
+
+    def test_refused_where_it_does_not_apply(self):
+        cases = [(1, ["--precision.fp8", "tensorwise"], "data_parallel_shard_degree 1"),
+                 (2, [], "precision.fp8 is none"),
+                 (2, ["--precision.fp8", "tensorwise", "--lora.rank", "4"], "")]
+        for ranks, extra, says in cases:
+            with self.subTest(ranks=ranks, extra=extra):
+                result = train(os.path.join(self.tmp, "refused"), ranks, *extra, *GATHER, check=False)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn("precision.fp8_fsdp_all_gather", result.stdout + result.stderr)
+                self.assertIn(says, result.stdout + result.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
