@@ -245,9 +245,12 @@ Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool s
   }
   FlatParameters flat(c, Device::CUDA, DType::BF16), flat_grads(c, Device::CUDA, DType::F32);
   Fp8Projections fp8(c, settings, Device::CUDA, kBatch * kSeq);
-  if (sharded) fp8.set_base(*sharded, *sharded);
-  if (fp8_gather) sharded->set_fp8_projections(fp8);
-  else fp8.set_base(flat, flat_grads);
+  if (sharded) {
+    fp8.set_base(*sharded, *sharded);
+    if (fp8_gather) sharded->set_fp8_projections(fp8);
+  } else {
+    fp8.set_base(flat, flat_grads);
+  }
   DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Full);
   Fp8FsdpTrace trace;
   for (int step = 0; step < kSteps; ++step) {
