@@ -13,7 +13,8 @@
 //      contiguous run, since experts are numbered by rank;
 //   2. tells every rank of its group how many rows it sends to each of its experts (an
 //      all-to-all of E/P counts per rank: exchange_counts), so each rank knows what it
-//      receives from each other rank for each local expert;
+//      receives from each other rank for each local expert (padded to capacity, every
+//      count is the capacity and nothing is exchanged: NOTE [MoE capacity] in ops/moe.h);
 //   3. sends the rows (exchange_rows, an all-to-all with variable counts); a rank receives
 //      them ordered (source rank, local expert) and sorts them to (local expert, source
 //      rank), so each local expert's rows are contiguous;

@@ -18,7 +18,11 @@ ExpertExchange::Plan ExpertExchange::plan(const MoeRouting& routing) {
   Plan plan;
   plan.send_chunks.resize(static_cast<size_t>(experts_));
   for (int64_t e = 0; e < experts_; ++e) plan.send_chunks[static_cast<size_t>(e)] = routing.rows(e);
-  plan.recv_chunks = dispatch_.exchange_counts(plan.send_chunks, local_);
+  // Padded to capacity (NOTE [MoE capacity]) every rank sends each expert exactly its
+  // capacity, the same on every rank of the group (the same micro-batch shape and config):
+  // what arrives is known without asking, and the layer makes no host synchronization.
+  plan.recv_chunks = routing.pad ? std::vector<int64_t>(static_cast<size_t>(experts_), routing.capacity)
+                                 : dispatch_.exchange_counts(plan.send_chunks, local_);
   FORGE_CHECK(plan.recv_chunks.size() == static_cast<size_t>(experts_),
               "expert parallelism: {} counts received for {} ranks x {} local experts", plan.recv_chunks.size(), p,
               local_);

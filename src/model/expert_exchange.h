@@ -34,7 +34,8 @@ class ExpertExchange {
   int64_t first_expert() const { return local_ * dispatch_.rank(); }
   int size() const { return dispatch_.size(); }
 
-  // Exchanges the counts of `routing` (global expert ids, its host offsets) with the group.
+  // Exchanges the counts of `routing` (global expert ids, its host offsets) with the group;
+  // a routing padded to capacity needs no exchange (every chunk is its capacity).
   Plan plan(const MoeRouting& routing);
   // origin [tokens * k, H] rows in `routing`'s permuted order → local [received, H] rows,
   // sorted by local expert; `staging` holds at least `received` rows of the same width.

@@ -83,12 +83,22 @@ struct Case {
   int ranks;
   ActivationCheckpoint mode;
   bool one_pair = false;  // a zero router: every token to experts 0 and 1 (ties go to the lower id)
+  // Token dropping (NOTE [MoE capacity]): each rank drops by its own micro-batch's capacity,
+  // so the reference is one rank run on each rank's micro-batch in turn, summed.
+  double capacity_factor = 0.0;
+  bool pad = false;
 };
 
 void expect_ranks_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}", c.model, c.ranks, static_cast<int>(c.mode),
-                           c.one_pair ? ", every token to experts 0 and 1" : ""));
-  const ModelConfig m = load_experiment("", {{"model.name", c.model}}).model;
+  SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}, capacity factor {}{}", c.model, c.ranks,
+                           static_cast<int>(c.mode), c.one_pair ? ", every token to experts 0 and 1" : "",
+                           c.capacity_factor, c.pad ? " padded" : ""));
+  ConfigOverrides overrides = {{"model.name", c.model}};
+  if (c.capacity_factor > 0) {
+    overrides.push_back({"model.moe_capacity_factor", fmt::format("{}", c.capacity_factor)});
+    overrides.push_back({"model.moe_pad_to_capacity", c.pad ? "true" : "false"});
+  }
+  const ModelConfig m = load_experiment("", overrides).model;
   const int64_t micro = 2, seq = 8, p = c.ranks, local = m.num_experts / p;
   const Tensor tokens = random_ids(p * micro, seq, m.vocab_size, 11), targets = random_ids(p * micro, seq, m.vocab_size, 12);
   const float scale = 1.0f / static_cast<float>(p * micro * seq);
@@ -98,8 +108,30 @@ void expect_ranks_match_one(const Case& c) {
   if (c.one_pair)
     for (size_t s = 0; s < params.specs().size(); ++s)
       if (params.specs()[s].name.ends_with("moe.router.weight")) params.tensors()[s].fill_zero();
-  DecoderLM one(m, p * micro, seq, Device::CPU, DType::F32, c.mode);
-  const LossSum reference = one.forward_backward(tokens, targets, params, reference_grads, scale);
+  LossSum reference;
+  std::vector<std::vector<int64_t>> whole;  // the reference's loads
+  if (c.capacity_factor == 0) {
+    DecoderLM one(m, p * micro, seq, Device::CPU, DType::F32, c.mode);
+    reference = one.forward_backward(tokens, targets, params, reference_grads, scale);
+    whole = one.expert_load();
+  } else {  // each rank's micro-batch on one rank, its gradients summed
+    reference_grads.zero();
+    DecoderLM one(m, micro, seq, Device::CPU, DType::F32, c.mode);
+    for (int r = 0; r < p; ++r) {
+      FlatParameters g(m);
+      const LossSum l = one.forward_backward(rows_of(tokens, r * micro, micro), rows_of(targets, r * micro, micro),
+                                             params, g, scale);
+      reference.sum += l.sum;
+      reference.tokens += l.tokens;
+      for (int64_t i = 0; i < g.flat().numel(); ++i) reference_grads.flat().data<float>()[i] += g.flat().data<float>()[i];
+      const std::vector<std::vector<int64_t>> load = one.expert_load();
+      if (whole.empty()) whole.assign(load.size(), {});
+      for (size_t layer = 0; layer < load.size(); ++layer) {
+        whole[layer].resize(load[layer].size(), 0);
+        for (size_t e = 0; e < load[layer].size(); ++e) whole[layer][e] += load[layer][e];
+      }
+    }
+  }
 
   std::vector<std::unique_ptr<FlatParameters>> grads;
   for (int r = 0; r < p; ++r) grads.push_back(std::make_unique<FlatParameters>(m));
@@ -130,7 +162,6 @@ void expect_ranks_match_one(const Case& c) {
   EXPECT_EQ(targets_counted, reference.tokens);
   EXPECT_NEAR(sum, reference.sum, 1e-5 * std::abs(reference.sum));
   // Each rank's loads are its own tokens' choices; summed they are the whole batch's.
-  const std::vector<std::vector<int64_t>> whole = one.expert_load();
   for (size_t layer = 0; layer < whole.size(); ++layer) {
     std::vector<int64_t> total(whole[layer].size(), 0);
     for (const auto& rank : loads)
@@ -170,6 +201,16 @@ TEST(ModelExpertParallel, DeepSeekShapedInEveryCheckpointingMode) {
 // twice its own rows per layer, what the received-row pool holds; with 8 on 4 ranks four
 // times, so the second MoE layer's rows come from device allocations (NOTE [Received-row
 // pool] in model/moe_feed_forward.cpp).
+// Token dropping under expert parallelism: each rank drops by its own capacity and sends only
+// what it keeps; padded, every chunk is the capacity and no counts are exchanged.
+TEST(ModelExpertParallel, TokenDroppingMatchesEachRankAlone) {
+  for (const bool pad : {false, true}) {
+    expect_ranks_match_one({"debug-tiny-moe", 2, ActivationCheckpoint::None, false, 0.75, pad});
+    expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective, false, 1.0, pad});
+  }
+  expect_ranks_match_one({"debug-tiny-mla", 2, ActivationCheckpoint::Full, false, 1.25, true});
+}
+
 TEST(ModelExpertParallel, EveryTokenOnOneRanksExpertsAndRanksThatReceiveNothing) {
   expect_ranks_match_one({"debug-tiny-moe", 2, ActivationCheckpoint::None, true});
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::None, true});
