@@ -406,7 +406,7 @@ const BlockWeights& Fsdp::layer(int index) {
 
 void Fsdp::gather_block(int unit, int requested) {
   UnitSlot* target = nullptr;
-  if (weight_slots_.size() == 3) {
+  if (options_.zero_stage == 3) {  // three rotating slots
     for (UnitSlot& s : weight_slots_)
       if (s.unit < 0 || std::abs(s.unit - requested) > 1) {
         target = &s;
