@@ -178,10 +178,16 @@ def megatron_capacity_block(case, x, routers, gate_ups, downs):
 
 
 def run_forge(case, x, dout, routers, gate_ups, downs):
+    """forge_moe_reference on the case; with case["scaling"], sigmoid routing (groups 1 of 1, no
+    routing bias) scaled by it."""
     d = scratch_dir()
     t = case["sequences"] * case["seq"]
+    sigmoid = "scaling" in case
     with open(os.path.join(d, "shape"), "w") as f:
-        f.write(f"{t} {case['hidden']} {case['ffn']} {case['experts']} {case['k']} 1 {case['aux']}\n")
+        f.write(f"{t} {case['hidden']} {case['ffn']} {case['experts']} {case['k']} 1 {case['aux']}"
+                + (f" 1 1 {case['scaling']}" if sigmoid else "") + "\n")
+    if sigmoid:
+        np.zeros(case["experts"], dtype=np.float32).tofile(os.path.join(d, "bias"))
     with open(os.path.join(d, "losses"), "w") as f:
         f.write(f"{case['layers']} {case['aux_type']} {case['z']} {case['sequences']}\n")
     if case.get("capacity"):
@@ -241,8 +247,8 @@ class MoeVsMegatron(unittest.TestCase):
         rng = np.random.RandomState(19)
         for case in SIGMOID_Z_CASES:
             with self.subTest(**case):
-                b, s, h, f, e, n, k = (case["sequences"], case["seq"], case["hidden"], case["ffn"], case["experts"],
-                                       case["layers"], case["k"])
+                b, s, h, f, e, n = (case["sequences"], case["seq"], case["hidden"], case["ffn"], case["experts"],
+                                    case["layers"])
                 t = b * s
                 x = rng.normal(size=(t, h))
                 dout = rng.normal(size=(t, h))
@@ -254,19 +260,8 @@ class MoeVsMegatron(unittest.TestCase):
                     leaf(a) for a in downs]
                 out, z = megatron_sigmoid_block(case, xt, rt, gt, dt)
                 (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
-                d = scratch_dir()
-                with open(os.path.join(d, "shape"), "w") as fh:  # sigmoid routing: groups 1 of 1, the scaling
-                    fh.write(f"{t} {h} {f} {e} {k} 1 0 1 1 {case['scaling']}\n")
-                with open(os.path.join(d, "losses"), "w") as fh:
-                    fh.write(f"{n} per_layer {case['z']} {b}\n")
-                for name, value in dict(x=x, dout=dout, router=np.stack(routers), gate_up=np.stack(gate_ups),
-                                        down=np.stack(downs), bias=np.zeros(e)).items():
-                    value.astype(np.float32).tofile(os.path.join(d, name))
-                run([tool("forge_moe_reference"), d])
-                got = lambda name, shape: np.fromfile(os.path.join(d, name), dtype=np.float32).astype(
-                    np.float64).reshape(shape)
-                with open(os.path.join(d, "z")) as fh:
-                    self.assertLess(abs(float(fh.read()) - z) / z, TOLERANCE)
+                got = run_forge(dict(case, aux=0.0, aux_type="per_layer"), x, dout, routers, gate_ups, downs)
+                self.assertLess(abs(got("z") - z) / z, TOLERANCE)
                 self.assertLess(relative_error(got("out", (t, h)), out.detach().numpy()), TOLERANCE)
                 self.assertLess(relative_error(got("dx", (t, h)), xt.grad.numpy()), TOLERANCE)
                 d_router = got("d_router", (n, e, h))

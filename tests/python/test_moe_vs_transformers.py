@@ -87,6 +87,22 @@ class DeepseekMoe(torch.nn.Module):
         return x + self.experts(x, indices, weights.to(x.dtype))
 
 
+def random_block_step(block, rng, t, h, routing_bias=False):
+    """A DeepSeek block's random weights (and V3's routing bias), input and output gradient, its
+    forward and the backward of sum(out * dout): returns x (with its gradient), dout, out."""
+    with torch.no_grad():
+        block.gate.weight.normal_(0.0, 0.7)
+        if routing_bias:
+            block.gate.e_score_correction_bias.copy_(torch.randn(block.gate.weight.shape[0]) * 0.3)
+        block.experts.gate_up_proj.normal_(0.0, 0.4)
+        block.experts.down_proj.normal_(0.0, 0.4)
+    x = torch.tensor(rng.normal(size=(t, h)), dtype=torch.float64, requires_grad=True)
+    dout = rng.normal(size=(t, h))
+    out = block(x)
+    (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+    return x, dout, out
+
+
 def reference(case, x, dout):
     config = MixtralConfig(hidden_size=case["hidden"], intermediate_size=case["ffn"],
                            num_local_experts=case["experts"], num_experts_per_tok=case["k"], router_jitter_noise=0.0)
@@ -161,15 +177,7 @@ class MoeVsTransformers(unittest.TestCase):
             with self.subTest(**case):
                 t, h, f, e, k = case["tokens"], case["hidden"], case["ffn"], case["experts"], case["k"]
                 block = DeepseekMoe(case).double()
-                with torch.no_grad():
-                    block.gate.weight.normal_(0.0, 0.7)
-                    block.gate.e_score_correction_bias.copy_(torch.randn(e) * 0.3)
-                    block.experts.gate_up_proj.normal_(0.0, 0.4)
-                    block.experts.down_proj.normal_(0.0, 0.4)
-                x = torch.tensor(rng.normal(size=(t, h)), dtype=torch.float64, requires_grad=True)
-                dout = rng.normal(size=(t, h))
-                out = block(x)
-                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                x, dout, out = random_block_step(block, rng, t, h, routing_bias=True)
                 got = run_forge(f"{t} {h} {f} {e} {k} {int(case['normalize'])} 0 "
                                 f"{case['groups']} {case['topk_groups']} {case['scaling']}",
                                 dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
@@ -185,14 +193,7 @@ class MoeVsTransformers(unittest.TestCase):
             with self.subTest(**case):
                 t, h, f, e, k = case["tokens"], case["hidden"], case["ffn"], case["experts"], case["k"]
                 block = DeepseekV2RoutedMoe(case).double()
-                with torch.no_grad():
-                    block.gate.weight.normal_(0.0, 0.7)
-                    block.experts.gate_up_proj.normal_(0.0, 0.4)
-                    block.experts.down_proj.normal_(0.0, 0.4)
-                x = torch.tensor(rng.normal(size=(t, h)), dtype=torch.float64, requires_grad=True)
-                dout = rng.normal(size=(t, h))
-                out = block(x)
-                (out * torch.tensor(dout, dtype=torch.float64)).sum().backward()
+                x, dout, out = random_block_step(block, rng, t, h)
                 got = run_forge(f"{t} {h} {f} {e} {k} 0 0 {case['groups']} {case['topk_groups']} {case['scaling']} "
                                 "softmax",
                                 dict(x=x.detach().numpy(), dout=dout, router=block.gate.weight.detach().numpy(),
