@@ -68,6 +68,20 @@ def delayed_state(run_dir, step):
         return json.load(f)["fp8_delayed"]
 
 
+def check_delayed_resume_is_exact(test, tmp, *extra):
+    """A delayed run on 2 ranks stopped at step 6 and resumed equals the uninterrupted one."""
+    delayed = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8", *extra,
+               "--checkpoint.enable", "true", "--checkpoint.interval", "6", "--training.steps", "12"]
+    full = os.path.join(tmp, "resume-full")
+    train(full, 2, *delayed)
+    run_dir = os.path.join(tmp, "resume")
+    train(run_dir, 2, *delayed[:-1], "6")
+    test.assertTrue(delayed_state(run_dir, 6)["active"])
+    result = train(run_dir, 2, *delayed)
+    test.assertIn("resuming from checkpoint", result.stdout)
+    test.assertEqual(train_losses(run_dir), train_losses(full))
+
+
 class Fp8UnderFsdp(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -105,16 +119,7 @@ class Fp8UnderFsdp(unittest.TestCase):
                         [h for h in mine["histories"] if h], [h for h in reference["histories"] if h]), 1e-5)
 
     def test_delayed_resume_is_exact(self):
-        delayed = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8",
-                   "--checkpoint.enable", "true", "--checkpoint.interval", "6", "--training.steps", "12"]
-        full = os.path.join(self.tmp, "resume-full")
-        train(full, 2, *delayed)
-        run_dir = os.path.join(self.tmp, "resume")
-        train(run_dir, 2, *delayed[:-1], "6")
-        self.assertTrue(delayed_state(run_dir, 6)["active"])
-        result = train(run_dir, 2, *delayed)
-        self.assertIn("resuming from checkpoint", result.stdout)
-        self.assertEqual(train_losses(run_dir), train_losses(full))
+        check_delayed_resume_is_exact(self, self.tmp)
 
     def test_a_non_finite_amax_on_one_rank_stops_every_rank(self):
         run_dir = os.path.join(self.tmp, "nan-stop")

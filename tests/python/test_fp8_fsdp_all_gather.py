@@ -11,7 +11,7 @@ import os
 import shutil
 import unittest
 
-from test_fp8_fsdp import STEPS, delayed_state, train
+from test_fp8_fsdp import STEPS, check_delayed_resume_is_exact, delayed_state, train
 from forge_test_util import scratch_dir, train_losses
 
 GATHER = ["--precision.fp8_fsdp_all_gather", "true"]
@@ -45,16 +45,7 @@ class Fp8AllGather(unittest.TestCase):
                         self.assertEqual(delayed_state(runs["fp8"], 4), delayed_state(runs["plain"], 4))
 
     def test_delayed_resume_is_exact(self):
-        delayed = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8", *GATHER,
-                   "--checkpoint.enable", "true", "--checkpoint.interval", "6", "--training.steps", "12"]
-        full = os.path.join(self.tmp, "resume-full")
-        train(full, 2, *delayed)
-        run_dir = os.path.join(self.tmp, "resume")
-        train(run_dir, 2, *delayed[:-1], "6")
-        self.assertTrue(delayed_state(run_dir, 6)["active"])
-        result = train(run_dir, 2, *delayed)
-        self.assertIn("resuming from checkpoint", result.stdout)
-        self.assertEqual(train_losses(run_dir), train_losses(full))
+        check_delayed_resume_is_exact(self, self.tmp, *GATHER)
 
     def test_refused_where_it_does_not_apply(self):
         cases = [(1, ["--precision.fp8", "tensorwise"], "data_parallel_shard_degree 1"),
