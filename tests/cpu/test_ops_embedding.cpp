@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
+#include "expect_error.h"
 #include "ops/embedding.h"
 #include "ops_testing.h"
+#include "vocab_parallel_testing.h"
 
 namespace forge {
 namespace {
@@ -75,6 +77,72 @@ TEST(OpsEmbedding, RejectsTokenOutsideVocabulary) {
     }
     EXPECT_THROW(embedding_backward(table, out, tokens), Error);
   }
+}
+
+// Rows [begin, begin + size) of an fp32 table [V, H], as a new [size, H] table.
+Tensor table_rows(const Tensor& table, int64_t begin, int64_t size) {
+  return table.narrow(begin, begin + size).clone();
+}
+
+// NOTE [Vocabulary-parallel embedding]: the shards' lookups sum to the full lookup, and each
+// shard's backward adds exactly the full backward's rows it holds, for shards of equal and
+// unequal sizes (13 rows split 2 and 4 ways), ids in every shard, repeated ids.
+TEST(OpsEmbedding, ShardsSumToTheFullLookupAndGradient) {
+  Rng rng(44);
+  const int64_t vocab = 13, hidden = 6;
+  Tensor table = random_tensor({vocab, hidden}, rng);
+  Tensor tokens = token_tensor({0, 12, 6, 3, 3, 9, 6, 1, 12, 7, 0});
+  const int64_t count = tokens.numel();
+  Tensor full = Tensor::empty({count, hidden});
+  embedding_forward(full, tokens, table);
+  Tensor dout = random_tensor({count, hidden}, rng), dtable0 = random_tensor({vocab, hidden}, rng);
+  Tensor dtable = dtable0.clone();
+  embedding_backward(dtable, dout, tokens);
+  for (int64_t shards : {1, 2, 4}) {
+    Tensor sum = Tensor::zeros({count, hidden});
+    for (int64_t r = 0; r < shards; ++r) {
+      const int64_t begin = testing::shard_begin(vocab, shards, r), size = testing::shard_size(vocab, shards, r);
+      Tensor out = Tensor::empty({count, hidden});
+      testing::fill_nan(out);
+      embedding_shard_forward(out, tokens, table_rows(table, begin, size), begin, vocab);
+      for (int64_t i = 0; i < sum.numel(); ++i) sum.data<float>()[i] += out.data<float>()[i];
+
+      Tensor shard_grad = table_rows(dtable0, begin, size);
+      embedding_shard_backward(shard_grad, dout, tokens, begin, vocab);
+      EXPECT_TRUE(testing::bitwise_equal(shard_grad, table_rows(dtable, begin, size)))
+          << "shard " << r << " of " << shards;
+    }
+    EXPECT_TRUE(testing::bitwise_equal(sum, full)) << shards << " shards";
+  }
+}
+
+TEST(OpsEmbedding, ShardWritesZerosForIdsItDoesNotHold) {
+  Tensor table = Tensor::empty({2, 3});
+  std::fill_n(table.data<float>(), 6, 1.0f);
+  Tensor tokens = token_tensor({4, 5, 6, 3});
+  Tensor out = Tensor::empty({4, 3});
+  testing::fill_nan(out);
+  embedding_shard_forward(out, tokens, table, 4, 8);
+  const float expected[] = {1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(out.data<float>()[i], expected[i]) << i;
+}
+
+TEST(OpsEmbedding, ShardRejectsTokensOutsideTheVocabularyAndShardsOutsideIt) {
+  Tensor table = Tensor::zeros({4, 3}), out = Tensor::zeros({3, 3});
+  for (int32_t bad : {8, -1}) {
+    Tensor tokens = token_tensor({1, bad, 2});
+    expect_error([&] { embedding_shard_forward(out, tokens, table, 4, 8); },
+                 {"embedding_shard_forward", "token id " + std::to_string(bad), "position 1", "[0, 8)"});
+    expect_error([&] { embedding_shard_backward(table, out, tokens, 4, 8); },
+                 {"embedding_shard_backward", "token id " + std::to_string(bad), "position 1"});
+  }
+  Tensor tokens = token_tensor({1, 0, 2});
+  expect_error([&] { embedding_shard_forward(out, tokens, table, 5, 8); }, {"rows [5, 9)", "[0, 8)"});
+  expect_error([&] { embedding_shard_backward(table, out, tokens, -1, 8); }, {"rows [-1, 3)", "[0, 8)"});
+  expect_error([&] { embedding_shard_forward(Tensor::zeros({3, 4}), tokens, table, 0, 8); },
+               {"embedding_shard_forward out has shape [3, 4], expected [3, 3]"});
+  expect_error([&] { embedding_shard_backward(table, out, Tensor::zeros({3}), 0, 8); },
+               {"embedding_shard_backward tokens is f32, expected i32"});
 }
 
 }  // namespace

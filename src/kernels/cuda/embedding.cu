@@ -16,7 +16,12 @@
 // token's run is summed by hidden / 8 threads only, so a very long one (padding, say)
 // takes time in proportion to its length.
 //
-// Assumes hidden is a multiple of 8 and the ids in [0, vocab) (checked where the batch
+// A table may be one shard of the vocabulary, rows [vocab_begin, vocab_begin + rows)
+// (NOTE [Vocabulary-parallel embedding]): the forward writes zeros for the ids it does not
+// hold, the backward sorts every id and adds only the runs of the ids it holds. A whole
+// table is the shard that starts at 0.
+//
+// Assumes hidden is a multiple of 8 and the ids in [0, vocab_size) (checked where the batch
 // is made), so they sort as unsigned 32-bit keys.
 #include "kernels/cuda/embedding.h"
 
@@ -34,13 +39,14 @@ constexpr int kThreads = 256;
 constexpr int kLoadsInFlight = 8;
 
 __global__ void embedding_forward_kernel(bf16* out, const int32_t* tokens, const bf16* table, int64_t count,
-                                         int64_t hidden) {
+                                         int64_t vocab_begin, int64_t rows, int64_t hidden) {
   int64_t chunks = hidden / 8;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count * chunks) return;
   int64_t n = i / chunks, c = (i % chunks) * 8;
+  int64_t row = tokens[n] - vocab_begin;
   *reinterpret_cast<uint4*>(out + n * hidden + c) =
-      *reinterpret_cast<const uint4*>(table + static_cast<int64_t>(tokens[n]) * hidden + c);
+      row >= 0 && row < rows ? *reinterpret_cast<const uint4*>(table + row * hidden + c) : make_uint4(0, 0, 0, 0);
 }
 
 __global__ void iota_kernel(int32_t* out, int64_t count) {
@@ -49,19 +55,22 @@ __global__ void iota_kernel(int32_t* out, int64_t count) {
 }
 
 // ids: the token ids sorted; positions: each one's row of dout, increasing within a token.
+// dtable holds the ids [vocab_begin, vocab_begin + rows); the runs of other ids are skipped.
 __global__ void embedding_backward_kernel(float* dtable, const bf16* __restrict__ dout,
                                           const uint32_t* __restrict__ ids, const int32_t* __restrict__ positions,
-                                          int64_t count, int64_t hidden) {
+                                          int64_t count, int64_t vocab_begin, int64_t rows, int64_t hidden) {
   int64_t chunks = hidden / 8;
   int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= count * chunks) return;
   int64_t start = i / chunks, c = (i % chunks) * 8;
   uint32_t id = ids[start];
+  const int64_t row_index = static_cast<int64_t>(id) - vocab_begin;
+  if (row_index < 0 || row_index >= rows) return;  // not this table's id
   if (start > 0 && ids[start - 1] == id) return;  // not the first index of its token's run
   int64_t end = start + 1;
   while (end < count && ids[end] == id) ++end;
 
-  float4* row = reinterpret_cast<float4*>(dtable + static_cast<int64_t>(id) * hidden + c);
+  float4* row = reinterpret_cast<float4*>(dtable + row_index * hidden + c);
   float4 lo = row[0], hi = row[1];  // this thread alone writes these columns of the row
 
   // The rows are summed in position order, kLoadsInFlight at a time: all of a group's loads
@@ -91,14 +100,16 @@ size_t aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
 
 }  // namespace
 
-void embedding_forward(bf16* out, const int32_t* tokens, const bf16* table, int64_t count, int64_t hidden) {
+void embedding_forward(bf16* out, const int32_t* tokens, const bf16* table, int64_t count, int64_t vocab_begin,
+                       int64_t rows, int64_t hidden) {
   FORGE_CHECK(hidden % 8 == 0, "embedding: hidden {} must be a multiple of 8 on CUDA", hidden);
   int64_t n = count * hidden / 8;
-  if (n) embedding_forward_kernel<<<blocks_for(n), kThreads>>>(out, tokens, table, count, hidden);
+  if (n) embedding_forward_kernel<<<blocks_for(n), kThreads>>>(out, tokens, table, count, vocab_begin, rows, hidden);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
-void embedding_backward(float* dtable, const bf16* dout, const int32_t* tokens, int64_t count, int64_t hidden) {
+void embedding_backward(float* dtable, const bf16* dout, const int32_t* tokens, int64_t count, int64_t vocab_begin,
+                        int64_t rows, int64_t hidden) {
   FORGE_CHECK(hidden % 8 == 0, "embedding_backward: hidden {} must be a multiple of 8 on CUDA", hidden);
   FORGE_CHECK(count <= INT_MAX, "embedding_backward: {} tokens do not fit int32 positions", count);
   if (hidden == 0 || count == 0) return;
@@ -120,7 +131,8 @@ void embedding_backward(float* dtable, const bf16* dout, const int32_t* tokens, 
   CUDA_CHECK(cub::DeviceRadixSort::SortPairs(scratch + 3 * part, cub_bytes, ids, sorted_ids, positions,
                                              sorted_positions, static_cast<int>(count)));
   int64_t n = count * hidden / 8;
-  embedding_backward_kernel<<<blocks_for(n), kThreads>>>(dtable, dout, sorted_ids, sorted_positions, count, hidden);
+  embedding_backward_kernel<<<blocks_for(n), kThreads>>>(dtable, dout, sorted_ids, sorted_positions, count,
+                                                         vocab_begin, rows, hidden);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 
