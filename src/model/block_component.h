@@ -31,17 +31,22 @@
 #include "model/activations.h"
 #include "model/expert_dispatch.h"
 #include "model/parameters.h"
+#include "model/tensor_parallel.h"
 
 namespace forge {
 
 // The tokens of one micro-batch and the dtype its activations are kept in (statistics are
 // fp32); expert_parallel: the expert-parallel degree, which sizes what a rank may receive
-// (NOTE [Expert parallelism] in model/expert_dispatch.h).
+// (NOTE [Expert parallelism] in model/expert_dispatch.h); tensor_parallel: the
+// tensor-parallel degree T, under which the residual stream holds the rank's rows, 1/T of
+// the tokens (NOTE [Tensor parallelism] in model/tensor_parallel.h).
 struct StepShape {
   int64_t micro_batch = 0, seq_len = 0;
   DType dtype = DType::F32;
   int64_t expert_parallel = 1;
+  int64_t tensor_parallel = 1;
   int64_t tokens() const { return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len"); }
+  int64_t stream_rows() const { return tokens() / tensor_parallel; }
 };
 
 // The examples packed into a micro-batch's rows (NOTE [Packed examples] in ops/attention.h),
@@ -68,15 +73,22 @@ class BlockComponent {
   // Under expert parallelism, how a Mixture-of-Experts component reaches the other ranks'
   // experts (set before lay_out, outlives the component); ignored by every other component.
   virtual void set_expert_dispatch(ExpertDispatch* dispatch) {}
+  // Whether it computes under tensor parallelism (NOTE [Tensor parallelism] in
+  // model/tensor_parallel.h): its parameters split by their ParamSpec::tensor_parallel,
+  // its input and output the rank's rows of the residual stream (StepShape::stream_rows).
+  virtual bool tensor_parallel_capable() const { return false; }
+  // Under tensor parallelism, how it reaches the other ranks of its group (set before
+  // lay_out, outlives the component; null: none). Only capable components are given one.
+  virtual void set_tensor_parallel(TensorParallel* tp) {}
 
-  // *out = x + f(x) for block `layer` ([tokens, hidden]; out may not alias x). With no
+  // *out = x + f(x) for block `layer` ([stream rows, hidden]; out may not alias x). With no
   // `out`, only what the backward needs is computed (recomputation, NOTE above).
   virtual void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) = 0;
   // Restores what selective checkpointing dropped, from the block input x.
   virtual void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) = 0;
   // d_stream holds dL/d(out) and becomes dL/dx (f's share added). The weight gradients go
   // to `grads`, written over them when `overwrite` (NOTE [Fresh gradient buffers]), else
-  // added. d_hidden is a [tokens, hidden] scratch buffer the component may use.
+  // added. d_hidden is a [stream rows, hidden] scratch buffer the component may use.
   virtual void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                         const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) = 0;
   // A loss the component adds to the training loss, from the forward just run (over all

@@ -6,7 +6,10 @@
 #include "ops/embedding.h"
 #include "ops/linear.h"
 #include "ops/placement.h"
+#include "ops/elementwise.h"
 #include "ops/rmsnorm.h"
+#include "ops/vocab_parallel_cross_entropy.h"
+#include "model/sequence_parallel.h"
 
 namespace forge {
 // NOTE [Chunked output head]
@@ -30,24 +33,33 @@ const ModelConfig& validated(const ModelConfig& config) {
 // head, the shared backward scratch) and each component's.
 void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const ModelConfig& config,
                      const StepShape& shape, ActivationCheckpoint mode, ArenaLayout& layout) {
-  const int64_t n = shape.tokens(), h = config.hidden_size;
+  const int64_t n = shape.tokens(), rows = shape.stream_rows(), h = config.hidden_size;
+  const int64_t vocab = config.vocab_size / shape.tensor_parallel;  // the rank's columns of the logits
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
   std::vector<Tensor> shared(components.size());
   if (mode == ActivationCheckpoint::Full)
-    for (size_t c = 1; c < components.size(); ++c) shared[c] = act({n, h});
+    for (size_t c = 1; c < components.size(); ++c) shared[c] = act({rows, h});
   b.stream.assign(static_cast<size_t>(config.num_layers), std::vector<Tensor>(components.size()));
   for (std::vector<Tensor>& block : b.stream)
     for (size_t c = 0; c < components.size(); ++c)
-      block[c] = c > 0 && mode == ActivationCheckpoint::Full ? shared[c] : act({n, h});
+      block[c] = c > 0 && mode == ActivationCheckpoint::Full ? shared[c] : act({rows, h});
   for (auto& component : components) component->lay_out(layout, shape, mode, config.num_layers);
-  b.final_input = act({n, h});
-  b.final_rstd = stat({n});
-  b.final_normed = act({n, h});
-  b.logits_chunk = act({head_chunk_rows(n, config.vocab_size, shape.dtype), config.vocab_size});
+  b.final_input = act({rows, h});
+  b.final_rstd = stat({rows});
+  b.final_normed = act({rows, h});
+  const int64_t chunk = head_chunk_rows(n, vocab, shape.dtype);
+  b.logits_chunk = act({chunk, vocab});
   b.losses = stat({n});
-  b.d_stream = act({n, h});
-  b.d_hidden = act({n, h});
+  b.d_stream = act({rows, h});
+  b.d_hidden = act({rows, h});
+  if (shape.tensor_parallel > 1) {
+    b.gathered = act({n, h});
+    b.d_gathered = act({n, h});
+    b.row_max = stat({chunk});
+    b.ce_sums = stat({2 * chunk});
+    b.norm_grad = stat({h});
+  }
 }
 
 int64_t count_bytes(BlockComponents& components, const ModelConfig& config, const StepShape& shape,
@@ -61,23 +73,26 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 }  // namespace
 
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode, int64_t expert_parallel) {
+                         ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel) {
   BlockComponents components = make_block_components(validated(config));
-  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype, expert_parallel}, mode);
+  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel},
+                     mode);
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
-                     DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts)
+                     DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts,
+                     TensorParallel* tensor_parallel)
     : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
-                make_block_components(validated(config)), experts) {}
+                make_block_components(validated(config)), experts, tensor_parallel) {}
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components,
-                     ExpertDispatch* experts)
+                     ExpertDispatch* experts, TensorParallel* tensor_parallel)
     : config_(config),
       micro_batch_(micro_batch),
       seq_len_(seq_len),
       tokens_(micro_batch * seq_len),
+      tp_(tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr),
       device_(device),
       compute_dtype_(compute_dtype),
       checkpoint_(checkpoint),
@@ -87,16 +102,28 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
   FORGE_CHECK(device == Device::CUDA ? compute_dtype == DType::BF16 : compute_dtype == DType::F32,
               "compute dtype {} on {} (NOTE [Op placement])", dtype_name(compute_dtype), device_name(device));
   FORGE_CHECK(!components_.empty(), "a decoder block needs at least one component");
+  const TensorParallelShard shard = tp_ ? TensorParallelShard{tp_->rank(), tp_->size()} : TensorParallelShard{};
+  if (tp_) {  // NOTE [Tensor parallelism]
+    check_tensor_parallel(config_, shard.size);
+    for (const auto& component : components_)
+      FORGE_CHECK(component->tensor_parallel_capable(),
+                  "tensor parallelism: model '{}' has a block component that does not split over ranks (the dense "
+                  "Llama-family blocks do; Multi-head Latent Attention and Mixture-of-Experts blocks do not)",
+                  config_.name);
+    FORGE_CHECK(tokens_ % shard.size == 0,
+                "tensor parallelism over {} ranks splits the micro-batch's {} tokens (training.local_batch_size x "
+                "training.seq_len) into the ranks' rows of the residual stream, which it must divide",
+                shard.size, tokens_);
+  }
   // The components must declare, in order, the parameters the weights will be laid out by.
   std::vector<std::vector<ParamSpec>> expected(static_cast<size_t>(config_.num_layers));
-  for (ParamSpec& spec : parameter_specs(config_))
+  for (ParamSpec& spec : parameter_specs(config_, shard))
     if (spec.layer >= 0) expected.at(static_cast<size_t>(spec.layer)).push_back(std::move(spec));
   for (int i = 0; i < config_.num_layers; ++i) {
     std::vector<ParamSpec> declared;
     std::vector<size_t> first{0};
     for (const auto& component : components_) {
-      std::vector<ParamSpec> specs = component->param_specs(i);
-      declared.insert(declared.end(), specs.begin(), specs.end());
+      for (const ParamSpec& spec : component->param_specs(i)) declared.push_back(tensor_parallel_spec(spec, shard));
       first.push_back(declared.size());
     }
     const std::vector<ParamSpec>& model = expected[static_cast<size_t>(i)];
@@ -113,9 +140,10 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
   FORGE_CHECK(expert_parallel == 1 || (config_.moe() && config_.num_experts % expert_parallel == 0),
               "expert parallelism over {} ranks needs a Mixture-of-Experts model whose experts it divides ({} experts)",
               expert_parallel, config_.num_experts);
-  const StepShape shape{micro_batch, seq_len, compute_dtype, expert_parallel};
+  const StepShape shape{micro_batch, seq_len, compute_dtype, expert_parallel, shard.size};
   for (auto& component : components_) {
     component->set_expert_dispatch(experts);
+    if (tp_) component->set_tensor_parallel(tp_);
     component->prepare(shape, device);
   }
   arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint)}, DType::U8, device);
@@ -170,10 +198,39 @@ void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const
                   i, seq_len_);
   }
   for (auto& component : components_) component->set_sequence_layout(layout);
-  embedding_forward(b_.stream[0][0], tokens.view({tokens_}), weights.embedding());
+  if (tp_) {
+    // NOTE [Tensor parallelism]: each rank looks up the tokens of its vocabulary rows; the
+    // reduce-scatter sums the lookups and leaves each rank its rows of the stream.
+    embedding_shard_forward(b_.d_gathered, tokens.view({tokens_}), weights.embedding(), vocab_begin(),
+                            config_.vocab_size);
+    tp_->reduce_scatter_rows(b_.stream[0][0], b_.d_gathered);
+  } else {
+    embedding_forward(b_.stream[0][0], tokens.view({tokens_}), weights.embedding());
+  }
   for (int i = 0; i < config_.num_layers; ++i) forward_block(i, weights.layer(i), true);
   rmsnorm_forward(b_.final_normed, b_.final_rstd, b_.final_input, weights.final_norm(),
                   static_cast<float>(config_.norm_eps));
+  if (tp_) tp_->gather_rows(b_.gathered, b_.final_normed);  // the head reads every token
+}
+
+int64_t DecoderLM::vocab_begin() const { return tp_ ? tp_->rank() * (config_.vocab_size / tp_->size()) : 0; }
+
+void DecoderLM::chunk_cross_entropy(const Tensor& losses, const Tensor& logits, const Tensor& targets, bool grads,
+                                    float grad_scale) {
+  if (!tp_)
+    return cross_entropy_forward_backward(losses, grads ? logits : Tensor(), logits, targets, kIgnoreIndex,
+                                          grad_scale);
+  // NOTE [Tensor parallelism]: the rank holds the chunk's logits of its vocabulary columns;
+  // the row maximum, then the sum of exponentials and the target's logit, over the group.
+  const int64_t rows = logits.dim(0);
+  const Tensor row_max = b_.row_max.narrow(0, rows);
+  const Tensor sums = b_.ce_sums.narrow(0, 2 * rows).view({2, rows});
+  vocab_parallel_cross_entropy_max(row_max, logits);
+  tp_->all_reduce_max(row_max);
+  vocab_parallel_cross_entropy_sums(sums, logits, row_max, targets, vocab_begin(), kIgnoreIndex);
+  tp_->all_reduce_sum(sums);
+  vocab_parallel_cross_entropy_finish(losses, grads ? logits : Tensor(), logits, row_max, sums, targets,
+                                      vocab_begin(), kIgnoreIndex, grad_scale);
 }
 
 void DecoderLM::recompute_block(int i, const BlockWeights& w) {
@@ -198,19 +255,24 @@ LossSum DecoderLM::output_head(const Tensor& targets, ParamSource& weights, Grad
     grads->output_grad();  // hands the buffer out before asking whether it is fresh
     overwrite = config_.tie_word_embeddings ? grads->embedding_grad_fresh() : grads->head_grads_fresh();
   }
+  // Under tensor parallelism the head reads every rank's rows and its input gradient is a
+  // partial sum over the rank's vocabulary, summed and scattered after the last chunk.
+  const Tensor& input = tp_ ? b_.gathered : b_.final_normed;
+  const Tensor& d_input = tp_ ? b_.d_gathered : b_.d_hidden;
   const int64_t chunk_rows = b_.logits_chunk.dim(0);
   for (int64_t begin = 0; begin < n; begin += chunk_rows) {
     int64_t end = std::min(n, begin + chunk_rows);
     Tensor logits = b_.logits_chunk.narrow(0, end - begin);
-    Tensor x = b_.final_normed.narrow(begin, end);
+    Tensor x = input.narrow(begin, end);
     linear_forward(logits, x, w_out);
-    cross_entropy_forward_backward(b_.losses.narrow(begin, end), grads ? logits : Tensor(), logits,
-                                   flat_targets.narrow(begin, end), kIgnoreIndex, grad_scale);
+    chunk_cross_entropy(b_.losses.narrow(begin, end), logits, flat_targets.narrow(begin, end), grads != nullptr,
+                        grad_scale);
     if (grads) {
-      linear_backward_input(b_.d_hidden.narrow(begin, end), logits, w_out);
+      linear_backward_input(d_input.narrow(begin, end), logits, w_out);
       linear_backward_weight(grads->output_grad(), logits, x, overwrite && begin == 0);
     }
   }
+  if (grads && tp_) tp_->reduce_scatter_rows(b_.d_hidden, b_.d_gathered);
   LossSum loss;
   const Tensor host_losses = b_.losses.to(Device::CPU), host_targets = flat_targets.to(Device::CPU);
   const float* l = host_losses.data<float>();
@@ -227,7 +289,13 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
   b_.d_stream.fill_zero();
   const Tensor& final_norm_grad = grads.final_norm_grad();
   if (grads.head_grads_fresh()) final_norm_grad.fill_zero();  // the norm's backward adds
-  rmsnorm_backward(b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
+  if (tp_) {
+    // NOTE [Tensor parallelism]: the replicated norm's gradient summed over the group.
+    replicated_rmsnorm_backward(*tp_, b_.norm_grad, b_.d_stream, final_norm_grad,
+                                b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
+  } else {
+    rmsnorm_backward(b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
+  }
   grads.head_done();
   for (int i = config_.num_layers - 1; i >= 0; --i) {
     const BlockWeights& w = weights.layer(i);
@@ -244,7 +312,13 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
   const Tensor& embedding_grad = grads.embedding_grad();
   if (embedding_grad.defined()) {  // undefined: a frozen embedding (NOTE [LoRA training])
     if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
-    embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+    if (tp_) {  // every token's gradient, added to the rows of the rank's vocabulary
+      tp_->gather_rows(b_.gathered, b_.d_stream);
+      embedding_shard_backward(embedding_grad, b_.gathered, tokens.view({tokens_}), vocab_begin(),
+                               config_.vocab_size);
+    } else {
+      embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+    }
   }
   grads.embedding_done();
 }
@@ -270,6 +344,7 @@ LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, Par
 
 void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                                const SequenceLayout* layout) {
+  FORGE_CHECK(!tp_, "forward_logits: under tensor parallelism no rank holds the full logits");
   check_shape(logits, {tokens_, config_.vocab_size}, "logits");
   check_dtype(logits, compute_dtype_, "logits");
   forward_blocks(tokens, weights, layout);

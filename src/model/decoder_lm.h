@@ -29,6 +29,7 @@
 #include "model/block_components.h"
 #include "model/config.h"
 #include "model/parameters.h"
+#include "model/tensor_parallel.h"
 
 namespace forge {
 
@@ -41,7 +42,9 @@ struct LossSum {
 };
 
 // The decoder's own buffers around its blocks' components: the residual stream between
-// components, the head's, and the backward scratch every component shares.
+// components, the head's, and the backward scratch every component shares. N is the
+// micro-batch's tokens, R the residual stream's rows: N, or N / T under tensor
+// parallelism of degree T.
 struct DecoderActivations {
   // stream[i][c]: the residual stream entering component c of block i, [N, H]. c = 0 is
   // the block input, kept per layer in every mode; the others are kept per layer unless
@@ -49,15 +52,24 @@ struct DecoderActivations {
   std::vector<std::vector<Tensor>> stream;
   Tensor final_input, final_rstd, final_normed;
   Tensor logits_chunk, losses;
-  Tensor d_stream;  // the residual stream's gradient, [N, H]
-  Tensor d_hidden;  // scratch for a component's normalized-input gradient, and the head's, [N, H]
+  Tensor d_stream;  // the residual stream's gradient, [R, H]
+  Tensor d_hidden;  // scratch for a component's normalized-input gradient, and the head's, [R, H]
+  // Tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h), each [N, H]:
+  // every rank's rows of the final norm's output (the head's input) and of the stream's
+  // gradient (the embedding's backward); the embedding's partial lookup and the head's
+  // partial input gradient. Then the vocabulary-parallel cross-entropy's statistics of a
+  // chunk, fp32: the row maximum [rows] and the sums (2 rows, flat); the rank's share of the
+  // final norm's gradient, [H] fp32.
+  Tensor gathered, d_gathered;
+  Tensor row_max, ce_sums, norm_grad;
 };
 
 // Bytes of the activation arena of a (micro_batch, seq_len) step in compute dtype `dtype`
 // under `mode`, with the config's block components.
-// expert_parallel: the expert-parallel degree (a rank's received rows grow with it).
+// expert_parallel: the expert-parallel degree (a rank's received rows grow with it);
+// tensor_parallel: the tensor-parallel degree (a rank's share of the activations).
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode, int64_t expert_parallel = 1);
+                         ActivationCheckpoint mode, int64_t expert_parallel = 1, int64_t tensor_parallel = 1);
 
 class DecoderLM {
  public:
@@ -66,13 +78,18 @@ class DecoderLM {
   // `experts`: under expert parallelism (NOTE [Expert parallelism] in
   // model/expert_dispatch.h) how the MoE blocks reach the other ranks' experts; it outlives
   // the model, and the weights handed in then hold this rank's local experts only.
+  // `tensor_parallel`: under tensor parallelism (NOTE [Tensor parallelism] in
+  // model/tensor_parallel.h) this rank's group; it outlives the model, every rank of the
+  // group passes the same tokens and targets, and the weights handed in are this rank's
+  // shards (parameter_specs(config, shard)). The losses are every token's on each rank.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
             DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None,
-            ExpertDispatch* experts = nullptr);
+            ExpertDispatch* experts = nullptr, TensorParallel* tensor_parallel = nullptr);
   // With the blocks' components given instead of chosen from the config: they must declare
   // the parameters parameter_specs(config) lists for a block, in that order.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
-            ActivationCheckpoint checkpoint, BlockComponents components, ExpertDispatch* experts = nullptr);
+            ActivationCheckpoint checkpoint, BlockComponents components, ExpertDispatch* experts = nullptr,
+            TensorParallel* tensor_parallel = nullptr);
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
@@ -93,7 +110,7 @@ class DecoderLM {
   LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
                        const SequenceLayout* layout = nullptr);
   // Full logits [micro_batch * seq_len, vocab] in the compute dtype (tests and small-model
-  // inspection).
+  // inspection; not under tensor parallelism, where no rank holds them).
   void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                       const SequenceLayout* layout = nullptr);
   // A Mixture-of-Experts model's routing in the last forward: per block, the assignments
@@ -114,9 +131,14 @@ class DecoderLM {
   void recompute_block(int i, const BlockWeights& w);
   LossSum output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale);
   void backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads);
+  // The head's cross-entropy of one chunk of logits (dlogits in place when `grads`).
+  void chunk_cross_entropy(const Tensor& losses, const Tensor& logits, const Tensor& targets, bool grads,
+                           float grad_scale);
+  int64_t vocab_begin() const;  // the rank's first vocabulary row (0 without tensor parallelism)
 
   ModelConfig config_;
   int64_t micro_batch_, seq_len_, tokens_;
+  TensorParallel* tp_ = nullptr;  // null without tensor parallelism
   Device device_;
   DType compute_dtype_;
   ActivationCheckpoint checkpoint_;

@@ -6,6 +6,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "model/block_components.h"
+#include "model/tensor_parallel.h"
 #include "ops/elementwise.h"
 
 namespace forge {
@@ -14,6 +15,7 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
   const int64_t h = c.hidden_size;
   std::vector<ParamSpec> specs;
   specs.push_back({"embedding.weight", {c.vocab_size, h}, {{"model.embed_tokens.weight", c.vocab_size}}, true, -1});
+  specs.back().tensor_parallel = TensorParallelSplit::Rows;
   const BlockComponents components = make_block_components(c);
   for (int i = 0; i < c.num_layers; ++i)
     for (const auto& component : components)
@@ -21,7 +23,71 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& c) {
   specs.push_back({"final_norm.weight", {h}, {{"model.norm.weight", h}}, false, -1});
   if (!c.tie_word_embeddings)
     specs.push_back({"output.weight", {c.vocab_size, h}, {{"lm_head.weight", c.vocab_size}}, true, -1});
+  if (!c.tie_word_embeddings) specs.back().tensor_parallel = TensorParallelSplit::Rows;
   return specs;
+}
+
+ParamSpec tensor_parallel_spec(const ParamSpec& full, TensorParallelShard shard) {
+  FORGE_CHECK(shard.size >= 1 && shard.rank >= 0 && shard.rank < shard.size, "tensor-parallel rank {} of {}",
+              shard.rank, shard.size);
+  ParamSpec spec = full;
+  const int64_t t = shard.size;
+  switch (full.tensor_parallel) {
+    case TensorParallelSplit::Replicated: return spec;
+    case TensorParallelSplit::Rows:
+      FORGE_CHECK(full.shape.size() == 2, "'{}' {}: a row-split parameter is a matrix", full.name,
+                  shape_str(full.shape));
+      for (HfTensor& hf : spec.hf_tensors) {
+        FORGE_CHECK(hf.rows % t == 0,
+                    "tensor parallelism over {} ranks splits the rows of '{}' ({} rows of '{}'), which it does not "
+                    "divide",
+                    t, full.name, hf.rows, hf.name);
+        hf.rows /= t;
+      }
+      spec.shape[0] /= t;
+      return spec;
+    case TensorParallelSplit::Columns:
+      FORGE_CHECK(full.shape.size() == 2 && full.shape[1] % t == 0,
+                  "tensor parallelism over {} ranks splits the columns of '{}' {}, which it does not divide", t,
+                  full.name, shape_str(full.shape));
+      spec.shape[1] /= t;
+      return spec;
+  }
+  FORGE_FAIL("'{}': unknown tensor-parallel split", full.name);
+}
+
+std::vector<ParamSpec> parameter_specs(const ModelConfig& config, TensorParallelShard shard) {
+  std::vector<ParamSpec> specs = parameter_specs(config);
+  if (shard.size == 1) return specs;
+  check_tensor_parallel(config, shard.size);
+  for (ParamSpec& spec : specs) spec = tensor_parallel_spec(spec, shard);
+  return specs;
+}
+
+std::vector<ShardRun> tensor_parallel_runs(const ParamSpec& full, TensorParallelShard shard) {
+  const ParamSpec local = tensor_parallel_spec(full, shard);
+  const int64_t t = shard.size, r = shard.rank;
+  std::vector<ShardRun> runs;
+  switch (full.tensor_parallel) {
+    case TensorParallelSplit::Replicated: runs.push_back({0, 0, shape_numel(full.shape)}); break;
+    case TensorParallelSplit::Rows: {
+      const int64_t cols = full.shape[1];
+      int64_t full_row = 0, local_row = 0;
+      for (const HfTensor& hf : full.hf_tensors) {
+        const int64_t rows = hf.rows / t;
+        runs.push_back({local_row * cols, (full_row + r * rows) * cols, rows * cols});
+        full_row += hf.rows;
+        local_row += rows;
+      }
+      break;
+    }
+    case TensorParallelSplit::Columns: {
+      const int64_t rows = full.shape[0], cols = full.shape[1], width = local.shape[1];
+      for (int64_t i = 0; i < rows; ++i) runs.push_back({i * width, i * cols + r * width, width});
+      break;
+    }
+  }
+  return runs;
 }
 
 ComponentWeights::ComponentWeights(const BlockWeights& block, size_t first, size_t count)
@@ -35,8 +101,8 @@ const LinearWeight& ComponentWeights::at(size_t k) const {
   return block_->params[first_ + k];
 }
 
-FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype)
-    : config_(config), specs_(parameter_specs(config)) {
+FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype, TensorParallelShard shard)
+    : config_(config), shard_(shard), specs_(parameter_specs(config, shard)) {
   int64_t total = 0;
   for (const auto& s : specs_) total += shape_numel(s.shape);
   flat_ = Tensor::zeros({total}, dtype, device);
@@ -115,18 +181,35 @@ void initialize_parameter(const ModelConfig& config, const ParamSpec& s, uint64_
 
 void FlatParameters::initialize(uint64_t seed) {
   if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
-    FlatParameters host(config_);
+    FlatParameters host(config_, Device::CPU, DType::F32, shard_);
     host.initialize(seed);
     assign_from(host);
     return;
   }
   std::vector<ParameterRange> ranges;
   for (size_t i = 0; i < specs_.size(); ++i) ranges.push_back({i, 0, tensors_[i].numel(), tensors_[i].data<float>()});
-  initialize_parameter_ranges(config_, specs_, seed, ranges);
+  initialize_parameter_ranges(config_, specs_, seed, ranges, shard_);
 }
 
 void initialize_parameter_ranges(const ModelConfig& config, const std::vector<ParamSpec>& specs, uint64_t seed,
-                                 const std::vector<ParameterRange>& ranges) {
+                                 const std::vector<ParameterRange>& ranges, TensorParallelShard shard) {
+  if (shard.size > 1) {
+    // NOTE [Tensor-parallel shards]: each range, cut where the shard's runs are, as ranges of
+    // the whole parameters.
+    const std::vector<ParamSpec> full = parameter_specs(config);
+    FORGE_CHECK(full.size() == specs.size(), "{} shard specs for a model of {} parameters", specs.size(),
+                full.size());
+    std::vector<ParameterRange> whole;
+    for (const ParameterRange& range : ranges)
+      for (const ShardRun& run : tensor_parallel_runs(full[range.spec], shard)) {
+        const int64_t begin = std::max(range.begin, run.local_begin);
+        const int64_t end = std::min(range.begin + range.count, run.local_begin + run.count);
+        if (begin < end)
+          whole.push_back({range.spec, run.full_begin + (begin - run.local_begin), end - begin,
+                           range.out + (begin - range.begin)});
+      }
+    return initialize_parameter_ranges(config, full, seed, whole);
+  }
   // Every value is a function of (seed, name, index): pieces of 1M values fill in
   // parallel with the same result.
   constexpr int64_t kPiece = 1 << 20;

@@ -45,6 +45,29 @@ struct HfTensor {
   bool keep_fp32 = false;
 };
 
+// NOTE [Tensor-parallel shards]
+// Under tensor parallelism of degree T (NOTE [Tensor parallelism] in
+// model/tensor_parallel.h) rank r of a tensor-parallel group holds a shard of every
+// parameter, by the parameter's split:
+//   Rows        each Hugging Face tensor stacked in it is split along its rows into T
+//               equal chunks and the rank holds chunk r of each, stacked in the same order:
+//               the column-parallel projections (qkv: its heads' q, k and v rows; gate_up:
+//               its F/T gate and up rows) and the vocabulary-parallel embedding and output
+//               (vocabulary rows [r V/T, (r + 1) V/T));
+//   Columns     the columns (dim 1) split into T equal chunks, the rank holding chunk r:
+//               the row-parallel projections (o, down);
+//   Replicated  every rank holds all of it (the norm weights).
+// A shard is a parameter of its own to everything that holds weights (FlatParameters,
+// FSDP, the optimizer): the same name, its own shape (parameter_specs(config, shard)).
+// Its values are the whole parameter's at the same places (tensor_parallel_runs), so a
+// model initialized from a seed is the same model under any degree.
+enum class TensorParallelSplit { Replicated, Rows, Columns };
+
+// A rank's place in its tensor-parallel group; {0, 1}: no tensor parallelism.
+struct TensorParallelShard {
+  int rank = 0, size = 1;
+};
+
 struct ParamSpec {
   std::string name;                   // forge's name, e.g. "layers.3.attention.qkv.weight"
   Shape shape;
@@ -65,12 +88,28 @@ struct ParamSpec {
   // A stack of the routed experts' matrices, the expert along the first dim: under expert
   // parallelism a rank holds its local experts' slice (NOTE [Expert parallelism]).
   bool expert_stack = false;
+  // How tensor parallelism splits it (NOTE [Tensor-parallel shards]).
+  TensorParallelSplit tensor_parallel = TensorParallelSplit::Replicated;
 };
 
 // Every parameter of the model, in a fixed order: embedding, then each block's parameters
 // (its components' in order, NOTE [Composed blocks]: for the Llama family attn_norm, qkv,
 // o, mlp_norm, gate_up, down), then the final norm and (untied) output.
 std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
+// The parameters tensor-parallel rank `shard` holds: the same names and order, each shaped
+// as its shard (NOTE [Tensor-parallel shards]); parameter_specs(config) for shard {0, 1}.
+std::vector<ParamSpec> parameter_specs(const ModelConfig& config, TensorParallelShard shard);
+// One parameter's shard spec; fails naming the parameter when T does not divide the split.
+ParamSpec tensor_parallel_spec(const ParamSpec& full, TensorParallelShard shard);
+
+// Values of a shard that are consecutive in the whole parameter too: shard values
+// [local_begin, local_begin + count) are the whole's [full_begin, full_begin + count).
+struct ShardRun {
+  int64_t local_begin = 0, full_begin = 0, count = 0;
+};
+// The runs that make up rank `shard`'s shard of `full`, in shard order (one run for a
+// replicated parameter, one per stacked tensor for Rows, one per row for Columns).
+std::vector<ShardRun> tensor_parallel_runs(const ParamSpec& full, TensorParallelShard shard);
 
 // Writes values [begin, begin + count) of one parameter's initialization (count -1: to
 // the end) to `out`: the values FlatParameters::initialize gives it, computed from the
@@ -86,8 +125,10 @@ struct ParameterRange {
 };
 // initialize_parameter for every range, in parallel pieces of 1M values (the values do
 // not depend on how the work is split).
+// Under tensor parallelism (`shard`) `specs` are the shard's and the ranges count within
+// each shard: the values are the whole parameter's at the same places.
 void initialize_parameter_ranges(const ModelConfig& config, const std::vector<ParamSpec>& specs, uint64_t seed,
-                                 const std::vector<ParameterRange>& ranges);
+                                 const std::vector<ParameterRange>& ranges, TensorParallelShard shard = {});
 
 // NOTE [Block weights]
 // One block's parameters (or their gradients), as a ParamSource hands them out: one entry
@@ -170,7 +211,10 @@ class GradSink {
 // or bf16 (the compute copy of the weights).
 class FlatParameters : public ParamSource, public GradSink {
  public:
-  explicit FlatParameters(const ModelConfig& config, Device device = Device::CPU, DType dtype = DType::F32);
+  // `shard`: a tensor-parallel rank's shards instead of the whole parameters (NOTE
+  // [Tensor-parallel shards]).
+  explicit FlatParameters(const ModelConfig& config, Device device = Device::CPU, DType dtype = DType::F32,
+                          TensorParallelShard shard = {});
 
   const ModelConfig& config() const { return config_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
@@ -211,6 +255,7 @@ class FlatParameters : public ParamSource, public GradSink {
 
  private:
   ModelConfig config_;
+  TensorParallelShard shard_;
   std::vector<ParamSpec> specs_;
   Tensor flat_;
   std::vector<Tensor> tensors_;

@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include "model/sequence_parallel.h"
 #include "ops/linear.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
@@ -12,6 +13,8 @@ namespace forge {
 
 SelfAttention::SelfAttention(const ModelConfig& config)
     : hidden_(config.hidden_size),
+      model_heads_(config.num_heads),
+      model_kv_heads_(config.num_kv_heads),
       heads_(config.num_heads),
       kv_heads_(config.num_kv_heads),
       head_dim_(config.resolved_head_dim()),
@@ -22,7 +25,7 @@ SelfAttention::SelfAttention(const ModelConfig& config)
 
 std::vector<ParamSpec> SelfAttention::param_specs(int layer) const {
   const std::string p = fmt::format("layers.{}.", layer), hf = fmt::format("model.layers.{}.", layer);
-  const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+  const int64_t q = model_heads_ * head_dim_, kv = model_kv_heads_ * head_dim_;
   std::vector<ParamSpec> specs(3);
   specs[kNorm] = {p + "attn_norm.weight", {hidden_}, {{hf + "input_layernorm.weight", hidden_}}, false, layer};
   specs[kQkv] = {p + "attention.qkv.weight",
@@ -33,26 +36,41 @@ std::vector<ParamSpec> SelfAttention::param_specs(int layer) const {
                  layer};
   specs[kOut] = {p + "attention.o.weight", {hidden_, q}, {{hf + "self_attn.o_proj.weight", hidden_}}, true, layer,
                  true};
+  specs[kQkv].tensor_parallel = TensorParallelSplit::Rows;     // column-parallel: the rank's heads
+  specs[kOut].tensor_parallel = TensorParallelSplit::Columns;  // row-parallel
   return specs;
 }
 
 void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) {
   shape_ = shape;
-  const int64_t n = shape.tokens(), b = shape.micro_batch, t = shape.seq_len;
+  const int64_t n = shape.tokens(), rows = shape.stream_rows(), b = shape.micro_batch, t = shape.seq_len;
+  const int64_t tp = shape.tensor_parallel;
+  FORGE_CHECK(tp >= 1 && model_heads_ % tp == 0 && model_kv_heads_ % tp == 0,
+              "tensor parallelism over {} ranks splits {} query and {} key/value heads, which it does not divide", tp,
+              model_heads_, model_kv_heads_);
+  heads_ = model_heads_ / tp;
+  kv_heads_ = model_kv_heads_ / tp;
+  attention_.num_q_heads = heads_;
+  attention_.num_kv_heads = kv_heads_;
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
   auto stat = [&](Shape s) { return layout.take(std::move(s), DType::F32); };
   // The GEMM and attention outputs (and the statistics beside them) are costly to
   // recompute; the normalized input is not.
   auto costly = [&](Activations& a) {
-    a.rstd = stat({n});
+    a.rstd = stat({rows});
     a.qkv = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
     a.out = act({b, t, heads_, head_dim_});
     a.lse = stat({b, heads_, t});
   };
-  auto cheap = [&](Activations& a) { a.normed = act({n, hidden_}); };
+  auto cheap = [&](Activations& a) { a.normed = act({rows, hidden_}); };
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   d_out_ = act({n, heads_ * head_dim_});
   d_qkv_ = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
+  if (tp > 1) {
+    gathered_ = act({n, hidden_});
+    partial_ = act({n, hidden_});
+    norm_grad_ = stat({hidden_});
+  }
 }
 
 void SelfAttention::prepare(const StepShape& shape, Device device) { rotary_.prepare(shape.seq_len, device); }
@@ -63,11 +81,18 @@ void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& 
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kQkv));
-  linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), a.normed, w.linear(kQkv));
+  const Tensor* normed = &a.normed;
+  if (tp_) {  // NOTE [Tensor parallelism]: every rank's rows into the column-parallel qkv
+    tp_->gather_rows(gathered_, a.normed);
+    normed = &gathered_;
+  }
+  linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), *normed, w.linear(kQkv));
   rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
   attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
   if (!out) return;
-  linear_forward(*out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), &x);
+  const Tensor attended = a.out.view({n, heads_ * head_dim_});
+  if (tp_) return row_parallel_forward(*tp_, *out, partial_, attended, w.linear(kOut), x);
+  linear_forward(*out, attended, w.linear(kOut), &x);
 }
 
 void SelfAttention::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
@@ -80,14 +105,29 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
-  // out = x + attention_out @ o^T
-  linear_backward(d_out_, grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
+  // out = x + attention_out @ o^T; under tensor parallelism every rank's rows of dL/dout
+  // feed the row-parallel o's backward (NOTE [Tensor parallelism]).
+  const Tensor* d_out = &d_stream;
+  if (tp_) {
+    tp_->gather_rows(partial_, d_stream);
+    d_out = &partial_;
+  }
+  linear_backward(d_out_, grads.linear(kOut), *d_out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
   attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, head_dim_}), a.qkv, a.out,
                      a.lse, attention_, rotary_.segments());
   rope_backward(d_qkv_, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
-  linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);
-  rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
+  if (!tp_) {
+    linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);
+    rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
+    return;
+  }
+  // The column-parallel qkv: the normed rows gathered again, the input gradient a partial
+  // sum over the rank's heads, summed and scattered to the rank's rows.
+  tp_->gather_rows(gathered_, a.normed);
+  linear_backward(partial_, grads.linear(kQkv), d_qkv, gathered_, w.linear(kQkv), overwrite);
+  tp_->reduce_scatter_rows(d_hidden, partial_);
+  replicated_rmsnorm_backward(*tp_, norm_grad_, d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 
 }  // namespace forge

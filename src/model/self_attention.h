@@ -4,7 +4,8 @@
 // sliding window when the config has one (Mistral 7B v0.1), confined to each example when
 // the micro-batch packs several (NOTE [Packed examples] in ops/attention.h). Q, K and V come from one fused
 // projection (NOTE [Fused projections] in parameters.h); rotary embeddings are applied to
-// the query and key heads in place.
+// the query and key heads in place. Under tensor parallelism the rank computes its heads
+// (NOTE [Tensor parallelism] in model/tensor_parallel.h).
 #pragma once
 
 #include <vector>
@@ -24,6 +25,8 @@ class SelfAttention final : public BlockComponent {
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   void prepare(const StepShape& shape, Device device) override;
   void set_sequence_layout(const SequenceLayout* layout) override;
+  bool tensor_parallel_capable() const override { return true; }
+  void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
@@ -32,21 +35,28 @@ class SelfAttention final : public BlockComponent {
  private:
   enum Param : size_t { kNorm, kQkv, kOut };  // ComponentWeights numbering, param_specs order
 
+  // Hq and Hkv are the rank's heads under tensor parallelism; N the tokens, R the stream's
+  // rows (N / T).
   struct Activations {
-    Tensor rstd;    // [N] fp32
-    Tensor normed;  // [N, H]
+    Tensor rstd;    // [R] fp32
+    Tensor normed;  // [R, H]
     Tensor qkv;     // [B, T, Hq + 2 Hkv, D] after rotary embedding
     Tensor out;     // [B, T, Hq, D]
     Tensor lse;     // [B, Hq, T] fp32
   };
 
-  int64_t hidden_, heads_, kv_heads_, head_dim_;
+  int64_t hidden_, model_heads_, model_kv_heads_;
+  int64_t heads_, kv_heads_;  // the rank's (all of them without tensor parallelism)
+  int64_t head_dim_;
   float eps_;
   RotaryPositions rotary_;
   AttentionShape attention_;
   StepShape shape_;
   std::vector<Activations> layers_;
   Tensor d_out_, d_qkv_;  // backward scratch
+  TensorParallel* tp_ = nullptr;
+  Tensor gathered_, partial_;  // tensor parallelism: [N, H] all ranks' normed rows; row-parallel sums
+  Tensor norm_grad_;           // tensor parallelism: [H] fp32, the rank's share of the norm's gradient
 };
 
 }  // namespace forge

@@ -1,6 +1,8 @@
 // The feed-forward component of a Llama-family block (NOTE [Composed blocks]):
 //   out = x + down(silu(gate(h)) * up(h)),   h = rmsnorm(x)
-// gate and up are one fused projection (NOTE [Fused projections] in parameters.h).
+// gate and up are one fused projection (NOTE [Fused projections] in parameters.h). Under
+// tensor parallelism the rank computes its F/T columns of gate and up (NOTE [Tensor
+// parallelism] in model/tensor_parallel.h).
 #pragma once
 
 #include <vector>
@@ -16,6 +18,8 @@ class SwiGluFeedForward final : public BlockComponent {
 
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
+  bool tensor_parallel_capable() const override { return true; }
+  void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
@@ -24,18 +28,23 @@ class SwiGluFeedForward final : public BlockComponent {
  private:
   enum Param : size_t { kNorm, kGateUp, kDown };  // ComponentWeights numbering, param_specs order
 
+  // N the tokens, R the stream's rows (N / T), F the rank's columns (all without tensor
+  // parallelism).
   struct Activations {
-    Tensor rstd;     // [N] fp32
-    Tensor normed;   // [N, H]
+    Tensor rstd;     // [R] fp32
+    Tensor normed;   // [R, H]
     Tensor gate_up;  // [N, 2F]
     Tensor swiglu;   // [N, F]
   };
 
-  int64_t hidden_, ffn_;
+  int64_t hidden_, model_ffn_;
+  int64_t ffn_;  // the rank's columns
   float eps_;
-  int64_t tokens_ = 0;
   std::vector<Activations> layers_;
   Tensor d_swiglu_, d_gate_up_;  // backward scratch
+  TensorParallel* tp_ = nullptr;
+  Tensor gathered_, partial_;  // tensor parallelism: [N, H] all ranks' normed rows; row-parallel sums
+  Tensor norm_grad_;           // tensor parallelism: [H] fp32, the rank's share of the norm's gradient
 };
 
 }  // namespace forge

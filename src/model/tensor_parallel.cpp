@@ -1,0 +1,28 @@
+#include "model/tensor_parallel.h"
+
+#include "core/error.h"
+
+namespace forge {
+
+void check_tensor_parallel(const ModelConfig& config, int64_t degree) {
+  FORGE_CHECK(degree >= 1, "tensor-parallel degree {} (at least 1)", degree);
+  if (degree == 1) return;
+  if (config.mla() || config.moe())
+    FORGE_FAIL("tensor parallelism over {} ranks: model '{}' has {}; tensor parallelism splits the dense "
+               "Llama-family blocks (grouped-query attention and a SwiGLU feed-forward); use expert parallelism "
+               "(parallelism.expert_parallel_degree) and FSDP for it",
+               degree, config.name,
+               config.mla() ? "Multi-head Latent Attention (model.kv_lora_rank)" : "Mixture-of-Experts blocks");
+  auto divides = [&](int64_t value, const char* key, const char* what) {
+    if (value % degree != 0)
+      FORGE_FAIL("tensor parallelism over {} ranks splits model '{}''s {} ({} = {}), which {} does not divide: "
+                 "choose a degree that divides it",
+                 degree, config.name, what, key, value, degree);
+  };
+  divides(config.num_heads, "model.num_heads", "query heads");
+  divides(config.num_kv_heads, "model.num_kv_heads", "key/value heads");
+  divides(config.ffn_hidden_size, "model.ffn_hidden_size", "feed-forward width");
+  divides(config.vocab_size, "model.vocab_size", "vocabulary (the vocabulary-parallel embedding and head)");
+}
+
+}  // namespace forge
