@@ -358,7 +358,8 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",
-          "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate degree",
+          "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate and "
+          "tensor-parallel degrees",
           at_least(-1)),
       key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
           "parallelism.data_parallel_replicate_degree",
@@ -370,6 +371,11 @@ std::vector<ConfigKey> build_schema() {
           "parallelism.expert_parallel_degree",
           "consecutive ranks that split a Mixture-of-Experts model's routed experts, tokens dispatched to them "
           "by all-to-all (1: every rank runs every expert)",
+          at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::tensor_parallel_degree>(
+          "parallelism.tensor_parallel_degree",
+          "consecutive ranks that split every layer (Megatron's tensor parallelism with sequence parallelism: heads, "
+          "feed-forward columns and vocabulary split, the residual stream split by tokens); 1: none",
           at_least(1)),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",

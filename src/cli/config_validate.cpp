@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
+#include "model/tensor_parallel.h"
 #include "optim/config_rules.h"
 
 namespace forge {
@@ -266,6 +267,49 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
                ep, show(config, keys, "parallelism.data_parallel_replicate_degree"));
 }
 
+// parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
+// model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
+// vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
+// full training in the compute dtype, without checkpoints or Hugging Face weights in or out
+// yet (each needs the shards mapped to the whole parameters: tensor_parallel_runs).
+void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
+  const int64_t t = config.parallelism.tensor_parallel_degree;
+  if (t == 1) return;
+  const std::string tp = show(config, keys, "parallelism.tensor_parallel_degree");
+  try {
+    check_tensor_parallel(config.model, t);
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: {}", tp, e.what());
+  }
+  const TrainingConfig& training = config.training;
+  if ((training.local_batch_size * training.seq_len) % t != 0)
+    FORGE_FAIL("{} must divide the micro-batch's tokens, {} × {} = {} (each rank holds its share of the residual "
+               "stream's rows)",
+               tp, show(config, keys, "training.local_batch_size"), show(config, keys, "training.seq_len"),
+               training.local_batch_size * training.seq_len);
+  const ModelConfig& m = config.model;
+  // cuBLASLt and cuDNN want every row of the rank's shards 16-byte aligned in bf16.
+  if (training.device == "cuda")
+    for (auto [key, value] : {std::pair{"model.ffn_hidden_size", m.ffn_hidden_size},
+                              {"model.vocab_size", m.vocab_size}})
+      if ((value / t) % 8 != 0)
+        FORGE_FAIL("{} with {}: each rank's share, {} / {} = {}, must be a multiple of 8 on CUDA", tp,
+                   show(config, keys, key), value, t, value / t);
+  auto refuse = [&](bool set, const char* key, const char* why) {
+    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", tp, show(config, keys, key), why);
+  };
+  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
+         "LoRA and QLoRA adapters are not split over tensor-parallel ranks");
+  refuse(config.precision.fp8 != "none", "precision.fp8",
+         "the FP8 casts fused into the norms and SwiGLU would need the tensor-parallel gathers between them");
+  refuse(config.checkpoint.enable, "checkpoint.enable",
+         "checkpoints hold whole parameters and the shards are not yet mapped to them");
+  refuse(!config.checkpoint.initial_load_path.empty(), "checkpoint.initial_load_path",
+         "the weights read are not yet split into the ranks' shards");
+  refuse(config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
+         "the shards are not yet gathered into whole parameters for the export");
+}
+
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
 // its projections run in the compute dtype, without adapters.
 void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
@@ -301,11 +345,13 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "parallelism.data_parallel_shard_degree"));
   if (p.data_parallel_shard_degree != -1) return;
   const int world = read_launch_env().world_size;
-  if (world % p.data_parallel_replicate_degree != 0)
-    FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {}",
-               show(config, keys, "parallelism.data_parallel_shard_degree"), world,
-               p.data_parallel_replicate_degree);
-  p.data_parallel_shard_degree = world / p.data_parallel_replicate_degree;
+  const int64_t others = p.data_parallel_replicate_degree * p.tensor_parallel_degree;
+  if (world % others != 0)
+    FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {} × "
+               "tensor_parallel_degree {}",
+               show(config, keys, "parallelism.data_parallel_shard_degree"), world, p.data_parallel_replicate_degree,
+               p.tensor_parallel_degree);
+  p.data_parallel_shard_degree = world / others;
 }
 
 void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
@@ -363,6 +409,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_fp8(config, keys);
   check_moe(config, keys);
   check_expert_parallel(config, keys);
+  check_tensor_parallel_degree(config, keys);
   check_mla(config, keys);
   resolve_batch(config, keys);
 }

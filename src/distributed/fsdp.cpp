@@ -22,7 +22,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
       config_(config),
       options_(options),
       expert_group_(expert_group),
-      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel),
+      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel, options.tensor_parallel),
       compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
   if (options.expert_parallel > 1) {
     const int holders = shard_group.world_size() / options.expert_parallel;
@@ -239,7 +239,7 @@ void Fsdp::initialize(uint64_t seed) {
     std::vector<ParameterRange> ranges;
     for (const MasterPiece& p : pieces)
       ranges.push_back({static_cast<size_t>(p.segment->spec), p.segment->param_begin + p.begin, p.count, p.out});
-    initialize_parameter_ranges(config_, layout_.specs(), seed, ranges);
+    initialize_parameter_ranges(config_, layout_.specs(), seed, ranges, options_.tensor_parallel);
   });
 }
 
@@ -365,10 +365,16 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
 
 void Fsdp::finish_gradients() { join_comm(); }
 
-double Fsdp::global_grad_sum_of_squares() {
+double Fsdp::global_grad_sum_of_squares(double replicated_weight) {
   check_trainable("global_grad_sum_of_squares");
+  double sum = sum_of_squares(grad_shard_);
+  if (replicated_weight != 1.0)
+    for (size_t i = 0; i < grad_segments_.size(); ++i)
+      if (layout_.specs()[static_cast<size_t>(layout_.segments()[i].spec)].tensor_parallel ==
+          TensorParallelSplit::Replicated)
+        sum -= (1.0 - replicated_weight) * sum_of_squares(grad_segments_[i]);
   // After the reductions every replica holds the same chunk: the shard group covers the model once.
-  return all_reduce_scalar(shard_group_, sum_of_squares(grad_shard_));
+  return all_reduce_scalar(shard_group_, sum);
 }
 
 const BlockWeights& Fsdp::layer(int index) {

@@ -135,6 +135,9 @@ struct FsdpOptions {
   // NOTE [FP8 all-gather]: the blocks' FP8 projections gathered as E4M3 codes; needs
   // set_fp8_projections before the first layer().
   bool fp8_all_gather = false;
+  // NOTE [Tensor-parallel shards] in model/parameters.h: the parameters this rank holds are
+  // its tensor-parallel shards, sharded by FSDP over its data-parallel ranks.
+  TensorParallelShard tensor_parallel = {};
 };
 
 // Bytes this rank holds, by component (the memory report).
@@ -195,7 +198,9 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Waits (on the compute stream) for every reduction of the step.
   void finish_gradients();
   // Sum of squares of the whole (global) gradient: this rank's chunk, all-reduced.
-  double global_grad_sum_of_squares();
+  // `replicated_weight`: the weight of the parameters tensor parallelism replicates (NOTE
+  // [Tensor-parallel gradient norm] in train/trainer.cpp), 1 otherwise.
+  double global_grad_sum_of_squares(double replicated_weight = 1.0);
   // chunk_written: the optimizer already wrote compute_segments (AdamW's bf16 copies on
   // CUDA); otherwise they are cast from the master chunk first.
   void refresh_compute_weights(bool chunk_written);

@@ -11,8 +11,12 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 
 }  // namespace
 
-FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel)
-    : world_size_(world_size), rank_(rank), expert_parallel_(expert_parallel), specs_(parameter_specs(config)) {
+FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel,
+                       TensorParallelShard tensor_parallel)
+    : world_size_(world_size),
+      rank_(rank),
+      expert_parallel_(expert_parallel),
+      specs_(parameter_specs(config, tensor_parallel)) {
   FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
   const int p = expert_parallel;
   FORGE_CHECK(p >= 1 && world_size % p == 0 && (p == 1 || (config.moe() && config.num_experts % p == 0)),

@@ -87,7 +87,10 @@ struct FsdpSegment {
 class FsdpLayout {
  public:
   // expert_parallel: P, dividing world_size and the model's experts (1: none).
-  FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel = 1);
+  // `tensor_parallel`: the parameters are this tensor-parallel rank's shards (NOTE
+  // [Tensor-parallel shards] in model/parameters.h).
+  FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel = 1,
+             TensorParallelShard tensor_parallel = {});
 
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }

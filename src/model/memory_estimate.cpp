@@ -19,7 +19,18 @@ namespace {
 struct FsdpUnitSizes {
   double block, embedding, head, held;
 };
-FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel) {
+FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel, int64_t tensor_parallel) {
+  if (tensor_parallel > 1) {  // a rank's shards (NOTE [Tensor-parallel shards]); no MoE blocks
+    FsdpUnitSizes u{0, 0, 0, 0};
+    for (const ParamSpec& spec : parameter_specs(config, {0, static_cast<int>(tensor_parallel)})) {
+      const double n = static_cast<double>(shape_numel(spec.shape));
+      u.held += n;
+      if (spec.layer == 0) u.block += n;
+      else if (spec.layer < 0 && spec.name == "embedding.weight") u.embedding += n;
+      else if (spec.layer < 0) u.head += n;
+    }
+    return u;
+  }
   const double p = static_cast<double>(expert_parallel);
   const double routed = config.moe() ? static_cast<double>(config.num_experts) * 3.0 *
                                            static_cast<double>(config.hidden_size * config.resolved_moe_ffn())
@@ -39,7 +50,9 @@ FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel
 }  // namespace
 
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan) {
-  const double params = static_cast<double>(config.total_params());
+  // Under tensor parallelism a rank holds its shards (NOTE [Tensor-parallel shards]).
+  const double params = plan.tensor_parallel > 1 ? fsdp_unit_sizes(config, 1, plan.tensor_parallel).held
+                                                 : static_cast<double>(config.total_params());
   const DType compute = plan.cuda ? DType::BF16 : DType::F32;
   MemoryEstimate e;
   e.master_weights = params * 4;
@@ -48,7 +61,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint,
-                                           plan.expert_parallel));
+                                           plan.expert_parallel, plan.tensor_parallel));
   if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
     e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));
@@ -61,7 +74,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     if (plan.fsdp && plan.lora.quantize_base != "nf4") {
       // NOTE [Frozen FSDP base]: this rank's chunk in the compute dtype, and what the ZeRO
       // stage holds in full (ZeRO-3: the embedding, the head and three gathered blocks).
-      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1);
+      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1, 1);
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
                           (plan.zero_stage <= 2 ? params : u.embedding + u.head + 3 * u.block)) *
                          compute_bytes;
@@ -84,7 +97,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
 
   // The layout of NOTE [FSDP layout] and the buffers of NOTE [FSDP] (padding left out).
   const double n = static_cast<double>(plan.shard_ranks);
-  const auto [block, embedding, head, held] = fsdp_unit_sizes(config, plan.expert_parallel);
+  const auto [block, embedding, head, held] = fsdp_unit_sizes(config, plan.expert_parallel, plan.tensor_parallel);
   const bool tied = config.tie_word_embeddings;
   const double compute_bytes = static_cast<double>(dtype_size(compute));
   const double largest_unit = std::max({embedding, head, block});

@@ -21,6 +21,9 @@
 // Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
 // the units' full-size buffers hold 1/P of each MoE block's routed experts, and a rank's
 // received rows (in the activations) may be P times a micro-batch's assignments.
+// Tensor parallelism of degree T (NOTE [Tensor parallelism] in model/tensor_parallel.h):
+// everything above counts the rank's shards (parameter_specs(config, shard)), FSDP's
+// units too, and the activations are the rank's arena.
 #pragma once
 
 #include <cstdint>
@@ -65,6 +68,7 @@ struct MemoryPlan {
   int64_t shard_ranks = 1;   // parallelism.data_parallel_shard_degree
   int64_t zero_stage = 3;
   int64_t expert_parallel = 1;  // parallelism.expert_parallel_degree
+  int64_t tensor_parallel = 1;  // parallelism.tensor_parallel_degree: a rank's shards and activations
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)

@@ -15,9 +15,9 @@ void check_tensor_parallel(const ModelConfig& config, int64_t degree) {
                config.mla() ? "Multi-head Latent Attention (model.kv_lora_rank)" : "Mixture-of-Experts blocks");
   auto divides = [&](int64_t value, const char* key, const char* what) {
     if (value % degree != 0)
-      FORGE_FAIL("tensor parallelism over {} ranks splits model '{}''s {} ({} = {}), which {} does not divide: "
+      FORGE_FAIL("tensor parallelism over {} ranks splits the {} of model {} ({} = {}), which {} does not divide: "
                  "choose a degree that divides it",
-                 degree, config.name, what, key, value, degree);
+                 degree, what, config.name, key, value, degree);
   };
   divides(config.num_heads, "model.num_heads", "query heads");
   divides(config.num_kv_heads, "model.num_kv_heads", "key/value heads");

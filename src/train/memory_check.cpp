@@ -23,6 +23,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.shard_ranks = p.data_parallel_shard_degree;
   plan.zero_stage = p.zero_stage;
   plan.expert_parallel = p.expert_parallel_degree;
+  plan.tensor_parallel = p.tensor_parallel_degree;
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;

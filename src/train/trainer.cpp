@@ -24,6 +24,7 @@
 #include "core/stop_signal.h"
 #include "distributed/expert_dispatch_group.h"
 #include "distributed/heartbeat.h"
+#include "distributed/tensor_parallel_group.h"
 #include "model/lora.h"
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
@@ -85,12 +86,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // Before the first large allocation (the FSDP buffers): the estimate is checked against
   // what the GPU has free, so nothing of this run may be counted as in use already.
   check_memory_fits(config_);
-  if (world_size_ > 1 && config_.lora.quantize_base == "nf4") {
+  if (data_ranks_ > 1 && config_.lora.quantize_base == "nf4") {
     // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives.
     replicated_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
     dp_ = replicated_comm_.get();
-  } else if (world_size_ > 1) {
+  } else if (data_ranks_ > 1) {
     FsdpOptions fsdp;
+    fsdp.tensor_parallel = tensor_parallel_shard_;
     fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
     fsdp.reduce_dtype = config_.precision.reduce_dtype == "bf16" ? DType::BF16 : DType::F32;
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
@@ -154,11 +156,12 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     // NOTE [Mixed precision]: on CUDA the optimizer owns fp32 master weights and fp32
     // gradients; the model computes with a bf16 copy of the weights refreshed after every
     // optimizer step. On the CPU the fp32 weights are used directly.
-    params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
-    grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32);
+    const TensorParallelShard shard = tensor_parallel_shard_;  // NOTE [Tensor-parallel shards]
+    params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard);
+    grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard);
     params_->initialize(derive_seed(t.seed, kWeightsSeed));
     if (device_ == Device::CUDA) {
-      compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16);
+      compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16, shard);
       compute_weights_->assign_from(*params_);
     }
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
@@ -172,20 +175,24 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       log_fp8();
     }
   }
-  if (dp_) {
-    log_fsdp_memory();
-    if (rank_ != 0) set_log_level(LogLevel::Warn);
-  }
+  if (tensor_parallel_)
+    log_info("tensor-parallel rank {} of {} (data-parallel rank {} of {}): its heads, feed-forward columns and "
+             "vocabulary rows, {} of the model's {} parameters",
+             tensor_parallel_shard_.rank, tensor_parallel_shard_.size, data_rank_, data_ranks_,
+             human_count(static_cast<double>(local_parameter_count())),
+             human_count(static_cast<double>(config_.model.total_params())));
+  if (dp_) log_fsdp_memory();
+  if (world_size_ > 1 && rank_ != 0) set_log_level(LogLevel::Warn);
   model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode),
-                                         expert_dispatch_.get());
+                                         expert_dispatch_.get(), tensor_parallel_.get());
 
   uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
   if (config_.eval.interval > 0)
     eval_data_ = make_dataset(config_.data, Split::Validation, t.seq_len, config_.model.vocab_size, data_seed);
   train_loader_ = std::make_unique<DataLoader>(*train_data_, t.local_batch_size, derive_seed(t.seed, kOrderSeed),
-                                               rank_, world_size_);
+                                               data_rank_, data_ranks_);
   inject_nan_ = nan_injection_from_env();
   if (inject_nan_)
     log_warn("FORGE_TEST_INJECT_NAN: a test hook sets a NaN in the {} of '{}' at step {}, micro-batch {}",
@@ -225,7 +232,7 @@ void Trainer::log_fsdp_memory() const {
     return log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas), LoRA: frozen base chunk {} = 1/{:.3f} "
                     "of the base's {}; compute weights {} (the chunk, the embedding and head in full{}); LoRA "
                     "adapters replicated: {} values",
-                    rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, gib(chunk),
+                    rank_, world_size_, fsdp_->options().zero_stage, shards, data_ranks_ / shards, gib(chunk),
                     base / chunk, gib(base), gib(static_cast<double>(m.compute_weights)),
                     fsdp_->options().zero_stage == 3 ? ", three gathered blocks" : ", every block",
                     lora_->stored_values());
@@ -245,7 +252,7 @@ void Trainer::log_fsdp_memory() const {
   log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas{}): optimizer state {} (master {} + moments {}) "
            "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
            "reduction buffers {}",
-           rank_, world_size_, fsdp_->options().zero_stage, shards, world_size_ / shards, experts, gib(own_state),
+           rank_, world_size_, fsdp_->options().zero_stage, shards, data_ranks_ / shards, experts, gib(own_state),
            gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
            gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
            gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
@@ -254,32 +261,50 @@ void Trainer::log_fsdp_memory() const {
 void Trainer::set_up_data_parallel() {
   const ParallelismConfig& p = config_.parallelism;
   const LaunchEnv env = read_launch_env();
-  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree;
+  const int64_t tp = p.tensor_parallel_degree;
+  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * tp;
   if (env.world_size == 1 && ranks > 1)
-    FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree = {} × {} = {} ranks, but "
-               "this process was started alone: start {} ranks (forge launch --nproc-per-node {} -- train ..., "
-               "torchrun or srun)",
-               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, ranks, ranks, ranks);
+    FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree × tensor_parallel_degree = "
+               "{} × {} × {} = {} ranks, but this process was started alone: start {} ranks (forge launch "
+               "--nproc-per-node {} -- train ..., torchrun or srun)",
+               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, ranks, ranks, ranks);
   if (env.world_size != ranks)
     FORGE_FAIL("{} ranks were started ({}), but parallelism.data_parallel_shard_degree × "
-               "data_parallel_replicate_degree = {} × {} = {}: set them so that their product is the number of ranks",
-               env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, ranks);
+               "data_parallel_replicate_degree × tensor_parallel_degree = {} × {} × {} = {}: set them so that their "
+               "product is the number of ranks",
+               env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp,
+               ranks);
   if (ranks == 1) return;
   rank_ = env.rank;
   world_size_ = env.world_size;
+  data_rank_ = static_cast<int>(rank_ / tp);
+  data_ranks_ = static_cast<int>(world_size_ / tp);
   if (!world_) {
     own_world_ = create_process_group(env, process_group_options(config_));
     world_ = own_world_.get();
   }
   FORGE_CHECK(world_->world_size() == env.world_size, "the process group given has {} ranks, the launcher started {}",
               world_->world_size(), env.world_size);
-  shard_group_ = world_;
+  ProcessGroup* data_world = world_;
+  if (tp > 1) {
+    // NOTE [Tensor parallelism]: consecutive ranks split the layers (they share a node when
+    // the degree is at most the ranks per node, where its collectives belong); the ranks the
+    // degree apart, with the same shards, are the data-parallel world.
+    const int t = static_cast<int>(tp);
+    tensor_parallel_group_ = world_->split(rank_ / t, rank_);
+    data_parallel_group_ = world_->split(rank_ % t, rank_);
+    tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
+    tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);
+    tensor_parallel_shard_ = {rank_ % t, t};
+    data_world = data_parallel_group_.get();
+  }
+  shard_group_ = data_world;
   if (p.data_parallel_replicate_degree > 1) {
-    // Consecutive ranks shard (they share a node when the shard degree is the ranks per
-    // node); ranks the shard degree apart hold the same shard.
+    // Consecutive data-parallel ranks shard (they share a node when the shard degree is the
+    // ranks per node); ranks the shard degree apart hold the same shard.
     const int shard = static_cast<int>(p.data_parallel_shard_degree);
-    shard_split_ = world_->split(rank_ / shard, rank_);
-    replicate_group_ = world_->split(rank_ % shard, rank_);
+    shard_split_ = data_world->split(data_rank_ / shard, data_rank_);
+    replicate_group_ = data_world->split(data_rank_ % shard, data_rank_);
     shard_group_ = shard_split_.get();
   }
   if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks, no replicas
@@ -390,6 +415,33 @@ std::vector<std::vector<int64_t>> Trainer::loads_over_ranks(const std::vector<st
   return total;
 }
 
+// NOTE [Tensor-parallel gradient norm]
+// Under tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h) the
+// global gradient is every rank's shards once, and the replicated parameters (the norm
+// weights, whose gradients the group has already summed: every rank of a group holds the
+// same values) once more. So each rank counts its shards' squares in full and a
+// replicated parameter's with weight 1/T; the sum over the data-parallel ranks (FSDP's
+// chunks, or the whole on one data-parallel rank) and then over the tensor-parallel group
+// is the whole model's squared norm, the one clipping uses on every rank.
+double Trainer::tensor_parallel_grad_sum_of_squares() {
+  const double replicated = 1.0 / static_cast<double>(tensor_parallel_shard_.size);
+  double sum = 0.0;
+  if (fsdp_) {
+    sum = fsdp_->global_grad_sum_of_squares(replicated);
+  } else {
+    for (size_t i = 0; i < grads_->specs().size(); ++i)
+      sum += sum_of_squares(grads_->tensors()[i]) *
+             (grads_->specs()[i].tensor_parallel == TensorParallelSplit::Replicated ? replicated : 1.0);
+  }
+  return tensor_parallel_comm_->sum_over_ranks(sum);
+}
+
+int64_t Trainer::local_parameter_count() const {
+  int64_t n = 0;
+  for (const ParamSpec& spec : parameter_specs(config_.model, tensor_parallel_shard_)) n += shape_numel(spec.shape);
+  return n;
+}
+
 void Trainer::begin_gradients() {
   if (dp_) dp_->reset_exposed_comm();  // what evaluation waited for is not the step's
   if (fsdp_) fsdp_->begin_step();
@@ -497,16 +549,16 @@ double Trainer::lr_for_step(int64_t step) const {
 // to the order of the additions), in 1/world of the time. Otherwise every rank evaluates
 // every micro-batch (correct, world times the work; the log says so once).
 EvalMetrics Trainer::evaluate(int64_t step) {
-  const bool split = dp_ && world_size_ > 1 && config_.eval.steps % world_size_ == 0;
-  if (dp_ && world_size_ > 1 && !split && rank_ == 0 && eval_split_noted_++ == 0)
+  const bool split = dp_ && data_ranks_ > 1 && config_.eval.steps % data_ranks_ == 0;
+  if (dp_ && data_ranks_ > 1 && !split && rank_ == 0 && eval_split_noted_++ == 0)
     log_info("eval.steps {} is not a multiple of the {} data-parallel ranks: every rank evaluates all of them",
-             config_.eval.steps, world_size_);
-  DataLoader loader(*eval_data_, config_.training.local_batch_size, 0, split ? rank_ : 0, split ? world_size_ : 1);
+             config_.eval.steps, data_ranks_);
+  DataLoader loader(*eval_data_, config_.training.local_batch_size, 0, split ? data_rank_ : 0, split ? data_ranks_ : 1);
   if (lora_) lora_->set_training(false);  // no adapter dropout, as PEFT's eval()
   LossSum total;
   double batch_means = 0.0;
   int64_t counted_batches = 0;
-  for (int64_t i = 0; i < (split ? config_.eval.steps / world_size_ : config_.eval.steps); ++i) {
+  for (int64_t i = 0; i < (split ? config_.eval.steps / data_ranks_ : config_.eval.steps); ++i) {
     Batch batch = loader.next();
     const SequenceLayout layout = sequence_layout(batch);
     LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights(),
@@ -650,9 +702,15 @@ TrainResult Trainer::run() {
       if (inject_nan_ && sharded_gradients() && !inject_nan_->fp8_amax && inject_nan_->micro_batch < accum)
         inject_test_nan(step + 1, inject_nan_->micro_batch);
       // Replicated adapters hold the global gradient after finish_gradients: their norm is the global one.
-      norm = lora_ ? global_grad_norm({lora_->gradient_flat()}) : std::sqrt(fsdp_->global_grad_sum_of_squares());
-    } else {
+      if (lora_) norm = global_grad_norm({lora_->gradient_flat()});
+      else if (!tensor_parallel_) norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
+    } else if (!tensor_parallel_) {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
+    }
+    if (tensor_parallel_) {
+      norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
+      // NOTE [Stop signals]: a tensor-parallel group stops together too.
+      stop_now = tensor_parallel_comm_->sum_over_ranks(stop_now ? 1.0 : 0.0) > 0;
     }
     for (const LossScaling& s : scale_loss_)
       if (s.step == step + 1) loss.sum *= s.factor;

@@ -48,6 +48,7 @@
 #include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
+#include "model/tensor_parallel.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
 #include "train/loss_spike.h"
@@ -128,6 +129,9 @@ class Trainer {
   void update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load);
   void begin_gradients();
   void finish_gradients();
+  // NOTE [Tensor-parallel gradient norm]: the whole model's squared gradient norm.
+  double tensor_parallel_grad_sum_of_squares();
+  int64_t local_parameter_count() const;  // the parameters this rank holds (its shards under tensor parallelism)
   // FSDP holds the trainable state (full training under data parallelism; not LoRA).
   bool sharded_gradients() const { return fsdp_ && !lora_; }
   std::vector<ParamSpec> checkpoint_specs() const;
@@ -203,9 +207,20 @@ class Trainer {
   bool show_progress_ = true;
   int64_t eval_split_noted_ = 0;  // NOTE [Evaluation under data parallelism]: the note is logged once
   TrainingObserver* observer_ = nullptr;
-  // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty.
+  // Data parallelism (NOTE [Data-parallel steps]); without it these stay empty. rank_ and
+  // world_size_ count every rank; data_rank_ and data_ranks_ the data-parallel ones (the
+  // same without tensor parallelism, whose groups read one micro-batch).
   int rank_ = 0, world_size_ = 1;
+  int data_rank_ = 0, data_ranks_ = 1;
   std::unique_ptr<ProcessGroup> own_world_, shard_split_, replicate_group_;
+  // Tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h): the
+  // consecutive ranks that split every layer, the data-parallel ranks of the same
+  // tensor-parallel rank (FSDP's world), the model's collectives over the former and the
+  // step's scalars over it.
+  std::unique_ptr<ProcessGroup> tensor_parallel_group_, data_parallel_group_;
+  std::unique_ptr<TensorParallel> tensor_parallel_;
+  std::unique_ptr<DataParallelComm> tensor_parallel_comm_;
+  TensorParallelShard tensor_parallel_shard_;
   // Expert parallelism (NOTE [Expert parallelism]): the consecutive ranks that split the
   // experts, the ranks that hold the same experts, and the model's dispatch over the former.
   std::unique_ptr<ProcessGroup> expert_parallel_group_, expert_shard_group_;

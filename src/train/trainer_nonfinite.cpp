@@ -85,7 +85,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
   auto micro_batch_name = [&](int64_t a) {
     if (!dp_) return fmt::format("micro-batch {} of {}", a, accum);
     return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
-                       accum, a * world_size_, a * world_size_ + world_size_ - 1);
+                       accum, a * data_ranks_, a * data_ranks_ + data_ranks_ - 1);
   };
   const std::string head =
       fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
@@ -117,9 +117,10 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
     const bool bad = dp_ ? dp_->sum_over_ranks(bad_here ? 1.0 : 0.0) > 0 : bad_here;
     if (!bad) continue;
     if (bad_here && dp_)
-      FORGE_FAIL("{}: micro-batch {} of the global batch (rank {}, accumulation step {}): the loss (forward pass) is "
+      FORGE_FAIL("{}: micro-batch {} of the global batch (data-parallel rank {}, accumulation step {}): the loss "
+                 "(forward pass) is "
                  "non-finite",
-                 head, a * world_size_ + rank_, rank_, a);
+                 head, a * data_ranks_ + data_rank_, data_rank_, a);
     FORGE_FAIL("{}: {}: the loss (forward pass) is non-finite", head, micro_batch_name(a));
   }
   // 4. The summed gradients, then each micro-batch's alone (run again).
