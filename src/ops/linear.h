@@ -11,7 +11,10 @@
 // never has to. Today that is the weight in the compute dtype (bf16 on the GPU, fp32 on
 // the CPU reference). It is the one place where other representations enter: an FP8 copy
 // with its scales and recipe state, NF4 codes with their statistics, a LoRA adapter (A, B,
-// scale, dropout), a tensor-parallel shard. Each changes what the descriptor holds and
+// scale, dropout). (A tensor-parallel shard is not one of them: it is a weight of its own
+// shape, NOTE [Tensor-parallel shards] in model/parameters.h, and the collectives around a
+// split projection are the components', NOTE [Tensor parallelism] in
+// model/tensor_parallel.h.) Each changes what the descriptor holds and
 // what these ops do with it, never the block code that calls them. The same type says
 // where a layer's gradients go (GradSink hands out LinearWeights of gradient buffers).
 // Model code builds no descriptors: it passes on the ones its ParamSource and GradSink
