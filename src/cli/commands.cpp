@@ -13,6 +13,7 @@
 #include "core/stop_signal.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
+#include "model/tensor_parallel.h"
 #include "train/memory_check.h"
 #include "train/trainer.h"
 
@@ -190,7 +191,7 @@ int run_info(const std::vector<std::string>& args) {
                                                                            : ""));
   }
   MemoryPlan plan = memory_plan_of(config);
-  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}:\n",
+  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
              !plan.fsdp ? std::string()
              : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
@@ -201,7 +202,15 @@ int run_info(const std::vector<std::string>& args) {
                                    ? fmt::format(", expert parallelism {} ({} of the {} routed experts per rank)",
                                                  plan.expert_parallel, m.num_experts / plan.expert_parallel,
                                                  m.num_experts)
-                                   : std::string()));
+                                   : std::string()),
+             plan.tensor_parallel > 1
+                 ? fmt::format("; tensor parallelism {} (a rank's heads, feed-forward columns and vocabulary rows, "
+                               "{} of the {} parameters, and its 1/{} of the tokens between the projections)",
+                               plan.tensor_parallel,
+                               fmt::format("{:.2f} B", static_cast<double>(tensor_parallel_rank_parameters(m, plan.tensor_parallel)) / 1e9),
+                               fmt::format("{:.2f} B", static_cast<double>(m.total_params()) / 1e9),
+                               plan.tensor_parallel)
+                 : std::string());
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {
     plan.cuda = cuda;

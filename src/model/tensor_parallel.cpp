@@ -1,6 +1,7 @@
 #include "model/tensor_parallel.h"
 
 #include "core/error.h"
+#include "model/parameters.h"
 
 namespace forge {
 
@@ -23,6 +24,12 @@ void check_tensor_parallel(const ModelConfig& config, int64_t degree) {
   divides(config.num_kv_heads, "model.num_kv_heads", "key/value heads");
   divides(config.ffn_hidden_size, "model.ffn_hidden_size", "feed-forward width");
   divides(config.vocab_size, "model.vocab_size", "vocabulary (the vocabulary-parallel embedding and head)");
+}
+
+int64_t tensor_parallel_rank_parameters(const ModelConfig& config, int64_t degree) {
+  int64_t n = 0;
+  for (const ParamSpec& spec : parameter_specs(config, {0, static_cast<int>(degree)})) n += shape_numel(spec.shape);
+  return n;
 }
 
 }  // namespace forge

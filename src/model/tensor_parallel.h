@@ -50,6 +50,9 @@ namespace forge {
 // Mixture-of-Experts) whose query heads, key/value heads, feed-forward width and vocabulary
 // the degree divides.
 void check_tensor_parallel(const ModelConfig& config, int64_t degree);
+// The parameters one rank of `degree` tensor-parallel ranks holds (NOTE [Tensor-parallel
+// shards] in model/parameters.h): every rank holds as many.
+int64_t tensor_parallel_rank_parameters(const ModelConfig& config, int64_t degree);
 
 class TensorParallel {
  public:

@@ -179,7 +179,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     log_info("tensor-parallel rank {} of {} (data-parallel rank {} of {}): its heads, feed-forward columns and "
              "vocabulary rows, {} of the model's {} parameters",
              tensor_parallel_shard_.rank, tensor_parallel_shard_.size, data_rank_, data_ranks_,
-             human_count(static_cast<double>(local_parameter_count())),
+             human_count(static_cast<double>(tensor_parallel_rank_parameters(config_.model, tensor_parallel_shard_.size))),
              human_count(static_cast<double>(config_.model.total_params())));
   if (dp_) log_fsdp_memory();
   if (world_size_ > 1 && rank_ != 0) set_log_level(LogLevel::Warn);
@@ -434,12 +434,6 @@ double Trainer::tensor_parallel_grad_sum_of_squares() {
              (grads_->specs()[i].tensor_parallel == TensorParallelSplit::Replicated ? replicated : 1.0);
   }
   return tensor_parallel_comm_->sum_over_ranks(sum);
-}
-
-int64_t Trainer::local_parameter_count() const {
-  int64_t n = 0;
-  for (const ParamSpec& spec : parameter_specs(config_.model, tensor_parallel_shard_)) n += shape_numel(spec.shape);
-  return n;
 }
 
 void Trainer::begin_gradients() {

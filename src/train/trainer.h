@@ -131,7 +131,6 @@ class Trainer {
   void finish_gradients();
   // NOTE [Tensor-parallel gradient norm]: the whole model's squared gradient norm.
   double tensor_parallel_grad_sum_of_squares();
-  int64_t local_parameter_count() const;  // the parameters this rank holds (its shards under tensor parallelism)
   // FSDP holds the trainable state (full training under data parallelism; not LoRA).
   bool sharded_gradients() const { return fsdp_ && !lora_; }
   std::vector<ParamSpec> checkpoint_specs() const;
