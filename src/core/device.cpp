@@ -164,6 +164,24 @@ void copy_bytes_on(void* dst, Device dst_device, const void* src, Device src_dev
 #endif
 }
 
+void copy_bytes_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                   Device device) {
+  if (width == 0 || height == 0) return;
+  if (device == Device::CPU) {
+    for (size_t row = 0; row < height; ++row)
+      std::memcpy(static_cast<char*>(dst) + row * dst_pitch, static_cast<const char*>(src) + row * src_pitch, width);
+    return;
+  }
+#ifdef FORGE_CUDA
+  cuda_check(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, height, cudaMemcpyDefault, nullptr),
+             "cudaMemcpy2DAsync");
+#else
+  (void)dst_pitch;
+  (void)src_pitch;
+  no_cuda("copy_bytes_2d");
+#endif
+}
+
 int current_device_index() {
 #ifdef FORGE_CUDA
   int device = 0;

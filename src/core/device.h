@@ -48,6 +48,11 @@ void device_synchronize();
 // stream): returns once the copy is enqueued, so the caller synchronizes the stream before
 // it reads the destination or reuses the source. Between two CPU buffers, a memcpy.
 void copy_bytes_on(void* dst, Device dst_device, const void* src, Device src_device, size_t bytes, CudaStream stream);
+// `height` rows of `width` bytes from src (rows `src_pitch` bytes apart) to dst (rows
+// `dst_pitch` apart), both on `device`; on CUDA enqueued on the legacy default stream, where
+// forge's kernels run (cudaMemcpy2DAsync).
+void copy_bytes_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t width, size_t height,
+                   Device device);
 // The GPU this thread works on (cudaGetDevice; 0 without CUDA), and making a new thread
 // work on the same one as the thread that started it.
 int current_device_index();

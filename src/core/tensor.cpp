@@ -100,6 +100,22 @@ void Tensor::copy_from(const Tensor& src) const {
   copy_bytes(data_, device_, src.raw(), src.device(), nbytes());
 }
 
+void copy_columns(const Tensor& dst, int64_t dst_begin, const Tensor& src, int64_t src_begin, int64_t width) {
+  FORGE_CHECK(dst.ndim() == 2 && src.ndim() == 2 && dst.dim(0) == src.dim(0) && dst.dtype() == src.dtype() &&
+                  dst.device() == src.device(),
+              "copy_columns: {} {} on {} into {} {} on {} (2-D, the same rows, dtype and device)",
+              dtype_name(src.dtype()), shape_str(src.shape()), device_name(src.device()), dtype_name(dst.dtype()),
+              shape_str(dst.shape()), device_name(dst.device()));
+  FORGE_CHECK(width >= 0 && src_begin >= 0 && dst_begin >= 0 && src_begin + width <= src.dim(1) &&
+                  dst_begin + width <= dst.dim(1),
+              "copy_columns: columns [{}, {}) of {} into [{}, {}) of {}", src_begin, src_begin + width,
+              shape_str(src.shape()), dst_begin, dst_begin + width, shape_str(dst.shape()));
+  const size_t element = dtype_size(dst.dtype());
+  copy_bytes_2d(static_cast<char*>(dst.raw()) + dst_begin * element, dst.dim(1) * element,
+                static_cast<const char*>(src.raw()) + src_begin * element, src.dim(1) * element, width * element,
+                static_cast<size_t>(dst.dim(0)), dst.device());
+}
+
 void check_shape(const Tensor& t, const Shape& expected, const char* what) {
   FORGE_CHECK(t.shape() == expected, "{} has shape {}, expected {}", what, shape_str(t.shape()),
               shape_str(expected));

@@ -71,6 +71,14 @@ class Tensor {
   Device device_ = Device::CPU;
 };
 
+// A block of columns from one matrix into another: dst[i, dst_begin + j] = src[i, src_begin
+// + j] for every row i and j < width (elements). dst and src are 2-D, with the same rows,
+// dtype and device, and do not overlap; on CUDA the copy is enqueued on the legacy default
+// stream. The strided copy that takes heads out of a packed tensor, or puts chunks of
+// rows in another order (NOTE [Contiguous tensors]: the one place a layout is strided is
+// a copy).
+void copy_columns(const Tensor& dst, int64_t dst_begin, const Tensor& src, int64_t src_begin, int64_t width);
+
 // Shape and dtype assertions used by ops on their arguments.
 void check_shape(const Tensor& t, const Shape& expected, const char* what);
 void check_dtype(const Tensor& t, DType expected, const char* what);

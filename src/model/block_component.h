@@ -29,6 +29,7 @@
 #include "core/checked_math.h"
 #include "core/tensor.h"
 #include "model/activations.h"
+#include "model/context_parallel.h"
 #include "model/expert_dispatch.h"
 #include "model/parameters.h"
 #include "model/tensor_parallel.h"
@@ -39,13 +40,23 @@ namespace forge {
 // fp32); expert_parallel: the expert-parallel degree, which sizes what a rank may receive
 // (NOTE [Expert parallelism] in model/expert_dispatch.h); tensor_parallel: the
 // tensor-parallel degree T, under which the residual stream holds the rank's rows, 1/T of
-// the tokens (NOTE [Tensor parallelism] in model/tensor_parallel.h).
+// its tokens (NOTE [Tensor parallelism] in model/tensor_parallel.h); context_parallel: the
+// context-parallel degree C, under which the rank computes on its two chunks of every
+// sequence, 1/C of the micro-batch's tokens (NOTE [Context parallelism] in
+// model/context_parallel.h).
 struct StepShape {
   int64_t micro_batch = 0, seq_len = 0;
   DType dtype = DType::F32;
   int64_t expert_parallel = 1;
   int64_t tensor_parallel = 1;
-  int64_t tokens() const { return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len"); }
+  int64_t context_parallel = 1;
+  // The rank's tokens as a batch of sequences: [micro_batch, seq_len], or under context
+  // parallelism its chunks, [2 micro_batch, seq_len / (2C)] (chunk-major).
+  int64_t local_batch() const { return context_parallel > 1 ? 2 * micro_batch : micro_batch; }
+  int64_t local_seq_len() const { return context_parallel > 1 ? seq_len / (2 * context_parallel) : seq_len; }
+  int64_t tokens() const {
+    return mul_or_fail(micro_batch, seq_len, "training.local_batch_size × training.seq_len") / context_parallel;
+  }
   int64_t stream_rows() const { return tokens() / tensor_parallel; }
 };
 
@@ -80,6 +91,12 @@ class BlockComponent {
   // Under tensor parallelism, how it reaches the other ranks of its group (set before
   // lay_out, outlives the component; null: none). Only capable components are given one.
   virtual void set_tensor_parallel(TensorParallel* tp) {}
+  // Whether it computes under context parallelism (NOTE [Context parallelism] in
+  // model/context_parallel.h): on the rank's chunks of the sequences (StepShape::tokens()).
+  virtual bool context_parallel_capable() const { return false; }
+  // Under context parallelism, how it reaches the other ranks of its group (set before
+  // prepare, outlives the component). Only capable components are given one.
+  virtual void set_context_parallel(ContextParallel* cp) {}
 
   // *out = x + f(x) for block `layer` ([stream rows, hidden]; out may not alias x). With no
   // `out`, only what the backward needs is computed (recomputation, NOTE above).

@@ -60,6 +60,11 @@ void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const M
     b.ce_sums = stat({2 * chunk});
     b.norm_grad = stat({h});
   }
+  if (shape.context_parallel > 1) {
+    b.local_tokens = layout.take({n}, DType::I32);
+    b.local_targets = layout.take({n}, DType::I32);
+    b.loss_sum = stat({1});
+  }
 }
 
 int64_t count_bytes(BlockComponents& components, const ModelConfig& config, const StepShape& shape,
@@ -73,26 +78,30 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 }  // namespace
 
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel) {
+                         ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel,
+                         int64_t context_parallel) {
   BlockComponents components = make_block_components(validated(config));
-  return count_bytes(components, config, StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel},
-                     mode);
+  check_context_parallel(config, context_parallel, seq_len);
+  return count_bytes(components, config,
+                     StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel}, mode);
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts,
-                     TensorParallel* tensor_parallel)
+                     TensorParallel* tensor_parallel, ContextParallel* context_parallel)
     : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
-                make_block_components(validated(config)), experts, tensor_parallel) {}
+                make_block_components(validated(config)), experts, tensor_parallel, context_parallel) {}
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components,
-                     ExpertDispatch* experts, TensorParallel* tensor_parallel)
+                     ExpertDispatch* experts, TensorParallel* tensor_parallel, ContextParallel* context_parallel)
     : config_(config),
       micro_batch_(micro_batch),
       seq_len_(seq_len),
       tokens_(micro_batch * seq_len),
       tp_(tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr),
+      cp_(context_parallel && context_parallel->size() > 1 ? context_parallel : nullptr),
+      rank_tokens_(cp_ ? tokens_ / cp_->size() : tokens_),
       device_(device),
       compute_dtype_(compute_dtype),
       checkpoint_(checkpoint),
@@ -103,6 +112,16 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
               "compute dtype {} on {} (NOTE [Op placement])", dtype_name(compute_dtype), device_name(device));
   FORGE_CHECK(!components_.empty(), "a decoder block needs at least one component");
   const TensorParallelShard shard = tp_ ? TensorParallelShard{tp_->rank(), tp_->size()} : TensorParallelShard{};
+  const int64_t cp_degree = cp_ ? cp_->size() : 1;
+  if (cp_) {  // NOTE [Context parallelism]
+    check_context_parallel(config_, cp_degree, seq_len_);
+    for (const auto& component : components_)
+      FORGE_CHECK(component->context_parallel_capable(),
+                  "context parallelism: model '{}' has a block component that does not split sequences over ranks "
+                  "(the dense Llama-family blocks do; Multi-head Latent Attention and Mixture-of-Experts blocks do "
+                  "not)",
+                  config_.name);
+  }
   if (tp_) {  // NOTE [Tensor parallelism]
     check_tensor_parallel(config_, shard.size);
     for (const auto& component : components_)
@@ -110,10 +129,10 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
                   "tensor parallelism: model '{}' has a block component that does not split over ranks (the dense "
                   "Llama-family blocks do; Multi-head Latent Attention and Mixture-of-Experts blocks do not)",
                   config_.name);
-    FORGE_CHECK(tokens_ % shard.size == 0,
-                "tensor parallelism over {} ranks splits the micro-batch's {} tokens (training.local_batch_size x "
-                "training.seq_len) into the ranks' rows of the residual stream, which it must divide",
-                shard.size, tokens_);
+    FORGE_CHECK(rank_tokens_ % shard.size == 0,
+                "tensor parallelism over {} ranks splits the {} tokens a rank computes on (training.local_batch_size "
+                "x training.seq_len{}) into the ranks' rows of the residual stream, which it must divide",
+                shard.size, rank_tokens_, cp_ ? " / the context-parallel degree" : "");
   }
   // The components must declare, in order, the parameters the weights will be laid out by.
   std::vector<std::vector<ParamSpec>> expected(static_cast<size_t>(config_.num_layers));
@@ -140,10 +159,11 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
   FORGE_CHECK(expert_parallel == 1 || (config_.moe() && config_.num_experts % expert_parallel == 0),
               "expert parallelism over {} ranks needs a Mixture-of-Experts model whose experts it divides ({} experts)",
               expert_parallel, config_.num_experts);
-  const StepShape shape{micro_batch, seq_len, compute_dtype, expert_parallel, shard.size};
+  const StepShape shape{micro_batch, seq_len, compute_dtype, expert_parallel, shard.size, cp_degree};
   for (auto& component : components_) {
     component->set_expert_dispatch(experts);
     if (tp_) component->set_tensor_parallel(tp_);
+    if (cp_) component->set_context_parallel(cp_);
     component->prepare(shape, device);
   }
   arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint)}, DType::U8, device);
@@ -188,6 +208,10 @@ void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
 void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout) {
   check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
   if (layout) {
+    FORGE_CHECK(!cp_,
+                "context parallelism over {} ranks does not take packed examples (a sequence layout): each row of "
+                "the micro-batch must be one sequence (NOTE [Context parallelism])",
+                cp_ ? cp_->size() : 1);
     expect_tensor(layout->positions, Device::CPU, DType::I32, "sequence layout positions");
     expect_tensor(layout->segments, Device::CPU, DType::I32, "sequence layout segments");
     check_shape(layout->positions, {micro_batch_, seq_len_}, "sequence layout positions");
@@ -198,14 +222,14 @@ void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const
                   i, seq_len_);
   }
   for (auto& component : components_) component->set_sequence_layout(layout);
+  const Tensor ids = rank_tokens(tokens, b_.local_tokens);
   if (tp_) {
     // NOTE [Tensor parallelism]: each rank looks up the tokens of its vocabulary rows; the
     // reduce-scatter sums the lookups and leaves each rank its rows of the stream.
-    embedding_shard_forward(b_.d_gathered, tokens.view({tokens_}), weights.embedding(), vocab_begin(),
-                            config_.vocab_size);
+    embedding_shard_forward(b_.d_gathered, ids, weights.embedding(), vocab_begin(), config_.vocab_size);
     tp_->reduce_scatter_rows(b_.stream[0][0], b_.d_gathered);
   } else {
-    embedding_forward(b_.stream[0][0], tokens.view({tokens_}), weights.embedding());
+    embedding_forward(b_.stream[0][0], ids, weights.embedding());
   }
   for (int i = 0; i < config_.num_layers; ++i) forward_block(i, weights.layer(i), true);
   rmsnorm_forward(b_.final_normed, b_.final_rstd, b_.final_input, weights.final_norm(),
@@ -214,6 +238,27 @@ void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const
 }
 
 int64_t DecoderLM::vocab_begin() const { return tp_ ? tp_->rank() * (config_.vocab_size / tp_->size()) : 0; }
+
+Tensor DecoderLM::rank_tokens(const Tensor& tokens, const Tensor& local) {
+  if (!cp_) return tokens.view({tokens_});
+  // NOTE [Context parallelism]: the rank's two chunks of every row, chunk-major.
+  take_chunks(local.view({2 * micro_batch_, rank_tokens_ / (2 * micro_batch_)}), tokens, cp_->rank(), cp_->size());
+  return local;
+}
+
+LossSum DecoderLM::micro_batch_loss(const LossSum& local, const Tensor& targets) {
+  // NOTE [Context parallelism]: the ranks' sums added over the group; the unmasked targets
+  // counted in the micro-batch, which every rank holds.
+  const float sum = static_cast<float>(local.sum);
+  copy_bytes(b_.loss_sum.raw(), device_, &sum, Device::CPU, sizeof(float));
+  cp_->all_reduce_sum(b_.loss_sum);
+  float total = 0.0f;
+  copy_bytes(&total, Device::CPU, b_.loss_sum.raw(), device_, sizeof(float));
+  LossSum loss{total, 0};
+  const Tensor host_targets = targets.to(Device::CPU);
+  for (int64_t i = 0; i < tokens_; ++i) loss.tokens += host_targets.data<int32_t>()[i] != kIgnoreIndex;
+  return loss;
+}
 
 void DecoderLM::chunk_cross_entropy(const Tensor& losses, const Tensor& logits, const Tensor& targets, bool grads,
                                     float grad_scale) {
@@ -246,8 +291,8 @@ void DecoderLM::recompute_block(int i, const BlockWeights& w) {
 
 LossSum DecoderLM::output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale) {
   check_shape(targets, {micro_batch_, seq_len_}, "targets");
-  const int64_t n = tokens_;
-  const Tensor flat_targets = targets.view({n});
+  const int64_t n = rank_tokens_;
+  const Tensor flat_targets = rank_tokens(targets, b_.local_targets);
   const LinearWeight& w_out = weights.output();
   // NOTE [Fresh gradient buffers]: a tied output's gradient is the embedding's.
   bool overwrite = false;
@@ -282,7 +327,7 @@ LossSum DecoderLM::output_head(const Tensor& targets, ParamSource& weights, Grad
     loss.sum += l[i];
     ++loss.tokens;
   }
-  return loss;
+  return cp_ ? micro_batch_loss(loss, targets) : loss;
 }
 
 void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
@@ -312,12 +357,12 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
   const Tensor& embedding_grad = grads.embedding_grad();
   if (embedding_grad.defined()) {  // undefined: a frozen embedding (NOTE [LoRA training])
     if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
+    const Tensor ids = rank_tokens(tokens, b_.local_tokens);
     if (tp_) {  // every token's gradient, added to the rows of the rank's vocabulary
       tp_->gather_rows(b_.gathered, b_.d_stream);
-      embedding_shard_backward(embedding_grad, b_.gathered, tokens.view({tokens_}), vocab_begin(),
-                               config_.vocab_size);
+      embedding_shard_backward(embedding_grad, b_.gathered, ids, vocab_begin(), config_.vocab_size);
     } else {
-      embedding_backward(embedding_grad, b_.d_stream, tokens.view({tokens_}));
+      embedding_backward(embedding_grad, b_.d_stream, ids);
     }
   }
   grads.embedding_done();
@@ -344,7 +389,7 @@ LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, Par
 
 void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                                const SequenceLayout* layout) {
-  FORGE_CHECK(!tp_, "forward_logits: under tensor parallelism no rank holds the full logits");
+  FORGE_CHECK(!tp_ && !cp_, "forward_logits: under tensor or context parallelism no rank holds the full logits");
   check_shape(logits, {tokens_, config_.vocab_size}, "logits");
   check_dtype(logits, compute_dtype_, "logits");
   forward_blocks(tokens, weights, layout);

@@ -28,6 +28,7 @@
 #include "model/activations.h"
 #include "model/block_components.h"
 #include "model/config.h"
+#include "model/context_parallel.h"
 #include "model/parameters.h"
 #include "model/tensor_parallel.h"
 
@@ -43,8 +44,8 @@ struct LossSum {
 
 // The decoder's own buffers around its blocks' components: the residual stream between
 // components, the head's, and the backward scratch every component shares. N is the
-// micro-batch's tokens, R the residual stream's rows: N, or N / T under tensor
-// parallelism of degree T.
+// rank's tokens (the micro-batch's, or 1/C of them under context parallelism of degree C),
+// R the residual stream's rows: N, or N / T under tensor parallelism of degree T.
 struct DecoderActivations {
   // stream[i][c]: the residual stream entering component c of block i, [N, H]. c = 0 is
   // the block input, kept per layer in every mode; the others are kept per layer unless
@@ -62,14 +63,19 @@ struct DecoderActivations {
   // final norm's gradient, [H] fp32.
   Tensor gathered, d_gathered;
   Tensor row_max, ce_sums, norm_grad;
+  // Context parallelism (NOTE [Context parallelism] in model/context_parallel.h): the rank's
+  // token ids and targets, int32 [N]; its loss sum, [1] fp32, summed over the group.
+  Tensor local_tokens, local_targets, loss_sum;
 };
 
 // Bytes of the activation arena of a (micro_batch, seq_len) step in compute dtype `dtype`
 // under `mode`, with the config's block components.
 // expert_parallel: the expert-parallel degree (a rank's received rows grow with it);
-// tensor_parallel: the tensor-parallel degree (a rank's share of the activations).
+// tensor_parallel and context_parallel: the tensor- and context-parallel degrees (a rank's
+// share of the activations).
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
-                         ActivationCheckpoint mode, int64_t expert_parallel = 1, int64_t tensor_parallel = 1);
+                         ActivationCheckpoint mode, int64_t expert_parallel = 1, int64_t tensor_parallel = 1,
+                         int64_t context_parallel = 1);
 
 class DecoderLM {
  public:
@@ -82,14 +88,20 @@ class DecoderLM {
   // model/tensor_parallel.h) this rank's group; it outlives the model, every rank of the
   // group passes the same tokens and targets, and the weights handed in are this rank's
   // shards (parameter_specs(config, shard)). The losses are every token's on each rank.
+  // `context_parallel`: under context parallelism (NOTE [Context parallelism] in
+  // model/context_parallel.h) this rank's group; it outlives the model, every rank of the
+  // group passes the same tokens and targets, the model computes on the rank's chunks of
+  // them, and the loss returned is the micro-batch's on each rank; the weight gradients
+  // are the rank's tokens' share, which the group's ranks' sum to the micro-batch's.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
             DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None,
-            ExpertDispatch* experts = nullptr, TensorParallel* tensor_parallel = nullptr);
+            ExpertDispatch* experts = nullptr, TensorParallel* tensor_parallel = nullptr,
+            ContextParallel* context_parallel = nullptr);
   // With the blocks' components given instead of chosen from the config: they must declare
   // the parameters parameter_specs(config) lists for a block, in that order.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
             ActivationCheckpoint checkpoint, BlockComponents components, ExpertDispatch* experts = nullptr,
-            TensorParallel* tensor_parallel = nullptr);
+            TensorParallel* tensor_parallel = nullptr, ContextParallel* context_parallel = nullptr);
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
@@ -110,7 +122,7 @@ class DecoderLM {
   LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
                        const SequenceLayout* layout = nullptr);
   // Full logits [micro_batch * seq_len, vocab] in the compute dtype (tests and small-model
-  // inspection; not under tensor parallelism, where no rank holds them).
+  // inspection; not under tensor or context parallelism, where no rank holds them).
   void forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                       const SequenceLayout* layout = nullptr);
   // A Mixture-of-Experts model's routing in the last forward: per block, the assignments
@@ -135,10 +147,17 @@ class DecoderLM {
   void chunk_cross_entropy(const Tensor& losses, const Tensor& logits, const Tensor& targets, bool grads,
                            float grad_scale);
   int64_t vocab_begin() const;  // the rank's first vocabulary row (0 without tensor parallelism)
+  // The token ids (targets) the rank computes on, [N]: the micro-batch's, or its chunks
+  // of them under context parallelism (taken into the arena).
+  Tensor rank_tokens(const Tensor& tokens, const Tensor& local);
+  // Under context parallelism, the micro-batch's loss from the rank's `local` one.
+  LossSum micro_batch_loss(const LossSum& local, const Tensor& targets);
 
   ModelConfig config_;
   int64_t micro_batch_, seq_len_, tokens_;
-  TensorParallel* tp_ = nullptr;  // null without tensor parallelism
+  TensorParallel* tp_ = nullptr;   // null without tensor parallelism
+  ContextParallel* cp_ = nullptr;  // null without context parallelism
+  int64_t rank_tokens_;            // the tokens the rank computes on: tokens_, or tokens_ / C
   Device device_;
   DType compute_dtype_;
   ActivationCheckpoint checkpoint_;

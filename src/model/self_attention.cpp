@@ -43,7 +43,7 @@ std::vector<ParamSpec> SelfAttention::param_specs(int layer) const {
 
 void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) {
   shape_ = shape;
-  const int64_t n = shape.tokens(), rows = shape.stream_rows(), b = shape.micro_batch, t = shape.seq_len;
+  const int64_t n = shape.tokens(), rows = shape.stream_rows(), b = shape.local_batch(), t = shape.local_seq_len();
   const int64_t tp = shape.tensor_parallel;
   FORGE_CHECK(tp >= 1 && model_heads_ % tp == 0 && model_kv_heads_ % tp == 0,
               "tensor parallelism over {} ranks splits {} query and {} key/value heads, which it does not divide", tp,
@@ -71,9 +71,15 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
     partial_ = act({n, hidden_});
     norm_grad_ = stat({hidden_});
   }
+  if (shape.context_parallel > 1) cp_attention_.lay_out(layout, shape, kv_heads_, head_dim_);
 }
 
-void SelfAttention::prepare(const StepShape& shape, Device device) { rotary_.prepare(shape.seq_len, device); }
+void SelfAttention::prepare(const StepShape& shape, Device device) {
+  rotary_.prepare(shape.seq_len, device);
+  if (cp_) cp_attention_.prepare(*cp_, shape, device);
+}
+
+const Tensor* SelfAttention::positions() const { return cp_ ? &cp_attention_.positions() : rotary_.positions(); }
 
 void SelfAttention::set_sequence_layout(const SequenceLayout* layout) { rotary_.set_layout(layout, attention_); }
 
@@ -87,8 +93,9 @@ void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& 
     normed = &gathered_;
   }
   linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), *normed, w.linear(kQkv));
-  rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
-  attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
+  rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), positions());
+  if (cp_) cp_attention_.forward(*cp_, layer, a.out, a.lse, a.qkv, attention_);
+  else attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
   if (!out) return;
   const Tensor attended = a.out.view({n, heads_ * head_dim_});
   if (tp_) return row_parallel_forward(*tp_, *out, partial_, attended, w.linear(kOut), x);
@@ -113,9 +120,10 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
     d_out = &partial_;
   }
   linear_backward(d_out_, grads.linear(kOut), *d_out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
-  attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, head_dim_}), a.qkv, a.out,
-                     a.lse, attention_, rotary_.segments());
-  rope_backward(d_qkv_, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), rotary_.positions());
+  const Tensor d_attended = d_out_.view(a.out.shape());
+  if (cp_) cp_attention_.backward(*cp_, layer, d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_);
+  else attention_backward(d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_, rotary_.segments());
+  rope_backward(d_qkv_, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), positions());
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
   if (!tp_) {
     linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);

@@ -5,13 +5,16 @@
 // the micro-batch packs several (NOTE [Packed examples] in ops/attention.h). Q, K and V come from one fused
 // projection (NOTE [Fused projections] in parameters.h); rotary embeddings are applied to
 // the query and key heads in place. Under tensor parallelism the rank computes its heads
-// (NOTE [Tensor parallelism] in model/tensor_parallel.h).
+// (NOTE [Tensor parallelism] in model/tensor_parallel.h); under context parallelism its
+// chunks of the sequences against every rank's keys and values (NOTE [Context parallelism]
+// in model/context_parallel.h).
 #pragma once
 
 #include <vector>
 
 #include "model/block_component.h"
 #include "model/config.h"
+#include "model/context_parallel_attention.h"
 #include "model/rotary_positions.h"
 #include "ops/attention.h"
 
@@ -27,6 +30,8 @@ class SelfAttention final : public BlockComponent {
   void set_sequence_layout(const SequenceLayout* layout) override;
   bool tensor_parallel_capable() const override { return true; }
   void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
+  bool context_parallel_capable() const override { return true; }
+  void set_context_parallel(ContextParallel* cp) override { cp_ = cp; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
@@ -35,8 +40,8 @@ class SelfAttention final : public BlockComponent {
  private:
   enum Param : size_t { kNorm, kQkv, kOut };  // ComponentWeights numbering, param_specs order
 
-  // Hq and Hkv are the rank's heads under tensor parallelism; N the tokens, R the stream's
-  // rows (N / T).
+  // Hq and Hkv are the rank's heads under tensor parallelism; N the rank's tokens as a
+  // batch [B, T] (StepShape::local_batch and local_seq_len), R the stream's rows (N / T).
   struct Activations {
     Tensor rstd;    // [R] fp32
     Tensor normed;  // [R, H]
@@ -44,6 +49,9 @@ class SelfAttention final : public BlockComponent {
     Tensor out;     // [B, T, Hq, D]
     Tensor lse;     // [B, Hq, T] fp32
   };
+  // The rotary positions of the rank's tokens: its chunks' under context parallelism, a
+  // packed micro-batch's, or null (0, 1, ... in every row).
+  const Tensor* positions() const;
 
   int64_t hidden_, model_heads_, model_kv_heads_;
   int64_t heads_, kv_heads_;  // the rank's (all of them without tensor parallelism)
@@ -57,6 +65,8 @@ class SelfAttention final : public BlockComponent {
   TensorParallel* tp_ = nullptr;
   Tensor gathered_, partial_;  // tensor parallelism: [N, H] all ranks' normed rows; row-parallel sums
   Tensor norm_grad_;           // tensor parallelism: [H] fp32, the rank's share of the norm's gradient
+  ContextParallel* cp_ = nullptr;
+  ContextParallelAttention cp_attention_;  // context parallelism: the gathered keys and values
 };
 
 }  // namespace forge

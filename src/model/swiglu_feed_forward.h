@@ -2,7 +2,8 @@
 //   out = x + down(silu(gate(h)) * up(h)),   h = rmsnorm(x)
 // gate and up are one fused projection (NOTE [Fused projections] in parameters.h). Under
 // tensor parallelism the rank computes its F/T columns of gate and up (NOTE [Tensor
-// parallelism] in model/tensor_parallel.h).
+// parallelism] in model/tensor_parallel.h); under context parallelism the rank's tokens,
+// as any others (NOTE [Context parallelism] in model/context_parallel.h).
 #pragma once
 
 #include <vector>
@@ -20,6 +21,7 @@ class SwiGluFeedForward final : public BlockComponent {
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   bool tensor_parallel_capable() const override { return true; }
   void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
+  bool context_parallel_capable() const override { return true; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,

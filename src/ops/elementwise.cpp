@@ -50,12 +50,20 @@ void cast(const Tensor& out, const Tensor& in, CudaStream stream) {
 
 void accumulate(const Tensor& dst, const Tensor& src, CudaStream stream) {
   OpProfileScope profile(OpClass::Elementwise, "accumulate");
-  check_dtype(dst, DType::F32, "accumulate destination");
   FORGE_CHECK(dst.numel() == src.numel() && dst.device() == src.device(), "accumulate: {} {} into {} {}",
               device_name(src.device()), shape_str(src.shape()), device_name(dst.device()), shape_str(dst.shape()));
-  FORGE_CHECK(src.dtype() == DType::F32 || src.dtype() == DType::BF16, "accumulate: source is {}, expected f32 or bf16",
-              dtype_name(src.dtype()));
+  const bool bf16 = dst.dtype() == DType::BF16;
+  const bool into_f32 = dst.dtype() == DType::F32 && (src.dtype() == DType::F32 || src.dtype() == DType::BF16);
+  FORGE_CHECK(bf16 ? src.dtype() == DType::BF16 : into_f32,
+              "accumulate: {} into {}, expected f32 or bf16 into f32, or bf16 into bf16", dtype_name(src.dtype()),
+              dtype_name(dst.dtype()));
   if (dst.device() == Device::CPU) {
+    if (bf16) {
+      BFloat16* d = dst.data<BFloat16>();
+      const BFloat16* s = src.data<BFloat16>();
+      for (int64_t i = 0; i < dst.numel(); ++i) d[i] = to_bf16(to_float(d[i]) + to_float(s[i]));
+      return;
+    }
     float* d = dst.data<float>();
     if (src.dtype() == DType::F32) {
       const float* s = src.data<float>();
@@ -66,7 +74,9 @@ void accumulate(const Tensor& dst, const Tensor& src, CudaStream stream) {
     }
     return;
   }
-  if (src.dtype() == DType::F32)
+  if (bf16)
+    FORGE_CUDA_CALL("accumulate", cuda::accumulate(bf16_ptr(dst), bf16_ptr(src), dst.numel(), stream));
+  else if (src.dtype() == DType::F32)
     FORGE_CUDA_CALL("accumulate", cuda::accumulate(dst.data<float>(), src.data<float>(), dst.numel(), stream));
   else
     FORGE_CUDA_CALL("accumulate", cuda::accumulate(dst.data<float>(), bf16_ptr(src), dst.numel(), stream));

@@ -486,5 +486,23 @@ TEST(GpuElementwise, AccumulateOnAStreamOfItsOwn) {
   }
 }
 
+// bf16 into bf16 (context parallelism's partial key/value gradients): the sum in fp32,
+// rounded once, as the CPU does it.
+TEST(GpuElementwise, AccumulateBf16IntoBf16) {
+  Rng rng(seed_for_current_test());
+  for (int64_t n : {int64_t{1}, int64_t{4097}, int64_t{3000017}}) {
+    Tensor dst = random_bf16_values({n}, rng), src = random_bf16_values({n}, rng);
+    Tensor expected = Tensor::empty({n}, DType::BF16), cpu_src = Tensor::empty({n}, DType::BF16);
+    cast(expected, dst);
+    cast(cpu_src, src);
+    accumulate(expected, cpu_src);
+    Tensor gpu_dst = to_gpu(dst, DType::BF16);
+    accumulate(gpu_dst, to_gpu(src, DType::BF16));
+    Tensor want = Tensor::empty({n});
+    cast(want, expected);
+    EXPECT_EQ(relative_l2(to_cpu_f32(gpu_dst), want), 0.0) << n;
+  }
+}
+
 }  // namespace
 }  // namespace forge::gpu_test

@@ -31,8 +31,19 @@
 // padding mask; the same causal mask and window then apply within each example. The
 // statistics are ragged too: token-major [B * T, Hq].
 //
+// Chunk attention (NOTE [Chunk attention] in ops/attention_chunk.h, context parallelism's)
+// reads the queries from the chunk's packed qkv as above, with seq = Lq, and the keys and
+// values from a tensor of their own, kv [B, S, 2 Hkv, D]: K [b, Hkv, s_kv, D] at element 0
+// and V at Hkv D, both with strides (S 2 Hkv D, D, 2 Hkv D, 1), where s_kv = p + Lq is the
+// prefix of positions the chunk [p, p + Lq) sees (the batch stride still spans all S). The
+// causal mask then has its diagonal at the bottom right (DiagonalAlignment_t::BOTTOM_RIGHT
+// with a right bound of 0): query i keeps key j when j <= i + s_kv - Lq = p + i, and the
+// window's left bound W keeps j + W > p + i, as on the CPU. cuDNN writes dK and dV for the
+// s_kv positions it reads; the rows of dkv past them are zeroed with a 2-D memset, so the
+// whole of dkv is the chunk's gradient.
+//
 // Built graphs are cached per problem shape (batch, seq, heads, both head dims, window,
-// scale, ragged capacity); building one takes tens of milliseconds, executing it
+// scale, ragged capacity, chunk); building one takes tens of milliseconds, executing it
 // microseconds to milliseconds.
 #include "kernels/cuda/attention.h"
 
@@ -69,8 +80,8 @@ struct CachedGraph {
   int64_t workspace_bytes = 0;
 };
 
-using ProblemKey =
-    std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, bool>;
+using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t,
+                              int64_t, bool>;
 
 struct Context {
   cudnnHandle_t handle = nullptr;
@@ -105,26 +116,35 @@ int64_t qkv_width(const AttentionProblem& p) {
   return (p.q_heads + p.kv_heads) * p.head_dim + p.kv_heads * p.v_head_dim;
 }
 
-// Where K and V start in a token's row of qkv (Q starts at 0).
-int64_t k_offset(const AttentionProblem& p) { return p.q_heads * p.head_dim; }
-int64_t v_offset(const AttentionProblem& p) { return (p.q_heads + p.kv_heads) * p.head_dim; }
+bool is_chunk(const AttentionProblem& p) { return p.chunk.kv_seq > 0; }
+
+// Where K and V start: in a token's row of qkv (Q starts at 0), or of kv for a chunk.
+int64_t k_offset(const AttentionProblem& p) { return is_chunk(p) ? 0 : p.q_heads * p.head_dim; }
+int64_t v_offset(const AttentionProblem& p) {
+  return is_chunk(p) ? p.kv_heads * p.head_dim : (p.q_heads + p.kv_heads) * p.head_dim;
+}
 
 struct Views {
-  std::vector<int64_t> q_dim, k_dim, v_dim, o_dim, qk_stride, v_stride, o_stride, stats_dim, stats_stride;
+  std::vector<int64_t> q_dim, k_dim, v_dim, o_dim, q_stride, k_stride, v_stride, o_stride, stats_dim, stats_stride;
 };
 
 // With ragged sequences the batch is their capacity, and the statistics are token-major.
+// A chunk's keys and values are the first position + seq tokens of kv's rows.
 Views views_of(const AttentionProblem& p) {
   const int64_t width = qkv_width(p);
   const bool ragged = p.ragged.capacity > 0;
   const int64_t batch = ragged ? p.ragged.capacity : p.batch;
+  const int64_t kv_seq = is_chunk(p) ? p.chunk.position + p.seq : p.seq;
+  const int64_t kv_width = is_chunk(p) ? p.kv_heads * (p.head_dim + p.v_head_dim) : width;
+  const int64_t kv_batch_stride = is_chunk(p) ? p.chunk.kv_seq * kv_width : p.seq * width;
   return {
       {batch, p.q_heads, p.seq, p.head_dim},
-      {batch, p.kv_heads, p.seq, p.head_dim},
-      {batch, p.kv_heads, p.seq, p.v_head_dim},
+      {batch, p.kv_heads, kv_seq, p.head_dim},
+      {batch, p.kv_heads, kv_seq, p.v_head_dim},
       {batch, p.q_heads, p.seq, p.v_head_dim},
       {p.seq * width, p.head_dim, width, 1},
-      {p.seq * width, p.v_head_dim, width, 1},
+      {kv_batch_stride, p.head_dim, kv_width, 1},
+      {kv_batch_stride, p.v_head_dim, kv_width, 1},
       {p.seq * p.q_heads * p.v_head_dim, p.v_head_dim, p.q_heads * p.v_head_dim, 1},
       {batch, p.q_heads, p.seq, 1},
       ragged ? std::vector<int64_t>{p.q_heads * p.seq, 1, p.q_heads, 1}
@@ -161,7 +181,11 @@ void make_ragged(fe::graph::Graph& g, fe::graph::Tensor_attributes& tensor, cons
 
 template <typename Attributes>
 void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProblem& p) {
-  attributes.set_causal_mask(true).set_attn_scale(p.scale);
+  attributes.set_attn_scale(p.scale);
+  if (is_chunk(p))
+    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT).set_diagonal_band_right_bound(0);
+  else
+    attributes.set_causal_mask(true);
   if (p.sliding_window > 0) attributes.set_diagonal_band_left_bound(static_cast<int>(p.sliding_window));
   if (p.ragged.capacity == 0) return;
   attributes.set_padding_mask(true)
@@ -185,8 +209,8 @@ CachedGraph finish(Context& ctx, std::shared_ptr<fe::graph::Graph> g) {
 CachedGraph build_forward(Context& ctx, const AttentionProblem& p) {
   Views v = views_of(p);
   auto g = new_graph();
-  auto q = input(*g, "Q", kQ, v.q_dim, v.qk_stride);
-  auto k = input(*g, "K", kK, v.k_dim, v.qk_stride);
+  auto q = input(*g, "Q", kQ, v.q_dim, v.q_stride);
+  auto k = input(*g, "K", kK, v.k_dim, v.k_stride);
   auto val = input(*g, "V", kV, v.v_dim, v.v_stride);
   make_ragged(*g, *q, "Q_offset", kQOffset, p);
   make_ragged(*g, *k, "K_offset", kKOffset, p);
@@ -205,8 +229,8 @@ CachedGraph build_forward(Context& ctx, const AttentionProblem& p) {
 CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
   Views v = views_of(p);
   auto g = new_graph();
-  auto q = input(*g, "Q", kQ, v.q_dim, v.qk_stride);
-  auto k = input(*g, "K", kK, v.k_dim, v.qk_stride);
+  auto q = input(*g, "Q", kQ, v.q_dim, v.q_stride);
+  auto k = input(*g, "K", kK, v.k_dim, v.k_stride);
   auto val = input(*g, "V", kV, v.v_dim, v.v_stride);
   auto o = input(*g, "O", kO, v.o_dim, v.o_stride);
   auto d_o = input(*g, "dO", kdO, v.o_dim, v.o_stride);
@@ -221,8 +245,8 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
   auto attributes = fe::graph::SDPA_backward_attributes().set_name("attention_backward");
   set_mask(*g, attributes, p);
   auto [dq, dk, dv] = g->sdpa_backward(q, k, val, o, d_o, stats, attributes);
-  dq->set_output(true).set_uid(kdQ).set_dim(v.q_dim).set_stride(v.qk_stride);
-  dk->set_output(true).set_uid(kdK).set_dim(v.k_dim).set_stride(v.qk_stride);
+  dq->set_output(true).set_uid(kdQ).set_dim(v.q_dim).set_stride(v.q_stride);
+  dk->set_output(true).set_uid(kdK).set_dim(v.k_dim).set_stride(v.k_stride);
   dv->set_output(true).set_uid(kdV).set_dim(v.v_dim).set_stride(v.v_stride);
   make_ragged(*g, *dq, "dQ_offset", kdQOffset, p);
   make_ragged(*g, *dk, "dK_offset", kdKOffset, p);
@@ -231,8 +255,8 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
 }
 
 const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool backward) {
-  ProblemKey key{p.batch,          p.seq,   p.q_heads,          p.kv_heads, p.head_dim, p.v_head_dim,
-                 p.sliding_window, p.scale, p.ragged.capacity, backward};
+  ProblemKey key{p.batch,          p.seq,   p.q_heads,          p.kv_heads,       p.head_dim,     p.v_head_dim,
+                 p.sliding_window, p.scale, p.ragged.capacity, p.chunk.position, p.chunk.kv_seq, backward};
   auto it = ctx.graphs.find(key);
   if (it == ctx.graphs.end())
     it = ctx.graphs.emplace(key, backward ? build_backward(ctx, p) : build_forward(ctx, p)).first;
@@ -258,36 +282,73 @@ void execute(Context& ctx, const CachedGraph& cached, std::unordered_map<int64_t
   check_fe(cached.graph->execute(ctx.handle, pack, workspace), "execute");
 }
 
-}  // namespace
-
-void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionProblem& p) {
+// The pointers of one graph execution: Q in qkv; K and V in qkv, or in kv for a chunk.
+void run_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
   Context& ctx = context();
   std::lock_guard lock(ctx.mu);
   const CachedGraph& g = cached_graph(ctx, p, false);
-  bf16* base = const_cast<bf16*>(qkv);
+  bf16* q = const_cast<bf16*>(qkv);
+  bf16* keys = const_cast<bf16*>(kv);
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, base}, {kK, base + k_offset(p)}, {kV, base + v_offset(p)}, {kO, out}, {kStats, lse}};
+      {kQ, q}, {kK, keys + k_offset(p)}, {kV, keys + v_offset(p)}, {kO, out}, {kStats, lse}};
   add_ragged(pack, p.ragged, false);
   execute(ctx, g, pack);
 }
 
-void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                        const AttentionProblem& p) {
+void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv, const bf16* out,
+                  const float* lse, const AttentionProblem& p) {
   Context& ctx = context();
   std::lock_guard lock(ctx.mu);
   const CachedGraph& g = cached_graph(ctx, p, true);
-  bf16* base = const_cast<bf16*>(qkv);
-  std::unordered_map<int64_t, void*> pack = {{kQ, base},
-                                             {kK, base + k_offset(p)},
-                                             {kV, base + v_offset(p)},
+  bf16* q = const_cast<bf16*>(qkv);
+  bf16* keys = const_cast<bf16*>(kv);
+  std::unordered_map<int64_t, void*> pack = {{kQ, q},
+                                             {kK, keys + k_offset(p)},
+                                             {kV, keys + v_offset(p)},
                                              {kO, const_cast<bf16*>(out)},
                                              {kdO, const_cast<bf16*>(dout)},
                                              {kStats, const_cast<float*>(lse)},
                                              {kdQ, dqkv},
-                                             {kdK, dqkv + k_offset(p)},
-                                             {kdV, dqkv + v_offset(p)}};
+                                             {kdK, dkv + k_offset(p)},
+                                             {kdV, dkv + v_offset(p)}};
   add_ragged(pack, p.ragged, true);
   execute(ctx, g, pack);
+}
+
+void check_chunk(const AttentionProblem& p) {
+  if (!is_chunk(p) || p.ragged.capacity > 0 || p.v_head_dim != p.head_dim || p.chunk.position < 0 ||
+      p.chunk.position + p.seq > p.chunk.kv_seq)
+    FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{})", p.seq,
+               p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim,
+               p.ragged.capacity > 0 ? ", ragged" : "");
+}
+
+}  // namespace
+
+void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionProblem& p) {
+  run_forward(out, lse, qkv, qkv, p);
+}
+
+void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
+                        const AttentionProblem& p) {
+  run_backward(dqkv, dqkv, dout, qkv, qkv, out, lse, p);
+}
+
+void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
+  check_chunk(p);
+  run_forward(out, lse, qkv, kv, p);
+}
+
+void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv,
+                              const bf16* out, const float* lse, const AttentionProblem& p) {
+  check_chunk(p);
+  run_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
+  const int64_t width = 2 * p.kv_heads * p.head_dim, seen = p.chunk.position + p.seq;
+  const size_t row_bytes = static_cast<size_t>(width) * sizeof(bf16);
+  if (seen < p.chunk.kv_seq)  // the positions the chunk does not see: no gradient
+    CUDA_CHECK(cudaMemset2DAsync(dkv + seen * width, static_cast<size_t>(p.chunk.kv_seq) * row_bytes, 0,
+                                 static_cast<size_t>(p.chunk.kv_seq - seen) * row_bytes, static_cast<size_t>(p.batch),
+                                 nullptr));
 }
 
 }  // namespace forge::cuda

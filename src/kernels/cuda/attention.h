@@ -16,6 +16,14 @@ struct RaggedSequences {
   const int64_t* lse_offsets = nullptr;  // ... in lse
 };
 
+// Chunk attention (NOTE [Chunk attention] in ops/attention_chunk.h): the seq queries are
+// positions [position, position + seq) of sequences whose keys and values are in kv bf16
+// [B, kv_seq, 2 Hkv, D] (per token the key heads, then the value heads; Dv = D).
+struct KeyValueChunk {
+  int64_t position = 0;
+  int64_t kv_seq = 0;  // 0: no chunk, keys and values in qkv
+};
+
 struct AttentionProblem {
   int64_t batch, seq, q_heads, kv_heads;
   int64_t head_dim;    // of queries and keys
@@ -23,6 +31,7 @@ struct AttentionProblem {
   int64_t sliding_window;  // 0: none
   float scale;
   RaggedSequences ragged{};
+  KeyValueChunk chunk{};  // the chunk forms below only
 };
 
 // qkv bf16 [B, T, (Hq + Hkv) D + Hkv Dv] (packed as the fused projection writes it: per
@@ -32,5 +41,13 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionPr
 // Overwrites dqkv (same packing as qkv) from dout bf16 [B, T, Hq, Dv].
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         const AttentionProblem& p);
+
+// Chunk attention (p.chunk.kv_seq > 0, no ragged sequences): the queries in the chunk's qkv
+// [B, T, Hq + 2 Hkv, D] (its query heads), keys and values in kv; out and lse as above.
+void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p);
+// Overwrites dqkv's query heads (not its key/value heads) and all of dkv [B, kv_seq, 2 Hkv,
+// D], zero past the chunk's last position.
+void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv,
+                              const bf16* out, const float* lse, const AttentionProblem& p);
 
 }  // namespace forge::cuda

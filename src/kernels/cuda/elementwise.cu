@@ -1,8 +1,9 @@
 // Elementwise helpers on the GPU: dtype casts, the accumulation of reduced gradient
-// shards (on the stream FSDP communicates on), and the sum of squares behind the global
-// gradient norm. The sum is deterministic: a fixed grid of blocks each reduces a fixed
-// strided subset in fp64 (warp shuffles, then shared memory), writes one partial, and the
-// host adds the partials in block order.
+// shards (on the stream FSDP communicates on) and of bf16 partial gradients (the key/value
+// gradients of context parallelism's two query chunks, summed in fp32 and rounded once),
+// and the sum of squares behind the global gradient norm. The sum is deterministic: a
+// fixed grid of blocks each reduces a fixed strided subset in fp64 (warp shuffles, then
+// shared memory), writes one partial, and the host adds the partials in block order.
 #include "kernels/cuda/elementwise.h"
 
 #include <algorithm>
@@ -30,15 +31,15 @@ __global__ void cast_to_float_kernel(float* out, const bf16* in, int64_t n) {
   if (i < n) out[i] = __bfloat162float(in[i]);
 }
 
-template <typename Src>
-__global__ void accumulate_kernel(float* dst, const Src* src, int64_t n) {
+template <typename Dst, typename Src>
+__global__ void accumulate_kernel(Dst* dst, const Src* src, int64_t n) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    dst[i] += static_cast<float>(src[i]);
+    dst[i] = static_cast<Dst>(static_cast<float>(dst[i]) + static_cast<float>(src[i]));
 }
 
-template <typename Src>
-void launch_accumulate(float* dst, const Src* src, int64_t n, cudaStream_t stream) {
+template <typename Dst, typename Src>
+void launch_accumulate(Dst* dst, const Src* src, int64_t n, cudaStream_t stream) {
   if (n == 0) return;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((n + kThreads - 1) / kThreads, 8192));
   accumulate_kernel<<<blocks, kThreads, 0, stream>>>(dst, src, n);
@@ -93,5 +94,7 @@ void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream) {
 void accumulate(float* dst, const bf16* src, int64_t n, cudaStream_t stream) {
   launch_accumulate(dst, src, n, stream);
 }
+
+void accumulate(bf16* dst, const bf16* src, int64_t n, cudaStream_t stream) { launch_accumulate(dst, src, n, stream); }
 
 }  // namespace forge::cuda

@@ -16,5 +16,7 @@ void cast(float* out, const bf16* in, int64_t n, cudaStream_t stream = nullptr);
 // dst[i] += src[i], enqueued on `stream`.
 void accumulate(float* dst, const float* src, int64_t n, cudaStream_t stream);
 void accumulate(float* dst, const bf16* src, int64_t n, cudaStream_t stream);
+// dst[i] = bf16(float(dst[i]) + float(src[i])), enqueued on `stream`.
+void accumulate(bf16* dst, const bf16* src, int64_t n, cudaStream_t stream);
 
 }  // namespace forge::cuda
