@@ -191,7 +191,7 @@ int run_info(const std::vector<std::string>& args) {
                                                                            : ""));
   }
   MemoryPlan plan = memory_plan_of(config);
-  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}:\n",
+  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
              !plan.fsdp ? std::string()
              : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
@@ -210,6 +210,11 @@ int run_info(const std::vector<std::string>& args) {
                                fmt::format("{:.2f} B", static_cast<double>(tensor_parallel_rank_parameters(m, plan.tensor_parallel)) / 1e9),
                                fmt::format("{:.2f} B", static_cast<double>(m.total_params()) / 1e9),
                                plan.tensor_parallel)
+                 : std::string(),
+             plan.context_parallel > 1
+                 ? fmt::format("; context parallelism {} (a rank's 2 of the {} chunks of every sequence, the keys and "
+                               "values of all gathered for attention)",
+                               plan.context_parallel, 2 * plan.context_parallel)
                  : std::string());
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {

@@ -358,8 +358,8 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::parallelism, &ParallelismConfig::data_parallel_shard_degree>(
           "parallelism.data_parallel_shard_degree",
-          "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate and "
-          "tensor-parallel degrees",
+          "ranks that shard the model (FSDP); -1: every rank the launcher started, over the replicate, "
+          "tensor-parallel and context-parallel degrees",
           at_least(-1)),
       key<&E::parallelism, &ParallelismConfig::data_parallel_replicate_degree>(
           "parallelism.data_parallel_replicate_degree",
@@ -376,6 +376,11 @@ std::vector<ConfigKey> build_schema() {
           "parallelism.tensor_parallel_degree",
           "consecutive ranks that split every layer (Megatron's tensor parallelism with sequence parallelism: heads, "
           "feed-forward columns and vocabulary split, the residual stream split by tokens); 1: none",
+          at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::context_parallel_degree>(
+          "parallelism.context_parallel_degree",
+          "ranks that split every sequence (load-balanced causal chunks, keys and values all-gathered for "
+          "attention), for long sequences; 1: none",
           at_least(1)),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",

@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
+#include "model/context_parallel.h"
 #include "model/tensor_parallel.h"
 #include "optim/config_rules.h"
 
@@ -282,11 +283,13 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
     FORGE_FAIL("{}: {}", tp, e.what());
   }
   const TrainingConfig& training = config.training;
-  if ((training.local_batch_size * training.seq_len) % t != 0)
-    FORGE_FAIL("{} must divide the micro-batch's tokens, {} × {} = {} (each rank holds its share of the residual "
-               "stream's rows)",
-               tp, show(config, keys, "training.local_batch_size"), show(config, keys, "training.seq_len"),
-               training.local_batch_size * training.seq_len);
+  const int64_t cp = config.parallelism.context_parallel_degree;  // the rank's tokens are 1/cp of the micro-batch's
+  if ((training.local_batch_size * training.seq_len / cp) % t != 0)
+    FORGE_FAIL("{} must divide the micro-batch's tokens{}, {} × {}{} = {} (each rank holds its share of the "
+               "residual stream's rows)",
+               tp, cp > 1 ? " on a context-parallel rank" : "", show(config, keys, "training.local_batch_size"),
+               show(config, keys, "training.seq_len"), cp > 1 ? fmt::format(" / {}", cp) : "",
+               training.local_batch_size * training.seq_len / cp);
   const ModelConfig& m = config.model;
   // cuBLASLt and cuDNN want every row of the rank's shards 16-byte aligned in bf16.
   if (training.device == "cuda")
@@ -308,6 +311,29 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
          "the weights read are not yet split into the ranks' shards");
   refuse(config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
          "the shards are not yet gathered into whole parameters for the export");
+}
+
+// parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
+// model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
+// chunks, data without packed examples; full training in the compute dtype.
+void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
+  const int64_t c = config.parallelism.context_parallel_degree;
+  if (c == 1) return;
+  const std::string cp = show(config, keys, "parallelism.context_parallel_degree");
+  try {
+    check_context_parallel(config.model, c, config.training.seq_len);
+  } catch (const Error& e) {
+    FORGE_FAIL("{} with {}: {}", cp, show(config, keys, "training.seq_len"), e.what());
+  }
+  auto refuse = [&](bool set, const char* key, const char* why) {
+    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", cp, show(config, keys, key), why);
+  };
+  refuse(config.data.source == "sft" || config.data.source == "govreport_npy", "data.source",
+         "its packed examples would confine attention to examples that cross the ranks' chunks");
+  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
+         "LoRA's frozen base and replicated adapters are not reduced over context-parallel ranks");
+  refuse(config.precision.fp8 != "none", "precision.fp8",
+         "FP8 scaling is not agreed over context-parallel ranks");
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
@@ -345,12 +371,12 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "parallelism.data_parallel_shard_degree"));
   if (p.data_parallel_shard_degree != -1) return;
   const int world = read_launch_env().world_size;
-  const int64_t others = p.data_parallel_replicate_degree * p.tensor_parallel_degree;
+  const int64_t others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree;
   if (world % others != 0)
     FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {} × "
-               "tensor_parallel_degree {}",
+               "tensor_parallel_degree {} × context_parallel_degree {}",
                show(config, keys, "parallelism.data_parallel_shard_degree"), world, p.data_parallel_replicate_degree,
-               p.tensor_parallel_degree);
+               p.tensor_parallel_degree, p.context_parallel_degree);
   p.data_parallel_shard_degree = world / others;
 }
 
@@ -409,6 +435,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_fp8(config, keys);
   check_moe(config, keys);
   check_expert_parallel(config, keys);
+  check_context_parallel_degree(config, keys);
   check_tensor_parallel_degree(config, keys);
   check_mla(config, keys);
   resolve_batch(config, keys);

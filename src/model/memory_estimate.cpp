@@ -61,7 +61,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint,
-                                           plan.expert_parallel, plan.tensor_parallel));
+                                           plan.expert_parallel, plan.tensor_parallel, plan.context_parallel));
   if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
     e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));

@@ -23,7 +23,10 @@
 // received rows (in the activations) may be P times a micro-batch's assignments.
 // Tensor parallelism of degree T (NOTE [Tensor parallelism] in model/tensor_parallel.h):
 // everything above counts the rank's shards (parameter_specs(config, shard)), FSDP's
-// units too, and the activations are the rank's arena.
+// units too, and the activations are the rank's arena. Context parallelism of degree C
+// (NOTE [Context parallelism] in model/context_parallel.h): the activations are the rank's
+// arena (its 1/C of the tokens and the gathered keys and values); shard_ranks counts the
+// context-parallel ranks FSDP shards over.
 #pragma once
 
 #include <cstdint>
@@ -69,6 +72,7 @@ struct MemoryPlan {
   int64_t zero_stage = 3;
   int64_t expert_parallel = 1;  // parallelism.expert_parallel_degree
   int64_t tensor_parallel = 1;  // parallelism.tensor_parallel_degree: a rank's shards and activations
+  int64_t context_parallel = 1;  // parallelism.context_parallel_degree: a rank's activations
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)

@@ -69,15 +69,18 @@ struct ActivationCheckpointConfig {
   std::string mode = "none";         // none | selective | full
 };
 
-// Data parallelism (NOTE [FSDP] in distributed/fsdp.h) and tensor parallelism (NOTE [Tensor
-// parallelism] in model/tensor_parallel.h). The launcher's world size must equal
-// tensor_parallel_degree × data_parallel_replicate_degree × data_parallel_shard_degree.
+// Data parallelism (NOTE [FSDP] in distributed/fsdp.h), tensor parallelism (NOTE [Tensor
+// parallelism] in model/tensor_parallel.h) and context parallelism (NOTE [Context
+// parallelism] in model/context_parallel.h). The launcher's world size must equal
+// tensor_parallel_degree × context_parallel_degree × data_parallel_replicate_degree ×
+// data_parallel_shard_degree.
 struct ParallelismConfig {
   int64_t data_parallel_shard_degree = 1;      // ranks that shard parameters, gradients, optimizer state
   int64_t data_parallel_replicate_degree = 1;  // hybrid sharding: replicas of each shard group
   int64_t zero_stage = 3;                      // 1: optimizer state, 2: + gradients, 3: + parameters
   int64_t expert_parallel_degree = 1;          // ranks that split a MoE model's routed experts (NOTE [Expert parallelism])
   int64_t tensor_parallel_degree = 1;          // consecutive ranks that split every layer (NOTE [Tensor parallelism])
+  int64_t context_parallel_degree = 1;         // ranks that split every sequence (NOTE [Context parallelism])
   double nccl_timeout_s = 600;                 // a collective that takes longer ends the job, naming the rank
   double rendezvous_timeout_s = 300;           // how long ranks wait for each other at start
   double heartbeat_timeout_s = 60;             // a rank silent this long failed (NOTE [Failure detection])

@@ -19,11 +19,13 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.optimizer_state = config.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
   plan.checkpoint = activation_checkpoint_from_name(config.activation_checkpoint.mode);
   const ParallelismConfig& p = config.parallelism;
-  plan.fsdp = p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1;
-  plan.shard_ranks = p.data_parallel_shard_degree;
+  // NOTE [Context-parallel steps]: FSDP shards over the context-parallel ranks too.
+  plan.fsdp = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * p.context_parallel_degree > 1;
+  plan.shard_ranks = p.data_parallel_shard_degree * p.context_parallel_degree;
   plan.zero_stage = p.zero_stage;
   plan.expert_parallel = p.expert_parallel_degree;
   plan.tensor_parallel = p.tensor_parallel_degree;
+  plan.context_parallel = p.context_parallel_degree;
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;

@@ -24,6 +24,7 @@
 #include "core/stop_signal.h"
 #include "distributed/expert_dispatch_group.h"
 #include "distributed/heartbeat.h"
+#include "distributed/context_parallel_group.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/lora.h"
 #include "ops/elementwise.h"
@@ -86,11 +87,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // Before the first large allocation (the FSDP buffers): the estimate is checked against
   // what the GPU has free, so nothing of this run may be counted as in use already.
   check_memory_fits(config_);
-  if (data_ranks_ > 1 && config_.lora.quantize_base == "nf4") {
+  // NOTE [Context-parallel steps]: FSDP's world holds the context-parallel ranks too.
+  const int fsdp_ranks = data_ranks_ * context_parallel_degree_;
+  if (fsdp_ranks > 1 && config_.lora.quantize_base == "nf4") {
     // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives.
     replicated_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
     dp_ = replicated_comm_.get();
-  } else if (data_ranks_ > 1) {
+  } else if (fsdp_ranks > 1) {
     FsdpOptions fsdp;
     fsdp.tensor_parallel = tensor_parallel_shard_;
     fsdp.zero_stage = static_cast<int>(config_.parallelism.zero_stage);
@@ -185,7 +188,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   if (world_size_ > 1 && rank_ != 0) set_log_level(LogLevel::Warn);
   model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          activation_checkpoint_from_name(config_.activation_checkpoint.mode),
-                                         expert_dispatch_.get(), tensor_parallel_.get());
+                                         expert_dispatch_.get(), tensor_parallel_.get(), context_parallel_.get());
 
   uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
@@ -258,27 +261,45 @@ void Trainer::log_fsdp_memory() const {
            gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
 }
 
+// NOTE [Device mesh]
+// The ranks the launcher started form a mesh of tensor_parallel_degree T (innermost),
+// context_parallel_degree C, and the data-parallel ranks (data_parallel_shard_degree x
+// data_parallel_replicate_degree, outermost): rank = ((d C) + c) T + t. Consecutive ranks
+// split the layers (the busiest collectives, inside a node), the ranks of one data-parallel
+// rank split its sequences, and each data-parallel rank reads its own micro-batches.
+//
+// NOTE [Context-parallel steps]
+// The ranks of a context-parallel group read the same micro-batches and each computes its
+// chunks' share of the gradients (NOTE [Context parallelism] in model/context_parallel.h),
+// so for the gradients they are data-parallel ranks: FSDP shards over the data-parallel
+// ranks' context-parallel ranks (C x data_parallel_shard_degree shard ranks, as
+// torchtitan's dp_shard_cp) and sums their gradients. The step's scalars go through the
+// same groups, where each group's C ranks report the same micro-batches' targets and
+// losses (the decoder sums the losses over its group): those sums are divided by C.
 void Trainer::set_up_data_parallel() {
   const ParallelismConfig& p = config_.parallelism;
   const LaunchEnv env = read_launch_env();
-  const int64_t tp = p.tensor_parallel_degree;
-  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * tp;
+  const int64_t tp = p.tensor_parallel_degree, cp = p.context_parallel_degree;
+  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * tp * cp;
   if (env.world_size == 1 && ranks > 1)
-    FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree × tensor_parallel_degree = "
-               "{} × {} × {} = {} ranks, but this process was started alone: start {} ranks (forge launch "
-               "--nproc-per-node {} -- train ..., torchrun or srun)",
-               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, ranks, ranks, ranks);
+    FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree × tensor_parallel_degree × "
+               "context_parallel_degree = {} × {} × {} × {} = {} ranks, but this process was started alone: start "
+               "{} ranks (forge launch --nproc-per-node {} -- train ..., torchrun or srun)",
+               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, cp, ranks, ranks, ranks);
   if (env.world_size != ranks)
     FORGE_FAIL("{} ranks were started ({}), but parallelism.data_parallel_shard_degree × "
-               "data_parallel_replicate_degree × tensor_parallel_degree = {} × {} × {} = {}: set them so that their "
-               "product is the number of ranks",
-               env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp,
+               "data_parallel_replicate_degree × tensor_parallel_degree × context_parallel_degree = {} × {} × {} × "
+               "{} = {}: set them so that their product is the number of ranks",
+               env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, cp,
                ranks);
   if (ranks == 1) return;
   rank_ = env.rank;
   world_size_ = env.world_size;
-  data_rank_ = static_cast<int>(rank_ / tp);
-  data_ranks_ = static_cast<int>(world_size_ / tp);
+  // NOTE [Device mesh]: rank = ((data-parallel rank × C) + context-parallel rank) × T +
+  // tensor-parallel rank.
+  data_rank_ = static_cast<int>(rank_ / (tp * cp));
+  data_ranks_ = static_cast<int>(world_size_ / (tp * cp));
+  context_parallel_degree_ = static_cast<int>(cp);
   if (!world_) {
     own_world_ = create_process_group(env, process_group_options(config_));
     world_ = own_world_.get();
@@ -286,6 +307,12 @@ void Trainer::set_up_data_parallel() {
   FORGE_CHECK(world_->world_size() == env.world_size, "the process group given has {} ranks, the launcher started {}",
               world_->world_size(), env.world_size);
   ProcessGroup* data_world = world_;
+  if (cp > 1) {
+    // The ranks of the same data-parallel and tensor-parallel rank split the sequences.
+    const int t = static_cast<int>(tp);
+    context_parallel_group_ = world_->split(data_rank_ * t + rank_ % t, rank_);
+    context_parallel_ = std::make_unique<GroupContextParallel>(*context_parallel_group_);
+  }
   if (tp > 1) {
     // NOTE [Tensor parallelism]: consecutive ranks split the layers (they share a node when
     // the degree is at most the ranks per node, where its collectives belong); the ranks the
@@ -301,10 +328,12 @@ void Trainer::set_up_data_parallel() {
   shard_group_ = data_world;
   if (p.data_parallel_replicate_degree > 1) {
     // Consecutive data-parallel ranks shard (they share a node when the shard degree is the
-    // ranks per node); ranks the shard degree apart hold the same shard.
-    const int shard = static_cast<int>(p.data_parallel_shard_degree);
-    shard_split_ = data_world->split(data_rank_ / shard, data_rank_);
-    replicate_group_ = data_world->split(data_rank_ % shard, data_rank_);
+    // ranks per node); ranks the shard degree apart hold the same shard. A shard group holds
+    // its data-parallel ranks' context-parallel ranks too (NOTE [Context-parallel steps]).
+    const int shard = static_cast<int>(p.data_parallel_shard_degree * cp);
+    const int index = data_world->rank();  // data-parallel rank × C + context-parallel rank
+    shard_split_ = data_world->split(index / shard, index);
+    replicate_group_ = data_world->split(index % shard, index);
     shard_group_ = shard_split_.get();
   }
   if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks, no replicas
@@ -568,6 +597,10 @@ EvalMetrics Trainer::evaluate(int64_t step) {
   if (split) {
     std::tie(total.sum, batch_means) = dp_->sum_over_ranks(total.sum, batch_means);
     total.tokens = dp_->count_over_ranks(total.tokens);
+    // NOTE [Context-parallel steps]: each of a group's C ranks reported the same batches.
+    total.sum /= context_parallel_degree_;
+    batch_means /= context_parallel_degree_;
+    total.tokens /= context_parallel_degree_;
     counted_batches = dp_->count_over_ranks(counted_batches);
   }
   EvalMetrics m;
@@ -657,7 +690,8 @@ TrainResult Trainer::run() {
       const int32_t* tg = b.targets.data<int32_t>();
       for (int64_t i = 0; i < b.targets.numel(); ++i) targets += tg[i] != kIgnoreIndex;
     }
-    if (dp_) targets = dp_->count_over_ranks(targets);
+    // NOTE [Context-parallel steps]: each of a group's C ranks counted the same targets.
+    if (dp_) targets = dp_->count_over_ranks(targets) / context_parallel_degree_;
     const float grad_scale = targets > 0 ? 1.0f / static_cast<float>(targets) : 0.0f;
     LossSum loss;
     std::vector<std::vector<int64_t>> expert_load;  // NOTE [MoE feed-forward]: summed over the micro-batches
@@ -688,7 +722,7 @@ TrainResult Trainer::run() {
     if (dp_) {
       const std::vector<double> sums =
           dp_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, static_cast<double>(amax_ranks)});
-      loss.sum = sums[0];
+      loss.sum = sums[0] / context_parallel_degree_;  // NOTE [Context-parallel steps]
       stop_now = sums[1] > 0;
       amax_ranks = std::llround(sums[2]);
       loss.tokens = targets;

@@ -48,6 +48,7 @@
 #include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
+#include "model/context_parallel.h"
 #include "model/tensor_parallel.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
@@ -220,6 +221,13 @@ class Trainer {
   std::unique_ptr<TensorParallel> tensor_parallel_;
   std::unique_ptr<DataParallelComm> tensor_parallel_comm_;
   TensorParallelShard tensor_parallel_shard_;
+  // Context parallelism (NOTE [Context parallelism] in model/context_parallel.h): the ranks
+  // of the same tensor-parallel and data-parallel rank that split every sequence, and the
+  // model's collectives over them; FSDP's world holds them too (NOTE [Context-parallel
+  // steps] in trainer.cpp).
+  std::unique_ptr<ProcessGroup> context_parallel_group_;
+  std::unique_ptr<ContextParallel> context_parallel_;
+  int context_parallel_degree_ = 1;
   // Expert parallelism (NOTE [Expert parallelism]): the consecutive ranks that split the
   // experts, the ranks that hold the same experts, and the model's dispatch over the former.
   std::unique_ptr<ProcessGroup> expert_parallel_group_, expert_shard_group_;

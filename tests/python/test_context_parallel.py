@@ -1,0 +1,113 @@
+"""Context parallelism across real processes on the CPU (forge launch, the CPU process group;
+NOTE [Context parallelism] in model/context_parallel.h, NOTE [Context-parallel steps] in
+train/trainer.cpp): the same run with every sequence split over 2 and 4 context-parallel
+ranks, composed with 2 tensor-parallel ranks, with FSDP over 2 data-parallel ranks and with
+hybrid sharding, gives one rank's loss curve, gradient norms and validation losses within
+fp32 reordering; a run resumed from its checkpoint repeats the uninterrupted one bitwise,
+and its checkpoint resumes on one rank; the configurations it cannot take are refused with
+errors that name the keys."""
+import json
+import os
+import subprocess
+import unittest
+
+from forge_test_util import forge_bin, scratch_dir
+
+TIMEOUT = 300
+GLOBAL_BATCH = 8
+
+
+def train(run_dir, ranks, data_ranks, *overrides, steps=30, check=True):
+    """`steps` steps on `ranks` CPU ranks, micro-batch 2, accumulation filling the global batch
+    of 8 sequences over the data-parallel ranks; evaluation every 10 steps."""
+    accum = GLOBAL_BATCH // (2 * data_ranks)
+    args = ["train", "--training.steps", str(steps), "--training.local_batch_size", "2",
+            "--training.gradient_accumulation_steps", str(accum), "--eval.interval", "10",
+            "--logging.run_dir", run_dir, *overrides]
+    command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
+    env = dict(os.environ, FORGE_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if r.get("type") == kind]
+
+
+def max_relative_difference(a, b, key):
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b))
+
+
+CP = "--parallelism.context_parallel_degree"
+
+
+class Parity(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.one = os.path.join(cls.tmp, "one")
+        train(cls.one, 1, 1)
+
+    def expect_follows(self, run):
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+            self.assertLess(max_relative_difference(records(run, kind), records(self.one, kind), key), 1e-5, (kind, key))
+
+    def test_context_parallel_ranks_follow_one(self):
+        self.assertLess(records(self.one, "train")[-1]["loss"], records(self.one, "train")[0]["loss"] - 0.5)
+        for name, ranks, data_ranks, flags in (
+                ("cp2", 2, 1, [CP, "2"]),
+                ("cp4-full", 4, 1, [CP, "4", "--activation_checkpoint.mode", "full"]),
+                ("cp2-tp2", 4, 1, [CP, "2", "--parallelism.tensor_parallel_degree", "2"]),
+                ("cp2-fsdp2", 4, 2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
+                ("cp2-replicate2", 4, 2, [CP, "2", "--parallelism.data_parallel_replicate_degree", "2"])):
+            with self.subTest(run=name):
+                run = os.path.join(self.tmp, name)
+                train(run, ranks, data_ranks, *flags)
+                self.expect_follows(run)
+
+    def test_resume_is_exact_and_reshards(self):
+        whole = os.path.join(self.tmp, "cp2-whole")
+        train(whole, 2, 1, CP, "2")
+        cut = os.path.join(self.tmp, "cp2-cut")
+        ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
+        train(cut, 2, 1, CP, "2", *ckpt, steps=20)
+        train(cut, 2, 1, CP, "2", *ckpt, "--checkpoint.load_step", "10")
+        expected = {r["step"]: r["loss"] for r in records(whole, "train")}
+        resumed = records(cut, "train")
+        self.assertEqual(resumed[-1]["step"], 30)
+        for r in resumed:
+            self.assertEqual(r["loss"], expected[r["step"]], r["step"])
+        # The context-parallel checkpoint at step 20 resumed on one rank.
+        alone = os.path.join(self.tmp, "cp2-then-one")
+        train(alone, 1, 1, "--checkpoint.enable", "true", "--checkpoint.folder", os.path.join(cut, "checkpoints"),
+              "--checkpoint.load_step", "20")
+        tail = records(alone, "train")
+        self.assertEqual(tail[0]["step"], 21)
+        for r in tail:
+            self.assertLess(abs(r["loss"] - expected[r["step"]]) / expected[r["step"]], 1e-5, r["step"])
+
+
+class Errors(unittest.TestCase):
+    def expect_refused(self, ranks, flags, message):
+        result = train(os.path.join(scratch_dir(), "refused"), ranks, 1, *flags, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn(message, result.stdout + result.stderr)
+
+    def test_bad_configurations_name_their_keys(self):
+        for ranks, flags, message in (
+                (2, [CP, "2", "--training.seq_len", "30"], "cuts each sequence into 4 chunks (two per rank), which must divide training.seq_len = 30"),
+                (2, [CP, "2", "--model.name", "debug-tiny-moe"], "has Mixture-of-Experts blocks"),
+                (2, [CP, "2", "--lora.rank", "4"], "cannot be combined with lora.rank = 4"),
+                (2, [CP, "2", "--precision.fp8", "tensorwise"], "cannot be combined with precision.fp8"),
+                (2, [CP, "4"], "context_parallel_degree = 1 × 1 × 1 × 4 = 4"),
+                (1, [CP, "2"], "this process was started alone")):
+            with self.subTest(flags=flags):
+                self.expect_refused(ranks, flags, message)
+
+
+if __name__ == "__main__":
+    unittest.main()
