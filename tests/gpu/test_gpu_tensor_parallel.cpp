@@ -1,11 +1,13 @@
-// Tensor parallelism's CUDA path on one GPU (NOTE [Tensor parallelism] in
-// model/tensor_parallel.h): T ranks as threads of this process, each with its bf16 shards
-// and its DecoderLM on the same GPU, taking turns on it (one thread computes at a time;
-// the turn passes at every collective, which the threads compute among themselves with
-// device copies and fp32 accumulation). Their loss and each shard's gradients match one
-// GPU's step of the whole model: the shard shapes, the row-parallel GEMMs split around the
-// rank's rows, the shard embedding and the vocabulary-parallel cross-entropy in bf16, with
-// cuBLASLt and cuDNN. (NCCL cannot put two ranks on one GPU; the multi-GPU runs are issue 23.)
+// Tensor and context parallelism's CUDA path on one GPU (NOTE [Tensor parallelism] in
+// model/tensor_parallel.h, NOTE [Context parallelism] in model/context_parallel.h): T x C
+// ranks as threads of this process, each with its bf16 shards and its DecoderLM on the
+// same GPU, taking turns on it (one thread computes at a time; the turn passes at every
+// collective, which the threads compute among themselves with device copies and fp32
+// accumulation). Their losses and gradients match one GPU's step of the whole model: the
+// shard shapes, the row-parallel GEMMs split around the rank's rows, the shard embedding
+// and the vocabulary-parallel cross-entropy, the sequence chunks, the gathered keys and
+// values and the chunk attention, in bf16 with cuBLASLt and cuDNN. (NCCL cannot put two
+// ranks on one GPU; the multi-GPU runs are issue 23.)
 #include <gtest/gtest.h>
 
 #include <barrier>
@@ -14,6 +16,7 @@
 #include <mutex>
 
 #include "gpu_testing.h"
+#include "model/context_parallel.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
@@ -22,46 +25,50 @@
 namespace forge::gpu_test {
 namespace {
 
-// The group's shared state: the turn (one thread on the GPU at a time), a barrier, and
-// each rank's tensor of the collective in progress.
+// The GPU's turn (one rank thread computes at a time), shared by every group.
+struct Turn {
+  std::mutex gpu;
+};
+
+// A group's barrier and each rank's tensor of the collective in progress.
 struct ThreadGroup {
   explicit ThreadGroup(int size) : barrier(size), posted(static_cast<size_t>(size)) {}
-  std::mutex turn;
   std::barrier<> barrier;
   std::vector<const Tensor*> posted;
 };
 
-class ThreadTensorParallel final : public TensorParallel {
+// The collectives of one rank in one group, for tensor or context parallelism: rows
+// gathered and reduce-scattered by device copies and fp32 accumulation, small fp32
+// tensors reduced on the host.
+class ThreadCollectives final : public TensorParallel, public ContextParallel {
  public:
-  ThreadTensorParallel(ThreadGroup& group, int rank) : group_(group), rank_(rank) {}
+  ThreadCollectives(Turn& turn, ThreadGroup& group, int rank) : turn_(turn), group_(group), rank_(rank) {}
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(group_.posted.size()); }
 
+  // `full` holds size() of `local`, one after the other (whatever the shapes say).
   void gather_rows(const Tensor& full, const Tensor& local) override {
     collective(local, [&](int q, const Tensor& theirs) {
-      const int64_t n = theirs.dim(0);
-      copy_bytes(full.narrow(q * n, (q + 1) * n).raw(), Device::CUDA, theirs.raw(), Device::CUDA, theirs.nbytes());
+      copy_bytes(static_cast<char*>(full.raw()) + q * theirs.nbytes(), Device::CUDA, theirs.raw(), Device::CUDA,
+                 theirs.nbytes());
     });
   }
   void reduce_scatter_rows(const Tensor& local, const Tensor& full) override {
-    const int64_t n = local.dim(0);
-    Tensor sum = Tensor::zeros(local.shape(), DType::F32, Device::CUDA);
-    collective(full, [&](int, const Tensor& theirs) { accumulate(sum, theirs.narrow(rank_ * n, (rank_ + 1) * n)); });
+    const int64_t n = local.numel();
+    Tensor sum = Tensor::zeros({n}, DType::F32, Device::CUDA);
+    collective(full, [&](int, const Tensor& theirs) {
+      accumulate(sum, theirs.view({theirs.numel()}).narrow(rank_ * n, (rank_ + 1) * n));
+    });
     cast(local, sum);
   }
+  void gather(const Tensor& full, const Tensor& local) override { gather_rows(full, local); }
+  void reduce_scatter(const Tensor& local, const Tensor& full) override { reduce_scatter_rows(local, full); }
   void all_reduce_sum(const Tensor& tensor) override {
     reduce_on_host(tensor, [](float a, float b) { return a + b; });
   }
   void all_reduce_max(const Tensor& tensor) override {
     reduce_on_host(tensor, [](float a, float b) { return std::max(a, b); });
-  }
-
-  // The thread's turn on the GPU, taken before its first kernel and given back at the end.
-  void begin() { group_.turn.lock(); }
-  void end() {
-    device_synchronize();
-    group_.turn.unlock();
   }
 
  private:
@@ -70,17 +77,18 @@ class ThreadTensorParallel final : public TensorParallel {
   void collective(const Tensor& mine, const std::function<void(int, const Tensor&)>& read) {
     device_synchronize();
     group_.posted[static_cast<size_t>(rank_)] = &mine;
-    group_.turn.unlock();
+    turn_.gpu.unlock();
     group_.barrier.arrive_and_wait();
     {
-      std::lock_guard<std::mutex> lock(group_.turn);
+      std::lock_guard<std::mutex> lock(turn_.gpu);
       for (int q = 0; q < size(); ++q) read(q, *group_.posted[static_cast<size_t>(q)]);
       device_synchronize();
     }
     group_.barrier.arrive_and_wait();
-    group_.turn.lock();
+    turn_.gpu.lock();
   }
-  // fp32 tensors (the statistics): every rank's values combined on the host, in rank order.
+  // fp32 tensors (the statistics, the loss): every rank's values combined on the host, in
+  // rank order.
   void reduce_on_host(const Tensor& tensor, float (*combine)(float, float)) {
     Tensor result;
     collective(tensor, [&](int q, const Tensor& theirs) {
@@ -92,9 +100,10 @@ class ThreadTensorParallel final : public TensorParallel {
       for (int64_t i = 0; i < host.numel(); ++i)
         result.data<float>()[i] = combine(result.data<float>()[i], host.data<float>()[i]);
     });
-    copy_bytes(tensor.raw(), Device::CUDA, result.raw(), Device::CPU, tensor.nbytes());
+    copy_bytes(tensor.raw(), tensor.device(), result.raw(), Device::CPU, tensor.nbytes());
   }
 
+  Turn& turn_;
   ThreadGroup& group_;
   int rank_;
 };
@@ -124,73 +133,96 @@ ModelConfig llama_like(bool tied) {
   return c;
 }
 
-void expect_ranks_match_one_gpu(int t, bool tied, ActivationCheckpoint mode) {
-  SCOPED_TRACE(fmt::format("{} ranks, {}, checkpointing {}", t, tied ? "tied" : "untied",
+// t tensor-parallel x c context-parallel rank threads (rank = c_index t + t_index) against
+// one GPU: every rank's loss is the whole micro-batch's; a rank's gradients are its shards'
+// share from its tokens, summed over its context-parallel group.
+void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode) {
+  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}", t, c, tied ? "tied" : "untied",
                            activation_checkpoint_name(mode)));
-  const ModelConfig c = llama_like(tied);
+  const ModelConfig config = llama_like(tied);
   const int64_t batch = 2, seq = 128;
-  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t));
-  const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq});
-  Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq});
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
   targets.data<int32_t>()[7] = kIgnoreIndex;
   const float scale = 1.0f / static_cast<float>(batch * seq - 1);
 
-  FlatParameters whole(c);
+  FlatParameters whole(config);
   whole.initialize(23);
   round_to_bf16(whole.flat());
-  FlatParameters compute(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
+  FlatParameters compute(config, Device::CUDA, DType::BF16), grads(config, Device::CUDA, DType::F32);
   compute.assign_from(whole);
   grads.zero();
-  DecoderLM one(c, batch, seq, Device::CUDA, DType::BF16, mode);
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, mode);
   const LossSum reference =
       one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), compute, grads, scale);
 
-  ThreadGroup group(t);
-  std::vector<LossSum> losses(static_cast<size_t>(t));
+  const int ranks = t * c;
+  Turn turn;
+  std::vector<std::unique_ptr<ThreadGroup>> tp_groups, cp_groups;
+  for (int i = 0; i < c; ++i) tp_groups.push_back(std::make_unique<ThreadGroup>(t));
+  for (int i = 0; i < t; ++i) cp_groups.push_back(std::make_unique<ThreadGroup>(c));
+  std::vector<LossSum> losses(static_cast<size_t>(ranks));
   std::vector<std::unique_ptr<FlatParameters>> shard_grads;
-  for (int r = 0; r < t; ++r)
-    shard_grads.push_back(std::make_unique<FlatParameters>(c, Device::CUDA, DType::F32, TensorParallelShard{r, t}));
-  std::vector<std::future<std::string>> ranks;
-  for (int r = 0; r < t; ++r)
-    ranks.push_back(std::async(std::launch::async, [&, r]() -> std::string {
-      ThreadTensorParallel tp(group, r);
-      tp.begin();
+  for (int r = 0; r < ranks; ++r)
+    shard_grads.push_back(
+        std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{r % t, t}));
+  std::vector<std::future<std::string>> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.push_back(std::async(std::launch::async, [&, r]() -> std::string {
+      const int ti = r % t, ci = r / t;
+      ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
+      ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
+      std::string error;
+      turn.gpu.lock();
       try {
-        FlatParameters host(c, Device::CPU, DType::F32, TensorParallelShard{r, t});
+        const TensorParallelShard shard{ti, t};
+        FlatParameters host(config, Device::CPU, DType::F32, shard);
         host.initialize(23);
         round_to_bf16(host.flat());
-        FlatParameters weights(c, Device::CUDA, DType::BF16, TensorParallelShard{r, t});
+        FlatParameters weights(config, Device::CUDA, DType::BF16, shard);
         weights.assign_from(host);
         shard_grads[static_cast<size_t>(r)]->zero();
-        DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, &tp);
+        DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, t > 1 ? &tp : nullptr,
+                        c > 1 ? &cp : nullptr);
         losses[static_cast<size_t>(r)] = model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA),
                                                                 weights, *shard_grads[static_cast<size_t>(r)], scale);
       } catch (const Error& e) {
-        tp.end();
-        return e.what();
+        error = e.what();
       }
-      tp.end();
-      return "";
+      device_synchronize();
+      turn.gpu.unlock();
+      return error;
     }));
-  for (auto& rank : ranks) ASSERT_EQ(rank.get(), "");
+  for (auto& thread : threads) ASSERT_EQ(thread.get(), "");
 
-  const Tensor whole_grads = to_cpu_f32(grads.flat());
-  for (int r = 0; r < t; ++r) {
+  for (int r = 0; r < ranks; ++r) {
     EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
     EXPECT_NEAR(losses[static_cast<size_t>(r)].mean(), reference.mean(), 2e-3 * reference.mean()) << "rank " << r;
+  }
+  for (int ti = 0; ti < t; ++ti)
     for (size_t s = 0; s < whole.specs().size(); ++s) {
       const ParamSpec& spec = whole.specs()[s];
-      const Tensor expected = shard_of(to_cpu_f32(grads.tensors()[s]), spec, {r, t});
-      EXPECT_LT(relative_l2(to_cpu_f32(shard_grads[static_cast<size_t>(r)]->tensors()[s]), expected), 2e-2)
-          << spec.name << " on rank " << r;
+      Tensor summed = to_cpu_f32(shard_grads[static_cast<size_t>(ti)]->tensors()[s]);
+      for (int ci = 1; ci < c; ++ci) {
+        const Tensor more = to_cpu_f32(shard_grads[static_cast<size_t>(ci * t + ti)]->tensors()[s]);
+        for (int64_t i = 0; i < summed.numel(); ++i) summed.data<float>()[i] += more.data<float>()[i];
+      }
+      const Tensor expected = shard_of(to_cpu_f32(grads.tensors()[s]), spec, {ti, t});
+      EXPECT_LT(relative_l2(summed, expected), 2e-2) << spec.name << " of tensor-parallel rank " << ti;
     }
-  }
 }
 
 TEST(GpuTensorParallel, ThreadRanksMatchOneGpu) {
-  expect_ranks_match_one_gpu(2, false, ActivationCheckpoint::None);
-  expect_ranks_match_one_gpu(2, true, ActivationCheckpoint::Selective);
-  expect_ranks_match_one_gpu(2, false, ActivationCheckpoint::Full);
+  expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::None);
+  expect_ranks_match_one_gpu(2, 1, true, ActivationCheckpoint::Selective);
+  expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::Full);
+}
+
+TEST(GpuContextParallel, ThreadRanksMatchOneGpu) {
+  expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None);
+  expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective);
 }
 
 }  // namespace
