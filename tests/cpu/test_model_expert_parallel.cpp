@@ -19,12 +19,14 @@
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
 #include "model_testing.h"
+#include "parallel_testing.h"
 #include "rank_threads.h"
 
 namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::relative_gap;
 
 // A rank's view of whole-model parameters (or gradients): every tensor in full but the
 // routed experts' stacks, narrowed to the rank's local experts, as FSDP hands them out.
@@ -68,14 +70,6 @@ Tensor rows_of(const Tensor& t, int64_t first, int64_t count) {
   Tensor out = Tensor::empty({count, t.dim(1)}, DType::I32);
   out.copy_from(t.narrow(first, first + count));
   return out;
-}
-
-double relative_gap(const Tensor& a, const Tensor& b) {
-  double worst = 0.0, scale = 0.0;
-  for (int64_t i = 0; i < a.numel(); ++i) scale = std::max(scale, std::abs(static_cast<double>(b.data<float>()[i])));
-  for (int64_t i = 0; i < a.numel(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
-  return scale > 0 ? worst / scale : worst;
 }
 
 struct Case {

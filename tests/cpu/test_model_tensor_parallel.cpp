@@ -16,30 +16,15 @@
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
 #include "model_testing.h"
+#include "parallel_testing.h"
 #include "rank_threads.h"
 
 namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
-
-// The values of `full` at the places rank `shard` holds (tensor_parallel_runs), shaped as
-// its shard.
-Tensor shard_of(const Tensor& full, const ParamSpec& spec, TensorParallelShard shard) {
-  Tensor out = Tensor::empty(tensor_parallel_spec(spec, shard).shape);
-  for (const ShardRun& run : tensor_parallel_runs(spec, shard))
-    std::copy(full.data<float>() + run.full_begin, full.data<float>() + run.full_begin + run.count,
-              out.data<float>() + run.local_begin);
-  return out;
-}
-
-double relative_gap(const Tensor& a, const Tensor& b) {
-  double worst = 0.0, scale = 0.0;
-  for (int64_t i = 0; i < b.numel(); ++i) scale = std::max(scale, std::abs(static_cast<double>(b.data<float>()[i])));
-  for (int64_t i = 0; i < a.numel(); ++i)
-    worst = std::max(worst, std::abs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
-  return scale > 0 ? worst / scale : worst;
-}
+using testing::relative_gap;
+using testing::shard_of;
 
 struct Case {
   std::string model;

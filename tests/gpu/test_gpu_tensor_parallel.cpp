@@ -15,6 +15,7 @@
 #include <future>
 #include <mutex>
 
+#include "../cpu/parallel_testing.h"
 #include "gpu_testing.h"
 #include "model/context_parallel.h"
 #include "model/decoder_lm.h"
@@ -108,15 +109,6 @@ class ThreadCollectives final : public TensorParallel, public ContextParallel {
   int rank_;
 };
 
-// The whole parameter's values at the places rank `shard` holds.
-Tensor shard_of(const Tensor& full, const ParamSpec& spec, TensorParallelShard shard) {
-  Tensor out = Tensor::empty(tensor_parallel_spec(spec, shard).shape);
-  for (const ShardRun& run : tensor_parallel_runs(spec, shard))
-    std::copy(full.data<float>() + run.full_begin, full.data<float>() + run.full_begin + run.count,
-              out.data<float>() + run.local_begin);
-  return out;
-}
-
 ModelConfig llama_like(bool tied) {
   ModelConfig c;
   c.name = "gpu-tp-test";
@@ -208,7 +200,7 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
         const Tensor more = to_cpu_f32(shard_grads[static_cast<size_t>(ci * t + ti)]->tensors()[s]);
         for (int64_t i = 0; i < summed.numel(); ++i) summed.data<float>()[i] += more.data<float>()[i];
       }
-      const Tensor expected = shard_of(to_cpu_f32(grads.tensors()[s]), spec, {ti, t});
+      const Tensor expected = testing::shard_of(to_cpu_f32(grads.tensors()[s]), spec, {ti, t});
       EXPECT_LT(relative_l2(summed, expected), 2e-2) << spec.name << " of tensor-parallel rank " << ti;
     }
 }
