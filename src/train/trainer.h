@@ -155,8 +155,14 @@ class Trainer {
   // writer, exchanges the CRC-32s and puts the checkpoint into place.
   void finish_checkpoint_save_job();
   size_t checkpoint_buffer_bytes() const;
-  // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]).
+  // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]),
+  // in its index space (its shards under tensor parallelism), and those of them it writes.
   std::array<std::vector<FlatSegment>, 3> checkpoint_segments() const;
+  std::array<std::vector<FlatSegment>, 3> checkpoint_segments_to_save() const;
+  // Under tensor parallelism: where this rank's index space lies in the whole model's.
+  std::optional<ShardPlacement> tensor_parallel_placement() const;
+  // The collectives of checkpoint saves and resumes, over every rank (null: one rank).
+  DataParallelComm* checkpoint_comm() const { return world_comm_ ? world_comm_.get() : dp_; }
   // Reads the weights (and the optimizer state) into place; what it staged, for the log.
   std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
   // The same into the given segments (a LoRA run's frozen base from a forge checkpoint).
@@ -220,6 +226,9 @@ class Trainer {
   std::unique_ptr<ProcessGroup> tensor_parallel_group_, data_parallel_group_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
   std::unique_ptr<DataParallelComm> tensor_parallel_comm_;
+  // Under tensor parallelism, the step's data-parallel collectives (dp_) leave out the other
+  // tensor-parallel ranks: checkpoints use this one over every rank.
+  std::unique_ptr<DataParallelComm> world_comm_;
   TensorParallelShard tensor_parallel_shard_;
   // Expert parallelism (NOTE [Expert parallelism]): the consecutive ranks that split the
   // experts, the ranks that hold the same experts, and the model's dispatch over the former.
