@@ -1,7 +1,7 @@
-// The trainer's side of checkpoints: which folder, what a save captures (world 1: the flat
-// parameters and every moment tensor; FSDP: this rank's segments), and what a resume or a
-// fine-tuning start restores, all streamed through checkpoint.buffer_mb of host memory
-// (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
+// The trainer's side of checkpoints: which folder, what a save captures (world 1: every
+// parameter and moment tensor; FSDP: this rank's segments; under tensor parallelism, of its
+// shards), and what a resume or a fine-tuning start restores, all streamed through
+// checkpoint.buffer_mb of host memory (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
 // NOTE [Exact resume] in train/trainer.h says why this state is enough.
 #include <unistd.h>
 
@@ -296,9 +296,12 @@ void Trainer::load_initial_weights(const std::string& path) {
 // there, through its bounded buffer (NOTE [Streaming checkpoints]): no rank gathers
 // anything, and every rank writes at once. The checkpoint's ranks are the shard ranks:
 // file r holds the flat range shard_ranges(numel, shards)[r], written by every rank whose
-// chunks overlap it. Rank 0 makes the temporary directory (named with its pid, which
-// every rank learns through an all-reduce) and the shard files at their full size; every
-// writer writes and fsyncs; the ranks all-gather the CRC-32s of the runs they wrote, and
+// chunks overlap it. Under tensor parallelism every tensor-parallel rank of that replica
+// does the same in its own index space and files, the replicated parameters left to rank 0
+// (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h). Rank 0 makes the
+// temporary directory (named with its pid, which every rank learns through an all-reduce)
+// and the shard files at their full size; every writer writes and fsyncs; the ranks (all of
+// them, tensor-parallel ones included) all-gather the CRC-32s of the runs they wrote, and
 // rank 0 combines them into each piece's, writes the metadata and renames the directory
 // into place (NOTE [Atomic checkpoints]). The ranks must see one filesystem (one node, or
 // a shared one across nodes), as with torch.distributed.checkpoint.
