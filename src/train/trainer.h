@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint_stream.h"
+#include "ckpt/hf_export.h"
 #include "data/dataset.h"
 #include "distributed/fsdp.h"
 #include "distributed/process_group.h"
@@ -137,6 +138,9 @@ class Trainer {
   std::vector<ParamSpec> checkpoint_specs() const;
   // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
   void save_peft_adapter_to_run_dir();
+  // checkpoint.last_save_in_hf under tensor parallelism: the shards gathered into the whole
+  // model on rank 0, exported there (trainer_hf.cpp).
+  void export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options);
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();
