@@ -48,7 +48,7 @@ ShardPlacement::ShardPlacement(const std::vector<ParamSpec>& specs, TensorParall
   int64_t whole = 0;
   for (const ParamSpec& full : specs) {
     const int64_t numel = shape_numel(full.shape);
-    const int64_t columns = full.shape.empty() || full.shape.back() == 0 ? 1 : full.shape.back();
+    const int64_t columns = band_columns(full.shape);
     const std::vector<ShardRun> runs =
         shard.size == 1 ? std::vector<ShardRun>{{0, 0, numel}} : tensor_parallel_runs(full, shard);
     int64_t held = 0;

@@ -28,6 +28,10 @@
 
 namespace forge {
 
+// The row length NOTE [Column bands] views a tensor of `shape` with: its last dimension (1
+// for a scalar, or when that dimension is 0 and the tensor empty).
+inline int64_t band_columns(const Shape& shape) { return shape.empty() || shape.back() == 0 ? 1 : shape.back(); }
+
 struct BandRange {
   int64_t flat_offset = 0;  // the tensor's first element in the whole model's flat index space
   int64_t columns = 1;      // its row length (its last dimension)

@@ -86,7 +86,7 @@ std::vector<PieceLayout> checkpoint_pieces(const std::vector<ParamSpec>& specs, 
 }
 
 BandRange piece_band(const TensorRecord& record, const TensorPiece& piece) {
-  const int64_t columns = record.shape.empty() || record.shape.back() == 0 ? 1 : record.shape.back();
+  const int64_t columns = band_columns(record.shape);
   const bool band = piece.band_width > 0;
   const int64_t width = band ? piece.band_width : columns, band_begin = band ? piece.band_begin : 0;
   const int64_t local = piece.flat_begin - record.flat_offset;

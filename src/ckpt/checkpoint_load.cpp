@@ -94,7 +94,7 @@ void check_bands(const std::string& file, const CheckpointMetadata& md) {
     if (rec.flat_offset < 0 || rec.flat_offset + numel > md.flat_numel)
       FORGE_FAIL("checkpoint metadata '{}': {} spans flat elements [{}, {}), outside [0, {})", file, describe(rec),
                  rec.flat_offset, rec.flat_offset + numel, md.flat_numel);
-    const int64_t columns = rec.shape.empty() || rec.shape.back() == 0 ? 1 : rec.shape.back();
+    const int64_t columns = band_columns(rec.shape);
     const int64_t rows = numel / columns;
     std::map<int64_t, std::pair<int64_t, std::vector<BandRange>>> bands;  // band_begin -> (width, its pieces)
     for (const TensorPiece& p : rec.pieces) {

@@ -410,7 +410,7 @@ void ShardFileReader::read(FlatState state, const FlatSegment& segment) {
     const int64_t numel = shape_numel(rec->shape), b = std::max(begin, rec->flat_offset);
     const int64_t e = std::min(end, rec->flat_offset + numel);
     if (b >= e) continue;
-    const int64_t columns = rec->shape.back() == 0 ? 1 : rec->shape.back();
+    const int64_t columns = band_columns(rec->shape);
     image.push_back({rec->flat_offset, columns, 0, columns, b - rec->flat_offset, e - rec->flat_offset});
     covered += e - b;
   }
@@ -454,7 +454,7 @@ void ShardFileReader::read(FlatState state, const Tensor& out, const std::vector
     if (rec == nullptr)
       FORGE_FAIL("checkpoint '{}' holds no tensor at flat element {} ({})", checkpoint_.dir, range.flat_offset,
                  flat_state_name(state));
-    const int64_t columns = rec->shape.back() == 0 ? 1 : rec->shape.back();
+    const int64_t columns = band_columns(rec->shape);
     FORGE_CHECK(range.columns == columns && range.band_begin >= 0 && range.band_begin + range.band_width <= columns &&
                     range.begin >= 0 && range.end <= shape_numel(rec->shape) / columns * range.band_width,
                 "checkpoint load: elements [{}, {}) of columns [{}, +{}) of tensor '{}' {}", range.begin, range.end,

@@ -27,10 +27,13 @@
 // checksummed as it goes, and the runs it shares with the destination (for_each_common_run:
 // one run when the bands agree, one per row when they do not) are narrowed to the
 // destination's dtype and copied to its device, the runs that follow each other in the
-// destination joined into one copy (a tensor-parallel rank's band read from a wider one: a
-// copy per chunk, not per row). Elements reach the destination before their piece's CRC-32
-// is complete: a damaged piece is an error after the destination was partly written, so a
-// failed load leaves no usable state behind (the caller stops, as a resume does).
+// destination joined into one copy: one copy per chunk when the destination's band lies
+// within the piece's (the same layout, or more tensor-parallel ranks than saved), one per
+// row of the piece when it is wider (fewer ranks than saved; asynchronous copies on the
+// reader's stream, waited for once per chunk). Elements reach the destination before
+// their piece's CRC-32 is complete: a damaged piece is an error after the destination was
+// partly written, so a failed load leaves no usable state behind (the caller stops, as a
+// resume does).
 #pragma once
 
 #include <array>

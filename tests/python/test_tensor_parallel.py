@@ -198,14 +198,18 @@ class Checkpoints(unittest.TestCase):
         self.assertNotEqual(result.returncode, 0)
         for fragment in ("tensor 'layers.0.mlp.gate_up.weight' (param)", "[384, 64]", "[256, 64]"):
             self.assertIn(fragment, result.stderr)
-        # A damaged byte in tensor-parallel rank 1's file.
+        # A damaged byte in tensor-parallel rank 1's file, in a piece world rank 0 checks
+        # (piece i is checked by rank i mod 2: NOTE [Choosing the checkpoint to resume]).
         damaged = os.path.join(self.tmp, "damaged")
         shutil.copytree(self.tp2, damaged)
-        shard = os.path.join(damaged, "checkpoints", "step-15", "rank-1.bin")
-        with open(shard, "r+b") as f:
-            f.seek(100)
+        step = os.path.join(damaged, "checkpoints", "step-15")
+        with open(os.path.join(step, "metadata.json")) as f:
+            pieces = [p for t in json.load(f)["tensors"] for p in t["pieces"]]
+        piece = next(p for i, p in enumerate(pieces) if i % 2 == 0 and p["rank"] == 1)
+        with open(os.path.join(step, "rank-1.bin"), "r+b") as f:
+            f.seek(piece["byte_offset"] + 1)
             byte = f.read(1)[0]
-            f.seek(100)
+            f.seek(piece["byte_offset"] + 1)
             f.write(bytes([byte ^ 0x01]))
         result = train(damaged, 2, 1, *TP2, *SAVE, "--checkpoint.load_step", "15", check=False)
         self.assertNotEqual(result.returncode, 0)
