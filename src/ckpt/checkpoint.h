@@ -29,7 +29,10 @@
 // tensor_parallel_degree), and a piece may be a band of columns of its tensor (NOTE
 // [Column bands] in ckpt/checkpoint_bands.h: "band_begin" and "band_width", absent for
 // consecutive flat elements) holding its elements row by row. The pieces of a tensor tile
-// it exactly once, and the pieces of a file tile its bytes. This forge reads both formats.
+// it exactly once, and the pieces of a file tile its bytes. This forge reads both formats;
+// format 1 files are written as before, so forge builds that read only format 1 still read
+// every checkpoint of a run without tensor parallelism, and refuse format 2 by its version.
+//
 // NOTE [Atomic checkpoints]
 // A save writes everything into <folder>/.tmp-step-<N>-<pid>, fsyncs each file and the
 // directory, renames it to step-<N> (exchanging it with an existing step-<N> in one
