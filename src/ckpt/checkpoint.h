@@ -6,19 +6,32 @@
 //   metadata.json   format_version, step, the model config (every ModelConfig field), the
 //                   resolved experiment YAML, the data loader position, the seed, the LR
 //                   scheduler state (step, total steps), the optimizer hyperparameters and
-//                   step count, the world size with each rank's flat range, and a record
-//                   per tensor (see below).
-//   rank-<r>.bin    rank r's contiguous range [begin, end) of three flat fp32 vectors, one
-//                   after the other: parameters, AdamW exp_avg (m), AdamW exp_avg_sq (v),
-//                   little-endian, 3 * (end - begin) * 4 bytes in all.
-// The flat index space is FlatParameters' (every parameter in parameter_specs order), the
-// natural FSDP shard unit: rank r of world w owns shard_ranges(numel, w)[r], and so do m
-// and v. A tensor record names the parameter and which of the three vectors ("param",
-// "exp_avg", "exp_avg_sq") it belongs to, its dtype ("fp32"), full shape and flat offset,
-// and its pieces: one per shard the tensor overlaps, each with the shard file, the byte
-// offset and length in it, the flat index it starts at, and the CRC-32 of its bytes.
-// Reading a flat range walks the pieces that overlap it, so a checkpoint saved by w ranks
-// loads at any other world size (resharding is reading other ranges).
+//                   step count, the world size (the number of shard files) with what each
+//                   holds, and a record per tensor (see below).
+//   rank-<r>.bin    three flat fp32 vectors' elements, one vector after the other:
+//                   parameters, AdamW exp_avg (m), AdamW exp_avg_sq (v), little-endian,
+//                   3 * n * 4 bytes in all for the file's n elements of each.
+// The flat index space is the whole model's (every parameter in parameter_specs order, as
+// FlatParameters of one rank lays it out), whatever layout saved it, and m and v follow the
+// parameters in it. A tensor record names the parameter and which of the three vectors
+// ("param", "exp_avg", "exp_avg_sq") it belongs to, its dtype ("fp32"), full shape and flat
+// offset, and its pieces: one per part of it a shard file holds, each with the file, the
+// byte offset and length in it, the flat index of its first element, and the CRC-32 of its
+// bytes. Reading any set of flat elements walks the pieces that hold them, so a checkpoint
+// loads under any other layout (resharding is reading other pieces).
+// Format 1 (format_version 1; every save without tensor parallelism): file r holds the
+// contiguous range [flat_begin, flat_end) of the flat index space, the natural FSDP shard
+// unit: rank r of world w owns shard_ranges(numel, w)[r] (the metadata lists each file's
+// range); a piece is the part of one tensor inside it, consecutive flat elements.
+// Format 2 (format_version 2; NOTE [Tensor-parallel checkpoints] in
+// ckpt/checkpoint_layout.h): each file holds the elements of its tensor-parallel rank's
+// shards, so the metadata lists each file's element count (and the saving run's
+// tensor_parallel_degree), and a piece may be a band of columns of its tensor (NOTE
+// [Column bands] in ckpt/checkpoint_bands.h: "band_begin" and "band_width", absent for
+// consecutive flat elements) holding its elements row by row. The pieces of a tensor tile
+// it exactly once, and the pieces of a file tile its bytes. This forge reads both formats;
+// format 1 files are written as before, so forge builds that read only format 1 still read
+// every checkpoint of a run without tensor parallelism, and refuse format 2 by its version.
 //
 // NOTE [Atomic checkpoints]
 // A save writes everything into <folder>/.tmp-step-<N>-<pid>, fsyncs each file and the
@@ -44,7 +57,10 @@
 
 namespace forge {
 
+// Format 1 is what every save without tensor parallelism writes; format 2 what saves under
+// it write (NOTE [Checkpoint format]). Both are read.
 inline constexpr int kCheckpointFormatVersion = 1;
+inline constexpr int kTensorParallelCheckpointFormatVersion = 2;
 
 // The three flat vectors a shard file holds, in file order.
 enum class FlatState { Param = 0, ExpAvg = 1, ExpAvgSq = 2 };
@@ -82,6 +98,9 @@ struct TensorPiece {
   int64_t byte_offset = 0;   // in rank-<rank>.bin
   int64_t byte_length = 0;
   uint32_t crc32 = 0;
+  // Format 2: a band of the tensor's columns (NOTE [Column bands]); width 0: consecutive
+  // flat elements.
+  int64_t band_begin = 0, band_width = 0;
 };
 
 struct TensorRecord {
@@ -98,8 +117,11 @@ struct CheckpointMetadata {
   std::string experiment_yaml;
   TrainingState training;
   int64_t flat_numel = 0;
-  std::vector<ShardRange> shards;  // index = rank
+  int tensor_parallel = 1;             // format 2: the saving run's tensor_parallel_degree
+  std::vector<ShardRange> shards;      // format 1: the flat range file r holds; index = rank
+  std::vector<int64_t> file_numel;     // every format: the elements of each vector file r holds
   std::vector<TensorRecord> tensors;
+  int files() const { return static_cast<int>(file_numel.size()); }
 };
 
 // One rank's data for a save: its range and pointers to range.size() floats of each vector.
@@ -132,6 +154,9 @@ std::string save_checkpoint(const std::string& folder, const ModelConfig& model,
 //   3. the same process as 1, once every writer is done: finish_checkpoint_save writes the
 //      metadata with the pieces' CRC-32s (combine_piece_crcs of every writer's), renames
 //      the directory into place and prunes.
+// Each step has a form for any CheckpointLayout (ckpt/checkpoint_layout.h: format 1's
+// ranges, or the files of tensor-parallel ranks, NOTE [Tensor-parallel checkpoints]) and
+// one for format 1's ranges of `model`'s parameters or `specs`.
 std::string checkpoint_temporary_dir(const std::string& folder, int64_t step, int64_t token);
 AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, int64_t token);
 std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
@@ -148,6 +173,13 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
                                    const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
                                    const TrainingState& state, const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k);
+// `specs`: the whole tensors `layout` places (the model's parameters, or a LoRA run's);
+// `crcs`: the CRC-32 of each of its pieces, in its order.
+struct CheckpointLayout;
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
+                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                   const TrainingState& state, const CheckpointLayout& layout,
+                                   const std::vector<uint32_t>& crcs, int64_t keep_latest_k);
 
 // Steps of the complete checkpoints in folder, ascending (empty when there is none or the
 // folder does not exist).

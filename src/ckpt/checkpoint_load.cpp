@@ -13,6 +13,7 @@
 #include <fmt/ranges.h>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_layout.h"
 #include "ckpt/checkpoint_metadata.h"
 #include "ckpt/checkpoint_stream.h"
 #include "core/error.h"
@@ -37,7 +38,8 @@ std::string describe(const TensorRecord& rec) {
 }
 
 void check_shards(const std::string& file, const CheckpointMetadata& md) {
-  if (md.shards.empty()) FORGE_FAIL("checkpoint metadata '{}' lists no shards", file);
+  if (md.file_numel.empty()) FORGE_FAIL("checkpoint metadata '{}' lists no shards", file);
+  if (md.format_version != kCheckpointFormatVersion) return;  // format 2: the pieces say where (check_bands)
   int64_t covered = 0;
   for (size_t r = 0; r < md.shards.size(); ++r) {
     const ShardRange& s = md.shards[r];
@@ -51,8 +53,8 @@ void check_shards(const std::string& file, const CheckpointMetadata& md) {
                md.flat_numel);
 }
 
-// Each piece lies inside its rank's range at the byte offset the layout implies, and the
-// pieces of a tensor follow each other without gap from its first element to its last.
+// Format 1: each piece lies inside its rank's range at the byte offset the layout implies,
+// and the pieces of a tensor follow each other without gap from its first element to its last.
 void check_pieces(const std::string& file, const CheckpointMetadata& md) {
   for (const TensorRecord& rec : md.tensors) {
     const int64_t end = rec.flat_offset + shape_numel(rec.shape);
@@ -81,12 +83,85 @@ void check_pieces(const std::string& file, const CheckpointMetadata& md) {
   }
 }
 
+// Format 2 (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): every piece is
+// a run of one column band of its tensor (NOTE [Column bands]); the bands of a tensor's
+// pieces tile its columns and the pieces of each band tile that band, so the pieces hold
+// every element of the tensor exactly once; and the pieces of each file tile its bytes.
+void check_bands(const std::string& file, const CheckpointMetadata& md) {
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> bytes(md.file_numel.size());  // per file: (offset, length)
+  for (const TensorRecord& rec : md.tensors) {
+    const int64_t numel = shape_numel(rec.shape);
+    if (rec.flat_offset < 0 || rec.flat_offset + numel > md.flat_numel)
+      FORGE_FAIL("checkpoint metadata '{}': {} spans flat elements [{}, {}), outside [0, {})", file, describe(rec),
+                 rec.flat_offset, rec.flat_offset + numel, md.flat_numel);
+    const int64_t columns = band_columns(rec.shape);
+    const int64_t rows = numel / columns;
+    std::map<int64_t, std::pair<int64_t, std::vector<BandRange>>> bands;  // band_begin -> (width, its pieces)
+    for (const TensorPiece& p : rec.pieces) {
+      auto bad = [&](const char* why) {
+        FORGE_FAIL("checkpoint metadata '{}': {} has an inconsistent piece in rank-{}.bin (flat {} + {} bytes at byte "
+                   "{}, columns [{}, +{}) of {}): {}",
+                   file, describe(rec), p.rank, p.flat_begin, p.byte_length, p.byte_offset, p.band_begin, p.band_width,
+                   columns, why);
+      };
+      if (p.byte_length <= 0 || p.byte_length % kFloatBytes != 0) bad("its length is not a positive number of floats");
+      if (p.flat_begin < rec.flat_offset || p.flat_begin >= rec.flat_offset + numel) bad("it starts outside the tensor");
+      const int64_t width = p.band_width > 0 ? p.band_width : columns, band_begin = p.band_width > 0 ? p.band_begin : 0;
+      if (band_begin + width > columns) bad("its band lies outside the tensor's columns");
+      const int64_t column = (p.flat_begin - rec.flat_offset) % columns;
+      if (column < band_begin || column >= band_begin + width) bad("its first element lies outside its band");
+      const BandRange band = piece_band(rec, p);
+      if (band.end > rows * width) bad("it runs past the tensor's last row");
+      if (p.byte_offset + p.byte_length > 3 * md.file_numel[static_cast<size_t>(p.rank)] * kFloatBytes)
+        bad("it ends past the end of its file");
+      auto [it, added] = bands.try_emplace(band_begin, width, std::vector<BandRange>{});
+      if (it->second.first != width) bad("another piece has a band of another width starting at the same column");
+      it->second.second.push_back(band);
+      bytes[static_cast<size_t>(p.rank)].push_back({p.byte_offset, p.byte_length});
+    }
+    int64_t next_column = 0;
+    for (auto& [band_begin, band] : bands) {
+      auto& [width, ranges] = band;
+      if (band_begin != next_column)
+        FORGE_FAIL("checkpoint metadata '{}': the pieces of {} cover columns from {}, expected from {}", file,
+                   describe(rec), band_begin, next_column);
+      std::sort(ranges.begin(), ranges.end(), [](const BandRange& a, const BandRange& b) { return a.begin < b.begin; });
+      int64_t next = 0;
+      for (const BandRange& r : ranges) {
+        if (r.begin != next) break;
+        next = r.end;
+      }
+      if (next != rows * width)
+        FORGE_FAIL("checkpoint metadata '{}': the pieces of {} in columns [{}, {}) do not hold each of its {} elements "
+                   "there exactly once",
+                   file, describe(rec), band_begin, band_begin + width, rows * width);
+      next_column = band_begin + width;
+    }
+    if (numel > 0 && next_column != columns)
+      FORGE_FAIL("checkpoint metadata '{}': the pieces of {} cover its columns [0, {}), expected [0, {})", file,
+                 describe(rec), next_column, columns);
+  }
+  for (size_t r = 0; r < bytes.size(); ++r) {
+    std::sort(bytes[r].begin(), bytes[r].end());
+    int64_t next = 0;
+    for (const auto& [offset, length] : bytes[r]) {
+      if (offset != next)
+        FORGE_FAIL("checkpoint metadata '{}': the pieces of rank-{}.bin {} at byte {}, where byte {} was expected", file,
+                   r, offset < next ? "overlap" : "leave a gap", offset, next);
+      next = offset + length;
+    }
+    if (next != 3 * md.file_numel[r] * kFloatBytes)
+      FORGE_FAIL("checkpoint metadata '{}': the pieces of rank-{}.bin cover {} of its {} bytes", file, r, next,
+                 3 * md.file_numel[r] * kFloatBytes);
+  }
+}
+
 void check_shard_files(const std::string& dir, const CheckpointMetadata& md) {
-  for (size_t r = 0; r < md.shards.size(); ++r) {
+  for (size_t r = 0; r < md.file_numel.size(); ++r) {
     const std::string path = shard_path(dir, static_cast<int>(r));
     if (!fs::is_regular_file(path))
-      FORGE_FAIL("checkpoint '{}' lacks its shard file '{}' (world size {})", dir, path, md.shards.size());
-    const int64_t expected = 3 * md.shards[r].size() * kFloatBytes;
+      FORGE_FAIL("checkpoint '{}' lacks its shard file '{}' (world size {})", dir, path, md.file_numel.size());
+    const int64_t expected = 3 * md.file_numel[r] * kFloatBytes;
     const int64_t actual = static_cast<int64_t>(fs::file_size(path));
     if (actual == expected) continue;
     if (actual > expected)
@@ -222,7 +297,8 @@ Checkpoint open_checkpoint(const std::string& dir) {
     FORGE_FAIL("checkpoint '{}' is refused: its {} says step {}, its directory name says step {}", dir,
                kCheckpointMetadataFile, ck.metadata.training.step, named_step);
   check_shards(file, ck.metadata);
-  check_pieces(file, ck.metadata);
+  if (ck.metadata.format_version == kCheckpointFormatVersion) check_pieces(file, ck.metadata);
+  else check_bands(file, ck.metadata);
   check_shard_files(dir, ck.metadata);
   return ck;
 }

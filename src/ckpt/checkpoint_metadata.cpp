@@ -16,6 +16,8 @@ using nlohmann::json;
 // 2^56 elements or bytes (64 PiB): far beyond any checkpoint, and 8 times it still fits in
 // int64_t. NOTE [Model sizes are checked before use] in model/config_rules.cpp.
 constexpr int64_t kMaxCheckpointSize = int64_t{1} << 56;
+// More tensor-parallel ranks than any model has heads.
+constexpr int64_t kMaxTensorParallelDegree = int64_t{1} << 16;
 
 json model_to_json(const ModelConfig& m) {
   const RopeScaling& s = m.rope_scaling;
@@ -249,21 +251,34 @@ const char* flat_state_name(FlatState state) {
 std::string metadata_to_json(const CheckpointMetadata& md) {
   const TrainingState& t = md.training;
   const OptimizerConfig& o = t.optimizer;
+  const bool format1 = md.format_version == kCheckpointFormatVersion;
   json shards = json::array();
-  for (size_t r = 0; r < md.shards.size(); ++r)
-    shards.push_back({{"rank", r},
-                      {"file", fmt::format("rank-{}.bin", r)},
-                      {"flat_begin", md.shards[r].begin},
-                      {"flat_end", md.shards[r].end}});
+  const size_t files = format1 ? md.shards.size() : md.file_numel.size();
+  for (size_t r = 0; r < files; ++r) {
+    json shard = {{"rank", r}, {"file", fmt::format("rank-{}.bin", r)}};
+    if (format1) {
+      shard["flat_begin"] = md.shards[r].begin;
+      shard["flat_end"] = md.shards[r].end;
+    } else {
+      shard["numel"] = md.file_numel[r];
+    }
+    shards.push_back(shard);
+  }
   json tensors = json::array();
   for (const TensorRecord& rec : md.tensors) {
     json pieces = json::array();
-    for (const TensorPiece& p : rec.pieces)
-      pieces.push_back({{"rank", p.rank},
-                        {"flat_begin", p.flat_begin},
-                        {"byte_offset", p.byte_offset},
-                        {"byte_length", p.byte_length},
-                        {"crc32", p.crc32}});
+    for (const TensorPiece& p : rec.pieces) {
+      json piece = {{"rank", p.rank},
+                    {"flat_begin", p.flat_begin},
+                    {"byte_offset", p.byte_offset},
+                    {"byte_length", p.byte_length},
+                    {"crc32", p.crc32}};
+      if (p.band_width > 0) {
+        piece["band_begin"] = p.band_begin;
+        piece["band_width"] = p.band_width;
+      }
+      pieces.push_back(piece);
+    }
     tensors.push_back({{"name", rec.name},
                        {"state", flat_state_name(rec.state)},
                        {"dtype", "fp32"},
@@ -288,10 +303,11 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
               {"weight_decay", o.weight_decay},
               {"step", t.optimizer_step}}},
             {"loss_spike", {{"recent_losses", t.recent_losses}}},
-            {"world_size", md.shards.size()},
+            {"world_size", files},
             {"flat_numel", md.flat_numel},
             {"shards", shards},
             {"tensors", tensors}};
+  if (!format1) j["tensor_parallel_degree"] = md.tensor_parallel;
   if (t.fp8_delayed) {
     const Fp8DelayedState& f = *t.fp8_delayed;
     j["fp8_delayed"] = {{"active", f.active},
@@ -309,10 +325,11 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
     FORGE_FAIL("'{}' is not forge checkpoint metadata ('format' is not 'forge-checkpoint')", file);
   CheckpointMetadata md;
   const int64_t format_version = top.integer("format_version");
-  if (format_version != kCheckpointFormatVersion)
-    FORGE_FAIL("checkpoint metadata '{}' has format_version {}; this forge reads format_version {}", file,
-               format_version, kCheckpointFormatVersion);
-  md.format_version = kCheckpointFormatVersion;
+  if (format_version != kCheckpointFormatVersion && format_version != kTensorParallelCheckpointFormatVersion)
+    FORGE_FAIL("checkpoint metadata '{}' has format_version {}; this forge reads format_version {} and {}", file,
+               format_version, kCheckpointFormatVersion, kTensorParallelCheckpointFormatVersion);
+  md.format_version = static_cast<int>(format_version);
+  const bool format1 = format_version == kCheckpointFormatVersion;
   TrainingState& t = md.training;
   t.step = top.integer("step");
   md.model = model_from_json(top.object("model"));
@@ -342,6 +359,13 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
   if (top.has("fp8_delayed")) t.fp8_delayed = fp8_delayed_from_json(top.object("fp8_delayed"), file);
   md.flat_numel = top.size("flat_numel");
 
+  if (!format1) {
+    const int64_t degree = top.integer("tensor_parallel_degree");
+    if (degree < 1 || degree > kMaxTensorParallelDegree)
+      FORGE_FAIL("checkpoint metadata '{}': 'tensor_parallel_degree' must be in [1, {}], got {}", file,
+                 kMaxTensorParallelDegree, degree);
+    md.tensor_parallel = static_cast<int>(degree);
+  }
   const json& shards = top.array("shards");
   for (size_t r = 0; r < shards.size(); ++r) {
     ObjectReader s(shards[r], file, fmt::format("shards[{}]", r));
@@ -350,11 +374,16 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
     if (s.string("file") != fmt::format("rank-{}.bin", r))
       FORGE_FAIL("checkpoint metadata '{}': shards[{}] names file '{}', expected 'rank-{}.bin'", file, r,
                  s.string("file"), r);
-    md.shards.push_back({s.size("flat_begin"), s.size("flat_end")});
+    if (format1) {
+      md.shards.push_back({s.size("flat_begin"), s.size("flat_end")});
+      md.file_numel.push_back(md.shards.back().size());
+    } else {
+      md.file_numel.push_back(s.size("numel"));
+    }
   }
-  if (top.integer("world_size") != static_cast<int64_t>(md.shards.size()))
+  if (top.integer("world_size") != static_cast<int64_t>(md.file_numel.size()))
     FORGE_FAIL("checkpoint metadata '{}': world_size is {} but {} shards are listed", file, top.integer("world_size"),
-               md.shards.size());
+               md.file_numel.size());
 
   const json& tensors = top.array("tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -381,14 +410,22 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
     for (size_t k = 0; k < pieces.size(); ++k) {
       ObjectReader p(pieces[k], file, fmt::format("tensors[{}].pieces[{}]", i, k));
       const int64_t rank = p.integer("rank");
-      if (rank < 0 || rank >= static_cast<int64_t>(md.shards.size()))
+      if (rank < 0 || rank >= static_cast<int64_t>(md.file_numel.size()))
         FORGE_FAIL("checkpoint metadata '{}': tensors[{}].pieces[{}].rank is {}, but the world size is {}", file, i, k,
-                   rank, md.shards.size());
+                   rank, md.file_numel.size());
       const uint64_t crc32 = p.unsigned_integer("crc32");
       if (crc32 > UINT32_MAX)
         FORGE_FAIL("checkpoint metadata '{}': tensors[{}].pieces[{}].crc32 is {}, more than 32 bits", file, i, k, crc32);
-      rec.pieces.push_back({static_cast<int>(rank), p.size("flat_begin"), p.size("byte_offset"),
-                            p.size("byte_length"), static_cast<uint32_t>(crc32)});
+      TensorPiece piece{static_cast<int>(rank), p.size("flat_begin"), p.size("byte_offset"), p.size("byte_length"),
+                        static_cast<uint32_t>(crc32)};
+      // Format 2's band pieces (NOTE [Column bands]); whether they fit the tensor is open_checkpoint's check.
+      if (!format1 && (p.has("band_begin") || p.has("band_width"))) {
+        piece.band_begin = p.size("band_begin");
+        piece.band_width = p.size("band_width");
+        if (piece.band_width == 0)
+          FORGE_FAIL("checkpoint metadata '{}': tensors[{}].pieces[{}].band_width must be positive", file, i, k);
+      }
+      rec.pieces.push_back(piece);
     }
     md.tensors.push_back(std::move(rec));
   }

@@ -9,7 +9,7 @@
 #include <filesystem>
 
 #include "ckpt/checkpoint.h"
-#include "ckpt/checkpoint_crc32.h"
+#include "ckpt/checkpoint_layout.h"
 #include "ckpt/checkpoint_metadata.h"
 #include "ckpt/checkpoint_stream.h"
 #include "core/durable_directory.h"
@@ -38,43 +38,25 @@ void remove_temporaries(const std::string& folder) {
   }
 }
 
-// One record per (state, parameter), one piece per shard the parameter overlaps; the
-// pieces of each rank come in this same order everywhere (records, CRC lists).
-template <typename PieceVisitor>
-void for_each_piece(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges, PieceVisitor&& visit) {
-  for (FlatState state : kFlatStates) {
-    int64_t offset = 0;
-    for (const ParamSpec& spec : specs) {
-      const int64_t end = offset + shape_numel(spec.shape);
-      for (size_t r = 0; r < ranges.size(); ++r) {
-        const ShardRange& range = ranges[r];
-        const int64_t b = std::max(offset, range.begin), e = std::min(end, range.end);
-        if (b >= e) continue;
-        visit(state, spec, offset, static_cast<int>(r), b, e);
-      }
-      offset = end;
-    }
-  }
-}
-
-std::vector<TensorRecord> tensor_records(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges,
-                                         const std::vector<std::vector<uint32_t>>& crcs_by_rank) {
+// One record per (state, tensor), its pieces in layout order with their CRC-32s.
+std::vector<TensorRecord> tensor_records(const std::vector<ParamSpec>& specs, const CheckpointLayout& layout,
+                                         const std::vector<uint32_t>& crcs) {
+  FORGE_CHECK(crcs.size() == layout.pieces.size(), "checkpoint: {} CRCs for {} pieces", crcs.size(),
+              layout.pieces.size());
   std::vector<TensorRecord> records;
-  std::vector<size_t> next(ranges.size(), 0);
-  for_each_piece(specs, ranges, [&](FlatState state, const ParamSpec& spec, int64_t offset, int r, int64_t b, int64_t e) {
-    if (records.empty() || records.back().name != spec.name || records.back().state != state)
-      records.push_back({spec.name, state, spec.shape, offset, {}});
-    const ShardRange& range = ranges[static_cast<size_t>(r)];
-    const int64_t bytes = (e - b) * static_cast<int64_t>(sizeof(float));
-    const int64_t byte_offset =
-        (static_cast<int64_t>(state) * range.size() + (b - range.begin)) * static_cast<int64_t>(sizeof(float));
-    const auto& crcs = crcs_by_rank[static_cast<size_t>(r)];
-    FORGE_CHECK(next[static_cast<size_t>(r)] < crcs.size(), "checkpoint: rank {} sent {} CRCs, too few", r, crcs.size());
-    records.back().pieces.push_back({r, b, byte_offset, bytes, crcs[next[static_cast<size_t>(r)]++]});
-  });
-  for (size_t r = 0; r < ranges.size(); ++r)
-    FORGE_CHECK(next[r] == crcs_by_rank[r].size(), "checkpoint: rank {} sent {} CRCs for {} pieces", r,
-                crcs_by_rank[r].size(), next[r]);
+  for (size_t i = 0; i < layout.pieces.size(); ++i) {
+    const PieceLayout& p = layout.pieces[i];
+    const ParamSpec& spec = specs.at(p.spec);
+    if (records.empty() || records.back().name != spec.name || records.back().state != p.state)
+      records.push_back({spec.name, p.state, spec.shape, p.whole.flat_offset, {}});
+    TensorPiece piece{p.rank, p.whole.flat_index(p.whole.begin), p.byte_offset,
+                      p.whole.size() * static_cast<int64_t>(sizeof(float)), crcs[i]};
+    if (!p.whole.whole_width()) {
+      piece.band_begin = p.whole.band_begin;
+      piece.band_width = p.whole.band_width;
+    }
+    records.back().pieces.push_back(piece);
+  }
   return records;
 }
 
@@ -144,22 +126,6 @@ AtomicDirectory begin_checkpoint_save(const std::string& folder, int64_t step, i
                          kCheckpointDurability);
 }
 
-std::vector<PieceLayout> checkpoint_pieces(const ModelConfig& model, const std::vector<ShardRange>& ranges) {
-  return checkpoint_pieces(parameter_specs(model), ranges);
-}
-
-std::vector<PieceLayout> checkpoint_pieces(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges) {
-  std::vector<PieceLayout> pieces;
-  for_each_piece(specs, ranges,
-                 [&](FlatState state, const ParamSpec&, int64_t, int r, int64_t b, int64_t e) {
-                   const ShardRange& range = ranges[static_cast<size_t>(r)];
-                   const int64_t byte_offset = (static_cast<int64_t>(state) * range.size() + (b - range.begin)) *
-                                               static_cast<int64_t>(sizeof(float));
-                   pieces.push_back({state, r, b, e, byte_offset});
-                 });
-  return pieces;
-}
-
 std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
                                    const std::string& experiment_yaml, const TrainingState& state,
                                    const std::vector<ShardRange>& ranges,
@@ -172,26 +138,40 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
                                    const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
                                    const TrainingState& state, const std::vector<ShardRange>& ranges,
                                    const std::vector<std::vector<uint32_t>>& crcs_by_rank, int64_t keep_latest_k) {
-  FORGE_CHECK(staging.path() == checkpoint_dir(folder, state.step), "checkpoint of step {} staged for '{}'", state.step,
-              staging.path());
-  int64_t numel = 0;
-  for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
   FORGE_CHECK(!ranges.empty() && crcs_by_rank.size() == ranges.size(), "checkpoint: {} ranges, {} CRC lists",
               ranges.size(), crcs_by_rank.size());
-  int64_t covered = 0;
-  for (const ShardRange& range : ranges) {
-    FORGE_CHECK(range.begin == covered && range.end >= range.begin, "shards must tile [0, {})", numel);
-    covered = range.end;
+  const CheckpointLayout layout = checkpoint_layout(specs, ranges);
+  // Each rank's CRC-32s are its pieces', in layout order.
+  std::vector<uint32_t> crcs;
+  std::vector<size_t> next(ranges.size(), 0);
+  for (const PieceLayout& p : layout.pieces) {
+    const auto r = static_cast<size_t>(p.rank);
+    FORGE_CHECK(next[r] < crcs_by_rank[r].size(), "checkpoint: rank {} sent {} CRCs, too few", r,
+                crcs_by_rank[r].size());
+    crcs.push_back(crcs_by_rank[r][next[r]++]);
   }
-  FORGE_CHECK(covered == numel, "shards cover {} of {} parameters", covered, numel);
+  for (size_t r = 0; r < ranges.size(); ++r)
+    FORGE_CHECK(next[r] == crcs_by_rank[r].size(), "checkpoint: rank {} sent {} CRCs for {} pieces", r,
+                crcs_by_rank[r].size(), next[r]);
+  return finish_checkpoint_save(folder, staging, model, specs, experiment_yaml, state, layout, crcs, keep_latest_k);
+}
 
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
+                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                   const TrainingState& state, const CheckpointLayout& layout,
+                                   const std::vector<uint32_t>& crcs, int64_t keep_latest_k) {
+  FORGE_CHECK(staging.path() == checkpoint_dir(folder, state.step), "checkpoint of step {} staged for '{}'", state.step,
+              staging.path());
   CheckpointMetadata md;
+  md.format_version = layout.format_version();
   md.model = model;
   md.experiment_yaml = experiment_yaml;
   md.training = state;
-  md.flat_numel = numel;
-  md.shards = ranges;
-  md.tensors = tensor_records(specs, ranges, crcs_by_rank);
+  for (const ParamSpec& spec : specs) md.flat_numel += shape_numel(spec.shape);
+  md.tensor_parallel = layout.tensor_parallel;
+  if (md.format_version == kCheckpointFormatVersion) md.shards = layout.ranges;
+  md.file_numel = layout.file_numel;
+  md.tensors = tensor_records(specs, layout, crcs);
   write_file_atomic(staging.temporary_path() + "/" + kCheckpointMetadataFile, metadata_to_json(md),
                     kCheckpointDurability);
   staging.commit();

@@ -74,20 +74,89 @@ void pwrite_all(int fd, const std::string& path, const void* data, size_t size, 
   }
 }
 
+// Elements [in_chunk, in_chunk + count) of a staged chunk go to [to, to + count) of the
+// destination.
+struct ChunkRun {
+  int64_t in_chunk = 0, to = 0, count = 0;
+};
+
+// Copies a staged chunk's runs into the destination (any device, fp32 or bf16). A host
+// fp32 destination takes each run as it is. Otherwise the runs that follow each other in
+// the destination are first moved together in the chunk, in place (in chunk order each
+// run lies at or after the end of the runs joined before it, so nothing is overwritten
+// before it was moved), narrowed to bf16 if need be, and copied as one; the copies run on
+// the stream and are waited for before the chunk is read over.
+class ChunkScatter {
+ public:
+  ChunkScatter(const Tensor& out, DeviceStream& stream)
+      : out_(out),
+        stream_(stream),
+        element_bytes_(dtype_size(out.dtype())),
+        direct_(out.device() == Device::CPU && out.dtype() == DType::F32) {}
+
+  void copy(float* chunk, std::vector<ChunkRun>& runs) {
+    std::sort(runs.begin(), runs.end(), [](const ChunkRun& a, const ChunkRun& b) { return a.in_chunk < b.in_chunk; });
+    float* joined = nullptr;
+    int64_t to = 0, count = 0;
+    bool issued = false;
+    auto issue = [&] {
+      if (count == 0) return;
+      if (out_.dtype() == DType::BF16) narrow_to_bf16_in_place(joined, count);
+      copy_bytes_on(static_cast<char*>(out_.raw()) + to * static_cast<int64_t>(element_bytes_), out_.device(), joined,
+                    Device::CPU, static_cast<size_t>(count) * element_bytes_, stream_.get());
+      issued = true;
+      count = 0;
+    };
+    for (const ChunkRun& run : runs) {
+      copied_ += run.count;
+      float* src = chunk + run.in_chunk;
+      if (direct_) {
+        std::memcpy(static_cast<float*>(out_.raw()) + run.to, src, static_cast<size_t>(run.count) * kFloatBytes);
+        continue;
+      }
+      if (count > 0 && run.to == to + count) {
+        if (src != joined + count) std::memmove(joined + count, src, static_cast<size_t>(run.count) * kFloatBytes);
+        count += run.count;
+        continue;
+      }
+      issue();
+      joined = src;
+      to = run.to;
+      count = run.count;
+    }
+    issue();
+    if (issued) stream_.synchronize();
+  }
+  int64_t copied() const { return copied_; }
+
+ private:
+  const Tensor& out_;
+  DeviceStream& stream_;
+  size_t element_bytes_;
+  bool direct_;
+  int64_t copied_ = 0;
+};
+
 }  // namespace
 
-void create_checkpoint_shard_files(const std::string& temporary_dir, const std::vector<ShardRange>& ranges) {
-  for (size_t r = 0; r < ranges.size(); ++r) {
+void create_checkpoint_shard_files(const std::string& temporary_dir, const std::vector<int64_t>& file_numel) {
+  for (size_t r = 0; r < file_numel.size(); ++r) {
     const std::string path = shard_file(temporary_dir, static_cast<int>(r));
     const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) FORGE_FAIL("cannot create checkpoint shard file '{}': {}", path, std::strerror(errno));
-    const int64_t bytes = 3 * ranges[r].size() * kFloatBytes;
+    const int64_t bytes = 3 * file_numel[r] * kFloatBytes;
     const int rc = ::ftruncate(fd, static_cast<off_t>(bytes));
     const int saved_errno = errno;
     ::close(fd);
     if (rc != 0)
       FORGE_FAIL("cannot size checkpoint shard file '{}' to {} bytes: {}", path, bytes, std::strerror(saved_errno));
   }
+}
+
+void create_checkpoint_shard_files(const std::string& temporary_dir, const std::vector<ShardRange>& ranges) {
+  std::vector<int64_t> file_numel;
+  for (const ShardRange& range : ranges) file_numel.push_back(range.size());
+  create_checkpoint_shard_files(temporary_dir, file_numel);
 }
 
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const ModelConfig& model, const std::vector<ShardRange>& ranges,
@@ -98,10 +167,18 @@ std::vector<std::vector<uint32_t>> combine_piece_crcs(const ModelConfig& model, 
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const std::vector<ParamSpec>& specs,
                                                       const std::vector<ShardRange>& ranges, std::vector<PieceCrc> parts) {
   const std::vector<PieceLayout> pieces = checkpoint_pieces(specs, ranges);
+  const std::vector<uint32_t> crcs = combine_piece_crcs(pieces, std::move(parts));
+  std::vector<std::vector<uint32_t>> by_rank(ranges.size());
+  for (size_t i = 0; i < pieces.size(); ++i) by_rank[static_cast<size_t>(pieces[i].rank)].push_back(crcs[i]);
+  return by_rank;
+}
+
+std::vector<uint32_t> combine_piece_crcs(const std::vector<PieceLayout>& pieces, std::vector<PieceCrc> parts) {
   std::sort(parts.begin(), parts.end(), [](const PieceCrc& a, const PieceCrc& b) {
     return a.piece != b.piece ? a.piece < b.piece : a.byte_begin < b.byte_begin;
   });
-  std::vector<std::vector<uint32_t>> by_rank(ranges.size());
+  std::vector<uint32_t> crcs;
+  crcs.reserve(pieces.size());
   size_t next = 0;
   for (size_t i = 0; i < pieces.size(); ++i) {
     const int64_t length = (pieces[i].flat_end - pieces[i].flat_begin) * kFloatBytes;
@@ -117,10 +194,10 @@ std::vector<std::vector<uint32_t>> combine_piece_crcs(const std::vector<ParamSpe
     }
     FORGE_CHECK(covered == length, "checkpoint save: {} of the {} bytes of piece {} (rank {}) were written", covered,
                 length, i, pieces[i].rank);
-    by_rank[static_cast<size_t>(pieces[i].rank)].push_back(crc);
+    crcs.push_back(crc);
   }
   FORGE_CHECK(next == parts.size(), "checkpoint save: {} CRCs for pieces that do not exist", parts.size() - next);
-  return by_rank;
+  return crcs;
 }
 
 std::vector<uint32_t> encode_piece_crcs(const std::vector<PieceCrc>& parts) {
@@ -156,15 +233,26 @@ ShardFileWriter::ShardFileWriter(std::string temporary_dir, const ModelConfig& m
 
 ShardFileWriter::ShardFileWriter(std::string temporary_dir, const std::vector<ParamSpec>& specs,
                                  std::vector<ShardRange> ranges, size_t buffer_bytes)
+    : ShardFileWriter(std::move(temporary_dir), checkpoint_layout(specs, ranges), 0, buffer_bytes) {}
+
+ShardFileWriter::ShardFileWriter(std::string temporary_dir, const CheckpointLayout& layout, int tensor_parallel_rank,
+                                 size_t buffer_bytes)
     : dir_(std::move(temporary_dir)),
-      ranges_(std::move(ranges)),
-      pieces_(checkpoint_pieces(specs, ranges_)),
+      pieces_(layout.pieces),
       pieces_by_state_(3),
       buffer_(static_cast<size_t>(2 * half_buffer_elements(buffer_bytes) * kFloatBytes)),
       chunk_elements_(half_buffer_elements(buffer_bytes)),
       stream_(device_for_copies()),
-      fds_(ranges_.size(), -1) {
-  for (size_t i = 0; i < pieces_.size(); ++i) pieces_by_state_[static_cast<size_t>(pieces_[i].state)].push_back(i);
+      fds_(static_cast<size_t>(layout.files()), -1) {
+  FORGE_CHECK(tensor_parallel_rank >= 0 && tensor_parallel_rank < layout.tensor_parallel,
+              "checkpoint writer of tensor-parallel rank {} of {}", tensor_parallel_rank, layout.tensor_parallel);
+  // This rank's files hold pieces of its own index space only.
+  for (size_t i = 0; i < pieces_.size(); ++i)
+    if (pieces_[i].rank % layout.tensor_parallel == tensor_parallel_rank)
+      pieces_by_state_[static_cast<size_t>(pieces_[i].state)].push_back(i);
+  for (std::vector<size_t>& order : pieces_by_state_)
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return pieces_[a].flat_begin < pieces_[b].flat_begin; });
   const int device = current_device_index();
   thread_ = std::thread([this, device] {
     set_current_device_index(device);
@@ -300,54 +388,121 @@ std::vector<PieceCrc> ShardFileWriter::finish() {
 ShardFileReader::ShardFileReader(const Checkpoint& checkpoint, size_t buffer_bytes)
     : checkpoint_(checkpoint),
       buffer_(static_cast<size_t>(half_buffer_elements(buffer_bytes) * 2 * kFloatBytes)),
-      readers_(checkpoint.metadata.shards.size()) {}
+      stream_(device_for_copies()),
+      readers_(static_cast<size_t>(checkpoint.metadata.files())) {
+  for (const TensorRecord& rec : checkpoint.metadata.tensors) records_[static_cast<size_t>(rec.state)].push_back(&rec);
+  for (auto& records : records_)
+    std::stable_sort(records.begin(), records.end(),
+                     [](const TensorRecord* a, const TensorRecord* b) { return a->flat_offset < b->flat_offset; });
+}
 
 ShardFileReader::~ShardFileReader() = default;
 
 void ShardFileReader::read(FlatState state, const FlatSegment& segment) {
   check_segment(segment, "load");
-  const Tensor& out = segment.data;
-  const size_t element_bytes = dtype_size(out.dtype());
-  const int64_t begin = segment.flat_offset, end = begin + out.numel();
+  const int64_t begin = segment.flat_offset, end = begin + segment.data.numel();
   FORGE_CHECK(end <= checkpoint_.metadata.flat_numel, "range [{}, {}) of {}", begin, end,
               checkpoint_.metadata.flat_numel);
-  const int64_t chunk_elements = static_cast<int64_t>(buffer_.size()) / kFloatBytes;
-  float* staging = static_cast<float*>(buffer_.data());
-  int64_t filled = 0;
-  for (const TensorRecord& rec : checkpoint_.metadata.tensors) {
-    if (rec.state != state) continue;
-    for (const TensorPiece& p : rec.pieces) {
-      const int64_t p_end = p.flat_begin + p.byte_length / kFloatBytes;
-      if (std::max(begin, p.flat_begin) >= std::min(end, p_end)) continue;
-      const std::string path = shard_file(checkpoint_.dir, p.rank);
-      auto& reader = readers_[static_cast<size_t>(p.rank)];
-      if (!reader) reader = std::make_unique<FileReader>(path);
-      const std::string what = fmt::format("tensor '{}' ({})", rec.name, flat_state_name(rec.state));
-      // The whole piece is read for its CRC-32; the part inside [begin, end) is kept.
-      uint32_t crc = 0;
-      for (int64_t k = p.flat_begin; k < p_end; k += chunk_elements) {
-        const int64_t count = std::min(chunk_elements, p_end - k);
-        const int64_t at = p.byte_offset + (k - p.flat_begin) * kFloatBytes;
-        if (!reader->read_at(at, staging, static_cast<size_t>(count) * kFloatBytes))
-          FORGE_FAIL("shard file '{}' ends inside {} (bytes {} to {})", path, what, p.byte_offset,
-                     p.byte_offset + p.byte_length);
-        crc = crc32(staging, static_cast<size_t>(count) * kFloatBytes, crc);
-        const int64_t b = std::max(begin, k), e = std::min(end, k + count);
-        if (b >= e) continue;
-        float* keep = staging + (b - k);
-        if (out.dtype() == DType::BF16) narrow_to_bf16_in_place(keep, e - b);
-        copy_bytes(static_cast<char*>(out.raw()) + (b - begin) * element_bytes, out.device(), keep, Device::CPU,
-                   static_cast<size_t>(e - b) * element_bytes);
-        filled += e - b;
-      }
-      if (crc != p.crc32)
-        FORGE_FAIL("shard file '{}' is damaged: {} (bytes {} to {}) has CRC-32 {:08x}, the metadata recorded {:08x}",
-                   path, what, p.byte_offset, p.byte_offset + p.byte_length, crc, p.crc32);
-    }
+  // The range's part of each tensor, consecutive flat elements of it.
+  std::vector<BandRange> image;
+  int64_t covered = 0;
+  for (const TensorRecord* rec : records_[static_cast<size_t>(state)]) {
+    const int64_t numel = shape_numel(rec->shape), b = std::max(begin, rec->flat_offset);
+    const int64_t e = std::min(end, rec->flat_offset + numel);
+    if (b >= e) continue;
+    const int64_t columns = band_columns(rec->shape);
+    image.push_back({rec->flat_offset, columns, 0, columns, b - rec->flat_offset, e - rec->flat_offset});
+    covered += e - b;
   }
-  if (filled != end - begin)
+  if (covered != end - begin)
     FORGE_FAIL("checkpoint '{}' does not cover flat elements [{}, {}) of {}", checkpoint_.dir, begin, end,
                flat_state_name(state));
+  read(state, segment.data, image);
+}
+
+const TensorRecord* ShardFileReader::record_at(FlatState state, int64_t flat_offset) const {
+  const auto& records = records_[static_cast<size_t>(state)];
+  const auto it = std::lower_bound(records.begin(), records.end(), flat_offset,
+                                   [](const TensorRecord* rec, int64_t at) { return rec->flat_offset < at; });
+  return it != records.end() && (*it)->flat_offset == flat_offset ? *it : nullptr;
+}
+
+void ShardFileReader::read(FlatState state, const Tensor& out, const std::vector<BandRange>& image) {
+  check_segment({0, out}, "load");
+  std::vector<int64_t> at;  // where each range's elements go in `out`
+  int64_t total = 0;
+  for (const BandRange& range : image) {
+    at.push_back(total);
+    total += range.size();
+  }
+  FORGE_CHECK(total == out.numel(), "checkpoint load: {} elements named for a tensor of {}", total, out.numel());
+  // What the device did to `out` before (on any stream) is done before the copies start.
+  if (out.device() != Device::CPU) device_synchronize();
+  // The pieces that hold any of the named elements, each read once for every range it serves.
+  struct Job {
+    const TensorRecord* rec;
+    const TensorPiece* piece;
+    BandRange band;
+    std::vector<size_t> ranges;
+  };
+  std::vector<Job> jobs;
+  std::map<const TensorPiece*, size_t> job_of;
+  for (size_t i = 0; i < image.size(); ++i) {
+    const BandRange& range = image[i];
+    if (range.size() == 0) continue;
+    const TensorRecord* rec = record_at(state, range.flat_offset);
+    if (rec == nullptr)
+      FORGE_FAIL("checkpoint '{}' holds no tensor at flat element {} ({})", checkpoint_.dir, range.flat_offset,
+                 flat_state_name(state));
+    const int64_t columns = band_columns(rec->shape);
+    FORGE_CHECK(range.columns == columns && range.band_begin >= 0 && range.band_begin + range.band_width <= columns &&
+                    range.begin >= 0 && range.end <= shape_numel(rec->shape) / columns * range.band_width,
+                "checkpoint load: elements [{}, {}) of columns [{}, +{}) of tensor '{}' {}", range.begin, range.end,
+                range.band_begin, range.band_width, rec->name, shape_str(rec->shape));
+    for (const TensorPiece& p : rec->pieces) {
+      const BandRange band = piece_band(*rec, p);
+      if (!bands_intersect(band, range)) continue;
+      const auto [it, added] = job_of.emplace(&p, jobs.size());
+      if (added) jobs.push_back({rec, &p, band, {}});
+      jobs[it->second].ranges.push_back(i);
+    }
+  }
+  const int64_t chunk_elements = static_cast<int64_t>(buffer_.size()) / kFloatBytes;
+  float* staging = static_cast<float*>(buffer_.data());
+  ChunkScatter scatter(out, stream_);
+  std::vector<ChunkRun> runs;
+  for (const Job& job : jobs) {
+    const TensorPiece& p = *job.piece;
+    const std::string path = shard_file(checkpoint_.dir, p.rank);
+    auto& reader = readers_[static_cast<size_t>(p.rank)];
+    if (!reader) reader = std::make_unique<FileReader>(path);
+    const std::string what = fmt::format("tensor '{}' ({})", job.rec->name, flat_state_name(job.rec->state));
+    // The whole piece is read for its CRC-32; what the ranges share with it is kept.
+    uint32_t crc = 0;
+    for (int64_t k = 0; k < job.band.size(); k += chunk_elements) {
+      const int64_t count = std::min(chunk_elements, job.band.size() - k);
+      if (!reader->read_at(p.byte_offset + k * kFloatBytes, staging, static_cast<size_t>(count) * kFloatBytes))
+        FORGE_FAIL("shard file '{}' ends inside {} (bytes {} to {})", path, what, p.byte_offset,
+                   p.byte_offset + p.byte_length);
+      crc = crc32(staging, static_cast<size_t>(count) * kFloatBytes, crc);
+      BandRange chunk = job.band;
+      chunk.begin += k;
+      chunk.end = chunk.begin + count;
+      runs.clear();
+      for (size_t i : job.ranges)
+        for_each_common_run(chunk, image[i], [&](int64_t in_chunk, int64_t in_range, int64_t n) {
+          runs.push_back({in_chunk, at[i] + in_range, n});
+          return true;
+        });
+      scatter.copy(staging, runs);
+    }
+    if (crc != p.crc32)
+      FORGE_FAIL("shard file '{}' is damaged: {} (bytes {} to {}) has CRC-32 {:08x}, the metadata recorded {:08x}",
+                 path, what, p.byte_offset, p.byte_offset + p.byte_length, crc, p.crc32);
+  }
+  if (scatter.copied() != total)
+    FORGE_FAIL("checkpoint '{}' does not cover the {} elements asked for ({} found) of {}", checkpoint_.dir, total,
+               scatter.copied(), flat_state_name(state));
 }
 
 }  // namespace forge

@@ -17,14 +17,26 @@
 // and combine_piece_crcs joins them (crc32_combine) into the CRC-32 of each piece's bytes,
 // the checksum the metadata records. The files are byte for byte those an in-memory writer
 // makes (tests/cpu/test_checkpoint_stream.cpp keeps one as an oracle).
-// Loading is the reverse through one buffer: each piece that overlaps the destination is
-// read a chunk at a time, checksummed as it goes, and the overlapping elements are
-// narrowed to the destination's dtype and copied to its device. Elements reach the
-// destination before their piece's CRC-32 is complete: a damaged piece is an error after
-// the destination was partly written, so a failed load leaves no usable state behind
-// (the caller stops, as a resume does).
+// Under tensor parallelism the segments are in the rank's own index space and go to its
+// files (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): the writer is the
+// same, only the pieces differ.
+// Loading is the reverse through one buffer. The destination is a tensor (any device,
+// fp32 or bf16) and the whole model's elements it takes, as band ranges (NOTE [Column
+// bands] in ckpt/checkpoint_bands.h: a consecutive flat range, or a tensor-parallel rank's
+// shard of a tensor). Each piece that holds any of them is read once, a chunk at a time,
+// checksummed as it goes, and the runs it shares with the destination (for_each_common_run:
+// one run when the bands agree, one per row when they do not) are narrowed to the
+// destination's dtype and copied to its device, the runs that follow each other in the
+// destination joined into one copy: one copy per chunk when the destination's band lies
+// within the piece's (the same layout, or more tensor-parallel ranks than saved), one per
+// row of the piece when it is wider (fewer ranks than saved; asynchronous copies on the
+// reader's stream, waited for once per chunk). Elements reach the destination before
+// their piece's CRC-32 is complete: a damaged piece is an error after the destination was
+// partly written, so a failed load leaves no usable state behind (the caller stops, as a
+// resume does).
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
@@ -35,6 +47,8 @@
 #include <vector>
 
 #include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_bands.h"
+#include "ckpt/checkpoint_layout.h"
 #include "core/device.h"
 #include "core/tensor.h"
 
@@ -50,22 +64,8 @@ struct FlatSegment {
   Tensor data;
 };
 
-// Where the piece of a tensor's vector that one rank holds lies (NOTE [Checkpoint format]),
-// in the order the metadata lists pieces: by vector, by parameter, by rank.
-struct PieceLayout {
-  FlatState state = FlatState::Param;
-  int rank = 0;
-  int64_t flat_begin = 0, flat_end = 0;
-  int64_t byte_offset = 0;  // in rank-<rank>.bin
-};
-std::vector<PieceLayout> checkpoint_pieces(const ModelConfig& model, const std::vector<ShardRange>& ranges);
-// The same for a checkpoint of other tensors than the model's parameters (NOTE [LoRA
-// checkpoints] in ckpt/checkpoint.h); every function taking a ModelConfig for its
-// parameter_specs has such an overload.
-std::vector<PieceLayout> checkpoint_pieces(const std::vector<ParamSpec>& specs, const std::vector<ShardRange>& ranges);
-
 // The CRC-32 of bytes [byte_begin, byte_begin + byte_length) of piece `piece` (an index
-// into checkpoint_pieces), counted from the piece's first byte.
+// into the layout's pieces), counted from the piece's first byte.
 struct PieceCrc {
   int64_t piece = 0;
   int64_t byte_begin = 0;
@@ -74,11 +74,14 @@ struct PieceCrc {
 };
 
 // Makes the shard files rank-<r>.bin of a save in `temporary_dir`, each at its full size
-// (3 * range.size() fp32), for the writers to fill.
+// (3 * file_numel[r] fp32; format 1: 3 * range.size()), for the writers to fill.
+void create_checkpoint_shard_files(const std::string& temporary_dir, const std::vector<int64_t>& file_numel);
 void create_checkpoint_shard_files(const std::string& temporary_dir, const std::vector<ShardRange>& ranges);
 
-// The CRC-32 of every piece, by rank, in the order finish_checkpoint_save expects, from
-// every writer's PieceCrcs; an error unless they cover each piece exactly once.
+// The CRC-32 of every piece of `pieces` (a layout's), in their order, from every writer's
+// PieceCrcs; an error unless they cover each piece exactly once.
+std::vector<uint32_t> combine_piece_crcs(const std::vector<PieceLayout>& pieces, std::vector<PieceCrc> parts);
+// Format 1: the same by rank, in the order finish_checkpoint_save expects.
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const ModelConfig& model, const std::vector<ShardRange>& ranges,
                                                       std::vector<PieceCrc> parts);
 std::vector<std::vector<uint32_t>> combine_piece_crcs(const std::vector<ParamSpec>& specs,
@@ -95,9 +98,14 @@ inline constexpr size_t kPieceCrcWords = 7;
 // own does the file I/O.
 class ShardFileWriter {
  public:
+  // Format 1: the segments' flat offsets are the whole model's (`model`'s parameters or `specs`).
   ShardFileWriter(std::string temporary_dir, const ModelConfig& model, std::vector<ShardRange> ranges,
                   size_t buffer_bytes);
   ShardFileWriter(std::string temporary_dir, const std::vector<ParamSpec>& specs, std::vector<ShardRange> ranges,
+                  size_t buffer_bytes);
+  // Any layout: the segments' flat offsets are in tensor-parallel rank `tensor_parallel_rank`'s
+  // index space, and go to its files (NOTE [Tensor-parallel checkpoints]).
+  ShardFileWriter(std::string temporary_dir, const CheckpointLayout& layout, int tensor_parallel_rank,
                   size_t buffer_bytes);
   // Waits for the writer thread; a save not finished is abandoned (its directory is the
   // caller's to remove).
@@ -129,9 +137,8 @@ class ShardFileWriter {
   int file(int rank);
 
   std::string dir_;
-  std::vector<ShardRange> ranges_;
   std::vector<PieceLayout> pieces_;
-  std::vector<std::vector<size_t>> pieces_by_state_;  // indices into pieces_, ascending flat_begin
+  std::vector<std::vector<size_t>> pieces_by_state_;  // indices into pieces_ this rank writes, ascending flat_begin
   PinnedHostBuffer buffer_;
   int64_t chunk_elements_ = 0;  // fp32 elements per half of the buffer
   DeviceStream stream_;
@@ -156,12 +163,21 @@ class ShardFileReader {
   // Fills segment.data (fp32 or bf16, any device) with its elements of vector `state`,
   // checking the CRC-32 of every piece it reads.
   void read(FlatState state, const FlatSegment& segment);
+  // Fills `out` with the elements of vector `state` that `image` names, one after the
+  // other (their sizes add up to out.numel()): a tensor-parallel rank's segment
+  // (ShardPlacement::image).
+  void read(FlatState state, const Tensor& out, const std::vector<BandRange>& image);
   size_t staging_bytes() const { return buffer_.size(); }
 
  private:
+  const TensorRecord* record_at(FlatState state, int64_t flat_offset) const;  // null: none starts there
+
   const Checkpoint& checkpoint_;
   PinnedHostBuffer buffer_;
+  DeviceStream stream_;  // the copies to the destination
   std::vector<std::unique_ptr<class FileReader>> readers_;
+  // Each vector's tensor records by flat offset.
+  std::array<std::vector<const TensorRecord*>, 3> records_;
 };
 
 }  // namespace forge

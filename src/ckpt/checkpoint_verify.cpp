@@ -13,7 +13,7 @@ namespace forge {
 
 void verify_checkpoint_pieces(const Checkpoint& ck, int part, int parts) {
   FORGE_CHECK(parts >= 1 && part >= 0 && part < parts, "part {} of {}", part, parts);
-  std::vector<std::unique_ptr<FileReader>> readers(ck.metadata.shards.size());
+  std::vector<std::unique_ptr<FileReader>> readers(static_cast<size_t>(ck.metadata.files()));
   std::vector<unsigned char> bytes;
   int64_t index = 0;
   for (const TensorRecord& rec : ck.metadata.tensors) {

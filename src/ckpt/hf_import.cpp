@@ -150,9 +150,12 @@ void reorder_rows(const HfPart& part, float* rows) {
 }
 
 // One forge parameter's Hugging Face tensors into dst (fp32), each checked: its parts, or
-// the one tensor of its alias (ParamSpec::hf_alias) when the files hold that instead.
+// the one tensor of its alias (ParamSpec::hf_alias) when the files hold that instead. With
+// `runs` (a tensor-parallel rank's shard of it: tensor_parallel_runs) only the elements of
+// the runs are read, each to its place in the shard.
 void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec,
-                    const HfWeightLayout& layout, float* dst, std::set<std::string>& used) {
+                    const HfWeightLayout& layout, float* dst, std::set<std::string>& used,
+                    const std::vector<ShardRun>& runs = {}) {
   const std::vector<HfPart> parts = hf_parts(spec, layout.interleaved_rotary);
   std::vector<HfPart> read = parts;
   if (!spec.hf_alias.empty() && files.find(spec.hf_alias).file != nullptr) {
@@ -171,9 +174,20 @@ void read_parameter(const std::string& dir, const HfWeightFiles& files, const Pa
     if (t.entry->shape != part.shape)
       FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
                  shape_str(t.entry->shape), shape_str(part.shape));
-    t.file->read_as_float(*t.entry, dst + part.offset);
-    reorder_rows(part, dst + part.offset);
     used.insert(part.name);
+    if (runs.empty()) {
+      t.file->read_as_float(*t.entry, dst + part.offset);
+      reorder_rows(part, dst + part.offset);
+      continue;
+    }
+    FORGE_CHECK(part.row_order.empty(), "'{}': rows reordered at import cannot be split over tensor-parallel ranks",
+                part.name);
+    const int64_t part_end = part.offset + shape_numel(part.shape);
+    for (const ShardRun& run : runs) {
+      const int64_t from = std::max(part.offset, run.full_begin), to = std::min(part_end, run.full_begin + run.count);
+      if (from < to)
+        t.file->read_as_float(*t.entry, dst + run.local_begin + (from - run.full_begin), from - part.offset, to - from);
+    }
   }
 }
 
@@ -239,22 +253,28 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
 }
 
 void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
-                           const std::function<void(size_t, const Tensor&)>& consume) {
+                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard) {
   check_architecture(dir, config);
   const HfWeightLayout layout = read_weight_layout(dir);
   HfWeightFiles files(dir);
-  const std::vector<ParamSpec> specs = parameter_specs(config);
+  const std::vector<ParamSpec> specs = parameter_specs(config), held = parameter_specs(config, shard);
   int64_t largest = 0;
-  for (const ParamSpec& spec : specs) largest = std::max(largest, shape_numel(spec.shape));
+  for (const ParamSpec& spec : held) largest = std::max(largest, shape_numel(spec.shape));
   Tensor buffer = Tensor::empty({largest});
   std::set<std::string> used;
   for (size_t i = 0; i < specs.size(); ++i) {
-    const Tensor values = buffer.narrow(0, shape_numel(specs[i].shape)).view(specs[i].shape);
-    read_parameter(dir, files, specs[i], layout, values.data<float>(), used);
+    const Tensor values = buffer.narrow(0, shape_numel(held[i].shape)).view(held[i].shape);
+    const std::vector<ShardRun> runs = shard.size > 1 ? tensor_parallel_runs(specs[i], shard) : std::vector<ShardRun>{};
+    read_parameter(dir, files, specs[i], layout, values.data<float>(), used, runs);
     consume(i, values);
   }
   check_all_used(dir, files, config, layout, used);
-  log_info("weights: {} parameters read from the Hugging Face model in {}", config.total_params(), dir);
+  if (shard.size > 1)
+    log_info("weights: tensor-parallel rank {} of {} read its shards of the {} parameters of the Hugging Face model in "
+             "{}",
+             shard.rank, shard.size, config.total_params(), dir);
+  else
+    log_info("weights: {} parameters read from the Hugging Face model in {}", config.total_params(), dir);
 }
 
 HfModel load_hf_model(const std::string& dir) {

@@ -50,7 +50,10 @@ void load_hf_weights_checked(const std::string& dir, FlatParameters& params);
 // The same checks and reads, one forge parameter at a time (parameter_specs order): each
 // is handed to `consume` as fp32 host values in a buffer reused for the next, so only the
 // largest parameter is ever held (QLoRA's import, NOTE [QLoRA base] in model/nf4_base.h).
+// With `shard` each is tensor-parallel rank shard.rank's shard of it (NOTE [Tensor-parallel
+// shards] in model/parameters.h, shaped as parameter_specs(config, shard) says), and only
+// the shard's elements are read from the files.
 void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
-                           const std::function<void(size_t, const Tensor&)>& consume);
+                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard = {});
 
 }  // namespace forge

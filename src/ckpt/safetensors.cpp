@@ -197,8 +197,14 @@ const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
 }
 
 void SafetensorsFile::read_as_float(const SafetensorsEntry& entry, float* out) const {
-  const uint8_t* src = bytes(entry);
-  const int64_t n = entry.numel();
+  read_as_float(entry, out, 0, entry.numel());
+}
+
+void SafetensorsFile::read_as_float(const SafetensorsEntry& entry, float* out, int64_t first, int64_t count) const {
+  FORGE_CHECK(first >= 0 && count >= 0 && first + count <= entry.numel(), "{}: elements [{}, {}) of tensor '{}' ({})",
+              path(), first, first + count, entry.name, entry.numel());
+  const uint8_t* src = bytes(entry) + static_cast<size_t>(first) * safetensors_dtype_size(entry.dtype);
+  const int64_t n = count;
   switch (entry.dtype) {
     case SafetensorsDType::F32:
       std::memcpy(out, src, static_cast<size_t>(n) * sizeof(float));

@@ -69,6 +69,8 @@ class SafetensorsFile {
   // Converts an F32, BF16, F16 or F64 tensor to fp32 into out (entry.numel() floats);
   // other dtypes are an error naming the tensor.
   void read_as_float(const SafetensorsEntry& entry, float* out) const;
+  // The same for its elements [first, first + count) only (a tensor-parallel rank's shard).
+  void read_as_float(const SafetensorsEntry& entry, float* out, int64_t first, int64_t count) const;
 
  private:
   void parse_header(std::string_view header, uint64_t data_bytes);

@@ -271,8 +271,10 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training in the compute dtype, without checkpoints or Hugging Face weights in or out
-// yet (each needs the shards mapped to the whole parameters: tensor_parallel_runs).
+// full training in the compute dtype, without LoRA or FP8. Checkpoints, initial weights
+// (a forge checkpoint or a Hugging Face model) and the Hugging Face export hold whole
+// parameters, each rank reading or writing its shards' places in them (NOTE
+// [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
 void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t t = config.parallelism.tensor_parallel_degree;
   if (t == 1) return;
@@ -305,12 +307,6 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
          "LoRA and QLoRA adapters are not split over tensor-parallel ranks");
   refuse(config.precision.fp8 != "none", "precision.fp8",
          "the FP8 casts fused into the norms and SwiGLU would need the tensor-parallel gathers between them");
-  refuse(config.checkpoint.enable, "checkpoint.enable",
-         "checkpoints hold whole parameters and the shards are not yet mapped to them");
-  refuse(!config.checkpoint.initial_load_path.empty(), "checkpoint.initial_load_path",
-         "the weights read are not yet split into the ranks' shards");
-  refuse(config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
-         "the shards are not yet gathered into whole parameters for the export");
 }
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in

@@ -24,7 +24,7 @@ using StateSegments = std::array<std::vector<FlatSegment>, 3>;
 struct CheckpointSaveJob {
   TrainingState state;
   std::string dir;                         // <folder>/step-<N>, once complete
-  std::vector<ShardRange> ranges;          // the checkpoint's ranks
+  CheckpointLayout layout;                 // the checkpoint's files and pieces
   std::optional<AtomicDirectory> staging;  // the process that finishes the save (rank 0)
   std::chrono::steady_clock::time_point started;
   double stall_seconds = 0;                // the step loop's share: the snapshot copy

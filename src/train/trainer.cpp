@@ -322,6 +322,7 @@ void Trainer::set_up_data_parallel() {
     data_parallel_group_ = world_->split(rank_ % t, rank_);
     tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
     tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);
+    world_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
     tensor_parallel_shard_ = {rank_ % t, t};
     data_world = data_parallel_group_.get();
   }

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "ckpt/checkpoint_stream.h"
+#include "ckpt/hf_export.h"
 #include "data/dataset.h"
 #include "distributed/fsdp.h"
 #include "distributed/process_group.h"
@@ -137,6 +138,9 @@ class Trainer {
   std::vector<ParamSpec> checkpoint_specs() const;
   // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
   void save_peft_adapter_to_run_dir();
+  // checkpoint.last_save_in_hf under tensor parallelism: the shards gathered into the whole
+  // model on rank 0, exported there (trainer_hf.cpp).
+  void export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options);
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();
@@ -155,8 +159,14 @@ class Trainer {
   // writer, exchanges the CRC-32s and puts the checkpoint into place.
   void finish_checkpoint_save_job();
   size_t checkpoint_buffer_bytes() const;
-  // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]).
+  // This rank's segments of the parameters and both moments (NOTE [Streaming checkpoints]),
+  // in its index space (its shards under tensor parallelism), and those of them it writes.
   std::array<std::vector<FlatSegment>, 3> checkpoint_segments() const;
+  std::array<std::vector<FlatSegment>, 3> checkpoint_segments_to_save() const;
+  // Under tensor parallelism: where this rank's index space lies in the whole model's.
+  std::optional<ShardPlacement> tensor_parallel_placement() const;
+  // The collectives of checkpoint saves and resumes, over every rank (null: one rank).
+  DataParallelComm* checkpoint_comm() const { return world_comm_ ? world_comm_.get() : dp_; }
   // Reads the weights (and the optimizer state) into place; what it staged, for the log.
   std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
   // The same into the given segments (a LoRA run's frozen base from a forge checkpoint).
@@ -220,6 +230,9 @@ class Trainer {
   std::unique_ptr<ProcessGroup> tensor_parallel_group_, data_parallel_group_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
   std::unique_ptr<DataParallelComm> tensor_parallel_comm_;
+  // Under tensor parallelism, the step's data-parallel collectives (dp_) leave out the other
+  // tensor-parallel ranks: checkpoints use this one over every rank.
+  std::unique_ptr<DataParallelComm> world_comm_;
   TensorParallelShard tensor_parallel_shard_;
   // Context parallelism (NOTE [Context parallelism] in model/context_parallel.h): the ranks
   // of the same tensor-parallel and data-parallel rank that split every sequence, and the

@@ -1,7 +1,7 @@
-// The trainer's side of checkpoints: which folder, what a save captures (world 1: the flat
-// parameters and every moment tensor; FSDP: this rank's segments), and what a resume or a
-// fine-tuning start restores, all streamed through checkpoint.buffer_mb of host memory
-// (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
+// The trainer's side of checkpoints: which folder, what a save captures (world 1: every
+// parameter and moment tensor; FSDP: this rank's segments; under tensor parallelism, of its
+// shards), and what a resume or a fine-tuning start restores, all streamed through
+// checkpoint.buffer_mb of host memory (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
 // NOTE [Exact resume] in train/trainer.h says why this state is enough.
 #include <unistd.h>
 
@@ -127,11 +127,28 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
   } else {
-    params.push_back({0, params_->flat()});
+    params = consecutive(params_->tensors());
   }
   const std::vector<FlatSegment> offsets = sharded_gradients() ? params : consecutive(trainable_weights());
   m = at_offsets(offsets, optimizer_->exp_avg());
   v = at_offsets(offsets, optimizer_->exp_avg_sq());
+  return segments;
+}
+
+std::optional<ShardPlacement> Trainer::tensor_parallel_placement() const {
+  if (!tensor_parallel_) return std::nullopt;
+  return ShardPlacement(parameter_specs(config_.model), tensor_parallel_shard_);
+}
+
+StateSegments Trainer::checkpoint_segments_to_save() const {
+  StateSegments segments = checkpoint_segments();
+  const std::optional<ShardPlacement> placement = tensor_parallel_placement();
+  if (!placement || tensor_parallel_shard_.rank == 0) return segments;
+  // NOTE [Tensor-parallel checkpoints]: the replicated parameters are tensor-parallel rank 0's to write.
+  for (std::vector<FlatSegment>& of_state : segments)
+    std::erase_if(of_state, [&](const FlatSegment& segment) {
+      return segment.data.numel() > 0 && placement->replicated(segment.flat_offset);
+    });
   return segments;
 }
 
@@ -149,11 +166,17 @@ std::string Trainer::read_checkpoint_state(const Checkpoint& ck, bool with_optim
     for (const TensorPiece& p : rec.pieces) largest_piece = std::max(largest_piece, p.byte_length);
   size_t staging = 0;
   {
+    // Under tensor parallelism the segments are in this rank's index space, its shards: each
+    // is read from wherever its whole tensors' elements are (NOTE [Tensor-parallel checkpoints]).
+    const std::optional<ShardPlacement> placement = tensor_parallel_placement();
     ShardFileReader reader(ck, std::min(checkpoint_buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
     staging = reader.staging_bytes();
     for (FlatState s : kFlatStates) {
       if (s != FlatState::Param && !with_optimizer) continue;
-      for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) reader.read(s, segment);
+      for (const FlatSegment& segment : segments[static_cast<size_t>(s)]) {
+        if (placement) reader.read(s, segment.data, placement->image(segment.flat_offset, segment.data.numel()));
+        else reader.read(s, segment);
+      }
     }
   }
   std::string how = fmt::format("peak host staging {:.1f} MiB", mib(static_cast<double>(staging)));
@@ -170,7 +193,7 @@ void Trainer::restore_checkpoint(const std::string& dir) {
   Checkpoint ck = open_checkpoint(dir);
   check_checkpoint_model(ck, config_.model, checkpoint_specs(), /*same_architecture=*/true);
   const TrainingState& saved = ck.metadata.training;
-  const int world = static_cast<int>(ck.metadata.shards.size());
+  const int world = ck.metadata.files();
   // Each rank reads its segments, whatever world size saved the checkpoint.
   const std::string staged = read_checkpoint_state(ck, /*with_optimizer=*/true);
   optimizer_->set_step_count(saved.optimizer_step);
@@ -196,8 +219,10 @@ void Trainer::restore_checkpoint(const std::string& dir) {
     log_info("the checkpoint holds no recent losses for training.loss_spike_factor: spike detection starts after {} "
              "more steps",
              std::min(config_.training.loss_spike_window, kLossSpikeWarmup));
-  log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}; data position {}; {})", dir, saved.step,
-           world, world == 1 ? "" : "s", saved.data_position, staged);
+  log_info("resuming from checkpoint '{}' at step {} (saved by {} rank{}{}; data position {}; {})", dir, saved.step,
+           world, world == 1 ? "" : "s",
+           ck.metadata.tensor_parallel > 1 ? fmt::format(", tensor-parallel degree {}", ck.metadata.tensor_parallel) : "",
+           saved.data_position, staged);
   if (saved.seed != config_.training.seed)
     log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data order differs from the "
              "saved run's",
@@ -271,9 +296,12 @@ void Trainer::load_initial_weights(const std::string& path) {
 // there, through its bounded buffer (NOTE [Streaming checkpoints]): no rank gathers
 // anything, and every rank writes at once. The checkpoint's ranks are the shard ranks:
 // file r holds the flat range shard_ranges(numel, shards)[r], written by every rank whose
-// chunks overlap it. Rank 0 makes the temporary directory (named with its pid, which
-// every rank learns through an all-reduce) and the shard files at their full size; every
-// writer writes and fsyncs; the ranks all-gather the CRC-32s of the runs they wrote, and
+// chunks overlap it. Under tensor parallelism every tensor-parallel rank of that replica
+// does the same in its own index space and files, the replicated parameters left to rank 0
+// (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h). Rank 0 makes the
+// temporary directory (named with its pid, which every rank learns through an all-reduce)
+// and the shard files at their full size; every writer writes and fsyncs; the ranks (all of
+// them, tensor-parallel ones included) all-gather the CRC-32s of the runs they wrote, and
 // rank 0 combines them into each piece's, writes the metadata and renames the directory
 // into place (NOTE [Atomic checkpoints]). The ranks must see one filesystem (one node, or
 // a shared one across nodes), as with torch.distributed.checkpoint.
@@ -313,30 +341,33 @@ void Trainer::save_checkpoint(int64_t step) {
   if (fp8_ && config_.precision.fp8 == "delayed") state.fp8_delayed = fp8_->delayed_state();  // NOTE [FP8 step end]
   const std::string folder = checkpoint_folder();
   job->dir = checkpoint_dir(folder, step);
-  // LoRA's adapters are whole on every rank: one shard, written by rank 0.
+  // LoRA's adapters are whole on every rank: one shard, written by rank 0. Under tensor
+  // parallelism each tensor-parallel rank's shard ranks write its own files.
   const int shards = sharded_gradients() ? shard_group_->world_size() : 1;
-  const int64_t numel = lora_ ? lora_->stored_values() : config_.model.total_params();
-  job->ranges = shard_ranges(numel, shards);
+  job->layout = lora_ ? checkpoint_layout(checkpoint_specs(), shard_ranges(lora_->stored_values(), 1))
+                      : tensor_parallel_checkpoint_layout(config_.model, tensor_parallel_shard_.size, shards);
+  DataParallelComm* comm = checkpoint_comm();
   const int64_t token =
-      dp_ ? std::llround(dp_->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
+      comm ? std::llround(comm->sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0)) : ::getpid();
   if (rank_ == 0) {
     job->staging.emplace(begin_checkpoint_save(folder, step, token));
-    create_checkpoint_shard_files(job->staging->temporary_path(), job->ranges);
+    create_checkpoint_shard_files(job->staging->temporary_path(), job->layout.file_numel);
   }
   if (world_) world_->barrier();
-  const bool writer = rank_ < shards;  // the replica of world rank 0 (consecutive ranks shard)
+  // The replica of world rank 0 (consecutive data-parallel ranks shard), every tensor-parallel rank of it.
+  const bool writer = data_rank_ < shards;
   const bool async_mode = config_.checkpoint.async_mode == "async";
   // A synchronous save measures what the process's peak resident memory rises by, its
   // buffer included (pinned memory is resident from its allocation on).
   if (writer && !async_mode && reset_host_peak()) job->host_resident_before = host_status_bytes("VmRSS:");
   if (writer) {
-    StateSegments segments = checkpoint_segments();
+    StateSegments segments = checkpoint_segments_to_save();
     int64_t elements = 0;  // a buffer that holds all of them twice over is large enough
     for (const auto& of_state : segments)
       for (const FlatSegment& segment : of_state) elements += segment.data.numel();
     const size_t buffer = std::min(checkpoint_buffer_bytes(), static_cast<size_t>(std::max<int64_t>(elements, 1024)) * 8);
-    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token),
-                                                    checkpoint_specs(), job->ranges, buffer);
+    job->writer = std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(folder, step, token), job->layout,
+                                                    tensor_parallel_shard_.rank, buffer);
     bool async = false;
     if (async_mode) {
       try {
@@ -345,7 +376,7 @@ void Trainer::save_checkpoint(int64_t step) {
         log_warn("checkpoint.async_mode async: no room for the snapshot of step {} ({}); it is saved synchronously",
                  step, e.what());
         job->snapshot = {};
-        segments = checkpoint_segments();
+        segments = checkpoint_segments_to_save();
       }
     }
     if (!async) {
@@ -419,19 +450,19 @@ void Trainer::finish_checkpoint_save_job() {
   job->writer.reset();  // its buffer and files are released before the rename
   const std::string what = fmt::format("checkpoint '{}' (step {})", job->dir, job->state.step);
   std::vector<PieceCrc> parts = std::move(job->crcs);
-  if (dp_) {
+  if (DataParallelComm* comm = checkpoint_comm()) {
     // Whether every writer wrote its part, then everyone's CRC-32s, on the training thread
     // (NOTE [Async checkpoints]).
-    const double failed = dp_->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
+    const double failed = comm->sum_over_ranks(failure.empty() ? 0.0 : 1.0);
     if (!failure.empty()) FORGE_FAIL("{} could not be written by rank {}: {}", what, rank_, failure);
     if (failed > 0)
       FORGE_FAIL("{} could not be written: {} rank(s) failed to write their part (their logs say why)", what,
                  std::llround(failed));
-    const std::vector<uint32_t> counts = dp_->all_gather_words({static_cast<uint32_t>(parts.size())});
+    const std::vector<uint32_t> counts = comm->all_gather_words({static_cast<uint32_t>(parts.size())});
     const uint32_t longest = *std::max_element(counts.begin(), counts.end());
     std::vector<uint32_t> words = encode_piece_crcs(parts);
     words.resize(static_cast<size_t>(longest) * kPieceCrcWords, 0);
-    const std::vector<uint32_t> all = dp_->all_gather_words(words);
+    const std::vector<uint32_t> all = comm->all_gather_words(words);
     parts.clear();
     for (size_t r = 0; r < counts.size(); ++r) {
       const std::vector<PieceCrc> theirs =
@@ -443,11 +474,12 @@ void Trainer::finish_checkpoint_save_job() {
   }
   if (rank_ == 0)
     finish_checkpoint_save(checkpoint_folder(), *job->staging, config_.model, checkpoint_specs(), resolved_yaml_,
-                           job->state, job->ranges, combine_piece_crcs(checkpoint_specs(), job->ranges, std::move(parts)),
+                           job->state, job->layout, combine_piece_crcs(job->layout.pieces, std::move(parts)),
                            config_.checkpoint.keep_latest_k);
   if (world_) world_->barrier();  // the checkpoint is in place before any rank goes on
   if (rank_ != 0) return;
-  const double bytes = 12.0 * static_cast<double>(job->ranges.back().end);
+  double bytes = 0;
+  for (int64_t n : job->layout.file_numel) bytes += 12.0 * static_cast<double>(n);
   std::string how = fmt::format("peak host staging {:.1f} MiB", mib(static_cast<double>(staging)));
   if (host_growth >= 0) how += fmt::format(", process peak resident memory +{:.1f} MiB", mib(static_cast<double>(host_growth)));
   if (!job->snapshot_place.empty())

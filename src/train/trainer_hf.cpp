@@ -1,14 +1,19 @@
 // The trainer's side of Hugging Face models: starting from one
 // (checkpoint.initial_load_in_hf) and exporting the final weights as one
 // (checkpoint.last_save_in_hf, into <run_dir>/hf, in checkpoint.export_dtype). The ckpt layer reads and writes fp32
-// weights in host memory; on CUDA the master weights pass through a host copy.
+// weights in host memory; on CUDA the master weights pass through a host copy. Under tensor
+// parallelism each rank reads only its shards of the imported tensors, and the export
+// gathers the shards into whole tensors first: the same files as one rank's.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/peft_adapter.h"
 
 #include <algorithm>
+#include <optional>
+#include <span>
 
 #include "core/log.h"
+#include "distributed/tensor_parallel_gather.h"
 #include "train/trainer.h"
 
 namespace forge {
@@ -17,9 +22,11 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
   if (fsdp_) {
     // Every rank reads the model one parameter at a time and keeps its segments (a LoRA
     // run's frozen base too: NOTE [Frozen FSDP base]): the host holds the largest
-    // parameter in fp32, not the model.
-    for_each_hf_parameter(dir, config_.model,
-                          [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); });
+    // parameter in fp32, not the model. Under tensor parallelism each parameter is the
+    // rank's shard of it, and only the shard is read.
+    for_each_hf_parameter(
+        dir, config_.model, [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); },
+        tensor_parallel_shard_);
     fsdp_->refresh_compute_weights(false);
     return;
   }
@@ -38,7 +45,12 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
                     static_cast<double>(nf4_base_->codes().nbytes()) / (1024.0 * 1024.0),
                     config_.precision.compute_dtype);
   }
-  if (params_->flat().device() == Device::CPU) {
+  if (tensor_parallel_) {
+    // The rank's shards (NOTE [Tensor-parallel shards]), read one parameter at a time.
+    for_each_hf_parameter(
+        dir, config_.model, [&](size_t spec, const Tensor& values) { params_->tensors()[spec].copy_from(values); },
+        tensor_parallel_shard_);
+  } else if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
   } else {
     FlatParameters host(config_.model);
@@ -59,6 +71,7 @@ void Trainer::export_hf_model() {
   options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : dtype == "fp16" ? SafetensorsDType::F16 : SafetensorsDType::F32;
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
+  if (tensor_parallel_) return export_tensor_parallel_hf_model(dir, options);
   if (fsdp_) {
     std::vector<float> flat;
     fsdp_->gather_to_host(fsdp_->master_segments(), flat);
@@ -86,6 +99,26 @@ void Trainer::export_hf_model() {
   FlatParameters host(config_.model);
   host.assign_from(*params_);
   save_hf_model(dir, host, options);
+}
+
+// Under tensor parallelism each rank holds its shards (NOTE [Tensor-parallel shards]): the
+// data-parallel rank 0 of each tensor-parallel rank gets them whole on the host (FSDP
+// gathers its chunks), and the tensor-parallel group of world rank 0 gathers them into the
+// whole model there, which is exported as one rank's would be (the same files).
+void Trainer::export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options) {
+  std::vector<float> local;
+  if (fsdp_) {
+    fsdp_->gather_to_host(fsdp_->master_segments(), local);
+  } else {
+    local.resize(static_cast<size_t>(params_->flat().numel()));
+    copy_bytes(local.data(), Device::CPU, params_->flat().raw(), params_->flat().device(), local.size() * sizeof(float));
+  }
+  std::optional<FlatParameters> host;
+  if (rank_ == 0) host.emplace(config_.model);
+  const std::span<float> whole =
+      host ? std::span<float>(host->flat().data<float>(), static_cast<size_t>(host->flat().numel())) : std::span<float>();
+  gather_tensor_parallel_shards(*tensor_parallel_group_, device_, config_.model, local, whole);
+  if (host) save_hf_model(dir, *host, options);
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {

@@ -46,7 +46,8 @@ std::string Trainer::checkpoint_problem(const std::string& dir) {
       problem = e.what();
     }
   }
-  const bool anywhere = dp_ ? dp_->sum_over_ranks(problem.empty() ? 0.0 : 1.0) > 0 : !problem.empty();
+  DataParallelComm* comm = checkpoint_comm();
+  const bool anywhere = comm ? comm->sum_over_ranks(problem.empty() ? 0.0 : 1.0) > 0 : !problem.empty();
   if (anywhere && problem.empty()) problem = "another rank found it damaged (see its message)";
   return problem;
 }

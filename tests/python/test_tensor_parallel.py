@@ -2,12 +2,20 @@
 launch, the CPU process group; NOTE [Tensor parallelism] in model/tensor_parallel.h): the
 same run on 2 and 4 tensor-parallel ranks, and on 2 tensor-parallel ranks times 2
 data-parallel ranks (FSDP ZeRO-3 and ZeRO-1, hybrid sharding), gives one rank's loss curve,
-gradient norms and validation losses within fp32 reordering; and the configurations tensor
-parallelism cannot take are refused with errors that name the keys."""
+gradient norms and validation losses within fp32 reordering; checkpoints hold the whole
+model (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h), so a run resumes
+bitwise at the layout that saved it and follows the uninterrupted run at any other (2 ranks
+to 1 and to 2 x FSDP 2, 1 rank to 2); the Hugging Face export of 2 ranks is one rank's,
+and 2 ranks start from a Hugging Face model as one rank does; and the configurations and
+inputs tensor parallelism cannot take are refused with errors that name the keys or files."""
 import json
 import os
+import shutil
 import subprocess
 import unittest
+
+import numpy
+from safetensors.numpy import load_file, save_file
 
 from forge_test_util import forge_bin, scratch_dir
 
@@ -79,6 +87,146 @@ class Parity(unittest.TestCase):
         self.expect_follows(self.run_dir("mha-one"), self.run_dir("mha-tp4"))
 
 
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2"]
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "15"]
+EXPORT = ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
+
+
+class Checkpoints(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.tp2 = os.path.join(cls.tmp, "saved-tp2")
+        train(cls.tp2, 2, 1, *TP2, *SAVE)
+        cls.one = os.path.join(cls.tmp, "saved-one")
+        train(cls.one, 1, 1, *SAVE)
+        cls.export_one = os.path.join(cls.tmp, "export-one")
+        train(cls.export_one, 1, 1, *EXPORT)
+
+    def resumed(self, source, name, ranks, data_ranks, *flags, check=True):
+        """A copy of `source` resumed from its step-15 checkpoint: the run's result and the
+        train and eval records it appended."""
+        run_dir = os.path.join(self.tmp, name)
+        shutil.copytree(source, run_dir)
+        result = train(run_dir, ranks, data_ranks, *flags, *SAVE, "--checkpoint.load_step", "15", check=check)
+        return result, records(run_dir, "train")[STEPS:], records(run_dir, "eval")[3:]
+
+    def expect_continues(self, source, resumed_train, resumed_eval, tolerance):
+        """The resumed steps 16..30 are the uninterrupted run's: bitwise (tolerance 0) or within
+        fp32 reordering."""
+        self.assertEqual([r["step"] for r in resumed_train], list(range(16, STEPS + 1)))
+        for got, want, key in ((resumed_train, records(source, "train")[15:], "loss"),
+                               (resumed_train, records(source, "train")[15:], "grad_norm"),
+                               (resumed_eval, records(source, "eval")[1:], "loss")):
+            if tolerance == 0:
+                self.assertEqual([r[key] for r in got], [r[key] for r in want], key)
+            else:
+                self.assertLess(max_relative_difference(got, want, key), tolerance, key)
+
+    def test_a_checkpoint_holds_the_whole_model_once(self):
+        step = os.path.join(self.tp2, "checkpoints", "step-15")
+        with open(os.path.join(step, "metadata.json")) as f:
+            metadata = json.load(f)
+        self.assertEqual((metadata["format_version"], metadata["tensor_parallel_degree"], metadata["world_size"]),
+                         (2, 2, 2))
+        sizes = [os.path.getsize(os.path.join(step, f"rank-{r}.bin")) for r in range(2)]
+        self.assertEqual(sum(sizes), 12 * metadata["flat_numel"])  # the norm weights once, in rank 0's file
+        self.assertGreater(sizes[0], sizes[1])
+        with open(os.path.join(self.one, "checkpoints", "step-15", "metadata.json")) as f:
+            self.assertEqual(json.load(f)["format_version"], 1)  # without tensor parallelism: as before
+
+    def test_resume_at_the_layout_that_saved_is_bitwise(self):
+        for name, source, ranks, data_ranks, flags in (("tp2-again", self.tp2, 2, 1, TP2),
+                                                       ("tp2-fsdp2-again", None, 4, 2, TP2 + FSDP2)):
+            with self.subTest(run=name):
+                if source is None:  # two shard ranks write into each tensor-parallel rank's files
+                    source = os.path.join(self.tmp, "saved-tp2-fsdp2")
+                    train(source, ranks, data_ranks, *flags, *SAVE)
+                _, steps, evals = self.resumed(source, name, ranks, data_ranks, *flags)
+                self.expect_continues(source, steps, evals, 0)
+
+    def test_a_tensor_parallel_checkpoint_resumes_under_other_layouts(self):
+        for name, ranks, data_ranks, flags in (("tp2-to-one", 1, 1, []),
+                                               ("tp2-to-tp2-fsdp2", 4, 2, TP2 + FSDP2)):
+            with self.subTest(run=name):
+                result, steps, evals = self.resumed(self.tp2, name, ranks, data_ranks, *flags)
+                self.assertIn("saved by 2 ranks, tensor-parallel degree 2", result.stdout + result.stderr)
+                self.expect_continues(self.tp2, steps, evals, 1e-5)
+
+    def test_a_one_rank_checkpoint_resumes_on_tensor_parallel_ranks(self):
+        _, steps, evals = self.resumed(self.one, "one-to-tp2", 2, 1, *TP2)
+        self.expect_continues(self.one, steps, evals, 1e-5)
+
+    def test_hugging_face_export_and_import_are_one_ranks(self):
+        exports = {}
+        for name, ranks, data_ranks, flags in (("export-tp2", 2, 1, TP2), ("export-tp2-fsdp2", 4, 2, TP2 + FSDP2)):
+            exports[name] = os.path.join(self.tmp, name)
+            train(exports[name], ranks, data_ranks, *flags, *EXPORT)
+        want_dir = os.path.join(self.export_one, "hf")
+        want = load_file(os.path.join(want_dir, "model.safetensors"))
+        for name in ("export-tp2", "export-tp2-fsdp2"):
+            with self.subTest(export=name):
+                got_dir = os.path.join(exports[name], "hf")
+                self.assertEqual(sorted(os.listdir(got_dir)), sorted(os.listdir(want_dir)))
+                with open(os.path.join(got_dir, "config.json")) as a, open(os.path.join(want_dir, "config.json")) as b:
+                    self.assertEqual(json.load(a), json.load(b))
+                got = load_file(os.path.join(got_dir, "model.safetensors"))
+                self.assertEqual(sorted(got), sorted(want))
+                for key, value in want.items():
+                    self.assertEqual(got[key].shape, value.shape, key)
+                    scale = float(numpy.abs(value).max())
+                    self.assertLess(float(numpy.abs(got[key] - value).max()), 1e-5 * scale, key)
+        # Weights from that Hugging Face model: two ranks (and two times FSDP 2) train as one does.
+        start = ["--checkpoint.initial_load_path", want_dir]
+        reference = os.path.join(self.tmp, "from-hf-one")
+        train(reference, 1, 1, *start)
+        for name, ranks, data_ranks, flags in (("from-hf-tp2", 2, 1, TP2), ("from-hf-tp2-fsdp2", 4, 2, TP2 + FSDP2)):
+            with self.subTest(run=name):
+                run_dir = os.path.join(self.tmp, name)
+                result = train(run_dir, ranks, data_ranks, *flags, *start)
+                self.assertIn("tensor-parallel rank 0 of 2 read its shards", result.stdout + result.stderr)
+                self.expect_follows_run(reference, run_dir)
+        self.assertLess(records(reference, "train")[0]["loss"], records(self.export_one, "train")[0]["loss"])
+
+    def expect_follows_run(self, reference, run):
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+            self.assertLess(max_relative_difference(records(run, kind), records(reference, kind), key), 1e-5, key)
+
+    def test_bad_inputs_are_refused_naming_them(self):
+        result, _, _ = self.resumed(self.tp2, "other-model", 2, 1, *TP2, "--model.ffn_hidden_size", "128", check=False)
+        self.assertNotEqual(result.returncode, 0)
+        for fragment in ("tensor 'layers.0.mlp.gate_up.weight' (param)", "[384, 64]", "[256, 64]"):
+            self.assertIn(fragment, result.stderr)
+        # A damaged byte in tensor-parallel rank 1's file, in a piece world rank 0 checks
+        # (piece i is checked by rank i mod 2: NOTE [Choosing the checkpoint to resume]).
+        damaged = os.path.join(self.tmp, "damaged")
+        shutil.copytree(self.tp2, damaged)
+        step = os.path.join(damaged, "checkpoints", "step-15")
+        with open(os.path.join(step, "metadata.json")) as f:
+            pieces = [p for t in json.load(f)["tensors"] for p in t["pieces"]]
+        piece = next(p for i, p in enumerate(pieces) if i % 2 == 0 and p["rank"] == 1)
+        with open(os.path.join(step, "rank-1.bin"), "r+b") as f:
+            f.seek(piece["byte_offset"] + 1)
+            byte = f.read(1)[0]
+            f.seek(piece["byte_offset"] + 1)
+            f.write(bytes([byte ^ 0x01]))
+        result = train(damaged, 2, 1, *TP2, *SAVE, "--checkpoint.load_step", "15", check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("rank-1.bin", result.stderr)
+        self.assertIn("CRC-32", result.stderr)
+        # A Hugging Face model that lacks a tensor.
+        incomplete = os.path.join(self.tmp, "hf-incomplete")
+        shutil.copytree(os.path.join(self.export_one, "hf"), incomplete)
+        weights = load_file(os.path.join(incomplete, "model.safetensors"))
+        del weights["model.layers.1.self_attn.o_proj.weight"]
+        save_file(weights, os.path.join(incomplete, "model.safetensors"), metadata={"format": "pt"})
+        result = train(os.path.join(self.tmp, "from-incomplete"), 2, 1, *TP2, "--checkpoint.initial_load_path",
+                       incomplete, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("no tensor 'model.layers.1.self_attn.o_proj.weight'", result.stderr)
+
+
 class Errors(unittest.TestCase):
     def expect_refused(self, ranks, flags, message):
         result = train(os.path.join(scratch_dir(), "refused"), ranks, 1, *flags, check=False)
@@ -94,7 +242,6 @@ class Errors(unittest.TestCase):
                 (2, [tp, "2", "--training.local_batch_size", "1", "--training.seq_len", "5"],
                  "must divide the micro-batch's tokens"),
                 (2, [tp, "2", "--lora.rank", "4"], "cannot be combined with lora.rank = 4"),
-                (2, [tp, "2", "--checkpoint.enable", "true"], "cannot be combined with checkpoint.enable"),
                 (2, [tp, "4", "--model.name", "debug-tiny-mha"], "tensor_parallel_degree × context_parallel_degree = 1 × 1 × 4 × 1 = 4"),
                 (1, [tp, "2"], "this process was started alone")):
             with self.subTest(flags=flags):
