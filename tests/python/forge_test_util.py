@@ -58,3 +58,27 @@ def train_losses(run_dir):
             if record["type"] == "train":
                 by_step[record["step"]] = record["loss"]
     return [by_step[s] for s in sorted(by_step)]
+
+
+def train_on_ranks(run_dir, ranks, data_ranks, *overrides, steps=30, check=True, timeout=300):
+    """forge train for STEPS steps on RANKS CPU ranks (forge launch; one rank runs alone),
+    micro-batch 2 and the accumulation that fills a global batch of 8 sequences over
+    DATA_RANKS data-parallel ranks, evaluating every 10 steps: the same run at every layout
+    of the parallelism tests."""
+    accum = 8 // (2 * data_ranks)
+    args = ["train", "--training.steps", str(steps), "--training.local_batch_size", "2",
+            "--training.gradient_accumulation_steps", str(accum), "--eval.interval", "10",
+            "--logging.run_dir", run_dir, *overrides]
+    command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
+    env = dict(os.environ, FORGE_NUM_THREADS="1")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    if check and result.returncode != 0:
+        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result
+
+
+def max_relative_difference(a, b, key):
+    """max |a[i][key] - b[i][key]| / |b[i][key]| over two runs' records, step by step."""
+    assert len(a) == len(b) and a, (len(a), len(b))
+    return max(abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b))
+

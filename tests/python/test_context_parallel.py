@@ -6,40 +6,15 @@ hybrid sharding, gives one rank's loss curve, gradient norms and validation loss
 fp32 reordering; a run resumed from its checkpoint repeats the uninterrupted one bitwise,
 and its checkpoint resumes on one rank; the configurations it cannot take are refused with
 errors that name the keys."""
-import json
 import os
-import subprocess
 import unittest
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks
 
-TIMEOUT = 300
-GLOBAL_BATCH = 8
 
 
 def train(run_dir, ranks, data_ranks, *overrides, steps=30, check=True):
-    """`steps` steps on `ranks` CPU ranks, micro-batch 2, accumulation filling the global batch
-    of 8 sequences over the data-parallel ranks; evaluation every 10 steps."""
-    accum = GLOBAL_BATCH // (2 * data_ranks)
-    args = ["train", "--training.steps", str(steps), "--training.local_batch_size", "2",
-            "--training.gradient_accumulation_steps", str(accum), "--eval.interval", "10",
-            "--logging.run_dir", run_dir, *overrides]
-    command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
-    env = dict(os.environ, FORGE_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r.get("type") == kind]
-
-
-def max_relative_difference(a, b, key):
-    assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b))
+    return train_on_ranks(run_dir, ranks, data_ranks, *overrides, steps=steps, check=check)
 
 
 CP = "--parallelism.context_parallel_degree"
@@ -70,25 +45,29 @@ class Parity(unittest.TestCase):
                 self.expect_follows(run)
 
     def test_resume_is_exact_and_reshards(self):
-        whole = os.path.join(self.tmp, "cp2-whole")
-        train(whole, 2, 1, CP, "2")
-        cut = os.path.join(self.tmp, "cp2-cut")
+        """2 context-parallel ranks, and 2 x 2 with tensor parallelism (whose checkpoints hold
+        the shards, NOTE [Tensor-parallel checkpoints]): resumed at the layout that saved them,
+        bitwise the uninterrupted run; resumed on one rank, within fp32 reordering."""
         ckpt = ["--checkpoint.enable", "true", "--checkpoint.interval", "10"]
-        train(cut, 2, 1, CP, "2", *ckpt, steps=20)
-        train(cut, 2, 1, CP, "2", *ckpt, "--checkpoint.load_step", "10")
-        expected = {r["step"]: r["loss"] for r in records(whole, "train")}
-        resumed = records(cut, "train")
-        self.assertEqual(resumed[-1]["step"], 30)
-        for r in resumed:
-            self.assertEqual(r["loss"], expected[r["step"]], r["step"])
-        # The context-parallel checkpoint at step 20 resumed on one rank.
-        alone = os.path.join(self.tmp, "cp2-then-one")
-        train(alone, 1, 1, "--checkpoint.enable", "true", "--checkpoint.folder", os.path.join(cut, "checkpoints"),
-              "--checkpoint.load_step", "20")
-        tail = records(alone, "train")
-        self.assertEqual(tail[0]["step"], 21)
-        for r in tail:
-            self.assertLess(abs(r["loss"] - expected[r["step"]]) / expected[r["step"]], 1e-5, r["step"])
+        for name, ranks, flags in (("cp2", 2, [CP, "2"]),
+                                   ("cp2-tp2", 4, [CP, "2", "--parallelism.tensor_parallel_degree", "2"])):
+            with self.subTest(layout=name):
+                whole, cut = os.path.join(self.tmp, f"{name}-whole"), os.path.join(self.tmp, f"{name}-cut")
+                train(whole, ranks, 1, *flags)
+                train(cut, ranks, 1, *flags, *ckpt, steps=20)
+                train(cut, ranks, 1, *flags, *ckpt, "--checkpoint.load_step", "10")
+                expected = {r["step"]: r["loss"] for r in records(whole, "train")}
+                resumed = records(cut, "train")
+                self.assertEqual(resumed[-1]["step"], 30)
+                for r in resumed:
+                    self.assertEqual(r["loss"], expected[r["step"]], r["step"])
+                alone = os.path.join(self.tmp, f"{name}-then-one")
+                train(alone, 1, 1, "--checkpoint.enable", "true", "--checkpoint.folder",
+                      os.path.join(cut, "checkpoints"), "--checkpoint.load_step", "20")
+                tail = records(alone, "train")
+                self.assertEqual(tail[0]["step"], 21)
+                for r in tail:
+                    self.assertLess(abs(r["loss"] - expected[r["step"]]) / expected[r["step"]], 1e-5, r["step"])
 
 
 class Errors(unittest.TestCase):

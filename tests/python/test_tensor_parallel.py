@@ -11,42 +11,18 @@ inputs tensor parallelism cannot take are refused with errors that name the keys
 import json
 import os
 import shutil
-import subprocess
 import unittest
 
 import numpy
 from safetensors.numpy import load_file, save_file
 
-from forge_test_util import forge_bin, scratch_dir
+from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks
 
-TIMEOUT = 300
 STEPS = 30
-GLOBAL_BATCH = 8
 
 
 def train(run_dir, ranks, data_ranks, *overrides, check=True):
-    """STEPS steps on `ranks` CPU ranks, micro-batch 2, accumulation filling the global batch
-    of 8 sequences over the data-parallel ranks; evaluation every 10 steps."""
-    accum = GLOBAL_BATCH // (2 * data_ranks)
-    args = ["train", "--training.steps", str(STEPS), "--training.local_batch_size", "2",
-            "--training.gradient_accumulation_steps", str(accum), "--eval.interval", "10",
-            "--logging.run_dir", run_dir, *overrides]
-    command = [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args] if ranks > 1 else [forge_bin(), *args]
-    env = dict(os.environ, FORGE_NUM_THREADS="1")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=env)
-    if check and result.returncode != 0:
-        raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result
-
-
-def records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [r for r in map(json.loads, f) if r.get("type") == kind]
-
-
-def max_relative_difference(a, b, key):
-    assert len(a) == len(b) and a, (len(a), len(b))
-    return max(abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b))
+    return train_on_ranks(run_dir, ranks, data_ranks, *overrides, steps=STEPS, check=check)
 
 
 class Parity(unittest.TestCase):
