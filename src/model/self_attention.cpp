@@ -66,11 +66,7 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   d_out_ = act({n, heads_ * head_dim_});
   d_qkv_ = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
-  if (tp > 1) {
-    gathered_ = act({n, hidden_});
-    partial_ = act({n, hidden_});
-    norm_grad_ = stat({hidden_});
-  }
+  edges_.lay_out(layout, shape, hidden_);
   if (shape.context_parallel > 1) cp_attention_.lay_out(layout, shape, kv_heads_, head_dim_);
 }
 
@@ -87,19 +83,14 @@ void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& 
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kQkv));
-  const Tensor* normed = &a.normed;
-  if (tp_) {  // NOTE [Tensor parallelism]: every rank's rows into the column-parallel qkv
-    tp_->gather_rows(gathered_, a.normed);
-    normed = &gathered_;
-  }
-  linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), *normed, w.linear(kQkv));
+  // NOTE [Tensor parallelism]: every rank's rows into the column-parallel qkv.
+  linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), edges_.projection_input(a.normed),
+                 w.linear(kQkv));
   rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), positions());
   if (cp_) cp_attention_.forward(*cp_, layer, a.out, a.lse, a.qkv, attention_);
   else attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
   if (!out) return;
-  const Tensor attended = a.out.view({n, heads_ * head_dim_});
-  if (tp_) return row_parallel_forward(*tp_, *out, partial_, attended, w.linear(kOut), x);
-  linear_forward(*out, attended, w.linear(kOut), &x);
+  edges_.project_out(*out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), x);
 }
 
 void SelfAttention::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
@@ -114,28 +105,15 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + attention_out @ o^T; under tensor parallelism every rank's rows of dL/dout
   // feed the row-parallel o's backward (NOTE [Tensor parallelism]).
-  const Tensor* d_out = &d_stream;
-  if (tp_) {
-    tp_->gather_rows(partial_, d_stream);
-    d_out = &partial_;
-  }
-  linear_backward(d_out_, grads.linear(kOut), *d_out, a.out.view({n, heads_ * head_dim_}), w.linear(kOut), overwrite);
+  linear_backward(d_out_, grads.linear(kOut), edges_.output_grad(d_stream), a.out.view({n, heads_ * head_dim_}),
+                  w.linear(kOut), overwrite);
   const Tensor d_attended = d_out_.view(a.out.shape());
   if (cp_) cp_attention_.backward(*cp_, layer, d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_);
   else attention_backward(d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_, rotary_.segments());
   rope_backward(d_qkv_, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), positions());
   const Tensor d_qkv = d_qkv_.view({n, (heads_ + 2 * kv_heads_) * head_dim_});
-  if (!tp_) {
-    linear_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite);
-    rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
-    return;
-  }
-  // The column-parallel qkv: the normed rows gathered again, the input gradient a partial
-  // sum over the rank's heads, summed and scattered to the rank's rows.
-  tp_->gather_rows(gathered_, a.normed);
-  linear_backward(partial_, grads.linear(kQkv), d_qkv, gathered_, w.linear(kQkv), overwrite);
-  tp_->reduce_scatter_rows(d_hidden, partial_);
-  replicated_rmsnorm_backward(*tp_, norm_grad_, d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
+  edges_.normed_projection_backward(d_hidden, grads.linear(kQkv), d_qkv, a.normed, w.linear(kQkv), overwrite, d_stream,
+                                    grads.tensor(kNorm), x, w.tensor(kNorm), a.rstd);
 }
 
 }  // namespace forge

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "model/block_component.h"
+#include "model/sequence_parallel.h"
 #include "model/config.h"
 #include "model/context_parallel_attention.h"
 #include "model/rotary_positions.h"
@@ -29,7 +30,7 @@ class SelfAttention final : public BlockComponent {
   void prepare(const StepShape& shape, Device device) override;
   void set_sequence_layout(const SequenceLayout* layout) override;
   bool tensor_parallel_capable() const override { return true; }
-  void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
+  void set_tensor_parallel(TensorParallel* tp) override { edges_.set_group(tp); }
   bool context_parallel_capable() const override { return true; }
   void set_context_parallel(ContextParallel* cp) override { cp_ = cp; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
@@ -62,9 +63,7 @@ class SelfAttention final : public BlockComponent {
   StepShape shape_;
   std::vector<Activations> layers_;
   Tensor d_out_, d_qkv_;  // backward scratch
-  TensorParallel* tp_ = nullptr;
-  Tensor gathered_, partial_;  // tensor parallelism: [N, H] all ranks' normed rows; row-parallel sums
-  Tensor norm_grad_;           // tensor parallelism: [H] fp32, the rank's share of the norm's gradient
+  SequenceParallelEdges edges_;  // NOTE [Tensor parallelism]: the gathers and reduce-scatters
   ContextParallel* cp_ = nullptr;
   ContextParallelAttention cp_attention_;  // context parallelism: the gathered keys and values
 };

@@ -5,15 +5,49 @@
 
 namespace forge {
 
-void row_parallel_forward(TensorParallel& tp, const Tensor& out, const Tensor& partial, const Tensor& in,
-                          const LinearWeight& w, const Tensor& x) {
-  const int64_t n = x.dim(0), begin = tp.rank() * n, rows = partial.dim(0);
-  FORGE_CHECK(rows == tp.size() * n && in.dim(0) == rows, "row-parallel projection: {} rows in, {} per rank of {}",
-              in.dim(0), n, tp.size());
-  if (begin > 0) linear_forward(partial.narrow(0, begin), in.narrow(0, begin), w);
-  linear_forward(partial.narrow(begin, begin + n), in.narrow(begin, begin + n), w, &x);
-  if (begin + n < rows) linear_forward(partial.narrow(begin + n, rows), in.narrow(begin + n, rows), w);
-  tp.reduce_scatter_rows(out, partial);
+void SequenceParallelEdges::lay_out(ArenaLayout& layout, const StepShape& shape, int64_t hidden) {
+  if (shape.tensor_parallel == 1) return;
+  gathered_ = layout.take({shape.tokens(), hidden}, shape.dtype);
+  partial_ = layout.take({shape.tokens(), hidden}, shape.dtype);
+  norm_grad_ = layout.take({hidden}, DType::F32);
+}
+
+const Tensor& SequenceParallelEdges::projection_input(const Tensor& normed) {
+  if (!tp_) return normed;
+  tp_->gather_rows(gathered_, normed);
+  return gathered_;
+}
+
+void SequenceParallelEdges::project_out(const Tensor& out, const Tensor& in, const LinearWeight& w, const Tensor& x) {
+  if (!tp_) return linear_forward(out, in, w, &x);
+  const int64_t n = x.dim(0), begin = tp_->rank() * n, rows = partial_.dim(0);
+  FORGE_CHECK(rows == tp_->size() * n && in.dim(0) == rows, "row-parallel projection: {} rows in, {} per rank of {}",
+              in.dim(0), n, tp_->size());
+  if (begin > 0) linear_forward(partial_.narrow(0, begin), in.narrow(0, begin), w);
+  linear_forward(partial_.narrow(begin, begin + n), in.narrow(begin, begin + n), w, &x);
+  if (begin + n < rows) linear_forward(partial_.narrow(begin + n, rows), in.narrow(begin + n, rows), w);
+  tp_->reduce_scatter_rows(out, partial_);
+}
+
+const Tensor& SequenceParallelEdges::output_grad(const Tensor& d_stream) {
+  if (!tp_) return d_stream;
+  tp_->gather_rows(partial_, d_stream);
+  return partial_;
+}
+
+void SequenceParallelEdges::normed_projection_backward(const Tensor& d_hidden, const LinearWeight& grad,
+                                                       const Tensor& dy, const Tensor& normed, const LinearWeight& w,
+                                                       bool overwrite, const Tensor& d_stream, const Tensor& norm_grad,
+                                                       const Tensor& x, const Tensor& norm_weight, const Tensor& rstd) {
+  if (!tp_) {
+    linear_backward(d_hidden, grad, dy, normed, w, overwrite);
+    rmsnorm_backward(d_stream, norm_grad, d_hidden, x, norm_weight, rstd);
+    return;
+  }
+  tp_->gather_rows(gathered_, normed);
+  linear_backward(partial_, grad, dy, gathered_, w, overwrite);
+  tp_->reduce_scatter_rows(d_hidden, partial_);
+  replicated_rmsnorm_backward(*tp_, norm_grad_, d_stream, norm_grad, d_hidden, x, norm_weight, rstd);
 }
 
 void replicated_rmsnorm_backward(TensorParallel& tp, const Tensor& scratch, const Tensor& dx, const Tensor& dweight,

@@ -52,26 +52,17 @@ void SwiGluFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Act
   layers_ = lay_out_layers<Activations>(num_layers, mode, costly, cheap);
   d_swiglu_ = act({n, ffn_});
   d_gate_up_ = act({n, 2 * ffn_});
-  if (tp > 1) {
-    gathered_ = act({n, hidden_});
-    partial_ = act({n, hidden_});
-    norm_grad_ = layout.take({hidden_}, DType::F32);
-  }
+  edges_.lay_out(layout, shape, hidden_);
 }
 
 void SwiGluFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kGateUp));
-  const Tensor* normed = &a.normed;
-  if (tp_) {  // NOTE [Tensor parallelism]: every rank's rows into the column-parallel gate/up
-    tp_->gather_rows(gathered_, a.normed);
-    normed = &gathered_;
-  }
-  linear_forward(a.gate_up, *normed, w.linear(kGateUp));
+  // NOTE [Tensor parallelism]: every rank's rows into the column-parallel gate/up.
+  linear_forward(a.gate_up, edges_.projection_input(a.normed), w.linear(kGateUp));
   swiglu_forward(a.swiglu, a.gate_up, out ? &w.linear(kDown) : nullptr);
   if (!out) return;
-  if (tp_) return row_parallel_forward(*tp_, *out, partial_, a.swiglu, w.linear(kDown), x);
-  linear_forward(*out, a.swiglu, w.linear(kDown), &x);
+  edges_.project_out(*out, a.swiglu, w.linear(kDown), x);
 }
 
 void SwiGluFeedForward::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
@@ -86,24 +77,10 @@ void SwiGluFeedForward::backward(int layer, const ComponentWeights& w, const Com
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + swiglu @ down^T; under tensor parallelism every rank's rows of dL/dout feed
   // the row-parallel down's backward (NOTE [Tensor parallelism]).
-  const Tensor* d_out = &d_stream;
-  if (tp_) {
-    tp_->gather_rows(partial_, d_stream);
-    d_out = &partial_;
-  }
-  linear_backward(d_swiglu_, grads.linear(kDown), *d_out, a.swiglu, w.linear(kDown), overwrite);
+  linear_backward(d_swiglu_, grads.linear(kDown), edges_.output_grad(d_stream), a.swiglu, w.linear(kDown), overwrite);
   swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up, &w.linear(kGateUp));
-  if (!tp_) {
-    linear_backward(d_hidden, grads.linear(kGateUp), d_gate_up_, a.normed, w.linear(kGateUp), overwrite);
-    rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
-    return;
-  }
-  // The column-parallel gate/up: the normed rows gathered again, the input gradient a
-  // partial sum over the rank's columns, summed and scattered to the rank's rows.
-  tp_->gather_rows(gathered_, a.normed);
-  linear_backward(partial_, grads.linear(kGateUp), d_gate_up_, gathered_, w.linear(kGateUp), overwrite);
-  tp_->reduce_scatter_rows(d_hidden, partial_);
-  replicated_rmsnorm_backward(*tp_, norm_grad_, d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
+  edges_.normed_projection_backward(d_hidden, grads.linear(kGateUp), d_gate_up_, a.normed, w.linear(kGateUp), overwrite,
+                                    d_stream, grads.tensor(kNorm), x, w.tensor(kNorm), a.rstd);
 }
 
 }  // namespace forge

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/block_component.h"
+#include "model/sequence_parallel.h"
 #include "model/config.h"
 
 namespace forge {
@@ -20,7 +21,7 @@ class SwiGluFeedForward final : public BlockComponent {
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
   bool tensor_parallel_capable() const override { return true; }
-  void set_tensor_parallel(TensorParallel* tp) override { tp_ = tp; }
+  void set_tensor_parallel(TensorParallel* tp) override { edges_.set_group(tp); }
   bool context_parallel_capable() const override { return true; }
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
@@ -44,9 +45,7 @@ class SwiGluFeedForward final : public BlockComponent {
   float eps_;
   std::vector<Activations> layers_;
   Tensor d_swiglu_, d_gate_up_;  // backward scratch
-  TensorParallel* tp_ = nullptr;
-  Tensor gathered_, partial_;  // tensor parallelism: [N, H] all ranks' normed rows; row-parallel sums
-  Tensor norm_grad_;           // tensor parallelism: [H] fp32, the rank's share of the norm's gradient
+  SequenceParallelEdges edges_;  // NOTE [Tensor parallelism]: the gathers and reduce-scatters
 };
 
 }  // namespace forge
