@@ -46,6 +46,10 @@ std::string Trainer::checkpoint_problem(const std::string& dir) {
       problem = e.what();
     }
   }
+  // Said now, before the ranks agree: a rank that learns of it from this one may exit, and
+  // its exit stop this process (NOTE [Failure detection]), before this rank's own error is
+  // printed.
+  if (!problem.empty() && world_size_ > 1) log_warn("rank {} found checkpoint '{}' damaged: {}", rank_, dir, problem);
   DataParallelComm* comm = checkpoint_comm();
   const bool anywhere = comm ? comm->sum_over_ranks(problem.empty() ? 0.0 : 1.0) > 0 : !problem.empty();
   if (anywhere && problem.empty()) problem = "another rank found it damaged (see its message)";
