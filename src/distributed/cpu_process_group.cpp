@@ -21,12 +21,14 @@
 #include "core/error.h"
 #include "distributed/flight_recorder.h"
 #include "distributed/heartbeat.h"
+#include "distributed/point_to_point.h"
 #include "distributed/tcp_store.h"
 
 namespace forge {
 namespace {
 
-enum class Kind : uint32_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Barrier = 4, Split = 5, AllToAll = 6 };
+enum class Kind : uint32_t { AllReduce = 1, ReduceScatter = 2, AllGather = 3, Barrier = 4, Split = 5, AllToAll = 6,
+                            SendRecv = 7 };
 
 // One rank's part in a round: the head of its message to rank 0, before its input.
 struct Call {
@@ -40,11 +42,17 @@ struct Call {
   int32_t color = 0;    // split only
   int32_t key = 0;
   uint64_t row = 0;  // all_to_all only: elements per row
+  uint64_t ops = 0;  // send_recv only: how many ops the rank lists
 };
-constexpr size_t kCallBytes = 56;
+constexpr size_t kCallBytes = 64;
 // An all_to_all's message carries, between the call and the rows, the rank's send and
 // then receive counts: one u64 per rank of the group, each.
 constexpr size_t kCountBytes = 8;
+// A send_recv's call counts bytes (dtype u8: input is what the rank sends, output what it
+// receives); its message carries, between the call and the send payloads (concatenated
+// in op order), its ops: kind (0 send, 1 receive), peer (rank in the group) and byte
+// count, a u64 each.
+constexpr size_t kOpWords = 3;
 
 void put(std::vector<uint8_t>& out, uint64_t value, int bytes) {
   for (int i = 0; i < bytes; ++i) out.push_back(static_cast<uint8_t>(value >> (8 * i)));
@@ -68,6 +76,7 @@ std::vector<uint8_t> encode(const Call& c) {
   put(out, static_cast<uint32_t>(c.color), 4);
   put(out, static_cast<uint32_t>(c.key), 4);
   put(out, c.row, 8);
+  put(out, c.ops, 8);
   return out;
 }
 
@@ -83,6 +92,7 @@ Call decode(const uint8_t* p) {
   c.color = static_cast<int32_t>(get(p, 4));
   c.key = static_cast<int32_t>(get(p, 4));
   c.row = get(p, 8);
+  c.ops = get(p, 8);
   return c;
 }
 
@@ -104,16 +114,45 @@ std::string call_text(const Call& c) {
       return fmt::format("split #{}", c.number);
     case Kind::AllToAll:  // the row counts differ from rank to rank
       return fmt::format("all_to_all #{} ({}, rows of {} elements)", c.number, dtype, c.row);
+    case Kind::SendRecv:  // the ops differ from rank to rank
+      return fmt::format("send_recv #{}", c.number);
   }
   return fmt::format("an unknown collective ({})", static_cast<uint32_t>(c.kind));
 }
 
-// An all_to_all's send and receive counts as sent (u64 each); empty for other calls.
+// An all_to_all's send and receive counts, or a send_recv's op words, as sent (u64 each);
+// empty for other calls.
 std::vector<int64_t> decode_counts(std::span<const uint8_t> bytes) {
   std::vector<int64_t> counts(bytes.size() / kCountBytes);
   const uint8_t* p = bytes.data();
   for (int64_t& n : counts) n = static_cast<int64_t>(get(p, kCountBytes));
   return counts;
+}
+
+// A send_recv's ops as its message carries them (kOpWords).
+std::vector<uint8_t> encode_ops(const std::vector<PointToPointShape>& ops) {
+  std::vector<uint8_t> out;
+  for (const PointToPointShape& op : ops) {
+    put(out, op.kind == PointToPoint::Kind::Send ? 0 : 1, kCountBytes);
+    put(out, static_cast<uint64_t>(op.peer), kCountBytes);
+    put(out, op.bytes, kCountBytes);
+  }
+  return out;
+}
+
+// A send_recv round as rank 0 routes it: each member's ops (in group rank order) and how
+// they pair up.
+struct SendRecvRound {
+  std::vector<std::vector<PointToPointShape>> ops;
+  std::vector<PointToPointTransfer> transfers;
+};
+
+// Shows at most 8 of `lines`, joined, then how many more there were.
+std::string first_lines(std::vector<std::string> lines) {
+  constexpr size_t kShown = 8;
+  const size_t more = lines.size() > kShown ? lines.size() - kShown : 0;
+  lines.resize(lines.size() - more);
+  return fmt::format("{}{}", fmt::join(lines, "; "), more ? fmt::format(" (and {} more)", more) : "");
 }
 
 std::string group_text(uint32_t id, std::span<const int> members) {
@@ -288,6 +327,36 @@ class CpuProcessGroup final : public ProcessGroup {
         bytes_of(output).first(static_cast<size_t>(received) * row_bytes), counts);
   }
 
+  // The ops' words and send payloads go to rank 0, which answers with this rank's
+  // received bytes in op order (NOTE [Point-to-point]).
+  void send_recv(const std::vector<PointToPoint>& ops, CudaStream) override {
+    check_open("send_recv");
+    check_send_recv(ops, world_size(), Device::CPU);
+    const std::vector<PointToPointShape> shapes = shapes_of(ops);
+    std::vector<uint8_t> payload;
+    uint64_t received = 0;
+    for (const PointToPoint& op : ops) {
+      if (op.kind == PointToPoint::Kind::Send) {
+        const std::span<const uint8_t> bytes = bytes_of(op.tensor);
+        payload.insert(payload.end(), bytes.begin(), bytes.end());
+      } else {
+        received += op.tensor.nbytes();
+      }
+    }
+    std::vector<uint8_t> result(received);
+    Call call;
+    call.kind = Kind::SendRecv;
+    call.dtype = DType::U8;
+    call.input = payload.size();
+    call.output = received;
+    call.ops = ops.size();
+    run(call, payload, result, encode_ops(shapes));
+    const std::vector<uint64_t> offsets = payload_offsets(shapes);
+    for (size_t i = 0; i < ops.size(); ++i)
+      if (ops[i].kind == PointToPoint::Kind::Recv && shapes[i].bytes > 0)
+        std::memcpy(ops[i].tensor.raw(), result.data() + offsets[i], shapes[i].bytes);
+  }
+
   void barrier() override {
     check_open("barrier");
     Call call;
@@ -346,7 +415,8 @@ class CpuProcessGroup final : public ProcessGroup {
   }
 
   // A collective: `input` goes to rank 0, this rank's result comes back into `output`.
-  // `counts`: an all_to_all's send and receive counts, sent between the call and `input`.
+  // `counts`: an all_to_all's send and receive counts, or a send_recv's op words, sent
+  // between the call and `input`.
   void run(Call& call, std::span<const uint8_t> input, std::span<uint8_t> output,
            std::span<const uint8_t> counts = {}) {
     round(call, [&](const std::string& stage) {
@@ -371,7 +441,7 @@ class CpuProcessGroup final : public ProcessGroup {
     std::vector<std::vector<uint8_t>> messages = w.store.gather_at_root(w.options.collective_timeout, stage);
     std::vector<Call> calls(w.size);
     std::vector<std::span<const uint8_t>> inputs(w.size);
-    std::vector<std::vector<int64_t>> counts(w.size);  // all_to_all: send, then receive counts
+    std::vector<std::vector<int64_t>> counts(w.size);  // all_to_all: send, then receive counts; send_recv: op words
     calls[0] = mine;
     inputs[0] = input;
     counts[0] = decode_counts(my_counts);
@@ -380,7 +450,8 @@ class CpuProcessGroup final : public ProcessGroup {
       calls[r] = decode(messages[r].data());
       inputs[r] = std::span<const uint8_t>(messages[r]).subspan(kCallBytes);
     }
-    const std::map<uint32_t, const std::vector<int>*> groups = check_calls(calls, inputs, counts, stage);
+    std::map<uint32_t, SendRecvRound> send_recvs;
+    const std::map<uint32_t, const std::vector<int>*> groups = check_calls(calls, inputs, counts, send_recvs, stage);
 
     std::vector<uint8_t> own_answer;
     const auto deliver = [&](int r, std::span<const uint8_t> bytes) {
@@ -438,6 +509,22 @@ class CpuProcessGroup final : public ProcessGroup {
           }
           break;
         }
+        case Kind::SendRecv: {
+          // Each member's receives, in its op order, filled from the sends paired with them.
+          const SendRecvRound& sr = send_recvs.at(id);
+          std::vector<std::vector<uint8_t>> results(group_size);
+          std::vector<std::vector<uint64_t>> offsets(group_size);
+          for (size_t k = 0; k < group_size; ++k) {
+            results[k].resize(calls[members[k]].output);
+            offsets[k] = payload_offsets(sr.ops[k]);
+          }
+          for (const PointToPointTransfer& t : sr.transfers)
+            if (t.bytes > 0)
+              std::memcpy(results[t.to].data() + offsets[t.to][t.recv],
+                          inputs[members[t.from]].data() + offsets[t.from][t.send], t.bytes);
+          for (size_t k = 0; k < group_size; ++k) deliver(members[k], results[k]);
+          break;
+        }
         case Kind::Split:
           for (auto& [r, answer] : split_group(members, calls)) {
             if (r == 0) {
@@ -454,11 +541,13 @@ class CpuProcessGroup final : public ProcessGroup {
 
   // Rank 0: checks that the members of every group in this round made the same call, and
   // that each input has the size its call says. Returns the groups of the round by id.
-  // An all_to_all's counts are split off the front of the other ranks' inputs into
-  // `counts` (rank 0's are there already), and checked against the receivers'.
+  // An all_to_all's counts (a send_recv's op words) are split off the front of the other
+  // ranks' inputs into `counts` (rank 0's are there already), and checked against the
+  // receivers'; each send_recv group's pairing goes into `send_recvs`.
   std::map<uint32_t, const std::vector<int>*> check_calls(const std::vector<Call>& calls,
                                                            std::vector<std::span<const uint8_t>>& inputs,
                                                            std::vector<std::vector<int64_t>>& counts,
+                                                           std::map<uint32_t, SendRecvRound>& send_recvs,
                                                            const std::string& stage) {
     World& w = *world_;
     std::map<uint32_t, const std::vector<int>*> groups;
@@ -494,8 +583,9 @@ class CpuProcessGroup final : public ProcessGroup {
           list));
     }
     for (int r = 1; r < w.size; ++r) {
-      const size_t count_bytes =
-          calls[r].kind == Kind::AllToAll ? 2 * kCountBytes * groups[calls[r].group]->size() : 0;
+      const uint64_t count_bytes = calls[r].kind == Kind::AllToAll   ? 2 * kCountBytes * groups[calls[r].group]->size()
+                                   : calls[r].kind == Kind::SendRecv ? kOpWords * kCountBytes * calls[r].ops
+                                                                     : 0;
       const uint64_t expected = count_bytes + calls[r].input * dtype_size(calls[r].dtype);
       if (inputs[r].size() != expected)
         w.store.abort(fmt::format("{}: rank {} sent {} bytes for {}, which needs {}", stage, r, inputs[r].size(),
@@ -505,6 +595,7 @@ class CpuProcessGroup final : public ProcessGroup {
     }
     for (const auto& [id, members_of] : groups) {
       const std::vector<int>& members = *members_of;
+      if (calls[members[0]].kind == Kind::SendRecv) send_recvs[id] = pair_send_recv(members, calls, counts, texts);
       if (calls[members[0]].kind != Kind::AllToAll) continue;
       const size_t n = members.size();
       std::vector<std::string> mismatches;
@@ -530,17 +621,48 @@ class CpuProcessGroup final : public ProcessGroup {
                                              mine[j], members[j], expects));
         }
       }
-      if (!mismatches.empty()) {
-        constexpr size_t kShown = 8;
-        const size_t more = mismatches.size() > kShown ? mismatches.size() - kShown : 0;
-        mismatches.resize(mismatches.size() - more);
+      if (!mismatches.empty())
         w.store.abort(fmt::format(
             "{}: the ranks' row counts do not match (every rank's send_counts[j] must equal rank j's "
-            "recv_counts[its rank]; ranks are world ranks): {}{}",
-            texts[members[0]], fmt::join(mismatches, "; "), more ? fmt::format(" (and {} more)", more) : ""));
-      }
+            "recv_counts[its rank]; ranks are world ranks): {}",
+            texts[members[0]], first_lines(std::move(mismatches))));
     }
     return groups;
+  }
+
+  // Rank 0: the ops of a send_recv group's members from their op words, checked against
+  // their calls' byte counts, and paired across the group; a mismatch fails the round.
+  SendRecvRound pair_send_recv(const std::vector<int>& members, const std::vector<Call>& calls,
+                               const std::vector<std::vector<int64_t>>& counts, const std::vector<std::string>& texts) {
+    World& w = *world_;
+    const size_t n = members.size();
+    SendRecvRound sr;
+    for (int m : members) {
+      const std::vector<int64_t>& words = counts[m];
+      std::vector<PointToPointShape>& ops = sr.ops.emplace_back();
+      bool valid = words.size() == kOpWords * calls[m].ops;
+      uint64_t sent = 0;
+      uint64_t received = 0;
+      for (size_t i = 0; valid && i < calls[m].ops; ++i) {
+        const int64_t kind = words[kOpWords * i];
+        const int64_t peer = words[kOpWords * i + 1];
+        const auto bytes = static_cast<uint64_t>(words[kOpWords * i + 2]);
+        valid = (kind == 0 || kind == 1) && peer >= 0 && peer < static_cast<int64_t>(n);
+        ops.push_back({kind == 0 ? PointToPoint::Kind::Send : PointToPoint::Kind::Recv, static_cast<int>(peer), bytes});
+        (kind == 0 ? sent : received) += bytes;
+      }
+      if (!valid || sent != calls[m].input || received != calls[m].output)
+        w.store.abort(fmt::format("{}: rank {} sent ops that do not add up to its bytes", texts[m], m));
+    }
+    PointToPointPairing pairing = pair_point_to_point(sr.ops, members);
+    if (!pairing.mismatches.empty())
+      w.store.abort(fmt::format(
+          "{}: the ranks' sends and receives do not pair up (rank a's k-th send to rank b must be received by rank "
+          "b's k-th receive from rank a, of as many bytes; ops are numbered in each rank's list, ranks are world "
+          "ranks): {}",
+          texts[members[0]], first_lines(std::move(pairing.mismatches))));
+    sr.transfers = std::move(pairing.transfers);
+    return sr;
   }
 
   // Rank 0: splits the group of `members` by the colors and keys of their calls, records

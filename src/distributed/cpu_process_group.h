@@ -27,6 +27,10 @@
 //    every rank, naming the pairs) and answers each rank with its rows from every member
 //    in group rank order (its own rows to itself included). The rows must have the same
 //    dtype and width on every rank (part of the call that must match); their numbers not.
+//  - send_recv (NOTE [Point-to-point] in process_group.h): each rank sends its ops (kind,
+//    peer, bytes) ahead of its send payloads; rank 0 pairs every member's sends with its
+//    peers' receives (a mismatch fails the round on every rank, naming the ranks and op
+//    indices) and answers each rank with the bytes of its receives, in its op order.
 //  - Every wait is bounded by collective_timeout; rank 0 names the ranks that did not
 //    arrive, and a rank whose process died ends the wait at once, named. Rank 0 sends its
 //    verdict to every other rank before throwing it, so every rank throws the same cause
@@ -34,7 +38,8 @@
 //    failed. Ranks whose rank 0 died fail at once too, naming it. With a heartbeat
 //    (options.heartbeat_timeout, NOTE [Failure detection]) a failed round instead ends
 //    the process, after rank 0 has told every rank, stuck ones included; each round is
-//    in the flight record (flight_recorder.h) as "all_reduce #N ... on <group>".
+//    in the flight record (flight_recorder.h) as "all_reduce #N ... on <group>" (or
+//    "send_recv #N on <group>").
 // Argument checks (the shared check_* of process_group.h) fail on the calling rank alone,
 // before anything is sent, as on NCCL: the others then wait out the timeout.
 #pragma once

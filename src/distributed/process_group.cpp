@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "distributed/cpu_process_group.h"
+#include "distributed/point_to_point.h"
 
 #ifdef FORGE_CUDA
 #include "distributed/cuda/nccl_process_group.h"
@@ -55,6 +56,13 @@ class SingleRankGroup final : public ProcessGroup {
                 recv_counts[0]);
     const size_t bytes = static_cast<size_t>(send_counts[0] * row_elements(input)) * dtype_size(input.dtype());
     if (bytes > 0) std::memcpy(output.raw(), input.raw(), bytes);
+  }
+  // Only sends to itself, each received by the matching receive from itself: copies.
+  void send_recv(const std::vector<PointToPoint>& ops, CudaStream) override {
+    check_open();
+    check_send_recv(ops, 1, Device::CPU);
+    for (const PointToPointTransfer& t : check_send_recv_to_self(ops, 0))
+      if (t.bytes > 0) std::memcpy(ops[t.recv].tensor.raw(), ops[t.send].tensor.raw(), t.bytes);
   }
   void barrier() override { check_open(); }
   void destroy() override { destroyed_ = true; }
@@ -140,6 +148,38 @@ void check_all_to_all(const Tensor& output, const std::vector<int64_t>& recv_cou
   FORGE_CHECK(output.nbytes() == 0 || input.nbytes() == 0 || out + output.nbytes() <= in ||
                   in + input.nbytes() <= out,
               "all_to_all: output and input overlap (it does not work in place)");
+}
+
+void check_send_recv(const std::vector<PointToPoint>& ops, int world_size, Device device) {
+  const auto describe_op = [&](size_t i) {
+    const PointToPoint& op = ops[i];
+    return fmt::format("op {} ({} rank {})", i, op.kind == PointToPoint::Kind::Send ? "send to" : "receive from",
+                       op.peer);
+  };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const PointToPoint& op = ops[i];
+    FORGE_CHECK(op.kind == PointToPoint::Kind::Send || op.kind == PointToPoint::Kind::Recv,
+                "send_recv: op {} is neither a send nor a receive", i);
+    FORGE_CHECK(op.peer >= 0 && op.peer < world_size, "send_recv: {} names a rank outside the group of {} (0..{})",
+                describe_op(i), world_size, world_size - 1);
+    FORGE_CHECK(op.tensor.defined(), "send_recv: {}: its tensor is undefined", describe_op(i));
+    FORGE_CHECK(op.tensor.device() == device, "send_recv: {}: its tensor is on {}, the process group on {}",
+                describe_op(i), device_name(op.tensor.device()), device_name(device));
+  }
+  // A receive writes its tensor while the call's other ops read or write theirs.
+  for (size_t i = 0; i < ops.size(); ++i) {
+    if (ops[i].kind != PointToPoint::Kind::Recv || ops[i].tensor.nbytes() == 0) continue;
+    const auto* mine = static_cast<const uint8_t*>(ops[i].tensor.raw());
+    for (size_t j = 0; j < ops.size(); ++j) {
+      if (j == i || ops[j].tensor.nbytes() == 0) continue;
+      const auto* other = static_cast<const uint8_t*>(ops[j].tensor.raw());
+      FORGE_CHECK(mine + ops[i].tensor.nbytes() <= other || other + ops[j].tensor.nbytes() <= mine,
+                  "send_recv: {} receives into memory that {} {} (a receive's tensor must not overlap any other "
+                  "op's tensor)",
+                  describe_op(i), describe_op(j),
+                  ops[j].kind == PointToPoint::Kind::Send ? "sends from" : "receives into too");
+    }
+  }
 }
 
 void check_split(int color) {

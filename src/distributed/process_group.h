@@ -1,6 +1,7 @@
 // The ranks of a job as one communicator: the collectives data-parallel training needs
 // (all-reduce, reduce-scatter, all-gather) on whole tensors, the all-to-all of rows with
-// variable counts that expert parallelism dispatches tokens with, and a barrier.
+// variable counts that expert parallelism dispatches tokens with, batched point-to-point
+// sends and receives for pipeline parallelism, and a barrier.
 //
 // NOTE [Process group]
 // create_process_group() picks the implementation by device:
@@ -54,6 +55,32 @@
 // ncclUint8, as its dtype mapping covers only f32 and bf16). `input` and `output` must
 // not overlap. The one-rank group copies (counts [n] and [n]).
 //
+// NOTE [Point-to-point]
+// send_recv(ops) moves whole tensors between chosen pairs of ranks, as pipeline
+// parallelism hands activations to the next stage and gradients back to the previous one.
+// Each op is a send of its tensor to `peer` or a receive from `peer` into its tensor
+// (peers are ranks of this group). The ops of one call run together, as one NCCL group
+// (torch.distributed.batch_isend_irecv), so a rank may send to and receive from the same
+// peer, or both neighbours, in one call without deadlock. What every rank must do:
+//  - make the same number of send_recv calls on the group, together: on the CPU each
+//    call is a round of the whole world like every other collective, and an empty `ops`
+//    is a valid call, the way a rank with nothing to move this time takes part.
+//  - pair them up: the k-th calls of the ranks belong together, and the sends from rank a
+//    to rank b in a's call are matched, in the order a lists them, by the receives from a
+//    in b's call, in the order b lists them, each pair of the same byte count. The two
+//    tensors of a pair may differ in dtype and shape: bytes are moved, never converted
+//    (any dtype; NCCL sends ncclUint8). A rank may send to itself (a local copy) only if
+//    it also lists the matching receive from itself.
+// The CPU group checks the pairing (rank 0 sees every rank's ops; a mismatch fails every
+// rank, naming the ranks and op indices), as does every group for a rank's sends to itself;
+// NCCL does not check across ranks (it would cost another exchange per call): there a
+// mismatch is NCCL's undefined behaviour, as for all_to_all (NOTE [All-to-all]), so test
+// new callers on the CPU group. Every rank checks its own ops before anything moves
+// (check_send_recv): peers within the group, tensors defined and on the group's device
+// (contiguous, as every forge Tensor is), and no receive tensor overlapping another op's
+// tensor. Zero-byte ops are valid and move nothing; on NCCL a call with nothing to move
+// enqueues nothing. The one-rank group copies its sends to itself into its receives.
+//
 // NOTE [NCCL watchdog]
 // A rank whose peer died must not hang in a collective forever. The NCCL communicator is
 // non-blocking (ncclConfig_t::blocking = 0) and a watchdog thread checks, every few
@@ -84,6 +111,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -118,6 +146,17 @@ struct ProcessGroupOptions {
   std::function<void(const std::string& message)> on_failure;
 };
 
+// One send or receive of send_recv (NOTE [Point-to-point]).
+struct PointToPoint {
+  enum class Kind { Send, Recv };
+  Kind kind;
+  int peer;       // rank in this group
+  Tensor tensor;  // sent from / received into, on the group's device; any dtype (moved as bytes)
+
+  static PointToPoint send(int peer, Tensor tensor) { return {Kind::Send, peer, std::move(tensor)}; }
+  static PointToPoint recv(int peer, Tensor tensor) { return {Kind::Recv, peer, std::move(tensor)}; }
+};
+
 class ProcessGroup {
  public:
   virtual ~ProcessGroup() = default;
@@ -138,6 +177,11 @@ class ProcessGroup {
   // equal rank j's recv_counts[this rank]. See NOTE [All-to-all].
   virtual void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
                           const std::vector<int64_t>& send_counts, CudaStream stream = nullptr) = 0;
+  // The ops together: each send's tensor goes to its peer, each receive's tensor is filled
+  // from its peer. Every rank of the group calls it together (an empty `ops` included),
+  // and the sends from a to b pair up in order with the receives from a at b, of equal
+  // byte counts. See NOTE [Point-to-point].
+  virtual void send_recv(const std::vector<PointToPoint>& ops, CudaStream stream = nullptr) = 0;
   // Returns when every rank has called barrier() and the collectives this rank enqueued
   // before it have completed.
   virtual void barrier() = 0;
@@ -160,6 +204,9 @@ void check_all_gather(const Tensor& output, const Tensor& input, int world_size,
 // output and input of one dtype, row width and device, not overlapping.
 void check_all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
                       const std::vector<int64_t>& send_counts, int world_size, Device device);
+// send_recv: every op's peer in [0, world_size), its tensor defined and on `device`, and
+// no receive tensor overlapping another op's tensor. Errors name the op by its index.
+void check_send_recv(const std::vector<PointToPoint>& ops, int world_size, Device device);
 // The elements of one row of `t` (the product of its dims after the first).
 int64_t row_elements(const Tensor& t);
 void check_split(int color);

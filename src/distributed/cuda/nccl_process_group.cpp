@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "distributed/flight_recorder.h"
+#include "distributed/point_to_point.h"
 #include "distributed/tcp_store.h"
 #include "kernels/cuda/cuda_check.h"
 
@@ -306,6 +307,44 @@ void NcclProcessGroup::all_to_all(const Tensor& output, const std::vector<int64_
         result = ncclRecv(out + recv_at, recv_bytes, ncclUint8, r, comm, stream);
       send_at += send_bytes;
       recv_at += recv_bytes;
+    }
+    // The group is ended whatever happened inside it; its result (ncclInProgress on a
+    // non-blocking communicator) is what settle() waits on.
+    const ncclResult_t end = ncclGroupEnd();
+    return result != ncclSuccess ? result : end;
+  });
+}
+
+void NcclProcessGroup::send_recv(const std::vector<PointToPoint>& ops, CudaStream stream) {
+  check_usable("send_recv");
+  check_send_recv(ops, world_size_, Device::CUDA);
+  check_send_recv_to_self(ops, rank_);  // an unpaired send to itself would hang the group
+  size_t sends = 0;
+  size_t recvs = 0;
+  uint64_t sent = 0;
+  uint64_t received = 0;
+  for (const PointToPoint& op : ops) {
+    const bool send = op.kind == PointToPoint::Kind::Send;
+    (send ? sends : recvs) += 1;
+    (send ? sent : received) += op.tensor.nbytes();
+  }
+  // Every rank counts the call, even one with nothing to move (which enqueues nothing),
+  // so that the numbers of the flight records agree across ranks.
+  const std::string what = fmt::format("send_recv #{} ({} sends of {} bytes, {} receives of {} bytes)",
+                                       ++collectives_, sends, sent, recvs, received);
+  if (sent == 0 && received == 0) return;
+  enqueue(what, stream, [&](ncclComm_t comm) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    // Bytes (ncclUint8), in the order listed: NCCL matches the sends and receives between
+    // two ranks in the order they are issued, as NOTE [Point-to-point] pairs them.
+    for (size_t i = 0; i < ops.size() && result == ncclSuccess; ++i) {
+      const PointToPoint& op = ops[i];
+      const size_t bytes = op.tensor.nbytes();
+      if (bytes == 0) continue;
+      result = op.kind == PointToPoint::Kind::Send
+                   ? ncclSend(op.tensor.raw(), bytes, ncclUint8, op.peer, comm, stream)
+                   : ncclRecv(op.tensor.raw(), bytes, ncclUint8, op.peer, comm, stream);
     }
     // The group is ended whatever happened inside it; its result (ncclInProgress on a
     // non-blocking communicator) is what settle() waits on.

@@ -38,6 +38,8 @@ class NcclProcessGroup final : public ProcessGroup {
   // One ncclSend/ncclRecv per peer with rows to move (self included), in one NCCL group.
   void all_to_all(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
                   const std::vector<int64_t>& send_counts, CudaStream stream) override;
+  // One ncclSend/ncclRecv per op with bytes to move (ncclUint8), in one NCCL group.
+  void send_recv(const std::vector<PointToPoint>& ops, CudaStream stream) override;
   void barrier() override;
   void destroy() override;
   // ncclCommSplit of this communicator, waited for as a collective is (NOTE [NCCL
