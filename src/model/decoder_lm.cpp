@@ -29,10 +29,26 @@ const ModelConfig& validated(const ModelConfig& config) {
   return config;
 }
 
+// NOTE [Pipeline stages]: the stage with its end resolved, checked against the model.
+PipelineStage resolved(const ModelConfig& config, PipelineStage stage) {
+  if (stage.end_layer < 0) stage.end_layer = config.num_layers;
+  FORGE_CHECK(stage.first_layer >= 0 && stage.first_layer < stage.end_layer && stage.end_layer <= config.num_layers,
+              "pipeline stage: blocks [{}, {}) of a {}-block model", stage.first_layer, stage.end_layer,
+              config.num_layers);
+  const bool whole = stage.first_layer == 0 && stage.end_layer == config.num_layers && stage.embedding && stage.head;
+  FORGE_CHECK(whole || !config.moe(),
+              "pipeline stages: model '{}' is a Mixture-of-Experts model, whose blocks are not cut into stages "
+              "(NOTE [Pipeline stages])",
+              config.name);
+  return stage;
+}
+
 // Every buffer of a step: the decoder's own (the residual stream between components, the
 // head, the shared backward scratch) and each component's.
 void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const ModelConfig& config,
-                     const StepShape& shape, ActivationCheckpoint mode, ArenaLayout& layout) {
+                     const StepShape& shape, ActivationCheckpoint mode, const PipelineStage& stage,
+                     ArenaLayout& layout) {
+  const int layers = stage.end_layer - stage.first_layer;
   const int64_t n = shape.tokens(), rows = shape.stream_rows(), h = config.hidden_size;
   const int64_t vocab = config.vocab_size / shape.tensor_parallel;  // the rank's columns of the logits
   auto act = [&](Shape s) { return layout.take(std::move(s), shape.dtype); };
@@ -40,25 +56,29 @@ void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const M
   std::vector<Tensor> shared(components.size());
   if (mode == ActivationCheckpoint::Full)
     for (size_t c = 1; c < components.size(); ++c) shared[c] = act({rows, h});
-  b.stream.assign(static_cast<size_t>(config.num_layers), std::vector<Tensor>(components.size()));
+  b.stream.assign(static_cast<size_t>(layers), std::vector<Tensor>(components.size()));
   for (std::vector<Tensor>& block : b.stream)
     for (size_t c = 0; c < components.size(); ++c)
       block[c] = c > 0 && mode == ActivationCheckpoint::Full ? shared[c] : act({rows, h});
-  for (auto& component : components) component->lay_out(layout, shape, mode, config.num_layers);
-  b.final_input = act({rows, h});
-  b.final_rstd = stat({rows});
-  b.final_normed = act({rows, h});
+  for (auto& component : components) component->lay_out(layout, shape, mode, layers);
+  b.final_input = act({rows, h});  // a stage's output (NOTE [Pipeline stages])
   const int64_t chunk = head_chunk_rows(n, vocab, shape.dtype);
-  b.logits_chunk = act({chunk, vocab});
-  b.losses = stat({n});
+  if (stage.head) {
+    b.final_rstd = stat({rows});
+    b.final_normed = act({rows, h});
+    b.logits_chunk = act({chunk, vocab});
+    b.losses = stat({n});
+  }
   b.d_stream = act({rows, h});
   b.d_hidden = act({rows, h});
   if (shape.tensor_parallel > 1) {
     b.gathered = act({n, h});
     b.d_gathered = act({n, h});
-    b.row_max = stat({chunk});
-    b.ce_sums = stat({2 * chunk});
-    b.norm_grad = stat({h});
+    if (stage.head) {
+      b.row_max = stat({chunk});
+      b.ce_sums = stat({2 * chunk});
+      b.norm_grad = stat({h});
+    }
   }
   if (shape.context_parallel > 1) {
     b.local_tokens = layout.take({n}, DType::I32);
@@ -68,10 +88,10 @@ void lay_out_decoder(DecoderActivations& b, BlockComponents& components, const M
 }
 
 int64_t count_bytes(BlockComponents& components, const ModelConfig& config, const StepShape& shape,
-                    ActivationCheckpoint mode) {
+                    ActivationCheckpoint mode, const PipelineStage& stage) {
   DecoderActivations counted;
   ArenaLayout counting(nullptr, Device::CPU);
-  lay_out_decoder(counted, components, config, shape, mode, counting);
+  lay_out_decoder(counted, components, config, shape, mode, stage, counting);
   return counting.bytes();
 }
 
@@ -79,28 +99,32 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
                          ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel,
-                         int64_t context_parallel) {
+                         int64_t context_parallel, PipelineStage stage) {
   BlockComponents components = make_block_components(validated(config));
   check_context_parallel(config, context_parallel, seq_len);
   return count_bytes(components, config,
-                     StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel}, mode);
+                     StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel}, mode,
+                     resolved(config, stage));
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts,
-                     TensorParallel* tensor_parallel, ContextParallel* context_parallel)
+                     TensorParallel* tensor_parallel, ContextParallel* context_parallel, PipelineStage stage)
     : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
-                make_block_components(validated(config)), experts, tensor_parallel, context_parallel) {}
+                make_block_components(validated(config)), experts, tensor_parallel, context_parallel, stage) {}
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components,
-                     ExpertDispatch* experts, TensorParallel* tensor_parallel, ContextParallel* context_parallel)
+                     ExpertDispatch* experts, TensorParallel* tensor_parallel, ContextParallel* context_parallel,
+                     PipelineStage stage)
     : config_(config),
       micro_batch_(micro_batch),
       seq_len_(seq_len),
       tokens_(micro_batch * seq_len),
       tp_(tensor_parallel && tensor_parallel->size() > 1 ? tensor_parallel : nullptr),
       cp_(context_parallel && context_parallel->size() > 1 ? context_parallel : nullptr),
+      stage_(resolved(config_, stage)),
+      layers_(stage_.end_layer - stage_.first_layer),
       rank_tokens_(cp_ ? tokens_ / cp_->size() : tokens_),
       device_(device),
       compute_dtype_(compute_dtype),
@@ -134,19 +158,23 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
                 "x training.seq_len{}) into the ranks' rows of the residual stream, which it must divide",
                 shard.size, rank_tokens_, cp_ ? " / the context-parallel degree" : "");
   }
-  // The components must declare, in order, the parameters the weights will be laid out by.
-  std::vector<std::vector<ParamSpec>> expected(static_cast<size_t>(config_.num_layers));
+  // The components must declare, in order, the parameters the weights will be laid out by
+  // (the stage's blocks', named by the model's layer index: NOTE [Pipeline stages]).
+  std::vector<std::vector<ParamSpec>> expected(static_cast<size_t>(layers_));
   for (ParamSpec& spec : parameter_specs(config_, shard))
-    if (spec.layer >= 0) expected.at(static_cast<size_t>(spec.layer)).push_back(std::move(spec));
-  for (int i = 0; i < config_.num_layers; ++i) {
+    if (spec.layer >= stage_.first_layer && spec.layer < stage_.end_layer)
+      expected.at(static_cast<size_t>(spec.layer - stage_.first_layer)).push_back(std::move(spec));
+  for (int i = 0; i < layers_; ++i) {
     std::vector<ParamSpec> declared;
     std::vector<size_t> first{0};
     for (const auto& component : components_) {
-      for (const ParamSpec& spec : component->param_specs(i)) declared.push_back(tensor_parallel_spec(spec, shard));
+      for (const ParamSpec& spec : component->param_specs(stage_.first_layer + i))
+        declared.push_back(tensor_parallel_spec(spec, shard));
       first.push_back(declared.size());
     }
     const std::vector<ParamSpec>& model = expected[static_cast<size_t>(i)];
-    FORGE_CHECK(declared.size() == model.size(), "block {}'s components declare {} parameters, the model has {}", i,
+    FORGE_CHECK(declared.size() == model.size(), "block {}'s components declare {} parameters, the model has {}",
+                stage_.first_layer + i,
                 declared.size(), model.size());
     for (size_t k = 0; k < declared.size(); ++k)
       FORGE_CHECK(declared[k].name == model[k].name && declared[k].shape == model[k].shape,
@@ -166,27 +194,28 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
     if (cp_) component->set_context_parallel(cp_);
     component->prepare(shape, device);
   }
-  arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint)}, DType::U8, device);
+  arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint, stage_)}, DType::U8, device);
   ArenaLayout layout(arena_.raw(), device);
-  lay_out_decoder(b_, components_, config_, shape, checkpoint, layout);
+  lay_out_decoder(b_, components_, config_, shape, checkpoint, stage_, layout);
 }
 
 ComponentWeights DecoderLM::component_weights(int i, const BlockWeights& block, size_t c) const {
   const std::vector<size_t>& first = first_param_.at(static_cast<size_t>(i));
-  FORGE_CHECK(block.params.size() == first.back(), "block {}'s weights hold {} parameters, its components {}", i,
+  FORGE_CHECK(block.params.size() == first.back(), "block {}'s weights hold {} parameters, its components {}",
+              stage_.first_layer + i,
               block.params.size(), first.back());
   return ComponentWeights(block, first[c], first[c + 1] - first[c]);
 }
 
 const Tensor& DecoderLM::component_output(int i, size_t c) const {
   if (c + 1 < components_.size()) return b_.stream[static_cast<size_t>(i)][c + 1];
-  if (i + 1 < config_.num_layers) return b_.stream[static_cast<size_t>(i) + 1][0];
+  if (i + 1 < layers_) return b_.stream[static_cast<size_t>(i) + 1][0];
   return b_.final_input;
 }
 
 std::vector<std::vector<int64_t>> DecoderLM::expert_load() const {
   std::vector<std::vector<int64_t>> load;
-  for (int i = 0; i < config_.num_layers; ++i) {
+  for (int i = 0; i < layers_; ++i) {
     std::vector<int64_t> block;
     for (const auto& component : components_) {
       const std::vector<int64_t> part = component->expert_load(i);
@@ -206,7 +235,6 @@ void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
 }
 
 void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout) {
-  check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
   if (layout) {
     FORGE_CHECK(!cp_,
                 "context parallelism over {} ranks does not take packed examples (a sequence layout): each row of "
@@ -222,16 +250,20 @@ void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const
                   i, seq_len_);
   }
   for (auto& component : components_) component->set_sequence_layout(layout);
-  const Tensor ids = rank_tokens(tokens, b_.local_tokens);
-  if (tp_) {
-    // NOTE [Tensor parallelism]: each rank looks up the tokens of its vocabulary rows; the
-    // reduce-scatter sums the lookups and leaves each rank its rows of the stream.
-    embedding_shard_forward(b_.d_gathered, ids, weights.embedding(), vocab_begin(), config_.vocab_size);
-    tp_->reduce_scatter_rows(b_.stream[0][0], b_.d_gathered);
-  } else {
-    embedding_forward(b_.stream[0][0], ids, weights.embedding());
+  if (stage_.embedding) {  // else the previous stage's output is in stage_input()
+    check_shape(tokens, {micro_batch_, seq_len_}, "tokens");
+    const Tensor ids = rank_tokens(tokens, b_.local_tokens);
+    if (tp_) {
+      // NOTE [Tensor parallelism]: each rank looks up the tokens of its vocabulary rows; the
+      // reduce-scatter sums the lookups and leaves each rank its rows of the stream.
+      embedding_shard_forward(b_.d_gathered, ids, weights.embedding(), vocab_begin(), config_.vocab_size);
+      tp_->reduce_scatter_rows(b_.stream[0][0], b_.d_gathered);
+    } else {
+      embedding_forward(b_.stream[0][0], ids, weights.embedding());
+    }
   }
-  for (int i = 0; i < config_.num_layers; ++i) forward_block(i, weights.layer(i), true);
+  for (int i = 0; i < layers_; ++i) forward_block(i, weights.layer(stage_.first_layer + i), true);
+  if (!stage_.head) return;  // the stage's output is in stage_output()
   rmsnorm_forward(b_.final_normed, b_.final_rstd, b_.final_input, weights.final_norm(),
                   static_cast<float>(config_.norm_eps));
   if (tp_) tp_->gather_rows(b_.gathered, b_.final_normed);  // the head reads every token
@@ -331,29 +363,34 @@ LossSum DecoderLM::output_head(const Tensor& targets, ParamSource& weights, Grad
 }
 
 void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
-  b_.d_stream.fill_zero();
-  const Tensor& final_norm_grad = grads.final_norm_grad();
-  if (grads.head_grads_fresh()) final_norm_grad.fill_zero();  // the norm's backward adds
-  if (tp_) {
-    // NOTE [Tensor parallelism]: the replicated norm's gradient summed over the group.
-    replicated_rmsnorm_backward(*tp_, b_.norm_grad, b_.d_stream, final_norm_grad,
-                                b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
-  } else {
-    rmsnorm_backward(b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input, weights.final_norm(), b_.final_rstd);
+  if (stage_.head) {  // else the next stage's gradient is in stage_output_grad() = d_stream
+    b_.d_stream.fill_zero();
+    const Tensor& final_norm_grad = grads.final_norm_grad();
+    if (grads.head_grads_fresh()) final_norm_grad.fill_zero();  // the norm's backward adds
+    if (tp_) {
+      // NOTE [Tensor parallelism]: the replicated norm's gradient summed over the group.
+      replicated_rmsnorm_backward(*tp_, b_.norm_grad, b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input,
+                                  weights.final_norm(), b_.final_rstd);
+    } else {
+      rmsnorm_backward(b_.d_stream, final_norm_grad, b_.d_hidden, b_.final_input, weights.final_norm(),
+                       b_.final_rstd);
+    }
+    grads.head_done();
   }
-  grads.head_done();
-  for (int i = config_.num_layers - 1; i >= 0; --i) {
-    const BlockWeights& w = weights.layer(i);
-    const BlockWeights& g = grads.layer_grads(i);
+  for (int i = layers_ - 1; i >= 0; --i) {
+    const int layer = stage_.first_layer + i;
+    const BlockWeights& w = weights.layer(layer);
+    const BlockWeights& g = grads.layer_grads(layer);
     // Weight gradients: written over a fresh buffer, added to one that holds earlier
     // micro-batches' (NOTE [Fresh gradient buffers]).
-    const bool fresh = grads.layer_grads_fresh(i);
+    const bool fresh = grads.layer_grads_fresh(layer);
     recompute_block(i, w);
     for (size_t c = components_.size(); c-- > 0;)
       components_[c]->backward(i, component_weights(i, w, c), component_weights(i, g, c), fresh,
                                b_.stream[static_cast<size_t>(i)][c], b_.d_stream, b_.d_hidden);
-    grads.layer_done(i);
+    grads.layer_done(layer);
   }
+  if (!stage_.embedding) return;  // the input's gradient is in stage_input_grad() = d_stream
   const Tensor& embedding_grad = grads.embedding_grad();
   if (embedding_grad.defined()) {  // undefined: a frozen embedding (NOTE [LoRA training])
     if (grads.embedding_grad_fresh()) embedding_grad.fill_zero();  // the scatter-add only touches the batch's tokens
@@ -368,28 +405,40 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
   grads.embedding_done();
 }
 
-LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
-                                    GradSink& grads, float grad_scale, const SequenceLayout* layout) {
+LossSum DecoderLM::stage_forward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                                 GradSink* grads, float grad_scale, const SequenceLayout* layout) {
   forward_blocks(tokens, weights, layout);
-  LossSum loss = output_head(targets, weights, &grads, grad_scale);
+  if (!stage_.head) return {};
+  LossSum loss = output_head(targets, weights, grads, grad_scale);
+  if (!grads) return loss;
   // NOTE [MoE balancing loss]: a component's loss counts as the micro-batch's mean, weighted
   // like its cross-entropy.
   const double weight = static_cast<double>(grad_scale) * static_cast<double>(loss.tokens);
   for (auto& component : components_)
     loss.sum += component->auxiliary_loss(weight) * static_cast<double>(loss.tokens);
+  return loss;
+}
+
+void DecoderLM::stage_backward(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
   backward_blocks(tokens, weights, grads);
+}
+
+LossSum DecoderLM::forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
+                                    GradSink& grads, float grad_scale, const SequenceLayout* layout) {
+  const LossSum loss = stage_forward(tokens, targets, weights, &grads, grad_scale, layout);
+  stage_backward(tokens, weights, grads);
   return loss;
 }
 
 LossSum DecoderLM::forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
                                 const SequenceLayout* layout) {
-  forward_blocks(tokens, weights, layout);
-  return output_head(targets, weights, nullptr, 0.0f);
+  return stage_forward(tokens, targets, weights, nullptr, 0.0f, layout);
 }
 
 void DecoderLM::forward_logits(const Tensor& tokens, ParamSource& weights, const Tensor& logits,
                                const SequenceLayout* layout) {
   FORGE_CHECK(!tp_ && !cp_, "forward_logits: under tensor or context parallelism no rank holds the full logits");
+  FORGE_CHECK(stage_.embedding && stage_.head, "forward_logits: a pipeline stage does not hold the whole model");
   check_shape(logits, {tokens_, config_.vocab_size}, "logits");
   check_dtype(logits, compute_dtype_, "logits");
   forward_blocks(tokens, weights, layout);

@@ -30,6 +30,7 @@
 #include "model/config.h"
 #include "model/context_parallel.h"
 #include "model/parameters.h"
+#include "model/pipeline_stage.h"
 #include "model/tensor_parallel.h"
 
 namespace forge {
@@ -75,7 +76,7 @@ struct DecoderActivations {
 // share of the activations).
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
                          ActivationCheckpoint mode, int64_t expert_parallel = 1, int64_t tensor_parallel = 1,
-                         int64_t context_parallel = 1);
+                         int64_t context_parallel = 1, PipelineStage stage = {});
 
 class DecoderLM {
  public:
@@ -93,15 +94,18 @@ class DecoderLM {
   // group passes the same tokens and targets, the model computes on the rank's chunks of
   // them, and the loss returned is the micro-batch's on each rank; the weight gradients
   // are the rank's tokens' share, which the group's ranks' sum to the micro-batch's.
+  // `stage`: under pipeline parallelism the blocks (and ends) this model computes (NOTE
+  // [Pipeline stages] in model/pipeline_stage.h); the default is the whole model.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device = Device::CPU,
             DType compute_dtype = DType::F32, ActivationCheckpoint checkpoint = ActivationCheckpoint::None,
             ExpertDispatch* experts = nullptr, TensorParallel* tensor_parallel = nullptr,
-            ContextParallel* context_parallel = nullptr);
+            ContextParallel* context_parallel = nullptr, PipelineStage stage = {});
   // With the blocks' components given instead of chosen from the config: they must declare
   // the parameters parameter_specs(config) lists for a block, in that order.
   DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
             ActivationCheckpoint checkpoint, BlockComponents components, ExpertDispatch* experts = nullptr,
-            TensorParallel* tensor_parallel = nullptr, ContextParallel* context_parallel = nullptr);
+            TensorParallel* tensor_parallel = nullptr, ContextParallel* context_parallel = nullptr,
+            PipelineStage stage = {});
 
   const ModelConfig& config() const { return config_; }
   int64_t micro_batch() const { return micro_batch_; }
@@ -118,6 +122,18 @@ class DecoderLM {
   // one sequence with positions 0, 1, ...
   LossSum forward_backward(const Tensor& tokens, const Tensor& targets, ParamSource& weights, GradSink& grads,
                            float grad_scale, const SequenceLayout* layout = nullptr);
+  // NOTE [Pipeline stages]: one stage's half of forward_backward (forward_backward is
+  // stage_forward then stage_backward). `tokens` are read by the first stage, `targets` by
+  // the last; `grads` null: no gradients (evaluation), and no stage_backward follows.
+  LossSum stage_forward(const Tensor& tokens, const Tensor& targets, ParamSource& weights, GradSink* grads,
+                        float grad_scale, const SequenceLayout* layout = nullptr);
+  void stage_backward(const Tensor& tokens, ParamSource& weights, GradSink& grads);
+  const PipelineStage& stage() const { return stage_; }
+  const Tensor& stage_input() const { return b_.stream[0][0]; }
+  const Tensor& stage_output() const { return b_.final_input; }
+  const Tensor& stage_output_grad() const { return b_.d_stream; }
+  const Tensor& stage_input_grad() const { return b_.d_stream; }
+
   // Loss only (evaluation).
   LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
                        const SequenceLayout* layout = nullptr);
@@ -135,6 +151,7 @@ class DecoderLM {
   // Where component c of block i writes its output: the next component's stream entry,
   // the next block's input, or the final norm's input.
   const Tensor& component_output(int i, size_t c) const;
+  // The stage's embedding (or its input), blocks and final norm.
   void forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout);
   // One block's forward. With `to_output` false the last component runs without its
   // output (recomputation for the backward needs everything before its last projection).
@@ -157,6 +174,8 @@ class DecoderLM {
   int64_t micro_batch_, seq_len_, tokens_;
   TensorParallel* tp_ = nullptr;   // null without tensor parallelism
   ContextParallel* cp_ = nullptr;  // null without context parallelism
+  PipelineStage stage_;            // resolved: end_layer >= 0
+  int layers_;                     // the stage's blocks, end_layer - first_layer
   int64_t rank_tokens_;            // the tokens the rank computes on: tokens_, or tokens_ / C
   Device device_;
   DType compute_dtype_;
