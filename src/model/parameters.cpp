@@ -101,8 +101,26 @@ const LinearWeight& ComponentWeights::at(size_t k) const {
   return block_->params[first_ + k];
 }
 
-FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype, TensorParallelShard shard)
-    : config_(config), shard_(shard), specs_(parameter_specs(config, shard)) {
+std::vector<ParamSpec> pipeline_stage_specs(std::vector<ParamSpec> specs, const std::vector<PipelineStage>& stages) {
+  if (stages.empty()) return specs;
+  auto held = [&](const ParamSpec& spec) {
+    for (const PipelineStage& s : stages) {
+      if (spec.layer >= 0 ? spec.layer >= s.first_layer && (s.end_layer < 0 || spec.layer < s.end_layer)
+                          : (spec.name == "embedding.weight" ? s.embedding : s.head))
+        return true;
+    }
+    return false;
+  };
+  std::erase_if(specs, [&](const ParamSpec& spec) { return !held(spec); });
+  return specs;
+}
+
+FlatParameters::FlatParameters(const ModelConfig& config, Device device, DType dtype, TensorParallelShard shard,
+                               std::vector<PipelineStage> stages)
+    : config_(config),
+      shard_(shard),
+      stages_(std::move(stages)),
+      specs_(pipeline_stage_specs(parameter_specs(config, shard), stages_)) {
   int64_t total = 0;
   for (const auto& s : specs_) total += shape_numel(s.shape);
   flat_ = Tensor::zeros({total}, dtype, device);
@@ -181,7 +199,7 @@ void initialize_parameter(const ModelConfig& config, const ParamSpec& s, uint64_
 
 void FlatParameters::initialize(uint64_t seed) {
   if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
-    FlatParameters host(config_, Device::CPU, DType::F32, shard_);
+    FlatParameters host(config_, Device::CPU, DType::F32, shard_, stages_);
     host.initialize(seed);
     assign_from(host);
     return;

@@ -20,6 +20,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "model/pipeline_stage.h"
 #include "ops/linear.h"
 
 namespace forge {
@@ -99,6 +100,10 @@ std::vector<ParamSpec> parameter_specs(const ModelConfig& config);
 // The parameters tensor-parallel rank `shard` holds: the same names and order, each shaped
 // as its shard (NOTE [Tensor-parallel shards]); parameter_specs(config) for shard {0, 1}.
 std::vector<ParamSpec> parameter_specs(const ModelConfig& config, TensorParallelShard shard);
+// The parameters of `specs` (parameter_specs order) that pipeline stages `stages` hold:
+// their blocks', the embedding with the first stage, the final norm and output projection
+// with the last (NOTE [Pipeline stages]); all of them for no stages.
+std::vector<ParamSpec> pipeline_stage_specs(std::vector<ParamSpec> specs, const std::vector<PipelineStage>& stages);
 // One parameter's shard spec; fails naming the parameter when T does not divide the split.
 ParamSpec tensor_parallel_spec(const ParamSpec& full, TensorParallelShard shard);
 
@@ -212,9 +217,10 @@ class GradSink {
 class FlatParameters : public ParamSource, public GradSink {
  public:
   // `shard`: a tensor-parallel rank's shards instead of the whole parameters (NOTE
-  // [Tensor-parallel shards]).
+  // [Tensor-parallel shards]). `stages`: a pipeline rank's stages (NOTE [Pipeline stages]),
+  // whose parameters alone it holds (pipeline_stage_specs); empty: every parameter.
   explicit FlatParameters(const ModelConfig& config, Device device = Device::CPU, DType dtype = DType::F32,
-                          TensorParallelShard shard = {});
+                          TensorParallelShard shard = {}, std::vector<PipelineStage> stages = {});
 
   const ModelConfig& config() const { return config_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }
@@ -256,6 +262,7 @@ class FlatParameters : public ParamSource, public GradSink {
  private:
   ModelConfig config_;
   TensorParallelShard shard_;
+  std::vector<PipelineStage> stages_;
   std::vector<ParamSpec> specs_;
   Tensor flat_;
   std::vector<Tensor> tensors_;

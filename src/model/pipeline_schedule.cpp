@@ -6,18 +6,24 @@
 #include <set>
 #include <tuple>
 
+#include <cctype>
+
 #include "core/error.h"
 
 namespace forge {
 
 const char* pipeline_schedule_name(PipelineScheduleKind kind) {
-  return kind == PipelineScheduleKind::OneFOneB ? "1f1b" : "interleaved_1f1b";
+  return kind == PipelineScheduleKind::OneFOneB ? "1F1B" : "Interleaved1F1B";
 }
 
 PipelineScheduleKind parse_pipeline_schedule(const std::string& name) {
+  auto lower = [](std::string s) {
+    for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return s;
+  };
   for (auto kind : {PipelineScheduleKind::OneFOneB, PipelineScheduleKind::Interleaved})
-    if (name == pipeline_schedule_name(kind)) return kind;
-  FORGE_FAIL("unknown pipeline schedule '{}': expected 1f1b or interleaved_1f1b", name);
+    if (lower(name) == lower(pipeline_schedule_name(kind))) return kind;
+  FORGE_FAIL("unknown pipeline schedule '{}': expected 1F1B or Interleaved1F1B", name);
 }
 
 void check_pipeline_shape(PipelineScheduleKind kind, const PipelineShape& shape) {
@@ -29,15 +35,15 @@ void check_pipeline_shape(PipelineScheduleKind kind, const PipelineShape& shape)
     FORGE_FAIL("pipeline schedule {}: {} micro-batches (at least 1)", name, shape.micro_batches);
   if (kind == PipelineScheduleKind::OneFOneB && shape.virtual_stages != 1)
     FORGE_FAIL(
-        "pipeline schedule 1f1b runs one model chunk per rank, not {} virtual stages: use interleaved_1f1b for "
+        "pipeline schedule 1F1B runs one model chunk per rank, not {} virtual stages: use Interleaved1F1B for "
         "more",
         shape.virtual_stages);
   if (kind == PipelineScheduleKind::Interleaved && shape.virtual_stages < 2)
-    FORGE_FAIL("pipeline schedule interleaved_1f1b needs at least 2 virtual stages per rank, not {}: use 1f1b for 1",
+    FORGE_FAIL("pipeline schedule Interleaved1F1B needs at least 2 virtual stages per rank, not {}: use 1F1B for 1",
                shape.virtual_stages);
   if (kind == PipelineScheduleKind::Interleaved && shape.micro_batches % shape.stages != 0)
     FORGE_FAIL(
-        "pipeline schedule interleaved_1f1b runs micro-batches in groups of the {} stages: {} micro-batches is not "
+        "pipeline schedule Interleaved1F1B runs micro-batches in groups of the {} stages: {} micro-batches is not "
         "a multiple of {}",
         shape.stages, shape.micro_batches, shape.stages);
 }

@@ -13,10 +13,10 @@
 // (the activation) unless s = 0; B(s, m) needs B(s + 1, m)'s input gradient unless
 // s = S - 1, and F(s, m) done on its own rank.
 // Compute order of a rank (the k-th forward / backward, k = 0 .. M V - 1):
-//   - 1F1B (V = 1; "1f1b", Megatron's and torchtitan's): forward k and backward k are
+//   - 1F1B (V = 1; "1F1B", Megatron's and torchtitan's): forward k and backward k are
 //     micro-batch k; rank r first runs min(P - r - 1, M) forwards (warmup), then one
 //     forward and one backward while forwards remain, then the remaining backwards.
-//   - Interleaved 1F1B (V >= 2, M a multiple of P; "interleaved_1f1b", Megatron's): forward
+//   - Interleaved 1F1B (V >= 2, M a multiple of P; "Interleaved1F1B", Megatron's): forward
 //     k is chunk (k / P) % V, backward k is chunk V - 1 - (k / P) % V, both of micro-batch
 //     (k / (P V)) P + k % P (groups of P micro-batches go through the chunks in turn);
 //     warmup min(2 (P - r - 1) + (V - 1) P, M V) forwards, then the same alternation.
@@ -56,7 +56,7 @@ namespace forge {
 
 enum class PipelineScheduleKind { OneFOneB, Interleaved };
 
-// "1f1b" / "interleaved_1f1b" (torchtitan's names), and back; an unknown name fails,
+// "1F1B" / "Interleaved1F1B" (torchtitan's names, read ignoring case), and back; an unknown name fails,
 // listing the known ones.
 const char* pipeline_schedule_name(PipelineScheduleKind kind);
 PipelineScheduleKind parse_pipeline_schedule(const std::string& name);

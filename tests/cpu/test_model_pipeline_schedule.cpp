@@ -39,19 +39,19 @@ std::vector<std::pair<PipelineScheduleKind, PipelineShape>> all_shapes() {
 }
 
 TEST(PipelineSchedule, NamesAreTorchtitans) {
-  EXPECT_STREQ(pipeline_schedule_name(kOneFOneB), "1f1b");
-  EXPECT_STREQ(pipeline_schedule_name(kInterleaved), "interleaved_1f1b");
-  EXPECT_EQ(parse_pipeline_schedule("1f1b"), kOneFOneB);
-  EXPECT_EQ(parse_pipeline_schedule("interleaved_1f1b"), kInterleaved);
-  expect_error([] { parse_pipeline_schedule("gpipe"); }, {"'gpipe'", "1f1b", "interleaved_1f1b"});
+  EXPECT_STREQ(pipeline_schedule_name(kOneFOneB), "1F1B");
+  EXPECT_STREQ(pipeline_schedule_name(kInterleaved), "Interleaved1F1B");
+  EXPECT_EQ(parse_pipeline_schedule("1F1B"), kOneFOneB);
+  EXPECT_EQ(parse_pipeline_schedule("interleaved1f1b"), kInterleaved);  // torch's get_schedule_class ignores case
+  expect_error([] { parse_pipeline_schedule("gpipe"); }, {"'gpipe'", "1F1B", "Interleaved1F1B"});
 }
 
 TEST(PipelineSchedule, BadShapesAreNamed) {
-  expect_error([] { check_pipeline_shape(kOneFOneB, {0, 1, 4}); }, {"1f1b", "0 stages", "at least 1"});
+  expect_error([] { check_pipeline_shape(kOneFOneB, {0, 1, 4}); }, {"1F1B", "0 stages", "at least 1"});
   expect_error([] { check_pipeline_shape(kOneFOneB, {2, 0, 4}); }, {"0 virtual stages"});
-  expect_error([] { check_pipeline_shape(kInterleaved, {2, 2, 0}); }, {"interleaved_1f1b", "0 micro-batches"});
-  expect_error([] { check_pipeline_shape(kOneFOneB, {2, 2, 4}); }, {"1f1b", "2 virtual stages", "interleaved_1f1b"});
-  expect_error([] { check_pipeline_shape(kInterleaved, {2, 1, 4}); }, {"interleaved_1f1b", "at least 2", "not 1"});
+  expect_error([] { check_pipeline_shape(kInterleaved, {2, 2, 0}); }, {"Interleaved1F1B", "0 micro-batches"});
+  expect_error([] { check_pipeline_shape(kOneFOneB, {2, 2, 4}); }, {"1F1B", "2 virtual stages", "Interleaved1F1B"});
+  expect_error([] { check_pipeline_shape(kInterleaved, {2, 1, 4}); }, {"Interleaved1F1B", "at least 2", "not 1"});
   expect_error([] { check_pipeline_shape(kInterleaved, {4, 2, 6}); }, {"6 micro-batches", "multiple of 4"});
   expect_error([] { make_pipeline_schedule(kInterleaved, {4, 2, 6}); }, {"multiple of 4"});
   EXPECT_THROW(make_pipeline_schedule(kOneFOneB, {2, 1, 4}, 0.0), Error);
