@@ -382,6 +382,20 @@ std::vector<ConfigKey> build_schema() {
           "ranks that split every sequence (load-balanced causal chunks, keys and values all-gathered for "
           "attention), for long sequences; 1: none",
           at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::pipeline_parallel_degree>(
+          "parallelism.pipeline_parallel_degree",
+          "ranks that hold consecutive stages of the blocks (the first also the embedding, the last the head), "
+          "the step's micro-batches flowing through them; 1: none",
+          at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::pipeline_parallel_schedule>(
+          "parallelism.pipeline_parallel_schedule",
+          "the pipeline schedule: 1F1B, or Interleaved1F1B (several smaller stages per rank, a smaller bubble)", {},
+          {"1F1B", "Interleaved1F1B"}),
+      key<&E::parallelism, &ParallelismConfig::pipeline_parallel_layers_per_stage>(
+          "parallelism.pipeline_parallel_layers_per_stage",
+          "blocks per pipeline stage; 0: the blocks / pipeline_parallel_degree for 1F1B, half that for "
+          "Interleaved1F1B",
+          at_least(0)),
       key<&E::parallelism, &ParallelismConfig::nccl_timeout_s>(
           "parallelism.nccl_timeout_s", "seconds a collective may take before the job stops, naming the rank",
           at_least(1)),

@@ -20,6 +20,7 @@
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
 #include "model/context_parallel.h"
+#include "model/pipeline.h"
 #include "model/tensor_parallel.h"
 #include "optim/config_rules.h"
 
@@ -332,6 +333,64 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
          "FP8 scaling is not agreed over context-parallel ranks");
 }
 
+// parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in
+// model/pipeline.h): the blocks cut into P x V equal stages, the schedule's micro-batches
+// the gradient accumulation's. Full training of a dense model in the compute dtype, on a
+// mesh of pipeline ranks alone; the rest is refused by name.
+void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
+  const ParallelismConfig& p = config.parallelism;
+  const int64_t degree = p.pipeline_parallel_degree;
+  if (degree == 1) return;
+  const std::string pp = show(config, keys, "parallelism.pipeline_parallel_degree");
+  const ModelConfig& m = config.model;
+  const bool interleaved = p.pipeline_parallel_schedule == "Interleaved1F1B";
+  const int64_t per_stage = p.pipeline_parallel_layers_per_stage > 0
+                                ? p.pipeline_parallel_layers_per_stage
+                                : m.num_layers / (degree * (interleaved ? 2 : 1));
+  const std::string layers = show(config, keys, "parallelism.pipeline_parallel_layers_per_stage");
+  if (per_stage < 1 || m.num_layers % (per_stage * degree) != 0)
+    FORGE_FAIL("{} with {}{}: the model's {} blocks (model.num_layers) must cut into stages of {} blocks, a multiple "
+               "of the degree of them",
+               pp, layers, p.pipeline_parallel_layers_per_stage == 0 ? " (0: chosen from the schedule)" : "",
+               m.num_layers, per_stage);
+  const int64_t virtual_stages = m.num_layers / (per_stage * degree);
+  const std::string schedule = show(config, keys, "parallelism.pipeline_parallel_schedule");
+  if (!interleaved && virtual_stages != 1)
+    FORGE_FAIL("{} with {}: 1F1B gives each rank one stage of model.num_layers / degree = {} blocks; {} asks for "
+               "{} stages per rank, which is Interleaved1F1B",
+               schedule, pp, m.num_layers / degree, layers, virtual_stages);
+  if (interleaved && virtual_stages < 2)
+    FORGE_FAIL("{} needs at least two stages per rank: {} gives model.num_layers / ({} x {}) = {}", schedule, layers,
+               degree, per_stage, virtual_stages);
+  const std::string accum = show(config, keys, "training.gradient_accumulation_steps");
+  if (interleaved && config.training.gradient_accumulation_steps % degree != 0)
+    FORGE_FAIL("{} takes the micro-batches in groups of {}: {} (the step's micro-batches) must be a multiple of it",
+               schedule, pp, accum);
+  try {
+    check_pipeline_parallel(m, degree, virtual_stages);
+  } catch (const Error& e) {
+    FORGE_FAIL("{}: {}", pp, e.what());
+  }
+  auto refuse = [&](bool set, const char* key, const char* why) {
+    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", pp, show(config, keys, key), why);
+  };
+  const char* mesh = "a pipeline rank's collectives with other groups of ranks are not ordered against the "
+                     "schedule's exchanges yet (NOTE [Pipeline parallelism])";
+  refuse(p.data_parallel_shard_degree > 1, "parallelism.data_parallel_shard_degree", mesh);
+  refuse(p.data_parallel_replicate_degree > 1, "parallelism.data_parallel_replicate_degree", mesh);
+  refuse(p.tensor_parallel_degree > 1, "parallelism.tensor_parallel_degree", mesh);
+  refuse(p.context_parallel_degree > 1, "parallelism.context_parallel_degree", mesh);
+  refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree", "Mixture-of-Experts blocks are not cut into stages");
+  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
+         "LoRA adapters are not split over pipeline stages");
+  refuse(config.precision.fp8 != "none", "precision.fp8", "FP8 scales are not kept per pipeline stage");
+  refuse(m.mla(), "model.kv_lora_rank", "Multi-head Latent Attention blocks are not cut into stages");
+  refuse(config.checkpoint.initial_load_in_hf, "checkpoint.initial_load_in_hf",
+         "the Hugging Face import fills the whole model on every rank");
+  refuse(config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
+         "the export gathers the whole model on rank 0");
+}
+
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
 // its projections run in the compute dtype, without adapters.
 void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
@@ -367,12 +426,13 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "parallelism.data_parallel_shard_degree"));
   if (p.data_parallel_shard_degree != -1) return;
   const int world = read_launch_env().world_size;
-  const int64_t others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree;
+  const int64_t others = p.data_parallel_replicate_degree * p.tensor_parallel_degree * p.context_parallel_degree *
+                         p.pipeline_parallel_degree;
   if (world % others != 0)
     FORGE_FAIL("{}: {} ranks were started, not a multiple of parallelism.data_parallel_replicate_degree {} × "
-               "tensor_parallel_degree {} × context_parallel_degree {}",
+               "tensor_parallel_degree {} × context_parallel_degree {} × pipeline_parallel_degree {}",
                show(config, keys, "parallelism.data_parallel_shard_degree"), world, p.data_parallel_replicate_degree,
-               p.tensor_parallel_degree, p.context_parallel_degree);
+               p.tensor_parallel_degree, p.context_parallel_degree, p.pipeline_parallel_degree);
   p.data_parallel_shard_degree = world / others;
 }
 
@@ -435,6 +495,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_tensor_parallel_degree(config, keys);
   check_mla(config, keys);
   resolve_batch(config, keys);
+  check_pipeline_parallel_degree(config, keys);
 }
 
 }  // namespace forge

@@ -7,6 +7,7 @@
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
+#include "model/pipeline.h"
 
 namespace forge {
 
@@ -49,7 +50,44 @@ FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel
 
 }  // namespace
 
+// NOTE [Pipeline parallelism]: each rank's own parameters and in-flight activations; the
+// fullest rank's (the first holds the most micro-batches, the last the head).
+namespace {
+
+MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryPlan& plan) {
+  const int p = static_cast<int>(plan.pipeline_parallel), v = static_cast<int>(plan.pipeline_virtual_stages);
+  const PipelineScheduleKind kind = v > 1 ? PipelineScheduleKind::Interleaved : PipelineScheduleKind::OneFOneB;
+  const PipelineSchedule schedule =
+      make_pipeline_schedule(kind, {p, v, static_cast<int>(plan.micro_batches)});
+  const DType compute = plan.cuda ? DType::BF16 : DType::F32;
+  const std::vector<ParamSpec> specs = parameter_specs(config);
+  MemoryEstimate worst;
+  for (int r = 0; r < p; ++r) {
+    std::vector<PipelineStage> stages;
+    double activations = 0;
+    for (int c = 0; c < v; ++c) {
+      stages.push_back(pipeline_stage(config, p, v, r, c));
+      activations += static_cast<double>(pipeline_chunk_in_flight(schedule, r, c)) *
+                     static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute,
+                                                          plan.checkpoint, 1, 1, 1, stages.back()));
+    }
+    double params = 0;
+    for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));
+    MemoryEstimate e;
+    e.master_weights = params * 4;
+    e.compute_weights = plan.cuda ? params * 2 : 0.0;
+    e.gradients = params * 4;
+    e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
+    e.activations = activations;
+    if (e.total() > worst.total()) worst = e;
+  }
+  return worst;
+}
+
+}  // namespace
+
 MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan) {
+  if (plan.pipeline_parallel > 1) return estimate_pipeline_memory(config, plan);
   // Under tensor parallelism a rank holds its shards (NOTE [Tensor-parallel shards]).
   const double params = plan.tensor_parallel > 1 ? fsdp_unit_sizes(config, 1, plan.tensor_parallel).held
                                                  : static_cast<double>(config.total_params());

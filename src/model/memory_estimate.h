@@ -73,6 +73,9 @@ struct MemoryPlan {
   int64_t expert_parallel = 1;  // parallelism.expert_parallel_degree
   int64_t tensor_parallel = 1;  // parallelism.tensor_parallel_degree: a rank's shards and activations
   int64_t context_parallel = 1;  // parallelism.context_parallel_degree: a rank's activations
+  // parallelism.pipeline_parallel_degree and the stages per rank: a rank's stages' parameters
+  // and the micro-batches its schedule holds (the estimate is the fullest rank's)
+  int64_t pipeline_parallel = 1, pipeline_virtual_stages = 1;
   bool bf16_reduce = false;
   int64_t micro_batches = 1;  // gradient accumulation steps
   LoraConfig lora;            // rank > 0: LoRA training (the base sharded under fsdp)

@@ -71,9 +71,10 @@ struct ActivationCheckpointConfig {
 
 // Data parallelism (NOTE [FSDP] in distributed/fsdp.h), tensor parallelism (NOTE [Tensor
 // parallelism] in model/tensor_parallel.h) and context parallelism (NOTE [Context
-// parallelism] in model/context_parallel.h). The launcher's world size must equal
-// tensor_parallel_degree × context_parallel_degree × data_parallel_replicate_degree ×
-// data_parallel_shard_degree.
+// parallelism] in model/context_parallel.h) and pipeline parallelism (NOTE [Pipeline
+// parallelism] in model/pipeline.h). The launcher's world size must equal
+// tensor_parallel_degree × context_parallel_degree × pipeline_parallel_degree ×
+// data_parallel_replicate_degree × data_parallel_shard_degree.
 struct ParallelismConfig {
   int64_t data_parallel_shard_degree = 1;      // ranks that shard parameters, gradients, optimizer state
   int64_t data_parallel_replicate_degree = 1;  // hybrid sharding: replicas of each shard group
@@ -81,6 +82,13 @@ struct ParallelismConfig {
   int64_t expert_parallel_degree = 1;          // ranks that split a MoE model's routed experts (NOTE [Expert parallelism])
   int64_t tensor_parallel_degree = 1;          // consecutive ranks that split every layer (NOTE [Tensor parallelism])
   int64_t context_parallel_degree = 1;         // ranks that split every sequence (NOTE [Context parallelism])
+  // NOTE [Pipeline parallelism]: ranks that hold consecutive stages of the blocks, a step's
+  // micro-batches (gradient_accumulation_steps) flowing through them by the schedule
+  // (torchtitan's names: "1F1B", "Interleaved1F1B"); layers_per_stage 0: the blocks / the
+  // degree for 1F1B, half that for Interleaved1F1B (two virtual stages per rank).
+  int64_t pipeline_parallel_degree = 1;
+  std::string pipeline_parallel_schedule = "1F1B";
+  int64_t pipeline_parallel_layers_per_stage = 0;
   double nccl_timeout_s = 600;                 // a collective that takes longer ends the job, naming the rank
   double rendezvous_timeout_s = 300;           // how long ranks wait for each other at start
   double heartbeat_timeout_s = 60;             // a rank silent this long failed (NOTE [Failure detection])

@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "core/host_memory.h"
 #include "distributed/launch_env.h"
+#include "model/pipeline.h"
 
 namespace forge {
 
@@ -26,6 +27,11 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.expert_parallel = p.expert_parallel_degree;
   plan.tensor_parallel = p.tensor_parallel_degree;
   plan.context_parallel = p.context_parallel_degree;
+  plan.pipeline_parallel = p.pipeline_parallel_degree;
+  if (p.pipeline_parallel_degree > 1)
+    plan.pipeline_virtual_stages = pipeline_virtual_stages(config.model, p.pipeline_parallel_degree,
+                                                           p.pipeline_parallel_layers_per_stage,
+                                                           parse_pipeline_schedule(p.pipeline_parallel_schedule));
   plan.bf16_reduce = config.precision.reduce_dtype == "bf16";
   plan.micro_batches = config.training.gradient_accumulation_steps;
   plan.lora = config.lora;

@@ -25,6 +25,7 @@
 #include "distributed/expert_dispatch_group.h"
 #include "distributed/heartbeat.h"
 #include "distributed/context_parallel_group.h"
+#include "distributed/pipeline_parallel_group.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/lora.h"
 #include "ops/elementwise.h"
@@ -160,11 +161,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     // gradients; the model computes with a bf16 copy of the weights refreshed after every
     // optimizer step. On the CPU the fp32 weights are used directly.
     const TensorParallelShard shard = tensor_parallel_shard_;  // NOTE [Tensor-parallel shards]
-    params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard);
-    grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard);
+    // NOTE [Pipeline parallelism]: a pipeline rank holds its stages' parameters alone.
+    const std::vector<PipelineStage>& stages = pipeline_stages_;
+    params_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard, stages);
+    grads_ = std::make_unique<FlatParameters>(config_.model, device_, DType::F32, shard, stages);
     params_->initialize(derive_seed(t.seed, kWeightsSeed));
     if (device_ == Device::CUDA) {
-      compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16, shard);
+      compute_weights_ = std::make_unique<FlatParameters>(config_.model, device_, DType::BF16, shard, stages);
       compute_weights_->assign_from(*params_);
     }
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
@@ -185,10 +188,34 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
              human_count(static_cast<double>(tensor_parallel_rank_parameters(config_.model, tensor_parallel_shard_.size))),
              human_count(static_cast<double>(config_.model.total_params())));
   if (dp_) log_fsdp_memory();
+  const ActivationCheckpoint checkpointing = activation_checkpoint_from_name(config_.activation_checkpoint.mode);
+  if (pipeline_) {
+    const ParallelismConfig& p = config_.parallelism;
+    const PipelineScheduleKind kind = parse_pipeline_schedule(p.pipeline_parallel_schedule);
+    const PipelineShape shape{pipeline_->size(), static_cast<int>(pipeline_stages_.size()),
+                              static_cast<int>(t.gradient_accumulation_steps)};
+    pipeline_model_ = std::make_unique<PipelineModel>(config_.model, t.local_batch_size, t.seq_len, device_,
+                                                      compute_dtype, checkpointing, *pipeline_, kind, shape);
+    std::string blocks;
+    for (const PipelineStage& s : pipeline_stages_)
+      blocks += (blocks.empty() ? "" : ", ") + (s.end_layer - s.first_layer == 1
+                                                    ? std::to_string(s.first_layer)
+                                                    : fmt::format("{}-{}", s.first_layer, s.end_layer - 1));
+    log_info("pipeline rank {} of {}: block{} {}{}{}, {} of the model's {} parameters; {} (the schedule's idle "
+             "share at a backward of two forwards); activations of {} micro-batches in flight over its stages: "
+             "{:.2f} MiB",
+             pipeline_->rank(), pipeline_->size(), blocks.find_first_of(",-") == std::string::npos ? "" : "s", blocks,
+             pipeline_stages_.front().embedding ? " and the embedding" : "",
+             pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(params_->flat().numel())),
+             human_count(static_cast<double>(config_.model.total_params())),
+             describe_pipeline_schedule(kind, shape, pipeline_model_->schedule()), pipeline_model_->in_flight(),
+             static_cast<double>(pipeline_model_->arena_bytes()) / (1024.0 * 1024.0));
+  }
   if (world_size_ > 1 && rank_ != 0) set_log_level(LogLevel::Warn);
-  model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
-                                         activation_checkpoint_from_name(config_.activation_checkpoint.mode),
-                                         expert_dispatch_.get(), tensor_parallel_.get(), context_parallel_.get());
+  if (!pipeline_)
+    model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
+                                         checkpointing, expert_dispatch_.get(), tensor_parallel_.get(),
+                                         context_parallel_.get());
 
   uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
@@ -263,10 +290,13 @@ void Trainer::log_fsdp_memory() const {
 
 // NOTE [Device mesh]
 // The ranks the launcher started form a mesh of tensor_parallel_degree T (innermost),
-// context_parallel_degree C, and the data-parallel ranks (data_parallel_shard_degree x
-// data_parallel_replicate_degree, outermost): rank = ((d C) + c) T + t. Consecutive ranks
-// split the layers (the busiest collectives, inside a node), the ranks of one data-parallel
-// rank split its sequences, and each data-parallel rank reads its own micro-batches.
+// context_parallel_degree C, the data-parallel ranks D (data_parallel_shard_degree x
+// data_parallel_replicate_degree), and pipeline_parallel_degree P (outermost, as
+// torchtitan's mesh and Megatron's order put it): rank = ((p D + d) C + c) T + t.
+// Consecutive ranks split the layers (the busiest collectives, inside a node), the ranks of
+// one data-parallel rank split its sequences, each data-parallel rank reads its own
+// micro-batches, and the pipeline's point-to-point traffic, the lightest, crosses nodes.
+// (Pipeline parallelism takes no other degree yet: the config rules refuse the mixes.)
 //
 // NOTE [Context-parallel steps]
 // The ranks of a context-parallel group read the same micro-batches and each computes its
@@ -279,26 +309,28 @@ void Trainer::log_fsdp_memory() const {
 void Trainer::set_up_data_parallel() {
   const ParallelismConfig& p = config_.parallelism;
   const LaunchEnv env = read_launch_env();
-  const int64_t tp = p.tensor_parallel_degree, cp = p.context_parallel_degree;
-  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * tp * cp;
+  const int64_t tp = p.tensor_parallel_degree, cp = p.context_parallel_degree, pp = p.pipeline_parallel_degree;
+  const int64_t ranks = p.data_parallel_shard_degree * p.data_parallel_replicate_degree * tp * cp * pp;
   if (env.world_size == 1 && ranks > 1)
     FORGE_FAIL("parallelism.data_parallel_shard_degree × data_parallel_replicate_degree × tensor_parallel_degree × "
-               "context_parallel_degree = {} × {} × {} × {} = {} ranks, but this process was started alone: start "
-               "{} ranks (forge launch --nproc-per-node {} -- train ..., torchrun or srun)",
-               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, cp, ranks, ranks, ranks);
+               "context_parallel_degree × pipeline_parallel_degree = {} × {} × {} × {} × {} = {} ranks, but this "
+               "process was started alone: start {} ranks (forge launch --nproc-per-node {} -- train ..., torchrun "
+               "or srun)",
+               p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, cp, pp, ranks, ranks, ranks);
   if (env.world_size != ranks)
     FORGE_FAIL("{} ranks were started ({}), but parallelism.data_parallel_shard_degree × "
-               "data_parallel_replicate_degree × tensor_parallel_degree × context_parallel_degree = {} × {} × {} × "
-               "{} = {}: set them so that their product is the number of ranks",
+               "data_parallel_replicate_degree × tensor_parallel_degree × context_parallel_degree × "
+               "pipeline_parallel_degree = {} × {} × {} × {} × {} = {}: set them so that their product is the number "
+               "of ranks",
                env.world_size, describe(env), p.data_parallel_shard_degree, p.data_parallel_replicate_degree, tp, cp,
-               ranks);
+               pp, ranks);
   if (ranks == 1) return;
   rank_ = env.rank;
   world_size_ = env.world_size;
-  // NOTE [Device mesh]: rank = ((data-parallel rank × C) + context-parallel rank) × T +
-  // tensor-parallel rank.
-  data_rank_ = static_cast<int>(rank_ / (tp * cp));
-  data_ranks_ = static_cast<int>(world_size_ / (tp * cp));
+  // NOTE [Device mesh]: rank = (((pipeline rank × D) + data-parallel rank) × C +
+  // context-parallel rank) × T + tensor-parallel rank, D the data-parallel ranks.
+  data_ranks_ = static_cast<int>(world_size_ / (tp * cp * pp));
+  data_rank_ = static_cast<int>(rank_ / (tp * cp)) % data_ranks_;
   context_parallel_degree_ = static_cast<int>(cp);
   if (!world_) {
     own_world_ = create_process_group(env, process_group_options(config_));
@@ -306,6 +338,18 @@ void Trainer::set_up_data_parallel() {
   }
   FORGE_CHECK(world_->world_size() == env.world_size, "the process group given has {} ranks, the launcher started {}",
               world_->world_size(), env.world_size);
+  if (pp > 1) {
+    // NOTE [Pipeline parallelism]: every rank is a pipeline rank (the config rules keep the
+    // other degrees at 1), in stage order; each reads every micro-batch of the step.
+    const int stages = static_cast<int>(pp);
+    const int virtual_stages = static_cast<int>(pipeline_virtual_stages(
+        config_.model, pp, p.pipeline_parallel_layers_per_stage, parse_pipeline_schedule(p.pipeline_parallel_schedule)));
+    pipeline_ = std::make_unique<GroupPipelineParallel>(*world_);
+    pipeline_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    for (int v = 0; v < virtual_stages; ++v)
+      pipeline_stages_.push_back(pipeline_stage(config_.model, stages, virtual_stages, pipeline_->rank(), v));
+    return;
+  }
   ProcessGroup* data_world = world_;
   if (cp > 1) {
     // The ranks of the same data-parallel and tensor-parallel rank split the sequences.
@@ -585,8 +629,15 @@ EvalMetrics Trainer::evaluate(int64_t step) {
   for (int64_t i = 0; i < (split ? config_.eval.steps / data_ranks_ : config_.eval.steps); ++i) {
     Batch batch = loader.next();
     const SequenceLayout layout = sequence_layout(batch);
-    LossSum l = model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights(),
-                                     batch.has_examples() ? &layout : nullptr);
+    const SequenceLayout* examples = batch.has_examples() ? &layout : nullptr;
+    LossSum l = pipeline_model_
+                    ? pipeline_model_->forward_loss({batch.tokens.to(device_), batch.targets.to(device_), examples},
+                                                    weights())
+                    : model_->forward_loss(batch.tokens.to(device_), batch.targets.to(device_), weights(), examples);
+    if (pipeline_comm_) {  // NOTE [Pipeline parallelism]: the loss is on the last stage's rank
+      l.sum = pipeline_comm_->sum_over_ranks(l.sum);
+      l.tokens = pipeline_comm_->count_over_ranks(l.tokens);
+    }
     total.sum += l.sum;
     total.tokens += l.tokens;
     if (l.tokens > 0) {
@@ -697,7 +748,21 @@ TrainResult Trainer::run() {
     LossSum loss;
     std::vector<std::vector<int64_t>> expert_load;  // NOTE [MoE feed-forward]: summed over the micro-batches
     std::vector<double> micro_losses(static_cast<size_t>(accum));
-    for (int64_t a = 0; a < accum; ++a) {
+    if (pipeline_model_) {
+      // NOTE [Pipeline parallelism]: the step's micro-batches through the schedule at once.
+      std::vector<SequenceLayout> layouts(static_cast<size_t>(accum));
+      std::vector<PipelineMicroBatch> micro(static_cast<size_t>(accum));
+      for (size_t a = 0; a < micro.size(); ++a) {
+        layouts[a] = sequence_layout(batches[a]);
+        micro[a] = {batches[a].tokens.to(device_), batches[a].targets.to(device_),
+                    batches[a].has_examples() ? &layouts[a] : nullptr};
+      }
+      loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale);
+      for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
+      loss.tokens = targets;
+      if (inject_nan_) inject_test_nan(step + 1, inject_nan_->micro_batch);
+    }
+    for (int64_t a = 0; a < (pipeline_model_ ? 0 : accum); ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];
       if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
       const SequenceLayout layout = sequence_layout(b);
@@ -735,6 +800,16 @@ TrainResult Trainer::run() {
       else if (!tensor_parallel_) norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
     } else if (!tensor_parallel_) {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
+    }
+    if (pipeline_comm_) {
+      // NOTE [Pipeline parallelism]: the loss is on the last stage's rank, each rank's
+      // gradients are its stages' parameters'.
+      const double own = norm;  // this rank's, from its gradients above
+      const std::vector<double> sums =
+          pipeline_comm_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own * own});
+      loss.sum = sums[0];
+      stop_now = sums[1] > 0;
+      norm = std::sqrt(sums[2]);
     }
     if (tensor_parallel_) {
       norm = std::sqrt(tensor_parallel_grad_sum_of_squares());

@@ -50,6 +50,7 @@
 #include "model/lora.h"
 #include "model/nf4_base.h"
 #include "model/context_parallel.h"
+#include "model/pipeline.h"
 #include "model/tensor_parallel.h"
 #include "optim/optimizer.h"
 #include "train/experiment.h"
@@ -166,7 +167,9 @@ class Trainer {
   // Under tensor parallelism: where this rank's index space lies in the whole model's.
   std::optional<ShardPlacement> tensor_parallel_placement() const;
   // The collectives of checkpoint saves and resumes, over every rank (null: one rank).
-  DataParallelComm* checkpoint_comm() const { return world_comm_ ? world_comm_.get() : dp_; }
+  DataParallelComm* checkpoint_comm() const {
+    return world_comm_ ? world_comm_.get() : pipeline_comm_ ? pipeline_comm_.get() : dp_;
+  }
   // Reads the weights (and the optimizer state) into place; what it staged, for the log.
   std::string read_checkpoint_state(const Checkpoint& checkpoint, bool with_optimizer);
   // The same into the given segments (a LoRA run's frozen base from a forge checkpoint).
@@ -181,7 +184,10 @@ class Trainer {
   void handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
                         const std::vector<double>& micro_losses, double loss, double norm,
                         const std::string& fp8_amax);
-  std::string first_nonfinite_gradient();   // "" when every gradient is finite
+  std::string first_nonfinite_gradient();
+  std::string first_over_pipeline(int64_t local);
+  [[noreturn]] void handle_nonfinite_pipeline(int64_t step, const std::vector<double>& micro_losses, double loss,
+                                              double norm);   // "" when every gradient is finite
   // trainer_fp8.cpp (NOTE [FP8 under data parallelism]): the step's first non-finite FP8
   // amax named, the same on every rank (`ranks` ranks saw one, this one `own`, maybe none).
   std::string describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax& own, int64_t ranks);
@@ -245,6 +251,13 @@ class Trainer {
   // experts, the ranks that hold the same experts, and the model's dispatch over the former.
   std::unique_ptr<ProcessGroup> expert_parallel_group_, expert_shard_group_;
   std::unique_ptr<ExpertDispatch> expert_dispatch_;
+  // Pipeline parallelism (NOTE [Pipeline parallelism] in model/pipeline.h): the rank's
+  // stages, the model's exchanges over the world (every rank a pipeline rank), the
+  // schedule's model in place of model_, and the step's scalars over the pipeline.
+  std::vector<PipelineStage> pipeline_stages_;
+  std::unique_ptr<PipelineParallel> pipeline_;
+  std::unique_ptr<PipelineModel> pipeline_model_;
+  std::unique_ptr<DataParallelComm> pipeline_comm_;
   ProcessGroup* world_ = nullptr;
   ProcessGroup* shard_group_ = nullptr;
   std::unique_ptr<Fsdp> fsdp_;

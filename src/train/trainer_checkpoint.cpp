@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <optional>
 
 #include <yaml-cpp/yaml.h>
@@ -42,6 +43,23 @@ std::vector<FlatSegment> consecutive(const std::vector<Tensor>& tensors) {
     offset += t.numel();
   }
   return segments;
+}
+
+// NOTE [Pipeline parallelism]: a pipeline rank's parameters at their places in the whole
+// model's flat layout (parameter_specs order), so every rank writes its own into one file
+// and any layout reads them back.
+std::vector<FlatSegment> at_model_offsets(const ModelConfig& model, const std::vector<ParamSpec>& specs,
+                                          const std::vector<Tensor>& tensors) {
+  std::map<std::string, int64_t> offset_of;
+  int64_t offset = 0;
+  for (const ParamSpec& spec : parameter_specs(model)) {
+    offset_of[spec.name] = offset;
+    offset += shape_numel(spec.shape);
+  }
+  std::vector<FlatSegment> out;
+  for (size_t i = 0; i < specs.size(); ++i)
+    out.push_back({offset_of.at(specs[i].name), tensors[i].view({tensors[i].numel()})});
+  return out;
 }
 
 // The same offsets with other tensors (FSDP: the moments beside the master segments).
@@ -126,10 +144,13 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
     const std::vector<FsdpSegment>& layout = fsdp_->layout().segments();
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
+  } else if (pipeline_) {
+    params = at_model_offsets(config_.model, params_->specs(), params_->tensors());
   } else {
     params = consecutive(params_->tensors());
   }
-  const std::vector<FlatSegment> offsets = sharded_gradients() ? params : consecutive(trainable_weights());
+  const std::vector<FlatSegment> offsets =
+      sharded_gradients() || pipeline_ ? params : consecutive(trainable_weights());
   m = at_offsets(offsets, optimizer_->exp_avg());
   v = at_offsets(offsets, optimizer_->exp_avg_sq());
   return segments;
@@ -298,7 +319,9 @@ void Trainer::load_initial_weights(const std::string& path) {
 // file r holds the flat range shard_ranges(numel, shards)[r], written by every rank whose
 // chunks overlap it. Under tensor parallelism every tensor-parallel rank of that replica
 // does the same in its own index space and files, the replicated parameters left to rank 0
-// (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h). Rank 0 makes the
+// (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h). Under pipeline
+// parallelism the checkpoint is format 1's one file, every pipeline rank writing its
+// stages' parameters and moments at their places in it. Rank 0 makes the
 // temporary directory (named with its pid, which every rank learns through an all-reduce)
 // and the shard files at their full size; every writer writes and fsyncs; the ranks (all of
 // them, tensor-parallel ones included) all-gather the CRC-32s of the runs they wrote, and

@@ -46,6 +46,10 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
         found = true;
         poison_first_element(trainable_gradients()[i]);
       }
+    if (pipeline_) {  // another pipeline rank may hold it
+      const std::vector<ParamSpec> specs = parameter_specs(config_.model);
+      found = found || std::any_of(specs.begin(), specs.end(), [&](const ParamSpec& s) { return s.name == inject_nan_->tensor; });
+    }
   }
   if (!found) FORGE_FAIL("FORGE_TEST_INJECT_NAN: the model has no parameter '{}'", inject_nan_->tensor);
 }
@@ -54,6 +58,7 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
 // the first (replicas hold the same reduced gradients). LoRA's replicated adapters hold the
 // same summed gradients on every rank (NOTE [LoRA under data parallelism]).
 std::string Trainer::first_nonfinite_gradient() {
+  if (pipeline_comm_) return first_over_pipeline(first_nonfinite_tensor(trainable_gradients()));
   if (!sharded_gradients()) {
     const int64_t i = first_nonfinite_tensor(trainable_gradients());
     return i < 0 ? "" : trainable_names()[static_cast<size_t>(i)];
@@ -64,6 +69,44 @@ std::string Trainer::first_nonfinite_gradient() {
   const std::vector<uint32_t> all = dp_->all_gather_words({mine});
   const uint32_t first = *std::min_element(all.begin(), all.end());
   return first == kNone ? "" : parameter_specs(config_.model)[first].name;
+}
+
+// NOTE [Pipeline parallelism]: each rank holds its stages' parameters; the first, in the
+// whole model's parameter order, of every rank's tensor `local` (an index into its own
+// parameters, or -1).
+std::string Trainer::first_over_pipeline(int64_t local) {
+  const std::vector<ParamSpec> specs = parameter_specs(config_.model);
+  uint32_t mine = kNone;
+  if (local >= 0)
+    for (size_t k = 0; k < specs.size(); ++k)
+      if (specs[k].name == trainable_names()[static_cast<size_t>(local)]) mine = static_cast<uint32_t>(k);
+  const std::vector<uint32_t> all = pipeline_comm_->all_gather_words({mine});
+  const uint32_t first = *std::min_element(all.begin(), all.end());
+  return first == kNone ? "" : specs[first].name;
+}
+
+// NOTE [Pipeline parallelism]: the step ran its micro-batches together through the
+// schedule, so they are not run again one at a time; the ranks agree on what each found.
+void Trainer::handle_nonfinite_pipeline(int64_t step, const std::vector<double>& micro_losses, double loss,
+                                        double norm) {
+  const std::string head =
+      fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
+  const std::string weight = first_over_pipeline(first_nonfinite_tensor(trainable_weights()));
+  if (!weight.empty())
+    FORGE_FAIL("{}: the weight '{}' is already non-finite before the step's first micro-batch", head, weight);
+  std::vector<double> bad(micro_losses.size());  // the losses are on the last stage's rank
+  for (size_t a = 0; a < bad.size(); ++a) bad[a] = std::isfinite(micro_losses[a]) ? 0.0 : 1.0;
+  bad = pipeline_comm_->sum_over_ranks(bad);
+  for (size_t a = 0; a < bad.size(); ++a)
+    if (bad[a] > 0)
+      FORGE_FAIL("{}: micro-batch {} of {}: the loss (forward pass, on the last pipeline stage) is non-finite", head,
+                 a, bad.size());
+  const std::string tensor = first_nonfinite_gradient();
+  if (!tensor.empty())
+    FORGE_FAIL("{}: the first non-finite gradient (in parameter order) of the step's {} micro-batches is '{}' (under "
+               "pipeline parallelism they run through the schedule together and are not run again one at a time)",
+               head, micro_losses.size(), tensor);
+  FORGE_FAIL("{}: the loss sum over micro-batches overflows", head);
 }
 
 void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
@@ -87,6 +130,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
     return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
                        accum, a * data_ranks_, a * data_ranks_ + data_ranks_ - 1);
   };
+  if (pipeline_comm_) return handle_nonfinite_pipeline(step, micro_losses, loss, norm);
   const std::string head =
       fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
 

@@ -1,0 +1,157 @@
+"""Pipeline parallelism across real processes on the CPU (forge launch, the CPU process group;
+NOTE [Pipeline parallelism] in model/pipeline.h): the same run on 2 and 4 pipeline ranks
+with the 1F1B schedule and on 2 ranks with the interleaved one (two stages per rank) gives
+one rank's loss curve, gradient norms and validation losses within fp32 reordering; each
+rank logs its blocks and the schedule's bubble; every rank writes its stages into one
+checkpoint of the whole model, which resumes bitwise at the layout that saved it and
+follows the uninterrupted run at another (2 pipeline ranks to 1 and to the interleaved
+schedule, 1 rank to 2), and starts a run from its weights; a non-finite gradient on one stage stops
+every rank naming the tensor; and the configurations pipelining cannot take are refused
+with errors that name the keys."""
+import json
+import os
+import shutil
+import subprocess
+import unittest
+
+from forge_test_util import forge_bin, max_relative_difference, records, scratch_dir, train_on_ranks
+
+STEPS = 30
+LAYERS = ["--model.num_layers", "4"]
+
+
+def train(run_dir, ranks, *overrides, check=True):
+    return train_on_ranks(run_dir, ranks, 1, *LAYERS, *overrides, steps=STEPS, check=check)
+
+
+class Parity(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.one = os.path.join(cls.tmp, "one")
+        train(cls.one, 1)
+
+    def expect_follows(self, run):
+        for kind in ("train", "eval"):
+            self.assertLess(max_relative_difference(records(run, kind), records(self.one, kind), "loss"), 1e-5)
+        self.assertLess(max_relative_difference(records(run, "train"), records(self.one, "train"), "grad_norm"), 1e-5)
+
+    def test_pipeline_ranks_follow_one(self):
+        self.assertLess(records(self.one, "train")[-1]["loss"], records(self.one, "train")[0]["loss"] - 0.5)
+        for name, ranks, flags, log in (
+                ("pp2", 2, [], "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                ("pp4", 4, ["--activation_checkpoint.mode", "selective"], "pipeline rank 0 of 4: block 0 and the embedding"),
+                ("pp2-interleaved", 2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                        "--activation_checkpoint.mode", "full"],
+                 "pipeline rank 0 of 2: blocks 0, 2 and the embedding")):
+            with self.subTest(run=name):
+                run = os.path.join(self.tmp, name)
+                result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(ranks), *flags)
+                self.expect_follows(run)
+                self.assertIn(log, result.stdout + result.stderr)
+                self.assertIn("bubble", result.stdout + result.stderr)
+
+
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "15"]
+
+
+class Checkpoints(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.pp2 = os.path.join(cls.tmp, "saved-pp2")
+        train(cls.pp2, 2, *PP2, *SAVE)
+        cls.one = os.path.join(cls.tmp, "saved-one")
+        train(cls.one, 1, *SAVE)
+
+    def resumed(self, source, name, ranks, *flags):
+        """A copy of `source` resumed from its step-15 checkpoint: the train and eval records it appended."""
+        run_dir = os.path.join(self.tmp, name)
+        shutil.copytree(source, run_dir)
+        train(run_dir, ranks, *flags, *SAVE, "--checkpoint.load_step", "15")
+        return records(run_dir, "train")[STEPS:], records(run_dir, "eval")[3:]
+
+    def expect_continues(self, source, resumed_train, resumed_eval, tolerance):
+        self.assertEqual([r["step"] for r in resumed_train], list(range(16, STEPS + 1)))
+        for got, want, key in ((resumed_train, records(source, "train")[15:], "loss"),
+                               (resumed_train, records(source, "train")[15:], "grad_norm"),
+                               (resumed_eval, records(source, "eval")[1:], "loss")):
+            if tolerance == 0:
+                self.assertEqual([r[key] for r in got], [r[key] for r in want], key)
+            else:
+                self.assertLess(max_relative_difference(got, want, key), tolerance, key)
+
+    def test_every_rank_writes_its_stages_into_one_file(self):
+        step = os.path.join(self.pp2, "checkpoints", "step-15")
+        with open(os.path.join(step, "metadata.json")) as f:
+            metadata = json.load(f)
+        self.assertEqual((metadata["format_version"], metadata["world_size"]), (1, 1))
+        self.assertEqual(os.path.getsize(os.path.join(step, "rank-0.bin")), 12 * metadata["flat_numel"])
+        with open(os.path.join(self.one, "checkpoints", "step-15", "rank-0.bin"), "rb") as a, \
+                open(os.path.join(step, "rank-0.bin"), "rb") as b:
+            self.assertEqual(len(a.read()), len(b.read()))
+
+    def test_resume_at_the_layout_that_saved_is_bitwise(self):
+        steps, evals = self.resumed(self.pp2, "pp2-again", 2, *PP2)
+        self.expect_continues(self.pp2, steps, evals, 0)
+
+    def test_a_pipeline_checkpoint_resumes_under_other_layouts(self):
+        for name, ranks, flags in (("pp2-to-one", 1, []),
+                                   ("pp2-to-interleaved", 2, PP2 + ["--parallelism.pipeline_parallel_schedule",
+                                                                    "Interleaved1F1B"])):
+            with self.subTest(run=name):
+                steps, evals = self.resumed(self.pp2, name, ranks, *flags)
+                self.expect_continues(self.pp2, steps, evals, 1e-5)
+        steps, evals = self.resumed(self.one, "one-to-pp2", 2, *PP2)
+        self.expect_continues(self.one, steps, evals, 1e-5)
+
+    def test_initial_weights_from_a_checkpoint(self):
+        start = ["--checkpoint.initial_load_path", os.path.join(self.one, "checkpoints", "step-30")]
+        reference = os.path.join(self.tmp, "from-one")
+        train(reference, 1, *start)
+        run = os.path.join(self.tmp, "from-one-pp2")
+        train(run, 2, *PP2, *start)
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+            self.assertLess(max_relative_difference(records(run, kind), records(reference, kind), key), 1e-5, key)
+
+
+class Failures(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    def test_nonfinite_gradient_on_one_stage_stops_every_rank(self):
+        env = dict(os.environ, FORGE_NUM_THREADS="1",
+                   FORGE_TEST_INJECT_NAN="2:layers.3.mlp.down.weight:0")
+        run = os.path.join(self.tmp, "nan")
+        command = [forge_bin(), "launch", "--nproc-per-node", "2", "--", "train", *LAYERS,
+                   "--parallelism.pipeline_parallel_degree", "2", "--training.steps", "4",
+                   "--training.gradient_accumulation_steps", "2", "--logging.run_dir", run]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("non-finite step 2", result.stderr + result.stdout)
+        self.assertIn("'layers.3.mlp.down.weight'", result.stderr + result.stdout)
+
+    def test_refused_configurations_name_their_keys(self):
+        for flags, words in (
+                (["--model.num_layers", "3"], ["parallelism.pipeline_parallel_degree", "model.num_layers"]),
+                (["--model.num_layers", "4", "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                  "--training.gradient_accumulation_steps", "3"],
+                 ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
+                (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
+                (["--model.num_layers", "4", "--checkpoint.last_save_in_hf", "true"], ["checkpoint.last_save_in_hf"]),
+                (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
+                 ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
+            with self.subTest(flags=flags):
+                result = subprocess.run([forge_bin(), "train", "--parallelism.pipeline_parallel_degree", "2",
+                                         "--training.steps", "1", "--logging.run_dir",
+                                         os.path.join(self.tmp, "refused"), *flags],
+                                        capture_output=True, text=True, timeout=120)
+                self.assertNotEqual(result.returncode, 0)
+                for word in words:
+                    self.assertIn(word, result.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
