@@ -378,7 +378,6 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
                      "schedule's exchanges yet (NOTE [Pipeline parallelism])";
   refuse(p.data_parallel_shard_degree > 1, "parallelism.data_parallel_shard_degree", mesh);
   refuse(p.data_parallel_replicate_degree > 1, "parallelism.data_parallel_replicate_degree", mesh);
-  refuse(p.tensor_parallel_degree > 1, "parallelism.tensor_parallel_degree", mesh);
   refuse(p.context_parallel_degree > 1, "parallelism.context_parallel_degree", mesh);
   refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree", "Mixture-of-Experts blocks are not cut into stages");
   refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",

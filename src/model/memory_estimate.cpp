@@ -60,7 +60,7 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
   const PipelineSchedule schedule =
       make_pipeline_schedule(kind, {p, v, static_cast<int>(plan.micro_batches)});
   const DType compute = plan.cuda ? DType::BF16 : DType::F32;
-  const std::vector<ParamSpec> specs = parameter_specs(config);
+  const std::vector<ParamSpec> specs = parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)});
   MemoryEstimate worst;
   for (int r = 0; r < p; ++r) {
     std::vector<PipelineStage> stages;
@@ -69,7 +69,8 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       stages.push_back(pipeline_stage(config, p, v, r, c));
       activations += static_cast<double>(pipeline_chunk_in_flight(schedule, r, c)) *
                      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute,
-                                                          plan.checkpoint, 1, 1, 1, stages.back()));
+                                                          plan.checkpoint, 1, plan.tensor_parallel, 1,
+                                                          stages.back()));
     }
     double params = 0;
     for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));

@@ -213,10 +213,16 @@ void initialize_parameter_ranges(const ModelConfig& config, const std::vector<Pa
                                  const std::vector<ParameterRange>& ranges, TensorParallelShard shard) {
   if (shard.size > 1) {
     // NOTE [Tensor-parallel shards]: each range, cut where the shard's runs are, as ranges of
-    // the whole parameters.
-    const std::vector<ParamSpec> full = parameter_specs(config);
+    // the whole parameters (a pipeline rank's: the specs of its stages, by name).
+    std::vector<ParamSpec> full;
+    for (const ParamSpec& spec : parameter_specs(config))
+      if (std::any_of(specs.begin(), specs.end(), [&](const ParamSpec& s) { return s.name == spec.name; }))
+        full.push_back(spec);
     FORGE_CHECK(full.size() == specs.size(), "{} shard specs for a model of {} parameters", specs.size(),
                 full.size());
+    for (size_t i = 0; i < full.size(); ++i)
+      FORGE_CHECK(full[i].name == specs[i].name, "shard spec {} is '{}', the model's '{}'", i, specs[i].name,
+                  full[i].name);
     std::vector<ParameterRange> whole;
     for (const ParameterRange& range : ranges)
       for (const ShardRun& run : tensor_parallel_runs(full[range.spec], shard)) {

@@ -195,7 +195,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     const PipelineShape shape{pipeline_->size(), static_cast<int>(pipeline_stages_.size()),
                               static_cast<int>(t.gradient_accumulation_steps)};
     pipeline_model_ = std::make_unique<PipelineModel>(config_.model, t.local_batch_size, t.seq_len, device_,
-                                                      compute_dtype, checkpointing, *pipeline_, kind, shape);
+                                                      compute_dtype, checkpointing, *pipeline_, kind, shape,
+                                                      tensor_parallel_.get());
     std::string blocks;
     for (const PipelineStage& s : pipeline_stages_)
       blocks += (blocks.empty() ? "" : ", ") + (s.end_layer - s.first_layer == 1
@@ -339,16 +340,21 @@ void Trainer::set_up_data_parallel() {
   FORGE_CHECK(world_->world_size() == env.world_size, "the process group given has {} ranks, the launcher started {}",
               world_->world_size(), env.world_size);
   if (pp > 1) {
-    // NOTE [Pipeline parallelism]: every rank is a pipeline rank (the config rules keep the
-    // other degrees at 1), in stage order; each reads every micro-batch of the step.
-    const int stages = static_cast<int>(pp);
+    // NOTE [Pipeline parallelism]: the ranks at the same place of every stage (the same
+    // tensor-parallel rank; the config rules keep the data-parallel and context-parallel
+    // degrees at 1) form a pipeline, in stage order; every rank reads every micro-batch.
+    const int stages = static_cast<int>(pp), per_stage = world_size_ / stages;
     const int virtual_stages = static_cast<int>(pipeline_virtual_stages(
         config_.model, pp, p.pipeline_parallel_layers_per_stage, parse_pipeline_schedule(p.pipeline_parallel_schedule)));
-    pipeline_ = std::make_unique<GroupPipelineParallel>(*world_);
-    pipeline_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    ProcessGroup* pipeline = world_;
+    if (per_stage > 1) {
+      pipeline_group_ = world_->split(rank_ % per_stage, rank_);
+      pipeline = pipeline_group_.get();
+    }
+    pipeline_ = std::make_unique<GroupPipelineParallel>(*pipeline);
+    pipeline_comm_ = std::make_unique<DataParallelComm>(device_, *pipeline, nullptr);
     for (int v = 0; v < virtual_stages; ++v)
       pipeline_stages_.push_back(pipeline_stage(config_.model, stages, virtual_stages, pipeline_->rank(), v));
-    return;
   }
   ProcessGroup* data_world = world_;
   if (cp > 1) {
@@ -804,15 +810,16 @@ TrainResult Trainer::run() {
     if (pipeline_comm_) {
       // NOTE [Pipeline parallelism]: the loss is on the last stage's rank, each rank's
       // gradients are its stages' parameters'.
-      const double own = norm;  // this rank's, from its gradients above
+      // This rank's sum of squares (under tensor parallelism its group's, NOTE [Tensor-parallel gradient norm]).
+      const double own = tensor_parallel_ ? tensor_parallel_grad_sum_of_squares() : norm * norm;
       const std::vector<double> sums =
-          pipeline_comm_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own * own});
+          pipeline_comm_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own});
       loss.sum = sums[0];
       stop_now = sums[1] > 0;
       norm = std::sqrt(sums[2]);
     }
     if (tensor_parallel_) {
-      norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
+      if (!pipeline_comm_) norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
       // NOTE [Stop signals]: a tensor-parallel group stops together too.
       stop_now = tensor_parallel_comm_->sum_over_ranks(stop_now ? 1.0 : 0.0) > 0;
     }

@@ -255,6 +255,7 @@ class Trainer {
   // stages, the model's exchanges over the world (every rank a pipeline rank), the
   // schedule's model in place of model_, and the step's scalars over the pipeline.
   std::vector<PipelineStage> pipeline_stages_;
+  std::unique_ptr<ProcessGroup> pipeline_group_;  // null when every rank is a pipeline rank (the world)
   std::unique_ptr<PipelineParallel> pipeline_;
   std::unique_ptr<PipelineModel> pipeline_model_;
   std::unique_ptr<DataParallelComm> pipeline_comm_;

@@ -48,11 +48,13 @@ std::vector<FlatSegment> consecutive(const std::vector<Tensor>& tensors) {
 // NOTE [Pipeline parallelism]: a pipeline rank's parameters at their places in the whole
 // model's flat layout (parameter_specs order), so every rank writes its own into one file
 // and any layout reads them back.
-std::vector<FlatSegment> at_model_offsets(const ModelConfig& model, const std::vector<ParamSpec>& specs,
-                                          const std::vector<Tensor>& tensors) {
+// Under tensor parallelism: in the tensor-parallel rank's index space (its shards one after
+// the other, NOTE [Tensor-parallel checkpoints]).
+std::vector<FlatSegment> at_model_offsets(const ModelConfig& model, TensorParallelShard shard,
+                                          const std::vector<ParamSpec>& specs, const std::vector<Tensor>& tensors) {
   std::map<std::string, int64_t> offset_of;
   int64_t offset = 0;
-  for (const ParamSpec& spec : parameter_specs(model)) {
+  for (const ParamSpec& spec : parameter_specs(model, shard)) {
     offset_of[spec.name] = offset;
     offset += shape_numel(spec.shape);
   }
@@ -145,7 +147,7 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
     for (size_t i = 0; i < layout.size(); ++i)
       params.push_back({layout[i].flat_offset, fsdp_->master_segments()[i].view({layout[i].numel})});
   } else if (pipeline_) {
-    params = at_model_offsets(config_.model, params_->specs(), params_->tensors());
+    params = at_model_offsets(config_.model, tensor_parallel_shard_, params_->specs(), params_->tensors());
   } else {
     params = consecutive(params_->tensors());
   }
