@@ -1,12 +1,14 @@
-// What the tests of the parallel layouts (expert, tensor, context parallelism) compare
-// with: a tensor-parallel rank's shard of a whole parameter, and the largest difference
-// between two fp32 tensors relative to the larger one's scale.
+// What the tests of the parallel layouts (expert, tensor, context, pipeline parallelism)
+// compare with: a tensor-parallel rank's shard of a whole parameter, the largest difference
+// between two fp32 tensors relative to the larger one's scale; and the packed micro-batch
+// they run.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 
 #include "core/tensor.h"
+#include "model/block_component.h"
 #include "model/parameters.h"
 
 namespace forge::testing {
@@ -28,6 +30,19 @@ inline double relative_gap(const Tensor& a, const Tensor& b) {
   for (int64_t i = 0; i < a.numel(); ++i)
     worst = std::max(worst, std::abs(static_cast<double>(a.data<float>()[i]) - b.data<float>()[i]));
   return scale > 0 ? worst / scale : worst;
+}
+
+// Two examples per row of a [micro, seq] micro-batch: positions restart at seq/2 + 1,
+// segment ids differ (NOTE [Packed examples]).
+inline SequenceLayout packed_layout(int64_t micro, int64_t seq) {
+  SequenceLayout layout{Tensor::empty({micro, seq}, DType::I32), Tensor::empty({micro, seq}, DType::I32)};
+  const int64_t cut = seq / 2 + 1;
+  for (int64_t b = 0; b < micro; ++b)
+    for (int64_t t = 0; t < seq; ++t) {
+      layout.positions.data<int32_t>()[b * seq + t] = static_cast<int32_t>(t < cut ? t : t - cut);
+      layout.segments.data<int32_t>()[b * seq + t] = t < cut ? 0 : 1;
+    }
+  return layout;
 }
 
 }  // namespace forge::testing

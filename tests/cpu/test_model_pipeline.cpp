@@ -2,16 +2,19 @@
 // ranks (threads of this process over the CPU process group), each running its chunks of
 // the decoder through the 1F1B or interleaved schedule over a step's micro-batches, give
 // the step's loss one rank gives with the whole model on the last stage's rank, and each
-// rank's gradients of its stages' parameters are the whole model's. Fewer and more
-// micro-batches than stages, every activation-checkpointing mode, packed examples,
-// evaluation's forward through the stages; and the shapes pipelining refuses.
+// rank's gradients of its stages' parameters are the whole model's (with tensor-parallel
+// stages, 2 x 2 ranks: its shards of them). Fewer and more micro-batches than stages, every
+// activation-checkpointing mode, packed examples, evaluation's forward through the stages;
+// and the shapes pipelining refuses.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "cli/config.h"
 #include "distributed/pipeline_parallel_group.h"
+#include "distributed/tensor_parallel_group.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
 #include "model/pipeline.h"
@@ -24,7 +27,9 @@ namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::packed_layout;
 using testing::relative_gap;
+using testing::shard_of;
 
 struct Case {
   PipelineScheduleKind kind;
@@ -33,19 +38,8 @@ struct Case {
   bool packed = false;
   std::string model = "debug-tiny";
   int layers = 8;
+  int tensor_parallel = 1;  // T ranks per stage (rank = stage x T + tensor-parallel rank)
 };
-
-// Two examples per row: positions restart at seq/2 + 1, segment ids differ.
-SequenceLayout packed_layout(int64_t micro, int64_t seq) {
-  SequenceLayout layout{Tensor::empty({micro, seq}, DType::I32), Tensor::empty({micro, seq}, DType::I32)};
-  const int64_t cut = seq / 2 + 1;
-  for (int64_t b = 0; b < micro; ++b)
-    for (int64_t t = 0; t < seq; ++t) {
-      layout.positions.data<int32_t>()[b * seq + t] = static_cast<int32_t>(t < cut ? t : t - cut);
-      layout.segments.data<int32_t>()[b * seq + t] = t < cut ? 0 : 1;
-    }
-  return layout;
-}
 
 // Whether parameter `spec` belongs to one of `stages`.
 bool held(const ParamSpec& spec, const std::vector<PipelineStage>& stages) {
@@ -65,9 +59,9 @@ ProcessGroupOptions quick_options() {
 }
 
 void expect_stages_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, checkpointing {}{}",
+  SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, checkpointing {}{}, tensor-parallel {}",
                            pipeline_schedule_name(c.kind), c.stages, c.virtual_stages, c.micro_batches,
-                           static_cast<int>(c.mode), c.packed ? ", packed" : ""));
+                           static_cast<int>(c.mode), c.packed ? ", packed" : "", c.tensor_parallel));
   const ModelConfig m =
       load_experiment("", {{"model.name", c.model}, {"model.num_layers", std::to_string(c.layers)}}).model;
   const int64_t micro = 2, seq = 8;
@@ -94,31 +88,51 @@ void expect_stages_match_one(const Case& c) {
   const LossSum reference_eval = one.forward_loss(tokens[1 % c.micro_batches], targets[1 % c.micro_batches], params,
                                                   sequences);
 
-  std::vector<std::unique_ptr<FlatParameters>> grads;
-  for (int r = 0; r < c.stages; ++r) grads.push_back(std::make_unique<FlatParameters>(m));
-  std::vector<LossSum> losses(static_cast<size_t>(c.stages)), evals = losses;
-  std::vector<std::vector<PipelineStage>> stages(static_cast<size_t>(c.stages));
+  // Rank r = stage x T + tensor-parallel rank holds its stages' parameters (its shards of them).
+  const int t = c.tensor_parallel, ranks = c.stages * t;
+  std::vector<std::vector<PipelineStage>> stages(static_cast<size_t>(ranks));
+  std::vector<std::unique_ptr<FlatParameters>> weights, grads;
+  for (int r = 0; r < ranks; ++r) {
+    for (int v = 0; v < c.virtual_stages; ++v)
+      stages[static_cast<size_t>(r)].push_back(pipeline_stage(m, c.stages, c.virtual_stages, r / t, v));
+    const TensorParallelShard shard{r % t, t};
+    weights.push_back(
+        std::make_unique<FlatParameters>(m, Device::CPU, DType::F32, shard, stages[static_cast<size_t>(r)]));
+    weights.back()->initialize(5);
+    grads.push_back(
+        std::make_unique<FlatParameters>(m, Device::CPU, DType::F32, shard, stages[static_cast<size_t>(r)]));
+  }
+  std::vector<LossSum> losses(static_cast<size_t>(ranks)), evals = losses;
   const int port = testing::free_port();
-  const auto errors = testing::run_ranks(c.stages, [&](int r) {
-    auto group = create_process_group(testing::env_of(r, c.stages, port), quick_options());
-    GroupPipelineParallel pp(*group);
+  const auto errors = testing::run_ranks(ranks, [&](int r) {
+    auto world = create_process_group(testing::env_of(r, ranks, port), quick_options());
+    std::unique_ptr<ProcessGroup> pipeline_group, tensor_group;
+    ProcessGroup* pipeline = world.get();
+    std::unique_ptr<GroupTensorParallel> tp;
+    if (t > 1) {
+      pipeline_group = world->split(r % t, r);
+      tensor_group = world->split(r / t, r);
+      pipeline = pipeline_group.get();
+      tp = std::make_unique<GroupTensorParallel>(*tensor_group);
+    }
+    GroupPipelineParallel pp(*pipeline);
     PipelineModel model(m, micro, seq, Device::CPU, DType::F32, c.mode, pp, c.kind,
-                        {c.stages, c.virtual_stages, c.micro_batches});
+                        {c.stages, c.virtual_stages, c.micro_batches}, tp.get());
     std::vector<PipelineMicroBatch> batches;
     for (int k = 0; k < c.micro_batches; ++k)
       batches.push_back({tokens[static_cast<size_t>(k)], targets[static_cast<size_t>(k)], sequences});
     const size_t i = static_cast<size_t>(r);
-    stages[i] = model.stages();
-    losses[i] = model.forward_backward(batches, params, *grads[i], scale);
-    evals[i] = model.forward_loss(batches[1 % c.micro_batches], params);
-    group->barrier();
+    EXPECT_EQ(model.stages().size(), stages[i].size());
+    losses[i] = model.forward_backward(batches, *weights[i], *grads[i], scale);
+    evals[i] = model.forward_loss(batches[1 % c.micro_batches], *weights[i]);
+    world->barrier();
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
 
-  for (int r = 0; r < c.stages; ++r) {  // the loss is on the last stage's rank
+  for (int r = 0; r < ranks; ++r) {  // the loss is on the last stage's ranks
     const LossSum& l = losses[static_cast<size_t>(r)];
     const LossSum& e = evals[static_cast<size_t>(r)];
-    if (r == c.stages - 1) {
+    if (r / t == c.stages - 1) {
       EXPECT_EQ(l.tokens, reference.tokens);
       EXPECT_NEAR(l.sum, reference.sum, 1e-5 * std::abs(reference.sum));
       EXPECT_EQ(e.tokens, reference_eval.tokens);
@@ -131,16 +145,22 @@ void expect_stages_match_one(const Case& c) {
   for (size_t s = 0; s < params.specs().size(); ++s) {
     const ParamSpec& spec = params.specs()[s];
     int holders = 0;
-    for (int r = 0; r < c.stages; ++r) {
-      const Tensor& g = grads[static_cast<size_t>(r)]->tensors()[s];
-      if (held(spec, stages[static_cast<size_t>(r)])) {
-        ++holders;
-        EXPECT_LT(relative_gap(g, reference_grads.tensors()[s]), 2e-5) << spec.name << "'s gradient on rank " << r;
-      } else {
-        EXPECT_EQ(relative_gap(g, Tensor::zeros(g.shape())), 0.0) << spec.name << " touched on rank " << r;
-      }
+    for (int r = 0; r < ranks; ++r) {
+      const FlatParameters& mine = *grads[static_cast<size_t>(r)];
+      const auto at = std::find_if(mine.specs().begin(), mine.specs().end(),
+                                   [&](const ParamSpec& p) { return p.name == spec.name; });
+      EXPECT_EQ(at != mine.specs().end(), held(spec, stages[static_cast<size_t>(r)])) << spec.name << " on rank " << r;
+      if (at == mine.specs().end()) continue;
+      ++holders;
+      const Tensor& g = mine.tensors()[static_cast<size_t>(at - mine.specs().begin())];
+      const Tensor expected = shard_of(reference_grads.tensors()[s], spec, {r % t, t});
+      EXPECT_LT(relative_gap(g, expected), 2e-5) << spec.name << "'s gradient on rank " << r;
+      EXPECT_EQ(relative_gap(weights[static_cast<size_t>(r)]->find(spec.name), shard_of(params.tensors()[s], spec,
+                                                                                       {r % t, t})),
+                0.0)
+          << spec.name << "'s initialization on rank " << r;
     }
-    EXPECT_EQ(holders, 1) << spec.name;
+    EXPECT_EQ(holders, t) << spec.name;
   }
 }
 
@@ -162,6 +182,15 @@ TEST(ModelPipeline, CheckpointingModesAndPackedExamples) {
   expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 2, ActivationCheckpoint::Full});
   expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 2, ActivationCheckpoint::Full, true,
                            "debug-tiny-mha", 4});
+}
+
+TEST(ModelPipeline, WithTensorParallelStages) {
+  Case pp_tp{PipelineScheduleKind::OneFOneB, 2, 1, 3};
+  pp_tp.tensor_parallel = 2;
+  expect_stages_match_one(pp_tp);
+  Case interleaved{PipelineScheduleKind::Interleaved, 2, 2, 2, ActivationCheckpoint::Selective, true};
+  interleaved.tensor_parallel = 2;
+  expect_stages_match_one(interleaved);
 }
 
 TEST(ModelPipeline, StagesCutTheBlocksEvenly) {

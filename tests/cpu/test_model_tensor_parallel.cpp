@@ -23,6 +23,7 @@ namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::packed_layout;
 using testing::relative_gap;
 using testing::shard_of;
 
@@ -33,18 +34,6 @@ struct Case {
   bool tied = false;
   bool packed = false;  // two examples per row (NOTE [Packed examples])
 };
-
-// Two examples per row: positions restart at seq/2 + 1, segment ids differ.
-SequenceLayout packed_layout(int64_t micro, int64_t seq) {
-  SequenceLayout layout{Tensor::empty({micro, seq}, DType::I32), Tensor::empty({micro, seq}, DType::I32)};
-  const int64_t cut = seq / 2 + 1;
-  for (int64_t b = 0; b < micro; ++b)
-    for (int64_t t = 0; t < seq; ++t) {
-      layout.positions.data<int32_t>()[b * seq + t] = static_cast<int32_t>(t < cut ? t : t - cut);
-      layout.segments.data<int32_t>()[b * seq + t] = t < cut ? 0 : 1;
-    }
-  return layout;
-}
 
 void expect_ranks_match_one(const Case& c) {
   SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}{}", c.model, c.ranks, static_cast<int>(c.mode),

@@ -82,3 +82,28 @@ def max_relative_difference(a, b, key):
     assert len(a) == len(b) and a, (len(a), len(b))
     return max(abs(x[key] - y[key]) / abs(y[key]) for x, y in zip(a, b))
 
+
+
+def resumed_copy(source, run_dir, ranks, data_ranks, *overrides, steps=30, check=True):
+    """A copy of SOURCE (a train_on_ranks run that saved every steps/2 steps) at RUN_DIR,
+    resumed from its middle checkpoint on RANKS ranks: the run's result and the train and
+    eval records it appended."""
+    shutil.copytree(source, run_dir)
+    half = str(steps // 2)
+    result = train_on_ranks(run_dir, ranks, data_ranks, *overrides, "--checkpoint.enable", "true",
+                            "--checkpoint.interval", half, "--checkpoint.load_step", half, steps=steps, check=check)
+    return result, records(run_dir, "train")[steps:], records(run_dir, "eval")[3:]
+
+
+def expect_continues(test, source, resumed_train, resumed_eval, tolerance, steps=30):
+    """The resumed steps steps/2 + 1 .. steps are SOURCE's uninterrupted ones: bitwise
+    (tolerance 0) or within fp32 reordering."""
+    half = steps // 2
+    test.assertEqual([r["step"] for r in resumed_train], list(range(half + 1, steps + 1)))
+    for got, want, key in ((resumed_train, records(source, "train")[half:], "loss"),
+                           (resumed_train, records(source, "train")[half:], "grad_norm"),
+                           (resumed_eval, records(source, "eval")[1:], "loss")):
+        if tolerance == 0:
+            test.assertEqual([r[key] for r in got], [r[key] for r in want], key)
+        else:
+            test.assertLess(max_relative_difference(got, want, key), tolerance, key)

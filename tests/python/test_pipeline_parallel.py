@@ -10,11 +10,11 @@ every rank naming the tensor; and the configurations pipelining cannot take are 
 with errors that name the keys."""
 import json
 import os
-import shutil
 import subprocess
 import unittest
 
-from forge_test_util import forge_bin, max_relative_difference, records, scratch_dir, train_on_ranks
+from forge_test_util import (expect_continues, forge_bin, max_relative_difference, records, resumed_copy,
+                             scratch_dir, train_on_ranks)
 
 STEPS = 30
 LAYERS = ["--model.num_layers", "4"]
@@ -43,7 +43,9 @@ class Parity(unittest.TestCase):
                 ("pp4", 4, ["--activation_checkpoint.mode", "selective"], "pipeline rank 0 of 4: block 0 and the embedding"),
                 ("pp2-interleaved", 2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
                                         "--activation_checkpoint.mode", "full"],
-                 "pipeline rank 0 of 2: blocks 0, 2 and the embedding")):
+                 "pipeline rank 0 of 2: blocks 0, 2 and the embedding"),
+                ("pp2-tp2", 4, ["--parallelism.tensor_parallel_degree", "2"],
+                 "pipeline rank 1 of 2: blocks 2-3 and the head")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
                 result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(ranks), *flags)
@@ -67,20 +69,11 @@ class Checkpoints(unittest.TestCase):
 
     def resumed(self, source, name, ranks, *flags):
         """A copy of `source` resumed from its step-15 checkpoint: the train and eval records it appended."""
-        run_dir = os.path.join(self.tmp, name)
-        shutil.copytree(source, run_dir)
-        train(run_dir, ranks, *flags, *SAVE, "--checkpoint.load_step", "15")
-        return records(run_dir, "train")[STEPS:], records(run_dir, "eval")[3:]
+        _, steps, evals = resumed_copy(source, os.path.join(self.tmp, name), ranks, 1, *LAYERS, *flags, steps=STEPS)
+        return steps, evals
 
     def expect_continues(self, source, resumed_train, resumed_eval, tolerance):
-        self.assertEqual([r["step"] for r in resumed_train], list(range(16, STEPS + 1)))
-        for got, want, key in ((resumed_train, records(source, "train")[15:], "loss"),
-                               (resumed_train, records(source, "train")[15:], "grad_norm"),
-                               (resumed_eval, records(source, "eval")[1:], "loss")):
-            if tolerance == 0:
-                self.assertEqual([r[key] for r in got], [r[key] for r in want], key)
-            else:
-                self.assertLess(max_relative_difference(got, want, key), tolerance, key)
+        expect_continues(self, source, resumed_train, resumed_eval, tolerance, steps=STEPS)
 
     def test_every_rank_writes_its_stages_into_one_file(self):
         step = os.path.join(self.pp2, "checkpoints", "step-15")
@@ -95,6 +88,20 @@ class Checkpoints(unittest.TestCase):
     def test_resume_at_the_layout_that_saved_is_bitwise(self):
         steps, evals = self.resumed(self.pp2, "pp2-again", 2, *PP2)
         self.expect_continues(self.pp2, steps, evals, 0)
+
+    def test_pipeline_with_tensor_parallel_checkpoints(self):
+        """2 stages x 2 tensor-parallel ranks write each tensor-parallel rank's files (format 2),
+        resume bitwise, and resume on one rank."""
+        tp = ["--parallelism.tensor_parallel_degree", "2"]
+        source = os.path.join(self.tmp, "saved-pp2-tp2")
+        train(source, 4, *PP2, *tp, *SAVE)
+        with open(os.path.join(source, "checkpoints", "step-15", "metadata.json")) as f:
+            metadata = json.load(f)
+        self.assertEqual((metadata["format_version"], metadata["tensor_parallel_degree"]), (2, 2))
+        steps, evals = self.resumed(source, "pp2-tp2-again", 4, *PP2, *tp)
+        self.expect_continues(source, steps, evals, 0)
+        steps, evals = self.resumed(source, "pp2-tp2-to-one", 1)
+        self.expect_continues(source, steps, evals, 1e-5)
 
     def test_a_pipeline_checkpoint_resumes_under_other_layouts(self):
         for name, ranks, flags in (("pp2-to-one", 1, []),

@@ -16,7 +16,8 @@ import unittest
 import numpy
 from safetensors.numpy import load_file, save_file
 
-from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks
+from forge_test_util import (expect_continues, max_relative_difference, records, resumed_copy, scratch_dir,
+                             train_on_ranks)
 
 STEPS = 30
 
@@ -81,24 +82,12 @@ class Checkpoints(unittest.TestCase):
         train(cls.export_one, 1, 1, *EXPORT)
 
     def resumed(self, source, name, ranks, data_ranks, *flags, check=True):
-        """A copy of `source` resumed from its step-15 checkpoint: the run's result and the
-        train and eval records it appended."""
-        run_dir = os.path.join(self.tmp, name)
-        shutil.copytree(source, run_dir)
-        result = train(run_dir, ranks, data_ranks, *flags, *SAVE, "--checkpoint.load_step", "15", check=check)
-        return result, records(run_dir, "train")[STEPS:], records(run_dir, "eval")[3:]
+        """A copy of `source` resumed from its step-15 checkpoint."""
+        return resumed_copy(source, os.path.join(self.tmp, name), ranks, data_ranks, *flags, steps=STEPS,
+                            check=check)
 
     def expect_continues(self, source, resumed_train, resumed_eval, tolerance):
-        """The resumed steps 16..30 are the uninterrupted run's: bitwise (tolerance 0) or within
-        fp32 reordering."""
-        self.assertEqual([r["step"] for r in resumed_train], list(range(16, STEPS + 1)))
-        for got, want, key in ((resumed_train, records(source, "train")[15:], "loss"),
-                               (resumed_train, records(source, "train")[15:], "grad_norm"),
-                               (resumed_eval, records(source, "eval")[1:], "loss")):
-            if tolerance == 0:
-                self.assertEqual([r[key] for r in got], [r[key] for r in want], key)
-            else:
-                self.assertLess(max_relative_difference(got, want, key), tolerance, key)
+        expect_continues(self, source, resumed_train, resumed_eval, tolerance, steps=STEPS)
 
     def test_a_checkpoint_holds_the_whole_model_once(self):
         step = os.path.join(self.tp2, "checkpoints", "step-15")
