@@ -23,9 +23,9 @@
 //    at when it is that rank itself); the members connect to it (waiting at most
 //    collective_timeout) and the others' listeners close. So a group's rounds involve its
 //    members only, and groups run independently: the stages of a pipeline make different
-//    calls on their own groups at different moments (one group of a rank at a time per
-//    thread: each group has its own lock). A split of one rank makes a group without
-//    connections, whose rounds rank 0 answers alone.
+//    calls on their own groups at different moments (each group has its own lock, one
+//    round at a time). A group of one rank has no connections: its rank answers its
+//    rounds alone.
 //  - Calls that do not match (a rank in all_gather while another is in all_reduce, other
 //    sizes or dtypes, one call more on the group) fail the round on every rank of the
 //    group, with a message listing which ranks called what. Messages name world ranks,
@@ -52,9 +52,9 @@
 //    next wait for one of its ranks (a collective timeout naming it, or at once when the
 //    failure closed that rank's connections). With a heartbeat
 //    (options.heartbeat_timeout, NOTE [Failure detection]) a failed round instead ends
-//    the process, after rank 0 has told every rank of the group, stuck ones included; the
+//    the process, after the group's rank 0 has told the ranks in the round; the
 //    heartbeat's rank 0 (the world's) hears of it (at once, or within 2 s when it was not
-//    in the group) and ends every other rank of the world, naming the one at fault. Each
+//    in the group) and ends every other rank of the world, stuck ones included. Each
 //    round is in the flight record (flight_recorder.h) as "all_reduce #N ... on <group>"
 //    (or "send_recv #N on <group>").
 // Argument checks (the shared check_* of process_group.h) fail on the calling rank alone,
