@@ -24,9 +24,10 @@
 // gets the group of the ranks that passed its color, ranked by key, ties broken by the
 // rank in this group. The new group's collectives combine its ranks' tensors only; it is
 // destroyed on its own and may outlive its parent. On NCCL it is a new communicator
-// (ncclCommSplit) with its own watchdog; on the CPU its collectives are relayed through
-// the world's connections, so every rank of the world must call one at the same time,
-// each on its own group (NOTE [CPU process group]).
+// (ncclCommSplit) with its own watchdog; on the CPU it has TCP connections of its own,
+// made within the split (NOTE [CPU process group]). Either way its collectives involve
+// its ranks only: groups make their calls independently of the ranks outside them (as
+// the stages of a pipeline do).
 //
 // NOTE [All-to-all]
 // all_to_all(output, recv_counts, input, send_counts) exchanges rows (slices along dim 0;

@@ -271,8 +271,15 @@ struct TcpStore::Peers {
   net::Fd listener;
   std::vector<Connection> ranks;
   std::string where;  // "MASTER_ADDR:MASTER_PORT" for messages
+  std::vector<int> names;  // the number messages give each rank; empty: its rank
   bool failed = false;
   int culprit = -1;  // rank 0: the one rank a failed gather blamed
+
+  int name(int r) const { return names.empty() || r < 0 || r >= static_cast<int>(names.size()) ? r : names[r]; }
+  std::vector<int> named(std::vector<int> ranks) const {
+    for (int& r : ranks) r = name(r);
+    return ranks;
+  }
 
   // Rank 0: tells every connected rank why the job stops, then throws it.
   [[noreturn]] void fail_all(const std::string& reason) {
@@ -302,7 +309,7 @@ struct TcpStore::Peers {
         for (int r = 1; r < world; ++r)
           if (!arrived[r]) missing.push_back(r);
         fail_all(fmt::format("{}: rank{} {} did not arrive within {} ({} of {} ranks did)", stage,
-                             missing.size() > 1 ? "s" : "", format_ranks(missing), seconds_text(timeout), count,
+                             missing.size() > 1 ? "s" : "", format_ranks(named(missing)), seconds_text(timeout), count,
                              world));
       }
       for (size_t i = 0; i < fds.size(); ++i) {
@@ -317,9 +324,10 @@ struct TcpStore::Peers {
           arrived[r] = true;
           ++count;
         } else if (parsed != Parsed::Incomplete) {
-          fail_all(fmt::format("{}: rank {} ({}) sent an unexpected message", stage, r, c.address));
+          fail_all(fmt::format("{}: rank {} ({}) sent an unexpected message", stage, name(r), c.address));
         } else if (c.closed) {
-          fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, r, c.address));
+          fail_all(
+              fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, name(r), c.address));
         }
       }
     }
@@ -341,14 +349,15 @@ struct TcpStore::Peers {
         case Progress::Incomplete:
           if (c.closed) {
             culprit = r;
-            fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, r, c.address));
+            fail_all(fmt::format("{}: rank {} ({}) closed its connection (its process exited?)", stage, name(r),
+                                 c.address));
           }
           return false;
         case Progress::Abort:
         case Progress::Unexpected:
           break;
       }
-      fail_all(fmt::format("{}: rank {} ({}) sent an unexpected message", stage, r, c.address));
+      fail_all(fmt::format("{}: rank {} ({}) sent an unexpected message", stage, name(r), c.address));
     };
     for (int r = 1; r < world; ++r)
       if (take(r)) ++count;
@@ -366,7 +375,7 @@ struct TcpStore::Peers {
           if (!messages[r].complete()) missing.push_back(r);
         if (missing.size() == 1) culprit = missing[0];
         fail_all(fmt::format("{}: rank{} {} did not arrive within {} ({} of {} ranks did)", stage,
-                             missing.size() > 1 ? "s" : "", format_ranks(missing), seconds_text(timeout), count,
+                             missing.size() > 1 ? "s" : "", format_ranks(named(missing)), seconds_text(timeout), count,
                              world));
       }
       for (size_t i = 0; i < fds.size(); ++i) {
@@ -384,10 +393,10 @@ struct TcpStore::Peers {
   void send_to(int r, std::span<const uint8_t> data, std::chrono::milliseconds timeout, std::string_view stage) {
     Connection& c = ranks[r];
     try {
-      send_message(c, {data}, Clock::now() + timeout, fmt::format("rank {}", r));
+      send_message(c, {data}, Clock::now() + timeout, fmt::format("rank {}", name(r)));
     } catch (const Error& e) {
-      fail_all(fmt::format("{}: rank {} ({}) did not take its result: {} (its process exited, or hangs?)", stage, r,
-                           c.address, e.what()));
+      fail_all(fmt::format("{}: rank {} ({}) did not take its result: {} (its process exited, or hangs?)", stage,
+                           name(r), c.address, e.what()));
     }
   }
 
@@ -407,8 +416,8 @@ struct TcpStore::Peers {
         for (int r = 1; r < world_size; ++r)
           if (!ranks[r].fd.valid()) missing.push_back(r);
         fail_all(fmt::format("rendezvous on {}: rank{} {} did not connect within {} ({} of {} ranks did)", where,
-                             missing.size() > 1 ? "s" : "", format_ranks(missing), seconds_text(timeout), count,
-                             world_size));
+                             missing.size() > 1 ? "s" : "", format_ranks(named(missing)), seconds_text(timeout),
+                             count, world_size));
       }
       // A rank that already said hello has nothing more to say until WELCOME; if its
       // connection became readable, it closed.
@@ -419,7 +428,7 @@ struct TcpStore::Peers {
           fail_all(
               fmt::format("rendezvous on {}: rank {} ({}) disconnected before every rank had arrived "
                           "(its process exited?)",
-                          where, r, ranks[r].address));
+                          where, name(r), ranks[r].address));
       }
       for (size_t i = 0; i < pending.size();) {
         if (introduce(pending[i], world_size, count)) {
@@ -479,7 +488,7 @@ struct TcpStore::Peers {
       reason = fmt::format("rendezvous on {}: a process at {} says it is rank {}, outside 1..{}", where, c.address,
                            rank, world_size - 1);
     } else if (ranks[rank].fd.valid()) {
-      reason = fmt::format("rendezvous on {}: two processes say they are rank {}: {} and {}", where, rank,
+      reason = fmt::format("rendezvous on {}: two processes say they are rank {}: {} and {}", where, name(rank),
                            ranks[rank].address, c.address);
     }
     if (!reason.empty()) {
@@ -501,14 +510,14 @@ struct TcpStore::Peers {
     while (true) {
       if (take(c)) return;
       if (c.closed)
-        FORGE_FAIL("{}{}: rank 0 at {} closed the connection (rank 0 failed or exited; its log says why)", prefix,
-                   stage, where);
+        FORGE_FAIL("{}{}: rank {} at {} closed the connection (rank {} failed or exited; its log says why)", prefix,
+                   stage, name(0), where, name(0));
       pollfd p{c.fd.get(), POLLIN, 0};
       if (poll(&p, 1, net::milliseconds_until(deadline)) == 0 || Clock::now() >= deadline)
         FORGE_FAIL(
-            "{}{}: no word from rank 0 at {} within {} (rank 0, or a rank it waits for, is stuck or "
+            "{}{}: no word from rank {} at {} within {} (rank {}, or a rank it waits for, is stuck or "
             "missing)",
-            prefix, stage, where, seconds_text(wait));
+            prefix, stage, name(0), where, seconds_text(wait), name(0));
       pump(c);
     }
   }
@@ -524,28 +533,29 @@ struct TcpStore::Peers {
             case Parsed::Frame:
               if (frame.type == FrameType::Abort) {
                 failed = true;
-                FORGE_FAIL("rank {}: rank 0 stopped the job: {}", my_rank,
+                FORGE_FAIL("rank {}: rank {} stopped the job: {}", name(my_rank), name(0),
                            std::string(frame.payload.begin(), frame.payload.end()));
               }
               if (frame.type != expected)
-                FORGE_FAIL("rank {}: {}: rank 0 at {} sent an unexpected message", my_rank, stage, where);
+                FORGE_FAIL("rank {}: {}: rank {} at {} sent an unexpected message", name(my_rank), stage, name(0),
+                           where);
               return true;
             case Parsed::NotForge:
               FORGE_FAIL(
                   "rank {}: {} answered with something that is not forge's rendezvous (another service on "
                   "MASTER_PORT?)",
-                  my_rank, where);
+                  name(my_rank), where);
             case Parsed::OtherVersion:
               FORGE_FAIL(
-                  "rank {}: rank 0 at {} speaks rendezvous protocol version {}, this rank {} (every rank must "
+                  "rank {}: rank {} at {} speaks rendezvous protocol version {}, this rank {} (every rank must "
                   "run the same forge build)",
-                  my_rank, where, version, kVersion);
+                  name(my_rank), name(0), where, version, kVersion);
             case Parsed::Incomplete:
               break;
           }
           return false;
         },
-        Clock::now() + wait, wait, fmt::format("rank {}: ", my_rank), stage);
+        Clock::now() + wait, wait, fmt::format("rank {}: ", name(my_rank)), stage);
     return frame;
   }
 
@@ -565,10 +575,10 @@ struct TcpStore::Peers {
         return false;
       case Progress::Abort:
         failed = true;
-        throw Error("rank 0 stopped the job: " + detail);
+        FORGE_FAIL("rank {} stopped the job: {}", name(0), detail);
       case Progress::Unexpected:
         failed = true;
-        FORGE_FAIL("{}: rank 0 at {} sent {}", stage, where, detail);
+        FORGE_FAIL("{}: rank {} at {} sent {}", stage, name(0), where, detail);
     }
     return false;
   }
@@ -586,47 +596,70 @@ struct TcpStore::Peers {
     const auto check_verdict = [&] {
       pump(c);
       if (took_from_root(c, nothing, stage))
-        FORGE_FAIL("{}: rank 0 at {} sent a message before it had this rank's", stage, where);
+        FORGE_FAIL("{}: rank {} at {} sent a message before it had this rank's", stage, name(0), where);
       if (c.closed)
-        FORGE_FAIL("{}: rank 0 at {} closed the connection (rank 0 failed or exited; its log says why)", stage,
-                   where);
+        FORGE_FAIL("{}: rank {} at {} closed the connection (rank {} failed or exited; its log says why)", stage,
+                   name(0), where, name(0));
     };
     try {
-      send_message(c, parts, Clock::now() + wait, "rank 0", check_verdict);
+      send_message(c, parts, Clock::now() + wait, fmt::format("rank {}", name(0)), check_verdict);
     } catch (const Error& e) {
       if (failed) throw;
       // The connection broke or the deadline passed: rank 0 may have said why before.
       check_verdict();
-      FORGE_FAIL("{}: {} (rank 0, or a rank it waits for, is stuck or missing)", stage, e.what());
+      FORGE_FAIL("{}: {} (rank {}, or a rank it waits for, is stuck or missing)", stage, e.what(), name(0));
     }
   }
 };
 
 TcpStore::TcpStore(const LaunchEnv& env, std::chrono::milliseconds timeout)
-    : rank_(env.rank), world_size_(env.world_size), timeout_(timeout), peers_(std::make_unique<Peers>()) {
+    : rank_(env.rank),
+      world_size_(env.world_size),
+      timeout_(timeout),
+      host_(env.master_addr),
+      peers_(std::make_unique<Peers>()) {
   FORGE_CHECK(env.rank >= 0 && env.rank < env.world_size, "rank {} outside world size {}", env.rank, env.world_size);
   if (world_size_ == 1) return;
-  peers_->where = fmt::format("{}:{}", env.master_addr, env.master_port);
+  meet(rank_ == 0 ? net::listen_tcp(env.master_port) : net::Fd(), env.master_port);
+}
+
+TcpStore::TcpStore(int rank, int world_size, net::Fd listener, const std::string& host, int port,
+                   std::vector<int> names, std::chrono::milliseconds timeout)
+    : rank_(rank), world_size_(world_size), timeout_(timeout), host_(host), peers_(std::make_unique<Peers>()) {
+  FORGE_CHECK(rank >= 0 && rank < world_size, "rank {} outside world size {}", rank, world_size);
+  FORGE_CHECK(names.empty() || names.size() == static_cast<size_t>(world_size), "{} rank names for {} ranks",
+              names.size(), world_size);
+  peers_->names = std::move(names);
+  if (world_size_ == 1) return;
+  FORGE_CHECK(rank != 0 || listener.valid(), "rank 0 of a TcpStore without a listening socket");
+  meet(std::move(listener), port);
+}
+
+// The rendezvous (NOTE [TCP rendezvous]): rank 0 accepts everyone on `listener` and
+// welcomes them, the others connect to host_:port.
+void TcpStore::meet(net::Fd listener, int port) {
+  peers_->where = fmt::format("{}:{}", host_, port);
   if (rank_ == 0) {
-    peers_->listener = net::listen_tcp(env.master_port);
+    peers_->listener = std::move(listener);
     peers_->accept_all(world_size_, timeout_);
     const Deadline deadline = Clock::now() + timeout_;
     for (int r = 1; r < world_size_; ++r)
-      send_frame(peers_->ranks[r], FrameType::Welcome, {}, deadline, fmt::format("rank {}", r));
+      send_frame(peers_->ranks[r], FrameType::Welcome, {}, deadline, fmt::format("rank {}", peers_->name(r)));
     return;
   }
   peers_->ranks.resize(1);
   Connection& c = peers_->ranks[0];
   try {
-    c.fd = net::connect_tcp(env.master_addr, env.master_port, Clock::now() + timeout_);
+    c.fd = net::connect_tcp(host_, port, Clock::now() + timeout_);
   } catch (const Error& e) {
     FORGE_FAIL(
-        "rank {}: rank 0 did not answer within {}: {} (is rank 0 running, and do all ranks have the same "
+        "rank {}: rank {} did not answer within {}: {} (is rank {} running, and do all ranks have the same "
         "MASTER_ADDR and MASTER_PORT?)",
-        rank_, seconds_text(timeout_), e.what());
+        peers_->name(rank_), peers_->name(0), seconds_text(timeout_), e.what(), peers_->name(0));
   }
   c.address = peers_->where;
-  send_frame(c, FrameType::Hello, hello_payload(rank_, world_size_), Clock::now() + timeout_, "rank 0");
+  send_frame(c, FrameType::Hello, hello_payload(rank_, world_size_), Clock::now() + timeout_,
+             fmt::format("rank {}", peers_->name(0)));
   peers_->receive(FrameType::Welcome, timeout_, rank_, "rendezvous");
 }
 
@@ -693,6 +726,15 @@ void TcpStore::abort(const std::string& reason) {
 }
 
 int TcpStore::culprit() const { return peers_->culprit; }
+
+std::string TcpStore::peer_host(int rank) const {
+  FORGE_CHECK(rank_ == 0 && rank > 0 && rank < world_size_, "peer_host of rank {} on rank {}", rank, rank_);
+  // "host:port", where an IPv4 peer of the dual-stack listener shows as ::ffff:a.b.c.d.
+  std::string host = peers_->ranks[rank].address;
+  host = host.substr(0, host.rfind(':'));
+  if (host.starts_with("::ffff:") && host.find('.') != std::string::npos) host = host.substr(7);
+  return host;
+}
 
 void TcpStore::barrier() {
   FORGE_CHECK(!peers_->failed, "the rendezvous failed earlier");

@@ -21,7 +21,8 @@
 //
 // NOTE [TCP messages]
 // The CPU process group (cpu_process_group.h) sends tensors through rank 0 over these
-// connections: messages of any length, each a MESSAGE frame holding the length (u64) and
+// connections (the world's, or a store of a group's own, whose messages call each rank by
+// its world rank): messages of any length, each a MESSAGE frame holding the length (u64) and
 // then the bytes in PART frames of at most 1 MiB, the payload limit of every frame. The
 // others send to rank 0 (send_to_root) and receive from it (receive_from_root); rank 0
 // gathers one message from every rank (gather_at_root), answers each (send_to), or stops
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "distributed/launch_env.h"
+#include "distributed/tcp_socket.h"
 
 namespace forge {
 
@@ -52,6 +54,12 @@ class TcpStore {
   // connected. Others: connect to env.master_addr:env.master_port. Throws forge::Error on
   // timeout, refusal or a broken peer. world_size 1 opens no socket.
   TcpStore(const LaunchEnv& env, std::chrono::milliseconds timeout);
+  // The star of a group of a job (cpu_process_group.h), met the same way: rank 0 accepts
+  // the others on `listener` (already listening on the port they were told), the others
+  // connect to host:port. `names[r]` is the number messages give rank r (its world rank);
+  // empty: r. world_size 1 opens no socket.
+  TcpStore(int rank, int world_size, net::Fd listener, const std::string& host, int port, std::vector<int> names,
+           std::chrono::milliseconds timeout);
   ~TcpStore();
   TcpStore(const TcpStore&) = delete;
   TcpStore& operator=(const TcpStore&) = delete;
@@ -83,13 +91,21 @@ class TcpStore {
   // Rank 0, after gather_at_root failed: the rank it blamed when that was one rank (it did
   // not arrive in time, or closed its connection); -1 otherwise.
   int culprit() const;
+  // Rank 0: the host (an IP address) rank `rank`'s connection comes from, as another rank
+  // of its network would reach it.
+  std::string peer_host(int rank) const;
+  // The host the others reach rank 0 at (MASTER_ADDR for the world's store).
+  const std::string& root_host() const { return host_; }
 
  private:
   struct Peers;  // rank 0: the connections to ranks 1..world-1; others: the one to rank 0
   int rank_;
   int world_size_;
   std::chrono::milliseconds timeout_;
+  std::string host_;
   std::unique_ptr<Peers> peers_;
+
+  void meet(net::Fd listener, int port);
 };
 
 // Ranks as a compact list for messages: {1, 2, 3, 7} -> "1-3, 7".

@@ -20,7 +20,7 @@ from forge_test_util import forge_bin, tool
 
 # Every test finishes in seconds; this only keeps a broken group from hanging CI.
 TIMEOUT = 60
-HINT = "on the CPU every rank of the world takes part in every collective"
+HINT = "every rank of a group must make the same calls on it in the same order"
 
 
 def free_port():
