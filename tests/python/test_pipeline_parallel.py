@@ -38,17 +38,18 @@ class Parity(unittest.TestCase):
 
     def test_pipeline_ranks_follow_one(self):
         self.assertLess(records(self.one, "train")[-1]["loss"], records(self.one, "train")[0]["loss"] - 0.5)
-        for name, ranks, flags, log in (
-                ("pp2", 2, [], "pipeline rank 1 of 2: blocks 2-3 and the head"),
-                ("pp4", 4, ["--activation_checkpoint.mode", "selective"], "pipeline rank 0 of 4: block 0 and the embedding"),
-                ("pp2-interleaved", 2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
-                                        "--activation_checkpoint.mode", "full"],
+        for name, ranks, stages, flags, log in (
+                ("pp2", 2, 2, [], "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                ("pp4", 4, 4, ["--activation_checkpoint.mode", "selective"],
+                 "pipeline rank 0 of 4: block 0 and the embedding"),
+                ("pp2-interleaved", 2, 2, ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B",
+                                           "--activation_checkpoint.mode", "full"],
                  "pipeline rank 0 of 2: blocks 0, 2 and the embedding"),
-                ("pp2-tp2", 4, ["--parallelism.tensor_parallel_degree", "2"],
+                ("pp2-tp2", 4, 2, ["--parallelism.tensor_parallel_degree", "2"],
                  "pipeline rank 1 of 2: blocks 2-3 and the head")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
-                result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(ranks), *flags)
+                result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(stages), *flags)
                 self.expect_follows(run)
                 self.assertIn(log, result.stdout + result.stderr)
                 self.assertIn("bubble", result.stdout + result.stderr)
