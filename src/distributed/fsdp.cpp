@@ -25,17 +25,6 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
       layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel, options.tensor_parallel,
               options.pipeline_stages),
       compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
-  if (options.expert_parallel > 1) {
-    const int holders = shard_group.world_size() / options.expert_parallel;
-    FORGE_CHECK(expert_group && expert_group->world_size() == holders &&
-                    expert_group->rank() == shard_group.rank() / options.expert_parallel && !replicate_group,
-                "FSDP with expert parallelism {}: needs the group of the {} ranks holding the same experts, and no "
-                "replicas",
-                options.expert_parallel, holders);
-  }
-  FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);
-  FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
-              dtype_name(options.reduce_dtype));
   if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages, ZeRO-1 reduced at the step's end
     FORGE_CHECK(options.zero_stage == 1,
                 "FSDP over a pipeline rank's stages (pipeline_stages) is ZeRO-1 only, not ZeRO-{}: the pipeline "
@@ -53,6 +42,17 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
                 "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "
                 "the first and the last stage on the same rank");
   }
+  if (options.expert_parallel > 1) {
+    const int holders = shard_group.world_size() / options.expert_parallel;
+    FORGE_CHECK(expert_group && expert_group->world_size() == holders &&
+                    expert_group->rank() == shard_group.rank() / options.expert_parallel && !replicate_group,
+                "FSDP with expert parallelism {}: needs the group of the {} ranks holding the same experts, and no "
+                "replicas",
+                options.expert_parallel, holders);
+  }
+  FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);
+  FORGE_CHECK(options.reduce_dtype == DType::F32 || options.reduce_dtype == DType::BF16, "FSDP reduce dtype {}",
+              dtype_name(options.reduce_dtype));
   const int units = layout_.num_units();
   const int embedding = FsdpLayout::kEmbeddingUnit, head = layout_.head_unit();
   reduced_this_step_.assign(static_cast<size_t>(units), false);
@@ -366,6 +366,7 @@ void Fsdp::begin_step() {
   // first micro-batch; their padding is never written and stays zero.
   std::fill(unit_fresh_.begin(), unit_fresh_.end(), true);
   std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
+  pending_reduction_ = false;
 }
 
 void Fsdp::begin_micro_batch(bool last) { last_micro_batch_ = last; }
