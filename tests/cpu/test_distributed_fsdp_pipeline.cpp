@@ -3,7 +3,8 @@
 // offsets, every element in exactly one rank's segments; ZeRO-1 over thread ranks (the CPU
 // process group), each running its share of a step's micro-batches through a stage's
 // DecoderLM with the reduction held back to reduce_gradients(), gives the gradients one
-// rank holding the stage's parameters gets from all the micro-batches; and what it refuses.
+// rank holding the stage's parameters gets from all the micro-batches (and gather_to_host
+// the whole flat vector with the stage's weights in place); and what it refuses.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -189,6 +190,7 @@ void expect_sharded_stage_matches_one(const PipelineStage& stage, int world, int
   std::vector<std::vector<FsdpSegment>> segments(static_cast<size_t>(world));
   std::vector<double> norms(static_cast<size_t>(world));
   std::vector<LossSum> losses(static_cast<size_t>(world));
+  std::vector<float> gathered;  // gather_to_host of the master weights, on rank 0
   const int port = testing::free_port();
   const auto errors = testing::run_ranks(world, [&](int r) {
     auto group = create_process_group(testing::env_of(r, world, port), quick_options());
@@ -217,6 +219,9 @@ void expect_sharded_stage_matches_one(const PipelineStage& stage, int world, int
       losses[static_cast<size_t>(r)] = loss;
     }
     norms[static_cast<size_t>(r)] = fsdp.global_grad_sum_of_squares();
+    std::vector<float> flat;
+    fsdp.gather_to_host(fsdp.master_segments(), flat);
+    if (r == 0) gathered = flat;
     const size_t i = static_cast<size_t>(r);
     segments[i] = fsdp.layout().segments();
     for (size_t s = 0; s < segments[i].size(); ++s) {
@@ -254,6 +259,11 @@ void expect_sharded_stage_matches_one(const PipelineStage& stage, int world, int
     for (int64_t e = begin; e < end; ++e) EXPECT_EQ(times[static_cast<size_t>(e)], 1) << grads.specs()[i].name;
     held += end - begin;
   }
+  // gather_to_host: the whole model's flat vector, the stage's initial weights, zero elsewhere.
+  ASSERT_EQ(static_cast<int64_t>(gathered.size()), n);
+  for (int64_t e = 0; e < n; ++e)
+    ASSERT_EQ(gathered[static_cast<size_t>(e)], times[static_cast<size_t>(e)] ? whole_init.flat().data<float>()[e] : 0.0f)
+        << "gathered flat element " << e;
   int64_t placed = 0;
   for (int t : times) placed += t;
   EXPECT_EQ(placed, held);  // nothing outside the stage
