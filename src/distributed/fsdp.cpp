@@ -22,8 +22,26 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
       config_(config),
       options_(options),
       expert_group_(expert_group),
-      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel, options.tensor_parallel),
+      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel, options.tensor_parallel,
+              options.pipeline_stages),
       compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
+  if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages, ZeRO-1 reduced at the step's end
+    FORGE_CHECK(options.zero_stage == 1,
+                "FSDP over a pipeline rank's stages (pipeline_stages) is ZeRO-1 only, not ZeRO-{}: the pipeline "
+                "schedule interleaves the micro-batches' backwards, so gradients are reduced once after all of them",
+                options.zero_stage);
+    FORGE_CHECK(!options.fp8_all_gather, "FSDP over a pipeline rank's stages (pipeline_stages) does not do the FP8 "
+                                         "all-gather (fp8_all_gather)");
+    FORGE_CHECK(!options.frozen, "FSDP over a pipeline rank's stages (pipeline_stages) does not hold a frozen (LoRA) "
+                                 "base");
+    FORGE_CHECK(options.expert_parallel == 1, "FSDP over a pipeline rank's stages (pipeline_stages) does not do "
+                                              "expert parallelism (expert_parallel {})",
+                options.expert_parallel);
+    FORGE_CHECK(!config.tie_word_embeddings ||
+                    (layout_.holds(FsdpLayout::kEmbeddingUnit) && layout_.holds(layout_.head_unit())),
+                "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "
+                "the first and the last stage on the same rank");
+  }
   if (options.expert_parallel > 1) {
     const int holders = shard_group.world_size() / options.expert_parallel;
     FORGE_CHECK(expert_group && expert_group->world_size() == holders &&
@@ -51,10 +69,13 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
               "FSDP's FP8 all-gather is for full training of dense models (NOTE [FP8 all-gather])");
   // Compute weights.
   if (!gathers_blocks()) {
-    full_compute_ = Tensor::zeros({layout_.full_numel()}, compute_dtype_, device);
-    for (int u : {embedding, head}) root_views(unit_full(full_compute_, u), u, root_weights_);
-    for (int i = 0; i < config.num_layers; ++i)
-      static_layers_.push_back(block_views(unit_full(full_compute_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
+    full_compute_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, compute_dtype_, device);
+    for (int u : {embedding, head})
+      if (layout_.holds(u)) root_views(unit_full(full_compute_, u), u, root_weights_);
+    for (int i = 0; i < config.num_layers; ++i) {  // empty for a block of another pipeline rank
+      const int u = FsdpLayout::unit_of_layer(i);
+      static_layers_.push_back(layout_.holds(u) ? block_views(unit_full(full_compute_, u), u) : BlockWeights{});
+    }
   } else {
     const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
@@ -110,12 +131,14 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   // the largest unit that goes through them, and the tied embedding's own buffer.
   int64_t slot_numel = 1;
   if (options.zero_stage == 1) {
-    full_grads_ = Tensor::zeros({layout_.full_numel()}, DType::F32, device);
-    for (int u : {embedding, head}) root_views(unit_full(full_grads_, u), u, root_grads_);
-    for (int i = 0; i < config.num_layers; ++i)
-      static_layer_grads_.push_back(
-          block_views(unit_full(full_grads_, FsdpLayout::unit_of_layer(i)), FsdpLayout::unit_of_layer(i)));
-    slot_numel = layout_.max_unit_numel();
+    full_grads_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, DType::F32, device);
+    for (int u : {embedding, head})
+      if (layout_.holds(u)) root_views(unit_full(full_grads_, u), u, root_grads_);
+    for (int i = 0; i < config.num_layers; ++i) {
+      const int u = FsdpLayout::unit_of_layer(i);
+      static_layer_grads_.push_back(layout_.holds(u) ? block_views(unit_full(full_grads_, u), u) : BlockWeights{});
+    }
+    slot_numel = std::max<int64_t>(layout_.max_unit_numel(), 1);
   } else {
     for (int u = 0; u < units; ++u)
       if (!(u == embedding && tied())) slot_numel = std::max(slot_numel, layout_.units()[static_cast<size_t>(u)].numel);
@@ -279,7 +302,7 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   updated_->record(kCompute);
   updated_->make_wait(comm_.get());
   for (int u = 0; u < layout_.num_units(); ++u) {
-    if (gathers_blocks() && layout_.is_block(u)) continue;
+    if (!layout_.holds(u) || (gathers_blocks() && layout_.is_block(u))) continue;
     const Tensor full = gathers_blocks() ? root_unit(u) : unit_full(full_compute_, u);
     gather_unit(full, u, comm_.get());
     unit_ready_[static_cast<size_t>(u)]->record(comm_.get());
@@ -304,17 +327,33 @@ void Fsdp::await_unit(int unit) {
   unit_pending_[static_cast<size_t>(unit)] = false;
 }
 
+void Fsdp::check_held(int unit, const char* what) const {
+  if (layout_.holds(unit)) return;
+  std::string held;
+  for (const PipelineStage& s : options_.pipeline_stages)
+    held += fmt::format("{}blocks [{}, {}){}{}", held.empty() ? "" : "; ", s.first_layer,
+                        s.end_layer < 0 ? config_.num_layers : s.end_layer, s.embedding ? " + embedding" : "",
+                        s.head ? " + head" : "");
+  FORGE_FAIL("FSDP: {} asked for, but this pipeline rank's stages ({}) do not hold {}", what, held,
+             unit == FsdpLayout::kEmbeddingUnit ? std::string("the embedding")
+             : unit == layout_.head_unit()     ? std::string("the head (final norm, output projection)")
+                                               : fmt::format("block {}", unit - 1));
+}
+
 const Tensor& Fsdp::embedding() {
+  check_held(FsdpLayout::kEmbeddingUnit, "embedding");
   await_unit(FsdpLayout::kEmbeddingUnit);
   return root_weights_.embedding;
 }
 
 const Tensor& Fsdp::final_norm() {
+  check_held(layout_.head_unit(), "final_norm");
   await_unit(layout_.head_unit());
   return root_weights_.final_norm;
 }
 
 const LinearWeight& Fsdp::output() {
+  check_held(layout_.head_unit(), "output");
   await_unit(tied() ? FsdpLayout::kEmbeddingUnit : layout_.head_unit());
   return root_weights_.output;
 }
@@ -327,6 +366,7 @@ void Fsdp::begin_step() {
   // first micro-batch; their padding is never written and stays zero.
   std::fill(unit_fresh_.begin(), unit_fresh_.end(), true);
   std::fill(reduced_this_step_.begin(), reduced_this_step_.end(), false);
+  pending_reduction_ = false;
 }
 
 void Fsdp::begin_micro_batch(bool last) { last_micro_batch_ = last; }
@@ -363,7 +403,25 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
   end_exposed();
 }
 
-void Fsdp::finish_gradients() { join_comm(); }
+void Fsdp::reduce_gradients() {
+  check_trainable("reduce_gradients");
+  FORGE_CHECK(options_.zero_stage == 1, "FSDP reduce_gradients: ZeRO-1 only (ZeRO-{} reduces each unit as its "
+                                        "backward is done)", options_.zero_stage);
+  // Every unit whose gradients the step wrote and that is not reduced yet, in unit order:
+  // the ranks of a shard group ran the same backwards, so they issue the same collectives.
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    const size_t k = static_cast<size_t>(u);
+    if (!layout_.holds(u) || unit_fresh_[k] || reduced_this_step_[k]) continue;
+    reduce_full_unit(u);
+  }
+  pending_reduction_ = false;
+}
+
+void Fsdp::finish_gradients() {
+  FORGE_CHECK(!pending_reduction_, "FSDP over a pipeline rank's stages: the step's gradients were never reduced "
+                                   "(call reduce_gradients() after the pipeline schedule, before finish_gradients())");
+  join_comm();
+}
 
 double Fsdp::global_grad_sum_of_squares(double replicated_weight) {
   check_trainable("global_grad_sum_of_squares");
@@ -379,6 +437,7 @@ double Fsdp::global_grad_sum_of_squares(double replicated_weight) {
 
 const BlockWeights& Fsdp::layer(int index) {
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  check_held(FsdpLayout::unit_of_layer(index), "layer");
   if (!gathers_blocks()) {
     await_unit(FsdpLayout::unit_of_layer(index));
     return static_layers_[static_cast<size_t>(index)];
@@ -589,16 +648,26 @@ void Fsdp::zero_padding(const Tensor& unit_buffer, int unit) const {
   if (u.numel > end) unit_buffer.narrow(end, u.numel).fill_zero();
 }
 
+void Fsdp::reduce_full_unit(int unit) {
+  ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
+  next_channel_ = (next_channel_ + 1) % static_cast<int>(channels_.size());
+  begin_exposed();
+  ch.done->make_wait(kCompute);
+  end_exposed();
+  reduce_unit(unit, unit_full(full_grads_, unit), ch);
+}
+
 void Fsdp::unit_done(int unit) {
   unit_fresh_[static_cast<size_t>(unit)] = false;
+  if (pipelined()) {  // reduced once after the whole schedule (reduce_gradients)
+    FORGE_CHECK(!reduced_this_step_[static_cast<size_t>(unit)],
+                "FSDP: a backward of unit {} after the step's reduce_gradients() (call begin_step() first)", unit);
+    pending_reduction_ = true;
+    return;
+  }
   if (options_.zero_stage == 1) {
     if (!last_micro_batch_) return;
-    ReduceChannel& ch = channels_[static_cast<size_t>(next_channel_)];
-    next_channel_ = (next_channel_ + 1) % static_cast<int>(channels_.size());
-    begin_exposed();
-    ch.done->make_wait(kCompute);
-    end_exposed();
-    reduce_unit(unit, unit_full(full_grads_, unit), ch);
+    reduce_full_unit(unit);
     return;
   }
   if (unit == FsdpLayout::kEmbeddingUnit && tied()) {
@@ -626,33 +695,45 @@ void Fsdp::check_trainable(const char* what) const {
 const BlockWeights& Fsdp::layer_grads(int index) {
   check_trainable("layer_grads");
   FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  check_held(FsdpLayout::unit_of_layer(index), "layer_grads");
   if (options_.zero_stage == 1) return static_layer_grads_[static_cast<size_t>(index)];
   return grad_slot(FsdpLayout::unit_of_layer(index)).block;
 }
 
-void Fsdp::layer_done(int index) { unit_done(FsdpLayout::unit_of_layer(index)); }
+void Fsdp::layer_done(int index) {
+  FORGE_CHECK(index >= 0 && index < config_.num_layers, "FSDP: block {} of {}", index, config_.num_layers);
+  check_held(FsdpLayout::unit_of_layer(index), "layer_done");
+  unit_done(FsdpLayout::unit_of_layer(index));
+}
 
 const Tensor& Fsdp::embedding_grad() {
   check_trainable("embedding_grad");
+  check_held(FsdpLayout::kEmbeddingUnit, "embedding_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.embedding;
   return grad_slot(FsdpLayout::kEmbeddingUnit).root.embedding;
 }
 
-void Fsdp::embedding_done() { unit_done(FsdpLayout::kEmbeddingUnit); }
+void Fsdp::embedding_done() {
+  check_held(FsdpLayout::kEmbeddingUnit, "embedding_done");
+  unit_done(FsdpLayout::kEmbeddingUnit);
+}
 
 const Tensor& Fsdp::final_norm_grad() {
   check_trainable("final_norm_grad");
+  check_held(layout_.head_unit(), "final_norm_grad");
   if (options_.zero_stage == 1) return root_grads_.final_norm;
   return grad_slot(layout_.head_unit()).root.final_norm;
 }
 
 const LinearWeight& Fsdp::output_grad() {
   check_trainable("output_grad");
+  check_held(layout_.head_unit(), "output_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.output;
   return grad_slot(layout_.head_unit()).root.output;
 }
 
 void Fsdp::head_done() {
+  check_held(layout_.head_unit(), "head_done");
   if (tied()) unit_fresh_[FsdpLayout::kEmbeddingUnit] = false;  // the head wrote into the embedding's gradients
   unit_done(layout_.head_unit());
 }
@@ -694,6 +775,7 @@ void Fsdp::gather_flat_range(const std::vector<Tensor>& segments, int64_t begin,
   // One unit's chunk at a time, in fp32 (the moments may be bf16): never the whole shard.
   Tensor unit_chunk = Tensor::empty({std::max<int64_t>(layout_.max_shard_numel(), 1)}, DType::F32, device_);
   for (int u = 0; u < layout_.num_units(); ++u) {
+    if (!layout_.holds(u)) continue;  // another pipeline rank's: no collective
     const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
     const Tensor chunk = unit_chunk.narrow(0, unit.shard_numel);
     chunk.fill_zero();
@@ -735,7 +817,7 @@ void Fsdp::gather_flat_range(const std::vector<Tensor>& segments, int64_t begin,
 }
 
 void Fsdp::gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat) {
-  const int64_t total = layout_.parameter_count();
+  const int64_t total = layout_.flat_numel();
   const bool root = layout_.rank() == 0;
   if (root) flat.assign(static_cast<size_t>(total), 0.0f);
   gather_flat_range(segments, 0, root ? total : 0, root ? std::span<float>(flat) : std::span<float>());

@@ -49,6 +49,22 @@
 // communication stream, each unit awaited by the compute stream only at its first use, and
 // forgets the gathered blocks of ZeRO-3.
 // On the CPU the compute weights are fp32 and every collective is synchronous.
+// Pipeline ranks (FsdpOptions::pipeline_stages, NOTE [Pipeline parallelism] in
+// model/pipeline.h): FSDP shards a pipeline rank's stages' parameters over its
+// data-parallel ranks (the ranks of a shard group hold the same stages); the units of other
+// stages are empty (NOTE [FSDP layout]) and skipped by every buffer and collective, and
+// asking for their weights or gradients fails. ZeRO-1 only: the PipelineModel runs a whole
+// step's micro-batches in one call, interleaving forwards and backwards, and never calls
+// begin_micro_batch / end_micro_batch, so nothing is reduced in layer_done / head_done /
+// embedding_done; instead, after the schedule, reduce_gradients() reduce-scatters every
+// unit the step wrote, once, exactly as ZeRO-1's last-micro-batch reduction (same reduce
+// dtype, hybrid all-reduce), and finish_gradients() waits for it (and fails if it was never
+// called). The full fp32 gradients are fresh per unit from begin_step() until the unit's
+// first *_done of the step (NOTE [Fresh gradient buffers]): the schedule's backwards of a
+// unit come micro-batch after micro-batch, the first writing over the buffer, the others
+// adding. ZeRO-2/3 (which would reduce per micro-batch and gather blocks around their use
+// in an interleaved order), the FP8 all-gather, a frozen base and expert parallelism are
+// refused with pipeline stages.
 //
 // NOTE [Frozen FSDP base]
 // A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each
@@ -138,6 +154,11 @@ struct FsdpOptions {
   // NOTE [Tensor-parallel shards] in model/parameters.h: the parameters this rank holds are
   // its tensor-parallel shards, sharded by FSDP over its data-parallel ranks.
   TensorParallelShard tensor_parallel = {};
+  // NOTE [FSDP] (pipeline ranks): the parameters this rank holds are those of its pipeline
+  // stages (pipeline_stage_specs; every rank of the shard group holds the same stages).
+  // ZeRO-1 only; gradients are reduced by reduce_gradients() after the step's schedule.
+  // Empty: the whole model.
+  std::vector<PipelineStage> pipeline_stages = {};
 };
 
 // Bytes this rank holds, by component (the memory report).
@@ -192,9 +213,17 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   //   begin_step(); for each micro-batch k of n: begin_micro_batch(k == n - 1);
   //   model forward/backward through *this; end_micro_batch(); finish_gradients();
   //   optimizer on the segments; refresh_compute_weights().
+  // With pipeline_stages (NOTE [FSDP], pipeline ranks):
+  //   begin_step(); the PipelineModel's schedule through *this; reduce_gradients();
+  //   finish_gradients(); optimizer on the segments; refresh_compute_weights().
   void begin_step();
   void begin_micro_batch(bool last);
   void end_micro_batch();
+  // ZeRO-1: reduce-scatters (on the communication stream) the full gradients of every
+  // unit the step's backwards wrote and that is not reduced yet, into the gradient chunk.
+  // Required once per step with pipeline_stages, after the schedule; elsewhere it reduces
+  // what begin_micro_batch(false) held back.
+  void reduce_gradients();
   // Waits (on the compute stream) for every reduction of the step.
   void finish_gradients();
   // Sum of squares of the whole (global) gradient: this rank's chunk, all-reduced.
@@ -216,9 +245,11 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // (parameter_specs order, no padding): this rank receives elements [begin, end) into
   // `out` (end - begin floats; an empty range is fine). Every shard rank calls it; a unit's
   // chunk at a time is cast to fp32 and travels by all-gathers of slices, so the device
-  // holds one unit chunk plus world x 16M floats at most.
+  // holds one unit chunk plus world x 16M floats at most. Under pipeline_stages only the
+  // stages' parameters' elements of [begin, end) are written, the rest left as they are.
   void gather_flat_range(const std::vector<Tensor>& segments, int64_t begin, int64_t end, std::span<float> out);
-  // The whole flat vector on shard rank 0 (`flat` resized there), nothing elsewhere.
+  // The whole flat vector on shard rank 0 (`flat` resized there, layout().flat_numel();
+  // under pipeline_stages zero outside the stages' parameters), nothing elsewhere.
   void gather_to_host(const std::vector<Tensor>& segments, std::vector<float>& flat);
 
   // ParamSource
@@ -311,6 +342,11 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void unit_done(int unit);
   // Reduces `grads` (the full unit) into the gradient chunk through `channel`.
   void reduce_unit(int unit, const Tensor& grads, ReduceChannel& channel);
+  // ZeRO-1: reduces the unit's full gradients through the next channel.
+  void reduce_full_unit(int unit);
+  bool pipelined() const { return !options_.pipeline_stages.empty(); }
+  // Fails naming the unit when this pipeline rank's stages do not hold it.
+  void check_held(int unit, const char* what) const;
   bool tied() const { return config_.tie_word_embeddings; }
   void check_trainable(const char* what) const;  // a frozen base has no gradients
 
@@ -334,6 +370,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   ReduceChannel embedding_channel_;       // the tied embedding's (ZeRO-2/3)
   int next_channel_ = 0;
   bool last_micro_batch_ = true;
+  bool pending_reduction_ = false;       // pipeline_stages: a unit's gradients written, reduce_gradients() not yet
   std::vector<bool> reduced_this_step_;  // per unit
   std::vector<bool> unit_fresh_;         // per unit: its gradient buffers are to be overwritten
   // Units kept in full: gathered after each optimizer step on the communication stream.

@@ -12,11 +12,12 @@ int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / mult
 }  // namespace
 
 FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel,
-                       TensorParallelShard tensor_parallel)
+                       TensorParallelShard tensor_parallel, const std::vector<PipelineStage>& pipeline_stages)
     : world_size_(world_size),
       rank_(rank),
       expert_parallel_(expert_parallel),
-      specs_(parameter_specs(config, tensor_parallel)) {
+      specs_(parameter_specs(config, tensor_parallel)),
+      pipeline_stages_(pipeline_stages) {
   FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
   const int p = expert_parallel;
   FORGE_CHECK(p >= 1 && world_size % p == 0 && (p == 1 || (config.moe() && config.num_experts % p == 0)),
@@ -25,9 +26,18 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int 
   const int groups = world_size / p;  // the ranks holding the same experts
   units_.resize(static_cast<size_t>(config.num_layers) + 2);
   std::vector<int64_t> expert_numel(units_.size(), 0);  // each unit's expert part so far
+  // NOTE [FSDP layout]: a pipeline rank lays out its stages' parameters only, at their
+  // places in the whole model's flat index space.
+  const std::vector<ParamSpec> held = pipeline_stage_specs(specs_, pipeline_stages);
+  size_t next_held = 0;  // held keeps parameter_specs order
   int64_t flat = 0;
   for (size_t s = 0; s < specs_.size(); ++s) {
     const ParamSpec& spec = specs_[s];
+    if (next_held == held.size() || held[next_held].name != spec.name) {
+      flat += shape_numel(spec.shape);
+      continue;
+    }
+    ++next_held;
     const int u = spec.layer >= 0                  ? unit_of_layer(spec.layer)
                   : spec.name == "embedding.weight" ? kEmbeddingUnit
                                                     : head_unit();
@@ -50,8 +60,13 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int 
     unit.params.push_back(param);
     flat += n;
   }
+  FORGE_CHECK(next_held == held.size(), "FSDP layout: {} of the stages' {} parameters are the model's", next_held,
+              held.size());
   for (size_t u = 0; u < units_.size(); ++u) {
     FsdpUnit& unit = units_[u];
+    unit.shard_offset = shard_numel_;
+    unit.full_offset = full_numel_;
+    if (unit.params.empty()) continue;  // a unit of another pipeline rank's stages: empty
     const int64_t dense = round_up(std::max<int64_t>(unit.numel, 1), world_size * kFsdpAlign);
     unit.parts = {{0, dense, 0, dense / world_size, world_size, rank, false}};
     if (expert_numel[u] > 0) {
@@ -65,8 +80,6 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int 
       unit.numel += part.numel;
       unit.shard_numel += part.shard_numel;
     }
-    unit.shard_offset = shard_numel_;
-    unit.full_offset = full_numel_;
     shard_numel_ += unit.shard_numel;
     full_numel_ += unit.numel;
   }
@@ -106,6 +119,13 @@ int64_t FsdpLayout::max_shard_numel() const {
 }
 
 int64_t FsdpLayout::parameter_count() const {
+  int64_t n = 0;
+  for (const FsdpUnit& unit : units_)
+    for (const FsdpParam& p : unit.params) n += shape_numel(specs_[static_cast<size_t>(p.spec)].shape);
+  return n;
+}
+
+int64_t FsdpLayout::flat_numel() const {
   int64_t n = 0;
   for (const ParamSpec& s : specs_) n += shape_numel(s.shape);
   return n;

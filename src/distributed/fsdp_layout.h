@@ -29,6 +29,16 @@
 // dense part, then the expert part; a rank's chunk of the unit is its dense chunk, then its
 // expert chunk. Every element of every parameter still belongs to exactly one rank's chunk,
 // so the segments of all ranks tile the flat index space once.
+// A pipeline rank (NOTE [Pipeline stages] in model/pipeline_stage.h) lays out only its
+// stages' parameters (pipeline_stage_specs): the units keep their numbering (unit 0 the
+// embedding, 1 + i block i, the last the head, so unit_of_layer holds on every rank), but
+// a unit of a block or an end the rank's stages do not hold is empty: no parameters, no
+// parts, numel and shard_numel 0, nothing in the buffers, and no collective is ever issued
+// for it (the ranks of a shard group hold the same stages, so they all skip the same
+// units). specs() stays the whole model's, so FsdpParam::spec and FsdpSegment::spec index
+// parameter_specs(config, tensor_parallel) as without stages, and the flat offsets are the
+// whole model's too (NOTE [Checkpoint format]): the segments of a pipeline rank's shard
+// ranks tile its stages' parameters once, and the pipeline ranks' together tile the model.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +46,7 @@
 
 #include "model/config.h"
 #include "model/parameters.h"
+#include "model/pipeline_stage.h"
 
 namespace forge {
 
@@ -44,10 +55,10 @@ namespace forge {
 inline constexpr int64_t kFsdpAlign = 64;
 
 struct FsdpParam {
-  int spec = 0;         // index into parameter_specs
+  int spec = 0;         // index into parameter_specs (the whole model's, FsdpLayout::specs())
   int64_t offset = 0;       // first element inside the unit
   int64_t numel = 0;
-  int64_t flat_offset = 0;  // first element in FlatParameters' flat index space
+  int64_t flat_offset = 0;  // first element in the whole model's flat index space (FlatParameters(config)'s)
   // What this rank holds of the parameter: all of it, or under expert parallelism an
   // expert stack's slice of local experts (param_begin: its first element in the whole).
   Shape shape;
@@ -65,6 +76,7 @@ struct FsdpPart {
   bool expert = false;
 };
 
+// Empty (no parameters, no parts, numel 0) when a pipeline rank's stages do not hold it.
 struct FsdpUnit {
   std::vector<FsdpParam> params;
   std::vector<FsdpPart> parts;  // the dense part, then (expert parallelism) the expert part
@@ -80,7 +92,7 @@ struct FsdpSegment {
   int64_t param_begin = 0;   // first element of the parameter that is in the shard
   int64_t numel = 0;
   int64_t shard_offset = 0;  // where it sits in the rank's shard
-  int64_t flat_offset = 0;   // where it sits in FlatParameters' flat index space
+  int64_t flat_offset = 0;   // where it sits in the whole model's flat index space (NOTE [Checkpoint format])
   bool weight_decay = true;
 };
 
@@ -88,20 +100,26 @@ class FsdpLayout {
  public:
   // expert_parallel: P, dividing world_size and the model's experts (1: none).
   // `tensor_parallel`: the parameters are this tensor-parallel rank's shards (NOTE
-  // [Tensor-parallel shards] in model/parameters.h).
+  // [Tensor-parallel shards] in model/parameters.h). `pipeline_stages`: the parameters are
+  // those of a pipeline rank's stages (pipeline_stage_specs); empty: the whole model's.
   FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel = 1,
-             TensorParallelShard tensor_parallel = {});
+             TensorParallelShard tensor_parallel = {}, const std::vector<PipelineStage>& pipeline_stages = {});
 
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }
   int expert_parallel() const { return expert_parallel_; }
+  // The whole model's (tensor-parallel rank's) parameters, held or not: what `spec` indexes.
   const std::vector<ParamSpec>& specs() const { return specs_; }
+  const std::vector<PipelineStage>& pipeline_stages() const { return pipeline_stages_; }
   const std::vector<FsdpUnit>& units() const { return units_; }
   static constexpr int kEmbeddingUnit = 0;
   static int unit_of_layer(int layer) { return layer + 1; }
   int head_unit() const { return num_units() - 1; }
   bool is_block(int unit) const { return unit > kEmbeddingUnit && unit < head_unit(); }
   int num_units() const { return static_cast<int>(units_.size()); }
+  // Whether this rank holds the unit's parameters (false only for a pipeline rank's units
+  // of other stages).
+  bool holds(int unit) const { return !units_.at(static_cast<size_t>(unit)).params.empty(); }
   // This rank's segments, in shard order.
   const std::vector<FsdpSegment>& segments() const { return segments_; }
   int64_t shard_numel() const { return shard_numel_; }  // this rank's elements, padding included
@@ -109,11 +127,13 @@ class FsdpLayout {
   int64_t max_block_numel() const;                      // the largest block unit (0 without blocks)
   int64_t max_unit_numel() const;                       // the largest unit
   int64_t max_shard_numel() const;                      // the largest chunk of any unit
-  int64_t parameter_count() const;                      // without padding
+  int64_t parameter_count() const;                      // the held parameters' elements, without padding
+  int64_t flat_numel() const;                           // the whole model's flat index space
 
  private:
   int world_size_, rank_, expert_parallel_;
   std::vector<ParamSpec> specs_;
+  std::vector<PipelineStage> pipeline_stages_;
   std::vector<FsdpUnit> units_;
   std::vector<FsdpSegment> segments_;
   int64_t shard_numel_ = 0, full_numel_ = 0;
