@@ -74,11 +74,14 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     }
     double params = 0;
     for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));
+    // Under FSDP (ZeRO-1 over the stage's data-parallel ranks): the masters, AdamW state and
+    // gradient chunk sharded, the full fp32 gradients and compute weights kept.
+    const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
     MemoryEstimate e;
-    e.master_weights = params * 4;
-    e.compute_weights = plan.cuda ? params * 2 : 0.0;
-    e.gradients = params * 4;
-    e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
+    e.master_weights = params * 4 / n;
+    e.compute_weights = plan.cuda ? params * 2 : plan.fsdp ? params * 4 : 0.0;
+    e.gradients = params * 4 + (plan.fsdp ? params * 4 / n : 0.0);
+    e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
     if (e.total() > worst.total()) worst = e;
   }

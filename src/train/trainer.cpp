@@ -102,6 +102,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
     fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
+    fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: ZeRO-1 over the rank's stages
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
                                    expert_shard_group_.get());
     dp_ = fsdp_.get();
@@ -207,7 +208,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
              "{:.2f} MiB",
              pipeline_->rank(), pipeline_->size(), blocks.find_first_of(",-") == std::string::npos ? "" : "s", blocks,
              pipeline_stages_.front().embedding ? " and the embedding" : "",
-             pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(params_->flat().numel())),
+             pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(fsdp_ ? fsdp_->layout().parameter_count() : params_->flat().numel())),
              human_count(static_cast<double>(config_.model.total_params())),
              describe_pipeline_schedule(kind, shape, pipeline_model_->schedule()), pipeline_model_->in_flight(),
              static_cast<double>(pipeline_model_->arena_bytes()) / (1024.0 * 1024.0));
@@ -355,12 +356,21 @@ void Trainer::set_up_data_parallel() {
     pipeline_comm_ = std::make_unique<DataParallelComm>(device_, *pipeline, nullptr);
     for (int v = 0; v < virtual_stages; ++v)
       pipeline_stages_.push_back(pipeline_stage(config_.model, stages, virtual_stages, pipeline_->rank(), v));
+    if (per_stage > 1 && per_stage < world_size_) {
+      // The ranks of this stage: the tensor- and data-parallel groups below are split from
+      // them; checkpoints gather over every rank.
+      stage_group_ = world_->split(rank_ / per_stage, rank_);
+      world_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    }
   }
-  ProcessGroup* data_world = world_;
+  // Without pipelining the stage is the world; `local` is the rank within it.
+  ProcessGroup* stage_world = stage_group_ ? stage_group_.get() : world_;
+  const int local = stage_world->rank();
+  ProcessGroup* data_world = stage_world;
   if (cp > 1) {
     // The ranks of the same data-parallel and tensor-parallel rank split the sequences.
     const int t = static_cast<int>(tp);
-    context_parallel_group_ = world_->split(data_rank_ * t + rank_ % t, rank_);
+    context_parallel_group_ = stage_world->split(data_rank_ * t + local % t, local);
     context_parallel_ = std::make_unique<GroupContextParallel>(*context_parallel_group_);
   }
   if (tp > 1) {
@@ -368,12 +378,12 @@ void Trainer::set_up_data_parallel() {
     // the degree is at most the ranks per node, where its collectives belong); the ranks the
     // degree apart, with the same shards, are the data-parallel world.
     const int t = static_cast<int>(tp);
-    tensor_parallel_group_ = world_->split(rank_ / t, rank_);
-    data_parallel_group_ = world_->split(rank_ % t, rank_);
+    tensor_parallel_group_ = stage_world->split(local / t, local);
+    data_parallel_group_ = stage_world->split(local % t, local);
     tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
     tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);
     world_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
-    tensor_parallel_shard_ = {rank_ % t, t};
+    tensor_parallel_shard_ = {local % t, t};
     data_world = data_parallel_group_.get();
   }
   shard_group_ = data_world;
@@ -764,9 +774,10 @@ TrainResult Trainer::run() {
                     batches[a].has_examples() ? &layouts[a] : nullptr};
       }
       loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale);
+      if (fsdp_) fsdp_->reduce_gradients();  // once, after every micro-batch's backward
       for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
       loss.tokens = targets;
-      if (inject_nan_) inject_test_nan(step + 1, inject_nan_->micro_batch);
+      if (inject_nan_ && !sharded_gradients()) inject_test_nan(step + 1, inject_nan_->micro_batch);
     }
     for (int64_t a = 0; a < (pipeline_model_ ? 0 : accum); ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];

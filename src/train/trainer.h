@@ -185,7 +185,7 @@ class Trainer {
                         const std::vector<double>& micro_losses, double loss, double norm,
                         const std::string& fp8_amax);
   std::string first_nonfinite_gradient();
-  std::string first_over_pipeline(int64_t local);
+  std::string first_over_pipeline(bool weights);
   [[noreturn]] void handle_nonfinite_pipeline(int64_t step, const std::vector<double>& micro_losses, double loss,
                                               double norm);   // "" when every gradient is finite
   // trainer_fp8.cpp (NOTE [FP8 under data parallelism]): the step's first non-finite FP8
@@ -256,6 +256,7 @@ class Trainer {
   // schedule's model in place of model_, and the step's scalars over the pipeline.
   std::vector<PipelineStage> pipeline_stages_;
   std::unique_ptr<ProcessGroup> pipeline_group_;  // null when every rank is a pipeline rank (the world)
+  std::unique_ptr<ProcessGroup> stage_group_;     // the ranks of this rank's stage, when more than one and not all
   std::unique_ptr<PipelineParallel> pipeline_;
   std::unique_ptr<PipelineModel> pipeline_model_;
   std::unique_ptr<DataParallelComm> pipeline_comm_;

@@ -58,7 +58,7 @@ void Trainer::inject_test_nan(int64_t step, int64_t micro_batch) {
 // the first (replicas hold the same reduced gradients). LoRA's replicated adapters hold the
 // same summed gradients on every rank (NOTE [LoRA under data parallelism]).
 std::string Trainer::first_nonfinite_gradient() {
-  if (pipeline_comm_) return first_over_pipeline(first_nonfinite_tensor(trainable_gradients()));
+  if (pipeline_comm_) return first_over_pipeline(/*weights=*/false);
   if (!sharded_gradients()) {
     const int64_t i = first_nonfinite_tensor(trainable_gradients());
     return i < 0 ? "" : trainable_names()[static_cast<size_t>(i)];
@@ -71,15 +71,23 @@ std::string Trainer::first_nonfinite_gradient() {
   return first == kNone ? "" : parameter_specs(config_.model)[first].name;
 }
 
-// NOTE [Pipeline parallelism]: each rank holds its stages' parameters; the first, in the
-// whole model's parameter order, of every rank's tensor `local` (an index into its own
-// parameters, or -1).
-std::string Trainer::first_over_pipeline(int64_t local) {
+// NOTE [Pipeline parallelism]: each rank holds its stages' parameters (under FSDP its
+// chunks of them); the first non-finite weight or gradient in the whole model's parameter
+// order, agreed over the data-parallel ranks and then over the pipeline.
+std::string Trainer::first_over_pipeline(bool weights) {
   const std::vector<ParamSpec> specs = parameter_specs(config_.model);
   uint32_t mine = kNone;
-  if (local >= 0)
-    for (size_t k = 0; k < specs.size(); ++k)
-      if (specs[k].name == trainable_names()[static_cast<size_t>(local)]) mine = static_cast<uint32_t>(k);
+  if (fsdp_) {
+    const int64_t i = first_nonfinite_tensor(weights ? fsdp_->master_segments() : fsdp_->grad_segments());
+    if (i >= 0) mine = static_cast<uint32_t>(fsdp_->layout().segments()[static_cast<size_t>(i)].spec);
+    const std::vector<uint32_t> all = dp_->all_gather_words({mine});
+    mine = *std::min_element(all.begin(), all.end());
+  } else {
+    const int64_t local = first_nonfinite_tensor(weights ? trainable_weights() : trainable_gradients());
+    if (local >= 0)
+      for (size_t k = 0; k < specs.size(); ++k)
+        if (specs[k].name == trainable_names()[static_cast<size_t>(local)]) mine = static_cast<uint32_t>(k);
+  }
   const std::vector<uint32_t> all = pipeline_comm_->all_gather_words({mine});
   const uint32_t first = *std::min_element(all.begin(), all.end());
   return first == kNone ? "" : specs[first].name;
@@ -91,11 +99,12 @@ void Trainer::handle_nonfinite_pipeline(int64_t step, const std::vector<double>&
                                         double norm) {
   const std::string head =
       fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
-  const std::string weight = first_over_pipeline(first_nonfinite_tensor(trainable_weights()));
+  const std::string weight = first_over_pipeline(/*weights=*/true);
   if (!weight.empty())
     FORGE_FAIL("{}: the weight '{}' is already non-finite before the step's first micro-batch", head, weight);
   std::vector<double> bad(micro_losses.size());  // the losses are on the last stage's rank
   for (size_t a = 0; a < bad.size(); ++a) bad[a] = std::isfinite(micro_losses[a]) ? 0.0 : 1.0;
+  if (dp_) bad = dp_->sum_over_ranks(bad);  // each data-parallel rank ran its own micro-batches
   bad = pipeline_comm_->sum_over_ranks(bad);
   for (size_t a = 0; a < bad.size(); ++a)
     if (bad[a] > 0)

@@ -18,10 +18,11 @@ from forge_test_util import (expect_continues, forge_bin, max_relative_differenc
 
 STEPS = 30
 LAYERS = ["--model.num_layers", "4"]
+FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "1"]
 
 
-def train(run_dir, ranks, *overrides, check=True):
-    return train_on_ranks(run_dir, ranks, 1, *LAYERS, *overrides, steps=STEPS, check=check)
+def train(run_dir, ranks, *overrides, data_ranks=1, check=True):
+    return train_on_ranks(run_dir, ranks, data_ranks, *LAYERS, *overrides, steps=STEPS, check=check)
 
 
 class Parity(unittest.TestCase):
@@ -46,10 +47,19 @@ class Parity(unittest.TestCase):
                                            "--activation_checkpoint.mode", "full"],
                  "pipeline rank 0 of 2: blocks 0, 2 and the embedding"),
                 ("pp2-tp2", 4, 2, ["--parallelism.tensor_parallel_degree", "2"],
-                 "pipeline rank 1 of 2: blocks 2-3 and the head")):
+                 "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                ("pp2-fsdp2", 4, 2, FSDP2, "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                ("pp2-interleaved-replicate2", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                                                      "--parallelism.zero_stage", "1",
+                                                      "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
+                 "pipeline rank 1 of 2: blocks 1, 3 and the head"),
+                ("pp2-tp2-fsdp2", 8, 2, FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
+                 "pipeline rank 0 of 2: blocks 0-1 and the embedding")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
-                result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(stages), *flags)
+                data_ranks = ranks // stages // (2 if "--parallelism.tensor_parallel_degree" in flags else 1)
+                result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(stages), *flags,
+                               data_ranks=data_ranks)
                 self.expect_follows(run)
                 self.assertIn(log, result.stdout + result.stderr)
                 self.assertIn("bubble", result.stdout + result.stderr)
@@ -104,6 +114,17 @@ class Checkpoints(unittest.TestCase):
         steps, evals = self.resumed(source, "pp2-tp2-to-one", 1)
         self.expect_continues(source, steps, evals, 1e-5)
 
+    def test_pipeline_with_fsdp_checkpoints(self):
+        """2 stages x FSDP 2 (ZeRO-1): each stage's shard ranks write their chunks into the
+        shard files; the run resumes bitwise, and on one rank."""
+        source = os.path.join(self.tmp, "saved-pp2-fsdp2")
+        train(source, 4, *PP2, *FSDP2, *SAVE, data_ranks=2)
+        _, steps, evals = resumed_copy(source, os.path.join(self.tmp, "pp2-fsdp2-again"), 4, 2, *LAYERS, *PP2,
+                                       *FSDP2, steps=STEPS)
+        self.expect_continues(source, steps, evals, 0)
+        steps, evals = self.resumed(source, "pp2-fsdp2-to-one", 1)
+        self.expect_continues(source, steps, evals, 1e-5)
+
     def test_a_pipeline_checkpoint_resumes_under_other_layouts(self):
         for name, ranks, flags in (("pp2-to-one", 1, []),
                                    ("pp2-to-interleaved", 2, PP2 + ["--parallelism.pipeline_parallel_schedule",
@@ -149,6 +170,8 @@ class Failures(unittest.TestCase):
                  ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
                 (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
                 (["--model.num_layers", "4", "--checkpoint.last_save_in_hf", "true"], ["checkpoint.last_save_in_hf"]),
+                (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2"],
+                 ["parallelism.zero_stage", "1"]),
                 (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                  ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
             with self.subTest(flags=flags):
