@@ -191,7 +191,7 @@ int run_info(const std::vector<std::string>& args) {
                                                                            : ""));
   }
   MemoryPlan plan = memory_plan_of(config);
-  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}{}:\n",
+  fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}{}{}:\n",
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
              !plan.fsdp ? std::string()
              : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
@@ -215,6 +215,12 @@ int run_info(const std::vector<std::string>& args) {
                  ? fmt::format("; context parallelism {} (a rank's 2 of the {} chunks of every sequence, the keys and "
                                "values of all gathered for attention)",
                                plan.context_parallel, 2 * plan.context_parallel)
+                 : std::string(),
+             plan.pipeline_parallel > 1
+                 ? fmt::format("; pipeline parallelism {} x {} stage{} per rank ({} micro-batches; the fullest rank: "
+                               "its stages' parameters and the activations of the micro-batches it holds in flight)",
+                               plan.pipeline_parallel, plan.pipeline_virtual_stages,
+                               plan.pipeline_virtual_stages > 1 ? "s" : "", plan.micro_batches)
                  : std::string());
   const DType configured_state = plan.optimizer_state;
   for (bool cuda : {false, true}) {

@@ -17,9 +17,10 @@
 // from the exchange that brings its input (or, on stage 0, its forward) until the exchange
 // that takes its input gradient away (or, on stage 0, its backward). PipelineModel counts
 // from the rank's schedule how many a chunk ever holds at once and builds that many. Under
-// 1F1B rank r holds min(P − r, M) micro-batches of its L/P blocks: rank 0 as many
-// activations as one rank without pipelining; the memory pipelining saves is the other
-// stages' weights, gradients and optimizer state.
+// 1F1B rank 0 holds min(P, M) micro-batches of its L/P blocks, as many activations as one
+// rank without pipelining, and rank r > 0 min(P − r + 1, M) (its next input arrives in the
+// round before its backward sends the last one's gradient); the memory pipelining saves is
+// the other stages' weights, gradients and optimizer state.
 // Gradients go to the GradSink as each stage's backward makes them (a chunk's blocks in
 // reverse, micro-batch after micro-batch); weights come from the ParamSource, which needs
 // to hold only the rank's stages' parameters. The step's loss is on the rank of the last

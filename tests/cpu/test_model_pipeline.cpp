@@ -16,6 +16,7 @@
 #include "distributed/pipeline_parallel_group.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/decoder_lm.h"
+#include "model/memory_estimate.h"
 #include "model/parameters.h"
 #include "model/pipeline.h"
 #include "model_testing.h"
@@ -211,6 +212,35 @@ TEST(ModelPipeline, StagesCutTheBlocksEvenly) {
                                  nullptr, middle);
   EXPECT_LT(part.arena_bytes(), whole.arena_bytes() / 2);
   EXPECT_EQ(part.arena_bytes(), activation_bytes(m, 2, 8, DType::F32, ActivationCheckpoint::None, 1, 1, 1, middle));
+}
+
+TEST(ModelPipeline, MemoryEstimateIsTheFullestRanks) {
+  // 1F1B over 2 ranks, 4 micro-batches: rank 0 holds the embedding and 2 micro-batches of
+  // its 4 blocks' activations, rank 1 the head and 2 as well (the next micro-batch's input
+  // arrives in the round before its backward sends the last one's gradient); the estimate is
+  // the larger total.
+  const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny"}, {"model.num_layers", "8"}}).model;
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 8;
+  plan.micro_batches = 4;
+  plan.pipeline_parallel = 2;
+  const MemoryEstimate e = estimate_memory(m, plan);
+  double worst = 0;
+  for (int r = 0; r < 2; ++r) {
+    const PipelineStage stage = pipeline_stage(m, 2, 1, r, 0);
+    double params = 0;
+    for (const ParamSpec& spec : pipeline_stage_specs(parameter_specs(m), {stage}))
+      params += static_cast<double>(shape_numel(spec.shape));
+    const double activations =
+        2.0 *
+        static_cast<double>(activation_bytes(m, 2, 8, DType::F32, ActivationCheckpoint::None, 1, 1, 1, stage));
+    worst = std::max(worst, params * 16 + activations);  // fp32 master, gradient and two moments
+  }
+  EXPECT_DOUBLE_EQ(e.total(), worst);
+  const PipelineSchedule schedule = make_pipeline_schedule(PipelineScheduleKind::OneFOneB, {2, 1, 4});
+  EXPECT_EQ(pipeline_chunk_in_flight(schedule, 0, 0), 2);
+  EXPECT_EQ(pipeline_chunk_in_flight(schedule, 1, 0), 2);
 }
 
 TEST(ModelPipeline, RefusesShapesItCannotCut) {
