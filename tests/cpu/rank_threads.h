@@ -1,14 +1,17 @@
 // Ranks of a CPU process group as threads of one test process: the launch environment of
-// each, a free rendezvous port, and a runner that collects each rank's error. Used by the
-// process-group tests and by the expert-parallel model tests.
+// each, a free rendezvous port, and a runner that collects each rank's error; and the small
+// fp32 tensors the process-group tests move. Used by the process-group tests and by the
+// parallel model tests.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <future>
 #include <string>
 #include <vector>
 
 #include "core/error.h"
+#include "core/tensor.h"
 #include "distributed/launch_env.h"
 #include "distributed/tcp_socket.h"
 
@@ -46,5 +49,13 @@ inline std::vector<std::string> run_ranks(int world, const std::function<void(in
   for (auto& rank : ranks) out.push_back(rank.get());
   return out;
 }
+
+// A host fp32 tensor of `v`, and the values of one.
+inline Tensor floats(std::vector<float> v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())});
+  std::copy(v.begin(), v.end(), t.data<float>());
+  return t;
+}
+inline std::vector<float> values(const Tensor& t) { return {t.data<float>(), t.data<float>() + t.numel()}; }
 
 }  // namespace forge::testing

@@ -20,17 +20,11 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::env_of;
+using testing::floats;
 using testing::free_port;
 using testing::run_ranks;
+using testing::values;
 using Op = PointToPoint;
-
-Tensor floats(std::vector<float> v) {
-  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())});
-  std::copy(v.begin(), v.end(), t.data<float>());
-  return t;
-}
-
-std::vector<float> values(const Tensor& t) { return {t.data<float>(), t.data<float>() + t.numel()}; }
 
 void expect_values(int r, const char* what, const Tensor& t, const std::vector<float>& expected) {
   if (values(t) != expected)

@@ -24,17 +24,11 @@ namespace {
 using namespace std::chrono_literals;
 using config_test::expect_error;
 using testing::env_of;
+using testing::floats;
 using testing::free_port;
 using testing::run_ranks;
+using testing::values;
 using Op = PointToPoint;
-
-Tensor floats(std::vector<float> v) {
-  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())});
-  std::copy(v.begin(), v.end(), t.data<float>());
-  return t;
-}
-
-std::vector<float> values(const Tensor& t) { return {t.data<float>(), t.data<float>() + t.numel()}; }
 
 std::vector<uint8_t> bytes(const Tensor& t) {
   const auto* p = static_cast<const uint8_t*>(t.raw());
