@@ -11,6 +11,7 @@
 #include <future>
 #include <mutex>
 
+#include "distributed/fsdp.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
@@ -81,11 +82,13 @@ ModelConfig llama_like() {
   return c;
 }
 
+// `fsdp`: each rank's weights and gradients are an Fsdp (ZeRO-1 over a one-rank group on
+// the GPU) of its stages, its gradients reduced once after the schedule.
 void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chunks, int micro_batches,
-                                 ActivationCheckpoint mode) {
-  SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, checkpointing {}",
+                                 ActivationCheckpoint mode, bool fsdp = false) {
+  SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, checkpointing {}{}",
                            pipeline_schedule_name(kind), stages, chunks, micro_batches,
-                           activation_checkpoint_name(mode)));
+                           activation_checkpoint_name(mode), fsdp ? ", FSDP ZeRO-1 over the stages" : ""));
   const ModelConfig config = llama_like();
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(stages * 10 + chunks));
@@ -115,6 +118,7 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
   std::vector<LossSum> losses(static_cast<size_t>(stages));
   std::vector<std::vector<PipelineStage>> held(static_cast<size_t>(stages));
   std::vector<std::unique_ptr<FlatParameters>> rank_grads;
+  std::vector<std::vector<std::pair<FsdpSegment, Tensor>>> fsdp_grads(static_cast<size_t>(stages));
   for (int r = 0; r < stages; ++r) {
     for (int v = 0; v < chunks; ++v) held[static_cast<size_t>(r)].push_back(pipeline_stage(config, stages, chunks, r, v));
     rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{},
@@ -128,6 +132,31 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
       round.gpu.lock();
       try {
         const std::vector<PipelineStage>& mine = held[static_cast<size_t>(r)];
+        std::vector<PipelineMicroBatch> micro;
+        for (int m = 0; m < micro_batches; ++m)
+          micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
+        if (fsdp) {
+          ProcessGroupOptions options;
+          options.device = Device::CUDA;
+          auto group = create_process_group(LaunchEnv{}, options);
+          FsdpOptions fsdp_options;
+          fsdp_options.zero_stage = 1;
+          fsdp_options.pipeline_stages = mine;
+          Fsdp sharded(config, Device::CUDA, *group, nullptr, fsdp_options);
+          sharded.initialize(23);
+          PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
+                              {stages, chunks, micro_batches});
+          sharded.begin_step();
+          losses[static_cast<size_t>(r)] = model.forward_backward(micro, sharded, sharded, scale);
+          sharded.reduce_gradients();
+          sharded.finish_gradients();
+          for (size_t i = 0; i < sharded.layout().segments().size(); ++i)
+            fsdp_grads[static_cast<size_t>(r)].push_back(
+                {sharded.layout().segments()[i], to_cpu_f32(sharded.grad_segments()[i])});
+          device_synchronize();
+          round.gpu.unlock();
+          return error;
+        }
         FlatParameters host(config, Device::CPU, DType::F32, {}, mine);
         host.initialize(23);
         round_to_bf16(host.flat());
@@ -136,9 +165,6 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
         rank_grads[static_cast<size_t>(r)]->zero();
         PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
                             {stages, chunks, micro_batches});
-        std::vector<PipelineMicroBatch> micro;
-        for (int m = 0; m < micro_batches; ++m)
-          micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
         losses[static_cast<size_t>(r)] =
             model.forward_backward(micro, weights, *rank_grads[static_cast<size_t>(r)], scale);
       } catch (const Error& e) {
@@ -155,6 +181,19 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
   EXPECT_NEAR(last.mean(), reference.mean(), 2e-3 * reference.mean());
   for (int r = 0; r + 1 < stages; ++r) EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, 0) << "rank " << r;
   int compared = 0;
+  if (fsdp) {
+    const std::vector<ParamSpec> specs = parameter_specs(config);
+    int64_t elements = 0;
+    for (const auto& mine : fsdp_grads)
+      for (const auto& [segment, values] : mine) {
+        const Tensor whole = to_cpu_f32(grads.find(specs[static_cast<size_t>(segment.spec)].name));
+        const Tensor expected = whole.view({whole.numel()}).narrow(segment.param_begin, segment.param_begin + segment.numel);
+        EXPECT_LT(relative_l2(values.view({segment.numel}), expected), 2e-2) << specs[static_cast<size_t>(segment.spec)].name;
+        elements += segment.numel;
+      }
+    EXPECT_EQ(elements, config.total_params());  // every parameter on one rank, whole (one shard rank)
+    return;
+  }
   for (int r = 0; r < stages; ++r) {
     const FlatParameters& mine = *rank_grads[static_cast<size_t>(r)];
     for (size_t s = 0; s < mine.specs().size(); ++s) {
@@ -165,6 +204,11 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
     }
   }
   EXPECT_EQ(compared, static_cast<int>(whole.specs().size()));  // every parameter on one rank
+}
+
+TEST(GpuPipeline, FsdpOverTheStagesMatchesOneGpu) {
+  expect_stages_match_one_gpu(PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, true);
+  expect_stages_match_one_gpu(PipelineScheduleKind::Interleaved, 2, 2, 2, ActivationCheckpoint::Selective, true);
 }
 
 TEST(GpuPipeline, ThreadRanksMatchOneGpu) {
