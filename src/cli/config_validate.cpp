@@ -374,15 +374,15 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   auto refuse = [&](bool set, const char* key, const char* why) {
     if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", pp, show(config, keys, key), why);
   };
-  if ((p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1) && p.zero_stage != 1)
-    FORGE_FAIL("{} with FSDP ({} x {}) needs {} 1 (the gradients reduced once after the schedule, as "
+  // FSDP shards over the context-parallel ranks too (NOTE [Context-parallel steps]).
+  if ((p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 || p.context_parallel_degree > 1) &&
+      p.zero_stage != 1)
+    FORGE_FAIL("{} with FSDP ({} x {} x {}) needs {} 1 (the gradients reduced once after the schedule, as "
                "Megatron-LM's distributed optimizer does under pipelining): ZeRO-2 and -3 reduce or gather per "
                "micro-batch, which the schedule's interleaved micro-batches do not take yet",
                pp, show(config, keys, "parallelism.data_parallel_shard_degree"),
                show(config, keys, "parallelism.data_parallel_replicate_degree"),
-               show(config, keys, "parallelism.zero_stage"));
-  refuse(p.context_parallel_degree > 1, "parallelism.context_parallel_degree",
-         "the stage models do not take context-parallel groups yet");
+               show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
   refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree", "Mixture-of-Experts blocks are not cut into stages");
   refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
          "LoRA adapters are not split over pipeline stages");

@@ -69,8 +69,8 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       stages.push_back(pipeline_stage(config, p, v, r, c));
       activations += static_cast<double>(pipeline_chunk_in_flight(schedule, r, c)) *
                      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute,
-                                                          plan.checkpoint, 1, plan.tensor_parallel, 1,
-                                                          stages.back()));
+                                                          plan.checkpoint, 1, plan.tensor_parallel,
+                                                          plan.context_parallel, stages.back()));
     }
     double params = 0;
     for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));

@@ -197,7 +197,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                               static_cast<int>(t.gradient_accumulation_steps)};
     pipeline_model_ = std::make_unique<PipelineModel>(config_.model, t.local_batch_size, t.seq_len, device_,
                                                       compute_dtype, checkpointing, *pipeline_, kind, shape,
-                                                      tensor_parallel_.get());
+                                                      tensor_parallel_.get(), context_parallel_.get());
     std::string blocks;
     for (const PipelineStage& s : pipeline_stages_)
       blocks += (blocks.empty() ? "" : ", ") + (s.end_layer - s.first_layer == 1

@@ -54,10 +54,14 @@ class Parity(unittest.TestCase):
                                                       "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
                  "pipeline rank 1 of 2: blocks 1, 3 and the head"),
                 ("pp2-tp2-fsdp2", 8, 2, FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
-                 "pipeline rank 0 of 2: blocks 0-1 and the embedding")):
+                 "pipeline rank 0 of 2: blocks 0-1 and the embedding"),
+                ("pp2-cp2", 4, 2, ["--parallelism.context_parallel_degree", "2", "--parallelism.zero_stage", "1"],
+                 "pipeline rank 1 of 2: blocks 2-3 and the head")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
-                data_ranks = ranks // stages // (2 if "--parallelism.tensor_parallel_degree" in flags else 1)
+                split = 2 if any(f in flags for f in ("--parallelism.tensor_parallel_degree",
+                                                      "--parallelism.context_parallel_degree")) else 1
+                data_ranks = ranks // stages // split
                 result = train(run, ranks, "--parallelism.pipeline_parallel_degree", str(stages), *flags,
                                data_ranks=data_ranks)
                 self.expect_follows(run)
@@ -172,6 +176,8 @@ class Failures(unittest.TestCase):
                 (["--model.num_layers", "4", "--checkpoint.last_save_in_hf", "true"], ["checkpoint.last_save_in_hf"]),
                 (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2"],
                  ["parallelism.zero_stage", "1"]),
+                (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2"],
+                 ["parallelism.zero_stage", "1", "parallelism.context_parallel_degree"]),
                 (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                  ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
             with self.subTest(flags=flags):
