@@ -124,15 +124,11 @@ DecoderLM& PipelineModel::model_of(int chunk, int micro_batch) {
   return *c.models[static_cast<size_t>(slot)];
 }
 
-namespace {
-
-void release(std::vector<int>& slot_of, std::vector<int>& free, int micro_batch) {
-  int& slot = slot_of.at(static_cast<size_t>(micro_batch));
-  free.push_back(slot);
+void PipelineModel::release_slot(Chunk& chunk, int micro_batch) {
+  int& slot = chunk.slot_of.at(static_cast<size_t>(micro_batch));
+  chunk.free.push_back(slot);
   slot = -1;
 }
-
-}  // namespace
 
 void PipelineModel::exchange(const std::vector<PipelineTransfer>& transfers) {
   std::vector<PipelineParallel::Transfer> moves;
@@ -146,10 +142,7 @@ void PipelineModel::exchange(const std::vector<PipelineTransfer>& transfers) {
   }
   pipeline_.exchange(moves);
   for (const PipelineTransfer& t : transfers)  // the micro-batch's backward is done on this chunk
-    if (t.send && t.gradient) {
-      Chunk& chunk = chunks_[static_cast<size_t>(t.chunk)];
-      release(chunk.slot_of, chunk.free, t.micro_batch);
-    }
+    if (t.send && t.gradient) release_slot(chunks_[static_cast<size_t>(t.chunk)], t.micro_batch);
 }
 
 LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& micro_batches, ParamSource& weights,
@@ -174,7 +167,7 @@ LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& m
       micro_losses_[static_cast<size_t>(a.micro_batch)] = l;
     } else {
       model_of(a.chunk, a.micro_batch).stage_backward(micro.tokens, weights, grads);
-      if (chunk.stage.embedding) release(chunk.slot_of, chunk.free, a.micro_batch);  // no gradient to send
+      if (chunk.stage.embedding) release_slot(chunk, a.micro_batch);  // no gradient to send
     }
   }
   return loss;
@@ -201,7 +194,7 @@ LossSum PipelineModel::forward_loss(const PipelineMicroBatch& micro_batch, Param
     pipeline_.exchange(moves);
   }
   for (Chunk& chunk : chunks_)
-    if (chunk.slot_of[0] >= 0) release(chunk.slot_of, chunk.free, 0);
+    if (chunk.slot_of[0] >= 0) release_slot(chunk, 0);
   return loss;
 }
 

@@ -118,6 +118,7 @@ class PipelineModel {
     std::vector<int> free;                           // models not in use
   };
   int take_slot(Chunk& chunk, int micro_batch);
+  static void release_slot(Chunk& chunk, int micro_batch);
   DecoderLM& model_of(int chunk, int micro_batch);
   void exchange(const std::vector<PipelineTransfer>& transfers);
 

@@ -199,14 +199,17 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                                                       compute_dtype, checkpointing, *pipeline_, kind, shape,
                                                       tensor_parallel_.get(), context_parallel_.get());
     std::string blocks;
-    for (const PipelineStage& s : pipeline_stages_)
+    int held = 0;
+    for (const PipelineStage& s : pipeline_stages_) {
+      held += s.end_layer - s.first_layer;
       blocks += (blocks.empty() ? "" : ", ") + (s.end_layer - s.first_layer == 1
                                                     ? std::to_string(s.first_layer)
                                                     : fmt::format("{}-{}", s.first_layer, s.end_layer - 1));
+    }
     log_info("pipeline rank {} of {}: block{} {}{}{}, {} of the model's {} parameters; {} (the schedule's idle "
              "share at a backward of two forwards); activations of {} micro-batches in flight over its stages: "
              "{:.2f} MiB",
-             pipeline_->rank(), pipeline_->size(), blocks.find_first_of(",-") == std::string::npos ? "" : "s", blocks,
+             pipeline_->rank(), pipeline_->size(), held == 1 ? "" : "s", blocks,
              pipeline_stages_.front().embedding ? " and the embedding" : "",
              pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(fsdp_ ? fsdp_->layout().parameter_count() : params_->flat().numel())),
              human_count(static_cast<double>(config_.model.total_params())),
