@@ -10,11 +10,15 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <future>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "core/bf16.h"
 #include "core/device.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "kernels/cuda/types.h"
@@ -162,5 +166,29 @@ inline ModelConfig small_model(const std::string& name) {
 // Tolerances of ‖gpu − cpu‖/‖cpu‖ (METHOD.md): bf16 outputs land between 1e-3 and 1e-2.
 constexpr double kBf16Tolerance = 1e-2;
 constexpr double kF32Tolerance = 1e-3;
+
+// `ranks` ranks as threads of this process taking turns on the GPU (the parallel-layout
+// tests): each runs body(rank) holding `turn`, which the ranks' collectives release while
+// they wait for each other, and synchronizes the GPU before passing the turn on. Returns
+// each rank's error ("" for none), in rank order.
+inline std::vector<std::string> run_rank_threads(int ranks, std::mutex& turn, const std::function<void(int)>& body) {
+  std::vector<std::future<std::string>> threads;
+  for (int r = 0; r < ranks; ++r)
+    threads.push_back(std::async(std::launch::async, [&turn, &body, r]() -> std::string {
+      std::string error;
+      turn.lock();
+      try {
+        body(r);
+      } catch (const Error& e) {
+        error = e.what();
+      }
+      device_synchronize();
+      turn.unlock();
+      return error;
+    }));
+  std::vector<std::string> errors;
+  for (auto& thread : threads) errors.push_back(thread.get());
+  return errors;
+}
 
 }  // namespace forge::gpu_test

@@ -8,7 +8,6 @@
 #include <gtest/gtest.h>
 
 #include <barrier>
-#include <future>
 #include <mutex>
 
 #include "distributed/fsdp.h"
@@ -117,64 +116,45 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
   ThreadRound round(stages);
   std::vector<LossSum> losses(static_cast<size_t>(stages));
   std::vector<std::vector<PipelineStage>> held(static_cast<size_t>(stages));
-  std::vector<std::unique_ptr<FlatParameters>> rank_grads;
+  std::vector<std::unique_ptr<FlatParameters>> rank_grads(static_cast<size_t>(stages));
   std::vector<std::vector<std::pair<FsdpSegment, Tensor>>> fsdp_grads(static_cast<size_t>(stages));
-  for (int r = 0; r < stages; ++r) {
-    for (int v = 0; v < chunks; ++v) held[static_cast<size_t>(r)].push_back(pipeline_stage(config, stages, chunks, r, v));
-    rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{},
-                                                          held[static_cast<size_t>(r)]));
-  }
-  std::vector<std::future<std::string>> threads;
   for (int r = 0; r < stages; ++r)
-    threads.push_back(std::async(std::launch::async, [&, r]() -> std::string {
-      ThreadPipeline pipeline(round, r);
-      std::string error;
-      round.gpu.lock();
-      try {
-        const std::vector<PipelineStage>& mine = held[static_cast<size_t>(r)];
-        std::vector<PipelineMicroBatch> micro;
-        for (int m = 0; m < micro_batches; ++m)
-          micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
-        if (fsdp) {
-          ProcessGroupOptions options;
-          options.device = Device::CUDA;
-          auto group = create_process_group(LaunchEnv{}, options);
-          FsdpOptions fsdp_options;
-          fsdp_options.zero_stage = 1;
-          fsdp_options.pipeline_stages = mine;
-          Fsdp sharded(config, Device::CUDA, *group, nullptr, fsdp_options);
-          sharded.initialize(23);
-          PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
-                              {stages, chunks, micro_batches});
-          sharded.begin_step();
-          losses[static_cast<size_t>(r)] = model.forward_backward(micro, sharded, sharded, scale);
-          sharded.reduce_gradients();
-          sharded.finish_gradients();
-          for (size_t i = 0; i < sharded.layout().segments().size(); ++i)
-            fsdp_grads[static_cast<size_t>(r)].push_back(
-                {sharded.layout().segments()[i], to_cpu_f32(sharded.grad_segments()[i])});
-          device_synchronize();
-          round.gpu.unlock();
-          return error;
-        }
-        FlatParameters host(config, Device::CPU, DType::F32, {}, mine);
-        host.initialize(23);
-        round_to_bf16(host.flat());
-        FlatParameters weights(config, Device::CUDA, DType::BF16, {}, mine);
-        weights.assign_from(host);
-        rank_grads[static_cast<size_t>(r)]->zero();
-        PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
-                            {stages, chunks, micro_batches});
-        losses[static_cast<size_t>(r)] =
-            model.forward_backward(micro, weights, *rank_grads[static_cast<size_t>(r)], scale);
-      } catch (const Error& e) {
-        error = e.what();
-      }
-      device_synchronize();
-      round.gpu.unlock();
-      return error;
-    }));
-  for (auto& thread : threads) ASSERT_EQ(thread.get(), "");
+    for (int v = 0; v < chunks; ++v) held[static_cast<size_t>(r)].push_back(pipeline_stage(config, stages, chunks, r, v));
+  const auto errors = run_rank_threads(stages, round.gpu, [&](int r) {
+    const size_t i = static_cast<size_t>(r);
+    ThreadPipeline pipeline(round, r);
+    std::vector<PipelineMicroBatch> micro;
+    for (int m = 0; m < micro_batches; ++m)
+      micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
+    PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
+                        {stages, chunks, micro_batches});
+    if (fsdp) {
+      ProcessGroupOptions options;
+      options.device = Device::CUDA;
+      auto group = create_process_group(LaunchEnv{}, options);
+      FsdpOptions fsdp_options;
+      fsdp_options.zero_stage = 1;
+      fsdp_options.pipeline_stages = held[i];
+      Fsdp sharded(config, Device::CUDA, *group, nullptr, fsdp_options);
+      sharded.initialize(23);
+      sharded.begin_step();
+      losses[i] = model.forward_backward(micro, sharded, sharded, scale);
+      sharded.reduce_gradients();
+      sharded.finish_gradients();
+      for (size_t k = 0; k < sharded.layout().segments().size(); ++k)
+        fsdp_grads[i].push_back({sharded.layout().segments()[k], to_cpu_f32(sharded.grad_segments()[k])});
+      return;
+    }
+    FlatParameters host(config, Device::CPU, DType::F32, {}, held[i]);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    FlatParameters weights(config, Device::CUDA, DType::BF16, {}, held[i]);
+    weights.assign_from(host);
+    rank_grads[i] = std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{}, held[i]);
+    rank_grads[i]->zero();
+    losses[i] = model.forward_backward(micro, weights, *rank_grads[i], scale);
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
 
   const LossSum& last = losses.back();
   EXPECT_EQ(last.tokens, reference.tokens);

@@ -12,7 +12,6 @@
 
 #include <barrier>
 #include <functional>
-#include <future>
 #include <mutex>
 
 #include "../cpu/parallel_testing.h"
@@ -159,34 +158,23 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
   for (int r = 0; r < ranks; ++r)
     shard_grads.push_back(
         std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{r % t, t}));
-  std::vector<std::future<std::string>> threads;
-  for (int r = 0; r < ranks; ++r)
-    threads.push_back(std::async(std::launch::async, [&, r]() -> std::string {
-      const int ti = r % t, ci = r / t;
-      ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
-      ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
-      std::string error;
-      turn.gpu.lock();
-      try {
-        const TensorParallelShard shard{ti, t};
-        FlatParameters host(config, Device::CPU, DType::F32, shard);
-        host.initialize(23);
-        round_to_bf16(host.flat());
-        FlatParameters weights(config, Device::CUDA, DType::BF16, shard);
-        weights.assign_from(host);
-        shard_grads[static_cast<size_t>(r)]->zero();
-        DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, t > 1 ? &tp : nullptr,
-                        c > 1 ? &cp : nullptr);
-        losses[static_cast<size_t>(r)] = model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA),
-                                                                weights, *shard_grads[static_cast<size_t>(r)], scale);
-      } catch (const Error& e) {
-        error = e.what();
-      }
-      device_synchronize();
-      turn.gpu.unlock();
-      return error;
-    }));
-  for (auto& thread : threads) ASSERT_EQ(thread.get(), "");
+  const auto errors = run_rank_threads(ranks, turn.gpu, [&](int r) {
+    const int ti = r % t, ci = r / t;
+    ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
+    ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
+    const TensorParallelShard shard{ti, t};
+    FlatParameters host(config, Device::CPU, DType::F32, shard);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    FlatParameters weights(config, Device::CUDA, DType::BF16, shard);
+    weights.assign_from(host);
+    shard_grads[static_cast<size_t>(r)]->zero();
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, t > 1 ? &tp : nullptr,
+                    c > 1 ? &cp : nullptr);
+    losses[static_cast<size_t>(r)] = model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), weights,
+                                                            *shard_grads[static_cast<size_t>(r)], scale);
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
 
   for (int r = 0; r < ranks; ++r) {
     EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
