@@ -21,6 +21,14 @@
 // hand out (model/parameters.h), so a source that wraps another (an FP8 cast, an adapter)
 // can fill in what it adds.
 //
+// NOTE [Linear bias]
+// A layer with a bias (FLUX's projections, every one of which has one) sets `bias`: the
+// forward adds it to every row of y after the GEMM (and after the residual and any
+// adapter's share), and linear_backward_weight writes (or adds) the column sums of dy into
+// the gradient descriptor's `bias` (fp32), with the same `overwrite` as the weight. The
+// bias is independent of how the weight is held (FP8, NF4, an adapter): it is added in
+// the compute dtype after whatever GEMM ran.
+//
 // NOTE [NF4 linear weights]
 // A frozen base weight stored as NF4 (QLoRA, NOTE [NF4 storage] in ops/nf4.h) sets `nf4`;
 // `weight` is then a scratch buffer [out, in] in the compute dtype (bf16 on the GPU, fp32
@@ -56,6 +64,10 @@ struct LoraAdapter;  // ops/lora.h
 struct LinearWeight {
   Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients); in a
                   // gradient descriptor undefined when the weight is frozen (no gradient)
+
+  // NOTE [Linear bias]: [out_features], compute dtype (fp32 in a gradient descriptor);
+  // undefined for a layer without one (every language model's projection).
+  Tensor bias;
 
   // --- LoRA (NOTE [LoRA linear] in ops/lora.h) ---
   // The low-rank adapter added to this layer, owned by whoever handed the descriptor out;

@@ -1,0 +1,15 @@
+// GELU in its tanh approximation (PyTorch's GELU(approximate="tanh"), the activation of
+// FLUX's and DiT's MLPs), elementwise on tensors of any shape with the same element count:
+//   out = 0.5 x (1 + tanh(u)),  u = sqrt(2/pi) (x + 0.044715 x^3)
+//   din = dout * (0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2))
+// The backward OVERWRITES din. CPU fp32; CUDA bf16 (computed in fp32).
+#pragma once
+
+#include "core/tensor.h"
+
+namespace forge {
+
+void gelu_tanh_forward(const Tensor& out, const Tensor& in);
+void gelu_tanh_backward(const Tensor& din, const Tensor& dout, const Tensor& in);
+
+}  // namespace forge
