@@ -1,0 +1,201 @@
+// FLUX's parameter specs and their flat holder; see flux_parameters.h.
+#include "model/flux_parameters.h"
+
+#include <cmath>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/rng.h"
+#include "ops/elementwise.h"
+
+namespace forge {
+namespace {
+
+// Appends the specs of one unit (ParamSpec::layer = unit).
+class UnitSpecs {
+ public:
+  UnitSpecs(std::vector<ParamSpec>& specs, int unit) : specs_(specs), unit_(unit) {}
+
+  // A projection [out, in] with its bias [out], stacked from diffusers tensors `parts`
+  // (each `out / parts.size()` rows); no parts: the diffusers tensor of the same name.
+  void linear(const std::string& name, int64_t out, int64_t in, const std::vector<std::string>& parts = {}) {
+    ParamSpec weight;
+    weight.name = name + ".weight";
+    weight.shape = {out, in};
+    ParamSpec bias;
+    bias.name = name + ".bias";
+    bias.shape = {out};
+    bias.weight_decay = false;
+    bias.zero_init = true;
+    if (parts.empty()) {
+      weight.hf_tensors = {{weight.name, out}};
+      bias.hf_tensors = {{bias.name, out}};
+    } else {
+      const int64_t rows = out / static_cast<int64_t>(parts.size());
+      for (const std::string& part : parts) {
+        weight.hf_tensors.push_back({part + ".weight", rows});
+        bias.hf_tensors.push_back({part + ".bias", rows});
+      }
+    }
+    add(std::move(weight));
+    add(std::move(bias));
+  }
+  // A norm scale [size], starting at 1.
+  void vector(const std::string& name, int64_t size) {
+    ParamSpec spec;
+    spec.name = name;
+    spec.shape = {size};
+    spec.hf_tensors = {{name, size}};
+    spec.weight_decay = false;
+    add(std::move(spec));
+  }
+
+ private:
+  void add(ParamSpec spec) {
+    spec.layer = unit_;
+    specs_.push_back(std::move(spec));
+  }
+  std::vector<ParamSpec>& specs_;
+  int unit_;
+};
+
+// Units in kind order (flux_unit): the embedders, the streams of a double block, a single
+// block, the head.
+void embedder_specs(const FluxConfig& c, std::vector<ParamSpec>& specs) {
+  UnitSpecs u(specs, 0);
+  const int64_t d = c.hidden();
+  u.linear("x_embedder", d, c.in_channels);
+  u.linear("context_embedder", d, c.context_dim);
+  u.linear("time_text_embed.timestep_embedder.linear_1", d, c.timestep_dim);
+  u.linear("time_text_embed.timestep_embedder.linear_2", d, d);
+  u.linear("time_text_embed.text_embedder.linear_1", d, c.pooled_dim);
+  u.linear("time_text_embed.text_embedder.linear_2", d, d);
+  if (c.guidance_embeds) {
+    u.linear("time_text_embed.guidance_embedder.linear_1", d, c.timestep_dim);
+    u.linear("time_text_embed.guidance_embedder.linear_2", d, d);
+  }
+}
+
+void double_block_specs(const FluxConfig& c, int block, std::vector<ParamSpec>& specs) {
+  const std::string p = fmt::format("transformer_blocks.{}.", block);
+  const int64_t d = c.hidden(), m = c.mlp_hidden();
+  // Linears of both streams first (image, then text), then their norm scales, so that the
+  // unit's numbering is flux_unit's.
+  UnitSpecs u(specs, flux_double_unit(block));
+  u.linear(p + "norm1.linear", 6 * d, d);
+  u.linear(p + "attn.to_qkv", 3 * d, d, {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
+  u.linear(p + "attn.to_out.0", d, d);
+  u.linear(p + "ff.net.0.proj", m, d);
+  u.linear(p + "ff.net.2", d, m);
+  u.linear(p + "norm1_context.linear", 6 * d, d);
+  u.linear(p + "attn.to_added_qkv", 3 * d, d, {p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"});
+  u.linear(p + "attn.to_add_out", d, d);
+  u.linear(p + "ff_context.net.0.proj", m, d);
+  u.linear(p + "ff_context.net.2", d, m);
+  u.vector(p + "attn.norm_q.weight", c.head_dim);
+  u.vector(p + "attn.norm_k.weight", c.head_dim);
+  u.vector(p + "attn.norm_added_q.weight", c.head_dim);
+  u.vector(p + "attn.norm_added_k.weight", c.head_dim);
+}
+
+void single_block_specs(const FluxConfig& c, int block, std::vector<ParamSpec>& specs) {
+  const std::string p = fmt::format("single_transformer_blocks.{}.", block);
+  const int64_t d = c.hidden(), m = c.mlp_hidden();
+  UnitSpecs u(specs, flux_single_unit(c, block));
+  u.linear(p + "norm.linear", 3 * d, d);
+  u.linear(p + "attn.to_qkv", 3 * d, d, {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
+  u.linear(p + "proj_mlp", m, d);
+  u.linear(p + "proj_out", d, d + m);
+  u.vector(p + "attn.norm_q.weight", c.head_dim);
+  u.vector(p + "attn.norm_k.weight", c.head_dim);
+}
+
+void head_specs(const FluxConfig& c, std::vector<ParamSpec>& specs) {
+  UnitSpecs u(specs, flux_head_unit(c));
+  u.linear("norm_out.linear", 2 * c.hidden(), c.hidden());
+  u.linear("proj_out", c.resolved_out_channels(), c.hidden());
+}
+
+// Offsets of the tensors in the flat buffer: each starts on a multiple of 64 values, so
+// every GEMM operand and vector is aligned for vectorized and cuBLASLt access.
+constexpr int64_t kAlignValues = 64;
+int64_t aligned(int64_t n) { return (n + kAlignValues - 1) / kAlignValues * kAlignValues; }
+
+}  // namespace
+
+std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config) {
+  config.validate(config.name);
+  std::vector<ParamSpec> specs;
+  embedder_specs(config, specs);
+  for (int i = 0; i < config.num_double_blocks; ++i) double_block_specs(config, i, specs);
+  for (int i = 0; i < config.num_single_blocks; ++i) single_block_specs(config, i, specs);
+  head_specs(config, specs);
+  return specs;
+}
+
+FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dtype, float init_std)
+    : config_(config), init_std_(init_std), specs_(flux_parameter_specs(config)) {
+  int64_t total = 0;
+  std::vector<int64_t> offsets;
+  for (const ParamSpec& s : specs_) {
+    offsets.push_back(total);
+    total += aligned(shape_numel(s.shape));
+  }
+  flat_ = Tensor::zeros({total}, dtype, device);
+  units_.resize(static_cast<size_t>(flux_num_units(config_)));
+  // A 2-D spec is a projection's weight, the 1-D ".bias" spec after it its bias; any other
+  // 1-D spec is a vector of its unit (NOTE [FLUX units]).
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const ParamSpec& s = specs_[i];
+    const int64_t n = shape_numel(s.shape);
+    tensors_.push_back(flat_.narrow(offsets[i], offsets[i] + n).view(s.shape));
+    FluxUnitWeights& unit = units_.at(static_cast<size_t>(s.layer));
+    if (s.shape.size() == 2)
+      unit.linears.emplace_back().weight = tensors_.back();
+    else if (i > 0 && specs_[i - 1].shape.size() == 2 && s.name.ends_with(".bias"))
+      unit.linears.back().bias = tensors_.back();
+    else
+      unit.vectors.push_back(tensors_.back());
+  }
+}
+
+const Tensor& FluxParameters::find(const std::string& name) const {
+  for (size_t i = 0; i < specs_.size(); ++i)
+    if (specs_[i].name == name) return tensors_[i];
+  FORGE_CHECK(false, "{}: no parameter named '{}'", config_.name, name);
+  return tensors_[0];
+}
+
+void FluxParameters::assign_from(const FluxParameters& other) {
+  FORGE_CHECK(other.flat_.numel() == flat_.numel(), "assign_from: {} values into {}", other.flat_.numel(),
+              flat_.numel());
+  if (other.flat_.device() == flat_.device())
+    cast(flat_, other.flat_);
+  else
+    cast(flat_, other.flat_.to(flat_.device()));
+}
+
+void FluxParameters::initialize(uint64_t seed) {
+  if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
+    FluxParameters host(config_, Device::CPU, DType::F32, init_std_);
+    host.initialize(seed);
+    assign_from(host);
+    return;
+  }
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const ParamSpec& s = specs_[i];
+    float* p = tensors_[i].data<float>();
+    const int64_t n = tensors_[i].numel();
+    if (s.shape.size() == 1) {
+      for (int64_t j = 0; j < n; ++j) p[j] = s.zero_init ? 0.0f : 1.0f;
+      continue;
+    }
+    uint64_t name_hash = 1469598103934665603ull;
+    for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+    Rng rng(derive_seed(seed, name_hash));
+    for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(init_std_ * rng.normal());
+  }
+}
+
+}  // namespace forge

@@ -1,0 +1,102 @@
+// FLUX's parameters: their names (diffusers' FluxTransformer2DModel names, with the q, k, v
+// projections of each stream fused as diffusers' fuse_projections() names them: to_qkv,
+// to_added_qkv), shapes and the diffusers tensors each is made of (NOTE [Fused
+// projections] in parameters.h), grouped in units the model reads in turn.
+//
+// NOTE [FLUX units]
+// The parameters come in units, the pieces a holder of weights hands out one at a time
+// (FSDP gathers and reduces per unit): unit 0 the embedders, then each double-stream
+// block, then each single-stream block, then the head. A unit is a list of projections
+// (weight and bias together in one LinearWeight, NOTE [Linear bias]) and a list of vectors
+// (the QK RMSNorm scales), numbered as the constants below say. Every matrix draws
+// Normal(0, init_std), biases start at 0 and norm scales at 1.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/tensor.h"
+#include "model/flux_config.h"
+#include "model/parameters.h"
+#include "ops/linear.h"
+
+namespace forge {
+
+struct FluxUnitWeights {
+  std::vector<LinearWeight> linears;
+  std::vector<Tensor> vectors;
+};
+
+// Projection and vector numbers within each kind of unit.
+namespace flux_unit {
+// Embedders: latent tokens in, text tokens in, the time MLP, the pooled-text MLP, and with
+// guidance_embeds the guidance MLP.
+enum Embedder { kImageIn, kContextIn, kTime1, kTime2, kPooled1, kPooled2, kGuidance1, kGuidance2 };
+// A double block: per stream (image: 0, text: kStreamLinears), these projections ...
+enum StreamLinear { kModulation, kQkv, kOut, kMlpIn, kMlpOut, kStreamLinears };
+// ... and (image: 0, text: kStreamVectors) these norm scales.
+enum StreamVector { kQNorm, kKNorm, kStreamVectors };
+// A single block.
+enum SingleLinear { kSingleModulation, kSingleQkv, kSingleMlpIn, kSingleOut };
+// The head: the final layer norm's modulation, the projection to patch features.
+enum HeadLinear { kHeadModulation, kHeadOut };
+}  // namespace flux_unit
+
+// Unit indices (NOTE [FLUX units]).
+inline int flux_num_units(const FluxConfig& c) {
+  return static_cast<int>(2 + c.num_double_blocks + c.num_single_blocks);
+}
+inline int flux_double_unit(int block) { return 1 + block; }
+inline int flux_single_unit(const FluxConfig& c, int block) { return static_cast<int>(1 + c.num_double_blocks) + block; }
+inline int flux_head_unit(const FluxConfig& c) { return flux_num_units(c) - 1; }
+
+// Every parameter in unit order; ParamSpec::layer is the unit index.
+std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config);
+
+// Where the model gets each unit's weights, and where it puts their gradients (added to,
+// NOTE [Fresh gradient buffers] does not apply: a sink zeroes its buffers per step).
+// unit_done(i) says unit i's gradients of this micro-batch are complete.
+class FluxParamSource {
+ public:
+  virtual ~FluxParamSource() = default;
+  virtual const FluxUnitWeights& unit(int index) = 0;
+};
+class FluxGradSink {
+ public:
+  virtual ~FluxGradSink() = default;
+  virtual const FluxUnitWeights& unit_grads(int index) = 0;
+  virtual void unit_done(int /*index*/) {}
+};
+
+// All parameters (or gradients) in one buffer, viewed per spec and per unit; the source and
+// sink of single-device training. fp32 on the CPU; fp32 or bf16 on CUDA.
+class FluxParameters : public FluxParamSource, public FluxGradSink {
+ public:
+  explicit FluxParameters(const FluxConfig& config, Device device = Device::CPU, DType dtype = DType::F32,
+                          float init_std = 0.02f);
+
+  const FluxConfig& config() const { return config_; }
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  const std::vector<Tensor>& tensors() const { return tensors_; }
+  const Tensor& flat() const { return flat_; }
+  const Tensor& find(const std::string& name) const;
+
+  void zero() { flat_.fill_zero(); }
+  // Copies every value of `other` (same config), converting device and dtype.
+  void assign_from(const FluxParameters& other);
+  // NOTE [FLUX units]: each tensor from its own stream of the seed and its name.
+  void initialize(uint64_t seed);
+
+  const FluxUnitWeights& unit(int index) override { return units_.at(static_cast<size_t>(index)); }
+  const FluxUnitWeights& unit_grads(int index) override { return units_.at(static_cast<size_t>(index)); }
+
+ private:
+  FluxConfig config_;
+  float init_std_;
+  std::vector<ParamSpec> specs_;
+  Tensor flat_;
+  std::vector<Tensor> tensors_;
+  std::vector<FluxUnitWeights> units_;
+};
+
+}  // namespace forge

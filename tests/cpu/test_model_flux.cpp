@@ -1,0 +1,192 @@
+// The FLUX transformer's configuration, parameters, position and time features, and its CPU
+// forward/backward against finite differences (the diffusers comparison is
+// tests/python/test_flux_vs_diffusers.py).
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/rng.h"
+#include "expect_error.h"
+#include "model/flux_embeddings.h"
+#include "model/flux_parameters.h"
+#include "model/flux_transformer.h"
+
+namespace forge {
+namespace {
+
+TEST(FluxConfig, PublishedParameterCounts) {
+  // diffusers' FluxTransformer2DModel's parameter counts for the two published configs.
+  EXPECT_EQ(flux_preset("flux1-dev").total_params(), 11901408320);
+  EXPECT_EQ(flux_preset("flux1-schnell").total_params(), 11891178560);
+  for (const std::string& name : flux_preset_names()) {
+    const FluxConfig c = flux_preset(name);
+    int64_t sum = 0;
+    for (const ParamSpec& s : flux_parameter_specs(c)) sum += shape_numel(s.shape);
+    EXPECT_EQ(sum, c.total_params()) << name;
+  }
+}
+
+TEST(FluxConfig, FlopsPerImageCountsEveryProduct) {
+  // FLUX.1-dev at 1024x1024 (4096 image tokens) with 512 text tokens, counted by hand:
+  // 57 blocks of (4D^2 + 2DM) per token and 2 T^2 D attention multiply-adds, plus the
+  // once-per-image projections.
+  const FluxConfig c = flux_preset("flux1-dev");
+  const double d = 3072, m = 12288, s = 4096, l = 512, t = s + l;
+  const double blocks = 57 * ((4 * d * d + 2 * d * m) * t + 2 * t * t * d);
+  const double modulation = 19 * 12 * d * d + 38 * 3 * d * d + 2 * d * d;
+  const double embed = s * 64 * d + l * 4096 * d + 2 * (256 * d + d * d) + 768 * d + d * d + s * d * 64;
+  EXPECT_DOUBLE_EQ(c.training_flops_per_image(4096, 512), 6 * (blocks + modulation + embed));
+}
+
+TEST(FluxConfig, RejectsInconsistentShapes) {
+  FluxConfig c = flux_preset("flux-debug");
+  c.axes_dim = {4, 6, 8};
+  expect_error([&] { c.validate("my.yaml"); }, {"my.yaml", "model.axes_dim", "sum to model.head_dim 16"});
+  c = flux_preset("flux-debug");
+  c.head_dim = 15;
+  expect_error([&] { c.validate(); }, {"model.head_dim must be even"});
+  c = flux_preset("flux-debug");
+  c.num_double_blocks = c.num_single_blocks = 0;
+  expect_error([&] { c.validate(); }, {"num_double_blocks", "not both 0"});
+  expect_error([] { flux_preset("flux2-pro"); }, {"unknown FLUX model 'flux2-pro'", "flux1-dev"});
+}
+
+TEST(FluxEmbeddings, TimestepFeaturesAreDiffusersSinusoids) {
+  const Tensor f = timestep_features({0.0f, 250.0f}, 8);
+  for (int k = 0; k < 4; ++k) {
+    const double freq = std::exp(-std::log(10000.0) * k / 4.0);
+    EXPECT_FLOAT_EQ(f.data<float>()[k], 1.0f);  // cos(0), first half
+    EXPECT_FLOAT_EQ(f.data<float>()[4 + k], 0.0f);
+    EXPECT_NEAR(f.data<float>()[8 + k], std::cos(250.0 * freq), 1e-4);
+    EXPECT_NEAR(f.data<float>()[12 + k], std::sin(250.0 * freq), 1e-4);
+  }
+}
+
+TEST(FluxEmbeddings, RopeTablesTurnImageTokensByRowAndColumn) {
+  const FluxConfig c = flux_preset("flux-debug");  // axes 4/6/6 of head dim 16: pairs 2/3/3
+  Tensor cos, sin;
+  flux_rope_tables(cos, sin, c, 2, 3, 4);
+  ASSERT_EQ(cos.shape(), (Shape{2 + 12, 8}));
+  for (int64_t p = 0; p < 8; ++p) {  // text tokens and axis 0: no turn
+    EXPECT_FLOAT_EQ(cos.data<float>()[p], 1.0f);
+    EXPECT_FLOAT_EQ(sin.data<float>()[8 + p], 0.0f);
+  }
+  // Image token (row 2, col 3) is joint token 2 + 2*4 + 3; pair 2 + k of axis 1 (dim 6)
+  // turns by 2 * theta^(-2k/6), pair 5 + k of axis 2 by 3 * theta^(-2k/6).
+  const int64_t t = 2 + 11;
+  for (int k = 0; k < 3; ++k) {
+    const double f = std::pow(10000.0, -2.0 * k / 6.0);
+    EXPECT_NEAR(cos.data<float>()[t * 8 + 2 + k], std::cos(2 * f), 1e-6);
+    EXPECT_NEAR(sin.data<float>()[t * 8 + 5 + k], std::sin(3 * f), 1e-6);
+  }
+  EXPECT_FLOAT_EQ(cos.data<float>()[t * 8 + 0], 1.0f);
+}
+
+// flux-debug with one block of each kind.
+FluxConfig small_config() {
+  FluxConfig c = flux_preset("flux-debug");
+  c.num_double_blocks = 1;
+  c.num_single_blocks = 1;
+  return c;
+}
+
+// A small FLUX model, its weights and inputs drawn at random.
+struct SmallFlux {
+  FluxConfig config = small_config();
+  FluxShape shape;
+  FluxParameters params{config};
+  FluxInputs inputs;
+  Tensor dout;
+  SmallFlux() {
+    shape.batch = 2;
+    shape.text_tokens = 3;
+    shape.grid_h = 2;
+    shape.grid_w = 2;
+    Rng rng(11);
+    for (size_t i = 0; i < params.specs().size(); ++i) {
+      const Tensor& t = params.tensors()[i];
+      const bool matrix = t.ndim() == 2;
+      const double scale = matrix ? 0.7 / std::sqrt(static_cast<double>(t.dim(1))) : 0.2;
+      for (int64_t j = 0; j < t.numel(); ++j)
+        t.data<float>()[j] = static_cast<float>((matrix || params.specs()[i].name.ends_with(".bias") ? 0.0 : 1.0) +
+                                                scale * rng.normal());
+    }
+    auto draw = [&](Shape s) {
+      Tensor x = Tensor::empty(std::move(s));
+      for (int64_t j = 0; j < x.numel(); ++j) x.data<float>()[j] = static_cast<float>(rng.normal());
+      return x;
+    };
+    inputs.image = draw({shape.batch, shape.image_tokens(), config.in_channels});
+    inputs.text = draw({shape.batch, shape.text_tokens, config.context_dim});
+    inputs.pooled = draw({shape.batch, config.pooled_dim});
+    inputs.timesteps = {0.3f, 0.8f};
+    inputs.guidance = {3.5f, 1.0f};
+    dout = draw({shape.batch, shape.image_tokens(), config.in_channels});
+  }
+  // sum(out * dout) in double.
+  double loss(FluxTransformer& model) {
+    Tensor out = Tensor::empty(dout.shape());
+    model.forward(inputs, params, out);
+    double sum = 0;
+    for (int64_t j = 0; j < out.numel(); ++j) sum += double(out.data<float>()[j]) * dout.data<float>()[j];
+    return sum;
+  }
+};
+
+TEST(FluxTransformer, GradientsMatchFiniteDifferences) {
+  SmallFlux f;
+  FluxTransformer model(f.config, f.shape, Device::CPU);
+  FluxParameters grads(f.config);
+  grads.zero();
+  f.loss(model);
+  model.backward(f.dout, f.params, grads);
+  // A few entries of every parameter: central differences of the loss.
+  Rng rng(5);
+  for (size_t i = 0; i < f.params.specs().size(); ++i) {
+    const Tensor& w = f.params.tensors()[i];
+    for (int probe = 0; probe < 2; ++probe) {
+      const int64_t j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(w.numel())));
+      const float saved = w.data<float>()[j];
+      const float h = 1e-2f;
+      w.data<float>()[j] = saved + h;
+      const double up = f.loss(model);
+      w.data<float>()[j] = saved - h;
+      const double down = f.loss(model);
+      w.data<float>()[j] = saved;
+      const double numeric = (up - down) / (2.0 * h);
+      const double analytic = grads.tensors()[i].data<float>()[j];
+      EXPECT_NEAR(analytic, numeric, 2e-2 * std::max(1.0, std::abs(numeric)))
+          << f.params.specs()[i].name << " [" << j << "]";
+    }
+  }
+}
+
+TEST(FluxTransformer, FullCheckpointingGivesTheSameGradients) {
+  SmallFlux f;
+  FluxParameters plain(f.config), recomputed(f.config);
+  plain.zero();
+  recomputed.zero();
+  FluxTransformer none(f.config, f.shape, Device::CPU, ActivationCheckpoint::None);
+  FluxTransformer full(f.config, f.shape, Device::CPU, ActivationCheckpoint::Full);
+  f.loss(none);
+  none.backward(f.dout, f.params, plain);
+  f.loss(full);
+  full.backward(f.dout, f.params, recomputed);
+  for (int64_t j = 0; j < plain.flat().numel(); ++j)
+    ASSERT_EQ(plain.flat().data<float>()[j], recomputed.flat().data<float>()[j]) << j;
+  EXPECT_LT(FluxTransformer::activation_bytes(f.config, f.shape, DType::F32, ActivationCheckpoint::Full),
+            FluxTransformer::activation_bytes(f.config, f.shape, DType::F32, ActivationCheckpoint::None));
+}
+
+TEST(FluxTransformer, RefusesSelectiveCheckpointingAndBadInputs) {
+  SmallFlux f;
+  expect_error([&] { FluxTransformer(f.config, f.shape, Device::CPU, ActivationCheckpoint::Selective); },
+               {"selective", "none or full"});
+  FluxTransformer model(f.config, f.shape, Device::CPU);
+  Tensor out = Tensor::empty(f.dout.shape());
+  f.inputs.timesteps = {0.5f};
+  expect_error([&] { model.forward(f.inputs, f.params, out); }, {"1 timesteps for 2 samples"});
+}
+
+}  // namespace
+}  // namespace forge
