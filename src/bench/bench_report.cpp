@@ -109,6 +109,8 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
       {"step_time_min_s", r.step_time_min_s},
       {"step_time_max_s", r.step_time_max_s},
       {"tokens_per_s_per_gpu", r.tokens_per_s_per_gpu},
+      {"images_per_s_per_gpu",
+       r.images_per_s_per_gpu ? nlohmann::json(*r.images_per_s_per_gpu) : nlohmann::json(nullptr)},
       {"tflops_per_gpu", r.tflops_per_gpu},
       {"mfu", r.mfu ? nlohmann::json(*r.mfu) : nlohmann::json(nullptr)},
       {"mfu_fp8", r.mfu_fp8 ? nlohmann::json(*r.mfu_fp8) : nlohmann::json(nullptr)},

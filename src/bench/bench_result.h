@@ -43,6 +43,7 @@ struct BenchResult {
   double step_time_min_s = 0;
   double step_time_max_s = 0;
   double tokens_per_s_per_gpu = 0;
+  std::optional<double> images_per_s_per_gpu;  // FLUX runs (NOTE [FLUX benchmarks] in bench_runner.cpp)
   double tflops_per_gpu = 0;          // model TFLOP/s per GPU
   std::optional<double> mfu;          // against the bf16 peak; unset when the device's peak is unknown
   std::optional<double> mfu_fp8;      // FP8 runs: against the fp8 peak; unset otherwise or when unknown

@@ -9,9 +9,48 @@
 #include "core/error.h"
 #include "model/lora.h"
 #include "train/metrics.h"
+#include "train/flux_trainer.h"
 #include "train/trainer.h"
 
 namespace forge {
+namespace {
+
+// NOTE [FLUX benchmarks]: images per second per GPU as the seeds report FLUX (frames/s),
+// model TFLOP/s by NOTE [FLUX FLOPs]; tokens/s counts image and text tokens.
+void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
+  const FluxConfig model = flux_model_config(c.flux);
+  const FluxShape shape = flux_micro_batch_shape(c);
+  r.model = model.num_double_blocks == flux_preset(c.flux.model).num_double_blocks &&
+                    model.num_single_blocks == flux_preset(c.flux.model).num_single_blocks
+                ? c.flux.model
+                : fmt::format("{} ({}+{} blocks)", c.flux.model, model.num_double_blocks, model.num_single_blocks);
+  r.seq_len = shape.tokens();
+  r.global_batch = shape.batch * r.grad_accum;
+  try {
+    FluxTrainResult run;
+    {
+      FluxTrainer trainer(c);
+      run = trainer.run(false);
+    }
+    std::vector<double> measured(run.step_seconds.begin() + r.warmup_steps, run.step_seconds.end());
+    r.step_time_median_s = median(measured).value();
+    r.step_time_min_s = *std::min_element(measured.begin(), measured.end());
+    r.step_time_max_s = *std::max_element(measured.begin(), measured.end());
+    const double images = static_cast<double>(r.global_batch) / r.step_time_median_s;
+    r.images_per_s_per_gpu = images;
+    r.tokens_per_s_per_gpu = images * static_cast<double>(shape.tokens());
+    r.tflops_per_gpu = images * model.training_flops_per_image(shape.image_tokens(), shape.text_tokens) / 1e12;
+    if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
+  } catch (const OutOfMemoryError& e) {
+    r.status = "oom";
+    r.error = e.what();
+  } catch (const Error& e) {
+    r.status = "failed";
+    r.error = e.what();
+  }
+}
+
+}  // namespace
 
 BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yaml, const std::string& args,
                       int64_t warmup_steps, ProcessGroup* world) {
@@ -37,6 +76,12 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   r.measured_steps = t.steps - warmup_steps;
 
   reset_device_memory_peak();
+  if (!c.flux.model.empty()) {
+    run_flux_bench(c, r);
+    r.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
+    r.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return r;
+  }
   try {
     TrainResult run;
     {

@@ -97,8 +97,10 @@ std::string gib(int64_t bytes) { return fmt::format("{:.1f} GiB", static_cast<do
 
 std::string describe(const BenchResult& r) {
   if (r.status != "ok") return fmt::format("{}: {}", r.status, r.error);
-  return fmt::format("{:.1f} TFLOP/s/GPU, {:.0f} tokens/s/GPU, step {:.1f} ms (min {:.1f}, max {:.1f}){}, peak {}",
-                     r.tflops_per_gpu, r.tokens_per_s_per_gpu, r.step_time_median_s * 1e3, r.step_time_min_s * 1e3,
+  return fmt::format("{:.1f} TFLOP/s/GPU, {}, step {:.1f} ms (min {:.1f}, max {:.1f}){}, peak {}",
+                     r.tflops_per_gpu,
+                     r.images_per_s_per_gpu ? fmt::format("{:.3f} images/s/GPU", *r.images_per_s_per_gpu)
+                                            : fmt::format("{:.0f} tokens/s/GPU", r.tokens_per_s_per_gpu), r.step_time_median_s * 1e3, r.step_time_min_s * 1e3,
                      r.step_time_max_s * 1e3, (r.mfu ? fmt::format(", MFU {:.1f}%", *r.mfu * 100) : "") +
                          (r.mfu_fp8 ? fmt::format(" (FP8 peak {:.1f}%)", *r.mfu_fp8 * 100) : ""),
                      r.peak_memory_bytes > 0 ? gib(r.peak_memory_bytes) : "n/a (not a GPU run)");

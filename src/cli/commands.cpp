@@ -1,6 +1,7 @@
 #include "distributed/launch_env.h"
 #include "cli/commands.h"
 #include "cli/flux_info.h"
+#include "train/flux_trainer.h"
 
 #include <fmt/ranges.h>
 
@@ -94,6 +95,11 @@ int run_train(const std::vector<std::string>& args) {
   ExperimentConfig config = load_experiment(inv.positional, inv.overrides);
   std::string yaml = to_yaml(config);
   if (read_launch_env().rank == 0) log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
+  if (!config.flux.model.empty()) {  // NOTE [FLUX runs]
+    const FluxTrainResult result = FluxTrainer(config).run();
+    log_info("done: {} steps, final loss {:.4f}", result.losses.size(), result.losses.back());
+    return 0;
+  }
   install_stop_signal_handlers();  // NOTE [Stop signals]
   Trainer trainer(config, yaml);
   TrainResult result = trainer.run();

@@ -456,6 +456,35 @@ std::vector<ConfigKey> build_schema() {
       key<&E::lora, &LoraConfig::quantize_base>(
           "lora.quantize_base", "nf4: store the frozen base projections in 4-bit NF4 (QLoRA, bitsandbytes' format)",
           {}, {"none", "nf4"}),
+
+      key<&E::flux, &FluxRunConfig::model>(
+          "flux.model",
+          "train a FLUX transformer instead of a language model: flux1-dev, flux1-schnell or flux-debug; empty: not "
+          "a FLUX run"),
+      key<&E::flux, &FluxRunConfig::num_double_blocks>(
+          "flux.num_double_blocks", "double-stream blocks; -1: the model's (fewer for a proxy)", at_least(-1)),
+      key<&E::flux, &FluxRunConfig::num_single_blocks>(
+          "flux.num_single_blocks", "single-stream blocks; -1: the model's (fewer for a proxy)", at_least(-1)),
+      key<&E::flux, &FluxRunConfig::resolution>("flux.resolution",
+                                                "image side in pixels (a multiple of 16: the VAE's 8x, 2x2 patches)",
+                                                ValueRange{16, 8192}),
+      key<&E::flux, &FluxRunConfig::text_tokens>("flux.text_tokens", "T5 tokens per caption",
+                                                 ValueRange{1, 4096}),
+      key<&E::flux, &FluxRunConfig::guidance>(
+          "flux.guidance", "guidance scale fed to a guidance-embedding model (FLUX.1-dev) in training",
+          ValueRange{0, 100}),
+      key<&E::flux, &FluxRunConfig::timestep_sampling>(
+          "flux.timestep_sampling", "how training draws t: logit_normal (sigmoid of a normal) or uniform", {},
+          {"logit_normal", "uniform"}),
+      key<&E::flux, &FluxRunConfig::logit_mean>("flux.logit_mean", "mean of logit_normal's normal"),
+      key<&E::flux, &FluxRunConfig::logit_std>("flux.logit_std", "standard deviation of logit_normal's normal",
+                                               ValueRange{1e-6, 100}),
+      key<&E::flux, &FluxRunConfig::timestep_shift>(
+          "flux.timestep_shift",
+          "shift of t toward noise: resolution (FLUX's, by image tokens), fixed (flux.shift) or none", {},
+          {"resolution", "fixed", "none"}),
+      key<&E::flux, &FluxRunConfig::shift>("flux.shift", "the fixed shift s: t' = s t / (1 + (s - 1) t)",
+                                           ValueRange{1e-3, 1000}),
   };
 }
 
@@ -545,7 +574,7 @@ const std::vector<ConfigKey>& config_schema() {
 const std::vector<std::string>& config_sections() {
   static const std::vector<std::string> sections = {"model", "training", "optimizer", "lr_scheduler", "data",
                                                     "eval",  "logging",  "precision", "parallelism",
-                                                    "activation_checkpoint", "checkpoint", "lora"};
+                                                    "activation_checkpoint", "checkpoint", "lora", "flux"};
   return sections;
 }
 

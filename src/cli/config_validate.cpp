@@ -1,5 +1,6 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
 #include "cli/config_validate.h"
+#include "cli/flux_info.h"
 
 #include <algorithm>
 #include <cctype>
@@ -481,6 +482,45 @@ void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
 
 }  // namespace
 
+// A FLUX run (NOTE [FLUX runs] in train/flux_trainer.h): a known model, an image size the
+// VAE and the patches divide, one device, bf16 on CUDA or fp32 on the CPU, and none of the
+// language-model features it does not have. flux.* keys without flux.model are refused.
+void check_flux(const ExperimentConfig& config, const ConfigOrigins& origins, const KeyDescriber& keys) {
+  const FluxRunConfig& f = config.flux;
+  if (f.model.empty()) {
+    for (const auto& [key, origin] : origins)
+      if (key.starts_with("flux.") && key != "flux.model" && origin != "default value")
+        FORGE_FAIL("{} ({}) sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
+                   "flux-debug)",
+                   key, origin);
+    return;
+  }
+  if (!is_flux_model(f.model))
+    FORGE_FAIL("{}: unknown FLUX model; expected flux1-dev, flux1-schnell or flux-debug", show(config, keys, "flux.model"));
+  if (f.resolution % 16 != 0)
+    FORGE_FAIL("{} must be a multiple of 16 (the VAE's 8x and the 2x2 patches)", show(config, keys, "flux.resolution"));
+  const int64_t devices = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree *
+                          config.parallelism.tensor_parallel_degree * config.parallelism.context_parallel_degree *
+                          config.parallelism.pipeline_parallel_degree;
+  if (devices != 1)
+    FORGE_FAIL("a FLUX run trains on one device (FSDP and the other parallelisms for FLUX are not built); the "
+               "parallelism degrees multiply to {}",
+               devices);
+  if (config.lora.enabled() || config.precision.fp8 != "none")
+    FORGE_FAIL("a FLUX run trains every weight in bf16: lora.rank ({}) and precision.fp8 ({}) are the language "
+               "models'",
+               config.lora.rank, config.precision.fp8);
+  const std::string want = config.training.device == "cuda" ? "bf16" : "fp32";
+  if (config.precision.compute_dtype != want)
+    FORGE_FAIL("{}: a FLUX run on {} computes in {}", show(config, keys, "precision.compute_dtype"),
+               config.training.device, want);
+  if (config.activation_checkpoint.mode == "selective")
+    FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
+  if (config.checkpoint.enable || config.eval.interval > 0 || !config.checkpoint.initial_load_path.empty())
+    FORGE_FAIL("a FLUX run has no evaluation, checkpoints or initial weights yet: set eval.interval 0 and "
+               "checkpoint.enable false, and leave checkpoint.initial_load_path empty");
+}
+
 void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins) {
   const KeyDescriber keys = key_describer(origins);
   for (const auto& key : config_schema()) check_config_value(key, config, origin_of(origins, key.name));
@@ -499,6 +539,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_mla(config, keys);
   resolve_batch(config, keys);
   check_pipeline_parallel_degree(config, keys);
+  check_flux(config, origins, keys);
 }
 
 }  // namespace forge

@@ -109,6 +109,23 @@ struct CheckpointConfig {
   std::string async_mode = "disabled";  // disabled | async: write while training goes on (NOTE [Async checkpoints])
 };
 
+// A FLUX run (NOTE [FLUX runs] in train/flux_trainer.h): flux.model names the
+// transformer; empty for a language model's run. Proxies keep the model's dimensions with
+// fewer blocks.
+struct FluxRunConfig {
+  std::string model;                    // "" | flux1-dev | flux1-schnell | flux-debug
+  int64_t num_double_blocks = -1;       // -1: the model's
+  int64_t num_single_blocks = -1;       // -1: the model's
+  int64_t resolution = 1024;            // image side in pixels, a multiple of 16
+  int64_t text_tokens = 512;            // T5 tokens per caption
+  double guidance = 1.0;                // guidance scale fed to a guidance-embedding model in training
+  std::string timestep_sampling = "logit_normal";  // logit_normal | uniform
+  double logit_mean = 0.0;
+  double logit_std = 1.0;
+  std::string timestep_shift = "resolution";       // resolution | fixed | none
+  double shift = 3.0;                   // the fixed shift
+};
+
 struct ExperimentConfig {
   ModelConfig model;
   TrainingConfig training;
@@ -122,6 +139,7 @@ struct ExperimentConfig {
   ActivationCheckpointConfig activation_checkpoint;
   CheckpointConfig checkpoint;
   LoraConfig lora;
+  FluxRunConfig flux;
 };
 
 }  // namespace forge
