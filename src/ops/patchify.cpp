@@ -1,5 +1,7 @@
 #include "ops/patchify.h"
 
+#include <string>
+
 #include "core/op_profile.h"
 #include "kernels/cpu/patchify.h"
 #include "ops/placement.h"
