@@ -5,7 +5,7 @@
 //   backward  dy[b,t,d] = gate[b,d] * dx[b,t,d]                       (overwritten)
 //             dgate[b,d] = sum_t dx[b,t,d] * y[b,t,d]                 (overwritten)
 // where dx is the residual stream's gradient, which flows on unchanged. CPU fp32; CUDA
-// bf16 (the sums over t in fp32, rounded once).
+// bf16 (the sums over t in fp32, rounded once, deterministic), D a multiple of 8.
 #pragma once
 
 #include "core/tensor.h"

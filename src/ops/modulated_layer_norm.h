@@ -7,7 +7,8 @@
 // connection's share, as in ops/rmsnorm.h) and OVERWRITES dshift and dscale [B, D]:
 //   dshift[b,d] = sum_t dy[b,t,d],  dscale[b,d] = sum_t dy[b,t,d] * xhat[b,t,d]
 // CPU: every tensor fp32. CUDA: x, y, dx, dy, shift, scale, dshift, dscale bf16 (the
-// sums over t in fp32, rounded once); mean and rstd fp32 [B, T] on both.
+// sums over t in fp32, rounded once, deterministic), D a multiple of 8; mean and rstd fp32
+// [B, T] on both.
 #pragma once
 
 #include "core/tensor.h"

@@ -1,0 +1,13 @@
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/types.h"
+
+namespace forge::cuda {
+
+// out, in, din, dout bf16 with n elements each (any alignment); the backward overwrites din.
+void gelu_tanh_forward(bf16* out, const bf16* in, int64_t n);
+void gelu_tanh_backward(bf16* din, const bf16* dout, const bf16* in, int64_t n);
+
+}  // namespace forge::cuda
