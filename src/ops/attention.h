@@ -13,6 +13,11 @@
 // its row (of its example, with segments). FLUX's joint attention over text and image
 // tokens is this. The backward is the same formula; cuDNN is asked for no mask.
 //
+// NOTE [Bidirectional attention]
+// With AttentionShape::causal false there is no causal mask: query i sees every key j of
+// its row (of its example, with segments). FLUX's joint attention over text and image
+// tokens is this. The backward is the same formula; cuDNN is asked for no mask.
+//
 // NOTE [Value head dim]
 // Values may have a head dim of their own, Dv, different from the queries' and keys' D
 // (DeepSeek's multi-head latent attention: D = 192, 128 of them content and 64 rotary,
@@ -51,12 +56,7 @@ struct AttentionShape {
   int64_t num_kv_heads = 0;
   int64_t sliding_window = 0;  // 0: unlimited
   float scale = 0.0f;          // usually 1/sqrt(head_dim)
-  // NOTE [Bidirectional attention]
-// With AttentionShape::causal false there is no causal mask: query i sees every key j of
-// its row (of its example, with segments). FLUX's joint attention over text and image
-// tokens is this. The backward is the same formula; cuDNN is asked for no mask.
-//
-// NOTE [Value head dim]. head_dim: of queries and keys, 0 to read it off a 4-D qkv;
+  // NOTE [Value head dim]. head_dim: of queries and keys, 0 to read it off a 4-D qkv;
   // v_head_dim: of values, 0 for head_dim.
   int64_t head_dim = 0;
   int64_t v_head_dim = 0;

@@ -19,19 +19,19 @@ constexpr uint64_t kCounterWords = uint64_t{1} << 32;
 }  // namespace
 
 void FlowTimestepSampling::validate(const KeyDescriber& keys) const {
-  check_choice(keys, "training.flow.weighting", weighting, flow_bounds::weightings);
-  check_finite(keys, "training.flow.logit_mean", logit_mean);
-  check_finite(keys, "training.flow.logit_std", logit_std);
-  check_range(keys, "training.flow.logit_std", logit_std, flow_bounds::logit_std);
-  check_choice(keys, "training.flow.shift", shift, flow_bounds::shifts);
-  check_finite(keys, "training.flow.shift_value", shift_value);
-  check_range(keys, "training.flow.shift_value", shift_value, flow_bounds::shift_value);
-  check_finite(keys, "training.flow.base_shift", base_shift);
-  check_finite(keys, "training.flow.max_shift", max_shift);
-  check_range(keys, "training.flow.base_seq_len", base_seq_len, flow_bounds::base_seq_len);
+  check_choice(keys, "flux.timestep_sampling", weighting, flow_bounds::weightings);
+  check_finite(keys, "flux.logit_mean", logit_mean);
+  check_finite(keys, "flux.logit_std", logit_std);
+  check_range(keys, "flux.logit_std", logit_std, flow_bounds::logit_std);
+  check_choice(keys, "flux.timestep_shift", shift, flow_bounds::shifts);
+  check_finite(keys, "flux.shift", shift_value);
+  check_range(keys, "flux.shift", shift_value, flow_bounds::shift_value);
+  check_finite(keys, "flux.base_shift", base_shift);
+  check_finite(keys, "flux.max_shift", max_shift);
+  check_range(keys, "flux.base_seq_len", base_seq_len, flow_bounds::base_seq_len);
   if (max_seq_len <= base_seq_len)
-    FORGE_FAIL("{} must be above {}", keys.describe("training.flow.max_seq_len", max_seq_len),
-               keys.describe("training.flow.base_seq_len", base_seq_len));
+    FORGE_FAIL("{} must be above {}", keys.describe("flux.max_seq_len", max_seq_len),
+               keys.describe("flux.base_seq_len", base_seq_len));
 }
 
 double flow_shift_mu(const FlowTimestepSampling& s, int64_t seq_len) {

@@ -17,7 +17,7 @@
 // (sample, micro-batch, step mod 2^32, step / 2^32) under the key `seed` (see
 // sample_flow_timesteps): a function of where they are used, never of what ran before, so
 // a resumed run draws exactly what the uninterrupted one would have. The settings are
-// training.flow.* (the names below); validate() names the key a bad value came from.
+// flux.* (NOTE [FLUX runs]) (the names below); validate() names the key a bad value came from.
 #pragma once
 
 #include <cstdint>
@@ -48,7 +48,7 @@ struct FlowTimestepSampling {
   int64_t base_seq_len = 256;
   int64_t max_seq_len = 4096;
 
-  // Fails naming the first bad key ("training.flow.logit_std must be > 0, got 0"); `keys`
+  // Fails naming the first bad key ("flux.logit_std must be > 0, got 0"); `keys`
   // adds where its value came from (NOTE [Config rules name their keys through the caller]).
   void validate(const KeyDescriber& keys = {}) const;
 };

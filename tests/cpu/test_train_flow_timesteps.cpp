@@ -113,18 +113,18 @@ std::string validation_error(const std::function<void(FlowTimestepSampling&)>& e
 TEST(FlowTimesteps, ValidateNamesTheBadKey) {
   EXPECT_EQ(validation_error([](auto&) {}), "");
   EXPECT_EQ(validation_error([](auto& s) { s.weighting = "mode"; }),
-            "training.flow.weighting must be one of logit_normal, uniform, got 'mode'");
-  EXPECT_EQ(validation_error([](auto& s) { s.logit_std = 0; }), "training.flow.logit_std must be > 0, got 0");
+            "flux.timestep_sampling must be one of logit_normal, uniform, got 'mode'");
+  EXPECT_EQ(validation_error([](auto& s) { s.logit_std = 0; }), "flux.logit_std must be > 0, got 0");
   EXPECT_EQ(validation_error([](auto& s) { s.logit_mean = std::nan(""); }),
-            "training.flow.logit_mean must be a finite number, got nan");
+            "flux.logit_mean must be a finite number, got nan");
   EXPECT_EQ(validation_error([](auto& s) { s.shift = "linear"; }),
-            "training.flow.shift must be one of resolution, fixed, none, got 'linear'");
-  EXPECT_EQ(validation_error([](auto& s) { s.shift_value = -1; }), "training.flow.shift_value must be > 0, got -1");
+            "flux.timestep_shift must be one of resolution, fixed, none, got 'linear'");
+  EXPECT_EQ(validation_error([](auto& s) { s.shift_value = -1; }), "flux.shift must be > 0, got -1");
   EXPECT_EQ(validation_error([](auto& s) { s.max_shift = INFINITY; }),
-            "training.flow.max_shift must be a finite number, got inf");
-  EXPECT_EQ(validation_error([](auto& s) { s.base_seq_len = 0; }), "training.flow.base_seq_len must be >= 1, got 0");
+            "flux.max_shift must be a finite number, got inf");
+  EXPECT_EQ(validation_error([](auto& s) { s.base_seq_len = 0; }), "flux.base_seq_len must be >= 1, got 0");
   EXPECT_EQ(validation_error([](auto& s) { s.max_seq_len = 256; }),
-            "training.flow.max_seq_len (256) must be above training.flow.base_seq_len (256)");
+            "flux.max_seq_len (256) must be above flux.base_seq_len (256)");
 }
 
 TEST(FlowTimesteps, RejectsDrawsAndCountersOutOfRange) {

@@ -80,7 +80,7 @@ class BadSettings(unittest.TestCase):
     def test_validate_names_the_key(self):
         result = subprocess.run([tool("forge_flow_timesteps"), "logit_std=0", "0.5"], capture_output=True, text=True)
         self.assertEqual(result.returncode, 1)
-        self.assertIn("training.flow.logit_std must be > 0", result.stderr)
+        self.assertIn("flux.logit_std must be > 0", result.stderr)
 
 
 if __name__ == "__main__":
