@@ -1,4 +1,4 @@
-// Causal grouped-query attention on the packed output of the fused QKV projection.
+// Grouped-query attention, causal unless asked otherwise, on the packed output of the fused QKV projection.
 //
 // qkv is [B, T, Hq + 2*Hkv, D]: heads [0, Hq) are queries, [Hq, Hq+Hkv) keys, and
 // [Hq+Hkv, Hq+2*Hkv) values. Query head h reads key/value head h / (Hq / Hkv), so K and V
@@ -7,11 +7,6 @@
 //   out[b,i,h,:] = sum_j softmax_j(scale * q.k_j) v_j      out is [B, T, Hq, D]
 //   lse[b,h,i]   = log sum_j exp(scale * q.k_j)           lse is [B, Hq, T], fp32
 // The backward recomputes probabilities from lse and overwrites dqkv (same packing).
-//
-// NOTE [Bidirectional attention]
-// With AttentionShape::causal false there is no causal mask: query i sees every key j of
-// its row (of its example, with segments). FLUX's joint attention over text and image
-// tokens is this. The backward is the same formula; cuDNN is asked for no mask.
 //
 // NOTE [Bidirectional attention]
 // With AttentionShape::causal false there is no causal mask: query i sees every key j of
