@@ -50,20 +50,16 @@ struct AttentionShape {
   int64_t num_q_heads = 0;
   int64_t num_kv_heads = 0;
   int64_t sliding_window = 0;  // 0: unlimited
-  // NOTE [Bidirectional attention]: false lets every query see every key of its sequence
-  // (or of its example when packed), as a diffusion transformer's joint attention does;
-  // a sliding window needs causal attention.
-  bool causal = true;
   float scale = 0.0f;          // usually 1/sqrt(head_dim)
-  // NOTE [Bidirectional attention]
-// With AttentionShape::causal false there is no causal mask: query i sees every key j of
-// its row (of its example, with segments). FLUX's joint attention over text and image
-// tokens is this. The backward is the same formula; cuDNN is asked for no mask.
-//
-// NOTE [Value head dim]. head_dim: of queries and keys, 0 to read it off a 4-D qkv;
+  // NOTE [Value head dim]. head_dim: of queries and keys, 0 to read it off a 4-D qkv;
   // v_head_dim: of values, 0 for head_dim.
   int64_t head_dim = 0;
   int64_t v_head_dim = 0;
+  // NOTE [Bidirectional attention]: false lets every query see every key of its sequence
+  // (or of its example when packed), as a diffusion transformer's joint attention does;
+  // a sliding window needs causal attention. Last, so that the positional initializers
+  // {heads, kv heads, window, scale, head dims} keep their meaning.
+  bool causal = true;
 
   // Whether qkv takes the 3-D form, with values of their own head dim.
   bool distinct_v_head_dim() const { return v_head_dim > 0 && v_head_dim != head_dim; }

@@ -65,10 +65,6 @@ struct LinearWeight {
   Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients); in a
                   // gradient descriptor undefined when the weight is frozen (no gradient)
 
-  // NOTE [Linear bias]: [out_features], compute dtype (fp32 in a gradient descriptor);
-  // undefined for a layer without one (every language model's projection).
-  Tensor bias;
-
   // --- LoRA (NOTE [LoRA linear] in ops/lora.h) ---
   // The low-rank adapter added to this layer, owned by whoever handed the descriptor out;
   // null without one. A gradient descriptor points at the same adapter, whose grad_a /
@@ -85,6 +81,11 @@ struct LinearWeight {
   // FSDP's FP8 all-gather (NOTE [FP8 gathered weights] in ops/fp8_linear.h): `weight` is
   // then the E4M3 codes (U8 [out, in]) and this says how they were cast; needs `fp8`.
   const Fp8GatheredWeight* fp8_gathered = nullptr;
+
+  // NOTE [Linear bias]: [out_features], compute dtype (fp32 in a gradient descriptor);
+  // undefined for a layer without one (every language model's projection). Last, so that
+  // the positional initializers {weight, lora, nf4, fp8} keep their meaning.
+  Tensor bias{};
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).
