@@ -10,7 +10,13 @@
 
 namespace forge::cuda {
 
-enum class ScratchSlot { RmsnormPartials, SumOfSquaresPartials, EmbeddingIndex, Count };
+enum class ScratchSlot {
+  RmsnormPartials,
+  SumOfSquaresPartials,
+  EmbeddingIndex,
+  BiasGradientPartials,
+  Count
+};
 
 void* scratch_buffer(ScratchSlot slot, size_t bytes);
 
