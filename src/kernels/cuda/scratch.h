@@ -14,6 +14,7 @@ enum class ScratchSlot {
   RmsnormPartials,
   SumOfSquaresPartials,
   EmbeddingIndex,
+  QkNormRopePartials,
   BiasGradientPartials,
   Count
 };
