@@ -41,6 +41,9 @@ void check_attention_shape(const Tensor& qkv, const AttentionShape& shape, const
               "{}: {} query heads do not split into groups over {} kv heads", op, shape.num_q_heads,
               shape.num_kv_heads);
   FORGE_CHECK(shape.sliding_window >= 0, "{}: sliding window {} is negative", op, shape.sliding_window);
+  FORGE_CHECK(shape.causal || shape.sliding_window == 0,
+              "{}: a sliding window ({}) needs causal attention (NOTE [Bidirectional attention])", op,
+              shape.sliding_window);
   FORGE_CHECK(shape.scale > 0.0f, "{}: scale {} must be positive", op, shape.scale);
   FORGE_CHECK(shape.head_dim >= 0 && shape.v_head_dim >= 0, "{}: head_dim {} and v_head_dim {} must not be negative",
               op, shape.head_dim, shape.v_head_dim);
@@ -74,7 +77,8 @@ cpu::AttentionDims attention_dims(const Tensor& qkv, const AttentionShape& shape
                             .head_dim = distinct ? shape.head_dim : qkv.dim(3),
                             .v_head_dim = distinct ? shape.v_head_dim : qkv.dim(3),
                             .window = shape.sliding_window,
-                            .scale = shape.scale};
+                            .scale = shape.scale,
+                            .causal = shape.causal};
 }
 
 // The segments must describe this qkv's rows, on its device.
@@ -94,6 +98,7 @@ cuda::AttentionProblem cuda_problem(const cpu::AttentionDims& d, const Attention
   // cuDNN's fused attention rejects a single-token sequence; no training run has one.
   if (d.seq < 2) FORGE_FAIL("attention on CUDA needs a sequence of at least 2 tokens, got {}", d.seq);
   cuda::AttentionProblem p{d.batch, d.seq, d.q_heads, d.kv_heads, d.head_dim, d.v_head_dim, d.window, d.scale};
+  p.causal = d.causal;
   if (segments)
     p.ragged = {segments->capacity, segments->lengths.data<int32_t>(), segments->qkv_offsets.data<int64_t>(),
                 segments->out_offsets.data<int64_t>(), segments->lse_offsets.data<int64_t>()};

@@ -1,4 +1,4 @@
-// Grouped-query attention, causal unless asked otherwise, on the packed output of the fused QKV projection.
+// Causal grouped-query attention on the packed output of the fused QKV projection.
 //
 // qkv is [B, T, Hq + 2*Hkv, D]: heads [0, Hq) are queries, [Hq, Hq+Hkv) keys, and
 // [Hq+Hkv, Hq+2*Hkv) values. Query head h reads key/value head h / (Hq / Hkv), so K and V
@@ -57,7 +57,8 @@ struct AttentionShape {
   int64_t v_head_dim = 0;
   // NOTE [Bidirectional attention]: false lets every query see every key of its sequence
   // (or of its example when packed), as a diffusion transformer's joint attention does;
-  // a sliding window needs causal attention.
+  // a sliding window needs causal attention. Last, so that the positional initializers
+  // {heads, kv heads, window, scale, head dims} keep their meaning.
   bool causal = true;
 
   // Whether qkv takes the 3-D form, with values of their own head dim.

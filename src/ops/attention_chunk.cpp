@@ -14,6 +14,8 @@ namespace {
 cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t position, const AttentionShape& shape,
                                    const char* op) {
   check_attention_shape(qkv, shape, op);
+  FORGE_CHECK(shape.causal, "{}: chunk attention is causal; bidirectional attention (NOTE [Bidirectional attention]) "
+              "is not taken", op);
   FORGE_CHECK(!shape.distinct_v_head_dim(), "{}: values of a head dim of their own ({} against {}) are not taken", op,
               shape.v_head_dim, shape.head_dim);
   const int64_t b = qkv.dim(0), queries = qkv.dim(1), hkv = shape.num_kv_heads, d = qkv.dim(3);

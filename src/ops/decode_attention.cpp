@@ -16,6 +16,8 @@ cpu::DecodeAttentionDims decode_dims(const Tensor& qkv, const Tensor& k_cache, c
               "{}: decoding takes one head dim for queries, keys and values, not {} and {}", op, shape.head_dim,
               shape.v_head_dim);
   check_attention_shape(qkv, shape, op);
+  FORGE_CHECK(shape.causal, "{}: decoding is causal; bidirectional attention (NOTE [Bidirectional attention]) is "
+              "not taken", op);
   FORGE_CHECK(k_cache.ndim() == 4 && k_cache.dim(0) == qkv.dim(0) && k_cache.dim(2) == shape.num_kv_heads &&
                   k_cache.dim(3) == qkv.dim(3),
               "{}: k_cache {} must be [{}, capacity, {}, {}]", op, shape_str(k_cache.shape()), qkv.dim(0),

@@ -1,5 +1,6 @@
 #include "ops/linear.h"
 
+#include "ops/bias.h"
 #include "ops/lora.h"
 #include "ops/matmul.h"
 #include "ops/nf4.h"
@@ -30,6 +31,7 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
   else
     matmul(y, x, false, compute_weight(w), true);
   if (w.lora) lora_forward_add(y, x, *w.lora);
+  if (w.bias.defined()) add_bias(y, w.bias);  // NOTE [Linear bias]
 }
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
@@ -48,12 +50,14 @@ void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Te
   else if (grad.weight.defined())
     matmul(grad.weight, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
   if (grad.lora) lora_backward_weight(*grad.lora, dy, x, overwrite);
+  if (grad.bias.defined()) bias_gradient(grad.bias, dy, overwrite);
 }
 
 void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& dy, const Tensor& x,
                      const LinearWeight& w, bool overwrite) {
   if (w.fp8 && grad.fp8 && grad.weight.defined() && !w.nf4 && !w.lora && !grad.lora) {
     fp8_linear_backward(dx, grad.weight, dy, w.weight, x, *grad.fp8, overwrite, w.fp8_gathered);
+    if (grad.bias.defined()) bias_gradient(grad.bias, dy, overwrite);
     return;
   }
   linear_backward_input(dx, dy, w);

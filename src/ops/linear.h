@@ -83,8 +83,9 @@ struct LinearWeight {
   const Fp8GatheredWeight* fp8_gathered = nullptr;
 
   // NOTE [Linear bias]: [out_features], compute dtype (fp32 in a gradient descriptor);
-  // undefined for a layer without one (every language model's projection).
-  Tensor bias;
+  // undefined for a layer without one (every language model's projection). Last, so that
+  // the positional initializers {weight, lora, nf4, fp8} keep their meaning.
+  Tensor bias{};
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).

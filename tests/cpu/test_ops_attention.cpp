@@ -4,6 +4,7 @@
 
 #include "expect_error.h"
 #include "ops/attention.h"
+#include "ops/attention_chunk.h"
 #include "ops/decode_attention.h"
 #include "ops_testing.h"
 
@@ -37,9 +38,10 @@ AttentionShape shape_of(const AttentionCase& c) {
 }
 
 // Softmax attention in double, written straight from the definition in ops/attention.h;
-// with segment ids [B, T], a query sees only keys of its own segment (NOTE [Packed examples]).
+// with segment ids [B, T], a query sees only keys of its own segment (NOTE [Packed examples]);
+// without `causal` keys after the query too (NOTE [Bidirectional attention]).
 void naive_attention(const Tensor& qkv, const AttentionCase& c, std::vector<double>& out, std::vector<double>& lse,
-                     const int32_t* segments = nullptr) {
+                     const int32_t* segments = nullptr, bool causal = true) {
   int64_t heads = c.q_heads + 2 * c.kv_heads, d = c.head_dim, group = c.q_heads / c.kv_heads;
   double scale = 1.0 / std::sqrt(static_cast<double>(d));
   const float* p = qkv.data<float>();
@@ -52,7 +54,8 @@ void naive_attention(const Tensor& qkv, const AttentionCase& c, std::vector<doub
       for (int64_t i = 0; i < c.seq; ++i) {
         std::vector<double> score(c.seq, -INFINITY);
         double max_score = -INFINITY;
-        for (int64_t j = 0; j <= i; ++j) {
+        const int64_t last = causal ? i : c.seq - 1;
+        for (int64_t j = 0; j <= last; ++j) {
           if (c.window > 0 && i - j >= c.window) continue;
           if (segments && segments[b * c.seq + j] != segments[b * c.seq + i]) continue;
           double s = 0.0;
@@ -61,11 +64,11 @@ void naive_attention(const Tensor& qkv, const AttentionCase& c, std::vector<doub
           max_score = std::max(max_score, score[j]);
         }
         double sum = 0.0;
-        for (int64_t j = 0; j <= i; ++j)
+        for (int64_t j = 0; j <= last; ++j)
           if (score[j] > -INFINITY) sum += std::exp(score[j] - max_score);
         lse[(b * c.q_heads + h) * c.seq + i] = max_score + std::log(sum);
         double* o = out.data() + ((b * c.seq + i) * c.q_heads + h) * d;
-        for (int64_t j = 0; j <= i; ++j) {
+        for (int64_t j = 0; j <= last; ++j) {
           if (score[j] == -INFINITY) continue;
           double weight = std::exp(score[j] - max_score) / sum;
           for (int64_t e = 0; e < d; ++e) o[e] += weight * at(b, j, c.q_heads + c.kv_heads + g)[e];
@@ -219,6 +222,106 @@ TEST(OpsAttention, SegmentsMustDescribeTheBatch) {
   Tensor ids = Tensor::zeros({1, 5}, DType::I32);
   AttentionSegments segments = attention_segments(ids, shape_of(c), Device::CPU);
   EXPECT_THROW(attention_forward(out, lse, qkv, shape_of(c), &segments), Error);
+}
+
+// NOTE [Bidirectional attention]: every query sees every key of its row (or of its example).
+// T = 1, MHA and GQA (3 query heads), one key head for all; no windows (refused).
+const AttentionCase kBidirectionalCases[] = {
+    {1, 1, 1, 1, 4, 0}, {2, 7, 3, 3, 5, 0}, {1, 9, 4, 2, 8, 0}, {2, 5, 2, 1, 16, 0}, {1, 8, 3, 1, 4, 0},
+};
+
+AttentionShape bidirectional_shape_of(const AttentionCase& c) {
+  AttentionShape shape = shape_of(c);
+  shape.causal = false;
+  return shape;
+}
+
+TEST(OpsAttention, BidirectionalForwardMatchesDoublePrecision) {
+  Rng rng(75);
+  for (const AttentionCase& c : kBidirectionalCases) {
+    for (bool packed : {false, true}) {
+      Tensor qkv = random_tensor({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.head_dim}, rng, 1.5);
+      Tensor ids = random_segments(c.batch, c.seq, rng);
+      AttentionSegments segments = attention_segments(ids, bidirectional_shape_of(c), Device::CPU);
+      Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim});
+      Tensor lse = Tensor::empty({c.batch, c.q_heads, c.seq});
+      attention_forward(out, lse, qkv, bidirectional_shape_of(c), packed ? &segments : nullptr);
+      std::vector<double> want_out, want_lse;
+      naive_attention(qkv, c, want_out, want_lse, packed ? ids.data<int32_t>() : nullptr, /*causal=*/false);
+      EXPECT_LT(relative_error(out, want_out), 1e-5) << describe(c) << (packed ? " packed" : "");
+      EXPECT_LT(relative_error(lse, want_lse), 1e-5) << describe(c) << (packed ? " packed" : "");
+    }
+  }
+}
+
+// Without a mask attention does not care about the order of the tokens: reversing a row's
+// tokens reverses its outputs.
+TEST(OpsAttention, BidirectionalIsIndifferentToTokenOrder) {
+  Rng rng(76);
+  const AttentionCase c{2, 9, 4, 2, 8, 0};
+  const int64_t q_row = (c.q_heads + 2 * c.kv_heads) * c.head_dim, o_row = c.q_heads * c.head_dim;
+  Tensor qkv = random_tensor({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.head_dim}, rng, 1.5);
+  Tensor reversed = Tensor::empty(qkv.shape());
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t t = 0; t < c.seq; ++t)
+      std::copy_n(qkv.data<float>() + (b * c.seq + t) * q_row, q_row,
+                  reversed.data<float>() + (b * c.seq + c.seq - 1 - t) * q_row);
+  Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
+  Tensor out_r = Tensor::empty(out.shape()), lse_r = Tensor::empty(lse.shape());
+  attention_forward(out, lse, qkv, bidirectional_shape_of(c));
+  attention_forward(out_r, lse_r, reversed, bidirectional_shape_of(c));
+  for (int64_t b = 0; b < c.batch; ++b)
+    for (int64_t t = 0; t < c.seq; ++t)
+      for (int64_t e = 0; e < o_row; ++e)
+        EXPECT_NEAR(out_r.data<float>()[(b * c.seq + c.seq - 1 - t) * o_row + e],
+                    out.data<float>()[(b * c.seq + t) * o_row + e], 1e-5)
+            << "b " << b << " t " << t;
+}
+
+TEST(OpsAttention, BidirectionalBackwardMatchesFiniteDifferences) {
+  Rng rng(77);
+  for (const AttentionCase& c : kBidirectionalCases) {
+    for (bool packed : {false, true}) {
+      Tensor qkv = random_tensor({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.head_dim}, rng);
+      Tensor ids = random_segments(c.batch, c.seq, rng);
+      AttentionSegments segments = attention_segments(ids, bidirectional_shape_of(c), Device::CPU);
+      const AttentionSegments* examples = packed ? &segments : nullptr;
+      Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim});
+      Tensor lse = Tensor::empty({c.batch, c.q_heads, c.seq});
+      Tensor r = random_tensor(out.shape(), rng);
+      auto loss = [&] {
+        attention_forward(out, lse, qkv, bidirectional_shape_of(c), examples);
+        return testing::weighted_sum(out, r);
+      };
+      std::vector<double> fd = testing::finite_difference(qkv, loss);
+      attention_forward(out, lse, qkv, bidirectional_shape_of(c), examples);
+      Tensor dqkv = Tensor::empty(qkv.shape());
+      std::fill_n(dqkv.data<float>(), dqkv.numel(), 5.0f);
+      attention_backward(dqkv, r, qkv, out, lse, bidirectional_shape_of(c), examples);
+      EXPECT_LT(relative_error(dqkv, fd), 1e-2) << describe(c) << (packed ? " packed" : "");
+    }
+  }
+}
+
+// A sliding window needs the causal mask; chunk attention and decoding are causal only.
+TEST(OpsAttention, BidirectionalRefusesWindowsChunksAndDecoding) {
+  const AttentionCase c{1, 6, 2, 1, 4, 0};
+  Tensor qkv = Tensor::zeros({1, 6, 4, 4}), out = Tensor::zeros({1, 6, 2, 4}), lse = Tensor::zeros({1, 2, 6});
+  AttentionShape windowed = bidirectional_shape_of(c);
+  windowed.sliding_window = 3;
+  expect_error([&] { attention_forward(out, lse, qkv, windowed); },
+               {"attention_forward", "sliding window (3) needs causal attention"});
+  Tensor dqkv = Tensor::zeros(qkv.shape());
+  expect_error([&] { attention_backward(dqkv, out, qkv, out, lse, windowed); }, {"attention_backward", "causal"});
+  const Tensor kv = Tensor::zeros({1, 6, 2, 4});
+  expect_error([&] { attention_chunk_forward(out, lse, qkv, kv, 0, bidirectional_shape_of(c)); },
+               {"attention_chunk_forward", "chunk attention is causal"});
+  const Tensor cache = Tensor::zeros({1, 8, 1, 4}), step = Tensor::zeros({1, 1, 4, 4});
+  expect_error([&] { decode_attention_forward(Tensor::zeros({1, 1, 2, 4}), step, cache, cache, 0,
+                                              bidirectional_shape_of(c)); },
+               {"decode_attention_forward", "decoding is causal"});
+  expect_error([&] { kv_cache_append(cache, cache, step, 0, bidirectional_shape_of(c)); },
+               {"kv_cache_append", "decoding is causal"});
 }
 
 // NOTE [Value head dim]: values of a head dim of their own, in the 3-D qkv form. The

@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "core/rng.h"
+#include "expect_error.h"
+#include "ops/bias.h"
 #include "ops/linear.h"
 #include "ops/matmul.h"
 #include "ops_testing.h"
@@ -81,6 +83,78 @@ TEST(OpsLinear, GradientsMatchFiniteDifferences) {
   EXPECT_LT(testing::relative_error(dx, testing::finite_difference(x, loss)), 1e-2);
   EXPECT_LT(testing::relative_error(dw, testing::finite_difference(w, loss)), 1e-2);
   EXPECT_LT(testing::relative_error(r, testing::finite_difference(residual, loss)), 1e-2);
+}
+
+// NOTE [Linear bias]: y = x W^T (+ residual) + b on every row, and the bias's gradient is
+// the column sums of dy, written over the gradient buffer or added to it.
+TEST(OpsLinear, BiasIsAddedToEveryRowAndItsGradientIsTheColumnSum) {
+  Rng rng(15);
+  const int64_t tokens = 9, in = 6, out = 5;
+  const Tensor x = random_tensor({tokens, in}, rng), w = random_tensor({out, in}, rng), b = random_tensor({out}, rng);
+  const Tensor dy = random_tensor({tokens, out}, rng), residual = random_tensor({tokens, out}, rng);
+  const LinearWeight weight{.weight = w, .bias = b};
+
+  Tensor y = Tensor::empty({tokens, out}), want = Tensor::empty({tokens, out});
+  testing::fill_nan(y);
+  linear_forward(y, x, weight);
+  matmul(want, x, false, w, true);
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t f = 0; f < out; ++f) want.data<float>()[n * out + f] += b.data<float>()[f];
+  EXPECT_TRUE(bitwise_equal(y, want)) << "forward";
+  linear_forward(y, x, weight, &residual);
+  matmul_add(want, x, false, w, true, residual);
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t f = 0; f < out; ++f) want.data<float>()[n * out + f] += b.data<float>()[f];
+  EXPECT_TRUE(bitwise_equal(y, want)) << "forward with a residual";
+
+  std::vector<double> sums(out, 0.0);
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t f = 0; f < out; ++f) sums[f] += dy.data<float>()[n * out + f];
+  Tensor dw = Tensor::empty({out, in}), db = Tensor::empty({out});
+  const LinearWeight grad{.weight = dw, .bias = db};
+  testing::fill_nan(db);
+  linear_backward_weight(grad, dy, x, /*overwrite=*/true);
+  EXPECT_LT(testing::relative_error(db, sums), 1e-6) << "written over";
+  linear_backward_weight(grad, dy, x, /*overwrite=*/false);
+  std::vector<double> twice = sums;
+  for (double& v : twice) v *= 2.0;
+  EXPECT_LT(testing::relative_error(db, twice), 1e-6) << "added";
+
+  // Both backward ops at once, and a frozen weight (no weight gradient) whose bias trains.
+  Tensor dx = Tensor::empty({tokens, in});
+  testing::fill_nan(db);
+  linear_backward(dx, grad, dy, x, weight, /*overwrite=*/true);
+  EXPECT_LT(testing::relative_error(db, sums), 1e-6) << "linear_backward";
+  LinearWeight frozen;
+  frozen.bias = db;
+  linear_backward(dx, frozen, dy, x, weight, /*overwrite=*/false);
+  EXPECT_LT(testing::relative_error(db, twice), 1e-6) << "frozen weight";
+}
+
+TEST(OpsLinear, BiasGradientMatchesFiniteDifferences) {
+  Rng rng(16);
+  const int64_t tokens = 6, in = 4, out = 3;
+  Tensor x = random_tensor({tokens, in}, rng), w = random_tensor({out, in}, rng), b = random_tensor({out}, rng);
+  Tensor r = random_tensor({tokens, out}, rng), y = Tensor::empty({tokens, out});
+  auto loss = [&] {
+    linear_forward(y, x, LinearWeight{.weight = w, .bias = b});
+    return testing::weighted_sum(y, r);
+  };
+  Tensor dx = Tensor::empty({tokens, in}), dw = Tensor::empty({out, in}), db = Tensor::empty({out});
+  linear_backward(dx, LinearWeight{.weight = dw, .bias = db}, r, x, LinearWeight{.weight = w, .bias = b},
+                  /*overwrite=*/true);
+  EXPECT_LT(testing::relative_error(db, testing::finite_difference(b, loss)), 1e-3);
+  EXPECT_LT(testing::relative_error(dw, testing::finite_difference(w, loss)), 1e-2);
+  EXPECT_LT(testing::relative_error(dx, testing::finite_difference(x, loss)), 1e-2);
+}
+
+TEST(OpsLinear, BiasOfTheWrongShapeIsAClearError) {
+  const Tensor x = Tensor::zeros({2, 3}), w = Tensor::zeros({4, 3}), y = Tensor::zeros({2, 4});
+  expect_error([&] { linear_forward(y, x, LinearWeight{.weight = w, .bias = Tensor::zeros({5})}); },
+               {"add_bias bias", "[5]"});
+  const LinearWeight grad{.weight = Tensor::zeros({4, 3}), .bias = Tensor::zeros({3})};
+  expect_error([&] { linear_backward_weight(grad, y, x, true); }, {"bias_gradient grad_bias"});
+  expect_error([&] { bias_gradient(Tensor::zeros({4}), Tensor::zeros({2, 2, 4}), true); }, {"bias_gradient: dy"});
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
 // cuDNN flash attention (forward and backward) against the CPU reference attention on
-// the packed QKV layout: causal, grouped-query at several ratios, sliding windows, and
-// short or odd sequence lengths; and values of their own head dim (NOTE [Value head dim]
+// the packed QKV layout: causal and bidirectional (NOTE [Bidirectional attention]),
+// grouped-query at several ratios, sliding windows, and short or odd sequence lengths; and values of their own head dim (NOTE [Value head dim]
 // in ops/attention.h) at DeepSeek MLA's dims.
 #include <gtest/gtest.h>
 
@@ -14,15 +14,19 @@ namespace {
 
 struct AttentionCase {
   int64_t batch, seq, q_heads, kv_heads, head_dim, window;
+  bool causal = true;
 };
 
 TEST(GpuAttention, ForwardAndBackwardMatchCpu) {
   Rng rng(seed_for_current_test());
   for (AttentionCase c : {AttentionCase{1, 2, 2, 1, 64, 0}, AttentionCase{2, 37, 4, 4, 64, 0},
                           AttentionCase{1, 129, 8, 2, 128, 0}, AttentionCase{2, 100, 8, 2, 128, 16},
-                          AttentionCase{1, 512, 32, 8, 128, 0}, AttentionCase{1, 300, 4, 1, 64, 1}}) {
+                          AttentionCase{1, 512, 32, 8, 128, 0}, AttentionCase{1, 300, 4, 1, 64, 1},
+                          AttentionCase{1, 2, 2, 1, 64, 0, false}, AttentionCase{2, 37, 4, 4, 64, 0, false},
+                          AttentionCase{1, 129, 8, 2, 128, 0, false}}) {
     int64_t heads = c.q_heads + 2 * c.kv_heads;
     AttentionShape shape{c.q_heads, c.kv_heads, c.window, 1.0f / std::sqrt(static_cast<float>(c.head_dim))};
+    shape.causal = c.causal;
     Tensor qkv = random_bf16_values({c.batch, c.seq, heads, c.head_dim}, rng);
     Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
     attention_forward(out, lse, qkv, shape);
@@ -30,8 +34,8 @@ TEST(GpuAttention, ForwardAndBackwardMatchCpu) {
     Tensor qkvg = to_gpu(qkv, DType::BF16);
     Tensor outg = poisoned_gpu(out.shape(), DType::BF16), lseg = poisoned_gpu(lse.shape(), DType::F32);
     attention_forward(outg, lseg, qkvg, shape);
-    std::string what = fmt::format("b{} t{} hq{} hkv{} d{} w{}", c.batch, c.seq, c.q_heads, c.kv_heads, c.head_dim,
-                                   c.window);
+    std::string what = fmt::format("b{} t{} hq{} hkv{} d{} w{}{}", c.batch, c.seq, c.q_heads, c.kv_heads, c.head_dim,
+                                   c.window, c.causal ? "" : " bidirectional");
     EXPECT_LT(relative_l2(to_cpu_f32(outg), out), kBf16Tolerance) << what;
     EXPECT_LT(relative_l2(to_cpu_f32(lseg), lse), kF32Tolerance) << what;
 

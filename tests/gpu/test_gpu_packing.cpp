@@ -49,17 +49,21 @@ Tensor token_major(const Tensor& lse) {
 
 struct Case {
   int64_t batch, seq, q_heads, kv_heads, head_dim, window, max_length;
+  bool causal = true;  // false: NOTE [Bidirectional attention], within each example
 };
 
 TEST(GpuPacking, AttentionWithSegmentsMatchesCpu) {
   Rng rng(seed_for_current_test());
   for (Case c : {Case{1, 64, 2, 1, 64, 0, 20}, Case{2, 100, 4, 4, 64, 0, 40}, Case{2, 129, 8, 2, 128, 16, 50},
-                 Case{1, 512, 32, 8, 128, 0, 200}, Case{3, 96, 4, 2, 128, 0, 3}, Case{1, 256, 4, 1, 64, 0, 256}}) {
+                 Case{1, 512, 32, 8, 128, 0, 200}, Case{3, 96, 4, 2, 128, 0, 3}, Case{1, 256, 4, 1, 64, 0, 256},
+                 Case{2, 100, 4, 4, 128, 0, 40, false}, Case{2, 129, 8, 2, 64, 0, 50, false}}) {
     const int64_t heads = c.q_heads + 2 * c.kv_heads;
-    const AttentionShape shape{c.q_heads, c.kv_heads, c.window, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
-                               c.head_dim};
-    const std::string what = fmt::format("b{} t{} hq{} hkv{} d{} w{} examples up to {}", c.batch, c.seq, c.q_heads,
-                                         c.kv_heads, c.head_dim, c.window, c.max_length);
+    AttentionShape shape{c.q_heads, c.kv_heads, c.window, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                         c.head_dim};
+    shape.causal = c.causal;
+    const std::string what = fmt::format("b{} t{} hq{} hkv{} d{} w{} examples up to {}{}", c.batch, c.seq, c.q_heads,
+                                         c.kv_heads, c.head_dim, c.window, c.max_length,
+                                         c.causal ? "" : " bidirectional");
     Tensor ids = random_segments(c.batch, c.seq, c.max_length, rng);
     AttentionSegments cpu_segments = attention_segments(ids, shape, Device::CPU);
     AttentionSegments gpu_segments = attention_segments(ids, shape, Device::CUDA);

@@ -1,12 +1,14 @@
-// Exact causal grouped-query attention, forward and backward, on the packed QKV tensor.
+// Exact grouped-query attention, causal or not, forward and backward, on the packed QKV tensor.
 // Queries and keys have head_dim elements, values and outputs v_head_dim (NOTE [Value head
 // dim] in ops/attention.h); every loop below runs over the dim of the vectors it touches,
 // so equal dims are simply the case v_head_dim = head_dim.
 //
-// Query position i of query head h attends to key positions j in [first(i), i], where
-// first(i) = 0 without a sliding window and max(0, i - W + 1) with window W, so the key
-// at j = i is always visible. With packed examples first(i) is also at least the start of
-// i's example, so no token sees another example's. Query head h uses key/value head h / (q_heads / kv_heads).
+// Query position i of query head h attends to key positions j in [first(i), last(i)], where
+// first(i) = 0 without a sliding window and max(0, i - W + 1) with window W, and last(i) = i
+// for causal attention, so the key at j = i is always visible. Without the causal mask
+// (NOTE [Bidirectional attention] in ops/attention.h) last(i) = T - 1. With packed examples
+// first(i) is also at least the start of i's example and last(i) at most its end, so no
+// token sees another example's. Query head h uses key/value head h / (q_heads / kv_heads).
 //
 // Forward, one (batch, head, query) row at a time: scores s_j = scale * q.k_j, softmax
 // with the row maximum subtracted (exponents <= 0, the sum in double), out = sum_j p_j v_j,
@@ -56,6 +58,16 @@ struct Layout {
     int64_t first = d.window > 0 ? std::max<int64_t>(0, i - d.window + 1) : 0;
     return d.example_start ? std::max<int64_t>(first, d.example_start[b * d.seq + i]) : first;
   }
+  // The last key of i's example (its row's last without packed examples) when not causal:
+  // the tokens after i that share its example's first token.
+  int64_t last_key(int64_t b, int64_t i) const {
+    if (d.causal) return i;
+    if (!d.example_start) return d.seq - 1;
+    const int32_t* start = d.example_start + b * d.seq;
+    int64_t last = i;
+    while (last + 1 < d.seq && start[last + 1] == start[i]) ++last;
+    return last;
+  }
   int64_t kv_head_of(int64_t h) const { return h / (d.q_heads / d.kv_heads); }
 };
 
@@ -69,9 +81,9 @@ void attention_forward(float* out, float* lse, const float* qkv, const Attention
     std::vector<float> p(dims.seq);
     for (int64_t row = begin; row < end; ++row) {
       int64_t i = row % dims.seq, h = (row / dims.seq) % dims.q_heads, b = row / (dims.seq * dims.q_heads);
-      int64_t g = at.kv_head_of(h), first = at.first_key(b, i);
+      int64_t g = at.kv_head_of(h), first = at.first_key(b, i), last = at.last_key(b, i);
       const double row_lse = attend_row(
-          out + at.out_row(b, i, h), qkv + at.query(b, i, h), first, i, dims.scale, dims.head_dim, dims.v_head_dim,
+          out + at.out_row(b, i, h), qkv + at.query(b, i, h), first, last, dims.scale, dims.head_dim, dims.v_head_dim,
           p.data(),
           [&](int64_t j) { return qkv + at.key(b, j, g); }, [&](int64_t j) { return qkv + at.value(b, j, g); });
       lse[at.lse_index(b, h, i)] = static_cast<float>(row_lse);
@@ -99,7 +111,7 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
           float* dq = dqkv + at.query(b, i, h);
           float lse_i = lse[at.lse_index(b, h, i)];
           float correction = dot(dout_i, out + at.out_row(b, i, h), dv);
-          for (int64_t j = at.first_key(b, i); j <= i; ++j) {
+          for (int64_t j = at.first_key(b, i), last = at.last_key(b, i); j <= last; ++j) {
             const float* k = qkv + at.key(b, j, g);
             const float* v = qkv + at.value(b, j, g);
             float p = std::exp(dims.scale * dot(q, k, d) - lse_i);

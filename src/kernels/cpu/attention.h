@@ -10,7 +10,9 @@ namespace forge::cpu {
 // dim]); out [batch, seq, q_heads, v_head_dim], lse [batch, q_heads, seq]. q_heads is a
 // multiple of kv_heads; window 0 means no sliding window. example_start, when given, is int32 [batch, seq]:
 // the index in its row of the first token of each token's example (packed examples, NOTE
-// [Packed examples] in ops/attention.h); a query sees no key before it.
+// [Packed examples] in ops/attention.h); a query sees no key before it. Without `causal`
+// (NOTE [Bidirectional attention], no window then) a query sees every key of its row, or
+// of its example.
 struct AttentionDims {
   int64_t batch = 0;
   int64_t seq = 0;
@@ -20,6 +22,7 @@ struct AttentionDims {
   int64_t v_head_dim = 0;  // of values and out
   int64_t window = 0;
   float scale = 0.0f;
+  bool causal = true;
   const int32_t* example_start = nullptr;
 };
 

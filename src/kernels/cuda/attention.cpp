@@ -1,5 +1,5 @@
-// Causal grouped-query attention on the GPU through cuDNN's fused flash attention
-// (cudnn-frontend's SDPA graphs), forward and backward.
+// Grouped-query attention on the GPU through cuDNN's fused flash attention
+// (cudnn-frontend's SDPA graphs), forward and backward, causal or not.
 //
 // The packed QKV projection output [B, T, Hq + 2 Hkv, D] is handed to cuDNN as three
 // strided 4-D views (dims b, h, s, d): Q at head offset 0, K at Hq, V at Hq + Hkv, each
@@ -20,15 +20,17 @@
 //
 // Masking is causal with the diagonal at the top left; a sliding window W sets the band's
 // left bound to W, which keeps key j for query i when j + W > i, i.e. i - j < W, the same
-// rule as the CPU reference. The softmax statistics cuDNN saves are the log-sum-exp of
-// the scaled scores, which is what the CPU reference calls lse.
+// rule as the CPU reference. Bidirectional attention (NOTE [Bidirectional attention] in
+// ops/attention.h, p.causal false, never with a window or a chunk) sets neither the causal
+// mask nor a band: every query sees every key of its sequence. The softmax statistics cuDNN
+// saves are the log-sum-exp of the scaled scores, which is what the CPU reference calls lse.
 //
 // Packed examples (NOTE [Packed examples] in ops/attention.h) use cuDNN's ragged ("THD")
 // layout: the graph's batch is the micro-batch's examples (rounded up to a power of two with
 // empty sequences), each at most T tokens, found through per-sequence ragged offset tensors
 // (element offsets of its first token in Q/K/V, which share qkv's rows and so one offset
 // tensor, in O/dO and in the statistics) and lengths (seq_len_q = seq_len_kv) with the
-// padding mask; the same causal mask and window then apply within each example. The
+// padding mask; the same causal mask (if any) and window then apply within each example. The
 // statistics are ragged too: token-major [B * T, Hq].
 //
 // Chunk attention (NOTE [Chunk attention] in ops/attention_chunk.h, context parallelism's)
@@ -43,7 +45,7 @@
 // whole of dkv is the chunk's gradient.
 //
 // Built graphs are cached per problem shape (batch, seq, heads, both head dims, window,
-// scale, ragged capacity, chunk); building one takes tens of milliseconds, executing it
+// scale, ragged capacity, chunk, causal or not); building one takes tens of milliseconds, executing it
 // microseconds to milliseconds.
 #include "kernels/cuda/attention.h"
 
@@ -81,7 +83,7 @@ struct CachedGraph {
 };
 
 using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t,
-                              int64_t, bool>;
+                              int64_t, bool, bool>;
 
 struct Context {
   cudnnHandle_t handle = nullptr;
@@ -184,7 +186,7 @@ void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProble
   attributes.set_attn_scale(p.scale);
   if (is_chunk(p))
     attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT).set_diagonal_band_right_bound(0);
-  else
+  else if (p.causal)
     attributes.set_causal_mask(true);
   if (p.sliding_window > 0) attributes.set_diagonal_band_left_bound(static_cast<int>(p.sliding_window));
   if (p.ragged.capacity == 0) return;
@@ -256,7 +258,8 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
 
 const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool backward) {
   ProblemKey key{p.batch,          p.seq,   p.q_heads,          p.kv_heads,       p.head_dim,     p.v_head_dim,
-                 p.sliding_window, p.scale, p.ragged.capacity, p.chunk.position, p.chunk.kv_seq, backward};
+                 p.sliding_window, p.scale, p.ragged.capacity, p.chunk.position, p.chunk.kv_seq, p.causal,
+                 backward};
   auto it = ctx.graphs.find(key);
   if (it == ctx.graphs.end())
     it = ctx.graphs.emplace(key, backward ? build_backward(ctx, p) : build_forward(ctx, p)).first;
@@ -316,11 +319,11 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
 }
 
 void check_chunk(const AttentionProblem& p) {
-  if (!is_chunk(p) || p.ragged.capacity > 0 || p.v_head_dim != p.head_dim || p.chunk.position < 0 ||
+  if (!is_chunk(p) || !p.causal || p.ragged.capacity > 0 || p.v_head_dim != p.head_dim || p.chunk.position < 0 ||
       p.chunk.position + p.seq > p.chunk.kv_seq)
-    FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{})", p.seq,
-               p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim,
-               p.ragged.capacity > 0 ? ", ragged" : "");
+    FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
+               p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim, p.ragged.capacity > 0 ? ", ragged" : "",
+               p.causal ? "" : ", not causal");
 }
 
 }  // namespace

@@ -32,6 +32,7 @@ struct AttentionProblem {
   float scale;
   RaggedSequences ragged{};
   KeyValueChunk chunk{};  // the chunk forms below only
+  bool causal = true;     // false: no mask but the ragged padding (NOTE [Bidirectional attention]); not for chunks
 };
 
 // qkv bf16 [B, T, (Hq + Hkv) D + Hkv Dv] (packed as the fused projection writes it: per

@@ -10,7 +10,14 @@
 
 namespace forge::cuda {
 
-enum class ScratchSlot { RmsnormPartials, SumOfSquaresPartials, EmbeddingIndex, Count };
+enum class ScratchSlot {
+  RmsnormPartials,
+  SumOfSquaresPartials,
+  EmbeddingIndex,
+  QkNormRopePartials,
+  BiasGradientPartials,
+  Count
+};
 
 void* scratch_buffer(ScratchSlot slot, size_t bytes);
 
