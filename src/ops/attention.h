@@ -1,4 +1,5 @@
-// Causal grouped-query attention on the packed output of the fused QKV projection.
+// Grouped-query attention, causal unless asked otherwise, on the packed output of the fused
+// QKV projection (NOTE [Bidirectional attention]).
 //
 // qkv is [B, T, Hq + 2*Hkv, D]: heads [0, Hq) are queries, [Hq, Hq+Hkv) keys, and
 // [Hq+Hkv, Hq+2*Hkv) values. Query head h reads key/value head h / (Hq / Hkv), so K and V
