@@ -103,16 +103,16 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
           const int64_t rows_ = n.b * n.stream_tokens(s);
           st.mod = a.take({n.b, 6 * n.d}, dt);
           for (Tensor& c : st.chunk) c = a.take({n.b, n.d}, dt);
-          st.mean1 = a.take({rows_}, f32);
-          st.rstd1 = a.take({rows_}, f32);
+          st.mean1 = a.take({n.b, n.stream_tokens(s)}, f32);
+          st.rstd1 = a.take({n.b, n.stream_tokens(s)}, f32);
           st.n1 = a.take({rows_, n.d}, dt);
           st.qkv = a.take({rows_, 3 * n.d}, dt);
           st.rstd_qk = a.take({rows_, 2 * n.h}, f32);
           st.attn = a.take({rows_, n.d}, dt);
           st.o = a.take({rows_, n.d}, dt);
           st.mid = a.take({rows_, n.d}, dt);
-          st.mean2 = a.take({rows_}, f32);
-          st.rstd2 = a.take({rows_}, f32);
+          st.mean2 = a.take({n.b, n.stream_tokens(s)}, f32);
+          st.rstd2 = a.take({n.b, n.stream_tokens(s)}, f32);
           st.n2 = a.take({rows_, n.d}, dt);
           st.h = a.take({rows_, n.m}, dt);
           st.a = a.take({rows_, n.m}, dt);
@@ -127,8 +127,8 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
         const int64_t rows_ = n.b * n.t;
         x.mod = a.take({n.b, 3 * n.d}, dt);
         for (Tensor& c : x.chunk) c = a.take({n.b, n.d}, dt);
-        x.mean = a.take({rows_}, f32);
-        x.rstd = a.take({rows_}, f32);
+        x.mean = a.take({n.b, n.t}, f32);
+        x.rstd = a.take({n.b, n.t}, f32);
         x.n = a.take({rows_, n.d}, dt);
         x.qkv = a.take({rows_, 3 * n.d}, dt);
         x.rstd_qk = a.take({rows_, 2 * n.h}, f32);
@@ -142,8 +142,8 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
   acts.head_mod = a.take({n.b, 2 * n.d}, dt);
   for (Tensor& c : acts.head_chunk) c = a.take({n.b, n.d}, dt);
   acts.image_out = a.take({n.b * n.s, n.d}, dt);
-  acts.head_mean = a.take({n.b * n.s}, f32);
-  acts.head_rstd = a.take({n.b * n.s}, f32);
+  acts.head_mean = a.take({n.b, n.s}, f32);
+  acts.head_rstd = a.take({n.b, n.s}, f32);
   acts.head_n = a.take({n.b * n.s, n.d}, dt);
   acts.cos = a.take({n.t, n.hd / 2}, f32);
   acts.sin = a.take({n.t, n.hd / 2}, f32);
@@ -406,15 +406,17 @@ void FluxTransformer::forward(const FluxInputs& inputs, FluxParamSource& params,
 
   // Conditioning: temb = time MLP + [guidance MLP] + pooled-text MLP; every modulation reads silu(temb).
   const FluxUnitWeights& e = params.unit(0);
-  std::vector<float> scaled(inputs.timesteps);
-  for (float& v : scaled) v *= 1000.0f;
+  // Scaled by 1000 as diffusers does, in double then rounded (its float64 reference's order).
+  auto scaled_by_1000 = [](std::vector<float> values) {
+    for (float& v : values) v = static_cast<float>(static_cast<double>(v) * 1000.0);
+    return values;
+  };
+  const std::vector<float> scaled = scaled_by_1000(inputs.timesteps);
   upload(acts.time_features, timestep_features(scaled, config_.timestep_dim));
   mlp_embedder_forward(acts.time_h, acts.time_a, acts.time_features, e.linears[fu::kTime1]);
   linear_forward(acts.temb, acts.time_a, e.linears[fu::kTime2]);
   if (config_.guidance_embeds) {
-    std::vector<float> guidance(inputs.guidance);
-    for (float& v : guidance) v *= 1000.0f;
-    upload(acts.guidance_features, timestep_features(guidance, config_.timestep_dim));
+    upload(acts.guidance_features, timestep_features(scaled_by_1000(inputs.guidance), config_.timestep_dim));
     mlp_embedder_forward(acts.guidance_h, acts.guidance_a, acts.guidance_features, e.linears[fu::kGuidance1]);
     linear_forward(acts.temb, acts.guidance_a, e.linears[fu::kGuidance2], &acts.temb);
   }
