@@ -484,15 +484,29 @@ void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
 
 // A FLUX run (NOTE [FLUX runs] in train/flux_trainer.h): a known model, an image size the
 // VAE and the patches divide, one device, bf16 on CUDA or fp32 on the CPU, and none of the
-// language-model features it does not have. flux.* keys without flux.model are refused.
-void check_flux(const ExperimentConfig& config, const ConfigOrigins& origins, const KeyDescriber& keys) {
+// language-model features it does not have. flux.* values without flux.model are refused.
+void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   const FluxRunConfig& f = config.flux;
   if (f.model.empty()) {
-    for (const auto& [key, origin] : origins)
-      if (key.starts_with("flux.") && key != "flux.model" && origin != "default value")
-        FORGE_FAIL("{} ({}) sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
+    // A resolved config lists every flux.* key at its default; one set to anything else
+    // asks for a FLUX run.
+    const FluxRunConfig d;
+    const std::pair<const char*, bool> changed[] = {
+        {"flux.num_double_blocks", f.num_double_blocks != d.num_double_blocks},
+        {"flux.num_single_blocks", f.num_single_blocks != d.num_single_blocks},
+        {"flux.resolution", f.resolution != d.resolution},
+        {"flux.text_tokens", f.text_tokens != d.text_tokens},
+        {"flux.guidance", f.guidance != d.guidance},
+        {"flux.timestep_sampling", f.timestep_sampling != d.timestep_sampling},
+        {"flux.logit_mean", f.logit_mean != d.logit_mean},
+        {"flux.logit_std", f.logit_std != d.logit_std},
+        {"flux.timestep_shift", f.timestep_shift != d.timestep_shift},
+        {"flux.shift", f.shift != d.shift}};
+    for (const auto& [key, differs] : changed)
+      if (differs)
+        FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
                    "flux-debug)",
-                   key, origin);
+                   show(config, keys, key));
     return;
   }
   if (!is_flux_model(f.model))
@@ -539,7 +553,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_mla(config, keys);
   resolve_batch(config, keys);
   check_pipeline_parallel_degree(config, keys);
-  check_flux(config, origins, keys);
+  check_flux(config, keys);
 }
 
 }  // namespace forge

@@ -178,7 +178,7 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "peak_memory_bytes", "duration_s", "fp8", "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 27u);
+  EXPECT_EQ(first.size(), 28u);
   EXPECT_EQ(first["fp8"], "none");
   EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");
