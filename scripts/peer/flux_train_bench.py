@@ -5,8 +5,11 @@ rectified flow the way forge trains it, on the same shapes.
 fp32 master weights with bf16 autocast, fused AdamW (lr 1e-5, betas 0.9/0.999, weight decay
 0.01), global-norm clipping at 1, the flow-matching MSE on synthetic latents, text features
 and pooled vectors (as forge's synthetic micro-batches), torch.compile of the transformer
-with --compile, diffusers' gradient checkpointing with --checkpointing. Prints one JSON
-line with images_per_s and model_tflops.
+with --compile, diffusers' gradient checkpointing with --checkpointing. Attention is
+PyTorch's SDPA with its flash and memory-efficient backends: its cuDNN backend failed on
+the H200 with PyTorch 2.11 (cuDNN 9.19) on these shapes ("mha_graph.execute(...) is_good()"
+and illegal addresses in the backward, 2026-12-02), so it is switched off (--sdpa-cudnn
+turns it back on). Prints one JSON line with images_per_s and model_tflops.
 
   python3 flux_train_bench.py --double 2 --single 4 --resolution 1024 --text 512 --batch 1 --compile
 
@@ -38,7 +41,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--sdpa-cudnn", action="store_true", help="allow SDPA's cuDNN backend")
     a = ap.parse_args()
+    torch.backends.cuda.enable_cudnn_sdp(a.sdpa_cudnn)
     torch.manual_seed(0)
     model = FluxTransformer2DModel(num_layers=a.double, num_single_layers=a.single, guidance_embeds=True).cuda()
     if a.checkpointing:
