@@ -39,7 +39,9 @@ def main():
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile of the whole transformer")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="diffusers' regional compilation: torch.compile of each repeated block")
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--sdpa-cudnn", action="store_true", help="allow SDPA's cuDNN backend")
     a = ap.parse_args()
@@ -49,6 +51,8 @@ def main():
     if a.checkpointing:
         model.enable_gradient_checkpointing()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.999), weight_decay=0.01, fused=True)
+    if a.compile_blocks:
+        model.compile_repeated_blocks(fullgraph=True)
     f = torch.compile(model) if a.compile else model
     grid = a.resolution // 16
     s, l, B = grid * grid, a.text, a.batch
@@ -89,7 +93,7 @@ def main():
     images = a.accum * B / dt
     flops = flops_per_image(3072, 12288, a.double, a.single, s, l)
     print(json.dumps(dict(peer="diffusers-flux", double=a.double, single=a.single, resolution=a.resolution, text=l,
-                          batch=B, accum=a.accum, compile=a.compile, checkpointing=a.checkpointing,
+                          batch=B, accum=a.accum, compile=a.compile, compile_blocks=a.compile_blocks, checkpointing=a.checkpointing,
                           step_ms=round(dt * 1e3, 1), images_per_s=round(images, 3),
                           model_tflops=round(images * flops / 1e12, 1),
                           peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 1),
