@@ -136,11 +136,16 @@ std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config) {
 
 FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dtype, float init_std)
     : config_(config), init_std_(init_std), specs_(flux_parameter_specs(config)) {
+  // NOTE [FLUX parameter regions]: the weight-decayed tensors first, then the others.
   int64_t total = 0;
-  std::vector<int64_t> offsets;
-  for (const ParamSpec& s : specs_) {
-    offsets.push_back(total);
-    total += aligned(shape_numel(s.shape));
+  std::vector<int64_t> offsets(specs_.size());
+  for (bool decayed : {true, false}) {
+    if (!decayed) decayed_values_ = total;
+    for (size_t i = 0; i < specs_.size(); ++i)
+      if (specs_[i].weight_decay == decayed) {
+        offsets[i] = total;
+        total += aligned(shape_numel(specs_[i].shape));
+      }
   }
   flat_ = Tensor::zeros({total}, dtype, device);
   units_.resize(static_cast<size_t>(flux_num_units(config_)));

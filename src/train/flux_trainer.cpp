@@ -1,11 +1,13 @@
 // FLUX training on one device; see flux_trainer.h.
 #include "train/flux_trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
 #include "core/device.h"
 #include "core/log.h"
+#include "core/op_profile.h"
 #include "core/rng.h"
 #include "model/flux_parameters.h"
 #include "ops/adamw.h"
@@ -102,8 +104,10 @@ FluxTrainResult FluxTrainer::run(bool log) {
   std::vector<float> guidance(static_cast<size_t>(s.shape.batch), static_cast<float>(config_.flux.guidance));
   if (!s.model_config.guidance_embeds) guidance.clear();
   const double images_per_step = static_cast<double>(s.shape.batch * accumulation);
+  set_op_profiling(config_.logging.profile_ops);
   for (int64_t step = 0; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
+    reset_op_profile();
     s.grads.zero();
     s.loss.fill_zero();
     for (int64_t micro = 0; micro < accumulation; ++micro) {
@@ -132,10 +136,12 @@ FluxTrainResult FluxTrainer::run(bool log) {
     h.eps = config_.optimizer.eps;
     h.step = step + 1;
     h.grad_scale = coefficient;
-    for (size_t i = 0; i < s.master.specs().size(); ++i) {
-      h.weight_decay = s.master.specs()[i].weight_decay ? config_.optimizer.weight_decay : 0.0;
-      adamw_update(s.master.tensors()[i], s.grads.tensors()[i], s.m.tensors()[i], s.v.tensors()[i], h,
-                   s.device == Device::CUDA ? s.compute.tensors()[i] : Tensor());
+    // Two calls, with and without weight decay (NOTE [FLUX parameter regions]).
+    for (const bool decayed : {true, false}) {
+      auto region = [&](const FluxParameters& p) { return decayed ? p.decayed() : p.not_decayed(); };
+      h.weight_decay = decayed ? config_.optimizer.weight_decay : 0.0;
+      adamw_update(region(s.master), region(s.grads), region(s.m), region(s.v), h,
+                   s.device == Device::CUDA ? region(s.compute) : Tensor());
     }
     if (s.device == Device::CPU) s.compute.assign_from(s.master);
     const Tensor host_loss = s.loss.to(Device::CPU);  // waits for the step's work
@@ -148,6 +154,12 @@ FluxTrainResult FluxTrainer::run(bool log) {
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
                loss, norm, h.lr, images_per_step / seconds, seconds * 1e3);
+  }
+  if (log && config_.logging.profile_ops) {  // NOTE [Op profiling]: the last step's time per op
+    std::vector<std::pair<double, std::string>> ops;
+    for (const auto& [name, seconds] : op_profile_seconds_by_op()) ops.emplace_back(seconds, name);
+    std::sort(ops.rbegin(), ops.rend());
+    for (const auto& [seconds, name] : ops) log_info("  {:9.3f} ms  {}", seconds * 1e3, name);
   }
   return result;
 }
