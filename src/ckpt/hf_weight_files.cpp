@@ -10,9 +10,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kSingleFile = "model.safetensors";
-constexpr const char* kIndexFile = "model.safetensors.index.json";
-
 // A shard's name in the index: one file name in the model's directory, no longer than a
 // file name may be (NAME_MAX, 255 bytes on Linux), so that looking it up can only find or
 // not find it.
@@ -24,10 +21,11 @@ bool is_plain_file_name(const std::string& name) {
 
 }  // namespace
 
-HfWeightFiles::HfWeightFiles(const std::string& dir) {
+HfWeightFiles::HfWeightFiles(const std::string& dir, const std::string& base) {
   if (!fs::is_directory(dir)) FORGE_FAIL("'{}' is not a directory (expected a Hugging Face model directory)", dir);
-  const std::string single = (fs::path(dir) / kSingleFile).string();
-  const std::string index = (fs::path(dir) / kIndexFile).string();
+  const std::string single_name = base + ".safetensors", index_name = base + ".safetensors.index.json";
+  const std::string single = (fs::path(dir) / single_name).string();
+  const std::string index = (fs::path(dir) / index_name).string();
   if (fs::exists(single)) {
     files_.push_back(std::make_unique<SafetensorsFile>(single));
   } else if (fs::exists(index)) {
@@ -37,7 +35,7 @@ HfWeightFiles::HfWeightFiles(const std::string& dir) {
                "save_pretrained(..., safe_serialization=True))",
                dir);
   } else {
-    FORGE_FAIL("'{}' has neither {} nor {}", dir, kSingleFile, kIndexFile);
+    FORGE_FAIL("'{}' has neither {} nor {}", dir, single_name, index_name);
   }
 }
 

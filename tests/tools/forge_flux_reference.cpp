@@ -8,12 +8,18 @@
 //                                    pooled.bin and dout.bin (fp32); writes DIR/out.bin (the
 //                                    predicted velocity) and DIR/grads.bin (the gradient of
 //                                    sum(out * dout) for every parameter, specs order)
+//   forge_flux_reference load DIR PATH       reads the FLUX weights at PATH (a diffusers folder or
+//                                            BFL's file) into DIR/loaded.bin (specs order)
+//   forge_flux_reference export DIR PATH diffusers|bfl
+//                                            writes DIR/weights.bin's parameters to PATH in that
+//                                            layout (fp32)
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "ckpt/flux_weights.h"
 #include "model/flux_parameters.h"
 #include "model/flux_transformer.h"
 
@@ -60,8 +66,8 @@ void write(const std::string& path, const Tensor& t) {
 }  // namespace
 
 int main(int argc, char** argv) try {
-  if (argc != 3) {
-    std::cerr << "usage: forge_flux_reference specs|run DIR\n";
+  if (argc < 3) {
+    std::cerr << "usage: forge_flux_reference specs|run DIR | load DIR PATH | export DIR PATH diffusers|bfl\n";
     return 2;
   }
   const std::string mode = argv[1], dir = argv[2];
@@ -77,6 +83,27 @@ int main(int argc, char** argv) try {
     std::ofstream(dir + "/specs.json") << specs.dump(1);
     return 0;
   }
+  if (mode == "load" && argc == 4) {
+    FluxParameters params(config);
+    load_flux_weights(argv[3], params);
+    std::ofstream out(dir + "/loaded.bin", std::ios::binary);
+    for (const Tensor& t : params.tensors())
+      out.write(reinterpret_cast<const char*>(t.data<float>()), static_cast<std::streamsize>(t.nbytes()));
+    return 0;
+  }
+  if (mode == "export" && argc == 5) {
+    FluxParameters params(config);
+    std::ifstream in(dir + "/weights.bin", std::ios::binary);
+    for (const Tensor& t : params.tensors())
+      in.read(reinterpret_cast<char*>(t.data<float>()), static_cast<std::streamsize>(t.nbytes()));
+    FORGE_CHECK(in.good(), "{}/weights.bin is shorter than the parameters", dir);
+    const std::string layout = argv[4];
+    FORGE_CHECK(layout == "diffusers" || layout == "bfl", "layout '{}': expected diffusers or bfl", layout);
+    save_flux_weights(argv[3], params, layout == "bfl" ? FluxWeightLayout::Bfl : FluxWeightLayout::Diffusers,
+                      SafetensorsDType::F32);
+    return 0;
+  }
+  FORGE_CHECK(mode == "run" && argc == 3, "unknown mode '{}' or wrong argument count", mode);
   FluxShape shape;
   shape.batch = j.at("batch");
   shape.text_tokens = j.at("text_tokens");

@@ -1,0 +1,41 @@
+// FLUX transformer weights in and out of the two published layouts.
+//
+// NOTE [FLUX weight files]
+// diffusers  a model folder (FLUX.1-dev's transformer/ subfolder, or the repository folder
+//            holding it) with diffusion_pytorch_model.safetensors or its sharded index and
+//            config.json: FluxTransformer2DModel's names, q, k and v separate (forge's
+//            fused to_qkv / to_added_qkv stack them, NOTE [Fused projections]).
+// bfl        Black Forest Labs' single file (flux1-dev.safetensors): double_blocks.{i}.
+//            img_attn.qkv (q, k, v fused), img_mod.lin, img_mlp.0/.2, ...; single_blocks.{i}.
+//            linear1 (q, k, v and the MLP's input stacked: forge's attn.to_qkv and proj_mlp),
+//            linear2, modulation.lin; time_in / vector_in / guidance_in, img_in, txt_in, and
+//            final_layer.adaLN_modulation.1, whose (shift, scale) halves are diffusers'
+//            (scale, shift) swapped (diffusers' convert_flux_transformer_checkpoint_to_diffusers).
+// Loading checks every tensor: each parameter must be there with the shape the model
+// expects, and a tensor the model has no place for is an error naming it, so a file of
+// another architecture (or of a proxy's block count) is refused rather than half-loaded.
+// A diffusers folder's config.json must agree with the model too.
+#pragma once
+
+#include <string>
+
+#include "ckpt/safetensors.h"
+#include "model/flux_parameters.h"
+
+namespace forge {
+
+enum class FluxWeightLayout { Diffusers, Bfl };
+
+// A directory is a diffusers folder (its transformer/ subfolder when it has one), a file
+// BFL's single file.
+FluxWeightLayout flux_weight_layout_of(const std::string& path);
+
+// Reads every parameter into `params` (fp32 on the CPU).
+void load_flux_weights(const std::string& path, FluxParameters& params);
+
+// Writes `params` (fp32 on the CPU) stored as `stored` (F32, BF16 or F16): a diffusers folder
+// (diffusion_pytorch_model.safetensors and config.json) or a BFL single file, atomically.
+void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,
+                       SafetensorsDType stored);
+
+}  // namespace forge
