@@ -485,6 +485,13 @@ std::vector<ConfigKey> build_schema() {
           {"resolution", "fixed", "none"}),
       key<&E::flux, &FluxRunConfig::shift>("flux.shift", "the fixed shift s: t' = s t / (1 + (s - 1) t)",
                                            ValueRange{1e-3, 1000}),
+      key<&E::flux, &FluxRunConfig::initial_load_path>(
+          "flux.initial_load_path",
+          "start from these FLUX weights: a diffusers folder (or a pipeline's, with transformer/) or BFL's "
+          ".safetensors file"),
+      key<&E::flux, &FluxRunConfig::last_save_in_diffusers>(
+          "flux.last_save_in_diffusers",
+          "write the final weights as a diffusers folder to <run_dir>/diffusers, in checkpoint.export_dtype"),
   };
 }
 

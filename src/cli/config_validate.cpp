@@ -1,6 +1,7 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
 #include "cli/config_validate.h"
 #include "cli/flux_info.h"
+#include "ckpt/flux_weights.h"
 
 #include <algorithm>
 #include <cctype>
@@ -501,7 +502,9 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.logit_mean", f.logit_mean != d.logit_mean},
         {"flux.logit_std", f.logit_std != d.logit_std},
         {"flux.timestep_shift", f.timestep_shift != d.timestep_shift},
-        {"flux.shift", f.shift != d.shift}};
+        {"flux.shift", f.shift != d.shift},
+        {"flux.initial_load_path", f.initial_load_path != d.initial_load_path},
+        {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers}};
     for (const auto& [key, differs] : changed)
       if (differs)
         FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
@@ -531,8 +534,10 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.activation_checkpoint.mode == "selective")
     FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
   if (config.checkpoint.enable || config.eval.interval > 0 || !config.checkpoint.initial_load_path.empty())
-    FORGE_FAIL("a FLUX run has no evaluation, checkpoints or initial weights yet: set eval.interval 0 and "
-               "checkpoint.enable false, and leave checkpoint.initial_load_path empty");
+    FORGE_FAIL("a FLUX run has no evaluation or checkpoints yet, and starts from weights with "
+               "flux.initial_load_path: set eval.interval 0 and checkpoint.enable false, and leave "
+               "checkpoint.initial_load_path empty");
+  if (!f.initial_load_path.empty()) flux_weight_layout_of(f.initial_load_path);  // says what is not there
 }
 
 void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins) {

@@ -124,6 +124,8 @@ struct FluxRunConfig {
   double logit_std = 1.0;
   std::string timestep_shift = "resolution";       // resolution | fixed | none
   double shift = 3.0;                   // the fixed shift
+  std::string initial_load_path;        // start from these weights: a diffusers folder or BFL's file
+  bool last_save_in_diffusers = false;  // write the final weights to <run_dir>/diffusers
 };
 
 struct ExperimentConfig {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 
+#include "ckpt/flux_weights.h"
 #include "core/device.h"
 #include "core/log.h"
 #include "core/op_profile.h"
@@ -18,6 +19,7 @@
 #include "ops/random_normal.h"
 #include "optim/optimizer.h"
 #include "train/flow_timesteps.h"
+#include "train/run_dir.h"
 
 namespace forge {
 
@@ -78,6 +80,12 @@ struct FluxTrainer::State {
     t = Tensor::empty({sh.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
     master.initialize(c.training.seed);
+    if (!c.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
+      FluxParameters host(mc);
+      load_flux_weights(c.flux.initial_load_path, host);
+      master.assign_from(host);
+      log_info("FLUX weights from {}", c.flux.initial_load_path);
+    }
     compute.assign_from(master);
     m.zero();
     v.zero();
@@ -154,6 +162,17 @@ FluxTrainResult FluxTrainer::run(bool log) {
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
                loss, norm, h.lr, images_per_step / seconds, seconds * 1e3);
+  }
+  if (config_.flux.last_save_in_diffusers) {
+    const std::string dir = expand_run_dir(config_.logging.run_dir, config_.flux.model);
+    create_run_dir(dir);
+    FluxParameters host(s.model_config);
+    host.assign_from(s.master);
+    const std::string& dtype = config_.checkpoint.export_dtype;
+    save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers,
+                      dtype == "fp32" ? SafetensorsDType::F32 : dtype == "fp16" ? SafetensorsDType::F16
+                                                                : SafetensorsDType::BF16);
+    if (log) log_info("exported the FLUX weights to {}/diffusers ({})", dir, dtype == "auto" ? "bf16" : dtype);
   }
   if (log && config_.logging.profile_ops) {  // NOTE [Op profiling]: the last step's time per op
     std::vector<std::pair<double, std::string>> ops;

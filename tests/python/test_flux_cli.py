@@ -60,6 +60,35 @@ class FluxCli(unittest.TestCase):
         self.assertNotEqual(result.returncode, 0)
         self.assertIn("--training.seq_len", result.stderr)
 
+    def test_start_from_diffusers_weights_and_export_them(self):
+        import torch
+        from diffusers import FluxTransformer2DModel
+        tmp = scratch_dir()
+        torch.manual_seed(0)
+        # flux-debug's architecture in diffusers.
+        model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                       pooled_projection_dim=16, guidance_embeds=True, axes_dims_rope=(4, 6, 6))
+        source = os.path.join(tmp, "source")
+        model.save_pretrained(source)
+        run_dir = os.path.join(tmp, "run")
+        # lr 0: the exported weights are the loaded ones, bit for bit (fp32 export).
+        result = forge("train", experiment(), "--training.steps", "1", "--optimizer.lr", "0", "--logging.run_dir",
+                       run_dir, "--flux.initial_load_path", source, "--flux.last_save_in_diffusers", "true",
+                       "--checkpoint.export_dtype", "fp32")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        back = FluxTransformer2DModel.from_pretrained(os.path.join(run_dir, "diffusers"))
+        for (name, a), (_, b) in zip(model.state_dict().items(), back.state_dict().items()):
+            self.assertTrue(torch.equal(a, b), name)
+        # Weights of another architecture.
+        result = forge("train", experiment(), "--training.steps", "1", "--flux.initial_load_path", source,
+                       "--flux.num_single_blocks", "3")
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn('"num_single_layers" is 2', result.stderr)
+        result = forge("train", experiment(), "--flux.initial_load_path", os.path.join(tmp, "nothing"))
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("not found", result.stderr)
+
     def test_bad_flux_settings_are_refused(self):
         cases = [
             (["--flux.model", "", "--flux.resolution", "512"], "flux.model is empty"),
