@@ -15,6 +15,21 @@
 namespace forge {
 namespace {
 
+// Runs `measure`, turning an out-of-memory error into status "oom" and any other forge
+// error into "failed", with the message.
+template <typename Measure>
+void catching_failures(BenchResult& r, Measure measure) {
+  try {
+    measure();
+  } catch (const OutOfMemoryError& e) {
+    r.status = "oom";
+    r.error = e.what();
+  } catch (const Error& e) {
+    r.status = "failed";
+    r.error = e.what();
+  }
+}
+
 // NOTE [FLUX benchmarks]: images per second per GPU as the seeds report FLUX (frames/s),
 // model TFLOP/s by NOTE [FLUX FLOPs]; tokens/s counts image and text tokens.
 void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
@@ -26,7 +41,7 @@ void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
                 : fmt::format("{} ({}+{} blocks)", c.flux.model, model.num_double_blocks, model.num_single_blocks);
   r.seq_len = shape.tokens();
   r.global_batch = shape.batch * r.grad_accum;
-  try {
+  catching_failures(r, [&] {
     FluxTrainResult run;
     {
       FluxTrainer trainer(c);
@@ -41,13 +56,7 @@ void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
     r.tokens_per_s_per_gpu = images * static_cast<double>(shape.tokens());
     r.tflops_per_gpu = images * model.training_flops_per_image(shape.image_tokens(), shape.text_tokens) / 1e12;
     if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
-  } catch (const OutOfMemoryError& e) {
-    r.status = "oom";
-    r.error = e.what();
-  } catch (const Error& e) {
-    r.status = "failed";
-    r.error = e.what();
-  }
+  });
 }
 
 }  // namespace
@@ -82,7 +91,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
     r.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return r;
   }
-  try {
+  catching_failures(r, [&] {
     TrainResult run;
     {
       Trainer trainer(c, resolved_yaml, world);
@@ -99,13 +108,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
     if (const auto peak = peak_tflops(r.device_name)) r.mfu = r.tflops_per_gpu / *peak;
     if (const auto peak = peak_fp8_tflops(r.device_name); peak && r.fp8 != "none")
       r.mfu_fp8 = r.tflops_per_gpu / *peak;
-  } catch (const OutOfMemoryError& e) {
-    r.status = "oom";
-    r.error = e.what();
-  } catch (const Error& e) {
-    r.status = "failed";
-    r.error = e.what();
-  }
+  });
   r.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
   r.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return r;

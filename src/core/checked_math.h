@@ -25,6 +25,15 @@ inline std::optional<int64_t> checked_mul(int64_t a, int64_t b) {
   return product;
 }
 
+// Partial sums and products kept in optional: one overflow anywhere empties the result
+// (parameter counts built up term by term).
+inline std::optional<int64_t> checked_add(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a && b ? checked_add(*a, *b) : std::nullopt;
+}
+inline std::optional<int64_t> checked_mul(std::optional<int64_t> a, std::optional<int64_t> b) {
+  return a && b ? checked_mul(*a, *b) : std::nullopt;
+}
+
 // The product of all factors, or nothing when any partial product overflows.
 inline std::optional<int64_t> checked_product(std::initializer_list<int64_t> factors) {
   int64_t product = 1;

@@ -9,12 +9,8 @@ namespace forge {
 namespace {
 
 // Partial sums and products stay in optional: one overflow anywhere empties the result.
-std::optional<int64_t> add(std::optional<int64_t> a, std::optional<int64_t> b) {
-  return a && b ? checked_add(*a, *b) : std::nullopt;
-}
-std::optional<int64_t> mul(std::optional<int64_t> a, std::optional<int64_t> b) {
-  return a && b ? checked_mul(*a, *b) : std::nullopt;
-}
+std::optional<int64_t> add(std::optional<int64_t> a, std::optional<int64_t> b) { return checked_add(a, b); }
+std::optional<int64_t> mul(std::optional<int64_t> a, std::optional<int64_t> b) { return checked_mul(a, b); }
 
 }  // namespace
 

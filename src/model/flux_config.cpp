@@ -10,12 +10,9 @@
 namespace forge {
 namespace {
 
-std::optional<int64_t> add(std::optional<int64_t> a, std::optional<int64_t> b) {
-  return a && b ? checked_add(*a, *b) : std::nullopt;
-}
-std::optional<int64_t> mul(std::optional<int64_t> a, std::optional<int64_t> b) {
-  return a && b ? checked_mul(*a, *b) : std::nullopt;
-}
+// Sums and products that stay empty once any term overflows (core/checked_math.h).
+std::optional<int64_t> add(std::optional<int64_t> a, std::optional<int64_t> b) { return checked_add(a, b); }
+std::optional<int64_t> mul(std::optional<int64_t> a, std::optional<int64_t> b) { return checked_mul(a, b); }
 // A linear layer with a bias.
 std::optional<int64_t> linear(int64_t in, int64_t out) { return add(mul(in, out), out); }
 
