@@ -119,7 +119,7 @@ int run_train(const std::vector<std::string>& args) {
 int run_info(const std::vector<std::string>& args) {
   Invocation inv = parse_invocation(args, "info");
   if (inv.positional.empty()) FORGE_FAIL("forge info: give a model name (e.g. llama3.1-8b) or an experiment file");
-  if (is_flux_model(inv.positional)) return run_flux_info(inv.positional, inv.overrides);
+  if (is_flux_preset(inv.positional)) return run_flux_info(inv.positional, inv.overrides);
   std::string experiment;
   std::error_code error;
   const bool hf_dir = std::filesystem::is_directory(inv.positional, error) &&

@@ -1,7 +1,7 @@
 // Cross-key validation and batch-size resolution; see config_validate.h.
 #include "cli/config_validate.h"
-#include "cli/flux_info.h"
 #include "ckpt/flux_weights.h"
+#include "model/flux_config.h"
 
 #include <algorithm>
 #include <cctype>
@@ -512,7 +512,7 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                    show(config, keys, key));
     return;
   }
-  if (!is_flux_model(f.model))
+  if (!is_flux_preset(f.model))
     FORGE_FAIL("{}: unknown FLUX model; expected flux1-dev, flux1-schnell or flux-debug", show(config, keys, "flux.model"));
   if (f.resolution % 16 != 0)
     FORGE_FAIL("{} must be a multiple of 16 (the VAE's 8x and the 2x2 patches)", show(config, keys, "flux.resolution"));

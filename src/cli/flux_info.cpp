@@ -24,11 +24,6 @@ int64_t positive_integer(const std::string& key, const std::string& value) {
 
 }  // namespace
 
-bool is_flux_model(const std::string& name) {
-  const std::vector<std::string> names = flux_preset_names();
-  return std::find(names.begin(), names.end(), name) != names.end();
-}
-
 int run_flux_info(const std::string& name, const std::vector<std::pair<std::string, std::string>>& overrides) {
   const FluxConfig c = flux_preset(name);
   int64_t batch = 1, resolution = 1024, text_tokens = 512;

@@ -8,8 +8,6 @@
 
 namespace forge {
 
-// Whether `name` is a FLUX preset (model/flux_config.h).
-bool is_flux_model(const std::string& name);
 // Prints the report; overrides: training.local_batch_size, flux.resolution (pixels, a
 // multiple of 16), flux.text_tokens, activation_checkpoint.mode (none | full).
 int run_flux_info(const std::string& name, const std::vector<std::pair<std::string, std::string>>& overrides);

@@ -136,4 +136,10 @@ FluxConfig flux_preset(std::string_view name) {
 
 std::vector<std::string> flux_preset_names() { return {"flux1-dev", "flux1-schnell", "flux-debug"}; }
 
+bool is_flux_preset(std::string_view name) {
+  for (const std::string& preset : flux_preset_names())
+    if (preset == name) return true;
+  return false;
+}
+
 }  // namespace forge

@@ -65,5 +65,6 @@ struct FluxConfig {
 // Throws listing the names for any other.
 FluxConfig flux_preset(std::string_view name);
 std::vector<std::string> flux_preset_names();
+bool is_flux_preset(std::string_view name);
 
 }  // namespace forge
