@@ -9,6 +9,14 @@
 #include "core/log.h"
 
 namespace forge {
+
+SafetensorsDType export_safetensors_dtype(const std::string& export_dtype) {
+  if (export_dtype == "bf16") return SafetensorsDType::BF16;
+  if (export_dtype == "fp16") return SafetensorsDType::F16;
+  FORGE_CHECK(export_dtype == "fp32", "checkpoint.export_dtype '{}': expected bf16, fp16 or fp32", export_dtype);
+  return SafetensorsDType::F32;
+}
+
 namespace {
 
 namespace fs = std::filesystem;

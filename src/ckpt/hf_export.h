@@ -31,6 +31,9 @@
 
 namespace forge {
 
+// checkpoint.export_dtype's resolved value (bf16, fp16 or fp32) as the stored dtype.
+SafetensorsDType export_safetensors_dtype(const std::string& export_dtype);
+
 struct HfExportOptions {
   SafetensorsDType dtype = SafetensorsDType::F32;  // F32, BF16 or F16
   // A Hugging Face model directory (usually the one training started from) whose

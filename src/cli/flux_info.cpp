@@ -1,7 +1,6 @@
 // forge info for FLUX models; see flux_info.h.
 #include "cli/flux_info.h"
 
-#include <algorithm>
 #include <charconv>
 
 #include <fmt/format.h>

@@ -165,13 +165,6 @@ FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dt
   }
 }
 
-const Tensor& FluxParameters::find(const std::string& name) const {
-  for (size_t i = 0; i < specs_.size(); ++i)
-    if (specs_[i].name == name) return tensors_[i];
-  FORGE_CHECK(false, "{}: no parameter named '{}'", config_.name, name);
-  return tensors_[0];
-}
-
 void FluxParameters::assign_from(const FluxParameters& other) {
   FORGE_CHECK(other.flat_.numel() == flat_.numel(), "assign_from: {} values into {}", other.flat_.numel(),
               flat_.numel());

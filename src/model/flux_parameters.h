@@ -90,7 +90,6 @@ class FluxParameters : public FluxParamSource, public FluxGradSink {
   // NOTE [FLUX parameter regions]: the flat buffer's weight-decayed part and the rest.
   Tensor decayed() const { return flat_.narrow(0, decayed_values_); }
   Tensor not_decayed() const { return flat_.narrow(decayed_values_, flat_.numel()); }
-  const Tensor& find(const std::string& name) const;
 
   void zero() { flat_.fill_zero(); }
   // Copies every value of `other` (same config), converting device and dtype.

@@ -62,7 +62,7 @@ struct FluxTransformer::Activations {
 
 namespace {
 
-constexpr int kImage = 0, kText = 1;
+constexpr int kImage = 0;  // stream 0 of a double block; stream 1 is the text
 
 Tensor rows(const Tensor& t, int64_t cols) { return t.view({t.numel() / cols, cols}); }
 
@@ -211,10 +211,7 @@ FluxTransformer::FluxTransformer(const FluxConfig& config, const FluxShape& shap
   FORGE_CHECK(checkpoint_ != ActivationCheckpoint::Selective,
               "{}: activation_checkpoint.mode selective is the language models'; a FLUX model takes none or full",
               config_.name);
-  ArenaLayout counting(nullptr, device_);
-  Activations sizes;
-  lay_out(sizes, counting, config_, shape_, dtype_, checkpoint_);
-  arena_ = Tensor::empty({counting.bytes()}, DType::U8, device_);
+  arena_ = Tensor::empty({activation_bytes(config_, shape_, dtype_, checkpoint_)}, DType::U8, device_);
   ArenaLayout layout(arena_.raw(), device_);
   lay_out(*acts_, layout, config_, shape_, dtype_, checkpoint_);
   Tensor cos, sin;
@@ -237,11 +234,7 @@ namespace {
 
 // Host features [B, dim] fp32 into a compute-dtype tensor on the model's device.
 void upload(const Tensor& dst, const Tensor& host) {
-  if (dst.device() == Device::CPU && dst.dtype() == DType::F32) {
-    dst.copy_from(host);
-    return;
-  }
-  cast(dst, host.to(dst.device()));
+  cast(dst, dst.device() == Device::CPU ? host : host.to(dst.device()));
 }
 
 // y = x W^T + b, then silu(y) into a: an embedder MLP's first layer.

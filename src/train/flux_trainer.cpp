@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "ckpt/flux_weights.h"
+#include "ckpt/hf_export.h"
 #include "core/device.h"
 #include "core/log.h"
 #include "core/op_profile.h"
@@ -157,7 +158,6 @@ FluxTrainResult FluxTrainer::run(bool log) {
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     result.step_seconds.push_back(seconds);
     result.losses.push_back(loss);
-    result.final_grad_norm = norm;
     FORGE_CHECK(std::isfinite(loss), "FLUX step {}: the loss is not finite ({})", step + 1, loss);
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
@@ -168,11 +168,9 @@ FluxTrainResult FluxTrainer::run(bool log) {
     create_run_dir(dir);
     FluxParameters host(s.model_config);
     host.assign_from(s.master);
-    const std::string& dtype = config_.checkpoint.export_dtype;
     save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers,
-                      dtype == "fp32" ? SafetensorsDType::F32 : dtype == "fp16" ? SafetensorsDType::F16
-                                                                : SafetensorsDType::BF16);
-    if (log) log_info("exported the FLUX weights to {}/diffusers ({})", dir, dtype == "auto" ? "bf16" : dtype);
+                      export_safetensors_dtype(config_.checkpoint.export_dtype));
+    if (log) log_info("exported the FLUX weights to {}/diffusers ({})", dir, config_.checkpoint.export_dtype);
   }
   if (log && config_.logging.profile_ops) {  // NOTE [Op profiling]: the last step's time per op
     std::vector<std::pair<double, std::string>> ops;

@@ -34,7 +34,6 @@ FluxShape flux_micro_batch_shape(const ExperimentConfig& config);
 struct FluxTrainResult {
   std::vector<double> step_seconds;
   std::vector<double> losses;  // mean over each step's micro-batches
-  double final_grad_norm = 0.0;
 };
 
 class FluxTrainer {

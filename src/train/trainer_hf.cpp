@@ -67,8 +67,7 @@ void Trainer::load_fsdp_chunks(const FlatParameters& host) {
 
 void Trainer::export_hf_model() {
   HfExportOptions options;
-  const std::string& dtype = config_.checkpoint.export_dtype;  // bf16, fp16 or fp32: checked before training
-  options.dtype = dtype == "bf16" ? SafetensorsDType::BF16 : dtype == "fp16" ? SafetensorsDType::F16 : SafetensorsDType::F32;
+  options.dtype = export_safetensors_dtype(config_.checkpoint.export_dtype);  // checked before training
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
   if (tensor_parallel_) return export_tensor_parallel_hf_model(dir, options);
