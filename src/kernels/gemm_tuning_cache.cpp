@@ -121,6 +121,7 @@ std::string entry_line(const GemmProblem& p, const GemmAlgorithm& algorithm) {
                                  p.fp8 ? "fp8gemm" : "gemm", p.m, p.n, p.k, p.transpose_a ? 'T' : 'N',
                                  p.transpose_b ? 'T' : 'N', input_fields(p), dtype_name(p.out_dtype),
                                  p.beta_zero ? "zero" : "nonzero", p.compute_type, p.workspace_bytes);
+  if (p.epilogue != 0) line.insert(line.size() - 5, fmt::format("epilogue={} ", p.epilogue));  // before "algo="
   for (uint64_t word : algorithm) line += fmt::format("{:016x}", word);
   return line + "\n";
 }
@@ -154,7 +155,14 @@ std::optional<GemmFp8Inputs> parse_fp8_inputs(std::string_view formats, std::str
 // One "gemm name=value ..." or (from format 2 on) "fp8gemm name=value ..." line, the
 // names in the order entry_line writes them.
 std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_view line, int format_version) {
-  const std::vector<std::string_view> tokens = split(line, ' ');
+  std::vector<std::string_view> tokens = split(line, ' ');
+  // A fused GEMM's "epilogue=N" token, just before "algo=" (NOTE [GEMM epilogues]).
+  std::optional<int32_t> epilogue = 0;
+  if (tokens.size() >= 2 && tokens[tokens.size() - 2].starts_with("epilogue=")) {
+    epilogue = parse_number<int32_t>(tokens[tokens.size() - 2].substr(9));
+    if (!epilogue || *epilogue <= 0) return std::nullopt;
+    tokens.erase(tokens.end() - 2);
+  }
   const bool fp8 = tokens[0] == "fp8gemm" && format_version >= 2;
   if (tokens[0] != "gemm" && !fp8) return std::nullopt;
   auto values = fp8 ? named_values(tokens, {"m", "n", "k", "a", "b", "in", "scale", "accumulate", "out", "beta",
@@ -181,7 +189,7 @@ std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_vie
       !beta_zero || !compute_type || !workspace_bytes || !algorithm)
     return std::nullopt;
   GemmProblem problem{*m, *n, *k, *transpose_a, *transpose_b, *input_dtype, *out_dtype, *beta_zero, *compute_type,
-                      *workspace_bytes, fp8_inputs};
+                      *workspace_bytes, fp8_inputs, *epilogue};
   return std::pair{problem, *algorithm};
 }
 

@@ -17,13 +17,17 @@
 //   gemm m=4096 n=14336 k=4096 a=N b=T in=bf16 out=bf16 beta=zero compute=68 workspace=33554432 algo=<128 hex>
 //   fp8gemm m=4096 n=14336 k=4096 a=N b=T in=e4m3,e4m3 scale=0,0 accumulate=fast out=bf16 beta=zero
 //     compute=68 workspace=33554432 algo=<128 hex>   (one line)
+//   gemm m=4096 n=12288 k=3072 a=N b=T in=bf16 out=bf16 beta=zero compute=68 workspace=33554432
+//     epilogue=36 algo=<128 hex>   (one line: a GEMM with a fused epilogue, NOTE [GEMM epilogues])
 //   checksum <FNV-1a 64 of every byte above, 16 hex>
 // The key is everything that decides the choice: forge's row-major problem (m, n, k,
 // transposes), the input and output dtypes, whether beta is zero, the library's compute
 // type and the workspace the algorithm may use; for an FP8 GEMM (kernels/cuda/fp8_matmul.h)
 // also each operand's format (a's, then b's), each operand's scale mode as cuBLASLt numbers
 // them (cublasLtMatmulMatrixScale_t; like compute, fixed within the file's cuBLASLt
-// version) and whether accumulation is fast or full. The algorithm is cuBLASLt's
+// version) and whether accumulation is fast or full; for a GEMM with a fused epilogue the
+// epilogue (cublasLtEpilogue_t, written only when there is one, so the lines of plain GEMMs
+// are as they were). The algorithm is cuBLASLt's
 // cublasLtMatmulAlgo_t, 8 words that the library documents as serializable for use with
 // the same library version.
 //
@@ -91,6 +95,7 @@ struct GemmProblem {
   int64_t compute_type = 0;      // cublasComputeType_t
   uint64_t workspace_bytes = 0;  // the most workspace the algorithm may use
   std::optional<GemmFp8Inputs> fp8;  // set for FP8 GEMMs only
+  int32_t epilogue = 0;  // cublasLtEpilogue_t of a fused GEMM (NOTE [GEMM epilogues]), 0 for none
   auto operator<=>(const GemmProblem&) const = default;
 };
 

@@ -179,11 +179,11 @@ void gather_chunks(const Tensor& mod, const Tensor* chunks, int k, int64_t d) {
 // vectors' gradients `d_chunks`, the weight's gradient, and its input gradient added to
 // d(silu(temb)).
 void modulation_backward(FluxTransformer::Activations& acts, const Tensor* d_chunks, const LinearWeight& w,
-                         const LinearWeight& g, int k, int64_t d) {
+                         const LinearWeight& g, int k, int64_t d, bool overwrite) {
   const int64_t b = acts.d_mod.dim(0);
   const Tensor dmod = acts.d_mod.view({acts.d_mod.numel()}).narrow(0, b * k * d).view({b, k * d});
   gather_chunks(dmod, d_chunks, k, d);
-  linear_backward(acts.d_stemb_part, g, dmod, acts.stemb, w, false);
+  linear_backward(acts.d_stemb_part, g, dmod, acts.stemb, w, overwrite);
   accumulate(acts.d_stemb, acts.d_stemb_part);
 }
 
@@ -245,8 +245,10 @@ void mlp_embedder_forward(const Tensor& h, const Tensor& a, const Tensor& x, con
 
 class Blocks {
  public:
-  Blocks(const FluxConfig& cf, const FluxShape& sh, FluxTransformer::Activations& acts)
-      : cf_(cf), n_(cf, sh), acts_(acts), attention_(joint_attention(n_)) {}
+  // `overwrite`: the backward writes the parameters' gradients over their buffers instead
+  // of adding to them (NOTE [Fresh gradient buffers] in model/parameters.h).
+  Blocks(const FluxConfig& cf, const FluxShape& sh, FluxTransformer::Activations& acts, bool overwrite = false)
+      : cf_(cf), n_(cf, sh), acts_(acts), attention_(joint_attention(n_)), overwrite_(overwrite) {}
 
   void double_forward(int i, FluxDoubleActivations& x, const FluxUnitWeights& w) {
     const Tensor* in[2] = {&acts_.image_in[static_cast<size_t>(i)], &acts_.text_in[static_cast<size_t>(i)]};
@@ -276,8 +278,7 @@ class Blocks {
       gated_residual_forward(st.mid.view({n_.b, ts, n_.d}), st.o.view({n_.b, ts, n_.d}), st.chunk[2]);
       modulated_layer_norm_forward(st.n2.view({n_.b, ts, n_.d}), st.mean2, st.rstd2, st.mid.view({n_.b, ts, n_.d}),
                                    st.chunk[3], st.chunk[4], cf_.norm_eps);
-      linear_forward(st.h, st.n2, w.linears[base + fu::kMlpIn]);
-      gelu_tanh_forward(st.a, st.h);
+      linear_gelu_forward(st.a, st.h, st.n2, w.linears[base + fu::kMlpIn]);
       linear_forward(st.f, st.a, w.linears[base + fu::kMlpOut]);
       cast(*next[s], st.mid);
       gated_residual_forward(next[s]->view({n_.b, ts, n_.d}), st.f.view({n_.b, ts, n_.d}), st.chunk[5]);
@@ -299,16 +300,16 @@ class Blocks {
       const Tensor dn = acts_.d_n.narrow(0, r);
       gated_residual_backward(df.view({n_.b, ts, n_.d}), dc[5], d3, st.f.view({n_.b, ts, n_.d}),
                               st.chunk[5]);
-      linear_backward(da, g.linears[base + fu::kMlpOut], df, st.a, w.linears[base + fu::kMlpOut], false);
-      gelu_tanh_backward(dh, da, st.h);
-      linear_backward(dn, g.linears[base + fu::kMlpIn], dh, st.n2, w.linears[base + fu::kMlpIn], false);
+      linear_gelu_backward(dh, da, g.linears[base + fu::kMlpOut], df, st.a, w.linears[base + fu::kMlpOut], st.h,
+                           overwrite_);  // NOTE [GELU after a linear layer]
+      linear_backward(dn, g.linears[base + fu::kMlpIn], dh, st.n2, w.linears[base + fu::kMlpIn], overwrite_);
       modulated_layer_norm_backward(d3, dc[3], dc[4], dn.view({n_.b, ts, n_.d}),
                                     st.mid.view({n_.b, ts, n_.d}), st.chunk[4], st.mean2, st.rstd2);
       const Tensor dout = acts_.d_small.narrow(0, r);
       gated_residual_backward(dout.view({n_.b, ts, n_.d}), dc[2], d3, st.o.view({n_.b, ts, n_.d}),
                               st.chunk[2]);
       const Tensor dattn = acts_.d_stream_attn.narrow(0, r);
-      linear_backward(dattn, g.linears[base + fu::kOut], dout, st.attn, w.linears[base + fu::kOut], false);
+      linear_backward(dattn, g.linears[base + fu::kOut], dout, st.attn, w.linears[base + fu::kOut], overwrite_);
       copy_columns(d_joint_out, n_.stream_offset(s) * n_.d, dattn.view({n_.b, ts * n_.d}), 0, ts * n_.d);
     }
     attention_backward(acts_.d_jqkv, acts_.d_attn_joint, x.jqkv, x.out, x.lse, attention_);
@@ -318,15 +319,17 @@ class Blocks {
       const int64_t ts = n_.stream_tokens(s), r = n_.b * ts;
       const Tensor dqkv = acts_.d_qkv.narrow(0, r), dn = acts_.d_n.narrow(0, r);
       const Tensor* dc = acts_.d_chunk + 6 * s;
+      if (overwrite_) zero_norm_grads(g, vbase);
       qk_norm_rope_backward(dqkv.view({n_.b, ts, 3 * n_.h, n_.hd}), g.vectors[vbase + fu::kQNorm],
                             g.vectors[vbase + fu::kKNorm], acts_.d_jqkv, st.qkv.view({n_.b, ts, 3 * n_.h, n_.hd}),
                             w.vectors[vbase + fu::kQNorm], w.vectors[vbase + fu::kKNorm],
                             st.rstd_qk.view({n_.b, ts, 2 * n_.h}), acts_.cos, acts_.sin, n_.stream_offset(s));
-      linear_backward(dn, g.linears[base + fu::kQkv], dqkv, st.n1, w.linears[base + fu::kQkv], false);
+      linear_backward(dn, g.linears[base + fu::kQkv], dqkv, st.n1, w.linears[base + fu::kQkv], overwrite_);
       modulated_layer_norm_backward(d[s]->view({n_.b, ts, n_.d}), dc[0], dc[1],
                                     dn.view({n_.b, ts, n_.d}), in[s]->view({n_.b, ts, n_.d}), st.chunk[1], st.mean1,
                                     st.rstd1);
-      modulation_backward(acts_, dc, w.linears[base + fu::kModulation], g.linears[base + fu::kModulation], 6, n_.d);
+      modulation_backward(acts_, dc, w.linears[base + fu::kModulation], g.linears[base + fu::kModulation], 6, n_.d,
+                          overwrite_);
     }
   }
 
@@ -341,8 +344,7 @@ class Blocks {
     qk_norm_rope_forward(x.jqkv, x.rstd_qk.view({n_.b, n_.t, 2 * n_.h}), x.qkv.view({n_.b, n_.t, 3 * n_.h, n_.hd}),
                          w.vectors[fu::kQNorm], w.vectors[fu::kKNorm], cf_.norm_eps, acts_.cos, acts_.sin, 0);
     attention_forward(x.out, x.lse, x.jqkv, attention_);
-    linear_forward(x.h, x.n, w.linears[fu::kSingleMlpIn]);
-    gelu_tanh_forward(x.a, x.h);
+    linear_gelu_forward(x.a, x.h, x.n, w.linears[fu::kSingleMlpIn]);
     copy_columns(x.cat, 0, rows(x.out, n_.d), 0, n_.d);
     copy_columns(x.cat, n_.d, x.a, 0, n_.m);
     linear_forward(x.y, x.cat, w.linears[fu::kSingleOut]);
@@ -356,22 +358,26 @@ class Blocks {
     const Tensor d3 = acts_.d_joint.view({n_.b, n_.t, n_.d});
     gated_residual_backward(acts_.d_small.view({n_.b, n_.t, n_.d}), acts_.d_chunk[2], d3,
                             x.y.view({n_.b, n_.t, n_.d}), x.chunk[2]);
-    linear_backward(acts_.d_cat, g.linears[fu::kSingleOut], acts_.d_small, x.cat, w.linears[fu::kSingleOut], false);
+    linear_backward(acts_.d_cat, g.linears[fu::kSingleOut], acts_.d_small, x.cat, w.linears[fu::kSingleOut],
+                    overwrite_);
     copy_columns(acts_.d_stream_attn, 0, acts_.d_cat, 0, n_.d);
     copy_columns(acts_.d_big, 0, acts_.d_cat, n_.d, n_.m);
     gelu_tanh_backward(acts_.d_big2, acts_.d_big, x.h);
-    linear_backward(acts_.d_n, g.linears[fu::kSingleMlpIn], acts_.d_big2, x.n, w.linears[fu::kSingleMlpIn], false);
+    linear_backward(acts_.d_n, g.linears[fu::kSingleMlpIn], acts_.d_big2, x.n, w.linears[fu::kSingleMlpIn],
+                    overwrite_);
     attention_backward(acts_.d_jqkv, acts_.d_stream_attn.view({n_.b, n_.t, n_.h, n_.hd}), x.jqkv, x.out, x.lse,
                        attention_);
+    if (overwrite_) zero_norm_grads(g, 0);
     qk_norm_rope_backward(acts_.d_qkv.view({n_.b, n_.t, 3 * n_.h, n_.hd}), g.vectors[fu::kQNorm],
                           g.vectors[fu::kKNorm], acts_.d_jqkv, x.qkv.view({n_.b, n_.t, 3 * n_.h, n_.hd}),
                           w.vectors[fu::kQNorm], w.vectors[fu::kKNorm], x.rstd_qk.view({n_.b, n_.t, 2 * n_.h}),
                           acts_.cos, acts_.sin, 0);
-    linear_backward(acts_.d_n2, g.linears[fu::kSingleQkv], acts_.d_qkv, x.n, w.linears[fu::kSingleQkv], false);
+    linear_backward(acts_.d_n2, g.linears[fu::kSingleQkv], acts_.d_qkv, x.n, w.linears[fu::kSingleQkv], overwrite_);
     accumulate(acts_.d_n, acts_.d_n2);
     modulated_layer_norm_backward(d3, acts_.d_chunk[0], acts_.d_chunk[1], acts_.d_n.view({n_.b, n_.t, n_.d}),
                                   in.view({n_.b, n_.t, n_.d}), x.chunk[1], x.mean, x.rstd);
-    modulation_backward(acts_, acts_.d_chunk, w.linears[fu::kSingleModulation], g.linears[fu::kSingleModulation], 3, n_.d);
+    modulation_backward(acts_, acts_.d_chunk, w.linears[fu::kSingleModulation], g.linears[fu::kSingleModulation], 3,
+                        n_.d, overwrite_);
   }
 
  private:
@@ -379,6 +385,14 @@ class Blocks {
   Dims n_;
   FluxTransformer::Activations& acts_;
   AttentionShape attention_;
+  bool overwrite_;
+
+  // The QK norm scales' gradients, which qk_norm_rope_backward only adds to: zeroed before
+  // a backward that writes its gradients fresh.
+  static void zero_norm_grads(const FluxUnitWeights& g, int vbase) {
+    g.vectors[static_cast<size_t>(vbase + fu::kQNorm)].fill_zero();
+    g.vectors[static_cast<size_t>(vbase + fu::kKNorm)].fill_zero();
+  }
 };
 
 }  // namespace
@@ -444,12 +458,12 @@ void FluxTransformer::forward(const FluxInputs& inputs, FluxParamSource& params,
   linear_forward(rows(out, n.c), acts.head_n, hw.linears[fu::kHeadOut]);
 }
 
-void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, FluxGradSink& grads) {
+void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, FluxGradSink& grads, bool overwrite) {
   Activations& acts = *acts_;
   const Dims n(config_, shape_);
   check_shape(dout, {n.b, n.s, n.c}, "flux backward dout");
   const bool recompute = checkpoint_ == ActivationCheckpoint::Full;
-  Blocks blocks(config_, shape_, acts);
+  Blocks blocks(config_, shape_, acts, overwrite);
   acts.d_stemb.fill_zero();
 
   // Head.
@@ -458,12 +472,13 @@ void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, Flux
     const FluxUnitWeights& w = params.unit(unit);
     const FluxUnitWeights& g = grads.unit_grads(unit);
     const Tensor dn = acts.d_n.narrow(0, n.b * n.s);
-    linear_backward(dn, g.linears[fu::kHeadOut], rows(dout, n.c), acts.head_n, w.linears[fu::kHeadOut], false);
+    linear_backward(dn, g.linears[fu::kHeadOut], rows(dout, n.c), acts.head_n, w.linears[fu::kHeadOut], overwrite);
     acts.d_image.fill_zero();
     modulated_layer_norm_backward(acts.d_image.view({n.b, n.s, n.d}), acts.d_chunk[1], acts.d_chunk[0],
                                   dn.view({n.b, n.s, n.d}), acts.image_out.view({n.b, n.s, n.d}), acts.head_chunk[0],
                                   acts.head_mean, acts.head_rstd);
-    modulation_backward(acts, acts.d_chunk, w.linears[fu::kHeadModulation], g.linears[fu::kHeadModulation], 2, n.d);
+    modulation_backward(acts, acts.d_chunk, w.linears[fu::kHeadModulation], g.linears[fu::kHeadModulation], 2, n.d,
+                        overwrite);
     grads.unit_done(unit);
   }
   // Single blocks: the joint stream's gradient is the image part's; the text part's is 0.
@@ -489,13 +504,13 @@ void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, Flux
   // Embedders: the input projections' weights, then temb's gradient through each MLP.
   const FluxUnitWeights& w = params.unit(0);
   const FluxUnitWeights& g = grads.unit_grads(0);
-  linear_backward_weight(g.linears[fu::kImageIn], acts.d_image, rows(inputs_.image, config_.in_channels), false);
-  linear_backward_weight(g.linears[fu::kContextIn], acts.d_text, rows(inputs_.text, config_.context_dim), false);
+  linear_backward_weight(g.linears[fu::kImageIn], acts.d_image, rows(inputs_.image, config_.in_channels), overwrite);
+  linear_backward_weight(g.linears[fu::kContextIn], acts.d_text, rows(inputs_.text, config_.context_dim), overwrite);
   silu_backward(acts.d_temb, acts.d_stemb, acts.temb);
   auto mlp_backward = [&](int first, const Tensor& features, const Tensor& h, const Tensor& a) {
-    linear_backward(acts.d_embed_a, g.linears[first + 1], acts.d_temb, a, w.linears[first + 1], false);
+    linear_backward(acts.d_embed_a, g.linears[first + 1], acts.d_temb, a, w.linears[first + 1], overwrite);
     silu_backward(acts.d_embed_h, acts.d_embed_a, h);
-    linear_backward_weight(g.linears[first], acts.d_embed_h, features, false);
+    linear_backward_weight(g.linears[first], acts.d_embed_h, features, overwrite);
   };
   mlp_backward(fu::kTime1, acts.time_features, acts.time_h, acts.time_a);
   mlp_backward(fu::kPooled1, inputs_.pooled, acts.pooled_h, acts.pooled_a);

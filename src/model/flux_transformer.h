@@ -62,8 +62,10 @@ class FluxTransformer {
   // out: the predicted velocity [B, image_tokens, out_channels], compute dtype.
   void forward(const FluxInputs& inputs, FluxParamSource& params, const Tensor& out);
   // dout: the loss's gradient with respect to out. Adds every parameter's gradient to
-  // `grads`, calling unit_done as each unit's are complete.
-  void backward(const Tensor& dout, FluxParamSource& params, FluxGradSink& grads);
+  // `grads`, or with `overwrite` writes it over what they hold (the first micro-batch of a
+  // step, NOTE [Fresh gradient buffers] in model/parameters.h: no zeroing pass first),
+  // calling unit_done as each unit's are complete.
+  void backward(const Tensor& dout, FluxParamSource& params, FluxGradSink& grads, bool overwrite = false);
 
   struct Activations;  // flux_transformer.cpp
 

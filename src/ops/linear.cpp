@@ -1,6 +1,7 @@
 #include "ops/linear.h"
 
 #include "ops/bias.h"
+#include "ops/gelu.h"
 #include "ops/lora.h"
 #include "ops/matmul.h"
 #include "ops/nf4.h"
@@ -15,6 +16,10 @@ const Tensor& compute_weight(const LinearWeight& w) {
   return w.weight;
 }
 
+// A weight the GEMM takes as it is, with nothing else to add (no FP8, NF4 or adapter):
+// the one kind whose bias and GELU can ride in the GEMM's epilogue (NOTE [GEMM epilogues]).
+bool plain(const LinearWeight& w) { return !w.fp8 && !w.nf4 && !w.lora && !w.fp8_gathered; }
+
 }  // namespace
 
 // The weight is [out, in]: the forward multiplies by its transpose, the input gradient by
@@ -23,6 +28,9 @@ const Tensor& compute_weight(const LinearWeight& w) {
 
 void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual) {
   FORGE_CHECK(!(w.fp8 && w.nf4), "linear_forward: a weight cannot be both NF4 and FP8");
+  if (w.bias.defined() && plain(w) &&
+      matmul_epilogue(MatmulEpilogue::Bias, y, x, false, w.weight, true, residual ? 1.0f : 0.0f, residual, w.bias))
+    return;
   FORGE_CHECK(w.fp8 || !w.fp8_gathered, "linear_forward: gathered FP8 codes without FP8 settings");
   if (w.fp8)
     fp8_linear_forward(y, x, w.weight, *w.fp8, residual, w.fp8_gathered);
@@ -45,6 +53,9 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
 
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite) {
   FORGE_CHECK(!grad.nf4, "linear_backward_weight: an NF4 weight is frozen and has no gradient");
+  if (grad.weight.defined() && grad.bias.defined() && overwrite && plain(grad) &&
+      matmul_epilogue(MatmulEpilogue::BiasGradient, grad.weight, dy, true, x, false, 0.0f, nullptr, grad.bias))
+    return;
   if (grad.weight.defined() && grad.fp8)
     fp8_linear_backward_weight(grad.weight, dy, x, *grad.fp8, overwrite);
   else if (grad.weight.defined())
@@ -62,6 +73,23 @@ void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& d
   }
   linear_backward_input(dx, dy, w);
   linear_backward_weight(grad, dy, x, overwrite);
+}
+
+void linear_gelu_forward(const Tensor& a, const Tensor& h, const Tensor& x, const LinearWeight& w) {
+  if (w.bias.defined() && plain(w) &&
+      matmul_epilogue(MatmulEpilogue::GeluAuxBias, a, x, false, w.weight, true, 0.0f, nullptr, w.bias, &h))
+    return;
+  linear_forward(h, x, w);
+  gelu_tanh_forward(a, h);
+}
+
+void linear_gelu_backward(const Tensor& dh, const Tensor& da, const LinearWeight& grad, const Tensor& dy,
+                          const Tensor& a, const LinearWeight& w, const Tensor& h, bool overwrite) {
+  if (!(plain(w) && matmul_epilogue(MatmulEpilogue::DGelu, dh, dy, false, w.weight, false, 0.0f, nullptr, Tensor(), &h))) {
+    linear_backward_input(da, dy, w);
+    gelu_tanh_backward(dh, da, h);
+  }
+  linear_backward_weight(grad, dy, a, overwrite);
 }
 
 }  // namespace forge

@@ -27,7 +27,11 @@
 // adapter's share), and linear_backward_weight writes (or adds) the column sums of dy into
 // the gradient descriptor's `bias` (fp32), with the same `overwrite` as the weight. The
 // bias is independent of how the weight is held (FP8, NF4, an adapter): it is added in
-// the compute dtype after whatever GEMM ran.
+// the compute dtype after whatever GEMM ran. On CUDA, a plain weight (no FP8, NF4 or
+// adapter) gets both from the GEMM itself: the forward's bias in its BIAS epilogue, the
+// bias gradient (when written over) in the weight gradient's BGRADB epilogue (NOTE [GEMM
+// epilogues] in kernels/cuda/matmul.cpp), with the separate passes where cuBLASLt has no
+// fused algorithm.
 //
 // NOTE [NF4 linear weights]
 // A frozen base weight stored as NF4 (QLoRA, NOTE [NF4 storage] in ops/nf4.h) sets `nf4`;
@@ -108,5 +112,21 @@ void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Te
 // (fp8_linear_backward).
 void linear_backward(const Tensor& dx, const LinearWeight& grad, const Tensor& dy, const Tensor& x,
                      const LinearWeight& w, bool overwrite);
+
+// NOTE [GELU after a linear layer]
+// An MLP's first layer feeds GELU (tanh): h = x W^T + b, a = gelu_tanh(h), and its backward
+// needs h. linear_gelu_forward writes both; on CUDA a plain weight with a bias does it in
+// one GEMM (the GELU_AUX_BIAS epilogue, NOTE [GEMM epilogues] in kernels/cuda/matmul.cpp),
+// otherwise it is linear_forward then gelu_tanh_forward. linear_gelu_backward is the next
+// layer's backward carried through the GELU: for y = a W^T (+ b) it writes
+// dh = (dy W) * gelu_tanh'(h) and the next layer's weight (and bias) gradients, written
+// over or added to as `overwrite` says; the first layer's backward then takes dh. On CUDA,
+// with a plain weight, dh comes out of the dx GEMM (the DGELU epilogue); otherwise dx goes
+// into the scratch `da` [rows, in] and GELU's backward is a pass of its own. The results
+// are the unfused ops' up to rounding: the fused GEMM applies GELU to the fp32 accumulator
+// rather than to h rounded to bf16, and its derivative to the fp32 dx.
+void linear_gelu_forward(const Tensor& a, const Tensor& h, const Tensor& x, const LinearWeight& w);
+void linear_gelu_backward(const Tensor& dh, const Tensor& da, const LinearWeight& grad, const Tensor& dy,
+                          const Tensor& a, const LinearWeight& w, const Tensor& h, bool overwrite);
 
 }  // namespace forge

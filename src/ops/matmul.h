@@ -41,6 +41,21 @@ void matmul_batched(const Tensor& out, const Tensor& a, bool transpose_a, const 
 // on first use instead of taking its first heuristic choice (training.gemm_tuning),
 // keeping the measured choices in `cache_directory` for later runs ("": not kept; see
 // gemm_tuning_cache_dir and NOTE [GEMM tuning cache]). No effect on the CPU reference.
+// A GEMM with work fused into its output pass (NOTE [GEMM epilogues] in
+// kernels/cuda/matmul.cpp), for the linear ops on CUDA. `vector` and `aux` by kind:
+//   Bias               out = op(a) op(b) [+ addend] + vector      (vector [n], out's dtype)
+//   GeluAuxBias        aux = op(a) op(b) + vector, out = gelu_tanh(aux)   (aux like out)
+//   BiasGradient       out = op(a) op(b) (beta as given); vector [m] fp32 = the sums over k
+//                      of op(a), written over (a = dy transposed: the bias gradient)
+//   DGelu              out = (op(a) op(b)) * gelu_tanh'(aux); no vector (an empty tensor)
+// Returns false, having done nothing, when it cannot fuse: tensors not on CUDA, or no
+// cuBLASLt algorithm for the fused problem; the caller then runs the GEMM and the separate
+// op(s) itself.
+enum class MatmulEpilogue : uint8_t { Bias, GeluAuxBias, BiasGradient, DGelu };
+bool matmul_epilogue(MatmulEpilogue kind, const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
+                     bool transpose_b, float beta, const Tensor* addend, const Tensor& vector,
+                     const Tensor* aux = nullptr);
+
 void set_gemm_tuning(bool enabled, const std::string& cache_directory = "");
 
 // How the current GPU's GEMM algorithms were chosen so far; all zero on the CPU.

@@ -90,6 +90,7 @@ struct FluxTrainer::State {
     compute.assign_from(master);
     m.zero();
     v.zero();
+    grads.zero();  // once: the gaps between its tensors stay 0; the steps write the tensors
   }
 };
 
@@ -117,7 +118,6 @@ FluxTrainResult FluxTrainer::run(bool log) {
   for (int64_t step = 0; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     reset_op_profile();
-    s.grads.zero();
     s.loss.fill_zero();
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       // Sample k of the run is micro-batch (step, micro)'s sample j: k = (step A + micro) B + j.
@@ -133,7 +133,7 @@ FluxTrainResult FluxTrainer::run(bool log) {
       FluxInputs inputs{s.noisy, s.text, s.pooled, times, guidance};
       s.model.forward(inputs, s.compute, s.pred);
       mse_loss(s.loss, s.dpred, s.pred, s.target, 1.0f / static_cast<float>(accumulation));
-      s.model.backward(s.dpred, s.compute, s.grads);
+      s.model.backward(s.dpred, s.compute, s.grads, micro == 0);  // the first writes fresh gradients
     }
     const double norm = global_grad_norm({s.grads.flat()});
     const float coefficient = clip_coefficient(norm, tc.max_norm);

@@ -81,7 +81,7 @@ TEST(GemmTuningCache, EveryPartOfTheProblemIsPartOfTheKey) {
   GemmTuningCache reloaded(dir.file("cache"), kH100);
   ASSERT_EQ(reloaded.find(saved), algorithm(7));
 
-  std::vector<GemmProblem> others(10, saved);
+  std::vector<GemmProblem> others(11, saved);
   others[0].m = 513;
   others[1].n = 385;
   others[2].k = 1023;
@@ -92,6 +92,7 @@ TEST(GemmTuningCache, EveryPartOfTheProblemIsPartOfTheKey) {
   others[7].beta_zero = false;
   others[8].compute_type = 77;
   others[9].workspace_bytes = 4u << 20;
+  others[10].epilogue = 36;
   for (size_t i = 0; i < others.size(); ++i) EXPECT_FALSE(reloaded.find(others[i])) << "variant " << i;
 }
 
@@ -100,10 +101,14 @@ TEST(GemmTuningCache, SerializedChoicesParseBackExactly) {
   choices[problem(1, 8, 8)] = algorithm(3);
   GemmProblem other{1000, 200, 72, true, false, DType::BF16, DType::F32, false, 68, 32u << 20};
   choices[other] = GemmAlgorithm{0, ~0ull, 1, 2, 3, 4, 5, 0x8000000000000000ull};
+  GemmProblem fused = problem(4096, 12288, 3072);
+  fused.epilogue = 36;  // NOTE [GEMM epilogues]: written as "epilogue=36 " before "algo="
+  choices[fused] = algorithm(9);
   ParsedGemmChoices parsed = parse_gemm_choices(serialize_gemm_choices(kH100, choices), kH100);
   EXPECT_EQ(parsed.error, "");
   EXPECT_EQ(parsed.choices, choices);
   EXPECT_EQ(parse_gemm_choices(serialize_gemm_choices(kH100, {}), kH100).error, "");
+  EXPECT_NE(serialize_gemm_choices(kH100, choices).find(" epilogue=36 algo="), std::string::npos);
 }
 
 TEST(GemmTuningCache, FileNameSpellsTheTarget) {

@@ -180,6 +180,31 @@ TEST(FluxTransformer, FullCheckpointingGivesTheSameGradients) {
             FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::None));
 }
 
+// NOTE [Fresh gradient buffers]: a backward with `overwrite` writes every parameter's
+// gradient over whatever the buffer held (here garbage) and gives what a backward adding to
+// zeroed buffers gives; without it, a second backward adds the same gradients again.
+TEST(FluxTransformer, OverwritingBackwardWritesEveryGradientFresh) {
+  SmallFlux f;
+  FluxParameters added(f.config), fresh(f.config);
+  added.zero();
+  fresh.zero();
+  for (const Tensor& t : fresh.tensors())
+    for (int64_t j = 0; j < t.numel(); ++j) t.data<float>()[j] = 1e3f + static_cast<float>(j);
+  FluxTransformer model(f.config, f.shape, Device::CPU);
+  f.loss(model);
+  model.backward(f.dout, f.params, added);
+  model.backward(f.dout, f.params, fresh, true);
+  for (size_t i = 0; i < added.tensors().size(); ++i)
+    for (int64_t j = 0; j < added.tensors()[i].numel(); ++j)
+      ASSERT_EQ(added.tensors()[i].data<float>()[j], fresh.tensors()[i].data<float>()[j])
+          << f.params.specs()[i].name << " [" << j << "]";
+  model.backward(f.dout, f.params, fresh);  // adds: twice the gradient
+  for (size_t i = 0; i < added.tensors().size(); ++i) {
+    const float once = added.tensors()[i].data<float>()[0], twice = fresh.tensors()[i].data<float>()[0];
+    EXPECT_NEAR(twice, 2.0f * once, 1e-5f * std::max(1.0f, std::abs(once))) << f.params.specs()[i].name;
+  }
+}
+
 TEST(FluxTransformer, RefusesSelectiveCheckpointingAndBadInputs) {
   SmallFlux f;
   expect_error([&] { FluxTransformer(f.config, f.shape, Device::CPU, ActivationCheckpoint::Selective); },

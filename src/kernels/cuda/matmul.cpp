@@ -64,6 +64,26 @@
 // shape timed is added to the file at once. A side effect worth having: runs that share
 // a cache take the same algorithms, so they round alike, where each run's own timing
 // could pick differently.
+//
+// NOTE [GEMM epilogues]
+// A layer with a bias (FLUX's) would otherwise pay a pass over its output after each GEMM
+// (add the bias), one over dy for its gradient (column sums) and, before and after a GELU,
+// one more each way. cuBLASLt folds them into the GEMM that writes or reads the tensor
+// anyway: Bias adds a bf16 vector to every row of out; GeluAuxBias writes gelu_tanh(x W^T
+// + b) as out and the pre-activation (the backward's input) as `aux`; BiasGradient writes
+// (never adds) the sums over k of op(a), one per row of out: with a = dy transposed that is
+// the bias gradient, computed while the weight gradient dy^T x is; DGelu turns the GEMM's
+// result g into g * gelu_tanh'(aux), the gradient at the pre-activation. In cuBLASLt's column-major
+// view (NOTE [Row-major GEMM on a column-major library]) forge's a is its B, so the
+// gradient of a's sums is BGRADB, and a vector per column of out is one per row of its D.
+// The fused GELU backward is DGELU alone: DGELU_BGRAD, which would also give the previous
+// layer's bias gradient, has no algorithm on the H200 (cuBLAS 13.0) for a bf16 output with
+// an fp32 bias gradient, and that gradient comes fused anyway with the previous layer's
+// weight gradient (BGRADB).
+// An epilogue is part of the plan's key and of the tuning cache's (GemmProblem::epilogue).
+// cuBLASLt does not fuse every combination of layouts and types: when it has no algorithm
+// for one, matmul_epilogue runs nothing, remembers the refusal and returns false, and the
+// caller runs its separate passes (ops/linear.cpp), so a fused problem is never an error.
 #include "kernels/cuda/matmul.h"
 
 #include <cublasLt.h>
@@ -94,7 +114,8 @@ struct Plan {
   int64_t varying_size = 0;  // a varying plan's size on its layouts now
 };
 
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool>;  // ..., beta == 0
+// (m, n, k, transpose_a, transpose_b, out dtype, beta == 0, epilogue)
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool, GemmEpilogue>;
 
 constexpr int64_t kVaryingBucket = 256;  // NOTE [GEMMs of varying size]
 
@@ -104,6 +125,8 @@ struct Context {
   std::map<PlanKey, Plan> plans;
   std::map<std::pair<PlanKey, GemmVarying>, Plan> varying_plans;  // by bucket (NOTE [GEMMs of varying size])
   std::map<std::pair<PlanKey, int64_t>, Plan> batched_plans;        // by batch count (NOTE [Batched GEMMs])
+  std::map<PlanKey, Plan> epilogue_plans;    // NOTE [GEMM epilogues]
+  std::map<PlanKey, bool> epilogue_refused;  // fused problems cuBLASLt has no algorithm for (NOTE [GEMM epilogues])
   std::mutex mu;
 
   Context() {
@@ -125,10 +148,51 @@ Context& context() {
   return *ctx;
 }
 
+cublasLtEpilogue_t cublaslt_epilogue(GemmEpilogue e) {
+  switch (e) {
+    case GemmEpilogue::None: return CUBLASLT_EPILOGUE_DEFAULT;
+    case GemmEpilogue::Bias: return CUBLASLT_EPILOGUE_BIAS;
+    case GemmEpilogue::GeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case GemmEpilogue::BiasGradient: return CUBLASLT_EPILOGUE_BGRADB;  // forge's a is cuBLASLt's B
+    case GemmEpilogue::DGelu: return CUBLASLT_EPILOGUE_DGELU;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// The epilogue and what does not change between calls: the bias vector's type (bf16 added
+// to a bf16 output; fp32 gradients) and the auxiliary matrix's leading dimension, which is
+// the output's (cuBLASLt's D is n x m, column-major).
+void set_epilogue_kind(cublasLtMatmulDesc_t op, GemmEpilogue e, int64_t n) {
+  if (e == GemmEpilogue::None) return;
+  const cublasLtEpilogue_t epilogue = cublaslt_epilogue(e);
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+  if (e != GemmEpilogue::DGelu) {
+    const cudaDataType_t bias_type = e == GemmEpilogue::BiasGradient ? CUDA_R_32F : CUDA_R_16BF;
+    CUBLAS_CHECK(
+        cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+  }
+  if (e == GemmEpilogue::GeluAuxBias || e == GemmEpilogue::DGelu) {
+    const int64_t ld = n;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+  }
+}
+
+// A call's epilogue pointers on its plan's descriptor (set under the context's lock, just
+// before the launch that reads them).
+void set_epilogue_pointers(cublasLtMatmulDesc_t op, const GemmEpilogueOperands& e) {
+  if (e.kind == GemmEpilogue::None) return;
+  if (e.kind != GemmEpilogue::DGelu) {
+    const void* bias = e.kind == GemmEpilogue::BiasGradient ? e.bias_gradient : e.bias;
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  if (e.kind == GemmEpilogue::GeluAuxBias || e.kind == GemmEpilogue::DGelu)
+    CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &e.aux, sizeof(e.aux)));
+}
+
 // The plan's descriptors for the column-major problem (N, M, K), without an algorithm:
 // the first operand is b, the second a.
 Plan describe_problem(const PlanKey& key) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
   (void)beta_zero;  // it decides the algorithm, not the descriptors
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -147,6 +211,7 @@ Plan describe_problem(const PlanKey& key) {
   else
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
   CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, n, m, n));
+  set_epilogue_kind(p.op, epilogue, n);
   return p;
 }
 
@@ -159,28 +224,41 @@ void destroy_plan(Plan& p) {
 
 // The key of a plan's choice in the tuning cache: everything that decides it.
 GemmProblem tuning_problem(const PlanKey& key) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
   return GemmProblem{m, n, k, transpose_a, transpose_b, DType::BF16, out_dtype, beta_zero, kComputeType,
-                     kWorkspaceBytes, std::nullopt};
+                     kWorkspaceBytes, std::nullopt,
+                     epilogue == GemmEpilogue::None ? 0 : static_cast<int32_t>(cublaslt_epilogue(epilogue))};
 }
 
 // The plan for a problem seen for the first time, its algorithm chosen on the call's own
 // operands (out, a, b in forge's roles; cuBLASLt's A is b, its B is a).
-Plan make_plan(Context& ctx, const PlanKey& key, void* out, const void* a, const void* b, float alpha, float beta,
-               const void* c) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
-  (void)beta_zero;  // the operands carry beta itself
+// Nothing when cuBLASLt has none (`epilogue`: the call's epilogue pointers, set on the
+// descriptor before the algorithm is chosen).
+std::optional<Plan> try_make_plan(Context& ctx, const PlanKey& key, void* out, const void* a, const void* b,
+                                  float alpha, float beta, const void* c, const GemmEpilogueOperands& epilogue) {
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, kind] = key;
+  (void)beta_zero, (void)k, (void)transpose_a, (void)transpose_b, (void)kind;  // the operands carry beta itself
   Plan p = describe_problem(key);
+  set_epilogue_pointers(p.op, epilogue);
   const CublasLtOperands operands{b, a, c, out, alpha, beta,
                                   static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype)};
   const std::optional<cublasLtMatmulAlgo_t> algo =
       choose_gemm_algorithm(CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes}, {p.op, p.a, p.b, p.c, p.c},
                             operands, tuning_problem(key));
-  if (!algo) destroy_plan(p);
-  FORGE_CHECK(algo.has_value(), "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", m, n, k, transpose_a,
-              transpose_b, dtype_name(out_dtype));
+  if (!algo) {
+    destroy_plan(p);
+    return std::nullopt;
+  }
   p.algo = *algo;
   return p;
+}
+
+Plan make_plan(Context& ctx, const PlanKey& key, void* out, const void* a, const void* b, float alpha, float beta,
+               const void* c) {
+  std::optional<Plan> p = try_make_plan(ctx, key, out, a, b, alpha, beta, c, GemmEpilogueOperands{});
+  FORGE_CHECK(p.has_value(), "cuBLASLt has no algorithm for [{}x{}x{}] ta={} tb={} out={}", std::get<0>(key),
+              std::get<1>(key), std::get<2>(key), std::get<3>(key), std::get<4>(key), dtype_name(std::get<5>(key)));
+  return *p;
 }
 
 }  // namespace
@@ -190,7 +268,7 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
   if (m == 0 || n == 0) return;
   const void* c = addend ? addend : out;
   Context& ctx = context();
-  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
+  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);
@@ -200,6 +278,35 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
   }
   CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan->op, &alpha, b, plan->a, a, plan->b, &beta, c, plan->c, out, plan->c,
                               &plan->algo, ctx.workspace, kWorkspaceBytes, nullptr));
+}
+
+bool matmul_epilogue(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
+                     int64_t m, int64_t n, int64_t k, float alpha, float beta, const void* addend,
+                     const GemmEpilogueOperands& epilogue) {
+  if (epilogue.kind == GemmEpilogue::None) {
+    matmul(out, out_dtype, a, transpose_a, b, transpose_b, m, n, k, alpha, beta, addend);
+    return true;
+  }
+  if (m == 0 || n == 0) return false;  // nothing to fuse into: the caller's own passes handle the edge
+  const void* c = addend ? addend : out;
+  Context& ctx = context();
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, epilogue.kind};
+  std::lock_guard lock(ctx.mu);  // the epilogue pointers are set on the shared descriptor per call
+  if (ctx.epilogue_refused.count(key)) return false;
+  auto it = ctx.epilogue_plans.find(key);
+  if (it == ctx.epilogue_plans.end()) {
+    std::optional<Plan> plan = try_make_plan(ctx, key, out, a, b, alpha, beta, c, epilogue);
+    if (!plan) {
+      ctx.epilogue_refused[key] = true;
+      return false;
+    }
+    it = ctx.epilogue_plans.emplace(key, *plan).first;
+  }
+  const Plan& plan = it->second;
+  set_epilogue_pointers(plan.op, epilogue);
+  CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.op, &alpha, b, plan.a, a, plan.b, &beta, c, plan.c, out, plan.c,
+                              &plan.algo, ctx.workspace, kWorkspaceBytes, nullptr));
+  return true;
 }
 
 namespace {
@@ -230,7 +337,7 @@ void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void*
   const int64_t size = varying == GemmVarying::M ? m : k;
   const int64_t bucket = (size + kVaryingBucket - 1) / kVaryingBucket * kVaryingBucket;
   Context& ctx = context();
-  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
   PlanKey bucket_key = key;
   (varying == GemmVarying::M ? std::get<0>(bucket_key) : std::get<2>(bucket_key)) = bucket;
   std::lock_guard lock(ctx.mu);  // the plan's layouts change per call: held through the launch
@@ -257,8 +364,8 @@ namespace {
 // A batched plan (NOTE [Batched GEMMs]): the problem's layouts, each with the batch count
 // and one matrix's elements as its stride, and the heuristic's first algorithm.
 Plan make_batched_plan(Context& ctx, const PlanKey& key, int64_t batch) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero] = key;
-  (void)transpose_a, (void)transpose_b, (void)out_dtype, (void)beta_zero;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
+  (void)transpose_a, (void)transpose_b, (void)out_dtype, (void)beta_zero, (void)epilogue;
   Plan p = describe_problem(key);
   auto set_batch = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
     const int32_t count = static_cast<int32_t>(batch);
@@ -285,7 +392,7 @@ void matmul_batched(void* out, DType out_dtype, const void* a, bool transpose_a,
   if (m == 0 || n == 0 || batch == 0) return;
   FORGE_CHECK(batch <= INT32_MAX, "matmul_batched: {} matrices (cuBLASLt counts them in int32)", batch);
   Context& ctx = context();
-  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f};
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);
@@ -313,6 +420,9 @@ void forget_gemm_plans() {
     ctx.varying_plans.clear();
     for (auto& [key, plan] : ctx.batched_plans) destroy_plan(plan);
     ctx.batched_plans.clear();
+    for (auto& [key, plan] : ctx.epilogue_plans) destroy_plan(plan);
+    ctx.epilogue_plans.clear();
+    ctx.epilogue_refused.clear();
   }
   forget_fp8_gemm_plans();
   forget_gemm_tuning_state();

@@ -15,6 +15,23 @@ namespace forge::cuda {
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
             int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr);
 
+// What a GEMM does to its result on the way out (NOTE [GEMM epilogues] in matmul.cpp).
+enum class GemmEpilogue : uint8_t { None, Bias, GeluAuxBias, BiasGradient, DGelu };
+
+struct GemmEpilogueOperands {
+  GemmEpilogue kind = GemmEpilogue::None;
+  const void* bias = nullptr;     // Bias, GeluAuxBias: [n] bf16, added to every row of out
+  void* aux = nullptr;            // GeluAuxBias: [m, n] bf16 pre-activation (written); DGelu: read
+  void* bias_gradient = nullptr;  // BiasGradient: [m] fp32 sums over k of op(a), written over
+};
+
+// As matmul, with the epilogue fused into the GEMM. Returns false, having run nothing,
+// when cuBLASLt has no algorithm for the fused problem (or m or n is 0): the caller then
+// runs the GEMM and its separate passes itself.
+bool matmul_epilogue(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
+                     int64_t m, int64_t n, int64_t k, float alpha, float beta, const void* addend,
+                     const GemmEpilogueOperands& epilogue);
+
 // A dimension of a GEMM that changes from call to call while the rest of its problem stays
 // (a Mixture-of-Experts expert's rows: M of its forward and input gradient, K of its weight
 // gradient). NOTE [GEMMs of varying size] in matmul.cpp.

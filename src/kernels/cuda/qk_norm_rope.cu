@@ -13,7 +13,7 @@
 // Backward, per row: g (the stream's row of dqkv) is rotated back, dy = R^T g, then
 // dx = r w dy - x r^3 mean(w dy x) overwrites dqkv_in (value rows: g copied). The weight
 // gradients dw += dy x r ride along in registers as in kernels/cuda/rmsnorm.cu: each block
-// takes a fixed range of tokens (about 264 blocks), its warps take the range's rows in turn
+// takes a fixed range of tokens (about 1056 blocks), its warps take the range's rows in turn
 // and keep the sums of their pairs' columns, separately for query and key rows; the warps'
 // sums are added in warp order through shared memory into one partial row of 2D floats
 // per block (scratch), and sum_partial_rows (kernels/cuda/partial_sums.h) adds the blocks'
@@ -35,7 +35,10 @@ constexpr int kWarp = 32;
 constexpr int kWarps = 8;              // per block
 constexpr int kMaxPairsPerLane = 4;    // head_dim up to 2 * 4 * 32 = 256
 constexpr int kMaxDim = 2 * kMaxPairsPerLane * kWarp;
-constexpr int kBackwardBlocks = 264;   // about this many partial rows: 2 per H100 SM
+// About this many partial rows: 8 blocks of 8 warps per H100/H200 SM, enough warps in flight
+// to hide the loads (264 left 16 warps per SM and ran the FLUX proxy's backward at a third
+// of its bandwidth); the partial rows are 2 D floats each, 1 MB at D = 128.
+constexpr int kBackwardBlocks = 1056;
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
