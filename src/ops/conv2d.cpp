@@ -31,8 +31,8 @@ void check_conv_shape(const Conv2dShape& s) {
 }
 
 cpu::Conv2dDims dims_of(const Tensor& in, int64_t out_channels, const Conv2dShape& s) {
-  return {in.dim(0),   in.dim(1),  in.dim(2),   in.dim(3),     out_channels, s.kernel,
-          s.stride,    s.pad_top,  s.pad_left,  s.pad_bottom,  s.pad_right};
+  return {in.dim(0), in.dim(1),  in.dim(2),   in.dim(3),    out_channels, s.kernel,
+          s.stride,  s.pad_top, s.pad_left, s.pad_bottom, s.pad_right};
 }
 
 #ifdef FORGE_CUDA
