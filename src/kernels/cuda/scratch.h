@@ -16,6 +16,9 @@ enum class ScratchSlot {
   EmbeddingIndex,
   QkNormRopePartials,
   BiasGradientPartials,
+  ConvPaddedInput,
+  GroupNormPartials,
+  GroupNormStatistics,
   Count
 };
 
