@@ -23,6 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using testing::write_file;
 
 // A tiny config: 2 layers of 16 (2 heads of 8), MLP 24, 40 tokens, 8 positions.
 json tiny_config_json() {

@@ -20,6 +20,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using nlohmann::json;
+using testing::write_file;
 
 std::string nfc_of(std::string s) {
   unicode::nfc(s);
