@@ -21,8 +21,7 @@ BpeModel::BpeModel(const nlohmann::json& model, const TokenizerJsonReader& reade
     reader.fail("model.dropout", "BPE dropout is random and not supported for encoding; expected null");
   if (!reader.string_or(model, "model", "continuing_subword_prefix", "").empty())
     reader.fail("model.continuing_subword_prefix", "is not supported (expected null, as in Llama tokenizers)");
-  if (!reader.string_or(model, "model", "end_of_word_suffix", "").empty())
-    reader.fail("model.end_of_word_suffix", "is not supported (expected null, as in Llama tokenizers)");
+  end_of_word_suffix_ = reader.string_or(model, "model", "end_of_word_suffix", "");
   fuse_unk_ = reader.boolean_or(model, "model", "fuse_unk", false);
   byte_fallback_ = reader.boolean_or(model, "model", "byte_fallback", false);
   ignore_merges_ = reader.boolean_or(model, "model", "ignore_merges", false);
@@ -124,11 +123,17 @@ std::vector<int32_t> BpeModel::initial_symbols(std::string_view word) const {
   std::vector<int32_t> symbols;
   symbols.reserve(word.size());
   bool unk_pending = false;
+  std::string suffixed;
   for (size_t pos = 0; pos < word.size();) {
     const size_t length = utf8::unit_length(word, pos);
-    const std::string_view character = word.substr(pos, length);
+    std::string_view character = word.substr(pos, length);
     pos += length;
-    if (auto id = character_id(character)) {
+    const bool with_suffix = pos == word.size() && !end_of_word_suffix_.empty();  // NOTE [End-of-word suffix]
+    if (with_suffix) {
+      suffixed.assign(character).append(end_of_word_suffix_);
+      character = suffixed;
+    }
+    if (auto id = with_suffix ? token_id(character) : character_id(character)) {
       if (unk_pending) symbols.push_back(*unk_id_), unk_pending = false;
       symbols.push_back(*id);
       continue;

@@ -1,5 +1,6 @@
 // The BPE model of a Hugging Face tokenizer.json: vocab, ranked merges, and the options
-// Llama-family tokenizers use (byte_fallback, unk_token, fuse_unk, ignore_merges).
+// Llama-family tokenizers use (byte_fallback, unk_token, fuse_unk, ignore_merges) and CLIP's
+// end_of_word_suffix.
 //
 // NOTE [BPE merge order]
 // A word starts as one symbol per character (or per byte token with byte_fallback). The
@@ -8,6 +9,12 @@
 // with stale entries skipped gives exactly that order in O(n log n), as in Hugging Face's
 // Word::merge_all. With ignore_merges a word that is itself in the vocab is one token.
 // Words are cached, as token_cache.h's NOTE [BPE word cache] describes.
+//
+// NOTE [End-of-word suffix]
+// A model with an end_of_word_suffix (CLIP's "</w>") marks the last character of every word:
+// its initial symbol is the vocab's token for the character followed by the suffix ("o</w>"),
+// unknown (unk, or its bytes and the suffix's with byte_fallback) when the vocab lacks it,
+// as in Hugging Face's BPE::merge_word; the merges then build "</w>" tokens from it.
 #pragma once
 
 #include <array>
@@ -62,6 +69,7 @@ class BpeModel {
   bool fuse_unk_ = false;
   bool byte_fallback_ = false;
   bool ignore_merges_ = false;
+  std::string end_of_word_suffix_;  // NOTE [End-of-word suffix]; empty: none
   std::array<int32_t, 256> byte_token_ids_{};  // "<0xNN>" ids, -1 where absent
   std::vector<int32_t> bmp_character_ids_;      // id of each single-character token below U+10000, -1 where absent
   mutable TokenCache cache_;

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "data/unicode_normalization.h"
+
 namespace forge {
 
 Normalizer::Normalizer(const nlohmann::json& config, const TokenizerJsonReader& reader) : file_(reader.file()) {
@@ -22,6 +24,7 @@ void Normalizer::add(const nlohmann::json& config, const TokenizerJsonReader& re
       add((*it)[i], reader, fmt::format("{}.normalizers[{}]", where, i), depth + 1);
   } else if (type == "Prepend") {
     Step step;
+    step.kind = Kind::Prepend;
     step.prepend = reader.string(config, where, "prepend");
     if (!step.prepend.empty()) steps_.push_back(std::move(step));
   } else if (type == "Replace") {
@@ -32,18 +35,31 @@ void Normalizer::add(const nlohmann::json& config, const TokenizerJsonReader& re
                          "two characters");
     step.content = reader.string(config, where, "content");
     steps_.push_back(std::move(step));
+  } else if (type == "NFC" || type == "Lowercase") {
+    Step step;
+    step.kind = type == "NFC" ? Kind::Nfc : Kind::Lowercase;
+    steps_.push_back(std::move(step));
   } else {
-    reader.unsupported_type(where, type, "Sequence, Prepend, Replace");
+    reader.unsupported_type(where, type, "Sequence, Prepend, Replace, NFC, Lowercase");
   }
 }
 
 void Normalizer::normalize(std::string& text) const {
   const size_t input_bytes = text.size();
   for (const auto& step : steps_) {
-    if (!step.prepend.empty()) {
-      if (!text.empty()) text.insert(0, step.prepend);
-    } else {
-      text = step.pattern->replace_all(text, step.content);
+    switch (step.kind) {
+      case Kind::Prepend:
+        if (!text.empty()) text.insert(0, step.prepend);
+        break;
+      case Kind::Replace:
+        text = step.pattern->replace_all(text, step.content);
+        break;
+      case Kind::Nfc:
+        unicode::nfc(text);
+        break;
+      case Kind::Lowercase:
+        unicode::lowercase(text);
+        break;
     }
     check_pipeline_growth(file_, "normalizer", input_bytes, text.size());
   }

@@ -1,8 +1,10 @@
 // The normalizer of a tokenizer.json: rewrites each piece of text between added tokens
 // before pre-tokenization. forge implements what Llama-family files use: Prepend (adds a
 // string in front of non-empty text, e.g. Llama 2's "▁"), Replace (a literal string or a
-// regex, every occurrence) and Sequence of those. Anything else (NFC, Lowercase, ...) is
-// rejected when the file is loaded, naming the file and the type.
+// regex, every occurrence) and Sequence of those; and what CLIP's tokenizer adds: NFC and
+// Lowercase (NOTE [NFC and Lowercase as tokenizers runs them] in unicode_normalization.h).
+// Anything else (NFKC, Strip, ...) is rejected when the file is loaded, naming the file and
+// the type.
 #pragma once
 
 #include <memory>
@@ -24,9 +26,11 @@ class Normalizer {
   void normalize(std::string& text) const;
 
  private:
+  enum class Kind { Prepend, Replace, Nfc, Lowercase };
   struct Step {
-    std::string prepend;                         // a Prepend step when non-empty
-    std::unique_ptr<TokenizerPattern> pattern;   // a Replace step otherwise
+    Kind kind = Kind::Replace;
+    std::string prepend;                         // Prepend's text (never empty)
+    std::unique_ptr<TokenizerPattern> pattern;   // Replace's pattern
     std::string content;                         // Replace's replacement
   };
   void add(const nlohmann::json& config, const TokenizerJsonReader& reader, const std::string& where, int depth);

@@ -4,6 +4,10 @@
 // Elementwise and memory-bound: each thread takes 8 consecutive elements, with 16-byte
 // loads and stores when every pointer is 16-byte aligned and the 8 lie inside the tensor;
 // the last partial group (or a tensor that is not aligned) goes element by element.
+// The exact GELU, 0.5 x (1 + erf(x / sqrt 2)), and CLIP's quick GELU, x / (1 + e^(-1.702 x))
+// (e^(-1.702 x) overflows to infinity far left: 0, the right limit), run forward the same
+// way through one kernel template on the element's function. A thread reads its 8 elements
+// before writing them, so out may be in.
 #include "kernels/cuda/gelu.h"
 
 #include <cstdint>
@@ -17,6 +21,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCubic = 0.044715f;
+constexpr float kInvSqrt2 = 0.7071067811865476f;
+constexpr float kQuickGeluScale = 1.702f;
 
 __device__ __forceinline__ float gelu(float x) {
   return 0.5f * x * (1.f + tanhf(kSqrt2OverPi * (x + kCubic * x * x * x)));
@@ -58,9 +64,38 @@ __global__ void backward_kernel(bf16* din, const bf16* dout, const bf16* in,
     din[i] = __float2bfloat16(gelu_grad(__bfloat162float(dout[i]), __bfloat162float(in[i])));
 }
 
+struct GeluErf {
+  __device__ __forceinline__ float operator()(float x) const { return 0.5f * x * (1.f + erff(x * kInvSqrt2)); }
+};
+struct QuickGelu {
+  __device__ __forceinline__ float operator()(float x) const { return x / (1.f + __expf(-kQuickGeluScale * x)); }
+};
+
+template <typename Function>
+__global__ void unary_forward_kernel(bf16* out, const bf16* in, int64_t n, bool vector, Function f) {
+  const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (first >= n) return;
+  if (vector && first + 8 <= n) {
+    float v[8];
+    unpack8(*reinterpret_cast<const uint4*>(in + first), v);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = f(v[k]);
+    *reinterpret_cast<uint4*>(out + first) = pack8(v);
+    return;
+  }
+  for (int64_t i = first; i < n && i < first + 8; ++i) out[i] = __float2bfloat16(f(__bfloat162float(in[i])));
+}
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 unsigned blocks_for(int64_t n) { return static_cast<unsigned>(((n + 7) / 8 + kThreads - 1) / kThreads); }
+
+template <typename Function>
+void unary_forward(bf16* out, const bf16* in, int64_t n, Function f) {
+  if (n == 0) return;
+  unary_forward_kernel<<<blocks_for(n), kThreads>>>(out, in, n, aligned16(out) && aligned16(in), f);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
 
 }  // namespace
 
@@ -75,5 +110,9 @@ void gelu_tanh_backward(bf16* din, const bf16* dout, const bf16* in, int64_t n) 
   backward_kernel<<<blocks_for(n), kThreads>>>(din, dout, in, n, aligned16(din) && aligned16(dout) && aligned16(in));
   FORGE_CUDA_LAUNCH_CHECK();
 }
+
+void gelu_erf_forward(bf16* out, const bf16* in, int64_t n) { unary_forward(out, in, n, GeluErf{}); }
+
+void quick_gelu_forward(bf16* out, const bf16* in, int64_t n) { unary_forward(out, in, n, QuickGelu{}); }
 
 }  // namespace forge::cuda
