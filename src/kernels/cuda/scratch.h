@@ -16,6 +16,7 @@ enum class ScratchSlot {
   EmbeddingIndex,
   QkNormRopePartials,
   BiasGradientPartials,
+  DenseAttention,
   Count
 };
 
