@@ -81,6 +81,13 @@ AddedToken special_token(int32_t id, std::string content, bool special = true) {
   return t;
 }
 
+// A component's "type" when it is an object with a string one, else "".
+std::string type_of(const json& component) {
+  return component.is_object() && component.contains("type") && component["type"].is_string()
+             ? component["type"].get<std::string>()
+             : std::string();
+}
+
 // Where text is not valid UTF-8, an error naming the byte offset.
 void check_utf8(std::string_view text) {
   for (size_t pos = 0; pos < text.size(); pos += utf8::unit_length(text, pos))
@@ -160,10 +167,10 @@ void T5PromptTokenizer::read_tokenizer_json(const std::string& file) {
   if (j.contains("normalizer") && !j["normalizer"].is_null()) {
     const json& n = j["normalizer"];
     std::vector<const json*> steps{&n};
-    if (n.is_object() && n.value("type", "") == "Sequence" && n.contains("normalizers") && n["normalizers"].is_array())
+    if (type_of(n) == "Sequence" && n.contains("normalizers") && n["normalizers"].is_array())
       for (const json& step : n["normalizers"]) steps.push_back(&step);
     for (const json* step : steps) {
-      if (!step->is_object() || step->value("type", "") != "Precompiled") continue;
+      if (type_of(*step) != "Precompiled") continue;
       if (!step->contains("precompiled_charsmap") || (*step)["precompiled_charsmap"].is_null()) break;
       if (!(*step)["precompiled_charsmap"].is_string()) fail("normalizer.precompiled_charsmap", "expected a string");
       const std::string text = (*step)["precompiled_charsmap"].get<std::string>();
@@ -211,7 +218,7 @@ void T5PromptTokenizer::read_tokenizer_json(const std::string& file) {
     const json& p = j["post_processor"];
     const json single = json::array(
         {{{"Sequence", {{"id", "A"}, {"type_id", 0}}}}, {{"SpecialToken", {{"id", "</s>"}, {"type_id", 0}}}}});
-    if (!p.is_object() || p.value("type", "") != "TemplateProcessing" || !p.contains("single") || p["single"] != single)
+    if (type_of(p) != "TemplateProcessing" || !p.contains("single") || p["single"] != single)
       fail("post_processor", "expected T5's TemplateProcessing, single [$A, </s>]");
   }
   finish(std::move(added));
