@@ -202,7 +202,38 @@ def npy_files():
     put("fuzz_npy", "records-protocol4", npy(records, protocol=4))
 
 
+def t5_configs():
+    from transformers import T5Config
+    put("fuzz_t5_config", "t5-v1_1-small", T5Config(vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32, num_layers=2,
+                                                    feed_forward_proj="gated-gelu").to_json_string())
+    put("fuzz_t5_config", "original-t5-relu", T5Config(vocab_size=64, d_model=16, d_kv=4, num_heads=4, d_ff=32,
+                                                       num_layers=2).to_json_string())
+    put("fuzz_t5_config", "bucket-edges", json.dumps({"feed_forward_proj": "gated-gelu", "relative_attention_num_buckets": 4,
+                                                      "relative_attention_max_distance": 2, "dense_act_fn": "gelu_pytorch_tanh"}))
+
+
+def t5_tokenizers():
+    import sentencepiece as spm
+    from transformers import T5TokenizerFast
+    with tempfile.TemporaryDirectory() as d:
+        text = os.path.join(d, "text.txt")
+        with open(text, "w") as f:
+            f.write(TEXT * 4)
+        spm.SentencePieceTrainer.train(input=text, model_prefix=os.path.join(d, "spiece"), vocab_size=80,
+                                       model_type="unigram", pad_id=0, eos_id=1, unk_id=2, bos_id=-1,
+                                       normalization_rule_name="identity",
+                                       character_coverage=1.0, minloglevel=2)
+        with open(os.path.join(d, "spiece.model"), "rb") as f:
+            put("fuzz_t5_tokenizer", "spiece-model", f.read())
+        T5TokenizerFast.from_pretrained(d, extra_ids=3).save_pretrained(os.path.join(d, "saved"))
+        with open(os.path.join(d, "saved", "tokenizer.json")) as f:
+            tokenizer_json = f.read()
+        put("fuzz_t5_tokenizer", "tokenizer-json", tokenizer_json)
+        put("fuzz_t5_tokenizer", "tokenizer-json-with-caption",
+            tokenizer_json + "\0a  dog\u3000on </s> the <extra_id_2>ｆｕｌｌ\tgrass 🙂")
+
+
 if __name__ == "__main__":
     json_lines(); experiments(); indexed(); npy_files(); safetensors_files(); hf_configs(); hf_weight_index()
-    tokenizers_json(); sentencepiece_models(); tiktoken_files(); corpus_files()
+    tokenizers_json(); sentencepiece_models(); tiktoken_files(); corpus_files(); t5_configs(); t5_tokenizers()
     checkpoints(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "build", "forge"))

@@ -30,8 +30,8 @@ int base64_digit(char c) {
   return -1;
 }
 
-// The bytes `text` spells in standard base64, padded with '=' to a multiple of 4
-// characters; nullopt when it is not such base64.
+}  // namespace
+
 std::optional<std::string> decode_base64(std::string_view text) {
   if (text.empty() || text.size() % 4 != 0) return std::nullopt;
   size_t padding = 0;
@@ -52,6 +52,8 @@ std::optional<std::string> decode_base64(std::string_view text) {
   }
   return bytes;
 }
+
+namespace {
 
 // `text` with bytes outside printable ASCII written as \xNN, cut to 80 characters.
 std::string printable(std::string_view text) {

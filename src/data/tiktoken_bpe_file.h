@@ -12,7 +12,9 @@
 // text). Each violation fails naming file:line and what was expected.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace forge {
@@ -21,6 +23,10 @@ namespace forge {
 // of the lines there is '<base64> <decimal>'. Used to tell it from a SentencePiece
 // tokenizer.model (a binary protobuf) of the same name.
 bool looks_like_tiktoken_bpe(const std::string& file);
+
+// The bytes `text` spells in standard base64, padded with '=' to a multiple of 4
+// characters; nullopt when it is not such base64 (also for an empty text).
+std::optional<std::string> decode_base64(std::string_view text);
 
 // The bytes of every token, indexed by rank; fails naming file:line (NOTE [tiktoken file checks]).
 std::vector<std::string> read_tiktoken_bpe(const std::string& file);

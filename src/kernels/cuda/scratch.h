@@ -19,6 +19,7 @@ enum class ScratchSlot {
   ConvPaddedInput,
   GroupNormPartials,
   GroupNormStatistics,
+  DenseAttention,
   Count
 };
 
