@@ -15,7 +15,7 @@ constexpr Conv2dShape kDownsample{3, 2, 0, 0, 1, 1};
 }  // namespace
 
 FluxVae::FluxVae(const FluxVaeParameters& params)
-    : params_(params), pool_(params.device(), params.dtype()), scores_pool_(params.device(), DType::F32) {}
+    : params_(params), pool_(params.device(), params.dtype()) {}
 
 Shape FluxVae::check_image(const Tensor& image, int64_t channels, const char* what) const {
   const int64_t f = config().downsample_factor();

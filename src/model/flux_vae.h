@@ -44,7 +44,7 @@ class FluxVae {
   void decode(const Tensor& image, const Tensor& latents);
 
   // Elements the activation buffers hold now (NOTE [VAE activation pool]).
-  int64_t activation_elements() const { return pool_.held_elements() + scores_pool_.held_elements(); }
+  int64_t activation_elements() const { return pool_.held_elements(); }
 
  private:
   using Lease = VaeActivationPool::Lease;
@@ -67,7 +67,6 @@ class FluxVae {
 
   const FluxVaeParameters& params_;
   VaeActivationPool pool_;
-  VaeActivationPool scores_pool_;  // fp32 attention scores (CUDA)
 };
 
 }  // namespace forge

@@ -5,12 +5,11 @@
 #include <cmath>
 
 #include "ops/attention.h"
-#include "ops/matmul.h"
-#include "ops/row_softmax.h"
+#include "ops/dense_attention.h"
 
 namespace forge {
 
-void vae_attention(const Tensor& out, const Tensor& qkv, VaeActivationPool& pool, VaeActivationPool& scores_pool) {
+void vae_attention(const Tensor& out, const Tensor& qkv, VaeActivationPool& pool) {
   FORGE_CHECK(qkv.ndim() == 4 && qkv.dim(2) == 3, "vae_attention: qkv {} must be [B, S, 3, C]",
               shape_str(qkv.shape()));
   const int64_t batch = qkv.dim(0), seq = qkv.dim(1), channels = qkv.dim(3);
@@ -28,13 +27,8 @@ void vae_attention(const Tensor& out, const Tensor& qkv, VaeActivationPool& pool
   copy_columns(q->view({batch * seq, channels}), 0, packed, 0, channels);
   copy_columns(k->view({batch * seq, channels}), 0, packed, channels, channels);
   copy_columns(v->view({batch * seq, channels}), 0, packed, 2 * channels, channels);
-  VaeActivationPool::Lease scores = scores_pool.take({1, seq, seq});
-  VaeActivationPool::Lease probs = pool.take({1, seq, seq});
-  for (int64_t b = 0; b < batch; ++b) {
-    matmul_batched(*scores, q->narrow(b, b + 1), false, k->narrow(b, b + 1), true, scale);
-    row_softmax(*probs, *scores);
-    matmul_batched(out.narrow(b, b + 1), *probs, false, v->narrow(b, b + 1), false);
-  }
+  const Shape heads{batch, seq, 1, channels};
+  dense_attention_forward(out.view(heads), q->view(heads), k->view(heads), v->view(heads), nullptr, scale);
 }
 
 }  // namespace forge

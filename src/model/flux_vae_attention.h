@@ -9,12 +9,9 @@
 // vae_attention computes out [B, S, C] = softmax(q k^T / sqrt(C)) v per image:
 //  - CPU: the attention op (bidirectional, one query and one key/value head of dim C;
 //    kernels/cpu/attention.cpp takes any head dim).
-//  - CUDA: cuDNN's fused attention takes head dims up to 256, so the scores are
-//    materialized, one image at a time: q, k and v copied out of qkv (copy_columns), scores
-//    [S, S] = q k^T / sqrt(C) in fp32 (matmul_batched), row_softmax to bf16 probabilities,
-//    out = probs v (matmul_batched). An image's scores take 4 S^2 bytes (1 GiB at 1024x1024),
-//    its probabilities 2 S^2. A stand-in until forge has a dense attention op of its own
-//    for head dims cuDNN does not take; the GPU tests check it against the CPU path.
+//  - CUDA: cuDNN's fused attention takes head dims up to 256, so q, k and v are copied out
+//    of qkv (copy_columns) and go through the dense attention op (NOTE [Dense attention] in
+//    ops/dense_attention.h: explicit fp32 scores in chunks of bounded memory, no bias).
 #pragma once
 
 #include "core/tensor.h"
@@ -23,7 +20,7 @@
 namespace forge {
 
 // out [B, S, C], qkv [B, S, 3, C], both on one device (fp32 CPU, bf16 CUDA). `pool` lends the
-// temporaries in the activations' dtype, `scores_pool` the fp32 scores (CUDA only).
-void vae_attention(const Tensor& out, const Tensor& qkv, VaeActivationPool& pool, VaeActivationPool& scores_pool);
+// temporaries in the activations' dtype.
+void vae_attention(const Tensor& out, const Tensor& qkv, VaeActivationPool& pool);
 
 }  // namespace forge

@@ -56,7 +56,7 @@ FluxVae::Lease FluxVae::attention(const std::string& prefix, const Tensor& x) {
   linear_forward(qkv->view({batch * seq, 3 * channels}), h->view({batch * seq, channels}), to_qkv);
   h = Lease();
   Lease attended = pool_.take({batch, seq, channels});
-  vae_attention(*attended, *qkv, pool_, scores_pool_);
+  vae_attention(*attended, *qkv, pool_);
   qkv = Lease();
   Lease out = pool_.take(x.shape());
   LinearWeight to_out;

@@ -1,8 +1,8 @@
 // The FLUX VAE's ops on the CPU against their formulas in double: the NHWC convolution (3x3
 // "same", 1x1, the downsample's stride 2 with bottom/right padding, uneven channel counts),
 // GroupNorm with and without SiLU (in place too, and with a mean far from 0), nearest 2x
-// upsampling, the NCHW <-> NHWC transposes, the latent scaling from the moments and back,
-// and the row softmax; and their refusals of mismatched shapes.
+// upsampling, the NCHW <-> NHWC transposes, the latent scaling from the moments and back;
+// and their refusals of mismatched shapes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,7 +13,6 @@
 #include "ops/conv2d.h"
 #include "ops/group_norm.h"
 #include "ops/image_layout.h"
-#include "ops/row_softmax.h"
 #include "ops/upsample.h"
 #include "ops/vae_latents.h"
 #include "ops_testing.h"
@@ -236,23 +235,6 @@ TEST(OpsVaeLatents, ScaleTheModeOrASampleAndInvertTheScaling) {
                {"moments"});
   expect_error([&] { vae_decoder_input(z, mode, 0.0f, shift); }, {"scaling factor"});
   expect_error([&] { vae_latents_from_moments(mode, moments, &z, scale, shift); }, {"noise"});
-}
-
-TEST(OpsRowSoftmax, MatchesTheDefinitionAndSurvivesLargeScores) {
-  Rng rng(61);
-  Tensor scores = random_tensor({3, 4, 17}, rng, 4.0), probs = Tensor::empty({3, 4, 17});
-  scores.data<float>()[0] = 1000.0f;  // exp would overflow without the row maximum taken out
-  row_softmax(probs, scores);
-  std::vector<double> want;
-  for (int64_t r = 0; r < 12; ++r) {
-    const float* x = scores.data<float>() + r * 17;
-    const double top = *std::max_element(x, x + 17);
-    double sum = 0;
-    for (int64_t j = 0; j < 17; ++j) sum += std::exp(x[j] - top);
-    for (int64_t j = 0; j < 17; ++j) want.push_back(std::exp(x[j] - top) / sum);
-  }
-  EXPECT_LT(relative_error(probs, want), 1e-6);
-  expect_error([&] { row_softmax(Tensor::zeros({3, 4, 16}), scores); }, {"row_softmax probs"});
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // each op (the cuDNN convolution, with the image's 3 input and the decoder's 3 output
 // channels, the 1x1 form and the padded stride-2 downsample; GroupNorm with and without
 // SiLU, in place, over several pixel chunks and with a mean far from 0; nearest upsampling,
-// the layout transposes, the latent scaling, the row softmax), the mid-block attention's
-// explicit-scores path, and a whole small VAE's encode and decode in bf16 against fp32.
+// the layout transposes, the latent scaling), the mid-block attention through the dense
+// attention op (head dim C), and a whole small VAE's encode and decode in bf16 against fp32.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -16,7 +16,6 @@
 #include "ops/conv2d.h"
 #include "ops/group_norm.h"
 #include "ops/image_layout.h"
-#include "ops/row_softmax.h"
 #include "ops/upsample.h"
 #include "ops/vae_latents.h"
 
@@ -125,29 +124,18 @@ TEST(GpuFluxVaeOps, LatentScalingMatchesCpu) {
     }
 }
 
-TEST(GpuFluxVaeOps, RowSoftmaxMatchesCpu) {
-  Rng rng(seed_for_current_test());
-  for (const Shape& shape : {Shape{7, 1000}, Shape{3, 16384}, Shape{5, 3}}) {
-    Tensor scores = random_f32(shape, rng, 5.0), probs = Tensor::empty(shape);
-    row_softmax(probs, scores);
-    Tensor probsg = poisoned_gpu(shape, DType::BF16);
-    row_softmax(probsg, to_gpu(scores, DType::F32));
-    EXPECT_LT(relative_l2(to_cpu_f32(probsg), probs), kBf16Tolerance) << shape_str(shape);
-  }
-}
-
-// NOTE [VAE mid-block attention]: the CUDA path (explicit scores) against the CPU attention op.
+// NOTE [VAE mid-block attention]: the CUDA path (the dense attention op) against the CPU attention op.
 TEST(GpuFluxVaeOps, MidBlockAttentionMatchesCpu) {
   Rng rng(seed_for_current_test());
   for (const Shape& shape : {Shape{2, 64, 3, 512}, Shape{1, 300, 3, 64}}) {
     const int64_t batch = shape[0], seq = shape[1], channels = shape[3];
     Tensor qkv = random_bf16_values(shape, rng);
     Tensor out = Tensor::empty({batch, seq, channels});
-    VaeActivationPool pool(Device::CPU, DType::F32), scores(Device::CPU, DType::F32);
-    vae_attention(out, qkv, pool, scores);
-    VaeActivationPool poolg(Device::CUDA, DType::BF16), scoresg(Device::CUDA, DType::F32);
+    VaeActivationPool pool(Device::CPU, DType::F32);
+    vae_attention(out, qkv, pool);
+    VaeActivationPool poolg(Device::CUDA, DType::BF16);
     Tensor outg = poisoned_gpu({batch, seq, channels}, DType::BF16);
-    vae_attention(outg, to_gpu(qkv, DType::BF16), poolg, scoresg);
+    vae_attention(outg, to_gpu(qkv, DType::BF16), poolg);
     EXPECT_LT(relative_l2(to_cpu_f32(outg), out), kBf16Tolerance) << shape_str(shape);
   }
 }
