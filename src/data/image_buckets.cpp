@@ -42,9 +42,8 @@ std::vector<ImageBucket> make_aspect_buckets(int resolution, int step, int min_s
       buckets.push_back({h, w});
     }
   }
-  std::sort(buckets.begin(), buckets.end(), [](ImageBucket a, ImageBucket b) {
-    return a.width != b.width ? a.width < b.width : a.height < b.height;
-  });
+  std::sort(buckets.begin(), buckets.end(),
+            [](ImageBucket a, ImageBucket b) { return a.width != b.width ? a.width < b.width : a.height < b.height; });
   buckets.erase(std::unique(buckets.begin(), buckets.end()), buckets.end());
   return buckets;
 }

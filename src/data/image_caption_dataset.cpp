@@ -29,9 +29,8 @@ std::string lowercase(std::string text) {
 
 // Names of image files in the folder layouts (NOTE [Image-caption datasets]).
 bool has_image_extension(const fs::path& path) {
-  static const std::set<std::string> extensions = {".jpg",  ".jpeg", ".jpe",  ".jfif", ".png",  ".webp", ".gif",
-                                                   ".bmp",  ".tif",  ".tiff", ".avif", ".heic", ".heif", ".jxl",
-                                                   ".jp2"};
+  static const std::set<std::string> extensions = {".jpg", ".jpeg", ".jpe",  ".jfif", ".png",  ".webp", ".gif", ".bmp",
+                                                   ".tif", ".tiff", ".avif", ".heic", ".heif", ".jxl",  ".jp2"};
   return extensions.count(lowercase(path.extension().string())) > 0;
 }
 
@@ -86,9 +85,7 @@ std::string utf8_problem(std::string_view text) {
   return "";
 }
 
-bool is_blank(std::string_view text) {
-  return text.find_first_not_of(" \t\r\n\v\f") == std::string_view::npos;
-}
+bool is_blank(std::string_view text) { return text.find_first_not_of(" \t\r\n\v\f") == std::string_view::npos; }
 
 // A caption file's text: without a UTF-8 byte order mark and surrounding whitespace.
 std::string trimmed_caption(std::string_view text) {
@@ -221,15 +218,15 @@ void read_jsonl(const std::string& manifest, Builder& builder) {
       continue;
     }
     if (!object.is_object()) {
-      builder.problems.add(fmt::format("{}: {}, expected an object with \"image\" and \"text\"", where,
-                                       object.type_name()));
+      builder.problems.add(
+          fmt::format("{}: {}, expected an object with \"image\" and \"text\"", where, object.type_name()));
       continue;
     }
     std::string image_key, text_key, problem;
     const nlohmann::json* image = field(object, {"image", "file_name"}, image_key, problem);
     if (!problem.empty() || image == nullptr || image->get_ref<const std::string&>().empty()) {
-      builder.problems.add(fmt::format("{}: {}", where,
-                                       problem.empty() ? "no image path (\"image\" or \"file_name\")" : problem));
+      builder.problems.add(
+          fmt::format("{}: {}", where, problem.empty() ? "no image path (\"image\" or \"file_name\")" : problem));
       continue;
     }
     const std::string& relative = image->get_ref<const std::string&>();
@@ -257,12 +254,14 @@ std::string_view image_dataset_layout_name(ImageDatasetLayout layout) {
 }
 
 ImageDatasetLayout parse_image_dataset_layout(std::string_view name, std::string_view what) {
-  for (auto layout : {ImageDatasetLayout::CaptionFiles, ImageDatasetLayout::FilenameCaptions, ImageDatasetLayout::Jsonl})
+  for (auto layout :
+       {ImageDatasetLayout::CaptionFiles, ImageDatasetLayout::FilenameCaptions, ImageDatasetLayout::Jsonl})
     if (name == image_dataset_layout_name(layout)) return layout;
-  FORGE_FAIL("{}: unknown image dataset layout '{}': expected caption-files (images with same-name .txt captions), "
-             "filename-captions (captions in the file names, as bghira/pseudo-camera-10k) or jsonl (a manifest of "
-             "{{\"image\": ..., \"text\": ...}} lines)",
-             what, name);
+  FORGE_FAIL(
+      "{}: unknown image dataset layout '{}': expected caption-files (images with same-name .txt captions), "
+      "filename-captions (captions in the file names, as bghira/pseudo-camera-10k) or jsonl (a manifest of "
+      "{{\"image\": ..., \"text\": ...}} lines)",
+      what, name);
 }
 
 ImageCaptionDataset::ImageCaptionDataset(std::string path, ImageDatasetLayout layout, ImageDatasetOptions options)
@@ -281,9 +280,9 @@ ImageCaptionDataset::ImageCaptionDataset(std::string path, ImageDatasetLayout la
   builder.problems.raise_if_any(path_, layout);
   if (entries_.empty())
     FORGE_FAIL("{}: no images with captions in the {} image dataset{}", path_, image_dataset_layout_name(layout),
-               summary_.skipped_without_caption ? fmt::format(" ({} images without a caption were skipped)",
-                                                              summary_.skipped_without_caption)
-                                                : std::string());
+               summary_.skipped_without_caption
+                   ? fmt::format(" ({} images without a caption were skipped)", summary_.skipped_without_caption)
+                   : std::string());
   summary_.entries = entries_.size();
   for (const auto& entry : entries_) {
     switch (entry.info.format) {
@@ -298,9 +297,9 @@ std::string ImageCaptionDataset::describe() const {
   std::vector<std::string> formats;
   for (auto [count, name] : {std::pair{summary_.jpeg, "JPEG"}, {summary_.png, "PNG"}, {summary_.webp, "WebP"}})
     if (count > 0) formats.push_back(fmt::format("{} {}", count, name));
-  std::string text = fmt::format("{}: {} image{} with captions ({}: {})", path_, summary_.entries,
-                                 summary_.entries == 1 ? "" : "s", image_dataset_layout_name(layout_),
-                                 fmt::join(formats, ", "));
+  std::string text =
+      fmt::format("{}: {} image{} with captions ({}: {})", path_, summary_.entries, summary_.entries == 1 ? "" : "s",
+                  image_dataset_layout_name(layout_), fmt::join(formats, ", "));
   if (summary_.skipped_without_caption > 0)
     text += fmt::format("; {} skipped without a caption ({}{})", summary_.skipped_without_caption,
                         fmt::join(summary_.skipped_examples, ", "),

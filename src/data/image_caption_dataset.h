@@ -31,7 +31,8 @@
 // .png or .webp, or in another image format's extension (.gif, .bmp, .tif, .tiff, .avif,
 // .heic, .heif, .jxl, .jp2): those are listed too and then refused by their content (NOTE
 // [Image formats]) unless it is JPEG, PNG or WebP. Names starting with '.' are skipped, so
-// is every folder whose name does (the .cache/ that huggingface-cli leaves). Entries are
+// is every folder whose name does (the .cache/ that huggingface-cli leaves); symbolic links
+// to files are followed, links to folders are not (no loops, no entry listed twice). Entries are
 // sorted by path (byte order) in the folder layouts and keep the manifest's order in jsonl:
 // the same files give the same list everywhere.
 // Every entry is validated when the dataset is opened: its caption (valid UTF-8; empty
@@ -79,10 +80,10 @@ struct ImageCaptionEntry {
 
 struct ImageDatasetSummary {
   size_t entries = 0;
-  size_t jpeg = 0, png = 0, webp = 0;  // entries per format
-  size_t skipped_without_caption = 0;  // with MissingCaptions::Skip
+  size_t jpeg = 0, png = 0, webp = 0;         // entries per format
+  size_t skipped_without_caption = 0;         // with MissingCaptions::Skip
   std::vector<std::string> skipped_examples;  // the first few of them
-  size_t captions_without_image = 0;   // caption-files: caption files no image has
+  size_t captions_without_image = 0;          // caption-files: caption files no image has
 };
 
 class ImageCaptionDataset {

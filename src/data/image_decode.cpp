@@ -11,7 +11,8 @@
 namespace forge {
 
 void check_image_dimensions(const std::string& name, std::string_view format, int64_t width, int64_t height) {
-  if (width <= 0 || height <= 0) FORGE_FAIL("{}: corrupt {}: its header says {}x{} pixels", name, format, width, height);
+  if (width <= 0 || height <= 0)
+    FORGE_FAIL("{}: corrupt {}: its header says {}x{} pixels", name, format, width, height);
   if (width * height > kMaxImagePixels)
     FORGE_FAIL("{}: {} image of {}x{} = {} pixels, more than forge decodes ({}, Pillow's decompression-bomb limit)",
                name, format, width, height, width * height, kMaxImagePixels);

@@ -10,7 +10,9 @@ class TiffReader {
  public:
   TiffReader(std::string_view bytes, bool little_endian) : bytes_(bytes), little_(little_endian) {}
   bool has(size_t offset, size_t n) const { return offset <= bytes_.size() && n <= bytes_.size() - offset; }
-  uint32_t u16(size_t offset) const { return little_ ? byte(offset) | byte(offset + 1) << 8 : byte(offset) << 8 | byte(offset + 1); }
+  uint32_t u16(size_t offset) const {
+    return little_ ? byte(offset) | byte(offset + 1) << 8 : byte(offset) << 8 | byte(offset + 1);
+  }
   uint32_t u32(size_t offset) const {
     return little_ ? u16(offset) | u16(offset + 2) << 16 : u16(offset) << 16 | u16(offset + 2);
   }
@@ -60,21 +62,30 @@ int exif_orientation(std::string_view exif) {
 
 RgbImage apply_orientation(const RgbImage& image, int o) {
   if (o < 2 || o > 8) return image;
+  // Output pixel (x, y) reads stored pixel (sx, sy): (x, y), or (y, x) when the orientation
+  // transposes, then mirrored in x and/or y. PIL's methods: 2 FLIP_LEFT_RIGHT, 3 ROTATE_180,
+  // 4 FLIP_TOP_BOTTOM, 5 TRANSPOSE, 6 ROTATE_270, 7 TRANSVERSE, 8 ROTATE_90.
+  struct Turn {
+    bool transpose, mirror_x, mirror_y;
+  };
+  static constexpr Turn kTurns[9] = {{},
+                                     {false, false, false},
+                                     {false, true, false},
+                                     {false, true, true},
+                                     {false, false, true},
+                                     {true, false, false},
+                                     {true, false, true},
+                                     {true, true, true},
+                                     {true, true, false}};
+  const Turn turn = kTurns[o];
   const int w = image.width, h = image.height;
-  RgbImage out = orientation_swaps_sides(o) ? RgbImage(h, w) : RgbImage(w, h);
+  RgbImage out = turn.transpose ? RgbImage(h, w) : RgbImage(w, h);
   for (int y = 0; y < out.height; ++y) {
     uint8_t* dst = out.row(y);
     for (int x = 0; x < out.width; ++x) {
-      int sx = x, sy = y;  // the source pixel of output pixel (x, y)
-      switch (o) {
-        case 2: sx = w - 1 - x; break;                      // FLIP_LEFT_RIGHT
-        case 3: sx = w - 1 - x; sy = h - 1 - y; break;      // ROTATE_180
-        case 4: sy = h - 1 - y; break;                      // FLIP_TOP_BOTTOM
-        case 5: sx = y; sy = x; break;                      // TRANSPOSE
-        case 6: sx = y; sy = h - 1 - x; break;              // ROTATE_270 (90 clockwise)
-        case 7: sx = w - 1 - y; sy = h - 1 - x; break;      // TRANSVERSE
-        case 8: sx = w - 1 - y; sy = x; break;              // ROTATE_90 (90 counter-clockwise)
-      }
+      int sx = turn.transpose ? y : x, sy = turn.transpose ? x : y;
+      if (turn.mirror_x) sx = w - 1 - sx;
+      if (turn.mirror_y) sy = h - 1 - sy;
       std::memcpy(dst + 3 * static_cast<size_t>(x), image.row(sy) + 3 * static_cast<size_t>(sx), 3);
     }
   }

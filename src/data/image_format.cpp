@@ -20,13 +20,15 @@ std::string describe_other(std::string_view head) {
   if (starts_with(head, "GIF87a") || starts_with(head, "GIF89a")) return "a GIF image";
   if (starts_with(head, "BM")) return "a BMP image";
   if (starts_with(head, "II*\0"sv) || starts_with(head, "MM\0*"sv)) return "a TIFF image";
-  if (starts_with(head, "\xff\x0a"sv) || starts_with(head, "\0\0\0\x0cJXL \x0d\x0a\x87\x0a"sv)) return "a JPEG XL image";
+  if (starts_with(head, "\xff\x0a"sv) || starts_with(head, "\0\0\0\x0cJXL \x0d\x0a\x87\x0a"sv))
+    return "a JPEG XL image";
   if (starts_with(head, "\0\0\0\x0cjP  \x0d\x0a\x87\x0a"sv) || starts_with(head, "\xff\x4f\xff\x51"sv))
     return "a JPEG 2000 image";
   if (head.size() >= 12 && head.substr(4, 4) == "ftyp") {
     const std::string_view brand = head.substr(8, 4);
     if (brand == "avif" || brand == "avis") return "an AVIF image";
-    if (brand == "heic" || brand == "heix" || brand == "mif1" || brand == "msf1" || brand == "hevc") return "a HEIF image";
+    if (brand == "heic" || brand == "heix" || brand == "mif1" || brand == "msf1" || brand == "hevc")
+      return "a HEIF image";
     return fmt::format("an ISO media file (brand '{}')", brand);
   }
   if (starts_with(head, "RIFF")) return "a RIFF file that is not WebP";

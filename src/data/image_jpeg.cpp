@@ -43,27 +43,22 @@ void on_error_exit(j_common_ptr cinfo) {
     case JERR_NOT_COMPILED:
     case JERR_CONVERSION_NOTIMPL:
     case JERR_SOF_UNSUPPORTED:
-    case JERR_NOTIMPL:
-      fail_with(cinfo, Failure::Unsupported);
-    default:
-      fail_with(cinfo, Failure::Corrupt);
+    case JERR_NOTIMPL: fail_with(cinfo, Failure::Unsupported);
+    default: fail_with(cinfo, Failure::Corrupt);
   }
 }
 
 void on_emit_message(j_common_ptr cinfo, int level) {
   if (level >= 0) return;  // trace messages
   switch (cinfo->err->msg_code) {
-    case JWRN_JPEG_EOF:
-      fail_with(cinfo, Failure::Truncated);
+    case JWRN_JPEG_EOF: fail_with(cinfo, Failure::Truncated);
     case JWRN_HIT_MARKER:
     case JWRN_HUFF_BAD_CODE:
     case JWRN_ARITH_BAD_CODE:
     case JWRN_MUST_RESYNC:
     case JWRN_NOT_SEQUENTIAL:
-    case JWRN_BOGUS_PROGRESSION:
-      fail_with(cinfo, Failure::Corrupt);
-    default:
-      cinfo->err->num_warnings++;
+    case JWRN_BOGUS_PROGRESSION: fail_with(cinfo, Failure::Corrupt);
+    default: cinfo->err->num_warnings++;
   }
 }
 
@@ -151,15 +146,12 @@ class JpegReader {
 
 [[noreturn]] void fail(const JpegReader& reader, const std::string& name) {
   switch (reader.failure()) {
-    case Failure::Truncated:
-      FORGE_FAIL("{}: truncated JPEG: the file ends before the image data does", name);
+    case Failure::Truncated: FORGE_FAIL("{}: truncated JPEG: the file ends before the image data does", name);
     case Failure::Unsupported:
       FORGE_FAIL("{}: unsupported JPEG: {} (forge reads 8-bit baseline and progressive JPEG)", name, reader.message());
-    case Failure::TooManyScans:
-      FORGE_FAIL("{}: corrupt JPEG: more than {} progressive scans", name, kMaxScans);
+    case Failure::TooManyScans: FORGE_FAIL("{}: corrupt JPEG: more than {} progressive scans", name, kMaxScans);
     case Failure::Corrupt:
-    case Failure::None:
-      break;
+    case Failure::None: break;
   }
   FORGE_FAIL("{}: corrupt JPEG: {}", name, reader.message());
 }
@@ -183,8 +175,8 @@ void read_checked_header(JpegReader& reader, std::string_view bytes, const std::
   FORGE_CHECK(cinfo.output_width == cinfo.image_width && cinfo.output_height == cinfo.image_height &&
                   cinfo.output_components == cinfo.num_components,
               "{}: libjpeg would output {}x{} pixels of {} components for a {}x{} image of {}", name,
-              cinfo.output_width, cinfo.output_height, cinfo.output_components, cinfo.image_width,
-              cinfo.image_height, cinfo.num_components);
+              cinfo.output_width, cinfo.output_height, cinfo.output_components, cinfo.image_width, cinfo.image_height,
+              cinfo.num_components);
 }
 
 }  // namespace

@@ -67,8 +67,7 @@ uint8_t clip8(int32_t acc) {
 }
 
 // out(x, y) from the taps of columns.first[x] - column_offset on row y + row_offset of `in`.
-void horizontal_pass(const RgbImage& in, int row_offset, int column_offset, const AxisWeights& columns,
-                     RgbImage& out) {
+void horizontal_pass(const RgbImage& in, int row_offset, int column_offset, const AxisWeights& columns, RgbImage& out) {
   for (int y = 0; y < out.height; ++y) {
     const uint8_t* row = in.row(y + row_offset);
     uint8_t* dst = out.row(y);
@@ -108,8 +107,8 @@ void vertical_pass(const RgbImage& in, int row_offset, int column_offset, const 
 
 RgbImage resize_bilinear_window(const RgbImage& image, int width, int height, int left, int top, int crop_width,
                                 int crop_height) {
-  FORGE_CHECK(image.width > 0 && image.height > 0 && width > 0 && height > 0, "resize of {}x{} to {}x{}",
-              image.width, image.height, width, height);
+  FORGE_CHECK(image.width > 0 && image.height > 0 && width > 0 && height > 0, "resize of {}x{} to {}x{}", image.width,
+              image.height, width, height);
   FORGE_CHECK(left >= 0 && top >= 0 && crop_width > 0 && crop_height > 0 && left <= width - crop_width &&
                   top <= height - crop_height,
               "window {}x{} at ({}, {}) outside {}x{}", crop_width, crop_height, left, top, width, height);
@@ -118,7 +117,8 @@ RgbImage resize_bilinear_window(const RgbImage& image, int width, int height, in
   RgbImage result(crop_width, crop_height);
   // Pillow 13 runs the vertical pass first when the height shrinks by more than twice as
   // many pixels as the width (NOTE [PIL's bilinear resize]).
-  const int64_t shrink_y = static_cast<int64_t>(image.height) - height, shrink_x = static_cast<int64_t>(image.width) - width;
+  const int64_t shrink_y = static_cast<int64_t>(image.height) - height,
+                shrink_x = static_cast<int64_t>(image.width) - width;
   if (shrink_y > 0 && shrink_y > shrink_x * 2) {
     // Only the input columns the window's output columns read.
     const int column_begin = columns.first.front();

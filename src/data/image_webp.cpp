@@ -30,12 +30,10 @@ std::string exif_chunk(std::string_view bytes) {
 
 [[noreturn]] void fail(VP8StatusCode status, const std::string& name) {
   switch (status) {
-    case VP8_STATUS_NOT_ENOUGH_DATA:
-      FORGE_FAIL("{}: truncated WebP: the file ends before the image data does", name);
+    case VP8_STATUS_NOT_ENOUGH_DATA: FORGE_FAIL("{}: truncated WebP: the file ends before the image data does", name);
     case VP8_STATUS_UNSUPPORTED_FEATURE:
       FORGE_FAIL("{}: unsupported WebP: libwebp does not support a feature it uses", name);
-    case VP8_STATUS_OUT_OF_MEMORY:
-      throw std::bad_alloc();
+    case VP8_STATUS_OUT_OF_MEMORY: throw std::bad_alloc();
     default:
       FORGE_FAIL("{}: corrupt WebP: libwebp reports {}", name,
                  status == VP8_STATUS_BITSTREAM_ERROR ? "a bitstream error" : "an invalid parameter");
@@ -48,8 +46,7 @@ WebPBitstreamFeatures checked_features(std::string_view bytes, const std::string
     FORGE_FAIL("{}: truncated WebP: its RIFF header says {} bytes follow, the file has {}", name, riff_size,
                bytes.size() - 8);
   WebPBitstreamFeatures features;
-  const VP8StatusCode status =
-      WebPGetFeatures(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &features);
+  const VP8StatusCode status = WebPGetFeatures(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), &features);
   if (status != VP8_STATUS_OK) fail(status, name);
   if (features.has_animation)
     FORGE_FAIL("{}: unsupported WebP: an animation (forge reads still images; convert the frame to PNG)", name);

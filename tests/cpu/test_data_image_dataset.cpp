@@ -39,7 +39,9 @@ TEST(ImageCaptionDataset, CaptionFilesSortedTrimmedAndSummarized) {
   write_png_at(root + "/b/two.png", 12, 8);
   write_text(root + "/b/two.txt", "  second\n");
   write_png_at(root + "/a.png", 8, 12);
-  write_text(root + "/a.txt", "\xef\xbb\xbf" "first caption");
+  write_text(root + "/a.txt",
+             "\xef\xbb\xbf"
+             "first caption");
   write_text(root + "/lonely.txt", "no image");
   write_png_at(root + "/.cache/hidden.png", 4, 4);
   const ImageCaptionDataset d(root, ImageDatasetLayout::CaptionFiles);
@@ -92,9 +94,9 @@ TEST(ImageCaptionDataset, EveryProblemIsListedWithItsFile) {
     EXPECT_NE(message.find(fragment), std::string::npos) << message << "\nlacks: " << fragment;
   ImageDatasetOptions allow_empty;
   allow_empty.allow_empty_captions = true;
-  EXPECT_NE(error_of([&] { ImageCaptionDataset(root, ImageDatasetLayout::CaptionFiles, allow_empty); })
-                .find("3 problems"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { ImageCaptionDataset(root, ImageDatasetLayout::CaptionFiles, allow_empty); }).find("3 problems"),
+      std::string::npos);
   expect_error([&] { ImageCaptionDataset(dir.file("nowhere"), ImageDatasetLayout::FilenameCaptions); },
                {dir.file("nowhere") + ": cannot open the dataset folder"});
   write_text(dir.file("empty/readme.md"), "no images");
@@ -137,24 +139,26 @@ TEST(ImageCaptionDataset, JsonlManifest) {
   TempDir dir;
   write_png_at(dir.file("imgs/a.png"), 8, 8);
   write_png_at(dir.file("b.png"), 8, 8, 2);
-  write_text(dir.file("m.jsonl"), "{\"image\": \"imgs/a.png\", \"text\": \"one\", \"score\": 0.5}\n\n"
-                                  "{\"file_name\": \"b.png\", \"caption\": \"two\"}\n"
-                                  "{\"image\": \"imgs/a.png\", \"text\": \"one again\"}\n");
+  write_text(dir.file("m.jsonl"),
+             "{\"image\": \"imgs/a.png\", \"text\": \"one\", \"score\": 0.5}\n\n"
+             "{\"file_name\": \"b.png\", \"caption\": \"two\"}\n"
+             "{\"image\": \"imgs/a.png\", \"text\": \"one again\"}\n");
   const ImageCaptionDataset d(dir.file("m.jsonl"), ImageDatasetLayout::Jsonl);
   EXPECT_EQ(captions(d), (std::vector<std::string>{"one", "two", "one again"}));  // the manifest's order
   EXPECT_EQ(d.entry(1).image_path, (fs::path(dir.file("m.jsonl")).parent_path() / "b.png").string());
 
-  write_text(dir.file("bad.jsonl"), "{\"image\": \"imgs/a.png\"}\n{\"image\": \"gone.png\", \"text\": \"x\"}\n"
-                                    "not json\n{\"image\": \"b.png\", \"text\": null, \"caption\": 3}\n");
+  write_text(dir.file("bad.jsonl"),
+             "{\"image\": \"imgs/a.png\"}\n{\"image\": \"gone.png\", \"text\": \"x\"}\n"
+             "not json\n{\"image\": \"b.png\", \"text\": null, \"caption\": 3}\n");
   const std::string m = dir.file("bad.jsonl");
   expect_error([&] { ImageCaptionDataset(m, ImageDatasetLayout::Jsonl); },
                {"4 problems", m + ":1: no caption (\"text\" or \"caption\") for imgs/a.png", m + ":2: ",
                 "gone.png: cannot open", m + ":3: not valid JSON", m + ":4: \"caption\" is number, expected a string"});
   expect_error([&] { ImageCaptionDataset(dir.file("none.jsonl"), ImageDatasetLayout::Jsonl); },
                {dir.file("none.jsonl") + ": cannot open the manifest"});
-  expect_error([] { parse_image_dataset_layout("folder", "flux.images.layout"); },
-               {"flux.images.layout: unknown image dataset layout 'folder'", "caption-files", "filename-captions",
-                "jsonl"});
+  expect_error(
+      [] { parse_image_dataset_layout("folder", "flux.images.layout"); },
+      {"flux.images.layout: unknown image dataset layout 'folder'", "caption-files", "filename-captions", "jsonl"});
 }
 
 TEST(ImageCaptionDataset, LoadGivesTheBucketsNormalizedCrop) {

@@ -20,9 +20,7 @@ namespace {
 
 using namespace std::string_literals;
 
-void write_file(const std::string& path, const std::string& bytes) {
-  std::ofstream(path, std::ios::binary) << bytes;
-}
+void write_file(const std::string& path, const std::string& bytes) { std::ofstream(path, std::ios::binary) << bytes; }
 
 TEST(ImageFormat, DetectedByContentNotName) {
   EXPECT_EQ(sniff_image_format("\xff\xd8\xff\xe0 rest"s), ImageFormat::Jpeg);
@@ -46,10 +44,10 @@ TEST(ImageFormat, RefusalsSayWhatTheFileIs) {
             std::string::npos);
   EXPECT_NE(what("BM\x36\0\0\0\0\0\0\0\x36\0\0\0"s).find("a BMP image"), std::string::npos);
   EXPECT_NE(what("II*\0\x08\0\0\0\0\0\0\0"s).find("a TIFF image"), std::string::npos);
-  EXPECT_NE(what("\0\0\0\x1c" "ftypavif\0\0\0\0"s).find("an AVIF image"), std::string::npos);
-  EXPECT_NE(what("\0\0\0\x18" "ftypheic\0\0\0\0"s).find("a HEIF image"), std::string::npos);
-  EXPECT_NE(what("version https://git-lfs.github.com/spec/v1\noid sha256:ab"s).find("git lfs pull"),
-            std::string::npos);
+  const std::string box_size = "\0\0\0\x1c"s;  // an ISO media file's first box: its size, then "ftyp"
+  EXPECT_NE(what(box_size + "ftypavif\0\0\0\0"s).find("an AVIF image"), std::string::npos);
+  EXPECT_NE(what(box_size + "ftypheic\0\0\0\0"s).find("a HEIF image"), std::string::npos);
+  EXPECT_NE(what("version https://git-lfs.github.com/spec/v1\noid sha256:ab"s).find("git lfs pull"), std::string::npos);
   EXPECT_NE(what("<!DOCTYPE html><html><body>404</body></html>"s).find("an HTML page"), std::string::npos);
   EXPECT_NE(what("").find("an empty file"), std::string::npos);
   EXPECT_NE(what("\x89PNG"s).find("a file of 4 bytes, too short for an image"), std::string::npos);
@@ -100,9 +98,7 @@ std::string exif_block(bool little, uint16_t type, uint32_t value, bool prefix =
   const auto u16 = [&](uint32_t v) {
     little ? b += {char(v & 0xff), char(v >> 8 & 0xff)} : b += {char(v >> 8 & 0xff), char(v & 0xff)};
   };
-  const auto u32 = [&](uint32_t v) {
-    little ? (u16(v & 0xffff), u16(v >> 16)) : (u16(v >> 16), u16(v & 0xffff));
-  };
+  const auto u32 = [&](uint32_t v) { little ? (u16(v & 0xffff), u16(v >> 16)) : (u16(v >> 16), u16(v & 0xffff)); };
   u32(8);       // IFD0 offset
   u16(2);       // entries
   u16(0x010f);  // Make, ASCII
@@ -128,8 +124,8 @@ TEST(ImageExif, OrientationFromEitherByteOrderAndType) {
       EXPECT_EQ(exif_orientation(exif_block(little, 3, o)), static_cast<int>(o));
       EXPECT_EQ(exif_orientation(exif_block(little, 4, o, true)), static_cast<int>(o));
     }
-  EXPECT_EQ(exif_orientation(exif_block(true, 3, 9)), 1);   // out of range
-  EXPECT_EQ(exif_orientation(exif_block(true, 5, 6)), 1);   // RATIONAL: not an orientation
+  EXPECT_EQ(exif_orientation(exif_block(true, 3, 9)), 1);  // out of range
+  EXPECT_EQ(exif_orientation(exif_block(true, 5, 6)), 1);  // RATIONAL: not an orientation
   EXPECT_EQ(exif_orientation(""), 1);
   EXPECT_EQ(exif_orientation("Exif\0\0II*\0\xff\xff\0\0"s), 1);  // IFD beyond the block
   // Cut anywhere before the end of the orientation's entry (byte 34: header, count, 2 entries).
@@ -148,9 +144,15 @@ TEST(ImageExif, OrientationsTurnTheImageUpright) {
     return r;
   };
   // PIL's exif_transpose of the same image, orientation by orientation.
-  const std::vector<std::vector<int>> expected = {
-      {}, {0, 1, 2, 3, 4, 5}, {2, 1, 0, 5, 4, 3}, {5, 4, 3, 2, 1, 0}, {3, 4, 5, 0, 1, 2},
-      {0, 3, 1, 4, 2, 5}, {3, 0, 4, 1, 5, 2}, {5, 2, 4, 1, 3, 0}, {2, 5, 1, 4, 0, 3}};
+  const std::vector<std::vector<int>> expected = {{},
+                                                  {0, 1, 2, 3, 4, 5},
+                                                  {2, 1, 0, 5, 4, 3},
+                                                  {5, 4, 3, 2, 1, 0},
+                                                  {3, 4, 5, 0, 1, 2},
+                                                  {0, 3, 1, 4, 2, 5},
+                                                  {3, 0, 4, 1, 5, 2},
+                                                  {5, 2, 4, 1, 3, 0},
+                                                  {2, 5, 1, 4, 0, 3}};
   for (int o = 1; o <= 8; ++o) {
     const RgbImage upright = apply_orientation(image, o);
     EXPECT_EQ(upright.width, orientation_swaps_sides(o) ? 2 : 3) << o;

@@ -58,8 +58,8 @@ TEST(ImageResize, AWindowIsTheCropOfTheWholeResize) {
       const RgbImage window = resize_bilinear_window(image, w, h, left, top, cw, ch);
       for (int y = 0; y < ch; ++y)
         for (int i = 0; i < 3 * cw; ++i)
-          ASSERT_EQ(window.row(y)[i], whole.row(top + y)[3 * left + i]) << w << "x" << h << " at " << left << ","
-                                                                        << top;
+          ASSERT_EQ(window.row(y)[i], whole.row(top + y)[3 * left + i])
+              << w << "x" << h << " at " << left << "," << top;
     }
   }
 }
@@ -94,8 +94,7 @@ TEST(ImageBuckets, ParsedListsAreChecked) {
             (std::vector<ImageBucket>{{1024, 1024}, {832, 1216}, {1216, 832}}));
   expect_error([] { parse_image_buckets("1024x1000", "flux.buckets"); },
                {"flux.buckets: bucket 1024x1000: sides must be multiples of 16"});
-  expect_error([] { parse_image_buckets("1024*1024", "flux.buckets"); },
-               {"flux.buckets: '1024*1024' is not a bucket"});
+  expect_error([] { parse_image_buckets("1024*1024", "flux.buckets"); }, {"flux.buckets: '1024*1024' is not a bucket"});
   expect_error([] { parse_image_buckets("512x512,", "b"); }, {"b: '' is not a bucket"});
   expect_error([] { parse_image_buckets("512x512,512x512", "b"); }, {"b: bucket 512x512 is listed twice"});
   expect_error([] { parse_image_buckets("0x512", "b"); }, {"b: bucket 0x512"});
