@@ -280,6 +280,25 @@ class Decoding(unittest.TestCase):
             f.write(jpeg)
         self.refused(self.path("huffman.jpg"), "corrupt JPEG", "Huffman")
 
+        jpeg = bytearray(buffers["JPEG"])
+        sof = jpeg.index(b"\xff\xc0")
+        jpeg[sof + 4] = 12  # sample precision 12
+        with open(self.path("twelve_bit.jpg"), "wb") as f:
+            f.write(jpeg)
+        self.refused(self.path("twelve_bit.jpg"), "unsupported JPEG", "precision 12")
+        jpeg[sof + 1], jpeg[sof + 4] = 0xC3, 8  # a lossless JPEG's frame marker
+        with open(self.path("lossless.jpg"), "wb") as f:
+            f.write(jpeg)
+        self.refused(self.path("lossless.jpg"), "unsupported JPEG")
+
+        # A header of 20000 x 20000 pixels: refused before any pixel is allocated.
+        with open(self.path("bomb.png"), "wb") as f:
+            f.write(b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)) +
+                    png_chunk(b"IDAT", zlib.compress(b"\0" * 100)) + png_chunk(b"IEND", b""))
+        _, info = self.refused(self.path("bomb.png"), "20000x20000 = 400000000 pixels, more than forge decodes")
+        self.assertEqual(info.returncode, 1)
+        self.assertIn("more than forge decodes", info.stderr)
+
         png = bytearray(buffers["PNG"])
         idat = png.index(b"IDAT")
         length = struct.unpack(">I", png[idat - 4:idat])[0]
