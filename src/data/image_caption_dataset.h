@@ -24,8 +24,8 @@
 //   jsonl              a JSON Lines manifest, one object per line: the image's path under
 //                      "image" (or "file_name", as in a Hugging Face imagefolder's
 //                      metadata.jsonl), relative to the manifest's folder unless absolute,
-//                      and its caption under "text" (or "caption"); other keys are ignored,
-//                      blank lines skipped. A line without a caption is an error or skipped
+//                      and its caption under "text" (or "caption"), as given; other keys are
+//                      ignored, blank lines skipped. A line without a caption is an error or skipped
 //                      (MissingCaptions), like a missing caption file.
 // In the folder layouts, images are the files whose names end in .jpg, .jpeg, .jpe, .jfif,
 // .png or .webp, or in another image format's extension (.gif, .bmp, .tif, .tiff, .avif,
