@@ -246,7 +246,9 @@ ClipTokenizer::ClipTokenizer(const std::string& path) : folder_(tokenizer_folder
   if (!have_decoder) {
     if (fs::exists(special_map_path)) {
       const json map = read_json_object(special_map_path, "special_tokens_map.json");
-      for (const auto& [key, value] : map.items()) {
+      for (const auto& item : map.items()) {
+        const std::string key = item.key();  // a variable, not a structured binding: lambdas capture it (clang)
+        const json& value = item.value();
         const bool named = std::any_of(kNamedTokens.begin(), kNamedTokens.end(),
                                        [&](const NamedToken& n) { return key == n.key; });
         if (named) {
