@@ -1,0 +1,86 @@
+// The FLUX latent cache: what `forge prep --images` computes once from images and captions
+// (VAE latents, T5 text features, CLIP pooled vectors) and what FLUX runs train on
+// (flux.data_path), so a run never touches an image or a text encoder.
+//
+// NOTE [FLUX latent cache]
+// A folder holding
+//   cache.json               the manifest:
+//     {"format": "forge-flux-latent-cache", "version": 1,
+//      "autoencoder": "vae" | "pixels",        the FLUX VAE's scaled latents (NOTE [FLUX VAE
+//                                              latents]) or NOTE [Pixel latents]
+//      "latent_channels": 16, "text_tokens": L, "context_dim": D, "pooled_dim": P,
+//      "dtype": "bf16" | "fp32",               of every tensor in the shards
+//      "samples": N,
+//      "shards": [{"file": "shard-00000.safetensors", "samples": n, "width": W, "height": H}, ...],
+//      "source": {...}}                        how it was made (dataset, layout, encoders,
+//                                              transform, buckets); informational
+//   shard-NNNNN.safetensors  n samples that share one bucket W x H (pixels):
+//     "latents"               [n, latent_channels, H/f, W/f]  f = 8 (vae) or 2 (pixels)
+//     "prompt_embeds"         [n, L, D]    T5's last hidden state (FluxPipeline's prompt_embeds)
+//     "pooled_prompt_embeds"  [n, P]       CLIP's pooler output (FluxPipeline's pooled_prompt_embeds)
+//   captions.jsonl           one line per sample in cache order:
+//                            {"shard": s, "row": r, "image": "path", "caption": "text"}
+// Sample i of the cache is row i - (samples of the shards before it) of its shard, shards
+// in the manifest's order. The tensor names are diffusers' (FluxPipeline.encode_prompt's
+// outputs; latents as FluxPipeline feeds them to the transformer before packing), so a cache
+// made with diffusers is the same files: scripts/flux_cache_from_diffusers.py writes one.
+// Opening a cache checks the manifest's keys and every shard's tensors (names, dtypes,
+// shapes against the manifest): a bad one names the file and key or tensor.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace forge {
+
+struct FluxCacheShard {
+  std::string file;  // name inside the cache folder
+  int64_t samples = 0;
+  int64_t width = 0, height = 0;               // the bucket, pixels
+  int64_t latent_width = 0, latent_height = 0;  // width / f, height / f
+};
+
+struct FluxCacheManifest {
+  std::string autoencoder;  // "vae" | "pixels"
+  int64_t latent_channels = 0, text_tokens = 0, context_dim = 0, pooled_dim = 0;
+  DType dtype = DType::BF16;
+  int64_t samples = 0;
+  std::vector<FluxCacheShard> shards;
+  int64_t downsample_factor() const { return autoencoder == "pixels" ? 2 : 8; }
+};
+
+class FluxLatentCache {
+ public:
+  // Reads cache.json in `folder` and checks every shard it lists (NOTE [FLUX latent cache]).
+  explicit FluxLatentCache(const std::string& folder);
+  ~FluxLatentCache();
+  FluxLatentCache(const FluxLatentCache&) = delete;
+  FluxLatentCache& operator=(const FluxLatentCache&) = delete;
+
+  const std::string& folder() const { return folder_; }
+  const FluxCacheManifest& manifest() const { return manifest_; }
+  int64_t size() const { return manifest_.samples; }
+  // Sample i's shard index and row.
+  std::pair<int64_t, int64_t> locate(int64_t i) const;
+
+  // Copies the samples `indices` (each in [0, size()), all of one latent size: checked) into
+  // latents [n, C, h, w], text [n, L, D] and pooled [n, P], n = indices.size(): tensors of
+  // fp32 or bf16 on any device, converted from the cache's dtype.
+  void read(const std::vector<int64_t>& indices, const Tensor& latents, const Tensor& text,
+            const Tensor& pooled) const;
+
+  struct Files;  // flux_latent_cache.cpp: the mapped shards
+
+ private:
+  std::string folder_;
+  FluxCacheManifest manifest_;
+  std::vector<int64_t> first_sample_;  // per shard
+  std::unique_ptr<Files> files_;
+};
+
+}  // namespace forge
