@@ -492,6 +492,10 @@ std::vector<ConfigKey> build_schema() {
       key<&E::flux, &FluxRunConfig::last_save_in_diffusers>(
           "flux.last_save_in_diffusers",
           "write the final weights as a diffusers folder to <run_dir>/diffusers, in checkpoint.export_dtype"),
+      key<&E::flux, &FluxRunConfig::data_path>(
+          "flux.data_path",
+          "train on this latent cache (a folder forge prep --images wrote); empty: synthetic latents and text "
+          "features (benchmarks)"),
   };
 }
 

@@ -504,7 +504,8 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.timestep_shift", f.timestep_shift != d.timestep_shift},
         {"flux.shift", f.shift != d.shift},
         {"flux.initial_load_path", f.initial_load_path != d.initial_load_path},
-        {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers}};
+        {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers},
+        {"flux.data_path", f.data_path != d.data_path}};
     for (const auto& [key, differs] : changed)
       if (differs)
         FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "

@@ -211,13 +211,35 @@ FluxTransformer::FluxTransformer(const FluxConfig& config, const FluxShape& shap
   FORGE_CHECK(checkpoint_ != ActivationCheckpoint::Selective,
               "{}: activation_checkpoint.mode selective is the language models'; a FLUX model takes none or full",
               config_.name);
-  arena_ = Tensor::empty({activation_bytes(config_, shape_, dtype_, checkpoint_)}, DType::U8, device_);
+  plan();
+}
+
+void FluxTransformer::plan() {
+  const int64_t bytes = activation_bytes(config_, shape_, dtype_, checkpoint_);
+  if (!arena_.defined() || arena_.numel() < bytes) {
+    arena_ = Tensor();  // the old arena goes before the new one is allocated
+    arena_ = Tensor::empty({bytes}, DType::U8, device_);
+  }
+  *acts_ = Activations();
   ArenaLayout layout(arena_.raw(), device_);
   lay_out(*acts_, layout, config_, shape_, dtype_, checkpoint_);
   Tensor cos, sin;
   flux_rope_tables(cos, sin, config_, shape_.text_tokens, shape_.grid_h, shape_.grid_w);
   acts_->cos.copy_from(cos);
   acts_->sin.copy_from(sin);
+}
+
+void FluxTransformer::reshape(const FluxShape& shape) {
+  if (shape.batch == shape_.batch && shape.text_tokens == shape_.text_tokens && shape.grid_h == shape_.grid_h &&
+      shape.grid_w == shape_.grid_w)
+    return;
+  FORGE_CHECK(shape.batch > 0 && shape.text_tokens > 0 && shape.grid_h > 0 && shape.grid_w > 0,
+              "{}: a micro-batch needs samples, text tokens and a latent grid, got batch {}, {} text tokens, a {}x{} "
+              "grid",
+              config_.name, shape.batch, shape.text_tokens, shape.grid_h, shape.grid_w);
+  shape_ = shape;
+  inputs_ = FluxInputs();
+  plan();
 }
 
 FluxTransformer::~FluxTransformer() = default;

@@ -55,6 +55,10 @@ class FluxTransformer {
   static int64_t activation_bytes(const FluxConfig& config, const FluxShape& shape, DType dtype,
                                   ActivationCheckpoint checkpoint);
 
+  // Plans the activations for another micro-batch shape (another bucket's latent grid):
+  // in the same arena when it fits, else in a new one. The rotary tables follow the grid.
+  void reshape(const FluxShape& shape);
+
   const FluxConfig& config() const { return config_; }
   const FluxShape& shape() const { return shape_; }
   DType dtype() const { return dtype_; }
@@ -70,6 +74,8 @@ class FluxTransformer {
   struct Activations;  // flux_transformer.cpp
 
  private:
+  void plan();  // lays the activations out for shape_ in the arena (grown when it is too small)
+
   FluxConfig config_;
   FluxShape shape_;
   Device device_;

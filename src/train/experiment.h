@@ -126,6 +126,7 @@ struct FluxRunConfig {
   double shift = 3.0;                   // the fixed shift
   std::string initial_load_path;        // start from these weights: a diffusers folder or BFL's file
   bool last_save_in_diffusers = false;  // write the final weights to <run_dir>/diffusers
+  std::string data_path;                // a latent cache (forge prep --images); empty: synthetic batches
 };
 
 struct ExperimentConfig {

@@ -17,9 +17,11 @@
 #include "kernels/gemm_tuning_cache.h"
 #include "ops/flow_matching.h"
 #include "ops/matmul.h"
+#include "ops/patchify.h"
 #include "ops/random_normal.h"
 #include "optim/optimizer.h"
 #include "train/flow_timesteps.h"
+#include "train/flux_cache_batches.h"
 #include "train/run_dir.h"
 
 namespace forge {
@@ -54,31 +56,76 @@ FlowTimestepSampling timestep_sampling(const FluxRunConfig& f) {
 }
 
 // Streams of the run's seed, one per purpose (derive_seed).
-enum Stream : uint64_t { kLatents = 1, kText, kPooled, kNoise, kTimesteps };
+enum Stream : uint64_t { kLatents = 1, kText, kPooled, kNoise, kTimesteps, kData };
+
+// The first numel(shape) elements of a flat buffer, as `shape`.
+Tensor sized(const Tensor& flat, const Shape& shape) { return flat.narrow(0, shape_numel(shape)).view(shape); }
+
+// The latent cache a run trains on (flux.data_path), its shapes checked against the model.
+struct CacheSource {
+  FluxLatentCache cache;
+  FluxCacheBatches batches;
+  CacheSource(const ExperimentConfig& c, const FluxConfig& mc)
+      : cache(c.flux.data_path),
+        batches(cache.manifest(), c.training.local_batch_size, derive_seed(c.training.seed, kData),
+                "flux.data_path " + c.flux.data_path) {
+    const FluxCacheManifest& m = cache.manifest();
+    FORGE_CHECK(m.latent_channels * 4 == mc.in_channels && m.context_dim == mc.context_dim &&
+                    m.pooled_dim == mc.pooled_dim,
+                "flux.data_path {}: the cache holds {}-channel latents, text features of {} and pooled vectors of {}; "
+                "{} takes {}-channel latents (2x2 patches of {} features), text features of {} and pooled vectors "
+                "of {}",
+                c.flux.data_path, m.latent_channels, m.context_dim, m.pooled_dim, c.flux.model, mc.in_channels / 4,
+                mc.in_channels, mc.context_dim, mc.pooled_dim);
+    for (const FluxCacheShard& shard : m.shards)
+      FORGE_CHECK(shard.latent_height % 2 == 0 && shard.latent_width % 2 == 0,
+                  "flux.data_path {}: {} holds {}x{} latents; the 2x2 patches need even sides", c.flux.data_path,
+                  shard.file, shard.latent_width, shard.latent_height);
+  }
+};
+
+// The micro-batch shape the model is planned for: the configured one, or with a cache its
+// text length and its largest latent grid.
+FluxShape planned_shape(const FluxShape& configured, const CacheSource* source) {
+  if (!source) return configured;
+  FluxShape s = configured;
+  s.text_tokens = source->cache.manifest().text_tokens;
+  s.grid_h = s.grid_w = 0;
+  for (const FluxCacheShard& shard : source->cache.manifest().shards)
+    if (shard.latent_height * shard.latent_width / 4 > s.image_tokens()) {
+      s.grid_h = shard.latent_height / 2;
+      s.grid_w = shard.latent_width / 2;
+    }
+  return s;
+}
 
 }  // namespace
 
 struct FluxTrainer::State {
   FluxConfig model_config;
-  FluxShape shape;
+  std::unique_ptr<CacheSource> source;  // null: synthetic micro-batches
+  FluxShape shape;                      // planned for: the largest micro-batch
   Device device;
   DType dtype;
   FluxParameters master, compute, grads, m, v;
   FluxTransformer model;
-  Tensor x0, noise, noisy, target, text, pooled, t, pred, dpred, loss;
+  // Flat buffers of the largest micro-batch; sized() views them per micro-batch.
+  Tensor x0, noise, noisy, target, latents, pred, dpred;
+  Tensor text, pooled, t, loss;
   FlowTimestepSampling sampling;
 
   State(const ExperimentConfig& c, const FluxConfig& mc, const FluxShape& sh, Device dev)
-      : model_config(mc), shape(sh), device(dev), dtype(dev == Device::CUDA ? DType::BF16 : DType::F32),
+      : model_config(mc), source(c.flux.data_path.empty() ? nullptr : std::make_unique<CacheSource>(c, mc)),
+        shape(planned_shape(sh, source.get())), device(dev), dtype(dev == Device::CUDA ? DType::BF16 : DType::F32),
         master(mc, dev, DType::F32), compute(mc, dev, dtype), grads(mc, dev, DType::F32), m(mc, dev, DType::F32),
         v(mc, dev, DType::F32),
-        model(mc, sh, dev, activation_checkpoint_from_name(c.activation_checkpoint.mode)),
+        model(mc, shape, dev, activation_checkpoint_from_name(c.activation_checkpoint.mode)),
         sampling(timestep_sampling(c.flux)) {
-    const Shape tokens{sh.batch, sh.image_tokens(), mc.in_channels};
-    for (Tensor* x : {&x0, &noise, &noisy, &target, &pred, &dpred}) *x = Tensor::empty(tokens, dtype, dev);
-    text = Tensor::empty({sh.batch, sh.text_tokens, mc.context_dim}, dtype, dev);
-    pooled = Tensor::empty({sh.batch, mc.pooled_dim}, dtype, dev);
-    t = Tensor::empty({sh.batch}, DType::F32, dev);
+    const int64_t most = shape.batch * shape.image_tokens() * mc.in_channels;
+    for (Tensor* x : {&x0, &noise, &noisy, &target, &latents, &pred, &dpred}) *x = Tensor::empty({most}, dtype, dev);
+    text = Tensor::empty({shape.batch, shape.text_tokens, mc.context_dim}, dtype, dev);
+    pooled = Tensor::empty({shape.batch, mc.pooled_dim}, dtype, dev);
+    t = Tensor::empty({shape.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
     master.initialize(c.training.seed);
     if (!c.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
@@ -115,25 +162,51 @@ FluxTrainResult FluxTrainer::run(bool log) {
   if (!s.model_config.guidance_embeds) guidance.clear();
   const double images_per_step = static_cast<double>(s.shape.batch * accumulation);
   set_op_profiling(config_.logging.profile_ops);
+  if (log && s.source) {
+    const FluxCacheManifest& m = s.source->cache.manifest();
+    log_info("FLUX data: {} ({} samples in {} shards, {} latents, {} text tokens): {} micro-batches of {} per epoch",
+             s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder, m.text_tokens,
+             s.source->batches.batches_per_epoch(), s.shape.batch);
+  }
   for (int64_t step = 0; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     reset_op_profile();
     s.loss.fill_zero();
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      // Sample k of the run is micro-batch (step, micro)'s sample j: k = (step A + micro) B + j.
-      const uint64_t first = static_cast<uint64_t>((step * accumulation + micro) * s.shape.batch);
-      random_normal(s.x0, derive_seed(seed, kLatents), first * static_cast<uint64_t>(per_sample_latent));
-      random_normal(s.noise, derive_seed(seed, kNoise), first * static_cast<uint64_t>(per_sample_latent));
-      random_normal(s.text, derive_seed(seed, kText), first * static_cast<uint64_t>(per_sample_text));
-      random_normal(s.pooled, derive_seed(seed, kPooled), first * static_cast<uint64_t>(s.model_config.pooled_dim));
+      // Micro-batch k of the run holds its samples k B + j; their noise (and synthetic
+      // inputs) start at that offset of each stream, whatever their latent grid.
+      const int64_t k = step * accumulation + micro;
+      const uint64_t first = static_cast<uint64_t>(k * s.shape.batch);
+      FluxShape shape = s.shape;
+      FluxCacheBatch batch;
+      if (s.source) {  // NOTE [FLUX cache batches]
+        batch = s.source->batches.at(k);
+        shape.grid_h = batch.latent_height / 2;
+        shape.grid_w = batch.latent_width / 2;
+      }
+      s.model.reshape(shape);
+      const Shape tokens{shape.batch, shape.image_tokens(), s.model_config.in_channels};
+      const Tensor x0 = sized(s.x0, tokens), noise = sized(s.noise, tokens), noisy = sized(s.noisy, tokens),
+                   target = sized(s.target, tokens), pred = sized(s.pred, tokens), dpred = sized(s.dpred, tokens);
+      if (s.source) {
+        const Tensor latents = sized(s.latents, {shape.batch, s.model_config.in_channels / 4, batch.latent_height,
+                                                 batch.latent_width});
+        s.source->cache.read(batch.samples, latents, s.text, s.pooled);
+        patchify(x0, latents, 2);
+      } else {
+        random_normal(x0, derive_seed(seed, kLatents), first * static_cast<uint64_t>(per_sample_latent));
+        random_normal(s.text, derive_seed(seed, kText), first * static_cast<uint64_t>(per_sample_text));
+        random_normal(s.pooled, derive_seed(seed, kPooled), first * static_cast<uint64_t>(s.model_config.pooled_dim));
+      }
+      random_normal(noise, derive_seed(seed, kNoise), first * static_cast<uint64_t>(per_sample_latent));
       const std::vector<float> times = sample_flow_timesteps(s.sampling, derive_seed(seed, kTimesteps), step, micro,
-                                                             s.shape.batch, s.shape.image_tokens());
-      s.t.copy_from(Tensor::wrap(const_cast<float*>(times.data()), {s.shape.batch}, DType::F32));
-      flow_matching_pair(s.noisy, s.target, s.x0, s.noise, s.t);
-      FluxInputs inputs{s.noisy, s.text, s.pooled, times, guidance};
-      s.model.forward(inputs, s.compute, s.pred);
-      mse_loss(s.loss, s.dpred, s.pred, s.target, 1.0f / static_cast<float>(accumulation));
-      s.model.backward(s.dpred, s.compute, s.grads, micro == 0);  // the first writes fresh gradients
+                                                             shape.batch, shape.image_tokens());
+      s.t.copy_from(Tensor::wrap(const_cast<float*>(times.data()), {shape.batch}, DType::F32));
+      flow_matching_pair(noisy, target, x0, noise, s.t);
+      FluxInputs inputs{noisy, s.text, s.pooled, times, guidance};
+      s.model.forward(inputs, s.compute, pred);
+      mse_loss(s.loss, dpred, pred, target, 1.0f / static_cast<float>(accumulation));
+      s.model.backward(dpred, s.compute, s.grads, micro == 0);  // the first writes fresh gradients
     }
     const double norm = global_grad_norm({s.grads.flat()});
     const float coefficient = clip_coefficient(norm, tc.max_norm);

@@ -10,10 +10,12 @@
 // the mean squared error. A guidance-embedding model (FLUX.1-dev) is fed flux.guidance.
 // Weights are fp32 masters with a bf16 compute copy on CUDA (fp32 on the CPU), gradients
 // fp32, AdamW with global-norm clipping and the language models' LR schedules, biases and
-// norm scales without weight decay. Micro-batches are synthetic so far: latents, text
-// features and pooled vectors drawn from the counter-based normal generator per (seed,
-// step, micro-batch) — what `forge bench` measures with; reading cached latents and text
-// embeddings is the data layer's next piece (issue 22).
+// norm scales without weight decay. Micro-batches come from a latent cache (flux.data_path:
+// NOTE [FLUX latent cache], drawn as NOTE [FLUX cache batches] says; the model's activations
+// are planned for the largest latent grid and re-laid for each batch's), or are synthetic:
+// latents, text features and pooled vectors drawn from the counter-based normal generator
+// per (seed, step, micro-batch) — what `forge bench` measures with. Either way a
+// micro-batch is a pure function of (seed, step, micro-batch).
 #pragma once
 
 #include <cstdint>
