@@ -496,6 +496,10 @@ std::vector<ConfigKey> build_schema() {
           "flux.data_path",
           "train on this latent cache (a folder forge prep --images wrote); empty: synthetic latents and text "
           "features (benchmarks)"),
+      key<&E::flux, &FluxRunConfig::eval_data_path>(
+          "flux.eval_data_path",
+          "a validation latent cache: every eval.interval steps, the loss at the 8 fixed times t = i/8 (MLPerf "
+          "Flux.1's validation loss) over eval.steps micro-batches (at most the whole cache)"),
   };
 }
 

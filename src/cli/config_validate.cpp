@@ -505,7 +505,8 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.shift", f.shift != d.shift},
         {"flux.initial_load_path", f.initial_load_path != d.initial_load_path},
         {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers},
-        {"flux.data_path", f.data_path != d.data_path}};
+        {"flux.data_path", f.data_path != d.data_path},
+        {"flux.eval_data_path", f.eval_data_path != d.eval_data_path}};
     for (const auto& [key, differs] : changed)
       if (differs)
         FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
@@ -534,10 +535,12 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                config.training.device, want);
   if (config.activation_checkpoint.mode == "selective")
     FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
-  if (config.checkpoint.enable || config.eval.interval > 0 || !config.checkpoint.initial_load_path.empty())
-    FORGE_FAIL("a FLUX run has no evaluation or checkpoints yet, and starts from weights with "
-               "flux.initial_load_path: set eval.interval 0 and checkpoint.enable false, and leave "
-               "checkpoint.initial_load_path empty");
+  if (config.eval.interval > 0 && f.eval_data_path.empty())
+    FORGE_FAIL("{}: a FLUX run evaluates on a validation latent cache: set flux.eval_data_path, or eval.interval 0",
+               show(config, keys, "eval.interval"));
+  if (config.checkpoint.enable || !config.checkpoint.initial_load_path.empty())
+    FORGE_FAIL("a FLUX run has no checkpoints yet, and starts from weights with flux.initial_load_path: set "
+               "checkpoint.enable false, and leave checkpoint.initial_load_path empty");
   if (!f.initial_load_path.empty()) flux_weight_layout_of(f.initial_load_path);  // says what is not there
 }
 

@@ -127,6 +127,7 @@ struct FluxRunConfig {
   std::string initial_load_path;        // start from these weights: a diffusers folder or BFL's file
   bool last_save_in_diffusers = false;  // write the final weights to <run_dir>/diffusers
   std::string data_path;                // a latent cache (forge prep --images); empty: synthetic batches
+  std::string eval_data_path;           // a validation latent cache: the loss at 8 fixed times (NOTE [FLUX validation loss])
 };
 
 struct ExperimentConfig {

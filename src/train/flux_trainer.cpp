@@ -2,11 +2,15 @@
 #include "train/flux_trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
+#include <limits>
+#include <numeric>
 
 #include "ckpt/flux_weights.h"
 #include "ckpt/hf_export.h"
+#include "core/bf16.h"
 #include "core/device.h"
 #include "core/log.h"
 #include "core/op_profile.h"
@@ -56,10 +60,35 @@ FlowTimestepSampling timestep_sampling(const FluxRunConfig& f) {
 }
 
 // Streams of the run's seed, one per purpose (derive_seed).
-enum Stream : uint64_t { kLatents = 1, kText, kPooled, kNoise, kTimesteps, kData };
+enum Stream : uint64_t { kLatents = 1, kText, kPooled, kNoise, kTimesteps, kData, kEvalNoise };
 
 // The first numel(shape) elements of a flat buffer, as `shape`.
 Tensor sized(const Tensor& flat, const Shape& shape) { return flat.narrow(0, shape_numel(shape)).view(shape); }
+
+// A tensor's values as host floats.
+std::vector<float> host_values(const Tensor& t) {
+  const Tensor h = t.to(Device::CPU);
+  std::vector<float> out(static_cast<size_t>(h.numel()));
+  if (h.dtype() == DType::BF16)
+    for (size_t i = 0; i < out.size(); ++i) out[i] = to_float(h.data<BFloat16>()[i]);
+  else
+    std::copy_n(h.data<float>(), out.size(), out.begin());
+  return out;
+}
+
+// Checks that a latent cache's tensors fit the model; `key` names the config key.
+void check_cache_fits(const FluxLatentCache& cache, const FluxConfig& mc, const std::string& key) {
+  const FluxCacheManifest& m = cache.manifest();
+  FORGE_CHECK(m.latent_channels * 4 == mc.in_channels && m.context_dim == mc.context_dim && m.pooled_dim == mc.pooled_dim,
+              "{} {}: the cache holds {}-channel latents, text features of {} and pooled vectors of {}; {} takes "
+              "{}-channel latents (2x2 patches of {} features), text features of {} and pooled vectors of {}",
+              key, cache.folder(), m.latent_channels, m.context_dim, m.pooled_dim, mc.name, mc.in_channels / 4,
+              mc.in_channels, mc.context_dim, mc.pooled_dim);
+  for (const FluxCacheShard& shard : m.shards)
+    FORGE_CHECK(shard.latent_height % 2 == 0 && shard.latent_width % 2 == 0,
+                "{} {}: {} holds {}x{} latents; the 2x2 patches need even sides", key, cache.folder(), shard.file,
+                shard.latent_width, shard.latent_height);
+}
 
 // The latent cache a run trains on (flux.data_path), its shapes checked against the model.
 struct CacheSource {
@@ -69,20 +98,17 @@ struct CacheSource {
       : cache(c.flux.data_path),
         batches(cache.manifest(), c.training.local_batch_size, derive_seed(c.training.seed, kData),
                 "flux.data_path " + c.flux.data_path) {
-    const FluxCacheManifest& m = cache.manifest();
-    FORGE_CHECK(m.latent_channels * 4 == mc.in_channels && m.context_dim == mc.context_dim &&
-                    m.pooled_dim == mc.pooled_dim,
-                "flux.data_path {}: the cache holds {}-channel latents, text features of {} and pooled vectors of {}; "
-                "{} takes {}-channel latents (2x2 patches of {} features), text features of {} and pooled vectors "
-                "of {}",
-                c.flux.data_path, m.latent_channels, m.context_dim, m.pooled_dim, c.flux.model, mc.in_channels / 4,
-                mc.in_channels, mc.context_dim, mc.pooled_dim);
-    for (const FluxCacheShard& shard : m.shards)
-      FORGE_CHECK(shard.latent_height % 2 == 0 && shard.latent_width % 2 == 0,
-                  "flux.data_path {}: {} holds {}x{} latents; the 2x2 patches need even sides", c.flux.data_path,
-                  shard.file, shard.latent_width, shard.latent_height);
+    check_cache_fits(cache, mc, "flux.data_path");
   }
 };
+
+// The most elements a micro-batch of `batch` samples of the cache needs: {latent, text}.
+std::pair<int64_t, int64_t> cache_elements(const FluxLatentCache& cache, int64_t batch) {
+  const FluxCacheManifest& m = cache.manifest();
+  int64_t latent = 0;
+  for (const FluxCacheShard& shard : m.shards) latent = std::max(latent, shard.latent_height * shard.latent_width);
+  return {batch * latent * m.latent_channels, batch * m.text_tokens * m.context_dim};
+}
 
 // The micro-batch shape the model is planned for: the configured one, or with a cache its
 // text length and its largest latent grid.
@@ -104,15 +130,19 @@ FluxShape planned_shape(const FluxShape& configured, const CacheSource* source) 
 struct FluxTrainer::State {
   FluxConfig model_config;
   std::unique_ptr<CacheSource> source;  // null: synthetic micro-batches
+  std::unique_ptr<FluxLatentCache> eval_cache;  // flux.eval_data_path
   FluxShape shape;                      // planned for: the largest micro-batch
   Device device;
   DType dtype;
   FluxParameters master, compute, grads, m, v;
   FluxTransformer model;
   // Flat buffers of the largest micro-batch; sized() views them per micro-batch.
-  Tensor x0, noise, noisy, target, latents, pred, dpred;
-  Tensor text, pooled, t, loss;
+  Tensor x0, noise, noisy, target, latents, pred, dpred, text;
+  Tensor pooled, t, loss;
   FlowTimestepSampling sampling;
+
+  // NOTE [FLUX validation loss], after `step` training steps.
+  FluxEvalResult evaluate(const ExperimentConfig& c, int64_t step);
 
   State(const ExperimentConfig& c, const FluxConfig& mc, const FluxShape& sh, Device dev)
       : model_config(mc), source(c.flux.data_path.empty() ? nullptr : std::make_unique<CacheSource>(c, mc)),
@@ -121,9 +151,19 @@ struct FluxTrainer::State {
         v(mc, dev, DType::F32),
         model(mc, shape, dev, activation_checkpoint_from_name(c.activation_checkpoint.mode)),
         sampling(timestep_sampling(c.flux)) {
-    const int64_t most = shape.batch * shape.image_tokens() * mc.in_channels;
+    if (!c.flux.eval_data_path.empty()) {
+      eval_cache = std::make_unique<FluxLatentCache>(c.flux.eval_data_path);
+      check_cache_fits(*eval_cache, mc, "flux.eval_data_path");
+    }
+    int64_t most = shape.batch * shape.image_tokens() * mc.in_channels;
+    int64_t most_text = shape.batch * shape.text_tokens * mc.context_dim;
+    if (eval_cache) {
+      const auto [latent, text_elements] = cache_elements(*eval_cache, shape.batch);
+      most = std::max(most, latent);
+      most_text = std::max(most_text, text_elements);
+    }
     for (Tensor* x : {&x0, &noise, &noisy, &target, &latents, &pred, &dpred}) *x = Tensor::empty({most}, dtype, dev);
-    text = Tensor::empty({shape.batch, shape.text_tokens, mc.context_dim}, dtype, dev);
+    text = Tensor::empty({most_text}, dtype, dev);
     pooled = Tensor::empty({shape.batch, mc.pooled_dim}, dtype, dev);
     t = Tensor::empty({shape.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
@@ -140,6 +180,69 @@ struct FluxTrainer::State {
     grads.zero();  // once: the gaps between its tensors stay 0; the steps write the tensors
   }
 };
+
+FluxEvalResult FluxTrainer::State::evaluate(const ExperimentConfig& c, int64_t step) {
+  constexpr int kTimes = 8;
+  const FluxCacheManifest& m = eval_cache->manifest();
+  const int64_t batch = shape.batch, limit = std::min(m.samples, c.eval.steps * batch);
+  const uint64_t noise_seed = derive_seed(c.training.seed, kEvalNoise);
+  std::array<double, kTimes> sum{};
+  std::array<int64_t, kTimes> count{};
+  int64_t first = 0;  // of the shard
+  for (const FluxCacheShard& shard : m.shards) {
+    for (int64_t row = 0; row < shard.samples && first + row < limit; row += batch) {
+      const int64_t n = std::min({batch, shard.samples - row, limit - first - row});
+      const FluxShape sh{n, m.text_tokens, shard.latent_height / 2, shard.latent_width / 2};
+      model.reshape(sh);
+      const Shape tokens{n, sh.image_tokens(), model_config.in_channels};
+      const Tensor x0_n = sized(x0, tokens), noise_n = sized(noise, tokens), noisy_n = sized(noisy, tokens),
+                   target_n = sized(target, tokens), pred_n = sized(pred, tokens),
+                   text_n = sized(text, {n, m.text_tokens, model_config.context_dim}),
+                   latents_n = sized(latents, {n, m.latent_channels, shard.latent_height, shard.latent_width}),
+                   pooled_n = pooled.narrow(0, n), t_n = t.narrow(0, n);
+      std::vector<int64_t> samples(static_cast<size_t>(n));
+      std::iota(samples.begin(), samples.end(), first + row);
+      eval_cache->read(samples, latents_n, text_n, pooled_n);
+      patchify(x0_n, latents_n, 2);
+      std::vector<float> times(static_cast<size_t>(n));
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t i = samples[static_cast<size_t>(j)];
+        times[static_cast<size_t>(j)] = static_cast<float>(i % kTimes) / kTimes;
+        random_normal(noise_n.narrow(j, j + 1), noise_seed, static_cast<uint64_t>(i) << 32);  // per sample
+      }
+      t_n.copy_from(Tensor::wrap(times.data(), {n}, DType::F32));
+      flow_matching_pair(noisy_n, target_n, x0_n, noise_n, t_n);
+      std::vector<float> guidance(static_cast<size_t>(n), static_cast<float>(c.flux.guidance));
+      if (!model_config.guidance_embeds) guidance.clear();
+      model.forward(FluxInputs{noisy_n, text_n, pooled_n, times, guidance}, compute, pred_n);
+      const std::vector<float> p = host_values(pred_n), y = host_values(target_n);
+      const size_t per_sample = p.size() / static_cast<size_t>(n);
+      for (int64_t j = 0; j < n; ++j) {
+        double squares = 0;
+        for (size_t e = static_cast<size_t>(j) * per_sample; e < static_cast<size_t>(j + 1) * per_sample; ++e)
+          squares += (static_cast<double>(p[e]) - y[e]) * (static_cast<double>(p[e]) - y[e]);
+        const int64_t k = samples[static_cast<size_t>(j)] % kTimes;
+        sum[static_cast<size_t>(k)] += squares / static_cast<double>(per_sample);
+        ++count[static_cast<size_t>(k)];
+      }
+    }
+    first += shard.samples;
+  }
+  FluxEvalResult r;
+  r.step = step;
+  r.samples = limit;
+  int times_seen = 0;
+  for (int k = 0; k < kTimes; ++k) {
+    const double mean = count[k] ? sum[k] / static_cast<double>(count[k]) : std::numeric_limits<double>::quiet_NaN();
+    r.per_time.push_back(mean);
+    if (count[k]) {
+      r.loss += mean;
+      ++times_seen;
+    }
+  }
+  r.loss /= std::max(times_seen, 1);
+  return r;
+}
 
 FluxTrainer::FluxTrainer(const ExperimentConfig& config) : config_(config) {
   const Device device = config.training.device == "cuda" ? Device::CUDA : Device::CPU;
@@ -187,15 +290,16 @@ FluxTrainResult FluxTrainer::run(bool log) {
       s.model.reshape(shape);
       const Shape tokens{shape.batch, shape.image_tokens(), s.model_config.in_channels};
       const Tensor x0 = sized(s.x0, tokens), noise = sized(s.noise, tokens), noisy = sized(s.noisy, tokens),
-                   target = sized(s.target, tokens), pred = sized(s.pred, tokens), dpred = sized(s.dpred, tokens);
+                   target = sized(s.target, tokens), pred = sized(s.pred, tokens), dpred = sized(s.dpred, tokens),
+                   text = sized(s.text, {shape.batch, shape.text_tokens, s.model_config.context_dim});
       if (s.source) {
         const Tensor latents = sized(s.latents, {shape.batch, s.model_config.in_channels / 4, batch.latent_height,
                                                  batch.latent_width});
-        s.source->cache.read(batch.samples, latents, s.text, s.pooled);
+        s.source->cache.read(batch.samples, latents, text, s.pooled);
         patchify(x0, latents, 2);
       } else {
         random_normal(x0, derive_seed(seed, kLatents), first * static_cast<uint64_t>(per_sample_latent));
-        random_normal(s.text, derive_seed(seed, kText), first * static_cast<uint64_t>(per_sample_text));
+        random_normal(text, derive_seed(seed, kText), first * static_cast<uint64_t>(per_sample_text));
         random_normal(s.pooled, derive_seed(seed, kPooled), first * static_cast<uint64_t>(s.model_config.pooled_dim));
       }
       random_normal(noise, derive_seed(seed, kNoise), first * static_cast<uint64_t>(per_sample_latent));
@@ -203,7 +307,7 @@ FluxTrainResult FluxTrainer::run(bool log) {
                                                              shape.batch, shape.image_tokens());
       s.t.copy_from(Tensor::wrap(const_cast<float*>(times.data()), {shape.batch}, DType::F32));
       flow_matching_pair(noisy, target, x0, noise, s.t);
-      FluxInputs inputs{noisy, s.text, s.pooled, times, guidance};
+      FluxInputs inputs{noisy, text, s.pooled, times, guidance};
       s.model.forward(inputs, s.compute, pred);
       mse_loss(s.loss, dpred, pred, target, 1.0f / static_cast<float>(accumulation));
       s.model.backward(dpred, s.compute, s.grads, micro == 0);  // the first writes fresh gradients
@@ -235,6 +339,13 @@ FluxTrainResult FluxTrainer::run(bool log) {
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
                loss, norm, h.lr, images_per_step / seconds, seconds * 1e3);
+    if (s.eval_cache && config_.eval.interval > 0 && ((step + 1) % config_.eval.interval == 0 || step + 1 == tc.steps)) {
+      result.evaluations.push_back(s.evaluate(config_, step + 1));  // NOTE [FLUX validation loss]
+      const FluxEvalResult& e = result.evaluations.back();
+      if (log)
+        log_info("eval  {:>5} | validation loss {:.4f} over {} samples | at t = 0, 1/8, ..., 7/8: {:.4f}", step + 1,
+                 e.loss, e.samples, fmt::join(e.per_time, " "));
+    }
   }
   if (config_.flux.last_save_in_diffusers) {
     const std::string dir = expand_run_dir(config_.logging.run_dir, config_.flux.model);

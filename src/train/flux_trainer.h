@@ -33,9 +33,28 @@ FluxConfig flux_model_config(const FluxRunConfig& run);
 // A micro-batch's shape: the latent grid of flux.resolution, flux.text_tokens.
 FluxShape flux_micro_batch_shape(const ExperimentConfig& config);
 
+// NOTE [FLUX validation loss]
+// With flux.eval_data_path, a run measures the validation loss every eval.interval steps and
+// after the last, as MLPerf Training's Flux.1 benchmark defines it (after SD3, Esser et al.
+// 2024): validation sample i (in the cache's order) is noised at the fixed time t = (i mod
+// 8) / 8 with noise drawn per sample from the run's seed (the same every evaluation), its
+// loss is the mean squared error of the predicted velocity; the losses are averaged per time,
+// and the validation loss is the mean of those 8 means. eval.steps micro-batches of
+// training.local_batch_size samples are evaluated (the cache's first samples, consecutive
+// ones of one shard batched together), or every sample when the cache holds fewer. No
+// gradients; the model's activations are re-planned for the last, smaller micro-batch of a
+// shard.
+struct FluxEvalResult {
+  int64_t step = 0;  // after this many training steps
+  int64_t samples = 0;
+  double loss = 0;                   // the mean of per_time
+  std::vector<double> per_time;      // the mean loss at t = 0, 1/8, ..., 7/8 (NaN where no sample)
+};
+
 struct FluxTrainResult {
   std::vector<double> step_seconds;
   std::vector<double> losses;  // mean over each step's micro-batches
+  std::vector<FluxEvalResult> evaluations;
 };
 
 class FluxTrainer {
