@@ -6,9 +6,9 @@
 // them (the VAE's latents come out in fp32 either way).
 #include "cli/image_prep_command.h"
 
-#include <CLI/CLI.hpp>
 #include <unistd.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -43,11 +43,28 @@ namespace {
 constexpr int64_t kClipTokens = 77;  // FluxPipeline's tokenizer_max_length (CLIP's model_max_length)
 
 // The image-only flags, for refusing them in text mode.
-const char* const kImageFlags[] = {"--output", "--overwrite", "--layout", "--missing-captions",
-                                   "--allow-empty-captions", "--caption-extension", "--resolution", "--buckets",
-                                   "--crop", "--random-flip", "--seed", "--pipeline", "--vae", "--t5",
-                                   "--t5-tokenizer", "--clip", "--clip-tokenizer", "--text-tokens", "--batch-size",
-                                   "--device", "--dtype", "--shard-samples"};
+const char* const kImageFlags[] = {"--output",
+                                   "--overwrite",
+                                   "--layout",
+                                   "--missing-captions",
+                                   "--allow-empty-captions",
+                                   "--caption-extension",
+                                   "--resolution",
+                                   "--buckets",
+                                   "--crop",
+                                   "--random-flip",
+                                   "--seed",
+                                   "--pipeline",
+                                   "--vae",
+                                   "--t5",
+                                   "--t5-tokenizer",
+                                   "--clip",
+                                   "--clip-tokenizer",
+                                   "--text-tokens",
+                                   "--batch-size",
+                                   "--device",
+                                   "--dtype",
+                                   "--shard-samples"};
 
 bool has_file(const fs::path& folder, std::initializer_list<const char*> names) {
   std::error_code error;
@@ -131,9 +148,10 @@ Plan check_options(const ImagePrepOptions& o) {
   if (!o.pipeline.empty()) {
     require_path(o.pipeline, "--pipeline");
     if (!fs::is_directory(o.pipeline, error))
-      FORGE_FAIL("--pipeline {}: expected a FLUX pipeline folder (vae/, text_encoder/, text_encoder_2/, tokenizer/, "
-                 "tokenizer_2/)",
-                 o.pipeline);
+      FORGE_FAIL(
+          "--pipeline {}: expected a FLUX pipeline folder (vae/, text_encoder/, text_encoder_2/, tokenizer/, "
+          "tokenizer_2/)",
+          o.pipeline);
   }
   const auto from = [&](const std::string& given, const char* subfolder, const char* flag) {
     if (!given.empty()) {
@@ -143,7 +161,8 @@ Plan check_options(const ImagePrepOptions& o) {
     if (o.pipeline.empty())
       FORGE_FAIL("{} is missing: give {} PATH, or --pipeline DIR holding {}/", flag, flag, subfolder);
     const fs::path sub = fs::path(o.pipeline) / subfolder;
-    if (!fs::is_directory(sub, error)) FORGE_FAIL("--pipeline {}: no {}/ in it (give {} PATH)", o.pipeline, subfolder, flag);
+    if (!fs::is_directory(sub, error))
+      FORGE_FAIL("--pipeline {}: no {}/ in it (give {} PATH)", o.pipeline, subfolder, flag);
     return sub.string();
   };
   p.vae = from(o.vae, "vae", "--vae");
@@ -152,15 +171,17 @@ Plan check_options(const ImagePrepOptions& o) {
   if (!o.t5_tokenizer.empty()) require_path(o.t5_tokenizer, "--t5-tokenizer");
   if (!o.clip_tokenizer.empty()) require_path(o.clip_tokenizer, "--clip-tokenizer");
   p.t5_tokenizer = !o.t5_tokenizer.empty() ? o.t5_tokenizer
-                   : o.t5.empty() ? (fs::path(o.pipeline) / "tokenizer_2").string()
+                   : o.t5.empty()          ? (fs::path(o.pipeline) / "tokenizer_2").string()
                                   : tokenizer_beside(o.t5, "tokenizer_2", {"spiece.model", "tokenizer.json"}, "--t5",
                                                      "--t5-tokenizer");
   p.clip_tokenizer = !o.clip_tokenizer.empty() ? o.clip_tokenizer
-                     : o.clip.empty() ? (fs::path(o.pipeline) / "tokenizer").string()
-                                      : tokenizer_beside(o.clip, "tokenizer", {"vocab.json", "tokenizer.json"},
-                                                         "--clip", "--clip-tokenizer");
-  if (o.t5.empty() && o.t5_tokenizer.empty()) require_path(p.t5_tokenizer, "--pipeline's tokenizer_2/ (--t5-tokenizer)");
-  if (o.clip.empty() && o.clip_tokenizer.empty()) require_path(p.clip_tokenizer, "--pipeline's tokenizer/ (--clip-tokenizer)");
+                     : o.clip.empty()          ? (fs::path(o.pipeline) / "tokenizer").string()
+                                               : tokenizer_beside(o.clip, "tokenizer", {"vocab.json", "tokenizer.json"},
+                                                                  "--clip", "--clip-tokenizer");
+  if (o.t5.empty() && o.t5_tokenizer.empty())
+    require_path(p.t5_tokenizer, "--pipeline's tokenizer_2/ (--t5-tokenizer)");
+  if (o.clip.empty() && o.clip_tokenizer.empty())
+    require_path(p.clip_tokenizer, "--pipeline's tokenizer/ (--clip-tokenizer)");
 
   if (o.text_tokens < 1 || o.text_tokens > 4096)
     FORGE_FAIL("--text-tokens {}: expected T5 tokens per caption from 1 to 4096 (FLUX.1-dev: 512, schnell: 256)",
@@ -208,9 +229,10 @@ struct Encoders {
     if (p.vae != "pixels") {
       const FluxVaeConfig config = flux_vae_config_at(p.vae);
       if (config.in_channels != 3 || config.downsample_factor() != 8)
-        FORGE_FAIL("--vae {}: a VAE of {} input channels downsampling {}x; a FLUX latent cache holds an RGB VAE's "
-                   "latents at 1/8 of the image's side",
-                   p.vae, config.in_channels, config.downsample_factor());
+        FORGE_FAIL(
+            "--vae {}: a VAE of {} input channels downsampling {}x; a FLUX latent cache holds an RGB VAE's "
+            "latents at 1/8 of the image's side",
+            p.vae, config.in_channels, config.downsample_factor());
       auto cpu = std::make_unique<FluxVaeParameters>(config);
       load_flux_vae_weights(p.vae, *cpu);
       if (device == Device::CUDA) {
@@ -319,12 +341,14 @@ void add_image_prep_options(CLI::App& prep, ImagePrepOptions& o) {
                   "images: a FLUX pipeline folder (vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/) "
                   "for every encoder not given on its own")
       ->type_name("DIR");
-  prep.add_option("--vae", o.vae, "images: the FLUX VAE (diffusers folder, pipeline folder or ae.safetensors), or "
-                                  "'pixels' (NOTE [Pixel latents])");
+  prep.add_option("--vae", o.vae,
+                  "images: the FLUX VAE (diffusers folder, pipeline folder or ae.safetensors), or "
+                  "'pixels' (NOTE [Pixel latents])");
   prep.add_option("--t5", o.t5, "images: the T5 encoder (text_encoder_2/ or a pipeline folder)");
   prep.add_option("--t5-tokenizer", o.t5_tokenizer, "images: T5 tokenizer (default: beside --t5, or tokenizer_2/)");
   prep.add_option("--clip", o.clip, "images: the CLIP text encoder (text_encoder/ or a pipeline folder)");
-  prep.add_option("--clip-tokenizer", o.clip_tokenizer, "images: CLIP tokenizer (default: beside --clip, or tokenizer/)");
+  prep.add_option("--clip-tokenizer", o.clip_tokenizer,
+                  "images: CLIP tokenizer (default: beside --clip, or tokenizer/)");
   prep.add_option("--text-tokens", o.text_tokens, "images: T5 tokens per caption")->capture_default_str();
   prep.add_option("--batch-size", o.batch_size, "images: images encoded at once")->capture_default_str();
   prep.add_option("--device", o.device, "images: cpu (fp32) or cuda (bf16) for the encoders")->capture_default_str();
@@ -348,9 +372,7 @@ bool is_image_prep_flag(const std::string& flag) {
 int run_image_prep(const ImagePrepOptions& o) {
   const auto started = std::chrono::steady_clock::now();
   const Plan plan = check_options(o);
-  if (fs::exists(o.output) && !o.overwrite && is_flux_latent_cache(o.output))
-    FORGE_FAIL("{} already holds a FLUX latent cache: give --overwrite to replace it, or choose another --output",
-               o.output);
+  check_flux_cache_output(o.output, o.overwrite);
 
   const ImageCaptionDataset dataset(o.images, plan.layout, plan.dataset);
   log_info("prep: {}", dataset.describe());
@@ -404,7 +426,8 @@ int run_image_prep(const ImagePrepOptions& o) {
   const auto encode_start = std::chrono::steady_clock::now();
   int64_t done = 0;
   // Images are decoded in groups of whole batches, at least one image per thread.
-  const int64_t group = ((std::max<int64_t>(num_threads(), o.batch_size) + o.batch_size - 1) / o.batch_size) * o.batch_size;
+  const int64_t group =
+      ((std::max<int64_t>(num_threads(), o.batch_size) + o.batch_size - 1) / o.batch_size) * o.batch_size;
   for (size_t b = 0; b < plan.buckets.size(); ++b) {
     const ImageBucket bucket = plan.buckets[b];
     const std::vector<size_t>& members = by_bucket[b];
@@ -426,14 +449,13 @@ int run_image_prep(const ImagePrepOptions& o) {
           paths.push_back(entry.image_path);
           captions.push_back(entry.caption);
         }
-        const Tensor batch = Tensor::wrap(images.data<float>() + first * image_numel,
-                                          {n, 3, bucket.height, bucket.width}, DType::F32);
+        const Tensor batch =
+            Tensor::wrap(images.data<float>() + first * image_numel, {n, 3, bucket.height, bucket.width}, DType::F32);
         const Tensor latents = encoders.encode_images(batch);
         const auto [text, pooled] = encoders.encode_captions(captions);
         writer.append(bucket.width, bucket.height, latents, text, pooled, paths, captions);
         done += n;
-        const double seconds =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
+        const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
         progress.update(static_cast<double>(done),
                         fmt::format("{} / {} images ({:.2f} images/s) | bucket {}", done, dataset.size(),
                                     done / std::max(seconds, 1e-9), image_bucket_name(bucket)));

@@ -38,8 +38,7 @@ int64_t integer_key(const nlohmann::json& object, const char* key, int64_t low, 
                     const std::string& where) {
   const auto it = object.find(key);
   if (it == object.end()) FORGE_FAIL("{}: \"{}\" is missing", where, key);
-  if (!it->is_number_integer())
-    FORGE_FAIL("{}: \"{}\" is {}, expected an integer", where, key, describe_json(*it));
+  if (!it->is_number_integer()) FORGE_FAIL("{}: \"{}\" is {}, expected an integer", where, key, describe_json(*it));
   const bool too_large = it->is_number_unsigned() && it->get<uint64_t>() > static_cast<uint64_t>(high);
   if (too_large || it->get<int64_t>() < low || it->get<int64_t>() > high)
     FORGE_FAIL("{}: \"{}\" is {}, expected an integer in [{}, {}]", where, key, describe_json(*it), low, high);
@@ -67,11 +66,12 @@ void check_shard_file_name(const std::string& name, const std::string& where) {
   const bool plain = !name.empty() && name.find('/') == std::string::npos && name.find('\\') == std::string::npos &&
                      name != "." && name != ".." && name.find('\0') == std::string::npos;
   if (!plain || name.size() <= 12 || name.substr(name.size() - 12) != ".safetensors")
-    FORGE_FAIL("{}: \"file\" is \"{}\", expected the name of a .safetensors file inside the cache folder", where,
-               name);
+    FORGE_FAIL("{}: \"file\" is \"{}\", expected the name of a .safetensors file inside the cache folder", where, name);
 }
 
-SafetensorsDType stored_dtype(DType dtype) { return dtype == DType::BF16 ? SafetensorsDType::BF16 : SafetensorsDType::F32; }
+SafetensorsDType stored_dtype(DType dtype) {
+  return dtype == DType::BF16 ? SafetensorsDType::BF16 : SafetensorsDType::F32;
+}
 
 // Converts `count` stored values at `src` (F32 or BF16, possibly unaligned) into `dst` of
 // dtype `to` (F32 or BF16).
@@ -114,7 +114,8 @@ void append_as_float(std::vector<float>& out, const Tensor& t) {
 void check_captions_file(const std::string& folder, int64_t samples) {
   const std::string path = join(folder, kCaptionsName);
   std::ifstream in(path, std::ios::binary);
-  if (!in || !fs::is_regular_file(path)) FORGE_FAIL("{}: missing (a FLUX latent cache has one caption line per sample)", path);
+  if (!in || !fs::is_regular_file(path))
+    FORGE_FAIL("{}: missing (a FLUX latent cache has one caption line per sample)", path);
   int64_t lines = 0;
   std::string line;
   while (std::getline(in, line)) ++lines;
@@ -127,9 +128,10 @@ void check_captions_file(const std::string& folder, int64_t samples) {
 FluxCacheManifest read_flux_cache_manifest(const std::string& folder) {
   const std::string path = join(folder, kManifestName);
   if (!fs::exists(path))
-    FORGE_FAIL("{}: no {} (not a FLUX latent cache; forge prep --images or scripts/flux_cache_from_diffusers.py "
-               "writes one)",
-               folder, kManifestName);
+    FORGE_FAIL(
+        "{}: no {} (not a FLUX latent cache; forge prep --images or scripts/flux_cache_from_diffusers.py "
+        "writes one)",
+        folder, kManifestName);
   const nlohmann::json j = read_json_file(path, "the FLUX latent cache's manifest");
   if (!j.is_object()) FORGE_FAIL("{}: is {}, expected a JSON object", path, describe_json(j));
   check_known_keys(j,
@@ -148,13 +150,13 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder) {
     FORGE_FAIL("{}: \"autoencoder\" is \"{}\", expected \"vae\" or \"pixels\"", path, m.autoencoder);
   m.latent_channels = integer_key(j, "latent_channels", 1, 4096, path);
   if (m.autoencoder == "pixels" && m.latent_channels != 16)
-    FORGE_FAIL("{}: \"latent_channels\" is {}, pixel latents have 16 (NOTE [Pixel latents])", path,
-               m.latent_channels);
+    FORGE_FAIL("{}: \"latent_channels\" is {}, pixel latents have 16 (NOTE [Pixel latents])", path, m.latent_channels);
   m.text_tokens = integer_key(j, "text_tokens", 1, kMaxDimension, path);
   m.context_dim = integer_key(j, "context_dim", 1, kMaxDimension, path);
   m.pooled_dim = integer_key(j, "pooled_dim", 1, kMaxDimension, path);
   const std::string dtype = string_key(j, "dtype", path);
-  if (dtype != "bf16" && dtype != "fp32") FORGE_FAIL("{}: \"dtype\" is \"{}\", expected \"bf16\" or \"fp32\"", path, dtype);
+  if (dtype != "bf16" && dtype != "fp32")
+    FORGE_FAIL("{}: \"dtype\" is \"{}\", expected \"bf16\" or \"fp32\"", path, dtype);
   m.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   m.samples = integer_key(j, "samples", 1, int64_t{1} << 40, path);
   if (j.contains("source") && !j.at("source").is_object())
@@ -229,9 +231,10 @@ FluxLatentCache::FluxLatentCache(const std::string& folder)
     const SafetensorsEntry** slots[] = {&opened.latents, &opened.text, &opened.pooled};
     for (const SafetensorsEntry& entry : opened.file->entries())
       if (entry.name != "latents" && entry.name != "prompt_embeds" && entry.name != "pooled_prompt_embeds")
-        FORGE_FAIL("{}: tensor \"{}\" is not one of a FLUX latent cache's (latents, prompt_embeds, "
-                   "pooled_prompt_embeds)",
-                   path, entry.name);
+        FORGE_FAIL(
+            "{}: tensor \"{}\" is not one of a FLUX latent cache's (latents, prompt_embeds, "
+            "pooled_prompt_embeds)",
+            path, entry.name);
     for (size_t t = 0; t < 3; ++t) {
       const auto& [name, shape] = expected[t];
       const SafetensorsEntry* entry = opened.file->find(name);
@@ -240,10 +243,11 @@ FluxLatentCache::FluxLatentCache(const std::string& folder)
         FORGE_FAIL("{}: tensor \"{}\" is {}, cache.json says {}", path, name, safetensors_dtype_name(entry->dtype),
                    safetensors_dtype_name(dtype));
       if (entry->shape != shape)
-        FORGE_FAIL("{}: tensor \"{}\" has shape {}, cache.json implies {} (samples {}, bucket {}x{}, autoencoder "
-                   "{})",
-                   path, name, shape_str(entry->shape), shape_str(shape), shard.samples, shard.width, shard.height,
-                   m.autoencoder);
+        FORGE_FAIL(
+            "{}: tensor \"{}\" has shape {}, cache.json implies {} (samples {}, bucket {}x{}, autoencoder "
+            "{})",
+            path, name, shape_str(entry->shape), shape_str(shape), shard.samples, shard.width, shard.height,
+            m.autoencoder);
       *slots[t] = entry;
     }
     files_->shards.push_back(std::move(opened));
@@ -289,7 +293,8 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
     for (int64_t k = 0; k < n; ++k) {
       const Files::Shard& shard = files_->shards[static_cast<size_t>(where[static_cast<size_t>(k)].first)];
       const SafetensorsEntry* entry = t == 0 ? shard.latents : t == 1 ? shard.text : shard.pooled;
-      const uint8_t* src = shard.file->bytes(*entry) + static_cast<size_t>(where[static_cast<size_t>(k)].second * row) * from_size;
+      const uint8_t* src =
+          shard.file->bytes(*entry) + static_cast<size_t>(where[static_cast<size_t>(k)].second * row) * from_size;
       convert_values(dst + static_cast<size_t>(k * row) * dtype_size(out.dtype()), out.dtype(), src, from, row);
     }
     if (out.device() != Device::CPU) out.copy_from(host);
@@ -300,9 +305,18 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
 
 namespace {
 
-// Checks what is at `folder` may be replaced; creates its parent folder. Returns `folder`.
+// check_flux_cache_output, then creates the parent folder. Returns `folder`.
 std::string writable_cache_folder(const std::string& folder, bool overwrite) {
-  FORGE_CHECK(!folder.empty(), "the FLUX latent cache's output folder is empty");
+  check_flux_cache_output(folder, overwrite);
+  const fs::path parent = fs::absolute(fs::path(folder)).parent_path();
+  fs::create_directories(parent);
+  return folder;
+}
+
+}  // namespace
+
+void check_flux_cache_output(const std::string& folder, bool overwrite) {
+  if (folder.empty()) FORGE_FAIL("the FLUX latent cache's output folder is empty");
   std::error_code error;
   const fs::file_status status = fs::symlink_status(folder, error);
   if (fs::exists(status)) {
@@ -312,27 +326,23 @@ std::string writable_cache_folder(const std::string& folder, bool overwrite) {
     for (const fs::directory_entry& e : fs::directory_iterator(folder)) {
       empty = false;
       const std::string name = e.path().filename().string();
-      const bool cache_file = name == kManifestName || name == kCaptionsName ||
-                              (name.rfind("shard-", 0) == 0 && name.size() > 12 &&
-                               name.substr(name.size() - 12) == ".safetensors");
+      const bool cache_file =
+          name == kManifestName || name == kCaptionsName ||
+          (name.rfind("shard-", 0) == 0 && name.size() > 12 && name.substr(name.size() - 12) == ".safetensors");
       if (!cache_file || !e.is_regular_file()) only_cache_files = false;
     }
     if (!empty) {
       if (!is_flux_latent_cache(folder) || !only_cache_files)
-        FORGE_FAIL("{} exists and is not a FLUX latent cache (cache.json, captions.jsonl and shard files only): "
-                   "refusing to replace it; choose another --output",
-                   folder);
+        FORGE_FAIL(
+            "{} exists and is not a FLUX latent cache (cache.json, captions.jsonl and shard files only): "
+            "refusing to replace it; choose another --output",
+            folder);
       if (!overwrite)
         FORGE_FAIL("{} already holds a FLUX latent cache: give --overwrite to replace it, or choose another --output",
                    folder);
     }
   }
-  const fs::path parent = fs::absolute(fs::path(folder)).parent_path();
-  fs::create_directories(parent);
-  return folder;
 }
-
-}  // namespace
 
 FluxLatentCacheWriter::FluxLatentCacheWriter(std::string folder, FluxCacheWriterOptions options)
     : options_(std::move(options)),
@@ -372,7 +382,8 @@ void FluxLatentCacheWriter::append(int64_t width, int64_t height, const Tensor& 
   open_height_ = height;
   const int64_t per_sample = latents.numel() / n + text.numel() / n + pooled.numel() / n;
   const int64_t sample_bytes = per_sample * static_cast<int64_t>(dtype_size(manifest_.dtype));
-  const int64_t shard_samples = std::clamp(options_.max_shard_bytes / sample_bytes, int64_t{1}, options_.max_shard_samples);
+  const int64_t shard_samples =
+      std::clamp(options_.max_shard_bytes / sample_bytes, int64_t{1}, options_.max_shard_samples);
   std::vector<float> l, t, p;
   append_as_float(l, latents);
   append_as_float(t, text);
@@ -401,11 +412,12 @@ void FluxLatentCacheWriter::write_open_shard() {
   shard.latent_width = open_width_ / f;
   shard.latent_height = open_height_ / f;
   const std::string path = join(directory_.temporary_path(), shard.file);
-  write_safetensors(path,
-                    {{"latents", {n, manifest_.latent_channels, shard.latent_height, shard.latent_width}, latents_.data()},
-                     {"prompt_embeds", {n, manifest_.text_tokens, manifest_.context_dim}, text_.data()},
-                     {"pooled_prompt_embeds", {n, manifest_.pooled_dim}, pooled_.data()}},
-                    stored_dtype(manifest_.dtype), {{"format", kFluxCacheFormat}});
+  write_safetensors(
+      path,
+      {{"latents", {n, manifest_.latent_channels, shard.latent_height, shard.latent_width}, latents_.data()},
+       {"prompt_embeds", {n, manifest_.text_tokens, manifest_.context_dim}, text_.data()},
+       {"pooled_prompt_embeds", {n, manifest_.pooled_dim}, pooled_.data()}},
+      stored_dtype(manifest_.dtype), {{"format", kFluxCacheFormat}});
   bytes_written_ += static_cast<int64_t>(fs::file_size(path));
   const size_t index = manifest_.shards.size();
   for (int64_t r = 0; r < n; ++r)

@@ -96,6 +96,11 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder);
 // checked): what may be overwritten.
 bool is_flux_latent_cache(const std::string& folder);
 
+// Throws unless a new cache may be written at `folder`: it is absent, an empty folder, or a
+// cache (only cache.json, captions.jsonl and shard files in it) and `overwrite` is set. The
+// writer checks this too; callers with slow work before it (loading encoders) check first.
+void check_flux_cache_output(const std::string& folder, bool overwrite);
+
 struct FluxCacheWriterOptions {
   std::string autoencoder = "vae";  // "vae" | "pixels"
   int64_t latent_channels = 16, text_tokens = 0, context_dim = 0, pooled_dim = 0;

@@ -27,7 +27,8 @@ Tensor pattern(Shape shape, int64_t first_sample, float kind) {
   Tensor t = Tensor::empty(shape);
   const int64_t row = t.numel() / shape[0];
   for (int64_t i = 0; i < t.numel(); ++i)
-    t.data<float>()[i] = kind + 1000.0f * static_cast<float>(first_sample + i / row) + 0.25f * static_cast<float>(i % row);
+    t.data<float>()[i] =
+        kind + 1000.0f * static_cast<float>(first_sample + i / row) + 0.25f * static_cast<float>(i % row);
   return t;
 }
 
@@ -207,7 +208,11 @@ TEST(FluxLatentCache, RefusesBadManifests) {
       {[](json& j) { j["latents"] = 1; }, {"unknown key \"latents\""}},
       {[](json& j) { j["source"] = "x"; }, {"\"source\""}},
       {[](json& j) { j = json::array(); }, {"expected a JSON object"}},
-      {[](json& j) { j["autoencoder"] = "pixels"; j["latent_channels"] = 4; }, {"pixel latents have 16"}},
+      {[](json& j) {
+         j["autoencoder"] = "pixels";
+         j["latent_channels"] = 4;
+       },
+       {"pixel latents have 16"}},
   };
   for (const auto& [edit, fragments] : cases) expect_manifest_refused(folder, edit, fragments);
   // Not JSON at all; no manifest; a captions file of the wrong length.
@@ -292,9 +297,11 @@ TEST(FluxLatentCache, FailedWriteLeavesTheOldCacheAndNoTemporary) {
   {
     FluxLatentCacheWriter w(folder, overwrite);
     append(w, 0, 3, 16, 16);  // a shard written into the temporary folder
-    expect_error([&] { w.append(16, 16, Tensor::empty({1, 16, 2, 2}), Tensor::empty({1, 3, 9}), Tensor::empty({1, 5}),
-                                {"a"}, {"b"}); },
-                 {"prompt_embeds"});
+    expect_error(
+        [&] {
+          w.append(16, 16, Tensor::empty({1, 16, 2, 2}), Tensor::empty({1, 3, 9}), Tensor::empty({1, 5}), {"a"}, {"b"});
+        },
+        {"prompt_embeds"});
   }  // destroyed unfinished
   EXPECT_EQ(FluxLatentCache(folder).size(), 5);
   int entries = 0;

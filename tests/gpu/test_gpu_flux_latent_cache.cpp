@@ -31,8 +31,8 @@ TEST(GpuFluxLatentCache, WritesFromAndReadsIntoDeviceTensors) {
     {
       FluxLatentCacheWriter host(from_host, o), device(from_device, o);
       host.append(16, 32, latents, text.clone(), pooled.clone(), images, captions);
-      device.append(16, 32, to_gpu(latents, DType::F32), to_gpu(text, DType::BF16), to_gpu(pooled, DType::BF16),
-                    images, captions);
+      device.append(16, 32, to_gpu(latents, DType::F32), to_gpu(text, DType::BF16), to_gpu(pooled, DType::BF16), images,
+                    captions);
       host.finish();
       device.finish();
     }
@@ -42,7 +42,8 @@ TEST(GpuFluxLatentCache, WritesFromAndReadsIntoDeviceTensors) {
       Tensor hl = Tensor::empty({n, 16, 4, 2}, into), ht = Tensor::empty({n, 5, 8}, into),
              hp = Tensor::empty({n, 6}, into);
       a.read(order, hl, ht, hp);
-      Tensor dl = poisoned_gpu({n, 16, 4, 2}, into), dt = poisoned_gpu({n, 5, 8}, into), dp = poisoned_gpu({n, 6}, into);
+      Tensor dl = poisoned_gpu({n, 16, 4, 2}, into), dt = poisoned_gpu({n, 5, 8}, into),
+             dp = poisoned_gpu({n, 6}, into);
       b.read(order, dl, dt, dp);
       for (const auto& [host, device] : {std::pair{hl, dl}, std::pair{ht, dt}, std::pair{hp, dp}}) {
         const Tensor back = device.to(Device::CPU);

@@ -45,9 +45,9 @@ int main(int argc, char** argv) try {
       const Tensor singles[3] = {l, t, p}, batch[3] = {latents, text, pooled};
       for (int k = 0; k < 3; ++k) {
         const size_t bytes = singles[k].nbytes();
-        FORGE_CHECK(std::memcmp(singles[k].raw(), static_cast<const char*>(batch[k].raw()) + (n - 1 - i) * bytes,
-                                bytes) == 0,
-                    "sample {}: one read and the shard's read differ", first + i);
+        FORGE_CHECK(
+            std::memcmp(singles[k].raw(), static_cast<const char*>(batch[k].raw()) + (n - 1 - i) * bytes, bytes) == 0,
+            "sample {}: one read and the shard's read differ", first + i);
         files[k].write(static_cast<const char*>(singles[k].raw()), static_cast<std::streamsize>(bytes));
       }
     }
@@ -55,15 +55,16 @@ int main(int argc, char** argv) try {
   }
   nlohmann::json shards = nlohmann::json::array();
   for (const FluxCacheShard& s : m.shards)
-    shards.push_back({{"file", s.file}, {"samples", s.samples}, {"width", s.width}, {"height", s.height},
-                      {"latent_width", s.latent_width}, {"latent_height", s.latent_height}});
-  std::ofstream(out + "/manifest.json") << nlohmann::json{{"autoencoder", m.autoencoder},
-                                                          {"samples", m.samples},
-                                                          {"text_tokens", m.text_tokens},
-                                                          {"context_dim", m.context_dim},
-                                                          {"pooled_dim", m.pooled_dim},
-                                                          {"shards", shards}}
-                                               .dump();
+    shards.push_back({{"file", s.file},
+                      {"samples", s.samples},
+                      {"width", s.width},
+                      {"height", s.height},
+                      {"latent_width", s.latent_width},
+                      {"latent_height", s.latent_height}});
+  std::ofstream(out + "/manifest.json")
+      << nlohmann::json{{"autoencoder", m.autoencoder}, {"samples", m.samples},       {"text_tokens", m.text_tokens},
+                        {"context_dim", m.context_dim}, {"pooled_dim", m.pooled_dim}, {"shards", shards}}
+             .dump();
   return 0;
 } catch (const std::exception& e) {
   std::cerr << "forge_flux_cache_read: " << e.what() << "\n";
