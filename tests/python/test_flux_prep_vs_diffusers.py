@@ -215,6 +215,42 @@ class FluxPrepVsDiffusers(unittest.TestCase):
             np.testing.assert_array_equal(forge_samples[image][0], reference_samples[image][0], err_msg=image)
             self.assertEqual(forge_samples[image][0].shape, (16, 16, 16))
 
+    def test_manifest_layout_and_random_transforms(self):
+        manifest = os.path.join(self.root, "metadata.jsonl")
+        with open(manifest, "w", encoding="utf-8") as f:
+            for name in ("c.png", "a.png"):
+                f.write(json.dumps({"file_name": os.path.join("images", name), "text": CAPTIONS[name]}) + "\n")
+        common = ("--pipeline", self.pipeline, "--vae", "pixels", "--resolution", "32", "--dtype", "fp32")
+        path = self.out("from-manifest")
+        result = forge("--images", manifest, "--output", path, "--text-tokens", "24", *common)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        with open(os.path.join(path, "captions.jsonl"), encoding="utf-8") as f:
+            self.assertEqual([os.path.basename(json.loads(line)["image"]) for line in f], ["c.png", "a.png"])
+        # Random crops and flips: the same seed gives the same latents, another seed others.
+        latents = []
+        for name, seed in (("random-1", "1"), ("random-1-again", "1"), ("random-2", "2")):
+            path, _ = self.forge_cache(name, *common, "--crop", "random", "--random-flip", "--seed", seed)
+            latents.append(load_cache(path)[1])
+        for image in CAPTIONS:
+            np.testing.assert_array_equal(latents[0][image][0], latents[1][image][0])
+        self.assertTrue(any(not np.array_equal(latents[0][i][0], latents[2][i][0]) for i in CAPTIONS))
+
+    def test_cuda_matches_cpu(self):
+        """On a machine with a GPU: the encoders in bf16 on CUDA against the CPU's fp32."""
+        path = self.out("forge-cuda")
+        result = forge("--images", self.images, "--output", path, "--text-tokens", "24", "--batch-size", "2",
+                       "--pipeline", self.pipeline, "--resolution", "32", "--dtype", "fp32", "--device", "cuda")
+        if "no GPU is visible" in result.stdout + result.stderr:
+            self.skipTest("no GPU")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        cpu, _ = self.forge_cache("forge-cuda-reference", "--pipeline", self.pipeline, "--resolution", "32",
+                                  "--dtype", "fp32")
+        _, on_gpu = load_cache(path)
+        _, on_cpu = load_cache(cpu)
+        for image in CAPTIONS:
+            for kind, got, want in zip(("latents", "prompt_embeds", "pooled"), on_gpu[image], on_cpu[image]):
+                self.assertLess(relative_error(got, want), 5e-2, f"{image} {kind}")
+
     def test_refusals(self):
         p, images = self.pipeline, self.images
         base = ("--images", images, "--pipeline", p, "--resolution", "32")
