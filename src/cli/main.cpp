@@ -85,7 +85,8 @@ int main(int argc, char** argv) {
                               prep_overlong = "truncate";
   bool no_append_eod = false;
   auto* prep = app.add_subcommand(
-      "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx)");
+      "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx), "
+              "or with --images encode images with captions into a FLUX latent cache");
   // Text mode requires --input, --tokenizer and --output-prefix (checked below: --images needs none of them).
   auto* prep_input = prep->add_option("--input", prep_options.inputs,
                                       "input file, repeatable: .jsonl/.json/.ndjson or .txt, optionally .gz or .zst");
