@@ -226,6 +226,13 @@ struct Encoders {
 
   Encoders(const Plan& p, int64_t tokens) : device(p.device), text_tokens(tokens) {
     dtype = device == Device::CUDA ? DType::BF16 : DType::F32;
+    // The small files first, so that a bad one fails before the weights load.
+    t5_tokenizer = std::make_unique<T5PromptTokenizer>(p.t5_tokenizer);
+    clip_tokenizer = std::make_unique<ClipTokenizer>(p.clip_tokenizer);
+    const ClipTextConfig clip_config = read_clip_text_encoder_config(p.clip);
+    if (clip_config.max_positions < kClipTokens)
+      FORGE_FAIL("--clip {}: {} positions, FluxPipeline feeds CLIP {} tokens", p.clip, clip_config.max_positions,
+                 kClipTokens);
     if (p.vae != "pixels") {
       const FluxVaeConfig config = flux_vae_config_at(p.vae);
       if (config.in_channels != 3 || config.downsample_factor() != 8)
@@ -247,14 +254,9 @@ struct Encoders {
     }
     t5_weights.emplace(load_t5_encoder(p.t5, device, dtype));
     t5 = std::make_unique<T5Encoder>(*t5_weights);
-    t5_tokenizer = std::make_unique<T5PromptTokenizer>(p.t5_tokenizer);
     if (t5_tokenizer->vocab_size() > t5_weights->config().vocab_size)
       FORGE_FAIL("--t5-tokenizer {}: {} pieces, but the T5 encoder at {} has {} token embeddings", p.t5_tokenizer,
                  t5_tokenizer->vocab_size(), p.t5, t5_weights->config().vocab_size);
-    const ClipTextConfig clip_config = read_clip_text_encoder_config(p.clip);
-    if (clip_config.max_positions < kClipTokens)
-      FORGE_FAIL("--clip {}: {} positions, FluxPipeline feeds CLIP {} tokens", p.clip, clip_config.max_positions,
-                 kClipTokens);
     auto cpu_clip = std::make_unique<ClipTextParameters>(clip_config);
     load_clip_text_weights(p.clip, *cpu_clip);
     if (device == Device::CUDA) {
@@ -263,7 +265,9 @@ struct Encoders {
     } else {
       clip_params = std::move(cpu_clip);
     }
-    clip_tokenizer = std::make_unique<ClipTokenizer>(p.clip_tokenizer);
+    if (clip_tokenizer->vocab_size() > clip_config.vocab_size)
+      FORGE_FAIL("--clip-tokenizer {}: {} tokens, but the CLIP encoder at {} has {} token embeddings",
+                 p.clip_tokenizer, clip_tokenizer->vocab_size(), p.clip, clip_config.vocab_size);
   }
 
   int64_t context_dim() const { return t5_weights->config().d_model; }
