@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cli/commands.h"
+#include "cli/image_prep_command.h"
 #include "core/error.h"
 #include "core/filesystem_error.h"
 #include "core/log.h"
@@ -84,15 +85,15 @@ int main(int argc, char** argv) {
                               prep_overlong = "truncate";
   bool no_append_eod = false;
   auto* prep = app.add_subcommand(
-      "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx)");
-  prep->footer(
-      "Example: forge prep --input c4.00000.json.gz --tokenizer /models/llama3/tokenizer.json "
-      "--output-prefix /data/c4_text_document");
-  prep->add_option("--input", prep_options.inputs, "input file, repeatable: .jsonl/.json/.ndjson or .txt, optionally .gz or .zst")
-      ->required();
-  prep->add_option("--tokenizer", prep_tokenizer, "tokenizer.json, tokenizer.model, or a directory holding one")
-      ->required();
-  prep->add_option("--output-prefix", prep_options.output_prefix, "writes PREFIX.bin and PREFIX.idx")->required();
+      "prep", "Tokenize JSON Lines or text files (optionally .gz/.zst) into a Megatron indexed dataset (.bin/.idx), "
+              "or with --images encode images with captions into a FLUX latent cache");
+  // Text mode requires --input, --tokenizer and --output-prefix (checked below: --images needs none of them).
+  auto* prep_input = prep->add_option("--input", prep_options.inputs,
+                                      "input file, repeatable: .jsonl/.json/.ndjson or .txt, optionally .gz or .zst");
+  auto* prep_tokenizer_option =
+      prep->add_option("--tokenizer", prep_tokenizer, "tokenizer.json, tokenizer.model, or a directory holding one");
+  auto* prep_output_prefix =
+      prep->add_option("--output-prefix", prep_options.output_prefix, "writes PREFIX.bin and PREFIX.idx");
   prep->add_option("--json-key", prep_options.json_key, "JSON Lines: key of the text")->capture_default_str();
   auto* append_eod =
       prep->add_flag("--append-eod", prep_options.append_eod, "append the tokenizer's EOS to every document (default)");
@@ -120,6 +121,12 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
   prep->add_option("--overlong", prep_overlong, "sft: truncate or drop examples longer than --seq-len + 1 tokens")
       ->check(CLI::IsMember({"truncate", "drop"}))->capture_default_str();
+  forge::ImagePrepOptions image_prep_options;
+  forge::add_image_prep_options(*prep, image_prep_options);
+  prep->footer("Example: forge prep --input c4.00000.json.gz --tokenizer /models/llama3/tokenizer.json "
+               "--output-prefix /data/c4_text_document\n"
+               "FLUX: forge prep --images /data/photos --pipeline /models/FLUX.1-dev --output /data/photos-cache "
+               "[--resolution 1024] [--buckets aspect] [--device cuda]");
 
   forge::LaunchOptions launch_options;
   auto* launch = app.add_subcommand(
@@ -219,6 +226,19 @@ int main(int argc, char** argv) {
     for (auto* run : mlperf_runs)
       if (run->parsed()) return forge::run_mlperf_benchmark(run->get_name(), run->remaining());
     if (prep->parsed()) {
+      if (prep->count("--images") > 0) {
+        for (const CLI::Option* option : prep->get_options())
+          if (option->count() > 0 && option->get_name() != "--images" && !forge::is_image_prep_flag(option->get_name()))
+            throw forge::Error(
+                fmt::format("forge prep --images: {} applies to text datasets, not images", option->get_name()));
+        return forge::run_image_prep(image_prep_options);
+      }
+      if (const std::string flag = forge::image_prep_flag_given(*prep); !flag.empty())
+        throw forge::Error(fmt::format("forge prep: {} applies to --images DATASET (FLUX latent caches)", flag));
+      for (const auto* required : {prep_input, prep_tokenizer_option, prep_output_prefix})
+        if (required->count() == 0)
+          throw forge::Error(fmt::format("forge prep: {} is required (or --images DATASET for a FLUX latent cache)",
+                                         required->get_name()));
       if (no_append_eod) prep_options.append_eod = false;
       prep_options.format = prep_format == "sft" ? forge::PrepFormat::Sft : forge::PrepFormat::Text;
       prep_options.sft.train_on =

@@ -30,10 +30,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/durable_directory.h"
 #include "core/tensor.h"
 
 namespace forge {
@@ -81,6 +83,79 @@ class FluxLatentCache {
   FluxCacheManifest manifest_;
   std::vector<int64_t> first_sample_;  // per shard
   std::unique_ptr<Files> files_;
+};
+
+// "forge-flux-latent-cache": cache.json's "format".
+inline constexpr const char* kFluxCacheFormat = "forge-flux-latent-cache";
+
+// The manifest `folder`/cache.json describes, checked key by key (NOTE [FLUX latent cache]);
+// the shards are not opened. Throws a forge::Error naming the file and the key.
+FluxCacheManifest read_flux_cache_manifest(const std::string& folder);
+
+// Whether `folder` holds a cache.json whose "format" is kFluxCacheFormat (nothing else is
+// checked): what may be overwritten.
+bool is_flux_latent_cache(const std::string& folder);
+
+// Throws unless a new cache may be written at `folder`: it is absent, an empty folder, or a
+// cache (only cache.json, captions.jsonl and shard files in it) and `overwrite` is set. The
+// writer checks this too; callers with slow work before it (loading encoders) check first.
+void check_flux_cache_output(const std::string& folder, bool overwrite);
+
+struct FluxCacheWriterOptions {
+  std::string autoencoder = "vae";  // "vae" | "pixels"
+  int64_t latent_channels = 16, text_tokens = 0, context_dim = 0, pooled_dim = 0;
+  DType dtype = DType::BF16;  // of the stored tensors: BF16 or F32
+  // A shard closes at this many samples, or before its stored tensors pass max_shard_bytes
+  // (at least one sample a shard).
+  int64_t max_shard_samples = 256;
+  int64_t max_shard_bytes = int64_t{1} << 30;
+  // Replace an existing cache at the folder (a folder holding anything else is never replaced).
+  bool overwrite = false;
+  nlohmann::json source = nlohmann::json::object();  // cache.json's "source"
+};
+
+// Writes a cache (NOTE [FLUX latent cache]) into a temporary folder beside `folder`, renamed
+// into place by finish() (NOTE [Durable files]); destroyed before finish() (an error), it
+// removes the temporary folder and leaves whatever was at `folder` untouched. Samples
+// are appended one bucket at a time: appending a bucket other than the open one writes the
+// open one's last, partial shard, so callers group samples by bucket.
+class FluxLatentCacheWriter {
+ public:
+  // Refuses (throws) an existing `folder` unless it is empty, or it is a cache (only
+  // cache.json, captions.jsonl and shard files in it) and options.overwrite is set.
+  FluxLatentCacheWriter(std::string folder, FluxCacheWriterOptions options);
+  ~FluxLatentCacheWriter();
+  FluxLatentCacheWriter(const FluxLatentCacheWriter&) = delete;
+  FluxLatentCacheWriter& operator=(const FluxLatentCacheWriter&) = delete;
+
+  // Appends n samples of the bucket width x height (pixels, multiples of 16): latents
+  // [n, latent_channels, height / f, width / f], text [n, text_tokens, context_dim],
+  // pooled [n, pooled_dim], fp32 or bf16 on any device; images and captions n strings each.
+  void append(int64_t width, int64_t height, const Tensor& latents, const Tensor& text, const Tensor& pooled,
+              const std::vector<std::string>& images, const std::vector<std::string>& captions);
+  // Writes the open shard, captions.jsonl and cache.json, checks the folder by opening it
+  // (FluxLatentCache) and renames it into place. Throws when no sample was appended.
+  FluxCacheManifest finish();
+
+  int64_t samples() const { return manifest_.samples; }
+  int64_t shards() const { return static_cast<int64_t>(manifest_.shards.size()); }
+  // Bytes of shard files written so far.
+  int64_t bytes_written() const { return bytes_written_; }
+  const std::string& folder() const { return directory_.path(); }
+
+ private:
+  void write_open_shard();
+
+  FluxCacheWriterOptions options_;
+  AtomicDirectory directory_;
+  FluxCacheManifest manifest_;
+  std::string captions_;  // captions.jsonl so far (written shards)
+  int64_t bytes_written_ = 0;
+  bool finished_ = false;
+  // The open shard.
+  int64_t open_width_ = 0, open_height_ = 0, open_samples_ = 0;
+  std::vector<float> latents_, text_, pooled_;
+  std::vector<std::string> images_, open_captions_;
 };
 
 }  // namespace forge
