@@ -21,24 +21,26 @@ std::string flux_transformer_config_file(const std::string& path) {
 
 FluxConfig read_flux_transformer_config(const std::string& path) {
   const std::string file = flux_transformer_config_file(path);
-  FORGE_CHECK(!file.empty(), "{}: no config.json (a diffusers FluxTransformer2DModel folder has one)", path);
+  if (file.empty()) FORGE_FAIL("{}: no config.json (a diffusers FluxTransformer2DModel folder has one)", path);
   const nlohmann::json j = read_json_file(file, "the FLUX transformer's config");
-  FORGE_CHECK(j.is_object(), "{}: expected a JSON object (FluxTransformer2DModel's config)", file);
+  if (!(j.is_object())) FORGE_FAIL("{}: expected a JSON object (FluxTransformer2DModel's config)", file);
   static const std::set<std::string> known = {
-      "_class_name",       "_diffusers_version",  "_name_or_path",         "in_channels",      "out_channels",
-      "num_layers",        "num_single_layers",   "attention_head_dim",    "num_attention_heads",
-      "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",   "axes_dims_rope",   "patch_size"};
+      "_class_name",         "_diffusers_version",  "_name_or_path",         "in_channels",
+      "out_channels",        "num_layers",          "num_single_layers",     "attention_head_dim",
+      "num_attention_heads", "joint_attention_dim", "pooled_projection_dim", "guidance_embeds",
+      "axes_dims_rope",      "patch_size"};
   for (const auto& [key, value] : j.items())
-    FORGE_CHECK(known.contains(key), "{}: unknown key \"{}\" (forge reads FluxTransformer2DModel's: {})", file, key,
-                "in_channels, out_channels, num_layers, num_single_layers, attention_head_dim, num_attention_heads, "
-                "joint_attention_dim, pooled_projection_dim, guidance_embeds, axes_dims_rope, patch_size");
+    if (!(known.contains(key)))
+      FORGE_FAIL("{}: unknown key \"{}\" (forge reads FluxTransformer2DModel's: {})", file, key,
+                 "in_channels, out_channels, num_layers, num_single_layers, attention_head_dim, num_attention_heads, "
+                 "joint_attention_dim, pooled_projection_dim, guidance_embeds, axes_dims_rope, patch_size");
   if (j.contains("_class_name"))
-    FORGE_CHECK(j["_class_name"] == "FluxTransformer2DModel", "{}: \"_class_name\" is {}; expected FluxTransformer2DModel",
-                file, j["_class_name"].dump());
+    if (!(j["_class_name"] == "FluxTransformer2DModel"))
+      FORGE_FAIL("{}: \"_class_name\" is {}; expected FluxTransformer2DModel", file, j["_class_name"].dump());
   auto integer = [&](const char* key, int64_t fallback) -> int64_t {
     if (!j.contains(key)) return fallback;
-    FORGE_CHECK(j[key].is_number_integer() && j[key].get<int64_t>() >= 1, "{}: \"{}\" must be a positive integer, got {}",
-                file, key, j[key].dump());
+    if (!(j[key].is_number_integer() && j[key].get<int64_t>() >= 1))
+      FORGE_FAIL("{}: \"{}\" must be a positive integer, got {}", file, key, j[key].dump());
     return j[key].get<int64_t>();
   };
   FluxConfig c = flux_preset("flux1-dev");
@@ -50,12 +52,12 @@ FluxConfig read_flux_transformer_config(const std::string& path) {
   c.num_heads = integer("num_attention_heads", 24);
   c.context_dim = integer("joint_attention_dim", 4096);
   c.pooled_dim = integer("pooled_projection_dim", 768);
-  FORGE_CHECK(integer("patch_size", 1) == 1, "{}: \"patch_size\" is {}; FLUX's transformer (and forge) uses 1", file,
-              j["patch_size"].dump());
+  if (!(integer("patch_size", 1) == 1))
+    FORGE_FAIL("{}: \"patch_size\" is {}; FLUX's transformer (and forge) uses 1", file, j["patch_size"].dump());
   c.guidance_embeds = false;
   if (j.contains("guidance_embeds")) {
-    FORGE_CHECK(j["guidance_embeds"].is_boolean(), "{}: \"guidance_embeds\" must be true or false, got {}", file,
-                j["guidance_embeds"].dump());
+    if (!(j["guidance_embeds"].is_boolean()))
+      FORGE_FAIL("{}: \"guidance_embeds\" must be true or false, got {}", file, j["guidance_embeds"].dump());
     c.guidance_embeds = j["guidance_embeds"].get<bool>();
   }
   if (j.contains("axes_dims_rope")) {
@@ -63,7 +65,7 @@ FluxConfig read_flux_transformer_config(const std::string& path) {
     bool ok = a.is_array() && !a.empty();
     if (ok)
       for (const nlohmann::json& v : a) ok = ok && v.is_number_integer() && v.get<int64_t>() >= 1;
-    FORGE_CHECK(ok, "{}: \"axes_dims_rope\" must be a list of positive integers, got {}", file, a.dump());
+    if (!(ok)) FORGE_FAIL("{}: \"axes_dims_rope\" must be a list of positive integers, got {}", file, a.dump());
     c.axes_dim = a.get<std::vector<int64_t>>();
   }
   c.name = "diffusers";

@@ -10,9 +10,9 @@
 // first image is drawn: an existing file is never replaced without --overwrite.
 #include "cli/sample_command.h"
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cmath>
@@ -58,8 +58,9 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   s->add_option("--pipeline", o.pipeline,
                 "a FluxPipeline folder: vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/ (and "
                 "scheduler/, transformer/) supply every file the other flags leave out");
-  s->add_option("--vae", o.vae, "the VAE (a diffusers folder or BFL's ae.safetensors), or 'pixels' (NOTE [Pixel "
-                                "latents]: a weightless 2x fold of the image)");
+  s->add_option("--vae", o.vae,
+                "the VAE (a diffusers folder or BFL's ae.safetensors), or 'pixels' (NOTE [Pixel "
+                "latents]: a weightless 2x fold of the image)");
   s->add_option("--t5", o.t5, "T5 encoder folder (FLUX.1's text_encoder_2)");
   s->add_option("--t5-tokenizer", o.t5_tokenizer, "T5 tokenizer: spiece.model, tokenizer.json or a folder");
   s->add_option("--clip", o.clip, "CLIP text encoder folder or .safetensors file (FLUX.1's text_encoder)");
@@ -68,8 +69,11 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   s->add_option("--prompts", o.prompts_file, "a text file of captions, one a line (empty lines skipped)");
   s->add_option("--width", o.width,
                 "image width in pixels, a multiple of 16 with FLUX's VAE (4 with pixels) (default: 1024 with the "
-                "VAE, 256 with pixels: 128 latent positions, as FluxPipeline)");
-  s->add_option("--height", o.height, "image height in pixels (as --width)");
+                "VAE, 256 with pixels: 128 latent positions, as FluxPipeline)")
+      ->each([&o](const std::string&) { o.width_given = true; });
+  s->add_option("--height", o.height, "image height in pixels (as --width)")->each([&o](const std::string&) {
+    o.height_given = true;
+  });
   s->add_option("--steps", o.steps, "denoising steps")->capture_default_str();
   s->add_option("--guidance", o.guidance, "guidance scale for a guidance-distilled model (FLUX.1-dev)")
       ->capture_default_str();
@@ -96,8 +100,10 @@ std::string slug(const std::string& caption) {
   std::string out;
   for (const unsigned char c : caption) {
     if (out.size() >= 48) break;
-    if (std::isalnum(c) && c < 128) out += static_cast<char>(std::tolower(c));
-    else if (!out.empty() && out.back() != '-') out += '-';
+    if (std::isalnum(c) && c < 128)
+      out += static_cast<char>(std::tolower(c));
+    else if (!out.empty() && out.back() != '-')
+      out += '-';
   }
   while (!out.empty() && out.back() == '-') out.pop_back();
   return out.empty() ? "image" : out;
@@ -113,7 +119,7 @@ std::vector<std::string> read_prompts(const SampleOptions& o) {
   std::vector<std::string> prompts = o.prompts;
   if (!o.prompts_file.empty()) {
     std::ifstream in(o.prompts_file, std::ios::binary);
-    FORGE_CHECK(in.good(), "--prompts {}: cannot open the file", o.prompts_file);
+    if (!(in.good())) FORGE_FAIL("--prompts {}: cannot open the file", o.prompts_file);
     std::string line;
     int64_t number = 0, read = 0;
     while (std::getline(in, line)) {
@@ -123,9 +129,9 @@ std::vector<std::string> read_prompts(const SampleOptions& o) {
       prompts.push_back(line);
       ++read;
     }
-    FORGE_CHECK(read > 0, "--prompts {}: no caption in its {} line(s)", o.prompts_file, number);
+    if (!(read > 0)) FORGE_FAIL("--prompts {}: no caption in its {} line(s)", o.prompts_file, number);
   }
-  FORGE_CHECK(!prompts.empty(), "no caption: give --prompt TEXT (repeatable) or --prompts FILE");
+  if (prompts.empty()) FORGE_FAIL("no caption: give --prompt TEXT (repeatable) or --prompts FILE");
   return prompts;
 }
 
@@ -134,19 +140,19 @@ std::vector<std::string> output_paths(const SampleOptions& o, const std::vector<
   const int64_t count = static_cast<int64_t>(prompts.size()) * o.images_per_prompt;
   std::error_code error;
   if (is_png_path(o.output)) {
-    FORGE_CHECK(count == 1,
-                "--output {}: one PNG file, but {} images are drawn ({} caption(s) x {} per caption); give a folder",
-                o.output, count, prompts.size(), o.images_per_prompt);
-    FORGE_CHECK(!fs::is_directory(o.output, error), "--output {}: is a folder, not a file", o.output);
+    if (!(count == 1))
+      FORGE_FAIL("--output {}: one PNG file, but {} images are drawn ({} caption(s) x {} per caption); give a folder",
+                 o.output, count, prompts.size(), o.images_per_prompt);
+    if (fs::is_directory(o.output, error)) FORGE_FAIL("--output {}: is a folder, not a file", o.output);
     return {o.output};
   }
-  FORGE_CHECK(!fs::exists(o.output, error) || fs::is_directory(o.output, error),
-              "--output {}: exists and is not a folder (a single image's path must end in .png)", o.output);
+  if (fs::exists(o.output, error) && !fs::is_directory(o.output, error))
+    FORGE_FAIL("--output {}: exists and is not a folder (a single image's path must end in .png)", o.output);
   const int digits = std::max<int>(3, static_cast<int>(std::to_string(count - 1).size()));
   std::vector<std::string> paths;
   for (int64_t i = 0; i < count; ++i)
-    paths.push_back((fs::path(o.output) /
-                     fmt::format("{:0{}d}-{}.png", i, digits, slug(prompts[static_cast<size_t>(i / o.images_per_prompt)])))
+    paths.push_back((fs::path(o.output) / fmt::format("{:0{}d}-{}.png", i, digits,
+                                                      slug(prompts[static_cast<size_t>(i / o.images_per_prompt)])))
                         .string());
   return paths;
 }
@@ -163,7 +169,7 @@ struct SamplePlan {
 
 std::string from_pipeline(const std::string& given, const std::string& pipeline, const char* flag) {
   if (!given.empty()) return given;
-  FORGE_CHECK(!pipeline.empty(), "{} is needed (or --pipeline DIR, whose files stand in for it)", flag);
+  if (pipeline.empty()) FORGE_FAIL("{} is needed (or --pipeline DIR, whose files stand in for it)", flag);
   return pipeline;
 }
 
@@ -171,62 +177,74 @@ SamplePlan plan(const SampleOptions& options) {
   SamplePlan p;
   SampleOptions& o = p.o;
   o = options;
-  FORGE_CHECK(o.device == "cpu" || o.device == "cuda", "--device '{}': expected cpu or cuda", o.device);
+  if (!(o.device == "cpu" || o.device == "cuda")) FORGE_FAIL("--device '{}': expected cpu or cuda", o.device);
   p.device = o.device == "cuda" ? Device::CUDA : Device::CPU;
   if (p.device == Device::CUDA && !cuda_available())
     FORGE_FAIL("--device cuda: no GPU is visible, or this build of forge has no CUDA backend");
   std::error_code error;
   if (!o.pipeline.empty())
-    FORGE_CHECK(fs::is_directory(o.pipeline, error), "--pipeline {}: not a folder (a FluxPipeline folder holds vae/, "
-                                                     "text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/)",
-                o.pipeline);
+    if (!(fs::is_directory(o.pipeline, error)))
+      FORGE_FAIL(
+          "--pipeline {}: not a folder (a FluxPipeline folder holds vae/, "
+          "text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/)",
+          o.pipeline);
   o.transformer = from_pipeline(o.transformer, o.pipeline, "--transformer");
   o.vae = from_pipeline(o.vae, o.pipeline, "--vae");
   o.t5 = from_pipeline(o.t5, o.pipeline, "--t5");
   o.clip = from_pipeline(o.clip, o.pipeline, "--clip");
   o.t5_tokenizer = from_pipeline(o.t5_tokenizer, o.pipeline, "--t5-tokenizer");
   o.clip_tokenizer = from_pipeline(o.clip_tokenizer, o.pipeline, "--clip-tokenizer");
-  for (const auto& [flag, path] : std::vector<std::pair<const char*, std::string>>{
-           {"--transformer", o.transformer}, {"--t5", o.t5}, {"--clip", o.clip}, {"--t5-tokenizer", o.t5_tokenizer},
-           {"--clip-tokenizer", o.clip_tokenizer}, {"--vae", o.vae}})
-    FORGE_CHECK(path == "pixels" ? std::string(flag) == "--vae" : fs::exists(path, error), "{} {}: not found", flag,
-                path);
+  for (const auto& [flag, path] :
+       std::vector<std::pair<const char*, std::string>>{{"--transformer", o.transformer},
+                                                        {"--t5", o.t5},
+                                                        {"--clip", o.clip},
+                                                        {"--t5-tokenizer", o.t5_tokenizer},
+                                                        {"--clip-tokenizer", o.clip_tokenizer},
+                                                        {"--vae", o.vae}})
+    if (!(path == "pixels" ? std::string(flag) == "--vae" : fs::exists(path, error)))
+      FORGE_FAIL("{} {}: not found", flag, path);
   if (!o.initial_noise.empty())
-    FORGE_CHECK(fs::is_regular_file(o.initial_noise, error), "--initial-noise {}: not found", o.initial_noise);
+    if (!(fs::is_regular_file(o.initial_noise, error))) FORGE_FAIL("--initial-noise {}: not found", o.initial_noise);
 
-  FORGE_CHECK(o.steps >= 1 && o.steps <= 10000, "--steps {}: expected 1 to 10000", o.steps);
-  FORGE_CHECK(std::isfinite(o.guidance) && o.guidance >= 0, "--guidance {}: expected a finite number >= 0",
-              o.guidance);
-  FORGE_CHECK(o.images_per_prompt >= 1 && o.images_per_prompt <= 100000, "--images-per-prompt {}: expected 1 to 100000",
-              o.images_per_prompt);
-  FORGE_CHECK(o.batch_size >= 1 && o.batch_size <= 4096, "--batch-size {}: expected 1 to 4096", o.batch_size);
-  FORGE_CHECK(o.text_tokens >= 1 && o.text_tokens <= 65536, "--text-tokens {}: expected 1 to 65536", o.text_tokens);
+  if (!(o.steps >= 1 && o.steps <= 10000)) FORGE_FAIL("--steps {}: expected 1 to 10000", o.steps);
+  if (!(std::isfinite(o.guidance) && o.guidance >= 0))
+    FORGE_FAIL("--guidance {}: expected a finite number >= 0", o.guidance);
+  if (!(o.images_per_prompt >= 1 && o.images_per_prompt <= 100000))
+    FORGE_FAIL("--images-per-prompt {}: expected 1 to 100000", o.images_per_prompt);
+  if (!(o.batch_size >= 1 && o.batch_size <= 4096)) FORGE_FAIL("--batch-size {}: expected 1 to 4096", o.batch_size);
+  if (!(o.text_tokens >= 1 && o.text_tokens <= 65536))
+    FORGE_FAIL("--text-tokens {}: expected 1 to 65536", o.text_tokens);
 
   // The architecture: a preset (--model) or the folder's config.json.
   const bool blocks_given = o.double_blocks >= 0 || o.single_blocks >= 0;
   if (!o.model.empty()) {
-    FORGE_CHECK(is_flux_preset(o.model), "--model '{}': expected one of {}", o.model,
-                fmt::join(flux_preset_names(), ", "));
+    if (!(is_flux_preset(o.model)))
+      FORGE_FAIL("--model '{}': expected one of {}", o.model, fmt::join(flux_preset_names(), ", "));
     p.config = flux_preset(o.model);
-    FORGE_CHECK(o.double_blocks == -1 || o.double_blocks >= 0, "--num-double-blocks {}: expected >= 0",
-                o.double_blocks);
-    FORGE_CHECK(o.single_blocks == -1 || o.single_blocks >= 0, "--num-single-blocks {}: expected >= 0",
-                o.single_blocks);
+    if (!(o.double_blocks == -1 || o.double_blocks >= 0))
+      FORGE_FAIL("--num-double-blocks {}: expected >= 0", o.double_blocks);
+    if (!(o.single_blocks == -1 || o.single_blocks >= 0))
+      FORGE_FAIL("--num-single-blocks {}: expected >= 0", o.single_blocks);
     if (o.double_blocks >= 0) p.config.num_double_blocks = o.double_blocks;
     if (o.single_blocks >= 0) p.config.num_single_blocks = o.single_blocks;
     p.config.validate("--model " + o.model);
   } else {
-    FORGE_CHECK(!blocks_given, "--num-double-blocks and --num-single-blocks go with --model (a folder's config.json "
-                               "gives its block counts)");
-    FORGE_CHECK(!flux_transformer_config_file(o.transformer).empty(),
-                "--transformer {}: no config.json to read the architecture from; give --model flux1-dev|flux1-schnell|"
-                "flux-debug (BFL's single file has no config)",
-                o.transformer);
+    if (blocks_given)
+      FORGE_FAIL(
+          "--num-double-blocks and --num-single-blocks go with --model (a folder's config.json "
+          "gives its block counts)");
+    if (flux_transformer_config_file(o.transformer).empty())
+      FORGE_FAIL(
+          "--transformer {}: no config.json to read the architecture from; give --model flux1-dev|flux1-schnell|"
+          "flux-debug (BFL's single file has no config)",
+          o.transformer);
     p.config = read_flux_transformer_config(o.transformer);
   }
-  FORGE_CHECK(p.config.in_channels % 4 == 0, "the transformer takes {} features per token; FLUX's 2x2 packing needs a "
-                                             "multiple of 4",
-              p.config.in_channels);
+  if (!(p.config.in_channels % 4 == 0))
+    FORGE_FAIL(
+        "the transformer takes {} features per token; FLUX's 2x2 packing needs a "
+        "multiple of 4",
+        p.config.in_channels);
 
   // The decoder's geometry, from its config alone (its weights come later).
   if (o.vae == "pixels") {
@@ -237,39 +255,42 @@ SamplePlan plan(const SampleOptions& options) {
     p.factor = vae.downsample_factor();
     p.latent_channels = vae.latent_channels;
   }
-  FORGE_CHECK(p.latent_channels * 4 == p.config.in_channels,
-              "--vae {}: its latents have {} channels, 2x2-packed {} features; the transformer ({}) takes {}", o.vae,
-              p.latent_channels, p.latent_channels * 4, o.transformer, p.config.in_channels);
+  if (!(p.latent_channels * 4 == p.config.in_channels))
+    FORGE_FAIL("--vae {}: its latents have {} channels, 2x2-packed {} features; the transformer ({}) takes {}", o.vae,
+               p.latent_channels, p.latent_channels * 4, o.transformer, p.config.in_channels);
   const int64_t multiple = 2 * p.factor;
-  if (o.width == 0) o.width = 128 * p.factor;
-  if (o.height == 0) o.height = 128 * p.factor;
+  if (!o.width_given) o.width = 128 * p.factor;
+  if (!o.height_given) o.height = 128 * p.factor;
   for (const auto& [flag, side] : {std::pair{"--width", o.width}, std::pair{"--height", o.height}})
-    FORGE_CHECK(side > 0 && side % multiple == 0 && side <= 65536,
-                "{} {}: expected a positive multiple of {} up to 65536 (the decoder's {}x and the 2x2 packing)", flag,
-                side, multiple, p.factor);
+    if (!(side > 0 && side % multiple == 0 && side <= 65536))
+      FORGE_FAIL("{} {}: expected a positive multiple of {} up to 65536 (the decoder's {}x and the 2x2 packing)", flag,
+                 side, multiple, p.factor);
   p.schedule = o.pipeline.empty() ? FluxSamplingSchedule{} : read_flux_sampling_schedule(o.pipeline);
   p.prompts = read_prompts(o);
   p.outputs = output_paths(o, p.prompts);
   if (!o.overwrite)
     for (const std::string& path : p.outputs)
-      FORGE_CHECK(!fs::exists(path, error), "{} exists; forge sample does not replace files without --overwrite", path);
+      if (fs::exists(path, error))
+        FORGE_FAIL("{} exists; forge sample does not replace files without --overwrite", path);
   return p;
 }
 
 // The initial latents of --initial-noise: [images, C, h, w].
 Tensor read_initial_noise(const std::string& path, const Shape& shape) {
   const SafetensorsFile file(path);
-  FORGE_CHECK(file.entries().size() == 1, "--initial-noise {}: holds {} tensors; expected one, {}", path,
-              file.entries().size(), shape_str(shape));
+  if (!(file.entries().size() == 1))
+    FORGE_FAIL("--initial-noise {}: holds {} tensors; expected one, {}", path, file.entries().size(), shape_str(shape));
   const SafetensorsEntry& e = file.entries().front();
-  FORGE_CHECK(e.shape == shape, "--initial-noise {}: tensor '{}' is {}; expected {} (images, latent channels, "
-                                "height and width over the decoder's factor)",
-              path, e.name, shape_str(e.shape), shape_str(shape));
+  if (!(e.shape == shape))
+    FORGE_FAIL(
+        "--initial-noise {}: tensor '{}' is {}; expected {} (images, latent channels, "
+        "height and width over the decoder's factor)",
+        path, e.name, shape_str(e.shape), shape_str(shape));
   Tensor t = Tensor::empty(shape);
   file.read_as_float(e, t.data<float>());
   for (int64_t i = 0; i < t.numel(); ++i)
-    FORGE_CHECK(std::isfinite(t.data<float>()[i]), "--initial-noise {}: element {} of '{}' is not finite", path, i,
-                e.name);
+    if (!(std::isfinite(t.data<float>()[i])))
+      FORGE_FAIL("--initial-noise {}: element {} of '{}' is not finite", path, i, e.name);
   return t;
 }
 
@@ -292,12 +313,12 @@ int run_sample(const SampleOptions& options) {
   Tensor text, pooled;
   {
     FluxPromptEncoder encoder({o.t5, o.t5_tokenizer, o.clip, o.clip_tokenizer}, p.device, o.text_tokens);
-    FORGE_CHECK(encoder.text_dim() == c.context_dim,
-                "--t5 {}: its features are {} wide; the transformer ({}) reads {} (joint_attention_dim)", o.t5,
-                encoder.text_dim(), c.name, c.context_dim);
-    FORGE_CHECK(encoder.pooled_dim() == c.pooled_dim,
-                "--clip {}: its pooled vector is {} wide; the transformer ({}) reads {} (pooled_projection_dim)", o.clip,
-                encoder.pooled_dim(), c.name, c.pooled_dim);
+    if (!(encoder.text_dim() == c.context_dim))
+      FORGE_FAIL("--t5 {}: its features are {} wide; the transformer ({}) reads {} (joint_attention_dim)", o.t5,
+                 encoder.text_dim(), c.name, c.context_dim);
+    if (!(encoder.pooled_dim() == c.pooled_dim))
+      FORGE_FAIL("--clip {}: its pooled vector is {} wide; the transformer ({}) reads {} (pooled_projection_dim)",
+                 o.clip, encoder.pooled_dim(), c.name, c.pooled_dim);
     text = Tensor::empty({prompt_count, o.text_tokens, c.context_dim});
     pooled = Tensor::empty({prompt_count, c.pooled_dim});
     encoder.encode(p.prompts, text, pooled);
@@ -327,8 +348,10 @@ int run_sample(const SampleOptions& options) {
       denoiser = std::make_unique<FluxDenoiser>(c, shape, p.device, *weights);
     }
     const Tensor latents = Tensor::empty({b, p.latent_channels, h, w});
-    if (given_noise) latents.copy_from(given_noise->narrow(first, first + b));
-    else flux_initial_noise(latents, o.seed, first);
+    if (given_noise)
+      latents.copy_from(given_noise->narrow(first, first + b));
+    else
+      flux_initial_noise(latents, o.seed, first);
     const Tensor tokens = Tensor::empty({b, base.image_tokens(), c.in_channels});
     patchify(tokens, latents, 2);
     const Tensor batch_text = Tensor::empty({b, o.text_tokens, c.context_dim});

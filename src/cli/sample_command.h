@@ -17,7 +17,8 @@ struct SampleOptions {
   int64_t double_blocks = -1, single_blocks = -1;
   std::vector<std::string> prompts;
   std::string prompts_file;
-  int64_t width = 0, height = 0;  // 0: 128 latent positions a side (FluxPipeline's default)
+  int64_t width = 0, height = 0;  // when not given: 128 latent positions a side (FluxPipeline's default)
+  bool width_given = false, height_given = false;
   int64_t steps = 28;
   double guidance = 3.5;
   uint64_t seed = 0;

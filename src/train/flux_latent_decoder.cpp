@@ -17,8 +17,8 @@ FluxLatentDecoder::FluxLatentDecoder(const std::string& vae, Device device) : de
     return;
   }
   const FluxVaeConfig config = flux_vae_config_at(vae);
-  FORGE_CHECK(config.out_channels == 3, "{}: the VAE decodes {} channels; an RGB image needs 3", vae,
-              config.out_channels);
+  if (!(config.out_channels == 3))
+    FORGE_FAIL("{}: the VAE decodes {} channels; an RGB image needs 3", vae, config.out_channels);
   FluxVaeParameters host(config);
   load_flux_vae_weights(vae, host);
   if (device == Device::CPU) {
@@ -36,14 +36,14 @@ FluxLatentDecoder::FluxLatentDecoder(const std::string& vae, Device device) : de
 FluxLatentDecoder::~FluxLatentDecoder() = default;
 
 void FluxLatentDecoder::decode(const Tensor& image, const Tensor& latents) {
-  FORGE_CHECK(latents.device() == Device::CPU && latents.dtype() == DType::F32 && latents.ndim() == 4 &&
-                  latents.dim(1) == latent_channels_,
-              "FLUX decode: latents must be fp32 [B, {}, h, w] on the CPU, got {}", latent_channels_,
-              shape_str(latents.shape()));
-  FORGE_CHECK(image.device() == Device::CPU && image.dtype() == DType::F32 &&
-                  image.shape() == Shape({latents.dim(0), 3, latents.dim(2) * factor_, latents.dim(3) * factor_}),
-              "FLUX decode: the image must be fp32 [B, 3, h {}, w {}] on the CPU for latents {}, got {}", factor_,
-              factor_, shape_str(latents.shape()), shape_str(image.shape()));
+  if (!(latents.device() == Device::CPU && latents.dtype() == DType::F32 && latents.ndim() == 4 &&
+        latents.dim(1) == latent_channels_))
+    FORGE_FAIL("FLUX decode: latents must be fp32 [B, {}, h, w] on the CPU, got {}", latent_channels_,
+               shape_str(latents.shape()));
+  if (!(image.device() == Device::CPU && image.dtype() == DType::F32 &&
+        image.shape() == Shape({latents.dim(0), 3, latents.dim(2) * factor_, latents.dim(3) * factor_})))
+    FORGE_FAIL("FLUX decode: the image must be fp32 [B, 3, h {}, w {}] on the CPU for latents {}, got {}", factor_,
+               factor_, shape_str(latents.shape()), shape_str(image.shape()));
   if (!vae_) {
     pixel_latents_decode(image, latents);
     return;

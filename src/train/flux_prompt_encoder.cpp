@@ -20,8 +20,10 @@ struct FluxPromptEncoder::Models {
   ClipTextParameters clip;
 
   Models(const FluxPromptFiles& f, Device device)
-      : t5_tokenizer(f.t5_tokenizer), t5(load_t5_encoder(f.t5, device, device == Device::CUDA ? DType::BF16 : DType::F32)),
-        t5_encoder(t5), clip_tokenizer(f.clip_tokenizer),
+      : t5_tokenizer(f.t5_tokenizer),
+        t5(load_t5_encoder(f.t5, device, device == Device::CUDA ? DType::BF16 : DType::F32)),
+        t5_encoder(t5),
+        clip_tokenizer(f.clip_tokenizer),
         clip(read_clip_text_encoder_config(f.clip), device, device == Device::CUDA ? DType::BF16 : DType::F32) {
     if (device == Device::CPU) {
       load_clip_text_weights(f.clip, clip);
@@ -35,19 +37,19 @@ struct FluxPromptEncoder::Models {
 
 FluxPromptEncoder::FluxPromptEncoder(const FluxPromptFiles& files, Device device, int64_t text_tokens)
     : device_(device), text_tokens_(text_tokens) {
-  FORGE_CHECK(text_tokens >= 1, "FLUX prompts: {} T5 tokens per caption; at least 1", text_tokens);
+  if (!(text_tokens >= 1)) FORGE_FAIL("FLUX prompts: {} T5 tokens per caption; at least 1", text_tokens);
   models_ = std::make_unique<Models>(files, device);
   const ClipTextConfig& clip = models_->clip.config();
-  FORGE_CHECK(clip.max_positions >= kClipTokens,
-              "{}: CLIP's max_position_embeddings is {}; FluxPipeline feeds it {} tokens", files.clip,
-              clip.max_positions, kClipTokens);
-  FORGE_CHECK(models_->clip_tokenizer.vocab_size() <= clip.vocab_size,
-              "CLIP's tokenizer at {} has {} tokens, more than the encoder's vocab_size {} ({})", files.clip_tokenizer,
-              models_->clip_tokenizer.vocab_size(), clip.vocab_size, files.clip);
-  FORGE_CHECK(models_->t5_tokenizer.vocab_size() <= models_->t5.config().vocab_size,
-              "T5's tokenizer {} has {} pieces, more than the encoder's vocab_size {} ({})",
-              models_->t5_tokenizer.file(), models_->t5_tokenizer.vocab_size(), models_->t5.config().vocab_size,
-              files.t5);
+  if (!(clip.max_positions >= kClipTokens))
+    FORGE_FAIL("{}: CLIP's max_position_embeddings is {}; FluxPipeline feeds it {} tokens", files.clip,
+               clip.max_positions, kClipTokens);
+  if (!(models_->clip_tokenizer.vocab_size() <= clip.vocab_size))
+    FORGE_FAIL("CLIP's tokenizer at {} has {} tokens, more than the encoder's vocab_size {} ({})", files.clip_tokenizer,
+               models_->clip_tokenizer.vocab_size(), clip.vocab_size, files.clip);
+  if (!(models_->t5_tokenizer.vocab_size() <= models_->t5.config().vocab_size))
+    FORGE_FAIL("T5's tokenizer {} has {} pieces, more than the encoder's vocab_size {} ({})",
+               models_->t5_tokenizer.file(), models_->t5_tokenizer.vocab_size(), models_->t5.config().vocab_size,
+               files.t5);
 }
 
 FluxPromptEncoder::~FluxPromptEncoder() = default;
@@ -58,11 +60,11 @@ int64_t FluxPromptEncoder::pooled_dim() const { return models_->clip.config().hi
 void FluxPromptEncoder::encode(const std::vector<std::string>& captions, const Tensor& text, const Tensor& pooled) {
   const int64_t n = static_cast<int64_t>(captions.size());
   const Shape text_shape{n, text_tokens_, text_dim()}, pooled_shape{n, pooled_dim()};
-  FORGE_CHECK(text.device() == Device::CPU && text.dtype() == DType::F32 && text.shape() == text_shape,
-              "FLUX prompts: text must be fp32 {} on the CPU, got {}", shape_str(text_shape), shape_str(text.shape()));
-  FORGE_CHECK(pooled.device() == Device::CPU && pooled.dtype() == DType::F32 && pooled.shape() == pooled_shape,
-              "FLUX prompts: pooled must be fp32 {} on the CPU, got {}", shape_str(pooled_shape),
-              shape_str(pooled.shape()));
+  if (!(text.device() == Device::CPU && text.dtype() == DType::F32 && text.shape() == text_shape))
+    FORGE_FAIL("FLUX prompts: text must be fp32 {} on the CPU, got {}", shape_str(text_shape), shape_str(text.shape()));
+  if (!(pooled.device() == Device::CPU && pooled.dtype() == DType::F32 && pooled.shape() == pooled_shape))
+    FORGE_FAIL("FLUX prompts: pooled must be fp32 {} on the CPU, got {}", shape_str(pooled_shape),
+               shape_str(pooled.shape()));
   if (n == 0) return;
   const DType dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   // T5, one caption at a time (its dense attention's scores grow with the batch).

@@ -18,8 +18,8 @@ namespace {
 
 std::string scheduler_config_file(const std::string& path) {
   if (fs::is_regular_file(path)) return path;
-  for (const fs::path& candidate : {fs::path(path) / "scheduler" / "scheduler_config.json",
-                                   fs::path(path) / "scheduler_config.json"})
+  for (const fs::path& candidate :
+       {fs::path(path) / "scheduler" / "scheduler_config.json", fs::path(path) / "scheduler_config.json"})
     if (fs::is_regular_file(candidate)) return candidate.string();
   return "";
 }
@@ -31,15 +31,15 @@ FluxSamplingSchedule read_flux_sampling_schedule(const std::string& path) {
   const std::string file = scheduler_config_file(path);
   if (file.empty()) return s;
   const nlohmann::json j = read_json_file(file, "the scheduler's config");
-  FORGE_CHECK(j.is_object(), "{}: expected a JSON object (FlowMatchEulerDiscreteScheduler's config)", file);
+  if (!(j.is_object())) FORGE_FAIL("{}: expected a JSON object (FlowMatchEulerDiscreteScheduler's config)", file);
   auto number = [&](const char* key, double& out) {
     if (!j.contains(key)) return;
-    FORGE_CHECK(j[key].is_number(), "{}: \"{}\" must be a number, got {}", file, key, j[key].dump());
+    if (!(j[key].is_number())) FORGE_FAIL("{}: \"{}\" must be a number, got {}", file, key, j[key].dump());
     out = j[key].get<double>();
   };
   auto integer = [&](const char* key, int64_t& out) {
     if (!j.contains(key)) return;
-    FORGE_CHECK(j[key].is_number_integer(), "{}: \"{}\" must be an integer, got {}", file, key, j[key].dump());
+    if (!(j[key].is_number_integer())) FORGE_FAIL("{}: \"{}\" must be an integer, got {}", file, key, j[key].dump());
     out = j[key].get<int64_t>();
   };
   // Keys whose other values forge does not compute: each must be absent or as given.
@@ -48,11 +48,12 @@ FluxSamplingSchedule read_flux_sampling_schedule(const std::string& path) {
       FORGE_FAIL("{}: \"{}\" is {}; forge samples with {} only ({})", file, key, j[key].dump(), want.dump(), why);
   };
   if (j.contains("_class_name"))
-    FORGE_CHECK(j["_class_name"] == "FlowMatchEulerDiscreteScheduler",
-                "{}: \"_class_name\" is {}; forge samples with FlowMatchEulerDiscreteScheduler only", file,
-                j["_class_name"].dump());
+    if (!(j["_class_name"] == "FlowMatchEulerDiscreteScheduler"))
+      FORGE_FAIL("{}: \"_class_name\" is {}; forge samples with FlowMatchEulerDiscreteScheduler only", file,
+                 j["_class_name"].dump());
   if (j.contains("use_dynamic_shifting")) {
-    FORGE_CHECK(j["use_dynamic_shifting"].is_boolean(), "{}: \"use_dynamic_shifting\" must be true or false", file);
+    if (!(j["use_dynamic_shifting"].is_boolean()))
+      FORGE_FAIL("{}: \"use_dynamic_shifting\" must be true or false", file);
     s.dynamic_shift = j["use_dynamic_shifting"].get<bool>();
   }
   number("shift", s.shift);
@@ -62,22 +63,22 @@ FluxSamplingSchedule read_flux_sampling_schedule(const std::string& path) {
   integer("max_image_seq_len", s.max_seq_len);
   expect("num_train_timesteps", 1000, "FluxPipeline divides the scheduler's timesteps by 1000");
   expect("time_shift_type", "exponential", "FLUX's shift");
-  for (const char* key : {"use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas",
-                          "stochastic_sampling"})
+  for (const char* key :
+       {"use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas", "invert_sigmas", "stochastic_sampling"})
     expect(key, false, "FLUX's Euler sampling");
   expect("shift_terminal", nullptr, "FLUX's Euler sampling");
-  FORGE_CHECK(std::isfinite(s.shift) && s.shift > 0, "{}: \"shift\" must be > 0, got {}", file, s.shift);
-  FORGE_CHECK(std::isfinite(s.base_shift) && std::isfinite(s.max_shift), "{}: base_shift and max_shift must be finite",
-              file);
-  FORGE_CHECK(s.base_seq_len >= 1 && s.max_seq_len != s.base_seq_len,
-              "{}: base_image_seq_len ({}) must be >= 1 and differ from max_image_seq_len ({})", file, s.base_seq_len,
-              s.max_seq_len);
+  if (!(std::isfinite(s.shift) && s.shift > 0)) FORGE_FAIL("{}: \"shift\" must be > 0, got {}", file, s.shift);
+  if (!(std::isfinite(s.base_shift) && std::isfinite(s.max_shift)))
+    FORGE_FAIL("{}: base_shift and max_shift must be finite", file);
+  if (!(s.base_seq_len >= 1 && s.max_seq_len != s.base_seq_len))
+    FORGE_FAIL("{}: base_image_seq_len ({}) must be >= 1 and differ from max_image_seq_len ({})", file, s.base_seq_len,
+               s.max_seq_len);
   return s;
 }
 
 std::vector<float> flux_sampling_sigmas(const FluxSamplingSchedule& schedule, int64_t steps, int64_t image_tokens) {
-  FORGE_CHECK(steps >= 1, "FLUX sampling: {} steps; at least 1", steps);
-  FORGE_CHECK(image_tokens >= 1, "FLUX sampling: an image of {} tokens", image_tokens);
+  if (!(steps >= 1)) FORGE_FAIL("FLUX sampling: {} steps; at least 1", steps);
+  if (!(image_tokens >= 1)) FORGE_FAIL("FLUX sampling: an image of {} tokens", image_tokens);
   std::vector<float> sigmas(static_cast<size_t>(steps + 1), 0.0f);
   // numpy's linspace(1, 1/n, n) in float64 (start + i * step, the last exactly 1/n), then float32.
   const double end = 1.0 / static_cast<double>(steps);
@@ -100,16 +101,20 @@ std::vector<float> flux_sampling_sigmas(const FluxSamplingSchedule& schedule, in
 float flux_model_time(float sigma) { return (sigma * 1000.0f) / 1000.0f; }
 
 void flux_initial_noise(const Tensor& latents, uint64_t seed, int64_t first) {
-  FORGE_CHECK(latents.ndim() == 4 && latents.device() == Device::CPU && latents.dtype() == DType::F32,
-              "flux_initial_noise: latents must be fp32 [N, C, h, w] on the CPU, got {}", shape_str(latents.shape()));
-  FORGE_CHECK(first >= 0, "flux_initial_noise: image index {}", first);
+  if (!(latents.ndim() == 4 && latents.device() == Device::CPU && latents.dtype() == DType::F32))
+    FORGE_FAIL("flux_initial_noise: latents must be fp32 [N, C, h, w] on the CPU, got {}", shape_str(latents.shape()));
+  if (!(first >= 0)) FORGE_FAIL("flux_initial_noise: image index {}", first);
   const int64_t per_image = latents.numel() / std::max<int64_t>(1, latents.dim(0));
   random_normal(latents, seed, static_cast<uint64_t>(first) * static_cast<uint64_t>(per_image));
 }
 
 FluxDenoiser::FluxDenoiser(const FluxConfig& config, const FluxShape& shape, Device device, FluxParamSource& params)
-    : config_(config), shape_(shape), device_(device), dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
-      params_(params), model_(config, shape, device, ActivationCheckpoint::Full) {
+    : config_(config),
+      shape_(shape),
+      device_(device),
+      dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
+      params_(params),
+      model_(config, shape, device, ActivationCheckpoint::Full) {
   // Full checkpointing keeps one set of block intermediates: a forward without a backward
   // needs no more (NOTE [FLUX activation checkpointing]).
   const Shape tokens{shape.batch, shape.image_tokens(), config.in_channels};
@@ -117,9 +122,9 @@ FluxDenoiser::FluxDenoiser(const FluxConfig& config, const FluxShape& shape, Dev
   velocity_ = Tensor::empty({shape.batch, shape.image_tokens(), config.resolved_out_channels()}, dtype_, device);
   text_ = Tensor::empty({shape.batch, shape.text_tokens, config.context_dim}, dtype_, device);
   pooled_ = Tensor::empty({shape.batch, config.pooled_dim}, dtype_, device);
-  FORGE_CHECK(config.resolved_out_channels() == config.in_channels,
-              "FLUX sampling: the model predicts {} features per token for inputs of {}; sampling needs them equal",
-              config.resolved_out_channels(), config.in_channels);
+  if (!(config.resolved_out_channels() == config.in_channels))
+    FORGE_FAIL("FLUX sampling: the model predicts {} features per token for inputs of {}; sampling needs them equal",
+               config.resolved_out_channels(), config.in_channels);
 }
 
 FluxDenoiser::~FluxDenoiser() = default;
@@ -148,9 +153,9 @@ void download(const Tensor& dst, const Tensor& src) {
 }
 
 void check_host(const Tensor& t, const Shape& shape, const char* what) {
-  FORGE_CHECK(t.device() == Device::CPU && t.dtype() == DType::F32 && t.shape() == shape,
-              "FLUX sampling: {} must be fp32 {} on the CPU, got {} {} on {}", what, shape_str(shape),
-              dtype_name(t.dtype()), shape_str(t.shape()), device_name(t.device()));
+  if (!(t.device() == Device::CPU && t.dtype() == DType::F32 && t.shape() == shape))
+    FORGE_FAIL("FLUX sampling: {} must be fp32 {} on the CPU, got {} {} on {}", what, shape_str(shape),
+               dtype_name(t.dtype()), shape_str(t.shape()), device_name(t.device()));
 }
 
 }  // namespace
@@ -162,7 +167,7 @@ void FluxDenoiser::denoise(const Tensor& tokens, const Tensor& text, const Tenso
   check_host(tokens, x_.shape(), "the latent tokens");
   check_host(text, text_.shape(), "the text features");
   check_host(pooled, pooled_.shape(), "the pooled text");
-  FORGE_CHECK(sigmas.size() >= 2, "FLUX sampling: {} sigmas; at least 2 (one step)", sigmas.size());
+  if (!(sigmas.size() >= 2)) FORGE_FAIL("FLUX sampling: {} sigmas; at least 2 (one step)", sigmas.size());
   upload(text_, text);
   upload(pooled_, pooled);
   const Tensor velocity = Tensor::empty(velocity_.shape());

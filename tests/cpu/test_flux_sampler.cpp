@@ -146,9 +146,18 @@ TEST(FluxSampler, OneStepIsTheVelocityFromPureNoise) {
 
 TEST(FluxSampler, RgbIsDiffusersPostprocessing) {
   // R: -1, 0, 1, 2; G: values on rounding edges; B: -3 and 1/255 steps.
-  const std::vector<float> chw = {-1.0f, 0.0f, 1.0f, 2.0f,  // R
-                                  2.0f * (0.5f / 255.0f) - 1.0f, 2.0f * (1.5f / 255.0f) - 1.0f, 0.5f, -0.5f,
-                                  -3.0f, 2.0f / 255.0f - 1.0f, 0.999f, -0.999f};
+  const std::vector<float> chw = {-1.0f,
+                                  0.0f,
+                                  1.0f,
+                                  2.0f,  // R
+                                  2.0f * (0.5f / 255.0f) - 1.0f,
+                                  2.0f * (1.5f / 255.0f) - 1.0f,
+                                  0.5f,
+                                  -0.5f,
+                                  -3.0f,
+                                  2.0f / 255.0f - 1.0f,
+                                  0.999f,
+                                  -0.999f};
   const RgbImage image = flux_rgb_image(chw.data(), 2, 2);
   ASSERT_EQ(image.width, 2);
   ASSERT_EQ(image.height, 2);

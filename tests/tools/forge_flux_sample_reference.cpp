@@ -66,8 +66,8 @@ int sample(const std::string& dir) {
                 noise.nbytes());
   }
   const Tensor image = Tensor::empty({n, 3, height, width});
-  const std::vector<float> sigmas = flux_sampling_sigmas(read_flux_sampling_schedule(pipeline), r.at("steps"),
-                                                         (h / 2) * (w / 2));
+  const std::vector<float> sigmas =
+      flux_sampling_sigmas(read_flux_sampling_schedule(pipeline), r.at("steps"), (h / 2) * (w / 2));
   for (int64_t first = 0; first < n; first += batch_size) {
     const int64_t b = std::min(batch_size, n - first);
     FluxDenoiser denoiser(config, {b, text_tokens, h / 2, w / 2}, Device::CPU, params);
