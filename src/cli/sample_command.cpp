@@ -65,6 +65,9 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   s->add_option("--t5-tokenizer", o.t5_tokenizer, "T5 tokenizer: spiece.model, tokenizer.json or a folder");
   s->add_option("--clip", o.clip, "CLIP text encoder folder or .safetensors file (FLUX.1's text_encoder)");
   s->add_option("--clip-tokenizer", o.clip_tokenizer, "CLIP tokenizer folder (vocab.json + merges.txt)");
+  s->add_option("--scheduler", o.scheduler,
+                "FlowMatchEulerDiscreteScheduler's scheduler_config.json or its folder (default: the --pipeline "
+                "folder's scheduler/, else FLUX.1-dev's: dynamic shifting; FLUX.1-schnell's has none)");
   s->add_option("--prompt", o.prompts, "a caption (repeatable; before --prompts' lines)");
   s->add_option("--prompts", o.prompts_file, "a text file of captions, one a line (empty lines skipped)");
   s->add_option("--width", o.width,
@@ -265,7 +268,16 @@ SamplePlan plan(const SampleOptions& options) {
     if (!(side > 0 && side % multiple == 0 && side <= 65536))
       FORGE_FAIL("{} {}: expected a positive multiple of {} up to 65536 (the decoder's {}x and the 2x2 packing)", flag,
                  side, multiple, p.factor);
-  p.schedule = o.pipeline.empty() ? FluxSamplingSchedule{} : read_flux_sampling_schedule(o.pipeline);
+  if (!o.scheduler.empty() && !fs::exists(o.scheduler, error)) FORGE_FAIL("--scheduler {}: not found", o.scheduler);
+  if (!o.scheduler.empty()) {
+    const fs::path dir(o.scheduler);
+    if (fs::is_directory(dir, error) && !fs::exists(dir / "scheduler_config.json", error) &&
+        !fs::exists(dir / "scheduler" / "scheduler_config.json", error))
+      FORGE_FAIL("--scheduler {}: no scheduler_config.json in it", o.scheduler);
+    p.schedule = read_flux_sampling_schedule(o.scheduler);
+  } else if (!o.pipeline.empty()) {
+    p.schedule = read_flux_sampling_schedule(o.pipeline);
+  }
   p.prompts = read_prompts(o);
   p.outputs = output_paths(o, p.prompts);
   if (!o.overwrite)

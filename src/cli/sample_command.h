@@ -13,7 +13,7 @@ class App;
 namespace forge {
 
 struct SampleOptions {
-  std::string transformer, model, pipeline, vae, t5, clip, t5_tokenizer, clip_tokenizer;
+  std::string transformer, model, pipeline, vae, t5, clip, t5_tokenizer, clip_tokenizer, scheduler;
   int64_t double_blocks = -1, single_blocks = -1;
   std::vector<std::string> prompts;
   std::string prompts_file;

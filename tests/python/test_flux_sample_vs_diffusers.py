@@ -160,10 +160,10 @@ class FluxSampleVsDiffusers(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.directory, ignore_errors=True)
 
-    def forge_tool_images(self, guidance, batch_size):
+    def forge_tool_images(self, guidance, batch_size, folder=None):
         d = forge_test_util.scratch_dir()
         with open(os.path.join(d, "request.json"), "w") as f:
-            json.dump({"pipeline": self.folder, "prompts": PROMPTS, "height": HEIGHT, "width": WIDTH, "steps": 4,
+            json.dump({"pipeline": folder or self.folder, "prompts": PROMPTS, "height": HEIGHT, "width": WIDTH, "steps": 4,
                        "guidance": guidance, "text_tokens": TEXT_TOKENS, "batch_size": batch_size}, f)
         self.latents.numpy().astype(np.float32).tofile(os.path.join(d, "noise.bin"))
         forge_test_util.run([TOOL, "sample", d])
@@ -186,6 +186,44 @@ class FluxSampleVsDiffusers(unittest.TestCase):
                 _, got = self.forge_tool_images(guidance, batch_size)
                 self.assertGreater(float(expected.std()), 0.05)  # a picture, not a flat field
                 self.assertLess(forge_test_util.relative_error(got, expected), TOLERANCE)
+
+    def test_schnell_like_pipeline(self):
+        """No guidance embedding, FLUX.1-schnell's scheduler (no shift) read from the folder."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        d = forge_test_util.scratch_dir()
+        folder = os.path.join(d, "schnell")
+        shutil.copytree(self.folder, folder)
+        transformer = tiny_transformer(16, False, 6)
+        scheduler = FlowMatchEulerDiscreteScheduler(**SCHNELL_SCHEDULER)
+        shutil.rmtree(os.path.join(folder, "transformer"))
+        transformer.save_pretrained(os.path.join(folder, "transformer"), safe_serialization=True)
+        scheduler.save_pretrained(os.path.join(folder, "scheduler"))
+        saved = (self.pipe.transformer, self.pipe.scheduler)
+        try:
+            self.pipe.transformer, self.pipe.scheduler = transformer, scheduler
+            expected = diffusers_images(self.pipe, self.latents, 3.5)
+        finally:
+            self.pipe.transformer, self.pipe.scheduler = saved
+        _, got = self.forge_tool_images(3.5, 2, folder)
+        self.assertLess(forge_test_util.relative_error(got, expected), TOLERANCE)
+
+    def test_cuda_matches_diffusers(self):
+        """--device cuda (bf16) against diffusers' float32 images, on a machine with a GPU and
+        a CUDA build; skipped elsewhere."""
+        out = os.path.join(forge_test_util.scratch_dir(), "cuda")
+        result = run_forge("--pipeline", self.folder, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--width",
+                           str(WIDTH), "--height", str(HEIGHT), "--steps", "4", "--text-tokens", str(TEXT_TOKENS),
+                           "--initial-noise", self.noise_file, "--batch-size", "2", "--device", "cuda", "--output",
+                           out, check=False)
+        if "no GPU is visible" in result.stderr:
+            self.skipTest("no GPU or no CUDA backend")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        expected = diffusers_images(self.pipe, self.latents, 3.5, output_type="pil")
+        for name, want in zip(sorted(os.listdir(out)), expected):
+            difference = np.abs(read_png(os.path.join(out, name)).astype(int) - np.asarray(want).astype(int))
+            self.assertLess(float(difference.mean()), 4.0, name)  # bf16 weights and activations: a few levels
+            self.assertGreater(float((difference <= 8).mean()), 0.95, name)
 
     def test_sigmas_match_the_scheduler(self):
         from diffusers import FlowMatchEulerDiscreteScheduler
@@ -319,6 +357,8 @@ class FluxSampleVsDiffusers(unittest.TestCase):
             ({"--initial-noise": wrong_noise}, "tensor 'noise' is [1, 4, 4, 4]; expected [1, 4, 8, 12]"),
             ({"--vae": os.path.join(d, "nowhere")}, "--vae " + os.path.join(d, "nowhere") + ": not found"),
             ({"--pipeline": bad_scheduler}, "\"use_karras_sigmas\" is true"),
+            ({"--scheduler": os.path.join(bad_scheduler, "scheduler")}, "\"use_karras_sigmas\" is true"),
+            ({"--scheduler": d}, "no scheduler_config.json in it"),
         ]
         for extra, message in cases:
             with self.subTest(extra=extra):
