@@ -14,6 +14,7 @@
 #include <fmt/ranges.h>
 #include <CLI/CLI.hpp>
 
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <filesystem>

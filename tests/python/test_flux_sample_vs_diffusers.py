@@ -329,6 +329,24 @@ class FluxSampleVsDiffusers(unittest.TestCase):
         self.assertGreater(float((got == expected).mean()), 0.99)
         self.assertGreater(float(expected.std()), 5)
 
+    def test_samples_what_a_flux_run_exports(self):
+        """forge train's flux.last_save_in_diffusers folder (flux-debug: T5 features 32 and a
+        pooled 16, as this pipeline's encoders) is what --transformer reads, by its config.json."""
+        d = forge_test_util.scratch_dir()
+        run_dir = os.path.join(d, "run")
+        experiment = os.path.join(forge_test_util.source_dir(), "configs", "experiments", "cpu", "flux-debug.yaml")
+        forge_test_util.run([forge_test_util.forge_bin(), "train", experiment, "--training.steps", "1",
+                             "--logging.run_dir", run_dir, "--flux.last_save_in_diffusers", "true"])
+        out = os.path.join(d, "shapes")
+        result = run_forge("--transformer", os.path.join(run_dir, "diffusers"), "--vae", "pixels", "--t5",
+                           self.folder, "--t5-tokenizer", self.folder, "--clip", self.folder, "--clip-tokenizer",
+                           self.folder, "--prompt", "a red square", "--prompt", "a blue circle", "--width", "16",
+                           "--height", "12", "--steps", "2", "--text-tokens", "16", "--batch-size", "2", "--output",
+                           out)
+        self.assertIn("FLUX transformer flux-debug", result.stdout + result.stderr)
+        self.assertEqual(sorted(os.listdir(out)), ["000-a-red-square.png", "001-a-blue-circle.png"])
+        self.assertEqual(read_png(os.path.join(out, "000-a-red-square.png")).shape, (12, 16, 3))
+
     def test_refusals(self):
         d = forge_test_util.scratch_dir()
         bad_scheduler = os.path.join(d, "bad-pipeline")
