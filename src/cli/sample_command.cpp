@@ -84,7 +84,7 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
   s->add_option("--seed", o.seed, "seed of the initial noise")->capture_default_str();
   s->add_option("--images-per-prompt", o.images_per_prompt, "images drawn for each caption")->capture_default_str();
   s->add_option("--batch-size", o.batch_size, "images denoised together")->capture_default_str();
-  s->add_option("--text-tokens", o.text_tokens, "T5 tokens per caption (FluxPipeline's max_sequence_length)")
+  s->add_option("--text-tokens", o.text_tokens, "T5 tokens per caption, 1 to 512 (FluxPipeline's max_sequence_length)")
       ->capture_default_str();
   s->add_option("--device", o.device, "cpu or cuda")->capture_default_str();
   s->add_option("--output,-o", o.output,
@@ -216,8 +216,8 @@ SamplePlan plan(const SampleOptions& options) {
   if (!(o.images_per_prompt >= 1 && o.images_per_prompt <= 100000))
     FORGE_FAIL("--images-per-prompt {}: expected 1 to 100000", o.images_per_prompt);
   if (!(o.batch_size >= 1 && o.batch_size <= 4096)) FORGE_FAIL("--batch-size {}: expected 1 to 4096", o.batch_size);
-  if (!(o.text_tokens >= 1 && o.text_tokens <= 65536))
-    FORGE_FAIL("--text-tokens {}: expected 1 to 65536", o.text_tokens);
+  if (!(o.text_tokens >= 1 && o.text_tokens <= 512))
+    FORGE_FAIL("--text-tokens {}: expected 1 to 512 (FluxPipeline's max_sequence_length at most)", o.text_tokens);
 
   // The architecture: a preset (--model) or the folder's config.json.
   const bool blocks_given = o.double_blocks >= 0 || o.single_blocks >= 0;
@@ -377,7 +377,9 @@ int run_sample(const SampleOptions& options) {
     const auto batch_start = std::chrono::steady_clock::now();
     denoiser->denoise(tokens, batch_text, batch_pooled, sigmas, static_cast<float>(o.guidance), [&](int64_t step) {
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - batch_start).count();
-      log_info("images {}-{} of {}: step {}/{} ({:.1f} s)", first + 1, first + b, count, step + 1, o.steps, seconds);
+      const std::string which =
+          b == 1 ? fmt::format("image {}", first + 1) : fmt::format("images {}-{}", first + 1, first + b);
+      log_info("{} of {}: step {}/{} ({:.1f} s)", which, count, step + 1, o.steps, seconds);
     });
     unpatchify(latents, tokens, 2);
     const Tensor image = Tensor::empty({b, 3, o.height, o.width});
