@@ -220,7 +220,7 @@ SamplePlan plan(const SampleOptions& options) {
     FORGE_FAIL("--text-tokens {}: expected 1 to 512 (FluxPipeline's max_sequence_length at most)", o.text_tokens);
 
   // The architecture: a preset (--model) or the folder's config.json.
-  const bool blocks_given = o.double_blocks >= 0 || o.single_blocks >= 0;
+  const bool blocks_given = o.double_blocks != -1 || o.single_blocks != -1;
   if (!o.model.empty()) {
     if (!(is_flux_preset(o.model)))
       FORGE_FAIL("--model '{}': expected one of {}", o.model, fmt::join(flux_preset_names(), ", "));
