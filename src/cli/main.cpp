@@ -10,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "cli/image_prep_command.h"
+#include "cli/sample_command.h"
 #include "core/error.h"
 #include "core/filesystem_error.h"
 #include "core/log.h"
@@ -147,6 +148,9 @@ int main(int argc, char** argv) {
                      "checkpoint)")->capture_default_str()->check(CLI::Range(0, 1000000));
   launch->add_option("COMMAND", launch_options.command,
                      "after --: a forge subcommand and its arguments (train ...), or a program to run")->required();
+  forge::SampleOptions sample_options;
+  auto* sample = forge::add_sample_command(app, sample_options);
+
   std::string preflight_json;
   auto* preflight = app.add_subcommand("preflight", "Validate the GPUs before training: inventory, GEMM, memory, "
                                                     "PCIe and NCCL bandwidth against healthy references");
@@ -212,6 +216,7 @@ int main(int argc, char** argv) {
     if (bench->parsed()) return forge::run_bench_command(bench->remaining());
     if (eval->parsed()) return forge::run_eval(eval->remaining());
     if (generate->parsed()) return forge::run_generate(generate_options);
+    if (sample->parsed()) return forge::run_sample(sample_options);
     if (keys->parsed()) return forge::run_keys();
     if (hf_info->parsed()) return forge::run_hf_info(hf_info->remaining());
     if (launch->parsed()) {
