@@ -459,7 +459,7 @@ std::vector<ConfigKey> build_schema() {
 
       key<&E::flux, &FluxRunConfig::model>(
           "flux.model",
-          "train a FLUX transformer instead of a language model: flux1-dev, flux1-schnell or flux-debug; empty: not "
+          "train a FLUX transformer instead of a language model: flux1-dev, flux1-schnell, flux-small or flux-debug; empty: not "
           "a FLUX run"),
       key<&E::flux, &FluxRunConfig::num_double_blocks>(
           "flux.num_double_blocks", "double-stream blocks; -1: the model's (fewer for a proxy)", at_least(-1)),

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "cli/config_schema.h"
 #include "core/checked_math.h"
@@ -509,13 +510,13 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.eval_data_path", f.eval_data_path != d.eval_data_path}};
     for (const auto& [key, differs] : changed)
       if (differs)
-        FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model (flux1-dev, flux1-schnell or "
-                   "flux-debug)",
-                   show(config, keys, key));
+        FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model ({})", show(config, keys, key),
+                   fmt::join(flux_preset_names(), ", "));
     return;
   }
   if (!is_flux_preset(f.model))
-    FORGE_FAIL("{}: unknown FLUX model; expected flux1-dev, flux1-schnell or flux-debug", show(config, keys, "flux.model"));
+    FORGE_FAIL("{}: unknown FLUX model; expected one of {}", show(config, keys, "flux.model"),
+               fmt::join(flux_preset_names(), ", "));
   if (f.resolution % 16 != 0)
     FORGE_FAIL("{} must be a multiple of 16 (the VAE's 8x and the 2x2 patches)", show(config, keys, "flux.resolution"));
   const int64_t devices = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree *

@@ -53,7 +53,7 @@ CLI::App* add_sample_command(CLI::App& app, SampleOptions& o) {
                 "run exports with flux.last_save_in_diffusers) or BFL's single file (with --model). Default: the "
                 "--pipeline folder's transformer/");
   s->add_option("--model", o.model,
-                "the architecture: flux1-dev, flux1-schnell or flux-debug (default: the folder's config.json)");
+                "the architecture: flux1-dev, flux1-schnell, flux-small or flux-debug (default: the folder's config.json)");
   s->add_option("--num-double-blocks", o.double_blocks, "with --model: fewer double-stream blocks (a proxy's)");
   s->add_option("--num-single-blocks", o.single_blocks, "with --model: fewer single-stream blocks (a proxy's)");
   s->add_option("--pipeline", o.pipeline,
@@ -239,7 +239,7 @@ SamplePlan plan(const SampleOptions& options) {
           "gives its block counts)");
     if (flux_transformer_config_file(o.transformer).empty())
       FORGE_FAIL(
-          "--transformer {}: no config.json to read the architecture from; give --model flux1-dev|flux1-schnell|"
+          "--transformer {}: no config.json to read the architecture from; give --model flux1-dev|flux1-schnell|flux-small|"
           "flux-debug (BFL's single file has no config)",
           o.transformer);
     p.config = read_flux_transformer_config(o.transformer);

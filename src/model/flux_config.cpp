@@ -130,11 +130,24 @@ FluxConfig flux_preset(std::string_view name) {
     c.pooled_dim = 16;
     return c;
   }
+  if (name == "flux-small") {
+    // flux-debug's blocks and text sizes with a hidden size of 128 (4 heads of 32, rotary axes
+    // 8/12/12), wider than a token's 64 features: big enough to learn small images, as the
+    // coloured-shapes demonstration does (scripts/flux_shapes_demo.py), fast on a GPU.
+    c.num_heads = 4;
+    c.head_dim = 32;
+    c.axes_dim = {8, 12, 12};
+    c.num_double_blocks = 2;
+    c.num_single_blocks = 2;
+    c.context_dim = 32;
+    c.pooled_dim = 16;
+    return c;
+  }
   FORGE_CHECK(false, "unknown FLUX model '{}': expected one of {}", name, fmt::join(flux_preset_names(), ", "));
   return c;
 }
 
-std::vector<std::string> flux_preset_names() { return {"flux1-dev", "flux1-schnell", "flux-debug"}; }
+std::vector<std::string> flux_preset_names() { return {"flux1-dev", "flux1-schnell", "flux-small", "flux-debug"}; }
 
 bool is_flux_preset(std::string_view name) {
   for (const std::string& preset : flux_preset_names())

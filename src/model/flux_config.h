@@ -61,7 +61,7 @@ struct FluxConfig {
   double training_flops_per_image(int64_t image_tokens, int64_t text_tokens) const;
 };
 
-// The published architectures and a tiny one: "flux1-dev", "flux1-schnell", "flux-debug".
+// The published architectures and a tiny one: "flux1-dev", "flux1-schnell", "flux-small", "flux-debug".
 // Throws listing the names for any other.
 FluxConfig flux_preset(std::string_view name);
 std::vector<std::string> flux_preset_names();

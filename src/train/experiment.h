@@ -113,7 +113,7 @@ struct CheckpointConfig {
 // transformer; empty for a language model's run. Proxies keep the model's dimensions with
 // fewer blocks.
 struct FluxRunConfig {
-  std::string model;                    // "" | flux1-dev | flux1-schnell | flux-debug
+  std::string model;                    // "" | flux1-dev | flux1-schnell | flux-small | flux-debug
   int64_t num_double_blocks = -1;       // -1: the model's
   int64_t num_single_blocks = -1;       // -1: the model's
   int64_t resolution = 1024;            // image side in pixels, a multiple of 16

@@ -367,7 +367,7 @@ class FluxSampleVsDiffusers(unittest.TestCase):
             ({"--text-tokens": "0"}, "--text-tokens 0: expected 1 to 512"),
             ({"--text-tokens": "513"}, "--text-tokens 513: expected 1 to 512"),
             ({"--device": "gpu"}, "--device 'gpu': expected cpu or cuda"),
-            ({"--model": "flux3"}, "--model 'flux3': expected one of flux1-dev, flux1-schnell, flux-debug"),
+            ({"--model": "flux3"}, "--model 'flux3': expected one of flux1-dev, flux1-schnell, flux-small, flux-debug"),
             ({"--model": "flux-debug"}, "its latents have 4 channels, 2x2-packed 16 features"),
             ({"--num-double-blocks": "1"}, "go with --model"),
             ({"--images-per-prompt": "2", "--output": os.path.join(d, "one.png")},
