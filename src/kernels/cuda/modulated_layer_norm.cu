@@ -14,14 +14,13 @@
 //       dx += rstd (g - mean_d(g) - xhat mean_d(g xhat))                    (ACCUMULATED)
 //     one pass for the two row sums, one to read the old dx and write the new one.
 //  2. dshift[b,d] = sum_t dy, dscale[b,d] = sum_t dy xhat (overwritten): a block owns 16
-//     columns (2 vectors) of one sample and its 512 token lanes walk t = lane, lane + 512,
+//     columns (2 vectors) of one sample and its 128 token lanes walk t = lane, lane + 128,
 //     ... (one 32-byte sector per row and vector pair: full sectors), summing in fp32 in
 //     registers. The lanes' sums meet in a shuffle butterfly within each warp and then the
 //     warps' sums are added in warp order from shared memory; the result is rounded to bf16
 //     once. The partition depends on the shapes only, so the bits are the same every run.
 //     Kernel 2 reads dy and x a second time; it has B * dim / 16 blocks (192 at FLUX's
-//     dim 3072 with B = 1) of 1024 threads: with 128 token lanes (256 threads) it had too
-//     few loads in flight to cover the memory latency and ran at a third of the bandwidth.
+//     dim 3072 with B = 1), enough to cover an H100's 132 SMs.
 //
 // Assumes dim is a multiple of 8 (FLUX's 3072 is) and 16-byte aligned tensors; checked.
 #include "kernels/cuda/modulated_layer_norm.h"
@@ -40,7 +39,7 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kRowThreads = 256;                          // a warp per row: 8 rows per block
 constexpr int kSumVectors = 2;                            // 16-byte vectors (16 columns) per block of the sums
-constexpr int kSumLanes = 512;                            // threads walking the tokens of each vector
+constexpr int kSumLanes = 128;                            // threads walking the tokens of each vector
 constexpr int kSumWarps = kSumVectors * kSumLanes / kWarp;
 
 __device__ __forceinline__ float warp_sum(float v) {
