@@ -108,7 +108,7 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="a new folder for everything the demonstration writes")
     p.add_argument("--forge", default=os.path.join(ROOT, "build", "forge"), help="the forge binary")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=5000)
     p.add_argument("--per-class", type=int, default=200, help="training images per caption")
     p.add_argument("--images-per-caption", type=int, default=4)
     p.add_argument("--sample-steps", type=int, default=28)
