@@ -5,7 +5,7 @@
 #include "core/error.h"
 #include "model/flux_vae.h"
 #include "model/pixel_latents.h"
-#include "ops/elementwise.h"
+#include "ops/convert.h"
 
 namespace forge {
 
@@ -55,9 +55,7 @@ void FluxLatentDecoder::decode(const Tensor& image, const Tensor& latents) {
   const Tensor on_device = latents.to(device_);
   const Tensor decoded = Tensor::empty(image.shape(), params_->dtype(), device_);
   vae_->decode(decoded, on_device);
-  const Tensor wide = Tensor::empty(image.shape(), DType::F32, device_);
-  cast(wide, decoded);
-  image.copy_from(wide);
+  copy_converted(image, decoded);
 }
 
 }  // namespace forge
