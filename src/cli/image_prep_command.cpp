@@ -216,14 +216,7 @@ struct Encoders {
     prompts = std::make_unique<FluxPromptEncoder>(FluxPromptFiles{p.t5, p.t5_tokenizer, p.clip, p.clip_tokenizer},
                                                   device, tokens);
     if (config) {
-      auto cpu = std::make_unique<FluxVaeParameters>(*config);
-      load_flux_vae_weights(p.vae, *cpu);
-      if (device == Device::CUDA) {
-        vae_params = std::make_unique<FluxVaeParameters>(*config, Device::CUDA, DType::BF16);
-        vae_params->assign_from(*cpu);
-      } else {
-        vae_params = std::move(cpu);
-      }
+      vae_params = load_flux_vae(p.vae, *config, device);
       vae = std::make_unique<FluxVae>(*vae_params);
       latent_channels = config->latent_channels;
       factor = 8;

@@ -19,14 +19,7 @@ FluxLatentDecoder::FluxLatentDecoder(const std::string& vae, Device device) : de
   const FluxVaeConfig config = flux_vae_config_at(vae);
   if (!(config.out_channels == 3))
     FORGE_FAIL("{}: the VAE decodes {} channels; an RGB image needs 3", vae, config.out_channels);
-  FluxVaeParameters host(config);
-  load_flux_vae_weights(vae, host);
-  if (device == Device::CPU) {
-    params_ = std::make_unique<FluxVaeParameters>(std::move(host));
-  } else {
-    params_ = std::make_unique<FluxVaeParameters>(config, device, DType::BF16);
-    params_->assign_from(host);
-  }
+  params_ = load_flux_vae(vae, config, device);
   vae_ = std::make_unique<FluxVae>(*params_);
   factor_ = config.downsample_factor();
   latent_channels_ = config.latent_channels;
