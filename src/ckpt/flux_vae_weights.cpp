@@ -212,4 +212,13 @@ void load_flux_vae_weights(const std::string& path, FluxVaeParameters& params) {
   }
 }
 
+std::unique_ptr<FluxVaeParameters> load_flux_vae(const std::string& path, const FluxVaeConfig& config, Device device) {
+  auto host = std::make_unique<FluxVaeParameters>(config);
+  load_flux_vae_weights(path, *host);
+  if (device == Device::CPU) return host;
+  auto params = std::make_unique<FluxVaeParameters>(config, device, DType::BF16);
+  params->assign_from(*host);
+  return params;
+}
+
 }  // namespace forge

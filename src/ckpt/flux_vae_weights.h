@@ -22,6 +22,7 @@
 // config.json must describe the model the weights are loaded into.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +43,11 @@ FluxVaeConfig flux_vae_config_at(const std::string& path);
 
 // Reads every parameter into `params` (fp32 on the CPU).
 void load_flux_vae_weights(const std::string& path, FluxVaeParameters& params);
+
+// The weights at `path` (of `config`, flux_vae_config_at(path)) on `device`: fp32 on the CPU,
+// bf16 on CUDA (read through an fp32 host copy), as forge prep --images and forge sample run
+// the VAE.
+std::unique_ptr<FluxVaeParameters> load_flux_vae(const std::string& path, const FluxVaeConfig& config, Device device);
 
 // Every tensor a file of `layout` holds for the VAE `config`, with its shape there, in the
 // order of the parameters they make up.

@@ -12,35 +12,27 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <map>
 #include <memory>
 #include <optional>
 
-#include "ckpt/clip_text_weights.h"
 #include "ckpt/flux_vae_weights.h"
-#include "ckpt/t5_weights.h"
-#include "core/bf16.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/progress.h"
-#include "data/clip_tokenizer.h"
 #include "data/flux_latent_cache.h"
 #include "data/image_caption_dataset.h"
-#include "data/t5_prompt_tokenizer.h"
-#include "model/clip_text_encoder.h"
 #include "model/flux_vae.h"
 #include "model/pixel_latents.h"
-#include "model/t5_encoder.h"
+#include "ops/convert.h"
+#include "train/flux_prompt_encoder.h"
 
 namespace forge {
 
 namespace fs = std::filesystem;
 
 namespace {
-
-constexpr int64_t kClipTokens = 77;  // FluxPipeline's tokenizer_max_length (CLIP's model_max_length)
 
 // The image-only flags, for refusing them in text mode.
 const char* const kImageFlags[] = {"--output",
@@ -198,80 +190,41 @@ Plan check_options(const ImagePrepOptions& o) {
   return p;
 }
 
-// fp32 host values as a tensor of `dtype` on `device`.
-Tensor to_compute(const Tensor& host, Device device, DType dtype) {
-  if (device == Device::CPU && dtype == DType::F32) return host;
-  Tensor converted = host;
-  if (dtype == DType::BF16) {
-    converted = Tensor::empty(host.shape(), DType::BF16);
-    for (int64_t i = 0; i < host.numel(); ++i) converted.data<BFloat16>()[i] = to_bf16(host.data<float>()[i]);
-  }
-  return converted.to(device);
-}
-
-// The encoders, loaded once.
+// The encoders, loaded once: the VAE (or pixel latents) here, T5 and CLIP in a
+// FluxPromptEncoder (NOTE [FLUX prompt encoding]).
 struct Encoders {
   Device device = Device::CPU;
   DType dtype = DType::F32;
   std::unique_ptr<FluxVaeParameters> vae_params;
   std::unique_ptr<FluxVae> vae;  // none: pixel latents
   int64_t latent_channels = kPixelLatentChannels, factor = kPixelLatentFactor;
-  std::optional<T5Weights> t5_weights;
-  std::unique_ptr<T5Encoder> t5;
-  std::unique_ptr<T5PromptTokenizer> t5_tokenizer;
-  std::unique_ptr<ClipTextParameters> clip_params;
-  std::map<int64_t, std::unique_ptr<ClipTextEncoder>> clip;  // per batch size
-  std::unique_ptr<ClipTokenizer> clip_tokenizer;
-  int64_t text_tokens = 0;
+  std::unique_ptr<FluxPromptEncoder> prompts;
 
-  Encoders(const Plan& p, int64_t tokens) : device(p.device), text_tokens(tokens) {
+  Encoders(const Plan& p, int64_t tokens) : device(p.device) {
     dtype = device == Device::CUDA ? DType::BF16 : DType::F32;
-    // The small files first, so that a bad one fails before the weights load.
-    t5_tokenizer = std::make_unique<T5PromptTokenizer>(p.t5_tokenizer);
-    clip_tokenizer = std::make_unique<ClipTokenizer>(p.clip_tokenizer);
-    const ClipTextConfig clip_config = read_clip_text_encoder_config(p.clip);
-    if (clip_config.max_positions < kClipTokens)
-      FORGE_FAIL("--clip {}: {} positions, FluxPipeline feeds CLIP {} tokens", p.clip, clip_config.max_positions,
-                 kClipTokens);
+    // The small files first, so that a bad one fails before the weights load: the VAE's
+    // config here, the tokenizers and the text encoders' configs in FluxPromptEncoder.
+    std::optional<FluxVaeConfig> config;
     if (p.vae != "pixels") {
-      const FluxVaeConfig config = flux_vae_config_at(p.vae);
-      if (config.in_channels != 3 || config.downsample_factor() != 8)
+      config = flux_vae_config_at(p.vae);
+      if (config->in_channels != 3 || config->downsample_factor() != 8)
         FORGE_FAIL(
             "--vae {}: a VAE of {} input channels downsampling {}x; a FLUX latent cache holds an RGB VAE's "
             "latents at 1/8 of the image's side",
-            p.vae, config.in_channels, config.downsample_factor());
-      auto cpu = std::make_unique<FluxVaeParameters>(config);
-      load_flux_vae_weights(p.vae, *cpu);
-      if (device == Device::CUDA) {
-        vae_params = std::make_unique<FluxVaeParameters>(config, Device::CUDA, DType::BF16);
-        vae_params->assign_from(*cpu);
-      } else {
-        vae_params = std::move(cpu);
-      }
+            p.vae, config->in_channels, config->downsample_factor());
+    }
+    prompts = std::make_unique<FluxPromptEncoder>(FluxPromptFiles{p.t5, p.t5_tokenizer, p.clip, p.clip_tokenizer},
+                                                  device, tokens);
+    if (config) {
+      vae_params = load_flux_vae(p.vae, *config, device);
       vae = std::make_unique<FluxVae>(*vae_params);
-      latent_channels = config.latent_channels;
+      latent_channels = config->latent_channels;
       factor = 8;
     }
-    t5_weights.emplace(load_t5_encoder(p.t5, device, dtype));
-    t5 = std::make_unique<T5Encoder>(*t5_weights);
-    if (t5_tokenizer->vocab_size() > t5_weights->config().vocab_size)
-      FORGE_FAIL("--t5-tokenizer {}: {} pieces, but the T5 encoder at {} has {} token embeddings", p.t5_tokenizer,
-                 t5_tokenizer->vocab_size(), p.t5, t5_weights->config().vocab_size);
-    auto cpu_clip = std::make_unique<ClipTextParameters>(clip_config);
-    load_clip_text_weights(p.clip, *cpu_clip);
-    if (device == Device::CUDA) {
-      clip_params = std::make_unique<ClipTextParameters>(clip_config, Device::CUDA, DType::BF16);
-      clip_params->assign_from(*cpu_clip);
-    } else {
-      clip_params = std::move(cpu_clip);
-    }
-    if (clip_tokenizer->vocab_size() > clip_config.vocab_size)
-      FORGE_FAIL("--clip-tokenizer {}: {} tokens, but the CLIP encoder at {} has {} token embeddings",
-                 p.clip_tokenizer, clip_tokenizer->vocab_size(), p.clip, clip_config.vocab_size);
   }
 
-  int64_t context_dim() const { return t5_weights->config().d_model; }
-  int64_t pooled_dim() const { return clip_params->config().hidden_size; }
+  int64_t context_dim() const { return prompts->text_dim(); }
+  int64_t pooled_dim() const { return prompts->pooled_dim(); }
 
   // images: fp32 host [n, 3, H, W] in [-1, 1]; returns latents [n, C, H/f, W/f].
   Tensor encode_images(const Tensor& images) {
@@ -282,28 +235,17 @@ struct Encoders {
       return latents;
     }
     Tensor latents = Tensor::empty({n, latent_channels, h, w}, DType::F32, device);
-    vae->encode(latents, to_compute(images, device, dtype));
+    vae->encode(latents, converted(images, device, dtype));
     return latents;
   }
 
-  // T5's prompt_embeds [n, text_tokens, d_model] and CLIP's pooled [n, hidden] of the captions.
+  // T5's prompt_embeds [n, text_tokens, d_model] and CLIP's pooled [n, hidden] of the
+  // captions, in the encoders' dtype on their device.
   std::pair<Tensor, Tensor> encode_captions(const std::vector<std::string>& captions) {
     const int64_t n = static_cast<int64_t>(captions.size());
-    Tensor ids = Tensor::empty({n, text_tokens}, DType::I32);
-    parallel_for(n, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const std::vector<int32_t> row = t5_tokenizer->prompt_ids(captions[static_cast<size_t>(i)], text_tokens);
-        std::copy(row.begin(), row.end(), ids.data<int32_t>() + i * text_tokens);
-      }
-    });
-    Tensor text = Tensor::empty({n, text_tokens, context_dim()}, dtype, device);
-    t5->forward(ids, text);
-    auto& encoder = clip[n];
-    if (!encoder) encoder = std::make_unique<ClipTextEncoder>(clip_params->config(), n, kClipTokens, device);
-    const std::vector<int32_t> clip_ids = clip_tokenizer->encode_padded_batch(captions, kClipTokens);
-    Tensor last_hidden = Tensor::empty({n, kClipTokens, pooled_dim()}, dtype, device);
+    Tensor text = Tensor::empty({n, prompts->text_tokens(), context_dim()}, dtype, device);
     Tensor pooled = Tensor::empty({n, pooled_dim()}, dtype, device);
-    encoder->forward(clip_ids, *clip_params, last_hidden, pooled);
+    prompts->encode(captions, text, pooled);
     return {text, pooled};
   }
 };

@@ -334,7 +334,12 @@ int run_sample(const SampleOptions& options) {
                  o.clip, encoder.pooled_dim(), c.name, c.pooled_dim);
     text = Tensor::empty({prompt_count, o.text_tokens, c.context_dim});
     pooled = Tensor::empty({prompt_count, c.pooled_dim});
-    encoder.encode(p.prompts, text, pooled);
+    // In batches of --batch-size captions (T5's attention scores grow with the batch).
+    for (int64_t first = 0; first < prompt_count; first += o.batch_size) {
+      const int64_t last = std::min(prompt_count, first + o.batch_size);
+      encoder.encode({p.prompts.begin() + first, p.prompts.begin() + last}, text.narrow(first, last),
+                     pooled.narrow(first, last));
+    }
     log_info("encoded {} caption(s) with T5 ({} tokens) and CLIP", prompt_count, o.text_tokens);
   }
 

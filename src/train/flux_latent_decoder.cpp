@@ -5,7 +5,7 @@
 #include "core/error.h"
 #include "model/flux_vae.h"
 #include "model/pixel_latents.h"
-#include "ops/elementwise.h"
+#include "ops/convert.h"
 
 namespace forge {
 
@@ -19,14 +19,7 @@ FluxLatentDecoder::FluxLatentDecoder(const std::string& vae, Device device) : de
   const FluxVaeConfig config = flux_vae_config_at(vae);
   if (!(config.out_channels == 3))
     FORGE_FAIL("{}: the VAE decodes {} channels; an RGB image needs 3", vae, config.out_channels);
-  FluxVaeParameters host(config);
-  load_flux_vae_weights(vae, host);
-  if (device == Device::CPU) {
-    params_ = std::make_unique<FluxVaeParameters>(std::move(host));
-  } else {
-    params_ = std::make_unique<FluxVaeParameters>(config, device, DType::BF16);
-    params_->assign_from(host);
-  }
+  params_ = load_flux_vae(vae, config, device);
   vae_ = std::make_unique<FluxVae>(*params_);
   factor_ = config.downsample_factor();
   latent_channels_ = config.latent_channels;
@@ -55,9 +48,7 @@ void FluxLatentDecoder::decode(const Tensor& image, const Tensor& latents) {
   const Tensor on_device = latents.to(device_);
   const Tensor decoded = Tensor::empty(image.shape(), params_->dtype(), device_);
   vae_->decode(decoded, on_device);
-  const Tensor wide = Tensor::empty(image.shape(), DType::F32, device_);
-  cast(wide, decoded);
-  image.copy_from(wide);
+  copy_converted(image, decoded);
 }
 
 }  // namespace forge

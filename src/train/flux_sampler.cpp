@@ -7,7 +7,7 @@
 
 #include "core/error.h"
 #include "core/json_input.h"
-#include "ops/elementwise.h"
+#include "ops/convert.h"
 #include "ops/random_normal.h"
 #include "train/flow_timesteps.h"
 
@@ -131,27 +131,6 @@ FluxDenoiser::~FluxDenoiser() = default;
 
 namespace {
 
-// dst (compute dtype, model device) <- src (fp32 host).
-void upload(const Tensor& dst, const Tensor& src) {
-  if (dst.device() == Device::CPU && dst.dtype() == DType::F32) {
-    dst.copy_from(src);
-    return;
-  }
-  const Tensor staged = src.to(dst.device());
-  cast(dst, staged);
-}
-
-// dst (fp32 host) <- src (compute dtype, model device).
-void download(const Tensor& dst, const Tensor& src) {
-  if (src.device() == Device::CPU && src.dtype() == DType::F32) {
-    dst.copy_from(src);
-    return;
-  }
-  const Tensor staged = Tensor::empty(src.shape(), DType::F32, src.device());
-  cast(staged, src);
-  dst.copy_from(staged);
-}
-
 void check_host(const Tensor& t, const Shape& shape, const char* what) {
   if (!(t.device() == Device::CPU && t.dtype() == DType::F32 && t.shape() == shape))
     FORGE_FAIL("FLUX sampling: {} must be fp32 {} on the CPU, got {} {} on {}", what, shape_str(shape),
@@ -168,8 +147,8 @@ void FluxDenoiser::denoise(const Tensor& tokens, const Tensor& text, const Tenso
   check_host(text, text_.shape(), "the text features");
   check_host(pooled, pooled_.shape(), "the pooled text");
   if (!(sigmas.size() >= 2)) FORGE_FAIL("FLUX sampling: {} sigmas; at least 2 (one step)", sigmas.size());
-  upload(text_, text);
-  upload(pooled_, pooled);
+  copy_converted(text_, text);
+  copy_converted(pooled_, pooled);
   const Tensor velocity = Tensor::empty(velocity_.shape());
   float* x = tokens.data<float>();
   const float* v = velocity.data<float>();
@@ -177,11 +156,11 @@ void FluxDenoiser::denoise(const Tensor& tokens, const Tensor& text, const Tenso
   std::vector<float> guidances;
   if (config_.guidance_embeds) guidances.assign(static_cast<size_t>(b), guidance);
   for (size_t i = 0; i + 1 < sigmas.size(); ++i) {
-    upload(x_, tokens);
+    copy_converted(x_, tokens);
     const FluxInputs inputs{x_, text_, pooled_, std::vector<float>(static_cast<size_t>(b), flux_model_time(sigmas[i])),
                             guidances};
     model_.forward(inputs, params_, velocity_);
-    download(velocity, velocity_);
+    copy_converted(velocity, velocity_);
     const float dt = sigmas[i + 1] - sigmas[i];
     for (int64_t j = 0; j < n; ++j) x[j] = x[j] + dt * v[j];
     if (on_step) on_step(static_cast<int64_t>(i));
