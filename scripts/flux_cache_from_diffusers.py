@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Writes a FLUX latent cache (NOTE [FLUX latent cache] in src/data/flux_latent_cache.h) with
+"""Writes a FLUX latent cache (NOTE [FLUX latent cache] in src/ckpt/flux_latent_cache.h) with
 diffusers and transformers, so a forge FLUX run (flux.data_path) can train on latents and text
 features made outside forge:
 

@@ -21,7 +21,7 @@
 #include "core/log.h"
 #include "core/parallel.h"
 #include "core/progress.h"
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 #include "data/image_caption_dataset.h"
 #include "model/flux_vae.h"
 #include "model/pixel_latents.h"

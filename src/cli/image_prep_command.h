@@ -1,6 +1,6 @@
 // forge prep --images: a dataset of images with captions through the FLUX VAE (or pixel
 // latents), T5 and CLIP, once, into a FLUX latent cache (NOTE [FLUX latent cache] in
-// data/flux_latent_cache.h) that FLUX runs train on.
+// ckpt/flux_latent_cache.h) that FLUX runs train on.
 #pragma once
 
 #include <cstdint>

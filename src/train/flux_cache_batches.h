@@ -1,5 +1,5 @@
 // Which cached samples make up each micro-batch of a FLUX run that trains on a latent cache
-// (flux.data_path, NOTE [FLUX latent cache] in data/flux_latent_cache.h).
+// (flux.data_path, NOTE [FLUX latent cache] in ckpt/flux_latent_cache.h).
 //
 // NOTE [FLUX cache batches]
 // Every sample of a micro-batch has the same latent size (one bucket, or several buckets of
@@ -18,7 +18,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 
 namespace forge {
 

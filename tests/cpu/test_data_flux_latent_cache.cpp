@@ -12,7 +12,7 @@
 
 #include "ckpt/safetensors.h"
 #include "core/bf16.h"
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 #include "expect_error.h"
 #include "test_data_temp_dir.h"
 

@@ -7,7 +7,7 @@
 #include <cstring>
 
 #include "../cpu/test_data_temp_dir.h"
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 #include "gpu_testing.h"
 
 namespace forge::gpu_test {

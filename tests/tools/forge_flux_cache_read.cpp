@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "core/error.h"
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 
 using namespace forge;
 

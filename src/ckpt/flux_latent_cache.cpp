@@ -1,11 +1,11 @@
 // The FLUX latent cache's reader and writer (NOTE [FLUX latent cache] in
-// data/flux_latent_cache.h). The reader checks cache.json key by key, then maps every shard
+// ckpt/flux_latent_cache.h). The reader checks cache.json key by key, then maps every shard
 // and checks its three tensors against the manifest, so a run finds a bad cache when it
 // opens it, not steps later; read() copies rows out of the mapped shards. The writer
 // buffers one shard in fp32, writes it with the safetensors writer (bf16 by round to
 // nearest even), and builds the folder under a temporary name that finish() renames into
 // place.
-#include "data/flux_latent_cache.h"
+#include "ckpt/flux_latent_cache.h"
 
 #include <fmt/format.h>
 
