@@ -533,10 +533,18 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                config.training.device, want);
   if (config.activation_checkpoint.mode == "selective")
     FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
-  if (config.checkpoint.enable || config.eval.interval > 0 || !config.checkpoint.initial_load_path.empty())
-    FORGE_FAIL("a FLUX run has no evaluation or checkpoints yet, and starts from weights with "
-               "flux.initial_load_path: set eval.interval 0 and checkpoint.enable false, and leave "
-               "checkpoint.initial_load_path empty");
+  if (config.eval.interval > 0)
+    FORGE_FAIL("{}: a FLUX run has no evaluation yet: set eval.interval 0", show(config, keys, "eval.interval"));
+  // NOTE [FLUX checkpoints] in train/flux_checkpoint.h: forge checkpoints in and out; diffusers'
+  // and BFL's weights through the flux.* keys.
+  if (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)
+    FORGE_FAIL("{}: a FLUX run reads diffusers' or BFL's weights with flux.initial_load_path and exports with "
+               "flux.last_save_in_diffusers",
+               show(config, keys, config.checkpoint.initial_load_in_hf ? "checkpoint.initial_load_in_hf"
+                                                                        : "checkpoint.last_save_in_hf"));
+  if (!config.checkpoint.initial_load_path.empty() && !f.initial_load_path.empty())
+    FORGE_FAIL("{} and {}: a FLUX run starts from one of them (a forge checkpoint, or diffusers' or BFL's weights)",
+               show(config, keys, "checkpoint.initial_load_path"), show(config, keys, "flux.initial_load_path"));
   if (!f.initial_load_path.empty()) flux_weight_layout_of(f.initial_load_path);  // says what is not there
 }
 

@@ -11,6 +11,7 @@
 #include "core/log.h"
 #include "core/op_profile.h"
 #include "core/rng.h"
+#include "core/stop_signal.h"
 #include "model/flux_parameters.h"
 #include "ops/adamw.h"
 #include "ops/elementwise.h"
@@ -80,13 +81,7 @@ struct FluxTrainer::State {
     pooled = Tensor::empty({sh.batch, mc.pooled_dim}, dtype, dev);
     t = Tensor::empty({sh.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
-    master.initialize(c.training.seed);
-    if (!c.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
-      FluxParameters host(mc);
-      load_flux_weights(c.flux.initial_load_path, host);
-      master.assign_from(host);
-      log_info("FLUX weights from {}", c.flux.initial_load_path);
-    }
+    master.initialize(c.training.seed);  // FluxCheckpoints::start then loads what the run starts from
     compute.assign_from(master);
     m.zero();
     v.zero();
@@ -94,11 +89,15 @@ struct FluxTrainer::State {
   }
 };
 
-FluxTrainer::FluxTrainer(const ExperimentConfig& config) : config_(config) {
+FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml) : config_(config) {
   const Device device = config.training.device == "cuda" ? Device::CUDA : Device::CPU;
   const TrainingConfig& t = config.training;
   set_gemm_tuning(t.gemm_tuning, t.gemm_tuning ? gemm_tuning_cache_dir(t.gemm_tuning_cache) : "");
   state_ = std::make_unique<State>(config_, flux_model_config(config.flux), flux_micro_batch_shape(config), device);
+  State& s = *state_;
+  checkpoints_ = std::make_unique<FluxCheckpoints>(config_, std::move(resolved_yaml), s.model_config);
+  start_step_ = checkpoints_->start(s.master, s.m, s.v);  // NOTE [FLUX checkpoints]
+  s.compute.assign_from(s.master);
 }
 
 FluxTrainer::~FluxTrainer() = default;
@@ -115,7 +114,7 @@ FluxTrainResult FluxTrainer::run(bool log) {
   if (!s.model_config.guidance_embeds) guidance.clear();
   const double images_per_step = static_cast<double>(s.shape.batch * accumulation);
   set_op_profiling(config_.logging.profile_ops);
-  for (int64_t step = 0; step < tc.steps; ++step) {
+  for (int64_t step = start_step_; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     reset_op_profile();
     s.loss.fill_zero();
@@ -162,9 +161,17 @@ FluxTrainResult FluxTrainer::run(bool log) {
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
                loss, norm, h.lr, images_per_step / seconds, seconds * 1e3);
+    const int signal = stop_signal();  // NOTE [Stop signals]
+    checkpoints_->after_step(step + 1, signal != 0, s.master, s.m, s.v);
+    if (signal != 0) {
+      if (log) log_info("stopped by signal {} after step {}", signal, step + 1);
+      result.stopped = true;
+      break;
+    }
   }
-  if (config_.flux.last_save_in_diffusers) {
-    const std::string dir = expand_run_dir(config_.logging.run_dir, config_.flux.model);
+  checkpoints_->finish();  // an asynchronous save in flight
+  if (config_.flux.last_save_in_diffusers && !result.stopped) {
+    const std::string dir = checkpoints_->run_dir();
     create_run_dir(dir);
     FluxParameters host(s.model_config);
     host.assign_from(s.master);

@@ -13,7 +13,8 @@
 // norm scales without weight decay. Micro-batches are synthetic so far: latents, text
 // features and pooled vectors drawn from the counter-based normal generator per (seed,
 // step, micro-batch) — what `forge bench` measures with; reading cached latents and text
-// embeddings is the data layer's next piece (issue 22).
+// embeddings is the data layer's next piece (issue 22). Checkpoints and resume: NOTE [FLUX
+// checkpoints] and NOTE [Exact FLUX resume] in train/flux_checkpoint.h.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,7 @@
 #include "model/flux_config.h"
 #include "model/flux_transformer.h"
 #include "train/experiment.h"
+#include "train/flux_checkpoint.h"
 
 namespace forge {
 
@@ -34,13 +36,16 @@ FluxShape flux_micro_batch_shape(const ExperimentConfig& config);
 struct FluxTrainResult {
   std::vector<double> step_seconds;
   std::vector<double> losses;  // mean over each step's micro-batches
+  bool stopped = false;        // NOTE [Stop signals]: stopped after a step, its checkpoint saved
 };
 
 class FluxTrainer {
  public:
-  explicit FluxTrainer(const ExperimentConfig& config);
+  // `resolved_yaml` goes into the checkpoints (NOTE [FLUX checkpoints] in train/flux_checkpoint.h).
+  explicit FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml = "");
   ~FluxTrainer();
-  // Runs training.steps steps; a line per logging.log_interval steps when `log`.
+  // Runs the steps from the one a resumed run starts at to training.steps; a line per
+  // logging.log_interval steps when `log`.
   FluxTrainResult run(bool log = true);
 
   struct State;  // flux_trainer.cpp
@@ -48,6 +53,8 @@ class FluxTrainer {
  private:
   ExperimentConfig config_;
   std::unique_ptr<State> state_;
+  std::unique_ptr<FluxCheckpoints> checkpoints_;
+  int64_t start_step_ = 0;  // steps a resumed run had done
 };
 
 }  // namespace forge
