@@ -82,7 +82,6 @@ struct FluxTrainer::State {
     t = Tensor::empty({sh.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
     master.initialize(c.training.seed);  // FluxCheckpoints::start then loads what the run starts from
-    compute.assign_from(master);
     m.zero();
     v.zero();
     grads.zero();  // once: the gaps between its tensors stay 0; the steps write the tensors
@@ -97,7 +96,7 @@ FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_ya
   State& s = *state_;
   checkpoints_ = std::make_unique<FluxCheckpoints>(config_, std::move(resolved_yaml), s.model_config);
   start_step_ = checkpoints_->start(s.master, s.m, s.v);  // NOTE [FLUX checkpoints]
-  s.compute.assign_from(s.master);
+  s.compute.assign_from(s.master);  // NOTE [Exact FLUX resume]: cast as the optimizer casts
 }
 
 FluxTrainer::~FluxTrainer() = default;
