@@ -101,8 +101,10 @@ class FluxCheckpoints {
   std::string yaml_;
   FluxConfig model_;
   std::string run_dir_;
+  // What an asynchronous save writes from; declared before job_, so that an abandoned job's
+  // writer thread is joined before the snapshot goes.
+  std::vector<std::unique_ptr<FluxParameters>> snapshot_;
   std::unique_ptr<CheckpointSaveJob> job_;
-  std::vector<std::unique_ptr<FluxParameters>> snapshot_;  // what an asynchronous save writes from
 };
 
 }  // namespace forge
