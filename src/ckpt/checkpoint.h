@@ -51,6 +51,7 @@
 
 #include "core/durable_directory.h"
 #include "model/config.h"
+#include "model/flux_config.h"
 #include "model/fp8_delayed_state.h"
 #include "model/parameters.h"
 #include "optim/optimizer.h"
@@ -122,6 +123,9 @@ struct CheckpointMetadata {
   std::vector<int64_t> file_numel;     // every format: the elements of each vector file r holds
   std::vector<TensorRecord> tensors;
   int files() const { return static_cast<int>(file_numel.size()); }
+  // A FLUX transformer's checkpoint (NOTE [FLUX checkpoints] in train/flux_checkpoint.h):
+  // its config, written as "flux_model" in place of "model" (`model` is then unused).
+  std::optional<FluxConfig> flux;
 };
 
 // One rank's data for a save: its range and pointers to range.size() floats of each vector.
@@ -181,6 +185,13 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
                                    const TrainingState& state, const CheckpointLayout& layout,
                                    const std::vector<uint32_t>& crcs, int64_t keep_latest_k);
 
+// The same for a FLUX transformer (NOTE [FLUX checkpoints] in train/flux_checkpoint.h):
+// `specs` are flux_parameter_specs(flux), laid end to end in the flat index space.
+std::string finish_flux_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const FluxConfig& flux,
+                                        const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                        const TrainingState& state, const CheckpointLayout& layout,
+                                        const std::vector<uint32_t>& crcs, int64_t keep_latest_k);
+
 // Steps of the complete checkpoints in folder, ascending (empty when there is none or the
 // folder does not exist).
 std::vector<int64_t> checkpoint_steps(const std::string& folder);
@@ -200,7 +211,7 @@ struct Checkpoint {
 Checkpoint open_checkpoint(const std::string& dir);
 
 // Errors, naming the checkpoint and the tensor, unless the checkpoint holds exactly the
-// tensors (names, shapes, flat offsets) of `model`. With `same_architecture`, every
+// tensors (names, shapes, flat offsets) of `model` (a FLUX checkpoint is refused as such). With `same_architecture`, every
 // architecture field of the saved model config must also equal model's (a resume);
 // without, matching tensors suffice (weights to start a fine-tuning run from).
 void check_checkpoint_model(const Checkpoint& checkpoint, const ModelConfig& model, bool same_architecture);

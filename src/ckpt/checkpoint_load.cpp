@@ -311,6 +311,10 @@ void check_checkpoint_model(const Checkpoint& ck, const ModelConfig& model, cons
                             bool same_architecture) {
   const std::string file = metadata_path(ck.dir);
   const CheckpointMetadata& md = ck.metadata;
+  if (md.flux)  // NOTE [FLUX checkpoints]
+    FORGE_FAIL("checkpoint '{}' holds a FLUX transformer ('{}', {} double + {} single blocks), not a language model; "
+               "the configured model is {}",
+               ck.dir, md.flux->name, md.flux->num_double_blocks, md.flux->num_single_blocks, describe_model(model));
   std::map<std::pair<int, std::string>, const TensorRecord*> saved;
   for (const TensorRecord& rec : md.tensors)
     if (!saved.emplace(std::make_pair(static_cast<int>(rec.state), rec.name), &rec).second)

@@ -199,6 +199,54 @@ ModelConfig model_from_json(const ObjectReader& r) {
   return m;
 }
 
+// "flux_model" (NOTE [FLUX checkpoints] in train/flux_checkpoint.h): every FluxConfig field.
+json flux_to_json(const FluxConfig& f) {
+  return json{{"name", f.name},
+              {"in_channels", f.in_channels},
+              {"out_channels", f.out_channels},
+              {"num_heads", f.num_heads},
+              {"head_dim", f.head_dim},
+              {"num_double_blocks", f.num_double_blocks},
+              {"num_single_blocks", f.num_single_blocks},
+              {"mlp_ratio", f.mlp_ratio},
+              {"context_dim", f.context_dim},
+              {"pooled_dim", f.pooled_dim},
+              {"guidance_embeds", f.guidance_embeds},
+              {"axes_dim", f.axes_dim},
+              {"rope_theta", f.rope_theta},
+              {"timestep_dim", f.timestep_dim},
+              {"norm_eps", f.norm_eps}};
+}
+
+// Read and validated (FluxConfig::validate names the file and the knob).
+FluxConfig flux_from_json(const ObjectReader& r, const std::string& file) {
+  FluxConfig f;
+  f.name = r.string("name");
+  f.in_channels = r.integer("in_channels");
+  f.out_channels = r.integer("out_channels");
+  f.num_heads = r.integer("num_heads");
+  f.head_dim = r.integer("head_dim");
+  f.num_double_blocks = r.integer("num_double_blocks");
+  f.num_single_blocks = r.integer("num_single_blocks");
+  f.mlp_ratio = r.integer("mlp_ratio");
+  f.context_dim = r.integer("context_dim");
+  f.pooled_dim = r.integer("pooled_dim");
+  f.guidance_embeds = r.boolean("guidance_embeds");
+  const json& axes = r.array("axes_dim");
+  f.axes_dim.clear();
+  for (size_t i = 0; i < axes.size(); ++i) {
+    if (!axes[i].is_number_integer())
+      FORGE_FAIL("checkpoint metadata '{}': '{}[{}]' must be an integer, got {}", file, r.child("axes_dim"), i,
+                 describe_json(axes[i]));
+    f.axes_dim.push_back(axes[i].get<int64_t>());
+  }
+  f.rope_theta = r.number("rope_theta");
+  f.timestep_dim = r.integer("timestep_dim");
+  f.norm_eps = static_cast<float>(r.number("norm_eps"));
+  f.validate(fmt::format("checkpoint metadata '{}' (flux_model)", file));
+  return f;
+}
+
 // "fp8_delayed" (NOTE [FP8 step end] in model/fp8_projections.h): the numbers are what the
 // histories and scales can hold (amaxes finite and >= 0, scales finite and > 0, within
 // fp32), and the two arrays agree on the number of projections; that the model has as many
@@ -289,7 +337,6 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
   json j = {{"format", "forge-checkpoint"},
             {"format_version", md.format_version},
             {"step", t.step},
-            {"model", model_to_json(md.model)},
             {"experiment_config", md.experiment_yaml},
             {"data", {{"position", t.data_position}}},
             {"rng", {{"seed", t.seed}}},
@@ -307,6 +354,8 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
             {"flat_numel", md.flat_numel},
             {"shards", shards},
             {"tensors", tensors}};
+  if (md.flux) j["flux_model"] = flux_to_json(*md.flux);  // NOTE [FLUX checkpoints]
+  else j["model"] = model_to_json(md.model);
   if (!format1) j["tensor_parallel_degree"] = md.tensor_parallel;
   if (t.fp8_delayed) {
     const Fp8DelayedState& f = *t.fp8_delayed;
@@ -332,7 +381,9 @@ CheckpointMetadata metadata_from_json(const std::string& text, const std::string
   const bool format1 = format_version == kCheckpointFormatVersion;
   TrainingState& t = md.training;
   t.step = top.integer("step");
-  md.model = model_from_json(top.object("model"));
+  // NOTE [FLUX checkpoints]: a FLUX transformer's checkpoint has "flux_model" instead of "model".
+  if (top.has("flux_model") && !top.has("model")) md.flux = flux_from_json(top.object("flux_model"), file);
+  else md.model = model_from_json(top.object("model"));
   md.experiment_yaml = top.string("experiment_config");
   t.data_position = top.object("data").integer("position");
   t.seed = top.object("rng").unsigned_integer("seed");

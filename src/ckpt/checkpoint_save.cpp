@@ -156,15 +156,17 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
   return finish_checkpoint_save(folder, staging, model, specs, experiment_yaml, state, layout, crcs, keep_latest_k);
 }
 
-std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
-                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
-                                   const TrainingState& state, const CheckpointLayout& layout,
-                                   const std::vector<uint32_t>& crcs, int64_t keep_latest_k) {
+namespace {
+
+// Writes `md` (its model or flux config already set) with the tensor records of `layout`,
+// renames the directory into place and prunes.
+std::string finish_save(const std::string& folder, AtomicDirectory& staging, CheckpointMetadata md,
+                        const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                        const TrainingState& state, const CheckpointLayout& layout, const std::vector<uint32_t>& crcs,
+                        int64_t keep_latest_k) {
   FORGE_CHECK(staging.path() == checkpoint_dir(folder, state.step), "checkpoint of step {} staged for '{}'", state.step,
               staging.path());
-  CheckpointMetadata md;
   md.format_version = layout.format_version();
-  md.model = model;
   md.experiment_yaml = experiment_yaml;
   md.training = state;
   for (const ParamSpec& spec : specs) md.flat_numel += shape_numel(spec.shape);
@@ -177,6 +179,26 @@ std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& s
   staging.commit();
   if (keep_latest_k > 0) keep_latest(folder, state.step, keep_latest_k);
   return staging.path();
+}
+
+}  // namespace
+
+std::string finish_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const ModelConfig& model,
+                                   const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                   const TrainingState& state, const CheckpointLayout& layout,
+                                   const std::vector<uint32_t>& crcs, int64_t keep_latest_k) {
+  CheckpointMetadata md;
+  md.model = model;
+  return finish_save(folder, staging, std::move(md), specs, experiment_yaml, state, layout, crcs, keep_latest_k);
+}
+
+std::string finish_flux_checkpoint_save(const std::string& folder, AtomicDirectory& staging, const FluxConfig& flux,
+                                        const std::vector<ParamSpec>& specs, const std::string& experiment_yaml,
+                                        const TrainingState& state, const CheckpointLayout& layout,
+                                        const std::vector<uint32_t>& crcs, int64_t keep_latest_k) {
+  CheckpointMetadata md;
+  md.flux = flux;
+  return finish_save(folder, staging, std::move(md), specs, experiment_yaml, state, layout, crcs, keep_latest_k);
 }
 
 std::string save_checkpoint(const std::string& folder, const ModelConfig& model, const std::string& experiment_yaml,

@@ -95,12 +95,14 @@ int run_train(const std::vector<std::string>& args) {
   ExperimentConfig config = load_experiment(inv.positional, inv.overrides);
   std::string yaml = to_yaml(config);
   if (read_launch_env().rank == 0) log_info("forge {} | resolved config:\n{}", FORGE_VERSION, yaml);
+  install_stop_signal_handlers();  // NOTE [Stop signals]
   if (!config.flux.model.empty()) {  // NOTE [FLUX runs]
-    const FluxTrainResult result = FluxTrainer(config).run();
-    log_info("done: {} steps, final loss {:.4f}", result.losses.size(), result.losses.back());
+    const FluxTrainResult result = FluxTrainer(config, yaml).run();
+    if (result.stopped) return kExitStopped;
+    if (result.losses.empty()) log_info("done: no steps left to train");
+    else log_info("done: {} steps, final loss {:.4f}", result.losses.size(), result.losses.back());
     return 0;
   }
-  install_stop_signal_handlers();  // NOTE [Stop signals]
   Trainer trainer(config, yaml);
   TrainResult result = trainer.run();
   if (result.stopped) return kExitStopped;

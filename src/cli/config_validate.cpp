@@ -539,9 +539,16 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.eval.interval > 0 && f.eval_data_path.empty())
     FORGE_FAIL("{}: a FLUX run evaluates on a validation latent cache: set flux.eval_data_path, or eval.interval 0",
                show(config, keys, "eval.interval"));
-  if (config.checkpoint.enable || !config.checkpoint.initial_load_path.empty())
-    FORGE_FAIL("a FLUX run has no checkpoints yet, and starts from weights with flux.initial_load_path: set "
-               "checkpoint.enable false, and leave checkpoint.initial_load_path empty");
+  // NOTE [FLUX checkpoints] in train/flux_checkpoint.h: forge checkpoints in and out; diffusers'
+  // and BFL's weights through the flux.* keys.
+  if (config.checkpoint.initial_load_in_hf || config.checkpoint.last_save_in_hf)
+    FORGE_FAIL("{}: a FLUX run reads diffusers' or BFL's weights with flux.initial_load_path and exports with "
+               "flux.last_save_in_diffusers",
+               show(config, keys, config.checkpoint.initial_load_in_hf ? "checkpoint.initial_load_in_hf"
+                                                                        : "checkpoint.last_save_in_hf"));
+  if (!config.checkpoint.initial_load_path.empty() && !f.initial_load_path.empty())
+    FORGE_FAIL("{} and {}: a FLUX run starts from one of them (a forge checkpoint, or diffusers' or BFL's weights)",
+               show(config, keys, "checkpoint.initial_load_path"), show(config, keys, "flux.initial_load_path"));
   if (!f.initial_load_path.empty()) flux_weight_layout_of(f.initial_load_path);  // says what is not there
 }
 

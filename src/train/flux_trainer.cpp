@@ -15,6 +15,7 @@
 #include "core/log.h"
 #include "core/op_profile.h"
 #include "core/rng.h"
+#include "core/stop_signal.h"
 #include "model/flux_parameters.h"
 #include "ops/adamw.h"
 #include "ops/elementwise.h"
@@ -167,14 +168,7 @@ struct FluxTrainer::State {
     pooled = Tensor::empty({shape.batch, mc.pooled_dim}, dtype, dev);
     t = Tensor::empty({shape.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
-    master.initialize(c.training.seed);
-    if (!c.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
-      FluxParameters host(mc);
-      load_flux_weights(c.flux.initial_load_path, host);
-      master.assign_from(host);
-      log_info("FLUX weights from {}", c.flux.initial_load_path);
-    }
-    compute.assign_from(master);
+    master.initialize(c.training.seed);  // FluxCheckpoints::start then loads what the run starts from
     m.zero();
     v.zero();
     grads.zero();  // once: the gaps between its tensors stay 0; the steps write the tensors
@@ -244,11 +238,15 @@ FluxEvalResult FluxTrainer::State::evaluate(const ExperimentConfig& c, int64_t s
   return r;
 }
 
-FluxTrainer::FluxTrainer(const ExperimentConfig& config) : config_(config) {
+FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml) : config_(config) {
   const Device device = config.training.device == "cuda" ? Device::CUDA : Device::CPU;
   const TrainingConfig& t = config.training;
   set_gemm_tuning(t.gemm_tuning, t.gemm_tuning ? gemm_tuning_cache_dir(t.gemm_tuning_cache) : "");
   state_ = std::make_unique<State>(config_, flux_model_config(config.flux), flux_micro_batch_shape(config), device);
+  State& s = *state_;
+  checkpoints_ = std::make_unique<FluxCheckpoints>(config_, std::move(resolved_yaml), s.model_config);
+  start_step_ = checkpoints_->start(s.master, s.m, s.v);  // NOTE [FLUX checkpoints]
+  s.compute.assign_from(s.master);  // NOTE [Exact FLUX resume]: cast as the optimizer casts
 }
 
 FluxTrainer::~FluxTrainer() = default;
@@ -271,7 +269,7 @@ FluxTrainResult FluxTrainer::run(bool log) {
              s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder, m.text_tokens,
              s.source->batches.batches_per_epoch(), s.shape.batch);
   }
-  for (int64_t step = 0; step < tc.steps; ++step) {
+  for (int64_t step = start_step_; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     reset_op_profile();
     s.loss.fill_zero();
@@ -346,9 +344,17 @@ FluxTrainResult FluxTrainer::run(bool log) {
         log_info("eval  {:>5} | validation loss {:.4f} over {} samples | at t = 0, 1/8, ..., 7/8: {:.4f}", step + 1,
                  e.loss, e.samples, fmt::join(e.per_time, " "));
     }
+    const int signal = stop_signal();  // NOTE [Stop signals]
+    checkpoints_->after_step(step + 1, signal != 0, s.master, s.m, s.v);
+    if (signal != 0) {
+      if (log) log_info("stopped by signal {} after step {}", signal, step + 1);
+      result.stopped = true;
+      break;
+    }
   }
-  if (config_.flux.last_save_in_diffusers) {
-    const std::string dir = expand_run_dir(config_.logging.run_dir, config_.flux.model);
+  checkpoints_->finish();  // an asynchronous save in flight
+  if (config_.flux.last_save_in_diffusers && !result.stopped) {
+    const std::string dir = checkpoints_->run_dir();
     create_run_dir(dir);
     FluxParameters host(s.model_config);
     host.assign_from(s.master);

@@ -16,6 +16,8 @@
 // latents, text features and pooled vectors drawn from the counter-based normal generator
 // per (seed, step, micro-batch) — what `forge bench` measures with. Either way a
 // micro-batch is a pure function of (seed, step, micro-batch).
+// Checkpoints and resume: NOTE [FLUX checkpoints] and NOTE [Exact FLUX resume] in
+// train/flux_checkpoint.h.
 #pragma once
 
 #include <cstdint>
@@ -25,6 +27,7 @@
 #include "model/flux_config.h"
 #include "model/flux_transformer.h"
 #include "train/experiment.h"
+#include "train/flux_checkpoint.h"
 
 namespace forge {
 
@@ -55,13 +58,16 @@ struct FluxTrainResult {
   std::vector<double> step_seconds;
   std::vector<double> losses;  // mean over each step's micro-batches
   std::vector<FluxEvalResult> evaluations;
+  bool stopped = false;        // NOTE [Stop signals]: stopped after a step, its checkpoint saved
 };
 
 class FluxTrainer {
  public:
-  explicit FluxTrainer(const ExperimentConfig& config);
+  // `resolved_yaml` goes into the checkpoints (NOTE [FLUX checkpoints] in train/flux_checkpoint.h).
+  explicit FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml = "");
   ~FluxTrainer();
-  // Runs training.steps steps; a line per logging.log_interval steps when `log`.
+  // Runs the steps from the one a resumed run starts at to training.steps; a line per
+  // logging.log_interval steps when `log`.
   FluxTrainResult run(bool log = true);
 
   struct State;  // flux_trainer.cpp
@@ -69,6 +75,8 @@ class FluxTrainer {
  private:
   ExperimentConfig config_;
   std::unique_ptr<State> state_;
+  std::unique_ptr<FluxCheckpoints> checkpoints_;
+  int64_t start_step_ = 0;  // steps a resumed run had done
 };
 
 }  // namespace forge

@@ -1,0 +1,110 @@
+// Checkpoints of FLUX runs: saving the training state every checkpoint.interval steps,
+// resuming from the newest whole checkpoint, starting from a checkpoint's weights.
+//
+// NOTE [FLUX checkpoints]
+// A FLUX run's checkpoint is a forge checkpoint (NOTE [Checkpoint format] in
+// ckpt/checkpoint.h, format 1, one shard file), so the [checkpoint] section works as for a
+// language model: checkpoint.enable, interval, folder (relative to logging.run_dir),
+// keep_latest_k, load_step, buffer_mb, async_mode (NOTE [Async checkpoints] in
+// train/trainer_checkpoint.cpp) and initial_load_path, with the same atomic saves (NOTE
+// [Atomic checkpoints]), CRC-32 per piece and choice of the newest whole checkpoint (NOTE
+// [Choosing the checkpoint to resume] in train/trainer_resume.cpp).
+//   metadata.json  "flux_model" (every FluxConfig field) in place of a language model's
+//                  "model": a language-model run refuses the checkpoint, and a FLUX run
+//                  refuses a language model's, naming the file;
+//   rank-0.bin     the fp32 master weights, AdamW's m and v, each the tensors of
+//                  flux_parameter_specs end to end (FluxParameters' padding between tensors,
+//                  NOTE [FLUX parameter regions], is not stored: it is 0 and stays 0).
+// The tensors stream between the flat buffers (host or GPU) and the file through
+// checkpoint.buffer_mb (NOTE [Streaming checkpoints] in ckpt/checkpoint_stream.h).
+//
+// NOTE [Exact FLUX resume]
+// A FLUX step is a pure function of the fp32 master weights, AdamW's m and v, the step
+// count and the config: the optimizer's bias correction takes the step count, the LR
+// schedule the step and training.steps, and every micro-batch (its latents, text features,
+// noise and timesteps) is drawn from training.seed per (step, micro-batch). Batches read
+// from a latent cache are a pure function of (seed, step) too, so the step count is the
+// data position: the checkpoint records it as both "step" and "data.position", and there
+// is nothing else to restore (the compute weights, bf16 on CUDA, are cast again from the
+// masters, as the optimizer casts them). A resumed run thus computes bit for bit what the
+// uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic.
+// Changing training.seed, the batch size or accumulation, flux.resolution or the data
+// between the runs changes the data that follows, as it would for a language model.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ckpt/checkpoint.h"
+#include "ckpt/checkpoint_stream.h"
+#include "model/flux_parameters.h"
+#include "train/experiment.h"
+
+namespace forge {
+
+// Each tensor of `p` as a segment at its place in the checkpoint's flat index space
+// (flux_parameter_specs end to end).
+std::vector<FlatSegment> flux_checkpoint_segments(const FluxParameters& p);
+
+// Errors, naming the checkpoint, unless it is a FLUX checkpoint holding exactly `model`'s
+// tensors (names, shapes, flat offsets): a language model's checkpoint, another preset or
+// another block count is refused. With `same_architecture` (a resume) every FluxConfig
+// field must also be the same; without (weights to start from) matching tensors suffice.
+void check_flux_checkpoint_model(const Checkpoint& checkpoint, const FluxConfig& model, bool same_architecture);
+
+// Saves `state` with master, m and v (any device, fp32) to <folder>/step-<state.step>,
+// synchronously; keep_latest_k as save_checkpoint's. Returns the directory.
+std::string save_flux_checkpoint(const std::string& folder, const std::string& experiment_yaml,
+                                 const TrainingState& state, const FluxParameters& master, const FluxParameters& m,
+                                 const FluxParameters& v, int64_t keep_latest_k, size_t buffer_bytes);
+
+// Fills master (and m and v, when given) from the checkpoint, checking every piece's CRC-32;
+// check_flux_checkpoint_model first. Returns the host bytes staged.
+size_t read_flux_checkpoint(const Checkpoint& checkpoint, FluxParameters& master, FluxParameters* m,
+                            FluxParameters* v, size_t buffer_bytes);
+
+struct CheckpointSaveJob;
+
+// A FLUX run's checkpoints, as the run's [checkpoint] section asks.
+class FluxCheckpoints {
+ public:
+  FluxCheckpoints(const ExperimentConfig& config, std::string resolved_yaml, const FluxConfig& model);
+  ~FluxCheckpoints();
+
+  // The run's state before its first step: with checkpoint.enable, the newest whole
+  // checkpoint in the folder (or checkpoint.load_step's); else the weights of
+  // checkpoint.initial_load_path (a FLUX checkpoint, or a folder of them: the newest) or
+  // flux.initial_load_path (diffusers or BFL weights), m and v left as they are (0). Returns
+  // the number of steps done, where the run goes on.
+  int64_t start(FluxParameters& master, FluxParameters& m, FluxParameters& v);
+  // After step `steps_done`'s update: with checkpoint.enable, saves at multiples of
+  // checkpoint.interval, the last step, and when `stopping`.
+  void after_step(int64_t steps_done, bool stopping, const FluxParameters& master, const FluxParameters& m,
+                  const FluxParameters& v);
+  // Completes an asynchronous save still in flight (at the end of the run).
+  void finish();
+  // logging.run_dir expanded once, for the checkpoints and the export.
+  const std::string& run_dir() const { return run_dir_; }
+  std::string folder() const;
+
+ private:
+  void save(int64_t step, const FluxParameters& master, const FluxParameters& m, const FluxParameters& v);
+  std::optional<std::string> choose() const;
+  std::string damage(const std::string& dir) const;
+  void load_initial_checkpoint(const std::string& path, FluxParameters& master) const;
+  size_t buffer_bytes() const;
+
+  ExperimentConfig config_;
+  std::string yaml_;
+  FluxConfig model_;
+  std::string run_dir_;
+  // What an asynchronous save writes from; declared before job_, so that an abandoned job's
+  // writer thread is joined before the snapshot goes.
+  std::vector<std::unique_ptr<FluxParameters>> snapshot_;
+  std::unique_ptr<CheckpointSaveJob> job_;
+};
+
+}  // namespace forge
