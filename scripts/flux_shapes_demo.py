@@ -130,6 +130,7 @@ def main(argv=None):
     log = run([args.forge, "train", os.path.join(ROOT, "configs", "experiments", "cpu", "flux-shapes.yaml"),
                "--training.device", args.device, *cuda, "--training.steps", str(args.steps),
                "--flux.data_path", out("cache", "train"), "--flux.eval_data_path", out("cache", "validation"),
+               "--eval.interval", "500",
                "--logging.run_dir", out("run")], out("train.log"))
     losses = [float(m) for m in re.findall(r"step +\d+ \| loss ([0-9.]+)", log)]
     evals = [float(m) for m in re.findall(r"validation loss ([0-9.]+)", log)]
