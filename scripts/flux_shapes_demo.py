@@ -53,21 +53,10 @@ def make_text_encoders(folder, captions):
     text_encoder_2/ (T5, d_model 32 = flux-small's context_dim), random weights, seed 0."""
     import clip_fixtures
     import sentencepiece_fixtures
+    from flux_fixtures import randomize
     import tokenizer_fixtures
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
-
-    def randomize(model, seed):
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if p.ndim > 1:
-                    p.normal_(0.0, p[0].numel() ** -0.5)
-                elif name.endswith("weight"):
-                    p.fill_(1.0)
-                else:
-                    p.zero_()
-        return model
 
     corpus = tokenizer_fixtures.corpus(400) + captions * 20
     tokenizer = os.path.join(folder, "tokenizer")

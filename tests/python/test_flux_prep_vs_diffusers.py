@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import clip_fixtures  # noqa: E402
 import sentencepiece_fixtures  # noqa: E402
 import tokenizer_fixtures  # noqa: E402
+from flux_fixtures import randomize  # noqa: E402
 from forge_test_util import forge_bin, relative_error, run, scratch_dir, source_dir, tool  # noqa: E402
 
 sys.path.insert(0, os.path.join(source_dir(), "scripts"))
@@ -37,19 +38,6 @@ CAPTIONS = {
     "e.png": "word " * 40,
 }
 SIZES = {"a.png": (40, 24), "b.jpg": (32, 32), "c.png": (24, 48), "d.jpg": (50, 30), "e.png": (33, 31)}
-
-
-def randomize(model, seed):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, (1.0 / p[0].numel()) ** 0.5)
-            elif name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    return model
 
 
 def make_pipeline(root):

@@ -22,6 +22,7 @@ import unittest
 import numpy as np
 import torch
 from diffusers import AutoencoderKL
+from flux_fixtures import randomize
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 from safetensors.torch import save_file
 
@@ -59,15 +60,7 @@ CASES = [
 def random_model(config, seed):
     torch.manual_seed(seed)
     model = AutoencoderKL(**config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim > 1:
-                p.normal_(0.0, (1.0 / p[0].numel()) ** 0.5)
-            elif name.endswith("weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.2)
-    return model  # float32 values: forge reads these, diffusers computes on them in float64
+    return randomize(model, seed)  # float32 values: forge reads these, diffusers computes on them in float64
 
 
 def write_config(path, config):
