@@ -7,15 +7,30 @@
 # libraries themselves, which need only glibc, libm and zlib) into .deps/images, and for
 # each library pkg-config does not find, CMake takes it from there. It is linked by its full
 # path, so CMake puts .deps/images/usr/lib/<arch> into the RUNPATH of the binaries in the
-# build tree and they load those copies wherever they run from. -DFORGE_IMAGE_LIBS_FROM_DEPS=ON
-# takes all three from .deps even where pkg-config finds them (to try that path on any machine).
+# build tree and they load those copies wherever they run from. The three come from one place:
+# pkg-config when it knows all three, else .deps for all three — a mix puts .deps/images's
+# headers (libjpeg 6.2's jpeglib.h among them) before the system's and its libraries in the
+# RUNPATH before the system's, so a system libjpeg 8 would run behind Debian's 6.2 header (on
+# the GPU machine, whose Ubuntu has libjpeg and libpng's .pc files but not libwebp's, JPEG
+# decoding then failed with "Wrong JPEG library version"). -DFORGE_IMAGE_LIBS_FROM_DEPS=ON takes
+# all three from .deps even where pkg-config finds them (to try that path on any machine).
 set(FORGE_IMAGE_DEPS_DIR "${CMAKE_CURRENT_SOURCE_DIR}/.deps/images" CACHE PATH
     "Where scripts/device-deps unpacks libjpeg, libpng and libwebp for machines without their -dev packages")
 option(FORGE_IMAGE_LIBS_FROM_DEPS "Take libjpeg, libpng and libwebp from FORGE_IMAGE_DEPS_DIR, not pkg-config" OFF)
 
 set(FORGE_IMAGE_LIBRARIES)
+set(forge_image_from_deps ${FORGE_IMAGE_LIBS_FROM_DEPS})
+if(NOT forge_image_from_deps)
+  foreach(module libjpeg libpng libwebp)
+    pkg_check_modules(forge_probe_${module} QUIET ${module})
+    if(NOT forge_probe_${module}_FOUND)
+      message(STATUS "${module}: pkg-config knows none; libjpeg, libpng and libwebp all from .deps/images")
+      set(forge_image_from_deps ON)
+    endif()
+  endforeach()
+endif()
 function(forge_find_image_library name module header library debian_package)
-  if(NOT FORGE_IMAGE_LIBS_FROM_DEPS)
+  if(NOT forge_image_from_deps)
     pkg_check_modules(FORGE_${name} QUIET IMPORTED_TARGET ${module})
     if(FORGE_${name}_FOUND)
       message(STATUS "${module} ${FORGE_${name}_VERSION}: pkg-config")
