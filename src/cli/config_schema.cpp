@@ -500,6 +500,11 @@ std::vector<ConfigKey> build_schema() {
           "flux.eval_data_path",
           "a validation latent cache: every eval.interval steps, the loss at the 8 fixed times t = i/8 (MLPerf "
           "Flux.1's validation loss) over eval.steps micro-batches (at most the whole cache)"),
+      key<&E::flux, &FluxRunConfig::weight_init>(
+          "flux.weight_init",
+          "how a run that loads no weights starts: normal (every matrix N(0, 0.02)) or torchtitan (MLPerf Flux.1's "
+          "reference: Xavier-uniform projections, zero modulations and output)",
+          {}, {"normal", "torchtitan"}),
   };
 }
 

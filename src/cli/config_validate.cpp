@@ -507,7 +507,8 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.initial_load_path", f.initial_load_path != d.initial_load_path},
         {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers},
         {"flux.data_path", f.data_path != d.data_path},
-        {"flux.eval_data_path", f.eval_data_path != d.eval_data_path}};
+        {"flux.eval_data_path", f.eval_data_path != d.eval_data_path},
+        {"flux.weight_init", f.weight_init != d.weight_init}};
     for (const auto& [key, differs] : changed)
       if (differs)
         FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model ({})", show(config, keys, key),

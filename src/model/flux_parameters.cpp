@@ -6,20 +6,29 @@
 
 #include <fmt/format.h>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "ops/elementwise.h"
 
 namespace forge {
 namespace {
 
+struct Specs {
+  std::vector<ParamSpec> specs;
+  std::vector<FluxTensorInit> inits;  // torchtitan's, one per spec
+};
+
 // Appends the specs of one unit (ParamSpec::layer = unit).
 class UnitSpecs {
  public:
-  UnitSpecs(std::vector<ParamSpec>& specs, int unit) : specs_(specs), unit_(unit) {}
+  UnitSpecs(std::vector<ParamSpec>& specs, std::vector<FluxTensorInit>& inits, int unit)
+      : specs_(specs), inits_(inits), unit_(unit) {}
 
   // A projection [out, in] with its bias [out], stacked from diffusers tensors `parts`
   // (each `out / parts.size()` rows); no parts: the diffusers tensor of the same name.
-  void linear(const std::string& name, int64_t out, int64_t in, const std::vector<std::string>& parts = {}) {
+  // `init` is its weight's torchtitan initialization (NOTE [FLUX weight init]).
+  void linear(const std::string& name, int64_t out, int64_t in, FluxTensorInit init,
+              const std::vector<std::string>& parts = {}) {
     ParamSpec weight;
     weight.name = name + ".weight";
     weight.shape = {out, in};
@@ -38,8 +47,8 @@ class UnitSpecs {
         bias.hf_tensors.push_back({part + ".bias", rows});
       }
     }
-    add(std::move(weight));
-    add(std::move(bias));
+    add(std::move(weight), init);
+    add(std::move(bias), {FluxTensorInit::Kind::Constant, 0.0});
   }
   // A norm scale [size], starting at 1.
   void vector(const std::string& name, int64_t size) {
@@ -48,73 +57,97 @@ class UnitSpecs {
     spec.shape = {size};
     spec.hf_tensors = {{name, size}};
     spec.weight_decay = false;
-    add(std::move(spec));
+    add(std::move(spec), {FluxTensorInit::Kind::Constant, 1.0});
   }
 
  private:
-  void add(ParamSpec spec) {
+  void add(ParamSpec spec, FluxTensorInit init) {
     spec.layer = unit_;
     specs_.push_back(std::move(spec));
+    inits_.push_back(init);
   }
   std::vector<ParamSpec>& specs_;
+  std::vector<FluxTensorInit>& inits_;
   int unit_;
 };
 
+// NOTE [FLUX weight init]'s three rules for a weight.
+FluxTensorInit zeros() { return {FluxTensorInit::Kind::Constant, 0.0}; }
+FluxTensorInit normal(double std) { return {FluxTensorInit::Kind::Normal, std}; }
+// Xavier (Glorot) uniform for a torchtitan Linear of out x in: U(-b, b), b = sqrt(6 / (in + out)).
+FluxTensorInit xavier(int64_t out, int64_t in) {
+  return {FluxTensorInit::Kind::Uniform, std::sqrt(6.0 / static_cast<double>(in + out))};
+}
+
 // Units in kind order (flux_unit): the embedders, the streams of a double block, a single
 // block, the head.
-void embedder_specs(const FluxConfig& c, std::vector<ParamSpec>& specs) {
-  UnitSpecs u(specs, 0);
+void embedder_specs(const FluxConfig& c, Specs& s) {
+  UnitSpecs u(s.specs, s.inits, 0);
   const int64_t d = c.hidden();
-  u.linear("x_embedder", d, c.in_channels);
-  u.linear("context_embedder", d, c.context_dim);
-  u.linear("time_text_embed.timestep_embedder.linear_1", d, c.timestep_dim);
-  u.linear("time_text_embed.timestep_embedder.linear_2", d, d);
-  u.linear("time_text_embed.text_embedder.linear_1", d, c.pooled_dim);
-  u.linear("time_text_embed.text_embedder.linear_2", d, d);
+  constexpr double kEmbedderStd = 0.02;  // torchtitan's MLPEmbedder.init_weights(init_std=0.02)
+  u.linear("x_embedder", d, c.in_channels, xavier(d, c.in_channels));
+  u.linear("context_embedder", d, c.context_dim, xavier(d, c.context_dim));
+  u.linear("time_text_embed.timestep_embedder.linear_1", d, c.timestep_dim, normal(kEmbedderStd));
+  u.linear("time_text_embed.timestep_embedder.linear_2", d, d, normal(kEmbedderStd));
+  u.linear("time_text_embed.text_embedder.linear_1", d, c.pooled_dim, normal(kEmbedderStd));
+  u.linear("time_text_embed.text_embedder.linear_2", d, d, normal(kEmbedderStd));
   if (c.guidance_embeds) {
-    u.linear("time_text_embed.guidance_embedder.linear_1", d, c.timestep_dim);
-    u.linear("time_text_embed.guidance_embedder.linear_2", d, d);
+    u.linear("time_text_embed.guidance_embedder.linear_1", d, c.timestep_dim, normal(kEmbedderStd));
+    u.linear("time_text_embed.guidance_embedder.linear_2", d, d, normal(kEmbedderStd));
   }
 }
 
-void double_block_specs(const FluxConfig& c, int block, std::vector<ParamSpec>& specs) {
+void double_block_specs(const FluxConfig& c, int block, Specs& s) {
   const std::string p = fmt::format("transformer_blocks.{}.", block);
   const int64_t d = c.hidden(), m = c.mlp_hidden();
   // Linears of both streams first (image, then text), then their norm scales, so that the
   // unit's numbering is flux_unit's.
-  UnitSpecs u(specs, flux_double_unit(block));
-  u.linear(p + "norm1.linear", 6 * d, d);
-  u.linear(p + "attn.to_qkv", 3 * d, d, {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
-  u.linear(p + "attn.to_out.0", d, d);
-  u.linear(p + "ff.net.0.proj", m, d);
-  u.linear(p + "ff.net.2", d, m);
-  u.linear(p + "norm1_context.linear", 6 * d, d);
-  u.linear(p + "attn.to_added_qkv", 3 * d, d, {p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"});
-  u.linear(p + "attn.to_add_out", d, d);
-  u.linear(p + "ff_context.net.0.proj", m, d);
-  u.linear(p + "ff_context.net.2", d, m);
+  UnitSpecs u(s.specs, s.inits, flux_double_unit(block));
+  u.linear(p + "norm1.linear", 6 * d, d, zeros());
+  u.linear(p + "attn.to_qkv", 3 * d, d, xavier(3 * d, d), {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
+  u.linear(p + "attn.to_out.0", d, d, xavier(d, d));
+  u.linear(p + "ff.net.0.proj", m, d, xavier(m, d));
+  u.linear(p + "ff.net.2", d, m, xavier(d, m));
+  u.linear(p + "norm1_context.linear", 6 * d, d, zeros());
+  u.linear(p + "attn.to_added_qkv", 3 * d, d, xavier(3 * d, d),
+           {p + "attn.add_q_proj", p + "attn.add_k_proj", p + "attn.add_v_proj"});
+  u.linear(p + "attn.to_add_out", d, d, xavier(d, d));
+  u.linear(p + "ff_context.net.0.proj", m, d, xavier(m, d));
+  u.linear(p + "ff_context.net.2", d, m, xavier(d, m));
   u.vector(p + "attn.norm_q.weight", c.head_dim);
   u.vector(p + "attn.norm_k.weight", c.head_dim);
   u.vector(p + "attn.norm_added_q.weight", c.head_dim);
   u.vector(p + "attn.norm_added_k.weight", c.head_dim);
 }
 
-void single_block_specs(const FluxConfig& c, int block, std::vector<ParamSpec>& specs) {
+void single_block_specs(const FluxConfig& c, int block, Specs& s) {
   const std::string p = fmt::format("single_transformer_blocks.{}.", block);
   const int64_t d = c.hidden(), m = c.mlp_hidden();
-  UnitSpecs u(specs, flux_single_unit(c, block));
-  u.linear(p + "norm.linear", 3 * d, d);
-  u.linear(p + "attn.to_qkv", 3 * d, d, {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
-  u.linear(p + "proj_mlp", m, d);
-  u.linear(p + "proj_out", d, d + m);
+  UnitSpecs u(s.specs, s.inits, flux_single_unit(c, block));
+  // torchtitan's linear1 is q, k, v and the MLP's input in one [3d + m, d] Linear: both
+  // pieces take its Xavier bound.
+  u.linear(p + "norm.linear", 3 * d, d, zeros());
+  u.linear(p + "attn.to_qkv", 3 * d, d, xavier(3 * d + m, d), {p + "attn.to_q", p + "attn.to_k", p + "attn.to_v"});
+  u.linear(p + "proj_mlp", m, d, xavier(3 * d + m, d));
+  u.linear(p + "proj_out", d, d + m, xavier(d, d + m));
   u.vector(p + "attn.norm_q.weight", c.head_dim);
   u.vector(p + "attn.norm_k.weight", c.head_dim);
 }
 
-void head_specs(const FluxConfig& c, std::vector<ParamSpec>& specs) {
-  UnitSpecs u(specs, flux_head_unit(c));
-  u.linear("norm_out.linear", 2 * c.hidden(), c.hidden());
-  u.linear("proj_out", c.resolved_out_channels(), c.hidden());
+void head_specs(const FluxConfig& c, Specs& s) {
+  UnitSpecs u(s.specs, s.inits, flux_head_unit(c));
+  u.linear("norm_out.linear", 2 * c.hidden(), c.hidden(), zeros());
+  u.linear("proj_out", c.resolved_out_channels(), c.hidden(), zeros());
+}
+
+Specs all_specs(const FluxConfig& config) {
+  config.validate(config.name);
+  Specs s;
+  embedder_specs(config, s);
+  for (int i = 0; i < config.num_double_blocks; ++i) double_block_specs(config, i, s);
+  for (int i = 0; i < config.num_single_blocks; ++i) single_block_specs(config, i, s);
+  head_specs(config, s);
+  return s;
 }
 
 // Offsets of the tensors in the flat buffer: each starts on a multiple of 64 values, so
@@ -124,14 +157,14 @@ int64_t aligned(int64_t n) { return (n + kAlignValues - 1) / kAlignValues * kAli
 
 }  // namespace
 
-std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config) {
-  config.validate(config.name);
-  std::vector<ParamSpec> specs;
-  embedder_specs(config, specs);
-  for (int i = 0; i < config.num_double_blocks; ++i) double_block_specs(config, i, specs);
-  for (int i = 0; i < config.num_single_blocks; ++i) single_block_specs(config, i, specs);
-  head_specs(config, specs);
-  return specs;
+std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config) { return all_specs(config).specs; }
+
+std::vector<FluxTensorInit> flux_torchtitan_inits(const FluxConfig& config) { return all_specs(config).inits; }
+
+FluxWeightInit parse_flux_weight_init(std::string_view name, std::string_view what) {
+  if (name == "normal") return FluxWeightInit::Normal;
+  if (name == "torchtitan") return FluxWeightInit::Torchtitan;
+  FORGE_FAIL("{} '{}': expected normal or torchtitan", what, name);
 }
 
 FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dtype, float init_std)
@@ -174,25 +207,32 @@ void FluxParameters::assign_from(const FluxParameters& other) {
     cast(flat_, other.flat_.to(flat_.device()));
 }
 
-void FluxParameters::initialize(uint64_t seed) {
+void FluxParameters::initialize(uint64_t seed, FluxWeightInit init) {
   if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
     FluxParameters host(config_, Device::CPU, DType::F32, init_std_);
-    host.initialize(seed);
+    host.initialize(seed, init);
     assign_from(host);
     return;
   }
+  const std::vector<FluxTensorInit> torchtitan =
+      init == FluxWeightInit::Torchtitan ? flux_torchtitan_inits(config_) : std::vector<FluxTensorInit>{};
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];
+    FluxTensorInit rule = torchtitan.empty() ? FluxTensorInit{FluxTensorInit::Kind::Normal, init_std_} : torchtitan[i];
+    if (torchtitan.empty() && s.shape.size() == 1) rule = {FluxTensorInit::Kind::Constant, s.zero_init ? 0.0 : 1.0};
     float* p = tensors_[i].data<float>();
     const int64_t n = tensors_[i].numel();
-    if (s.shape.size() == 1) {
-      for (int64_t j = 0; j < n; ++j) p[j] = s.zero_init ? 0.0f : 1.0f;
+    if (rule.kind == FluxTensorInit::Kind::Constant) {
+      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value);
       continue;
     }
     uint64_t name_hash = 1469598103934665603ull;
     for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
     Rng rng(derive_seed(seed, name_hash));
-    for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(init_std_ * rng.normal());
+    if (rule.kind == FluxTensorInit::Kind::Normal)
+      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * rng.normal());
+    else
+      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * (2.0 * rng.uniform() - 1.0));
   }
 }
 

@@ -8,8 +8,24 @@
 // (FSDP gathers and reduces per unit): unit 0 the embedders, then each double-stream
 // block, then each single-stream block, then the head. A unit is a list of projections
 // (weight and bias together in one LinearWeight, NOTE [Linear bias]) and a list of vectors
-// (the QK RMSNorm scales), numbered as the constants below say. Every matrix draws
-// Normal(0, init_std), biases start at 0 and norm scales at 1.
+// (the QK RMSNorm scales), numbered as the constants below say.
+//
+// NOTE [FLUX weight init]
+// flux.weight_init picks how a run that loads no weights starts. Either way biases start at
+// 0 and the QK norm scales at 1, and each tensor draws from its own stream of the seed.
+//   normal      every matrix draws Normal(0, init_std) (0.02): forge's first FLUX init.
+//   torchtitan  torchtitan's FluxModel.init_weights (experiments/flux, the MLPerf Flux.1
+//               reference), after DiT's: the image and text input projections, the
+//               attention's q/k/v and output projections, the MLPs, and the single blocks'
+//               linear1/linear2 Xavier-uniform, U(-b, b) with b = sqrt(6 / (in + out)) of
+//               the torchtitan Linear (BFL's layout: a single block's q, k, v and MLP input
+//               are one [3d + m, d] Linear, so both of forge's pieces take its bound); the
+//               time and pooled-text MLPs (and FLUX.1-dev's guidance MLP, which torchtitan's
+//               model lacks: treated as the time MLP) Normal(0, 0.02); every modulation
+//               (adaLN) projection and the final projection 0, so the model starts as the
+//               identity on its residual streams and predicts a velocity of 0 (adaLN-Zero).
+// Uniform draws are forge's Rng (2u - 1) b, not torch's generator: the same law, other
+// numbers.
 //
 // NOTE [FLUX parameter regions]
 // The flat buffer holds the weight-decayed tensors (the matrices) first and the others
@@ -21,6 +37,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "core/tensor.h"
@@ -61,6 +78,17 @@ inline int flux_head_unit(const FluxConfig& c) { return flux_num_units(c) - 1; }
 // Every parameter in unit order; ParamSpec::layer is the unit index.
 std::vector<ParamSpec> flux_parameter_specs(const FluxConfig& config);
 
+// NOTE [FLUX weight init].
+enum class FluxWeightInit { Normal, Torchtitan };
+// "normal" | "torchtitan"; anything else throws naming `what`.
+FluxWeightInit parse_flux_weight_init(std::string_view name, std::string_view what);
+struct FluxTensorInit {
+  enum class Kind { Constant, Normal, Uniform } kind;
+  double value;  // the constant, the standard deviation, or the bound b of U(-b, b)
+};
+// torchtitan's rule for each of flux_parameter_specs(config), in the same order.
+std::vector<FluxTensorInit> flux_torchtitan_inits(const FluxConfig& config);
+
 // Where the model gets each unit's weights, and where it puts their gradients (added to,
 // NOTE [Fresh gradient buffers] does not apply: a sink zeroes its buffers per step).
 // unit_done(i) says unit i's gradients of this micro-batch are complete.
@@ -94,8 +122,8 @@ class FluxParameters : public FluxParamSource, public FluxGradSink {
   void zero() { flat_.fill_zero(); }
   // Copies every value of `other` (same config), converting device and dtype.
   void assign_from(const FluxParameters& other);
-  // NOTE [FLUX units]: each tensor from its own stream of the seed and its name.
-  void initialize(uint64_t seed);
+  // NOTE [FLUX weight init]: each tensor from its own stream of the seed and its name.
+  void initialize(uint64_t seed, FluxWeightInit init = FluxWeightInit::Normal);
 
   const FluxUnitWeights& unit(int index) override { return units_.at(static_cast<size_t>(index)); }
   const FluxUnitWeights& unit_grads(int index) override { return units_.at(static_cast<size_t>(index)); }

@@ -168,7 +168,7 @@ struct FluxTrainer::State {
     pooled = Tensor::empty({shape.batch, mc.pooled_dim}, dtype, dev);
     t = Tensor::empty({shape.batch}, DType::F32, dev);
     loss = Tensor::empty({1}, DType::F32, dev);
-    master.initialize(c.training.seed);  // FluxCheckpoints::start then loads what the run starts from
+    master.initialize(c.training.seed, parse_flux_weight_init(c.flux.weight_init, "flux.weight_init"));  // FluxCheckpoints::start then loads what the run starts from
     m.zero();
     v.zero();
     grads.zero();  // once: the gaps between its tensors stay 0; the steps write the tensors

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "core/rng.h"
 #include "expect_error.h"
@@ -132,6 +133,85 @@ struct SmallFlux {
     return sum;
   }
 };
+
+TEST(FluxWeightInit, TorchtitanRulesPerTensor) {
+  // NOTE [FLUX weight init]: each tensor's law, checked on its values.
+  FluxConfig config = small_config();
+  FluxParameters params{config};
+  params.initialize(5, FluxWeightInit::Torchtitan);
+  const int64_t d = config.hidden(), m = config.mlp_hidden();
+  const auto bound_of = [&](const std::string& name) -> double {
+    if (name == "x_embedder.weight") return std::sqrt(6.0 / double(config.in_channels + d));
+    if (name == "context_embedder.weight") return std::sqrt(6.0 / double(config.context_dim + d));
+    if (name.ends_with("to_qkv.weight") && name.starts_with("single")) return std::sqrt(6.0 / double(d + 3 * d + m));
+    if (name.ends_with("proj_mlp.weight")) return std::sqrt(6.0 / double(d + 3 * d + m));
+    if (name.starts_with("single") && name.ends_with("proj_out.weight")) return std::sqrt(6.0 / double(d + d + m));
+    if (name.ends_with("qkv.weight")) return std::sqrt(6.0 / double(d + 3 * d));
+    if (name.ends_with("to_out.0.weight") || name.ends_with("to_add_out.weight")) return std::sqrt(6.0 / double(2 * d));
+    if (name.ends_with("net.0.proj.weight") || name.ends_with("net.2.weight")) return std::sqrt(6.0 / double(d + m));
+    return 0;
+  };
+  int uniform = 0, normal = 0, zero = 0;
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const std::string& name = params.specs()[i].name;
+    const Tensor& t = params.tensors()[i];
+    const float* p = t.data<float>();
+    double sum2 = 0, most = 0;
+    for (int64_t j = 0; j < t.numel(); ++j) {
+      sum2 += double(p[j]) * p[j];
+      most = std::max(most, std::fabs(double(p[j])));
+    }
+    const double rms = std::sqrt(sum2 / double(t.numel()));
+    if (t.ndim() == 1) {
+      const float expected = name.ends_with(".bias") ? 0.0f : 1.0f;
+      for (int64_t j = 0; j < t.numel(); ++j) ASSERT_EQ(p[j], expected) << name;
+    } else if (name.find("linear.weight") != std::string::npos || name == "proj_out.weight") {
+      EXPECT_EQ(most, 0.0) << name;  // adaLN modulations and the final projection: zero
+      ++zero;
+    } else if (name.find("embedder.linear_") != std::string::npos) {
+      EXPECT_NEAR(rms, 0.02, 0.02 * 0.2) << name;
+      ++normal;
+    } else {
+      const double b = bound_of(name);
+      ASSERT_GT(b, 0) << name;
+      EXPECT_LE(most, b) << name;
+      EXPECT_GT(most, 0.8 * b) << name;
+      EXPECT_NEAR(rms, b / std::sqrt(3.0), b / std::sqrt(3.0) * 0.2) << name;  // U(-b, b)'s rms
+      ++uniform;
+    }
+  }
+  EXPECT_EQ(zero, 2 * config.num_double_blocks + config.num_single_blocks + 2);
+  EXPECT_EQ(normal, config.guidance_embeds ? 6 : 4);
+  EXPECT_GT(uniform, 0);
+  // The same seed gives the same weights; another seed others.
+  FluxParameters again{config}, other{config};
+  again.initialize(5, FluxWeightInit::Torchtitan);
+  other.initialize(6, FluxWeightInit::Torchtitan);
+  EXPECT_EQ(std::memcmp(again.flat().data<float>(), params.flat().data<float>(), params.flat().numel() * 4), 0);
+  EXPECT_NE(std::memcmp(other.flat().data<float>(), params.flat().data<float>(), params.flat().numel() * 4), 0);
+  expect_error([] { parse_flux_weight_init("xavier", "flux.weight_init"); },
+               {"flux.weight_init 'xavier'", "normal or torchtitan"});
+}
+
+TEST(FluxWeightInit, TorchtitanModelPredictsZeroVelocityAndStillLearns) {
+  // adaLN-Zero: at init every block is the identity on its stream and the head outputs 0,
+  // yet the final projection's gradient is not 0, so training moves off the start.
+  SmallFlux f;
+  f.params.initialize(3, FluxWeightInit::Torchtitan);
+  FluxTransformer model(f.config, f.shape, Device::CPU);
+  Tensor out = Tensor::empty(f.dout.shape());
+  model.forward(f.inputs, f.params, out);
+  for (int64_t j = 0; j < out.numel(); ++j) ASSERT_EQ(out.data<float>()[j], 0.0f) << j;
+  FluxParameters grads{f.config};
+  grads.zero();
+  model.backward(f.dout, f.params, grads);
+  const int head_out = static_cast<int>(grads.specs().size()) - 2;  // proj_out.weight, then its bias
+  ASSERT_EQ(grads.specs()[static_cast<size_t>(head_out)].name, "proj_out.weight");
+  double norm = 0;
+  const Tensor& g = grads.tensors()[static_cast<size_t>(head_out)];
+  for (int64_t j = 0; j < g.numel(); ++j) norm += double(g.data<float>()[j]) * g.data<float>()[j];
+  EXPECT_GT(norm, 0.0);
+}
 
 TEST(FluxTransformer, GradientsMatchFiniteDifferences) {
   SmallFlux f;
