@@ -168,13 +168,19 @@ int main(int argc, char** argv) {
                                               "result files, or score a set of them");
   mlperf->require_subcommand(1);
   std::vector<CLI::App*> mlperf_runs;
-  for (const char* name : {"llama31_8b", "llama2_70b_lora"}) {
+  for (const char* name : {"llama31_8b", "llama2_70b_lora", "flux1"}) {
     auto* run = mlperf->add_subcommand(
         name, fmt::format("Run MLPerf Training's {} as its reference does: forge mlperf {} [--runs N] "
                           "[--seeds S1,S2,...] [--output DIR] [--org NAME] [--platform NAME] [--section.key VALUE ...]",
                           name, name));
     run->prefix_command();
-    run->footer(std::string(name) == std::string("llama31_8b")
+    const std::string which = name;
+    run->footer(which == "flux1"
+                    ? "Needs --flux.data_path DIR (the CC12M latent cache) and --flux.eval_data_path DIR (the COCO "
+                      "validation cache), both from forge prep --images. Writes DIR/result_K.txt and DIR/run_K per "
+                      "run (DIR default mlperf-results). Overrides: the hyperparameters the rules let a submitter "
+                      "choose and the system settings; see the README's \"MLPerf\" section."
+                : which == "llama31_8b"
                     ? "Needs --data.path PREFIX (c4-train.en_6_text_document) and --data.validation_path PREFIX "
                       "(c4-validation-91205-samples.en_text_document). Writes DIR/result_K.txt and DIR/run_K per "
                       "run (DIR default mlperf-results). Overrides: the hyperparameters the rules let a submitter "
@@ -191,8 +197,8 @@ int main(int argc, char** argv) {
                "result summarizer and RCP checker compute them");
   mlperf_score->add_option("DIR", mlperf_score_dir, "directory of result_*.txt files")->required();
   mlperf_score->add_option("--benchmark", mlperf_score_benchmark,
-                           "llama31_8b or llama2_70b_lora (default: the logs' submission_benchmark)")
-      ->check(CLI::IsMember({"llama31_8b", "llama2_70b_lora"}));
+                           "llama31_8b, llama2_70b_lora or flux1 (default: the logs' submission_benchmark)")
+      ->check(CLI::IsMember({"llama31_8b", "llama2_70b_lora", "flux1"}));
   mlperf_score->add_option("--html", mlperf_score_html,
                            "also write a self-contained HTML report (summary, runs with throughput, eval curves) "
                            "to FILE")

@@ -1,4 +1,4 @@
-// forge mlperf llama31_8b|llama2_70b_lora [--runs N] [--seeds S1,S2,...] [--output DIR]
+// forge mlperf llama31_8b|llama2_70b_lora|flux1 [--runs N] [--seeds S1,S2,...] [--output DIR]
 //   [--org NAME] [--platform NAME] [--section.key VALUE ...]
 // Runs an MLPerf Training benchmark as its reference does (NOTE [MLPerf reference settings]
 // in train/mlperf_benchmark.h), N times with fresh seeds, each run to its quality target
@@ -22,6 +22,8 @@
 #include "core/stop_signal.h"
 #include "data/govreport_dataset.h"
 #include "distributed/launch_env.h"
+#include "ckpt/flux_latent_cache.h"
+#include "train/flux_trainer.h"
 #include "train/mlperf_logger.h"
 #include "train/mlperf_score.h"
 #include "train/trainer.h"
@@ -113,6 +115,12 @@ std::vector<std::string> data_files(const ExperimentConfig& config) {
   if (d.source == "govreport_npy")
     files.insert(files.end(), {govreport_npy_file(d.path, Split::Train), govreport_npy_file(d.path, Split::Validation)});
   if (!config.checkpoint.initial_load_path.empty()) files.push_back(config.checkpoint.initial_load_path);
+  for (const std::string& cache : {config.flux.data_path, config.flux.eval_data_path}) {  // the caches' files
+    std::error_code error;
+    if (cache.empty() || !std::filesystem::is_directory(cache, error)) continue;
+    for (const auto& entry : std::filesystem::directory_iterator(cache, error))
+      if (entry.is_regular_file(error)) files.push_back(entry.path().string());
+  }
   return files;
 }
 
@@ -126,9 +134,41 @@ void check_inputs(const mlperf::Benchmark& b, const ExperimentConfig& config, bo
   if (b.lora && config.data.source == "govreport_npy" && config.data.path.empty())
     FORGE_FAIL("forge mlperf llama2_70b_lora: give --data.path DIR, the folder of the GovReport train.npy and "
                "validation.npy");
+  if (b.flux && (config.flux.data_path.empty() || config.flux.eval_data_path.empty()))
+    FORGE_FAIL("forge mlperf flux1: give --flux.data_path DIR (the training images' latent cache, CC12M) and "
+               "--flux.eval_data_path DIR (the validation cache, COCO-2014's 29,696 images), both made by forge "
+               "prep --images (README, \"MLPerf Flux.1 data\")");
   if (b.lora && config.checkpoint.initial_load_path.empty() && !not_benchmark)
     FORGE_FAIL("forge mlperf llama2_70b_lora: give --checkpoint.initial_load_path DIR, the Hugging Face Llama 2 "
                "70B folder (config.json and safetensors) the adapters are trained on");
+}
+
+// flux1 (NOTE [MLPerf Flux.1]): what of the caches makes the run not the benchmark — the
+// cache's image and text sizes replace flux.resolution and flux.text_tokens, and the
+// validation set is COCO-2014's 29,696 images. Also the images the validation loss averages.
+struct FluxCacheCheck {
+  std::vector<std::string> not_benchmark;
+  int64_t eval_samples = -1;
+};
+FluxCacheCheck check_flux_caches(const mlperf::Benchmark& b, const ExperimentConfig& config) {
+  FluxCacheCheck r;
+  const FluxLatentCache train(config.flux.data_path), eval(config.flux.eval_data_path);
+  for (const FluxLatentCache* cache : {&train, &eval}) {
+    const FluxCacheManifest& m = cache->manifest();
+    if (m.text_tokens != 256)
+      r.not_benchmark.push_back(fmt::format("{} holds {} T5 tokens per caption, not 256", cache->folder(), m.text_tokens));
+    for (const FluxCacheShard& shard : m.shards)
+      if (shard.width != 256 || shard.height != 256) {
+        r.not_benchmark.push_back(
+            fmt::format("{} holds images of {}x{}, not 256x256", cache->folder(), shard.width, shard.height));
+        break;
+      }
+  }
+  r.eval_samples = std::min(eval.size(), config.eval.steps * config.training.local_batch_size);
+  if (r.eval_samples != b.eval_samples)
+    r.not_benchmark.push_back(fmt::format("{} gives a validation loss over {} images, not COCO-2014's {}", eval.folder(),
+                                          r.eval_samples, b.eval_samples));
+  return r;
 }
 
 }  // namespace
@@ -140,6 +180,8 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
   ConfigOverrides overrides(plan.overrides.begin(), plan.overrides.end());
   ExperimentConfig config = load_experiment("", overrides);
   check_inputs(b, config, !plan.not_benchmark.empty());
+  FluxCacheCheck caches;
+  if (b.flux) caches = check_flux_caches(b, config);
 
   const LaunchEnv launch = read_launch_env();
   const bool rank0 = launch.rank == 0;
@@ -155,6 +197,8 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
   if (rank0) {
     for (const std::string& h : plan.hyperparameters)
       log_info("MLPerf {}: hyperparameter chosen on the command line, as the rules allow: {}", name, h);
+    for (const std::string& n : caches.not_benchmark)
+      log_warn("MLPerf {}: {}: this run is a smoke test, NOT an MLPerf result", name, n);
     for (const std::string& n : plan.not_benchmark)
       log_warn("MLPerf {}: {} is not the benchmark's: this run is a smoke test, NOT an MLPerf result", name, n);
   }
@@ -174,12 +218,20 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
     const int evicted = evict_from_page_cache(data_files(run_config));
     mlperf::MlperfLogger logger(b, result, rank0, rank0);
     if (rank0) log_info("cache_clear: {} data and weight file(s) evicted from the page cache", evicted);
-    TrainResult outcome;
+    bool stopped = false;
     try {
-      Trainer trainer(run_config, to_yaml(run_config));
-      logger.header(run_config, run_config.training.seed, a.info, trainer.train_data().num_samples());
-      trainer.set_observer(&logger);
-      outcome = trainer.run();
+      if (b.flux) {  // NOTE [MLPerf Flux.1]
+        FluxTrainer trainer(run_config, to_yaml(run_config));
+        logger.header(run_config, run_config.training.seed, a.info, trainer.train_samples(),
+                      caches.eval_samples);
+        trainer.set_observer(&logger);
+        stopped = trainer.run(rank0).stopped;
+      } else {
+        Trainer trainer(run_config, to_yaml(run_config));
+        logger.header(run_config, run_config.training.seed, a.info, trainer.train_data().num_samples());
+        trainer.set_observer(&logger);
+        stopped = trainer.run().stopped;
+      }
     } catch (...) {
       logger.abort();
       // A run that failed before run_start (a bad data file, too little memory) never ran:
@@ -192,7 +244,7 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
       }
       throw;
     }
-    if (outcome.stopped) return kExitStopped;
+    if (stopped) return kExitStopped;
     if (!logger.succeeded()) ++failed;
     if (rank0)
       log_info("MLPerf {} run {}: {}", name, r + 1,

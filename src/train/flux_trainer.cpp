@@ -251,6 +251,8 @@ FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_ya
 
 FluxTrainer::~FluxTrainer() = default;
 
+int64_t FluxTrainer::train_samples() const { return state_->source ? state_->source->cache.size() : 0; }
+
 FluxTrainResult FluxTrainer::run(bool log) {
   State& s = *state_;
   const TrainingConfig& tc = config_.training;
@@ -269,8 +271,12 @@ FluxTrainResult FluxTrainer::run(bool log) {
              s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder, m.text_tokens,
              s.source->batches.batches_per_epoch(), s.shape.batch);
   }
+  const int64_t images_per_global_step = s.shape.batch * accumulation;
+  if (observer_) observer_->training_begins(start_step_ * images_per_global_step);
+  bool stopped_by_observer = false;
   for (int64_t step = start_step_; step < tc.steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
+    double step_flops = 0;
     reset_op_profile();
     s.loss.fill_zero();
     for (int64_t micro = 0; micro < accumulation; ++micro) {
@@ -286,6 +292,8 @@ FluxTrainResult FluxTrainer::run(bool log) {
         shape.grid_w = batch.latent_width / 2;
       }
       s.model.reshape(shape);
+      step_flops += static_cast<double>(shape.batch) *
+                    s.model_config.training_flops_per_image(shape.image_tokens(), shape.text_tokens);
       const Shape tokens{shape.batch, shape.image_tokens(), s.model_config.in_channels};
       const Tensor x0 = sized(s.x0, tokens), noise = sized(s.noise, tokens), noisy = sized(s.noisy, tokens),
                    target = sized(s.target, tokens), pred = sized(s.pred, tokens), dpred = sized(s.dpred, tokens),
@@ -337,12 +345,30 @@ FluxTrainResult FluxTrainer::run(bool log) {
     if (log && ((step + 1) % config_.logging.log_interval == 0 || step + 1 == tc.steps))
       log_info("step {:>5} | loss {:.4f} | grad norm {:.3f} | lr {:.3e} | {:.2f} images/s | step {:.1f} ms", step + 1,
                loss, norm, h.lr, images_per_step / seconds, seconds * 1e3);
-    if (s.eval_cache && config_.eval.interval > 0 && ((step + 1) % config_.eval.interval == 0 || step + 1 == tc.steps)) {
+    const int64_t samples = (step + 1) * images_per_global_step;
+    if (observer_) {
+      StepMetrics m;
+      m.step = step + 1;
+      m.loss = loss;
+      m.lr = h.lr;
+      m.grad_norm = norm;
+      m.step_time_s = seconds;
+      m.model_tflops = step_flops / seconds / 1e12;
+      observer_->step_done(m, samples);
+    }
+    const bool scheduled = s.eval_cache && config_.eval.interval > 0 &&
+                           ((step + 1) % config_.eval.interval == 0 || step + 1 == tc.steps);
+    if (s.eval_cache && (observer_ ? observer_->evaluation_due(step + 1, samples, scheduled) : scheduled)) {
+      if (observer_) observer_->evaluation_begins(samples);
       result.evaluations.push_back(s.evaluate(config_, step + 1));  // NOTE [FLUX validation loss]
       const FluxEvalResult& e = result.evaluations.back();
       if (log)
         log_info("eval  {:>5} | validation loss {:.4f} over {} samples | at t = 0, 1/8, ..., 7/8: {:.4f}", step + 1,
                  e.loss, e.samples, fmt::join(e.per_time, " "));
+      EvalMetrics em;
+      em.step = step + 1;
+      em.loss = e.loss;
+      if (observer_ && observer_->evaluation_done(em, samples)) stopped_by_observer = true;
     }
     const int signal = stop_signal();  // NOTE [Stop signals]
     checkpoints_->after_step(step + 1, signal != 0, s.master, s.m, s.v);
@@ -351,8 +377,12 @@ FluxTrainResult FluxTrainer::run(bool log) {
       result.stopped = true;
       break;
     }
+    if (stopped_by_observer) break;
   }
   checkpoints_->finish();  // an asynchronous save in flight
+  if (observer_)
+    observer_->training_ends((start_step_ + static_cast<int64_t>(result.losses.size())) * images_per_global_step,
+                             stopped_by_observer);
   if (config_.flux.last_save_in_diffusers && !result.stopped) {
     const std::string dir = checkpoints_->run_dir();
     create_run_dir(dir);

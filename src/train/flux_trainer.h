@@ -28,6 +28,7 @@
 #include "model/flux_transformer.h"
 #include "train/experiment.h"
 #include "train/flux_checkpoint.h"
+#include "train/training_observer.h"
 
 namespace forge {
 
@@ -69,6 +70,11 @@ class FluxTrainer {
   // Runs the steps from the one a resumed run starts at to training.steps; a line per
   // logging.log_interval steps when `log`.
   FluxTrainResult run(bool log = true);
+  // Hears the step loop and may schedule evaluations and stop the run after one
+  // (train/training_observer.h; forge mlperf flux1's logger). Samples are images. Not owned.
+  void set_observer(TrainingObserver* observer) { observer_ = observer; }
+  // The training cache's images (0 with synthetic data).
+  int64_t train_samples() const;
 
   struct State;  // flux_trainer.cpp
 
@@ -77,6 +83,7 @@ class FluxTrainer {
   std::unique_ptr<State> state_;
   std::unique_ptr<FluxCheckpoints> checkpoints_;
   int64_t start_step_ = 0;  // steps a resumed run had done
+  TrainingObserver* observer_ = nullptr;
 };
 
 }  // namespace forge

@@ -53,6 +53,7 @@ inline constexpr const char* kEvalStart = "eval_start";
 inline constexpr const char* kEvalStop = "eval_stop";
 inline constexpr const char* kEvalAccuracy = "eval_accuracy";
 inline constexpr const char* kEvalSamples = "eval_samples";
+inline constexpr const char* kEvaluationFrequency = "evaluation_frequency";
 inline constexpr const char* kTrainSamples = "train_samples";
 inline constexpr const char* kSeed = "seed";
 inline constexpr const char* kGlobalBatchSize = "global_batch_size";

@@ -23,11 +23,17 @@ const std::map<int64_t, RcpHyperparameters>& rcp_hyperparameters(const Benchmark
       {16, {4e-4, 256}}, {32, {8e-4, 4096}}, {64, {8e-4, 6144}}, {96, {1e-3, 16348}}, {128, {2e-3, 32768}}};
   static const std::map<int64_t, RcpHyperparameters> llama2_70b_lora = {
       {8, {4e-4, 0}}, {16, {4e-4, 0}}, {32, {4e-4, 0}}, {128, {1e-3, 0}}};
-  return b.lora ? llama2_70b_lora : llama31_8b;
+  // rcps_flux1.json gives warm-up steps: 1,600 at 512 and 100 at 4,096, kept here as samples.
+  static const std::map<int64_t, RcpHyperparameters> flux1 = {
+      {512, {2e-4, 1600 * 512}}, {1024, {2e-4, 0}}, {2048, {2.5e-4, 0}}, {4096, {4e-4, 100 * 4096}}};
+  return b.flux ? flux1 : b.lora ? llama2_70b_lora : llama31_8b;
 }
 
 constexpr int64_t kLlama31MaxSteps = 1'200'000;  // the rules' max_steps: the cosine's length
 constexpr int64_t kLoraTrainingSteps = 1024;     // run_llama_70B_scrolls_r16.sh --max_steps
+// Flux.1 has no max_steps: a run that has not converged stops after this many images,
+// about 2x the slowest RCP's (15.6 M at batch 4,096); training.steps overrides it.
+constexpr int64_t kFluxMaxSamples = 32'000'000;
 
 bool has_prefix(const std::string& key, std::initializer_list<const char*> prefixes) {
   for (const char* p : prefixes)
@@ -68,12 +74,14 @@ std::string number(double v) { return fmt::format("{}", v); }
 const Benchmark& benchmark(const std::string& name) {
   static const Benchmark llama31_8b{"llama31_8b", "llama3.1-8b", 3.3, "log perplexity", 12288, 1024, 32, false};
   static const Benchmark llama2_70b_lora{"llama2_70b_lora", "llama2-70b", 0.925, "evaluation loss", 384, 173, 8, true};
+  static const Benchmark flux1{"flux1", "flux1-schnell", 0.586, "validation loss", 262144, 29696, 512, false, true};
   if (name == llama31_8b.name) return llama31_8b;
   if (name == llama2_70b_lora.name) return llama2_70b_lora;
-  FORGE_FAIL("MLPerf benchmark '{}': forge runs llama31_8b and llama2_70b_lora", name);
+  if (name == flux1.name) return flux1;
+  FORGE_FAIL("MLPerf benchmark '{}': forge runs llama31_8b, llama2_70b_lora and flux1", name);
 }
 
-std::vector<std::string> benchmark_names() { return {"llama31_8b", "llama2_70b_lora"}; }
+std::vector<std::string> benchmark_names() { return {"llama31_8b", "llama2_70b_lora", "flux1"}; }
 
 int64_t skipped_evaluations(const Benchmark& b, int64_t global_batch) {
   // training_rules.adoc, "Quality measure": LoRA skips FLOOR(0.125 * global_batch_size + 2).
@@ -84,7 +92,29 @@ int64_t eval_interval_steps(const Benchmark& b, int64_t global_batch) {
   return (b.eval_interval_samples + global_batch - 1) / global_batch;
 }
 
+namespace {
+
+// NOTE [MLPerf reference settings] for flux1.
+KeyRole flux_key_role(const std::string& key) {
+  if (key == "training.global_batch_size" || key == "optimizer.lr" || key == "lr_scheduler.warmup_steps" ||
+      key == "training.gradient_accumulation_steps")
+    return KeyRole::Hyperparameter;
+  if (has_prefix(key, {"precision.", "activation_checkpoint.", "parallelism."}) || key == "training.steps" ||
+      key == "training.local_batch_size" || key == "training.device" || key == "training.gemm_tuning" ||
+      key == "training.gemm_tuning_cache" || key == "flux.data_path" || key == "flux.eval_data_path" ||
+      key == "checkpoint.buffer_mb" || key == "logging.log_interval" || key == "logging.profile_ops" ||
+      key == "logging.enable_tensorboard")
+    return KeyRole::System;
+  if (key == "flux.model" || key == "flux.num_double_blocks" || key == "flux.num_single_blocks" ||
+      key == "flux.resolution" || key == "flux.text_tokens")
+    return KeyRole::NotBenchmark;
+  return KeyRole::Reference;
+}
+
+}  // namespace
+
 KeyRole key_role(const Benchmark& b, const std::string& key) {
+  if (b.flux) return flux_key_role(key);
   if (key == "training.global_batch_size" || key == "optimizer.lr" || key == "lr_scheduler.warmup_steps" ||
       key == "training.gradient_accumulation_steps")
     return KeyRole::Hyperparameter;
@@ -116,8 +146,11 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
                    "rules' hyperparameter table allows a closed submission to choose only the global batch, base "
                    "LR, warm-up, gradient accumulation{}); forge mlperf {} accepts those, the system settings "
                    "(device, micro-batch, precision, activation checkpointing, parallelism, data paths) and, for "
-                   "smoke tests, model.*, training.seq_len and data.source",
-                   key, b.name, b.lora ? " and the schedule's training steps" : "", b.name);
+                   "smoke tests, {}",
+                   key, b.name, b.lora ? " and the schedule's training steps" : "", b.name,
+                   b.flux ? "flux.model, flux.num_double_blocks, flux.num_single_blocks, flux.resolution and "
+                            "flux.text_tokens"
+                          : "model.*, training.seq_len and data.source");
       case KeyRole::NotBenchmark:
         plan.not_benchmark.push_back(fmt::format("{} {}", key, value));
         break;
@@ -163,7 +196,7 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
                plan.local_batch, b.name, b.eval_samples, b.eval_samples);
 
   KeyValues& o = plan.overrides;
-  o = {{"model.name", b.model},
+  o = {{b.flux ? "flux.model" : "model.name", b.model},
        {"training.global_batch_size", std::to_string(plan.global_batch)},
        {"training.local_batch_size", std::to_string(plan.local_batch)},
        {"training.device", "cuda"},
@@ -171,11 +204,25 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
        {"optimizer.name", "adamw"},
        {"optimizer.lr", number(lr)},
        {"lr_scheduler.warmup_steps", std::to_string(warmup_steps)},
-       {"lr_scheduler.decay_style", "cosine"},
+       {"lr_scheduler.decay_style", b.flux ? "constant" : "cosine"},
        {"eval.interval", std::to_string(eval_interval_steps(b, plan.global_batch))},
        {"eval.steps", std::to_string(b.eval_samples / plan.local_batch)},
        {"checkpoint.enable", "false"}};
-  if (!b.lora) {
+  if (b.flux) {
+    // NOTE [MLPerf Flux.1].
+    KeyValues more = {{"flux.resolution", "256"},
+                      {"flux.text_tokens", "256"},
+                      {"flux.timestep_sampling", "uniform"},
+                      {"flux.timestep_shift", "none"},
+                      {"flux.weight_init", "torchtitan"},
+                      {"training.steps", std::to_string((kFluxMaxSamples + plan.global_batch - 1) / plan.global_batch)},
+                      {"training.max_norm", "1.0"},
+                      {"optimizer.beta1", "0.9"},
+                      {"optimizer.beta2", "0.95"},
+                      {"optimizer.eps", "1e-08"},
+                      {"optimizer.weight_decay", "0.1"}};
+    o.insert(o.end(), more.begin(), more.end());
+  } else if (!b.lora) {
     // pretrain_llama31.py: distributed_fused_adam_with_cosine_annealing (betas 0.9/0.95, eps
     // 1e-5, weight decay 0.1, clip 1.0), min_lr = 0.1 × max_lr, max_steps 1.2 M; seq 8192.
     KeyValues more = {{"training.seq_len", "8192"},

@@ -23,11 +23,12 @@ const std::string& MlperfLogger::path() const {
 }
 
 void MlperfLogger::header(const ExperimentConfig& config, uint64_t seed, const SubmissionInfo& info,
-                          int64_t train_samples) {
+                          int64_t train_samples, int64_t eval_samples) {
   const TrainingConfig& t = config.training;
   global_batch_ = t.global_batch_size;
   interval_steps_ = config.eval.interval;
   skipped_ = skipped_evaluations(b_, global_batch_);
+  if (eval_samples < 0) eval_samples = config.eval.steps * t.local_batch_size;
   if (!log_) return;
   log_->event(mllog::kSubmissionBenchmark, b_.name);
   log_->event(mllog::kSubmissionOrg, info.org);
@@ -37,10 +38,24 @@ void MlperfLogger::header(const ExperimentConfig& config, uint64_t seed, const S
   log_->event(mllog::kSeed, seed);
   log_->event(mllog::kGlobalBatchSize, t.global_batch_size);
   log_->event(mllog::kGradientAccumulationSteps, t.gradient_accumulation_steps);
+  if (b_.flux) {  // NOTE [MLPerf Flux.1]: closed_flux1.yaml's keys
+    log_->event(mllog::kEvaluationFrequency, b_.eval_interval_samples);
+    log_->event(mllog::kEvalSamples, eval_samples);
+    log_->event(mllog::kTrainSamples, train_samples);
+    log_->event(mllog::kOptName, config.optimizer.name);
+    log_->event(mllog::kOptBaseLearningRate, config.optimizer.lr);
+    log_->event(mllog::kOptAdamwBeta1, config.optimizer.beta1);
+    log_->event(mllog::kOptAdamwBeta2, config.optimizer.beta2);
+    log_->event(mllog::kOptAdamwEpsilon, config.optimizer.eps);
+    log_->event(mllog::kOptAdamwWeightDecay, config.optimizer.weight_decay);
+    log_->event(mllog::kOptGradientClipNorm, t.max_norm);
+    log_->event(mllog::kOptLearningRateWarmupSteps, config.lr_scheduler.warmup_steps);
+    return;
+  }
   // The tokens of a sample: the sequence length the references configure (8B: seq_length
   // 8192 inputs; LoRA: blocks of 8,192 tokens, 8,191 inputs).
   log_->event(mllog::kMaxSequenceLength, b_.lora ? t.seq_len + 1 : t.seq_len);
-  log_->event(mllog::kEvalSamples, config.eval.steps * t.local_batch_size);
+  log_->event(mllog::kEvalSamples, eval_samples);
   log_->event(mllog::kOptName, config.optimizer.name);
   log_->event(mllog::kOptBaseLearningRate, config.optimizer.lr);
   log_->event(mllog::kOptAdamwBeta1, config.optimizer.beta1);
@@ -89,7 +104,12 @@ bool MlperfLogger::evaluation_due(int64_t step, int64_t samples, bool scheduled)
 }
 
 void MlperfLogger::evaluation_begins(int64_t samples) {
-  if (log_ && block_seconds_ > 0)
+  if (log_ && block_seconds_ > 0 && b_.flux)  // images/s and TFLOP/s/GPU (FLUX runs count no tokens)
+    log_->event(mllog::kTrackedStats,
+                {{"throughput", static_cast<double>(block_steps_ * global_batch_) / block_seconds_},
+                 {"tflops_per_gpu", block_tflop_per_gpu_ / block_seconds_}},
+                {{mllog::kStep, samples}});
+  else if (log_ && block_seconds_ > 0)
     log_->event(mllog::kTrackedStats,
                 {{"throughput", static_cast<double>(block_steps_ * global_batch_) / block_seconds_},
                  {"tokens_per_s_per_gpu", block_tokens_per_gpu_ / block_seconds_},
@@ -127,7 +147,7 @@ void MlperfLogger::training_ends(int64_t samples, bool stopped_by_observer) {
   if (in_block_) log_->end(mllog::kBlockStop, nullptr, {{mllog::kSamplesCount, samples}});
   log_->end(mllog::kRunStop, nullptr,
             {{mllog::kSamplesCount, samples}, {mllog::kStatus, succeeded_ ? mllog::kSuccess : mllog::kAborted}});
-  if (!b_.lora) log_->event(mllog::kTrainSamples, samples);
+  if (!b_.lora && !b_.flux) log_->event(mllog::kTrainSamples, samples);
 }
 
 void MlperfLogger::abort() {

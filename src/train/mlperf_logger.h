@@ -7,19 +7,22 @@
 // mlperf_logging_utils.py) and the training rules' timing section allows:
 //   constructed        cache_clear (after the run's data files are evicted from the page
 //                      cache), init_start: the clock of the 30-minute initialization limit
-//   header()           submission_*, seed, the hyperparameters (from the resolved config)
+//   header()           submission_*, seed, the hyperparameters (from the resolved config;
+//                      flux1: closed_flux1.yaml's, evaluation_frequency and train_samples, the
+//                      training cache's images, among them)
 //   training_begins    init_stop: the model is built and its weights loaded by then (the
 //                      trainer loads them at the start of run()); run_start (time-to-train
 //                      starts), block_start {samples_count 0}
-//   evaluation_begins  tracked_stats (the block's samples/s, tokens/s/GPU, TFLOP/s/GPU),
+//   evaluation_begins  tracked_stats (the block's samples/s, tokens/s/GPU (not for flux1),
+//                      TFLOP/s/GPU),
 //                      block_stop, eval_start
 //   evaluation_done    eval_accuracy {samples_count} (the log perplexity or evaluation
 //                      loss), eval_stop; at or below the target: the run has succeeded,
 //                      else the next block_start
 //   training_ends      run_stop {samples_count, status success|aborted}, then (8B, as the
 //                      reference) train_samples: the samples trained on
-// samples_count is the training sequences consumed before the event (step × global
-// batch). Evaluations come every CEIL(interval / global batch) steps after the rules'
+// samples_count is the training sequences (flux1: images) consumed before the event (step
+// × global batch). Evaluations come every CEIL(interval / global batch) steps after the rules'
 // skipped ones; a run that ends without reaching the target (training.steps, a signal, an
 // error: abort()) logs run_stop with status aborted. Only rank 0 writes; other ranks' loggers
 // are silent.
@@ -52,7 +55,9 @@ class MlperfLogger : public TrainingObserver {
 
   // submission_*, seed, the hyperparameters of `config` as the rules name them.
   // `train_samples`: the training set's sequences (LoRA logs them here, as the reference).
-  void header(const ExperimentConfig& config, uint64_t seed, const SubmissionInfo& info, int64_t train_samples);
+  // `eval_samples`: the samples an evaluation covers; -1: eval.steps x training.local_batch_size.
+  void header(const ExperimentConfig& config, uint64_t seed, const SubmissionInfo& info, int64_t train_samples,
+              int64_t eval_samples = -1);
 
   void training_begins(int64_t samples) override;
   void step_done(const StepMetrics& m, int64_t samples) override;

@@ -13,7 +13,7 @@ namespace {
 
 // Copied from mlperf-logging 4.1.68, mlperf_logging/rcp_checker/training_5.1.0/
 // rcps_llama31_8b.json ("Epochs to converge", in samples) and rcps_llama2_70b_lora.json
-// ("samples to converge"), in the files' order. tests/python/test_mlperf_logging.py checks
+// ("samples to converge"), and rcps_flux1.json, in the files' order. tests/python/test_mlperf_logging.py checks
 // that they equal the package's. The targets: closed_llama31_8b.yaml and
 // closed_llama2_70b_lora.yaml (eval_accuracy <= 3.3 and <= 0.925).
 RcpBenchmark embedded(const std::string& name) {
@@ -32,7 +32,14 @@ RcpBenchmark embedded(const std::string& name) {
       {"llama2_70b_lora_ref_32", 32, {5760, 6528, 6144, 6528, 5376, 6528, 5760, 6144, 6144, 6528, 6144, 6144, 6144, 5760, 5760, 5760, 5760, 5760, 6144, 5760}},
       {"llama2_70b_lora_ref_128", 128, {11520, 13056, 10752, 12672, 12288, 11136, 10752, 13056, 10752, 9984, 11136, 11136, 11136, 10752, 11520, 11136, 11136, 10752, 11136, 9984}},
     }};
-  FORGE_FAIL("MLPerf benchmark '{}': forge knows the RCPs of llama31_8b and llama2_70b_lora", name);
+  if (name == "flux1")  // rcps_flux1.json ("samples to converge"); closed_flux1.yaml: eval_accuracy <= 0.586
+    return {"flux1", 10, 0.586, {
+      {"flux_ref_512", 512, {8388608, 8388608, 8388608, 8126464, 7864320, 8126464, 7864320, 7602176, 8650752, 8126464, 8650752, 8126464, 8388608, 8126464, 8126464, 8126464, 8126464, 8126464, 8126464, 7864320}},
+      {"flux_ref_1024", 1024, {8912896, 8650752, 9437184, 8126464, 8388608, 9175040, 8650752, 8126464, 8388608, 9961472, 7864320, 8126464, 9699328, 8650752, 9437184, 8912896, 8388608, 9175040, 8126464, 9175040}},
+      {"flux_ref_2048", 2048, {11272192, 10223616, 11534336, 10747904, 9699328, 10485760, 11010048, 10223616, 11796480, 10485760, 10747904, 11272192, 9699328, 10485760, 11534336, 9961472, 10485760, 10485760, 11272192, 11272192}},
+      {"flux_ref_4096", 4096, {15466496, 15728640, 15990784, 15466496, 15728640, 15466496, 14942208, 14680064, 15728640, 15990784, 15990784, 15728640, 15728640, 16252928, 14942208, 15728640, 16252928, 15204352, 16515072, 14942208}},
+    }};
+  FORGE_FAIL("MLPerf benchmark '{}': forge knows the RCPs of llama31_8b, llama2_70b_lora and flux1", name);
 }
 
 // Numerical Recipes' continued fraction for the regularized incomplete beta function.
@@ -146,7 +153,7 @@ double student_t_cdf(double t, double degrees_of_freedom) {
   return t < 0 ? tail : 1.0 - tail;
 }
 
-std::vector<std::string> rcp_benchmark_names() { return {"llama31_8b", "llama2_70b_lora"}; }
+std::vector<std::string> rcp_benchmark_names() { return {"llama31_8b", "llama2_70b_lora", "flux1"}; }
 
 const RcpBenchmark& rcp_benchmark(const std::string& name) {
   static const std::map<std::string, RcpBenchmark> tables = [] {

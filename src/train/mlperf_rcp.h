@@ -1,7 +1,7 @@
 // MLPerf Training's reference convergence points (RCPs) and the RCP check, computed as
 // mlperf_logging.rcp_checker does it (PyPI mlperf-logging 4.1.68,
 // mlperf_logging/rcp_checker/rcp_checker.py, with its default --rcp_pass pruned_rcps),
-// for the two benchmarks forge runs: llama31_8b and llama2_70b_lora.
+// for the benchmarks forge runs: llama31_8b, llama2_70b_lora and flux1.
 //
 // NOTE [RCP normalization]
 // An RCP is a reference's samples-to-converge of 20 runs at one global batch size. Its

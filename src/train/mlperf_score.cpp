@@ -121,8 +121,8 @@ ResultRun read_result_file(const std::string& path) {
       start_ms = time_ms;
     } else if (key == mllog::kEvalAccuracy && !have_stop) {
       if (!metadata.contains(mllog::kSamplesCount) || !metadata[mllog::kSamplesCount].is_number_integer())
-        FORGE_FAIL("{}: eval_accuracy needs an integer metadata.samples_count (the 5.1 rules of llama31_8b and "
-                   "llama2_70b_lora), got metadata {}",
+        FORGE_FAIL("{}: eval_accuracy needs an integer metadata.samples_count (the 5.1 rules of llama31_8b, "
+                   "llama2_70b_lora and flux1), got metadata {}",
                    where, describe_json(metadata));
       if (!value.is_number()) FORGE_FAIL("{}: eval_accuracy's value must be a number, got {}", where, describe_json(value));
       last_samples = metadata[mllog::kSamplesCount];

@@ -269,7 +269,7 @@ TEST(MlperfScore, SummaryIsWhatTheCommandPrints) {
 }
 
 TEST(MlperfRcp, UnknownBenchmarkIsAnError) {
-  expect_error([] { mlperf::rcp_benchmark("resnet"); }, {"resnet", "llama31_8b and llama2_70b_lora"});
+  expect_error([] { mlperf::rcp_benchmark("resnet"); }, {"resnet", "llama31_8b, llama2_70b_lora and flux1"});
 }
 
 }  // namespace

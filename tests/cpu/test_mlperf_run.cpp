@@ -86,6 +86,48 @@ TEST(MlperfPlan, LoraReferenceAndSchedule) {
   expect_error([&] { mlperf::plan_run(b, {{"lora.rank", "8"}}); }, {"--lora.rank", "llama2_70b_lora fixes it"});
 }
 
+TEST(MlperfPlan, FluxReferenceAndRcpHyperparameters) {
+  // NOTE [MLPerf Flux.1]: closed_flux1.yaml's fixed values, the reference's recipe, rcps_flux1.json.
+  const auto& b = mlperf::benchmark("flux1");
+  auto v = last_values(mlperf::plan_run(b, {{"training.local_batch_size", "16"}}).overrides);
+  EXPECT_EQ(v["flux.model"], "flux1-schnell");
+  EXPECT_EQ(v.count("model.name"), 0u);
+  EXPECT_EQ(v["flux.resolution"], "256");
+  EXPECT_EQ(v["flux.text_tokens"], "256");
+  EXPECT_EQ(v["flux.timestep_sampling"], "uniform");
+  EXPECT_EQ(v["flux.timestep_shift"], "none");
+  EXPECT_EQ(v["flux.weight_init"], "torchtitan");
+  EXPECT_EQ(v["training.global_batch_size"], "512");
+  EXPECT_EQ(v["optimizer.lr"], "0.0002");
+  EXPECT_EQ(v["optimizer.beta2"], "0.95");
+  EXPECT_EQ(v["optimizer.eps"], "1e-08");
+  EXPECT_EQ(v["optimizer.weight_decay"], "0.1");
+  EXPECT_EQ(v["training.max_norm"], "1.0");
+  EXPECT_EQ(v["lr_scheduler.warmup_steps"], "1600");
+  EXPECT_EQ(v["lr_scheduler.decay_style"], "constant");
+  EXPECT_EQ(v["eval.interval"], "512");   // 262,144 / 512
+  EXPECT_EQ(v["eval.steps"], "1856");     // 29,696 / 16
+  EXPECT_EQ(v["training.steps"], "62500");  // 32 M images
+  v = last_values(mlperf::plan_run(b, {{"training.global_batch_size", "4096"}}).overrides);
+  EXPECT_EQ(v["optimizer.lr"], "0.0004");
+  EXPECT_EQ(v["lr_scheduler.warmup_steps"], "100");
+  EXPECT_EQ(v["eval.interval"], "64");
+  EXPECT_EQ(mlperf::skipped_evaluations(b, 512), 0);
+  expect_error([&] { mlperf::plan_run(b, {{"training.global_batch_size", "256"}}); },
+               {"no flux1 RCP was measured at that batch", "512, 1024, 2048, 4096"});
+  expect_error([&] { mlperf::plan_run(b, {{"flux.timestep_sampling", "logit_normal"}}); },
+               {"--flux.timestep_sampling", "flux1 fixes it", "flux.num_double_blocks"});
+  expect_error([&] { mlperf::plan_run(b, {{"training.local_batch_size", "10"}}); },
+               {"flux1 evaluates 29696", "must divide 29696"});
+  EXPECT_EQ(mlperf::key_role(b, "flux.data_path"), KeyRole::System);
+  EXPECT_EQ(mlperf::key_role(b, "flux.eval_data_path"), KeyRole::System);
+  EXPECT_EQ(mlperf::key_role(b, "flux.num_single_blocks"), KeyRole::NotBenchmark);
+  EXPECT_EQ(mlperf::key_role(b, "flux.resolution"), KeyRole::NotBenchmark);
+  EXPECT_EQ(mlperf::key_role(b, "flux.weight_init"), KeyRole::Reference);
+  EXPECT_EQ(mlperf::key_role(b, "optimizer.lr"), KeyRole::Hyperparameter);
+  EXPECT_EQ(mlperf::key_role(b, "model.name"), KeyRole::Reference);
+}
+
 TEST(MlperfPlan, KeyRoles) {
   const auto& b8 = mlperf::benchmark("llama31_8b");
   const auto& lora = mlperf::benchmark("llama2_70b_lora");
@@ -102,7 +144,7 @@ TEST(MlperfPlan, KeyRoles) {
   EXPECT_EQ(mlperf::key_role(b8, "no.such_key"), KeyRole::Reference);
   expect_error([&] { mlperf::plan_run(b8, {{"optimizer.lr", "fast"}}); },
                {"--optimizer.lr 'fast'", "positive number"});
-  expect_error([] { mlperf::benchmark("resnet"); }, {"'resnet'", "llama31_8b and llama2_70b_lora"});
+  expect_error([] { mlperf::benchmark("resnet"); }, {"'resnet'", "llama31_8b, llama2_70b_lora and flux1"});
 }
 
 std::vector<Json> mllog_lines(const std::string& path) {

@@ -38,7 +38,7 @@ except ImportError:
     sys.exit(77)
 
 RULESET = "5.1.0"
-BENCHMARKS = ("llama31_8b", "llama2_70b_lora")
+BENCHMARKS = ("llama31_8b", "llama2_70b_lora", "flux1")
 PACKAGE = os.path.dirname(mlperf_logging.__file__)
 
 
