@@ -500,6 +500,12 @@ std::vector<ConfigKey> build_schema() {
           "flux.eval_data_path",
           "a validation latent cache: every eval.interval steps, the loss at the 8 fixed times t = i/8 (MLPerf "
           "Flux.1's validation loss) over eval.steps micro-batches (at most the whole cache)"),
+      // torchtitan's training.classifer_free_guidance_prob (MLPerf Flux.1: 0.1).
+      key<&E::flux, &FluxRunConfig::caption_dropout_prob>(
+          "flux.caption_dropout_prob",
+          "probability that a training sample's caption is replaced by the empty one (classifier-free guidance); "
+          "needs flux.data_path with the empty caption's encodings (forge prep --images writes them)",
+          ValueRange{0, 1}),
   };
 }
 

@@ -128,6 +128,7 @@ struct FluxRunConfig {
   bool last_save_in_diffusers = false;  // write the final weights to <run_dir>/diffusers
   std::string data_path;                // a latent cache (forge prep --images); empty: synthetic batches
   std::string eval_data_path;           // a validation latent cache: the loss at 8 fixed times (NOTE [FLUX validation loss])
+  double caption_dropout_prob = 0.0;    // per sample, train on the empty caption (NOTE [FLUX caption dropout])
 };
 
 struct ExperimentConfig {
