@@ -155,6 +155,12 @@ class FluxCacheTraining(unittest.TestCase):
 
 
 
+def final_state(run_dir, step):
+    """The checkpoint's master weights and AdamW moments, as bytes."""
+    with open(os.path.join(run_dir, "checkpoints", f"step-{step}", "rank-0.bin"), "rb") as f:
+        return f.read()
+
+
 def empty_encodings(seed=5, text_tokens=8, context_dim=32, pooled_dim=16):
     rng = np.random.default_rng(seed)
     return (rng.standard_normal((1, text_tokens, context_dim), dtype=np.float32),
@@ -179,15 +185,27 @@ class FluxCaptionDropoutAndPosterior(unittest.TestCase):
 
         mode = write_cache(os.path.join(self.root, "dropped"), self.BUCKETS, empty_prompt=self.empty)
         all_empty = write_cache(os.path.join(self.root, "all-empty"), self.BUCKETS, edit=as_empty)
-        code, out, dropped, _ = train("--flux.data_path", mode, "--flux.caption_dropout_prob", "1",
-                                      "--training.steps", "4")
+        # flux-debug's losses barely depend on the text at first: the final weights are compared.
+        save = ("--training.steps", "4", "--checkpoint.enable", "true", "--checkpoint.interval", "100")
+        code, out, dropped, _ = train("--flux.data_path", mode, "--flux.caption_dropout_prob", "1", *save,
+                                      run_dir=os.path.join(self.root, "run-dropped"))
         self.assertEqual(code, 0, out)
         self.assertIn("captions dropped with probability 1", out)
-        code, out, reference, _ = train("--flux.data_path", all_empty, "--training.steps", "4")
+        code, out, reference, _ = train("--flux.data_path", all_empty, *save,
+                                        run_dir=os.path.join(self.root, "run-all-empty"))
         self.assertEqual(code, 0, out)
         self.assertEqual(dropped, reference)
-        code, out, kept, _ = train("--flux.data_path", mode, "--training.steps", "4")
-        self.assertNotEqual(kept, dropped)
+        code, out, _, _ = train("--flux.data_path", mode, *save, run_dir=os.path.join(self.root, "run-kept"))
+        self.assertEqual(code, 0, out)
+        code, out, _, _ = train("--flux.data_path", mode, "--flux.caption_dropout_prob", "0.5", *save,
+                                run_dir=os.path.join(self.root, "run-half"))
+        self.assertEqual(code, 0, out)
+        weights = {name: final_state(os.path.join(self.root, "run-" + name), 4)
+                   for name in ("dropped", "all-empty", "kept", "half")}
+        self.assertEqual(weights["dropped"], weights["all-empty"])
+        self.assertNotEqual(weights["kept"], weights["dropped"])
+        self.assertNotEqual(weights["half"], weights["dropped"])
+        self.assertNotEqual(weights["half"], weights["kept"])
 
     def test_a_distribution_of_negligible_variance_trains_as_its_scaled_mean(self):
         tiny = write_cache(os.path.join(self.root, "tiny-variance"), self.BUCKETS, latents="distribution",
@@ -204,6 +222,12 @@ class FluxCaptionDropoutAndPosterior(unittest.TestCase):
         self.assertEqual(code, 0, out)
         for a, b in zip(sampled, reference):
             self.assertAlmostEqual(a, b, delta=2e-4)
+        # A unit variance does draw: other latents, other losses.
+        unit = write_cache(os.path.join(self.root, "unit-variance"), self.BUCKETS, latents="distribution",
+                           logvar=0.0)
+        code, out, drawn, _ = train("--flux.data_path", unit, "--training.steps", "3")
+        self.assertEqual(code, 0, out)
+        self.assertTrue(all(abs(a - b) > 1e-3 for a, b in zip(drawn, reference)), (drawn, reference))
         # The validation loss reads the mode: a distribution cache of any variance evaluates as
         # its scaled mean.
         args = ("--training.steps", "1", "--eval.interval", "1", "--eval.steps", "100", "--optimizer.lr", "0")
@@ -233,10 +257,7 @@ class FluxCaptionDropoutAndPosterior(unittest.TestCase):
         self.assertEqual(code, 0, out)
         self.assertIn("resuming from checkpoint", out)
         self.assertEqual(first + second, full)
-        with open(os.path.join(full_dir, "checkpoints", "step-6", "rank-0.bin"), "rb") as f:
-            full_state = f.read()
-        with open(os.path.join(resumed_dir, "checkpoints", "step-6", "rank-0.bin"), "rb") as f:
-            self.assertEqual(f.read(), full_state)
+        self.assertEqual(final_state(resumed_dir, 6), final_state(full_dir, 6))
 
     def test_refusals(self):
         plain = write_cache(os.path.join(self.root, "no-empty"), [(64, 64, 4)])

@@ -308,6 +308,26 @@ class FluxPrepVsDiffusers(unittest.TestCase):
             for kind, got, want in zip(("latents", "prompt_embeds", "pooled"), on_gpu[image], on_cpu[image]):
                 self.assertLess(relative_error(got, want), 5e-2, f"{image} {kind}")
 
+    def test_cuda_distribution_matches_cpu(self):
+        """On a machine with a GPU: --latents distribution's moments and the empty caption in bf16 on CUDA
+        against the CPU's fp32."""
+        from safetensors.numpy import load_file
+
+        args = ("--pipeline", self.pipeline, "--resolution", "32", "--dtype", "fp32", "--latents", "distribution")
+        path = self.out("forge-cuda-distribution")
+        result = forge("--images", self.images, "--output", path, "--text-tokens", "24", "--batch-size", "2",
+                       "--device", "cuda", *args)
+        if "no GPU is visible" in result.stdout + result.stderr:
+            self.skipTest("no GPU")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        cpu, _ = self.forge_cache("forge-cuda-distribution-reference", *args)
+        for name in ("shard-00000.safetensors", "empty-prompt.safetensors"):
+            on_gpu, on_cpu = load_file(os.path.join(path, name)), load_file(os.path.join(cpu, name))
+            self.assertEqual(set(on_gpu), set(on_cpu))
+            for key in on_cpu:
+                self.assertLess(relative_error(on_gpu[key].astype(np.float64), on_cpu[key].astype(np.float64)),
+                                5e-2, f"{name} {key}")
+
     def test_refusals(self):
         p, images = self.pipeline, self.images
         base = ("--images", images, "--pipeline", p, "--resolution", "32")
