@@ -320,7 +320,9 @@ FluxLatentCache::FluxLatentCache(const std::string& folder)
     Files::Shard& empty = files_->empty_prompt;
     empty.file = std::make_unique<SafetensorsFile>(path);
     const std::vector<const SafetensorsEntry*> found =
-        check_tensors(*empty.file, path, {{"prompt_embeds", {1, m.text_tokens, m.context_dim}}, {"pooled_prompt_embeds", {1, m.pooled_dim}}},
+        check_tensors(*empty.file, path,
+                      {{"prompt_embeds", {1, m.text_tokens, m.context_dim}},
+                       {"pooled_prompt_embeds", {1, m.pooled_dim}}},
                       dtype, "the empty caption's encodings");
     empty.text = found[0];
     empty.pooled = found[1];
@@ -382,7 +384,8 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
       const auto [shard_index, shard_row] = where[static_cast<size_t>(k)];
       uint8_t* to = dst + static_cast<size_t>(k * row) * dtype_size(out.dtype());
       const bool empty_caption = t > 0 && !dropped.empty() && dropped[static_cast<size_t>(k)] != 0;
-      const Files::Shard& shard = empty_caption ? files_->empty_prompt : files_->shards[static_cast<size_t>(shard_index)];
+      const Files::Shard& shard =
+          empty_caption ? files_->empty_prompt : files_->shards[static_cast<size_t>(shard_index)];
       const int64_t source_row = empty_caption ? 0 : shard_row;
       const SafetensorsEntry* entry = t == 0 ? shard.latents : t == 1 ? shard.text : shard.pooled;
       const uint8_t* src = shard.file->bytes(*entry) + static_cast<size_t>(source_row * row) * from_size;
@@ -394,8 +397,8 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
       mean.resize(static_cast<size_t>(row));
       logvar.resize(static_cast<size_t>(row));
       convert_values(mean.data(), DType::F32, src, from, row);
-      convert_values(logvar.data(), DType::F32, shard.file->bytes(*shard.logvar) + static_cast<size_t>(shard_row * row) * from_size,
-                     from, row);
+      const uint8_t* logvar_src = shard.file->bytes(*shard.logvar) + static_cast<size_t>(shard_row * row) * from_size;
+      convert_values(logvar.data(), DType::F32, logvar_src, from, row);
       const float scale = static_cast<float>(m.scaling_factor), shift = static_cast<float>(m.shift_factor);
       const float* eps = noise ? noise->data<float>() + k * row : nullptr;
       for (int64_t e = 0; e < row; ++e) {

@@ -3,7 +3,9 @@
 // (core/parallel.h), encodes them in batches and appends them to a FluxLatentCacheWriter,
 // which renames the finished cache into place. Every flag is checked before anything is
 // loaded; the encoders run in fp32 on the CPU and in bf16 on CUDA, as their own tests run
-// them (the VAE's latents come out in fp32 either way).
+// them (the VAE's latents come out in fp32 either way; with --latents distribution its mean
+// and logvar come in the encoders' dtype, FluxVae::encode_moments'). The empty caption "" is
+// encoded once too, for caption dropout (NOTE [FLUX caption dropout]).
 #include "cli/image_prep_command.h"
 
 #include <unistd.h>

@@ -281,7 +281,8 @@ FluxTrainResult FluxTrainer::run(bool log) {
   set_op_profiling(config_.logging.profile_ops);
   if (log && s.source) {
     const FluxCacheManifest& m = s.source->cache.manifest();
-    log_info("FLUX data: {} ({} samples in {} shards, {} latents{}, {} text tokens): {} micro-batches of {} per epoch{}",
+    log_info("FLUX data: {} ({} samples in {} shards, {} latents{}, {} text tokens): {} micro-batches of {} per "
+             "epoch{}",
              s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder,
              m.distribution() ? " drawn from the posterior" : "", m.text_tokens,
              s.source->batches.batches_per_epoch(), s.shape.batch,

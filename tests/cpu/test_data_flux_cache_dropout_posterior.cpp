@@ -34,7 +34,8 @@ Tensor pattern(Shape shape, int64_t first_sample, float kind) {
   Tensor t = Tensor::empty(shape);
   const int64_t row = t.numel() / shape[0];
   for (int64_t i = 0; i < t.numel(); ++i)
-    t.data<float>()[i] = kind + 100.0f * static_cast<float>(first_sample + i / row) + 0.25f * static_cast<float>(i % row);
+    t.data<float>()[i] =
+        kind + 100.0f * static_cast<float>(first_sample + i / row) + 0.25f * static_cast<float>(i % row);
   return t;
 }
 
@@ -79,7 +80,8 @@ bool same_bytes(const Tensor& a, const Tensor& b) { return std::memcmp(a.raw(), 
 TEST(FluxCacheEmptyPrompt, DroppedRowsHoldTheEmptyCaptionExactly) {
   TempDir dir;
   for (const DType stored : {DType::F32, DType::BF16}) {
-    const std::string folder = write_with_empty_prompt(dir, std::string("c-") + std::string(dtype_name(stored)), true, stored);
+    const std::string folder =
+        write_with_empty_prompt(dir, std::string("c-") + std::string(dtype_name(stored)), true, stored);
     {
       std::ifstream in(folder + "/cache.json");
       EXPECT_EQ(json::parse(in)["empty_prompt"], kFluxCacheEmptyPrompt);
@@ -89,7 +91,8 @@ TEST(FluxCacheEmptyPrompt, DroppedRowsHoldTheEmptyCaptionExactly) {
     EXPECT_TRUE(cache.manifest().has_empty_prompt());
     for (const DType into : {DType::F32, DType::BF16}) {
       const std::vector<int64_t> rows = {3, 1, 0};
-      Tensor l = Tensor::empty({3, 16, 2, 2}, into), t = Tensor::empty({3, 3, 4}, into), p = Tensor::empty({3, 5}, into);
+      Tensor l = Tensor::empty({3, 16, 2, 2}, into), t = Tensor::empty({3, 3, 4}, into),
+             p = Tensor::empty({3, 5}, into);
       Tensor l0 = Tensor::empty({3, 16, 2, 2}, into), t0 = Tensor::empty({3, 3, 4}, into),
              p0 = Tensor::empty({3, 5}, into);
       cache.read(rows, l0, t0, p0);

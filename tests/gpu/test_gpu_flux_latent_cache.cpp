@@ -83,7 +83,8 @@ TEST(GpuFluxLatentCache, DroppedCaptionsAndSampledLatentsIntoDeviceTensors) {
   options.latent_noise = &eps;
   for (DType into : {DType::F32, DType::BF16}) {
     const std::vector<int64_t> order = {1, 2, 0};
-    Tensor hl = Tensor::empty({n, 16, 4, 2}, into), ht = Tensor::empty({n, 5, 8}, into), hp = Tensor::empty({n, 6}, into);
+    Tensor hl = Tensor::empty({n, 16, 4, 2}, into), ht = Tensor::empty({n, 5, 8}, into),
+           hp = Tensor::empty({n, 6}, into);
     cache.read(order, hl, ht, hp, options);
     Tensor dl = poisoned_gpu({n, 16, 4, 2}, into), dt = poisoned_gpu({n, 5, 8}, into), dp = poisoned_gpu({n, 6}, into);
     cache.read(order, dl, dt, dp, options);
