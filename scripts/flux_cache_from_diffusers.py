@@ -6,15 +6,17 @@ features made outside forge:
   python scripts/flux_cache_from_diffusers.py --images DATASET --pipeline /models/FLUX.1-dev \\
       --output DIR [--layout caption-files|filename-captions|jsonl] [--resolution 1024 | --buckets 1024x1024,...] \\
       [--text-tokens 512] [--dtype bf16|fp32] [--torch-dtype float32|bfloat16] [--device cpu|cuda] \\
-      [--batch-size 4] [--shard-samples 256] [--vae pixels] [--overwrite]
+      [--batch-size 4] [--shard-samples 256] [--vae pixels] [--latents mode|distribution] [--overwrite]
 
 Per image, as diffusers' FLUX training scripts do: ImageOps.exif_transpose, convert("RGB"),
 resize to cover the bucket with PIL's bilinear filter (torchvision's Resize of the shorter side
 for a square bucket), center crop, ToTensor, Normalize([0.5], [0.5]); the bucket is the one
 nearest in aspect ratio (the first on a tie). Latents: AutoencoderKL.encode(x).latent_dist.mode(),
 then (z - shift_factor) * scaling_factor, or with --vae pixels forge's pixel fold (NOTE [Pixel
-latents]). Text: FluxPipeline.encode_prompt (T5's prompt_embeds of --text-tokens tokens, CLIP's
-pooled_prompt_embeds). Samples are grouped by bucket in the buckets' order, images sorted by
+latents]); with --latents distribution, latent_dist.mean and latent_dist.logvar unscaled instead
+(NOTE [FLUX posterior latents]: forge draws and scales a latent per use). Text: FluxPipeline.encode_prompt (T5's prompt_embeds of --text-tokens tokens, CLIP's
+pooled_prompt_embeds), and once the empty caption's ("", empty-prompt.safetensors: NOTE [FLUX
+caption dropout]). Samples are grouped by bucket in the buckets' order, images sorted by
 path within the folder layouts (the manifest's order for jsonl), as forge prep --images orders
 them. Random crops and flips are forge's own random numbers and are not offered here.
 """
@@ -146,8 +148,11 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--shard-samples", type=int, default=256)
+    parser.add_argument("--latents", choices=["mode", "distribution"], default="mode")
     parser.add_argument("--overwrite", action="store_true")
     args = parser.parse_args(argv)
+    if args.latents == "distribution" and args.vae == "pixels":
+        fail("--latents distribution: --vae pixels has no posterior to sample")
 
     from diffusers import AutoencoderKL, FluxPipeline
     from safetensors.torch import save_file
@@ -194,13 +199,18 @@ def main(argv=None):
         for bucket, members in zip(buckets, by_bucket):
             for start in range(0, len(members), args.shard_samples):
                 chunk = members[start:start + args.shard_samples]
-                latents, texts, pooled = [], [], []
+                latents, logvars, texts, pooled = [], [], [], []
                 for b in range(0, len(chunk), args.batch_size):
                     batch = chunk[b:b + args.batch_size]
                     images = torch.stack([load_image(image, bucket) for image, _ in batch])
                     with torch.no_grad():
                         if vae is None:
                             z = pixel_latents(images)
+                        elif args.latents == "distribution":
+                            posterior = vae.encode(images.to(device, dtype)).latent_dist
+                            z = posterior.mean
+                            logvars.append(posterior.logvar.float().cpu())
+                            latent_channels = z.shape[1]
                         else:
                             z = vae.encode(images.to(device, dtype)).latent_dist.mode()
                             z = (z - vae.config.shift_factor) * vae.config.scaling_factor
@@ -213,22 +223,36 @@ def main(argv=None):
                     pooled.append(pooled_embeds.float().cpu())
                 context_dim, pooled_dim = texts[0].shape[2], pooled[0].shape[1]
                 name = f"shard-{len(shards):05d}.safetensors"
-                save_file({"latents": torch.cat(latents).to(stored).contiguous(),
-                           "prompt_embeds": torch.cat(texts).to(stored).contiguous(),
-                           "pooled_prompt_embeds": torch.cat(pooled).to(stored).contiguous()},
-                          os.path.join(temporary, name), metadata={"format": FORMAT})
+                tensors = {"prompt_embeds": torch.cat(texts).to(stored).contiguous(),
+                           "pooled_prompt_embeds": torch.cat(pooled).to(stored).contiguous()}
+                if logvars:
+                    tensors["latent_mean"] = torch.cat(latents).to(stored).contiguous()
+                    tensors["latent_logvar"] = torch.cat(logvars).to(stored).contiguous()
+                else:
+                    tensors["latents"] = torch.cat(latents).to(stored).contiguous()
+                save_file(tensors, os.path.join(temporary, name), metadata={"format": FORMAT})
                 for row, (image, caption) in enumerate(chunk):
                     captions.append({"shard": len(shards), "row": row, "image": image, "caption": caption})
                 shards.append({"file": name, "samples": len(chunk), "width": bucket[0], "height": bucket[1]})
+        with torch.no_grad():
+            empty_embeds, empty_pooled, _ = pipe.encode_prompt(prompt=[""], prompt_2=None, device=device,
+                                                               max_sequence_length=args.text_tokens)
+        save_file({"prompt_embeds": empty_embeds.float().cpu().to(stored).contiguous(),
+                   "pooled_prompt_embeds": empty_pooled.float().cpu().to(stored).contiguous()},
+                  os.path.join(temporary, "empty-prompt.safetensors"), metadata={"format": FORMAT})
         with open(os.path.join(temporary, "captions.jsonl"), "w", encoding="utf-8") as f:
             for line in captions:
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
         manifest = {"format": FORMAT, "version": 1, "autoencoder": "pixels" if vae is None else "vae",
                     "latent_channels": latent_channels, "text_tokens": args.text_tokens, "context_dim": context_dim,
-                    "pooled_dim": pooled_dim, "dtype": args.dtype, "samples": len(captions), "shards": shards,
+                    "pooled_dim": pooled_dim, "dtype": args.dtype, "empty_prompt": "empty-prompt.safetensors",
+                    "samples": len(captions), "shards": shards,
                     "source": {"tool": "scripts/flux_cache_from_diffusers.py", "dataset": args.images,
                                "layout": layout, "buckets": [f"{w}x{h}" for w, h in buckets], "crop": "center",
                                "pipeline": p, "torch_dtype": args.torch_dtype, "device": args.device}}
+        if args.latents == "distribution":
+            manifest.update({"latents": "distribution", "scaling_factor": vae.config.scaling_factor,
+                             "shift_factor": vae.config.shift_factor})
         with open(os.path.join(temporary, "cache.json"), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
         if os.path.exists(args.output):

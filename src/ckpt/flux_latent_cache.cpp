@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -43,6 +44,15 @@ int64_t integer_key(const nlohmann::json& object, const char* key, int64_t low, 
   if (too_large || it->get<int64_t>() < low || it->get<int64_t>() > high)
     FORGE_FAIL("{}: \"{}\" is {}, expected an integer in [{}, {}]", where, key, describe_json(*it), low, high);
   return it->get<int64_t>();
+}
+
+// The finite number at `key` of `object`.
+double number_key(const nlohmann::json& object, const char* key, const std::string& where) {
+  const auto it = object.find(key);
+  if (it == object.end()) FORGE_FAIL("{}: \"{}\" is missing", where, key);
+  if (!it->is_number() || !std::isfinite(it->get<double>()))
+    FORGE_FAIL("{}: \"{}\" is {}, expected a finite number", where, key, describe_json(*it));
+  return it->get<double>();
 }
 
 std::string string_key(const nlohmann::json& object, const char* key, const std::string& where) {
@@ -136,7 +146,8 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder) {
   if (!j.is_object()) FORGE_FAIL("{}: is {}, expected a JSON object", path, describe_json(j));
   check_known_keys(j,
                    {"format", "version", "autoencoder", "latent_channels", "text_tokens", "context_dim", "pooled_dim",
-                    "dtype", "samples", "shards", "source"},
+                    "dtype", "samples", "shards", "source", "latents", "scaling_factor", "shift_factor",
+                    "empty_prompt"},
                    path);
   const std::string format = string_key(j, "format", path);
   if (format != kFluxCacheFormat)
@@ -159,6 +170,29 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder) {
     FORGE_FAIL("{}: \"dtype\" is \"{}\", expected \"bf16\" or \"fp32\"", path, dtype);
   m.dtype = dtype == "bf16" ? DType::BF16 : DType::F32;
   m.samples = integer_key(j, "samples", 1, int64_t{1} << 40, path);
+  // The optional keys (NOTE [FLUX latent cache]).
+  if (j.contains("latents")) {
+    m.latents = string_key(j, "latents", path);
+    if (m.latents != "mode" && m.latents != "distribution")
+      FORGE_FAIL("{}: \"latents\" is \"{}\", expected \"mode\" or \"distribution\"", path, m.latents);
+  }
+  if (m.distribution()) {
+    if (m.autoencoder != "vae")
+      FORGE_FAIL("{}: \"latents\" is \"distribution\" and \"autoencoder\" \"{}\": only a VAE has a posterior", path,
+                 m.autoencoder);
+    m.scaling_factor = number_key(j, "scaling_factor", path);
+    m.shift_factor = number_key(j, "shift_factor", path);
+    if (m.scaling_factor == 0) FORGE_FAIL("{}: \"scaling_factor\" is 0", path);
+  } else {
+    for (const char* key : {"scaling_factor", "shift_factor"})
+      if (j.contains(key))
+        FORGE_FAIL("{}: \"{}\" belongs to \"latents\": \"distribution\" (a mode cache stores scaled latents)", path,
+                   key);
+  }
+  if (j.contains("empty_prompt")) {
+    m.empty_prompt = string_key(j, "empty_prompt", path);
+    check_shard_file_name(m.empty_prompt, path + ": \"empty_prompt\"");
+  }
   if (j.contains("source") && !j.at("source").is_object())
     FORGE_FAIL("{}: \"source\" is {}, expected an object", path, describe_json(j.at("source")));
 
@@ -177,7 +211,8 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder) {
     FluxCacheShard shard;
     shard.file = string_key(o, "file", where);
     check_shard_file_name(shard.file, where);
-    if (!files.insert(shard.file).second) FORGE_FAIL("{}: \"file\" \"{}\" is listed twice", where, shard.file);
+    if (!files.insert(shard.file).second || shard.file == m.empty_prompt)
+      FORGE_FAIL("{}: \"file\" \"{}\" is listed twice", where, shard.file);
     shard.samples = integer_key(o, "samples", 1, int64_t{1} << 40, where);
     shard.width = integer_key(o, "width", 1, 16384, where);
     shard.height = integer_key(o, "height", 1, 16384, where);
@@ -208,10 +243,44 @@ bool is_flux_latent_cache(const std::string& folder) {
 struct FluxLatentCache::Files {
   struct Shard {
     std::unique_ptr<SafetensorsFile> file;
-    const SafetensorsEntry *latents = nullptr, *text = nullptr, *pooled = nullptr;
+    // latents: a mode cache's latents or a distribution cache's latent_mean.
+    const SafetensorsEntry *latents = nullptr, *text = nullptr, *pooled = nullptr, *logvar = nullptr;
   };
   std::vector<Shard> shards;
+  Shard empty_prompt;  // file null: none (only text and pooled are set)
 };
+
+namespace {
+
+// Opens the safetensors file `path` and checks that it holds exactly `expected` (name, shape)
+// in `dtype`; returns the entries in that order.
+std::vector<const SafetensorsEntry*> check_tensors(const SafetensorsFile& file, const std::string& path,
+                                                   const std::vector<std::pair<std::string, Shape>>& expected,
+                                                   SafetensorsDType dtype, const std::string& implies) {
+  std::string names;
+  for (const auto& [name, shape] : expected) names += (names.empty() ? "" : ", ") + name;
+  for (const SafetensorsEntry& entry : file.entries()) {
+    bool known = false;
+    for (const auto& e : expected) known = known || e.first == entry.name;
+    if (!known)
+      FORGE_FAIL("{}: tensor \"{}\" is not one of this FLUX latent cache's ({})", path, entry.name, names);
+  }
+  std::vector<const SafetensorsEntry*> found;
+  for (const auto& [name, shape] : expected) {
+    const SafetensorsEntry* entry = file.find(name);
+    if (!entry) FORGE_FAIL("{}: no tensor \"{}\"", path, name);
+    if (entry->dtype != dtype)
+      FORGE_FAIL("{}: tensor \"{}\" is {}, cache.json says {}", path, name, safetensors_dtype_name(entry->dtype),
+                 safetensors_dtype_name(dtype));
+    if (entry->shape != shape)
+      FORGE_FAIL("{}: tensor \"{}\" has shape {}, cache.json implies {} ({})", path, name, shape_str(entry->shape),
+                 shape_str(shape), implies);
+    found.push_back(entry);
+  }
+  return found;
+}
+
+}  // namespace
 
 FluxLatentCache::FluxLatentCache(const std::string& folder)
     : folder_(folder), manifest_(read_flux_cache_manifest(folder)), files_(std::make_unique<Files>()) {
@@ -224,33 +293,39 @@ FluxLatentCache::FluxLatentCache(const std::string& folder)
     const std::string path = join(folder, shard.file);
     if (!fs::exists(path)) FORGE_FAIL("{}: missing, but {} lists it", path, join(folder, kManifestName));
     Files::Shard opened{std::make_unique<SafetensorsFile>(path)};
-    const std::pair<const char*, Shape> expected[] = {
-        {"latents", {shard.samples, m.latent_channels, shard.latent_height, shard.latent_width}},
-        {"prompt_embeds", {shard.samples, m.text_tokens, m.context_dim}},
-        {"pooled_prompt_embeds", {shard.samples, m.pooled_dim}}};
-    const SafetensorsEntry** slots[] = {&opened.latents, &opened.text, &opened.pooled};
-    for (const SafetensorsEntry& entry : opened.file->entries())
-      if (entry.name != "latents" && entry.name != "prompt_embeds" && entry.name != "pooled_prompt_embeds")
-        FORGE_FAIL(
-            "{}: tensor \"{}\" is not one of a FLUX latent cache's (latents, prompt_embeds, "
-            "pooled_prompt_embeds)",
-            path, entry.name);
-    for (size_t t = 0; t < 3; ++t) {
-      const auto& [name, shape] = expected[t];
-      const SafetensorsEntry* entry = opened.file->find(name);
-      if (!entry) FORGE_FAIL("{}: no tensor \"{}\"", path, name);
-      if (entry->dtype != dtype)
-        FORGE_FAIL("{}: tensor \"{}\" is {}, cache.json says {}", path, name, safetensors_dtype_name(entry->dtype),
-                   safetensors_dtype_name(dtype));
-      if (entry->shape != shape)
-        FORGE_FAIL(
-            "{}: tensor \"{}\" has shape {}, cache.json implies {} (samples {}, bucket {}x{}, autoencoder "
-            "{})",
-            path, name, shape_str(entry->shape), shape_str(shape), shard.samples, shard.width, shard.height,
-            m.autoencoder);
-      *slots[t] = entry;
+    const Shape latent{shard.samples, m.latent_channels, shard.latent_height, shard.latent_width};
+    std::vector<std::pair<std::string, Shape>> expected;
+    if (m.distribution()) {
+      expected = {{"latent_mean", latent}, {"latent_logvar", latent}};
+    } else {
+      expected = {{"latents", latent}};
     }
+    expected.push_back({"prompt_embeds", {shard.samples, m.text_tokens, m.context_dim}});
+    expected.push_back({"pooled_prompt_embeds", {shard.samples, m.pooled_dim}});
+    const std::vector<const SafetensorsEntry*> found = check_tensors(
+        *opened.file, path, expected, dtype,
+        fmt::format("samples {}, bucket {}x{}, autoencoder {}, latents {}", shard.samples, shard.width, shard.height,
+                    m.autoencoder, m.latents));
+    const size_t t = m.distribution() ? 2 : 1;
+    opened.latents = found[0];
+    if (m.distribution()) opened.logvar = found[1];
+    opened.text = found[t];
+    opened.pooled = found[t + 1];
     files_->shards.push_back(std::move(opened));
+  }
+  if (m.has_empty_prompt()) {
+    const std::string path = join(folder, m.empty_prompt);
+    if (!fs::exists(path))
+      FORGE_FAIL("{}: missing, but {} names it as \"empty_prompt\"", path, join(folder, kManifestName));
+    Files::Shard& empty = files_->empty_prompt;
+    empty.file = std::make_unique<SafetensorsFile>(path);
+    const std::vector<const SafetensorsEntry*> found =
+        check_tensors(*empty.file, path,
+                      {{"prompt_embeds", {1, m.text_tokens, m.context_dim}},
+                       {"pooled_prompt_embeds", {1, m.pooled_dim}}},
+                      dtype, "the empty caption's encodings");
+    empty.text = found[0];
+    empty.pooled = found[1];
   }
 }
 
@@ -264,7 +339,7 @@ std::pair<int64_t, int64_t> FluxLatentCache::locate(int64_t i) const {
 }
 
 void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& latents, const Tensor& text,
-                           const Tensor& pooled) const {
+                           const Tensor& pooled, const FluxCacheReadOptions& options) const {
   const FluxCacheManifest& m = manifest_;
   const int64_t n = static_cast<int64_t>(indices.size());
   FORGE_CHECK(n > 0, "{}: read of no samples", folder_);
@@ -277,12 +352,27 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
                 "{}: samples {} ({}x{}) and {} ({}x{}) of one read are of different buckets", folder_, indices[0],
                 first.width, first.height, indices[k], s.width, s.height);
   }
-  check_shape(latents, {n, m.latent_channels, first.latent_height, first.latent_width}, "FLUX cache latents");
+  const Shape latent_shape{n, m.latent_channels, first.latent_height, first.latent_width};
+  check_shape(latents, latent_shape, "FLUX cache latents");
   check_shape(text, {n, m.text_tokens, m.context_dim}, "FLUX cache prompt_embeds");
   check_shape(pooled, {n, m.pooled_dim}, "FLUX cache pooled_prompt_embeds");
+  const std::vector<uint8_t>& dropped = options.empty_caption;
+  FORGE_CHECK(dropped.empty() || static_cast<int64_t>(dropped.size()) == n,
+              "{}: {} empty-caption flags for a read of {} samples", folder_, dropped.size(), n);
+  const bool any_dropped = std::any_of(dropped.begin(), dropped.end(), [](uint8_t d) { return d != 0; });
+  FORGE_CHECK(!any_dropped || m.has_empty_prompt(), "{}: the cache holds no empty caption's encodings", folder_);
+  const Tensor* noise = options.latent_noise;
+  if (noise) {
+    FORGE_CHECK(m.distribution(), "{}: latent noise for a cache of fixed latents (\"latents\": \"{}\")", folder_,
+                m.latents);
+    FORGE_CHECK(noise->device() == Device::CPU && noise->dtype() == DType::F32,
+                "FLUX cache latent noise: fp32 on the host");
+    check_shape(*noise, latent_shape, "FLUX cache latent noise");
+  }
   const SafetensorsDType from = stored_dtype(m.dtype);
   const size_t from_size = safetensors_dtype_size(from);
   const Tensor* outs[] = {&latents, &text, &pooled};
+  std::vector<float> mean, logvar;
   for (size_t t = 0; t < 3; ++t) {
     const Tensor& out = *outs[t];
     FORGE_CHECK(out.dtype() == DType::F32 || out.dtype() == DType::BF16, "FLUX cache read into {}: fp32 or bf16",
@@ -291,11 +381,32 @@ void FluxLatentCache::read(const std::vector<int64_t>& indices, const Tensor& la
     const Tensor host = out.device() == Device::CPU ? out : Tensor::empty(out.shape(), out.dtype());
     uint8_t* dst = static_cast<uint8_t*>(host.raw());
     for (int64_t k = 0; k < n; ++k) {
-      const Files::Shard& shard = files_->shards[static_cast<size_t>(where[static_cast<size_t>(k)].first)];
+      const auto [shard_index, shard_row] = where[static_cast<size_t>(k)];
+      uint8_t* to = dst + static_cast<size_t>(k * row) * dtype_size(out.dtype());
+      const bool empty_caption = t > 0 && !dropped.empty() && dropped[static_cast<size_t>(k)] != 0;
+      const Files::Shard& shard =
+          empty_caption ? files_->empty_prompt : files_->shards[static_cast<size_t>(shard_index)];
+      const int64_t source_row = empty_caption ? 0 : shard_row;
       const SafetensorsEntry* entry = t == 0 ? shard.latents : t == 1 ? shard.text : shard.pooled;
-      const uint8_t* src =
-          shard.file->bytes(*entry) + static_cast<size_t>(where[static_cast<size_t>(k)].second * row) * from_size;
-      convert_values(dst + static_cast<size_t>(k * row) * dtype_size(out.dtype()), out.dtype(), src, from, row);
+      const uint8_t* src = shard.file->bytes(*entry) + static_cast<size_t>(source_row * row) * from_size;
+      if (t > 0 || !m.distribution()) {
+        convert_values(to, out.dtype(), src, from, row);
+        continue;
+      }
+      // NOTE [FLUX posterior latents]: in fp32, then converted.
+      mean.resize(static_cast<size_t>(row));
+      logvar.resize(static_cast<size_t>(row));
+      convert_values(mean.data(), DType::F32, src, from, row);
+      const uint8_t* logvar_src = shard.file->bytes(*shard.logvar) + static_cast<size_t>(shard_row * row) * from_size;
+      convert_values(logvar.data(), DType::F32, logvar_src, from, row);
+      const float scale = static_cast<float>(m.scaling_factor), shift = static_cast<float>(m.shift_factor);
+      const float* eps = noise ? noise->data<float>() + k * row : nullptr;
+      for (int64_t e = 0; e < row; ++e) {
+        float z = mean[static_cast<size_t>(e)];
+        if (eps) z += std::exp(0.5f * std::clamp(logvar[static_cast<size_t>(e)], -30.0f, 20.0f)) * eps[e];
+        mean[static_cast<size_t>(e)] = (z - shift) * scale;
+      }
+      convert_values(to, out.dtype(), reinterpret_cast<const uint8_t*>(mean.data()), SafetensorsDType::F32, row);
     }
     if (out.device() != Device::CPU) out.copy_from(host);
   }
@@ -327,16 +438,16 @@ void check_flux_cache_output(const std::string& folder, bool overwrite) {
       empty = false;
       const std::string name = e.path().filename().string();
       const bool cache_file =
-          name == kManifestName || name == kCaptionsName ||
+          name == kManifestName || name == kCaptionsName || name == kFluxCacheEmptyPrompt ||
           (name.rfind("shard-", 0) == 0 && name.size() > 12 && name.substr(name.size() - 12) == ".safetensors");
       if (!cache_file || !e.is_regular_file()) only_cache_files = false;
     }
     if (!empty) {
       if (!is_flux_latent_cache(folder) || !only_cache_files)
         FORGE_FAIL(
-            "{} exists and is not a FLUX latent cache (cache.json, captions.jsonl and shard files only): "
+            "{} exists and is not a FLUX latent cache (cache.json, captions.jsonl, shard files and {} only): "
             "refusing to replace it; choose another --output",
-            folder);
+            folder, kFluxCacheEmptyPrompt);
       if (!overwrite)
         FORGE_FAIL("{} already holds a FLUX latent cache: give --overwrite to replace it, or choose another --output",
                    folder);
@@ -354,6 +465,8 @@ FluxLatentCacheWriter::FluxLatentCacheWriter(std::string folder, FluxCacheWriter
               "FLUX cache writer: dimensions {} {} {} {}", o.latent_channels, o.text_tokens, o.context_dim,
               o.pooled_dim);
   FORGE_CHECK(o.dtype == DType::F32 || o.dtype == DType::BF16, "FLUX cache writer: dtype {}", dtype_name(o.dtype));
+  FORGE_CHECK(o.latents == "mode" || (o.latents == "distribution" && o.autoencoder == "vae"),
+              "FLUX cache writer: latents \"{}\" of autoencoder \"{}\"", o.latents, o.autoencoder);
   FORGE_CHECK(o.max_shard_samples > 0 && o.max_shard_bytes > 0, "FLUX cache writer: shard limits {} samples, {} bytes",
               o.max_shard_samples, o.max_shard_bytes);
   manifest_.autoencoder = o.autoencoder;
@@ -362,6 +475,11 @@ FluxLatentCacheWriter::FluxLatentCacheWriter(std::string folder, FluxCacheWriter
   manifest_.context_dim = o.context_dim;
   manifest_.pooled_dim = o.pooled_dim;
   manifest_.dtype = o.dtype;
+  manifest_.latents = o.latents;
+  if (manifest_.distribution()) {
+    manifest_.scaling_factor = o.scaling_factor;
+    manifest_.shift_factor = o.shift_factor;
+  }
 }
 
 FluxLatentCacheWriter::~FluxLatentCacheWriter() = default;
@@ -374,7 +492,9 @@ void FluxLatentCacheWriter::append(int64_t width, int64_t height, const Tensor& 
   const int64_t n = latents.ndim() > 0 ? latents.dim(0) : 0, f = manifest_.downsample_factor();
   FORGE_CHECK(n > 0 && static_cast<int64_t>(images.size()) == n && static_cast<int64_t>(captions.size()) == n,
               "FLUX cache writer: {} latents, {} images, {} captions", n, images.size(), captions.size());
-  check_shape(latents, {n, manifest_.latent_channels, height / f, width / f}, "FLUX cache latents");
+  const bool moments = manifest_.distribution();  // the mean and the logvar, channels [0, C) and [C, 2C)
+  check_shape(latents, {n, manifest_.latent_channels * (moments ? 2 : 1), height / f, width / f},
+              moments ? "FLUX cache VAE moments" : "FLUX cache latents");
   check_shape(text, {n, manifest_.text_tokens, manifest_.context_dim}, "FLUX cache prompt_embeds");
   check_shape(pooled, {n, manifest_.pooled_dim}, "FLUX cache pooled_prompt_embeds");
   if (open_samples_ > 0 && (width != open_width_ || height != open_height_)) write_open_shard();
@@ -392,7 +512,13 @@ void FluxLatentCacheWriter::append(int64_t width, int64_t height, const Tensor& 
     const auto row = [&](std::vector<float>& to, const std::vector<float>& from, int64_t size) {
       to.insert(to.end(), from.begin() + i * size, from.begin() + (i + 1) * size);
     };
-    row(latents_, l, latents.numel() / n);
+    if (moments) {
+      const int64_t size = latents.numel() / n / 2;
+      latents_.insert(latents_.end(), l.begin() + 2 * i * size, l.begin() + (2 * i + 1) * size);
+      logvar_.insert(logvar_.end(), l.begin() + (2 * i + 1) * size, l.begin() + (2 * i + 2) * size);
+    } else {
+      row(latents_, l, latents.numel() / n);
+    }
     row(text_, t, text.numel() / n);
     row(pooled_, p, pooled.numel() / n);
     images_.push_back(images[static_cast<size_t>(i)]);
@@ -412,12 +538,17 @@ void FluxLatentCacheWriter::write_open_shard() {
   shard.latent_width = open_width_ / f;
   shard.latent_height = open_height_ / f;
   const std::string path = join(directory_.temporary_path(), shard.file);
-  write_safetensors(
-      path,
-      {{"latents", {n, manifest_.latent_channels, shard.latent_height, shard.latent_width}, latents_.data()},
-       {"prompt_embeds", {n, manifest_.text_tokens, manifest_.context_dim}, text_.data()},
-       {"pooled_prompt_embeds", {n, manifest_.pooled_dim}, pooled_.data()}},
-      stored_dtype(manifest_.dtype), {{"format", kFluxCacheFormat}});
+  const Shape latent{n, manifest_.latent_channels, shard.latent_height, shard.latent_width};
+  std::vector<SafetensorsTensorRef> tensors;
+  if (manifest_.distribution()) {
+    tensors.push_back({"latent_mean", latent, latents_.data()});
+    tensors.push_back({"latent_logvar", latent, logvar_.data()});
+  } else {
+    tensors.push_back({"latents", latent, latents_.data()});
+  }
+  tensors.push_back({"prompt_embeds", {n, manifest_.text_tokens, manifest_.context_dim}, text_.data()});
+  tensors.push_back({"pooled_prompt_embeds", {n, manifest_.pooled_dim}, pooled_.data()});
+  write_safetensors(path, tensors, stored_dtype(manifest_.dtype), {{"format", kFluxCacheFormat}});
   bytes_written_ += static_cast<int64_t>(fs::file_size(path));
   const size_t index = manifest_.shards.size();
   for (int64_t r = 0; r < n; ++r)
@@ -431,10 +562,21 @@ void FluxLatentCacheWriter::write_open_shard() {
   manifest_.samples += n;
   open_samples_ = 0;
   latents_.clear();
+  logvar_.clear();
   text_.clear();
   pooled_.clear();
   images_.clear();
   open_captions_.clear();
+}
+
+void FluxLatentCacheWriter::set_empty_prompt(const Tensor& text, const Tensor& pooled) {
+  FORGE_CHECK(!finished_, "FLUX cache writer: set_empty_prompt after finish");
+  check_shape(text, {1, manifest_.text_tokens, manifest_.context_dim}, "FLUX cache empty prompt_embeds");
+  check_shape(pooled, {1, manifest_.pooled_dim}, "FLUX cache empty pooled_prompt_embeds");
+  empty_text_.clear();
+  empty_pooled_.clear();
+  append_as_float(empty_text_, text);
+  append_as_float(empty_pooled_, pooled);
 }
 
 FluxCacheManifest FluxLatentCacheWriter::finish() {
@@ -443,6 +585,13 @@ FluxCacheManifest FluxLatentCacheWriter::finish() {
   if (manifest_.samples == 0) FORGE_FAIL("{}: no samples to write", directory_.path());
   const DurableOptions options{.sync = false};
   write_file_atomic(join(directory_.temporary_path(), kCaptionsName), captions_, options);
+  if (!empty_text_.empty()) {
+    write_safetensors(join(directory_.temporary_path(), kFluxCacheEmptyPrompt),
+                      {{"prompt_embeds", {1, manifest_.text_tokens, manifest_.context_dim}, empty_text_.data()},
+                       {"pooled_prompt_embeds", {1, manifest_.pooled_dim}, empty_pooled_.data()}},
+                      stored_dtype(manifest_.dtype), {{"format", kFluxCacheFormat}});
+    manifest_.empty_prompt = kFluxCacheEmptyPrompt;
+  }
   nlohmann::json shards = nlohmann::json::array();
   for (const FluxCacheShard& s : manifest_.shards)
     shards.push_back({{"file", s.file}, {"samples", s.samples}, {"width", s.width}, {"height", s.height}});
@@ -455,6 +604,12 @@ FluxCacheManifest FluxLatentCacheWriter::finish() {
   manifest["context_dim"] = manifest_.context_dim;
   manifest["pooled_dim"] = manifest_.pooled_dim;
   manifest["dtype"] = manifest_.dtype == DType::BF16 ? "bf16" : "fp32";
+  if (manifest_.distribution()) {
+    manifest["latents"] = manifest_.latents;
+    manifest["scaling_factor"] = manifest_.scaling_factor;
+    manifest["shift_factor"] = manifest_.shift_factor;
+  }
+  if (manifest_.has_empty_prompt()) manifest["empty_prompt"] = manifest_.empty_prompt;
   manifest["samples"] = manifest_.samples;
   manifest["shards"] = shards;
   manifest["source"] = options_.source;

@@ -10,6 +10,9 @@
 //                                              latents]) or NOTE [Pixel latents]
 //      "latent_channels": 16, "text_tokens": L, "context_dim": D, "pooled_dim": P,
 //      "dtype": "bf16" | "fp32",               of every tensor in the shards
+//      "latents": "mode" | "distribution",      optional, default "mode": what the shards hold
+//      "scaling_factor": s, "shift_factor": h,  with "distribution" only: the VAE's
+//      "empty_prompt": "empty-prompt.safetensors",  optional: the empty caption's encodings
 //      "samples": N,
 //      "shards": [{"file": "shard-00000.safetensors", "samples": n, "width": W, "height": H}, ...],
 //      "source": {...}}                        how it was made (dataset, layout, encoders,
@@ -18,6 +21,13 @@
 //     "latents"               [n, latent_channels, H/f, W/f]  f = 8 (vae) or 2 (pixels)
 //     "prompt_embeds"         [n, L, D]    T5's last hidden state (FluxPipeline's prompt_embeds)
 //     "pooled_prompt_embeds"  [n, P]       CLIP's pooler output (FluxPipeline's pooled_prompt_embeds)
+//     with "latents": "distribution" (vae only), instead of "latents":
+//     "latent_mean", "latent_logvar"  [n, latent_channels, H/8, W/8]  the VAE encoder's posterior
+//                             as it gives it (diffusers' latent_dist.mean and .logvar: unscaled,
+//                             logvar not clamped); read() scales them (NOTE [FLUX posterior latents])
+//   empty-prompt.safetensors  when cache.json names it: "prompt_embeds" [1, L, D] and
+//                            "pooled_prompt_embeds" [1, P] of the caption "" by the same encoders
+//                            and settings, in the shards' dtype (NOTE [FLUX caption dropout])
 //   captions.jsonl           one line per sample in cache order:
 //                            {"shard": s, "row": r, "image": "path", "caption": "text"}
 // Sample i of the cache is row i - (samples of the shards before it) of its shard, shards
@@ -25,7 +35,27 @@
 // outputs; latents as FluxPipeline feeds them to the transformer before packing), so a cache
 // made with diffusers is the same files: scripts/flux_cache_from_diffusers.py writes one.
 // Opening a cache checks the manifest's keys and every shard's tensors (names, dtypes,
-// shapes against the manifest): a bad one names the file and key or tensor.
+// shapes against the manifest): a bad one names the file and key or tensor. The optional keys
+// came after version 1 without bumping it: a cache without them reads as before.
+//
+// NOTE [FLUX posterior latents]
+// MLPerf's Flux.1 reference (torchtitan experiments/flux) stores the VAE encoder's mean and
+// logvar per image and draws a fresh latent whenever a sample is used. A "distribution" cache
+// (forge prep --images --latents distribution) does the same: read() with noise eps gives
+//   latents = (mean + exp(0.5 * clamp(logvar, -30, 20)) * eps - shift_factor) * scaling_factor
+// (the clamp is diffusers' DiagonalGaussianDistribution's), and without noise the mode
+//   latents = (mean - shift_factor) * scaling_factor,
+// what a "mode" cache stores. Training draws eps per micro-batch from random_normal's
+// counter-based stream (NOTE [FLUX runs]); the validation loss reads the mode (NOTE [FLUX
+// validation loss]). Both are computed in fp32 from the stored values, then converted.
+// The clamp: diffusers clamps logvar to [-30, 20] when it builds the distribution; torchtitan's
+// autoencoder (BFL's DiagonalGaussian) samples exp(0.5 * logvar) unclamped. They differ only
+// for a logvar outside [-30, 20], where std is below 3e-7 or above 2e4; forge clamps, as
+// diffusers and FluxVae::encode do. The validation set: the reference encodes its images in
+// evaluation with that same autoencoder, whose encode() samples (DiagonalGaussian's sample is
+// on by default), so its validation loss carries fresh VAE noise at every evaluation; forge
+// uses the mean instead, so that the validation loss is a fixed function of the weights (equal
+// weights, equal loss) — the expected latent, not one draw of it.
 #pragma once
 
 #include <cstdint>
@@ -53,7 +83,22 @@ struct FluxCacheManifest {
   DType dtype = DType::BF16;
   int64_t samples = 0;
   std::vector<FluxCacheShard> shards;
+  std::string latents = "mode";  // "mode" | "distribution" (NOTE [FLUX posterior latents])
+  double scaling_factor = 1.0, shift_factor = 0.0;  // "distribution": the VAE's
+  std::string empty_prompt;  // the empty caption's file in the folder; "": the cache has none
   int64_t downsample_factor() const { return autoencoder == "pixels" ? 2 : 8; }
+  bool distribution() const { return latents == "distribution"; }
+  bool has_empty_prompt() const { return !empty_prompt.empty(); }
+};
+
+// How FluxLatentCache::read fills the rows it copies, besides copying them.
+struct FluxCacheReadOptions {
+  // Per row (or empty: none): nonzero gives that row the empty caption's text features and
+  // pooled vector (the cache must have them: NOTE [FLUX caption dropout]).
+  std::vector<uint8_t> empty_caption;
+  // A distribution cache's eps: fp32 host [n, latent_channels, h, w] (NOTE [FLUX posterior
+  // latents]); null: the mode. Refused for a mode cache.
+  const Tensor* latent_noise = nullptr;
 };
 
 class FluxLatentCache {
@@ -73,8 +118,9 @@ class FluxLatentCache {
   // Copies the samples `indices` (each in [0, size()), all of one latent size: checked) into
   // latents [n, C, h, w], text [n, L, D] and pooled [n, P], n = indices.size(): tensors of
   // fp32 or bf16 on any device, converted from the cache's dtype.
+  // `options` drop captions and sample latents (FluxCacheReadOptions).
   void read(const std::vector<int64_t>& indices, const Tensor& latents, const Tensor& text,
-            const Tensor& pooled) const;
+            const Tensor& pooled, const FluxCacheReadOptions& options = {}) const;
 
   struct Files;  // flux_latent_cache.cpp: the mapped shards
 
@@ -87,6 +133,8 @@ class FluxLatentCache {
 
 // "forge-flux-latent-cache": cache.json's "format".
 inline constexpr const char* kFluxCacheFormat = "forge-flux-latent-cache";
+// The empty caption's file (NOTE [FLUX latent cache]).
+inline constexpr const char* kFluxCacheEmptyPrompt = "empty-prompt.safetensors";
 
 // The manifest `folder`/cache.json describes, checked key by key (NOTE [FLUX latent cache]);
 // the shards are not opened. Throws a forge::Error naming the file and the key.
@@ -97,7 +145,7 @@ FluxCacheManifest read_flux_cache_manifest(const std::string& folder);
 bool is_flux_latent_cache(const std::string& folder);
 
 // Throws unless a new cache may be written at `folder`: it is absent, an empty folder, or a
-// cache (only cache.json, captions.jsonl and shard files in it) and `overwrite` is set. The
+// cache (only cache.json, captions.jsonl, shard files and empty-prompt.safetensors in it) and `overwrite` is set. The
 // writer checks this too; callers with slow work before it (loading encoders) check first.
 void check_flux_cache_output(const std::string& folder, bool overwrite);
 
@@ -112,6 +160,11 @@ struct FluxCacheWriterOptions {
   // Replace an existing cache at the folder (a folder holding anything else is never replaced).
   bool overwrite = false;
   nlohmann::json source = nlohmann::json::object();  // cache.json's "source"
+  // "distribution": append() takes the VAE's moments [n, 2 latent_channels, h, w] (the mean,
+  // then the logvar: FluxVae::encode_moments) and the shards hold latent_mean and
+  // latent_logvar (NOTE [FLUX posterior latents]); autoencoder "vae" only.
+  std::string latents = "mode";
+  double scaling_factor = 1.0, shift_factor = 0.0;  // the VAE's, recorded for "distribution"
 };
 
 // Writes a cache (NOTE [FLUX latent cache]) into a temporary folder beside `folder`, renamed
@@ -122,7 +175,7 @@ struct FluxCacheWriterOptions {
 class FluxLatentCacheWriter {
  public:
   // Refuses (throws) an existing `folder` unless it is empty, or it is a cache (only
-  // cache.json, captions.jsonl and shard files in it) and options.overwrite is set.
+  // cache.json, captions.jsonl, shard files and empty-prompt.safetensors in it) and options.overwrite is set.
   FluxLatentCacheWriter(std::string folder, FluxCacheWriterOptions options);
   ~FluxLatentCacheWriter();
   FluxLatentCacheWriter(const FluxLatentCacheWriter&) = delete;
@@ -133,6 +186,9 @@ class FluxLatentCacheWriter {
   // pooled [n, pooled_dim], fp32 or bf16 on any device; images and captions n strings each.
   void append(int64_t width, int64_t height, const Tensor& latents, const Tensor& text, const Tensor& pooled,
               const std::vector<std::string>& images, const std::vector<std::string>& captions);
+  // The empty caption's encodings, text [1, text_tokens, context_dim] and pooled
+  // [1, pooled_dim] (fp32 or bf16, any device), written to kFluxCacheEmptyPrompt by finish().
+  void set_empty_prompt(const Tensor& text, const Tensor& pooled);
   // Writes the open shard, captions.jsonl and cache.json, checks the folder by opening it
   // (FluxLatentCache) and renames it into place. Throws when no sample was appended.
   FluxCacheManifest finish();
@@ -156,6 +212,8 @@ class FluxLatentCacheWriter {
   int64_t open_width_ = 0, open_height_ = 0, open_samples_ = 0;
   std::vector<float> latents_, text_, pooled_;
   std::vector<std::string> images_, open_captions_;
+  std::vector<float> logvar_;                     // "distribution": the open shard's logvar
+  std::vector<float> empty_text_, empty_pooled_;  // set_empty_prompt's; empty: none
 };
 
 }  // namespace forge

@@ -505,6 +505,12 @@ std::vector<ConfigKey> build_schema() {
           "how a run that loads no weights starts: normal (every matrix N(0, 0.02)) or torchtitan (MLPerf Flux.1's "
           "reference: Xavier-uniform projections, zero modulations and output)",
           {}, {"normal", "torchtitan"}),
+      // torchtitan's training.classifer_free_guidance_prob (MLPerf Flux.1: 0.1).
+      key<&E::flux, &FluxRunConfig::caption_dropout_prob>(
+          "flux.caption_dropout_prob",
+          "probability that a training sample's caption is replaced by the empty one (classifier-free guidance); "
+          "needs flux.data_path with the empty caption's encodings (forge prep --images writes them)",
+          ValueRange{0, 1}),
   };
 }
 

@@ -508,7 +508,8 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
         {"flux.last_save_in_diffusers", f.last_save_in_diffusers != d.last_save_in_diffusers},
         {"flux.data_path", f.data_path != d.data_path},
         {"flux.eval_data_path", f.eval_data_path != d.eval_data_path},
-        {"flux.weight_init", f.weight_init != d.weight_init}};
+        {"flux.weight_init", f.weight_init != d.weight_init},
+        {"flux.caption_dropout_prob", f.caption_dropout_prob != d.caption_dropout_prob}};
     for (const auto& [key, differs] : changed)
       if (differs)
         FORGE_FAIL("{} sets up a FLUX run, and flux.model is empty: set flux.model ({})", show(config, keys, key),
@@ -537,6 +538,10 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                config.training.device, want);
   if (config.activation_checkpoint.mode == "selective")
     FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
+  if (f.caption_dropout_prob > 0 && f.data_path.empty())
+    FORGE_FAIL("{}: caption dropout replaces cached captions' encodings by the empty caption's; synthetic "
+               "micro-batches have no captions: set flux.data_path to a latent cache, or flux.caption_dropout_prob 0",
+               show(config, keys, "flux.caption_dropout_prob"));
   if (config.eval.interval > 0 && f.eval_data_path.empty())
     FORGE_FAIL("{}: a FLUX run evaluates on a validation latent cache: set flux.eval_data_path, or eval.interval 0",
                show(config, keys, "eval.interval"));

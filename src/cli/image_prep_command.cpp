@@ -3,7 +3,9 @@
 // (core/parallel.h), encodes them in batches and appends them to a FluxLatentCacheWriter,
 // which renames the finished cache into place. Every flag is checked before anything is
 // loaded; the encoders run in fp32 on the CPU and in bf16 on CUDA, as their own tests run
-// them (the VAE's latents come out in fp32 either way).
+// them (the VAE's latents come out in fp32 either way; with --latents distribution its mean
+// and logvar come in the encoders' dtype, FluxVae::encode_moments'). The empty caption "" is
+// encoded once too, for caption dropout (NOTE [FLUX caption dropout]).
 #include "cli/image_prep_command.h"
 
 #include <unistd.h>
@@ -56,7 +58,8 @@ const char* const kImageFlags[] = {"--output",
                                    "--batch-size",
                                    "--device",
                                    "--dtype",
-                                   "--shard-samples"};
+                                   "--shard-samples",
+                                   "--latents"};
 
 bool has_file(const fs::path& folder, std::initializer_list<const char*> names) {
   std::error_code error;
@@ -187,6 +190,11 @@ Plan check_options(const ImagePrepOptions& o) {
     FORGE_FAIL("--device cuda: no GPU is visible, or this build of forge has no CUDA backend");
   if (o.dtype != "bf16" && o.dtype != "fp32") FORGE_FAIL("--dtype '{}': expected bf16 or fp32", o.dtype);
   p.stored = o.dtype == "bf16" ? DType::BF16 : DType::F32;
+  if (o.latents != "mode" && o.latents != "distribution")
+    FORGE_FAIL("--latents '{}': expected mode (the VAE's mean, scaled) or distribution (its mean and logvar)",
+               o.latents);
+  if (o.latents == "distribution" && p.vae == "pixels")
+    FORGE_FAIL("--latents distribution: --vae pixels has no posterior to sample (only a VAE has a mean and logvar)");
   return p;
 }
 
@@ -226,9 +234,15 @@ struct Encoders {
   int64_t context_dim() const { return prompts->text_dim(); }
   int64_t pooled_dim() const { return prompts->pooled_dim(); }
 
-  // images: fp32 host [n, 3, H, W] in [-1, 1]; returns latents [n, C, H/f, W/f].
-  Tensor encode_images(const Tensor& images) {
+  // images: fp32 host [n, 3, H, W] in [-1, 1]; returns latents [n, C, H/f, W/f], or with
+  // `moments` the VAE's mean and logvar [n, 2 C, H/f, W/f] (NOTE [FLUX posterior latents]).
+  Tensor encode_images(const Tensor& images, bool moments = false) {
     const int64_t n = images.dim(0), h = images.dim(2) / factor, w = images.dim(3) / factor;
+    if (moments) {
+      Tensor out = Tensor::empty({n, 2 * latent_channels, h, w}, dtype, device);
+      vae->encode_moments(out, converted(images, device, dtype));
+      return out;
+    }
     if (!vae) {
       Tensor latents = Tensor::empty({n, kPixelLatentChannels, h, w});
       pixel_latents_encode(latents, images);
@@ -301,6 +315,10 @@ void add_image_prep_options(CLI::App& prep, ImagePrepOptions& o) {
   prep.add_option("--dtype", o.dtype, "images: bf16 or fp32, of the stored tensors")->capture_default_str();
   prep.add_option("--shard-samples", o.shard_samples, "images: samples per shard file at most (1 GiB at most too)")
       ->capture_default_str();
+  prep.add_option("--latents", o.latents,
+                  "images: mode (the VAE's mean, scaled) or distribution (its mean and logvar: training draws a "
+                  "fresh latent per use, as MLPerf's Flux.1 reference)")
+      ->capture_default_str();
 }
 
 std::string image_prep_flag_given(const CLI::App& prep) {
@@ -349,6 +367,11 @@ int run_image_prep(const ImagePrepOptions& o) {
   writer_options.dtype = plan.stored;
   writer_options.max_shard_samples = o.shard_samples;
   writer_options.overwrite = o.overwrite;
+  writer_options.latents = o.latents;
+  if (encoders.vae) {  // shortest decimal of the VAE's float factors, as its config.json has them
+    writer_options.scaling_factor = std::stod(fmt::format("{}", encoders.vae->config().scaling_factor));
+    writer_options.shift_factor = std::stod(fmt::format("{}", encoders.vae->config().shift_factor));
+  }
   std::vector<std::string> bucket_names;
   for (const ImageBucket& b : plan.buckets) bucket_names.push_back(image_bucket_name(b));
   writer_options.source = {{"tool", std::string("forge ") + FORGE_VERSION},
@@ -366,6 +389,10 @@ int run_image_prep(const ImagePrepOptions& o) {
                            {"clip_tokenizer", plan.clip_tokenizer},
                            {"device", o.device}};
   FluxLatentCacheWriter writer(o.output, writer_options);
+  {  // NOTE [FLUX caption dropout]: the empty caption, by the same encoders and settings.
+    const auto [text, pooled] = encoders.encode_captions({""});
+    writer.set_empty_prompt(text, pooled);
+  }
 
   ProgressReporter progress(::isatty(STDERR_FILENO) != 0);
   progress.start(static_cast<double>(dataset.size()), "prep");
@@ -397,7 +424,7 @@ int run_image_prep(const ImagePrepOptions& o) {
         }
         const Tensor batch =
             Tensor::wrap(images.data<float>() + first * image_numel, {n, 3, bucket.height, bucket.width}, DType::F32);
-        const Tensor latents = encoders.encode_images(batch);
+        const Tensor latents = encoders.encode_images(batch, o.latents == "distribution");
         const auto [text, pooled] = encoders.encode_captions(captions);
         writer.append(bucket.width, bucket.height, latents, text, pooled, paths, captions);
         done += n;

@@ -33,6 +33,7 @@ struct ImagePrepOptions {
   std::string device = "cpu";  // cpu | cuda
   std::string dtype = "bf16";  // bf16 | fp32: of the stored tensors
   int64_t shard_samples = 256;
+  std::string latents = "mode";  // mode | distribution (NOTE [FLUX posterior latents])
 };
 
 // Registers --images and the image-only flags on `prep` (main.cpp's prep subcommand).

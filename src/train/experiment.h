@@ -129,6 +129,7 @@ struct FluxRunConfig {
   std::string data_path;                // a latent cache (forge prep --images); empty: synthetic batches
   std::string eval_data_path;           // a validation latent cache: the loss at 8 fixed times (NOTE [FLUX validation loss])
   std::string weight_init = "normal";   // normal | torchtitan (NOTE [FLUX weight init])
+  double caption_dropout_prob = 0.0;    // per sample, train on the empty caption (NOTE [FLUX caption dropout])
 };
 
 struct ExperimentConfig {

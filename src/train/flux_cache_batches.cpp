@@ -67,4 +67,14 @@ FluxCacheBatch FluxCacheBatches::at(int64_t k) {
   return epoch_batches_[static_cast<size_t>(k % batches_per_epoch_)];
 }
 
+std::vector<uint8_t> caption_dropout_rows(uint64_t seed, int64_t k, int64_t rows, double p) {
+  FORGE_CHECK(k >= 0 && rows >= 0 && p >= 0 && p <= 1, "caption dropout: micro-batch {}, {} rows, p {}", k, rows, p);
+  std::vector<uint8_t> dropped(static_cast<size_t>(rows), 0);
+  if (p == 0) return dropped;
+  const uint64_t batch_seed = derive_seed(seed, static_cast<uint64_t>(k));
+  for (int64_t r = 0; r < rows; ++r)
+    dropped[static_cast<size_t>(r)] = Rng(derive_seed(batch_seed, static_cast<uint64_t>(r) + 1)).uniform() < p;
+  return dropped;
+}
+
 }  // namespace forge

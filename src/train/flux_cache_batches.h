@@ -27,6 +27,20 @@ struct FluxCacheBatch {
   std::vector<int64_t> samples;  // cache indices, `batch` of them
 };
 
+// NOTE [FLUX caption dropout]
+// For classifier-free guidance, MLPerf's Flux.1 reference (torchtitan experiments/flux,
+// training.classifer_free_guidance_prob = 0.1) trains each sample, with probability p, on the
+// empty caption: with precomputed data, on the encodings of "" (T5's sequence, CLIP's pooled
+// vector). forge: flux.caption_dropout_prob = p, and the cache's empty-prompt encodings
+// (NOTE [FLUX latent cache]; forge prep --images writes them). Row r of micro-batch k drops
+// its caption when Rng(derive_seed(derive_seed(seed, k), r + 1)).uniform() < p, each row
+// independently: a pure function of (seed, k, r), so a resumed run drops what the
+// uninterrupted one did. FluxLatentCache::read puts the empty encodings in those rows while it
+// assembles the batch on the host. The validation loss never drops captions.
+//
+// caption_dropout_rows: per row of micro-batch k (rows of them), 1 where it drops; all 0 for p = 0.
+std::vector<uint8_t> caption_dropout_rows(uint64_t seed, int64_t k, int64_t rows, double p);
+
 class FluxCacheBatches {
  public:
   // Throws naming `what` (the config key) when no group has `batch` samples.

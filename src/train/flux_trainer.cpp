@@ -61,7 +61,17 @@ FlowTimestepSampling timestep_sampling(const FluxRunConfig& f) {
 }
 
 // Streams of the run's seed, one per purpose (derive_seed).
-enum Stream : uint64_t { kLatents = 1, kText, kPooled, kNoise, kTimesteps, kData, kEvalNoise };
+enum Stream : uint64_t {
+  kLatents = 1,
+  kText,
+  kPooled,
+  kNoise,
+  kTimesteps,
+  kData,
+  kEvalNoise,
+  kCaptionDropout,  // NOTE [FLUX caption dropout]
+  kPosterior        // NOTE [FLUX posterior latents]
+};
 
 // The first numel(shape) elements of a flat buffer, as `shape`.
 Tensor sized(const Tensor& flat, const Shape& shape) { return flat.narrow(0, shape_numel(shape)).view(shape); }
@@ -100,6 +110,12 @@ struct CacheSource {
         batches(cache.manifest(), c.training.local_batch_size, derive_seed(c.training.seed, kData),
                 "flux.data_path " + c.flux.data_path) {
     check_cache_fits(cache, mc, "flux.data_path");
+    if (c.flux.caption_dropout_prob > 0 && !cache.manifest().has_empty_prompt())
+      FORGE_FAIL(
+          "flux.caption_dropout_prob {}: the latent cache {} (flux.data_path) holds no empty caption's encodings "
+          "(cache.json has no \"empty_prompt\"): prepare it again with forge prep --images (or "
+          "scripts/flux_cache_from_diffusers.py), or set flux.caption_dropout_prob 0",
+          c.flux.caption_dropout_prob, c.flux.data_path);
   }
 };
 
@@ -267,9 +283,14 @@ FluxTrainResult FluxTrainer::run(bool log) {
   set_op_profiling(config_.logging.profile_ops);
   if (log && s.source) {
     const FluxCacheManifest& m = s.source->cache.manifest();
-    log_info("FLUX data: {} ({} samples in {} shards, {} latents, {} text tokens): {} micro-batches of {} per epoch",
-             s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder, m.text_tokens,
-             s.source->batches.batches_per_epoch(), s.shape.batch);
+    log_info("FLUX data: {} ({} samples in {} shards, {} latents{}, {} text tokens): {} micro-batches of {} per "
+             "epoch{}",
+             s.source->cache.folder(), m.samples, m.shards.size(), m.autoencoder,
+             m.distribution() ? " drawn from the posterior" : "", m.text_tokens,
+             s.source->batches.batches_per_epoch(), s.shape.batch,
+             config_.flux.caption_dropout_prob > 0
+                 ? fmt::format("; captions dropped with probability {}", config_.flux.caption_dropout_prob)
+                 : std::string());
   }
   const int64_t images_per_global_step = s.shape.batch * accumulation;
   if (observer_) observer_->training_begins(start_step_ * images_per_global_step);
@@ -301,7 +322,19 @@ FluxTrainResult FluxTrainer::run(bool log) {
       if (s.source) {
         const Tensor latents = sized(s.latents, {shape.batch, s.model_config.in_channels / 4, batch.latent_height,
                                                  batch.latent_width});
-        s.source->cache.read(batch.samples, latents, text, s.pooled);
+        FluxCacheReadOptions read;
+        // NOTE [FLUX caption dropout]; NOTE [FLUX posterior latents]: eps of sample j of the
+        // micro-batch starts at the same offset of its stream as its noise does.
+        if (config_.flux.caption_dropout_prob > 0)
+          read.empty_caption = caption_dropout_rows(derive_seed(seed, kCaptionDropout), k, shape.batch,
+                                                    config_.flux.caption_dropout_prob);
+        Tensor eps;
+        if (s.source->cache.manifest().distribution()) {
+          eps = Tensor::empty(latents.shape());
+          random_normal(eps, derive_seed(seed, kPosterior), first * static_cast<uint64_t>(per_sample_latent));
+          read.latent_noise = &eps;
+        }
+        s.source->cache.read(batch.samples, latents, text, s.pooled, read);
         patchify(x0, latents, 2);
       } else {
         random_normal(x0, derive_seed(seed, kLatents), first * static_cast<uint64_t>(per_sample_latent));

@@ -15,7 +15,10 @@
 // are planned for the largest latent grid and re-laid for each batch's), or are synthetic:
 // latents, text features and pooled vectors drawn from the counter-based normal generator
 // per (seed, step, micro-batch) — what `forge bench` measures with. Either way a
-// micro-batch is a pure function of (seed, step, micro-batch).
+// micro-batch is a pure function of (seed, step, micro-batch): with a cache, so are its
+// dropped captions (flux.caption_dropout_prob, NOTE [FLUX caption dropout]) and the latents
+// a "distribution" cache's posterior gives (eps from random_normal's stream at the sample's
+// offset, NOTE [FLUX posterior latents] in ckpt/flux_latent_cache.h).
 // Checkpoints and resume: NOTE [FLUX checkpoints] and NOTE [Exact FLUX resume] in
 // train/flux_checkpoint.h.
 #pragma once
@@ -47,7 +50,10 @@ FluxShape flux_micro_batch_shape(const ExperimentConfig& config);
 // training.local_batch_size samples are evaluated (the cache's first samples, consecutive
 // ones of one shard batched together), or every sample when the cache holds fewer. No
 // gradients; the model's activations are re-planned for the last, smaller micro-batch of a
-// shard.
+// shard. Captions are never dropped, and a "distribution" cache gives its posterior's mean
+// (the mode), so the validation loss stays a fixed function of the weights. (The reference
+// encodes COCO images on the fly with its autoencoder; see NOTE [FLUX posterior latents] for
+// what it draws and why forge keeps the mode here.)
 struct FluxEvalResult {
   int64_t step = 0;  // after this many training steps
   int64_t samples = 0;

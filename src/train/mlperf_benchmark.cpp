@@ -215,6 +215,7 @@ RunPlan plan_run(const Benchmark& b, const KeyValues& user) {
                       {"flux.timestep_sampling", "uniform"},
                       {"flux.timestep_shift", "none"},
                       {"flux.weight_init", "torchtitan"},
+                      {"flux.caption_dropout_prob", "0.1"},
                       {"training.steps", std::to_string((kFluxMaxSamples + plan.global_batch - 1) / plan.global_batch)},
                       {"training.max_norm", "1.0"},
                       {"optimizer.beta1", "0.9"},

@@ -97,6 +97,7 @@ TEST(MlperfPlan, FluxReferenceAndRcpHyperparameters) {
   EXPECT_EQ(v["flux.timestep_sampling"], "uniform");
   EXPECT_EQ(v["flux.timestep_shift"], "none");
   EXPECT_EQ(v["flux.weight_init"], "torchtitan");
+  EXPECT_EQ(v["flux.caption_dropout_prob"], "0.1");
   EXPECT_EQ(v["training.global_batch_size"], "512");
   EXPECT_EQ(v["optimizer.lr"], "0.0002");
   EXPECT_EQ(v["optimizer.beta2"], "0.95");

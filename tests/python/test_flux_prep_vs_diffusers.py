@@ -7,7 +7,9 @@ prompt_embeds and pooled_prompt_embeds row must agree within 1e-4 relative error
 by image. Also: the diffusers-made cache opens and reads back in forge (FluxLatentCache,
 through tests/tools/forge_flux_cache_read), bf16 storage is the fp32 values rounded to
 nearest even, --vae pixels equals the script's pixel fold exactly, several buckets, encoders
-given one by one instead of --pipeline, and the CLI's refusals (nothing on disk lost)."""
+given one by one instead of --pipeline, and the CLI's refusals (nothing on disk lost).
+--latents distribution stores diffusers' latent_dist.mean and .logvar, and every cache holds
+the empty caption's encodings as diffusers' encode_prompt("") gives them."""
 import json
 import os
 import shutil
@@ -223,6 +225,73 @@ class FluxPrepVsDiffusers(unittest.TestCase):
             np.testing.assert_array_equal(latents[0][image][0], latents[1][image][0])
         self.assertTrue(any(not np.array_equal(latents[0][i][0], latents[2][i][0]) for i in CAPTIONS))
 
+    def test_distribution_latents_and_empty_prompt_match_diffusers(self):
+        """--latents distribution stores diffusers' latent_dist.mean and .logvar; both caches hold the
+        empty caption's encodings (diffusers' encode_prompt(""), NOTE [FLUX caption dropout])."""
+        from safetensors.numpy import load_file
+
+        forge_path, _ = self.forge_cache("forge-distribution", "--pipeline", self.pipeline, "--resolution", "32",
+                                         "--dtype", "fp32", "--latents", "distribution")
+        reference = self.diffusers_cache("diffusers-distribution", "--resolution", "32", "--latents",
+                                         "distribution")
+        found = []
+        for path in (forge_path, reference):
+            with open(os.path.join(path, "cache.json")) as f:
+                manifest = json.load(f)
+            self.assertEqual(manifest["latents"], "distribution")
+            self.assertEqual(manifest["scaling_factor"], 0.3611)
+            self.assertEqual(manifest["shift_factor"], 0.1159)
+            self.assertEqual(manifest["empty_prompt"], "empty-prompt.safetensors")
+            shards = [load_file(os.path.join(path, s["file"])) for s in manifest["shards"]]
+            for shard in shards:
+                self.assertNotIn("latents", shard)
+            samples = {}
+            with open(os.path.join(path, "captions.jsonl"), encoding="utf-8") as f:
+                for line in f:
+                    row = json.loads(line)
+                    samples[os.path.basename(row["image"])] = [
+                        np.asarray(shards[row["shard"]][k][row["row"]], dtype=np.float64)
+                        for k in ("latent_mean", "latent_logvar", "prompt_embeds", "pooled_prompt_embeds")]
+            empty = load_file(os.path.join(path, "empty-prompt.safetensors"))
+            found.append((samples, empty))
+        (forge_samples, forge_empty), (reference_samples, reference_empty) = found
+        self.assertEqual(set(forge_samples), set(CAPTIONS))
+        for image, expected in reference_samples.items():
+            for kind, got, want in zip(("mean", "logvar", "prompt_embeds", "pooled"), forge_samples[image],
+                                       expected):
+                self.assertEqual(got.shape, want.shape, f"{image} {kind}")
+                self.assertLess(relative_error(got, want), TOLERANCE, f"{image} {kind}")
+        for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            self.assertEqual(forge_empty[name].shape, reference_empty[name].shape, name)
+            self.assertEqual(forge_empty[name].shape[0], 1, name)
+            self.assertLess(relative_error(forge_empty[name].astype(np.float64),
+                                           reference_empty[name].astype(np.float64)), TOLERANCE, name)
+        # A mode cache holds the empty caption too, the same encodings.
+        mode_path, _ = self.forge_cache("forge-mode-empty", "--pipeline", self.pipeline, "--vae", "pixels",
+                                        "--resolution", "32", "--dtype", "fp32")
+        mode_empty = load_file(os.path.join(mode_path, "empty-prompt.safetensors"))
+        for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            np.testing.assert_array_equal(mode_empty[name], forge_empty[name], err_msg=name)
+        # forge reads a distribution cache without noise as its mode, (mean - shift) * scale.
+        read = self.out("read-distribution")
+        os.makedirs(read)
+        run([tool("forge_flux_cache_read"), forge_path, read])
+        with open(os.path.join(forge_path, "captions.jsonl"), encoding="utf-8") as f:
+            order = [os.path.basename(json.loads(line)["image"]) for line in f]
+        got = np.fromfile(os.path.join(read, "latents.bin"), dtype=np.float32)
+        want = np.concatenate([((forge_samples[i][0].astype(np.float32) - np.float32(0.1159)) *
+                                np.float32(0.3611)).ravel() for i in order])
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        # Refusals.
+        base = ("--images", self.images, "--pipeline", self.pipeline, "--resolution", "32", "--output",
+                self.out("y"))
+        for args, fragment in (((*base, "--latents", "sample"), "--latents 'sample'"),
+                               ((*base, "--vae", "pixels", "--latents", "distribution"), "--vae pixels")):
+            result = forge(*args)
+            self.assertNotEqual(result.returncode, 0)
+            self.assertIn(fragment, result.stdout + result.stderr)
+        self.assertFalse(os.path.exists(self.out("y")))
+
     def test_cuda_matches_cpu(self):
         """On a machine with a GPU: the encoders in bf16 on CUDA against the CPU's fp32."""
         path = self.out("forge-cuda")
@@ -238,6 +307,26 @@ class FluxPrepVsDiffusers(unittest.TestCase):
         for image in CAPTIONS:
             for kind, got, want in zip(("latents", "prompt_embeds", "pooled"), on_gpu[image], on_cpu[image]):
                 self.assertLess(relative_error(got, want), 5e-2, f"{image} {kind}")
+
+    def test_cuda_distribution_matches_cpu(self):
+        """On a machine with a GPU: --latents distribution's moments and the empty caption in bf16 on CUDA
+        against the CPU's fp32."""
+        from safetensors.numpy import load_file
+
+        args = ("--pipeline", self.pipeline, "--resolution", "32", "--dtype", "fp32", "--latents", "distribution")
+        path = self.out("forge-cuda-distribution")
+        result = forge("--images", self.images, "--output", path, "--text-tokens", "24", "--batch-size", "2",
+                       "--device", "cuda", *args)
+        if "no GPU is visible" in result.stdout + result.stderr:
+            self.skipTest("no GPU")
+        self.assertEqual(result.returncode, 0, result.stderr)
+        cpu, _ = self.forge_cache("forge-cuda-distribution-reference", *args)
+        for name in ("shard-00000.safetensors", "empty-prompt.safetensors"):
+            on_gpu, on_cpu = load_file(os.path.join(path, name)), load_file(os.path.join(cpu, name))
+            self.assertEqual(set(on_gpu), set(on_cpu))
+            for key in on_cpu:
+                self.assertLess(relative_error(on_gpu[key].astype(np.float64), on_cpu[key].astype(np.float64)),
+                                5e-2, f"{name} {key}")
 
     def test_refusals(self):
         p, images = self.pipeline, self.images
