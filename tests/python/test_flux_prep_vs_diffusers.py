@@ -239,6 +239,35 @@ class FluxPrepVsDiffusers(unittest.TestCase):
             for kind, got, want in zip(("latents", "prompt_embeds", "pooled"), on_gpu[image], on_cpu[image]):
                 self.assertLess(relative_error(got, want), 5e-2, f"{image} {kind}")
 
+    def test_torchtitan_transform_and_min_size(self):
+        # MLPerf's Flux.1 training data: bicubic, ceil, random crops, images under 30 skipped
+        # (a.png 40x24 and c.png 24x48 here); their pixels are python.test_image_decode_vs_pil's.
+        path, log = self.forge_cache("torchtitan", "--pipeline", self.pipeline, "--resolution", "32", "--vae",
+                                     "pixels", "--transform", "torchtitan", "--min-size", "30", "--seed", "3")
+        with open(os.path.join(path, "cache.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual(manifest["samples"], 3)
+        source = manifest["source"]
+        self.assertEqual((source["transform"], source["crop"], source["min_size"], source["skipped_too_small"]),
+                         ("torchtitan", "random", 30, 2))
+        self.assertIn("skipped 2 of 5 images under --min-size 30", log)
+        with open(os.path.join(path, "captions.jsonl"), encoding="utf-8") as f:
+            kept = sorted(os.path.basename(json.loads(line)["image"]) for line in f)
+        self.assertEqual(kept, ["b.jpg", "d.jpg", "e.png"])
+        base = ("--images", self.images, "--pipeline", self.pipeline, "--resolution", "32", "--output",
+                self.out("never"))
+        for args, fragment in [(("--transform", "mlperf"), "--transform 'mlperf'"),
+                               (("--transform", "torchtitan", "--buckets", "32x48"), "one square bucket"),
+                               (("--transform", "torchtitan", "--random-flip"), "--random-flip does not apply"),
+                               (("--transform", "torchtitan", "--crop", "center"), "--crop does not apply"),
+                               (("--min-size", "-1"), "--min-size -1"),
+                               (("--min-size", "100"), "all 5 images are under --min-size 100")]:
+            with self.subTest(args=args):
+                result = forge(*base, *args)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn(fragment, result.stdout + result.stderr)
+        self.assertFalse(os.path.exists(self.out("never")))
+
     def test_refusals(self):
         p, images = self.pipeline, self.images
         base = ("--images", images, "--pipeline", p, "--resolution", "32")
