@@ -53,10 +53,11 @@
 //       (random inks: 94% of the bytes, by up to 29 levels).
 //   forge would need its decoders to hand over the file's own mode (alpha, palette
 //       indices, inks) to do as the reference does; they do not (NOTE [Image decoding]).
-//   EXIF orientation: forge turns images upright (as diffusers does) before measuring
-//       them; the reference measures what its loader (Hugging Face datasets' Image
-//       feature) hands it, and whether that loader applies exif_transpose was not checked
-//       here (datasets is not installed). An image with an EXIF rotation may differ.
+//   EXIF orientation: forge turns images upright before measuring them (as diffusers
+//       does). The reference measures what its loader hands it: recent releases of
+//       Hugging Face datasets apply ImageOps.exif_transpose in Image.decode_example when
+//       the file has an Orientation tag, the same as forge; older releases did not (which
+//       one MLPerf's reference pins was not checked here), and then rotated images differ.
 // CC12M and COCO are almost all JPEG files in RGB or L, where the transform is exact given
 // the decoded pixels (python.test_image_decode_vs_pil drives it against a restatement of
 // _process_cc12m_image); the JPEG decoding itself agrees with Pillow's bundled
