@@ -59,7 +59,9 @@ const char* const kImageFlags[] = {"--output",
                                    "--device",
                                    "--dtype",
                                    "--shard-samples",
-                                   "--latents"};
+                                   "--latents",
+                                   "--transform",
+                                   "--min-size"};
 
 bool has_file(const fs::path& folder, std::initializer_list<const char*> names) {
   std::error_code error;
@@ -135,10 +137,15 @@ Plan check_options(const ImagePrepOptions& o) {
     p.buckets = parse_image_buckets(o.buckets, "--buckets (square, aspect, or a list such as 1024x1024,832x1216)");
   }
 
-  if (o.crop != "center" && o.crop != "random") FORGE_FAIL("--crop '{}': expected center or random", o.crop);
-  p.transform.crop = o.crop == "random" ? ImageCrop::Random : ImageCrop::Center;
+  if (!o.crop.empty() && o.crop != "center" && o.crop != "random")
+    FORGE_FAIL("--crop '{}': expected center or random", o.crop);
+  p.transform.kind = parse_image_transform_kind(o.transform, "--transform");
+  p.transform.crop = o.crop == "random" || p.transform.kind == ImageTransformKind::Torchtitan ? ImageCrop::Random
+                                                                                               : ImageCrop::Center;
   p.transform.random_flip = o.random_flip;
   p.transform.seed = o.seed;
+  p.transform.min_size = o.min_size;
+  check_image_transform(p.transform, p.buckets, !o.crop.empty());
 
   if (!o.pipeline.empty()) {
     require_path(o.pipeline, "--pipeline");
@@ -294,7 +301,8 @@ void add_image_prep_options(CLI::App& prep, ImagePrepOptions& o) {
                   "images: square (resolution x resolution), aspect (kohya-style buckets of about resolution^2 "
                   "pixels) or a list such as 1024x1024,832x1216")
       ->capture_default_str();
-  prep.add_option("--crop", o.crop, "images: center or random crop to the bucket")->capture_default_str();
+  prep.add_option("--crop", o.crop,
+                  "images: center (default) or random crop to the bucket (not with --transform torchtitan: random)");
   prep.add_flag("--random-flip", o.random_flip, "images: mirror each image with probability 1/2");
   prep.add_option("--seed", o.seed, "images: seed of the random crops and flips")->capture_default_str();
   prep.add_option("--pipeline", o.pipeline,
@@ -319,6 +327,13 @@ void add_image_prep_options(CLI::App& prep, ImagePrepOptions& o) {
                   "images: mode (the VAE's mean, scaled) or distribution (its mean and logvar: training draws a "
                   "fresh latent per use, as MLPerf's Flux.1 reference)")
       ->capture_default_str();
+  prep.add_option("--transform", o.transform,
+                  "images: diffusers (diffusers' FLUX scripts: bilinear, any buckets) or torchtitan (MLPerf's Flux.1 "
+                  "reference: bicubic, ceil, random crop, one square bucket)")
+      ->capture_default_str();
+  prep.add_option("--min-size", o.min_size,
+                  "images: skip (and count) images whose width or height is below this; 0 keeps all")
+      ->capture_default_str();
 }
 
 std::string image_prep_flag_given(const CLI::App& prep) {
@@ -342,16 +357,33 @@ int run_image_prep(const ImagePrepOptions& o) {
   log_info("prep: {}", dataset.describe());
   if (dataset.size() == 0) FORGE_FAIL("--images {}: no images with captions", o.images);
 
-  // Every image's bucket from its header; the cache holds the buckets in the list's order.
+  // Every image's bucket from its header, less those under --min-size; the cache holds the
+  // buckets in the list's order.
   std::vector<std::vector<size_t>> by_bucket(plan.buckets.size());
+  size_t too_small = 0;
+  std::string too_small_example;
   for (size_t i = 0; i < dataset.size(); ++i) {
     const ImageInfo& info = dataset.entry(i).info;
+    if (image_too_small(info.width(), info.height(), plan.transform)) {
+      if (too_small++ == 0)
+        too_small_example = fmt::format("{} ({}x{})", dataset.entry(i).image_path, info.width(), info.height());
+      continue;
+    }
     by_bucket[nearest_bucket(info.width(), info.height(), plan.buckets)].push_back(i);
   }
+  const size_t kept = dataset.size() - too_small;
+  if (too_small > 0)
+    log_info("prep: skipped {} of {} images under --min-size {} (width or height below it), such as {}", too_small,
+             dataset.size(), o.min_size, too_small_example);
+  if (kept == 0)
+    FORGE_FAIL("--images {}: all {} images are under --min-size {} (width or height below it); nothing to prepare",
+               o.images, dataset.size(), o.min_size);
   size_t used_buckets = 0;
   for (const auto& b : by_bucket) used_buckets += !b.empty();
-  log_info("prep: buckets {}; {} of them used; crop {}{}, seed {}", describe_buckets(plan.buckets), used_buckets,
-           o.crop, o.random_flip ? ", random flips" : "", o.seed);
+  const std::string crop = plan.transform.crop == ImageCrop::Random ? "random" : "center";
+  log_info("prep: transform {}; buckets {}; {} of them used; crop {}{}, seed {}",
+           image_transform_kind_name(plan.transform.kind), describe_buckets(plan.buckets), used_buckets, crop,
+           o.random_flip ? ", random flips" : "", o.seed);
 
   Encoders encoders(plan, o.text_tokens);
   log_info("prep: autoencoder {}, T5 {} (tokenizer {}), CLIP {} (tokenizer {}), {} tokens, on {} in {}; stored in {}",
@@ -379,7 +411,8 @@ int run_image_prep(const ImagePrepOptions& o) {
                            {"layout", image_dataset_layout_name(plan.layout)},
                            {"resolution", o.resolution},
                            {"buckets", bucket_names},
-                           {"crop", o.crop},
+                           {"transform", image_transform_kind_name(plan.transform.kind)},
+                           {"crop", crop},
                            {"random_flip", o.random_flip},
                            {"seed", o.seed},
                            {"vae", plan.vae},
@@ -387,7 +420,9 @@ int run_image_prep(const ImagePrepOptions& o) {
                            {"t5_tokenizer", plan.t5_tokenizer},
                            {"clip", plan.clip},
                            {"clip_tokenizer", plan.clip_tokenizer},
-                           {"device", o.device}};
+                           {"device", o.device},
+                           {"min_size", o.min_size},
+                           {"skipped_too_small", too_small}};
   FluxLatentCacheWriter writer(o.output, writer_options);
   {  // NOTE [FLUX caption dropout]: the empty caption, by the same encoders and settings.
     const auto [text, pooled] = encoders.encode_captions({""});
@@ -395,7 +430,7 @@ int run_image_prep(const ImagePrepOptions& o) {
   }
 
   ProgressReporter progress(::isatty(STDERR_FILENO) != 0);
-  progress.start(static_cast<double>(dataset.size()), "prep");
+  progress.start(static_cast<double>(kept), "prep");
   const auto encode_start = std::chrono::steady_clock::now();
   int64_t done = 0;
   // Images are decoded in groups of whole batches, at least one image per thread.
@@ -430,7 +465,7 @@ int run_image_prep(const ImagePrepOptions& o) {
         done += n;
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - encode_start).count();
         progress.update(static_cast<double>(done),
-                        fmt::format("{} / {} images ({:.2f} images/s) | bucket {}", done, dataset.size(),
+                        fmt::format("{} / {} images ({:.2f} images/s) | bucket {}", done, kept,
                                     done / std::max(seconds, 1e-9), image_bucket_name(bucket)));
       }
     }
@@ -444,9 +479,10 @@ int run_image_prep(const ImagePrepOptions& o) {
     if (!by_bucket[b].empty())
       per_bucket += fmt::format("{}{}: {}", per_bucket.empty() ? "" : ", ", image_bucket_name(plan.buckets[b]),
                                 by_bucket[b].size());
-  log_info("prep: {} images in {} bucket{} ({}), {} shard{}, {}", manifest.samples, used_buckets,
+  log_info("prep: {} images in {} bucket{} ({}), {} shard{}, {}{}", manifest.samples, used_buckets,
            used_buckets == 1 ? "" : "s", per_bucket, manifest.shards.size(), manifest.shards.size() == 1 ? "" : "s",
-           format_bytes(static_cast<double>(writer.bytes_written())));
+           format_bytes(static_cast<double>(writer.bytes_written())),
+           too_small > 0 ? fmt::format("; {} images skipped under --min-size {}", too_small, o.min_size) : "");
   log_info("prep: {:.2f} s ({:.2f} s encoding: {:.2f} images/s); wrote {}", seconds, encode_seconds,
            static_cast<double>(manifest.samples) / std::max(encode_seconds, 1e-9), o.output);
   return 0;

@@ -22,7 +22,7 @@ struct ImagePrepOptions {
   std::string caption_extension = ".txt";
   int64_t resolution = 1024;
   std::string buckets = "square";  // square | aspect | a list WxH,...
-  std::string crop = "center";     // center | random
+  std::string crop;                // center | random; empty: center (NOTE [torchtitan's Flux.1 image transform])
   bool random_flip = false;
   uint64_t seed = 0;
   std::string pipeline;  // a FluxPipeline folder: vae/, text_encoder/, text_encoder_2/, tokenizer/, tokenizer_2/
@@ -34,6 +34,8 @@ struct ImagePrepOptions {
   std::string dtype = "bf16";  // bf16 | fp32: of the stored tensors
   int64_t shard_samples = 256;
   std::string latents = "mode";  // mode | distribution (NOTE [FLUX posterior latents])
+  std::string transform = "diffusers";  // diffusers | torchtitan (data/image_transform.h)
+  int64_t min_size = 0;                 // skip images narrower or lower than this; 0: keep all
 };
 
 // Registers --images and the image-only flags on `prep` (main.cpp's prep subcommand).

@@ -13,22 +13,38 @@ namespace {
 constexpr int kPrecisionBits = 32 - 8 - 2;  // Pillow's PRECISION_BITS
 
 // The fixed-point filter weights of output indices [begin, begin + n) of an axis resized
-// from in_size to out_size (NOTE [PIL's bilinear resize]).
+// from in_size to out_size with `filter` (NOTE [PIL's bilinear resize]).
 struct AxisWeights {
   int ksize = 0;
   std::vector<int> first, count;  // per output index: its first input index and number of taps
   std::vector<int32_t> weights;   // per output index: ksize weights, the first `count` used
 };
 
+// Resample.c's bilinear_filter and bicubic_filter (a = -0.5), in the same double arithmetic.
 double triangle(double x) {
   if (x < 0.0) x = -x;
   return x < 1.0 ? 1.0 - x : 0.0;
 }
 
-AxisWeights bilinear_weights(int in_size, int out_size, int begin, int n) {
+double cubic(double x) {
+  constexpr double a = -0.5;
+  if (x < 0.0) x = -x;
+  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
+  if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
+  return 0.0;
+}
+
+// The filter's support at scale 1: 1 input pixel each side for bilinear, 2 for bicubic.
+double filter_support(ResampleFilter filter) { return filter == ResampleFilter::Bicubic ? 2.0 : 1.0; }
+
+double filter_value(ResampleFilter filter, double x) {
+  return filter == ResampleFilter::Bicubic ? cubic(x) : triangle(x);
+}
+
+AxisWeights axis_weights(ResampleFilter filter, int in_size, int out_size, int begin, int n) {
   const double scale = static_cast<double>(in_size) / out_size;
   const double filterscale = std::max(scale, 1.0);
-  const double support = 1.0 * filterscale;
+  const double support = filter_support(filter) * filterscale;
   const double inv_filterscale = 1.0 / filterscale;
   AxisWeights axis;
   axis.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
@@ -47,7 +63,7 @@ AxisWeights bilinear_weights(int in_size, int out_size, int begin, int n) {
     FORGE_CHECK(xmax >= 1 && xmax <= axis.ksize, "{} taps for output {} of {} -> {}", xmax, xx, in_size, out_size);
     double ww = 0.0;
     for (int x = 0; x < xmax; ++x) {
-      k[x] = triangle((x + xmin - center + 0.5) * inv_filterscale);
+      k[x] = filter_value(filter, (x + xmin - center + 0.5) * inv_filterscale);
       ww += k[x];
     }
     for (int x = 0; x < xmax; ++x) {
@@ -105,15 +121,15 @@ void vertical_pass(const RgbImage& in, int row_offset, int column_offset, const 
 
 }  // namespace
 
-RgbImage resize_bilinear_window(const RgbImage& image, int width, int height, int left, int top, int crop_width,
-                                int crop_height) {
+RgbImage resize_image_window(const RgbImage& image, int width, int height, int left, int top, int crop_width,
+                             int crop_height, ResampleFilter filter) {
   FORGE_CHECK(image.width > 0 && image.height > 0 && width > 0 && height > 0, "resize of {}x{} to {}x{}", image.width,
               image.height, width, height);
   FORGE_CHECK(left >= 0 && top >= 0 && crop_width > 0 && crop_height > 0 && left <= width - crop_width &&
                   top <= height - crop_height,
               "window {}x{} at ({}, {}) outside {}x{}", crop_width, crop_height, left, top, width, height);
-  const AxisWeights columns = bilinear_weights(image.width, width, left, crop_width);
-  const AxisWeights rows = bilinear_weights(image.height, height, top, crop_height);
+  const AxisWeights columns = axis_weights(filter, image.width, width, left, crop_width);
+  const AxisWeights rows = axis_weights(filter, image.height, height, top, crop_height);
   RgbImage result(crop_width, crop_height);
   // Pillow 13 runs the vertical pass first when the height shrinks by more than twice as
   // many pixels as the width (NOTE [PIL's bilinear resize]).
@@ -137,8 +153,17 @@ RgbImage resize_bilinear_window(const RgbImage& image, int width, int height, in
   return result;
 }
 
+RgbImage resize_image(const RgbImage& image, int width, int height, ResampleFilter filter) {
+  return resize_image_window(image, width, height, 0, 0, width, height, filter);
+}
+
+RgbImage resize_bilinear_window(const RgbImage& image, int width, int height, int left, int top, int crop_width,
+                                int crop_height) {
+  return resize_image_window(image, width, height, left, top, crop_width, crop_height, ResampleFilter::Bilinear);
+}
+
 RgbImage resize_bilinear(const RgbImage& image, int width, int height) {
-  return resize_bilinear_window(image, width, height, 0, 0, width, height);
+  return resize_image(image, width, height, ResampleFilter::Bilinear);
 }
 
 }  // namespace forge

@@ -1,6 +1,7 @@
 #include "data/image_transform.h"
 
 #include <array>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
@@ -18,12 +19,73 @@ int half_rounded_to_even(int d) {
   return half;
 }
 
+// NOTE [torchtitan's Flux.1 image transform]: the longer side is the ceil of the float64
+// S / shorter * longer, the crop uniform along it.
+BucketPlacement place_torchtitan(int width, int height, ImageBucket bucket, const ImageTransform& transform,
+                                 uint64_t index) {
+  FORGE_CHECK(bucket.width == bucket.height, "torchtitan's transform takes a square bucket, not {}",
+              image_bucket_name(bucket));
+  const double side = bucket.width;
+  BucketPlacement p;
+  p.filter = ResampleFilter::Bicubic;
+  const bool wide = width >= height;
+  const double longer = wide ? std::ceil(side / height * width) : std::ceil(side / width * height);
+  if (longer > INT32_MAX)
+    FORGE_FAIL("an image of {}x{} would be resized to a side of {} to cover bucket {}", width, height, longer,
+               image_bucket_name(bucket));
+  p.resized_width = wide ? static_cast<int>(longer) : bucket.width;
+  p.resized_height = wide ? bucket.height : static_cast<int>(longer);
+  const int spare = static_cast<int>(longer) - bucket.width;
+  Rng rng(derive_seed(transform.seed, index));
+  (wide ? p.left : p.top) = static_cast<int>(rng.below(static_cast<uint64_t>(spare) + 1));
+  return p;
+}
+
 }  // namespace
+
+ImageTransformKind parse_image_transform_kind(const std::string& name, const char* flag) {
+  if (name == "diffusers") return ImageTransformKind::Diffusers;
+  if (name == "torchtitan") return ImageTransformKind::Torchtitan;
+  FORGE_FAIL("{} '{}': expected diffusers (diffusers' FLUX scripts: bilinear, any buckets) or torchtitan (MLPerf's "
+             "Flux.1 reference: bicubic, one square bucket, random crops)",
+             flag, name);
+}
+
+const char* image_transform_kind_name(ImageTransformKind kind) {
+  return kind == ImageTransformKind::Torchtitan ? "torchtitan" : "diffusers";
+}
+
+void check_image_transform(const ImageTransform& transform, const std::vector<ImageBucket>& buckets,
+                           bool crop_given) {
+  if (transform.min_size < 0 || transform.min_size > 65536)
+    FORGE_FAIL("--min-size {}: expected the smallest width and height kept, from 0 (keep all) to 65536",
+               transform.min_size);
+  if (transform.kind != ImageTransformKind::Torchtitan) return;
+  if (buckets.size() != 1 || buckets[0].width != buckets[0].height) {
+    std::string given;
+    for (size_t i = 0; i < buckets.size() && i < 4; ++i) given += (i ? "," : "") + image_bucket_name(buckets[i]);
+    if (buckets.size() > 4) given += fmt::format(",... ({} buckets)", buckets.size());
+    FORGE_FAIL(
+        "--transform torchtitan places every image in one square bucket of --resolution (--buckets square), as "
+        "MLPerf's Flux.1 reference does; --buckets gives {}",
+        given);
+  }
+  if (transform.random_flip)
+    FORGE_FAIL("--random-flip does not apply to --transform torchtitan (the reference never mirrors images)");
+  if (crop_given)
+    FORGE_FAIL("--crop does not apply to --transform torchtitan (its crop is always random along the longer side)");
+}
+
+bool image_too_small(int width, int height, const ImageTransform& transform) {
+  return width < transform.min_size || height < transform.min_size;
+}
 
 BucketPlacement place_in_bucket(int width, int height, ImageBucket bucket, const ImageTransform& transform,
                                 uint64_t index) {
   FORGE_CHECK(width > 0 && height > 0 && bucket.width > 0 && bucket.height > 0, "placing {}x{} in bucket {}", width,
               height, image_bucket_name(bucket));
+  if (transform.kind == ImageTransformKind::Torchtitan)
+    return place_torchtitan(width, height, bucket, transform, index);
   BucketPlacement p;
   int64_t resized_width, resized_height;
   if (static_cast<int64_t>(width) * bucket.height >= static_cast<int64_t>(height) * bucket.width) {
@@ -60,8 +122,8 @@ RgbImage fit_to_bucket(const RgbImage& image, ImageBucket bucket, const BucketPl
   // Mirroring before the crop: the window at `left` of the mirrored image is the mirrored
   // window at resized_width - left - bucket.width of the unmirrored one.
   const int left = placement.flip ? placement.resized_width - placement.left - bucket.width : placement.left;
-  RgbImage out = resize_bilinear_window(image, placement.resized_width, placement.resized_height, left, placement.top,
-                                        bucket.width, bucket.height);
+  RgbImage out = resize_image_window(image, placement.resized_width, placement.resized_height, left, placement.top,
+                                     bucket.width, bucket.height, placement.filter);
   if (placement.flip) {
     for (int y = 0; y < out.height; ++y) {
       uint8_t* row = out.row(y);

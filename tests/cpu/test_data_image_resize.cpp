@@ -1,5 +1,6 @@
-// Pillow's bilinear resize (data/image_resize.h), resolution buckets (data/image_buckets.h)
-// and the FLUX image transform (data/image_transform.h). Byte-for-byte agreement with
+// Pillow's bilinear and bicubic resize (data/image_resize.h), resolution buckets
+// (data/image_buckets.h) and the FLUX image transforms, diffusers' and torchtitan's
+// (data/image_transform.h). Byte-for-byte agreement with
 // Pillow and torchvision's arithmetic is python.test_image_decode_vs_pil; here: the
 // properties and hand-computed values.
 #include <gtest/gtest.h>
@@ -62,6 +63,69 @@ TEST(ImageResize, AWindowIsTheCropOfTheWholeResize) {
               << w << "x" << h << " at " << left << "," << top;
     }
   }
+}
+
+double keys_cubic(double x) {  // a = -0.5, as NOTE [PIL's bilinear resize] states it
+  x = std::abs(x);
+  if (x < 1) return (1.5 * x - 2.5) * x * x + 1;
+  if (x < 2) return ((-0.5 * x + 2.5) * x - 4) * x + 2;
+  return 0;
+}
+
+TEST(ImageResize, BicubicSameSizeIsTheIdentityAndConstantsStayConstant) {
+  const RgbImage image = pattern_image(17, 11);
+  EXPECT_EQ(resize_image(image, 17, 11, ResampleFilter::Bicubic).pixels, image.pixels);
+  RgbImage gray(13, 9);
+  std::fill(gray.pixels.begin(), gray.pixels.end(), 77);
+  for (auto [w, h] : {std::pair{1, 1}, {5, 30}, {40, 3}, {13, 9}, {100, 71}}) {
+    const RgbImage out = resize_image(gray, w, h, ResampleFilter::Bicubic);
+    EXPECT_EQ(std::pair(out.width, out.height), std::pair(w, h));
+    for (uint8_t v : out.pixels) ASSERT_EQ(v, 77) << w << "x" << h;
+  }
+}
+
+TEST(ImageResize, BicubicHalvingAWidthByHand) {
+  // 6 -> 3 columns: scale 2, support 4; output 1 has center 3 and taps x = 0..5 (xmin =
+  // int(3 - 4 + 0.5) = 0, xmax = min(6, int(7.5))) at t = (x - 3 + 0.5) / 2: weights
+  // -0.0703, 0.2266, 0.8672, 0.8672, 0.2266, -0.0703 before normalizing.
+  RgbImage image(6, 1);
+  const int values[6] = {200, 10, 50, 240, 30, 220};
+  for (int x = 0; x < 6; ++x) image.pixels[3 * x] = image.pixels[3 * x + 1] = image.pixels[3 * x + 2] = values[x];
+  const RgbImage out = resize_image(image, 3, 1, ResampleFilter::Bicubic);
+  double k[6], sum = 0;
+  for (int x = 0; x < 6; ++x) sum += k[x] = keys_cubic((x - 3 + 0.5) / 2);
+  EXPECT_LT(k[0], 0);
+  EXPECT_LT(k[5], 0);
+  int64_t acc = 1 << 21;
+  for (int x = 0; x < 6; ++x) {
+    const double w = k[x] / sum;
+    acc += values[x] * static_cast<int64_t>(w < 0 ? -0.5 + w * (1 << 22) : 0.5 + w * (1 << 22));
+  }
+  EXPECT_EQ(out.pixels[3], static_cast<int>(acc >> 22));
+  EXPECT_EQ(out.pixels[3], 113);  // the weighted mean 112.86, rounded
+  // An edge that overshoots clips at 0 and 255 instead of wrapping.
+  RgbImage edge(8, 1);
+  for (int x = 0; x < 8; ++x) edge.pixels[3 * x] = edge.pixels[3 * x + 1] = edge.pixels[3 * x + 2] = x < 4 ? 0 : 255;
+  const RgbImage up = resize_image(edge, 29, 1, ResampleFilter::Bicubic);
+  EXPECT_EQ(up.pixels.front(), 0);
+  EXPECT_EQ(up.pixels.back(), 255);
+}
+
+TEST(ImageResize, ABicubicWindowIsTheCropOfTheWholeResize) {
+  const RgbImage image = pattern_image(53, 37, 9);
+  // (53, 10): the height shrinks most, so the vertical pass runs first.
+  for (auto [w, h] : {std::pair{20, 15}, {80, 61}, {53, 10}, {31, 37}}) {
+    const RgbImage whole = resize_image(image, w, h, ResampleFilter::Bicubic);
+    for (auto [left, top, cw, ch] : {std::tuple{0, 0, w, h}, {3, 2, w - 5, h - 4}, {w - 1, h - 1, 1, 1}}) {
+      if (cw < 1 || ch < 1) continue;
+      const RgbImage window = resize_image_window(image, w, h, left, top, cw, ch, ResampleFilter::Bicubic);
+      for (int y = 0; y < ch; ++y)
+        for (int i = 0; i < 3 * cw; ++i)
+          ASSERT_EQ(window.row(y)[i], whole.row(top + y)[3 * left + i])
+              << w << "x" << h << " at " << left << "," << top;
+    }
+  }
+  EXPECT_NE(resize_image(image, 20, 15, ResampleFilter::Bicubic).pixels, resize_bilinear(image, 20, 15).pixels);
 }
 
 TEST(ImageBuckets, KohyaStyleListAroundTheArea) {
@@ -185,6 +249,89 @@ TEST(ImageTransform, NormalizedLikeToTensorThenNormalize) {
   EXPECT_EQ(v[2], 1.0f);  // G of pixel 0
   EXPECT_EQ(v[4], (128.0f / 255.0f - 0.5f) / 0.5f);
   EXPECT_EQ(v[5], (3.0f / 255.0f - 0.5f) / 0.5f);
+}
+
+ImageTransform torchtitan(uint64_t seed = 0, int64_t min_size = 0) {
+  ImageTransform t;
+  t.kind = ImageTransformKind::Torchtitan;
+  t.crop = ImageCrop::Random;
+  t.seed = seed;
+  t.min_size = min_size;
+  return t;
+}
+
+TEST(TorchtitanTransform, CeilOfTheFloat64QuotientAsPythonComputesIt) {
+  // ceil(256 / 480 * 640) = ceil(341.33) = 342 (diffusers' rule truncates to 341).
+  BucketPlacement p = place_in_bucket(640, 480, {256, 256}, torchtitan(), 0);
+  EXPECT_EQ(std::tuple(p.resized_width, p.resized_height, p.top), std::tuple(342, 256, 0));
+  EXPECT_EQ(p.filter, ResampleFilter::Bicubic);
+  EXPECT_EQ(place_in_bucket(640, 480, {256, 256}, ImageTransform{}, 0).resized_width, 341);
+  // 256 * 273 / 182 is exactly 384, but Python's 256 / 182 * 273 is 384.00000000000006.
+  p = place_in_bucket(273, 182, {256, 256}, torchtitan(), 0);
+  EXPECT_EQ(std::tuple(p.resized_width, p.resized_height), std::tuple(385, 256));
+  p = place_in_bucket(182, 273, {256, 256}, torchtitan(), 0);  // portrait: the same on the height
+  EXPECT_EQ(std::tuple(p.resized_width, p.resized_height, p.left), std::tuple(256, 385, 0));
+  p = place_in_bucket(300, 300, {256, 256}, torchtitan(), 5);  // square: width >= height, nothing spare
+  EXPECT_EQ(std::tuple(p.resized_width, p.resized_height, p.left, p.top), std::tuple(256, 256, 0, 0));
+  p = place_in_bucket(100, 50, {256, 256}, torchtitan(), 0);  // small images are enlarged
+  EXPECT_EQ(std::tuple(p.resized_width, p.resized_height), std::tuple(512, 256));
+  expect_error([] { place_in_bucket(640, 480, {256, 128}, torchtitan(), 0); }, {"square bucket", "256x128"});
+}
+
+TEST(TorchtitanTransform, RandomCropAlongTheLongerSideFromSeedAndIndex) {
+  std::set<int> lefts, tops;
+  for (uint64_t i = 0; i < 200; ++i) {
+    const BucketPlacement wide = place_in_bucket(700, 400, {256, 256}, torchtitan(7), i);
+    ASSERT_EQ(wide.resized_width, 448);  // ceil(256 / 400 * 700) = 448
+    EXPECT_TRUE(wide.left >= 0 && wide.left <= 448 - 256 && wide.top == 0 && !wide.flip);
+    EXPECT_EQ(wide.left, place_in_bucket(700, 400, {256, 256}, torchtitan(7), i).left);
+    lefts.insert(wide.left);
+    const BucketPlacement tall = place_in_bucket(400, 700, {256, 256}, torchtitan(7), i);
+    EXPECT_TRUE(tall.top >= 0 && tall.top <= 448 - 256 && tall.left == 0 && !tall.flip);
+    tops.insert(tall.top);
+  }
+  EXPECT_GT(lefts.size(), 100u);
+  EXPECT_GT(tops.size(), 100u);
+  EXPECT_TRUE(lefts.count(0) || lefts.count(192) || lefts.size() > 150);
+  EXPECT_NE(place_in_bucket(700, 400, {256, 256}, torchtitan(7), 0).left +
+                place_in_bucket(700, 400, {256, 256}, torchtitan(7), 1).left * 1000,
+            place_in_bucket(700, 400, {256, 256}, torchtitan(8), 0).left +
+                place_in_bucket(700, 400, {256, 256}, torchtitan(8), 1).left * 1000);
+}
+
+TEST(TorchtitanTransform, MinSizeSkipsImagesWithEitherSideBelowIt) {
+  EXPECT_FALSE(image_too_small(1, 1, torchtitan()));  // 0 keeps all
+  EXPECT_FALSE(image_too_small(256, 256, torchtitan(0, 256)));
+  EXPECT_TRUE(image_too_small(255, 4000, torchtitan(0, 256)));
+  EXPECT_TRUE(image_too_small(4000, 255, torchtitan(0, 256)));
+  ImageTransform diffusers;
+  diffusers.min_size = 512;
+  EXPECT_TRUE(image_too_small(511, 600, diffusers));
+  EXPECT_FALSE(image_too_small(512, 600, diffusers));
+}
+
+TEST(TorchtitanTransform, FlagsAreChecked) {
+  EXPECT_EQ(parse_image_transform_kind("diffusers", "--transform"), ImageTransformKind::Diffusers);
+  EXPECT_EQ(parse_image_transform_kind("torchtitan", "--transform"), ImageTransformKind::Torchtitan);
+  EXPECT_STREQ(image_transform_kind_name(ImageTransformKind::Torchtitan), "torchtitan");
+  expect_error([] { parse_image_transform_kind("mlperf", "--transform"); },
+               {"--transform 'mlperf'", "diffusers", "torchtitan"});
+  check_image_transform(torchtitan(0, 256), {{256, 256}}, false);
+  check_image_transform(ImageTransform{}, make_aspect_buckets(1024), true);  // diffusers: any buckets
+  expect_error([] { check_image_transform(torchtitan(), make_aspect_buckets(1024), false); },
+               {"--transform torchtitan", "one square bucket", "--buckets gives", " buckets)"});
+  expect_error([] { check_image_transform(torchtitan(), {{256, 512}}, false); }, {"--buckets gives 256x512"});
+  expect_error([] { check_image_transform(torchtitan(), {{256, 256}, {512, 512}}, false); },
+               {"--buckets gives 256x256,512x512"});
+  ImageTransform flipped = torchtitan();
+  flipped.random_flip = true;
+  expect_error([&] { check_image_transform(flipped, {{256, 256}}, false); }, {"--random-flip", "never mirrors"});
+  expect_error([] { check_image_transform(torchtitan(), {{256, 256}}, true); }, {"--crop does not apply"});
+  for (int64_t bad : {int64_t{-1}, int64_t{65537}, int64_t{1} << 40}) {
+    ImageTransform t;
+    t.min_size = bad;
+    expect_error([&] { check_image_transform(t, {{256, 256}}, false); }, {fmt::format("--min-size {}", bad)});
+  }
 }
 
 }  // namespace

@@ -11,6 +11,7 @@ given one by one instead of --pipeline, and the CLI's refusals (nothing on disk 
 --latents distribution stores diffusers' latent_dist.mean and .logvar, and every cache holds
 the empty caption's encodings as diffusers' encode_prompt("") gives them."""
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -327,6 +328,54 @@ class FluxPrepVsDiffusers(unittest.TestCase):
             for key in on_cpu:
                 self.assertLess(relative_error(on_gpu[key].astype(np.float64), on_cpu[key].astype(np.float64)),
                                 5e-2, f"{name} {key}")
+
+    def test_torchtitan_transform_and_min_size(self):
+        # MLPerf's Flux.1 training data: bicubic, ceil, random crops, images under 30 skipped
+        # (a.png 40x24 and c.png 24x48 here); their pixels are python.test_image_decode_vs_pil's.
+        path, log = self.forge_cache("torchtitan", "--pipeline", self.pipeline, "--resolution", "32", "--vae",
+                                     "pixels", "--transform", "torchtitan", "--min-size", "30", "--seed", "3",
+                                     "--dtype", "fp32")
+        with open(os.path.join(path, "cache.json")) as f:
+            manifest = json.load(f)
+        self.assertEqual(manifest["samples"], 3)
+        source = manifest["source"]
+        self.assertEqual((source["transform"], source["crop"], source["min_size"], source["skipped_too_small"]),
+                         ("torchtitan", "random", 30, 2))
+        self.assertIn("skipped 2 of 5 images under --min-size 30", log)
+        with open(os.path.join(path, "captions.jsonl"), encoding="utf-8") as f:
+            kept = sorted(os.path.basename(json.loads(line)["image"]) for line in f)
+        self.assertEqual(kept, ["b.jpg", "d.jpg", "e.png"])
+        # The pixel latents unfolded (NOTE [Pixel latents]) are the reference's tensor at one
+        # of the crop offsets: exactly for the PNG; for the JPEGs within 3 levels (2 of JPEG
+        # decoding, NOTE [JPEG decoding], and one more of the bicubic's overshoot).
+        import test_image_decode_vs_pil as pil_tests
+
+        _, samples = load_cache(path)
+        for name in kept:
+            latents = samples[name][0]
+            pixels = np.zeros((3, 32, 32))
+            for dy in range(2):
+                for dx in range(2):
+                    pixels[:, dy::2, dx::2] = latents[(dy * 2 + dx) * 4:(dy * 2 + dx) * 4 + 3]
+            with Image.open(os.path.join(self.images, name)) as image:
+                w, h = image.size
+                spare = math.ceil(32 / min(w, h) * max(w, h)) - 32
+                errors = [float(np.abs(pil_tests.process_cc12m_image(image, 32, False, offset) - pixels).max())
+                          for offset in range(spare + 1)]
+            self.assertLessEqual(min(errors), 0 if name.endswith(".png") else 6 / 255 + 1e-6, f"{name}: {errors}")
+        base = ("--images", self.images, "--pipeline", self.pipeline, "--resolution", "32", "--output",
+                self.out("never"))
+        for args, fragment in [(("--transform", "mlperf"), "--transform 'mlperf'"),
+                               (("--transform", "torchtitan", "--buckets", "32x48"), "one square bucket"),
+                               (("--transform", "torchtitan", "--random-flip"), "--random-flip does not apply"),
+                               (("--transform", "torchtitan", "--crop", "center"), "--crop does not apply"),
+                               (("--min-size", "-1"), "--min-size -1"),
+                               (("--min-size", "100"), "all 5 images are under --min-size 100")]:
+            with self.subTest(args=args):
+                result = forge(*base, *args)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn(fragment, result.stdout + result.stderr)
+        self.assertFalse(os.path.exists(self.out("never")))
 
     def test_refusals(self):
         p, images = self.pipeline, self.images

@@ -10,6 +10,11 @@ torchvision's Resize / CenterCrop / ToTensor / Normalize on the PIL image):
     against its high byte (Pillow clips "I;16" to 255 in convert("RGB"): NOTE [PNG decoding]);
   - EXIF orientations 1-8 in JPEG, PNG and WebP against ImageOps.exif_transpose;
   - the bilinear resize against Image.resize(..., BILINEAR), byte for byte, up and down;
+  - the bicubic resize against Image.resize(..., BICUBIC) on random sizes, up and down and
+    both pass orders, byte for byte;
+  - --transform torchtitan against a re-implementation of torchtitan's _process_cc12m_image
+    (MLPerf's Flux.1 reference) driven with the crop offsets forge drew, on landscape,
+    portrait and square images, RGB, L and opaque RGBA, bit for bit, and its --min-size skip;
   - a bucket's float tensor against Resize + flip + crop + ToTensor + Normalize computed with
     Pillow and torch's float32 (torchvision itself is not installed: its Resize(int) size rule,
     CenterCrop's rounding and ToTensor's arithmetic are restated here), bit for bit;
@@ -22,6 +27,7 @@ torchvision's Resize / CenterCrop / ToTensor / Normalize on the PIL image):
 """
 import io
 import json
+import math
 import os
 import shutil
 import struct
@@ -418,6 +424,110 @@ class ResizeAndBuckets(unittest.TestCase):
             np.testing.assert_array_equal(actual, expected, f"index {index}: {p}")
             flips.add(p["flip"])
         self.assertEqual(flips, {True, False})
+
+
+def process_cc12m_image(img, output_size, skip_low_resolution, offset):
+    """torchtitan's _process_cc12m_image (experiments/flux/dataset/flux_dataset.py), restated
+    with the crop offset given instead of drawn from torch.randint."""
+    width, height = img.size
+    if skip_low_resolution and (width < output_size or height < output_size):
+        return None
+    if width >= height:
+        new_width, new_height = math.ceil(output_size / height * width), output_size
+        img = img.resize((new_width, new_height))
+        assert 0 <= offset <= new_width - output_size
+        resized_img = img.crop((offset, 0, offset + output_size, output_size))
+    else:
+        new_width, new_height = output_size, math.ceil(output_size / width * height)
+        img = img.resize((new_width, new_height))
+        assert 0 <= offset <= new_height - output_size
+        resized_img = img.crop((0, offset, output_size, offset + output_size))
+    if resized_img.mode != "RGB":
+        resized_img = resized_img.convert("RGB")
+    np_img = np.array(resized_img).transpose((2, 0, 1))
+    return (torch.tensor(np_img).float() / 255.0 * 2.0 - 1.0).numpy()
+
+
+class TorchtitanTransform(unittest.TestCase):
+    def setUp(self):
+        self.dir = scratch_dir()
+        self.addCleanup(shutil.rmtree, self.dir, ignore_errors=True)
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def test_default_resample_is_bicubic(self):
+        image = Image.fromarray(photo(40, 30, 1))
+        for mode in ("RGB", "L", "RGBA"):
+            one = image.convert(mode)
+            self.assertEqual(one.resize((23, 17)).tobytes(), one.resize((23, 17), Image.BICUBIC).tobytes(), mode)
+
+    def test_bicubic_resize_matches_pillow(self):
+        rng = np.random.default_rng(5)
+        cases = 0
+        orders = set()
+        for source_index in range(6):
+            w, h = (int(v) for v in rng.integers(2, 700, 2))
+            source = photo(w, h, source_index)
+            Image.fromarray(source).save(self.path("source.png"))
+            sizes = [(int(rng.integers(1, 2 * w)), int(rng.integers(1, 2 * h))) for _ in range(8)]
+            sizes += [(w, max(1, h // 3)), (max(1, w - 1), max(1, h // 4)), (w * 2 + 1, h), (w, h)]
+            for size in sizes:
+                forge_ok("resize", self.path("source.png"), *size, self.path("resized.rgb"), "bicubic")
+                actual = np.fromfile(self.path("resized.rgb"), np.uint8).reshape(size[1], size[0], 3)
+                expected = np.array(Image.fromarray(source).resize(size, Image.BICUBIC))
+                diff = np.abs(actual.astype(int) - expected.astype(int))
+                self.assertEqual(int((diff > 0).sum()), 0,
+                                 f"{w}x{h} -> {size}: {int((diff > 0).sum())} bytes differ, by {int(diff.max())}")
+                shrink_y, shrink_x = h - size[1], w - size[0]
+                orders.add(shrink_y > 0 and shrink_y > 2 * shrink_x)
+                cases += 1
+        self.assertEqual(orders, {True, False})  # both pass orders ran
+        self.assertGreaterEqual(cases, 70)
+
+    def forge_torchtitan(self, path, size=256, min_size=0, seed=0, index=0):
+        out = self.path("tensor.f32")
+        if os.path.exists(out):
+            os.remove(out)
+        placement = json.loads(forge_ok("torchtitan", path, size, min_size, seed, index, out))
+        if placement["skipped"]:
+            self.assertFalse(os.path.exists(out))
+            return None, placement
+        return np.fromfile(out, np.float32).reshape(3, size, size), placement
+
+    def test_transform_is_the_reference_bit_for_bit(self):
+        images = [((640, 480), "RGB"), ((481, 641), "RGB"), ((300, 300), "RGB"), ((273, 182), "RGB"),
+                  ((182, 273), "L"), ((1000, 257), "L"), ((400, 700), "RGBA"), ((256, 256), "RGB")]
+        offsets = set()
+        for (w, h), mode in images:
+            pixels = photo(w, h, w + 7 * h)
+            image = Image.fromarray(pixels).convert(mode)
+            image.save(self.path("image.png"))
+            for index in range(3):
+                actual, p = self.forge_torchtitan(self.path("image.png"), 256, 0, 11, index)
+                wide = w >= h
+                offset = p["left"] if wide else p["top"]
+                self.assertEqual(p["top" if wide else "left"], 0, p)
+                self.assertEqual((p["resized_width"], p["resized_height"]),
+                                 (math.ceil(256 / h * w), 256) if wide else (256, math.ceil(256 / w * h)))
+                with Image.open(self.path("image.png")) as reopened:
+                    self.assertEqual(reopened.mode, mode)
+                    expected = process_cc12m_image(reopened, 256, False, offset)
+                np.testing.assert_array_equal(actual, expected, f"{w}x{h} {mode}, index {index}: {p}")
+                offsets.add((w, h, offset))
+        self.assertGreater(len(offsets), 12)  # the offsets vary with the index
+
+    def test_min_size_skips_and_validation_keeps_small_images(self):
+        Image.fromarray(photo(300, 200, 3)).save(self.path("small.png"))
+        actual, p = self.forge_torchtitan(self.path("small.png"), 256, 256)
+        self.assertTrue(p["skipped"])
+        # COCO validation: skip_low_resolution=False, the image is enlarged.
+        actual, p = self.forge_torchtitan(self.path("small.png"), 256, 0, 3, 1)
+        self.assertEqual((p["resized_width"], p["resized_height"]), (384, 256))
+        with Image.open(self.path("small.png")) as image:
+            self.assertIsNone(process_cc12m_image(image, 256, True, 0))
+            expected = process_cc12m_image(image, 256, False, p["left"])
+        np.testing.assert_array_equal(actual, expected)
 
 
 def dataset(*args):

@@ -4,10 +4,14 @@
 //
 //   forge_image_reference info IMAGE            {"format", "width", "height", "orientation"}
 //   forge_image_reference decode IMAGE OUT      OUT: the upright RGB bytes; prints {"width", "height"}
-//   forge_image_reference resize IMAGE W H OUT  OUT: RGB bytes of the decoded image resized to W x H
+//   forge_image_reference resize IMAGE W H OUT [bilinear|bicubic]
+//                                               OUT: RGB bytes of the decoded image resized to W x H
 //   forge_image_reference bucket IMAGE BW BH center|random FLIP SEED INDEX OUT
 //                                               OUT: float32 [3, BH, BW] as the dataset's load gives it;
 //                                               prints the placement
+//   forge_image_reference torchtitan IMAGE SIZE MIN_SIZE SEED INDEX OUT
+//                                               --transform torchtitan: OUT as for bucket, or nothing
+//                                               when skipped; prints the placement or {"skipped": true}
 //   forge_image_reference png IMAGE OUT         writes the decoded image as OUT (PNG)
 //   forge_image_reference dataset LAYOUT PATH [skip] [allow-empty] [verify]
 //                                               one JSON line per entry, then {"summary": describe()};
@@ -52,7 +56,10 @@ int run(const std::vector<std::string>& args) {
     write_bytes(args.at(2), image.pixels.data(), image.pixels.size());
     std::cout << json{{"width", image.width}, {"height", image.height}} << "\n";
   } else if (command == "resize") {
-    const RgbImage image = resize_bilinear(read_image(args.at(1)), std::stoi(args.at(2)), std::stoi(args.at(3)));
+    const ResampleFilter filter =
+        args.size() > 5 && args[5] == "bicubic" ? ResampleFilter::Bicubic : ResampleFilter::Bilinear;
+    const RgbImage image =
+        resize_image(read_image(args.at(1)), std::stoi(args.at(2)), std::stoi(args.at(3)), filter);
     write_bytes(args.at(4), image.pixels.data(), image.pixels.size());
   } else if (command == "bucket") {
     const RgbImage image = read_image(args.at(1));
@@ -69,6 +76,30 @@ int run(const std::vector<std::string>& args) {
                       {"left", p.left},
                       {"top", p.top},
                       {"flip", p.flip}}
+              << "\n";
+  } else if (command == "torchtitan") {
+    const ImageInfo info = read_image_info(args.at(1));
+    const int size = std::stoi(args.at(2));
+    ImageTransform transform;
+    transform.kind = ImageTransformKind::Torchtitan;
+    transform.crop = ImageCrop::Random;
+    transform.min_size = std::stoi(args.at(3));
+    transform.seed = std::stoull(args.at(4));
+    const ImageBucket bucket{size, size};
+    check_image_transform(transform, {bucket}, false);
+    if (image_too_small(info.width(), info.height(), transform)) {
+      std::cout << json{{"skipped", true}} << "\n";
+      return 0;
+    }
+    const RgbImage image = read_image(args.at(1));
+    const BucketPlacement p = place_in_bucket(image.width, image.height, bucket, transform, std::stoull(args.at(5)));
+    const Tensor t = normalized_chw(fit_to_bucket(image, bucket, p));
+    write_bytes(args.at(6), t.data<float>(), t.nbytes());
+    std::cout << json{{"skipped", false},
+                      {"resized_width", p.resized_width},
+                      {"resized_height", p.resized_height},
+                      {"left", p.left},
+                      {"top", p.top}}
               << "\n";
   } else if (command == "png") {
     write_png_file(args.at(2), read_image(args.at(1)));
@@ -103,7 +134,7 @@ int run(const std::vector<std::string>& args) {
 
 int main(int argc, char** argv) {
   if (argc < 2) {
-    std::cerr << "usage: forge_image_reference info|decode|resize|bucket|png|dataset ...\n";
+    std::cerr << "usage: forge_image_reference info|decode|resize|bucket|torchtitan|png|dataset ...\n";
     return 2;
   }
   try {
