@@ -17,15 +17,6 @@ inline const std::string kUstarMagic(
     8);
 inline const std::string kGnuMagic("ustar  \0", 8);
 
-struct Header {
-  std::string name;
-  uint64_t size = 0;
-  char type = '0';
-  std::string magic = kUstarMagic;
-  std::string prefix;
-  std::string link;
-};
-
 inline void put(std::string& block, size_t at, const std::string& text) {
   std::memcpy(&block[at], text.data(), text.size());
 }
@@ -38,18 +29,21 @@ inline void seal(std::string& block) {
   put(block, 148, fmt::format("{:06o}", sum) + std::string("\0 ", 2));
 }
 
-inline std::string header(const Header& h) {
+// A header block: name, size, type flag, magic, ustar prefix, link target.
+inline std::string header(const std::string& name, uint64_t size, char type = '0',
+                          const std::string& magic = kUstarMagic, const std::string& prefix = "",
+                          const std::string& link = "") {
   std::string block(512, '\0');
-  put(block, 0, h.name.substr(0, 100));
+  put(block, 0, name.substr(0, 100));
   put(block, 100, "0000644");
   put(block, 108, "0001750");
   put(block, 116, "0001750");
-  put(block, 124, fmt::format("{:011o}", h.size));
+  put(block, 124, fmt::format("{:011o}", size));
   put(block, 136, "14712345670");
-  block[156] = h.type;
-  put(block, 157, h.link);
-  put(block, 257, h.magic);
-  put(block, 345, h.prefix);
+  block[156] = type;
+  put(block, 157, link);
+  put(block, 257, magic);
+  put(block, 345, prefix);
   seal(block);
   return block;
 }
@@ -61,7 +55,7 @@ inline std::string padded(std::string data) {
 
 // A header and its padded data.
 inline std::string member(const std::string& name, const std::string& data, char type = '0') {
-  return header({name, data.size(), type}) + padded(data);
+  return header(name, data.size(), type) + padded(data);
 }
 
 // A pax extended header ('x') of `records`, in their order.
@@ -73,13 +67,13 @@ inline std::string pax(const std::map<std::string, std::string>& records, char t
     while (std::to_string(length).size() + body.size() != length) ++length;
     data += std::to_string(length) + body;
   }
-  return header({"PaxHeaders/x", data.size(), type}) + padded(data);
+  return header("PaxHeaders/x", data.size(), type) + padded(data);
 }
 
 // A GNU long-name header ('L') for the next member.
 inline std::string gnu_long_name(const std::string& name) {
   const std::string data = name + '\0';
-  return header({"././@LongLink", data.size(), 'L', kGnuMagic}) + padded(data);
+  return header("././@LongLink", data.size(), 'L', kGnuMagic) + padded(data);
 }
 
 inline std::string end_blocks() { return std::string(1024, '\0'); }

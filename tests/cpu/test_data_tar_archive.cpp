@@ -24,7 +24,7 @@ std::string contents(std::string_view tar, const TarMember& m) { return std::str
 TEST(TarArchive, RegularMembersDirectoriesAndPrefixes) {
   const std::string big(700, 'x');
   const std::string tar = member("d/", "", '5') + member("d/a.txt", "hello") + member("b.bin", big) +
-                          header({"name.json", 2, '\0', kUstarMagic, "some/prefix"}) + padded("{}") +
+                          header("name.json", 2, '\0', kUstarMagic, "some/prefix") + padded("{}") +
                           member("c.jpg", "", '7') + end_blocks() + std::string(512 * 7, '\0');
   const std::vector<TarMember> members = index_tar(tar, kName);
   ASSERT_EQ(members.size(), 4u);
@@ -50,7 +50,7 @@ TEST(TarArchive, PaxPathAndSizeOverrideTheNextMemberOnly) {
   const std::string long_key(150, 'k');
   // The header's own size field says 0 (as for members of 8 GiB and more); pax's size rules.
   const std::string tar = pax({{"comment", "ignored"}}, 'g') + pax({{"path", long_key + ".jpg"}, {"size", "6"}}) +
-                          header({"truncated-name.jpg", 0}) + padded("pixels") + member("next.txt", "caption") +
+                          header("truncated-name.jpg", 0) + padded("pixels") + member("next.txt", "caption") +
                           end_blocks();
   const std::vector<TarMember> members = index_tar(tar, kName);
   ASSERT_EQ(members.size(), 2u);
@@ -66,9 +66,9 @@ TEST(TarArchive, PaxPathAndSizeOverrideTheNextMemberOnly) {
 
 TEST(TarArchive, GnuLongNames) {
   const std::string long_name = "folder/" + std::string(150, 'g') + ".png";
-  const std::string tar = gnu_long_name(long_name) + header({long_name.substr(0, 100), 3, '0', kGnuMagic}) +
-                          padded("png") + header({"short.txt", 2, '0', kGnuMagic, "not-a-prefix-in-gnu"}) +
-                          padded("ok") + end_blocks();
+  const std::string tar = gnu_long_name(long_name) + header(long_name.substr(0, 100), 3, '0', kGnuMagic) +
+                          padded("png") + header("short.txt", 2, '0', kGnuMagic, "not-a-prefix-in-gnu") + padded("ok") +
+                          end_blocks();
   const std::vector<TarMember> members = index_tar(tar, kName);
   ASSERT_EQ(members.size(), 2u);
   EXPECT_EQ(members[0].path, long_name);
@@ -102,33 +102,27 @@ TEST(TarArchive, RefusalsNameTheFileAndTheHeaderOffset) {
                {kName + ": tar header at byte offset 2048: the file ends here, "
                         "without the end-of-archive block"});
 
-  const std::string past_end = first + header({"big.jpg", 5000}) + std::string(1000, 'x');
+  const std::string past_end = first + header("big.jpg", 5000) + std::string(1000, 'x');
   expect_error([&] { index_tar(past_end, kName); }, {kName + ": tar header at byte offset 1024: member 'big.jpg' "
                                                              "has 5000 bytes of data from byte offset "
                                                              "1536, past the end of the file (2536 bytes)"});
-  const std::string unpadded = first + header({"c.jpg", 10}) + "0123456789";
+  const std::string unpadded = first + header("c.jpg", 10) + "0123456789";
   expect_error([&] { index_tar(unpadded, kName); },
                {kName + ": tar header at byte offset 1024: member 'c.jpg'", "inside the padding"});
 
-  const std::string symlink = first + header({"link.jpg", 0, '2', kUstarMagic, "", "/etc/passwd"}) + end_blocks();
+  const std::string symlink = first + header("link.jpg", 0, '2', kUstarMagic, "", "/etc/passwd") + end_blocks();
   expect_error([&] { index_tar(symlink, kName); }, {kName + ": tar header at byte offset 1024: member 'link.jpg' "
                                                             "is a symbolic link to '/etc/passwd'",
                                                     "expected regular files"});
-  const std::string hard_link = header({"copy.jpg", 0, '1', kUstarMagic, "", "a.jpg"}) + end_blocks();
+  const std::string hard_link = header("copy.jpg", 0, '1', kUstarMagic, "", "a.jpg") + end_blocks();
   expect_error([&] { index_tar(hard_link, kName); }, {kName + ": tar header at byte offset 0: member 'copy.jpg' is a "
                                                               "hard link to 'a.jpg'"});
-  expect_error(
-      [&] {
-        index_tar(first + header({"fifo", 0, '6'}) + end_blocks(), kName);
-      },
-      {kName + ": tar header at byte offset 1024: member 'fifo' is a FIFO"});
-  expect_error(
-      [&] {
-        index_tar(header({"odd", 0, 'Q'}) + end_blocks(), kName);
-      },
-      {kName + ": tar header at byte offset 0: member 'odd' has type flag 'Q'"});
+  expect_error([&] { index_tar(first + header("fifo", 0, '6') + end_blocks(), kName); },
+               {kName + ": tar header at byte offset 1024: member 'fifo' is a FIFO"});
+  expect_error([&] { index_tar(header("odd", 0, 'Q') + end_blocks(), kName); },
+               {kName + ": tar header at byte offset 0: member 'odd' has type flag 'Q'"});
 
-  const std::string bad_pax = first + header({"PaxHeaders/x", 9, 'x'}) + padded("9 path=ab") + end_blocks();
+  const std::string bad_pax = first + header("PaxHeaders/x", 9, 'x') + padded("9 path=ab") + end_blocks();
   expect_error([&] { index_tar(bad_pax, kName); }, {kName + ": tar header at byte offset 1024: pax extended "
                                                             "header: the record at byte 0 of its data "
                                                             "does not end with a newline"});
