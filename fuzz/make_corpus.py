@@ -233,7 +233,24 @@ def t5_tokenizers():
             tokenizer_json + "\0a  dog\u3000on </s> the <extra_id_2>ｆｕｌｌ\tgrass 🙂")
 
 
+def tar_files():
+    import tarfile
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (3, 2), (200, 10, 30)).save(png, format="PNG")
+    for name, fmt in (("pax", tarfile.PAX_FORMAT), ("gnu", tarfile.GNU_FORMAT), ("ustar", tarfile.USTAR_FORMAT)):
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+            for key in ("0001", "d" * 60 + "/" + "k" * 50, "caf\u00e9" if fmt == tarfile.PAX_FORMAT else "0003"):
+                for ext, data in (("json", b"{}"), ("png", png.getvalue()), ("txt", "a caption".encode())):
+                    info = tarfile.TarInfo(f"{key}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+        put("fuzz_tar_archive", name, out.getvalue())
+
+
 if __name__ == "__main__":
     json_lines(); experiments(); indexed(); npy_files(); safetensors_files(); hf_configs(); hf_weight_index()
-    tokenizers_json(); sentencepiece_models(); tiktoken_files(); corpus_files(); t5_configs(); t5_tokenizers()
+    tokenizers_json(); sentencepiece_models(); tiktoken_files(); corpus_files(); t5_configs(); t5_tokenizers(); tar_files()
     checkpoints(sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "..", "build", "forge"))

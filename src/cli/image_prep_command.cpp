@@ -102,16 +102,25 @@ void require_path(const std::string& path, const char* flag) {
 
 Plan check_options(const ImagePrepOptions& o) {
   Plan p;
-  if (o.images.empty()) FORGE_FAIL("--images: give the dataset (a folder of images, or a .jsonl manifest)");
-  require_path(o.images, "--images");
+  if (o.images.empty())
+    FORGE_FAIL("--images: give the dataset (a folder of images, a .jsonl manifest, or webdataset .tar shards)");
+  // A brace pattern names tar shards; the dataset checks that each exists, naming the missing.
+  const bool pattern = is_shard_pattern(o.images);
+  if (!pattern) require_path(o.images, "--images");
   if (o.output.empty()) FORGE_FAIL("--images needs --output DIR: the folder the FLUX latent cache is written to");
   std::error_code error;
   const bool images_is_file = fs::is_regular_file(o.images, error);
-  p.layout = o.layout.empty() ? (images_is_file ? ImageDatasetLayout::Jsonl : ImageDatasetLayout::CaptionFiles)
-                              : parse_image_dataset_layout(o.layout, "--layout");
+  p.layout = !o.layout.empty()                       ? parse_image_dataset_layout(o.layout, "--layout")
+             : pattern || o.images.ends_with(".tar") ? ImageDatasetLayout::Webdataset
+             : images_is_file                        ? ImageDatasetLayout::Jsonl
+                                                     : ImageDatasetLayout::CaptionFiles;
+  if (pattern && p.layout != ImageDatasetLayout::Webdataset)
+    FORGE_FAIL("--images {}: a brace pattern names tar shards, which --layout webdataset reads, not --layout {}",
+               o.images, image_dataset_layout_name(p.layout));
+  // webdataset takes a .tar file, a folder of them or a pattern (list_webdataset_shards).
   if (p.layout == ImageDatasetLayout::Jsonl && !images_is_file)
     FORGE_FAIL("--images {}: --layout jsonl takes the manifest file, not a folder", o.images);
-  if (p.layout != ImageDatasetLayout::Jsonl && images_is_file)
+  if (p.layout != ImageDatasetLayout::Jsonl && p.layout != ImageDatasetLayout::Webdataset && images_is_file)
     FORGE_FAIL("--images {}: --layout {} takes a folder of images (a .jsonl manifest is --layout jsonl)", o.images,
                image_dataset_layout_name(p.layout));
   if (o.missing_captions != "error" && o.missing_captions != "skip")
@@ -282,14 +291,16 @@ std::string describe_buckets(const std::vector<ImageBucket>& buckets) {
 
 void add_image_prep_options(CLI::App& prep, ImagePrepOptions& o) {
   prep.add_option("--images", o.images,
-                  "FLUX: prepare a latent cache from images with captions: a folder, or a .jsonl manifest "
-                  "(then --output and the encoders; the text flags do not apply)")
+                  "FLUX: prepare a latent cache from images with captions: a folder, a .jsonl manifest, or webdataset "
+                  "tar shards (a .tar, a folder of them, or a pattern such as cc12m-train-{0000..2175}.tar); then "
+                  "--output and the encoders; the text flags do not apply")
       ->type_name("DATASET");
   prep.add_option("--output", o.output, "images: the cache folder to write")->type_name("DIR");
   prep.add_flag("--overwrite", o.overwrite, "images: replace an existing cache at --output");
   prep.add_option("--layout", o.layout,
-                  "images: caption-files (image + same-name .txt), filename-captions (the caption is the file name) "
-                  "or jsonl (default: jsonl for a file, else caption-files)");
+                  "images: caption-files (image + same-name .txt), filename-captions (the caption is the file name), "
+                  "jsonl, or webdataset (tar shards of KEY.jpg + KEY.txt; default: webdataset for a .tar or a brace "
+                  "pattern, jsonl for another file, else caption-files)");
   prep.add_option("--missing-captions", o.missing_captions, "images: error or skip images without a caption")
       ->capture_default_str();
   prep.add_flag("--allow-empty-captions", o.allow_empty_captions, "images: accept empty captions");

@@ -2,7 +2,7 @@
 // a `forge prep --images` step encodes, and each image as the VAE's input tensor.
 //
 // NOTE [Image-caption datasets]
-// Three layouts:
+// Four layouts:
 //   caption-files      a folder (searched recursively) of images, each captioned by the file
 //                      of the same stem and caption extension (".txt") beside it: photo.jpg
 //                      and photo.txt (kohya's sd-scripts, SimpleTuner's textfile strategy).
@@ -27,7 +27,31 @@
 //                      and its caption under "text" (or "caption"), as given; other keys are
 //                      ignored, blank lines skipped. A line without a caption is an error or skipped
 //                      (MissingCaptions), like a missing caption file.
-// In the folder layouts, images are the files whose names end in .jpg, .jpeg, .jpe, .jfif,
+//   webdataset         tar shards as webdataset writes them (pixparse/cc12m-wds, the CC12M
+//                      and COCO-2014 data of MLPerf Training's Flux.1 benchmark): one .tar
+//                      file, a folder of them (every *.tar directly inside, by name; names
+//                      starting with '.' skipped) or a brace pattern such as
+//                      cc12m-train-{0000..2175}.tar (numeric ranges, zero-padded to the
+//                      wider bound when one has leading zeros, as braceexpand does; comma
+//                      lists {a,b}; several groups; every shard must exist, the missing ones
+//                      are named). Shards are read in place (NOTE [Tar archives]). As
+//                      webdataset groups them, a member's key is its path up to the first
+//                      '.' of its last component (the folder part stays in the key), its
+//                      extension the rest, lowercased; consecutive members with the same
+//                      key are a sample (a member whose last component has no '.', or
+//                      starts with one, is ignored, as webdataset does). A sample's image
+//                      is its one image member (jpg, jpeg, png, webp, or another image
+//                      extension, refused by content as below): a sample with none, or
+//                      with several (KEY.jpg and KEY.png), is an error naming it, rather
+//                      than a guess at which one was meant. Its caption is the txt member,
+//                      trimmed as a caption file is; a sample without one is missing its
+//                      caption (MissingCaptions). Other members (json, ...) are ignored; a
+//                      repeated extension in a sample is an error, as in webdataset.
+//                      Samples keep archive order, shards the order given. The entry's
+//                      image_path is "SHARD:MEMBER" (cc12m-train-0000.tar:000000001.jpg),
+//                      its image's bytes are read from the mapped shard, which stays
+//                      mapped while the dataset lives.
+// In the folder layouts (and webdataset's samples), images are the files whose names end in .jpg, .jpeg, .jpe, .jfif,
 // .png or .webp, or in another image format's extension (.gif, .bmp, .tif, .tiff, .avif,
 // .heic, .heif, .jxl, .jp2): those are listed too and then refused by their content (NOTE
 // [Image formats]) unless it is JPEG, PNG or WebP. Names starting with '.' are skipped, so
@@ -47,6 +71,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,14 +80,22 @@
 #include "data/image_buckets.h"
 #include "data/image_decode.h"
 #include "data/image_transform.h"
+#include "data/tar_archive.h"
 
 namespace forge {
 
-enum class ImageDatasetLayout { CaptionFiles, FilenameCaptions, Jsonl };
+enum class ImageDatasetLayout { CaptionFiles, FilenameCaptions, Jsonl, Webdataset };
 
 std::string_view image_dataset_layout_name(ImageDatasetLayout layout);  // "caption-files", ...
-// Throws naming `what` and the three names for anything else.
+// Throws naming `what` and the four names for anything else.
 ImageDatasetLayout parse_image_dataset_layout(std::string_view name, std::string_view what);
+
+// Whether `path` holds a brace group ("{0000..2175}", "{a,b}"): a webdataset shard pattern.
+bool is_shard_pattern(std::string_view path);
+// The tar shards of a webdataset dataset (NOTE [Image-caption datasets]): `spec` is a .tar
+// file, a folder of them or a brace pattern. Throws naming the missing shards, a malformed
+// pattern, or a folder without shards.
+std::vector<std::string> list_webdataset_shards(const std::string& spec);
 
 enum class MissingCaptions { Error, Skip };
 
@@ -76,6 +109,10 @@ struct ImageCaptionEntry {
   std::string image_path;  // the path opened: the folder or manifest folder joined with the relative path
   std::string caption;     // UTF-8
   ImageInfo info;          // format and upright size, from the header
+  // webdataset: the image is archive_size bytes at archive_offset in the dataset's shard
+  // number `archive`; -1 in the other layouts, whose image_path is a file.
+  int64_t archive = -1;
+  uint64_t archive_offset = 0, archive_size = 0;
 };
 
 struct ImageDatasetSummary {
@@ -84,11 +121,13 @@ struct ImageDatasetSummary {
   size_t skipped_without_caption = 0;         // with MissingCaptions::Skip
   std::vector<std::string> skipped_examples;  // the first few of them
   size_t captions_without_image = 0;          // caption-files: caption files no image has
+  size_t shards = 0;                          // webdataset: tar files read
 };
 
 class ImageCaptionDataset {
  public:
-  // Lists and validates the dataset at `path` (a folder, or the manifest for jsonl); throws
+  // Lists and validates the dataset at `path` (a folder, the manifest for jsonl, the shards
+  // for webdataset as list_webdataset_shards takes them); throws
   // a forge::Error listing the problems when any entry is bad.
   ImageCaptionDataset(std::string path, ImageDatasetLayout layout, ImageDatasetOptions options = {});
 
@@ -117,6 +156,7 @@ class ImageCaptionDataset {
   ImageDatasetLayout layout_;
   std::vector<ImageCaptionEntry> entries_;
   ImageDatasetSummary summary_;
+  std::vector<std::shared_ptr<const TarArchive>> archives_;  // webdataset: the mapped shards
 };
 
 }  // namespace forge
