@@ -178,6 +178,14 @@ int run_mlperf_benchmark(const std::string& name, const std::vector<std::string>
   MlperfRunArgs a = parse_args(name, args);
   const mlperf::RunPlan plan = mlperf::plan_run(b, a.overrides);
   ConfigOverrides overrides(plan.overrides.begin(), plan.overrides.end());
+  if (b.flux) {  // before the config's own checks, which would name eval.interval or caption dropout
+    ExperimentConfig given;
+    for (const auto& [key, value] : plan.overrides) {
+      if (key == "flux.data_path") given.flux.data_path = value;
+      if (key == "flux.eval_data_path") given.flux.eval_data_path = value;
+    }
+    check_inputs(b, given, !plan.not_benchmark.empty());
+  }
   ExperimentConfig config = load_experiment("", overrides);
   check_inputs(b, config, !plan.not_benchmark.empty());
   FluxCacheCheck caches;
