@@ -40,21 +40,13 @@ void MlperfLogger::header(const ExperimentConfig& config, uint64_t seed, const S
   log_->event(mllog::kGradientAccumulationSteps, t.gradient_accumulation_steps);
   if (b_.flux) {  // NOTE [MLPerf Flux.1]: closed_flux1.yaml's keys
     log_->event(mllog::kEvaluationFrequency, b_.eval_interval_samples);
-    log_->event(mllog::kEvalSamples, eval_samples);
     log_->event(mllog::kTrainSamples, train_samples);
-    log_->event(mllog::kOptName, config.optimizer.name);
-    log_->event(mllog::kOptBaseLearningRate, config.optimizer.lr);
-    log_->event(mllog::kOptAdamwBeta1, config.optimizer.beta1);
-    log_->event(mllog::kOptAdamwBeta2, config.optimizer.beta2);
-    log_->event(mllog::kOptAdamwEpsilon, config.optimizer.eps);
-    log_->event(mllog::kOptAdamwWeightDecay, config.optimizer.weight_decay);
-    log_->event(mllog::kOptGradientClipNorm, t.max_norm);
     log_->event(mllog::kOptLearningRateWarmupSteps, config.lr_scheduler.warmup_steps);
-    return;
+  } else {
+    // The tokens of a sample: the sequence length the references configure (8B: seq_length
+    // 8192 inputs; LoRA: blocks of 8,192 tokens, 8,191 inputs).
+    log_->event(mllog::kMaxSequenceLength, b_.lora ? t.seq_len + 1 : t.seq_len);
   }
-  // The tokens of a sample: the sequence length the references configure (8B: seq_length
-  // 8192 inputs; LoRA: blocks of 8,192 tokens, 8,191 inputs).
-  log_->event(mllog::kMaxSequenceLength, b_.lora ? t.seq_len + 1 : t.seq_len);
   log_->event(mllog::kEvalSamples, eval_samples);
   log_->event(mllog::kOptName, config.optimizer.name);
   log_->event(mllog::kOptBaseLearningRate, config.optimizer.lr);
@@ -64,6 +56,7 @@ void MlperfLogger::header(const ExperimentConfig& config, uint64_t seed, const S
   log_->event(mllog::kOptAdamwWeightDecay, config.optimizer.weight_decay);
   log_->event(mllog::kOptGradientClipNorm, t.max_norm);
   const LRSchedulerConfig& lr = config.lr_scheduler;
+  if (b_.flux) return;
   if (!b_.lora) {
     log_->event(mllog::kOptEndLearningRate, lr.min_lr);
     log_->event(mllog::kOptLearningRateWarmupSteps, lr.warmup_steps);

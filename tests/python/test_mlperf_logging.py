@@ -92,6 +92,9 @@ class Compliance(unittest.TestCase):
             ("llama2_70b_lora", ["--omit", "gradient_accumulation_steps"]),
             ("llama2_70b_lora", ["--omit", "cache_clear"]),
             ("llama2_70b_lora", ["--status", "aborted"]),  # its evaluations never reach 0.925
+            ("flux1", ["--set", "evaluation_frequency=614400"]),
+            ("flux1", ["--set", "opt_adamw_beta_2=0.999"]),
+            ("flux1", ["--omit", "opt_learning_rate_warmup_steps"]),
         ]
         for i, (benchmark, options) in enumerate(cases):
             with self.subTest(benchmark=benchmark, options=options):

@@ -4,7 +4,7 @@
 //   forge_mllog_synthetic log BENCHMARK FILE [--samples N] [--minutes M] [--batch B]
 //       [--status success|aborted|none] [--omit KEY] [--set KEY=JSON] [--start-ms T]
 //       [--tracked-stats throughput|all] [--throughput S]
-//     A complete synthetic run of llama31_8b or llama2_70b_lora with the reference
+//     A complete synthetic run of llama31_8b, llama2_70b_lora or flux1 with the reference
 //     hyperparameters the 5.1 rules check (compliance_checker/training_5.1.0/
 //     closed_<benchmark>.yaml): header, init, run_start, a block + evaluation every
 //     evaluation interval up to N samples (the last evaluation reaches the target unless the
@@ -92,7 +92,25 @@ Benchmark benchmark_of(const std::string& name, int64_t batch) {
       {mllog::kEvalSamples, 173},
     }};
   }
-  FORGE_FAIL("benchmark '{}': llama31_8b or llama2_70b_lora", name);
+  if (name == "flux1") {  // closed_flux1.yaml; rcps_flux1.json's hyperparameters at 512
+    if (batch < 0) batch = 512;
+    return {batch, 262144, 8388608, 1.2, {
+      {mllog::kGlobalBatchSize, batch},
+      {mllog::kGradientAccumulationSteps, 1},
+      {mllog::kEvaluationFrequency, 262144},
+      {mllog::kTrainSamples, 10000000},  // not checked beyond being present: a plausible value
+      {mllog::kEvalSamples, 29696},
+      {mllog::kOptName, "adamw"},
+      {mllog::kOptBaseLearningRate, 2e-4},
+      {mllog::kOptAdamwBeta1, 0.9},
+      {mllog::kOptAdamwBeta2, 0.95},
+      {mllog::kOptAdamwEpsilon, 1e-08},
+      {mllog::kOptAdamwWeightDecay, 0.1},
+      {mllog::kOptGradientClipNorm, 1.0},
+      {mllog::kOptLearningRateWarmupSteps, 1600},
+    }};
+  }
+  FORGE_FAIL("benchmark '{}': llama31_8b, llama2_70b_lora or flux1", name);
 }
 
 void write_log(const Options& o) {
