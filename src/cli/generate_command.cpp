@@ -110,15 +110,6 @@ int run_generate(const GenerateOptions& o) {
 
   set_log_level(LogLevel::Warn);  // stdout carries the generated text alone
   LoadedModel model = load_inference_model(o.model, o.adapter);
-  if (model.config.mla() || model.config.first_dense_layers > 0)
-    FORGE_FAIL("{} is a DeepSeek-shaped model ({}): forge generate's KV-cache decoding of it is not built (issue "
-               "20); forge eval measures its loss, and an exported Hugging Face copy generates with transformers",
-               model.description,
-               model.config.mla() ? "Multi-head Latent Attention" : "dense first blocks before its MoE blocks");
-  if (model.config.moe() && device == Device::CUDA)
-    FORGE_FAIL("{} is a Mixture-of-Experts model ({} experts): forge generate decodes those on the CPU only so far "
-               "(training runs on CUDA, KV-cache decoding of them is not built there): use --device cpu",
-               model.description, model.config.num_experts);
   const std::string tokenizer_path = !o.tokenizer.empty() ? o.tokenizer : model.hf_dir;
   if (tokenizer_path.empty())
     FORGE_FAIL("{} has no tokenizer of its own: give --tokenizer (tokenizer.json, tokenizer.model or a folder "

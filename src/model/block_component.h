@@ -108,6 +108,10 @@ class BlockComponent {
   // added. d_hidden is a [stream rows, hidden] scratch buffer the component may use.
   virtual void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                         const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) = 0;
+  // Whether f(x) at a position reads x at that position alone (a feed-forward), so that it
+  // may run on any subset of a sequence's positions, as incremental decoding runs it (NOTE
+  // [Incremental decoding] in incremental_decoder.h).
+  virtual bool position_wise() const { return false; }
   // A loss the component adds to the training loss, from the forward just run (over all
   // blocks); its gradient enters the backward that follows with `gradient_weight` (the
   // weight the decoder gives the micro-batch's mean cross-entropy). 0 for most components

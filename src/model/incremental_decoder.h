@@ -3,18 +3,21 @@
 // NOTE [Incremental decoding]
 // Generation feeds a prompt once (prefill) and then one token per step. DecoderLM would
 // recompute every earlier position at every step; IncrementalDecoder keeps each layer's
-// keys and values ([1, capacity, kv_heads, head_dim] in the compute dtype, one sequence)
-// and computes only the step's new positions. It runs the same blocks with the same
-// weights (ParamSource, NOTE [Block weights]) in the same order, so a step's logits are
-// the full forward's logits at those positions (tests/cpu/test_model_incremental.cpp):
+// keys and values (one sequence, in the compute dtype) and computes only the step's new
+// positions. It runs the same blocks with the same weights (ParamSource, NOTE [Block
+// weights]) in the same order, so a step's logits are the full forward's logits at those
+// positions (tests/cpu/test_model_incremental.cpp):
 //   - the block's components come from make_block_components (NOTE [Composed blocks]).
-//     Those that work on each position alone (the SwiGLU feed-forward) are run as they
-//     are, through their own forward, on the step's tokens. Self-attention, the one that
-//     mixes positions, is run here instead with its own parameters: rmsnorm → qkv →
-//     rotary at the step's absolute positions (the tables narrowed to them) → the keys and
-//     values appended to the cache → decode attention over the cache (ops/decode_attention.h:
-//     the causal mask, GQA and sliding window of the training attention) → o + residual.
-//     A component kind this class does not know is refused, not guessed at.
+//     Those that work on each position alone (BlockComponent::position_wise: the SwiGLU
+//     and dropless MoE feed-forwards, and DeepSeek's dense first blocks before its MoE
+//     ones) are run as they are, through their own forward, on the step's tokens. The
+//     attention, the one that mixes positions, runs in its cached form (cached_attention.h:
+//     Llama's GQA / MHA / sliding window, DeepSeek's Multi-head Latent Attention) with its
+//     own parameters. A component kind with neither is refused, not guessed at.
+//   - a model trained with token dropping (model.moe_capacity_factor, NOTE [MoE capacity]
+//     in ops/moe.h) is decoded dropless: a capacity is a share of a micro-batch's tokens,
+//     which a decode step of one token does not have, and the Hugging Face export of such a
+//     model (transformers' Mixtral and DeepSeek routing) is dropless too.
 //   - the cache keeps every position up to capacity (no ring buffer for sliding windows:
 //     the window only limits which cached keys a query reads).
 //   - a step's buffers (residual stream, attention scratch, the feed-forward's arena laid
@@ -24,13 +27,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/tensor.h"
 #include "model/block_components.h"
+#include "model/cached_attention.h"
 #include "model/config.h"
 #include "model/parameters.h"
-#include "ops/attention.h"
 
 namespace forge {
 
@@ -59,26 +63,23 @@ class IncrementalDecoder {
 
  private:
   void lay_out_step(int64_t tokens);
-  // Self-attention of block `layer` over the cache (NOTE above): y = x + o(attention(...)).
-  void cached_attention(int layer, const ComponentWeights& w, const Tensor& x, const Tensor& y);
 
   ModelConfig config_;
   int64_t capacity_, position_ = 0;
   Device device_;
   DType dtype_;
   BlockComponents components_;
-  std::vector<bool> is_attention_;   // per component: run by cached_attention
-  std::vector<size_t> first_param_;  // per component: its first entry in BlockWeights; then the block's count
-  int64_t hidden_, heads_, kv_heads_, head_dim_;
+  // Per component: its cached form when it is the attention (null for a position-wise one).
+  std::vector<std::unique_ptr<CachedAttention>> cached_;
+  // Per layer: each component's first entry in the block's weights, then the block's count
+  // (DeepSeek's dense first blocks have fewer than its MoE blocks).
+  std::vector<std::vector<size_t>> first_param_;
+  int64_t hidden_;
   float eps_;
-  AttentionShape attention_;
-  Tensor rope_cos_, rope_sin_;               // [capacity, head_dim / 2], fp32, on the device
-  std::vector<Tensor> k_cache_, v_cache_;    // per layer [1, capacity, kv_heads, head_dim]
   // The step's buffers, laid out for step_tokens_ tokens.
   int64_t step_tokens_ = 0;
   Tensor arena_;
-  Tensor stream_[2];                      // [n, hidden], the residual stream, ping-pong
-  Tensor normed_, rstd_, qkv_, attention_out_;
+  Tensor stream_[2];  // [n, hidden], the residual stream, ping-pong
   Tensor final_normed_, final_rstd_;
 };
 

@@ -127,6 +127,10 @@ void LatentAttention::prepare(const StepShape& shape, Device device) { rotary_.p
 
 void LatentAttention::set_sequence_layout(const SequenceLayout* layout) { rotary_.set_layout(layout, attention_); }
 
+Tensor LatentAttention::attention_rows(const Tensor& packed) const {
+  return packed.view(attention_.qkv_shape(packed.dim(0), packed.dim(1)));
+}
+
 LinearWeight LatentAttention::rows(const LinearWeight& w, int64_t begin, int64_t end) {
   return LinearWeight{w.weight.narrow(begin, end).view({end - begin, w.weight.dim(1)})};
 }
@@ -152,7 +156,7 @@ void LatentAttention::forward(int layer, const ComponentWeights& w, const Tensor
   rmsnorm_forward(a.kv_compressed, a.kv_rstd, a.kv_a, w.tensor(p_.kv_a_norm), eps_);
   linear_forward(kv_, a.kv_compressed, w.linear(p_.kv_b));
   mla_pack_qkv(a.qkv, q_, k_pe_, kv_, dims_, rotary_.cos(), rotary_.sin(), rotary_.positions());
-  attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
+  attention_forward(a.out, a.lse, attention_rows(a.qkv), attention_, rotary_.segments());
   if (!out) return;
   linear_forward(*out, a.out.view({n, heads_ * dims_.v_dim}), w.linear(p_.out), &x);
 }
@@ -176,8 +180,8 @@ void LatentAttention::backward(int layer, const ComponentWeights& w, const Compo
   // out = x + attention_out @ o^T
   linear_backward(d_out_, grads.linear(p_.out), d_stream, a.out.view({n, heads_ * dims_.v_dim}), w.linear(p_.out),
                   overwrite);
-  attention_backward(d_qkv_, d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, dims_.v_dim}), a.qkv, a.out,
-                     a.lse, attention_, rotary_.segments());
+  attention_backward(attention_rows(d_qkv_), d_out_.view({shape_.micro_batch, shape_.seq_len, heads_, dims_.v_dim}),
+                     attention_rows(a.qkv), a.out, a.lse, attention_, rotary_.segments());
   mla_pack_qkv_backward(d_q_, d_k_pe_, d_kv_, d_qkv_, dims_, rotary_.cos(), rotary_.sin(), rotary_.positions());
   // kv = rmsnorm(h W_kva[:r]^T) W_kvb^T
   linear_backward(d_kv_compressed_, grads.linear(p_.kv_b), d_kv_, a.kv_compressed, w.linear(p_.kv_b), overwrite);

@@ -70,6 +70,9 @@ class LatentAttention final : public BlockComponent {
   // Rows [begin, end) of a [r + dr, hidden] kv_a weight (or gradient) as a projection.
   static LinearWeight rows(const LinearWeight& w, int64_t begin, int64_t end);
   void project_queries(Activations& a, const ComponentWeights& w);
+  // Packed rows [B, T, W] in the form the attention op takes (NOTE [Value head dim]): as
+  // they are, or [B, T, 3H, D] when the values' head dim equals the queries'.
+  Tensor attention_rows(const Tensor& packed) const;
 
   int64_t hidden_, heads_, q_rank_, kv_rank_;
   MlaDims dims_;  // kv_rank 0: k_pe is handed to the packing on its own

@@ -105,6 +105,9 @@ class MoeFeedForward final : public BlockComponent {
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
+  // Dropless routing reads each token alone; with a capacity an expert's kept tokens depend
+  // on the whole micro-batch.
+  bool position_wise() const override { return capacity_.factor == 0.0; }
   std::vector<int64_t> expert_load(int layer) const override;
   double auxiliary_loss(double gradient_weight) override;
   void set_expert_dispatch(ExpertDispatch* dispatch) override;

@@ -29,6 +29,7 @@ class SplitByLayer final : public BlockComponent {
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,
                 const Tensor& d_stream, const Tensor& d_hidden) override;
+  bool position_wise() const override { return first_->position_wise() && rest_->position_wise(); }
   double auxiliary_loss(double gradient_weight) override;
   std::vector<int64_t> expert_load(int layer) const override;
 

@@ -20,6 +20,7 @@ class SwiGluFeedForward final : public BlockComponent {
 
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
+  bool position_wise() const override { return true; }
   bool tensor_parallel_capable() const override { return true; }
   void set_tensor_parallel(TensorParallel* tp) override { edges_.set_group(tp); }
   bool context_parallel_capable() const override { return true; }

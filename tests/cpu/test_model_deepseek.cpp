@@ -148,14 +148,16 @@ Tensor tokens_of(int64_t batch, int64_t seq, int64_t vocab, uint64_t seed) {
 }
 
 // The whole model's gradient (MLA with and without a compressed query, YaRN, shared experts,
-// a dense first block) against central differences of its mean loss along a random
+// a dense first block; values of their own head dim, and of the queries' head dim, where the
+// attention takes the uniform 4-D form) against central differences of its mean loss along a random
 // unit direction in each block parameter. The step (0.01 in norm) is small enough that no
 // token's routing changes; fp32 rounding of the loss bounds the quotient's noise (the
 // absolute term).
 TEST(ModelDeepseek, GradientMatchesFiniteDifferences) {
-  for (const char* q_rank : {"0", "24"}) {
-    SCOPED_TRACE(std::string("q_lora_rank ") + q_rank);
-    const ModelConfig m = load_tiny({{"model.q_lora_rank", q_rank}, {"model.rope_scaling.enabled", "true"},
+  for (auto [q_rank, v_dim] : {std::pair{"0", "16"}, std::pair{"24", "16"}, std::pair{"24", "32"}}) {
+    SCOPED_TRACE(std::string("q_lora_rank ") + q_rank + ", v_head_dim " + v_dim);
+    const ModelConfig m = load_tiny({{"model.q_lora_rank", q_rank}, {"model.v_head_dim", v_dim},
+                                     {"model.rope_scaling.enabled", "true"},
                                      {"model.rope_scaling.type", "yarn"}, {"model.rope_scaling.factor", "4"},
                                      {"model.rope_scaling.original_max_position", "8"},
                                      {"model.rope_scaling.mscale", "1.0"}, {"model.rope_scaling.mscale_all_dim", "0.8"},

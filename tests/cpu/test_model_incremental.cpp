@@ -1,8 +1,10 @@
 // Incremental decoding over a KV cache (NOTE [Incremental decoding]) against the full
 // forward: a prompt prefilled at once, in chunks, or token by token, then one token per
 // step, gives at every position the logits DecoderLM::forward_logits gives for the whole
-// sequence, with GQA, MHA, a sliding window shorter than the sequence, tied embeddings and
-// Llama 3.1 RoPE scaling. Plus the decode-attention op against the full attention op and
+// sequence, with GQA, MHA, a sliding window shorter than the sequence, tied embeddings,
+// Llama 3.1 RoPE scaling, Mixture-of-Experts feed-forwards (dropless, and a token-dropping
+// model decoded dropless) and DeepSeek's Multi-head Latent Attention with dense first
+// blocks, shared experts, a compressed query and YaRN. Plus the decode-attention op against the full attention op and
 // its refusals.
 #include <gtest/gtest.h>
 
@@ -41,7 +43,39 @@ std::vector<Case> cases() {
   ModelConfig moe = tiny(false, 2);  // NOTE [MoE feed-forward]: works on each position alone
   moe.num_experts = 4;
   moe.num_experts_per_tok = 2;
-  return {{"gqa", gqa}, {"mha_tied", mha}, {"sliding_window", window}, {"llama3_rope", scaled}, {"moe", moe}};
+  // DeepSeek-V2-shaped (NOTE [Multi-head Latent Attention]): MLA with values of their own
+  // head dim, a dense first block, shared experts, unnormalized scaled weights.
+  ModelConfig mla = tiny(false, 3);
+  mla.num_kv_heads = mla.num_heads;
+  mla.kv_lora_rank = 16;
+  mla.qk_nope_head_dim = 8;
+  mla.qk_rope_head_dim = 8;
+  mla.v_head_dim = 6;
+  mla.num_experts = 8;
+  mla.num_experts_per_tok = 2;
+  mla.moe_ffn_hidden_size = 16;
+  mla.num_shared_experts = 1;
+  mla.first_dense_layers = 1;
+  mla.router_normalize_topk = false;
+  mla.router_scaling_factor = 1.5;
+  // DeepSeek-V3-shaped: a compressed query, YaRN, sigmoid group-limited routing.
+  ModelConfig v3 = mla;
+  v3.q_lora_rank = 12;
+  v3.rope_scaling.enabled = true;
+  v3.rope_scaling.type = "yarn";
+  v3.rope_scaling.factor = 4.0;
+  v3.rope_scaling.original_max_position = 8;
+  v3.rope_scaling.mscale = 1.0;
+  v3.rope_scaling.mscale_all_dim = 0.8;
+  v3.router_score_function = "sigmoid";
+  v3.router_num_groups = 4;
+  v3.router_topk_groups = 2;
+  v3.router_normalize_topk = true;
+  // Values of the queries' head dim: the attention's uniform form (NOTE [Value head dim]).
+  ModelConfig mla_uniform = mla;
+  mla_uniform.v_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim;
+  return {{"deepseek_uniform_head_dims", mla_uniform}, {"gqa", gqa},       {"mha_tied", mha}, {"sliding_window", window}, {"llama3_rope", scaled},
+          {"moe", moe},       {"deepseek_v2_mla", mla}, {"deepseek_v3_mla", v3}};
 }
 
 // Logits of every position of one sequence by the full forward, [T, V].
@@ -95,8 +129,35 @@ TEST(ModelIncremental, TokenByTokenFromTheStartMatchesTheFullForward) {
   for (const Case& c : cases()) check_steps(c, std::vector<int64_t>(12, 1));
 }
 
+// A model trained with token dropping decodes dropless (NOTE [Incremental decoding]): its
+// steps give the full forward of the same weights without a capacity.
+TEST(ModelIncremental, TokenDroppingModelsDecodeDropless) {
+  ModelConfig dropping = tiny(false, 2);
+  dropping.num_experts = 4;
+  dropping.num_experts_per_tok = 2;
+  dropping.moe_capacity_factor = 0.5;
+  dropping.moe_pad_to_capacity = true;
+  ModelConfig dropless = dropping;
+  dropless.moe_capacity_factor = 0.0;
+  dropless.moe_pad_to_capacity = false;
+  FlatParameters params(dropping);
+  params.initialize(5);
+  const Tensor tokens = random_tokens(1, 10, dropping.vocab_size, 9);
+  const Tensor full = full_logits(dropless, params, tokens);
+  IncrementalDecoder decoder(dropping, 10);
+  Tensor prompt = Tensor::empty({6, dropping.vocab_size});
+  decoder.forward(tokens.view({10}).narrow(0, 6), params, prompt);
+  expect_rows_near(prompt, full, 0, "dropless prefill");
+  for (int64_t at = 6; at < 10; ++at) {
+    Tensor one = Tensor::empty({1, dropping.vocab_size});
+    decoder.forward(tokens.view({10}).narrow(at, at + 1), params, one);
+    expect_rows_near(one, full, at, "dropless step");
+  }
+}
+
 TEST(ModelIncremental, LastRowsOnlyAndReset) {
-  const Case c = cases()[0];
+  const Case c = cases()[1];
+  ASSERT_STREQ(c.name, "gqa");
   FlatParameters params(c.config);
   params.initialize(3);
   const Tensor tokens = random_tokens(1, 9, c.config.vocab_size, 5);

@@ -1,8 +1,9 @@
 // Incremental decoding on the GPU against the CPU reference: the decode-attention kernel
 // and the KV-cache append on fresh random bf16 data (one-token steps and multi-token
 // prefills, MHA and GQA, sliding windows, long caches, head dims 64 to 256), and the whole
-// IncrementalDecoder of a small model (bf16) against the CPU one (fp32) from the same
-// weights, step by step, and against the GPU's own full forward.
+// IncrementalDecoder of small models (bf16: Llama-shaped, Mixtral-shaped, DeepSeek-shaped
+// with Multi-head Latent Attention) against the CPU one (fp32) from the same weights, step
+// by step, and against the GPU's own full forward.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -71,38 +72,88 @@ ModelConfig small_model(int64_t window) {
   return c;
 }
 
+// The decoder of `c` on the GPU, prefill then one token per step, against the CPU decoder
+// and the GPU's full forward, from the same bf16-representable weights.
+void expect_decoder_matches(const ModelConfig& c, uint64_t seed) {
+  Rng rng(seed);
+  FlatParameters cpu_params(c);
+  cpu_params.initialize(23);
+  round_to_bf16(cpu_params.flat());  // weights exactly representable in bf16
+  FlatParameters gpu_params(c, Device::CUDA, DType::BF16);
+  gpu_params.assign_from(cpu_params);
+
+  const int64_t prompt = 9, steps = 6, total = prompt + steps;
+  const Tensor tokens = random_ids(total, c.vocab_size, rng);
+  const Tensor tokens_gpu = tokens.to(Device::CUDA);
+  IncrementalDecoder cpu(c, total), gpu(c, total, Device::CUDA, DType::BF16);
+  DecoderLM full(c, 1, total, Device::CUDA, DType::BF16);
+  Tensor full_logits = Tensor::empty({total, c.vocab_size}, DType::BF16, Device::CUDA);
+  full.forward_logits(tokens_gpu.view({1, total}), gpu_params, full_logits);
+  const Tensor full_cpu = to_cpu_f32(full_logits);
+
+  int64_t at = 0;
+  for (int64_t n : {prompt, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}}) {
+    Tensor logits = Tensor::empty({n, c.vocab_size});
+    cpu.forward(tokens.narrow(at, at + n), cpu_params, logits);
+    Tensor logits_gpu = poisoned_gpu({n, c.vocab_size}, DType::BF16);
+    gpu.forward(tokens_gpu.narrow(at, at + n), gpu_params, logits_gpu);
+    const Tensor got = to_cpu_f32(logits_gpu);
+    const std::string what = fmt::format("{}, positions {} .. {}", c.name, at, at + n - 1);
+    EXPECT_LT(relative_l2(got, logits), 2 * kBf16Tolerance) << what;
+    const Tensor full_rows = full_cpu.narrow(at, at + n);
+    EXPECT_LT(relative_l2(got, full_rows), 2 * kBf16Tolerance) << what << " (GPU full forward)";
+    at += n;
+  }
+}
+
 TEST(GpuDecode, IncrementalDecoderMatchesCpuAndTheFullForward) {
-  for (int64_t window : {int64_t{0}, int64_t{6}}) {
-    const ModelConfig c = small_model(window);
-    Rng rng(seed_for_current_test() + window);
-    FlatParameters cpu_params(c);
-    cpu_params.initialize(23);
-    round_to_bf16(cpu_params.flat());  // weights exactly representable in bf16
-    FlatParameters gpu_params(c, Device::CUDA, DType::BF16);
-    gpu_params.assign_from(cpu_params);
+  for (int64_t window : {int64_t{0}, int64_t{6}})
+    expect_decoder_matches(small_model(window), seed_for_current_test() + window);
+}
 
-    const int64_t prompt = 9, steps = 6, total = prompt + steps;
-    const Tensor tokens = random_ids(total, c.vocab_size, rng);
-    const Tensor tokens_gpu = tokens.to(Device::CUDA);
-    IncrementalDecoder cpu(c, total), gpu(c, total, Device::CUDA, DType::BF16);
-    DecoderLM full(c, 1, total, Device::CUDA, DType::BF16);
-    Tensor full_logits = Tensor::empty({total, c.vocab_size}, DType::BF16, Device::CUDA);
-    full.forward_logits(tokens_gpu.view({1, total}), gpu_params, full_logits);
-    const Tensor full_cpu = to_cpu_f32(full_logits);
+// Mixtral-shaped: the MoE feed-forward's CUDA routing and expert GEMMs on a step's tokens.
+TEST(GpuDecode, MixtureOfExpertsDecoderMatchesCpu) {
+  ModelConfig c = small_model(0);
+  c.name = "gpu-decode-moe";
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.moe_ffn_hidden_size = 128;
+  expect_decoder_matches(c, seed_for_current_test());
+}
 
-    int64_t at = 0;
-    for (int64_t n : {prompt, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}, int64_t{1}}) {
-      Tensor logits = Tensor::empty({n, c.vocab_size});
-      cpu.forward(tokens.narrow(at, at + n), cpu_params, logits);
-      Tensor logits_gpu = poisoned_gpu({n, c.vocab_size}, DType::BF16);
-      gpu.forward(tokens_gpu.narrow(at, at + n), gpu_params, logits_gpu);
-      const Tensor got = to_cpu_f32(logits_gpu);
-      const std::string what = fmt::format("window {}, positions {} .. {}", window, at, at + n - 1);
-      EXPECT_LT(relative_l2(got, logits), 2 * kBf16Tolerance) << what;
-      const Tensor full_rows = full_cpu.narrow(at, at + n);
-      EXPECT_LT(relative_l2(got, full_rows), 2 * kBf16Tolerance) << what << " (GPU full forward)";
-      at += n;
+// DeepSeek-shaped: Multi-head Latent Attention over the cache (values of their own head
+// dim, YaRN), a dense first block, shared experts; V2's softmax and V3's sigmoid routing.
+TEST(GpuDecode, LatentAttentionDecoderMatchesCpu) {
+  for (bool v3 : {false, true}) {
+    ModelConfig c = small_model(0);
+    c.name = v3 ? "gpu-decode-deepseek-v3" : "gpu-decode-deepseek-v2";
+    c.num_layers = 3;
+    c.num_kv_heads = c.num_heads;
+    c.rope_scaling = RopeScaling{};
+    c.rope_scaling.enabled = true;
+    c.rope_scaling.type = "yarn";
+    c.rope_scaling.factor = 40;
+    c.rope_scaling.original_max_position = 64;
+    c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = 0.707;
+    c.num_experts = 16;
+    c.num_experts_per_tok = v3 ? 4 : 3;
+    c.moe_ffn_hidden_size = 64;
+    c.num_shared_experts = 2;
+    c.first_dense_layers = 1;
+    c.kv_lora_rank = 128;
+    c.q_lora_rank = v3 ? 96 : 0;
+    c.qk_nope_head_dim = 64;
+    c.qk_rope_head_dim = 32;
+    c.v_head_dim = 64;
+    if (v3) {
+      c.router_score_function = "sigmoid";
+      c.router_scaling_factor = 2.5;
+      c.router_num_groups = 4;
+      c.router_topk_groups = 2;
+    } else {
+      c.router_normalize_topk = false;
     }
+    expect_decoder_matches(c, seed_for_current_test() + v3);
   }
 }
 

@@ -2,7 +2,7 @@
 
 Greedy generation with forge's KV cache must give transformers' generate(do_sample=False)
 token for token (Llama with GQA and tied embeddings, Mistral with a sliding window shorter
-than prompt + generation), and stop where transformers stops at an EOS from
+than prompt + generation, Mixtral, DeepSeek-V2 and -V3 with Multi-head Latent Attention), and stop where transformers stops at an EOS from
 generation_config.json. forge eval's loss on an indexed dataset must equal transformers'
 cross-entropy on the same token windows. Plus the refusals: missing model, tokenizer bigger
 than the vocabulary, empty prompt, bad sampling parameters."""
@@ -91,6 +91,35 @@ class EvalGenerate(unittest.TestCase):
                                                      num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
                                                      max_position_embeddings=128,
                                                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+    def test_greedy_mixtral_matches_transformers(self):
+        self.check_greedy("mixtral", "mixtral", dict(hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                                     num_experts_per_tok=2, max_position_embeddings=128,
+                                                     sliding_window=None,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+
+    def test_greedy_deepseek_v2_matches_transformers(self):
+        # Multi-head Latent Attention with values of their own head dim, a dense first block,
+        # shared experts, group-limited greedy routing scaled and not renormalized, YaRN.
+        self.check_greedy("deepseek_v2", "deepseek_v2", dict(
+            hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=6, num_experts_per_tok=2,
+            n_shared_experts=2, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=128, topk_method="group_limited_greedy",
+            n_group=3, topk_group=2, norm_topk_prob=False, routed_scaling_factor=2.0,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 16, "mscale": 0.707, "mscale_all_dim": 0.707}))
+
+    def test_greedy_deepseek_v3_matches_transformers(self):
+        # A compressed query, sigmoid scores plus the routing bias in the best groups, renormalized.
+        self.check_greedy("deepseek_v3", "deepseek_v3", dict(
+            hidden_size=32, intermediate_size=40, moe_intermediate_size=12, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=3,
+            n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=12, qk_nope_head_dim=8,
+            qk_rope_head_dim=4, v_head_dim=6, max_position_embeddings=128, n_group=4, topk_group=2,
+            norm_topk_prob=True, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
 
     def test_stops_at_eos_as_transformers_does(self):
         config = dict(hidden_size=32, intermediate_size=40, num_hidden_layers=1, num_attention_heads=4,

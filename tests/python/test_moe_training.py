@@ -2,7 +2,7 @@
 train: debug-tiny-moe learns the built-in synthetic corpus down to near its entropy floor
 as the dense default run does (logging each block's expert load every step), a stopped and resumed run is bitwise the uninterrupted one,
 a MoE checkpoint refuses a dense model naming both, forge eval of the run gives its
-validation loss, forge generate refuses --device cuda for it, and forge info counts Mixtral
+validation loss, and forge info counts Mixtral
 8x7B's total and active parameters. The same for a DeepSeek-shaped model (debug-tiny-mla:
 Multi-head Latent Attention, a dense first block, shared experts), with sigmoid routing and
 auxiliary-loss-free balancing's bias update (model.router_bias_update_rate) in its
@@ -86,7 +86,7 @@ class MoeTraining(unittest.TestCase):
         self.assertIn("saved for model 'debug-tiny-moe': 2 layers, hidden 64, ffn 96 in 4 experts (top-2)", dense.stderr)
         self.assertIn("the configured model is 'debug-tiny'", dense.stderr)
 
-    def test_eval_and_generate_of_a_moe_run(self):
+    def test_eval_of_a_moe_run(self):
         run_dir = os.path.join(scratch_dir(), "run")
         common = [*MOE, "--training.steps", "4", "--eval.interval", "4", "--eval.steps", "2"]
         result = forge("train", *common, "--logging.run_dir", run_dir, "--checkpoint.enable", "true",
@@ -97,10 +97,6 @@ class MoeTraining(unittest.TestCase):
         self.assertEqual(result.returncode, 0, result.stderr)
         with open(out) as f:
             self.assertAlmostEqual(json.load(f)["loss"], records(run_dir, "eval")[-1]["loss"], places=9)
-        gpu = forge("generate", "--model", run_dir, "--device", "cuda", "--prompt", "x")
-        self.assertNotEqual(gpu.returncode, 0)
-        self.assertTrue("decodes those on the CPU only so far" in gpu.stderr or "no GPU is visible" in gpu.stderr,
-                        gpu.stderr)
 
     def test_info_counts_active_parameters(self):
         result = forge("info", "mixtral-8x7b")
@@ -164,14 +160,7 @@ class DeepseekTraining(unittest.TestCase):
         print(f"load max/mean over the last 30 of 80 steps: biases fixed {fixed:.3f}, updated {updated:.3f}")
         self.assertLess(updated, fixed)
 
-    def test_generate_refuses_and_info_counts(self):
-        run_dir = os.path.join(scratch_dir(), "run")
-        result = forge("train", *MLA, "--training.steps", "2", "--eval.interval", "0", "--logging.run_dir", run_dir,
-                       "--checkpoint.enable", "true", "--checkpoint.interval", "2")
-        self.assertEqual(result.returncode, 0, result.stderr)
-        generate = forge("generate", "--model", run_dir, "--device", "cpu", "--prompt", "x")
-        self.assertNotEqual(generate.returncode, 0)
-        self.assertIn("KV-cache decoding of it is not built", generate.stderr)
+    def test_info_counts_deepseek_v2_lite(self):
         info = forge("info", "deepseek-v2-lite")
         self.assertEqual(info.returncode, 0, info.stderr)
         self.assertIn("15.71 B (15706484224 total", info.stdout)
