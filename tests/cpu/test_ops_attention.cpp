@@ -539,9 +539,10 @@ TEST(OpsAttention, ValueHeadDimShapeErrorsAreClear) {
   expect_error([&] { attention_segments(ids, AttentionShape{1, 1, 0, 0.5f}, Device::CPU); }, {"head_dim"});
   AttentionSegments uniform_segments = attention_segments(ids, uniform, Device::CPU);
   expect_error([&] { attention_forward(out, lse, qkv, mla, &uniform_segments); }, {"segments for tokens of"});
-  // Decoding keeps one head dim.
+  // Decoding takes the same form, with a value cache of the value head dim
+  // (OpsDecodeAttention.* in test_ops_decode_attention.cpp).
   const Tensor cache = Tensor::zeros({1, 4, 1, 6});
-  expect_error([&] { kv_cache_append(cache, cache, qkv, 0, mla); }, {"one head dim"});
+  expect_error([&] { kv_cache_append(cache, cache, qkv, 0, mla); }, {"v_cache [1, 4, 1, 6] must be [1, 4, 1, 4]"});
 }
 
 }  // namespace

@@ -1,12 +1,15 @@
 // Incremental decoding on the GPU against the CPU reference: the decode-attention kernel
 // and the KV-cache append on fresh random bf16 data (one-token steps and multi-token
-// prefills, MHA and GQA, sliding windows, long caches, head dims 64 to 256), and the whole
-// IncrementalDecoder of small models (bf16: Llama-shaped, Mixtral-shaped, DeepSeek-shaped
-// with Multi-head Latent Attention) against the CPU one (fp32) from the same weights, step
-// by step, and against the GPU's own full forward.
+// prefills, MHA and GQA, sliding windows, long caches, head dims 64 to 256; and values of a
+// head dim of their own, NOTE [Value head dim], D = 192 with Dv = 128 as DeepSeek's latent
+// attention decodes, among others), and the whole IncrementalDecoder of small models (bf16:
+// Llama-shaped, Mixtral-shaped, DeepSeek-shaped with Multi-head Latent Attention) against
+// the CPU one (fp32) from the same weights, step by step, and against the GPU's own full
+// forward.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
@@ -49,10 +52,65 @@ TEST(GpuDecode, DecodeAttentionMatchesCpu) {
   }
 }
 
+struct ValueDimDecodeCase {
+  int64_t batch, capacity, q_heads, kv_heads, head_dim, v_head_dim, window, position, queries;
+};
+
+TEST(GpuDecode, DecodeAttentionWithValueHeadDimMatchesCpu) {
+  Rng rng(seed_for_current_test());
+  for (ValueDimDecodeCase c : {ValueDimDecodeCase{1, 1, 2, 1, 192, 128, 0, 0, 1},
+                               ValueDimDecodeCase{2, 40, 4, 4, 192, 128, 0, 17, 1},
+                               ValueDimDecodeCase{1, 300, 16, 16, 192, 128, 0, 250, 5},
+                               ValueDimDecodeCase{2, 200, 8, 2, 192, 128, 16, 150, 1},
+                               ValueDimDecodeCase{1, 2048, 16, 16, 192, 128, 0, 2000, 1},
+                               ValueDimDecodeCase{1, 129, 4, 1, 256, 64, 7, 0, 129},
+                               ValueDimDecodeCase{3, 70, 6, 3, 24, 16, 0, 33, 3},
+                               ValueDimDecodeCase{1, 64, 2, 2, 64, 256, 5, 60, 4},
+                               ValueDimDecodeCase{2, 50, 4, 2, 40, 72, 0, 45, 2}}) {
+    const AttentionShape shape{.num_q_heads = c.q_heads,
+                               .num_kv_heads = c.kv_heads,
+                               .sliding_window = c.window,
+                               .scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                               .head_dim = c.head_dim,
+                               .v_head_dim = c.v_head_dim};
+    // Earlier positions already cached (random), then the step's keys and values appended.
+    Tensor k_cache = random_bf16_values({c.batch, c.capacity, c.kv_heads, c.head_dim}, rng);
+    Tensor v_cache = random_bf16_values({c.batch, c.capacity, c.kv_heads, c.v_head_dim}, rng);
+    Tensor qkv = random_bf16_values(shape.qkv_shape(c.batch, c.queries), rng);
+    Tensor k_gpu = to_gpu(k_cache, DType::BF16), v_gpu = to_gpu(v_cache, DType::BF16);
+    Tensor qkv_gpu = to_gpu(qkv, DType::BF16);
+    kv_cache_append(k_cache, v_cache, qkv, c.position, shape);
+    kv_cache_append(k_gpu, v_gpu, qkv_gpu, c.position, shape);
+    const std::string what =
+        fmt::format("b{} cap{} hq{} hkv{} d{} dv{} w{} pos{} n{}", c.batch, c.capacity, c.q_heads, c.kv_heads,
+                    c.head_dim, c.v_head_dim, c.window, c.position, c.queries);
+    EXPECT_EQ(relative_l2(to_cpu_f32(k_gpu), k_cache), 0.0) << what;
+    EXPECT_EQ(relative_l2(to_cpu_f32(v_gpu), v_cache), 0.0) << what;
+
+    Tensor out = Tensor::empty(shape.out_shape(c.batch, c.queries));
+    decode_attention_forward(out, qkv, k_cache, v_cache, c.position, shape);
+    Tensor out_gpu = poisoned_gpu(out.shape(), DType::BF16);
+    decode_attention_forward(out_gpu, qkv_gpu, k_gpu, v_gpu, c.position, shape);
+    EXPECT_LT(relative_l2(to_cpu_f32(out_gpu), out), kBf16Tolerance) << what;
+  }
+}
+
 TEST(GpuDecode, HeadDimAbove256IsAClearError) {
   Tensor qkv = poisoned_gpu({1, 1, 3, 320}, DType::BF16), cache = poisoned_gpu({1, 4, 1, 320}, DType::BF16);
   Tensor out = poisoned_gpu({1, 1, 1, 320}, DType::BF16);
   EXPECT_THROW(decode_attention_forward(out, qkv, cache, cache, 0, AttentionShape{1, 1, 0, 0.05f}), Error);
+  // A value head dim above 256, with keys that fit.
+  const AttentionShape wide_values{
+      .num_q_heads = 1, .num_kv_heads = 1, .scale = 0.05f, .head_dim = 64, .v_head_dim = 320};
+  Tensor wide_qkv = poisoned_gpu(wide_values.qkv_shape(1, 1), DType::BF16);
+  Tensor k_cache = poisoned_gpu({1, 4, 1, 64}, DType::BF16), v_cache = poisoned_gpu({1, 4, 1, 320}, DType::BF16);
+  Tensor wide_out = poisoned_gpu(wide_values.out_shape(1, 1), DType::BF16);
+  try {
+    decode_attention_forward(wide_out, wide_qkv, k_cache, v_cache, 0, wide_values);
+    ADD_FAILURE() << "a value head dim of 320 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("v_head_dim 320 must each be at most 256"), std::string::npos) << e.what();
+  }
 }
 
 ModelConfig small_model(int64_t window) {
