@@ -232,14 +232,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} must be a multiple of 8 and at most 1024 on CUDA (training.device cuda)", moe);
   // Data parallelism (FSDP) shards the experts with every other weight; each rank routes its
   // own tokens through all of them, or with parallelism.expert_parallel_degree through the
-  // ranks that hold them. The routing biases' update writes the full master values, which
-  // FSDP shards.
-  const ParallelismConfig& p = config.parallelism;
-  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1 &&
-      config.model.router_bias_update_rate != 0.0)
-    FORGE_FAIL("{} runs on one process so far (its update writes the routing biases' master values, which FSDP "
-               "shards); set it to 0 or train on one process",
-               show(config, keys, "model.router_bias_update_rate"));
+  // ranks that hold them. The routing biases' update moves each rank's chunk of them (NOTE
+  // [Routing bias update] in train/trainer.cpp).
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
                show(config, keys, "precision.fp8"));

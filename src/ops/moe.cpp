@@ -445,17 +445,21 @@ void moe_route_backward(const Tensor& d_logits, const Tensor& d_weights, const M
                                  r.normalize, d_logits.data<float>(), lse, z_scale, r.scaling);
 }
 
-void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate) {
+void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate,
+                             int64_t first_expert) {
   expect_tensor(bias, Device::CPU, DType::F32, "moe_update_routing_bias bias");
-  check_shape(bias, {static_cast<int64_t>(load.size())}, "moe_update_routing_bias bias");
+  const auto experts = static_cast<int64_t>(load.size());
+  FORGE_CHECK(bias.ndim() == 1 && first_expert >= 0 && first_expert + bias.numel() <= experts,
+              "moe_update_routing_bias: biases {} from expert {} of {}", shape_str(bias.shape()), first_expert,
+              experts);
   FORGE_CHECK(!load.empty() && rate >= 0, "moe_update_routing_bias: {} experts, rate {}", load.size(), rate);
   double mean = 0.0;
   for (int64_t n : load) mean += static_cast<double>(n);
-  mean /= static_cast<double>(load.size());
+  mean /= static_cast<double>(experts);
   float* b = bias.data<float>();
-  for (size_t e = 0; e < load.size(); ++e) {
-    const double offset = mean - static_cast<double>(load[e]);
-    b[e] = static_cast<float>(b[e] + rate * static_cast<double>((offset > 0) - (offset < 0)));
+  for (int64_t i = 0; i < bias.numel(); ++i) {
+    const double offset = mean - static_cast<double>(load[static_cast<size_t>(first_expert + i)]);
+    b[i] = static_cast<float>(b[i] + rate * static_cast<double>((offset > 0) - (offset < 0)));
   }
 }
 

@@ -210,8 +210,11 @@ MoeBalance moe_grouped_balancing_loss(const MoeRouting& routing, int64_t groups)
 double moe_z_loss(const MoeRouting& routing);
 
 // Auxiliary-loss-free balancing's step (NOTE [Routing bias update] in train/trainer.cpp):
-// bias [experts] (F32, CPU) += rate x sign(mean load - load_e) for each expert e.
-void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate);
+// bias (F32, CPU) += rate x sign(mean load - load_e) for each expert e it holds: the biases
+// of experts [first_expert, first_expert + bias.numel()) of the block's load.size() (a
+// rank's FSDP chunk of them, or all of them), the mean taken over every expert's load.
+void moe_update_routing_bias(const Tensor& bias, const std::vector<int64_t>& load, double rate,
+                             int64_t first_expert = 0);
 
 // permuted [permuted rows, hidden]: row r is x's row of the token whose assignment it holds,
 // for the rows below offsets.back(); a padding row is zero (NOTE [MoE capacity]).

@@ -484,9 +484,29 @@ void Trainer::discard_gradients() {
 // bias falls, an idle one's rises, an expert at the mean keeps its bias. The bias is a
 // parameter without gradient (AdamW leaves it alone), so the update writes the fp32 master
 // value and, on CUDA, its bf16 compute copy. A skipped step (non-finite, loss spike)
-// updates nothing, as it updates no weight.
-void Trainer::update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load) {
+// updates nothing, as it updates no weight. Under FSDP the loads are the sum over the
+// data-parallel ranks (loads_over_ranks, as Megatron all-reduces its tokens per expert),
+// the same on every rank, and each rank moves the biases in its own chunk of the master
+// weights (and its compute chunk when the optimizer wrote that) before the compute weights
+// are gathered: the biases stay identical to a one-process run's.
+void Trainer::update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load, bool chunk_written) {
   const ModelConfig& m = config_.model;
+  if (sharded_gradients()) {
+    const FsdpLayout& layout = fsdp_->layout();
+    for (size_t i = 0; i < layout.segments().size(); ++i) {
+      const FsdpSegment& segment = layout.segments()[i];
+      const ParamSpec& spec = layout.specs()[static_cast<size_t>(segment.spec)];
+      if (!spec.name.ends_with(".moe.router.bias")) continue;
+      const std::vector<int64_t>& load = expert_load.at(static_cast<size_t>(spec.layer - m.first_dense_layers));
+      const Tensor& master = fsdp_->master_segments()[i];
+      Tensor bias = master.to(Device::CPU);
+      moe_update_routing_bias(bias, load, m.router_bias_update_rate, segment.param_begin);
+      copy_bytes(master.raw(), master.device(), bias.raw(), Device::CPU, bias.nbytes());
+      const Tensor& compute = fsdp_->compute_segments()[i];
+      if (chunk_written && compute.defined()) cast(compute, master);
+    }
+    return;
+  }
   for (size_t j = 0; j < expert_load.size(); ++j) {
     const std::string name = fmt::format("layers.{}.moe.router.bias", m.first_dense_layers + static_cast<int64_t>(j));
     const Tensor& master = params_->find(name);
@@ -859,13 +879,14 @@ TrainResult Trainer::run() {
       const bool fused_copy = device_ == Device::CUDA;  // AdamW writes the bf16 chunk as it updates
       optimizer_->step(fsdp_->grad_segments(), lr, clip_coefficient(norm, t.max_norm),
                        fused_copy ? fsdp_->compute_segments() : std::vector<Tensor>{});
+      if (config_.model.router_bias_update_rate > 0) update_routing_biases(expert_load, fused_copy);
       fsdp_->refresh_compute_weights(fused_copy);
     } else {
       skipped_in_a_row_ = 0;
       optimizer_->step(trainable_gradients(), lr, clip_coefficient(norm, t.max_norm),
                        compute_weights_ ? compute_weights_->tensors() : std::vector<Tensor>{});
       if (lora_) lora_->refresh_compute();
-      if (config_.model.router_bias_update_rate > 0) update_routing_biases(expert_load);
+      if (config_.model.router_bias_update_rate > 0) update_routing_biases(expert_load, false);
     }
     double dt = seconds_since(t0);
 

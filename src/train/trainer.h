@@ -129,7 +129,8 @@ class Trainer {
   // A Mixture-of-Experts step's per-block expert loads summed over the data-parallel ranks.
   std::vector<std::vector<int64_t>> loads_over_ranks(const std::vector<std::vector<int64_t>>& load);
   // NOTE [Routing bias update] in trainer.cpp: after an optimizer step, from the step's loads.
-  void update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load);
+  // chunk_written: under FSDP, the optimizer wrote the compute chunk (NOTE [Routing bias update]).
+  void update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load, bool chunk_written);
   void begin_gradients();
   void finish_gradients();
   // NOTE [Tensor-parallel gradient norm]: the whole model's squared gradient norm.

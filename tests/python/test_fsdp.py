@@ -19,6 +19,13 @@ STEPS = 30
 GLOBAL_BATCH = 8
 
 
+# DeepSeek-V3's routing with its auxiliary-loss-free balancing, at a rate that moves the
+# routing within a few steps.
+SIGMOID_BIAS_UPDATE = ["--model.router_score_function", "sigmoid", "--model.router_normalize_topk", "true",
+                       "--model.router_num_groups", "4", "--model.router_topk_groups", "2",
+                       "--model.router_bias_update_rate", "0.02"]
+
+
 def train(run_dir, ranks, *overrides, check=True):
     """debug-tiny for STEPS steps on `ranks` CPU ranks, micro-batch 2, accumulation filling
     the global batch of 8 sequences."""
@@ -74,12 +81,18 @@ class Parity(unittest.TestCase):
                 return [r for r in map(json.loads, f) if r.get("type") == "train"]
         for name, flags in (("moe", ["--model.name", "debug-tiny-moe", "--model.router_aux_loss_coef", "0.01"]),
                             ("mla", ["--model.name", "debug-tiny-mla"]),
-                            ("mla-zero1", ["--model.name", "debug-tiny-mla", "--parallelism.zero_stage", "1"])):
+                            ("mla-zero1", ["--model.name", "debug-tiny-mla", "--parallelism.zero_stage", "1"]),
+                            # Auxiliary-loss-free balancing: the biases move by the loads summed over
+                            # the ranks, each rank its chunk of them (NOTE [Routing bias update]).
+                            ("mla-bias-update", ["--model.name", "debug-tiny-mla", *SIGMOID_BIAS_UPDATE]),
+                            ("mla-bias-update-zero1", ["--model.name", "debug-tiny-mla", "--parallelism.zero_stage",
+                                                       "1", *SIGMOID_BIAS_UPDATE])):
             with self.subTest(model=name):
                 one = records_of(self.train_run(f"{name}-1", 1, *flags))
                 two = records_of(self.train_run(f"{name}-2", 2, *flags))
                 self.assertLess(max_relative_difference([r["loss"] for r in two], [r["loss"] for r in one]), 1e-4)
-                self.assertEqual([r["expert_load"] for r in two][:3], [r["expert_load"] for r in one][:3])
+                # With the bias update, steps 2 on route by the updated biases.
+                self.assertEqual([r["expert_load"] for r in two][:5], [r["expert_load"] for r in one][:5])
 
     def test_evaluation_is_split_over_ranks(self):
         """NOTE [Evaluation under data parallelism]: 4 validation micro-batches on 2 ranks
