@@ -86,8 +86,9 @@ std::vector<ConfigKey> build_schema() {
       key<&E::model, &M::router_aux_loss_type>(
           "model.router_aux_loss_type",
           "Mixture-of-Experts: which balancing loss router_aux_loss_coef weighs: pooled (transformers' Mixtral "
-          "form, over all layers), per_layer (Megatron's aux_loss) or sequence (Megatron's seq_aux_loss, "
-          "DeepSeek's sequence-wise loss)",
+          "form, over all layers), per_layer (Megatron's aux_loss), sequence (Megatron's seq_aux_loss, "
+          "DeepSeek's sequence-wise loss) or global (Megatron's global_aux_loss: tokens per expert summed over the "
+          "data-parallel ranks and averaged over the step's micro-batches)",
           {}, model_bounds::router_aux_loss_types),
       key<&E::model, &M::router_z_loss_coef>(
           "model.router_z_loss_coef",

@@ -70,13 +70,17 @@ std::vector<double> DataParallelComm::sum_over_ranks(const std::vector<double>& 
 // fp32 adds whole numbers exactly while every partial sum stays below 2^24, so the count
 // travels as three 12-bit digits: each digit's sum over at most 4096 ranks is exact in
 // any order of addition (NCCL's included), and the count is exact up to 2^36.
+int64_t DataParallelComm::data_parallel_ranks() const {
+  return int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
+}
+
 int64_t DataParallelComm::count_over_ranks(int64_t count) { return counts_over_ranks({count}).front(); }
 
 // Exact in fp32: each count is split into kCountDigits digits of 12 bits, which stay below
 // 2^24 when summed over at most 4096 ranks, and recombined on the host.
 std::vector<int64_t> DataParallelComm::counts_over_ranks(const std::vector<int64_t>& counts) {
   constexpr int kDigitBits = 12;
-  const int64_t ranks = int64_t{shard_group_.world_size()} * (replicate_group_ ? replicate_group_->world_size() : 1);
+  const int64_t ranks = data_parallel_ranks();
   const int64_t n = static_cast<int64_t>(counts.size());
   Tensor host = Tensor::empty({n * kCountDigits}, DType::F32);
   for (int64_t i = 0; i < n; ++i) {

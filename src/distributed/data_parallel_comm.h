@@ -4,6 +4,8 @@
 // communication] in distributed/fsdp.h). Fsdp is one (its gathers and reductions use the
 // same communication stream and timing); a QLoRA run, whose NF4 base is replicated rather
 // than sharded (NOTE [LoRA under data parallelism] in train/trainer.cpp), uses one alone.
+// It is also the model's DataParallelCounts (Megatron's global balancing loss: NOTE [MoE
+// balancing loss] in model/moe_feed_forward.h).
 #pragma once
 
 #include <chrono>
@@ -15,15 +17,16 @@
 #include "core/device.h"
 #include "core/tensor.h"
 #include "distributed/process_group.h"
+#include "model/data_parallel_counts.h"
 
 namespace forge {
 
-class DataParallelComm {
+class DataParallelComm : public DataParallelCounts {
  public:
   // shard_group: the ranks that split the parameters (all of them when nothing is split);
   // replicate_group (may be null): the ranks that hold the same chunk. Both outlive this object.
   DataParallelComm(Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group);
-  virtual ~DataParallelComm();
+  ~DataParallelComm() override;
   DataParallelComm(const DataParallelComm&) = delete;
   DataParallelComm& operator=(const DataParallelComm&) = delete;
 
@@ -37,8 +40,11 @@ class DataParallelComm {
   // `count` (0 <= count < 2^36) summed exactly over every data-parallel rank (at most 4096).
   int64_t count_over_ranks(int64_t count);
   // Each of `counts` (as count_over_ranks) summed over every data-parallel rank, in one
-  // reduction: a Mixture-of-Experts step's expert loads.
-  std::vector<int64_t> counts_over_ranks(const std::vector<int64_t>& counts);
+  // reduction: a Mixture-of-Experts step's expert loads, and the global balancing loss's
+  // tokens per expert of each micro-batch.
+  std::vector<int64_t> counts_over_ranks(const std::vector<int64_t>& counts) override;
+  // Every data-parallel rank: the shard group's times the replicate group's.
+  int64_t data_parallel_ranks() const override;
   // `tensor` (on this device) summed in place over every data-parallel rank: LoRA's
   // replicated adapter gradients. Every rank ends with the same bits.
   void all_reduce_sum(const Tensor& tensor);

@@ -30,6 +30,7 @@
 #include "core/tensor.h"
 #include "model/activations.h"
 #include "model/context_parallel.h"
+#include "model/data_parallel_counts.h"
 #include "model/expert_dispatch.h"
 #include "model/parameters.h"
 #include "model/tensor_parallel.h"
@@ -84,6 +85,13 @@ class BlockComponent {
   // Under expert parallelism, how a Mixture-of-Experts component reaches the other ranks'
   // experts (set before lay_out, outlives the component); ignored by every other component.
   virtual void set_expert_dispatch(ExpertDispatch* dispatch) {}
+  // Under data parallelism, how a Mixture-of-Experts component sums counts over the ranks
+  // (Megatron's global balancing loss; null: one rank; outlives the component); ignored by
+  // every other component.
+  virtual void set_data_parallel_counts(DataParallelCounts* counts) {}
+  // A new optimizer step begins: what a component kept over the last step's micro-batches
+  // is forgotten (the global balancing loss's counts, NOTE [MoE balancing loss]).
+  virtual void begin_step() {}
   // Whether it computes under tensor parallelism (NOTE [Tensor parallelism] in
   // model/tensor_parallel.h): its parameters split by their ParamSpec::tensor_parallel,
   // its input and output the rank's rows of the residual stream (StepShape::stream_rows).

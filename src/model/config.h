@@ -62,9 +62,10 @@ struct ModelConfig {
   // (NOTE [Routing bias update] in train/trainer.cpp); 0: the biases stay as they are.
   double router_bias_update_rate = 0.0;
   // Which balancing loss (NOTE [MoE balancing loss]): "pooled" (transformers' Mixtral form,
-  // over all layers' tokens), "per_layer" (Megatron's aux_loss: each layer's, E/k, summed)
-  // or "sequence" (Megatron's seq_aux_loss, DeepSeek's sequence-wise balance loss). Softmax
-  // routing only.
+  // over all layers' tokens), "per_layer" (Megatron's aux_loss: each layer's, E/k, summed),
+  // "sequence" (Megatron's seq_aux_loss, DeepSeek's sequence-wise balance loss) or "global"
+  // (Megatron's global_aux_loss: tokens per expert over the data-parallel ranks and the
+  // step's micro-batches). Softmax routing only.
   std::string router_aux_loss_type = "pooled";
   // The router z-loss's weight (Megatron's moe_z_loss_coeff; NOTE [MoE balancing loss]); 0: none.
   double router_z_loss_coef = 0.0;

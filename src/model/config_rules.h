@@ -50,7 +50,7 @@ inline constexpr ValueRange rope_scaling_beta = above(0);
 inline constexpr ValueRange rope_scaling_mscale = at_least(0);  // 0: not set
 inline const std::vector<std::string> rope_scaling_types = {"llama3", "yarn"};
 inline const std::vector<std::string> router_score_functions = {"softmax", "sigmoid"};
-inline const std::vector<std::string> router_aux_loss_types = {"pooled", "per_layer", "sequence"};
+inline const std::vector<std::string> router_aux_loss_types = {"pooled", "per_layer", "sequence", "global"};
 inline const std::vector<std::string> moe_token_drop_policies = {"probs", "position"};
 
 }  // namespace forge::model_bounds

@@ -226,6 +226,14 @@ std::vector<std::vector<int64_t>> DecoderLM::expert_load() const {
   return load;
 }
 
+void DecoderLM::set_data_parallel_counts(DataParallelCounts* counts) {
+  for (const auto& component : components_) component->set_data_parallel_counts(counts);
+}
+
+void DecoderLM::begin_step() {
+  for (const auto& component : components_) component->begin_step();
+}
+
 void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
   for (size_t c = 0; c < components_.size(); ++c) {
     const bool produce = to_output || c + 1 < components_.size();

@@ -144,6 +144,15 @@ class DecoderLM {
   // A Mixture-of-Experts model's routing in the last forward: per block, the assignments
   // each expert received (NOTE [MoE feed-forward]); empty for a dense model.
   std::vector<std::vector<int64_t>> expert_load() const;
+  // Under data parallelism, how the MoE blocks sum counts over the ranks, for Megatron's
+  // global balancing loss (NOTE [MoE balancing loss] in model/moe_feed_forward.h; every
+  // rank's forward_backward then reduces with the others); null: one rank. It outlives the
+  // model.
+  void set_data_parallel_counts(DataParallelCounts* counts);
+  // A new optimizer step: the global balancing loss's counts start over (Megatron's
+  // reset_global_aux_loss_tracker). Until the first call every forward_backward since the
+  // model was made counts as one step's micro-batch.
+  void begin_step();
 
  private:
   // Component c's entries of block i's weights (NOTE [Block weights]).

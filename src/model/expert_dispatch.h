@@ -27,7 +27,8 @@
 // the local experts' weight gradients (over every token of the group that chose them), and
 // the inputs' gradients come back (step 5) for moe_permute_backward. The counts of the
 // forward are kept per layer and reused, so the backward exchanges no counts. Routing,
-// balancing losses and loads are each rank's, as without expert parallelism.
+// balancing losses and loads are each rank's, as without expert parallelism (the global
+// balancing loss's counts are summed over every data-parallel rank either way).
 // A rank may receive every row of its group (every token choosing its experts), so its
 // received-row buffers hold P x tokens x k rows (StepShape::expert_parallel); a rank
 // sending nothing, or an expert receiving nothing, is an ordinary case (zero counts).

@@ -30,6 +30,7 @@ MoeFeedForward::MoeFeedForward(const ModelConfig& config)
       aux_coefficient_(config.router_aux_loss_coef),
       aux_type_(config.router_aux_loss_type == "sequence"    ? AuxLoss::kSequence
                 : config.router_aux_loss_type == "per_layer" ? AuxLoss::kPerLayer
+                : config.router_aux_loss_type == "global"    ? AuxLoss::kGlobal
                                                              : AuxLoss::kPooled),
       z_coefficient_(config.router_z_loss_coef),
       capacity_{config.moe_capacity_factor, config.moe_token_drop_policy == "position", config.moe_pad_to_capacity} {}
@@ -162,8 +163,8 @@ void MoeFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Activa
   d_logits_compute_ = act({n, experts_});
   const int64_t layers = static_cast<int64_t>(layers_.size());
   aux_gradient_ = aux_type_ == AuxLoss::kPooled     ? stat({experts_})
-                  : aux_type_ == AuxLoss::kPerLayer ? stat({layers, experts_})
-                                                    : stat({layers, sequences_, experts_});
+                  : aux_type_ == AuxLoss::kSequence ? stat({layers, sequences_, experts_})
+                                                    : stat({layers, experts_});  // per_layer, global
   if (sigmoid_) bias_ = stat({experts_});
   if (shared_ffn_ > 0) {
     d_shared_swiglu_ = act({n, shared_ffn_});
@@ -183,6 +184,10 @@ MoeRouting MoeFeedForward::route(const ComponentWeights& w, const MoeRoutingBuff
 void MoeFeedForward::set_expert_dispatch(ExpertDispatch* dispatch) {
   exchange_ = dispatch && dispatch->size() > 1 ? std::make_unique<ExpertExchange>(*dispatch, experts_) : nullptr;
 }
+
+void MoeFeedForward::set_data_parallel_counts(DataParallelCounts* counts) { data_parallel_ = counts; }
+
+void MoeFeedForward::begin_step() { step_counts_.reset(); }
 
 // NOTE [Received-row pool]
 // Under expert parallelism a rank's experts receive a different number of rows in every
@@ -316,6 +321,27 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
     const MoeBalance balance = moe_balancing_loss(routings());
     loss += aux_coefficient_ * balance.loss;
     gradient = balance.prob_gradient;
+  } else if (aux_type_ == AuxLoss::kGlobal) {
+    // Every layer's tokens per expert (before any drop), summed over the data-parallel ranks
+    // in one reduction, added to the step's and averaged over its micro-batches so far; each
+    // layer's loss takes them with its own probabilities, over every rank's tokens.
+    std::vector<int64_t> counts;
+    for (const MoeRouting* r : routings()) {
+      const std::vector<int64_t> layer = moe_expert_counts(*r).assigned;
+      counts.insert(counts.end(), layer.begin(), layer.end());
+    }
+    const int64_t ranks = data_parallel_ ? data_parallel_->data_parallel_ranks() : 1;
+    if (ranks > 1) counts = data_parallel_->counts_over_ranks(counts);
+    const std::vector<double> average = step_counts_.add(counts);
+    const std::vector<const MoeRouting*> all = routings();
+    for (size_t layer = 0; layer < all.size(); ++layer) {
+      const auto first = average.begin() + static_cast<std::ptrdiff_t>(layer * static_cast<size_t>(experts_));
+      const MoeBalance balance = moe_switch_balancing_loss(
+          *all[layer], std::vector<double>(first, first + experts_),
+          static_cast<double>(all[layer]->tokens) * static_cast<double>(ranks));
+      loss += aux_coefficient_ * balance.loss;
+      gradient.insert(gradient.end(), balance.prob_gradient.begin(), balance.prob_gradient.end());
+    }
   } else {
     for (const MoeRouting* r : routings()) {
       const MoeBalance balance = moe_grouped_balancing_loss(*r, aux_type_ == AuxLoss::kSequence ? sequences_ : 1);
@@ -337,7 +363,7 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
 Tensor MoeFeedForward::layer_aux_gradient(int layer) const {
   if (aux_type_ == AuxLoss::kPooled) return aux_gradient_;
   const Tensor rows = aux_gradient_.narrow(layer, layer + 1);
-  return aux_type_ == AuxLoss::kPerLayer ? rows.view({experts_}) : rows.view({sequences_, experts_});
+  return aux_type_ == AuxLoss::kSequence ? rows.view({sequences_, experts_}) : rows.view({experts_});
 }
 
 void MoeFeedForward::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,

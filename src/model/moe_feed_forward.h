@@ -51,8 +51,24 @@
 // "sequence" its seq_aux_loss (DeepSeek-V2/V3's sequence-wise balance loss), the same over
 // each row of the micro-batch's [batch, seq] tokens, averaged over the rows, summed over the
 // layers (moe_grouped_balancing_loss; its gradient is a [batch, E] probability gradient per
-// layer). model.router_z_loss_coef c_z adds the router z-loss, Megatron's z_loss_func: per
-// layer c_z x the mean over the N tokens of logsumexp(logits)^2, summed over layers; its
+// layer); "global" its global_aux_loss (moe_switch_balancing_loss, NOTE [MoE routing]): per
+// layer E / (k T^2) sum_e c_e P_e with P_e the sum of this rank's own probabilities over its
+// N tokens, T = N x the data-parallel ranks, and c_e the layer's tokens per expert (before
+// any drop) summed over those ranks, added to the optimizer step's earlier micro-batches'
+// and divided by the step's micro-batches so far (MoeStepCounts: micro-batch 2's loss takes
+// the average of micro-batches 1 and 2), summed over the layers. The sum over the ranks is
+// one reduction of [layers, E] counts per micro-batch through DataParallelCounts (the
+// trainer's data-parallel ranks; none on one rank), which synchronizes the host as the
+// other forms already do (they read the counts and the probabilities' sums on the host).
+// begin_step starts the step's counts over; the trainer calls it before each step's first
+// micro-batch, as Megatron resets them (reset_global_aux_loss_tracker) once the step's
+// gradients are done. The gradient flows through the rank's own probabilities only:
+// E c_e / (k T^2) for each. On one rank a step's first micro-batch gives the per_layer loss;
+// on P ranks the ranks' losses add up to the loss of their tokens together, so a balanced
+// routing gives each rank about 1 / P of the per_layer value, and the step (which averages
+// the ranks' micro-batches, as Megatron's gradient does) weighs it so.
+// model.router_z_loss_coef c_z adds the router z-loss, Megatron's z_loss_func: per layer c_z
+// x the mean over the N tokens of logsumexp(logits)^2, summed over layers; its
 // gradient, c_z x 2 lse_t softmax(logits_t) / N, enters the router's logits in
 // moe_route_backward from the logsumexp the routing kept (with sigmoid routing also the
 // logits' softmax, which the routing then keeps: [N, E] fp32 per layer). Every one of them is computed over the micro-batch's
@@ -111,6 +127,8 @@ class MoeFeedForward final : public BlockComponent {
   std::vector<int64_t> expert_load(int layer) const override;
   double auxiliary_loss(double gradient_weight) override;
   void set_expert_dispatch(ExpertDispatch* dispatch) override;
+  void set_data_parallel_counts(DataParallelCounts* counts) override;
+  void begin_step() override;
 
  private:
   // ComponentWeights numbering, param_specs order: the shared experts' two only with them,
@@ -152,17 +170,21 @@ class MoeFeedForward final : public BlockComponent {
   size_t bias_index_;  // sigmoid routing: where the router's bias is among the parameters
   float eps_;
   double aux_coefficient_;
-  enum class AuxLoss { kPooled, kPerLayer, kSequence } aux_type_;  // NOTE [MoE balancing loss]
+  enum class AuxLoss { kPooled, kPerLayer, kSequence, kGlobal } aux_type_;  // NOTE [MoE balancing loss]
   double z_coefficient_;
   MoeCapacity capacity_;   // NOTE [MoE capacity]: factor 0, dropless
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
   std::unique_ptr<ExpertExchange> exchange_;  // expert parallelism (degree > 1) only
+  // The global balancing loss: the data-parallel ranks' counts (null: one rank), and every
+  // layer's tokens per expert over the optimizer step's micro-batches ([layers x experts]).
+  DataParallelCounts* data_parallel_ = nullptr;
+  MoeStepCounts step_counts_;
   int64_t expert_parallel_ = 1;               // the degree the buffers were laid out for
   std::vector<Activations> layers_;
   Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing
   Tensor bias_;    // [E] fp32: sigmoid routing's bias, cast from the compute weights on CUDA
   // The balancing loss's probability gradient, weighted, F32: pooled [E] (every layer's),
-  // per_layer [layers, E], sequence [layers, sequences, E]; used in the backward when
+  // per_layer and global [layers, E], sequence [layers, sequences, E]; used in the backward when
   // auxiliary_loss gave it. z_scale_: the z-loss's 2 c_z / N, weighted (0: none).
   Tensor aux_gradient_;
   bool aux_gradient_used_ = false;

@@ -33,6 +33,16 @@ void SplitByLayer::set_expert_dispatch(ExpertDispatch* dispatch) {
   rest_->set_expert_dispatch(dispatch);
 }
 
+void SplitByLayer::set_data_parallel_counts(DataParallelCounts* counts) {
+  first_->set_data_parallel_counts(counts);
+  rest_->set_data_parallel_counts(counts);
+}
+
+void SplitByLayer::begin_step() {
+  first_->begin_step();
+  rest_->begin_step();
+}
+
 void SplitByLayer::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   part(layer).forward(local(layer), w, x, out);
 }

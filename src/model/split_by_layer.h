@@ -25,6 +25,8 @@ class SplitByLayer final : public BlockComponent {
   void prepare(const StepShape& shape, Device device) override;
   void set_sequence_layout(const SequenceLayout* layout) override;
   void set_expert_dispatch(ExpertDispatch* dispatch) override;
+  void set_data_parallel_counts(DataParallelCounts* counts) override;
+  void begin_step() override;
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,

@@ -199,6 +199,23 @@ void check_groups(const char* op, int64_t experts, int64_t k, int64_t groups, in
               topk_groups * (experts / groups), topk_groups);
 }
 
+// The sums over tokens [first, first + count) of each expert's probability, [experts]: a
+// balancing loss's P (on CUDA summed on the device into the routing's scratch, then read).
+std::vector<double> prob_column_sums(const MoeRouting& r, int64_t first, int64_t count, const char* op) {
+  std::vector<double> sums(static_cast<size_t>(r.experts), 0.0);
+  if (r.probs.device() == Device::CUDA) {
+    FORGE_CUDA_CALL(op, cuda::moe_prob_column_sums(r.probs.data<float>() + first * r.experts, count, r.experts,
+                                                   r.prob_sums.data<float>()));
+    const Tensor host = r.prob_sums.to(Device::CPU);
+    for (int64_t e = 0; e < r.experts; ++e) sums[static_cast<size_t>(e)] = host.data<float>()[e];
+    return sums;
+  }
+  const float* p = r.probs.data<float>();
+  for (int64_t t = first; t < first + count; ++t)
+    for (int64_t e = 0; e < r.experts; ++e) sums[static_cast<size_t>(e)] += p[t * r.experts + e];
+  return sums;
+}
+
 }  // namespace
 
 int64_t MoeCapacity::capacity(int64_t tokens, int64_t k, int64_t experts) const {
@@ -313,16 +330,8 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
     const std::vector<int64_t> counts = moe_expert_counts(*r).assigned;  // before any drop (NOTE [MoE capacity])
     for (int64_t e = 0; e < experts; ++e)
       assigned[static_cast<size_t>(e)] += static_cast<double>(counts[static_cast<size_t>(e)]);
-    if (r->probs.device() == Device::CUDA) {  // summed on the device, only when a loss asks
-      FORGE_CUDA_CALL("moe_balancing_loss", cuda::moe_prob_column_sums(r->probs.data<float>(), r->tokens, experts,
-                                                                       r->prob_sums.data<float>()));
-      const Tensor sums = r->prob_sums.to(Device::CPU);
-      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(e)] += sums.data<float>()[e];
-    } else {
-      const float* p = r->probs.data<float>();
-      for (int64_t e = 0; e < experts; ++e)
-        for (int64_t t = 0; t < r->tokens; ++t) probs[static_cast<size_t>(e)] += p[t * experts + e];
-    }
+    const std::vector<double> sums = prob_column_sums(*r, 0, r->tokens, "moe_balancing_loss");
+    for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(e)] += sums[static_cast<size_t>(e)];
     rows += static_cast<double>(r->tokens);
   }
   MoeBalance b;
@@ -353,18 +362,9 @@ MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {
     for (int64_t a = 0; a < r.tokens * r.k; ++a)
       assigned[static_cast<size_t>((a / r.k / per_group) * experts + id[a])] += 1.0;
   }
-  if (r.probs.device() == Device::CUDA) {  // each group's column sums on the device, one group at a time
-    for (int64_t g = 0; g < groups; ++g) {
-      FORGE_CUDA_CALL("moe_grouped_balancing_loss",
-                      cuda::moe_prob_column_sums(r.probs.data<float>() + g * per_group * experts, per_group, experts,
-                                                 r.prob_sums.data<float>()));
-      const Tensor sums = r.prob_sums.to(Device::CPU);
-      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(g * experts + e)] = sums.data<float>()[e];
-    }
-  } else {
-    const float* p = r.probs.data<float>();
-    for (int64_t t = 0; t < r.tokens; ++t)
-      for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>((t / per_group) * experts + e)] += p[t * experts + e];
+  for (int64_t g = 0; g < groups; ++g) {  // on CUDA each group's column sums on the device, one group at a time
+    const std::vector<double> sums = prob_column_sums(r, g * per_group, per_group, "moe_grouped_balancing_loss");
+    std::copy(sums.begin(), sums.end(), probs.begin() + static_cast<std::ptrdiff_t>(g * experts));
   }
   MoeBalance b;
   b.prob_gradient.assign(assigned.size(), 0.0);
@@ -377,6 +377,45 @@ MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {
     b.prob_gradient[i] = scale * f / s;
   }
   return b;
+}
+
+MoeBalance moe_switch_balancing_loss(const MoeRouting& r, const std::vector<double>& tokens_per_expert,
+                                     double total_tokens) {
+  check_routing(r, "moe_switch_balancing_loss");
+  FORGE_CHECK(!r.sigmoid, "moe_switch_balancing_loss: the Switch balancing loss is for softmax routing");
+  FORGE_CHECK(static_cast<int64_t>(tokens_per_expert.size()) == r.experts,
+              "moe_switch_balancing_loss: {} counts for {} experts", tokens_per_expert.size(), r.experts);
+  FORGE_CHECK(total_tokens >= static_cast<double>(r.tokens) && std::isfinite(total_tokens),
+              "moe_switch_balancing_loss: {} tokens counted, fewer than the routing's {}", total_tokens, r.tokens);
+  MoeBalance b;
+  b.prob_gradient.assign(static_cast<size_t>(r.experts), 0.0);
+  if (r.tokens == 0) return b;
+  const std::vector<double> probs = prob_column_sums(r, 0, r.tokens, "moe_switch_balancing_loss");
+  // Megatron's switch_load_balancing_loss_func: sum_e P_e c_e x E / (k T^2).
+  const double scale = static_cast<double>(r.experts) / (static_cast<double>(r.k) * total_tokens * total_tokens);
+  for (size_t e = 0; e < probs.size(); ++e) {
+    b.prob_gradient[e] = scale * tokens_per_expert[e];
+    b.loss += b.prob_gradient[e] * probs[e];
+  }
+  return b;
+}
+
+void MoeStepCounts::reset() {
+  sums_.clear();
+  micro_batches_ = 0;
+}
+
+std::vector<double> MoeStepCounts::add(const std::vector<int64_t>& counts) {
+  FORGE_CHECK(micro_batches_ == 0 || counts.size() == sums_.size(),
+              "MoeStepCounts: {} counts after micro-batches of {}", counts.size(), sums_.size());
+  if (micro_batches_ == 0) sums_.assign(counts.size(), 0.0);
+  ++micro_batches_;
+  std::vector<double> average(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) {
+    sums_[i] += static_cast<double>(counts[i]);
+    average[i] = sums_[i] / static_cast<double>(micro_batches_);
+  }
+  return average;
 }
 
 double moe_z_loss(const MoeRouting& r) {

@@ -34,7 +34,16 @@
 // over each sequence's S tokens, averaged over the B sequences,
 //   L = (1 / B) sum_b (E / k) sum_e f_be P_be,
 // whose probability gradient is a row per sequence: E f_be / (k S B) for each probability of
-// expert e in sequence b (per layer: B = 1, S = N). The router z-loss (ST-MoE's, Megatron's
+// expert e in sequence b (per layer: B = 1, S = N). Megatron's global_aux_loss
+// (moe_switch_balancing_loss, its switch_load_balancing_loss_func with counts given) takes
+// the counts from more tokens than the routing's own: with c_e the tokens per expert
+// counted over T tokens (summed over the data-parallel ranks, averaged over an optimizer
+// step's micro-batches so far: MoeStepCounts; NOTE [MoE balancing loss] in
+// model/moe_feed_forward.h) and P_e the sum of the routing's own probabilities of e,
+//   L = E / (k T^2) sum_e c_e P_e,
+// whose gradient with respect to each probability of expert e is E c_e / (k T^2); the
+// counts take none (with the routing's own counts and T = N it is the per-layer form). The
+// router z-loss (ST-MoE's, Megatron's
 // z_loss_func): z = mean over tokens of logsumexp(logits_t)^2, its gradient with respect to
 // logits_t 2 lse_t softmax(logits_t) / N; the softmax routing keeps each token's logsumexp
 // (MoeRouting::lse, from the max and sum its softmax computes) and moe_route_backward adds
@@ -205,6 +214,28 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
 // (1: its aux_loss; the micro-batch's sequences: its seq_aux_loss): (1 / groups) sum_g (E / k)
 // sum_e f_ge P_ge; prob_gradient [groups, experts], E f_ge / (k S groups), S = tokens / groups.
 MoeBalance moe_grouped_balancing_loss(const MoeRouting& routing, int64_t groups);
+// Megatron's Switch loss of one routing's probabilities with counts from elsewhere (its
+// switch_load_balancing_loss_func; the global form, NOTE [MoE routing]): tokens_per_expert
+// [experts] counted over total_tokens tokens (at least the routing's), E / (k T^2) sum_e
+// c_e P_e; prob_gradient [experts], E c_e / (k T^2).
+MoeBalance moe_switch_balancing_loss(const MoeRouting& routing, const std::vector<double>& tokens_per_expert,
+                                     double total_tokens);
+// The global form's counts over an optimizer step (Megatron's global_tokens_per_expert and
+// ga_steps): each micro-batch's counts (already summed over the data-parallel ranks) added
+// to the step's, and their average over the step's micro-batches so far returned.
+class MoeStepCounts {
+ public:
+  // A new optimizer step: nothing counted (Megatron's reset_global_aux_loss_tracker).
+  void reset();
+  // Adds a micro-batch's counts (as many every time within a step); returns the step's sums
+  // over its micro-batches so far divided by their number, this one included.
+  std::vector<double> add(const std::vector<int64_t>& counts);
+  int64_t micro_batches() const { return micro_batches_; }
+
+ private:
+  std::vector<double> sums_;
+  int64_t micro_batches_ = 0;
+};
 // The router z-loss of one softmax routing, in double: the mean over its tokens of lse^2
 // (without the coefficient; 0 without tokens).
 double moe_z_loss(const MoeRouting& routing);

@@ -217,10 +217,14 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
              static_cast<double>(pipeline_model_->arena_bytes()) / (1024.0 * 1024.0));
   }
   if (world_size_ > 1 && rank_ != 0) set_log_level(LogLevel::Warn);
-  if (!pipeline_)
+  if (!pipeline_) {
     model_ = std::make_unique<DecoderLM>(config_.model, t.local_batch_size, t.seq_len, device_, compute_dtype,
                                          checkpointing, expert_dispatch_.get(), tensor_parallel_.get(),
                                          context_parallel_.get());
+    // Megatron's global balancing loss sums each micro-batch's tokens per expert over the
+    // data-parallel ranks (NOTE [MoE balancing loss] in model/moe_feed_forward.h).
+    if (dp_) model_->set_data_parallel_counts(dp_);
+  }
 
   uint64_t data_seed = dataset_seed(t);
   train_data_ = make_dataset(config_.data, Split::Train, t.seq_len, config_.model.vocab_size, data_seed);
@@ -773,6 +777,7 @@ TrainResult Trainer::run() {
     auto t0 = std::chrono::steady_clock::now();
     double lr = lr_for_step(step);
     begin_gradients();
+    if (model_) model_->begin_step();  // NOTE [MoE balancing loss]: the global loss's counts start over
     // NOTE [Data-parallel steps]: every rank reads its own micro-batches of the global batch.
     int64_t targets = 0;
     for (int64_t a = 0; a < accum; ++a) {

@@ -21,7 +21,8 @@ struct MoeLayer {
   Tensor router, gate_up, down;  // [E, H], [E, 2F, H], [E, H, F]
   float aux = 0.0f;              // the balancing loss's coefficient (softmax routing)
   // Which balancing loss (model.router_aux_loss_type): "pooled" (over this one layer),
-  // "per_layer" or "sequence" (the tokens are `sequences` rows of equal length).
+  // "per_layer", "sequence" (the tokens are `sequences` rows of equal length) or "global"
+  // (with tokens_per_expert counted over total_tokens tokens, below).
   std::string aux_type = "pooled";
   int64_t sequences = 1;
   float z = 0.0f;  // the router z-loss's coefficient
@@ -33,6 +34,10 @@ struct MoeLayer {
   int64_t groups = 1, topk_groups = 1;
   float scaling = 1.0f;
   MoeCapacity capacity;  // token dropping (NOTE [MoE capacity]); factor 0: dropless
+  // The global form's counts: [E] tokens per expert over total_tokens tokens (every rank's,
+  // averaged over a step's micro-batches: MoeStepCounts).
+  std::vector<double> tokens_per_expert;
+  double total_tokens = 0.0;
 };
 
 struct MoeActivations {
@@ -65,6 +70,7 @@ inline Tensor moe_forward(const MoeLayer& m, const Tensor& x, MoeActivations& a)
 // The layer's balancing loss (its MoeBalance, unweighted) as m.aux_type says.
 inline MoeBalance moe_layer_balance(const MoeLayer& m, const MoeActivations& a) {
   if (m.aux_type == "pooled") return moe_balancing_loss({&a.routing});
+  if (m.aux_type == "global") return moe_switch_balancing_loss(a.routing, m.tokens_per_expert, m.total_tokens);
   return moe_grouped_balancing_loss(a.routing, m.aux_type == "sequence" ? m.sequences : 1);
 }
 

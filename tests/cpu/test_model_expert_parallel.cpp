@@ -4,8 +4,9 @@
 // gives on all their tokens: the non-expert gradients summed over the ranks, each rank's
 // experts' gradients its slice of the whole. Mixtral-style and DeepSeek-shaped models, every
 // activation-checkpointing mode, 2 and 4 ranks, and a router that sends every token to the
-// same two experts (the other ranks receive nothing, one rank receives past its pool). FSDP's expert sharding and a whole
-// training run are tested in tests/python/test_fsdp.py.
+// same two experts (the other ranks receive nothing, one rank receives past its pool); with
+// Megatron's global balancing loss, whose counts are every rank's. FSDP's expert sharding and
+// a whole training run are tested in tests/python/test_fsdp.py.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "cli/config.h"
 #include "core/rng.h"
+#include "distributed/data_parallel_comm.h"
 #include "distributed/expert_dispatch_group.h"
 #include "model/decoder_lm.h"
 #include "model/parameters.h"
@@ -81,19 +83,30 @@ struct Case {
   // so the reference is one rank run on each rank's micro-batch in turn, summed.
   double capacity_factor = 0.0;
   bool pad = false;
+  // Megatron's global balancing loss (NOTE [MoE balancing loss]), its counts summed over the
+  // ranks (DataParallelComm over the same group): the ranks' losses add up to one rank's on
+  // all their tokens, whose step weighs them together, so the reference runs at 1 / P of the
+  // coefficient.
+  bool global_loss = false;
 };
 
 void expect_ranks_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}, capacity factor {}{}", c.model, c.ranks,
+  SCOPED_TRACE(fmt::format("{} on {} ranks, checkpointing {}{}, capacity factor {}{}{}", c.model, c.ranks,
                            static_cast<int>(c.mode), c.one_pair ? ", every token to experts 0 and 1" : "",
-                           c.capacity_factor, c.pad ? " padded" : ""));
+                           c.capacity_factor, c.pad ? " padded" : "", c.global_loss ? ", global balancing loss" : ""));
   ConfigOverrides overrides = {{"model.name", c.model}};
+  if (c.global_loss) {
+    overrides.push_back({"model.router_aux_loss_type", "global"});
+    overrides.push_back({"model.router_aux_loss_coef", "0.5"});
+  }
   if (c.capacity_factor > 0) {
     overrides.push_back({"model.moe_capacity_factor", fmt::format("{}", c.capacity_factor)});
     overrides.push_back({"model.moe_pad_to_capacity", c.pad ? "true" : "false"});
   }
   const ModelConfig m = load_experiment("", overrides).model;
   const int64_t micro = 2, seq = 8, p = c.ranks, local = m.num_experts / p;
+  ModelConfig reference_model = m;
+  if (c.global_loss) reference_model.router_aux_loss_coef /= static_cast<double>(p);
   const Tensor tokens = random_ids(p * micro, seq, m.vocab_size, 11), targets = random_ids(p * micro, seq, m.vocab_size, 12);
   const float scale = 1.0f / static_cast<float>(p * micro * seq);
 
@@ -105,7 +118,7 @@ void expect_ranks_match_one(const Case& c) {
   LossSum reference;
   std::vector<std::vector<int64_t>> whole;  // the reference's loads
   if (c.capacity_factor == 0) {
-    DecoderLM one(m, p * micro, seq, Device::CPU, DType::F32, c.mode);
+    DecoderLM one(reference_model, p * micro, seq, Device::CPU, DType::F32, c.mode);
     reference = one.forward_backward(tokens, targets, params, reference_grads, scale);
     whole = one.expert_load();
   } else {  // each rank's micro-batch on one rank, its gradients summed
@@ -138,8 +151,10 @@ void expect_ranks_match_one(const Case& c) {
   const auto errors = testing::run_ranks(c.ranks, [&](int r) {
     auto group = create_process_group(testing::env_of(r, c.ranks, port), options);
     GroupExpertDispatch dispatch(*group, Device::CPU);
+    DataParallelComm counts(Device::CPU, *group, nullptr);
     LocalExperts weights(params, r * local, local), sink(*grads[static_cast<size_t>(r)], r * local, local);
     DecoderLM model(m, micro, seq, Device::CPU, DType::F32, c.mode, &dispatch);
+    model.set_data_parallel_counts(&counts);
     losses[static_cast<size_t>(r)] = model.forward_backward(rows_of(tokens, r * micro, micro),
                                                             rows_of(targets, r * micro, micro), weights, sink, scale);
     loads[static_cast<size_t>(r)] = model.expert_load();
@@ -210,6 +225,11 @@ TEST(ModelExpertParallel, EveryTokenOnOneRanksExpertsAndRanksThatReceiveNothing)
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::None, true});
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective, true});
   expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Full, true});
+}
+
+TEST(ModelExpertParallel, GlobalBalancingLossSumsTheRanksCounts) {
+  expect_ranks_match_one({"debug-tiny-moe", 2, ActivationCheckpoint::None, false, 0.0, false, true});
+  expect_ranks_match_one({"debug-tiny-mla", 4, ActivationCheckpoint::Selective, false, 0.0, false, true});
 }
 
 TEST(ModelExpertParallel, TheDegreeMustDivideTheExperts) {

@@ -93,7 +93,13 @@ TEST(ModelMoe, LossKeysRules) {
                 .model.router_aux_loss_type,
             "sequence");
   EXPECT_EQ(load_moe({{"model.router_z_loss_coef", "0.001"}}).model.router_z_loss_coef, 0.001);
-  expect_error([] { load_moe({{"model.router_aux_loss_type", "global"}}); }, {"model.router_aux_loss_type"});
+  EXPECT_EQ(load_moe({{"model.router_aux_loss_coef", "0.01"}, {"model.router_aux_loss_type", "global"}})
+                .model.router_aux_loss_type,
+            "global");
+  expect_error([] { load_moe({{"model.router_aux_loss_type", "global_aux_loss"}}); },
+               {"model.router_aux_loss_type"});
+  expect_error([] { load_moe({{"model.router_aux_loss_type", "global"}}); },
+               {"model.router_aux_loss_type = global (command line) needs model.router_aux_loss_coef > 0"});
   expect_error([] { load_moe({{"model.router_z_loss_coef", "-1"}}); }, {"model.router_z_loss_coef"});
   expect_error([] { load_moe({{"model.router_aux_loss_type", "per_layer"}}); },
                {"model.router_aux_loss_type = per_layer (command line) needs model.router_aux_loss_coef > 0"});
@@ -108,6 +114,12 @@ TEST(ModelMoe, LossKeysRules) {
       [] {
         load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_aux_loss_coef", "0.01"},
                   {"model.router_aux_loss_type", "sequence"}});
+      },
+      {"the Switch balancing loss is for softmax routing"});
+  expect_error(
+      [] {
+        load_moe({{"model.router_score_function", "sigmoid"}, {"model.router_aux_loss_coef", "0.01"},
+                  {"model.router_aux_loss_type", "global"}});
       },
       {"the Switch balancing loss is for softmax routing"});
 }

@@ -6,7 +6,9 @@
 //    ops (router, permute, per-expert GEMMs on contiguous rows, combine with the residual)
 //    against a per-token double-precision reference, and its backward against central finite
 //    differences for the input, the router and every expert's weights, with and without the
-//    balancing loss;
+//    balancing loss (transformers' form, and Megatron's global form with counts from
+//    elsewhere, which take no gradient);
+//  - Megatron's global form's loss with given counts and its step counts' running average;
 //  - bad inputs refused.
 #include <gtest/gtest.h>
 
@@ -135,7 +137,7 @@ void expect_backward_matches_finite_differences(MoeLayer& m, Tensor& x, const Te
   auto loss = [&] {
     MoeActivations a;
     const Tensor out = moe_forward(m, x, a);
-    return testing::weighted_sum(out, dout) + (m.aux != 0.0f ? m.aux * moe_balancing_loss({&a.routing}).loss : 0.0) +
+    return testing::weighted_sum(out, dout) + (m.aux != 0.0f ? m.aux * testing::moe_layer_balance(m, a).loss : 0.0) +
            (m.z != 0.0f ? m.z * moe_z_loss(a.routing) : 0.0);
   };
   MoeActivations a;
@@ -266,6 +268,71 @@ TEST(OpsMoe, BalancingLossIsTransformersForm) {
   const MoeBalance two = moe_balancing_loss({&r, &r});
   EXPECT_NEAR(two.loss, 1.0, 1e-6);
   EXPECT_NEAR(two.prob_gradient[0], 2.0 * 0.5 / 4.0, 1e-12);
+}
+
+// Megatron's global form (moe_switch_balancing_loss, NOTE [MoE routing]): the same routing
+// with counts of 4 tokens, 3 to expert 0 and 1 to expert 1, E / (k T^2) sum_e c_e P_e =
+// 2 / 16 x (3 x 1.2 + 1 x 0.8); with the routing's own counts over its own tokens it is
+// Megatron's per-layer loss.
+TEST(OpsMoe, GlobalBalancingLossTakesItsCountsFromElsewhere) {
+  Tensor logits = Tensor::empty({2, 2});
+  logits.data<float>()[0] = std::log(0.8f / 0.2f);
+  logits.data<float>()[1] = 0.0f;
+  logits.data<float>()[2] = 0.0f;
+  logits.data<float>()[3] = std::log(0.6f / 0.4f);
+  const MoeRouting r = moe_route(logits, 1, true);
+  const MoeBalance b = moe_switch_balancing_loss(r, {3.0, 1.0}, 4.0);
+  EXPECT_NEAR(b.loss, 2.0 / 16.0 * (3.0 * 1.2 + 1.0 * 0.8), 1e-6);
+  ASSERT_EQ(b.prob_gradient.size(), 2u);
+  EXPECT_DOUBLE_EQ(b.prob_gradient[0], 2.0 * 3.0 / 16.0);
+  EXPECT_DOUBLE_EQ(b.prob_gradient[1], 2.0 * 1.0 / 16.0);
+
+  Rng rng(75);
+  const int64_t tokens = 11, experts = 6, k = 2;
+  const MoeRouting random = moe_route(random_tensor({tokens, experts}, rng, 1.5), k, true);
+  std::vector<double> own;
+  for (int64_t c : moe_expert_counts(random).assigned) own.push_back(static_cast<double>(c));
+  const MoeBalance global = moe_switch_balancing_loss(random, own, tokens),
+                   per_layer = moe_grouped_balancing_loss(random, 1);
+  EXPECT_NEAR(global.loss, per_layer.loss, 1e-12 * per_layer.loss);
+  for (size_t e = 0; e < own.size(); ++e)
+    EXPECT_NEAR(global.prob_gradient[e], per_layer.prob_gradient[e], 1e-15) << "expert " << e;
+
+  expect_error([&] { moe_switch_balancing_loss(r, {3.0}, 4.0); },
+               {"moe_switch_balancing_loss: 1 counts for 2 experts"});
+  expect_error([&] { moe_switch_balancing_loss(r, {3.0, 1.0}, 1.0); }, {"fewer than the routing's 2"});
+  const MoeRouting sig = moe_route_sigmoid(Tensor::zeros({3, 8}), Tensor(), 2, 1, 1, true, 1.0f);
+  expect_error([&] { moe_switch_balancing_loss(sig, std::vector<double>(8, 1.0), 3.0); }, {"for softmax routing"});
+}
+
+// The global form's counts over a step (Megatron's global_tokens_per_expert / ga_steps): each
+// micro-batch adds its counts and gets the average over the step's micro-batches so far; a
+// reset starts a new step.
+TEST(OpsMoe, StepCountsAverageTheStepsMicroBatches) {
+  MoeStepCounts counts;
+  EXPECT_EQ(counts.add({2, 4}), (std::vector<double>{2.0, 4.0}));
+  EXPECT_EQ(counts.add({4, 0}), (std::vector<double>{3.0, 2.0}));
+  EXPECT_EQ(counts.add({0, 5}), (std::vector<double>{2.0, 3.0}));
+  EXPECT_EQ(counts.micro_batches(), 3);
+  expect_error([&] { counts.add({1, 2, 3}); }, {"MoeStepCounts: 3 counts after micro-batches of 2"});
+  counts.reset();
+  EXPECT_EQ(counts.micro_batches(), 0);
+  EXPECT_EQ(counts.add({1, 1, 7}), (std::vector<double>{1.0, 1.0, 7.0}));
+}
+
+// The layer's backward with the global form's loss, its counts fixed (they take no gradient),
+// against central finite differences.
+TEST(OpsMoe, BackwardWithGlobalBalancingLossMatchesFiniteDifferences) {
+  Rng rng(76);
+  MoeLayer m = random_layer(rng, 6, 5, 4, 2, true);
+  m.aux = 0.5f;
+  m.aux_type = "global";
+  m.tokens_per_expert = {9.0, 2.5, 4.0, 0.5};  // 16 assignments of 8 tokens, top-2
+  m.total_tokens = 8.0;
+  Tensor x = random_tensor({5, m.hidden}, rng), dout = random_tensor({5, m.hidden}, rng);
+  expect_backward_matches_finite_differences(m, x, dout);
+  Tensor zero = Tensor::zeros({5, m.hidden});  // the balancing loss's gradient alone
+  expect_backward_matches_finite_differences(m, x, zero);
 }
 
 TEST(OpsMoe, RefusesBadInputs) {

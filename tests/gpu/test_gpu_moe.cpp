@@ -10,6 +10,8 @@
 // loads are compared first; should a token still move, the gradients get looser bounds.
 // The layer itself is checked exactly below (LayerMatchesCpu), where both sides route the
 // same logits of random routers.
+// Megatron's global balancing loss, whose counts run over a step's micro-batches, is checked
+// micro-batch by micro-batch over two steps (GlobalBalancingLossOverMicroBatchesMatchesCpu).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -73,6 +75,8 @@ TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
   expect_training_step_matches_cpu(c, 23);
   c.router_aux_loss_type = "per_layer";
   expect_training_step_matches_cpu(c, 23);
+  c.router_aux_loss_type = "global";  // one micro-batch on one rank: its own counts
+  expect_training_step_matches_cpu(c, 23);
   // The z-loss with sigmoid routing (its logits' softmax kept beside the scores).
   c.router_aux_loss_coef = 0.0;
   c.router_aux_loss_type = "pooled";
@@ -85,7 +89,8 @@ TEST(GpuMoe, TrainingStepWithMegatronLossesMatchesCpu) {
 // loss's gradient) on the GPU against the CPU reference on the same bf16 values. Here the
 // router reads the same input on both sides, so the logits differ only by fp32 summation
 // order, far below any top-k margin of random data: the choices are compared exactly. With
-// each balancing loss (pooled, per_layer, sequence over `sequences` rows) and the z-loss
+// each balancing loss (pooled, per_layer, sequence over `sequences` rows, global with counts
+// of other simulated ranks' tokens besides) and the z-loss
 // (z: its coefficient; 0: none), whose values from the device's routing (its column sums,
 // its logsumexp) must be the CPU's. With a capacity (NOTE [MoE capacity]) both sides drop the
 // same assignments: the kept rows, offsets and counts are compared exactly.
@@ -109,6 +114,12 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z, 
   m.sequences = sequences;
   m.z = z;
   m.capacity = capacity;
+  if (aux_type == "global") {  // as if averaged over three ranks' micro-batches: 3 x tokens x k assignments
+    m.total_tokens = 3.0 * tokens;
+    double sum = 0.0;
+    for (int64_t e = 0; e < experts; ++e) sum += m.tokens_per_expert.emplace_back(0.5 + rng.uniform());
+    for (double& c : m.tokens_per_expert) c *= m.total_tokens * k / sum;
+  }
   const Tensor x = random_bf16_values({tokens, hidden}, rng), dout = random_bf16_values({tokens, hidden}, rng);
   testing::MoeActivations ca;
   const Tensor cpu_out = testing::moe_forward(m, x, ca);
@@ -157,7 +168,9 @@ void layer_matches_cpu(const std::string& aux_type, int64_t sequences, float z, 
   // The balancing loss from the device's sums, and its gradient as the CPU harness weighs it.
   const int64_t groups = aux_type == "sequence" ? sequences : 1;
   const MoeBalance cpu_balance = testing::moe_layer_balance(m, ca),
-                   balance = aux_type == "pooled" ? moe_balancing_loss({&r}) : moe_grouped_balancing_loss(r, groups);
+                   balance = aux_type == "pooled"   ? moe_balancing_loss({&r})
+                             : aux_type == "global" ? moe_switch_balancing_loss(r, m.tokens_per_expert, m.total_tokens)
+                                                    : moe_grouped_balancing_loss(r, groups);
   EXPECT_NEAR(balance.loss, cpu_balance.loss, 1e-5 * cpu_balance.loss);
   ASSERT_EQ(balance.prob_gradient.size(), cpu_balance.prob_gradient.size());
   for (size_t i = 0; i < balance.prob_gradient.size(); ++i)
@@ -211,6 +224,57 @@ TEST(GpuMoe, LayerWithMegatronLossesMatchesCpu) {
   layer_matches_cpu("sequence", 4, 0.0f);
   layer_matches_cpu("sequence", 3, 0.05f);
   layer_matches_cpu("per_layer", 1, 0.2f);
+  layer_matches_cpu("global", 1, 0.0f);
+  layer_matches_cpu("global", 1, 0.1f, MoeCapacity{0.75, false, true});
+}
+
+// Megatron's global balancing loss through the model (NOTE [MoE balancing loss]): three
+// micro-batches of a step, each taking the step's counts so far, then a new step whose counts
+// start over; on the GPU as on the CPU, micro-batch by micro-batch: the balancing loss
+// (training minus evaluation loss, per target) and every router's gradient. The routers are
+// built without near ties (NOTE [Routers without near ties]).
+TEST(GpuMoe, GlobalBalancingLossOverMicroBatchesMatchesCpu) {
+  ModelConfig c = small_moe();
+  c.router_aux_loss_type = "global";
+  c.router_aux_loss_coef = 0.5;
+  const int64_t batch = 2, seq = 64;
+  Rng rng(seed_for_current_test());
+  FlatParameters cpu_params(c);
+  cpu_params.initialize(29);
+  separate_router_choices(cpu_params, rng);
+  round_to_bf16(cpu_params.flat());  // both paths start from the same values
+  FlatParameters gpu_params(c, Device::CUDA, DType::BF16), cpu_grads(c), gpu_grads(c, Device::CUDA, DType::F32);
+  gpu_params.assign_from(cpu_params);
+  DecoderLM cpu_model(c, batch, seq), gpu_model(c, batch, seq, Device::CUDA, DType::BF16);
+  const float scale = 1.0f / (batch * seq);
+  std::vector<double> losses;
+  for (int step = 0; step < 2; ++step) {
+    cpu_model.begin_step();
+    gpu_model.begin_step();
+    for (int micro = 0; micro < 3; ++micro) {
+      SCOPED_TRACE(fmt::format("step {}, micro-batch {}", step, micro));
+      const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq});
+      const Tensor gpu_tokens = tokens.to(Device::CUDA);
+      cpu_grads.discard();
+      gpu_grads.discard();
+      const LossSum cpu_train = cpu_model.forward_backward(tokens, tokens, cpu_params, cpu_grads, scale);
+      const LossSum gpu_train = gpu_model.forward_backward(gpu_tokens, gpu_tokens, gpu_params, gpu_grads, scale);
+      const double cpu_aux =
+          (cpu_train.sum - cpu_model.forward_loss(tokens, tokens, cpu_params).sum) / cpu_train.tokens;
+      const double gpu_aux =
+          (gpu_train.sum - gpu_model.forward_loss(gpu_tokens, gpu_tokens, gpu_params).sum) / gpu_train.tokens;
+      std::printf("step %d, micro-batch %d: balancing loss %.6f on the CPU, %.6f on the GPU\n", step, micro, cpu_aux,
+                  gpu_aux);
+      EXPECT_GT(cpu_aux, 0.0);
+      EXPECT_NEAR(gpu_aux, cpu_aux, 2e-2 * cpu_aux);
+      losses.push_back(cpu_aux);
+      for (size_t i = 0; i < cpu_grads.specs().size(); ++i)
+        if (cpu_grads.specs()[i].name.ends_with("moe.router.weight"))
+          EXPECT_LT(relative_l2(to_cpu_f32(gpu_grads.tensors()[i]), cpu_grads.tensors()[i]), 5e-2)
+              << cpu_grads.specs()[i].name;
+    }
+  }
+  EXPECT_NE(losses[1], losses[4]);  // a step's micro-batches differ
 }
 
 // Two micro-batches accumulate into the gradients written fresh by the first (over NaN):

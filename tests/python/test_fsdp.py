@@ -94,6 +94,26 @@ class Parity(unittest.TestCase):
                 # With the bias update, steps 2 on route by the updated biases.
                 self.assertEqual([r["expert_load"] for r in two][:5], [r["expert_load"] for r in one][:5])
 
+    def test_global_balancing_loss_over_two_ranks_is_one_rank_over_their_union(self):
+        """Megatron's global balancing loss (model.router_aux_loss_type global, NOTE [MoE
+        balancing loss]): each micro-batch's tokens per expert are summed over the ranks (one
+        reduction through the trainer's FSDP collectives, ZeRO-3 gathers in flight) and each
+        rank's loss takes its own probabilities over every rank's tokens. The two ranks' a-th
+        micro-batches of 2 sequences are one rank's a-th micro-batch of 4 (NOTE [Data-parallel
+        steps]), whose loss is the sum of theirs; the step averages twice as many of the ranks'
+        losses, so one rank with half the coefficient follows the same loss curve."""
+        flags = ["--model.name", "debug-tiny-moe", "--model.router_aux_loss_type", "global", "--model.init_std", "0.1"]
+        two = losses(self.train_run("global-2", 2, *flags, "--model.router_aux_loss_coef", "0.4"))
+        one = losses(self.train_run("global-1", 1, *flags, "--model.router_aux_loss_coef", "0.2",
+                                    "--training.local_batch_size", "4", "--training.gradient_accumulation_steps", "2"))
+        self.assertLess(max_relative_difference(two, one), 1e-4)
+        # Without the ranks' counts each rank's loss would be its own micro-batch's per-layer
+        # loss, about twice as large: the coefficient's share of the loss shows it.
+        plain = losses(self.train_run("global-none", 1, *flags, "--model.router_aux_loss_type", "pooled",
+                                      "--model.router_aux_loss_coef", "0", "--training.local_batch_size", "4",
+                                      "--training.gradient_accumulation_steps", "2"))
+        self.assertGreater(one[0] - plain[0], 0.1)
+
     def test_evaluation_is_split_over_ranks(self):
         """NOTE [Evaluation under data parallelism]: 4 validation micro-batches on 2 ranks
         are 2 each, summed: the mean of 1 rank's 4; 3 are evaluated whole on every rank."""

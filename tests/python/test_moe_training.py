@@ -86,6 +86,23 @@ class MoeTraining(unittest.TestCase):
         self.assertIn("saved for model 'debug-tiny-moe': 2 layers, hidden 64, ffn 96 in 4 experts (top-2)", dense.stderr)
         self.assertIn("the configured model is 'debug-tiny'", dense.stderr)
 
+    def test_stop_and_resume_with_the_global_balancing_loss_is_exact(self):
+        """Megatron's global balancing loss averages each step's micro-batches' counts and
+        starts over at every step: a run resumed at a step boundary computes the uninterrupted
+        run's losses bitwise (its counts were forgotten there too)."""
+        flags = [*MOE, "--model.router_aux_loss_type", "global", "--model.router_aux_loss_coef", "0.1",
+                 "--training.gradient_accumulation_steps", "2"]
+        full_dir = os.path.join(scratch_dir(), "full")
+        result = forge("train", *flags, "--training.steps", "8", "--logging.run_dir", full_dir)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        run_dir = os.path.join(scratch_dir(), "run")
+        common = [*flags, "--logging.run_dir", run_dir, "--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+        self.assertEqual(forge("train", "--training.steps", "4", *common).returncode, 0)
+        result = forge("train", "--training.steps", "8", *common)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertEqual(train_losses(run_dir), train_losses(full_dir))
+
     def test_eval_of_a_moe_run(self):
         run_dir = os.path.join(scratch_dir(), "run")
         common = [*MOE, "--training.steps", "4", "--eval.interval", "4", "--eval.steps", "2"]

@@ -20,10 +20,20 @@ map), the kept probabilities, the layer's output, its balancing loss (Megatron's
 map before the drop) and every gradient must agree. Megatron's position policy takes torch.topk of
 the 0/1 routing map, whose ties torch leaves unordered (on the CPU it keeps other than the first
 assignments); its documentation says the tokens at the end are dropped, which forge does, so the
-test runs Megatron's function with torch.topk ranking equal values in index order."""
+test runs Megatron's function with torch.topk ranking equal values in index order.
+
+The global balancing loss (model.router_aux_loss_type global) against TopKRouter's own
+_apply_global_aux_loss and reset_global_aux_loss_tracker, over several simulated
+data-parallel ranks, the micro-batches of a step and the steps: TopKRouter itself makes its
+buffers on CUDA and wants Megatron's process groups, so its methods run on a stand-in holding
+what they read (config, top-k, the step's counts in float64), and the all-reduce of the tokens
+per expert (moe_utils.reduce_from_tensor_model_parallel_region) returns the sum over the
+simulated ranks' routing maps. Each rank's micro-batch's loss (Megatron's own logging of it)
+and gradients must agree with forge's, the reset between steps included."""
 import os
 import unittest
 import warnings
+from unittest import mock
 
 import numpy as np
 import torch
@@ -36,6 +46,7 @@ with warnings.catch_warnings():
                                                          compute_routing_scores_for_aux_loss,
                                                          switch_load_balancing_loss_func,
                                                          topk_routing_with_score_function, z_loss_func)
+    from megatron.core.transformer.moe.router import TopKRouter
 
 from forge_test_util import relative_error, run, scratch_dir, tool
 
@@ -177,6 +188,87 @@ def megatron_capacity_block(case, x, routers, gate_ups, downs):
     return h, float(aux_total), kept_maps, kept_probs
 
 
+# The global balancing loss over `ranks` simulated data-parallel ranks, `micro_batches`
+# micro-batches per step and `steps` steps (each rank's micro-batches of sequences x seq tokens).
+GLOBAL_CASES = [
+    dict(ranks=1, micro_batches=3, steps=2, sequences=1, seq=8, hidden=8, ffn=8, experts=4, k=2, layers=1, aux=0.3,
+         z=0.0),
+    dict(ranks=2, micro_batches=2, steps=2, sequences=2, seq=5, hidden=8, ffn=12, experts=8, k=2, layers=2, aux=0.5,
+         z=0.1),
+    dict(ranks=3, micro_batches=3, steps=2, sequences=1, seq=6, hidden=8, ffn=8, experts=6, k=3, layers=1, aux=0.7,
+         z=0.0, zero_dout=True),
+]
+
+
+class SimulatedRanks:
+    """The tp_dp_cp group _apply_global_aux_loss reduces over: its size, and the layer's tokens
+    per expert summed over the simulated ranks' routing maps of the micro-batch (`total`), which
+    the patched reduce_from_tensor_model_parallel_region returns."""
+
+    def __init__(self, size):
+        self._size = size
+        self.total = None
+
+    def size(self):
+        return self._size
+
+
+def sum_over_simulated_ranks(local_tokens_per_expert, group):
+    assert local_tokens_per_expert.shape == group.total.shape
+    return group.total.clone()
+
+
+class MegatronGlobalRouter:
+    """What TopKRouter's global-aux-loss methods read of the router module, which makes its
+    buffers on CUDA: they run here as Megatron wrote them, on float64 counts."""
+    get_aux_loss_coeff = TopKRouter.get_aux_loss_coeff
+    attach_and_log_load_balancing_loss = TopKRouter.attach_and_log_load_balancing_loss
+    apply_global_aux_loss = TopKRouter._apply_global_aux_loss
+    reset_global_aux_loss_tracker = TopKRouter.reset_global_aux_loss_tracker
+
+    def __init__(self, case, layer, group):
+        self.config = type("Config", (), dict(moe_aux_loss_coeff=case["aux"], num_moe_experts=case["experts"],
+                                              moe_router_fusion=False, num_layers=case["layers"],
+                                              mtp_num_layers=None))()
+        self.routing_type = "global_aux_loss"
+        self.topk = case["k"]
+        self.layer_number = layer + 1
+        self.calculate_per_token_loss = False
+        self.tp_dp_cp_group = group
+        self.global_tokens_per_expert = torch.zeros(case["experts"], dtype=torch.float64)
+        self.ga_steps = torch.tensor(0.0, dtype=torch.float64)
+
+
+def megatron_global_block(case, x, routers, gate_ups, downs, global_routers=None):
+    """The layers with softmax top-k routing; with global_routers (one per layer) each layer's
+    global balancing loss attached as TopKRouter.routing attaches it. Returns out, the z-losses
+    and each layer's map of compute_routing_scores_for_aux_loss (what the loss counts)."""
+    e, k = case["experts"], case["k"]
+    z_total = torch.zeros((), dtype=torch.float64)
+    aux_maps = []
+    h = x
+    for layer, (router, gate_up, down) in enumerate(zip(routers, gate_ups, downs)):
+        logits = F.linear(h, router)
+        if case["z"] > 0:
+            z = z_loss_func(logits, case["z"])
+            logits = MoEAuxLossAutoScaler.apply(logits, z)
+            z_total = z_total + z.detach() / case["z"]
+        probs = torch.softmax(logits, dim=-1)
+        top, ids = torch.topk(probs, k, dim=-1)
+        weights = top / top.sum(dim=-1, keepdim=True)
+        aux_map, scores = compute_routing_scores_for_aux_loss(logits, k, "softmax")
+        aux_maps.append(aux_map)
+        if global_routers is not None:
+            weights = global_routers[layer].apply_global_aux_loss(weights, scores, aux_map)
+        out = h.clone()
+        for j in range(k):
+            g, u = gate_up[ids[:, j]].split(case["ffn"], dim=1)
+            act = F.silu(torch.einsum("th,tfh->tf", h, g)) * torch.einsum("th,tfh->tf", h, u)
+            out = out + weights[:, j:j + 1] * torch.einsum("tf,thf->th", act, down[ids[:, j]])
+        h = out
+    return h, float(z_total), aux_maps
+
+
 def run_forge(case, x, dout, routers, gate_ups, downs):
     """forge_moe_reference on the case; with case["scaling"], sigmoid routing (groups 1 of 1, no
     routing bias) scaled by it."""
@@ -193,15 +285,19 @@ def run_forge(case, x, dout, routers, gate_ups, downs):
     if case.get("capacity"):
         with open(os.path.join(d, "capacity"), "w") as f:
             f.write(f"{case['capacity']} {case['policy']} {int(case['pad'])}\n")
+    if case["aux_type"] == "global":
+        with open(os.path.join(d, "global"), "w") as f:
+            f.write(f"{case['ranks']} {case['micro_batches']} {case['steps']}\n")
     for name, value in dict(x=x, dout=dout, router=np.stack(routers), gate_up=np.stack(gate_ups),
                             down=np.stack(downs)).items():
         value.astype(np.float32).tofile(os.path.join(d, name))
     run([tool("forge_moe_reference"), d])
 
     def got(name, shape=None):
-        if name in ("aux", "z"):
+        if name in ("aux", "z"):  # a line per input (several with the global loss's micro-batches)
             with open(os.path.join(d, name)) as f:
-                return float(f.read())
+                values = [float(line) for line in f.read().split()]
+            return values if case["aux_type"] == "global" else values[0]
         return np.fromfile(os.path.join(d, name), dtype=np.float32).astype(np.float64).reshape(shape)
 
     return got
@@ -307,6 +403,80 @@ class MoeVsMegatron(unittest.TestCase):
                     self.assertLess(relative_error(d_gate_up[layer], gt[layer].grad.numpy()), TOLERANCE)
                     self.assertLess(relative_error(d_down[layer], dt[layer].grad.numpy()), TOLERANCE)
         self.assertGreater(dropped, 0)
+
+    def test_global_balancing_loss(self):
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0, dtype=torch.float64))
+        rng = np.random.RandomState(20)
+        for case in GLOBAL_CASES:
+            case = dict(case, aux_type="global")
+            with self.subTest(**case):
+                r, m, steps, n = case["ranks"], case["micro_batches"], case["steps"], case["layers"]
+                t, h, f, e = case["sequences"] * case["seq"], case["hidden"], case["ffn"], case["experts"]
+                passes = steps * m * r  # step by step, micro-batch by micro-batch, rank by rank
+                x = rng.normal(size=(passes, t, h))
+                dout = np.zeros((passes, t, h)) if case.get("zero_dout") else rng.normal(size=(passes, t, h))
+                routers = [rng.normal(0.0, 0.7, size=(e, h)) for _ in range(n)]
+                gate_ups = [rng.normal(0.0, 0.25, size=(e, 2 * f, h)) for _ in range(n)]
+                downs = [rng.normal(0.0, 0.25, size=(e, h, f)) for _ in range(n)]
+                as_torch = lambda a: torch.tensor(a, dtype=torch.float64)
+                groups = [SimulatedRanks(r) for _ in range(n)]
+                megatron = [[MegatronGlobalRouter(case, layer, groups[layer]) for layer in range(n)] for _ in range(r)]
+                tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+                want_aux, want_z, want_dx, want_router, local_aux = [], [], [], [], []
+                with mock.patch.object(moe_utils, "reduce_from_tensor_model_parallel_region",
+                                       sum_over_simulated_ranks):
+                    for step in range(steps):
+                        for rank_routers in megatron:  # as finalize_model_grads after each step
+                            for router in rank_routers:
+                                router.reset_global_aux_loss_tracker()
+                        for micro in range(m):
+                            first = (step * m + micro) * r
+                            with torch.no_grad():  # every rank's counts, for the simulated all-reduce
+                                maps = [megatron_global_block(case, as_torch(x[first + rank]),
+                                                              [as_torch(a) for a in routers],
+                                                              [as_torch(a) for a in gate_ups],
+                                                              [as_torch(a) for a in downs])[2] for rank in range(r)]
+                            for layer in range(n):
+                                groups[layer].total = sum(mp[layer].sum(dim=0) for mp in maps)
+                            for rank in range(r):
+                                tracker.clear()
+                                leaf = lambda a: torch.tensor(a, dtype=torch.float64, requires_grad=True)
+                                xt, rt = leaf(x[first + rank]), [leaf(a) for a in routers]
+                                out, z, _ = megatron_global_block(case, xt, rt, [as_torch(a) for a in gate_ups],
+                                                                  [as_torch(a) for a in downs], megatron[rank])
+                                (out * as_torch(dout[first + rank])).sum().backward()
+                                want_aux.append(float(tracker["global_load_balancing_loss"]["values"].sum()))
+                                want_z.append(z)
+                                want_dx.append(xt.grad.numpy())
+                                want_router.append([a.grad.numpy() for a in rt])
+                                if n == 1:  # the loss of the micro-batch's counts alone, without the step's
+                                    probs = torch.softmax(F.linear(as_torch(x[first + rank]), as_torch(routers[0])), -1)
+                                    local_aux.append(float(switch_load_balancing_loss_func(
+                                        probs=probs, tokens_per_expert=groups[0].total, total_num_tokens=t * r,
+                                        topk=case["k"], num_experts=e, moe_aux_loss_coeff=1.0)))
+                got = run_forge(case, x.reshape(passes * t, h), dout.reshape(passes * t, h), routers, gate_ups, downs)
+                aux, z = got("aux"), got("z")
+                self.assertEqual(len(aux), passes)
+                d_router = got("d_router", (passes, n, e, h))
+                dx = got("dx", (passes, t, h))
+                for p in range(passes):
+                    where = f"step {p // (m * r)}, micro-batch {p // r % m}, rank {p % r}"
+                    self.assertLess(abs(aux[p] - want_aux[p]) / want_aux[p], TOLERANCE, where)
+                    if case["z"] > 0:
+                        self.assertLess(abs(z[p] - want_z[p]) / want_z[p], TOLERANCE, where)
+                    self.assertLess(relative_error(dx[p], want_dx[p]), TOLERANCE, where)
+                    for layer in range(n):
+                        self.assertGreater(float(abs(want_router[p][layer]).max()), 0.0)
+                        self.assertLess(relative_error(d_router[p][layer], want_router[p][layer]), TOLERANCE,
+                                        f"{where}, layer {layer}")
+                # A step's later micro-batches take the earlier ones' counts (their loss is not
+                # that of their own counts alone); its first, after the reset, does not.
+                for p in range(passes if n == 1 else 0):
+                    gap = abs(want_aux[p] - local_aux[p]) / want_aux[p]
+                    if p // r % m > 0:
+                        self.assertGreater(gap, 1e-3)
+                    else:
+                        self.assertLess(gap, 1e-6)  # Megatron logs the loss in float32
 
     def test_losses_change_the_router_gradient(self):
         """Each loss's gradient is not lost in the others: without it the routers' gradient differs."""

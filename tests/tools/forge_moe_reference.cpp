@@ -20,7 +20,13 @@
 // policy pad": a capacity factor, probs or position, 0 or 1) every layer drops tokens (NOTE
 // [MoE capacity]), and the tool also writes DIR/kept_probs and DIR/kept_map (fp32 [layers,
 // tokens, experts]: each kept assignment's weight, and 1, at its token and expert; 0
-// elsewhere). Exits 1 with the error on stderr.
+// elsewhere). With aux_type global (Megatron's global_aux_loss, moe_switch_balancing_loss)
+// and DIR/global ("ranks micro_batches steps"; without it 1 1 1) x and dout hold that many
+// inputs of [tokens, hidden], step by step, micro-batch by micro-batch, rank by rank: each
+// micro-batch's tokens per expert are summed over the simulated ranks and averaged over the
+// step's micro-batches so far (MoeStepCounts, reset at each step), each rank's losses take
+// them over tokens x ranks tokens, and every output holds one entry per input in that order
+// (aux and z a line each). Exits 1 with the error on stderr.
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -111,46 +117,95 @@ int main(int argc, char** argv) {
       }
       block.push_back(std::move(m));
     }
-    std::vector<forge::Tensor> inputs{read(dir + "/x", {tokens, hidden})};
-    std::vector<forge::testing::MoeActivations> acts(static_cast<size_t>(layers));
-    double aux_loss = 0.0, z_loss = 0.0;
-    for (size_t l = 0; l < block.size(); ++l) {
-      inputs.push_back(forge::testing::moe_forward(block[l], inputs[l], acts[l]));
-      if (!sigmoid) aux_loss += forge::testing::moe_layer_balance(block[l], acts[l]).loss;
-      z_loss += forge::moe_z_loss(acts[l].routing);  // every routing keeps the logits' logsumexp on the CPU
+    // Megatron's global form over simulated data-parallel ranks, micro-batches and steps.
+    int64_t ranks = 1, micro_batches = 1, steps = 1;
+    if (std::ifstream in(dir + "/global"); in) {
+      in >> ranks >> micro_batches >> steps;
+      FORGE_CHECK(in && ranks >= 1 && micro_batches >= 1 && steps >= 1 && aux_type == "global",
+                  "{}/global: expected 'ranks micro_batches steps' with the global balancing loss", dir);
     }
-    write(dir + "/out", inputs.back());
-    if (capacity.factor > 0) {
-      std::ofstream kept_probs(dir + "/kept_probs", std::ios::binary), kept_map(dir + "/kept_map", std::ios::binary);
-      for (const auto& a : acts) {
-        forge::Tensor probs = forge::Tensor::zeros({tokens, experts}), map = forge::Tensor::zeros({tokens, experts});
-        const forge::MoeRouting& r = a.routing;
-        for (int64_t i = 0; i < tokens * k; ++i) {
-          if (r.row_of.data<int32_t>()[i] < 0) continue;
-          const int64_t at = i / k * experts + r.expert_ids.data<int32_t>()[i];
-          probs.data<float>()[at] = r.weights.data<float>()[i];
-          map.data<float>()[at] = 1.0f;
-        }
-        write(kept_probs, probs);
-        write(kept_map, map);
-      }
-    }
-    forge::Tensor d = read(dir + "/dout", {tokens, hidden});
-    std::vector<forge::testing::MoeGrads> grads(block.size());
-    for (size_t l = block.size(); l-- > 0;) {
-      grads[l] = forge::testing::moe_backward(block[l], inputs[l], acts[l], d);
-      d = grads[l].dx;
-    }
-    write(dir + "/dx", d);
+    const int64_t passes = steps * micro_batches * ranks;
+    std::ofstream out(dir + "/out", std::ios::binary), dx(dir + "/dx", std::ios::binary);
     std::ofstream router(dir + "/d_router", std::ios::binary), gate_up(dir + "/d_gate_up", std::ios::binary),
         down(dir + "/d_down", std::ios::binary);
-    for (const auto& g : grads) {
-      write(router, g.router);
-      write(gate_up, g.gate_up);
-      write(down, g.down);
+    std::ofstream kept_probs, kept_map, aux_out, z_out(dir + "/z");
+    if (capacity.factor > 0) {
+      kept_probs.open(dir + "/kept_probs", std::ios::binary);
+      kept_map.open(dir + "/kept_map", std::ios::binary);
     }
-    if (!sigmoid) std::ofstream(dir + "/aux") << fmt::format("{:.9g}\n", aux_loss);
-    std::ofstream(dir + "/z") << fmt::format("{:.9g}\n", z_loss);
+    if (!sigmoid) aux_out.open(dir + "/aux");
+    forge::MoeStepCounts step_counts;  // every layer's, [layers x experts], as MoeFeedForward keeps them
+    for (int64_t step = 0; step < steps; ++step) {
+      step_counts.reset();
+      for (int64_t micro = 0; micro < micro_batches; ++micro) {
+        // Every rank's forward, then the tokens per expert summed over the ranks, then each
+        // rank's losses and backward.
+        std::vector<std::vector<forge::Tensor>> inputs(static_cast<size_t>(ranks));
+        std::vector<std::vector<forge::testing::MoeActivations>> acts(
+            static_cast<size_t>(ranks), std::vector<forge::testing::MoeActivations>(static_cast<size_t>(layers)));
+        std::vector<int64_t> counts(static_cast<size_t>(layers * experts), 0);
+        for (int64_t r = 0; r < ranks; ++r) {
+          const int64_t pass = (step * micro_batches + micro) * ranks + r;
+          auto& in = inputs[static_cast<size_t>(r)];
+          in.push_back(read(dir + "/x", {tokens, hidden}, pass, passes));
+          for (size_t l = 0; l < block.size(); ++l) {
+            auto& a = acts[static_cast<size_t>(r)][l];
+            in.push_back(forge::testing::moe_forward(block[l], in[l], a));
+            const std::vector<int64_t> c = forge::moe_expert_counts(a.routing).assigned;
+            for (int64_t e = 0; e < experts; ++e)
+              counts[l * static_cast<size_t>(experts) + static_cast<size_t>(e)] += c[static_cast<size_t>(e)];
+          }
+        }
+        if (aux_type == "global") {
+          const std::vector<double> average = step_counts.add(counts);
+          for (size_t l = 0; l < block.size(); ++l) {
+            const auto first = average.begin() + static_cast<std::ptrdiff_t>(l * static_cast<size_t>(experts));
+            block[l].tokens_per_expert.assign(first, first + experts);
+            block[l].total_tokens = static_cast<double>(tokens * ranks);
+          }
+        }
+        for (int64_t r = 0; r < ranks; ++r) {
+          const int64_t pass = (step * micro_batches + micro) * ranks + r;
+          const auto& in = inputs[static_cast<size_t>(r)];
+          const auto& rank_acts = acts[static_cast<size_t>(r)];
+          double aux_loss = 0.0, z_loss = 0.0;
+          for (size_t l = 0; l < block.size(); ++l) {
+            if (!sigmoid) aux_loss += forge::testing::moe_layer_balance(block[l], rank_acts[l]).loss;
+            z_loss += forge::moe_z_loss(rank_acts[l].routing);  // every routing keeps the logits' logsumexp on the CPU
+          }
+          write(out, in.back());
+          if (capacity.factor > 0) {
+            for (const auto& a : rank_acts) {
+              forge::Tensor probs = forge::Tensor::zeros({tokens, experts});
+              forge::Tensor map = forge::Tensor::zeros({tokens, experts});
+              const forge::MoeRouting& routing = a.routing;
+              for (int64_t i = 0; i < tokens * k; ++i) {
+                if (routing.row_of.data<int32_t>()[i] < 0) continue;
+                const int64_t at = i / k * experts + routing.expert_ids.data<int32_t>()[i];
+                probs.data<float>()[at] = routing.weights.data<float>()[i];
+                map.data<float>()[at] = 1.0f;
+              }
+              write(kept_probs, probs);
+              write(kept_map, map);
+            }
+          }
+          forge::Tensor d = read(dir + "/dout", {tokens, hidden}, pass, passes);
+          std::vector<forge::testing::MoeGrads> grads(block.size());
+          for (size_t l = block.size(); l-- > 0;) {
+            grads[l] = forge::testing::moe_backward(block[l], in[l], rank_acts[l], d);
+            d = grads[l].dx;
+          }
+          write(dx, d);
+          for (const auto& g : grads) {
+            write(router, g.router);
+            write(gate_up, g.gate_up);
+            write(down, g.down);
+          }
+          if (!sigmoid) aux_out << fmt::format("{:.9g}\n", aux_loss);
+          z_out << fmt::format("{:.9g}\n", z_loss);
+        }
+      }
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "forge_moe_reference: %s\n", e.what());
