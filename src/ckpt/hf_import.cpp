@@ -224,12 +224,6 @@ void check_all_used(const std::string& dir, const HfWeightFiles& files, const Mo
   }
 }
 
-HfWeightLayout read_weight_layout(const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  if (!std::filesystem::exists(path)) return {};
-  return hf_weight_layout(read_json_file(path, "the model's config.json"), path);
-}
-
 void check_architecture(const std::string& dir, const ModelConfig& config) {
   ModelConfig hf = read_hf_config(dir);
   std::vector<std::string> diffs = architecture_differences(config, hf);
@@ -240,6 +234,12 @@ void check_architecture(const std::string& dir, const ModelConfig& config) {
 }
 
 }  // namespace
+
+HfWeightLayout read_weight_layout(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  if (!std::filesystem::exists(path)) return {};
+  return hf_weight_layout(read_json_file(path, "the model's config.json"), path);
+}
 
 void load_hf_weights(const std::string& dir, FlatParameters& params) {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,

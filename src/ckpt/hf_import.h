@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/hf_config.h"
 #include "model/config.h"
 #include "model/parameters.h"
 
@@ -29,6 +30,10 @@ struct HfModel {
 // The model of a Hugging Face directory: its config.json mapped to ModelConfig (named
 // after the directory) and its weights.
 HfModel load_hf_model(const std::string& dir);
+
+// How DIR's weights are stored (NOTE [DeepSeek config keys] in hf_config.h); the defaults
+// without a config.json.
+HfWeightLayout read_weight_layout(const std::string& dir);
 
 // Loads the weights of DIR into params (fp32, host memory), whose layout
 // (params.config()) must be the one DIR/config.json describes.

@@ -5,10 +5,7 @@
 #include <fmt/format.h>
 
 namespace forge {
-namespace {
 
-// HfRotaryRows as an order of the part's rows: in every block of `period` rows, the tensor's
-// row first + 2j is forge's row first + j and its row first + 2j + 1 forge's first + count/2 + j.
 std::vector<int64_t> rotary_row_order(const HfRotaryRows& r, int64_t rows) {
   FORGE_CHECK(r.period > 0 && rows % r.period == 0 && r.count % 2 == 0 && r.first + r.count <= r.period,
               "rotary rows (period {}, first {}, count {}) do not fit {} rows", r.period, r.first, r.count, rows);
@@ -21,8 +18,6 @@ std::vector<int64_t> rotary_row_order(const HfRotaryRows& r, int64_t rows) {
     }
   return order;
 }
-
-}  // namespace
 
 std::vector<HfPart> hf_parts(const ParamSpec& spec, bool interleaved_rotary) {
   // A stack of matrices [E, R, C] is E x R rows of C; anything else is rows along dim 0.

@@ -29,6 +29,11 @@ struct HfPart {
   bool keep_fp32 = false;  // HfTensor::keep_fp32
 };
 
+// HfRotaryRows as an order of a tensor's `rows` rows: in every block of `period` rows, the
+// tensor's row first + 2j is forge's row first + j and its row first + 2j + 1 forge's
+// first + count/2 + j (HfPart::row_order).
+std::vector<int64_t> rotary_row_order(const HfRotaryRows& rotary, int64_t rows);
+
 // `interleaved_rotary` false: rotary rows are stored in forge's own order (DeepSeek-V3's
 // rope_interleave false), so no part reorders them.
 std::vector<HfPart> hf_parts(const ParamSpec& spec, bool interleaved_rotary = true);

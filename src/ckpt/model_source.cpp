@@ -77,6 +77,7 @@ void merge_adapter(LoadedModel& model, const std::string& dir, const LoraConfig*
   LoraConfig lora = expected ? *expected : read_peft_adapter_settings(dir);
   lora.adapter_path = dir;
   LoraAdapters adapters(model.config, lora, Device::CPU, /*tokens=*/1);
+  if (!model.hf_dir.empty()) adapters.set_interleaved_rotary(read_weight_layout(model.hf_dir).interleaved_rotary);
   load_peft_adapter(dir, adapters);
   adapters.merge_into(*model.params);
   model.adapter_dir = dir;

@@ -8,6 +8,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/hf_layout.h"
 #include "ckpt/safetensors.h"
 #include "core/durable_directory.h"
 #include "core/error.h"
@@ -47,6 +48,40 @@ json adapter_config(const LoraAdapters& adapters, const std::string& base_model)
               {"library_name", "forge"}};
 }
 
+// PEFT 0.21 on transformers 5 writes what it adapts as a parameter in target_parameters:
+// the router (a MoE block's gate.weight: forge's module 'gate', NOTE [LoRA on MoE and MLA
+// models] in model/lora.h), or the routed experts' stacks, which forge does not adapt.
+void add_target_parameters(const json& j, const std::string& path, std::vector<std::string>& found) {
+  const json parameters = j.value("target_parameters", json());
+  if (parameters.is_null()) return;
+  if (!parameters.is_array())
+    FORGE_FAIL("{}: target_parameters is {}, expected a list of parameter names", path, parameters.dump());
+  for (const json& t : parameters) {
+    const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
+    if (name != "gate.weight" && !name.ends_with(".gate.weight"))
+      FORGE_FAIL("{}: target_parameters names '{}': forge adapts no parameter but a Mixture-of-Experts router's "
+                 "(gate.weight); the routed experts' stacked weights take no adapter in forge",
+                 path, name);
+    if (std::find(found.begin(), found.end(), kLoraRouterModule) == found.end()) found.push_back(kLoraRouterModule);
+  }
+}
+
+// Only the names this model has a projection of: PEFT ignores names that match nothing.
+std::vector<std::string> present_in(const std::vector<std::string>& names, const ModelConfig& config) {
+  const std::vector<std::string> present = lora_model_modules(config);
+  std::vector<std::string> kept;
+  for (const std::string& name : names)
+    if (std::find(present.begin(), present.end(), name) != present.end()) kept.push_back(name);
+  return kept;
+}
+
+// The B rows of `part` in the Hugging Face tensor's order (DeepSeek's interleaved rotary
+// rows, NOTE [LoRA on MoE and MLA models]): the tensor's row t is forge's row order[t].
+std::vector<int64_t> hf_row_order(const LoraPart& part, const LoraAdapters& adapters) {
+  if (part.rotary_rows.period == 0 || !adapters.interleaved_rotary()) return {};
+  return rotary_row_order(part.rotary_rows, part.row_end - part.row_begin);
+}
+
 // The adapter must be the plain LoRA the run configures.
 void check_adapter_config(const json& j, const std::string& path, const LoraAdapters& adapters) {
   const LoraConfig& lora = adapters.lora_config();
@@ -74,9 +109,12 @@ void check_adapter_config(const json& j, const std::string& path, const LoraAdap
       name = name.substr(name.rfind('.') + 1);
       if (std::find(found.begin(), found.end(), name) == found.end()) found.push_back(name);
     }
-  } else {
+  } else if (!targets.is_null()) {
     fail(fmt::format("target_modules is {}, expected a list of module names", targets.dump()));
   }
+  add_target_parameters(j, path, found);
+  found = present_in(found, adapters.config());
+  expected = present_in(expected, adapters.config());
   std::sort(found.begin(), found.end());
   std::sort(expected.begin(), expected.end());
   if (found != expected)
@@ -106,6 +144,13 @@ void save_peft_adapter(const std::string& dir, const LoraAdapters& adapters, con
     for (size_t p = 0; p < targets[k].parts.size(); ++p)
       for (char m : {'a', 'b'}) {
         values.push_back(adapters.part_matrix(k, p, m));
+        const std::vector<int64_t> order = m == 'b' ? hf_row_order(targets[k].parts[p], adapters) : std::vector<int64_t>{};
+        if (!order.empty()) {  // row t of the tensor is forge's row order[t]
+          const Tensor forge_rows = values.back().clone();
+          for (size_t t = 0; t < order.size(); ++t)
+            values.back().narrow(static_cast<int64_t>(t), static_cast<int64_t>(t) + 1)
+                .copy_from(forge_rows.narrow(order[t], order[t] + 1));
+        }
         refs.push_back({peft_tensor_name(targets[k].parts[p], m), values.back().shape(), values.back().data<float>()});
       }
   AtomicDirectory out(dir, DurableOptions{});
@@ -129,9 +174,14 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
     for (size_t p = 0; p < targets[k].parts.size(); ++p) {
       const LoraPart& part = targets[k].parts[p];
       for (char m : {'a', 'b'}) {
-        const std::string name = peft_tensor_name(part, m);
-        expected.insert(name);
+        std::string name = peft_tensor_name(part, m);
         const SafetensorsEntry* entry = file.find(name);
+        if (!entry && !part.hf_alias_prefix.empty()) {  // transformers 5's in-memory name (PEFT 0.21 writes it)
+          LoraPart alias = part;
+          alias.hf_prefix = part.hf_alias_prefix;
+          if ((entry = file.find(peft_tensor_name(alias, m)))) name = peft_tensor_name(alias, m);
+        }
+        expected.insert(name);
         if (!entry) FORGE_FAIL("{}: no tensor '{}' (the adapter does not match the model or lora.target_modules)",
                                weights_path, name);
         const Shape shape = m == 'a' ? Shape{r, targets[k].in} : Shape{part.row_end - part.row_begin, r};
@@ -140,6 +190,13 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
                      shape_str(entry->shape), shape_str(shape), r);
         Tensor values = Tensor::empty(shape);
         file.read_as_float(*entry, values.data<float>());
+        const std::vector<int64_t> order = m == 'b' ? hf_row_order(part, adapters) : std::vector<int64_t>{};
+        if (!order.empty()) {  // row t of the tensor is forge's row order[t]
+          const Tensor hf_rows = values.clone();
+          for (size_t t = 0; t < order.size(); ++t)
+            values.narrow(order[t], order[t] + 1)
+                .copy_from(hf_rows.narrow(static_cast<int64_t>(t), static_cast<int64_t>(t) + 1));
+        }
         adapters.set_part_matrix(k, p, m, values);
       }
     }
@@ -173,11 +230,13 @@ LoraConfig read_peft_adapter_settings(const std::string& dir) {
     lora.dropout = j["lora_dropout"].get<double>();
   }
   const json targets = j.value("target_modules", json());
+  std::vector<std::string> parameter_targets;
+  add_target_parameters(j, path, parameter_targets);
   if (targets.is_string() && targets.get<std::string>() == "all-linear") {
     lora.target_modules = "all-linear";
-  } else if (targets.is_array() && !targets.empty()) {
-    std::set<std::string> names;
-    for (const json& t : targets) {
+  } else if ((targets.is_array() && !targets.empty()) || !parameter_targets.empty()) {
+    std::set<std::string> names(parameter_targets.begin(), parameter_targets.end());
+    for (const json& t : targets.is_array() ? targets : json::array()) {
       if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
       std::string name = t.get<std::string>();
       name = name.substr(name.rfind('.') + 1);  // PEFT writes all-linear out as module paths

@@ -449,8 +449,9 @@ std::vector<ConfigKey> build_schema() {
                                           lora_bounds::dropout),
       key<&E::lora, &LoraConfig::target_modules>(
           "lora.target_modules",
-          "adapted modules, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, or "
-          "all-linear; qkv_proj and gate_up_proj adapt the fused projection with one adapter (MLPerf's LoRA)"),
+          "adapted modules, comma-separated: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (MLA: "
+          "q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj; a MoE block's router: gate), or all-linear (not on "
+          "a MoE model); qkv_proj and gate_up_proj adapt the fused projection with one adapter (MLPerf's LoRA)"),
       key<&E::lora, &LoraConfig::adapter_path>(
           "lora.adapter_path", "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start "
                                "the adapters from"),

@@ -23,6 +23,7 @@
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
 #include "model/context_parallel.h"
+#include "model/lora.h"
 #include "model/pipeline.h"
 #include "model/tensor_parallel.h"
 #include "optim/config_rules.h"
@@ -163,6 +164,7 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} freezes the base in NF4 and needs LoRA adapters to train: set lora.rank > 0 (it is {}), or "
                "lora.quantize_base none for full training",
                show(config, keys, "lora.quantize_base"), config.lora.rank);
+  check_lora_for_model(config.model, config.lora, keys);  // NOTE [LoRA on MoE and MLA models]
 }
 
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
@@ -237,10 +239,22 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
                show(config, keys, "precision.fp8"));
-  if (config.lora.enabled() || config.lora.quantize_base != "none")
-    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
-               "lora.quantize_base none",
-               moe);
+  // LoRA (NOTE [LoRA on MoE and MLA models] in model/lora.h): adapters on the 2-D
+  // projections; the routed experts, the routing biases and the rest of the base frozen.
+  if (config.lora.quantize_base != "none")
+    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with QLoRA yet ({}): the NF4 base quantizes "
+               "the blocks' 2-D projections only, so the routed experts' stacked weights, most of the model, would "
+               "stay in the compute dtype, and the experts' GEMMs read no NF4 codes; set lora.quantize_base none "
+               "(LoRA on a frozen bf16 base)",
+               moe, show(config, keys, "lora.quantize_base"));
+  if (config.lora.enabled() && config.model.router_bias_update_rate != 0.0)
+    FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
+               "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",
+               show(config, keys, "model.router_bias_update_rate"), config.lora.rank);
+  if (config.lora.enabled() && p.expert_parallel_degree > 1)
+    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) yet: LoRA's frozen FSDP base is not split by experts; "
+               "set it to 1",
+               show(config, keys, "parallelism.expert_parallel_degree"), config.lora.rank);
 }
 
 // parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
@@ -411,10 +425,14 @@ void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (Multi-head Latent Attention) cannot be combined with {} yet", mla,
                show(config, keys, "precision.fp8"));
-  if (config.lora.enabled() || config.lora.quantize_base != "none")
-    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be fine-tuned with LoRA or QLoRA yet; set lora.rank 0 and "
-               "lora.quantize_base none",
-               mla);
+  // LoRA: NOTE [LoRA on MoE and MLA models] in model/lora.h. QLoRA's codes are bitsandbytes'
+  // of each Hugging Face tensor (NOTE [NF4 storage]); MLA's rotary rows are reordered at
+  // import, so its query and kv_a codes would group other values into the absmax blocks.
+  if (config.lora.quantize_base != "none")
+    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be fine-tuned with QLoRA yet ({}): forge reorders the "
+               "query and kv_a projections' rotary rows at import, so their NF4 codes would not be bitsandbytes' "
+               "of the published tensors; set lora.quantize_base none (LoRA on a frozen bf16 base)",
+               mla, show(config, keys, "lora.quantize_base"));
 }
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the

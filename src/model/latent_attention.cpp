@@ -5,7 +5,7 @@
 #include <fmt/format.h>
 
 #include "ops/linear.h"
-#include "ops/matmul.h"
+#include "ops/nf4.h"
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 
@@ -131,8 +131,17 @@ Tensor LatentAttention::attention_rows(const Tensor& packed) const {
   return packed.view(attention_.qkv_shape(packed.dim(0), packed.dim(1)));
 }
 
-LinearWeight LatentAttention::rows(const LinearWeight& w, int64_t begin, int64_t end) {
-  return LinearWeight{w.weight.narrow(begin, end).view({end - begin, w.weight.dim(1)})};
+LinearWeight LatentAttention::rows(const LinearWeight& w, int64_t begin, int64_t end, LoraAdapter& view,
+                                   bool later) {
+  FORGE_CHECK(!w.fp8, "Multi-head Latent Attention's kv_a projection does not run in FP8");
+  if (w.nf4) nf4_dequantize(w.weight, *w.nf4);  // NOTE [NF4 linear weights]: the rows view the scratch
+  LinearWeight part;
+  if (w.weight.defined()) part.weight = w.weight.narrow(begin, end).view({end - begin, w.weight.dim(1)});
+  if (w.lora) {
+    view = lora_rows(*w.lora, begin, end, later);
+    part.lora = &view;
+  }
+  return part;
 }
 
 void LatentAttention::project_queries(Activations& a, const ComponentWeights& w) {
@@ -151,8 +160,8 @@ void LatentAttention::forward(int layer, const ComponentWeights& w, const Tensor
   const LinearWeight& kv_a = w.linear(p_.kv_a);
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(p_.norm), eps_);
   project_queries(a, w);
-  linear_forward(a.kv_a, a.normed, rows(kv_a, 0, kv_rank_));
-  linear_forward(k_pe_, a.normed, rows(kv_a, kv_rank_, kv_rank_ + dims_.rope_dim));
+  linear_forward(a.kv_a, a.normed, rows(kv_a, 0, kv_rank_, kv_a_rows_[0], false));
+  linear_forward(k_pe_, a.normed, rows(kv_a, kv_rank_, kv_rank_ + dims_.rope_dim, kv_a_rows_[1], true));
   rmsnorm_forward(a.kv_compressed, a.kv_rstd, a.kv_a, w.tensor(p_.kv_a_norm), eps_);
   linear_forward(kv_, a.kv_compressed, w.linear(p_.kv_b));
   mla_pack_qkv(a.qkv, q_, k_pe_, kv_, dims_, rotary_.cos(), rotary_.sin(), rotary_.positions());
@@ -199,10 +208,12 @@ void LatentAttention::backward(int layer, const ComponentWeights& w, const Compo
   const LinearWeight& kv_a = w.linear(p_.kv_a);
   const LinearWeight& kv_a_grad = grads.linear(p_.kv_a);
   const int64_t end = kv_rank_ + dims_.rope_dim;
-  linear_backward_weight(rows(kv_a_grad, 0, kv_rank_), d_kv_a_, a.normed, overwrite);
-  matmul_add(d_hidden, d_kv_a_, false, rows(kv_a, 0, kv_rank_).weight, false, d_hidden);
-  linear_backward_weight(rows(kv_a_grad, kv_rank_, end), d_k_pe_, a.normed, overwrite);
-  matmul_add(d_hidden, d_k_pe_, false, rows(kv_a, kv_rank_, end).weight, false, d_hidden);
+  const LinearWeight compressed = rows(kv_a, 0, kv_rank_, kv_a_rows_[0], false);
+  const LinearWeight rotary = rows(kv_a, kv_rank_, end, kv_a_rows_[1], true);
+  linear_backward_weight(rows(kv_a_grad, 0, kv_rank_, kv_a_grad_rows_[0], false), d_kv_a_, a.normed, overwrite);
+  linear_backward_input_add(d_hidden, d_kv_a_, compressed);
+  linear_backward_weight(rows(kv_a_grad, kv_rank_, end, kv_a_grad_rows_[1], true), d_k_pe_, a.normed, overwrite);
+  linear_backward_input_add(d_hidden, d_k_pe_, rotary);
   rmsnorm_backward(d_stream, grads.tensor(p_.norm), d_hidden, x, w.tensor(p_.norm), a.rstd);
 }
 

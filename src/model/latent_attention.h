@@ -35,6 +35,7 @@
 #include "model/rotary_positions.h"
 #include "ops/attention.h"
 #include "ops/latent_attention.h"
+#include "ops/lora.h"
 
 namespace forge {
 
@@ -67,8 +68,11 @@ class LatentAttention final : public BlockComponent {
     Tensor lse;                       // [B, H, T] fp32
   };
 
-  // Rows [begin, end) of a [r + dr, hidden] kv_a weight (or gradient) as a projection.
-  static LinearWeight rows(const LinearWeight& w, int64_t begin, int64_t end);
+  // Rows [begin, end) of a [r + dr, hidden] kv_a weight (or gradient) as a projection, its
+  // adapter's rows in `view` (NOTE [LoRA row views] in ops/lora.h; `later`: not the first
+  // range in backward order). An NF4 weight is dequantized into its scratch, which the rows
+  // then view: nothing may dequantize into it before they are used.
+  static LinearWeight rows(const LinearWeight& w, int64_t begin, int64_t end, LoraAdapter& view, bool later);
   void project_queries(Activations& a, const ComponentWeights& w);
   // Packed rows [B, T, W] in the form the attention op takes (NOTE [Value head dim]): as
   // they are, or [B, T, 3H, D] when the values' head dim equals the queries'.
@@ -86,6 +90,8 @@ class LatentAttention final : public BlockComponent {
   // backward's scratch.
   Tensor q_, k_pe_, kv_;
   Tensor d_out_, d_qkv_, d_q_, d_k_pe_, d_kv_, d_kv_compressed_, d_kv_a_, d_q_compressed_, d_q_a_;
+  // kv_a's adapter restricted to its two row ranges, for the weights and the gradients.
+  LoraAdapter kv_a_rows_[2], kv_a_grad_rows_[2];
 };
 
 }  // namespace forge

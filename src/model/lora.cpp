@@ -51,11 +51,12 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
         const std::string first = stem(spec.hf_tensors.front().name);
         target.parts.push_back({fused, first.substr(0, first.rfind('.') + 1) + fused, 0, spec.shape[0]});
       }
+    const std::string alias = spec.hf_tensors.size() == 1 && !spec.hf_alias.empty() ? stem(spec.hf_alias) : "";
     int64_t row = 0;
     for (const HfTensor& t : spec.hf_tensors) {
       const std::string module = module_of(t.name);
       if (std::find(modules.begin(), modules.end(), module) != modules.end())
-        target.parts.push_back({module, stem(t.name), row, row + t.rows});
+        target.parts.push_back({module, stem(t.name), row, row + t.rows, alias, t.rotary_rows});
       row += t.rows;
     }
     if (!target.parts.empty()) targets.push_back(std::move(target));
@@ -63,13 +64,41 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
   return targets;
 }
 
+std::vector<std::string> lora_model_modules(const ModelConfig& config) {
+  std::vector<std::string> present;
+  for (const LoraTarget& t : lora_targets(config, kLoraModuleNames))
+    for (const LoraPart& p : t.parts)
+      if (std::find(present.begin(), present.end(), p.module) == present.end()) present.push_back(p.module);
+  return present;
+}
+
+// NOTE [LoRA on MoE and MLA models].
+void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, const KeyDescriber& keys) {
+  if (!lora.enabled()) return;
+  const std::vector<std::string> modules = lora_target_modules(lora.target_modules, keys);
+  const std::string key = keys.describe("lora.target_modules", lora.target_modules);
+  if (config.moe() && lora.target_modules == "all-linear")
+    FORGE_FAIL("{} on a Mixture-of-Experts model: PEFT's all-linear there also adapts the routed experts' stacked "
+               "weights (transformers 5's target_parameters), which forge does not train adapters on; name the "
+               "modules instead (the router is 'gate'), e.g. {}",
+               key, config.mla() ? "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate" : "q_proj,k_proj,v_proj,o_proj,gate");
+  const bool router = std::find(modules.begin(), modules.end(), kLoraRouterModule) != modules.end();
+  if (router && !config.moe())
+    FORGE_FAIL("{} names the router '{}', and this model has none (model.num_experts 0)", key, kLoraRouterModule);
+  if (router && lora.dropout > 0.0)
+    FORGE_FAIL("{} adapts the router with {}: PEFT adapts the router as a parameter (target_parameters "
+               "gate.weight), which takes no dropout; set lora.dropout 0 or leave '{}' out",
+               key, keys.describe("lora.dropout", lora.dropout), kLoraRouterModule);
+}
+
+// NOTE [LoRA FLOPs]: the frozen weights are the active ones (a MoE token runs only its
+// experts), as ModelConfig::flops_per_token counts them; attention is that count's.
 double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len) {
   if (!lora.enabled()) return config.flops_per_token(seq_len);
-  double frozen = static_cast<double>(config.total_params() - config.embedding_params());
+  double frozen = static_cast<double>(config.active_params() - config.embedding_params());
   if (config.tie_word_embeddings) frozen += static_cast<double>(config.vocab_size * config.hidden_size);
   const double adapters = static_cast<double>(lora_sizes(config, lora, 1).trainable);
-  const double attention = 6.0 * static_cast<double>(config.num_layers) * static_cast<double>(config.hidden_size) *
-                           static_cast<double>(seq_len);
+  const double attention = config.flops_per_token(seq_len) - 6.0 * frozen;
   return 4.0 * frozen + 6.0 * adapters + attention;
 }
 
@@ -95,6 +124,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
     : config_(config), lora_(lora), device_(device) {
   lora_.validate();
   FORGE_CHECK(lora_.enabled(), "LoRA adapters with lora.rank 0");
+  check_lora_for_model(config_, lora_);
   targets_ = lora_targets(config_, lora_target_modules(lora_.target_modules));
   FORGE_CHECK(!targets_.empty(), "lora.target_modules '{}' adapts no projection of the model", lora_.target_modules);
   const int64_t r = lora_.rank;
@@ -141,16 +171,24 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
     adapter.workspace = &workspace_;
   }
 
-  // The gradient side: frozen projections, the adapters' buffers, one scratch for norms.
-  norm_scratch_ = Tensor::zeros({config_.hidden_size}, DType::F32, device);
+  // The gradient side: frozen projections and expert stacks (no tensor), the adapters'
+  // buffers, one scratch for the vectors (norm weights, routing biases) whose gradients
+  // the components compute anyway.
+  const std::vector<ParamSpec> specs = parameter_specs(config_);
+  int64_t widest_vector = config_.hidden_size;
+  for (const ParamSpec& spec : specs)
+    if (spec.layer >= 0 && spec.shape.size() == 1) widest_vector = std::max(widest_vector, spec.shape[0]);
+  vector_scratch_ = Tensor::zeros({widest_vector}, DType::F32, device);
+  norm_scratch_ = vector_scratch_.narrow(0, config_.hidden_size);
   grad_layers_.assign(static_cast<size_t>(config_.num_layers), {});
-  for (const ParamSpec& spec : parameter_specs(config_)) {
+  for (const ParamSpec& spec : specs) {
     if (spec.layer < 0) continue;
-    FORGE_CHECK(spec.shape.size() == 2 || spec.shape == Shape{config_.hidden_size},
-                "parameter '{}' {} is neither a projection nor a norm weight of the hidden size", spec.name,
+    FORGE_CHECK(spec.shape.size() >= 1 && spec.shape.size() <= 3,
+                "parameter '{}' {} is neither a vector, a projection nor a stack of them", spec.name,
                 shape_str(spec.shape));
     BlockWeights& block = grad_layers_[static_cast<size_t>(spec.layer)];
-    block.params.push_back(spec.shape.size() == 2 ? LinearWeight{} : LinearWeight{norm_scratch_});
+    block.params.push_back(spec.shape.size() == 1 ? LinearWeight{vector_scratch_.narrow(0, spec.shape[0])}
+                                                  : LinearWeight{});
     target_of_[static_cast<size_t>(spec.layer)].push_back(-1);
   }
   for (size_t k = 0; k < targets_.size(); ++k) {

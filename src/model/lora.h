@@ -20,6 +20,35 @@
 // PEFT does, so training starts from the base model's function.
 // Under data parallelism the base is a frozen FSDP (sharded, NOTE [Frozen FSDP base]) and the
 // adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp).
+//
+// NOTE [LoRA on MoE and MLA models]
+// On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the 2-D
+// projections that lora.target_modules names with their Hugging Face module names:
+// attention's q_proj, k_proj, v_proj, o_proj, or MLA's q_proj (or q_a_proj, q_b_proj),
+// kv_a_proj_with_mqa, kv_b_proj and o_proj; DeepSeek's dense first blocks' and shared
+// experts' gate_proj, up_proj, down_proj; and the router, `gate` ([experts, hidden]). The
+// routed experts' stacked weights ([E, 2F, hidden], [E, hidden, F]) take no adapter and
+// stay frozen, as do the routing biases (DeepSeek-V3's, which router_bias_update_rate would
+// move: refused under LoRA, since they belong to the frozen base that checkpoints do not
+// hold). The MoE block's backward still carries dL/dx through the frozen router and
+// experts, skipping their weight-gradient GEMMs (the gradient descriptors hold no tensor).
+// The balancing losses and z-loss stay in the training loss, as transformers adds its
+// aux_loss under PEFT with output_router_logits: their gradient reaches the router's
+// adapter when it has one, and otherwise the adapters upstream through the router's input
+// gradient. PEFT 0.21 on transformers 5 differs in two ways, which configs refuse or the
+// README states: its all-linear on a MoE model also adapts the routed experts (its
+// ParamWrapper on the stacked parameters, through target_parameters), which forge does not
+// build, so all-linear is refused there; and its v4-to-v5 conversion maps gate_proj,
+// up_proj and down_proj on DeepSeek models to the routed experts, so an adapter of the
+// dense blocks and shared experts loads into PEFT on transformers 4 only (forge, its
+// merged export and transformers 4 read it). The router's adapter is what PEFT 5 makes of
+// target_parameters ["gate.weight"] (a ParamWrapper on a 2-D parameter: B A added to the
+// weight, PEFT's lora.Linear function), which takes no dropout. MLA's rotary rows (the
+// queries' and kv_a's last qk_rope_head_dim rows) are reordered at import (NOTE
+// [Multi-head Latent Attention]); an adapter's B rows are reordered alike when a PEFT
+// adapter is read or written (LoraPart::rotary_rows). QLoRA is refused on both: the NF4
+// base holds 2-D projections only (not the experts' stacks, which the experts' GEMMs read
+// as they are), and MLA's reordered rotary rows would not give bitsandbytes' codes.
 #pragma once
 
 #include <cstdint>
@@ -40,6 +69,12 @@ struct LoraPart {
   std::string module;     // q_proj, ...
   std::string hf_prefix;
   int64_t row_begin = 0, row_end = 0;
+  // Another prefix a PEFT adapter may name it by: transformers 5's in-memory name of
+  // Mixtral's router, model.layers.N.mlp.gate (ParamSpec::hf_alias); empty: none.
+  std::string hf_alias_prefix = {};
+  // Rows of the Hugging Face tensor in DeepSeek's interleaved rotary order, which B's
+  // rows follow in a PEFT adapter (HfTensor::rotary_rows).
+  HfRotaryRows rotary_rows = {};
 };
 
 // One adapted projection of a block.
@@ -54,6 +89,14 @@ struct LoraTarget {
 // The projections `modules` (lora_target_modules) adapt, in parameter order.
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules);
 
+// The module names this model has a projection of (what lora_targets can adapt).
+std::vector<std::string> lora_model_modules(const ModelConfig& config);
+
+// Throws, naming the lora.* key, where the settings do not fit the model (NOTE [LoRA on
+// MoE and MLA models]): all-linear on a Mixture-of-Experts model, the router named on a
+// model without one or adapted with dropout.
+void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, const KeyDescriber& keys = {});
+
 // What LoRA adds to a model, in values: the adapters as stored (masters(), b's zeros
 // included), what PEFT counts as trainable, and the workspace for `tokens` tokens.
 struct LoraSizes {
@@ -63,10 +106,12 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
 
 // NOTE [LoRA FLOPs]
 // The work of one trained token under LoRA, as the PEFT peer counts it (shared/PERF.md):
-// the frozen weights (every projection and the head, not the input embedding) do a
+// the frozen weights (every projection and the head, not the input embedding; of a MoE
+// block's routed experts the active ones, as ModelConfig::active_params counts them) do a
 // forward and an input-gradient GEMM, 4 FLOPs per parameter, and no weight gradient; the
 // adapters do all three, 6 per trainable parameter; attention does its forward and
-// backward as in full training, 6 x layers x hidden x seq. Full training's count
+// backward as in full training (ModelConfig::flops_per_token's attention term: 6 x layers
+// x hidden x seq, MLA's width instead of hidden). Full training's count
 // (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run with a third
 // more work than it does. Without LoRA this is ModelConfig::flops_per_token.
 double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len);
@@ -113,6 +158,12 @@ class LoraAdapters : public ParamSource, public GradSink {
   // Dropout on (training) or off (evaluation, as PEFT's model.eval()).
   void set_training(bool training);
 
+  // Whether the base's Hugging Face weights keep DeepSeek's rotary rows interleaved
+  // (HfWeightLayout::interleaved_rotary; true unless rope_interleave is false), which a PEFT
+  // adapter's B rows then follow (LoraPart::rotary_rows).
+  bool interleaved_rotary() const { return interleaved_rotary_; }
+  void set_interleaved_rotary(bool interleaved) { interleaved_rotary_ = interleaved; }
+
   // A part's A [rank, in] or B [rows, rank] on the host, fp32; and the reverse.
   Tensor part_matrix(size_t target, size_t part, char matrix) const;
   void set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values);
@@ -149,8 +200,10 @@ class LoraAdapters : public ParamSource, public GradSink {
   ParamSource* base_ = nullptr;
   std::vector<BlockWeights> layers_, grad_layers_;
   Tensor norm_scratch_, no_gradient_;
+  Tensor vector_scratch_;  // the widest vector parameter's; norm_scratch_ is its first hidden_size
   LinearWeight frozen_output_;
   std::vector<char> fresh_;
+  bool interleaved_rotary_ = true;
 };
 
 }  // namespace forge

@@ -31,9 +31,17 @@ inline constexpr ValueRange alpha = above(0);
 inline constexpr ValueRange dropout = {0.0, 1.0, false, true};
 }  // namespace lora_bounds
 
-// The decoder's projections, by their PEFT / torchtune / Hugging Face module names.
-inline const std::vector<std::string> kLoraModules = {"q_proj", "k_proj", "v_proj", "o_proj",
-                                                      "gate_proj", "up_proj", "down_proj"};
+// The decoder's projections, by their PEFT / torchtune / Hugging Face module names:
+// attention's (Multi-head Latent Attention's q_a_proj, q_b_proj, kv_a_proj_with_mqa and
+// kv_b_proj too) and the feed-forward's (DeepSeek's shared experts' too). What all-linear
+// adapts; a Mixture-of-Experts model refuses all-linear (NOTE [LoRA on MoE and MLA models]
+// in model/lora.h).
+inline const std::vector<std::string> kLoraModules = {"q_proj",    "k_proj",   "v_proj",   "o_proj",
+                                                      "gate_proj", "up_proj",  "down_proj", "q_a_proj",
+                                                      "q_b_proj",  "kv_a_proj_with_mqa", "kv_b_proj"};
+// A Mixture-of-Experts block's router (Mixtral's block_sparse_moe.gate, DeepSeek's
+// mlp.gate), which PEFT adapts as a parameter (target_parameters "gate.weight").
+inline const std::string kLoraRouterModule = "gate";
 
 // NOTE [Fused LoRA targets]
 // qkv_proj and gate_up_proj name forge's fused projections whole (NOTE [Fused projections]
@@ -49,7 +57,9 @@ inline const std::vector<std::pair<std::string, std::vector<std::string>>> kLora
     {"qkv_proj", {"q_proj", "k_proj", "v_proj"}}, {"gate_up_proj", {"gate_proj", "up_proj"}}};
 // Every name lora.target_modules accepts, in the order lora_target_modules returns them.
 inline const std::vector<std::string> kLoraModuleNames = {"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-                                                          "gate_up_proj", "gate_proj", "up_proj", "down_proj"};
+                                                          "gate_up_proj", "gate_proj", "up_proj", "down_proj",
+                                                          "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                                                          "gate"};
 
 // The modules lora.target_modules names, in kLoraModuleNames order ("all-linear": the
 // separate modules, kLoraModules; PEFT's all-linear leaves the output head out, as forge

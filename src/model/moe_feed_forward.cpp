@@ -238,6 +238,7 @@ MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
 // parallelism its local experts' slices (the ParamSource hands out those alone).
 MoeExpertWeights MoeFeedForward::expert_weights(const ComponentWeights& w) const {
   const MoeExpertWeights e{w.tensor(kGateUp), w.tensor(kDown)};
+  if (!e.gate_up.defined() && !e.down.defined()) return e;  // frozen experts' gradients (LoRA): none
   const int64_t held = exchange_ ? exchange_->local_experts() : experts_;
   FORGE_CHECK(e.gate_up.dim(0) == held && e.down.dim(0) == held,
               "MoE block: the weights hold {} experts, this rank computes with {} (expert parallelism {} of {})",
@@ -393,13 +394,13 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   // its forward reads h); dL/dh through the router is added to d_hidden by the GEMM.
   cast(d_logits_compute_, d_logits_);
   linear_backward_weight(grads.linear(kRouter), d_logits_compute_, a.normed, overwrite);
-  matmul_add(d_hidden, d_logits_compute_, false, w.tensor(kRouter), false, d_hidden);
+  linear_backward_input_add(d_hidden, d_logits_compute_, w.linear(kRouter));
   if (shared_ffn_ > 0) {  // out += shared(h): its weights' gradients, and dL/dh through it added
     linear_backward(d_shared_swiglu_, grads.linear(kSharedDown), d_stream, a.shared_swiglu, w.linear(kSharedDown),
                     overwrite);
     swiglu_backward(d_shared_gate_up_, d_shared_swiglu_, a.shared_gate_up);
     linear_backward_weight(grads.linear(kSharedGateUp), d_shared_gate_up_, a.normed, overwrite);
-    matmul_add(d_hidden, d_shared_gate_up_, false, w.tensor(kSharedGateUp), false, d_hidden);
+    linear_backward_input_add(d_hidden, d_shared_gate_up_, w.linear(kSharedGateUp));
   }
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }

@@ -51,6 +51,12 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 
+void linear_backward_input_add(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
+  FORGE_CHECK(!w.fp8, "linear_backward_input_add: an FP8 weight's input gradient is written over, not added");
+  matmul_add(dx, dy, false, compute_weight(w), false, dx);
+  if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
+}
+
 void linear_backward_weight(const LinearWeight& grad, const Tensor& dy, const Tensor& x, bool overwrite) {
   FORGE_CHECK(!grad.nf4, "linear_backward_weight: an NF4 weight is frozen and has no gradient");
   if (grad.weight.defined() && grad.bias.defined() && overwrite && plain(grad) &&

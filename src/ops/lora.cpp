@@ -1,5 +1,7 @@
 #include "ops/lora.h"
 
+#include <algorithm>
+
 #include "core/op_profile.h"
 #include "core/rng.h"
 #include "kernels/cpu/lora.h"
@@ -83,16 +85,32 @@ void lora_backward_input_add(const Tensor& dx, const Tensor& dy, const LoraAdapt
   }
 }
 
+LoraAdapter lora_rows(const LoraAdapter& lora, int64_t begin, int64_t end, bool accumulate_grad_a) {
+  FORGE_CHECK(lora.b.defined() && lora.b.ndim() == 2 && 0 <= begin && begin < end && end <= lora.b.dim(0),
+              "lora_rows: rows [{}, {}) of a LoRA B {}", begin, end,
+              lora.b.defined() ? shape_str(lora.b.shape()) : "undefined");
+  LoraAdapter view = lora;
+  view.b = lora.b.narrow(begin, end);
+  if (lora.grad_b.defined()) view.grad_b = lora.grad_b.narrow(begin, end);
+  for (LoraPartRows& p : view.parts) {
+    p.begin = std::clamp(p.begin, begin, end) - begin;
+    p.end = std::clamp(p.end, begin, end) - begin;
+  }
+  view.accumulate_grad_a = accumulate_grad_a;
+  return view;
+}
+
 void lora_backward_weight(const LoraAdapter& lora, const Tensor& dy, const Tensor& x, bool overwrite) {
   check_adapter(lora, x, dy.dim(1));
   FORGE_CHECK(lora.grad_a.defined() && lora.grad_b.defined(), "LoRA gradient descriptor without gradient buffers");
   const float beta = overwrite ? 0.0f : 1.0f;
+  const float beta_a = overwrite && !lora.accumulate_grad_a ? 0.0f : 1.0f;
   const Tensor g_t = low_rank_grad(dy, lora);
   const Tensor u_t = scratch(lora.workspace->low_rank, lora.low_rank(), x.dim(0), "low_rank");
   for (const PartGroup& g : part_groups(lora)) {
     const Tensor input = group_input(x, lora, g);
     matmul(rows_of(u_t, lora, g), rows_of(lora.a, lora, g), false, input, true);
-    matmul(rows_of(lora.grad_a, lora, g), rows_of(g_t, lora, g), false, input, false, lora.scale, beta);
+    matmul(rows_of(lora.grad_a, lora, g), rows_of(g_t, lora, g), false, input, false, lora.scale, beta_a);
   }
   matmul(lora.grad_b, dy, true, u_t, true, lora.scale, beta);
   lora_mask_blocks(lora.grad_b, lora.rank, lora.parts);

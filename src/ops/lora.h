@@ -69,9 +69,24 @@ struct LoraAdapter {
   uint64_t dropout_seed = 0;  // this micro-batch's; part k uses derive_seed(dropout_seed, k)
   std::vector<LoraPartRows> parts;
   LoraWorkspace* workspace = nullptr;
+  // A row view's (lora_rows) whose A gradient another view of the same adapter wrote
+  // earlier in the backward: grad_a is added to even when the op is told to overwrite.
+  bool accumulate_grad_a = false;
 
   int64_t low_rank() const { return rank * static_cast<int64_t>(parts.size()); }
 };
+
+// NOTE [LoRA row views]
+// A layer that runs one projection as GEMMs on ranges of its output rows (MLA's kv_a: its
+// compressed rows and its rotary key's, NOTE [Multi-head Latent Attention] in
+// model/latent_attention.h) gives each range the adapter restricted to those rows: the same
+// A, B's rows (a view: B is [out, parts * rank], row-major), grad_b's alike, and the parts'
+// rows clipped to the range and counted from its start. The ranges' forwards and input
+// gradients add up to the whole adapter's (each adds its rows' share); their B gradients
+// are disjoint rows; A's gradient sums over the ranges, so every view after the first in
+// backward order sets accumulate_grad_a. Dropout masks follow the part indices, which the
+// views keep.
+LoraAdapter lora_rows(const LoraAdapter& lora, int64_t begin, int64_t end, bool accumulate_grad_a);
 
 // The adapter's share of the linear ops (ops/linear.h calls these after the frozen GEMMs).
 void lora_forward_add(const Tensor& y, const Tensor& x, const LoraAdapter& lora);

@@ -645,7 +645,10 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
                           const MoeRouting& r, const Tensor& d_swiglu, const Tensor& d_gate_up) {
   check_expert_offsets(r, a.permuted.dim(0), "moe_experts_backward");
   check_experts(w, r, a.permuted.dim(1), "moe_experts_backward");
-  check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
+  // Frozen experts (LoRA's base, NOTE [LoRA on MoE and MLA models] in model/lora.h) have
+  // gradient tensors undefined: dx alone.
+  const bool frozen = !grads.gate_up.defined() && !grads.down.defined();
+  if (!frozen) check_experts(grads, r, a.permuted.dim(1), "moe_experts_backward gradients");
   // Each expert's dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on its rows; no rows: a zero
   // gradient when written over, nothing to add otherwise. Batched when every expert has the
   // same rows.
@@ -654,16 +657,18 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
     if (uniform > 0) {
       const Tensor dy_e = by_expert(dy, r.experts, uniform);
       matmul_batched(by_expert(dx, r.experts, uniform), dy_e, false, weight, false);
-      matmul_batched(dw, dy_e, true, by_expert(x, r.experts, uniform), false, 1.0f, overwrite ? 0.0f : 1.0f);
+      if (!frozen)
+        matmul_batched(dw, dy_e, true, by_expert(x, r.experts, uniform), false, 1.0f, overwrite ? 0.0f : 1.0f);
       return;
     }
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end) {
         matmul_varying(GemmVarying::M, dx.narrow(b, end), dy.narrow(b, end), false, expert_matrix(weight, e), false);
-        matmul_varying(GemmVarying::K, expert_matrix(dw, e), dy.narrow(b, end), true, x.narrow(b, end), false, 1.0f,
-                       overwrite ? 0.0f : 1.0f);
-      } else if (overwrite) {
+        if (!frozen)
+          matmul_varying(GemmVarying::K, expert_matrix(dw, e), dy.narrow(b, end), true, x.narrow(b, end), false, 1.0f,
+                         overwrite ? 0.0f : 1.0f);
+      } else if (overwrite && !frozen) {
         expert_matrix(dw, e).fill_zero();
       }
     }

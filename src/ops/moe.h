@@ -300,7 +300,8 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
 
 // d_permuted [rows, hidden] (written over) from d_expert_out; the weights' gradients into
 // `grads` (fp32, written over when `overwrite`, else added; an expert with no rows adds
-// nothing). d_swiglu [rows, ffn] and d_gate_up [rows, 2 * ffn] are scratch.
+// nothing), none when both of its tensors are undefined (frozen experts). d_swiglu [rows,
+// ffn] and d_gate_up [rows, 2 * ffn] are scratch.
 void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
                           const Tensor& d_expert_out, const MoeExpertBuffers& a, const MoeExpertWeights& w,
                           const MoeRouting& routing, const Tensor& d_swiglu, const Tensor& d_gate_up);

@@ -12,6 +12,7 @@
 
 #include "ckpt/checkpoint.h"
 #include "ckpt/hf_export.h"
+#include "ckpt/hf_import.h"
 #include "ckpt/peft_adapter.h"
 #include "train/checkpoint_save_job.h"
 #include "core/device.h"
@@ -112,6 +113,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   if (config_.lora.enabled()) {
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
+    if (config_.checkpoint.initial_load_in_hf && !config_.checkpoint.initial_load_path.empty())
+      lora_->set_interleaved_rotary(read_weight_layout(config_.checkpoint.initial_load_path).interleaved_rotary);
     if (fsdp_) {
       // NOTE [LoRA under data parallelism]: the frozen base sharded, the adapters replicated.
       fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
@@ -735,6 +738,16 @@ TrainResult Trainer::run() {
              human_count(static_cast<double>(lora_->trainable_params())), lora_->targets().size(),
              nf4_base_ ? fmt::format("NF4 (the block projections; the rest in {})", config_.precision.compute_dtype)
                        : config_.precision.compute_dtype);
+  if (lora_ && mc.mla())  // NOTE [LoRA on MoE and MLA models]
+    for (const LoraTarget& target : lora_->targets())
+      if (const std::string& m = target.parts.front().module;
+          m == "gate_proj" || m == "up_proj" || m == "down_proj" || m == "gate_up_proj") {
+        log_warn("LoRA on the feed-forward of a DeepSeek-family model ({}): PEFT 0.21 on transformers 5 maps "
+                 "gate_proj, up_proj and down_proj to the routed experts, so {}/adapter loads into PEFT on "
+                 "transformers 4 only; forge eval and generate (--adapter) and the merged export carry these adapters",
+                 target.name, run_dir_);
+        break;
+      }
   log_info("batch: {} micro-batch x {} accumulation = {} sequences of {} tokens per step; {} steps on {} ({} threads)",
            t.local_batch_size, accum, t.global_batch_size, t.seq_len, t.steps, t.device, num_threads());
   log_info("data: {}{}", config_.data.source,

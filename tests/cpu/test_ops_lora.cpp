@@ -109,6 +109,57 @@ TEST_P(OpsLora, GradientsMatchFiniteDifferences) {
   EXPECT_LT(relative_error(f.adapter.grad_a, twice), 1e-6);
 }
 
+// NOTE [LoRA row views]: the projection run as two GEMMs on row ranges [0, 5) and [5, 7)
+// (the second range cutting the second part) computes what the whole adapter computes:
+// the outputs, the input gradient summed over the ranges (linear_backward_input_add), A's
+// gradient summed (the later view adds even when told to overwrite) and B's in its rows.
+TEST_P(OpsLora, RowViewsAddUpToTheWholeAdapter) {
+  Fixture f(GetParam());
+  Rng rng(5);
+  const int64_t split = 5;
+  const Tensor r1 = random_tensor({kTokens, split}, rng), r2 = random_tensor({kTokens, kOut - split}, rng);
+  Tensor r = Tensor::empty({kTokens, kOut});
+  for (int64_t n = 0; n < kTokens; ++n)
+    for (int64_t o = 0; o < kOut; ++o)
+      r.data<float>()[n * kOut + o] =
+          o < split ? r1.data<float>()[n * split + o] : r2.data<float>()[n * (kOut - split) + o - split];
+  Tensor y = Tensor::empty({kTokens, kOut}), dx = Tensor::empty({kTokens, kIn});
+  linear_forward(y, f.x, f.weight());
+  linear_backward_input(dx, r, f.weight());
+  linear_backward_weight({Tensor(), &f.adapter}, r, f.x, true);
+  const Tensor grad_a = f.adapter.grad_a.clone(), grad_b = f.adapter.grad_b.clone();
+
+  const LoraAdapter first = lora_rows(f.adapter, 0, split, false), second = lora_rows(f.adapter, split, kOut, true);
+  EXPECT_EQ(second.parts[0].begin, 0);  // part 0 (rows [0, 3)) lies before the range
+  EXPECT_EQ(second.parts[0].end, 0);
+  EXPECT_EQ(second.parts[1].begin, 0);  // part 1 (rows [4, 7)) from the range's start
+  EXPECT_EQ(second.parts[1].end, kOut - split);
+  const LinearWeight w1{f.w.narrow(0, split), &first}, w2{f.w.narrow(split, kOut), &second};
+  Tensor y1 = Tensor::empty({kTokens, split}), y2 = Tensor::empty({kTokens, kOut - split});
+  linear_forward(y1, f.x, w1);
+  linear_forward(y2, f.x, w2);
+  for (int64_t n = 0; n < kTokens; ++n)
+    for (int64_t o = 0; o < kOut; ++o) {
+      const float got = o < split ? y1.data<float>()[n * split + o] : y2.data<float>()[n * (kOut - split) + o - split];
+      EXPECT_NEAR(got, y.data<float>()[n * kOut + o], 1e-5f) << n << ", " << o;
+    }
+  Tensor dx_rows = Tensor::zeros({kTokens, kIn});
+  linear_backward_input_add(dx_rows, r1, w1);
+  linear_backward_input_add(dx_rows, r2, w2);
+  EXPECT_LT(relative_error(dx_rows, testing::to_double(dx)), 1e-5);
+  f.adapter.grad_a.fill_zero();
+  f.adapter.grad_b.fill_zero();
+  for (int micro_batch = 0; micro_batch < 2; ++micro_batch) {  // the second adds to the first
+    linear_backward_weight({Tensor(), &first}, r1, f.x, micro_batch == 0);
+    linear_backward_weight({Tensor(), &second}, r2, f.x, micro_batch == 0);
+  }
+  std::vector<double> twice_a = testing::to_double(grad_a), twice_b = testing::to_double(grad_b);
+  for (double& v : twice_a) v *= 2.0;
+  for (double& v : twice_b) v *= 2.0;
+  EXPECT_LT(relative_error(f.adapter.grad_a, twice_a), 1e-5);
+  EXPECT_LT(relative_error(f.adapter.grad_b, twice_b), 1e-5);
+}
+
 INSTANTIATE_TEST_SUITE_P(Dropout, OpsLora, ::testing::Values(0.0f, 0.3f));
 
 TEST(OpsLoraDropout, DeterministicInItsSeedAndKeepsOneMinusP) {

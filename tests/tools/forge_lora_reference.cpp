@@ -50,6 +50,7 @@ int run(const std::string& dir) {
   std::unique_ptr<Nf4FrozenBase> nf4;
   if (j.value("quantize_base", "none") == "nf4") nf4 = std::make_unique<Nf4FrozenBase>(*base.params, Device::CPU, DType::F32);
   LoraAdapters adapters(config, lora, Device::CPU, batch * seq);
+  adapters.set_interleaved_rotary(read_weight_layout(dir + "/base").interleaved_rotary);  // DeepSeek's rotary rows
   if (nf4) adapters.set_base(*nf4);
   else adapters.set_base(*base.params);
   load_peft_adapter(dir + "/peft_adapter", adapters);
