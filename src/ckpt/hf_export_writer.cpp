@@ -27,7 +27,8 @@ void pwrite_all(int fd, const std::string& path, const void* data, size_t size, 
   while (size > 0) {
     const ssize_t n = ::pwrite(fd, p, size, static_cast<off_t>(offset));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) FORGE_FAIL("cannot write the Hugging Face export file '{}' at byte {}: {}", path, offset, std::strerror(errno));
+    if (n <= 0)
+      FORGE_FAIL("cannot write the Hugging Face export file '{}' at byte {}: {}", path, offset, std::strerror(errno));
     p += n;
     size -= static_cast<size_t>(n);
     offset += static_cast<uint64_t>(n);
@@ -81,7 +82,8 @@ HfExportPlan::HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, ui
     file.name = shards.size() == 1 ? "model.safetensors"
                                    : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     std::vector<SafetensorsTensorRef> refs;
-    for (size_t k : shards[s]) refs.push_back({tensors_[k].part.name, tensors_[k].part.shape, nullptr, {}, tensors_[k].dtype});
+    for (size_t k : shards[s])
+      refs.push_back({tensors_[k].part.name, tensors_[k].part.shape, nullptr, {}, tensors_[k].dtype});
     file.header = safetensors_header(refs, dtype, {{"format", "pt"}});
     uint64_t offset = sizeof(uint64_t) + file.header.size();
     for (size_t k : shards[s]) {
@@ -104,7 +106,8 @@ void HfExportPlan::create_files(const std::string& dir) const {
       pwrite_all(fd, path, &length, sizeof(length), 0);
       pwrite_all(fd, path, f.header.data(), f.header.size(), sizeof(length));
       if (::ftruncate(fd, static_cast<off_t>(f.bytes)) != 0)
-        FORGE_FAIL("cannot size the Hugging Face export file '{}' to {} bytes: {}", path, f.bytes, std::strerror(errno));
+        FORGE_FAIL("cannot size the Hugging Face export file '{}' to {} bytes: {}", path, f.bytes,
+                   std::strerror(errno));
     } catch (...) {
       ::close(fd);
       throw;
@@ -135,7 +138,8 @@ void HfExportWriter::close() {
 int HfExportWriter::file(size_t index) {
   if (fds_[index] >= 0) return fds_[index];
   fds_[index] = ::open(paths_[index].c_str(), O_WRONLY | O_CLOEXEC);  // made by create_files
-  if (fds_[index] < 0) FORGE_FAIL("cannot open the Hugging Face export file '{}': {}", paths_[index], std::strerror(errno));
+  if (fds_[index] < 0)
+    FORGE_FAIL("cannot open the Hugging Face export file '{}': {}", paths_[index], std::strerror(errno));
   return fds_[index];
 }
 
@@ -150,11 +154,14 @@ void HfExportWriter::write(size_t spec, std::span<const float> values, int64_t b
   }
   const std::vector<ShardRun> runs = tensor_parallel_runs(full, shard);
   const int64_t shard_numel = runs.empty() ? 0 : runs.back().local_begin + runs.back().count;
-  FORGE_CHECK(begin >= 0 && end <= shard_numel, "Hugging Face export: elements [{}, {}) of tensor-parallel rank {}'s {} "
-              "of '{}'", begin, end, shard.rank, shard_numel, full.name);
+  FORGE_CHECK(begin >= 0 && end <= shard_numel,
+              "Hugging Face export: elements [{}, {}) of tensor-parallel rank {}'s {} "
+              "of '{}'",
+              begin, end, shard.rank, shard_numel, full.name);
   for (const ShardRun& run : runs) {
     const int64_t from = std::max(begin, run.local_begin), to = std::min(end, run.local_begin + run.count);
-    if (from < to) write_whole(spec, run.full_begin + (from - run.local_begin), values.data() + (from - begin), to - from);
+    if (from < to)
+      write_whole(spec, run.full_begin + (from - run.local_begin), values.data() + (from - begin), to - from);
   }
 }
 

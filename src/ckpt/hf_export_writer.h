@@ -34,11 +34,11 @@ namespace forge {
 
 // One Hugging Face tensor of the export and where its bytes go.
 struct HfExportTensor {
-  HfPart part;              // its name, shape, place in its parameter and row order
-  size_t spec = 0;          // its parameter (parameter_specs index); an empty part has none
+  HfPart part;                                     // its name, shape, place in its parameter and row order
+  size_t spec = 0;                                 // its parameter (parameter_specs index); an empty part has none
   SafetensorsDType dtype = SafetensorsDType::F32;  // as stored
-  size_t file = 0;          // which of the plan's files holds it
-  uint64_t begin = 0;       // the file offset of its first byte
+  size_t file = 0;                                 // which of the plan's files holds it
+  uint64_t begin = 0;                              // the file offset of its first byte
   // Row r of the part (counted from part.offset) is the stored tensor's row file_row[r]:
   // part.row_order inverted; empty: the same row.
   std::vector<int64_t> file_row = {};

@@ -282,10 +282,11 @@ void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
   }
   check_all_used(dir, files, config, layout, used);
   if (!stages.empty())
-    log_info("weights: the pipeline stages' {} of the {} parameters read{} from the Hugging Face model in {}",
+    log_info("weights: this rank's pipeline stages, {} of the {} parameters, read{} from the Hugging Face model in {}",
              read, config.total_params(),
-             shard.size > 1 ? fmt::format(" (tensor-parallel rank {} of {}: its shards of them)", shard.rank, shard.size)
-                            : "",
+             shard.size > 1
+                 ? fmt::format(" (tensor-parallel rank {} of {}: its shards of them)", shard.rank, shard.size)
+                 : "",
              dir);
   else if (shard.size > 1)
     log_info("weights: tensor-parallel rank {} of {} read its shards of the {} parameters of the Hugging Face model in "

@@ -165,23 +165,34 @@ size_t write_through_host(const Tensor& t, int64_t window,
 // writes what it holds into the export's files (NOTE [Export written in pieces] in
 // ckpt/hf_export_writer.h). Rank 0 makes the temporary directory (named with its pid, which
 // every rank learns through an all-reduce) with every weight file at its full size and its
-// header; after a barrier every rank of the first data-parallel replica of its stage writes
-// its values at their places: its stages' parameters whole, or its chunks of them under FSDP
-// (ZeRO-1 over the stage's ranks, context-parallel ones included), of its shards of them
-// under tensor parallelism (the norm weights, which every tensor-parallel rank holds, by
-// tensor-parallel rank 0 alone), from the GPU through a host window of checkpoint.buffer_mb.
-// The ranks then sum whether each wrote and how many elements, which must be the model's
-// (every element written once), and rank 0 writes the index, config.json and the source's
-// files and renames the directory into place; a last barrier holds every rank until it is
-// there. The files are byte for byte one rank's export of the same weights; a rank adds
-// to its memory at most the window and a 128 KiB conversion buffer.
+// header; after an all-reduce that says whether it could, every rank of the first
+// data-parallel replica of its stage writes its values at their places: its stages'
+// parameters whole, or its chunks of them under FSDP (ZeRO-1 over the stage's ranks,
+// context-parallel ones included), of its shards of them under tensor parallelism (the norm
+// weights, which every tensor-parallel rank holds, by tensor-parallel rank 0 alone), from
+// the GPU through a host window of checkpoint.buffer_mb. The ranks then sum whether each
+// wrote and how many elements, which must be the model's (every element written once), and
+// rank 0 writes the index, config.json and the source's files and renames the directory
+// into place; a last all-reduce holds every rank until it is there (or says it is not). The files are byte for
+// byte one rank's export of the same weights; a rank adds to its memory at most the window
+// and a 128 KiB conversion buffer.
 void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOptions& options) {
   DataParallelComm& comm = *checkpoint_comm();  // every rank
   const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
   const std::string temporary = hf_export_temporary_path(dir, token);
   std::unique_ptr<HfExportDirectory> out;
-  if (rank_ == 0) out = std::make_unique<HfExportDirectory>(dir, config_.model, options, temporary);
-  world_->barrier();
+  std::string failure;
+  if (rank_ == 0) {
+    try {
+      out = std::make_unique<HfExportDirectory>(dir, config_.model, options, temporary);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  // The files are there before any rank writes (an all-reduce holds every rank until rank 0's part).
+  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
+    FORGE_FAIL("the Hugging Face export to '{}' could not be started: {}", dir,
+               failure.empty() ? std::string("rank 0 could not create its files (its log says why)") : failure);
   const bool writer = !replicate_group_ || replicate_group_->rank() == 0;
   const HfExportPlan plan = hf_export_plan(config_.model, options);
   const int64_t window = std::max<int64_t>(static_cast<int64_t>(checkpoint_buffer_bytes() / sizeof(float)), 1);
@@ -190,7 +201,6 @@ void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOpt
   auto mine = [&](size_t spec) {
     return shard.rank == 0 || plan.specs()[spec].tensor_parallel != TensorParallelSplit::Replicated;
   };
-  std::string failure;
   int64_t written = 0;
   size_t staged = 0;
   if (writer) {
@@ -227,7 +237,8 @@ void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOpt
   }
   const std::vector<double> sums =
       comm.sum_over_ranks(std::vector<double>{failure.empty() ? 0.0 : 1.0, static_cast<double>(written)});
-  if (!failure.empty()) FORGE_FAIL("the Hugging Face export to '{}' could not be written by rank {}: {}", dir, rank_, failure);
+  if (!failure.empty())
+    FORGE_FAIL("the Hugging Face export to '{}' could not be written by rank {}: {}", dir, rank_, failure);
   if (sums[0] > 0)
     FORGE_FAIL("the Hugging Face export to '{}' could not be written: {} rank(s) failed to write their part (their "
                "logs say why)",
@@ -236,12 +247,22 @@ void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOpt
               "the Hugging Face export to '{}': the ranks wrote {} elements, the model has {}", dir,
               std::llround(sums[1]), plan.numel());
   if (out) {
-    out->commit();
-    log_info("the Hugging Face export was written by every pipeline rank, each its own parameters (nothing gathered; "
-             "rank 0 staged {:.1f} MiB of host memory for it)",
-             static_cast<double>(staged) / (1024.0 * 1024.0));
+    try {
+      out->commit();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
   }
-  world_->barrier();  // the export is in place before any rank goes on
+  // The export is in place before any rank goes on.
+  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
+    FORGE_FAIL("the Hugging Face export to '{}' could not be completed: {}", dir,
+               failure.empty() ? std::string("rank 0 could not finish it (its log says why)") : failure);
+  if (out)
+    log_info("the Hugging Face export was written by every pipeline rank, each its own parameters (nothing gathered; "
+             "{})",
+             staged == 0
+                 ? std::string("written from where they are")
+                 : fmt::format("rank 0 staged {:.1f} MiB from the GPU", static_cast<double>(staged) / 1048576.0));
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {

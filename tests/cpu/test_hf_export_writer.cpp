@@ -90,7 +90,8 @@ std::map<std::string, std::string> reference_files(const FlatParameters& params,
   std::vector<std::vector<SafetensorsTensorRef>> shards(1);
   uint64_t bytes = 0;
   for (const auto& t : refs) {
-    const uint64_t size = static_cast<uint64_t>(shape_numel(t.shape)) * safetensors_dtype_size(t.stored.value_or(dtype));
+    const uint64_t size =
+        static_cast<uint64_t>(shape_numel(t.shape)) * safetensors_dtype_size(t.stored.value_or(dtype));
     if (!shards.back().empty() && bytes + size > max_bytes) {
       shards.emplace_back();
       bytes = 0;
@@ -100,8 +101,9 @@ std::map<std::string, std::string> reference_files(const FlatParameters& params,
   }
   std::map<std::string, std::string> files;
   for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string name = shards.size() == 1 ? "model.safetensors"
-                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+    const std::string name = shards.size() == 1
+                                 ? "model.safetensors"
+                                 : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
     write_safetensors(dir + "/" + name, shards[s], dtype, {{"format", "pt"}});
     files[name] = bytes_of(dir + "/" + name);
   }
@@ -132,8 +134,8 @@ TEST(HfExportWriter, PlannedFilesAreWriteSafetensorsOfTheModelsTensors) {
   for (const ModelConfig& config : {llama(), deepseek_v3()})
     for (SafetensorsDType dtype : {SafetensorsDType::F32, SafetensorsDType::BF16, SafetensorsDType::F16})
       for (uint64_t max_bytes : {uint64_t{5'000'000'000}, uint64_t{3000}}) {
-        SCOPED_TRACE(fmt::format("{} {} max {}", config.mla() ? "deepseek" : "llama", safetensors_dtype_name(dtype),
-                                 max_bytes));
+        SCOPED_TRACE(
+            fmt::format("{} {} max {}", config.mla() ? "deepseek" : "llama", safetensors_dtype_name(dtype), max_bytes));
         TempDir dir;
         FlatParameters params(config);
         fill(params, 7);
@@ -248,7 +250,8 @@ TEST(HfExportWriter, AnExportFromSeveralWritersIsSaveHfModels) {
     EXPECT_TRUE(std::filesystem::is_directory(temporary));
     const HfExportPlan plan = hf_export_plan(config, options);
     HfExportWriter first(plan, temporary), second(plan, temporary);
-    for (size_t i = 0; i < params.specs().size(); ++i) (i % 2 ? first : second).write(i, values_of(params.tensors()[i]));
+    for (size_t i = 0; i < params.specs().size(); ++i)
+      (i % 2 ? first : second).write(i, values_of(params.tensors()[i]));
     first.close();
     second.close();
     out.commit();

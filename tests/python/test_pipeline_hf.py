@@ -6,14 +6,16 @@ ranks and 2 stages x 2 context-parallel ranks follow one rank's run from the sam
 (losses, gradient norms and validation losses within 1e-5), each rank reading only its
 stages' tensors, and export folders that transformers loads with one rank's exported weights
 (within fp32 reordering) and logits; with a zero learning rate 2 stages x 2 tensor-parallel
-ranks x FSDP 2 export the source's weights bit for bit, in files byte for byte one rank's."""
+ranks x FSDP 2 export the source's weights bit for bit, in files byte for byte one rank's;
+and a folder missing a tensor of the last stage is refused, naming it."""
 import json
 import os
+import shutil
 import unittest
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_tiny import DEBUG_TINY, random_model
@@ -39,7 +41,12 @@ class PipelineHuggingFace(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = scratch_dir()
         cls.source = os.path.join(cls.tmp, "source")
-        random_model("llama", dict(DEBUG_TINY, num_hidden_layers=4), seed=5).save_pretrained(cls.source)
+        model = random_model("llama", dict(DEBUG_TINY, num_hidden_layers=4), seed=5)
+        with torch.no_grad():  # matrices N(0, 0.06): a model whose training is not chaotic
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.mul_(0.2)
+        model.save_pretrained(cls.source)
         cls.start = ["--checkpoint.initial_load_path", cls.source]
         cls.one = os.path.join(cls.tmp, "one")
         cls.train(cls.one, 1, 1, *cls.start, *EXPORT)
@@ -67,7 +74,7 @@ class PipelineHuggingFace(unittest.TestCase):
                 run = os.path.join(self.tmp, name)
                 result = self.train(run, ranks, data_ranks, *flags, *self.start, *EXPORT)
                 output = result.stdout + result.stderr
-                self.assertIn("weights: the pipeline stages'", output)
+                self.assertIn("weights: this rank's pipeline stages", output)
                 self.assertIn("the Hugging Face export was written by every pipeline rank", output)
                 for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
                     self.assertLess(max_relative_difference(records(run, kind), records(self.one, kind), key), 1e-5,
@@ -104,6 +111,18 @@ class PipelineHuggingFace(unittest.TestCase):
         self.assertEqual(sorted(source), sorted(exported))
         for key in source:
             self.assertTrue(torch.equal(source[key], exported[key]), key)
+
+    def test_a_tensor_missing_from_the_last_stage_is_refused_naming_it(self):
+        damaged = os.path.join(self.tmp, "damaged")
+        shutil.copytree(self.source, damaged)
+        weights = load_file(os.path.join(damaged, "model.safetensors"))
+        del weights["model.layers.3.mlp.down_proj.weight"]
+        save_file(weights, os.path.join(damaged, "model.safetensors"), metadata={"format": "pt"})
+        result = train_on_ranks(os.path.join(self.tmp, "from-damaged"), 2, 1, *PP2, "--checkpoint.initial_load_path",
+                                damaged, steps=2, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        # (Stage 0's rank checks the tensor too, but the first rank to fail stops the other.)
+        self.assertIn(f"error: {damaged}: no tensor 'model.layers.3.mlp.down_proj.weight'", result.stdout + result.stderr)
 
 
 if __name__ == "__main__":
