@@ -1,6 +1,7 @@
 #include "ckpt/hf_export.h"
 
 #include <filesystem>
+#include <span>
 
 #include "ckpt/hf_config.h"
 #include "ckpt/hf_layout.h"
@@ -46,64 +47,6 @@ SourceConfig read_source_config(const std::string& source_dir) {
   return source;
 }
 
-std::vector<SafetensorsTensorRef> hf_tensors(const FlatParameters& params, const HfWeightLayout& layout) {
-  std::vector<SafetensorsTensorRef> out;
-  for (size_t i = 0; i < params.specs().size(); ++i) {
-    const float* data = params.tensors()[i].data<float>();
-    for (HfPart& part : hf_parts(params.specs()[i], layout.interleaved_rotary))
-      out.push_back({part.name, part.shape, data + part.offset, std::move(part.row_order),
-                     part.keep_fp32 ? std::optional(SafetensorsDType::F32) : std::nullopt});
-  }
-  for (const HfPart& part : hf_empty_parts(params.config())) out.push_back({part.name, part.shape, nullptr});
-  return out;
-}
-
-uint64_t stored_bytes(const SafetensorsTensorRef& t, SafetensorsDType dtype) {
-  return static_cast<uint64_t>(shape_numel(t.shape)) * safetensors_dtype_size(t.stored.value_or(dtype));
-}
-
-// Consecutive runs of tensors of at most max_bytes each (a larger tensor gets a shard of
-// its own), as save_pretrained splits them.
-std::vector<std::vector<SafetensorsTensorRef>> split_into_shards(const std::vector<SafetensorsTensorRef>& tensors,
-                                                                 SafetensorsDType dtype, uint64_t max_bytes) {
-  std::vector<std::vector<SafetensorsTensorRef>> shards(1);
-  uint64_t bytes = 0;
-  for (const auto& t : tensors) {
-    const uint64_t size = stored_bytes(t, dtype);
-    if (!shards.back().empty() && bytes + size > max_bytes) {
-      shards.emplace_back();
-      bytes = 0;
-    }
-    shards.back().push_back(t);
-    bytes += size;
-  }
-  return shards;
-}
-
-void write_weights(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options,
-                   const HfWeightLayout& layout) {
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  auto shards = split_into_shards(hf_tensors(params, layout), options.dtype, options.max_shard_bytes);
-  if (shards.size() == 1) {
-    write_safetensors((dir / "model.safetensors").string(), shards[0], options.dtype, metadata);
-    return;
-  }
-  nlohmann::json weight_map = nlohmann::json::object();
-  uint64_t total_bytes = 0;
-  for (size_t s = 0; s < shards.size(); ++s) {
-    const std::string file = fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
-    write_safetensors((dir / file).string(), shards[s], options.dtype, metadata);
-    for (const auto& t : shards[s]) {
-      weight_map[t.name] = file;
-      total_bytes += stored_bytes(t, options.dtype);
-    }
-  }
-  nlohmann::json index = {
-      {"metadata", {{"total_parameters", params.config().total_params()}, {"total_size", total_bytes}}},
-      {"weight_map", weight_map}};
-  write_file_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n", kExportDurability);
-}
-
 const char* torch_dtype_name(SafetensorsDType dtype) {
   switch (dtype) {
     case SafetensorsDType::BF16: return "bfloat16";
@@ -114,12 +57,12 @@ const char* torch_dtype_name(SafetensorsDType dtype) {
 
 // NOTE [Export keeps the source's config] in hf_export.h.
 // Returns the architecture class written.
-std::string write_config(const fs::path& dir, const FlatParameters& params, const HfExportOptions& options,
+std::string write_config(const fs::path& dir, const ModelConfig& model, const HfExportOptions& options,
                          const SourceConfig& source) {
   nlohmann::ordered_json config =
       source.config.is_null() ? nlohmann::ordered_json() : nlohmann::ordered_json::parse(source.config.dump());
   const nlohmann::ordered_json written =
-      hf_config_from_model(params.config(), torch_dtype_name(options.dtype), source.family, source.layout);
+      hf_config_from_model(model, torch_dtype_name(options.dtype), source.family, source.layout);
   for (const auto& [key, value] : written.items()) config[key] = value;
   write_file_atomic((dir / "config.json").string(), config.dump(2) + "\n", kExportDurability);
   return config["architectures"][0].get<std::string>();
@@ -135,7 +78,81 @@ void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
   }
 }
 
+// model.safetensors.index.json of a sharded export, as save_pretrained writes it.
+void write_index(const fs::path& dir, const ModelConfig& model, const HfExportPlan& plan) {
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total_bytes = 0;
+  for (const HfExportTensor& t : plan.tensors()) {
+    weight_map[t.part.name] = plan.files()[t.file].name;
+    total_bytes += static_cast<uint64_t>(shape_numel(t.part.shape)) * safetensors_dtype_size(t.dtype);
+  }
+  nlohmann::json index = {{"metadata", {{"total_parameters", model.total_params()}, {"total_size", total_bytes}}},
+                          {"weight_map", weight_map}};
+  write_file_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n", kExportDurability);
+}
+
+// The export's directory as given, without a trailing separator.
+std::string export_target(const std::string& dir) {
+  fs::path target = fs::path(dir).lexically_normal();
+  if (!target.has_filename()) target = target.parent_path();
+  if (target.empty()) FORGE_FAIL("Hugging Face export: no target directory given");
+  return target.string();
+}
+
+// Checks the target and the source and creates the target's parent; returns the target.
+std::string prepare_target(const std::string& dir, const ModelConfig& model, const HfExportOptions& options) {
+  FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16 ||
+                  options.dtype == SafetensorsDType::F16,
+              "Hugging Face export stores F32, BF16 or F16, not {}", safetensors_dtype_name(options.dtype));
+  FORGE_CHECK(options.max_shard_bytes > 0, "max_shard_bytes must be positive");
+  const fs::path target = export_target(dir);
+  check_hf_export_target(target.string());
+  if (!options.source_dir.empty() && !fs::is_directory(options.source_dir))
+    FORGE_FAIL("Hugging Face export: source model directory '{}' does not exist", options.source_dir);
+  std::error_code ec;
+  if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
+  if (ec) FORGE_FAIL("cannot create '{}': {}", target.parent_path().string(), ec.message());
+  const SourceConfig source = read_source_config(options.source_dir);
+  hf_config_from_model(model, "float32", source.family, source.layout);  // refuses before writing
+  return target.string();
+}
+
 }  // namespace
+
+HfExportPlan hf_export_plan(const ModelConfig& config, const HfExportOptions& options) {
+  const SourceConfig source = read_source_config(options.source_dir);
+  return HfExportPlan(config, options.dtype, options.max_shard_bytes, source.layout.interleaved_rotary);
+}
+
+std::string hf_export_temporary_path(const std::string& dir, int64_t token) {
+  return fmt::format("{}.tmp-export-{}", export_target(dir), token);
+}
+
+HfExportDirectory::HfExportDirectory(const std::string& dir, const ModelConfig& config, const HfExportOptions& options,
+                                     const std::string& temporary)
+    : config_(config),
+      options_(options),
+      target_(prepare_target(dir, config, options)),
+      plan_(hf_export_plan(config, options)) {
+  staging_ = temporary.empty() ? std::make_unique<AtomicDirectory>(target_, kExportDurability)
+                               : std::make_unique<AtomicDirectory>(target_, temporary, kExportDurability);
+  plan_.create_files(staging_->temporary_path());
+}
+
+HfExportDirectory::~HfExportDirectory() = default;
+
+const std::string& HfExportDirectory::temporary_path() const { return staging_->temporary_path(); }
+
+void HfExportDirectory::commit() {
+  const fs::path temp = staging_->temporary_path();
+  if (plan_.files().size() > 1) write_index(temp, config_, plan_);
+  const SourceConfig source = read_source_config(options_.source_dir);
+  const std::string architecture = write_config(temp, config_, options_, source);
+  if (!options_.source_dir.empty()) copy_companion_files(temp, options_.source_dir);
+  staging_->commit();  // replaces an empty target directory, checked before
+  log_info("exported the model as Hugging Face {} ({}) to {}", architecture, safetensors_dtype_name(options_.dtype),
+           target_);
+}
 
 void check_hf_export_target(const std::string& dir) {
   const fs::path target(dir);
@@ -153,32 +170,19 @@ void check_hf_exportable(const ModelConfig& config, const std::string& source_di
 }
 
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options) {
-  FORGE_CHECK(options.dtype == SafetensorsDType::F32 || options.dtype == SafetensorsDType::BF16 ||
-                  options.dtype == SafetensorsDType::F16,
-              "Hugging Face export stores F32, BF16 or F16, not {}", safetensors_dtype_name(options.dtype));
-  FORGE_CHECK(options.max_shard_bytes > 0, "max_shard_bytes must be positive");
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "Hugging Face export reads fp32 weights in host memory");
-  fs::path target = fs::path(dir).lexically_normal();
-  if (!target.has_filename()) target = target.parent_path();
-  if (target.empty()) FORGE_FAIL("Hugging Face export: no target directory given");
-  check_hf_export_target(target.string());
-  if (!options.source_dir.empty() && !fs::is_directory(options.source_dir))
-    FORGE_FAIL("Hugging Face export: source model directory '{}' does not exist", options.source_dir);
-
-  std::error_code ec;
-  if (target.has_parent_path()) fs::create_directories(target.parent_path(), ec);
-  if (ec) FORGE_FAIL("cannot create '{}': {}", target.parent_path().string(), ec.message());
-  const SourceConfig source = read_source_config(options.source_dir);
-  hf_config_from_model(params.config(), "float32", source.family, source.layout);  // refuses before writing
-  AtomicDirectory staging(target.string(), kExportDurability);
-  const fs::path temp = staging.temporary_path();
-  write_weights(temp, params, options, source.layout);
-  const std::string architecture = write_config(temp, params, options, source);
-  if (!options.source_dir.empty()) copy_companion_files(temp, options.source_dir);
-  staging.commit();  // replaces an empty target directory, checked above
-  log_info("exported the model as Hugging Face {} ({}) to {}", architecture, safetensors_dtype_name(options.dtype),
-           target.string());
+  HfExportDirectory out(dir, params.config(), options);
+  FORGE_CHECK(params.specs().size() == out.plan().specs().size() && params.flat().numel() == out.plan().numel(),
+              "Hugging Face export writes the whole model: {} parameters of {} elements given, the model has {} of {}",
+              params.specs().size(), params.flat().numel(), out.plan().specs().size(), out.plan().numel());
+  HfExportWriter writer(out.plan(), out.temporary_path());
+  for (size_t i = 0; i < params.specs().size(); ++i) {
+    const Tensor& t = params.tensors()[i];
+    writer.write(i, std::span<const float>(t.data<float>(), static_cast<size_t>(t.numel())));
+  }
+  writer.close();
+  out.commit();
 }
 
 }  // namespace forge

@@ -24,12 +24,16 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 
+#include "ckpt/hf_export_writer.h"
 #include "ckpt/safetensors.h"
 #include "model/parameters.h"
 
 namespace forge {
+
+class AtomicDirectory;
 
 // checkpoint.export_dtype's resolved value (bf16, fp16 or fp32) as the stored dtype.
 SafetensorsDType export_safetensors_dtype(const std::string& export_dtype);
@@ -46,6 +50,41 @@ struct HfExportOptions {
 // Writes params (fp32 on the CPU; and params.config()) as a Hugging Face model directory
 // at dir.
 void save_hf_model(const std::string& dir, const FlatParameters& params, const HfExportOptions& options = {});
+
+// The weight files an export of `config` with `options` writes (NOTE [Export written in
+// pieces] in ckpt/hf_export_writer.h), the same on every rank.
+HfExportPlan hf_export_plan(const ModelConfig& config, const HfExportOptions& options);
+
+// An export in the making, for writers of their own (save_hf_model's one, or many
+// processes at once: NOTE [Export written in pieces]): the target checked as save_hf_model
+// checks it, a temporary directory beside it holding every weight file at its full size
+// with its header, for HfExportWriters to fill; commit() adds the index, config.json and
+// the source's files and renames it into place (NOTE [Atomic export]). Destroyed
+// uncommitted, it removes the temporary directory.
+class HfExportDirectory {
+ public:
+  // `temporary`: the temporary directory's path (hf_export_temporary_path, which other
+  // processes can compute); empty: this process's own name for it.
+  HfExportDirectory(const std::string& dir, const ModelConfig& config, const HfExportOptions& options,
+                    const std::string& temporary = "");
+  ~HfExportDirectory();
+
+  const HfExportPlan& plan() const { return plan_; }
+  const std::string& temporary_path() const;
+  // The writers must have written every element and closed their files.
+  void commit();
+
+ private:
+  ModelConfig config_;
+  HfExportOptions options_;
+  std::string target_;
+  HfExportPlan plan_;
+  std::unique_ptr<AtomicDirectory> staging_;
+};
+
+// The temporary directory of an export to `dir` whose processes agreed on `token` (the
+// first rank's pid, say).
+std::string hf_export_temporary_path(const std::string& dir, int64_t token);
 
 // Fails, naming dir, when save_hf_model would refuse it (it exists and is not an empty
 // directory), so a run can refuse before it trains rather than after.

@@ -152,7 +152,8 @@ void reorder_rows(const HfPart& part, float* rows) {
 // One forge parameter's Hugging Face tensors into dst (fp32), each checked: its parts, or
 // the one tensor of its alias (ParamSpec::hf_alias) when the files hold that instead. With
 // `runs` (a tensor-parallel rank's shard of it: tensor_parallel_runs) only the elements of
-// the runs are read, each to its place in the shard.
+// the runs are read, each to its place in the shard. dst null: checked (present, with its
+// shape) and counted as used, not read (another pipeline stage's parameter).
 void read_parameter(const std::string& dir, const HfWeightFiles& files, const ParamSpec& spec,
                     const HfWeightLayout& layout, float* dst, std::set<std::string>& used,
                     const std::vector<ShardRun>& runs = {}) {
@@ -175,6 +176,7 @@ void read_parameter(const std::string& dir, const HfWeightFiles& files, const Pa
       FORGE_FAIL("{}: tensor '{}' has shape {}, but the model's architecture needs {}", t.file->path(), part.name,
                  shape_str(t.entry->shape), shape_str(part.shape));
     used.insert(part.name);
+    if (dst == nullptr) continue;
     if (runs.empty()) {
       t.file->read_as_float(*t.entry, dst + part.offset);
       reorder_rows(part, dst + part.offset);
@@ -253,23 +255,40 @@ void load_hf_weights(const std::string& dir, FlatParameters& params) {
 }
 
 void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
-                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard) {
+                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard,
+                           const std::vector<PipelineStage>& stages) {
   check_architecture(dir, config);
   const HfWeightLayout layout = read_weight_layout(dir);
   HfWeightFiles files(dir);
   const std::vector<ParamSpec> specs = parameter_specs(config), held = parameter_specs(config, shard);
-  int64_t largest = 0;
-  for (const ParamSpec& spec : held) largest = std::max(largest, shape_numel(spec.shape));
+  // NOTE [Pipeline stages]: a pipeline rank reads its stages' parameters alone.
+  std::set<std::string> in_stages;
+  for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) in_stages.insert(spec.name);
+  int64_t largest = 0, read = 0;
+  for (const ParamSpec& spec : held)
+    if (in_stages.count(spec.name)) largest = std::max(largest, shape_numel(spec.shape));
   Tensor buffer = Tensor::empty({largest});
   std::set<std::string> used;
   for (size_t i = 0; i < specs.size(); ++i) {
+    if (!in_stages.count(specs[i].name)) {
+      read_parameter(dir, files, specs[i], layout, nullptr, used);  // every rank checks the whole model
+      continue;
+    }
     const Tensor values = buffer.narrow(0, shape_numel(held[i].shape)).view(held[i].shape);
     const std::vector<ShardRun> runs = shard.size > 1 ? tensor_parallel_runs(specs[i], shard) : std::vector<ShardRun>{};
     read_parameter(dir, files, specs[i], layout, values.data<float>(), used, runs);
     consume(i, values);
+    read += shape_numel(specs[i].shape);
   }
   check_all_used(dir, files, config, layout, used);
-  if (shard.size > 1)
+  if (!stages.empty())
+    log_info("weights: this rank's pipeline stages, {} of the {} parameters, read{} from the Hugging Face model in {}",
+             read, config.total_params(),
+             shard.size > 1
+                 ? fmt::format(" (tensor-parallel rank {} of {}: its shards of them)", shard.rank, shard.size)
+                 : "",
+             dir);
+  else if (shard.size > 1)
     log_info("weights: tensor-parallel rank {} of {} read its shards of the {} parameters of the Hugging Face model in "
              "{}",
              shard.rank, shard.size, config.total_params(), dir);

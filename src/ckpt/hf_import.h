@@ -57,8 +57,12 @@ void load_hf_weights_checked(const std::string& dir, FlatParameters& params);
 // largest parameter is ever held (QLoRA's import, NOTE [QLoRA base] in model/nf4_base.h).
 // With `shard` each is tensor-parallel rank shard.rank's shard of it (NOTE [Tensor-parallel
 // shards] in model/parameters.h, shaped as parameter_specs(config, shard) says), and only
-// the shard's elements are read from the files.
+// the shard's elements are read from the files. With `stages` (a pipeline rank's: NOTE
+// [Pipeline stages] in model/pipeline_stage.h) only the stages' parameters are read and
+// handed over (pipeline_stage_specs); the others' tensors are checked all the same, so every
+// rank refuses a damaged model alike.
 void for_each_hf_parameter(const std::string& dir, const ModelConfig& config,
-                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard = {});
+                           const std::function<void(size_t, const Tensor&)>& consume, TensorParallelShard shard = {},
+                           const std::vector<PipelineStage>& stages = {});
 
 }  // namespace forge

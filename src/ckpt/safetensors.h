@@ -100,4 +100,11 @@ struct SafetensorsTensorRef {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,
                        SafetensorsDType stored, const std::map<std::string, std::string>& metadata);
 
+// The header write_safetensors writes for these tensors (their shapes, names and dtypes; the
+// data pointers are not read): the JSON, padded so that the data section starts 8-byte
+// aligned, without the 8-byte length before it. Tensor i's bytes follow one another from
+// data-section offset 0 in the order given.
+std::string safetensors_header(const std::vector<SafetensorsTensorRef>& tensors, SafetensorsDType stored,
+                               const std::map<std::string, std::string>& metadata);
+
 }  // namespace forge

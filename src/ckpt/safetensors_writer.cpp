@@ -20,8 +20,10 @@ SafetensorsDType stored_as(const SafetensorsTensorRef& t, SafetensorsDType file_
   return dtype;
 }
 
-std::string header_text(const std::vector<SafetensorsTensorRef>& tensors, SafetensorsDType stored,
-                        const std::map<std::string, std::string>& metadata) {
+}  // namespace
+
+std::string safetensors_header(const std::vector<SafetensorsTensorRef>& tensors, SafetensorsDType stored,
+                               const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::set<std::string> names;
@@ -43,13 +45,11 @@ std::string header_text(const std::vector<SafetensorsTensorRef>& tensors, Safete
   return text;
 }
 
-}  // namespace
-
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensorRef>& tensors,
                        SafetensorsDType stored, const std::map<std::string, std::string>& metadata) {
   FORGE_CHECK(stored == SafetensorsDType::F32 || stored == SafetensorsDType::BF16 || stored == SafetensorsDType::F16,
               "safetensors writer stores F32, BF16 or F16, not {}", safetensors_dtype_name(stored));
-  const std::string header = header_text(tensors, stored, metadata);
+  const std::string header = safetensors_header(tensors, stored, metadata);
   const uint64_t header_bytes = header.size();
 
   AtomicFile out(path, {.sync = false});  // NOTE [Durable files]

@@ -399,10 +399,6 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
          "LoRA adapters are not split over pipeline stages");
   refuse(config.precision.fp8 != "none", "precision.fp8", "FP8 scales are not kept per pipeline stage");
   refuse(m.mla(), "model.kv_lora_rank", "Multi-head Latent Attention blocks are not cut into stages");
-  refuse(config.checkpoint.initial_load_in_hf, "checkpoint.initial_load_in_hf",
-         "the Hugging Face import fills the whole model on every rank");
-  refuse(config.checkpoint.last_save_in_hf, "checkpoint.last_save_in_hf",
-         "the export gathers the whole model on rank 0");
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):

@@ -143,6 +143,9 @@ class Trainer {
   // checkpoint.last_save_in_hf under tensor parallelism: the shards gathered into the whole
   // model on rank 0, exported there (trainer_hf.cpp).
   void export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options);
+  // checkpoint.last_save_in_hf under pipeline parallelism: every rank writes its own values
+  // into the files (NOTE [Pipeline export] in trainer_hf.cpp).
+  void export_pipeline_hf_model(const std::string& dir, const HfExportOptions& options);
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();

@@ -3,12 +3,19 @@
 // (checkpoint.last_save_in_hf, into <run_dir>/hf, in checkpoint.export_dtype). The ckpt layer reads and writes fp32
 // weights in host memory; on CUDA the master weights pass through a host copy. Under tensor
 // parallelism each rank reads only its shards of the imported tensors, and the export
-// gathers the shards into whole tensors first: the same files as one rank's.
+// gathers the shards into whole tensors first: the same files as one rank's. Under pipeline
+// parallelism each rank reads only its stages' tensors, and every rank writes its own
+// values into the export's files (NOTE [Pipeline export]).
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/peft_adapter.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
+#include <functional>
+#include <map>
 #include <optional>
 #include <span>
 
@@ -24,9 +31,10 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     // run's frozen base too: NOTE [Frozen FSDP base]): the host holds the largest
     // parameter in fp32, not the model. Under tensor parallelism each parameter is the
     // rank's shard of it, and only the shard is read.
+    // A pipeline rank reads its stages' parameters alone (FSDP over a stage's parameters).
     for_each_hf_parameter(
         dir, config_.model, [&](size_t spec, const Tensor& values) { fsdp_->set_parameter(spec, values); },
-        tensor_parallel_shard_);
+        tensor_parallel_shard_, pipeline_stages_);
     fsdp_->refresh_compute_weights(false);
     return;
   }
@@ -45,11 +53,16 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
                     static_cast<double>(nf4_base_->codes().nbytes()) / (1024.0 * 1024.0),
                     config_.precision.compute_dtype);
   }
-  if (tensor_parallel_) {
-    // The rank's shards (NOTE [Tensor-parallel shards]), read one parameter at a time.
+  if (tensor_parallel_ || pipeline_) {
+    // The rank's shards (NOTE [Tensor-parallel shards]) of its stages' parameters (NOTE
+    // [Pipeline stages]), read one parameter at a time.
+    const std::vector<ParamSpec> specs = parameter_specs(config_.model);
+    std::map<std::string, size_t> held;
+    for (size_t k = 0; k < params_->specs().size(); ++k) held[params_->specs()[k].name] = k;
     for_each_hf_parameter(
-        dir, config_.model, [&](size_t spec, const Tensor& values) { params_->tensors()[spec].copy_from(values); },
-        tensor_parallel_shard_);
+        dir, config_.model,
+        [&](size_t spec, const Tensor& values) { params_->tensors()[held.at(specs[spec].name)].copy_from(values); },
+        tensor_parallel_shard_, pipeline_stages_);
   } else if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
   } else {
@@ -70,6 +83,7 @@ void Trainer::export_hf_model() {
   options.dtype = export_safetensors_dtype(config_.checkpoint.export_dtype);  // checked before training
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
+  if (pipeline_) return export_pipeline_hf_model(dir, options);
   if (tensor_parallel_) return export_tensor_parallel_hf_model(dir, options);
   if (fsdp_) {
     std::vector<float> flat;
@@ -118,6 +132,137 @@ void Trainer::export_tensor_parallel_hf_model(const std::string& dir, const HfEx
       host ? std::span<float>(host->flat().data<float>(), static_cast<size_t>(host->flat().numel())) : std::span<float>();
   gather_tensor_parallel_shards(*tensor_parallel_group_, device_, config_.model, local, whole);
   if (host) save_hf_model(dir, *host, options);
+}
+
+namespace {
+
+// Values [0, t.numel()) of an fp32 tensor handed to `write` in runs of at most `window`
+// elements, through a host buffer of that size when t is on the GPU (in place on the CPU).
+// Returns the host bytes staged.
+size_t write_through_host(const Tensor& t, int64_t window,
+                          const std::function<void(int64_t, std::span<const float>)>& write) {
+  FORGE_CHECK(t.dtype() == DType::F32, "Hugging Face export: {} weights, fp32 expected", dtype_name(t.dtype()));
+  const int64_t n = t.numel();
+  if (t.device() == Device::CPU) {
+    write(0, std::span<const float>(t.data<float>(), static_cast<size_t>(n)));
+    return 0;
+  }
+  std::vector<float> host(static_cast<size_t>(std::min(window, n)));
+  const Tensor flat = t.view({n});
+  for (int64_t k = 0; k < n; k += window) {
+    const int64_t count = std::min(window, n - k);
+    copy_bytes(host.data(), Device::CPU, flat.narrow(k, k + count).raw(), t.device(),
+               static_cast<size_t>(count) * sizeof(float));
+    write(k, std::span<const float>(host.data(), static_cast<size_t>(count)));
+  }
+  return host.size() * sizeof(float);
+}
+
+}  // namespace
+
+// NOTE [Pipeline export]
+// Under pipeline parallelism no rank holds the whole model, and none gathers it: every rank
+// writes what it holds into the export's files (NOTE [Export written in pieces] in
+// ckpt/hf_export_writer.h). Rank 0 makes the temporary directory (named with its pid, which
+// every rank learns through an all-reduce) with every weight file at its full size and its
+// header; after an all-reduce that says whether it could, every rank of the first
+// data-parallel replica of its stage writes its values at their places: its stages'
+// parameters whole, or its chunks of them under FSDP (ZeRO-1 over the stage's ranks,
+// context-parallel ones included), of its shards of them under tensor parallelism (the norm
+// weights, which every tensor-parallel rank holds, by tensor-parallel rank 0 alone), from
+// the GPU through a host window of checkpoint.buffer_mb. The ranks then sum whether each
+// wrote and how many elements, which must be the model's (every element written once), and
+// rank 0 writes the index, config.json and the source's files and renames the directory
+// into place; a last all-reduce holds every rank until it is there (or says it is not). The files are byte for
+// byte one rank's export of the same weights; a rank adds to its memory at most the window
+// and a 128 KiB conversion buffer.
+void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOptions& options) {
+  DataParallelComm& comm = *checkpoint_comm();  // every rank
+  const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
+  const std::string temporary = hf_export_temporary_path(dir, token);
+  std::unique_ptr<HfExportDirectory> out;
+  std::string failure;
+  if (rank_ == 0) {
+    try {
+      out = std::make_unique<HfExportDirectory>(dir, config_.model, options, temporary);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  // The files are there before any rank writes (an all-reduce holds every rank until rank 0's part).
+  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
+    FORGE_FAIL("the Hugging Face export to '{}' could not be started: {}", dir,
+               failure.empty() ? std::string("rank 0 could not create its files (its log says why)") : failure);
+  const bool writer = !replicate_group_ || replicate_group_->rank() == 0;
+  const HfExportPlan plan = hf_export_plan(config_.model, options);
+  const int64_t window = std::max<int64_t>(static_cast<int64_t>(checkpoint_buffer_bytes() / sizeof(float)), 1);
+  const TensorParallelShard shard = tensor_parallel_shard_;
+  // The norm weights are whole on every tensor-parallel rank: rank 0's to write.
+  auto mine = [&](size_t spec) {
+    return shard.rank == 0 || plan.specs()[spec].tensor_parallel != TensorParallelSplit::Replicated;
+  };
+  int64_t written = 0;
+  size_t staged = 0;
+  if (writer) {
+    try {
+      if (device_ == Device::CUDA) device_synchronize();  // the optimizer's last writes
+      HfExportWriter files(plan, temporary);
+      if (fsdp_) {
+        const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
+        for (size_t i = 0; i < segments.size(); ++i) {
+          const auto spec = static_cast<size_t>(segments[i].spec);
+          if (!mine(spec)) continue;
+          staged = std::max(staged, write_through_host(fsdp_->master_segments()[i], window,
+                                                       [&](int64_t at, std::span<const float> values) {
+                                                         files.write(spec, values, segments[i].param_begin + at, shard);
+                                                       }));
+        }
+      } else {
+        std::map<std::string, size_t> index;
+        for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
+        for (size_t k = 0; k < params_->specs().size(); ++k) {
+          const size_t spec = index.at(params_->specs()[k].name);
+          if (!mine(spec)) continue;
+          staged = std::max(staged, write_through_host(params_->tensors()[k], window,
+                                                       [&](int64_t at, std::span<const float> values) {
+                                                         files.write(spec, values, at, shard);
+                                                       }));
+        }
+      }
+      files.close();
+      written = files.written();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  const std::vector<double> sums =
+      comm.sum_over_ranks(std::vector<double>{failure.empty() ? 0.0 : 1.0, static_cast<double>(written)});
+  if (!failure.empty())
+    FORGE_FAIL("the Hugging Face export to '{}' could not be written by rank {}: {}", dir, rank_, failure);
+  if (sums[0] > 0)
+    FORGE_FAIL("the Hugging Face export to '{}' could not be written: {} rank(s) failed to write their part (their "
+               "logs say why)",
+               dir, std::llround(sums[0]));
+  FORGE_CHECK(std::llround(sums[1]) == plan.numel(),
+              "the Hugging Face export to '{}': the ranks wrote {} elements, the model has {}", dir,
+              std::llround(sums[1]), plan.numel());
+  if (out) {
+    try {
+      out->commit();
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  // The export is in place before any rank goes on.
+  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
+    FORGE_FAIL("the Hugging Face export to '{}' could not be completed: {}", dir,
+               failure.empty() ? std::string("rank 0 could not finish it (its log says why)") : failure);
+  if (out)
+    log_info("the Hugging Face export was written by every pipeline rank, each its own parameters (nothing gathered; "
+             "{})",
+             staged == 0
+                 ? std::string("written from where they are")
+                 : fmt::format("rank 0 staged {:.1f} MiB from the GPU", static_cast<double>(staged) / 1048576.0));
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {

@@ -173,7 +173,6 @@ class Failures(unittest.TestCase):
                   "--training.gradient_accumulation_steps", "3"],
                  ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
                 (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
-                (["--model.num_layers", "4", "--checkpoint.last_save_in_hf", "true"], ["checkpoint.last_save_in_hf"]),
                 (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2"],
                  ["parallelism.zero_stage", "1"]),
                 (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2"],
