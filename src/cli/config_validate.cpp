@@ -251,7 +251,7 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
                "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",
                show(config, keys, "model.router_bias_update_rate"), config.lora.rank);
-  if (config.lora.enabled() && p.expert_parallel_degree > 1)
+  if (config.lora.enabled() && config.parallelism.expert_parallel_degree > 1)
     FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) yet: LoRA's frozen FSDP base is not split by experts; "
                "set it to 1",
                show(config, keys, "parallelism.expert_parallel_degree"), config.lora.rank);
