@@ -184,34 +184,12 @@ TEST(GpuDecode, MixtureOfExpertsDecoderMatchesCpu) {
 // dim, YaRN), a dense first block, shared experts; V2's softmax and V3's sigmoid routing.
 TEST(GpuDecode, LatentAttentionDecoderMatchesCpu) {
   for (bool v3 : {false, true}) {
-    ModelConfig c = small_model(0);
+    ModelConfig c = small_deepseek(v3);  // gpu_testing.h, with small_model's sizes
     c.name = v3 ? "gpu-decode-deepseek-v3" : "gpu-decode-deepseek-v2";
-    c.num_layers = 3;
-    c.num_kv_heads = c.num_heads;
-    c.rope_scaling = RopeScaling{};
-    c.rope_scaling.enabled = true;
-    c.rope_scaling.type = "yarn";
-    c.rope_scaling.factor = 40;
-    c.rope_scaling.original_max_position = 64;
-    c.rope_scaling.mscale = c.rope_scaling.mscale_all_dim = 0.707;
-    c.num_experts = 16;
-    c.num_experts_per_tok = v3 ? 4 : 3;
-    c.moe_ffn_hidden_size = 64;
-    c.num_shared_experts = 2;
-    c.first_dense_layers = 1;
-    c.kv_lora_rank = 128;
-    c.q_lora_rank = v3 ? 96 : 0;
-    c.qk_nope_head_dim = 64;
-    c.qk_rope_head_dim = 32;
-    c.v_head_dim = 64;
-    if (v3) {
-      c.router_score_function = "sigmoid";
-      c.router_scaling_factor = 2.5;
-      c.router_num_groups = 4;
-      c.router_topk_groups = 2;
-    } else {
-      c.router_normalize_topk = false;
-    }
+    c.ffn_hidden_size = 512;
+    c.max_seq_len = 256;
+    c.rope_theta = 500000;
+    c.router_aux_loss_coef = 0.0;
     // Three bf16 norms and four GEMMs per attention (the compressed query and kv), shared
     // experts and scaled routing: one decode step's logits measured up to 0.0235 from the CPU's
     // and from the GPU's own full forward on the H200, where the Llama-shaped model stays within 0.02.

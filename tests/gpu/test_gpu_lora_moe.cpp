@@ -102,38 +102,11 @@ ModelConfig small_moe() {
   return c;
 }
 
-ModelConfig small_deepseek(bool v3) {
-  ModelConfig c;
+// small_deepseek (gpu_testing.h) without YaRN.
+ModelConfig small_lora_deepseek(bool v3) {
+  ModelConfig c = small_deepseek(v3);
   c.name = v3 ? "gpu-test-lora-deepseek-v3" : "gpu-test-lora-deepseek-v2";
-  c.vocab_size = 1000;
-  c.hidden_size = 256;
-  c.num_layers = 3;
-  c.num_heads = 4;
-  c.num_kv_heads = 4;
-  c.ffn_hidden_size = 384;
-  c.max_seq_len = 4096;
-  c.rope_theta = 10000;
-  c.init_std = 0.05;
-  c.num_experts = 16;
-  c.num_experts_per_tok = v3 ? 4 : 3;
-  c.moe_ffn_hidden_size = 64;
-  c.num_shared_experts = 2;
-  c.first_dense_layers = 1;
-  c.kv_lora_rank = 128;
-  c.q_lora_rank = v3 ? 96 : 0;
-  c.qk_nope_head_dim = 64;
-  c.qk_rope_head_dim = 32;
-  c.v_head_dim = 64;
-  if (v3) {
-    c.router_score_function = "sigmoid";
-    c.router_normalize_topk = true;
-    c.router_scaling_factor = 2.5;
-    c.router_num_groups = 4;
-    c.router_topk_groups = 2;
-  } else {
-    c.router_normalize_topk = false;
-    c.router_aux_loss_coef = 0.01;
-  }
+  c.rope_scaling = RopeScaling{};
   return c;
 }
 
@@ -226,12 +199,12 @@ TEST(GpuLoraMoe, MixtralTrainingMicroBatchMatchesCpu) {
 }
 
 TEST(GpuLoraMoe, DeepseekV2TrainingMicroBatchMatchesCpu) {
-  expect_lora_step_matches_cpu(small_deepseek(false),
+  expect_lora_step_matches_cpu(small_lora_deepseek(false),
                                "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj,gate");
 }
 
 TEST(GpuLoraMoe, DeepseekV3TrainingMicroBatchMatchesCpu) {
-  expect_lora_step_matches_cpu(small_deepseek(true),
+  expect_lora_step_matches_cpu(small_lora_deepseek(true),
                                "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate_proj,up_proj,down_proj,gate");
 }
 
