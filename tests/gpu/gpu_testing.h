@@ -8,7 +8,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <future>
@@ -87,6 +89,17 @@ inline void separate_router_choices(FlatParameters& params, Rng& rng, double spr
             static_cast<float>(c * u[static_cast<size_t>(j)] / std::sqrt(norm) + 0.002 * rng.normal());
     }
   }
+}
+
+// How many expert assignments the GPU routed differently from the CPU, from the two models'
+// per-block expert loads (each moved assignment leaves one expert and joins another).
+inline int64_t assignments_moved(const std::vector<std::vector<int64_t>>& cpu_load,
+                                 const std::vector<std::vector<int64_t>>& gpu_load) {
+  EXPECT_EQ(gpu_load.size(), cpu_load.size());
+  int64_t moved = 0;
+  for (size_t layer = 0; layer < std::min(gpu_load.size(), cpu_load.size()); ++layer)
+    for (size_t e = 0; e < gpu_load[layer].size(); ++e) moved += std::abs(gpu_load[layer][e] - cpu_load[layer][e]);
+  return moved / 2;
 }
 
 // A CPU fp32 tensor's values on the GPU in `dtype` (bf16 or fp32).

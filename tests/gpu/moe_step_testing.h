@@ -61,10 +61,7 @@ inline void expect_training_step_matches_cpu(const ModelConfig& c, uint64_t init
   const auto cpu_load = cpu_model.expert_load(), gpu_load = gpu_model.expert_load();
   ASSERT_EQ(gpu_load.size(), static_cast<size_t>(c.num_layers - c.first_dense_layers));
   ASSERT_EQ(gpu_load.size(), cpu_load.size());
-  int64_t moved = 0;
-  for (size_t layer = 0; layer < gpu_load.size(); ++layer)
-    for (size_t e = 0; e < gpu_load[layer].size(); ++e) moved += std::abs(gpu_load[layer][e] - cpu_load[layer][e]);
-  moved /= 2;
+  const int64_t moved = assignments_moved(cpu_load, gpu_load);
   const int64_t assignments = static_cast<int64_t>(gpu_load.size()) * batch * seq * c.num_experts_per_tok;
   std::printf("%s step, GPU against CPU: %ld of %ld assignments routed differently\n", c.name.c_str(),
               static_cast<long>(moved), static_cast<long>(assignments));

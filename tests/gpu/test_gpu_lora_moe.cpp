@@ -163,10 +163,7 @@ void expect_lora_step_matches_cpu(const ModelConfig& c, const std::string& targe
 
   const auto cpu_load = model_cpu.expert_load(), gpu_load = model_gpu.expert_load();
   ASSERT_EQ(gpu_load.size(), cpu_load.size());
-  int64_t moved = 0;
-  for (size_t layer = 0; layer < gpu_load.size(); ++layer)
-    for (size_t e = 0; e < gpu_load[layer].size(); ++e) moved += std::abs(gpu_load[layer][e] - cpu_load[layer][e]);
-  moved /= 2;
+  const int64_t moved = assignments_moved(cpu_load, gpu_load);
   const int64_t assignments = static_cast<int64_t>(gpu_load.size()) * batch * seq * c.num_experts_per_tok;
   std::printf("%s LoRA step, GPU against CPU: %ld of %ld assignments routed differently\n", c.name.c_str(),
               static_cast<long>(moved), static_cast<long>(assignments));
@@ -176,7 +173,12 @@ void expect_lora_step_matches_cpu(const ModelConfig& c, const std::string& targe
   for (size_t i = 0; i < cpu.gradients().size(); ++i) {
     const double err = relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]);
     std::printf("  %-44s %.2e\n", cpu.master_names()[i].c_str(), err);
-    EXPECT_LT(err, moved == 0 ? 5e-2 : 1e-1) << cpu.master_names()[i] << " (" << moved << " moved)";
+    // A moved token changes every gradient upstream of it, the router's most: a router
+    // adapter's gradient is a rank-r projection of the router's, where a moved token's change
+    // is not averaged away (on the H200, V3's 7 moved of 2048 gave the router adapters
+    // 0.22-0.35, every other adapter < 0.1; a missing or misplaced term gives ~1).
+    const bool router = cpu.master_names()[i].find(".moe.router") != std::string::npos;
+    EXPECT_LT(err, moved == 0 ? 5e-2 : router ? 5e-1 : 1e-1) << cpu.master_names()[i] << " (" << moved << " moved)";
   }
 
   for (ActivationCheckpoint mode : {ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
