@@ -14,8 +14,8 @@
 // dtype a chunk at a time (a part whose rows are stored in another order, DeepSeek's
 // rotary rows, row by row). One process writing every parameter whole (save_hf_model) and
 // many processes each writing its own pieces at once (every pipeline rank its stages'
-// parameters, every FSDP rank its chunks of them: the trainer's export under pipeline
-// parallelism, NOTE [Pipeline export] in train/trainer_hf.cpp) write the same bytes, and
+// parameters, every FSDP rank its chunks of them: the trainer's export under pipeline,
+// tensor and data parallelism, NOTE [Export in pieces] in train/trainer_hf.cpp) write the same bytes, and
 // no writer holds more than its own values and a conversion buffer. The writers must see
 // one file system, as for checkpoints. Between them they write every element once: their
 // counts (HfExportWriter::written) add up to HfExportPlan::numel().

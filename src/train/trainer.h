@@ -140,12 +140,12 @@ class Trainer {
   std::vector<ParamSpec> checkpoint_specs() const;
   // LoRA: the adapters in PEFT's format into <run_dir>/adapter (trainer_hf.cpp).
   void save_peft_adapter_to_run_dir();
-  // checkpoint.last_save_in_hf under tensor parallelism: the shards gathered into the whole
-  // model on rank 0, exported there (trainer_hf.cpp).
+  // checkpoint.last_save_in_hf under tensor parallelism where the pieces do not serve: the
+  // shards gathered into the whole model on rank 0, exported there (trainer_hf.cpp).
   void export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options);
-  // checkpoint.last_save_in_hf under pipeline parallelism: every rank writes its own values
-  // into the files (NOTE [Pipeline export] in trainer_hf.cpp).
-  void export_pipeline_hf_model(const std::string& dir, const HfExportOptions& options);
+  // checkpoint.last_save_in_hf under pipeline parallelism, FSDP or tensor parallelism: every
+  // rank writes its own values into the files (NOTE [Export in pieces] in trainer_hf.cpp).
+  void export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options);
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();

@@ -5,7 +5,7 @@
 // parallelism each rank reads only its shards of the imported tensors, and the export
 // gathers the shards into whole tensors first: the same files as one rank's. Under pipeline
 // parallelism each rank reads only its stages' tensors, and every rank writes its own
-// values into the export's files (NOTE [Pipeline export]).
+// values into the export's files (NOTE [Export in pieces]).
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/peft_adapter.h"
@@ -83,16 +83,20 @@ void Trainer::export_hf_model() {
   options.dtype = export_safetensors_dtype(config_.checkpoint.export_dtype);  // checked before training
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
-  if (pipeline_) return export_pipeline_hf_model(dir, options);
+  // NOTE [Export in pieces]: no rank gathers the model when each holds a part of it.
+  const bool parts = fsdp_ || tensor_parallel_;
+  if (pipeline_ || (parts && !lora_ && config_.parallelism.expert_parallel_degree == 1))
+    return export_hf_model_in_pieces(dir, options);
   if (tensor_parallel_) return export_tensor_parallel_hf_model(dir, options);
   if (fsdp_) {
+    // LoRA (NOTE [LoRA under data parallelism]) merges into the whole base, and expert
+    // parallelism's experts are gathered whole (the piecewise writer takes no expert slices).
     std::vector<float> flat;
     fsdp_->gather_to_host(fsdp_->master_segments(), flat);
     if (rank_ != 0) return;
     FlatParameters host(config_.model);
     std::copy(flat.begin(), flat.end(), host.flat().data<float>());
     if (!lora_) return save_hf_model(dir, host, options);
-    // NOTE [LoRA under data parallelism]: the gathered frozen base with the adapters merged.
     lora_->merge_into(host);
     save_hf_model(dir, host, options);
     return log_info("exported the base model with the LoRA adapters merged to {}", dir);
@@ -160,23 +164,27 @@ size_t write_through_host(const Tensor& t, int64_t window,
 
 }  // namespace
 
-// NOTE [Pipeline export]
-// Under pipeline parallelism no rank holds the whole model, and none gathers it: every rank
-// writes what it holds into the export's files (NOTE [Export written in pieces] in
-// ckpt/hf_export_writer.h). Rank 0 makes the temporary directory (named with its pid, which
-// every rank learns through an all-reduce) with every weight file at its full size and its
-// header; after an all-reduce that says whether it could, every rank of the first
-// data-parallel replica of its stage writes its values at their places: its stages'
-// parameters whole, or its chunks of them under FSDP (ZeRO-1 over the stage's ranks,
-// context-parallel ones included), of its shards of them under tensor parallelism (the norm
-// weights, which every tensor-parallel rank holds, by tensor-parallel rank 0 alone), from
-// the GPU through a host window of checkpoint.buffer_mb. The ranks then sum whether each
-// wrote and how many elements, which must be the model's (every element written once), and
-// rank 0 writes the index, config.json and the source's files and renames the directory
-// into place; a last all-reduce holds every rank until it is there (or says it is not). The files are byte for
-// byte one rank's export of the same weights; a rank adds to its memory at most the window
-// and a 128 KiB conversion buffer.
-void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOptions& options) {
+// NOTE [Export in pieces]
+// When no rank holds the whole model (pipeline stages, FSDP chunks, tensor-parallel shards),
+// none gathers it: every rank writes what it holds into the export's files (NOTE [Export
+// written in pieces] in ckpt/hf_export_writer.h). A gather would hold the whole model in fp32
+// on rank 0's host: 1.6 TB for Llama 3.1 405B, 280 GB for 70B. Rank 0 makes the temporary
+// directory (named with its pid, which every rank learns through an all-reduce) with every
+// weight file at its full size and its header; after an all-reduce that says whether it
+// could, every rank of the first data-parallel replica of its stage writes its values at
+// their places: its stages' parameters whole, or its chunks of them under FSDP (the chunks
+// of the stage's ranks, context-parallel ones included), of its shards of them under tensor
+// parallelism (the norm weights, which every tensor-parallel rank holds, by tensor-parallel
+// rank 0 alone), from the GPU through a host window of checkpoint.buffer_mb. The ranks then
+// sum whether each wrote and how many elements, which must be the model's (every element
+// written once), and rank 0 writes the index, config.json and the source's files and
+// renames the directory into place; a last all-reduce holds every rank until it is there
+// (or says it is not). The files are byte for byte one rank's export of the same weights; a
+// rank adds to its memory at most the window and a 128 KiB conversion buffer. Two exports
+// still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
+// expert parallelism's (each rank holds a slice of the experts, which the writer does not
+// take).
+void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
   DataParallelComm& comm = *checkpoint_comm();  // every rank
   const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
   const std::string temporary = hf_export_temporary_path(dir, token);
@@ -258,8 +266,7 @@ void Trainer::export_pipeline_hf_model(const std::string& dir, const HfExportOpt
     FORGE_FAIL("the Hugging Face export to '{}' could not be completed: {}", dir,
                failure.empty() ? std::string("rank 0 could not finish it (its log says why)") : failure);
   if (out)
-    log_info("the Hugging Face export was written by every pipeline rank, each its own parameters (nothing gathered; "
-             "{})",
+    log_info("the Hugging Face export was written by every rank, each its own parameters (nothing gathered; {})",
              staged == 0
                  ? std::string("written from where they are")
                  : fmt::format("rank 0 staged {:.1f} MiB from the GPU", static_cast<double>(staged) / 1048576.0));

@@ -1,5 +1,5 @@
 """Hugging Face import and export under pipeline parallelism, across real processes on the
-CPU (forge launch, the CPU process group; NOTE [Pipeline export] in train/trainer_hf.cpp):
+CPU (forge launch, the CPU process group; NOTE [Export in pieces] in train/trainer_hf.cpp):
 runs started from a tiny random Hugging Face Llama of 4 blocks on 2 pipeline ranks (1F1B
 and the interleaved schedule), 2 stages x FSDP 2 (ZeRO-1), 2 stages x 2 tensor-parallel
 ranks and 2 stages x 2 context-parallel ranks follow one rank's run from the same folder
@@ -75,7 +75,7 @@ class PipelineHuggingFace(unittest.TestCase):
                 result = self.train(run, ranks, data_ranks, *flags, *self.start, *EXPORT)
                 output = result.stdout + result.stderr
                 self.assertIn("weights: this rank's pipeline stages", output)
-                self.assertIn("the Hugging Face export was written by every pipeline rank", output)
+                self.assertIn("the Hugging Face export was written by every rank", output)
                 for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
                     self.assertLess(max_relative_difference(records(run, kind), records(self.one, kind), key), 1e-5,
                                     key)

@@ -5,7 +5,8 @@ data-parallel ranks (FSDP ZeRO-3 and ZeRO-1, hybrid sharding), gives one rank's 
 gradient norms and validation losses within fp32 reordering; checkpoints hold the whole
 model (NOTE [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h), so a run resumes
 bitwise at the layout that saved it and follows the uninterrupted run at any other (2 ranks
-to 1 and to 2 x FSDP 2, 1 rank to 2); the Hugging Face export of 2 ranks is one rank's,
+to 1 and to 2 x FSDP 2, 1 rank to 2); the Hugging Face export of 2 ranks is one rank's (and
+that of FSDP 2, alone and replicated twice: every rank writes its part, none gathers),
 and 2 ranks start from a Hugging Face model as one rank does; and the configurations and
 inputs tensor parallelism cannot take are refused with errors that name the keys or files."""
 import json
@@ -124,13 +125,18 @@ class Checkpoints(unittest.TestCase):
         self.expect_continues(self.one, steps, evals, 1e-5)
 
     def test_hugging_face_export_and_import_are_one_ranks(self):
+        # NOTE [Export in pieces]: each rank writes its shards or FSDP chunks, none gathers.
         exports = {}
-        for name, ranks, data_ranks, flags in (("export-tp2", 2, 1, TP2), ("export-tp2-fsdp2", 4, 2, TP2 + FSDP2)):
+        hybrid = FSDP2 + ["--parallelism.data_parallel_replicate_degree", "2"]
+        layouts = (("export-tp2", 2, 1, TP2), ("export-tp2-fsdp2", 4, 2, TP2 + FSDP2), ("export-fsdp2", 2, 2, FSDP2),
+                   ("export-fsdp2-replicated2", 4, 4, hybrid))
+        for name, ranks, data_ranks, flags in layouts:
             exports[name] = os.path.join(self.tmp, name)
-            train(exports[name], ranks, data_ranks, *flags, *EXPORT)
+            result = train(exports[name], ranks, data_ranks, *flags, *EXPORT)
+            self.assertIn("the Hugging Face export was written by every rank", result.stdout + result.stderr, name)
         want_dir = os.path.join(self.export_one, "hf")
         want = load_file(os.path.join(want_dir, "model.safetensors"))
-        for name in ("export-tp2", "export-tp2-fsdp2"):
+        for name, _, _, _ in layouts:
             with self.subTest(export=name):
                 got_dir = os.path.join(exports[name], "hf")
                 self.assertEqual(sorted(os.listdir(got_dir)), sorted(os.listdir(want_dir)))
