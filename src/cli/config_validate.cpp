@@ -169,10 +169,10 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
 // device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), and
-// LoRA over a bf16 base on one device (NOTE [FP8 frozen base]: the base's forward and
-// input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are dequantized to
-// bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead); LoRA's frozen FSDP
-// base would need its Fp8Projections beneath the adapters there too (not built).
+// LoRA over a bf16 base, on one device or over FSDP's frozen base (NOTE [FP8 frozen base]:
+// the base's forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4
+// codes are dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8
+// instead). The FP8 all-gather is full training's: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)
@@ -193,13 +193,10 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  "it to false, or shard over several ranks",
                  key);
     if (config.lora.enabled() || config.lora.quantize_base != "none")
-      FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base does not run in FP8 (set it to false)", key);
+      FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base is gathered in bf16 and cast to FP8 by each "
+                 "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
+                 key);
   }
-  if (config.lora.enabled() && p.data_parallel_shard_degree * p.data_parallel_replicate_degree != 1)
-    FORGE_FAIL("{} under LoRA runs on one device for now: LoRA's frozen FSDP base in FP8 is not built yet; set "
-               "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree to 1, or precision.fp8 none "
-               "(full training runs FP8 under FSDP)",
-               show(config, keys, "precision.fp8"));
   if (config.training.device != "cuda") return;
   // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a
   // multiple of 16 and write rows of 16-byte multiples: every dimension of a projection and,

@@ -48,6 +48,14 @@
 // update W is cast in every micro-batch, so that the update that activates the scales has
 // seen every W (an evaluation's amaxes are discarded and a skipped step's dropped, which
 // would otherwise leave a W cached in them without an amax, and its scale 1).
+// Over several data-parallel ranks the frozen base is FSDP's (NOTE [Frozen FSDP base]): the
+// projections wrap the Fsdp, whose gathers hand out the bf16 weights, and each rank casts
+// them as one device would (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp: the
+// delayed amaxes max-reduced over the ranks at the step's end, a non-finite amax a step
+// every rank skips or stops at). Under ZeRO-3 a block's weights come in whichever of the
+// rotating gather buffers is free; a cache entry is keyed by the weight's address, so a
+// projection whose weight moved casts it again, and one whose weight came back to the
+// cached address finds its own frozen values there.
 #pragma once
 
 #include <cstdint>

@@ -119,6 +119,14 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       // NOTE [LoRA under data parallelism]: the frozen base sharded, the adapters replicated.
       fsdp_->initialize(derive_seed(t.seed, kWeightsSeed));
       lora_->set_base(*fsdp_);
+      if (config_.precision.fp8 != "none") {
+        // NOTE [FP8 frozen base] over the gathered base (NOTE [FP8 under data parallelism]).
+        fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
+                                                t.local_batch_size * t.seq_len);
+        fp8_->set_base(*fsdp_);
+        lora_->set_base(*fp8_);
+        log_fp8();
+      }
     } else if (config_.lora.quantize_base == "nf4") {
       // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported;
       // without them, from the seeded initialization, one parameter at a time (a resumed

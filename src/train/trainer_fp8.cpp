@@ -2,7 +2,8 @@
 // a step's end so that their FP8 state stays one.
 //
 // NOTE [FP8 under data parallelism]
-// Under FSDP (full training, parallelism.data_parallel_shard_degree × replicate_degree > 1)
+// Under FSDP (full training, or LoRA over FSDP's frozen base: NOTE [FP8 frozen base];
+// parallelism.data_parallel_shard_degree × replicate_degree > 1)
 // the Fp8Projections wrap the Fsdp as they wrap the flat weights on one device (NOTE [FP8
 // projections]): every rank quantizes the full bf16 weights its gathers hand out, its own
 // micro-batches' activations and gradients, with the same recipe. Three things must agree

@@ -6,7 +6,8 @@
 // gathered by copies on the communication stream) computes what it computes over the whole
 // bf16 base; FP8 over a ZeRO-3 Fsdp (NOTE [FP8 under data parallelism]) computes the flat
 // weights' losses, and its weight cache, whose projections see their weights in rotating
-// gather buffers, changes no bit. Multi-GPU parity runs through scripts/gpu-fsdp (its lora
+// gather buffers, changes no bit; and LoRA over the frozen base with its GEMMs in FP8 (NOTE
+// [FP8 frozen base]) computes what it computes over the whole bf16 base. Multi-GPU parity runs through scripts/gpu-fsdp (its lora
 // section for LoRA).
 #include <gtest/gtest.h>
 
@@ -206,6 +207,80 @@ TEST(GpuFsdp, LoraOverAFrozenBaseMatchesTheWholeBase) {
       norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
     }
     EXPECT_LT(std::sqrt(diff / norm), 1e-3) << "ZeRO-" << stage;
+  }
+}
+
+// NOTE [FP8 frozen base] over FSDP's frozen base: LoRA (all-linear, rank 8) with the base's
+// GEMMs in FP8, two steps of three micro-batches over a one-rank frozen ZeRO-3 Fsdp (four
+// blocks through three gather buffers) against the same over the flat bf16 base: the same
+// bf16 weights cast to the same codes, so the losses agree (the forward is deterministic)
+// and the adapters' gradients within the attention backward's nondeterminism; the weight
+// cache, filled once for the run while the gathers rotate the weights' addresses, changes no
+// loss. With `delayed` the second step quantizes with the scales the first one set.
+TEST(GpuFsdp, LoraFp8OverAFrozenBaseMatchesTheWholeBase) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  const ModelConfig c = fsdp_model();
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16.0;
+  lora.target_modules = "all-linear";
+  auto run = [&](ParamSource& base, const Fp8Settings& settings) {
+    Fp8Projections fp8(c, settings, Device::CUDA, kBatch * kSeq);
+    fp8.set_base(base);
+    LoraAdapters adapters(c, lora, Device::CUDA, kBatch * kSeq);
+    adapters.initialize(3);
+    Rng rng(17);
+    for (size_t k = 0; k < adapters.targets().size(); ++k)  // B nonzero, so A has gradients
+      for (size_t p = 0; p < adapters.targets()[k].parts.size(); ++p)
+        adapters.set_part_matrix(k, p, 'b', random_f32(adapters.part_matrix(k, p, 'b').shape(), rng, 0.02));
+    adapters.set_base(fp8);
+    DecoderLM model(c, kBatch, kSeq, Device::CUDA, DType::BF16, ActivationCheckpoint::Selective);
+    std::vector<double> losses;
+    for (int step = 0; step < 2; ++step) {
+      adapters.discard();
+      for (int a = 0; a < 3; ++a)
+        losses.push_back(model.forward_backward(ids(10 * step + a, c.vocab_size).to(Device::CUDA),
+                                                ids(1010 + 10 * step + a, c.vocab_size).to(Device::CUDA), adapters,
+                                                adapters, 1.0f / (3 * kBatch * kSeq))
+                             .sum);
+      EXPECT_EQ(fp8.first_nonfinite_amax().slot, -1);
+      fp8.end_step(true);
+    }
+    return std::make_pair(losses, adapters.gradient_flat().to(Device::CPU));
+  };
+  FlatParameters base(c, Device::CUDA, DType::BF16);
+  base.initialize(5);
+  ProcessGroupOptions options;
+  options.device = Device::CUDA;
+  auto group = create_process_group(LaunchEnv{}, options);
+  FsdpOptions fsdp_options;
+  fsdp_options.zero_stage = 3;
+  fsdp_options.frozen = true;
+  Fsdp frozen(c, Device::CUDA, *group, nullptr, fsdp_options);
+  frozen.initialize(5);
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+    SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
+    Fp8Settings settings;
+    settings.recipe = recipe;
+    settings.frozen = true;
+    const auto reference = run(base, settings);
+    const auto uncached = run(frozen, settings);
+    settings.weight_cache = true;
+    const auto cached = run(frozen, settings);
+    for (size_t i = 0; i < reference.first.size(); ++i) {
+      EXPECT_NEAR(uncached.first[i], reference.first[i], 1e-5 * std::abs(reference.first[i])) << "micro-batch " << i;
+      EXPECT_NEAR(cached.first[i], reference.first[i], 1e-5 * std::abs(reference.first[i])) << "micro-batch " << i;
+    }
+    EXPECT_NE(reference.first[0], reference.first[3]);  // the steps' batches differ
+    for (const auto* got : {&uncached, &cached}) {
+      double diff = 0, norm = 0;
+      for (int64_t i = 0; i < got->second.numel(); ++i) {
+        const double d = got->second.data<float>()[i] - reference.second.data<float>()[i];
+        diff += d * d;
+        norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
+      }
+      EXPECT_LT(std::sqrt(diff / norm), 2e-2) << (got == &cached ? "cached" : "uncached");
+    }
   }
 }
 

@@ -4,6 +4,7 @@ and delayed, ZeRO-3 and ZeRO-1) follows the one-rank FP8 run with the same globa
 delayed run's amax histories are the one-rank run's (the ranks max-reduce their step's
 amaxes); a delayed run stopped and resumed on 2 ranks is bitwise the uninterrupted one; a
 non-finite amax on one rank alone stops or skips the step on both, naming it the same way.
+LoRA over FSDP's frozen base, the base's GEMMs in FP8, does the same (LoraFp8UnderFsdp).
 
 Tolerance: 2 ranks reduce the gradients in another order than one rank's accumulation, so
 the weights differ by fp32 rounding, which Adam amplifies where a gradient is near zero, and
@@ -142,6 +143,59 @@ class Fp8UnderFsdp(unittest.TestCase):
                        "--training.on_nonfinite", "skip", rank1_env={"FORGE_TEST_INJECT_NAN": f"3:{TENSOR}@fp8_amax"})
         self.assertIn(f"first non-finite FP8 amax '{TENSOR}' weight W: amax nan (data-parallel rank 1", result.stderr)
         self.assertEqual([bool(r.get("skipped")) for r in records(run_dir)], [False, False, True, False])
+
+
+LORA = ["--lora.rank", "8", "--lora.alpha", "16", "--lora.target_modules", "all-linear"]
+
+
+class LoraFp8UnderFsdp(unittest.TestCase):
+    """LoRA over FSDP's frozen base with the base's GEMMs in FP8 (NOTE [FP8 frozen base]): each
+    rank casts the bf16 weights its gathers hand out, so 2 ranks follow one rank's LoRA FP8 run
+    as full training's do (same tolerance: the adapters' gradients are reduced in another
+    order), the delayed histories are one rank's, and a resumed delayed run is bitwise."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_two_ranks_follow_one(self):
+        for recipe in ("tensorwise", "delayed"):
+            single = os.path.join(self.tmp, f"single-{recipe}")
+            result = train(single, 1, "--precision.fp8", recipe, *LORA, *CHECKPOINTS)
+            self.assertIn(f"FP8 {recipe}", result.stdout)
+            one = train_losses(single)
+            self.assertLess(one[-1], one[0] - 0.1)  # the adapters trained
+            for stage in (3, 1):
+                with self.subTest(recipe=recipe, zero_stage=stage):
+                    run_dir = os.path.join(self.tmp, f"{recipe}-zero{stage}")
+                    result = train(run_dir, 2, "--precision.fp8", recipe, "--parallelism.zero_stage", str(stage),
+                                   *LORA, *CHECKPOINTS)
+                    self.assertIn(f"FP8 {recipe}", result.stdout)
+                    self.assertIn("frozen base's", result.stdout)
+                    two = train_losses(run_dir)
+                    self.assertEqual(len(two), STEPS)
+                    self.assertLess(max_relative_difference(two, one), TOLERANCE)
+                    if recipe != "delayed":
+                        continue
+                    mine, reference = delayed_state(run_dir, 4), delayed_state(single, 4)
+                    self.assertTrue(mine["active"])
+                    self.assertEqual([h == 0 for h in mine["histories"]], [h == 0 for h in reference["histories"]])
+                    self.assertLess(max_relative_difference(
+                        [h for h in mine["histories"] if h], [h for h in reference["histories"] if h]), 1e-5)
+
+    def test_delayed_resume_is_exact(self):
+        check_delayed_resume_is_exact(self, self.tmp, *LORA)
+
+    def test_the_fp8_all_gather_stays_full_trainings(self):
+        result = train(os.path.join(self.tmp, "refused"), 2, "--precision.fp8", "tensorwise", *LORA,
+                       "--precision.fp8_fsdp_all_gather", "true", check=False)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("precision.fp8_fsdp_all_gather", result.stderr)
+        self.assertIn("LoRA's frozen FSDP base is gathered in bf16", result.stderr)
 
 
 if __name__ == "__main__":

@@ -155,11 +155,6 @@ class Fp8Training(unittest.TestCase):
                           "--precision.fp8_grad_format", "e3m4")
         self.expect_error(["precision.fp8 = delayed", "cannot be combined with QLoRA", "lora.quantize_base nf4"],
                           "--precision.fp8", "delayed", "--lora.rank", "4", "--lora.quantize_base", "nf4")
-        # Full training runs FP8 under FSDP (tests/python/test_fp8_fsdp.py), LoRA not yet.
-        self.expect_error(["precision.fp8 = tensorwise", "under LoRA runs on one device for now",
-                           "LoRA's frozen FSDP base"],
-                          "--precision.fp8", "tensorwise", "--lora.rank", "4",
-                          "--parallelism.data_parallel_shard_degree", "2")
         # Checked before any device is needed: the config alone says the FP8 GEMMs cannot run.
         self.expect_error(["precision.fp8 = tensorwise", "multiple of 16", "model.ffn_hidden_size is 200"],
                           "--precision.fp8", "tensorwise", "--training.device", "cuda",
