@@ -204,6 +204,26 @@ inline std::vector<std::string> run_rank_threads(int ranks, std::mutex& turn, co
   return errors;
 }
 
+// A small Mixtral-shaped model for the GPU tests: 8 experts of which 2 per token, the
+// pooled balancing loss; each test names it and adds its own settings.
+inline ModelConfig small_moe() {
+  ModelConfig c;
+  c.name = "gpu-test-moe";
+  c.vocab_size = 1000;
+  c.hidden_size = 256;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.ffn_hidden_size = 128;
+  c.max_seq_len = 256;
+  c.rope_theta = 500000;
+  c.init_std = 0.05;
+  c.num_experts = 8;
+  c.num_experts_per_tok = 2;
+  c.router_aux_loss_coef = 0.02;
+  return c;
+}
+
 // A small DeepSeek-shaped model for the GPU tests: Multi-head Latent Attention with YaRN, a
 // dense first block, 16 experts of which 3 (V2: softmax, unnormalized, with a balancing
 // loss) or 4 (V3: sigmoid, group-limited, renormalized, scaled) plus 2 shared ones; V3 adds

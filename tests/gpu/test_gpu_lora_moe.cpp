@@ -83,21 +83,10 @@ TEST(GpuLoraMoe, RowViewsAndAddedInputGradientMatchCpu) {
   EXPECT_LT(relative_l2(to_cpu_f32(gpu.lora.grad_b), cpu.lora.grad_b), kBf16Tolerance) << "db";
 }
 
-ModelConfig small_moe() {
-  ModelConfig c;
+// small_moe (gpu_testing.h) with the router z-loss.
+ModelConfig small_lora_moe() {
+  ModelConfig c = small_moe();
   c.name = "gpu-test-lora-moe";
-  c.vocab_size = 1000;
-  c.hidden_size = 256;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 128;
-  c.max_seq_len = 256;
-  c.rope_theta = 500000;
-  c.init_std = 0.05;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.router_aux_loss_coef = 0.02;
   c.router_z_loss_coef = 0.001;
   return c;
 }
@@ -197,7 +186,7 @@ void expect_lora_step_matches_cpu(const ModelConfig& c, const std::string& targe
 }
 
 TEST(GpuLoraMoe, MixtralTrainingMicroBatchMatchesCpu) {
-  expect_lora_step_matches_cpu(small_moe(), "q_proj,k_proj,v_proj,o_proj,gate");
+  expect_lora_step_matches_cpu(small_lora_moe(), "q_proj,k_proj,v_proj,o_proj,gate");
 }
 
 TEST(GpuLoraMoe, DeepseekV2TrainingMicroBatchMatchesCpu) {

@@ -34,25 +34,6 @@
 namespace forge::gpu_test {
 namespace {
 
-ModelConfig small_moe() {
-  ModelConfig c;
-  c.name = "gpu-test-moe";
-  c.vocab_size = 1000;
-  c.hidden_size = 256;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.ffn_hidden_size = 128;
-  c.max_seq_len = 256;
-  c.rope_theta = 500000;
-  c.init_std = 0.05;
-  c.num_experts = 8;
-  c.num_experts_per_tok = 2;
-  c.router_aux_loss_coef = 0.02;
-  return c;
-}
-
-
 TEST(GpuMoe, TrainingStepMatchesCpu) { expect_training_step_matches_cpu(small_moe(), 23); }
 
 // Megatron's sequence-wise balancing loss over the micro-batch's two rows and the router
