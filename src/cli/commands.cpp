@@ -163,7 +163,7 @@ int run_info(const std::vector<std::string>& args) {
   if (config.lora.quantize_base == "nf4") {
     int64_t projections = 0;
     for (const ParamSpec& spec : parameter_specs(m))
-      if (is_base_projection(spec)) projections += shape_numel(spec.shape);
+      if (is_quantized_base_weight(spec)) projections += shape_numel(spec.shape);
     const double gib = 1024.0 * 1024.0 * 1024.0;
     fmt::print("QLoRA            {} block projection weights in NF4: {:.2f} GiB of codes and statistics ({:.3f} byte "
                "per weight), dequantized per layer into a scratch of {:.2f} GiB (bf16 on a GPU)\n",

@@ -238,12 +238,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
                show(config, keys, "precision.fp8"));
   // LoRA (NOTE [LoRA on MoE and MLA models] in model/lora.h): adapters on the 2-D
   // projections; the routed experts, the routing biases and the rest of the base frozen.
-  if (config.lora.quantize_base != "none")
-    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be fine-tuned with QLoRA yet ({}): the NF4 base quantizes "
-               "the blocks' 2-D projections only, so the routed experts' stacked weights, most of the model, would "
-               "stay in the compute dtype, and the experts' GEMMs read no NF4 codes; set lora.quantize_base none "
-               "(LoRA on a frozen bf16 base)",
-               moe, show(config, keys, "lora.quantize_base"));
+  // QLoRA quantizes the routed experts too, one NF4 tensor per expert matrix (NOTE [NF4
+  // expert stacks] in model/nf4_base.h).
   if (config.lora.enabled() && config.model.router_bias_update_rate != 0.0)
     FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
                "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",

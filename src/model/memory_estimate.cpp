@@ -124,7 +124,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     if (plan.lora.quantize_base == "nf4") {
       double projections = 0;
       for (const ParamSpec& spec : parameter_specs(config))
-        if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+        if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
       e.frozen_weights = (params - projections) * compute_bytes;
       e.nf4_base = nf4_base_bytes(config) + nf4_scratch_bytes(config, compute);
     }

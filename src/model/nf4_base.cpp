@@ -6,20 +6,37 @@
 
 namespace forge {
 
-bool is_base_projection(const ParamSpec& spec) { return spec.layer >= 0 && spec.shape.size() == 2; }
+bool is_router(const ParamSpec& spec) { return spec.name.ends_with("moe.router.weight"); }
+
+bool is_base_projection(const ParamSpec& spec) {
+  return spec.layer >= 0 && spec.shape.size() == 2 && !is_router(spec);
+}
+
+bool is_quantized_expert_stack(const ParamSpec& spec) { return spec.layer >= 0 && spec.expert_stack; }
+
+bool is_quantized_base_weight(const ParamSpec& spec) {
+  return is_base_projection(spec) || is_quantized_expert_stack(spec);
+}
+
+Shape nf4_matrix_shape(const ParamSpec& spec) {
+  if (spec.shape.size() == 2) return spec.shape;
+  return {spec.shape[0] * spec.shape[1], spec.shape[2]};  // [E, R, C]: the experts' rows stacked
+}
 
 namespace {
 
-// One NF4 tensor per Hugging Face weight the projection is made of.
+// One NF4 tensor per Hugging Face weight the projection (or the stack of experts' matrices)
+// is made of.
 Nf4Weight quantize_projection(const ParamSpec& spec, const Tensor& values) {
+  const Tensor matrix = values.view(nf4_matrix_shape(spec));
   Nf4Weight w;
   int64_t row = 0;
   for (const HfTensor& part : spec.hf_tensors) {
-    w.parts.push_back(nf4_quantize(values.narrow(row, row + part.rows)));
+    w.parts.push_back(nf4_quantize(matrix.narrow(row, row + part.rows)));
     row += part.rows;
   }
-  FORGE_CHECK(row == spec.shape[0], "quantize_base_nf4: {}'s Hugging Face tensors cover {} of its {} rows", spec.name,
-              row, spec.shape[0]);
+  FORGE_CHECK(row == matrix.dim(0), "quantize_base_nf4: {}'s Hugging Face tensors cover {} of its {} rows", spec.name,
+              row, matrix.dim(0));
   return w;
 }
 
@@ -40,17 +57,34 @@ Nf4Base Nf4Base::to(Device device) const {
 double nf4_base_bytes(const ModelConfig& config) {
   double total = 0;
   for (const ParamSpec& spec : parameter_specs(config)) {
-    if (!is_base_projection(spec)) continue;
-    for (const HfTensor& part : spec.hf_tensors) total += static_cast<double>(nf4_bytes(part.rows * spec.shape[1]));
+    if (!is_quantized_base_weight(spec)) continue;
+    const int64_t columns = nf4_matrix_shape(spec)[1];
+    for (const HfTensor& part : spec.hf_tensors) total += static_cast<double>(nf4_bytes(part.rows * columns));
   }
   return total;
 }
 
-double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype) {
+namespace {
+
+// The largest projection, and the experts' stacks of one block (its whole dequantized set).
+std::pair<int64_t, int64_t> scratch_elements(const std::vector<ParamSpec>& specs) {
   int64_t largest = 0;
-  for (const ParamSpec& spec : parameter_specs(config))
+  std::vector<int64_t> experts;
+  for (const ParamSpec& spec : specs) {
     if (is_base_projection(spec)) largest = std::max(largest, shape_numel(spec.shape));
-  return static_cast<double>(largest) * static_cast<double>(dtype_size(compute_dtype));
+    if (!is_quantized_expert_stack(spec)) continue;
+    const auto layer = static_cast<size_t>(spec.layer);
+    if (experts.size() <= layer) experts.resize(layer + 1, 0);
+    experts[layer] += shape_numel(spec.shape);
+  }
+  return {largest, experts.empty() ? 0 : *std::max_element(experts.begin(), experts.end())};
+}
+
+}  // namespace
+
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype) {
+  const auto [projection, experts] = scratch_elements(parameter_specs(config));
+  return static_cast<double>(projection + experts) * static_cast<double>(dtype_size(compute_dtype));
 }
 
 Nf4Base quantize_base_nf4(const FlatParameters& params) {
@@ -61,7 +95,7 @@ Nf4Base quantize_base_nf4(const FlatParameters& params) {
   Nf4Base base;
   base.weights.resize(specs.size());
   for (size_t k = 0; k < specs.size(); ++k) {
-    if (is_base_projection(specs[k])) base.weights[k] = quantize_projection(specs[k], params.tensors()[k]);
+    if (is_quantized_base_weight(specs[k])) base.weights[k] = quantize_projection(specs[k], params.tensors()[k]);
   }
   return base;
 }
@@ -71,28 +105,35 @@ Nf4BaseSource::Nf4BaseSource(ParamSource& rest, const std::vector<ParamSpec>& sp
     : rest_(rest), base_(base) {
   FORGE_CHECK(base.weights.size() == specs.size(), "Nf4BaseSource: {} NF4 entries for {} parameters",
               base.weights.size(), specs.size());
-  int64_t largest = 0;
   for (size_t k = 0; k < specs.size(); ++k) {
     if (specs[k].layer < 0) continue;
     const auto layer = static_cast<size_t>(specs[k].layer);
     if (layer_specs_.size() <= layer) layer_specs_.resize(layer + 1);
     layer_specs_[layer].push_back(k);
-    if (!is_base_projection(specs[k])) continue;
+    if (!is_quantized_base_weight(specs[k])) continue;
     FORGE_CHECK(base.quantized(k), "Nf4BaseSource: {} has no NF4 codes", specs[k].name);
-    FORGE_CHECK(base.weights[k].shape() == specs[k].shape, "Nf4BaseSource: {}'s codes are {}, expected {}",
-                specs[k].name, shape_str(base.weights[k].shape()), shape_str(specs[k].shape));
+    FORGE_CHECK(base.weights[k].shape() == nf4_matrix_shape(specs[k]), "Nf4BaseSource: {}'s codes are {}, expected {}",
+                specs[k].name, shape_str(base.weights[k].shape()), shape_str(nf4_matrix_shape(specs[k])));
     FORGE_CHECK(base.weights[k].parts.front().device() == device, "Nf4BaseSource: {}'s codes are on {}, expected {}",
                 specs[k].name, device_name(base.weights[k].parts.front().device()), device_name(device));
-    largest = std::max(largest, shape_numel(specs[k].shape));
   }
-  scratch_ = Tensor::empty({largest}, dtype, device);
+  const auto [projection, experts] = scratch_elements(specs);
+  scratch_ = Tensor::empty({projection}, dtype, device);
+  expert_scratch_ = Tensor::empty({experts}, dtype, device);
   layers_.resize(layer_specs_.size());
+  expert_stacks_.resize(layer_specs_.size());
   for (size_t layer = 0; layer < layer_specs_.size(); ++layer) {
+    int64_t offset = 0;  // in expert_scratch_
     for (size_t spec : layer_specs_[layer]) {
       LinearWeight entry;
+      const int64_t n = shape_numel(specs[spec].shape);
       if (is_base_projection(specs[spec])) {
-        entry.weight = scratch_.narrow(0, shape_numel(specs[spec].shape)).view(specs[spec].shape);
+        entry.weight = scratch_.narrow(0, n).view(specs[spec].shape);
         entry.nf4 = &base_.weights[spec];
+      } else if (is_quantized_expert_stack(specs[spec])) {
+        entry.weight = expert_scratch_.narrow(offset, offset + n).view(specs[spec].shape);
+        offset += n;
+        expert_stacks_[layer].push_back({layers_[layer].params.size(), spec});
       }
       layers_[layer].params.push_back(entry);
     }
@@ -104,8 +145,17 @@ const BlockWeights& Nf4BaseSource::layer(int index) {
   BlockWeights& mine = layers_.at(static_cast<size_t>(index));
   FORGE_CHECK(source.params.size() == mine.params.size(), "Nf4BaseSource: block {} has {} parameters, expected {}",
               index, source.params.size(), mine.params.size());
+  const std::vector<std::pair<size_t, size_t>>& stacks = expert_stacks_.at(static_cast<size_t>(index));
+  auto stacked = [&](size_t k) {
+    return std::any_of(stacks.begin(), stacks.end(), [&](const auto& entry) { return entry.first == k; });
+  };
   for (size_t k = 0; k < mine.params.size(); ++k)
-    if (!mine.params[k].nf4) mine.params[k] = source.params[k];  // norms: the source's own tensors
+    if (!mine.params[k].nf4 && !stacked(k)) mine.params[k] = source.params[k];  // norms, router: the source's own
+  // NOTE [NF4 expert stacks]: this block's experts, whole, into the scratch they share.
+  for (const auto& [entry, spec] : stacks) {
+    const Tensor& out = mine.params[entry].weight;
+    nf4_dequantize(out.view(base_.weights[spec].shape()), base_.weights[spec]);
+  }
   return mine;
 }
 
@@ -116,14 +166,14 @@ class Nf4FrozenBase::Rest : public ParamSource {
   Rest(const ModelConfig& config, const std::vector<ParamSpec>& specs, Device device, DType dtype) {
     int64_t total = 0;
     for (const ParamSpec& spec : specs)
-      if (!is_base_projection(spec)) total += shape_numel(spec.shape);
+      if (!is_quantized_base_weight(spec)) total += shape_numel(spec.shape);
     flat_ = Tensor::zeros({total}, dtype, device);
     views_.resize(specs.size());
     layers_.resize(static_cast<size_t>(config.num_layers));
     int64_t offset = 0;
     for (size_t k = 0; k < specs.size(); ++k) {
       const ParamSpec& spec = specs[k];
-      if (is_base_projection(spec)) {
+      if (is_quantized_base_weight(spec)) {
         layers_.at(static_cast<size_t>(spec.layer)).params.emplace_back();
         continue;
       }
@@ -171,7 +221,7 @@ void Nf4FrozenBase::set(size_t spec, const Tensor& values) {
   FORGE_CHECK(values.device() == Device::CPU && values.dtype() == DType::F32 && values.shape() == s.shape,
               "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
               shape_str(s.shape), dtype_name(values.dtype()), shape_str(values.shape()), device_name(values.device()));
-  if (is_base_projection(s)) {
+  if (is_quantized_base_weight(s)) {
     Nf4Weight w = quantize_projection(s, values);
     codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
   } else {
@@ -214,9 +264,9 @@ void Nf4FrozenBase::dequantize_into(FlatParameters& host) const {
               "Nf4FrozenBase::dequantize_into: fp32 host parameters of the same model expected");
   for (size_t k = 0; k < specs_.size(); ++k) {
     const Tensor& out = host.tensors()[k];
-    if (is_base_projection(specs_[k])) {
+    if (is_quantized_base_weight(specs_[k])) {
       const Nf4Weight& w = codes_.weights[k];
-      nf4_dequantize(out, w.parts.front().device() == Device::CPU ? w : w.to(Device::CPU));
+      nf4_dequantize(out.view(w.shape()), w.parts.front().device() == Device::CPU ? w : w.to(Device::CPU));
     } else {
       const Tensor& value = rest_->view(k);
       cast(out, value.device() == Device::CPU ? value : value.to(Device::CPU));

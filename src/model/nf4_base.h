@@ -11,10 +11,25 @@
 // convert to fp32 exactly, so this equals quantizing the bf16 tensors themselves).
 // Nf4BaseSource then hands the decoder descriptors whose projections are these codes and
 // a shared scratch buffer (NOTE [NF4 linear weights]), the rest taken from another source.
+//
+// NOTE [NF4 expert stacks]
+// A Mixture-of-Experts block's routed experts (the stacks [E, 2F, H] and [E, H, F], NOTE
+// [MoE feed-forward]) are quantized as well, one NF4 tensor per expert matrix (w1, w3, w2 of
+// each expert: what bitsandbytes stores for the experts' Linear4bit modules on transformers
+// 4, where they are nn.Linear; transformers 5 stacks them into 3-D parameters, which
+// bitsandbytes leaves unquantized, so a PEFT QLoRA run there keeps Mixtral 8x7B's 45 B
+// expert weights in bf16). The router stays in the compute dtype (as on transformers 5,
+// where it is no nn.Linear either; a 4-bit router would move the routing). The experts'
+// GEMMs read plain tensors, not descriptors, so Nf4BaseSource::layer(i) dequantizes block
+// i's whole stacks into a scratch of their own (one block's experts in the compute dtype:
+// 2.6 GiB for Mixtral 8x7B in bf16) when the decoder asks for the block, which it does just
+// before the block's forward and again before its backward (and recomputation), each time
+// using those weights before it asks for another block's.
 #pragma once
 
 #include <cstddef>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "model/parameters.h"
@@ -22,8 +37,14 @@
 
 namespace forge {
 
-// A block's projection (a matrix with layer >= 0): what QLoRA quantizes.
+// A block's projection (a matrix with layer >= 0, not a MoE router): dequantized per GEMM.
 bool is_base_projection(const ParamSpec& spec);
+// A block's stack of routed experts' matrices [E, R, C] (NOTE [NF4 expert stacks]).
+bool is_quantized_expert_stack(const ParamSpec& spec);
+// Either: what QLoRA quantizes.
+bool is_quantized_base_weight(const ParamSpec& spec);
+// The matrix its NF4 parts stack into: the spec's shape, or [E x R, C] for an expert stack.
+Shape nf4_matrix_shape(const ParamSpec& spec);
 
 struct Nf4Base {
   std::vector<Nf4Weight> weights;  // per ParamSpec, in parameter_specs order; no parts when not quantized
@@ -33,15 +54,15 @@ struct Nf4Base {
   Nf4Base to(Device device) const;
 };
 
-// Device bytes of the NF4 base of `config` (codes and statistics of every base projection,
+// Device bytes of the NF4 base of `config` (codes and statistics of every quantized weight,
 // exactly what quantize_base_nf4 produces: about 0.516 byte per weight) and of the
-// Nf4BaseSource scratch buffer (the largest projection in `compute_dtype`), for the
-// memory estimate of a QLoRA run.
+// Nf4BaseSource scratch buffers (the largest projection, and one block's expert stacks, in
+// `compute_dtype`), for the memory estimate of a QLoRA run.
 double nf4_base_bytes(const ModelConfig& config);
 double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype);
 
-// Quantizes every base projection of `params` (fp32 on the CPU), one NF4 tensor per
-// Hugging Face weight it is made of.
+// Quantizes every base projection and expert stack of `params` (fp32 on the CPU), one NF4
+// tensor per Hugging Face weight it is made of.
 Nf4Base quantize_base_nf4(const FlatParameters& params);
 
 // The decoder's weights with the base projections read from NF4 codes: embedding, norms
@@ -61,8 +82,10 @@ class Nf4BaseSource : public ParamSource {
   ParamSource& rest_;
   const Nf4Base& base_;
   std::vector<std::vector<size_t>> layer_specs_;  // per block: the spec index of each entry
-  Tensor scratch_;
+  Tensor scratch_;         // the projection at hand (NOTE [NF4 linear weights])
+  Tensor expert_scratch_;  // a block's expert stacks (NOTE [NF4 expert stacks])
   std::vector<BlockWeights> layers_;
+  std::vector<std::vector<std::pair<size_t, size_t>>> expert_stacks_;  // per block: (entry, spec)
 };
 
 // NOTE [QLoRA base]

@@ -30,9 +30,31 @@ LoraConfig qlora() {
   return c;
 }
 
+// tiny() with 4 experts of which 2 per token, 24 x 20 matrices (NOTE [NF4 expert stacks]).
+ModelConfig tiny_moe() {
+  ModelConfig c = tiny();
+  c.name = "tiny-moe";
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_ffn_hidden_size = 20;
+  c.router_aux_loss_coef = 0.05;
+  return c;
+}
+
+// On a MoE model the adapters sit on attention and the router (NOTE [LoRA on MoE and MLA
+// models]), which takes no dropout.
+LoraConfig qlora_for(const ModelConfig& config) {
+  LoraConfig c = qlora();
+  if (config.moe()) {
+    c.dropout = 0.0;
+    c.target_modules = "q_proj,k_proj,v_proj,o_proj,gate";
+  }
+  return c;
+}
+
 // Adapters with a nonzero B (so A has gradients too), over `base`.
 std::unique_ptr<LoraAdapters> adapters_over(ParamSource& base, const ModelConfig& config) {
-  auto adapters = std::make_unique<LoraAdapters>(config, qlora(), Device::CPU, 2 * 16);
+  auto adapters = std::make_unique<LoraAdapters>(config, qlora_for(config), Device::CPU, 2 * 16);
   adapters->initialize(2);
   testing::set_nonzero_lora_b(*adapters);
   adapters->set_base(base);
@@ -52,11 +74,13 @@ std::vector<Tensor> code_copies(const Nf4Base& base) {
 // Three optimizer steps of QLoRA and of LoRA on the dequantized base: the same losses and
 // adapter gradients, bitwise (the GEMMs read the same fp32 weight values; only where they
 // come from differs), so the same adapters after every AdamW step.
+// A MoE model's routed experts are NF4 too, dequantized per block (NOTE [NF4 expert stacks]).
 TEST(ModelQlora, TrainingEqualsLoraOnTheDequantizedBase) {
-  for (bool tied : {false, true})
+  for (int model = 0; model < 3; ++model)
     for (ActivationCheckpoint mode :
          {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
-      const ModelConfig c = tiny(tied);
+      const bool tied = model == 1;
+      const ModelConfig c = model == 2 ? tiny_moe() : tiny(tied);
       FlatParameters imported(c), dequantized(c);
       imported.initialize(11);
       Nf4FrozenBase frozen(imported, Device::CPU, DType::F32);
@@ -98,22 +122,41 @@ TEST(ModelQlora, TrainingEqualsLoraOnTheDequantizedBase) {
 // compute dtype and the scratch; dequantize_into gives the embedding, norms and head back
 // as imported and the projections as NF4 dequantizes them. A second import quantizes to
 // the same codes.
+void expect_frozen_base_holds_codes_and_the_rest(const ModelConfig& c);
+
 TEST(ModelQlora, FrozenBaseHoldsCodesAndTheRestAndQuantizesDeterministically) {
-  const ModelConfig c = tiny();
+  for (const ModelConfig& c : {tiny(), tiny_moe()}) expect_frozen_base_holds_codes_and_the_rest(c);
+}
+
+void expect_frozen_base_holds_codes_and_the_rest(const ModelConfig& c) {
+  SCOPED_TRACE(c.name);
   FlatParameters imported(c), back(c);
   imported.initialize(4);
   Nf4FrozenBase frozen(imported, Device::CPU, DType::F32);
   frozen.dequantize_into(back);
   const Nf4Base reference = quantize_base_nf4(imported);
+  int64_t experts = 0;
   for (size_t k = 0; k < imported.specs().size(); ++k) {
-    if (!is_base_projection(imported.specs()[k])) {
-      EXPECT_TRUE(bitwise_equal(back.tensors()[k], imported.tensors()[k])) << imported.specs()[k].name;
+    const ParamSpec& spec = imported.specs()[k];
+    if (!is_quantized_base_weight(spec)) {
+      EXPECT_TRUE(bitwise_equal(back.tensors()[k], imported.tensors()[k])) << spec.name;
       continue;
     }
-    Tensor expected = Tensor::empty(imported.specs()[k].shape);
+    Tensor expected = Tensor::empty(nf4_matrix_shape(spec));
     nf4_dequantize(expected, reference.weights[k]);
-    EXPECT_TRUE(bitwise_equal(back.tensors()[k], expected)) << imported.specs()[k].name;
+    EXPECT_TRUE(bitwise_equal(back.tensors()[k].view(nf4_matrix_shape(spec)), expected)) << spec.name;
+    if (!is_quantized_expert_stack(spec)) continue;
+    // One NF4 tensor per expert matrix, as bitsandbytes quantizes each expert's Linear4bit.
+    ++experts;
+    ASSERT_EQ(reference.weights[k].parts.size(), spec.hf_tensors.size()) << spec.name;
+    const Tensor matrix = imported.tensors()[k].view(nf4_matrix_shape(spec));
+    for (size_t p = 0, row = 0; p < spec.hf_tensors.size(); row += static_cast<size_t>(spec.hf_tensors[p].rows), ++p) {
+      const Nf4Tensor alone = nf4_quantize(matrix.narrow(static_cast<int64_t>(row),
+                                                         static_cast<int64_t>(row) + spec.hf_tensors[p].rows));
+      EXPECT_TRUE(bitwise_equal(reference.weights[k].parts[p].codes, alone.codes)) << spec.hf_tensors[p].name;
+    }
   }
+  EXPECT_EQ(experts, c.moe() ? 2 * c.num_layers : 0);
   const Nf4FrozenBase again(imported, Device::CPU, DType::F32);
   const std::vector<Tensor> first = code_copies(frozen.codes()), second = code_copies(again.codes());
   ASSERT_EQ(first.size(), second.size());
@@ -121,7 +164,7 @@ TEST(ModelQlora, FrozenBaseHoldsCodesAndTheRestAndQuantizesDeterministically) {
 
   double projections = 0;
   for (const ParamSpec& spec : imported.specs())
-    if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+    if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
   const double rest = static_cast<double>(c.total_params()) - projections;
   EXPECT_EQ(static_cast<double>(frozen.nbytes()),
             nf4_base_bytes(c) + rest * 4 + nf4_scratch_bytes(c, DType::F32));
@@ -164,7 +207,7 @@ TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {
   const MemoryEstimate q = estimate_memory(c, plan);
   double projections = 0;
   for (const ParamSpec& spec : parameter_specs(c))
-    if (is_base_projection(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+    if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
   EXPECT_EQ(q.frozen_weights, (static_cast<double>(c.total_params()) - projections) * 2);
   EXPECT_EQ(q.nf4_base, nf4_base_bytes(c) + nf4_scratch_bytes(c, DType::BF16));
   EXPECT_EQ(q.total(), lora.total() - projections * 2 + q.nf4_base);  // adapters, activations: as LoRA

@@ -2,10 +2,13 @@
 // same imported weights quantized by Nf4FrozenBase on each side (codes moved to the GPU,
 // dequantized there into a bf16 scratch per layer; fp32 on the CPU), LoRA adapters on top:
 // a training micro-batch gives the CPU path's loss and adapter gradients in every
-// activation-checkpointing mode, and the NF4 codes on the GPU are the CPU's and stay so.
+// activation-checkpointing mode, and the NF4 codes on the GPU are the CPU's and stay so; the
+// same for a Mixtral-shaped model, its routed experts in NF4 too.
 #include "gpu_testing.h"
 
+#include <cstdio>
 #include <cstring>
+#include <string>
 #include <utility>
 
 #include "model/decoder_lm.h"
@@ -31,17 +34,10 @@ bool same_codes(const Nf4FrozenBase& cpu, const Nf4FrozenBase& gpu) {
   return true;
 }
 
-TEST(GpuQlora, TrainingMicroBatchMatchesCpu) {
-  const ModelConfig config = small_model("qlora-gpu");
-  LoraConfig lora;
-  lora.rank = 8;
-  lora.alpha = 16;
-  lora.target_modules = "all-linear";
-  lora.quantize_base = "nf4";
+// `imported` is quantized on each side; the adapters' B drawn nonzero.
+void expect_micro_batch_matches_cpu(const ModelConfig& config, const LoraConfig& lora, const FlatParameters& imported) {
+  SCOPED_TRACE(config.name);
   const int64_t batch = 2, seq = 64;
-
-  FlatParameters imported(config);
-  imported.initialize(3);
   Nf4FrozenBase base_cpu(imported, Device::CPU, DType::F32);
   Nf4FrozenBase base_gpu(imported, Device::CUDA, DType::BF16);
   ASSERT_TRUE(same_codes(base_cpu, base_gpu));
@@ -79,11 +75,49 @@ TEST(GpuQlora, TrainingMicroBatchMatchesCpu) {
     const double loss_gpu =
         model_gpu.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), gpu, gpu, scale).mean();
     EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu) << activation_checkpoint_name(mode);
-    for (size_t i = 0; i < cpu.gradients().size(); ++i)
-      EXPECT_LT(relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]), 5e-2)
-          << cpu.master_names()[i] << ", " << activation_checkpoint_name(mode);
+    // A MoE model: tokens the GPU routes elsewhere than the CPU (near ties the routers are
+    // built without, NOTE [Routers without near ties]) loosen the bounds, the router's most.
+    const int64_t moved = config.moe() ? assignments_moved(model_cpu.expert_load(), model_gpu.expert_load()) : 0;
+    if (config.moe()) std::printf("%s, %s: %ld assignments routed differently\n", config.name.c_str(),
+                                  activation_checkpoint_name(mode), static_cast<long>(moved));
+    for (size_t i = 0; i < cpu.gradients().size(); ++i) {
+      const bool router = cpu.master_names()[i].find(".moe.router") != std::string::npos;
+      EXPECT_LT(relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]),
+                moved == 0 ? 5e-2 : router ? 5e-1 : 1e-1)
+          << cpu.master_names()[i] << ", " << activation_checkpoint_name(mode) << " (" << moved << " moved)";
+    }
   }
   EXPECT_TRUE(same_codes(base_cpu, base_gpu)) << "the frozen codes are read, never written";
+}
+
+TEST(GpuQlora, TrainingMicroBatchMatchesCpu) {
+  const ModelConfig config = small_model("qlora-gpu");
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.target_modules = "all-linear";
+  lora.quantize_base = "nf4";
+  FlatParameters imported(config);
+  imported.initialize(3);
+  expect_micro_batch_matches_cpu(config, lora, imported);
+}
+
+// NOTE [NF4 expert stacks]: a Mixtral-shaped model's routed experts dequantized per block
+// into their bf16 scratch on the GPU, the router in bf16; adapters on attention and router.
+TEST(GpuQlora, MixtureOfExpertsMicroBatchMatchesCpu) {
+  ModelConfig config = small_moe();
+  config.name = "qlora-gpu-moe";
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.target_modules = "q_proj,k_proj,v_proj,o_proj,gate";
+  lora.quantize_base = "nf4";
+  FlatParameters imported(config);
+  imported.initialize(3);
+  Rng rng(seed_for_current_test() + 1);
+  separate_router_choices(imported, rng);  // NOTE [Routers without near ties]
+  round_to_bf16(imported.flat());  // the router stays unquantized: the same bf16 values on both sides
+  expect_micro_batch_matches_cpu(config, lora, imported);
 }
 
 }  // namespace

@@ -7,6 +7,8 @@ quantizes it itself;
     within 1e-4 relative;
   - the adapter forge saves loads into PEFT on that dequantized base with the same logits;
   - forge's merged export equals PEFT's merge_and_unload() on the dequantized base;
+on a Mixtral, the routed experts quantized too, one NF4 tensor per expert matrix, the same
+against PEFT on the Mixtral so dequantized (QloraMixtralVsPeft);
 and `forge train` with lora.quantize_base nf4 end to end: the adapters train, the PEFT
 adapter and the merged export agree, a resumed run is bitwise the uninterrupted one (the
 base is quantized again at import), resuming QLoRA adapters on an unquantized base warns,
@@ -117,6 +119,102 @@ class QloraVsPeft(unittest.TestCase):
         for rank, alpha, targets, tied in [(4, 8.0, "all-linear", False), (2, 5.0, "q_proj,v_proj,down_proj", True)]:
             with self.subTest(rank=rank, targets=targets):
                 self.check(rank, alpha, targets, tied)
+
+
+def dequantized_mixtral(model):
+    """A Mixtral with its attention projections (bitsandbytes' Linear4bit on transformers 5) and
+    each routed expert's w1, w3 and w2 (forge's NOTE [NF4 expert stacks]: what Linear4bit
+    stores for them on transformers 4) replaced by their NF4 round trips; the router as it is."""
+    copy = type(model)(model.config).float().eval()
+    copy.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in copy.named_parameters():
+            if any(f".{m}." in name for m in PROJECTIONS[:4]):
+                p.copy_(nf4_roundtrip(p))
+            elif name.endswith(".mlp.experts.gate_up_proj"):
+                ffn = p.shape[1] // 2
+                for e in range(p.shape[0]):
+                    p[e, :ffn] = nf4_roundtrip(p[e, :ffn])
+                    p[e, ffn:] = nf4_roundtrip(p[e, ffn:])
+            elif name.endswith(".mlp.experts.down_proj"):
+                for e in range(p.shape[0]):
+                    p[e] = nf4_roundtrip(p[e])
+    return copy
+
+
+class QloraMixtralVsPeft(unittest.TestCase):
+    """QLoRA on a Mixture-of-Experts model: forge quantizes the attention projections and every
+    routed expert's matrices, leaves the router in its dtype; with a PEFT adapter (attention and
+    router) over that dequantized Mixtral, forge's logits, loss (with the balancing loss) and
+    adapter gradients equal PEFT's in float64, and its merged export equals merge_and_unload()."""
+
+    def test_matches_peft_on_the_dequantized_model(self):
+        from test_lora_moe_vs_peft import mixtral, peft_name, published, training_loss
+        from hf_tiny import random_model
+        work = scratch_dir()
+        self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+        # Experts' matrices of 64 x 32: NF4 blocks of 64 inside each expert's own tensor.
+        model = random_model("mixtral", mixtral(hidden_size=32, intermediate_size=64, head_dim=8), seed=5)
+        model.save_pretrained(os.path.join(work, "base"))
+        targets = "q_proj,k_proj,v_proj,o_proj,gate"
+        peft = get_peft_model(dequantized_mixtral(model), LoraConfig(r=3, lora_alpha=6.0, lora_dropout=0.0,
+                                                                    target_modules=targets.split(","),
+                                                                    task_type="CAUSAL_LM"))
+        with torch.no_grad():
+            for n, p in peft.named_parameters():
+                if "lora_" in n:
+                    p.normal_(0.0, 0.4)
+        peft.save_pretrained(os.path.join(work, "peft_adapter"))
+        b, s = 2, 7
+        tokens = torch.randint(0, 53, (b, s), dtype=torch.int32)
+        labels = torch.randint(0, 53, (b, s), dtype=torch.int32)
+        tokens.numpy().tofile(os.path.join(work, "tokens.bin"))
+        labels.numpy().tofile(os.path.join(work, "targets.bin"))
+        with open(os.path.join(work, "lora.json"), "w") as f:
+            json.dump(dict(rank=3, alpha=6.0, target_modules=targets, batch=b, seq_len=s, quantize_base="nf4"), f)
+        run([tool("forge_lora_reference"), work])
+
+        peft = peft.double()
+        peft.zero_grad()
+        logits, loss = training_loss(peft, tokens, labels)
+        loss.backward()
+        ref = logits.detach().reshape(b * s, -1).numpy()
+        mine = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, -1)
+        err = relative_error(mine.astype(np.float64), ref)
+        print(f"QLoRA Mixtral: logits rel err {err:.2e}")
+        self.assertLess(err, TOLERANCE, "QLoRA Mixtral logits")
+        with open(os.path.join(work, "loss.json")) as f:
+            self.assertAlmostEqual(json.load(f)["loss"], loss.item(), delta=TOLERANCE * loss.item())
+        ref_grads = {peft_name(n, "mixtral"): p.grad for n, p in peft.named_parameters() if "lora_" in n}
+        forge_grads = load_file(os.path.join(work, "forge_grads", "adapter_model.safetensors"))
+        self.assertEqual(sorted(forge_grads), sorted(ref_grads))
+        for name, g in ref_grads.items():
+            self.assertLess(relative_error(forge_grads[name].double().numpy(), g.numpy()), TOLERANCE, name)
+
+        merged = published(peft.merge_and_unload().state_dict(), "mixtral")
+        exported = load_file(os.path.join(work, "merged", "model.safetensors"))
+        self.assertEqual(set(exported), set(merged))
+        for name, t in exported.items():
+            self.assertLess(relative_error(t.double().numpy(), merged[name].double().numpy()), 1e-6, f"merged {name}")
+
+
+    def test_forge_train_on_a_mixtral(self):
+        from test_lora_moe_vs_peft import mixtral
+        from hf_tiny import random_model
+        work = scratch_dir()
+        self.addCleanup(shutil.rmtree, work, ignore_errors=True)
+        base = os.path.join(work, "base")
+        random_model("mixtral", mixtral(hidden_size=32, intermediate_size=64, head_dim=8), seed=6).save_pretrained(base)
+        run_dir = os.path.join(work, "run")
+        out = run([forge_bin(), "train", "--checkpoint.initial_load_path", base, "--checkpoint.initial_load_in_hf",
+                   "true", "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "q_proj,v_proj,gate",
+                   "--lora.quantize_base", "nf4", "--training.local_batch_size", "2", "--training.seq_len", "32",
+                   "--training.steps", "6", "--logging.run_dir", run_dir, "--eval.interval", "0",
+                   "--optimizer.lr", "3e-3", "--activation_checkpoint.mode", "selective"])
+        self.assertIn("quantized to NF4 at import", out.stderr + out.stdout)
+        losses = train_losses(run_dir)
+        self.assertEqual(len(losses), 6)
+        self.assertLess(losses[-1], losses[0])
 
 
 class QloraTraining(unittest.TestCase):
