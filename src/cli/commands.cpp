@@ -165,7 +165,7 @@ int run_info(const std::vector<std::string>& args) {
     for (const ParamSpec& spec : parameter_specs(m))
       if (is_quantized_base_weight(spec)) projections += shape_numel(spec.shape);
     const double gib = 1024.0 * 1024.0 * 1024.0;
-    fmt::print("QLoRA            {} block projection weights in NF4: {:.2f} GiB of codes and statistics ({:.3f} byte "
+    fmt::print("QLoRA            {} block projection (and routed expert) weights in NF4: {:.2f} GiB of codes and statistics ({:.3f} byte "
                "per weight), dequantized per layer into a scratch of {:.2f} GiB (bf16 on a GPU)\n",
                projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
                nf4_scratch_bytes(m, DType::BF16) / gib);
