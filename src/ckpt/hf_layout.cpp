@@ -39,6 +39,19 @@ std::vector<HfPart> hf_parts(const ParamSpec& spec, bool interleaved_rotary) {
   return parts;
 }
 
+std::vector<int64_t> hf_stored_rows(const ParamSpec& spec, bool interleaved_rotary) {
+  const std::vector<HfPart> parts = hf_parts(spec, interleaved_rotary);
+  if (std::none_of(parts.begin(), parts.end(), [](const HfPart& p) { return !p.row_order.empty(); })) return {};
+  const int64_t columns = spec.shape.back();
+  std::vector<int64_t> rows;
+  for (const HfPart& part : parts) {
+    const int64_t first = part.offset / columns;
+    for (int64_t r = 0; r < part.shape[0]; ++r)
+      rows.push_back(first + (part.row_order.empty() ? r : part.row_order[static_cast<size_t>(r)]));
+  }
+  return rows;
+}
+
 std::vector<HfPart> hf_empty_parts(const ModelConfig& config) {
   std::vector<HfPart> parts;
   if (!config.mla() || !config.moe() || config.num_shared_experts > 0) return parts;

@@ -38,6 +38,11 @@ std::vector<int64_t> rotary_row_order(const HfRotaryRows& rotary, int64_t rows);
 // rope_interleave false), so no part reorders them.
 std::vector<HfPart> hf_parts(const ParamSpec& spec, bool interleaved_rotary = true);
 
+// The parameter's row (of its stacked matrix) at each row of its Hugging Face tensors taken
+// in order, where hf_parts reorders some (NOTE [NF4 stored row order] in ops/nf4.h); empty
+// when every row is the tensors' own.
+std::vector<int64_t> hf_stored_rows(const ParamSpec& spec, bool interleaved_rotary);
+
 // Tensors that transformers holds, and its save_pretrained writes, with no elements:
 // DeepseekV2Moe / DeepseekV3MoE build their shared experts even when n_shared_experts is 0,
 // as [0, hidden] gate_proj and up_proj and a [hidden, 0] down_proj in every MoE block.

@@ -414,14 +414,8 @@ void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (Multi-head Latent Attention) cannot be combined with {} yet", mla,
                show(config, keys, "precision.fp8"));
-  // LoRA: NOTE [LoRA on MoE and MLA models] in model/lora.h. QLoRA's codes are bitsandbytes'
-  // of each Hugging Face tensor (NOTE [NF4 storage]); MLA's rotary rows are reordered at
-  // import, so its query and kv_a codes would group other values into the absmax blocks.
-  if (config.lora.quantize_base != "none")
-    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be fine-tuned with QLoRA yet ({}): forge reorders the "
-               "query and kv_a projections' rotary rows at import, so their NF4 codes would not be bitsandbytes' "
-               "of the published tensors; set lora.quantize_base none (LoRA on a frozen bf16 base)",
-               mla, show(config, keys, "lora.quantize_base"));
+  // LoRA: NOTE [LoRA on MoE and MLA models] in model/lora.h. QLoRA quantizes the query and
+  // kv_a projections in the published row order (NOTE [NF4 stored row order] in ops/nf4.h).
 }
 
 // parallelism.data_parallel_shard_degree -1 (torchtitan's dp_shard -1): the ranks the

@@ -1,6 +1,7 @@
 #include "model/nf4_base.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "ops/elementwise.h"
 
@@ -82,9 +83,15 @@ std::pair<int64_t, int64_t> scratch_elements(const std::vector<ParamSpec>& specs
 
 }  // namespace
 
-double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype) {
-  const auto [projection, experts] = scratch_elements(parameter_specs(config));
-  return static_cast<double>(projection + experts) * static_cast<double>(dtype_size(compute_dtype));
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order) {
+  const std::vector<ParamSpec> specs = parameter_specs(config);
+  const auto [projection, experts] = scratch_elements(specs);
+  int64_t staging = 0;  // NOTE [NF4 stored row order]: the largest projection with rotary rows
+  if (stored_row_order)
+    for (const ParamSpec& spec : specs)
+      for (const HfTensor& part : spec.hf_tensors)
+        if (is_base_projection(spec) && part.rotary_rows.period > 0) staging = std::max(staging, shape_numel(spec.shape));
+  return static_cast<double>(projection + experts + staging) * static_cast<double>(dtype_size(compute_dtype));
 }
 
 Nf4Base quantize_base_nf4(const FlatParameters& params) {
@@ -209,21 +216,44 @@ Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dty
   rest_ = std::make_unique<Rest>(config, specs_, device, dtype);
 }
 
-Nf4FrozenBase::Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype)
+Nf4FrozenBase::Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
+                             const std::function<std::vector<int64_t>(size_t spec)>& stored_rows)
     : Nf4FrozenBase(host.config(), device, dtype) {
-  for (size_t k = 0; k < specs_.size(); ++k) set(k, host.tensors()[k]);
+  for (size_t k = 0; k < specs_.size(); ++k) set(k, host.tensors()[k], stored_rows ? stored_rows(k) : std::vector<int64_t>{});
   finish();
 }
 
-void Nf4FrozenBase::set(size_t spec, const Tensor& values) {
+void Nf4FrozenBase::set(size_t spec, const Tensor& values, std::span<const int64_t> stored_rows) {
   FORGE_CHECK(!source_, "Nf4FrozenBase::set after finish()");
   const ParamSpec& s = specs_.at(spec);
   FORGE_CHECK(values.device() == Device::CPU && values.dtype() == DType::F32 && values.shape() == s.shape,
               "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
               shape_str(s.shape), dtype_name(values.dtype()), shape_str(values.shape()), device_name(values.device()));
   if (is_quantized_base_weight(s)) {
-    Nf4Weight w = quantize_projection(s, values);
-    codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
+    if (stored_rows.empty()) {
+      Nf4Weight w = quantize_projection(s, values);
+      codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
+    } else {
+      // NOTE [NF4 stored row order]: quantized in the stored order, gathered back per use.
+      const Shape matrix = nf4_matrix_shape(s);
+      FORGE_CHECK(static_cast<int64_t>(stored_rows.size()) == matrix[0],
+                  "Nf4FrozenBase::set: {} has {} rows, {} stored rows given", s.name, matrix[0], stored_rows.size());
+      Tensor stored = Tensor::empty(matrix);
+      Tensor order = Tensor::empty({matrix[0]}, DType::I32);
+      std::vector<char> seen(static_cast<size_t>(matrix[0]), 0);
+      const float* from = values.data<float>();
+      for (int64_t r = 0; r < matrix[0]; ++r) {
+        const int64_t row = stored_rows[static_cast<size_t>(r)];
+        FORGE_CHECK(row >= 0 && row < matrix[0] && !seen[static_cast<size_t>(row)],
+                    "Nf4FrozenBase::set: {}'s stored rows are not a permutation of its {} rows", s.name, matrix[0]);
+        seen[static_cast<size_t>(row)] = 1;
+        std::copy_n(from + row * matrix[1], matrix[1], stored.data<float>() + r * matrix[1]);
+        order.data<int32_t>()[row] = static_cast<int32_t>(r);
+      }
+      Nf4Weight w = quantize_projection(s, stored.view(s.shape));
+      w.row_order = order;
+      codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
+    }
   } else {
     cast(rest_->view(spec), device_ == Device::CPU ? values : values.to(device_));
   }
@@ -233,8 +263,15 @@ void Nf4FrozenBase::set(size_t spec, const Tensor& values) {
 void Nf4FrozenBase::finish() {
   for (size_t k = 0; k < specs_.size(); ++k)
     FORGE_CHECK(filled_[k], "Nf4FrozenBase: {} was never set", specs_[k].name);
+  int64_t reordered = 0;  // NOTE [NF4 stored row order]: one staging buffer for them all
+  for (const Nf4Weight& w : codes_.weights)
+    if (w.row_order.defined()) reordered = std::max(reordered, shape_numel(w.shape()));
+  staging_ = reordered > 0 ? Tensor::empty({reordered}, dtype_, device_) : Tensor();
+  for (Nf4Weight& w : codes_.weights)
+    if (w.row_order.defined()) w.staging = staging_.narrow(0, shape_numel(w.shape())).view(w.shape());
   source_ = std::make_unique<Nf4BaseSource>(*rest_, specs_, codes_, device_, dtype_);
-  scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_));
+  scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_, false)) +
+                   (staging_.defined() ? staging_.nbytes() : 0);
 }
 
 void Nf4FrozenBase::initialize(uint64_t seed) {

@@ -28,7 +28,9 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <memory>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -58,8 +60,11 @@ struct Nf4Base {
 // exactly what quantize_base_nf4 produces: about 0.516 byte per weight) and of the
 // Nf4BaseSource scratch buffers (the largest projection, and one block's expert stacks, in
 // `compute_dtype`), for the memory estimate of a QLoRA run.
+// stored_row_order: with the staging buffer of the weights quantized in their Hugging Face
+// row order (NOTE [NF4 stored row order]), which an import of DeepSeek's published
+// checkpoints (interleaved rotary rows) holds.
 double nf4_base_bytes(const ModelConfig& config);
-double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype);
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order = true);
 
 // Quantizes every base projection and expert stack of `params` (fp32 on the CPU), one NF4
 // tensor per Hugging Face weight it is made of.
@@ -103,12 +108,15 @@ class Nf4FrozenBase : public ParamSource {
  public:
   // Empty: every parameter is set() once, then finish().
   Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype);
-  // From fp32 host parameters, finished.
-  Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype);
+  // From fp32 host parameters, finished; stored_rows(spec): set()'s for each (none: {}).
+  Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
+                const std::function<std::vector<int64_t>(size_t spec)>& stored_rows = {});
   ~Nf4FrozenBase() override;
 
-  // parameter_specs(config)[spec]'s values, fp32 on the host, in its shape.
-  void set(size_t spec, const Tensor& values);
+  // parameter_specs(config)[spec]'s values, fp32 on the host, in its shape. stored_rows
+  // (NOTE [NF4 stored row order]): for a quantized weight whose Hugging Face tensor orders
+  // its rows otherwise, the weight's row (of its matrix, nf4_matrix_shape) at each stored row.
+  void set(size_t spec, const Tensor& values, std::span<const int64_t> stored_rows = {});
   void finish();
   // Sets every parameter from the seeded initialization (FlatParameters::initialize's
   // values), one parameter in fp32 on the host at a time, then finish(): a QLoRA run
@@ -137,6 +145,7 @@ class Nf4FrozenBase : public ParamSource {
   std::vector<char> filled_;
   std::unique_ptr<Rest> rest_;
   std::unique_ptr<Nf4BaseSource> source_;
+  Tensor staging_;  // NOTE [NF4 stored row order]
   size_t scratch_bytes_ = 0;
 };
 

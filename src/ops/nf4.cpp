@@ -6,6 +6,7 @@
 #include "core/bf16.h"
 #include "core/op_profile.h"
 #include "kernels/cpu/nf4.h"
+#include "ops/embedding.h"
 #include "ops/placement.h"
 #ifdef FORGE_CUDA
 #include "kernels/cuda/nf4.h"
@@ -51,12 +52,13 @@ Shape Nf4Weight::shape() const {
 size_t Nf4Weight::nbytes() const {
   size_t total = 0;
   for (const Nf4Tensor& part : parts) total += part.nbytes();
-  return total;
+  return total + (row_order.defined() ? row_order.nbytes() : 0);
 }
 
 Nf4Weight Nf4Weight::to(Device device) const {
   Nf4Weight moved;
   for (const Nf4Tensor& part : parts) moved.parts.push_back(part.to(device));
+  if (row_order.defined()) moved.row_order = row_order.to(device);  // staging: the new owner's to set
   return moved;
 }
 
@@ -131,12 +133,23 @@ void nf4_dequantize(const Tensor& out, const Nf4Tensor& q) {
 
 void nf4_dequantize(const Tensor& out, const Nf4Weight& w) {
   check_shape(out, w.shape(), "nf4_dequantize out");
+  // NOTE [NF4 stored row order]: the stored rows first, then each gathered to its place.
+  const Tensor stored = !w.row_order.defined() ? out
+                        : w.staging.defined()  ? w.staging
+                                               : Tensor::empty(out.shape(), out.dtype(), out.device());
+  if (w.row_order.defined()) {
+    check_shape(stored, w.shape(), "nf4_dequantize staging");
+    FORGE_CHECK(stored.dtype() == out.dtype() && stored.device() == out.device(),
+                "nf4_dequantize: the staging buffer must be {} on {} like out", dtype_name(out.dtype()),
+                device_name(out.device()));
+  }
   int64_t row = 0;
   for (const Nf4Tensor& part : w.parts) {
     const int64_t rows = part.shape[0];
-    nf4_dequantize(out.narrow(row, row + rows), part);
+    nf4_dequantize(stored.narrow(row, row + rows), part);
     row += rows;
   }
+  if (w.row_order.defined()) embedding_forward(out, w.row_order, stored);
 }
 
 }  // namespace forge

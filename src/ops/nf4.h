@@ -46,8 +46,19 @@ struct Nf4Tensor {
 // A weight made of tensors stacked along dim 0 (forge's fused qkv and gate_up, NOTE [Fused
 // projections] in model/parameters.h), each quantized on its own as bitsandbytes quantizes
 // each Hugging Face Linear4bit; a plain projection has one part.
+//
+// NOTE [NF4 stored row order]
+// A weight whose rows forge keeps in another order than the Hugging Face tensor it was
+// imported from (DeepSeek's rotary rows, HfRotaryRows in model/parameters.h) is quantized in
+// the tensor's order, so that its codes are bitsandbytes' of that tensor (a block of 64 and
+// a group of 256 blocks hold the same values): row_order then says, for each of the weight's
+// rows, which stored row it is, and dequantization writes the stored rows into `staging`
+// and gathers them into place (the embedding's row gather). Without `staging` (a CPU export)
+// a buffer is made for the call.
 struct Nf4Weight {
   std::vector<Nf4Tensor> parts;  // each [rows_i, in_features]
+  Tensor row_order;              // I32 [rows] on the codes' device: the stored row of each row; undefined: the same
+  Tensor staging;                // [rows, in_features]: the stored rows dequantized (owned by whoever set it)
 
   Shape shape() const;  // [sum of rows_i, in_features]
   size_t nbytes() const;
@@ -65,7 +76,7 @@ Tensor nf4_absmax(const Nf4Tensor& q);
 
 // Dequantizes into `out` (the weight's shape): on the CPU in f32 or bf16, on CUDA in bf16.
 void nf4_dequantize(const Tensor& out, const Nf4Tensor& q);
-// Each part into its rows of `out`.
+// Each part into its rows of `out` (through `staging` in row_order's order, when it has one).
 void nf4_dequantize(const Tensor& out, const Nf4Weight& w);
 
 }  // namespace forge

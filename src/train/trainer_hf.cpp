@@ -8,6 +8,7 @@
 // values into the export's files (NOTE [Export in pieces]).
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/hf_layout.h"
 #include "ckpt/peft_adapter.h"
 
 #include <unistd.h>
@@ -44,7 +45,12 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     // bitwise the same codes).
     nf4_base_.reset();
     nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
-    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) { nf4_base_->set(spec, values); });
+    // NOTE [NF4 stored row order]: DeepSeek's rotary rows quantized in the published order.
+    const bool interleaved = read_weight_layout(dir).interleaved_rotary;
+    const std::vector<ParamSpec> specs = parameter_specs(config_.model);
+    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) {
+      nf4_base_->set(spec, values, hf_stored_rows(specs[spec], interleaved));
+    });
     nf4_base_->finish();
     lora_->set_base(*nf4_base_);
     return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "

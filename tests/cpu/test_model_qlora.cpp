@@ -5,6 +5,7 @@
 // relies on); and the memory estimate counts what the frozen base really holds.
 #include <gtest/gtest.h>
 
+#include "ckpt/hf_layout.h"
 #include "expect_error.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
@@ -41,13 +42,30 @@ ModelConfig tiny_moe() {
   return c;
 }
 
+// tiny_moe() with DeepSeek's Multi-head Latent Attention (a compressed query, rotary rows
+// reordered at import), a dense first block and a shared expert.
+ModelConfig tiny_mla() {
+  ModelConfig c = tiny_moe();
+  c.name = "tiny-mla";
+  c.num_kv_heads = c.num_heads;
+  c.kv_lora_rank = 16;
+  c.q_lora_rank = 12;
+  c.qk_nope_head_dim = 8;
+  c.qk_rope_head_dim = 4;
+  c.v_head_dim = 6;
+  c.first_dense_layers = 1;
+  c.num_shared_experts = 1;
+  return c;
+}
+
 // On a MoE model the adapters sit on attention and the router (NOTE [LoRA on MoE and MLA
 // models]), which takes no dropout.
 LoraConfig qlora_for(const ModelConfig& config) {
   LoraConfig c = qlora();
   if (config.moe()) {
     c.dropout = 0.0;
-    c.target_modules = "q_proj,k_proj,v_proj,o_proj,gate";
+    c.target_modules = config.mla() ? "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate"
+                                    : "q_proj,k_proj,v_proj,o_proj,gate";
   }
   return c;
 }
@@ -76,14 +94,16 @@ std::vector<Tensor> code_copies(const Nf4Base& base) {
 // come from differs), so the same adapters after every AdamW step.
 // A MoE model's routed experts are NF4 too, dequantized per block (NOTE [NF4 expert stacks]).
 TEST(ModelQlora, TrainingEqualsLoraOnTheDequantizedBase) {
-  for (int model = 0; model < 3; ++model)
+  for (int model = 0; model < 4; ++model)
     for (ActivationCheckpoint mode :
          {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full}) {
       const bool tied = model == 1;
-      const ModelConfig c = model == 2 ? tiny_moe() : tiny(tied);
+      const ModelConfig c = model == 3 ? tiny_mla() : model == 2 ? tiny_moe() : tiny(tied);
       FlatParameters imported(c), dequantized(c);
       imported.initialize(11);
-      Nf4FrozenBase frozen(imported, Device::CPU, DType::F32);
+      // MLA: the rotary rows stored in the published (interleaved) order, gathered per use.
+      Nf4FrozenBase frozen(imported, Device::CPU, DType::F32,
+                           [&](size_t k) { return hf_stored_rows(imported.specs()[k], true); });
       frozen.dequantize_into(dequantized);
       const std::vector<Tensor> codes_before = code_copies(frozen.codes());
 
@@ -174,6 +194,50 @@ void expect_frozen_base_holds_codes_and_the_rest(const ModelConfig& c) {
   for (size_t k = 1; k < imported.specs().size(); ++k) partial.set(k, imported.tensors()[k]);
   expect_error([&] { partial.finish(); }, {"embedding.weight was never set"});
   expect_error([&] { partial.set(0, imported.tensors()[1]); }, {"embedding.weight expects fp32 host values of shape"});
+}
+
+// NOTE [NF4 stored row order]: an MLA model's query and kv_a projections are quantized in
+// their Hugging Face row order (their codes are those of the published tensors: the rows
+// that order lists, quantized as they stand) and dequantize back into forge's order.
+TEST(ModelQlora, RotaryRowsAreQuantizedInThePublishedOrder) {
+  const ModelConfig c = tiny_mla();
+  FlatParameters imported(c), back(c);
+  imported.initialize(5);
+  auto stored_rows = [&](size_t k) { return hf_stored_rows(imported.specs()[k], true); };
+  const Nf4FrozenBase frozen(imported, Device::CPU, DType::F32, stored_rows);
+  frozen.dequantize_into(back);
+  int reordered = 0;
+  for (size_t k = 0; k < imported.specs().size(); ++k) {
+    const ParamSpec& spec = imported.specs()[k];
+    const std::vector<int64_t> rows = stored_rows(k);
+    if (!is_quantized_base_weight(spec)) continue;
+    const Shape matrix = nf4_matrix_shape(spec);
+    const Tensor values = imported.tensors()[k].view(matrix);
+    Tensor published = values.clone();
+    for (size_t r = 0; r < rows.size(); ++r)
+      for (int64_t i = 0; i < matrix[1]; ++i)
+        published.data<float>()[static_cast<int64_t>(r) * matrix[1] + i] = values.data<float>()[rows[r] * matrix[1] + i];
+    if (!rows.empty()) ++reordered;
+    const Nf4Weight& w = frozen.codes().weights[k];
+    EXPECT_EQ(w.row_order.defined(), !rows.empty()) << spec.name;
+    for (size_t p = 0, row = 0; p < w.parts.size(); row += static_cast<size_t>(w.parts[p].shape[0]), ++p) {
+      const Nf4Tensor alone = nf4_quantize(published.narrow(static_cast<int64_t>(row),
+                                                            static_cast<int64_t>(row) + w.parts[p].shape[0]));
+      EXPECT_TRUE(bitwise_equal(w.parts[p].codes, alone.codes)) << spec.name << " part " << p;
+      EXPECT_TRUE(bitwise_equal(w.parts[p].absmax_codes, alone.absmax_codes)) << spec.name << " part " << p;
+    }
+    // Dequantized back in forge's row order: row f is the published row holding it.
+    Tensor expected = Tensor::empty(matrix), dequantized_published = Tensor::empty(matrix);
+    Nf4Weight plain;
+    plain.parts = w.parts;
+    nf4_dequantize(dequantized_published, plain);
+    for (size_t r = 0; r < (rows.empty() ? static_cast<size_t>(matrix[0]) : rows.size()); ++r)
+      for (int64_t i = 0; i < matrix[1]; ++i)
+        expected.data<float>()[(rows.empty() ? static_cast<int64_t>(r) : rows[r]) * matrix[1] + i] =
+            dequantized_published.data<float>()[static_cast<int64_t>(r) * matrix[1] + i];
+    EXPECT_TRUE(bitwise_equal(back.tensors()[k].view(matrix), expected)) << spec.name;
+  }
+  EXPECT_EQ(reordered, 2 * c.num_layers);  // q_b and kv_a of every block
 }
 
 // A QLoRA run without a Hugging Face import quantizes the seeded initialization one

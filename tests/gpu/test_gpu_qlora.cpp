@@ -11,6 +11,7 @@
 #include <string>
 #include <utility>
 
+#include "ckpt/hf_layout.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
@@ -35,11 +36,13 @@ bool same_codes(const Nf4FrozenBase& cpu, const Nf4FrozenBase& gpu) {
 }
 
 // `imported` is quantized on each side; the adapters' B drawn nonzero.
+// MLA models' rotary rows are quantized in the published order (NOTE [NF4 stored row order]).
 void expect_micro_batch_matches_cpu(const ModelConfig& config, const LoraConfig& lora, const FlatParameters& imported) {
   SCOPED_TRACE(config.name);
   const int64_t batch = 2, seq = 64;
-  Nf4FrozenBase base_cpu(imported, Device::CPU, DType::F32);
-  Nf4FrozenBase base_gpu(imported, Device::CUDA, DType::BF16);
+  auto stored_rows = [&](size_t k) { return hf_stored_rows(imported.specs()[k], true); };
+  Nf4FrozenBase base_cpu(imported, Device::CPU, DType::F32, stored_rows);
+  Nf4FrozenBase base_gpu(imported, Device::CUDA, DType::BF16, stored_rows);
   ASSERT_TRUE(same_codes(base_cpu, base_gpu));
 
   Rng rng(seed_for_current_test());
@@ -118,6 +121,28 @@ TEST(GpuQlora, MixtureOfExpertsMicroBatchMatchesCpu) {
   separate_router_choices(imported, rng);  // NOTE [Routers without near ties]
   round_to_bf16(imported.flat());  // the router stays unquantized: the same bf16 values on both sides
   expect_micro_batch_matches_cpu(config, lora, imported);
+}
+
+// DeepSeek-shaped (gpu_testing.h's small_deepseek without YaRN): MLA's query and kv_a codes in
+// the published row order, gathered into forge's on the GPU; shared and routed experts in NF4.
+TEST(GpuQlora, LatentAttentionMicroBatchMatchesCpu) {
+  for (bool v3 : {false, true}) {
+    ModelConfig config = small_deepseek(v3);
+    config.name = v3 ? "qlora-gpu-deepseek-v3" : "qlora-gpu-deepseek-v2";
+    config.rope_scaling = RopeScaling{};
+    LoraConfig lora;
+    lora.rank = 8;
+    lora.alpha = 16;
+    lora.target_modules = v3 ? "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate"
+                             : "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate";
+    lora.quantize_base = "nf4";
+    FlatParameters imported(config);
+    imported.initialize(3);
+    Rng rng(seed_for_current_test() + 2);
+    separate_router_choices(imported, rng);  // NOTE [Routers without near ties]
+    round_to_bf16(imported.flat());
+    expect_micro_batch_matches_cpu(config, lora, imported);
+  }
 }
 
 }  // namespace

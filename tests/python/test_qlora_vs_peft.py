@@ -7,8 +7,9 @@ quantizes it itself;
     within 1e-4 relative;
   - the adapter forge saves loads into PEFT on that dequantized base with the same logits;
   - forge's merged export equals PEFT's merge_and_unload() on the dequantized base;
-on a Mixtral, the routed experts quantized too, one NF4 tensor per expert matrix, the same
-against PEFT on the Mixtral so dequantized (QloraMixtralVsPeft);
+on a Mixtral and DeepSeek-V2/V3, the routed experts quantized too, one NF4 tensor per expert
+matrix, and MLA's rotary rows in their published order, the same against PEFT on the model so
+dequantized (QloraMoeVsPeft);
 and `forge train` with lora.quantize_base nf4 end to end: the adapters train, the PEFT
 adapter and the merged export agree, a resumed run is bitwise the uninterrupted one (the
 base is quantized again at import), resuming QLoRA adapters on an unquantized base warns,
@@ -121,17 +122,17 @@ class QloraVsPeft(unittest.TestCase):
                 self.check(rank, alpha, targets, tied)
 
 
-def dequantized_mixtral(model):
-    """A Mixtral with its attention projections (bitsandbytes' Linear4bit on transformers 5) and
-    each routed expert's w1, w3 and w2 (forge's NOTE [NF4 expert stacks]: what Linear4bit
-    stores for them on transformers 4) replaced by their NF4 round trips; the router as it is."""
+def dequantized_moe(model):
+    """A Mixtral or DeepSeek with every block matrix but the router (what bitsandbytes' Linear4bit
+    quantizes on transformers 5: attention's, MLA's, the dense blocks' and shared experts'
+    projections, each in its published row order) and each routed expert's w1, w3 and w2
+    (forge's NOTE [NF4 expert stacks]: what Linear4bit stores for them on transformers 4)
+    replaced by their NF4 round trips."""
     copy = type(model)(model.config).float().eval()
     copy.load_state_dict(model.state_dict())
     with torch.no_grad():
         for name, p in copy.named_parameters():
-            if any(f".{m}." in name for m in PROJECTIONS[:4]):
-                p.copy_(nf4_roundtrip(p))
-            elif name.endswith(".mlp.experts.gate_up_proj"):
+            if name.endswith(".mlp.experts.gate_up_proj"):
                 ffn = p.shape[1] // 2
                 for e in range(p.shape[0]):
                     p[e, :ffn] = nf4_roundtrip(p[e, :ffn])
@@ -139,27 +140,28 @@ def dequantized_mixtral(model):
             elif name.endswith(".mlp.experts.down_proj"):
                 for e in range(p.shape[0]):
                     p[e] = nf4_roundtrip(p[e])
+            elif ".layers." in name and p.dim() == 2 and not name.endswith(".mlp.gate.weight"):
+                p.copy_(nf4_roundtrip(p))
     return copy
 
 
-class QloraMixtralVsPeft(unittest.TestCase):
-    """QLoRA on a Mixture-of-Experts model: forge quantizes the attention projections and every
-    routed expert's matrices, leaves the router in its dtype; with a PEFT adapter (attention and
-    router) over that dequantized Mixtral, forge's logits, loss (with the balancing loss) and
-    adapter gradients equal PEFT's in float64, and its merged export equals merge_and_unload()."""
+class QloraMoeVsPeft(unittest.TestCase):
+    """QLoRA on Mixture-of-Experts models: forge quantizes the block matrices and every routed
+    expert's, leaves the router in its dtype, and (DeepSeek) quantizes MLA's query and kv_a
+    projections in their published row order (NOTE [NF4 stored row order]); with a PEFT adapter
+    over that dequantized model, forge's logits, loss (with the balancing loss) and adapter
+    gradients equal PEFT's in float64, and its merged export equals merge_and_unload()."""
 
-    def test_matches_peft_on_the_dequantized_model(self):
-        from test_lora_moe_vs_peft import mixtral, peft_name, published, training_loss
+    def check(self, family, config, targets):
+        from test_lora_moe_vs_peft import peft_name, published, training_loss
         from hf_tiny import random_model
         work = scratch_dir()
         self.addCleanup(shutil.rmtree, work, ignore_errors=True)
-        # Experts' matrices of 64 x 32: NF4 blocks of 64 inside each expert's own tensor.
-        model = random_model("mixtral", mixtral(hidden_size=32, intermediate_size=64, head_dim=8), seed=5)
+        model = random_model(family, config, seed=5)
         model.save_pretrained(os.path.join(work, "base"))
-        targets = "q_proj,k_proj,v_proj,o_proj,gate"
-        peft = get_peft_model(dequantized_mixtral(model), LoraConfig(r=3, lora_alpha=6.0, lora_dropout=0.0,
-                                                                    target_modules=targets.split(","),
-                                                                    task_type="CAUSAL_LM"))
+        peft = get_peft_model(dequantized_moe(model), LoraConfig(r=3, lora_alpha=6.0, lora_dropout=0.0,
+                                                                target_modules=targets.split(","),
+                                                                task_type="CAUSAL_LM"))
         with torch.no_grad():
             for n, p in peft.named_parameters():
                 if "lora_" in n:
@@ -181,22 +183,35 @@ class QloraMixtralVsPeft(unittest.TestCase):
         ref = logits.detach().reshape(b * s, -1).numpy()
         mine = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, -1)
         err = relative_error(mine.astype(np.float64), ref)
-        print(f"QLoRA Mixtral: logits rel err {err:.2e}")
-        self.assertLess(err, TOLERANCE, "QLoRA Mixtral logits")
+        print(f"QLoRA {family}: logits rel err {err:.2e}")
+        self.assertLess(err, TOLERANCE, f"QLoRA {family} logits")
         with open(os.path.join(work, "loss.json")) as f:
             self.assertAlmostEqual(json.load(f)["loss"], loss.item(), delta=TOLERANCE * loss.item())
-        ref_grads = {peft_name(n, "mixtral"): p.grad for n, p in peft.named_parameters() if "lora_" in n}
+        ref_grads = {peft_name(n, family): p.grad for n, p in peft.named_parameters() if "lora_" in n}
         forge_grads = load_file(os.path.join(work, "forge_grads", "adapter_model.safetensors"))
         self.assertEqual(sorted(forge_grads), sorted(ref_grads))
         for name, g in ref_grads.items():
             self.assertLess(relative_error(forge_grads[name].double().numpy(), g.numpy()), TOLERANCE, name)
 
-        merged = published(peft.merge_and_unload().state_dict(), "mixtral")
-        exported = load_file(os.path.join(work, "merged", "model.safetensors"))
+        merged = published(peft.merge_and_unload().state_dict(), family)
+        exported = {}
+        for f in os.listdir(os.path.join(work, "merged")):
+            if f.endswith(".safetensors"):
+                exported.update(load_file(os.path.join(work, "merged", f)))
         self.assertEqual(set(exported), set(merged))
         for name, t in exported.items():
             self.assertLess(relative_error(t.double().numpy(), merged[name].double().numpy()), 1e-6, f"merged {name}")
 
+    def test_mixtral(self):
+        from test_lora_moe_vs_peft import mixtral
+        # Experts' matrices of 64 x 32: NF4 blocks of 64 inside each expert's own tensor.
+        self.check("mixtral", mixtral(hidden_size=32, intermediate_size=64, head_dim=8),
+                   "q_proj,k_proj,v_proj,o_proj,gate")
+
+    def test_deepseek_v2_and_v3(self):
+        from test_lora_moe_vs_peft import MLA_V2, MLA_V3, deepseek_v2, deepseek_v3
+        self.check("deepseek_v2", deepseek_v2(), MLA_V2 + ",gate")
+        self.check("deepseek_v3", deepseek_v3(), MLA_V3 + ",gate")
 
     def test_forge_train_on_a_mixtral(self):
         from test_lora_moe_vs_peft import mixtral

@@ -20,6 +20,7 @@
 
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
+#include "ckpt/hf_layout.h"
 #include "ckpt/peft_adapter.h"
 #include "core/error.h"
 #include "model/decoder_lm.h"
@@ -48,7 +49,13 @@ int run(const std::string& dir) {
   const ModelConfig& config = base.config;
 
   std::unique_ptr<Nf4FrozenBase> nf4;
-  if (j.value("quantize_base", "none") == "nf4") nf4 = std::make_unique<Nf4FrozenBase>(*base.params, Device::CPU, DType::F32);
+  if (j.value("quantize_base", "none") == "nf4") {
+    // NOTE [NF4 stored row order]: DeepSeek's rotary rows quantized in the published order.
+    const bool interleaved = read_weight_layout(dir + "/base").interleaved_rotary;
+    nf4 = std::make_unique<Nf4FrozenBase>(*base.params, Device::CPU, DType::F32, [&](size_t spec) {
+      return hf_stored_rows(base.params->specs()[spec], interleaved);
+    });
+  }
   LoraAdapters adapters(config, lora, Device::CPU, batch * seq);
   adapters.set_interleaved_rotary(read_weight_layout(dir + "/base").interleaved_rotary);  // DeepSeek's rotary rows
   if (nf4) adapters.set_base(*nf4);
