@@ -1,8 +1,8 @@
 """LoRA and QLoRA under context and tensor parallelism across real CPU processes (forge
 launch; NOTE [LoRA under context and tensor parallelism] in model/lora.h), from a Hugging
 Face Llama: every sequence split over 2 context-parallel ranks, alone and with FSDP over 2
-data-parallel ranks (QLoRA too), the projections split over 2 and 4 tensor-parallel ranks,
-alone, with 2 context-parallel and with 2 FSDP ranks, give the single-process run's losses,
+data-parallel ranks (QLoRA too), the projections split over 2 tensor-parallel ranks, alone,
+with 2 context-parallel and with 2 FSDP ranks, give the single-process run's losses,
 gradient norms, PEFT adapter (the same tensor names and shapes, the values within fp32
 reordering) and merged export on the same global batch; runs resume bitwise from their
 checkpoints (under context parallelism with adapter dropout), and a tensor-parallel run's
@@ -45,25 +45,26 @@ class LoraContextParallel(unittest.TestCase):
         shutil.rmtree(cls.work, ignore_errors=True)
 
     @classmethod
-    def command(cls, run_dir, ranks, data_ranks, *extra, steps=6):
+    def command(cls, run_dir, ranks, data_ranks, *extra, steps=6, export=True):
         """LoRA (rank 4, all-linear) on the HF base for `steps` steps on RANKS CPU ranks of which
         DATA_RANKS are data-parallel, micro-batch 2 and the accumulation that fills the global
-        batch of 8 sequences, selective checkpointing, the merged model exported in fp32."""
+        batch of 8 sequences, selective checkpointing; export: the merged model in fp32."""
         args = ["train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", cls.base,
                 "--activation_checkpoint.mode", "selective", "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * data_ranks)),
                 "--training.seq_len", "32", "--training.steps", str(steps), "--eval.interval", "0",
                 "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_steps", "8", "--logging.run_dir", run_dir,
-                "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear",
-                "--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32", *extra]
+                "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear", *extra]
+        if export:
+            args += ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
         if ranks == 1:
             return [forge_bin(), *args]
         return [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args]
 
     @classmethod
-    def train(cls, name, ranks, data_ranks, *extra, steps=6):
+    def train(cls, name, ranks, data_ranks, *extra, steps=6, export=True):
         run_dir = os.path.join(cls.work, name)
-        cls.last = run(cls.command(run_dir, ranks, data_ranks, *extra, steps=steps), timeout=TIMEOUT,
+        cls.last = run(cls.command(run_dir, ranks, data_ranks, *extra, steps=steps, export=export), timeout=TIMEOUT,
                        env=dict(os.environ, FORGE_NUM_THREADS="1"))
         return run_dir
 
@@ -109,9 +110,9 @@ class LoraContextParallel(unittest.TestCase):
         """Each context-parallel rank draws its own masks (not one process's): the run is
         compared with itself, resumed from its checkpoint."""
         common = [CP, "2", "--lora.dropout", "0.1", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-        straight = self.train("dropout-straight", 2, 1, *common)
-        resumed = self.train("dropout-resumed", 2, 1, *common, steps=3)
-        self.train("dropout-resumed", 2, 1, *common)
+        straight = self.train("dropout-straight", 2, 1, *common, export=False)
+        resumed = self.train("dropout-resumed", 2, 1, *common, steps=3, export=False)
+        self.train("dropout-resumed", 2, 1, *common, export=False)
         self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
         self.assertEqual(train_losses(straight), train_losses(resumed))
         without = train_losses(self.single)
@@ -121,7 +122,6 @@ class LoraContextParallel(unittest.TestCase):
 
     def test_tensor_parallel_ranks_follow_one_process(self):
         for name, ranks, data_ranks, flags in (("tp2", 2, 1, [TP, "2"]),
-                                                ("tp4", 4, 1, [TP, "4"]),
                                                 ("tp2-cp2", 4, 1, [TP, "2", CP, "2"]),
                                                 ("tp2-fsdp2", 4, 2, [TP, "2", SHARD, "2"])):
             with self.subTest(run=name):
@@ -129,9 +129,9 @@ class LoraContextParallel(unittest.TestCase):
 
     def test_tensor_parallel_resume_is_bitwise_and_reshards(self):
         common = [TP, "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-        straight = self.train("tp-straight", 2, 1, *common)
-        resumed = self.train("tp-resumed", 2, 1, *common, steps=3)
-        self.train("tp-resumed", 2, 1, *common)
+        straight = self.train("tp-straight", 2, 1, *common, export=False)
+        resumed = self.train("tp-resumed", 2, 1, *common, steps=3, export=False)
+        self.train("tp-resumed", 2, 1, *common, export=False)
         self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
         self.assertEqual(train_losses(straight), train_losses(resumed))
         self.assertEqual(self.adapters(straight).keys(), self.adapters(resumed).keys())
@@ -140,7 +140,7 @@ class LoraContextParallel(unittest.TestCase):
         saved = os.path.join(self.work, "tp-checkpoints")
         shutil.copytree(os.path.join(resumed, "checkpoints"), saved)
         alone = self.train("tp-then-one", 1, 1, "--checkpoint.enable", "true", "--checkpoint.folder", saved,
-                           "--checkpoint.load_step", "3")
+                           "--checkpoint.load_step", "3", export=False)
         self.assertLess(relative_error(np.array(train_losses(alone)), np.array(train_losses(straight)[3:])),
                         LOSS_TOLERANCE)
 
