@@ -32,7 +32,7 @@ SHARD = "--parallelism.data_parallel_shard_degree"
 QLORA = ["--lora.quantize_base", "nf4"]
 
 
-class LoraContextParallel(unittest.TestCase):
+class LoraParallel(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.work = scratch_dir()
@@ -45,11 +45,14 @@ class LoraContextParallel(unittest.TestCase):
         shutil.rmtree(cls.work, ignore_errors=True)
 
     @classmethod
-    def command(cls, run_dir, ranks, data_ranks, *extra, steps=6, export=True):
+    def command(cls, run_dir, ranks, data_ranks, *extra, steps=6, export=True, base=None):
         """LoRA (rank 4, all-linear) on the HF base for `steps` steps on RANKS CPU ranks of which
         DATA_RANKS are data-parallel, micro-batch 2 and the accumulation that fills the global
-        batch of 8 sequences, selective checkpointing; export: the merged model in fp32."""
-        args = ["train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", cls.base,
+        batch of 8 sequences, selective checkpointing; export: the merged model in fp32; base: a
+        forge checkpoint folder as the frozen base instead of the HF model."""
+        load = ["--checkpoint.initial_load_in_hf", "false" if base else "true", "--checkpoint.initial_load_path",
+                base or cls.base]
+        args = ["train", *load,
                 "--activation_checkpoint.mode", "selective", "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * data_ranks)),
                 "--training.seq_len", "32", "--training.steps", str(steps), "--eval.interval", "0",
@@ -62,9 +65,10 @@ class LoraContextParallel(unittest.TestCase):
         return [forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", *args]
 
     @classmethod
-    def train(cls, name, ranks, data_ranks, *extra, steps=6, export=True):
+    def train(cls, name, ranks, data_ranks, *extra, steps=6, export=True, base=None):
         run_dir = os.path.join(cls.work, name)
-        cls.last = run(cls.command(run_dir, ranks, data_ranks, *extra, steps=steps, export=export), timeout=TIMEOUT,
+        command = cls.command(run_dir, ranks, data_ranks, *extra, steps=steps, export=export, base=base)
+        cls.last = run(command, timeout=TIMEOUT,
                        env=dict(os.environ, FORGE_NUM_THREADS="1"))
         return run_dir
 
@@ -143,6 +147,19 @@ class LoraContextParallel(unittest.TestCase):
                            "--checkpoint.load_step", "3", export=False)
         self.assertLess(relative_error(np.array(train_losses(alone)), np.array(train_losses(straight)[3:])),
                         LOSS_TOLERANCE)
+
+    def test_a_forge_checkpoint_as_the_base_under_tensor_parallelism(self):
+        """A full run's checkpoint as the frozen base: each tensor-parallel rank keeps its shards of it."""
+        full = os.path.join(self.work, "full")
+        run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",
+             self.base, "--training.steps", "2", "--training.seq_len", "32", "--eval.interval", "0",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--logging.run_dir", full],
+            timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        saved = os.path.join(full, "checkpoints")
+        one = self.train("ckpt-base-one", 1, 1, export=False, base=saved)
+        tp = self.train("ckpt-base-tp2", 2, 1, TP, "2", export=False, base=saved)
+        self.assertLess(relative_error(np.array(train_losses(tp)), np.array(train_losses(one))), LOSS_TOLERANCE)
+        self.assertNotEqual(train_losses(one), train_losses(self.single), "the checkpoint's base, not the HF one")
 
 
 class Errors(unittest.TestCase):
