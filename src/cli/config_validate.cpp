@@ -283,7 +283,7 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training or LoRA (without dropout or an NF4 base) in the compute dtype, without FP8. Checkpoints, initial weights
+// full training or LoRA (not on an NF4 base) in the compute dtype, without FP8. Checkpoints, initial weights
 // (a forge checkpoint or a Hugging Face model) and the Hugging Face export hold whole
 // parameters, each rank reading or writing its shards' places in them (NOTE
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
@@ -318,9 +318,6 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
   // LoRA: NOTE [LoRA under context and tensor parallelism] in model/lora.h.
   refuse(config.lora.quantize_base != "none", "lora.quantize_base",
          "QLoRA's NF4 base is not split over tensor-parallel ranks (LoRA on a frozen bf16 base is)");
-  refuse(config.lora.enabled() && config.lora.dropout > 0.0, "lora.dropout",
-         "a row-parallel projection's adapter would draw its dropout masks on the rank's columns of the input, in "
-         "the pieces its forward runs, not the one its backward does; set lora.dropout 0");
   refuse(config.precision.fp8 != "none", "precision.fp8",
          "the FP8 casts fused into the norms and SwiGLU would need the tensor-parallel gathers between them");
 }

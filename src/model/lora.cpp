@@ -351,6 +351,12 @@ void LoraAdapters::refresh_compute() {
 void LoraAdapters::set_dropout_step(uint64_t seed, uint64_t index) {
   const uint64_t step_seed = derive_seed(seed, index);
   for (size_t k = 0; k < adapters_.size(); ++k) adapters_[k].dropout_seed = derive_seed(step_seed, k + 1);
+  // NOTE [LoRA under context and tensor parallelism]: a row-parallel adapter's input is the
+  // rank's columns, which take masks of their own on each rank.
+  for (const ShardedMatrix& s : sharded_)
+    if (s.matrix == 'a')
+      adapters_[s.target].dropout_seed =
+          derive_seed(adapters_[s.target].dropout_seed, 1 + static_cast<uint64_t>(shard_.rank));
 }
 
 void LoraAdapters::discard() { std::fill(fresh_.begin(), fresh_.end(), 1); }

@@ -65,10 +65,16 @@
 // context-parallel ranks: every rank then holds the whole gradient, whose norm is the
 // global one, and runs the same AdamW step. So checkpoints (the whole adapters, rank 0),
 // the PEFT adapter (rank 0) and the merged export (the base's shards gathered to rank 0,
-// the whole adapters merged there) are the same files as one process's. Refused under
-// tensor parallelism: dropout (the row-parallel projection's forward runs in row pieces
-// around the rank's residual rows, its backward in one, and each draws masks over the
-// rank's columns only) and QLoRA (the NF4 base is not split).
+// the whole adapters merged there) are the same files as one process's. Dropout: a
+// column-parallel adapter's input is the same on every rank, and so are its masks (the same
+// seed, the same element indices): one process's. A row-parallel adapter's input is the
+// rank's columns, whose element indices are not the whole input's, so each rank draws its
+// own masks (set_dropout_step mixes the tensor-parallel rank into its seed; independent
+// draws of the same probability, not one process's masks); and its forward adds the
+// adapter's share over every row in one call after the frozen GEMM's row pieces
+// (SequenceParallelEdges::project_out), so that the backward, one call over every row,
+// draws the same masks. QLoRA is refused under tensor parallelism (the NF4 base is not
+// split).
 // Checkpoints, the PEFT adapter and the merged export are written as under data
 // parallelism, by rank 0, the same files as one process's.
 //

@@ -5,7 +5,7 @@ data-parallel ranks (QLoRA too), the projections split over 2 tensor-parallel ra
 with 2 context-parallel and with 2 FSDP ranks, give the single-process run's losses,
 gradient norms, PEFT adapter (the same tensor names and shapes, the values within fp32
 reordering) and merged export on the same global batch; runs resume bitwise from their
-checkpoints (under context parallelism with adapter dropout), and a tensor-parallel run's
+checkpoints (with adapter dropout too), and a tensor-parallel run's
 checkpoint resumes on one process; the keys that still cannot be combined are refused by
 name."""
 import os
@@ -111,17 +111,20 @@ class LoraParallel(unittest.TestCase):
         self.assert_follows(run_dir, single)
 
     def test_dropout_trains_and_resumes_bitwise(self):
-        """Each context-parallel rank draws its own masks (not one process's): the run is
-        compared with itself, resumed from its checkpoint."""
-        common = [CP, "2", "--lora.dropout", "0.1", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
-        straight = self.train("dropout-straight", 2, 1, *common, export=False)
-        resumed = self.train("dropout-resumed", 2, 1, *common, steps=3, export=False)
-        self.train("dropout-resumed", 2, 1, *common, export=False)
-        self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
-        self.assertEqual(train_losses(straight), train_losses(resumed))
+        """Each context-parallel rank, and each tensor-parallel rank for the row-parallel
+        adapters, draws its own masks (not one process's): a run is compared with itself,
+        resumed from its checkpoint."""
         without = train_losses(self.single)
-        self.assertNotEqual(train_losses(straight)[1:], without[1:], "the dropout changed the steps")
-        self.assertLess(relative_error(np.array(train_losses(straight)), np.array(without)), 0.05)
+        for name, ranks, flags in (("cp2", 2, [CP, "2"]), ("tp2", 2, [TP, "2"]), ("tp2-cp2", 4, [TP, "2", CP, "2"])):
+            with self.subTest(run=name):
+                common = [*flags, "--lora.dropout", "0.1", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
+                straight = self.train(f"dropout-{name}", ranks, 1, *common, export=False)
+                resumed = self.train(f"dropout-{name}-resumed", ranks, 1, *common, steps=3, export=False)
+                self.train(f"dropout-{name}-resumed", ranks, 1, *common, export=False)
+                self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
+                self.assertEqual(train_losses(straight), train_losses(resumed))
+                self.assertNotEqual(train_losses(straight)[1:], without[1:], "the dropout changed the steps")
+                self.assertLess(relative_error(np.array(train_losses(straight)), np.array(without)), 0.05)
 
 
     def test_tensor_parallel_ranks_follow_one_process(self):
@@ -165,7 +168,6 @@ class LoraParallel(unittest.TestCase):
 class Errors(unittest.TestCase):
     def test_what_cannot_be_combined_is_named(self):
         for flags, message in (
-                ([TP, "2", "--lora.rank", "4", "--lora.dropout", "0.1"], "cannot be combined with lora.dropout = 0.1"),
                 ([TP, "2", "--lora.rank", "4", "--lora.quantize_base", "nf4"],
                  "cannot be combined with lora.quantize_base = nf4"),
                 ([CP, "2", "--lora.rank", "4", "--precision.fp8", "tensorwise"], "precision.fp8"),
