@@ -200,14 +200,18 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
 // tensor-parallel x c context-parallel rank threads (rank = c_index t + t_index), each with
 // its base shards and its adapters (the split matrices' shards), against one GPU: every
 // rank's loss is the micro-batch's; the ranks' adapter gradients, the shards spread into
-// the whole (spread_shard_gradients) and summed over every rank, are one GPU's.
-void expect_lora_ranks_match_one_gpu(int t, int c, ActivationCheckpoint mode) {
-  SCOPED_TRACE(fmt::format("LoRA on {} x {} ranks, checkpointing {}", t, c, activation_checkpoint_name(mode)));
+// the whole (spread_shard_gradients) and summed over every rank, are one GPU's. With
+// dropout only where every rank draws one GPU's masks: column-parallel targets, c = 1.
+void expect_lora_ranks_match_one_gpu(int t, int c, ActivationCheckpoint mode, double dropout = 0.0,
+                                     const std::string& targets_modules = "all-linear") {
+  SCOPED_TRACE(fmt::format("LoRA ({}, dropout {}) on {} x {} ranks, checkpointing {}", targets_modules, dropout, t, c,
+                           activation_checkpoint_name(mode)));
   const ModelConfig config = llama_like(false);
   LoraConfig lora;
   lora.rank = 8;
   lora.alpha = 16;
-  lora.target_modules = "all-linear";
+  lora.dropout = dropout;
+  lora.target_modules = targets_modules;
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
   const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
@@ -233,6 +237,7 @@ void expect_lora_ranks_match_one_gpu(int t, int c, ActivationCheckpoint mode) {
     adapters->refresh_compute();
     adapters->set_base(base);
     adapters->discard();
+    adapters->set_dropout_step(77, 3);
     return adapters;
   };
   FlatParameters compute(config, Device::CUDA, DType::BF16);
@@ -307,6 +312,7 @@ TEST(GpuTensorParallel, LoraThreadRanksMatchOneGpu) {
   expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::None);
   expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Full);
   expect_lora_ranks_match_one_gpu(2, 2, ActivationCheckpoint::Selective);
+  expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Selective, 0.2, "q_proj,v_proj,gate_proj,up_proj");
 }
 
 }  // namespace
