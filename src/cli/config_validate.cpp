@@ -283,9 +283,9 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training or LoRA (not on an NF4 base) in the compute dtype, without FP8. Checkpoints, initial weights
-// (a forge checkpoint or a Hugging Face model) and the Hugging Face export hold whole
-// parameters, each rank reading or writing its shards' places in them (NOTE
+// full training or LoRA (not on an NF4 base) in the compute dtype, without FP8. Checkpoints,
+// initial weights (a forge checkpoint or a Hugging Face model) and the Hugging Face export
+// hold whole parameters, each rank reading or writing its shards' places in them (NOTE
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
 void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t t = config.parallelism.tensor_parallel_degree;

@@ -20,7 +20,7 @@
 // PEFT does, so training starts from the base model's function.
 // Under data parallelism the base is a frozen FSDP (sharded, NOTE [Frozen FSDP base]) and the
 // adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp);
-// under context parallelism, NOTE [LoRA under context and tensor parallelism].
+// under context and tensor parallelism, NOTE [LoRA under context and tensor parallelism].
 //
 // NOTE [LoRA under context and tensor parallelism]
 // Context parallelism (NOTE [Context parallelism] in model/context_parallel.h) splits the
@@ -39,7 +39,8 @@
 // otherwise the ranks' chunks would be dropped alike. The masks are then not the ones one
 // process draws for the same tokens (they are independent draws of the same probability),
 // so a run with lora.dropout > 0 follows a one-process run in distribution only; without
-// dropout it follows it within fp32 reordering.
+// dropout it follows it within fp32 reordering. Checkpoints, the PEFT adapter and the merged
+// export are written as under data parallelism, by rank 0, the same files as one process's.
 // Tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h) splits the
 // weights, and the adapters follow their projections, as Megatron's and NeMo's do:
 //   - a column-parallel projection (qkv, gate/up: W's rows split) keeps A whole and takes
@@ -75,8 +76,6 @@
 // (SequenceParallelEdges::project_out), so that the backward, one call over every row,
 // draws the same masks. QLoRA is refused under tensor parallelism (the NF4 base is not
 // split).
-// Checkpoints, the PEFT adapter and the merged export are written as under data
-// parallelism, by rank 0, the same files as one process's.
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the 2-D
