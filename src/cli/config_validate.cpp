@@ -276,9 +276,9 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training in the compute dtype, without LoRA or FP8. Checkpoints, initial weights
-// (a forge checkpoint or a Hugging Face model) and the Hugging Face export hold whole
-// parameters, each rank reading or writing its shards' places in them (NOTE
+// full training or LoRA (not on an NF4 base) in the compute dtype, without FP8. Checkpoints,
+// initial weights (a forge checkpoint or a Hugging Face model) and the Hugging Face export
+// hold whole parameters, each rank reading or writing its shards' places in them (NOTE
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
 void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t t = config.parallelism.tensor_parallel_degree;
@@ -308,15 +308,17 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
   auto refuse = [&](bool set, const char* key, const char* why) {
     if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", tp, show(config, keys, key), why);
   };
-  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
-         "LoRA and QLoRA adapters are not split over tensor-parallel ranks");
+  // LoRA: NOTE [LoRA under context and tensor parallelism] in model/lora.h.
+  refuse(config.lora.quantize_base != "none", "lora.quantize_base",
+         "QLoRA's NF4 base is not split over tensor-parallel ranks (LoRA on a frozen bf16 base is)");
   refuse(config.precision.fp8 != "none", "precision.fp8",
          "the FP8 casts fused into the norms and SwiGLU would need the tensor-parallel gathers between them");
 }
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
-// chunks, data without packed examples; full training in the compute dtype.
+// chunks, data without packed examples; full training or LoRA and QLoRA (NOTE [LoRA under
+// context and tensor parallelism] in model/lora.h) in the compute dtype.
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t c = config.parallelism.context_parallel_degree;
   if (c == 1) return;
@@ -331,8 +333,6 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   };
   refuse(config.data.source == "sft" || config.data.source == "govreport_npy", "data.source",
          "its packed examples would confine attention to examples that cross the ranks' chunks");
-  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
-         "LoRA's frozen base and replicated adapters are not reduced over context-parallel ranks");
   refuse(config.precision.fp8 != "none", "precision.fp8",
          "FP8 scaling is not agreed over context-parallel ranks");
 }

@@ -120,8 +120,9 @@ std::string peft_tensor_name(const LoraPart& part, char matrix) {
   return fmt::format("base_model.model.{}.lora_{}.weight", part.hf_prefix, matrix == 'a' ? 'A' : 'B');
 }
 
-LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, Device device, int64_t tokens)
-    : config_(config), lora_(lora), device_(device) {
+LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, Device device, int64_t tokens,
+                           TensorParallelShard shard)
+    : config_(config), lora_(lora), device_(device), shard_(shard) {
   lora_.validate();
   FORGE_CHECK(lora_.enabled(), "LoRA adapters with lora.rank 0");
   check_lora_for_model(config_, lora_);
@@ -198,6 +199,100 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   }
   layers_.assign(static_cast<size_t>(config_.num_layers), {});
   fresh_.assign(static_cast<size_t>(config_.num_layers), 1);
+  if (shard_.size > 1) split_over_tensor_parallel_ranks(specs, compute);
+}
+
+// NOTE [LoRA under context and tensor parallelism]: a column-parallel projection's B is split
+// by the rows its weight is (each part's rows of the shard contiguous, as the heads' and the
+// feed-forward's are), a row-parallel one's A by its columns; the other matrix stays whole.
+void LoraAdapters::split_over_tensor_parallel_ranks(const std::vector<ParamSpec>& specs, DType compute) {
+  int64_t total = 0;
+  std::vector<Shape> shapes;
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    const auto spec = std::find_if(specs.begin(), specs.end(), [&](const ParamSpec& p) { return p.name == t.name; });
+    FORGE_CHECK(spec != specs.end(), "LoRA target '{}' is no parameter of the model", t.name);
+    if (spec->tensor_parallel == TensorParallelSplit::Replicated) continue;
+    LoraAdapter& adapter = adapters_[k];
+    const int64_t low = adapter.low_rank();
+    ShardedMatrix s;
+    s.target = k;
+    if (spec->tensor_parallel == TensorParallelSplit::Rows) {
+      s.matrix = 'b';
+      s.whole_compute = adapter.b;
+      s.whole_grad = adapter.grad_b;
+      int64_t rows = 0;
+      for (const ShardRun& run : tensor_parallel_runs(*spec, shard_)) {
+        s.rows.push_back({run.local_begin / t.in, run.full_begin / t.in, run.count / t.in});
+        rows += run.count / t.in;
+      }
+      std::vector<LoraPartRows> parts;
+      for (const LoraPart& p : t.parts) {
+        int64_t begin = -1, end = -1;
+        for (const ShardRun& run : s.rows) {
+          const int64_t lo = std::max(p.row_begin, run.full_begin);
+          const int64_t hi = std::min(p.row_end, run.full_begin + run.count);
+          if (lo >= hi) continue;
+          const int64_t local = run.local_begin + lo - run.full_begin;
+          FORGE_CHECK(begin < 0 || local == end,
+                      "LoRA part '{}' of '{}': its rows on tensor-parallel rank {} of {} are not consecutive",
+                      p.module, t.name, shard_.rank, shard_.size);
+          if (begin < 0) begin = local;
+          end = local + hi - lo;
+        }
+        FORGE_CHECK(begin >= 0, "LoRA part '{}' of '{}' has no rows on tensor-parallel rank {} of {}", p.module, t.name,
+                    shard_.rank, shard_.size);
+        parts.push_back({begin, end});
+      }
+      adapter.parts = std::move(parts);
+      shapes.push_back({rows, low});
+    } else {
+      FORGE_CHECK(t.in % shard_.size == 0, "LoRA target '{}': {} input columns over {} tensor-parallel ranks", t.name,
+                  t.in, shard_.size);
+      s.matrix = 'a';
+      s.whole_compute = adapter.a;
+      s.whole_grad = adapter.grad_a;
+      s.columns = t.in / shard_.size;
+      s.column_begin = shard_.rank * s.columns;
+      shapes.push_back({low, s.columns});
+    }
+    total += aligned(shape_numel(shapes.back()));
+    sharded_.push_back(std::move(s));
+  }
+  shard_compute_flat_ = Tensor::zeros({total}, compute, device_);
+  shard_grad_flat_ = Tensor::zeros({total}, DType::F32, device_);
+  int64_t offset = 0;
+  for (size_t i = 0; i < sharded_.size(); ++i) {
+    ShardedMatrix& s = sharded_[i];
+    const int64_t n = shape_numel(shapes[i]);
+    s.compute = shard_compute_flat_.narrow(offset, offset + n).view(shapes[i]);
+    s.grad = shard_grad_flat_.narrow(offset, offset + n).view(shapes[i]);
+    offset += aligned(n);
+    LoraAdapter& adapter = adapters_[s.target];
+    (s.matrix == 'a' ? adapter.a : adapter.b) = s.compute;
+    (s.matrix == 'a' ? adapter.grad_a : adapter.grad_b) = s.grad;
+  }
+}
+
+void LoraAdapters::move_shard(const ShardedMatrix& s, const Tensor& shard, const Tensor& whole, bool take) {
+  if (s.matrix == 'a') {
+    if (take) copy_columns(shard, 0, whole, s.column_begin, s.columns);
+    else copy_columns(whole, s.column_begin, shard, 0, s.columns);
+    return;
+  }
+  for (const ShardRun& run : s.rows) {
+    const Tensor mine = shard.narrow(run.local_begin, run.local_begin + run.count);
+    const Tensor theirs = whole.narrow(run.full_begin, run.full_begin + run.count);
+    if (take) mine.copy_from(theirs);
+    else theirs.copy_from(mine);
+  }
+}
+
+void LoraAdapters::spread_shard_gradients() {
+  for (const ShardedMatrix& s : sharded_) {
+    s.whole_grad.fill_zero();
+    move_shard(s, s.grad, s.whole_grad, false);
+  }
 }
 
 std::vector<std::string> LoraAdapters::master_names() const {
@@ -250,11 +345,18 @@ void LoraAdapters::initialize(uint64_t seed) {
 
 void LoraAdapters::refresh_compute() {
   if (compute_flat_.raw() != master_flat_.raw()) cast(compute_flat_, master_flat_);
+  for (const ShardedMatrix& s : sharded_) move_shard(s, s.compute, s.whole_compute, true);
 }
 
 void LoraAdapters::set_dropout_step(uint64_t seed, uint64_t index) {
   const uint64_t step_seed = derive_seed(seed, index);
   for (size_t k = 0; k < adapters_.size(); ++k) adapters_[k].dropout_seed = derive_seed(step_seed, k + 1);
+  // NOTE [LoRA under context and tensor parallelism]: a row-parallel adapter's input is the
+  // rank's columns, which take masks of their own on each rank.
+  for (const ShardedMatrix& s : sharded_)
+    if (s.matrix == 'a')
+      adapters_[s.target].dropout_seed =
+          derive_seed(adapters_[s.target].dropout_seed, 1 + static_cast<uint64_t>(shard_.rank));
 }
 
 void LoraAdapters::discard() { std::fill(fresh_.begin(), fresh_.end(), 1); }

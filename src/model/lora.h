@@ -19,7 +19,63 @@
 // kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)), and B with zeros, as
 // PEFT does, so training starts from the base model's function.
 // Under data parallelism the base is a frozen FSDP (sharded, NOTE [Frozen FSDP base]) and the
-// adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp).
+// adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp);
+// under context and tensor parallelism, NOTE [LoRA under context and tensor parallelism].
+//
+// NOTE [LoRA under context and tensor parallelism]
+// Context parallelism (NOTE [Context parallelism] in model/context_parallel.h) splits the
+// tokens, not the weights, so the adapters take it as the base weights do: every rank of a
+// context-parallel group holds the same adapters whole, computes on its two chunks of every
+// sequence, and writes its tokens' share of the adapter gradients (a partial sum, as each
+// rank's weight gradients are under full training). The trainer counts a context-parallel
+// group's ranks as data-parallel ones (NOTE [Context-parallel steps] in train/trainer.cpp):
+// the frozen FSDP base shards over them too, and the adapters' one all-reduce after the
+// step's backward (NOTE [LoRA under data parallelism]) sums the gradients over the data- and
+// context-parallel ranks together, with the micro-batch's grad_scale of the whole batch's
+// targets; the loss is the decoder's group sum. QLoRA's replicated NF4 base is the same on
+// every rank of the world, context-parallel ones included. Dropout (NOTE [LoRA dropout] in
+// ops/lora.h) draws its masks from each element's index in the rank's input, so every
+// context-parallel rank takes a seed of its own (train/trainer.cpp, lora_dropout_seed):
+// otherwise the ranks' chunks would be dropped alike. The masks are then not the ones one
+// process draws for the same tokens (they are independent draws of the same probability),
+// so a run with lora.dropout > 0 follows a one-process run in distribution only; without
+// dropout it follows it within fp32 reordering. Checkpoints, the PEFT adapter and the merged
+// export are written as under data parallelism, by rank 0, the same files as one process's.
+// Tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h) splits the
+// weights, and the adapters follow their projections, as Megatron's and NeMo's do:
+//   - a column-parallel projection (qkv, gate/up: W's rows split) keeps A whole and takes
+//     the rows of B its shard of W has (each part's rows consecutive in the shard). Its
+//     input is the gathered normed rows, the same on every rank, so u = A x is too, and the
+//     rank's output rows get their scale u B_shard^T. In the backward, g = B_shard^T dy is
+//     the rank's share of the low-rank gradient: dx's share (scale g A) joins the frozen
+//     GEMM's partial sum, which the group reduce-scatters anyway, and A's gradient
+//     (scale g^T x) is a partial sum over the ranks; B's rows' gradient is exact.
+//   - a row-parallel projection (o, down: W's columns split) takes the columns of A its
+//     shard of W has and keeps B whole. u = A_shard x_shard is a partial sum over the ranks,
+//     and so is the rank's scale u B^T, which joins the frozen GEMM's partial rows that the
+//     group reduce-scatters: the sum of the ranks' u is never formed, the reduce-scatter of
+//     the output sums it. In the backward dy is gathered (every rank's rows), so g = B^T dy
+//     is whole, A_shard's gradient and dx's columns are exact, and B's gradient
+//     (scale dy^T u_shard) is a partial sum over the ranks.
+// The masters, their gradients and AdamW's state stay whole on every rank; the split
+// matrices' compute copies and gradients are the rank's shards (refresh_compute copies the
+// shards out of the whole compute copy). After the step's backward, spread_shard_gradients
+// writes each shard's gradient at its places in the whole with zeros elsewhere, and the
+// trainer sums the whole flat gradient over the tensor-parallel group (the partial sums of
+// the whole matrices and the disjoint shards together), then over the data- and
+// context-parallel ranks: every rank then holds the whole gradient, whose norm is the
+// global one, and runs the same AdamW step. So checkpoints (the whole adapters, rank 0),
+// the PEFT adapter (rank 0) and the merged export (the base's shards gathered to rank 0,
+// the whole adapters merged there) are the same files as one process's. Dropout: a
+// column-parallel adapter's input is the same on every rank, and so are its masks (the same
+// seed, the same element indices): one process's. A row-parallel adapter's input is the
+// rank's columns, whose element indices are not the whole input's, so each rank draws its
+// own masks (set_dropout_step mixes the tensor-parallel rank into its seed; independent
+// draws of the same probability, not one process's masks); and its forward adds the
+// adapter's share over every row in one call after the frozen GEMM's row pieces
+// (SequenceParallelEdges::project_out), so that the backward, one call over every row,
+// draws the same masks. QLoRA is refused under tensor parallelism (the NF4 base is not
+// split).
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the 2-D
@@ -122,8 +178,11 @@ std::string peft_tensor_name(const LoraPart& part, char matrix);
 class LoraAdapters : public ParamSource, public GradSink {
  public:
   // `tokens`: the most tokens one linear call sees (micro_batch × seq_len), for the
-  // workspace. Compute dtype: bf16 on CUDA, fp32 on the CPU.
-  LoraAdapters(const ModelConfig& config, const LoraConfig& lora, Device device, int64_t tokens);
+  // workspace. Compute dtype: bf16 on CUDA, fp32 on the CPU. `shard`: this rank's place in
+  // its tensor-parallel group, whose base weights are its shards (NOTE [LoRA under context
+  // and tensor parallelism]); the masters stay whole.
+  LoraAdapters(const ModelConfig& config, const LoraConfig& lora, Device device, int64_t tokens,
+               TensorParallelShard shard = {});
 
   const ModelConfig& config() const { return config_; }
   const LoraConfig& lora_config() const { return lora_; }
@@ -155,6 +214,11 @@ class LoraAdapters : public ParamSource, public GradSink {
   void set_dropout_step(uint64_t seed, uint64_t index);
   // As a gradient sink: the next gradients are written over the buffers.
   void discard();
+  // Under tensor parallelism, after the step's backward: each split matrix's gradient, which
+  // the linear ops wrote to the rank's shard, at its places in gradients() with zeros
+  // elsewhere, so that the sum over the tensor-parallel group is the whole gradient (NOTE
+  // [LoRA under context and tensor parallelism]). Nothing without tensor parallelism.
+  void spread_shard_gradients();
   // Dropout on (training) or off (evaluation, as PEFT's model.eval()).
   void set_training(bool training);
 
@@ -185,8 +249,22 @@ class LoraAdapters : public ParamSource, public GradSink {
   bool embedding_grad_fresh() const override { return true; }
 
  private:
+  // A matrix that tensor parallelism splits: the rank's shard of its compute copy and of
+  // its gradient, and where they are in the whole: B's rows (runs of rows, shard row, whole
+  // row, count) of a column-parallel projection, A's columns of a row-parallel one.
+  struct ShardedMatrix {
+    size_t target = 0;
+    Tensor whole_compute, whole_grad, compute, grad;
+    char matrix = 'a';
+    std::vector<ShardRun> rows;
+    int64_t column_begin = 0, columns = 0;
+  };
   ParamSource& base();
   Tensor& master_of(size_t target, char matrix);
+  // Under tensor parallelism: the split matrices' shard buffers, which the adapters then use.
+  void split_over_tensor_parallel_ranks(const std::vector<ParamSpec>& specs, DType compute);
+  // Copies a split matrix's shard out of the whole (take) or into it.
+  static void move_shard(const ShardedMatrix& s, const Tensor& shard, const Tensor& whole, bool take);
 
   ModelConfig config_;
   LoraConfig lora_;
@@ -204,6 +282,9 @@ class LoraAdapters : public ParamSource, public GradSink {
   LinearWeight frozen_output_;
   std::vector<char> fresh_;
   bool interleaved_rotary_ = true;
+  TensorParallelShard shard_;
+  std::vector<ShardedMatrix> sharded_;
+  Tensor shard_compute_flat_, shard_grad_flat_;
 };
 
 }  // namespace forge

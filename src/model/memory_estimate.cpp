@@ -116,7 +116,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     if (plan.fsdp && plan.lora.quantize_base != "nf4") {
       // NOTE [Frozen FSDP base]: this rank's chunk in the compute dtype, and what the ZeRO
       // stage holds in full (ZeRO-3: the embedding, the head and three gathered blocks).
-      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1, 1);
+      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1, plan.tensor_parallel);  // of the rank's shards
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
                           (plan.zero_stage <= 2 ? params : u.embedding + u.head + 3 * u.block)) *
                          compute_bytes;

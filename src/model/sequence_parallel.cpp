@@ -1,6 +1,7 @@
 #include "model/sequence_parallel.h"
 
 #include "ops/elementwise.h"
+#include "ops/lora.h"
 #include "ops/rmsnorm.h"
 
 namespace forge {
@@ -23,9 +24,16 @@ void SequenceParallelEdges::project_out(const Tensor& out, const Tensor& in, con
   const int64_t n = x.dim(0), begin = tp_->rank() * n, rows = partial_.dim(0);
   FORGE_CHECK(rows == tp_->size() * n && in.dim(0) == rows, "row-parallel projection: {} rows in, {} per rank of {}",
               in.dim(0), n, tp_->size());
-  if (begin > 0) linear_forward(partial_.narrow(0, begin), in.narrow(0, begin), w);
-  linear_forward(partial_.narrow(begin, begin + n), in.narrow(begin, begin + n), w, &x);
-  if (begin + n < rows) linear_forward(partial_.narrow(begin + n, rows), in.narrow(begin + n, rows), w);
+  // A LoRA adapter with dropout adds its share over every row in one call, after the frozen
+  // GEMMs: its masks are then the ones its backward, one call over every row, draws (NOTE
+  // [LoRA under context and tensor parallelism] in model/lora.h).
+  const bool lora_apart = w.lora && w.lora->dropout > 0.0f;
+  LinearWeight frozen = w;
+  if (lora_apart) frozen.lora = nullptr;
+  if (begin > 0) linear_forward(partial_.narrow(0, begin), in.narrow(0, begin), frozen);
+  linear_forward(partial_.narrow(begin, begin + n), in.narrow(begin, begin + n), frozen, &x);
+  if (begin + n < rows) linear_forward(partial_.narrow(begin + n, rows), in.narrow(begin + n, rows), frozen);
+  if (lora_apart) lora_forward_add(partial_, in, *w.lora);
   tp_->reduce_scatter_rows(out, partial_);
 }
 

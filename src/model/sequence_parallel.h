@@ -26,7 +26,9 @@ class SequenceParallelEdges {
   const Tensor& projection_input(const Tensor& normed);
   // out = x + in W^T: under tensor parallelism a row-parallel projection, the rank's rows
   // of the group's sum (in [T n, K/T]; x and out [n, H]), whose rows of the GEMM take x as
-  // their residual, so the add costs no pass of its own.
+  // their residual, so the add costs no pass of its own; a LoRA adapter with dropout adds
+  // its share over every row in one call (NOTE [LoRA under context and tensor parallelism]
+  // in model/lora.h).
   void project_out(const Tensor& out, const Tensor& in, const LinearWeight& w, const Tensor& x);
   // What the row-parallel projection's backward reads: every rank's rows of dL/d(out).
   const Tensor& output_grad(const Tensor& d_stream);

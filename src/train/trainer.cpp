@@ -70,6 +70,15 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// The seed of a micro-batch's LoRA dropout masks (NOTE [LoRA dropout] in ops/lora.h): the
+// run's, and under context parallelism each rank's own, so that the ranks' chunks of a
+// sequence are not dropped alike (NOTE [LoRA under context and tensor parallelism] in
+// model/lora.h).
+uint64_t lora_dropout_seed(uint64_t run_seed, const ContextParallel* context_parallel) {
+  const uint64_t seed = derive_seed(run_seed, kLoraDropoutSeed);
+  return context_parallel ? derive_seed(seed, 1 + static_cast<uint64_t>(context_parallel->rank())) : seed;
+}
+
 std::string human_count(double n) {
   if (n >= 1e9) return fmt::format("{:.2f} B", n / 1e9);
   if (n >= 1e6) return fmt::format("{:.2f} M", n / 1e6);
@@ -111,7 +120,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   const DType compute_dtype = device_ == Device::CUDA ? DType::BF16 : DType::F32;
   std::vector<bool> decay;
   if (config_.lora.enabled()) {
-    lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len);
+    // NOTE [LoRA under context and tensor parallelism]: the split matrices' shards for the base's.
+    lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len,
+                                           tensor_parallel_shard_);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
     if (config_.checkpoint.initial_load_in_hf && !config_.checkpoint.initial_load_path.empty())
       lora_->set_interleaved_rotary(read_weight_layout(config_.checkpoint.initial_load_path).interleaved_rotary);
@@ -141,8 +152,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                  static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_));
       }
     } else {
-      // NOTE [LoRA training]: the frozen base once, in the compute dtype; the adapters train.
-      params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype);
+      // NOTE [LoRA training]: the frozen base once (the rank's shards under tensor
+      // parallelism), in the compute dtype; the adapters train.
+      params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype, tensor_parallel_shard_);
       params_->initialize(derive_seed(t.seed, kWeightsSeed));
       lora_->set_base(*params_);
       if (config_.precision.fp8 != "none") {
@@ -550,7 +562,8 @@ std::vector<std::vector<int64_t>> Trainer::loads_over_ranks(const std::vector<st
 // same values) once more. So each rank counts its shards' squares in full and a
 // replicated parameter's with weight 1/T; the sum over the data-parallel ranks (FSDP's
 // chunks, or the whole on one data-parallel rank) and then over the tensor-parallel group
-// is the whole model's squared norm, the one clipping uses on every rank.
+// is the whole model's squared norm, the one clipping uses on every rank. (LoRA's adapters
+// are whole on every rank once their gradients are summed: their own norm is the global one.)
 double Trainer::tensor_parallel_grad_sum_of_squares() {
   const double replicated = 1.0 / static_cast<double>(tensor_parallel_shard_.size);
   double sum = 0.0;
@@ -586,9 +599,17 @@ void Trainer::begin_gradients() {
 // QLoRA's NF4 base is not sharded but replicated: every rank imports and quantizes the
 // whole base (bitwise the same codes everywhere), and a DataParallelComm alone carries the
 // collectives (the adapters' all-reduce, the loss, the counts); rank 0 exports.
+// Context-parallel ranks count as data-parallel ones here; under tensor parallelism the
+// adapters' gradients are first spread from the split matrices' shards and summed over the
+// tensor-parallel group (NOTE [LoRA under context and tensor parallelism] in model/lora.h).
 void Trainer::finish_gradients() {
   if (fsdp_) fsdp_->finish_gradients();
-  if (dp_ && lora_) dp_->all_reduce_sum(lora_->gradient_flat());
+  if (!lora_) return;
+  if (tensor_parallel_) {  // NOTE [LoRA under context and tensor parallelism]
+    lora_->spread_shard_gradients();
+    tensor_parallel_comm_->all_reduce_sum(lora_->gradient_flat());
+  }
+  if (dp_) dp_->all_reduce_sum(lora_->gradient_flat());
 }
 
 std::vector<ParamSpec> Trainer::checkpoint_specs() const {
@@ -832,7 +853,10 @@ TrainResult Trainer::run() {
       const Batch& b = batches[static_cast<size_t>(a)];
       if (fsdp_) fsdp_->begin_micro_batch(a == accum - 1);
       const SequenceLayout layout = sequence_layout(b);
-      if (lora_) lora_->set_dropout_step(derive_seed(t.seed, kLoraDropoutSeed), static_cast<uint64_t>(step * accum + a));
+      if (lora_) {
+        const uint64_t micro_batch = static_cast<uint64_t>(step * accum + a);
+        lora_->set_dropout_step(lora_dropout_seed(t.seed, context_parallel_.get()), micro_batch);
+      }
       LossSum l = model_->forward_backward(b.tokens.to(device_), b.targets.to(device_), weights(), gradients(),
                                            grad_scale, b.has_examples() ? &layout : nullptr);
       if (fsdp_) fsdp_->end_micro_batch();
@@ -864,6 +888,9 @@ TrainResult Trainer::run() {
       // Replicated adapters hold the global gradient after finish_gradients: their norm is the global one.
       if (lora_) norm = global_grad_norm({lora_->gradient_flat()});
       else if (!tensor_parallel_) norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
+    } else if (lora_ && tensor_parallel_) {
+      finish_gradients();  // the adapters' gradients summed over the tensor-parallel group
+      norm = global_grad_norm({lora_->gradient_flat()});
     } else if (!tensor_parallel_) {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
     }
@@ -879,7 +906,8 @@ TrainResult Trainer::run() {
       norm = std::sqrt(sums[2]);
     }
     if (tensor_parallel_) {
-      if (!pipeline_comm_) norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
+      // LoRA's adapters hold the whole gradient on every rank by now: their norm is the global one.
+      if (!pipeline_comm_ && !lora_) norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
       // NOTE [Stop signals]: a tensor-parallel group stops together too.
       stop_now = tensor_parallel_comm_->sum_over_ranks(stop_now ? 1.0 : 0.0) > 0;
     }

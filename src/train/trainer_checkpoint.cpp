@@ -159,7 +159,8 @@ std::array<std::vector<FlatSegment>, 3> Trainer::checkpoint_segments() const {
 }
 
 std::optional<ShardPlacement> Trainer::tensor_parallel_placement() const {
-  if (!tensor_parallel_) return std::nullopt;
+  // LoRA's checkpoints hold the whole adapters (NOTE [LoRA under context and tensor parallelism]).
+  if (!tensor_parallel_ || lora_) return std::nullopt;
   return ShardPlacement(parameter_specs(config_.model), tensor_parallel_shard_);
 }
 
@@ -300,8 +301,17 @@ void Trainer::load_initial_weights(const std::string& path) {
     // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory.
     FlatParameters host(config_.model);
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{{{0, host.flat()}}, {}, {}}});
-    if (fsdp_) load_fsdp_chunks(host);  // NOTE [LoRA under data parallelism]
-    else params_->assign_from(host);
+    std::optional<FlatParameters> shards;  // the rank's, under tensor parallelism (NOTE [Tensor-parallel shards])
+    if (tensor_parallel_) {
+      shards.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_);
+      for (size_t k = 0; k < host.specs().size(); ++k)
+        for (const ShardRun& run : tensor_parallel_runs(host.specs()[k], tensor_parallel_shard_))
+          std::copy_n(host.tensors()[k].data<float>() + run.full_begin, run.count,
+                      shards->tensors()[k].data<float>() + run.local_begin);
+    }
+    const FlatParameters& mine = shards ? *shards : host;
+    if (fsdp_) load_fsdp_chunks(mine);  // NOTE [LoRA under data parallelism]
+    else params_->assign_from(mine);
   } else {
     // Each rank reads only its segments, whatever world size saved the checkpoint.
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false);
@@ -379,8 +389,9 @@ void Trainer::save_checkpoint(int64_t step) {
     create_checkpoint_shard_files(job->staging->temporary_path(), job->layout.file_numel);
   }
   if (world_) world_->barrier();
-  // The replica of world rank 0 (consecutive data-parallel ranks shard), every tensor-parallel rank of it.
-  const bool writer = data_rank_ < shards;
+  // The replica of world rank 0 (consecutive data-parallel ranks shard), every tensor-parallel rank of it;
+  // LoRA's adapters, the same on every rank, rank 0 alone.
+  const bool writer = lora_ ? rank_ == 0 : data_rank_ < shards;
   const bool async_mode = config_.checkpoint.async_mode == "async";
   // A synchronous save measures what the process's peak resident memory rises by, its
   // buffer included (pinned memory is resident from its allocation on).

@@ -22,6 +22,7 @@
 
 #include "core/log.h"
 #include "distributed/tensor_parallel_gather.h"
+#include "ops/elementwise.h"
 #include "train/trainer.h"
 
 namespace forge {
@@ -67,7 +68,11 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     for (size_t k = 0; k < params_->specs().size(); ++k) held[params_->specs()[k].name] = k;
     for_each_hf_parameter(
         dir, config_.model,
-        [&](size_t spec, const Tensor& values) { params_->tensors()[held.at(specs[spec].name)].copy_from(values); },
+        [&](size_t spec, const Tensor& values) {
+          const Tensor& into = params_->tensors()[held.at(specs[spec].name)];
+          if (into.dtype() == values.dtype()) into.copy_from(values);
+          else cast(into, values.to(into.device()));  // a LoRA run's frozen base in bf16 (NOTE [LoRA training])
+        },
         tensor_parallel_shard_, pipeline_stages_);
   } else if (params_->flat().device() == Device::CPU) {
     load_hf_weights_checked(dir, *params_);
@@ -133,15 +138,24 @@ void Trainer::export_tensor_parallel_hf_model(const std::string& dir, const HfEx
   if (fsdp_) {
     fsdp_->gather_to_host(fsdp_->master_segments(), local);
   } else {
-    local.resize(static_cast<size_t>(params_->flat().numel()));
-    copy_bytes(local.data(), Device::CPU, params_->flat().raw(), params_->flat().device(), local.size() * sizeof(float));
+    // A LoRA run's frozen base is in the compute dtype (NOTE [LoRA training]).
+    Tensor values = params_->flat();
+    if (values.dtype() != DType::F32) {
+      values = Tensor::empty(params_->flat().shape(), DType::F32, params_->flat().device());
+      cast(values, params_->flat());
+    }
+    local.resize(static_cast<size_t>(values.numel()));
+    copy_bytes(local.data(), Device::CPU, values.raw(), values.device(), local.size() * sizeof(float));
   }
   std::optional<FlatParameters> host;
   if (rank_ == 0) host.emplace(config_.model);
   const std::span<float> whole =
       host ? std::span<float>(host->flat().data<float>(), static_cast<size_t>(host->flat().numel())) : std::span<float>();
   gather_tensor_parallel_shards(*tensor_parallel_group_, device_, config_.model, local, whole);
-  if (host) save_hf_model(dir, *host, options);
+  if (!host) return;
+  if (lora_) lora_->merge_into(*host);  // NOTE [LoRA under context and tensor parallelism]: the whole adapters
+  save_hf_model(dir, *host, options);
+  if (lora_) log_info("exported the base model with the LoRA adapters merged to {}", dir);
 }
 
 namespace {

@@ -52,6 +52,29 @@ TEST(ConfigValidate, LoraAndQloraRunOnDataParallelRanks) {
   EXPECT_EQ(qlora.lora.quantize_base, "nf4");
 }
 
+// NOTE [LoRA under context and tensor parallelism]: LoRA and QLoRA on context-parallel
+// ranks, LoRA on tensor-parallel ones; what tensor parallelism cannot take is named.
+TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
+  EXPECT_EQ(load({{"lora.rank", "4"}, {"parallelism.context_parallel_degree", "2"},
+                  {"parallelism.data_parallel_shard_degree", "2"}})
+                .lora.rank,
+            4);
+  EXPECT_EQ(load({{"lora.rank", "4"}, {"lora.quantize_base", "nf4"}, {"parallelism.context_parallel_degree", "2"}})
+                .lora.quantize_base,
+            "nf4");
+  EXPECT_EQ(load({{"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"},
+                  {"parallelism.context_parallel_degree", "2"}})
+                .parallelism.tensor_parallel_degree,
+            2);
+  expect_error(
+      [] { load({{"lora.rank", "4"}, {"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
+      {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with lora.quantize_base = nf4",
+       "NF4 base is not split"});
+  EXPECT_EQ(load({{"lora.rank", "4"}, {"lora.dropout", "0.1"}, {"parallelism.tensor_parallel_degree", "2"}})
+                .lora.dropout,
+            0.1);
+}
+
 TEST(ConfigValidate, SequenceMustFitTheModel) {
   expect_error([] { load({{"training.seq_len", "512"}}); },
                {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});

@@ -6,7 +6,9 @@
 // accumulation). Their losses and gradients match one GPU's step of the whole model: the
 // shard shapes, the row-parallel GEMMs split around the rank's rows, the shard embedding
 // and the vocabulary-parallel cross-entropy, the sequence chunks, the gathered keys and
-// values and the chunk attention, in bf16 with cuBLASLt and cuDNN. (NCCL cannot put two
+// values and the chunk attention, in bf16 with cuBLASLt and cuDNN. LoRA adapters too (NOTE
+// [LoRA under context and tensor parallelism] in model/lora.h): the ranks' adapter
+// gradients, summed over them, are one GPU's. (NCCL cannot put two
 // ranks on one GPU; the multi-GPU runs are issue 23.)
 #include <gtest/gtest.h>
 
@@ -18,6 +20,7 @@
 #include "gpu_testing.h"
 #include "model/context_parallel.h"
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
@@ -193,6 +196,101 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
     }
 }
 
+// LoRA (all-linear, B drawn so that A has a gradient) over a frozen bf16 base on t
+// tensor-parallel x c context-parallel rank threads (rank = c_index t + t_index), each with
+// its base shards and its adapters (the split matrices' shards), against one GPU: every
+// rank's loss is the micro-batch's; the ranks' adapter gradients, the shards spread into
+// the whole (spread_shard_gradients) and summed over every rank, are one GPU's. With
+// dropout only where every rank draws one GPU's masks: column-parallel targets, c = 1.
+void expect_lora_ranks_match_one_gpu(int t, int c, ActivationCheckpoint mode, double dropout = 0.0,
+                                     const std::string& targets_modules = "all-linear") {
+  SCOPED_TRACE(fmt::format("LoRA ({}, dropout {}) on {} x {} ranks, checkpointing {}", targets_modules, dropout, t, c,
+                           activation_checkpoint_name(mode)));
+  const ModelConfig config = llama_like(false);
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.dropout = dropout;
+  lora.target_modules = targets_modules;
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  targets.data<int32_t>()[7] = kIgnoreIndex;
+  const float scale = 1.0f / static_cast<float>(batch * seq - 1);
+
+  FlatParameters whole(config);
+  whole.initialize(23);
+  round_to_bf16(whole.flat());
+  std::vector<Tensor> b_values;
+  const LoraAdapters shapes(config, lora, Device::CPU, 1);
+  for (const LoraTarget& target : shapes.targets())
+    for (const LoraPart& part : target.parts)
+      b_values.push_back(random_bf16_values({part.row_end - part.row_begin, lora.rank}, rng, 0.02));
+  auto adapters_over = [&](ParamSource& base, int64_t tokens_per_call, TensorParallelShard shard) {
+    auto adapters = std::make_unique<LoraAdapters>(config, lora, Device::CUDA, tokens_per_call, shard);
+    adapters->initialize(9);
+    size_t next = 0;
+    for (size_t k = 0; k < adapters->targets().size(); ++k)
+      for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p)
+        adapters->set_part_matrix(k, p, 'b', b_values[next++]);
+    adapters->refresh_compute();
+    adapters->set_base(base);
+    adapters->discard();
+    adapters->set_dropout_step(77, 3);
+    return adapters;
+  };
+  FlatParameters compute(config, Device::CUDA, DType::BF16);
+  compute.assign_from(whole);
+  auto one_adapters = adapters_over(compute, batch * seq, {});
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, mode);
+  const LossSum reference =
+      one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), *one_adapters, *one_adapters, scale);
+
+  const int ranks = t * c;
+  Turn turn;
+  std::vector<std::unique_ptr<ThreadGroup>> tp_groups, cp_groups;
+  for (int i = 0; i < c; ++i) tp_groups.push_back(std::make_unique<ThreadGroup>(t));
+  for (int i = 0; i < t; ++i) cp_groups.push_back(std::make_unique<ThreadGroup>(c));
+  std::vector<LossSum> losses(static_cast<size_t>(ranks));
+  std::vector<std::unique_ptr<FlatParameters>> bases;
+  std::vector<std::unique_ptr<LoraAdapters>> adapters;
+  for (int r = 0; r < ranks; ++r) {
+    const TensorParallelShard shard{r % t, t};
+    FlatParameters host(config, Device::CPU, DType::F32, shard);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    bases.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16, shard));
+    bases.back()->assign_from(host);
+    adapters.push_back(adapters_over(*bases.back(), batch * seq / c, shard));
+  }
+  const auto errors = run_rank_threads(ranks, turn.gpu, [&](int r) {
+    const int ti = r % t, ci = r / t;
+    ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
+    ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, t > 1 ? &tp : nullptr,
+                    c > 1 ? &cp : nullptr);
+    LoraAdapters& mine = *adapters[static_cast<size_t>(r)];
+    losses[static_cast<size_t>(r)] =
+        model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), mine, mine, scale);
+    mine.spread_shard_gradients();
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
+    EXPECT_NEAR(losses[static_cast<size_t>(r)].mean(), reference.mean(), 2e-3 * reference.mean()) << "rank " << r;
+  }
+  for (size_t i = 0; i < one_adapters->gradients().size(); ++i) {
+    Tensor summed = to_cpu_f32(adapters[0]->gradients()[i]);
+    for (int r = 1; r < ranks; ++r) {
+      const Tensor more = to_cpu_f32(adapters[static_cast<size_t>(r)]->gradients()[i]);
+      for (int64_t j = 0; j < summed.numel(); ++j) summed.data<float>()[j] += more.data<float>()[j];
+    }
+    EXPECT_LT(relative_l2(summed, to_cpu_f32(one_adapters->gradients()[i])), 2e-2) << one_adapters->master_names()[i];
+  }
+}
+
 TEST(GpuTensorParallel, ThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::None);
   expect_ranks_match_one_gpu(2, 1, true, ActivationCheckpoint::Selective);
@@ -203,6 +301,18 @@ TEST(GpuContextParallel, ThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None);
   expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full);
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective);
+}
+
+TEST(GpuContextParallel, LoraThreadRanksMatchOneGpu) {
+  expect_lora_ranks_match_one_gpu(1, 2, ActivationCheckpoint::None);
+  expect_lora_ranks_match_one_gpu(1, 4, ActivationCheckpoint::Full);
+}
+
+TEST(GpuTensorParallel, LoraThreadRanksMatchOneGpu) {
+  expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::None);
+  expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Full);
+  expect_lora_ranks_match_one_gpu(2, 2, ActivationCheckpoint::Selective);
+  expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Selective, 0.2, "q_proj,v_proj,gate_proj,up_proj");
 }
 
 }  // namespace
