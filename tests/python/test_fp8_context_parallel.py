@@ -146,5 +146,22 @@ class Fp8UnderContextParallelism(unittest.TestCase):
         self.assertEqual([bool(r.get("skipped")) for r in records(run_dir)], [False, False, True, False])
 
 
+class Checks(unittest.TestCase):
+    def test_cuda_needs_a_ranks_tokens_in_sixteens(self):
+        """On CUDA a rank's weight gradient contracts over its 1/C of the micro-batch's tokens:
+        checked from the config before any device or rank is needed."""
+        run_dir = os.path.join(scratch_dir(), "refused")
+        common = ["train", "--training.device", "cuda", *TENSORWISE, "--training.local_batch_size", "1",
+                  "--logging.run_dir", run_dir]
+        refused = subprocess.run([forge_bin(), *common, "--parallelism.context_parallel_degree", "4",
+                                  "--training.seq_len", "96"], capture_output=True, text=True, timeout=60)
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("multiple of 16: the tokens of a micro-batch on a context-parallel rank (training.local_batch_size "
+                      "× training.seq_len / parallelism.context_parallel_degree) is 24", refused.stderr)
+        fits = subprocess.run([forge_bin(), *common, "--parallelism.context_parallel_degree", "2",
+                               "--training.seq_len", "64"], capture_output=True, text=True, timeout=60)
+        self.assertNotIn("multiple of 16", fits.stderr)
+
+
 if __name__ == "__main__":
     unittest.main()
