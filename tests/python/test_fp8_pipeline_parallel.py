@@ -1,9 +1,9 @@
 """FP8 training under pipeline parallelism on CPU ranks (forge launch, the CPU process group;
 NOTE [FP8 under context and pipeline parallelism] in src/train/trainer_fp8.cpp): a 4-block
 debug-tiny on 2 pipeline ranks (1F1B, the interleaved schedule, and 2 stages x FSDP 2) in
-FP8, tensorwise and delayed, follows the one-rank FP8 run; every rank holds the whole
-model's delayed state, so rank 0's checkpoint has every stage's histories (the one-rank
-run's), a delayed run stopped and resumed on 2 ranks is bitwise the uninterrupted one, and
+FP8, tensorwise and delayed, follows the one-rank FP8 run (and so do 2 stages x 2
+context-parallel ranks); every rank holds the whole model's delayed state, so rank 0's
+checkpoint has every stage's histories (the one-rank run's), a delayed run stopped and resumed on 2 ranks is bitwise the uninterrupted one, and
 its checkpoint resumes on one rank and under the interleaved schedule (and a one-rank
 checkpoint on 2 ranks); a non-finite amax on the last stage alone stops both ranks naming
 it; the FP8 all-gather, which FSDP over a stage does not do, is refused by name.
@@ -11,11 +11,13 @@ it; the FP8 all-gather, which FSDP over a stage does not do, is refused by name.
 What is exact and what is not: a pipeline rank quantizes whole micro-batches as one rank
 does, and the delayed histories are max-reduced over the pipeline, so the first steps are
 one rank's within fp32 reordering (measured 1.5e-8 for 4 steps) and the step-4 histories are
-one rank's (measured bitwise, every layout; the bound 1e-5). After that the gradients'
+one rank's (measured bitwise, every layout without context parallelism; the bound 1e-5). After that the gradients'
 summation order moves weights by fp32 rounding, which Adam and the FP8 code boundaries
 amplify as under FSDP (test_fp8_fsdp.py): measured over the 20 steps, the largest relative
 loss difference from one rank 2.0e-4 (tensorwise and delayed), 1.5e-4 (interleaved), 7.1e-5
-(2 stages x FSDP 2), validation losses 4.2e-4 at most; the bound is 2e-3."""
+(2 stages x FSDP 2), 1.3e-4 (2 stages x 2 context-parallel ranks, whose step-4 histories are
+3e-2 from one rank's as under context parallelism alone), validation losses 4.2e-4 at most;
+the bound is 2e-3."""
 import json
 import os
 import shlex
@@ -31,6 +33,7 @@ LAYERS = ["--model.num_layers", "4"]
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "1"]
+CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.zero_stage", "1"]
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
 DELAYED = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8"]
 TENSORWISE = ["--precision.fp8", "tensorwise"]
@@ -88,7 +91,8 @@ class Fp8UnderPipelineParallelism(unittest.TestCase):
                 ("pp2-delayed", 2, 1, PP2, "delayed"),
                 ("pp2-interleaved-delayed", 2, 1, PP2 + INTERLEAVED + ["--activation_checkpoint.mode", "full"],
                  "delayed"),
-                ("pp2-fsdp2-delayed", 4, 2, PP2 + FSDP2, "delayed")):
+                ("pp2-fsdp2-delayed", 4, 2, PP2 + FSDP2, "delayed"),
+                ("pp2-cp2-delayed", 4, 1, PP2 + CP2, "delayed")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
                 if run != self.pp2_delayed:
@@ -102,8 +106,10 @@ class Fp8UnderPipelineParallelism(unittest.TestCase):
                 mine, reference = delayed_state(run, 4), delayed_state(self.one[recipe], 4)
                 self.assertTrue(mine["active"])
                 self.assertEqual([h == 0 for h in mine["histories"]], [h == 0 for h in reference["histories"]])
-                self.assertLess(relative(mine["histories"], reference["histories"]), 1e-5)
-                self.assertLess(relative(mine["scales"], reference["scales"]), 1e-5)
+                # Context parallelism's first step scales each rank's chunks (test_fp8_context_parallel.py).
+                bound = 0.1 if "cp2" in name else 1e-5
+                self.assertLess(relative(mine["histories"], reference["histories"]), bound)
+                self.assertLess(relative(mine["scales"], reference["scales"]), bound)
 
     def test_delayed_resume_is_exact_and_reshards(self):
         uninterrupted = {r["step"]: r["loss"] for r in records(self.pp2_delayed, "train")}
