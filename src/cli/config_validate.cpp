@@ -168,11 +168,12 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 }
 
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
-// device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), and
-// LoRA over a bf16 base, on one device or over FSDP's frozen base (NOTE [FP8 frozen base]:
-// the base's forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4
-// codes are dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8
-// instead). The FP8 all-gather is full training's: a frozen base gathers bf16.
+// device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), context
+// or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
+// a bf16 base, on one device or over FSDP's frozen base (NOTE [FP8 frozen base]: the base's
+// forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are
+// dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead). The
+// FP8 all-gather is full training's: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)
@@ -188,7 +189,8 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   if (config.precision.fp8_fsdp_all_gather) {
     const std::string key = show(config, keys, "precision.fp8_fsdp_all_gather");
-    if (p.data_parallel_shard_degree == 1)
+    // FSDP shards over the context-parallel ranks too (NOTE [Context-parallel steps]).
+    if (p.data_parallel_shard_degree * p.context_parallel_degree == 1)
       FORGE_FAIL("{} gathers FSDP's shards, and this run has none (parallelism.data_parallel_shard_degree 1): set "
                  "it to false, or shard over several ranks",
                  key);
@@ -196,6 +198,12 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base is gathered in bf16 and cast to FP8 by each "
                  "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
                  key);
+    // FSDP over a pipeline rank's stages is ZeRO-1 with the gradients reduced after the
+    // schedule; the FP8 all-gather gathers every block around its use, per micro-batch.
+    if (p.pipeline_parallel_degree > 1)
+      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages keeps its blocks gathered "
+                 "for the schedule (ZeRO-1) and gathers them in bf16; set it to false",
+                 key, show(config, keys, "parallelism.pipeline_parallel_degree"));
   }
   if (config.training.device != "cuda") return;
   // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a
@@ -209,9 +217,13 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       {"the attention's query width (num_heads × head_dim)", m.q_size()},
       {"the qkv projection's width ((num_heads + 2 × num_kv_heads) × head_dim)", m.q_size() + 2 * m.kv_size()},
       {"model.ffn_hidden_size", m.ffn_hidden_size}};
+  // Under context parallelism a rank's weight gradient contracts over its chunks' tokens.
+  const int64_t cp = p.context_parallel_degree;
   if (!config.lora.enabled())
-    dims.emplace_back("the tokens of a micro-batch (training.local_batch_size × training.seq_len)",
-                      config.training.local_batch_size * config.training.seq_len);
+    dims.emplace_back(cp > 1 ? "the tokens of a micro-batch on a context-parallel rank (training.local_batch_size × "
+                               "training.seq_len / parallelism.context_parallel_degree)"
+                             : "the tokens of a micro-batch (training.local_batch_size × training.seq_len)",
+                      config.training.local_batch_size * config.training.seq_len / cp);
   if (config.precision.fp8_output_head) dims.emplace_back("model.vocab_size (precision.fp8_output_head)", m.vocab_size);
   for (const auto& [what, value] : dims)
     if (value % 16 != 0)
@@ -318,7 +330,8 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
 // chunks, data without packed examples; full training or LoRA and QLoRA (NOTE [LoRA under
-// context and tensor parallelism] in model/lora.h) in the compute dtype.
+// context and tensor parallelism] in model/lora.h), in the compute dtype or in FP8 (NOTE [FP8
+// under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t c = config.parallelism.context_parallel_degree;
   if (c == 1) return;
@@ -333,14 +346,13 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   };
   refuse(config.data.source == "sft" || config.data.source == "govreport_npy", "data.source",
          "its packed examples would confine attention to examples that cross the ranks' chunks");
-  refuse(config.precision.fp8 != "none", "precision.fp8",
-         "FP8 scaling is not agreed over context-parallel ranks");
 }
 
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in
 // model/pipeline.h): the blocks cut into P x V equal stages, the schedule's micro-batches
-// the gradient accumulation's. Full training of a dense model in the compute dtype, on a
-// mesh of pipeline ranks alone; the rest is refused by name.
+// the gradient accumulation's. Full training of a dense model in the compute dtype or in FP8
+// (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp); the rest is
+// refused by name.
 void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   const int64_t degree = p.pipeline_parallel_degree;
@@ -390,7 +402,6 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree", "Mixture-of-Experts blocks are not cut into stages");
   refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
          "LoRA adapters are not split over pipeline stages");
-  refuse(config.precision.fp8 != "none", "precision.fp8", "FP8 scales are not kept per pipeline stage");
   refuse(m.mla(), "model.kv_lora_rank", "Multi-head Latent Attention blocks are not cut into stages");
 }
 

@@ -16,7 +16,11 @@
 // made the first time a layer is handed out. Every projection also has a statistics block
 // in one model-wide array (NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h),
 // numbered in parameter order (the head last), where its casts fold the step's amaxes;
-// `delayed` adds the amax histories, and its scales live in the same blocks.
+// `delayed` adds the amax histories, and its scales live in the same blocks. A pipeline
+// rank, which is handed its stages' layers alone, keeps the whole model's array too: its
+// stages' blocks see its casts, the others none until the trainer's step end reduces the
+// arrays over the pipeline (NOTE [FP8 under context and pipeline parallelism] in
+// train/trainer_fp8.cpp).
 //
 // NOTE [FP8 step end]
 // The trainer calls nonfinite_amax() once the step's micro-batches are done and counts a
@@ -153,9 +157,10 @@ class Fp8Projections : public ParamSource, public GradSink {
   // "" when every amax since the last end_step was finite, else the first one described.
   std::string nonfinite_amax() const;
   // Every projection's statistics block (NOTE [FP8 projection statistics] in
-  // kernels/cpu/fp8_scaling.h) on the run's device: under data parallelism the trainer
-  // max-reduces it over the ranks before a delayed end_step (NOTE [FP8 under data
-  // parallelism] in train/trainer_fp8.cpp).
+  // kernels/cpu/fp8_scaling.h) on the run's device: under data, context and pipeline
+  // parallelism the trainer max-reduces it over the ranks before a delayed end_step (NOTE
+  // [FP8 under data parallelism], NOTE [FP8 under context and pipeline parallelism] in
+  // train/trainer_fp8.cpp).
   const Tensor& statistics() const { return stats_; }
   bool delayed() const { return settings_.recipe == Fp8Recipe::Delayed; }
   // Whether the projections quantize with their delayed scales now (from the end of a

@@ -83,6 +83,17 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     e.gradients = params * 4 + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
+    if (plan.fp8 && plan.cuda) {
+      // NOTE [FP8 under context and pipeline parallelism]: the whole model's statistics and
+      // histories on every rank, the weight cache of its stages' FP8 weights alone.
+      e.fp8_scratch = static_cast<double>(
+          fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len / plan.context_parallel));
+      double cached = 0;
+      for (const ParamSpec& spec : pipeline_stage_specs(specs, stages))
+        if (fp8_block_projection(spec) || (plan.fp8->output_head && spec.name == "output.weight"))
+          cached += static_cast<double>(shape_numel(spec.shape));
+      e.fp8_weight_cache = plan.fp8->weight_cache ? 2 * cached : 0.0;
+    }
     if (e.total() > worst.total()) worst = e;
   }
   return worst;
@@ -105,7 +116,8 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint,
                                            plan.expert_parallel, plan.tensor_parallel, plan.context_parallel));
   if (plan.fp8 && plan.cuda) {
-    e.fp8_scratch = static_cast<double>(fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len));
+    e.fp8_scratch = static_cast<double>(
+        fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len / plan.context_parallel));
     e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));
   }
   if (plan.lora.enabled()) {

@@ -17,7 +17,9 @@
 // compute dtype plus what the ZeRO stage holds in full; the adapters whole on every rank.
 // QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
 // precision.fp8 on CUDA adds the FP8 GEMMs' scratch (fp8_scratch_bytes, the function
-// Fp8Projections allocates by); the CPU path allocates none.
+// Fp8Projections allocates by, for a rank's tokens: 1/C of the micro-batch's under context
+// parallelism) and the weight cache (a pipeline rank's: its stages' FP8 weights); the CPU
+// path allocates none.
 // Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
 // the units' full-size buffers hold 1/P of each MoE block's routed experts, and a rank's
 // received rows (in the activations) may be P times a micro-batch's assignments.

@@ -173,9 +173,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const FsdpSegment& segment : fsdp_->layout().segments()) decay.push_back(segment.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, fsdp_->master_segments(), decay);
     if (config_.precision.fp8 != "none") {
-      // NOTE [FP8 under data parallelism]: the gathered compute weights, quantized per rank.
+      // NOTE [FP8 under data parallelism]: the gathered compute weights, quantized per rank
+      // (a context-parallel rank's linear calls see 1/C of the micro-batch's tokens).
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
-                                              t.local_batch_size * t.seq_len);
+                                              t.local_batch_size * t.seq_len / context_parallel_degree_);
       fp8_->set_base(*fsdp_, *fsdp_);
       if (config_.precision.fp8_fsdp_all_gather) fsdp_->set_fp8_projections(*fp8_);
       log_fp8();
@@ -197,8 +198,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     for (const auto& spec : params_->specs()) decay.push_back(spec.weight_decay);
     optimizer_ = std::make_unique<AdamW>(config_.optimizer, params_->tensors(), decay);
     if (config_.precision.fp8 != "none") {
-      // NOTE [FP8 projections]: the config allows FP8 here (full training, one device), under
-      // FSDP (above) and under LoRA on one device (above).
+      // NOTE [FP8 projections]: the config allows FP8 here (full training, one device or a
+      // pipeline rank's stages: NOTE [FP8 under context and pipeline parallelism]), under FSDP
+      // (above) and under LoRA on one device (above).
       fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
                                               t.local_batch_size * t.seq_len);
       fp8_->set_base(compute_weights_ ? *compute_weights_ : *params_, *grads_);
@@ -847,7 +849,8 @@ TrainResult Trainer::run() {
       if (fsdp_) fsdp_->reduce_gradients();  // once, after every micro-batch's backward
       for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
       loss.tokens = targets;
-      if (inject_nan_ && !sharded_gradients()) inject_test_nan(step + 1, inject_nan_->micro_batch);
+      if (inject_nan_ && (!sharded_gradients() || inject_nan_->fp8_amax))
+        inject_test_nan(step + 1, inject_nan_->micro_batch);
     }
     for (int64_t a = 0; a < (pipeline_model_ ? 0 : accum); ++a) {
       const Batch& b = batches[static_cast<size_t>(a)];
@@ -899,11 +902,13 @@ TrainResult Trainer::run() {
       // gradients are its stages' parameters'.
       // This rank's sum of squares (under tensor parallelism its group's, NOTE [Tensor-parallel gradient norm]).
       const double own = tensor_parallel_ ? tensor_parallel_grad_sum_of_squares() : norm * norm;
-      const std::vector<double> sums =
-          pipeline_comm_->sum_over_ranks(std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own});
+      // The ranks that saw a non-finite FP8 amax too (NOTE [FP8 under context and pipeline parallelism]).
+      const std::vector<double> sums = pipeline_comm_->sum_over_ranks(
+          std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own, static_cast<double>(amax_ranks)});
       loss.sum = sums[0];
       stop_now = sums[1] > 0;
       norm = std::sqrt(sums[2]);
+      amax_ranks = std::llround(sums[3]);
     }
     if (tensor_parallel_) {
       // LoRA's adapters hold the whole gradient on every rank by now: their norm is the global one.

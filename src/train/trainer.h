@@ -188,12 +188,13 @@ class Trainer {
   void handle_nonfinite(int64_t step, const std::vector<Batch>& batches, float grad_scale,
                         const std::vector<double>& micro_losses, double loss, double norm,
                         const std::string& fp8_amax);
-  std::string first_nonfinite_gradient();
+  std::string first_nonfinite_gradient();  // "" when every gradient is finite
   std::string first_over_pipeline(bool weights);
   [[noreturn]] void handle_nonfinite_pipeline(int64_t step, const std::vector<double>& micro_losses, double loss,
-                                              double norm);   // "" when every gradient is finite
-  // trainer_fp8.cpp (NOTE [FP8 under data parallelism]): the step's first non-finite FP8
-  // amax named, the same on every rank (`ranks` ranks saw one, this one `own`, maybe none).
+                                              double norm, const std::string& fp8_amax);
+  // trainer_fp8.cpp (NOTE [FP8 under data parallelism], NOTE [FP8 under context and pipeline
+  // parallelism]): the step's first non-finite FP8 amax named, the same on every rank
+  // (`ranks` ranks saw one, this one `own`, maybe none).
   std::string describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax& own, int64_t ranks);
   // The step's amaxes agreed over the ranks (delayed), then Fp8Projections::end_step.
   void end_fp8_step(bool update);

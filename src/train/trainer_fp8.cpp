@@ -1,5 +1,5 @@
-// The trainer's side of FP8 training under data parallelism: what the ranks must agree on at
-// a step's end so that their FP8 state stays one.
+// The trainer's side of FP8 training across ranks (data, context and pipeline parallelism):
+// what the ranks must agree on at a step's end so that their FP8 state stays one.
 //
 // NOTE [FP8 under data parallelism]
 // Under FSDP (full training, or LoRA over FSDP's frozen base: NOTE [FP8 frozen base];
@@ -38,6 +38,42 @@
 // [FP8 all-gather] in distributed/fsdp.h) a tensorwise weight's amax is max-reduced at each
 // gather instead, and a delayed weight's W record holds this rank's chunk's amax until the
 // step-end all-reduce above makes it the whole weight's.
+//
+// NOTE [FP8 under context and pipeline parallelism]
+// Context parallelism (NOTE [Context-parallel steps] in train/trainer.cpp): the C ranks of
+// a context-parallel group hold the same weights and different chunks of the same
+// sequences, and FSDP shards over them as over data-parallel ranks, so the Fp8Projections
+// wrap the Fsdp and everything above holds with the shard group counting the
+// context-parallel ranks: a weight's tensorwise scale comes from the full gathered weight
+// (the same on every rank of the group), a non-finite amax on any rank is a non-finite step
+// on every rank, and with `delayed` the step's amaxes are max-reduced over the
+// context-parallel ranks too (the maximum over the chunks is the whole sequence's), so the
+// histories and scales are identical on every rank, and rank 0's checkpoint holds them. As
+// Megatron-LM, which hands Transformer Engine an amax-reduction group of the tensor-, data-
+// and context-parallel ranks for its delayed scaling. Current scaling of an activation or
+// gradient (`tensorwise`, and a delayed run's first step) stays per rank: each rank scales
+// x and dy by the amax of its own chunks, as each data-parallel rank scales its own
+// micro-batch (TE's current scaling reduces an amax over a group for the inputs it
+// all-gathers in FP8 under sequence parallelism; forge gathers no projection's input: the
+// keys and values it gathers are attention's). So a context-parallel
+// run is not bitwise one rank's over the whole sequence (a chunk's amax may be smaller than
+// the sequence's, giving it a finer scale): it follows it within FP8's rounding.
+// Pipeline parallelism (NOTE [Pipeline parallelism] in model/pipeline.h): each rank builds
+// the projections of its stages alone (Fp8Projections hands out descriptors lazily, for the
+// layers asked for), but its statistics array and histories have a block for every
+// projection of the model, numbered in the whole model's parameter order: the blocks of
+// other stages' projections see no cast, their `seen` stays 0. So the non-finite check
+// names the first over the pipeline (each rank's first, agreed over its data-parallel
+// ranks, then gathered over the pipeline group with the rank that saw it), the count of the
+// ranks that saw one travels in the pipeline's loss all-reduce, and with `delayed` the
+// statistics array is max-reduced over the pipeline group after the data-parallel
+// reduction: each block then holds its owner stage's amaxes (0 elsewhere), the scales are
+// equal everywhere already, and every rank updates every history alike, so every rank
+// holds the whole model's delayed state (Megatron-LM reduces within a stage only and keeps
+// each stage's histories on its ranks; the whole array on every rank costs one more
+// all-reduce of 2.25 KiB per projection per step, and the histories 12 bytes x
+// fp8_amax_history_len per projection, and gives checkpoints one state, rank 0's, that
+// restores under any layout: one rank, another schedule or degree, FSDP).
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -48,27 +84,44 @@
 namespace forge {
 
 std::string Trainer::describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax& own, int64_t ranks) {
-  if (!dp_) return fp8_->describe(own);
+  if (!dp_ && !pipeline_comm_) return fp8_->describe(own);
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
-  uint32_t bits = 0;
-  std::memcpy(&bits, &own.amax, sizeof bits);
-  const std::vector<uint32_t> all =
-      dp_->all_gather_words({own.slot < 0 ? kNone : static_cast<uint32_t>(own.slot), bits});
-  auto slot_of = [&](int r) { return all[2 * static_cast<size_t>(r)]; };
-  int first = -1;  // the shard rank whose slot comes first
-  for (int r = 0; r < static_cast<int>(all.size() / 2); ++r)
-    if (slot_of(r) != kNone && (first < 0 || slot_of(r) < slot_of(first))) first = r;
+  auto words_of = [&](const Fp8Projections::NonfiniteAmax& found, int world_rank) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &found.amax, sizeof bits);
+    return std::vector<uint32_t>{found.slot < 0 ? kNone : static_cast<uint32_t>(found.slot), bits,
+                                 static_cast<uint32_t>(world_rank)};
+  };
+  // The entry of `all` (three words per rank) whose slot comes first in parameter order, or -1.
+  auto first_of = [&](const std::vector<uint32_t>& all, Fp8Projections::NonfiniteAmax& found, int& world_rank) {
+    int first = -1;
+    for (int r = 0; r < static_cast<int>(all.size() / 3); ++r)
+      if (all[3 * static_cast<size_t>(r)] != kNone &&
+          (first < 0 || all[3 * static_cast<size_t>(r)] < all[3 * static_cast<size_t>(first)]))
+        first = r;
+    found = {};
+    if (first < 0) return;
+    found.slot = all[3 * static_cast<size_t>(first)];
+    std::memcpy(&found.amax, &all[3 * static_cast<size_t>(first) + 1], sizeof found.amax);
+    world_rank = static_cast<int>(all[3 * static_cast<size_t>(first) + 2]);
+  };
+  Fp8Projections::NonfiniteAmax found = own;
+  int world_rank = rank_;
+  if (dp_) first_of(dp_->all_gather_words(words_of(found, world_rank)), found, world_rank);  // the shard group
+  if (pipeline_comm_) first_of(pipeline_comm_->all_gather_words(words_of(found, world_rank)), found, world_rank);
   const std::string seen_by = fmt::format("{} of {} ranks saw one", ranks, world_size_);
-  if (first < 0) return fmt::format("on a data-parallel rank of another replica ({})", seen_by);
-  Fp8Projections::NonfiniteAmax found{slot_of(first), 0.0f};
-  std::memcpy(&found.amax, &all[2 * static_cast<size_t>(first) + 1], sizeof found.amax);
-  // Consecutive world ranks form a shard group (Trainer::set_up_data_parallel).
-  const int world_rank = rank_ - shard_group_->rank() + first;
-  return fmt::format("{} (data-parallel rank {}; {})", fp8_->describe(found), world_rank, seen_by);
+  if (found.slot < 0) return fmt::format("on a data-parallel rank of another replica ({})", seen_by);
+  // Under context or pipeline parallelism the ranks are not data-parallel ranks alone.
+  const bool data_parallel_only = !pipeline_comm_ && context_parallel_degree_ == 1;
+  return fmt::format("{} ({}rank {}; {})", fp8_->describe(found), data_parallel_only ? "data-parallel " : "",
+                     world_rank, seen_by);
 }
 
 void Trainer::end_fp8_step(bool update) {
-  if (dp_ && update && fp8_->delayed()) dp_->all_reduce_max(fp8_->statistics());
+  if (update && fp8_->delayed()) {
+    if (dp_) dp_->all_reduce_max(fp8_->statistics());
+    if (pipeline_comm_) pipeline_comm_->all_reduce_max(fp8_->statistics());  // NOTE [FP8 under context and pipeline parallelism]
+  }
   fp8_->end_step(update);
 }
 

@@ -96,12 +96,15 @@ std::string Trainer::first_over_pipeline(bool weights) {
 // NOTE [Pipeline parallelism]: the step ran its micro-batches together through the
 // schedule, so they are not run again one at a time; the ranks agree on what each found.
 void Trainer::handle_nonfinite_pipeline(int64_t step, const std::vector<double>& micro_losses, double loss,
-                                        double norm) {
+                                        double norm, const std::string& fp8_amax) {
   const std::string head =
       fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
   const std::string weight = first_over_pipeline(/*weights=*/true);
   if (!weight.empty())
     FORGE_FAIL("{}: the weight '{}' is already non-finite before the step's first micro-batch", head, weight);
+  if (!fp8_amax.empty())  // NOTE [FP8 under context and pipeline parallelism]: agreed over every rank
+    FORGE_FAIL("{}: FP8 (precision.fp8 {}): the first non-finite amax, in parameter order, is {}", head,
+               config_.precision.fp8, fp8_amax);
   std::vector<double> bad(micro_losses.size());  // the losses are on the last stage's rank
   for (size_t a = 0; a < bad.size(); ++a) bad[a] = std::isfinite(micro_losses[a]) ? 0.0 : 1.0;
   if (dp_) bad = dp_->sum_over_ranks(bad);  // each data-parallel rank ran its own micro-batches
@@ -139,7 +142,7 @@ void Trainer::handle_nonfinite(int64_t step, const std::vector<Batch>& batches, 
     return fmt::format("accumulation step {} of {} (micro-batches {}..{} of the global batch, one per rank)", a,
                        accum, a * data_ranks_, a * data_ranks_ + data_ranks_ - 1);
   };
-  if (pipeline_comm_) return handle_nonfinite_pipeline(step, micro_losses, loss, norm);
+  if (pipeline_comm_) return handle_nonfinite_pipeline(step, micro_losses, loss, norm, fp8_amax);
   const std::string head =
       fmt::format("non-finite step {} (loss {}, gradient norm {}; training.on_nonfinite stop)", step, loss, norm);
 

@@ -128,6 +128,40 @@ TEST(ModelFp8, MemoryEstimateUnderFsdpCountsTheScratchAndTheWholeCache) {
   }
 }
 
+// NOTE [FP8 under context and pipeline parallelism]: a context-parallel rank's scratch is
+// for its 1/C of the micro-batch's tokens; a pipeline rank holds the whole model's
+// statistics and histories (the scratch as one device's) and the weight cache of its
+// stages' FP8 weights alone (the last stage's head with fp8_output_head).
+TEST(ModelFp8, MemoryEstimateUnderContextAndPipelineParallelism) {
+  const ModelConfig c = llama31_8b();
+  Fp8Settings settings;
+  settings.weight_cache = true;
+  settings.recipe = Fp8Recipe::Delayed;
+  MemoryPlan plan;
+  plan.seq_len = 8192;
+  plan.cuda = true;
+  plan.fp8 = settings;
+  plan.context_parallel = 4;
+  plan.fsdp = true;
+  plan.shard_ranks = 4;
+  EXPECT_EQ(estimate_memory(c, plan).fp8_scratch, static_cast<double>(fp8_scratch_bytes(c, settings, 2048)));
+  plan = MemoryPlan{};
+  plan.seq_len = 8192;
+  plan.cuda = true;
+  plan.pipeline_parallel = 4;
+  plan.micro_batches = 8;
+  const MemoryEstimate bf16 = estimate_memory(c, plan);
+  settings.output_head = true;
+  plan.fp8 = settings;
+  const MemoryEstimate fp8 = estimate_memory(c, plan);
+  EXPECT_EQ(fp8.fp8_scratch, static_cast<double>(fp8_scratch_bytes(c, settings, 8192)));
+  // The fullest rank: the first (the most micro-batches in flight) or the last (the head).
+  const double stage = 8.0 * static_cast<double>(fp8_gemm_params(c, {}) / 32);  // 8 blocks' projections
+  EXPECT_TRUE(fp8.fp8_weight_cache == 2 * stage || fp8.fp8_weight_cache == 2 * (stage + 128256.0 * 4096))
+      << fp8.fp8_weight_cache;
+  EXPECT_GT(fp8.total(), bf16.total() + fp8.fp8_scratch + 2 * stage - 1);
+}
+
 // forge info's share of the FLOPs in FP8: 6 x the parameters of the matrices trained in FP8.
 TEST(ModelFp8, GemmParamsAreTheProjectionsAndTheHeadOnRequest) {
   const ModelConfig c = llama31_8b();

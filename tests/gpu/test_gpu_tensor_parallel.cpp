@@ -12,6 +12,7 @@
 // ranks on one GPU; the multi-GPU runs are issue 23.)
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <barrier>
 #include <functional>
 #include <mutex>
@@ -21,6 +22,7 @@
 #include "model/context_parallel.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/fp8_projections.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
@@ -313,6 +315,99 @@ TEST(GpuTensorParallel, LoraThreadRanksMatchOneGpu) {
   expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Full);
   expect_lora_ranks_match_one_gpu(2, 2, ActivationCheckpoint::Selective);
   expect_lora_ranks_match_one_gpu(2, 1, ActivationCheckpoint::Selective, 0.2, "q_proj,v_proj,gate_proj,up_proj");
+}
+
+// FP8 under context parallelism (NOTE [FP8 under context and pipeline parallelism] in
+// train/trainer_fp8.cpp; the CPU twin is tests/cpu/test_model_fp8_context_parallel.cpp): c
+// rank threads, each with its Fp8Projections (the weight cache and the fused producers on)
+// over the same bf16 weights and its chunks, against one GPU's FP8 step of the whole
+// micro-batch. delayed, with every rank restored from one GPU's state after a first step:
+// the ranks quantize with the whole sequence's scales, so the loss and summed gradients are
+// one GPU's within bf16 reordering and the ranks' amaxes, max-reduced, are one GPU's.
+// tensorwise: each rank scales x and dy by its chunks' amax, within FP8 rounding.
+void expect_fp8_context_parallel_matches_one_gpu(Fp8Recipe recipe, int c) {
+  const bool delayed = recipe == Fp8Recipe::Delayed;
+  SCOPED_TRACE(fmt::format("FP8 {} on {} context-parallel ranks", delayed ? "delayed" : "tensorwise", c));
+  const ModelConfig config = llama_like(false);
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(c));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  Fp8Settings settings;
+  settings.recipe = recipe;
+  settings.weight_cache = true;
+  settings.amax_history_length = 4;
+
+  FlatParameters whole(config);
+  whole.initialize(23);
+  round_to_bf16(whole.flat());
+  FlatParameters compute(config, Device::CUDA, DType::BF16), grads(config, Device::CUDA, DType::F32);
+  compute.assign_from(whole);
+  Fp8Projections one_fp8(config, settings, Device::CUDA, batch * seq);
+  one_fp8.set_base(compute, grads);
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+  if (delayed) {  // a first step (current scales) gives the state every rank starts from
+    grads.zero();
+    one.forward_backward(targets, tokens, one_fp8, one_fp8, scale);
+    one_fp8.end_step(true);
+  }
+  grads.zero();
+  const LossSum reference = one.forward_backward(tokens, targets, one_fp8, one_fp8, scale);
+
+  Turn turn;
+  ThreadGroup group(c);
+  std::vector<LossSum> losses(static_cast<size_t>(c));
+  std::vector<std::unique_ptr<FlatParameters>> rank_grads;
+  std::vector<std::unique_ptr<Fp8Projections>> rank_fp8;
+  for (int r = 0; r < c; ++r) {
+    rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32));
+    rank_grads.back()->zero();
+    rank_fp8.push_back(std::make_unique<Fp8Projections>(config, settings, Device::CUDA, batch * seq / c));
+    rank_fp8.back()->set_base(compute, *rank_grads.back());
+    if (delayed) rank_fp8.back()->restore_delayed_state(one_fp8.delayed_state());
+  }
+  const auto errors = run_rank_threads(c, turn.gpu, [&](int r) {
+    ThreadCollectives cp(turn, group, r);
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None, nullptr, nullptr, &cp);
+    const size_t i = static_cast<size_t>(r);
+    losses[i] = model.forward_backward(tokens, targets, *rank_fp8[i], *rank_fp8[i], scale);
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  for (int r = 0; r < c; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
+    EXPECT_NEAR(losses[static_cast<size_t>(r)].mean(), reference.mean(), (delayed ? 2e-3 : 1e-2) * reference.mean())
+        << "rank " << r;
+  }
+  for (size_t s = 0; s < whole.specs().size(); ++s) {
+    Tensor summed = to_cpu_f32(rank_grads[0]->tensors()[s]);
+    for (int r = 1; r < c; ++r) {
+      const Tensor more = to_cpu_f32(rank_grads[static_cast<size_t>(r)]->tensors()[s]);
+      for (int64_t i = 0; i < summed.numel(); ++i) summed.data<float>()[i] += more.data<float>()[i];
+    }
+    EXPECT_LT(relative_l2(summed, to_cpu_f32(grads.tensors()[s])), delayed ? 2e-2 : 0.3) << whole.specs()[s].name;
+  }
+  if (!delayed) return;
+  std::vector<float> most = host_values<float>(rank_fp8[0]->statistics());
+  for (int r = 1; r < c; ++r) {
+    const std::vector<float> theirs = host_values<float>(rank_fp8[static_cast<size_t>(r)]->statistics());
+    for (size_t k = 0; k < most.size(); ++k) most[k] = std::max(most[k], theirs[k]);
+  }
+  const std::vector<float> want = host_values<float>(one_fp8.statistics());
+  for (int64_t p = 0; p < fp8_projection_count(config, settings); ++p)
+    for (int role = 0; role < cpu::kFp8Roles; ++role) {
+      const auto k = static_cast<size_t>(cpu::fp8_seen_offset(p, static_cast<cpu::Fp8Role>(role)));
+      EXPECT_GT(want[k], 0.0f) << "projection " << p << " role " << role;
+      EXPECT_NEAR(most[k], want[k], 1e-2 * want[k]) << "projection " << p << " role " << role;
+    }
+}
+
+TEST(GpuContextParallel, Fp8ThreadRanksMatchOneGpu) {
+  for (const Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise}) {
+    expect_fp8_context_parallel_matches_one_gpu(recipe, 2);
+    expect_fp8_context_parallel_matches_one_gpu(recipe, 4);
+  }
 }
 
 }  // namespace

@@ -80,7 +80,6 @@ class Errors(unittest.TestCase):
         for ranks, flags, message in (
                 (2, [CP, "2", "--training.seq_len", "30"], "cuts each sequence into 4 chunks (two per rank), which must divide training.seq_len = 30"),
                 (2, [CP, "2", "--model.name", "debug-tiny-moe"], "has Mixture-of-Experts blocks"),
-                (2, [CP, "2", "--precision.fp8", "tensorwise"], "cannot be combined with precision.fp8"),
                 (2, [CP, "4"], "pipeline_parallel_degree = 1 × 1 × 1 × 4 × 1 = 4"),
                 (1, [CP, "2"], "this process was started alone")):
             with self.subTest(flags=flags):
