@@ -120,6 +120,42 @@ def training_loss(model, tokens, targets):
     return out.logits, loss
 
 
+def expect_forge_matches_peft(test, work, peft, tokens, targets, family, label):
+    """forge_lora_reference's logits, loss and adapter gradients in WORK against PEFT's (the
+    model turned float64, its training loss backpropagated) within TOLERANCE; returns PEFT's
+    logits [tokens, vocab]."""
+    b, s = tokens.shape
+    peft.double()
+    peft.zero_grad()
+    logits, loss = training_loss(peft, tokens, targets)
+    loss.backward()
+    ref = logits.detach().reshape(b * s, -1).numpy()
+    mine = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, -1)
+    err = relative_error(mine.astype(np.float64), ref)
+    print(f"{label}: logits rel err {err:.2e}")
+    test.assertLess(err, TOLERANCE, f"{label}: logits of the PEFT adapter loaded into forge")
+    with open(os.path.join(work, "loss.json")) as f:
+        test.assertAlmostEqual(json.load(f)["loss"], loss.item(), delta=TOLERANCE * loss.item())
+    ref_grads = {peft_name(n, family): p.grad for n, p in peft.named_parameters() if "lora_" in n}
+    forge_grads = load_file(os.path.join(work, "forge_grads", "adapter_model.safetensors"))
+    test.assertEqual(sorted(forge_grads), sorted(ref_grads))
+    for name, g in ref_grads.items():
+        test.assertLess(relative_error(forge_grads[name].double().numpy(), g.numpy()), TOLERANCE, f"gradient of {name}")
+    return ref
+
+
+def expect_merged_export_matches(test, work, peft, family):
+    """forge's merged export in WORK/merged against PEFT's merge_and_unload()."""
+    merged = published(peft.merge_and_unload().state_dict(), family)
+    exported = {}
+    for f in os.listdir(os.path.join(work, "merged")):
+        if f.endswith(".safetensors"):
+            exported.update(load_file(os.path.join(work, "merged", f)))
+    test.assertEqual(set(exported), set(merged))
+    for name, t in exported.items():
+        test.assertLess(relative_error(t.double().numpy(), merged[name].double().numpy()), 1e-6, f"merged {name}")
+
+
 class LoraMoeVsPeft(unittest.TestCase):
     def prepare(self, case):
         work = scratch_dir()
@@ -150,47 +186,19 @@ class LoraMoeVsPeft(unittest.TestCase):
         family = case["family"]
         work, peft, tokens, targets = self.prepare(case)
         run([tool("forge_lora_reference"), work])
-        b, s = tokens.shape
-
-        peft = peft.double()
-        peft.zero_grad()
-        logits, loss = training_loss(peft, tokens, targets)
-        loss.backward()
-        ref = logits.detach().reshape(b * s, -1).numpy()
-        mine = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, -1)
-        err = relative_error(mine.astype(np.float64), ref)
-        print(f"{case['name']}: logits rel err {err:.2e}")
-        self.assertLess(err, TOLERANCE, "logits of the PEFT adapter loaded into forge")
-        with open(os.path.join(work, "loss.json")) as f:
-            self.assertAlmostEqual(json.load(f)["loss"], loss.item(), delta=TOLERANCE * loss.item())
-
-        ref_grads = {peft_name(n, family): p.grad for n, p in peft.named_parameters() if "lora_" in n}
-        forge_grads = load_file(os.path.join(work, "forge_grads", "adapter_model.safetensors"))
-        self.assertEqual(sorted(forge_grads), sorted(ref_grads))
-        for name, g in ref_grads.items():
-            err = relative_error(forge_grads[name].double().numpy(), g.numpy())
-            self.assertLess(err, TOLERANCE, f"gradient of {name}")
+        ref = expect_forge_matches_peft(self, work, peft, tokens, targets, family, case["name"])
         if "gate" in case["targets"].split(","):
-            self.assertTrue(any(".gate.lora_B" in n for n in ref_grads), "PEFT adapted no router")
+            self.assertTrue(any(".gate.lora_B" in n for n, _ in peft.named_parameters()), "PEFT adapted no router")
 
         # forge's saved adapter in PEFT
+        b, s = tokens.shape
         with peft_v4_targets(v4_names(case)):
             loaded = PeftModel.from_pretrained(hf_model(os.path.join(work, "base")),
                                                os.path.join(work, "forge_adapter")).eval()
         with torch.no_grad():
             again = loaded(input_ids=tokens.long()).logits.reshape(b * s, -1).numpy()
         self.assertLess(relative_error(again, ref), 1e-10, "logits of forge's adapter in PEFT")
-
-        # merged export against merge_and_unload
-        merged = published(peft.merge_and_unload().state_dict(), family)
-        exported = {}
-        for f in os.listdir(os.path.join(work, "merged")):
-            if f.endswith(".safetensors"):
-                exported.update(load_file(os.path.join(work, "merged", f)))
-        self.assertEqual(set(exported), set(merged))
-        for name, t in exported.items():
-            err = relative_error(t.double().numpy(), merged[name].double().numpy())
-            self.assertLess(err, 1e-6, f"merged {name}")
+        expect_merged_export_matches(self, work, peft, family)
 
     def test_cases(self):
         for case in CASES:

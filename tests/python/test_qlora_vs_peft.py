@@ -153,7 +153,7 @@ class QloraMoeVsPeft(unittest.TestCase):
     gradients equal PEFT's in float64, and its merged export equals merge_and_unload()."""
 
     def check(self, family, config, targets):
-        from test_lora_moe_vs_peft import peft_name, published, training_loss
+        from test_lora_moe_vs_peft import expect_forge_matches_peft, expect_merged_export_matches
         from hf_tiny import random_model
         work = scratch_dir()
         self.addCleanup(shutil.rmtree, work, ignore_errors=True)
@@ -175,32 +175,8 @@ class QloraMoeVsPeft(unittest.TestCase):
         with open(os.path.join(work, "lora.json"), "w") as f:
             json.dump(dict(rank=3, alpha=6.0, target_modules=targets, batch=b, seq_len=s, quantize_base="nf4"), f)
         run([tool("forge_lora_reference"), work])
-
-        peft = peft.double()
-        peft.zero_grad()
-        logits, loss = training_loss(peft, tokens, labels)
-        loss.backward()
-        ref = logits.detach().reshape(b * s, -1).numpy()
-        mine = np.fromfile(os.path.join(work, "logits.bin"), dtype=np.float32).reshape(b * s, -1)
-        err = relative_error(mine.astype(np.float64), ref)
-        print(f"QLoRA {family}: logits rel err {err:.2e}")
-        self.assertLess(err, TOLERANCE, f"QLoRA {family} logits")
-        with open(os.path.join(work, "loss.json")) as f:
-            self.assertAlmostEqual(json.load(f)["loss"], loss.item(), delta=TOLERANCE * loss.item())
-        ref_grads = {peft_name(n, family): p.grad for n, p in peft.named_parameters() if "lora_" in n}
-        forge_grads = load_file(os.path.join(work, "forge_grads", "adapter_model.safetensors"))
-        self.assertEqual(sorted(forge_grads), sorted(ref_grads))
-        for name, g in ref_grads.items():
-            self.assertLess(relative_error(forge_grads[name].double().numpy(), g.numpy()), TOLERANCE, name)
-
-        merged = published(peft.merge_and_unload().state_dict(), family)
-        exported = {}
-        for f in os.listdir(os.path.join(work, "merged")):
-            if f.endswith(".safetensors"):
-                exported.update(load_file(os.path.join(work, "merged", f)))
-        self.assertEqual(set(exported), set(merged))
-        for name, t in exported.items():
-            self.assertLess(relative_error(t.double().numpy(), merged[name].double().numpy()), 1e-6, f"merged {name}")
+        expect_forge_matches_peft(self, work, peft, tokens, labels, family, f"QLoRA {family}")
+        expect_merged_export_matches(self, work, peft, family)
 
     def test_mixtral(self):
         from test_lora_moe_vs_peft import mixtral
