@@ -289,6 +289,7 @@ void Trainer::log_fsdp_memory() const {
   const FsdpMemory m = fsdp_->memory();
   auto gib = [](double b) { return fmt::format("{:.3f} GiB", b / (1024.0 * 1024.0 * 1024.0)); };
   const int shards = shard_group_->world_size();
+  const int replicas = replicate_group_ ? replicate_group_->world_size() : 1;  // shard groups hold CP ranks too
   if (lora_) {
     const double chunk = static_cast<double>(fsdp_->master_shard().nbytes());
     const double base = static_cast<double>(config_.model.total_params()) *
@@ -296,7 +297,7 @@ void Trainer::log_fsdp_memory() const {
     return log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas), LoRA: frozen base chunk {} = 1/{:.3f} "
                     "of the base's {}; compute weights {} (the chunk, the embedding and head in full{}); LoRA "
                     "adapters replicated: {} values",
-                    rank_, world_size_, fsdp_->options().zero_stage, shards, data_ranks_ / shards, gib(chunk),
+                    rank_, world_size_, fsdp_->options().zero_stage, shards, replicas, gib(chunk),
                     base / chunk, gib(base), gib(static_cast<double>(m.compute_weights)),
                     fsdp_->options().zero_stage == 3 ? ", three gathered blocks" : ", every block",
                     lora_->stored_values());
@@ -316,7 +317,7 @@ void Trainer::log_fsdp_memory() const {
   log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas{}): optimizer state {} (master {} + moments {}) "
            "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
            "reduction buffers {}",
-           rank_, world_size_, fsdp_->options().zero_stage, shards, data_ranks_ / shards, experts, gib(own_state),
+           rank_, world_size_, fsdp_->options().zero_stage, shards, replicas, experts, gib(own_state),
            gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
            gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
            gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
