@@ -181,21 +181,33 @@ FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dt
       }
   }
   flat_ = Tensor::zeros({total}, dtype, device);
-  units_.resize(static_cast<size_t>(flux_num_units(config_)));
-  // A 2-D spec is a projection's weight, the 1-D ".bias" spec after it its bias; any other
-  // 1-D spec is a vector of its unit (NOTE [FLUX units]).
+  const size_t units = static_cast<size_t>(flux_num_units(config_));
+  std::vector<std::vector<const ParamSpec*>> unit_specs(units);
+  std::vector<std::vector<Tensor>> unit_tensors(units);
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];
     const int64_t n = shape_numel(s.shape);
     tensors_.push_back(flat_.narrow(offsets[i], offsets[i] + n).view(s.shape));
-    FluxUnitWeights& unit = units_.at(static_cast<size_t>(s.layer));
-    if (s.shape.size() == 2)
-      unit.linears.emplace_back().weight = tensors_.back();
-    else if (i > 0 && specs_[i - 1].shape.size() == 2 && s.name.ends_with(".bias"))
-      unit.linears.back().bias = tensors_.back();
-    else
-      unit.vectors.push_back(tensors_.back());
+    unit_specs.at(static_cast<size_t>(s.layer)).push_back(&s);
+    unit_tensors.at(static_cast<size_t>(s.layer)).push_back(tensors_.back());
   }
+  for (size_t u = 0; u < units; ++u) units_.push_back(flux_unit_weights(unit_specs[u], unit_tensors[u]));
+}
+
+FluxUnitWeights flux_unit_weights(const std::vector<const ParamSpec*>& specs, const std::vector<Tensor>& tensors) {
+  FORGE_CHECK(specs.size() == tensors.size(), "flux_unit_weights: {} tensors for {} parameters", tensors.size(),
+              specs.size());
+  FluxUnitWeights unit;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = *specs[i];
+    if (s.shape.size() == 2)
+      unit.linears.emplace_back().weight = tensors[i];
+    else if (i > 0 && specs[i - 1]->shape.size() == 2 && s.name.ends_with(".bias"))
+      unit.linears.back().bias = tensors[i];
+    else
+      unit.vectors.push_back(tensors[i]);
+  }
+  return unit;
 }
 
 void FluxParameters::assign_from(const FluxParameters& other) {

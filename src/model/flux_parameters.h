@@ -104,6 +104,11 @@ class FluxGradSink {
   virtual void unit_done(int /*index*/) {}
 };
 
+// A unit's tensors, `specs` (the unit's, in flux_parameter_specs order) viewed by `tensors`,
+// as its projections and vectors (NOTE [FLUX units]): a 2-D spec is a projection's weight,
+// the 1-D ".bias" spec after it its bias, any other 1-D spec a vector.
+FluxUnitWeights flux_unit_weights(const std::vector<const ParamSpec*>& specs, const std::vector<Tensor>& tensors);
+
 // All parameters (or gradients) in one buffer, viewed per spec and per unit; the source and
 // sink of single-device training. fp32 on the CPU; fp32 or bf16 on CUDA.
 class FluxParameters : public FluxParamSource, public FluxGradSink {

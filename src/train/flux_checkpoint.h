@@ -30,9 +30,26 @@
 // uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic.
 // Changing training.seed, the batch size or accumulation, flux.resolution or the data
 // between the runs changes the data that follows, as it would for a language model.
+//
+// NOTE [FLUX FSDP checkpoints]
+// Under FSDP (NOTE [FLUX FSDP] in distributed/flux_fsdp.h) the checkpoint is the same
+// files: FSDP's segments are runs of the flat index space flux_parameter_specs lays end to
+// end, the checkpoint's. A save is the language models' parallel save (NOTE [Parallel
+// checkpoint saves]): rank 0 makes the temporary directory and the shard file, every rank
+// of the first replica streams its own segments of the master weights and AdamW's moments
+// into it at their flat offsets (no gather), the writers' CRC-32s are all-gathered, and
+// rank 0 writes the metadata and renames the directory into place; the ranks must share a
+// filesystem. Saves are synchronous (checkpoint.async_mode async is taken as sync: the
+// snapshot and deferred completion of the language models' async saves are not built for
+// FLUX). A resume has every rank check its share of the pieces' CRC-32s (the ranks agree
+// on the newest whole checkpoint) and read its own segments only, so a checkpoint saved on
+// N ranks, or on one device, resumes on M. Weights a run starts from (the seeded
+// initialization, checkpoint.initial_load_path, flux.initial_load_path) are read whole
+// into host memory on every rank (4 bytes per parameter) and each rank keeps its chunks.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -67,6 +84,18 @@ size_t read_flux_checkpoint(const Checkpoint& checkpoint, FluxParameters& master
                             FluxParameters* v, size_t buffer_bytes);
 
 struct CheckpointSaveJob;
+class DataParallelComm;
+class Fsdp;
+
+// A data-parallel rank's state (NOTE [FLUX FSDP checkpoints]): FSDP's master segments and
+// AdamW's moments over the same segments.
+struct FluxShardedState {
+  Fsdp* fsdp = nullptr;
+  const std::vector<Tensor>* m = nullptr;
+  const std::vector<Tensor>* v = nullptr;
+  int rank = 0;         // among every data-parallel rank
+  bool writer = false;  // a rank of the first replica: saves its segments
+};
 
 // A FLUX run's checkpoints, as the run's [checkpoint] section asks.
 class FluxCheckpoints {
@@ -80,10 +109,15 @@ class FluxCheckpoints {
   // flux.initial_load_path (diffusers or BFL weights), m and v left as they are (0). Returns
   // the number of steps done, where the run goes on.
   int64_t start(FluxParameters& master, FluxParameters& m, FluxParameters& v);
+  // The same for a data-parallel rank (NOTE [FLUX FSDP checkpoints]): a resume reads its
+  // segments; otherwise `initialize` fills whole host weights (the seeded initialization),
+  // which the initial loads overwrite, and the rank keeps its chunks of them.
+  int64_t start(const FluxShardedState& state, const std::function<void(FluxParameters&)>& initialize);
   // After step `steps_done`'s update: with checkpoint.enable, saves at multiples of
   // checkpoint.interval, the last step, and when `stopping`.
   void after_step(int64_t steps_done, bool stopping, const FluxParameters& master, const FluxParameters& m,
                   const FluxParameters& v);
+  void after_step(int64_t steps_done, bool stopping, const FluxShardedState& state);
   // Completes an asynchronous save still in flight (at the end of the run).
   void finish();
   // logging.run_dir expanded once, for the checkpoints and the export.
@@ -92,8 +126,13 @@ class FluxCheckpoints {
 
  private:
   void save(int64_t step, const FluxParameters& master, const FluxParameters& m, const FluxParameters& v);
-  std::optional<std::string> choose() const;
-  std::string damage(const std::string& dir) const;
+  void save(int64_t step, const FluxShardedState& state);
+  bool due(int64_t steps_done, bool stopping) const;
+  TrainingState training_state(int64_t step) const;
+  // NOTE [Choosing the checkpoint to resume]; with `comm`, rank `part` of `parts` checks its
+  // share of the CRC-32s and the ranks agree.
+  std::optional<std::string> choose(DataParallelComm* comm = nullptr, int part = 0, int parts = 1) const;
+  std::string damage(const std::string& dir, int part = 0, int parts = 1) const;
   void load_initial_checkpoint(const std::string& path, FluxParameters& master) const;
   size_t buffer_bytes() const;
 
@@ -105,6 +144,7 @@ class FluxCheckpoints {
   // writer thread is joined before the snapshot goes.
   std::vector<std::unique_ptr<FluxParameters>> snapshot_;
   std::unique_ptr<CheckpointSaveJob> job_;
+  bool sync_noted_ = false;  // NOTE [FLUX FSDP checkpoints]: async taken as sync, said once
 };
 
 }  // namespace forge
