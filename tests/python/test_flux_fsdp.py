@@ -3,7 +3,8 @@ NOTE [FLUX FSDP], NOTE [FLUX FSDP checkpoints]): flux-debug on a small latent ca
 latent sizes, the same global batch on 1 rank (accumulation 4), 2 ranks (ZeRO-1, -2, -3,
 bf16 reduction) and 4 ranks (2 shard ranks x 2 replicas): the losses of every step and the
 validation losses within fp32 rounding of the 1-rank run, and the master weights and AdamW
-moments after the last step too (read from the checkpoints both runs save). A run stopped and
+moments after the last step too (read from the checkpoints both runs save), and the diffusers
+export gathered onto rank 0. A run stopped and
 resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte; a checkpoint
 saved on 2 ranks resumes on 1 and on 4. The refusals: another parallelism, degrees that do
 not match the ranks started, a multi-rank degree in a single process."""
@@ -171,6 +172,20 @@ class FluxFsdp(unittest.TestCase):
         shutil.rmtree(os.path.join(run_dir, "checkpoints", "step-6"))
         _, out = train(run_dir, 2, data=self.data)
         self.assertEqual(sorted(losses(out)), [5, 6], out[-3000:])
+
+    def test_diffusers_export_gathers_the_weights_onto_rank_zero(self):
+        from safetensors.numpy import load_file
+        export = ["--flux.last_save_in_diffusers", "true", "--checkpoint.export_dtype", "fp32"]
+        exported = {}
+        for ranks in (1, 2):
+            run_dir = self.run_dir(f"export-{ranks}")
+            _, out = train(run_dir, ranks, *export, steps=2, data=self.data)
+            self.assertIn("exported the FLUX weights", out)
+            exported[ranks] = load_file(os.path.join(run_dir, "diffusers", "diffusion_pytorch_model.safetensors"))
+        self.assertEqual(exported[1].keys(), exported[2].keys())
+        for name, values in exported[1].items():
+            self.assertLess(float(np.abs(exported[2][name] - values).max()), 1e-5 * max(1.0, float(np.abs(values).max())),
+                            name)
 
     def test_refusals(self):
         cases = [
