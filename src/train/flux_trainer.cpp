@@ -13,6 +13,7 @@
 #include "core/bf16.h"
 #include "core/device.h"
 #include "distributed/flux_fsdp.h"
+#include "distributed/heartbeat.h"
 #include "distributed/launch_env.h"
 #include "distributed/process_group.h"
 #include "core/log.h"
@@ -428,6 +429,8 @@ FluxTrainResult FluxTrainer::run(bool log) {
   if (observer_) observer_->training_begins(start_step_ * images_per_global_step);
   bool stopped_by_observer = false;
   for (int64_t step = start_step_; step < tc.steps; ++step) {
+    report_step(step + 1);  // NOTE [Failure detection]
+    debug_hang_if_requested(static_cast<int>(data_rank), step + 1);
     const auto start = std::chrono::steady_clock::now();
     double step_flops = 0;
     reset_op_profile();
