@@ -6,7 +6,7 @@ validation losses within fp32 rounding of the 1-rank run, and the master weights
 moments after the last step too (read from the checkpoints both runs save), and the diffusers
 export gathered onto rank 0. A run stopped and
 resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte; a checkpoint
-saved on 2 ranks resumes on 1 and on 4. The refusals: another parallelism, degrees that do
+saved on 2 ranks resumes on 1 and on 4. forge info counts what each rank holds. The refusals: another parallelism, degrees that do
 not match the ranks started, a multi-rank degree in a single process."""
 import json
 import os
@@ -186,6 +186,20 @@ class FluxFsdp(unittest.TestCase):
         for name, values in exported[1].items():
             self.assertLess(float(np.abs(exported[2][name] - values).max()), 1e-5 * max(1.0, float(np.abs(values).max())),
                             name)
+
+    def test_info_counts_what_each_rank_holds(self):
+        result = subprocess.run([forge_bin(), "info", "flux1-dev", "--parallelism.data_parallel_shard_degree", "8"],
+                                capture_output=True, text=True, timeout=TIMEOUT, env=ENV)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("per rank         FSDP ZeRO-3 over 8 shard ranks", result.stdout)
+        # 11.9 B parameters x 16 bytes of fp32 master, gradient and moments over 8 ranks.
+        master = float(re.search(r"master +([0-9.]+) GiB  fp32 chunk", result.stdout).group(1))
+        self.assertAlmostEqual(master, 11901408320 * 4 / 8 / 2**30, delta=0.05)
+        result = subprocess.run([forge_bin(), "info", "flux1-dev", "--parallelism.zero_stage", "4",
+                                 "--parallelism.data_parallel_shard_degree", "2"],
+                                capture_output=True, text=True, timeout=TIMEOUT, env=ENV)
+        self.assertNotEqual(result.returncode, 0)
+        self.assertIn("--parallelism.zero_stage 4", result.stderr)
 
     def test_refusals(self):
         cases = [
