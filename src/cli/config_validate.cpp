@@ -542,6 +542,9 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                  "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree); tensor, context, "
                  "pipeline and expert parallelism are the language models'",
                  show(config, keys, key));
+  if (config.optimizer.state_dtype != "fp32")
+    FORGE_FAIL("{}: a FLUX run keeps AdamW's moments in fp32 (on one device and under FSDP alike)",
+               show(config, keys, "optimizer.state_dtype"));
   if (config.lora.enabled() || config.precision.fp8 != "none")
     FORGE_FAIL("a FLUX run trains every weight in bf16: lora.rank ({}) and precision.fp8 ({}) are the language "
                "models'",

@@ -211,6 +211,9 @@ class FluxFsdp(unittest.TestCase):
             (2, ["--parallelism.data_parallel_shard_degree", "3"], "2 ranks were started"),
             (2, ["--parallelism.data_parallel_shard_degree", "-1", "--parallelism.data_parallel_replicate_degree",
                  "3"], "parallelism.data_parallel_shard_degree"),
+            (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "4"],
+             "parallelism.zero_stage"),
+            (1, ["--optimizer.state_dtype", "bf16", "--training.device", "cuda"], "AdamW's moments in fp32"),
         ]
         for ranks, overrides, message in cases:
             with self.subTest(overrides=overrides):
