@@ -431,31 +431,78 @@ int64_t FluxCheckpoints::start(const FluxShardedState& st, const std::function<v
   return saved.step;
 }
 
-// NOTE [FLUX FSDP checkpoints]: every rank of the first replica writes its segments.
-void FluxCheckpoints::save(int64_t step, const FluxShardedState& st) {
-  Fsdp& fsdp = *st.fsdp;
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string dir_folder = folder();
-  if (st.rank == 0 && config_.checkpoint.async_mode == "async" && !sync_noted_) {
-    log_info("checkpoint.async_mode async: a FLUX run under FSDP saves synchronously (NOTE [FLUX FSDP checkpoints])");
-    sync_noted_ = true;
+namespace {
+
+// NOTE [FLUX FSDP checkpoints], async: copies this rank's segments into one buffer per vector
+// in spare GPU memory, else host memory, and points the segments at the copies; false (a
+// warning said why) when neither holds them.
+bool snapshot_segments(CheckpointSaveJob& job, StateSegments& segments, Device device) {
+  std::array<int64_t, 3> numel{};
+  for (size_t s = 0; s < 3; ++s)
+    for (const FlatSegment& segment : segments[s]) numel[s] += segment.data.numel();
+  const int64_t bytes = 4 * (numel[0] + numel[1] + numel[2]);
+  Device place = Device::CPU;
+  if (device == Device::CUDA) {
+    const DeviceMemoryInfo info = device_memory_info();
+    const int64_t margin = std::max<int64_t>(int64_t{1} << 30, static_cast<int64_t>(info.total / 20));
+    if (bytes + margin <= static_cast<int64_t>(info.free)) place = Device::CUDA;
   }
-  CheckpointSaveJob job;
-  job.state = training_state(step);
+  const int64_t host_free = host_memory_available();
+  if (place == Device::CPU && (host_free < 0 || bytes + (int64_t{2} << 30) > host_free)) {
+    log_warn("checkpoint.async_mode async: a snapshot of this rank's state takes {:.2f} GiB, more than spare GPU memory "
+             "or available host memory ({:.2f} GiB) hold; step {} is saved synchronously",
+             bytes / 1073741824.0, host_free / 1073741824.0, job.state.step);
+    return false;
+  }
+  try {
+    for (size_t s = 0; s < 3; ++s) {
+      job.snapshot[s] = Tensor::empty({std::max<int64_t>(numel[s], 1)}, DType::F32, place);
+      int64_t at = 0;
+      for (FlatSegment& segment : segments[s]) {
+        const Tensor copy = job.snapshot[s].narrow(at, at + segment.data.numel());
+        copy.copy_from(segment.data);
+        segment.data = copy;
+        at += copy.numel();
+      }
+    }
+  } catch (const OutOfMemoryError& e) {
+    log_warn("checkpoint.async_mode async: no room for the snapshot of step {} ({}); it is saved synchronously",
+             job.state.step, e.what());
+    job.snapshot = {};
+    return false;
+  }
+  job.snapshot_ready = std::make_unique<DeviceEvent>(place);
+  job.snapshot_ready->record(nullptr);
+  job.snapshot_place = place == Device::CUDA ? "GPU memory" : "host memory";
+  job.snapshot_bytes = static_cast<size_t>(bytes);
+  return true;
+}
+
+}  // namespace
+
+// NOTE [FLUX FSDP checkpoints]: every rank of the first replica writes its segments; with
+// checkpoint.async_mode async from a snapshot, on a thread, the completion deferred.
+void FluxCheckpoints::save(int64_t step, const FluxShardedState& st) {
+  finish();  // the save before (its collectives run here, on every rank at the same point)
+  Fsdp& fsdp = *st.fsdp;
+  const std::string dir_folder = folder();
+  auto job = std::make_unique<CheckpointSaveJob>();
+  job->started = std::chrono::steady_clock::now();
+  job->state = training_state(step);
   const std::vector<ParamSpec> specs = flux_parameter_specs(model_);
   int64_t numel = 0;
   for (const ParamSpec& spec : specs) numel += shape_numel(spec.shape);
   const std::vector<ShardRange> ranges = shard_ranges(numel, 1);
-  job.layout = checkpoint_layout(specs, ranges);
-  job.dir = checkpoint_dir(dir_folder, step);
+  job->layout = checkpoint_layout(specs, ranges);
+  job->dir = checkpoint_dir(dir_folder, step);
   // One name for the temporary directory on every rank: rank 0's pid.
   const int64_t token = std::llround(fsdp.sum_over_ranks(st.rank == 0 ? static_cast<double>(::getpid()) : 0.0));
   if (st.rank == 0) {
-    job.staging.emplace(begin_checkpoint_save(dir_folder, step, token));
-    create_checkpoint_shard_files(job.staging->temporary_path(), ranges);
+    job->staging.emplace(begin_checkpoint_save(dir_folder, step, token));
+    create_checkpoint_shard_files(job->staging->temporary_path(), ranges);
   }
   fsdp.sum_over_ranks(0.0);  // a barrier: the shard file exists before any rank opens it
-  size_t staging = 0;
+  const bool async_mode = config_.checkpoint.async_mode == "async";
   if (st.writer) {
     StateSegments segments;
     const std::vector<FsdpSegment>& layout = fsdp.layout().segments();
@@ -467,31 +514,46 @@ void FluxCheckpoints::save(int64_t step, const FluxShardedState& st) {
       elements += 3 * layout[i].numel;
     }
     const size_t buffer = std::min(buffer_bytes(), static_cast<size_t>(std::max<int64_t>(elements, 1024)) * 8);
-    job.writer =
+    job->writer =
         std::make_unique<ShardFileWriter>(checkpoint_temporary_dir(dir_folder, step, token), specs, ranges, buffer);
-    staging = job.writer->staging_bytes();
-    job.snapshot_ready = std::make_unique<DeviceEvent>(fsdp.master_shard().device());
-    job.snapshot_ready->record(nullptr);  // the writer's copies start after the step's kernels
-    job.start(std::move(segments), /*background=*/false);
+    const bool async = async_mode && snapshot_segments(*job, segments, fsdp.master_shard().device());
+    if (!async) {
+      job->snapshot_ready = std::make_unique<DeviceEvent>(fsdp.master_shard().device());
+      job->snapshot_ready->record(nullptr);  // the writer's copies start after the step's kernels
+    }
+    job->start(std::move(segments), async);
+    job->stall_seconds = seconds_since(job->started);
   }
-  job.wait();
-  job.writer.reset();  // its buffer and file released before the rename
+  sharded_job_ = std::move(job);
+  sharded_state_ = st;
+  // Every rank defers the completion in async mode, whether its snapshot fitted or not, so
+  // that all ranks run its collectives at the same point.
+  if (!async_mode) finish();
+}
+
+void FluxCheckpoints::finish_sharded() {
+  std::unique_ptr<CheckpointSaveJob> job = std::move(sharded_job_);
+  const FluxShardedState& st = sharded_state_;
+  Fsdp& fsdp = *st.fsdp;
+  job->wait();
+  const size_t staging = job->writer ? job->writer->staging_bytes() : 0;
+  job->writer.reset();  // its buffer and file released before the rename
   std::string failure;
-  if (job.error) {
+  if (job->error) {
     try {
-      std::rethrow_exception(job.error);
+      std::rethrow_exception(job->error);
     } catch (const std::exception& e) {
       failure = e.what();
     }
   }
-  const std::string what = fmt::format("checkpoint '{}' (step {})", job.dir, step);
+  const std::string what = fmt::format("checkpoint '{}' (step {})", job->dir, job->state.step);
   const double failed = fsdp.sum_over_ranks(failure.empty() ? 0.0 : 1.0);
   if (!failure.empty()) FORGE_FAIL("{} could not be written by rank {}: {}", what, st.rank, failure);
   if (failed > 0)
     FORGE_FAIL("{} could not be written: {} rank(s) failed to write their part (their logs say why)", what,
                std::llround(failed));
   // Every shard rank's CRC-32s (rank 0's shard group holds the writers).
-  std::vector<PieceCrc> parts = std::move(job.crcs);
+  std::vector<PieceCrc> parts = std::move(job->crcs);
   const std::vector<uint32_t> counts = fsdp.all_gather_words({static_cast<uint32_t>(parts.size())});
   const uint32_t longest = *std::max_element(counts.begin(), counts.end());
   std::vector<uint32_t> words = encode_piece_crcs(parts);
@@ -503,15 +565,18 @@ void FluxCheckpoints::save(int64_t step, const FluxShardedState& st) {
     parts.insert(parts.end(), theirs.begin(), theirs.end());
   }
   if (st.rank == 0)
-    finish_flux_checkpoint_save(dir_folder, *job.staging, model_, specs, yaml_, job.state, job.layout,
-                                combine_piece_crcs(job.layout.pieces, std::move(parts)),
+    finish_flux_checkpoint_save(folder(), *job->staging, model_, flux_parameter_specs(model_), yaml_, job->state,
+                                job->layout, combine_piece_crcs(job->layout.pieces, std::move(parts)),
                                 config_.checkpoint.keep_latest_k);
   fsdp.sum_over_ranks(0.0);  // a barrier: the checkpoint is in place before any rank goes on
-  if (st.rank == 0)
-    log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s; each of {} ranks wrote its own segments; peak host "
-             "staging {:.1f} MiB on rank 0)",
-             job.dir, 12.0 * static_cast<double>(numel) / 1e6, seconds_since(t0), fsdp.layout().world_size(),
-             static_cast<double>(staging) / 1048576.0);
+  if (st.rank != 0) return;
+  std::string how = fmt::format("each of {} ranks wrote its own segments; peak host staging {:.1f} MiB on rank 0",
+                                fsdp.layout().world_size(), static_cast<double>(staging) / 1048576.0);
+  if (!job->snapshot_place.empty())
+    how = fmt::format("asynchronous: the step loop waited {:.2f} s for rank 0's {:.2f} GiB snapshot in {}; {}",
+                      job->stall_seconds, job->snapshot_bytes / 1073741824.0, job->snapshot_place, how);
+  log_info("saved checkpoint '{}' ({:.1f} MB in {:.2f} s; {})", job->dir,
+           12.0 * static_cast<double>(job->layout.file_numel.at(0)) / 1e6, seconds_since(job->started), how);
 }
 
 // NOTE [Async checkpoints] (train/trainer_checkpoint.cpp) for one device: the snapshot is a
@@ -569,6 +634,7 @@ void FluxCheckpoints::save(int64_t step, const FluxParameters& master, const Flu
 }
 
 void FluxCheckpoints::finish() {
+  if (sharded_job_) finish_sharded();
   if (!job_) return;
   std::unique_ptr<CheckpointSaveJob> job = std::move(job_);
   const size_t staging = job->writer ? job->writer->staging_bytes() : 0;

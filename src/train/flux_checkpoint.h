@@ -39,9 +39,12 @@
 // of the first replica streams its own segments of the master weights and AdamW's moments
 // into it at their flat offsets (no gather), the writers' CRC-32s are all-gathered, and
 // rank 0 writes the metadata and renames the directory into place; the ranks must share a
-// filesystem. Saves are synchronous (checkpoint.async_mode async is taken as sync: the
-// snapshot and deferred completion of the language models' async saves are not built for
-// FLUX). A resume has every rank check its share of the pieces' CRC-32s (the ranks agree
+// filesystem. With checkpoint.async_mode async each writer copies its segments into a
+// snapshot (spare GPU memory, else host memory, else it saves synchronously) and a thread
+// writes them while training goes on; the completion (whether every writer succeeded, the
+// CRC-32s, the metadata and rename, a barrier) runs on every rank at the next save or at the
+// end of the run, so the checkpoint appears on disk only then, as the language models' (NOTE
+// [Async checkpoints] in train/trainer_checkpoint.cpp). A resume has every rank check its share of the pieces' CRC-32s (the ranks agree
 // on the newest whole checkpoint) and read its own segments only, so a checkpoint saved on
 // N ranks, or on one device, resumes on M. Weights a run starts from (the seeded
 // initialization, checkpoint.initial_load_path, flux.initial_load_path) are read whole
@@ -118,7 +121,8 @@ class FluxCheckpoints {
   void after_step(int64_t steps_done, bool stopping, const FluxParameters& master, const FluxParameters& m,
                   const FluxParameters& v);
   void after_step(int64_t steps_done, bool stopping, const FluxShardedState& state);
-  // Completes an asynchronous save still in flight (at the end of the run).
+  // Completes an asynchronous save still in flight (at the end of the run; under FSDP on
+  // every rank: it runs collectives).
   void finish();
   // logging.run_dir expanded once, for the checkpoints and the export.
   const std::string& run_dir() const { return run_dir_; }
@@ -144,7 +148,11 @@ class FluxCheckpoints {
   // writer thread is joined before the snapshot goes.
   std::vector<std::unique_ptr<FluxParameters>> snapshot_;
   std::unique_ptr<CheckpointSaveJob> job_;
-  bool sync_noted_ = false;  // NOTE [FLUX FSDP checkpoints]: async taken as sync, said once
+  // NOTE [FLUX FSDP checkpoints]: a data-parallel rank's save whose completion (the ranks'
+  // collectives, rank 0's metadata and rename) waits for the next save or finish().
+  void finish_sharded();
+  std::unique_ptr<CheckpointSaveJob> sharded_job_;
+  FluxShardedState sharded_state_;
 };
 
 }  // namespace forge

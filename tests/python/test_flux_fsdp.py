@@ -5,7 +5,8 @@ bf16 reduction) and 4 ranks (2 shard ranks x 2 replicas): the losses of every st
 validation losses within fp32 rounding of the 1-rank run, and the master weights and AdamW
 moments after the last step too (read from the checkpoints both runs save), and the diffusers
 export gathered onto rank 0. A run stopped and
-resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte; a checkpoint
+resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte, asynchronous
+saves and a small buffer change no byte; a checkpoint
 saved on 2 ranks resumes on 1 and on 4. forge info counts what each rank holds. The refusals: another parallelism, degrees that do
 not match the ranks started, a multi-rank degree in a single process."""
 import json
@@ -152,6 +153,18 @@ class FluxFsdp(unittest.TestCase):
         self.assertEqual(sorted(losses(second)), [5, 6])
         self.assertEqual(checkpoint_bytes(stopped), checkpoint_bytes(whole))
         self.assertEqual(checkpoint_bytes(stopped, 4), checkpoint_bytes(whole, 4))
+
+    def test_async_saves_and_a_small_buffer_change_no_byte(self):
+        sync = self.run_dir("saves-sync")
+        train(sync, 2, data=self.data)
+        for extra in (["--checkpoint.async_mode", "async"], ["--checkpoint.buffer_mb", "1"]):
+            with self.subTest(extra=extra):
+                run_dir = self.run_dir("saves-" + extra[-1])
+                _, out = train(run_dir, 2, *extra, data=self.data)
+                if "async" in extra:
+                    self.assertIn("asynchronous: the step loop waited", out)
+                for step in (2, 4, 6):
+                    self.assertEqual(checkpoint_bytes(run_dir, step), checkpoint_bytes(sync, step))
 
     def test_checkpoint_saved_on_two_ranks_resumes_on_one_and_four(self):
         saved = self.run_dir("saved-on-two")
