@@ -274,22 +274,24 @@ std::optional<std::string> FluxCheckpoints::choose(DataParallelComm* comm, int p
   return std::nullopt;
 }
 
-void FluxCheckpoints::load_initial_checkpoint(const std::string& path, FluxParameters& master) const {
+std::string FluxCheckpoints::initial_checkpoint_dir(const std::string& path) const {
   std::error_code error;
   if (!fs::is_directory(path, error))
     FORGE_FAIL("checkpoint.initial_load_path '{}' is not a directory: a FLUX run starts there from a forge "
                "checkpoint (a step-<N> directory, or a folder of them); diffusers' and BFL's weights are read by "
                "flux.initial_load_path",
                path);
-  std::string dir = path;
-  if (!fs::exists(fs::path(path) / kCheckpointMetadataFile, error)) {
-    const std::vector<int64_t> steps = checkpoint_steps(path);
-    if (steps.empty())
-      FORGE_FAIL("checkpoint.initial_load_path '{}' is not a forge checkpoint: it has no {} and no step-<N> "
-                 "directories (diffusers' and BFL's FLUX weights are read by flux.initial_load_path)",
-                 path, kCheckpointMetadataFile);
-    dir = checkpoint_dir(path, steps.back());
-  }
+  if (fs::exists(fs::path(path) / kCheckpointMetadataFile, error)) return path;
+  const std::vector<int64_t> steps = checkpoint_steps(path);
+  if (steps.empty())
+    FORGE_FAIL("checkpoint.initial_load_path '{}' is not a forge checkpoint: it has no {} and no step-<N> "
+               "directories (diffusers' and BFL's FLUX weights are read by flux.initial_load_path)",
+               path, kCheckpointMetadataFile);
+  return checkpoint_dir(path, steps.back());
+}
+
+void FluxCheckpoints::load_initial_checkpoint(const std::string& path, FluxParameters& master) const {
+  const std::string dir = initial_checkpoint_dir(path);
   const Checkpoint ck = open_checkpoint(dir);
   check_flux_checkpoint_model(ck, model_, /*same_architecture=*/false);
   const size_t staged = read_flux_checkpoint(ck, master, nullptr, nullptr, buffer_bytes());
@@ -360,37 +362,49 @@ TrainingState FluxCheckpoints::training_state(int64_t step) const {
   return state;
 }
 
-int64_t FluxCheckpoints::start(const FluxShardedState& st, const std::function<void(FluxParameters&)>& initialize) {
+namespace {
+
+// A reader whose buffer holds the checkpoint's largest piece twice (or checkpoint.buffer_mb).
+size_t reader_buffer(const Checkpoint& ck, size_t buffer_bytes) {
+  int64_t largest_piece = 1024;
+  for (const TensorRecord& rec : ck.metadata.tensors)
+    for (const TensorPiece& p : rec.pieces) largest_piece = std::max(largest_piece, p.byte_length);
+  return std::min(buffer_bytes, static_cast<size_t>(largest_piece) * 2);
+}
+
+}  // namespace
+
+int64_t FluxCheckpoints::start(const FluxShardedState& st, const FluxTensorInitializer& initialize) {
   const CheckpointConfig& c = config_.checkpoint;
   Fsdp& fsdp = *st.fsdp;
   const int ranks = static_cast<int>(fsdp.data_parallel_ranks());
   const std::optional<std::string> resume = c.enable ? choose(&fsdp, st.rank, ranks) : std::nullopt;
   if (!resume) {
-    // NOTE [FLUX FSDP checkpoints]: whole host weights, of which this rank keeps its chunks.
-    FluxParameters host(model_);
-    initialize(host);
+    // NOTE [FLUX FSDP checkpoints]: each rank writes only its segments of the starting weights.
     if (!c.initial_load_path.empty()) {
-      load_initial_checkpoint(c.initial_load_path, host);
-    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
+      const std::string dir = initial_checkpoint_dir(c.initial_load_path);
+      const Checkpoint ck = open_checkpoint(dir);
+      check_flux_checkpoint_model(ck, model_, /*same_architecture=*/false);  // the same flat offsets
+      ShardFileReader reader(ck, reader_buffer(ck, buffer_bytes()));
+      const std::vector<FsdpSegment>& segments = fsdp.layout().segments();
+      for (size_t i = 0; i < segments.size(); ++i)
+        reader.read(FlatState::Param, {segments[i].flat_offset, fsdp.master_segments()[i]});
+      if (st.rank == 0)
+        log_info("initial FLUX weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}; each "
+                 "rank read its own segments); the optimizer starts fresh at step 0",
+                 dir, ck.metadata.training.step);
+    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]: read whole
+      FluxParameters host(model_);
       load_flux_weights(config_.flux.initial_load_path, host);
+      for (size_t i = 0; i < host.tensors().size(); ++i) fsdp.set_parameter(i, host.tensors()[i]);
       if (st.rank == 0) log_info("FLUX weights from {}", config_.flux.initial_load_path);
+    } else {
+      initialize([&](size_t spec, std::span<const float> values) {
+        fsdp.set_parameter(spec, Tensor::wrap(const_cast<float*>(values.data()),
+                                              {static_cast<int64_t>(values.size())}, DType::F32));
+      });
     }
-    std::vector<int64_t> offsets;  // each tensor's first element in the flat index space
-    int64_t offset = 0;
-    for (const Tensor& t : host.tensors()) {
-      offsets.push_back(offset);
-      offset += t.numel();
-    }
-    fsdp.load_master([&](int64_t flat_offset, std::span<float> out) {
-      // A piece lies within one parameter (a segment never crosses two).
-      const size_t i = static_cast<size_t>(std::upper_bound(offsets.begin(), offsets.end(), flat_offset) -
-                                           offsets.begin() - 1);
-      const Tensor& t = host.tensors().at(i);
-      FORGE_CHECK(flat_offset + static_cast<int64_t>(out.size()) <= offsets[i] + t.numel(),
-                  "FLUX FSDP: elements [{}, {}) cross parameter '{}'", flat_offset, flat_offset + out.size(),
-                  host.specs()[i].name);
-      std::copy_n(t.data<float>() + (flat_offset - offsets[i]), out.size(), out.data());
-    });
+    fsdp.refresh_compute_weights(false);
     return 0;
   }
   if (st.rank == 0 && (!c.initial_load_path.empty() || !config_.flux.initial_load_path.empty()))
@@ -399,10 +413,7 @@ int64_t FluxCheckpoints::start(const FluxShardedState& st, const std::function<v
   const auto t0 = std::chrono::steady_clock::now();
   const Checkpoint ck = open_checkpoint(*resume);
   check_flux_checkpoint_model(ck, model_, /*same_architecture=*/true);
-  int64_t largest_piece = 1024;  // bytes: a buffer that holds the largest piece twice is large enough
-  for (const TensorRecord& rec : ck.metadata.tensors)
-    for (const TensorPiece& p : rec.pieces) largest_piece = std::max(largest_piece, p.byte_length);
-  ShardFileReader reader(ck, std::min(buffer_bytes(), static_cast<size_t>(largest_piece) * 2));
+  ShardFileReader reader(ck, reader_buffer(ck, buffer_bytes()));
   const std::vector<FsdpSegment>& segments = fsdp.layout().segments();
   for (size_t i = 0; i < segments.size(); ++i) {
     const int64_t at = segments[i].flat_offset;

@@ -46,15 +46,19 @@
 // end of the run, so the checkpoint appears on disk only then, as the language models' (NOTE
 // [Async checkpoints] in train/trainer_checkpoint.cpp). A resume has every rank check its share of the pieces' CRC-32s (the ranks agree
 // on the newest whole checkpoint) and read its own segments only, so a checkpoint saved on
-// N ranks, or on one device, resumes on M. Weights a run starts from (the seeded
-// initialization, checkpoint.initial_load_path, flux.initial_load_path) are read whole
-// into host memory on every rank (4 bytes per parameter) and each rank keeps its chunks.
+// N ranks, or on one device, resumes on M. Weights a run starts from come the same way: a
+// checkpoint's (checkpoint.initial_load_path) as each rank's segments, the seeded
+// initialization one tensor at a time (each rank draws every tensor, in a host buffer of the
+// largest one, and keeps its segments); only diffusers' or BFL's weights
+// (flux.initial_load_path) are read whole into host memory on every rank (4 bytes per
+// parameter) before each keeps its chunks.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -90,6 +94,9 @@ struct CheckpointSaveJob;
 class DataParallelComm;
 class Fsdp;
 
+// Calls its argument with each parameter's initial values (initialize_flux_tensors).
+using FluxTensorInitializer = std::function<void(const std::function<void(size_t, std::span<const float>)>&)>;
+
 // A data-parallel rank's state (NOTE [FLUX FSDP checkpoints]): FSDP's master segments and
 // AdamW's moments over the same segments.
 struct FluxShardedState {
@@ -112,10 +119,11 @@ class FluxCheckpoints {
   // flux.initial_load_path (diffusers or BFL weights), m and v left as they are (0). Returns
   // the number of steps done, where the run goes on.
   int64_t start(FluxParameters& master, FluxParameters& m, FluxParameters& v);
-  // The same for a data-parallel rank (NOTE [FLUX FSDP checkpoints]): a resume reads its
-  // segments; otherwise `initialize` fills whole host weights (the seeded initialization),
-  // which the initial loads overwrite, and the rank keeps its chunks of them.
-  int64_t start(const FluxShardedState& state, const std::function<void(FluxParameters&)>& initialize);
+  // The same for a data-parallel rank (NOTE [FLUX FSDP checkpoints]): a resume, or
+  // checkpoint.initial_load_path, reads its segments; flux.initial_load_path is read whole;
+  // otherwise `initialize` hands each tensor's seeded initial values in turn and the rank
+  // keeps its segments of them.
+  int64_t start(const FluxShardedState& state, const FluxTensorInitializer& initialize);
   // After step `steps_done`'s update: with checkpoint.enable, saves at multiples of
   // checkpoint.interval, the last step, and when `stopping`.
   void after_step(int64_t steps_done, bool stopping, const FluxParameters& master, const FluxParameters& m,
@@ -137,6 +145,7 @@ class FluxCheckpoints {
   // share of the CRC-32s and the ranks agree.
   std::optional<std::string> choose(DataParallelComm* comm = nullptr, int part = 0, int parts = 1) const;
   std::string damage(const std::string& dir, int part = 0, int parts = 1) const;
+  std::string initial_checkpoint_dir(const std::string& path) const;  // checkpoint.initial_load_path's step-<N>
   void load_initial_checkpoint(const std::string& path, FluxParameters& master) const;
   size_t buffer_bytes() const;
 

@@ -374,7 +374,9 @@ FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_ya
   const FluxWeightInit init = parse_flux_weight_init(config.flux.weight_init, "flux.weight_init");
   start_step_ = checkpoints_->start(FluxShardedState{&s.fsdp->fsdp(), &s.m_segments, &s.v_segments, s.ranks.rank,
                                                      s.ranks.rank < s.ranks.shard_ranks},
-                                    [&](FluxParameters& host) { host.initialize(seed, init); });
+                                    [&](const std::function<void(size_t, std::span<const float>)>& each) {
+                                      initialize_flux_tensors(s.model_config, seed, init, kFluxInitStd, each);
+                                    });
   const Fsdp& f = s.fsdp->fsdp();
   const FsdpMemory mem = f.memory();
   auto gib = [](int64_t bytes) { return static_cast<double>(bytes) / 1073741824.0; };

@@ -4,7 +4,7 @@ latent sizes, the same global batch on 1 rank (accumulation 4), 2 ranks (ZeRO-1,
 bf16 reduction) and 4 ranks (2 shard ranks x 2 replicas): the losses of every step and the
 validation losses within fp32 rounding of the 1-rank run, and the master weights and AdamW
 moments after the last step too (read from the checkpoints both runs save), and the diffusers
-export gathered onto rank 0. A run stopped and
+export gathered onto rank 0; so does a run starting from a checkpoint's weights. A run stopped and
 resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte, asynchronous
 saves and a small buffer change no byte; a checkpoint
 saved on 2 ranks resumes on 1 and on 4. forge info counts what each rank holds. The refusals: another parallelism, degrees that do
@@ -185,6 +185,19 @@ class FluxFsdp(unittest.TestCase):
         shutil.rmtree(os.path.join(run_dir, "checkpoints", "step-6"))
         _, out = train(run_dir, 2, data=self.data)
         self.assertEqual(sorted(losses(out)), [5, 6], out[-3000:])
+
+    def test_initial_load_path_under_fsdp(self):
+        start = os.path.join(self.single_dir, "checkpoints", "step-4")
+        curves = {}
+        for ranks in (1, 2):
+            _, out = train(self.run_dir(f"initial-{ranks}"), ranks, "--checkpoint.initial_load_path", start, steps=2,
+                           data=self.data)
+            self.assertIn("initial FLUX weights from checkpoint", out)
+            curves[ranks] = losses(out)
+        self.assertEqual(sorted(curves[2]), [1, 2])
+        for step in (1, 2):
+            self.assertLess(abs(curves[2][step] - curves[1][step]), 2e-5 * max(1.0, curves[1][step]))
+        self.assertNotEqual(curves[1][1], self.single[1])  # it started from the checkpoint's weights
 
     def test_diffusers_export_gathers_the_weights_onto_rank_zero(self):
         from safetensors.numpy import load_file
