@@ -27,7 +27,10 @@
 // data position: the checkpoint records it as both "step" and "data.position", and there
 // is nothing else to restore (the compute weights, bf16 on CUDA, are cast again from the
 // masters, as the optimizer casts them). A resumed run thus computes bit for bit what the
-// uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic.
+// uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic. Under
+// FSDP (NOTE [FLUX FSDP checkpoints]) the same holds on the same ranks (every rank's
+// micro-batches are functions of (seed, step, micro-batch) too); resumed on another number
+// of ranks, the gradients' sums are taken in another order (fp32 rounding).
 // Changing training.seed, the batch size or accumulation, flux.resolution or the data
 // between the runs changes the data that follows, as it would for a language model.
 //
