@@ -32,7 +32,7 @@ void catching_failures(BenchResult& r, Measure measure) {
 
 // NOTE [FLUX benchmarks]: images per second per GPU as the seeds report FLUX (frames/s),
 // model TFLOP/s by NOTE [FLUX FLOPs]; tokens/s counts image and text tokens.
-void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
+void run_flux_bench(const ExperimentConfig& c, BenchResult& r, ProcessGroup* world) {
   const FluxConfig model = flux_model_config(c.flux);
   const FluxShape shape = flux_micro_batch_shape(c);
   r.model = model.num_double_blocks == flux_preset(c.flux.model).num_double_blocks &&
@@ -44,7 +44,7 @@ void run_flux_bench(const ExperimentConfig& c, BenchResult& r) {
   catching_failures(r, [&] {
     FluxTrainResult run;
     {
-      FluxTrainer trainer(c);
+      FluxTrainer trainer(c, "", world);
       run = trainer.run(false);
     }
     std::vector<double> measured(run.step_seconds.begin() + r.warmup_steps, run.step_seconds.end());
@@ -86,7 +86,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
 
   reset_device_memory_peak();
   if (!c.flux.model.empty()) {
-    run_flux_bench(c, r);
+    run_flux_bench(c, r, world);
     r.peak_memory_bytes = static_cast<int64_t>(device_memory_peak());
     r.duration_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     return r;

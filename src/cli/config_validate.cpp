@@ -491,7 +491,7 @@ void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
 }  // namespace
 
 // A FLUX run (NOTE [FLUX runs] in train/flux_trainer.h): a known model, an image size the
-// VAE and the patches divide, one device, bf16 on CUDA or fp32 on the CPU, and none of the
+// VAE and the patches divide, data-parallel ranks only (NOTE [FLUX FSDP]), bf16 on CUDA or fp32 on the CPU, and none of the
 // language-model features it does not have. flux.* values without flux.model are refused.
 void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   const FluxRunConfig& f = config.flux;
@@ -527,13 +527,22 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                fmt::join(flux_preset_names(), ", "));
   if (f.resolution % 16 != 0)
     FORGE_FAIL("{} must be a multiple of 16 (the VAE's 8x and the 2x2 patches)", show(config, keys, "flux.resolution"));
-  const int64_t devices = config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree *
-                          config.parallelism.tensor_parallel_degree * config.parallelism.context_parallel_degree *
-                          config.parallelism.pipeline_parallel_degree;
-  if (devices != 1)
-    FORGE_FAIL("a FLUX run trains on one device (FSDP and the other parallelisms for FLUX are not built); the "
-               "parallelism degrees multiply to {}",
-               devices);
+  // NOTE [FLUX FSDP] in distributed/flux_fsdp.h: data-parallel ranks (sharded, replicated)
+  // only; the ranks the launcher started are checked against them as a language model's are.
+  const ParallelismConfig& p = config.parallelism;
+  for (const auto& [key, degree] : {std::pair<const char*, int64_t>{"parallelism.tensor_parallel_degree",
+                                                                     p.tensor_parallel_degree},
+                                    {"parallelism.context_parallel_degree", p.context_parallel_degree},
+                                    {"parallelism.pipeline_parallel_degree", p.pipeline_parallel_degree},
+                                    {"parallelism.expert_parallel_degree", p.expert_parallel_degree}})
+    if (degree != 1)
+      FORGE_FAIL("{}: a FLUX run splits its work over data-parallel ranks only (FSDP: "
+                 "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree); tensor, context, "
+                 "pipeline and expert parallelism are the language models'",
+                 show(config, keys, key));
+  if (config.optimizer.state_dtype != "fp32")
+    FORGE_FAIL("{}: a FLUX run keeps AdamW's moments in fp32 (on one device and under FSDP alike)",
+               show(config, keys, "optimizer.state_dtype"));
   if (config.lora.enabled() || config.precision.fp8 != "none")
     FORGE_FAIL("a FLUX run trains every weight in bf16: lora.rank ({}) and precision.fp8 ({}) are the language "
                "models'",

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "distributed/flux_fsdp.h"
 #include "model/activations.h"
 #include "model/flux_config.h"
 #include "model/flux_transformer.h"
@@ -25,7 +26,7 @@ int64_t positive_integer(const std::string& key, const std::string& value) {
 
 int run_flux_info(const std::string& name, const std::vector<std::pair<std::string, std::string>>& overrides) {
   const FluxConfig c = flux_preset(name);
-  int64_t batch = 1, resolution = 1024, text_tokens = 512;
+  int64_t batch = 1, resolution = 1024, text_tokens = 512, shard_ranks = 1, zero_stage = 3;
   ActivationCheckpoint checkpoint = ActivationCheckpoint::Full;
   for (const auto& [key, value] : overrides) {
     if (key == "training.local_batch_size")
@@ -36,12 +37,18 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
       text_tokens = positive_integer(key, value);
     else if (key == "activation_checkpoint.mode")
       checkpoint = activation_checkpoint_from_name(value);
+    else if (key == "parallelism.data_parallel_shard_degree")
+      shard_ranks = positive_integer(key, value);
+    else if (key == "parallelism.zero_stage")
+      zero_stage = positive_integer(key, value);
     else
       FORGE_FAIL("forge info {}: unknown key --{}; a FLUX model takes --training.local_batch_size, "
-                 "--flux.resolution, --flux.text_tokens and --activation_checkpoint.mode",
+                 "--flux.resolution, --flux.text_tokens, --activation_checkpoint.mode, "
+                 "--parallelism.data_parallel_shard_degree and --parallelism.zero_stage",
                  name, key);
   }
   // The VAE halves the image three times (8x) and the patchify twice more (2x2 patches).
+  FORGE_CHECK(zero_stage <= 3, "forge info {}: --parallelism.zero_stage {}: 1, 2 or 3", name, zero_stage);
   FORGE_CHECK(resolution % 16 == 0, "forge info {}: --flux.resolution {} must be a multiple of 16 (the VAE's 8x "
               "and the 2x2 patches)", name, resolution);
   FluxShape shape;
@@ -75,6 +82,29 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
   fmt::print("  AdamW moments  {:8.2f} GiB  fp32 x 2\n", moments / gib);
   fmt::print("  activations    {:8.2f} GiB  bf16, the arena of one micro-batch\n", activations / gib);
   fmt::print("  total          {:8.2f} GiB\n", (weights + master + grads + moments + activations) / gib);
+  if (shard_ranks == 1) return 0;
+  // NOTE [FLUX FSDP]: what each rank of the shard group holds, from FSDP's layout of the
+  // units (the largest rank's chunk; fp32 reduction, whose reduced-chunk buffers are counted
+  // as if the step accumulates).
+  const FsdpLayout layout = flux_fsdp_layout(c, static_cast<int>(shard_ranks), 0);
+  const double chunk = static_cast<double>(layout.shard_numel());
+  const double ends = static_cast<double>(layout.units().front().numel + layout.units().back().numel);
+  const double full = static_cast<double>(layout.full_numel());
+  const double block = static_cast<double>(layout.max_block_numel()), unit = static_cast<double>(layout.max_unit_numel());
+  const double fsdp_weights = zero_stage == 3 ? 2.0 * (ends + 3.0 * block) : 2.0 * full;
+  const double full_grads = zero_stage == 1 ? 4.0 * full : 2.0 * 4.0 * unit;
+  const double reduced = 2.0 * 4.0 * static_cast<double>(layout.max_shard_numel());
+  fmt::print("per rank         FSDP ZeRO-{} over {} shard ranks (NOTE [FLUX FSDP]):\n", zero_stage, shard_ranks);
+  fmt::print("  weights        {:8.2f} GiB  bf16: {}\n", fsdp_weights / gib,
+             zero_stage == 3 ? "the embedders and head, three gathered blocks" : "every unit");
+  fmt::print("  master         {:8.2f} GiB  fp32 chunk\n", 4.0 * chunk / gib);
+  fmt::print("  gradients      {:8.2f} GiB  fp32 chunk, + {:.2f} GiB {}\n", 4.0 * chunk / gib, full_grads / gib,
+             zero_stage == 1 ? "full-size fp32" : "in two rotating unit buffers");
+  fmt::print("  AdamW moments  {:8.2f} GiB  fp32 x 2, the chunk's\n", 8.0 * chunk / gib);
+  fmt::print("  reductions     {:8.2f} GiB  reduced chunks\n", reduced / gib);
+  fmt::print("  activations    {:8.2f} GiB\n", activations / gib);
+  fmt::print("  total          {:8.2f} GiB\n",
+             (fsdp_weights + 16.0 * chunk + full_grads + reduced + activations) / gib);
   return 0;
 }
 

@@ -18,13 +18,46 @@ std::unique_ptr<DeviceEvent> make_event(Device device) { return std::make_unique
 
 Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
            const FsdpOptions& options, ProcessGroup* expert_group)
+    : Fsdp(config,
+           FsdpLayout(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel,
+                      options.tensor_parallel, options.pipeline_stages),
+           false, device, shard_group, replicate_group, options, expert_group) {}
+
+namespace {
+
+// NOTE [FSDP of a model of units]: the decoder's config as far as Fsdp reads it: the blocks
+// between the two end units, nothing tied, no experts.
+ModelConfig units_model_config(const FsdpLayout& layout) {
+  ModelConfig c;
+  c.num_layers = layout.num_units() - 2;
+  c.tie_word_embeddings = false;
+  return c;
+}
+
+}  // namespace
+
+Fsdp::Fsdp(FsdpLayout layout, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
+           const FsdpOptions& options)
+    : Fsdp(units_model_config(layout), std::move(layout), true, device, shard_group, replicate_group, options,
+           nullptr) {}  // the layout is moved from only in the member initializers, after the config is read
+
+Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Device device, ProcessGroup& shard_group,
+           ProcessGroup* replicate_group, const FsdpOptions& options, ProcessGroup* expert_group)
     : DataParallelComm(device, shard_group, replicate_group),
       config_(config),
       options_(options),
       expert_group_(expert_group),
-      layout_(config, shard_group.world_size(), shard_group.rank(), options.expert_parallel, options.tensor_parallel,
-              options.pipeline_stages),
-      compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32) {
+      layout_(std::move(layout)),
+      compute_dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
+      units_model_(units_model) {
+  FORGE_CHECK(layout_.world_size() == shard_group.world_size() && layout_.rank() == shard_group.rank(),
+              "FSDP: a layout for rank {} of {} given to rank {} of {}", layout_.rank(), layout_.world_size(),
+              shard_group.rank(), shard_group.world_size());
+  if (units_model_)  // NOTE [FSDP of a model of units]
+    FORGE_CHECK(!options.frozen && !options.fp8_all_gather && options.expert_parallel == 1 &&
+                    options.tensor_parallel.size == 1 && options.pipeline_stages.empty(),
+                "FSDP of a model of units (FLUX) shards trainable weights only: no frozen base, FP8 all-gather, "
+                "expert, tensor or pipeline parallelism");
   if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages, ZeRO-1 reduced at the step's end
     FORGE_CHECK(options.zero_stage == 1,
                 "FSDP over a pipeline rank's stages (pipeline_stages) is ZeRO-1 only, not ZeRO-{}: the pipeline "
@@ -71,7 +104,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   if (!gathers_blocks()) {
     full_compute_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, compute_dtype_, device);
     for (int u : {embedding, head})
-      if (layout_.holds(u)) root_views(unit_full(full_compute_, u), u, root_weights_);
+      if (layout_.holds(u)) end_views(unit_full(full_compute_, u), u, root_weights_, root_units_);
     for (int i = 0; i < config.num_layers; ++i) {  // empty for a block of another pipeline rank
       const int u = FsdpLayout::unit_of_layer(i);
       static_layers_.push_back(layout_.holds(u) ? block_views(unit_full(full_compute_, u), u) : BlockWeights{});
@@ -79,7 +112,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   } else {
     const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
-    for (int u : {embedding, head}) root_views(root_unit(u), u, root_weights_);
+    for (int u : {embedding, head}) end_views(root_unit(u), u, root_weights_, root_units_);
     weight_slots_.resize(options.zero_stage == 3 ? 3 : static_cast<size_t>(config.num_layers));
     // NOTE [FP8 all-gather]: the largest block's FP8 weights, norms, and what any rank holds of its norms.
     int64_t fp8_weights = 0, norms = 0;
@@ -133,7 +166,7 @@ Fsdp::Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, 
   if (options.zero_stage == 1) {
     full_grads_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, DType::F32, device);
     for (int u : {embedding, head})
-      if (layout_.holds(u)) root_views(unit_full(full_grads_, u), u, root_grads_);
+      if (layout_.holds(u)) end_views(unit_full(full_grads_, u), u, root_grads_, root_unit_grads_);
     for (int i = 0; i < config.num_layers; ++i) {
       const int u = FsdpLayout::unit_of_layer(i);
       static_layer_grads_.push_back(layout_.holds(u) ? block_views(unit_full(full_grads_, u), u) : BlockWeights{});
@@ -219,6 +252,37 @@ BlockWeights Fsdp::block_views(const Tensor& unit_buffer, int unit) const {
   return w;
 }
 
+void Fsdp::end_views(const Tensor& unit_buffer, int unit, ModelWeights& w, std::array<BlockWeights, 2>& units) const {
+  if (units_model_) units[end_index(unit)] = block_views(unit_buffer, unit);
+  else root_views(unit_buffer, unit, w);
+}
+
+void Fsdp::check_decoder(const char* what) const {
+  FORGE_CHECK(!units_model_, "FSDP: {} is the decoder's; this FSDP holds a model of units (NOTE [FSDP of a model of "
+                             "units]: unit_weights, unit_gradients)",
+              what);
+}
+
+const BlockWeights& Fsdp::unit_weights(int unit) {
+  FORGE_CHECK(unit >= 0 && unit < layout_.num_units(), "FSDP: unit {} of {}", unit, layout_.num_units());
+  if (layout_.is_block(unit)) return layer(unit - 1);
+  await_unit(unit);
+  return root_units_[end_index(unit)];
+}
+
+const BlockWeights& Fsdp::unit_gradients(int unit) {
+  check_trainable("unit_gradients");
+  FORGE_CHECK(unit >= 0 && unit < layout_.num_units(), "FSDP: unit {} of {}", unit, layout_.num_units());
+  if (layout_.is_block(unit)) return layer_grads(unit - 1);
+  if (options_.zero_stage == 1) return root_unit_grads_[end_index(unit)];
+  return grad_slot(unit).block;
+}
+
+void Fsdp::unit_gradients_done(int unit) {
+  FORGE_CHECK(unit >= 0 && unit < layout_.num_units(), "FSDP: unit {} of {}", unit, layout_.num_units());
+  unit_done(unit);
+}
+
 void Fsdp::root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const {
   for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
     const ParamSpec& spec = layout_.specs()[static_cast<size_t>(p.spec)];
@@ -256,6 +320,7 @@ void Fsdp::fill_master(const std::function<void(const std::vector<MasterPiece>&)
 }
 
 void Fsdp::initialize(uint64_t seed) {
+  check_decoder("initialize");
   // Each rank draws only its segments (a value depends on the seed, the name and its
   // index alone), a window at a time, each window's pieces in parallel.
   fill_master([&](const std::vector<MasterPiece>& pieces) {
@@ -341,18 +406,21 @@ void Fsdp::check_held(int unit, const char* what) const {
 }
 
 const Tensor& Fsdp::embedding() {
+  check_decoder("embedding");
   check_held(FsdpLayout::kEmbeddingUnit, "embedding");
   await_unit(FsdpLayout::kEmbeddingUnit);
   return root_weights_.embedding;
 }
 
 const Tensor& Fsdp::final_norm() {
+  check_decoder("final_norm");
   check_held(layout_.head_unit(), "final_norm");
   await_unit(layout_.head_unit());
   return root_weights_.final_norm;
 }
 
 const LinearWeight& Fsdp::output() {
+  check_decoder("output");
   check_held(layout_.head_unit(), "output");
   await_unit(tied() ? FsdpLayout::kEmbeddingUnit : layout_.head_unit());
   return root_weights_.output;
@@ -630,7 +698,7 @@ Fsdp::UnitSlot& Fsdp::grad_slot(int unit) {
   zero_padding(full, unit);  // the model writes the rest (NOTE [Fresh gradient buffers])
   unit_fresh_[static_cast<size_t>(unit)] = true;
   slot.unit = unit;
-  if (layout_.is_block(unit)) slot.block = block_views(full, unit);
+  if (layout_.is_block(unit) || units_model_) slot.block = block_views(full, unit);
   else root_views(full, unit, slot.root);
   return slot;
 }
@@ -707,6 +775,7 @@ void Fsdp::layer_done(int index) {
 }
 
 const Tensor& Fsdp::embedding_grad() {
+  check_decoder("embedding_grad");
   check_trainable("embedding_grad");
   check_held(FsdpLayout::kEmbeddingUnit, "embedding_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.embedding;
@@ -719,6 +788,7 @@ void Fsdp::embedding_done() {
 }
 
 const Tensor& Fsdp::final_norm_grad() {
+  check_decoder("final_norm_grad");
   check_trainable("final_norm_grad");
   check_held(layout_.head_unit(), "final_norm_grad");
   if (options_.zero_stage == 1) return root_grads_.final_norm;
@@ -726,6 +796,7 @@ const Tensor& Fsdp::final_norm_grad() {
 }
 
 const LinearWeight& Fsdp::output_grad() {
+  check_decoder("output_grad");
   check_trainable("output_grad");
   check_held(layout_.head_unit(), "output_grad");
   if (options_.zero_stage == 1 || tied()) return root_grads_.output;

@@ -114,6 +114,22 @@
 // A non-finite amax: NCCL's max may not carry a NaN across ranks, but the NaN codes do, so
 // the loss is non-finite on every rank.
 //
+// NOTE [FSDP of a model of units]
+// FSDP knows the decoder only through its layout (which parameter is in which unit) and
+// the views it hands out (BlockWeights, ModelWeights). A model whose parameters come in
+// units (FLUX, NOTE [FLUX units] in model/flux_parameters.h) gives its specs, each naming
+// its unit, to the FsdpLayout constructor that takes them; Fsdp then runs on that layout
+// as on the decoder's (the same chunks, gathers, rotating buffers, reductions, ZeRO
+// stages, segments and flat index space), its two end units playing the embedding's and
+// the head's part (kept in full, the last reduced first and the first last), and hands out
+// each unit as a BlockWeights of its parameters in layout order (unit_weights,
+// unit_gradients, unit_gradients_done); the model's own adapter (FluxFsdp in
+// distributed/flux_fsdp.h) puts those views into the model's weight structures. The
+// decoder's entry points (embedding(), layer(), ...), initialize() (the decoder's seeded
+// initialization) and the FP8 all-gather, expert, tensor and pipeline parallelism and the
+// frozen base are the decoder's and are refused; the weights come in by load_master or
+// set_parameter.
+
 // NOTE [Exposed communication]
 // The communication that is not hidden behind compute is the time the compute stream
 // stands still for it: every place where it waits for the communication stream (a block
@@ -181,7 +197,21 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // All outlive this object.
   Fsdp(const ModelConfig& config, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
        const FsdpOptions& options, ProcessGroup* expert_group = nullptr);
+  // NOTE [FSDP of a model of units]: a model other than the decoder (FLUX), laid out from its
+  // specs (the FsdpLayout constructor taking them, for shard_group's world and rank); ZeRO
+  // 1-3, reduce dtype and hybrid sharding as above, nothing else of FsdpOptions.
+  Fsdp(FsdpLayout layout, Device device, ProcessGroup& shard_group, ProcessGroup* replicate_group,
+       const FsdpOptions& options);
   ~Fsdp() override;
+
+  // NOTE [FSDP of a model of units]: unit `unit`'s weights (compute dtype) and gradient
+  // buffers (fp32), one LinearWeight per parameter of the unit (its `weight`, shaped as its
+  // spec), in the layout's order; unit_gradients_done(unit) says the micro-batch's
+  // gradients of the unit are complete. Units 0 and the last are kept in full, the blocks
+  // between them gathered around their use under ZeRO-3, exactly as the decoder's.
+  const BlockWeights& unit_weights(int unit);
+  const BlockWeights& unit_gradients(int unit);
+  void unit_gradients_done(int unit);
 
   const FsdpLayout& layout() const { return layout_; }
   const FsdpOptions& options() const { return options_; }
@@ -296,7 +326,12 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     uint64_t generation = 0;
   };
 
+  // The body of both public constructors.
+  Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Device device, ProcessGroup& shard_group,
+       ProcessGroup* replicate_group, const FsdpOptions& options, ProcessGroup* expert_group);
   BlockWeights block_views(const Tensor& unit_buffer, int unit) const;
+  // An end unit's views: into `w` (the decoder's) or `units` (NOTE [FSDP of a model of units]).
+  void end_views(const Tensor& unit_buffer, int unit, ModelWeights& w, std::array<BlockWeights, 2>& units) const;
   // Fills the fields of `w` that unit (embedding or head) holds with views of its buffer.
   void root_views(const Tensor& unit_buffer, int unit, ModelWeights& w) const;
   Tensor unit_full(const Tensor& all_units, int unit) const;  // a unit inside a buffer of every unit
@@ -348,6 +383,9 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Fails naming the unit when this pipeline rank's stages do not hold it.
   void check_held(int unit, const char* what) const;
   bool tied() const { return config_.tie_word_embeddings; }
+  void check_decoder(const char* what) const;  // fails for a model of units
+  // The end unit's index in root_units_ / root_unit_grads_ (0: unit 0, 1: the last).
+  size_t end_index(int unit) const { return unit == FsdpLayout::kEmbeddingUnit ? 0 : 1; }
   void check_trainable(const char* what) const;  // a frozen base has no gradients
 
   ModelConfig config_;
@@ -363,6 +401,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // ZeRO-1: every unit's gradients in full. ZeRO-2/3 with a tied embedding: its gradients.
   Tensor full_grads_;
   ModelWeights root_weights_, root_grads_;  // root_grads_: ZeRO-1, and the tied embedding's
+  // NOTE [FSDP of a model of units]: a model of units instead of the decoder; its end units'
+  // weights and (ZeRO-1) full gradients as unit views.
+  bool units_model_ = false;
+  std::array<BlockWeights, 2> root_units_, root_unit_grads_;
   std::vector<BlockWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
   std::vector<UnitSlot> weight_slots_;  // ZeRO-3: three; FP8 all-gather under ZeRO-1/2: one per block
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3

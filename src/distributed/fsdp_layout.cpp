@@ -23,13 +23,34 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int 
   FORGE_CHECK(p >= 1 && world_size % p == 0 && (p == 1 || (config.moe() && config.num_experts % p == 0)),
               "FSDP layout: expert parallelism {} needs a world size ({}) and an expert count ({}) it divides", p,
               world_size, config.num_experts);
-  const int groups = world_size / p;  // the ranks holding the same experts
-  units_.resize(static_cast<size_t>(config.num_layers) + 2);
-  std::vector<int64_t> expert_numel(units_.size(), 0);  // each unit's expert part so far
   // NOTE [FSDP layout]: a pipeline rank lays out its stages' parameters only, at their
   // places in the whole model's flat index space.
-  const std::vector<ParamSpec> held = pipeline_stage_specs(specs_, pipeline_stages);
-  size_t next_held = 0;  // held keeps parameter_specs order
+  const size_t num_units = static_cast<size_t>(config.num_layers) + 2;
+  lay_out(pipeline_stage_specs(specs_, pipeline_stages), num_units, [&](size_t s) {
+    const ParamSpec& spec = specs_[s];
+    return spec.layer >= 0                  ? unit_of_layer(spec.layer)
+           : spec.name == "embedding.weight" ? kEmbeddingUnit
+                                             : static_cast<int>(num_units) - 1;
+  });
+}
+
+FsdpLayout::FsdpLayout(std::vector<ParamSpec> specs, int num_units, int world_size, int rank)
+    : world_size_(world_size), rank_(rank), expert_parallel_(1), specs_(std::move(specs)) {
+  FORGE_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "FSDP layout for rank {} of {}", rank, world_size);
+  FORGE_CHECK(num_units >= 2, "FSDP layout: a model of {} units (its two ends at least)", num_units);
+  for (const ParamSpec& spec : specs_)
+    FORGE_CHECK(spec.layer >= 0 && spec.layer < num_units, "FSDP layout: parameter '{}' names unit {} of {}",
+                spec.name, spec.layer, num_units);
+  lay_out(specs_, static_cast<size_t>(num_units), [&](size_t s) { return specs_[s].layer; });
+}
+
+void FsdpLayout::lay_out(const std::vector<ParamSpec>& held, size_t num_units,
+                         const std::function<int(size_t)>& unit_of) {
+  const int world_size = world_size_, rank = rank_, p = expert_parallel_;
+  const int groups = world_size / p;  // the ranks holding the same experts
+  units_.resize(num_units);
+  std::vector<int64_t> expert_numel(units_.size(), 0);  // each unit's expert part so far
+  size_t next_held = 0;  // held keeps specs_ order
   int64_t flat = 0;
   for (size_t s = 0; s < specs_.size(); ++s) {
     const ParamSpec& spec = specs_[s];
@@ -38,9 +59,7 @@ FsdpLayout::FsdpLayout(const ModelConfig& config, int world_size, int rank, int 
       continue;
     }
     ++next_held;
-    const int u = spec.layer >= 0                  ? unit_of_layer(spec.layer)
-                  : spec.name == "embedding.weight" ? kEmbeddingUnit
-                                                    : head_unit();
+    const int u = unit_of(s);
     FsdpUnit& unit = units_[static_cast<size_t>(u)];
     const int64_t n = shape_numel(spec.shape);
     FsdpParam param{static_cast<int>(s), 0, n, flat, spec.shape, 0, false};

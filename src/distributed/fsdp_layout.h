@@ -39,9 +39,14 @@
 // parameter_specs(config, tensor_parallel) as without stages, and the flat offsets are the
 // whole model's too (NOTE [Checkpoint format]): the segments of a pipeline rank's shard
 // ranks tile its stages' parameters once, and the pipeline ranks' together tile the model.
+// A model of units (FLUX, NOTE [FLUX units] in model/flux_parameters.h) is laid out the same
+// way from its specs, each naming its unit in ParamSpec::layer: unit 0 and the last unit
+// are its two ends (held in full in every ZeRO stage, as the embedding and head), the units
+// between them its blocks; the flat index space is the specs end to end, as a checkpoint's.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/config.h"
@@ -104,6 +109,9 @@ class FsdpLayout {
   // those of a pipeline rank's stages (pipeline_stage_specs); empty: the whole model's.
   FsdpLayout(const ModelConfig& config, int world_size, int rank, int expert_parallel = 1,
              TensorParallelShard tensor_parallel = {}, const std::vector<PipelineStage>& pipeline_stages = {});
+  // A model of `num_units` units (at least 2): specs[i].layer is parameter i's unit (NOTE
+  // [FSDP layout]); no expert, tensor or pipeline parallelism.
+  FsdpLayout(std::vector<ParamSpec> specs, int num_units, int world_size, int rank);
 
   int world_size() const { return world_size_; }
   int rank() const { return rank_; }
@@ -131,6 +139,10 @@ class FsdpLayout {
   int64_t flat_numel() const;                           // the whole model's flat index space
 
  private:
+  // Places the held parameters (specs_ order; unit_of(spec index) their unit) into units_,
+  // their expert stacks into expert parts when expert_parallel_ > 1, and cuts the segments.
+  void lay_out(const std::vector<ParamSpec>& held, size_t num_units, const std::function<int(size_t)>& unit_of);
+
   int world_size_, rank_, expert_parallel_;
   std::vector<ParamSpec> specs_;
   std::vector<PipelineStage> pipeline_stages_;

@@ -1,6 +1,7 @@
 // FLUX's parameter specs and their flat holder; see flux_parameters.h.
 #include "model/flux_parameters.h"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -181,21 +182,33 @@ FluxParameters::FluxParameters(const FluxConfig& config, Device device, DType dt
       }
   }
   flat_ = Tensor::zeros({total}, dtype, device);
-  units_.resize(static_cast<size_t>(flux_num_units(config_)));
-  // A 2-D spec is a projection's weight, the 1-D ".bias" spec after it its bias; any other
-  // 1-D spec is a vector of its unit (NOTE [FLUX units]).
+  const size_t units = static_cast<size_t>(flux_num_units(config_));
+  std::vector<std::vector<const ParamSpec*>> unit_specs(units);
+  std::vector<std::vector<Tensor>> unit_tensors(units);
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];
     const int64_t n = shape_numel(s.shape);
     tensors_.push_back(flat_.narrow(offsets[i], offsets[i] + n).view(s.shape));
-    FluxUnitWeights& unit = units_.at(static_cast<size_t>(s.layer));
-    if (s.shape.size() == 2)
-      unit.linears.emplace_back().weight = tensors_.back();
-    else if (i > 0 && specs_[i - 1].shape.size() == 2 && s.name.ends_with(".bias"))
-      unit.linears.back().bias = tensors_.back();
-    else
-      unit.vectors.push_back(tensors_.back());
+    unit_specs.at(static_cast<size_t>(s.layer)).push_back(&s);
+    unit_tensors.at(static_cast<size_t>(s.layer)).push_back(tensors_.back());
   }
+  for (size_t u = 0; u < units; ++u) units_.push_back(flux_unit_weights(unit_specs[u], unit_tensors[u]));
+}
+
+FluxUnitWeights flux_unit_weights(const std::vector<const ParamSpec*>& specs, const std::vector<Tensor>& tensors) {
+  FORGE_CHECK(specs.size() == tensors.size(), "flux_unit_weights: {} tensors for {} parameters", tensors.size(),
+              specs.size());
+  FluxUnitWeights unit;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = *specs[i];
+    if (s.shape.size() == 2)
+      unit.linears.emplace_back().weight = tensors[i];
+    else if (i > 0 && specs[i - 1]->shape.size() == 2 && s.name.ends_with(".bias"))
+      unit.linears.back().bias = tensors[i];
+    else
+      unit.vectors.push_back(tensors[i]);
+  }
+  return unit;
 }
 
 void FluxParameters::assign_from(const FluxParameters& other) {
@@ -207,6 +220,34 @@ void FluxParameters::assign_from(const FluxParameters& other) {
     cast(flat_, other.flat_.to(flat_.device()));
 }
 
+void initialize_flux_tensors(const FluxConfig& config, uint64_t seed, FluxWeightInit init, float init_std,
+                             const std::function<void(size_t, std::span<const float>)>& each) {
+  const std::vector<ParamSpec> specs = flux_parameter_specs(config);
+  const std::vector<FluxTensorInit> torchtitan =
+      init == FluxWeightInit::Torchtitan ? flux_torchtitan_inits(config) : std::vector<FluxTensorInit>{};
+  std::vector<float> values;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = specs[i];
+    FluxTensorInit rule = torchtitan.empty() ? FluxTensorInit{FluxTensorInit::Kind::Normal, init_std} : torchtitan[i];
+    if (torchtitan.empty() && s.shape.size() == 1) rule = {FluxTensorInit::Kind::Constant, s.zero_init ? 0.0 : 1.0};
+    const int64_t n = shape_numel(s.shape);
+    values.resize(static_cast<size_t>(n));
+    float* p = values.data();
+    if (rule.kind == FluxTensorInit::Kind::Constant) {
+      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value);
+    } else {
+      uint64_t name_hash = 1469598103934665603ull;
+      for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
+      Rng rng(derive_seed(seed, name_hash));
+      if (rule.kind == FluxTensorInit::Kind::Normal)
+        for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * rng.normal());
+      else
+        for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * (2.0 * rng.uniform() - 1.0));
+    }
+    each(i, std::span<const float>(values.data(), values.size()));
+  }
+}
+
 void FluxParameters::initialize(uint64_t seed, FluxWeightInit init) {
   if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
     FluxParameters host(config_, Device::CPU, DType::F32, init_std_);
@@ -214,26 +255,9 @@ void FluxParameters::initialize(uint64_t seed, FluxWeightInit init) {
     assign_from(host);
     return;
   }
-  const std::vector<FluxTensorInit> torchtitan =
-      init == FluxWeightInit::Torchtitan ? flux_torchtitan_inits(config_) : std::vector<FluxTensorInit>{};
-  for (size_t i = 0; i < specs_.size(); ++i) {
-    const ParamSpec& s = specs_[i];
-    FluxTensorInit rule = torchtitan.empty() ? FluxTensorInit{FluxTensorInit::Kind::Normal, init_std_} : torchtitan[i];
-    if (torchtitan.empty() && s.shape.size() == 1) rule = {FluxTensorInit::Kind::Constant, s.zero_init ? 0.0 : 1.0};
-    float* p = tensors_[i].data<float>();
-    const int64_t n = tensors_[i].numel();
-    if (rule.kind == FluxTensorInit::Kind::Constant) {
-      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value);
-      continue;
-    }
-    uint64_t name_hash = 1469598103934665603ull;
-    for (char ch : s.name) name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 1099511628211ull;
-    Rng rng(derive_seed(seed, name_hash));
-    if (rule.kind == FluxTensorInit::Kind::Normal)
-      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * rng.normal());
-    else
-      for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * (2.0 * rng.uniform() - 1.0));
-  }
+  initialize_flux_tensors(config_, seed, init, init_std_, [&](size_t i, std::span<const float> values) {
+    std::copy(values.begin(), values.end(), tensors_[i].data<float>());
+  });
 }
 
 }  // namespace forge

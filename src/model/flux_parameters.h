@@ -37,6 +37,8 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <span>
 #include <string_view>
 #include <vector>
 
@@ -89,6 +91,15 @@ struct FluxTensorInit {
 // torchtitan's rule for each of flux_parameter_specs(config), in the same order.
 std::vector<FluxTensorInit> flux_torchtitan_inits(const FluxConfig& config);
 
+// NOTE [FLUX weight init]'s standard deviation of "normal".
+inline constexpr float kFluxInitStd = 0.02f;
+
+// NOTE [FLUX weight init], one tensor at a time: calls each(spec index, values) for every
+// parameter of flux_parameter_specs(config) in order with its initial fp32 values (one host
+// buffer, the largest tensor's, reused), exactly what FluxParameters::initialize writes.
+void initialize_flux_tensors(const FluxConfig& config, uint64_t seed, FluxWeightInit init, float init_std,
+                             const std::function<void(size_t, std::span<const float>)>& each);
+
 // Where the model gets each unit's weights, and where it puts their gradients (added to,
 // NOTE [Fresh gradient buffers] does not apply: a sink zeroes its buffers per step).
 // unit_done(i) says unit i's gradients of this micro-batch are complete.
@@ -104,12 +115,17 @@ class FluxGradSink {
   virtual void unit_done(int /*index*/) {}
 };
 
+// A unit's tensors, `specs` (the unit's, in flux_parameter_specs order) viewed by `tensors`,
+// as its projections and vectors (NOTE [FLUX units]): a 2-D spec is a projection's weight,
+// the 1-D ".bias" spec after it its bias, any other 1-D spec a vector.
+FluxUnitWeights flux_unit_weights(const std::vector<const ParamSpec*>& specs, const std::vector<Tensor>& tensors);
+
 // All parameters (or gradients) in one buffer, viewed per spec and per unit; the source and
 // sink of single-device training. fp32 on the CPU; fp32 or bf16 on CUDA.
 class FluxParameters : public FluxParamSource, public FluxGradSink {
  public:
   explicit FluxParameters(const FluxConfig& config, Device device = Device::CPU, DType dtype = DType::F32,
-                          float init_std = 0.02f);
+                          float init_std = kFluxInitStd);
 
   const FluxConfig& config() const { return config_; }
   const std::vector<ParamSpec>& specs() const { return specs_; }

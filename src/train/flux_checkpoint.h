@@ -27,14 +27,41 @@
 // data position: the checkpoint records it as both "step" and "data.position", and there
 // is nothing else to restore (the compute weights, bf16 on CUDA, are cast again from the
 // masters, as the optimizer casts them). A resumed run thus computes bit for bit what the
-// uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic.
+// uninterrupted one does, on the CPU; on CUDA as far as the kernels are deterministic. Under
+// FSDP (NOTE [FLUX FSDP checkpoints]) the same holds on the same ranks (every rank's
+// micro-batches are functions of (seed, step, micro-batch) too); resumed on another number
+// of ranks, the gradients' sums are taken in another order (fp32 rounding).
 // Changing training.seed, the batch size or accumulation, flux.resolution or the data
 // between the runs changes the data that follows, as it would for a language model.
+//
+// NOTE [FLUX FSDP checkpoints]
+// Under FSDP (NOTE [FLUX FSDP] in distributed/flux_fsdp.h) the checkpoint is the same
+// files: FSDP's segments are runs of the flat index space flux_parameter_specs lays end to
+// end, the checkpoint's. A save is the language models' parallel save (NOTE [Parallel
+// checkpoint saves]): rank 0 makes the temporary directory and the shard file, every rank
+// of the first replica streams its own segments of the master weights and AdamW's moments
+// into it at their flat offsets (no gather), the writers' CRC-32s are all-gathered, and
+// rank 0 writes the metadata and renames the directory into place; the ranks must share a
+// filesystem. With checkpoint.async_mode async each writer copies its segments into a
+// snapshot (spare GPU memory, else host memory, else it saves synchronously) and a thread
+// writes them while training goes on; the completion (whether every writer succeeded, the
+// CRC-32s, the metadata and rename, a barrier) runs on every rank at the next save or at the
+// end of the run, so the checkpoint appears on disk only then, as the language models' (NOTE
+// [Async checkpoints] in train/trainer_checkpoint.cpp). A resume has every rank check its share of the pieces' CRC-32s (the ranks agree
+// on the newest whole checkpoint) and read its own segments only, so a checkpoint saved on
+// N ranks, or on one device, resumes on M. Weights a run starts from come the same way: a
+// checkpoint's (checkpoint.initial_load_path) as each rank's segments, the seeded
+// initialization one tensor at a time (each rank draws every tensor, in a host buffer of the
+// largest one, and keeps its segments); only diffusers' or BFL's weights
+// (flux.initial_load_path) are read whole into host memory on every rank (4 bytes per
+// parameter) before each keeps its chunks.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -67,6 +94,21 @@ size_t read_flux_checkpoint(const Checkpoint& checkpoint, FluxParameters& master
                             FluxParameters* v, size_t buffer_bytes);
 
 struct CheckpointSaveJob;
+class DataParallelComm;
+class Fsdp;
+
+// Calls its argument with each parameter's initial values (initialize_flux_tensors).
+using FluxTensorInitializer = std::function<void(const std::function<void(size_t, std::span<const float>)>&)>;
+
+// A data-parallel rank's state (NOTE [FLUX FSDP checkpoints]): FSDP's master segments and
+// AdamW's moments over the same segments.
+struct FluxShardedState {
+  Fsdp* fsdp = nullptr;
+  const std::vector<Tensor>* m = nullptr;
+  const std::vector<Tensor>* v = nullptr;
+  int rank = 0;         // among every data-parallel rank
+  bool writer = false;  // a rank of the first replica: saves its segments
+};
 
 // A FLUX run's checkpoints, as the run's [checkpoint] section asks.
 class FluxCheckpoints {
@@ -80,11 +122,18 @@ class FluxCheckpoints {
   // flux.initial_load_path (diffusers or BFL weights), m and v left as they are (0). Returns
   // the number of steps done, where the run goes on.
   int64_t start(FluxParameters& master, FluxParameters& m, FluxParameters& v);
+  // The same for a data-parallel rank (NOTE [FLUX FSDP checkpoints]): a resume, or
+  // checkpoint.initial_load_path, reads its segments; flux.initial_load_path is read whole;
+  // otherwise `initialize` hands each tensor's seeded initial values in turn and the rank
+  // keeps its segments of them.
+  int64_t start(const FluxShardedState& state, const FluxTensorInitializer& initialize);
   // After step `steps_done`'s update: with checkpoint.enable, saves at multiples of
   // checkpoint.interval, the last step, and when `stopping`.
   void after_step(int64_t steps_done, bool stopping, const FluxParameters& master, const FluxParameters& m,
                   const FluxParameters& v);
-  // Completes an asynchronous save still in flight (at the end of the run).
+  void after_step(int64_t steps_done, bool stopping, const FluxShardedState& state);
+  // Completes an asynchronous save still in flight (at the end of the run; under FSDP on
+  // every rank: it runs collectives).
   void finish();
   // logging.run_dir expanded once, for the checkpoints and the export.
   const std::string& run_dir() const { return run_dir_; }
@@ -92,8 +141,14 @@ class FluxCheckpoints {
 
  private:
   void save(int64_t step, const FluxParameters& master, const FluxParameters& m, const FluxParameters& v);
-  std::optional<std::string> choose() const;
-  std::string damage(const std::string& dir) const;
+  void save(int64_t step, const FluxShardedState& state);
+  bool due(int64_t steps_done, bool stopping) const;
+  TrainingState training_state(int64_t step) const;
+  // NOTE [Choosing the checkpoint to resume]; with `comm`, rank `part` of `parts` checks its
+  // share of the CRC-32s and the ranks agree.
+  std::optional<std::string> choose(DataParallelComm* comm = nullptr, int part = 0, int parts = 1) const;
+  std::string damage(const std::string& dir, int part = 0, int parts = 1) const;
+  std::string initial_checkpoint_dir(const std::string& path) const;  // checkpoint.initial_load_path's step-<N>
   void load_initial_checkpoint(const std::string& path, FluxParameters& master) const;
   size_t buffer_bytes() const;
 
@@ -105,6 +160,11 @@ class FluxCheckpoints {
   // writer thread is joined before the snapshot goes.
   std::vector<std::unique_ptr<FluxParameters>> snapshot_;
   std::unique_ptr<CheckpointSaveJob> job_;
+  // NOTE [FLUX FSDP checkpoints]: a data-parallel rank's save whose completion (the ranks'
+  // collectives, rank 0's metadata and rename) waits for the next save or finish().
+  void finish_sharded();
+  std::unique_ptr<CheckpointSaveJob> sharded_job_;
+  FluxShardedState sharded_state_;
 };
 
 }  // namespace forge

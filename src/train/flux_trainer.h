@@ -1,5 +1,5 @@
 // FluxTrainer: rectified-flow training of a FLUX transformer (model/flux_transformer.h) on
-// one device.
+// one device, or sharded over data-parallel ranks (NOTE [FLUX FSDP] in distributed/flux_fsdp.h).
 //
 // NOTE [FLUX runs]
 // An experiment with flux.model set trains a FLUX transformer instead of a language model.
@@ -21,6 +21,14 @@
 // offset, NOTE [FLUX posterior latents] in ckpt/flux_latent_cache.h).
 // Checkpoints and resume: NOTE [FLUX checkpoints] and NOTE [Exact FLUX resume] in
 // train/flux_checkpoint.h.
+// Under a launcher with parallelism.data_parallel_shard_degree (and replicate degree) > 1,
+// the ranks shard the weights, gradients and AdamW state (NOTE [FLUX FSDP]) and split the
+// global batch: micro-batch a of rank r is micro-batch a R + r of the step (R ranks), what
+// one device with R times the accumulation reads, so the data stay a pure function of
+// (seed, step, micro-batch) and a run on R ranks computes the 1-rank run's losses up to
+// fp32 reordering. The loss is the mean over the global batch (summed over the ranks), the
+// gradient norm the global one (every rank's chunk), the step lines rank 0's, with images/s
+// per GPU.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +42,8 @@
 #include "train/training_observer.h"
 
 namespace forge {
+
+class ProcessGroup;
 
 // The transformer an experiment's flux section names (proxy block counts applied).
 FluxConfig flux_model_config(const FluxRunConfig& run);
@@ -71,13 +81,17 @@ struct FluxTrainResult {
 class FluxTrainer {
  public:
   // `resolved_yaml` goes into the checkpoints (NOTE [FLUX checkpoints] in train/flux_checkpoint.h).
-  explicit FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml = "");
+  // `world`: the process group of the launcher's ranks when the caller holds one (forge
+  // bench's); null: the trainer makes its own when several ranks were started.
+  explicit FluxTrainer(const ExperimentConfig& config, std::string resolved_yaml = "", ProcessGroup* world = nullptr);
   ~FluxTrainer();
   // Runs the steps from the one a resumed run starts at to training.steps; a line per
   // logging.log_interval steps when `log`.
   FluxTrainResult run(bool log = true);
   // Hears the step loop and may schedule evaluations and stop the run after one
   // (train/training_observer.h; forge mlperf flux1's logger). Samples are images. Not owned.
+  // Under data parallelism every rank has one, hearing the same steps, losses and
+  // validation losses (summed over the ranks), so their decisions agree.
   void set_observer(TrainingObserver* observer) { observer_ = observer; }
   // The training cache's images (0 with synthetic data).
   int64_t train_samples() const;
