@@ -81,8 +81,9 @@ void expect_micro_batch_matches_cpu(const ModelConfig& config, const LoraConfig&
     // A MoE model: tokens the GPU routes elsewhere than the CPU (near ties the routers are
     // built without, NOTE [Routers without near ties]) loosen the bounds, the router's most.
     const int64_t moved = config.moe() ? assignments_moved(model_cpu.expert_load(), model_gpu.expert_load()) : 0;
-    if (config.moe()) std::printf("%s, %s: %ld assignments routed differently\n", config.name.c_str(),
-                                  activation_checkpoint_name(mode), static_cast<long>(moved));
+    if (config.moe())
+      std::printf("%s, %s: %ld assignments routed differently\n", config.name.c_str(),
+                  std::string(activation_checkpoint_name(mode)).c_str(), static_cast<long>(moved));
     for (size_t i = 0; i < cpu.gradients().size(); ++i) {
       const bool router = cpu.master_names()[i].find(".moe.router") != std::string::npos;
       EXPECT_LT(relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]),
