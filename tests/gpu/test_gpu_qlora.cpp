@@ -80,6 +80,10 @@ void expect_micro_batch_matches_cpu(const ModelConfig& config, const LoraConfig&
     EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu) << activation_checkpoint_name(mode);
     // A MoE model: tokens the GPU routes elsewhere than the CPU (near ties the routers are
     // built without, NOTE [Routers without near ties]) loosen the bounds, the router's most.
+    // The CPU computes with the fp32 dequantized weights, the GPU with their bf16 rounding, so
+    // more tokens move than in LoRA's test: on the H200 (2026-12-03) 6 of 512 (Mixtral-shaped),
+    // 7 of 768 and 12 of 1,024 (DeepSeek V2, V3), giving the adapters up to 0.132 and V3's
+    // router adapters up to 0.596.
     const int64_t moved = config.moe() ? assignments_moved(model_cpu.expert_load(), model_gpu.expert_load()) : 0;
     if (config.moe())
       std::printf("%s, %s: %ld assignments routed differently\n", config.name.c_str(),
@@ -87,7 +91,7 @@ void expect_micro_batch_matches_cpu(const ModelConfig& config, const LoraConfig&
     for (size_t i = 0; i < cpu.gradients().size(); ++i) {
       const bool router = cpu.master_names()[i].find(".moe.router") != std::string::npos;
       EXPECT_LT(relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]),
-                moved == 0 ? 5e-2 : router ? 5e-1 : 1e-1)
+                moved == 0 ? 5e-2 : router ? 8e-1 : 2e-1)
           << cpu.master_names()[i] << ", " << activation_checkpoint_name(mode) << " (" << moved << " moved)";
     }
   }
