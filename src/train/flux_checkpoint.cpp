@@ -324,6 +324,13 @@ int64_t FluxCheckpoints::start(FluxParameters& master, FluxParameters& m, FluxPa
   const TrainingState& saved = ck.metadata.training;
   log_info("resuming from checkpoint '{}' at step {} (data position {}; peak host staging {:.1f} MiB; {:.2f} s)",
            *resume, saved.step, saved.data_position, static_cast<double>(staged) / 1048576.0, seconds_since(t0));
+  log_resume_notices(saved);
+  return saved.step;
+}
+
+// What a resumed run differs in from the run that saved: the seed, the schedule's length, or
+// nothing left to train.
+void FluxCheckpoints::log_resume_notices(const TrainingState& saved) const {
   if (saved.seed != config_.training.seed)
     log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data and noise differ from the "
              "saved run's",
@@ -334,7 +341,6 @@ int64_t FluxCheckpoints::start(FluxParameters& master, FluxParameters& m, FluxPa
   if (saved.step >= config_.training.steps)
     log_info("the checkpoint is at step {}, training.steps is {}: nothing to train", saved.step,
              config_.training.steps);
-  return saved.step;
 }
 
 bool FluxCheckpoints::due(int64_t steps_done, bool stopping) const {
@@ -428,16 +434,7 @@ int64_t FluxCheckpoints::start(const FluxShardedState& st, const FluxTensorIniti
              "peak host staging {:.1f} MiB; {:.2f} s)",
              *resume, saved.step, saved.data_position, ranks, static_cast<double>(reader.staging_bytes()) / 1048576.0,
              seconds_since(t0));
-    if (saved.seed != config_.training.seed)
-      log_warn("the checkpoint was saved with training.seed {}, this run has {}: the data and noise differ from the "
-               "saved run's",
-               saved.seed, config_.training.seed);
-    if (saved.lr_schedule_steps != config_.training.steps)
-      log_info("the LR schedule now spans training.steps = {} (the checkpoint's run had {})", config_.training.steps,
-               saved.lr_schedule_steps);
-    if (saved.step >= config_.training.steps)
-      log_info("the checkpoint is at step {}, training.steps is {}: nothing to train", saved.step,
-               config_.training.steps);
+    log_resume_notices(saved);
   }
   return saved.step;
 }

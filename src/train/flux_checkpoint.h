@@ -143,6 +143,7 @@ class FluxCheckpoints {
   void save(int64_t step, const FluxParameters& master, const FluxParameters& m, const FluxParameters& v);
   void save(int64_t step, const FluxShardedState& state);
   bool due(int64_t steps_done, bool stopping) const;
+  void log_resume_notices(const TrainingState& saved) const;
   TrainingState training_state(int64_t step) const;
   // NOTE [Choosing the checkpoint to resume]; with `comm`, rank `part` of `parts` checks its
   // share of the CRC-32s and the ranks agree.
