@@ -41,6 +41,29 @@ Nf4Weight quantize_projection(const ParamSpec& spec, const Tensor& values) {
   return w;
 }
 
+// NOTE [NF4 stored row order]: the weight's rows taken in stored_rows' order, quantized,
+// with row_order (each row's stored row) to gather them back at every dequantization.
+Nf4Weight quantize_in_stored_order(const ParamSpec& spec, const Tensor& values, std::span<const int64_t> stored_rows) {
+  const Shape matrix = nf4_matrix_shape(spec);
+  FORGE_CHECK(static_cast<int64_t>(stored_rows.size()) == matrix[0],
+              "Nf4FrozenBase::set: {} has {} rows, {} stored rows given", spec.name, matrix[0], stored_rows.size());
+  Tensor stored = Tensor::empty(matrix);
+  Tensor order = Tensor::empty({matrix[0]}, DType::I32);
+  std::vector<char> seen(static_cast<size_t>(matrix[0]), 0);
+  const float* from = values.data<float>();
+  for (int64_t r = 0; r < matrix[0]; ++r) {
+    const int64_t row = stored_rows[static_cast<size_t>(r)];
+    FORGE_CHECK(row >= 0 && row < matrix[0] && !seen[static_cast<size_t>(row)],
+                "Nf4FrozenBase::set: {}'s stored rows are not a permutation of its {} rows", spec.name, matrix[0]);
+    seen[static_cast<size_t>(row)] = 1;
+    std::copy_n(from + row * matrix[1], matrix[1], stored.data<float>() + r * matrix[1]);
+    order.data<int32_t>()[row] = static_cast<int32_t>(r);
+  }
+  Nf4Weight w = quantize_projection(spec, stored.view(spec.shape));
+  w.row_order = order;
+  return w;
+}
+
 }  // namespace
 
 size_t Nf4Base::nbytes() const {
@@ -230,30 +253,8 @@ void Nf4FrozenBase::set(size_t spec, const Tensor& values, std::span<const int64
               "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
               shape_str(s.shape), dtype_name(values.dtype()), shape_str(values.shape()), device_name(values.device()));
   if (is_quantized_base_weight(s)) {
-    if (stored_rows.empty()) {
-      Nf4Weight w = quantize_projection(s, values);
-      codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
-    } else {
-      // NOTE [NF4 stored row order]: quantized in the stored order, gathered back per use.
-      const Shape matrix = nf4_matrix_shape(s);
-      FORGE_CHECK(static_cast<int64_t>(stored_rows.size()) == matrix[0],
-                  "Nf4FrozenBase::set: {} has {} rows, {} stored rows given", s.name, matrix[0], stored_rows.size());
-      Tensor stored = Tensor::empty(matrix);
-      Tensor order = Tensor::empty({matrix[0]}, DType::I32);
-      std::vector<char> seen(static_cast<size_t>(matrix[0]), 0);
-      const float* from = values.data<float>();
-      for (int64_t r = 0; r < matrix[0]; ++r) {
-        const int64_t row = stored_rows[static_cast<size_t>(r)];
-        FORGE_CHECK(row >= 0 && row < matrix[0] && !seen[static_cast<size_t>(row)],
-                    "Nf4FrozenBase::set: {}'s stored rows are not a permutation of its {} rows", s.name, matrix[0]);
-        seen[static_cast<size_t>(row)] = 1;
-        std::copy_n(from + row * matrix[1], matrix[1], stored.data<float>() + r * matrix[1]);
-        order.data<int32_t>()[row] = static_cast<int32_t>(r);
-      }
-      Nf4Weight w = quantize_projection(s, stored.view(s.shape));
-      w.row_order = order;
-      codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
-    }
+    Nf4Weight w = stored_rows.empty() ? quantize_projection(s, values) : quantize_in_stored_order(s, values, stored_rows);
+    codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
   } else {
     cast(rest_->view(spec), device_ == Device::CPU ? values : values.to(device_));
   }
