@@ -2,10 +2,11 @@
 // (checkpoint.initial_load_in_hf) and exporting the final weights as one
 // (checkpoint.last_save_in_hf, into <run_dir>/hf, in checkpoint.export_dtype). The ckpt layer reads and writes fp32
 // weights in host memory; on CUDA the master weights pass through a host copy. Under tensor
-// parallelism each rank reads only its shards of the imported tensors, and the export
-// gathers the shards into whole tensors first: the same files as one rank's. Under pipeline
-// parallelism each rank reads only its stages' tensors, and every rank writes its own
-// values into the export's files (NOTE [Export in pieces]).
+// parallelism each rank reads only its shards of the imported tensors, under pipeline
+// parallelism only its stages' tensors. Under pipeline, tensor or data parallelism every rank
+// writes its own values into the export's files (NOTE [Export in pieces]), except LoRA's
+// merged export and expert parallelism's, which are gathered to rank 0: the same files as
+// one rank's either way.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/hf_layout.h"
