@@ -1,6 +1,7 @@
 // FLUX weights in diffusers' and BFL's layouts; see flux_weights.h.
 #include "ckpt/flux_weights.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -175,10 +176,8 @@ FluxWeightLayout flux_weight_layout_of(const std::string& path) {
   return FluxWeightLayout::Bfl;
 }
 
-void load_flux_weights(const std::string& path, FluxParameters& params) {
-  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
-              "load_flux_weights: the parameters must be fp32 on the CPU");
-  const FluxConfig& c = params.config();
+void read_flux_weights(const std::string& path, const FluxConfig& c, const std::vector<ParamSpec>& specs,
+                       const std::function<void(size_t, std::span<const float>)>& take) {
   const FluxWeightLayout layout = flux_weight_layout_of(path);
   std::unique_ptr<HfWeightFiles> folder;
   std::unique_ptr<SafetensorsFile> single;
@@ -195,8 +194,8 @@ void load_flux_weights(const std::string& path, FluxParameters& params) {
     const SafetensorsEntry* e = single->find(name);
     return {e ? single.get() : nullptr, e};
   };
-  const std::vector<FilePiece> pieces = file_pieces(c, params.specs(), layout);
-  const std::map<std::string, Shape> shapes = file_shapes(pieces, params.specs());
+  const std::vector<FilePiece> pieces = file_pieces(c, specs, layout);
+  const std::map<std::string, Shape> shapes = file_shapes(pieces, specs);
   for (const auto& [name, shape] : shapes) {
     const LocatedTensor t = find(name);
     if (!t.file)
@@ -215,12 +214,34 @@ void load_flux_weights(const std::string& path, FluxParameters& params) {
       FORGE_FAIL("{}: tensor '{}' has no place in the {} model ({} double and {} single blocks): another "
                  "architecture's weights?",
                  t.file->path(), t.entry->name, c.name, c.num_double_blocks, c.num_single_blocks);
-  for (const FilePiece& p : pieces) {
-    const LocatedTensor t = find(p.name);
-    const Tensor& dst = params.tensors()[p.param];
-    const int64_t row = dst.numel() / dst.dim(0);
-    t.file->read_as_float(*t.entry, dst.data<float>() + p.param_row * row, p.file_row * row, p.rows * row);
+  // One host buffer of the largest parameter; a parameter's pieces are consecutive in
+  // `pieces` (file_pieces walks the parameters in order).
+  int64_t largest = 0;
+  for (const ParamSpec& spec : specs) largest = std::max(largest, shape_numel(spec.shape));
+  std::vector<float> buffer(static_cast<size_t>(largest));
+  for (size_t at = 0; at < pieces.size();) {
+    const size_t param = pieces[at].param;
+    const int64_t numel = shape_numel(specs[param].shape);
+    const int64_t row = numel / specs[param].shape[0];
+    int64_t rows = 0;
+    for (; at < pieces.size() && pieces[at].param == param; ++at) {
+      const FilePiece& p = pieces[at];
+      rows += p.rows;
+      const LocatedTensor t = find(p.name);
+      t.file->read_as_float(*t.entry, buffer.data() + p.param_row * row, p.file_row * row, p.rows * row);
+    }
+    FORGE_CHECK(rows == specs[param].shape[0], "FLUX parameter '{}': the file's pieces give {} of its {} rows",
+                specs[param].name, rows, specs[param].shape[0]);
+    take(param, std::span<const float>(buffer.data(), static_cast<size_t>(numel)));
   }
+}
+
+void load_flux_weights(const std::string& path, FluxParameters& params) {
+  FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
+              "load_flux_weights: the parameters must be fp32 on the CPU");
+  read_flux_weights(path, params.config(), params.specs(), [&](size_t param, std::span<const float> values) {
+    std::copy(values.begin(), values.end(), params.tensors()[param].data<float>());
+  });
 }
 
 void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,

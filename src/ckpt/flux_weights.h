@@ -17,7 +17,10 @@
 // A diffusers folder's config.json must agree with the model too.
 #pragma once
 
+#include <functional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "ckpt/safetensors.h"
 #include "model/flux_parameters.h"
@@ -32,6 +35,13 @@ FluxWeightLayout flux_weight_layout_of(const std::string& path);
 
 // Reads every parameter into `params` (fp32 on the CPU).
 void load_flux_weights(const std::string& path, FluxParameters& params);
+
+// The same reads and checks, a parameter at a time: `take` is handed each of `specs` (the
+// model's flux_parameter_specs, in order) as its fp32 values, in a host buffer of the
+// largest one that the next call reuses. FSDP ranks keep their segments of each, so no rank
+// holds the whole model (NOTE [FLUX FSDP checkpoints] in train/flux_checkpoint.h).
+void read_flux_weights(const std::string& path, const FluxConfig& config, const std::vector<ParamSpec>& specs,
+                       const std::function<void(size_t, std::span<const float>)>& take);
 
 // Writes `params` (fp32 on the CPU) stored as `stored` (F32, BF16 or F16): a diffusers folder
 // (diffusion_pytorch_model.safetensors and config.json) or a BFL single file, atomically.

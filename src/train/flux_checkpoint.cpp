@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "distributed/fsdp.h"
+#include "ops/elementwise.h"
 #include "train/checkpoint_save_job.h"
 #include "train/run_dir.h"
 
@@ -306,10 +307,13 @@ int64_t FluxCheckpoints::start(FluxParameters& master, FluxParameters& m, FluxPa
   if (!resume) {
     if (!c.initial_load_path.empty()) {
       load_initial_checkpoint(c.initial_load_path, master);
-    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]
-      FluxParameters host(model_);
-      load_flux_weights(config_.flux.initial_load_path, host);
-      master.assign_from(host);
+    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files], a tensor at a time
+      read_flux_weights(config_.flux.initial_load_path, model_, master.specs(),
+                        [&](size_t spec, std::span<const float> values) {
+                          const Tensor& dst = master.tensors()[spec];
+                          const Tensor src = Tensor::wrap(const_cast<float*>(values.data()), dst.shape(), DType::F32);
+                          cast(dst, dst.device() == Device::CPU ? src : src.to(dst.device()));
+                        });
       log_info("FLUX weights from {}", config_.flux.initial_load_path);
     }
     return 0;
@@ -399,11 +403,15 @@ int64_t FluxCheckpoints::start(const FluxShardedState& st, const FluxTensorIniti
         log_info("initial FLUX weights from checkpoint '{}' (checkpoint.initial_load_path; saved at step {}; each "
                  "rank read its own segments); the optimizer starts fresh at step 0",
                  dir, ck.metadata.training.step);
-    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files]: read whole
-      FluxParameters host(model_);
-      load_flux_weights(config_.flux.initial_load_path, host);
-      for (size_t i = 0; i < host.tensors().size(); ++i) fsdp.set_parameter(i, host.tensors()[i]);
-      if (st.rank == 0) log_info("FLUX weights from {}", config_.flux.initial_load_path);
+    } else if (!config_.flux.initial_load_path.empty()) {  // NOTE [FLUX weight files], a tensor at a time
+      read_flux_weights(config_.flux.initial_load_path, model_, flux_parameter_specs(model_),
+                        [&](size_t spec, std::span<const float> values) {
+                          fsdp.set_parameter(spec, Tensor::wrap(const_cast<float*>(values.data()),
+                                                                {static_cast<int64_t>(values.size())}, DType::F32));
+                        });
+      if (st.rank == 0)
+        log_info("FLUX weights from {} (read a tensor at a time; each rank kept its segments)",
+                 config_.flux.initial_load_path);
     } else {
       initialize([&](size_t spec, std::span<const float> values) {
         fsdp.set_parameter(spec, Tensor::wrap(const_cast<float*>(values.data()),

@@ -52,9 +52,9 @@
 // N ranks, or on one device, resumes on M. Weights a run starts from come the same way: a
 // checkpoint's (checkpoint.initial_load_path) as each rank's segments, the seeded
 // initialization one tensor at a time (each rank draws every tensor, in a host buffer of the
-// largest one, and keeps its segments); only diffusers' or BFL's weights
-// (flux.initial_load_path) are read whole into host memory on every rank (4 bytes per
-// parameter) before each keeps its chunks.
+// largest one, and keeps its segments), and diffusers' or BFL's weights
+// (flux.initial_load_path) alike, a tensor at a time through one host buffer of the largest
+// (read_flux_weights in ckpt/flux_weights.h): no rank holds the whole model in host memory.
 #pragma once
 
 #include <cstdint>
@@ -123,7 +123,7 @@ class FluxCheckpoints {
   // the number of steps done, where the run goes on.
   int64_t start(FluxParameters& master, FluxParameters& m, FluxParameters& v);
   // The same for a data-parallel rank (NOTE [FLUX FSDP checkpoints]): a resume, or
-  // checkpoint.initial_load_path, reads its segments; flux.initial_load_path is read whole;
+  // checkpoint.initial_load_path, reads its segments; flux.initial_load_path a tensor at a time;
   // otherwise `initialize` hands each tensor's seeded initial values in turn and the rank
   // keeps its segments of them.
   int64_t start(const FluxShardedState& state, const FluxTensorInitializer& initialize);

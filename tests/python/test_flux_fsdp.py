@@ -4,7 +4,8 @@ latent sizes, the same global batch on 1 rank (accumulation 4), 2 ranks (ZeRO-1,
 bf16 reduction) and 4 ranks (2 shard ranks x 2 replicas): the losses of every step and the
 validation losses within fp32 rounding of the 1-rank run, and the master weights and AdamW
 moments after the last step too (read from the checkpoints both runs save), and the diffusers
-export gathered onto rank 0; so does a run starting from a checkpoint's weights. A run stopped and
+export gathered onto rank 0; so does a run starting from a checkpoint's weights, and one starting
+from the diffusers export re-exports it bit for bit. A run stopped and
 resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte, asynchronous
 saves and a small buffer change no byte; a checkpoint
 saved on 2 ranks resumes on 1 and on 4. forge info counts what each rank holds. The refusals: another parallelism, degrees that do
@@ -212,6 +213,16 @@ class FluxFsdp(unittest.TestCase):
         for name, values in exported[1].items():
             self.assertLess(float(np.abs(exported[2][name] - values).max()), 1e-5 * max(1.0, float(np.abs(values).max())),
                             name)
+        # Starting 2 ranks from the 1-rank export (flux.initial_load_path, read a tensor at a
+        # time, each rank keeping its segments) with lr 0 exports the same bits again.
+        run_dir = self.run_dir("from-diffusers")
+        _, out = train(run_dir, 2, *export, "--flux.initial_load_path", os.path.join(self.root, "export-1", "diffusers"),
+                       "--optimizer.lr", "0", "--checkpoint.enable", "false", steps=1, data=self.data)
+        self.assertIn("each rank kept its segments", out)
+        again = load_file(os.path.join(run_dir, "diffusers", "diffusion_pytorch_model.safetensors"))
+        self.assertEqual(again.keys(), exported[1].keys())
+        for name, values in exported[1].items():
+            self.assertTrue(np.array_equal(again[name], values), name)
 
     def test_info_counts_what_each_rank_holds(self):
         result = subprocess.run([forge_bin(), "info", "flux1-dev", "--parallelism.data_parallel_shard_degree", "8"],
