@@ -25,10 +25,10 @@ constexpr const char* kWeightsFile = "adapter_model.safetensors";
 
 json adapter_config(const LoraAdapters& adapters, const std::string& base_model) {
   const LoraConfig& lora = adapters.lora_config();
-  std::set<std::string> modules;
+  std::set<std::string> modules, parameters;
   for (const LoraTarget& t : adapters.targets())
-    for (const LoraPart& p : t.parts) modules.insert(p.module);
-  return json{{"peft_type", "LORA"},
+    for (const LoraPart& p : t.parts) (t.experts > 0 ? parameters : modules).insert(p.module);
+  json j{{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
               {"base_model_name_or_path", base_model.empty() ? json(nullptr) : json(base_model)},
               {"r", lora.rank},
@@ -46,11 +46,28 @@ json adapter_config(const LoraAdapters& adapters, const std::string& base_model)
               {"use_rslora", false},
               {"use_dora", false},
               {"library_name", "forge"}};
+  // NOTE [LoRA on routed experts]: PEFT adapts the experts' stacks as parameters, matching
+  // these names as suffixes of mlp.experts.gate_up_proj / down_proj.
+  if (!parameters.empty()) j["target_parameters"] = std::vector<std::string>(parameters.begin(), parameters.end());
+  return j;
 }
 
 // PEFT 0.21 on transformers 5 writes what it adapts as a parameter in target_parameters:
 // the router (a MoE block's gate.weight: forge's module 'gate', NOTE [LoRA on MoE and MLA
-// models] in model/lora.h), or the routed experts' stacks, which forge does not adapt.
+// models] in model/lora.h) and the routed experts' stacks (gate_up_proj and down_proj, or
+// with their module path, e.g. mlp.experts.gate_up_proj: forge's experts.gate_up_proj and
+// experts.down_proj, NOTE [LoRA on routed experts] in ops/lora_experts.h). PEFT matches each
+// name as the parameter's full name or a suffix of it after a dot.
+std::string parameter_module(const std::string& name) {
+  const auto is = [&](const std::string& parameter) { return name == parameter || name.ends_with("." + parameter); };
+  if (is("gate.weight")) return kLoraRouterModule;
+  for (const std::string& m : kLoraExpertModules) {
+    const std::string stack = m.substr(m.find('.') + 1);  // gate_up_proj, down_proj
+    if (name == stack || is(m)) return m;
+  }
+  return "";
+}
+
 void add_target_parameters(const json& j, const std::string& path, std::vector<std::string>& found) {
   const json parameters = j.value("target_parameters", json());
   if (parameters.is_null()) return;
@@ -58,11 +75,13 @@ void add_target_parameters(const json& j, const std::string& path, std::vector<s
     FORGE_FAIL("{}: target_parameters is {}, expected a list of parameter names", path, parameters.dump());
   for (const json& t : parameters) {
     const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
-    if (name != "gate.weight" && !name.ends_with(".gate.weight"))
+    const std::string module = parameter_module(name);
+    if (module.empty())
       FORGE_FAIL("{}: target_parameters names '{}': forge adapts no parameter but a Mixture-of-Experts router's "
-                 "(gate.weight); the routed experts' stacked weights take no adapter in forge",
+                 "(gate.weight) and routed experts' stacks (gate_up_proj, down_proj, as experts.gate_up_proj, "
+                 "experts.down_proj or with their module path)",
                  path, name);
-    if (std::find(found.begin(), found.end(), kLoraRouterModule) == found.end()) found.push_back(kLoraRouterModule);
+    if (std::find(found.begin(), found.end(), module) == found.end()) found.push_back(module);
   }
 }
 
@@ -95,11 +114,11 @@ void check_adapter_config(const json& j, const std::string& path, const LoraAdap
   if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || j["lora_alpha"].get<double>() != lora.alpha)
     fail(fmt::format("lora_alpha is {}, but lora.alpha is {}: set lora.alpha to the adapter's",
                      j.contains("lora_alpha") ? j["lora_alpha"].dump() : "missing", lora.alpha));
-  std::vector<std::string> expected = lora_target_modules(lora.target_modules);
+  std::vector<std::string> expected = lora_modules_for_model(adapters.config(), lora.target_modules);
   std::vector<std::string> found;
   const json targets = j.value("target_modules", json());
   if (targets.is_string() && targets.get<std::string>() == "all-linear") {
-    found = kLoraModules;
+    found = lora_modules_for_model(adapters.config(), "all-linear");
   } else if (targets.is_array()) {
     for (const json& t : targets) {
       if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
@@ -184,7 +203,10 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
         expected.insert(name);
         if (!entry) FORGE_FAIL("{}: no tensor '{}' (the adapter does not match the model or lora.target_modules)",
                                weights_path, name);
-        const Shape shape = m == 'a' ? Shape{r, targets[k].in} : Shape{part.row_end - part.row_begin, r};
+        const int64_t experts = targets[k].experts;  // NOTE [LoRA on routed experts]: A [E r, in], B [out, r E]
+        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * r, targets[k].in} : Shape{targets[k].out, r * experts})
+                            : m == 'a'  ? Shape{r, targets[k].in}
+                                        : Shape{part.row_end - part.row_begin, r};
         if (entry->shape != shape)
           FORGE_FAIL("{}: tensor '{}' is {}, expected {} (lora.rank {} and the model's dimensions)", weights_path, name,
                      shape_str(entry->shape), shape_str(shape), r);
