@@ -137,12 +137,13 @@ void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, con
     if (named(m) && !config.moe())
       FORGE_FAIL("{} names the routed experts' '{}', and this model has none (model.num_experts 0)", key, m);
   if ((router || experts) && lora.dropout > 0.0)
-    FORGE_FAIL("{} adapts {} with {}: PEFT adapts {} as parameters (target_parameters, its ParamWrapper), which take "
-               "no dropout; set lora.dropout 0{}",
+    FORGE_FAIL("{} adapts {} with {}: PEFT adapts {} (target_parameters, its ParamWrapper), which {} no dropout; "
+               "set lora.dropout 0{}",
                key, all_linear ? "the router and the routed experts" : experts ? "the routed experts" : "the router",
-               keys.describe("lora.dropout", lora.dropout), experts ? "them" : "it",
+               keys.describe("lora.dropout", lora.dropout), experts ? "them as parameters" : "it as a parameter",
+               experts ? "take" : "takes",
                all_linear ? ", or name the modules instead of all-linear, leaving out gate and experts.*"
-                          : " or leave them out of the list");
+                          : " or leave them out of lora.target_modules");
 }
 
 // NOTE [LoRA FLOPs]: the frozen weights are the active ones (a MoE token runs only its

@@ -73,7 +73,7 @@ TEST(ModelLoraMoe, ConfigRulesNameTheKey) {
   expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"},
                                             {"lora.dropout", "0.05"}}); },
                {"lora.target_modules = all-linear (command line) adapts the router and the routed experts with "
-                "lora.dropout = 0.05 (command line)", "take no dropout", "leaving out gate and experts.*"});
+                "lora.dropout = 0.05 (command line)", "which take no dropout", "leaving out gate and experts.*"});
   expect_error([] { load("debug-tiny-mla", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,experts.gate_up_proj"},
                                             {"lora.dropout", "0.1"}}); },
                {"adapts the routed experts with lora.dropout = 0.1 (command line)"});
@@ -176,22 +176,24 @@ TEST(ModelLoraMoe, ExpertTargetsArePeftsParamWrappers) {
 
   LoraAdapters adapters(moe, lora("experts.gate_up_proj,experts.down_proj,q_proj", 2), Device::CPU, 8);
   randomize(adapters, 4);
-  EXPECT_EQ(adapters.masters()[0].shape(), (Shape{e * 2, h}));      // gate_up's A
-  EXPECT_EQ(adapters.masters()[1].shape(), (Shape{e * 2 * f, 2}));  // gate_up's B, expert-major
+  ASSERT_EQ(adapters.targets()[1].name, "layers.0.moe.experts.gate_up");  // after layer 0's qkv
+  EXPECT_EQ(adapters.masters()[2].shape(), (Shape{e * 2, h}));      // gate_up's A
+  EXPECT_EQ(adapters.masters()[3].shape(), (Shape{e * 2 * f, 2}));  // gate_up's B, expert-major
   EXPECT_EQ(adapters.trainable_params(),
             lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj,q_proj", 2), 8).trainable);
   EXPECT_EQ(LoraAdapters(moe, lora("experts.gate_up_proj,experts.down_proj", 2), Device::CPU, 8).trainable_params(),
             moe.num_layers * e * 2 * ((h + 2 * f) + (f + h)));
   // PEFT's B [out, r E]: column c E + e is expert e's B column c.
-  const Tensor peft_b = adapters.part_matrix(0, 0, 'b');
+  const Tensor peft_b = adapters.part_matrix(1, 0, 'b');
   ASSERT_EQ(peft_b.shape(), (Shape{2 * f, 2 * e}));
-  const Tensor& forge_b = adapters.masters()[1];
+  const Tensor forge_b = adapters.masters()[3].clone();
   for (int64_t x = 0; x < e; ++x)
     for (int64_t o = 0; o < 2 * f; ++o)
       for (int64_t c = 0; c < 2; ++c)
         ASSERT_EQ(peft_b.data<float>()[o * 2 * e + c * e + x], forge_b.data<float>()[(x * 2 * f + o) * 2 + c]);
-  adapters.set_part_matrix(0, 0, 'b', peft_b);
-  EXPECT_TRUE(testing::bitwise_equal(adapters.masters()[1].clone(), forge_b.clone()));
+  adapters.masters()[3].fill_zero();
+  adapters.set_part_matrix(1, 0, 'b', peft_b);
+  EXPECT_TRUE(testing::bitwise_equal(adapters.masters()[3], forge_b));
 
   // all-linear: on DeepSeek's shape without the dense block's and shared experts' SwiGLU.
   const ModelConfig mla = load("debug-tiny-mla").model;

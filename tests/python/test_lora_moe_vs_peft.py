@@ -337,7 +337,7 @@ class LoraMoeExpertParallel(unittest.TestCase):
                 "--activation_checkpoint.mode", checkpoint, "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(4 // ranks), "--training.seq_len", "32",
                 "--training.steps", "5", "--eval.interval", "0", "--lr_scheduler.warmup_steps", "1",
-                "--lr_scheduler.decay_steps", "4", "--logging.run_dir", run_dir]
+                "--lr_scheduler.decay_steps", "4", "--logging.run_dir", run_dir, "--checkpoint.last_save_in_hf", "true"]
         if ranks > 1:
             args += ["--parallelism.data_parallel_shard_degree", str(ranks),
                      "--parallelism.expert_parallel_degree", str(ranks)]
@@ -359,6 +359,16 @@ class LoraMoeExpertParallel(unittest.TestCase):
                 self.assertTrue(any(".mlp.experts." in n for n in theirs), "no routed experts' adapters")
                 for name, t in theirs.items():
                     self.assertLess(relative_error(mine[name].numpy(), t.numpy()), 1e-4, name)
+                # The merged export: the base's expert stacks gathered from their ranks, the adapters folded in.
+                merged = {}
+                for run_dir in (one, two):
+                    merged[run_dir] = {}
+                    for f in os.listdir(os.path.join(run_dir, "hf")):
+                        if f.endswith(".safetensors"):
+                            merged[run_dir].update(load_file(os.path.join(run_dir, "hf", f)))
+                self.assertEqual(sorted(merged[two]), sorted(merged[one]))
+                for name, t in merged[one].items():
+                    self.assertLess(relative_error(merged[two][name].numpy(), t.numpy()), 1e-4, name)
 
 
 if __name__ == "__main__":
