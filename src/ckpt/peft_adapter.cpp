@@ -23,6 +23,21 @@ namespace {
 constexpr const char* kConfigFile = "adapter_config.json";
 constexpr const char* kWeightsFile = "adapter_model.safetensors";
 
+// PEFT's rank_pattern and alpha_pattern of these adapters: {".*\\.gate_up_proj": 2 r} and
+// {...: 2 alpha} where the experts' gate_up_proj takes a doubled rank (all-linear on a MoE
+// model, LoraTarget::rank_multiple), else empty.
+std::pair<json, json> rank_and_alpha_patterns(const LoraAdapters& adapters) {
+  const LoraConfig& lora = adapters.lora_config();
+  json ranks = json::object(), alphas = json::object();
+  for (const LoraTarget& t : adapters.targets())
+    if (t.rank_multiple != 1) {
+      const std::string pattern = ".*\\." + t.parts.front().module.substr(t.parts.front().module.find('.') + 1);
+      ranks[pattern] = lora.rank * t.rank_multiple;
+      alphas[pattern] = lora.alpha * static_cast<double>(t.rank_multiple);
+    }
+  return {ranks, alphas};
+}
+
 json adapter_config(const LoraAdapters& adapters, const std::string& base_model) {
   const LoraConfig& lora = adapters.lora_config();
   std::set<std::string> modules, parameters;
@@ -41,8 +56,8 @@ json adapter_config(const LoraAdapters& adapters, const std::string& base_model)
               {"init_lora_weights", true},
               {"modules_to_save", nullptr},
               {"layers_to_transform", nullptr},
-              {"rank_pattern", json::object()},
-              {"alpha_pattern", json::object()},
+              {"rank_pattern", rank_and_alpha_patterns(adapters).first},
+              {"alpha_pattern", rank_and_alpha_patterns(adapters).second},
               {"use_rslora", false},
               {"use_dora", false},
               {"library_name", "forge"}};
@@ -147,8 +162,20 @@ void check_adapter_config(const json& j, const std::string& path, const LoraAdap
   require("use_rslora", false);
   require("fan_in_fan_out", false);
   require("bias", "none");
-  require("rank_pattern", json::object());
-  require("alpha_pattern", json::object());
+  // all-linear on a MoE model: the experts' gate_up_proj at twice the rank and alpha, as PEFT.
+  const auto [ranks, alphas] = rank_and_alpha_patterns(adapters);
+  for (const auto& [key, plain] : {std::pair{"rank_pattern", ranks}, std::pair{"alpha_pattern", alphas}}) {
+    const json found = j.contains(key) && !j[key].is_null() ? j[key] : json::object();
+    bool same = found.is_object() && found.size() == plain.size();
+    for (auto it = plain.begin(); same && it != plain.end(); ++it)
+      same = found.contains(it.key()) && found[it.key()].is_number() &&
+             found[it.key()].get<double>() == it.value().get<double>();
+    if (!same)
+      fail(fmt::format("{} is {}, expected {} for lora.rank {}, lora.alpha {} and lora.target_modules '{}' (forge "
+                       "trains plain LoRA adapters; all-linear on a Mixture-of-Experts model doubles the rank and "
+                       "alpha of the experts' gate_up_proj, as PEFT 0.21 does)",
+                       key, found.dump(), plain.dump(), lora.rank, lora.alpha, lora.target_modules));
+  }
   require("layers_to_transform", nullptr);
   require("modules_to_save", nullptr);
 }
@@ -204,7 +231,8 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
         if (!entry) FORGE_FAIL("{}: no tensor '{}' (the adapter does not match the model or lora.target_modules)",
                                weights_path, name);
         const int64_t experts = targets[k].experts;  // NOTE [LoRA on routed experts]: A [E r, in], B [out, r E]
-        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * r, targets[k].in} : Shape{targets[k].out, r * experts})
+        const int64_t rt = r * targets[k].rank_multiple;
+        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * rt, targets[k].in} : Shape{targets[k].out, rt * experts})
                             : m == 'a'  ? Shape{r, targets[k].in}
                                         : Shape{part.row_end - part.row_begin, r};
         if (entry->shape != shape)
@@ -271,6 +299,14 @@ LoraConfig read_peft_adapter_settings(const std::string& dir) {
     for (const std::string& m : kLoraModuleNames)
       if (names.count(m)) ordered.push_back(m);
     lora.target_modules = fmt::format("{}", fmt::join(ordered, ","));
+    // PEFT 0.21's all-linear on a MoE model writes its modules out and doubles the experts'
+    // gate_up_proj rank (rank_pattern): forge's all-linear, which load_peft_adapter then
+    // checks module by module against the model.
+    const json ranks = j.value("rank_pattern", json());
+    const std::string doubled = ".*\\.gate_up_proj";
+    if (names.count(kLoraExpertModules[0]) && ranks.is_object() && ranks.size() == 1 && ranks.contains(doubled) &&
+        ranks[doubled].is_number_integer() && ranks[doubled].get<int64_t>() == 2 * lora.rank)
+      lora.target_modules = "all-linear";
   } else {
     fail(fmt::format("target_modules is {}, expected a non-empty list of module names or \"all-linear\"",
                      targets.dump()));

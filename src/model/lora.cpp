@@ -106,6 +106,18 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
   return targets;
 }
 
+// NOTE [LoRA on routed experts]: PEFT 0.21's all-linear on transformers 5 converts the v4
+// experts' w1 and w3 (gate_proj and up_proj), two rank-r adapters, into one on the fused
+// gate_up_proj stack of rank 2 r and alpha 2 alpha (its rank_pattern and alpha_pattern).
+std::vector<LoraTarget> lora_targets(const ModelConfig& config, const LoraConfig& lora) {
+  const std::vector<std::string> modules = lora_modules_for_model(config, lora.target_modules);
+  std::vector<LoraTarget> targets = lora_targets(config, modules);
+  if (config.moe() && lora_target_modules(lora.target_modules) == kLoraModules)
+    for (LoraTarget& t : targets)
+      if (t.experts > 0 && t.parts.front().module == kLoraExpertModules[0]) t.rank_multiple = 2;
+  return targets;
+}
+
 std::vector<std::string> lora_model_modules(const ModelConfig& config) {
   std::vector<std::string> present;
   for (const LoraTarget& t : lora_targets(config, kLoraModuleNames))
@@ -161,9 +173,9 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
   LoraSizes sizes;
   int64_t widest_low_rank = 0, widest_in = 0;
   bool experts = false;
-  for (const LoraTarget& t : lora_targets(config, lora_modules_for_model(config, lora.target_modules))) {
+  for (const LoraTarget& t : lora_targets(config, lora)) {
     if (t.experts > 0) {  // NOTE [LoRA on routed experts]: every expert's A and B
-      const int64_t values = t.experts * lora.rank * (t.in + t.out);
+      const int64_t values = t.experts * lora.rank * t.rank_multiple * (t.in + t.out);
       sizes.stored += values;
       sizes.trainable += values;
       sizes.active_trainable += static_cast<double>(values) * static_cast<double>(config.num_experts_per_tok) /
@@ -181,7 +193,7 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
     widest_in = std::max(widest_in, t.in);
   }
   sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0) +
-                    (experts ? 2 * lora.rank * expert_adapter_rows(config, tokens) : 0);
+                    (experts ? 2 * 2 * lora.rank * expert_adapter_rows(config, tokens) : 0);
   return sizes;
 }
 
@@ -195,13 +207,13 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   lora_.validate();
   FORGE_CHECK(lora_.enabled(), "LoRA adapters with lora.rank 0");
   check_lora_for_model(config_, lora_);
-  targets_ = lora_targets(config_, lora_modules_for_model(config_, lora_.target_modules));
+  targets_ = lora_targets(config_, lora_);
   FORGE_CHECK(!targets_.empty(), "lora.target_modules '{}' adapts no projection of the model", lora_.target_modules);
   const int64_t r = lora_.rank;
   int64_t total = 0, widest_low_rank = 0, widest_in = 0;
   bool experts = false;
   for (const LoraTarget& t : targets_) {
-    const int64_t low = r * (t.experts > 0 ? t.experts : static_cast<int64_t>(t.parts.size()));
+    const int64_t low = r * t.rank_multiple * (t.experts > 0 ? t.experts : static_cast<int64_t>(t.parts.size()));
     total += aligned(low * t.in) + aligned(low * t.out);
     experts = experts || t.experts > 0;
     if (t.experts > 0) continue;
@@ -217,8 +229,8 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   if (lora_.dropout > 0.0) workspace_.wide = Tensor::zeros({widest_in * tokens}, compute, device);
   if (experts) {  // NOTE [LoRA on routed experts]
     expert_rows_ = expert_adapter_rows(config_, tokens);
-    expert_workspace_.low_rank = Tensor::zeros({r * expert_rows_}, compute, device);
-    expert_workspace_.low_rank_grad = Tensor::zeros({r * expert_rows_}, compute, device);
+    expert_workspace_.low_rank = Tensor::zeros({2 * r * expert_rows_}, compute, device);  // 2: rank_multiple
+    expert_workspace_.low_rank_grad = Tensor::zeros({2 * r * expert_rows_}, compute, device);
   }
 
   target_of_.assign(static_cast<size_t>(config_.num_layers), {});
@@ -231,7 +243,8 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
     if (t.experts > 0) {  // NOTE [LoRA on routed experts]
-      const Shape a{t.experts * r, t.in}, b{t.experts * t.out, r};
+      const int64_t rt = r * t.rank_multiple;
+      const Shape a{t.experts * rt, t.in}, b{t.experts * t.out, rt};
       LoraExpertAdapter& adapter = expert_adapters_[k];
       adapter.a = take(compute_flat_, a, offset);
       adapter.grad_a = take(grad_flat_, a, offset);
@@ -243,7 +256,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
       masters_.push_back(take(master_flat_, b, offset));
       grads_.push_back(adapter.grad_b);
       offset += aligned(shape_numel(b));
-      adapter.rank = r;
+      adapter.rank = rt;
       adapter.experts = t.experts;
       adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
       adapter.workspace = &expert_workspace_;
@@ -425,7 +438,8 @@ int64_t LoraAdapters::stored_values() const {
 int64_t LoraAdapters::trainable_params() const {
   int64_t n = 0;
   for (const LoraTarget& t : targets_)
-    for (const LoraPart& p : t.parts) n += std::max<int64_t>(t.experts, 1) * lora_.rank * (t.in + (p.row_end - p.row_begin));
+    for (const LoraPart& p : t.parts)
+      n += std::max<int64_t>(t.experts, 1) * lora_.rank * t.rank_multiple * (t.in + (p.row_end - p.row_begin));
   return n;
 }
 
@@ -463,10 +477,11 @@ void LoraAdapters::discard() {
   std::fill(fresh_.begin(), fresh_.end(), 1);
   if (expert_degree_ == 1) return;
   // NOTE [LoRA under expert parallelism]: the other ranks' experts' rows are not written here.
-  const int64_t r = lora_.rank, held = config_.num_experts / expert_degree_, first = expert_index_ * held;
+  const int64_t held = config_.num_experts / expert_degree_, first = expert_index_ * held;
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
     if (t.experts == 0) continue;
+    const int64_t r = lora_.rank * t.rank_multiple;
     for (const auto& [g, rows] : {std::pair{grads_[2 * k], r}, std::pair{grads_[2 * k + 1], t.out}}) {
       g.narrow(0, first * rows).fill_zero();
       g.narrow((first + held) * rows, t.experts * rows).fill_zero();
@@ -482,11 +497,12 @@ void LoraAdapters::set_expert_parallel(int64_t index, int64_t degree) {
   if (degree == 1) return;
   expert_index_ = index;
   expert_degree_ = degree;
-  const int64_t r = lora_.rank, held = config_.num_experts / degree, first = index * held;
+  const int64_t held = config_.num_experts / degree, first = index * held;
   bool experts = false;
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
     if (t.experts == 0) continue;
+    const int64_t r = lora_.rank * t.rank_multiple;
     LoraExpertAdapter& a = expert_adapters_[k];
     a.a = a.a.narrow(first * r, (first + held) * r);
     a.grad_a = a.grad_a.narrow(first * r, (first + held) * r);
@@ -497,7 +513,7 @@ void LoraAdapters::set_expert_parallel(int64_t index, int64_t degree) {
   }
   if (!experts) return;
   // A rank's experts may receive every row of its group.
-  const Shape rows{r * expert_rows_ * degree};
+  const Shape rows{2 * lora_.rank * expert_rows_ * degree};  // 2: rank_multiple
   expert_workspace_.low_rank = Tensor::zeros(rows, expert_workspace_.low_rank.dtype(), device_);
   expert_workspace_.low_rank_grad = Tensor::zeros(rows, expert_workspace_.low_rank_grad.dtype(), device_);
 }
@@ -529,7 +545,8 @@ Tensor& LoraAdapters::master_of(size_t target, char matrix) {
 Tensor LoraAdapters::part_matrix(size_t target, size_t part, char matrix) const {
   const LoraTarget& t = targets_.at(target);
   const LoraPart& p = t.parts.at(part);
-  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  const int64_t r = lora_.rank * t.rank_multiple, low = r * static_cast<int64_t>(t.parts.size());
+  const int64_t k = static_cast<int64_t>(part);
   const Tensor all = masters_.at(2 * target + (matrix == 'a' ? 0 : 1)).to(Device::CPU);
   if (t.experts > 0) return matrix == 'a' ? all.clone() : expert_b_to_peft(all, t.experts, t.out, r);
   if (matrix == 'a') return all.narrow(k * r, (k + 1) * r).clone();
@@ -543,7 +560,8 @@ Tensor LoraAdapters::part_matrix(size_t target, size_t part, char matrix) const 
 void LoraAdapters::set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values) {
   const LoraTarget& t = targets_.at(target);
   const LoraPart& p = t.parts.at(part);
-  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  const int64_t r = lora_.rank * t.rank_multiple, low = r * static_cast<int64_t>(t.parts.size());
+  const int64_t k = static_cast<int64_t>(part);
   Tensor& master = master_of(target, matrix);
   Tensor all = master.to(Device::CPU);
   if (t.experts > 0) {  // NOTE [LoRA on routed experts]: PEFT's A [E r, in], B [out, r E]
@@ -575,7 +593,7 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
       matmul(w, b, false, a, false, scale, 1.0f);
       continue;
     }
-    const int64_t r = lora_.rank;  // W_e += scale B_e A_e (NOTE [LoRA on routed experts])
+    const int64_t r = lora_.rank * t.rank_multiple;  // W_e += scale B_e A_e (NOTE [LoRA on routed experts])
     for (int64_t e = 0; e < t.experts; ++e)
       matmul(w.narrow(e, e + 1).view({t.out, t.in}), b.narrow(e * t.out, (e + 1) * t.out), false,
              a.narrow(e * r, (e + 1) * r), false, scale, 1.0f);

@@ -173,10 +173,18 @@ struct LoraTarget {
   // experts] in ops/lora_experts.h): a [experts * rank, in], b [experts * out, rank]. 0: a
   // 2-D projection.
   int64_t experts = 0;
+  // Its rank is lora.rank times this (its alpha too, so the scale stays alpha / rank): 2 for
+  // the experts' gate_up_proj under all-linear on a MoE model, as PEFT 0.21's rank_pattern
+  // and alpha_pattern {".*\\.gate_up_proj": 2 r, 2 alpha} (NOTE [LoRA on routed experts]).
+  int64_t rank_multiple = 1;
 };
 
 // The projections `modules` (lora_target_modules) adapt, in parameter order.
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules);
+
+// The targets of a run's lora settings: lora_targets of lora_modules_for_model, with PEFT's
+// doubled rank on the experts' gate_up_proj under all-linear (LoraTarget::rank_multiple).
+std::vector<LoraTarget> lora_targets(const ModelConfig& config, const LoraConfig& lora);
 
 // The module names this model has a projection of (what lora_targets can adapt).
 std::vector<std::string> lora_model_modules(const ModelConfig& config);

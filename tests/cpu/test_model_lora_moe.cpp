@@ -195,6 +195,16 @@ TEST(ModelLoraMoe, ExpertTargetsArePeftsParamWrappers) {
   adapters.set_part_matrix(1, 0, 'b', peft_b);
   EXPECT_TRUE(testing::bitwise_equal(adapters.masters()[3], forge_b));
 
+  // all-linear: gate_up_proj at twice the rank (and alpha), as PEFT 0.21's rank_pattern.
+  LoraConfig all = lora("all-linear", 2);
+  LoraAdapters doubled(moe, all, Device::CPU, 8);
+  for (size_t k = 0; k < doubled.targets().size(); ++k) {
+    const LoraTarget& t = doubled.targets()[k];
+    EXPECT_EQ(t.rank_multiple, t.name.ends_with("experts.gate_up") ? 2 : 1) << t.name;
+    if (t.experts > 0) EXPECT_EQ(doubled.masters()[2 * k].shape(), (Shape{e * 2 * t.rank_multiple, t.in})) << t.name;
+  }
+  EXPECT_EQ(doubled.trainable_params(), lora_sizes(moe, all, 8).trainable);
+
   // all-linear: on DeepSeek's shape without the dense block's and shared experts' SwiGLU.
   const ModelConfig mla = load("debug-tiny-mla").model;
   EXPECT_EQ(lora_modules_for_model(mla, "all-linear"),

@@ -368,7 +368,7 @@ class LoraMoeExpertParallel(unittest.TestCase):
                             merged[run_dir].update(load_file(os.path.join(run_dir, "hf", f)))
                 self.assertEqual(sorted(merged[two]), sorted(merged[one]))
                 for name, t in merged[one].items():
-                    self.assertLess(relative_error(merged[two][name].numpy(), t.numpy()), 1e-4, name)
+                    self.assertLess(relative_error(merged[two][name].float().numpy(), t.float().numpy()), 2e-3, name)  # bf16 export
 
 
 if __name__ == "__main__":
