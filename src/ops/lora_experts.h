@@ -10,6 +10,11 @@
 //   Delta_e = scale * B_e A_e,   A_e = lora_A[e r : (e+1) r, :],   B_e[o, k] = lora_B[o, k E + e],
 // scale = alpha / r (einsum "o r e, e r i -> e o i" in get_delta_weight): A's rows are
 // expert-major, B's columns rank-major. It takes no dropout (PEFT raises on lora_dropout > 0).
+// PEFT 0.21's all-linear on a MoE model (its v4-to-v5 conversion of the experts' w1 and w3,
+// two rank-r adapters, into one on the fused stack) gives gate_up_proj rank 2 r and alpha
+// 2 alpha (rank_pattern, alpha_pattern), the scale unchanged; forge's all-linear does the same
+// (LoraTarget::rank_multiple in model/lora.h), its named experts.gate_up_proj takes rank r, as
+// PEFT's target_parameters does.
 // forge keeps A as PEFT does and B expert-major, b [E out, r] with B_e its rows
 // [e out, (e+1) out), so that each expert's A_e and B_e are contiguous matrices (and a
 // rank's local experts, under expert parallelism, a contiguous slice of both); the PEFT

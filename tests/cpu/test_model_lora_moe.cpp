@@ -216,6 +216,33 @@ TEST(ModelLoraMoe, ExpertTargetsArePeftsParamWrappers) {
   EXPECT_EQ(lora_modules_for_model(load("debug-tiny").model, "all-linear"), kLoraModules);  // dense: every module
 }
 
+// NOTE [LoRA under expert parallelism]: rank 1 of 2 hands its blocks its local experts'
+// slices of the whole adapters, and discard() zeroes the other experts' gradient rows.
+TEST(ModelLoraMoe, ExpertParallelRankHandsOutItsExpertsSlices) {
+  const ModelConfig moe = load("debug-tiny-moe").model;
+  const int64_t e = moe.num_experts, h = moe.hidden_size, f = moe.resolved_moe_ffn(), r = 2;
+  LoraAdapters adapters(moe, lora("experts.gate_up_proj,experts.down_proj", r), Device::CPU, 8);
+  FlatParameters base(moe);
+  adapters.set_base(base);
+  adapters.set_expert_parallel(1, 2);
+  ASSERT_EQ(adapters.targets()[0].name, "layers.0.moe.experts.gate_up");
+  const LoraExpertAdapter* gate_up = adapters.layer_grads(0).params.at(adapters.targets()[0].param).experts_lora;
+  ASSERT_NE(gate_up, nullptr);
+  EXPECT_EQ(gate_up->experts, e / 2);
+  EXPECT_EQ(gate_up->a.shape(), (Shape{e / 2 * r, h}));
+  EXPECT_EQ(gate_up->a.raw(), adapters.masters()[0].narrow(e / 2 * r, e * r).raw());
+  EXPECT_EQ(gate_up->b.raw(), adapters.masters()[1].narrow(e / 2 * 2 * f, e * 2 * f).raw());
+  EXPECT_EQ(adapters.layer(0).params.at(adapters.targets()[0].param).experts_lora, gate_up);
+  for (size_t k = 0; k < 2; ++k) {
+    const Tensor& g = adapters.gradients()[k];
+    for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = 1.0f;
+  }
+  adapters.discard();
+  const Tensor& ga = adapters.gradients()[0];
+  for (int64_t i = 0; i < ga.numel(); ++i)
+    ASSERT_EQ(ga.data<float>()[i], i < e / 2 * r * h ? 0.0f : 1.0f) << i;  // experts 0..E/2-1: another rank's
+}
+
 // NOTE [LoRA FLOPs]: a MoE token runs its experts only, so the frozen work counts the active
 // parameters, as full training's count does; attention is full training's (MLA's width).
 TEST(ModelLoraMoe, FlopsCountTheActiveParameters) {

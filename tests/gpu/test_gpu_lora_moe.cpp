@@ -135,10 +135,9 @@ void expect_lora_step_matches_cpu(const ModelConfig& c, const std::string& targe
   for (size_t k = 0; k < cpu.targets().size(); ++k)  // B = 0 would give A no gradient
     for (size_t p = 0; p < cpu.targets()[k].parts.size(); ++p) {
       const LoraPart& part = cpu.targets()[k].parts[p];
-      const int64_t experts = cpu.targets()[k].experts;  // PEFT's expert B [out, r E]
-      cpu.set_part_matrix(k, p, 'b',
-                          random_bf16_values({part.row_end - part.row_begin, lora.rank * std::max<int64_t>(experts, 1)},
-                                             rng, 0.02));
+      const LoraTarget& t = cpu.targets()[k];  // PEFT's expert B [out, r E] (all-linear's gate_up: 2 r)
+      const int64_t columns = lora.rank * t.rank_multiple * std::max<int64_t>(t.experts, 1);
+      cpu.set_part_matrix(k, p, 'b', random_bf16_values({part.row_end - part.row_begin, columns}, rng, 0.02));
     }
   round_to_bf16(cpu.master_flat());  // A in bf16 on both sides too
   gpu.master_flat().copy_from(cpu.master_flat().to(Device::CUDA));

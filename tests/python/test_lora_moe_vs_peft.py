@@ -367,8 +367,8 @@ class LoraMoeExpertParallel(unittest.TestCase):
                         if f.endswith(".safetensors"):
                             merged[run_dir].update(load_file(os.path.join(run_dir, "hf", f)))
                 self.assertEqual(sorted(merged[two]), sorted(merged[one]))
-                for name, t in merged[one].items():
-                    self.assertLess(relative_error(merged[two][name].float().numpy(), t.float().numpy()), 2e-3, name)  # bf16 export
+                for name, t in merged[one].items():  # bf16 tensors: a few values a rounding step apart
+                    self.assertLess(relative_error(merged[two][name].float().numpy(), t.float().numpy()), 2e-3, name)
 
 
 if __name__ == "__main__":
