@@ -232,7 +232,8 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
                                weights_path, name);
         const int64_t experts = targets[k].experts;  // NOTE [LoRA on routed experts]: A [E r, in], B [out, r E]
         const int64_t rt = r * targets[k].rank_multiple;
-        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * rt, targets[k].in} : Shape{targets[k].out, rt * experts})
+        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * rt, targets[k].in}
+                                                    : Shape{targets[k].out, rt * experts})
                             : m == 'a'  ? Shape{r, targets[k].in}
                                         : Shape{part.row_end - part.row_begin, r};
         if (entry->shape != shape)

@@ -66,7 +66,9 @@ int64_t expert_adapter_rows(const ModelConfig& config, int64_t tokens) {
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules) {
   std::vector<LoraTarget> targets;
   std::vector<size_t> next_entry(static_cast<size_t>(config.num_layers), 0);
-  const auto named = [&](const std::string& m) { return std::find(modules.begin(), modules.end(), m) != modules.end(); };
+  const auto named = [&](const std::string& m) {
+    return std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
   for (const ParamSpec& spec : parameter_specs(config)) {
     if (spec.layer < 0) continue;
     const size_t entry = next_entry[static_cast<size_t>(spec.layer)]++;
@@ -140,7 +142,9 @@ void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, con
   const std::vector<std::string> modules = lora_target_modules(lora.target_modules, keys);
   const bool all_linear = modules == kLoraModules;
   const std::string key = keys.describe("lora.target_modules", lora.target_modules);
-  const auto named = [&](const std::string& m) { return std::find(modules.begin(), modules.end(), m) != modules.end(); };
+  const auto named = [&](const std::string& m) {
+    return std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
   const bool router = named(kLoraRouterModule), experts = named(kLoraExpertModules[0]) || named(kLoraExpertModules[1]);
   if (all_linear && !config.moe()) return;  // the modules the model has
   if (router && !config.moe())

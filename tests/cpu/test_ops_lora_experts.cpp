@@ -44,8 +44,8 @@ Tensor merged(const Stack& s) {
   Tensor w = s.weight.clone();
   const int64_t e_count = w.dim(0), out = w.dim(1), in = w.dim(2), r = s.adapter.rank;
   for (int64_t e = 0; e < e_count; ++e)
-    matmul(w.narrow(e, e + 1).view({out, in}), s.b.narrow(e * out, (e + 1) * out), false, s.a.narrow(e * r, (e + 1) * r),
-           false, s.adapter.scale, 1.0f);
+    matmul(w.narrow(e, e + 1).view({out, in}), s.b.narrow(e * out, (e + 1) * out), false,
+           s.a.narrow(e * r, (e + 1) * r), false, s.adapter.scale, 1.0f);
   return w;
 }
 
