@@ -1,10 +1,12 @@
 // LoRA on Mixture-of-Experts and Multi-head Latent Attention models (NOTE [LoRA on MoE and
-// MLA models] in model/lora.h): which projections carry adapters (the 2-D ones: attention's,
-// MLA's, DeepSeek's dense blocks' and shared experts', the router; never the routed
-// experts' stacks), the config rules, the FLOP count, every adapter's gradient against
-// central differences (the balancing loss and z-loss included), a frozen base and router
-// that no step moves, and the same gradients under every checkpointing mode. The numbers are
-// checked against PEFT and transformers in tests/python/test_lora_moe_vs_peft.py.
+// MLA models] in model/lora.h): which projections carry adapters (attention's, MLA's,
+// DeepSeek's dense blocks' and shared experts', the router, and the routed experts' stacks
+// when named or under all-linear, NOTE [LoRA on routed experts] in ops/lora_experts.h, with
+// PEFT's shapes and names), an expert-parallel rank's slices of them, the config rules, the
+// FLOP count, every adapter's gradient against central differences (the balancing loss and
+// z-loss included; the experts' adapters dropless and padded to capacity), a frozen base and
+// router that no step moves, and the same gradients under every checkpointing mode. The
+// numbers are checked against PEFT and transformers in tests/python/test_lora_moe_vs_peft.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
