@@ -218,9 +218,10 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
 // forward and an input-gradient GEMM, 4 FLOPs per parameter, and no weight gradient; the
 // adapters do all three, 6 per trainable parameter; attention does its forward and
 // backward as in full training (ModelConfig::flops_per_token's attention term: 6 x layers
-// x hidden x seq, MLA's width instead of hidden). Full training's count
-// (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run with a third
-// more work than it does. Without LoRA this is ModelConfig::flops_per_token.
+// x hidden x seq, MLA's width instead of hidden). The routed experts' adapters count as the
+// frozen experts do, for the token's top-k experts only (LoraSizes::active_trainable). Full
+// training's count (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run
+// with a third more work than it does. Without LoRA this is ModelConfig::flops_per_token.
 double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len);
 
 // PEFT's name of a part's A or B: base_model.model.<hf_prefix>.lora_A.weight.
