@@ -206,6 +206,10 @@ TEST(ModelLoraMoe, ExpertTargetsArePeftsParamWrappers) {
     if (t.experts > 0) EXPECT_EQ(doubled.masters()[2 * k].shape(), (Shape{e * 2 * t.rank_multiple, t.in})) << t.name;
   }
   EXPECT_EQ(doubled.trainable_params(), lora_sizes(moe, all, 8).trainable);
+  // NOTE [LoRA FLOPs]: a token runs the adapters of its top-k experts only.
+  const LoraSizes down = lora_sizes(moe, lora("experts.down_proj", 2), 1);
+  EXPECT_DOUBLE_EQ(down.active_trainable,
+                   static_cast<double>(down.trainable) * static_cast<double>(moe.num_experts_per_tok) / e);
 
   // all-linear: on DeepSeek's shape without the dense block's and shared experts' SwiGLU.
   const ModelConfig mla = load("debug-tiny-mla").model;
