@@ -23,12 +23,27 @@ namespace {
 constexpr const char* kConfigFile = "adapter_config.json";
 constexpr const char* kWeightsFile = "adapter_model.safetensors";
 
+// PEFT's rank_pattern and alpha_pattern of these adapters: {".*\\.gate_up_proj": 2 r} and
+// {...: 2 alpha} where the experts' gate_up_proj takes a doubled rank (all-linear on a MoE
+// model, LoraTarget::rank_multiple), else empty.
+std::pair<json, json> rank_and_alpha_patterns(const LoraAdapters& adapters) {
+  const LoraConfig& lora = adapters.lora_config();
+  json ranks = json::object(), alphas = json::object();
+  for (const LoraTarget& t : adapters.targets())
+    if (t.rank_multiple != 1) {
+      const std::string pattern = ".*\\." + t.parts.front().module.substr(t.parts.front().module.find('.') + 1);
+      ranks[pattern] = lora.rank * t.rank_multiple;
+      alphas[pattern] = lora.alpha * static_cast<double>(t.rank_multiple);
+    }
+  return {ranks, alphas};
+}
+
 json adapter_config(const LoraAdapters& adapters, const std::string& base_model) {
   const LoraConfig& lora = adapters.lora_config();
-  std::set<std::string> modules;
+  std::set<std::string> modules, parameters;
   for (const LoraTarget& t : adapters.targets())
-    for (const LoraPart& p : t.parts) modules.insert(p.module);
-  return json{{"peft_type", "LORA"},
+    for (const LoraPart& p : t.parts) (t.experts > 0 ? parameters : modules).insert(p.module);
+  json j{{"peft_type", "LORA"},
               {"task_type", "CAUSAL_LM"},
               {"base_model_name_or_path", base_model.empty() ? json(nullptr) : json(base_model)},
               {"r", lora.rank},
@@ -41,16 +56,33 @@ json adapter_config(const LoraAdapters& adapters, const std::string& base_model)
               {"init_lora_weights", true},
               {"modules_to_save", nullptr},
               {"layers_to_transform", nullptr},
-              {"rank_pattern", json::object()},
-              {"alpha_pattern", json::object()},
+              {"rank_pattern", rank_and_alpha_patterns(adapters).first},
+              {"alpha_pattern", rank_and_alpha_patterns(adapters).second},
               {"use_rslora", false},
               {"use_dora", false},
               {"library_name", "forge"}};
+  // NOTE [LoRA on routed experts]: PEFT adapts the experts' stacks as parameters, matching
+  // these names as suffixes of mlp.experts.gate_up_proj / down_proj.
+  if (!parameters.empty()) j["target_parameters"] = std::vector<std::string>(parameters.begin(), parameters.end());
+  return j;
 }
 
 // PEFT 0.21 on transformers 5 writes what it adapts as a parameter in target_parameters:
 // the router (a MoE block's gate.weight: forge's module 'gate', NOTE [LoRA on MoE and MLA
-// models] in model/lora.h), or the routed experts' stacks, which forge does not adapt.
+// models] in model/lora.h) and the routed experts' stacks (gate_up_proj and down_proj, or
+// with their module path, e.g. mlp.experts.gate_up_proj: forge's experts.gate_up_proj and
+// experts.down_proj, NOTE [LoRA on routed experts] in ops/lora_experts.h). PEFT matches each
+// name as the parameter's full name or a suffix of it after a dot.
+std::string parameter_module(const std::string& name) {
+  const auto is = [&](const std::string& parameter) { return name == parameter || name.ends_with("." + parameter); };
+  if (is("gate.weight")) return kLoraRouterModule;
+  for (const std::string& m : kLoraExpertModules) {
+    const std::string stack = m.substr(m.find('.') + 1);  // gate_up_proj, down_proj
+    if (name == stack || is(m)) return m;
+  }
+  return "";
+}
+
 void add_target_parameters(const json& j, const std::string& path, std::vector<std::string>& found) {
   const json parameters = j.value("target_parameters", json());
   if (parameters.is_null()) return;
@@ -58,11 +90,13 @@ void add_target_parameters(const json& j, const std::string& path, std::vector<s
     FORGE_FAIL("{}: target_parameters is {}, expected a list of parameter names", path, parameters.dump());
   for (const json& t : parameters) {
     const std::string name = t.is_string() ? t.get<std::string>() : t.dump();
-    if (name != "gate.weight" && !name.ends_with(".gate.weight"))
+    const std::string module = parameter_module(name);
+    if (module.empty())
       FORGE_FAIL("{}: target_parameters names '{}': forge adapts no parameter but a Mixture-of-Experts router's "
-                 "(gate.weight); the routed experts' stacked weights take no adapter in forge",
+                 "(gate.weight) and routed experts' stacks (gate_up_proj, down_proj, as experts.gate_up_proj, "
+                 "experts.down_proj or with their module path)",
                  path, name);
-    if (std::find(found.begin(), found.end(), kLoraRouterModule) == found.end()) found.push_back(kLoraRouterModule);
+    if (std::find(found.begin(), found.end(), module) == found.end()) found.push_back(module);
   }
 }
 
@@ -95,11 +129,11 @@ void check_adapter_config(const json& j, const std::string& path, const LoraAdap
   if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number() || j["lora_alpha"].get<double>() != lora.alpha)
     fail(fmt::format("lora_alpha is {}, but lora.alpha is {}: set lora.alpha to the adapter's",
                      j.contains("lora_alpha") ? j["lora_alpha"].dump() : "missing", lora.alpha));
-  std::vector<std::string> expected = lora_target_modules(lora.target_modules);
+  std::vector<std::string> expected = lora_modules_for_model(adapters.config(), lora.target_modules);
   std::vector<std::string> found;
   const json targets = j.value("target_modules", json());
   if (targets.is_string() && targets.get<std::string>() == "all-linear") {
-    found = kLoraModules;
+    found = lora_modules_for_model(adapters.config(), "all-linear");
   } else if (targets.is_array()) {
     for (const json& t : targets) {
       if (!t.is_string()) fail(fmt::format("target_modules holds {}, expected module names", t.dump()));
@@ -128,8 +162,20 @@ void check_adapter_config(const json& j, const std::string& path, const LoraAdap
   require("use_rslora", false);
   require("fan_in_fan_out", false);
   require("bias", "none");
-  require("rank_pattern", json::object());
-  require("alpha_pattern", json::object());
+  // all-linear on a MoE model: the experts' gate_up_proj at twice the rank and alpha, as PEFT.
+  const auto [ranks, alphas] = rank_and_alpha_patterns(adapters);
+  for (const auto& [key, plain] : {std::pair{"rank_pattern", ranks}, std::pair{"alpha_pattern", alphas}}) {
+    const json found = j.contains(key) && !j[key].is_null() ? j[key] : json::object();
+    bool same = found.is_object() && found.size() == plain.size();
+    for (auto it = plain.begin(); same && it != plain.end(); ++it)
+      same = found.contains(it.key()) && found[it.key()].is_number() &&
+             found[it.key()].get<double>() == it.value().get<double>();
+    if (!same)
+      fail(fmt::format("{} is {}, expected {} for lora.rank {}, lora.alpha {} and lora.target_modules '{}' (forge "
+                       "trains plain LoRA adapters; all-linear on a Mixture-of-Experts model doubles the rank and "
+                       "alpha of the experts' gate_up_proj, as PEFT 0.21 does)",
+                       key, found.dump(), plain.dump(), lora.rank, lora.alpha, lora.target_modules));
+  }
   require("layers_to_transform", nullptr);
   require("modules_to_save", nullptr);
 }
@@ -184,7 +230,12 @@ void load_peft_adapter(const std::string& dir, LoraAdapters& adapters) {
         expected.insert(name);
         if (!entry) FORGE_FAIL("{}: no tensor '{}' (the adapter does not match the model or lora.target_modules)",
                                weights_path, name);
-        const Shape shape = m == 'a' ? Shape{r, targets[k].in} : Shape{part.row_end - part.row_begin, r};
+        const int64_t experts = targets[k].experts;  // NOTE [LoRA on routed experts]: A [E r, in], B [out, r E]
+        const int64_t rt = r * targets[k].rank_multiple;
+        const Shape shape = experts > 0 ? (m == 'a' ? Shape{experts * rt, targets[k].in}
+                                                    : Shape{targets[k].out, rt * experts})
+                            : m == 'a'  ? Shape{r, targets[k].in}
+                                        : Shape{part.row_end - part.row_begin, r};
         if (entry->shape != shape)
           FORGE_FAIL("{}: tensor '{}' is {}, expected {} (lora.rank {} and the model's dimensions)", weights_path, name,
                      shape_str(entry->shape), shape_str(shape), r);
@@ -249,6 +300,14 @@ LoraConfig read_peft_adapter_settings(const std::string& dir) {
     for (const std::string& m : kLoraModuleNames)
       if (names.count(m)) ordered.push_back(m);
     lora.target_modules = fmt::format("{}", fmt::join(ordered, ","));
+    // PEFT 0.21's all-linear on a MoE model writes its modules out and doubles the experts'
+    // gate_up_proj rank (rank_pattern): forge's all-linear, which load_peft_adapter then
+    // checks module by module against the model.
+    const json ranks = j.value("rank_pattern", json());
+    const std::string doubled = ".*\\.gate_up_proj";
+    if (names.count(kLoraExpertModules[0]) && ranks.is_object() && ranks.size() == 1 && ranks.contains(doubled) &&
+        ranks[doubled].is_number_integer() && ranks[doubled].get<int64_t>() == 2 * lora.rank)
+      lora.target_modules = "all-linear";
   } else {
     fail(fmt::format("target_modules is {}, expected a non-empty list of module names or \"all-linear\"",
                      targets.dump()));

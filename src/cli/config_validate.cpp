@@ -245,21 +245,33 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   // own tokens through all of them, or with parallelism.expert_parallel_degree through the
   // ranks that hold them. The routing biases' update moves each rank's chunk of them (NOTE
   // [Routing bias update] in train/trainer.cpp).
+  // LoRA on the routed experts (NOTE [LoRA on routed experts] in ops/lora_experts.h) adds its
+  // low-rank GEMMs to the experts' GEMMs in the compute dtype; FP8 expert GEMMs are not built with it.
+  if (config.lora.enabled() && config.precision.fp8 != "none") {
+    const std::vector<std::string> modules = lora_modules_for_model(config.model, config.lora.target_modules);
+    for (const std::string& m : kLoraExpertModules)
+      if (std::find(modules.begin(), modules.end(), m) != modules.end())
+        FORGE_FAIL("{} adapts the routed experts ('{}'), which cannot be combined with {}: set precision.fp8 none, "
+                   "or leave the experts out of lora.target_modules",
+                   show(config, keys, "lora.target_modules"), m, show(config, keys, "precision.fp8"));
+  }
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
                show(config, keys, "precision.fp8"));
   // LoRA (NOTE [LoRA on MoE and MLA models] in model/lora.h): adapters on the 2-D
-  // projections; the routed experts, the routing biases and the rest of the base frozen.
+  // projections and, when named, the routed experts' stacks; the routing biases and the rest
+  // of the base frozen.
   // QLoRA quantizes the routed experts too, one NF4 tensor per expert matrix (NOTE [NF4
   // expert stacks] in model/nf4_base.h).
   if (config.lora.enabled() && config.model.router_bias_update_rate != 0.0)
     FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
                "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",
                show(config, keys, "model.router_bias_update_rate"), config.lora.rank);
-  if (config.lora.enabled() && config.parallelism.expert_parallel_degree > 1)
-    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) yet: LoRA's frozen FSDP base is not split by experts; "
-               "set it to 1",
-               show(config, keys, "parallelism.expert_parallel_degree"), config.lora.rank);
+  // LoRA under expert parallelism: NOTE [LoRA under expert parallelism] in model/lora.h.
+  if (config.lora.quantize_base != "none" && config.parallelism.expert_parallel_degree > 1)
+    FORGE_FAIL("{} cannot be combined with QLoRA ({}): the NF4 base is replicated whole on every rank, not split by "
+               "experts; set it to 1, or lora.quantize_base none",
+               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "lora.quantize_base"));
 }
 
 // parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in

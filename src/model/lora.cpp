@@ -8,6 +8,7 @@
 #include "core/rng.h"
 #include "ops/elementwise.h"
 #include "ops/matmul.h"
+#include "ops/moe.h"
 
 namespace forge {
 namespace {
@@ -29,8 +30,35 @@ uint64_t name_hash(const std::string& name) {
   return h;
 }
 
+// NOTE [LoRA on routed experts]: forge's b [E out, r] (expert e's B_e in rows [e out,
+// (e+1) out)) and PEFT's lora_B [out, r E] (B_e[o, c] at column c E + e).
+Tensor expert_b_to_peft(const Tensor& b, int64_t experts, int64_t out, int64_t r) {
+  Tensor peft = Tensor::empty({out, r * experts});
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t c = 0; c < r; ++c)
+        peft.data<float>()[o * r * experts + c * experts + e] = b.data<float>()[(e * out + o) * r + c];
+  return peft;
+}
+Tensor expert_b_from_peft(const Tensor& peft, int64_t experts, int64_t out, int64_t r) {
+  Tensor b = Tensor::empty({experts * out, r});
+  for (int64_t e = 0; e < experts; ++e)
+    for (int64_t o = 0; o < out; ++o)
+      for (int64_t c = 0; c < r; ++c)
+        b.data<float>()[(e * out + o) * r + c] = peft.data<float>()[o * r * experts + c * experts + e];
+  return b;
+}
+
 std::string stem(const std::string& name) {
   return name.size() > 7 && name.ends_with(".weight") ? name.substr(0, name.size() - 7) : name;
+}
+
+// The most rows one expert GEMM call sees: every permuted row of `tokens` tokens (N k, or
+// E x capacity with padding, NOTE [MoE capacity]), which bounds any one expert's.
+int64_t expert_adapter_rows(const ModelConfig& config, int64_t tokens) {
+  const MoeCapacity capacity{config.moe_capacity_factor, config.moe_token_drop_policy == "position",
+                             config.moe_pad_to_capacity};
+  return capacity.permuted_rows(tokens, config.num_experts_per_tok, config.num_experts);
 }
 
 }  // namespace
@@ -38,9 +66,25 @@ std::string stem(const std::string& name) {
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules) {
   std::vector<LoraTarget> targets;
   std::vector<size_t> next_entry(static_cast<size_t>(config.num_layers), 0);
+  const auto named = [&](const std::string& m) {
+    return std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
   for (const ParamSpec& spec : parameter_specs(config)) {
     if (spec.layer < 0) continue;
     const size_t entry = next_entry[static_cast<size_t>(spec.layer)]++;
+    if (spec.expert_stack && spec.shape.size() == 3 && !spec.hf_alias.empty()) {
+      // NOTE [LoRA on routed experts]: PEFT's ParamWrapper on mlp.experts.<stack>; with both
+      // stacks adapted it nests them, gate_up_proj's the inner one (experts.base_layer).
+      const std::string parameter = spec.hf_alias.substr(spec.hf_alias.rfind('.') + 1);
+      const std::string module = "experts." + parameter;
+      if (!named(module)) continue;
+      std::string prefix = spec.hf_alias.substr(0, spec.hf_alias.rfind('.'));
+      if (module == kLoraExpertModules[0] && named(kLoraExpertModules[1])) prefix += ".base_layer";
+      LoraTarget target{spec.layer, entry, spec.name, spec.shape[2], spec.shape[1], {}, spec.shape[0]};
+      target.parts.push_back({module, prefix, 0, spec.shape[1]});
+      targets.push_back(std::move(target));
+      continue;
+    }
     if (spec.shape.size() != 2) continue;
     LoraTarget target{spec.layer, entry, spec.name, spec.shape[1], spec.shape[0], {}};
     // NOTE [Fused LoRA targets]: a fused name takes the whole projection as one part.
@@ -64,6 +108,18 @@ std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vecto
   return targets;
 }
 
+// NOTE [LoRA on routed experts]: PEFT 0.21's all-linear on transformers 5 converts the v4
+// experts' w1 and w3 (gate_proj and up_proj), two rank-r adapters, into one on the fused
+// gate_up_proj stack of rank 2 r and alpha 2 alpha (its rank_pattern and alpha_pattern).
+std::vector<LoraTarget> lora_targets(const ModelConfig& config, const LoraConfig& lora) {
+  const std::vector<std::string> modules = lora_modules_for_model(config, lora.target_modules);
+  std::vector<LoraTarget> targets = lora_targets(config, modules);
+  if (config.moe() && lora_target_modules(lora.target_modules) == kLoraModules)
+    for (LoraTarget& t : targets)
+      if (t.experts > 0 && t.parts.front().module == kLoraExpertModules[0]) t.rank_multiple = 2;
+  return targets;
+}
+
 std::vector<std::string> lora_model_modules(const ModelConfig& config) {
   std::vector<std::string> present;
   for (const LoraTarget& t : lora_targets(config, kLoraModuleNames))
@@ -72,23 +128,38 @@ std::vector<std::string> lora_model_modules(const ModelConfig& config) {
   return present;
 }
 
+std::vector<std::string> lora_modules_for_model(const ModelConfig& config, const std::string& target_modules,
+                                                const KeyDescriber& keys) {
+  std::vector<std::string> modules = lora_target_modules(target_modules, keys);
+  if (config.moe() && modules == kLoraModules)  // all-linear, NOTE [LoRA on MoE and MLA models]
+    std::erase_if(modules, [](const std::string& m) { return m == "gate_proj" || m == "up_proj" || m == "down_proj"; });
+  return modules;
+}
+
 // NOTE [LoRA on MoE and MLA models].
 void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, const KeyDescriber& keys) {
   if (!lora.enabled()) return;
   const std::vector<std::string> modules = lora_target_modules(lora.target_modules, keys);
+  const bool all_linear = modules == kLoraModules;
   const std::string key = keys.describe("lora.target_modules", lora.target_modules);
-  if (config.moe() && lora.target_modules == "all-linear")
-    FORGE_FAIL("{} on a Mixture-of-Experts model: PEFT's all-linear there also adapts the routed experts' stacked "
-               "weights (transformers 5's target_parameters), which forge does not train adapters on; name the "
-               "modules instead (the router is 'gate'), e.g. {}",
-               key, config.mla() ? "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate" : "q_proj,k_proj,v_proj,o_proj,gate");
-  const bool router = std::find(modules.begin(), modules.end(), kLoraRouterModule) != modules.end();
+  const auto named = [&](const std::string& m) {
+    return std::find(modules.begin(), modules.end(), m) != modules.end();
+  };
+  const bool router = named(kLoraRouterModule), experts = named(kLoraExpertModules[0]) || named(kLoraExpertModules[1]);
+  if (all_linear && !config.moe()) return;  // the modules the model has
   if (router && !config.moe())
     FORGE_FAIL("{} names the router '{}', and this model has none (model.num_experts 0)", key, kLoraRouterModule);
-  if (router && lora.dropout > 0.0)
-    FORGE_FAIL("{} adapts the router with {}: PEFT adapts the router as a parameter (target_parameters "
-               "gate.weight), which takes no dropout; set lora.dropout 0 or leave '{}' out",
-               key, keys.describe("lora.dropout", lora.dropout), kLoraRouterModule);
+  for (const std::string& m : kLoraExpertModules)
+    if (named(m) && !config.moe())
+      FORGE_FAIL("{} names the routed experts' '{}', and this model has none (model.num_experts 0)", key, m);
+  if ((router || experts) && lora.dropout > 0.0)
+    FORGE_FAIL("{} adapts {} with {}: PEFT adapts {} (target_parameters, its ParamWrapper), which {} no dropout; "
+               "set lora.dropout 0{}",
+               key, all_linear ? "the router and the routed experts" : experts ? "the routed experts" : "the router",
+               keys.describe("lora.dropout", lora.dropout), experts ? "them as parameters" : "it as a parameter",
+               experts ? "take" : "takes",
+               all_linear ? ", or name the modules instead of all-linear, leaving out gate and experts.*"
+                          : " or leave them out of lora.target_modules");
 }
 
 // NOTE [LoRA FLOPs]: the frozen weights are the active ones (a MoE token runs only its
@@ -97,7 +168,7 @@ double training_flops_per_token(const ModelConfig& config, const LoraConfig& lor
   if (!lora.enabled()) return config.flops_per_token(seq_len);
   double frozen = static_cast<double>(config.active_params() - config.embedding_params());
   if (config.tie_word_embeddings) frozen += static_cast<double>(config.vocab_size * config.hidden_size);
-  const double adapters = static_cast<double>(lora_sizes(config, lora, 1).trainable);
+  const double adapters = lora_sizes(config, lora, 1).active_trainable;
   const double attention = config.flops_per_token(seq_len) - 6.0 * frozen;
   return 4.0 * frozen + 6.0 * adapters + attention;
 }
@@ -105,14 +176,28 @@ double training_flops_per_token(const ModelConfig& config, const LoraConfig& lor
 LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens) {
   LoraSizes sizes;
   int64_t widest_low_rank = 0, widest_in = 0;
-  for (const LoraTarget& t : lora_targets(config, lora_target_modules(lora.target_modules))) {
+  bool experts = false;
+  for (const LoraTarget& t : lora_targets(config, lora)) {
+    if (t.experts > 0) {  // NOTE [LoRA on routed experts]: every expert's A and B
+      const int64_t values = t.experts * lora.rank * t.rank_multiple * (t.in + t.out);
+      sizes.stored += values;
+      sizes.trainable += values;
+      sizes.active_trainable += static_cast<double>(values) * static_cast<double>(config.num_experts_per_tok) /
+                                static_cast<double>(t.experts);
+      experts = true;
+      continue;
+    }
     const int64_t low = lora.rank * static_cast<int64_t>(t.parts.size());
     sizes.stored += low * (t.in + t.out);
-    for (const LoraPart& p : t.parts) sizes.trainable += lora.rank * (t.in + p.row_end - p.row_begin);
+    for (const LoraPart& p : t.parts) {
+      sizes.trainable += lora.rank * (t.in + p.row_end - p.row_begin);
+      sizes.active_trainable += static_cast<double>(lora.rank * (t.in + p.row_end - p.row_begin));
+    }
     widest_low_rank = std::max(widest_low_rank, low);
     widest_in = std::max(widest_in, t.in);
   }
-  sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0);
+  sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0) +
+                    (experts ? 2 * 2 * lora.rank * expert_adapter_rows(config, tokens) : 0);
   return sizes;
 }
 
@@ -126,13 +211,16 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   lora_.validate();
   FORGE_CHECK(lora_.enabled(), "LoRA adapters with lora.rank 0");
   check_lora_for_model(config_, lora_);
-  targets_ = lora_targets(config_, lora_target_modules(lora_.target_modules));
+  targets_ = lora_targets(config_, lora_);
   FORGE_CHECK(!targets_.empty(), "lora.target_modules '{}' adapts no projection of the model", lora_.target_modules);
   const int64_t r = lora_.rank;
   int64_t total = 0, widest_low_rank = 0, widest_in = 0;
+  bool experts = false;
   for (const LoraTarget& t : targets_) {
-    const int64_t low = r * static_cast<int64_t>(t.parts.size());
+    const int64_t low = r * t.rank_multiple * (t.experts > 0 ? t.experts : static_cast<int64_t>(t.parts.size()));
     total += aligned(low * t.in) + aligned(low * t.out);
+    experts = experts || t.experts > 0;
+    if (t.experts > 0) continue;
     widest_low_rank = std::max(widest_low_rank, low);
     widest_in = std::max(widest_in, t.in);
   }
@@ -143,15 +231,41 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   workspace_.low_rank = Tensor::zeros({widest_low_rank * tokens}, compute, device);
   workspace_.low_rank_grad = Tensor::zeros({widest_low_rank * tokens}, compute, device);
   if (lora_.dropout > 0.0) workspace_.wide = Tensor::zeros({widest_in * tokens}, compute, device);
+  if (experts) {  // NOTE [LoRA on routed experts]
+    expert_rows_ = expert_adapter_rows(config_, tokens);
+    expert_workspace_.low_rank = Tensor::zeros({2 * r * expert_rows_}, compute, device);  // 2: rank_multiple
+    expert_workspace_.low_rank_grad = Tensor::zeros({2 * r * expert_rows_}, compute, device);
+  }
 
   target_of_.assign(static_cast<size_t>(config_.num_layers), {});
   adapters_.resize(targets_.size());
+  expert_adapters_.resize(targets_.size());
   int64_t offset = 0;
   auto take = [&](const Tensor& flat, Shape shape, int64_t at) {
     return flat.narrow(at, at + shape_numel(shape)).view(std::move(shape));
   };
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
+    if (t.experts > 0) {  // NOTE [LoRA on routed experts]
+      const int64_t rt = r * t.rank_multiple;
+      const Shape a{t.experts * rt, t.in}, b{t.experts * t.out, rt};
+      LoraExpertAdapter& adapter = expert_adapters_[k];
+      adapter.a = take(compute_flat_, a, offset);
+      adapter.grad_a = take(grad_flat_, a, offset);
+      masters_.push_back(take(master_flat_, a, offset));
+      grads_.push_back(adapter.grad_a);
+      offset += aligned(shape_numel(a));
+      adapter.b = take(compute_flat_, b, offset);
+      adapter.grad_b = take(grad_flat_, b, offset);
+      masters_.push_back(take(master_flat_, b, offset));
+      grads_.push_back(adapter.grad_b);
+      offset += aligned(shape_numel(b));
+      adapter.rank = rt;
+      adapter.experts = t.experts;
+      adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
+      adapter.workspace = &expert_workspace_;
+      continue;
+    }
     const int64_t low = r * static_cast<int64_t>(t.parts.size());
     const Shape a{low, t.in}, b{t.out, low};
     LoraAdapter& adapter = adapters_[k];
@@ -194,7 +308,9 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   }
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
-    grad_layers_[static_cast<size_t>(t.layer)].params.at(t.param).lora = &adapters_[k];
+    LinearWeight& g = grad_layers_[static_cast<size_t>(t.layer)].params.at(t.param);
+    if (t.experts > 0) g.experts_lora = &expert_adapters_[k];
+    else g.lora = &adapters_[k];
     target_of_[static_cast<size_t>(t.layer)].at(t.param) = static_cast<int>(k);
   }
   layers_.assign(static_cast<size_t>(config_.num_layers), {});
@@ -213,6 +329,7 @@ void LoraAdapters::split_over_tensor_parallel_ranks(const std::vector<ParamSpec>
     const auto spec = std::find_if(specs.begin(), specs.end(), [&](const ParamSpec& p) { return p.name == t.name; });
     FORGE_CHECK(spec != specs.end(), "LoRA target '{}' is no parameter of the model", t.name);
     if (spec->tensor_parallel == TensorParallelSplit::Replicated) continue;
+    FORGE_CHECK(t.experts == 0, "LoRA target '{}': the routed experts are not split by tensor parallelism", t.name);
     LoraAdapter& adapter = adapters_[k];
     const int64_t low = adapter.low_rank();
     ShardedMatrix s;
@@ -325,7 +442,8 @@ int64_t LoraAdapters::stored_values() const {
 int64_t LoraAdapters::trainable_params() const {
   int64_t n = 0;
   for (const LoraTarget& t : targets_)
-    for (const LoraPart& p : t.parts) n += lora_.rank * (t.in + (p.row_end - p.row_begin));
+    for (const LoraPart& p : t.parts)
+      n += std::max<int64_t>(t.experts, 1) * lora_.rank * t.rank_multiple * (t.in + (p.row_end - p.row_begin));
   return n;
 }
 
@@ -359,7 +477,50 @@ void LoraAdapters::set_dropout_step(uint64_t seed, uint64_t index) {
           derive_seed(adapters_[s.target].dropout_seed, 1 + static_cast<uint64_t>(shard_.rank));
 }
 
-void LoraAdapters::discard() { std::fill(fresh_.begin(), fresh_.end(), 1); }
+void LoraAdapters::discard() {
+  std::fill(fresh_.begin(), fresh_.end(), 1);
+  if (expert_degree_ == 1) return;
+  // NOTE [LoRA under expert parallelism]: the other ranks' experts' rows are not written here.
+  const int64_t held = config_.num_experts / expert_degree_, first = expert_index_ * held;
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    if (t.experts == 0) continue;
+    const int64_t r = lora_.rank * t.rank_multiple;
+    for (const auto& [g, rows] : {std::pair{grads_[2 * k], r}, std::pair{grads_[2 * k + 1], t.out}}) {
+      g.narrow(0, first * rows).fill_zero();
+      g.narrow((first + held) * rows, t.experts * rows).fill_zero();
+    }
+  }
+}
+
+// NOTE [LoRA under expert parallelism].
+void LoraAdapters::set_expert_parallel(int64_t index, int64_t degree) {
+  FORGE_CHECK(expert_degree_ == 1, "LoRA adapters: expert parallelism set twice");
+  FORGE_CHECK(degree >= 1 && index >= 0 && index < degree && config_.num_experts % degree == 0,
+              "LoRA adapters: expert-parallel rank {} of {} for {} experts", index, degree, config_.num_experts);
+  if (degree == 1) return;
+  expert_index_ = index;
+  expert_degree_ = degree;
+  const int64_t held = config_.num_experts / degree, first = index * held;
+  bool experts = false;
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    const LoraTarget& t = targets_[k];
+    if (t.experts == 0) continue;
+    const int64_t r = lora_.rank * t.rank_multiple;
+    LoraExpertAdapter& a = expert_adapters_[k];
+    a.a = a.a.narrow(first * r, (first + held) * r);
+    a.grad_a = a.grad_a.narrow(first * r, (first + held) * r);
+    a.b = a.b.narrow(first * t.out, (first + held) * t.out);
+    a.grad_b = a.grad_b.narrow(first * t.out, (first + held) * t.out);
+    a.experts = held;
+    experts = true;
+  }
+  if (!experts) return;
+  // A rank's experts may receive every row of its group.
+  const Shape rows{2 * lora_.rank * expert_rows_ * degree};  // 2: rank_multiple
+  expert_workspace_.low_rank = Tensor::zeros(rows, expert_workspace_.low_rank.dtype(), device_);
+  expert_workspace_.low_rank_grad = Tensor::zeros(rows, expert_workspace_.low_rank_grad.dtype(), device_);
+}
 
 ParamSource& LoraAdapters::base() {
   FORGE_CHECK(base_, "LoRA adapters used before set_base");
@@ -372,8 +533,12 @@ const BlockWeights& LoraAdapters::layer(int index) {
   block = base().layer(index);
   FORGE_CHECK(block.params.size() == target_of_.at(i).size(), "block {} has {} weights, the adapters expect {}", index,
               block.params.size(), target_of_[i].size());
-  for (size_t e = 0; e < block.params.size(); ++e)
-    if (target_of_[i][e] >= 0) block.params[e].lora = &adapters_[static_cast<size_t>(target_of_[i][e])];
+  for (size_t e = 0; e < block.params.size(); ++e) {
+    if (target_of_[i][e] < 0) continue;
+    const size_t k = static_cast<size_t>(target_of_[i][e]);
+    if (targets_[k].experts > 0) block.params[e].experts_lora = &expert_adapters_[k];
+    else block.params[e].lora = &adapters_[k];
+  }
   return block;
 }
 
@@ -384,8 +549,10 @@ Tensor& LoraAdapters::master_of(size_t target, char matrix) {
 Tensor LoraAdapters::part_matrix(size_t target, size_t part, char matrix) const {
   const LoraTarget& t = targets_.at(target);
   const LoraPart& p = t.parts.at(part);
-  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  const int64_t r = lora_.rank * t.rank_multiple, low = r * static_cast<int64_t>(t.parts.size());
+  const int64_t k = static_cast<int64_t>(part);
   const Tensor all = masters_.at(2 * target + (matrix == 'a' ? 0 : 1)).to(Device::CPU);
+  if (t.experts > 0) return matrix == 'a' ? all.clone() : expert_b_to_peft(all, t.experts, t.out, r);
   if (matrix == 'a') return all.narrow(k * r, (k + 1) * r).clone();
   const int64_t rows = p.row_end - p.row_begin;
   Tensor out = Tensor::empty({rows, r});
@@ -397,10 +564,14 @@ Tensor LoraAdapters::part_matrix(size_t target, size_t part, char matrix) const 
 void LoraAdapters::set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values) {
   const LoraTarget& t = targets_.at(target);
   const LoraPart& p = t.parts.at(part);
-  const int64_t r = lora_.rank, low = r * static_cast<int64_t>(t.parts.size()), k = static_cast<int64_t>(part);
+  const int64_t r = lora_.rank * t.rank_multiple, low = r * static_cast<int64_t>(t.parts.size());
+  const int64_t k = static_cast<int64_t>(part);
   Tensor& master = master_of(target, matrix);
   Tensor all = master.to(Device::CPU);
-  if (matrix == 'a') {
+  if (t.experts > 0) {  // NOTE [LoRA on routed experts]: PEFT's A [E r, in], B [out, r E]
+    check_shape(values, matrix == 'a' ? Shape{t.experts * r, t.in} : Shape{t.out, r * t.experts}, "expert LoRA");
+    all.copy_from(matrix == 'a' ? values : expert_b_from_peft(values, t.experts, t.out, r));
+  } else if (matrix == 'a') {
     check_shape(values, {r, t.in}, "LoRA A");
     all.narrow(k * r, (k + 1) * r).copy_from(values);
   } else {
@@ -417,9 +588,19 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "LoRA merge into {} {} parameters (fp32 host ones expected)", device_name(params.flat().device()),
               dtype_name(params.flat().dtype()));
+  const float scale = static_cast<float>(lora_.alpha / static_cast<double>(lora_.rank));
   for (size_t k = 0; k < targets_.size(); ++k) {
     const Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
-    matmul(params.find(targets_[k].name), b, false, a, false, adapters_[k].scale, 1.0f);
+    const Tensor& w = params.find(targets_[k].name);
+    const LoraTarget& t = targets_[k];
+    if (t.experts == 0) {
+      matmul(w, b, false, a, false, scale, 1.0f);
+      continue;
+    }
+    const int64_t r = lora_.rank * t.rank_multiple;  // W_e += scale B_e A_e (NOTE [LoRA on routed experts])
+    for (int64_t e = 0; e < t.experts; ++e)
+      matmul(w.narrow(e, e + 1).view({t.out, t.in}), b.narrow(e * t.out, (e + 1) * t.out), false,
+             a.narrow(e * r, (e + 1) * r), false, scale, 1.0f);
   }
 }
 

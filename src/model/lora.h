@@ -77,34 +77,62 @@
 // draws the same masks. QLoRA is refused under tensor parallelism (the NF4 base is not
 // split).
 //
+// NOTE [LoRA under expert parallelism]
+// With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
+// model/expert_dispatch.h) each rank's MoE blocks run its E / P local experts on the rows
+// every rank of its expert-parallel group sends them. The frozen FSDP base holds each rank's
+// local experts' slices of the stacks, sharded over the ranks that hold the same experts
+// (NOTE [Frozen FSDP base], FsdpOptions::expert_parallel), as it does under full training.
+// The adapters stay whole on every rank, as under data parallelism: the routed experts'
+// adapters are handed to the blocks as the local experts' slices (A's rows [e0 r, e1 r) and
+// B's [e0 out, e1 out), contiguous in forge's layout, NOTE [LoRA on routed experts]), whose
+// gradients the rank's backward writes (its local experts' share of every token of its
+// group); the other experts' gradient rows stay zero on this rank (discard() zeroes them once
+// per step, after the previous step's all-reduce filled them). The trainer's one all-reduce
+// of the adapter gradients over every data-parallel rank (NOTE [LoRA under data
+// parallelism]) then sums each expert's partial gradients over the ranks that hold it and
+// the 2-D adapters' over every rank, which is the global gradient: every rank runs the same
+// AdamW step on the whole adapters, so checkpoints, the PEFT adapter and the merged export
+// are one process's. The expert workspace takes P times a rank's rows (what its experts may
+// receive). QLoRA is refused with expert parallelism (its NF4 base is replicated whole, not
+// split by experts).
+//
 // NOTE [LoRA on MoE and MLA models]
-// On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the 2-D
+// On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the
 // projections that lora.target_modules names with their Hugging Face module names:
 // attention's q_proj, k_proj, v_proj, o_proj, or MLA's q_proj (or q_a_proj, q_b_proj),
 // kv_a_proj_with_mqa, kv_b_proj and o_proj; DeepSeek's dense first blocks' and shared
-// experts' gate_proj, up_proj, down_proj; and the router, `gate` ([experts, hidden]). The
-// routed experts' stacked weights ([E, 2F, hidden], [E, hidden, F]) take no adapter and
-// stay frozen, as do the routing biases (DeepSeek-V3's, which router_bias_update_rate would
-// move: refused under LoRA, since they belong to the frozen base that checkpoints do not
-// hold). The MoE block's backward still carries dL/dx through the frozen router and
-// experts, skipping their weight-gradient GEMMs (the gradient descriptors hold no tensor).
-// The balancing losses and z-loss stay in the training loss, as transformers adds its
-// aux_loss under PEFT with output_router_logits: their gradient reaches the router's
-// adapter when it has one, and otherwise the adapters upstream through the router's input
-// gradient. PEFT 0.21 on transformers 5 differs in two ways, which configs refuse or the
-// README states: its all-linear on a MoE model also adapts the routed experts (its
-// ParamWrapper on the stacked parameters, through target_parameters), which forge does not
-// build, so all-linear is refused there; and its v4-to-v5 conversion maps gate_proj,
-// up_proj and down_proj on DeepSeek models to the routed experts, so an adapter of the
-// dense blocks and shared experts loads into PEFT on transformers 4 only (forge, its
-// merged export and transformers 4 read it). The router's adapter is what PEFT 5 makes of
+// experts' gate_proj, up_proj, down_proj; the router, `gate` ([experts, hidden]); and the
+// routed experts' stacked weights, experts.gate_up_proj ([E, 2F, hidden]) and
+// experts.down_proj ([E, hidden, F]), one low-rank update per expert as PEFT's ParamWrapper
+// makes them (NOTE [LoRA on routed experts] in ops/lora_experts.h). The routing biases stay
+// frozen (DeepSeek-V3's, which router_bias_update_rate would move: refused under LoRA, since
+// they belong to the frozen base that checkpoints do not hold). The MoE block's backward
+// carries dL/dx through the frozen router and experts, skipping their weight-gradient GEMMs
+// (the gradient descriptors hold no tensor; an adapted stack's hold its adapters). The
+// balancing losses and z-loss stay in the training loss, as transformers adds its aux_loss
+// under PEFT with output_router_logits: their gradient reaches the router's adapter when it
+// has one, and otherwise the adapters upstream through the router's input gradient.
+// all-linear follows PEFT 0.21 on transformers 5, whose all-linear on a MoE model adapts
+// attention's linear modules and, through target_parameters, the router (gate.weight) and
+// both expert stacks; its v4-to-v5 conversion drops gate_proj, up_proj and down_proj from
+// target_modules on DeepSeek models (it maps those names to the routed experts), so its
+// all-linear leaves the dense blocks' and shared experts' feed-forward unadapted, and so
+// does forge's (lora_modules_for_model). Named explicitly, gate_proj, up_proj and down_proj
+// mean the dense blocks and shared experts in forge, and that conversion maps them to the
+// routed experts: such an adapter loads into PEFT on transformers 4 only (forge, its merged
+// export and transformers 4 read it). The router's adapter is what PEFT 5 makes of
 // target_parameters ["gate.weight"] (a ParamWrapper on a 2-D parameter: B A added to the
-// weight, PEFT's lora.Linear function), which takes no dropout. MLA's rotary rows (the
-// queries' and kv_a's last qk_rope_head_dim rows) are reordered at import (NOTE
-// [Multi-head Latent Attention]); an adapter's B rows are reordered alike when a PEFT
-// adapter is read or written (LoraPart::rotary_rows). QLoRA is refused on both: the NF4
-// base holds 2-D projections only (not the experts' stacks, which the experts' GEMMs read
-// as they are), and MLA's reordered rotary rows would not give bitsandbytes' codes.
+// weight, PEFT's lora.Linear function), which takes no dropout; nor do the experts'
+// (PEFT's ParamWrapper raises on lora_dropout > 0), so lora.dropout > 0 is refused with
+// either. MLA's rotary rows (the queries' and kv_a's last qk_rope_head_dim rows) are
+// reordered at import (NOTE [Multi-head Latent Attention]); an adapter's B rows are
+// reordered alike when a PEFT adapter is read or written (LoraPart::rotary_rows). QLoRA on
+// a MoE model quantizes the experts' stacks as well (NOTE [NF4 expert stacks] in
+// model/nf4_base.h): their adapters add to the GEMMs on the dequantized stacks, as PEFT's
+// ParamWrapper adds to transformers 5's unquantized 3-D parameters. Expert adapters are
+// refused with precision.fp8 (config_validate.cpp); under expert parallelism, NOTE [LoRA
+// under expert parallelism].
 #pragma once
 
 #include <cstdint>
@@ -116,6 +144,7 @@
 #include "model/lora_config.h"
 #include "model/parameters.h"
 #include "ops/lora.h"
+#include "ops/lora_experts.h"
 
 namespace forge {
 
@@ -140,23 +169,45 @@ struct LoraTarget {
   std::string name;       // forge's parameter name, e.g. layers.3.attention.qkv.weight
   int64_t in = 0, out = 0;
   std::vector<LoraPart> parts;
+  // A stack of routed experts' matrices [experts, out, in] (one part; NOTE [LoRA on routed
+  // experts] in ops/lora_experts.h): a [experts * rank, in], b [experts * out, rank]. 0: a
+  // 2-D projection.
+  int64_t experts = 0;
+  // Its rank is lora.rank times this (its alpha too, so the scale stays alpha / rank): 2 for
+  // the experts' gate_up_proj under all-linear on a MoE model, as PEFT 0.21's rank_pattern
+  // and alpha_pattern {".*\\.gate_up_proj": 2 r, 2 alpha} (NOTE [LoRA on routed experts]).
+  int64_t rank_multiple = 1;
 };
 
 // The projections `modules` (lora_target_modules) adapt, in parameter order.
 std::vector<LoraTarget> lora_targets(const ModelConfig& config, const std::vector<std::string>& modules);
 
+// The targets of a run's lora settings: lora_targets of lora_modules_for_model, with PEFT's
+// doubled rank on the experts' gate_up_proj under all-linear (LoraTarget::rank_multiple).
+std::vector<LoraTarget> lora_targets(const ModelConfig& config, const LoraConfig& lora);
+
 // The module names this model has a projection of (what lora_targets can adapt).
 std::vector<std::string> lora_model_modules(const ModelConfig& config);
 
+// lora_target_modules(target_modules) for this model: all-linear on a Mixture-of-Experts
+// model as PEFT 0.21 on transformers 5 reads it, attention's projections, the router and
+// the routed experts, without gate_proj, up_proj and down_proj (NOTE [LoRA on MoE and MLA
+// models]).
+std::vector<std::string> lora_modules_for_model(const ModelConfig& config, const std::string& target_modules,
+                                                const KeyDescriber& keys = {});
+
 // Throws, naming the lora.* key, where the settings do not fit the model (NOTE [LoRA on
-// MoE and MLA models]): all-linear on a Mixture-of-Experts model, the router named on a
-// model without one or adapted with dropout.
+// MoE and MLA models]): the router or the routed experts named on a model without them or
+// adapted with dropout.
 void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, const KeyDescriber& keys = {});
 
 // What LoRA adds to a model, in values: the adapters as stored (masters(), b's zeros
 // included), what PEFT counts as trainable, and the workspace for `tokens` tokens.
 struct LoraSizes {
   int64_t stored = 0, trainable = 0, workspace = 0;
+  // Of trainable, the values one token's GEMMs run through: a routed expert's adapters
+  // count only for the top-k experts a token goes to (k / experts of them).
+  double active_trainable = 0.0;
 };
 LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens);
 
@@ -167,9 +218,10 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
 // forward and an input-gradient GEMM, 4 FLOPs per parameter, and no weight gradient; the
 // adapters do all three, 6 per trainable parameter; attention does its forward and
 // backward as in full training (ModelConfig::flops_per_token's attention term: 6 x layers
-// x hidden x seq, MLA's width instead of hidden). Full training's count
-// (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run with a third
-// more work than it does. Without LoRA this is ModelConfig::flops_per_token.
+// x hidden x seq, MLA's width instead of hidden). The routed experts' adapters count as the
+// frozen experts do, for the token's top-k experts only (LoraSizes::active_trainable). Full
+// training's count (ModelConfig::flops_per_token, 6 per parameter) would credit a LoRA run
+// with a third more work than it does. Without LoRA this is ModelConfig::flops_per_token.
 double training_flops_per_token(const ModelConfig& config, const LoraConfig& lora, int64_t seq_len);
 
 // PEFT's name of a part's A or B: base_model.model.<hf_prefix>.lora_A.weight.
@@ -212,8 +264,13 @@ class LoraAdapters : public ParamSource, public GradSink {
   void set_base(ParamSource& base) { base_ = &base; }
   // Dropout masks for the micro-batch at `index` in the run (NOTE [LoRA dropout]).
   void set_dropout_step(uint64_t seed, uint64_t index);
-  // As a gradient sink: the next gradients are written over the buffers.
+  // As a gradient sink: the next gradients are written over the buffers (under expert
+  // parallelism the other ranks' experts' adapter gradients are zeroed here, once per step).
   void discard();
+  // Expert parallelism (NOTE [LoRA under expert parallelism]): this rank is `index` of
+  // `degree` ranks that split the routed experts; the experts' adapters handed to the MoE
+  // blocks are its local experts' slices. Once, before the first step.
+  void set_expert_parallel(int64_t index, int64_t degree);
   // Under tensor parallelism, after the step's backward: each split matrix's gradient, which
   // the linear ops wrote to the rank's shard, at its places in gradients() with zeros
   // elsewhere, so that the sum over the tensor-parallel group is the whole gradient (NOTE
@@ -275,6 +332,12 @@ class LoraAdapters : public ParamSource, public GradSink {
   std::vector<Tensor> masters_, grads_;
   std::vector<LoraAdapter> adapters_;
   LoraWorkspace workspace_;
+  // Per target, the routed experts' adapters (LoraTarget::experts > 0; unused otherwise), and
+  // their scratch.
+  std::vector<LoraExpertAdapter> expert_adapters_;
+  LoraExpertWorkspace expert_workspace_;
+  int64_t expert_rows_ = 0;                     // the workspace's rows (one rank's, before expert parallelism)
+  int64_t expert_index_ = 0, expert_degree_ = 1;  // NOTE [LoRA under expert parallelism]
   ParamSource* base_ = nullptr;
   std::vector<BlockWeights> layers_, grad_layers_;
   Tensor norm_scratch_, no_gradient_;

@@ -33,12 +33,20 @@ inline constexpr ValueRange dropout = {0.0, 1.0, false, true};
 
 // The decoder's projections, by their PEFT / torchtune / Hugging Face module names:
 // attention's (Multi-head Latent Attention's q_a_proj, q_b_proj, kv_a_proj_with_mqa and
-// kv_b_proj too) and the feed-forward's (DeepSeek's shared experts' too). What all-linear
-// adapts; a Mixture-of-Experts model refuses all-linear (NOTE [LoRA on MoE and MLA models]
-// in model/lora.h).
+// kv_b_proj too) and the feed-forward's (DeepSeek's shared experts' too), and a
+// Mixture-of-Experts block's router and routed experts' stacks. What all-linear adapts
+// (those the model has); on a MoE model as PEFT 0.21 on transformers 5 does, without the
+// dense blocks' and shared experts' feed-forward (lora_modules_for_model, NOTE [LoRA on
+// MoE and MLA models] in model/lora.h).
 inline const std::vector<std::string> kLoraModules = {"q_proj",    "k_proj",   "v_proj",   "o_proj",
                                                       "gate_proj", "up_proj",  "down_proj", "q_a_proj",
-                                                      "q_b_proj",  "kv_a_proj_with_mqa", "kv_b_proj"};
+                                                      "q_b_proj",  "kv_a_proj_with_mqa", "kv_b_proj",
+                                                      "gate", "experts.gate_up_proj", "experts.down_proj"};
+// The routed experts' stacked weights, by transformers 5's parameter names under the MoE
+// block (model.layers.N.mlp.experts.gate_up_proj [E, 2F, H], .down_proj [E, H, F]): what
+// PEFT adapts through target_parameters (its ParamWrapper, NOTE [LoRA on routed experts] in
+// ops/lora_experts.h), which matches these suffixes too.
+inline const std::vector<std::string> kLoraExpertModules = {"experts.gate_up_proj", "experts.down_proj"};
 // A Mixture-of-Experts block's router (Mixtral's block_sparse_moe.gate, DeepSeek's
 // mlp.gate), which PEFT adapts as a parameter (target_parameters "gate.weight").
 inline const std::string kLoraRouterModule = "gate";
@@ -59,7 +67,7 @@ inline const std::vector<std::pair<std::string, std::vector<std::string>>> kLora
 inline const std::vector<std::string> kLoraModuleNames = {"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                                                           "gate_up_proj", "gate_proj", "up_proj", "down_proj",
                                                           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                                                          "gate"};
+                                                          "gate", "experts.gate_up_proj", "experts.down_proj"};
 
 // The modules lora.target_modules names, in kLoraModuleNames order ("all-linear": the
 // separate modules, kLoraModules; PEFT's all-linear leaves the output head out, as forge

@@ -237,7 +237,9 @@ MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
 // The stacked experts' weights (or gradients) of this rank: all E, or under expert
 // parallelism its local experts' slices (the ParamSource hands out those alone).
 MoeExpertWeights MoeFeedForward::expert_weights(const ComponentWeights& w) const {
-  const MoeExpertWeights e{w.tensor(kGateUp), w.tensor(kDown)};
+  // With LoRA on the routed experts, their adapters too (NOTE [LoRA on routed experts]).
+  const MoeExpertWeights e{w.tensor(kGateUp), w.tensor(kDown), w.linear(kGateUp).experts_lora,
+                           w.linear(kDown).experts_lora};
   if (!e.gate_up.defined() && !e.down.defined()) return e;  // frozen experts' gradients (LoRA): none
   const int64_t held = exchange_ ? exchange_->local_experts() : experts_;
   FORGE_CHECK(e.gate_up.dim(0) == held && e.down.dim(0) == held,

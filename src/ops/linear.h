@@ -63,7 +63,8 @@
 
 namespace forge {
 
-struct LoraAdapter;  // ops/lora.h
+struct LoraAdapter;        // ops/lora.h
+struct LoraExpertAdapter;  // ops/lora_experts.h
 
 struct LinearWeight {
   Tensor weight;  // [out_features, in_features], compute dtype (fp32 for gradients); in a
@@ -90,6 +91,11 @@ struct LinearWeight {
   // undefined for a layer without one (every language model's projection). Last, so that
   // the positional initializers {weight, lora, nf4, fp8} keep their meaning.
   Tensor bias{};
+
+  // A stack of routed experts' matrices [E, out, in] (never a linear op's weight): its LoRA
+  // adapters, read by the MoE ops (NOTE [LoRA on routed experts] in ops/lora_experts.h);
+  // null without. A gradient descriptor points at the same adapters.
+  const LoraExpertAdapter* experts_lora = nullptr;
 };
 
 // With an adapter (w.lora) each op adds the adapter's share (ops/lora.h).

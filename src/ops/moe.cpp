@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/op_profile.h"
 #include "kernels/cpu/moe.h"
+#include "ops/lora_experts.h"
 #include "ops/matmul.h"
 #include "ops/placement.h"
 #include "ops/swiglu.h"
@@ -635,9 +636,11 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
     }
   };
   per_expert(a.gate_up, a.permuted, w.gate_up);
+  if (w.gate_up_lora) lora_experts_forward_add(a.gate_up, a.permuted, *w.gate_up_lora, r);
   // Every row at once: SwiGLU works on each row alone (none: a rank's experts received nothing).
   if (a.gate_up.dim(0) > 0) swiglu_forward(a.swiglu, a.gate_up);
   per_expert(a.expert_out, a.swiglu, w.down);
+  if (w.down_lora) lora_experts_forward_add(a.expert_out, a.swiglu, *w.down_lora, r);
 }
 
 void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
@@ -674,8 +677,10 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
     }
   };
   per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down);
+  lora_experts_backward(d_swiglu, d_expert_out, a.swiglu, w.down_lora, grads.down_lora, r, overwrite);
   if (a.gate_up.dim(0) > 0) swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
   per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up);
+  lora_experts_backward(d_permuted, d_gate_up, a.permuted, w.gate_up_lora, grads.gate_up_lora, r, overwrite);
 }
 
 }  // namespace forge

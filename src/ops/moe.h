@@ -269,9 +269,15 @@ void moe_combine_backward(const Tensor& d_expert_out, const Tensor& d_weights, c
 // routing's `experts` and `offsets` are read (within the buffers' rows), so a routing that
 // holds just those serves too: expert parallelism's received rows (NOTE [Expert
 // parallelism] in model/expert_dispatch.h), whose buffers are narrowed to what arrived.
+struct LoraExpertAdapter;  // ops/lora_experts.h
 struct MoeExpertWeights {
   Tensor gate_up;  // [experts, 2 * ffn, hidden]
   Tensor down;     // [experts, hidden, ffn]
+  // LoRA on the routed experts (NOTE [LoRA on routed experts] in ops/lora_experts.h): each
+  // stack's adapters, null without; in a gradient descriptor the same adapters, whose
+  // gradient buffers receive the adapters' gradients.
+  const LoraExpertAdapter* gate_up_lora = nullptr;
+  const LoraExpertAdapter* down_lora = nullptr;
 };
 struct MoeExpertBuffers {
   Tensor permuted;    // [rows, hidden]: the input, from moe_permute

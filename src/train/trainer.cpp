@@ -124,6 +124,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len,
                                            tensor_parallel_shard_);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
+    if (const int64_t ep = config_.parallelism.expert_parallel_degree; ep > 1)  // NOTE [LoRA under expert parallelism]
+      lora_->set_expert_parallel(rank_ % ep, ep);
     if (config_.checkpoint.initial_load_in_hf && !config_.checkpoint.initial_load_path.empty())
       lora_->set_interleaved_rotary(read_weight_layout(config_.checkpoint.initial_load_path).interleaved_rotary);
     if (fsdp_) {

@@ -1,10 +1,12 @@
 // LoRA on Mixture-of-Experts and Multi-head Latent Attention models (NOTE [LoRA on MoE and
-// MLA models] in model/lora.h): which projections carry adapters (the 2-D ones: attention's,
-// MLA's, DeepSeek's dense blocks' and shared experts', the router; never the routed
-// experts' stacks), the config rules, the FLOP count, every adapter's gradient against
-// central differences (the balancing loss and z-loss included), a frozen base and router
-// that no step moves, and the same gradients under every checkpointing mode. The numbers are
-// checked against PEFT and transformers in tests/python/test_lora_moe_vs_peft.py.
+// MLA models] in model/lora.h): which projections carry adapters (attention's, MLA's,
+// DeepSeek's dense blocks' and shared experts', the router, and the routed experts' stacks
+// when named or under all-linear, NOTE [LoRA on routed experts] in ops/lora_experts.h, with
+// PEFT's shapes and names), an expert-parallel rank's slices of them, the config rules, the
+// FLOP count, every adapter's gradient against central differences (the balancing loss and
+// z-loss included; the experts' adapters dropless and padded to capacity), a frozen base and
+// router that no step moves, and the same gradients under every checkpointing mode. The
+// numbers are checked against PEFT and transformers in tests/python/test_lora_moe_vs_peft.py.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -64,11 +66,25 @@ TEST(ModelLoraMoe, ConfigRulesNameTheKey) {
   EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}}).lora.rank, 8);
   EXPECT_EQ(load("debug-tiny-mla", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,kv_b_proj,gate"}}).lora.rank,
             8);
-  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"}}); },
-               {"lora.target_modules = all-linear (command line) on a Mixture-of-Experts model",
-                "also adapts the routed experts", "q_proj,k_proj,v_proj,o_proj,gate"});
-  expect_error([] { load("debug-tiny-mla", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"}}); },
-               {"on a Mixture-of-Experts model", "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate"});
+  // all-linear adapts the routed experts and the router too, as PEFT 0.21 on transformers 5.
+  EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"}}).lora.target_modules,
+            "all-linear");
+  EXPECT_EQ(load("debug-tiny-mla", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"}}).lora.rank, 8);
+  EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "experts.down_proj"},
+                                    {"lora.quantize_base", "nf4"}}).lora.quantize_base, "nf4");
+  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"},
+                                            {"lora.dropout", "0.05"}}); },
+               {"lora.target_modules = all-linear (command line) adapts the router and the routed experts with "
+                "lora.dropout = 0.05 (command line)", "which take no dropout", "leaving out gate and experts.*"});
+  expect_error([] { load("debug-tiny-mla", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,experts.gate_up_proj"},
+                                            {"lora.dropout", "0.1"}}); },
+               {"adapts the routed experts with lora.dropout = 0.1 (command line)"});
+  expect_error([] { load("debug-tiny", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,experts.down_proj"}}); },
+               {"names the routed experts' 'experts.down_proj', and this model has none"});
+  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "experts.gate_up_proj"},
+                                            {"precision.fp8", "tensorwise"}}); },
+               {"lora.target_modules = experts.gate_up_proj (command line) adapts the routed experts",
+                "precision.fp8 = tensorwise (command line)"});
   // QLoRA quantizes the routed experts too (NOTE [NF4 expert stacks]; tests/cpu/test_model_qlora.cpp).
   EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.quantize_base", "nf4"}}).lora.quantize_base, "nf4");
   // QLoRA on MLA: the rotary rows quantized in the published order (NOTE [NF4 stored row order]).
@@ -81,12 +97,19 @@ TEST(ModelLoraMoe, ConfigRulesNameTheKey) {
                {"adapts the router with lora.dropout = 0.1 (command line)", "takes no dropout"});
   expect_error([] { load("debug-tiny", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,gate"}}); },
                {"names the router 'gate', and this model has none"});
-  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"parallelism.data_parallel_shard_degree", "2"},
+  // NOTE [LoRA under expert parallelism]: LoRA (the experts' adapters too) yes, QLoRA no.
+  EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"},
+                                    {"parallelism.data_parallel_shard_degree", "2"},
+                                    {"parallelism.expert_parallel_degree", "2"}}).parallelism.expert_parallel_degree,
+            2);
+  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.quantize_base", "nf4"},
+                                            {"parallelism.data_parallel_shard_degree", "2"},
                                             {"parallelism.expert_parallel_degree", "2"}}); },
-               {"parallelism.expert_parallel_degree = 2 (command line) cannot be combined with LoRA"});
+               {"parallelism.expert_parallel_degree = 2 (command line) cannot be combined with QLoRA",
+                "lora.quantize_base = nf4 (command line)"});
   // The adapters refuse the same outside a config (forge eval --adapter, the tools).
-  expect_error([] { LoraAdapters(load("debug-tiny-moe").model, lora("all-linear"), Device::CPU, 4); },
-               {"all-linear", "Mixture-of-Experts"});
+  expect_error([] { LoraAdapters(load("debug-tiny").model, lora("experts.gate_up_proj"), Device::CPU, 4); },
+               {"names the routed experts' 'experts.gate_up_proj', and this model has none"});
 }
 
 // Mixtral-style: attention's fused qkv and o, the router (whose PEFT name may also be
@@ -101,8 +124,8 @@ TEST(ModelLoraMoe, TargetsAreTheTwoDimensionalProjections) {
   EXPECT_EQ(peft_tensor_name(targets[2].parts[0], 'a'),
             "base_model.model.model.layers.0.block_sparse_moe.gate.lora_A.weight");
   EXPECT_EQ(targets[2].parts[0].hf_alias_prefix, "model.layers.0.mlp.gate");
-  EXPECT_EQ(lora_model_modules(moe),
-            (std::vector<std::string>{"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate"}));
+  EXPECT_EQ(lora_model_modules(moe), (std::vector<std::string>{"qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate", "experts.gate_up_proj", "experts.down_proj"}));
 
   // DeepSeek-shaped with a compressed query: MLA's projections, the dense block's and the
   // shared experts' SwiGLU, the router; kv_a's rotary rows marked for PEFT's order.
@@ -132,6 +155,100 @@ TEST(ModelLoraMoe, TargetsAreTheTwoDimensionalProjections) {
   }
 }
 
+// NOTE [LoRA on routed experts]: the experts' stacks by transformers 5's parameter names,
+// PEFT's ParamWrapper shapes (A [E r, in]; B [out, r E] in PEFT, [E out, r] in forge) and
+// tensor names (gate_up_proj the inner wrapper, experts.base_layer, when both are adapted);
+// all-linear on a MoE model as PEFT 0.21 on transformers 5: attention, router, experts.
+TEST(ModelLoraMoe, ExpertTargetsArePeftsParamWrappers) {
+  const ModelConfig moe = load("debug-tiny-moe").model;
+  const int64_t e = moe.num_experts, f = moe.resolved_moe_ffn(), h = moe.hidden_size;
+  std::vector<LoraTarget> targets = lora_targets(moe, lora_target_modules("experts.gate_up_proj,experts.down_proj"));
+  ASSERT_EQ(targets.size(), 2u * static_cast<size_t>(moe.num_layers));
+  EXPECT_EQ(targets[0].name, "layers.0.moe.experts.gate_up");
+  EXPECT_EQ(targets[0].experts, e);
+  EXPECT_EQ(targets[0].in, h);
+  EXPECT_EQ(targets[0].out, 2 * f);
+  EXPECT_EQ(targets[1].in, f);
+  EXPECT_EQ(targets[1].out, h);
+  EXPECT_EQ(peft_tensor_name(targets[0].parts[0], 'a'),
+            "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
+  EXPECT_EQ(peft_tensor_name(targets[1].parts[0], 'b'), "base_model.model.model.layers.0.mlp.experts.lora_B.weight");
+  targets = lora_targets(moe, lora_target_modules("experts.gate_up_proj"));
+  EXPECT_EQ(peft_tensor_name(targets[0].parts[0], 'a'), "base_model.model.model.layers.0.mlp.experts.lora_A.weight");
+
+  LoraAdapters adapters(moe, lora("experts.gate_up_proj,experts.down_proj,q_proj", 2), Device::CPU, 8);
+  randomize(adapters, 4);
+  ASSERT_EQ(adapters.targets()[1].name, "layers.0.moe.experts.gate_up");  // after layer 0's qkv
+  EXPECT_EQ(adapters.masters()[2].shape(), (Shape{e * 2, h}));      // gate_up's A
+  EXPECT_EQ(adapters.masters()[3].shape(), (Shape{e * 2 * f, 2}));  // gate_up's B, expert-major
+  EXPECT_EQ(adapters.trainable_params(),
+            lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj,q_proj", 2), 8).trainable);
+  EXPECT_EQ(LoraAdapters(moe, lora("experts.gate_up_proj,experts.down_proj", 2), Device::CPU, 8).trainable_params(),
+            moe.num_layers * e * 2 * ((h + 2 * f) + (f + h)));
+  // PEFT's B [out, r E]: column c E + e is expert e's B column c.
+  const Tensor peft_b = adapters.part_matrix(1, 0, 'b');
+  ASSERT_EQ(peft_b.shape(), (Shape{2 * f, 2 * e}));
+  const Tensor forge_b = adapters.masters()[3].clone();
+  for (int64_t x = 0; x < e; ++x)
+    for (int64_t o = 0; o < 2 * f; ++o)
+      for (int64_t c = 0; c < 2; ++c)
+        ASSERT_EQ(peft_b.data<float>()[o * 2 * e + c * e + x], forge_b.data<float>()[(x * 2 * f + o) * 2 + c]);
+  adapters.masters()[3].fill_zero();
+  adapters.set_part_matrix(1, 0, 'b', peft_b);
+  EXPECT_TRUE(testing::bitwise_equal(adapters.masters()[3], forge_b));
+
+  // all-linear: gate_up_proj at twice the rank (and alpha), as PEFT 0.21's rank_pattern.
+  LoraConfig all = lora("all-linear", 2);
+  LoraAdapters doubled(moe, all, Device::CPU, 8);
+  for (size_t k = 0; k < doubled.targets().size(); ++k) {
+    const LoraTarget& t = doubled.targets()[k];
+    EXPECT_EQ(t.rank_multiple, t.name.ends_with("experts.gate_up") ? 2 : 1) << t.name;
+    if (t.experts > 0) EXPECT_EQ(doubled.masters()[2 * k].shape(), (Shape{e * 2 * t.rank_multiple, t.in})) << t.name;
+  }
+  EXPECT_EQ(doubled.trainable_params(), lora_sizes(moe, all, 8).trainable);
+  // NOTE [LoRA FLOPs]: a token runs the adapters of its top-k experts only.
+  const LoraSizes down = lora_sizes(moe, lora("experts.down_proj", 2), 1);
+  EXPECT_DOUBLE_EQ(down.active_trainable,
+                   static_cast<double>(down.trainable) * static_cast<double>(moe.num_experts_per_tok) / e);
+
+  // all-linear: on DeepSeek's shape without the dense block's and shared experts' SwiGLU.
+  const ModelConfig mla = load("debug-tiny-mla").model;
+  EXPECT_EQ(lora_modules_for_model(mla, "all-linear"),
+            (std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj",
+                                      "kv_a_proj_with_mqa", "kv_b_proj", "gate", "experts.gate_up_proj",
+                                      "experts.down_proj"}));
+  for (const LoraTarget& t : lora_targets(mla, lora_modules_for_model(mla, "all-linear")))
+    EXPECT_TRUE(t.name.find(".mlp.") == std::string::npos && t.name.find(".shared.") == std::string::npos) << t.name;
+  EXPECT_EQ(lora_modules_for_model(load("debug-tiny").model, "all-linear"), kLoraModules);  // dense: every module
+}
+
+// NOTE [LoRA under expert parallelism]: rank 1 of 2 hands its blocks its local experts'
+// slices of the whole adapters, and discard() zeroes the other experts' gradient rows.
+TEST(ModelLoraMoe, ExpertParallelRankHandsOutItsExpertsSlices) {
+  const ModelConfig moe = load("debug-tiny-moe").model;
+  const int64_t e = moe.num_experts, h = moe.hidden_size, f = moe.resolved_moe_ffn(), r = 2;
+  LoraAdapters adapters(moe, lora("experts.gate_up_proj,experts.down_proj", r), Device::CPU, 8);
+  FlatParameters base(moe);
+  adapters.set_base(base);
+  adapters.set_expert_parallel(1, 2);
+  ASSERT_EQ(adapters.targets()[0].name, "layers.0.moe.experts.gate_up");
+  const LoraExpertAdapter* gate_up = adapters.layer_grads(0).params.at(adapters.targets()[0].param).experts_lora;
+  ASSERT_NE(gate_up, nullptr);
+  EXPECT_EQ(gate_up->experts, e / 2);
+  EXPECT_EQ(gate_up->a.shape(), (Shape{e / 2 * r, h}));
+  EXPECT_EQ(gate_up->a.raw(), adapters.masters()[0].narrow(e / 2 * r, e * r).raw());
+  EXPECT_EQ(gate_up->b.raw(), adapters.masters()[1].narrow(e / 2 * 2 * f, e * 2 * f).raw());
+  EXPECT_EQ(adapters.layer(0).params.at(adapters.targets()[0].param).experts_lora, gate_up);
+  for (size_t k = 0; k < 2; ++k) {
+    const Tensor& g = adapters.gradients()[k];
+    for (int64_t i = 0; i < g.numel(); ++i) g.data<float>()[i] = 1.0f;
+  }
+  adapters.discard();
+  const Tensor& ga = adapters.gradients()[0];
+  for (int64_t i = 0; i < ga.numel(); ++i)
+    ASSERT_EQ(ga.data<float>()[i], i < e / 2 * r * h ? 0.0f : 1.0f) << i;  // experts 0..E/2-1: another rank's
+}
+
 // NOTE [LoRA FLOPs]: a MoE token runs its experts only, so the frozen work counts the active
 // parameters, as full training's count does; attention is full training's (MLA's width).
 TEST(ModelLoraMoe, FlopsCountTheActiveParameters) {
@@ -140,6 +257,7 @@ TEST(ModelLoraMoe, FlopsCountTheActiveParameters) {
     const LoraConfig c = lora("q_proj,o_proj,gate");
     const double frozen = static_cast<double>(m.active_params() - m.embedding_params());
     const double adapters = static_cast<double>(lora_sizes(m, c, 1).trainable);
+    EXPECT_DOUBLE_EQ(lora_sizes(m, c, 1).active_trainable, adapters) << name;
     const double width = m.mla() ? static_cast<double>(m.num_heads * (m.qk_head_dim() + m.v_head_dim)) / 2.0
                                  : static_cast<double>(m.hidden_size);
     const double attention = 6.0 * static_cast<double>(m.num_layers) * width * 64.0;
@@ -161,7 +279,16 @@ std::vector<Case> cases() {
           {"deepseek_v3", "debug-tiny-mla", "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,up_proj,gate",
            {{"model.q_lora_rank", "16"}, {"model.router_score_function", "sigmoid"}, {"model.router_num_groups", "4"},
             {"model.router_topk_groups", "2"}, {"model.router_normalize_topk", "true"},
-            {"model.router_z_loss_coef", "0.02"}}}};
+            {"model.router_z_loss_coef", "0.02"}}},
+          // NOTE [LoRA on routed experts]: the experts' stacks adapted, dropless and padded to
+          // capacity (the batched expert GEMMs), and all-linear on DeepSeek-V3's shape.
+          {"mixtral_experts", "debug-tiny-moe", "q_proj,gate,experts.gate_up_proj,experts.down_proj",
+           {{"model.router_aux_loss_coef", "0.3"}}},
+          {"mixtral_experts_padded", "debug-tiny-moe", "experts.gate_up_proj,experts.down_proj",
+           {{"model.moe_capacity_factor", "4.0"}, {"model.moe_pad_to_capacity", "true"}}},
+          {"deepseek_v3_all_linear", "debug-tiny-mla", "all-linear",
+           {{"model.q_lora_rank", "16"}, {"model.router_score_function", "sigmoid"}, {"model.router_num_groups", "4"},
+            {"model.router_topk_groups", "2"}, {"model.router_normalize_topk", "true"}}}};
 }
 
 ModelConfig case_model(const Case& c) {
@@ -254,7 +381,9 @@ TEST(ModelLoraMoe, TheBaseStaysFrozenUnderEveryCheckpointMode) {
         if (spec.layer < 0) continue;
         const LinearWeight& g = adapters.layer_grads(spec.layer).params.at(entry[static_cast<size_t>(spec.layer)]++);
         if (spec.shape.size() >= 2) EXPECT_FALSE(g.weight.defined()) << spec.name << " has a gradient";
-        if (spec.shape.size() == 3) EXPECT_EQ(g.lora, nullptr) << spec.name << " has an adapter";
+        if (spec.shape.size() == 3) EXPECT_EQ(g.lora, nullptr) << spec.name << " has a 2-D adapter";
+        const bool experts = c.targets == "all-linear" || c.targets.find("experts.") != std::string::npos;
+        if (spec.shape.size() == 3) EXPECT_EQ(g.experts_lora != nullptr, experts) << spec.name;
       }
       DecoderLM model(m, batch, seq, Device::CPU, DType::F32, mode);
       std::vector<double> losses;

@@ -58,14 +58,14 @@ ModelConfig tiny_mla() {
   return c;
 }
 
-// On a MoE model the adapters sit on attention and the router (NOTE [LoRA on MoE and MLA
-// models]), which takes no dropout.
+// On a MoE model all-linear puts adapters on attention, the router and the routed experts'
+// stacks (NOTE [LoRA on MoE and MLA models]; the experts' add to the GEMMs on the dequantized
+// NF4 stacks, NOTE [LoRA on routed experts]), which take no dropout.
 LoraConfig qlora_for(const ModelConfig& config) {
   LoraConfig c = qlora();
   if (config.moe()) {
     c.dropout = 0.0;
-    c.target_modules = config.mla() ? "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate"
-                                    : "q_proj,k_proj,v_proj,o_proj,gate";
+    c.target_modules = "all-linear";
   }
   return c;
 }

@@ -7,12 +7,17 @@ models] in src/model/lora.h; dropout off):
     transformers 5's mlp.gate), DeepSeek's dense block and shared experts;
   - the adapter forge saves loads into PeftModel.from_pretrained with the same logits, and forge's
     merged export equals merge_and_unload();
+  - the routed experts' stacks (NOTE [LoRA on routed experts] in src/ops/lora_experts.h): forge's
+    experts.gate_up_proj / experts.down_proj against PEFT's target_parameters on them (its
+    ParamWrapper), and forge's all-linear against PEFT's on Mixtral and DeepSeek-V3 (attention,
+    router and experts; on DeepSeek without the dense block and shared experts, as PEFT 0.21's
+    conversion leaves them);
   - forge train with LoRA on a Mixtral and a DeepSeek-V3 base trains the adapters with the base
     frozen; the run's adapter in PEFT and its merged export compute the same function.
 PEFT 0.21's v4-to-v5 conversion maps gate_proj, up_proj and down_proj on DeepSeek models to the
-routed experts (transformers 5's stacked parameters, which forge does not adapt); the cases that
-adapt DeepSeek's dense block and shared experts turn that conversion off, so that PEFT adapts the
-modules these names mean on transformers 4 (where forge's adapter loads as it is)."""
+routed experts (transformers 5's stacked parameters); the cases that adapt DeepSeek's dense block
+and shared experts by those names turn that conversion off, so that PEFT adapts the modules these
+names mean on transformers 4 (where forge's adapter loads as it is)."""
 import contextlib
 import json
 import os
@@ -78,7 +83,26 @@ CASES = [
          targets="kv_b_proj," + FFN, config=deepseek_v2()),
     dict(name="deepseek_v3_mla_dense_and_shared_experts", family="deepseek_v3", rank=3, alpha=6.0,
          targets=MLA_V3 + "," + FFN, config=deepseek_v3()),
+    dict(name="mixtral_routed_experts_router_q", family="mixtral", rank=2, alpha=5.0,
+         targets="q_proj,gate,experts.gate_up_proj,experts.down_proj", config=mixtral()),
+    dict(name="mixtral_all_linear", family="mixtral", rank=3, alpha=4.0, targets="all-linear",
+         config=mixtral(router_aux_loss_coef=0.1)),
+    dict(name="deepseek_v2_routed_down_only", family="deepseek_v2", rank=2, alpha=3.0,
+         targets="kv_b_proj,experts.down_proj", config=deepseek_v2()),
+    dict(name="deepseek_v3_all_linear", family="deepseek_v3", rank=2, alpha=6.0, targets="all-linear",
+         config=deepseek_v3()),
 ]
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def peft_targets(case):
+    """PEFT's LoraConfig targets for the case's lora.target_modules: the routed experts as
+    target_parameters (their suffix names match mlp.experts.gate_up_proj / down_proj)."""
+    if case["targets"] == "all-linear":
+        return dict(target_modules="all-linear")
+    names = case["targets"].split(",")
+    return dict(target_modules=[n for n in names if n not in EXPERTS],
+                target_parameters=[n for n in names if n in EXPERTS] or None)
 
 
 def v4_names(case):
@@ -163,8 +187,7 @@ class LoraMoeVsPeft(unittest.TestCase):
         model.save_pretrained(os.path.join(work, "base"))
         with peft_v4_targets(v4_names(case)):
             peft = get_peft_model(model, LoraConfig(r=case["rank"], lora_alpha=case["alpha"], lora_dropout=0.0,
-                                                    target_modules=case["targets"].split(","),
-                                                    task_type="CAUSAL_LM"))
+                                                    task_type="CAUSAL_LM", **peft_targets(case)))
         with torch.no_grad():  # B starts at zero in PEFT; random A and B exercise every path
             for n, p in peft.named_parameters():
                 if "lora_" in n:
@@ -187,8 +210,11 @@ class LoraMoeVsPeft(unittest.TestCase):
         work, peft, tokens, targets = self.prepare(case)
         run([tool("forge_lora_reference"), work])
         ref = expect_forge_matches_peft(self, work, peft, tokens, targets, family, case["name"])
-        if "gate" in case["targets"].split(","):
+        if "gate" in case["targets"].split(",") or case["targets"] == "all-linear":
             self.assertTrue(any(".gate.lora_B" in n for n, _ in peft.named_parameters()), "PEFT adapted no router")
+        if case["targets"] == "all-linear" or any(n in case["targets"].split(",") for n in EXPERTS):
+            self.assertTrue(any(".experts." in n and "lora_B" in n for n, _ in peft.named_parameters()),
+                            "PEFT adapted no routed experts")
 
         # forge's saved adapter in PEFT
         b, s = tokens.shape
@@ -205,18 +231,20 @@ class LoraMoeVsPeft(unittest.TestCase):
             with self.subTest(case["name"]):
                 self.check_case(case)
 
-    def test_routed_experts_adapters_are_refused(self):
-        """PEFT 0.21's all-linear on transformers 5's Mixtral adapts the routed experts' stacks
-        (target_parameters), which forge does not: its adapter is refused naming what differs."""
+    def test_unknown_target_parameters_are_refused(self):
+        """A PEFT adapter whose target_parameters name a parameter forge adapts none of (here the
+        output head's weight) is refused naming the file and the name."""
         work, *_ = self.prepare(CASES[0])
-        model = random_model("mixtral", mixtral(), seed=3)
-        peft = get_peft_model(model, LoraConfig(r=2, lora_alpha=4.0, target_modules="all-linear",
-                                                task_type="CAUSAL_LM"))
-        peft.save_pretrained(os.path.join(work, "peft_adapter"))
+        path = os.path.join(work, "peft_adapter", "adapter_config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["target_parameters"] = ["gate.weight", "lm_head.weight"]
+        with open(path, "w") as f:
+            json.dump(config, f)
         result = __import__("subprocess").run([tool("forge_lora_reference"), work], capture_output=True, text=True)
         self.assertEqual(result.returncode, 1, result.stderr)
-        self.assertRegex(result.stderr, "adapter_config.json: target_parameters names '(gate_up_proj|down_proj)'")
-        self.assertIn("the routed experts' stacked weights take no adapter in forge", result.stderr)
+        self.assertIn("adapter_config.json: target_parameters names 'lm_head.weight'", result.stderr)
+        self.assertIn("routed experts' stacks (gate_up_proj, down_proj", result.stderr)
 
 
 class LoraMoeTraining(unittest.TestCase):
@@ -251,6 +279,10 @@ class LoraMoeTraining(unittest.TestCase):
 
     def test_mixtral(self):
         self.train("mixtral", mixtral(hidden_size=32, vocab_size=32), "q_proj,v_proj,o_proj,gate", v4=False)
+
+    def test_mixtral_all_linear(self):
+        """all-linear trains the routed experts' adapters too (NOTE [LoRA on routed experts])."""
+        self.train("mixtral", mixtral(hidden_size=32, vocab_size=32), "all-linear", v4=False)
 
     def test_deepseek_v3(self):
         out = self.train("deepseek_v3", deepseek_v3(vocab_size=32), MLA_V3 + ",gate_proj,down_proj", v4=True)
@@ -289,6 +321,54 @@ class LoraMoeDataParallel(unittest.TestCase):
         self.assertEqual(sorted(mine), sorted(theirs))
         for name, t in theirs.items():
             self.assertLess(relative_error(mine[name].numpy(), t.numpy()), 1e-4, name)
+
+
+class LoraMoeExpertParallel(unittest.TestCase):
+    """LoRA with all-linear (the routed experts' adapters included) on debug-tiny-moe over 2 CPU
+    ranks that split the experts (parallelism.expert_parallel_degree 2, the frozen FSDP base's
+    expert stacks split by experts, NOTE [LoRA under expert parallelism] in src/model/lora.h)
+    follows the one-process run on the same global batch: losses within 1e-5, adapters within
+    1e-4 (fp32 sums in another order, magnified by Adam on near-zero gradients)."""
+
+    def train(self, work, ranks, checkpoint):
+        run_dir = os.path.join(work, f"ranks{ranks}_{checkpoint}")
+        args = ["train", "--model.name", "debug-tiny-moe", "--model.router_aux_loss_coef", "0.01",
+                "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear",
+                "--activation_checkpoint.mode", checkpoint, "--training.local_batch_size", "2",
+                "--training.gradient_accumulation_steps", str(4 // ranks), "--training.seq_len", "32",
+                "--training.steps", "5", "--eval.interval", "0", "--lr_scheduler.warmup_steps", "1",
+                "--lr_scheduler.decay_steps", "4", "--logging.run_dir", run_dir, "--checkpoint.last_save_in_hf", "true"]
+        if ranks > 1:
+            args += ["--parallelism.data_parallel_shard_degree", str(ranks),
+                     "--parallelism.expert_parallel_degree", str(ranks)]
+        command = [forge_bin(), *args] if ranks == 1 else [forge_bin(), "launch", "--nproc-per-node", str(ranks),
+                                                           "--", *args]
+        run(command, timeout=300, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        return run_dir
+
+    def test_two_expert_parallel_ranks_follow_one(self):
+        work = scratch_dir()
+        one = self.train(work, 1, "none")
+        for checkpoint in ("none", "full"):
+            with self.subTest(checkpoint=checkpoint):
+                two = self.train(work, 2, checkpoint)
+                self.assertLess(relative_error(np.array(train_losses(two)), np.array(train_losses(one))), 1e-5)
+                mine = load_file(os.path.join(two, "adapter", "adapter_model.safetensors"))
+                theirs = load_file(os.path.join(one, "adapter", "adapter_model.safetensors"))
+                self.assertEqual(sorted(mine), sorted(theirs))
+                self.assertTrue(any(".mlp.experts." in n for n in theirs), "no routed experts' adapters")
+                for name, t in theirs.items():
+                    self.assertLess(relative_error(mine[name].numpy(), t.numpy()), 1e-4, name)
+                # The merged export: the base's expert stacks gathered from their ranks, the adapters folded in.
+                merged = {}
+                for run_dir in (one, two):
+                    merged[run_dir] = {}
+                    for f in os.listdir(os.path.join(run_dir, "hf")):
+                        if f.endswith(".safetensors"):
+                            merged[run_dir].update(load_file(os.path.join(run_dir, "hf", f)))
+                self.assertEqual(sorted(merged[two]), sorted(merged[one]))
+                for name, t in merged[one].items():  # bf16 tensors: a few values a rounding step apart
+                    self.assertLess(relative_error(merged[two][name].float().numpy(), t.float().numpy()), 2e-3, name)
 
 
 if __name__ == "__main__":
