@@ -25,7 +25,10 @@
 // ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. What the dense
 // projections get beyond that is not used for the experts (their Fp8Linear's forward
 // statistics, weight cache and fused producers are cleared): each GEMM takes its operands'
-// amaxes itself, and W is cast in every micro-batch. The router (a [E, hidden] GEMM whose
+// amaxes itself, and W is cast in every micro-batch. Not yet done for speed: the FP8 GEMMs
+// have no plans for varying sizes (NOTE [GEMMs of varying size] serves the bf16 experts), so
+// cuBLASLt plans one per distinct expert row count it meets (with training.gemm_tuning, each
+// timed once), and the experts' GEMMs are never batched, even when padded to capacity. The router (a [E, hidden] GEMM whose
 // logits choose the experts) stays in the compute dtype, as in Transformer Engine's and
 // torchao's MoE recipes; the shared experts and dense blocks are plain projections and run
 // in FP8 as any other.

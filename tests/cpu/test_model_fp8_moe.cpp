@@ -103,12 +103,14 @@ TEST(ModelFp8Moe, ProjectionsAndExpertsCarryFp8AndTheRouterDoesNot) {
 // The CUDA scratch's code buffers cover one expert receiving every token of the micro-batch
 // (rounded up to 16 rows for the weight gradient), or its capacity when padded to it.
 TEST(ModelFp8Moe, WorkspaceCoversTheFullestExpert) {
-  ModelConfig m = mixtral_like();  // hidden 64, expert ffn 96: gate_up [192, 64]
-  EXPECT_EQ(fp8_workspace_codes(m, {}, 40), 48 * 192);
-  m.moe_capacity_factor = 4.0;  // capacity ceil(40 x 2 / 4 x 4) = 80 rows
+  ModelConfig m = mixtral_like();  // hidden 64, expert ffn 96: gate_up [192, 64]; qkv [128, 64]
+  EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 112 * 192);
+  m.moe_capacity_factor = 4.0;  // capacity ceil(100 x 2 / 4 x 4) = 200 rows
   m.moe_pad_to_capacity = true;
-  EXPECT_EQ(fp8_workspace_codes(m, {}, 40), 80 * 192);
+  EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 208 * 192);
 }
+
+constexpr float kLearningRate = 0.1f;
 
 struct Run {
   double first_loss = 0.0;
@@ -149,20 +151,23 @@ Run train(const ModelConfig& m, const Fp8Settings* settings, int steps, const Fl
     }
     float* p = params.flat().data<float>();
     const float* d = grads.flat().data<float>();
-    for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 1.0f * d[i];
+    for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= kLearningRate * d[i];
   }
   return run;
 }
 
-// Tolerances, as tests/cpu/test_model_fp8.cpp's for the dense tiny model (loss 1%,
-// gradients 20% relative L2 for a single micro-batch; E5M2 gradients): the routed experts
-// see a few rows each (16 x 2 x 4 / 4 or / 8 on average), so their weight gradients' dot
-// products are short and cancel little, and the routing itself is fp32 on inputs that FP8
-// rounding has moved, so a token near a tie may pick another expert. Over 8 SGD steps the
-// loss stays within 3% of fp32's while it falls by a third or more, and FP8 did run (the
-// losses differ from fp32's).
+// Tolerances, as tests/cpu/test_model_fp8.cpp's for the dense tiny model (loss 1% and
+// gradients 20% relative L2 for a single micro-batch; E5M2 gradients): here the routed
+// experts see a few rows each (64 x 2 / 4 or / 8 on average), so their weight gradients'
+// dot products are short and cancel little, and the routing itself is fp32 on inputs that
+// FP8 rounding has moved. Measured: the first micro-batch's gradients within 15.5%
+// (Mixtral-shaped; its router's, through the experts' FP8 outputs), 12.4% (DeepSeek-shaped)
+// and 16.5% (MLA, the q_a norm) of fp32's; over 12 SGD steps (lr 0.1, the loss 3.5 -> 0.8)
+// every step's loss within 0.55% of fp32's (0.13% to 0.21% but Mixtral's delayed run). The
+// bounds: gradients 25%, the first loss 1%, every step 2%; a wrong expert GEMM (an operand
+// transposed, a scale missing or shared between experts) is off by 50% or more.
 void expect_tracks_fp32(const ModelConfig& m, const char* what) {
-  const int steps = 8;
+  const int steps = 12;
   FlatParameters fp32_grads(m);
   const Run fp32 = train(m, nullptr, steps, nullptr, &fp32_grads);
   EXPECT_LT(fp32.losses.back(), 0.8 * fp32.losses.front()) << what;
@@ -175,10 +180,10 @@ void expect_tracks_fp32(const ModelConfig& m, const char* what) {
     EXPECT_NEAR(fp8.losses[0], fp32.losses[0], 0.01 * fp32.losses[0]) << recipe;
     for (size_t k = 0; k < specs.size(); ++k) {
       if (specs[k].zero_init) continue;  // a routing bias takes no gradient
-      EXPECT_LT(fp8.errors[k], 0.2) << recipe << " " << specs[k].name;
+      EXPECT_LT(fp8.errors[k], 0.25) << recipe << " " << specs[k].name;
     }
     for (int step = 0; step < steps; ++step)
-      EXPECT_NEAR(fp8.losses[step], fp32.losses[step], 0.03 * fp32.losses[step]) << recipe << " step " << step;
+      EXPECT_NEAR(fp8.losses[step], fp32.losses[step], 0.02 * fp32.losses[step]) << recipe << " step " << step;
   }
 }
 
@@ -251,7 +256,8 @@ TEST(ModelFp8Moe, ConfigRules) {
                           {"parallelism.expert_parallel_degree", "2"}}); },
                {"parallelism.expert_parallel_degree = 2 (command line) cannot be combined with precision.fp8"});
   for (const char* model : {"debug-tiny-moe", "debug-tiny-mla"})
-    expect_error([&] { load({{"model.name", model}, {"precision.fp8", "tensorwise"}, {"lora.rank", "8"}}); },
+    expect_error([&] { load({{"model.name", model}, {"precision.fp8", "tensorwise"}, {"lora.rank", "8"},
+                             {"lora.target_modules", "q_proj,o_proj"}}); },
                  {"precision.fp8 = tensorwise (command line) cannot be combined with LoRA (lora.rank 8)"});
   expect_error([] { load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "tensorwise"},
                           {"parallelism.data_parallel_shard_degree", "2"},
