@@ -36,7 +36,9 @@
 // GEMM takes its own view's amax under `tensorwise` (a finer scale for each part), and
 // under `delayed` both take the block's scales, whose histories hold the larger amax of the
 // two (one scale for the whole matrix, as a single GEMM would have). Their input gradients
-// add into dh (fp8_linear_backward_input_add). The norms, the rotary packing and the
+// add into dh (fp8_linear_backward_input_add). The two views take turns in the parameter's
+// one weight-cache entry (NOTE [FP8 weight cache], keyed by the weight's data pointer), so
+// neither ever finds its codes there: kv_a's W is cast in every micro-batch, correctly. The norms, the rotary packing and the
 // attention stay in the compute dtype, as a dense block's. On CUDA every width a GEMM
 // contracts over must be a multiple of 16 (configs check: hidden_size, q_lora_rank, the
 // query width, kv_lora_rank, qk_rope_head_dim, kv_b's and o's widths).
