@@ -176,11 +176,13 @@ int run_info(const std::vector<std::string>& args) {
     const PrecisionConfig& p = config.precision;
     const double share = (fp8->frozen ? 4.0 : 6.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
                          training_flops_per_token(m, config.lora, t.seq_len);
-    fmt::print("FP8              {}: the {} qkv, o, gate/up and down{} in FP8 ({:.1f}% of the FLOPs per "
+    fmt::print("FP8              {}: the {} {}{} in FP8 ({:.1f}% of the FLOPs per "
                "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
                "norms and optimizer in bf16/fp32; weights cast {}{}\n",
                fp8_recipe_description(p),
                fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
+               m.moe() ? "block projections and routed experts (each expert its own scales; the router in bf16)"
+                       : "qkv, o, gate/up and down",
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"

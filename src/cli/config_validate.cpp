@@ -198,6 +198,11 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base is gathered in bf16 and cast to FP8 by each "
                  "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
                  key);
+    // A MoE block's expert stacks and router, and MLA's row views of kv_a, take bf16 weights.
+    if (config.model.moe() || config.model.mla())
+      FORGE_FAIL("{} cannot be combined with a {} model yet: its routed experts (and router) or MLA's kv_a row views "
+                 "are gathered in bf16; set it to false",
+                 key, config.model.moe() ? "Mixture-of-Experts" : "Multi-head Latent Attention");
     // FSDP over a pipeline rank's stages is ZeRO-1 with the gradients reduced after the
     // schedule; the FP8 all-gather gathers every block around its use, per micro-batch.
     if (p.pipeline_parallel_degree > 1)
@@ -211,12 +216,27 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   // in full training, the micro-batch's tokens (the weight gradient's contraction) are
   // contracted in one of the three GEMMs. A frozen LoRA base has no weight gradient: its
   // tokens are never contracted (MLPerf's GovReport micro-batch of 8,191 tokens runs in FP8).
+  // A projection's output width is contracted by its input gradient, its input width by the
+  // forward and the weight gradient. A routed expert's rows are padded to 16 (NOTE [FP8
+  // padded token contraction] in ops/fp8_linear.h).
   const ModelConfig& m = config.model;
-  std::vector<std::pair<std::string, int64_t>> dims = {
-      {"model.hidden_size", m.hidden_size},
-      {"the attention's query width (num_heads × head_dim)", m.q_size()},
-      {"the qkv projection's width ((num_heads + 2 × num_kv_heads) × head_dim)", m.q_size() + 2 * m.kv_size()},
-      {"model.ffn_hidden_size", m.ffn_hidden_size}};
+  std::vector<std::pair<std::string, int64_t>> dims = {{"model.hidden_size", m.hidden_size}};
+  if (m.mla()) {  // NOTE [FP8 latent attention] in model/latent_attention.h
+    const int64_t q_width = m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim);
+    dims.emplace_back("the query width (num_heads × (qk_nope_head_dim + qk_rope_head_dim))", q_width);
+    if (m.q_lora_rank > 0) dims.emplace_back("model.q_lora_rank", m.q_lora_rank);
+    dims.emplace_back("model.kv_lora_rank", m.kv_lora_rank);
+    dims.emplace_back("model.qk_rope_head_dim (kv_a's rotary rows)", m.qk_rope_head_dim);
+    dims.emplace_back("kv_b's width (num_heads × (qk_nope_head_dim + v_head_dim))",
+                      m.num_heads * (m.qk_nope_head_dim + m.v_head_dim));
+    dims.emplace_back("the attention output's width (num_heads × v_head_dim)", m.num_heads * m.v_head_dim);
+  } else {
+    dims.emplace_back("the attention's query width (num_heads × head_dim)", m.q_size());
+    dims.emplace_back("the qkv projection's width ((num_heads + 2 × num_kv_heads) × head_dim)",
+                      m.q_size() + 2 * m.kv_size());
+  }
+  if (!m.moe() || m.first_dense_layers > 0) dims.emplace_back("model.ffn_hidden_size", m.ffn_hidden_size);
+  if (m.moe()) dims.emplace_back("model.moe_ffn_hidden_size (the routed and shared experts' width)", m.resolved_moe_ffn());
   // Under context parallelism a rank's weight gradient contracts over its chunks' tokens.
   const int64_t cp = p.context_parallel_degree;
   if (!config.lora.enabled())
@@ -255,9 +275,16 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
                    "or leave the experts out of lora.target_modules",
                    show(config, keys, "lora.target_modules"), m, show(config, keys, "precision.fp8"));
   }
-  if (config.precision.fp8 != "none")
-    FORGE_FAIL("{} (a Mixture-of-Experts model) cannot be combined with {} yet", moe,
-               show(config, keys, "precision.fp8"));
+  // FP8 (NOTE [FP8 routed experts] in ops/moe_fp8.h): the routed experts' GEMMs per expert,
+  // the router in bf16; not under expert parallelism, nor on LoRA's frozen base.
+  if (config.precision.fp8 != "none" && config.parallelism.expert_parallel_degree > 1)
+    FORGE_FAIL("{} cannot be combined with {} on a Mixture-of-Experts model yet (the experts' received rows are not "
+               "quantized per expert): set it to 1, or precision.fp8 none",
+               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "precision.fp8"));
+  if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
+    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Mixture-of-Experts model yet (the frozen routed "
+               "experts run in bf16 only): set precision.fp8 none, or train the whole model",
+               show(config, keys, "precision.fp8"), config.lora.rank);
   // LoRA (NOTE [LoRA on MoE and MLA models] in model/lora.h): adapters on the 2-D
   // projections and, when named, the routed experts' stacks; the routing biases and the rest
   // of the base frozen.
@@ -434,9 +461,11 @@ void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
       if (value % multiple != 0)
         FORGE_FAIL("{} must be a multiple of {} on CUDA (training.device cuda) with Multi-head Latent Attention",
                    show(config, keys, key), multiple);
-  if (config.precision.fp8 != "none")
-    FORGE_FAIL("{} (Multi-head Latent Attention) cannot be combined with {} yet", mla,
-               show(config, keys, "precision.fp8"));
+  // FP8: NOTE [FP8 latent attention] in model/latent_attention.h; check_fp8 checks the widths.
+  if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
+    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Multi-head Latent Attention model ({}) yet: set "
+               "precision.fp8 none, or train the whole model",
+               show(config, keys, "precision.fp8"), config.lora.rank, mla);
   // LoRA: NOTE [LoRA on MoE and MLA models] in model/lora.h. QLoRA quantizes the query and
   // kv_a projections in the published row order (NOTE [NF4 stored row order] in ops/nf4.h).
 }

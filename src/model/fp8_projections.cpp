@@ -4,33 +4,59 @@
 #include <utility>
 
 #include "core/error.h"
+#include "ops/moe.h"
 #include "ops/fp8_statistics.h"
 
 namespace forge {
 
 namespace {
 
-// [out, in] of every matrix trained in FP8 (NOTE [FP8 projections]).
-std::vector<std::pair<int64_t, int64_t>> fp8_matrices(const ModelConfig& config, const Fp8Settings& settings) {
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (const ParamSpec& spec : parameter_specs(config))
-    if (fp8_block_projection(spec)) out.emplace_back(spec.shape[0], spec.shape[1]);
-  if (settings.output_head) out.emplace_back(config.vocab_size, config.hidden_size);
+// A matrix trained in FP8 (NOTE [FP8 projections]): [out, in], and whether it is one
+// routed expert's (NOTE [FP8 routed experts] in ops/moe_fp8.h).
+struct Fp8Matrix {
+  int64_t out, in;
+  bool expert;
+};
+
+std::vector<Fp8Matrix> fp8_matrices(const ModelConfig& config, const Fp8Settings& settings) {
+  std::vector<Fp8Matrix> out;
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (fp8_block_projection(spec)) out.push_back({spec.shape[0], spec.shape[1], false});
+    if (fp8_expert_stack(spec))
+      for (int64_t e = 0; e < spec.shape[0]; ++e) out.push_back({spec.shape[1], spec.shape[2], true});
+  }
+  if (settings.output_head) out.push_back({config.vocab_size, config.hidden_size, false});
   return out;
+}
+
+// The most rows one routed expert receives in a micro-batch of `tokens` tokens (each token
+// chooses distinct experts; with padding to capacity every expert has the capacity),
+// rounded up to a multiple of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
+int64_t expert_rows(const ModelConfig& config, int64_t tokens) {
+  const MoeCapacity capacity{config.moe_capacity_factor, config.moe_token_drop_policy == "position",
+                             config.moe_pad_to_capacity};
+  const int64_t most = std::max(tokens, capacity.pad ? capacity.capacity(tokens, config.num_experts_per_tok,
+                                                                           config.num_experts)
+                                                     : int64_t{0});
+  return (most + kFp8TokenMultiple - 1) / kFp8TokenMultiple * kFp8TokenMultiple;
 }
 
 }  // namespace
 
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   int64_t most = 0;
-  for (const auto& [out, in] : fp8_matrices(config, settings))
-    most = std::max({most, tokens * in, tokens * out, out * in});
+  for (const auto& [out, in, expert] : fp8_matrices(config, settings)) {
+    const int64_t rows = expert ? expert_rows(config, tokens) : tokens;
+    most = std::max({most, rows * in, rows * out, out * in});
+  }
   return most;
 }
 
 int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings) {
-  int64_t params = 0;
-  for (const auto& [out, in] : fp8_matrices(config, settings)) params += out * in;
+  int64_t params = 0, expert_params = 0;
+  for (const auto& [out, in, expert] : fp8_matrices(config, settings)) (expert ? expert_params : params) += out * in;
+  // A token runs through k of the E experts.
+  if (expert_params > 0) params += expert_params / config.num_experts * config.num_experts_per_tok;
   return params;
 }
 
@@ -39,7 +65,11 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
 }
 
 int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings) {
-  return settings.weight_cache ? 2 * fp8_gemm_params(config, settings) : 0;
+  if (!settings.weight_cache) return 0;
+  int64_t cached = 0;
+  for (const auto& [out, in, expert] : fp8_matrices(config, settings))
+    if (!expert) cached += out * in;
+  return 2 * cached;
 }
 
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
@@ -68,16 +98,24 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
   fp8_.workspace = &workspace_;
   // Statistics blocks, numbered in parameter order (NOTE [FP8 projections]).
   projection_of_.resize(static_cast<size_t>(config.num_layers));
+  expert_stack_.resize(static_cast<size_t>(config.num_layers));
   std::string head_name = "embedding.weight";  // tied
   for (const ParamSpec& spec : parameter_specs(config)) {
     if (spec.name == "output.weight") head_name = spec.name;
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
-    layer.push_back(spec.shape.size() == 2 ? static_cast<int64_t>(names_.size()) : -1);
-    if (spec.shape.size() == 2) {
+    const bool matrix = fp8_block_projection(spec), experts = fp8_expert_stack(spec);
+    layer.push_back(matrix || experts ? static_cast<int64_t>(names_.size()) : -1);
+    expert_stack_.at(static_cast<size_t>(spec.layer)).push_back(experts);
+    if (matrix) {
       names_.push_back(spec.name);
       numels_.push_back(spec.shape[0] * spec.shape[1]);
     }
+    if (experts)  // NOTE [FP8 routed experts]: a block per expert, in expert order
+      for (int64_t e = 0; e < spec.shape[0]; ++e) {
+        names_.push_back(fmt::format("{} (expert {})", spec.name, e));
+        numels_.push_back(spec.shape[1] * spec.shape[2]);
+      }
   }
   if (settings.output_head) {
     names_.push_back(head_name);
@@ -114,7 +152,8 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     if (block < 0) continue;
     p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
     p.linears[k].delayed = delayed_active_;
-    if (device_ == Device::CUDA && settings_.weight_cache) {  // NOTE [FP8 weight cache]
+    const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 routed experts]: not cached
+    if (device_ == Device::CUDA && settings_.weight_cache && !experts) {  // NOTE [FP8 weight cache]
       const int64_t numel = numels_.at(static_cast<size_t>(block));
       p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
@@ -255,7 +294,7 @@ const BlockWeights& Fp8Projections::with_fp8(const BlockWeights& base, int index
   block = base;
   Projections& p = projections(layer_projections_, static_cast<size_t>(index), block.params.size());
   for (size_t k = 0; k < block.params.size(); ++k)
-    if (block.params[k].weight.ndim() == 2) block.params[k].fp8 = &p.linears[k];
+    if (projection_of_.at(static_cast<size_t>(index)).at(k) >= 0) block.params[k].fp8 = &p.linears[k];
   return block;
 }
 

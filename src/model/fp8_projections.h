@@ -6,7 +6,10 @@
 // GradSink (the flat parameters, or the bf16 compute copy and the fp32 gradients on CUDA):
 // layer(i) and layer_grads(i) hand out the base block's descriptors with `fp8` set on
 // every projection of the block (qkv, o, gate_up, down: the entries that are matrices,
-// NOTE [Block weights]), output() and output_grad() on the head only with
+// NOTE [Block weights]; MLA's projections, NOTE [FP8 latent attention] in
+// model/latent_attention.h; a MoE block's shared experts, and its routed experts' stacks
+// with a statistics block per expert, NOTE [FP8 routed experts] in ops/moe_fp8.h, but not
+// its router), output() and output_grad() on the head only with
 // precision.fp8_output_head; the embedding and the norm weights pass through untouched,
 // as do the GradSink's done/fresh calls. With `tensorwise` scaling the state is the
 // recipe's settings (the gradient format), on CUDA one scratch shared by every layer
@@ -94,20 +97,34 @@ struct Fp8Settings {
   float margin = 0.0f;
 };
 
+// A Mixture-of-Experts block's router, which stays in the compute dtype (NOTE [FP8 routed
+// experts] in ops/moe_fp8.h); MoeFeedForward names it so.
+inline bool fp8_moe_router(const ParamSpec& spec) { return spec.name.ends_with(".moe.router.weight"); }
 // Whether a parameter is a projection trained in FP8 (NOTE [FP8 projections]): a block's
-// matrix; the head is one only with output_head.
-inline bool fp8_block_projection(const ParamSpec& spec) { return spec.layer >= 0 && spec.shape.size() == 2; }
+// matrix other than a MoE router; the head is one only with output_head.
+inline bool fp8_block_projection(const ParamSpec& spec) {
+  return spec.layer >= 0 && spec.shape.size() == 2 && !fp8_moe_router(spec);
+}
+// Whether a parameter is a stack of routed experts' matrices [E, out, in] trained in FP8,
+// one projection (and statistics block) per expert (NOTE [FP8 routed experts]).
+inline bool fp8_expert_stack(const ParamSpec& spec) {
+  return spec.layer >= 0 && spec.expert_stack && spec.shape.size() == 3;
+}
 
-// Number of projections trained in FP8 (each has a statistics block).
+// Number of projections trained in FP8 (each has a statistics block; an expert stack one
+// per expert).
 int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& settings);
 
 // Bytes one code buffer of the CUDA scratch needs: max over the FP8 projections of
-// tokens x in, tokens x out and out x in.
+// tokens x in, tokens x out and out x in; for a routed expert the tokens are the most rows
+// one expert can receive (the micro-batch's tokens, or the capacity with padding to it),
+// rounded up to a multiple of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
-// Parameters of the matrices whose GEMMs run in FP8 (the block projections, and the head
-// with output_head): 6 x this is their share of the FLOPs per token (forge info), 4 x under
-// LoRA (no weight gradient).
+// Parameters of the matrices whose GEMMs run in FP8 per token (the block projections, of
+// the routed experts the k of E each token runs through, and the head with output_head):
+// 6 x this is their share of the FLOPs per token (forge info), 4 x under LoRA (no weight
+// gradient).
 int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
@@ -116,7 +133,8 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 // blocks and, with `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
-// The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight, 0 without it.
+// The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight (the routed
+// experts' are not cached: NOTE [FP8 routed experts]), 0 without it.
 int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings);
 
 class Fp8Projections : public ParamSource, public GradSink {
@@ -203,7 +221,8 @@ class Fp8Projections : public ParamSource, public GradSink {
   ModelConfig config_;
   Fp8Settings settings_;
   Device device_;
-  std::vector<std::vector<int64_t>> projection_of_;  // [layer][parameter]: block number or -1
+  std::vector<std::vector<int64_t>> projection_of_;  // [layer][parameter]: (first) block number or -1
+  std::vector<std::vector<bool>> expert_stack_;      // [layer][parameter]: E blocks, one per expert
   std::vector<std::string> names_;                   // per block: its parameter's name
   std::vector<int64_t> numels_;                      // per block: its weight's elements
   Tensor stats_, history_;                           // every block; delayed's histories

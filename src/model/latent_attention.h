@@ -26,6 +26,22 @@
 // compressed projections before their norms, the packed rotary q/k/v, the attention output
 // and its statistics) and recomputes the three norms' outputs; q, k_pe and kv themselves are
 // only read by the packing and live in scratch shared by every layer.
+//
+// NOTE [FP8 latent attention]
+// With precision.fp8 every projection here (q, or q_a and q_b; kv_a; kv_b; o) is an FP8
+// projection of Fp8Projections like a dense block's (NOTE [FP8 projections] in
+// model/fp8_projections.h): its three GEMMs quantized as NOTE [FP8 tensorwise linear] in
+// ops/fp8_linear.h says, with one statistics block per parameter. kv_a's two row views (the
+// compressed rows and k_pe's rotary rows) share that parameter's settings and block: each
+// GEMM takes its own view's amax under `tensorwise` (a finer scale for each part), and
+// under `delayed` both take the block's scales, whose histories hold the larger amax of the
+// two (one scale for the whole matrix, as a single GEMM would have). Their input gradients
+// add into dh (fp8_linear_backward_input_add). The two views take turns in the parameter's
+// one weight-cache entry (NOTE [FP8 weight cache], keyed by the weight's data pointer), so
+// neither ever finds its codes there: kv_a's W is cast in every micro-batch, correctly. The norms, the rotary packing and the
+// attention stay in the compute dtype, as a dense block's. On CUDA every width a GEMM
+// contracts over must be a multiple of 16 (configs check: hidden_size, q_lora_rank, the
+// query width, kv_lora_rank, qk_rope_head_dim, kv_b's and o's widths).
 #pragma once
 
 #include <vector>

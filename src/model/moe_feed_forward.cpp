@@ -8,6 +8,7 @@
 #include "ops/elementwise.h"
 #include "ops/linear.h"
 #include "ops/matmul.h"
+#include "ops/moe_fp8.h"
 #include "ops/rmsnorm.h"
 #include "ops/swiglu.h"
 
@@ -227,6 +228,13 @@ void MoeFeedForward::take_received(int layer, Activations& a) {
   if (pool_.swiglu.defined()) a.local.swiglu = Tensor::empty({r, ffn_}, dtype, device);
 }
 
+namespace {
+
+// NOTE [FP8 routed experts] in ops/moe_fp8.h: the expert stacks' FP8 settings, when they have them.
+MoeExpertFp8 expert_fp8(const LinearWeight& gate_up, const LinearWeight& down) { return {gate_up.fp8, down.fp8}; }
+
+}  // namespace
+
 MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
   if (!exchange_) return a.rows;
   const int64_t r = a.plan.received;
@@ -257,12 +265,16 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
   linear_forward(logits_, a.normed, w.linear(kRouter));
   a.routing = route(w, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
+  const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown));
+  FORGE_CHECK(!fp8.enabled() || !exchange_, "MoE block: FP8 experts under expert parallelism are not built");
   if (exchange_) {  // NOTE [Expert parallelism]: to the experts' ranks, through them, and back
     a.plan = exchange_->plan(a.routing);
     take_received(layer, a);
     exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
     moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
     exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
+  } else if (fp8.enabled()) {
+    moe_experts_forward_fp8(a.rows, expert_weights(w), a.routing, fp8);
   } else {
     moe_experts_forward(a.rows, expert_weights(w), a.routing);
   }
@@ -385,6 +397,9 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
                          expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),
                          d_gate_up_.narrow(0, r));
     exchange_->combine(a.plan, d_permuted_, d_local_permuted_, staging_);
+  } else if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled()) {
+    moe_experts_backward_fp8(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
+                             a.routing, d_swiglu_, d_gate_up_, fp8);
   } else {
     moe_experts_backward(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
                          a.routing, d_swiglu_, d_gate_up_);

@@ -12,6 +12,7 @@
 #ifdef FORGE_CUDA
 #include "kernels/cuda/fp8_cast.h"
 #include "kernels/cuda/fp8_matmul.h"
+#include "kernels/cuda/fp8_padding.h"
 #include "kernels/cuda/fp8_weight_chunk.h"
 #endif
 
@@ -353,8 +354,11 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
   host_gemm(y, xq, false, wq, true, residual ? 1.0f : 0.0f);
 }
 
-void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
-                               const Fp8GatheredWeight* gathered) {
+namespace {
+
+// dx = dy W + beta dx (beta 0 or 1).
+void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                    const Fp8GatheredWeight* gathered, float beta) {
   check_matrices(dx, dy, w, "fp8_linear_backward_input");
   const int64_t t = dy.dim(0), out = dy.dim(1), in = w.dim(1);
   FORGE_CHECK(w.dim(0) == out, "fp8_linear_backward_input: dy {} and W {} disagree on out_features",
@@ -375,7 +379,7 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
       }
       profiled_gemm("backward_input", t, in, out, [&] {
         cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
-                         1.0f, 0.0f, false);
+                         1.0f, beta, false);
       });
     }());
     return;
@@ -384,12 +388,26 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
   expect_cpu(dx, "fp8_linear_backward_input dx");
   expect_cpu(dy, "fp8_linear_backward_input dy");
   host_gemm(dx, quantize_host(dy, fp8.grad_format, fp8, Fp8Role::Dy), false, weight_host(w, fp8, gathered), false,
-            0.0f);
+            beta);
+}
+
+}  // namespace
+
+void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                               const Fp8GatheredWeight* gathered) {
+  backward_input(dx, dy, w, fp8, gathered, 0.0f);
+}
+
+void fp8_linear_backward_input_add(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                                   const Fp8GatheredWeight* gathered) {
+  backward_input(dx, dy, w, fp8, gathered, 1.0f);
 }
 
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
                          const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered) {
-  if (dy.device() != Device::CUDA) {  // the reference quantizes dy twice, to the same codes
+  // The reference quantizes dy twice, to the same codes; so does CUDA for tokens that the
+  // weight gradient pads (NOTE [FP8 padded token contraction]).
+  if (dy.device() != Device::CUDA || dy.ndim() != 2 || dy.dim(0) % kFp8TokenMultiple != 0) {
     fp8_linear_backward_input(dx, dy, w, fp8, gathered);
     fp8_linear_backward_weight(grad, dy, x, fp8, overwrite);
     return;
@@ -452,17 +470,34 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
       expect_tensor(grad, Device::CUDA, DType::F32, "fp8_linear_backward_weight dW");
       expect_tensor(dy, Device::CUDA, DType::BF16, "fp8_linear_backward_weight dy");
       expect_tensor(x, Device::CUDA, DType::BF16, "fp8_linear_backward_weight x");
-      const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward_weight");
-      DeviceOperand a = operand(ws, 0, t * out, "fp8_linear_backward_weight");
-      DeviceOperand b = operand(ws, 1, t * in, "fp8_linear_backward_weight");
+      const char* op = "fp8_linear_backward_weight";
+      const Fp8LinearWorkspace& ws = workspace_of(fp8, op);
+      // NOTE [FP8 padded token contraction]: t rounded up to a multiple of 16.
+      const int64_t padded = (t + kFp8TokenMultiple - 1) / kFp8TokenMultiple * kFp8TokenMultiple;
+      DeviceOperand a = operand(ws, 0, padded * out, op);
+      DeviceOperand b = operand(ws, 1, padded * in, op);
       {
         OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-        quantize_output_gradient(dy, fp8, /*transpose=*/true, a);  // dy^T [out, t]
-        quantize_input_transposed(x, fp8, b);                       // x^T [in, t]
+        if (padded == t) {
+          quantize_output_gradient(dy, fp8, /*transpose=*/true, a);  // dy^T [out, t]
+          quantize_input_transposed(x, fp8, b);                       // x^T [in, t]
+        } else {
+          // Each operand quantized with its own statistics into the third buffer, then
+          // copied into its own with zero columns.
+          uint8_t* staging = operand(ws, 2, t * std::max(out, in), op).codes;
+          DeviceOperand staged = {staging, a.amax, a.scale, a.scale_inv};
+          quantize_output_gradient(dy, fp8, /*transpose=*/true, staged);
+          cuda::fp8_pad_columns(staging, out, t, padded, a.codes);
+          a = {a.codes, staged.amax, staged.scale, staged.scale_inv};
+          staged = {staging, b.amax, b.scale, b.scale_inv};
+          quantize_input_transposed(x, fp8, staged);
+          cuda::fp8_pad_columns(staging, in, t, padded, b.codes);
+          b = {b.codes, staged.amax, staged.scale, staged.scale_inv};
+        }
       }
-      profiled_gemm("backward_weight", out, in, t, [&] {
-        cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in, t,
-                         1.0f, overwrite ? 0.0f : 1.0f, false);
+      profiled_gemm("backward_weight", out, in, padded, [&] {
+        cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in,
+                         padded, 1.0f, overwrite ? 0.0f : 1.0f, false);
       });
     }());
     return;

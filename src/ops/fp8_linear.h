@@ -44,6 +44,19 @@
 // them otherwise (a backward with no forward before it, the head's chunks): the codes are
 // the same either way, bit for bit.
 //
+// NOTE [FP8 padded token contraction]
+// The weight gradient dW = dy^T x contracts over the tokens, which Hopper's FP8 GEMM wants
+// a multiple of 16 (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h). A dense
+// projection's tokens are the micro-batch's, which configs make a multiple of 16; a routed
+// expert's are the rows the routing gave it (NOTE [FP8 routed experts] in ops/moe_fp8.h),
+// any number. On CUDA, for t not a multiple of 16, fp8_linear_backward_weight quantizes
+// dy^T [out, t] and x^T [in, t] as always (the same amaxes and scales: a zero row would not
+// change an amax either), each into the third code buffer, and copies them into the first
+// two as [out, t16] and [in, t16] with zero codes in the added columns
+// (kernels/cuda/fp8_padding.h): zero tokens, which add nothing, so the GEMM over t16 is the
+// one over t. The forward and the input gradient do not contract over the tokens and need
+// nothing. The CPU reference has no such constraint and multiplies the t rows as they are.
+//
 // NOTE [FP8 delayed scaling]
 // precision.fp8 delayed (Transformer Engine's DelayedScaling): a projection with `delayed`
 // set quantizes x, W and dy with the scales its statistics block holds, which the step
@@ -62,6 +75,9 @@
 namespace forge {
 
 using cpu::Fp8Format;
+
+// Hopper's FP8 GEMMs contract over multiples of this (NOTE [FP8 padded token contraction]).
+constexpr int64_t kFp8TokenMultiple = 16;
 
 // Device scratch of the CUDA path, shared by every FP8 layer of a model (they run one after
 // another): three code buffers, each at least max(tokens x in, tokens x out, out x in) bytes
@@ -179,10 +195,16 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
                         const Tensor* residual, const Fp8GatheredWeight* gathered = nullptr);
 void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
                                const Fp8GatheredWeight* gathered = nullptr);
+// dx += dy W: the input gradient added to what dx holds (beta 1 in the same GEMM), where
+// several projections read one input (linear_backward_input_add: a MoE block's shared
+// experts beside its router, MLA's two row ranges of kv_a).
+void fp8_linear_backward_input_add(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
+                                   const Fp8GatheredWeight* gathered = nullptr);
 // Both backward GEMMs of one layer: fp8_linear_backward_input then
 // fp8_linear_backward_weight, bitwise, with dy quantized once.
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
                          const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered = nullptr);
+// On CUDA any number of tokens (NOTE [FP8 padded token contraction]).
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
                                 bool overwrite);
 

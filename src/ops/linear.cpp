@@ -52,8 +52,11 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
 }
 
 void linear_backward_input_add(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
-  FORGE_CHECK(!w.fp8, "linear_backward_input_add: an FP8 weight's input gradient is written over, not added");
-  matmul_add(dx, dy, false, compute_weight(w), false, dx);
+  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_backward_input_add: a weight cannot be both NF4 and FP8");
+  if (w.fp8)
+    fp8_linear_backward_input_add(dx, dy, w.weight, *w.fp8, w.fp8_gathered);
+  else
+    matmul_add(dx, dy, false, compute_weight(w), false, dx);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 

@@ -110,7 +110,7 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
 // dx += dy W: the input gradient added to what dx holds, where several projections read
 // the same input (a MoE block's router and shared experts, MLA's two row ranges of kv_a),
 // the frozen GEMM's C operand being dx itself. With an adapter its share is added too;
-// an NF4 weight is dequantized first; FP8 is refused (it writes dx over).
+// an NF4 weight is dequantized first; an FP8 one's GEMM adds (fp8_linear_backward_input_add).
 void linear_backward_input_add(const Tensor& dx, const Tensor& dy, const LinearWeight& w);
 
 // The weight's gradient dy^T x into `grad`: written over it when `overwrite` (the first

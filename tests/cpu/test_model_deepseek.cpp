@@ -77,12 +77,8 @@ TEST(ModelDeepseek, ConfigRules) {
   expect_error([] { load_tiny({{"model.rope_scaling.enabled", "true"}, {"model.rope_scaling.type", "yarn"},
                                {"model.rope_scaling.beta_fast", "1"}}); },
                {"model.rope_scaling.beta_fast = 1 (command line) must be greater than model.rope_scaling.beta_slow"});
-  expect_error([] { load_tiny({{"precision.fp8", "tensorwise"}}); }, {"cannot be combined with precision.fp8"});
-  expect_error([] { load_tiny({{"model.num_experts", "0"}, {"model.num_experts_per_tok", "0"},
-                               {"model.moe_ffn_hidden_size", "0"}, {"model.num_shared_experts", "0"},
-                               {"model.first_dense_layers", "0"}, {"model.router_normalize_topk", "true"},
-                               {"precision.fp8", "tensorwise"}}); },
-               {"(Multi-head Latent Attention) cannot be combined with precision.fp8"});
+  // FP8 on MLA and MoE models: tests/cpu/test_model_fp8_moe.cpp.
+  EXPECT_EQ(load_tiny({{"precision.fp8", "delayed"}}).precision.fp8, "delayed");
   // Group-limited sigmoid routing is DeepSeek-V3's, and takes the keys.
   const ModelConfig v3ish = load_tiny({{"model.router_score_function", "sigmoid"}, {"model.router_num_groups", "4"},
                                        {"model.router_topk_groups", "2"}, {"model.router_scaling_factor", "2.5"}})

@@ -1,0 +1,65 @@
+// The routed experts' GEMMs in FP8 (precision.fp8 on a Mixture-of-Experts model, issue 20).
+//
+// NOTE [FP8 routed experts]
+// moe_experts_forward / moe_experts_backward (ops/moe.h) run each expert's gate/up and down
+// GEMMs on its own rows of the permuted buffers; with precision.fp8 these run them as the
+// dense FP8 linear does (NOTE [FP8 tensorwise linear], NOTE [FP8 delayed scaling] in
+// ops/fp8_linear.h), expert by expert, as Transformer Engine's per-expert GEMMs: for each
+// expert e with rows, and each of its two matrices,
+//   forward         y_e  = x_e W_e^T     x_e E4M3, W_e E4M3
+//   input gradient  dx_e = dy_e W_e      dy_e in the grad format (E5M2 unless precision.fp8_grad_format e4m3)
+//   weight gradient dW_e = dy_e^T x_e    written over or added to
+// each through fp8_linear_forward / fp8_linear_backward_input / fp8_linear_backward_weight
+// on the expert's slice of the weight stack and its block of rows. Every expert's matrix has
+// its own statistics block (NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h;
+// Fp8Projections numbers E of them per stack, in expert order), so each expert quantizes
+// its weight with its own scale, and its rows' activations and gradients with scales of
+// their own: with `tensorwise` the amax of the expert's own rows, with `delayed` the
+// expert's own histories (updated at the step's end with every other block's, max-reduced
+// over the data-parallel ranks with them and saved in checkpoints). An expert that receives
+// no rows runs nothing and folds no amax that step: under `delayed` its histories take a
+// zero, which Transformer Engine's update passes over (the scale stays), as for a projection
+// that saw nothing. SwiGLU runs once over all rows in the compute dtype, as without FP8.
+// On CUDA an expert's row count is anything the routing gives; the weight gradient pads it
+// to a multiple of 16 with zero tokens (NOTE [FP8 padded token contraction] in
+// ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. What the dense
+// projections get beyond that is not used for the experts (their Fp8Linear's forward
+// statistics, weight cache and fused producers are cleared): each GEMM takes its operands'
+// amaxes itself, and W is cast in every micro-batch. Not yet done for speed: the FP8 GEMMs
+// have no plans for varying sizes (NOTE [GEMMs of varying size] serves the bf16 experts), so
+// cuBLASLt plans one per distinct expert row count it meets (with training.gemm_tuning, each
+// timed once), and the experts' GEMMs are never batched, even when padded to capacity. The router (a [E, hidden] GEMM whose
+// logits choose the experts) stays in the compute dtype, as in Transformer Engine's and
+// torchao's MoE recipes; the shared experts and dense blocks are plain projections and run
+// in FP8 as any other.
+#pragma once
+
+#include "ops/fp8_linear.h"
+#include "ops/moe.h"
+
+namespace forge {
+
+// The FP8 settings of a block's expert stacks (Fp8Projections' descriptors of the 3-D
+// gate/up and down parameters): each points at the stack's first expert's statistics block,
+// the others following it.
+struct MoeExpertFp8 {
+  const Fp8Linear* gate_up = nullptr;
+  const Fp8Linear* down = nullptr;
+  bool enabled() const { return gate_up && down; }
+};
+
+// Expert e's settings: the stack's, with its own statistics block and without the dense
+// projections' per-call records (forward statistics, weight cache, fused producers).
+Fp8Linear fp8_expert_linear(const Fp8Linear& stack, int64_t expert);
+
+// moe_experts_forward in FP8 (NOTE [FP8 routed experts]).
+void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& routing,
+                             const MoeExpertFp8& fp8);
+
+// moe_experts_backward in FP8; the experts are trained (the gradients defined).
+void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
+                              const Tensor& d_expert_out, const MoeExpertBuffers& a, const MoeExpertWeights& w,
+                              const MoeRouting& routing, const Tensor& d_swiglu, const Tensor& d_gate_up,
+                              const MoeExpertFp8& fp8);
+
+}  // namespace forge

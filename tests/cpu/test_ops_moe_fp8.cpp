@@ -1,0 +1,175 @@
+// The routed experts' GEMMs in FP8 on the CPU (NOTE [FP8 routed experts] in ops/moe_fp8.h)
+// against a straightforward reference: each expert's block of rows and its own weight
+// matrices quantized tensorwise on their own (amax, torchao's scale, the saturating cast,
+// decoded back), multiplied in double. Routings with an expert that receives no rows and
+// one that receives every row; the rows of one expert scaled far above the others', which a
+// scale shared between experts would quantize differently. The tolerance is the dense FP8
+// linear's (tests/cpu/test_ops_fp8_linear.cpp): fp32 rounding of the op's sums.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "core/rng.h"
+#include "kernels/cpu/fp8_scaling.h"
+#include "ops/fp8_statistics.h"
+#include "ops/moe_fp8.h"
+#include "ops/swiglu.h"
+#include "ops_testing.h"
+
+namespace forge {
+namespace {
+
+using cpu::Fp8Format;
+using cpu::Fp8Role;
+using testing::random_tensor;
+using testing::relative_error;
+
+constexpr double kTolerance = 1e-5;
+
+// t [rows, cols] quantized tensorwise and decoded, in double.
+std::vector<double> fake_quantized(const Tensor& t, Fp8Format format) {
+  const int64_t rows = t.dim(0), cols = t.dim(1);
+  const cpu::Fp8Blocks whole{rows, cols};
+  float amax = 0.0f;
+  cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
+  const float scale = cpu::fp8_scale_torchao(amax, format, false);
+  std::vector<uint8_t> codes(static_cast<size_t>(t.numel()));
+  cpu::fp8_quantize(t.data<float>(), rows, cols, whole, &scale, format, codes.data());
+  std::vector<float> back(codes.size());
+  cpu::fp8_dequantize(codes.data(), rows, cols, whole, &scale, format, back.data());
+  return std::vector<double>(back.begin(), back.end());
+}
+
+// out [m, n] = A B^T with A [m, k] and B [n, k] (transpose_a: A given as [k, m]; likewise b).
+std::vector<double> gemm(const std::vector<double>& a, bool transpose_a, const std::vector<double>& b,
+                         bool transpose_b, int64_t m, int64_t n, int64_t k) {
+  std::vector<double> out(static_cast<size_t>(m * n), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      double s = 0.0;
+      for (int64_t p = 0; p < k; ++p)
+        s += a[static_cast<size_t>(transpose_a ? p * m + i : i * k + p)] *
+             b[static_cast<size_t>(transpose_b ? p * n + j : j * k + p)];
+      out[static_cast<size_t>(i * n + j)] = s;
+    }
+  return out;
+}
+
+Tensor matrix(const Tensor& stacked, int64_t e) { return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)}); }
+
+// A routing that holds just what the experts' GEMMs read (ops/moe.h): experts and offsets.
+MoeRouting routing_of(const std::vector<int64_t>& rows) {
+  MoeRouting r;
+  r.experts = static_cast<int64_t>(rows.size());
+  r.offsets = {0};
+  for (int64_t n : rows) r.offsets.push_back(r.offsets.back() + n);
+  return r;
+}
+
+struct Case {
+  std::vector<int64_t> rows;  // per expert
+  Fp8Format grad_format;
+};
+
+class OpsMoeFp8 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(OpsMoeFp8, EveryExpertsGemmsAreItsOwnQuantizedOperandsProducts) {
+  const Case c = GetParam();
+  const MoeRouting r = routing_of(c.rows);
+  const int64_t experts = r.experts, hidden = 24, ffn = 20, rows = r.offsets.back();
+  Rng rng(static_cast<uint64_t>(rows * 31 + experts));
+  Tensor x = random_tensor({rows, hidden}, rng);
+  // The first expert with rows gets inputs 100 times larger: scales per expert differ.
+  for (int64_t e = 0; e < experts; ++e)
+    if (r.rows(e) > 0) {
+      const Tensor big = x.narrow(r.offsets[static_cast<size_t>(e)], r.offsets[static_cast<size_t>(e) + 1]);
+      for (int64_t i = 0; i < big.numel(); ++i) big.data<float>()[i] *= 100.0f;
+      break;
+    }
+  const MoeExpertWeights w{random_tensor({experts, 2 * ffn, hidden}, rng, 0.05),
+                           random_tensor({experts, hidden, ffn}, rng, 0.05)};
+  const MoeExpertBuffers a{x, Tensor::empty({rows, 2 * ffn}), Tensor::empty({rows, ffn}),
+                           Tensor::empty({rows, hidden})};
+  // One statistics block per expert and matrix, as Fp8Projections lays them out.
+  Tensor stats = Tensor::empty({2 * experts * cpu::kFp8ProjectionStats});
+  fp8_stats_init(stats);
+  Fp8Linear gate_up{c.grad_format, nullptr}, down{c.grad_format, nullptr};
+  gate_up.stats = stats.data<float>();
+  down.stats = stats.data<float>() + experts * cpu::kFp8ProjectionStats;
+  const MoeExpertFp8 fp8{&gate_up, &down};
+  moe_experts_forward_fp8(a, w, r, fp8);
+
+  const Tensor dy = random_tensor({rows, hidden}, rng, 1e-3);
+  const MoeExpertWeights grads{Tensor::empty({experts, 2 * ffn, hidden}), Tensor::empty({experts, hidden, ffn})};
+  testing::fill_nan(grads.gate_up);
+  testing::fill_nan(grads.down);
+  const Tensor d_permuted = Tensor::empty({rows, hidden}), d_swiglu = Tensor::empty({rows, ffn}),
+               d_gate_up = Tensor::empty({rows, 2 * ffn});
+  moe_experts_backward_fp8(d_permuted, grads, /*overwrite=*/true, dy, a, w, r, d_swiglu, d_gate_up, fp8);
+
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1], n = end - b;
+    if (n == 0) {  // nothing ran: a zero gradient, no amax seen
+      for (const Tensor& g : {matrix(grads.gate_up, e), matrix(grads.down, e)})
+        for (int64_t i = 0; i < g.numel(); ++i) EXPECT_EQ(g.data<float>()[i], 0.0f) << "expert " << e;
+      for (int role = 0; role < cpu::kFp8Roles; ++role)
+        EXPECT_EQ(stats.data<float>()[cpu::fp8_seen_offset(e, static_cast<Fp8Role>(role))], 0.0f);
+      continue;
+    }
+    auto rows_of = [&](const Tensor& t) { return t.narrow(b, end); };
+    const std::string at = "expert " + std::to_string(e);
+    // Forward: gate/up, then down on the op's own SwiGLU output.
+    const std::vector<double> xq = fake_quantized(rows_of(x), Fp8Format::E4M3);
+    const std::vector<double> wgu = fake_quantized(matrix(w.gate_up, e), Fp8Format::E4M3);
+    const std::vector<double> wd = fake_quantized(matrix(w.down, e), Fp8Format::E4M3);
+    EXPECT_LT(relative_error(rows_of(a.gate_up), gemm(xq, false, wgu, false, n, 2 * ffn, hidden)), kTolerance) << at;
+    const std::vector<double> sq = fake_quantized(rows_of(a.swiglu), Fp8Format::E4M3);
+    EXPECT_LT(relative_error(rows_of(a.expert_out), gemm(sq, false, wd, false, n, hidden, ffn)), kTolerance) << at;
+    // Backward through down: dx = dy W, dW = dy^T s.
+    const std::vector<double> dyq = fake_quantized(rows_of(dy), c.grad_format);
+    EXPECT_LT(relative_error(rows_of(d_swiglu), gemm(dyq, false, wd, true, n, ffn, hidden)), kTolerance) << at;
+    EXPECT_LT(relative_error(matrix(grads.down, e), gemm(dyq, true, sq, true, hidden, ffn, n)), kTolerance) << at;
+    // Backward through gate/up, from the op's own SwiGLU gradient.
+    const std::vector<double> dgq = fake_quantized(rows_of(d_gate_up), c.grad_format);
+    EXPECT_LT(relative_error(rows_of(d_permuted), gemm(dgq, false, wgu, true, n, hidden, 2 * ffn)), kTolerance) << at;
+    EXPECT_LT(relative_error(matrix(grads.gate_up, e), gemm(dgq, true, xq, true, 2 * ffn, hidden, n)), kTolerance)
+        << at;
+    // Each expert's block saw its own rows' amax.
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n * hidden; ++i) amax = std::max(amax, std::fabs(rows_of(x).data<float>()[i]));
+    EXPECT_EQ(stats.data<float>()[cpu::fp8_seen_offset(e, Fp8Role::X)], amax) << at;
+  }
+  // Added to, not written over: every expert's gradient doubles (zero stays zero).
+  const Tensor once = grads.down.clone();
+  moe_experts_backward_fp8(d_permuted, grads, /*overwrite=*/false, dy, a, w, r, d_swiglu, d_gate_up, fp8);
+  std::vector<double> twice = testing::to_double(once);
+  for (double& v : twice) v *= 2.0;
+  EXPECT_LT(relative_error(grads.down, twice), 1e-6);
+}
+
+INSTANTIATE_TEST_SUITE_P(Routings, OpsMoeFp8,
+                         ::testing::Values(Case{{5, 0, 17, 3}, Fp8Format::E5M2},    // an expert without rows
+                                           Case{{0, 0, 40, 0}, Fp8Format::E5M2},    // one expert takes every row
+                                           Case{{16, 16, 16, 16}, Fp8Format::E4M3},  // padded to capacity
+                                           Case{{1, 2, 0, 33}, Fp8Format::E4M3}));
+
+// The expert stacks' settings are a block per expert; the dense projections' per-call
+// records are not carried to an expert.
+TEST(OpsMoeFp8Settings, ExpertLinearHasItsOwnBlock) {
+  float stats[3 * cpu::kFp8ProjectionStats] = {};
+  Fp8ForwardStats forward;
+  Fp8Produced produced;
+  Fp8Linear stack{Fp8Format::E4M3, nullptr, &forward, stats, true};
+  stack.produced = &produced;
+  const Fp8Linear e2 = fp8_expert_linear(stack, 2);
+  EXPECT_EQ(e2.stats, stats + 2 * cpu::kFp8ProjectionStats);
+  EXPECT_EQ(e2.grad_format, Fp8Format::E4M3);
+  EXPECT_TRUE(e2.delayed);
+  EXPECT_EQ(e2.forward, nullptr);
+  EXPECT_EQ(e2.produced, nullptr);
+  EXPECT_EQ(e2.weight_cache, nullptr);
+}
+
+}  // namespace
+}  // namespace forge
