@@ -1,0 +1,45 @@
+"""Context parallelism on packed instruction data (data.source sft; NOTE [Chunk attention with
+packed examples] in ops/attention_chunk.h) across real processes on the CPU: with sequences
+of 32 tokens holding four 7-token examples and padding, split over 2 ranks (chunks of 8) and
+4 (chunks of 4), the examples cross the ranks' chunks; the runs give one rank's loss and
+gradient norm at every step within fp32 reordering, with the loss masked as the packed
+data masks it."""
+import os
+import shutil
+import unittest
+
+import test_train_sft as sft
+from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks
+
+CP = "--parallelism.context_parallel_degree"
+
+
+class PackedParity(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+        cls.addClassCleanup(shutil.rmtree, cls.tmp, ignore_errors=True)
+        cls.data = ["--data.source", "sft", "--data.path", sft.write_task(cls.tmp), "--data.split", "1",
+                    "--training.seq_len", "32", "--eval.interval", "0"]
+        cls.one = os.path.join(cls.tmp, "one")
+        cls.train(cls.one, 1)
+
+    @classmethod
+    def train(cls, run_dir, ranks, *flags):
+        return train_on_ranks(run_dir, ranks, 1, *cls.data, *flags, steps=12)
+
+    def test_context_parallel_ranks_follow_one_on_packed_examples(self):
+        one = records(self.one, "train")
+        self.assertEqual(len(one), 12)
+        self.assertLess(one[-1]["loss"], one[0]["loss"])
+        for name, ranks, flags in (("cp2", 2, [CP, "2"]),
+                                   ("cp4-full", 4, [CP, "4", "--activation_checkpoint.mode", "full"])):
+            with self.subTest(run=name):
+                run = os.path.join(self.tmp, name)
+                self.train(run, ranks, *flags)
+                for key in ("loss", "grad_norm"):
+                    self.assertLess(max_relative_difference(records(run, "train"), one, key), 1e-5, key)
+
+
+if __name__ == "__main__":
+    unittest.main()
