@@ -3,9 +3,9 @@ packed examples] in ops/attention_chunk.h) across real processes on the CPU: wit
 of 32 tokens holding four 7-token examples and padding, split over 2 ranks (chunks of 8) and
 4 (chunks of 4), the examples cross the ranks' chunks; the runs (also composed with 2
 tensor-parallel ranks, FSDP over 2 data-parallel ranks and 2 pipeline stages) give one
-rank's loss and gradient norm at every step within fp32 reordering, with the loss masked as
-the packed data masks it; so does LoRA (MLPerf's Llama 2 70B LoRA on GovReport is this
-case)."""
+rank's loss and gradient norm at every step and validation losses within fp32 reordering,
+with the loss masked as the packed data masks it; so does LoRA (MLPerf's Llama 2 70B LoRA on
+GovReport is this case)."""
 import os
 import shutil
 import unittest
@@ -21,8 +21,8 @@ class PackedParity(unittest.TestCase):
     def setUpClass(cls):
         cls.tmp = scratch_dir()
         cls.addClassCleanup(shutil.rmtree, cls.tmp, ignore_errors=True)
-        cls.data = ["--data.source", "sft", "--data.path", sft.write_task(cls.tmp), "--data.split", "1",
-                    "--training.seq_len", "32", "--eval.interval", "0"]
+        cls.data = ["--data.source", "sft", "--data.path", sft.write_task(cls.tmp), "--data.split", "8,2,0",
+                    "--training.seq_len", "32", "--eval.interval", "4"]
         cls.one = os.path.join(cls.tmp, "one")
         cls.train(cls.one, 1)
 
@@ -44,8 +44,9 @@ class PackedParity(unittest.TestCase):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
                 self.train(run, ranks, *flags, data_ranks=data_ranks)
-                for key in ("loss", "grad_norm"):
-                    self.assertLess(max_relative_difference(records(run, "train"), one, key), 1e-5, key)
+                for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+                    self.assertLess(max_relative_difference(records(run, kind), records(self.one, kind), key), 1e-5,
+                                    (kind, key))
 
     def test_lora_on_context_parallel_ranks_follows_one(self):
         lora = ["--lora.rank", "4", "--optimizer.lr", "1e-2"]
