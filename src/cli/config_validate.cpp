@@ -368,9 +368,10 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
-// chunks, data without packed examples; full training or LoRA and QLoRA (NOTE [LoRA under
-// context and tensor parallelism] in model/lora.h), in the compute dtype or in FP8 (NOTE [FP8
-// under context and pipeline parallelism] in train/trainer_fp8.cpp).
+// chunks, with or without packed examples (data.source sft and govreport_npy: NOTE [Chunk
+// attention with packed examples] in ops/attention_chunk.h); full training or LoRA and
+// QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
+// dtype or in FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t c = config.parallelism.context_parallel_degree;
   if (c == 1) return;
@@ -380,11 +381,6 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   } catch (const Error& e) {
     FORGE_FAIL("{} with {}: {}", cp, show(config, keys, "training.seq_len"), e.what());
   }
-  auto refuse = [&](bool set, const char* key, const char* why) {
-    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", cp, show(config, keys, key), why);
-  };
-  refuse(config.data.source == "sft" || config.data.source == "govreport_npy", "data.source",
-         "its packed examples would confine attention to examples that cross the ranks' chunks");
 }
 
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in

@@ -44,8 +44,17 @@
 // attention computes the rank's heads on all of those tokens, and the context-parallel
 // group (the ranks of the same tensor-parallel rank) gathers and reduce-scatters the keys
 // and values of those heads only.
-// Not taken: packed examples (SequenceLayout; a chunk's keys would have to be confined to
-// examples that cross the ranks' chunks), Multi-head Latent Attention and
+// Packed examples (SequenceLayout, NOTE [Packed examples] in ops/attention.h): every rank is
+// handed the micro-batch's positions and segment ids [B, S] with its tokens. The positions
+// are per token and restart with each example, so the rank takes its chunks of them as of the
+// tokens (its rotary positions); the segment ids give each of its two query chunks the
+// examples it meets, keys from each example's first position (on whichever rank's chunk it
+// began) to the chunk's end (NOTE [Chunk attention with packed examples] in
+// ops/attention_chunk.h), built on the host once per micro-batch and used by every layer. The
+// gathered keys and values, the reduce-scatter of their gradients and the losses (the
+// targets at example boundaries are masked by the data, as without context parallelism) do
+// not change.
+// Not taken: Multi-head Latent Attention and
 // Mixture-of-Experts blocks (check_context_parallel), and forward_logits (no rank holds
 // every token's logits). The collectives run on the compute stream, between the kernels
 // that produce and consume their rows (not overlapped with the attention).

@@ -26,6 +26,21 @@ void ContextParallelAttention::prepare(const ContextParallel& cp, const StepShap
       for (int64_t i = 0; i < l; ++i) host.data<int32_t>()[row * l + i] = static_cast<int32_t>(first + i);
   }
   positions_ = host.to(device);
+  device_ = device;
+}
+
+void ContextParallelAttention::set_layout(const ContextParallel& cp, const SequenceLayout* layout,
+                                          const AttentionShape& attention) {
+  packed_ = layout != nullptr;
+  if (!packed_) return;
+  // NOTE [Packed examples]: the positions restart with each example; per token, so the rank
+  // takes its chunks of them as of the tokens.
+  Tensor host = Tensor::empty({2 * batch_, chunk_}, DType::I32);
+  take_chunks(host, layout->positions, cp.rank(), cp.size());
+  packed_positions_ = host.to(device_);
+  for (int half = 0; half < 2; ++half)
+    chunk_segments_[half] = attention_chunk_segments(
+        layout->segments, context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, chunk_, attention, device_);
 }
 
 void ContextParallelAttention::gather_keys(ContextParallel& cp, int layer, const Tensor& qkv) {
@@ -46,7 +61,8 @@ void ContextParallelAttention::forward(ContextParallel& cp, int layer, const Ten
   for (int half = 0; half < 2; ++half) {
     const int64_t begin = half * batch_, end = begin + batch_;
     attention_chunk_forward(out.narrow(begin, end), lse.narrow(begin, end), qkv.narrow(begin, end), kv_,
-                            context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, shape);
+                            context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, shape,
+                            packed_ ? &chunk_segments_[half] : nullptr);
   }
 }
 
@@ -61,7 +77,8 @@ void ContextParallelAttention::backward(ContextParallel& cp, int layer, const Te
     const int64_t begin = half * batch_, end = begin + batch_;
     attention_chunk_backward(dqkv.narrow(begin, end), half == 0 ? first_dkv : dkv_, dout.narrow(begin, end),
                              qkv.narrow(begin, end), kv_, out.narrow(begin, end), lse.narrow(begin, end),
-                             context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, shape);
+                             context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, shape,
+                             packed_ ? &chunk_segments_[half] : nullptr);
   }
   accumulate(dkv_, first_dkv);
   // Every position's gradient to the rank that holds it, summed over the group's ranks.

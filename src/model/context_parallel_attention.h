@@ -12,6 +12,7 @@
 #include "model/block_component.h"
 #include "model/context_parallel.h"
 #include "ops/attention.h"
+#include "ops/attention_chunk.h"
 
 namespace forge {
 
@@ -22,7 +23,11 @@ class ContextParallelAttention {
   void lay_out(ArenaLayout& layout, const StepShape& shape, int64_t kv_heads, int64_t head_dim);
   // The rotary positions of the rank's tokens, int32 [2B, L] on `device`.
   void prepare(const ContextParallel& cp, const StepShape& shape, Device device);
-  const Tensor& positions() const { return positions_; }
+  // The micro-batch's packed examples (null: each row one sequence; NOTE [Chunk attention
+  // with packed examples] in ops/attention_chunk.h): the rank's chunks of their positions, and
+  // each query chunk's segments for `attention`. After prepare.
+  void set_layout(const ContextParallel& cp, const SequenceLayout* layout, const AttentionShape& attention);
+  const Tensor& positions() const { return packed_ ? packed_positions_ : positions_; }
 
   // Block `layer`'s attention of the rank's tokens: qkv [2B, L, Hq + 2Hkv, D] (rotated), out
   // [2B, L, Hq, D], lse [2B, Hq, L], as attention_forward's.
@@ -42,7 +47,11 @@ class ContextParallelAttention {
   Tensor ranks_kv_;                // [C, 2B, L, 2Hkv, D]: every rank's, in rank order; scratch in the backward
   Tensor kv_;                      // [B, S, 2Hkv, D]: in sequence order
   Tensor dkv_;                     // [B, S, 2Hkv, D]: their gradient
-  Tensor positions_;
+  Tensor positions_;  // the tokens' positions in their sequences
+  Device device_ = Device::CPU;
+  bool packed_ = false;
+  Tensor packed_positions_;                 // int32 [2B, L]: in their examples
+  AttentionChunkSegments chunk_segments_[2];  // of the rank's first and second query chunk
   int gathered_layer_ = -1;  // the block whose keys and values kv_ holds
 };
 

@@ -244,10 +244,6 @@ void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
 
 void DecoderLM::forward_blocks(const Tensor& tokens, ParamSource& weights, const SequenceLayout* layout) {
   if (layout) {
-    FORGE_CHECK(!cp_,
-                "context parallelism over {} ranks does not take packed examples (a sequence layout): each row of "
-                "the micro-batch must be one sequence (NOTE [Context parallelism])",
-                cp_ ? cp_->size() : 1);
     expect_tensor(layout->positions, Device::CPU, DType::I32, "sequence layout positions");
     expect_tensor(layout->segments, Device::CPU, DType::I32, "sequence layout segments");
     check_shape(layout->positions, {micro_batch_, seq_len_}, "sequence layout positions");

@@ -77,7 +77,10 @@ void SelfAttention::prepare(const StepShape& shape, Device device) {
 
 const Tensor* SelfAttention::positions() const { return cp_ ? &cp_attention_.positions() : rotary_.positions(); }
 
-void SelfAttention::set_sequence_layout(const SequenceLayout* layout) { rotary_.set_layout(layout, attention_); }
+void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
+  if (cp_) cp_attention_.set_layout(*cp_, layout, attention_);  // NOTE [Context parallelism]
+  else rotary_.set_layout(layout, attention_);
+}
 
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));

@@ -1,5 +1,9 @@
 #include "ops/attention_chunk.h"
 
+#include <algorithm>
+#include <bit>
+#include <vector>
+
 #include "core/op_profile.h"
 #include "kernels/cpu/attention_chunk.h"
 #include "ops/placement.h"
@@ -38,22 +42,145 @@ cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t 
                                  .scale = shape.scale};
 }
 
+// The segments must describe this chunk's rows, on its device.
+void check_segments(const AttentionChunkSegments* segments, const cpu::AttentionChunkDims& d, Device device,
+                    const char* op) {
+  if (!segments) return;
+  FORGE_CHECK(segments->device == device && segments->batch == d.batch && segments->queries == d.queries &&
+                  segments->position == d.position && segments->kv_seq == d.kv_seq &&
+                  segments->qkv_width == (d.q_heads + 2 * d.kv_heads) * d.head_dim,
+              "{}: segments of {} queries at position {} of [{}, {}] rows ({} elements per token) on {}, not the "
+              "chunk's {} queries at position {} of [{}, {}] ({} elements per token) on {}",
+              op, segments->queries, segments->position, segments->batch, segments->kv_seq, segments->qkv_width,
+              device_name(segments->device), d.queries, d.position, d.batch, d.kv_seq,
+              (d.q_heads + 2 * d.kv_heads) * d.head_dim, device_name(device));
+}
+
 #ifdef FORGE_CUDA
-cuda::AttentionProblem cuda_problem(const cpu::AttentionChunkDims& d) {
+cuda::AttentionProblem cuda_problem(const cpu::AttentionChunkDims& d, const AttentionChunkSegments* segments) {
   // cuDNN's fused attention rejects a single query; no chunk of a training run has one.
   if (d.queries < 2) FORGE_FAIL("chunk attention on CUDA needs at least 2 queries, got {}", d.queries);
   cuda::AttentionProblem p{d.batch, d.queries, d.q_heads, d.kv_heads, d.head_dim, d.head_dim, d.window, d.scale};
   p.chunk = {d.position, d.kv_seq};
+  if (segments) {
+    p.ragged = {segments->capacity, segments->q_lengths.data<int32_t>(), segments->q_offsets.data<int64_t>(),
+                segments->out_offsets.data<int64_t>(), segments->lse_offsets.data<int64_t>()};
+    p.chunk.kv_lengths = segments->kv_lengths.data<int32_t>();
+    p.chunk.kv_offsets = segments->kv_offsets.data<int64_t>();
+  }
   return p;
 }
 #endif
 
 }  // namespace
 
+namespace {
+
+// The segments' dimensions, checked, and each position's example's first position [B, S].
+AttentionChunkSegments chunk_segments_of(const Tensor& segment_ids, int64_t position, int64_t queries,
+                                         const AttentionShape& shape, Device device, std::vector<int32_t>& start) {
+  expect_tensor(segment_ids, Device::CPU, DType::I32, "attention_chunk_segments segment_ids");
+  FORGE_CHECK(segment_ids.ndim() == 2 && segment_ids.numel() > 0,
+              "attention_chunk_segments: segment ids {} must be [B, S]", shape_str(segment_ids.shape()));
+  FORGE_CHECK(shape.head_dim > 0 && !shape.distinct_v_head_dim() && shape.num_q_heads > 0 && shape.num_kv_heads > 0,
+              "attention_chunk_segments: the shape must set head_dim (one for queries, keys and values) and the "
+              "heads, got head dims {} and {}, {} and {} heads",
+              shape.head_dim, shape.v_head_dim, shape.num_q_heads, shape.num_kv_heads);
+  AttentionChunkSegments s;
+  s.device = device;
+  s.batch = segment_ids.dim(0);
+  s.kv_seq = segment_ids.dim(1);
+  s.position = position;
+  s.queries = queries;
+  FORGE_CHECK(position >= 0 && queries > 0 && position + queries <= s.kv_seq,
+              "attention_chunk_segments: a chunk of {} queries at position {} is not within rows of {} positions",
+              queries, position, s.kv_seq);
+  s.qkv_width = (shape.num_q_heads + 2 * shape.num_kv_heads) * shape.head_dim;
+  const int32_t* ids = segment_ids.data<int32_t>();
+  start.assign(static_cast<size_t>(s.batch * s.kv_seq), 0);
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t t = 0; t < s.kv_seq; ++t) {
+      const int64_t i = b * s.kv_seq + t;
+      start[static_cast<size_t>(i)] =
+          t == 0 || ids[i] != ids[i - 1] ? static_cast<int32_t>(t) : start[static_cast<size_t>(i - 1)];
+    }
+  return s;
+}
+
+// CUDA's ragged description of the chunk's examples into s, on the host.
+void describe_ragged(AttentionChunkSegments& s, const std::vector<int32_t>& start, const AttentionShape& shape) {
+  // Per example the chunk meets, row by row: its first query (a position of the chunk), its
+  // first key (a position of the row), and its end within the chunk.
+  struct Example {
+    int64_t row, first_query, first_key, end;
+  };
+  std::vector<Example> examples;
+  const int64_t chunk_end = s.position + s.queries;
+  for (int64_t b = 0; b < s.batch; ++b)
+    for (int64_t t = s.position; t < chunk_end; ++t) {
+      const int64_t first = start[static_cast<size_t>(b * s.kv_seq + t)];
+      if (t == s.position || first == t) examples.push_back({b, t, first, 0});
+      examples.back().end = t + 1;
+    }
+  s.num_examples = static_cast<int64_t>(examples.size());
+  s.capacity = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(s.num_examples)));
+  const int64_t d = shape.head_dim, kv_width = 2 * shape.num_kv_heads * d, out_width = shape.num_q_heads * d;
+  s.q_lengths = Tensor::empty({s.capacity}, DType::I32);
+  s.kv_lengths = Tensor::empty({s.capacity}, DType::I32);
+  for (Tensor* t : {&s.q_offsets, &s.out_offsets, &s.lse_offsets, &s.kv_offsets})
+    *t = Tensor::empty({s.capacity + 1}, DType::I64);
+  for (int64_t e = 0; e <= s.capacity; ++e) {
+    // The chunk's token (of [0, B Lq)) and the row's token (of [0, B S)) the sequence starts
+    // at; the empty ones past the examples start at the ends.
+    int64_t chunk_token = s.batch * s.queries, row_token = s.batch * s.kv_seq, q_length = 0, kv_length = 0;
+    if (e < s.num_examples) {
+      const Example& x = examples[static_cast<size_t>(e)];
+      chunk_token = x.row * s.queries + x.first_query - s.position;
+      row_token = x.row * s.kv_seq + x.first_key;
+      q_length = x.end - x.first_query;
+      kv_length = x.end - x.first_key;
+    }
+    if (e < s.capacity) {
+      s.q_lengths.data<int32_t>()[e] = static_cast<int32_t>(q_length);
+      s.kv_lengths.data<int32_t>()[e] = static_cast<int32_t>(kv_length);
+    }
+    s.q_offsets.data<int64_t>()[e] = chunk_token * s.qkv_width;
+    s.out_offsets.data<int64_t>()[e] = chunk_token * out_width;
+    s.lse_offsets.data<int64_t>()[e] = chunk_token * shape.num_q_heads;
+    s.kv_offsets.data<int64_t>()[e] = row_token * kv_width;
+  }
+}
+
+}  // namespace
+
+AttentionChunkSegments attention_chunk_segments(const Tensor& segment_ids, int64_t position, int64_t queries,
+                                                const AttentionShape& shape, Device device) {
+  std::vector<int32_t> start;
+  AttentionChunkSegments s = chunk_segments_of(segment_ids, position, queries, shape, device, start);
+  if (device == Device::CPU) {
+    s.example_start = Tensor::empty({s.batch, s.kv_seq}, DType::I32);
+    std::copy(start.begin(), start.end(), s.example_start.data<int32_t>());
+    return s;
+  }
+  describe_ragged(s, start, shape);
+  for (Tensor* t : {&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets, &s.lse_offsets, &s.kv_offsets})
+    *t = t->to(device);
+  return s;
+}
+
+AttentionChunkSegments attention_chunk_ragged_on_host(const Tensor& segment_ids, int64_t position, int64_t queries,
+                                                      const AttentionShape& shape) {
+  std::vector<int32_t> start;
+  AttentionChunkSegments s = chunk_segments_of(segment_ids, position, queries, shape, Device::CPU, start);
+  describe_ragged(s, start, shape);
+  return s;
+}
+
 void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                             int64_t position, const AttentionShape& shape) {
+                             int64_t position, const AttentionShape& shape, const AttentionChunkSegments* segments) {
   OpProfileScope profile(OpClass::Attention, "attention_chunk_forward");
-  const cpu::AttentionChunkDims d = chunk_dims(qkv, kv, position, shape, "attention_chunk_forward");
+  cpu::AttentionChunkDims d = chunk_dims(qkv, kv, position, shape, "attention_chunk_forward");
+  check_segments(segments, d, qkv.device(), "attention_chunk_forward");
   check_shape(out, {d.batch, d.queries, d.q_heads, d.head_dim}, "attention_chunk_forward out");
   check_shape(lse, {d.batch, d.q_heads, d.queries}, "attention_chunk_forward lse");
   const bool cuda = qkv.device() == Device::CUDA;
@@ -65,17 +192,20 @@ void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor&
   if (cuda) {
     FORGE_CUDA_CALL(
         "attention_chunk_forward",
-        cuda::attention_chunk_forward(bf16_ptr(out), lse.data<float>(), bf16_ptr(qkv), bf16_ptr(kv), cuda_problem(d)));
+        cuda::attention_chunk_forward(bf16_ptr(out), lse.data<float>(), bf16_ptr(qkv), bf16_ptr(kv),
+                                      cuda_problem(d, segments)));
     return;
   }
+  if (segments) d.example_start = segments->example_start.data<int32_t>();
   cpu::attention_chunk_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), kv.data<float>(), d);
 }
 
 void attention_chunk_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& qkv,
                               const Tensor& kv, const Tensor& out, const Tensor& lse, int64_t position,
-                              const AttentionShape& shape) {
+                              const AttentionShape& shape, const AttentionChunkSegments* segments) {
   OpProfileScope profile(OpClass::Attention, "attention_chunk_backward");
-  const cpu::AttentionChunkDims d = chunk_dims(qkv, kv, position, shape, "attention_chunk_backward");
+  cpu::AttentionChunkDims d = chunk_dims(qkv, kv, position, shape, "attention_chunk_backward");
+  check_segments(segments, d, qkv.device(), "attention_chunk_backward");
   check_shape(dqkv, qkv.shape(), "attention_chunk_backward dqkv");
   check_shape(dkv, kv.shape(), "attention_chunk_backward dkv");
   check_shape(dout, {d.batch, d.queries, d.q_heads, d.head_dim}, "attention_chunk_backward dout");
@@ -95,9 +225,11 @@ void attention_chunk_backward(const Tensor& dqkv, const Tensor& dkv, const Tenso
   if (cuda) {
     FORGE_CUDA_CALL("attention_chunk_backward",
                     cuda::attention_chunk_backward(bf16_ptr(dqkv), bf16_ptr(dkv), bf16_ptr(dout), bf16_ptr(qkv),
-                                                   bf16_ptr(kv), bf16_ptr(out), lse.data<float>(), cuda_problem(d)));
+                                                   bf16_ptr(kv), bf16_ptr(out), lse.data<float>(),
+                                                   cuda_problem(d, segments)));
     return;
   }
+  if (segments) d.example_start = segments->example_start.data<int32_t>();
   cpu::attention_chunk_backward(dqkv.data<float>(), dkv.data<float>(), dout.data<float>(), qkv.data<float>(),
                                 kv.data<float>(), out.data<float>(), lse.data<float>(), d);
 }

@@ -19,8 +19,40 @@
 // The backward writes dq into dqkv's query heads (leaving its key/value heads as they were)
 // and overwrites dkv [B, S, 2 Hkv, D] with the gradient of the chunk's outputs with respect
 // to every key and value: zero past position p + Lq - 1, which the chunk does not see.
-// The head dim is one for queries, keys and values (NOTE [Value head dim]'s 4-D form), and
-// packed examples are not taken: each row of the batch is one sequence.
+// The head dim is one for queries, keys and values (NOTE [Value head dim]'s 4-D form).
+// Without segments each row of the batch is one sequence; with them, NOTE [Chunk attention
+// with packed examples].
+//
+// NOTE [Chunk attention with packed examples]
+// With packed examples (NOTE [Packed examples] in ops/attention.h) a query at position t of
+// its row sees the keys j <= t (within the window) of its own example only: from the
+// example's first position s(t) on. A chunk [p, p + Lq) then meets some examples of each row:
+// those that end after p and start before p + Lq; one may start before the chunk (it began on
+// an earlier chunk, possibly another rank's), one may run past it, one may be longer than the
+// chunk and cover it whole. Each such example e = [s, t) is, for the chunk, one attention
+// problem: its queries are its positions inside the chunk, [max(s, p), min(t, p + Lq)), and
+// its keys its positions from its start to the chunk's end, [s, min(t, p + Lq)), all in kv
+// (the whole rows), with the causal diagonal at the bottom right: the last query sees the
+// last key, so query max(s, p) + i sees keys s .. max(s, p) + i. Those are exactly the keys
+// the whole-sequence packed attention gives it, so out and lse rows, dq rows and (summed over
+// a partition of [0, S) into chunks) dk and dv are the whole sequence's.
+// AttentionChunkSegments holds that layout for one chunk, built on the host once per
+// micro-batch (the decoder's every layer reuses it):
+//   CPU: example_start int32 [B, S], the first position of each token's example (as in
+//        AttentionSegments): query t's keys start at max(example_start[t], t - W + 1).
+//   CUDA: cuDNN's ragged ("THD") form with the queries and the keys described apart: per
+//        example of the chunk, the number of its query rows and the element offset of the
+//        first in the chunk's qkv, out and lse (token-major [B Lq, Hq], as ragged statistics
+//        are), and the number of its key rows and the element offset of the first in kv. The
+//        padding mask confines each query to its example's keys; cuDNN aligns the causal
+//        diagonal (and the window's left bound) at the bottom right of each sequence's own
+//        lengths (the frontend hands the sequence-length tensors to its diagonal band masks),
+//        which is the rule above. The examples are listed row by row and rounded up to a
+//        power of two with empty ones, so few graphs are built. kv's rows that no example of
+//        the chunk reads (examples that ended before p, positions at or past p + Lq) are not
+//        cuDNN's; the backward zeroes dkv before cuDNN writes its examples' rows.
+// Padding after a row's last example is a run of its own, computed and ignored, as in the
+// whole-sequence attention.
 #pragma once
 
 #include <cstdint>
@@ -30,11 +62,37 @@
 
 namespace forge {
 
-// position: p, the chunk's first position in the sequences kv holds.
+// The packed examples a chunk meets (NOTE [Chunk attention with packed examples]), for one
+// device.
+struct AttentionChunkSegments {
+  Device device = Device::CPU;
+  int64_t batch = 0, queries = 0, position = 0, kv_seq = 0;  // B, Lq, p, S
+  int64_t qkv_width = 0;  // elements per token of the chunk's qkv it was built for
+  Tensor example_start;   // CPU: int32 [B, S], each position's example's first position
+  // CUDA: `capacity` sequences (the chunk's examples, then empty ones: a power of two), device
+  // int32 query and key lengths [capacity] and int64 element offsets [capacity + 1] of each
+  // sequence's first query in qkv, out and lse, and of its first key in kv.
+  int64_t num_examples = 0, capacity = 0;
+  Tensor q_lengths, kv_lengths, q_offsets, out_offsets, lse_offsets, kv_offsets;
+};
+
+// segment_ids: int32 [B, S] on the CPU, a run of equal ids in a row one example; the chunk
+// is positions [position, position + queries). shape must set head_dim (CUDA's offsets count
+// elements).
+AttentionChunkSegments attention_chunk_segments(const Tensor& segment_ids, int64_t position, int64_t queries,
+                                                const AttentionShape& shape, Device device);
+// CUDA's form (the lengths and offsets) on the host: what attention_chunk_segments uploads
+// for a CUDA device, for tests that read it as cuDNN does.
+AttentionChunkSegments attention_chunk_ragged_on_host(const Tensor& segment_ids, int64_t position, int64_t queries,
+                                                      const AttentionShape& shape);
+
+// position: p, the chunk's first position in the sequences kv holds. segments: the packed
+// examples of the chunk at p (null: each row is one sequence).
 void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
-                             int64_t position, const AttentionShape& shape);
+                             int64_t position, const AttentionShape& shape,
+                             const AttentionChunkSegments* segments = nullptr);
 void attention_chunk_backward(const Tensor& dqkv, const Tensor& dkv, const Tensor& dout, const Tensor& qkv,
                               const Tensor& kv, const Tensor& out, const Tensor& lse, int64_t position,
-                              const AttentionShape& shape);
+                              const AttentionShape& shape, const AttentionChunkSegments* segments = nullptr);
 
 }  // namespace forge

@@ -75,6 +75,15 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
             0.1);
 }
 
+// NOTE [Chunk attention with packed examples]: packed instruction data runs on
+// context-parallel ranks.
+TEST(ConfigValidate, PackedExamplesRunOnContextParallelRanks) {
+  for (const char* source : {"sft", "govreport_npy"})
+    EXPECT_EQ(load({{"data.source", source}, {"data.path", "/d/x"}, {"parallelism.context_parallel_degree", "2"}})
+                  .parallelism.context_parallel_degree,
+              2);
+}
+
 TEST(ConfigValidate, SequenceMustFitTheModel) {
   expect_error([] { load({{"training.seq_len", "512"}}); },
                {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});

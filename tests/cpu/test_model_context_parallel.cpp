@@ -4,7 +4,9 @@
 // rank gives with the whole micro-batch, and their gradients summed over the ranks are that
 // rank's. Llama (GQA) and MHA shapes, a sliding window that reaches across chunks, tied
 // embeddings, every activation-checkpointing mode, 2 and 4 ranks, and tensor parallelism
-// with it (2 x 2 ranks). Then the chunks a rank takes, and the inputs it refuses.
+// with it (2 x 2 ranks); packed examples (NOTE [Chunk attention with packed examples]) that
+// cross the ranks' chunks, with and without a window. Then the chunks a rank takes, and the
+// inputs it refuses.
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -33,11 +35,33 @@ struct Case {
   ActivationCheckpoint mode = ActivationCheckpoint::None;
   int tensor_parallel = 1;  // T: T x C ranks
   ConfigOverrides overrides = {};
+  bool packed = false;  // a sequence layout of packed examples, handed to every rank
 };
 
+// Packed examples of micro-batches [2, 16] (a run of equal segment ids is one example;
+// positions restart with each): row 0 holds examples of 5, 6 and 3 tokens and 2 of padding,
+// row 1 one of 11 and one of 5. On 2 ranks (chunks of 4) and 4 (chunks of 2) they cross
+// chunks and ranks; row 1's first is longer than a rank's two chunks.
+SequenceLayout packed_layout() {
+  const std::vector<std::vector<int32_t>> runs = {{5, 6, 3, 2}, {11, 5}};
+  SequenceLayout layout{Tensor::empty({2, 16}, DType::I32), Tensor::empty({2, 16}, DType::I32)};
+  int32_t id = 0;
+  for (int64_t b = 0; b < 2; ++b) {
+    int64_t t = 0;
+    for (int32_t n : runs[static_cast<size_t>(b)]) {
+      for (int32_t i = 0; i < n; ++i, ++t) {
+        layout.positions.data<int32_t>()[b * 16 + t] = i;
+        layout.segments.data<int32_t>()[b * 16 + t] = id;
+      }
+      ++id;
+    }
+  }
+  return layout;
+}
+
 void expect_ranks_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}", c.model, c.ranks,
-                           c.tensor_parallel, static_cast<int>(c.mode)));
+  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}{}", c.model, c.ranks,
+                           c.tensor_parallel, static_cast<int>(c.mode), c.packed ? ", packed examples" : ""));
   ConfigOverrides overrides = c.overrides;
   overrides.push_back({"model.name", c.model});
   const ModelConfig m = load_experiment("", overrides).model;
@@ -48,11 +72,13 @@ void expect_ranks_match_one(const Case& c) {
   targets.data<int32_t>()[5] = -100;  // masked positions, in two ranks' chunks
   targets.data<int32_t>()[seq + 14] = -100;
   const float scale = 1.0f / static_cast<float>(micro * seq);
+  const SequenceLayout packed = packed_layout();
+  const SequenceLayout* layout = c.packed ? &packed : nullptr;
 
   FlatParameters params(m), reference_grads(m);
   params.initialize(5);
   DecoderLM one(m, micro, seq, Device::CPU, DType::F32, c.mode);
-  const LossSum reference = one.forward_backward(tokens, targets, params, reference_grads, scale);
+  const LossSum reference = one.forward_backward(tokens, targets, params, reference_grads, scale, layout);
 
   // World rank w is tensor-parallel rank w % T of context-parallel rank w / T.
   std::vector<std::unique_ptr<FlatParameters>> weights, grads;
@@ -75,7 +101,7 @@ void expect_ranks_match_one(const Case& c) {
     GroupContextParallel context_parallel(*cp_group);
     DecoderLM model(m, micro, seq, Device::CPU, DType::F32, c.mode, nullptr, &tensor_parallel, &context_parallel);
     const size_t k = static_cast<size_t>(w);
-    losses[k] = model.forward_backward(tokens, targets, *weights[k], *grads[k], scale);
+    losses[k] = model.forward_backward(tokens, targets, *weights[k], *grads[k], scale, layout);
     group->barrier();
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
@@ -119,6 +145,18 @@ TEST(ModelContextParallel, FourRanksMhaWindowAndTiedEmbeddings) {
 TEST(ModelContextParallel, WithTensorParallelism) {
   expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::None, 2});
   expect_ranks_match_one({"debug-tiny-mha", 2, ActivationCheckpoint::Full, 2});
+}
+
+// NOTE [Chunk attention with packed examples]: the queries of each rank's chunks see their
+// examples' keys on every rank, and nothing of the other examples.
+TEST(ModelContextParallel, PackedExamplesAcrossTheRanksChunks) {
+  for (ActivationCheckpoint mode :
+       {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full})
+    expect_ranks_match_one({"debug-tiny", 2, mode, 1, {}, true});
+  expect_ranks_match_one({"debug-tiny-mha", 4, ActivationCheckpoint::None, 1, {}, true});
+  expect_ranks_match_one(
+      {"debug-tiny-swa", 4, ActivationCheckpoint::Selective, 1, {{"model.sliding_window", "3"}}, true});
+  expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::None, 2, {}, true});  // with tensor parallelism
 }
 
 // Rank 1 of 2 holds chunks 1 and 2 of 4: positions [2, 4) and [4, 6) of rows of 8, chunk
@@ -172,9 +210,10 @@ TEST(ModelContextParallel, RefusesWhatItCannotSplit) {
   FlatParameters params(tiny), grads(tiny);
   params.initialize(1);
   const Tensor tokens = testing::random_tokens(2, 16, tiny.vocab_size, 3);
-  SequenceLayout packed{Tensor::zeros({2, 16}, DType::I32), Tensor::zeros({2, 16}, DType::I32)};
+  SequenceLayout packed = packed_layout();
+  packed.positions.data<int32_t>()[3] = 16;
   expect_error([&] { model.forward_backward(tokens, tokens, params, grads, 1.0f, &packed); },
-               {"context parallelism over 4 ranks does not take packed examples"});
+               {"sequence layout: position 16 of token 3 is outside [0, 16)"});
   Tensor logits = Tensor::empty({32, tiny.vocab_size});
   expect_error([&] { model.forward_logits(tokens, params, logits); }, {"forward_logits", "context parallelism"});
 }

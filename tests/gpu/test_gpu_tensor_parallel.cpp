@@ -6,7 +6,8 @@
 // accumulation). Their losses and gradients match one GPU's step of the whole model: the
 // shard shapes, the row-parallel GEMMs split around the rank's rows, the shard embedding
 // and the vocabulary-parallel cross-entropy, the sequence chunks, the gathered keys and
-// values and the chunk attention, in bf16 with cuBLASLt and cuDNN. LoRA adapters too (NOTE
+// values and the chunk attention, in bf16 with cuBLASLt and cuDNN; with packed examples too
+// (the chunks' ragged attention). LoRA adapters too (NOTE
 // [LoRA under context and tensor parallelism] in model/lora.h): the ranks' adapter
 // gradients, summed over them, are one GPU's. (NCCL cannot put two
 // ranks on one GPU; the multi-GPU runs are issue 23.)
@@ -132,9 +133,12 @@ ModelConfig llama_like(bool tied) {
 // t tensor-parallel x c context-parallel rank threads (rank = c_index t + t_index) against
 // one GPU: every rank's loss is the whole micro-batch's; a rank's gradients are its shards'
 // share from its tokens, summed over its context-parallel group.
-void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode) {
-  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}", t, c, tied ? "tied" : "untied",
-                           activation_checkpoint_name(mode)));
+// With `layout`, the micro-batch's packed examples, handed to every rank (NOTE [Chunk
+// attention with packed examples] in ops/attention_chunk.h).
+void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode,
+                                const SequenceLayout* layout = nullptr) {
+  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}", t, c, tied ? "tied" : "untied",
+                           activation_checkpoint_name(mode), layout ? ", packed examples" : ""));
   const ModelConfig config = llama_like(tied);
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
@@ -151,7 +155,7 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
   grads.zero();
   DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, mode);
   const LossSum reference =
-      one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), compute, grads, scale);
+      one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), compute, grads, scale, layout);
 
   const int ranks = t * c;
   Turn turn;
@@ -177,7 +181,7 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
     DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, t > 1 ? &tp : nullptr,
                     c > 1 ? &cp : nullptr);
     losses[static_cast<size_t>(r)] = model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), weights,
-                                                            *shard_grads[static_cast<size_t>(r)], scale);
+                                                            *shard_grads[static_cast<size_t>(r)], scale, layout);
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
 
@@ -303,6 +307,33 @@ TEST(GpuContextParallel, ThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None);
   expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full);
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective);
+}
+
+// Packed examples of [2, 128] micro-batches: row 0 examples of 40, 30 and 35 tokens and 23 of
+// padding, row 1 one of 100 and one of 28. On 2 ranks (chunks of 32) and 4 (chunks of 16) they
+// cross chunks and ranks; row 1's first spans chunks of every rank.
+SequenceLayout packed_layout() {
+  const std::vector<std::vector<int32_t>> runs = {{40, 30, 35, 23}, {100, 28}};
+  SequenceLayout layout{Tensor::empty({2, 128}, DType::I32), Tensor::empty({2, 128}, DType::I32)};
+  int32_t id = 0;
+  for (int64_t b = 0; b < 2; ++b) {
+    int64_t t = 0;
+    for (int32_t n : runs[static_cast<size_t>(b)]) {
+      for (int32_t i = 0; i < n; ++i, ++t) {
+        layout.positions.data<int32_t>()[b * 128 + t] = i;
+        layout.segments.data<int32_t>()[b * 128 + t] = id;
+      }
+      ++id;
+    }
+  }
+  return layout;
+}
+
+TEST(GpuContextParallel, PackedThreadRanksMatchOneGpu) {
+  const SequenceLayout layout = packed_layout();
+  expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None, &layout);
+  expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full, &layout);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, &layout);
 }
 
 TEST(GpuContextParallel, LoraThreadRanksMatchOneGpu) {

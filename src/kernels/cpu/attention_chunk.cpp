@@ -4,7 +4,8 @@
 //
 // The arithmetic is the training attention's (kernels/cpu/attention.cpp): query i of the
 // chunk sits at position t = position + i of its sequence and attends to keys j in
-// [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0; one (batch, head,
+// [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0, and with packed
+// examples no earlier than the first position of t's example; one (batch, head,
 // query) row at a time forward (attend_row), and in the backward, recomputing p_j =
 // exp(s_j - lse_i),
 //   dv_j += p_j dout_i      dS_j = p_j (dout_i.v_j - dout_i.out_i)
@@ -38,9 +39,12 @@ struct Layout {
   int64_t value(int64_t b, int64_t j, int64_t g) const { return key(b, j, d.kv_heads + g); }
   int64_t out_row(int64_t b, int64_t i, int64_t h) const { return ((b * d.queries + i) * d.q_heads + h) * d.head_dim; }
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const { return (b * d.q_heads + h) * d.queries + i; }
-  // The keys query i of the chunk sees: [first_key(i), last_key(i)].
+  // The keys query i of the chunk in row b sees: [first_key(b, i), last_key(i)].
   int64_t last_key(int64_t i) const { return d.position + i; }
-  int64_t first_key(int64_t i) const { return d.window > 0 ? std::max<int64_t>(0, last_key(i) - d.window + 1) : 0; }
+  int64_t first_key(int64_t b, int64_t i) const {
+    const int64_t example = d.example_start ? d.example_start[b * d.kv_seq + last_key(i)] : 0;
+    return std::max<int64_t>(example, d.window > 0 ? last_key(i) - d.window + 1 : 0);
+  }
   int64_t kv_head_of(int64_t h) const { return h / (d.q_heads / d.kv_heads); }
 };
 
@@ -57,7 +61,7 @@ void attention_chunk_forward(float* out, float* lse, const float* qkv, const flo
       const int64_t i = row % dims.queries, h = (row / dims.queries) % dims.q_heads;
       const int64_t b = row / (dims.queries * dims.q_heads), g = at.kv_head_of(h);
       const double row_lse = attend_row(
-          out + at.out_row(b, i, h), qkv + at.query(b, i, h), at.first_key(i), at.last_key(i), dims.scale,
+          out + at.out_row(b, i, h), qkv + at.query(b, i, h), at.first_key(b, i), at.last_key(i), dims.scale,
           dims.head_dim, dims.head_dim, p.data(), [&](int64_t j) { return kv + at.key(b, j, g); },
           [&](int64_t j) { return kv + at.value(b, j, g); });
       lse[at.lse_index(b, h, i)] = static_cast<float>(row_lse);
@@ -84,7 +88,7 @@ void attention_chunk_backward(float* dqkv, float* dkv, const float* dout, const 
           std::fill_n(dq, d, 0.0f);
           const float lse_i = lse[at.lse_index(b, h, i)];
           const float correction = dot(dout_i, out + at.out_row(b, i, h), d);
-          for (int64_t j = at.first_key(i); j <= at.last_key(i); ++j) {
+          for (int64_t j = at.first_key(b, i); j <= at.last_key(i); ++j) {
             const float* k = kv + at.key(b, j, g);
             const float* v = kv + at.value(b, j, g);
             const float p = std::exp(dims.scale * dot(q, k, d) - lse_i);

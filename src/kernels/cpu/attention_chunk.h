@@ -8,7 +8,9 @@ namespace forge::cpu {
 // + queries) of every sequence, their packed qkv [batch, queries, q_heads + 2 kv_heads,
 // head_dim] (query heads read), kv [batch, kv_seq, 2 kv_heads, head_dim] (key heads, then
 // value heads), out [batch, queries, q_heads, head_dim], lse [batch, q_heads, queries].
-// q_heads is a multiple of kv_heads; window 0 means no sliding window.
+// q_heads is a multiple of kv_heads; window 0 means no sliding window. example_start: null,
+// or packed examples as int32 [batch, kv_seq], each position's example's first position (NOTE
+// [Chunk attention with packed examples]).
 struct AttentionChunkDims {
   int64_t batch = 0;
   int64_t queries = 0;
@@ -19,6 +21,7 @@ struct AttentionChunkDims {
   int64_t head_dim = 0;
   int64_t window = 0;
   float scale = 0.0f;
+  const int32_t* example_start = nullptr;
 };
 
 void attention_chunk_forward(float* out, float* lse, const float* qkv, const float* kv, const AttentionChunkDims& dims);

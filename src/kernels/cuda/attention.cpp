@@ -44,6 +44,17 @@
 // s_kv positions it reads; the rows of dkv past them are zeroed with a 2-D memset, so the
 // whole of dkv is the chunk's gradient.
 //
+// Chunk attention with packed examples (NOTE [Chunk attention with packed examples]) is the
+// ragged form with the queries and the keys described apart: the query-side lengths and
+// offsets (in qkv, out and statistics) give each example's rows inside the chunk, the
+// key-side ones (seq_len_kv, and the offsets of K, V, dK and dV in kv) its rows from its first
+// position to the chunk's end. The padding mask with the bottom-right diagonal then aligns
+// each example's last query with its last key, per sequence (cudnn-frontend hands the
+// sequence-length tensors to the diagonal band masks when the alignment is bottom right), and
+// the window's left bound with it. The graph's key dim is still p + Lq, the longest an
+// example's keys can be; max_total_seq_len_kv bounds the key offsets by kv's B S rows. kv's
+// rows that belong to no sequence get no gradient from cuDNN, so dkv is zeroed first.
+//
 // Built graphs are cached per problem shape (batch, seq, heads, both head dims, window,
 // scale, ragged capacity, chunk, causal or not); building one takes tens of milliseconds, executing it
 // microseconds to milliseconds.
@@ -136,7 +147,7 @@ Views views_of(const AttentionProblem& p) {
   const int64_t width = qkv_width(p);
   const bool ragged = p.ragged.capacity > 0;
   const int64_t batch = ragged ? p.ragged.capacity : p.batch;
-  const int64_t kv_seq = is_chunk(p) ? p.chunk.position + p.seq : p.seq;
+  const int64_t kv_seq = is_chunk(p) ? p.chunk.position + p.seq : p.seq;  // with ragged chunks, the longest
   const int64_t kv_width = is_chunk(p) ? p.kv_heads * (p.head_dim + p.v_head_dim) : width;
   const int64_t kv_batch_stride = is_chunk(p) ? p.chunk.kv_seq * kv_width : p.seq * width;
   return {
@@ -194,7 +205,7 @@ void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProble
       .set_seq_len_q(ragged_input(g, "seq_len_q", kSeqLenQ, p, fe::DataType_t::INT32))
       .set_seq_len_kv(ragged_input(g, "seq_len_kv", kSeqLenKV, p, fe::DataType_t::INT32))
       .set_max_total_seq_len_q(p.batch * p.seq)
-      .set_max_total_seq_len_kv(p.batch * p.seq);
+      .set_max_total_seq_len_kv(p.batch * (is_chunk(p) ? p.chunk.kv_seq : p.seq));
 }
 
 CachedGraph finish(Context& ctx, std::shared_ptr<fe::graph::Graph> g) {
@@ -266,18 +277,24 @@ const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool ba
   return it->second;
 }
 
-// The ragged description's device arrays, for the uids the graph declared.
-void add_ragged(std::unordered_map<int64_t, void*>& pack, const RaggedSequences& r, bool backward) {
+// The ragged description's device arrays, for the uids the graph declared: the keys' lengths
+// and offsets are the queries' but for a chunk, whose keys are in kv.
+void add_ragged(std::unordered_map<int64_t, void*>& pack, const AttentionProblem& p, bool backward) {
+  const RaggedSequences& r = p.ragged;
   if (r.capacity == 0) return;
   auto arg = [](const auto* pointer) { return const_cast<void*>(static_cast<const void*>(pointer)); };
+  void* kv_lengths = is_chunk(p) ? arg(p.chunk.kv_lengths) : arg(r.lengths);
+  void* kv_offsets = is_chunk(p) ? arg(p.chunk.kv_offsets) : arg(r.qkv_offsets);
   pack[kSeqLenQ] = arg(r.lengths);
-  pack[kSeqLenKV] = arg(r.lengths);
-  pack[kQOffset] = pack[kKOffset] = pack[kVOffset] = arg(r.qkv_offsets);
+  pack[kSeqLenKV] = kv_lengths;
+  pack[kQOffset] = arg(r.qkv_offsets);
+  pack[kKOffset] = pack[kVOffset] = kv_offsets;
   pack[kOOffset] = arg(r.out_offsets);
   pack[kStatsOffset] = arg(r.lse_offsets);
   if (!backward) return;
   pack[kdOOffset] = arg(r.out_offsets);
-  pack[kdQOffset] = pack[kdKOffset] = pack[kdVOffset] = arg(r.qkv_offsets);
+  pack[kdQOffset] = arg(r.qkv_offsets);
+  pack[kdKOffset] = pack[kdVOffset] = kv_offsets;
 }
 
 void execute(Context& ctx, const CachedGraph& cached, std::unordered_map<int64_t, void*>& pack) {
@@ -294,7 +311,7 @@ void run_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const A
   bf16* keys = const_cast<bf16*>(kv);
   std::unordered_map<int64_t, void*> pack = {
       {kQ, q}, {kK, keys + k_offset(p)}, {kV, keys + v_offset(p)}, {kO, out}, {kStats, lse}};
-  add_ragged(pack, p.ragged, false);
+  add_ragged(pack, p, false);
   execute(ctx, g, pack);
 }
 
@@ -314,13 +331,14 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
                                              {kdQ, dqkv},
                                              {kdK, dkv + k_offset(p)},
                                              {kdV, dkv + v_offset(p)}};
-  add_ragged(pack, p.ragged, true);
+  add_ragged(pack, p, true);
   execute(ctx, g, pack);
 }
 
 void check_chunk(const AttentionProblem& p) {
-  if (!is_chunk(p) || !p.causal || p.ragged.capacity > 0 || p.v_head_dim != p.head_dim || p.chunk.position < 0 ||
-      p.chunk.position + p.seq > p.chunk.kv_seq)
+  const bool ragged_keys = p.chunk.kv_lengths != nullptr && p.chunk.kv_offsets != nullptr;
+  if (!is_chunk(p) || !p.causal || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
+      p.chunk.position < 0 || p.chunk.position + p.seq > p.chunk.kv_seq)
     FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
                p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim, p.ragged.capacity > 0 ? ", ragged" : "",
                p.causal ? "" : ", not causal");
@@ -345,9 +363,14 @@ void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16*
 void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv,
                               const bf16* out, const float* lse, const AttentionProblem& p) {
   check_chunk(p);
-  run_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
   const int64_t width = 2 * p.kv_heads * p.head_dim, seen = p.chunk.position + p.seq;
   const size_t row_bytes = static_cast<size_t>(width) * sizeof(bf16);
+  if (p.ragged.capacity > 0) {  // the rows of no example's keys: no gradient
+    CUDA_CHECK(cudaMemsetAsync(dkv, 0, static_cast<size_t>(p.batch * p.chunk.kv_seq) * row_bytes, nullptr));
+    run_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
+    return;
+  }
+  run_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
   if (seen < p.chunk.kv_seq)  // the positions the chunk does not see: no gradient
     CUDA_CHECK(cudaMemset2DAsync(dkv + seen * width, static_cast<size_t>(p.chunk.kv_seq) * row_bytes, 0,
                                  static_cast<size_t>(p.chunk.kv_seq - seen) * row_bytes, static_cast<size_t>(p.batch),

@@ -19,9 +19,14 @@ struct RaggedSequences {
 // Chunk attention (NOTE [Chunk attention] in ops/attention_chunk.h): the seq queries are
 // positions [position, position + seq) of sequences whose keys and values are in kv bf16
 // [B, kv_seq, 2 Hkv, D] (per token the key heads, then the value heads; Dv = D).
+// With packed examples (NOTE [Chunk attention with packed examples]) `ragged` describes the
+// queries' sequences and these the keys': per sequence its key count and the element offset
+// of its first key in kv (device arrays, [ragged.capacity] and [ragged.capacity + 1]).
 struct KeyValueChunk {
   int64_t position = 0;
   int64_t kv_seq = 0;  // 0: no chunk, keys and values in qkv
+  const int32_t* kv_lengths = nullptr;
+  const int64_t* kv_offsets = nullptr;
 };
 
 struct AttentionProblem {
@@ -43,8 +48,9 @@ void attention_forward(bf16* out, float* lse, const bf16* qkv, const AttentionPr
 void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
                         const AttentionProblem& p);
 
-// Chunk attention (p.chunk.kv_seq > 0, no ragged sequences): the queries in the chunk's qkv
-// [B, T, Hq + 2 Hkv, D] (its query heads), keys and values in kv; out and lse as above.
+// Chunk attention (p.chunk.kv_seq > 0; ragged sequences only with the chunk's key lengths and
+// offsets): the queries in the chunk's qkv [B, T, Hq + 2 Hkv, D] (its query heads), keys and
+// values in kv; out and lse as above.
 void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p);
 // Overwrites dqkv's query heads (not its key/value heads) and all of dkv [B, kv_seq, 2 Hkv,
 // D], zero past the chunk's last position.
