@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -361,6 +362,14 @@ void LoraAdapters::set_dropout_step(uint64_t seed, uint64_t index) {
 
 void LoraAdapters::discard() { std::fill(fresh_.begin(), fresh_.end(), 1); }
 
+void LoraAdapters::zero_unwritten_gradients() {
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    if (!fresh_.at(static_cast<size_t>(targets_[k].layer))) continue;
+    adapters_[k].grad_a.fill_zero();
+    adapters_[k].grad_b.fill_zero();
+  }
+}
+
 ParamSource& LoraAdapters::base() {
   FORGE_CHECK(base_, "LoRA adapters used before set_base");
   return *base_;
@@ -417,7 +426,10 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "LoRA merge into {} {} parameters (fp32 host ones expected)", device_name(params.flat().device()),
               dtype_name(params.flat().dtype()));
+  std::set<std::string> held;
+  for (const ParamSpec& spec : params.specs()) held.insert(spec.name);
   for (size_t k = 0; k < targets_.size(); ++k) {
+    if (!held.contains(targets_[k].name)) continue;  // NOTE [LoRA under pipeline parallelism]
     const Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
     matmul(params.find(targets_[k].name), b, false, a, false, adapters_[k].scale, 1.0f);
   }
