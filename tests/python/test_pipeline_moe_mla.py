@@ -7,9 +7,11 @@ interleaved schedule, follow one rank's losses (cross-entropy plus every stage's
 losses), gradient norms and validation losses; LoRA on the MLA model under pipelining too;
 and what the stages cannot take is refused naming the keys.
 
-Routing is discrete: fp32 reordering can move a token whose top-k scores tie within rounding
-to another expert, so the bound is looser than the dense model's 1e-5 (measured: see
-TOLERANCE)."""
+Measured over the 20 steps, the largest relative differences from one rank: losses 9.0e-8,
+gradient norms 3.4e-8, validation losses 1.5e-8 (the LoRA run's gradient norms bitwise: each
+adapter's gradient is one stage's, the others add zeros). Routing is discrete, so a token
+whose top-k scores tied within fp32 reordering could change expert; the bound is the dense
+model's 1e-5."""
 import os
 import subprocess
 import unittest
@@ -17,7 +19,7 @@ import unittest
 from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks, forge_bin
 
 STEPS = 20
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
 MOE = ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--model.router_aux_loss_coef", "0.01",
@@ -63,11 +65,10 @@ class MoeAndMlaStages(unittest.TestCase):
                 (moe + ["--model.router_aux_loss_coef", "0.01", "--model.router_aux_loss_type", "global"],
                  ["router_aux_loss_type global"]),
                 (moe + ["--model.router_score_function", "sigmoid", "--model.router_bias_update_rate", "0.001"],
-                 ["cannot be combined with model.router_bias_update_rate = 0.001 yet",
-                  "which the stages do not gather"]),
-                (moe + ["--parallelism.expert_parallel_degree", "2"],
-                 ["cannot be combined with parallelism.expert_parallel_degree = 2 yet",
-                  "all-to-alls are not scheduled"])):
+                 ["cannot be combined with model.router_bias_update_rate = 0.001", "which the stages do not gather"]),
+                (moe + ["--parallelism.expert_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                        "--parallelism.zero_stage", "1"],
+                 ["cannot be combined with parallelism.expert_parallel_degree = 2", "all-to-alls are not scheduled"])):
             with self.subTest(flags=flags):
                 result = subprocess.run([forge_bin(), "train", *PP2, "--training.steps", "1", "--logging.run_dir",
                                          os.path.join(self.tmp, "refused"), *flags],
