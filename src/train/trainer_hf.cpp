@@ -212,7 +212,9 @@ size_t write_through_host(const Tensor& t, int64_t window,
 // rank adds to its memory at most the window and a 128 KiB conversion buffer. Two exports
 // still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
 // expert parallelism's (each rank holds a slice of the experts, which the writer does not
-// take).
+// take). Under pipeline parallelism LoRA's is written in pieces too: each rank merges its
+// stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
+// parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
   DataParallelComm& comm = *checkpoint_comm();  // every rank
   const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
