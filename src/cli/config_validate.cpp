@@ -385,9 +385,12 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
 
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in
 // model/pipeline.h): the blocks cut into P x V equal stages, the schedule's micro-batches
-// the gradient accumulation's. Full training of a dense model in the compute dtype or in FP8
-// (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp); the rest is
-// refused by name.
+// the gradient accumulation's. Full training in the compute dtype or in FP8 (NOTE [FP8
+// under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA on
+// pipeline ranks alone (NOTE [LoRA under pipeline parallelism] in model/lora.h); Multi-head
+// Latent Attention and Mixture-of-Experts blocks without expert parallelism, with a
+// balancing loss that sums over the layers (NOTE [Pipeline stages] in
+// model/pipeline_stage.h); the rest is refused by name.
 void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   const int64_t degree = p.pipeline_parallel_degree;
@@ -434,10 +437,28 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
                pp, show(config, keys, "parallelism.data_parallel_shard_degree"),
                show(config, keys, "parallelism.data_parallel_replicate_degree"),
                show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
-  refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree", "Mixture-of-Experts blocks are not cut into stages");
-  refuse(config.lora.enabled() || config.lora.quantize_base != "none", "lora.rank",
-         "LoRA adapters are not split over pipeline stages");
-  refuse(m.mla(), "model.kv_lora_rank", "Multi-head Latent Attention blocks are not cut into stages");
+  refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree",
+         "the experts' all-to-alls are not scheduled between the pipeline's exchanges (Mixture-of-Experts blocks are "
+         "cut into stages without expert parallelism)");
+  // NOTE [Pipeline stages]: the expert loads stay in each stage's models.
+  refuse(m.moe() && m.router_bias_update_rate > 0, "model.router_bias_update_rate",
+         "the routing biases move by the step's expert loads, which the stages do not gather (set it to 0)");
+  // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, on pipeline ranks alone.
+  if (config.lora.enabled()) {
+    const std::string rank = show(config, keys, "lora.rank");
+    for (const auto& [key, other] : {std::pair<const char*, int64_t>{"parallelism.data_parallel_shard_degree",
+                                                                      p.data_parallel_shard_degree},
+                                      {"parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree},
+                                      {"parallelism.context_parallel_degree", p.context_parallel_degree},
+                                      {"parallelism.tensor_parallel_degree", p.tensor_parallel_degree}})
+      if (other > 1)
+        FORGE_FAIL("{} with {} cannot be combined with {} yet: LoRA under pipeline parallelism runs on pipeline "
+                   "ranks alone (its frozen base is per stage, the adapters whole on every rank and summed over the "
+                   "pipeline); set it to 1",
+                   pp, rank, show(config, keys, key));
+    refuse(config.precision.fp8 != "none", "precision.fp8",
+           "LoRA's FP8 frozen base is not cut into stages (LoRA under pipeline parallelism runs in the compute dtype)");
+  }
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):

@@ -35,11 +35,6 @@ PipelineStage resolved(const ModelConfig& config, PipelineStage stage) {
   FORGE_CHECK(stage.first_layer >= 0 && stage.first_layer < stage.end_layer && stage.end_layer <= config.num_layers,
               "pipeline stage: blocks [{}, {}) of a {}-block model", stage.first_layer, stage.end_layer,
               config.num_layers);
-  const bool whole = stage.first_layer == 0 && stage.end_layer == config.num_layers && stage.embedding && stage.head;
-  FORGE_CHECK(whole || !config.moe(),
-              "pipeline stages: model '{}' is a Mixture-of-Experts model, whose blocks are not cut into stages "
-              "(NOTE [Pipeline stages])",
-              config.name);
   return stage;
 }
 
@@ -100,18 +95,20 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
                          ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel,
                          int64_t context_parallel, PipelineStage stage) {
-  BlockComponents components = make_block_components(validated(config));
+  const PipelineStage resolved_stage = resolved(validated(config), stage);
+  BlockComponents components = make_block_components(config, resolved_stage);
   check_context_parallel(config, context_parallel, seq_len);
   return count_bytes(components, config,
                      StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel}, mode,
-                     resolved(config, stage));
+                     resolved_stage);
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, ExpertDispatch* experts,
                      TensorParallel* tensor_parallel, ContextParallel* context_parallel, PipelineStage stage)
     : DecoderLM(config, micro_batch, seq_len, device, compute_dtype, checkpoint,
-                make_block_components(validated(config)), experts, tensor_parallel, context_parallel, stage) {}
+                make_block_components(validated(config), resolved(config, stage)), experts, tensor_parallel,
+                context_parallel, stage) {}
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                      DType compute_dtype, ActivationCheckpoint checkpoint, BlockComponents components,
@@ -412,14 +409,23 @@ void DecoderLM::backward_blocks(const Tensor& tokens, ParamSource& weights, Grad
 LossSum DecoderLM::stage_forward(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
                                  GradSink* grads, float grad_scale, const SequenceLayout* layout) {
   forward_blocks(tokens, weights, layout);
-  if (!stage_.head) return {};
-  LossSum loss = output_head(targets, weights, grads, grad_scale);
+  LossSum loss;
+  if (stage_.head) {
+    loss = output_head(targets, weights, grads, grad_scale);
+  } else if (grads && config_.moe()) {
+    // NOTE [Pipeline stages]: the auxiliary losses of the stage's blocks, weighted by the
+    // micro-batch's targets, which every stage is handed.
+    check_shape(targets, {micro_batch_, seq_len_}, "targets");
+    const Tensor host_targets = targets.to(Device::CPU);
+    for (int64_t i = 0; i < tokens_; ++i) loss.tokens += host_targets.data<int32_t>()[i] != kIgnoreIndex;
+  }
   if (!grads) return loss;
   // NOTE [MoE balancing loss]: a component's loss counts as the micro-batch's mean, weighted
   // like its cross-entropy.
   const double weight = static_cast<double>(grad_scale) * static_cast<double>(loss.tokens);
   for (auto& component : components_)
     loss.sum += component->auxiliary_loss(weight) * static_cast<double>(loss.tokens);
+  if (!stage_.head) loss.tokens = 0;  // the targets are counted on the last stage
   return loss;
 }
 

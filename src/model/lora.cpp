@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -522,6 +523,14 @@ void LoraAdapters::set_expert_parallel(int64_t index, int64_t degree) {
   expert_workspace_.low_rank_grad = Tensor::zeros(rows, expert_workspace_.low_rank_grad.dtype(), device_);
 }
 
+void LoraAdapters::zero_unwritten_gradients() {
+  for (size_t k = 0; k < targets_.size(); ++k) {
+    if (!fresh_.at(static_cast<size_t>(targets_[k].layer))) continue;
+    grads_[2 * k].fill_zero();  // A's and B's, a 2-D or a routed-expert adapter alike
+    grads_[2 * k + 1].fill_zero();
+  }
+}
+
 ParamSource& LoraAdapters::base() {
   FORGE_CHECK(base_, "LoRA adapters used before set_base");
   return *base_;
@@ -589,7 +598,10 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
               "LoRA merge into {} {} parameters (fp32 host ones expected)", device_name(params.flat().device()),
               dtype_name(params.flat().dtype()));
   const float scale = static_cast<float>(lora_.alpha / static_cast<double>(lora_.rank));
+  std::set<std::string> held;
+  for (const ParamSpec& spec : params.specs()) held.insert(spec.name);
   for (size_t k = 0; k < targets_.size(); ++k) {
+    if (!held.contains(targets_[k].name)) continue;  // NOTE [LoRA under pipeline parallelism]
     const Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
     const Tensor& w = params.find(targets_[k].name);
     const LoraTarget& t = targets_[k];

@@ -20,7 +20,8 @@
 // PEFT does, so training starts from the base model's function.
 // Under data parallelism the base is a frozen FSDP (sharded, NOTE [Frozen FSDP base]) and the
 // adapters stay whole on every rank (NOTE [LoRA under data parallelism] in train/trainer.cpp);
-// under context and tensor parallelism, NOTE [LoRA under context and tensor parallelism].
+// under context and tensor parallelism, NOTE [LoRA under context and tensor parallelism];
+// under pipeline parallelism, NOTE [LoRA under pipeline parallelism].
 //
 // NOTE [LoRA under context and tensor parallelism]
 // Context parallelism (NOTE [Context parallelism] in model/context_parallel.h) splits the
@@ -96,6 +97,31 @@
 // are one process's. The expert workspace takes P times a rank's rows (what its experts may
 // receive). QLoRA is refused with expert parallelism (its NF4 base is replicated whole, not
 // split by experts).
+//
+// NOTE [LoRA under pipeline parallelism]
+// Pipeline parallelism (NOTE [Pipeline parallelism] in model/pipeline.h) cuts the blocks
+// into stages; the adapters take it as tensor parallelism's whole matrices do. The frozen
+// base is per stage: a pipeline rank holds its stages' parameters alone (FlatParameters or
+// Nf4FrozenBase with the rank's stages), in the compute dtype or NF4, as full training's
+// weights are. The adapters are small (rank r x (in + out) per projection; no adapter sits
+// on the embedding or the head), so every pipeline rank holds all of them whole, with their
+// masters, gradients and AdamW state: a rank's backward writes its stages' adapter
+// gradients, zero_unwritten_gradients() writes zeros for the others' (their blocks' layers
+// were never handed to this GradSink since discard()), and the trainer sums the flat gradient
+// over the pipeline group once after the schedule. Every rank then holds the whole
+// gradient, whose norm is the global one (not summed again over the stages, as full
+// training's per-stage squares are), and runs the same AdamW step, so the adapters stay
+// bitwise identical on every rank. Checkpoints (the whole adapters, rank 0) and the PEFT
+// adapter (rank 0) are then one process's files, and a checkpoint resumes under any layout;
+// the merged export is written in pieces (NOTE [Export in pieces] in train/trainer_hf.cpp):
+// each rank merges its stages' adapters into its stages' base (merge_into skips the targets
+// the parameters do not hold). Dropout masks are drawn per micro-batch (NOTE [LoRA
+// dropout]); the schedule interleaves micro-batches, so the trainer sets each one's step
+// before every forward and backward of it (PipelineModel::forward_backward's
+// before_micro_batch): the masks are one process's, and a run with dropout follows one
+// process within fp32 reordering too. The cost of the simple layout is the adapters' AdamW
+// state on every rank (16 bytes per trainable value) and one all-reduce of the adapters'
+// gradients per step; adapters split by stage would save the former.
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the
@@ -276,6 +302,11 @@ class LoraAdapters : public ParamSource, public GradSink {
   // elsewhere, so that the sum over the tensor-parallel group is the whole gradient (NOTE
   // [LoRA under context and tensor parallelism]). Nothing without tensor parallelism.
   void spread_shard_gradients();
+  // After the step's backward: zeros for the gradients of the adapters whose layers were
+  // not written since discard() (under pipeline parallelism, the other ranks' stages'), so
+  // that the sum over the pipeline group is the whole gradient (NOTE [LoRA under pipeline
+  // parallelism]). Call before spread_shard_gradients.
+  void zero_unwritten_gradients();
   // Dropout on (training) or off (evaluation, as PEFT's model.eval()).
   void set_training(bool training);
 
@@ -288,7 +319,8 @@ class LoraAdapters : public ParamSource, public GradSink {
   // A part's A [rank, in] or B [rows, rank] on the host, fp32; and the reverse.
   Tensor part_matrix(size_t target, size_t part, char matrix) const;
   void set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values);
-  // weight += scale * b a for each target: the merged weights (fp32 host parameters).
+  // weight += scale * b a for each target: the merged weights (fp32 host parameters). The
+  // targets `params` does not hold (a pipeline rank's other stages') are left out.
   void merge_into(FlatParameters& params) const;
 
   const Tensor& embedding() override { return base().embedding(); }

@@ -94,6 +94,27 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
           cached += static_cast<double>(shape_numel(spec.shape));
       e.fp8_weight_cache = plan.fp8->weight_cache ? 2 * cached : 0.0;
     }
+    if (plan.lora.enabled()) {
+      // NOTE [LoRA under pipeline parallelism]: the stages' frozen base (NF4 projections under
+      // QLoRA), every adapter whole with its master, gradient and AdamW state.
+      const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
+      const double adapters = static_cast<double>(lora.stored);
+      const double compute_bytes = static_cast<double>(dtype_size(compute));
+      e.frozen_weights = params * compute_bytes;
+      if (plan.lora.quantize_base == "nf4") {
+        const std::vector<ParamSpec> held = pipeline_stage_specs(specs, stages);
+        double projections = 0;
+        for (const ParamSpec& spec : held)
+          if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
+        e.frozen_weights = (params - projections) * compute_bytes;
+        e.nf4_base = nf4_base_bytes(config, held) + nf4_scratch_bytes(config, compute);
+      }
+      e.master_weights = adapters * 4;
+      e.compute_weights = plan.cuda ? adapters * 2 : 0.0;
+      e.gradients = adapters * 4;
+      e.optimizer_state = adapters * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
+      e.activations += static_cast<double>(lora.workspace) * compute_bytes;
+    }
     if (e.total() > worst.total()) worst = e;
   }
   return worst;

@@ -78,9 +78,9 @@ Nf4Base Nf4Base::to(Device device) const {
   return moved;
 }
 
-double nf4_base_bytes(const ModelConfig& config) {
+double nf4_base_bytes(const ModelConfig& config, const std::vector<ParamSpec>& specs) {
   double total = 0;
-  for (const ParamSpec& spec : parameter_specs(config)) {
+  for (const ParamSpec& spec : specs.empty() ? parameter_specs(config) : specs) {
     if (!is_quantized_base_weight(spec)) continue;
     const int64_t columns = nf4_matrix_shape(spec)[1];
     for (const HfTensor& part : spec.hf_tensors) total += static_cast<double>(nf4_bytes(part.rows * columns));
@@ -232,8 +232,9 @@ class Nf4FrozenBase::Rest : public ParamSource {
   std::vector<BlockWeights> layers_;
 };
 
-Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype)
-    : config_(config), specs_(parameter_specs(config)), device_(device), dtype_(dtype) {
+Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype,
+                             const std::vector<PipelineStage>& stages)
+    : config_(config), specs_(pipeline_stage_specs(parameter_specs(config), stages)), device_(device), dtype_(dtype) {
   codes_.weights.resize(specs_.size());
   filled_.assign(specs_.size(), 0);
   rest_ = std::make_unique<Rest>(config, specs_, device, dtype);

@@ -63,7 +63,8 @@ struct Nf4Base {
 // stored_row_order: with the staging buffer of the weights quantized in their Hugging Face
 // row order (NOTE [NF4 stored row order]), which an import of DeepSeek's published
 // checkpoints (interleaved rotary rows) holds.
-double nf4_base_bytes(const ModelConfig& config);
+// `specs`: of these parameters only (a pipeline rank's stages'); empty: the whole model's.
+double nf4_base_bytes(const ModelConfig& config, const std::vector<ParamSpec>& specs = {});
 double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order = true);
 
 // Quantizes every base projection and expert stack of `params` (fp32 on the CPU), one NF4
@@ -106,14 +107,18 @@ class Nf4BaseSource : public ParamSource {
 // a resumed run that imports and quantizes again holds bitwise the same base.
 class Nf4FrozenBase : public ParamSource {
  public:
-  // Empty: every parameter is set() once, then finish().
-  Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype);
+  // Empty: every parameter is set() once, then finish(). `stages`: a pipeline rank's stages,
+  // whose parameters alone it holds (pipeline_stage_specs; NOTE [LoRA under pipeline
+  // parallelism] in model/lora.h); empty: every parameter.
+  Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype, const std::vector<PipelineStage>& stages = {});
   // From fp32 host parameters, finished; stored_rows(spec): set()'s for each (none: {}).
   Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
                 const std::function<std::vector<int64_t>(size_t spec)>& stored_rows = {});
   ~Nf4FrozenBase() override;
 
-  // parameter_specs(config)[spec]'s values, fp32 on the host, in its shape. stored_rows
+  // The parameters it holds: parameter_specs(config), or the pipeline stages' of them.
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  // specs()[spec]'s values, fp32 on the host, in its shape. stored_rows
   // (NOTE [NF4 stored row order]): for a quantized weight whose Hugging Face tensor orders
   // its rows otherwise, the weight's row (of its matrix, nf4_matrix_shape) at each stored row.
   void set(size_t spec, const Tensor& values, std::span<const int64_t> stored_rows = {});

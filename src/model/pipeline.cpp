@@ -19,10 +19,20 @@ void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t 
               "pipeline parallelism: model '{}' ties its output projection to the embedding, which would then live "
               "on the first and the last stage's ranks at once; set model.tie_word_embeddings false",
               config.name);
-  FORGE_CHECK(!config.moe(),
-              "pipeline parallelism: model '{}' is a Mixture-of-Experts model, whose blocks are not cut into "
-              "pipeline stages (NOTE [Pipeline stages])",
-              config.name);
+  // NOTE [Pipeline stages]: the balancing losses that are sums over the layers are summed
+  // over the stages; the pooled one and the global one's step counts are not.
+  if (config.moe() && config.router_aux_loss_coef > 0) {
+    FORGE_CHECK(config.router_aux_loss_type != "pooled",
+                "pipeline parallelism: model '{}' pools its balancing loss over every layer's routing "
+                "(router_aux_loss_type pooled), which no stage holds; take per_layer or sequence (sums over the "
+                "layers, which the stages add up)",
+                config.name);
+    FORGE_CHECK(config.router_aux_loss_type != "global",
+                "pipeline parallelism: model '{}''s global balancing loss (router_aux_loss_type global) averages "
+                "each layer's counts over the step's micro-batches, which a stage's schedule holds in several "
+                "models at once; take per_layer or sequence",
+                config.name);
+  }
 }
 
 int64_t pipeline_virtual_stages(const ModelConfig& config, int64_t stages, int64_t layers_per_stage,
@@ -146,7 +156,8 @@ void PipelineModel::exchange(const std::vector<PipelineTransfer>& transfers) {
 }
 
 LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& micro_batches, ParamSource& weights,
-                                        GradSink& grads, float grad_scale) {
+                                        GradSink& grads, float grad_scale,
+                                        const std::function<void(int micro_batch)>& before_micro_batch) {
   FORGE_CHECK(static_cast<int>(micro_batches.size()) == shape_.micro_batches,
               "pipeline: {} micro-batches for a schedule of {}", micro_batches.size(), shape_.micro_batches);
   LossSum loss;
@@ -158,13 +169,16 @@ LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& m
     }
     const PipelineMicroBatch& micro = micro_batches.at(static_cast<size_t>(a.micro_batch));
     Chunk& chunk = chunks_.at(static_cast<size_t>(a.chunk));
+    if (before_micro_batch) before_micro_batch(a.micro_batch);
     if (a.kind == PipelineAction::Kind::Forward) {
       take_slot(chunk, a.micro_batch);
       const LossSum l = model_of(a.chunk, a.micro_batch)
                             .stage_forward(micro.tokens, micro.targets, weights, &grads, grad_scale, micro.layout);
       loss.sum += l.sum;
       loss.tokens += l.tokens;
-      micro_losses_[static_cast<size_t>(a.micro_batch)] = l;
+      LossSum& micro_loss = micro_losses_[static_cast<size_t>(a.micro_batch)];  // over the rank's chunks
+      micro_loss.sum += l.sum;
+      micro_loss.tokens += l.tokens;
     } else {
       model_of(a.chunk, a.micro_batch).stage_backward(micro.tokens, weights, grads);
       if (chunk.stage.embedding) release_slot(chunk, a.micro_batch);  // no gradient to send

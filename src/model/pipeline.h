@@ -30,6 +30,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -57,7 +58,8 @@ class PipelineParallel {
 
 // Fails with the reason when the model cannot be cut into `stages` x `virtual_stages`
 // equal stages: the blocks must divide evenly, a tied output projection would be on two
-// ranks, Mixture-of-Experts blocks are not cut (NOTE [Pipeline stages]).
+// ranks, a Mixture-of-Experts model's balancing loss must be a sum over the layers (NOTE
+// [Pipeline stages]).
 void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t virtual_stages);
 // The chunks per rank (V) of stages of `layers_per_stage` blocks on `stages` ranks; 0
 // blocks per stage: V = 1 for 1F1B, 2 for the interleaved schedule. Not checked: see
@@ -93,8 +95,12 @@ class PipelineModel {
   // One step: every micro-batch's forward and backward through the schedule; gradients of
   // grad_scale x (sum of token losses) into `grads` (NOTE [Fresh gradient buffers]).
   // Returns the loss on the last stage's rank, an empty LossSum elsewhere.
+  // `before_micro_batch`: called with a micro-batch's index before each of its forwards and
+  // backwards on this rank, whose order the schedule interleaves (LoRA's dropout masks are
+  // drawn per micro-batch: NOTE [LoRA under pipeline parallelism] in model/lora.h).
   LossSum forward_backward(const std::vector<PipelineMicroBatch>& micro_batches, ParamSource& weights,
-                           GradSink& grads, float grad_scale);
+                           GradSink& grads, float grad_scale,
+                           const std::function<void(int micro_batch)>& before_micro_batch = {});
   // One micro-batch's loss (evaluation): its forward through every stage in turn, one
   // exchange between consecutive stages. On the last stage's rank; empty elsewhere.
   LossSum forward_loss(const PipelineMicroBatch& micro_batch, ParamSource& weights);
@@ -107,7 +113,8 @@ class PipelineModel {
   int64_t arena_bytes() const;
   // The stage models (micro-batches whose activations the rank can hold at once, over its chunks).
   int in_flight() const;
-  // The last forward_backward's loss of each micro-batch (empty LossSums off the last stage).
+  // The last forward_backward's loss of each micro-batch over the rank's chunks (off the last
+  // stage empty, or a Mixture-of-Experts stage's auxiliary losses: NOTE [Pipeline stages]).
   const std::vector<LossSum>& micro_batch_losses() const { return micro_losses_; }
 
  private:

@@ -18,9 +18,20 @@
 // The last stage's stage_forward() returns the micro-batch's loss and, in training, also
 // runs the head's backward (the chunked head makes its gradient while computing the loss,
 // NOTE [Chunked output head]); every other stage's returns an empty LossSum.
-// Blocks whose kind depends on the layer index (DeepSeek's first dense layers before the
-// Mixture-of-Experts ones, SplitByLayer) are not cut into stages: a stage numbers its
-// components' layers from 0.
+// A stage's components number its blocks from 0 (their parameters by the model's index):
+// make_block_components gives a stage of DeepSeek's dense first blocks alone the dense
+// feed-forward, one of Mixture-of-Experts blocks alone the MoE one, and one that holds the
+// boundary a SplitByLayer told where the stage starts. Multi-head Latent Attention blocks
+// are cut as any other. A Mixture-of-Experts stage's auxiliary losses (NOTE [MoE balancing
+// loss] in model/moe_feed_forward.h: the per_layer and sequence balancing losses and the
+// z-loss, sums over the layers) are its blocks' share: every stage's stage_forward in
+// training counts the micro-batch's targets and adds its components' auxiliary_loss,
+// weighted as on one rank, to the loss sum it returns (with no tokens off the last stage),
+// and its gradient enters the stage's routers in its backward; the sum over the stages is
+// one rank's. The pooled loss (its f and P pool every layer's routing) and the global one
+// (each layer's counts averaged over the step's micro-batches, which a stage's schedule
+// runs in several models at once) are refused (check_pipeline_parallel). The expert loads
+// stay in each stage's models (the trainer logs none, and refuses routing-bias updates).
 #pragma once
 
 namespace forge {

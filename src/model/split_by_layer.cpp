@@ -4,18 +4,21 @@
 
 namespace forge {
 
-SplitByLayer::SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest)
-    : boundary_(boundary), first_(std::move(first)), rest_(std::move(rest)) {
-  FORGE_CHECK(boundary_ > 0 && first_ && rest_, "SplitByLayer: boundary {} needs both parts", boundary_);
+SplitByLayer::SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest,
+                           int first_layer)
+    : boundary_(boundary), first_layer_(first_layer), first_(std::move(first)), rest_(std::move(rest)) {
+  FORGE_CHECK(boundary_ > 0 && first_ && rest_ && first_layer_ >= 0 && first_layer_ < boundary_,
+              "SplitByLayer: boundary {} needs both parts, from block {}", boundary_, first_layer_);
 }
 
 std::vector<ParamSpec> SplitByLayer::param_specs(int layer) const { return part(layer).param_specs(layer); }
 
 void SplitByLayer::lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) {
-  FORGE_CHECK(num_layers > boundary_, "SplitByLayer: {} blocks, the second part starts at block {}", num_layers,
-              boundary_);
-  first_->lay_out(layout, shape, mode, boundary_);
-  rest_->lay_out(layout, shape, mode, num_layers - boundary_);
+  const int first = boundary_ - first_layer_;  // the stage's blocks before the boundary
+  FORGE_CHECK(num_layers > first, "SplitByLayer: {} blocks from block {}, the second part starts at block {}",
+              num_layers, first_layer_, boundary_);
+  first_->lay_out(layout, shape, mode, first);
+  rest_->lay_out(layout, shape, mode, num_layers - first);
 }
 
 void SplitByLayer::prepare(const StepShape& shape, Device device) {
@@ -44,22 +47,24 @@ void SplitByLayer::begin_step() {
 }
 
 void SplitByLayer::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
-  part(layer).forward(local(layer), w, x, out);
+  stage_part(layer).forward(local(layer), w, x, out);
 }
 
 void SplitByLayer::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
-  part(layer).recompute_selective(local(layer), w, x);
+  stage_part(layer).recompute_selective(local(layer), w, x);
 }
 
 void SplitByLayer::backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite,
                             const Tensor& x, const Tensor& d_stream, const Tensor& d_hidden) {
-  part(layer).backward(local(layer), w, grads, overwrite, x, d_stream, d_hidden);
+  stage_part(layer).backward(local(layer), w, grads, overwrite, x, d_stream, d_hidden);
 }
 
 double SplitByLayer::auxiliary_loss(double gradient_weight) {
   return first_->auxiliary_loss(gradient_weight) + rest_->auxiliary_loss(gradient_weight);
 }
 
-std::vector<int64_t> SplitByLayer::expert_load(int layer) const { return part(layer).expert_load(local(layer)); }
+std::vector<int64_t> SplitByLayer::expert_load(int layer) const {
+  return stage_part(layer).expert_load(local(layer));
+}
 
 }  // namespace forge

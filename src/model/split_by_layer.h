@@ -6,6 +6,8 @@
 // it lays out activations for its blocks alone and is asked for block `layer - boundary`
 // when it is the second part. Parameter names are the exception: param_specs(layer) is
 // passed the model's block index, since names say where in the model a weight is.
+// In a pipeline stage that starts at block first_layer (NOTE [Pipeline stages]) the other
+// calls number the stage's blocks from 0: stage block i is the model's first_layer + i.
 #pragma once
 
 #include <memory>
@@ -17,8 +19,10 @@ namespace forge {
 
 class SplitByLayer final : public BlockComponent {
  public:
-  // `first` in blocks [0, boundary), `rest` in [boundary, num_layers); 0 < boundary.
-  SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest);
+  // `first` in blocks [0, boundary), `rest` in [boundary, num_layers); 0 < boundary; the
+  // blocks it is asked for start at the model's block `first_layer` < boundary.
+  SplitByLayer(int boundary, std::unique_ptr<BlockComponent> first, std::unique_ptr<BlockComponent> rest,
+               int first_layer = 0);
 
   std::vector<ParamSpec> param_specs(int layer) const override;
   void lay_out(ArenaLayout& layout, const StepShape& shape, ActivationCheckpoint mode, int num_layers) override;
@@ -36,10 +40,17 @@ class SplitByLayer final : public BlockComponent {
   std::vector<int64_t> expert_load(int layer) const override;
 
  private:
+  // By the model's block index (param_specs).
   BlockComponent& part(int layer) const { return layer < boundary_ ? *first_ : *rest_; }
-  int local(int layer) const { return layer < boundary_ ? layer : layer - boundary_; }
+  // By the stage's block index (every other call): the part, and the block's index in it.
+  BlockComponent& stage_part(int block) const { return part(block + first_layer_); }
+  int local(int block) const {
+    const int layer = block + first_layer_;
+    return layer < boundary_ ? block : layer - boundary_;
+  }
 
   int boundary_;
+  int first_layer_;
   std::unique_ptr<BlockComponent> first_, rest_;
 };
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <tuple>
 
@@ -146,7 +147,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       // run initializes and quantizes again, to bitwise the same codes).
       const CheckpointConfig& ckpt = config_.checkpoint;
       if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty()) {
-        nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype);
+        // NOTE [LoRA under pipeline parallelism]: a pipeline rank quantizes its stages' alone.
+        nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype, pipeline_stages_);
         nf4_base_->initialize(derive_seed(t.seed, kWeightsSeed));
         lora_->set_base(*nf4_base_);
         log_info("QLoRA: the base's projections quantized to NF4 from the seeded initialization (no "
@@ -155,8 +157,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       }
     } else {
       // NOTE [LoRA training]: the frozen base once (the rank's shards under tensor
-      // parallelism), in the compute dtype; the adapters train.
-      params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype, tensor_parallel_shard_);
+      // parallelism, its stages' under pipeline parallelism), in the compute dtype; the
+      // adapters train.
+      params_ = std::make_unique<FlatParameters>(config_.model, device_, compute_dtype, tensor_parallel_shard_,
+                                                 pipeline_stages_);
       params_->initialize(derive_seed(t.seed, kWeightsSeed));
       lora_->set_base(*params_);
       if (config_.precision.fp8 != "none") {
@@ -227,6 +231,12 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                                                       tensor_parallel_.get(), context_parallel_.get());
     std::string blocks;
     int held = 0;
+    int64_t held_params = 0;  // the stages' parameters (a QLoRA base's before it is imported too)
+    if (fsdp_) held_params = fsdp_->layout().parameter_count();
+    else
+      for (const ParamSpec& spec : pipeline_stage_specs(parameter_specs(config_.model, tensor_parallel_shard_),
+                                                        pipeline_stages_))
+        held_params += shape_numel(spec.shape);
     for (const PipelineStage& s : pipeline_stages_) {
       held += s.end_layer - s.first_layer;
       blocks += (blocks.empty() ? "" : ", ") + (s.end_layer - s.first_layer == 1
@@ -238,7 +248,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
              "{:.2f} MiB",
              pipeline_->rank(), pipeline_->size(), held == 1 ? "" : "s", blocks,
              pipeline_stages_.front().embedding ? " and the embedding" : "",
-             pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(fsdp_ ? fsdp_->layout().parameter_count() : params_->flat().numel())),
+             pipeline_stages_.back().head ? " and the head" : "", human_count(static_cast<double>(held_params)),
              human_count(static_cast<double>(config_.model.total_params())),
              describe_pipeline_schedule(kind, shape, pipeline_model_->schedule()), pipeline_model_->in_flight(),
              static_cast<double>(pipeline_model_->arena_bytes()) / (1024.0 * 1024.0));
@@ -610,10 +620,12 @@ void Trainer::begin_gradients() {
 void Trainer::finish_gradients() {
   if (fsdp_) fsdp_->finish_gradients();
   if (!lora_) return;
+  if (pipeline_comm_) lora_->zero_unwritten_gradients();  // NOTE [LoRA under pipeline parallelism]
   if (tensor_parallel_) {  // NOTE [LoRA under context and tensor parallelism]
     lora_->spread_shard_gradients();
     tensor_parallel_comm_->all_reduce_sum(lora_->gradient_flat());
   }
+  if (pipeline_comm_) pipeline_comm_->all_reduce_sum(lora_->gradient_flat());
   if (dp_) dp_->all_reduce_sum(lora_->gradient_flat());
 }
 
@@ -848,7 +860,14 @@ TrainResult Trainer::run() {
         micro[a] = {batches[a].tokens.to(device_), batches[a].targets.to(device_),
                     batches[a].has_examples() ? &layouts[a] : nullptr};
       }
-      loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale);
+      // NOTE [LoRA under pipeline parallelism]: each micro-batch's dropout masks, one process's.
+      std::function<void(int)> before_micro_batch;
+      if (lora_)
+        before_micro_batch = [&](int a) {
+          lora_->set_dropout_step(lora_dropout_seed(t.seed, context_parallel_.get()),
+                                  static_cast<uint64_t>(step * accum + a));
+        };
+      loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale, before_micro_batch);
       if (fsdp_) fsdp_->reduce_gradients();  // once, after every micro-batch's backward
       for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
       loss.tokens = targets;
@@ -873,7 +892,8 @@ TrainResult Trainer::run() {
       loss.tokens += l.tokens;
     }
     // Every rank routed its own tokens: the step's loads are the sum over the ranks.
-    if (dp_ && config_.model.moe()) expert_load = loads_over_ranks(expert_load);
+    // (Under pipeline parallelism the stages keep theirs: NOTE [Pipeline stages].)
+    if (dp_ && config_.model.moe() && !expert_load.empty()) expert_load = loads_over_ranks(expert_load);
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;
@@ -894,8 +914,8 @@ TrainResult Trainer::run() {
       // Replicated adapters hold the global gradient after finish_gradients: their norm is the global one.
       if (lora_) norm = global_grad_norm({lora_->gradient_flat()});
       else if (!tensor_parallel_) norm = std::sqrt(fsdp_->global_grad_sum_of_squares());
-    } else if (lora_ && tensor_parallel_) {
-      finish_gradients();  // the adapters' gradients summed over the tensor-parallel group
+    } else if (lora_ && (tensor_parallel_ || pipeline_comm_)) {
+      finish_gradients();  // the adapters' gradients summed over the tensor-parallel and pipeline groups
       norm = global_grad_norm({lora_->gradient_flat()});
     } else if (!tensor_parallel_) {
       norm = global_grad_norm({lora_ ? lora_->gradient_flat() : grads_->flat()});
@@ -903,14 +923,15 @@ TrainResult Trainer::run() {
     if (pipeline_comm_) {
       // NOTE [Pipeline parallelism]: the loss is on the last stage's rank, each rank's
       // gradients are its stages' parameters'.
-      // This rank's sum of squares (under tensor parallelism its group's, NOTE [Tensor-parallel gradient norm]).
-      const double own = tensor_parallel_ ? tensor_parallel_grad_sum_of_squares() : norm * norm;
+      // This rank's sum of squares (under tensor parallelism its group's, NOTE [Tensor-parallel gradient norm]);
+      // LoRA's adapters hold the whole gradient by now (NOTE [LoRA under pipeline parallelism]).
+      const double own = lora_ ? 0.0 : tensor_parallel_ ? tensor_parallel_grad_sum_of_squares() : norm * norm;
       // The ranks that saw a non-finite FP8 amax too (NOTE [FP8 under context and pipeline parallelism]).
       const std::vector<double> sums = pipeline_comm_->sum_over_ranks(
           std::vector<double>{loss.sum, stop_now ? 1.0 : 0.0, own, static_cast<double>(amax_ranks)});
       loss.sum = sums[0];
       stop_now = sums[1] > 0;
-      norm = std::sqrt(sums[2]);
+      if (!lora_) norm = std::sqrt(sums[2]);
       amax_ranks = std::llround(sums[3]);
     }
     if (tensor_parallel_) {

@@ -298,9 +298,13 @@ void Trainer::load_initial_weights(const std::string& path) {
   check_checkpoint_model(ck, config_.model, /*same_architecture=*/false);
   std::string staged;
   if (lora_) {
-    // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory.
-    FlatParameters host(config_.model);
-    staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{{{0, host.flat()}}, {}, {}}});
+    // The frozen base (NOTE [LoRA training]) from a full checkpoint, through fp32 host memory;
+    // a pipeline rank reads its stages' parameters alone (NOTE [LoRA under pipeline parallelism]).
+    FlatParameters host(config_.model, Device::CPU, DType::F32, TensorParallelShard{}, pipeline_stages_);
+    const std::vector<FlatSegment> places =
+        pipeline_ ? at_model_offsets(config_.model, TensorParallelShard{}, host.specs(), host.tensors())
+                  : std::vector<FlatSegment>{{0, host.flat()}};
+    staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{places, {}, {}}});
     std::optional<FlatParameters> shards;  // the rank's, under tensor parallelism (NOTE [Tensor-parallel shards])
     if (tensor_parallel_) {
       shards.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_);

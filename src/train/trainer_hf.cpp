@@ -46,13 +46,21 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     // one parameter in fp32 at a time (a resumed run imports and quantizes again, to
     // bitwise the same codes).
     nf4_base_.reset();
-    nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32);
+    // A pipeline rank imports and quantizes its stages' parameters alone (NOTE [LoRA under
+    // pipeline parallelism]).
+    nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32,
+                                                pipeline_stages_);
     // NOTE [NF4 stored row order]: DeepSeek's rotary rows quantized in the published order.
     const bool interleaved = read_weight_layout(dir).interleaved_rotary;
     const std::vector<ParamSpec> specs = parameter_specs(config_.model);
-    for_each_hf_parameter(dir, config_.model, [&](size_t spec, const Tensor& values) {
-      nf4_base_->set(spec, values, hf_stored_rows(specs[spec], interleaved));
-    });
+    std::map<std::string, size_t> held;
+    for (size_t k = 0; k < nf4_base_->specs().size(); ++k) held[nf4_base_->specs()[k].name] = k;
+    for_each_hf_parameter(
+        dir, config_.model,
+        [&](size_t spec, const Tensor& values) {
+          nf4_base_->set(held.at(specs[spec].name), values, hf_stored_rows(specs[spec], interleaved));
+        },
+        {}, pipeline_stages_);
     nf4_base_->finish();
     lora_->set_base(*nf4_base_);
     return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "
@@ -204,7 +212,9 @@ size_t write_through_host(const Tensor& t, int64_t window,
 // rank adds to its memory at most the window and a 128 KiB conversion buffer. Two exports
 // still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
 // expert parallelism's (each rank holds a slice of the experts, which the writer does not
-// take).
+// take). Under pipeline parallelism LoRA's is written in pieces too: each rank merges its
+// stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
+// parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
   DataParallelComm& comm = *checkpoint_comm();  // every rank
   const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
@@ -247,12 +257,22 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
                                                        }));
         }
       } else {
+        // NOTE [LoRA under pipeline parallelism]: the rank's stages' base, fp32 on the host
+        // (an NF4 one dequantized), with its stages' adapters merged.
+        std::optional<FlatParameters> merged;
+        if (lora_) {
+          merged.emplace(config_.model, Device::CPU, DType::F32, TensorParallelShard{}, pipeline_stages_);
+          if (nf4_base_) nf4_base_->dequantize_into(*merged);
+          else merged->assign_from(*params_);
+          lora_->merge_into(*merged);
+        }
+        const FlatParameters& values = merged ? *merged : *params_;
         std::map<std::string, size_t> index;
         for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
-        for (size_t k = 0; k < params_->specs().size(); ++k) {
-          const size_t spec = index.at(params_->specs()[k].name);
+        for (size_t k = 0; k < values.specs().size(); ++k) {
+          const size_t spec = index.at(values.specs()[k].name);
           if (!mine(spec)) continue;
-          staged = std::max(staged, write_through_host(params_->tensors()[k], window,
+          staged = std::max(staged, write_through_host(values.tensors()[k], window,
                                                        [&](int64_t at, std::span<const float> values) {
                                                          files.write(spec, values, at, shard);
                                                        }));

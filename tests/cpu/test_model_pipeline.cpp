@@ -5,7 +5,10 @@
 // rank's gradients of its stages' parameters are the whole model's (with tensor-parallel
 // stages, 2 x 2 ranks: its shards of them). Fewer and more micro-batches than stages, every
 // activation-checkpointing mode, packed examples, evaluation's forward through the stages;
-// and the shapes pipelining refuses.
+// Multi-head Latent Attention and Mixture-of-Experts blocks (DeepSeek's dense first block
+// in a stage of its own or beside MoE ones), whose per-layer, sequence-wise and z balancing
+// losses the stages' loss sums add up to one rank's (NOTE [Pipeline stages]); and the shapes
+// pipelining refuses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,6 +19,7 @@
 #include "distributed/pipeline_parallel_group.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/decoder_lm.h"
+#include "model/lora.h"
 #include "model/memory_estimate.h"
 #include "model/parameters.h"
 #include "model/pipeline.h"
@@ -40,6 +44,7 @@ struct Case {
   std::string model = "debug-tiny";
   int layers = 8;
   int tensor_parallel = 1;  // T ranks per stage (rank = stage x T + tensor-parallel rank)
+  std::vector<std::pair<std::string, std::string>> overrides = {};  // more model.* keys
 };
 
 // Whether parameter `spec` belongs to one of `stages`.
@@ -63,8 +68,10 @@ void expect_stages_match_one(const Case& c) {
   SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, checkpointing {}{}, tensor-parallel {}",
                            pipeline_schedule_name(c.kind), c.stages, c.virtual_stages, c.micro_batches,
                            static_cast<int>(c.mode), c.packed ? ", packed" : "", c.tensor_parallel));
-  const ModelConfig m =
-      load_experiment("", {{"model.name", c.model}, {"model.num_layers", std::to_string(c.layers)}}).model;
+  std::vector<std::pair<std::string, std::string>> keys = {{"model.name", c.model},
+                                                            {"model.num_layers", std::to_string(c.layers)}};
+  keys.insert(keys.end(), c.overrides.begin(), c.overrides.end());
+  const ModelConfig m = load_experiment("", keys).model;
   const int64_t micro = 2, seq = 8;
   std::vector<Tensor> tokens, targets;
   for (int k = 0; k < c.micro_batches; ++k) {
@@ -130,12 +137,16 @@ void expect_stages_match_one(const Case& c) {
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
 
-  for (int r = 0; r < ranks; ++r) {  // the loss is on the last stage's ranks
+  // The loss is on the last stage's ranks; the auxiliary losses are each stage's blocks'
+  // (NOTE [Pipeline stages]): the sum over one tensor-parallel rank of every stage is one rank's.
+  double step_sum = 0;
+  for (int r = 0; r < ranks; r += t) step_sum += losses[static_cast<size_t>(r)].sum;
+  EXPECT_NEAR(step_sum, reference.sum, 1e-5 * std::abs(reference.sum));
+  for (int r = 0; r < ranks; ++r) {
     const LossSum& l = losses[static_cast<size_t>(r)];
     const LossSum& e = evals[static_cast<size_t>(r)];
     if (r / t == c.stages - 1) {
       EXPECT_EQ(l.tokens, reference.tokens);
-      EXPECT_NEAR(l.sum, reference.sum, 1e-5 * std::abs(reference.sum));
       EXPECT_EQ(e.tokens, reference_eval.tokens);
       EXPECT_NEAR(e.sum, reference_eval.sum, 1e-5 * std::abs(reference_eval.sum));
     } else {
@@ -194,6 +205,32 @@ TEST(ModelPipeline, WithTensorParallelStages) {
   expect_stages_match_one(interleaved);
 }
 
+TEST(ModelPipeline, LatentAttentionBlocksMatchOneRank) {
+  // debug-tiny-mla: MLA blocks, a dense first block, then MoE blocks with a shared expert.
+  expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, false,
+                           "debug-tiny-mla", 4});  // stage 0: the dense block and an MoE one
+  expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 2, ActivationCheckpoint::Selective, true,
+                           "debug-tiny-mla", 4});  // stage 0: the dense block alone
+  // Stages of 2 blocks over 3 dense ones: stage 1 (blocks 2 and 3, chunk 0 of rank 1) holds the boundary.
+  expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 2, ActivationCheckpoint::Full, false,
+                           "debug-tiny-mla", 8, 1, {{"model.first_dense_layers", "3"}}});
+}
+
+TEST(ModelPipeline, MixtureOfExpertsBlocksMatchOneRank) {
+  expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, false,
+                           "debug-tiny-moe", 4});
+  for (const char* type : {"per_layer", "sequence"}) {
+    SCOPED_TRACE(type);
+    const std::vector<std::pair<std::string, std::string>> losses = {{"model.router_aux_loss_coef", "0.1"},
+                                                                      {"model.router_aux_loss_type", type},
+                                                                      {"model.router_z_loss_coef", "0.01"}};
+    expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::Selective, false,
+                             "debug-tiny-moe", 4, 1, losses});
+    expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, false,
+                             "debug-tiny-mla", 4, 1, losses});
+  }
+}
+
 TEST(ModelPipeline, StagesCutTheBlocksEvenly) {
   const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny"}, {"model.num_layers", "8"}}).model;
   const PipelineStage first = pipeline_stage(m, 2, 2, 0, 0), last = pipeline_stage(m, 2, 2, 1, 1);
@@ -238,6 +275,18 @@ TEST(ModelPipeline, MemoryEstimateIsTheFullestRanks) {
     worst = std::max(worst, params * 16 + activations);  // fp32 master, gradient and two moments
   }
   EXPECT_DOUBLE_EQ(e.total(), worst);
+  // LoRA (NOTE [LoRA under pipeline parallelism]): the stages' frozen base, every adapter whole.
+  plan.lora.rank = 4;
+  plan.lora.target_modules = "all-linear";
+  const MemoryEstimate lora = estimate_memory(m, plan);
+  const LoraSizes adapters = lora_sizes(m, plan.lora, 2 * 8);
+  EXPECT_DOUBLE_EQ(lora.master_weights, static_cast<double>(adapters.stored) * 4);
+  EXPECT_DOUBLE_EQ(lora.optimizer_state, static_cast<double>(adapters.stored) * 8);
+  double first_stage = 0;
+  for (const ParamSpec& spec : pipeline_stage_specs(parameter_specs(m), {pipeline_stage(m, 2, 1, 0, 0)}))
+    first_stage += static_cast<double>(shape_numel(spec.shape));
+  EXPECT_GE(lora.frozen_weights, first_stage * 4);  // fp32 on the CPU: the fuller stage's
+  EXPECT_LT(lora.total(), e.total());
   const PipelineSchedule schedule = make_pipeline_schedule(PipelineScheduleKind::OneFOneB, {2, 1, 4});
   EXPECT_EQ(pipeline_chunk_in_flight(schedule, 0, 0), 2);
   EXPECT_EQ(pipeline_chunk_in_flight(schedule, 1, 0), 2);
@@ -251,7 +300,15 @@ TEST(ModelPipeline, RefusesShapesItCannotCut) {
   tied.tie_word_embeddings = true;
   expect_error([&] { check_pipeline_parallel(tied, 2, 1); }, {"tie_word_embeddings"});
   const ModelConfig moe = load_experiment("", {{"model.name", "debug-tiny-moe"}}).model;
-  expect_error([&] { check_pipeline_parallel(moe, 2, 1); }, {"Mixture-of-Experts"});
+  check_pipeline_parallel(moe, 2, 1);  // NOTE [Pipeline stages]
+  ModelConfig pooled = moe;
+  pooled.router_aux_loss_coef = 0.01;
+  expect_error([&] { check_pipeline_parallel(pooled, 2, 1); }, {"router_aux_loss_type pooled", "per_layer"});
+  ModelConfig global = pooled;
+  global.router_aux_loss_type = "global";
+  expect_error([&] { check_pipeline_parallel(global, 2, 1); }, {"router_aux_loss_type global"});
+  global.router_aux_loss_type = "sequence";
+  check_pipeline_parallel(global, 2, 1);
   check_pipeline_parallel(m, 3, 2);
 }
 

@@ -8,6 +8,9 @@
 // In FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp) each
 // rank's Fp8Projections over its stages match one GPU's FP8 steps, and after the step end's
 // max over the ranks' statistics every rank holds one GPU's delayed scales.
+// Under LoRA (NOTE [LoRA under pipeline parallelism] in model/lora.h) each rank's adapters,
+// whole, over its stages' bf16 frozen base, with each micro-batch's dropout masks set before
+// its forwards and backwards: the sum of the ranks' adapter gradients is one GPU's.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -18,6 +21,7 @@
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
+#include "model/lora.h"
 #include "model/parameters.h"
 #include "model/pipeline.h"
 #include "ops/cross_entropy.h"
@@ -306,6 +310,104 @@ void expect_fp8_stages_match_one_gpu(Fp8Recipe recipe, PipelineScheduleKind kind
     ASSERT_EQ(got.size(), want.size());
     for (size_t k = 0; k < want.size(); ++k) EXPECT_NEAR(got[k], want[k], 1e-2 * want[k]) << "scale " << k;
   }
+}
+
+// LoRA (rank 8, all-linear, `dropout`) over the bf16 base: one GPU's step against the
+// stages' rank threads, each holding every adapter (B off zero, so every gradient is nonzero)
+// over its stages' base; after zero_unwritten_gradients the ranks' gradients add up to one GPU's.
+void expect_lora_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chunks, int micro_batches,
+                                      ActivationCheckpoint mode, double dropout) {
+  SCOPED_TRACE(fmt::format("LoRA under {} on {} ranks x {} chunks, {} micro-batches, checkpointing {}, dropout {}",
+                           pipeline_schedule_name(kind), stages, chunks, micro_batches,
+                           activation_checkpoint_name(mode), dropout));
+  const ModelConfig config = llama_like();
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(stages * 10 + chunks));
+  std::vector<Tensor> tokens, targets;
+  for (int m = 0; m < micro_batches; ++m) {
+    tokens.push_back(random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA));
+    targets.push_back(random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA));
+  }
+  const float scale = 1.0f / static_cast<float>(micro_batches * batch * seq);
+  const uint64_t dropout_seed = 41;
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.dropout = dropout;
+  lora.target_modules = "all-linear";
+  std::vector<Tensor> b_values;  // B's masters, the same on every rank
+  {
+    const LoraAdapters shapes(config, lora, Device::CPU, 1);
+    for (size_t k = 1; k < shapes.masters().size(); k += 2)
+      b_values.push_back(random_f32(shapes.masters()[k].shape(), rng, 0.02));
+  }
+  auto adapters = [&](ParamSource& base) {
+    auto a = std::make_unique<LoraAdapters>(config, lora, Device::CUDA, batch * seq);
+    a->initialize(9);
+    for (size_t k = 1; k < a->masters().size(); k += 2) a->masters()[k].copy_from(b_values[k / 2].to(Device::CUDA));
+    a->refresh_compute();
+    a->set_base(base);
+    a->discard();
+    return a;
+  };
+
+  FlatParameters whole(config);
+  whole.initialize(23);
+  round_to_bf16(whole.flat());
+  FlatParameters compute(config, Device::CUDA, DType::BF16);
+  compute.assign_from(whole);
+  auto one = adapters(compute);
+  DecoderLM decoder(config, batch, seq, Device::CUDA, DType::BF16, mode);
+  LossSum reference;
+  for (int m = 0; m < micro_batches; ++m) {
+    one->set_dropout_step(dropout_seed, static_cast<uint64_t>(m));
+    const LossSum l = decoder.forward_backward(tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], *one,
+                                               *one, scale);
+    reference.sum += l.sum;
+    reference.tokens += l.tokens;
+  }
+
+  ThreadRound round(stages);
+  std::vector<LossSum> losses(static_cast<size_t>(stages));
+  std::vector<std::vector<Tensor>> rank_grads(static_cast<size_t>(stages));
+  const auto errors = run_rank_threads(stages, round.gpu, [&](int r) {
+    const size_t i = static_cast<size_t>(r);
+    std::vector<PipelineStage> held;
+    for (int v = 0; v < chunks; ++v) held.push_back(pipeline_stage(config, stages, chunks, r, v));
+    FlatParameters host(config, Device::CPU, DType::F32, {}, held);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    FlatParameters weights(config, Device::CUDA, DType::BF16, {}, held);
+    weights.assign_from(host);
+    auto mine = adapters(weights);
+    ThreadPipeline pipeline(round, r);
+    PipelineModel model(config, batch, seq, Device::CUDA, DType::BF16, mode, pipeline, kind,
+                        {stages, chunks, micro_batches});
+    std::vector<PipelineMicroBatch> micro;
+    for (int m = 0; m < micro_batches; ++m)
+      micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
+    losses[i] = model.forward_backward(micro, *mine, *mine, scale,
+                                       [&](int m) { mine->set_dropout_step(dropout_seed, static_cast<uint64_t>(m)); });
+    mine->zero_unwritten_gradients();
+    for (const Tensor& g : mine->gradients()) rank_grads[i].push_back(to_cpu_f32(g));
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  EXPECT_EQ(losses.back().tokens, reference.tokens);
+  EXPECT_NEAR(losses.back().mean(), reference.mean(), 2e-3 * reference.mean());
+  for (size_t k = 0; k < one->gradients().size(); ++k) {
+    Tensor sum = Tensor::zeros(one->gradients()[k].shape());
+    for (const std::vector<Tensor>& of_rank : rank_grads)
+      for (int64_t j = 0; j < sum.numel(); ++j) sum.data<float>()[j] += of_rank[k].data<float>()[j];
+    const Tensor want = to_cpu_f32(one->gradients()[k]);
+    EXPECT_LT(relative_l2(sum, want), 2e-2) << one->master_names()[k];
+    EXPECT_GT(relative_l2(want, Tensor::zeros(want.shape())), 0.0) << one->master_names()[k] << " is zero";
+  }
+}
+
+TEST(GpuPipeline, LoraThreadRanksMatchOneGpu) {
+  expect_lora_stages_match_one_gpu(PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::Selective, 0.0);
+  expect_lora_stages_match_one_gpu(PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, 0.1);
 }
 
 TEST(GpuPipeline, Fp8ThreadRanksMatchOneGpu) {
