@@ -4,7 +4,8 @@ model/pipeline_stage.h): a 4-block debug-tiny-moe with the per-layer balancing l
 z-loss, and a 4-block debug-tiny-mla (MLA, a dense first block, MoE blocks with a shared
 expert) with the sequence-wise balancing loss, on 2 pipeline ranks under 1F1B and the
 interleaved schedule, follow one rank's losses (cross-entropy plus every stage's auxiliary
-losses), gradient norms and validation losses; LoRA on the MLA model under pipelining too;
+losses), gradient norms and validation losses; LoRA on the MLA model under pipelining too, and
+all-linear LoRA (the routed experts' adapters included) on the MoE model;
 and what the stages cannot take is refused naming the keys.
 
 Measured over the 20 steps, the largest relative differences from one rank: losses 9.0e-8,
@@ -27,6 +28,8 @@ MOE = ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--model.rou
 MLA = ["--model.name", "debug-tiny-mla", "--model.num_layers", "4", "--model.router_aux_loss_coef", "0.01",
        "--model.router_aux_loss_type", "sequence"]
 LORA = ["--lora.rank", "4", "--lora.target_modules", "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj,gate"]
+# Attention, the router and the routed experts' stacks (NOTE [LoRA on routed experts]).
+ALL_LINEAR = ["--lora.rank", "4", "--lora.target_modules", "all-linear"]
 
 
 def train(run_dir, ranks, *overrides, check=True):
@@ -43,7 +46,8 @@ class MoeAndMlaStages(unittest.TestCase):
             self.assertLess(max_relative_difference(records(run, kind), records(one, kind), key), TOLERANCE, key)
 
     def test_pipeline_ranks_follow_one(self):
-        for model, flags in (("moe", MOE), ("mla", MLA), ("mla-lora", MLA + LORA)):
+        for model, flags in (("moe", MOE), ("mla", MLA), ("mla-lora", MLA + LORA),
+                             ("moe-lora-all-linear", MOE + ALL_LINEAR)):
             one = os.path.join(self.tmp, f"{model}-one")
             train(one, 1, *flags)
             trained = records(one, "train")
