@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <tuple>
 
 #include <fmt/format.h>
 
@@ -245,22 +246,24 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
   auto take = [&](const Tensor& flat, Shape shape, int64_t at) {
     return flat.narrow(at, at + shape_numel(shape)).view(std::move(shape));
   };
+  // An adapter's A and B: their compute copies and gradients (set in `adapter`), masters
+  // and gradients (listed), at the next aligned places of the flat buffers.
+  auto place = [&](auto& adapter, const Shape& a, const Shape& b) {
+    for (const auto& [shape, weight, grad] :
+         {std::tuple{a, &adapter.a, &adapter.grad_a}, std::tuple{b, &adapter.b, &adapter.grad_b}}) {
+      *weight = take(compute_flat_, shape, offset);
+      *grad = take(grad_flat_, shape, offset);
+      masters_.push_back(take(master_flat_, shape, offset));
+      grads_.push_back(*grad);
+      offset += aligned(shape_numel(shape));
+    }
+  };
   for (size_t k = 0; k < targets_.size(); ++k) {
     const LoraTarget& t = targets_[k];
     if (t.experts > 0) {  // NOTE [LoRA on routed experts]
       const int64_t rt = r * t.rank_multiple;
-      const Shape a{t.experts * rt, t.in}, b{t.experts * t.out, rt};
       LoraExpertAdapter& adapter = expert_adapters_[k];
-      adapter.a = take(compute_flat_, a, offset);
-      adapter.grad_a = take(grad_flat_, a, offset);
-      masters_.push_back(take(master_flat_, a, offset));
-      grads_.push_back(adapter.grad_a);
-      offset += aligned(shape_numel(a));
-      adapter.b = take(compute_flat_, b, offset);
-      adapter.grad_b = take(grad_flat_, b, offset);
-      masters_.push_back(take(master_flat_, b, offset));
-      grads_.push_back(adapter.grad_b);
-      offset += aligned(shape_numel(b));
+      place(adapter, {t.experts * rt, t.in}, {t.experts * t.out, rt});
       adapter.rank = rt;
       adapter.experts = t.experts;
       adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
@@ -268,18 +271,8 @@ LoraAdapters::LoraAdapters(const ModelConfig& config, const LoraConfig& lora, De
       continue;
     }
     const int64_t low = r * static_cast<int64_t>(t.parts.size());
-    const Shape a{low, t.in}, b{t.out, low};
     LoraAdapter& adapter = adapters_[k];
-    adapter.a = take(compute_flat_, a, offset);
-    adapter.grad_a = take(grad_flat_, a, offset);
-    masters_.push_back(take(master_flat_, a, offset));
-    grads_.push_back(adapter.grad_a);
-    offset += aligned(shape_numel(a));
-    adapter.b = take(compute_flat_, b, offset);
-    adapter.grad_b = take(grad_flat_, b, offset);
-    masters_.push_back(take(master_flat_, b, offset));
-    grads_.push_back(adapter.grad_b);
-    offset += aligned(shape_numel(b));
+    place(adapter, {low, t.in}, {t.out, low});
     adapter.rank = r;
     adapter.scale = static_cast<float>(lora_.alpha / static_cast<double>(r));
     adapter.dropout = static_cast<float>(lora_.dropout);
