@@ -280,6 +280,12 @@ cuda::Fp8GemmOperand gemm_operand(const DeviceOperand& d, Fp8Format format) {
   return {d.codes, format, d.scale_inv, cuda::Fp8GemmScaling::Tensor};
 }
 
+// The GEMM's token dimension `tokens` varies from call to call for a routed expert's
+// projection (NOTE [FP8 GEMMs of varying size] in kernels/cuda/fp8_matmul.cpp).
+cuda::GemmVarying varying(const Fp8Linear& fp8, cuda::GemmVarying tokens) {
+  return fp8.varying_tokens ? tokens : cuda::GemmVarying::None;
+}
+
 // The CUDA path profiles its casts ("fp8_quantize", elementwise) apart from its GEMMs
 // ("fp8_gemm [m x n x k]"), so that logging.profile_ops shows what FP8 costs beside what it
 // saves; the CPU reference is one op.
@@ -340,7 +346,7 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       }
       profiled_gemm("forward", t, out, in, [&] {
         cuda::fp8_matmul(y.raw(), DType::BF16, gemm_operand(a, kE4M3), gemm_operand(b, kE4M3), t, out, in, 1.0f,
-                         residual ? 1.0f : 0.0f, /*fast_accumulation=*/true);
+                         residual ? 1.0f : 0.0f, /*fast_accumulation=*/true, varying(fp8, cuda::GemmVarying::M));
       });
     }());
     return;
@@ -379,7 +385,7 @@ void backward_input(const Tensor& dx, const Tensor& dy, const Tensor& w, const F
       }
       profiled_gemm("backward_input", t, in, out, [&] {
         cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
-                         1.0f, beta, false);
+                         1.0f, beta, false, varying(fp8, cuda::GemmVarying::M));
       });
     }());
     return;
@@ -444,7 +450,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     }
     profiled_gemm("backward_input", t, in, out, [&] {
       cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(d, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
-                       1.0f, 0.0f, false);
+                       1.0f, 0.0f, false, varying(fp8, cuda::GemmVarying::M));
     });
     b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
     {
@@ -453,7 +459,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     }
     profiled_gemm("backward_weight", out, in, t, [&] {
       cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(d_t, fp8.grad_format), gemm_operand(b, kE4M3), out, in,
-                       t, 1.0f, overwrite ? 0.0f : 1.0f, false);
+                       t, 1.0f, overwrite ? 0.0f : 1.0f, false, varying(fp8, cuda::GemmVarying::K));
     });
   }());
 }
@@ -497,7 +503,7 @@ void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tens
       }
       profiled_gemm("backward_weight", out, in, padded, [&] {
         cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(a, fp8.grad_format), gemm_operand(b, kE4M3), out, in,
-                         padded, 1.0f, overwrite ? 0.0f : 1.0f, false);
+                         padded, 1.0f, overwrite ? 0.0f : 1.0f, false, varying(fp8, cuda::GemmVarying::K));
       });
     }());
     return;

@@ -180,6 +180,10 @@ struct Fp8Linear {
   bool delayed = false;
   Fp8WeightCache* weight_cache = nullptr;  // CUDA, optional: NOTE [FP8 weight cache]
   Fp8Produced* produced = nullptr;         // CUDA, optional: NOTE [FP8 fused producers]
+  // CUDA: the token count changes from call to call (a routed expert's rows), so the GEMMs
+  // keep their plans per bucket of it (NOTE [FP8 GEMMs of varying size] in
+  // kernels/cuda/fp8_matmul.cpp).
+  bool varying_tokens = false;
 };
 
 // NOTE [FP8 fused producers]: the epilogue for the kernel about to write x, which the

@@ -35,6 +35,7 @@ Fp8Linear fp8_expert_linear(const Fp8Linear& stack, int64_t expert) {
   e.forward = nullptr;
   e.weight_cache = nullptr;
   e.produced = nullptr;
+  e.varying_tokens = true;  // the rows the routing gave it (NOTE [FP8 GEMMs of varying size])
   return e;
 }
 

@@ -259,7 +259,7 @@ std::string describe(const GemmCase& c) {
          std::string(dtype_name(c.out_dtype)) + (c.fast ? " fast" : "");
 }
 
-void check_gemm(const GemmCase& c, Rng& rng, bool accumulate = false) {
+void check_gemm(const GemmCase& c, Rng& rng, bool accumulate = false, cuda::GemmVarying varying = cuda::GemmVarying::None) {
   SCOPED_TRACE(describe(c));
   const bool supported = cuda::fp8_matmul_supported(c.out_dtype, c.a_format, c.a_scaling, c.b_format, c.b_scaling,
                                                     c.m, c.n, c.k, c.fast);
@@ -278,7 +278,8 @@ void check_gemm(const GemmCase& c, Rng& rng, bool accumulate = false) {
     out = to_gpu(initial, c.out_dtype);
     for (int64_t i = 0; i < expected.numel(); ++i) expected.data<float>()[i] += initial.data<float>()[i];
   }
-  cuda::fp8_matmul(out.raw(), c.out_dtype, a.gpu(), b.gpu(), c.m, c.n, c.k, 1.0f, accumulate ? 1.0f : 0.0f, c.fast);
+  cuda::fp8_matmul(out.raw(), c.out_dtype, a.gpu(), b.gpu(), c.m, c.n, c.k, 1.0f, accumulate ? 1.0f : 0.0f, c.fast,
+                   varying);
   const double tolerance = c.out_dtype == DType::BF16 || c.fast ? 1e-2 : 1e-3;
   EXPECT_LT(gpu_test::relative_l2(gpu_test::to_cpu_f32(out), expected), tolerance);
 }
@@ -295,6 +296,26 @@ TEST(GpuFp8Gemm, TensorwiseMatchesCpuReference) {
   check_gemm({512, 256, 1024, Fp8Format::E4M3, Fp8Format::E4M3, Fp8GemmScaling::Tensor, Fp8GemmScaling::Tensor,
               DType::F32, false},
              rng, /*accumulate=*/true);
+}
+
+// NOTE [FP8 GEMMs of varying size]: a routed expert's sizes, several sharing a bucket's plan
+// (its layouts reset to each call's size) and some not, in its three GEMMs (the forward and
+// input gradient vary M, bf16 out; the weight gradient K, a multiple of 16, fp32 out, written
+// over and added to), against the CPU reference.
+TEST(GpuFp8Gemm, VaryingSizesShareAPlanAndMatchCpuReference) {
+  Rng rng(seed_for_current_test());
+  const Fp8GemmScaling t = Fp8GemmScaling::Tensor;
+  for (int64_t rows : {200, 37, 3, 256, 1, 255, 300, 600, 37}) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows");
+    check_gemm({rows, 192, 128, Fp8Format::E4M3, Fp8Format::E4M3, t, t, DType::BF16, true}, rng, false,
+               cuda::GemmVarying::M);
+    check_gemm({rows, 128, 96, Fp8Format::E5M2, Fp8Format::E4M3, t, t, DType::BF16, false}, rng, false,
+               cuda::GemmVarying::M);
+    const int64_t padded = (rows + 15) / 16 * 16;
+    for (bool added : {false, true})
+      check_gemm({96, 128, padded, Fp8Format::E5M2, Fp8Format::E4M3, t, t, DType::F32, false}, rng, added,
+                 cuda::GemmVarying::K);
+  }
 }
 
 TEST(GpuFp8Gemm, RowwiseAndBlockwiseMatchCpuReference) {

@@ -16,6 +16,19 @@
 // The factor pointers change from call to call, so they are set on the plan's descriptor
 // just before each cublasLtMatmul, under the plans' lock; the first call sets them before
 // its algorithm is chosen, so the heuristic and every timing run see the call's own.
+//
+// NOTE [FP8 GEMMs of varying size]
+// A routed expert's FP8 GEMMs (NOTE [FP8 routed experts] in ops/moe_fp8.h) see a new row
+// count on most calls: keyed by exact shape, each call would pay a heuristic query (with
+// training.gemm_tuning, a timing) and keep one more plan forever; on the DeepSeek-V2-Lite
+// proxy (64 experts, 3 MoE blocks) that made FP8 2.4x slower than bf16 (docs/PERF.md,
+// 2026-12-03). As the bf16 GEMMs (NOTE [GEMMs of varying size] in matmul.cpp), a varying
+// call's plan is kept per bucket of kVaryingBucket in the varying dimension: the bucket's
+// first call chooses the algorithm for its own size, later calls set their size on the
+// layouts and run it. In the TN layout the varying M is the column count of cuBLASLt's B
+// (our a) and of C; the varying K (the weight gradient's tokens, padded to 16) is the row
+// count and the leading dimension of both operands. A size the algorithm refuses (cuBLASLt
+// returns an error before launching anything) gets a plan of its own in the bucket's place.
 #include "kernels/cuda/fp8_matmul.h"
 
 #include <cublasLt.h>
@@ -54,7 +67,10 @@ struct Plan {
   cublasLtMatmulDesc_t op = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A (our b), B (our a), C = D
   cublasLtMatmulAlgo_t algo{};
+  int64_t varying_size = 0;  // the size the layouts hold (NOTE [FP8 GEMMs of varying size])
 };
+
+constexpr int64_t kVaryingBucket = 256;  // as matmul.cpp's
 
 cudaDataType_t cuda_type(Fp8Format format) { return format == Fp8Format::E4M3 ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2; }
 
@@ -152,7 +168,27 @@ bool find_algorithm(const CublasLtContext& ctx, Plan& plan, const Problem& p, vo
 struct Plans {
   std::mutex mu;
   std::map<std::pair<int, Problem>, Plan> plans;  // (GPU, problem); kept for the life of the process
+  // (GPU, the problem with its varying size rounded up to the bucket, which size varies)
+  std::map<std::tuple<int, Problem, GemmVarying>, Plan> varying_plans;  // NOTE [FP8 GEMMs of varying size]
 };
+
+// The layouts of a varying plan set to `size` (NOTE [FP8 GEMMs of varying size]).
+void set_varying_size(Plan& plan, GemmVarying varying, int64_t size) {
+  auto set = [](cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t what, int64_t value) {
+    const uint64_t v = static_cast<uint64_t>(value);
+    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, what, &v, sizeof(v)));
+  };
+  if (varying == GemmVarying::M) {
+    set(plan.b, CUBLASLT_MATRIX_LAYOUT_COLS, size);
+    set(plan.c, CUBLASLT_MATRIX_LAYOUT_COLS, size);
+  } else {
+    for (cublasLtMatrixLayout_t layout : {plan.a, plan.b}) {
+      set(layout, CUBLASLT_MATRIX_LAYOUT_ROWS, size);
+      set(layout, CUBLASLT_MATRIX_LAYOUT_LD, size);
+    }
+  }
+  plan.varying_size = size;
+}
 
 Plans& plans() {
   static Plans* p = new Plans();  // never destroyed: destroying descriptors at exit races the driver
@@ -181,7 +217,7 @@ const char* fp8_gemm_scaling_name(Fp8GemmScaling scaling) {
 }
 
 void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8GemmOperand& b, int64_t m, int64_t n,
-                int64_t k, float alpha, float beta, bool fast_accumulation) {
+                int64_t k, float alpha, float beta, bool fast_accumulation, GemmVarying varying) {
   const Problem p{out_dtype, a.format, b.format, a.scaling, b.scaling, m, n, k, beta == 0.0f, fast_accumulation};
   const std::string why = refusal(p);
   FORGE_CHECK(why.empty(), "{}: {}", describe_problem(p), why);
@@ -199,27 +235,50 @@ void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8Ge
   CUDA_CHECK(cudaGetDevice(&device));
   const CublasLtContext ctx = cublaslt_context();
   Plans& all = plans();
-  std::lock_guard lock(all.mu);
-  auto it = all.plans.find({device, p});
-  if (it == all.plans.end()) {
+  std::lock_guard lock(all.mu);  // a plan's factors (and a varying plan's layouts) change per call
+  auto new_plan = [&] {
     Plan plan = describe(p);
     if (!find_algorithm(ctx, plan, p, out, a, b, alpha, beta)) {
       destroy(plan);
       throw_error(__FILE__, __LINE__, describe_problem(p) + ": cuBLASLt has no algorithm for it on this GPU");
     }
-    it = all.plans.emplace(std::pair{device, p}, plan).first;
-  }
-  Plan& plan = it->second;
-  set_factors(plan, a.factors, b.factors);
-  const cublasStatus_t status = cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta,
-                                               out, plan.c, out, plan.c, &plan.algo, ctx.workspace,
-                                               ctx.workspace_bytes, nullptr);
-  if (status != CUBLAS_STATUS_SUCCESS)
+    return plan;
+  };
+  auto run = [&](Plan& plan) {
+    set_factors(plan, a.factors, b.factors);
+    return cublasLtMatmul(ctx.handle, plan.op, &alpha, b.codes, plan.a, a.codes, plan.b, &beta, out, plan.c, out,
+                          plan.c, &plan.algo, ctx.workspace, ctx.workspace_bytes, nullptr);
+  };
+  auto fail = [&](cublasStatus_t status) {
     throw_error(__FILE__, __LINE__,
                 fmt::format("{}: cublasLtMatmul returned status {} (output {}, codes {} / {}, factors {} / {})",
                             describe_problem(p), static_cast<int>(status), out, static_cast<const void*>(a.codes),
                             static_cast<const void*>(b.codes), static_cast<const void*>(a.factors),
                             static_cast<const void*>(b.factors)));
+  };
+  if (a.scaling != Fp8GemmScaling::Tensor || b.scaling != Fp8GemmScaling::Tensor) varying = GemmVarying::None;
+  if (varying == GemmVarying::None) {
+    auto it = all.plans.find({device, p});
+    if (it == all.plans.end()) it = all.plans.emplace(std::pair{device, p}, new_plan()).first;
+    if (const cublasStatus_t status = run(it->second); status != CUBLAS_STATUS_SUCCESS) fail(status);
+    return;
+  }
+  // NOTE [FP8 GEMMs of varying size]
+  const int64_t size = varying == GemmVarying::M ? m : k;
+  Problem bucket = p;
+  (varying == GemmVarying::M ? bucket.m : bucket.k) = (size + kVaryingBucket - 1) / kVaryingBucket * kVaryingBucket;
+  auto it = all.varying_plans.find({device, bucket, varying});
+  if (it == all.varying_plans.end()) {
+    it = all.varying_plans.emplace(std::tuple{device, bucket, varying}, new_plan()).first;
+    it->second.varying_size = size;
+  }
+  Plan& plan = it->second;
+  if (plan.varying_size != size) set_varying_size(plan, varying, size);
+  if (run(plan) == CUBLAS_STATUS_SUCCESS) return;
+  destroy(plan);  // the bucket's algorithm does not take this size: a plan of this size in its place
+  plan = new_plan();
+  plan.varying_size = size;
+  if (const cublasStatus_t status = run(plan); status != CUBLAS_STATUS_SUCCESS) fail(status);
 }
 
 bool fp8_matmul_supported(DType out_dtype, Fp8Format a_format, Fp8GemmScaling a_scaling, Fp8Format b_format,
@@ -248,6 +307,14 @@ void forget_fp8_gemm_plans() {
     }
     destroy(it->second);
     it = all.plans.erase(it);
+  }
+  for (auto it = all.varying_plans.begin(); it != all.varying_plans.end();) {
+    if (std::get<0>(it->first) != device) {
+      ++it;
+      continue;
+    }
+    destroy(it->second);
+    it = all.varying_plans.erase(it);
   }
 }
 

@@ -41,6 +41,7 @@
 
 #include "core/dtype.h"
 #include "kernels/cpu/fp8.h"
+#include "kernels/cuda/matmul.h"
 
 namespace forge::cuda {
 
@@ -67,8 +68,13 @@ struct Fp8GemmOperand {
 // fp32 (faster, less exact; torchao uses it for the forward GEMM only). The algorithm is
 // chosen as the bf16 GEMMs' (set_gemm_tuning in matmul.h): with tuning on, the first call
 // of a problem times candidates on its own operands and factors.
+// `varying` names a dimension that changes from call to call (a routed expert's rows: M of
+// its forward and input gradient, K of its weight gradient): the plan is kept per bucket of
+// that dimension, as matmul_varying's (NOTE [GEMMs of varying size] in matmul.cpp; NOTE
+// [FP8 GEMMs of varying size] in fp8_matmul.cpp). Tensorwise scaling only: with row or block
+// factors it is ignored (their factor layouts follow the rows).
 void fp8_matmul(void* out, DType out_dtype, const Fp8GemmOperand& a, const Fp8GemmOperand& b, int64_t m, int64_t n,
-                int64_t k, float alpha, float beta, bool fast_accumulation);
+                int64_t k, float alpha, float beta, bool fast_accumulation, GemmVarying varying = GemmVarying::None);
 
 // Whether cuBLASLt on the current GPU has an algorithm for this combination and shape (false
 // also for what fp8_matmul refuses).
