@@ -440,9 +440,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree",
          "the experts' all-to-alls are not scheduled between the pipeline's exchanges (Mixture-of-Experts blocks are "
          "cut into stages without expert parallelism)");
-  // NOTE [Pipeline stages]: the expert loads stay in each stage's models.
-  refuse(m.moe() && m.router_bias_update_rate > 0, "model.router_bias_update_rate",
-         "the routing biases move by the step's expert loads, which the stages do not gather (set it to 0)");
+  // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, on pipeline ranks alone.
   if (config.lora.enabled()) {
     const std::string rank = show(config, keys, "lora.rank");

@@ -83,6 +83,11 @@ PipelineModel::PipelineModel(const ModelConfig& config, int64_t micro_batch, int
               shape.stages, pipeline.size());
   check_pipeline_parallel(config, shape.stages, shape.virtual_stages);
   schedule_ = make_pipeline_schedule(kind, shape);
+  if (config.moe()) {
+    first_moe_layer_ = static_cast<int>(config.first_dense_layers);
+    expert_load_.assign(static_cast<size_t>(config.num_layers - config.first_dense_layers),
+                        std::vector<int64_t>(static_cast<size_t>(config.num_experts), 0));
+  }
   const int rank = pipeline.rank();
   chunks_.resize(static_cast<size_t>(shape.virtual_stages));
   for (int v = 0; v < shape.virtual_stages; ++v) {
@@ -162,6 +167,7 @@ LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& m
               "pipeline: {} micro-batches for a schedule of {}", micro_batches.size(), shape_.micro_batches);
   LossSum loss;
   micro_losses_.assign(micro_batches.size(), LossSum{});
+  for (std::vector<int64_t>& block : expert_load_) std::fill(block.begin(), block.end(), 0);
   for (const PipelineAction& a : schedule_.ranks[static_cast<size_t>(pipeline_.rank())]) {
     if (a.kind == PipelineAction::Kind::Exchange) {
       exchange(a.transfers);
@@ -179,6 +185,12 @@ LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& m
       LossSum& micro_loss = micro_losses_[static_cast<size_t>(a.micro_batch)];  // over the rank's chunks
       micro_loss.sum += l.sum;
       micro_loss.tokens += l.tokens;
+      if (!expert_load_.empty()) {  // the stage's MoE blocks, the first at the model's block first_moe
+        const std::vector<std::vector<int64_t>> load = model_of(a.chunk, a.micro_batch).expert_load();
+        const size_t first_moe = static_cast<size_t>(std::max(chunk.stage.first_layer, first_moe_layer_) - first_moe_layer_);
+        for (size_t j = 0; j < load.size(); ++j)
+          for (size_t e = 0; e < load[j].size(); ++e) expert_load_.at(first_moe + j).at(e) += load[j][e];
+      }
     } else {
       model_of(a.chunk, a.micro_batch).stage_backward(micro.tokens, weights, grads);
       if (chunk.stage.embedding) release_slot(chunk, a.micro_batch);  // no gradient to send

@@ -116,6 +116,11 @@ class PipelineModel {
   // The last forward_backward's loss of each micro-batch over the rank's chunks (off the last
   // stage empty, or a Mixture-of-Experts stage's auxiliary losses: NOTE [Pipeline stages]).
   const std::vector<LossSum>& micro_batch_losses() const { return micro_losses_; }
+  // A Mixture-of-Experts model: the last forward_backward's assignments per expert of every
+  // MoE block of the model (DecoderLM::expert_load's order), summed over the micro-batches;
+  // the blocks of other ranks' stages are zeros, so the sum over the pipeline group is the
+  // whole model's (NOTE [Pipeline stages]). Empty for a dense model.
+  const std::vector<std::vector<int64_t>>& expert_load() const { return expert_load_; }
 
  private:
   struct Chunk {
@@ -134,6 +139,8 @@ class PipelineModel {
   PipelineSchedule schedule_;
   std::vector<Chunk> chunks_;
   std::vector<LossSum> micro_losses_;
+  int first_moe_layer_ = 0;  // the model's first Mixture-of-Experts block
+  std::vector<std::vector<int64_t>> expert_load_;
 };
 
 }  // namespace forge

@@ -30,8 +30,12 @@
 // and its gradient enters the stage's routers in its backward; the sum over the stages is
 // one rank's. The pooled loss (its f and P pool every layer's routing) and the global one
 // (each layer's counts averaged over the step's micro-batches, which a stage's schedule
-// runs in several models at once) are refused (check_pipeline_parallel). The expert loads
-// stay in each stage's models (the trainer logs none, and refuses routing-bias updates).
+// runs in several models at once) are refused (check_pipeline_parallel). Each rank sums its
+// stages' expert loads over the step's micro-batches into a list of every MoE block of the
+// model (PipelineModel::expert_load, zeros for the other ranks' blocks); the trainer sums it
+// over the data-parallel ranks and then the pipeline group, so every rank logs the whole
+// model's loads and moves the routing biases of its own blocks by them (NOTE [Routing bias
+// update] in train/trainer.cpp): the biases follow one rank's.
 #pragma once
 
 namespace forge {

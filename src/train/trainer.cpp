@@ -40,6 +40,19 @@
 namespace forge {
 namespace {
 
+// A Mixture-of-Experts step's per-block expert loads summed over the ranks of `group`.
+std::vector<std::vector<int64_t>> loads_over_ranks(const std::vector<std::vector<int64_t>>& load,
+                                                   DataParallelComm& group) {
+  std::vector<int64_t> flat;
+  for (const std::vector<int64_t>& block : load) flat.insert(flat.end(), block.begin(), block.end());
+  flat = group.counts_over_ranks(flat);
+  std::vector<std::vector<int64_t>> total = load;
+  size_t next = 0;
+  for (std::vector<int64_t>& block : total)
+    for (int64_t& n : block) n = flat[next++];
+  return total;
+}
+
 // Adds one micro-batch's expert load (per block, per expert) into the step's.
 void add_expert_load(std::vector<std::vector<int64_t>>& total, const std::vector<std::vector<int64_t>>& load) {
   if (total.empty()) total.assign(load.size(), {});
@@ -549,26 +562,18 @@ void Trainer::update_routing_biases(const std::vector<std::vector<int64_t>>& exp
     }
     return;
   }
-  for (size_t j = 0; j < expert_load.size(); ++j) {
-    const std::string name = fmt::format("layers.{}.moe.router.bias", m.first_dense_layers + static_cast<int64_t>(j));
-    const Tensor& master = params_->find(name);
+  // The rank's biases: every block's, or under pipeline parallelism its stages' blocks'.
+  for (const ParamSpec& spec : params_->specs()) {
+    if (!spec.name.ends_with(".moe.router.bias")) continue;
+    const Tensor& master = params_->find(spec.name);
     Tensor bias = master.to(Device::CPU);
-    moe_update_routing_bias(bias, expert_load[j], m.router_bias_update_rate);
+    moe_update_routing_bias(bias, expert_load.at(static_cast<size_t>(spec.layer - m.first_dense_layers)),
+                            m.router_bias_update_rate);
     copy_bytes(master.raw(), master.device(), bias.raw(), Device::CPU, bias.nbytes());
-    if (compute_weights_) cast(compute_weights_->find(name), master);
+    if (compute_weights_) cast(compute_weights_->find(spec.name), master);
   }
 }
 
-std::vector<std::vector<int64_t>> Trainer::loads_over_ranks(const std::vector<std::vector<int64_t>>& load) {
-  std::vector<int64_t> flat;
-  for (const std::vector<int64_t>& block : load) flat.insert(flat.end(), block.begin(), block.end());
-  flat = dp_->counts_over_ranks(flat);
-  std::vector<std::vector<int64_t>> total = load;
-  size_t next = 0;
-  for (std::vector<int64_t>& block : total)
-    for (int64_t& n : block) n = flat[next++];
-  return total;
-}
 
 // NOTE [Tensor-parallel gradient norm]
 // Under tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h) the
@@ -870,6 +875,8 @@ TrainResult Trainer::run() {
       loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale, before_micro_batch);
       if (fsdp_) fsdp_->reduce_gradients();  // once, after every micro-batch's backward
       for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
+      // Every MoE block's loads, zeros for other ranks' stages: summed over the pipeline below.
+      if (config_.model.moe()) expert_load = pipeline_model_->expert_load();
       loss.tokens = targets;
       if (inject_nan_ && (!sharded_gradients() || inject_nan_->fp8_amax))
         inject_test_nan(step + 1, inject_nan_->micro_batch);
@@ -891,9 +898,12 @@ TrainResult Trainer::run() {
       loss.sum += l.sum;
       loss.tokens += l.tokens;
     }
-    // Every rank routed its own tokens: the step's loads are the sum over the ranks.
-    // (Under pipeline parallelism the stages keep theirs: NOTE [Pipeline stages].)
-    if (dp_ && config_.model.moe() && !expert_load.empty()) expert_load = loads_over_ranks(expert_load);
+    // Every rank routed its own tokens: the step's loads are the sum over the ranks, and
+    // under pipeline parallelism over the stages, each holding its own blocks' (NOTE
+    // [Pipeline stages]).
+    if (dp_ && config_.model.moe() && !expert_load.empty()) expert_load = loads_over_ranks(expert_load, *dp_);
+    if (pipeline_comm_ && config_.model.moe() && !expert_load.empty())
+      expert_load = loads_over_ranks(expert_load, *pipeline_comm_);
     double norm = 0.0;
     // NOTE [Stop signals]: read once per step; every rank agrees through the loss's all-reduce.
     bool stop_now = stop_signal() != 0;

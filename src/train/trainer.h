@@ -126,8 +126,6 @@ class Trainer {
   // The step's gradients start afresh (NOTE [Fresh gradient buffers]) and, under data
   // parallelism, end summed over every rank (FSDP's reductions, or the LoRA adapters'
   // all-reduce: NOTE [LoRA under data parallelism]).
-  // A Mixture-of-Experts step's per-block expert loads summed over the data-parallel ranks.
-  std::vector<std::vector<int64_t>> loads_over_ranks(const std::vector<std::vector<int64_t>>& load);
   // NOTE [Routing bias update] in trainer.cpp: after an optimizer step, from the step's loads.
   // chunk_written: under FSDP, the optimizer wrote the compute chunk (NOTE [Routing bias update]).
   void update_routing_biases(const std::vector<std::vector<int64_t>>& expert_load, bool chunk_written);
