@@ -294,11 +294,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
                "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",
                show(config, keys, "model.router_bias_update_rate"), config.lora.rank);
-  // LoRA under expert parallelism: NOTE [LoRA under expert parallelism] in model/lora.h.
-  if (config.lora.quantize_base != "none" && config.parallelism.expert_parallel_degree > 1)
-    FORGE_FAIL("{} cannot be combined with QLoRA ({}): the NF4 base is replicated whole on every rank, not split by "
-               "experts; set it to 1, or lora.quantize_base none",
-               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "lora.quantize_base"));
+  // LoRA under expert parallelism: NOTE [LoRA under expert parallelism] in model/lora.h; QLoRA's
+  // NF4 base holds each rank's experts (NOTE [NF4 expert stacks under expert parallelism]).
 }
 
 // parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
