@@ -48,6 +48,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/expert_shard.h"
 #include "model/parameters.h"
 #include "ops/nf4.h"
 

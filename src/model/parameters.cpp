@@ -6,6 +6,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "model/block_components.h"
+#include "model/expert_shard.h"
 #include "model/tensor_parallel.h"
 #include "ops/elementwise.h"
 

@@ -107,18 +107,6 @@ std::vector<ParamSpec> pipeline_stage_specs(std::vector<ParamSpec> specs, const 
 // One parameter's shard spec; fails naming the parameter when T does not divide the split.
 ParamSpec tensor_parallel_spec(const ParamSpec& full, TensorParallelShard shard);
 
-// A rank's place among the ranks that split the routed experts (NOTE [Expert parallelism]
-// in model/expert_dispatch.h): rank `index` of `size` holds experts [index E/size,
-// (index + 1) E/size) of every stack; {0, 1}: all of them.
-struct ExpertShard {
-  int64_t index = 0, size = 1;
-};
-// An expert stack's slice that `shard` holds: the same name, [E/size, R, C], and its
-// experts' Hugging Face tensors; any other parameter unchanged. Fails naming the parameter
-// when size does not divide the experts.
-ParamSpec expert_parallel_spec(const ParamSpec& whole, ExpertShard shard);
-std::vector<ParamSpec> expert_parallel_specs(std::vector<ParamSpec> specs, ExpertShard shard);
-
 // Values of a shard that are consecutive in the whole parameter too: shard values
 // [local_begin, local_begin + count) are the whole's [full_begin, full_begin + count).
 struct ShardRun {
