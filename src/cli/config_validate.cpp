@@ -276,11 +276,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
                    show(config, keys, "lora.target_modules"), m, show(config, keys, "precision.fp8"));
   }
   // FP8 (NOTE [FP8 routed experts] in ops/moe_fp8.h): the routed experts' GEMMs per expert,
-  // the router in bf16; not under expert parallelism, nor on LoRA's frozen base.
-  if (config.precision.fp8 != "none" && config.parallelism.expert_parallel_degree > 1)
-    FORGE_FAIL("{} cannot be combined with {} on a Mixture-of-Experts model yet (the experts' received rows are not "
-               "quantized per expert): set it to 1, or precision.fp8 none",
-               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "precision.fp8"));
+  // the router in bf16; under expert parallelism on each rank's received rows (NOTE [FP8
+  // routed experts under expert parallelism]); not on LoRA's frozen base.
   if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
     FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Mixture-of-Experts model yet (the frozen routed "
                "experts run in bf16 only): set precision.fp8 none, or train the whole model",
