@@ -333,9 +333,11 @@ class LoraMoeExpertParallel(unittest.TestCase):
     expert stacks under expert parallelism] in src/model/nf4_base.h), its merged export the
     dequantized base's with the adapters folded in, the experts gathered from their ranks."""
 
-    def train(self, work, ranks, checkpoint, quantize="none"):
+    def train(self, work, ranks, checkpoint, quantize="none", base=None):
         run_dir = os.path.join(work, f"ranks{ranks}_{checkpoint}_{quantize}")
-        args = ["train", "--model.name", "debug-tiny-moe", "--model.router_aux_loss_coef", "0.01",
+        model = (["--model.name", "debug-tiny-moe"] if base is None else
+                 ["--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", base])
+        args = ["train", *model, "--model.router_aux_loss_coef", "0.01",
                 "--lora.rank", "4", "--lora.alpha", "8", "--lora.target_modules", "all-linear",
                 "--lora.quantize_base", quantize,
                 "--activation_checkpoint.mode", checkpoint, "--training.local_batch_size", "2",
@@ -350,7 +352,7 @@ class LoraMoeExpertParallel(unittest.TestCase):
         run(command, timeout=300, env=dict(os.environ, FORGE_NUM_THREADS="1"))
         return run_dir
 
-    def expect_follows(self, one, two):
+    def expect_follows(self, one, two, adapter_bound=1e-4):
         losses = relative_error(np.array(train_losses(two)), np.array(train_losses(one)))
         self.assertLess(losses, 1e-5)
         mine = load_file(os.path.join(two, "adapter", "adapter_model.safetensors"))
@@ -358,7 +360,7 @@ class LoraMoeExpertParallel(unittest.TestCase):
         self.assertEqual(sorted(mine), sorted(theirs))
         self.assertTrue(any(".mlp.experts." in n for n in theirs), "no routed experts' adapters")
         adapters = max(relative_error(mine[name].numpy(), t.numpy()) for name, t in theirs.items())
-        self.assertLess(adapters, 1e-4)
+        self.assertLess(adapters, adapter_bound)
         # The merged export: the base's expert stacks gathered from their ranks, the adapters folded in.
         merged = {}
         for run_dir in (one, two):
@@ -387,6 +389,16 @@ class LoraMoeExpertParallel(unittest.TestCase):
         for checkpoint in ("none", "full"):
             with self.subTest(checkpoint=checkpoint):
                 self.expect_follows(one, self.train(work, 2, checkpoint, "nf4"))
+
+    def test_qlora_from_a_hugging_face_base(self):
+        """Each rank quantizes its experts' slices of the imported stacks (NOTE [NF4 expert
+        stacks under expert parallelism]). On this base Adam magnifies the sums' order more:
+        measured, the adapters within 1.4e-4 (LoRA under expert parallelism on it: 2.9e-4)."""
+        work = scratch_dir()
+        base = os.path.join(work, "base")
+        random_model("mixtral", mixtral(hidden_size=32, vocab_size=32), seed=5).save_pretrained(base)
+        one = self.train(work, 1, "none", "nf4", base)
+        self.expect_follows(one, self.train(work, 2, "none", "nf4", base), adapter_bound=5e-4)
 
 
 if __name__ == "__main__":
