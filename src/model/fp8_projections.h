@@ -122,7 +122,8 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
 // Bytes one code buffer of the CUDA scratch needs: max over the FP8 projections of
 // tokens x in, tokens x out and out x in; for a routed expert the tokens are the most rows
 // one expert can receive (the micro-batch's tokens, or the capacity with padding to it;
-// settings.expert_parallel times that under expert parallelism), rounded up to a multiple of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
+// settings.expert_parallel times that under expert parallelism), rounded up to a multiple
+// of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
 // Parameters of the matrices whose GEMMs run in FP8 per token (the block projections, of

@@ -278,7 +278,8 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
     take_received(layer, a);
     exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
     if (fp8.enabled())  // NOTE [FP8 routed experts under expert parallelism]
-      moe_experts_forward_fp8(expert_rows(a), expert_weights(w), a.plan.local, local_experts_fp8(fp8, exchange_->first_expert()));
+      moe_experts_forward_fp8(expert_rows(a), expert_weights(w), a.plan.local,
+                              local_experts_fp8(fp8, exchange_->first_expert()));
     else
       moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
     exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
@@ -405,7 +406,8 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
     if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled())
       moe_experts_backward_fp8(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite,
                                d_local_out_.narrow(0, r), expert_rows(a), expert_weights(w), a.plan.local,
-                               d_swiglu_.narrow(0, r), d_gate_up_.narrow(0, r), local_experts_fp8(fp8, exchange_->first_expert()));
+                               d_swiglu_.narrow(0, r), d_gate_up_.narrow(0, r),
+                               local_experts_fp8(fp8, exchange_->first_expert()));
     else
       moe_experts_backward(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite, d_local_out_.narrow(0, r),
                            expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),

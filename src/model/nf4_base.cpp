@@ -265,8 +265,8 @@ void Nf4FrozenBase::set(size_t spec, const Tensor& given, std::span<const int64_
   FORGE_CHECK(given.device() == Device::CPU && given.dtype() == DType::F32 && (local || given.shape() == whole),
               "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
               shape_str(s.shape), dtype_name(given.dtype()), shape_str(given.shape()), device_name(given.device()));
-  FORGE_CHECK(!sliced || stored_rows.empty(), "Nf4FrozenBase::set: {} is an expert stack, whose rows are stored in order",
-              s.name);
+  FORGE_CHECK(!sliced || stored_rows.empty(),
+              "Nf4FrozenBase::set: {} is an expert stack, whose rows are stored in order", s.name);
   const Tensor values = local ? given : given.narrow(experts_.index * s.shape[0], (experts_.index + 1) * s.shape[0]);
   if (is_quantized_base_weight(s)) {
     Nf4Weight w = stored_rows.empty() ? quantize_projection(s, values) : quantize_in_stored_order(s, values, stored_rows);

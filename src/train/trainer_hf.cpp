@@ -192,7 +192,8 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
       Shape whole = specs[k].shape;
       whole[0] *= experts.size;
       received = Tensor::empty(whole, DType::F32, device_);
-      for (int q = 1; q < experts.size; ++q) ops.push_back(PointToPoint::recv(q, received.narrow(q * held, (q + 1) * held)));
+      for (int q = 1; q < experts.size; ++q)
+        ops.push_back(PointToPoint::recv(q, received.narrow(q * held, (q + 1) * held)));
     } else {
       Tensor mine = Tensor::empty(specs[k].shape);
       nf4_base_->dequantize(k, mine);

@@ -285,7 +285,8 @@ TEST(ModelExpertParallel, Fp8ExpertsCastWithTheirOwnStatisticsBlocks) {
   for (int layer = 0; layer < m.num_layers; ++layer)
     for (const char* stack : {"gate_up", "down"})
       for (int64_t e = 0; e < m.num_experts; ++e) {
-        const int64_t block = reference.projection_index(fmt::format("layers.{}.moe.experts.{} (expert {})", layer, stack, e));
+        const int64_t block =
+            reference.projection_index(fmt::format("layers.{}.moe.experts.{} (expert {})", layer, stack, e));
         ASSERT_GE(block, 0) << stack << " " << e;
         block_is_expert[static_cast<size_t>(block)] = 1;
         const int64_t owner = e / local;
@@ -338,8 +339,10 @@ TEST(ModelExpertParallel, Fp8ExpertsCastWithTheirOwnStatisticsBlocks) {
     if (!params.specs()[s].expert_stack) continue;
     for (int r = 0; r < p; ++r) {
       const Tensor expected = reference_grads.tensors()[s].narrow(r * local, (r + 1) * local).clone();
-      experts_gap = std::max(experts_gap, relative_l2(grads[static_cast<size_t>(r)]->tensors()[s].narrow(r * local, (r + 1) * local).clone(), expected));
-      data_parallel_gap = std::max(data_parallel_gap, relative_l2(data_parallel.tensors()[s].narrow(r * local, (r + 1) * local).clone(), expected));
+      const Tensor mine = grads[static_cast<size_t>(r)]->tensors()[s].narrow(r * local, (r + 1) * local).clone();
+      const Tensor theirs = data_parallel.tensors()[s].narrow(r * local, (r + 1) * local).clone();
+      experts_gap = std::max(experts_gap, relative_l2(mine, expected));
+      data_parallel_gap = std::max(data_parallel_gap, relative_l2(theirs, expected));
     }
   }
   // E5M2's rounding of dy at other scales moves the weight gradients alike either way.
@@ -351,8 +354,10 @@ TEST(ModelExpertParallel, Fp8ExpertsCastWithTheirOwnStatisticsBlocks) {
       const int64_t slot = block * cpu::kFp8Roles + role;
       const float expected = fp8_stats_seen(reference.statistics(), slot);
       if (expected == 0.0f || block_is_expert[static_cast<size_t>(block)] == 0) continue;
-      const float seen = std::max(fp8_stats_seen(data_parallel_stats[0], slot), fp8_stats_seen(data_parallel_stats[1], slot));
-      data_parallel_rows_gap = std::max(data_parallel_rows_gap, std::abs(static_cast<double>(seen) - expected) / expected);
+      const float seen =
+          std::max(fp8_stats_seen(data_parallel_stats[0], slot), fp8_stats_seen(data_parallel_stats[1], slot));
+      data_parallel_rows_gap =
+          std::max(data_parallel_rows_gap, std::abs(static_cast<double>(seen) - expected) / expected);
     }
   std::printf("FP8 experts under expert parallelism 2: loss %.3e, the rows' amaxes %.3e, the experts' gradients "
               "%.3e (relative L2) of one rank's on all the tokens; data parallelism's: the amaxes %.3e, the "

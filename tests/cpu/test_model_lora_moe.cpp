@@ -233,7 +233,8 @@ TEST(ModelLoraMoe, ExpertParallelRankHandsOutItsExpertsSlices) {
   FlatParameters base(moe);
   adapters.set_base(base);
   // The experts' workspace takes P times a rank's rows, which the memory estimate counts.
-  EXPECT_EQ(adapters.workspace_values(), lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj", r), 8).workspace);
+  EXPECT_EQ(adapters.workspace_values(),
+            lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj", r), 8).workspace);
   adapters.set_expert_parallel(1, 2);
   EXPECT_EQ(adapters.workspace_values(),
             lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj", r), 8, 2).workspace);
