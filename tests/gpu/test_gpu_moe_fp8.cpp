@@ -19,6 +19,8 @@
 // GpuMoe.TrainingStepMatchesCpu's (routers without near ties, at most 1% of the assignments
 // moved). With `delayed` a second micro-batch after the first step's end runs on the
 // delayed scales, every expert's from its own history.
+// Under expert parallelism a rank's local experts cast into their blocks of the whole model's
+// statistics (MoeExpertFp8::first_expert), bitwise what they cast as a model of their own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
