@@ -169,6 +169,14 @@ int run_info(const std::vector<std::string>& args) {
                "per weight), dequantized per layer into a scratch of {:.2f} GiB (bf16 on a GPU)\n",
                projections, nf4_base_bytes(m) / gib, nf4_base_bytes(m) / static_cast<double>(projections),
                nf4_scratch_bytes(m, DType::BF16) / gib);
+    if (const int64_t ep = config.parallelism.expert_parallel_degree; ep > 1) {
+      // NOTE [NF4 expert stacks under expert parallelism]
+      const std::vector<ParamSpec> held = expert_parallel_specs(parameter_specs(m), {0, ep});
+      fmt::print("                 expert parallelism {}: a rank holds {:.2f} GiB of them (its {} of the {} routed "
+                 "experts' codes, the rest replicated), its scratch {:.2f} GiB\n",
+                 ep, nf4_base_bytes(m, held) / gib, m.num_experts / ep, m.num_experts,
+                 nf4_scratch_bytes(m, DType::BF16, true, held) / gib);
+    }
   }
   if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config)) {
     // Under LoRA (NOTE [FP8 frozen base]) the frozen base has no weight gradient: 4 FLOPs
@@ -207,8 +215,12 @@ int run_info(const std::vector<std::string>& args) {
              t.local_batch_size, t.seq_len, activation_checkpoint_name(plan.checkpoint), config.optimizer.state_dtype,
              !plan.fsdp ? std::string()
              : plan.lora.enabled() && plan.lora.quantize_base == "nf4"
-                 ? fmt::format("; per rank of {} data-parallel ranks (the NF4 base and the adapters replicated)",
-                               plan.shard_ranks * config.parallelism.data_parallel_replicate_degree)
+                 ? fmt::format("; per rank of {} data-parallel ranks (the NF4 base and the adapters replicated{})",
+                               plan.shard_ranks * config.parallelism.data_parallel_replicate_degree,
+                               plan.expert_parallel > 1
+                                   ? fmt::format(", but for the base's routed experts: {} of the {} per rank",
+                                                 m.num_experts / plan.expert_parallel, m.num_experts)
+                                   : std::string())
                  : fmt::format("; per rank of FSDP ZeRO-{} over {} shard ranks{}", plan.zero_stage, plan.shard_ranks,
                                plan.expert_parallel > 1
                                    ? fmt::format(", expert parallelism {} ({} of the {} routed experts per rank)",

@@ -276,11 +276,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
                    show(config, keys, "lora.target_modules"), m, show(config, keys, "precision.fp8"));
   }
   // FP8 (NOTE [FP8 routed experts] in ops/moe_fp8.h): the routed experts' GEMMs per expert,
-  // the router in bf16; not under expert parallelism, nor on LoRA's frozen base.
-  if (config.precision.fp8 != "none" && config.parallelism.expert_parallel_degree > 1)
-    FORGE_FAIL("{} cannot be combined with {} on a Mixture-of-Experts model yet (the experts' received rows are not "
-               "quantized per expert): set it to 1, or precision.fp8 none",
-               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "precision.fp8"));
+  // the router in bf16; under expert parallelism on each rank's received rows (NOTE [FP8
+  // routed experts under expert parallelism]); not on LoRA's frozen base.
   if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
     FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Mixture-of-Experts model yet (the frozen routed "
                "experts run in bf16 only): set precision.fp8 none, or train the whole model",
@@ -294,11 +291,8 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
     FORGE_FAIL("{} moves the routing biases, which belong to LoRA's frozen base (held in the compute dtype, not in "
                "its checkpoints, and not trained by PEFT either): set it to 0 under LoRA (lora.rank {})",
                show(config, keys, "model.router_bias_update_rate"), config.lora.rank);
-  // LoRA under expert parallelism: NOTE [LoRA under expert parallelism] in model/lora.h.
-  if (config.lora.quantize_base != "none" && config.parallelism.expert_parallel_degree > 1)
-    FORGE_FAIL("{} cannot be combined with QLoRA ({}): the NF4 base is replicated whole on every rank, not split by "
-               "experts; set it to 1, or lora.quantize_base none",
-               show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "lora.quantize_base"));
+  // LoRA under expert parallelism: NOTE [LoRA under expert parallelism] in model/lora.h; QLoRA's
+  // NF4 base holds each rank's experts (NOTE [NF4 expert stacks under expert parallelism]).
 }
 
 // parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in

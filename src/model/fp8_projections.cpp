@@ -30,14 +30,15 @@ std::vector<Fp8Matrix> fp8_matrices(const ModelConfig& config, const Fp8Settings
 }
 
 // The most rows one routed expert receives in a micro-batch of `tokens` tokens (each token
-// chooses distinct experts; with padding to capacity every expert has the capacity),
-// rounded up to a multiple of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
-int64_t expert_rows(const ModelConfig& config, int64_t tokens) {
+// chooses distinct experts; with padding to capacity every expert has the capacity; under
+// expert parallelism from each of the group's `ranks`), rounded up to a multiple of 16
+// (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
+int64_t expert_rows(const ModelConfig& config, int64_t tokens, int64_t ranks) {
   const MoeCapacity capacity{config.moe_capacity_factor, config.moe_token_drop_policy == "position",
                              config.moe_pad_to_capacity};
-  const int64_t most = std::max(tokens, capacity.pad ? capacity.capacity(tokens, config.num_experts_per_tok,
-                                                                           config.num_experts)
-                                                     : int64_t{0});
+  const int64_t most = ranks * std::max(tokens, capacity.pad ? capacity.capacity(tokens, config.num_experts_per_tok,
+                                                                                   config.num_experts)
+                                                             : int64_t{0});
   return (most + kFp8TokenMultiple - 1) / kFp8TokenMultiple * kFp8TokenMultiple;
 }
 
@@ -46,7 +47,7 @@ int64_t expert_rows(const ModelConfig& config, int64_t tokens) {
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   int64_t most = 0;
   for (const auto& [out, in, expert] : fp8_matrices(config, settings)) {
-    const int64_t rows = expert ? expert_rows(config, tokens) : tokens;
+    const int64_t rows = expert ? expert_rows(config, tokens, settings.expert_parallel) : tokens;
     most = std::max({most, rows * in, rows * out, out * in});
   }
   return most;

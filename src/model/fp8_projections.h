@@ -95,6 +95,10 @@ struct Fp8Settings {
   int64_t amax_history_length = 1024;
   cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
   float margin = 0.0f;
+  // parallelism.expert_parallel_degree: a local routed expert may receive that many times
+  // a micro-batch's rows (NOTE [FP8 routed experts under expert parallelism] in
+  // ops/moe_fp8.h), which the CUDA scratch holds.
+  int64_t expert_parallel = 1;
 };
 
 // A Mixture-of-Experts block's router, which stays in the compute dtype (NOTE [FP8 routed
@@ -117,8 +121,9 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
 
 // Bytes one code buffer of the CUDA scratch needs: max over the FP8 projections of
 // tokens x in, tokens x out and out x in; for a routed expert the tokens are the most rows
-// one expert can receive (the micro-batch's tokens, or the capacity with padding to it),
-// rounded up to a multiple of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
+// one expert can receive (the micro-batch's tokens, or the capacity with padding to it;
+// settings.expert_parallel times that under expert parallelism), rounded up to a multiple
+// of 16 (NOTE [FP8 padded token contraction] in ops/fp8_linear.h).
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
 // Parameters of the matrices whose GEMMs run in FP8 per token (the block projections, of

@@ -175,7 +175,7 @@ double training_flops_per_token(const ModelConfig& config, const LoraConfig& lor
   return 4.0 * frozen + 6.0 * adapters + attention;
 }
 
-LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens) {
+LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens, int64_t expert_parallel) {
   LoraSizes sizes;
   int64_t widest_low_rank = 0, widest_in = 0;
   bool experts = false;
@@ -199,7 +199,7 @@ LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t 
     widest_in = std::max(widest_in, t.in);
   }
   sizes.workspace = 2 * widest_low_rank * tokens + (lora.dropout > 0.0 ? widest_in * tokens : 0) +
-                    (experts ? 2 * 2 * lora.rank * expert_adapter_rows(config, tokens) : 0);
+                    (experts ? 2 * 2 * lora.rank * expert_adapter_rows(config, tokens) * expert_parallel : 0);
   return sizes;
 }
 
@@ -430,6 +430,14 @@ void LoraAdapters::set_training(bool training) {
 int64_t LoraAdapters::stored_values() const {
   int64_t n = 0;
   for (const Tensor& t : masters_) n += t.numel();
+  return n;
+}
+
+int64_t LoraAdapters::workspace_values() const {
+  int64_t n = 0;
+  for (const Tensor* t : {&workspace_.low_rank, &workspace_.low_rank_grad, &workspace_.wide,
+                          &expert_workspace_.low_rank, &expert_workspace_.low_rank_grad})
+    if (t->defined()) n += t->numel();
   return n;
 }
 

@@ -95,8 +95,9 @@
 // the 2-D adapters' over every rank, which is the global gradient: every rank runs the same
 // AdamW step on the whole adapters, so checkpoints, the PEFT adapter and the merged export
 // are one process's. The expert workspace takes P times a rank's rows (what its experts may
-// receive). QLoRA is refused with expert parallelism (its NF4 base is replicated whole, not
-// split by experts).
+// receive), which the memory estimate counts (lora_sizes' expert_parallel). QLoRA holds its
+// NF4 base's local experts alone (NOTE [NF4 expert stacks under expert parallelism] in
+// model/nf4_base.h) and the rest of the base replicated; its adapters are the same as LoRA's.
 //
 // NOTE [LoRA under pipeline parallelism]
 // Pipeline parallelism (NOTE [Pipeline parallelism] in model/pipeline.h) cuts the blocks
@@ -228,14 +229,16 @@ std::vector<std::string> lora_modules_for_model(const ModelConfig& config, const
 void check_lora_for_model(const ModelConfig& config, const LoraConfig& lora, const KeyDescriber& keys = {});
 
 // What LoRA adds to a model, in values: the adapters as stored (masters(), b's zeros
-// included), what PEFT counts as trainable, and the workspace for `tokens` tokens.
+// included), what PEFT counts as trainable, and the workspace for `tokens` tokens (under
+// expert parallelism of degree `expert_parallel` the routed experts' share is that many
+// times a rank's rows: NOTE [LoRA under expert parallelism]).
 struct LoraSizes {
   int64_t stored = 0, trainable = 0, workspace = 0;
   // Of trainable, the values one token's GEMMs run through: a routed expert's adapters
   // count only for the top-k experts a token goes to (k / experts of them).
   double active_trainable = 0.0;
 };
-LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens);
+LoraSizes lora_sizes(const ModelConfig& config, const LoraConfig& lora, int64_t tokens, int64_t expert_parallel = 1);
 
 // NOTE [LoRA FLOPs]
 // The work of one trained token under LoRA, as the PEFT peer counts it (shared/PERF.md):
@@ -275,6 +278,9 @@ class LoraAdapters : public ParamSource, public GradSink {
   const Tensor& gradient_flat() const { return grad_flat_; }
   // Values of masters() together (b's zeros included, padding not).
   int64_t stored_values() const;
+  // Values of the workspaces (the 2-D adapters' and the routed experts'): what
+  // lora_sizes(..).workspace estimates.
+  int64_t workspace_values() const;
   // Names of masters(), in order: "<target name without .weight>.lora_a" / ".lora_b".
   std::vector<std::string> master_names() const;
   // masters() as checkpoint tensors (NOTE [LoRA checkpoints] in ckpt/checkpoint.h).

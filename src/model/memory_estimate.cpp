@@ -143,15 +143,17 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   }
   if (plan.lora.enabled()) {
     // NOTE [LoRA training]: only the adapters have masters, gradients and AdamW state.
-    const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
+    // NOTE [LoRA under expert parallelism]: the experts' workspace takes P times a rank's rows.
+    const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len, plan.expert_parallel);
     const double adapters = static_cast<double>(lora.stored), compute_bytes = static_cast<double>(dtype_size(compute));
     e.frozen_weights = params * compute_bytes;
     if (plan.fsdp && plan.lora.quantize_base != "nf4") {
       // NOTE [Frozen FSDP base]: this rank's chunk in the compute dtype, and what the ZeRO
       // stage holds in full (ZeRO-3: the embedding, the head and three gathered blocks).
-      const FsdpUnitSizes u = fsdp_unit_sizes(config, 1, plan.tensor_parallel);  // of the rank's shards
+      // Of the rank's shards; under expert parallelism the units hold the rank's experts alone.
+      const FsdpUnitSizes u = fsdp_unit_sizes(config, plan.expert_parallel, plan.tensor_parallel);
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
-                          (plan.zero_stage <= 2 ? params : u.embedding + u.head + 3 * u.block)) *
+                          (plan.zero_stage <= 2 ? u.held : u.embedding + u.head + 3 * u.block)) *
                          compute_bytes;
     }
     if (plan.lora.quantize_base == "nf4") {
@@ -159,7 +161,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       for (const ParamSpec& spec : parameter_specs(config))
         if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
       e.frozen_weights = (params - projections) * compute_bytes;
-      e.nf4_base = nf4_base_bytes(config) + nf4_scratch_bytes(config, compute);
+      // NOTE [NF4 expert stacks under expert parallelism]: a rank's codes and scratch of its experts.
+      const std::vector<ParamSpec> held =
+          expert_parallel_specs(parameter_specs(config), {0, plan.expert_parallel});
+      e.nf4_base = nf4_base_bytes(config, held) + nf4_scratch_bytes(config, compute, true, held);
     }
     e.master_weights = adapters * 4;
     e.compute_weights = plan.cuda ? adapters * 2 : 0.0;

@@ -15,14 +15,17 @@
 // the weights only the embedding and head and three gathered blocks) and the reduction
 // buffers. LoRA under FSDP (NOTE [Frozen FSDP base]): the frozen base's chunk in the
 // compute dtype plus what the ZeRO stage holds in full; the adapters whole on every rank.
-// QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does.
+// QLoRA under data parallelism replicates its NF4 base: a rank holds what one device does,
+// but under expert parallelism only its local experts' NF4 codes and their scratch (NOTE [NF4
+// expert stacks under expert parallelism] in model/nf4_base.h).
 // precision.fp8 on CUDA adds the FP8 GEMMs' scratch (fp8_scratch_bytes, the function
 // Fp8Projections allocates by, for a rank's tokens: 1/C of the micro-batch's under context
 // parallelism) and the weight cache (a pipeline rank's: its stages' FP8 weights); the CPU
 // path allocates none.
 // Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
 // the units' full-size buffers hold 1/P of each MoE block's routed experts, and a rank's
-// received rows (in the activations) may be P times a micro-batch's assignments.
+// received rows (in the activations, and LoRA's routed-expert workspace) may be P times a
+// micro-batch's assignments.
 // Tensor parallelism of degree T (NOTE [Tensor parallelism] in model/tensor_parallel.h):
 // everything above counts the rank's shards (parameter_specs(config, shard)), FSDP's
 // units too, and the activations are the rank's arena. Context parallelism of degree C

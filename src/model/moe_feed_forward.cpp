@@ -233,6 +233,13 @@ namespace {
 // NOTE [FP8 routed experts] in ops/moe_fp8.h: the expert stacks' FP8 settings, when they have them.
 MoeExpertFp8 expert_fp8(const LinearWeight& gate_up, const LinearWeight& down) { return {gate_up.fp8, down.fp8}; }
 
+// Under expert parallelism: with the statistics blocks of the rank's local experts, from
+// `first` on (NOTE [FP8 routed experts under expert parallelism] in ops/moe_fp8.h).
+MoeExpertFp8 local_experts_fp8(MoeExpertFp8 fp8, int64_t first) {
+  fp8.first_expert = first;
+  return fp8;
+}
+
 }  // namespace
 
 MoeExpertBuffers MoeFeedForward::expert_rows(const Activations& a) const {
@@ -266,12 +273,15 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
   a.routing = route(w, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown));
-  FORGE_CHECK(!fp8.enabled() || !exchange_, "MoE block: FP8 experts under expert parallelism are not built");
   if (exchange_) {  // NOTE [Expert parallelism]: to the experts' ranks, through them, and back
     a.plan = exchange_->plan(a.routing);
     take_received(layer, a);
     exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
-    moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
+    if (fp8.enabled())  // NOTE [FP8 routed experts under expert parallelism]
+      moe_experts_forward_fp8(expert_rows(a), expert_weights(w), a.plan.local,
+                              local_experts_fp8(fp8, exchange_->first_expert()));
+    else
+      moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
     exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
   } else if (fp8.enabled()) {
     moe_experts_forward_fp8(a.rows, expert_weights(w), a.routing, fp8);
@@ -393,9 +403,15 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   if (exchange_) {  // the outputs' gradients to the experts' ranks, the inputs' back
     const int64_t r = a.plan.received;
     exchange_->dispatch(a.plan, d_local_out_, d_expert_out_, staging_);
-    moe_experts_backward(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite, d_local_out_.narrow(0, r),
-                         expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),
-                         d_gate_up_.narrow(0, r));
+    if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled())
+      moe_experts_backward_fp8(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite,
+                               d_local_out_.narrow(0, r), expert_rows(a), expert_weights(w), a.plan.local,
+                               d_swiglu_.narrow(0, r), d_gate_up_.narrow(0, r),
+                               local_experts_fp8(fp8, exchange_->first_expert()));
+    else
+      moe_experts_backward(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite, d_local_out_.narrow(0, r),
+                           expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),
+                           d_gate_up_.narrow(0, r));
     exchange_->combine(a.plan, d_permuted_, d_local_permuted_, staging_);
   } else if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled()) {
     moe_experts_backward_fp8(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),

@@ -106,8 +106,9 @@ std::pair<int64_t, int64_t> scratch_elements(const std::vector<ParamSpec>& specs
 
 }  // namespace
 
-double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order) {
-  const std::vector<ParamSpec> specs = parameter_specs(config);
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order,
+                         const std::vector<ParamSpec>& held) {
+  const std::vector<ParamSpec> specs = held.empty() ? parameter_specs(config) : held;
   const auto [projection, experts] = scratch_elements(specs);
   int64_t staging = 0;  // NOTE [NF4 stored row order]: the largest projection with rotary rows
   if (stored_row_order)
@@ -233,26 +234,40 @@ class Nf4FrozenBase::Rest : public ParamSource {
 };
 
 Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype,
-                             const std::vector<PipelineStage>& stages)
-    : config_(config), specs_(pipeline_stage_specs(parameter_specs(config), stages)), device_(device), dtype_(dtype) {
+                             const std::vector<PipelineStage>& stages, ExpertShard experts)
+    : config_(config),
+      specs_(expert_parallel_specs(pipeline_stage_specs(parameter_specs(config), stages), experts)),
+      experts_(experts),
+      device_(device),
+      dtype_(dtype) {
+  FORGE_CHECK(experts.size == 1 || stages.empty(),
+              "Nf4FrozenBase: expert parallelism ({} ranks) over pipeline stages is not built", experts.size);
   codes_.weights.resize(specs_.size());
   filled_.assign(specs_.size(), 0);
   rest_ = std::make_unique<Rest>(config, specs_, device, dtype);
 }
 
 Nf4FrozenBase::Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
-                             const std::function<std::vector<int64_t>(size_t spec)>& stored_rows)
-    : Nf4FrozenBase(host.config(), device, dtype) {
+                             const std::function<std::vector<int64_t>(size_t spec)>& stored_rows, ExpertShard experts)
+    : Nf4FrozenBase(host.config(), device, dtype, {}, experts) {
   for (size_t k = 0; k < specs_.size(); ++k) set(k, host.tensors()[k], stored_rows ? stored_rows(k) : std::vector<int64_t>{});
   finish();
 }
 
-void Nf4FrozenBase::set(size_t spec, const Tensor& values, std::span<const int64_t> stored_rows) {
+void Nf4FrozenBase::set(size_t spec, const Tensor& given, std::span<const int64_t> stored_rows) {
   FORGE_CHECK(!source_, "Nf4FrozenBase::set after finish()");
   const ParamSpec& s = specs_.at(spec);
-  FORGE_CHECK(values.device() == Device::CPU && values.dtype() == DType::F32 && values.shape() == s.shape,
+  // NOTE [NF4 expert stacks under expert parallelism]: the local experts of the whole stack.
+  const bool sliced = s.expert_stack && experts_.size > 1;
+  Shape whole = s.shape;
+  if (sliced) whole[0] *= experts_.size;
+  const bool local = given.shape() == s.shape;
+  FORGE_CHECK(given.device() == Device::CPU && given.dtype() == DType::F32 && (local || given.shape() == whole),
               "Nf4FrozenBase::set: {} expects fp32 host values of shape {}, got {} {} on {}", s.name,
-              shape_str(s.shape), dtype_name(values.dtype()), shape_str(values.shape()), device_name(values.device()));
+              shape_str(s.shape), dtype_name(given.dtype()), shape_str(given.shape()), device_name(given.device()));
+  FORGE_CHECK(!sliced || stored_rows.empty(),
+              "Nf4FrozenBase::set: {} is an expert stack, whose rows are stored in order", s.name);
+  const Tensor values = local ? given : given.narrow(experts_.index * s.shape[0], (experts_.index + 1) * s.shape[0]);
   if (is_quantized_base_weight(s)) {
     Nf4Weight w = stored_rows.empty() ? quantize_projection(s, values) : quantize_in_stored_order(s, values, stored_rows);
     codes_.weights[spec] = device_ == Device::CPU ? std::move(w) : w.to(device_);
@@ -272,14 +287,16 @@ void Nf4FrozenBase::finish() {
   for (Nf4Weight& w : codes_.weights)
     if (w.row_order.defined()) w.staging = staging_.narrow(0, shape_numel(w.shape())).view(w.shape());
   source_ = std::make_unique<Nf4BaseSource>(*rest_, specs_, codes_, device_, dtype_);
-  scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_, false)) +
+  scratch_bytes_ = static_cast<size_t>(nf4_scratch_bytes(config_, dtype_, false, specs_)) +
                    (staging_.defined() ? staging_.nbytes() : 0);
 }
 
 void Nf4FrozenBase::initialize(uint64_t seed) {
   for (size_t k = 0; k < specs_.size(); ++k) {
     Tensor values = Tensor::empty(specs_[k].shape, DType::F32, Device::CPU);
-    initialize_parameter_ranges(config_, specs_, seed, {{k, 0, values.numel(), values.data<float>()}});
+    // A sliced expert stack's values are the whole stack's from its first local expert on.
+    const int64_t begin = specs_[k].expert_stack ? experts_.index * values.numel() : 0;
+    initialize_parameter_ranges(config_, specs_, seed, {{k, begin, values.numel(), values.data<float>()}});
     set(k, values);
   }
   finish();
@@ -302,14 +319,25 @@ void Nf4FrozenBase::dequantize_into(FlatParameters& host) const {
                   host.specs().size() == specs_.size(),
               "Nf4FrozenBase::dequantize_into: fp32 host parameters of the same model expected");
   for (size_t k = 0; k < specs_.size(); ++k) {
-    const Tensor& out = host.tensors()[k];
-    if (is_quantized_base_weight(specs_[k])) {
-      const Nf4Weight& w = codes_.weights[k];
-      nf4_dequantize(out.view(w.shape()), w.parts.front().device() == Device::CPU ? w : w.to(Device::CPU));
-    } else {
-      const Tensor& value = rest_->view(k);
-      cast(out, value.device() == Device::CPU ? value : value.to(Device::CPU));
-    }
+    const Tensor& whole = host.tensors()[k];
+    const int64_t held = specs_[k].shape[0];  // NOTE [NF4 expert stacks under expert parallelism]
+    dequantize(k, specs_[k].expert_stack && whole.shape() != specs_[k].shape
+                      ? whole.narrow(experts_.index * held, (experts_.index + 1) * held)
+                      : whole);
+  }
+}
+
+void Nf4FrozenBase::dequantize(size_t spec, const Tensor& out) const {
+  FORGE_CHECK(out.device() == Device::CPU && out.dtype() == DType::F32 && out.shape() == specs_.at(spec).shape,
+              "Nf4FrozenBase::dequantize: {} into {} {} on {}, fp32 host values of shape {} expected",
+              specs_[spec].name, dtype_name(out.dtype()), shape_str(out.shape()), device_name(out.device()),
+              shape_str(specs_[spec].shape));
+  if (is_quantized_base_weight(specs_[spec])) {
+    const Nf4Weight& w = codes_.weights[spec];
+    nf4_dequantize(out.view(w.shape()), w.parts.front().device() == Device::CPU ? w : w.to(Device::CPU));
+  } else {
+    const Tensor& value = rest_->view(spec);
+    cast(out, value.device() == Device::CPU ? value : value.to(Device::CPU));
   }
 }
 

@@ -25,6 +25,20 @@
 // 2.6 GiB for Mixtral 8x7B in bf16) when the decoder asks for the block, which it does just
 // before the block's forward and again before its backward (and recomputation), each time
 // using those weights before it asks for another block's.
+//
+// NOTE [NF4 expert stacks under expert parallelism]
+// With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
+// model/expert_dispatch.h) a rank's MoE blocks compute with its E / P local experts alone,
+// so its Nf4FrozenBase (ExpertShard) holds only their NF4 codes: each stack's spec is its
+// local slice (expert_parallel_spec: [E/P, R, C] and those experts' Hugging Face tensors),
+// quantized from the local experts' rows of the whole values that import or the seeded
+// initialization hands it, tensor by tensor as above. Every expert matrix is its own NF4
+// tensor, so a rank's codes are bitwise the one-rank base's codes of its experts, and the
+// rank dequantizes only its local stacks into a scratch of E / P experts. The rest of the
+// base (projections' codes, embedding, norms, router, head) is replicated as under data
+// parallelism (NOTE [LoRA under data parallelism] in model/lora.h). The merged export
+// dequantizes each rank's experts into its place in the whole model and the trainer
+// gathers the other experts' from the ranks that hold them.
 #pragma once
 
 #include <cstddef>
@@ -34,6 +48,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/expert_shard.h"
 #include "model/parameters.h"
 #include "ops/nf4.h"
 
@@ -65,7 +80,8 @@ struct Nf4Base {
 // checkpoints (interleaved rotary rows) holds.
 // `specs`: of these parameters only (a pipeline rank's stages'); empty: the whole model's.
 double nf4_base_bytes(const ModelConfig& config, const std::vector<ParamSpec>& specs = {});
-double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order = true);
+double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order = true,
+                         const std::vector<ParamSpec>& specs = {});
 
 // Quantizes every base projection and expert stack of `params` (fp32 on the CPU), one NF4
 // tensor per Hugging Face weight it is made of.
@@ -109,16 +125,23 @@ class Nf4FrozenBase : public ParamSource {
  public:
   // Empty: every parameter is set() once, then finish(). `stages`: a pipeline rank's stages,
   // whose parameters alone it holds (pipeline_stage_specs; NOTE [LoRA under pipeline
-  // parallelism] in model/lora.h); empty: every parameter.
-  Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype, const std::vector<PipelineStage>& stages = {});
-  // From fp32 host parameters, finished; stored_rows(spec): set()'s for each (none: {}).
+  // parallelism] in model/lora.h); empty: every parameter. `experts`: an expert-parallel
+  // rank's place, whose local experts' stacks alone it holds (NOTE [NF4 expert stacks under
+  // expert parallelism]; not with stages).
+  Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype, const std::vector<PipelineStage>& stages = {},
+                ExpertShard experts = {});
+  // From fp32 host parameters (the whole model's), finished; stored_rows(spec): set()'s for
+  // each (none: {}).
   Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
-                const std::function<std::vector<int64_t>(size_t spec)>& stored_rows = {});
+                const std::function<std::vector<int64_t>(size_t spec)>& stored_rows = {}, ExpertShard experts = {});
   ~Nf4FrozenBase() override;
 
-  // The parameters it holds: parameter_specs(config), or the pipeline stages' of them.
+  // The parameters it holds: parameter_specs(config), or the pipeline stages' of them, or
+  // with the expert stacks' local slices (expert_parallel_specs).
   const std::vector<ParamSpec>& specs() const { return specs_; }
-  // specs()[spec]'s values, fp32 on the host, in its shape. stored_rows
+  const ExpertShard& experts() const { return experts_; }
+  // specs()[spec]'s values, fp32 on the host, in its shape (a sliced expert stack's may be
+  // the whole stack's, whose local experts are taken). stored_rows
   // (NOTE [NF4 stored row order]): for a quantized weight whose Hugging Face tensor orders
   // its rows otherwise, the weight's row (of its matrix, nf4_matrix_shape) at each stored row.
   void set(size_t spec, const Tensor& values, std::span<const int64_t> stored_rows = {});
@@ -132,8 +155,13 @@ class Nf4FrozenBase : public ParamSource {
   // Device bytes: codes and statistics, the rest in the compute dtype, the scratch.
   size_t nbytes() const;
   // The base as fp32 host parameters (same model), projections dequantized: what
-  // bitsandbytes' dequantize_4bit gives, the starting point of a merged export.
+  // bitsandbytes' dequantize_4bit gives, the starting point of a merged export. With
+  // ExpertShard the stacks' local experts alone are written (the rest of each stack is left
+  // as it is: the other ranks' to fill).
   void dequantize_into(FlatParameters& host) const;
+  // specs()[spec]'s values into `out` (fp32 on the host, that spec's shape), dequantized
+  // when the spec is quantized.
+  void dequantize(size_t spec, const Tensor& out) const;
 
   const Tensor& embedding() override;
   const BlockWeights& layer(int index) override;
@@ -144,6 +172,7 @@ class Nf4FrozenBase : public ParamSource {
   class Rest;
   ModelConfig config_;
   std::vector<ParamSpec> specs_;
+  ExpertShard experts_;
   Device device_;
   DType dtype_;
   Nf4Base codes_;

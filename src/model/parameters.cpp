@@ -6,6 +6,7 @@
 #include "core/parallel.h"
 #include "core/rng.h"
 #include "model/block_components.h"
+#include "model/expert_shard.h"
 #include "model/tensor_parallel.h"
 #include "ops/elementwise.h"
 
@@ -54,6 +55,28 @@ ParamSpec tensor_parallel_spec(const ParamSpec& full, TensorParallelShard shard)
       return spec;
   }
   FORGE_FAIL("'{}': unknown tensor-parallel split", full.name);
+}
+
+ParamSpec expert_parallel_spec(const ParamSpec& whole, ExpertShard shard) {
+  FORGE_CHECK(shard.size >= 1 && shard.index >= 0 && shard.index < shard.size, "expert-parallel rank {} of {}",
+              shard.index, shard.size);
+  if (!whole.expert_stack || shard.size == 1) return whole;
+  const int64_t experts = whole.shape.at(0), parts = static_cast<int64_t>(whole.hf_tensors.size());
+  FORGE_CHECK(experts % shard.size == 0 && parts % experts == 0,
+              "expert parallelism over {} ranks splits '{}' {} ({} Hugging Face tensors) by experts, which it does not "
+              "divide",
+              shard.size, whole.name, shape_str(whole.shape), parts);
+  const int64_t held = experts / shard.size, per_expert = parts / experts;
+  ParamSpec spec = whole;
+  spec.shape[0] = held;
+  const auto first = whole.hf_tensors.begin() + shard.index * held * per_expert;
+  spec.hf_tensors.assign(first, first + held * per_expert);
+  return spec;
+}
+
+std::vector<ParamSpec> expert_parallel_specs(std::vector<ParamSpec> specs, ExpertShard shard) {
+  for (ParamSpec& spec : specs) spec = expert_parallel_spec(spec, shard);
+  return specs;
 }
 
 std::vector<ParamSpec> parameter_specs(const ModelConfig& config, TensorParallelShard shard) {

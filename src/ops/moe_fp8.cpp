@@ -46,8 +46,8 @@ void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& 
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end)
-        fp8_linear_forward(y.narrow(b, end), x.narrow(b, end), expert_matrix(weight, e), fp8_expert_linear(stack, e),
-                           nullptr);
+        fp8_linear_forward(y.narrow(b, end), x.narrow(b, end), expert_matrix(weight, e),
+                           fp8_expert_linear(stack, fp8.first_expert + e), nullptr);
     }
   };
   per_expert(a.gate_up, a.permuted, w.gate_up, *fp8.gate_up);
@@ -76,7 +76,7 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
         if (overwrite) expert_matrix(dw, e).fill_zero();
         continue;
       }
-      const Fp8Linear expert = fp8_expert_linear(stack, e);
+      const Fp8Linear expert = fp8_expert_linear(stack, fp8.first_expert + e);
       const Tensor dy_e = dy.narrow(b, end);
       fp8_linear_backward_input(dx.narrow(b, end), dy_e, expert_matrix(weight, e), expert);
       fp8_linear_backward_weight(expert_matrix(dw, e), dy_e, x.narrow(b, end), expert, overwrite);

@@ -32,6 +32,25 @@
 // logits choose the experts) stays in the compute dtype, as in Transformer Engine's and
 // torchao's MoE recipes; the shared experts and dense blocks are plain projections and run
 // in FP8 as any other.
+//
+// NOTE [FP8 routed experts under expert parallelism]
+// With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
+// model/expert_dispatch.h) a rank runs its E / P local experts on the rows every rank of its
+// group sent them, sorted by local expert (ExpertExchange's plan.local). The FP8 GEMMs take
+// those rows expert by expert as above, with the statistics blocks of the model's experts
+// they are (MoeExpertFp8::first_expert: the rank's first local expert; the blocks are the
+// whole model's, numbered in expert order, on every rank). So a local expert's tensorwise
+// scales come from its own slice of the weights and from every row its group sent it (one
+// amax over the rows one device would run it on, had it run the group's micro-batches as
+// one), and its delayed histories take the amaxes of those rows; the blocks of the experts
+// on the other ranks of the group see no cast here, their `seen` stays 0, and the trainer's
+// step-end max-reduction of the whole statistics array over the data-parallel ranks (NOTE
+// [FP8 under data parallelism] in train/trainer_fp8.cpp; the expert-parallel group is among
+// them) fills each from its owner, as over the pipeline (NOTE [FP8 under context and
+// pipeline parallelism]): every rank then holds the whole model's delayed state, the same
+// everywhere, and rank 0's checkpoint restores under any degree. A local expert may receive
+// P times a micro-batch's rows: the CUDA scratch is sized for them (Fp8Settings::
+// expert_parallel).
 #pragma once
 
 #include "ops/fp8_linear.h"
@@ -45,6 +64,9 @@ namespace forge {
 struct MoeExpertFp8 {
   const Fp8Linear* gate_up = nullptr;
   const Fp8Linear* down = nullptr;
+  // The stack's expert whose statistics block the weights' first expert takes (NOTE [FP8
+  // routed experts under expert parallelism]: the rank's first local expert); 0: all of them.
+  int64_t first_expert = 0;
   bool enabled() const { return gate_up && down; }
 };
 

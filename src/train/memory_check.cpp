@@ -54,6 +54,7 @@ std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config) {
   // The FP8 all-gather brings the blocks' codes ready to use (NOTE [FP8 all-gather]): no cache.
   s.weight_cache = p.fp8_weight_cache && !p.fp8_fsdp_all_gather;
   s.frozen = config.lora.enabled();
+  s.expert_parallel = config.parallelism.expert_parallel_degree;  // NOTE [FP8 routed experts under expert parallelism]
   return s;
 }
 

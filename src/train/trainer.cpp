@@ -138,8 +138,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     lora_ = std::make_unique<LoraAdapters>(config_.model, config_.lora, device_, t.local_batch_size * t.seq_len,
                                            tensor_parallel_shard_);
     lora_->initialize(derive_seed(t.seed, kLoraSeed));
-    if (const int64_t ep = config_.parallelism.expert_parallel_degree; ep > 1)  // NOTE [LoRA under expert parallelism]
-      lora_->set_expert_parallel(rank_ % ep, ep);
+    if (const ExpertShard experts = expert_shard(); experts.size > 1)  // NOTE [LoRA under expert parallelism]
+      lora_->set_expert_parallel(experts.index, experts.size);
     if (config_.checkpoint.initial_load_in_hf && !config_.checkpoint.initial_load_path.empty())
       lora_->set_interleaved_rotary(read_weight_layout(config_.checkpoint.initial_load_path).interleaved_rotary);
     if (fsdp_) {
@@ -161,7 +161,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       const CheckpointConfig& ckpt = config_.checkpoint;
       if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty()) {
         // NOTE [LoRA under pipeline parallelism]: a pipeline rank quantizes its stages' alone.
-        nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype, pipeline_stages_);
+        // NOTE [NF4 expert stacks under expert parallelism]: an expert-parallel rank its experts'.
+        nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype, pipeline_stages_,
+                                                    expert_shard());
         nf4_base_->initialize(derive_seed(t.seed, kWeightsSeed));
         lora_->set_base(*nf4_base_);
         log_info("QLoRA: the base's projections quantized to NF4 from the seeded initialization (no "
@@ -461,6 +463,12 @@ void Trainer::set_up_data_parallel() {
     expert_shard_group_ = world_->split(rank_ % ep, rank_);
     expert_dispatch_ = std::make_unique<GroupExpertDispatch>(*expert_parallel_group_, device_);
   }
+}
+
+ExpertShard Trainer::expert_shard() const {
+  // The expert-parallel group of rank r: ranks [r - r % P, r - r % P + P), r its (r % P)-th.
+  const int64_t ep = config_.parallelism.expert_parallel_degree;
+  return {rank_ % ep, ep};
 }
 
 Trainer::~Trainer() = default;

@@ -141,6 +141,11 @@ class Trainer {
   // checkpoint.last_save_in_hf under tensor parallelism where the pieces do not serve: the
   // shards gathered into the whole model on rank 0, exported there (trainer_hf.cpp).
   void export_tensor_parallel_hf_model(const std::string& dir, const HfExportOptions& options);
+  // QLoRA under expert parallelism (NOTE [NF4 expert stacks under expert parallelism]): the
+  // expert stacks gathered to rank 0 from its expert-parallel group, the adapters merged there.
+  void export_expert_parallel_qlora_model(const std::string& dir, const HfExportOptions& options);
+  // This rank's local experts (NOTE [Expert parallelism]); {0, 1} without expert parallelism.
+  ExpertShard expert_shard() const;
   // checkpoint.last_save_in_hf under pipeline parallelism, FSDP or tensor parallelism: every
   // rank writes its own values into the files (NOTE [Export in pieces] in trainer_hf.cpp).
   void export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options);

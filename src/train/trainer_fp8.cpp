@@ -28,6 +28,10 @@
 //  - tensorwise: nothing: a weight's scale comes from the full gathered weight (the same on
 //    every rank), an activation's or gradient's from the micro-batch at hand, as on one
 //    device reading that micro-batch.
+// Under expert parallelism a rank casts its local routed experts alone, and the delayed
+// max-reduction above fills the other experts' blocks from their ranks (NOTE [FP8 routed
+// experts under expert parallelism] in ops/moe_fp8.h): the shard group holds every
+// expert-parallel group.
 // The weight cache (NOTE [FP8 weight cache]) holds codes per projection, keyed by the
 // weight's data pointer within a step: under ZeRO-3 a block's gathered weights sit in one of
 // three rotating buffers, so a projection sees its own weight at whichever buffer the gather

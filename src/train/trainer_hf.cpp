@@ -48,8 +48,9 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     nf4_base_.reset();
     // A pipeline rank imports and quantizes its stages' parameters alone (NOTE [LoRA under
     // pipeline parallelism]).
+    // An expert-parallel rank keeps its experts' (NOTE [NF4 expert stacks under expert parallelism]).
     nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32,
-                                                pipeline_stages_);
+                                                pipeline_stages_, expert_shard());
     // NOTE [NF4 stored row order]: DeepSeek's rotary rows quantized in the published order.
     const bool interleaved = read_weight_layout(dir).interleaved_rotary;
     const std::vector<ParamSpec> specs = parameter_specs(config_.model);
@@ -121,6 +122,7 @@ void Trainer::export_hf_model() {
     save_hf_model(dir, host, options);
     return log_info("exported the base model with the LoRA adapters merged to {}", dir);
   }
+  if (nf4_base_ && nf4_base_->experts().size > 1) return export_expert_parallel_qlora_model(dir, options);
   if (rank_ != 0) return;  // QLoRA under data parallelism: every rank holds the same model
   if (lora_) {
     // The merged model: base + alpha / rank * B A for every adapted module. A QLoRA base
@@ -165,6 +167,50 @@ void Trainer::export_tensor_parallel_hf_model(const std::string& dir, const HfEx
   if (lora_) lora_->merge_into(*host);  // NOTE [LoRA under context and tensor parallelism]: the whole adapters
   save_hf_model(dir, *host, options);
   if (lora_) log_info("exported the base model with the LoRA adapters merged to {}", dir);
+}
+
+// NOTE [NF4 expert stacks under expert parallelism]: world rank 0's expert-parallel group
+// (ranks 0 to P - 1) holds every expert once. Rank 0 dequantizes its base into the whole
+// model; the others dequantize their experts' stacks, one at a time, and send them to rank 0,
+// which puts each at its experts' places (P - 1 slices of one stack in flight, on the device).
+// Rank 0 then merges the whole adapters and writes the model as one rank's export.
+void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const HfExportOptions& options) {
+  const ExpertShard experts = nf4_base_->experts();
+  if (rank_ >= experts.size) return;  // another group's ranks: rank 0's (ranks 0 to P - 1) holds every expert
+  std::optional<FlatParameters> host;
+  if (rank_ == 0) {
+    host.emplace(config_.model);
+    nf4_base_->dequantize_into(*host);
+  }
+  const std::vector<ParamSpec>& specs = nf4_base_->specs();
+  for (size_t k = 0; k < specs.size(); ++k) {
+    if (!specs[k].expert_stack) continue;
+    const int64_t held = specs[k].shape[0];
+    std::vector<PointToPoint> ops;
+    Tensor received;
+    if (rank_ == 0) {
+      Shape whole = specs[k].shape;
+      whole[0] *= experts.size;
+      received = Tensor::empty(whole, DType::F32, device_);
+      for (int q = 1; q < experts.size; ++q)
+        ops.push_back(PointToPoint::recv(q, received.narrow(q * held, (q + 1) * held)));
+    } else {
+      Tensor mine = Tensor::empty(specs[k].shape);
+      nf4_base_->dequantize(k, mine);
+      ops.push_back(PointToPoint::send(0, device_ == Device::CPU ? mine : mine.to(device_)));
+    }
+    expert_parallel_group_->send_recv(ops);
+    if (rank_ != 0) continue;
+    const Tensor& into = host->tensors()[k];
+    const Tensor others = received.narrow(held, experts.size * held);
+    into.narrow(held, experts.size * held).copy_from(device_ == Device::CPU ? others : others.to(Device::CPU));
+  }
+  if (!host) return;
+  lora_->merge_into(*host);
+  save_hf_model(dir, *host, options);
+  log_info("exported the base model with the LoRA adapters merged to {} (the routed experts gathered from the {} "
+           "expert-parallel ranks)",
+           dir, experts.size);
 }
 
 namespace {

@@ -101,13 +101,21 @@ TEST(ModelFp8Moe, ProjectionsAndExpertsCarryFp8AndTheRouterDoesNot) {
 }
 
 // The CUDA scratch's code buffers cover one expert receiving every token of the micro-batch
-// (rounded up to 16 rows for the weight gradient), or its capacity when padded to it.
+// (rounded up to 16 rows for the weight gradient), or its capacity when padded to it; under
+// expert parallelism every rank's.
 TEST(ModelFp8Moe, WorkspaceCoversTheFullestExpert) {
   ModelConfig m = mixtral_like();  // hidden 64, expert ffn 96: gate_up [192, 64]; qkv [128, 64]
   EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 112 * 192);
+  // Under expert parallelism 2 a local expert may receive both ranks' every token (NOTE [FP8
+  // routed experts under expert parallelism]): 200 rows, and the memory estimate counts them.
+  Fp8Settings ep;
+  ep.expert_parallel = 2;
+  EXPECT_EQ(fp8_workspace_codes(m, ep, 100), 208 * 192);
+  EXPECT_EQ(fp8_scratch_bytes(m, ep, 100) - fp8_scratch_bytes(m, {}, 100), 3 * (208 - 112) * 192);
   m.moe_capacity_factor = 4.0;  // capacity ceil(100 x 2 / 4 x 4) = 200 rows
   m.moe_pad_to_capacity = true;
   EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 208 * 192);
+  EXPECT_EQ(fp8_workspace_codes(m, ep, 100), 400 * 192);
 }
 
 constexpr float kLearningRate = 0.1f;
@@ -250,11 +258,12 @@ TEST(ModelFp8Moe, ConfigRules) {
                           {"training.local_batch_size", "1"}, {"training.seq_len", "64"},
                           {"model.kv_lora_rank", "40"}}); },
                {"multiple of 16", "model.kv_lora_rank is 40"});
-  // Refused, naming the key: expert parallelism, LoRA, the FP8 all-gather.
-  expect_error([] { load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "tensorwise"},
-                          {"parallelism.data_parallel_shard_degree", "2"},
-                          {"parallelism.expert_parallel_degree", "2"}}); },
-               {"parallelism.expert_parallel_degree = 2 (command line) cannot be combined with precision.fp8"});
+  // Under expert parallelism (NOTE [FP8 routed experts under expert parallelism]).
+  EXPECT_EQ(load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "delayed"},
+                  {"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.expert_parallel_degree", "2"}})
+                .parallelism.expert_parallel_degree,
+            2);
+  // Refused, naming the key: LoRA, the FP8 all-gather.
   for (const char* model : {"debug-tiny-moe", "debug-tiny-mla"})
     expect_error([&] { load({{"model.name", model}, {"precision.fp8", "tensorwise"}, {"lora.rank", "8"},
                              {"lora.target_modules", "q_proj,o_proj"}}); },

@@ -16,6 +16,7 @@
 #include "core/rng.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
+#include "model/memory_estimate.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 
@@ -97,16 +98,17 @@ TEST(ModelLoraMoe, ConfigRulesNameTheKey) {
                {"adapts the router with lora.dropout = 0.1 (command line)", "takes no dropout"});
   expect_error([] { load("debug-tiny", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,gate"}}); },
                {"names the router 'gate', and this model has none"});
-  // NOTE [LoRA under expert parallelism]: LoRA (the experts' adapters too) yes, QLoRA no.
+  // NOTE [LoRA under expert parallelism]: LoRA (the experts' adapters too) and QLoRA (NOTE
+  // [NF4 expert stacks under expert parallelism] in model/nf4_base.h).
   EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "all-linear"},
                                     {"parallelism.data_parallel_shard_degree", "2"},
                                     {"parallelism.expert_parallel_degree", "2"}}).parallelism.expert_parallel_degree,
             2);
-  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.quantize_base", "nf4"},
-                                            {"parallelism.data_parallel_shard_degree", "2"},
-                                            {"parallelism.expert_parallel_degree", "2"}}); },
-               {"parallelism.expert_parallel_degree = 2 (command line) cannot be combined with QLoRA",
-                "lora.quantize_base = nf4 (command line)"});
+  EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.quantize_base", "nf4"},
+                                    {"lora.target_modules", "all-linear"},
+                                    {"parallelism.data_parallel_shard_degree", "2"},
+                                    {"parallelism.expert_parallel_degree", "2"}}).lora.quantize_base,
+            "nf4");
   // The adapters refuse the same outside a config (forge eval --adapter, the tools).
   expect_error([] { LoraAdapters(load("debug-tiny").model, lora("experts.gate_up_proj"), Device::CPU, 4); },
                {"names the routed experts' 'experts.gate_up_proj', and this model has none"});
@@ -230,7 +232,12 @@ TEST(ModelLoraMoe, ExpertParallelRankHandsOutItsExpertsSlices) {
   LoraAdapters adapters(moe, lora("experts.gate_up_proj,experts.down_proj", r), Device::CPU, 8);
   FlatParameters base(moe);
   adapters.set_base(base);
+  // The experts' workspace takes P times a rank's rows, which the memory estimate counts.
+  EXPECT_EQ(adapters.workspace_values(),
+            lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj", r), 8).workspace);
   adapters.set_expert_parallel(1, 2);
+  EXPECT_EQ(adapters.workspace_values(),
+            lora_sizes(moe, lora("experts.gate_up_proj,experts.down_proj", r), 8, 2).workspace);
   ASSERT_EQ(adapters.targets()[0].name, "layers.0.moe.experts.gate_up");
   const LoraExpertAdapter* gate_up = adapters.layer_grads(0).params.at(adapters.targets()[0].param).experts_lora;
   ASSERT_NE(gate_up, nullptr);
@@ -247,6 +254,32 @@ TEST(ModelLoraMoe, ExpertParallelRankHandsOutItsExpertsSlices) {
   const Tensor& ga = adapters.gradients()[0];
   for (int64_t i = 0; i < ga.numel(); ++i)
     ASSERT_EQ(ga.data<float>()[i], i < e / 2 * r * h ? 0.0f : 1.0f) << i;  // experts 0..E/2-1: another rank's
+}
+
+// With the 2-D adapters too (all-linear), over 4 expert-parallel ranks: the workspaces and
+// the memory estimate's activations (NOTE [LoRA under expert parallelism]).
+TEST(ModelLoraMoe, ExpertParallelWorkspaceIsWhatTheEstimateCounts) {
+  const ModelConfig moe = load("debug-tiny-moe").model;
+  const LoraConfig all = lora("all-linear", 4);
+  LoraAdapters adapters(moe, all, Device::CPU, 2 * 16);
+  FlatParameters base(moe);
+  adapters.set_base(base);
+  adapters.set_expert_parallel(3, 4);
+  EXPECT_EQ(adapters.workspace_values(), lora_sizes(moe, all, 2 * 16, 4).workspace);
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.lora = all;
+  const double one = estimate_memory(moe, plan).activations;
+  plan.fsdp = true;
+  plan.shard_ranks = plan.expert_parallel = 4;
+  const double four = estimate_memory(moe, plan).activations;
+  // The arena's received rows grow with P too; the adapters' share is the experts' workspace.
+  auto arena = [&](int64_t p) {
+    return static_cast<double>(activation_bytes(moe, 2, 16, DType::F32, ActivationCheckpoint::None, p));
+  };
+  EXPECT_EQ(four - one - (arena(4) - arena(1)),
+            static_cast<double>(lora_sizes(moe, all, 32, 4).workspace - lora_sizes(moe, all, 32).workspace) * 4);
 }
 
 // NOTE [LoRA FLOPs]: a MoE token runs its experts only, so the frozen work counts the active

@@ -257,6 +257,62 @@ TEST(ModelQlora, SeededInitializationEqualsQuantizingTheInitializedModel) {
   EXPECT_TRUE(bitwise_equal(back.flat(), expected.flat()));
 }
 
+// NOTE [NF4 expert stacks under expert parallelism]: rank i of P holds its experts' codes
+// alone, bitwise the one-rank base's (each expert matrix is an NF4 tensor of its own), from an
+// import or the seeded initialization alike; dequantize_into writes its experts' places (the
+// P ranks' together: the one-rank base's values); the memory estimate is what it allocates.
+TEST(ModelQlora, ExpertParallelRankHoldsItsExpertsCodes) {
+  const ModelConfig c = tiny_moe();
+  FlatParameters imported(c), reference(c);
+  imported.initialize(4);
+  const Nf4FrozenBase whole(imported, Device::CPU, DType::F32);
+  whole.dequantize_into(reference);
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.lora = qlora_for(c);
+  const double one_rank = estimate_memory(c, plan).nf4_base;
+  for (const int64_t p : {2, 4}) {
+    FlatParameters gathered(c);
+    for (int64_t i = 0; i < p; ++i) {
+      SCOPED_TRACE("rank " + std::to_string(i) + " of " + std::to_string(p));
+      const Nf4FrozenBase mine(imported, Device::CPU, DType::F32, {}, {i, p});
+      Nf4FrozenBase seeded(c, Device::CPU, DType::F32, {}, {i, p});
+      seeded.initialize(4);
+      int64_t stacks = 0;
+      for (size_t k = 0; k < mine.specs().size(); ++k) {
+        const ParamSpec& spec = mine.specs()[k];
+        if (!is_quantized_base_weight(spec)) continue;
+        const std::vector<Nf4Tensor>& parts = mine.codes().weights[k].parts;
+        size_t first = 0;  // the whole stack's part of the rank's first expert's first matrix
+        if (spec.expert_stack) {
+          ++stacks;
+          EXPECT_EQ(spec.shape[0], c.num_experts / p) << spec.name;
+          first = static_cast<size_t>(i) * parts.size();
+        }
+        const std::vector<Nf4Tensor>& expected = whole.codes().weights[k].parts;
+        ASSERT_LE(first + parts.size(), expected.size()) << spec.name;
+        for (size_t q = 0; q < parts.size(); ++q) {
+          EXPECT_TRUE(bitwise_equal(parts[q].codes, expected[first + q].codes)) << spec.name << " part " << q;
+          EXPECT_TRUE(bitwise_equal(parts[q].absmax_codes, expected[first + q].absmax_codes)) << spec.name;
+          EXPECT_TRUE(bitwise_equal(seeded.codes().weights[k].parts[q].codes, parts[q].codes)) << spec.name;
+        }
+      }
+      EXPECT_EQ(stacks, 2 * c.num_layers);
+      mine.dequantize_into(gathered);
+      MemoryPlan ranks = plan;
+      ranks.fsdp = true;
+      ranks.shard_ranks = ranks.expert_parallel = p;
+      const MemoryEstimate e = estimate_memory(c, ranks);
+      EXPECT_EQ(e.frozen_weights + e.nf4_base, static_cast<double>(mine.nbytes()));
+      EXPECT_LT(e.nf4_base, one_rank);
+    }
+    EXPECT_TRUE(bitwise_equal(gathered.flat(), reference.flat())) << p << " ranks";
+  }
+  expect_error([&] { Nf4FrozenBase(c, Device::CPU, DType::F32, {}, {0, 3}); },
+               {"expert parallelism over 3 ranks splits 'layers.0.moe.experts.gate_up'"});
+}
+
 TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {
   const ModelConfig c = tiny();
   MemoryPlan plan;

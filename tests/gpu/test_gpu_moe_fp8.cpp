@@ -19,6 +19,8 @@
 // both sides (within 60% when some move), and the routing as GpuMoe.TrainingStepMatchesCpu's
 // (routers without near ties; FP8 moves up to 3% of the assignments). With `delayed` a second micro-batch after the first step's end runs on the
 // delayed scales, every expert's from its own history.
+// Under expert parallelism a rank's local experts cast into their blocks of the whole model's
+// statistics (MoeExpertFp8::first_expert), bitwise what they cast as a model of their own.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -224,6 +226,69 @@ TEST(GpuMoeFp8, DeepseekShapedTrainingMicroBatchMatchesCpuFp8) {
   delayed.recipe = Fp8Recipe::Delayed;
   delayed.amax_history_length = 16;
   for (const Fp8Settings& s : {Fp8Settings{}, delayed}) expect_fp8_step_matches_cpu(small_deepseek(false), s);
+}
+
+// NOTE [FP8 routed experts under expert parallelism]: an expert-parallel rank holding experts
+// 4 to 7 of 8 (stacks of 4, MoeExpertFp8::first_expert 4) casts into those experts' blocks of
+// the whole model's statistics, bitwise what the same 4 experts cast as a model of their own,
+// and leaves experts 0 to 3's blocks untouched; its outputs and gradients are the same too.
+TEST(GpuMoeFp8, LocalExpertsCastIntoTheirOwnBlocks) {
+  Rng rng(seed_for_current_test());
+  const int64_t hidden = 128, ffn = 96, local = 4, first = 4, experts = 8;
+  const MoeRouting r = routing_of({9, 0, 70, 17});  // the rows received for local experts 0..3
+  const int64_t n = r.offsets.back();
+  const Tensor x = to_gpu(random_bf16_values({n, hidden}, rng), DType::BF16);
+  const Tensor dy = to_gpu(random_bf16_values({n, hidden}, rng, 1e-3), DType::BF16);
+  const MoeExpertWeights w{to_gpu(random_bf16_values({local, 2 * ffn, hidden}, rng, 0.05), DType::BF16),
+                           to_gpu(random_bf16_values({local, hidden, ffn}, rng, 0.05), DType::BF16)};
+  const int64_t codes = std::max((70 + 15) / 16 * 16 * 2 * ffn, 2 * ffn * hidden);
+  Fp8LinearWorkspace ws{poisoned_gpu({codes}, DType::U8), poisoned_gpu({codes}, DType::U8),
+                        poisoned_gpu({codes}, DType::U8), poisoned_gpu({kFp8WorkspaceStats}, DType::F32)};
+  struct Result {
+    Tensor stats, out, d_permuted, dw_gate_up, dw_down;
+  };
+  // `blocks` experts per stack in the statistics array, the weights' first at `offset`.
+  auto run = [&](int64_t blocks, int64_t offset) {
+    Result res;
+    res.stats = Tensor::empty({2 * blocks * cpu::kFp8ProjectionStats}, DType::F32, Device::CUDA);
+    fp8_stats_init(res.stats);
+    Fp8Linear gate_up{Fp8Format::E5M2, &ws}, down{Fp8Format::E5M2, &ws};
+    gate_up.stats = res.stats.data<float>();
+    down.stats = res.stats.data<float>() + blocks * cpu::kFp8ProjectionStats;
+    MoeExpertFp8 fp8{&gate_up, &down};
+    fp8.first_expert = offset;
+    const MoeExpertBuffers a{x, poisoned_gpu({n, 2 * ffn}, DType::BF16), poisoned_gpu({n, ffn}, DType::BF16),
+                             poisoned_gpu({n, hidden}, DType::BF16)};
+    moe_experts_forward_fp8(a, w, r, fp8);
+    const MoeExpertWeights grads{poisoned_gpu({local, 2 * ffn, hidden}, DType::F32),
+                                 poisoned_gpu({local, hidden, ffn}, DType::F32)};
+    const Tensor d_permuted = poisoned_gpu({n, hidden}, DType::BF16);
+    moe_experts_backward_fp8(d_permuted, grads, true, dy, a, w, r, poisoned_gpu({n, ffn}, DType::BF16),
+                             poisoned_gpu({n, 2 * ffn}, DType::BF16), fp8);
+    res.out = to_cpu_f32(a.expert_out);
+    res.d_permuted = to_cpu_f32(d_permuted);
+    res.dw_gate_up = to_cpu_f32(grads.gate_up);
+    res.dw_down = to_cpu_f32(grads.down);
+    res.stats = to_cpu_f32(res.stats);
+    return res;
+  };
+  const Result alone = run(local, 0), rank = run(experts, first);
+  for (const auto& [mine, theirs] : {std::pair{&rank.out, &alone.out}, {&rank.d_permuted, &alone.d_permuted},
+                                     {&rank.dw_gate_up, &alone.dw_gate_up}, {&rank.dw_down, &alone.dw_down}})
+    EXPECT_EQ(relative_l2(*mine, *theirs), 0.0);
+  for (int64_t stack = 0; stack < 2; ++stack)
+    for (int64_t e = 0; e < experts; ++e)
+      for (int role = 0; role < cpu::kFp8Roles; ++role) {
+        const auto which = static_cast<cpu::Fp8Role>(role);
+        const float seen = rank.stats.data<float>()[cpu::fp8_seen_offset(stack * experts + e, which)];
+        if (e < first) {
+          EXPECT_EQ(seen, 0.0f) << "stack " << stack << ", expert " << e << " is another rank's";
+          continue;
+        }
+        const float expected = alone.stats.data<float>()[cpu::fp8_seen_offset(stack * local + e - first, which)];
+        EXPECT_EQ(seen, expected) << "stack " << stack << ", expert " << e << ", role " << role;
+        if (e - first != 1) EXPECT_GT(seen, 0.0f) << "stack " << stack << ", expert " << e;  // local expert 1: no rows
+      }
 }
 
 }  // namespace

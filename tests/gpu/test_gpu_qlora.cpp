@@ -150,5 +150,48 @@ TEST(GpuQlora, LatentAttentionMicroBatchMatchesCpu) {
   }
 }
 
+// NOTE [NF4 expert stacks under expert parallelism]: an expert-parallel rank's base on the
+// GPU holds its experts' codes alone (the CPU's, byte for byte) and dequantizes them into its
+// [E/P, R, C] stacks: the whole base's dequantized experts of that rank, in bf16.
+TEST(GpuQlora, ExpertParallelRankDequantizesItsExperts) {
+  ModelConfig config = small_moe();
+  config.name = "qlora-gpu-moe-ep";
+  FlatParameters imported(config);
+  imported.initialize(3);
+  Nf4FrozenBase whole(imported, Device::CPU, DType::F32);
+  const int64_t p = 2, held = config.num_experts / p;
+  for (int64_t rank = 0; rank < p; ++rank) {
+    Nf4FrozenBase cpu(imported, Device::CPU, DType::F32, {}, {rank, p});
+    Nf4FrozenBase gpu(imported, Device::CUDA, DType::BF16, {}, {rank, p});
+    ASSERT_TRUE(same_codes(cpu, gpu)) << "rank " << rank;
+    EXPECT_LT(gpu.codes().nbytes(), whole.codes().nbytes());
+    double worst = 0.0;
+    int stacks = 0;
+    for (int layer = 0; layer < config.num_layers; ++layer) {
+      const BlockWeights& mine = gpu.layer(layer);
+      const BlockWeights& theirs = whole.layer(layer);
+      size_t entry = 0;
+      for (const ParamSpec& spec : gpu.specs()) {
+        if (spec.layer != layer) continue;
+        if (spec.expert_stack) {
+          const Tensor& local = mine.params.at(entry).weight;
+          ASSERT_EQ(local.shape(), spec.shape);
+          ASSERT_EQ(local.dim(0), held);
+          const Tensor expected = theirs.params.at(entry).weight.narrow(rank * held, (rank + 1) * held).clone();
+          const double gap = relative_l2(to_cpu_f32(local), expected);
+          worst = std::max(worst, gap);
+          EXPECT_LT(gap, 1e-2) << spec.name << " on rank " << rank;  // bf16 rounding of the fp32 values
+          ++stacks;
+        }
+        ++entry;
+      }
+    }
+    EXPECT_EQ(stacks, 2 * config.num_layers);
+    std::printf("expert-parallel rank %ld of %ld: its experts' bf16 stacks within %.2e (relative l2) of the whole "
+                "base's fp32\n",
+                static_cast<long>(rank), static_cast<long>(p), worst);
+  }
+}
+
 }  // namespace
 }  // namespace forge
