@@ -174,13 +174,15 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     if (block < 0) continue;
     p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
     p.linears[k].delayed = delayed_active_;
-    if (amax_group_) {  // NOTE [FP8 under tensor parallelism]
-      p.linears[k].amax_group = amax_group_;
-      p.linears[k].amax_group_roles = sharded_roles_.at(static_cast<size_t>(block));
+    const uint8_t sharded = tensor_parallel_ ? sharded_roles_.at(static_cast<size_t>(block)) : uint8_t{0};
+    if (tensor_parallel_) {  // NOTE [FP8 under tensor parallelism]
+      p.linears[k].amax_group = tensor_parallel_;
+      p.linears[k].amax_group_roles = sharded;
     }
     const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 routed experts]: not cached
     if (device_ == Device::CUDA && settings_.weight_cache && !experts) {  // NOTE [FP8 weight cache]
-      const int64_t numel = numels_.at(static_cast<size_t>(block));
+      // Under tensor parallelism a split weight's shard (the degree divides every split).
+      const int64_t numel = numels_.at(static_cast<size_t>(block)) / (sharded != 0 ? tensor_parallel_->size() : 1);
       p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].generation = &generation_;
@@ -293,11 +295,11 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
   ++generation_;  // cached weight codes were cast with the old scales: NOTE [FP8 weight cache]
 }
 
-void Fp8Projections::set_tensor_parallel_group(Fp8AmaxGroup& group) {
+void Fp8Projections::set_tensor_parallel_group(TensorParallel& group) {
   for (const auto* all : {&layer_projections_, &head_projections_})
     for (const Projections& p : *all)
       FORGE_CHECK(p.linears.empty(), "FP8 projections: the tensor-parallel group is set before any layer is handed out");
-  amax_group_ = &group;
+  tensor_parallel_ = &group;
 }
 
 void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {

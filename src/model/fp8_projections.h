@@ -122,6 +122,7 @@
 #include "model/config.h"
 #include "model/fp8_delayed_state.h"
 #include "model/parameters.h"
+#include "model/tensor_parallel.h"
 #include "ops/fp8_linear.h"
 
 namespace forge {
@@ -200,8 +201,9 @@ class Fp8Projections : public ParamSource, public GradSink {
   void set_base(ParamSource& weights);
   // NOTE [FP8 under tensor parallelism]: the base holds this rank's tensor-parallel shards,
   // and the current amaxes of what differs between the group's ranks are max-reduced over
-  // `group` (which must outlive this object's use). Before any layer is handed out.
-  void set_tensor_parallel_group(Fp8AmaxGroup& group);
+  // `group` (which must outlive this object's use); the weight cache holds the shards.
+  // Before any layer is handed out.
+  void set_tensor_parallel_group(TensorParallel& group);
 
   const Tensor& embedding() override { return weights().embedding(); }
   const BlockWeights& layer(int index) override;
@@ -279,7 +281,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   std::vector<std::string> names_;                   // per block: its parameter's name
   std::vector<int64_t> numels_;                      // per block: its weight's elements
   std::vector<uint8_t> sharded_roles_;               // per block: the roles that differ between tensor-parallel ranks
-  Fp8AmaxGroup* amax_group_ = nullptr;               // NOTE [FP8 under tensor parallelism]
+  TensorParallel* tensor_parallel_ = nullptr;        // NOTE [FP8 under tensor parallelism]
   Tensor stats_, history_;                           // every block; delayed's histories
   bool delayed_active_ = false;
   uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock
