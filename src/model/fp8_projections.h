@@ -85,8 +85,8 @@
 // added over the ranks). On CUDA that is one all-reduce of one float per sharded tensor
 // cast: x and W of o and down, W of qkv and gate/up in the forward, dy of qkv and gate/up
 // in the backward (which takes x's and W's scales from the forward, NOTE [FP8 forward
-// statistics]), fewer once the weight cache holds a step's W: at most 8 per layer and
-// micro-batch, each a few microseconds of latency. Each rank folds its own amax into its
+// statistics]), fewer once the weight cache holds a step's W: 8 per layer and micro-batch
+// (6 more for a recomputed forward), each a few microseconds of latency. Each rank folds its own amax into its
 // `seen` before the reduction, so a NaN of its shard is recorded whatever the collective
 // does with a NaN. delayed: the scales come from the histories, and the trainer
 // max-reduces the step's statistics over the tensor-parallel group as it does over the
