@@ -42,6 +42,21 @@ int64_t expert_rows(const ModelConfig& config, int64_t tokens, int64_t ranks) {
   return (most + kFp8TokenMultiple - 1) / kFp8TokenMultiple * kFp8TokenMultiple;
 }
 
+// NOTE [FP8 under tensor parallelism]: the roles whose tensor differs between the ranks of
+// a tensor-parallel group for a weight split so: the weight's own always; a
+// column-parallel (or vocabulary-parallel) projection's output gradient (its columns), a
+// row-parallel projection's input (its columns). The others are gathered, the same on
+// every rank.
+uint8_t sharded_roles(TensorParallelSplit split) {
+  using cpu::Fp8Role;
+  switch (split) {
+    case TensorParallelSplit::Rows: return fp8_role_bit(Fp8Role::W) | fp8_role_bit(Fp8Role::Dy);
+    case TensorParallelSplit::Columns: return fp8_role_bit(Fp8Role::W) | fp8_role_bit(Fp8Role::X);
+    case TensorParallelSplit::Replicated: return 0;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
@@ -101,8 +116,12 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
   projection_of_.resize(static_cast<size_t>(config.num_layers));
   expert_stack_.resize(static_cast<size_t>(config.num_layers));
   std::string head_name = "embedding.weight";  // tied
+  TensorParallelSplit head_split = TensorParallelSplit::Replicated;
   for (const ParamSpec& spec : parameter_specs(config)) {
-    if (spec.name == "output.weight") head_name = spec.name;
+    if (spec.name == head_name || spec.name == "output.weight") {
+      head_name = spec.name;
+      head_split = spec.tensor_parallel;
+    }
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
     const bool matrix = fp8_block_projection(spec), experts = fp8_expert_stack(spec);
@@ -111,16 +130,19 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     if (matrix) {
       names_.push_back(spec.name);
       numels_.push_back(spec.shape[0] * spec.shape[1]);
+      sharded_roles_.push_back(sharded_roles(spec.tensor_parallel));
     }
     if (experts)  // NOTE [FP8 routed experts]: a block per expert, in expert order
       for (int64_t e = 0; e < spec.shape[0]; ++e) {
         names_.push_back(fmt::format("{} (expert {})", spec.name, e));
         numels_.push_back(spec.shape[1] * spec.shape[2]);
+        sharded_roles_.push_back(0);
       }
   }
   if (settings.output_head) {
     names_.push_back(head_name);
     numels_.push_back(config.vocab_size * config.hidden_size);
+    sharded_roles_.push_back(sharded_roles(head_split));
   }
   const auto projections = static_cast<int64_t>(names_.size());
   stats_ = Tensor::empty({projections * cpu::kFp8ProjectionStats}, DType::F32, device);
@@ -153,9 +175,15 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
     if (block < 0) continue;
     p.linears[k].stats = stats_.data<float>() + block * cpu::kFp8ProjectionStats;
     p.linears[k].delayed = delayed_active_;
+    const uint8_t sharded = tensor_parallel_ ? sharded_roles_.at(static_cast<size_t>(block)) : uint8_t{0};
+    if (tensor_parallel_) {  // NOTE [FP8 under tensor parallelism]
+      p.linears[k].amax_group = tensor_parallel_;
+      p.linears[k].amax_group_roles = sharded;
+    }
     const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 routed experts]: not cached
     if (device_ == Device::CUDA && settings_.weight_cache && !experts) {  // NOTE [FP8 weight cache]
-      const int64_t numel = numels_.at(static_cast<size_t>(block));
+      // Under tensor parallelism a split weight's shard (the degree divides every split).
+      const int64_t numel = numels_.at(static_cast<size_t>(block)) / (sharded != 0 ? tensor_parallel_->size() : 1);
       p.caches[k].codes = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].codes_t = Tensor::empty({numel}, DType::U8, device_);
       p.caches[k].generation = &generation_;
@@ -266,6 +294,13 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
   stats_.copy_from(stats);
   set_delayed_active(state.active);
   ++generation_;  // cached weight codes were cast with the old scales: NOTE [FP8 weight cache]
+}
+
+void Fp8Projections::set_tensor_parallel_group(TensorParallel& group) {
+  for (const auto* all : {&layer_projections_, &head_projections_})
+    for (const Projections& p : *all)
+      FORGE_CHECK(p.linears.empty(), "FP8 projections: the tensor-parallel group is set before any layer is handed out");
+  tensor_parallel_ = &group;
 }
 
 void Fp8Projections::set_base(ParamSource& weights, GradSink& gradients) {

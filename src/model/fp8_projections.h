@@ -63,6 +63,55 @@
 // rotating gather buffers is free; a cache entry is keyed by the weight's address, so a
 // projection whose weight moved casts it again, and one whose weight came back to the
 // cached address finds its own frozen values there.
+//
+// NOTE [FP8 under tensor parallelism]
+// Under tensor parallelism (NOTE [Tensor parallelism] in model/tensor_parallel.h) a rank's
+// projections hold weight shards, and each of a projection's three tensors is either the
+// same on every rank of the group (gathered by sequence parallelism) or this rank's part of
+// the tensor one device would quantize:
+//   column-parallel qkv, gate/up (and the vocabulary-parallel head): x the gathered normed
+//     rows (the same), W its rows (a shard), dy its output columns (a shard);
+//   row-parallel o, down: x its input columns (its heads' attention output, its columns'
+//     SwiGLU output: a shard), W its columns (a shard), dy the gathered dL/d(out) (the same).
+// A tensorwise scale must be the one the whole tensor would get, as Transformer Engine's
+// amax-reduction group holds the tensor-parallel ranks (Megatron-LM hands it one). So the
+// current amax of every sharded role (sharded_roles, from the parameter's split) is
+// max-reduced over the group between its amax pass and its scale (Fp8Linear::amax_group:
+// the TensorParallel interface the decoder is handed is an Fp8AmaxGroup, implemented over
+// the process group by distributed/; model/ and ops/ call no collective). The roles that
+// are the same on every rank have equal amaxes already and are not reduced. Every rank then
+// quantizes with one device's scales, its codes are one device's at its places, and the
+// GEMMs are one device's up to the order of summation (the row-parallel partial sums are
+// added over the ranks). On CUDA that is one all-reduce of one float per sharded tensor
+// cast: x and W of o and down, W of qkv and gate/up in the forward, dy of qkv and gate/up
+// in the backward (which takes x's and W's scales from the forward, NOTE [FP8 forward
+// statistics]), fewer once the weight cache holds a step's W: 8 per layer and micro-batch
+// (6 more for a recomputed forward), each a few microseconds of latency. Each rank folds its own amax into its
+// `seen` before the reduction, so a NaN of its shard is recorded whatever the collective
+// does with a NaN. delayed: the scales come from the histories, and the trainer
+// max-reduces the step's statistics over the tensor-parallel group as it does over the
+// data-parallel and pipeline ranks (NOTE [FP8 under data parallelism], train/trainer_fp8.cpp):
+// a shard role's `seen` on a rank is its shard's amax, the maximum over the group the whole
+// tensor's, so the histories and scales are one device's and the same on every rank (rank
+// 0's checkpoint holds them); its first step, at current scales, reduces as tensorwise. A
+// non-finite amax is a step every rank of the group skips or stops at (the ranks that saw
+// one are counted over the group with the stop flag, and the first is named over it).
+// Two things change in the blocks (SequenceParallelEdges, model/sequence_parallel.h):
+//  - RMSNorm's fused FP8 epilogue (NOTE [FP8 fused producers] in ops/fp8_linear.h) would
+//    see the rank's rows while qkv and gate/up read the gathered rows: under tensor
+//    parallelism the norm gets no consumer (norm_consumer), the bf16 rows are gathered and
+//    the projection casts them itself (one more read of its x, as without fusion).
+//    Gathering FP8 codes instead (TE's FP8 all-gather of sequence-parallel inputs, half the
+//    bytes) would need the scale agreed before the gather; not built. SwiGLU's producers
+//    stay: its forward output is down's whole x on this rank and its backward output
+//    gate/up's dy, whose amaxes are reduced before their scales like any other.
+//  - The row-parallel projection's forward without FP8 runs three GEMMs (the rows before
+//    the rank's, the rank's rows with the residual, the rows after); in FP8 each would
+//    quantize its rows with their own amax, so it runs one GEMM over every row, x quantized
+//    whole, and adds the residual to the rank's rows before the reduce-scatter.
+// Not built, and refused by the config: FSDP's FP8 all-gather under tensor parallelism (its
+// weight scales are agreed over the shard group only), and LoRA's FP8 frozen base split
+// over tensor-parallel ranks.
 #pragma once
 
 #include <cstdint>
@@ -73,6 +122,7 @@
 #include "model/config.h"
 #include "model/fp8_delayed_state.h"
 #include "model/parameters.h"
+#include "model/tensor_parallel.h"
 #include "ops/fp8_linear.h"
 
 namespace forge {
@@ -154,6 +204,11 @@ class Fp8Projections : public ParamSource, public GradSink {
   void set_base(ParamSource& weights, GradSink& gradients);
   // A frozen base (Fp8Settings::frozen, NOTE [FP8 frozen base]): weights only, no gradients.
   void set_base(ParamSource& weights);
+  // NOTE [FP8 under tensor parallelism]: the base holds this rank's tensor-parallel shards,
+  // and the current amaxes of what differs between the group's ranks are max-reduced over
+  // `group` (which must outlive this object's use); the weight cache holds the shards.
+  // Before any layer is handed out.
+  void set_tensor_parallel_group(TensorParallel& group);
 
   const Tensor& embedding() override { return weights().embedding(); }
   const BlockWeights& layer(int index) override;
@@ -230,6 +285,8 @@ class Fp8Projections : public ParamSource, public GradSink {
   std::vector<std::vector<bool>> expert_stack_;      // [layer][parameter]: E blocks, one per expert
   std::vector<std::string> names_;                   // per block: its parameter's name
   std::vector<int64_t> numels_;                      // per block: its weight's elements
+  std::vector<uint8_t> sharded_roles_;               // per block: the roles that differ between tensor-parallel ranks
+  TensorParallel* tensor_parallel_ = nullptr;        // NOTE [FP8 under tensor parallelism]
   Tensor stats_, history_;                           // every block; delayed's histories
   bool delayed_active_ = false;
   uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock

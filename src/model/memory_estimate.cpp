@@ -139,7 +139,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(
         fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len / plan.context_parallel));
-    e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8));
+    // NOTE [FP8 under tensor parallelism]: the cache holds the rank's shards (every FP8
+    // projection is split then).
+    e.fp8_weight_cache = static_cast<double>(fp8_weight_cache_bytes(config, *plan.fp8)) /
+                         static_cast<double>(plan.tensor_parallel);
   }
   if (plan.lora.enabled()) {
     // NOTE [LoRA training]: only the adapters have masters, gradients and AdamW state.

@@ -85,7 +85,7 @@ void SelfAttention::set_sequence_layout(const SequenceLayout* layout) {
 void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   const int64_t n = shape_.tokens();
-  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kQkv));
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, edges_.norm_consumer(w.linear(kQkv)));
   // NOTE [Tensor parallelism]: every rank's rows into the column-parallel qkv.
   linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), edges_.projection_input(a.normed),
                  w.linear(kQkv));

@@ -30,9 +30,14 @@ void SequenceParallelEdges::project_out(const Tensor& out, const Tensor& in, con
   const bool lora_apart = w.lora && w.lora->dropout > 0.0f;
   LinearWeight frozen = w;
   if (lora_apart) frozen.lora = nullptr;
-  if (begin > 0) linear_forward(partial_.narrow(0, begin), in.narrow(0, begin), frozen);
-  linear_forward(partial_.narrow(begin, begin + n), in.narrow(begin, begin + n), frozen, &x);
-  if (begin + n < rows) linear_forward(partial_.narrow(begin + n, rows), in.narrow(begin + n, rows), frozen);
+  if (w.fp8) {  // NOTE [FP8 under tensor parallelism]: one quantization of the whole input
+    linear_forward(partial_, in, frozen);
+    accumulate(partial_.narrow(begin, begin + n), x);
+  } else {
+    if (begin > 0) linear_forward(partial_.narrow(0, begin), in.narrow(0, begin), frozen);
+    linear_forward(partial_.narrow(begin, begin + n), in.narrow(begin, begin + n), frozen, &x);
+    if (begin + n < rows) linear_forward(partial_.narrow(begin + n, rows), in.narrow(begin + n, rows), frozen);
+  }
   if (lora_apart) lora_forward_add(partial_, in, *w.lora);
   tp_->reduce_scatter_rows(out, partial_);
 }

@@ -24,9 +24,16 @@ class SequenceParallelEdges {
   // What a column-parallel projection reads: every rank's normed rows, gathered (the
   // rank's `normed` itself without tensor parallelism).
   const Tensor& projection_input(const Tensor& normed);
+  // The projection the norm's kernel prepares its output for (NOTE [FP8 fused producers]
+  // in ops/fp8_linear.h): `consumer` without tensor parallelism; none under it, where the
+  // projection reads the gathered rows, not the norm's output (NOTE [FP8 under tensor
+  // parallelism] in model/fp8_projections.h).
+  const LinearWeight* norm_consumer(const LinearWeight& consumer) const { return tp_ ? nullptr : &consumer; }
   // out = x + in W^T: under tensor parallelism a row-parallel projection, the rank's rows
   // of the group's sum (in [T n, K/T]; x and out [n, H]), whose rows of the GEMM take x as
-  // their residual, so the add costs no pass of its own; a LoRA adapter with dropout adds
+  // their residual, so the add costs no pass of its own (an FP8 projection runs one GEMM
+  // over every row, its input quantized whole as on one device, and adds x to its rows
+  // after: NOTE [FP8 under tensor parallelism]); a LoRA adapter with dropout adds
   // its share over every row in one call (NOTE [LoRA under context and tensor parallelism]
   // in model/lora.h).
   void project_out(const Tensor& out, const Tensor& in, const LinearWeight& w, const Tensor& x);

@@ -57,7 +57,7 @@ void SwiGluFeedForward::lay_out(ArenaLayout& layout, const StepShape& shape, Act
 
 void SwiGluFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
-  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, &w.linear(kGateUp));
+  rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, edges_.norm_consumer(w.linear(kGateUp)));
   // NOTE [Tensor parallelism]: every rank's rows into the column-parallel gate/up.
   linear_forward(a.gate_up, edges_.projection_input(a.normed), w.linear(kGateUp));
   swiglu_forward(a.swiglu, a.gate_up, out ? &w.linear(kDown) : nullptr);

@@ -42,6 +42,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "ops/fp8_amax_group.h"
 
 namespace forge {
 
@@ -54,9 +55,11 @@ void check_tensor_parallel(const ModelConfig& config, int64_t degree);
 // shards] in model/parameters.h): every rank holds as many.
 int64_t tensor_parallel_rank_parameters(const ModelConfig& config, int64_t degree);
 
-class TensorParallel {
+// The group is also the one over which FP8 projections agree on their amaxes (NOTE [FP8
+// under tensor parallelism] in model/fp8_projections.h): all_reduce_max serves both.
+class TensorParallel : public Fp8AmaxGroup {
  public:
-  virtual ~TensorParallel() = default;
+  ~TensorParallel() override = default;
 
   // This rank's place in its tensor-parallel group, and the group's size (T).
   virtual int rank() const = 0;
@@ -69,7 +72,7 @@ class TensorParallel {
   virtual void reduce_scatter_rows(const Tensor& local, const Tensor& full) = 0;
   // In place: the elementwise sum (maximum) over the group's ranks.
   virtual void all_reduce_sum(const Tensor& tensor) = 0;
-  virtual void all_reduce_max(const Tensor& tensor) = 0;
+  void all_reduce_max(const Tensor& tensor) override = 0;
 };
 
 }  // namespace forge

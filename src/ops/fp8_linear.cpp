@@ -30,6 +30,12 @@ float* seen_of(const Fp8Linear& fp8, Fp8Role role) {
 // Whether the layer quantizes with its block's delayed scales (NOTE [FP8 delayed scaling]).
 bool uses_delayed_scales(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
 
+// The group a role's current amax is max-reduced over before its scale (NOTE [FP8 under
+// tensor parallelism] in model/fp8_projections.h), or null.
+Fp8AmaxGroup* amax_group_of(const Fp8Linear& fp8, Fp8Role role) {
+  return fp8.amax_group && (fp8.amax_group_roles & fp8_role_bit(role)) != 0 ? fp8.amax_group : nullptr;
+}
+
 void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const char* op) {
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "{}: operands must be matrices, got {}, {} and {}", op,
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
@@ -55,6 +61,9 @@ HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, F
   cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
   if (float* seen = seen_of(fp8, role); seen && !std::isnan(*seen) && (std::isnan(amax) || amax > *seen)) *seen = amax;
   const bool delayed = uses_delayed_scales(fp8);
+  // The rank's own amax is in its seen (a NaN there whatever the reduction does with it).
+  if (Fp8AmaxGroup* group = amax_group_of(fp8, role); group && !delayed)
+    group->all_reduce_max(Tensor::wrap(&amax, {1}, DType::F32, Device::CPU));
   const float scale = delayed ? fp8.stats[cpu::fp8_scale_offset(0, role)]
                               : cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
   std::vector<uint8_t> codes(static_cast<size_t>(rows * cols));
@@ -122,10 +131,19 @@ const Fp8LinearWorkspace& workspace_of(const Fp8Linear& fp8, const char* op) {
 // The codes of t [rows, cols] (bf16) at `dst` with its current scale, transposed to
 // [cols, rows] when asked; t's amax folded into `seen` when not null.
 // With amax_ready, t's amax is in dst.amax already (NOTE [FP8 fused producers]).
+// With a group, the amax is max-reduced over it before the scale (NOTE [FP8 under tensor
+// parallelism] in model/fp8_projections.h), the rank's own folded into `seen` first.
+void agree_amax(Fp8AmaxGroup* group, float* amax, float* seen) {
+  if (!group) return;
+  if (seen) cuda::fp8_fold_amax(amax, seen, nullptr);
+  group->all_reduce_max(Tensor::wrap(amax, {1}, DType::F32, Device::CUDA));
+}
+
 void quantize_device(const Tensor& t, Fp8Format format, bool transpose, const DeviceOperand& dst, float* seen,
-                     bool amax_ready = false) {
+                     Fp8AmaxGroup* group, bool amax_ready = false) {
   const int64_t rows = t.dim(0), cols = t.dim(1);
   if (!amax_ready) cuda::fp8_amax(bf16_ptr(t), t.numel(), dst.amax);
+  agree_amax(group, dst.amax, seen);
   cuda::fp8_scale_from_amax(dst.amax, format, false, dst.scale, dst.scale_inv, seen);
   if (transpose) cuda::fp8_cast_transpose(bf16_ptr(t), rows, cols, dst.scale, format, nullptr, dst.codes, nullptr);
   else cuda::fp8_cast(bf16_ptr(t), t.numel(), dst.scale, format, dst.codes, nullptr);
@@ -220,7 +238,7 @@ void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOpe
   } else if (saw(fp8.forward, nullptr, &w)) {
     b = with_forward_stats(b, *fp8.forward, 1);
   } else {
-    quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W));
+    quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W), amax_group_of(fp8, Fp8Role::W));
     return;
   }
   if (uint8_t* kept = cached_weight(fp8, w, true)) {
@@ -241,7 +259,7 @@ void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOper
     b = with_forward_stats(b, *fp8.forward, 0);
     cast_transpose_with(x, kE4M3, b);
   } else {
-    quantize_device(x, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::X));
+    quantize_device(x, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X));
   }
 }
 
@@ -255,7 +273,7 @@ void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool trans
     // A producer's amax is operand 0's (fp8_output_gradient_amax), where d's is here.
     const char* op = "quantize_output_gradient";
     const float* produced_at = operand(workspace_of(fp8, op), 0, 0, op).amax;
-    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy),
+    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy), amax_group_of(fp8, Fp8Role::Dy),
                     d.amax == produced_at && produced_output_gradient(fp8, dy));
   }
 }
@@ -339,8 +357,8 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
           if (!kept) cast_delayed(w, kE4M3, b, false);
         } else {
           const bool amax_ready = fp8.forward && fp8.forward->device && produced_input(fp8, x, false);
-          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_ready);
-          if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W));
+          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X), amax_ready);
+          if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W), amax_group_of(fp8, Fp8Role::W));
         }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
       }
@@ -441,6 +459,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
       } else {
         if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_ptr(dy), dy.numel(), d.amax);
+        agree_amax(amax_group_of(fp8, Fp8Role::Dy), d.amax, seen_of(fp8, Fp8Role::Dy));
         cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, seen_of(fp8, Fp8Role::Dy));
         cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       }

@@ -71,6 +71,7 @@
 #include "kernels/cpu/fp8.h"
 #include "kernels/cpu/fp8_scaling.h"
 #include "kernels/cuda/fp8_epilogue.h"
+#include "ops/fp8_amax_group.h"
 
 namespace forge {
 
@@ -168,6 +169,9 @@ struct Fp8GatheredWeight {
   const float* scale_inv = nullptr;  // its inverse, the GEMM's factor (256-byte aligned on CUDA)
 };
 
+// The bit of Fp8Linear::amax_group_roles for a role.
+constexpr uint8_t fp8_role_bit(cpu::Fp8Role role) { return static_cast<uint8_t>(1u << static_cast<unsigned>(role)); }
+
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
@@ -184,6 +188,11 @@ struct Fp8Linear {
   // keep their plans per bucket of it (NOTE [FP8 GEMMs of varying size] in
   // kernels/cuda/fp8_matmul.cpp).
   bool varying_tokens = false;
+  // Optional: the group over which the amax of each role in amax_group_roles (fp8_role_bit)
+  // is max-reduced before a current scale is computed from it (not with delayed scales,
+  // which the trainer agrees at the step's end).
+  Fp8AmaxGroup* amax_group = nullptr;
+  uint8_t amax_group_roles = 0;
 };
 
 // NOTE [FP8 fused producers]: the epilogue for the kernel about to write x, which the

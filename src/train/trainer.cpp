@@ -228,6 +228,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       log_fp8();
     }
   }
+  // NOTE [FP8 under tensor parallelism]: the shards' amaxes agreed over the group.
+  if (fp8_ && tensor_parallel_) fp8_->set_tensor_parallel_group(*tensor_parallel_);
   if (tensor_parallel_)
     log_info("tensor-parallel rank {} of {} (data-parallel rank {} of {}): its heads, feed-forward columns and "
              "vocabulary rows, {} of the model's {} parameters",
@@ -955,8 +957,12 @@ TrainResult Trainer::run() {
     if (tensor_parallel_) {
       // LoRA's adapters hold the whole gradient on every rank by now: their norm is the global one.
       if (!pipeline_comm_ && !lora_) norm = std::sqrt(tensor_parallel_grad_sum_of_squares());
-      // NOTE [Stop signals]: a tensor-parallel group stops together too.
-      stop_now = tensor_parallel_comm_->sum_over_ranks(stop_now ? 1.0 : 0.0) > 0;
+      // NOTE [Stop signals]: a tensor-parallel group stops together too, and skips a step
+      // with a non-finite FP8 amax together (NOTE [FP8 under tensor parallelism]).
+      const auto [stops, saw_amax] =
+          tensor_parallel_comm_->sum_over_ranks(stop_now ? 1.0 : 0.0, static_cast<double>(amax_ranks));
+      stop_now = stops > 0;
+      amax_ranks = std::llround(saw_amax);
     }
     for (const LossScaling& s : scale_loss_)
       if (s.step == step + 1) loss.sum *= s.factor;

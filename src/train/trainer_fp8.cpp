@@ -88,7 +88,7 @@
 namespace forge {
 
 std::string Trainer::describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax& own, int64_t ranks) {
-  if (!dp_ && !pipeline_comm_) return fp8_->describe(own);
+  if (!dp_ && !pipeline_comm_ && !tensor_parallel_comm_) return fp8_->describe(own);
   constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
   auto words_of = [&](const Fp8Projections::NonfiniteAmax& found, int world_rank) {
     uint32_t bits = 0;
@@ -113,10 +113,12 @@ std::string Trainer::describe_nonfinite_amax(const Fp8Projections::NonfiniteAmax
   int world_rank = rank_;
   if (dp_) first_of(dp_->all_gather_words(words_of(found, world_rank)), found, world_rank);  // the shard group
   if (pipeline_comm_) first_of(pipeline_comm_->all_gather_words(words_of(found, world_rank)), found, world_rank);
+  if (tensor_parallel_comm_)  // NOTE [FP8 under tensor parallelism]
+    first_of(tensor_parallel_comm_->all_gather_words(words_of(found, world_rank)), found, world_rank);
   const std::string seen_by = fmt::format("{} of {} ranks saw one", ranks, world_size_);
   if (found.slot < 0) return fmt::format("on a data-parallel rank of another replica ({})", seen_by);
   // Under context or pipeline parallelism the ranks are not data-parallel ranks alone.
-  const bool data_parallel_only = !pipeline_comm_ && context_parallel_degree_ == 1;
+  const bool data_parallel_only = !pipeline_comm_ && !tensor_parallel_comm_ && context_parallel_degree_ == 1;
   return fmt::format("{} ({}rank {}; {})", fp8_->describe(found), data_parallel_only ? "data-parallel " : "",
                      world_rank, seen_by);
 }
@@ -125,6 +127,7 @@ void Trainer::end_fp8_step(bool update) {
   if (update && fp8_->delayed()) {
     if (dp_) dp_->all_reduce_max(fp8_->statistics());
     if (pipeline_comm_) pipeline_comm_->all_reduce_max(fp8_->statistics());  // NOTE [FP8 under context and pipeline parallelism]
+    if (tensor_parallel_comm_) tensor_parallel_comm_->all_reduce_max(fp8_->statistics());  // NOTE [FP8 under tensor parallelism]
   }
   fp8_->end_step(update);
 }

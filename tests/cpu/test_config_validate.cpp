@@ -75,6 +75,27 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
             0.1);
 }
 
+// NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
+// and over FSDP); LoRA's FP8 frozen base and FSDP's FP8 all-gather are refused, named.
+TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
+  for (const char* recipe : {"tensorwise", "delayed"})
+    EXPECT_EQ(load({{"precision.fp8", recipe}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8, recipe);
+  EXPECT_EQ(load({{"precision.fp8", "delayed"}, {"parallelism.tensor_parallel_degree", "2"},
+                  {"parallelism.data_parallel_shard_degree", "2"}})
+                .parallelism.tensor_parallel_degree,
+            2);
+  expect_error(
+      [] { load({{"precision.fp8", "tensorwise"}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
+      {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with precision.fp8 = tensorwise",
+       "LoRA's FP8 frozen base is not split over tensor-parallel ranks"});
+  expect_error(
+      [] {
+        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
+              {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}});
+      },
+      {"cannot be combined with precision.fp8_fsdp_all_gather = true", "not over the tensor-parallel ranks"});
+}
+
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on
 // context-parallel ranks.
 TEST(ConfigValidate, PackedExamplesRunOnContextParallelRanks) {

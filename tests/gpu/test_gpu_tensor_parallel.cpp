@@ -439,6 +439,109 @@ void expect_fp8_context_parallel_matches_one_gpu(Fp8Recipe recipe, int c) {
     }
 }
 
+// NOTE [FP8 under tensor parallelism] in model/fp8_projections.h: t tensor-parallel rank
+// threads, each with its bf16 shards and its Fp8Projections (weight cache and fused
+// producers on, as the trainer runs them), the sharded tensors' current amaxes max-reduced
+// over the group, against one GPU's FP8 step. delayed: every rank restored from one GPU's
+// state after a first step; tensorwise: current scales agreed over the group. The scales
+// are one GPU's either way; the row-parallel partial sums are rounded to bf16 before they
+// are summed, which one GPU's GEMM does not do, and E5M2 turns such differences into code
+// flips upstream, so the bounds are bf16's and E5M2's, not bitwise (not yet measured on
+// the H200: the test prints its gaps).
+void expect_fp8_tensor_parallel_matches_one_gpu(Fp8Recipe recipe, int t, bool head) {
+  const bool delayed = recipe == Fp8Recipe::Delayed;
+  SCOPED_TRACE(fmt::format("FP8 {} on {} tensor-parallel ranks{}", delayed ? "delayed" : "tensorwise", t,
+                           head ? ", FP8 head" : ""));
+  const ModelConfig config = llama_like(false);
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  Fp8Settings settings;
+  settings.recipe = recipe;
+  settings.weight_cache = true;
+  settings.amax_history_length = 4;
+  settings.output_head = head;
+
+  FlatParameters whole(config);
+  whole.initialize(23);
+  round_to_bf16(whole.flat());
+  FlatParameters compute(config, Device::CUDA, DType::BF16), grads(config, Device::CUDA, DType::F32);
+  compute.assign_from(whole);
+  Fp8Projections one_fp8(config, settings, Device::CUDA, batch * seq);
+  one_fp8.set_base(compute, grads);
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+  if (delayed) {  // a first step (current scales) gives the state every rank starts from
+    grads.zero();
+    one.forward_backward(targets, tokens, one_fp8, one_fp8, scale);
+    one_fp8.end_step(true);
+  }
+  grads.zero();
+  const LossSum reference = one.forward_backward(tokens, targets, one_fp8, one_fp8, scale);
+
+  Turn turn;
+  ThreadGroup group(t);
+  std::vector<LossSum> losses(static_cast<size_t>(t));
+  std::vector<std::unique_ptr<FlatParameters>> rank_weights, rank_grads;
+  std::vector<std::unique_ptr<Fp8Projections>> rank_fp8;
+  for (int r = 0; r < t; ++r) {
+    const TensorParallelShard shard{r, t};
+    FlatParameters host(config, Device::CPU, DType::F32, shard);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    rank_weights.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16, shard));
+    rank_weights.back()->assign_from(host);
+    rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, shard));
+    rank_grads.back()->zero();
+    rank_fp8.push_back(std::make_unique<Fp8Projections>(config, settings, Device::CUDA, batch * seq));
+    rank_fp8.back()->set_base(*rank_weights.back(), *rank_grads.back());
+    if (delayed) rank_fp8.back()->restore_delayed_state(one_fp8.delayed_state());
+  }
+  std::vector<std::vector<float>> statistics(static_cast<size_t>(t));
+  const auto errors = run_rank_threads(t, turn.gpu, [&](int r) {
+    ThreadCollectives tp(turn, group, r);
+    const size_t i = static_cast<size_t>(r);
+    rank_fp8[i]->set_tensor_parallel_group(tp);
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None, nullptr, &tp);
+    losses[i] = model.forward_backward(tokens, targets, *rank_fp8[i], *rank_fp8[i], scale);
+    tp.all_reduce_max(rank_fp8[i]->statistics());  // as the trainer's step end
+    statistics[i] = host_values<float>(rank_fp8[i]->statistics());
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  double loss_gap = 0.0, gradient_gap = 0.0;
+  for (int r = 0; r < t; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
+    loss_gap = std::max(loss_gap, std::abs(losses[static_cast<size_t>(r)].mean() - reference.mean()) / reference.mean());
+    EXPECT_NEAR(losses[static_cast<size_t>(r)].mean(), reference.mean(), 1e-2 * reference.mean()) << "rank " << r;
+    EXPECT_EQ(statistics[static_cast<size_t>(r)], statistics[0]) << "rank " << r << "'s reduced statistics";
+  }
+  for (int r = 0; r < t; ++r)
+    for (size_t s = 0; s < whole.specs().size(); ++s) {
+      const ParamSpec& spec = whole.specs()[s];
+      const Tensor expected = testing::shard_of(to_cpu_f32(grads.tensors()[s]), spec, {r, t});
+      const double gap = relative_l2(to_cpu_f32(rank_grads[static_cast<size_t>(r)]->tensors()[s]), expected);
+      gradient_gap = std::max(gradient_gap, gap);
+      EXPECT_LT(gap, 0.15) << spec.name << " of tensor-parallel rank " << r;
+    }
+  std::printf("FP8 %s on %d tensor-parallel ranks%s: loss gap %.3g, largest gradient relative L2 gap %.3g\n",
+              delayed ? "delayed" : "tensorwise", t, head ? " (FP8 head)" : "", loss_gap, gradient_gap);
+  // The weights' amaxes, max-reduced over the group, are the whole weights' (one GPU's).
+  const std::vector<float> want = host_values<float>(one_fp8.statistics());
+  for (int64_t p = 0; p < fp8_projection_count(config, settings); ++p) {
+    const auto k = static_cast<size_t>(cpu::fp8_seen_offset(p, cpu::Fp8Role::W));
+    EXPECT_EQ(statistics[0][k], want[k]) << "projection " << p;
+  }
+}
+
+TEST(GpuTensorParallel, Fp8ThreadRanksMatchOneGpu) {
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+    expect_fp8_tensor_parallel_matches_one_gpu(recipe, 2, false);
+    expect_fp8_tensor_parallel_matches_one_gpu(recipe, 2, true);
+  }
+}
+
 TEST(GpuContextParallel, Fp8ThreadRanksMatchOneGpu) {
   for (const Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise}) {
     expect_fp8_context_parallel_matches_one_gpu(recipe, 2);
