@@ -28,7 +28,7 @@ cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t 
   FORGE_CHECK(kv.ndim() == 4 && kv.dim(0) == b && kv.dim(2) == 2 * hkv && kv.dim(3) == d,
               "{}: kv {} must be [{}, S, 2 * {}, {}] for qkv {}", op, shape_str(kv.shape()), b, hkv, d,
               shape_str(qkv.shape()));
-  FORGE_CHECK(position >= 0 && position + queries <= kv.dim(1),
+  FORGE_CHECK(position >= 0 && (!shape.causal || position + queries <= kv.dim(1)),
               "{}: the chunk's {} queries at position {} are not within kv's {} positions", op, queries, position,
               kv.dim(1));
   FORGE_CHECK(qkv.device() == kv.device(), "{}: qkv on {}, kv on {}", op, device_name(qkv.device()),

@@ -210,10 +210,8 @@ TEST(ContextParallelRing, FullChunkIsBidirectionalAttention) {
   copy_columns(dkv.view({b * s, kv_width}), 0, dqkv.view({b * s, width}), width - kv_width, kv_width);
   EXPECT_LT(max_abs_diff(chunk_dqkv, dq), 1e-5);
   EXPECT_LT(max_abs_diff(chunk_dkv, dkv), 1e-5);
-  AttentionShape windowed = shape;
-  windowed.sliding_window = 2;
-  expect_error([&] { attention_chunk_forward(chunk_out, chunk_lse, qkv, kv, 0, windowed); },
-               {"NOTE [Full chunk attention]", "position 0 and no sliding window"});
+  expect_error([&] { attention_chunk_forward(chunk_out, chunk_lse, qkv, kv, 1, shape); },
+               {"NOTE [Full chunk attention]", "position 0 and no sliding window", "got position 1"});
 }
 
 // NOTE [Attention merge]: the attention over keys [0, S) from its attentions over the first

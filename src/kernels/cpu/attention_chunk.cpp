@@ -6,8 +6,8 @@
 // chunk sits at position t = position + i of its sequence and attends to keys j in
 // [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0, and with packed
 // examples no earlier than the first position of t's example (not causal: every key of
-// kv, [0, kv_seq)); one (batch, head, query) row at a time forward (attend_row), and in the backward, recomputing p_j =
-// exp(s_j - lse_i),
+// kv, [0, kv_seq)); one (batch, head, query) row at a time forward (attend_row), and in
+// the backward, recomputing p_j = exp(s_j - lse_i),
 //   dv_j += p_j dout_i      dS_j = p_j (dout_i.v_j - dout_i.out_i)
 //   dq_i = scale sum_j dS_j k_j      dk_j += scale dS_j q_i
 // Only the places differ: queries are read from the chunk's packed qkv, keys and values

@@ -341,7 +341,7 @@ void check_chunk(const AttentionProblem& p) {
   const bool ragged_keys = p.chunk.kv_lengths != nullptr && p.chunk.kv_offsets != nullptr;
   const bool full_ok = p.causal || (p.ragged.capacity == 0 && p.sliding_window == 0 && p.chunk.position == 0);
   if (!is_chunk(p) || !full_ok || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
-      p.chunk.position < 0 || p.chunk.position + p.seq > p.chunk.kv_seq)
+      p.chunk.position < 0 || (p.causal && p.chunk.position + p.seq > p.chunk.kv_seq))
     FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
                p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim, p.ragged.capacity > 0 ? ", ragged" : "",
                p.causal ? "" : ", not causal");
