@@ -381,7 +381,7 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::context_parallel_degree>(
           "parallelism.context_parallel_degree",
           "ranks that split every sequence (load-balanced causal chunks, keys and values all-gathered for "
-          "attention), for long sequences; 1: none",
+          "attention or passed around a ring: context_parallel_rotate_method), for long sequences; 1: none",
           at_least(1)),
       key<&E::parallelism, &ParallelismConfig::context_parallel_rotate_method>(
           "parallelism.context_parallel_rotate_method",
