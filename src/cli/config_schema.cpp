@@ -381,8 +381,14 @@ std::vector<ConfigKey> build_schema() {
       key<&E::parallelism, &ParallelismConfig::context_parallel_degree>(
           "parallelism.context_parallel_degree",
           "ranks that split every sequence (load-balanced causal chunks, keys and values all-gathered for "
-          "attention), for long sequences; 1: none",
+          "attention or passed around a ring: context_parallel_rotate_method), for long sequences; 1: none",
           at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::context_parallel_rotate_method>(
+          "parallelism.context_parallel_rotate_method",
+          "how context-parallel attention reaches the other ranks' keys and values: allgather (gather them all) "
+          "or p2p (ring attention: one rank's block per step, passed to the next rank, partial attentions merged "
+          "by log-sum-exp; torchtitan's alltoall ring)",
+          {}, {"allgather", "p2p"}),
       key<&E::parallelism, &ParallelismConfig::pipeline_parallel_degree>(
           "parallelism.pipeline_parallel_degree",
           "ranks that hold consecutive stages of the blocks (the first also the embedding, the last the head), "

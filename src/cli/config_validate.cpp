@@ -381,6 +381,18 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   } catch (const Error& e) {
     FORGE_FAIL("{} with {}: {}", cp, show(config, keys, "training.seq_len"), e.what());
   }
+  // Ring attention (NOTE [Ring attention] in model/context_parallel_ring.h): no sliding
+  // window, no packed examples.
+  if (config.parallelism.context_parallel_rotate_method != "p2p") return;
+  const std::string ring = show(config, keys, "parallelism.context_parallel_rotate_method");
+  if (config.model.sliding_window > 0)
+    FORGE_FAIL("{} with {}: ring attention computes whole blocks of keys and does not take a sliding window; use "
+               "parallelism.context_parallel_rotate_method allgather",
+               ring, show(config, keys, "model.sliding_window"));
+  if (config.data.source == "sft" || config.data.source == "govreport_npy")
+    FORGE_FAIL("{} with {}: ring attention does not take packed examples; use "
+               "parallelism.context_parallel_rotate_method allgather",
+               ring, show(config, keys, "data.source"));
 }
 
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in

@@ -1,9 +1,13 @@
 // The context parallelism of a real context-parallel group (NOTE [Context parallelism] in
-// model/context_parallel.h): the group's all-gather, reduce-scatter and all-reduce, on the
-// compute stream. The trainer makes one over the context-parallel process group and hands
-// it to the decoder.
+// model/context_parallel.h): the group's all-gather, reduce-scatter, all-reduce and ring
+// steps (send_recv), on the compute stream. The trainer makes one over the context-parallel
+// process group and hands it to the decoder.
 #pragma once
 
+#include <memory>
+#include <vector>
+
+#include "core/device.h"
 #include "distributed/process_group.h"
 #include "model/context_parallel.h"
 
@@ -21,9 +25,18 @@ class GroupContextParallel final : public ContextParallel {
     group_.reduce_scatter(local, full, ReduceOp::Sum);
   }
   void all_reduce_sum(const Tensor& tensor) override { group_.all_reduce(tensor, ReduceOp::Sum); }
+  // One send_recv call (NOTE [Point-to-point]): every tensor of `sent` to the next rank and
+  // of `received` from the previous, paired in order. On CUDA on a stream of its own, after
+  // the compute stream's work so far (an event); rotate_wait makes the compute stream wait for
+  // the last step started. On the CPU the call is done when it returns.
+  void rotate_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) override;
+  void rotate_wait() override;
 
  private:
   ProcessGroup& group_;
+  // CUDA: the ring's stream, the compute stream's point it starts after, and its last step.
+  std::unique_ptr<DeviceStream> ring_stream_;
+  std::unique_ptr<DeviceEvent> ring_ready_, ring_done_;
 };
 
 }  // namespace forge

@@ -20,6 +20,14 @@ void check_context_parallel(const ModelConfig& config, int64_t degree, int64_t s
         degree, 2 * degree, seq_len, 2 * degree);
 }
 
+ContextParallelRotate parse_context_parallel_rotate(const std::string& name) {
+  if (name == "allgather") return ContextParallelRotate::AllGather;
+  if (name == "p2p") return ContextParallelRotate::Ring;
+  FORGE_FAIL("parallelism.context_parallel_rotate_method '{}': expected allgather (every rank's keys and values "
+             "gathered) or p2p (ring attention)",
+             name);
+}
+
 int64_t context_parallel_chunk(int rank, int size, int half) { return half == 0 ? rank : 2 * size - 1 - rank; }
 
 namespace {

@@ -54,6 +54,10 @@
 // gathered keys and values, the reduce-scatter of their gradients and the losses (the
 // targets at example boundaries are masked by the data, as without context parallelism) do
 // not change.
+// parallelism.context_parallel_rotate_method "p2p" replaces steps 1-3 and the backward's
+// gather and reduce-scatter by ring attention (NOTE [Ring attention] in
+// model/context_parallel_ring.h): the same chunks and the same results, no rank holding more
+// than two ranks' keys and values, its exchanges overlapped with the attention on CUDA.
 // Not taken: Multi-head Latent Attention and
 // Mixture-of-Experts blocks (check_context_parallel), and forward_logits (no rank holds
 // every token's logits). The collectives run on the compute stream, between the kernels
@@ -61,11 +65,22 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "core/tensor.h"
 #include "model/config.h"
 
 namespace forge {
+
+// How a context-parallel attention reaches the other ranks' keys and values
+// (parallelism.context_parallel_rotate_method, torchtitan's key): AllGather gathers them all
+// (NOTE above, "allgather"); Ring passes them around the group, one block a step, and merges
+// the partial attentions (NOTE [Ring attention] in model/context_parallel_ring.h, "p2p",
+// Megatron-LM's cp_comm_type name).
+enum class ContextParallelRotate { AllGather, Ring };
+// "allgather" or "p2p"; anything else fails naming the key.
+ContextParallelRotate parse_context_parallel_rotate(const std::string& name);
 
 // Fails, naming the keys, unless `degree` context-parallel ranks can split sequences of
 // `seq_len` tokens of `config`'s model: a dense Llama-family model (not Multi-head Latent
@@ -87,6 +102,27 @@ class ContextParallel {
   virtual void reduce_scatter(const Tensor& local, const Tensor& full) = 0;
   // In place: the elementwise sum over the group's ranks.
   virtual void all_reduce_sum(const Tensor& tensor) = 0;
+  // One step of a ring: each of `sent` goes to the next rank, (rank() + 1) mod C, and each of
+  // `received` (the same byte counts, in the same order) is filled from the previous one.
+  // The tensors of `received` must not overlap those of `sent`. Every rank starts the same
+  // steps in the same order. rotate_start may return before the step is done (on CUDA it
+  // runs on a communication stream after the work already enqueued), so the caller may
+  // enqueue other work, which must neither write `sent` nor touch `received`, and then calls
+  // rotate_wait: work enqueued after it sees every step started so far done.
+  virtual void rotate_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) = 0;
+  virtual void rotate_wait() {}
+  void rotate(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) {
+    rotate_start(received, sent);
+    rotate_wait();
+  }
+
+  // Which attention the model's blocks run (ContextParallelRotate); AllGather unless set,
+  // before the decoder lays out its activations.
+  ContextParallelRotate rotate_method() const { return rotate_method_; }
+  void set_rotate_method(ContextParallelRotate method) { rotate_method_ = method; }
+
+ private:
+  ContextParallelRotate rotate_method_ = ContextParallelRotate::AllGather;
 };
 
 // The chunk of the sequence (of 2 size) that rank `rank` holds as its `half` (0 or 1):

@@ -1,15 +1,21 @@
 #include "model/context_parallel_attention.h"
 
+#include "core/error.h"
 #include "ops/attention_chunk.h"
 #include "ops/elementwise.h"
 
 namespace forge {
 
-void ContextParallelAttention::lay_out(ArenaLayout& layout, const StepShape& shape, int64_t kv_heads,
-                                       int64_t head_dim) {
+void ContextParallelAttention::lay_out(ArenaLayout& layout, const StepShape& shape, int64_t q_heads,
+                                       int64_t kv_heads, int64_t head_dim, ContextParallelRotate method) {
   const int64_t c = shape.context_parallel;
   batch_ = shape.micro_batch;
   chunk_ = shape.local_seq_len();
+  ring_ = method == ContextParallelRotate::Ring;
+  if (ring_) {
+    ring_attention_.lay_out(layout, shape, q_heads, kv_heads, head_dim);
+    return;
+  }
   local_kv_ = layout.take({2 * batch_, chunk_, 2 * kv_heads, head_dim}, shape.dtype);
   ranks_kv_ = layout.take({c, 2 * batch_, chunk_, 2 * kv_heads, head_dim}, shape.dtype);
   kv_ = layout.take({batch_, shape.seq_len, 2 * kv_heads, head_dim}, shape.dtype);
@@ -33,6 +39,9 @@ void ContextParallelAttention::set_layout(const ContextParallel& cp, const Seque
                                           const AttentionShape& attention) {
   packed_ = layout != nullptr;
   if (!packed_) return;
+  FORGE_CHECK(!ring_,
+              "ring attention (parallelism.context_parallel_rotate_method p2p) does not take packed examples "
+              "(data.source sft or govreport_npy): use parallelism.context_parallel_rotate_method allgather");
   // NOTE [Packed examples]: the positions restart with each example; per token, so the rank
   // takes its chunks of them as of the tokens.
   Tensor host = Tensor::empty({2 * batch_, chunk_}, DType::I32);
@@ -56,6 +65,10 @@ void ContextParallelAttention::gather_keys(ContextParallel& cp, int layer, const
 
 void ContextParallelAttention::forward(ContextParallel& cp, int layer, const Tensor& out, const Tensor& lse,
                                        const Tensor& qkv, const AttentionShape& shape) {
+  if (ring_) {
+    ring_attention_.forward(cp, out, lse, qkv, shape);
+    return;
+  }
   gathered_layer_ = -1;  // a new forward of the block: its keys and values are new
   gather_keys(cp, layer, qkv);
   for (int half = 0; half < 2; ++half) {
@@ -69,6 +82,10 @@ void ContextParallelAttention::forward(ContextParallel& cp, int layer, const Ten
 void ContextParallelAttention::backward(ContextParallel& cp, int layer, const Tensor& dqkv, const Tensor& dout,
                                         const Tensor& qkv, const Tensor& out, const Tensor& lse,
                                         const AttentionShape& shape) {
+  if (ring_) {
+    ring_attention_.backward(cp, dqkv, dout, qkv, out, lse, shape);
+    return;
+  }
   gather_keys(cp, layer, qkv);
   // Each chunk's dq, and its dk/dv at every position: the first chunk's into the
   // rank-order buffer (free once kv_ is in sequence order), summed into the second's.

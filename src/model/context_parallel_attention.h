@@ -1,8 +1,9 @@
 // The attention of a self-attention component under context parallelism (NOTE [Context
 // parallelism] in model/context_parallel.h): the rank's two query chunks against the keys
 // and values of the whole sequences, gathered from the group, and the backward that
-// returns each position's key/value gradient to the rank that holds it. SelfAttention holds
-// one and calls it where it would call attention_forward / attention_backward.
+// returns each position's key/value gradient to the rank that holds it; or, with the group's
+// rotate method Ring, the same by ring attention (model/context_parallel_ring.h). SelfAttention
+// holds one and calls it where it would call attention_forward / attention_backward.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include "model/activations.h"
 #include "model/block_component.h"
 #include "model/context_parallel.h"
+#include "model/context_parallel_ring.h"
 #include "ops/attention.h"
 #include "ops/attention_chunk.h"
 
@@ -18,9 +20,12 @@ namespace forge {
 
 class ContextParallelAttention {
  public:
-  // Scratch shared by every layer for `kv_heads` key/value heads of `head_dim` (the rank's,
-  // under tensor parallelism), for shape.context_parallel ranks.
-  void lay_out(ArenaLayout& layout, const StepShape& shape, int64_t kv_heads, int64_t head_dim);
+  // Scratch shared by every layer for `q_heads` query and `kv_heads` key/value heads of
+  // `head_dim` (the rank's, under tensor parallelism), for shape.context_parallel ranks, by
+  // `method`: the gathered keys and values, or ring attention's blocks (NOTE [Ring attention]
+  // in model/context_parallel_ring.h).
+  void lay_out(ArenaLayout& layout, const StepShape& shape, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+               ContextParallelRotate method);
   // The rotary positions of the rank's tokens, int32 [2B, L] on `device`.
   void prepare(const ContextParallel& cp, const StepShape& shape, Device device);
   // The micro-batch's packed examples (null: each row one sequence; NOTE [Chunk attention
@@ -42,6 +47,8 @@ class ContextParallelAttention {
   // qkv of block `layer` (nothing to do when they are still there).
   void gather_keys(ContextParallel& cp, int layer, const Tensor& qkv);
 
+  bool ring_ = false;         // ContextParallelRotate::Ring: ring_attention_ computes the attention
+  ContextParallelRing ring_attention_;
   int64_t batch_ = 0, chunk_ = 0;  // B, L
   Tensor local_kv_;                // [2B, L, 2Hkv, D]: the rank's keys and values, then their gradient
   Tensor ranks_kv_;                // [C, 2B, L, 2Hkv, D]: every rank's, in rank order; scratch in the backward

@@ -67,7 +67,9 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
   d_out_ = act({n, heads_ * head_dim_});
   d_qkv_ = act({b, t, heads_ + 2 * kv_heads_, head_dim_});
   edges_.lay_out(layout, shape, hidden_);
-  if (shape.context_parallel > 1) cp_attention_.lay_out(layout, shape, kv_heads_, head_dim_);
+  if (shape.context_parallel > 1)
+    cp_attention_.lay_out(layout, shape, heads_, kv_heads_, head_dim_,
+                          cp_ ? cp_->rotate_method() : ContextParallelRotate::AllGather);
 }
 
 void SelfAttention::prepare(const StepShape& shape, Device device) {

@@ -18,15 +18,17 @@ namespace {
 cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t position, const AttentionShape& shape,
                                    const char* op) {
   check_attention_shape(qkv, shape, op);
-  FORGE_CHECK(shape.causal, "{}: chunk attention is causal; bidirectional attention (NOTE [Bidirectional attention]) "
-              "is not taken", op);
+  FORGE_CHECK(shape.causal || (shape.sliding_window == 0 && position == 0),
+              "{}: a chunk against every key of kv (not causal, NOTE [Full chunk attention]) takes position 0 and "
+              "no sliding window, got position {} and window {}",
+              op, position, shape.sliding_window);
   FORGE_CHECK(!shape.distinct_v_head_dim(), "{}: values of a head dim of their own ({} against {}) are not taken", op,
               shape.v_head_dim, shape.head_dim);
   const int64_t b = qkv.dim(0), queries = qkv.dim(1), hkv = shape.num_kv_heads, d = qkv.dim(3);
   FORGE_CHECK(kv.ndim() == 4 && kv.dim(0) == b && kv.dim(2) == 2 * hkv && kv.dim(3) == d,
               "{}: kv {} must be [{}, S, 2 * {}, {}] for qkv {}", op, shape_str(kv.shape()), b, hkv, d,
               shape_str(qkv.shape()));
-  FORGE_CHECK(position >= 0 && position + queries <= kv.dim(1),
+  FORGE_CHECK(position >= 0 && (!shape.causal || position + queries <= kv.dim(1)),
               "{}: the chunk's {} queries at position {} are not within kv's {} positions", op, queries, position,
               kv.dim(1));
   FORGE_CHECK(qkv.device() == kv.device(), "{}: qkv on {}, kv on {}", op, device_name(qkv.device()),
@@ -39,13 +41,15 @@ cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t 
                                  .kv_heads = hkv,
                                  .head_dim = d,
                                  .window = shape.sliding_window,
-                                 .scale = shape.scale};
+                                 .scale = shape.scale,
+                                 .causal = shape.causal};
 }
 
 // The segments must describe this chunk's rows, on its device.
 void check_segments(const AttentionChunkSegments* segments, const cpu::AttentionChunkDims& d, Device device,
                     const char* op) {
   if (!segments) return;
+  FORGE_CHECK(d.causal, "{}: packed examples need causal chunk attention (NOTE [Full chunk attention])", op);
   FORGE_CHECK(segments->device == device && segments->batch == d.batch && segments->queries == d.queries &&
                   segments->position == d.position && segments->kv_seq == d.kv_seq &&
                   segments->qkv_width == (d.q_heads + 2 * d.kv_heads) * d.head_dim,
@@ -62,6 +66,7 @@ cuda::AttentionProblem cuda_problem(const cpu::AttentionChunkDims& d, const Atte
   if (d.queries < 2) FORGE_FAIL("chunk attention on CUDA needs at least 2 queries, got {}", d.queries);
   cuda::AttentionProblem p{d.batch, d.queries, d.q_heads, d.kv_heads, d.head_dim, d.head_dim, d.window, d.scale};
   p.chunk = {d.position, d.kv_seq};
+  p.causal = d.causal;
   if (segments) {
     p.ragged = {segments->capacity, segments->q_lengths.data<int32_t>(), segments->q_offsets.data<int64_t>(),
                 segments->out_offsets.data<int64_t>(), segments->lse_offsets.data<int64_t>()};

@@ -23,6 +23,15 @@
 // Without segments each row of the batch is one sequence; with them, NOTE [Chunk attention
 // with packed examples].
 //
+// NOTE [Full chunk attention]
+// With AttentionShape::causal false the chunk sees every key of kv: query i attends to keys
+// [0, S) whatever its place, as when all of kv lies before the chunk in the sequence. Ring
+// attention (NOTE [Ring attention] in model/context_parallel_ring.h) computes a query chunk
+// against a key chunk that lies wholly in its past this way, and the chunk against its own
+// keys as the causal form at position 0. It takes position 0, no sliding window (whose band
+// would depend on where kv lies) and no packed examples, and any number of queries against
+// any number of keys; the backward's dkv is then the gradient at every position of kv.
+//
 // NOTE [Chunk attention with packed examples]
 // With packed examples (NOTE [Packed examples] in ops/attention.h) a query at position t of
 // its row sees the keys j <= t (within the window) of its own example only: from the

@@ -82,6 +82,9 @@ struct ParallelismConfig {
   int64_t expert_parallel_degree = 1;          // ranks that split a MoE model's routed experts (NOTE [Expert parallelism])
   int64_t tensor_parallel_degree = 1;          // consecutive ranks that split every layer (NOTE [Tensor parallelism])
   int64_t context_parallel_degree = 1;         // ranks that split every sequence (NOTE [Context parallelism])
+  // torchtitan's key: "allgather" gathers every rank's keys and values, "p2p" passes them
+  // around the ring (NOTE [Ring attention] in model/context_parallel_ring.h).
+  std::string context_parallel_rotate_method = "allgather";
   // NOTE [Pipeline parallelism]: ranks that hold consecutive stages of the blocks, a step's
   // micro-batches (gradient_accumulation_steps) flowing through them by the schedule
   // (torchtitan's names: "1F1B", "Interleaved1F1B"); layers_per_stage 0: the blocks / the

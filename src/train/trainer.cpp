@@ -434,6 +434,8 @@ void Trainer::set_up_data_parallel() {
     const int t = static_cast<int>(tp);
     context_parallel_group_ = stage_world->split(data_rank_ * t + local % t, local);
     context_parallel_ = std::make_unique<GroupContextParallel>(*context_parallel_group_);
+    context_parallel_->set_rotate_method(  // NOTE [Ring attention] in model/context_parallel_ring.h
+        parse_context_parallel_rotate(config_.parallelism.context_parallel_rotate_method));
   }
   if (tp > 1) {
     // NOTE [Tensor parallelism]: consecutive ranks split the layers (they share a node when

@@ -36,6 +36,7 @@ struct Case {
   int tensor_parallel = 1;  // T: T x C ranks
   ConfigOverrides overrides = {};
   bool packed = false;  // a sequence layout of packed examples, handed to every rank
+  ContextParallelRotate rotate = ContextParallelRotate::AllGather;  // NOTE [Ring attention]
 };
 
 // Packed examples of micro-batches [2, 16] (a run of equal segment ids is one example;
@@ -60,8 +61,9 @@ SequenceLayout packed_layout() {
 }
 
 void expect_ranks_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}{}", c.model, c.ranks,
-                           c.tensor_parallel, static_cast<int>(c.mode), c.packed ? ", packed examples" : ""));
+  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}{}{}", c.model,
+                           c.ranks, c.tensor_parallel, static_cast<int>(c.mode), c.packed ? ", packed examples" : "",
+                           c.rotate == ContextParallelRotate::Ring ? ", ring attention" : ""));
   ConfigOverrides overrides = c.overrides;
   overrides.push_back({"model.name", c.model});
   const ModelConfig m = load_experiment("", overrides).model;
@@ -99,6 +101,7 @@ void expect_ranks_match_one(const Case& c) {
     auto cp_group = group->split(w % tp, w / tp);  // the ranks of one tensor-parallel rank
     GroupTensorParallel tensor_parallel(*tp_group);
     GroupContextParallel context_parallel(*cp_group);
+    context_parallel.set_rotate_method(c.rotate);
     DecoderLM model(m, micro, seq, Device::CPU, DType::F32, c.mode, nullptr, &tensor_parallel, &context_parallel);
     const size_t k = static_cast<size_t>(w);
     losses[k] = model.forward_backward(tokens, targets, *weights[k], *grads[k], scale, layout);
@@ -147,6 +150,19 @@ TEST(ModelContextParallel, WithTensorParallelism) {
   expect_ranks_match_one({"debug-tiny-mha", 2, ActivationCheckpoint::Full, 2});
 }
 
+// NOTE [Ring attention]: the same losses and gradients with the keys and values passed
+// around the ring, GQA and MHA, 2 and 4 ranks, every checkpointing mode, with tensor
+// parallelism.
+TEST(ModelContextParallel, RingAttentionMatchesOneRank) {
+  constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
+  for (ActivationCheckpoint mode :
+       {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full})
+    expect_ranks_match_one({"debug-tiny", 2, mode, 1, {}, false, ring});
+  expect_ranks_match_one({"debug-tiny-mha", 4, ActivationCheckpoint::None, 1, {}, false, ring});
+  expect_ranks_match_one({"debug-tiny", 4, ActivationCheckpoint::Full, 1, {}, false, ring});
+  expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::Selective, 2, {}, false, ring});
+}
+
 // NOTE [Chunk attention with packed examples]: the queries of each rank's chunks see their
 // examples' keys on every rank, and nothing of the other examples.
 TEST(ModelContextParallel, PackedExamplesAcrossTheRanksChunks) {
@@ -185,6 +201,9 @@ class Unreachable final : public ContextParallel {
   void gather(const Tensor&, const Tensor&) override { FORGE_FAIL("unexpected gather"); }
   void reduce_scatter(const Tensor&, const Tensor&) override { FORGE_FAIL("unexpected reduce_scatter"); }
   void all_reduce_sum(const Tensor&) override { FORGE_FAIL("unexpected all_reduce_sum"); }
+  void rotate_start(const std::vector<Tensor>&, const std::vector<Tensor>&) override {
+    FORGE_FAIL("unexpected rotate_start");
+  }
 
  private:
   int size_;

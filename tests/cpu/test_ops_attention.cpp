@@ -314,8 +314,9 @@ TEST(OpsAttention, BidirectionalRefusesWindowsChunksAndDecoding) {
   Tensor dqkv = Tensor::zeros(qkv.shape());
   expect_error([&] { attention_backward(dqkv, out, qkv, out, lse, windowed); }, {"attention_backward", "causal"});
   const Tensor kv = Tensor::zeros({1, 6, 2, 4});
-  expect_error([&] { attention_chunk_forward(out, lse, qkv, kv, 0, bidirectional_shape_of(c)); },
-               {"attention_chunk_forward", "chunk attention is causal"});
+  // A chunk against every key of kv (NOTE [Full chunk attention]) takes position 0 only.
+  expect_error([&] { attention_chunk_forward(out, lse, qkv, kv, 1, bidirectional_shape_of(c)); },
+               {"attention_chunk_forward", "NOTE [Full chunk attention]", "got position 1"});
   const Tensor cache = Tensor::zeros({1, 8, 1, 4}), step = Tensor::zeros({1, 1, 4, 4});
   expect_error([&] { decode_attention_forward(Tensor::zeros({1, 1, 2, 4}), step, cache, cache, 0,
                                               bidirectional_shape_of(c)); },

@@ -9,7 +9,9 @@
 // values and the chunk attention, in bf16 with cuBLASLt and cuDNN; with packed examples too
 // (the chunks' ragged attention). LoRA adapters too (NOTE
 // [LoRA under context and tensor parallelism] in model/lora.h): the ranks' adapter
-// gradients, summed over them, are one GPU's. (NCCL cannot put two
+// gradients, summed over them, are one GPU's. Ring attention too (NOTE [Ring attention] in
+// model/context_parallel_ring.h): the model's step, and the attention alone against the
+// all-gather's. (NCCL cannot put two
 // ranks on one GPU; the multi-GPU runs are issue 23.)
 #include <gtest/gtest.h>
 
@@ -21,11 +23,13 @@
 #include "../cpu/parallel_testing.h"
 #include "gpu_testing.h"
 #include "model/context_parallel.h"
+#include "model/context_parallel_attention.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/fp8_projections.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
+#include "ops/attention.h"
 #include "ops/elementwise.h"
 
 namespace forge::gpu_test {
@@ -75,6 +79,16 @@ class ThreadCollectives final : public TensorParallel, public ContextParallel {
   }
   void all_reduce_max(const Tensor& tensor) override {
     reduce_on_host(tensor, [](float a, float b) { return std::max(a, b); });
+  }
+  // NOTE [Ring attention]: each tensor from the previous rank, by device copies, done when
+  // it returns.
+  void rotate_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) override {
+    const int previous = (rank_ + size() - 1) % size();
+    for (size_t i = 0; i < sent.size(); ++i)
+      collective(sent[i], [&](int q, const Tensor& theirs) {
+        if (q == previous)
+          copy_bytes(received[i].raw(), Device::CUDA, theirs.raw(), Device::CUDA, received[i].nbytes());
+      });
   }
 
  private:
@@ -135,10 +149,13 @@ ModelConfig llama_like(bool tied) {
 // share from its tokens, summed over its context-parallel group.
 // With `layout`, the micro-batch's packed examples, handed to every rank (NOTE [Chunk
 // attention with packed examples] in ops/attention_chunk.h).
+// With `rotate` Ring, ring attention (NOTE [Ring attention] in model/context_parallel_ring.h).
 void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode,
-                                const SequenceLayout* layout = nullptr) {
-  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}", t, c, tied ? "tied" : "untied",
-                           activation_checkpoint_name(mode), layout ? ", packed examples" : ""));
+                                const SequenceLayout* layout = nullptr,
+                                ContextParallelRotate rotate = ContextParallelRotate::AllGather) {
+  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}{}", t, c, tied ? "tied" : "untied",
+                           activation_checkpoint_name(mode), layout ? ", packed examples" : "",
+                           rotate == ContextParallelRotate::Ring ? ", ring attention" : ""));
   const ModelConfig config = llama_like(tied);
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
@@ -171,6 +188,7 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
     const int ti = r % t, ci = r / t;
     ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
     ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
+    cp.set_rotate_method(rotate);
     const TensorParallelShard shard{ti, t};
     FlatParameters host(config, Device::CPU, DType::F32, shard);
     host.initialize(23);
@@ -307,6 +325,110 @@ TEST(GpuContextParallel, ThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None);
   expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full);
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective);
+}
+
+TEST(GpuContextParallel, RingThreadRanksMatchOneGpu) {
+  constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
+  expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None, nullptr, ring);
+  expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full, nullptr, ring);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, nullptr, ring);
+}
+
+// Ring attention against the all-gather on c rank threads, the attention alone in bf16 with
+// cuDNN (full and causal chunk attention, the merge kernel, the ring's rotations), and both
+// against the whole sequence's fp32 CPU attention: out, lse and dqkv of every rank's chunks.
+void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv_heads) {
+  const int64_t batch = 2, seq = 512, d = 64, heads = q_heads + 2 * kv_heads;
+  SCOPED_TRACE(fmt::format("{} ranks, {} query and {} key/value heads", c, q_heads, kv_heads));
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(c));
+  const Tensor qkv = random_bf16_values({batch, seq, heads, d}, rng, 1.5);
+  const Tensor dout = random_bf16_values({batch, seq, q_heads, d}, rng);
+  const AttentionShape shape{.num_q_heads = q_heads,
+                             .num_kv_heads = kv_heads,
+                             .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
+                             .head_dim = d};
+  Tensor out = Tensor::empty({batch, seq, q_heads, d}), lse = Tensor::empty({batch, q_heads, seq});
+  Tensor dqkv = Tensor::empty(qkv.shape());
+  attention_forward(out, lse, qkv, shape);  // the fp32 CPU reference
+  attention_backward(dqkv, dout, qkv, out, lse, shape);
+  const int64_t l = seq / (2 * c);
+  auto chunks = [&](const Tensor& whole, int r) {
+    Shape s = whole.shape();
+    s[0] *= 2;
+    s[1] = l;
+    Tensor local = Tensor::empty(s);
+    take_chunks(local, whole, r, c);
+    return local;
+  };
+  struct Result {
+    Tensor out, lse, dqkv;
+  };
+  std::vector<Result> results[2];  // all-gather, ring: per rank, on the host in fp32
+  for (auto& r : results) r.resize(static_cast<size_t>(c));
+  Turn turn;
+  ThreadGroup group(c);
+  const auto errors = run_rank_threads(c, turn.gpu, [&](int r) {
+    ThreadCollectives cp(turn, group, r);
+    const Tensor local_qkv = to_gpu(chunks(qkv, r), DType::BF16), local_dout = to_gpu(chunks(dout, r), DType::BF16);
+    const StepShape step{batch, seq, DType::BF16, 1, 1, c};
+    for (int m = 0; m < 2; ++m) {
+      const ContextParallelRotate method = m == 0 ? ContextParallelRotate::AllGather : ContextParallelRotate::Ring;
+      cp.set_rotate_method(method);
+      ContextParallelAttention attention;
+      ArenaLayout counting(nullptr, Device::CUDA);
+      attention.lay_out(counting, step, q_heads, kv_heads, d, method);
+      Tensor arena = Tensor::empty({counting.bytes()}, DType::U8, Device::CUDA);
+      ArenaLayout layout(arena.raw(), Device::CUDA);
+      attention.lay_out(layout, step, q_heads, kv_heads, d, method);
+      attention.prepare(cp, step, Device::CUDA);
+      attention.set_layout(cp, nullptr, shape);
+      Tensor o = Tensor::empty({2 * batch, l, q_heads, d}, DType::BF16, Device::CUDA);
+      Tensor s = Tensor::empty({2 * batch, q_heads, l}, DType::F32, Device::CUDA);
+      Tensor g = Tensor::empty(local_qkv.shape(), DType::BF16, Device::CUDA);
+      attention.forward(cp, 0, o, s, local_qkv, shape);
+      attention.backward(cp, 0, g, local_dout, local_qkv, o, s, shape);
+      results[m][static_cast<size_t>(r)] = {to_cpu_f32(o), to_cpu_f32(s), to_cpu_f32(g)};
+    }
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+  // lse [B, H, S] of the whole sequences, token-major, for take_chunks.
+  Tensor lse_tokens = Tensor::empty({batch, seq, q_heads});
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t h = 0; h < q_heads; ++h)
+      for (int64_t t = 0; t < seq; ++t)
+        lse_tokens.data<float>()[(b * seq + t) * q_heads + h] = lse.data<float>()[(b * q_heads + h) * seq + t];
+  double gaps[3] = {0, 0, 0}, errs[2][3] = {{0, 0, 0}, {0, 0, 0}};
+  for (int r = 0; r < c; ++r) {
+    const Result &ag = results[0][static_cast<size_t>(r)], &ring = results[1][static_cast<size_t>(r)];
+    const Tensor local_lse = chunks(lse_tokens, r);  // [2B, L, H]
+    Tensor expected_lse = Tensor::empty({2 * batch, q_heads, l});
+    for (int64_t b = 0; b < 2 * batch; ++b)
+      for (int64_t h = 0; h < q_heads; ++h)
+        for (int64_t t = 0; t < l; ++t)
+          expected_lse.data<float>()[(b * q_heads + h) * l + t] = local_lse.data<float>()[(b * l + t) * q_heads + h];
+    const Tensor expected[3] = {chunks(out, r), expected_lse, chunks(dqkv, r)};
+    const Tensor* got[2][3] = {{&ag.out, &ag.lse, &ag.dqkv}, {&ring.out, &ring.lse, &ring.dqkv}};
+    for (int k = 0; k < 3; ++k) {
+      gaps[k] = std::max(gaps[k], relative_l2(*got[1][k], *got[0][k]));
+      for (int m = 0; m < 2; ++m) errs[m][k] = std::max(errs[m][k], relative_l2(*got[m][k], expected[k]));
+    }
+  }
+  std::printf(
+      "C=%d Hq=%lld Hkv=%lld relative L2: ring vs all-gather out %.3g lse %.3g dqkv %.3g; vs fp32 CPU: all-gather "
+      "out %.3g lse %.3g dqkv %.3g, ring out %.3g lse %.3g dqkv %.3g\n",
+      c, static_cast<long long>(q_heads), static_cast<long long>(kv_heads), gaps[0], gaps[1], gaps[2], errs[0][0],
+      errs[0][1], errs[0][2], errs[1][0], errs[1][1], errs[1][2]);
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_LT(gaps[k], 1e-2);
+    EXPECT_LT(errs[1][k], 2e-2);
+    EXPECT_LT(errs[1][k], 1.5 * errs[0][k] + 2e-3);  // the ring no worse than the all-gather
+  }
+}
+
+TEST(GpuContextParallel, RingAttentionMatchesAllGather) {
+  expect_ring_attention_matches_all_gather(2, 8, 2);
+  expect_ring_attention_matches_all_gather(4, 8, 2);
+  expect_ring_attention_matches_all_gather(4, 4, 4);
 }
 
 // Packed examples of [2, 128] micro-batches: row 0 examples of 40, 30 and 35 tokens and 23 of

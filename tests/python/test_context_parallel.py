@@ -2,7 +2,8 @@
 NOTE [Context parallelism] in model/context_parallel.h, NOTE [Context-parallel steps] in
 train/trainer.cpp): the same run with every sequence split over 2 and 4 context-parallel
 ranks, composed with 2 tensor-parallel ranks, with FSDP over 2 data-parallel ranks and with
-hybrid sharding, gives one rank's loss curve, gradient norms and validation losses within
+hybrid sharding, and with ring attention instead of the all-gather on 2 and 4 ranks, gives
+one rank's loss curve, gradient norms and validation losses within
 fp32 reordering; a run resumed from its checkpoint repeats the uninterrupted one bitwise,
 and its checkpoint resumes on one rank; the configurations it cannot take are refused with
 errors that name the keys."""
@@ -18,6 +19,7 @@ def train(run_dir, ranks, data_ranks, *overrides, steps=30, check=True):
 
 
 CP = "--parallelism.context_parallel_degree"
+RING = "--parallelism.context_parallel_rotate_method"
 
 
 class Parity(unittest.TestCase):
@@ -39,6 +41,18 @@ class Parity(unittest.TestCase):
                 ("cp2-tp2", 4, 1, [CP, "2", "--parallelism.tensor_parallel_degree", "2"]),
                 ("cp2-fsdp2", 4, 2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
                 ("cp2-replicate2", 4, 2, [CP, "2", "--parallelism.data_parallel_replicate_degree", "2"])):
+            with self.subTest(run=name):
+                run = os.path.join(self.tmp, name)
+                train(run, ranks, data_ranks, *flags)
+                self.expect_follows(run)
+
+    def test_ring_attention_follows_one(self):
+        """NOTE [Ring attention]: parallelism.context_parallel_rotate_method p2p passes the keys
+        and values around the ring instead of gathering them; the same curves within fp32
+        reordering."""
+        for name, ranks, data_ranks, flags in (
+                ("cp2-ring", 2, 1, [CP, "2", RING, "p2p"]),
+                ("cp4-ring-full", 4, 1, [CP, "4", RING, "p2p", "--activation_checkpoint.mode", "full"])):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
                 train(run, ranks, data_ranks, *flags)
@@ -80,6 +94,8 @@ class Errors(unittest.TestCase):
         for ranks, flags, message in (
                 (2, [CP, "2", "--training.seq_len", "30"], "cuts each sequence into 4 chunks (two per rank), which must divide training.seq_len = 30"),
                 (2, [CP, "2", "--model.name", "debug-tiny-moe"], "has Mixture-of-Experts blocks"),
+                (2, [CP, "2", RING, "p2p", "--model.sliding_window", "4"],
+                 "ring attention computes whole blocks of keys and does not take a sliding window"),
                 (2, [CP, "4"], "pipeline_parallel_degree = 1 × 1 × 1 × 4 × 1 = 4"),
                 (1, [CP, "2"], "this process was started alone")):
             with self.subTest(flags=flags):

@@ -5,9 +5,9 @@
 // The arithmetic is the training attention's (kernels/cpu/attention.cpp): query i of the
 // chunk sits at position t = position + i of its sequence and attends to keys j in
 // [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0, and with packed
-// examples no earlier than the first position of t's example; one (batch, head,
-// query) row at a time forward (attend_row), and in the backward, recomputing p_j =
-// exp(s_j - lse_i),
+// examples no earlier than the first position of t's example (not causal: every key of
+// kv, [0, kv_seq)); one (batch, head, query) row at a time forward (attend_row), and in
+// the backward, recomputing p_j = exp(s_j - lse_i),
 //   dv_j += p_j dout_i      dS_j = p_j (dout_i.v_j - dout_i.out_i)
 //   dq_i = scale sum_j dS_j k_j      dk_j += scale dS_j q_i
 // Only the places differ: queries are read from the chunk's packed qkv, keys and values
@@ -40,8 +40,9 @@ struct Layout {
   int64_t out_row(int64_t b, int64_t i, int64_t h) const { return ((b * d.queries + i) * d.q_heads + h) * d.head_dim; }
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const { return (b * d.q_heads + h) * d.queries + i; }
   // The keys query i of the chunk in row b sees: [first_key(b, i), last_key(i)].
-  int64_t last_key(int64_t i) const { return d.position + i; }
+  int64_t last_key(int64_t i) const { return d.causal ? d.position + i : d.kv_seq - 1; }
   int64_t first_key(int64_t b, int64_t i) const {
+    if (!d.causal) return 0;
     const int64_t example = d.example_start ? d.example_start[b * d.kv_seq + last_key(i)] : 0;
     return std::max<int64_t>(example, d.window > 0 ? last_key(i) - d.window + 1 : 0);
   }
@@ -56,7 +57,7 @@ void attention_chunk_forward(float* out, float* lse, const float* qkv, const flo
   const int64_t rows = dims.batch * dims.q_heads * dims.queries;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dims.kv_seq * dims.head_dim));
   parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(static_cast<size_t>(dims.position + dims.queries));
+    std::vector<float> p(static_cast<size_t>(dims.kv_seq));
     for (int64_t row = begin; row < end; ++row) {
       const int64_t i = row % dims.queries, h = (row / dims.queries) % dims.q_heads;
       const int64_t b = row / (dims.queries * dims.q_heads), g = at.kv_head_of(h);

@@ -22,6 +22,7 @@ struct AttentionChunkDims {
   int64_t window = 0;
   float scale = 0.0f;
   const int32_t* example_start = nullptr;
+  bool causal = true;
 };
 
 void attention_chunk_forward(float* out, float* lse, const float* qkv, const float* kv, const AttentionChunkDims& dims);

@@ -42,7 +42,8 @@
 // with a right bound of 0): query i keeps key j when j <= i + s_kv - Lq = p + i, and the
 // window's left bound W keeps j + W > p + i, as on the CPU. cuDNN writes dK and dV for the
 // s_kv positions it reads; the rows of dkv past them are zeroed with a 2-D memset, so the
-// whole of dkv is the chunk's gradient.
+// whole of dkv is the chunk's gradient. A full chunk (NOTE [Full chunk attention], p.causal
+// false: position 0, no window, not ragged) reads all kv_seq positions with no mask.
 //
 // Chunk attention with packed examples (NOTE [Chunk attention with packed examples]) is the
 // ragged form with the queries and the keys described apart: the query-side lengths and
@@ -147,7 +148,8 @@ Views views_of(const AttentionProblem& p) {
   const int64_t width = qkv_width(p);
   const bool ragged = p.ragged.capacity > 0;
   const int64_t batch = ragged ? p.ragged.capacity : p.batch;
-  const int64_t kv_seq = is_chunk(p) ? p.chunk.position + p.seq : p.seq;  // with ragged chunks, the longest
+  // with ragged chunks, the longest; a full chunk (not causal) sees all of kv
+  const int64_t kv_seq = is_chunk(p) ? (p.causal ? p.chunk.position + p.seq : p.chunk.kv_seq) : p.seq;
   const int64_t kv_width = is_chunk(p) ? p.kv_heads * (p.head_dim + p.v_head_dim) : width;
   const int64_t kv_batch_stride = is_chunk(p) ? p.chunk.kv_seq * kv_width : p.seq * width;
   return {
@@ -195,7 +197,7 @@ void make_ragged(fe::graph::Graph& g, fe::graph::Tensor_attributes& tensor, cons
 template <typename Attributes>
 void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProblem& p) {
   attributes.set_attn_scale(p.scale);
-  if (is_chunk(p))
+  if (is_chunk(p) && p.causal)
     attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT).set_diagonal_band_right_bound(0);
   else if (p.causal)
     attributes.set_causal_mask(true);
@@ -337,8 +339,9 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
 
 void check_chunk(const AttentionProblem& p) {
   const bool ragged_keys = p.chunk.kv_lengths != nullptr && p.chunk.kv_offsets != nullptr;
-  if (!is_chunk(p) || !p.causal || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
-      p.chunk.position < 0 || p.chunk.position + p.seq > p.chunk.kv_seq)
+  const bool full_ok = p.causal || (p.ragged.capacity == 0 && p.sliding_window == 0 && p.chunk.position == 0);
+  if (!is_chunk(p) || !full_ok || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
+      p.chunk.position < 0 || (p.causal && p.chunk.position + p.seq > p.chunk.kv_seq))
     FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
                p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim, p.ragged.capacity > 0 ? ", ragged" : "",
                p.causal ? "" : ", not causal");
@@ -363,7 +366,8 @@ void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16*
 void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv,
                               const bf16* out, const float* lse, const AttentionProblem& p) {
   check_chunk(p);
-  const int64_t width = 2 * p.kv_heads * p.head_dim, seen = p.chunk.position + p.seq;
+  const int64_t width = 2 * p.kv_heads * p.head_dim;
+  const int64_t seen = p.causal ? p.chunk.position + p.seq : p.chunk.kv_seq;
   const size_t row_bytes = static_cast<size_t>(width) * sizeof(bf16);
   if (p.ragged.capacity > 0) {  // the rows of no example's keys: no gradient
     CUDA_CHECK(cudaMemsetAsync(dkv, 0, static_cast<size_t>(p.batch * p.chunk.kv_seq) * row_bytes, nullptr));

@@ -37,7 +37,9 @@ struct AttentionProblem {
   float scale;
   RaggedSequences ragged{};
   KeyValueChunk chunk{};  // the chunk forms below only
-  bool causal = true;     // false: no mask but the ragged padding (NOTE [Bidirectional attention]); not for chunks
+  // false: no mask but the ragged padding (NOTE [Bidirectional attention]); for a chunk,
+  // every key of kv (NOTE [Full chunk attention])
+  bool causal = true;
 };
 
 // qkv bf16 [B, T, (Hq + Hkv) D + Hkv Dv] (packed as the fused projection writes it: per

@@ -1,0 +1,15 @@
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/cuda/types.h"
+
+namespace forge::cuda {
+
+// NOTE [Attention merge] in ops/attention_merge.h: out fp32 [b, l, h, d] and lse fp32 [b, h,
+// l] merged in place with part_out bf16 [b, l, h, d] and part_lse fp32 [b, h, l]; enqueued on
+// the legacy default stream.
+void attention_merge(float* out, float* lse, const bf16* part_out, const float* part_lse, int64_t b, int64_t l,
+                     int64_t h, int64_t d);
+
+}  // namespace forge::cuda
