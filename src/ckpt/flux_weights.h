@@ -44,7 +44,9 @@ void read_flux_weights(const std::string& path, const FluxConfig& config, const 
                        const std::function<void(size_t, std::span<const float>)>& take);
 
 // Writes `params` (fp32 on the CPU) stored as `stored` (F32, BF16 or F16): a diffusers folder
-// (diffusion_pytorch_model.safetensors and config.json) or a BFL single file, atomically.
+// (diffusion_pytorch_model.safetensors, sharded past 10 GB with its index, and config.json:
+// the files FSDP ranks write in pieces, NOTE [FLUX export in pieces] in
+// ckpt/flux_weights_export.h) or a BFL single file, atomically.
 void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,
                        SafetensorsDType stored);
 
