@@ -44,10 +44,17 @@ std::map<std::string, std::string> files_of(const std::string& dir) {
   return files;
 }
 
+// The parameters' values (the flat buffer's gaps between them stay 0).
 void fill(FluxParameters& params, uint64_t seed) {
   Rng rng(seed);
-  float* p = params.flat().data<float>();
-  for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] = static_cast<float>(rng.normal() * 0.5);
+  for (const Tensor& t : params.tensors())
+    for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = static_cast<float>(rng.normal() * 0.5);
+}
+
+int64_t parameter_count(const FluxParameters& params) {
+  int64_t n = 0;
+  for (const Tensor& t : params.tensors()) n += t.numel();
+  return n;
 }
 
 std::span<const float> values_of(const Tensor& t) { return {t.data<float>(), static_cast<size_t>(t.numel())}; }
@@ -90,7 +97,7 @@ TEST(FluxWeightsExport, OneFileIsWriteSafetensorsOfTheDiffusersTensorsInNameOrde
     const HfExportPlan plan = flux_weights_plan(config, dtype);
     ASSERT_EQ(plan.files().size(), 1u);
     EXPECT_EQ(plan.files()[0].name, "diffusion_pytorch_model.safetensors");
-    EXPECT_EQ(plan.numel(), params.flat().numel());
+    EXPECT_EQ(plan.numel(), parameter_count(params));
     const auto got = written_whole(params, plan, dir.file("planned"));
     EXPECT_TRUE(got.at("diffusion_pytorch_model.safetensors") == bytes_of(dir.file("reference.safetensors")));
   }
@@ -169,13 +176,15 @@ TEST(FluxWeightsExport, ShardedExportCommitsItsIndexAndReadsBackBitForBit) {
     names.insert(name);
   }
   EXPECT_EQ(shards.size() + 2, files.size());  // the shards, the index and config.json
-  EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), params.flat().numel() * 4);
+  EXPECT_EQ(index["metadata"]["total_size"].get<int64_t>(), parameter_count(params) * 4);
   EXPECT_TRUE(names.count("transformer_blocks.0.attn.to_q.weight"));
   FluxParameters back(config);
   load_flux_weights(target, back);
-  EXPECT_EQ(std::memcmp(back.flat().data<float>(), params.flat().data<float>(),
-                        static_cast<size_t>(params.flat().numel()) * sizeof(float)),
-            0);
+  for (size_t i = 0; i < params.tensors().size(); ++i)
+    EXPECT_EQ(std::memcmp(back.tensors()[i].data<float>(), params.tensors()[i].data<float>(),
+                          static_cast<size_t>(params.tensors()[i].numel()) * sizeof(float)),
+              0)
+        << params.specs()[i].name;
 }
 
 TEST(FluxWeightsExport, SaveFluxWeightsReplacesAnOldExportAndAnAbandonedOneLeavesIt) {
@@ -202,10 +211,13 @@ TEST(FluxWeightsExport, SaveFluxWeightsReplacesAnOldExportAndAnAbandonedOneLeave
   FluxParameters back(config);
   load_flux_weights(target, back);
   // bf16 of the second weights.
-  const float* want = second.flat().data<float>();
-  const float* got = back.flat().data<float>();
   int64_t far = 0;
-  for (int64_t i = 0; i < back.flat().numel(); ++i) far += std::abs(got[i] - want[i]) > 1e-2f * std::abs(want[i]) + 1e-6f;
+  for (size_t k = 0; k < back.tensors().size(); ++k) {
+    const float* want = second.tensors()[k].data<float>();
+    const float* got = back.tensors()[k].data<float>();
+    for (int64_t i = 0; i < back.tensors()[k].numel(); ++i)
+      far += std::abs(got[i] - want[i]) > 1e-2f * std::abs(want[i]) + 1e-6f;
+  }
   EXPECT_EQ(far, 0);
   // A file where the directory would go is refused, naming it.
   std::ofstream(dir.file("a-file")) << "x";
