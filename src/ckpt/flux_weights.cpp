@@ -229,14 +229,14 @@ void load_flux_weights(const std::string& path, FluxParameters& params) {
 }
 
 void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,
-                       SafetensorsDType stored) {
+                       SafetensorsDType stored, uint64_t max_shard_bytes) {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "save_flux_weights: the parameters must be fp32 on the CPU");
   const FluxConfig& c = params.config();
   if (layout == FluxWeightLayout::Diffusers) {
     // The files every FSDP rank writes its pieces of (NOTE [FLUX export in pieces]), here
     // written whole by one process.
-    FluxWeightsExport out(path, c, stored);
+    FluxWeightsExport out(path, c, stored, "", max_shard_bytes);
     HfExportWriter writer(out.plan(), out.temporary_path());
     for (size_t i = 0; i < params.specs().size(); ++i) {
       const Tensor& t = params.tensors()[i];
