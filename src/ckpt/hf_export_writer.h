@@ -64,7 +64,7 @@ class HfExportPlan {
   HfExportPlan(std::vector<ParamSpec> specs, SafetensorsDType dtype, uint64_t max_shard_bytes,
                const std::string& stem);
 
-  const std::vector<ParamSpec>& specs() const { return specs_; }  // parameter_specs(config)
+  const std::vector<ParamSpec>& specs() const { return specs_; }  // parameter_specs(config), or the specs given
   const std::vector<HfExportFile>& files() const { return files_; }
   // Every tensor, in the files' order (file after file, each in data-section order).
   const std::vector<HfExportTensor>& tensors() const { return tensors_; }
