@@ -9,8 +9,8 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "ckpt/flux_weights_export.h"
 #include "ckpt/hf_weight_files.h"
-#include "core/durable_directory.h"
 #include "core/json_input.h"
 
 namespace forge {
@@ -18,7 +18,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr const char* kDiffusersStem = "diffusion_pytorch_model";
+constexpr const char* kDiffusersStem = kFluxDiffusersStem;
 
 // Rows [param_row, param_row + rows) of parameter `param` are rows [file_row, file_row +
 // rows) of the file's tensor `name`.
@@ -142,22 +142,6 @@ void check_diffusers_config(const std::string& path, const FluxConfig& c) {
   expect("patch_size", 1);
 }
 
-nlohmann::json diffusers_config(const FluxConfig& c) {
-  return {{"_class_name", "FluxTransformer2DModel"},
-          {"_diffusers_version", "0.42.1"},
-          {"attention_head_dim", c.head_dim},
-          {"axes_dims_rope", c.axes_dim},
-          {"guidance_embeds", c.guidance_embeds},
-          {"in_channels", c.in_channels},
-          {"joint_attention_dim", c.context_dim},
-          {"num_attention_heads", c.num_heads},
-          {"num_layers", c.num_double_blocks},
-          {"num_single_layers", c.num_single_blocks},
-          {"out_channels", c.out_channels > 0 ? nlohmann::json(c.out_channels) : nlohmann::json(nullptr)},
-          {"patch_size", 1},
-          {"pooled_projection_dim", c.pooled_dim}};
-}
-
 // A diffusers folder: `path` itself, or its transformer/ subfolder (a whole pipeline's).
 std::string diffusers_folder(const std::string& path) {
   const fs::path sub = fs::path(path) / "transformer";
@@ -245,10 +229,24 @@ void load_flux_weights(const std::string& path, FluxParameters& params) {
 }
 
 void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,
-                       SafetensorsDType stored) {
+                       SafetensorsDType stored, uint64_t max_shard_bytes) {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "save_flux_weights: the parameters must be fp32 on the CPU");
   const FluxConfig& c = params.config();
+  if (layout == FluxWeightLayout::Diffusers) {
+    // The files every FSDP rank writes its pieces of (NOTE [FLUX export in pieces]), here
+    // written whole by one process.
+    FluxWeightsExport out(path, c, stored, "", max_shard_bytes);
+    HfExportWriter writer(out.plan(), out.temporary_path());
+    for (size_t i = 0; i < params.specs().size(); ++i) {
+      const Tensor& t = params.tensors()[i];
+      writer.write(i, std::span<const float>(t.data<float>(), static_cast<size_t>(t.numel())));
+    }
+    writer.close();
+    FORGE_CHECK(writer.written() == out.plan().numel(), "FLUX diffusers export: {} of the model's {} elements written",
+                writer.written(), out.plan().numel());
+    return out.commit();
+  }
   const std::vector<FilePiece> pieces = file_pieces(c, params.specs(), layout);
   const std::map<std::string, Shape> shapes = file_shapes(pieces, params.specs());
   // Each file tensor assembled from its pieces (most are one parameter's rows as they are).
@@ -261,16 +259,7 @@ void save_flux_weights(const std::string& path, const FluxParameters& params, Fl
   }
   std::vector<SafetensorsTensorRef> refs;
   for (const auto& [name, shape] : shapes) refs.push_back({name, shape, data[name].data()});
-  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
-  if (layout == FluxWeightLayout::Bfl) {
-    write_safetensors(path, refs, stored, metadata);
-    return;
-  }
-  AtomicDirectory dir(path, {});
-  write_safetensors((fs::path(dir.temporary_path()) / (std::string(kDiffusersStem) + ".safetensors")).string(), refs,
-                    stored, metadata);
-  write_file_atomic((fs::path(dir.temporary_path()) / "config.json").string(), diffusers_config(c).dump(2) + "\n", {});
-  dir.commit();
+  write_safetensors(path, refs, stored, {{"format", "pt"}});
 }
 
 }  // namespace forge

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "ckpt/flux_weights_export.h"
 #include "ckpt/safetensors.h"
 #include "model/flux_parameters.h"
 
@@ -44,8 +45,11 @@ void read_flux_weights(const std::string& path, const FluxConfig& config, const 
                        const std::function<void(size_t, std::span<const float>)>& take);
 
 // Writes `params` (fp32 on the CPU) stored as `stored` (F32, BF16 or F16): a diffusers folder
-// (diffusion_pytorch_model.safetensors and config.json) or a BFL single file, atomically.
+// (diffusion_pytorch_model.safetensors, sharded past 10 GB with its index, and config.json:
+// the files FSDP ranks write in pieces, NOTE [FLUX export in pieces] in
+// ckpt/flux_weights_export.h) or a BFL single file, atomically.
+// `max_shard_bytes`: where a diffusers folder's file is cut (diffusers' own 10 GB by default).
 void save_flux_weights(const std::string& path, const FluxParameters& params, FluxWeightLayout layout,
-                       SafetensorsDType stored);
+                       SafetensorsDType stored, uint64_t max_shard_bytes = kDiffusersMaxShardBytes);
 
 }  // namespace forge

@@ -80,15 +80,8 @@ void copy_companion_files(const fs::path& dir, const std::string& source_dir) {
 
 // model.safetensors.index.json of a sharded export, as save_pretrained writes it.
 void write_index(const fs::path& dir, const ModelConfig& model, const HfExportPlan& plan) {
-  nlohmann::json weight_map = nlohmann::json::object();
-  uint64_t total_bytes = 0;
-  for (const HfExportTensor& t : plan.tensors()) {
-    weight_map[t.part.name] = plan.files()[t.file].name;
-    total_bytes += static_cast<uint64_t>(shape_numel(t.part.shape)) * safetensors_dtype_size(t.dtype);
-  }
-  nlohmann::json index = {{"metadata", {{"total_parameters", model.total_params()}, {"total_size", total_bytes}}},
-                          {"weight_map", weight_map}};
-  write_file_atomic((dir / "model.safetensors.index.json").string(), index.dump(2) + "\n", kExportDurability);
+  write_file_atomic((dir / plan.index_name()).string(), plan.index_json({{"total_parameters", model.total_params()}}),
+                    kExportDurability);
 }
 
 // The export's directory as given, without a trailing separator.

@@ -44,9 +44,38 @@ std::string join(const std::string& dir, const std::string& name) {
 HfExportPlan::HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, uint64_t max_shard_bytes,
                            bool interleaved_rotary)
     : specs_(parameter_specs(config)) {
+  add_parts(interleaved_rotary, dtype);
+  for (HfPart& part : hf_empty_parts(config)) tensors_.push_back({std::move(part), 0, dtype});
+  lay_out(dtype, max_shard_bytes);
+}
+
+HfExportPlan::HfExportPlan(std::vector<ParamSpec> specs, SafetensorsDType dtype, uint64_t max_shard_bytes,
+                           const std::string& stem)
+    : specs_(std::move(specs)), stem_(stem) {
+  FORGE_CHECK(!stem_.empty(), "an export's files need a name");
+  add_parts(false, dtype);
+  // By name; tensors_of_ follows the tensors to their new places.
+  std::vector<size_t> order(tensors_.size());
+  for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors_[a].part.name < tensors_[b].part.name; });
+  std::vector<HfExportTensor> sorted;
+  std::vector<size_t> place(order.size());
+  for (size_t k = 0; k < order.size(); ++k) {
+    FORGE_CHECK(k == 0 || tensors_[order[k]].part.name != sorted.back().part.name, "tensor name '{}' repeated",
+                tensors_[order[k]].part.name);
+    place[order[k]] = k;
+    sorted.push_back(std::move(tensors_[order[k]]));
+  }
+  tensors_ = std::move(sorted);
+  for (std::vector<size_t>& of : tensors_of_)
+    for (size_t& k : of) k = place[k];
+  lay_out(dtype, max_shard_bytes);
+}
+
+void HfExportPlan::add_parts(bool interleaved_rotary, SafetensorsDType dtype) {
   FORGE_CHECK(dtype == SafetensorsDType::F32 || dtype == SafetensorsDType::BF16 || dtype == SafetensorsDType::F16,
               "Hugging Face export stores F32, BF16 or F16, not {}", safetensors_dtype_name(dtype));
-  FORGE_CHECK(max_shard_bytes > 0, "max_shard_bytes must be positive");
   tensors_of_.resize(specs_.size());
   for (size_t i = 0; i < specs_.size(); ++i) {
     numel_ += shape_numel(specs_[i].shape);
@@ -62,8 +91,10 @@ HfExportPlan::HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, ui
       tensors_.push_back(std::move(t));
     }
   }
-  for (HfPart& part : hf_empty_parts(config)) tensors_.push_back({std::move(part), 0, dtype});
+}
 
+void HfExportPlan::lay_out(SafetensorsDType dtype, uint64_t max_shard_bytes) {
+  FORGE_CHECK(max_shard_bytes > 0, "max_shard_bytes must be positive");
   // Consecutive runs of tensors of at most max_shard_bytes each (a larger tensor gets a
   // shard of its own), as save_pretrained splits them.
   std::vector<std::vector<size_t>> shards(1);
@@ -79,8 +110,8 @@ HfExportPlan::HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, ui
   }
   for (size_t s = 0; s < shards.size(); ++s) {
     HfExportFile file;
-    file.name = shards.size() == 1 ? "model.safetensors"
-                                   : fmt::format("model-{:05d}-of-{:05d}.safetensors", s + 1, shards.size());
+    file.name = shards.size() == 1 ? stem_ + ".safetensors"
+                                   : fmt::format("{}-{:05d}-of-{:05d}.safetensors", stem_, s + 1, shards.size());
     std::vector<SafetensorsTensorRef> refs;
     for (size_t k : shards[s])
       refs.push_back({tensors_[k].part.name, tensors_[k].part.shape, nullptr, {}, tensors_[k].dtype});
@@ -94,6 +125,18 @@ HfExportPlan::HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, ui
     file.bytes = offset;
     files_.push_back(std::move(file));
   }
+}
+
+std::string HfExportPlan::index_json(nlohmann::json metadata) const {
+  nlohmann::json weight_map = nlohmann::json::object();
+  uint64_t total_bytes = 0;
+  for (const HfExportTensor& t : tensors_) {
+    weight_map[t.part.name] = files_[t.file].name;
+    total_bytes += stored_bytes(t.part.shape, t.dtype);
+  }
+  metadata["total_size"] = total_bytes;
+  const nlohmann::json index = {{"metadata", metadata}, {"weight_map", weight_map}};
+  return index.dump(2) + "\n";
 }
 
 void HfExportPlan::create_files(const std::string& dir) const {

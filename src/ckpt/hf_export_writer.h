@@ -26,6 +26,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "ckpt/hf_layout.h"
 #include "ckpt/safetensors.h"
 #include "model/parameters.h"
@@ -45,17 +47,24 @@ struct HfExportTensor {
 };
 
 struct HfExportFile {
-  std::string name;    // model.safetensors, or model-0000k-of-0000n.safetensors when sharded
+  std::string name;    // model.safetensors, or model-0000k-of-0000n.safetensors when sharded (the plan's stem)
   std::string header;  // the header after its 8-byte length (safetensors_header)
   uint64_t bytes = 0;  // the whole file
 };
 
 class HfExportPlan {
  public:
-  // `dtype`: F32, BF16 or F16; `interleaved_rotary` as hf_parts takes it.
+  // A language model's export: `dtype`: F32, BF16 or F16; `interleaved_rotary` as hf_parts
+  // takes it; files model.safetensors or model-0000k-of-0000n.safetensors.
   HfExportPlan(const ModelConfig& config, SafetensorsDType dtype, uint64_t max_shard_bytes, bool interleaved_rotary);
+  // Any other model's (FLUX's diffusers export, NOTE [FLUX export in pieces] in
+  // ckpt/flux_weights_export.h): `specs` in their flat order, each parameter's hf_tensors
+  // stored as hf_parts lays them out, the tensors in the order of their names (as a
+  // std::map holds them); files <stem>.safetensors or <stem>-0000k-of-0000n.safetensors.
+  HfExportPlan(std::vector<ParamSpec> specs, SafetensorsDType dtype, uint64_t max_shard_bytes,
+               const std::string& stem);
 
-  const std::vector<ParamSpec>& specs() const { return specs_; }  // parameter_specs(config)
+  const std::vector<ParamSpec>& specs() const { return specs_; }  // parameter_specs(config), or the specs given
   const std::vector<HfExportFile>& files() const { return files_; }
   // Every tensor, in the files' order (file after file, each in data-section order).
   const std::vector<HfExportTensor>& tensors() const { return tensors_; }
@@ -63,12 +72,23 @@ class HfExportPlan {
   const std::vector<size_t>& tensors_of(size_t spec) const { return tensors_of_.at(spec); }
   // The model's parameter elements: what the writers write between them.
   int64_t numel() const { return numel_; }
+  // The index a sharded export has beside its files: <stem>.safetensors.index.json.
+  std::string index_name() const { return stem_ + ".safetensors.index.json"; }
+  // That index, as save_pretrained writes it: {"metadata": `metadata` with "total_size" (the
+  // stored bytes) added, "weight_map": every tensor's file}, indented by 2, a newline after.
+  std::string index_json(nlohmann::json metadata = nlohmann::json::object()) const;
   // Creates every file in `dir` at its full size with its header (the data section left
   // for the writers).
   void create_files(const std::string& dir) const;
 
  private:
+  // Adds every parameter's hf_parts to tensors_ (not yet placed in files).
+  void add_parts(bool interleaved_rotary, SafetensorsDType dtype);
+  // Cuts tensors_ (in their order) into files and places every tensor in its file.
+  void lay_out(SafetensorsDType dtype, uint64_t max_shard_bytes);
+
   std::vector<ParamSpec> specs_;
+  std::string stem_ = "model";
   std::vector<HfExportFile> files_;
   std::vector<HfExportTensor> tensors_;
   std::vector<std::vector<size_t>> tensors_of_;

@@ -31,6 +31,7 @@
 #include "optim/optimizer.h"
 #include "train/flow_timesteps.h"
 #include "train/flux_cache_batches.h"
+#include "train/flux_export.h"
 #include "train/run_dir.h"
 #include "train/trainer.h"
 
@@ -592,28 +593,22 @@ FluxTrainResult FluxTrainer::run(bool log) {
     observer_->training_ends((start_step_ + static_cast<int64_t>(result.losses.size())) * images_per_global_step,
                              stopped_by_observer);
   if (config_.flux.last_save_in_diffusers && !result.stopped) {
-    FluxParameters host(s.model_config);
-    if (s.fsdp) {  // gathered onto rank 0 (every shard group gathers; rank 0's writes)
-      std::vector<float> flat;
-      s.fsdp->fsdp().gather_to_host(s.fsdp->fsdp().master_segments(), flat);
-      if (rank0) {
-        int64_t offset = 0;  // the flat index space: flux_parameter_specs end to end
-        for (const Tensor& tensor : host.tensors()) {
-          std::copy_n(flat.data() + offset, tensor.numel(), tensor.data<float>());
-          offset += tensor.numel();
-        }
-      }
+    const std::string dir = checkpoints_->run_dir();
+    const SafetensorsDType stored = export_safetensors_dtype(config_.checkpoint.export_dtype);
+    if (s.fsdp) {
+      // NOTE [FLUX export in pieces]: every rank writes its chunks, none gathers the model.
+      if (rank0) create_run_dir(dir);
+      const std::string how = write_flux_weights_in_pieces(
+          dir + "/diffusers", s.model_config, stored, *s.fsdp, s.ranks.rank, s.ranks.rank < s.ranks.shard_ranks,
+          static_cast<size_t>(config_.checkpoint.buffer_mb) << 20);
+      if (log) log_info("exported the FLUX weights to {}/diffusers ({}), {}", dir, config_.checkpoint.export_dtype, how);
     } else {
+      FluxParameters host(s.model_config);
       host.assign_from(*s.master);
-    }
-    if (rank0) {
-      const std::string dir = checkpoints_->run_dir();
       create_run_dir(dir);
-      save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers,
-                        export_safetensors_dtype(config_.checkpoint.export_dtype));
+      save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers, stored);
       if (log) log_info("exported the FLUX weights to {}/diffusers ({})", dir, config_.checkpoint.export_dtype);
     }
-    if (s.ranks.world) s.ranks.world->barrier();  // the export is in place before any rank exits
   }
   if (log && config_.logging.profile_ops) {  // NOTE [Op profiling]: the last step's time per op
     std::vector<std::pair<double, std::string>> ops;

@@ -12,8 +12,6 @@
 #include "ckpt/hf_layout.h"
 #include "ckpt/peft_adapter.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -24,6 +22,7 @@
 #include "core/log.h"
 #include "distributed/tensor_parallel_gather.h"
 #include "ops/elementwise.h"
+#include "train/export_in_pieces.h"
 #include "train/trainer.h"
 
 namespace forge {
@@ -213,32 +212,6 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
            dir, experts.size);
 }
 
-namespace {
-
-// Values [0, t.numel()) of an fp32 tensor handed to `write` in runs of at most `window`
-// elements, through a host buffer of that size when t is on the GPU (in place on the CPU).
-// Returns the host bytes staged.
-size_t write_through_host(const Tensor& t, int64_t window,
-                          const std::function<void(int64_t, std::span<const float>)>& write) {
-  FORGE_CHECK(t.dtype() == DType::F32, "Hugging Face export: {} weights, fp32 expected", dtype_name(t.dtype()));
-  const int64_t n = t.numel();
-  if (t.device() == Device::CPU) {
-    write(0, std::span<const float>(t.data<float>(), static_cast<size_t>(n)));
-    return 0;
-  }
-  std::vector<float> host(static_cast<size_t>(std::min(window, n)));
-  const Tensor flat = t.view({n});
-  for (int64_t k = 0; k < n; k += window) {
-    const int64_t count = std::min(window, n - k);
-    copy_bytes(host.data(), Device::CPU, flat.narrow(k, k + count).raw(), t.device(),
-               static_cast<size_t>(count) * sizeof(float));
-    write(k, std::span<const float>(host.data(), static_cast<size_t>(count)));
-  }
-  return host.size() * sizeof(float);
-}
-
-}  // namespace
-
 // NOTE [Export in pieces]
 // When no rank holds the whole model (pipeline stages, FSDP chunks, tensor-parallel shards),
 // none gathers it: every rank writes what it holds into the export's files (NOTE [Export
@@ -254,7 +227,8 @@ size_t write_through_host(const Tensor& t, int64_t window,
 // sum whether each wrote and how many elements, which must be the model's (every element
 // written once), and rank 0 writes the index, config.json and the source's files and
 // renames the directory into place; a last all-reduce holds every rank until it is there
-// (or says it is not). The files are byte for byte one rank's export of the same weights; a
+// (or says it is not): NOTE [Piecewise export protocol] in train/export_in_pieces.h, which
+// FLUX's diffusers export shares (NOTE [FLUX export in pieces]). The files are byte for byte one rank's export of the same weights; a
 // rank adds to its memory at most the window and a 128 KiB conversion buffer. Two exports
 // still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
 // expert parallelism's (each rank holds a slice of the experts, which the writer does not
@@ -262,22 +236,6 @@ size_t write_through_host(const Tensor& t, int64_t window,
 // stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
 // parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
-  DataParallelComm& comm = *checkpoint_comm();  // every rank
-  const int64_t token = std::llround(comm.sum_over_ranks(rank_ == 0 ? static_cast<double>(::getpid()) : 0.0));
-  const std::string temporary = hf_export_temporary_path(dir, token);
-  std::unique_ptr<HfExportDirectory> out;
-  std::string failure;
-  if (rank_ == 0) {
-    try {
-      out = std::make_unique<HfExportDirectory>(dir, config_.model, options, temporary);
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  // The files are there before any rank writes (an all-reduce holds every rank until rank 0's part).
-  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
-    FORGE_FAIL("the Hugging Face export to '{}' could not be started: {}", dir,
-               failure.empty() ? std::string("rank 0 could not create its files (its log says why)") : failure);
   const bool writer = !replicate_group_ || replicate_group_->rank() == 0;
   const HfExportPlan plan = hf_export_plan(config_.model, options);
   const int64_t window = std::max<int64_t>(static_cast<int64_t>(checkpoint_buffer_bytes() / sizeof(float)), 1);
@@ -286,72 +244,55 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
   auto mine = [&](size_t spec) {
     return shard.rank == 0 || plan.specs()[spec].tensor_parallel != TensorParallelSplit::Replicated;
   };
-  int64_t written = 0;
+  std::unique_ptr<HfExportDirectory> out;  // rank 0's; destroyed uncommitted, it removes its files
   size_t staged = 0;
-  if (writer) {
-    try {
-      if (device_ == Device::CUDA) device_synchronize();  // the optimizer's last writes
-      HfExportWriter files(plan, temporary);
-      if (fsdp_) {
-        const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
-        for (size_t i = 0; i < segments.size(); ++i) {
-          const auto spec = static_cast<size_t>(segments[i].spec);
-          if (!mine(spec)) continue;
-          staged = std::max(staged, write_through_host(fsdp_->master_segments()[i], window,
-                                                       [&](int64_t at, std::span<const float> values) {
-                                                         files.write(spec, values, segments[i].param_begin + at, shard);
-                                                       }));
-        }
-      } else {
-        // NOTE [LoRA under pipeline parallelism]: the rank's stages' base, fp32 on the host
-        // (an NF4 one dequantized), with its stages' adapters merged.
-        std::optional<FlatParameters> merged;
-        if (lora_) {
-          merged.emplace(config_.model, Device::CPU, DType::F32, TensorParallelShard{}, pipeline_stages_);
-          if (nf4_base_) nf4_base_->dequantize_into(*merged);
-          else merged->assign_from(*params_);
-          lora_->merge_into(*merged);
-        }
-        const FlatParameters& values = merged ? *merged : *params_;
-        std::map<std::string, size_t> index;
-        for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
-        for (size_t k = 0; k < values.specs().size(); ++k) {
-          const size_t spec = index.at(values.specs()[k].name);
-          if (!mine(spec)) continue;
-          staged = std::max(staged, write_through_host(values.tensors()[k], window,
-                                                       [&](int64_t at, std::span<const float> values) {
-                                                         files.write(spec, values, at, shard);
-                                                       }));
-        }
+  PiecewiseExport e;
+  e.what = "Hugging Face";
+  e.dir = dir;
+  e.numel = plan.numel();
+  e.begin = [&](const std::string& temporary) {
+    out = std::make_unique<HfExportDirectory>(dir, config_.model, options, temporary);
+  };
+  e.commit = [&] { out->commit(); };
+  e.write = [&](const std::string& temporary) {
+    if (device_ == Device::CUDA) device_synchronize();  // the optimizer's last writes
+    HfExportWriter files(plan, temporary);
+    if (fsdp_) {
+      const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
+      for (size_t i = 0; i < segments.size(); ++i) {
+        const auto spec = static_cast<size_t>(segments[i].spec);
+        if (!mine(spec)) continue;
+        staged = std::max(staged, write_through_host(fsdp_->master_segments()[i], window,
+                                                     [&](int64_t at, std::span<const float> values) {
+                                                       files.write(spec, values, segments[i].param_begin + at, shard);
+                                                     }));
       }
-      files.close();
-      written = files.written();
-    } catch (const std::exception& e) {
-      failure = e.what();
+    } else {
+      // NOTE [LoRA under pipeline parallelism]: the rank's stages' base, fp32 on the host
+      // (an NF4 one dequantized), with its stages' adapters merged.
+      std::optional<FlatParameters> merged;
+      if (lora_) {
+        merged.emplace(config_.model, Device::CPU, DType::F32, TensorParallelShard{}, pipeline_stages_);
+        if (nf4_base_) nf4_base_->dequantize_into(*merged);
+        else merged->assign_from(*params_);
+        lora_->merge_into(*merged);
+      }
+      const FlatParameters& values = merged ? *merged : *params_;
+      std::map<std::string, size_t> index;
+      for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
+      for (size_t k = 0; k < values.specs().size(); ++k) {
+        const size_t spec = index.at(values.specs()[k].name);
+        if (!mine(spec)) continue;
+        staged = std::max(staged, write_through_host(values.tensors()[k], window,
+                                                     [&](int64_t at, std::span<const float> values) {
+                                                       files.write(spec, values, at, shard);
+                                                     }));
+      }
     }
-  }
-  const std::vector<double> sums =
-      comm.sum_over_ranks(std::vector<double>{failure.empty() ? 0.0 : 1.0, static_cast<double>(written)});
-  if (!failure.empty())
-    FORGE_FAIL("the Hugging Face export to '{}' could not be written by rank {}: {}", dir, rank_, failure);
-  if (sums[0] > 0)
-    FORGE_FAIL("the Hugging Face export to '{}' could not be written: {} rank(s) failed to write their part (their "
-               "logs say why)",
-               dir, std::llround(sums[0]));
-  FORGE_CHECK(std::llround(sums[1]) == plan.numel(),
-              "the Hugging Face export to '{}': the ranks wrote {} elements, the model has {}", dir,
-              std::llround(sums[1]), plan.numel());
-  if (out) {
-    try {
-      out->commit();
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-  }
-  // The export is in place before any rank goes on.
-  if (comm.sum_over_ranks(failure.empty() ? 0.0 : 1.0) > 0)
-    FORGE_FAIL("the Hugging Face export to '{}' could not be completed: {}", dir,
-               failure.empty() ? std::string("rank 0 could not finish it (its log says why)") : failure);
+    files.close();
+    return files.written();
+  };
+  export_in_pieces(*checkpoint_comm(), rank_, writer, e);  // every rank
   if (out)
     log_info("the Hugging Face export was written by every rank, each its own parameters (nothing gathered; {})",
              staged == 0

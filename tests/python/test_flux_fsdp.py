@@ -4,8 +4,9 @@ latent sizes, the same global batch on 1 rank (accumulation 4), 2 ranks (ZeRO-1,
 bf16 reduction) and 4 ranks (2 shard ranks x 2 replicas): the losses of every step and the
 validation losses within fp32 rounding of the 1-rank run, and the master weights and AdamW
 moments after the last step too (read from the checkpoints both runs save), and the diffusers
-export gathered onto rank 0; so does a run starting from a checkpoint's weights, and one starting
-from the diffusers export re-exports it bit for bit. A run stopped and
+export, which every rank writes its chunks of (NOTE [FLUX export in pieces]); so does a run
+starting from a checkpoint's weights, and runs starting from the diffusers export with lr 0
+on 2 ranks (ZeRO-3, ZeRO-2) and 4 (2 x 2 replicas) re-export it byte for byte. A run stopped and
 resumed under FSDP ends with the uninterrupted run's checkpoint byte for byte, asynchronous
 saves and a small buffer change no byte; a checkpoint
 saved on 2 ranks resumes on 1 and on 4. forge info counts what each rank holds. The refusals: another parallelism, degrees that do
@@ -65,6 +66,15 @@ def state(run_dir, step=STEPS):
         parts = [np.frombuffer(data, np.float32, p["byte_length"] // 4, p["byte_offset"]) for p in t["pieces"]]
         values[(t["state"], t["name"])] = np.concatenate(parts)
     return values
+
+
+def directory_bytes(folder):
+    """{name: bytes} of every file in a folder."""
+    files = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            files[name] = f.read()
+    return files
 
 
 def checkpoint_bytes(run_dir, step=STEPS):
@@ -200,7 +210,7 @@ class FluxFsdp(unittest.TestCase):
             self.assertLess(abs(curves[2][step] - curves[1][step]), 2e-5 * max(1.0, curves[1][step]))
         self.assertNotEqual(curves[1][1], self.single[1])  # it started from the checkpoint's weights
 
-    def test_diffusers_export_gathers_the_weights_onto_rank_zero(self):
+    def test_diffusers_export_written_in_pieces_is_the_one_rank_export(self):
         from safetensors.numpy import load_file
         export = ["--flux.last_save_in_diffusers", "true", "--checkpoint.export_dtype", "fp32"]
         exported = {}
@@ -208,21 +218,38 @@ class FluxFsdp(unittest.TestCase):
             run_dir = self.run_dir(f"export-{ranks}")
             _, out = train(run_dir, ranks, *export, steps=2, data=self.data)
             self.assertIn("exported the FLUX weights", out)
+            if ranks > 1:  # NOTE [FLUX export in pieces]: no rank gathers the model
+                self.assertIn("written by every rank, each its own chunks: nothing gathered", out)
             exported[ranks] = load_file(os.path.join(run_dir, "diffusers", "diffusion_pytorch_model.safetensors"))
         self.assertEqual(exported[1].keys(), exported[2].keys())
         for name, values in exported[1].items():
             self.assertLess(float(np.abs(exported[2][name] - values).max()), 1e-5 * max(1.0, float(np.abs(values).max())),
                             name)
-        # Starting 2 ranks from the 1-rank export (flux.initial_load_path, read a tensor at a
-        # time, each rank keeping its segments) with lr 0 exports the same bits again.
-        run_dir = self.run_dir("from-diffusers")
-        _, out = train(run_dir, 2, *export, "--flux.initial_load_path", os.path.join(self.root, "export-1", "diffusers"),
-                       "--optimizer.lr", "0", "--checkpoint.enable", "false", steps=1, data=self.data)
-        self.assertIn("each rank kept its segments", out)
-        again = load_file(os.path.join(run_dir, "diffusers", "diffusion_pytorch_model.safetensors"))
-        self.assertEqual(again.keys(), exported[1].keys())
-        for name, values in exported[1].items():
-            self.assertTrue(np.array_equal(again[name], values), name)
+        # Starting from the 1-rank export (flux.initial_load_path, read a tensor at a time,
+        # each rank keeping its segments) with lr 0, 2 ranks under ZeRO-3 and ZeRO-2 and 4
+        # ranks of 2 shard ranks x 2 replicas write, each its own chunks, the same files
+        # byte for byte; so do 1 and 2 ranks in bf16.
+        source = os.path.join(self.root, "export-1", "diffusers")
+        source_files = directory_bytes(source)
+        self.assertEqual(sorted(source_files), ["config.json", "diffusion_pytorch_model.safetensors"])
+        again = ["--flux.initial_load_path", source, "--optimizer.lr", "0", "--checkpoint.enable", "false"]
+        bf16 = {}
+        for ranks, replicate, stage, dtype in ((2, 1, 3, "fp32"), (2, 1, 2, "fp32"), (4, 2, 3, "fp32"),
+                                               (1, 1, 3, "bf16"), (2, 1, 3, "bf16")):
+            with self.subTest(ranks=ranks, replicate=replicate, zero_stage=stage, dtype=dtype):
+                run_dir = self.run_dir(f"from-diffusers-{ranks}-{replicate}-{stage}-{dtype}")
+                _, out = train(run_dir, ranks, *export, *again, "--parallelism.zero_stage", str(stage),
+                               "--checkpoint.export_dtype", dtype, replicate=replicate, steps=1, data=self.data)
+                if ranks > 1:
+                    self.assertIn("each rank kept its segments", out)
+                    self.assertIn("nothing gathered", out)
+                files = directory_bytes(os.path.join(run_dir, "diffusers"))
+                self.assertFalse([name for name in os.listdir(run_dir) if ".tmp-export-" in name])
+                if dtype == "fp32":
+                    self.assertEqual(files, source_files)
+                else:
+                    bf16[ranks] = files
+        self.assertEqual(bf16[2], bf16[1])
 
     def test_info_counts_what_each_rank_holds(self):
         result = subprocess.run([forge_bin(), "info", "flux1-dev", "--parallelism.data_parallel_shard_degree", "8"],

@@ -1,6 +1,7 @@
 """FLUX weights in and out of both published layouts (NOTE [FLUX weight files]) on a tiny
 random model: forge reads a folder diffusers' save_pretrained wrote, exactly; forge's
-diffusers export loads with FluxTransformer2DModel.from_pretrained to the same values; forge's
+diffusers export loads with FluxTransformer2DModel.from_pretrained to the same values, cut into
+shards with their index too; forge's
 BFL export, converted by diffusers' own convert_flux_transformer_checkpoint_to_diffusers
 (its hard-coded 3072 width replaced by the tiny model's), loads strictly into diffusers'
 model with the same values, and forge reads it back exactly. Files of another shape, with a
@@ -82,6 +83,17 @@ class FluxWeights(unittest.TestCase):
         run([tool("forge_flux_reference"), "export", self.dir, exported, "diffusers"])
         back = FluxTransformer2DModel.from_pretrained(exported)
         self.assert_same_model({k: v.detach() for k, v in back.state_dict().items()})
+        # Cut into shards of at most 20 kB (NOTE [FLUX export in pieces]), with diffusers' index.
+        sharded = os.path.join(self.dir, "sharded")
+        run([tool("forge_flux_reference"), "export", self.dir, sharded, "diffusers", "20000"])
+        names = sorted(os.listdir(sharded))
+        self.assertIn("diffusion_pytorch_model.safetensors.index.json", names)
+        shards = [n for n in names if n.startswith("diffusion_pytorch_model-")]
+        self.assertGreater(len(shards), 2)
+        self.assertEqual(shards[0], f"diffusion_pytorch_model-00001-of-{len(shards):05d}.safetensors")
+        back = FluxTransformer2DModel.from_pretrained(sharded)
+        self.assert_same_model({k: v.detach() for k, v in back.state_dict().items()})
+        np.testing.assert_array_equal(self.load(sharded), self.stacked(self.params))
 
     def test_bfl_file_in_and_out(self):
         self.stacked(self.params).tofile(os.path.join(self.dir, "weights.bin"))

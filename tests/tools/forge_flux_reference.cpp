@@ -10,7 +10,7 @@
 //                                    sum(out * dout) for every parameter, specs order)
 //   forge_flux_reference load DIR PATH       reads the FLUX weights at PATH (a diffusers folder or
 //                                            BFL's file) into DIR/loaded.bin (specs order)
-//   forge_flux_reference export DIR PATH diffusers|bfl
+//   forge_flux_reference export DIR PATH diffusers|bfl [MAX_SHARD_BYTES]
 //                                            writes DIR/weights.bin's parameters to PATH in that
 //                                            layout (fp32)
 #include <fstream>
@@ -67,7 +67,7 @@ void write(const std::string& path, const Tensor& t) {
 
 int main(int argc, char** argv) try {
   if (argc < 3) {
-    std::cerr << "usage: forge_flux_reference specs|run DIR | load DIR PATH | export DIR PATH diffusers|bfl\n";
+    std::cerr << "usage: forge_flux_reference specs|run DIR | load DIR PATH | export DIR PATH diffusers|bfl [MAX_SHARD_BYTES]\n";
     return 2;
   }
   const std::string mode = argv[1], dir = argv[2];
@@ -91,7 +91,7 @@ int main(int argc, char** argv) try {
       out.write(reinterpret_cast<const char*>(t.data<float>()), static_cast<std::streamsize>(t.nbytes()));
     return 0;
   }
-  if (mode == "export" && argc == 5) {
+  if (mode == "export" && (argc == 5 || argc == 6)) {
     FluxParameters params(config);
     std::ifstream in(dir + "/weights.bin", std::ios::binary);
     for (const Tensor& t : params.tensors())
@@ -100,7 +100,7 @@ int main(int argc, char** argv) try {
     const std::string layout = argv[4];
     FORGE_CHECK(layout == "diffusers" || layout == "bfl", "layout '{}': expected diffusers or bfl", layout);
     save_flux_weights(argv[3], params, layout == "bfl" ? FluxWeightLayout::Bfl : FluxWeightLayout::Diffusers,
-                      SafetensorsDType::F32);
+                      SafetensorsDType::F32, argc == 6 ? std::stoull(argv[5]) : kDiffusersMaxShardBytes);
     return 0;
   }
   FORGE_CHECK(mode == "run" && argc == 3, "unknown mode '{}' or wrong argument count", mode);
