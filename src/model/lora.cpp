@@ -612,7 +612,7 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
     }
     const int64_t r = lora_.rank * t.rank_multiple;  // W_e += scale B_e A_e (NOTE [LoRA on routed experts])
     for (int64_t e = 0; e < t.experts; ++e)
-      matmul(w.narrow(e, e + 1).view({t.out, t.in}), b.narrow(e * t.out, (e + 1) * t.out), false,
+      matmul(moe_expert_matrix(w, e), b.narrow(e * t.out, (e + 1) * t.out), false,
              a.narrow(e * r, (e + 1) * r), false, scale, 1.0f);
   }
 }

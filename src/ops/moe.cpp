@@ -23,10 +23,6 @@ namespace {
 // Token rows are fp32 on the CPU and bf16 on CUDA (NOTE [Op placement]).
 DType row_dtype(Device device) { return device == Device::CUDA ? DType::BF16 : DType::F32; }
 
-// Expert e's [2F, H] or [H, F] matrix of a stacked [E, ., .] tensor.
-Tensor expert_matrix(const Tensor& stacked, int64_t e) {
-  return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)});
-}
 
 // NOTE [MoE expert GEMMs]: the rows every expert has when all have the same (padding to
 // capacity, NOTE [MoE capacity]), so that their GEMMs run batched; 0 otherwise.
@@ -632,7 +628,7 @@ void moe_experts_forward(const MoeExpertBuffers& a, const MoeExpertWeights& w, c
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end)
-        matmul_varying(GemmVarying::M, y.narrow(b, end), x.narrow(b, end), false, expert_matrix(weight, e), true);
+        matmul_varying(GemmVarying::M, y.narrow(b, end), x.narrow(b, end), false, moe_expert_matrix(weight, e), true);
     }
   };
   per_expert(a.gate_up, a.permuted, w.gate_up);
@@ -667,12 +663,13 @@ void moe_experts_backward(const Tensor& d_permuted, const MoeExpertWeights& grad
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end) {
-        matmul_varying(GemmVarying::M, dx.narrow(b, end), dy.narrow(b, end), false, expert_matrix(weight, e), false);
+        matmul_varying(GemmVarying::M, dx.narrow(b, end), dy.narrow(b, end), false, moe_expert_matrix(weight, e),
+                       false);
         if (!frozen)
-          matmul_varying(GemmVarying::K, expert_matrix(dw, e), dy.narrow(b, end), true, x.narrow(b, end), false, 1.0f,
-                         overwrite ? 0.0f : 1.0f);
+          matmul_varying(GemmVarying::K, moe_expert_matrix(dw, e), dy.narrow(b, end), true, x.narrow(b, end), false,
+                         1.0f, overwrite ? 0.0f : 1.0f);
       } else if (overwrite && !frozen) {
-        expert_matrix(dw, e).fill_zero();
+        moe_expert_matrix(dw, e).fill_zero();
       }
     }
   };

@@ -106,6 +106,12 @@
 
 namespace forge {
 
+// Expert e's matrix ([2F, H] gate/up or [H, F] down, or a gradient's) of a stacked
+// [E, ., .] tensor, as a view.
+inline Tensor moe_expert_matrix(const Tensor& stacked, int64_t e) {
+  return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)});
+}
+
 // Token dropping's settings (NOTE [MoE capacity]): factor 0 is dropless.
 struct MoeCapacity {
   double factor = 0.0;

@@ -5,10 +5,6 @@
 namespace forge {
 namespace {
 
-Tensor expert_matrix(const Tensor& stacked, int64_t e) {
-  return stacked.narrow(e, e + 1).view({stacked.dim(1), stacked.dim(2)});
-}
-
 void check_fp8_experts(const MoeExpertWeights& w, const MoeRouting& r, const MoeExpertBuffers& a,
                        const MoeExpertFp8& fp8, const char* op) {
   FORGE_CHECK(fp8.enabled(), "{}: both expert stacks need FP8 settings", op);
@@ -46,7 +42,7 @@ void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& 
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end)
-        fp8_linear_forward(y.narrow(b, end), x.narrow(b, end), expert_matrix(weight, e),
+        fp8_linear_forward(y.narrow(b, end), x.narrow(b, end), moe_expert_matrix(weight, e),
                            fp8_expert_linear(stack, fp8.first_expert + e), nullptr);
     }
   };
@@ -73,13 +69,13 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b == end) {
-        if (overwrite) expert_matrix(dw, e).fill_zero();
+        if (overwrite) moe_expert_matrix(dw, e).fill_zero();
         continue;
       }
       const Fp8Linear expert = fp8_expert_linear(stack, fp8.first_expert + e);
       const Tensor dy_e = dy.narrow(b, end);
-      fp8_linear_backward_input(dx.narrow(b, end), dy_e, expert_matrix(weight, e), expert);
-      fp8_linear_backward_weight(expert_matrix(dw, e), dy_e, x.narrow(b, end), expert, overwrite);
+      fp8_linear_backward_input(dx.narrow(b, end), dy_e, moe_expert_matrix(weight, e), expert);
+      fp8_linear_backward_weight(moe_expert_matrix(dw, e), dy_e, x.narrow(b, end), expert, overwrite);
     }
   };
   per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down, *fp8.down);
