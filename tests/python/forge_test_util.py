@@ -3,6 +3,7 @@ directory per test, a run's losses, and the relative-error measure the tests use
 import atexit
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -75,6 +76,18 @@ def train_on_ranks(run_dir, ranks, data_ranks, *overrides, steps=30, check=True,
     if check and result.returncode != 0:
         raise AssertionError(f"{command} exited {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     return result
+
+
+def train_with_nan_on_rank_one(run_dir, nan_spec, *overrides, steps=4):
+    """forge train for STEPS steps on 2 CPU ranks (micro-batch 2, 4 per step, no evaluation)
+    with FORGE_TEST_INJECT_NAN=NAN_SPEC on rank 1 alone: the finished process."""
+    script = (f'if [ "$RANK" = 1 ]; then export FORGE_TEST_INJECT_NAN={shlex.quote(nan_spec)}; fi; '
+              f'exec {shlex.quote(forge_bin())} "$@"')
+    args = ["train", "--training.steps", str(steps), "--training.local_batch_size", "2",
+            "--training.gradient_accumulation_steps", "4", "--eval.interval", "0", "--logging.run_dir", run_dir,
+            *overrides]
+    return subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", "sh", "-c", script, "sh", *args],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, FORGE_NUM_THREADS="1"))
 
 
 def max_relative_difference(a, b, key):

@@ -23,12 +23,12 @@ histories and scales, so ranks that disagreed would quantize otherwise than in t
 uninterrupted run), and the FP8 all-gather against the bf16 gather."""
 import json
 import os
-import shlex
 import shutil
 import subprocess
 import unittest
 
-from forge_test_util import forge_bin, max_relative_difference, records, scratch_dir, train_on_ranks
+from forge_test_util import (forge_bin, max_relative_difference, records, scratch_dir, train_on_ranks,
+                             train_with_nan_on_rank_one)
 
 STEPS = 20
 TOLERANCE = 2e-3
@@ -133,13 +133,8 @@ class Fp8UnderContextParallelism(unittest.TestCase):
     def test_a_non_finite_amax_on_one_rank_is_skipped_by_both(self):
         run_dir = os.path.join(self.tmp, "nan-skip")
         tensor = "layers.1.mlp.down.weight"
-        script = (f'if [ "$RANK" = 1 ]; then export FORGE_TEST_INJECT_NAN={shlex.quote(f"3:{tensor}@fp8_amax")}; fi; '
-                  f'exec {shlex.quote(forge_bin())} "$@"')
-        args = ["train", "--training.steps", "4", "--training.local_batch_size", "2",
-                "--training.gradient_accumulation_steps", "4", "--eval.interval", "0", "--logging.run_dir", run_dir,
-                *CP2, *TENSORWISE, "--training.on_nonfinite", "skip"]
-        result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", "sh", "-c", script, "sh", *args],
-                                capture_output=True, text=True, timeout=300, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        result = train_with_nan_on_rank_one(run_dir, f"3:{tensor}@fp8_amax", *CP2, *TENSORWISE,
+                                            "--training.on_nonfinite", "skip")
         self.assertEqual(result.returncode, 0, result.stderr[-3000:])
         self.assertIn(f"first non-finite FP8 amax '{tensor}' weight W: amax nan (rank 1; 1 of 2 ranks saw one)",
                       result.stderr)

@@ -20,12 +20,11 @@ loss difference from one rank 2.0e-4 (tensorwise and delayed), 1.5e-4 (interleav
 the bound is 2e-3."""
 import json
 import os
-import shlex
 import shutil
-import subprocess
 import unittest
 
-from forge_test_util import forge_bin, max_relative_difference, records, scratch_dir, train_on_ranks
+from forge_test_util import (max_relative_difference, records, scratch_dir, train_on_ranks,
+                             train_with_nan_on_rank_one)
 
 STEPS = 20
 TOLERANCE = 2e-3
@@ -131,13 +130,7 @@ class Fp8UnderPipelineParallelism(unittest.TestCase):
     def test_a_non_finite_amax_on_the_last_stage_stops_both_ranks(self):
         run_dir = os.path.join(self.tmp, "nan-stop")
         tensor = "layers.3.mlp.down.weight"  # on pipeline rank 1
-        script = (f'if [ "$RANK" = 1 ]; then export FORGE_TEST_INJECT_NAN={shlex.quote(f"2:{tensor}@fp8_amax:1")}; '
-                  f'fi; exec {shlex.quote(forge_bin())} "$@"')
-        args = ["train", "--training.steps", "4", "--training.local_batch_size", "2",
-                "--training.gradient_accumulation_steps", "4", "--eval.interval", "0", "--logging.run_dir", run_dir,
-                *LAYERS, *PP2, *DELAYED]
-        result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", "sh", "-c", script, "sh", *args],
-                                capture_output=True, text=True, timeout=300, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        result = train_with_nan_on_rank_one(run_dir, f"2:{tensor}@fp8_amax:1", *LAYERS, *PP2, *DELAYED)
         self.assertNotEqual(result.returncode, 0)
         expected = (f"FP8 (precision.fp8 delayed): the first non-finite amax, in parameter order, is '{tensor}' "
                     f"weight W: amax nan (rank 1; 1 of 2 ranks saw one)")
