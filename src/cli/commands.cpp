@@ -236,9 +236,11 @@ int run_info(const std::vector<std::string>& args) {
                                plan.tensor_parallel)
                  : std::string(),
              plan.context_parallel > 1
-                 ? fmt::format("; context parallelism {} (a rank's 2 of the {} chunks of every sequence, the keys and "
-                               "values of all gathered for attention)",
-                               plan.context_parallel, 2 * plan.context_parallel)
+                 ? fmt::format("; context parallelism {} (a rank's 2 of the {} chunks of every sequence, {})",
+                               plan.context_parallel, 2 * plan.context_parallel,
+                               plan.context_parallel_rotate == ContextParallelRotate::Ring
+                                   ? "the keys and values passed around a ring for attention"
+                                   : "the keys and values of all gathered for attention")
                  : std::string(),
              plan.pipeline_parallel > 1
                  ? fmt::format("; pipeline parallelism {} x {} stage{} per rank ({} micro-batches; the fullest rank: "

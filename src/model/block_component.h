@@ -51,6 +51,9 @@ struct StepShape {
   int64_t expert_parallel = 1;
   int64_t tensor_parallel = 1;
   int64_t context_parallel = 1;
+  // How a context-parallel rank's attention meets the others' keys and values (their
+  // scratch differs); a model with a ContextParallel group takes the group's.
+  ContextParallelRotate context_parallel_rotate = ContextParallelRotate::AllGather;
   // The rank's tokens as a batch of sequences: [micro_batch, seq_len], or under context
   // parallelism its chunks, [2 micro_batch, seq_len / (2C)] (chunk-major).
   int64_t local_batch() const { return context_parallel > 1 ? 2 * micro_batch : micro_batch; }

@@ -94,13 +94,13 @@ int64_t count_bytes(BlockComponents& components, const ModelConfig& config, cons
 
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
                          ActivationCheckpoint mode, int64_t expert_parallel, int64_t tensor_parallel,
-                         int64_t context_parallel, PipelineStage stage) {
+                         int64_t context_parallel, PipelineStage stage, ContextParallelRotate rotate) {
   const PipelineStage resolved_stage = resolved(validated(config), stage);
   BlockComponents components = make_block_components(config, resolved_stage);
   check_context_parallel(config, context_parallel, seq_len);
   return count_bytes(components, config,
-                     StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel}, mode,
-                     resolved_stage);
+                     StepShape{micro_batch, seq_len, dtype, expert_parallel, tensor_parallel, context_parallel, rotate},
+                     mode, resolved_stage);
 }
 
 DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,

@@ -73,10 +73,12 @@ struct DecoderActivations {
 // under `mode`, with the config's block components.
 // expert_parallel: the expert-parallel degree (a rank's received rows grow with it);
 // tensor_parallel and context_parallel: the tensor- and context-parallel degrees (a rank's
-// share of the activations).
+// share of the activations); rotate: the context-parallel attention's method (the ring's
+// scratch is not the all-gather's).
 int64_t activation_bytes(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, DType dtype,
                          ActivationCheckpoint mode, int64_t expert_parallel = 1, int64_t tensor_parallel = 1,
-                         int64_t context_parallel = 1, PipelineStage stage = {});
+                         int64_t context_parallel = 1, PipelineStage stage = {},
+                         ContextParallelRotate rotate = ContextParallelRotate::AllGather);
 
 class DecoderLM {
  public:

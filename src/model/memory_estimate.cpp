@@ -70,7 +70,8 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       activations += static_cast<double>(pipeline_chunk_in_flight(schedule, r, c)) *
                      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute,
                                                           plan.checkpoint, 1, plan.tensor_parallel,
-                                                          plan.context_parallel, stages.back()));
+                                                          plan.context_parallel, stages.back(),
+                                                          plan.context_parallel_rotate));
     }
     double params = 0;
     for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));
@@ -135,7 +136,8 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state));
   e.activations =
       static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute, plan.checkpoint,
-                                           plan.expert_parallel, plan.tensor_parallel, plan.context_parallel));
+                                           plan.expert_parallel, plan.tensor_parallel, plan.context_parallel, {},
+                                           plan.context_parallel_rotate));
   if (plan.fp8 && plan.cuda) {
     e.fp8_scratch = static_cast<double>(
         fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len / plan.context_parallel));

@@ -40,6 +40,7 @@
 #include "core/dtype.h"
 #include "model/activations.h"
 #include "model/config.h"
+#include "model/context_parallel.h"
 #include "model/fp8_projections.h"
 #include "model/lora_config.h"
 
@@ -78,6 +79,8 @@ struct MemoryPlan {
   int64_t expert_parallel = 1;  // parallelism.expert_parallel_degree
   int64_t tensor_parallel = 1;  // parallelism.tensor_parallel_degree: a rank's shards and activations
   int64_t context_parallel = 1;  // parallelism.context_parallel_degree: a rank's activations
+  // parallelism.context_parallel_rotate_method: the ring's scratch or the all-gather's
+  ContextParallelRotate context_parallel_rotate = ContextParallelRotate::AllGather;
   // parallelism.pipeline_parallel_degree and the stages per rank: a rank's stages' parameters
   // and the micro-batches its schedule holds (the estimate is the fullest rank's)
   int64_t pipeline_parallel = 1, pipeline_virtual_stages = 1;

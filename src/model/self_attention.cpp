@@ -69,7 +69,7 @@ void SelfAttention::lay_out(ArenaLayout& layout, const StepShape& shape, Activat
   edges_.lay_out(layout, shape, hidden_);
   if (shape.context_parallel > 1)
     cp_attention_.lay_out(layout, shape, heads_, kv_heads_, head_dim_,
-                          cp_ ? cp_->rotate_method() : ContextParallelRotate::AllGather);
+                          cp_ ? cp_->rotate_method() : shape.context_parallel_rotate);
 }
 
 void SelfAttention::prepare(const StepShape& shape, Device device) {

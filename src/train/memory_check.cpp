@@ -27,6 +27,7 @@ MemoryPlan memory_plan_of(const ExperimentConfig& config) {
   plan.expert_parallel = p.expert_parallel_degree;
   plan.tensor_parallel = p.tensor_parallel_degree;
   plan.context_parallel = p.context_parallel_degree;
+  plan.context_parallel_rotate = parse_context_parallel_rotate(p.context_parallel_rotate_method);
   plan.pipeline_parallel = p.pipeline_parallel_degree;
   if (p.pipeline_parallel_degree > 1)
     plan.pipeline_virtual_stages = pipeline_virtual_stages(config.model, p.pipeline_parallel_degree,

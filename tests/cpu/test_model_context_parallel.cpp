@@ -226,6 +226,15 @@ TEST(ModelContextParallel, RefusesWhatItCannotSplit) {
   DecoderLM model(tiny, 2, 16, Device::CPU, DType::F32, ActivationCheckpoint::Selective, nullptr, nullptr, &four);
   EXPECT_EQ(model.arena_bytes(), activation_bytes(tiny, 2, 16, DType::F32, ActivationCheckpoint::Selective, 1, 1, 4));
   EXPECT_LT(model.arena_bytes(), activation_bytes(tiny, 2, 16, DType::F32, ActivationCheckpoint::Selective));
+  {  // The ring's scratch (NOTE [Ring attention]) is what forge info counts for it.
+    Unreachable ring(4);
+    ring.set_rotate_method(ContextParallelRotate::Ring);
+    DecoderLM ring_model(tiny, 2, 16, Device::CPU, DType::F32, ActivationCheckpoint::Selective, nullptr, nullptr,
+                         &ring);
+    EXPECT_EQ(ring_model.arena_bytes(), activation_bytes(tiny, 2, 16, DType::F32, ActivationCheckpoint::Selective, 1,
+                                                         1, 4, {}, ContextParallelRotate::Ring));
+    EXPECT_NE(ring_model.arena_bytes(), model.arena_bytes());
+  }
   FlatParameters params(tiny), grads(tiny);
   params.initialize(1);
   const Tensor tokens = testing::random_tokens(2, 16, tiny.vocab_size, 3);
