@@ -1,5 +1,6 @@
 #include "ckpt/hf_export.h"
 
+#include <cctype>
 #include <filesystem>
 #include <span>
 
@@ -16,6 +17,37 @@ SafetensorsDType export_safetensors_dtype(const std::string& export_dtype) {
   if (export_dtype == "fp16") return SafetensorsDType::F16;
   FORGE_CHECK(export_dtype == "fp32", "checkpoint.export_dtype '{}': expected bf16, fp16 or fp32", export_dtype);
   return SafetensorsDType::F32;
+}
+
+uint64_t export_max_shard_bytes(const std::string& text, uint64_t default_bytes, const std::string& key) {
+  if (text.empty()) return default_bytes;
+  size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  const std::string number = text.substr(0, digits), unit = text.substr(digits);
+  struct Unit {
+    const char* name;
+    uint64_t multiplier;
+    bool bits;
+  };
+  static constexpr Unit kUnits[] = {
+      {"", 1, false},           {"KB", 1'000, false},     {"MB", 1'000'000, false}, {"GB", 1'000'000'000, false},
+      {"KiB", 1ull << 10, false}, {"MiB", 1ull << 20, false}, {"GiB", 1ull << 30, false}, {"Kb", 1'000, true},
+      {"Mb", 1'000'000, true},  {"Gb", 1'000'000'000, true}};
+  const Unit* found = nullptr;
+  for (const Unit& u : kUnits)
+    if (unit == u.name) found = &u;
+  if (unit == "kb" || unit == "mb" || unit == "gb")
+    FORGE_FAIL("{} '{}': the unit '{}' is ambiguous (transformers reads it as bits); write {} for bytes, or {} for "
+               "bits",
+               key, text, unit, unit == "kb" ? "KB" : unit == "mb" ? "MB" : "GB",
+               unit == "kb" ? "Kb" : unit == "mb" ? "Mb" : "Gb");
+  if (number.empty() || !found || number.size() > 12)
+    FORGE_FAIL("{} '{}': expected a whole number of bytes, or one with a unit (KB, MB, GB, KiB, MiB, GiB, or Kb, Mb, "
+               "Gb for bits), such as 5GB or 2000MB",
+               key, text);
+  const uint64_t bytes = std::stoull(number) * found->multiplier / (found->bits ? 8 : 1);
+  if (bytes == 0) FORGE_FAIL("{} '{}': a shard must hold at least one byte", key, text);
+  return bytes;
 }
 
 namespace {

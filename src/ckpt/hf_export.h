@@ -38,6 +38,16 @@ class AtomicDirectory;
 // checkpoint.export_dtype's resolved value (bf16, fp16 or fp32) as the stored dtype.
 SafetensorsDType export_safetensors_dtype(const std::string& export_dtype);
 
+// checkpoint.export_max_shard_size read as transformers reads save_pretrained's
+// max_shard_size (convert_file_size_to_int): a whole number of bytes, or one with a unit:
+// KB, MB, GB (powers of 10), KiB, MiB, GiB (powers of 2), or Kb, Mb, Gb (bits: an eighth
+// of the bytes). The all-lowercase kb, mb and gb, which transformers takes as bits, are
+// refused as ambiguous. Empty: `default_bytes` (5 GB for a language model, as
+// save_pretrained's default; 10 GB for a diffusers FLUX folder). Fails naming `key` (the
+// config key, or where it came from) unless the value is a positive size.
+uint64_t export_max_shard_bytes(const std::string& text, uint64_t default_bytes,
+                                const std::string& key = "checkpoint.export_max_shard_size");
+
 struct HfExportOptions {
   SafetensorsDType dtype = SafetensorsDType::F32;  // F32, BF16 or F16
   // A Hugging Face model directory (usually the one training started from) whose

@@ -440,6 +440,10 @@ std::vector<ConfigKey> build_schema() {
           "checkpoint.export_dtype",
           "dtype of the Hugging Face export; auto: the source model's (config.json's dtype), bf16 from scratch", {},
           {"auto", "bf16", "fp16", "fp32"}),
+      key<&E::checkpoint, &CheckpointConfig::export_max_shard_size>(
+          "checkpoint.export_max_shard_size",
+          "largest weight file of an export (Hugging Face or diffusers), as save_pretrained's max_shard_size: 5GB, "
+          "500MB, 4GiB or bytes; empty: 5GB for a language model, 10GB for FLUX (each library's default)"),
       key<&E::checkpoint, &CheckpointConfig::buffer_mb>(
           "checkpoint.buffer_mb", "host memory (MiB) a checkpoint save or load stages its data through",
           ValueRange{1, 1 << 20}),

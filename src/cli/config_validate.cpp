@@ -16,6 +16,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "ckpt/hf_export.h"
 #include "cli/config_schema.h"
 #include "core/checked_math.h"
 #include "core/error.h"
@@ -153,6 +154,7 @@ void check_checkpoint(const ExperimentConfig& config, const KeyDescriber& keys) 
     FORGE_FAIL("{} needs checkpoint.enable: true (resuming is part of checkpointing)",
                show_key("checkpoint.load_step"));
   }
+  export_max_shard_bytes(config.checkpoint.export_max_shard_size, 1, show_key("checkpoint.export_max_shard_size"));
 }
 
 void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {

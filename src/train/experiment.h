@@ -108,6 +108,8 @@ struct CheckpointConfig {
   bool initial_load_in_hf = false;   // initial_load_path is a Hugging Face model directory
   bool last_save_in_hf = false;      // also export the final weights as a Hugging Face model directory
   std::string export_dtype = "auto"; // auto | bf16 | fp16 | fp32; auto is resolved by the cli (the source's, else bf16)
+  std::string export_max_shard_size;  // where exported weight files are cut, as save_pretrained's max_shard_size
+                                     // ("5GB", "500MB", "4GiB", bytes); empty: the format's default (5GB, diffusers 10GB)
   int64_t buffer_mb = 256;           // host staging of a save or load, MiB (NOTE [Streaming checkpoints])
   std::string async_mode = "disabled";  // disabled | async: write while training goes on (NOTE [Async checkpoints])
 };

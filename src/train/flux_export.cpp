@@ -14,9 +14,10 @@
 namespace forge {
 
 std::string write_flux_weights_in_pieces(const std::string& dir, const FluxConfig& config, SafetensorsDType stored,
-                                         FluxFsdp& flux, int rank, bool writer, size_t buffer_bytes) {
+                                         FluxFsdp& flux, int rank, bool writer, size_t buffer_bytes,
+                                         uint64_t max_shard_bytes) {
   Fsdp& fsdp = flux.fsdp();
-  const HfExportPlan plan = flux_weights_plan(config, stored);
+  const HfExportPlan plan = flux_weights_plan(config, stored, max_shard_bytes);
   // The layout's flat index space is flux_parameter_specs end to end (NOTE [FLUX FSDP]),
   // the plan's parameters.
   FORGE_CHECK(fsdp.layout().specs().size() == plan.specs().size(),
@@ -30,7 +31,7 @@ std::string write_flux_weights_in_pieces(const std::string& dir, const FluxConfi
   e.dir = dir;
   e.numel = plan.numel();
   e.begin = [&](const std::string& temporary) {
-    out = std::make_unique<FluxWeightsExport>(dir, config, stored, temporary);
+    out = std::make_unique<FluxWeightsExport>(dir, config, stored, temporary, max_shard_bytes);
   };
   e.commit = [&] { out->commit(); };
   e.write = [&](const std::string& temporary) {

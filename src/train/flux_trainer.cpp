@@ -595,18 +595,20 @@ FluxTrainResult FluxTrainer::run(bool log) {
   if (config_.flux.last_save_in_diffusers && !result.stopped) {
     const std::string dir = checkpoints_->run_dir();
     const SafetensorsDType stored = export_safetensors_dtype(config_.checkpoint.export_dtype);
+    const uint64_t shard_bytes =
+        export_max_shard_bytes(config_.checkpoint.export_max_shard_size, kDiffusersMaxShardBytes);
     if (s.fsdp) {
       // NOTE [FLUX export in pieces]: every rank writes its chunks, none gathers the model.
       if (rank0) create_run_dir(dir);
       const std::string how = write_flux_weights_in_pieces(
           dir + "/diffusers", s.model_config, stored, *s.fsdp, s.ranks.rank, s.ranks.rank < s.ranks.shard_ranks,
-          static_cast<size_t>(config_.checkpoint.buffer_mb) << 20);
+          static_cast<size_t>(config_.checkpoint.buffer_mb) << 20, shard_bytes);
       if (log) log_info("exported the FLUX weights to {}/diffusers ({}), {}", dir, config_.checkpoint.export_dtype, how);
     } else {
       FluxParameters host(s.model_config);
       host.assign_from(*s.master);
       create_run_dir(dir);
-      save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers, stored);
+      save_flux_weights(dir + "/diffusers", host, FluxWeightLayout::Diffusers, stored, shard_bytes);
       if (log) log_info("exported the FLUX weights to {}/diffusers ({})", dir, config_.checkpoint.export_dtype);
     }
   }

@@ -101,6 +101,7 @@ void Trainer::load_fsdp_chunks(const FlatParameters& host) {
 void Trainer::export_hf_model() {
   HfExportOptions options;
   options.dtype = export_safetensors_dtype(config_.checkpoint.export_dtype);  // checked before training
+  options.max_shard_bytes = export_max_shard_bytes(config_.checkpoint.export_max_shard_size, options.max_shard_bytes);
   if (config_.checkpoint.initial_load_in_hf) options.source_dir = config_.checkpoint.initial_load_path;
   const std::string dir = run_dir_ + "/hf";
   // NOTE [Export in pieces]: no rank gathers the model when each holds a part of it.

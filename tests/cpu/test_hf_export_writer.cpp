@@ -130,6 +130,28 @@ std::map<std::string, std::string> written_whole(const FlatParameters& params, c
   return planned_files(plan, dir);
 }
 
+// checkpoint.export_max_shard_size as transformers' convert_file_size_to_int reads it.
+TEST(HfExportWriter, MaxShardSizeReadsAsSavePretrainedsMaxShardSize) {
+  EXPECT_EQ(export_max_shard_bytes("", 5'000'000'000), 5'000'000'000u);
+  EXPECT_EQ(export_max_shard_bytes("", 7), 7u);
+  EXPECT_EQ(export_max_shard_bytes("123", 7), 123u);
+  EXPECT_EQ(export_max_shard_bytes("5GB", 7), 5'000'000'000u);
+  EXPECT_EQ(export_max_shard_bytes("500MB", 7), 500'000'000u);
+  EXPECT_EQ(export_max_shard_bytes("20KB", 7), 20'000u);
+  EXPECT_EQ(export_max_shard_bytes("4GiB", 7), 4ull << 30);
+  EXPECT_EQ(export_max_shard_bytes("3MiB", 7), 3ull << 20);
+  EXPECT_EQ(export_max_shard_bytes("2KiB", 7), 2048u);
+  EXPECT_EQ(export_max_shard_bytes("8Gb", 7), 1'000'000'000u);  // bits
+  EXPECT_EQ(export_max_shard_bytes("80Mb", 7), 10'000'000u);
+  EXPECT_EQ(export_max_shard_bytes("16Kb", 7), 2'000u);
+  expect_error([] { export_max_shard_bytes("5gb", 7, "the.key"); }, {"the.key", "'5gb'", "ambiguous", "GB", "Gb"});
+  expect_error([] { export_max_shard_bytes("5mb", 7); }, {"checkpoint.export_max_shard_size", "MB"});
+  for (const char* bad : {"5 GB", "GB", "5TB", "-1", "1.5GB", "5G", "99999999999999GB"})
+    expect_error([&] { export_max_shard_bytes(bad, 7); }, {"checkpoint.export_max_shard_size", "expected a whole number"});
+  expect_error([] { export_max_shard_bytes("0", 7); }, {"at least one byte"});
+  expect_error([] { export_max_shard_bytes("0GiB", 7); }, {"at least one byte"});
+}
+
 TEST(HfExportWriter, PlannedFilesAreWriteSafetensorsOfTheModelsTensors) {
   for (const ModelConfig& config : {llama(), deepseek_v3()})
     for (SafetensorsDType dtype : {SafetensorsDType::F32, SafetensorsDType::BF16, SafetensorsDType::F16})

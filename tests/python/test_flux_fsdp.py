@@ -250,6 +250,21 @@ class FluxFsdp(unittest.TestCase):
                 else:
                     bf16[ranks] = files
         self.assertEqual(bf16[2], bf16[1])
+        # checkpoint.export_max_shard_size cuts the files written in pieces as diffusers
+        # would: several files and an index, holding the source's tensors exactly.
+        run_dir = self.run_dir("from-diffusers-sharded")
+        train(run_dir, 2, *export, *again, "--checkpoint.export_max_shard_size", "100KB", steps=1, data=self.data)
+        sharded = os.path.join(run_dir, "diffusers")
+        with open(os.path.join(sharded, "diffusion_pytorch_model.safetensors.index.json")) as f:
+            weight_map = json.load(f)["weight_map"]
+        self.assertGreater(len(set(weight_map.values())), 2)
+        tensors = {}
+        for name in sorted(set(weight_map.values())):
+            tensors.update(load_file(os.path.join(sharded, name)))
+        source_tensors = load_file(os.path.join(source, "diffusion_pytorch_model.safetensors"))
+        self.assertEqual(sorted(tensors), sorted(source_tensors))
+        for name, values in source_tensors.items():
+            self.assertTrue(np.array_equal(tensors[name], values), name)
 
     def test_info_counts_what_each_rank_holds(self):
         result = subprocess.run([forge_bin(), "info", "flux1-dev", "--parallelism.data_parallel_shard_degree", "8"],

@@ -156,6 +156,40 @@ class TrainFromHuggingFace(unittest.TestCase):
         changed = [n for n, p in loaded.state_dict().items() if not torch.equal(p, self.model.state_dict()[n])]
         self.assertTrue(changed, "training did not change the weights")
 
+    def test_export_max_shard_size_cuts_the_files_as_save_pretrained(self):
+        # checkpoint.export_max_shard_size as save_pretrained's max_shard_size: a lr-0 export
+        # cut into several files with an index equals the source, and transformers loads it.
+        run_dir = os.path.join(self.work, "sharded")
+        self.train(run_dir, "--optimizer.lr", "0", "--lr_scheduler.decay_style", "linear",
+                   "--checkpoint.export_max_shard_size", "20KB")
+        hf_dir = os.path.join(run_dir, "hf")
+        with open(os.path.join(hf_dir, "model.safetensors.index.json")) as f:
+            index = json.load(f)["weight_map"]
+        files = sorted(set(index.values()))
+        self.assertGreater(len(files), 2)
+        for name in files:  # a file holds more than one tensor only while under 20 kB
+            tensors = load_file(os.path.join(hf_dir, name))
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            self.assertTrue(len(tensors) == 1 or size <= 20_000, f"{name}: {len(tensors)} tensors, {size} bytes")
+        source = load_file(os.path.join(self.source, "model.safetensors"))
+        self.assertEqual(sorted(source), sorted(index))
+        loaded = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        for name, p in self.model.state_dict().items():
+            self.assertTrue(torch.equal(loaded.state_dict()[name], p.float()), name)
+
+    def test_a_bad_export_max_shard_size_is_refused_before_training(self):
+        for value, expected in (("5gb", "ambiguous"), ("5 GB", "expected a whole number"), ("0", "at least one byte"),
+                                ("TB", "expected a whole number")):
+            with self.subTest(value=value):
+                run_dir = os.path.join(self.work, "bad-shard-size")
+                result = subprocess.run([forge_bin(), "train", "--checkpoint.export_max_shard_size", value,
+                                         "--training.steps", "1", "--logging.run_dir", run_dir],
+                                        capture_output=True, text=True)
+                self.assertNotEqual(result.returncode, 0)
+                self.assertIn("checkpoint.export_max_shard_size", result.stderr)
+                self.assertIn(expected, result.stderr)
+                self.assertFalse(os.path.exists(os.path.join(run_dir, "metrics.jsonl")))
+
     def test_resuming_a_run_that_exported_is_refused_before_training(self):
         run_dir = os.path.join(self.work, "done")
         self.train(run_dir, "--checkpoint.enable", "true")
