@@ -1,0 +1,111 @@
+"""Expert parallelism under pipeline parallelism across real CPU processes (forge launch, the
+CPU process group; NOTE [Expert parallelism under pipeline parallelism] in
+src/model/pipeline.h): 2 pipeline ranks x 2 data-parallel shard ranks, which form one
+expert-parallel group per stage (each rank holding half the routed experts of its stages'
+MoE blocks, FSDP ZeRO-1 sharding the rest over the stage's 2 ranks and each expert slice
+over the stage's ranks that hold it), follow one rank with the global batch kept equal:
+a Mixtral-like debug-tiny-moe (4 blocks, softmax routing, the per-layer balancing loss and
+the z-loss) and a DeepSeek-like debug-tiny-mla (4 blocks: MLA, a dense first block, MoE
+blocks with a shared expert, sigmoid routing with the routing biases' update, which takes
+every stage's loads summed over the data-parallel ranks and the pipeline), under 1F1B and the interleaved schedule: the losses,
+gradient norms and validation losses at every step, the expert loads of the first steps
+(exact) and the final weights of the checkpoint. A checkpoint saved under pipeline x expert
+parallelism resumes on one rank, and one rank's under pipeline x expert parallelism, each
+continuing the run that saved it; the configurations still refused name their keys.
+
+Measured (20 steps): the largest relative differences from one rank are within fp32
+reordering (losses, gradient norms and validation losses under 1e-6), the final weights
+within 1e-6 absolute. Routing is discrete, so the bound is test_pipeline_moe_mla.py's 1e-5."""
+import os
+import subprocess
+import unittest
+
+import numpy
+
+from forge_test_util import (expect_continues, forge_bin, max_relative_difference, records, resumed_copy,
+                             scratch_dir, train_on_ranks)
+from test_fsdp import checkpoint_weights
+
+STEPS = 20
+TOLERANCE = 1e-5
+PP2_EP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+           "--parallelism.expert_parallel_degree", "2", "--parallelism.zero_stage", "1"]
+INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS // 2)]
+MODELS = {
+    "mixtral": ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--model.router_aux_loss_coef", "0.01",
+                "--model.router_aux_loss_type", "per_layer", "--model.router_z_loss_coef", "0.001"],
+    "deepseek": ["--model.name", "debug-tiny-mla", "--model.num_layers", "4", "--model.router_score_function",
+                 "sigmoid", "--model.router_bias_update_rate", "0.001"],
+}
+
+
+class PipelineTimesExpertParallel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    def expect_follows(self, run, one):
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+            gap = max_relative_difference(records(run, kind), records(one, kind), key)
+            print(f"{os.path.basename(run)} {kind} {key}: {gap:.2e}")
+            self.assertLess(gap, TOLERANCE, key)
+        self.assertEqual([r["expert_load"] for r in records(run, "train")][:5],
+                         [r["expert_load"] for r in records(one, "train")][:5])
+        gap = float(numpy.abs(checkpoint_weights(run, STEPS) - checkpoint_weights(one, STEPS)).max())
+        print(f"{os.path.basename(run)} final weights: {gap:.2e}")
+        self.assertLess(gap, 1e-5)
+
+    def test_follows_one_rank_and_resumes_on_one(self):
+        for model, flags in MODELS.items():
+            one = os.path.join(self.tmp, f"{model}-one")
+            train_on_ranks(one, 1, 1, *flags, *CHECKPOINTS, steps=STEPS)
+            trained = records(one, "train")
+            self.assertLess(trained[-1]["loss"], trained[0]["loss"] - 0.1, model)
+            for name, schedule, log in (("pp2-ep2", [], "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                                        ("pp2-ep2-interleaved", INTERLEAVED,
+                                         "pipeline rank 0 of 2: blocks 0, 2 and the embedding")):
+                with self.subTest(model=model, run=name):
+                    run = os.path.join(self.tmp, f"{model}-{name}")
+                    result = train_on_ranks(run, 4, 2, *flags, *PP2_EP2, *schedule, *CHECKPOINTS, steps=STEPS)
+                    self.assertIn(log, result.stdout + result.stderr)
+                    self.assertIn("expert parallelism 2: routed experts 0-", result.stdout + result.stderr)
+                    self.expect_follows(run, one)
+            # The pipeline x expert-parallel checkpoint of step 10 (its files by the 2 shard
+            # ranks) resumed on one rank, and one rank's resumed under pipeline x expert
+            # parallelism (interleaved): steps 11-20 are the saving run's. The copies hold
+            # the evaluations of steps 10 and 20, then the resumed run's of step 20.
+            for name, source, ranks, data_ranks, layout, saved_by in (
+                    ("resumed on one rank", f"{model}-pp2-ep2", 1, 1, [], "saved by 2 ranks"),
+                    ("resumed under pp2 x ep2", f"{model}-one", 4, 2, PP2_EP2 + INTERLEAVED, "saved by 1 rank")):
+                with self.subTest(model=model, run=name):
+                    source = os.path.join(self.tmp, source)
+                    resumed = os.path.join(self.tmp, f"{model}-{name.replace(' ', '-')}")
+                    result, resumed_train, _ = resumed_copy(source, resumed, ranks, data_ranks, *flags, *layout,
+                                                            steps=STEPS)
+                    self.assertIn(saved_by, result.stdout + result.stderr)
+                    expect_continues(self, source, resumed_train, records(resumed, "eval")[2:], TOLERANCE,
+                                     steps=STEPS)
+
+    def test_refused_configurations_name_their_keys(self):
+        moe = MODELS["mixtral"]
+        for flags, words in (
+                # EP groups are formed from a stage's shard ranks.
+                (moe + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
+                 ["parallelism.expert_parallel_degree = 2", "must divide parallelism.data_parallel_shard_degree"]),
+                # LoRA under pipelining runs on pipeline ranks alone.
+                (moe + PP2_EP2 + ["--lora.rank", "4"],
+                 ["lora.rank", "cannot be combined with parallelism.data_parallel_shard_degree = 2"]),
+                # ZeRO-1 only under pipelining.
+                (moe + PP2_EP2 + ["--parallelism.zero_stage", "2"], ["parallelism.zero_stage = 2"])):
+            with self.subTest(flags=flags):
+                result = subprocess.run([forge_bin(), "train", "--training.steps", "1", "--logging.run_dir",
+                                         os.path.join(self.tmp, "refused"), *flags],
+                                        capture_output=True, text=True, timeout=120)
+                self.assertNotEqual(result.returncode, 0)
+                for word in words:
+                    self.assertIn(word, result.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
