@@ -361,7 +361,8 @@ void Trainer::log_fsdp_memory() const {
 // Consecutive ranks split the layers (the busiest collectives, inside a node), the ranks of
 // one data-parallel rank split its sequences, each data-parallel rank reads its own
 // micro-batches, and the pipeline's point-to-point traffic, the lightest, crosses nodes.
-// (Pipeline parallelism takes no other degree yet: the config rules refuse the mixes.)
+// Expert-parallel groups are consecutive shard ranks, so under pipelining a stage's (NOTE
+// [Expert parallelism under pipeline parallelism] in model/pipeline.h).
 //
 // NOTE [Context-parallel steps]
 // The ranks of a context-parallel group read the same micro-batches and each computes its

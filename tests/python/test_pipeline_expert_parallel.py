@@ -9,9 +9,11 @@ the z-loss) and a DeepSeek-like debug-tiny-mla (4 blocks: MLA, a dense first blo
 blocks with a shared expert, sigmoid routing with the routing biases' update, which takes
 every stage's loads summed over the data-parallel ranks and the pipeline), under 1F1B and the interleaved schedule: the losses,
 gradient norms and validation losses at every step, the expert loads of the first steps
-(exact) and the final weights of the checkpoint. A checkpoint saved under pipeline x expert
+(exact), the final weights of the checkpoint and the Hugging Face export (written in pieces,
+each rank its own expert slices). A checkpoint saved under pipeline x expert
 parallelism resumes on one rank, and one rank's under pipeline x expert parallelism, each
-continuing the run that saved it; the configurations still refused name their keys.
+continuing the run that saved it; forge info sizes a pipeline rank by the degree; the
+configurations still refused name their keys.
 
 The interleaved runs recompute every block (full activation checkpointing), so the
 recomputed forwards dispatch again; FP8 (tensorwise and delayed) follows the one-rank FP8
@@ -24,6 +26,7 @@ test_pipeline_moe_mla.py's 1e-5. FP8 (10 steps): losses 1.4e-4 (tensorwise) and 
 (delayed) from one rank's FP8 run, the bound test_fp8_pipeline_parallel.py's 2e-3."""
 import json
 import os
+import re
 import subprocess
 import unittest
 
@@ -41,6 +44,7 @@ PP2_EP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_pa
 # schedule's order on every rank of a group alike.
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--activation_checkpoint.mode", "full"]
 CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", str(STEPS // 2)]
+EXPORT = ["--checkpoint.last_save_in_hf", "true", "--checkpoint.export_dtype", "fp32"]
 MODELS = {
     "mixtral": ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--model.router_aux_loss_coef", "0.01",
                 "--model.router_aux_loss_type", "per_layer", "--model.router_z_loss_coef", "0.001"],
@@ -64,11 +68,19 @@ class PipelineTimesExpertParallel(unittest.TestCase):
         gap = float(numpy.abs(checkpoint_weights(run, STEPS) - checkpoint_weights(one, STEPS)).max())
         print(f"{os.path.basename(run)} final weights: {gap:.2e}")
         self.assertLess(gap, 1e-5)
+        # NOTE [Export in pieces]: every rank writes its stages' chunks, its expert slices at
+        # their experts' places, into one rank's Hugging Face files.
+        from safetensors.numpy import load_file
+        mine, theirs = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (run, one))
+        self.assertEqual(mine.keys(), theirs.keys())
+        gap = max(float(numpy.abs(mine[name] - value).max()) for name, value in theirs.items())
+        print(f"{os.path.basename(run)} Hugging Face export: {gap:.2e}")
+        self.assertLess(gap, 1e-5)
 
     def test_follows_one_rank_and_resumes_on_one(self):
         for model, flags in MODELS.items():
             one = os.path.join(self.tmp, f"{model}-one")
-            train_on_ranks(one, 1, 1, *flags, *CHECKPOINTS, steps=STEPS)
+            train_on_ranks(one, 1, 1, *flags, *CHECKPOINTS, *EXPORT, steps=STEPS)
             trained = records(one, "train")
             self.assertLess(trained[-1]["loss"], trained[0]["loss"] - 0.1, model)
             for name, schedule, log in (("pp2-ep2", [], "pipeline rank 1 of 2: blocks 2-3 and the head"),
@@ -76,7 +88,8 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                                          "pipeline rank 0 of 2: blocks 0, 2 and the embedding")):
                 with self.subTest(model=model, run=name):
                     run = os.path.join(self.tmp, f"{model}-{name}")
-                    result = train_on_ranks(run, 4, 2, *flags, *PP2_EP2, *schedule, *CHECKPOINTS, steps=STEPS)
+                    result = train_on_ranks(run, 4, 2, *flags, *PP2_EP2, *schedule, *CHECKPOINTS, *EXPORT,
+                                            steps=STEPS)
                     self.assertIn(log, result.stdout + result.stderr)
                     self.assertIn("expert parallelism 2: routed experts 0-", result.stdout + result.stderr)
                     self.expect_follows(run, one)
@@ -122,6 +135,31 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                             states.append(json.load(f)["fp8_delayed"]["histories"])
                     self.assertEqual(len(states[1]), len(states[0]))
                     self.assertEqual([h == 0 for h in states[1]], [h == 0 for h in states[0]])
+
+    def test_info_sizes_a_pipeline_rank_by_the_degree(self):
+        """A pipeline rank's full-size buffers hold its stages' blocks with 8 of the 64
+        experts each (its bf16 weights and gradient buffers shrink; the sharded masters and
+        AdamW state are 1/8 of its stages' either way), and its received-row buffers may take
+        every row of its group (the activations grow), as without pipelining
+        (test_expert_parallel.py)."""
+        base = ["deepseek-v2-lite", "--model.num_layers", "26", "--training.seq_len", "4096", "--training.device",
+                "cuda", "--training.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "8",
+                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "1"]
+        parts = {}
+        for degree in (1, 8):
+            result = subprocess.run([forge_bin(), "info", *base, "--parallelism.expert_parallel_degree", str(degree)],
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            line = next(l for l in result.stdout.splitlines() if "one GPU (bf16)" in l)
+            parts[degree] = {name: float(re.search(name + r" ([0-9.]+) GiB", line).group(1))
+                             for name in ("master weights", "bf16 weights", "gradients", "AdamW state", "activations")}
+            if degree > 1:
+                self.assertIn("expert parallelism 8 (8 of the 64 routed experts per rank)", result.stdout)
+        self.assertLess(parts[8]["bf16 weights"], parts[1]["bf16 weights"] / 2)
+        self.assertLess(parts[8]["gradients"], parts[1]["gradients"] / 2)
+        self.assertEqual(parts[8]["master weights"], parts[1]["master weights"])
+        self.assertEqual(parts[8]["AdamW state"], parts[1]["AdamW state"])
+        self.assertGreater(parts[8]["activations"], parts[1]["activations"])
 
     def test_refused_configurations_name_their_keys(self):
         moe = MODELS["mixtral"]
