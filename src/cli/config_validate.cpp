@@ -402,9 +402,10 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
 // the gradient accumulation's. Full training in the compute dtype or in FP8 (NOTE [FP8
 // under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA on
 // pipeline ranks alone (NOTE [LoRA under pipeline parallelism] in model/lora.h); Multi-head
-// Latent Attention and Mixture-of-Experts blocks without expert parallelism, with a
-// balancing loss that sums over the layers (NOTE [Pipeline stages] in
-// model/pipeline_stage.h); the rest is refused by name.
+// Latent Attention and Mixture-of-Experts blocks, with a balancing loss that sums over the
+// layers (NOTE [Pipeline stages] in model/pipeline_stage.h), and with expert parallelism
+// over a stage's shard ranks (NOTE [Expert parallelism under pipeline parallelism] in
+// model/pipeline.h); the rest is refused by name.
 void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   const int64_t degree = p.pipeline_parallel_degree;
@@ -451,9 +452,9 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
                pp, show(config, keys, "parallelism.data_parallel_shard_degree"),
                show(config, keys, "parallelism.data_parallel_replicate_degree"),
                show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
-  refuse(p.expert_parallel_degree > 1, "parallelism.expert_parallel_degree",
-         "the experts' all-to-alls are not scheduled between the pipeline's exchanges (Mixture-of-Experts blocks are "
-         "cut into stages without expert parallelism)");
+  // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
+  // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
+  // asks the shard degree to take it, and LoRA under pipelining no data parallelism below.
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, on pipeline ranks alone.
   if (config.lora.enabled()) {

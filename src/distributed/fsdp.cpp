@@ -67,9 +67,6 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
                                          "all-gather (fp8_all_gather)");
     FORGE_CHECK(!options.frozen, "FSDP over a pipeline rank's stages (pipeline_stages) does not hold a frozen (LoRA) "
                                  "base");
-    FORGE_CHECK(options.expert_parallel == 1, "FSDP over a pipeline rank's stages (pipeline_stages) does not do "
-                                              "expert parallelism (expert_parallel {})",
-                options.expert_parallel);
     FORGE_CHECK(!config.tie_word_embeddings ||
                     (layout_.holds(FsdpLayout::kEmbeddingUnit) && layout_.holds(layout_.head_unit())),
                 "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "

@@ -63,8 +63,10 @@
 // first *_done of the step (NOTE [Fresh gradient buffers]): the schedule's backwards of a
 // unit come micro-batch after micro-batch, the first writing over the buffer, the others
 // adding. ZeRO-2/3 (which would reduce per micro-batch and gather blocks around their use
-// in an interleaved order), the FP8 all-gather, a frozen base and expert parallelism are
-// refused with pipeline stages.
+// in an interleaved order), the FP8 all-gather and a frozen base are refused with pipeline
+// stages. Expert parallelism works as without them: the stages' expert stacks are cut
+// into expert parts over the stage's shard ranks that hold the same experts (NOTE [Expert
+// parallelism under pipeline parallelism] in model/pipeline.h).
 //
 // NOTE [Frozen FSDP base]
 // A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each

@@ -69,19 +69,25 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       stages.push_back(pipeline_stage(config, p, v, r, c));
       activations += static_cast<double>(pipeline_chunk_in_flight(schedule, r, c)) *
                      static_cast<double>(activation_bytes(config, plan.micro_batch, plan.seq_len, compute,
-                                                          plan.checkpoint, 1, plan.tensor_parallel,
+                                                          plan.checkpoint, plan.expert_parallel, plan.tensor_parallel,
                                                           plan.context_parallel, stages.back(),
                                                           plan.context_parallel_rotate));
     }
-    double params = 0;
+    double params = 0, held = 0;
     for (const ParamSpec& spec : pipeline_stage_specs(specs, stages)) params += static_cast<double>(shape_numel(spec.shape));
+    // NOTE [Expert parallelism under pipeline parallelism]: the full-size buffers hold the
+    // rank's experts of its stages; each expert part is sharded over the ranks holding it,
+    // so the chunks are 1/n of the stages' parameters either way.
+    for (const ParamSpec& spec :
+         expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel}))
+      held += static_cast<double>(shape_numel(spec.shape));
     // Under FSDP (ZeRO-1 over the stage's data-parallel ranks): the masters, AdamW state and
     // gradient chunk sharded, the full fp32 gradients and compute weights kept.
     const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
     MemoryEstimate e;
     e.master_weights = params * 4 / n;
-    e.compute_weights = plan.cuda ? params * 2 : plan.fsdp ? params * 4 : 0.0;
-    e.gradients = params * 4 + (plan.fsdp ? params * 4 / n : 0.0);
+    e.compute_weights = plan.cuda ? held * 2 : plan.fsdp ? held * 4 : 0.0;
+    e.gradients = held * 4 + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
     if (plan.fp8 && plan.cuda) {

@@ -23,9 +23,10 @@
 // parallelism) and the weight cache (a pipeline rank's: its stages' FP8 weights); the CPU
 // path allocates none.
 // Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
-// the units' full-size buffers hold 1/P of each MoE block's routed experts, and a rank's
-// received rows (in the activations, and LoRA's routed-expert workspace) may be P times a
-// micro-batch's assignments.
+// the units' full-size buffers hold 1/P of each MoE block's routed experts (under pipeline
+// parallelism, of the rank's stages' blocks), and a rank's received rows (in the
+// activations, and LoRA's routed-expert workspace) may be P times a micro-batch's
+// assignments.
 // Tensor parallelism of degree T (NOTE [Tensor parallelism] in model/tensor_parallel.h):
 // everything above counts the rank's shards (parameter_specs(config, shard)), FSDP's
 // units too, and the activations are the rank's arena. Context parallelism of degree C

@@ -75,7 +75,7 @@ int pipeline_chunk_in_flight(const PipelineSchedule& schedule, int rank, int chu
 PipelineModel::PipelineModel(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device,
                              DType compute_dtype, ActivationCheckpoint checkpoint, PipelineParallel& pipeline,
                              PipelineScheduleKind kind, const PipelineShape& shape, TensorParallel* tensor_parallel,
-                             ContextParallel* context_parallel)
+                             ContextParallel* context_parallel, ExpertDispatch* experts)
     : pipeline_(pipeline), shape_(shape) {
   check_pipeline_shape(kind, shape);
   FORGE_CHECK(pipeline.size() == shape.stages && shape.stages >= 2,
@@ -96,7 +96,7 @@ PipelineModel::PipelineModel(const ModelConfig& config, int64_t micro_batch, int
     chunk.slot_of.assign(static_cast<size_t>(shape.micro_batches), -1);
     for (int k = 0; k < pipeline_chunk_in_flight(schedule_, rank, v); ++k) {
       chunk.models.push_back(std::make_unique<DecoderLM>(config, micro_batch, seq_len, device, compute_dtype,
-                                                         checkpoint, nullptr, tensor_parallel, context_parallel,
+                                                         checkpoint, experts, tensor_parallel, context_parallel,
                                                          chunk.stage));
       chunk.free.push_back(k);
     }

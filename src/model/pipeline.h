@@ -27,6 +27,35 @@
 // stage; the others return an empty LossSum, so a sum over the group is the step's.
 // The model makes no communication call itself: PipelineParallel is the trainer's, over
 // ProcessGroup::send_recv (distributed/pipeline_parallel_group.h).
+//
+// NOTE [Expert parallelism under pipeline parallelism]
+// With parallelism.expert_parallel_degree E > 1 under pipeline parallelism, the ranks of
+// one pipeline rank (a stage's D data-parallel shard ranks, rank = p·D + d: NOTE [Device
+// mesh] in train/trainer.cpp; Mixture-of-Experts models take no tensor or context
+// parallelism) form D/E expert-parallel groups of E consecutive shard ranks, as DeepSeek-V3
+// and Megatron-LM put EP inside the data-parallel ranks of a pipeline stage. Every MoE
+// block of every chunk's models dispatches and combines over that group (NOTE [Expert
+// parallelism] in model/expert_dispatch.h): each DecoderLM the PipelineModel builds is
+// handed the same ExpertDispatch. The all-to-alls line up without a schedule of their own:
+// the ranks of a group hold the same stages and walk the same schedule (the same
+// forwards, backwards and exchanges of the same micro-batches, in the same order; only the
+// tokens differ), so their k-th dispatch is the same block of the same micro-batch's
+// forward or backward (or activation recomputation) on every one of them. A pipeline
+// exchange pairs a rank with the ranks of the same shard index on the neighbouring stages,
+// whose groups are in the same place of the same schedule, so the two kinds of collective
+// cannot wait on each other in a cycle; a stage without MoE blocks (DeepSeek's dense first
+// blocks) dispatches nothing on every rank of its group alike. Each micro-batch's model
+// keeps its own forward counts for its backward, so the interleaved micro-batches never
+// share them.
+// The weights: FSDP (ZeRO-1 over the pipeline rank's stages: NOTE [FSDP] in
+// distributed/fsdp.h) lays the stages' expert stacks out in expert parts, each rank's E/D
+// local experts sharded over the stage's D/E ranks that hold the same experts, whose
+// gradients alone they sum; the other weights are sharded and summed over the stage's D
+// ranks as without experts. A checkpoint holds every parameter at its place in the whole
+// model (each rank writes its segments: the expert slices at their experts' offsets), so it
+// loads under any other layout, one rank included. The expert loads are each rank's
+// tokens': summed over the data-parallel ranks, then the pipeline group (NOTE [Pipeline
+// stages]), they are the whole model's for the routing bias update.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +65,7 @@
 
 #include "core/tensor.h"
 #include "model/decoder_lm.h"
+#include "model/expert_dispatch.h"
 #include "model/pipeline_schedule.h"
 #include "model/pipeline_stage.h"
 
@@ -86,11 +116,13 @@ class PipelineModel {
  public:
   // The rank's chunks of the model for `shape.micro_batches` micro-batches per step; the
   // other arguments as DecoderLM's. `pipeline` (and the tensor- and context-parallel
-  // groups) outlive the model.
+  // groups, and `experts`) outlive the model. `experts`: the expert-parallel group of the
+  // pipeline rank's data-parallel ranks, which every stage's MoE blocks dispatch over
+  // (NOTE [Expert parallelism under pipeline parallelism]); null without it.
   PipelineModel(const ModelConfig& config, int64_t micro_batch, int64_t seq_len, Device device, DType compute_dtype,
                 ActivationCheckpoint checkpoint, PipelineParallel& pipeline, PipelineScheduleKind kind,
                 const PipelineShape& shape, TensorParallel* tensor_parallel = nullptr,
-                ContextParallel* context_parallel = nullptr);
+                ContextParallel* context_parallel = nullptr, ExpertDispatch* experts = nullptr);
 
   // One step: every micro-batch's forward and backward through the schedule; gradients of
   // grad_scale x (sum of token losses) into `grads` (NOTE [Fresh gradient buffers]).

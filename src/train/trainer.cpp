@@ -245,7 +245,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                               static_cast<int>(t.gradient_accumulation_steps)};
     pipeline_model_ = std::make_unique<PipelineModel>(config_.model, t.local_batch_size, t.seq_len, device_,
                                                       compute_dtype, checkpointing, *pipeline_, kind, shape,
-                                                      tensor_parallel_.get(), context_parallel_.get());
+                                                      tensor_parallel_.get(), context_parallel_.get(),
+                                                      expert_dispatch_.get());
     std::string blocks;
     int held = 0;
     int64_t held_params = 0;  // the stages' parameters (a QLoRA base's before it is imported too)
@@ -360,7 +361,8 @@ void Trainer::log_fsdp_memory() const {
 // Consecutive ranks split the layers (the busiest collectives, inside a node), the ranks of
 // one data-parallel rank split its sequences, each data-parallel rank reads its own
 // micro-batches, and the pipeline's point-to-point traffic, the lightest, crosses nodes.
-// (Pipeline parallelism takes no other degree yet: the config rules refuse the mixes.)
+// Expert-parallel groups are consecutive shard ranks, so under pipelining a stage's (NOTE
+// [Expert parallelism under pipeline parallelism] in model/pipeline.h).
 //
 // NOTE [Context-parallel steps]
 // The ranks of a context-parallel group read the same micro-batches and each computes its
@@ -462,15 +464,20 @@ void Trainer::set_up_data_parallel() {
     shard_group_ = shard_split_.get();
   }
   if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks, no replicas
+    // NOTE [Expert parallelism under pipeline parallelism] in model/pipeline.h: P
+    // consecutive ranks are P consecutive shard ranks of one stage (no tensor or context
+    // parallelism with experts), so the groups never cross a pipeline rank; the ranks
+    // holding the same experts are the stage's.
     const int ep = static_cast<int>(p.expert_parallel_degree);
     expert_parallel_group_ = world_->split(rank_ / ep, rank_);
-    expert_shard_group_ = world_->split(rank_ % ep, rank_);
+    expert_shard_group_ = stage_world->split(local % ep, local);
     expert_dispatch_ = std::make_unique<GroupExpertDispatch>(*expert_parallel_group_, device_);
   }
 }
 
 ExpertShard Trainer::expert_shard() const {
-  // The expert-parallel group of rank r: ranks [r - r % P, r - r % P + P), r its (r % P)-th.
+  // The expert-parallel group of rank r: ranks [r - r % P, r - r % P + P), r its (r % P)-th
+  // (under pipeline parallelism all of one stage: P divides its ranks).
   const int64_t ep = config_.parallelism.expert_parallel_degree;
   return {rank_ % ep, ep};
 }

@@ -232,8 +232,9 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
 // FLUX's diffusers export shares (NOTE [FLUX export in pieces]). The files are byte for byte one rank's export of the same weights; a
 // rank adds to its memory at most the window and a 128 KiB conversion buffer. Two exports
 // still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
-// expert parallelism's (each rank holds a slice of the experts, which the writer does not
-// take). Under pipeline parallelism LoRA's is written in pieces too: each rank merges its
+// expert parallelism's without pipelining (each rank holds a slice of the experts). Under
+// pipelining the FSDP segments of a rank's expert slices are written at their experts'
+// places like any other (NOTE [Expert parallelism under pipeline parallelism]). Under pipeline parallelism LoRA's is written in pieces too: each rank merges its
 // stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
 // parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {

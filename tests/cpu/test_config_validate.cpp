@@ -96,6 +96,35 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
       {"cannot be combined with precision.fp8_fsdp_all_gather = true", "not over the tensor-parallel ranks"});
 }
 
+// NOTE [Expert parallelism under pipeline parallelism]: expert-parallel groups of a
+// stage's shard ranks; the degree must divide them, LoRA under pipelining takes no data
+// parallelism, ZeRO-1 only.
+TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
+  const ConfigOverrides pp_ep = {{"model.name", "debug-tiny-mla"}, {"model.num_layers", "4"},
+                                 {"parallelism.pipeline_parallel_degree", "2"},
+                                 {"parallelism.data_parallel_shard_degree", "2"},
+                                 {"parallelism.expert_parallel_degree", "2"}, {"parallelism.zero_stage", "1"}};
+  EXPECT_EQ(load(pp_ep).parallelism.expert_parallel_degree, 2);
+  ConfigOverrides interleaved = pp_ep;
+  interleaved.push_back({"parallelism.pipeline_parallel_schedule", "Interleaved1F1B"});
+  interleaved.push_back({"training.gradient_accumulation_steps", "2"});
+  EXPECT_EQ(load(interleaved).parallelism.pipeline_parallel_schedule, "Interleaved1F1B");
+  expect_error(
+      [] {
+        load({{"model.name", "debug-tiny-mla"}, {"model.num_layers", "4"},
+              {"parallelism.pipeline_parallel_degree", "2"}, {"parallelism.expert_parallel_degree", "2"}});
+      },
+      {"parallelism.expert_parallel_degree = 2 (command line) must divide parallelism.data_parallel_shard_degree"});
+  ConfigOverrides zero2 = pp_ep;
+  zero2.back() = {"parallelism.zero_stage", "2"};
+  expect_error([&] { load(zero2); }, {"parallelism.zero_stage = 2 (command line)", "ZeRO-2 and -3"});
+  ConfigOverrides lora = pp_ep;
+  lora.push_back({"lora.rank", "4"});
+  expect_error([&] { load(lora); },
+               {"cannot be combined with parallelism.data_parallel_shard_degree = 2 (command line)",
+                "LoRA under pipeline parallelism runs on pipeline ranks alone"});
+}
+
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on
 // context-parallel ranks.
 TEST(ConfigValidate, PackedExamplesRunOnContextParallelRanks) {
