@@ -398,8 +398,8 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in
 // model/pipeline.h): the blocks cut into P x V equal stages, the schedule's micro-batches
 // the gradient accumulation's. Full training in the compute dtype or in FP8 (NOTE [FP8
-// under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA on
-// pipeline ranks alone (NOTE [LoRA under pipeline parallelism] in model/lora.h); Multi-head
+// under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA (NOTE
+// [LoRA under pipeline parallelism] in model/lora.h); Multi-head
 // Latent Attention and Mixture-of-Experts blocks without expert parallelism, with a
 // balancing loss that sums over the layers (NOTE [Pipeline stages] in
 // model/pipeline_stage.h); the rest is refused by name.
@@ -453,22 +453,10 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
          "the experts' all-to-alls are not scheduled between the pipeline's exchanges (Mixture-of-Experts blocks are "
          "cut into stages without expert parallelism)");
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
-  // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, on pipeline ranks alone.
-  if (config.lora.enabled()) {
-    const std::string rank = show(config, keys, "lora.rank");
-    for (const auto& [key, other] : {std::pair<const char*, int64_t>{"parallelism.data_parallel_shard_degree",
-                                                                      p.data_parallel_shard_degree},
-                                      {"parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree},
-                                      {"parallelism.context_parallel_degree", p.context_parallel_degree},
-                                      {"parallelism.tensor_parallel_degree", p.tensor_parallel_degree}})
-      if (other > 1)
-        FORGE_FAIL("{} with {} cannot be combined with {} yet: LoRA under pipeline parallelism runs on pipeline "
-                   "ranks alone (its frozen base is per stage, the adapters whole on every rank and summed over the "
-                   "pipeline); set it to 1",
-                   pp, rank, show(config, keys, key));
-    refuse(config.precision.fp8 != "none", "precision.fp8",
-           "LoRA's FP8 frozen base is not cut into stages (LoRA under pipeline parallelism runs in the compute dtype)");
-  }
+  // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
+  // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:
+  // QLoRA and LoRA's FP8 base are not split over tensor-parallel ranks), and LoRA's FP8 frozen base
+  // stage by stage.
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):

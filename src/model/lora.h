@@ -326,7 +326,8 @@ class LoraAdapters : public ParamSource, public GradSink {
   Tensor part_matrix(size_t target, size_t part, char matrix) const;
   void set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values);
   // weight += scale * b a for each target: the merged weights (fp32 host parameters). The
-  // targets `params` does not hold (a pipeline rank's other stages') are left out.
+  // targets `params` does not hold (a pipeline rank's other stages') are left out; a split
+  // target whose weight in `params` is this tensor-parallel rank's shard gets its shard of b a.
   void merge_into(FlatParameters& params) const;
 
   const Tensor& embedding() override { return base().embedding(); }
