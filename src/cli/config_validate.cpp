@@ -170,7 +170,8 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
 // device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), context
 // or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
-// a bf16 base, on one device or over FSDP's frozen base (NOTE [FP8 frozen base]: the base's
+// a bf16 base, on one device, over FSDP's frozen base or a pipeline rank's stages of it
+// (NOTE [FP8 frozen base]; NOTE [LoRA under pipeline parallelism] in model/lora.h: the base's
 // forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are
 // dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead). The
 // FP8 all-gather is full training's: a frozen base gathers bf16.

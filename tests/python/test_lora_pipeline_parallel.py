@@ -11,6 +11,7 @@ pipeline run resumes bitwise from its checkpoint, its checkpoint resumes on one 
 a one-process checkpoint on 2 pipeline ranks, a PP2 x DP2 checkpoint on one process and on
 PP2 x TP2, CP2 and replicate2; what the other degrees refuse is refused under pipelining
 too, by name."""
+import json
 import os
 import shutil
 import subprocess
@@ -198,6 +199,62 @@ class LoraPipelineParallel(unittest.TestCase):
                 self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
                 self.assertLess(relative_error(np.array(train_losses(tail)), np.array(reference[3:])),
                                 LOSS_TOLERANCE)
+
+
+# NOTE [FP8 frozen base] under pipeline parallelism: the loss tolerance of LoRA FP8 over FSDP
+# (tests/python/test_fp8_fsdp.py).
+FP8_TOLERANCE = 1e-3
+
+
+def delayed_state(run_dir):
+    with open(os.path.join(run_dir, "checkpoints", "step-6", "metadata.json")) as f:
+        return json.load(f)["fp8_delayed"]
+
+
+class LoraFp8Pipeline(unittest.TestCase):
+    """LoRA with the frozen base's forward and input-gradient GEMMs in FP8 on 2 pipeline ranks
+    (each building its stages' projections) and on PP2 x DP2 (over FSDP's frozen base) follows
+    one process's LoRA FP8 run; with `delayed` the histories are one process's."""
+    train = classmethod(LoraPipelineParallel.train.__func__)
+
+    @classmethod
+    def setUpClass(cls):
+        LoraPipelineParallel.setUpClass.__func__(cls)
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.work, ignore_errors=True)
+
+    def test_pipeline_ranks_follow_one_process(self):
+        for recipe in ("tensorwise", "delayed"):
+            fp8 = ["--precision.fp8", recipe, "--checkpoint.enable", "true", "--checkpoint.interval", "6"]
+            single = self.train(f"fp8-{recipe}-one", 1, *fp8, export=False)
+            self.assertIn("frozen base's", self.last.stdout)
+            for name, ranks, data_ranks, flags in (("pp2", 2, 1, PP2), ("pp2-dp2", 4, 2, PP2 + DP2)):
+                with self.subTest(recipe=recipe, run=name):
+                    run_dir = self.train(f"fp8-{recipe}-{name}", ranks, *flags, *fp8, data_ranks=data_ranks,
+                                         export=False)
+                    self.assertIn("frozen base's", self.last.stdout + self.last.stderr)
+                    losses, reference = train_losses(run_dir), train_losses(single)
+                    self.assertEqual(len(losses), 6)
+                    self.assertLess(relative_error(np.array(losses), np.array(reference)), FP8_TOLERANCE)
+                    if data_ranks == 1:
+                        # The same micro-batches as one process, each scaled alike: the adapters follow
+                        # it closely. (A data-parallel rank's micro-batches hold other sequences, whose
+                        # activations tensorwise scales by their own amaxes: FP8's rounding, as under
+                        # FSDP, where the losses are what is compared.)
+                        mine = load_file(os.path.join(run_dir, "adapter", "adapter_model.safetensors"))
+                        theirs = load_file(os.path.join(single, "adapter", "adapter_model.safetensors"))
+                        for tensor in theirs:
+                            self.assertLess(relative_error(mine[tensor].numpy(), theirs[tensor].numpy()),
+                                            SPLIT_ADAPTER_TOLERANCE, tensor)
+                    if recipe != "delayed":
+                        continue
+                    state = [delayed_state(d) for d in (run_dir, single)]
+                    self.assertTrue(state[0]["active"])
+                    self.assertEqual([h == 0 for h in state[0]["histories"]], [h == 0 for h in state[1]["histories"]])
+                    self.assertLess(relative_error(np.array(state[0]["histories"]), np.array(state[1]["histories"])),
+                                    1e-5)
 
 
 class Errors(unittest.TestCase):
