@@ -65,12 +65,14 @@ class LoraPipelineParallel(unittest.TestCase):
         shutil.rmtree(cls.work, ignore_errors=True)
 
     @classmethod
-    def train(cls, name, ranks, *extra, steps=6, export=True, data_ranks=1):
+    def train(cls, name, ranks, *extra, steps=6, export=True, data_ranks=1, base=None):
         """LoRA (rank 4, all-linear) on the HF base for `steps` steps on RANKS CPU ranks, micro-batch
         2 and 4 micro-batches over the DATA_RANKS data-parallel ranks (the global batch of 8
-        sequences), selective checkpointing; export: the merged model in fp32."""
+        sequences), selective checkpointing; export: the merged model in fp32; base: a forge
+        checkpoint folder as the frozen base instead of the HF model."""
         run_dir = os.path.join(cls.work, name)
-        args = ["train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path", cls.base,
+        args = ["train", "--checkpoint.initial_load_in_hf", "false" if base else "true",
+                "--checkpoint.initial_load_path", base or cls.base, *(["--model.num_layers", "4"] if base else []),
                 "--activation_checkpoint.mode", "selective", "--training.local_batch_size", "2",
                 "--training.gradient_accumulation_steps", str(GLOBAL_BATCH // (2 * data_ranks)),
                 "--training.seq_len", "32", "--training.steps", str(steps), "--eval.interval", "3",
@@ -199,6 +201,23 @@ class LoraPipelineParallel(unittest.TestCase):
                 self.assertIn("resuming from checkpoint", self.last.stdout + self.last.stderr)
                 self.assertLess(relative_error(np.array(train_losses(tail)), np.array(reference[3:])),
                                 LOSS_TOLERANCE)
+
+    def test_a_forge_checkpoint_as_the_base_of_composed_layouts(self):
+        """A full run's checkpoint as the frozen base: each rank reads its stages' parameters (its
+        shards of them under TP, its FSDP chunks under DP)."""
+        full = os.path.join(self.work, "full")
+        run([forge_bin(), "train", "--checkpoint.initial_load_in_hf", "true", "--checkpoint.initial_load_path",
+             self.base, "--training.steps", "2", "--training.seq_len", "32", "--eval.interval", "0",
+             "--checkpoint.enable", "true", "--checkpoint.interval", "2", "--logging.run_dir", full],
+            timeout=TIMEOUT, env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        saved = os.path.join(full, "checkpoints")
+        one = train_losses(self.train("ckpt-base-one", 1, export=False, base=saved))
+        self.assertNotEqual(one, train_losses(self.single), "the checkpoint's base, not the HF one")
+        for name, data_ranks, flags in (("pp2-dp2", 2, PP2 + DP2), ("pp2-tp2", 1, PP2 + TP2)):
+            with self.subTest(run=name):
+                losses = train_losses(self.train(f"ckpt-base-{name}", 4, *flags, export=False, base=saved,
+                                                 data_ranks=data_ranks))
+                self.assertLess(relative_error(np.array(losses), np.array(one)), LOSS_TOLERANCE)
 
 
 # NOTE [FP8 frozen base] under pipeline parallelism: the loss tolerance of LoRA FP8 over FSDP
