@@ -129,16 +129,18 @@ class LoraPipelineParallel(unittest.TestCase):
 
     def test_pipeline_composes_with_data_context_and_tensor_parallelism(self):
         """4 ranks: 2 pipeline ranks of 2 data-parallel (shard or replicate: FSDP's frozen base
-        over each stage's ranks, ZeRO-1), 2 tensor-parallel or 2 context-parallel ranks each;
-        the adapters whole everywhere, their gradients summed over every group."""
-        for name, data_ranks, flags, tolerance in (
-                ("pp2-dp2", 2, PP2 + DP2, ADAPTER_TOLERANCE),
-                ("pp2-replicate2", 2, PP2 + REPLICATE2, ADAPTER_TOLERANCE),
-                ("pp2-interleaved-dp2", 2, PP2 + INTERLEAVED + DP2, ADAPTER_TOLERANCE),
-                ("pp2-tp2", 1, PP2 + TP2, SPLIT_ADAPTER_TOLERANCE),
-                ("pp2-cp2", 1, PP2 + CP2, SPLIT_ADAPTER_TOLERANCE)):
+        over each stage's ranks, ZeRO-1), 2 tensor-parallel or 2 context-parallel ranks each,
+        and 8: PP2 x TP2 x DP2; the adapters whole everywhere, their gradients summed over
+        every group."""
+        for name, ranks, data_ranks, flags, tolerance in (
+                ("pp2-dp2", 4, 2, PP2 + DP2, ADAPTER_TOLERANCE),
+                ("pp2-replicate2", 4, 2, PP2 + REPLICATE2, ADAPTER_TOLERANCE),
+                ("pp2-interleaved-dp2", 4, 2, PP2 + INTERLEAVED + DP2, ADAPTER_TOLERANCE),
+                ("pp2-tp2", 4, 1, PP2 + TP2, SPLIT_ADAPTER_TOLERANCE),
+                ("pp2-cp2", 4, 1, PP2 + CP2, SPLIT_ADAPTER_TOLERANCE),
+                ("pp2-tp2-dp2", 8, 2, PP2 + TP2 + DP2, SPLIT_ADAPTER_TOLERANCE)):
             with self.subTest(run=name):
-                run_dir = self.train(name, 4, *flags, data_ranks=data_ranks)
+                run_dir = self.train(name, ranks, *flags, data_ranks=data_ranks)
                 self.assertIn("pipeline rank 0 of 2", self.last.stdout + self.last.stderr)
                 self.assert_follows(run_dir, self.single, adapter_tolerance=tolerance)
 
