@@ -172,7 +172,8 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
 // device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), context
 // or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
-// a bf16 base, on one device or over FSDP's frozen base (NOTE [FP8 frozen base]: the base's
+// a bf16 base, on one device, over FSDP's frozen base or a pipeline rank's stages of it
+// (NOTE [FP8 frozen base]; NOTE [LoRA under pipeline parallelism] in model/lora.h: the base's
 // forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are
 // dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead). The
 // FP8 all-gather is full training's: a frozen base gathers bf16.
@@ -400,12 +401,12 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in
 // model/pipeline.h): the blocks cut into P x V equal stages, the schedule's micro-batches
 // the gradient accumulation's. Full training in the compute dtype or in FP8 (NOTE [FP8
-// under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA on
-// pipeline ranks alone (NOTE [LoRA under pipeline parallelism] in model/lora.h); Multi-head
-// Latent Attention and Mixture-of-Experts blocks, with a balancing loss that sums over the
-// layers (NOTE [Pipeline stages] in model/pipeline_stage.h), and with expert parallelism
-// over a stage's shard ranks (NOTE [Expert parallelism under pipeline parallelism] in
-// model/pipeline.h); the rest is refused by name.
+// under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA (NOTE
+// [LoRA under pipeline parallelism] in model/lora.h); Multi-head Latent Attention and
+// Mixture-of-Experts blocks, with a balancing loss that sums over the layers (NOTE [Pipeline
+// stages] in model/pipeline_stage.h), and with expert parallelism over a stage's shard ranks
+// (NOTE [Expert parallelism under pipeline parallelism] in model/pipeline.h); the rest is
+// refused by name.
 void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   const int64_t degree = p.pipeline_parallel_degree;
@@ -454,24 +455,17 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
                show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
-  // asks the shard degree to take it, and LoRA under pipelining no data parallelism below.
+  // asks the shard degree to take it. LoRA on a MoE model under both is not built: its
+  // adapters' gradients under expert parallelism (NOTE [LoRA under expert parallelism]) and
+  // under pipelining are summed over different groups, never composed.
+  refuse(p.expert_parallel_degree > 1 && (config.lora.enabled() || config.lora.quantize_base != "none"),
+         "parallelism.expert_parallel_degree",
+         "LoRA and QLoRA take expert parallelism or pipeline parallelism, not both at once");
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
-  // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, on pipeline ranks alone.
-  if (config.lora.enabled()) {
-    const std::string rank = show(config, keys, "lora.rank");
-    for (const auto& [key, other] : {std::pair<const char*, int64_t>{"parallelism.data_parallel_shard_degree",
-                                                                      p.data_parallel_shard_degree},
-                                      {"parallelism.data_parallel_replicate_degree", p.data_parallel_replicate_degree},
-                                      {"parallelism.context_parallel_degree", p.context_parallel_degree},
-                                      {"parallelism.tensor_parallel_degree", p.tensor_parallel_degree}})
-      if (other > 1)
-        FORGE_FAIL("{} with {} cannot be combined with {} yet: LoRA under pipeline parallelism runs on pipeline "
-                   "ranks alone (its frozen base is per stage, the adapters whole on every rank and summed over the "
-                   "pipeline); set it to 1",
-                   pp, rank, show(config, keys, key));
-    refuse(config.precision.fp8 != "none", "precision.fp8",
-           "LoRA's FP8 frozen base is not cut into stages (LoRA under pipeline parallelism runs in the compute dtype)");
-  }
+  // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
+  // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:
+  // QLoRA and LoRA's FP8 base are not split over tensor-parallel ranks), and LoRA's FP8 frozen base
+  // stage by stage.
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):

@@ -65,8 +65,6 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
                 options.zero_stage);
     FORGE_CHECK(!options.fp8_all_gather, "FSDP over a pipeline rank's stages (pipeline_stages) does not do the FP8 "
                                          "all-gather (fp8_all_gather)");
-    FORGE_CHECK(!options.frozen, "FSDP over a pipeline rank's stages (pipeline_stages) does not hold a frozen (LoRA) "
-                                 "base");
     FORGE_CHECK(!config.tie_word_embeddings ||
                     (layout_.holds(FsdpLayout::kEmbeddingUnit) && layout_.holds(layout_.head_unit())),
                 "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "
@@ -469,6 +467,7 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
 }
 
 void Fsdp::reduce_gradients() {
+  if (options_.frozen) return;  // nothing to reduce (NOTE [Frozen FSDP base]): the adapters are reduced
   check_trainable("reduce_gradients");
   FORGE_CHECK(options_.zero_stage == 1, "FSDP reduce_gradients: ZeRO-1 only (ZeRO-{} reduces each unit as its "
                                         "backward is done)", options_.zero_stage);

@@ -63,10 +63,12 @@
 // first *_done of the step (NOTE [Fresh gradient buffers]): the schedule's backwards of a
 // unit come micro-batch after micro-batch, the first writing over the buffer, the others
 // adding. ZeRO-2/3 (which would reduce per micro-batch and gather blocks around their use
-// in an interleaved order), the FP8 all-gather and a frozen base are refused with pipeline
-// stages. Expert parallelism works as without them: the stages' expert stacks are cut
-// into expert parts over the stage's shard ranks that hold the same experts (NOTE [Expert
-// parallelism under pipeline parallelism] in model/pipeline.h).
+// in an interleaved order) and the FP8 all-gather are refused with pipeline stages. Expert
+// parallelism works as without them: the stages' expert stacks are cut into expert parts
+// over the stage's shard ranks that hold the same experts (NOTE [Expert parallelism under
+// pipeline parallelism] in model/pipeline.h). A frozen base (NOTE [Frozen FSDP base]) over
+// a pipeline rank's stages is ZeRO-1's: the stages' units held in full, nothing reduced
+// (reduce_gradients does nothing).
 //
 // NOTE [Frozen FSDP base]
 // A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each
@@ -254,7 +256,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // ZeRO-1: reduce-scatters (on the communication stream) the full gradients of every
   // unit the step's backwards wrote and that is not reduced yet, into the gradient chunk.
   // Required once per step with pipeline_stages, after the schedule; elsewhere it reduces
-  // what begin_micro_batch(false) held back.
+  // what begin_micro_batch(false) held back. Nothing for a frozen base.
   void reduce_gradients();
   // Waits (on the compute stream) for every reduction of the step.
   void finish_gradients();

@@ -402,6 +402,9 @@ void LoraAdapters::move_shard(const ShardedMatrix& s, const Tensor& shard, const
 void LoraAdapters::spread_shard_gradients() {
   for (const ShardedMatrix& s : sharded_) {
     s.whole_grad.fill_zero();
+    // Another pipeline rank's stage (NOTE [LoRA under pipeline parallelism]): its shard was
+    // never written, its whole gradient is zero.
+    if (fresh_.at(static_cast<size_t>(targets_[s.target].layer))) continue;
     move_shard(s, s.grad, s.whole_grad, false);
   }
 }
@@ -601,11 +604,22 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
   const float scale = static_cast<float>(lora_.alpha / static_cast<double>(lora_.rank));
   std::set<std::string> held;
   for (const ParamSpec& spec : params.specs()) held.insert(spec.name);
+  std::vector<const ShardedMatrix*> split(targets_.size(), nullptr);
+  for (const ShardedMatrix& s : sharded_) split[s.target] = &s;
   for (size_t k = 0; k < targets_.size(); ++k) {
     if (!held.contains(targets_[k].name)) continue;  // NOTE [LoRA under pipeline parallelism]
-    const Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
+    Tensor a = masters_[2 * k].to(Device::CPU), b = masters_[2 * k + 1].to(Device::CPU);
     const Tensor& w = params.find(targets_[k].name);
     const LoraTarget& t = targets_[k];
+    if (split[k] && w.shape() != Shape{t.out, t.in}) {
+      // The rank's shard of W (NOTE [LoRA under context and tensor parallelism]): its rows of
+      // B (column-parallel) or its columns of A (row-parallel) make its shard of B A.
+      const ShardedMatrix& s = *split[k];
+      Tensor& whole = s.matrix == 'a' ? a : b;
+      Tensor mine = Tensor::zeros(s.compute.shape(), DType::F32, Device::CPU);
+      move_shard(s, mine, whole, true);
+      whole = mine;
+    }
     if (t.experts == 0) {
       matmul(w, b, false, a, false, scale, 1.0f);
       continue;

@@ -115,14 +115,37 @@
 // bitwise identical on every rank. Checkpoints (the whole adapters, rank 0) and the PEFT
 // adapter (rank 0) are then one process's files, and a checkpoint resumes under any layout;
 // the merged export is written in pieces (NOTE [Export in pieces] in train/trainer_hf.cpp):
-// each rank merges its stages' adapters into its stages' base (merge_into skips the targets
+// each stage merges its stages' adapters into its stages' base (merge_into skips the targets
 // the parameters do not hold). Dropout masks are drawn per micro-batch (NOTE [LoRA
 // dropout]); the schedule interleaves micro-batches, so the trainer sets each one's step
 // before every forward and backward of it (PipelineModel::forward_backward's
 // before_micro_batch): the masks are one process's, and a run with dropout follows one
-// process within fp32 reordering too. The cost of the simple layout is the adapters' AdamW
-// state on every rank (16 bytes per trainable value) and one all-reduce of the adapters'
-// gradients per step; adapters split by stage would save the former.
+// process within fp32 reordering too.
+// The other degrees compose with it as they do without pipelining, within each stage (NOTE
+// [Device mesh] in train/trainer.cpp: a stage's ranks are the data-, context- and
+// tensor-parallel ranks of one pipeline rank):
+//   - tensor parallelism: the rank's shards of its stages' base; the split adapter matrices'
+//     gradients are spread (spread_shard_gradients, which leaves the other stages' zero)
+//     and summed over the tensor-parallel group before the pipeline's sum;
+//   - data and context parallelism: the bf16 base is a frozen FSDP of the stages (NOTE
+//     [Frozen FSDP base]; ZeRO-1, the only stage FSDP takes under pipelining: the stages'
+//     units in full, the rank's chunk of them, nothing reduced), QLoRA's NF4 base is
+//     replicated over the stage's ranks, whose DataParallelComm carries the collectives;
+//     after the pipeline's sum the gradient is summed over the stage's data- and
+//     context-parallel ranks (NOTE [LoRA under data parallelism]), as the loss and the
+//     target count are;
+//   - FP8 (NOTE [FP8 frozen base]): the projections wrap the stages' base (flat or FSDP's),
+//     each rank casting its stages' weights; the delayed statistics are max-reduced over the
+//     data-parallel ranks, then the pipeline, as full training's (NOTE [FP8 under context
+//     and pipeline parallelism] in train/trainer_fp8.cpp).
+// The sum of the three groups' sums is the sum over every rank, so every rank holds the
+// whole gradient and takes the same step. The merged export: each stage's rank 0 of its
+// first replica writes (FSDP's chunks gathered there by Trainer::gather_stage_base, an NF4
+// base dequantized there), or under tensor parallelism each tensor-parallel rank its shards,
+// merge_into adding its shard of B A (the rows of B, or the columns of A, its shard of W
+// has). The cost of the simple layout is the adapters' AdamW state on every rank (16 bytes
+// per trainable value) and one all-reduce of the adapters' gradients per step; adapters
+// split by stage would save the former.
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the
@@ -326,7 +349,8 @@ class LoraAdapters : public ParamSource, public GradSink {
   Tensor part_matrix(size_t target, size_t part, char matrix) const;
   void set_part_matrix(size_t target, size_t part, char matrix, const Tensor& values);
   // weight += scale * b a for each target: the merged weights (fp32 host parameters). The
-  // targets `params` does not hold (a pipeline rank's other stages') are left out.
+  // targets `params` does not hold (a pipeline rank's other stages') are left out; a split
+  // target whose weight in `params` is this tensor-parallel rank's shard gets its shard of b a.
   void merge_into(FlatParameters& params) const;
 
   const Tensor& embedding() override { return base().embedding(); }

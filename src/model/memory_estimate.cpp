@@ -103,11 +103,12 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     }
     if (plan.lora.enabled()) {
       // NOTE [LoRA under pipeline parallelism]: the stages' frozen base (NF4 projections under
-      // QLoRA), every adapter whole with its master, gradient and AdamW state.
+      // QLoRA), every adapter whole with its master, gradient and AdamW state. Under FSDP the
+      // frozen base is ZeRO-1's: the stages' units in full and the rank's chunk of them.
       const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
       const double adapters = static_cast<double>(lora.stored);
       const double compute_bytes = static_cast<double>(dtype_size(compute));
-      e.frozen_weights = params * compute_bytes;
+      e.frozen_weights = params * compute_bytes * (plan.fsdp ? 1.0 + 1.0 / n : 1.0);
       if (plan.lora.quantize_base == "nf4") {
         const std::vector<ParamSpec> held = pipeline_stage_specs(specs, stages);
         double projections = 0;

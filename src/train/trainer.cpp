@@ -115,8 +115,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   // NOTE [Context-parallel steps]: FSDP's world holds the context-parallel ranks too.
   const int fsdp_ranks = data_ranks_ * context_parallel_degree_;
   if (fsdp_ranks > 1 && config_.lora.quantize_base == "nf4") {
-    // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives.
-    replicated_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
+    // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives, over
+    // the stage's ranks under pipeline parallelism (NOTE [LoRA under pipeline parallelism]).
+    replicated_comm_ = std::make_unique<DataParallelComm>(device_, stage_group_ ? *stage_group_ : *world_, nullptr);
     dp_ = replicated_comm_.get();
   } else if (fsdp_ranks > 1) {
     FsdpOptions fsdp;

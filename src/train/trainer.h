@@ -149,6 +149,8 @@ class Trainer {
   // checkpoint.last_save_in_hf under pipeline parallelism, FSDP or tensor parallelism: every
   // rank writes its own values into the files (NOTE [Export in pieces] in trainer_hf.cpp).
   void export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options);
+  // LoRA under pipeline and data parallelism: the stages' frozen base, whole, on shard rank 0.
+  void gather_stage_base(FlatParameters& stages);
   // The process groups of a data-parallel run (several ranks); the Fsdp itself is made
   // after the memory check.
   void set_up_data_parallel();

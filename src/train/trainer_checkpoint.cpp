@@ -307,7 +307,7 @@ void Trainer::load_initial_weights(const std::string& path) {
     staged = read_checkpoint_state(ck, /*with_optimizer=*/false, StateSegments{{places, {}, {}}});
     std::optional<FlatParameters> shards;  // the rank's, under tensor parallelism (NOTE [Tensor-parallel shards])
     if (tensor_parallel_) {
-      shards.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_);
+      shards.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_, pipeline_stages_);
       for (size_t k = 0; k < host.specs().size(); ++k)
         for (const ShardRun& run : tensor_parallel_runs(host.specs()[k], tensor_parallel_shard_))
           std::copy_n(host.tensors()[k].data<float>() + run.full_begin, run.count,

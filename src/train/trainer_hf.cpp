@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <span>
@@ -94,6 +95,12 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
 }
 
 void Trainer::load_fsdp_chunks(const FlatParameters& host) {
+  if (pipeline_) {  // the rank's stages' parameters (NOTE [LoRA under pipeline parallelism]), each to its segments
+    std::map<std::string, size_t> index;
+    for (size_t i = 0; i < fsdp_->layout().specs().size(); ++i) index[fsdp_->layout().specs()[i].name] = i;
+    for (size_t k = 0; k < host.specs().size(); ++k) fsdp_->set_parameter(index.at(host.specs()[k].name), host.tensors()[k]);
+    return fsdp_->refresh_compute_weights(false);
+  }
   const float* flat = host.flat().data<float>();
   fsdp_->load_master([&](int64_t offset, std::span<float> out) { std::copy_n(flat + offset, out.size(), out.data()); });
 }
@@ -238,7 +245,25 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
 // stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
 // parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
-  const bool writer = !replicate_group_ || replicate_group_->rank() == 0;
+  bool writer = !replicate_group_ || replicate_group_->rank() == 0;
+  // NOTE [LoRA under pipeline parallelism]: the rank's stages' base (its shards of them under
+  // tensor parallelism), fp32 on the host (an NF4 one dequantized, written by the stage's rank 0;
+  // FSDP's chunks gathered to the stage's shard rank 0, which alone writes them), with its
+  // stages' adapters merged.
+  std::optional<FlatParameters> merged;
+  if (lora_) {
+    merged.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_, pipeline_stages_);
+    if (fsdp_) {
+      if (writer) gather_stage_base(*merged);  // over the shard group, whose ranks share `writer`
+      writer = writer && fsdp_->layout().rank() == 0;
+    } else if (nf4_base_) {
+      nf4_base_->dequantize_into(*merged);
+      writer = !stage_group_ || stage_group_->rank() == 0;  // replicated over the stage's ranks (no tensor parallelism)
+    } else {
+      merged->assign_from(*params_);
+    }
+    if (writer) lora_->merge_into(*merged);
+  }
   const HfExportPlan plan = hf_export_plan(config_.model, options);
   const int64_t window = std::max<int64_t>(static_cast<int64_t>(checkpoint_buffer_bytes() / sizeof(float)), 1);
   const TensorParallelShard shard = tensor_parallel_shard_;
@@ -259,7 +284,7 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
   e.write = [&](const std::string& temporary) {
     if (device_ == Device::CUDA) device_synchronize();  // the optimizer's last writes
     HfExportWriter files(plan, temporary);
-    if (fsdp_) {
+    if (fsdp_ && !lora_) {
       const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
       for (size_t i = 0; i < segments.size(); ++i) {
         const auto spec = static_cast<size_t>(segments[i].spec);
@@ -270,15 +295,6 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
                                                      }));
       }
     } else {
-      // NOTE [LoRA under pipeline parallelism]: the rank's stages' base, fp32 on the host
-      // (an NF4 one dequantized), with its stages' adapters merged.
-      std::optional<FlatParameters> merged;
-      if (lora_) {
-        merged.emplace(config_.model, Device::CPU, DType::F32, TensorParallelShard{}, pipeline_stages_);
-        if (nf4_base_) nf4_base_->dequantize_into(*merged);
-        else merged->assign_from(*params_);
-        lora_->merge_into(*merged);
-      }
       const FlatParameters& values = merged ? *merged : *params_;
       std::map<std::string, size_t> index;
       for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
@@ -300,6 +316,33 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
              staged == 0
                  ? std::string("written from where they are")
                  : fmt::format("rank 0 staged {:.1f} MiB from the GPU", static_cast<double>(staged) / 1048576.0));
+}
+
+// The stages' frozen base from FSDP's chunks (NOTE [Frozen FSDP base]) into `stages` (the
+// rank's stages' parameters, fp32 on the host) on shard rank 0: one gather of the flat range
+// its stages span (under the interleaved schedule the other ranks' stages between them too).
+void Trainer::gather_stage_base(FlatParameters& stages) {
+  const FsdpLayout& layout = fsdp_->layout();
+  std::map<std::string, const FsdpParam*> held;
+  int64_t begin = std::numeric_limits<int64_t>::max(), end = 0;
+  for (const FsdpUnit& unit : layout.units())
+    for (const FsdpParam& p : unit.params) {
+      held[layout.specs()[static_cast<size_t>(p.spec)].name] = &p;
+      begin = std::min(begin, p.flat_offset);
+      end = std::max(end, p.flat_offset + p.numel);
+    }
+  const bool root = layout.rank() == 0;
+  if (!root || begin >= end) begin = end = 0;
+  std::vector<float> flat(static_cast<size_t>(end - begin));
+  fsdp_->gather_flat_range(fsdp_->master_segments(), begin, end, flat);
+  if (!root) return;
+  for (size_t k = 0; k < stages.specs().size(); ++k) {
+    const FsdpParam& p = *held.at(stages.specs()[k].name);
+    const Tensor& into = stages.tensors()[k];
+    FORGE_CHECK(into.numel() == p.numel, "{}: {} values in the FSDP layout, {} in the stages' parameters",
+                stages.specs()[k].name, p.numel, into.numel());
+    std::copy_n(flat.data() + (p.flat_offset - begin), p.numel, into.data<float>());
+  }
 }
 
 void Trainer::save_peft_adapter_to_run_dir() {

@@ -75,6 +75,36 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
             0.1);
 }
 
+// NOTE [LoRA under pipeline parallelism]: LoRA and QLoRA on pipeline ranks composed with data,
+// context and tensor parallelism, and LoRA's FP8 frozen base stage by stage; what the other
+// degrees refuse without pipelining stays refused, named.
+TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
+  const ConfigOverrides pp = {{"lora.rank", "4"}, {"parallelism.pipeline_parallel_degree", "2"},
+                              {"parallelism.zero_stage", "1"}};
+  auto with = [&](ConfigOverrides more) {
+    ConfigOverrides all = pp;
+    all.insert(all.end(), more.begin(), more.end());
+    return load(all);
+  };
+  EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}}).parallelism.data_parallel_shard_degree, 2);
+  EXPECT_EQ(with({{"parallelism.data_parallel_replicate_degree", "2"}}).parallelism.data_parallel_replicate_degree, 2);
+  EXPECT_EQ(with({{"parallelism.context_parallel_degree", "2"}}).parallelism.context_parallel_degree, 2);
+  EXPECT_EQ(with({{"parallelism.tensor_parallel_degree", "2"}}).parallelism.tensor_parallel_degree, 2);
+  EXPECT_EQ(with({{"lora.quantize_base", "nf4"}, {"parallelism.data_parallel_shard_degree", "2"}}).lora.quantize_base,
+            "nf4");
+  EXPECT_EQ(with({{"precision.fp8", "delayed"}}).precision.fp8, "delayed");
+  EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.data_parallel_shard_degree", "2"}}).precision.fp8,
+            "tensorwise");
+  expect_error([&] { with({{"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
+               {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with lora.quantize_base = nf4",
+                "NF4 base is not split"});
+  expect_error([&] { with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}); },
+               {"cannot be combined with precision.fp8 = tensorwise",
+                "LoRA's FP8 frozen base is not split over tensor-parallel ranks"});
+  expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"}}); },
+               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 3"});
+}
+
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
 // and over FSDP); LoRA's FP8 frozen base and FSDP's FP8 all-gather are refused, named.
 TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {

@@ -316,8 +316,18 @@ TEST(FsdpPipeline, RefusesWhatItDoesNotDo) {
                  {"pipeline_stages", "ZeRO-1 only", fmt::format("ZeRO-{}", stage)});
   expect_error([&] { Fsdp(m, Device::CPU, *group, nullptr, options_with([](FsdpOptions& o) { o.fp8_all_gather = true; })); },
                {"pipeline_stages", "fp8_all_gather"});
-  expect_error([&] { Fsdp(m, Device::CPU, *group, nullptr, options_with([](FsdpOptions& o) { o.frozen = true; })); },
-               {"pipeline_stages", "frozen"});
+  {
+    // NOTE [Frozen FSDP base] over a pipeline rank's stages (LoRA): its units held, nothing reduced.
+    Fsdp frozen(m, Device::CPU, *group, nullptr, options_with([](FsdpOptions& o) { o.frozen = true; }));
+    frozen.initialize(7);
+    frozen.begin_step();
+    EXPECT_EQ(frozen.layer(2).params.size(), frozen.layer(3).params.size());
+    frozen.output();
+    expect_error([&] { frozen.layer(0); }, {"do not hold block 0"});
+    frozen.reduce_gradients();
+    frozen.finish_gradients();
+    expect_error([&] { frozen.layer_grads(2); }, {"frozen base"});
+  }
   ModelConfig tied = m;
   tied.tie_word_embeddings = true;
   expect_error([&] { Fsdp(tied, Device::CPU, *group, nullptr, options_with([](FsdpOptions&) {})); },

@@ -287,6 +287,20 @@ TEST(ModelPipeline, MemoryEstimateIsTheFullestRanks) {
     first_stage += static_cast<double>(shape_numel(spec.shape));
   EXPECT_GE(lora.frozen_weights, first_stage * 4);  // fp32 on the CPU: the fuller stage's
   EXPECT_LT(lora.total(), e.total());
+  // Over a stage's 2 data-parallel ranks the frozen base is FSDP's ZeRO-1: the stages in full
+  // and the rank's chunk of them (half); QLoRA's NF4 base stays replicated.
+  plan.fsdp = true;
+  plan.shard_ranks = 2;
+  plan.zero_stage = 1;
+  EXPECT_DOUBLE_EQ(estimate_memory(m, plan).frozen_weights, lora.frozen_weights * 1.5);
+  plan.lora.quantize_base = "nf4";
+  const double nf4_alone = [&] {
+    MemoryPlan one = plan;
+    one.fsdp = false;
+    one.shard_ranks = 1;
+    return estimate_memory(m, one).frozen_weights;
+  }();
+  EXPECT_DOUBLE_EQ(estimate_memory(m, plan).frozen_weights, nf4_alone);
   const PipelineSchedule schedule = make_pipeline_schedule(PipelineScheduleKind::OneFOneB, {2, 1, 4});
   EXPECT_EQ(pipeline_chunk_in_flight(schedule, 0, 0), 2);
   EXPECT_EQ(pipeline_chunk_in_flight(schedule, 1, 0), 2);
