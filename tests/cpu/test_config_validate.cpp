@@ -151,8 +151,8 @@ TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   ConfigOverrides lora = pp_ep;
   lora.push_back({"lora.rank", "4"});
   expect_error([&] { load(lora); },
-               {"cannot be combined with parallelism.data_parallel_shard_degree = 2 (command line)",
-                "LoRA under pipeline parallelism runs on pipeline ranks alone"});
+               {"cannot be combined with parallelism.expert_parallel_degree = 2 (command line)",
+                "LoRA and QLoRA take expert parallelism or pipeline parallelism, not both at once"});
 }
 
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on

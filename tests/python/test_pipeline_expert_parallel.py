@@ -167,9 +167,9 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                 # EP groups are formed from a stage's shard ranks.
                 (moe + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
                  ["parallelism.expert_parallel_degree = 2", "must divide parallelism.data_parallel_shard_degree"]),
-                # LoRA under pipelining runs on pipeline ranks alone.
+                # LoRA takes expert or pipeline parallelism, not both.
                 (moe + PP2_EP2 + ["--lora.rank", "4"],
-                 ["lora.rank", "cannot be combined with parallelism.data_parallel_shard_degree = 2"]),
+                 ["parallelism.expert_parallel_degree = 2", "LoRA and QLoRA take expert parallelism or pipeline"]),
                 # ZeRO-1 only under pipelining.
                 (moe + PP2_EP2 + ["--parallelism.zero_stage", "2"], ["parallelism.zero_stage = 2"])):
             with self.subTest(flags=flags):
