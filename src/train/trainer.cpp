@@ -362,7 +362,9 @@ void Trainer::log_fsdp_memory() const {
 // one data-parallel rank split its sequences, each data-parallel rank reads its own
 // micro-batches, and the pipeline's point-to-point traffic, the lightest, crosses nodes.
 // Expert-parallel groups are consecutive shard ranks, so under pipelining a stage's (NOTE
-// [Expert parallelism under pipeline parallelism] in model/pipeline.h).
+// [Expert parallelism under pipeline parallelism] in model/pipeline.h) and under hybrid
+// sharding a replica's (NOTE [Expert parallelism under hybrid sharding] in
+// distributed/expert_dispatch_group.cpp).
 //
 // NOTE [Context-parallel steps]
 // The ranks of a context-parallel group read the same micro-batches and each computes its
