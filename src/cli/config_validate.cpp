@@ -301,8 +301,9 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
 // parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in
 // model/expert_dispatch.h): groups of P consecutive shard ranks split the routed experts,
 // so P divides the experts and the shard ranks; the expert parts are sharded over the
-// shard ranks that hold the same experts, which hybrid sharding's replicas would
-// duplicate (not built).
+// shard ranks that hold the same experts; under hybrid sharding inside each replica, the
+// replicas summing the expert chunks' gradients as the others' (NOTE [Expert parallelism
+// under hybrid sharding] in distributed/expert_dispatch_group.cpp).
 void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& keys) {
   const ParallelismConfig& p = config.parallelism;
   if (p.expert_parallel_degree == 1) return;
@@ -315,10 +316,6 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
   if (p.data_parallel_shard_degree % p.expert_parallel_degree != 0)
     FORGE_FAIL("{} must divide {} (expert-parallel groups are formed from the shard ranks)", ep,
                show(config, keys, "parallelism.data_parallel_shard_degree"));
-  if (p.data_parallel_replicate_degree != 1)
-    FORGE_FAIL("{} cannot be combined with {} yet (hybrid sharding's replicas of expert shards are not built); set "
-               "the replicate degree to 1",
-               ep, show(config, keys, "parallelism.data_parallel_replicate_degree"));
 }
 
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in

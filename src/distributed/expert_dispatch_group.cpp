@@ -2,6 +2,34 @@
 
 #include "core/error.h"
 
+// NOTE [Expert parallelism under hybrid sharding]
+// With parallelism.data_parallel_replicate_degree R > 1 the data-parallel ranks are R
+// replicas of S consecutive shard ranks (NOTE [Device mesh] in train/trainer.cpp), and
+// expert parallelism of degree P (dividing S) lives inside each replica, as torchtitan's
+// HSDP + EP and Megatron's expert data parallelism put it (the expert all-to-alls inside a
+// node, only gradient reductions across nodes):
+//   - the expert-parallel groups are P consecutive shard ranks of one replica (rank r's is
+//     [r - r % P, r - r % P + P), which never crosses a replica since P divides S);
+//   - the expert parts of the MoE blocks' units (NOTE [FSDP layout]) are sharded over the
+//     S / P shard ranks of the replica that hold the same experts (the expert group of
+//     shard rank s: the replica's shard ranks with its s % P, chunk s / P), as without
+//     replicas: the layout is a shard group's, the same in every replica;
+//   - so shard rank s of every replica holds the same chunk of every part, dense and
+//     expert: a unit's gradients are reduce-scattered over the shard group (the dense part)
+//     and the expert group (the expert part), and the rank's whole chunk is then
+//     all-reduced over the replicate group, as hybrid sharding does for dense models;
+//   - the rest is data parallelism's: the gradient norm sums the shard group's chunks (the
+//     replicas hold the same), the step's counts, losses and routing-bias loads (NOTE
+//     [Routing bias update]) are summed over the shard and then the replicate group (every
+//     data-parallel rank), and the first replica's shard ranks write checkpoints, whose
+//     segments tile the flat index space once whatever the layout, so a checkpoint resumes
+//     under any other replicate, shard or expert-parallel degree; the Hugging Face export
+//     gathers the first replica's shards to world rank 0 (Fsdp::gather_to_host).
+// Under pipeline parallelism the same holds per stage (NOTE [Expert parallelism under
+// pipeline parallelism] in model/pipeline.h): a stage's R x S ranks are its replicas and
+// shard ranks, and FSDP over a pipeline rank's stages reduces its replicas after the
+// schedule as it does without experts.
+
 namespace forge {
 
 GroupExpertDispatch::GroupExpertDispatch(ProcessGroup& group, Device device) : group_(group), device_(device) {}

@@ -73,9 +73,9 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
   if (options.expert_parallel > 1) {
     const int holders = shard_group.world_size() / options.expert_parallel;
     FORGE_CHECK(expert_group && expert_group->world_size() == holders &&
-                    expert_group->rank() == shard_group.rank() / options.expert_parallel && !replicate_group,
-                "FSDP with expert parallelism {}: needs the group of the {} ranks holding the same experts, and no "
-                "replicas",
+                    expert_group->rank() == shard_group.rank() / options.expert_parallel,
+                "FSDP with expert parallelism {}: needs the group of the {} shard ranks holding the same experts "
+                "(NOTE [Expert parallelism under hybrid sharding]: within this rank's replica)",
                 options.expert_parallel, holders);
   }
   FORGE_CHECK(options.zero_stage >= 1 && options.zero_stage <= 3, "FSDP ZeRO stage {}", options.zero_stage);

@@ -363,7 +363,9 @@ void Trainer::log_fsdp_memory() const {
 // one data-parallel rank split its sequences, each data-parallel rank reads its own
 // micro-batches, and the pipeline's point-to-point traffic, the lightest, crosses nodes.
 // Expert-parallel groups are consecutive shard ranks, so under pipelining a stage's (NOTE
-// [Expert parallelism under pipeline parallelism] in model/pipeline.h).
+// [Expert parallelism under pipeline parallelism] in model/pipeline.h) and under hybrid
+// sharding a replica's (NOTE [Expert parallelism under hybrid sharding] in
+// distributed/expert_dispatch_group.cpp).
 //
 // NOTE [Context-parallel steps]
 // The ranks of a context-parallel group read the same micro-batches and each computes its
@@ -464,14 +466,16 @@ void Trainer::set_up_data_parallel() {
     replicate_group_ = data_world->split(index % shard, index);
     shard_group_ = shard_split_.get();
   }
-  if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks, no replicas
+  if (p.expert_parallel_degree > 1) {  // config rules: P divides the shard ranks
     // NOTE [Expert parallelism under pipeline parallelism] in model/pipeline.h: P
     // consecutive ranks are P consecutive shard ranks of one stage (no tensor or context
-    // parallelism with experts), so the groups never cross a pipeline rank; the ranks
-    // holding the same experts are the stage's.
+    // parallelism with experts), so the groups never cross a pipeline rank, nor a replica
+    // (NOTE [Expert parallelism under hybrid sharding] in distributed/expert_dispatch_group.cpp);
+    // the ranks holding the same experts are those of the rank's shard group, in its stage.
     const int ep = static_cast<int>(p.expert_parallel_degree);
+    const int shard = static_cast<int>(p.data_parallel_shard_degree);
     expert_parallel_group_ = world_->split(rank_ / ep, rank_);
-    expert_shard_group_ = stage_world->split(local % ep, local);
+    expert_shard_group_ = stage_world->split((local / shard) * ep + local % ep, local);
     expert_dispatch_ = std::make_unique<GroupExpertDispatch>(*expert_parallel_group_, device_);
   }
 }

@@ -126,6 +126,32 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
       {"cannot be combined with precision.fp8_fsdp_all_gather = true", "not over the tensor-parallel ranks"});
 }
 
+// NOTE [Expert parallelism under hybrid sharding]: expert-parallel groups inside each
+// replica, so the degree must divide the shard degree (not the data-parallel ranks); under
+// pipelining too.
+TEST(ConfigValidate, ExpertParallelRunsUnderHybridSharding) {
+  const ConfigOverrides hsdp_ep = {{"model.name", "debug-tiny-moe"},
+                                   {"parallelism.data_parallel_shard_degree", "2"},
+                                   {"parallelism.data_parallel_replicate_degree", "2"},
+                                   {"parallelism.expert_parallel_degree", "2"}};
+  const ExperimentConfig config = load(hsdp_ep);
+  EXPECT_EQ(config.parallelism.expert_parallel_degree, 2);
+  EXPECT_EQ(config.parallelism.data_parallel_replicate_degree, 2);
+  ConfigOverrides pipelined = hsdp_ep;
+  pipelined[0] = {"model.name", "debug-tiny-mla"};
+  pipelined.push_back({"model.num_layers", "4"});
+  pipelined.push_back({"parallelism.pipeline_parallel_degree", "2"});
+  pipelined.push_back({"parallelism.zero_stage", "1"});
+  EXPECT_EQ(load(pipelined).parallelism.pipeline_parallel_degree, 2);
+  expect_error(
+      [] {
+        load({{"model.name", "debug-tiny-moe"}, {"parallelism.data_parallel_shard_degree", "2"},
+              {"parallelism.data_parallel_replicate_degree", "2"}, {"parallelism.expert_parallel_degree", "4"}});
+      },
+      {"parallelism.expert_parallel_degree = 4 (command line) must divide parallelism.data_parallel_shard_degree = 2",
+       "expert-parallel groups are formed from the shard ranks"});
+}
+
 // NOTE [Expert parallelism under pipeline parallelism]: expert-parallel groups of a
 // stage's shard ranks; the degree must divide them, LoRA under pipelining takes no data
 // parallelism, ZeRO-1 only.

@@ -118,8 +118,8 @@ class Configuration(unittest.TestCase):
                 (["debug-tiny", "--parallelism.data_parallel_shard_degree", "2", EP, "2"],
                  "needs a Mixture-of-Experts model (model.num_experts > 0)"),
                 (["debug-tiny-moe", "--parallelism.data_parallel_shard_degree", "2",
-                  "--parallelism.data_parallel_replicate_degree", "2", EP, "2"],
-                 "cannot be combined with parallelism.data_parallel_replicate_degree = 2"),
+                  "--parallelism.data_parallel_replicate_degree", "2", EP, "4"],
+                 "must divide parallelism.data_parallel_shard_degree = 2"),
                 ([*moe, EP, "0"], "parallelism.expert_parallel_degree")):
             with self.subTest(flags=flags):
                 result = info(*flags)
