@@ -366,7 +366,9 @@ std::vector<ConfigKey> build_schema() {
           "parallelism.data_parallel_replicate_degree",
           "replicas of each shard group (hybrid sharding: shard within a node, replicate across)", at_least(1)),
       key<&E::parallelism, &ParallelismConfig::zero_stage>(
-          "parallelism.zero_stage", "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters",
+          "parallelism.zero_stage",
+          "what FSDP shards: 1 optimizer state, 2 + gradients, 3 + parameters; default 3, or 1 under pipeline "
+          "parallelism (the only stage it takes)",
           ValueRange{1, 3}),
       key<&E::parallelism, &ParallelismConfig::expert_parallel_degree>(
           "parallelism.expert_parallel_degree",

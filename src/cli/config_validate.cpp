@@ -510,6 +510,15 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
   p.data_parallel_shard_degree = world / others;
 }
 
+// parallelism.zero_stage's default is 3, except under pipeline parallelism, which takes
+// ZeRO-1 alone (NOTE [FSDP] in distributed/fsdp.h: the schedule's interleaved micro-batches
+// reduce once after it, as Megatron-LM's distributed optimizer does): a run that sets a
+// pipeline degree and no zero_stage gets 1; one that asks for 2 or 3 is refused, named.
+void resolve_zero_stage(ExperimentConfig& config, const ConfigOrigins& origins) {
+  if (config.parallelism.pipeline_parallel_degree > 1 && !origins.contains("parallelism.zero_stage"))
+    config.parallelism.zero_stage = 1;
+}
+
 void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
   TrainingConfig& training = config.training;
   auto show_key = [&](const std::string& key) { return show(config, keys, key); };
@@ -644,6 +653,7 @@ void validate_experiment(ExperimentConfig& config, const ConfigOrigins& origins)
   check_data(config, origins, keys);
   check_checkpoint(config, keys);
   resolve_shard_degree(config, keys);
+  resolve_zero_stage(config, origins);
   check_lora(config, keys);
   check_fp8(config, keys);
   check_moe(config, keys);

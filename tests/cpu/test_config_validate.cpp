@@ -105,6 +105,20 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
                {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 3"});
 }
 
+// parallelism.zero_stage defaults to 1 under pipeline parallelism, 3 otherwise; an explicit
+// 2 or 3 under pipelining is still refused, named.
+TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
+  const ConfigOverrides fsdp = {{"parallelism.data_parallel_shard_degree", "2"}};
+  EXPECT_EQ(load_experiment("", fsdp).parallelism.zero_stage, 3);
+  ConfigOverrides pipelined = fsdp;
+  pipelined.push_back({"parallelism.pipeline_parallel_degree", "2"});
+  EXPECT_EQ(load_experiment("", pipelined).parallelism.zero_stage, 1);
+  pipelined.push_back({"parallelism.zero_stage", "2"});
+  expect_error([&] { load_experiment("", pipelined); },
+               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 2",
+                "ZeRO-2 and -3"});
+}
+
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
 // and over FSDP); LoRA's FP8 frozen base and FSDP's FP8 all-gather are refused, named.
 TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {

@@ -55,7 +55,8 @@ class Parity(unittest.TestCase):
                  "pipeline rank 1 of 2: blocks 1, 3 and the head"),
                 ("pp2-tp2-fsdp2", 8, 2, FSDP2 + ["--parallelism.tensor_parallel_degree", "2"],
                  "pipeline rank 0 of 2: blocks 0-1 and the embedding"),
-                ("pp2-cp2", 4, 2, ["--parallelism.context_parallel_degree", "2", "--parallelism.zero_stage", "1"],
+                # zero_stage left out: 1 by default under pipelining.
+                ("pp2-cp2", 4, 2, ["--parallelism.context_parallel_degree", "2"],
                  "pipeline rank 1 of 2: blocks 2-3 and the head")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
