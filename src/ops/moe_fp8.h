@@ -22,10 +22,12 @@
 // that saw nothing. SwiGLU runs once over all rows in the compute dtype, as without FP8.
 // On CUDA an expert's row count is anything the routing gives; the weight gradient pads it
 // to a multiple of 16 with zero tokens (NOTE [FP8 padded token contraction] in
-// ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. What the dense
-// projections get beyond that is not used for the experts (their Fp8Linear's forward
-// statistics, weight cache and fused producers are cleared): each GEMM takes its operands'
-// amaxes itself, and W is cast in every micro-batch. Not yet done for speed: the FP8 GEMMs
+// ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. On CUDA each
+// local expert has the forward statistics and weight cache a dense projection has (NOTE
+// [FP8 expert stack state]), and the forward quantizes all experts' rows at once (NOTE [FP8
+// grouped expert casts] in kernels/cuda/fp8_grouped_cast.cu), bitwise as expert by expert;
+// the stack's own forward statistics, weight cache and fused producers are not used. Not
+// yet done for speed: the FP8 GEMMs
 // have no plans for varying sizes (NOTE [GEMMs of varying size] serves the bf16 experts), so
 // cuBLASLt plans one per distinct expert row count it meets (with training.gemm_tuning, each
 // timed once), and the experts' GEMMs are never batched, even when padded to capacity. The router (a [E, hidden] GEMM whose
