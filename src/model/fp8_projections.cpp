@@ -199,7 +199,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
       p.linears[k].amax_group = tensor_parallel_;
       p.linears[k].amax_group_roles = sharded;
     }
-    const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 routed experts]: not cached
+    const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 expert stack state]: cached per expert
     if (device_ == Device::CUDA && settings_.weight_cache && !experts) {  // NOTE [FP8 weight cache]
       // Under tensor parallelism a split weight's shard (the degree divides every split).
       const int64_t numel = numels_.at(static_cast<size_t>(block)) / (sharded != 0 ? tensor_parallel_->size() : 1);
