@@ -97,7 +97,10 @@ int64_t fp8_expert_row_codes(const ModelConfig& config, const Fp8Settings& setti
                              config.moe_pad_to_capacity};
   const int64_t k = config.num_experts_per_tok, experts = config.num_experts;
   const int64_t rows = std::max(tokens * k, capacity.pad ? experts * capacity.capacity(tokens, k, experts) : int64_t{0});
-  return std::max<int64_t>(settings.expert_parallel, 1) * rows * widest;
+  // Each local expert's codes start at a 256-byte boundary (fp8_grouped_codes_at in
+  // kernels/cuda/fp8_grouped_cast.h): up to 256 bytes more per expert.
+  const int64_t ranks = std::max<int64_t>(settings.expert_parallel, 1);
+  return ranks * rows * widest + (experts / ranks + 1) * 256;
 }
 
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {

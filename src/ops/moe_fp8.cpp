@@ -25,7 +25,8 @@ Fp8ExpertStack* expert_state(const Fp8Linear& stack, int64_t experts) {
 bool grouped_ok(const Tensor& x, const Fp8Linear& stack, const MoeRouting& r) {
   const Fp8ExpertStack* s = expert_state(stack, r.experts);
   return x.device() == Device::CUDA && s && s->grouped && s->row_codes && s->row_codes->defined() &&
-         s->forward_stats.defined() && s->row_codes->numel() >= r.offsets.back() * x.dim(1) &&
+         s->forward_stats.defined() && x.dim(1) % kFp8TokenMultiple == 0 &&
+         s->row_codes->numel() >= cuda::fp8_grouped_codes_bytes(r.offsets.back(), x.dim(1), r.experts) &&
          (stack.amax_group_roles & fp8_role_bit(cpu::Fp8Role::X)) == 0;
 }
 
@@ -59,7 +60,8 @@ void quantize_rows_grouped(const Tensor& x, const Fp8Linear& stack, const MoeRou
     const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
     if (b == end) continue;
     const Tensor rows = x.narrow(b, end);
-    s.produced[static_cast<size_t>(e)] = {rows.raw(), rows.numel(), true, nullptr, 0, codes + b * cols};
+    s.produced[static_cast<size_t>(e)] = {rows.raw(), rows.numel(), true, nullptr, 0,
+                                          codes + cuda::fp8_grouped_codes_at(b, cols, e)};
   }
 }
 

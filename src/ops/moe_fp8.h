@@ -97,8 +97,9 @@ struct Fp8ExpertStack {
   bool cache_in_use = true;                // false while NOTE [FP8 frozen base] keeps caches off
   std::vector<Fp8Produced> produced;       // one per local expert
   // NOTE [FP8 grouped expert casts]: every local expert's rows quantized in a few launches
-  // into `row_codes` (U8, shared by every stack of the model; the rows' codes laid out as
-  // the rows), the routing's offsets uploaded to `offsets` (I64, experts + 1, this stack's).
+  // into `row_codes` (U8, shared by every stack of the model; each expert's codes from a
+  // 256-byte boundary, fp8_grouped_codes_at), the routing's offsets uploaded to `offsets`
+  // (I64, experts + 1, this stack's). Only for widths that are multiples of 16.
   // Off (expert by expert, the same bits) without them, or with `grouped` false.
   bool grouped = true;
   Tensor* row_codes = nullptr;

@@ -149,10 +149,11 @@ TEST(ModelFp8Moe, ExpertStacksCarryAStatePerExpert) {
 // counts it with each local expert's forward statistics.
 TEST(ModelFp8Moe, GroupedCastBufferCoversThePermutedRows) {
   ModelConfig m = mixtral_like();  // hidden 64, expert ffn 96, 4 experts top-2, 2 MoE blocks
-  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 200 * 96);
+  // And 256 bytes per local expert (and one more) to start each expert's codes aligned.
+  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 200 * 96 + 5 * 256);
   Fp8Settings ep;
   ep.expert_parallel = 2;
-  EXPECT_EQ(fp8_expert_row_codes(m, ep, 100), 2 * 200 * 96);
+  EXPECT_EQ(fp8_expert_row_codes(m, ep, 100), 2 * 200 * 96 + 3 * 256);
   EXPECT_EQ(fp8_expert_row_codes(mla_only(), {}, 100), 0);
   // 16 expert matrices (2 blocks x 2 stacks x 4 experts), each with forward statistics.
   const int64_t dense = fp8_scratch_bytes(m, {}, 100) - fp8_expert_row_codes(m, {}, 100) -
@@ -160,7 +161,7 @@ TEST(ModelFp8Moe, GroupedCastBufferCoversThePermutedRows) {
   EXPECT_GT(dense, 0);
   m.moe_capacity_factor = 4.0;  // capacity 200 rows for each of the 4 experts
   m.moe_pad_to_capacity = true;
-  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 4 * 200 * 96);
+  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 4 * 200 * 96 + 5 * 256);
 }
 
 // The CUDA scratch's code buffers cover one expert receiving every token of the micro-batch
@@ -177,7 +178,7 @@ TEST(ModelFp8Moe, WorkspaceCoversTheFullestExpert) {
   // Also twice the grouped casts' row buffer, and forward statistics for 8 local expert
   // matrices instead of 16 (NOTE [FP8 expert stack state]).
   EXPECT_EQ(fp8_scratch_bytes(m, ep, 100) - fp8_scratch_bytes(m, {}, 100),
-            3 * (208 - 112) * 192 + 200 * 96 - 8 * kFp8WorkspaceStats * 4);
+            3 * (208 - 112) * 192 + 200 * 96 - 2 * 256 - 8 * kFp8WorkspaceStats * 4);
   m.moe_capacity_factor = 4.0;  // capacity ceil(100 x 2 / 4 x 4) = 200 rows
   m.moe_pad_to_capacity = true;
   EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 208 * 192);

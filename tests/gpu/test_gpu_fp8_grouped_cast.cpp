@@ -6,7 +6,8 @@
 // infinity and an all-zero group among ragged row counts (empty groups included, whose
 // slots must stay untouched), columns that allow the vector path and columns that do not,
 // both formats, offsets on the device and uniform groups (an expert stack), current scales
-// and delayed ones (the cast folding each group's amax). Outputs start poisoned (0xff).
+// and delayed ones (the cast folding each group's amax); each group's codes from its own
+// 256-byte boundary (fp8_grouped_codes_at). Outputs start poisoned (0xff).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -89,7 +90,7 @@ void run_case(const Case& c, Fp8Format format, bool delayed, Rng& rng) {
   Tensor ref_stats = poisoned_gpu({groups * kStride}, DType::F32), ref_seen = seen_start(groups, 0.125f);
   Tensor ref_codes = poisoned_gpu({std::max<int64_t>(total, 1) * cols}, DType::U8);
   Tensor got_stats = poisoned_gpu({groups * kStride}, DType::F32), got_seen = seen_start(groups, 0.125f);
-  Tensor got_codes = poisoned_gpu({std::max<int64_t>(total, 1) * cols}, DType::U8);
+  Tensor got_codes = poisoned_gpu({cuda::fp8_grouped_codes_bytes(total, cols, groups)}, DType::U8);
   if (delayed) {
     Tensor scales = Tensor::zeros({groups * kStride});
     for (int64_t g = 0; g < groups; ++g) scales.data<float>()[g * kStride + 1] = delayed_scales[static_cast<size_t>(g)];
@@ -129,7 +130,12 @@ void run_case(const Case& c, Fp8Format format, bool delayed, Rng& rng) {
     stat_mismatches += bits_of(want_stats.data<float>()[i]) != bits_of(have_stats.data<float>()[i]);
     stat_mismatches += bits_of(want_seen.data<float>()[i]) != bits_of(have_seen.data<float>()[i]);
   }
-  code_mismatches += std::memcmp(want_codes.raw(), have_codes.raw(), static_cast<size_t>(total * cols)) != 0;
+  for (int64_t g = 0; g < groups; ++g) {  // each group's codes from its 256-byte boundary
+    const int64_t b = offsets[static_cast<size_t>(g)], at = cuda::fp8_grouped_codes_at(b, cols, g);
+    EXPECT_EQ(at % 256, 0);
+    code_mismatches += std::memcmp(want_codes.data<uint8_t>() + b * cols, have_codes.data<uint8_t>() + at,
+                                   static_cast<size_t>(c.rows[static_cast<size_t>(g)] * cols)) != 0;
+  }
   // The CPU reference, group by group, on the same bf16 values.
   const Tensor rounded = to_cpu_f32(xg);
   for (int64_t g = 0; g < groups; ++g) {
@@ -153,7 +159,8 @@ void run_case(const Case& c, Fp8Format format, bool delayed, Rng& rng) {
     }
     const float seen_want = std::isnan(amax) ? amax : std::max(amax, 0.125f);
     cpu_mismatches += !same(seen_want, have_seen.data<float>()[g * kStride]);
-    cpu_mismatches += std::memcmp(codes.data(), have_codes.data<uint8_t>() + b * cols, codes.size()) != 0;
+    cpu_mismatches += std::memcmp(codes.data(), have_codes.data<uint8_t>() + cuda::fp8_grouped_codes_at(b, cols, g),
+                                  codes.size()) != 0;
   }
   std::printf("grouped cast %lld groups %lld x %lld %s %s: mismatches vs per-group stats %lld codes %lld, vs CPU %lld\n",
               static_cast<long long>(groups), static_cast<long long>(total), static_cast<long long>(cols),

@@ -18,6 +18,7 @@
 
 #include "cli/config.h"
 #include "gpu_testing.h"
+#include "kernels/cuda/fp8_grouped_cast.h"
 #include "model/parameters.h"
 #include "model/fp8_projections.h"
 #include "ops/fp8_statistics.h"
@@ -77,7 +78,7 @@ Outputs run(const Inputs& in, Variant v, Fp8Format grad_format, bool delayed) {
   down.stats = out.stats.data<float>() + in.blocks * cpu::kFp8ProjectionStats;
   gate_up.delayed = down.delayed = delayed;
   uint64_t generation = 0;
-  Tensor row_codes = poisoned_gpu({n * std::max(hidden, ffn)}, DType::U8);
+  Tensor row_codes = poisoned_gpu({cuda::fp8_grouped_codes_bytes(n, std::max(hidden, ffn), local)}, DType::U8);
   Fp8ExpertStack gu_state, down_state;
   if (v != Variant::Stateless) {
     init_fp8_expert_stack(gu_state, local, 2 * ffn, hidden, Device::CUDA, true, &generation, &row_codes);

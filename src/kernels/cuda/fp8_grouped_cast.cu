@@ -12,8 +12,9 @@
 //   fp8_grouped_scale_from_amax  one thread per group: the scale and its inverse from the
 //                                group's amax, folding it into the group's `seen`;
 //   fp8_grouped_cast             the same grid as the amax: each element cast with its group's
-//                                scale, the codes laid out as the input (group g's at its
-//                                rows), the group's amax folded where asked (delayed scaling).
+//                                scale, each group's codes row-major from a 256-byte boundary
+//                                (fp8_grouped_codes_at: where cuBLASLt assumes an FP8 GEMM's
+//                                operand starts), the group's amax folded where asked (delayed).
 // The group boundaries are read on the device (the routing's offsets, I64 [groups + 1]);
 // the host only says how many rows the largest group may have, which sizes the grid.
 // Bit for bit the per-expert path: the amax is a maximum (the same whatever order the
@@ -112,7 +113,7 @@ __global__ void grouped_cast_kernel(const bf16* x, const int64_t* offsets, int64
   const GroupRows r = group_rows(offsets, rows_per_group, g);
   if (r.begin == r.end) return;
   const bf16* xg = x + r.begin * cols;
-  uint8_t* og = out + r.begin * cols;
+  uint8_t* og = out + fp8_grouped_codes_at(r.begin, cols, g);
   const int64_t n = (r.end - r.begin) * cols;
   const bool vector_ok = aligned_to(xg, 16) && aligned_to(og, 8);
   const float scale = scales[g * scale_stride];

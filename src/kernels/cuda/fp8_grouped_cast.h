@@ -30,6 +30,25 @@ struct Fp8GroupStats {
   int64_t stride = 0;
 };
 
+#ifdef __CUDACC__
+#define FORGE_HOST_DEVICE __host__ __device__
+#else
+#define FORGE_HOST_DEVICE
+#endif
+
+// Where fp8_grouped_cast writes group g's codes (its first row `begin`, `cols` wide) in its
+// output: the group's place in the input rounded up to a 256-byte boundary after g x 256
+// bytes of room, so every group's codes start where cuBLASLt's FP8 GEMMs assume operands
+// start (its default minimum alignment) and no two groups overlap. The output needs
+// fp8_grouped_codes_bytes(rows, cols, groups) bytes.
+constexpr int64_t kFp8GroupAlignment = 256;
+FORGE_HOST_DEVICE constexpr int64_t fp8_grouped_codes_at(int64_t begin, int64_t cols, int64_t g) {
+  return (begin * cols + g * kFp8GroupAlignment + kFp8GroupAlignment - 1) / kFp8GroupAlignment * kFp8GroupAlignment;
+}
+constexpr int64_t fp8_grouped_codes_bytes(int64_t rows, int64_t cols, int64_t groups) {
+  return rows * cols + (groups + 1) * kFp8GroupAlignment;
+}
+
 // amax[g] = max |x| over group g's rows (NaN if one is NaN, 0 for none), as fp8_amax on
 // each group's rows. Empty groups' slots are left as they are.
 void fp8_grouped_amax(const bf16* x, const Fp8RowGroups& groups, Fp8GroupStats amax);
@@ -39,8 +58,8 @@ void fp8_grouped_amax(const bf16* x, const Fp8RowGroups& groups, Fp8GroupStats a
 void fp8_grouped_scale_from_amax(const Fp8RowGroups& groups, Fp8GroupStats amax, Fp8Format format,
                                  Fp8GroupStats scale, Fp8GroupStats scale_inv, Fp8GroupStats seen);
 
-// out[i] = the code of x[i] with its group's scale, out laid out as x (group g's codes at
-// out + offsets[g] * cols), as fp8_cast on each group's rows; with an amax base, each
+// out[i] = the code of x[i] with its group's scale, group g's codes row-major at out +
+// fp8_grouped_codes_at(offsets[g], cols, g), as fp8_cast on each group's rows; with an amax base, each
 // group's max |x| folded into amax[g] (delayed scaling's `seen`).
 void fp8_grouped_cast(const bf16* x, const Fp8RowGroups& groups, Fp8GroupStats scale, Fp8Format format,
                       uint8_t* out, Fp8GroupStats amax);
