@@ -82,10 +82,25 @@ int64_t fp8_projection_count(const ModelConfig& config, const Fp8Settings& setti
 
 int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings) {
   if (!settings.weight_cache) return 0;
-  int64_t cached = 0;
+  int64_t cached = 0, experts = 0;
+  for (const auto& [out, in, expert] : fp8_matrices(config, settings)) (expert ? experts : cached) += out * in;
+  // NOTE [FP8 expert stack state]: a rank caches its local experts alone.
+  return 2 * (cached + experts / std::max<int64_t>(settings.expert_parallel, 1));
+}
+
+int64_t fp8_expert_row_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
+  int64_t widest = 0;
   for (const auto& [out, in, expert] : fp8_matrices(config, settings))
-    if (!expert) cached += out * in;
-  return 2 * cached;
+    if (expert) widest = std::max(widest, in);
+  if (widest == 0) return 0;
+  const MoeCapacity capacity{config.moe_capacity_factor, config.moe_token_drop_policy == "position",
+                             config.moe_pad_to_capacity};
+  const int64_t k = config.num_experts_per_tok, experts = config.num_experts;
+  const int64_t rows = std::max(tokens * k, capacity.pad ? experts * capacity.capacity(tokens, k, experts) : int64_t{0});
+  // Each local expert's codes start at a 256-byte boundary (fp8_grouped_codes_at in
+  // kernels/cuda/fp8_grouped_cast.h): up to 256 bytes more per expert.
+  const int64_t ranks = std::max<int64_t>(settings.expert_parallel, 1);
+  return ranks * rows * widest + (experts / ranks + 1) * 256;
 }
 
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
@@ -94,10 +109,14 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   for (const ParamSpec& spec : parameter_specs(config)) layer_params += spec.layer >= 0 ? 1 : 0;
   const int64_t stats = 1 + layer_params + (settings.output_head ? 1 : 0);
   const int64_t projections = fp8_projection_count(config, settings);
+  int64_t expert_matrices = 0;  // NOTE [FP8 expert stack state]: forward statistics per local expert
+  for (const auto& m : fp8_matrices(config, settings)) expert_matrices += m.expert ? 1 : 0;
+  const int64_t local_expert_matrices = expert_matrices / std::max<int64_t>(settings.expert_parallel, 1);
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
   return (settings.frozen ? 2 : 3) * fp8_workspace_codes(config, settings, tokens) +
-         (stats * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
+         fp8_expert_row_codes(config, settings, tokens) +
+         ((stats + local_expert_matrices) * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
              static_cast<int64_t>(sizeof(float));
 }
 
@@ -109,6 +128,8 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
     if (!settings.frozen) workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);  // dy^T for dW
     workspace_.stats = Tensor::zeros({kFp8WorkspaceStats}, DType::F32, device);
+    if (const int64_t rows = fp8_expert_row_codes(config, settings, tokens); rows > 0)
+      expert_row_codes_ = Tensor::empty({rows}, DType::U8, device);  // NOTE [FP8 grouped expert casts]
   }
   fp8_.grad_format = settings.grad_format;
   fp8_.workspace = &workspace_;
@@ -167,6 +188,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
   p.forward.resize(params);
   p.caches.resize(params);
   p.produced.resize(params);
+  p.experts.resize(params);
   p.linears.assign(params, fp8_);
   const bool head = &all == &head_projections_;
   for (size_t k = 0; k < params; ++k) {
@@ -180,7 +202,7 @@ Fp8Projections::Projections& Fp8Projections::projections(std::vector<Projections
       p.linears[k].amax_group = tensor_parallel_;
       p.linears[k].amax_group_roles = sharded;
     }
-    const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 routed experts]: not cached
+    const bool experts = !head && expert_stack_.at(index).at(k);  // NOTE [FP8 expert stack state]: cached per expert
     if (device_ == Device::CUDA && settings_.weight_cache && !experts) {  // NOTE [FP8 weight cache]
       // Under tensor parallelism a split weight's shard (the degree divides every split).
       const int64_t numel = numels_.at(static_cast<size_t>(block)) / (sharded != 0 ? tensor_parallel_->size() : 1);
@@ -228,9 +250,12 @@ void Fp8Projections::discard_amaxes() { fp8_stats_clear_seen(stats_); }
 
 Fp8WeightCache* Fp8Projections::cache_in_use(Fp8WeightCache& cache) const {
   if (!cache.codes.defined()) return nullptr;
+  return expert_cache_in_use() ? &cache : nullptr;
+}
+
+bool Fp8Projections::expert_cache_in_use() const {
   // NOTE [FP8 frozen base]: a frozen W is cached with its delayed scale only.
-  if (settings_.frozen && settings_.recipe == Fp8Recipe::Delayed && !delayed_active_) return nullptr;
-  return &cache;
+  return !(settings_.frozen && settings_.recipe == Fp8Recipe::Delayed && !delayed_active_);
 }
 
 void Fp8Projections::end_step(bool update) {
@@ -252,6 +277,7 @@ void Fp8Projections::set_delayed_active(bool active) {
         if (p.linears[k].stats) {
           p.linears[k].delayed = active;
           p.linears[k].weight_cache = cache_in_use(p.caches[k]);
+          p.experts[k].cache_in_use = expert_cache_in_use();
         }
 }
 
@@ -329,8 +355,21 @@ const BlockWeights& Fp8Projections::with_fp8(const BlockWeights& base, int index
   BlockWeights& block = out.at(static_cast<size_t>(index));
   block = base;
   Projections& p = projections(layer_projections_, static_cast<size_t>(index), block.params.size());
-  for (size_t k = 0; k < block.params.size(); ++k)
-    if (projection_of_.at(static_cast<size_t>(index)).at(k) >= 0) block.params[k].fp8 = &p.linears[k];
+  for (size_t k = 0; k < block.params.size(); ++k) {
+    if (projection_of_.at(static_cast<size_t>(index)).at(k) < 0) continue;
+    block.params[k].fp8 = &p.linears[k];
+    // NOTE [FP8 expert stack state]: made the first time the stack's shape is seen (its
+    // local experts), for the weight and gradient descriptors alike.
+    const Tensor& stack = block.params[k].weight;
+    if (expert_stack_.at(static_cast<size_t>(index)).at(k) && !p.linears[k].experts && stack.defined() &&
+        stack.ndim() == 3) {
+      Fp8ExpertStack& s = p.experts[k];
+      init_fp8_expert_stack(s, stack.dim(0), stack.dim(1), stack.dim(2), device_, settings_.weight_cache,
+                            &generation_, expert_row_codes_.defined() ? &expert_row_codes_ : nullptr);
+      s.cache_in_use = expert_cache_in_use();
+      p.linears[k].experts = &s;
+    }
+  }
   return block;
 }
 

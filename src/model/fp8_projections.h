@@ -124,6 +124,7 @@
 #include "model/parameters.h"
 #include "model/tensor_parallel.h"
 #include "ops/fp8_linear.h"
+#include "ops/moe_fp8.h"
 
 namespace forge {
 
@@ -184,13 +185,22 @@ int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
 // buffers of fp8_workspace_codes bytes (two for a frozen base), the shared statistics and
-// every projection's forward statistics (kFp8WorkspaceStats floats each), the statistics
+// every projection's forward statistics (kFp8WorkspaceStats floats each; a routed expert
+// stack's for each of the rank's local experts too), the grouped casts' row codes
+// (fp8_expert_row_codes), the statistics
 // blocks and, with `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
-// The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight (the routed
-// experts' are not cached: NOTE [FP8 routed experts]), 0 without it.
+// The CUDA weight cache's bytes (NOTE [FP8 weight cache]): 2 per FP8 weight, of the routed
+// experts those of a rank's E / settings.expert_parallel local experts (NOTE [FP8 expert
+// stack state] in ops/moe_fp8.h), 0 without it.
 int64_t fp8_weight_cache_bytes(const ModelConfig& config, const Fp8Settings& settings);
+// Bytes of the CUDA buffer the grouped casts write every local expert's rows' codes into
+// (NOTE [FP8 grouped expert casts] in kernels/cuda/fp8_grouped_cast.cu): the most permuted
+// rows a rank's experts receive (tokens x k, or E x capacity padded to capacity; times
+// settings.expert_parallel under expert parallelism) times the widest expert input; 0
+// without routed experts. Part of fp8_scratch_bytes.
+int64_t fp8_expert_row_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);
 
 class Fp8Projections : public ParamSource, public GradSink {
  public:
@@ -267,6 +277,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   void set_delayed_active(bool active);
   // The weight cache a projection uses now (NOTE [FP8 frozen base]), or null.
   Fp8WeightCache* cache_in_use(Fp8WeightCache& cache) const;
+  bool expert_cache_in_use() const;  // the same for the expert stacks' caches
 
   // The FP8 descriptors of one layer's (or the head's) projections, by parameter index.
   struct Projections {
@@ -274,6 +285,7 @@ class Fp8Projections : public ParamSource, public GradSink {
     std::vector<Fp8ForwardStats> forward;   // sized once: Fp8Linears point into it
     std::vector<Fp8WeightCache> caches;     // likewise (NOTE [FP8 weight cache])
     std::vector<Fp8Produced> produced;      // likewise (NOTE [FP8 fused producers])
+    std::vector<Fp8ExpertStack> experts;    // likewise, made for expert stacks (NOTE [FP8 expert stack state])
     std::vector<Fp8Linear> linears;
   };
   Projections& projections(std::vector<Projections>& all, size_t index, size_t params);
@@ -291,6 +303,7 @@ class Fp8Projections : public ParamSource, public GradSink {
   bool delayed_active_ = false;
   uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock
   Fp8LinearWorkspace workspace_;
+  Tensor expert_row_codes_;  // CUDA: NOTE [FP8 grouped expert casts], shared by every expert stack
   Fp8Linear fp8_;
   std::vector<Projections> layer_projections_, head_projections_;
   ParamSource* weights_ = nullptr;

@@ -158,6 +158,14 @@ bool produced_input(const Fp8Linear& fp8, const Tensor& x, bool codes) {
   return true;
 }
 
+// Where a producer put x's codes for this forward (the workspace's `workspace_codes`, or
+// the grouped expert casts' buffer), or null when it did not; used once.
+uint8_t* produced_codes(const Fp8Linear& fp8, const Tensor& x, uint8_t* workspace_codes) {
+  if (!fp8.produced) return nullptr;
+  uint8_t* at = fp8.produced->x_codes_at ? const_cast<uint8_t*>(fp8.produced->x_codes_at) : workspace_codes;
+  return produced_input(fp8, x, true) ? at : nullptr;
+}
+
 // Whether a producer folded dy's amax into the workspace's first slot; used once.
 bool produced_output_gradient(const Fp8Linear& fp8, const Tensor& dy) {
   Fp8Produced* p = fp8.produced;
@@ -353,11 +361,19 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
         } else if (kept) b.codes = kept;
         else if (cacheable) b.codes = caching_target(fp8, w, false, b.codes);
         if (delayed) {
-          if (!produced_input(fp8, x, true)) cast_delayed(x, kE4M3, a, false);
+          if (uint8_t* codes = produced_codes(fp8, x, a.codes)) a.codes = codes;
+          else cast_delayed(x, kE4M3, a, false);
           if (!kept) cast_delayed(w, kE4M3, b, false);
         } else {
-          const bool amax_ready = fp8.forward && fp8.forward->device && produced_input(fp8, x, false);
-          quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X), amax_ready);
+          const bool kept_stats = fp8.forward && fp8.forward->device;
+          // NOTE [FP8 grouped expert casts]: x's codes and scales made already.
+          if (uint8_t* codes = kept_stats ? produced_codes(fp8, x, a.codes) : nullptr) {
+            a.codes = codes;
+          } else {
+            const bool amax_ready = kept_stats && produced_input(fp8, x, false);
+            quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X),
+                            amax_ready);
+          }
           if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W), amax_group_of(fp8, Fp8Role::W));
         }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
@@ -547,6 +563,7 @@ cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer)
     p.x = x.raw();
     p.x_numel = x.numel();
     p.x_codes = true;
+    p.x_codes_at = nullptr;
     return {d.amax, d.scale, d.codes};  // the role's seen, scale and the forward's code buffer
   }
   if (!fp8.forward || !fp8.forward->device) return {};

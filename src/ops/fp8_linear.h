@@ -151,6 +151,11 @@ struct Fp8Produced {
   bool x_codes = false;      // its codes too (delayed), in the workspace's a_codes
   const void* dy = nullptr;  // the output gradient whose amax is in the workspace's first slot
   int64_t dy_numel = 0;
+  // Where x's codes are when not in the workspace's a_codes: a routed expert's rows, cast
+  // with every other expert's by the grouped casts (NOTE [FP8 grouped expert casts] in
+  // kernels/cuda/fp8_grouped_cast.cu), which also prepare them under `tensorwise` (the
+  // scales then in the projection's forward statistics).
+  const uint8_t* x_codes_at = nullptr;
 };
 
 // NOTE [FP8 gathered weights]
@@ -171,6 +176,8 @@ struct Fp8GatheredWeight {
 
 // The bit of Fp8Linear::amax_group_roles for a role.
 constexpr uint8_t fp8_role_bit(cpu::Fp8Role role) { return static_cast<uint8_t>(1u << static_cast<unsigned>(role)); }
+
+struct Fp8ExpertStack;  // ops/moe_fp8.h
 
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
@@ -193,6 +200,9 @@ struct Fp8Linear {
   // which the trainer agrees at the step's end).
   Fp8AmaxGroup* amax_group = nullptr;
   uint8_t amax_group_roles = 0;
+  // A routed-expert stack's per-expert state (NOTE [FP8 expert stack state] in
+  // ops/moe_fp8.h): each expert's forward statistics, weight cache and grouped casts.
+  Fp8ExpertStack* experts = nullptr;
 };
 
 // NOTE [FP8 fused producers]: the epilogue for the kernel about to write x, which the

@@ -22,10 +22,12 @@
 // that saw nothing. SwiGLU runs once over all rows in the compute dtype, as without FP8.
 // On CUDA an expert's row count is anything the routing gives; the weight gradient pads it
 // to a multiple of 16 with zero tokens (NOTE [FP8 padded token contraction] in
-// ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. What the dense
-// projections get beyond that is not used for the experts (their Fp8Linear's forward
-// statistics, weight cache and fused producers are cleared): each GEMM takes its operands'
-// amaxes itself, and W is cast in every micro-batch. Not yet done for speed: the FP8 GEMMs
+// ops/fp8_linear.h), which changes no amax and adds nothing to the gradient. On CUDA each
+// local expert has the forward statistics and weight cache a dense projection has (NOTE
+// [FP8 expert stack state]), and the forward quantizes all experts' rows at once (NOTE [FP8
+// grouped expert casts] in kernels/cuda/fp8_grouped_cast.cu), bitwise as expert by expert;
+// the stack's own forward statistics, weight cache and fused producers are not used. Not
+// yet done for speed: the FP8 GEMMs
 // have no plans for varying sizes (NOTE [GEMMs of varying size] serves the bf16 experts), so
 // cuBLASLt plans one per distinct expert row count it meets (with training.gemm_tuning, each
 // timed once), and the experts' GEMMs are never batched, even when padded to capacity. The router (a [E, hidden] GEMM whose
@@ -53,10 +55,62 @@
 // expert_parallel).
 #pragma once
 
+#include <vector>
+
 #include "ops/fp8_linear.h"
 #include "ops/moe.h"
 
 namespace forge {
+
+// NOTE [FP8 expert stack state]
+// What the dense projections keep per projection, the experts keep per local expert, in an
+// Fp8ExpertStack the stack's Fp8Linear points at (Fp8Linear::experts; Fp8Projections makes
+// one per expert-stack parameter of a layer the first time the layer is handed out, sized
+// by the stack it holds: E / P local experts under expert parallelism) and
+// fp8_expert_linear hands to expert e's settings:
+//  - its forward statistics (NOTE [FP8 forward statistics] in ops/fp8_linear.h): the
+//    backward reuses the x and W scales of the expert's forward, so its input gradient
+//    casts W^T with the forward's scale (no amax pass) and its weight gradient skips x's
+//    amax pass; the slots of all local experts are one device array, expert e's at
+//    e x kFp8WorkspaceStats floats, which the grouped casts write with a stride;
+//  - its weight cache (NOTE [FP8 weight cache]), with precision.fp8_weight_cache on CUDA:
+//    W and W^T cast once per optimizer step and reused by every micro-batch (and by
+//    activation checkpointing's recomputed forward), keyed as any cache entry by the
+//    expert's matrix (its address in the stack and its size), so FSDP's gathered stacks
+//    under ZeRO-3 are cast again only when they move; 2 bytes per local expert weight,
+//    counted by fp8_weight_cache_bytes. The scales travel with the codes as for a dense
+//    projection (tensorwise in the forward statistics, delayed in the expert's block), and
+//    the codes are the bytes the uncached path casts, so results are bitwise the same. An
+//    expert that receives no rows in the step's first micro-batch is cast by the first one
+//    that gives it rows: each expert's W amax is folded into its `seen` exactly when the
+//    uncached path would first fold it, so the delayed histories are unchanged;
+//  - its Fp8Produced record: the grouped casts of its rows (NOTE [FP8 grouped expert casts]
+//    in kernels/cuda/fp8_grouped_cast.cu) hand its forward x's codes (and under
+//    `tensorwise` its scales) as a fused producer does (NOTE [FP8 fused producers]).
+// The stack's own Fp8Linear keeps no forward statistics, weight cache or producer record
+// (fp8_expert_linear clears them): its experts' rows and matrices are never one tensor.
+// On the CPU nothing of this exists (the reference quantizes every operand each time).
+struct Fp8ExpertStack {
+  Tensor forward_stats;                    // CUDA: F32 [local experts x kFp8WorkspaceStats]
+  std::vector<Fp8ForwardStats> forward;    // one per local expert, pointing into forward_stats
+  std::vector<Fp8WeightCache> caches;      // one per local expert; empty without the cache
+  bool cache_in_use = true;                // false while NOTE [FP8 frozen base] keeps caches off
+  std::vector<Fp8Produced> produced;       // one per local expert
+  // NOTE [FP8 grouped expert casts]: every local expert's rows quantized in a few launches
+  // into `row_codes` (U8, shared by every stack of the model; each expert's codes from a
+  // 256-byte boundary, fp8_grouped_codes_at), the routing's offsets uploaded to `offsets`
+  // (I64, experts + 1, this stack's). Only for widths that are multiples of 16.
+  // Off (expert by expert, the same bits) without them, or with `grouped` false.
+  bool grouped = true;
+  Tensor* row_codes = nullptr;
+  Tensor offsets;
+  int64_t experts() const { return static_cast<int64_t>(forward.size()); }
+};
+
+// Allocates the per-expert state of a stack [experts, out, in] on `device` (CUDA: the
+// forward statistics; the weight cache with `weight_cache`, ticking with `generation`).
+void init_fp8_expert_stack(Fp8ExpertStack& stack, int64_t experts, int64_t out, int64_t in, Device device,
+                           bool weight_cache, const uint64_t* generation, Tensor* row_codes);
 
 // The FP8 settings of a block's expert stacks (Fp8Projections' descriptors of the 3-D
 // gate/up and down parameters): each points at the stack's first expert's statistics block,
@@ -70,9 +124,11 @@ struct MoeExpertFp8 {
   bool enabled() const { return gate_up && down; }
 };
 
-// Expert e's settings: the stack's, with its own statistics block and without the dense
-// projections' per-call records (forward statistics, weight cache, fused producers).
-Fp8Linear fp8_expert_linear(const Fp8Linear& stack, int64_t expert);
+// Expert e's settings: the stack's, with its own statistics block (the model's expert
+// `expert`); with the stack's per-expert state (NOTE [FP8 expert stack state]) that of its
+// local expert `local` (its forward statistics, weight cache and producer record), without
+// (local -1, or no state) none of the per-call records.
+Fp8Linear fp8_expert_linear(const Fp8Linear& stack, int64_t expert, int64_t local = -1);
 
 // moe_experts_forward in FP8 (NOTE [FP8 routed experts]).
 void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& w, const MoeRouting& routing,

@@ -96,8 +96,72 @@ TEST(ModelFp8Moe, ProjectionsAndExpertsCarryFp8AndTheRouterDoesNot) {
     if (fp8_block_projection(spec)) plain += spec.shape[0] * spec.shape[1];
   EXPECT_EQ(fp8_gemm_params(m, none), plain + all_experts * 2 / 8);
   Fp8Settings cached;
-  cached.weight_cache = true;  // the experts' codes are not cached
-  EXPECT_EQ(fp8_weight_cache_bytes(m, cached), 2 * plain);
+  cached.weight_cache = true;  // every expert's codes too (NOTE [FP8 expert stack state])
+  EXPECT_EQ(fp8_weight_cache_bytes(m, cached), 2 * (plain + all_experts));
+  cached.expert_parallel = 2;  // a rank caches its 4 local experts of 8
+  EXPECT_EQ(fp8_weight_cache_bytes(m, cached), 2 * (plain + all_experts / 2));
+}
+
+// NOTE [FP8 expert stack state]: every expert-stack parameter's FP8 settings carry a state
+// of one entry per expert (the stack's first dimension: its local experts), for the weight
+// and gradient descriptors alike; dense matrices carry none. On the CPU the state holds no
+// device statistics, cache or row buffer (the reference quantizes every operand).
+TEST(ModelFp8Moe, ExpertStacksCarryAStatePerExpert) {
+  const ModelConfig m = deepseek_like();
+  FlatParameters params(m), grads(m);
+  Fp8Projections fp8(m, {}, Device::CPU, 32);
+  fp8.set_base(params, grads);
+  int64_t stacks = 0;
+  for (int i = 0; i < m.num_layers; ++i) {
+    const BlockWeights& block = fp8.layer(i);
+    const BlockWeights& grad_block = fp8.layer_grads(i);
+    for (size_t k = 0; k < block.params.size(); ++k) {
+      const LinearWeight& p = block.params[k];
+      if (!p.fp8) continue;
+      EXPECT_EQ(grad_block.params[k].fp8, p.fp8);
+      if (p.weight.ndim() != 3) {
+        EXPECT_EQ(p.fp8->experts, nullptr);
+        continue;
+      }
+      ASSERT_NE(p.fp8->experts, nullptr);
+      EXPECT_EQ(p.fp8->experts->experts(), p.weight.dim(0));
+      EXPECT_TRUE(p.fp8->experts->caches.empty());
+      EXPECT_FALSE(p.fp8->experts->forward_stats.defined());
+      EXPECT_EQ(p.fp8->experts->row_codes, nullptr);
+      ++stacks;
+    }
+  }
+  EXPECT_EQ(stacks, 4);  // two MoE blocks, gate/up and down each
+  // The same state again when the layer is handed out again.
+  const Fp8ExpertStack* first = nullptr;
+  for (const LinearWeight& p : fp8.layer(1).params)
+    if (p.fp8 && p.fp8->experts) first = first ? first : p.fp8->experts;
+  for (const LinearWeight& p : fp8.layer(1).params)
+    if (p.fp8 && p.fp8->experts) {
+      EXPECT_EQ(p.fp8->experts, first);
+      break;
+    }
+}
+
+// NOTE [FP8 grouped expert casts]: the buffer of every local expert's rows' codes holds the
+// most permuted rows (tokens x k, E x capacity when padded to it; times the expert-parallel
+// degree) of the widest expert input (the down projection's ffn here), and the scratch
+// counts it with each local expert's forward statistics.
+TEST(ModelFp8Moe, GroupedCastBufferCoversThePermutedRows) {
+  ModelConfig m = mixtral_like();  // hidden 64, expert ffn 96, 4 experts top-2, 2 MoE blocks
+  // And 256 bytes per local expert (and one more) to start each expert's codes aligned.
+  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 200 * 96 + 5 * 256);
+  Fp8Settings ep;
+  ep.expert_parallel = 2;
+  EXPECT_EQ(fp8_expert_row_codes(m, ep, 100), 2 * 200 * 96 + 3 * 256);
+  EXPECT_EQ(fp8_expert_row_codes(mla_only(), {}, 100), 0);
+  // 16 expert matrices (2 blocks x 2 stacks x 4 experts), each with forward statistics.
+  const int64_t dense = fp8_scratch_bytes(m, {}, 100) - fp8_expert_row_codes(m, {}, 100) -
+                        16 * kFp8WorkspaceStats * 4;
+  EXPECT_GT(dense, 0);
+  m.moe_capacity_factor = 4.0;  // capacity 200 rows for each of the 4 experts
+  m.moe_pad_to_capacity = true;
+  EXPECT_EQ(fp8_expert_row_codes(m, {}, 100), 4 * 200 * 96 + 5 * 256);
 }
 
 // The CUDA scratch's code buffers cover one expert receiving every token of the micro-batch
@@ -111,7 +175,10 @@ TEST(ModelFp8Moe, WorkspaceCoversTheFullestExpert) {
   Fp8Settings ep;
   ep.expert_parallel = 2;
   EXPECT_EQ(fp8_workspace_codes(m, ep, 100), 208 * 192);
-  EXPECT_EQ(fp8_scratch_bytes(m, ep, 100) - fp8_scratch_bytes(m, {}, 100), 3 * (208 - 112) * 192);
+  // Also twice the grouped casts' row buffer, and forward statistics for 8 local expert
+  // matrices instead of 16 (NOTE [FP8 expert stack state]).
+  EXPECT_EQ(fp8_scratch_bytes(m, ep, 100) - fp8_scratch_bytes(m, {}, 100),
+            3 * (208 - 112) * 192 + 200 * 96 - 2 * 256 - 8 * kFp8WorkspaceStats * 4);
   m.moe_capacity_factor = 4.0;  // capacity ceil(100 x 2 / 4 x 4) = 200 rows
   m.moe_pad_to_capacity = true;
   EXPECT_EQ(fp8_workspace_codes(m, {}, 100), 208 * 192);

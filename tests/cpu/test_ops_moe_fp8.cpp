@@ -171,5 +171,40 @@ TEST(OpsMoeFp8Settings, ExpertLinearHasItsOwnBlock) {
   EXPECT_EQ(e2.weight_cache, nullptr);
 }
 
+// NOTE [FP8 expert stack state]: with the stack's per-expert state, expert e's settings take
+// its local expert's forward statistics, producer record and weight cache (the model's
+// block still the global expert's); the cache only while it is in use; without a local
+// index none of it; a local index beyond the state is refused.
+TEST(OpsMoeFp8Settings, ExpertLinearTakesItsLocalExpertsState) {
+  float stats[8 * cpu::kFp8ProjectionStats] = {};
+  float slots[4 * kFp8WorkspaceStats] = {};
+  Fp8ExpertStack state;
+  init_fp8_expert_stack(state, 4, 6, 5, Device::CPU, /*weight_cache=*/true, nullptr, nullptr);
+  EXPECT_EQ(state.experts(), 4);
+  EXPECT_TRUE(state.caches.empty());  // the CPU reference keeps no cache
+  EXPECT_EQ(state.forward[0].device, nullptr);
+  // As Fp8Projections' CUDA state would hold them.
+  state.caches.resize(4);
+  for (int e = 0; e < 4; ++e) state.forward[static_cast<size_t>(e)].device = slots + e * kFp8WorkspaceStats;
+  Fp8Linear stack{Fp8Format::E5M2, nullptr, nullptr, stats};
+  stack.experts = &state;
+  const Fp8Linear e6 = fp8_expert_linear(stack, /*expert=*/6, /*local=*/2);  // a rank's experts 4..7
+  EXPECT_EQ(e6.stats, stats + 6 * cpu::kFp8ProjectionStats);
+  EXPECT_EQ(e6.forward, &state.forward[2]);
+  EXPECT_EQ(e6.forward->device, slots + 2 * kFp8WorkspaceStats);
+  EXPECT_EQ(e6.produced, &state.produced[2]);
+  EXPECT_EQ(e6.weight_cache, &state.caches[2]);
+  EXPECT_EQ(e6.experts, nullptr);  // an expert is not a stack
+  EXPECT_TRUE(e6.varying_tokens);
+  state.cache_in_use = false;  // NOTE [FP8 frozen base] before the delayed scales
+  EXPECT_EQ(fp8_expert_linear(stack, 6, 2).weight_cache, nullptr);
+  EXPECT_EQ(fp8_expert_linear(stack, 6, 2).forward, &state.forward[2]);
+  const Fp8Linear bare = fp8_expert_linear(stack, 6);
+  EXPECT_EQ(bare.forward, nullptr);
+  EXPECT_EQ(bare.produced, nullptr);
+  EXPECT_EQ(bare.weight_cache, nullptr);
+  EXPECT_THROW(fp8_expert_linear(stack, 6, 4), Error);
+}
+
 }  // namespace
 }  // namespace forge
