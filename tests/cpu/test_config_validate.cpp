@@ -76,7 +76,7 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
-// and over FSDP); LoRA's FP8 frozen base and FSDP's FP8 all-gather are refused, named.
+// and over FSDP), and LoRA's FP8 frozen base; FSDP's FP8 all-gather is refused, named.
 TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
   for (const char* recipe : {"tensorwise", "delayed"})
     EXPECT_EQ(load({{"precision.fp8", recipe}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8, recipe);
@@ -84,10 +84,22 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
                   {"parallelism.data_parallel_shard_degree", "2"}})
                 .parallelism.tensor_parallel_degree,
             2);
+  // LoRA's FP8 frozen base split over the ranks (alone and over FSDP's frozen base).
+  for (const char* recipe : {"tensorwise", "delayed"})
+    EXPECT_EQ(load({{"precision.fp8", recipe}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"}})
+                  .precision.fp8,
+              recipe);
+  EXPECT_EQ(load({{"precision.fp8", "tensorwise"}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"},
+                  {"parallelism.data_parallel_shard_degree", "2"}})
+                .lora.rank,
+            4);
+  // QLoRA's NF4 base stays refused under tensor parallelism, FP8 or not.
   expect_error(
-      [] { load({{"precision.fp8", "tensorwise"}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
-      {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with precision.fp8 = tensorwise",
-       "LoRA's FP8 frozen base is not split over tensor-parallel ranks"});
+      [] {
+        load({{"precision.fp8", "none"}, {"lora.rank", "4"}, {"lora.quantize_base", "nf4"},
+              {"parallelism.tensor_parallel_degree", "2"}});
+      },
+      {"cannot be combined with lora.quantize_base = nf4"});
   expect_error(
       [] {
         load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
