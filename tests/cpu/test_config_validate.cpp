@@ -76,7 +76,7 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
-// and over FSDP), and LoRA's FP8 frozen base; FSDP's FP8 all-gather is refused, named.
+// and over FSDP, with its FP8 all-gather), and LoRA's FP8 frozen base.
 TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
   for (const char* recipe : {"tensorwise", "delayed"})
     EXPECT_EQ(load({{"precision.fp8", recipe}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8, recipe);
@@ -100,12 +100,16 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
               {"parallelism.tensor_parallel_degree", "2"}});
       },
       {"cannot be combined with lora.quantize_base = nf4"});
+  // FSDP's FP8 all-gather over the tensor-parallel shards (full training only, as without them).
+  EXPECT_TRUE(load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
+                    {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}})
+                  .precision.fp8_fsdp_all_gather);
   expect_error(
       [] {
-        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
+        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"}, {"lora.rank", "4"},
               {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}});
       },
-      {"cannot be combined with precision.fp8_fsdp_all_gather = true", "not over the tensor-parallel ranks"});
+      {"precision.fp8_fsdp_all_gather", "is for full training"});
 }
 
 // NOTE [Expert parallelism under pipeline parallelism]: expert-parallel groups of a
