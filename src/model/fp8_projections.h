@@ -59,7 +59,8 @@
 // projections wrap the Fsdp, whose gathers hand out the bf16 weights, and each rank casts
 // them as one device would (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp: the
 // delayed amaxes max-reduced over the ranks at the step's end, a non-finite amax a step
-// every rank skips or stops at). Under ZeRO-3 a block's weights come in whichever of the
+// every rank skips or stops at). Under tensor parallelism the projections hold the rank's
+// base shards: NOTE [FP8 under tensor parallelism]. Under ZeRO-3 a block's weights come in whichever of the
 // rotating gather buffers is free; a cache entry is keyed by the weight's address, so a
 // projection whose weight moved casts it again, and one whose weight came back to the
 // cached address finds its own frozen values there.
