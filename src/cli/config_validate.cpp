@@ -321,8 +321,8 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training or LoRA (not on an NF4 base) in the compute dtype, full training in FP8
-// (NOTE [FP8 under tensor parallelism] in model/fp8_projections.h). Checkpoints,
+// full training or LoRA (not on an NF4 base) in the compute dtype or in FP8, with FSDP's FP8
+// all-gather too (NOTE [FP8 under tensor parallelism] in model/fp8_projections.h). Checkpoints,
 // initial weights (a forge checkpoint or a Hugging Face model) and the Hugging Face export
 // hold whole parameters, each rank reading or writing its shards' places in them (NOTE
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
@@ -357,13 +357,6 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
   // LoRA: NOTE [LoRA under context and tensor parallelism] in model/lora.h.
   refuse(config.lora.quantize_base != "none", "lora.quantize_base",
          "QLoRA's NF4 base is not split over tensor-parallel ranks (LoRA on a frozen bf16 base is)");
-  refuse(config.precision.fp8 != "none" && config.lora.enabled(), "precision.fp8",
-         "LoRA's FP8 frozen base is not split over tensor-parallel ranks (full training in FP8 is; LoRA under tensor "
-         "parallelism runs in the compute dtype)");
-  refuse(config.precision.fp8_fsdp_all_gather, "precision.fp8_fsdp_all_gather",
-         "its weight scales are agreed over the shard group only, not over the tensor-parallel ranks whose shards "
-         "make up each weight (set it to false: precision.fp8 alone gathers bf16 and casts each weight with the "
-         "scale agreed over both)");
 }
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in

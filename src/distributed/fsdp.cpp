@@ -509,6 +509,9 @@ const BlockWeights& Fsdp::layer(int index) {
   const int unit = FsdpLayout::unit_of_layer(index);
   if (options_.fp8_all_gather) {
     FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
+    FORGE_CHECK(options_.tensor_parallel.size == 1 || fp8_tensor_parallel_,
+                "FSDP's FP8 all-gather under tensor parallelism needs the tensor-parallel group "
+                "(set_fp8_tensor_parallel_group)");
     // NOTE [FP8 all-gather]: codes of an older weight generation are gathered again.
     for (UnitSlot& s : weight_slots_)
       if (s.unit >= 0 && s.generation != fp8_->weight_generation()) {
@@ -579,6 +582,14 @@ void Fsdp::set_fp8_projections(const Fp8Projections& fp8) {
   }
 }
 
+void Fsdp::set_fp8_tensor_parallel_group(ProcessGroup& group) {
+  FORGE_CHECK(options_.fp8_all_gather, "FSDP: a tensor-parallel group for the FP8 all-gather given without it");
+  FORGE_CHECK(group.world_size() == options_.tensor_parallel.size && group.rank() == options_.tensor_parallel.rank,
+              "FSDP's FP8 all-gather: a tensor-parallel group of rank {} of {} given to tensor-parallel rank {} of {}",
+              group.rank(), group.world_size(), options_.tensor_parallel.rank, options_.tensor_parallel.size);
+  fp8_tensor_parallel_ = &group;
+}
+
 void Fsdp::copy_delayed_scales(UnitSlot& slot, int unit) {
   FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
   if (!fp8_->delayed_active()) return;
@@ -608,7 +619,9 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
     const int64_t lo = std::min(std::max(begin, p.offset), end), hi = std::min(end, p.offset + p.numel);
     return std::pair{lo, std::max(lo, hi)};
   };
-  // 1-2. Each FP8 weight's amax over this rank's chunk; tensorwise: max-reduced, then the scales.
+  // 1-2. Each FP8 weight's amax over this rank's chunk; tensorwise: max-reduced over the
+  // shard group (this tensor-parallel shard's amax), then over the tensor-parallel group
+  // (the whole weight's), then the scales.
   int64_t weights = 0;
   for (const FsdpParam& p : u.params) {
     if (!is_fp8(p)) continue;
@@ -619,6 +632,7 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
   const Tensor amax = slot.amax.narrow(0, std::max<int64_t>(weights, 1));
   if (!fp8_->delayed_active()) {
     shard_group_.all_reduce(amax, ReduceOp::Max, stream);
+    if (fp8_tensor_parallel_) fp8_tensor_parallel_->all_reduce(amax, ReduceOp::Max, stream);
     fp8_chunk_scales(slot.scales, amax, stream);
   }
   // 3. This rank's codes into its place, and the byte all-gather.

@@ -117,6 +117,20 @@
 // is gathered again. Memory: a slot holds 1 byte per block element instead of 2.
 // A non-finite amax: NCCL's max may not carry a NaN across ranks, but the NaN codes do, so
 // the loss is non-finite on every rank.
+// Under tensor parallelism (FsdpOptions::tensor_parallel; NOTE [FP8 under tensor
+// parallelism] in model/fp8_projections.h) a rank's block weights are its tensor-parallel
+// shards, and the scale one device would use is the whole weight's: step 2's amax vector
+// is max-reduced over the shard group (this shard's amax) and then over the tensor-parallel
+// group (set_fp8_tensor_parallel_group: the maximum over every shard of the whole weight),
+// one more all-reduce of a few floats per block gather. Each rank's gathered codes are then
+// its slice of one device's FP8 weight, the bytes its projections' own cast of the bf16
+// shard writes (whose W amax is max-reduced over the same ranks), so the run is bitwise
+// the bf16-gather run under tensor parallelism too. delayed: the history's scale is the
+// same on every rank already (the step-end reduction spans the tensor-parallel group), and
+// the W record's chunk amax becomes the whole weight's at the step's end as above. That
+// all-reduce runs on FSDP's communication stream, so it goes over a group of its own (the
+// trainer splits one of the same ranks), not the model's tensor-parallel group, whose
+// collectives run on the compute stream.
 //
 // NOTE [FSDP of a model of units]
 // FSDP knows the decoder only through its layout (which parameter is in which unit) and
@@ -273,6 +287,12 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // NOTE [FP8 all-gather]: the projections whose scales, statistics and clock the FP8
   // gathers use (outlives this object's use).
   void set_fp8_projections(const Fp8Projections& fp8);
+  // NOTE [FP8 all-gather] under tensor parallelism: the ranks whose shards make up each
+  // block weight (FsdpOptions::tensor_parallel), over which the gathers' weight amaxes are
+  // max-reduced after the shard group's. A group of its own, not the model's
+  // tensor-parallel one: its collectives run on the communication stream. Needed with the
+  // FP8 all-gather under tensor parallelism, before the first layer(); outlives this object's use.
+  void set_fp8_tensor_parallel_group(ProcessGroup& group);
 
   // Redistributes per-segment tensors (layout().segments() order, fp32 or bf16: the master
   // segments, or the optimizer's moments) from the FSDP layout to the flat index space
@@ -425,6 +445,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   std::unique_ptr<DeviceEvent> updated_;  // the optimizer's writes are done
   // NOTE [FP8 all-gather]
   const Fp8Projections* fp8_ = nullptr;
+  ProcessGroup* fp8_tensor_parallel_ = nullptr;  // NOTE [FP8 all-gather] under tensor parallelism
   Tensor norm_wire_;            // world x norm_wire_numel_ elements of the compute dtype
   int64_t norm_wire_numel_ = 0;  // the most norm elements any rank holds of any block
 };

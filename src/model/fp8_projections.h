@@ -59,7 +59,8 @@
 // projections wrap the Fsdp, whose gathers hand out the bf16 weights, and each rank casts
 // them as one device would (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp: the
 // delayed amaxes max-reduced over the ranks at the step's end, a non-finite amax a step
-// every rank skips or stops at). Under ZeRO-3 a block's weights come in whichever of the
+// every rank skips or stops at). Under tensor parallelism the projections hold the rank's
+// base shards: NOTE [FP8 under tensor parallelism]. Under ZeRO-3 a block's weights come in whichever of the
 // rotating gather buffers is free; a cache entry is keyed by the weight's address, so a
 // projection whose weight moved casts it again, and one whose weight came back to the
 // cached address finds its own frozen values there.
@@ -109,9 +110,20 @@
 //    the rank's, the rank's rows with the residual, the rows after); in FP8 each would
 //    quantize its rows with their own amax, so it runs one GEMM over every row, x quantized
 //    whole, and adds the residual to the rank's rows before the reduce-scatter.
-// Not built, and refused by the config: FSDP's FP8 all-gather under tensor parallelism (its
-// weight scales are agreed over the shard group only), and LoRA's FP8 frozen base split
-// over tensor-parallel ranks.
+// LoRA's frozen base (NOTE [FP8 frozen base]) takes the group the same way: the frozen
+// projections wrap the rank's base shards (the flat compute weights, or the frozen FSDP
+// base's gathers), LoraAdapters wraps them with its adapters' shards (NOTE [LoRA under
+// context and tensor parallelism] in model/lora.h), and each rank runs the forward and the
+// input gradient of its shard in FP8 with the sharded roles' amaxes max-reduced as above
+// (no weight gradient, so a column-parallel dy is quantized once, for dx); the adapters
+// run in the compute dtype. A frozen shard's amax is the same every step, and reduced over
+// the group it is the whole weight's: the weight scales, and with `delayed` the W
+// histories, are one device's exactly; the step-end reduction is full training's. The
+// weight cache holds the rank's shards, filled once as on one device.
+// FSDP's FP8 all-gather (NOTE [FP8 all-gather] in distributed/fsdp.h) gathers each rank's
+// shard as E4M3 codes cast with the whole weight's scale: its gathers max-reduce their
+// weight amaxes over the shard group and then over the tensor-parallel ranks, so the
+// codes are the ones this rank's cast of its gathered bf16 shard writes here.
 #pragma once
 
 #include <cstdint>

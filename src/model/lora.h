@@ -75,8 +75,10 @@
 // draws of the same probability, not one process's masks); and its forward adds the
 // adapter's share over every row in one call after the frozen GEMM's row pieces
 // (SequenceParallelEdges::project_out), so that the backward, one call over every row,
-// draws the same masks. QLoRA is refused under tensor parallelism (the NF4 base is not
-// split).
+// draws the same masks. With precision.fp8 the frozen base's shards run their GEMMs in FP8
+// under the adapters, the sharded tensors' amaxes agreed over the group (NOTE [FP8 under
+// tensor parallelism] in model/fp8_projections.h). QLoRA is refused under tensor
+// parallelism (the NF4 base is not split).
 //
 // NOTE [LoRA under expert parallelism]
 // With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in

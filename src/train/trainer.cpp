@@ -201,6 +201,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                                               t.local_batch_size * t.seq_len / context_parallel_degree_);
       fp8_->set_base(*fsdp_, *fsdp_);
       if (config_.precision.fp8_fsdp_all_gather) fsdp_->set_fp8_projections(*fp8_);
+      // NOTE [FP8 all-gather]: under tensor parallelism the whole weight's amax, over both groups.
+      if (fp8_gather_tensor_parallel_group_) fsdp_->set_fp8_tensor_parallel_group(*fp8_gather_tensor_parallel_group_);
       log_fp8();
     }
   } else {
@@ -448,6 +450,7 @@ void Trainer::set_up_data_parallel() {
     // degree apart, with the same shards, are the data-parallel world.
     const int t = static_cast<int>(tp);
     tensor_parallel_group_ = stage_world->split(local / t, local);
+    if (config_.precision.fp8_fsdp_all_gather) fp8_gather_tensor_parallel_group_ = stage_world->split(local / t, local);
     data_parallel_group_ = stage_world->split(local % t, local);
     tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
     tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);

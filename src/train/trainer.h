@@ -244,6 +244,9 @@ class Trainer {
   // tensor-parallel rank (FSDP's world), the model's collectives over the former and the
   // step's scalars over it.
   std::unique_ptr<ProcessGroup> tensor_parallel_group_, data_parallel_group_;
+  // The same ranks as tensor_parallel_group_, for FSDP's FP8 all-gather, whose amax
+  // reductions run on FSDP's communication stream (NOTE [FP8 all-gather] in distributed/fsdp.h).
+  std::unique_ptr<ProcessGroup> fp8_gather_tensor_parallel_group_;
   std::unique_ptr<TensorParallel> tensor_parallel_;
   std::unique_ptr<DataParallelComm> tensor_parallel_comm_;
   // Under tensor parallelism, the step's data-parallel collectives (dp_) leave out the other

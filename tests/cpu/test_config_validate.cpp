@@ -120,7 +120,7 @@ TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
-// and over FSDP); LoRA's FP8 frozen base and FSDP's FP8 all-gather are refused, named.
+// and over FSDP, with its FP8 all-gather), and LoRA's FP8 frozen base.
 TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
   for (const char* recipe : {"tensorwise", "delayed"})
     EXPECT_EQ(load({{"precision.fp8", recipe}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8, recipe);
@@ -128,16 +128,32 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
                   {"parallelism.data_parallel_shard_degree", "2"}})
                 .parallelism.tensor_parallel_degree,
             2);
-  expect_error(
-      [] { load({{"precision.fp8", "tensorwise"}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
-      {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with precision.fp8 = tensorwise",
-       "LoRA's FP8 frozen base is not split over tensor-parallel ranks"});
+  // LoRA's FP8 frozen base split over the ranks (alone and over FSDP's frozen base).
+  for (const char* recipe : {"tensorwise", "delayed"})
+    EXPECT_EQ(load({{"precision.fp8", recipe}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"}})
+                  .precision.fp8,
+              recipe);
+  EXPECT_EQ(load({{"precision.fp8", "tensorwise"}, {"lora.rank", "4"}, {"parallelism.tensor_parallel_degree", "2"},
+                  {"parallelism.data_parallel_shard_degree", "2"}})
+                .lora.rank,
+            4);
+  // QLoRA's NF4 base stays refused under tensor parallelism, FP8 or not.
   expect_error(
       [] {
-        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
+        load({{"precision.fp8", "none"}, {"lora.rank", "4"}, {"lora.quantize_base", "nf4"},
+              {"parallelism.tensor_parallel_degree", "2"}});
+      },
+      {"cannot be combined with lora.quantize_base = nf4"});
+  // FSDP's FP8 all-gather over the tensor-parallel shards (full training only, as without them).
+  EXPECT_TRUE(load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
+                    {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}})
+                  .precision.fp8_fsdp_all_gather);
+  expect_error(
+      [] {
+        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"}, {"lora.rank", "4"},
               {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}});
       },
-      {"cannot be combined with precision.fp8_fsdp_all_gather = true", "not over the tensor-parallel ranks"});
+      {"precision.fp8_fsdp_all_gather", "is for full training"});
 }
 
 // NOTE [Expert parallelism under hybrid sharding]: expert-parallel groups inside each

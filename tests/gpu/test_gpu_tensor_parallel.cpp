@@ -668,6 +668,130 @@ TEST(GpuTensorParallel, Fp8ThreadRanksMatchOneGpu) {
   }
 }
 
+// NOTE [FP8 under tensor parallelism] with LoRA's FP8 frozen base (NOTE [FP8 frozen base]):
+// t tensor-parallel rank threads, each with its bf16 base shards under a frozen
+// Fp8Projections (weight cache and fused producers on, as the trainer runs them) under its
+// LoraAdapters (the shards of the split matrices' adapters), the sharded tensors' current
+// amaxes max-reduced over the group, against one GPU's LoRA FP8 step. delayed: every rank
+// restored from one GPU's state after a first step. The adapters' gradients, summed over
+// the ranks after spread_shard_gradients (as the trainer's all-reduce), are one GPU's
+// within bf16 and E5M2 rounding; the weights' amaxes are one GPU's bitwise (the frozen
+// base's shards are the whole weights' pieces). Prints the measured gaps.
+void expect_fp8_lora_tensor_parallel_matches_one_gpu(Fp8Recipe recipe, int t) {
+  const bool delayed = recipe == Fp8Recipe::Delayed;
+  SCOPED_TRACE(fmt::format("LoRA FP8 {} on {} tensor-parallel ranks", delayed ? "delayed" : "tensorwise", t));
+  const ModelConfig config = llama_like(false);
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.target_modules = "all-linear";
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const float scale = 1.0f / static_cast<float>(batch * seq);
+  Fp8Settings settings;
+  settings.recipe = recipe;
+  settings.weight_cache = true;
+  settings.frozen = true;
+  settings.amax_history_length = 4;
+
+  FlatParameters whole(config);
+  whole.initialize(23);
+  round_to_bf16(whole.flat());
+  std::vector<Tensor> b_values;
+  const LoraAdapters shapes(config, lora, Device::CPU, 1);
+  for (const LoraTarget& target : shapes.targets())
+    for (const LoraPart& part : target.parts)
+      b_values.push_back(random_bf16_values({part.row_end - part.row_begin, lora.rank}, rng, 0.02));
+  auto adapters_over = [&](ParamSource& base, TensorParallelShard shard) {
+    auto adapters = std::make_unique<LoraAdapters>(config, lora, Device::CUDA, batch * seq, shard);
+    adapters->initialize(9);
+    size_t next = 0;
+    for (size_t k = 0; k < adapters->targets().size(); ++k)
+      for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p)
+        adapters->set_part_matrix(k, p, 'b', b_values[next++]);
+    adapters->refresh_compute();
+    adapters->set_base(base);
+    adapters->discard();
+    return adapters;
+  };
+  FlatParameters compute(config, Device::CUDA, DType::BF16);
+  compute.assign_from(whole);
+  Fp8Projections one_fp8(config, settings, Device::CUDA, batch * seq);
+  one_fp8.set_base(compute);
+  auto one_adapters = adapters_over(one_fp8, {});
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+  if (delayed) {  // a first step (current scales) gives the state every rank starts from
+    one.forward_backward(targets, tokens, *one_adapters, *one_adapters, scale);
+    one_fp8.end_step(true);
+    one_adapters->discard();
+  }
+  const LossSum reference = one.forward_backward(tokens, targets, *one_adapters, *one_adapters, scale);
+
+  Turn turn;
+  ThreadGroup group(t);
+  std::vector<LossSum> losses(static_cast<size_t>(t));
+  std::vector<std::unique_ptr<FlatParameters>> bases;
+  std::vector<std::unique_ptr<Fp8Projections>> rank_fp8;
+  std::vector<std::unique_ptr<LoraAdapters>> adapters;
+  for (int r = 0; r < t; ++r) {
+    const TensorParallelShard shard{r, t};
+    FlatParameters host(config, Device::CPU, DType::F32, shard);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    bases.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16, shard));
+    bases.back()->assign_from(host);
+    rank_fp8.push_back(std::make_unique<Fp8Projections>(config, settings, Device::CUDA, batch * seq));
+    rank_fp8.back()->set_base(*bases.back());
+    if (delayed) rank_fp8.back()->restore_delayed_state(one_fp8.delayed_state());
+    adapters.push_back(adapters_over(*rank_fp8.back(), shard));
+  }
+  std::vector<std::vector<float>> statistics(static_cast<size_t>(t));
+  const auto errors = run_rank_threads(t, turn.gpu, [&](int r) {
+    ThreadCollectives tp(turn, group, r);
+    const size_t i = static_cast<size_t>(r);
+    rank_fp8[i]->set_tensor_parallel_group(tp);
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None, nullptr, &tp);
+    losses[i] = model.forward_backward(tokens, targets, *adapters[i], *adapters[i], scale);
+    adapters[i]->spread_shard_gradients();
+    tp.all_reduce_max(rank_fp8[i]->statistics());  // as the trainer's step end
+    statistics[i] = host_values<float>(rank_fp8[i]->statistics());
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  double loss_gap = 0.0, gradient_gap = 0.0;
+  for (int r = 0; r < t; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
+    loss_gap = std::max(loss_gap, std::abs(losses[static_cast<size_t>(r)].mean() - reference.mean()) / reference.mean());
+    EXPECT_NEAR(losses[static_cast<size_t>(r)].mean(), reference.mean(), 1e-2 * reference.mean()) << "rank " << r;
+    EXPECT_EQ(statistics[static_cast<size_t>(r)], statistics[0]) << "rank " << r << "'s reduced statistics";
+  }
+  for (size_t i = 0; i < one_adapters->gradients().size(); ++i) {
+    Tensor summed = to_cpu_f32(adapters[0]->gradients()[i]);
+    for (int r = 1; r < t; ++r) {
+      const Tensor more = to_cpu_f32(adapters[static_cast<size_t>(r)]->gradients()[i]);
+      for (int64_t j = 0; j < summed.numel(); ++j) summed.data<float>()[j] += more.data<float>()[j];
+    }
+    const double gap = relative_l2(summed, to_cpu_f32(one_adapters->gradients()[i]));
+    gradient_gap = std::max(gradient_gap, gap);
+    EXPECT_LT(gap, 0.25) << one_adapters->master_names()[i];
+  }
+  std::printf("LoRA FP8 %s on %d tensor-parallel ranks: loss gap %.3g, largest adapter gradient relative L2 gap %.3g\n",
+              delayed ? "delayed" : "tensorwise", t, loss_gap, gradient_gap);
+  // The frozen weights' amaxes, max-reduced over the group, are the whole weights' (one GPU's).
+  const std::vector<float> want = host_values<float>(one_fp8.statistics());
+  for (int64_t p = 0; p < fp8_projection_count(config, settings); ++p) {
+    const auto k = static_cast<size_t>(cpu::fp8_seen_offset(p, cpu::Fp8Role::W));
+    EXPECT_EQ(statistics[0][k], want[k]) << "projection " << p;
+  }
+}
+
+TEST(GpuTensorParallel, Fp8LoraThreadRanksMatchOneGpu) {
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
+    expect_fp8_lora_tensor_parallel_matches_one_gpu(recipe, 2);
+}
+
 TEST(GpuContextParallel, Fp8ThreadRanksMatchOneGpu) {
   for (const Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Tensorwise}) {
     expect_fp8_context_parallel_matches_one_gpu(recipe, 2);
