@@ -454,7 +454,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
   // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:
-  // QLoRA and LoRA's FP8 base are not split over tensor-parallel ranks), and LoRA's FP8 frozen base
+  // QLoRA's NF4 base is not split over tensor-parallel ranks), and LoRA's FP8 frozen base
   // stage by stage.
 }
 

@@ -234,8 +234,9 @@ def delayed_state(run_dir):
 
 class LoraFp8Pipeline(unittest.TestCase):
     """LoRA with the frozen base's forward and input-gradient GEMMs in FP8 on 2 pipeline ranks
-    (each building its stages' projections) and on PP2 x DP2 (over FSDP's frozen base) follows
-    one process's LoRA FP8 run; with `delayed` the histories are one process's."""
+    (each building its stages' projections), on PP2 x DP2 (over FSDP's frozen base) and on
+    PP2 x TP2 (the amaxes agreed over the tensor-parallel ranks) follows one process's LoRA FP8
+    run; with `delayed` the histories are one process's."""
     train = classmethod(LoraPipelineParallel.train.__func__)
 
     @classmethod
@@ -251,7 +252,8 @@ class LoraFp8Pipeline(unittest.TestCase):
             fp8 = ["--precision.fp8", recipe, "--checkpoint.enable", "true", "--checkpoint.interval", "6"]
             single = self.train(f"fp8-{recipe}-one", 1, *fp8, export=False)
             self.assertIn("frozen base's", self.last.stdout)
-            for name, ranks, data_ranks, flags in (("pp2", 2, 1, PP2), ("pp2-dp2", 4, 2, PP2 + DP2)):
+            for name, ranks, data_ranks, flags in (("pp2", 2, 1, PP2), ("pp2-dp2", 4, 2, PP2 + DP2),
+                                                   ("pp2-tp2", 4, 1, PP2 + TP2)):
                 with self.subTest(recipe=recipe, run=name):
                     run_dir = self.train(f"fp8-{recipe}-{name}", ranks, *flags, *fp8, data_ranks=data_ranks,
                                          export=False)
@@ -259,17 +261,25 @@ class LoraFp8Pipeline(unittest.TestCase):
                     losses, reference = train_losses(run_dir), train_losses(single)
                     self.assertEqual(len(losses), 6)
                     self.assertLess(relative_error(np.array(losses), np.array(reference)), FP8_TOLERANCE)
-                    if data_ranks == 1:
+                    if name == "pp2":
                         # The same micro-batches as one process, each scaled alike: the adapters follow
                         # it closely. (A data-parallel rank's micro-batches hold other sequences, whose
                         # activations tensorwise scales by their own amaxes: FP8's rounding, as under
-                        # FSDP, where the losses are what is compared.)
+                        # FSDP, where the losses are what is compared. Tensor-parallel ranks add their
+                        # partial input gradients in bf16 before the next FP8 cast, which moves codes
+                        # across rounding boundaries: the first block's adapters, at the end of the
+                        # backward chain, end 5-10% apart after 6 steps, as under tensor parallelism
+                        # without pipelining; the losses are compared.)
                         mine = load_file(os.path.join(run_dir, "adapter", "adapter_model.safetensors"))
                         theirs = load_file(os.path.join(single, "adapter", "adapter_model.safetensors"))
                         for tensor in theirs:
                             self.assertLess(relative_error(mine[tensor].numpy(), theirs[tensor].numpy()),
                                             SPLIT_ADAPTER_TOLERANCE, tensor)
-                    if recipe != "delayed":
+                    # Under tensor parallelism the histories agree with one process's to fp32
+                    # rounding after the first step (5e-7, measured) and then drift as the
+                    # gradients do (2.2% after 6 steps, as TP2 without pipelining): compared
+                    # for the pipeline's own layouts.
+                    if recipe != "delayed" or name == "pp2-tp2":
                         continue
                     state = [delayed_state(d) for d in (run_dir, single)]
                     self.assertTrue(state[0]["active"])
@@ -286,10 +296,7 @@ class Errors(unittest.TestCase):
                  ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3"]),
                 (4, lora + TP2 + QLORA,
                  ["parallelism.tensor_parallel_degree = 2", "cannot be combined with lora.quantize_base = nf4",
-                  "NF4 base is not split over tensor-parallel ranks"]),
-                (4, lora + TP2 + ["--precision.fp8", "tensorwise"],
-                 ["cannot be combined with precision.fp8 = tensorwise",
-                  "LoRA's FP8 frozen base is not split over tensor-parallel ranks"])):
+                  "NF4 base is not split over tensor-parallel ranks"])):
             with self.subTest(flags=flags):
                 result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", str(ranks), "--", "train",
                                          "--training.steps", "1", "--logging.run_dir",
