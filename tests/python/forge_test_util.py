@@ -108,6 +108,20 @@ def resumed_copy(source, run_dir, ranks, data_ranks, *overrides, steps=30, check
     return result, records(run_dir, "train")[steps:], records(run_dir, "eval")[3:]
 
 
+def expect_resumes_under_layouts(test, tmp, prefix, flags, cases, tolerance, steps=30):
+    """Each case (name, source run under TMP, ranks, data_ranks, layout flags, the "saved by
+    N ranks" line the resume logs) copies its source and resumes it from the middle
+    checkpoint under the layout: steps steps/2 + 1 .. steps are the source's within TOLERANCE.
+    The copies keep the source's first two evaluations, so the resumed ones start at [2:]."""
+    for name, source, ranks, data_ranks, layout, saved_by in cases:
+        with test.subTest(model=prefix, run=name):
+            source = os.path.join(tmp, source)
+            resumed = os.path.join(tmp, f"{prefix}-{name.replace(' ', '-')}")
+            result, resumed_train, _ = resumed_copy(source, resumed, ranks, data_ranks, *flags, *layout, steps=steps)
+            test.assertIn(saved_by, result.stdout + result.stderr)
+            expect_continues(test, source, resumed_train, records(resumed, "eval")[2:], tolerance, steps=steps)
+
+
 def expect_continues(test, source, resumed_train, resumed_eval, tolerance, steps=30):
     """The resumed steps steps/2 + 1 .. steps are SOURCE's uninterrupted ones: bitwise
     (tolerance 0) or within fp32 reordering."""

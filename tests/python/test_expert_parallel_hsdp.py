@@ -30,7 +30,7 @@ import unittest
 
 import numpy
 
-from forge_test_util import (expect_continues, forge_bin, max_relative_difference, records, resumed_copy,
+from forge_test_util import (expect_resumes_under_layouts, forge_bin, max_relative_difference, records,
                              scratch_dir, train_on_ranks)
 from test_fsdp import checkpoint_weights
 
@@ -87,18 +87,12 @@ class HybridShardingTimesExpertParallel(unittest.TestCase):
             # The R2 x S2 x EP2 checkpoint of step 10 (its files by the first replica's 2
             # shard ranks) resumed on one rank and under 4 shard ranks x EP4, and one rank's
             # resumed under R2 x S2 x EP2: steps 11-20 are the saving run's.
-            for name, source, ranks, data_ranks, layout, saved_by in (
-                    ("resumed on one rank", f"{model}-r2-s2-ep2", 1, 1, [], "saved by 2 ranks"),
-                    ("resumed under s4 x ep4", f"{model}-r2-s2-ep2", 4, 4, S4_EP4, "saved by 2 ranks"),
-                    ("resumed under r2 x s2 x ep2", f"{model}-one", 4, 4, R2_S2_EP2, "saved by 1 rank")):
-                with self.subTest(model=model, run=name):
-                    source = os.path.join(self.tmp, source)
-                    resumed = os.path.join(self.tmp, f"{model}-{name.replace(' ', '-')}")
-                    result, resumed_train, _ = resumed_copy(source, resumed, ranks, data_ranks, *flags, *layout,
-                                                            steps=STEPS)
-                    self.assertIn(saved_by, result.stdout + result.stderr)
-                    expect_continues(self, source, resumed_train, records(resumed, "eval")[2:], TOLERANCE,
-                                     steps=STEPS)
+            expect_resumes_under_layouts(
+                self, self.tmp, model, flags,
+                (("resumed on one rank", f"{model}-r2-s2-ep2", 1, 1, [], "saved by 2 ranks"),
+                 ("resumed under s4 x ep4", f"{model}-r2-s2-ep2", 4, 4, S4_EP4, "saved by 2 ranks"),
+                 ("resumed under r2 x s2 x ep2", f"{model}-one", 4, 4, R2_S2_EP2, "saved by 1 rank")),
+                TOLERANCE, steps=STEPS)
 
     def test_fp8_follows_one_rank(self):
         # NOTE [FP8 routed experts under expert parallelism] in src/ops/moe_fp8.h: each rank

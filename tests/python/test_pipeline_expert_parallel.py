@@ -32,7 +32,7 @@ import unittest
 
 import numpy
 
-from forge_test_util import (expect_continues, forge_bin, max_relative_difference, records, resumed_copy,
+from forge_test_util import (expect_resumes_under_layouts, forge_bin, max_relative_difference, records,
                              scratch_dir, train_on_ranks)
 from test_fsdp import checkpoint_weights
 
@@ -97,17 +97,11 @@ class PipelineTimesExpertParallel(unittest.TestCase):
             # ranks) resumed on one rank, and one rank's resumed under pipeline x expert
             # parallelism (interleaved): steps 11-20 are the saving run's. The copies hold
             # the evaluations of steps 10 and 20, then the resumed run's of step 20.
-            for name, source, ranks, data_ranks, layout, saved_by in (
-                    ("resumed on one rank", f"{model}-pp2-ep2", 1, 1, [], "saved by 2 ranks"),
-                    ("resumed under pp2 x ep2", f"{model}-one", 4, 2, PP2_EP2 + INTERLEAVED, "saved by 1 rank")):
-                with self.subTest(model=model, run=name):
-                    source = os.path.join(self.tmp, source)
-                    resumed = os.path.join(self.tmp, f"{model}-{name.replace(' ', '-')}")
-                    result, resumed_train, _ = resumed_copy(source, resumed, ranks, data_ranks, *flags, *layout,
-                                                            steps=STEPS)
-                    self.assertIn(saved_by, result.stdout + result.stderr)
-                    expect_continues(self, source, resumed_train, records(resumed, "eval")[2:], TOLERANCE,
-                                     steps=STEPS)
+            expect_resumes_under_layouts(
+                self, self.tmp, model, flags,
+                (("resumed on one rank", f"{model}-pp2-ep2", 1, 1, [], "saved by 2 ranks"),
+                 ("resumed under pp2 x ep2", f"{model}-one", 4, 2, PP2_EP2 + INTERLEAVED, "saved by 1 rank")),
+                TOLERANCE, steps=STEPS)
 
     def test_fp8_follows_one_rank(self):
         # FP8 (NOTE [FP8 routed experts under expert parallelism] in src/ops/moe_fp8.h, NOTE
