@@ -12,6 +12,7 @@ each stage's base gathered with every expert's slices) are one process's; the PP
 checkpoint resumes on one process and one process's under PP2 x EP2 with the interleaved
 schedule, each continuing the run that saved it; QLoRA is still refused by name."""
 import os
+import re
 import subprocess
 import unittest
 
@@ -94,6 +95,28 @@ class LoraPipelineTimesExpertParallel(unittest.TestCase):
                      ("resumed under pp2 x ep2 interleaved", f"{model}-one", 4, 2,
                       PP2_EP2 + INTERLEAVED + NO_EXPORT, "saved by 1 rank")),
                     TOLERANCE, steps=STEPS)
+
+    def test_info_sizes_the_frozen_base_by_the_experts(self):
+        """forge info: a pipeline rank's frozen ZeRO-1 base holds its stages' units with 8 of
+        the 64 routed experts each (and the chunk, 1/8 of its stages either way), so it shrinks
+        with expert parallelism 8; the adapters (whole on every rank) do not."""
+        base = ["deepseek-v2-lite", "--model.num_layers", "26", "--training.device", "cuda",
+                "--training.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "8",
+                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "1", "--lora.rank", "16",
+                "--lora.target_modules", "q_proj,o_proj,gate,experts.gate_up_proj,experts.down_proj"]
+        sizes = {}
+        for degree in (1, 8):
+            result = subprocess.run([forge_bin(), "info", *base, "--parallelism.expert_parallel_degree", str(degree)],
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            line = next(l for l in result.stdout.splitlines() if "one GPU (bf16)" in l)
+            sizes[degree] = {name: float(re.search(name + r" ([0-9.]+) GiB", line).group(1))
+                             for name in ("frozen bf16 weights", "master weights", "AdamW state")}
+        print(f"frozen bf16 weights: {sizes[1]['frozen bf16 weights']} GiB (EP 1), "
+              f"{sizes[8]['frozen bf16 weights']} GiB (EP 8)")
+        self.assertLess(sizes[8]["frozen bf16 weights"], sizes[1]["frozen bf16 weights"] / 2)
+        self.assertEqual(sizes[8]["master weights"], sizes[1]["master weights"])
+        self.assertEqual(sizes[8]["AdamW state"], sizes[1]["AdamW state"])
 
     def test_qlora_is_refused_by_name(self):
         result = subprocess.run([forge_bin(), "train", "--training.steps", "1", "--logging.run_dir",
