@@ -431,9 +431,6 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   } catch (const Error& e) {
     FORGE_FAIL("{}: {}", pp, e.what());
   }
-  auto refuse = [&](bool set, const char* key, const char* why) {
-    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", pp, show(config, keys, key), why);
-  };
   // FSDP shards over the context-parallel ranks too (NOTE [Context-parallel steps]).
   if ((p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 || p.context_parallel_degree > 1) &&
       p.zero_stage != 1)
@@ -445,12 +442,15 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
                show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
-  // asks the shard degree to take it. LoRA on a MoE model under both is not built: its
-  // adapters' gradients under expert parallelism (NOTE [LoRA under expert parallelism]) and
-  // under pipelining are summed over different groups, never composed.
-  refuse(p.expert_parallel_degree > 1 && (config.lora.enabled() || config.lora.quantize_base != "none"),
-         "parallelism.expert_parallel_degree",
-         "LoRA and QLoRA take expert parallelism or pipeline parallelism, not both at once");
+  // asks the shard degree to take it. LoRA on a MoE model under both: NOTE [LoRA under pipeline
+  // and expert parallelism] in model/lora.h (the pipeline's sum and the stage's sum compose).
+  // QLoRA is not built there: its NF4 base holds each rank's experts alone and is replicated
+  // over the stage's ranks, and the merged export in pieces (written by the stage's rank 0)
+  // does not gather the other ranks' experts.
+  if (p.expert_parallel_degree > 1 && config.lora.quantize_base != "none")
+    FORGE_FAIL("{} cannot be combined with {} and {} yet: QLoRA's NF4 base holds each rank's experts alone, which "
+               "the merged export under pipelining does not gather (LoRA's bf16 base runs under both)",
+               pp, show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "lora.quantize_base"));
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
   // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:

@@ -96,7 +96,8 @@
 // parallelism]) then sums each expert's partial gradients over the ranks that hold it and
 // the 2-D adapters' over every rank, which is the global gradient: every rank runs the same
 // AdamW step on the whole adapters, so checkpoints, the PEFT adapter and the merged export
-// are one process's. The expert workspace takes P times a rank's rows (what its experts may
+// are one process's (under pipelining too: NOTE [LoRA under pipeline and expert
+// parallelism]). The expert workspace takes P times a rank's rows (what its experts may
 // receive), which the memory estimate counts (lora_sizes' expert_parallel). QLoRA holds its
 // NF4 base's local experts alone (NOTE [NF4 expert stacks under expert parallelism] in
 // model/nf4_base.h) and the rest of the base replicated; its adapters are the same as LoRA's.
@@ -147,7 +148,36 @@
 // merge_into adding its shard of B A (the rows of B, or the columns of A, its shard of W
 // has). The cost of the simple layout is the adapters' AdamW state on every rank (16 bytes
 // per trainable value) and one all-reduce of the adapters' gradients per step; adapters
-// split by stage would save the former.
+// split by stage would save the former. With expert parallelism too, NOTE [LoRA under
+// pipeline and expert parallelism].
+//
+// NOTE [LoRA under pipeline and expert parallelism]
+// Expert parallelism under pipelining (NOTE [Expert parallelism under pipeline parallelism]
+// in model/pipeline.h) forms its groups from a stage's shard ranks. The two gradient sums
+// above compose without a group of their own, because every rank holds every adapter whole
+// and writes zeros wherever it computed nothing. Per adapter kind, what a rank's backward
+// writes and where its sum completes:
+//   - a 2-D adapter (attention's, MLA's, the dense blocks' and shared experts', the
+//     router's `gate`) of a block of stage s: the ranks of s's pipeline rank write their
+//     tokens' partial sums, every other rank zeros (zero_unwritten_gradients);
+//   - a routed-expert adapter of expert e in a block of stage s: the ranks of s's pipeline
+//     rank whose expert-parallel index holds e write its partial sum over every token their
+//     group routed to e (the rows the all-to-all brought them); the stage's other ranks
+//     leave e's rows zero (discard()), and every other pipeline rank the whole stack.
+// The pipeline's sum, then the stage's (data- and context-parallel ranks, the
+// expert-parallel group among them), is the sum over every rank of the world, which is each
+// kind's global gradient: every rank takes one process's AdamW step, the adapters stay
+// identical everywhere, and the local experts' adapters need no gathering for the PEFT
+// adapter or a checkpoint (rank 0's, one process's files, resumable under any layout).
+// The frozen base is a ZeRO-1 FSDP of the rank's stages split by experts (FsdpOptions'
+// pipeline_stages and expert_parallel together, as under full training): each stack's
+// local experts' slice sharded over the stage's ranks that hold the same experts, the rest
+// over the stage's ranks. The merged export in pieces gathers each stage's base to its shard
+// rank 0 (Trainer::gather_stage_base), every expert-parallel rank's slices at their experts'
+// places, merges the whole adapters there and writes. QLoRA is refused under both: its NF4
+// base holds each rank's experts alone (NOTE [NF4 expert stacks under expert parallelism]
+// in model/nf4_base.h), replicated over the stage's ranks, and the export in pieces, written
+// by the stage's rank 0, does not gather the others' experts yet.
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the

@@ -55,7 +55,9 @@
 // model (each rank writes its segments: the expert slices at their experts' offsets), so it
 // loads under any other layout, one rank included. The expert loads are each rank's
 // tokens': summed over the data-parallel ranks, then the pipeline group (NOTE [Pipeline
-// stages]), they are the whole model's for the routing bias update.
+// stages]), they are the whole model's for the routing bias update. LoRA (the frozen base
+// laid out the same way, the adapters whole on every rank): NOTE [LoRA under pipeline and
+// expert parallelism] in model/lora.h.
 #pragma once
 
 #include <cstdint>

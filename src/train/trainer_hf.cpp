@@ -328,8 +328,12 @@ void Trainer::gather_stage_base(FlatParameters& stages) {
   for (const FsdpUnit& unit : layout.units())
     for (const FsdpParam& p : unit.params) {
       held[layout.specs()[static_cast<size_t>(p.spec)].name] = &p;
-      begin = std::min(begin, p.flat_offset);
-      end = std::max(end, p.flat_offset + p.numel);
+      // Under expert parallelism a stack's FsdpParam is the rank's experts' slice (param_begin
+      // into the whole): the range spans the whole stack, which gather_flat_range fills with
+      // every expert-parallel rank's slices (NOTE [LoRA under pipeline and expert parallelism]).
+      const int64_t whole = p.flat_offset - p.param_begin;
+      begin = std::min(begin, whole);
+      end = std::max(end, whole + shape_numel(layout.specs()[static_cast<size_t>(p.spec)].shape));
     }
   const bool root = layout.rank() == 0;
   if (!root || begin >= end) begin = end = 0;
@@ -339,9 +343,10 @@ void Trainer::gather_stage_base(FlatParameters& stages) {
   for (size_t k = 0; k < stages.specs().size(); ++k) {
     const FsdpParam& p = *held.at(stages.specs()[k].name);
     const Tensor& into = stages.tensors()[k];
-    FORGE_CHECK(into.numel() == p.numel, "{}: {} values in the FSDP layout, {} in the stages' parameters",
-                stages.specs()[k].name, p.numel, into.numel());
-    std::copy_n(flat.data() + (p.flat_offset - begin), p.numel, into.data<float>());
+    const int64_t numel = shape_numel(layout.specs()[static_cast<size_t>(p.spec)].shape);
+    FORGE_CHECK(into.numel() == numel, "{}: {} values in the FSDP layout, {} in the stages' parameters",
+                stages.specs()[k].name, numel, into.numel());
+    std::copy_n(flat.data() + (p.flat_offset - p.param_begin - begin), numel, into.data<float>());
   }
 }
 

@@ -182,8 +182,7 @@ TEST(ConfigValidate, ExpertParallelRunsUnderHybridSharding) {
 }
 
 // NOTE [Expert parallelism under pipeline parallelism]: expert-parallel groups of a
-// stage's shard ranks; the degree must divide them, LoRA under pipelining takes no data
-// parallelism, ZeRO-1 only.
+// stage's shard ranks; the degree must divide them, ZeRO-1 only; LoRA and QLoRA run under both.
 TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   const ConfigOverrides pp_ep = {{"model.name", "debug-tiny-mla"}, {"model.num_layers", "4"},
                                  {"parallelism.pipeline_parallel_degree", "2"},
@@ -203,11 +202,17 @@ TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   ConfigOverrides zero2 = pp_ep;
   zero2.back() = {"parallelism.zero_stage", "2"};
   expect_error([&] { load(zero2); }, {"parallelism.zero_stage = 2 (command line)", "ZeRO-2 and -3"});
+  // NOTE [LoRA under pipeline and expert parallelism]: LoRA, the experts' adapters included; QLoRA refused.
   ConfigOverrides lora = pp_ep;
   lora.push_back({"lora.rank", "4"});
-  expect_error([&] { load(lora); },
-               {"cannot be combined with parallelism.expert_parallel_degree = 2 (command line)",
-                "LoRA and QLoRA take expert parallelism or pipeline parallelism, not both at once"});
+  lora.push_back({"lora.target_modules", "q_proj,gate,experts.gate_up_proj,experts.down_proj"});
+  EXPECT_EQ(load(lora).lora.rank, 4);
+  ConfigOverrides qlora = lora;
+  qlora.push_back({"lora.quantize_base", "nf4"});
+  expect_error([&] { load(qlora); },
+               {"cannot be combined with parallelism.expert_parallel_degree = 2 (command line) and "
+                "lora.quantize_base = nf4 (command line)",
+                "QLoRA's NF4 base holds each rank's experts alone"});
 }
 
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on

@@ -1,0 +1,132 @@
+"""LoRA on a Mixture-of-Experts model under pipeline parallelism together with expert
+parallelism, across real CPU processes (forge launch, the CPU process group; NOTE [LoRA under
+pipeline and expert parallelism] in src/model/lora.h): 2 pipeline ranks x 2 data-parallel
+shard ranks, each stage's 2 ranks one expert-parallel group (each holding half the routed
+experts of its stages' MoE blocks, the frozen FSDP base ZeRO-1 over the stage's ranks and
+split by experts), with adapters on attention, the router and both expert stacks, follow one
+process with the global batch kept equal: a Mixtral-like debug-tiny-moe and a DeepSeek-like
+debug-tiny-mla (MLA, a dense first block, shared experts), 4 blocks each. The losses and
+gradient norms at every step, the PEFT adapter (rank 0's, the whole adapters: every rank
+holds them after the gradients' sums) and the merged Hugging Face export (written in pieces,
+each stage's base gathered with every expert's slices) are one process's; the PP2 x EP2
+checkpoint resumes on one process and one process's under PP2 x EP2 with the interleaved
+schedule, each continuing the run that saved it; QLoRA is still refused by name."""
+import os
+import re
+import subprocess
+import unittest
+
+import numpy
+
+from forge_test_util import (expect_resumes_under_layouts, forge_bin, max_relative_difference, records,
+                             relative_error, scratch_dir, train_on_ranks)
+
+STEPS = 10
+TOLERANCE = 1e-5
+# Adapters after AdamW steps: the update divides by sqrt(v), which magnifies the reordering of
+# near-zero gradient entries (B starts at zero); as tests/python/test_lora_pipeline_parallel.py.
+ADAPTER_TOLERANCE = 1e-4
+PP2_EP2 = ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+           "--parallelism.expert_parallel_degree", "2", "--parallelism.zero_stage", "1"]
+INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B", "--activation_checkpoint.mode", "full"]
+# The copies hold the saving run's export.
+NO_EXPORT = ["--checkpoint.last_save_in_hf", "false"]
+LORA = ["--lora.rank", "4", "--lora.alpha", "8", "--eval.interval", str(STEPS // 2), "--checkpoint.enable", "true",
+        "--checkpoint.interval", str(STEPS // 2), "--checkpoint.last_save_in_hf", "true",
+        "--checkpoint.export_dtype", "fp32"]
+MODELS = {
+    "mixtral": ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--lora.target_modules",
+                "q_proj,o_proj,gate,experts.gate_up_proj,experts.down_proj"],
+    "deepseek": ["--model.name", "debug-tiny-mla", "--model.num_layers", "4", "--lora.target_modules",
+                 "q_proj,kv_b_proj,o_proj,gate_proj,down_proj,gate,experts.gate_up_proj,experts.down_proj"],
+}
+
+
+def safetensors(path):
+    from safetensors.numpy import load_file
+    return load_file(path)
+
+
+class LoraPipelineTimesExpertParallel(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    def expect_follows(self, run, one):
+        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+            gap = max_relative_difference(records(run, kind), records(one, kind), key)
+            print(f"{os.path.basename(run)} {kind} {key}: {gap:.2e}")
+            self.assertLess(gap, TOLERANCE, key)
+        mine, theirs = (safetensors(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (run, one))
+        self.assertEqual(sorted(mine), sorted(theirs), "the PEFT adapter's tensors")
+        self.assertTrue(any("experts" in name for name in theirs), "no expert adapters")
+        gap = 0.0
+        for name, value in theirs.items():
+            self.assertEqual(mine[name].shape, value.shape, name)
+            gap = max(gap, relative_error(mine[name], value))
+            self.assertLess(relative_error(mine[name], value), ADAPTER_TOLERANCE, name)
+        print(f"{os.path.basename(run)} adapters: {gap:.2e}")
+        # Every expert's B trained (the other ranks' experts reached rank 0's file).
+        for name, value in mine.items():
+            if "experts" in name and "lora_B" in name:
+                experts = value.reshape(-1, value.shape[-1]) if value.ndim > 2 else value
+                self.assertGreater(float(numpy.abs(experts).max()), 0, name)
+        mine, theirs = (safetensors(os.path.join(d, "hf", "model.safetensors")) for d in (run, one))
+        self.assertEqual(sorted(mine), sorted(theirs))
+        gap = max(relative_error(mine[name], value) for name, value in theirs.items())
+        print(f"{os.path.basename(run)} merged export: {gap:.2e}")
+        self.assertLess(gap, ADAPTER_TOLERANCE)
+
+    def test_follows_one_process_and_resumes_across_layouts(self):
+        for model, flags in MODELS.items():
+            with self.subTest(model=model):
+                one = os.path.join(self.tmp, f"{model}-one")
+                train_on_ranks(one, 1, 1, *flags, *LORA, steps=STEPS)
+                run = os.path.join(self.tmp, f"{model}-pp2-ep2")
+                result = train_on_ranks(run, 4, 2, *flags, *LORA, *PP2_EP2, steps=STEPS)
+                self.assertIn("pipeline rank 1 of 2: blocks 2-3 and the head", result.stdout + result.stderr)
+                self.expect_follows(run, one)
+                # The PP2 x EP2 checkpoint of step 5 (the whole adapters, rank 0's) resumed on
+                # one process, and one process's under PP2 x EP2 with the interleaved schedule:
+                # steps 6-10 are the saving run's.
+                expect_resumes_under_layouts(
+                    self, self.tmp, model, [*flags, *LORA],
+                    (("resumed on one process", f"{model}-pp2-ep2", 1, 1, NO_EXPORT, "saved by 1 rank"),
+                     ("resumed under pp2 x ep2 interleaved", f"{model}-one", 4, 2,
+                      PP2_EP2 + INTERLEAVED + NO_EXPORT, "saved by 1 rank")),
+                    TOLERANCE, steps=STEPS)
+
+    def test_info_sizes_the_frozen_base_by_the_experts(self):
+        """forge info: a pipeline rank's frozen ZeRO-1 base holds its stages' units with 8 of
+        the 64 routed experts each (and the chunk, 1/8 of its stages either way), so it shrinks
+        with expert parallelism 8; the adapters (whole on every rank) do not."""
+        base = ["deepseek-v2-lite", "--model.num_layers", "26", "--training.device", "cuda",
+                "--training.local_batch_size", "1", "--parallelism.data_parallel_shard_degree", "8",
+                "--parallelism.pipeline_parallel_degree", "2", "--parallelism.zero_stage", "1", "--lora.rank", "16",
+                "--lora.target_modules", "q_proj,o_proj,gate,experts.gate_up_proj,experts.down_proj"]
+        sizes = {}
+        for degree in (1, 8):
+            result = subprocess.run([forge_bin(), "info", *base, "--parallelism.expert_parallel_degree", str(degree)],
+                                    capture_output=True, text=True, timeout=120)
+            self.assertEqual(result.returncode, 0, result.stderr)
+            line = next(l for l in result.stdout.splitlines() if "one GPU (bf16)" in l)
+            sizes[degree] = {name: float(re.search(name + r" ([0-9.]+) GiB", line).group(1))
+                             for name in ("frozen bf16 weights", "master weights", "AdamW state")}
+        print(f"frozen bf16 weights: {sizes[1]['frozen bf16 weights']} GiB (EP 1), "
+              f"{sizes[8]['frozen bf16 weights']} GiB (EP 8)")
+        self.assertLess(sizes[8]["frozen bf16 weights"], sizes[1]["frozen bf16 weights"] / 2)
+        self.assertEqual(sizes[8]["master weights"], sizes[1]["master weights"])
+        self.assertEqual(sizes[8]["AdamW state"], sizes[1]["AdamW state"])
+
+    def test_qlora_is_refused_by_name(self):
+        result = subprocess.run([forge_bin(), "train", "--training.steps", "1", "--logging.run_dir",
+                                 os.path.join(self.tmp, "refused"), *MODELS["mixtral"], *PP2_EP2, "--lora.rank", "4",
+                                 "--lora.quantize_base", "nf4"], capture_output=True, text=True, timeout=120)
+        self.assertNotEqual(result.returncode, 0)
+        for word in ("parallelism.expert_parallel_degree = 2", "lora.quantize_base = nf4",
+                     "QLoRA's NF4 base holds each rank's experts alone"):
+            self.assertIn(word, result.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()
