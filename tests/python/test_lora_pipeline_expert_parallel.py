@@ -96,6 +96,18 @@ class LoraPipelineTimesExpertParallel(unittest.TestCase):
                       PP2_EP2 + INTERLEAVED + NO_EXPORT, "saved by 1 rank")),
                     TOLERANCE, steps=STEPS)
 
+    def test_hybrid_sharding_follows_one_process(self):
+        """PP2 x 2 replicas x 2 shard ranks x EP2 (8 ranks): each replica's stage ranks form
+        the expert-parallel groups (NOTE [Expert parallelism under hybrid sharding]); the
+        adapters' gradients summed over every rank as on 4."""
+        flags = MODELS["mixtral"]
+        one = os.path.join(self.tmp, "hsdp-one")
+        train_on_ranks(one, 1, 1, *flags, *LORA, steps=STEPS)
+        run = os.path.join(self.tmp, "hsdp-pp2-r2-s2-ep2")
+        train_on_ranks(run, 8, 4, *flags, *LORA, *PP2_EP2, "--parallelism.data_parallel_replicate_degree", "2",
+                       steps=STEPS)
+        self.expect_follows(run, one)
+
     def test_info_sizes_the_frozen_base_by_the_experts(self):
         """forge info: a pipeline rank's frozen ZeRO-1 base holds its stages' units with 8 of
         the 64 routed experts each (and the chunk, 1/8 of its stages either way), so it shrinks
