@@ -174,10 +174,13 @@ class Failures(unittest.TestCase):
                   "--training.gradient_accumulation_steps", "3"],
                  ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
                 (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
-                (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2"],
-                 ["parallelism.zero_stage", "1"]),
-                (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2"],
-                 ["parallelism.zero_stage", "1", "parallelism.context_parallel_degree"]),
+                # zero_stage is 1 by default under pipelining; asked for 3 or 2, it is refused.
+                (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2",
+                  "--parallelism.zero_stage", "3"],
+                 ["parallelism.zero_stage = 3", "needs parallelism.zero_stage"]),
+                (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2",
+                  "--parallelism.zero_stage", "2"],
+                 ["parallelism.zero_stage = 2", "parallelism.context_parallel_degree"]),
                 (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                  ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
             with self.subTest(flags=flags):
