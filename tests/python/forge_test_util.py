@@ -108,6 +108,32 @@ def resumed_copy(source, run_dir, ranks, data_ranks, *overrides, steps=30, check
     return result, records(run_dir, "train")[steps:], records(run_dir, "eval")[3:]
 
 
+def expect_moe_run_follows(test, run, one, steps, tolerance, export=True):
+    """A Mixture-of-Experts run RUN on several ranks against ONE's on one: the losses,
+    gradient norms and validation losses within TOLERANCE, the first 5 steps' expert loads
+    equal, the final checkpoint's weights and (with EXPORT) the Hugging Face export within
+    1e-5."""
+    import numpy
+    from safetensors.numpy import load_file
+    from test_fsdp import checkpoint_weights
+    for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+        gap = max_relative_difference(records(run, kind), records(one, kind), key)
+        print(f"{os.path.basename(run)} {kind} {key}: {gap:.2e}")
+        test.assertLess(gap, tolerance, key)
+    test.assertEqual([r["expert_load"] for r in records(run, "train")][:5],
+                     [r["expert_load"] for r in records(one, "train")][:5])
+    gap = float(numpy.abs(checkpoint_weights(run, steps) - checkpoint_weights(one, steps)).max())
+    print(f"{os.path.basename(run)} final weights: {gap:.2e}")
+    test.assertLess(gap, 1e-5)
+    if not export:
+        return
+    mine, theirs = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (run, one))
+    test.assertEqual(mine.keys(), theirs.keys())
+    gap = max(float(numpy.abs(mine[name] - value).max()) for name, value in theirs.items())
+    print(f"{os.path.basename(run)} Hugging Face export: {gap:.2e}")
+    test.assertLess(gap, 1e-5)
+
+
 def expect_resumes_under_layouts(test, tmp, prefix, flags, cases, tolerance, steps=30):
     """Each case (name, source run under TMP, ranks, data_ranks, layout flags, the "saved by
     N ranks" line the resume logs) copies its source and resumes it from the middle

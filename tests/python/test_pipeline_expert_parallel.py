@@ -30,11 +30,8 @@ import re
 import subprocess
 import unittest
 
-import numpy
-
-from forge_test_util import (expect_resumes_under_layouts, forge_bin, max_relative_difference, records,
-                             scratch_dir, train_on_ranks)
-from test_fsdp import checkpoint_weights
+from forge_test_util import (expect_moe_run_follows, expect_resumes_under_layouts, forge_bin,
+                             max_relative_difference, records, scratch_dir, train_on_ranks)
 
 STEPS = 20
 TOLERANCE = 1e-5
@@ -59,23 +56,9 @@ class PipelineTimesExpertParallel(unittest.TestCase):
         cls.tmp = scratch_dir()
 
     def expect_follows(self, run, one):
-        for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
-            gap = max_relative_difference(records(run, kind), records(one, kind), key)
-            print(f"{os.path.basename(run)} {kind} {key}: {gap:.2e}")
-            self.assertLess(gap, TOLERANCE, key)
-        self.assertEqual([r["expert_load"] for r in records(run, "train")][:5],
-                         [r["expert_load"] for r in records(one, "train")][:5])
-        gap = float(numpy.abs(checkpoint_weights(run, STEPS) - checkpoint_weights(one, STEPS)).max())
-        print(f"{os.path.basename(run)} final weights: {gap:.2e}")
-        self.assertLess(gap, 1e-5)
         # NOTE [Export in pieces]: every rank writes its stages' chunks, its expert slices at
         # their experts' places, into one rank's Hugging Face files.
-        from safetensors.numpy import load_file
-        mine, theirs = (load_file(os.path.join(d, "hf", "model.safetensors")) for d in (run, one))
-        self.assertEqual(mine.keys(), theirs.keys())
-        gap = max(float(numpy.abs(mine[name] - value).max()) for name, value in theirs.items())
-        print(f"{os.path.basename(run)} Hugging Face export: {gap:.2e}")
-        self.assertLess(gap, 1e-5)
+        expect_moe_run_follows(self, run, one, STEPS, TOLERANCE)
 
     def test_follows_one_rank_and_resumes_on_one(self):
         for model, flags in MODELS.items():
