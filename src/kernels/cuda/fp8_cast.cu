@@ -50,7 +50,7 @@ namespace forge::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kPerThread = 8;
+constexpr int64_t kPerThread = kFp8Vector;  // amax8 / cast8 (fp8_device.cuh)
 constexpr int kTile = 64;
 constexpr int kTileRowsPerPass = kThreads / kTile;  // 4
 
@@ -58,16 +58,8 @@ __global__ void amax_kernel(const bf16* x, int64_t n, float* amax, bool vector_o
   unsigned mine = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x * kPerThread;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread; first < n;
-       first += stride) {
-    if (vector_ok && first + kPerThread <= n) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
-      const bf16* values = reinterpret_cast<const bf16*>(&packed);
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) mine = max(mine, abs_bits(__bfloat162float(values[k])));
-    } else {
-      for (int64_t i = first; i < n && i < first + kPerThread; ++i) mine = max(mine, abs_bits(__bfloat162float(x[i])));
-    }
-  }
+       first += stride)
+    amax8(x, first, n, vector_ok, mine);
   block_max_into(mine, amax);
 }
 
@@ -87,27 +79,7 @@ __global__ void cast_kernel(const bf16* x, int64_t n, const float* scale_ptr, ui
   const float scale = *scale_ptr;
   unsigned mine = 0;
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread;
-  if (first < n) {
-    if (vector_ok && first + kPerThread <= n) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
-      const bf16* values = reinterpret_cast<const bf16*>(&packed);
-      uint2 codes;
-      uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) {
-        const float v = __bfloat162float(values[k]);
-        mine = max(mine, abs_bits(v));
-        bytes[k] = cast_saturated<F>(__fmul_rn(v, scale));
-      }
-      *reinterpret_cast<uint2*>(out + first) = codes;
-    } else {
-      for (int64_t i = first; i < n && i < first + kPerThread; ++i) {
-        const float v = __bfloat162float(x[i]);
-        mine = max(mine, abs_bits(v));
-        out[i] = cast_saturated<F>(__fmul_rn(v, scale));
-      }
-    }
-  }
+  if (first < n) cast8<F>(x, first, n, scale, out, vector_ok, mine);
   if (amax) block_max_into(mine, amax);
 }
 

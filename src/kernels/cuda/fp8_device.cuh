@@ -36,6 +36,48 @@ __device__ __forceinline__ float scale_from_amax(float a, float fp8_max, bool po
 // |v| as the bits of a non-negative float: orders as unsigned, NaN above +inf.
 __device__ __forceinline__ unsigned abs_bits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
 
+// A thread's share of an elementwise pass over x[0, n): the kFp8Vector = 8 elements from
+// `first` (fewer at the end), one 16-byte load when `vector_ok` (x 16-byte aligned, out
+// 8-byte aligned) and all 8 are there, one at a time otherwise. amax8 folds their |x| into
+// `mine`; cast8 also writes their codes with `scale` to out[first, ...) (fp8_cast.cu says
+// why each step is done so). fp8_cast's and the grouped casts' kernels share them.
+constexpr int64_t kFp8Vector = 8;
+
+__device__ __forceinline__ void amax8(const bf16* x, int64_t first, int64_t n, bool vector_ok, unsigned& mine) {
+  if (vector_ok && first + kFp8Vector <= n) {
+    const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
+    const bf16* values = reinterpret_cast<const bf16*>(&packed);
+#pragma unroll
+    for (int k = 0; k < kFp8Vector; ++k) mine = max(mine, abs_bits(__bfloat162float(values[k])));
+  } else {
+    for (int64_t i = first; i < n && i < first + kFp8Vector; ++i) mine = max(mine, abs_bits(__bfloat162float(x[i])));
+  }
+}
+
+template <Fp8Format F>
+__device__ __forceinline__ void cast8(const bf16* x, int64_t first, int64_t n, float scale, uint8_t* out,
+                                      bool vector_ok, unsigned& mine) {
+  if (vector_ok && first + kFp8Vector <= n) {
+    const uint4 packed = *reinterpret_cast<const uint4*>(x + first);
+    const bf16* values = reinterpret_cast<const bf16*>(&packed);
+    uint2 codes;
+    uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
+#pragma unroll
+    for (int k = 0; k < kFp8Vector; ++k) {
+      const float v = __bfloat162float(values[k]);
+      mine = max(mine, abs_bits(v));
+      bytes[k] = cast_saturated<F>(__fmul_rn(v, scale));
+    }
+    *reinterpret_cast<uint2*>(out + first) = codes;
+  } else {
+    for (int64_t i = first; i < n && i < first + kFp8Vector; ++i) {
+      const float v = __bfloat162float(x[i]);
+      mine = max(mine, abs_bits(v));
+      out[i] = cast_saturated<F>(__fmul_rn(v, scale));
+    }
+  }
+}
+
 // The block's largest `mine`, atomically folded into *amax (as unsigned bits). Every thread
 // of the block calls it; blockDim.x is a multiple of 32, at most 1024.
 __device__ __forceinline__ void block_max_into(unsigned mine, float* amax) {

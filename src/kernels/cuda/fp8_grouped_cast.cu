@@ -42,7 +42,7 @@ namespace forge::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int64_t kPerThread = 8;
+constexpr int64_t kPerThread = kFp8Vector;  // amax8 / cast8 (fp8_device.cuh)
 
 // Group g's rows [begin, end).
 struct GroupRows {
@@ -77,16 +77,8 @@ __global__ void grouped_amax_kernel(const bf16* x, const int64_t* offsets, int64
   unsigned mine = 0;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kPerThread;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread; first < n;
-       first += step) {
-    if (vector_ok && first + kPerThread <= n) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(xg + first);
-      const bf16* values = reinterpret_cast<const bf16*>(&packed);
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) mine = max(mine, abs_bits(__bfloat162float(values[k])));
-    } else {
-      for (int64_t i = first; i < n && i < first + kPerThread; ++i) mine = max(mine, abs_bits(__bfloat162float(xg[i])));
-    }
-  }
+       first += step)
+    amax8(xg, first, n, vector_ok, mine);
   block_max_into(mine, amax + g * stride);
 }
 
@@ -120,27 +112,8 @@ __global__ void grouped_cast_kernel(const bf16* x, const int64_t* offsets, int64
   unsigned mine = 0;
   const int64_t step = static_cast<int64_t>(gridDim.x) * blockDim.x * kPerThread;
   for (int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread; first < n;
-       first += step) {
-    if (vector_ok && first + kPerThread <= n) {
-      const uint4 packed = *reinterpret_cast<const uint4*>(xg + first);
-      const bf16* values = reinterpret_cast<const bf16*>(&packed);
-      uint2 codes;
-      uint8_t* bytes = reinterpret_cast<uint8_t*>(&codes);
-#pragma unroll
-      for (int k = 0; k < kPerThread; ++k) {
-        const float v = __bfloat162float(values[k]);
-        mine = max(mine, abs_bits(v));
-        bytes[k] = cast_saturated<F>(__fmul_rn(v, scale));
-      }
-      *reinterpret_cast<uint2*>(og + first) = codes;
-    } else {
-      for (int64_t i = first; i < n && i < first + kPerThread; ++i) {
-        const float v = __bfloat162float(xg[i]);
-        mine = max(mine, abs_bits(v));
-        og[i] = cast_saturated<F>(__fmul_rn(v, scale));
-      }
-    }
-  }
+       first += step)
+    cast8<F>(xg, first, n, scale, og, vector_ok, mine);
   if (amax) block_max_into(mine, amax + g * amax_stride);
 }
 
