@@ -5,11 +5,7 @@
 
 #include <cstdint>
 
-#ifdef __CUDACC__
-#define FORGE_HOST_DEVICE __host__ __device__
-#else
-#define FORGE_HOST_DEVICE
-#endif
+#include "kernels/host_device.h"
 
 namespace forge {
 

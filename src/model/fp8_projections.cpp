@@ -97,10 +97,10 @@ int64_t fp8_expert_row_codes(const ModelConfig& config, const Fp8Settings& setti
                              config.moe_pad_to_capacity};
   const int64_t k = config.num_experts_per_tok, experts = config.num_experts;
   const int64_t rows = std::max(tokens * k, capacity.pad ? experts * capacity.capacity(tokens, k, experts) : int64_t{0});
-  // Each local expert's codes start at a 256-byte boundary (fp8_grouped_codes_at in
-  // kernels/cuda/fp8_grouped_cast.h): up to 256 bytes more per expert.
+  // A rank's local experts receive up to every expert-parallel rank's rows, each expert's
+  // codes from a 256-byte boundary (kernels/cuda/fp8_grouped_layout.h).
   const int64_t ranks = std::max<int64_t>(settings.expert_parallel, 1);
-  return ranks * rows * widest + (experts / ranks + 1) * 256;
+  return cuda::fp8_grouped_codes_bytes(ranks * rows, widest, experts / ranks);
 }
 
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
@@ -250,10 +250,10 @@ void Fp8Projections::discard_amaxes() { fp8_stats_clear_seen(stats_); }
 
 Fp8WeightCache* Fp8Projections::cache_in_use(Fp8WeightCache& cache) const {
   if (!cache.codes.defined()) return nullptr;
-  return expert_cache_in_use() ? &cache : nullptr;
+  return caches_usable() ? &cache : nullptr;
 }
 
-bool Fp8Projections::expert_cache_in_use() const {
+bool Fp8Projections::caches_usable() const {
   // NOTE [FP8 frozen base]: a frozen W is cached with its delayed scale only.
   return !(settings_.frozen && settings_.recipe == Fp8Recipe::Delayed && !delayed_active_);
 }
@@ -277,7 +277,7 @@ void Fp8Projections::set_delayed_active(bool active) {
         if (p.linears[k].stats) {
           p.linears[k].delayed = active;
           p.linears[k].weight_cache = cache_in_use(p.caches[k]);
-          p.experts[k].cache_in_use = expert_cache_in_use();
+          p.experts[k].cache_in_use = caches_usable();
         }
 }
 
@@ -366,7 +366,7 @@ const BlockWeights& Fp8Projections::with_fp8(const BlockWeights& base, int index
       Fp8ExpertStack& s = p.experts[k];
       init_fp8_expert_stack(s, stack.dim(0), stack.dim(1), stack.dim(2), device_, settings_.weight_cache,
                             &generation_, expert_row_codes_.defined() ? &expert_row_codes_ : nullptr);
-      s.cache_in_use = expert_cache_in_use();
+      s.cache_in_use = caches_usable();
       p.linears[k].experts = &s;
     }
   }

@@ -287,9 +287,11 @@ class Fp8Projections : public ParamSource, public GradSink {
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
   void set_delayed_active(bool active);
-  // The weight cache a projection uses now (NOTE [FP8 frozen base]), or null.
+  // Whether weight caches are used now (NOTE [FP8 frozen base]: a frozen W is cached with
+  // its delayed scale only), for the projections' and the expert stacks' alike; the cache a
+  // projection uses now, or null.
+  bool caches_usable() const;
   Fp8WeightCache* cache_in_use(Fp8WeightCache& cache) const;
-  bool expert_cache_in_use() const;  // the same for the expert stacks' caches
 
   // The FP8 descriptors of one layer's (or the head's) projections, by parameter index.
   struct Projections {

@@ -57,6 +57,7 @@
 
 #include <vector>
 
+#include "kernels/cuda/fp8_grouped_layout.h"
 #include "ops/fp8_linear.h"
 #include "ops/moe.h"
 

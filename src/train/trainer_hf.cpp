@@ -241,9 +241,10 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
 // still gather to rank 0: LoRA's merged model (the adapters merge into the whole base) and
 // expert parallelism's without pipelining (each rank holds a slice of the experts). Under
 // pipelining the FSDP segments of a rank's expert slices are written at their experts'
-// places like any other (NOTE [Expert parallelism under pipeline parallelism]). Under pipeline parallelism LoRA's is written in pieces too: each rank merges its
-// stages' adapters into an fp32 host copy of its stages' base (NOTE [LoRA under pipeline
-// parallelism] in model/lora.h) and writes that, its host memory growing by the copy.
+// places like any other (NOTE [Expert parallelism under pipeline parallelism]), and LoRA's
+// merged model is written in pieces too: each rank merges its stages' adapters into an fp32
+// host copy of its stages' base (NOTE [LoRA under pipeline parallelism] in model/lora.h) and
+// writes that, its host memory growing by the copy.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
   bool writer = !replicate_group_ || replicate_group_->rank() == 0;
   // NOTE [LoRA under pipeline parallelism]: the rank's stages' base (its shards of them under

@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "kernels/cpu/fp8.h"
+#include "kernels/cuda/fp8_grouped_layout.h"
 #include "kernels/cuda/types.h"
 
 namespace forge::cuda {
@@ -29,25 +30,6 @@ struct Fp8GroupStats {
   float* base = nullptr;
   int64_t stride = 0;
 };
-
-#ifdef __CUDACC__
-#define FORGE_HOST_DEVICE __host__ __device__
-#else
-#define FORGE_HOST_DEVICE
-#endif
-
-// Where fp8_grouped_cast writes group g's codes (its first row `begin`, `cols` wide) in its
-// output: the group's place in the input rounded up to a 256-byte boundary after g x 256
-// bytes of room, so every group's codes start where cuBLASLt's FP8 GEMMs assume operands
-// start (its default minimum alignment) and no two groups overlap. The output needs
-// fp8_grouped_codes_bytes(rows, cols, groups) bytes.
-constexpr int64_t kFp8GroupAlignment = 256;
-FORGE_HOST_DEVICE constexpr int64_t fp8_grouped_codes_at(int64_t begin, int64_t cols, int64_t g) {
-  return (begin * cols + g * kFp8GroupAlignment + kFp8GroupAlignment - 1) / kFp8GroupAlignment * kFp8GroupAlignment;
-}
-constexpr int64_t fp8_grouped_codes_bytes(int64_t rows, int64_t cols, int64_t groups) {
-  return rows * cols + (groups + 1) * kFp8GroupAlignment;
-}
 
 // amax[g] = max |x| over group g's rows (NaN if one is NaN, 0 for none), as fp8_amax on
 // each group's rows. Empty groups' slots are left as they are.
