@@ -16,12 +16,12 @@
 #include <cstdio>
 
 #include "cli/config.h"
-#include "core/rng.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "model/parameters.h"
+#include "lora_testing.h"
 #include "model_testing.h"
 #include "parallel_testing.h"
 #include "rank_threads.h"
@@ -31,23 +31,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::relative_gap;
-
-// Adapters from seed 11 with B drawn too (as after some training), over `base`.
-std::unique_ptr<LoraAdapters> trained_adapters(const ModelConfig& m, const LoraConfig& lora, int64_t tokens,
-                                               ParamSource& base, TensorParallelShard shard = {}) {
-  auto adapters = std::make_unique<LoraAdapters>(m, lora, Device::CPU, tokens, shard);
-  adapters->initialize(11);
-  for (size_t k = 0; k < adapters->targets().size(); ++k)
-    for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p) {
-      Tensor b = adapters->part_matrix(k, p, 'b');
-      Rng rng(derive_seed(12, k * 16 + p));
-      for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = static_cast<float>(0.2 * (rng.uniform() - 0.5));
-      adapters->set_part_matrix(k, p, 'b', b);
-    }
-  adapters->refresh_compute();
-  adapters->set_base(base);
-  return adapters;
-}
+using testing::trained_adapters;
 
 void expect_fp8_lora_ranks_match_one(const std::string& model, int t, Fp8Recipe recipe, ActivationCheckpoint mode) {
   const bool delayed = recipe == Fp8Recipe::Delayed;

@@ -15,12 +15,12 @@
 #include <cmath>
 
 #include "cli/config.h"
-#include "core/rng.h"
 #include "distributed/context_parallel_group.h"
 #include "distributed/tensor_parallel_group.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/parameters.h"
+#include "lora_testing.h"
 #include "model_testing.h"
 #include "parallel_testing.h"
 #include "rank_threads.h"
@@ -30,6 +30,7 @@ namespace {
 
 using namespace std::chrono_literals;
 using testing::relative_gap;
+using testing::trained_adapters;
 
 LoraConfig lora_of(const std::string& targets) {
   LoraConfig c;
@@ -37,23 +38,6 @@ LoraConfig lora_of(const std::string& targets) {
   c.alpha = 8.0;
   c.target_modules = targets;
   return c;
-}
-
-// Adapters from seed 11 with B drawn too (as after some training), over `base`.
-std::unique_ptr<LoraAdapters> trained_adapters(const ModelConfig& m, const LoraConfig& lora, int64_t tokens,
-                                               ParamSource& base, TensorParallelShard shard = {}) {
-  auto adapters = std::make_unique<LoraAdapters>(m, lora, Device::CPU, tokens, shard);
-  adapters->initialize(11);
-  for (size_t k = 0; k < adapters->targets().size(); ++k)
-    for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p) {
-      Tensor b = adapters->part_matrix(k, p, 'b');
-      Rng rng(derive_seed(12, k * 16 + p));
-      for (int64_t i = 0; i < b.numel(); ++i) b.data<float>()[i] = static_cast<float>(0.2 * (rng.uniform() - 0.5));
-      adapters->set_part_matrix(k, p, 'b', b);
-    }
-  adapters->refresh_compute();
-  adapters->set_base(base);
-  return adapters;
 }
 
 struct Case {
