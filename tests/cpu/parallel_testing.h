@@ -1,15 +1,18 @@
 // What the tests of the parallel layouts (expert, tensor, context, pipeline parallelism)
 // compare with: a tensor-parallel rank's shard of a whole parameter, the largest difference
 // between two fp32 tensors relative to the larger one's scale; and the packed micro-batch
-// they run.
+// they run; a rank's view of the parameters under expert parallelism.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
+#include <vector>
 
 #include "core/tensor.h"
 #include "model/block_component.h"
 #include "model/parameters.h"
+#include "model/pipeline_stage.h"
 
 namespace forge::testing {
 
@@ -44,5 +47,44 @@ inline SequenceLayout packed_layout(int64_t micro, int64_t seq) {
     }
   return layout;
 }
+
+// A rank's view of whole-model parameters (or gradients) under expert parallelism: every
+// tensor in full but the routed experts' stacks, narrowed to the rank's local experts
+// [first, first + count), as FSDP hands them out. With `stages`, a pipeline rank's: only
+// those stages' blocks are there.
+class LocalExperts final : public ParamSource, public GradSink {
+ public:
+  LocalExperts(FlatParameters& all, int64_t first, int64_t count, const std::vector<PipelineStage>* stages = nullptr)
+      : all_(all), layers_(static_cast<size_t>(all.config().num_layers)) {
+    const int layers = all.config().num_layers;
+    const std::vector<PipelineStage> whole = {PipelineStage{0, layers}};
+    for (const PipelineStage& s : stages ? *stages : whole)
+      for (int i = s.first_layer; i < s.end_layer; ++i) {
+        BlockWeights block = all.layer(i);
+        size_t k = 0;
+        for (const ParamSpec& spec : all.specs()) {
+          if (spec.layer != i) continue;
+          if (spec.expert_stack) block.params[k].weight = block.params[k].weight.narrow(first, first + count);
+          ++k;
+        }
+        layers_[static_cast<size_t>(i)] = std::move(block);
+      }
+  }
+  const Tensor& embedding() override { return all_.embedding(); }
+  const BlockWeights& layer(int index) override { return layers_.at(static_cast<size_t>(index)); }
+  const Tensor& final_norm() override { return all_.final_norm(); }
+  const LinearWeight& output() override { return all_.output(); }
+  const BlockWeights& layer_grads(int index) override { return layers_.at(static_cast<size_t>(index)); }
+  void layer_done(int index) override { all_.layer_done(index); }
+  const Tensor& embedding_grad() override { return all_.embedding_grad(); }
+  void embedding_done() override { all_.embedding_done(); }
+  const Tensor& final_norm_grad() override { return all_.final_norm_grad(); }
+  const LinearWeight& output_grad() override { return all_.output_grad(); }
+  void head_done() override { all_.head_done(); }
+
+ private:
+  FlatParameters& all_;
+  std::vector<BlockWeights> layers_;
+};
 
 }  // namespace forge::testing

@@ -30,40 +30,8 @@ namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::LocalExperts;
 using testing::relative_gap;
-
-// A rank's view of whole-model parameters (or gradients): every tensor in full but the
-// routed experts' stacks, narrowed to the rank's local experts, as FSDP hands them out.
-class LocalExperts final : public ParamSource, public GradSink {
- public:
-  LocalExperts(FlatParameters& all, int64_t first, int64_t count) : all_(all) {
-    for (int i = 0; i < all.config().num_layers; ++i) {
-      BlockWeights block = all.layer(i);
-      size_t k = 0;
-      for (const ParamSpec& spec : all.specs()) {
-        if (spec.layer != i) continue;
-        if (spec.expert_stack) block.params[k].weight = block.params[k].weight.narrow(first, first + count);
-        ++k;
-      }
-      layers_.push_back(std::move(block));
-    }
-  }
-  const Tensor& embedding() override { return all_.embedding(); }
-  const BlockWeights& layer(int index) override { return layers_.at(static_cast<size_t>(index)); }
-  const Tensor& final_norm() override { return all_.final_norm(); }
-  const LinearWeight& output() override { return all_.output(); }
-  const BlockWeights& layer_grads(int index) override { return layers_.at(static_cast<size_t>(index)); }
-  void layer_done(int index) override { all_.layer_done(index); }
-  const Tensor& embedding_grad() override { return all_.embedding_grad(); }
-  void embedding_done() override { all_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return all_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return all_.output_grad(); }
-  void head_done() override { all_.head_done(); }
-
- private:
-  FlatParameters& all_;
-  std::vector<BlockWeights> layers_;
-};
 
 Tensor random_ids(int64_t rows, int64_t seq, int64_t vocab, uint64_t seed) {
   return testing::random_tokens(rows, seq, vocab, seed);

@@ -30,44 +30,10 @@ namespace forge {
 namespace {
 
 using namespace std::chrono_literals;
+using testing::LocalExperts;
 using testing::relative_gap;
 
 constexpr int kExpertParallel = 2;
-
-// A pipeline rank's parameters (or gradients) with its local experts' slices of the expert
-// stacks, as FSDP hands them out; the blocks of other ranks' stages are not there.
-class StageLocalExperts final : public ParamSource, public GradSink {
- public:
-  StageLocalExperts(FlatParameters& all, const std::vector<PipelineStage>& stages, int64_t first, int64_t count)
-      : all_(all), layers_(static_cast<size_t>(all.config().num_layers)) {
-    for (const PipelineStage& s : stages)
-      for (int i = s.first_layer; i < s.end_layer; ++i) {
-        BlockWeights block = all.layer(i);
-        size_t k = 0;
-        for (const ParamSpec& spec : all.specs()) {
-          if (spec.layer != i) continue;
-          if (spec.expert_stack) block.params[k].weight = block.params[k].weight.narrow(first, first + count);
-          ++k;
-        }
-        layers_[static_cast<size_t>(i)] = std::move(block);
-      }
-  }
-  const Tensor& embedding() override { return all_.embedding(); }
-  const BlockWeights& layer(int index) override { return layers_.at(static_cast<size_t>(index)); }
-  const Tensor& final_norm() override { return all_.final_norm(); }
-  const LinearWeight& output() override { return all_.output(); }
-  const BlockWeights& layer_grads(int index) override { return layers_.at(static_cast<size_t>(index)); }
-  void layer_done(int index) override { all_.layer_done(index); }
-  const Tensor& embedding_grad() override { return all_.embedding_grad(); }
-  void embedding_done() override { all_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return all_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return all_.output_grad(); }
-  void head_done() override { all_.head_done(); }
-
- private:
-  FlatParameters& all_;
-  std::vector<BlockWeights> layers_;
-};
 
 ProcessGroupOptions quick_options() {
   ProcessGroupOptions options;
@@ -152,8 +118,8 @@ void expect_ranks_match_one(const Case& c) {
     std::vector<PipelineMicroBatch> batches;
     for (int k = 0; k < c.micro_batches; ++k)
       batches.push_back({tokens[e][static_cast<size_t>(k)], targets[e][static_cast<size_t>(k)], nullptr});
-    StageLocalExperts w(*weights[i], held[i], static_cast<int64_t>(e) * local, local);
-    StageLocalExperts g(*grads[i], held[i], static_cast<int64_t>(e) * local, local);
+    LocalExperts w(*weights[i], static_cast<int64_t>(e) * local, local, &held[i]);
+    LocalExperts g(*grads[i], static_cast<int64_t>(e) * local, local, &held[i]);
     losses[i] = model.forward_backward(batches, w, g, scale);
     loads[i] = model.expert_load();
     world->barrier();
