@@ -411,8 +411,8 @@ void Trainer::set_up_data_parallel() {
               world_->world_size(), env.world_size);
   if (pp > 1) {
     // NOTE [Pipeline parallelism]: the ranks at the same place of every stage (the same
-    // tensor-parallel rank; the config rules keep the data-parallel and context-parallel
-    // degrees at 1) form a pipeline, in stage order; every rank reads every micro-batch.
+    // data-, context- and tensor-parallel rank: NOTE [Device mesh]) form a pipeline, in stage
+    // order, and read the same micro-batches; the other degrees split within a stage below.
     const int stages = static_cast<int>(pp), per_stage = world_size_ / stages;
     const int virtual_stages = static_cast<int>(pipeline_virtual_stages(
         config_.model, pp, p.pipeline_parallel_layers_per_stage, parse_pipeline_schedule(p.pipeline_parallel_schedule)));
