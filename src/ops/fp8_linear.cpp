@@ -445,9 +445,11 @@ void fp8_linear_backward_input_add(const Tensor& dx, const Tensor& dy, const Ten
 
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
                          const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered) {
-  // The reference quantizes dy twice, to the same codes; so does CUDA for tokens that the
-  // weight gradient pads (NOTE [FP8 padded token contraction]).
-  if (dy.device() != Device::CUDA || dy.ndim() != 2 || dy.dim(0) % kFp8TokenMultiple != 0) {
+  // The reference quantizes dy twice, to the same codes. CUDA casts dy once, writing its
+  // codes and their transpose, also for tokens the weight gradient pads (NOTE [FP8 padded
+  // token contraction]: dy^T and x^T are padded after the input gradient's GEMM has read
+  // the buffers they are padded into; a routed expert's rows are any number).
+  if (dy.device() != Device::CUDA || dy.ndim() != 2) {
     fp8_linear_backward_input(dx, dy, w, fp8, gathered);
     fp8_linear_backward_weight(grad, dy, x, fp8, overwrite);
     return;
@@ -464,10 +466,13 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     for (const Tensor* p : {&dx, &dy, &x}) expect_tensor(*p, Device::CUDA, DType::BF16, "fp8_linear_backward");
     if (!gathered) expect_tensor(w, Device::CUDA, DType::BF16, "fp8_linear_backward W");
     expect_tensor(grad, Device::CUDA, DType::F32, "fp8_linear_backward dW");
-    const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_backward");
-    DeviceOperand d = operand(ws, 0, t * out, "fp8_linear_backward"),
-                  d_t = operand(ws, 2, t * out, "fp8_linear_backward");
-    DeviceOperand b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
+    const char* op = "fp8_linear_backward";
+    const Fp8LinearWorkspace& ws = workspace_of(fp8, op);
+    const int64_t padded = (t + kFp8TokenMultiple - 1) / kFp8TokenMultiple * kFp8TokenMultiple;
+    // Buffer 2 holds dy^T [out, t] and later, when padding, x^T [in, t] before its copy.
+    DeviceOperand d = operand(ws, 0, padded * out, op),
+                  d_t = operand(ws, 2, t * (padded == t ? out : std::max(out, in)), op);
+    DeviceOperand b = operand(ws, 1, std::max(out, padded) * in, op);
     {
       OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
       if (uses_delayed_scales(fp8)) {
@@ -487,14 +492,28 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
       cuda::fp8_matmul(dx.raw(), DType::BF16, gemm_operand(d, fp8.grad_format), gemm_operand(b, kE4M3), t, in, out,
                        1.0f, 0.0f, false, varying(fp8, cuda::GemmVarying::M));
     });
-    b = operand(ws, 1, std::max(out, t) * in, "fp8_linear_backward");
+    b = operand(ws, 1, std::max(out, padded) * in, op);
     {
       OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-      quantize_input_transposed(x, fp8, b);  // x^T [in, t]
+      if (padded == t) {
+        quantize_input_transposed(x, fp8, b);  // x^T [in, t]
+      } else {
+        // The input gradient's GEMM, ordered before these on the stream, has read buffers 0
+        // and 1: dy^T goes into buffer 0 as [out, padded], x^T through buffer 2 into buffer
+        // 1 as [in, padded], zero codes in the added columns (fp8_linear_backward_weight's
+        // layout, the same codes).
+        cuda::fp8_pad_columns(d_t.codes, out, t, padded, d.codes);
+        d_t = {d.codes, d.amax, d.scale, d.scale_inv};
+        uint8_t* staging = operand(ws, 2, t * in, op).codes;
+        DeviceOperand staged = {staging, b.amax, b.scale, b.scale_inv};
+        quantize_input_transposed(x, fp8, staged);
+        cuda::fp8_pad_columns(staging, in, t, padded, b.codes);
+        b = {b.codes, staged.amax, staged.scale, staged.scale_inv};
+      }
     }
-    profiled_gemm("backward_weight", out, in, t, [&] {
+    profiled_gemm("backward_weight", out, in, padded, [&] {
       cuda::fp8_matmul(grad.raw(), DType::F32, gemm_operand(d_t, fp8.grad_format), gemm_operand(b, kE4M3), out, in,
-                       t, 1.0f, overwrite ? 0.0f : 1.0f, false, varying(fp8, cuda::GemmVarying::K));
+                       padded, 1.0f, overwrite ? 0.0f : 1.0f, false, varying(fp8, cuda::GemmVarying::K));
     });
   }());
 }

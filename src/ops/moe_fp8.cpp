@@ -187,9 +187,9 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
         continue;
       }
       const Fp8Linear expert = fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1);
-      const Tensor dy_e = dy.narrow(b, end);
-      fp8_linear_backward_input(dx.narrow(b, end), dy_e, moe_expert_matrix(weight, e), expert);
-      fp8_linear_backward_weight(moe_expert_matrix(dw, e), dy_e, x.narrow(b, end), expert, overwrite);
+      // Both GEMMs in one call: dy_e cast once, its codes and their transpose together.
+      fp8_linear_backward(dx.narrow(b, end), moe_expert_matrix(dw, e), dy.narrow(b, end), moe_expert_matrix(weight, e),
+                          x.narrow(b, end), expert, overwrite);
     }
   };
   per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down, *fp8.down);

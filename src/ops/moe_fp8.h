@@ -9,8 +9,9 @@
 //   forward         y_e  = x_e W_e^T     x_e E4M3, W_e E4M3
 //   input gradient  dx_e = dy_e W_e      dy_e in the grad format (E5M2 unless precision.fp8_grad_format e4m3)
 //   weight gradient dW_e = dy_e^T x_e    written over or added to
-// each through fp8_linear_forward / fp8_linear_backward_input / fp8_linear_backward_weight
-// on the expert's slice of the weight stack and its block of rows. Every expert's matrix has
+// each through fp8_linear_forward and fp8_linear_backward (both backward GEMMs in one call,
+// dy_e cast once into its codes and their transpose) on the expert's slice of the weight
+// stack and its block of rows. Every expert's matrix has
 // its own statistics block (NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h;
 // Fp8Projections numbers E of them per stack, in expert order), so each expert quantizes
 // its weight with its own scale, and its rows' activations and gradients with scales of
@@ -26,11 +27,10 @@
 // local expert has the forward statistics and weight cache a dense projection has (NOTE
 // [FP8 expert stack state]), and the forward quantizes all experts' rows at once (NOTE [FP8
 // grouped expert casts] in kernels/cuda/fp8_grouped_cast.cu), bitwise as expert by expert;
-// the stack's own forward statistics, weight cache and fused producers are not used. Not
-// yet done for speed: the FP8 GEMMs
-// have no plans for varying sizes (NOTE [GEMMs of varying size] serves the bf16 experts), so
-// cuBLASLt plans one per distinct expert row count it meets (with training.gemm_tuning, each
-// timed once), and the experts' GEMMs are never batched, even when padded to capacity. The router (a [E, hidden] GEMM whose
+// the stack's own forward statistics, weight cache and fused producers are not used. The
+// GEMMs keep their plans per bucket of row counts (NOTE [FP8 GEMMs of varying size] in
+// kernels/cuda/fp8_matmul.cpp). Not yet done for speed: the experts' GEMMs are never
+// batched, even when padded to capacity, and the backward's casts are expert by expert. The router (a [E, hidden] GEMM whose
 // logits choose the experts) stays in the compute dtype, as in Transformer Engine's and
 // torchao's MoE recipes; the shared experts and dense blocks are plain projections and run
 // in FP8 as any other.

@@ -14,7 +14,9 @@
 // top of the bf16 model's own differences (5% in GpuLora's micro-batch): gradients within
 // 10% (relative L2), the loss within 1%. A wrong operand (transposed, unscaled, the wrong
 // format) is off by 50% or more.
+#include <algorithm>
 #include <functional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -220,6 +222,60 @@ std::pair<Tensor, Tensor> random_batch(const ModelConfig& config, int64_t batch,
 // NOTE [FP8 weight cache]: with the weights cast once per step (and kept across the
 // micro-batches, activation checkpointing's recomputation and a changed weight after the
 // step's end) every loss and gradient is bitwise the uncached run's, for both recipes.
+// fp8_linear_backward casts dy once into its codes and their transpose, also for token
+// counts the weight gradient pads to 16 (a routed expert's rows): dx, dW (added to what it
+// holds) and the statistics block are bitwise the two separate calls', under `tensorwise`
+// and `delayed`, in both gradient formats.
+TEST(GpuFp8Linear, OneBackwardCallGivesTheSeparateCallsBits) {
+  Rng rng(seed_for_current_test());
+  const int64_t in = 96, out = 80;
+  for (const int64_t tokens : {int64_t{64}, int64_t{37}, int64_t{5}}) {
+    for (const Fp8Format grad_format : {Fp8Format::E5M2, Fp8Format::E4M3}) {
+      for (const bool delayed : {false, true}) {
+        SCOPED_TRACE(std::to_string(tokens) + " tokens, " + (grad_format == Fp8Format::E5M2 ? "e5m2" : "e4m3") +
+                     (delayed ? ", delayed" : ", tensorwise"));
+        const Tensor x = to_gpu(random_bf16_values({tokens, in}, rng), DType::BF16);
+        const Tensor w = to_gpu(random_bf16_values({out, in}, rng, 0.05), DType::BF16);
+        const Tensor dy = to_gpu(random_bf16_values({tokens, out}, rng, 0.01), DType::BF16);
+        const Tensor grad0 = to_gpu(random_f32({out, in}, rng), DType::F32);
+        std::vector<float> block(cpu::kFp8ProjectionStats);
+        cpu::fp8_init_stats(block.data(), 1);
+        if (delayed)  // scales a step's update could have left: x's, W's and dy's
+          for (const auto& [role, scale] : {std::pair{cpu::Fp8Role::X, 64.0f}, std::pair{cpu::Fp8Role::W, 2048.0f},
+                                            std::pair{cpu::Fp8Role::Dy, 4096.0f}}) {
+            block[cpu::fp8_scale_offset(0, role)] = scale;
+            block[cpu::fp8_scale_inv_offset(0, role)] = 1.0f / scale;
+          }
+        std::vector<Tensor> dx, dw, stats;
+        for (const bool one_call : {false, true}) {
+          Fp8LinearWorkspace ws = device_workspace(2 * out * in);
+          Tensor block_gpu = Tensor::empty({cpu::kFp8ProjectionStats});
+          std::copy(block.begin(), block.end(), block_gpu.data<float>());
+          block_gpu = block_gpu.to(Device::CUDA);
+          Fp8Linear fp8;
+          fp8.grad_format = grad_format;
+          fp8.workspace = &ws;
+          fp8.stats = block_gpu.data<float>();
+          fp8.delayed = delayed;
+          fp8.varying_tokens = true;
+          dx.push_back(poisoned_gpu({tokens, in}, DType::BF16));
+          dw.push_back(grad0.clone());
+          if (one_call) {
+            fp8_linear_backward(dx.back(), dw.back(), dy, w, x, fp8, /*overwrite=*/false);
+          } else {
+            fp8_linear_backward_input(dx.back(), dy, w, fp8);
+            fp8_linear_backward_weight(dw.back(), dy, x, fp8, /*overwrite=*/false);
+          }
+          stats.push_back(block_gpu);
+        }
+        EXPECT_EQ(host_values<uint16_t>(dx[1]), host_values<uint16_t>(dx[0]));
+        EXPECT_EQ(host_values<uint32_t>(dw[1]), host_values<uint32_t>(dw[0]));
+        EXPECT_EQ(host_values<uint32_t>(stats[1]), host_values<uint32_t>(stats[0]));
+      }
+    }
+  }
+}
+
 TEST(GpuFp8Linear, WeightCacheGivesTheSameBits) {
   const ModelConfig config = small_model("fp8-cache-gpu");
   FlatParameters params(config);
