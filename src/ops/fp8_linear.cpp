@@ -169,9 +169,20 @@ uint8_t* produced_codes(const Fp8Linear& fp8, const Tensor& x, uint8_t* workspac
 // Whether a producer folded dy's amax into the workspace's first slot; used once.
 bool produced_output_gradient(const Fp8Linear& fp8, const Tensor& dy) {
   Fp8Produced* p = fp8.produced;
-  if (!p || p->dy != dy.raw() || p->dy_numel != dy.numel()) return false;
+  if (!p || p->dy != dy.raw() || p->dy_numel != dy.numel() || p->dy_stats_at) return false;
   p->dy = nullptr;
   return true;
+}
+
+// dy's amax, scale and inverse scale where the grouped expert casts put them
+// (Fp8Produced::dy_stats_at), used once; null for any other dy.
+float* prepared_output_gradient_stats(const Fp8Linear& fp8, const Tensor& dy) {
+  Fp8Produced* p = fp8.produced;
+  if (!p || !p->dy_stats_at || p->dy != dy.raw() || p->dy_numel != dy.numel()) return nullptr;
+  float* at = p->dy_stats_at;
+  p->dy = nullptr;
+  p->dy_stats_at = nullptr;
+  return at;
 }
 
 // NOTE [FP8 delayed scaling]: the role's statistics in the projection's block, codes at `codes`.
@@ -478,6 +489,9 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
       if (uses_delayed_scales(fp8)) {
         d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
+      } else if (float* at = prepared_output_gradient_stats(fp8, dy)) {  // already folded into seen
+        d = {d.codes, at, at + kFp8StatStride, at + 2 * kFp8StatStride};
+        cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       } else {
         if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_ptr(dy), dy.numel(), d.amax);
         agree_amax(amax_group_of(fp8, Fp8Role::Dy), d.amax, seen_of(fp8, Fp8Role::Dy));

@@ -156,6 +156,11 @@ struct Fp8Produced {
   // kernels/cuda/fp8_grouped_cast.cu), which also prepare them under `tensorwise` (the
   // scales then in the projection's forward statistics).
   const uint8_t* x_codes_at = nullptr;
+  // Where dy's amax, scale and inverse scale are (kFp8StatStride apart), all three done, when
+  // not the amax alone in the workspace's first slot: a routed expert's output gradient,
+  // whose statistics the grouped amax and scales computed with every other expert's
+  // (tensorwise; NOTE [FP8 grouped expert casts]). Only fp8_linear_backward takes it.
+  float* dy_stats_at = nullptr;
 };
 
 // NOTE [FP8 gathered weights]

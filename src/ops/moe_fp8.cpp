@@ -65,6 +65,43 @@ void quantize_rows_grouped(const Tensor& x, const Fp8Linear& stack, const MoeRou
   }
 }
 
+// NOTE [FP8 grouped expert casts], the backward: whether every expert's output gradient
+// dy [rows, out] can take its tensorwise statistics from one grouped amax and one grouped
+// scale launch (CUDA, the per-expert state, current scaling, no tensor-parallel amax
+// reduction of dy).
+bool grouped_dy_ok(const Tensor& dy, const Fp8Linear& stack, const MoeRouting& r) {
+  const Fp8ExpertStack* s = expert_state(stack, r.experts);
+  return dy.device() == Device::CUDA && s && s->grouped && !stack.delayed && s->backward_stats.defined() &&
+         dy.dim(1) % kFp8TokenMultiple == 0 && (stack.amax_group_roles & fp8_role_bit(cpu::Fp8Role::Dy)) == 0;
+}
+
+// Each expert's dy amax, scale and inverse scale (the grad format's), folded into its
+// block's dy `seen`, then handed to its fp8_linear_backward through its Fp8Produced: the
+// values the expert-by-expert amax and scale give, bitwise.
+void prepare_output_gradients_grouped(const Tensor& dy, const Fp8Linear& stack, const MoeRouting& r,
+                                      int64_t first_expert, const int64_t* device_offsets) {
+  Fp8ExpertStack& s = *stack.experts;
+  int64_t most = 0;
+  for (int64_t e = 0; e < r.experts; ++e) most = std::max(most, r.rows(e));
+  const cuda::Fp8RowGroups groups{device_offsets, r.experts, dy.dim(1), most, 0};
+  constexpr int64_t kSlots = 3 * kFp8StatStride;
+  float* slots = s.backward_stats.data<float>();
+  float* seen_dy = stack.stats + first_expert * cpu::kFp8ProjectionStats + cpu::fp8_seen_offset(0, cpu::Fp8Role::Dy);
+  const cuda::Fp8GroupStats amax{slots, kSlots};
+  cuda::fp8_grouped_amax(bf16_ptr(dy), groups, amax);
+  cuda::fp8_grouped_scale_from_amax(groups, amax, stack.grad_format, {slots + kFp8StatStride, kSlots},
+                                    {slots + 2 * kFp8StatStride, kSlots}, {seen_dy, cpu::kFp8ProjectionStats});
+  for (int64_t e = 0; e < r.experts; ++e) {
+    const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
+    if (b == end) continue;
+    const Tensor rows = dy.narrow(b, end);
+    Fp8Produced& p = s.produced[static_cast<size_t>(e)];
+    p.dy = rows.raw();
+    p.dy_numel = rows.numel();
+    p.dy_stats_at = slots + e * kSlots;
+  }
+}
+
 // The routing's offsets on the device, in the state's own buffer (one small asynchronous
 // copy per forward; the routing's device offsets are not always these, e.g. under expert
 // parallelism or padded to capacity).
@@ -106,6 +143,7 @@ void init_fp8_expert_stack(Fp8ExpertStack& stack, int64_t experts, int64_t out, 
   stack.row_codes = row_codes;
   if (device != Device::CUDA) return;  // the CPU reference keeps none of it
   stack.forward_stats = Tensor::zeros({std::max<int64_t>(experts, 1) * kFp8WorkspaceStats}, DType::F32, device);
+  stack.backward_stats = Tensor::zeros({std::max<int64_t>(experts, 1) * 3 * kFp8StatStride}, DType::F32, device);
   for (size_t e = 0; e < n; ++e)
     stack.forward[e].device = stack.forward_stats.data<float>() + static_cast<int64_t>(e) * kFp8WorkspaceStats;
   if (!weight_cache) return;
@@ -177,9 +215,18 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
               shape_str(grads.down.shape()), shape_str(w.gate_up.shape()), shape_str(w.down.shape()));
   // dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on each expert's rows; no rows: a zero gradient
   // when written over, nothing to add otherwise.
+#ifdef FORGE_CUDA
+  const int64_t* device_offsets = nullptr;
+#endif
   auto per_expert = [&](const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& weight,
                         const Fp8Linear& stack) {
     const bool stateful = expert_state(stack, r.experts) != nullptr;
+#ifdef FORGE_CUDA
+    if (dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {  // NOTE [FP8 grouped expert casts]
+      if (!device_offsets) device_offsets = upload_offsets(*stack.experts, r);
+      prepare_output_gradients_grouped(dy, stack, r, fp8.first_expert, device_offsets);
+    }
+#endif
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b == end) {

@@ -87,7 +87,8 @@ namespace forge {
 //    uncached path would first fold it, so the delayed histories are unchanged;
 //  - its Fp8Produced record: the grouped casts of its rows (NOTE [FP8 grouped expert casts]
 //    in kernels/cuda/fp8_grouped_cast.cu) hand its forward x's codes (and under
-//    `tensorwise` its scales) as a fused producer does (NOTE [FP8 fused producers]).
+//    `tensorwise` its scales) as a fused producer does (NOTE [FP8 fused producers]), and in
+//    the backward, under `tensorwise`, its output gradient's amax and scales.
 // The stack's own Fp8Linear keeps no forward statistics, weight cache or producer record
 // (fp8_expert_linear clears them): its experts' rows and matrices are never one tensor.
 // On the CPU nothing of this exists (the reference quantizes every operand each time).
@@ -102,9 +103,13 @@ struct Fp8ExpertStack {
   // 256-byte boundary, fp8_grouped_codes_at), the routing's offsets uploaded to `offsets`
   // (I64, experts + 1, this stack's). Only for widths that are multiples of 16.
   // Off (expert by expert, the same bits) without them, or with `grouped` false.
+  // The backward's output gradients too, under `tensorwise`: each expert's amax, scale
+  // and inverse scale of dy in two launches into `backward_stats` (F32 [local experts x 3 x
+  // kFp8StatStride]), handed on through its Fp8Produced (dy_stats_at).
   bool grouped = true;
   Tensor* row_codes = nullptr;
   Tensor offsets;
+  Tensor backward_stats;
   int64_t experts() const { return static_cast<int64_t>(forward.size()); }
 };
 
