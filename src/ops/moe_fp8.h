@@ -68,9 +68,15 @@
 // adapter's gradient differs from the bf16 run's only through the FP8 rounding of the
 // frozen GEMMs upstream and downstream of it (its dy is the FP8 input gradient of what
 // follows). The per-expert state (NOTE [FP8 expert stack state]) is made as in full
-// training; the weight cache of a frozen expert is filled once for the run (the clock does
-// not move) and with `delayed` used once the delayed scales are, as a dense frozen
-// projection's. Under expert parallelism a rank's local experts and their adapters' slices
+// training. With `tensorwise` a frozen expert's weight cache is filled once for the run (the
+// clock does not move), as a dense frozen projection's, the scale travelling with the codes
+// in its forward statistics. With `delayed` it is used once the delayed scales are, and cast
+// again after every update (Fp8Projections' expert clock moves with each delayed end_step):
+// a dense frozen W is cast in the first step, so its delayed scale is constant from the
+// first update on, but an expert may receive no rows before some later step, and its W scale
+// then changes at the update that follows; codes cast with the old scale must not be read
+// with the new one. So a delayed run casts each local expert's W once per step, as full
+// training does. Under expert parallelism a rank's local experts and their adapters' slices
 // (NOTE [LoRA under expert parallelism] in model/lora.h) run on the received rows as above.
 #pragma once
 
