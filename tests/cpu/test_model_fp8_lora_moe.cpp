@@ -111,16 +111,19 @@ TEST(ModelFp8LoraMoe, DescriptorsCarryFp8UnderTheAdapters) {
   }
 }
 
-struct Run {
+struct LoraRun {
   std::vector<double> losses;
   Tensor first_gradients;  // the adapters', flat
 };
 
 constexpr int kSteps = 10;
+// At 0.5 the fp32 run's own curve is not monotone on these models (a step that moves a few
+// routing choices), and FP8's rounding then sends the two runs apart; 0.1 descends smoothly.
+constexpr float kLearningRate = 0.1f;
 
-// kSteps SGD steps (lr 0.5) of the adapters on a batch of 4 x 16 tokens from the same base
+// kSteps SGD steps (kLearningRate) of the adapters on a batch of 4 x 16 tokens from the same base
 // and adapters, with the base's GEMMs in fp32 (no settings) or FP8.
-Run train(const Case& c, const Fp8Settings* settings, const FlatParameters& base) {
+LoraRun train(const Case& c, const Fp8Settings* settings, const FlatParameters& base) {
   const ModelConfig m = model_of(c);
   const int64_t batch = 4, seq = 16;
   const Tensor tokens = testing::random_tokens(batch, seq, m.vocab_size, 11);
@@ -139,7 +142,7 @@ Run train(const Case& c, const Fp8Settings* settings, const FlatParameters& base
     adapters.set_base(frozen_base);
   }
   DecoderLM model(m, batch, seq);
-  Run run;
+  LoraRun run;
   for (int step = 0; step < kSteps; ++step) {
     adapters.discard();
     run.losses.push_back(model.forward_backward(tokens, targets, adapters, adapters, 1.0f / (batch * seq)).mean());
@@ -150,7 +153,7 @@ Run train(const Case& c, const Fp8Settings* settings, const FlatParameters& base
     }
     float* p = adapters.master_flat().data<float>();
     const float* g = adapters.gradient_flat().data<float>();
-    for (int64_t i = 0; i < adapters.master_flat().numel(); ++i) p[i] -= 0.5f * g[i];
+    for (int64_t i = 0; i < adapters.master_flat().numel(); ++i) p[i] -= kLearningRate * g[i];
   }
   return run;
 }
@@ -158,10 +161,11 @@ Run train(const Case& c, const Fp8Settings* settings, const FlatParameters& base
 // Tolerances as ModelFp8Moe's full FP8 training (first loss 1%, every step 2%, gradients
 // 25% relative L2) and ModelFp8Lora's dense frozen base: the adapters' gradients pass
 // through the frozen FP8 GEMMs' forward and input gradients (the routed experts' with a
-// few rows each). Measured (tensorwise / delayed): see the printed values; every step's
-// loss within 0.3% of fp32 LoRA's, the first step's adapter gradients within 3% to 6%
-// (relative L2 over all adapters). A wrong frozen expert GEMM (a missing adapter share,
-// an operand transposed, a scale missing) is off by 50% or more.
+// few rows each). Measured over 10 steps (the loss 3.51 -> 3.36 Mixtral-shaped, 3.48 -> 3.28
+// DeepSeek-shaped): every step's loss within 0.05% (Mixtral-shaped) and 0.10% (DeepSeek-
+// shaped) of fp32 LoRA's, tensorwise and delayed; the first step's adapter gradients within
+// 4.7% and 7.2% (relative L2 over all adapters). A wrong frozen expert GEMM (a missing
+// adapter share, an operand transposed, a scale missing) is off by 50% or more.
 TEST(ModelFp8LoraMoe, TrainingTracksFp32Lora) {
   for (const Case& c : cases()) {
     SCOPED_TRACE(c.name);
@@ -169,12 +173,12 @@ TEST(ModelFp8LoraMoe, TrainingTracksFp32Lora) {
     FlatParameters base(m);
     base.initialize(3);
     const Tensor before = base.flat().clone();
-    const Run fp32 = train(c, nullptr, base);
-    EXPECT_LT(fp32.losses.back(), 0.9 * fp32.losses.front());
+    const LoraRun fp32 = train(c, nullptr, base);
+    EXPECT_LT(fp32.losses.back(), 0.97 * fp32.losses.front());
     for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
       const std::string name = c.name + (recipe == Fp8Recipe::Delayed ? " delayed" : " tensorwise");
       const Fp8Settings s = frozen(recipe);
-      const Run fp8 = train(c, &s, base);
+      const LoraRun fp8 = train(c, &s, base);
       EXPECT_NE(fp8.losses[0], fp32.losses[0]) << name;  // FP8 did run
       EXPECT_NEAR(fp8.losses[0], fp32.losses[0], 0.01 * fp32.losses[0]) << name;
       double worst = 0.0;
@@ -185,6 +189,7 @@ TEST(ModelFp8LoraMoe, TrainingTracksFp32Lora) {
       const double error = relative_l2(fp8.first_gradients, fp32.first_gradients);
       EXPECT_LT(error, 0.25) << name;
       EXPECT_GT(error, 0.0) << name;
+      for (int step = 0; step < kSteps; ++step) std::printf("%.4f/%.4f ", fp8.losses[step], fp32.losses[step]);
       std::printf("%s: loss %.4f -> %.4f (fp32 %.4f -> %.4f), worst step's loss off by %.3f%%, first adapter "
                   "gradients off by %.2f%% (relative L2)\n",
                   name.c_str(), fp8.losses.front(), fp8.losses.back(), fp32.losses.front(), fp32.losses.back(),
@@ -195,14 +200,15 @@ TEST(ModelFp8LoraMoe, TrainingTracksFp32Lora) {
 }
 
 // The expert adapters' gradients alone (those that the frozen FP8 experts carry) track
-// fp32 LoRA's too, so the tolerance above is not met by the other adapters alone.
+// fp32 LoRA's too, so the tolerance above is not met by the other adapters alone. Measured:
+// 11.0% (relative L2; their few rows per expert, as ModelFp8Moe's experts' 15.5%).
 TEST(ModelFp8LoraMoe, ExpertAdapterGradientsTrackFp32Lora) {
   const Case c{"mixtral_experts", "debug-tiny-moe", "experts.gate_up_proj,experts.down_proj"};
   FlatParameters base(model_of(c));
   base.initialize(9);
-  const Run fp32 = train(c, nullptr, base);
+  const LoraRun fp32 = train(c, nullptr, base);
   const Fp8Settings s = frozen(Fp8Recipe::Tensorwise);
-  const Run fp8 = train(c, &s, base);
+  const LoraRun fp8 = train(c, &s, base);
   const double error = relative_l2(fp8.first_gradients, fp32.first_gradients);
   std::printf("experts' adapters only: first gradients off by %.2f%% (relative L2), last loss %.4f vs %.4f\n",
               100.0 * error, fp8.losses.back(), fp32.losses.back());
