@@ -189,11 +189,12 @@ TEST(ModelFp8LoraMoe, TrainingTracksFp32Lora) {
       const double error = relative_l2(fp8.first_gradients, fp32.first_gradients);
       EXPECT_LT(error, 0.25) << name;
       EXPECT_GT(error, 0.0) << name;
-      for (int step = 0; step < kSteps; ++step) std::printf("%.4f/%.4f ", fp8.losses[step], fp32.losses[step]);
       std::printf("%s: loss %.4f -> %.4f (fp32 %.4f -> %.4f), worst step's loss off by %.3f%%, first adapter "
                   "gradients off by %.2f%% (relative L2)\n",
                   name.c_str(), fp8.losses.front(), fp8.losses.back(), fp32.losses.front(), fp32.losses.back(),
                   100.0 * worst, 100.0 * error);
+      for (int step = 0; step < kSteps; ++step) std::printf(" %.4f/%.4f", fp8.losses[step], fp32.losses[step]);
+      std::printf(" (each step's FP8/fp32 loss)\n");
     }
     EXPECT_TRUE(testing::bitwise_equal(base.flat(), before));  // the frozen base is untouched
   }
