@@ -449,7 +449,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
-// its projections run in the compute dtype, without adapters.
+// the CUDA widths; its projections take adapters, FP8 and both together as any other.
 void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (!config.model.mla()) return;
   // On CUDA the packing kernel moves 16-byte vectors of 8 bf16 (mla_pack_qkv, a rotary pair
