@@ -195,7 +195,12 @@ int run_info(const std::vector<std::string>& args) {
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"
                : !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
-               : fp8->frozen ? "once for the run (precision.fp8_weight_cache: the base is frozen)"
+               // NOTE [FP8 frozen routed experts]: a delayed run casts a frozen expert once per step.
+               : fp8->frozen ? (m.moe() && fp8->recipe == Fp8Recipe::Delayed
+                                    ? "once for the run, the routed experts' once per optimizer step "
+                                      "(precision.fp8_weight_cache: the base is frozen, an expert's delayed scale may "
+                                      "change until it has received rows)"
+                                    : "once for the run (precision.fp8_weight_cache: the base is frozen)")
                              : "once per optimizer step (precision.fp8_weight_cache)",
                // NOTE [FP8 under data parallelism]
                config.parallelism.data_parallel_shard_degree * config.parallelism.data_parallel_replicate_degree == 1

@@ -174,7 +174,9 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
 // a bf16 base, on one device, over FSDP's frozen base or a pipeline rank's stages of it
 // (NOTE [FP8 frozen base]; NOTE [LoRA under pipeline parallelism] in model/lora.h: the base's
-// forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are
+// forward and input-gradient GEMMs in FP8, the adapters in bf16; on a MoE or MLA model the
+// frozen routed experts and MLA's projections too, NOTE [FP8 frozen routed experts] in
+// ops/moe_fp8.h, under expert parallelism as well). QLoRA's NF4 codes are
 // dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead). The
 // FP8 all-gather is full training's: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
@@ -268,23 +270,11 @@ void check_moe(const ExperimentConfig& config, const KeyDescriber& keys) {
   // own tokens through all of them, or with parallelism.expert_parallel_degree through the
   // ranks that hold them. The routing biases' update moves each rank's chunk of them (NOTE
   // [Routing bias update] in train/trainer.cpp).
-  // LoRA on the routed experts (NOTE [LoRA on routed experts] in ops/lora_experts.h) adds its
-  // low-rank GEMMs to the experts' GEMMs in the compute dtype; FP8 expert GEMMs are not built with it.
-  if (config.lora.enabled() && config.precision.fp8 != "none") {
-    const std::vector<std::string> modules = lora_modules_for_model(config.model, config.lora.target_modules);
-    for (const std::string& m : kLoraExpertModules)
-      if (std::find(modules.begin(), modules.end(), m) != modules.end())
-        FORGE_FAIL("{} adapts the routed experts ('{}'), which cannot be combined with {}: set precision.fp8 none, "
-                   "or leave the experts out of lora.target_modules",
-                   show(config, keys, "lora.target_modules"), m, show(config, keys, "precision.fp8"));
-  }
   // FP8 (NOTE [FP8 routed experts] in ops/moe_fp8.h): the routed experts' GEMMs per expert,
   // the router in bf16; under expert parallelism on each rank's received rows (NOTE [FP8
-  // routed experts under expert parallelism]); not on LoRA's frozen base.
-  if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
-    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Mixture-of-Experts model yet (the frozen routed "
-               "experts run in bf16 only): set precision.fp8 none, or train the whole model",
-               show(config, keys, "precision.fp8"), config.lora.rank);
+  // routed experts under expert parallelism]). Under LoRA the frozen experts run their
+  // forward and input gradient in FP8 and their adapters in the compute dtype (NOTE [FP8
+  // frozen routed experts]).
   // LoRA (NOTE [LoRA on MoE and MLA models] in model/lora.h): adapters on the 2-D
   // projections and, when named, the routed experts' stacks; the routing biases and the rest
   // of the base frozen.
@@ -459,10 +449,9 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):
-// its projections run in the compute dtype, without adapters.
+// the CUDA widths; its projections take adapters, FP8 and both together as any other.
 void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (!config.model.mla()) return;
-  const std::string mla = show(config, keys, "model.kv_lora_rank");
   // On CUDA the packing kernel moves 16-byte vectors of 8 bf16 (mla_pack_qkv, a rotary pair
   // group of 16), and cuBLASLt and cuDNN want every row 16-byte aligned.
   const ModelConfig& m = config.model;
@@ -476,10 +465,7 @@ void check_mla(const ExperimentConfig& config, const KeyDescriber& keys) {
         FORGE_FAIL("{} must be a multiple of {} on CUDA (training.device cuda) with Multi-head Latent Attention",
                    show(config, keys, key), multiple);
   // FP8: NOTE [FP8 latent attention] in model/latent_attention.h; check_fp8 checks the widths.
-  if (config.precision.fp8 != "none" && (config.lora.enabled() || config.lora.quantize_base != "none"))
-    FORGE_FAIL("{} cannot be combined with LoRA (lora.rank {}) on a Multi-head Latent Attention model ({}) yet: set "
-               "precision.fp8 none, or train the whole model",
-               show(config, keys, "precision.fp8"), config.lora.rank, mla);
+  // Under LoRA the frozen projections' GEMMs in FP8 (NOTE [FP8 frozen base]).
   // LoRA: NOTE [LoRA on MoE and MLA models] in model/lora.h. QLoRA quantizes the query and
   // kv_a projections in the published row order (NOTE [NF4 stored row order] in ops/nf4.h).
 }

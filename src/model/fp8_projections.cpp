@@ -262,6 +262,10 @@ void Fp8Projections::end_step(bool update) {
   // NOTE [FP8 weight cache]: the optimizer may change every weight now (not a frozen one:
   // NOTE [FP8 frozen base]).
   if (!settings_.frozen) ++generation_;
+  // NOTE [FP8 frozen routed experts]: a frozen expert's delayed W scale may still change
+  // (one that received no rows yet), so under `delayed` the expert caches are cast again
+  // after each update.
+  if (!settings_.frozen || (settings_.recipe == Fp8Recipe::Delayed && update)) ++expert_generation_;
   if (settings_.recipe != Fp8Recipe::Delayed || !update) return fp8_stats_clear_seen(stats_);
   fp8_stats_delayed_step(stats_, history_,
                          {settings_.amax_history_length, settings_.amax_algorithm, settings_.margin,
@@ -320,6 +324,7 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
   stats_.copy_from(stats);
   set_delayed_active(state.active);
   ++generation_;  // cached weight codes were cast with the old scales: NOTE [FP8 weight cache]
+  ++expert_generation_;
 }
 
 void Fp8Projections::set_tensor_parallel_group(TensorParallel& group) {
@@ -365,7 +370,7 @@ const BlockWeights& Fp8Projections::with_fp8(const BlockWeights& base, int index
         stack.ndim() == 3) {
       Fp8ExpertStack& s = p.experts[k];
       init_fp8_expert_stack(s, stack.dim(0), stack.dim(1), stack.dim(2), device_, settings_.weight_cache,
-                            &generation_, expert_row_codes_.defined() ? &expert_row_codes_ : nullptr);
+                            &expert_generation_, expert_row_codes_.defined() ? &expert_row_codes_ : nullptr);
       s.cache_in_use = caches_usable();
       p.linears[k].experts = &s;
     }

@@ -316,6 +316,9 @@ class Fp8Projections : public ParamSource, public GradSink {
   Tensor stats_, history_;                           // every block; delayed's histories
   bool delayed_active_ = false;
   uint64_t generation_ = 0;  // optimizer steps ended: the weight cache's clock
+  // The routed experts' caches' clock: generation_'s, and under a frozen base with `delayed`
+  // each update's too (NOTE [FP8 frozen routed experts]).
+  uint64_t expert_generation_ = 0;
   Fp8LinearWorkspace workspace_;
   Tensor expert_row_codes_;  // CUDA: NOTE [FP8 grouped expert casts], shared by every expert stack
   Fp8Linear fp8_;

@@ -212,9 +212,10 @@
 // reordered alike when a PEFT adapter is read or written (LoraPart::rotary_rows). QLoRA on
 // a MoE model quantizes the experts' stacks as well (NOTE [NF4 expert stacks] in
 // model/nf4_base.h): their adapters add to the GEMMs on the dequantized stacks, as PEFT's
-// ParamWrapper adds to transformers 5's unquantized 3-D parameters. Expert adapters are
-// refused with precision.fp8 (config_validate.cpp); under expert parallelism, NOTE [LoRA
-// under expert parallelism].
+// ParamWrapper adds to transformers 5's unquantized 3-D parameters. With precision.fp8 the
+// frozen base's GEMMs run in FP8, the routed experts' too, the adapters (the experts' among
+// them) in the compute dtype (NOTE [FP8 frozen routed experts] in ops/moe_fp8.h); under
+// expert parallelism, NOTE [LoRA under expert parallelism].
 #pragma once
 
 #include <cstdint>

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "ops/lora_experts.h"
 #include "ops/swiglu.h"
 #ifdef FORGE_CUDA
 #include "core/device.h"
@@ -197,9 +198,12 @@ void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& 
                            fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1), nullptr);
     }
   };
+  // NOTE [FP8 frozen routed experts]: the adapters' share added in the compute dtype.
   per_expert(a.gate_up, a.permuted, w.gate_up, *fp8.gate_up);
+  if (w.gate_up_lora) lora_experts_forward_add(a.gate_up, a.permuted, *w.gate_up_lora, r);
   if (a.gate_up.dim(0) > 0) swiglu_forward(a.swiglu, a.gate_up);  // every row at once, in the compute dtype
   per_expert(a.expert_out, a.swiglu, w.down, *fp8.down);
+  if (w.down_lora) lora_experts_forward_add(a.expert_out, a.swiglu, *w.down_lora, r);
 }
 
 void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& grads, bool overwrite,
@@ -208,9 +212,12 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
                               const MoeExpertFp8& fp8) {
   const char* op = "moe_experts_backward_fp8";
   check_fp8_experts(w, r, a, fp8, op);
-  FORGE_CHECK(grads.gate_up.defined() && grads.down.defined(),
-              "{}: frozen experts (no gradients) do not run in FP8", op);
-  FORGE_CHECK(grads.gate_up.shape() == w.gate_up.shape() && grads.down.shape() == w.down.shape(),
+  // Frozen experts (LoRA's base, NOTE [FP8 frozen routed experts]) have both gradient
+  // tensors undefined: dx alone.
+  const bool frozen = !grads.gate_up.defined() && !grads.down.defined();
+  FORGE_CHECK(frozen || (grads.gate_up.defined() && grads.down.defined()),
+              "{}: both expert stacks need gradients, or neither (frozen)", op);
+  FORGE_CHECK(frozen || (grads.gate_up.shape() == w.gate_up.shape() && grads.down.shape() == w.down.shape()),
               "{}: gradients {} and {} for weights {} and {}", op, shape_str(grads.gate_up.shape()),
               shape_str(grads.down.shape()), shape_str(w.gate_up.shape()), shape_str(w.down.shape()));
   // dx_e = dy_e W_e and dW_e (+)= dy_e^T x_e on each expert's rows; no rows: a zero gradient
@@ -222,7 +229,7 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
                         const Fp8Linear& stack) {
     const bool stateful = expert_state(stack, r.experts) != nullptr;
 #ifdef FORGE_CUDA
-    if (dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {  // NOTE [FP8 grouped expert casts]
+    if (!frozen && dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {  // NOTE [FP8 grouped expert casts]
       if (!device_offsets) device_offsets = upload_offsets(*stack.experts, r);
       prepare_output_gradients_grouped(dy, stack, r, fp8.first_expert, device_offsets);
     }
@@ -230,18 +237,25 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
     for (int64_t e = 0; e < r.experts; ++e) {
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b == end) {
-        if (overwrite) moe_expert_matrix(dw, e).fill_zero();
+        if (overwrite && !frozen) moe_expert_matrix(dw, e).fill_zero();
         continue;
       }
       const Fp8Linear expert = fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1);
-      // Both GEMMs in one call: dy_e cast once, its codes and their transpose together.
-      fp8_linear_backward(dx.narrow(b, end), moe_expert_matrix(dw, e), dy.narrow(b, end), moe_expert_matrix(weight, e),
-                          x.narrow(b, end), expert, overwrite);
+      if (frozen) {
+        fp8_linear_backward_input(dx.narrow(b, end), dy.narrow(b, end), moe_expert_matrix(weight, e), expert);
+      } else {  // both GEMMs in one call: dy_e cast once, its codes and their transpose together
+        fp8_linear_backward(dx.narrow(b, end), moe_expert_matrix(dw, e), dy.narrow(b, end),
+                            moe_expert_matrix(weight, e), x.narrow(b, end), expert, overwrite);
+      }
     }
   };
+  // The adapters' input gradients added to dx and their own gradients, in the compute dtype
+  // from the unquantized dy and x (NOTE [FP8 frozen routed experts]).
   per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down, *fp8.down);
+  lora_experts_backward(d_swiglu, d_expert_out, a.swiglu, w.down_lora, grads.down_lora, r, overwrite);
   if (a.gate_up.dim(0) > 0) swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
   per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up, *fp8.gate_up);
+  lora_experts_backward(d_permuted, d_gate_up, a.permuted, w.gate_up_lora, grads.gate_up_lora, r, overwrite);
 }
 
 }  // namespace forge

@@ -53,6 +53,31 @@
 // everywhere, and rank 0's checkpoint restores under any degree. A local expert may receive
 // P times a micro-batch's rows: the CUDA scratch is sized for them (Fp8Settings::
 // expert_parallel).
+//
+// NOTE [FP8 frozen routed experts]
+// Under LoRA with precision.fp8 (NOTE [FP8 frozen base] in model/fp8_projections.h) the
+// routed experts are part of the frozen base: Fp8Projections hands out their stacks with
+// the FP8 settings above and LoraAdapters hands out gradient descriptors with no tensor
+// (NOTE [LoRA on MoE and MLA models] in model/lora.h). moe_experts_backward_fp8 then runs
+// each expert's input gradient dx_e = dy_e W_e in FP8 and no weight gradient, as the dense
+// frozen projections do; the forward is full FP8 training's, expert by expert with each
+// expert's own statistics block. Adapters on the stacks (NOTE [LoRA on routed experts] in
+// ops/lora_experts.h) add their low-rank share after each frozen FP8 GEMM in the compute
+// dtype, reading the unquantized x and dy, exactly as over the bf16 experts: u_e = x_e A_e^T,
+// y_e += scale u_e B_e^T; dx_e += scale (dy_e B_e) A_e; dA_e, dB_e from dy_e and x_e. So an
+// adapter's gradient differs from the bf16 run's only through the FP8 rounding of the
+// frozen GEMMs upstream and downstream of it (its dy is the FP8 input gradient of what
+// follows). The per-expert state (NOTE [FP8 expert stack state]) is made as in full
+// training. With `tensorwise` a frozen expert's weight cache is filled once for the run (the
+// clock does not move), as a dense frozen projection's, the scale travelling with the codes
+// in its forward statistics. With `delayed` it is used once the delayed scales are, and cast
+// again after every update (Fp8Projections' expert clock moves with each delayed end_step):
+// a dense frozen W is cast in the first step, so its delayed scale is constant from the
+// first update on, but an expert may receive no rows before some later step, and its W scale
+// then changes at the update that follows; codes cast with the old scale must not be read
+// with the new one. So a delayed run casts each local expert's W once per step, as full
+// training does. Under expert parallelism a rank's local experts and their adapters' slices
+// (NOTE [LoRA under expert parallelism] in model/lora.h) run on the received rows as above.
 #pragma once
 
 #include <vector>

@@ -304,10 +304,10 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
 
 void Trainer::log_fp8() const {
   const PrecisionConfig& p = config_.precision;
-  log_info("FP8 {}: the {} GEMMs of the {}block projections in FP8 (activations and weights e4m3, gradients {}), the "
-           "output head in {}{}",
+  log_info("FP8 {}: the {} GEMMs of the {}block projections{} in FP8 (activations and weights e4m3, gradients {}), "
+           "the output head in {}{}",
            fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
-           lora_ ? "frozen base's " : "", p.fp8_grad_format,
+           lora_ ? "frozen base's " : "", config_.model.moe() ? " and routed experts" : "", p.fp8_grad_format,
            p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32",
            lora_ ? fmt::format(", the LoRA adapters in {}", p.compute_dtype) : "");
 }

@@ -330,11 +330,8 @@ TEST(ModelFp8Moe, ConfigRules) {
                   {"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.expert_parallel_degree", "2"}})
                 .parallelism.expert_parallel_degree,
             2);
-  // Refused, naming the key: LoRA, the FP8 all-gather.
-  for (const char* model : {"debug-tiny-moe", "debug-tiny-mla"})
-    expect_error([&] { load({{"model.name", model}, {"precision.fp8", "tensorwise"}, {"lora.rank", "8"},
-                             {"lora.target_modules", "q_proj,o_proj"}}); },
-                 {"precision.fp8 = tensorwise (command line) cannot be combined with LoRA (lora.rank 8)"});
+  // LoRA over the FP8 frozen base: tests/cpu/test_model_fp8_lora_moe.cpp.
+  // Refused, naming the key: the FP8 all-gather.
   expect_error([] { load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "tensorwise"},
                           {"parallelism.data_parallel_shard_degree", "2"},
                           {"precision.fp8_fsdp_all_gather", "true"}}); },

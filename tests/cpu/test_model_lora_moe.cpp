@@ -82,10 +82,9 @@ TEST(ModelLoraMoe, ConfigRulesNameTheKey) {
                {"adapts the routed experts with lora.dropout = 0.1 (command line)"});
   expect_error([] { load("debug-tiny", {{"lora.rank", "8"}, {"lora.target_modules", "q_proj,experts.down_proj"}}); },
                {"names the routed experts' 'experts.down_proj', and this model has none"});
-  expect_error([] { load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "experts.gate_up_proj"},
-                                            {"precision.fp8", "tensorwise"}}); },
-               {"lora.target_modules = experts.gate_up_proj (command line) adapts the routed experts",
-                "precision.fp8 = tensorwise (command line)"});
+  // The experts' adapters over frozen FP8 experts (NOTE [FP8 frozen routed experts]).
+  EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.target_modules", "experts.gate_up_proj"},
+                                    {"precision.fp8", "tensorwise"}}).precision.fp8, "tensorwise");
   // QLoRA quantizes the routed experts too (NOTE [NF4 expert stacks]; tests/cpu/test_model_qlora.cpp).
   EXPECT_EQ(load("debug-tiny-moe", {{"lora.rank", "8"}, {"lora.quantize_base", "nf4"}}).lora.quantize_base, "nf4");
   // QLoRA on MLA: the rotary rows quantized in the published order (NOTE [NF4 stored row order]).
