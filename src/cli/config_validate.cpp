@@ -174,9 +174,10 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
 // a bf16 base, on one device, over FSDP's frozen base or a pipeline rank's stages of it
 // (NOTE [FP8 frozen base]; NOTE [LoRA under pipeline parallelism] in model/lora.h: the base's
-// forward and input-gradient GEMMs in FP8, the adapters in bf16). QLoRA's NF4 codes are
-// dequantized to bf16 for each GEMM (an FP8 GEMM would need them cast to FP8 instead). The
-// FP8 all-gather is full training's: a frozen base gathers bf16.
+// forward and input-gradient GEMMs in FP8, the adapters in bf16), and QLoRA wherever it runs
+// (NOTE [FP8 over an NF4 base] in model/nf4_base.cpp: each NF4 weight dequantized to bf16,
+// then cast to E4M3, per GEMM). Mixture-of-Experts and MLA models under LoRA are refused by
+// check_moe and check_mla. The FP8 all-gather is full training's: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)
@@ -185,10 +186,6 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  show(config, keys, "precision.fp8_fsdp_all_gather"));
     return;
   }
-  if (config.lora.quantize_base != "none")
-    FORGE_FAIL("{} cannot be combined with QLoRA yet (lora.quantize_base {}: the NF4 base's GEMMs run in bf16): set "
-               "precision.fp8 none for a QLoRA run, or lora.quantize_base none for LoRA with the base's GEMMs in FP8",
-               show(config, keys, "precision.fp8"), config.lora.quantize_base);
   const ParallelismConfig& p = config.parallelism;
   if (config.precision.fp8_fsdp_all_gather) {
     const std::string key = show(config, keys, "precision.fp8_fsdp_all_gather");
