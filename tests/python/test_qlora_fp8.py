@@ -18,8 +18,9 @@ process (each micro-batch's x and dy, the whole W; the delayed amaxes max-reduce
 ranks), so only fp32 reordering differs, which Adam amplifies where a gradient is near zero
 and FP8 casts can turn into a code's step where a value sits near a boundary. Measured over
 6 steps: 2 data-parallel ranks (whose gradient all-reduce sums in another order) 5.7e-4
-(tensorwise) and 4.5e-4 (delayed); 2 pipeline ranks (the same sums) 3.5e-8 and 3.0e-8; the
-bound is 2e-3. Context-parallel ranks scale their chunks' activations by their own amaxes
+(tensorwise) and 4.5e-4 (delayed); 2 pipeline ranks (the same sums) 3.5e-8 and 3.0e-8, and
+with 2 data-parallel ranks per stage the data-parallel runs' 5.7e-4 and 4.5e-4; the bound is
+2e-3. Context-parallel ranks scale their chunks' activations by their own amaxes
 (NOTE [FP8 under context and pipeline parallelism]): measured 8.9e-4 and 1.4e-3, the bound
 1e-2 as LoRA's (test_lora_parallel.py's LoraFp8ContextParallel). The values are printed."""
 import os
