@@ -194,6 +194,10 @@ int run_info(const std::vector<std::string>& args) {
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"
+               // NOTE [FP8 over an NF4 base]: no cache of the base's codes.
+               : config.lora.quantize_base == "nf4"
+                   ? "in every GEMM from the NF4 codes dequantized to bf16 (QLoRA keeps no FP8 copy of the base: "
+                     "precision.fp8_weight_cache does not apply)"
                : !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
                // NOTE [FP8 frozen routed experts]: a delayed run casts a frozen expert once per step.
                : fp8->frozen ? (m.moe() && fp8->recipe == Fp8Recipe::Delayed
@@ -210,6 +214,9 @@ int run_info(const std::vector<std::string>& args) {
                                  "(precision.fp8_fsdp_all_gather){}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks"
                                                     : ", each weight's amax max-reduced over the ranks per gather")
+                   : config.lora.quantize_base == "nf4"
+                   ? fmt::format("; each data-parallel rank casts its replica of the base{}",
+                                 p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "")
                    : fmt::format("; under FSDP each rank casts the bf16 weights its gathers bring{}{}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "",
                                  p.fp8_weight_cache && t.device == "cuda" ? ", the cache holding every FP8 weight in full"

@@ -39,9 +39,9 @@
 // uninterrupted one would.
 //
 // NOTE [FP8 frozen base]
-// Under LoRA (lora.rank > 0, lora.quantize_base none; Fp8Settings::frozen) the projections
-// wrap the frozen base alone (set_base(weights)): LoraAdapters wraps them in turn and adds
-// its adapters to the descriptors they hand out, and the gradient descriptors are
+// Under LoRA (lora.rank > 0; QLoRA's NF4 base too: NOTE [FP8 over an NF4 base] in model/nf4_base.cpp;
+// Fp8Settings::frozen) the projections wrap the frozen base alone (set_base(weights)): LoraAdapters
+// wraps them in turn and adds its adapters to the descriptors they hand out, and the gradient descriptors are
 // LoraAdapters' (no base weight), so each projection runs its forward and its input
 // gradient in FP8 (x, W and dy quantized as above) and no weight gradient, while the
 // adapters run in the compute dtype (NOTE [Linear weight descriptor]). The CUDA scratch

@@ -1,5 +1,37 @@
 #include "model/nf4_base.h"
 
+// NOTE [FP8 over an NF4 base]
+// QLoRA with precision.fp8 (tensorwise or delayed): the trainer wraps the Nf4FrozenBase in
+// frozen Fp8Projections (NOTE [FP8 frozen base] in model/fp8_projections.h) and those in the
+// LoraAdapters, so a base projection's descriptor carries `nf4`, `fp8` and `lora` at once.
+// linear_forward and linear_backward_input(_add) dequantize its codes into the shared
+// scratch as for a bf16 GEMM (nf4_dequantize: bf16 on CUDA), and the FP8 op then takes
+// that scratch as its W: an amax pass over those bf16 values (tensorwise; delayed folds the
+// amax into the cast), E4M3 codes (transposed for the input gradient) in the FP8
+// workspace, the FP8 GEMM; the adapters add their share in bf16. So the amax is exactly
+// that of the values cast, and every code is the one LoRA with FP8 over a bf16 base holding
+// the dequantized weights would cast (the CPU tests check it bitwise). The backward's
+// reuse of W's forward statistics (NOTE [FP8 forward statistics] in ops/fp8_linear.h) keys
+// on the weight's address, which every projection's scratch shares; the statistics are the
+// projection's own, though, and its backward dequantizes the same codes into the same
+// values again, so the reused amax is the one this W has.
+// Memory stays QLoRA's: per GEMM one transient bf16 copy of the projection (the scratch
+// QLoRA has anyway) and its FP8 codes in the workspace (two code buffers, of the largest
+// of tokens × in, tokens × out and out × in, which the memory estimate counts as FP8
+// scratch). The FP8 weight cache is not used (fp8_settings_of): holding every weight's W
+// and W^T codes is 2 bytes per weight, four times the NF4 codes, most of what NF4 saves.
+// The price is time: each base GEMM adds an amax and a cast pass over its bf16 W to the
+// dequantization QLoRA already runs. A fused NF4 -> E4M3 kernel (its amax the max of the
+// blocks' dequantized absmaxes rounded to bf16, the codebook holding ±1) would save the
+// bf16 round trip; not built.
+// It runs wherever QLoRA runs: one device; data parallelism, whose ranks hold replicas of
+// the base (NOTE [LoRA under data parallelism] in model/lora.h) and cast them alike, the
+// delayed amaxes reduced at the step's end (NOTE [FP8 under data parallelism] in
+// train/trainer_fp8.cpp); context and pipeline parallelism (a pipeline rank's projections
+// of its stages alone, NOTE [FP8 under context and pipeline parallelism]). Mixture-of-Experts
+// and MLA models are refused under LoRA with FP8 (config_validate's check_moe, check_mla), as
+// is QLoRA under tensor parallelism.
+
 #include <algorithm>
 #include <cstdint>
 

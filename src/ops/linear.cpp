@@ -10,7 +10,8 @@ namespace forge {
 namespace {
 
 // The weight the GEMM reads: an NF4 layer's codes dequantized into its scratch buffer
-// first (NOTE [NF4 linear weights]).
+// first (NOTE [NF4 linear weights]); an FP8 GEMM then casts that scratch (NOTE [FP8 over
+// an NF4 base]).
 const Tensor& compute_weight(const LinearWeight& w) {
   if (w.nf4) nf4_dequantize(w.weight, *w.nf4);
   return w.weight;
@@ -27,13 +28,13 @@ bool plain(const LinearWeight& w) { return !w.fp8 && !w.nf4 && !w.lora && !w.fp8
 // (NOTE [Contiguous tensors]).
 
 void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, const Tensor* residual) {
-  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_forward: a weight cannot be both NF4 and FP8");
+  FORGE_CHECK(!(w.nf4 && w.fp8_gathered), "linear_forward: an NF4 weight has no gathered FP8 codes");
   if (w.bias.defined() && plain(w) &&
       matmul_epilogue(MatmulEpilogue::Bias, y, x, false, w.weight, true, residual ? 1.0f : 0.0f, residual, w.bias))
     return;
   FORGE_CHECK(w.fp8 || !w.fp8_gathered, "linear_forward: gathered FP8 codes without FP8 settings");
   if (w.fp8)
-    fp8_linear_forward(y, x, w.weight, *w.fp8, residual, w.fp8_gathered);
+    fp8_linear_forward(y, x, compute_weight(w), *w.fp8, residual, w.fp8_gathered);
   else if (residual)
     matmul_add(y, x, false, compute_weight(w), true, *residual);
   else
@@ -43,18 +44,18 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
 }
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
-  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_backward_input: a weight cannot be both NF4 and FP8");
+  FORGE_CHECK(!(w.nf4 && w.fp8_gathered), "linear_backward_input: an NF4 weight has no gathered FP8 codes");
   if (w.fp8)
-    fp8_linear_backward_input(dx, dy, w.weight, *w.fp8, w.fp8_gathered);
+    fp8_linear_backward_input(dx, dy, compute_weight(w), *w.fp8, w.fp8_gathered);
   else
     matmul(dx, dy, false, compute_weight(w), false);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);
 }
 
 void linear_backward_input_add(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
-  FORGE_CHECK(!(w.fp8 && w.nf4), "linear_backward_input_add: a weight cannot be both NF4 and FP8");
+  FORGE_CHECK(!(w.nf4 && w.fp8_gathered), "linear_backward_input_add: an NF4 weight has no gathered FP8 codes");
   if (w.fp8)
-    fp8_linear_backward_input_add(dx, dy, w.weight, *w.fp8, w.fp8_gathered);
+    fp8_linear_backward_input_add(dx, dy, compute_weight(w), *w.fp8, w.fp8_gathered);
   else
     matmul_add(dx, dy, false, compute_weight(w), false, dx);
   if (w.lora) lora_backward_input_add(dx, dy, *w.lora);

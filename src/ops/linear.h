@@ -50,8 +50,8 @@
 // descriptor's `weight` the fp32 gradient. The settings and the CUDA scratch live in the
 // Fp8Projections that wrap the run's ParamSource and GradSink (model/fp8_projections.h),
 // which set `fp8` on the block projections they hand out (and on the head when asked);
-// model code is the same with or without FP8. An FP8 weight is not combined with NF4
-// codes (refused here). With a LoRA adapter (NOTE [FP8 frozen base] in
+// model code is the same with or without FP8. NF4 codes too: dequantized into `weight`, then cast
+// (NOTE [FP8 over an NF4 base] in model/nf4_base.cpp). With a LoRA adapter (NOTE [FP8 frozen base] in
 // model/fp8_projections.h) the base's GEMMs run in FP8 and the adapter's share is added
 // in the compute dtype, as without FP8; the gradient descriptor of a frozen weight has no
 // `weight`, so there is no FP8 weight gradient.

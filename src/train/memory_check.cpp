@@ -53,7 +53,9 @@ std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config) {
                                                               : cpu::Fp8AmaxAlgorithm::Max;
   s.margin = static_cast<float>(p.fp8_margin);
   // The FP8 all-gather brings the blocks' codes ready to use (NOTE [FP8 all-gather]): no cache.
-  s.weight_cache = p.fp8_weight_cache && !p.fp8_fsdp_all_gather;
+  // Nor under QLoRA: a cache of the base's codes would hold 2 bytes per weight, four times
+  // its NF4 codes (NOTE [FP8 over an NF4 base] in model/nf4_base.cpp).
+  s.weight_cache = p.fp8_weight_cache && !p.fp8_fsdp_all_gather && config.lora.quantize_base == "none";
   s.frozen = config.lora.enabled();
   s.expert_parallel = config.parallelism.expert_parallel_degree;  // NOTE [FP8 routed experts under expert parallelism]
   return s;

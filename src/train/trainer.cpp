@@ -156,6 +156,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
         log_fp8();
       }
     } else if (config_.lora.quantize_base == "nf4") {
+      if (config_.precision.fp8 != "none") {
+        // NOTE [FP8 over an NF4 base] in model/nf4_base.cpp: the projections wrap the NF4
+        // base once it is built (below, or at the Hugging Face import).
+        fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
+                                                t.local_batch_size * t.seq_len);
+        log_fp8();
+      }
       // NOTE [QLoRA base]: built from the Hugging Face weights when they are imported;
       // without them, from the seeded initialization, one parameter at a time (a resumed
       // run initializes and quantizes again, to bitwise the same codes).
@@ -166,7 +173,8 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
         nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype, pipeline_stages_,
                                                     expert_shard());
         nf4_base_->initialize(derive_seed(t.seed, kWeightsSeed));
-        lora_->set_base(*nf4_base_);
+        if (fp8_) fp8_->set_base(*nf4_base_);  // NOTE [FP8 over an NF4 base] in model/nf4_base.cpp
+        lora_->set_base(fp8_ ? static_cast<ParamSource&>(*fp8_) : *nf4_base_);
         log_info("QLoRA: the base's projections quantized to NF4 from the seeded initialization (no "
                  "checkpoint.initial_load_path); the frozen base holds {:.2f} MiB on {}",
                  static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_));
@@ -307,7 +315,9 @@ void Trainer::log_fp8() const {
   log_info("FP8 {}: the {} GEMMs of the {}block projections{} in FP8 (activations and weights e4m3, gradients {}), "
            "the output head in {}{}",
            fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
-           lora_ ? "frozen base's " : "", config_.model.moe() ? " and routed experts" : "", p.fp8_grad_format,
+           !lora_ ? "" : config_.lora.quantize_base == "nf4" ? "NF4 base's (each dequantized to bf16, then cast) "
+                                                             : "frozen base's ",
+           config_.model.moe() ? " and routed experts" : "", p.fp8_grad_format,
            p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32",
            lora_ ? fmt::format(", the LoRA adapters in {}", p.compute_dtype) : "");
 }

@@ -63,7 +63,8 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
         },
         {}, pipeline_stages_);
     nf4_base_->finish();
-    lora_->set_base(*nf4_base_);
+    if (fp8_) fp8_->set_base(*nf4_base_);  // NOTE [FP8 over an NF4 base] in model/nf4_base.cpp
+    lora_->set_base(fp8_ ? static_cast<ParamSource&>(*fp8_) : *nf4_base_);
     return log_info("QLoRA: the base's projections quantized to NF4 at import (the frozen base holds {:.2f} MiB on {}: "
                     "NF4 codes and statistics {:.2f} MiB, the rest and the dequantization scratch in {})",
                     static_cast<double>(nf4_base_->nbytes()) / (1024.0 * 1024.0), device_name(device_),

@@ -4,8 +4,8 @@ follows the fp32 run's loss curve, with the head in FP8 and E4M3 gradients as we
 delayed run stopped and resumed from its checkpoint gives bitwise the uninterrupted
 run's losses (the amax histories travel in the checkpoint); LoRA with the frozen base's
 GEMMs in FP8 (NOTE [FP8 frozen base]) follows the fp32 LoRA run's curve, and its delayed run
-resumes exactly from a checkpoint of its adapters; the keys' wrong values and the
-combinations not built yet (QLoRA, LoRA under data parallelism) and dimensions Hopper's FP8 GEMMs
+resumes exactly from a checkpoint of its adapters; the keys' wrong values and
+dimensions Hopper's FP8 GEMMs
 cannot take on CUDA are refused naming the key.
 
 Tolerance of the curves: FP8 rounds every projection's operands to 3 (E4M3) or 2 (E5M2)
@@ -153,8 +153,6 @@ class Fp8Training(unittest.TestCase):
         self.expect_error(["precision.fp8_margin"], "--precision.fp8", "delayed", "--precision.fp8_margin", "-1")
         self.expect_error(["precision.fp8_grad_format expects one of e5m2, e4m3"],
                           "--precision.fp8_grad_format", "e3m4")
-        self.expect_error(["precision.fp8 = delayed", "cannot be combined with QLoRA", "lora.quantize_base nf4"],
-                          "--precision.fp8", "delayed", "--lora.rank", "4", "--lora.quantize_base", "nf4")
         # Checked before any device is needed: the config alone says the FP8 GEMMs cannot run.
         self.expect_error(["precision.fp8 = tensorwise", "multiple of 16", "model.ffn_hidden_size is 200"],
                           "--precision.fp8", "tensorwise", "--training.device", "cuda",

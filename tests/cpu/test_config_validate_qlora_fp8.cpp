@@ -1,0 +1,63 @@
+// precision.fp8 with QLoRA (NOTE [FP8 over an NF4 base] in model/nf4_base.cpp): accepted
+// wherever QLoRA runs (one device, data, context and pipeline parallelism), with either
+// recipe; what stays refused is refused by name: Mixture-of-Experts and MLA models under
+// LoRA with FP8, the FP8 all-gather (full training's), QLoRA under tensor parallelism.
+#include <gtest/gtest.h>
+
+#include "cli/config.h"
+#include "cli/config_validate.h"
+#include "config_test_support.h"
+
+namespace forge {
+namespace {
+
+using config_test::expect_error;
+
+ExperimentConfig load(const ConfigOverrides& overrides) { return load_experiment("", overrides); }
+
+ConfigOverrides qlora_fp8(const char* recipe, ConfigOverrides more = {}) {
+  ConfigOverrides o = {{"precision.fp8", recipe}, {"lora.rank", "4"}, {"lora.quantize_base", "nf4"}};
+  o.insert(o.end(), more.begin(), more.end());
+  return o;
+}
+
+TEST(ConfigValidateQloraFp8, AcceptedWhereverQloraRuns) {
+  for (const char* recipe : {"tensorwise", "delayed"}) {
+    SCOPED_TRACE(recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe)).precision.fp8, recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"training.device", "cuda"}})).lora.quantize_base, "nf4");
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"parallelism.data_parallel_shard_degree", "2"}})).precision.fp8, recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"parallelism.data_parallel_replicate_degree", "2"}})).precision.fp8, recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"parallelism.context_parallel_degree", "2"}})).precision.fp8, recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"parallelism.pipeline_parallel_degree", "2"}})).precision.fp8, recipe);
+    EXPECT_EQ(load(qlora_fp8(recipe, {{"parallelism.pipeline_parallel_degree", "2"},
+                                      {"parallelism.data_parallel_shard_degree", "2"}}))
+                  .precision.fp8,
+              recipe);
+  }
+}
+
+TEST(ConfigValidateQloraFp8, WhatStaysRefusedIsNamed) {
+  expect_error([] { load(qlora_fp8("tensorwise", {{"model.name", "debug-tiny-moe"}})); },
+               {"precision.fp8 = tensorwise", "cannot be combined with LoRA", "Mixture-of-Experts"});
+  expect_error([] { load(qlora_fp8("delayed", {{"model.name", "debug-tiny-mla"}})); },
+               {"precision.fp8 = delayed", "cannot be combined with LoRA"});
+  expect_error(
+      [] {
+        load(qlora_fp8("tensorwise", {{"precision.fp8_fsdp_all_gather", "true"},
+                                      {"parallelism.data_parallel_shard_degree", "2"}}));
+      },
+      {"precision.fp8_fsdp_all_gather", "is for full training"});
+  expect_error([] { load(qlora_fp8("tensorwise", {{"parallelism.tensor_parallel_degree", "2"}})); },
+               {"cannot be combined with lora.quantize_base = nf4"});
+  // Hopper's FP8 GEMMs' widths, as for LoRA (the tokens are never contracted: no weight gradient).
+  expect_error([] { load(qlora_fp8("tensorwise", {{"training.device", "cuda"}, {"model.ffn_hidden_size", "200"}})); },
+               {"multiple of 16", "model.ffn_hidden_size is 200"});
+  EXPECT_EQ(load(qlora_fp8("tensorwise", {{"training.device", "cuda"}, {"training.seq_len", "63"},
+                                          {"training.local_batch_size", "1"}}))
+                .training.seq_len,
+            63);
+}
+
+}  // namespace
+}  // namespace forge
