@@ -199,8 +199,7 @@ class Errors(unittest.TestCase):
                 # QLoRA: debug-tiny's o has 64 columns, 32 a rank, which would cut NF4's blocks of 64
                 # (tests/python/test_qlora_tensor_parallel.py runs it on a wider model).
                 ([TP, "2", "--lora.rank", "4", "--lora.quantize_base", "nf4"],
-                 "with lora.quantize_base = nf4: QLoRA under tensor parallelism over 2 ranks: each rank quantizes "
-                 "its 32 columns of layers.0"),):
+                 "QLoRA under tensor parallelism over 2 ranks: each rank quantizes its 32 columns of layers.0"),):
             with self.subTest(flags=flags):
                 result = subprocess.run([forge_bin(), "launch", "--nproc-per-node", "2", "--", "train",
                                          "--training.steps", "1", "--logging.run_dir",
