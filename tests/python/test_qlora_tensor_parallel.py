@@ -1,9 +1,9 @@
 """QLoRA under tensor parallelism across real CPU processes (forge launch; NOTE [NF4 base under
 tensor parallelism] in model/nf4_base.h), from a Hugging Face Llama wide enough that two
 ranks' shards are whole NF4 blocks (hidden 128, feed-forward 256). Each rank imports and
-quantizes its shards alone: 2 tensor-parallel ranks, alone and with 2 data-parallel ranks
-(the NF4 base replicated over them), hold the same base and train alike within fp32
-reordering; against one process's QLoRA (whose blocks' double-quantized absmax values are the
+quantizes its shards alone: 2 tensor-parallel ranks, alone, with 2 data-parallel ranks (the
+NF4 base replicated over them), 2 pipeline ranks or 2 context-parallel ranks, hold the same
+base and train alike within fp32 reordering; against one process's QLoRA (whose blocks' double-quantized absmax values are the
 whole tensors', not the shards') within the base's re-quantization (measured and printed);
 the PEFT adapter has one process's tensors; the merged export dequantizes the shards; a run
 resumes bitwise from its (adapter-only) checkpoint; forge info prints a rank's NF4 bytes.
@@ -105,6 +105,13 @@ class QloraTensorParallel(unittest.TestCase):
     def test_with_data_parallel_ranks_the_same_base(self):
         self.compare(self.train("tp2-fsdp2", 4, 2, TP, "2", SHARD, "2"), self.tp2, LOSS_TOLERANCE, ADAPTER_TOLERANCE,
                      LOSS_TOLERANCE)
+
+    def test_with_pipeline_and_context_parallel_ranks_the_same_base(self):
+        for name, flags in (("pp2-tp2", [TP, "2", "--parallelism.pipeline_parallel_degree", "2"]),
+                            ("tp2-cp2", [TP, "2", "--parallelism.context_parallel_degree", "2"])):
+            with self.subTest(run=name):
+                self.compare(self.train(name, 4, 1, *flags), self.tp2, LOSS_TOLERANCE, ADAPTER_TOLERANCE,
+                             LOSS_TOLERANCE)
 
     def test_resume_is_bitwise(self):
         common = [TP, "2", "--checkpoint.enable", "true", "--checkpoint.interval", "3"]
