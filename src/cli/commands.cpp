@@ -177,6 +177,13 @@ int run_info(const std::vector<std::string>& args) {
                  ep, nf4_base_bytes(m, held) / gib, m.num_experts / ep, m.num_experts,
                  nf4_scratch_bytes(m, DType::BF16, true, held) / gib);
     }
+    if (const int64_t tp = config.parallelism.tensor_parallel_degree; tp > 1) {
+      // NOTE [NF4 base under tensor parallelism]
+      const std::vector<ParamSpec> shards = parameter_specs(m, {0, static_cast<int>(tp)});
+      fmt::print("                 tensor parallelism {}: a rank holds {:.2f} GiB of them (the codes of its shards, "
+                 "each quantized on its own), its scratch {:.2f} GiB\n",
+                 tp, nf4_base_bytes(m, shards) / gib, nf4_scratch_bytes(m, DType::BF16, true, shards) / gib);
+    }
   }
   if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config)) {
     // Under LoRA (NOTE [FP8 frozen base]) the frozen base has no weight gradient: 4 FLOPs

@@ -25,6 +25,7 @@
 #include "distributed/launch_env.h"
 #include "model/context_parallel.h"
 #include "model/lora.h"
+#include "model/nf4_base.h"
 #include "model/pipeline.h"
 #include "model/tensor_parallel.h"
 #include "optim/config_rules.h"
@@ -316,8 +317,9 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
-// full training or LoRA (not on an NF4 base) in the compute dtype or in FP8, with FSDP's FP8
-// all-gather too (NOTE [FP8 under tensor parallelism] in model/fp8_projections.h). Checkpoints,
+// full training or LoRA in the compute dtype or in FP8, with FSDP's FP8 all-gather too (NOTE
+// [FP8 under tensor parallelism] in model/fp8_projections.h), or QLoRA whose shards are whole
+// NF4 blocks (NOTE [NF4 base under tensor parallelism] in model/nf4_base.h). Checkpoints,
 // initial weights (a forge checkpoint or a Hugging Face model) and the Hugging Face export
 // hold whole parameters, each rank reading or writing its shards' places in them (NOTE
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
@@ -346,12 +348,16 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
       if ((value / t) % 8 != 0)
         FORGE_FAIL("{} with {}: each rank's share, {} / {} = {}, must be a multiple of 8 on CUDA", tp,
                    show(config, keys, key), value, t, value / t);
-  auto refuse = [&](bool set, const char* key, const char* why) {
-    if (set) FORGE_FAIL("{} cannot be combined with {} yet: {}", tp, show(config, keys, key), why);
-  };
-  // LoRA: NOTE [LoRA under context and tensor parallelism] in model/lora.h.
-  refuse(config.lora.quantize_base != "none", "lora.quantize_base",
-         "QLoRA's NF4 base is not split over tensor-parallel ranks (LoRA on a frozen bf16 base is)");
+  // LoRA: NOTE [LoRA under context and tensor parallelism] in model/lora.h. QLoRA: each rank
+  // quantizes its shards, whose NF4 blocks must be blocks of the whole tensors (NOTE [NF4
+  // base under tensor parallelism] in model/nf4_base.h).
+  if (config.lora.quantize_base == "nf4") {
+    try {
+      check_nf4_tensor_parallel(m, t);
+    } catch (const Error& e) {
+      FORGE_FAIL("{} with {}: {}", tp, show(config, keys, "lora.quantize_base"), e.what());
+    }
+  }
 }
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
@@ -449,8 +455,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
   // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:
-  // QLoRA's NF4 base is not split over tensor-parallel ranks), and LoRA's FP8 frozen base
-  // stage by stage.
+  // QLoRA's shards whole NF4 blocks), and LoRA's FP8 frozen base stage by stage.
 }
 
 // model.kv_lora_rank > 0 (NOTE [Multi-head Latent Attention] in model/latent_attention.h):

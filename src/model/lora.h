@@ -77,8 +77,9 @@
 // (SequenceParallelEdges::project_out), so that the backward, one call over every row,
 // draws the same masks. With precision.fp8 the frozen base's shards run their GEMMs in FP8
 // under the adapters, the sharded tensors' amaxes agreed over the group (NOTE [FP8 under
-// tensor parallelism] in model/fp8_projections.h). QLoRA is refused under tensor
-// parallelism (the NF4 base is not split).
+// tensor parallelism] in model/fp8_projections.h). Under QLoRA each rank's NF4 base holds
+// its shards, each quantized on its own (NOTE [NF4 base under tensor parallelism] in
+// model/nf4_base.h), and the adapters are split as above.
 //
 // NOTE [LoRA under expert parallelism]
 // With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in

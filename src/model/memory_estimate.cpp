@@ -173,13 +173,14 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
                          compute_bytes;
     }
     if (plan.lora.quantize_base == "nf4") {
+      // NOTE [NF4 base under tensor parallelism]: a rank's codes and scratch of its shards.
+      const std::vector<ParamSpec> shards = parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)});
       double projections = 0;
-      for (const ParamSpec& spec : parameter_specs(config))
+      for (const ParamSpec& spec : shards)
         if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
       e.frozen_weights = (params - projections) * compute_bytes;
       // NOTE [NF4 expert stacks under expert parallelism]: a rank's codes and scratch of its experts.
-      const std::vector<ParamSpec> held =
-          expert_parallel_specs(parameter_specs(config), {0, plan.expert_parallel});
+      const std::vector<ParamSpec> held = expert_parallel_specs(shards, {0, plan.expert_parallel});
       e.nf4_base = nf4_base_bytes(config, held) + nf4_scratch_bytes(config, compute, true, held);
     }
     e.master_weights = adapters * 4;

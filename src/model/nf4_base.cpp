@@ -34,6 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 
 #include "ops/elementwise.h"
 
@@ -148,6 +149,29 @@ double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool st
       for (const HfTensor& part : spec.hf_tensors)
         if (is_base_projection(spec) && part.rotary_rows.period > 0) staging = std::max(staging, shape_numel(spec.shape));
   return static_cast<double>(projection + experts + staging) * static_cast<double>(dtype_size(compute_dtype));
+}
+
+void check_nf4_tensor_parallel(const ModelConfig& config, int64_t degree) {
+  if (degree == 1) return;
+  const int64_t block = 64;  // cpu::kNf4BlockSize (NOTE [NF4 storage])
+  for (const ParamSpec& spec : parameter_specs(config, {0, static_cast<int>(degree)})) {
+    if (!is_quantized_base_weight(spec) || spec.layer != 0) continue;  // every block's shapes are block 0's
+    const bool attention = spec.name.find("attention") != std::string::npos;
+    if (spec.tensor_parallel == TensorParallelSplit::Columns && spec.shape[1] % block != 0)
+      FORGE_FAIL("QLoRA under tensor parallelism over {} ranks: each rank quantizes its {} columns of {} to NF4, "
+                 "which must be a multiple of NF4's block of {} (so that its blocks are blocks of the whole "
+                 "tensor: NOTE [NF4 base under tensor parallelism]); {} {} / {} = {}",
+                 degree, spec.shape[1], spec.name, block,
+                 attention ? "model.num_heads x head dim" : "model.ffn_hidden_size", spec.shape[1] * degree, degree,
+                 spec.shape[1]);
+    if (spec.tensor_parallel != TensorParallelSplit::Rows) continue;
+    for (const HfTensor& part : spec.hf_tensors)
+      if (part.rows * spec.shape[1] % block != 0)
+        FORGE_FAIL("QLoRA under tensor parallelism over {} ranks: each rank quantizes its {} rows of {} ({} x "
+                   "model.hidden_size {} values) to NF4, which must be a multiple of NF4's block of {} (so that its "
+                   "blocks are blocks of the whole tensor: NOTE [NF4 base under tensor parallelism])",
+                   degree, part.rows, part.name, part.rows, spec.shape[1], block);
+  }
 }
 
 Nf4Base quantize_base_nf4(const FlatParameters& params) {
@@ -266,14 +290,18 @@ class Nf4FrozenBase::Rest : public ParamSource {
 };
 
 Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype,
-                             const std::vector<PipelineStage>& stages, ExpertShard experts)
+                             const std::vector<PipelineStage>& stages, ExpertShard experts, TensorParallelShard shard)
     : config_(config),
-      specs_(expert_parallel_specs(pipeline_stage_specs(parameter_specs(config), stages), experts)),
+      specs_(expert_parallel_specs(pipeline_stage_specs(parameter_specs(config, shard), stages), experts)),
       experts_(experts),
+      shard_(shard),
       device_(device),
       dtype_(dtype) {
   FORGE_CHECK(experts.size == 1 || stages.empty(),
               "Nf4FrozenBase: expert parallelism ({} ranks) over pipeline stages is not built", experts.size);
+  FORGE_CHECK(experts.size == 1 || shard.size == 1,
+              "Nf4FrozenBase: expert parallelism ({} ranks) under tensor parallelism is not built", experts.size);
+  if (shard.size > 1) check_nf4_tensor_parallel(config, shard.size);  // NOTE [NF4 base under tensor parallelism]
   codes_.weights.resize(specs_.size());
   filled_.assign(specs_.size(), 0);
   rest_ = std::make_unique<Rest>(config, specs_, device, dtype);
@@ -328,7 +356,8 @@ void Nf4FrozenBase::initialize(uint64_t seed) {
     Tensor values = Tensor::empty(specs_[k].shape, DType::F32, Device::CPU);
     // A sliced expert stack's values are the whole stack's from its first local expert on.
     const int64_t begin = specs_[k].expert_stack ? experts_.index * values.numel() : 0;
-    initialize_parameter_ranges(config_, specs_, seed, {{k, begin, values.numel(), values.data<float>()}});
+    // Under tensor parallelism the shard's values of the whole parameter's initialization.
+    initialize_parameter_ranges(config_, specs_, seed, {{k, begin, values.numel(), values.data<float>()}}, shard_);
     set(k, values);
   }
   finish();

@@ -39,6 +39,40 @@
 // parallelism (NOTE [LoRA under data parallelism] in model/lora.h). The merged export
 // dequantizes each rank's experts into its place in the whole model and the trainer
 // gathers the other experts' from the ranks that hold them.
+//
+// NOTE [NF4 base under tensor parallelism]
+// With parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
+// model/tensor_parallel.h) a rank's Nf4FrozenBase holds its shards (NOTE [Tensor-parallel
+// shards] in model/parameters.h): specs() are parameter_specs(config, shard), the import
+// hands it the rank's shard of every Hugging Face tensor alone (for_each_hf_parameter reads
+// no more), the seeded initialization draws the shard's values alone, and each shard is
+// quantized on its own, one NF4 tensor per Hugging Face part as above: a column-parallel
+// projection's (qkv, gate_up) its R/T consecutive rows of each part, a row-parallel one's
+// (o, down) its C/T columns of every row, a [R, C/T] matrix. No rank holds or quantizes
+// more than its shards; the embedding and head (vocabulary rows) and the norms are held
+// as under LoRA on a bf16 base. The codes are read through Nf4BaseSource as on one device
+// (the scratch sized for the largest shard), so the decoder's tensor-parallel GEMMs and the
+// adapters' shards (NOTE [LoRA under context and tensor parallelism] in model/lora.h) run
+// over them unchanged.
+// How that relates to one device's QLoRA: NF4's blocks of 64 run along the flattened rows
+// (NOTE [NF4 storage] in ops/nf4.h). check_nf4_tensor_parallel asks that every shard's
+// blocks be blocks of the whole tensor: a column-parallel part's R/T x C values a multiple
+// of 64 (its first value then starts a block), a row-parallel shard's C/T columns a multiple
+// of 64 (each row then a whole number of the whole row's blocks). Then every 4-bit code and
+// every block's absmax (the fp32 maximum the codes were chosen with) is bitwise the one-device
+// base's for the same weights. The second level is the shard's own: bitsandbytes'
+// double quantization codes the blocks' absmax values in 8 bits around their mean, with one
+// fp32 scale per 256 consecutive blocks, and a shard's mean and groups of 256 are of its own
+// blocks, not the whole tensor's (a row-parallel shard's blocks are not even consecutive in
+// it). So each dequantized block is the whole tensor's codes times an absmax that differs
+// from the one device's by the 8-bit rounding of another offset and scale (up to 1.3% on
+// the test model of test_model_qlora_tensor_parallel.cpp, whose every code is the same),
+// and a shard's tensor is exactly what bitsandbytes' quantize_4bit stores for that shard as
+// a Linear4bit of its own. A TP run is therefore the QLoRA run of a base quantized shard by
+// shard: bitwise the same base on every degree-T layout (a resumed run quantizes again to
+// the same codes), within fp32 reordering of one rank running LoRA on those dequantized
+// shards, and close to, not bitwise, one device's QLoRA. The merged export dequantizes each
+// rank's shards and gathers them into the whole model on rank 0, as LoRA's bf16 shards are.
 #pragma once
 
 #include <cstddef>
@@ -82,6 +116,11 @@ struct Nf4Base {
 double nf4_base_bytes(const ModelConfig& config, const std::vector<ParamSpec>& specs = {});
 double nf4_scratch_bytes(const ModelConfig& config, DType compute_dtype, bool stored_row_order = true,
                          const std::vector<ParamSpec>& specs = {});
+
+// NOTE [NF4 base under tensor parallelism]: fails, naming the projection and the model key
+// whose share is at fault, unless every rank's shard of every quantized weight is made of
+// whole NF4 blocks of the whole tensor under `degree` ranks.
+void check_nf4_tensor_parallel(const ModelConfig& config, int64_t degree);
 
 // Quantizes every base projection and expert stack of `params` (fp32 on the CPU), one NF4
 // tensor per Hugging Face weight it is made of.
@@ -127,9 +166,10 @@ class Nf4FrozenBase : public ParamSource {
   // whose parameters alone it holds (pipeline_stage_specs; NOTE [LoRA under pipeline
   // parallelism] in model/lora.h); empty: every parameter. `experts`: an expert-parallel
   // rank's place, whose local experts' stacks alone it holds (NOTE [NF4 expert stacks under
-  // expert parallelism]; not with stages).
+  // expert parallelism]; not with stages). `shard`: a tensor-parallel rank's place, whose
+  // shards alone it holds (NOTE [NF4 base under tensor parallelism]; not with experts).
   Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype, const std::vector<PipelineStage>& stages = {},
-                ExpertShard experts = {});
+                ExpertShard experts = {}, TensorParallelShard shard = {});
   // From fp32 host parameters (the whole model's), finished; stored_rows(spec): set()'s for
   // each (none: {}).
   Nf4FrozenBase(const FlatParameters& host, Device device, DType dtype,
@@ -140,6 +180,7 @@ class Nf4FrozenBase : public ParamSource {
   // with the expert stacks' local slices (expert_parallel_specs).
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const ExpertShard& experts() const { return experts_; }
+  const TensorParallelShard& tensor_parallel() const { return shard_; }
   // specs()[spec]'s values, fp32 on the host, in its shape (a sliced expert stack's may be
   // the whole stack's, whose local experts are taken). stored_rows
   // (NOTE [NF4 stored row order]): for a quantized weight whose Hugging Face tensor orders
@@ -157,7 +198,8 @@ class Nf4FrozenBase : public ParamSource {
   // The base as fp32 host parameters (same model), projections dequantized: what
   // bitsandbytes' dequantize_4bit gives, the starting point of a merged export. With
   // ExpertShard the stacks' local experts alone are written (the rest of each stack is left
-  // as it is: the other ranks' to fill).
+  // as it is: the other ranks' to fill). Under tensor parallelism `host` holds the rank's
+  // shards (FlatParameters of the same TensorParallelShard).
   void dequantize_into(FlatParameters& host) const;
   // specs()[spec]'s values into `out` (fp32 on the host, that spec's shape), dequantized
   // when the spec is quantized.
@@ -173,6 +215,7 @@ class Nf4FrozenBase : public ParamSource {
   ModelConfig config_;
   std::vector<ParamSpec> specs_;
   ExpertShard experts_;
+  TensorParallelShard shard_;
   Device device_;
   DType dtype_;
   Nf4Base codes_;

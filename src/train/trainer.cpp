@@ -116,8 +116,12 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   const int fsdp_ranks = data_ranks_ * context_parallel_degree_;
   if (fsdp_ranks > 1 && config_.lora.quantize_base == "nf4") {
     // NOTE [LoRA under data parallelism]: the NF4 base is replicated; only the collectives, over
-    // the stage's ranks under pipeline parallelism (NOTE [LoRA under pipeline parallelism]).
-    replicated_comm_ = std::make_unique<DataParallelComm>(device_, stage_group_ ? *stage_group_ : *world_, nullptr);
+    // the stage's ranks under pipeline parallelism (NOTE [LoRA under pipeline parallelism]),
+    // over the ranks with the same shards under tensor parallelism (NOTE [NF4 base under
+    // tensor parallelism]: the base replicated over them, split over the tensor-parallel group).
+    ProcessGroup& replicas =
+        data_parallel_group_ ? *data_parallel_group_ : (stage_group_ ? *stage_group_ : *world_);
+    replicated_comm_ = std::make_unique<DataParallelComm>(device_, replicas, nullptr);
     dp_ = replicated_comm_.get();
   } else if (fsdp_ranks > 1) {
     FsdpOptions fsdp;
@@ -170,8 +174,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
       if (!ckpt.initial_load_in_hf || ckpt.initial_load_path.empty()) {
         // NOTE [LoRA under pipeline parallelism]: a pipeline rank quantizes its stages' alone.
         // NOTE [NF4 expert stacks under expert parallelism]: an expert-parallel rank its experts'.
+        // NOTE [NF4 base under tensor parallelism]: a tensor-parallel rank its shards'.
         nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, compute_dtype, pipeline_stages_,
-                                                    expert_shard());
+                                                    expert_shard(), tensor_parallel_shard_);
         nf4_base_->initialize(derive_seed(t.seed, kWeightsSeed));
         if (fp8_) fp8_->set_base(*nf4_base_);  // NOTE [FP8 over an NF4 base] in model/nf4_base.cpp
         lora_->set_base(fp8_ ? static_cast<ParamSource&>(*fp8_) : *nf4_base_);
@@ -654,8 +659,9 @@ void Trainer::begin_gradients() {
 // written by rank 0; the PEFT adapter is written by rank 0; the merged Hugging Face export
 // gathers the base to rank 0's host (Fsdp::gather_to_host) and merges there.
 // QLoRA's NF4 base is not sharded but replicated: every rank imports and quantizes the
-// whole base (bitwise the same codes everywhere), and a DataParallelComm alone carries the
-// collectives (the adapters' all-reduce, the loss, the counts); rank 0 exports.
+// whole base (bitwise the same codes everywhere; under tensor parallelism the ranks with the
+// same shards, NOTE [NF4 base under tensor parallelism]), and a DataParallelComm alone
+// carries the collectives (the adapters' all-reduce, the loss, the counts); rank 0 exports.
 // Context-parallel ranks count as data-parallel ones here; under tensor parallelism the
 // adapters' gradients are first spread from the split matrices' shards and summed over the
 // tensor-parallel group (NOTE [LoRA under context and tensor parallelism] in model/lora.h).

@@ -49,8 +49,9 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
     // A pipeline rank imports and quantizes its stages' parameters alone (NOTE [LoRA under
     // pipeline parallelism]).
     // An expert-parallel rank keeps its experts' (NOTE [NF4 expert stacks under expert parallelism]).
+    // A tensor-parallel rank reads and quantizes its shards alone (NOTE [NF4 base under tensor parallelism]).
     nf4_base_ = std::make_unique<Nf4FrozenBase>(config_.model, device_, device_ == Device::CUDA ? DType::BF16 : DType::F32,
-                                                pipeline_stages_, expert_shard());
+                                                pipeline_stages_, expert_shard(), tensor_parallel_shard_);
     // NOTE [NF4 stored row order]: DeepSeek's rotary rows quantized in the published order.
     const bool interleaved = read_weight_layout(dir).interleaved_rotary;
     const std::vector<ParamSpec> specs = parameter_specs(config_.model);
@@ -61,7 +62,7 @@ void Trainer::load_initial_hf_weights(const std::string& dir) {
         [&](size_t spec, const Tensor& values) {
           nf4_base_->set(held.at(specs[spec].name), values, hf_stored_rows(specs[spec], interleaved));
         },
-        {}, pipeline_stages_);
+        tensor_parallel_shard_, pipeline_stages_);
     nf4_base_->finish();
     if (fp8_) fp8_->set_base(*nf4_base_);  // NOTE [FP8 over an NF4 base] in model/nf4_base.cpp
     lora_->set_base(fp8_ ? static_cast<ParamSource&>(*fp8_) : *nf4_base_);
@@ -156,6 +157,12 @@ void Trainer::export_tensor_parallel_hf_model(const std::string& dir, const HfEx
   std::vector<float> local;
   if (fsdp_) {
     fsdp_->gather_to_host(fsdp_->master_segments(), local);
+  } else if (nf4_base_) {
+    // NOTE [NF4 base under tensor parallelism]: the rank's shards dequantized, as PEFT's
+    // merge_and_unload dequantizes a 4-bit base, then gathered as LoRA's bf16 shards are.
+    FlatParameters shards(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_);
+    nf4_base_->dequantize_into(shards);
+    local.assign(shards.flat().data<float>(), shards.flat().data<float>() + shards.flat().numel());
   } else {
     // A LoRA run's frozen base is in the compute dtype (NOTE [LoRA training]).
     Tensor values = params_->flat();
@@ -260,7 +267,9 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
       writer = writer && fsdp_->layout().rank() == 0;
     } else if (nf4_base_) {
       nf4_base_->dequantize_into(*merged);
-      writer = !stage_group_ || stage_group_->rank() == 0;  // replicated over the stage's ranks (no tensor parallelism)
+      // Replicated over the stage's ranks, or (NOTE [NF4 base under tensor parallelism]) over
+      // its ranks with the same shards: the first of them writes.
+      writer = data_parallel_group_ ? data_parallel_group_->rank() == 0 : !stage_group_ || stage_group_->rank() == 0;
     } else {
       merged->assign_from(*params_);
     }

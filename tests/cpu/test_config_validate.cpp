@@ -52,8 +52,9 @@ TEST(ConfigValidate, LoraAndQloraRunOnDataParallelRanks) {
   EXPECT_EQ(qlora.lora.quantize_base, "nf4");
 }
 
-// NOTE [LoRA under context and tensor parallelism]: LoRA and QLoRA on context-parallel
-// ranks, LoRA on tensor-parallel ones; what tensor parallelism cannot take is named.
+// NOTE [LoRA under context and tensor parallelism]: LoRA and QLoRA on context-parallel and
+// tensor-parallel ranks; QLoRA on the latter when every shard is whole NF4 blocks (NOTE [NF4
+// base under tensor parallelism]), the projection and key that would cut them named.
 TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
   EXPECT_EQ(load({{"lora.rank", "4"}, {"parallelism.context_parallel_degree", "2"},
                   {"parallelism.data_parallel_shard_degree", "2"}})
@@ -66,10 +67,27 @@ TEST(ConfigValidate, LoraRunsOnContextAndTensorParallelRanks) {
                   {"parallelism.context_parallel_degree", "2"}})
                 .parallelism.tensor_parallel_degree,
             2);
+  // debug-tiny's o has 64 columns (32 a rank) and down 192 (96 a rank): not whole blocks of 64.
   expect_error(
       [] { load({{"lora.rank", "4"}, {"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
-      {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with lora.quantize_base = nf4",
-       "NF4 base is not split"});
+      {"parallelism.tensor_parallel_degree = 2 (command line) with lora.quantize_base = nf4 (command line): QLoRA "
+       "under tensor parallelism over 2 ranks: each rank quantizes its 32 columns of layers.0",
+       "model.num_heads x head dim 64 / 2 = 32"});
+  expect_error(
+      [] {
+        load({{"lora.rank", "4"}, {"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"},
+              {"model.hidden_size", "128"}});
+      },
+      {"its 96 columns of layers.0", "model.ffn_hidden_size 192 / 2 = 96"});
+  const ConfigOverrides wide = {{"lora.rank", "4"},
+                                {"lora.quantize_base", "nf4"},
+                                {"parallelism.tensor_parallel_degree", "2"},
+                                {"model.hidden_size", "128"},
+                                {"model.ffn_hidden_size", "256"}};
+  EXPECT_EQ(load(wide).lora.quantize_base, "nf4");
+  ConfigOverrides wide_fsdp = wide;
+  wide_fsdp.push_back({"parallelism.data_parallel_shard_degree", "2"});
+  EXPECT_EQ(load(wide_fsdp).parallelism.data_parallel_shard_degree, 2);
   EXPECT_EQ(load({{"lora.rank", "4"}, {"lora.dropout", "0.1"}, {"parallelism.tensor_parallel_degree", "2"}})
                 .lora.dropout,
             0.1);
@@ -96,8 +114,12 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.data_parallel_shard_degree", "2"}}).precision.fp8,
             "tensorwise");
   expect_error([&] { with({{"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"}}); },
-               {"parallelism.tensor_parallel_degree = 2 (command line) cannot be combined with lora.quantize_base = nf4",
-                "NF4 base is not split"});
+               {"parallelism.tensor_parallel_degree = 2 (command line) with lora.quantize_base = nf4",
+                "its 32 columns of layers.0"});
+  EXPECT_EQ(with({{"lora.quantize_base", "nf4"}, {"parallelism.tensor_parallel_degree", "2"},
+                  {"model.hidden_size", "128"}, {"model.ffn_hidden_size", "256"}})
+                .lora.quantize_base,
+            "nf4");
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8,
             "tensorwise");  // NOTE [FP8 under tensor parallelism]: LoRA's FP8 base too
   expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"}}); },
@@ -136,13 +158,14 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
                   {"parallelism.data_parallel_shard_degree", "2"}})
                 .lora.rank,
             4);
-  // QLoRA's NF4 base stays refused under tensor parallelism, FP8 or not.
+  // QLoRA's NF4 base under tensor parallelism: whole NF4 blocks a shard (NOTE [NF4 base under
+  // tensor parallelism]), which debug-tiny's are not.
   expect_error(
       [] {
         load({{"precision.fp8", "none"}, {"lora.rank", "4"}, {"lora.quantize_base", "nf4"},
               {"parallelism.tensor_parallel_degree", "2"}});
       },
-      {"cannot be combined with lora.quantize_base = nf4"});
+      {"with lora.quantize_base = nf4", "NF4's block of 64"});
   // FSDP's FP8 all-gather over the tensor-parallel shards (full training only, as without them).
   EXPECT_TRUE(load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
                     {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}})

@@ -27,6 +27,7 @@
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/fp8_projections.h"
+#include "model/nf4_base.h"
 #include "model/parameters.h"
 #include "ops/cross_entropy.h"
 #include "ops/attention.h"
@@ -790,6 +791,118 @@ void expect_fp8_lora_tensor_parallel_matches_one_gpu(Fp8Recipe recipe, int t) {
 TEST(GpuTensorParallel, Fp8LoraThreadRanksMatchOneGpu) {
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
     expect_fp8_lora_tensor_parallel_matches_one_gpu(recipe, 2);
+}
+
+// QLoRA under tensor parallelism (NOTE [NF4 base under tensor parallelism] in
+// model/nf4_base.h): t rank threads, each with the Nf4FrozenBase of its shards on the GPU
+// (quantized on their own, dequantized to bf16 before each GEMM) and its adapters' shards,
+// against one GPU's LoRA over the bf16 base that the ranks' dequantized shards make (the
+// same bf16 weights: the CPU's fp32 dequantization rounded to bf16 is what the GPU's kernel
+// writes), within bf16 reordering; and, printed with a loose bound, against one GPU's QLoRA
+// (whose blocks' double-quantized absmax values are the whole tensors').
+void expect_qlora_tensor_parallel_matches_one_gpu(int t, ActivationCheckpoint mode) {
+  SCOPED_TRACE(fmt::format("QLoRA on {} tensor-parallel ranks, checkpointing {}", t, activation_checkpoint_name(mode)));
+  const ModelConfig config = llama_like(false);  // o's 256 columns and down's 512: whole NF4 blocks a rank
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.target_modules = "all-linear";
+  lora.quantize_base = "nf4";
+  const int64_t batch = 2, seq = 128;
+  Rng rng(seed_for_current_test() + static_cast<uint64_t>(t));
+  const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  Tensor targets = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
+  targets.data<int32_t>()[7] = kIgnoreIndex;
+  const float scale = 1.0f / static_cast<float>(batch * seq - 1);
+
+  std::vector<std::unique_ptr<Nf4FrozenBase>> bases;
+  FlatParameters whole(config);  // the ranks' dequantized shards at their places
+  for (int r = 0; r < t; ++r) {
+    bases.push_back(std::make_unique<Nf4FrozenBase>(config, Device::CUDA, DType::BF16, std::vector<PipelineStage>{},
+                                                    ExpertShard{}, TensorParallelShard{r, t}));
+    bases.back()->initialize(23);
+    FlatParameters shards(config, Device::CPU, DType::F32, TensorParallelShard{r, t});
+    bases.back()->dequantize_into(shards);
+    for (size_t k = 0; k < whole.specs().size(); ++k)
+      for (const ShardRun& run : tensor_parallel_runs(whole.specs()[k], {r, t}))
+        std::copy_n(shards.tensors()[k].data<float>() + run.local_begin, run.count,
+                    whole.tensors()[k].data<float>() + run.full_begin);
+  }
+  round_to_bf16(whole.flat());
+  std::vector<Tensor> b_values;
+  const LoraAdapters shapes(config, lora, Device::CPU, 1);
+  for (const LoraTarget& target : shapes.targets())
+    for (const LoraPart& part : target.parts)
+      b_values.push_back(random_bf16_values({part.row_end - part.row_begin, lora.rank}, rng, 0.02));
+  auto adapters_over = [&](ParamSource& base, TensorParallelShard shard) {
+    auto adapters = std::make_unique<LoraAdapters>(config, lora, Device::CUDA, batch * seq, shard);
+    adapters->initialize(9);
+    size_t next = 0;
+    for (size_t k = 0; k < adapters->targets().size(); ++k)
+      for (size_t p = 0; p < adapters->targets()[k].parts.size(); ++p)
+        adapters->set_part_matrix(k, p, 'b', b_values[next++]);
+    adapters->refresh_compute();
+    adapters->set_base(base);
+    adapters->discard();
+    return adapters;
+  };
+  FlatParameters compute(config, Device::CUDA, DType::BF16);
+  compute.assign_from(whole);
+  auto one_adapters = adapters_over(compute, {});
+  DecoderLM one(config, batch, seq, Device::CUDA, DType::BF16, mode);
+  const LossSum reference =
+      one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), *one_adapters, *one_adapters, scale);
+  FlatParameters host(config);
+  host.initialize(23);
+  Nf4FrozenBase one_base(host, Device::CUDA, DType::BF16);
+  auto qlora_adapters = adapters_over(one_base, {});
+  const LossSum qlora_one =
+      one.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), *qlora_adapters, *qlora_adapters, scale);
+
+  Turn turn;
+  ThreadGroup group(t);
+  std::vector<LossSum> losses(static_cast<size_t>(t));
+  std::vector<std::unique_ptr<LoraAdapters>> adapters;
+  for (int r = 0; r < t; ++r) adapters.push_back(adapters_over(*bases[static_cast<size_t>(r)], {r, t}));
+  const auto errors = run_rank_threads(t, turn.gpu, [&](int r) {
+    ThreadCollectives tp(turn, group, r);
+    DecoderLM model(config, batch, seq, Device::CUDA, DType::BF16, mode, nullptr, &tp);
+    LoraAdapters& mine = *adapters[static_cast<size_t>(r)];
+    losses[static_cast<size_t>(r)] =
+        model.forward_backward(tokens.to(Device::CUDA), targets.to(Device::CUDA), mine, mine, scale);
+    mine.spread_shard_gradients();
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+
+  double loss_gap = 0.0, gradient_gap = 0.0, qlora_gradient_gap = 0.0;
+  for (int r = 0; r < t; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, reference.tokens);
+    loss_gap = std::max(loss_gap, std::abs(losses[static_cast<size_t>(r)].mean() - reference.mean()) / reference.mean());
+  }
+  EXPECT_LT(loss_gap, 2e-3);
+  for (size_t i = 0; i < one_adapters->gradients().size(); ++i) {
+    Tensor summed = to_cpu_f32(adapters[0]->gradients()[i]);
+    for (int r = 1; r < t; ++r) {
+      const Tensor more = to_cpu_f32(adapters[static_cast<size_t>(r)]->gradients()[i]);
+      for (int64_t j = 0; j < summed.numel(); ++j) summed.data<float>()[j] += more.data<float>()[j];
+    }
+    const double gap = relative_l2(summed, to_cpu_f32(one_adapters->gradients()[i]));
+    gradient_gap = std::max(gradient_gap, gap);
+    EXPECT_LT(gap, 2e-2) << one_adapters->master_names()[i];
+    qlora_gradient_gap = std::max(qlora_gradient_gap, relative_l2(summed, to_cpu_f32(qlora_adapters->gradients()[i])));
+  }
+  const double qlora_loss_gap = std::abs(losses[0].mean() - qlora_one.mean()) / qlora_one.mean();
+  std::printf("QLoRA on %d tensor-parallel GPU threads (checkpointing %s): against LoRA on their dequantized shards "
+              "loss %.3g, adapter gradients %.3g; against one GPU's QLoRA loss %.3g, adapter gradients %.3g\n",
+              t, std::string(activation_checkpoint_name(mode)).c_str(), loss_gap, gradient_gap, qlora_loss_gap,
+              qlora_gradient_gap);
+  EXPECT_LT(qlora_loss_gap, 1e-2);
+  EXPECT_LT(qlora_gradient_gap, 0.2);
+}
+
+TEST(GpuTensorParallel, QloraThreadRanksMatchLoraOnTheirShards) {
+  expect_qlora_tensor_parallel_matches_one_gpu(2, ActivationCheckpoint::None);
+  expect_qlora_tensor_parallel_matches_one_gpu(2, ActivationCheckpoint::Full);
 }
 
 TEST(GpuContextParallel, Fp8ThreadRanksMatchOneGpu) {

@@ -212,8 +212,9 @@ class Errors(unittest.TestCase):
                 (2, [tp, "2", "--model.name", "debug-tiny-mla"], "has Multi-head Latent Attention"),
                 (2, [tp, "2", "--training.local_batch_size", "1", "--training.seq_len", "5"],
                  "must divide the micro-batch's tokens"),
+                # QLoRA: debug-tiny's o shards (32 columns) would cut NF4's blocks of 64.
                 (2, [tp, "2", "--lora.rank", "4", "--lora.quantize_base", "nf4"],
-                 "cannot be combined with lora.quantize_base = nf4"),
+                 "QLoRA under tensor parallelism over 2 ranks: each rank quantizes its 32 columns of layers.0"),
                 (2, [tp, "4", "--model.name", "debug-tiny-mha"], "context_parallel_degree × pipeline_parallel_degree = 1 × 1 × 4 × 1 × 1 = 4"),
                 (1, [tp, "2"], "this process was started alone")):
             with self.subTest(flags=flags):
