@@ -240,8 +240,6 @@ Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dty
       experts_(experts),
       device_(device),
       dtype_(dtype) {
-  FORGE_CHECK(experts.size == 1 || stages.empty(),
-              "Nf4FrozenBase: expert parallelism ({} ranks) over pipeline stages is not built", experts.size);
   codes_.weights.resize(specs_.size());
   filled_.assign(specs_.size(), 0);
   rest_ = std::make_unique<Rest>(config, specs_, device, dtype);
