@@ -13,7 +13,7 @@ checkpoint resumes on one process and one process's under PP2 x EP2 with the int
 schedule, each continuing the run that saved it. QLoRA (each rank's NF4 base its stages' blocks
 with its experts alone) follows one process's QLoRA the same way, its merged export written
 in pieces with no gather (loaded by transformers, the Mixtral-like one computes one process's
-merged model's logits), also under hybrid sharding (8 ranks), and resumes on one process;
+merged model's logits), also under hybrid sharding (8 ranks), and resumes as LoRA's does;
 forge info sizes its NF4 base by the experts.
 QLoRA measured (10 steps): losses, gradient norms and validation losses within 5.6e-8, the
 adapters within 1.2e-5, the merged export within 1.6e-6 (transformers' logits 7.5e-8);
@@ -143,7 +143,8 @@ class LoraPipelineTimesExpertParallel(unittest.TestCase):
         rank's NF4 base holds its stages' blocks with its experts' codes alone; the merged export
         is written in pieces with no gather (the stage's two ranks each dequantize, merge and
         write their own experts), and equals one process's merged export within the adapters'
-        tolerance. The PP2 x EP2 checkpoint resumes on one process."""
+        tolerance. The PP2 x EP2 checkpoint resumes on one process, and one process's under PP2 x
+        EP2 with the interleaved schedule."""
         for model in ("mixtral", "deepseek"):
             flags = [*MODELS[model], *QLORA]
             with self.subTest(model=model):
@@ -157,7 +158,9 @@ class LoraPipelineTimesExpertParallel(unittest.TestCase):
                     self.expect_loads_in_transformers(run, one)
                     expect_resumes_under_layouts(
                         self, self.tmp, f"qlora-{model}", [*flags, *LORA],
-                        (("resumed on one process", f"qlora-{model}-pp2-ep2", 1, 1, NO_EXPORT, "saved by 1 rank"),),
+                        (("resumed on one process", f"qlora-{model}-pp2-ep2", 1, 1, NO_EXPORT, "saved by 1 rank"),
+                         ("resumed under pp2 x ep2 interleaved", f"qlora-{model}-one", 4, 2,
+                          PP2_EP2 + INTERLEAVED + NO_EXPORT, "saved by 1 rank")),
                         TOLERANCE, steps=STEPS)
 
     def expect_loads_in_transformers(self, run, one):
