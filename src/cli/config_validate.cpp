@@ -444,14 +444,10 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
   // asks the shard degree to take it. LoRA on a MoE model under both: NOTE [LoRA under pipeline
-  // and expert parallelism] in model/lora.h (the pipeline's sum and the stage's sum compose).
-  // QLoRA is not built there: its NF4 base holds each rank's experts alone and is replicated
-  // over the stage's ranks, and the merged export in pieces (written by the stage's rank 0)
-  // does not gather the other ranks' experts.
-  if (p.expert_parallel_degree > 1 && config.lora.quantize_base != "none")
-    FORGE_FAIL("{} cannot be combined with {} and {} yet: QLoRA's NF4 base holds each rank's experts alone, which "
-               "the merged export under pipelining does not gather (LoRA's bf16 base runs under both)",
-               pp, show(config, keys, "parallelism.expert_parallel_degree"), show(config, keys, "lora.quantize_base"));
+  // and expert parallelism] in model/lora.h (the pipeline's sum and the stage's sum compose);
+  // QLoRA too, its NF4 base holding each rank's experts of its stages, the merged export
+  // written by each of the stage's first expert-parallel group's ranks, its own experts'
+  // (NOTE [QLoRA under pipeline and expert parallelism]).
   // The routing biases' update (NOTE [Routing bias update]) takes every stage's loads: NOTE [Pipeline stages].
   // LoRA and QLoRA: NOTE [LoRA under pipeline parallelism] in model/lora.h, with data, context and tensor
   // parallelism as without pipelining (their own rules, above and in check_tensor_parallel, still hold:

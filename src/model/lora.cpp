@@ -601,7 +601,6 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
   FORGE_CHECK(params.flat().device() == Device::CPU && params.flat().dtype() == DType::F32,
               "LoRA merge into {} {} parameters (fp32 host ones expected)", device_name(params.flat().device()),
               dtype_name(params.flat().dtype()));
-  const float scale = static_cast<float>(lora_.alpha / static_cast<double>(lora_.rank));
   std::set<std::string> held;
   for (const ParamSpec& spec : params.specs()) held.insert(spec.name);
   std::vector<const ShardedMatrix*> split(targets_.size(), nullptr);
@@ -620,15 +619,38 @@ void LoraAdapters::merge_into(FlatParameters& params) const {
       move_shard(s, mine, whole, true);
       whole = mine;
     }
-    if (t.experts == 0) {
-      matmul(w, b, false, a, false, scale, 1.0f);
-      continue;
-    }
-    const int64_t r = lora_.rank * t.rank_multiple;  // W_e += scale B_e A_e (NOTE [LoRA on routed experts])
-    for (int64_t e = 0; e < t.experts; ++e)
-      matmul(moe_expert_matrix(w, e), b.narrow(e * t.out, (e + 1) * t.out), false,
-             a.narrow(e * r, (e + 1) * r), false, scale, 1.0f);
+    merge_target(k, w, a, b, {});
   }
+}
+
+void LoraAdapters::merge_into(const std::string& name, const Tensor& weight, ExpertShard experts) const {
+  FORGE_CHECK(weight.device() == Device::CPU && weight.dtype() == DType::F32,
+              "LoRA merge into {}: {} {} values (fp32 host ones expected)", name, device_name(weight.device()),
+              dtype_name(weight.dtype()));
+  for (size_t k = 0; k < targets_.size(); ++k)
+    if (targets_[k].name == name)
+      return merge_target(k, weight, masters_[2 * k].to(Device::CPU), masters_[2 * k + 1].to(Device::CPU), experts);
+}
+
+void LoraAdapters::merge_target(size_t k, const Tensor& w, const Tensor& a, const Tensor& b,
+                                ExpertShard experts) const {
+  const LoraTarget& t = targets_[k];
+  const float scale = static_cast<float>(lora_.alpha / static_cast<double>(lora_.rank));
+  if (t.experts == 0) {  // the whole W, or under tensor parallelism its shard with b's or a's
+    matmul(w, b, false, a, false, scale, 1.0f);
+    return;
+  }
+  // W_e += scale B_e A_e (NOTE [LoRA on routed experts]) for the experts `w` holds.
+  FORGE_CHECK(experts.size >= 1 && t.experts % experts.size == 0 && experts.index >= 0 &&
+                  experts.index < experts.size,
+              "LoRA merge into {}: expert shard {} of {} does not split its {} experts", t.name, experts.index,
+              experts.size, t.experts);
+  const int64_t held = t.experts / experts.size, first = experts.index * held;
+  check_shape(w, {held, t.out, t.in}, "LoRA merge into an expert stack");
+  const int64_t r = lora_.rank * t.rank_multiple;
+  for (int64_t e = 0; e < held; ++e)
+    matmul(moe_expert_matrix(w, e), b.narrow((first + e) * t.out, (first + e + 1) * t.out), false,
+           a.narrow((first + e) * r, (first + e + 1) * r), false, scale, 1.0f);
 }
 
 }  // namespace forge

@@ -145,7 +145,8 @@
 // The sum of the three groups' sums is the sum over every rank, so every rank holds the
 // whole gradient and takes the same step. The merged export: each stage's rank 0 of its
 // first replica writes (FSDP's chunks gathered there by Trainer::gather_stage_base, an NF4
-// base dequantized there), or under tensor parallelism each tensor-parallel rank its shards,
+// base dequantized there one parameter at a time: NOTE [QLoRA under pipeline and expert
+// parallelism]), or under tensor parallelism each tensor-parallel rank its shards,
 // merge_into adding its shard of B A (the rows of B, or the columns of A, its shard of W
 // has). The cost of the simple layout is the adapters' AdamW state on every rank (16 bytes
 // per trainable value) and one all-reduce of the adapters' gradients per step; adapters
@@ -175,10 +176,29 @@
 // local experts' slice sharded over the stage's ranks that hold the same experts, the rest
 // over the stage's ranks. The merged export in pieces gathers each stage's base to its shard
 // rank 0 (Trainer::gather_stage_base), every expert-parallel rank's slices at their experts'
-// places, merges the whole adapters there and writes. QLoRA is refused under both: its NF4
-// base holds each rank's experts alone (NOTE [NF4 expert stacks under expert parallelism]
-// in model/nf4_base.h), replicated over the stage's ranks, and the export in pieces, written
-// by the stage's rank 0, does not gather the others' experts yet.
+// places, merges the whole adapters there and writes. QLoRA: NOTE [QLoRA under pipeline and
+// expert parallelism].
+//
+// NOTE [QLoRA under pipeline and expert parallelism]
+// QLoRA's NF4 base (NOTE [QLoRA base] in model/nf4_base.h) under both holds a rank's stages'
+// parameters with each expert stack's local slice alone: its specs are expert_parallel_specs
+// of pipeline_stage_specs, imported (or initialized) and quantized expert by expert as under
+// expert parallelism alone (NOTE [NF4 expert stacks under expert parallelism]), so a rank's
+// codes are bitwise one process's codes of its experts; the rest of its stages' base is
+// replicated over the stage's ranks, whose DataParallelComm sums the adapters' gradients
+// after the pipeline's sum, exactly as the bf16 base's FSDP does (above). Training is
+// otherwise LoRA's: the same adapters, the same sums, the same checkpoints.
+// The merged export is written in pieces with no gather (NOTE [Export in pieces] in
+// train/trainer_hf.cpp; its writer takes any number of writers per stage, each writing
+// element ranges of the parameters, as FSDP's chunks are written): the stage's ranks 0 to
+// P - 1 (the first expert-parallel group of its first replica, which holds every expert
+// once) write, one parameter at a time, each dequantizing its own experts' slice of a stack
+// into an fp32 host tensor, adding its experts' B A (merge_into with the ExpertShard), and
+// writing it at its experts' place in the stack; the stage's rank 0 writes the replicated
+// rest (dequantized, merged) as well. A writer's host memory grows by one parameter in fp32
+// (its slice of a stack at most), not by a copy of its stages; the files are one
+// process's export of the same weights. Without experts the same path writes QLoRA under
+// pipelining alone (P = 1: the stage's rank 0 writes everything).
 //
 // NOTE [LoRA on MoE and MLA models]
 // On a Mixture-of-Experts or Multi-head Latent Attention model the adapters go on the
@@ -225,6 +245,7 @@
 
 #include "core/tensor.h"
 #include "model/config.h"
+#include "model/expert_shard.h"
 #include "model/lora_config.h"
 #include "model/parameters.h"
 #include "ops/lora.h"
@@ -386,6 +407,11 @@ class LoraAdapters : public ParamSource, public GradSink {
   // targets `params` does not hold (a pipeline rank's other stages') are left out; a split
   // target whose weight in `params` is this tensor-parallel rank's shard gets its shard of b a.
   void merge_into(FlatParameters& params) const;
+  // weight += scale * b a for the one parameter `name` (fp32 on the host, whole: the
+  // unsplit case), when it is a target (nothing otherwise). For an expert stack `experts`
+  // says which experts `weight` holds: [E / size, out, in], shard `index`'s slice (NOTE
+  // [QLoRA under pipeline and expert parallelism]); {0, 1}: the whole stack.
+  void merge_into(const std::string& name, const Tensor& weight, ExpertShard experts = {}) const;
 
   const Tensor& embedding() override { return base().embedding(); }
   const BlockWeights& layer(int index) override;
@@ -402,6 +428,9 @@ class LoraAdapters : public ParamSource, public GradSink {
   bool embedding_grad_fresh() const override { return true; }
 
  private:
+  // merge_into's step for targets_[k]: w += scale b a, a and b the masters on the host (a
+  // split one's shards when w is a shard of W); an expert stack's `experts` experts alone.
+  void merge_target(size_t k, const Tensor& w, const Tensor& a, const Tensor& b, ExpertShard experts) const;
   // A matrix that tensor parallelism splits: the rank's shard of its compute copy and of
   // its gradient, and where they are in the whole: B's rows (runs of rows, shard row, whole
   // row, count) of a column-parallel projection, A's columns of a row-parallel one.

@@ -108,18 +108,22 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       // QLoRA), every adapter whole with its master, gradient and AdamW state. Under FSDP the
       // frozen base is ZeRO-1's: the stages' units in full and the rank's chunk of them; under
       // expert parallelism the units hold the rank's experts alone (`held`: NOTE [LoRA under
-      // pipeline and expert parallelism]), the chunk 1/n of the stages' parameters either way.
-      const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
+      // pipeline and expert parallelism]), the chunk 1/n of the stages' parameters either way;
+      // the experts' workspace takes P times a rank's rows (NOTE [LoRA under expert parallelism]).
+      const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len, plan.expert_parallel);
       const double adapters = static_cast<double>(lora.stored);
       const double compute_bytes = static_cast<double>(dtype_size(compute));
       e.frozen_weights = (plan.fsdp ? held + params / n : params) * compute_bytes;
       if (plan.lora.quantize_base == "nf4") {
-        const std::vector<ParamSpec> held = pipeline_stage_specs(specs, stages);
-        double projections = 0;
+        // NOTE [QLoRA under pipeline and expert parallelism]: the codes and the scratch of the
+        // stages' blocks, their stacks' local experts alone; the rest replicated.
+        const std::vector<ParamSpec> held =
+            expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel});
+        double rest = 0;
         for (const ParamSpec& spec : held)
-          if (is_quantized_base_weight(spec)) projections += static_cast<double>(shape_numel(spec.shape));
-        e.frozen_weights = (params - projections) * compute_bytes;
-        e.nf4_base = nf4_base_bytes(config, held) + nf4_scratch_bytes(config, compute);
+          if (!is_quantized_base_weight(spec)) rest += static_cast<double>(shape_numel(spec.shape));
+        e.frozen_weights = rest * compute_bytes;
+        e.nf4_base = nf4_base_bytes(config, held) + nf4_scratch_bytes(config, compute, true, held);
       }
       e.master_weights = adapters * 4;
       e.compute_weights = plan.cuda ? adapters * 2 : 0.0;

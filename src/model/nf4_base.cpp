@@ -297,8 +297,6 @@ Nf4FrozenBase::Nf4FrozenBase(const ModelConfig& config, Device device, DType dty
       shard_(shard),
       device_(device),
       dtype_(dtype) {
-  FORGE_CHECK(experts.size == 1 || stages.empty(),
-              "Nf4FrozenBase: expert parallelism ({} ranks) over pipeline stages is not built", experts.size);
   FORGE_CHECK(experts.size == 1 || shard.size == 1,
               "Nf4FrozenBase: expert parallelism ({} ranks) under tensor parallelism is not built", experts.size);
   if (shard.size > 1) check_nf4_tensor_parallel(config, shard.size);  // NOTE [NF4 base under tensor parallelism]

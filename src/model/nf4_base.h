@@ -38,7 +38,10 @@
 // base (projections' codes, embedding, norms, router, head) is replicated as under data
 // parallelism (NOTE [LoRA under data parallelism] in model/lora.h). The merged export
 // dequantizes each rank's experts into its place in the whole model and the trainer
-// gathers the other experts' from the ranks that hold them.
+// gathers the other experts' from the ranks that hold them. Under pipelining too a rank
+// holds its stages' blocks with their stacks' local slices (the specs are
+// expert_parallel_specs of pipeline_stage_specs), and the merged export is written in
+// pieces with no gather: NOTE [QLoRA under pipeline and expert parallelism] in model/lora.h.
 //
 // NOTE [NF4 base under tensor parallelism]
 // With parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
@@ -166,8 +169,9 @@ class Nf4FrozenBase : public ParamSource {
   // whose parameters alone it holds (pipeline_stage_specs; NOTE [LoRA under pipeline
   // parallelism] in model/lora.h); empty: every parameter. `experts`: an expert-parallel
   // rank's place, whose local experts' stacks alone it holds (NOTE [NF4 expert stacks under
-  // expert parallelism]; not with stages). `shard`: a tensor-parallel rank's place, whose
-  // shards alone it holds (NOTE [NF4 base under tensor parallelism]; not with experts).
+  // expert parallelism]), of its stages' blocks with `stages` too. `shard`: a
+  // tensor-parallel rank's place, whose shards alone it holds (NOTE [NF4 base under tensor
+  // parallelism]; not with experts).
   Nf4FrozenBase(const ModelConfig& config, Device device, DType dtype, const std::vector<PipelineStage>& stages = {},
                 ExpertShard experts = {}, TensorParallelShard shard = {});
   // From fp32 host parameters (the whole model's), finished; stored_rows(spec): set()'s for

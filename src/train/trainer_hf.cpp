@@ -5,8 +5,8 @@
 // parallelism each rank reads only its shards of the imported tensors, under pipeline
 // parallelism only its stages' tensors. Under pipeline, tensor or data parallelism every rank
 // writes its own values into the export's files (NOTE [Export in pieces]), except LoRA's
-// merged export and expert parallelism's, which are gathered to rank 0: the same files as
-// one rank's either way.
+// merged export and expert parallelism's without pipelining, which are gathered to rank 0:
+// the same files as one rank's either way.
 #include "ckpt/hf_export.h"
 #include "ckpt/hf_import.h"
 #include "ckpt/hf_layout.h"
@@ -252,15 +252,28 @@ void Trainer::export_expert_parallel_qlora_model(const std::string& dir, const H
 // places like any other (NOTE [Expert parallelism under pipeline parallelism]), and LoRA's
 // merged model is written in pieces too: each rank merges its stages' adapters into an fp32
 // host copy of its stages' base (NOTE [LoRA under pipeline parallelism] in model/lora.h) and
-// writes that, its host memory growing by the copy.
+// writes that, its host memory growing by the copy; QLoRA's NF4 base is dequantized and
+// merged one parameter at a time, several ranks of a stage writing under expert
+// parallelism, each its own experts' slices at their places (NOTE [QLoRA under pipeline and
+// expert parallelism]), its host memory growing by one parameter.
 void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOptions& options) {
   bool writer = !replicate_group_ || replicate_group_->rank() == 0;
   // NOTE [LoRA under pipeline parallelism]: the rank's stages' base (its shards of them under
-  // tensor parallelism), fp32 on the host (an NF4 one dequantized, written by the stage's rank 0;
-  // FSDP's chunks gathered to the stage's shard rank 0, which alone writes them), with its
-  // stages' adapters merged.
+  // tensor parallelism), fp32 on the host (FSDP's chunks gathered to the stage's shard rank 0,
+  // which alone writes them), with its stages' adapters merged. An NF4 base (replicated over
+  // the stage's ranks, no tensor parallelism) is dequantized and merged one parameter at a
+  // time as it is written (NOTE [QLoRA under pipeline and expert parallelism] in model/lora.h):
+  // by the stage's rank 0, and under expert parallelism its stacks' slices by the stage's first
+  // expert-parallel group, each rank its own experts'. Under tensor parallelism (NOTE [NF4
+  // base under tensor parallelism]; no expert parallelism there) each rank's shards are
+  // dequantized into an fp32 host copy of its stages' shards, as LoRA's bf16 base.
+  const int stage_rank = stage_group_ ? stage_group_->rank() : 0;
+  const ExpertShard experts = nf4_base_ ? nf4_base_->experts() : ExpertShard{};
+  const bool nf4_pieces = lora_ && nf4_base_ && tensor_parallel_shard_.size == 1;
   std::optional<FlatParameters> merged;
-  if (lora_) {
+  if (nf4_pieces) {
+    writer = stage_rank < experts.size;  // the stage's ranks 0 to P - 1 hold every expert once
+  } else if (lora_) {
     merged.emplace(config_.model, Device::CPU, DType::F32, tensor_parallel_shard_, pipeline_stages_);
     if (fsdp_) {
       if (writer) gather_stage_base(*merged);  // over the shard group, whose ranks share `writer`
@@ -295,7 +308,22 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
   e.write = [&](const std::string& temporary) {
     if (device_ == Device::CUDA) device_synchronize();  // the optimizer's last writes
     HfExportWriter files(plan, temporary);
-    if (fsdp_ && !lora_) {
+    std::map<std::string, size_t> index;
+    for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
+    if (nf4_pieces) {
+      const std::vector<ParamSpec>& specs = nf4_base_->specs();
+      for (size_t k = 0; k < specs.size(); ++k) {
+        const bool sliced = specs[k].expert_stack && experts.size > 1;
+        if (!sliced && stage_rank != 0) continue;  // the replicated rest: the stage's rank 0's
+        Tensor values = Tensor::empty(specs[k].shape);
+        nf4_base_->dequantize(k, values);
+        lora_->merge_into(specs[k].name, values, specs[k].expert_stack ? experts : ExpertShard{});
+        const int64_t begin = sliced ? experts.index * values.numel() : 0;  // its experts' place in the stack
+        write_through_host(values, window, [&](int64_t at, std::span<const float> run) {
+          files.write(index.at(specs[k].name), run, begin + at);
+        });
+      }
+    } else if (fsdp_ && !lora_) {
       const std::vector<FsdpSegment>& segments = fsdp_->layout().segments();
       for (size_t i = 0; i < segments.size(); ++i) {
         const auto spec = static_cast<size_t>(segments[i].spec);
@@ -307,8 +335,6 @@ void Trainer::export_hf_model_in_pieces(const std::string& dir, const HfExportOp
       }
     } else {
       const FlatParameters& values = merged ? *merged : *params_;
-      std::map<std::string, size_t> index;
-      for (size_t k = 0; k < plan.specs().size(); ++k) index[plan.specs()[k].name] = k;
       for (size_t k = 0; k < values.specs().size(); ++k) {
         const size_t spec = index.at(values.specs()[k].name);
         if (!mine(spec)) continue;

@@ -225,17 +225,15 @@ TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   ConfigOverrides zero2 = pp_ep;
   zero2.back() = {"parallelism.zero_stage", "2"};
   expect_error([&] { load(zero2); }, {"parallelism.zero_stage = 2 (command line)", "ZeRO-2 and -3"});
-  // NOTE [LoRA under pipeline and expert parallelism]: LoRA, the experts' adapters included; QLoRA refused.
+  // NOTE [LoRA under pipeline and expert parallelism]: LoRA, the experts' adapters included;
+  // QLoRA too (NOTE [QLoRA under pipeline and expert parallelism]).
   ConfigOverrides lora = pp_ep;
   lora.push_back({"lora.rank", "4"});
   lora.push_back({"lora.target_modules", "q_proj,gate,experts.gate_up_proj,experts.down_proj"});
   EXPECT_EQ(load(lora).lora.rank, 4);
   ConfigOverrides qlora = lora;
   qlora.push_back({"lora.quantize_base", "nf4"});
-  expect_error([&] { load(qlora); },
-               {"cannot be combined with parallelism.expert_parallel_degree = 2 (command line) and "
-                "lora.quantize_base = nf4 (command line)",
-                "QLoRA's NF4 base holds each rank's experts alone"});
+  EXPECT_EQ(load(qlora).lora.quantize_base, "nf4");
 }
 
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on

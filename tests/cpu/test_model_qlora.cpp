@@ -5,12 +5,15 @@
 // relies on); and the memory estimate counts what the frozen base really holds.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "ckpt/hf_layout.h"
 #include "expect_error.h"
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/memory_estimate.h"
 #include "model/nf4_base.h"
+#include "model/pipeline.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 #include "optim/optimizer.h"
@@ -311,6 +314,69 @@ TEST(ModelQlora, ExpertParallelRankHoldsItsExpertsCodes) {
   }
   expect_error([&] { Nf4FrozenBase(c, Device::CPU, DType::F32, {}, {0, 3}); },
                {"expert parallelism over 3 ranks splits 'layers.0.moe.experts.gate_up'"});
+}
+
+// NOTE [QLoRA under pipeline and expert parallelism]: pipeline rank s of 2 with expert rank i
+// of P holds its stage's parameters, each stack's local experts alone, bitwise the one-rank
+// codes; each rank's pieces of the merged export (every parameter dequantized and merged one at
+// a time, a stack's slice with its experts' adapters, written at its experts' place), put
+// together, are bitwise the one-rank merged model; the memory estimate is a rank's allocation.
+TEST(ModelQlora, PipelineExpertParallelRanksWriteTheMergedModelInPieces) {
+  const ModelConfig c = tiny_moe();
+  const Nf4FrozenBase whole(c, Device::CPU, DType::F32);
+  const_cast<Nf4FrozenBase&>(whole).initialize(4);
+  auto adapters = std::make_unique<LoraAdapters>(c, qlora_for(c), Device::CPU, 2 * 16);
+  adapters->initialize(2);
+  testing::set_nonzero_lora_b(*adapters);
+  FlatParameters expected(c);
+  whole.dequantize_into(expected);
+  adapters->merge_into(expected);
+  MemoryPlan plan;
+  plan.micro_batch = 2;
+  plan.seq_len = 16;
+  plan.lora = qlora_for(c);
+  plan.pipeline_parallel = 2;
+  const double pipeline_only = estimate_memory(c, plan).nf4_base;
+  for (const int64_t p : {2, 4}) {
+    FlatParameters pieces(c);
+    std::vector<char> written(static_cast<size_t>(pieces.flat().numel()), 0);
+    std::vector<double> held;
+    for (int s = 0; s < 2; ++s)
+      for (int64_t i = 0; i < p; ++i) {
+        SCOPED_TRACE(fmt::format("pipeline rank {} of 2, expert rank {} of {}", s, i, p));
+        Nf4FrozenBase mine(c, Device::CPU, DType::F32, {pipeline_stage(c, 2, 1, s, 0)}, {i, p});
+        mine.initialize(4);
+        held.push_back(static_cast<double>(mine.nbytes()));
+        for (size_t k = 0; k < mine.specs().size(); ++k) {
+          const ParamSpec& spec = mine.specs()[k];
+          EXPECT_TRUE(spec.layer < 0 || spec.layer == s) << spec.name;
+          if (spec.expert_stack) EXPECT_EQ(spec.shape[0], c.num_experts / p) << spec.name;
+          // The export's writers: the stage's rank 0 everything, the others their experts.
+          if (i != 0 && !spec.expert_stack) continue;
+          Tensor values = Tensor::empty(spec.shape);
+          mine.dequantize(k, values);
+          adapters->merge_into(spec.name, values, spec.expert_stack ? ExpertShard{i, p} : ExpertShard{});
+          const Tensor& into = pieces.find(spec.name);
+          const int64_t begin = spec.expert_stack ? i * values.numel() : 0;
+          into.view({into.numel()}).narrow(begin, begin + values.numel()).copy_from(values.view({values.numel()}));
+          const int64_t at = into.data<float>() - pieces.flat().data<float>() + begin;
+          for (int64_t e = 0; e < values.numel(); ++e) ++written[static_cast<size_t>(at + e)];
+        }
+      }
+    EXPECT_TRUE(std::all_of(written.begin(), written.end(), [](char n) { return n == 1; })) << "each value once";
+    EXPECT_TRUE(bitwise_equal(pieces.flat(), expected.flat())) << p << " expert ranks";
+    MemoryPlan ranks = plan;
+    ranks.fsdp = true;
+    ranks.shard_ranks = ranks.expert_parallel = p;
+    const MemoryEstimate e = estimate_memory(c, ranks);
+    EXPECT_NE(std::find(held.begin(), held.end(), e.frozen_weights + e.nf4_base), held.end())
+        << "the estimate " << e.frozen_weights + e.nf4_base << " is no rank's allocation";
+    EXPECT_LT(e.nf4_base, pipeline_only);
+  }
+  // A stack's merge takes the experts the slice holds.
+  Tensor slice = Tensor::zeros({c.num_experts / 2, 2 * c.moe_ffn_hidden_size, c.hidden_size});
+  expect_error([&] { adapters->merge_into("layers.0.moe.experts.gate_up", slice, {0, 3}); },
+               {"expert shard 0 of 3 does not split its 4 experts"});
 }
 
 TEST(ModelQlora, MemoryEstimateCountsNf4ProjectionsAndScratch) {

@@ -15,6 +15,7 @@
 #include "model/decoder_lm.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
+#include "model/pipeline.h"
 
 namespace forge {
 namespace {
@@ -191,6 +192,59 @@ TEST(GpuQlora, ExpertParallelRankDequantizesItsExperts) {
                 "base's fp32\n",
                 static_cast<long>(rank), static_cast<long>(p), worst);
   }
+}
+
+// NOTE [QLoRA under pipeline and expert parallelism]: pipeline rank s of 2 with expert rank i of
+// 2 holds its stage's blocks with its experts' codes alone on the GPU (bitwise a CPU base's),
+// dequantizes its stacks into the one-rank base's values at its experts' places (within bf16),
+// and the export's per-parameter dequantization (codes copied to the host) is bitwise the CPU
+// base's.
+TEST(GpuQlora, PipelineExpertParallelRankHoldsItsStagesExperts) {
+  ModelConfig config = small_moe();
+  config.name = "qlora-gpu-moe-pp-ep";
+  Nf4FrozenBase whole(config, Device::CPU, DType::F32);
+  whole.initialize(3);
+  const int64_t p = 2, held = config.num_experts / p;
+  for (int s = 0; s < 2; ++s)
+    for (int64_t rank = 0; rank < p; ++rank) {
+      const std::vector<PipelineStage> stages = {pipeline_stage(config, 2, 1, s, 0)};
+      Nf4FrozenBase cpu(config, Device::CPU, DType::F32, stages, {rank, p});
+      Nf4FrozenBase gpu(config, Device::CUDA, DType::BF16, stages, {rank, p});
+      cpu.initialize(3);
+      gpu.initialize(3);
+      ASSERT_TRUE(same_codes(cpu, gpu)) << "stage " << s << ", rank " << rank;
+      double worst = 0.0;
+      int stacks = 0;
+      for (int layer = stages.front().first_layer; layer < stages.front().end_layer; ++layer) {
+        const BlockWeights& mine = gpu.layer(layer);
+        const BlockWeights& theirs = whole.layer(layer);
+        size_t entry = 0;
+        for (const ParamSpec& spec : gpu.specs()) {
+          if (spec.layer != layer) continue;
+          if (spec.expert_stack) {
+            const Tensor& local = mine.params.at(entry).weight;
+            ASSERT_EQ(local.dim(0), held);
+            const Tensor expected = theirs.params.at(entry).weight.narrow(rank * held, (rank + 1) * held).clone();
+            const double gap = relative_l2(to_cpu_f32(local), expected);
+            worst = std::max(worst, gap);
+            EXPECT_LT(gap, 1e-2) << spec.name;  // bf16 rounding of the fp32 values
+            ++stacks;
+          }
+          ++entry;
+        }
+      }
+      EXPECT_EQ(stacks, 2);
+      for (size_t k = 0; k < gpu.specs().size(); ++k) {
+        Tensor a = Tensor::empty(gpu.specs()[k].shape), b = Tensor::empty(gpu.specs()[k].shape);
+        gpu.dequantize(k, a);
+        cpu.dequantize(k, b);
+        if (is_quantized_base_weight(gpu.specs()[k])) EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0)
+            << gpu.specs()[k].name;
+      }
+      std::printf("pipeline rank %d, expert rank %ld of %ld: its stage's experts' bf16 stacks within %.2e "
+                  "(relative l2) of the whole base's fp32\n",
+                  s, static_cast<long>(rank), static_cast<long>(p), worst);
+    }
 }
 
 }  // namespace

@@ -144,10 +144,7 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                 # EP groups are formed from a stage's shard ranks.
                 (moe + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
                  ["parallelism.expert_parallel_degree = 2", "must divide parallelism.data_parallel_shard_degree"]),
-                # LoRA runs under both (test_lora_pipeline_expert_parallel.py); QLoRA does not yet.
-                (moe + PP2_EP2 + ["--lora.rank", "4", "--lora.quantize_base", "nf4"],
-                 ["parallelism.expert_parallel_degree = 2", "lora.quantize_base = nf4",
-                  "QLoRA's NF4 base holds each rank's experts alone"]),
+                # LoRA and QLoRA run under both (test_lora_pipeline_expert_parallel.py).
                 # ZeRO-1 only under pipelining.
                 (moe + PP2_EP2 + ["--parallelism.zero_stage", "2"], ["parallelism.zero_stage = 2"])):
             with self.subTest(flags=flags):
