@@ -1,20 +1,21 @@
 """Mixture-of-Experts and Multi-head Latent Attention blocks under pipeline parallelism across
 real CPU processes (forge launch, the CPU process group; NOTE [Pipeline stages] in
 model/pipeline_stage.h): a 4-block debug-tiny-moe with the per-layer balancing loss and the
-z-loss, and with the pooled one (its statistics carried across the stages), and a 4-block debug-tiny-mla (MLA, a dense first block, MoE blocks with a shared
-expert) with the sequence-wise balancing loss, on 2 pipeline ranks under 1F1B and the
-interleaved schedule, follow one rank's losses (cross-entropy plus every stage's auxiliary
-losses), gradient norms and validation losses; LoRA on the MLA model under pipelining too, and
-all-linear LoRA (the routed experts' adapters included) on the MoE model;
-the routing biases' update (sigmoid routing) from every stage's expert loads, on 2 pipeline
-ranks and with FSDP under them; and what the stages cannot take is refused naming the keys
-(expert parallelism under pipelining: test_pipeline_expert_parallel.py).
+z-loss, and with the pooled one (its statistics carried across the stages), and a 4-block
+debug-tiny-mla (MLA, a dense first block, MoE blocks with a shared expert) with the
+sequence-wise balancing loss, on 2 pipeline ranks under 1F1B and the interleaved schedule,
+follow one rank's losses (cross-entropy plus every stage's auxiliary losses), gradient norms
+and validation losses; LoRA on the MLA model under pipelining too, and all-linear LoRA (the
+routed experts' adapters included) on the MoE model; the routing biases' update (sigmoid
+routing) from every stage's expert loads, on 2 pipeline ranks and with FSDP under them; and
+what the stages cannot take is refused naming the keys (expert parallelism under pipelining:
+test_pipeline_expert_parallel.py).
 
 Measured over the 20 steps, the largest relative differences from one rank: losses 9.0e-8,
-gradient norms 3.4e-8, validation losses 1.5e-8 (the LoRA run's gradient norms bitwise: each
-adapter's gradient is one stage's, the others add zeros). Routing is discrete, so a token
-whose top-k scores tied within fp32 reordering could change expert; the bound is the dense
-model's 1e-5."""
+gradient norms 3.4e-8, validation losses 1.5e-8 (the pooled loss's runs 4.1e-8, 6.5e-8 and
+9.5e-9; the LoRA run's gradient norms bitwise: each adapter's gradient is one stage's, the
+others add zeros). Routing is discrete, so a token whose top-k scores tied within fp32
+reordering could change expert; the bound is the dense model's 1e-5."""
 import os
 import subprocess
 import unittest
