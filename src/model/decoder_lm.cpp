@@ -465,7 +465,7 @@ double DecoderLM::pooled_balance_forward(double gradient_weight) {
   }
   write_statistics(statistics_pooled_, statistics);
   for (const auto& component : components_) component->set_pooled_balance(statistics, gradient_weight);
-  return config_.router_aux_loss_coef * moe_balancing_loss(statistics).loss;
+  return config_.router_aux_loss_coef * moe_statistics_balancing_loss(statistics).loss;
 }
 
 void DecoderLM::stage_backward(const Tensor& tokens, ParamSource& weights, GradSink& grads) {

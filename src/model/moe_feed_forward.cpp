@@ -401,7 +401,7 @@ void MoeFeedForward::add_pooled_statistics(std::vector<double>& statistics) cons
 
 void MoeFeedForward::set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) {
   if (!pooled_across_stages_) return;
-  set_aux_gradient(moe_balancing_loss(statistics).prob_gradient, gradient_weight);
+  set_aux_gradient(moe_statistics_balancing_loss(statistics).prob_gradient, gradient_weight);
 }
 
 Tensor MoeFeedForward::layer_aux_gradient(int layer) const {

@@ -333,9 +333,9 @@ void moe_add_balancing_statistics(std::vector<double>& statistics, const MoeRout
   statistics[2 * experts] += static_cast<double>(r.tokens);
 }
 
-MoeBalance moe_balancing_loss(const std::vector<double>& statistics) {
+MoeBalance moe_statistics_balancing_loss(const std::vector<double>& statistics) {
   FORGE_CHECK(statistics.size() >= 3 && statistics.size() % 2 == 1,
-              "moe_balancing_loss: {} statistics (2 experts + 1 expected)", statistics.size());
+              "moe_statistics_balancing_loss: {} statistics (2 experts + 1 expected)", statistics.size());
   const size_t experts = statistics.size() / 2;
   const double rows = statistics[2 * experts];
   MoeBalance b;
@@ -357,7 +357,7 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
     FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
     moe_add_balancing_statistics(statistics, *r);
   }
-  return moe_balancing_loss(statistics);
+  return moe_statistics_balancing_loss(statistics);
 }
 
 MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {

@@ -224,7 +224,7 @@ MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
 // the loss gives moe_balancing_loss's values bit for bit (it is made of the two).
 std::vector<double> moe_balancing_statistics_zero(int64_t experts);
 void moe_add_balancing_statistics(std::vector<double>& statistics, const MoeRouting& routing);
-MoeBalance moe_balancing_loss(const std::vector<double>& statistics);
+MoeBalance moe_statistics_balancing_loss(const std::vector<double>& statistics);
 // Megatron's, over one routing whose tokens form `groups` equal groups of consecutive tokens
 // (1: its aux_loss; the micro-batch's sequences: its seq_aux_loss): (1 / groups) sum_g (E / k)
 // sum_e f_ge P_ge; prob_gradient [groups, experts], E f_ge / (k S groups), S = tokens / groups.
