@@ -128,6 +128,17 @@ class BlockComponent {
   // weight the decoder gives the micro-batch's mean cross-entropy). 0 for most components
   // (NOTE [MoE balancing loss] in moe_feed_forward.h).
   virtual double auxiliary_loss(double gradient_weight) { return 0.0; }
+  // The pooled balancing loss under pipeline parallelism (NOTE [Pooled balancing loss
+  // across stages] in moe_feed_forward.h), for a component whose balancing loss pools every
+  // block's routing; no-ops for any other. The decoder of a stage that does not hold the
+  // whole model calls pool_balancing_across_stages once, after which auxiliary_loss leaves
+  // the pooled loss out; after each forward add_pooled_statistics adds the component's
+  // blocks' statistics (moe_add_balancing_statistics, in block order) to the running sums of
+  // the stages before; before the backward set_pooled_balance gives its routers the
+  // gradient of the pooled loss of the whole model's statistics, weighted as auxiliary_loss's.
+  virtual void pool_balancing_across_stages() {}
+  virtual void add_pooled_statistics(std::vector<double>& statistics) const {}
+  virtual void set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) {}
   // A Mixture-of-Experts component's routing in block `layer`'s last forward: the
   // assignments each expert kept (tokens × top-k in all unless it drops tokens: NOTE [MoE
   // capacity] in ops/moe.h); empty for any other component.

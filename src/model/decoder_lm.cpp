@@ -5,6 +5,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
 #include "ops/linear.h"
+#include "ops/moe.h"
 #include "ops/placement.h"
 #include "ops/elementwise.h"
 #include "ops/rmsnorm.h"
@@ -23,6 +24,20 @@ namespace forge {
 // Llama 3 in bf16, whose 2 GiB of logits replace the 4 GiB fp32 ones.
 
 namespace {
+
+// The pooled balancing loss's statistics in an I64 buffer, as the doubles' bits (NOTE
+// [Pooled balancing loss across stages] in model/moe_feed_forward.h).
+std::vector<double> read_statistics(const Tensor& buffer) {
+  std::vector<double> statistics(static_cast<size_t>(buffer.numel()));
+  copy_bytes(statistics.data(), Device::CPU, buffer.raw(), buffer.device(), statistics.size() * sizeof(double));
+  return statistics;
+}
+
+void write_statistics(const Tensor& buffer, const std::vector<double>& statistics) {
+  FORGE_CHECK(static_cast<int64_t>(statistics.size()) == buffer.numel(),
+              "pooled balancing statistics: {} values for a buffer of {}", statistics.size(), buffer.numel());
+  copy_bytes(buffer.raw(), buffer.device(), statistics.data(), Device::CPU, statistics.size() * sizeof(double));
+}
 
 const ModelConfig& validated(const ModelConfig& config) {
   config.validate();
@@ -194,6 +209,15 @@ DecoderLM::DecoderLM(const ModelConfig& config, int64_t micro_batch, int64_t seq
   arena_ = Tensor::empty({count_bytes(components_, config_, shape, checkpoint, stage_)}, DType::U8, device);
   ArenaLayout layout(arena_.raw(), device);
   lay_out_decoder(b_, components_, config_, shape, checkpoint, stage_, layout);
+  // NOTE [Pooled balancing loss across stages] in model/moe_feed_forward.h.
+  pooled_across_stages_ = config_.moe() && config_.router_aux_loss_coef > 0 &&
+                          config_.router_aux_loss_type == "pooled" && !(stage_.embedding && stage_.head);
+  if (pooled_across_stages_) {
+    const int64_t values = static_cast<int64_t>(moe_balancing_statistics_zero(config_.num_experts).size());
+    for (Tensor* t : {&statistics_in_, &statistics_out_, &statistics_pooled_})
+      *t = Tensor::zeros({values}, DType::I64, device);
+    for (auto& component : components_) component->pool_balancing_across_stages();
+  }
 }
 
 ComponentWeights DecoderLM::component_weights(int i, const BlockWeights& block, size_t c) const {
@@ -425,11 +449,30 @@ LossSum DecoderLM::stage_forward(const Tensor& tokens, const Tensor& targets, Pa
   const double weight = static_cast<double>(grad_scale) * static_cast<double>(loss.tokens);
   for (auto& component : components_)
     loss.sum += component->auxiliary_loss(weight) * static_cast<double>(loss.tokens);
+  if (pooled_across_stages_) loss.sum += pooled_balance_forward(weight) * static_cast<double>(loss.tokens);
   if (!stage_.head) loss.tokens = 0;  // the targets are counted on the last stage
   return loss;
 }
 
+double DecoderLM::pooled_balance_forward(double gradient_weight) {
+  std::vector<double> statistics = stage_.embedding ? moe_balancing_statistics_zero(config_.num_experts)
+                                                    : read_statistics(statistics_in_);
+  for (const auto& component : components_) component->add_pooled_statistics(statistics);
+  pooled_weight_ = gradient_weight;
+  if (!stage_.head) {
+    write_statistics(statistics_out_, statistics);
+    return 0.0;
+  }
+  write_statistics(statistics_pooled_, statistics);
+  for (const auto& component : components_) component->set_pooled_balance(statistics, gradient_weight);
+  return config_.router_aux_loss_coef * moe_statistics_balancing_loss(statistics).loss;
+}
+
 void DecoderLM::stage_backward(const Tensor& tokens, ParamSource& weights, GradSink& grads) {
+  if (pooled_across_stages_ && !stage_.head) {  // the whole model's statistics came with the gradient
+    const std::vector<double> statistics = read_statistics(statistics_pooled_);
+    for (const auto& component : components_) component->set_pooled_balance(statistics, pooled_weight_);
+  }
   backward_blocks(tokens, weights, grads);
 }
 

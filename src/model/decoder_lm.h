@@ -135,6 +135,18 @@ class DecoderLM {
   const Tensor& stage_output() const { return b_.final_input; }
   const Tensor& stage_output_grad() const { return b_.d_stream; }
   const Tensor& stage_input_grad() const { return b_.d_stream; }
+  // NOTE [Pooled balancing loss across stages] in model/moe_feed_forward.h: whether the
+  // stage's training forward and backward carry the pooled balancing loss's statistics
+  // (a Mixture-of-Experts model with router_aux_loss_type pooled, on a stage that does not
+  // hold the whole model), and the buffers they cross in, I64 [2 num_experts + 1] on the
+  // model's device (the doubles' bits): the statistics of the blocks before the stage
+  // (received with stage_input), the running sums after its blocks (sent with
+  // stage_output), and the whole model's (the last stage's sums: sent with
+  // stage_input_grad, received with stage_output_grad).
+  bool carries_balance_statistics() const { return pooled_across_stages_; }
+  const Tensor& stage_input_statistics() const { return statistics_in_; }
+  const Tensor& stage_output_statistics() const { return statistics_out_; }
+  const Tensor& pooled_statistics() const { return statistics_pooled_; }
 
   // Loss only (evaluation).
   LossSum forward_loss(const Tensor& tokens, const Tensor& targets, ParamSource& weights,
@@ -170,6 +182,10 @@ class DecoderLM {
   // Restores what the checkpointing mode dropped from block i's activations.
   void recompute_block(int i, const BlockWeights& w);
   LossSum output_head(const Tensor& targets, ParamSource& weights, GradSink* grads, float grad_scale);
+  // NOTE [Pooled balancing loss across stages]: after a training forward, the stage's blocks'
+  // statistics added to the stages' before; on the last stage the routers' gradient and the
+  // loss (the coefficient x the pooled loss) it returns, 0 elsewhere.
+  double pooled_balance_forward(double gradient_weight);
   void backward_blocks(const Tensor& tokens, ParamSource& weights, GradSink& grads);
   // The head's cross-entropy of one chunk of logits (dlogits in place when `grads`).
   void chunk_cross_entropy(const Tensor& losses, const Tensor& logits, const Tensor& targets, bool grads,
@@ -197,6 +213,9 @@ class DecoderLM {
   std::vector<std::vector<size_t>> first_param_;
   Tensor arena_;  // owns the memory every activation buffer views
   DecoderActivations b_;
+  bool pooled_across_stages_ = false;  // NOTE [Pooled balancing loss across stages]
+  Tensor statistics_in_, statistics_out_, statistics_pooled_;
+  double pooled_weight_ = 0.0;  // the last training forward's gradient weight
 };
 
 }  // namespace forge

@@ -341,6 +341,7 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
     if (n > 0) z_scale_ = 2.0 * z_coefficient_ / static_cast<double>(n) * gradient_weight;
   }
   if (aux_coefficient_ == 0.0) return loss;
+  if (aux_type_ == AuxLoss::kPooled && pooled_across_stages_) return loss;  // set_pooled_balance's
   std::vector<double> gradient;  // aux_gradient_'s values, unweighted: copied to the device once
   if (aux_type_ == AuxLoss::kPooled) {
     const MoeBalance balance = moe_balancing_loss(routings());
@@ -374,15 +375,33 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
       gradient.insert(gradient.end(), balance.prob_gradient.begin(), balance.prob_gradient.end());
     }
   }
-  if (gradient_weight != 0.0) {
-    FORGE_CHECK(static_cast<int64_t>(gradient.size()) == aux_gradient_.numel(),
-                "MoeFeedForward: {} balancing-loss gradients for a buffer of {}", gradient.size(), aux_gradient_.numel());
-    std::vector<float> g(gradient.size());
-    for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(gradient[i] * aux_coefficient_ * gradient_weight);
-    copy_bytes(aux_gradient_.raw(), aux_gradient_.device(), g.data(), Device::CPU, g.size() * sizeof(float));
-    aux_gradient_used_ = true;
-  }
+  set_aux_gradient(gradient, gradient_weight);
   return loss;
+}
+
+void MoeFeedForward::set_aux_gradient(const std::vector<double>& gradient, double gradient_weight) {
+  if (gradient_weight == 0.0) return;
+  FORGE_CHECK(static_cast<int64_t>(gradient.size()) == aux_gradient_.numel(),
+              "MoeFeedForward: {} balancing-loss gradients for a buffer of {}", gradient.size(), aux_gradient_.numel());
+  std::vector<float> g(gradient.size());
+  for (size_t i = 0; i < g.size(); ++i) g[i] = static_cast<float>(gradient[i] * aux_coefficient_ * gradient_weight);
+  copy_bytes(aux_gradient_.raw(), aux_gradient_.device(), g.data(), Device::CPU, g.size() * sizeof(float));
+  aux_gradient_used_ = true;
+}
+
+// NOTE [Pooled balancing loss across stages].
+void MoeFeedForward::pool_balancing_across_stages() {
+  pooled_across_stages_ = aux_type_ == AuxLoss::kPooled && aux_coefficient_ != 0.0;
+}
+
+void MoeFeedForward::add_pooled_statistics(std::vector<double>& statistics) const {
+  if (!pooled_across_stages_) return;
+  for (const MoeRouting* r : routings()) moe_add_balancing_statistics(statistics, *r);
+}
+
+void MoeFeedForward::set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) {
+  if (!pooled_across_stages_) return;
+  set_aux_gradient(moe_statistics_balancing_loss(statistics).prob_gradient, gradient_weight);
 }
 
 Tensor MoeFeedForward::layer_aux_gradient(int layer) const {

@@ -84,6 +84,37 @@
 // coefficient of aux_loss is divided by top-k in the loss and applies per layer, so the same
 // coefficient weighs differently from the pooled form's.
 //
+// NOTE [Pooled balancing loss across stages]
+// The pooled loss is E sum_e f_e P_e with f_e = A_e / R and P_e = S_e / R: A_e the tokens
+// routed to expert e (before any drop) and S_e the sum of its probabilities, both over every
+// MoE block's tokens, R the blocks x the tokens. Its gradient with respect to each
+// probability, E A_e / R^2, is the same for every token of every block and needs the whole
+// model's A and R. Under pipeline parallelism no stage holds every block, so the statistics
+// [A_0 .. A_E-1, S_0 .. S_E-1, R] (2 E + 1 doubles, moe_add_balancing_statistics) travel
+// with the micro-batch: a stage's training forward adds its blocks' statistics, block after
+// block, to the running sums that came with its input (zeros on the first stage) and sends
+// them on with its output (DecoderLM::stage_output_statistics); the last stage so holds the
+// whole model's, adds the coefficient x the loss x the micro-batch's targets to its loss sum
+// and gives its routers the gradient, weighted as auxiliary_loss's, and sends the statistics
+// back with its input gradient; every earlier stage receives them with its output gradient,
+// gives its routers the gradient before its backward and passes them on with its own input
+// gradient. No collective of its own: PipelineModel::exchange moves each statistics buffer
+// as a second message to the same peer right after its tensor (pairs match by order, NOTE
+// [Point-to-point] in distributed/process_group.h), an I64 buffer holding the doubles' bits,
+// so nothing is rounded on the way; every (chunk, micro-batch) stage model has its own
+// buffers, so the interleaved schedule's micro-batches never share them. One rank's
+// moe_balancing_loss is the same additions in the same order (moe_add_balancing_statistics
+// over the blocks from zeros, then the loss from the statistics): where the stages' routings
+// are one rank's bit for bit (the CPU reference: the same ops on the same inputs), so are the
+// statistics, the loss and each router's float gradient; the step's loss sum differs only in
+// adding the pooled term to a stage's sum apart from the z-loss (double rounding). As without
+// pipelining, the statistics are the rank's own tokens', never reduced: a data-parallel
+// rank's pipeline carries its own, and under expert parallelism a rank's routing is its own
+// tokens' before they are dispatched. Evaluation reports the cross-entropy alone and
+// carries nothing. The global form stays refused under pipelining (check_pipeline_parallel):
+// its counts are averaged over the step's micro-batches so far in each model's
+// MoeStepCounts, and a stage runs its micro-batches in models of their own.
+//
 // NOTE [MoE Hugging Face names]
 // Mixtral's names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
 // which transformers 4 loads as they are and transformers 5 converts on load and writes back
@@ -126,6 +157,10 @@ class MoeFeedForward final : public BlockComponent {
   bool position_wise() const override { return capacity_.factor == 0.0; }
   std::vector<int64_t> expert_load(int layer) const override;
   double auxiliary_loss(double gradient_weight) override;
+  // NOTE [Pooled balancing loss across stages].
+  void pool_balancing_across_stages() override;
+  void add_pooled_statistics(std::vector<double>& statistics) const override;
+  void set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) override;
   void set_expert_dispatch(ExpertDispatch* dispatch) override;
   void set_data_parallel_counts(DataParallelCounts* counts) override;
   void begin_step() override;
@@ -171,6 +206,7 @@ class MoeFeedForward final : public BlockComponent {
   float eps_;
   double aux_coefficient_;
   enum class AuxLoss { kPooled, kPerLayer, kSequence, kGlobal } aux_type_;  // NOTE [MoE balancing loss]
+  bool pooled_across_stages_ = false;  // NOTE [Pooled balancing loss across stages]
   double z_coefficient_;
   MoeCapacity capacity_;   // NOTE [MoE capacity]: factor 0, dropless
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
@@ -190,6 +226,8 @@ class MoeFeedForward final : public BlockComponent {
   bool aux_gradient_used_ = false;
   double z_scale_ = 0.0;
   Tensor layer_aux_gradient(int layer) const;  // this layer's rows of aux_gradient_
+  // aux_gradient_ = gradient x the coefficient x gradient_weight (F32), when the weight is not 0.
+  void set_aux_gradient(const std::vector<double>& gradient, double gradient_weight);
   // Backward scratch.
   Tensor d_expert_out_, d_swiglu_, d_gate_up_, d_permuted_, d_weights_, d_logits_, d_logits_compute_;
   Tensor d_shared_swiglu_, d_shared_gate_up_;

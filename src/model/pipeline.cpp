@@ -20,19 +20,15 @@ void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t 
               "on the first and the last stage's ranks at once; set model.tie_word_embeddings false",
               config.name);
   // NOTE [Pipeline stages]: the balancing losses that are sums over the layers are summed
-  // over the stages; the pooled one and the global one's step counts are not.
-  if (config.moe() && config.router_aux_loss_coef > 0) {
-    FORGE_CHECK(config.router_aux_loss_type != "pooled",
-                "pipeline parallelism: model '{}' pools its balancing loss over every layer's routing "
-                "(router_aux_loss_type pooled), which no stage holds; take per_layer or sequence (sums over the "
-                "layers, which the stages add up)",
-                config.name);
+  // over the stages, the pooled one's statistics cross them (NOTE [Pooled balancing loss
+  // across stages] in model/moe_feed_forward.h); the global one's step counts do not.
+  if (config.moe() && config.router_aux_loss_coef > 0)
     FORGE_CHECK(config.router_aux_loss_type != "global",
                 "pipeline parallelism: model '{}''s global balancing loss (router_aux_loss_type global) averages "
-                "each layer's counts over the step's micro-batches, which a stage's schedule holds in several "
-                "models at once; take per_layer or sequence",
+                "each layer's counts over the step's micro-batches so far, which each stage model counts alone "
+                "while a stage's schedule holds several micro-batches in models of their own; take pooled, "
+                "per_layer or sequence",
                 config.name);
-  }
 }
 
 int64_t pipeline_virtual_stages(const ModelConfig& config, int64_t stages, int64_t layers_per_stage,
@@ -154,6 +150,13 @@ void PipelineModel::exchange(const std::vector<PipelineTransfer>& transfers) {
     const Tensor& tensor = t.send ? (t.gradient ? model.stage_input_grad() : model.stage_output())
                                   : (t.gradient ? model.stage_output_grad() : model.stage_input());
     moves.push_back({t.send, t.peer, tensor});
+    // NOTE [Pooled balancing loss across stages] in model/moe_feed_forward.h: the pooled
+    // statistics follow their tensor to the same peer, so the pairs' messages still match
+    // by position.
+    if (model.carries_balance_statistics())
+      moves.push_back({t.send, t.peer, t.gradient ? model.pooled_statistics()
+                                                  : (t.send ? model.stage_output_statistics()
+                                                            : model.stage_input_statistics())});
   }
   pipeline_.exchange(moves);
   for (const PipelineTransfer& t : transfers)  // the micro-batch's backward is done on this chunk

@@ -90,7 +90,7 @@ class PipelineParallel {
 
 // Fails with the reason when the model cannot be cut into `stages` x `virtual_stages`
 // equal stages: the blocks must divide evenly, a tied output projection would be on two
-// ranks, a Mixture-of-Experts model's balancing loss must be a sum over the layers (NOTE
+// ranks, a Mixture-of-Experts model's balancing loss must not be the global form (NOTE
 // [Pipeline stages]).
 void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t virtual_stages);
 // The chunks per rank (V) of stages of `layers_per_stage` blocks on `stages` ranks; 0

@@ -63,6 +63,21 @@ double SplitByLayer::auxiliary_loss(double gradient_weight) {
   return first_->auxiliary_loss(gradient_weight) + rest_->auxiliary_loss(gradient_weight);
 }
 
+void SplitByLayer::pool_balancing_across_stages() {
+  first_->pool_balancing_across_stages();
+  rest_->pool_balancing_across_stages();
+}
+
+void SplitByLayer::add_pooled_statistics(std::vector<double>& statistics) const {
+  first_->add_pooled_statistics(statistics);
+  rest_->add_pooled_statistics(statistics);
+}
+
+void SplitByLayer::set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) {
+  first_->set_pooled_balance(statistics, gradient_weight);
+  rest_->set_pooled_balance(statistics, gradient_weight);
+}
+
 std::vector<int64_t> SplitByLayer::expert_load(int layer) const {
   return stage_part(layer).expert_load(local(layer));
 }

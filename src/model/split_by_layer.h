@@ -37,6 +37,9 @@ class SplitByLayer final : public BlockComponent {
                 const Tensor& d_stream, const Tensor& d_hidden) override;
   bool position_wise() const override { return first_->position_wise() && rest_->position_wise(); }
   double auxiliary_loss(double gradient_weight) override;
+  void pool_balancing_across_stages() override;
+  void add_pooled_statistics(std::vector<double>& statistics) const override;  // first's blocks, then rest's
+  void set_pooled_balance(const std::vector<double>& statistics, double gradient_weight) override;
   std::vector<int64_t> expert_load(int layer) const override;
 
  private:

@@ -315,31 +315,49 @@ MoeRouting moe_route_sigmoid(const Tensor& logits, const Tensor& bias, int64_t k
   return r;
 }
 
+std::vector<double> moe_balancing_statistics_zero(int64_t experts) {
+  FORGE_CHECK(experts >= 1, "moe_balancing_statistics_zero: {} experts", experts);
+  return std::vector<double>(static_cast<size_t>(2 * experts + 1), 0.0);
+}
+
+void moe_add_balancing_statistics(std::vector<double>& statistics, const MoeRouting& r) {
+  check_routing(r, "moe_balancing_loss");
+  FORGE_CHECK(!r.sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
+  const size_t experts = static_cast<size_t>(r.experts);
+  FORGE_CHECK(statistics.size() == 2 * experts + 1, "moe_balancing_loss: statistics of {} values for routings over {} experts",
+              statistics.size(), experts);
+  const std::vector<int64_t> counts = moe_expert_counts(r).assigned;  // before any drop (NOTE [MoE capacity])
+  for (size_t e = 0; e < experts; ++e) statistics[e] += static_cast<double>(counts[e]);
+  const std::vector<double> sums = prob_column_sums(r, 0, r.tokens, "moe_balancing_loss");
+  for (size_t e = 0; e < experts; ++e) statistics[experts + e] += sums[e];
+  statistics[2 * experts] += static_cast<double>(r.tokens);
+}
+
+MoeBalance moe_statistics_balancing_loss(const std::vector<double>& statistics) {
+  FORGE_CHECK(statistics.size() >= 3 && statistics.size() % 2 == 1,
+              "moe_statistics_balancing_loss: {} statistics (2 experts + 1 expected)", statistics.size());
+  const size_t experts = statistics.size() / 2;
+  const double rows = statistics[2 * experts];
+  MoeBalance b;
+  b.prob_gradient.assign(experts, 0.0);
+  if (rows == 0.0) return b;
+  for (size_t e = 0; e < experts; ++e) {
+    const double f = statistics[e] / rows;
+    b.loss += static_cast<double>(experts) * f * statistics[experts + e] / rows;
+    b.prob_gradient[e] = static_cast<double>(experts) * f / rows;
+  }
+  return b;
+}
+
 MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings) {
   FORGE_CHECK(!routings.empty(), "moe_balancing_loss: no routing given");
   const int64_t experts = routings.front()->experts;
-  std::vector<double> assigned(static_cast<size_t>(experts), 0.0), probs(static_cast<size_t>(experts), 0.0);
-  double rows = 0.0;
+  std::vector<double> statistics = moe_balancing_statistics_zero(experts);
   for (const MoeRouting* r : routings) {
-    check_routing(*r, "moe_balancing_loss");
-    FORGE_CHECK(!r->sigmoid, "moe_balancing_loss: the Switch/Mixtral balancing loss is for softmax routing");
     FORGE_CHECK(r->experts == experts, "moe_balancing_loss: routings over {} and {} experts", experts, r->experts);
-    const std::vector<int64_t> counts = moe_expert_counts(*r).assigned;  // before any drop (NOTE [MoE capacity])
-    for (int64_t e = 0; e < experts; ++e)
-      assigned[static_cast<size_t>(e)] += static_cast<double>(counts[static_cast<size_t>(e)]);
-    const std::vector<double> sums = prob_column_sums(*r, 0, r->tokens, "moe_balancing_loss");
-    for (int64_t e = 0; e < experts; ++e) probs[static_cast<size_t>(e)] += sums[static_cast<size_t>(e)];
-    rows += static_cast<double>(r->tokens);
+    moe_add_balancing_statistics(statistics, *r);
   }
-  MoeBalance b;
-  b.prob_gradient.assign(static_cast<size_t>(experts), 0.0);
-  if (rows == 0.0) return b;
-  for (int64_t e = 0; e < experts; ++e) {
-    const double f = assigned[static_cast<size_t>(e)] / rows;
-    b.loss += static_cast<double>(experts) * f * probs[static_cast<size_t>(e)] / rows;
-    b.prob_gradient[static_cast<size_t>(e)] = static_cast<double>(experts) * f / rows;
-  }
-  return b;
+  return moe_statistics_balancing_loss(statistics);
 }
 
 MoeBalance moe_grouped_balancing_loss(const MoeRouting& r, int64_t groups) {

@@ -216,6 +216,15 @@ struct MoeBalance {
 // transformers' Mixtral form, pooled over the routings (every layer's): prob_gradient
 // [experts], E f_e / N.
 MoeBalance moe_balancing_loss(const std::vector<const MoeRouting*>& routings);
+// The same in two halves, for routings that several pipeline stages hold (NOTE [Pooled
+// balancing loss across stages] in model/moe_feed_forward.h): the pooled form's statistics,
+// [2 experts + 1] doubles (each expert's assignments before any drop, then each expert's
+// probability sum, then the rows), to which moe_add_balancing_statistics adds one routing,
+// and the loss and gradient from them. Adding the routings in order from zeros and taking
+// the loss gives moe_balancing_loss's values bit for bit (it is made of the two).
+std::vector<double> moe_balancing_statistics_zero(int64_t experts);
+void moe_add_balancing_statistics(std::vector<double>& statistics, const MoeRouting& routing);
+MoeBalance moe_statistics_balancing_loss(const std::vector<double>& statistics);
 // Megatron's, over one routing whose tokens form `groups` equal groups of consecutive tokens
 // (1: its aux_loss; the micro-batch's sequences: its seq_aux_loss): (1 / groups) sum_g (E / k)
 // sum_e f_ge P_ge; prob_gradient [groups, experts], E f_ge / (k S groups), S = tokens / groups.

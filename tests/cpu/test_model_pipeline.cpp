@@ -219,7 +219,9 @@ TEST(ModelPipeline, LatentAttentionBlocksMatchOneRank) {
 TEST(ModelPipeline, MixtureOfExpertsBlocksMatchOneRank) {
   expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, false,
                            "debug-tiny-moe", 4});
-  for (const char* type : {"per_layer", "sequence"}) {
+  // pooled: the statistics cross the stages with the activations and come back with the
+  // gradients (NOTE [Pooled balancing loss across stages]).
+  for (const char* type : {"per_layer", "sequence", "pooled"}) {
     SCOPED_TRACE(type);
     const std::vector<std::pair<std::string, std::string>> losses = {{"model.router_aux_loss_coef", "0.1"},
                                                                       {"model.router_aux_loss_type", type},
@@ -228,6 +230,50 @@ TEST(ModelPipeline, MixtureOfExpertsBlocksMatchOneRank) {
                              "debug-tiny-moe", 4, 1, losses});
     expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, false,
                              "debug-tiny-mla", 4, 1, losses});
+  }
+}
+
+TEST(ModelPipeline, PooledBalancingStatisticsAreOneRanks) {
+  // NOTE [Pooled balancing loss across stages]: two stages run by hand, the activations and
+  // the statistics copied between them as the exchanges move them. The stages' routings are
+  // one rank's bit for bit on the CPU, so the statistics are too: the last stage's loss (the
+  // cross-entropy plus the pooled loss, no z-loss here) and every gradient equal one rank's
+  // exactly, with and without the dense first block of debug-tiny-mla in the first stage.
+  for (const char* name : {"debug-tiny-moe", "debug-tiny-mla"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig m = load_experiment("", {{"model.name", name},
+                                               {"model.num_layers", "4"},
+                                               {"model.router_aux_loss_coef", "0.1"},
+                                               {"model.router_aux_loss_type", "pooled"}})
+                              .model;
+    const int64_t micro = 2, seq = 8;
+    const Tensor tokens = testing::random_tokens(micro, seq, m.vocab_size, 21);
+    const Tensor targets = testing::random_tokens(micro, seq, m.vocab_size, 22);
+    const float scale = 1.0f / static_cast<float>(micro * seq);
+    FlatParameters params(m), one_grads(m), stage_grads(m);
+    params.initialize(5);
+    DecoderLM one(m, micro, seq);
+    EXPECT_FALSE(one.carries_balance_statistics());
+    const LossSum reference = one.forward_backward(tokens, targets, params, one_grads, scale);
+
+    DecoderLM first(m, micro, seq, Device::CPU, DType::F32, ActivationCheckpoint::None, nullptr, nullptr, nullptr,
+                    pipeline_stage(m, 2, 1, 0, 0));
+    DecoderLM last(m, micro, seq, Device::CPU, DType::F32, ActivationCheckpoint::None, nullptr, nullptr, nullptr,
+                   pipeline_stage(m, 2, 1, 1, 0));
+    ASSERT_TRUE(first.carries_balance_statistics() && last.carries_balance_statistics());
+    const LossSum head_less = first.stage_forward(tokens, targets, params, &stage_grads, scale);
+    EXPECT_EQ(head_less.sum, 0.0);  // no z-loss: the first stage's share is nothing
+    last.stage_input().copy_from(first.stage_output());
+    last.stage_input_statistics().copy_from(first.stage_output_statistics());
+    const LossSum loss = last.stage_forward(tokens, targets, params, &stage_grads, scale);
+    EXPECT_EQ(loss.sum, reference.sum);
+    EXPECT_EQ(loss.tokens, reference.tokens);
+    last.stage_backward(tokens, params, stage_grads);
+    first.stage_output_grad().copy_from(last.stage_input_grad());
+    first.pooled_statistics().copy_from(last.pooled_statistics());
+    first.stage_backward(tokens, params, stage_grads);
+    for (size_t s = 0; s < params.specs().size(); ++s)
+      EXPECT_EQ(relative_gap(stage_grads.tensors()[s], one_grads.tensors()[s]), 0.0) << params.specs()[s].name;
   }
 }
 
@@ -317,7 +363,7 @@ TEST(ModelPipeline, RefusesShapesItCannotCut) {
   check_pipeline_parallel(moe, 2, 1);  // NOTE [Pipeline stages]
   ModelConfig pooled = moe;
   pooled.router_aux_loss_coef = 0.01;
-  expect_error([&] { check_pipeline_parallel(pooled, 2, 1); }, {"router_aux_loss_type pooled", "per_layer"});
+  check_pipeline_parallel(pooled, 2, 1);  // NOTE [Pooled balancing loss across stages]
   ModelConfig global = pooled;
   global.router_aux_loss_type = "global";
   expect_error([&] { check_pipeline_parallel(global, 2, 1); }, {"router_aux_loss_type global"});

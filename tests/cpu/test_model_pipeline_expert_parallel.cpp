@@ -172,6 +172,14 @@ TEST(ModelPipelineExpertParallel, MixtralStagesMatchOneRank) {
       {"debug-tiny-moe", PipelineScheduleKind::Interleaved, 2, 4, ActivationCheckpoint::Selective, losses});
 }
 
+TEST(ModelPipelineExpertParallel, PooledBalancingLossMatchesOneRank) {
+  // NOTE [Pooled balancing loss across stages]: each expert-parallel rank's pipeline carries
+  // its own tokens' statistics (routed before the dispatch), as one rank's micro-batch.
+  const ConfigOverrides losses = {{"model.router_aux_loss_coef", "0.1"}, {"model.router_aux_loss_type", "pooled"}};
+  expect_ranks_match_one({"debug-tiny-moe", PipelineScheduleKind::OneFOneB, 1, 3, ActivationCheckpoint::Full, losses});
+  expect_ranks_match_one({"debug-tiny-mla", PipelineScheduleKind::Interleaved, 2, 2, ActivationCheckpoint::None, losses});
+}
+
 TEST(ModelPipelineExpertParallel, DeepSeekStagesMatchOneRank) {
   const ConfigOverrides losses = {{"model.router_aux_loss_coef", "0.1"}, {"model.router_aux_loss_type", "sequence"}};
   // Stage 0: the dense block and an MoE one.
