@@ -81,15 +81,36 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     for (const ParamSpec& spec :
          expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel}))
       held += static_cast<double>(shape_numel(spec.shape));
-    // Under FSDP (ZeRO-1 over the stage's data-parallel ranks): the masters, AdamW state and
-    // gradient chunk sharded, the full fp32 gradients and compute weights kept.
+    // Under FSDP over the stage's data-parallel ranks: the masters, AdamW state and gradient
+    // chunk sharded; ZeRO-1 keeps the stages' full fp32 gradients and compute weights. NOTE
+    // [ZeRO-2 and -3 under pipeline parallelism]: ZeRO-2 two rotating gradient slots of the
+    // stages' largest unit instead (and the chunks a reduction adds, from the step's second
+    // micro-batch or in bf16); ZeRO-3 also the compute weights of the embedding and head it
+    // holds and three gathered blocks alone.
     const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
+    const int zero = plan.fsdp ? static_cast<int>(plan.zero_stage) : 1;
+    double block = 0, ends = 0;  // the stages' largest block; their embedding and head
+    {
+      std::vector<double> blocks(static_cast<size_t>(config.num_layers), 0.0);
+      for (const ParamSpec& spec :
+           expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel})) {
+        const double numel = static_cast<double>(shape_numel(spec.shape));
+        if (spec.layer >= 0) blocks[static_cast<size_t>(spec.layer)] += numel;
+        else ends += numel;
+      }
+      for (double b : blocks) block = std::max(block, b);
+    }
+    const double largest_unit = std::max(block, ends);  // a bound on the larger of the embedding and head
+    const double compute_bytes = plan.cuda ? 2.0 : 4.0;
     MemoryEstimate e;
     e.master_weights = params * 4 / n;
     e.compute_weights = plan.cuda ? held * 2 : plan.fsdp ? held * 4 : 0.0;
-    e.gradients = held * 4 + (plan.fsdp ? params * 4 / n : 0.0);
+    if (zero == 3) e.compute_weights = (ends + 3 * block) * compute_bytes;
+    e.gradients = (zero == 1 ? held * 4 : 2 * largest_unit * 4) + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
+    if (zero >= 2 && (plan.bf16_reduce || plan.micro_batches > 1))
+      e.comm_buffers = 2 * largest_unit / n * (plan.bf16_reduce ? 2 : 4) + (plan.bf16_reduce ? 2 * largest_unit * 2 : 0);
     if (plan.fp8 && plan.cuda) {
       // NOTE [FP8 under context and pipeline parallelism]: the whole model's statistics and
       // histories on every rank, the weight cache of its stages' FP8 weights alone.

@@ -100,22 +100,52 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
                 "NF4 base is not split"});
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8,
             "tensorwise");  // NOTE [FP8 under tensor parallelism]: LoRA's FP8 base too
+  // NOTE [ZeRO-2 and -3 under pipeline parallelism]: a frozen base over the stages is ZeRO-1's.
   expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"}}); },
-               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 3"});
+               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = 3",
+                "lora.rank = 4", "take parallelism.zero_stage 1"});
 }
 
 // parallelism.zero_stage defaults to 1 under pipeline parallelism, 3 otherwise; an explicit
-// 2 or 3 under pipelining is still refused, named.
+// 2 or 3 under pipelining runs full training (NOTE [ZeRO-2 and -3 under pipeline
+// parallelism]), with hybrid sharding, context and tensor parallelism; with expert
+// parallelism or FP8 it is refused, naming both keys.
 TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
   const ConfigOverrides fsdp = {{"parallelism.data_parallel_shard_degree", "2"}};
   EXPECT_EQ(load_experiment("", fsdp).parallelism.zero_stage, 3);
   ConfigOverrides pipelined = fsdp;
   pipelined.push_back({"parallelism.pipeline_parallel_degree", "2"});
   EXPECT_EQ(load_experiment("", pipelined).parallelism.zero_stage, 1);
-  pipelined.push_back({"parallelism.zero_stage", "2"});
-  expect_error([&] { load_experiment("", pipelined); },
-               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 2",
-                "ZeRO-2 and -3"});
+  auto with = [&](ConfigOverrides more) {
+    ConfigOverrides all = {{"parallelism.pipeline_parallel_degree", "2"}};
+    all.insert(all.end(), more.begin(), more.end());
+    return load_experiment("", all);
+  };
+  for (const char* zero : {"2", "3"}) {
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.data_parallel_replicate_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.context_parallel_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.tensor_parallel_degree", "2"},
+                    {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    const std::string both = fmt::format(
+        "parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = {} "
+        "(command line) cannot be combined with",
+        zero);
+    expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero},
+                             {"precision.fp8", "tensorwise"}}); },
+                 {both, "precision.fp8 = tensorwise", "take parallelism.zero_stage 1"});
+    expect_error([&] { with({{"model.name", "debug-tiny-moe"}, {"parallelism.data_parallel_shard_degree", "2"},
+                             {"parallelism.expert_parallel_degree", "2"}, {"parallelism.zero_stage", zero}}); },
+                 {both, "parallelism.expert_parallel_degree = 2"});
+  }
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
