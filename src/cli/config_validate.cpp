@@ -206,11 +206,11 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} cannot be combined with a {} model yet: its routed experts (and router) or MLA's kv_a row views "
                  "are gathered in bf16; set it to false",
                  key, config.model.moe() ? "Mixture-of-Experts" : "Multi-head Latent Attention");
-    // FSDP over a pipeline rank's stages is ZeRO-1 with the gradients reduced after the
-    // schedule; the FP8 all-gather gathers every block around its use, per micro-batch.
+    // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
+    // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)
-      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages keeps its blocks gathered "
-                 "for the schedule (ZeRO-1) and gathers them in bf16; set it to false",
+      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages gathers its blocks in bf16 "
+                 "(kept for the schedule under ZeRO-1, around their use under ZeRO-3); set it to false",
                  key, show(config, keys, "parallelism.pipeline_parallel_degree"));
   }
   if (config.training.device != "cuda") return;

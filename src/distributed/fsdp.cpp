@@ -110,7 +110,12 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
     for (int u : {embedding, head}) end_views(root_unit(u), u, root_weights_, root_units_);
-    weight_slots_.resize(options.zero_stage == 3 ? 3 : static_cast<size_t>(config.num_layers));
+    // ZeRO-3: three rotating slots, or one per block where a pipeline rank's stages hold fewer
+    // (NOTE [ZeRO-2 and -3 under pipeline parallelism]).
+    int held_blocks = 0;
+    for (int u = 0; u < units; ++u) held_blocks += layout_.is_block(u) && layout_.holds(u) ? 1 : 0;
+    weight_slots_.resize(options.zero_stage == 3 ? static_cast<size_t>(std::clamp(held_blocks, 1, 3))
+                                                 : static_cast<size_t>(config.num_layers));
     // NOTE [FP8 all-gather]: the largest block's FP8 weights, norms, and what any rank holds of its norms.
     int64_t fp8_weights = 0, norms = 0;
     for (int u = 0; u < units; ++u) {

@@ -131,7 +131,7 @@
 //     gradients are spread (spread_shard_gradients, which leaves the other stages' zero)
 //     and summed over the tensor-parallel group before the pipeline's sum;
 //   - data and context parallelism: the bf16 base is a frozen FSDP of the stages (NOTE
-//     [Frozen FSDP base]; ZeRO-1, the only stage FSDP takes under pipelining: the stages'
+//     [Frozen FSDP base]; ZeRO-1, the only stage a frozen base takes under pipelining: the stages'
 //     units in full, the rank's chunk of them, nothing reduced), QLoRA's NF4 base is
 //     replicated over the stage's ranks, whose DataParallelComm carries the collectives;
 //     after the pipeline's sum the gradient is summed over the stage's data- and

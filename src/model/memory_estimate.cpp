@@ -86,10 +86,11 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     // [ZeRO-2 and -3 under pipeline parallelism]: ZeRO-2 two rotating gradient slots of the
     // stages' largest unit instead (and the chunks a reduction adds, from the step's second
     // micro-batch or in bf16); ZeRO-3 also the compute weights of the embedding and head it
-    // holds and three gathered blocks alone.
+    // holds and three gathered blocks alone (fewer where the stages hold fewer).
     const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
     const int zero = plan.fsdp ? static_cast<int>(plan.zero_stage) : 1;
     double block = 0, ends = 0;  // the stages' largest block; their embedding and head
+    double gathered_blocks = 0;  // ZeRO-3's slots: three, or the stages' blocks where fewer
     {
       std::vector<double> blocks(static_cast<size_t>(config.num_layers), 0.0);
       for (const ParamSpec& spec :
@@ -98,14 +99,18 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
         if (spec.layer >= 0) blocks[static_cast<size_t>(spec.layer)] += numel;
         else ends += numel;
       }
-      for (double b : blocks) block = std::max(block, b);
+      for (double b : blocks) {
+        block = std::max(block, b);
+        gathered_blocks += b > 0 ? 1 : 0;
+      }
+      gathered_blocks = std::min(gathered_blocks, 3.0);
     }
     const double largest_unit = std::max(block, ends);  // a bound on the larger of the embedding and head
     const double compute_bytes = plan.cuda ? 2.0 : 4.0;
     MemoryEstimate e;
     e.master_weights = params * 4 / n;
     e.compute_weights = plan.cuda ? held * 2 : plan.fsdp ? held * 4 : 0.0;
-    if (zero == 3) e.compute_weights = (ends + 3 * block) * compute_bytes;
+    if (zero == 3) e.compute_weights = (ends + gathered_blocks * block) * compute_bytes;
     e.gradients = (zero == 1 ? held * 4 : 2 * largest_unit * 4) + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;

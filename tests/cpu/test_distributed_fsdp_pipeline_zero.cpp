@@ -11,6 +11,7 @@
 // the memory estimate counts them.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 
@@ -47,7 +48,7 @@ struct Case {
 // What one pipeline rank's shard rank 0 (of replica 0) saw: the two steps' losses and the
 // whole flat vector of the stages' reduced gradients (gather_to_host, zero elsewhere) after
 // each step; and every rank's FSDP memory.
-struct Run {
+struct PipelineRun {
   std::vector<std::array<LossSum, 2>> losses;            // per pipeline rank
   std::vector<std::array<std::vector<float>, 2>> grads;  // per pipeline rank
   std::vector<FsdpMemory> memory;                        // per pipeline rank
@@ -58,9 +59,9 @@ struct Run {
 
 constexpr int64_t kMicro = 2, kSeq = 8;
 
-Run run_pipeline(const ModelConfig& m, const Case& c, int zero_stage) {
+PipelineRun run_pipeline(const ModelConfig& m, const Case& c, int zero_stage) {
   const int data = c.shards * c.replicas, world = c.stages * data;
-  Run out;
+  PipelineRun out;
   out.losses.resize(static_cast<size_t>(c.stages));
   out.grads.resize(static_cast<size_t>(c.stages));
   out.memory.resize(static_cast<size_t>(c.stages));
@@ -144,12 +145,12 @@ void expect_zero_stages_match_zero1(const Case& c) {
                            pipeline_schedule_name(c.kind), c.stages, c.virtual_stages, c.micro_batches, c.shards,
                            c.replicas, dtype_name(c.reduce_dtype), static_cast<int>(c.mode)));
   const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny"}, {"model.num_layers", "8"}}).model;
-  const Run zero1 = run_pipeline(m, c, 1);
+  const PipelineRun zero1 = run_pipeline(m, c, 1);
   // bf16 rounds each micro-batch's reduction (ZeRO-2/3) instead of the step's sum (ZeRO-1).
   const double tolerance = c.reduce_dtype == DType::F32 ? 1e-5 : 2e-2;
   for (int zero : {2, 3}) {
     SCOPED_TRACE(fmt::format("ZeRO-{}", zero));
-    const Run run = run_pipeline(m, c, zero);
+    const PipelineRun run = run_pipeline(m, c, zero);
     for (int p = 0; p < c.stages; ++p) {
       const size_t i = static_cast<size_t>(p);
       for (int step = 0; step < 2; ++step) {
@@ -178,9 +179,12 @@ void expect_zero_stages_match_zero1(const Case& c) {
       EXPECT_EQ(zero1.memory[i].full_gradients, 4 * zero1.full[i]) << "pipeline rank " << p;
       EXPECT_EQ(mine.full_gradients, 4 * 2 * run.largest_unit[i]) << "pipeline rank " << p;
       EXPECT_EQ(zero1.memory[i].compute_weights, 4 * zero1.full[i]) << "pipeline rank " << p;
-      EXPECT_EQ(mine.compute_weights, zero == 2 ? 4 * run.full[i] : 4 * (run.ends[i] + 3 * run.largest_block[i]))
+      // Three slots, or one per block where the stages hold fewer.
+      const int64_t held_blocks = m.num_layers / c.stages, slots = std::min<int64_t>(3, held_blocks);
+      EXPECT_EQ(mine.compute_weights,
+                zero == 2 ? 4 * run.full[i] : 4 * (run.ends[i] + slots * run.largest_block[i]))
           << "pipeline rank " << p;
-      if (zero == 3) EXPECT_LT(mine.compute_weights, zero1.memory[i].compute_weights) << "pipeline rank " << p;
+      if (zero == 3 && held_blocks > 3) EXPECT_LT(mine.compute_weights, zero1.memory[i].compute_weights) << p;
     }
   }
 }
@@ -193,7 +197,7 @@ TEST(FsdpPipelineZero, MemoryEstimateCountsTheLayout) {
   const Case c{PipelineScheduleKind::Interleaved, 2, 2, 4};
   double previous = 0;
   for (int zero : {1, 2, 3}) {
-    const Run run = run_pipeline(m, c, zero);
+    const PipelineRun run = run_pipeline(m, c, zero);
     MemoryPlan plan;
     plan.micro_batch = kMicro;
     plan.seq_len = kSeq;

@@ -148,8 +148,9 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                 (moe + PP2_EP2 + ["--lora.rank", "4", "--lora.quantize_base", "nf4"],
                  ["parallelism.expert_parallel_degree = 2", "lora.quantize_base = nf4",
                   "QLoRA's NF4 base holds each rank's experts alone"]),
-                # ZeRO-1 only under pipelining.
-                (moe + PP2_EP2 + ["--parallelism.zero_stage", "2"], ["parallelism.zero_stage = 2"])):
+                # ZeRO-2/3 with expert parallelism under pipelining: not built yet.
+                (moe + PP2_EP2 + ["--parallelism.zero_stage", "2"],
+                 ["parallelism.zero_stage = 2", "cannot be combined with parallelism.expert_parallel_degree = 2"])):
             with self.subTest(flags=flags):
                 result = subprocess.run([forge_bin(), "train", "--training.steps", "1", "--logging.run_dir",
                                          os.path.join(self.tmp, "refused"), *flags],
