@@ -2,8 +2,8 @@
 NOTE [Pipeline parallelism] in model/pipeline.h): the same run on 2 and 4 pipeline ranks
 with the 1F1B schedule and on 2 ranks with the interleaved one (two stages per rank) gives
 one rank's loss curve, gradient norms and validation losses within fp32 reordering (so do
-2 stages x FSDP 2 under ZeRO-2 and ZeRO-3, with the interleaved schedule, hybrid sharding and
-context parallelism, whose ZeRO-3 checkpoint resumes bitwise, under ZeRO-1 and on one rank); each
+2 stages x FSDP 2 under ZeRO-2 and ZeRO-3, with the interleaved schedule, hybrid sharding,
+context and tensor parallelism, whose ZeRO-3 checkpoint resumes bitwise, under ZeRO-1 and on one rank); each
 rank logs its blocks and the schedule's bubble; every rank writes its stages into one
 checkpoint of the whole model, which resumes bitwise at the layout that saved it and
 follows the uninterrupted run at another (2 pipeline ranks to 1 and to the interleaved
@@ -74,6 +74,8 @@ class Parity(unittest.TestCase):
                  "(ZeRO-3, 1 shard ranks x 2 replicas)"),
                 ("pp2-cp2-zero3", 4, 2, ["--parallelism.context_parallel_degree", "2",
                                          "--parallelism.zero_stage", "3"],
+                 "(ZeRO-3, 2 shard ranks x 1 replicas)"),
+                ("pp2-tp2-fsdp2-zero3", 8, 2, ZERO3 + ["--parallelism.tensor_parallel_degree", "2"],
                  "(ZeRO-3, 2 shard ranks x 1 replicas)")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
