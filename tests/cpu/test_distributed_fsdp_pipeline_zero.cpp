@@ -215,7 +215,7 @@ TEST(FsdpPipelineZero, MemoryEstimateCountsTheLayout) {
                                                         mine.full_gradients + mine.reduce_buffers));
     std::printf("ZeRO-%d: estimated weights + gradients + reduction buffers %.0f bytes, the fullest rank's Fsdp %.0f\n",
                 zero, estimated, measured);
-    EXPECT_NEAR(estimated, measured, 0.1 * measured) << "ZeRO-" << zero;
+    EXPECT_NEAR(estimated, measured, 0.01 * measured) << "ZeRO-" << zero;  // measured 0.03% at most
     if (zero > 1) EXPECT_LT(e.total(), previous) << "ZeRO-" << zero;
     previous = e.total();
   }
