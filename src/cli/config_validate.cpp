@@ -432,7 +432,8 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
     FORGE_FAIL("{}: {}", pp, e.what());
   }
   // ZeRO-2 and -3 over a pipeline rank's stages (NOTE [ZeRO-2 and -3 under pipeline
-  // parallelism] in distributed/fsdp.h): full training of dense and MLA models, with hybrid
+  // parallelism] in distributed/fsdp.h): full training (MoE blocks without expert
+  // parallelism, every rank holding every expert, and MLA blocks too), with hybrid
   // sharding and context parallelism (FSDP shards over the context-parallel ranks too: NOTE
   // [Context-parallel steps]) and tensor-parallel stages. Not built yet, and refused by name:
   // with expert parallelism, a LoRA run's frozen base and FP8 (the tests cover neither yet).

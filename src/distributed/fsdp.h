@@ -82,8 +82,8 @@
 // reduction of the summed full gradients, up to fp32's order of addition. ZeRO-3: a block's
 // bf16 weights are all-gathered into the three rotating slots (as many as the rank's stages
 // hold blocks, where that is fewer: a slot per block then costs what ZeRO-1 holds) around
-// each forward and backward (and recomputation) of it, the neighbours prefetched only when this rank's
-// stages hold them (a chunk's first and last blocks gather on demand: the next block the
+// each forward and backward (and recomputation) of it, the neighbours prefetched only when
+// this rank's stages hold them (a chunk's first and last blocks gather on demand: the next block the
 // rank uses is another chunk's, or the same chunk's of another micro-batch); the embedding
 // and head stay in full. reduce_gradients() then finds nothing left and is a no-op kept for
 // the same step protocol. The ranks of a shard group run the same schedule (NOTE

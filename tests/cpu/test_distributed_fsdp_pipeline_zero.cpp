@@ -7,7 +7,7 @@
 // them (so ZeRO-3's gathered blocks are gathered again from the updated masters and
 // ZeRO-2's per-micro-batch reductions start over), with full activation checkpointing
 // (ZeRO-3 gathers the blocks again for the recomputation), hybrid sharding and the bf16
-// reduction; and ZeRO-2 holds no full gradients of the stages, ZeRO-3 no full blocks, as
+// reduction, Mixture-of-Experts and latent-attention blocks; and ZeRO-2 holds no full gradients of the stages, ZeRO-3 no full blocks, as
 // the memory estimate counts them.
 #include <gtest/gtest.h>
 
@@ -43,6 +43,7 @@ struct Case {
   int shards = 2, replicas = 1;
   DType reduce_dtype = DType::F32;
   ActivationCheckpoint mode = ActivationCheckpoint::None;
+  std::string model = "debug-tiny";
 };
 
 // What one pipeline rank's shard rank 0 (of replica 0) saw: the two steps' losses and the
@@ -141,10 +142,10 @@ Tensor host_tensor(const std::vector<float>& values) {
 
 void expect_zero_stages_match_zero1(const Case& c) {
   SCOPED_TRACE(fmt::format("{} on {} ranks x {} chunks, {} micro-batches, {} shard ranks x {} replicas, reduce {}, "
-                           "checkpointing {}",
+                           "checkpointing {}, {}",
                            pipeline_schedule_name(c.kind), c.stages, c.virtual_stages, c.micro_batches, c.shards,
-                           c.replicas, dtype_name(c.reduce_dtype), static_cast<int>(c.mode)));
-  const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny"}, {"model.num_layers", "8"}}).model;
+                           c.replicas, dtype_name(c.reduce_dtype), static_cast<int>(c.mode), c.model));
+  const ModelConfig m = load_experiment("", {{"model.name", c.model}, {"model.num_layers", "8"}}).model;
   const PipelineRun zero1 = run_pipeline(m, c, 1);
   // bf16 rounds each micro-batch's reduction (ZeRO-2/3) instead of the step's sum (ZeRO-1).
   const double tolerance = c.reduce_dtype == DType::F32 ? 1e-5 : 2e-2;
@@ -230,6 +231,16 @@ TEST(FsdpPipelineZero, InterleavedZero2And3MatchZero1) {
   expect_zero_stages_match_zero1({PipelineScheduleKind::Interleaved, 2, 2, 4});
   expect_zero_stages_match_zero1(
       {PipelineScheduleKind::Interleaved, 2, 2, 2, 2, 1, DType::F32, ActivationCheckpoint::Full});
+}
+
+// Mixture-of-Experts (no expert parallelism: every rank holds every expert) and Multi-head
+// Latent Attention blocks.
+TEST(FsdpPipelineZero, MixtureOfExpertsAndLatentAttentionBlocks) {
+  for (const char* model : {"debug-tiny-moe", "debug-tiny-mla"}) {
+    Case c{PipelineScheduleKind::Interleaved, 2, 2, 2};
+    c.model = model;
+    expect_zero_stages_match_zero1(c);
+  }
 }
 
 TEST(FsdpPipelineZero, HybridShardingAndBf16Reduction) {
