@@ -436,7 +436,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   // parallelism, every rank holding every expert, and MLA blocks too), with hybrid
   // sharding and context parallelism (FSDP shards over the context-parallel ranks too: NOTE
   // [Context-parallel steps]) and tensor-parallel stages. Not built yet, and refused by name:
-  // with expert parallelism, a LoRA run's frozen base and FP8 (the tests cover neither yet).
+  // with expert parallelism, a LoRA run's frozen base and FP8 (no test covers them yet).
   const bool fsdp = p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 ||
                     p.context_parallel_degree > 1;
   if (fsdp && p.zero_stage >= 2) {
@@ -447,7 +447,7 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
     };
     if (config.model.moe() && p.expert_parallel_degree > 1)
       refuse(show(config, keys, "parallelism.expert_parallel_degree"),
-             "the stages' expert parts are gathered and reduced per micro-batch by no test yet");
+             "no test covers the stages' expert parts gathered and reduced per micro-batch yet");
     if (config.lora.enabled() || config.lora.quantize_base != "none")
       refuse(show(config, keys, config.lora.enabled() ? "lora.rank" : "lora.quantize_base"),
              "a LoRA run's frozen FSDP base over the stages is ZeRO-1's");
