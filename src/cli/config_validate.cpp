@@ -433,10 +433,11 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   }
   // ZeRO-2 and -3 over a pipeline rank's stages (NOTE [ZeRO-2 and -3 under pipeline
   // parallelism] in distributed/fsdp.h): full training (MoE and MLA blocks too, with expert
-  // parallelism: the stages' expert parts gathered and reduced over their groups per use),
-  // with hybrid sharding and context parallelism (FSDP shards over the context-parallel
-  // ranks too: NOTE [Context-parallel steps]) and tensor-parallel stages. Not built yet, and
-  // refused by name: a LoRA run's frozen base and FP8 (no test covers them yet).
+  // parallelism: the stages' expert parts gathered and reduced over their groups per use)
+  // and LoRA's frozen base (NOTE [Frozen FSDP base]: gathered per use under ZeRO-3), with
+  // hybrid sharding and context parallelism (FSDP shards over the context-parallel ranks
+  // too: NOTE [Context-parallel steps]) and tensor-parallel stages. Not built yet, and
+  // refused by name: LoRA with expert parallelism there, and FP8 (no test covers them yet).
   const bool fsdp = p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 ||
                     p.context_parallel_degree > 1;
   if (fsdp && p.zero_stage >= 2) {
@@ -445,9 +446,10 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
       FORGE_FAIL("{} with FSDP and {} cannot be combined with {} yet ({}): take parallelism.zero_stage 1 there", pp,
                  zero, other, why);
     };
-    if (config.lora.enabled() || config.lora.quantize_base != "none")
-      refuse(show(config, keys, config.lora.enabled() ? "lora.rank" : "lora.quantize_base"),
-             "a LoRA run's frozen FSDP base over the stages is ZeRO-1's");
+    if ((config.lora.enabled() || config.lora.quantize_base != "none") && config.model.moe() &&
+        p.expert_parallel_degree > 1)
+      refuse(show(config, keys, "lora.rank") + " and " + show(config, keys, "parallelism.expert_parallel_degree"),
+             "no test covers a frozen base's expert parts gathered per use yet");
     if (config.precision.fp8 != "none")
       refuse(show(config, keys, "precision.fp8"), "the FP8 projections over gathered stage blocks are not tested yet");
   }

@@ -132,13 +132,15 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     if (plan.lora.enabled()) {
       // NOTE [LoRA under pipeline parallelism]: the stages' frozen base (NF4 projections under
       // QLoRA), every adapter whole with its master, gradient and AdamW state. Under FSDP the
-      // frozen base is ZeRO-1's: the stages' units in full and the rank's chunk of them; under
+      // frozen base is the rank's chunk of the stages' units and what the ZeRO stage holds in
+      // full (ZeRO-1/2: every unit; ZeRO-3: the embedding, head and gathered blocks); under
       // expert parallelism the units hold the rank's experts alone (`held`: NOTE [LoRA under
       // pipeline and expert parallelism]), the chunk 1/n of the stages' parameters either way.
       const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len);
       const double adapters = static_cast<double>(lora.stored);
       const double compute_bytes = static_cast<double>(dtype_size(compute));
-      e.frozen_weights = (plan.fsdp ? held + params / n : params) * compute_bytes;
+      const double full = zero == 3 ? ends + gathered_blocks * block : held;
+      e.frozen_weights = (plan.fsdp ? full + params / n : params) * compute_bytes;
       if (plan.lora.quantize_base == "nf4") {
         const std::vector<ParamSpec> held = pipeline_stage_specs(specs, stages);
         double projections = 0;

@@ -100,16 +100,25 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
                 "NF4 base is not split"});
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8,
             "tensorwise");  // NOTE [FP8 under tensor parallelism]: LoRA's FP8 base too
-  // NOTE [ZeRO-2 and -3 under pipeline parallelism]: a frozen base over the stages is ZeRO-1's.
-  expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"}}); },
+  // NOTE [ZeRO-2 and -3 under pipeline parallelism]: the frozen base over the stages under
+  // any ZeRO stage; with expert parallelism too, ZeRO-1 only.
+  for (const char* zero : {"2", "3"})
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+  expect_error([&] {
+    with({{"model.name", "debug-tiny-moe"}, {"model.num_layers", "4"}, {"parallelism.data_parallel_shard_degree", "2"},
+          {"parallelism.expert_parallel_degree", "2"}, {"parallelism.zero_stage", "3"}});
+  },
                {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = 3",
-                "lora.rank = 4", "take parallelism.zero_stage 1"});
+                "lora.rank = 4 (command line) and parallelism.expert_parallel_degree = 2",
+                "take parallelism.zero_stage 1"});
 }
 
 // parallelism.zero_stage defaults to 1 under pipeline parallelism, 3 otherwise; an explicit
 // 2 or 3 under pipelining runs full training (NOTE [ZeRO-2 and -3 under pipeline
-// parallelism]), with hybrid sharding, context and tensor parallelism; with FP8 it is
-// refused, naming both keys.
+// parallelism]), with hybrid sharding, context, tensor and expert parallelism; with FP8 it
+// is refused, naming both keys.
 TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
   const ConfigOverrides fsdp = {{"parallelism.data_parallel_shard_degree", "2"}};
   EXPECT_EQ(load_experiment("", fsdp).parallelism.zero_stage, 3);
@@ -132,6 +141,11 @@ TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
                   .parallelism.zero_stage,
               std::stoi(zero));
     EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.tensor_parallel_degree", "2"},
+                    {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"model.name", "debug-tiny-moe"}, {"model.num_layers", "4"},
+                    {"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.expert_parallel_degree", "2"},
                     {"parallelism.zero_stage", zero}})
                   .parallelism.zero_stage,
               std::stoi(zero));

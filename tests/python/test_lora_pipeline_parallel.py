@@ -144,6 +144,17 @@ class LoraPipelineParallel(unittest.TestCase):
                 self.assertIn("pipeline rank 0 of 2", self.last.stdout + self.last.stderr)
                 self.assert_follows(run_dir, self.single, adapter_tolerance=tolerance)
 
+    def test_frozen_base_under_zero2_and_zero3(self):
+        """NOTE [ZeRO-2 and -3 under pipeline parallelism] with NOTE [Frozen FSDP base]: the
+        stages' frozen blocks gathered around each use (ZeRO-3; ZeRO-2 holds them as ZeRO-1)."""
+        for name, flags in (("pp2-dp2-zero3", PP2 + DP2[:-1] + ["3"]),
+                            ("pp2-interleaved-dp2-zero3", PP2 + INTERLEAVED + DP2[:-1] + ["3"]),
+                            ("pp2-dp2-zero2", PP2 + DP2[:-1] + ["2"])):
+            with self.subTest(run=name):
+                run_dir = self.train(name, 4, *flags, data_ranks=2)
+                self.assertIn(f"(ZeRO-{flags[-1]}, 2 shard ranks x 1 replicas), LoRA", self.last.stdout + self.last.stderr)
+                self.assert_follows(run_dir, self.single)
+
     def test_qlora_under_pipeline_parallelism_follows_one_process(self):
         single = self.train("qlora1", 1, *QLORA)
         for name, ranks, data_ranks, flags in (
@@ -292,8 +303,10 @@ class Errors(unittest.TestCase):
     def test_what_cannot_be_combined_is_named(self):
         lora = ["--lora.rank", "4", "--model.num_layers", "4", *PP2]
         for ranks, flags, words in (
-                (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3"],
-                 ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3"]),
+                (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3",
+                            "--precision.fp8", "tensorwise"],
+                 ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3",
+                  "precision.fp8 = tensorwise"]),
                 (4, lora + TP2 + QLORA,
                  ["parallelism.tensor_parallel_degree = 2", "cannot be combined with lora.quantize_base = nf4",
                   "NF4 base is not split over tensor-parallel ranks"])):
