@@ -450,8 +450,11 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
         p.expert_parallel_degree > 1)
       refuse(show(config, keys, "lora.rank") + " and " + show(config, keys, "parallelism.expert_parallel_degree"),
              "no test covers a frozen base's expert parts gathered per use yet");
+    // Tried on CPU ranks: tensorwise followed one rank's loss, but a delayed run's step-4 amax
+    // histories under ZeRO-3 were 2.3e-2 from one rank's (ZeRO-1: equal), not yet understood.
     if (config.precision.fp8 != "none")
-      refuse(show(config, keys, "precision.fp8"), "the FP8 projections over gathered stage blocks are not tested yet");
+      refuse(show(config, keys, "precision.fp8"),
+             "a delayed run's amax histories over the stages' gathered blocks do not match one rank's yet");
   }
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
