@@ -6,7 +6,8 @@ of one block per rank) give the single-process run's losses, gradient norms, PEF
 the same global batch; so does QLoRA (each rank quantizes its stages' projections alone),
 and so does a run with adapter dropout (each micro-batch's masks are one process's, however
 the schedule orders the micro-batches). On 4 ranks pipelining composes with data (shard and
-replicate), tensor and context parallelism, LoRA and QLoRA, and follows one process too. A
+replicate), tensor and context parallelism, LoRA and QLoRA, and follows one process too (the
+frozen FSDP base under ZeRO-2 and ZeRO-3 as well). A
 pipeline run resumes bitwise from its checkpoint, its checkpoint resumes on one process and
 a one-process checkpoint on 2 pipeline ranks, a PP2 x DP2 checkpoint on one process and on
 PP2 x TP2, CP2 and replicate2; what the other degrees refuse is refused under pipelining

@@ -12,8 +12,9 @@ gradient norms and validation losses at every step, the expert loads of the firs
 (exact), the final weights of the checkpoint and the Hugging Face export (written in pieces,
 each rank its own expert slices). A checkpoint saved under pipeline x expert
 parallelism resumes on one rank, and one rank's under pipeline x expert parallelism, each
-continuing the run that saved it; forge info sizes a pipeline rank by the degree; the
-configurations still refused name their keys.
+continuing the run that saved it; forge info sizes a pipeline rank by the degree; under
+ZeRO-2 and ZeRO-3 (NOTE [ZeRO-2 and -3 under pipeline parallelism]) both models follow one
+rank too; the configurations still refused name their keys.
 
 The interleaved runs recompute every block (full activation checkpointing), so the
 recomputed forwards dispatch again; FP8 (tensorwise and delayed) follows the one-rank FP8
