@@ -214,11 +214,11 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} cannot be combined with a {} model yet: its routed experts (and router) or MLA's kv_a row views "
                  "are gathered in bf16; set it to false",
                  key, config.model.moe() ? "Mixture-of-Experts" : "Multi-head Latent Attention");
-    // FSDP over a pipeline rank's stages is ZeRO-1 with the gradients reduced after the
-    // schedule; the FP8 all-gather gathers every block around its use, per micro-batch.
+    // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
+    // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)
-      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages keeps its blocks gathered "
-                 "for the schedule (ZeRO-1) and gathers them in bf16; set it to false",
+      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages gathers its blocks in bf16 "
+                 "(kept for the schedule under ZeRO-1, around their use under ZeRO-3); set it to false",
                  key, show(config, keys, "parallelism.pipeline_parallel_degree"));
   }
   if (config.training.device != "cuda") return;
@@ -432,15 +432,31 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
   } catch (const Error& e) {
     FORGE_FAIL("{}: {}", pp, e.what());
   }
-  // FSDP shards over the context-parallel ranks too (NOTE [Context-parallel steps]).
-  if ((p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 || p.context_parallel_degree > 1) &&
-      p.zero_stage != 1)
-    FORGE_FAIL("{} with FSDP ({} x {} x {}) needs {} 1 (the gradients reduced once after the schedule, as "
-               "Megatron-LM's distributed optimizer does under pipelining): ZeRO-2 and -3 reduce or gather per "
-               "micro-batch, which the schedule's interleaved micro-batches do not take yet",
-               pp, show(config, keys, "parallelism.data_parallel_shard_degree"),
-               show(config, keys, "parallelism.data_parallel_replicate_degree"),
-               show(config, keys, "parallelism.context_parallel_degree"), show(config, keys, "parallelism.zero_stage"));
+  // ZeRO-2 and -3 over a pipeline rank's stages (NOTE [ZeRO-2 and -3 under pipeline
+  // parallelism] in distributed/fsdp.h): full training (MoE and MLA blocks too, with expert
+  // parallelism: the stages' expert parts gathered and reduced over their groups per use)
+  // and LoRA's frozen base (NOTE [Frozen FSDP base]: gathered per use under ZeRO-3), with
+  // hybrid sharding and context parallelism (FSDP shards over the context-parallel ranks
+  // too: NOTE [Context-parallel steps]) and tensor-parallel stages. Not built yet, and
+  // refused by name: LoRA with expert parallelism there, and FP8 (no test covers them yet).
+  const bool fsdp = p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 ||
+                    p.context_parallel_degree > 1;
+  if (fsdp && p.zero_stage >= 2) {
+    const std::string zero = show(config, keys, "parallelism.zero_stage");
+    auto refuse = [&](const std::string& other, const char* why) {
+      FORGE_FAIL("{} with FSDP and {} cannot be combined with {} yet ({}): take parallelism.zero_stage 1 there", pp,
+                 zero, other, why);
+    };
+    if ((config.lora.enabled() || config.lora.quantize_base != "none") && config.model.moe() &&
+        p.expert_parallel_degree > 1)
+      refuse(show(config, keys, "lora.rank") + " and " + show(config, keys, "parallelism.expert_parallel_degree"),
+             "no test covers a frozen base's expert parts gathered per use yet");
+    // Tried on CPU ranks: tensorwise followed one rank's loss, but a delayed run's step-4 amax
+    // histories under ZeRO-3 were 2.3e-2 from one rank's (ZeRO-1: equal), not yet understood.
+    if (config.precision.fp8 != "none")
+      refuse(show(config, keys, "precision.fp8"),
+             "a delayed run's amax histories over the stages' gathered blocks do not match one rank's yet");
+  }
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
   // asks the shard degree to take it. LoRA on a MoE model under both: NOTE [LoRA under pipeline
@@ -495,10 +511,10 @@ void resolve_shard_degree(ExperimentConfig& config, const KeyDescriber& keys) {
   p.data_parallel_shard_degree = world / others;
 }
 
-// parallelism.zero_stage's default is 3, except under pipeline parallelism, which takes
-// ZeRO-1 alone (NOTE [FSDP] in distributed/fsdp.h: the schedule's interleaved micro-batches
-// reduce once after it, as Megatron-LM's distributed optimizer does): a run that sets a
-// pipeline degree and no zero_stage gets 1; one that asks for 2 or 3 is refused, named.
+// parallelism.zero_stage's default is 3, except under pipeline parallelism, which takes 1
+// unless asked (Megatron-LM's distributed optimizer under pipelining: the gradients reduced
+// once after the schedule, the weights kept gathered); 2 and 3 are asked for by name (NOTE
+// [ZeRO-2 and -3 under pipeline parallelism] in distributed/fsdp.h).
 void resolve_zero_stage(ExperimentConfig& config, const ConfigOrigins& origins) {
   if (config.parallelism.pipeline_parallel_degree > 1 && !origins.contains("parallelism.zero_stage"))
     config.parallelism.zero_stage = 1;

@@ -58,17 +58,19 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
                     options.tensor_parallel.size == 1 && options.pipeline_stages.empty(),
                 "FSDP of a model of units (FLUX) shards trainable weights only: no frozen base, FP8 all-gather, "
                 "expert, tensor or pipeline parallelism");
-  if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages, ZeRO-1 reduced at the step's end
-    FORGE_CHECK(options.zero_stage == 1,
-                "FSDP over a pipeline rank's stages (pipeline_stages) is ZeRO-1 only, not ZeRO-{}: the pipeline "
-                "schedule interleaves the micro-batches' backwards, so gradients are reduced once after all of them",
-                options.zero_stage);
+  if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages; NOTE [ZeRO-2 and -3 under pipeline parallelism]
     FORGE_CHECK(!options.fp8_all_gather, "FSDP over a pipeline rank's stages (pipeline_stages) does not do the FP8 "
                                          "all-gather (fp8_all_gather)");
     FORGE_CHECK(!config.tie_word_embeddings ||
                     (layout_.holds(FsdpLayout::kEmbeddingUnit) && layout_.holds(layout_.head_unit())),
                 "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "
                 "the first and the last stage on the same rank");
+    // ZeRO-2/3 reduce the tied embedding's full gradients on the last micro-batch, which a
+    // schedule's interleaved backwards do not mark.
+    FORGE_CHECK(options.zero_stage == 1 || !config.tie_word_embeddings,
+                "FSDP over a pipeline rank's stages (pipeline_stages) under ZeRO-{}: a tied embedding "
+                "(tie_word_embeddings) is reduced once per step, which ZeRO-1 alone does there",
+                options.zero_stage);
   }
   if (options.expert_parallel > 1) {
     const int holders = shard_group.world_size() / options.expert_parallel;
@@ -108,7 +110,12 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
     for (int u : {embedding, head}) end_views(root_unit(u), u, root_weights_, root_units_);
-    weight_slots_.resize(options.zero_stage == 3 ? 3 : static_cast<size_t>(config.num_layers));
+    // ZeRO-3: three rotating slots, or one per block where a pipeline rank's stages hold fewer
+    // (NOTE [ZeRO-2 and -3 under pipeline parallelism]).
+    int held_blocks = 0;
+    for (int u = 0; u < units; ++u) held_blocks += layout_.is_block(u) && layout_.holds(u) ? 1 : 0;
+    weight_slots_.resize(options.zero_stage == 3 ? static_cast<size_t>(std::clamp(held_blocks, 1, 3))
+                                                 : static_cast<size_t>(config.num_layers));
     // NOTE [FP8 all-gather]: the largest block's FP8 weights, norms, and what any rank holds of its norms.
     int64_t fp8_weights = 0, norms = 0;
     for (int u = 0; u < units; ++u) {
@@ -469,8 +476,14 @@ void Fsdp::reduce_unit(int unit, const Tensor& grads, ReduceChannel& ch) {
 void Fsdp::reduce_gradients() {
   if (options_.frozen) return;  // nothing to reduce (NOTE [Frozen FSDP base]): the adapters are reduced
   check_trainable("reduce_gradients");
-  FORGE_CHECK(options_.zero_stage == 1, "FSDP reduce_gradients: ZeRO-1 only (ZeRO-{} reduces each unit as its "
-                                        "backward is done)", options_.zero_stage);
+  // NOTE [ZeRO-2 and -3 under pipeline parallelism]: every backward of a unit was reduced as it was done.
+  if (options_.zero_stage >= 2) {
+    FORGE_CHECK(pipelined(), "FSDP reduce_gradients: ZeRO-{} reduces each unit as its backward is done; only "
+                             "over a pipeline rank's stages is it called (and then there is nothing left)",
+                options_.zero_stage);
+    pending_reduction_ = false;
+    return;
+  }
   // Every unit whose gradients the step wrote and that is not reduced yet, in unit order:
   // the ranks of a shard group ran the same backwards, so they issue the same collectives.
   for (int u = 0; u < layout_.num_units(); ++u) {
@@ -530,7 +543,7 @@ const BlockWeights& Fsdp::layer(int index) {
   // Prefetch the neighbours: the next block in a forward pass, the previous one in a
   // backward pass (whichever is already there costs nothing).
   for (int neighbour : {unit + 1, unit - 1})
-    if (layout_.is_block(neighbour) && !slot_of(neighbour)) gather_block(neighbour, unit);
+    if (layout_.is_block(neighbour) && layout_.holds(neighbour) && !slot_of(neighbour)) gather_block(neighbour, unit);
   slot.ready->make_wait(kCompute);
   end_exposed();
   return slot.block;
@@ -737,7 +750,7 @@ void Fsdp::reduce_full_unit(int unit) {
 
 void Fsdp::unit_done(int unit) {
   unit_fresh_[static_cast<size_t>(unit)] = false;
-  if (pipelined()) {  // reduced once after the whole schedule (reduce_gradients)
+  if (pipelined() && options_.zero_stage == 1) {  // reduced once after the whole schedule (reduce_gradients)
     FORGE_CHECK(!reduced_this_step_[static_cast<size_t>(unit)],
                 "FSDP: a backward of unit {} after the step's reduce_gradients() (call begin_step() first)", unit);
     pending_reduction_ = true;

@@ -53,22 +53,44 @@
 // model/pipeline.h): FSDP shards a pipeline rank's stages' parameters over its
 // data-parallel ranks (the ranks of a shard group hold the same stages); the units of other
 // stages are empty (NOTE [FSDP layout]) and skipped by every buffer and collective, and
-// asking for their weights or gradients fails. ZeRO-1 only: the PipelineModel runs a whole
-// step's micro-batches in one call, interleaving forwards and backwards, and never calls
-// begin_micro_batch / end_micro_batch, so nothing is reduced in layer_done / head_done /
-// embedding_done; instead, after the schedule, reduce_gradients() reduce-scatters every
-// unit the step wrote, once, exactly as ZeRO-1's last-micro-batch reduction (same reduce
-// dtype, hybrid all-reduce), and finish_gradients() waits for it (and fails if it was never
-// called). The full fp32 gradients are fresh per unit from begin_step() until the unit's
-// first *_done of the step (NOTE [Fresh gradient buffers]): the schedule's backwards of a
-// unit come micro-batch after micro-batch, the first writing over the buffer, the others
-// adding. ZeRO-2/3 (which would reduce per micro-batch and gather blocks around their use
-// in an interleaved order) and the FP8 all-gather are refused with pipeline stages. Expert
+// asking for their weights or gradients fails. The PipelineModel runs a whole step's
+// micro-batches in one call, interleaving forwards and backwards, and never calls
+// begin_micro_batch / end_micro_batch. Under ZeRO-1 nothing is reduced in layer_done /
+// head_done / embedding_done; instead, after the schedule, reduce_gradients()
+// reduce-scatters every unit the step wrote, once, exactly as ZeRO-1's last-micro-batch
+// reduction (same reduce dtype, hybrid all-reduce), and finish_gradients() waits for it
+// (and fails if it was never called). The full fp32 gradients are fresh per unit from
+// begin_step() until the unit's first *_done of the step (NOTE [Fresh gradient buffers]):
+// the schedule's backwards of a unit come micro-batch after micro-batch, the first writing
+// over the buffer, the others adding. ZeRO-2 and -3: NOTE [ZeRO-2 and -3 under pipeline
+// parallelism]. The FP8 all-gather is refused with pipeline stages. Expert
 // parallelism works as without them: the stages' expert stacks are cut into expert parts
 // over the stage's shard ranks that hold the same experts (NOTE [Expert parallelism under
 // pipeline parallelism] in model/pipeline.h). A frozen base (NOTE [Frozen FSDP base]) over
 // a pipeline rank's stages is ZeRO-1's: the stages' units held in full, nothing reduced
 // (reduce_gradients does nothing).
+//
+// NOTE [ZeRO-2 and -3 under pipeline parallelism]
+// What torchtitan's FSDP2 does under its pipeline schedules: every unit of a rank's stages
+// is handled per use exactly as without pipelining, since a stage's forward or backward of
+// one micro-batch asks for its blocks in order (forward: first to last; backward: last to
+// first) and finishes each block's gradients (layer_done) before asking for the next one's,
+// whichever micro-batch or chunk the schedule runs next. ZeRO-2: each backward of a unit
+// writes a fresh rotating gradient slot and reduce-scatters it at its *_done into the fp32
+// chunk (the first of the step directly, the others added), so no full-size gradient of the
+// stages lives across the step; the step's sum over micro-batches is the chunk's, as ZeRO-1's
+// reduction of the summed full gradients, up to fp32's order of addition. ZeRO-3: a block's
+// bf16 weights are all-gathered into the three rotating slots (as many as the rank's stages
+// hold blocks, where that is fewer: a slot per block then costs what ZeRO-1 holds) around
+// each forward and backward (and recomputation) of it, the neighbours prefetched only when
+// this rank's stages hold them (a chunk's first and last blocks gather on demand: the next block the
+// rank uses is another chunk's, or the same chunk's of another micro-batch); the embedding
+// and head stay in full. reduce_gradients() then finds nothing left and is a no-op kept for
+// the same step protocol. The ranks of a shard group run the same schedule (NOTE
+// [Pipeline parallelism] in model/pipeline.h), so they issue the same gathers and
+// reductions in the same order. A tied embedding (reduced once per step, on the last
+// micro-batch, which a schedule does not mark) is ZeRO-1's alone; pipelining refuses it
+// anyway (NOTE [Pipeline stages]).
 //
 // NOTE [Frozen FSDP base]
 // A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each
@@ -190,7 +212,8 @@ struct FsdpOptions {
   TensorParallelShard tensor_parallel = {};
   // NOTE [FSDP] (pipeline ranks): the parameters this rank holds are those of its pipeline
   // stages (pipeline_stage_specs; every rank of the shard group holds the same stages).
-  // ZeRO-1 only; gradients are reduced by reduce_gradients() after the step's schedule.
+  // ZeRO-1: gradients are reduced by reduce_gradients() after the step's schedule; ZeRO-2/3:
+  // per backward (NOTE [ZeRO-2 and -3 under pipeline parallelism]).
   // Empty: the whole model.
   std::vector<PipelineStage> pipeline_stages = {};
 };
@@ -270,7 +293,8 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // ZeRO-1: reduce-scatters (on the communication stream) the full gradients of every
   // unit the step's backwards wrote and that is not reduced yet, into the gradient chunk.
   // Required once per step with pipeline_stages, after the schedule; elsewhere it reduces
-  // what begin_micro_batch(false) held back. Nothing for a frozen base.
+  // what begin_micro_batch(false) held back. Nothing for a frozen base, nor for ZeRO-2/3
+  // over pipeline stages (each backward was reduced as it was done).
   void reduce_gradients();
   // Waits (on the compute stream) for every reduction of the step.
   void finish_gradients();
@@ -436,7 +460,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   ReduceChannel embedding_channel_;       // the tied embedding's (ZeRO-2/3)
   int next_channel_ = 0;
   bool last_micro_batch_ = true;
-  bool pending_reduction_ = false;       // pipeline_stages: a unit's gradients written, reduce_gradients() not yet
+  bool pending_reduction_ = false;       // pipeline_stages, ZeRO-1: a unit's gradients written, reduce_gradients() not yet
   std::vector<bool> reduced_this_step_;  // per unit
   std::vector<bool> unit_fresh_;         // per unit: its gradient buffers are to be overwritten
   // Units kept in full: gathered after each optimizer step on the communication stream.

@@ -132,8 +132,9 @@
 //     gradients are spread (spread_shard_gradients, which leaves the other stages' zero)
 //     and summed over the tensor-parallel group before the pipeline's sum;
 //   - data and context parallelism: the bf16 base is a frozen FSDP of the stages (NOTE
-//     [Frozen FSDP base]; ZeRO-1, the only stage FSDP takes under pipelining: the stages'
-//     units in full, the rank's chunk of them, nothing reduced), QLoRA's NF4 base is
+//     [Frozen FSDP base]; ZeRO-1 or -2: the stages' units in full, the rank's chunk of them,
+//     nothing reduced; ZeRO-3: the blocks gathered around each use, NOTE [ZeRO-2 and -3
+//     under pipeline parallelism]), QLoRA's NF4 base is
 //     replicated over the stage's ranks, whose DataParallelComm carries the collectives;
 //     after the pipeline's sum the gradient is summed over the stage's data- and
 //     context-parallel ranks (NOTE [LoRA under data parallelism]), as the loss and the
@@ -172,7 +173,8 @@
 // identical everywhere, and the local experts' adapters need no gathering for the PEFT
 // adapter or a checkpoint (rank 0's, one process's files, resumable under any layout).
 // The frozen base is a ZeRO-1 FSDP of the rank's stages split by experts (FsdpOptions'
-// pipeline_stages and expert_parallel together, as under full training): each stack's
+// pipeline_stages and expert_parallel together, as under full training; ZeRO-2/3 are not
+// built for LoRA under expert and pipeline parallelism together yet): each stack's
 // local experts' slice sharded over the stage's ranks that hold the same experts, the rest
 // over the stage's ranks. The merged export in pieces gathers each stage's base to its shard
 // rank 0 (Trainer::gather_stage_base), every expert-parallel rank's slices at their experts'

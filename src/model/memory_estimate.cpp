@@ -81,15 +81,41 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     for (const ParamSpec& spec :
          expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel}))
       held += static_cast<double>(shape_numel(spec.shape));
-    // Under FSDP (ZeRO-1 over the stage's data-parallel ranks): the masters, AdamW state and
-    // gradient chunk sharded, the full fp32 gradients and compute weights kept.
+    // Under FSDP over the stage's data-parallel ranks: the masters, AdamW state and gradient
+    // chunk sharded; ZeRO-1 keeps the stages' full fp32 gradients and compute weights. NOTE
+    // [ZeRO-2 and -3 under pipeline parallelism]: ZeRO-2 two rotating gradient slots of the
+    // stages' largest unit instead (and the chunks a reduction adds, from the step's second
+    // micro-batch or in bf16); ZeRO-3 also the compute weights of the embedding and head it
+    // holds and three gathered blocks alone (fewer where the stages hold fewer).
     const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
+    const int zero = plan.fsdp ? static_cast<int>(plan.zero_stage) : 1;
+    double block = 0, ends = 0;  // the stages' largest block; their embedding and head
+    double gathered_blocks = 0;  // ZeRO-3's slots: three, or the stages' blocks where fewer
+    {
+      std::vector<double> blocks(static_cast<size_t>(config.num_layers), 0.0);
+      for (const ParamSpec& spec :
+           expert_parallel_specs(pipeline_stage_specs(specs, stages), {0, plan.expert_parallel})) {
+        const double numel = static_cast<double>(shape_numel(spec.shape));
+        if (spec.layer >= 0) blocks[static_cast<size_t>(spec.layer)] += numel;
+        else ends += numel;
+      }
+      for (double b : blocks) {
+        block = std::max(block, b);
+        gathered_blocks += b > 0 ? 1 : 0;
+      }
+      gathered_blocks = std::min(gathered_blocks, 3.0);
+    }
+    const double largest_unit = std::max(block, ends);  // a bound on the larger of the embedding and head
+    const double compute_bytes = plan.cuda ? 2.0 : 4.0;
     MemoryEstimate e;
     e.master_weights = params * 4 / n;
     e.compute_weights = plan.cuda ? held * 2 : plan.fsdp ? held * 4 : 0.0;
-    e.gradients = held * 4 + (plan.fsdp ? params * 4 / n : 0.0);
+    if (zero == 3) e.compute_weights = (ends + gathered_blocks * block) * compute_bytes;
+    e.gradients = (zero == 1 ? held * 4 : 2 * largest_unit * 4) + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
+    if (zero >= 2 && (plan.bf16_reduce || plan.micro_batches > 1))
+      e.comm_buffers = 2 * largest_unit / n * (plan.bf16_reduce ? 2 : 4) + (plan.bf16_reduce ? 2 * largest_unit * 2 : 0);
     if (plan.fp8 && plan.cuda) {
       // NOTE [FP8 under context and pipeline parallelism]: the whole model's statistics and
       // histories on every rank, the weight cache of its stages' FP8 weights alone.
@@ -106,14 +132,16 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     if (plan.lora.enabled()) {
       // NOTE [LoRA under pipeline parallelism]: the stages' frozen base (NF4 projections under
       // QLoRA), every adapter whole with its master, gradient and AdamW state. Under FSDP the
-      // frozen base is ZeRO-1's: the stages' units in full and the rank's chunk of them; under
+      // frozen base is the rank's chunk of the stages' units and what the ZeRO stage holds in
+      // full (ZeRO-1/2: every unit; ZeRO-3: the embedding, head and gathered blocks); under
       // expert parallelism the units hold the rank's experts alone (`held`: NOTE [LoRA under
       // pipeline and expert parallelism]), the chunk 1/n of the stages' parameters either way;
       // the experts' workspace takes P times a rank's rows (NOTE [LoRA under expert parallelism]).
       const LoraSizes lora = lora_sizes(config, plan.lora, plan.micro_batch * plan.seq_len, plan.expert_parallel);
       const double adapters = static_cast<double>(lora.stored);
       const double compute_bytes = static_cast<double>(dtype_size(compute));
-      e.frozen_weights = (plan.fsdp ? held + params / n : params) * compute_bytes;
+      const double full = zero == 3 ? ends + gathered_blocks * block : held;
+      e.frozen_weights = (plan.fsdp ? full + params / n : params) * compute_bytes;
       if (plan.lora.quantize_base == "nf4") {
         // NOTE [QLoRA under pipeline and expert parallelism]: the codes and the scratch of the
         // stages' blocks, their stacks' local experts alone; the rest replicated.

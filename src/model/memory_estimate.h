@@ -22,6 +22,9 @@
 // Fp8Projections allocates by, for a rank's tokens: 1/C of the micro-batch's under context
 // parallelism) and the weight cache (a pipeline rank's: its stages' FP8 weights); the CPU
 // path allocates none.
+// Pipeline parallelism: the fullest rank's stages, as above (ZeRO-2/3: NOTE [ZeRO-2 and -3
+// under pipeline parallelism] in distributed/fsdp.h; the two gradient slots and three
+// gathered blocks of the rank's stages' units).
 // Expert parallelism of degree P (NOTE [Expert parallelism] in model/expert_dispatch.h):
 // the units' full-size buffers hold 1/P of each MoE block's routed experts (under pipeline
 // parallelism, of the rank's stages' blocks), and a rank's received rows (in the

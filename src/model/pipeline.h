@@ -47,11 +47,11 @@
 // blocks) dispatches nothing on every rank of its group alike. Each micro-batch's model
 // keeps its own forward counts for its backward, so the interleaved micro-batches never
 // share them.
-// The weights: FSDP (ZeRO-1 over the pipeline rank's stages: NOTE [FSDP] in
-// distributed/fsdp.h) lays the stages' expert stacks out in expert parts, each rank's E/D
-// local experts sharded over the stage's D/E ranks that hold the same experts, whose
-// gradients alone they sum; the other weights are sharded and summed over the stage's D
-// ranks as without experts. A checkpoint holds every parameter at its place in the whole
+// The weights: FSDP (over the pipeline rank's stages: NOTE [FSDP] and NOTE [ZeRO-2 and -3
+// under pipeline parallelism] in distributed/fsdp.h) lays the stages' expert stacks out
+// in expert parts, each rank's E/D local experts sharded over the stage's D/E ranks that
+// hold the same experts, whose gradients alone they sum; the other weights are sharded and
+// summed over the stage's D ranks as without experts. A checkpoint holds every parameter at its place in the whole
 // model (each rank writes its segments: the expert slices at their experts' offsets), so it
 // loads under any other layout, one rank included. The expert loads are each rank's
 // tokens': summed over the data-parallel ranks, then the pipeline group (NOTE [Pipeline

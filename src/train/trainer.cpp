@@ -131,7 +131,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
     fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
-    fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: ZeRO-1 over the rank's stages
+    fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: FSDP over the rank's stages
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
                                    expert_shard_group_.get());
     dp_ = fsdp_.get();
@@ -916,7 +916,7 @@ TrainResult Trainer::run() {
                                   static_cast<uint64_t>(step * accum + a));
         };
       loss = pipeline_model_->forward_backward(micro, weights(), gradients(), grad_scale, before_micro_batch);
-      if (fsdp_) fsdp_->reduce_gradients();  // once, after every micro-batch's backward
+      if (fsdp_) fsdp_->reduce_gradients();  // ZeRO-1: once, after every micro-batch's backward (ZeRO-2/3: done)
       for (size_t a = 0; a < micro.size(); ++a) micro_losses[a] = pipeline_model_->micro_batch_losses()[a].sum;
       // Every MoE block's loads, zeros for other ranks' stages: summed over the pipeline below.
       if (config_.model.moe()) expert_load = pipeline_model_->expert_load();

@@ -122,22 +122,64 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
             "nf4");
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8,
             "tensorwise");  // NOTE [FP8 under tensor parallelism]: LoRA's FP8 base too
-  expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"}}); },
-               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 3"});
+  // NOTE [ZeRO-2 and -3 under pipeline parallelism]: the frozen base over the stages under
+  // any ZeRO stage; with expert parallelism too, ZeRO-1 only.
+  for (const char* zero : {"2", "3"})
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+  expect_error([&] {
+    with({{"model.name", "debug-tiny-moe"}, {"model.num_layers", "4"}, {"parallelism.data_parallel_shard_degree", "2"},
+          {"parallelism.expert_parallel_degree", "2"}, {"parallelism.zero_stage", "3"}});
+  },
+               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = 3",
+                "lora.rank = 4 (command line) and parallelism.expert_parallel_degree = 2",
+                "take parallelism.zero_stage 1"});
 }
 
 // parallelism.zero_stage defaults to 1 under pipeline parallelism, 3 otherwise; an explicit
-// 2 or 3 under pipelining is still refused, named.
+// 2 or 3 under pipelining runs full training (NOTE [ZeRO-2 and -3 under pipeline
+// parallelism]), with hybrid sharding, context, tensor and expert parallelism; with FP8 it
+// is refused, naming both keys.
 TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
   const ConfigOverrides fsdp = {{"parallelism.data_parallel_shard_degree", "2"}};
   EXPECT_EQ(load_experiment("", fsdp).parallelism.zero_stage, 3);
   ConfigOverrides pipelined = fsdp;
   pipelined.push_back({"parallelism.pipeline_parallel_degree", "2"});
   EXPECT_EQ(load_experiment("", pipelined).parallelism.zero_stage, 1);
-  pipelined.push_back({"parallelism.zero_stage", "2"});
-  expect_error([&] { load_experiment("", pipelined); },
-               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP", "parallelism.zero_stage = 2",
-                "ZeRO-2 and -3"});
+  auto with = [&](ConfigOverrides more) {
+    ConfigOverrides all = {{"parallelism.pipeline_parallel_degree", "2"}};
+    all.insert(all.end(), more.begin(), more.end());
+    return load_experiment("", all);
+  };
+  for (const char* zero : {"2", "3"}) {
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.data_parallel_replicate_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.context_parallel_degree", "2"}, {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.tensor_parallel_degree", "2"},
+                    {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    EXPECT_EQ(with({{"model.name", "debug-tiny-moe"}, {"model.num_layers", "4"},
+                    {"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.expert_parallel_degree", "2"},
+                    {"parallelism.zero_stage", zero}})
+                  .parallelism.zero_stage,
+              std::stoi(zero));
+    const std::string both = fmt::format(
+        "parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = {} "
+        "(command line) cannot be combined with",
+        zero);
+    expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero},
+                             {"precision.fp8", "tensorwise"}}); },
+                 {both, "precision.fp8 = tensorwise", "take parallelism.zero_stage 1"});
+
+  }
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone
@@ -205,7 +247,8 @@ TEST(ConfigValidate, ExpertParallelRunsUnderHybridSharding) {
 }
 
 // NOTE [Expert parallelism under pipeline parallelism]: expert-parallel groups of a
-// stage's shard ranks; the degree must divide them, ZeRO-1 only; LoRA and QLoRA run under both.
+// stage's shard ranks; the degree must divide them, under any ZeRO stage; LoRA and QLoRA run
+// under both.
 TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   const ConfigOverrides pp_ep = {{"model.name", "debug-tiny-mla"}, {"model.num_layers", "4"},
                                  {"parallelism.pipeline_parallel_degree", "2"},
@@ -224,7 +267,7 @@ TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
       {"parallelism.expert_parallel_degree = 2 (command line) must divide parallelism.data_parallel_shard_degree"});
   ConfigOverrides zero2 = pp_ep;
   zero2.back() = {"parallelism.zero_stage", "2"};
-  expect_error([&] { load(zero2); }, {"parallelism.zero_stage = 2 (command line)", "ZeRO-2 and -3"});
+  EXPECT_EQ(load(zero2).parallelism.zero_stage, 2);  // NOTE [ZeRO-2 and -3 under pipeline parallelism]
   // NOTE [LoRA under pipeline and expert parallelism]: LoRA, the experts' adapters included;
   // QLoRA too (NOTE [QLoRA under pipeline and expert parallelism]).
   ConfigOverrides lora = pp_ep;

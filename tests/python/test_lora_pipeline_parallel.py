@@ -6,7 +6,8 @@ of one block per rank) give the single-process run's losses, gradient norms, PEF
 the same global batch; so does QLoRA (each rank quantizes its stages' projections alone),
 and so does a run with adapter dropout (each micro-batch's masks are one process's, however
 the schedule orders the micro-batches). On 4 ranks pipelining composes with data (shard and
-replicate), tensor and context parallelism, LoRA and QLoRA, and follows one process too. A
+replicate), tensor and context parallelism, LoRA and QLoRA, and follows one process too (the
+frozen FSDP base under ZeRO-2 and ZeRO-3 as well). A
 pipeline run resumes bitwise from its checkpoint, its checkpoint resumes on one process and
 a one-process checkpoint on 2 pipeline ranks, a PP2 x DP2 checkpoint on one process and on
 PP2 x TP2, CP2 and replicate2; what the other degrees refuse is refused under pipelining
@@ -143,6 +144,17 @@ class LoraPipelineParallel(unittest.TestCase):
                 run_dir = self.train(name, ranks, *flags, data_ranks=data_ranks)
                 self.assertIn("pipeline rank 0 of 2", self.last.stdout + self.last.stderr)
                 self.assert_follows(run_dir, self.single, adapter_tolerance=tolerance)
+
+    def test_frozen_base_under_zero2_and_zero3(self):
+        """NOTE [ZeRO-2 and -3 under pipeline parallelism] with NOTE [Frozen FSDP base]: the
+        stages' frozen blocks gathered around each use (ZeRO-3; ZeRO-2 holds them as ZeRO-1)."""
+        for name, flags in (("pp2-dp2-zero3", PP2 + DP2[:-1] + ["3"]),
+                            ("pp2-interleaved-dp2-zero3", PP2 + INTERLEAVED + DP2[:-1] + ["3"]),
+                            ("pp2-dp2-zero2", PP2 + DP2[:-1] + ["2"])):
+            with self.subTest(run=name):
+                run_dir = self.train(name, 4, *flags, data_ranks=2)
+                self.assertIn(f"(ZeRO-{flags[-1]}, 2 shard ranks x 1 replicas), LoRA", self.last.stdout + self.last.stderr)
+                self.assert_follows(run_dir, self.single)
 
     def test_qlora_under_pipeline_parallelism_follows_one_process(self):
         single = self.train("qlora1", 1, *QLORA)
@@ -292,8 +304,10 @@ class Errors(unittest.TestCase):
     def test_what_cannot_be_combined_is_named(self):
         lora = ["--lora.rank", "4", "--model.num_layers", "4", *PP2]
         for ranks, flags, words in (
-                (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3"],
-                 ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3"]),
+                (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3",
+                            "--precision.fp8", "tensorwise"],
+                 ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3",
+                  "precision.fp8 = tensorwise"]),
                 (4, lora + TP2 + QLORA,
                  # debug-tiny's o shards (32 columns) would cut NF4's blocks of 64.
                  ["parallelism.tensor_parallel_degree = 2", "with lora.quantize_base = nf4",

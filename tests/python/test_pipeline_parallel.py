@@ -1,7 +1,9 @@
 """Pipeline parallelism across real processes on the CPU (forge launch, the CPU process group;
 NOTE [Pipeline parallelism] in model/pipeline.h): the same run on 2 and 4 pipeline ranks
 with the 1F1B schedule and on 2 ranks with the interleaved one (two stages per rank) gives
-one rank's loss curve, gradient norms and validation losses within fp32 reordering; each
+one rank's loss curve, gradient norms and validation losses within fp32 reordering (so do
+2 stages x FSDP 2 under ZeRO-2 and ZeRO-3, with the interleaved schedule, hybrid sharding,
+context and tensor parallelism, whose ZeRO-3 checkpoint resumes bitwise, under ZeRO-1 and on one rank); each
 rank logs its blocks and the schedule's bubble; every rank writes its stages into one
 checkpoint of the whole model, which resumes bitwise at the layout that saved it and
 follows the uninterrupted run at another (2 pipeline ranks to 1 and to the interleaved
@@ -19,6 +21,8 @@ from forge_test_util import (expect_continues, forge_bin, max_relative_differenc
 STEPS = 30
 LAYERS = ["--model.num_layers", "4"]
 FSDP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "1"]
+ZERO2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "2"]
+ZERO3 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3"]
 
 
 def train(run_dir, ranks, *overrides, data_ranks=1, check=True):
@@ -57,7 +61,22 @@ class Parity(unittest.TestCase):
                  "pipeline rank 0 of 2: blocks 0-1 and the embedding"),
                 # zero_stage left out: 1 by default under pipelining.
                 ("pp2-cp2", 4, 2, ["--parallelism.context_parallel_degree", "2"],
-                 "pipeline rank 1 of 2: blocks 2-3 and the head")):
+                 "pipeline rank 1 of 2: blocks 2-3 and the head"),
+                # NOTE [ZeRO-2 and -3 under pipeline parallelism]: per micro-batch reductions and gathers.
+                ("pp2-fsdp2-zero3", 4, 2, ZERO3, "(ZeRO-3, 2 shard ranks x 1 replicas)"),
+                ("pp2-interleaved-fsdp2-zero2", 4, 2, ZERO2 + ["--parallelism.pipeline_parallel_schedule",
+                                                               "Interleaved1F1B"],
+                 "(ZeRO-2, 2 shard ranks x 1 replicas)"),
+                ("pp2-interleaved-replicate2-zero3", 4, 2, ["--parallelism.data_parallel_replicate_degree", "2",
+                                                            "--parallelism.zero_stage", "3",
+                                                            "--parallelism.pipeline_parallel_schedule",
+                                                            "Interleaved1F1B"],
+                 "(ZeRO-3, 1 shard ranks x 2 replicas)"),
+                ("pp2-cp2-zero3", 4, 2, ["--parallelism.context_parallel_degree", "2",
+                                         "--parallelism.zero_stage", "3"],
+                 "(ZeRO-3, 2 shard ranks x 1 replicas)"),
+                ("pp2-tp2-fsdp2-zero3", 8, 2, ZERO3 + ["--parallelism.tensor_parallel_degree", "2"],
+                 "(ZeRO-3, 2 shard ranks x 1 replicas)")):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
                 split = 2 if any(f in flags for f in ("--parallelism.tensor_parallel_degree",
@@ -130,6 +149,20 @@ class Checkpoints(unittest.TestCase):
         steps, evals = self.resumed(source, "pp2-fsdp2-to-one", 1)
         self.expect_continues(source, steps, evals, 1e-5)
 
+    def test_pipeline_with_fsdp_zero3_checkpoints(self):
+        """2 stages x FSDP 2 under ZeRO-3 (NOTE [ZeRO-2 and -3 under pipeline parallelism]): the
+        run resumes bitwise, under ZeRO-1, and on one rank."""
+        source = os.path.join(self.tmp, "saved-pp2-zero3")
+        train(source, 4, *PP2, *ZERO3, *SAVE, data_ranks=2)
+        _, steps, evals = resumed_copy(source, os.path.join(self.tmp, "pp2-zero3-again"), 4, 2, *LAYERS, *PP2,
+                                       *ZERO3, steps=STEPS)
+        self.expect_continues(source, steps, evals, 0)
+        _, steps, evals = resumed_copy(source, os.path.join(self.tmp, "pp2-zero3-to-zero1"), 4, 2, *LAYERS, *PP2,
+                                       *FSDP2, steps=STEPS)
+        self.expect_continues(source, steps, evals, 1e-5)
+        steps, evals = self.resumed(source, "pp2-zero3-to-one", 1)
+        self.expect_continues(source, steps, evals, 1e-5)
+
     def test_a_pipeline_checkpoint_resumes_under_other_layouts(self):
         for name, ranks, flags in (("pp2-to-one", 1, []),
                                    ("pp2-to-interleaved", 2, PP2 + ["--parallelism.pipeline_parallel_schedule",
@@ -174,13 +207,15 @@ class Failures(unittest.TestCase):
                   "--training.gradient_accumulation_steps", "3"],
                  ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
                 (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
-                # zero_stage is 1 by default under pipelining; asked for 3 or 2, it is refused.
-                (["--model.num_layers", "4", "--parallelism.data_parallel_shard_degree", "2",
-                  "--parallelism.zero_stage", "3"],
-                 ["parallelism.zero_stage = 3", "needs parallelism.zero_stage"]),
+                # ZeRO-2/3 under pipelining: not with FP8, nor LoRA with expert parallelism, yet.
+                (["--model.name", "debug-tiny-moe", "--model.num_layers", "4",
+                  "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
+                  "--parallelism.zero_stage", "3", "--lora.rank", "4"],
+                 ["parallelism.zero_stage = 3", "lora.rank = 4 (command line) and parallelism.expert_parallel_degree = 2",
+                  "take parallelism.zero_stage 1"]),
                 (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2",
-                  "--parallelism.zero_stage", "2"],
-                 ["parallelism.zero_stage = 2", "parallelism.context_parallel_degree"]),
+                  "--parallelism.zero_stage", "2", "--precision.fp8", "tensorwise"],
+                 ["parallelism.zero_stage = 2", "precision.fp8 = tensorwise"]),
                 (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                  ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
             with self.subTest(flags=flags):
