@@ -19,6 +19,7 @@
 #include "ops/lora_experts.h"
 #include "ops/moe_fp8.h"
 #include "ops/swiglu.h"
+#include "fp8_testing.h"
 #include "ops_testing.h"
 
 namespace forge {
@@ -27,23 +28,10 @@ namespace {
 using cpu::Fp8Format;
 using cpu::Fp8Role;
 using testing::random_tensor;
+using testing::fake_quantized;
 using testing::relative_error;
 
 constexpr double kTolerance = 1e-5;
-
-// t [rows, cols] quantized tensorwise and decoded, in double.
-std::vector<double> fake_quantized(const Tensor& t, Fp8Format format) {
-  const int64_t rows = t.dim(0), cols = t.dim(1);
-  const cpu::Fp8Blocks whole{rows, cols};
-  float amax = 0.0f;
-  cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
-  const float scale = cpu::fp8_scale_torchao(amax, format, false);
-  std::vector<uint8_t> codes(static_cast<size_t>(t.numel()));
-  cpu::fp8_quantize(t.data<float>(), rows, cols, whole, &scale, format, codes.data());
-  std::vector<float> back(codes.size());
-  cpu::fp8_dequantize(codes.data(), rows, cols, whole, &scale, format, back.data());
-  return std::vector<double>(back.begin(), back.end());
-}
 
 // out [m, n] = A B^T with A [m, k] and B [n, k] (transpose_a: A given as [k, m]; likewise b).
 std::vector<double> gemm(const std::vector<double>& a, bool transpose_a, const std::vector<double>& b,
