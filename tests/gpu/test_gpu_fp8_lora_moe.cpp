@@ -123,8 +123,9 @@ TEST(GpuFp8LoraMoe, TrainingMicroBatchesMatchTheCpu) {
                     static_cast<long>(moved), static_cast<long>(assignments));
         EXPECT_LE(moved * 100, 3 * assignments);
         EXPECT_NEAR(loss_gpu, loss_cpu, 1e-2 * loss_cpu);
+        const std::vector<std::string> names = cpu.master_names();  // by value: keep it alive
         for (size_t i = 0; i < cpu.gradients().size(); ++i) {
-          const std::string& name = cpu.master_names()[i];
+          const std::string& name = names[i];
           const double err = relative_l2(to_cpu_f32(gpu.gradients()[i]), cpu.gradients()[i]);
           std::printf("  %-48s %.4f\n", name.c_str(), err);
           const bool router = name.find(".moe.router") != std::string::npos;
