@@ -145,7 +145,7 @@ class Fp8UnderPipelineParallelism(unittest.TestCase):
                        "--precision.fp8_fsdp_all_gather", "true", data_ranks=2, check=False)
         self.assertNotEqual(result.returncode, 0)
         for words in ("error: precision.fp8_fsdp_all_gather = true", "cannot be combined with "
-                      "parallelism.pipeline_parallel_degree = 2", "in bf16; set it to false"):
+                      "parallelism.pipeline_parallel_degree = 2", "in bf16", "set it to false"):
             self.assertIn(words, result.stdout + result.stderr)
 
 
