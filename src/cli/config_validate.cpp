@@ -362,8 +362,9 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
-// chunks, with or without a sliding window, with or without packed examples (data.source sft and govreport_npy: NOTE [Chunk
-// attention with packed examples] in ops/attention_chunk.h); full training or LoRA and
+// chunks, with or without a sliding window, with or without packed examples (data.source sft
+// and govreport_npy: NOTE [Chunk attention with packed examples] in ops/attention_chunk.h);
+// both rotate methods but packed examples under the ring; full training or LoRA and
 // QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
 // dtype or in FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
