@@ -42,8 +42,12 @@
 // with a right bound of 0): query i keeps key j when j <= i + s_kv - Lq = p + i, and the
 // window's left bound W keeps j + W > p + i, as on the CPU. cuDNN writes dK and dV for the
 // s_kv positions it reads; the rows of dkv past them are zeroed with a 2-D memset, so the
-// whole of dkv is the chunk's gradient. A full chunk (NOTE [Full chunk attention], p.causal
-// false: position 0, no window, not ragged) reads all kv_seq positions with no mask.
+// whole of dkv is the chunk's gradient. At position 0 (s_kv = Lq, not ragged: ring
+// attention's diagonal pairs, the all-gather's first chunk) the two alignments agree, and the
+// chunk takes the top-left causal mask of the whole-sequence attention, whose window
+// cudnn-frontend takes on every backend (it refuses the bottom-right one with a window and
+// s_q = s_kv on Hopper with cuDNN 9.9 and older). A full chunk (NOTE [Full chunk attention],
+// p.causal false: position 0, no window, not ragged) reads all kv_seq positions with no mask.
 // A full chunk with a window (NOTE [Full chunk attention with a sliding window]: kv wholly
 // before the chunk, d = position >= S, t = W - d) is, by t: t >= Lq the full chunk; t >= 1 the
 // band with the diagonal at the top left (TOP_LEFT, whose frontend checks do not take the
@@ -218,7 +222,7 @@ void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProble
     attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
         .set_diagonal_band_left_bound(static_cast<int>(p.chunk.band_left))
         .set_diagonal_band_right_bound(static_cast<int>(p.chunk.keys));
-  else if (is_chunk(p) && p.causal)
+  else if (is_chunk(p) && p.causal && (p.chunk.position > 0 || p.ragged.capacity > 0))
     attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT).set_diagonal_band_right_bound(0);
   else if (p.causal)
     attributes.set_causal_mask(true);
