@@ -362,8 +362,9 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 
 // parallelism.context_parallel_degree C > 1 (NOTE [Context parallelism] in
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
-// chunks, with or without packed examples (data.source sft and govreport_npy: NOTE [Chunk
-// attention with packed examples] in ops/attention_chunk.h); full training or LoRA and
+// chunks, with or without a sliding window, with or without packed examples (data.source sft
+// and govreport_npy: NOTE [Chunk attention with packed examples] in ops/attention_chunk.h);
+// both rotate methods but packed examples under the ring; full training or LoRA and
 // QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
 // dtype or in FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
@@ -375,14 +376,19 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   } catch (const Error& e) {
     FORGE_FAIL("{} with {}: {}", cp, show(config, keys, "training.seq_len"), e.what());
   }
-  // Ring attention (NOTE [Ring attention] in model/context_parallel_ring.h): no sliding
-  // window, no packed examples.
+  // Ring attention (NOTE [Ring attention] in model/context_parallel_ring.h): a sliding window
+  // (NOTE [Ring attention with a sliding window]) but, on CUDA, not one that leaves a band of
+  // a single query, which cuDNN does not take; no packed examples.
   if (config.parallelism.context_parallel_rotate_method != "p2p") return;
   const std::string ring = show(config, keys, "parallelism.context_parallel_rotate_method");
-  if (config.model.sliding_window > 0)
-    FORGE_FAIL("{} with {}: ring attention computes whole blocks of keys and does not take a sliding window; use "
+  const int64_t window = config.model.sliding_window, chunk = config.training.seq_len / (2 * c);
+  if (config.training.device == "cuda" && window >= 2 && (window - 2) % chunk == 0 && (window - 2) / chunk <= 2 * c - 2)
+    FORGE_FAIL("{} with {} on CUDA ({}, {}: chunks of {} positions): {} - 2 is a multiple of the chunk length, "
+               "which leaves a query of a later chunk seeing a single key of an earlier one, and cuDNN's fused "
+               "attention takes no single query; choose another model.sliding_window or training.seq_len, or use "
                "parallelism.context_parallel_rotate_method allgather",
-               ring, show(config, keys, "model.sliding_window"));
+               ring, show(config, keys, "model.sliding_window"), show(config, keys, "training.seq_len"), cp, chunk,
+               window);
   if (config.data.source == "sft" || config.data.source == "govreport_npy")
     FORGE_FAIL("{} with {}: ring attention does not take packed examples; use "
                "parallelism.context_parallel_rotate_method allgather",

@@ -8,25 +8,31 @@
 namespace forge {
 namespace {
 
-// The pair's attention: the full chunk attention, or the causal one at position 0.
+// The pair's attention (NOTE [Ring attention with a sliding window]): the causal chunk
+// attention at position 0 for the diagonal, the full chunk attention otherwise, with the
+// window only for a band.
 AttentionShape pair_shape(const AttentionShape& shape, RingChunkPair pair) {
   AttentionShape s = shape;
   s.causal = pair == RingChunkPair::Diagonal;
+  if (pair == RingChunkPair::Full) s.sliding_window = 0;
   return s;
 }
 
-void check_ring_shape(const AttentionShape& shape) {
-  FORGE_CHECK(shape.sliding_window == 0,
-              "ring attention (parallelism.context_parallel_rotate_method p2p) does not take a sliding window "
-              "(model.sliding_window {}): use parallelism.context_parallel_rotate_method allgather",
-              shape.sliding_window);
+// The pair's position argument: a band's distance from its key chunk to its query chunk.
+int64_t pair_position(RingChunkPair pair, int64_t query_chunk, int64_t key_chunk, int64_t chunk) {
+  return pair == RingChunkPair::Band || pair == RingChunkPair::TrimmedBand ? (query_chunk - key_chunk) * chunk : 0;
 }
 
 }  // namespace
 
-RingChunkPair ring_chunk_pair(int64_t query_chunk, int64_t key_chunk) {
-  if (key_chunk < query_chunk) return RingChunkPair::Full;
-  return key_chunk == query_chunk ? RingChunkPair::Diagonal : RingChunkPair::Skipped;
+RingChunkPair ring_chunk_pair(int64_t query_chunk, int64_t key_chunk, int64_t chunk, int64_t window) {
+  if (key_chunk > query_chunk) return RingChunkPair::Skipped;
+  if (key_chunk == query_chunk) return RingChunkPair::Diagonal;
+  if (window <= 0) return RingChunkPair::Full;
+  const int64_t t = window - (query_chunk - key_chunk) * chunk;
+  if (t >= chunk) return RingChunkPair::Full;
+  if (t <= 1 - chunk) return RingChunkPair::Skipped;
+  return t >= 1 ? RingChunkPair::Band : RingChunkPair::TrimmedBand;
 }
 
 void ContextParallelRing::lay_out(ArenaLayout& layout, const StepShape& shape, int64_t q_heads, int64_t kv_heads,
@@ -55,7 +61,6 @@ void ContextParallelRing::take_own_block(const Tensor& qkv) {
 
 void ContextParallelRing::forward(ContextParallel& cp, const Tensor& out, const Tensor& lse, const Tensor& qkv,
                                   const AttentionShape& shape) {
-  check_ring_shape(shape);
   const int c = cp.size(), r = cp.rank();
   const Tensor running = accumulator_.view({static_cast<int64_t>(accumulator_.numel())})
                              .narrow(0, out.numel())
@@ -68,11 +73,11 @@ void ContextParallelRing::forward(ContextParallel& cp, const Tensor& out, const 
     if (step + 1 < c) cp.rotate_start({kv_[(step + 1) % 2]}, {held});  // the next block, during this one
     for (int half = 0; half < 2; ++half)
       for (int key_half = 0; key_half < 2; ++key_half) {
-        const RingChunkPair pair =
-            ring_chunk_pair(context_parallel_chunk(r, c, half), context_parallel_chunk(owner, c, key_half));
+        const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
+        const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, shape.sliding_window);
         if (pair == RingChunkPair::Skipped) continue;
-        attention_chunk_forward(part_out_, part_lse_, half_of(qkv, half), half_of(held, key_half), 0,
-                                pair_shape(shape, pair));
+        attention_chunk_forward(part_out_, part_lse_, half_of(qkv, half), half_of(held, key_half),
+                                pair_position(pair, q, k, chunk_), pair_shape(shape, pair));
         if (started[half]) {
           attention_merge(half_of(running, half), half_of(lse, half), part_out_, part_lse_);
         } else {
@@ -88,7 +93,6 @@ void ContextParallelRing::forward(ContextParallel& cp, const Tensor& out, const 
 
 void ContextParallelRing::backward(ContextParallel& cp, const Tensor& dqkv, const Tensor& dout, const Tensor& qkv,
                                    const Tensor& out, const Tensor& lse, const AttentionShape& shape) {
-  check_ring_shape(shape);
   const int c = cp.size(), r = cp.rank();
   const Tensor dq = accumulator_.view(qkv.shape());
   take_own_block(qkv);
@@ -101,12 +105,12 @@ void ContextParallelRing::backward(ContextParallel& cp, const Tensor& dqkv, cons
     step_grad_.fill_zero();
     for (int half = 0; half < 2; ++half)
       for (int key_half = 0; key_half < 2; ++key_half) {
-        const RingChunkPair pair =
-            ring_chunk_pair(context_parallel_chunk(r, c, half), context_parallel_chunk(owner, c, key_half));
+        const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
+        const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, shape.sliding_window);
         if (pair == RingChunkPair::Skipped) continue;
         attention_chunk_backward(part_dqkv_, part_dkv_, half_of(dout, half), half_of(qkv, half),
-                                 half_of(held, key_half), half_of(out, half), half_of(lse, half), 0,
-                                 pair_shape(shape, pair));
+                                 half_of(held, key_half), half_of(out, half), half_of(lse, half),
+                                 pair_position(pair, q, k, chunk_), pair_shape(shape, pair));
         accumulate(half_of(dq, half), part_dqkv_);
         accumulate(half_of(step_grad_, key_half), part_dkv_);
       }

@@ -44,10 +44,36 @@
 // exchange is point-to-point steps hidden behind the steps' attention instead of one gather
 // and one reduce-scatter in the open. On CUDA the group's steps run on a stream of their own
 // (distributed/context_parallel_group.h), ordered by events; the CPU group's, and the test
-// groups', are done when rotate_start returns. Not taken under the ring (refused by the
-// config's validation and here): a sliding window (a pair's band would depend on the chunks'
-// distance, which the full chunk attention does not take) and packed examples (segments per
-// pair of chunks).
+// groups', are done when rotate_start returns. With a sliding window, NOTE [Ring attention
+// with a sliding window]. Not taken under the ring (refused by the config's validation):
+// packed examples (segments per pair of chunks; cuDNN's ragged statistics are token-major, the
+// merge's are not).
+//
+// NOTE [Ring attention with a sliding window]
+// Mistral's window W: query position u sees key position v when 0 <= u - v < W. The chunks
+// are L long; query chunk a against key chunk k are d = (a - k) L positions apart, so query i
+// and key j of the pair (at aL + i and kL + j) are d + i - j apart, and with t = W - d:
+//   k > a                     Skipped: the keys are in the queries' future
+//   k = a                     Diagonal: the causal chunk attention at position 0 with the
+//                             window, which keeps its band inside the chunk
+//   k < a, t >= L             Full: the farthest pair, d + L - 1 apart, is inside the window
+//   k < a, t <= 1 - L         Skipped: the nearest pair, d - L + 1 apart, is outside it
+//   k < a, 1 <= t < L         Band: query i sees the keys j > i - t, every query some
+//   k < a, 1 - L < t <= 0     Trimmed band: only the keys [1 - t, L) are seen, by the queries
+//                             [0, L - 1 + t); the others see none of the pair's keys
+// (ring_chunk_pair). A band is the full chunk attention with the window and kv lying d
+// positions before the chunk (NOTE [Full chunk attention with a sliding window] in
+// ops/attention_chunk.h): a row that sees no key gives out 0 and lse -inf, which the merge
+// takes as nothing (NOTE [Attention merge]), and no gradient backward; so a trimmed band may
+// start a query chunk's running out and lse. Every query sees its own position (the diagonal,
+// computed at step 0), so the final lse is finite. The steps, rotations and merges are the
+// windowless ring's; a step whose pairs are all Skipped still passes its block on (the blocks
+// and their gradients must reach every rank), and the steps are no longer balanced: with
+// W <= L a rank computes only the pairs of neighbouring chunks. On CUDA the band goes through
+// cuDNN's diagonal band, and cuDNN takes no single query: the trimmed band of one query and
+// one key (L - 1 + t = 1, i.e. W - 2 = (a - k - 1) L for some distance a - k of 1 .. 2C - 1)
+// is refused up front by the config's validation, naming model.sliding_window and the chunk
+// length (training.seq_len / 2C).
 #pragma once
 
 #include <cstdint>
@@ -60,9 +86,10 @@
 
 namespace forge {
 
-enum class RingChunkPair { Skipped, Full, Diagonal };
-// What query chunk `query_chunk` computes against key chunk `key_chunk` (of the 2C).
-RingChunkPair ring_chunk_pair(int64_t query_chunk, int64_t key_chunk);
+enum class RingChunkPair { Skipped, Full, Diagonal, Band, TrimmedBand };
+// What query chunk `query_chunk` computes against key chunk `key_chunk` (of the 2C), for
+// chunks of `chunk` positions under a sliding window `window` (0: none).
+RingChunkPair ring_chunk_pair(int64_t query_chunk, int64_t key_chunk, int64_t chunk = 1, int64_t window = 0);
 
 class ContextParallelRing {
  public:

@@ -17,11 +17,15 @@ namespace {
 // The chunk's dimensions from qkv and kv, checked against `shape` (NOTE [Chunk attention]).
 cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t position, const AttentionShape& shape,
                                    const char* op) {
-  check_attention_shape(qkv, shape, op);
-  FORGE_CHECK(shape.causal || (shape.sliding_window == 0 && position == 0),
+  AttentionShape checked = shape;  // a full chunk's window is checked below, not as bidirectional attention's
+  if (!shape.causal && shape.sliding_window > 0) checked.sliding_window = 0;
+  check_attention_shape(qkv, checked, op);
+  FORGE_CHECK(shape.causal || (shape.sliding_window == 0 && position == 0) ||
+                  (shape.sliding_window > 0 && position >= kv.dim(1)),
               "{}: a chunk against every key of kv (not causal, NOTE [Full chunk attention]) takes position 0 and "
-              "no sliding window, got position {} and window {}",
-              op, position, shape.sliding_window);
+              "no sliding window, or a sliding window with all of kv's {} keys before the chunk (position >= {}, "
+              "NOTE [Full chunk attention with a sliding window]), got position {} and window {}",
+              op, kv.dim(1), kv.dim(1), position, shape.sliding_window);
   FORGE_CHECK(!shape.distinct_v_head_dim(), "{}: values of a head dim of their own ({} against {}) are not taken", op,
               shape.v_head_dim, shape.head_dim);
   const int64_t b = qkv.dim(0), queries = qkv.dim(1), hkv = shape.num_kv_heads, d = qkv.dim(3);

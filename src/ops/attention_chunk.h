@@ -28,9 +28,26 @@
 // [0, S) whatever its place, as when all of kv lies before the chunk in the sequence. Ring
 // attention (NOTE [Ring attention] in model/context_parallel_ring.h) computes a query chunk
 // against a key chunk that lies wholly in its past this way, and the chunk against its own
-// keys as the causal form at position 0. It takes position 0, no sliding window (whose band
-// would depend on where kv lies) and no packed examples, and any number of queries against
-// any number of keys; the backward's dkv is then the gradient at every position of kv.
+// keys as the causal form at position 0. It takes position 0, no packed examples, and any
+// number of queries against any number of keys; the backward's dkv is then the gradient at
+// every position of kv. With a sliding window, NOTE [Full chunk attention with a sliding
+// window].
+//
+// NOTE [Full chunk attention with a sliding window]
+// Not causal with a window W > 0, kv [B, S] still lies wholly before the chunk, and
+// `position` says where: the chunk's first query is d = position >= S positions after kv's
+// first key, so query i (at d + i) sees key j (at j) when d + i - j < W, i.e. the keys
+// j > i - t, t = W - d, of kv: a band whose diagonal is offset by d, with no causal bound
+// inside kv (every key lies before every query). The rows of a pair of chunks d apart under
+// Mistral's window, for ring attention (NOTE [Ring attention with a sliding window]). With
+// t >= Lq every query sees every key (the full chunk); with t >= 1 query i sees the keys from
+// max(0, i - t + 1) on (a band); with t <= 0 only the keys from k0 = 1 - t on are seen at
+// all, by the queries i < S - k0 (a trimmed band); a query that sees no key gets out 0 and lse
+// -inf, which the log-sum-exp merge (NOTE [Attention merge]) takes as no contribution, and no
+// gradient. On CUDA the band is cuDNN's diagonal band with the diagonal at the top left, the
+// left bound t and a right bound past every key; the trimmed band reads the queries
+// [0, S - k0) and the keys [k0, S) with the left bound 1 (kernels/cuda/attention.cpp), which
+// needs Lq <= S and, as every cuDNN attention, at least 2 queries: S - k0 >= 2.
 //
 // NOTE [Chunk attention with packed examples]
 // With packed examples (NOTE [Packed examples] in ops/attention.h) a query at position t of

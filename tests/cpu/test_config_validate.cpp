@@ -288,6 +288,33 @@ TEST(ConfigValidate, PackedExamplesRunOnContextParallelRanks) {
               2);
 }
 
+// NOTE [Ring attention with a sliding window]: ring attention takes Mistral's window; on
+// CUDA not one whose W - 2 is a multiple of the chunk length (a band of a single query, which
+// cuDNN does not take); packed examples stay with the all-gather.
+TEST(ConfigValidate, RingAttentionTakesASlidingWindow) {
+  const ConfigOverrides ring = {{"parallelism.context_parallel_degree", "2"},
+                                {"parallelism.context_parallel_rotate_method", "p2p"},
+                                {"training.seq_len", "64"}};  // chunks of 16
+  auto with = [&](ConfigOverrides more) {
+    ConfigOverrides all = ring;
+    all.insert(all.end(), more.begin(), more.end());
+    return load(all);
+  };
+  for (const char* window : {"4", "16", "18", "40"})
+    EXPECT_EQ(with({{"model.sliding_window", window}}).model.sliding_window, std::stoll(window));
+  EXPECT_EQ(with({{"model.sliding_window", "17"}, {"training.device", "cuda"}}).model.sliding_window, 17);
+  EXPECT_EQ(with({{"model.sliding_window", "20"}, {"training.device", "cuda"}}).model.sliding_window, 20);
+  for (const char* window : {"2", "18", "34"})
+    expect_error([&] { with({{"model.sliding_window", window}, {"training.device", "cuda"}}); },
+                 {"parallelism.context_parallel_rotate_method = p2p", fmt::format("model.sliding_window = {}", window),
+                  "training.seq_len = 64", "parallelism.context_parallel_degree = 2", "chunks of 16 positions",
+                  "single query", "allgather"});
+  // 50 - 2 = 3 x 16 would be chunks 4 apart, past the farthest pair (3 apart).
+  EXPECT_EQ(with({{"model.sliding_window", "50"}, {"training.device", "cuda"}}).model.sliding_window, 50);
+  expect_error([&] { with({{"model.sliding_window", "4"}, {"data.source", "sft"}, {"data.path", "/d/x"}}); },
+               {"parallelism.context_parallel_rotate_method = p2p", "data.source = sft", "packed examples"});
+}
+
 TEST(ConfigValidate, SequenceMustFitTheModel) {
   expect_error([] { load({{"training.seq_len", "512"}}); },
                {"training.seq_len = 512 (command line) exceeds model.max_seq_len = 256"});

@@ -45,6 +45,7 @@ double max_abs(const Tensor& a) {
 struct RingCase {
   int ranks;
   int64_t batch, seq, q_heads, kv_heads, head_dim;
+  int64_t window = 0;  // model.sliding_window (NOTE [Ring attention with a sliding window])
 };
 
 // One rank's results of one method: out, lse and dqkv of its [2B, L] tokens.
@@ -99,13 +100,14 @@ Tensor chunks_of(const Tensor& whole, int rank, int size) {
 }
 
 void expect_ring_matches_all_gather(const RingCase& c) {
-  SCOPED_TRACE(fmt::format("C={} B={} S={} Hq={} Hkv={} D={}", c.ranks, c.batch, c.seq, c.q_heads, c.kv_heads,
-                           c.head_dim));
+  SCOPED_TRACE(fmt::format("C={} B={} S={} Hq={} Hkv={} D={} W={}", c.ranks, c.batch, c.seq, c.q_heads, c.kv_heads,
+                           c.head_dim, c.window));
   Rng rng(static_cast<uint64_t>(17 + c.ranks + c.q_heads));
-  const AttentionShape shape{.num_q_heads = c.q_heads,
-                             .num_kv_heads = c.kv_heads,
-                             .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim))),
-                             .head_dim = c.head_dim};
+  AttentionShape shape{.num_q_heads = c.q_heads,
+                       .num_kv_heads = c.kv_heads,
+                       .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(c.head_dim))),
+                       .head_dim = c.head_dim};
+  shape.sliding_window = c.window;
   const Tensor qkv = random_tensor({c.batch, c.seq, c.q_heads + 2 * c.kv_heads, c.head_dim}, rng, 1.5);
   const Tensor dout = random_tensor({c.batch, c.seq, c.q_heads, c.head_dim}, rng);
   Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
@@ -141,10 +143,11 @@ void expect_ring_matches_all_gather(const RingCase& c) {
     scale = std::max(scale, max_abs(g.dqkv));
   }
   std::printf(
-      "ring vs all-gather, C=%d Hq=%lld Hkv=%lld: max |diff| out %.3g lse %.3g dqkv %.3g (max |dqkv| %.3g); "
-      "ring vs one rank: out %.3g lse %.3g dqkv %.3g\n",
-      c.ranks, static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), out_gap, lse_gap, dqkv_gap,
-      scale, out_ref, lse_ref, dqkv_ref);
+      "ring vs all-gather, C=%d L=%lld W=%lld Hq=%lld Hkv=%lld: max |diff| out %.3g lse %.3g dqkv %.3g (max |dqkv| "
+      "%.3g); ring vs one rank: out %.3g lse %.3g dqkv %.3g\n",
+      c.ranks, static_cast<long long>(c.seq / (2 * c.ranks)), static_cast<long long>(c.window),
+      static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), out_gap, lse_gap, dqkv_gap, scale,
+      out_ref, lse_ref, dqkv_ref);
   // fp32: the ring sums the same terms in another order (a few ulps of values of order 1-10).
   for (double gap : {out_gap, lse_gap, out_ref, lse_ref}) EXPECT_LT(gap, 2e-5);
   for (double gap : {dqkv_gap, dqkv_ref}) EXPECT_LT(gap, 2e-5 * std::max(1.0, scale));
@@ -155,6 +158,137 @@ TEST(ContextParallelRing, MatchesAllGatherAndOneRank) {
   expect_ring_matches_all_gather({4, 1, 24, 4, 4, 4});   // MHA, chunks of 3
   expect_ring_matches_all_gather({4, 2, 32, 6, 2, 16});  // GQA 3:1
   expect_ring_matches_all_gather({3, 1, 12, 2, 1, 8});   // an odd ring: next and previous differ
+}
+
+// NOTE [Ring attention with a sliding window]: windows that give every kind of pair (chunks
+// of L = S / 2C): narrower than a chunk (bands and trimmed bands of neighbours only), W - 2 a
+// multiple of L (trimmed bands of one query and one key), a window of one (the diagonal only),
+// between chunks, and wider than the sequence (every pair full).
+TEST(ContextParallelRing, SlidingWindowMatchesAllGatherAndOneRank) {
+  for (int64_t window : {1, 2, 3, 5, 6, 9, 13, 100})  // L = 4
+    expect_ring_matches_all_gather({2, 2, 16, 4, 2, 8, window});
+  for (int64_t window : {7, 11})  // L = 4, 8 chunks: pairs up to 7 chunks apart
+    expect_ring_matches_all_gather({4, 1, 32, 4, 4, 4, window});
+  expect_ring_matches_all_gather({3, 1, 30, 2, 1, 8, 8});  // L = 5, an odd ring
+  expect_ring_matches_all_gather({2, 1, 20, 6, 2, 16, 12});  // L = 5, GQA 3:1
+}
+
+// The classes of ring_chunk_pair against the pair's mask itself: query i of chunk a sees key
+// j of chunk k when 0 <= (aL + i) - (kL + j) < W.
+TEST(ContextParallelRing, PairClassesFollowTheWindowMask) {
+  for (int64_t chunk : {1, 2, 3, 4, 5})
+    for (int64_t window : {0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 17})
+      for (int64_t a = 0; a < 8; ++a)
+        for (int64_t k = 0; k < 8; ++k) {
+          int64_t seen = 0, empty_rows = 0;
+          for (int64_t i = 0; i < chunk; ++i) {
+            int64_t row = 0;
+            for (int64_t j = 0; j < chunk; ++j) {
+              const int64_t distance = (a * chunk + i) - (k * chunk + j);
+              row += distance >= 0 && (window == 0 || distance < window);
+            }
+            seen += row;
+            empty_rows += row == 0;
+          }
+          const RingChunkPair pair = ring_chunk_pair(a, k, chunk, window);
+          SCOPED_TRACE(fmt::format("L={} W={} query chunk {} key chunk {}", chunk, window, a, k));
+          if (a == k) {
+            EXPECT_EQ(pair, RingChunkPair::Diagonal);
+          } else if (seen == 0) {
+            EXPECT_EQ(pair, RingChunkPair::Skipped);
+          } else if (seen == chunk * chunk) {
+            EXPECT_EQ(pair, RingChunkPair::Full);
+          } else {
+            EXPECT_EQ(pair, empty_rows > 0 ? RingChunkPair::TrimmedBand : RingChunkPair::Band);
+          }
+        }
+}
+
+// NOTE [Full chunk attention with a sliding window]: a chunk d positions after kv against
+// the window, row by row against the softmax over the keys it sees (out 0 and lse -inf for a
+// query that sees none), and its backward against central differences of sum(out * dout).
+TEST(ContextParallelRing, BandChunkIsTheWindowedAttentionAtItsDistance) {
+  Rng rng(12);
+  const int64_t b = 2, lq = 5, s = 5, hq = 2, hkv = 1, d = 4;
+  const int64_t width = (hq + 2 * hkv) * d;
+  for (int64_t window : {6, 8, 11, 13}) {  // at distance 10: trimmed (two sizes), band, band
+    SCOPED_TRACE(fmt::format("W={}", window));
+    const int64_t distance = 10;
+    AttentionShape shape{.num_q_heads = hq, .num_kv_heads = hkv, .scale = 0.5f, .head_dim = d};
+    shape.causal = false;
+    shape.sliding_window = window;
+    Tensor qkv = random_tensor({b, lq, hq + 2 * hkv, d}, rng, 1.5), kv = random_tensor({b, s, 2 * hkv, d}, rng);
+    const Tensor dout = random_tensor({b, lq, hq, d}, rng);
+    Tensor out = Tensor::empty({b, lq, hq, d}), lse = Tensor::empty({b, hq, lq});
+    attention_chunk_forward(out, lse, qkv, kv, distance, shape);
+    for (int64_t x = 0; x < b; ++x)
+      for (int64_t h = 0; h < hq; ++h)
+        for (int64_t i = 0; i < lq; ++i) {
+          std::vector<double> score;
+          std::vector<int64_t> keys;
+          for (int64_t j = 0; j < s; ++j) {
+            if (distance + i - j >= window) continue;
+            double dot = 0;
+            for (int64_t e = 0; e < d; ++e)
+              dot += qkv.data<float>()[((x * lq + i) * (hq + 2 * hkv) + h) * d + e] *
+                     kv.data<float>()[((x * s + j) * 2 * hkv) * d + e];
+            score.push_back(0.5 * dot);
+            keys.push_back(j);
+          }
+          const float got_lse = lse.data<float>()[(x * hq + h) * lq + i];
+          const float* o = out.data<float>() + ((x * lq + i) * hq + h) * d;
+          if (keys.empty()) {
+            EXPECT_EQ(got_lse, -INFINITY);
+            for (int64_t e = 0; e < d; ++e) EXPECT_EQ(o[e], 0.0f);
+            continue;
+          }
+          double m = *std::max_element(score.begin(), score.end()), sum = 0;
+          for (double v : score) sum += std::exp(v - m);
+          EXPECT_NEAR(got_lse, m + std::log(sum), 1e-5);
+          for (int64_t e = 0; e < d; ++e) {
+            double want = 0;
+            for (size_t n = 0; n < keys.size(); ++n)
+              want += std::exp(score[n] - m) / sum * kv.data<float>()[((x * s + keys[n]) * 2 * hkv + hkv) * d + e];
+            EXPECT_NEAR(o[e], want, 1e-5);
+          }
+        }
+    Tensor dqkv = Tensor::zeros(qkv.shape()), dkv = Tensor::empty(kv.shape());
+    attention_chunk_backward(dqkv, dkv, dout, qkv, kv, out, lse, distance, shape);
+    auto loss = [&] {
+      Tensor o = Tensor::empty(out.shape()), l = Tensor::empty(lse.shape());
+      attention_chunk_forward(o, l, qkv, kv, distance, shape);
+      double total = 0;
+      for (int64_t n = 0; n < o.numel(); ++n) total += static_cast<double>(o.data<float>()[n]) * dout.data<float>()[n];
+      return total;
+    };
+    auto central = [&](float* x) {
+      const float keep = *x, step = 1e-2f;
+      *x = keep + step;
+      const double up = loss();
+      *x = keep - step;
+      const double down = loss();
+      *x = keep;
+      return (up - down) / (2.0 * step);
+    };
+    double worst = 0;
+    for (int64_t n = 0; n < b * lq; ++n)
+      for (int64_t e = 0; e < hq * d; ++e)
+        worst = std::max(worst, std::abs(central(qkv.data<float>() + n * width + e) -
+                                         dqkv.data<float>()[n * width + e]));
+    for (int64_t n = 0; n < kv.numel(); ++n)
+      worst = std::max(worst, std::abs(central(kv.data<float>() + n) - dkv.data<float>()[n]));
+    EXPECT_LT(worst, 2e-3);
+  }
+  expect_error(
+      [&] {
+        AttentionShape shape{.num_q_heads = 2, .num_kv_heads = 1, .scale = 0.5f, .head_dim = 4};
+        shape.causal = false;
+        shape.sliding_window = 3;
+        Tensor qkv = Tensor::zeros({1, 4, 4, 4}), kv = Tensor::zeros({1, 4, 2, 4});
+        Tensor out = Tensor::empty({1, 4, 2, 4}), lse = Tensor::empty({1, 2, 4});
+        attention_chunk_forward(out, lse, qkv, kv, 2, shape);
+      },
+      {"NOTE [Full chunk attention with a sliding window]", "position >= 4", "got position 2"});
 }
 
 // Every rank computes each (query chunk, key chunk) pair it must exactly once over the C
@@ -258,10 +392,10 @@ TEST(ContextParallelRing, ConfigChoosesTheMethodAndRefusesWhatTheRingCannotTake)
   EXPECT_EQ(parse_context_parallel_rotate("allgather"), ContextParallelRotate::AllGather);
   expect_error([&] { with({{"parallelism.context_parallel_rotate_method", "alltoall"}}); },
                {"parallelism.context_parallel_rotate_method", "allgather", "p2p"});
-  expect_error(
-      [&] { with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"model.sliding_window", "4"}}); },
-      {"parallelism.context_parallel_rotate_method = p2p", "model.sliding_window = 4", "sliding window",
-       "allgather"});
+  // A sliding window is taken by both (NOTE [Ring attention with a sliding window]).
+  EXPECT_EQ(with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"model.sliding_window", "4"}})
+                .model.sliding_window,
+            4);
   expect_error([&] {
     with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"data.source", "sft"}, {"data.path", "/d/x"}});
   },

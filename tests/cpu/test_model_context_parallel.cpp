@@ -152,7 +152,7 @@ TEST(ModelContextParallel, WithTensorParallelism) {
 
 // NOTE [Ring attention]: the same losses and gradients with the keys and values passed
 // around the ring, GQA and MHA, 2 and 4 ranks, every checkpointing mode, with tensor
-// parallelism.
+// parallelism, with sliding windows.
 TEST(ModelContextParallel, RingAttentionMatchesOneRank) {
   constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
   for (ActivationCheckpoint mode :
@@ -161,6 +161,14 @@ TEST(ModelContextParallel, RingAttentionMatchesOneRank) {
   expect_ranks_match_one({"debug-tiny-mha", 4, ActivationCheckpoint::None, 1, {}, false, ring});
   expect_ranks_match_one({"debug-tiny", 4, ActivationCheckpoint::Full, 1, {}, false, ring});
   expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::Selective, 2, {}, false, ring});
+  // NOTE [Ring attention with a sliding window]: chunks of 2 under a window of 5 (full pairs,
+  // bands), of 4 under 3 (trimmed bands) and 6 (bands, trimmed bands), with tensor parallelism.
+  expect_ranks_match_one(
+      {"debug-tiny-swa", 4, ActivationCheckpoint::None, 1, {{"model.sliding_window", "5"}}, false, ring});
+  expect_ranks_match_one(
+      {"debug-tiny-swa", 2, ActivationCheckpoint::Full, 1, {{"model.sliding_window", "3"}}, false, ring});
+  expect_ranks_match_one(
+      {"debug-tiny-swa", 2, ActivationCheckpoint::Selective, 2, {{"model.sliding_window", "6"}}, false, ring});
 }
 
 // NOTE [Chunk attention with packed examples]: the queries of each rank's chunks see their

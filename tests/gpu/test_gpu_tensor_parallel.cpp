@@ -153,11 +153,12 @@ ModelConfig llama_like(bool tied) {
 // With `rotate` Ring, ring attention (NOTE [Ring attention] in model/context_parallel_ring.h).
 void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode,
                                 const SequenceLayout* layout = nullptr,
-                                ContextParallelRotate rotate = ContextParallelRotate::AllGather) {
-  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}{}", t, c, tied ? "tied" : "untied",
+                                ContextParallelRotate rotate = ContextParallelRotate::AllGather, int64_t window = 0) {
+  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}{}, window {}", t, c, tied ? "tied" : "untied",
                            activation_checkpoint_name(mode), layout ? ", packed examples" : "",
-                           rotate == ContextParallelRotate::Ring ? ", ring attention" : ""));
-  const ModelConfig config = llama_like(tied);
+                           rotate == ContextParallelRotate::Ring ? ", ring attention" : "", window));
+  ModelConfig config = llama_like(tied);
+  config.sliding_window = window;
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(t * 10 + c));
   const Tensor tokens = random_ids(batch * seq, config.vocab_size, rng).view({batch, seq});
@@ -335,17 +336,28 @@ TEST(GpuContextParallel, RingThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, nullptr, ring);
 }
 
+// NOTE [Ring attention with a sliding window]: model.sliding_window 40 over sequences of 128,
+// chunks of 32 on 2 ranks (a band and a trimmed band of 7 queries) and of 16 on 4 (a full
+// pair, a band, a trimmed band of 7 queries, skipped pairs), against one GPU with the window.
+TEST(GpuContextParallel, RingSlidingWindowThreadRanksMatchOneGpu) {
+  constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
+  expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None, nullptr, ring, 40);
+  expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full, nullptr, ring, 40);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, nullptr, ring, 40);
+}
+
 // Ring attention against the all-gather on c rank threads, the attention alone in bf16 with
 // cuDNN (full and causal chunk attention, the merge kernel, the ring's rotations), and both
 // against the whole sequence's fp32 CPU attention: out, lse and dqkv of every rank's chunks.
-void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv_heads) {
+void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv_heads, int64_t window = 0) {
   const int64_t batch = 2, seq = 512, d = 64, heads = q_heads + 2 * kv_heads;
-  SCOPED_TRACE(fmt::format("{} ranks, {} query and {} key/value heads", c, q_heads, kv_heads));
+  SCOPED_TRACE(fmt::format("{} ranks, {} query and {} key/value heads, window {}", c, q_heads, kv_heads, window));
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(c));
   const Tensor qkv = random_bf16_values({batch, seq, heads, d}, rng, 1.5);
   const Tensor dout = random_bf16_values({batch, seq, q_heads, d}, rng);
   const AttentionShape shape{.num_q_heads = q_heads,
                              .num_kv_heads = kv_heads,
+                             .sliding_window = window,
                              .scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(d))),
                              .head_dim = d};
   Tensor out = Tensor::empty({batch, seq, q_heads, d}), lse = Tensor::empty({batch, q_heads, seq});
@@ -415,10 +427,10 @@ void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv
     }
   }
   std::printf(
-      "C=%d Hq=%lld Hkv=%lld relative L2: ring vs all-gather out %.3g lse %.3g dqkv %.3g; vs fp32 CPU: all-gather "
-      "out %.3g lse %.3g dqkv %.3g, ring out %.3g lse %.3g dqkv %.3g\n",
-      c, static_cast<long long>(q_heads), static_cast<long long>(kv_heads), gaps[0], gaps[1], gaps[2], errs[0][0],
-      errs[0][1], errs[0][2], errs[1][0], errs[1][1], errs[1][2]);
+      "C=%d Hq=%lld Hkv=%lld W=%lld relative L2: ring vs all-gather out %.3g lse %.3g dqkv %.3g; vs fp32 CPU: "
+      "all-gather out %.3g lse %.3g dqkv %.3g, ring out %.3g lse %.3g dqkv %.3g\n",
+      c, static_cast<long long>(q_heads), static_cast<long long>(kv_heads), static_cast<long long>(window), gaps[0],
+      gaps[1], gaps[2], errs[0][0], errs[0][1], errs[0][2], errs[1][0], errs[1][1], errs[1][2]);
   for (int k = 0; k < 3; ++k) {
     EXPECT_LT(gaps[k], 1e-2);
     EXPECT_LT(errs[1][k], 2e-2);
@@ -430,6 +442,15 @@ TEST(GpuContextParallel, RingAttentionMatchesAllGather) {
   expect_ring_attention_matches_all_gather(2, 8, 2);
   expect_ring_attention_matches_all_gather(4, 8, 2);
   expect_ring_attention_matches_all_gather(4, 4, 4);
+}
+
+// With a sliding window (NOTE [Ring attention with a sliding window]), chunks of 128 on 2 ranks
+// and of 64 on 4: W 200 gives bands (t 72, 8), trimmed bands (71 and 7 queries), full and
+// skipped pairs; W 100 on 4 ranks a band (t 36) and a trimmed band of 35 queries.
+TEST(GpuContextParallel, RingSlidingWindowMatchesAllGather) {
+  expect_ring_attention_matches_all_gather(2, 8, 2, 200);
+  expect_ring_attention_matches_all_gather(4, 8, 2, 200);
+  expect_ring_attention_matches_all_gather(4, 4, 4, 100);
 }
 
 // Packed examples of [2, 128] micro-batches: row 0 examples of 40, 30 and 35 tokens and 23 of

@@ -2,8 +2,8 @@
 NOTE [Context parallelism] in model/context_parallel.h, NOTE [Context-parallel steps] in
 train/trainer.cpp): the same run with every sequence split over 2 and 4 context-parallel
 ranks, composed with 2 tensor-parallel ranks, with FSDP over 2 data-parallel ranks and with
-hybrid sharding, and with ring attention instead of the all-gather on 2 and 4 ranks, gives
-one rank's loss curve, gradient norms and validation losses within
+hybrid sharding, and with ring attention instead of the all-gather on 2 and 4 ranks (also
+under a sliding window, both rotate methods), gives one rank's loss curve, gradient norms and validation losses within
 fp32 reordering; a run resumed from its checkpoint repeats the uninterrupted one bitwise,
 and its checkpoint resumes on one rank; the configurations it cannot take are refused with
 errors that name the keys."""
@@ -58,6 +58,23 @@ class Parity(unittest.TestCase):
                 train(run, ranks, data_ranks, *flags)
                 self.expect_follows(run)
 
+    def test_sliding_window_follows_one(self):
+        """NOTE [Ring attention with a sliding window]: model.sliding_window 40 with chunks of 32
+        (2 ranks: a band and a trimmed band) and of 16 (4 ranks: full, band, trimmed and skipped
+        pairs), through the ring and the all-gather, against one rank with the same window."""
+        window = ["--model.sliding_window", "40"]
+        one = os.path.join(self.tmp, "one-window")
+        train(one, 1, 1, *window)
+        for name, ranks, flags in (("cp2-ring-window", 2, [CP, "2", RING, "p2p"]),
+                                   ("cp4-ring-window", 4, [CP, "4", RING, "p2p"]),
+                                   ("cp2-allgather-window", 2, [CP, "2", RING, "allgather"])):
+            with self.subTest(run=name):
+                run = os.path.join(self.tmp, name)
+                train(run, ranks, 1, *flags, *window)
+                for kind, key in (("train", "loss"), ("train", "grad_norm"), ("eval", "loss")):
+                    self.assertLess(max_relative_difference(records(run, kind), records(one, kind), key), 1e-5,
+                                    (name, kind, key))
+
     def test_resume_is_exact_and_reshards(self):
         """2 context-parallel ranks, and 2 x 2 with tensor parallelism (whose checkpoints hold
         the shards, NOTE [Tensor-parallel checkpoints]): resumed at the layout that saved them,
@@ -94,8 +111,8 @@ class Errors(unittest.TestCase):
         for ranks, flags, message in (
                 (2, [CP, "2", "--training.seq_len", "30"], "cuts each sequence into 4 chunks (two per rank), which must divide training.seq_len = 30"),
                 (2, [CP, "2", "--model.name", "debug-tiny-moe"], "has Mixture-of-Experts blocks"),
-                (2, [CP, "2", RING, "p2p", "--model.sliding_window", "4"],
-                 "ring attention computes whole blocks of keys and does not take a sliding window"),
+                (2, [CP, "2", RING, "p2p", "--data.source", "sft", "--data.path", "/nonexistent/sft.jsonl"],
+                 "ring attention does not take packed examples"),
                 (2, [CP, "4"], "pipeline_parallel_degree = 1 × 1 × 1 × 4 × 1 = 4"),
                 (1, [CP, "2"], "this process was started alone")):
             with self.subTest(flags=flags):

@@ -6,8 +6,9 @@
 // chunk sits at position t = position + i of its sequence and attends to keys j in
 // [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0, and with packed
 // examples no earlier than the first position of t's example (not causal: every key of
-// kv, [0, kv_seq)); one (batch, head, query) row at a time forward (attend_row), and in
-// the backward, recomputing p_j = exp(s_j - lse_i),
+// kv, [0, kv_seq), or with a window the keys j > position + i - W of a kv lying wholly
+// before the chunk, out 0 and lse -inf for a query that sees none); one (batch, head, query)
+// row at a time forward (attend_row), and in the backward, recomputing p_j = exp(s_j - lse_i),
 //   dv_j += p_j dout_i      dS_j = p_j (dout_i.v_j - dout_i.out_i)
 //   dq_i = scale sum_j dS_j k_j      dk_j += scale dS_j q_i
 // Only the places differ: queries are read from the chunk's packed qkv, keys and values
@@ -41,8 +42,11 @@ struct Layout {
   int64_t lse_index(int64_t b, int64_t h, int64_t i) const { return (b * d.q_heads + h) * d.queries + i; }
   // The keys query i of the chunk in row b sees: [first_key(b, i), last_key(i)].
   int64_t last_key(int64_t i) const { return d.causal ? d.position + i : d.kv_seq - 1; }
+  // Not causal with a window: kv lies wholly before the chunk, whose first query is `position`
+  // positions after kv's first key (NOTE [Full chunk attention with a sliding window]); a
+  // query may see no key at all (first > last).
   int64_t first_key(int64_t b, int64_t i) const {
-    if (!d.causal) return 0;
+    if (!d.causal) return d.window > 0 ? std::max<int64_t>(0, d.position + i - d.window + 1) : 0;
     const int64_t example = d.example_start ? d.example_start[b * d.kv_seq + last_key(i)] : 0;
     return std::max<int64_t>(example, d.window > 0 ? last_key(i) - d.window + 1 : 0);
   }
@@ -61,6 +65,11 @@ void attention_chunk_forward(float* out, float* lse, const float* qkv, const flo
     for (int64_t row = begin; row < end; ++row) {
       const int64_t i = row % dims.queries, h = (row / dims.queries) % dims.q_heads;
       const int64_t b = row / (dims.queries * dims.q_heads), g = at.kv_head_of(h);
+      if (at.first_key(b, i) > at.last_key(i)) {  // no key: nothing to attend to, lse -inf
+        std::fill_n(out + at.out_row(b, i, h), dims.head_dim, 0.0f);
+        lse[at.lse_index(b, h, i)] = -INFINITY;
+        continue;
+      }
       const double row_lse = attend_row(
           out + at.out_row(b, i, h), qkv + at.query(b, i, h), at.first_key(b, i), at.last_key(i), dims.scale,
           dims.head_dim, dims.head_dim, p.data(), [&](int64_t j) { return kv + at.key(b, j, g); },

@@ -42,8 +42,23 @@
 // with a right bound of 0): query i keeps key j when j <= i + s_kv - Lq = p + i, and the
 // window's left bound W keeps j + W > p + i, as on the CPU. cuDNN writes dK and dV for the
 // s_kv positions it reads; the rows of dkv past them are zeroed with a 2-D memset, so the
-// whole of dkv is the chunk's gradient. A full chunk (NOTE [Full chunk attention], p.causal
-// false: position 0, no window, not ragged) reads all kv_seq positions with no mask.
+// whole of dkv is the chunk's gradient. At position 0 (s_kv = Lq, not ragged: ring
+// attention's diagonal pairs, the all-gather's first chunk) the two alignments agree, and the
+// chunk takes the top-left causal mask of the whole-sequence attention, whose window
+// cudnn-frontend takes on every backend (it refuses the bottom-right one with a window and
+// s_q = s_kv on Hopper with cuDNN 9.9 and older). A full chunk (NOTE [Full chunk attention],
+// p.causal false: position 0, no window, not ragged) reads all kv_seq positions with no mask.
+// A full chunk with a window (NOTE [Full chunk attention with a sliding window]: kv wholly
+// before the chunk, d = position >= S, t = W - d) is, by t: t >= Lq the full chunk; t >= 1 the
+// band with the diagonal at the top left (TOP_LEFT, whose frontend checks do not take the
+// bottom-right rules), the left bound t and a right bound of S, past every key, so query i
+// keeps key j exactly when j > i - t; t <= 0 the trimmed band: the queries [0, n) against the
+// keys [k0, S), k0 = 1 - t, n = S - k0, with the left bound 1, through views whose batch
+// strides still span the chunk's Lq query rows and kv's S rows (KeyValueChunk::q_rows, the
+// kv pointer moved k0 rows on); the rows the band leaves out get out 0 and lse -inf forward
+// (a memset and attention_lse_none), dq 0 and dk/dv 0 backward (memsets). cuDNN takes no
+// single query: a trimmed band with n = 1 (W - 2 a multiple of the chunk length, refused by
+// the config's validation) fails here; n <= 0 sees no key and runs no graph.
 //
 // Chunk attention with packed examples (NOTE [Chunk attention with packed examples]) is the
 // ragged form with the queries and the keys described apart: the query-side lengths and
@@ -64,6 +79,7 @@
 #include <cudnn.h>
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -71,6 +87,7 @@
 #include <unordered_map>
 
 #include "core/device.h"
+#include "kernels/cuda/attention_merge.h"
 #include "kernels/cuda/cuda_check.h"
 
 namespace forge::cuda {
@@ -95,7 +112,7 @@ struct CachedGraph {
 };
 
 using ProblemKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int64_t, int64_t,
-                              int64_t, bool, bool>;
+                              int64_t, int64_t, int64_t, int64_t, bool, bool>;
 
 struct Context {
   cudnnHandle_t handle = nullptr;
@@ -149,7 +166,11 @@ Views views_of(const AttentionProblem& p) {
   const bool ragged = p.ragged.capacity > 0;
   const int64_t batch = ragged ? p.ragged.capacity : p.batch;
   // with ragged chunks, the longest; a full chunk (not causal) sees all of kv
-  const int64_t kv_seq = is_chunk(p) ? (p.causal ? p.chunk.position + p.seq : p.chunk.kv_seq) : p.seq;
+  const int64_t kv_seq = is_chunk(p) ? (p.chunk.band_left > 0 ? p.chunk.keys
+                                       : p.causal          ? p.chunk.position + p.seq
+                                                           : p.chunk.kv_seq)
+                                    : p.seq;
+  const int64_t q_rows = p.chunk.q_rows > 0 ? p.chunk.q_rows : p.seq;  // per batch, in qkv, out and lse
   const int64_t kv_width = is_chunk(p) ? p.kv_heads * (p.head_dim + p.v_head_dim) : width;
   const int64_t kv_batch_stride = is_chunk(p) ? p.chunk.kv_seq * kv_width : p.seq * width;
   return {
@@ -157,13 +178,13 @@ Views views_of(const AttentionProblem& p) {
       {batch, p.kv_heads, kv_seq, p.head_dim},
       {batch, p.kv_heads, kv_seq, p.v_head_dim},
       {batch, p.q_heads, p.seq, p.v_head_dim},
-      {p.seq * width, p.head_dim, width, 1},
+      {q_rows * width, p.head_dim, width, 1},
       {kv_batch_stride, p.head_dim, kv_width, 1},
       {kv_batch_stride, p.v_head_dim, kv_width, 1},
-      {p.seq * p.q_heads * p.v_head_dim, p.v_head_dim, p.q_heads * p.v_head_dim, 1},
+      {q_rows * p.q_heads * p.v_head_dim, p.v_head_dim, p.q_heads * p.v_head_dim, 1},
       {batch, p.q_heads, p.seq, 1},
       ragged ? std::vector<int64_t>{p.q_heads * p.seq, 1, p.q_heads, 1}
-             : std::vector<int64_t>{p.q_heads * p.seq, p.seq, 1, 1},
+             : std::vector<int64_t>{p.q_heads * q_rows, q_rows, 1, 1},
   };
 }
 
@@ -197,7 +218,11 @@ void make_ragged(fe::graph::Graph& g, fe::graph::Tensor_attributes& tensor, cons
 template <typename Attributes>
 void set_mask(fe::graph::Graph& g, Attributes& attributes, const AttentionProblem& p) {
   attributes.set_attn_scale(p.scale);
-  if (is_chunk(p) && p.causal)
+  if (is_chunk(p) && p.chunk.band_left > 0)
+    attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::TOP_LEFT)
+        .set_diagonal_band_left_bound(static_cast<int>(p.chunk.band_left))
+        .set_diagonal_band_right_bound(static_cast<int>(p.chunk.keys));
+  else if (is_chunk(p) && p.causal && (p.chunk.position > 0 || p.ragged.capacity > 0))
     attributes.set_diagonal_alignment(fe::DiagonalAlignment_t::BOTTOM_RIGHT).set_diagonal_band_right_bound(0);
   else if (p.causal)
     attributes.set_causal_mask(true);
@@ -271,8 +296,8 @@ CachedGraph build_backward(Context& ctx, const AttentionProblem& p) {
 
 const CachedGraph& cached_graph(Context& ctx, const AttentionProblem& p, bool backward) {
   ProblemKey key{p.batch,          p.seq,   p.q_heads,          p.kv_heads,       p.head_dim,     p.v_head_dim,
-                 p.sliding_window, p.scale, p.ragged.capacity, p.chunk.position, p.chunk.kv_seq, p.causal,
-                 backward};
+                 p.sliding_window, p.scale, p.ragged.capacity, p.chunk.position, p.chunk.kv_seq, p.chunk.band_left,
+                 p.chunk.keys,     p.chunk.q_rows, p.causal,         backward};
   auto it = ctx.graphs.find(key);
   if (it == ctx.graphs.end())
     it = ctx.graphs.emplace(key, backward ? build_backward(ctx, p) : build_forward(ctx, p)).first;
@@ -339,12 +364,83 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
 
 void check_chunk(const AttentionProblem& p) {
   const bool ragged_keys = p.chunk.kv_lengths != nullptr && p.chunk.kv_offsets != nullptr;
-  const bool full_ok = p.causal || (p.ragged.capacity == 0 && p.sliding_window == 0 && p.chunk.position == 0);
+  const bool full_ok =
+      p.causal || (p.ragged.capacity == 0 && ((p.sliding_window == 0 && p.chunk.position == 0) ||
+                                              (p.sliding_window > 0 && p.chunk.position >= p.chunk.kv_seq)));
   if (!is_chunk(p) || !full_ok || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
       p.chunk.position < 0 || (p.causal && p.chunk.position + p.seq > p.chunk.kv_seq))
     FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
                p.chunk.position, p.chunk.kv_seq, p.head_dim, p.v_head_dim, p.ragged.capacity > 0 ? ", ragged" : "",
                p.causal ? "" : ", not causal");
+}
+
+// A full chunk with a window as the cuDNN problem that computes it (NOTE above): the band's
+// problem, its first key in kv, and the number of queries it computes (the rows [0, n) of the
+// chunk; 0: no query sees a key, no graph).
+struct Band {
+  AttentionProblem problem;
+  int64_t first_key = 0, queries = 0;
+};
+
+bool is_band(const AttentionProblem& p) { return is_chunk(p) && !p.causal && p.sliding_window > 0; }
+
+Band band_of(const AttentionProblem& p) {
+  const int64_t lq = p.seq, s = p.chunk.kv_seq, t = p.sliding_window - p.chunk.position;
+  Band b{p, 0, lq};
+  b.problem.sliding_window = 0;
+  b.problem.chunk.position = 0;
+  if (t >= lq) return b;  // every query sees every key: the full chunk
+  if (lq > s)
+    FORGE_FAIL("cuDNN chunk attention: a band of {} queries against {} keys (window {}, {} positions apart) needs "
+               "no more queries than keys",
+               lq, s, p.sliding_window, p.chunk.position);
+  b.problem.chunk.q_rows = lq;
+  if (t >= 1) {
+    b.problem.chunk.band_left = t;
+    b.problem.chunk.keys = s;
+    return b;
+  }
+  b.first_key = 1 - t;
+  b.queries = std::max<int64_t>(0, s - b.first_key);
+  if (b.queries == 1)
+    FORGE_FAIL("cuDNN chunk attention: the window {} leaves one query of {} seeing one key of {} at distance {}; "
+               "cuDNN takes no single query (model.sliding_window - 2 must not be a multiple of the chunk length)",
+               p.sliding_window, lq, s, p.chunk.position);
+  b.problem.seq = b.queries;
+  b.problem.chunk.band_left = 1;
+  b.problem.chunk.keys = b.queries;
+  return b;
+}
+
+void band_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
+  const Band b = band_of(p);
+  const int64_t lq = p.seq, out_row = p.q_heads * p.v_head_dim;
+  if (b.queries < lq) {  // the rows that see no key: out 0, lse -inf
+    const size_t pitch = static_cast<size_t>(lq * out_row) * sizeof(bf16);
+    CUDA_CHECK(cudaMemset2DAsync(out + b.queries * out_row, pitch, 0,
+                                 static_cast<size_t>((lq - b.queries) * out_row) * sizeof(bf16),
+                                 static_cast<size_t>(p.batch), nullptr));
+    attention_lse_none(lse, p.batch * p.q_heads, lq, b.queries);
+  }
+  if (b.queries > 0) run_forward(out, lse, qkv, kv + b.first_key * 2 * p.kv_heads * p.head_dim, b.problem);
+}
+
+void band_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv, const bf16* out,
+                   const float* lse, const AttentionProblem& p) {
+  const Band b = band_of(p);
+  const int64_t lq = p.seq, s = p.chunk.kv_seq, kv_width = 2 * p.kv_heads * p.head_dim, width = qkv_width(p);
+  const size_t kv_row_bytes = static_cast<size_t>(kv_width) * sizeof(bf16);
+  if (b.queries > 0)
+    run_backward(dqkv, dkv + b.first_key * kv_width, dout, qkv, kv + b.first_key * kv_width, out, lse, b.problem);
+  const int64_t unseen = b.queries > 0 ? b.first_key : s;  // kv's first rows, no gradient
+  if (unseen > 0)
+    CUDA_CHECK(cudaMemset2DAsync(dkv, static_cast<size_t>(s) * kv_row_bytes, 0, static_cast<size_t>(unseen) *
+                                 kv_row_bytes, static_cast<size_t>(p.batch), nullptr));
+  if (b.queries < lq)  // the query rows that see no key: dq 0 in their query heads
+    for (int64_t i = 0; i < p.batch; ++i)
+      CUDA_CHECK(cudaMemset2DAsync(dqkv + (i * lq + b.queries) * width, static_cast<size_t>(width) * sizeof(bf16),
+                                   0, static_cast<size_t>(p.q_heads * p.head_dim) * sizeof(bf16),
+                                   static_cast<size_t>(lq - b.queries), nullptr));
 }
 
 }  // namespace
@@ -360,12 +456,14 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
 
 void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
   check_chunk(p);
+  if (is_band(p)) return band_forward(out, lse, qkv, kv, p);
   run_forward(out, lse, qkv, kv, p);
 }
 
 void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv,
                               const bf16* out, const float* lse, const AttentionProblem& p) {
   check_chunk(p);
+  if (is_band(p)) return band_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
   const int64_t width = 2 * p.kv_heads * p.head_dim;
   const int64_t seen = p.causal ? p.chunk.position + p.seq : p.chunk.kv_seq;
   const size_t row_bytes = static_cast<size_t>(width) * sizeof(bf16);

@@ -27,6 +27,13 @@ struct KeyValueChunk {
   int64_t kv_seq = 0;  // 0: no chunk, keys and values in qkv
   const int32_t* kv_lengths = nullptr;
   const int64_t* kv_offsets = nullptr;
+  // Set inside attention_chunk_forward/backward for a full chunk with a window (NOTE [Full
+  // chunk attention with a sliding window] in ops/attention_chunk.h), 0 otherwise: cuDNN's
+  // band with the diagonal at the top left (query i keeps key j when j > i - band_left), over
+  // `keys` rows of kv, the queries' tensors holding q_rows rows per batch (> seq when trimmed).
+  int64_t band_left = 0;
+  int64_t keys = 0;
+  int64_t q_rows = 0;
 };
 
 struct AttentionProblem {
@@ -51,8 +58,10 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
                         const AttentionProblem& p);
 
 // Chunk attention (p.chunk.kv_seq > 0; ragged sequences only with the chunk's key lengths and
-// offsets): the queries in the chunk's qkv [B, T, Hq + 2 Hkv, D] (its query heads), keys and
-// values in kv; out and lse as above.
+// offsets; not causal with a window: position >= kv_seq, the band of NOTE [Full chunk
+// attention with a sliding window], refused when it leaves a single query): the queries in
+// the chunk's qkv [B, T, Hq + 2 Hkv, D] (its query heads), keys and values in kv; out and lse
+// as above.
 void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p);
 // Overwrites dqkv's query heads (not its key/value heads) and all of dkv [B, kv_seq, 2 Hkv,
 // D], zero past the chunk's last position.

@@ -34,7 +34,19 @@ __global__ void attention_merge_kernel(float* out, float* lse, const bf16* part_
   if (lane == 0) lse[stat] = merged;
 }
 
+__global__ void attention_lse_none_kernel(float* lse, int64_t rows, int64_t l, int64_t from) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, width = l - from;
+  if (i < rows * width) lse[(i / width) * l + from + i % width] = -INFINITY;
+}
+
 }  // namespace
+
+void attention_lse_none(float* lse, int64_t rows, int64_t l, int64_t from) {
+  const int64_t n = rows * (l - from);
+  if (n <= 0) return;
+  attention_lse_none_kernel<<<static_cast<unsigned>((n + 255) / 256), 256>>>(lse, rows, l, from);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
 
 void attention_merge(float* out, float* lse, const bf16* part_out, const float* part_lse, int64_t b, int64_t l,
                      int64_t h, int64_t d) {

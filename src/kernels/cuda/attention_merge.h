@@ -11,5 +11,9 @@ namespace forge::cuda {
 // the legacy default stream.
 void attention_merge(float* out, float* lse, const bf16* part_out, const float* part_lse, int64_t b, int64_t l,
                      int64_t h, int64_t d);
+// lse fp32 [rows, l]: positions [from, l) of every row set to -inf, the lse of queries that
+// see no key (NOTE [Full chunk attention with a sliding window] in ops/attention_chunk.h);
+// legacy default stream.
+void attention_lse_none(float* lse, int64_t rows, int64_t l, int64_t from);
 
 }  // namespace forge::cuda
