@@ -53,10 +53,9 @@
 //    statistics] in ops/fp8_linear.h; the slots are block i's stack's own, in its
 //    Fp8ExpertStack) reads the scales of the very values it casts again;
 //  - no weight cache (fp8_settings_of turns it off under QLoRA, NOTE [FP8 over an NF4
-//    base]): a per-expert cache keyed by the expert's address would find another block's
-//    codes at the shared scratch's address (the frozen tensorwise cache is never cast
-//    again), and holding every expert's codes would cost 2 bytes per weight, four times
-//    the NF4 codes.
+//    base]): holding every expert's codes would cost 2 bytes per weight, four times the NF4
+//    codes, most of what NF4 saves on a model whose weights are mostly experts. So every
+//    GEMM casts its expert's slice of the scratch again, as every dense NF4 projection's.
 // Multi-head Latent Attention's projections (q or q_a and q_b, kv_a, kv_b, o) are 2-D NF4
 // projections like a dense block's (their rows in the published order, NOTE [NF4 stored row
 // order] in ops/nf4.h), dequantized per GEMM as above; kv_a's two row views
