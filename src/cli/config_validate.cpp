@@ -177,10 +177,11 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // (NOTE [FP8 frozen base]; NOTE [LoRA under pipeline parallelism] in model/lora.h: the base's
 // forward and input-gradient GEMMs in FP8, the adapters in bf16; on a MoE or MLA model the
 // frozen routed experts and MLA's projections too, NOTE [FP8 frozen routed experts] in
-// ops/moe_fp8.h, under expert parallelism as well), and QLoRA on dense models wherever it
-// runs (NOTE [FP8 over an NF4 base] in model/nf4_base.cpp: each NF4 weight dequantized to
-// bf16, then cast to E4M3, per GEMM). The FP8 all-gather is full training's: a frozen base
-// gathers bf16.
+// ops/moe_fp8.h, under expert parallelism as well), and QLoRA wherever it runs (NOTE [FP8
+// over an NF4 base] in model/nf4_base.cpp: each NF4 weight dequantized to bf16, then cast to
+// E4M3, per GEMM; on MoE and MLA models the NF4 expert stacks and latent attention's
+// projections too, NOTE [FP8 over NF4 expert stacks]). The FP8 all-gather is full
+// training's: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)
@@ -189,14 +190,6 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  show(config, keys, "precision.fp8_fsdp_all_gather"));
     return;
   }
-  // NOTE [FP8 over an NF4 base] covers the 2-D projections: the NF4 expert stacks (NOTE [NF4
-  // expert stacks]) and MLA's projections over NF4 have no FP8 path.
-  if (config.lora.quantize_base != "none" && (config.model.moe() || config.model.mla()))
-    FORGE_FAIL("{} cannot be combined with QLoRA ({}) on a {} model yet: its NF4 {} run in bf16; set precision.fp8 "
-               "none, or lora.quantize_base none for LoRA over an FP8 base",
-               show(config, keys, "precision.fp8"), show(config, keys, "lora.quantize_base"),
-               config.model.moe() ? "Mixture-of-Experts" : "Multi-head Latent Attention",
-               config.model.moe() ? "expert stacks" : "latent attention projections");
   const ParallelismConfig& p = config.parallelism;
   if (config.precision.fp8_fsdp_all_gather) {
     const std::string key = show(config, keys, "precision.fp8_fsdp_all_gather");

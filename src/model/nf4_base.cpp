@@ -28,9 +28,46 @@
 // the base (NOTE [LoRA under data parallelism] in model/lora.h) and cast them alike, the
 // delayed amaxes reduced at the step's end (NOTE [FP8 under data parallelism] in
 // train/trainer_fp8.cpp); context and pipeline parallelism (a pipeline rank's projections
-// of its stages alone, NOTE [FP8 under context and pipeline parallelism]). Mixture-of-Experts
-// and MLA models are refused under LoRA with FP8 (config_validate's check_moe, check_mla), as
-// is QLoRA under tensor parallelism.
+// of its stages alone, NOTE [FP8 under context and pipeline parallelism]) and tensor
+// parallelism (a rank's shards, NOTE [NF4 base under tensor parallelism] in model/nf4_base.h).
+// Mixture-of-Experts and MLA models: NOTE [FP8 over NF4 expert stacks].
+//
+// NOTE [FP8 over NF4 expert stacks]
+// On a Mixture-of-Experts model QLoRA's routed experts are NF4 stacks (NOTE [NF4 expert
+// stacks] in model/nf4_base.h) that Nf4BaseSource::layer(i) dequantizes, block i's whole
+// stacks at once, into the expert scratch every block shares; the descriptor it hands out
+// for a stack is a plain weight over that scratch. Fp8Projections wraps it as it wraps a
+// bf16 base's stack under LoRA (NOTE [FP8 frozen routed experts] in ops/moe_fp8.h): the
+// stack's FP8 settings with its Fp8ExpertStack (NOTE [FP8 expert stack state]), so
+// moe_experts_forward_fp8 / moe_experts_backward_fp8 cast each expert's slice of the
+// dequantized bf16 stack to E4M3 with that expert's own amax (tensorwise) or delayed scale,
+// run its forward and input-gradient GEMMs in FP8 and no weight gradient, and the experts'
+// adapters (NOTE [LoRA on routed experts] in ops/lora_experts.h) add their share in the
+// compute dtype. The router stays in the compute dtype, as under LoRA. Every expert's codes
+// are then the ones LoRA with FP8 over a bf16 base holding the dequantized stacks casts (the
+// CPU tests check training bitwise). What makes it right although every block's stacks
+// share one scratch:
+//  - the decoder asks for block i just before its forward and again before its backward
+//    (and recomputation), so the stacks are dequantized again, to the same values, before
+//    every use: the backward's reuse of an expert's forward statistics (NOTE [FP8 forward
+//    statistics] in ops/fp8_linear.h; the slots are block i's stack's own, in its
+//    Fp8ExpertStack) reads the scales of the very values it casts again;
+//  - no weight cache (fp8_settings_of turns it off under QLoRA, NOTE [FP8 over an NF4
+//    base]): holding every expert's codes would cost 2 bytes per weight, four times the NF4
+//    codes, most of what NF4 saves on a model whose weights are mostly experts. So every
+//    GEMM casts its expert's slice of the scratch again, as every dense NF4 projection's.
+// Multi-head Latent Attention's projections (q or q_a and q_b, kv_a, kv_b, o) are 2-D NF4
+// projections like a dense block's (their rows in the published order, NOTE [NF4 stored row
+// order] in ops/nf4.h), dequantized per GEMM as above; kv_a's two row views
+// (LatentAttention::rows) dequantize the whole projection into the scratch and view its
+// rows, and both take kv_a's FP8 settings (NOTE [FP8 latent attention] in
+// model/latent_attention.h). Under expert parallelism a rank's NF4 base holds its local
+// experts' stacks alone (NOTE [NF4 expert stacks under expert parallelism]) and its
+// Fp8ExpertStacks are sized by them, the statistics blocks numbered from its first local
+// expert (NOTE [FP8 routed experts under expert parallelism] in ops/moe_fp8.h), so a rank
+// casts exactly its experts' dequantized slices, on the rows its group sent them; under
+// pipelining a rank's stages' blocks alone. The memory is QLoRA's plus LoRA FP8's scratch
+// (the experts' row codes and statistics; no cache).
 
 #include <algorithm>
 #include <cstdint>
