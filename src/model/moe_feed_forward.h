@@ -237,8 +237,8 @@ class MoeFeedForward final : public BlockComponent {
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
   std::unique_ptr<ExpertExchange> exchange_;  // expert parallelism (degree > 1) only
   // The global balancing loss: the data-parallel ranks' counts (null: one rank), and every
-  // layer's tokens per expert over the optimizer step's micro-batches ([layers x experts]).
-  // Shared by the models of one pipeline stage (share_step_state).
+  // layer's tokens per expert over the optimizer step's micro-batches ([layers x experts]),
+  // which the models of one pipeline stage share (share_step_state).
   DataParallelCounts* data_parallel_ = nullptr;
   std::shared_ptr<MoeStepCounts> step_counts_ = std::make_shared<MoeStepCounts>();
   int64_t expert_parallel_ = 1;               // the degree the buffers were laid out for
