@@ -13,12 +13,13 @@ ranks, 2 micro-batches of 2 sequences per rank and step) it follows one rank who
 micro-batches are the two ranks' together (4 sequences, 2 per step: NOTE [Data-parallel
 steps]) at half the coefficient (the union's loss is the sum of the ranks', which the step
 averages twice as many of), as test_fsdp.py's global test without pipelining: the losses and
-gradient norms.
+gradient norms; so does 2 x 2 with each stage's 2 ranks an expert-parallel group as well
+(each rank half the experts, the counts its own tokens' before the dispatch).
 
 Measured over the 20 steps, the largest relative differences: losses 8.1e-8 (1F1B), 7.1e-8
-(interleaved), 1.1e-7 and 6.8e-8 with data parallelism; gradient norms 5.8e-8, 5.8e-8, 1.3e-7
-and 1.8e-7; validation losses 2.5e-8 and 1.2e-8 (59 s on 2 cores). Routing is discrete, so
-the bound is test_pipeline_moe_mla.py's 1e-5."""
+(interleaved), 1.1e-7 and 6.8e-8 with data parallelism, 1.1e-7 with expert parallelism too;
+gradient norms 5.8e-8, 5.8e-8, 1.3e-7, 1.8e-7 and 8.8e-8; validation losses 2.5e-8 and 1.2e-8
+(about 75 s on 2 cores). Routing is discrete, so the bound is test_pipeline_moe_mla.py's 1e-5."""
 import os
 import unittest
 
@@ -29,6 +30,9 @@ TOLERANCE = 1e-5
 PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
 DP2 = ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "1"]
 INTERLEAVED = ["--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"]
+# Each stage's 2 ranks an expert-parallel group too (NOTE [Expert parallelism under pipeline
+# parallelism]): the counts are each rank's own tokens' before the dispatch.
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
 GLOBAL = ["--model.name", "debug-tiny-moe", "--model.num_layers", "4", "--model.router_aux_loss_type", "global",
           "--model.init_std", "0.1"]
 # One rank reading the two data-parallel ranks' micro-batches as one.
@@ -66,10 +70,10 @@ class GlobalBalancingLossStages(unittest.TestCase):
     def test_pipeline_and_data_parallel_ranks_follow_one_over_their_union(self):
         union = os.path.join(self.tmp, "union")
         train_on_ranks(union, 1, 1, *GLOBAL, *coefficient(0.1), *UNION, steps=STEPS)
-        for name, schedule in (("pp2-dp2", []), ("pp2-dp2-interleaved", INTERLEAVED)):
+        for name, layout in (("pp2-dp2", []), ("pp2-dp2-interleaved", INTERLEAVED), ("pp2-ep2", EP2)):
             with self.subTest(run=name):
                 run = os.path.join(self.tmp, name)
-                train_on_ranks(run, 4, 2, *GLOBAL, *coefficient(0.2), *PP2, *DP2, *schedule, steps=STEPS)
+                train_on_ranks(run, 4, 2, *GLOBAL, *coefficient(0.2), *PP2, *DP2, *layout, steps=STEPS)
                 self.expect_follows(run, union, (("train", "loss"), ("train", "grad_norm")))
 
 
