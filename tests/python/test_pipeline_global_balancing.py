@@ -19,7 +19,7 @@ gradient norms; so does 2 x 2 with each stage's 2 ranks an expert-parallel group
 Measured over the 20 steps, the largest relative differences: losses 8.1e-8 (1F1B), 7.1e-8
 (interleaved), 1.1e-7 and 6.8e-8 with data parallelism, 1.1e-7 with expert parallelism too;
 gradient norms 5.8e-8, 5.8e-8, 1.3e-7, 1.8e-7 and 8.8e-8; validation losses 2.5e-8 and 1.2e-8
-(about 75 s on 2 cores). Routing is discrete, so the bound is test_pipeline_moe_mla.py's 1e-5."""
+(14 s on 2 cores). Routing is discrete, so the bound is test_pipeline_moe_mla.py's 1e-5."""
 import os
 import unittest
 
