@@ -393,8 +393,8 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
 // the gradient accumulation's. Full training in the compute dtype or in FP8 (NOTE [FP8
 // under context and pipeline parallelism] in train/trainer_fp8.cpp), LoRA and QLoRA (NOTE
 // [LoRA under pipeline parallelism] in model/lora.h); Multi-head Latent Attention and
-// Mixture-of-Experts blocks, with a balancing loss that sums over the layers (NOTE [Pipeline
-// stages] in model/pipeline_stage.h), and with expert parallelism over a stage's shard ranks
+// Mixture-of-Experts blocks, with every balancing loss (NOTE [Pipeline stages] in
+// model/pipeline_stage.h), and with expert parallelism over a stage's shard ranks
 // (NOTE [Expert parallelism under pipeline parallelism] in model/pipeline.h); the rest is
 // refused by name.
 void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {

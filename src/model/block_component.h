@@ -95,6 +95,12 @@ class BlockComponent {
   // A new optimizer step begins: what a component kept over the last step's micro-batches
   // is forgotten (the global balancing loss's counts, NOTE [MoE balancing loss]).
   virtual void begin_step() {}
+  // Makes this component keep its step state (what begin_step forgets) in `owner`'s, a
+  // component of the same kind built from the same config for the same blocks: pipeline
+  // parallelism runs one stage's micro-batches in models of their own (NOTE [Global
+  // balancing loss across stages] in model/moe_feed_forward.h). Components with no step
+  // state ignore it.
+  virtual void share_step_state(BlockComponent& owner) {}
   // Whether it computes under tensor parallelism (NOTE [Tensor parallelism] in
   // model/tensor_parallel.h): its parameters split by their ParamSpec::tensor_parallel,
   // its input and output the rank's rows of the residual stream (StepShape::stream_rows).

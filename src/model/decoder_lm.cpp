@@ -255,6 +255,13 @@ void DecoderLM::begin_step() {
   for (const auto& component : components_) component->begin_step();
 }
 
+void DecoderLM::share_step_state(DecoderLM& owner) {
+  FORGE_CHECK(owner.stage_.first_layer == stage_.first_layer && owner.layers_ == layers_ &&
+                  owner.components_.size() == components_.size(),
+              "DecoderLM: step state shared with a model of other blocks");
+  for (size_t c = 0; c < components_.size(); ++c) components_[c]->share_step_state(*owner.components_[c]);
+}
+
 void DecoderLM::forward_block(int i, const BlockWeights& w, bool to_output) {
   for (size_t c = 0; c < components_.size(); ++c) {
     const bool produce = to_output || c + 1 < components_.size();

@@ -167,6 +167,11 @@ class DecoderLM {
   // reset_global_aux_loss_tracker). Until the first call every forward_backward since the
   // model was made counts as one step's micro-batch.
   void begin_step();
+  // Makes this model keep the step state of its components (the global balancing loss's
+  // counts) in `owner`'s, a model of the same config and stage: a pipeline stage's models
+  // of its micro-batches in flight count one step together (NOTE [Global balancing loss
+  // across stages] in model/moe_feed_forward.h). The state is shared: either model may go first.
+  void share_step_state(DecoderLM& owner);
 
  private:
   // Component c's entries of block i's weights (NOTE [Block weights]).

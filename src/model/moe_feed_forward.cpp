@@ -188,7 +188,14 @@ void MoeFeedForward::set_expert_dispatch(ExpertDispatch* dispatch) {
 
 void MoeFeedForward::set_data_parallel_counts(DataParallelCounts* counts) { data_parallel_ = counts; }
 
-void MoeFeedForward::begin_step() { step_counts_.reset(); }
+void MoeFeedForward::begin_step() { step_counts_->reset(); }
+
+void MoeFeedForward::share_step_state(BlockComponent& owner) {
+  auto* other = dynamic_cast<MoeFeedForward*>(&owner);
+  FORGE_CHECK(other && other->experts_ == experts_ && other->layers_.size() == layers_.size(),
+              "MoeFeedForward: step state shared with another kind of component or another number of blocks");
+  step_counts_ = other->step_counts_;
+}
 
 // NOTE [Received-row pool]
 // Under expert parallelism a rank's experts receive a different number of rows in every
@@ -358,7 +365,7 @@ double MoeFeedForward::auxiliary_loss(double gradient_weight) {
     }
     const int64_t ranks = data_parallel_ ? data_parallel_->data_parallel_ranks() : 1;
     if (ranks > 1) counts = data_parallel_->counts_over_ranks(counts);
-    const std::vector<double> average = step_counts_.add(counts);
+    const std::vector<double> average = step_counts_->add(counts);
     const std::vector<const MoeRouting*> all = routings();
     for (size_t layer = 0; layer < all.size(); ++layer) {
       const auto first = average.begin() + static_cast<std::ptrdiff_t>(layer * static_cast<size_t>(experts_));

@@ -111,9 +111,32 @@
 // pipelining, the statistics are the rank's own tokens', never reduced: a data-parallel
 // rank's pipeline carries its own, and under expert parallelism a rank's routing is its own
 // tokens' before they are dispatched. Evaluation reports the cross-entropy alone and
-// carries nothing. The global form stays refused under pipelining (check_pipeline_parallel):
-// its counts are averaged over the step's micro-batches so far in each model's
-// MoeStepCounts, and a stage runs its micro-batches in models of their own.
+// carries nothing.
+//
+// NOTE [Global balancing loss across stages]
+// The global form (NOTE [MoE balancing loss]) needs nothing from other stages: each layer's
+// loss takes that layer's counts alone, so a stage's blocks' losses are their share of the
+// sum over the layers, as the per_layer form's. What a stage must see is its layers' counts
+// of the step's micro-batches so far, summed over the data-parallel ranks, at each forward,
+// where the loss and its gradient (the backward's, copied into the micro-batch's model) are
+// made: one rank counts no pass ahead either (Megatron's micro-batch k takes the average of
+// micro-batches 1 .. k, not the step's), so neither does a stage. Under pipelining a
+// chunk's micro-batches in flight live in DecoderLMs of their own (NOTE [Pipeline
+// parallelism] in model/pipeline.h), each of whose components would keep its own
+// MoeStepCounts; PipelineModel makes them share the chunk's first model's
+// (DecoderLM::share_step_state, one MoeStepCounts per MoE component of the chunk), starts
+// it over at each forward_backward (a step), and checks that each chunk's forwards come in
+// micro-batch order, which both schedules' do: micro-batch k's forward on a chunk then
+// follows the chunk's forwards of micro-batches 0 .. k - 1 and averages exactly the counts
+// one rank's k-th forward does, for the chunk's layers (the averages are sums of integers
+// divided by k: bit for bit one rank's). The reduction over the data-parallel ranks
+// (DataParallelCounts, PipelineModel::set_data_parallel_counts) is one per chunk and
+// micro-batch, over the stage's data-parallel ranks (under expert parallelism the
+// expert-parallel groups lie among them): they hold the same chunks and walk the same
+// schedule, so their k-th reductions are the same chunk's forward of the same micro-batch,
+// and they sit in the same place among the stage's other collectives (the all-to-alls of
+// expert parallelism, FSDP's gathers and reductions) on every one of them. Backward,
+// recomputation and evaluation count nothing.
 //
 // NOTE [MoE Hugging Face names]
 // Mixtral's names are the published Mixtral checkpoints' (mistralai/Mixtral-8x7B-v0.1),
@@ -164,6 +187,8 @@ class MoeFeedForward final : public BlockComponent {
   void set_expert_dispatch(ExpertDispatch* dispatch) override;
   void set_data_parallel_counts(DataParallelCounts* counts) override;
   void begin_step() override;
+  // NOTE [Global balancing loss across stages]: the step's counts kept in `owner`'s.
+  void share_step_state(BlockComponent& owner) override;
 
  private:
   // ComponentWeights numbering, param_specs order: the shared experts' two only with them,
@@ -212,9 +237,10 @@ class MoeFeedForward final : public BlockComponent {
   int64_t sequences_ = 1;  // the micro-batch's rows (the sequence-wise loss's groups)
   std::unique_ptr<ExpertExchange> exchange_;  // expert parallelism (degree > 1) only
   // The global balancing loss: the data-parallel ranks' counts (null: one rank), and every
-  // layer's tokens per expert over the optimizer step's micro-batches ([layers x experts]).
+  // layer's tokens per expert over the optimizer step's micro-batches ([layers x experts]),
+  // which the models of one pipeline stage share (share_step_state).
   DataParallelCounts* data_parallel_ = nullptr;
-  MoeStepCounts step_counts_;
+  std::shared_ptr<MoeStepCounts> step_counts_ = std::make_shared<MoeStepCounts>();
   int64_t expert_parallel_ = 1;               // the degree the buffers were laid out for
   std::vector<Activations> layers_;
   Tensor logits_;  // [N, E] fp32, the router's output: read only by the routing

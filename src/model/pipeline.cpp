@@ -19,16 +19,6 @@ void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t 
               "pipeline parallelism: model '{}' ties its output projection to the embedding, which would then live "
               "on the first and the last stage's ranks at once; set model.tie_word_embeddings false",
               config.name);
-  // NOTE [Pipeline stages]: the balancing losses that are sums over the layers are summed
-  // over the stages, the pooled one's statistics cross them (NOTE [Pooled balancing loss
-  // across stages] in model/moe_feed_forward.h); the global one's step counts do not.
-  if (config.moe() && config.router_aux_loss_coef > 0)
-    FORGE_CHECK(config.router_aux_loss_type != "global",
-                "pipeline parallelism: model '{}''s global balancing loss (router_aux_loss_type global) averages "
-                "each layer's counts over the step's micro-batches so far, which each stage model counts alone "
-                "while a stage's schedule holds several micro-batches in models of their own; take pooled, "
-                "per_layer or sequence",
-                config.name);
 }
 
 int64_t pipeline_virtual_stages(const ModelConfig& config, int64_t stages, int64_t layers_per_stage,
@@ -95,8 +85,28 @@ PipelineModel::PipelineModel(const ModelConfig& config, int64_t micro_batch, int
                                                          checkpoint, experts, tensor_parallel, context_parallel,
                                                          chunk.stage));
       chunk.free.push_back(k);
+      // NOTE [Global balancing loss across stages] in model/moe_feed_forward.h: the chunk's
+      // models count the step's micro-batches together.
+      if (k > 0) chunk.models.back()->share_step_state(*chunk.models.front());
     }
   }
+  if (config.moe() && config.router_aux_loss_coef > 0 && config.router_aux_loss_type == "global") {
+    // Each micro-batch's loss averages the counts of the chunk's forwards before it: those
+    // of the micro-batches before it, as on one rank, when every chunk's forwards come in
+    // micro-batch order (both schedules' do).
+    std::vector<int> next(chunks_.size(), 0);
+    for (const PipelineAction& a : schedule_.ranks[static_cast<size_t>(rank)])
+      if (a.kind == PipelineAction::Kind::Forward)
+        FORGE_CHECK(a.micro_batch == next[static_cast<size_t>(a.chunk)]++,
+                    "pipeline: the global balancing loss needs chunk {}'s forwards in micro-batch order; micro-batch "
+                    "{} is its forward {}",
+                    a.chunk, a.micro_batch, next[static_cast<size_t>(a.chunk)] - 1);
+  }
+}
+
+void PipelineModel::set_data_parallel_counts(DataParallelCounts* counts) {
+  for (Chunk& chunk : chunks_)
+    for (const auto& model : chunk.models) model->set_data_parallel_counts(counts);
 }
 
 std::vector<PipelineStage> PipelineModel::stages() const {
@@ -169,6 +179,7 @@ LossSum PipelineModel::forward_backward(const std::vector<PipelineMicroBatch>& m
   FORGE_CHECK(static_cast<int>(micro_batches.size()) == shape_.micro_batches,
               "pipeline: {} micro-batches for a schedule of {}", micro_batches.size(), shape_.micro_batches);
   LossSum loss;
+  for (Chunk& chunk : chunks_) chunk.models.front()->begin_step();  // shared by the chunk's models
   micro_losses_.assign(micro_batches.size(), LossSum{});
   for (std::vector<int64_t>& block : expert_load_) std::fill(block.begin(), block.end(), 0);
   for (const PipelineAction& a : schedule_.ranks[static_cast<size_t>(pipeline_.rank())]) {

@@ -90,8 +90,7 @@ class PipelineParallel {
 
 // Fails with the reason when the model cannot be cut into `stages` x `virtual_stages`
 // equal stages: the blocks must divide evenly, a tied output projection would be on two
-// ranks, a Mixture-of-Experts model's balancing loss must not be the global form (NOTE
-// [Pipeline stages]).
+// ranks (NOTE [Pipeline stages]).
 void check_pipeline_parallel(const ModelConfig& config, int64_t stages, int64_t virtual_stages);
 // The chunks per rank (V) of stages of `layers_per_stage` blocks on `stages` ranks; 0
 // blocks per stage: V = 1 for 1F1B, 2 for the interleaved schedule. Not checked: see
@@ -126,9 +125,15 @@ class PipelineModel {
                 const PipelineShape& shape, TensorParallel* tensor_parallel = nullptr,
                 ContextParallel* context_parallel = nullptr, ExpertDispatch* experts = nullptr);
 
+  // Under data parallelism, how the MoE blocks of every stage model sum counts over the
+  // stage's data-parallel ranks (the global balancing loss: NOTE [Global balancing loss
+  // across stages] in model/moe_feed_forward.h); null: one rank. It outlives the model.
+  void set_data_parallel_counts(DataParallelCounts* counts);
+
   // One step: every micro-batch's forward and backward through the schedule; gradients of
   // grad_scale x (sum of token losses) into `grads` (NOTE [Fresh gradient buffers]).
-  // Returns the loss on the last stage's rank, an empty LossSum elsewhere.
+  // Returns the loss on the last stage's rank, an empty LossSum elsewhere. The step's
+  // state starts over (the global balancing loss's counts, as DecoderLM::begin_step).
   // `before_micro_batch`: called with a micro-batch's index before each of its forwards and
   // backwards on this rank, whose order the schedule interleaves (LoRA's dropout masks are
   // drawn per micro-batch: NOTE [LoRA under pipeline parallelism] in model/lora.h).

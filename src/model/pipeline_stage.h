@@ -31,8 +31,9 @@
 // one rank's. The pooled loss (its f and P pool every layer's routing) is the last stage's:
 // its statistics cross the stages with the activations and come back with the gradients
 // (NOTE [Pooled balancing loss across stages] in model/moe_feed_forward.h). The global one
-// (each layer's counts averaged over the step's micro-batches, which a stage's schedule
-// runs in several models at once) is refused (check_pipeline_parallel). Each rank sums its
+// is a sum over the layers too, each layer's counts averaged over the step's micro-batches,
+// which a stage's models of its micro-batches in flight count together (NOTE [Global
+// balancing loss across stages] in model/moe_feed_forward.h). Each rank sums its
 // stages' expert loads over the step's micro-batches into a list of every MoE block of the
 // model (PipelineModel::expert_load, zeros for the other ranks' blocks); the trainer sums it
 // over the data-parallel ranks and then the pipeline group, so every rank logs the whole

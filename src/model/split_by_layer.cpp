@@ -46,6 +46,14 @@ void SplitByLayer::begin_step() {
   rest_->begin_step();
 }
 
+void SplitByLayer::share_step_state(BlockComponent& owner) {
+  auto* other = dynamic_cast<SplitByLayer*>(&owner);
+  FORGE_CHECK(other && other->boundary_ == boundary_ && other->first_layer_ == first_layer_,
+              "SplitByLayer: step state shared with another kind of component or other blocks");
+  first_->share_step_state(*other->first_);
+  rest_->share_step_state(*other->rest_);
+}
+
 void SplitByLayer::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   stage_part(layer).forward(local(layer), w, x, out);
 }

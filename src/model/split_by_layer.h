@@ -31,6 +31,7 @@ class SplitByLayer final : public BlockComponent {
   void set_expert_dispatch(ExpertDispatch* dispatch) override;
   void set_data_parallel_counts(DataParallelCounts* counts) override;
   void begin_step() override;
+  void share_step_state(BlockComponent& owner) override;  // owner: a SplitByLayer of the same blocks
   void forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) override;
   void recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) override;
   void backward(int layer, const ComponentWeights& w, const ComponentWeights& grads, bool overwrite, const Tensor& x,

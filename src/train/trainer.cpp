@@ -263,6 +263,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
                                                       compute_dtype, checkpointing, *pipeline_, kind, shape,
                                                       tensor_parallel_.get(), context_parallel_.get(),
                                                       expert_dispatch_.get());
+    // The global balancing loss's counts over the stage's data-parallel ranks (NOTE [Global
+    // balancing loss across stages] in model/moe_feed_forward.h).
+    if (dp_) pipeline_model_->set_data_parallel_counts(dp_);
     std::string blocks;
     int held = 0;
     int64_t held_params = 0;  // the stages' parameters (a QLoRA base's before it is imported too)

@@ -277,6 +277,15 @@ TEST(ConfigValidate, ExpertParallelRunsUnderPipelineParallel) {
   ConfigOverrides qlora = lora;
   qlora.push_back({"lora.quantize_base", "nf4"});
   EXPECT_EQ(load(qlora).lora.quantize_base, "nf4");
+  // Every balancing loss, the global one included (NOTE [Global balancing loss across
+  // stages]; it was refused under pipelining before), under both schedules.
+  for (const char* type : {"pooled", "per_layer", "sequence", "global"})
+    for (const ConfigOverrides& base : {pp_ep, interleaved}) {
+      ConfigOverrides balanced = base;
+      balanced.push_back({"model.router_aux_loss_coef", "0.01"});
+      balanced.push_back({"model.router_aux_loss_type", type});
+      EXPECT_EQ(load(balanced).model.router_aux_loss_type, type);
+    }
 }
 
 // NOTE [Chunk attention with packed examples]: packed instruction data runs on

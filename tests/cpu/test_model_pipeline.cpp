@@ -6,9 +6,10 @@
 // stages, 2 x 2 ranks: its shards of them). Fewer and more micro-batches than stages, every
 // activation-checkpointing mode, packed examples, evaluation's forward through the stages;
 // Multi-head Latent Attention and Mixture-of-Experts blocks (DeepSeek's dense first block
-// in a stage of its own or beside MoE ones), whose per-layer, sequence-wise and z balancing
-// losses the stages' loss sums add up to one rank's (NOTE [Pipeline stages]); and the shapes
-// pipelining refuses.
+// in a stage of its own or beside MoE ones), whose per-layer, sequence-wise, global and z
+// balancing losses the stages' loss sums add up to one rank's (NOTE [Pipeline stages]; the
+// global one's counts shared by a stage's micro-batches in flight and started over at each
+// step); and the shapes pipelining refuses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -220,8 +221,11 @@ TEST(ModelPipeline, MixtureOfExpertsBlocksMatchOneRank) {
   expect_stages_match_one({PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, false,
                            "debug-tiny-moe", 4});
   // pooled: the statistics cross the stages with the activations and come back with the
-  // gradients (NOTE [Pooled balancing loss across stages]).
-  for (const char* type : {"per_layer", "sequence", "pooled"}) {
+  // gradients (NOTE [Pooled balancing loss across stages]); global: a stage's models of its
+  // micro-batches in flight count the step's micro-batches together, so micro-batch k's
+  // loss averages micro-batches 0 .. k's counts as one rank's (NOTE [Global balancing loss
+  // across stages]; 3 and 4 micro-batches, 2 of them in flight on a chunk at once).
+  for (const char* type : {"per_layer", "sequence", "pooled", "global"}) {
     SCOPED_TRACE(type);
     const std::vector<std::pair<std::string, std::string>> losses = {{"model.router_aux_loss_coef", "0.1"},
                                                                       {"model.router_aux_loss_type", type},
@@ -231,6 +235,58 @@ TEST(ModelPipeline, MixtureOfExpertsBlocksMatchOneRank) {
     expect_stages_match_one({PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, false,
                              "debug-tiny-mla", 4, 1, losses});
   }
+}
+
+// NOTE [Global balancing loss across stages]: each forward_backward is a step whose counts
+// start over, so a second step on the same weights and micro-batches gives the first's
+// losses bit for bit and one rank's (begin_step before each of its steps); counts carried
+// over from the first step would change every micro-batch's average.
+TEST(ModelPipeline, GlobalBalancingLossStartsOverEachStep) {
+  const ModelConfig m = load_experiment("", {{"model.name", "debug-tiny-moe"},
+                                             {"model.num_layers", "4"},
+                                             {"model.router_aux_loss_coef", "0.5"},
+                                             {"model.router_aux_loss_type", "global"},
+                                             {"model.init_std", "0.3"}})
+                            .model;
+  const int stages = 2, micro_batches = 3;
+  const int64_t micro = 2, seq = 8;
+  std::vector<PipelineMicroBatch> batches;
+  std::vector<Tensor> tokens;
+  for (int k = 0; k < micro_batches; ++k)
+    tokens.push_back(testing::random_tokens(micro, seq, m.vocab_size, 40 + static_cast<uint64_t>(k)));
+  for (const Tensor& t : tokens) batches.push_back({t, t, nullptr});
+  const float scale = 1.0f / static_cast<float>(micro_batches * micro * seq);
+  FlatParameters params(m), reference_grads(m);
+  params.initialize(7);
+  DecoderLM one(m, micro, seq);
+  double reference = 0.0;
+  for (int step = 0; step < 2; ++step) {
+    one.begin_step();
+    reference = 0.0;
+    for (const Tensor& t : tokens) reference += one.forward_backward(t, t, params, reference_grads, scale).sum;
+  }
+  std::vector<std::vector<double>> sums(stages);  // per rank, per step
+  const int port = testing::free_port();
+  const auto errors = testing::run_ranks(stages, [&](int r) {
+    auto world = create_process_group(testing::env_of(r, stages, port), quick_options());
+    GroupPipelineParallel pp(*world);
+    PipelineModel model(m, micro, seq, Device::CPU, DType::F32, ActivationCheckpoint::None, pp,
+                        PipelineScheduleKind::OneFOneB, {stages, 1, micro_batches});
+    const std::vector<PipelineStage> held = model.stages();
+    FlatParameters weights(m, Device::CPU, DType::F32, {}, held), grads(m, Device::CPU, DType::F32, {}, held);
+    weights.initialize(7);
+    for (int step = 0; step < 2; ++step) {
+      grads.discard();
+      sums[static_cast<size_t>(r)].push_back(model.forward_backward(batches, weights, grads, scale).sum);
+    }
+    world->barrier();
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < stages; ++r) {
+    EXPECT_NE(sums[static_cast<size_t>(r)][0], 0.0) << "rank " << r;  // every stage's blocks take the loss
+    EXPECT_EQ(sums[static_cast<size_t>(r)][1], sums[static_cast<size_t>(r)][0]) << "rank " << r;
+  }
+  EXPECT_NEAR(sums[0][1] + sums[1][1], reference, 1e-6 * std::abs(reference));
 }
 
 TEST(ModelPipeline, PooledBalancingStatisticsAreOneRanks) {
@@ -366,9 +422,7 @@ TEST(ModelPipeline, RefusesShapesItCannotCut) {
   check_pipeline_parallel(pooled, 2, 1);  // NOTE [Pooled balancing loss across stages]
   ModelConfig global = pooled;
   global.router_aux_loss_type = "global";
-  expect_error([&] { check_pipeline_parallel(global, 2, 1); }, {"router_aux_loss_type global"});
-  global.router_aux_loss_type = "sequence";
-  check_pipeline_parallel(global, 2, 1);
+  check_pipeline_parallel(global, 2, 1);  // NOTE [Global balancing loss across stages]
   check_pipeline_parallel(m, 3, 2);
 }
 

@@ -7,7 +7,9 @@
 // all their micro-batches: the non-expert gradients summed over a stage's two ranks, each
 // rank's experts' gradients its slice of the whole, the loads summed over the four ranks
 // the whole model's. Mixtral-style and DeepSeek-shaped (MLA, a dense first block in a stage
-// of its own or beside MoE ones, shared experts) models with their balancing losses, 1F1B
+// of its own or beside MoE ones, shared experts) models with their balancing losses (the
+// global one's counts summed over the stage's ranks: against one rank on the ranks' k-th
+// micro-batches together), 1F1B
 // and the interleaved schedule, every activation-checkpointing mode (full checkpointing
 // recomputes the forwards, which dispatch again). Whole runs: tests/python/
 // test_pipeline_expert_parallel.py.
@@ -18,6 +20,7 @@
 #include <cmath>
 
 #include "cli/config.h"
+#include "distributed/data_parallel_comm.h"
 #include "distributed/expert_dispatch_group.h"
 #include "distributed/pipeline_parallel_group.h"
 #include "model/parameters.h"
@@ -48,6 +51,12 @@ struct Case {
   int virtual_stages, micro_batches;  // micro-batches per expert-parallel rank
   ActivationCheckpoint mode;
   ConfigOverrides overrides = {};
+  // Megatron's global balancing loss (NOTE [Global balancing loss across stages]): each
+  // micro-batch's counts summed over the stage's expert-parallel (data-parallel) ranks. The
+  // ranks' k-th micro-batches are then one rank's k-th micro-batch of their rows together,
+  // whose loss is the sum of theirs; the reference takes those at 1 / P of the coefficient
+  // (each rank's micro-batch weighs 1 / P of the union's in the step).
+  bool global_loss = false;
 };
 
 void expect_ranks_match_one(const Case& c) {
@@ -69,18 +78,30 @@ void expect_ranks_match_one(const Case& c) {
     }
   const float scale = 1.0f / static_cast<float>(ep * c.micro_batches * micro * seq);
 
-  // One rank: every micro-batch of both expert-parallel ranks, one after the other.
+  // One rank: every micro-batch of both expert-parallel ranks, one after the other; with the
+  // global loss, the ranks' k-th micro-batches as one.
   FlatParameters params(m), reference_grads(m);
   params.initialize(5);
   reference_grads.zero();
-  DecoderLM one(m, micro, seq, Device::CPU, DType::F32, c.mode);
+  ModelConfig reference_model = m;
+  if (c.global_loss) reference_model.router_aux_loss_coef /= ep;
+  const int64_t reference_rows = c.global_loss ? ep * micro : micro;
+  DecoderLM one(reference_model, reference_rows, seq, Device::CPU, DType::F32, c.mode);
+  auto rows_of_ranks = [&](const std::vector<std::vector<Tensor>>& of, int k) {
+    Tensor all = Tensor::empty({ep * micro, seq}, DType::I32);
+    for (int e = 0; e < ep; ++e) all.narrow(e * micro, (e + 1) * micro).copy_from(of[static_cast<size_t>(e)][static_cast<size_t>(k)]);
+    return all;
+  };
   LossSum reference;
   std::vector<std::vector<int64_t>> reference_load;
-  for (int e = 0; e < ep; ++e)
+  for (int e = 0; e < (c.global_loss ? 1 : ep); ++e)
     for (int k = 0; k < c.micro_batches; ++k) {
-      const LossSum l = one.forward_backward(tokens[static_cast<size_t>(e)][static_cast<size_t>(k)],
-                                             targets[static_cast<size_t>(e)][static_cast<size_t>(k)], params,
-                                             reference_grads, scale);
+      const LossSum l =
+          c.global_loss
+              ? one.forward_backward(rows_of_ranks(tokens, k), rows_of_ranks(targets, k), params, reference_grads, scale)
+              : one.forward_backward(tokens[static_cast<size_t>(e)][static_cast<size_t>(k)],
+                                     targets[static_cast<size_t>(e)][static_cast<size_t>(k)], params, reference_grads,
+                                     scale);
       reference.sum += l.sum;
       reference.tokens += l.tokens;
       const std::vector<std::vector<int64_t>> load = one.expert_load();
@@ -112,8 +133,10 @@ void expect_ranks_match_one(const Case& c) {
     std::unique_ptr<ProcessGroup> expert_group = world->split(r / ep, r);
     GroupPipelineParallel pp(*pipeline_group);
     GroupExpertDispatch experts(*expert_group, Device::CPU);
+    DataParallelComm counts(Device::CPU, *expert_group, nullptr);  // the stage's data-parallel ranks
     PipelineModel model(m, micro, seq, Device::CPU, DType::F32, c.mode, pp, c.kind,
                         {stages, c.virtual_stages, c.micro_batches}, nullptr, nullptr, &experts);
+    if (c.global_loss) model.set_data_parallel_counts(&counts);
     const size_t i = static_cast<size_t>(r), e = static_cast<size_t>(r % ep);
     std::vector<PipelineMicroBatch> batches;
     for (int k = 0; k < c.micro_batches; ++k)
@@ -178,6 +201,18 @@ TEST(ModelPipelineExpertParallel, PooledBalancingLossMatchesOneRank) {
   const ConfigOverrides losses = {{"model.router_aux_loss_coef", "0.1"}, {"model.router_aux_loss_type", "pooled"}};
   expect_ranks_match_one({"debug-tiny-moe", PipelineScheduleKind::OneFOneB, 1, 3, ActivationCheckpoint::Full, losses});
   expect_ranks_match_one({"debug-tiny-mla", PipelineScheduleKind::Interleaved, 2, 2, ActivationCheckpoint::None, losses});
+}
+
+TEST(ModelPipelineExpertParallel, GlobalBalancingLossMatchesOneRank) {
+  // NOTE [Global balancing loss across stages]: each chunk's counts of its micro-batches in
+  // flight, summed over the stage's ranks, among the expert-parallel all-to-alls.
+  const ConfigOverrides losses = {{"model.router_aux_loss_coef", "0.5"},
+                                  {"model.router_aux_loss_type", "global"},
+                                  {"model.init_std", "0.3"}};  // routers far from uniform
+  expect_ranks_match_one(
+      {"debug-tiny-moe", PipelineScheduleKind::OneFOneB, 1, 3, ActivationCheckpoint::Selective, losses, true});
+  expect_ranks_match_one(
+      {"debug-tiny-mla", PipelineScheduleKind::Interleaved, 2, 4, ActivationCheckpoint::Full, losses, true});
 }
 
 TEST(ModelPipelineExpertParallel, DeepSeekStagesMatchOneRank) {

@@ -11,7 +11,8 @@
 // Under LoRA (NOTE [LoRA under pipeline parallelism] in model/lora.h) each rank's adapters,
 // whole, over its stages' bf16 frozen base, with each micro-batch's dropout masks set before
 // its forwards and backwards: the sum of the ranks' adapter gradients is one GPU's; so it is
-// over a frozen FSDP of the stages and with the stages' frozen base in FP8.
+// over a frozen FSDP of the stages and with the stages' frozen base in FP8. A
+// Mixture-of-Experts model's pooled and global balancing losses match one GPU's too.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -185,10 +186,15 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
 
-  const LossSum& last = losses.back();
+  // The cross-entropy and a pooled balancing loss are the last stage's; the losses that sum
+  // over the layers (the global one) each stage's blocks' share (NOTE [Pipeline stages]).
+  LossSum last = losses.back();
   EXPECT_EQ(last.tokens, reference.tokens);
+  for (int r = 0; r + 1 < stages; ++r) {
+    EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, 0) << "rank " << r;
+    last.sum += losses[static_cast<size_t>(r)].sum;
+  }
   EXPECT_NEAR(last.mean(), reference.mean(), 2e-3 * reference.mean());
-  for (int r = 0; r + 1 < stages; ++r) EXPECT_EQ(losses[static_cast<size_t>(r)].tokens, 0) << "rank " << r;
   int compared = 0;
   if (fsdp) {
     const std::vector<ParamSpec> specs = parameter_specs(config);
@@ -520,6 +526,16 @@ TEST(GpuPipeline, PooledBalancingLossMatchesOneGpu) {
                               pooled_moe_like());
   expect_stages_match_one_gpu(PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, 0,
                               pooled_moe_like());
+}
+
+// NOTE [Global balancing loss across stages]: a chunk's models of its micro-batches in flight
+// average the step's counts together, each routing's probability gradient copied to the
+// device at its forward (the reference, one DecoderLM, counts the step's micro-batches itself).
+TEST(GpuPipeline, GlobalBalancingLossMatchesOneGpu) {
+  ModelConfig global = pooled_moe_like();
+  global.router_aux_loss_type = "global";
+  expect_stages_match_one_gpu(PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None, 0, global);
+  expect_stages_match_one_gpu(PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full, 0, global);
 }
 
 TEST(GpuPipeline, ThreadRanksMatchOneGpu) {
