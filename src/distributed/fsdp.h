@@ -189,6 +189,7 @@
 
 #include "core/device.h"
 #include "distributed/data_parallel_comm.h"
+#include "distributed/fsdp_fp8_pieces.h"
 #include "distributed/fsdp_layout.h"
 #include "distributed/process_group.h"
 #include "model/fp8_projections.h"
@@ -366,9 +367,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
     // NOTE [FP8 all-gather]: the codes (U8, the unit's layout), the norms (compute dtype,
-    // one after the other), each FP8 weight's amax (F32, contiguous: all-reduced at once)
-    // and scales (scale, inverse, kFp8StatStride apart), the descriptors' statistics, and
-    // the weight generation the codes are from.
+    // one after the other), each piece's amax (F32, contiguous: all-reduced at once; NOTE
+    // [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h) and scales (scale, inverse,
+    // kFp8StatStride apart), the descriptors' statistics (one per piece), and the weight
+    // generation the codes are from.
     Tensor codes, norms, amax, scales;
     std::vector<Fp8GatheredWeight> gathered;
     uint64_t generation = 0;
@@ -416,7 +418,8 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void copy_delayed_scales(UnitSlot& slot, int unit);
   void gather_fp8_block(UnitSlot& slot, int unit);
   void fp8_block_views(UnitSlot& slot, int unit);
-  bool is_fp8(const FsdpParam& p) const { return fp8_block_projection(layout_.specs()[static_cast<size_t>(p.spec)]); }
+  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]).
+  bool is_fp8(const FsdpParam& p) const { return fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)]); }
   // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE
   // [Fresh gradient buffers]), its padding zeroed, the rest left for the model to write.
   UnitSlot& grad_slot(int unit);
@@ -470,6 +473,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // NOTE [FP8 all-gather]
   const Fp8Projections* fp8_ = nullptr;
   ProcessGroup* fp8_tensor_parallel_ = nullptr;  // NOTE [FP8 all-gather] under tensor parallelism
+  // Per unit: its FP8 pieces (NOTE [FP8 all-gather pieces]; empty but for blocks) and, once
+  // set_fp8_projections is called, each piece's statistics block.
+  std::vector<std::vector<Fp8GatherPiece>> fp8_pieces_;
+  std::vector<std::vector<int64_t>> fp8_piece_projection_;
   Tensor norm_wire_;            // world x norm_wire_numel_ elements of the compute dtype
   int64_t norm_wire_numel_ = 0;  // the most norm elements any rank holds of any block
 };
