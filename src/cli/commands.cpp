@@ -220,7 +220,11 @@ int run_info(const std::vector<std::string>& args) {
                    ? fmt::format("; under FSDP the blocks' FP8 weights are all-gathered as E4M3 codes, 1 byte each "
                                  "(precision.fp8_fsdp_all_gather){}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks"
-                                                    : ", each weight's amax max-reduced over the ranks per gather")
+                                 // NOTE [FP8 all-gather pieces]
+                                 : m.moe() || m.mla()
+                                     ? ", each weight's amax (each routed expert's, each kv_a row view's) max-reduced "
+                                       "over the ranks per gather"
+                                     : ", each weight's amax max-reduced over the ranks per gather")
                    : config.lora.quantize_base == "nf4"
                    ? fmt::format("; each data-parallel rank casts its replica of the base{}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "")

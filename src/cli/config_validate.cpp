@@ -202,11 +202,14 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base is gathered in bf16 and cast to FP8 by each "
                  "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
                  key);
-    // A MoE block's expert stacks and router, and MLA's row views of kv_a, take bf16 weights.
-    if (config.model.moe() || config.model.mla())
-      FORGE_FAIL("{} cannot be combined with a {} model yet: its routed experts (and router) or MLA's kv_a row views "
-                 "are gathered in bf16; set it to false",
-                 key, config.model.moe() ? "Mixture-of-Experts" : "Multi-head Latent Attention");
+    // NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h: a MoE block's routed
+    // experts travel as one piece per expert, MLA's kv_a as its two row views, the router in
+    // bf16. Under expert parallelism a block's expert part is gathered over the ranks holding
+    // the same experts (NOTE [FSDP layout]), which the FP8 gather does not do.
+    if (p.expert_parallel_degree > 1)
+      FORGE_FAIL("{} cannot be combined with {} yet: the routed experts' slices are gathered over the ranks holding "
+                 "the same experts, in bf16; set it to false, or parallelism.expert_parallel_degree 1",
+                 key, show(config, keys, "parallelism.expert_parallel_degree"));
     // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
     // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)

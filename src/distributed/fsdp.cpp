@@ -95,8 +95,9 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
   master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
   if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
-  FORGE_CHECK(!options.fp8_all_gather || (!options.frozen && options.expert_parallel == 1 && !config.moe()),
-              "FSDP's FP8 all-gather is for full training of dense models (NOTE [FP8 all-gather])");
+  // NOTE [FP8 all-gather pieces]: a routed-expert stack travels whole, as E pieces.
+  FORGE_CHECK(!options.fp8_all_gather || (!options.frozen && options.expert_parallel == 1),
+              "FSDP's FP8 all-gather is for full training without expert parallelism (NOTE [FP8 all-gather])");
   // Compute weights.
   if (!gathers_blocks()) {
     full_compute_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, compute_dtype_, device);
@@ -116,14 +117,17 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     for (int u = 0; u < units; ++u) held_blocks += layout_.is_block(u) && layout_.holds(u) ? 1 : 0;
     weight_slots_.resize(options.zero_stage == 3 ? static_cast<size_t>(std::clamp(held_blocks, 1, 3))
                                                  : static_cast<size_t>(config.num_layers));
-    // NOTE [FP8 all-gather]: the largest block's FP8 weights, norms, and what any rank holds of its norms.
+    // NOTE [FP8 all-gather]: the largest block's FP8 pieces (NOTE [FP8 all-gather pieces]),
+    // norms, and what any rank holds of its norms.
     int64_t fp8_weights = 0, norms = 0;
+    if (options.fp8_all_gather) fp8_pieces_.resize(static_cast<size_t>(units));
     for (int u = 0; u < units; ++u) {
       if (!layout_.is_block(u) || !options.fp8_all_gather) continue;
       const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
-      int64_t weights = 0, unit_norms = 0;
-      for (const FsdpParam& p : unit.params) (is_fp8(p) ? weights : unit_norms) += is_fp8(p) ? 1 : p.numel;
-      fp8_weights = std::max(fp8_weights, weights);
+      fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit);
+      int64_t unit_norms = 0;
+      for (const FsdpParam& p : unit.params) unit_norms += is_fp8(p) ? 0 : p.numel;
+      fp8_weights = std::max(fp8_weights, static_cast<int64_t>(fp8_pieces_[static_cast<size_t>(u)].size()));
       norms = std::max(norms, unit_norms);
       const FsdpPart& part = unit.parts.front();
       for (int r = 0; r < part.ranks; ++r) {
@@ -587,12 +591,13 @@ void Fsdp::gather_block(int unit, int requested) {
 void Fsdp::set_fp8_projections(const Fp8Projections& fp8) {
   FORGE_CHECK(options_.fp8_all_gather, "FSDP: FP8 projections given without the FP8 all-gather");
   fp8_ = &fp8;
-  for (int u = 0; u < layout_.num_units(); ++u) {
-    if (!layout_.is_block(u)) continue;
-    for (const FsdpParam& p : layout_.units()[static_cast<size_t>(u)].params)
-      FORGE_CHECK(!is_fp8(p) || fp8.projection_index(layout_.specs()[static_cast<size_t>(p.spec)].name) >= 0,
-                  "FSDP's FP8 all-gather: '{}' has no FP8 projection", layout_.specs()[static_cast<size_t>(p.spec)].name);
-  }
+  fp8_piece_projection_.assign(fp8_pieces_.size(), {});
+  for (size_t u = 0; u < fp8_pieces_.size(); ++u)
+    for (const Fp8GatherPiece& piece : fp8_pieces_[u]) {
+      const int64_t projection = fp8.projection_index(piece.projection);
+      FORGE_CHECK(projection >= 0, "FSDP's FP8 all-gather: '{}' has no FP8 projection", piece.projection);
+      fp8_piece_projection_[u].push_back(projection);
+    }
 }
 
 void Fsdp::set_fp8_tensor_parallel_group(ProcessGroup& group) {
@@ -607,16 +612,16 @@ void Fsdp::copy_delayed_scales(UnitSlot& slot, int unit) {
   FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
   if (!fp8_->delayed_active()) return;
   constexpr int64_t kStride = cpu::kFp8StatStride;
-  int64_t j = 0;
-  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
-    if (!is_fp8(p)) continue;
-    const int64_t projection = fp8_->projection_index(layout_.specs()[static_cast<size_t>(p.spec)].name);
-    const int64_t scale = cpu::fp8_scale_offset(projection, cpu::Fp8Role::W);
-    const int64_t scale_inv = cpu::fp8_scale_inv_offset(projection, cpu::Fp8Role::W);
+  // NOTE [FP8 all-gather pieces]: each piece takes its statistics block's W scale (kv_a's
+  // two pieces the same one).
+  const std::vector<int64_t>& projections = fp8_piece_projection_.at(static_cast<size_t>(unit));
+  for (size_t k = 0; k < projections.size(); ++k) {
+    const auto j = static_cast<int64_t>(k);
+    const int64_t scale = cpu::fp8_scale_offset(projections[k], cpu::Fp8Role::W);
+    const int64_t scale_inv = cpu::fp8_scale_inv_offset(projections[k], cpu::Fp8Role::W);
     cast(slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), fp8_->statistics().narrow(scale, scale + 1), kCompute);
     cast(slot.scales.narrow((2 * j + 1) * kStride, (2 * j + 1) * kStride + 1),
          fp8_->statistics().narrow(scale_inv, scale_inv + 1), kCompute);
-    ++j;
   }
 }
 
@@ -632,15 +637,15 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
     const int64_t lo = std::min(std::max(begin, p.offset), end), hi = std::min(end, p.offset + p.numel);
     return std::pair{lo, std::max(lo, hi)};
   };
-  // 1-2. Each FP8 weight's amax over this rank's chunk; tensorwise: max-reduced over the
+  // 1-2. Each FP8 piece's amax over this rank's chunk (NOTE [FP8 all-gather pieces]: a
+  // weight, an expert's matrix, one of kv_a's row views); tensorwise: max-reduced over the
   // shard group (this tensor-parallel shard's amax), then over the tensor-parallel group
   // (the whole weight's), then the scales.
-  int64_t weights = 0;
-  for (const FsdpParam& p : u.params) {
-    if (!is_fp8(p)) continue;
-    const auto [lo, hi] = overlap(p, own, own_end);
-    fp8_chunk_amax(slot.amax.narrow(weights, weights + 1), chunk.narrow(lo - own, hi - own), stream);
-    ++weights;
+  const std::vector<Fp8GatherPiece>& pieces = fp8_pieces_.at(static_cast<size_t>(unit));
+  const auto weights = static_cast<int64_t>(pieces.size());
+  for (int64_t j = 0; j < weights; ++j) {
+    const auto [lo, hi] = fp8_piece_overlap(pieces[static_cast<size_t>(j)], own, own_end);
+    fp8_chunk_amax(slot.amax.narrow(j, j + 1), chunk.narrow(lo - own, hi - own), stream);
   }
   const Tensor amax = slot.amax.narrow(0, std::max<int64_t>(weights, 1));
   if (!fp8_->delayed_active()) {
@@ -650,14 +655,11 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
   }
   // 3. This rank's codes into its place, and the byte all-gather.
   const Tensor codes = slot.codes.narrow(0, u.numel);
-  int64_t j = 0;
-  for (const FsdpParam& p : u.params) {
-    if (!is_fp8(p)) continue;
-    const auto [lo, hi] = overlap(p, own, own_end);
+  for (int64_t j = 0; j < weights; ++j) {
+    const auto [lo, hi] = fp8_piece_overlap(pieces[static_cast<size_t>(j)], own, own_end);
     if (hi > lo)
-        fp8_chunk_cast(codes.narrow(lo, hi), chunk.narrow(lo - own, hi - own),
+      fp8_chunk_cast(codes.narrow(lo, hi), chunk.narrow(lo - own, hi - own),
                      slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), Tensor(), stream);
-    ++j;
   }
   shard_group_.all_gather(codes.narrow(part.begin, part.begin + part.numel), codes.narrow(own, own_end), stream);
   // 4. The norms: packed by each rank, gathered, unpacked from every rank's pieces.
@@ -689,20 +691,30 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
 void Fsdp::fp8_block_views(UnitSlot& slot, int unit) {
   constexpr int64_t kStride = cpu::kFp8StatStride;
   slot.block.params.clear();
-  int64_t j = 0, norms = 0;
-  for (const FsdpParam& p : layout_.units()[static_cast<size_t>(unit)].params) {
+  // NOTE [FP8 all-gather pieces]: one descriptor per piece; a parameter's points at its
+  // first piece's, the others (experts, kv_a's rotary rows) following it.
+  const std::vector<Fp8GatherPiece>& pieces = fp8_pieces_.at(static_cast<size_t>(unit));
+  float* scales = slot.scales.data<float>();
+  for (size_t k = 0; k < pieces.size(); ++k) {
+    const auto j = static_cast<int64_t>(k);
+    slot.gathered.at(k) = {slot.amax.data<float>() + j, scales + 2 * j * kStride, scales + (2 * j + 1) * kStride};
+  }
+  const std::vector<FsdpParam>& params = layout_.units()[static_cast<size_t>(unit)].params;
+  size_t first = 0;  // the next parameter's first piece
+  int64_t norms = 0;
+  for (size_t k = 0; k < params.size(); ++k) {
+    const FsdpParam& p = params[k];
     if (!is_fp8(p)) {
       slot.block.params.push_back({slot.norms.narrow(norms, norms + p.numel).view(p.shape)});
       norms += p.numel;
       continue;
     }
-    Fp8GatheredWeight& g = slot.gathered.at(static_cast<size_t>(j));
-    float* scales = slot.scales.data<float>();
-    g = {slot.amax.data<float>() + j, scales + 2 * j * kStride, scales + (2 * j + 1) * kStride};
+    FORGE_CHECK(first < pieces.size() && pieces[first].param == static_cast<int>(k),
+                "FSDP's FP8 all-gather: parameter {} of block unit {} has no piece", k, unit);
     LinearWeight w{slot.codes.narrow(p.offset, p.offset + p.numel).view(p.shape)};
-    w.fp8_gathered = &g;
+    w.fp8_gathered = &slot.gathered[first];
     slot.block.params.push_back(w);
-    ++j;
+    while (first < pieces.size() && pieces[first].param == static_cast<int>(k)) ++first;
   }
 }
 

@@ -106,32 +106,32 @@
 //
 // NOTE [FP8 all-gather]
 // With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather, full
-// training only) the blocks' FP8 projections travel as E4M3 codes, 1 byte per element
-// instead of bf16's 2, as torchao's enable_fsdp_float8_all_gather. Every stage then handles
+// training only) the blocks' FP8 projections (routed experts too) travel as E4M3 codes, 1 byte
+// an element, not bf16's 2, as torchao's enable_fsdp_float8_all_gather. Every stage handles
 // its blocks as ZeRO-3 does: gathered from the master chunk around their use (prefetched
 // one block ahead or behind), into the three rotating slots under ZeRO-3 and into one slot
 // per block, kept until the next optimizer step, under ZeRO-1/2; the embedding and head
 // units are gathered in the compute dtype as before (the head's GEMMs, even with
 // fp8_output_head, quantize its gathered bf16 weight). A block's gather, on the
 // communication stream:
-//   1. each FP8 weight's amax over this rank's chunk of it, the values taken in the compute
-//      dtype (fp8_chunk_amax: bf16-rounded on CUDA);
+//   1. each FP8 piece's amax over this rank's chunk of it (NOTE [FP8 all-gather pieces]: a
+//      weight, an expert's matrix, a kv_a row view), in the compute dtype (bf16 on CUDA);
 //   2. tensorwise (and a delayed run's first step, which uses current scales): one
 //      max-all-reduce of the block's amax vector over the shard group gives each whole
-//      weight's amax (torchao's precompute_float8_dynamic_scale_for_fsdp), and the scale is
+//      piece's amax (torchao's precompute_float8_dynamic_scale_for_fsdp), and the scale is
 //      torchao's amax_to_scale of it, the function the linear ops use; delayed: the
 //      projection's history scale, copied from its statistics block on the compute stream;
 //   3. this rank's chunk cast to E4M3 with that scale into its place in the slot's byte
 //      buffer (fp8_chunk_cast, through the compute dtype), and one all-gather of bytes;
-//   4. the unit's other parameters (the norms, a few thousand elements a block) cannot
+//   4. the unit's other parameters (the norms, a MoE router and bias: small) cannot
 //      travel as bytes: each rank packs its elements of them into a small compute-dtype
 //      buffer (as many elements as the most any rank holds), one all-gather of those, and
 //      each rank unpacks every rank's pieces into the slot's norm buffer. Two collectives
 //      of the right dtypes are simpler than one mixed-type buffer, and the second is tiny.
-// The slot hands out each FP8 projection's LinearWeight as its codes [out, in] with an
-// Fp8GatheredWeight (NOTE [FP8 gathered weights] in ops/fp8_linear.h): the amax (the whole
-// weight's; delayed: this rank's chunk's, which the step-end max-reduce of NOTE [FP8 under
-// data parallelism] makes the whole weight's), the scale and its inverse. The codes are
+// The slot hands out each FP8 parameter's LinearWeight as its codes with one
+// Fp8GatheredWeight per piece (NOTE [FP8 gathered weights] in ops/fp8_linear.h): the amax (the
+// whole piece's; delayed: this rank's chunk's, which the step-end max-reduce of NOTE [FP8 under
+// data parallelism] makes the whole piece's), the scale and its inverse. The codes are
 // the bytes the bf16-gather path's cast of the gathered weight writes (same values, same
 // amax, same scale function, same saturating cast), so a run is bitwise the bf16-gather
 // run. A slot remembers the FP8 projections' weight generation it was cast in, and one
@@ -189,6 +189,7 @@
 
 #include "core/device.h"
 #include "distributed/data_parallel_comm.h"
+#include "distributed/fsdp_fp8_pieces.h"
 #include "distributed/fsdp_layout.h"
 #include "distributed/process_group.h"
 #include "model/fp8_projections.h"
@@ -366,9 +367,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
     // NOTE [FP8 all-gather]: the codes (U8, the unit's layout), the norms (compute dtype,
-    // one after the other), each FP8 weight's amax (F32, contiguous: all-reduced at once)
-    // and scales (scale, inverse, kFp8StatStride apart), the descriptors' statistics, and
-    // the weight generation the codes are from.
+    // one after the other), each piece's amax (F32, contiguous: all-reduced at once; NOTE
+    // [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h) and scales (scale, inverse,
+    // kFp8StatStride apart), the descriptors' statistics (one per piece), and the weight
+    // generation the codes are from.
     Tensor codes, norms, amax, scales;
     std::vector<Fp8GatheredWeight> gathered;
     uint64_t generation = 0;
@@ -416,7 +418,8 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void copy_delayed_scales(UnitSlot& slot, int unit);
   void gather_fp8_block(UnitSlot& slot, int unit);
   void fp8_block_views(UnitSlot& slot, int unit);
-  bool is_fp8(const FsdpParam& p) const { return fp8_block_projection(layout_.specs()[static_cast<size_t>(p.spec)]); }
+  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]).
+  bool is_fp8(const FsdpParam& p) const { return fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)]); }
   // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE
   // [Fresh gradient buffers]), its padding zeroed, the rest left for the model to write.
   UnitSlot& grad_slot(int unit);
@@ -470,6 +473,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // NOTE [FP8 all-gather]
   const Fp8Projections* fp8_ = nullptr;
   ProcessGroup* fp8_tensor_parallel_ = nullptr;  // NOTE [FP8 all-gather] under tensor parallelism
+  // Per unit: its FP8 pieces (NOTE [FP8 all-gather pieces]; empty but for blocks) and, once
+  // set_fp8_projections is called, each piece's statistics block.
+  std::vector<std::vector<Fp8GatherPiece>> fp8_pieces_;
+  std::vector<std::vector<int64_t>> fp8_piece_projection_;
   Tensor norm_wire_;            // world x norm_wire_numel_ elements of the compute dtype
   int64_t norm_wire_numel_ = 0;  // the most norm elements any rank holds of any block
 };

@@ -133,11 +133,13 @@ Tensor LatentAttention::attention_rows(const Tensor& packed) const {
 
 LinearWeight LatentAttention::rows(const LinearWeight& w, int64_t begin, int64_t end, LoraAdapter& view,
                                    bool later) {
-  FORGE_CHECK(!w.fp8_gathered, "Multi-head Latent Attention's kv_a projection does not take FP8-gathered codes");
   if (w.nf4) nf4_dequantize(w.weight, *w.nf4);  // NOTE [NF4 linear weights]: the rows view the scratch
   LinearWeight part;
   // NOTE [FP8 latent attention] in latent_attention.h: both row ranges share kv_a's FP8 settings.
   part.fp8 = w.fp8;
+  // FSDP's FP8 all-gather: kv_a's codes came as two pieces, the compressed rows' scale
+  // first, the rotary rows' second (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h).
+  if (w.fp8_gathered) part.fp8_gathered = w.fp8_gathered + (later ? 1 : 0);
   if (w.weight.defined()) part.weight = w.weight.narrow(begin, end).view({end - begin, w.weight.dim(1)});
   if (w.lora) {
     view = lora_rows(*w.lora, begin, end, later);

@@ -38,7 +38,9 @@
 // two (one scale for the whole matrix, as a single GEMM would have). Their input gradients
 // add into dh (fp8_linear_backward_input_add). The two views take turns in the parameter's
 // one weight-cache entry (NOTE [FP8 weight cache], keyed by the weight's data pointer), so
-// neither ever finds its codes there: kv_a's W is cast in every micro-batch, correctly. The norms, the rotary packing and the
+// neither ever finds its codes there: kv_a's W is cast in every micro-batch, correctly. Under
+// FSDP's FP8 all-gather kv_a travels as two pieces, one per row view, each cast with the
+// scale its GEMMs take (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h). The norms, the rotary packing and the
 // attention stay in the compute dtype, as a dense block's. On CUDA every width a GEMM
 // contracts over must be a multiple of 16 (configs check: hidden_size, q_lora_rank, the
 // query width, kv_lora_rank, qk_rope_head_dim, kv_b's and o's widths).
@@ -86,8 +88,10 @@ class LatentAttention final : public BlockComponent {
 
   // Rows [begin, end) of a [r + dr, hidden] kv_a weight (or gradient) as a projection, its
   // adapter's rows in `view` (NOTE [LoRA row views] in ops/lora.h; `later`: not the first
-  // range in backward order). An NF4 weight is dequantized into its scratch, which the rows
-  // then view: nothing may dequantize into it before they are used.
+  // range in backward order; the rotary rows). An NF4 weight is dequantized into its scratch,
+  // which the rows then view: nothing may dequantize into it before they are used. FP8-gathered
+  // codes (FSDP's FP8 all-gather) come as two pieces, the rotary rows' second (NOTE [FP8
+  // all-gather pieces] in distributed/fsdp_fp8_pieces.h).
   static LinearWeight rows(const LinearWeight& w, int64_t begin, int64_t end, LoraAdapter& view, bool later);
   void project_queries(Activations& a, const ComponentWeights& w);
   // Packed rows [B, T, W] in the form the attention op takes (NOTE [Value head dim]): as

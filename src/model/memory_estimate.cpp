@@ -240,9 +240,13 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     // NOTE [FP8 all-gather]: the embedding and head in full; gathered blocks (three slots,
     // or one per block under ZeRO-1/2) of 1 byte per element, their norms in the compute
     // dtype, and the norms' wire (at most every norm element of a block, per rank).
-    double norms = 0;
+    // The largest block's: a MoE block's router and bias travel with its norms (NOTE [FP8
+    // all-gather pieces] in distributed/fsdp_fp8_pieces.h).
+    std::vector<double> layer_norms(static_cast<size_t>(std::max<int64_t>(config.num_layers, 1)), 0.0);
     for (const ParamSpec& spec : parameter_specs(config))
-      if (spec.layer == 0 && !fp8_block_projection(spec)) norms += static_cast<double>(shape_numel(spec.shape));
+      if (spec.layer >= 0 && !fp8_block_projection(spec) && !fp8_expert_stack(spec))
+        layer_norms.at(static_cast<size_t>(spec.layer)) += static_cast<double>(shape_numel(spec.shape));
+    const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
     const double slots = plan.zero_stage == 3 ? 3 : static_cast<double>(config.num_layers);
     e.compute_weights = (embedding + head) * compute_bytes + slots * (block + norms * compute_bytes) +
                         std::min(norms, block / n) * n * compute_bytes;

@@ -238,7 +238,11 @@ void MoeFeedForward::take_received(int layer, Activations& a) {
 namespace {
 
 // NOTE [FP8 routed experts] in ops/moe_fp8.h: the expert stacks' FP8 settings, when they have them.
-MoeExpertFp8 expert_fp8(const LinearWeight& gate_up, const LinearWeight& down) { return {gate_up.fp8, down.fp8}; }
+// Under FSDP's FP8 all-gather with the stacks' per-expert gathered scales (NOTE [FP8
+// all-gather pieces] in distributed/fsdp_fp8_pieces.h).
+MoeExpertFp8 expert_fp8(const LinearWeight& gate_up, const LinearWeight& down) {
+  return {gate_up.fp8, down.fp8, 0, gate_up.fp8_gathered, down.fp8_gathered};
+}
 
 // Under expert parallelism: with the statistics blocks of the rank's local experts, from
 // `first` on (NOTE [FP8 routed experts under expert parallelism] in ops/moe_fp8.h).

@@ -172,9 +172,9 @@ struct Fp8Produced {
 // into the scratch's W buffer); every use folds `amax` into the W role's `seen`, as a
 // cast of W would. On the CPU the reference decodes the codes to fp32 (exactly). The codes
 // and scale are the bf16-gather path's (same amax, same scale function, same cast), so
-// the results are bitwise the same.
+// the results are bitwise the same. One per piece (NOTE [FP8 all-gather pieces], distributed/).
 struct Fp8GatheredWeight {
-  const float* amax = nullptr;       // the whole weight's (delayed: this rank's chunk's, max-reduced at the step's end)
+  const float* amax = nullptr;       // the whole piece's; delayed: of its part in this rank's chunk (0: none)
   const float* scale = nullptr;      // the scale the codes were cast with
   const float* scale_inv = nullptr;  // its inverse, the GEMM's factor (256-byte aligned on CUDA)
 };

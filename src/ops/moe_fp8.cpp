@@ -183,7 +183,8 @@ void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& 
 #ifdef FORGE_CUDA
   const int64_t* device_offsets = nullptr;
 #endif
-  auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight, const Fp8Linear& stack) {
+  auto per_expert = [&](const Tensor& y, const Tensor& x, const Tensor& weight, const Fp8Linear& stack,
+                        const Fp8GatheredWeight* gathered) {
     const bool stateful = expert_state(stack, r.experts) != nullptr;
 #ifdef FORGE_CUDA
     if (x.dim(0) > 0 && grouped_ok(x, stack, r)) {  // NOTE [FP8 grouped expert casts]
@@ -195,14 +196,15 @@ void moe_experts_forward_fp8(const MoeExpertBuffers& a, const MoeExpertWeights& 
       const int64_t b = r.offsets[static_cast<size_t>(e)], end = r.offsets[static_cast<size_t>(e) + 1];
       if (b != end)
         fp8_linear_forward(y.narrow(b, end), x.narrow(b, end), moe_expert_matrix(weight, e),
-                           fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1), nullptr);
+                           fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1), nullptr,
+                           gathered ? gathered + e : nullptr);
     }
   };
   // NOTE [FP8 frozen routed experts]: the adapters' share added in the compute dtype.
-  per_expert(a.gate_up, a.permuted, w.gate_up, *fp8.gate_up);
+  per_expert(a.gate_up, a.permuted, w.gate_up, *fp8.gate_up, fp8.gate_up_gathered);
   if (w.gate_up_lora) lora_experts_forward_add(a.gate_up, a.permuted, *w.gate_up_lora, r);
   if (a.gate_up.dim(0) > 0) swiglu_forward(a.swiglu, a.gate_up);  // every row at once, in the compute dtype
-  per_expert(a.expert_out, a.swiglu, w.down, *fp8.down);
+  per_expert(a.expert_out, a.swiglu, w.down, *fp8.down, fp8.down_gathered);
   if (w.down_lora) lora_experts_forward_add(a.expert_out, a.swiglu, *w.down_lora, r);
 }
 
@@ -226,7 +228,7 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
   const int64_t* device_offsets = nullptr;
 #endif
   auto per_expert = [&](const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& weight,
-                        const Fp8Linear& stack) {
+                        const Fp8Linear& stack, const Fp8GatheredWeight* gathered) {
     const bool stateful = expert_state(stack, r.experts) != nullptr;
 #ifdef FORGE_CUDA
     if (!frozen && dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {  // NOTE [FP8 grouped expert casts]
@@ -242,19 +244,21 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
       }
       const Fp8Linear expert = fp8_expert_linear(stack, fp8.first_expert + e, stateful ? e : -1);
       if (frozen) {
-        fp8_linear_backward_input(dx.narrow(b, end), dy.narrow(b, end), moe_expert_matrix(weight, e), expert);
+        fp8_linear_backward_input(dx.narrow(b, end), dy.narrow(b, end), moe_expert_matrix(weight, e), expert,
+                                  gathered ? gathered + e : nullptr);
       } else {  // both GEMMs in one call: dy_e cast once, its codes and their transpose together
         fp8_linear_backward(dx.narrow(b, end), moe_expert_matrix(dw, e), dy.narrow(b, end),
-                            moe_expert_matrix(weight, e), x.narrow(b, end), expert, overwrite);
+                            moe_expert_matrix(weight, e), x.narrow(b, end), expert, overwrite,
+                            gathered ? gathered + e : nullptr);
       }
     }
   };
   // The adapters' input gradients added to dx and their own gradients, in the compute dtype
   // from the unquantized dy and x (NOTE [FP8 frozen routed experts]).
-  per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down, *fp8.down);
+  per_expert(d_swiglu, grads.down, d_expert_out, a.swiglu, w.down, *fp8.down, fp8.down_gathered);
   lora_experts_backward(d_swiglu, d_expert_out, a.swiglu, w.down_lora, grads.down_lora, r, overwrite);
   if (a.gate_up.dim(0) > 0) swiglu_backward(d_gate_up, d_swiglu, a.gate_up);
-  per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up, *fp8.gate_up);
+  per_expert(d_permuted, grads.gate_up, d_gate_up, a.permuted, w.gate_up, *fp8.gate_up, fp8.gate_up_gathered);
   lora_experts_backward(d_permuted, d_gate_up, a.permuted, w.gate_up_lora, grads.gate_up_lora, r, overwrite);
 }
 

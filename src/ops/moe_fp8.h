@@ -11,7 +11,9 @@
 //   weight gradient dW_e = dy_e^T x_e    written over or added to
 // each through fp8_linear_forward and fp8_linear_backward (both backward GEMMs in one call,
 // dy_e cast once into its codes and their transpose) on the expert's slice of the weight
-// stack and its block of rows. Every expert's matrix has
+// stack and its block of rows (under FSDP's FP8 all-gather the stack's E4M3 codes, expert
+// e's with its own gathered scale: NOTE [FP8 all-gather pieces] in
+// distributed/fsdp_fp8_pieces.h). Every expert's matrix has
 // its own statistics block (NOTE [FP8 projection statistics] in kernels/cpu/fp8_scaling.h;
 // Fp8Projections numbers E of them per stack, in expert order), so each expert quantizes
 // its weight with its own scale, and its rows' activations and gradients with scales of
@@ -152,6 +154,10 @@ struct MoeExpertFp8 {
   // The stack's expert whose statistics block the weights' first expert takes (NOTE [FP8
   // routed experts under expert parallelism]: the rank's first local expert); 0: all of them.
   int64_t first_expert = 0;
+  // FSDP's FP8 all-gather (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h):
+  // the stacks are E4M3 codes, expert e's cast as Fp8GatheredWeight [e] says; null: bf16.
+  const Fp8GatheredWeight* gate_up_gathered = nullptr;
+  const Fp8GatheredWeight* down_gathered = nullptr;
   bool enabled() const { return gate_up && down; }
 };
 

@@ -411,5 +411,43 @@ TEST(GpuFsdp, Fp8AllGatherIsTheBf16Gather) {
   }
 }
 
+// NOTE [FP8 all-gather pieces] (distributed/fsdp_fp8_pieces.h): on a Mixture-of-Experts model
+// (Mixtral-shaped) and a DeepSeek-V3-shaped one (MLA with q_lora_rank, a dense first block,
+// sigmoid-routed experts and shared experts), the routed experts gathered as E4M3 codes with
+// a scale per expert and MLA's kv_a with one per row view, the router in bf16, give bitwise
+// the losses, gradient chunks and delayed scales of the bf16 gather (each expert's, each row
+// view's GEMMs casting the bf16 weights themselves). ZeRO-3 (four blocks through three
+// slots) and ZeRO-1.
+TEST(GpuFsdp, Fp8AllGatherOfExpertsAndLatentAttentionIsTheBf16Gather) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  ModelConfig moe = small_moe();
+  moe.name = "gpu-fsdp-fp8-gather-moe";
+  moe.num_layers = 4;
+  ModelConfig deepseek = small_deepseek(true);
+  deepseek.name = "gpu-fsdp-fp8-gather-deepseek-v3";
+  deepseek.rope_scaling = RopeScaling{};
+  deepseek.num_layers = 4;
+  for (const ModelConfig& c : {moe, deepseek}) {
+    for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+      for (const int stage : {3, 1}) {
+        SCOPED_TRACE(testing::Message() << c.name << " " << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise")
+                                        << " ZeRO-" << stage);
+        Fp8Settings settings;
+        settings.recipe = recipe;
+        const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
+        const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
+        ASSERT_EQ(gathered.losses.size(), bf16.losses.size());
+        for (double loss : gathered.losses) EXPECT_TRUE(std::isfinite(loss));
+        EXPECT_EQ(gathered.losses, bf16.losses);
+        ASSERT_EQ(gathered.grads.size(), bf16.grads.size());
+        for (size_t i = 0; i < gathered.grads.size(); ++i)
+          EXPECT_TRUE(gathered.grads[i] == bf16.grads[i]) << "step " << i;
+        EXPECT_EQ(gathered.scales, bf16.scales);
+        if (recipe == Fp8Recipe::Delayed) EXPECT_FALSE(gathered.scales.empty());
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace forge::gpu_test

@@ -1,0 +1,62 @@
+"""FSDP's FP8 all-gather of a Mixture-of-Experts and Multi-head Latent Attention model on CPU
+ranks (precision.fp8_fsdp_all_gather; NOTE [FP8 all-gather pieces] in
+src/distributed/fsdp_fp8_pieces.h): each routed expert's matrix is cast with its own scale
+(its amax max-reduced over the ranks under tensorwise, its expert's history scale under
+delayed), MLA's kv_a as its two row views, the router gathered in the compute dtype. The
+codes and scales are those the gather of the compute weights (fp32 on the CPU) and each
+expert's (each row view's) cast of the gathered weight produce, so the runs are bitwise the
+same: debug-tiny-mla (MLA, a dense first block, then 8 routed experts and a shared one) on 2
+ranks, tensorwise and delayed under ZeRO-3, tensorwise under ZeRO-1, the loss curve and
+(delayed) the saved amax histories and scales equal. Kept short (8 steps) to stay far under
+ctest's limit; the dense model's runs are in test_fp8_fsdp_all_gather.py."""
+import os
+import shutil
+import unittest
+
+from test_fp8_fsdp import delayed_state, train
+from forge_test_util import scratch_dir, train_losses
+
+GATHER = ["--precision.fp8_fsdp_all_gather", "true"]
+MODEL = ["--model.name", "debug-tiny-mla"]
+STEPS = 8
+CHECKPOINTS = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+
+
+class Fp8AllGatherMoeMla(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = scratch_dir()
+
+    @classmethod
+    def tearDownClass(cls):
+        shutil.rmtree(cls.tmp, ignore_errors=True)
+
+    def test_bitwise_the_compute_dtype_gather(self):
+        for recipe, stage in (("tensorwise", 3), ("delayed", 3), ("tensorwise", 1)):
+            with self.subTest(recipe=recipe, zero_stage=stage):
+                runs = {}
+                for name, extra in (("plain", []), ("fp8", GATHER)):
+                    run_dir = os.path.join(self.tmp, f"{recipe}-zero{stage}-{name}")
+                    train(run_dir, 2, *MODEL, "--precision.fp8", recipe, "--parallelism.zero_stage", str(stage),
+                          "--training.steps", str(STEPS), *CHECKPOINTS, *extra)
+                    runs[name] = run_dir
+                plain, fp8 = train_losses(runs["plain"]), train_losses(runs["fp8"])
+                self.assertEqual(len(fp8), STEPS)
+                self.assertEqual(fp8, plain)
+                self.assertLess(fp8[-1], fp8[0] - 0.1)  # it trained
+                if recipe == "delayed":
+                    state = delayed_state(runs["fp8"], 4)
+                    self.assertTrue(state["active"])
+                    self.assertEqual(state, delayed_state(runs["plain"], 4))
+
+    def test_refused_under_expert_parallelism(self):
+        result = train(os.path.join(self.tmp, "refused"), 2, *MODEL, "--precision.fp8", "tensorwise",
+                       "--parallelism.expert_parallel_degree", "2", *GATHER, check=False)
+        self.assertNotEqual(result.returncode, 0)
+        output = result.stdout + result.stderr
+        self.assertIn("precision.fp8_fsdp_all_gather", output)
+        self.assertIn("parallelism.expert_parallel_degree", output)
+
+
+if __name__ == "__main__":
+    unittest.main()
