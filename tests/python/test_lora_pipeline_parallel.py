@@ -305,6 +305,11 @@ class Errors(unittest.TestCase):
     def test_what_cannot_be_combined_is_named(self):
         lora = ["--lora.rank", "4", "--model.num_layers", "4", *PP2]
         for ranks, flags, words in (
+                # The frozen base runs under ZeRO-3 (and FP8 there: test_fp8_pipeline_zero.py); the
+                # interleaved schedule still takes the micro-batches in groups of the degree.
+                (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3",
+                            *INTERLEAVED, "--training.gradient_accumulation_steps", "3"],
+                 ["Interleaved1F1B", "training.gradient_accumulation_steps = 3"]),
                 (4, lora + TP2 + QLORA,
                  # debug-tiny's o shards (32 columns) would cut NF4's blocks of 64.
                  ["parallelism.tensor_parallel_degree = 2", "with lora.quantize_base = nf4",
