@@ -435,30 +435,14 @@ void check_pipeline_parallel_degree(const ExperimentConfig& config, const KeyDes
     FORGE_FAIL("{}: {}", pp, e.what());
   }
   // ZeRO-2 and -3 over a pipeline rank's stages (NOTE [ZeRO-2 and -3 under pipeline
-  // parallelism] in distributed/fsdp.h): full training (MoE and MLA blocks too, with expert
-  // parallelism: the stages' expert parts gathered and reduced over their groups per use)
-  // and LoRA's frozen base (NOTE [Frozen FSDP base]: gathered per use under ZeRO-3), with
-  // hybrid sharding and context parallelism (FSDP shards over the context-parallel ranks
-  // too: NOTE [Context-parallel steps]) and tensor-parallel stages. Not built yet, and
-  // refused by name: LoRA with expert parallelism there, and FP8 (no test covers them yet).
-  const bool fsdp = p.data_parallel_shard_degree > 1 || p.data_parallel_replicate_degree > 1 ||
-                    p.context_parallel_degree > 1;
-  if (fsdp && p.zero_stage >= 2) {
-    const std::string zero = show(config, keys, "parallelism.zero_stage");
-    auto refuse = [&](const std::string& other, const char* why) {
-      FORGE_FAIL("{} with FSDP and {} cannot be combined with {} yet ({}): take parallelism.zero_stage 1 there", pp,
-                 zero, other, why);
-    };
-    if ((config.lora.enabled() || config.lora.quantize_base != "none") && config.model.moe() &&
-        p.expert_parallel_degree > 1)
-      refuse(show(config, keys, "lora.rank") + " and " + show(config, keys, "parallelism.expert_parallel_degree"),
-             "no test covers a frozen base's expert parts gathered per use yet");
-    // Tried on CPU ranks: tensorwise followed one rank's loss, but a delayed run's step-4 amax
-    // histories under ZeRO-3 were 2.3e-2 from one rank's (ZeRO-1: equal), not yet understood.
-    if (config.precision.fp8 != "none")
-      refuse(show(config, keys, "precision.fp8"),
-             "a delayed run's amax histories over the stages' gathered blocks do not match one rank's yet");
-  }
+  // parallelism] in distributed/fsdp.h), under either schedule: full training (MoE and MLA
+  // blocks too, with expert parallelism: the stages' expert parts gathered and reduced over
+  // their groups per use), LoRA's and QLoRA's frozen base (NOTE [Frozen FSDP base]: gathered
+  // per use under ZeRO-3, its expert parts over their groups with expert parallelism), with
+  // hybrid sharding and context parallelism (FSDP shards over the context-parallel ranks too:
+  // NOTE [Context-parallel steps]) and tensor-parallel stages, and FP8 (tensorwise and
+  // delayed, full training and LoRA's FP8 base: NOTE [FP8 under ZeRO-2 and -3 pipeline
+  // ranks] in train/trainer_fp8.cpp). Nothing there is refused.
   // Expert parallelism: groups of a stage's shard ranks, which run the same schedule (NOTE
   // [Expert parallelism under pipeline parallelism] in model/pipeline.h); check_expert_parallel
   // asks the shard degree to take it. LoRA on a MoE model under both: NOTE [LoRA under pipeline

@@ -67,8 +67,9 @@
 // parallelism works as without them: the stages' expert stacks are cut into expert parts
 // over the stage's shard ranks that hold the same experts (NOTE [Expert parallelism under
 // pipeline parallelism] in model/pipeline.h). A frozen base (NOTE [Frozen FSDP base]) over
-// a pipeline rank's stages is ZeRO-1's: the stages' units held in full, nothing reduced
-// (reduce_gradients does nothing).
+// a pipeline rank's stages under ZeRO-1 (and -2) holds the stages' units in full, nothing
+// reduced (reduce_gradients does nothing); under ZeRO-3 its blocks are gathered per use as
+// below, its expert parts over their groups.
 //
 // NOTE [ZeRO-2 and -3 under pipeline parallelism]
 // What torchtitan's FSDP2 does under its pipeline schedules: every unit of a rank's stages
@@ -88,9 +89,11 @@
 // and head stay in full. reduce_gradients() then finds nothing left and is a no-op kept for
 // the same step protocol. The ranks of a shard group run the same schedule (NOTE
 // [Pipeline parallelism] in model/pipeline.h), so they issue the same gathers and
-// reductions in the same order. A tied embedding (reduced once per step, on the last
-// micro-batch, which a schedule does not mark) is ZeRO-1's alone; pipelining refuses it
-// anyway (NOTE [Pipeline stages]).
+// reductions in the same order. FP8 projections wrap the Fsdp as without pipelining (NOTE
+// [FP8 under ZeRO-2 and -3 pipeline ranks] in train/trainer_fp8.cpp: the gradients added in
+// plain ZeRO-3's order, which a delayed run's scales carry). A tied embedding (reduced once
+// per step, on the last micro-batch, which a schedule does not mark) is ZeRO-1's alone;
+// pipelining refuses it anyway (NOTE [Pipeline stages]).
 //
 // NOTE [Frozen FSDP base]
 // A LoRA run's base is frozen (NOTE [LoRA training]): FsdpOptions::frozen keeps each

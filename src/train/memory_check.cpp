@@ -104,11 +104,9 @@ void check_memory_fits(const ExperimentConfig& config) {
   if (plan.checkpoint != ActivationCheckpoint::Full) hints += ", activation_checkpoint.mode full";
   if (plan.optimizer_state != DType::BF16) hints += ", optimizer.state_dtype bf16";
   if (plan.micro_batch > 1) hints += ", a smaller training.local_batch_size";
-  // Under pipelining ZeRO-3 takes neither FP8 nor LoRA with expert parallelism (NOTE [ZeRO-2
-  // and -3 under pipeline parallelism] in distributed/fsdp.h).
-  const bool zero3_refused =
-      plan.pipeline_parallel > 1 && (plan.fp8 || (plan.lora.enabled() && config.model.moe() && plan.expert_parallel > 1));
-  if (plan.fsdp && plan.zero_stage < 3 && !zero3_refused) hints += ", parallelism.zero_stage 3";
+  // Under pipelining too, with FP8 and LoRA with expert parallelism (NOTE [ZeRO-2 and -3
+  // under pipeline parallelism] in distributed/fsdp.h).
+  if (plan.fsdp && plan.zero_stage < 3) hints += ", parallelism.zero_stage 3";
   if (need.fp8_weight_cache > 0) hints += ", precision.fp8_weight_cache false";
   hints += ", or more GPUs (FSDP shards weights, gradients and optimizer state)";
   const double gib = 1024.0 * 1024.0 * 1024.0;

@@ -123,24 +123,33 @@ TEST(ConfigValidate, LoraRunsOnPipelineRanksWithTheOtherDegrees) {
   EXPECT_EQ(with({{"precision.fp8", "tensorwise"}, {"parallelism.tensor_parallel_degree", "2"}}).precision.fp8,
             "tensorwise");  // NOTE [FP8 under tensor parallelism]: LoRA's FP8 base too
   // NOTE [ZeRO-2 and -3 under pipeline parallelism]: the frozen base over the stages under
-  // any ZeRO stage; with expert parallelism too, ZeRO-1 only.
-  for (const char* zero : {"2", "3"})
+  // any ZeRO stage, with expert parallelism too (its expert parts gathered per use over their
+  // groups), and QLoRA's NF4 base there.
+  for (const char* zero : {"2", "3"}) {
     EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero}})
                   .parallelism.zero_stage,
               std::stoi(zero));
-  expect_error([&] {
-    with({{"model.name", "debug-tiny-moe"}, {"model.num_layers", "4"}, {"parallelism.data_parallel_shard_degree", "2"},
-          {"parallelism.expert_parallel_degree", "2"}, {"parallelism.zero_stage", "3"}});
-  },
-               {"parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = 3",
-                "lora.rank = 4 (command line) and parallelism.expert_parallel_degree = 2",
-                "take parallelism.zero_stage 1"});
+    const ConfigOverrides moe_ep = {{"model.name", "debug-tiny-moe"},
+                                    {"model.num_layers", "4"},
+                                    {"parallelism.data_parallel_shard_degree", "2"},
+                                    {"parallelism.expert_parallel_degree", "2"},
+                                    {"parallelism.zero_stage", zero}};
+    EXPECT_EQ(with(moe_ep).parallelism.zero_stage, std::stoi(zero));
+    ConfigOverrides qlora = moe_ep;
+    qlora.push_back({"lora.quantize_base", "nf4"});
+    EXPECT_EQ(with(qlora).lora.quantize_base, "nf4");
+    // NOTE [FP8 under ZeRO-2 and -3 pipeline ranks]: LoRA's FP8 base over the stages.
+    EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero},
+                    {"precision.fp8", "delayed"}})
+                  .precision.fp8,
+              "delayed");
+  }
 }
 
 // parallelism.zero_stage defaults to 1 under pipeline parallelism, 3 otherwise; an explicit
 // 2 or 3 under pipelining runs full training (NOTE [ZeRO-2 and -3 under pipeline
-// parallelism]), with hybrid sharding, context, tensor and expert parallelism; with FP8 it
-// is refused, naming both keys.
+// parallelism]), with hybrid sharding, context, tensor and expert parallelism, and in FP8
+// (NOTE [FP8 under ZeRO-2 and -3 pipeline ranks]).
 TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
   const ConfigOverrides fsdp = {{"parallelism.data_parallel_shard_degree", "2"}};
   EXPECT_EQ(load_experiment("", fsdp).parallelism.zero_stage, 3);
@@ -171,15 +180,27 @@ TEST(ConfigValidate, ZeroStageDefaultsToOneUnderPipelining) {
                     {"parallelism.zero_stage", zero}})
                   .parallelism.zero_stage,
               std::stoi(zero));
-    const std::string both = fmt::format(
-        "parallelism.pipeline_parallel_degree = 2 (command line) with FSDP and parallelism.zero_stage = {} "
-        "(command line) cannot be combined with",
-        zero);
-    expect_error([&] { with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero},
-                             {"precision.fp8", "tensorwise"}}); },
-                 {both, "precision.fp8 = tensorwise", "take parallelism.zero_stage 1"});
-
+    // NOTE [FP8 under ZeRO-2 and -3 pipeline ranks].
+    for (const char* recipe : {"tensorwise", "delayed"}) {
+      EXPECT_EQ(with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", zero},
+                      {"precision.fp8", recipe}})
+                    .precision.fp8,
+                recipe);
+      EXPECT_EQ(with({{"parallelism.context_parallel_degree", "2"}, {"parallelism.zero_stage", zero},
+                      {"precision.fp8", recipe}})
+                    .precision.fp8,
+                recipe);
+    }
   }
+  // What pipelining still refuses under ZeRO-2/3: the interleaved schedule's groups of micro-batches.
+  expect_error([&] {
+    with({{"parallelism.data_parallel_shard_degree", "2"}, {"parallelism.zero_stage", "3"},
+          {"model.num_layers", "4"}, {"parallelism.pipeline_parallel_schedule", "Interleaved1F1B"},
+          {"training.gradient_accumulation_steps", "3"}});
+  },
+               {"parallelism.pipeline_parallel_schedule = Interleaved1F1B (command line) takes the micro-batches in "
+                "groups of parallelism.pipeline_parallel_degree = 2",
+                "training.gradient_accumulation_steps = 3 (command line)"});
 }
 
 // NOTE [FP8 under tensor parallelism]: full training in FP8 on tensor-parallel ranks (alone

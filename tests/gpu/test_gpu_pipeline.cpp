@@ -237,11 +237,17 @@ void expect_stages_match_one_gpu(PipelineScheduleKind kind, int stages, int chun
 // GEMM at a time, so every quantization is the one GPU's. Between the steps the trainer's
 // step end: the ranks' statistics max-reduced (each rank's blocks of other stages'
 // projections saw nothing), then end_step, so a delayed second step uses one GPU's scales.
+// `fsdp_zero` > 0: each rank's Fp8Projections wrap an Fsdp (ZeRO-`fsdp_zero` over a one-rank
+// group) of its stages, as the trainer's (NOTE [FP8 under ZeRO-2 and -3 pipeline ranks] in
+// train/trainer_fp8.cpp): under ZeRO-3 the blocks' weights reach the casts from the rotating
+// slots, and ZeRO-2/3's gradients are reduced per backward.
 void expect_fp8_stages_match_one_gpu(Fp8Recipe recipe, PipelineScheduleKind kind, int stages, int chunks,
-                                     int micro_batches, ActivationCheckpoint mode) {
-  SCOPED_TRACE(fmt::format("FP8 {} under {} on {} ranks x {} chunks, {} micro-batches, checkpointing {}",
+                                     int micro_batches, ActivationCheckpoint mode, int fsdp_zero = 0) {
+  const bool fsdp = fsdp_zero > 0;
+  SCOPED_TRACE(fmt::format("FP8 {} under {} on {} ranks x {} chunks, {} micro-batches, checkpointing {}{}",
                            recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise", pipeline_schedule_name(kind),
-                           stages, chunks, micro_batches, activation_checkpoint_name(mode)));
+                           stages, chunks, micro_batches, activation_checkpoint_name(mode),
+                           fsdp ? fmt::format(", FSDP ZeRO-{} over the stages", fsdp_zero) : ""));
   const ModelConfig config = llama_like();
   const int64_t batch = 2, seq = 128;
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(stages * 10 + chunks));
@@ -271,21 +277,27 @@ void expect_fp8_stages_match_one_gpu(Fp8Recipe recipe, PipelineScheduleKind kind
   std::vector<std::unique_ptr<FlatParameters>> rank_weights, rank_grads;
   std::vector<std::unique_ptr<Fp8Projections>> rank_fp8;
   std::vector<std::unique_ptr<PipelineModel>> models;
+  std::vector<std::vector<PipelineStage>> rank_stages(static_cast<size_t>(stages));
+  std::vector<std::unique_ptr<ProcessGroup>> groups(static_cast<size_t>(stages));
+  std::vector<std::unique_ptr<Fsdp>> sharded(static_cast<size_t>(stages));  // built by the rank's thread
   for (int r = 0; r < stages; ++r) {
-    std::vector<PipelineStage> held;
+    std::vector<PipelineStage>& held = rank_stages[static_cast<size_t>(r)];
     for (int v = 0; v < chunks; ++v) held.push_back(pipeline_stage(config, stages, chunks, r, v));
-    FlatParameters host(config, Device::CPU, DType::F32, {}, held);
-    host.initialize(23);
-    round_to_bf16(host.flat());
-    rank_weights.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16, TensorParallelShard{}, held));
-    rank_weights.back()->assign_from(host);
-    rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{}, held));
     rank_fp8.push_back(std::make_unique<Fp8Projections>(config, settings, Device::CUDA, batch * seq));
-    rank_fp8.back()->set_base(*rank_weights.back(), *rank_grads.back());
     pipelines.push_back(std::make_unique<ThreadPipeline>(round, r));
     models.push_back(std::make_unique<PipelineModel>(config, batch, seq, Device::CUDA, DType::BF16, mode,
                                                      *pipelines.back(), kind,
                                                      PipelineShape{stages, chunks, micro_batches}));
+    rank_weights.push_back(nullptr);
+    rank_grads.push_back(nullptr);
+    if (fsdp) continue;
+    FlatParameters host(config, Device::CPU, DType::F32, {}, held);
+    host.initialize(23);
+    round_to_bf16(host.flat());
+    rank_weights.back() = std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16, TensorParallelShard{}, held);
+    rank_weights.back()->assign_from(host);
+    rank_grads.back() = std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32, TensorParallelShard{}, held);
+    rank_fp8.back()->set_base(*rank_weights.back(), *rank_grads.back());
   }
   for (int step = 0; step < 2; ++step) {
     SCOPED_TRACE(fmt::format("step {}", step + 1));
@@ -298,18 +310,58 @@ void expect_fp8_stages_match_one_gpu(Fp8Recipe recipe, PipelineScheduleKind kind
       reference.tokens += l.tokens;
     }
     std::vector<LossSum> losses(static_cast<size_t>(stages));
+    std::vector<std::vector<std::pair<FsdpSegment, Tensor>>> fsdp_grads(static_cast<size_t>(stages));
     const auto errors = run_rank_threads(stages, round.gpu, [&](int r) {
       const size_t i = static_cast<size_t>(r);
       std::vector<PipelineMicroBatch> micro;
       for (int m = 0; m < micro_batches; ++m)
         micro.push_back({tokens[static_cast<size_t>(m)], targets[static_cast<size_t>(m)], nullptr});
-      rank_grads[i]->zero();
+      if (!fsdp) {
+        rank_grads[i]->zero();
+        losses[i] = models[i]->forward_backward(micro, *rank_fp8[i], *rank_fp8[i], scale);
+        return;
+      }
+      if (!sharded[i]) {  // the first step: the rank's group and its stages' Fsdp, under the FP8 projections
+        ProcessGroupOptions options;
+        options.device = Device::CUDA;
+        groups[i] = create_process_group(LaunchEnv{}, options);
+        FsdpOptions fsdp_options;
+        fsdp_options.zero_stage = fsdp_zero;
+        fsdp_options.pipeline_stages = rank_stages[i];
+        sharded[i] = std::make_unique<Fsdp>(config, Device::CUDA, *groups[i], nullptr, fsdp_options);
+        sharded[i]->initialize(23);
+        rank_fp8[i]->set_base(*sharded[i], *sharded[i]);
+      }
+      Fsdp& f = *sharded[i];
+      f.begin_step();
       losses[i] = models[i]->forward_backward(micro, *rank_fp8[i], *rank_fp8[i], scale);
+      f.reduce_gradients();
+      f.finish_gradients();
+      for (size_t k = 0; k < f.layout().segments().size(); ++k)
+        fsdp_grads[i].push_back({f.layout().segments()[k], to_cpu_f32(f.grad_segments()[k])});
     });
     for (const std::string& e : errors) ASSERT_EQ(e, "");
     EXPECT_EQ(losses.back().tokens, reference.tokens);
     EXPECT_NEAR(losses.back().mean(), reference.mean(), 2e-3 * reference.mean());
-    for (int r = 0; r < stages; ++r) {
+    if (fsdp) {
+      const std::vector<ParamSpec> specs = parameter_specs(config);
+      int64_t elements = 0;
+      double worst = 0;
+      for (const auto& mine : fsdp_grads)
+        for (const auto& [segment, values] : mine) {
+          const Tensor whole_grad = to_cpu_f32(grads.find(specs[static_cast<size_t>(segment.spec)].name));
+          const Tensor expected =
+              whole_grad.view({whole_grad.numel()}).narrow(segment.param_begin, segment.param_begin + segment.numel);
+          const double gap = relative_l2(values.view({segment.numel}), expected);
+          EXPECT_LT(gap, 2e-2) << specs[static_cast<size_t>(segment.spec)].name;
+          worst = std::max(worst, gap);
+          elements += segment.numel;
+        }
+      EXPECT_EQ(elements, config.total_params());  // every parameter on one rank, whole (one shard rank)
+      std::printf("FP8 over FSDP ZeRO-%d stages: loss %.6f vs one GPU's %.6f, worst gradient relative L2 %.3g\n",
+                  fsdp_zero, losses.back().mean(), reference.mean(), worst);
+    }
+    for (int r = 0; r < stages && !fsdp; ++r) {
       const FlatParameters& mine = *rank_grads[static_cast<size_t>(r)];
       for (size_t s = 0; s < mine.specs().size(); ++s)
         EXPECT_LT(relative_l2(to_cpu_f32(mine.tensors()[s]), to_cpu_f32(grads.find(mine.specs()[s].name))), 2e-2)
@@ -505,6 +557,18 @@ TEST(GpuPipeline, Fp8ThreadRanksMatchOneGpu) {
     expect_fp8_stages_match_one_gpu(recipe, PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None);
     expect_fp8_stages_match_one_gpu(recipe, PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full);
   }
+}
+
+// NOTE [FP8 under ZeRO-2 and -3 pipeline ranks]: the stages' FP8 projections over FSDP ZeRO-2
+// and -3, the ZeRO-3 blocks gathered into the rotating slots (the weight cache keyed by them).
+TEST(GpuPipeline, Fp8OverFsdpZero2And3StagesMatchesOneGpu) {
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
+    for (int zero : {2, 3}) {
+      expect_fp8_stages_match_one_gpu(recipe, PipelineScheduleKind::OneFOneB, 2, 1, 3, ActivationCheckpoint::None,
+                                      zero);
+      expect_fp8_stages_match_one_gpu(recipe, PipelineScheduleKind::Interleaved, 2, 2, 4, ActivationCheckpoint::Full,
+                                      zero);
+    }
 }
 
 TEST(GpuPipeline, FsdpOverTheStagesMatchesOneGpu) {

@@ -17,7 +17,8 @@ merged model's logits), also under hybrid sharding (8 ranks), and resumes as LoR
 forge info sizes its NF4 base by the experts.
 QLoRA measured (10 steps): losses, gradient norms and validation losses within 5.6e-8, the
 adapters within 1.2e-5, the merged export within 1.6e-6 (transformers' logits 7.5e-8);
-hybrid sharding the same as PP2 x EP2 (7.3e-7 merged export)."""
+hybrid sharding the same as PP2 x EP2 (7.3e-7 merged export). Under ZeRO-2 and -3 (1F1B and
+the interleaved schedule), LoRA and QLoRA are ZeRO-1's runs bitwise."""
 import os
 import re
 import subprocess
@@ -103,6 +104,32 @@ class LoraPipelineTimesExpertParallel(unittest.TestCase):
                      ("resumed under pp2 x ep2 interleaved", f"{model}-one", 4, 2,
                       PP2_EP2 + INTERLEAVED + NO_EXPORT, "saved by 1 rank")),
                     TOLERANCE, steps=STEPS)
+
+    def test_zero2_and_zero3_follow_one_process_and_zero1(self):
+        """ZeRO-2 and -3 over the stages (NOTE [ZeRO-2 and -3 under pipeline parallelism] in
+        src/distributed/fsdp.h): LoRA's frozen base under ZeRO-3 gathered per use, its expert
+        parts over the ranks that hold the same experts (NOTE [Frozen FSDP base]), under 1F1B
+        and the interleaved schedule; QLoRA's NF4 base is each rank's whatever the ZeRO stage.
+        The base has no gradients and the adapters' are summed as under ZeRO-1 (each stage's
+        micro-batches in order under either schedule), so each run is the ZeRO-1 run's bitwise,
+        and follows one process as it does."""
+        flags = MODELS["mixtral"]
+        for kind, extra in (("lora", []), ("qlora", QLORA)):
+            one = os.path.join(self.tmp, f"zero-{kind}-one")
+            train_on_ranks(one, 1, 1, *flags, *extra, *LORA, steps=STEPS)
+            zero1 = os.path.join(self.tmp, f"zero-{kind}-zero1")
+            train_on_ranks(zero1, 4, 2, *flags, *extra, *LORA, *PP2_EP2, steps=STEPS)
+            for zero, schedule_name, schedule in (("2", "1f1b", []), ("3", "interleaved", INTERLEAVED)):
+                with self.subTest(kind=kind, zero=zero, schedule=schedule_name):
+                    run = os.path.join(self.tmp, f"zero-{kind}-zero{zero}-{schedule_name}")
+                    result = train_on_ranks(run, 4, 2, *flags, *extra, *LORA, *PP2_EP2[:-1], zero, *schedule,
+                                            steps=STEPS)
+                    if kind == "lora":
+                        self.assertIn(f"(ZeRO-{zero}, 2 shard ranks", result.stdout + result.stderr)
+                    self.expect_follows(run, one)
+                    for k in ("train", "eval"):
+                        self.assertEqual([(r["loss"], r.get("grad_norm")) for r in records(run, k)],
+                                         [(r["loss"], r.get("grad_norm")) for r in records(zero1, k)], k)
 
     def test_hybrid_sharding_follows_one_process(self):
         """PP2 x 2 replicas x 2 shard ranks x EP2 (8 ranks): each replica's stage ranks form

@@ -248,7 +248,8 @@ class LoraFp8Pipeline(unittest.TestCase):
     """LoRA with the frozen base's forward and input-gradient GEMMs in FP8 on 2 pipeline ranks
     (each building its stages' projections), on PP2 x DP2 (over FSDP's frozen base) and on
     PP2 x TP2 (the amaxes agreed over the tensor-parallel ranks) follows one process's LoRA FP8
-    run; with `delayed` the histories are one process's."""
+    run; with `delayed` the histories are one process's. (Over ZeRO-2 and -3 stages:
+    tests/python/test_fp8_pipeline_zero.py.)"""
     train = classmethod(LoraPipelineParallel.train.__func__)
 
     @classmethod
@@ -304,10 +305,11 @@ class Errors(unittest.TestCase):
     def test_what_cannot_be_combined_is_named(self):
         lora = ["--lora.rank", "4", "--model.num_layers", "4", *PP2]
         for ranks, flags, words in (
+                # The frozen base runs under ZeRO-3 (and FP8 there: test_fp8_pipeline_zero.py); the
+                # interleaved schedule still takes the micro-batches in groups of the degree.
                 (4, lora + ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "3",
-                            "--precision.fp8", "tensorwise"],
-                 ["parallelism.pipeline_parallel_degree = 2", "with FSDP", "parallelism.zero_stage = 3",
-                  "precision.fp8 = tensorwise"]),
+                            *INTERLEAVED, "--training.gradient_accumulation_steps", "3"],
+                 ["Interleaved1F1B", "training.gradient_accumulation_steps = 3"]),
                 (4, lora + TP2 + QLORA,
                  # debug-tiny's o shards (32 columns) would cut NF4's blocks of 64.
                  ["parallelism.tensor_parallel_degree = 2", "with lora.quantize_base = nf4",

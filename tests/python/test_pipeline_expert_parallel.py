@@ -15,8 +15,8 @@ parallelism resumes on one rank, and one rank's under pipeline x expert parallel
 continuing the run that saved it; the pooled balancing loss (its statistics carried across
 the stages, each rank's own tokens') under 1F1B and the interleaved schedule; forge info
 sizes a pipeline rank by the degree; under ZeRO-2 and ZeRO-3 (NOTE [ZeRO-2 and -3 under
-pipeline parallelism]) both models follow one rank too; the configurations still refused name
-their keys.
+pipeline parallelism]) both models follow one rank too (LoRA and QLoRA there:
+test_lora_pipeline_expert_parallel.py); the configurations still refused name their keys.
 
 The interleaved runs recompute every block (full activation checkpointing), so the
 recomputed forwards dispatch again; FP8 (tensorwise and delayed) follows the one-rank FP8
@@ -182,11 +182,11 @@ class PipelineTimesExpertParallel(unittest.TestCase):
                 # EP groups are formed from a stage's shard ranks.
                 (moe + ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.expert_parallel_degree", "2"],
                  ["parallelism.expert_parallel_degree = 2", "must divide parallelism.data_parallel_shard_degree"]),
-                # LoRA and QLoRA run under both (test_lora_pipeline_expert_parallel.py), and
-                # ZeRO-2/3 (test_zero2_and_zero3_follow_one_rank), but not LoRA with ZeRO-2/3:
-                # a frozen base's expert parts gathered per use are refused there.
-                (moe + PP2_EP2[:-1] + ["2", "--lora.rank", "4"],
-                 ["parallelism.zero_stage = 2", "lora.rank"])):
+                # LoRA and QLoRA run under both, with ZeRO-2/3 too (test_lora_pipeline_expert_parallel.py);
+                # the interleaved schedule under ZeRO-3 still takes the micro-batches in groups of the degree.
+                (moe + PP2_EP2[:-1] + ["3", "--lora.rank", "4", "--parallelism.pipeline_parallel_schedule",
+                                       "Interleaved1F1B", "--training.gradient_accumulation_steps", "3"],
+                 ["Interleaved1F1B", "training.gradient_accumulation_steps = 3"])):
             with self.subTest(flags=flags):
                 result = subprocess.run([forge_bin(), "train", "--training.steps", "1", "--logging.run_dir",
                                          os.path.join(self.tmp, "refused"), *flags],

@@ -3,7 +3,8 @@ NOTE [Pipeline parallelism] in model/pipeline.h): the same run on 2 and 4 pipeli
 with the 1F1B schedule and on 2 ranks with the interleaved one (two stages per rank) gives
 one rank's loss curve, gradient norms and validation losses within fp32 reordering (so do
 2 stages x FSDP 2 under ZeRO-2 and ZeRO-3, with the interleaved schedule, hybrid sharding,
-context and tensor parallelism, whose ZeRO-3 checkpoint resumes bitwise, under ZeRO-1 and on one rank); each
+context and tensor parallelism, whose ZeRO-3 checkpoint resumes bitwise, under ZeRO-1 and on one rank;
+in FP8 there: test_fp8_pipeline_zero.py); each
 rank logs its blocks and the schedule's bubble; every rank writes its stages into one
 checkpoint of the whole model, which resumes bitwise at the layout that saved it and
 follows the uninterrupted run at another (2 pipeline ranks to 1 and to the interleaved
@@ -207,15 +208,6 @@ class Failures(unittest.TestCase):
                   "--training.gradient_accumulation_steps", "3"],
                  ["Interleaved1F1B", "training.gradient_accumulation_steps"]),
                 (["--model.num_layers", "4", "--model.tie_word_embeddings", "true"], ["tie_word_embeddings"]),
-                # ZeRO-2/3 under pipelining: not with FP8, nor LoRA with expert parallelism, yet.
-                (["--model.name", "debug-tiny-moe", "--model.num_layers", "4",
-                  "--parallelism.data_parallel_shard_degree", "2", "--parallelism.expert_parallel_degree", "2",
-                  "--parallelism.zero_stage", "3", "--lora.rank", "4"],
-                 ["parallelism.zero_stage = 3", "lora.rank = 4 (command line) and parallelism.expert_parallel_degree = 2",
-                  "take parallelism.zero_stage 1"]),
-                (["--model.num_layers", "4", "--parallelism.context_parallel_degree", "2",
-                  "--parallelism.zero_stage", "2", "--precision.fp8", "tensorwise"],
-                 ["parallelism.zero_stage = 2", "precision.fp8 = tensorwise"]),
                 (["--model.num_layers", "4", "--parallelism.pipeline_parallel_layers_per_stage", "1"],
                  ["pipeline_parallel_layers_per_stage", "Interleaved1F1B"])):
             with self.subTest(flags=flags):
