@@ -126,6 +126,19 @@ struct Context {
     if (s != CUDNN_STATUS_SUCCESS) FORGE_FAIL("cudnnCreate failed: {}", cudnnGetErrorString(s));
   }
 
+  float* stats = nullptr;  // a trimmed band's packed statistics (NOTE [Packed band statistics])
+  int64_t stats_count = 0;
+
+  float* stats_of(int64_t count) {
+    if (count > stats_count) {
+      device_synchronize();
+      device_free(stats);
+      stats = static_cast<float*>(device_malloc(static_cast<size_t>(count) * sizeof(float)));
+      stats_count = count;
+    }
+    return stats;
+  }
+
   void* workspace_of(int64_t bytes) {
     if (bytes > workspace_bytes) {
       device_synchronize();
@@ -170,7 +183,7 @@ Views views_of(const AttentionProblem& p) {
                                        : p.causal          ? p.chunk.position + p.seq
                                                            : p.chunk.kv_seq)
                                     : p.seq;
-  const int64_t q_rows = p.chunk.q_rows > 0 ? p.chunk.q_rows : p.seq;  // per batch, in qkv, out and lse
+  const int64_t q_rows = p.chunk.q_rows > 0 ? p.chunk.q_rows : p.seq;  // per batch, in qkv and out
   const int64_t kv_width = is_chunk(p) ? p.kv_heads * (p.head_dim + p.v_head_dim) : width;
   const int64_t kv_batch_stride = is_chunk(p) ? p.chunk.kv_seq * kv_width : p.seq * width;
   return {
@@ -184,7 +197,7 @@ Views views_of(const AttentionProblem& p) {
       {q_rows * p.q_heads * p.v_head_dim, p.v_head_dim, p.q_heads * p.v_head_dim, 1},
       {batch, p.q_heads, p.seq, 1},
       ragged ? std::vector<int64_t>{p.q_heads * p.seq, 1, p.q_heads, 1}
-             : std::vector<int64_t>{p.q_heads * q_rows, q_rows, 1, 1},
+             : std::vector<int64_t>{p.q_heads * p.seq, p.seq, 1, 1},  // packed: NOTE [Packed band statistics]
   };
 }
 
@@ -329,6 +342,23 @@ void execute(Context& ctx, const CachedGraph& cached, std::unordered_map<int64_t
   check_fe(cached.graph->execute(ctx.handle, pack, workspace), "execute");
 }
 
+// NOTE [Packed band statistics]
+// A trimmed band (NOTE [Full chunk attention with a sliding window]) computes the first n of
+// the chunk's Lq query rows, whose statistics are the first n of every (batch, head) row of
+// Lq in the chunk's lse. cuDNN before 9.26 takes only packed BHSD statistics in
+// sdpa_backward (the device's 9.14 refuses the strided view at validation), so the graphs
+// read and write packed [B, Hq, n] statistics in the context's scratch, copied from and to
+// the strided rows with one 2-D copy, inside the context's lock (the scratch is shared by
+// the threads that share the context, and they queue on the one default stream).
+bool trimmed(const AttentionProblem& p) { return !(p.ragged.capacity > 0) && p.chunk.q_rows > p.seq; }
+
+void copy_band_statistics(float* to, int64_t to_row, const float* from, int64_t from_row, const AttentionProblem& p) {
+  CUDA_CHECK(cudaMemcpy2DAsync(to, static_cast<size_t>(to_row) * sizeof(float), from,
+                               static_cast<size_t>(from_row) * sizeof(float),
+                               static_cast<size_t>(p.seq) * sizeof(float),
+                               static_cast<size_t>(p.batch * p.q_heads), cudaMemcpyDeviceToDevice, nullptr));
+}
+
 // The pointers of one graph execution: Q in qkv; K and V in qkv, or in kv for a chunk.
 void run_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
   Context& ctx = context();
@@ -336,10 +366,12 @@ void run_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const A
   const CachedGraph& g = cached_graph(ctx, p, false);
   bf16* q = const_cast<bf16*>(qkv);
   bf16* keys = const_cast<bf16*>(kv);
+  float* stats = trimmed(p) ? ctx.stats_of(p.batch * p.q_heads * p.seq) : lse;
   std::unordered_map<int64_t, void*> pack = {
-      {kQ, q}, {kK, keys + k_offset(p)}, {kV, keys + v_offset(p)}, {kO, out}, {kStats, lse}};
+      {kQ, q}, {kK, keys + k_offset(p)}, {kV, keys + v_offset(p)}, {kO, out}, {kStats, stats}};
   add_ragged(pack, p, false);
   execute(ctx, g, pack);
+  if (stats != lse) copy_band_statistics(lse, p.chunk.q_rows, stats, p.seq, p);
 }
 
 void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, const bf16* kv, const bf16* out,
@@ -349,12 +381,18 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
   const CachedGraph& g = cached_graph(ctx, p, true);
   bf16* q = const_cast<bf16*>(qkv);
   bf16* keys = const_cast<bf16*>(kv);
+  const float* stats = lse;
+  if (trimmed(p)) {
+    float* packed = ctx.stats_of(p.batch * p.q_heads * p.seq);
+    copy_band_statistics(packed, p.seq, lse, p.chunk.q_rows, p);
+    stats = packed;
+  }
   std::unordered_map<int64_t, void*> pack = {{kQ, q},
                                              {kK, keys + k_offset(p)},
                                              {kV, keys + v_offset(p)},
                                              {kO, const_cast<bf16*>(out)},
                                              {kdO, const_cast<bf16*>(dout)},
-                                             {kStats, const_cast<float*>(lse)},
+                                             {kStats, const_cast<float*>(stats)},
                                              {kdQ, dqkv},
                                              {kdK, dkv + k_offset(p)},
                                              {kdV, dkv + v_offset(p)}};
