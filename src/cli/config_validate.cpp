@@ -187,8 +187,17 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} gathers the FP8 projections' weights as FP8 codes, and precision.fp8 is none: set it to false, "
                  "or precision.fp8 tensorwise or delayed",
                  show(config, keys, "precision.fp8_fsdp_all_gather"));
+    if (!config.precision.fp8_routed_experts)
+      FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and precision.fp8 is none (every "
+                 "GEMM runs in the compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
+                 show(config, keys, "precision.fp8_routed_experts"));
     return;
   }
+  // NOTE [FP8 routed experts switch] in model/fp8_projections.h: a MoE model's choice.
+  if (!config.precision.fp8_routed_experts && !config.model.moe())
+    FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and this model has none "
+               "(model.num_experts 0): remove it (every projection of a dense model runs in FP8)",
+               show(config, keys, "precision.fp8_routed_experts"));
   // NOTE [FP8 over an NF4 base] covers the 2-D projections: the NF4 expert stacks (NOTE [NF4
   // expert stacks]) and MLA's projections over NF4 have no FP8 path.
   if (config.lora.quantize_base != "none" && (config.model.moe() || config.model.mla()))
@@ -247,7 +256,12 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                       m.q_size() + 2 * m.kv_size());
   }
   if (!m.moe() || m.first_dense_layers > 0) dims.emplace_back("model.ffn_hidden_size", m.ffn_hidden_size);
-  if (m.moe()) dims.emplace_back("model.moe_ffn_hidden_size (the routed and shared experts' width)", m.resolved_moe_ffn());
+  // Without the routed experts in FP8 (NOTE [FP8 routed experts switch]) the shared experts' alone.
+  if (m.moe() && config.precision.fp8_routed_experts)
+    dims.emplace_back("model.moe_ffn_hidden_size (the routed and shared experts' width)", m.resolved_moe_ffn());
+  else if (m.moe() && m.num_shared_experts > 0)
+    dims.emplace_back("the shared experts' width (num_shared_experts × moe_ffn_hidden_size)",
+                      m.num_shared_experts * m.resolved_moe_ffn());
   // Under context parallelism a rank's weight gradient contracts over its chunks' tokens.
   const int64_t cp = p.context_parallel_degree;
   if (!config.lora.enabled())
