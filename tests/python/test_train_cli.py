@@ -145,10 +145,10 @@ class Commands(unittest.TestCase):
         self.assertIn("the forward, input- and weight-gradient GEMMs of block projections (the routed experts and the "
                       "router in bf16: precision.fp8_routed_experts false) in FP8", line(off, "FP8 "))
         share = [float(re.search(r"\(([\d.]+)% of the FLOPs per token\)", line(r, "FP8 ")).group(1)) for r in (on, off)]
-        flops = float(line(on, "FLOPs/token").split()[1].replace(",", ""))
+        flops = float(line(on, "FLOPs per token").split()[3])
         experts = 6 * 26 * 6 * 3 * 2048 * 1408
         self.assertAlmostEqual(share[0] - share[1], 100 * experts / flops, delta=0.11)
-        caches = [float(re.search(r"FP8 weight cache ([\d.]+) GiB", line(r, "GPU memory")).group(1)) for r in (on, off)]
+        caches = [float(re.search(r"FP8 weight cache ([\d.]+) GiB", line(r, "  one GPU")).group(1)) for r in (on, off)]
         self.assertAlmostEqual(caches[0] - caches[1], 2 * 26 * 64 * 3 * 2048 * 1408 / 2**30, delta=0.02)
         refused = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_routed_experts", "false")
         self.assertNotEqual(refused.returncode, 0)
