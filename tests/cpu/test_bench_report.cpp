@@ -191,10 +191,10 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "parallelism", "activation_checkpoint", "args", "device_name", "gpu_architecture", "config",
                           "status", "error", "warmup_steps", "measured_steps", "step_time_median_s",
                           "step_time_min_s", "step_time_max_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                          "peak_memory_bytes", "duration_s", "fp8", "mfu_fp8"}) {
+                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 28u);
+  EXPECT_EQ(first.size(), 29u);
   EXPECT_EQ(first["fp8"], "none");
   EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");
