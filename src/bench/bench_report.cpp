@@ -61,7 +61,8 @@ std::string mfu_cell(const BenchResult& r) {
 }  // namespace
 
 std::string precision_label(const BenchResult& r) {
-  return r.fp8 == "none" || r.fp8.empty() ? upper(r.precision) : fmt::format("FP8 ({})", r.fp8);
+  if (r.fp8 == "none" || r.fp8.empty()) return upper(r.precision);
+  return fmt::format("FP8 ({}{})", r.fp8, r.fp8_routed_experts ? "" : ", routed experts bf16");
 }
 
 std::string bench_markdown_table(const std::vector<BenchResult>& results) {
@@ -90,6 +91,7 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
       {"model", r.model},
       {"precision", r.precision},
       {"fp8", r.fp8},
+      {"fp8_routed_experts", r.fp8_routed_experts},
       {"micro_batch", r.micro_batch},
       {"seq_len", r.seq_len},
       {"grad_accum", r.grad_accum},

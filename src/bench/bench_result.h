@@ -22,6 +22,7 @@ struct BenchResult {
   std::string model;                  // model.name
   std::string precision;              // precision.compute_dtype: bf16 | fp32
   std::string fp8 = "none";           // precision.fp8: none | tensorwise
+  bool fp8_routed_experts = true;     // precision.fp8_routed_experts (NOTE [FP8 routed experts switch])
   int64_t micro_batch = 0;            // training.local_batch_size
   int64_t seq_len = 0;                // training.seq_len
   int64_t grad_accum = 0;             // training.gradient_accumulation_steps

@@ -70,6 +70,8 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   r.model = c.model.name;
   r.precision = c.precision.compute_dtype;
   r.fp8 = c.precision.fp8;
+  // Said only where it changes something: a MoE model in FP8 with its routed experts in bf16.
+  r.fp8_routed_experts = c.precision.fp8_routed_experts || !c.model.moe() || c.precision.fp8 == "none";
   r.micro_batch = t.local_batch_size;
   r.seq_len = t.seq_len;
   r.grad_accum = t.gradient_accumulation_steps;

@@ -56,6 +56,12 @@ class Fields {
   void read(const char* key, std::string& out) const {
     if (has(key)) out = string(key);
   }
+  void read(const char* key, bool& out) const {
+    if (!has(key)) return;
+    const json& v = required(key);
+    if (!v.is_boolean()) FORGE_FAIL("{}: '{}' must be true or false, found {}", where_, key, describe_json(v));
+    out = v.get<bool>();
+  }
 
  private:
   const json& required(const char* key) const {
@@ -157,7 +163,12 @@ void read_config(const std::string& path, ReportRun& run) {
     }
     if (const YAML::Node fp8 = root["precision"]["fp8"]) {
       if (!fp8.IsScalar()) FORGE_FAIL("{}: precision.fp8 must be a name", path);
-      if (fp8.Scalar() != "none") run.precision = fmt::format("FP8 ({})", fp8.Scalar());
+      // NOTE [FP8 routed experts switch]: labelled as precision_label does (bench_report.h).
+      const YAML::Node experts = root["precision"]["fp8_routed_experts"];
+      const bool bf16_experts = experts && experts.IsScalar() && experts.Scalar() == "false" &&
+                                root["model"]["num_experts"] && root["model"]["num_experts"].Scalar() != "0";
+      if (fp8.Scalar() != "none")
+        run.precision = fmt::format("FP8 ({}{})", fp8.Scalar(), bf16_experts ? ", routed experts bf16" : "");
     }
   } catch (const YAML::Exception& e) {
     FORGE_FAIL("{}: not a readable config: {}", path, e.what());
@@ -183,6 +194,7 @@ BenchResult bench_from(const Fields& f) {
   f.read("tflops_per_gpu", r.tflops_per_gpu);
   r.mfu = f.optional_number("mfu");
   f.read("fp8", r.fp8);  // absent from reports written before precision.fp8
+  f.read("fp8_routed_experts", r.fp8_routed_experts);  // absent before the switch: true
   r.mfu_fp8 = f.optional_number("mfu_fp8");
   f.read("peak_memory_bytes", r.peak_memory_bytes);
   return r;

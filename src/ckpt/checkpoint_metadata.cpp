@@ -254,6 +254,8 @@ FluxConfig flux_from_json(const ObjectReader& r, const std::string& file) {
 Fp8DelayedState fp8_delayed_from_json(const ObjectReader& r, const std::string& file) {
   Fp8DelayedState f;
   f.active = r.boolean("active");
+  // NOTE [FP8 routed experts switch]: absent before the switch, when the experts were in FP8.
+  f.routed_experts = r.has("routed_experts") ? r.boolean("routed_experts") : true;
   f.history_length = r.integer("history_length");
   if (f.history_length < 1 || f.history_length > (1 << 16))
     FORGE_FAIL("checkpoint metadata '{}': '{}' must be in [1, 65536], got {}", file, r.child("history_length"),
@@ -360,6 +362,7 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
   if (t.fp8_delayed) {
     const Fp8DelayedState& f = *t.fp8_delayed;
     j["fp8_delayed"] = {{"active", f.active},
+                        {"routed_experts", f.routed_experts},
                         {"history_length", f.history_length},
                         {"scales", f.scales},
                         {"histories", f.histories}};

@@ -196,8 +196,12 @@ int run_info(const std::vector<std::string>& args) {
                "norms and optimizer in bf16/fp32; weights cast {}{}\n",
                fp8_recipe_description(p),
                fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
-               m.moe() ? "block projections and routed experts (each expert its own scales; the router in bf16)"
-                       : "qkv, o, gate/up and down",
+               // NOTE [FP8 routed experts switch] in model/fp8_projections.h
+               !m.moe() ? "qkv, o, gate/up and down"
+               : fp8->routed_experts
+                   ? "block projections and routed experts (each expert its own scales; the router in bf16)"
+                   : "block projections (the routed experts and the router in bf16: precision.fp8_routed_experts "
+                     "false)",
                fp8->output_head ? " and of the output head" : "", 100.0 * share, p.fp8_grad_format,
                fp8->output_head ? "in FP8" : "in bf16", fp8->frozen ? "LoRA adapters, " : "",
                p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"
@@ -207,7 +211,7 @@ int run_info(const std::vector<std::string>& args) {
                      "precision.fp8_weight_cache does not apply)"
                : !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
                // NOTE [FP8 frozen routed experts]: a delayed run casts a frozen expert once per step.
-               : fp8->frozen ? (m.moe() && fp8->recipe == Fp8Recipe::Delayed
+               : fp8->frozen ? (m.moe() && fp8->routed_experts && fp8->recipe == Fp8Recipe::Delayed
                                     ? "once for the run, the routed experts' once per optimizer step "
                                       "(precision.fp8_weight_cache: the base is frozen, an expert's delayed scale may "
                                       "change until it has received rows)"

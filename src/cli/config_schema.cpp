@@ -333,6 +333,12 @@ std::vector<ConfigKey> build_schema() {
       key<&E::precision, &PrecisionConfig::fp8_output_head>(
           "precision.fp8_output_head", "with precision.fp8: the output head's GEMMs in FP8 too (default bf16, as "
           "torchtitan and Transformer Engine keep it)"),
+      key<&E::precision, &PrecisionConfig::fp8_routed_experts>(
+          "precision.fp8_routed_experts",
+          "with precision.fp8 on a Mixture-of-Experts model: the routed experts' GEMMs in FP8 too (default true, "
+          "as Transformer Engine and Megatron-LM; one GEMM per expert, since cuBLASLt has no grouped FP8 GEMM on "
+          "Hopper); false keeps them in the compute dtype with the grouped GEMMs, faster for many small experts "
+          "(DeepSeek-V2-Lite's 64), while every other projection stays in FP8"),
       key<&E::precision, &PrecisionConfig::fp8_amax_history_len>(
           "precision.fp8_amax_history_len",
           "with precision.fp8 delayed: steps of amax history per tensor (Transformer Engine's amax_history_len)",

@@ -188,8 +188,17 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} gathers the FP8 projections' weights as FP8 codes, and precision.fp8 is none: set it to false, "
                  "or precision.fp8 tensorwise or delayed",
                  show(config, keys, "precision.fp8_fsdp_all_gather"));
+    if (!config.precision.fp8_routed_experts)
+      FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and precision.fp8 is none (every "
+                 "GEMM runs in the compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
+                 show(config, keys, "precision.fp8_routed_experts"));
     return;
   }
+  // NOTE [FP8 routed experts switch] in model/fp8_projections.h: a MoE model's choice.
+  if (!config.precision.fp8_routed_experts && !config.model.moe())
+    FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and this model has none "
+               "(model.num_experts 0): remove it (every projection of a dense model runs in FP8)",
+               show(config, keys, "precision.fp8_routed_experts"));
   const ParallelismConfig& p = config.parallelism;
   if (config.precision.fp8_fsdp_all_gather) {
     const std::string key = show(config, keys, "precision.fp8_fsdp_all_gather");
@@ -210,6 +219,13 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} cannot be combined with {} yet: the routed experts' slices are gathered over the ranks holding "
                  "the same experts, in bf16; set it to false, or parallelism.expert_parallel_degree 1",
                  key, show(config, keys, "parallelism.expert_parallel_degree"));
+    // Its pieces cut every routed expert stack into per-expert FP8 pieces, each cast with the
+    // expert's statistics block, which precision.fp8_routed_experts false does not number.
+    if (!config.precision.fp8_routed_experts)
+      FORGE_FAIL("{} cannot be combined with {} yet: the all-gather casts every routed expert with its own FP8 "
+                 "statistics, which a run with the experts in the compute dtype does not keep; set one of them to "
+                 "the default",
+                 key, show(config, keys, "precision.fp8_routed_experts"));
     // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
     // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)
@@ -243,7 +259,12 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                       m.q_size() + 2 * m.kv_size());
   }
   if (!m.moe() || m.first_dense_layers > 0) dims.emplace_back("model.ffn_hidden_size", m.ffn_hidden_size);
-  if (m.moe()) dims.emplace_back("model.moe_ffn_hidden_size (the routed and shared experts' width)", m.resolved_moe_ffn());
+  // Without the routed experts in FP8 (NOTE [FP8 routed experts switch]) the shared experts' alone.
+  if (m.moe() && config.precision.fp8_routed_experts)
+    dims.emplace_back("model.moe_ffn_hidden_size (the routed and shared experts' width)", m.resolved_moe_ffn());
+  else if (m.moe() && m.num_shared_experts > 0)
+    dims.emplace_back("the shared experts' width (num_shared_experts × moe_ffn_hidden_size)",
+                      m.num_shared_experts * m.resolved_moe_ffn());
   // Under context parallelism a rank's weight gradient contracts over its chunks' tokens.
   const int64_t cp = p.context_parallel_degree;
   if (!config.lora.enabled())

@@ -12,6 +12,9 @@ namespace forge {
 struct Fp8DelayedState {
   bool active = false;
   int64_t history_length = 0;
+  // Whether the routed experts' blocks are among the projections (NOTE [FP8 routed experts
+  // switch] in model/fp8_projections.h); true for checkpoints saved before the switch.
+  bool routed_experts = true;
   std::vector<float> histories;  // [projections][3][history_length], newest last
   std::vector<float> scales;     // [projections][3]
 };

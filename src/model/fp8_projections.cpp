@@ -22,7 +22,7 @@ std::vector<Fp8Matrix> fp8_matrices(const ModelConfig& config, const Fp8Settings
   std::vector<Fp8Matrix> out;
   for (const ParamSpec& spec : parameter_specs(config)) {
     if (fp8_block_projection(spec)) out.push_back({spec.shape[0], spec.shape[1], false});
-    if (fp8_expert_stack(spec))
+    if (fp8_expert_stack(spec, settings))
       for (int64_t e = 0; e < spec.shape[0]; ++e) out.push_back({spec.shape[1], spec.shape[2], true});
   }
   if (settings.output_head) out.push_back({config.vocab_size, config.hidden_size, false});
@@ -145,7 +145,7 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     }
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
-    const bool matrix = fp8_block_projection(spec), experts = fp8_expert_stack(spec);
+    const bool matrix = fp8_block_projection(spec), experts = fp8_expert_stack(spec, settings);
     layer.push_back(matrix || experts ? static_cast<int64_t>(names_.size()) : -1);
     expert_stack_.at(static_cast<size_t>(spec.layer)).push_back(experts);
     if (matrix) {
@@ -289,6 +289,7 @@ Fp8DelayedState Fp8Projections::delayed_state() const {
   Fp8DelayedState state;
   if (settings_.recipe != Fp8Recipe::Delayed) return state;
   state.active = delayed_active_;
+  state.routed_experts = settings_.routed_experts;
   state.history_length = settings_.amax_history_length;
   const Tensor history = history_.to(Device::CPU), stats = stats_.to(Device::CPU);
   state.histories.assign(history.data<float>(), history.data<float>() + history.numel());
@@ -299,8 +300,9 @@ Fp8DelayedState Fp8Projections::delayed_state() const {
   return state;
 }
 
-void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
+void Fp8Projections::restore_delayed_state(const Fp8DelayedState& saved) {
   FORGE_CHECK(settings_.recipe == Fp8Recipe::Delayed, "FP8: a delayed-scaling state given to a {} run", "tensorwise");
+  const Fp8DelayedState state = routed_experts_as_this_run(saved);
   const int64_t projections = static_cast<int64_t>(names_.size());
   FORGE_CHECK(state.history_length == settings_.amax_history_length,
               "FP8 delayed scaling: the checkpoint's amax history length is {}, precision.fp8_amax_history_len is {}",
@@ -325,6 +327,40 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& state) {
   set_delayed_active(state.active);
   ++generation_;  // cached weight codes were cast with the old scales: NOTE [FP8 weight cache]
   ++expert_generation_;
+}
+
+Fp8DelayedState Fp8Projections::routed_experts_as_this_run(const Fp8DelayedState& saved) const {
+  // NOTE [FP8 routed experts switch]: the saved numbering, with the experts' blocks or without.
+  Fp8Settings with_experts = settings_;
+  with_experts.routed_experts = true;
+  const std::vector<Fp8Matrix> saved_blocks = fp8_matrices(config_, with_experts);
+  const bool has_experts =
+      std::any_of(saved_blocks.begin(), saved_blocks.end(), [](const Fp8Matrix& m) { return m.expert; });
+  if (saved.routed_experts == settings_.routed_experts || !has_experts) return saved;
+  if (!saved.routed_experts)
+    FORGE_FAIL("the checkpoint was saved with precision.fp8_routed_experts false (its routed experts in the compute "
+               "dtype, with no amax histories) and this run sets it true: its experts would quantize with no history "
+               "and scale 1; resume with precision.fp8_routed_experts false");
+  const int64_t length = saved.history_length;
+  FORGE_CHECK(saved.scales.size() == saved_blocks.size() * cpu::kFp8Roles &&
+                  static_cast<int64_t>(saved.histories.size()) == static_cast<int64_t>(saved.scales.size()) * length,
+              "FP8 delayed scaling: the checkpoint holds {} scales and {} history values, this model with its routed "
+              "experts in FP8 (precision.fp8_routed_experts true, as the checkpoint was saved) needs {} and {}",
+              saved.scales.size(), saved.histories.size(), saved_blocks.size() * cpu::kFp8Roles,
+              static_cast<int64_t>(saved_blocks.size()) * cpu::kFp8Roles * length);
+  // Saved with the experts in FP8, restored without: their blocks dropped, the rest in order.
+  Fp8DelayedState kept = saved;
+  kept.routed_experts = false;
+  kept.scales.clear();
+  kept.histories.clear();
+  for (size_t b = 0; b < saved_blocks.size(); ++b) {
+    if (saved_blocks[b].expert) continue;
+    const auto scales = saved.scales.begin() + static_cast<std::ptrdiff_t>(b * cpu::kFp8Roles);
+    kept.scales.insert(kept.scales.end(), scales, scales + cpu::kFp8Roles);
+    const auto history = saved.histories.begin() + static_cast<std::ptrdiff_t>(b * cpu::kFp8Roles * length);
+    kept.histories.insert(kept.histories.end(), history, history + cpu::kFp8Roles * length);
+  }
+  return kept;
 }
 
 void Fp8Projections::set_tensor_parallel_group(TensorParallel& group) {

@@ -8,8 +8,8 @@
 // every projection of the block (qkv, o, gate_up, down: the entries that are matrices,
 // NOTE [Block weights]; MLA's projections, NOTE [FP8 latent attention] in
 // model/latent_attention.h; a MoE block's shared experts, and its routed experts' stacks
-// with a statistics block per expert, NOTE [FP8 routed experts] in ops/moe_fp8.h, but not
-// its router), output() and output_grad() on the head only with
+// with a statistics block per expert, NOTE [FP8 routed experts] in ops/moe_fp8.h, unless
+// precision.fp8_routed_experts is false, NOTE [FP8 routed experts switch]; but not its router), output() and output_grad() on the head only with
 // precision.fp8_output_head; the embedding and the norm weights pass through untouched,
 // as do the GradSink's done/fresh calls. With `tensorwise` scaling the state is the
 // recipe's settings (the gradient format), on CUDA one scratch shared by every layer
@@ -24,6 +24,34 @@
 // stages' blocks see its casts, the others none until the trainer's step end reduces the
 // arrays over the pipeline (NOTE [FP8 under context and pipeline parallelism] in
 // train/trainer_fp8.cpp).
+//
+// NOTE [FP8 routed experts switch]
+// precision.fp8_routed_experts (Fp8Settings::routed_experts, default true) chooses whether a
+// MoE block's routed experts' stacks (gate_up and down of every routed expert) take the FP8
+// path of NOTE [FP8 routed experts] in ops/moe_fp8.h. Why a choice: cuBLASLt 13.0 has no
+// grouped FP8 GEMM on sm_90, so the FP8 experts run one GEMM per expert and matrix, while
+// the compute dtype runs them grouped; with many small experts (DeepSeek-V2-Lite's 64 of
+// width 1408) the launches and the small GEMMs cost more than FP8's rate gains (0.82x the
+// BF16 run, docs/PERF.md), with few large ones (Mixtral's 8) FP8 wins (1.16x). torchtitan
+// converts a MoE model's grouped experts to float8 only when its MoE module list names them;
+// Transformer Engine and Megatron run them in FP8. The default keeps the experts in FP8 (the
+// issue's "every block projection", and what runs faster on coarse experts).
+// With false the stacks are not FP8 projections: layer() and layer_grads() hand them out
+// without `fp8`, as the router, so moe_experts_forward / moe_experts_backward (ops/moe.h)
+// run their compute-dtype path, grouped on CUDA, exactly as a run without precision.fp8
+// does on the same rows; every other projection (attention and MLA's, the shared experts,
+// the dense blocks' feed-forwards, the head with fp8_output_head) stays in FP8. The stacks
+// then have no statistics blocks: the numbering (parameter order) skips them, and the
+// statistics, histories, per-expert forward statistics, weight cache and grouped casts' row
+// buffer hold none of theirs (fp8_scratch_bytes, fp8_weight_cache_bytes, and forge info's
+// FP8 FLOP share, fp8_gemm_params). Under LoRA (NOTE [FP8 frozen base]) the frozen experts
+// run in the compute dtype with their adapters likewise. A delayed-scaling checkpoint
+// records the setting (Fp8DelayedState::routed_experts; one without the record was saved
+// with the experts in FP8): a state saved with the experts in FP8 restores under false, the
+// experts' blocks dropped and every other projection's histories and scales kept as saved;
+// a state saved with false is refused under true, naming the key, since its experts would
+// quantize with no history and scale 1 once the delayed scales are in use (NOTE [FP8 step
+// end] on why 1 is no starting scale).
 //
 // NOTE [FP8 step end]
 // The trainer calls nonfinite_amax() once the step's micro-batches are done and counts a
@@ -145,6 +173,9 @@ enum class Fp8Recipe : uint8_t { Tensorwise, Delayed };
 struct Fp8Settings {
   Fp8Format grad_format = Fp8Format::E5M2;
   bool output_head = false;  // the head's GEMMs in FP8 as well
+  // A MoE block's routed experts' stacks in FP8 (precision.fp8_routed_experts, NOTE [FP8
+  // routed experts switch]); false keeps them in the compute dtype (the grouped bf16 GEMMs).
+  bool routed_experts = true;
   Fp8Recipe recipe = Fp8Recipe::Tensorwise;
   // CUDA: each projection's W and W^T codes cast once per optimizer step (NOTE [FP8 weight
   // cache] in ops/fp8_linear.h), 2 bytes per FP8 weight.
@@ -173,9 +204,10 @@ inline bool fp8_block_projection(const ParamSpec& spec) {
   return spec.layer >= 0 && spec.shape.size() == 2 && !fp8_moe_router(spec);
 }
 // Whether a parameter is a stack of routed experts' matrices [E, out, in] trained in FP8,
-// one projection (and statistics block) per expert (NOTE [FP8 routed experts]).
-inline bool fp8_expert_stack(const ParamSpec& spec) {
-  return spec.layer >= 0 && spec.expert_stack && spec.shape.size() == 3;
+// one projection (and statistics block) per expert (NOTE [FP8 routed experts]); none with
+// settings.routed_experts false (NOTE [FP8 routed experts switch]).
+inline bool fp8_expert_stack(const ParamSpec& spec, const Fp8Settings& settings) {
+  return settings.routed_experts && spec.layer >= 0 && spec.expert_stack && spec.shape.size() == 3;
 }
 
 // Number of projections trained in FP8 (each has a statistics block; an expert stack one
@@ -287,6 +319,8 @@ class Fp8Projections : public ParamSource, public GradSink {
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
   void set_delayed_active(bool active);
+  // A checkpoint's state in this run's numbering (NOTE [FP8 routed experts switch]).
+  Fp8DelayedState routed_experts_as_this_run(const Fp8DelayedState& saved) const;
   // Whether weight caches are used now (NOTE [FP8 frozen base]: a frozen W is cached with
   // its delayed scale only), for the projections' and the expert stacks' alike; the cache a
   // projection uses now, or null.

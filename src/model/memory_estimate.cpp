@@ -125,7 +125,7 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       for (const ParamSpec& spec : pipeline_stage_specs(specs, stages))
         if (fp8_block_projection(spec) || (plan.fp8->output_head && spec.name == "output.weight"))
           cached += static_cast<double>(shape_numel(spec.shape));
-        else if (fp8_expert_stack(spec))  // NOTE [FP8 expert stack state]: the local experts'
+        else if (fp8_expert_stack(spec, *plan.fp8))  // NOTE [FP8 expert stack state]: the local experts'
           cached += static_cast<double>(shape_numel(spec.shape)) / static_cast<double>(plan.expert_parallel);
       e.fp8_weight_cache = plan.fp8->weight_cache ? 2 * cached : 0.0;
     }

@@ -35,7 +35,9 @@
 // batched, even when padded to capacity, and the backward's casts are expert by expert. The router (a [E, hidden] GEMM whose
 // logits choose the experts) stays in the compute dtype, as in Transformer Engine's and
 // torchao's MoE recipes; the shared experts and dense blocks are plain projections and run
-// in FP8 as any other.
+// in FP8 as any other. precision.fp8_routed_experts false keeps the routed experts out of
+// all this (NOTE [FP8 routed experts switch] in model/fp8_projections.h): their stacks carry
+// no FP8 settings and run moe_experts_forward / moe_experts_backward's compute-dtype path.
 //
 // NOTE [FP8 routed experts under expert parallelism]
 // With parallelism.expert_parallel_degree P > 1 (NOTE [Expert parallelism] in

@@ -54,6 +54,9 @@ struct PrecisionConfig {
   std::string fp8 = "none";
   std::string fp8_grad_format = "e5m2";  // e5m2 | e4m3: gradients' FP8 format in the backward GEMMs
   bool fp8_output_head = false;        // the output head's GEMMs in FP8 too
+  // A MoE model's routed experts' GEMMs in FP8 too; false keeps them in the compute dtype
+  // (NOTE [FP8 routed experts switch] in model/fp8_projections.h).
+  bool fp8_routed_experts = true;
   // delayed (TE DelayedScaling's defaults): amax history length, max | most_recent, margin (scale × 2^-margin).
   int64_t fp8_amax_history_len = 1024;
   std::string fp8_amax_compute_algo = "max";

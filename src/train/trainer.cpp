@@ -325,7 +325,10 @@ void Trainer::log_fp8() const {
            fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
            !lora_ ? "" : config_.lora.quantize_base == "nf4" ? "NF4 base's (each dequantized to bf16, then cast) "
                                                              : "frozen base's ",
-           config_.model.moe() ? " and routed experts" : "", p.fp8_grad_format,
+           !config_.model.moe()      ? ""
+           : p.fp8_routed_experts    ? " and routed experts"
+                                     : " (the routed experts in the compute dtype: precision.fp8_routed_experts false)",
+           p.fp8_grad_format,
            p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32",
            lora_ ? fmt::format(", the LoRA adapters in {}", p.compute_dtype) : "");
 }

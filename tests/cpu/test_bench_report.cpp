@@ -141,6 +141,22 @@ TEST(BenchMarkdown, Fp8RunsShowTheRecipeAndBothMfus) {
   EXPECT_DOUBLE_EQ(json[0]["mfu_fp8"].get<double>(), 742.5 / 1979.0);
 }
 
+// NOTE [FP8 routed experts switch]: a MoE run with its routed experts in bf16 says so in the
+// Precision column, perf.csv and the JSON.
+TEST(BenchMarkdown, Fp8RunsWithRoutedExpertsInBf16SaySo) {
+  BenchResult r = fp8_result(742.5, "");
+  r.fp8_routed_experts = false;
+  EXPECT_EQ(precision_label(r), "FP8 (tensorwise, routed experts bf16)");
+  EXPECT_EQ(precision_label(fp8_result(742.5, "")), "FP8 (tensorwise)");
+  TempDir dir;
+  write_bench_json(dir.file("bench.json"), {r, fp8_result(742.5, "")});
+  const nlohmann::json json = nlohmann::json::parse(read_file(dir.file("bench.json")));
+  EXPECT_EQ(json[0]["fp8_routed_experts"], false);
+  EXPECT_EQ(json[1]["fp8_routed_experts"], true);
+  append_perf_csv(dir.file("perf.csv"), {r}, PerfCsvContext{"host", ""});
+  EXPECT_EQ(column(perf_rows(dir.file("perf.csv"))[0], "training_precision"), "fp8 (tensorwise, routed experts bf16)");
+}
+
 // perf.csv's training_precision names the recipe, and a run's relative change is against
 // earlier rows of its own precision only.
 TEST(PerfCsv, Fp8RowsNameTheRecipeAndCompareWithFp8RowsOnly) {
@@ -175,10 +191,10 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "parallelism", "activation_checkpoint", "args", "device_name", "gpu_architecture", "config",
                           "status", "error", "warmup_steps", "measured_steps", "step_time_median_s",
                           "step_time_min_s", "step_time_max_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                          "peak_memory_bytes", "duration_s", "fp8", "mfu_fp8"}) {
+                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 28u);
+  EXPECT_EQ(first.size(), 29u);
   EXPECT_EQ(first["fp8"], "none");
   EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");

@@ -21,6 +21,8 @@
 // delayed scales, every expert's from its own history.
 // Under expert parallelism a rank's local experts cast into their blocks of the whole model's
 // statistics (MoeExpertFp8::first_expert), bitwise what they cast as a model of their own.
+// With precision.fp8_routed_experts false the micro-batch matches the CPU as well, and is
+// bitwise the all-FP8 run with the expert stacks' FP8 settings stripped.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -226,6 +228,88 @@ TEST(GpuMoeFp8, DeepseekShapedTrainingMicroBatchMatchesCpuFp8) {
   delayed.recipe = Fp8Recipe::Delayed;
   delayed.amax_history_length = 16;
   for (const Fp8Settings& s : {Fp8Settings{}, delayed}) expect_fp8_step_matches_cpu(small_deepseek(false), s);
+}
+
+// precision.fp8_routed_experts false (NOTE [FP8 routed experts switch] in
+// model/fp8_projections.h): the routed experts in bf16 through the grouped GEMMs, every other
+// projection in FP8. The micro-batch against the CPU path with the same setting (the bounds
+// above: the experts' bf16 GEMMs are closer to fp32 than FP8's), and, bitwise, against the
+// GPU run of the all-FP8 projections whose expert stacks' descriptors are stripped of FP8
+// (so the experts took exactly the path without precision.fp8), with the weight cache on.
+class StrippedExperts : public ParamSource, public GradSink {
+ public:
+  explicit StrippedExperts(Fp8Projections& fp8) : fp8_(fp8) {}
+  const Tensor& embedding() override { return fp8_.embedding(); }
+  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), layer_); }
+  const Tensor& final_norm() override { return fp8_.final_norm(); }
+  const LinearWeight& output() override { return fp8_.output(); }
+  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), grads_); }
+  void layer_done(int index) override { fp8_.layer_done(index); }
+  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
+  void embedding_done() override { fp8_.embedding_done(); }
+  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
+  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
+  void head_done() override { fp8_.head_done(); }
+  bool layer_grads_fresh(int index) const override { return fp8_.layer_grads_fresh(index); }
+  bool head_grads_fresh() const override { return fp8_.head_grads_fresh(); }
+  bool embedding_grad_fresh() const override { return fp8_.embedding_grad_fresh(); }
+
+ private:
+  static const BlockWeights& strip(const BlockWeights& block, BlockWeights& out) {
+    out = block;
+    for (LinearWeight& p : out.params)
+      if (p.fp8 && p.fp8->experts) p.fp8 = nullptr;
+    return out;
+  }
+  Fp8Projections& fp8_;
+  BlockWeights layer_, grads_;
+};
+
+TEST(GpuMoeFp8, RoutedExpertsInBf16MatchCpu) {
+  Fp8Settings tensorwise, delayed;
+  tensorwise.routed_experts = delayed.routed_experts = false;
+  delayed.recipe = Fp8Recipe::Delayed;
+  delayed.amax_history_length = 16;
+  for (const ModelConfig& c : {small_moe(), small_deepseek(false)}) {
+    for (const Fp8Settings& s : {tensorwise, delayed}) expect_fp8_step_matches_cpu(c, s);
+    for (Fp8Settings s : {tensorwise, delayed}) {
+      SCOPED_TRACE(c.name + (s.recipe == Fp8Recipe::Delayed ? ", delayed, stripped" : ", tensorwise, stripped"));
+      const int64_t batch = 2, seq = 64;
+      Rng rng(seed_for_current_test());
+      FlatParameters params(c);
+      params.initialize(23);
+      separate_router_choices(params, rng);
+      round_to_bf16(params.flat());
+      FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
+      FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
+      weights.assign_from(params);
+      ref_weights.assign_from(params);
+      const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+      const Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+      DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+      s.weight_cache = true;
+      Fp8Projections off(c, s, Device::CUDA, batch * seq);
+      off.set_base(weights, grads);
+      Fp8Settings with_experts = s;
+      with_experts.routed_experts = true;
+      Fp8Projections on(c, with_experts, Device::CUDA, batch * seq);
+      on.set_base(ref_weights, ref_grads);
+      StrippedExperts stripped(on);
+      for (int micro = 0; micro < 2; ++micro) {  // the second on the delayed scales
+        grads.discard();
+        ref_grads.discard();
+        const double loss = model.forward_backward(tokens, targets, off, off, 1.0f / (batch * seq)).mean();
+        const double want = model.forward_backward(tokens, targets, stripped, stripped, 1.0f / (batch * seq)).mean();
+        EXPECT_EQ(loss, want) << "micro-batch " << micro;
+        for (size_t k = 0; k < params.specs().size(); ++k)
+          EXPECT_EQ(relative_l2(to_cpu_f32(grads.tensors()[k]), to_cpu_f32(ref_grads.tensors()[k])), 0.0)
+              << params.specs()[k].name << ", micro-batch " << micro;
+        EXPECT_EQ(off.nonfinite_amax(), "");
+        off.end_step(true);
+        on.end_step(true);
+      }
+    }
+  }
 }
 
 // NOTE [FP8 routed experts under expert parallelism]: an expert-parallel rank holding experts

@@ -8,7 +8,10 @@ histories in it) gives bitwise the uninterrupted run's losses; on 2 FSDP ranks a
 run of it holds the one-rank run's histories (every expert's amaxes max-reduced over the
 ranks) and follows its losses; and under expert parallelism 2 (NOTE [FP8 routed experts
 under expert parallelism] in src/ops/moe_fp8.h) debug-tiny-moe in FP8, tensorwise and
-delayed, follows the one-rank FP8 run, rank 0 holding every expert's delayed histories.
+delayed, follows the one-rank FP8 run, rank 0 holding every expert's delayed histories; with
+precision.fp8_routed_experts false debug-tiny-mla follows fp32 (the routed experts in fp32),
+and a delayed checkpoint saved with the experts in FP8 resumes without them, the reverse
+refused naming the key.
 
 Tolerance: as tests/python/test_fp8_training.py's for the dense debug-tiny (every step
 within 2%, the mean within 0.5%). Measured (30 steps): every step within 0.26% (MoE) and
@@ -81,6 +84,44 @@ class Fp8MoeTraining(unittest.TestCase):
         result = train(run_dir, *delayed)
         self.assertIn("resuming from checkpoint", result.stdout)
         self.assertEqual(train_losses(run_dir), train_losses(full)[:12])
+
+    def test_routed_experts_switch(self):
+        # NOTE [FP8 routed experts switch] in src/model/fp8_projections.h: with
+        # precision.fp8_routed_experts false the routed experts run in fp32 here, the rest in
+        # FP8; a delayed checkpoint saved with the experts in FP8 resumes without them (their
+        # histories dropped), and one saved without them is refused with them, naming the key.
+        fp32 = self.curve("mla-fp32", "--model.name", "debug-tiny-mla")
+        off = ["--model.name", "debug-tiny-mla", "--precision.fp8_routed_experts", "false"]
+        curve = self.curve("mla-tensorwise-experts-fp32", *off, "--precision.fp8", "tensorwise")
+        differences = [abs(a - b) / b for a, b in zip(curve, fp32)]
+        self.assertLess(max(differences), 0.02, differences)
+        self.assertNotEqual(curve, fp32)  # the other projections did run in FP8
+        delayed = ["--model.name", "debug-tiny-mla", "--precision.fp8", "delayed",
+                   "--precision.fp8_amax_history_len", "8", "--checkpoint.enable", "true",
+                   "--checkpoint.interval", "3"]
+        run_dir = os.path.join(self.tmp, "switch")
+        train(run_dir, *delayed, "--training.steps", "3")
+
+        def state(step):
+            with open(os.path.join(run_dir, "checkpoints", f"step-{step}", "metadata.json")) as f:
+                return json.load(f)["fp8_delayed"]
+        saved = state(3)
+        self.assertTrue(saved["routed_experts"])
+        self.assertEqual(len(saved["scales"]), 3 * (6 + 2 * (4 + 2 + 16)))
+        result = train(run_dir, *delayed, "--training.steps", "6", "--precision.fp8_routed_experts", "false")
+        self.assertIn("resuming from checkpoint", result.stdout)
+        self.assertIn("routed experts in the compute dtype: precision.fp8_routed_experts false", result.stdout)
+        resumed = state(6)
+        self.assertFalse(resumed["routed_experts"])
+        self.assertEqual(len(resumed["scales"]), 3 * (6 + 2 * (4 + 2)))
+        self.assertEqual(len(train_losses(run_dir)), 6)
+        command = [forge_bin(), "train", "--eval.interval", "0", "--logging.run_dir", run_dir, *delayed,
+                   "--training.steps", "9"]
+        refused = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT,
+                                 env=dict(os.environ, FORGE_NUM_THREADS="1"))
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("saved with precision.fp8_routed_experts false", refused.stderr)
+        self.assertIn("resume with precision.fp8_routed_experts false", refused.stderr)
 
     def test_delayed_under_fsdp_agrees_with_one_rank(self):
         # NOTE [FP8 under data parallelism]: the ranks max-reduce every block's amaxes, the

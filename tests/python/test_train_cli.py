@@ -2,6 +2,7 @@
 down to near its entropy floor, runs are deterministic, and bad input of every kind is a
 clear error with a non-zero exit."""
 import os
+import re
 import subprocess
 import unittest
 
@@ -126,6 +127,32 @@ class Commands(unittest.TestCase):
         head = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_output_head", "true")
         self.assertIn("qkv, o, gate/up and down and of the output head in FP8", head.stdout)
         self.assertNotIn("FP8", forge("info", "llama3.1-8b").stdout)
+
+    def test_info_fp8_routed_experts(self):
+        # NOTE [FP8 routed experts switch]: DeepSeek-V2-Lite's routed experts in bf16. The FP8
+        # share loses the 6 of 64 experts a token runs through (26 MoE blocks of 3 x 2048 x
+        # 1408 each), the weight cache every expert's 2 bytes per weight.
+        args = ["info", "deepseek-v2-lite", "--precision.fp8", "tensorwise", "--training.device", "cuda",
+                "--training.seq_len", "4096", "--training.local_batch_size", "1"]
+        on, off = forge(*args), forge(*args, "--precision.fp8_routed_experts", "false")
+        self.assertEqual(off.returncode, 0, off.stderr)
+
+        def line(result, start):
+            found = [l for l in result.stdout.splitlines() if l.startswith(start)]
+            self.assertEqual(len(found), 1, result.stdout)
+            return found[0]
+        self.assertIn("block projections and routed experts (each expert its own scales", line(on, "FP8 "))
+        self.assertIn("the forward, input- and weight-gradient GEMMs of block projections (the routed experts and the "
+                      "router in bf16: precision.fp8_routed_experts false) in FP8", line(off, "FP8 "))
+        share = [float(re.search(r"\(([\d.]+)% of the FLOPs per token\)", line(r, "FP8 ")).group(1)) for r in (on, off)]
+        flops = float(line(on, "FLOPs per token").split()[3])
+        experts = 6 * 26 * 6 * 3 * 2048 * 1408
+        self.assertAlmostEqual(share[0] - share[1], 100 * experts / flops, delta=0.11)
+        caches = [float(re.search(r"FP8 weight cache ([\d.]+) GiB", line(r, "  one GPU")).group(1)) for r in (on, off)]
+        self.assertAlmostEqual(caches[0] - caches[1], 2 * 26 * 64 * 3 * 2048 * 1408 / 2**30, delta=0.02)
+        refused = forge("info", "llama3.1-8b", "--precision.fp8", "tensorwise", "--precision.fp8_routed_experts", "false")
+        self.assertNotEqual(refused.returncode, 0)
+        self.assertIn("this model has none", refused.stderr)
 
     def test_info_every_model(self):
         models = sorted(f[:-5] for f in os.listdir(os.path.join(source_dir(), "configs", "models")))
