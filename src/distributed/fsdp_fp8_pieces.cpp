@@ -9,13 +9,17 @@
 
 namespace forge {
 
-bool fp8_gathered_param(const ParamSpec& spec) { return fp8_block_projection(spec) || fp8_expert_stack(spec); }
+// The routed experts are in FP8 here: the all-gather is refused with precision.fp8_routed_experts
+// false (check_fp8), whose projections number no expert statistics.
+bool fp8_gathered_param(const ParamSpec& spec) {
+  return fp8_block_projection(spec) || fp8_expert_stack(spec, Fp8Settings{});
+}
 
 std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const ParamSpec& spec, int param,
                                              int64_t offset) {
   std::vector<Fp8GatherPiece> pieces;
   if (!fp8_gathered_param(spec)) return pieces;
-  if (fp8_expert_stack(spec)) {  // one piece per expert, with the expert's statistics block
+  if (fp8_expert_stack(spec, Fp8Settings{})) {  // one piece per expert, with the expert's statistics block
     const int64_t matrix = spec.shape[1] * spec.shape[2];
     for (int64_t e = 0; e < spec.shape[0]; ++e)
       pieces.push_back({param, offset + e * matrix, matrix, fmt::format("{} (expert {})", spec.name, e)});

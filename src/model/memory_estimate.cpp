@@ -244,7 +244,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     // all-gather pieces] in distributed/fsdp_fp8_pieces.h).
     std::vector<double> layer_norms(static_cast<size_t>(std::max<int64_t>(config.num_layers, 1)), 0.0);
     for (const ParamSpec& spec : parameter_specs(config))
-      if (spec.layer >= 0 && !fp8_block_projection(spec) && !fp8_expert_stack(spec))
+      if (spec.layer >= 0 && !fp8_block_projection(spec) && !fp8_expert_stack(spec, Fp8Settings{}))  // experts in FP8
         layer_norms.at(static_cast<size_t>(spec.layer)) += static_cast<double>(shape_numel(spec.shape));
     const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
     const double slots = plan.zero_stage == 3 ? 3 : static_cast<double>(config.num_layers);
