@@ -258,6 +258,10 @@ std::vector<ConfigKey> build_schema() {
       key<&E::optimizer, &O::state_dtype>("optimizer.state_dtype",
                                           "storage of AdamW's moments (bf16: CUDA only, half the memory)", {},
                                           optim_bounds::state_dtypes),
+      key<&E::optimizer, &O::master_dtype>("optimizer.master_dtype",
+                                           "the weights' one copy (bf16: no fp32 master, stochastic rounding; FLUX "
+                                           "on one device)",
+                                           {}, optim_bounds::master_dtypes),
 
       key<&E::lr_scheduler, &S::warmup_steps>("lr_scheduler.warmup_steps", "linear warm-up steps",
                                               optim_bounds::warmup_steps),

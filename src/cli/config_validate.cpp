@@ -575,6 +575,11 @@ void resolve_batch(ExperimentConfig& config, const KeyDescriber& keys) {
 void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   const FluxRunConfig& f = config.flux;
   if (f.model.empty()) {
+    // NOTE [bf16 master weights] in optim/optimizer.h: FLUX's trainer on one device.
+    if (config.optimizer.master_dtype != "fp32")
+      FORGE_FAIL("{}: a language model keeps fp32 master weights (bf16 weights with stochastic rounding are built "
+                 "for FLUX runs on one device); remove it, or use optimizer.state_dtype bf16 to halve AdamW's moments",
+                 show(config, keys, "optimizer.master_dtype"));
     // A resolved config lists every flux.* key at its default; one set to anything else
     // asks for a FLUX run.
     const FluxRunConfig d;
@@ -619,9 +624,16 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                  "parallelism.data_parallel_shard_degree and data_parallel_replicate_degree); tensor, context, "
                  "pipeline and expert parallelism are the language models'",
                  show(config, keys, key));
-  if (config.optimizer.state_dtype != "fp32")
-    FORGE_FAIL("{}: a FLUX run keeps AdamW's moments in fp32 (on one device and under FSDP alike)",
-               show(config, keys, "optimizer.state_dtype"));
+  // NOTE [bf16 master weights] in optim/optimizer.h: bf16 moments and bf16 weights are the
+  // one-device run's economies (FSDP's chunks stay fp32; the ranks already divide them).
+  if (p.data_parallel_shard_degree * p.data_parallel_replicate_degree > 1)
+    for (const auto& [key, value] : {std::pair<const char*, std::string>{"optimizer.state_dtype",
+                                                                         config.optimizer.state_dtype},
+                                     {"optimizer.master_dtype", config.optimizer.master_dtype}})
+      if (value != "fp32")
+        FORGE_FAIL("{}: a FLUX run under FSDP keeps fp32 master weights and moments in its chunks (the ranks divide "
+                   "them); bf16 is for one device: remove it, or run on one device",
+                   show(config, keys, key));
   if (config.lora.enabled() || config.precision.fp8 != "none")
     FORGE_FAIL("a FLUX run trains every weight in bf16: lora.rank ({}) and precision.fp8 ({}) are the language "
                "models'",

@@ -28,6 +28,12 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
   const FluxConfig c = flux_preset(name);
   int64_t batch = 1, resolution = 1024, text_tokens = 512, shard_ranks = 1, zero_stage = 3;
   ActivationCheckpoint checkpoint = ActivationCheckpoint::Full;
+  std::string master_dtype = "fp32", state_dtype = "fp32";  // NOTE [bf16 master weights]
+  auto dtype_choice = [&](const std::string& key, const std::string& value) {
+    FORGE_CHECK(value == "fp32" || value == "bf16", "forge info {}: --{} expects fp32 or bf16, got '{}'", name, key,
+                value);
+    return value;
+  };
   for (const auto& [key, value] : overrides) {
     if (key == "training.local_batch_size")
       batch = positive_integer(key, value);
@@ -41,12 +47,21 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
       shard_ranks = positive_integer(key, value);
     else if (key == "parallelism.zero_stage")
       zero_stage = positive_integer(key, value);
+    else if (key == "optimizer.master_dtype")
+      master_dtype = dtype_choice(key, value);
+    else if (key == "optimizer.state_dtype")
+      state_dtype = dtype_choice(key, value);
     else
       FORGE_FAIL("forge info {}: unknown key --{}; a FLUX model takes --training.local_batch_size, "
                  "--flux.resolution, --flux.text_tokens, --activation_checkpoint.mode, "
-                 "--parallelism.data_parallel_shard_degree and --parallelism.zero_stage",
+                 "--parallelism.data_parallel_shard_degree, --parallelism.zero_stage, --optimizer.master_dtype and "
+                 "--optimizer.state_dtype",
                  name, key);
   }
+  FORGE_CHECK(shard_ranks == 1 || (master_dtype == "fp32" && state_dtype == "fp32"),
+              "forge info {}: FSDP's chunks keep fp32 master weights and moments; --optimizer.master_dtype and "
+              "--optimizer.state_dtype bf16 are for one device",
+              name);
   // The VAE halves the image three times (8x) and the patchify twice more (2x2 patches).
   FORGE_CHECK(zero_stage <= 3, "forge info {}: --parallelism.zero_stage {}: 1, 2 or 3", name, zero_stage);
   FORGE_CHECK(resolution % 16 == 0, "forge info {}: --flux.resolution {} must be a multiple of 16 (the VAE's 8x "
@@ -70,16 +85,23 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
              c.in_channels, text_tokens);
   fmt::print("FLOPs per image  {:.3e} (forward + backward; NOTE [FLUX FLOPs])\n",
              c.training_flops_per_image(shape.image_tokens(), text_tokens));
-  const double weights = 2.0 * static_cast<double>(params), master = 4.0 * static_cast<double>(params);
-  const double grads = 4.0 * static_cast<double>(params), moments = 8.0 * static_cast<double>(params);
+  // NOTE [bf16 master weights]: bf16 masters are the compute weights (no copy).
+  const bool bf16_master = master_dtype == "bf16";
+  const double n = static_cast<double>(params);
+  const double weights = bf16_master ? 0.0 : 2.0 * n, master = (bf16_master ? 2.0 : 4.0) * n;
+  const double grads = 4.0 * n, moments = (state_dtype == "bf16" ? 4.0 : 8.0) * n;
   const double activations =
       static_cast<double>(FluxTransformer::activation_bytes(c, shape, DType::BF16, checkpoint));
-  fmt::print("memory           micro-batch {}, activation_checkpoint.mode {}, on one device:\n", batch,
-             activation_checkpoint_name(checkpoint));
-  fmt::print("  weights        {:8.2f} GiB  bf16 compute copy\n", weights / gib);
-  fmt::print("  master         {:8.2f} GiB  fp32\n", master / gib);
+  fmt::print("memory           micro-batch {}, activation_checkpoint.mode {}, optimizer.master_dtype {}, "
+             "optimizer.state_dtype {}, on one device:\n",
+             batch, activation_checkpoint_name(checkpoint), master_dtype, state_dtype);
+  if (bf16_master)
+    fmt::print("  weights        {:8.2f} GiB  bf16, the only copy (stochastic rounding)\n", master / gib);
+  else
+    fmt::print("  weights        {:8.2f} GiB  bf16 compute copy\n", weights / gib);
+  if (!bf16_master) fmt::print("  master         {:8.2f} GiB  fp32\n", master / gib);
   fmt::print("  gradients      {:8.2f} GiB  fp32\n", grads / gib);
-  fmt::print("  AdamW moments  {:8.2f} GiB  fp32 x 2\n", moments / gib);
+  fmt::print("  AdamW moments  {:8.2f} GiB  {} x 2\n", moments / gib, state_dtype);
   fmt::print("  activations    {:8.2f} GiB  bf16, the arena of one micro-batch\n", activations / gib);
   fmt::print("  total          {:8.2f} GiB\n", (weights + master + grads + moments + activations) / gib);
   if (shard_ranks == 1) return 0;

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/parallel.h"
 #include "core/rng.h"
 #include "ops/elementwise.h"
 
@@ -220,13 +221,18 @@ void FluxParameters::assign_from(const FluxParameters& other) {
     cast(flat_, other.flat_.to(flat_.device()));
 }
 
+// NOTE [FLUX initialization in parallel]
+// Every tensor draws from its own stream (the seed and its name), so tensors can be drawn
+// at once on several threads: num_threads() tensors at a time, each into its own host
+// buffer, handed to `each` in spec order. The values are those of drawing them one by one;
+// FLUX.1-dev's 11.9 B normals take seconds instead of minutes. Host memory is
+// num_threads() buffers of the largest tensor's (151 MB for FLUX.1-dev's MLP weights).
 void initialize_flux_tensors(const FluxConfig& config, uint64_t seed, FluxWeightInit init, float init_std,
                              const std::function<void(size_t, std::span<const float>)>& each) {
   const std::vector<ParamSpec> specs = flux_parameter_specs(config);
   const std::vector<FluxTensorInit> torchtitan =
       init == FluxWeightInit::Torchtitan ? flux_torchtitan_inits(config) : std::vector<FluxTensorInit>{};
-  std::vector<float> values;
-  for (size_t i = 0; i < specs.size(); ++i) {
+  auto draw = [&](size_t i, std::vector<float>& values) {
     const ParamSpec& s = specs[i];
     FluxTensorInit rule = torchtitan.empty() ? FluxTensorInit{FluxTensorInit::Kind::Normal, init_std} : torchtitan[i];
     if (torchtitan.empty() && s.shape.size() == 1) rule = {FluxTensorInit::Kind::Constant, s.zero_init ? 0.0 : 1.0};
@@ -244,19 +250,29 @@ void initialize_flux_tensors(const FluxConfig& config, uint64_t seed, FluxWeight
       else
         for (int64_t j = 0; j < n; ++j) p[j] = static_cast<float>(rule.value * (2.0 * rng.uniform() - 1.0));
     }
-    each(i, std::span<const float>(values.data(), values.size()));
+  };
+  const size_t at_once = static_cast<size_t>(std::max(1, num_threads()));
+  std::vector<std::vector<float>> buffers(std::min(at_once, specs.size()));
+  for (size_t first = 0; first < specs.size(); first += at_once) {
+    const size_t count = std::min(at_once, specs.size() - first);
+    parallel_for(static_cast<int64_t>(count), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) draw(first + static_cast<size_t>(k), buffers[static_cast<size_t>(k)]);
+    });
+    for (size_t k = 0; k < count; ++k) each(first + k, std::span<const float>(buffers[k].data(), buffers[k].size()));
   }
 }
 
 void FluxParameters::initialize(uint64_t seed, FluxWeightInit init) {
-  if (flat_.device() != Device::CPU || flat_.dtype() != DType::F32) {
-    FluxParameters host(config_, Device::CPU, DType::F32, init_std_);
-    host.initialize(seed, init);
-    assign_from(host);
-    return;
-  }
+  // A tensor at a time: a GPU or bf16 buffer takes each tensor's values through the host
+  // buffer of one tensor (never the whole model in fp32 on the host or the device).
   initialize_flux_tensors(config_, seed, init, init_std_, [&](size_t i, std::span<const float> values) {
-    std::copy(values.begin(), values.end(), tensors_[i].data<float>());
+    const Tensor& dst = tensors_[i];
+    if (dst.device() == Device::CPU && dst.dtype() == DType::F32) {
+      std::copy(values.begin(), values.end(), dst.data<float>());
+      return;
+    }
+    const Tensor src = Tensor::wrap(const_cast<float*>(values.data()), dst.shape(), DType::F32);
+    cast(dst, dst.device() == Device::CPU ? src : src.to(dst.device()));
   });
 }
 

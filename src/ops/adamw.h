@@ -2,8 +2,11 @@
 //   param *= 1 - lr * weight_decay
 //   m = beta1 m + (1 - beta1) g;   v = beta2 v + (1 - beta2) g^2
 //   param -= lr * (m / (1 - beta1^step)) / (sqrt(v / (1 - beta2^step)) + eps)
-// param is fp32 (the master copy), grad fp32, step counts from 1. The moments m, v are
-// fp32, or bf16 on CUDA (NOTE [Optimizer state in bf16]).
+// param is fp32 (the master copy), or bf16 when the weights are held only in bf16 (NOTE
+// [bf16 master weights] in optim/optimizer.h: the new weights are then rounded
+// stochastically, NOTE [Stochastic rounding to bf16] in kernels/stochastic_rounding.h);
+// grad fp32, step counts from 1. The moments m, v are fp32, or bf16 on CUDA (NOTE
+// [Optimizer state in bf16]).
 //
 // NOTE [Clipping and the bf16 copy inside AdamW]
 // Global-norm clipping scales every gradient by one coefficient before the update; torch
@@ -35,10 +38,15 @@ struct AdamWHyper {
   double weight_decay = 0.0;
   int64_t step = 1;
   float grad_scale = 1.0f;  // the clip coefficient
+  // A bf16 param's stochastic rounding: the seed of its random bits, and the flat index of
+  // param's first element (so that the tensors of one model, updated by separate calls,
+  // draw separate bits). The step is `step`. Unused for an fp32 param.
+  uint64_t rounding_seed = 0;
+  int64_t rounding_offset = 0;
 };
 
 // compute_copy, when defined: a bf16 tensor of param's shape on CUDA receiving the
-// updated weights.
+// updated weights (none for a bf16 param: it is its own compute copy).
 void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWHyper& h,
                   const Tensor& compute_copy = Tensor());
 

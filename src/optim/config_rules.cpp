@@ -12,6 +12,7 @@ void validate(const OptimizerConfig& opt, const LRSchedulerConfig& sched, int64_
   check_range(keys, "optimizer.eps", opt.eps, optim_bounds::eps);
   check_range(keys, "optimizer.weight_decay", opt.weight_decay, optim_bounds::weight_decay);
   check_choice(keys, "optimizer.state_dtype", opt.state_dtype, optim_bounds::state_dtypes);
+  check_choice(keys, "optimizer.master_dtype", opt.master_dtype, optim_bounds::master_dtypes);
 
   check_range(keys, "lr_scheduler.warmup_steps", sched.warmup_steps, optim_bounds::warmup_steps);
   check_choice(keys, "lr_scheduler.decay_style", sched.decay_style, optim_bounds::decay_styles);

@@ -21,6 +21,7 @@ inline constexpr ValueRange beta = {0.0, 1.0, false, true};
 inline constexpr ValueRange eps = above(0);
 inline constexpr ValueRange weight_decay = at_least(0);
 inline const std::vector<std::string> state_dtypes = {"fp32", "bf16"};
+inline const std::vector<std::string> master_dtypes = {"fp32", "bf16"};
 
 inline constexpr ValueRange warmup_steps = at_least(0);
 inline const std::vector<std::string> decay_styles = {"cosine", "linear", "constant"};

@@ -20,6 +20,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   std::string state_dtype = "fp32";  // fp32 | bf16: storage of AdamW's moments (NOTE [Optimizer state in bf16])
+  std::string master_dtype = "fp32";  // fp32 | bf16: the weights' one copy (NOTE [bf16 master weights])
 };
 
 struct LRSchedulerConfig {
@@ -60,6 +61,23 @@ float clip_coefficient(double norm, double max_norm);
 // fp32 and the new moments rounded to nearest. It halves the optimizer state (8 to 4
 // bytes per parameter), the memory economy that lets the full Llama 3.1 8B train on one
 // 141 GB H200. The master weights stay fp32.
+//
+// NOTE [bf16 master weights]
+// optimizer.master_dtype bf16 keeps no fp32 master copy: the weights are held once, in
+// bf16, and are what the forward reads; AdamW widens each weight, computes the update in
+// fp32 as before and rounds the new weight stochastically (NOTE [Stochastic rounding to
+// bf16] in kernels/stochastic_rounding.h), so that updates far below a bf16 ulp still move
+// the weights in expectation. torchao's AdamW with bf16_stochastic_round=True and the FLUX
+// fine-tuning tools that train "full bf16" do the same. With bf16 moments it takes a weight
+// from 18 bytes (fp32 master, bf16 compute copy, fp32 gradient, fp32 m and v) to 10 (bf16
+// weight, fp32 gradient, bf16 m and v): the economy that lets the 12B FLUX.1-dev fine-tune
+// on one 141 GB H200 (NOTE [FLUX runs] in train/flux_trainer.h). The bits of the rounding
+// are a pure function of (training.seed, step, the weight's flat index), so a resumed run
+// rounds as the uninterrupted one, and a checkpoint stores the bf16 weights widened to fp32
+// (exactly): a run with fp32 masters can start from it, and one with bf16 weights from an
+// fp32 checkpoint (rounded to nearest once, at load). FLUX runs on one device take it (on
+// the CPU reference too, whose compute copy is then the bf16 weights widened to fp32); the
+// language models' trainer and FSDP's sharded master chunks keep fp32.
 
 class AdamW {
  public:

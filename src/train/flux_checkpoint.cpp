@@ -607,7 +607,8 @@ void FluxCheckpoints::save(int64_t step, const FluxParameters& master, const Flu
   const Device device = master.flat().device();
   bool async = false;
   if (config_.checkpoint.async_mode == "async") {
-    const int64_t bytes = 3 * static_cast<int64_t>(master.flat().nbytes());
+    // In each one's dtype (NOTE [bf16 master weights]: bf16 weights and moments stay bf16).
+    const int64_t bytes = static_cast<int64_t>(master.flat().nbytes() + m.flat().nbytes() + v.flat().nbytes());
     Device place = Device::CPU;
     if (device == Device::CUDA) {
       const DeviceMemoryInfo info = device_memory_info();
@@ -622,7 +623,7 @@ void FluxCheckpoints::save(int64_t step, const FluxParameters& master, const Flu
     } else {
       try {
         for (const FluxParameters* p : {&master, &m, &v}) {
-          snapshot_.push_back(std::make_unique<FluxParameters>(model_, place, DType::F32));
+          snapshot_.push_back(std::make_unique<FluxParameters>(model_, place, p->flat().dtype()));
           snapshot_.back()->flat().copy_from(p->flat());
         }
         job->snapshot_ready = std::make_unique<DeviceEvent>(place);

@@ -76,7 +76,8 @@ enum Stream : uint64_t {
   kData,
   kEvalNoise,
   kCaptionDropout,  // NOTE [FLUX caption dropout]
-  kPosterior        // NOTE [FLUX posterior latents]
+  kPosterior,       // NOTE [FLUX posterior latents]
+  kRounding         // NOTE [bf16 master weights]: the optimizer's stochastic rounding
 };
 
 // The first numel(shape) elements of a flat buffer, as `shape`.
@@ -202,7 +203,9 @@ struct FluxTrainer::State {
   FluxShape shape;                      // planned for: the largest micro-batch
   Device device;
   DType dtype;
-  // One device: the whole model's fp32 masters, compute copy, gradients and moments.
+  // One device: the whole model's masters (fp32, or bf16 with optimizer.master_dtype bf16),
+  // compute copy (none on CUDA with bf16 masters: they are the compute weights), fp32
+  // gradients and the moments (fp32, or bf16 with optimizer.state_dtype bf16).
   std::unique_ptr<FluxParameters> master, compute, grads, m, v;
   // Data-parallel ranks (NOTE [FLUX FSDP]): this rank's chunks in `fsdp`, AdamW's moments
   // over its segments.
@@ -215,7 +218,10 @@ struct FluxTrainer::State {
   Tensor pooled, t, loss;
   FlowTimestepSampling sampling;
 
-  FluxParamSource& weights() { return fsdp ? static_cast<FluxParamSource&>(*fsdp) : *compute; }
+  FluxParamSource& weights() {
+    if (fsdp) return *fsdp;
+    return compute ? *compute : *master;
+  }
   FluxGradSink& gradients() { return fsdp ? static_cast<FluxGradSink&>(*fsdp) : *grads; }
 
   // NOTE [FLUX validation loss], after `step` training steps.
@@ -240,11 +246,14 @@ struct FluxTrainer::State {
         v_segments.push_back(v_shard.narrow(seg.shard_offset, seg.shard_offset + seg.numel));
       }
     } else {
-      master = std::make_unique<FluxParameters>(mc, dev, DType::F32);
-      compute = std::make_unique<FluxParameters>(mc, dev, dtype);
+      // NOTE [bf16 master weights] in optim/optimizer.h.
+      const DType master_dtype = c.optimizer.master_dtype == "bf16" ? DType::BF16 : DType::F32;
+      const DType state_dtype = c.optimizer.state_dtype == "bf16" ? DType::BF16 : DType::F32;
+      master = std::make_unique<FluxParameters>(mc, dev, master_dtype);
+      if (master_dtype != dtype) compute = std::make_unique<FluxParameters>(mc, dev, dtype);
       grads = std::make_unique<FluxParameters>(mc, dev, DType::F32);
-      m = std::make_unique<FluxParameters>(mc, dev, DType::F32);
-      v = std::make_unique<FluxParameters>(mc, dev, DType::F32);
+      m = std::make_unique<FluxParameters>(mc, dev, state_dtype);
+      v = std::make_unique<FluxParameters>(mc, dev, state_dtype);
       // FluxCheckpoints::start then loads what the run starts from.
       master->initialize(c.training.seed, parse_flux_weight_init(c.flux.weight_init, "flux.weight_init"));
       m->zero();
@@ -367,7 +376,7 @@ FluxTrainer::FluxTrainer(const ExperimentConfig& config, std::string resolved_ya
   checkpoints_ = std::make_unique<FluxCheckpoints>(config_, std::move(resolved_yaml), s.model_config);
   if (!s.fsdp) {
     start_step_ = checkpoints_->start(*s.master, *s.m, *s.v);  // NOTE [FLUX checkpoints]
-    s.compute->assign_from(*s.master);  // NOTE [Exact FLUX resume]: cast as the optimizer casts
+    if (s.compute) s.compute->assign_from(*s.master);  // NOTE [Exact FLUX resume]: cast as the optimizer casts
     return;
   }
   // NOTE [FLUX FSDP checkpoints] in train/flux_checkpoint.h: each rank loads its segments.
@@ -522,14 +531,17 @@ FluxTrainResult FluxTrainer::run(bool log) {
       }
       f.refresh_compute_weights(s.device == Device::CUDA);
     } else {
-      // Two calls, with and without weight decay (NOTE [FLUX parameter regions]).
+      // Two calls, with and without weight decay (NOTE [FLUX parameter regions]). bf16
+      // masters are rounded with bits of the element's flat index (NOTE [bf16 master weights]).
+      h.rounding_seed = derive_seed(seed, kRounding);
       for (const bool decayed : {true, false}) {
         auto region = [&](const FluxParameters& p) { return decayed ? p.decayed() : p.not_decayed(); };
         h.weight_decay = decayed ? config_.optimizer.weight_decay : 0.0;
+        h.rounding_offset = decayed ? 0 : s.master->decayed().numel();
         adamw_update(region(*s.master), region(*s.grads), region(*s.m), region(*s.v), h,
-                     s.device == Device::CUDA ? region(*s.compute) : Tensor());
+                     s.device == Device::CUDA && s.compute ? region(*s.compute) : Tensor());
       }
-      if (s.device == Device::CPU) s.compute->assign_from(*s.master);
+      if (s.device == Device::CPU && s.compute) s.compute->assign_from(*s.master);
     }
     const Tensor host_loss = s.loss.to(Device::CPU);  // waits for the step's work
     double loss = host_loss.data<float>()[0];

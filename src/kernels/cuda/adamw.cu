@@ -10,9 +10,18 @@
 // moves its four elements of every tensor in one access (16 bytes of fp32, 8 of bf16). With bf16
 // moments (NOTE [Optimizer state in bf16]) the update is computed in fp32 from the
 // widened moments and the new moments are rounded to nearest on store.
+//
+// A bf16 param (NOTE [bf16 master weights] in optim/optimizer.h: no fp32 master) is read as
+// four bf16 values, updated in fp32 by the same arithmetic and stored rounded
+// stochastically (NOTE [Stochastic rounding to bf16] in kernels/stochastic_rounding.h):
+// 16 (fp32 moments) or 12 bytes (bf16 moments) per element. Its random bits cost one
+// Philox4x32-10 call per four elements (ten rounds of two 32-bit multiplies), integer work
+// well within what a memory-bound pass leaves idle; a lane's four elements are one Philox
+// block when the call's flat offset is a multiple of four, else each element draws its own.
 #include "kernels/cuda/adamw.h"
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/stochastic_rounding.h"
 
 namespace forge::cuda {
 namespace {
@@ -101,7 +110,64 @@ __global__ void adamw_kernel(float* param, const float* grad, Moment* m, Moment*
   }
 }
 
+// Four bf16 params in one 8-byte access, as fp32.
+__device__ __forceinline__ void load4_bf16_as_float(float* out, const bf16* from) {
+  bf16 b[4];
+  load4(b, from);
+  for (int k = 0; k < 4; ++k) out[k] = __bfloat162float(b[k]);
+}
+
+template <typename Moment>
+__global__ void adamw_bf16_param_kernel(bf16* param, const float* grad, Moment* m, Moment* v, int64_t n,
+                                        AdamWScalars s, AdamWRounding r) {
+  int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= n) return;
+  const uint64_t first = r.offset + static_cast<uint64_t>(i);
+  bool aligned = ((reinterpret_cast<uintptr_t>(param + i) | reinterpret_cast<uintptr_t>(m + i) |
+                   reinterpret_cast<uintptr_t>(v + i)) % (4 * sizeof(Moment))) == 0 &&
+                 reinterpret_cast<uintptr_t>(param + i) % 8 == 0 && reinterpret_cast<uintptr_t>(grad + i) % 16 == 0;
+  if (i + 4 <= n && aligned && first % 4 == 0) {
+    float p[4];
+    load4_bf16_as_float(p, param + i);
+    const float4 g4 = *reinterpret_cast<const float4*>(grad + i);
+    const float g[4] = {g4.x, g4.y, g4.z, g4.w};
+    Moment mm[4], vv[4];
+    load4(mm, m + i);
+    load4(vv, v + i);
+    const philox::Words bits = stochastic_rounding::bits4(r.seed, r.step, first / 4);
+    bf16 out[4];
+    for (int k = 0; k < 4; ++k) {
+      adamw_element(p[k], g[k], mm[k], vv[k], s);
+      out[k] = __ushort_as_bfloat16(stochastic_rounding::round_bits(p[k], bits.w[k] & 0xFFFFu));
+    }
+    store4(m + i, mm);
+    store4(v + i, vv);
+    store4(param + i, out);
+    return;
+  }
+  for (int64_t k = i; k < min(n, i + 4); ++k) {
+    float p = __bfloat162float(param[k]);
+    adamw_element(p, grad[k], m[k], v[k], s);
+    const uint32_t bits = stochastic_rounding::bits(r.seed, r.step, r.offset + static_cast<uint64_t>(k));
+    param[k] = __ushort_as_bfloat16(stochastic_rounding::round_bits(p, bits));
+  }
+}
+
 }  // namespace
+
+void adamw_update_bf16_param(void* param, const float* grad, void* m, void* v, bool bf16_moments, int64_t n,
+                             const AdamWScalars& s, const AdamWRounding& rounding) {
+  int64_t threads = (n + 3) / 4;
+  if (threads == 0) return;
+  unsigned blocks = static_cast<unsigned>((threads + 255) / 256);
+  bf16* p = static_cast<bf16*>(param);
+  if (bf16_moments)
+    adamw_bf16_param_kernel<<<blocks, 256>>>(p, grad, static_cast<bf16*>(m), static_cast<bf16*>(v), n, s, rounding);
+  else
+    adamw_bf16_param_kernel<<<blocks, 256>>>(p, grad, static_cast<float*>(m), static_cast<float*>(v), n, s,
+                                             rounding);
+  FORGE_CUDA_LAUNCH_CHECK();
+}
 
 void adamw_update(float* param, const float* grad, void* m, void* v, bool bf16_moments, void* compute_copy,
                   int64_t n, const AdamWScalars& s) {

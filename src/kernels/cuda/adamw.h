@@ -13,4 +13,9 @@ namespace forge::cuda {
 void adamw_update(float* param, const float* grad, void* m, void* v, bool bf16_moments, void* compute_copy,
                   int64_t n, const AdamWScalars& s);
 
+// The same step of a bf16 param (no fp32 master): each element widened, updated in fp32 and
+// rounded stochastically as `rounding` says (NOTE [Stochastic rounding to bf16]).
+void adamw_update_bf16_param(void* param, const float* grad, void* m, void* v, bool bf16_moments, int64_t n,
+                             const AdamWScalars& s, const AdamWRounding& rounding);
+
 }  // namespace forge::cuda
