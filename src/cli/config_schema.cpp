@@ -428,6 +428,9 @@ std::vector<ConfigKey> build_schema() {
           "activation_checkpoint.mode",
           "recompute in the backward instead of keeping: selective (norms, SwiGLU) or full (whole blocks)", {},
           {"none", "selective", "full"}),
+      key<&E::activation_checkpoint, &ActivationCheckpointConfig::recompute_blocks>(
+          "activation_checkpoint.recompute_blocks",
+          "FLUX under full: recompute only the first N blocks, keep the rest (-1: every block)", at_least(-1)),
 
       key<&E::checkpoint, &CheckpointConfig::enable>("checkpoint.enable", "save checkpoints every interval steps"),
       key<&E::checkpoint, &CheckpointConfig::folder>("checkpoint.folder",

@@ -576,6 +576,10 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
   const FluxRunConfig& f = config.flux;
   if (f.model.empty()) {
     // NOTE [bf16 master weights] in optim/optimizer.h: FLUX's trainer on one device.
+    if (config.activation_checkpoint.recompute_blocks != -1)
+      FORGE_FAIL("{}: a language model's full checkpointing recomputes every layer (this key picks a FLUX run's "
+                 "blocks); remove it, or use activation_checkpoint.mode selective",
+                 show(config, keys, "activation_checkpoint.recompute_blocks"));
     if (config.optimizer.master_dtype != "fp32")
       FORGE_FAIL("{}: a language model keeps fp32 master weights (bf16 weights with stochastic rounding are built "
                  "for FLUX runs on one device); remove it, or use optimizer.state_dtype bf16 to halve AdamW's moments",
@@ -644,6 +648,22 @@ void check_flux(const ExperimentConfig& config, const KeyDescriber& keys) {
                config.training.device, want);
   if (config.activation_checkpoint.mode == "selective")
     FORGE_FAIL("{}: a FLUX run takes none or full (whole blocks)", show(config, keys, "activation_checkpoint.mode"));
+  // NOTE [Recomputing some FLUX blocks] in model/flux_transformer.h.
+  if (const int64_t r = config.activation_checkpoint.recompute_blocks; r != -1) {
+    FluxConfig model = flux_preset(f.model);  // with a proxy's block counts
+    if (f.num_double_blocks >= 0) model.num_double_blocks = f.num_double_blocks;
+    if (f.num_single_blocks >= 0) model.num_single_blocks = f.num_single_blocks;
+    const int64_t blocks = model.num_double_blocks + model.num_single_blocks;
+    if (config.activation_checkpoint.mode != "full")
+      FORGE_FAIL("{} picks the blocks full checkpointing recomputes, and {}: set activation_checkpoint.mode full, or "
+                 "remove it",
+                 show(config, keys, "activation_checkpoint.recompute_blocks"),
+                 show(config, keys, "activation_checkpoint.mode"));
+    if (r > blocks)
+      FORGE_FAIL("{}: {} has {} blocks ({} double + {} single); recompute -1 (every block) or 0 to {}",
+                 show(config, keys, "activation_checkpoint.recompute_blocks"), model.name, blocks,
+                 model.num_double_blocks, model.num_single_blocks, blocks);
+  }
   if (f.caption_dropout_prob > 0 && f.data_path.empty())
     FORGE_FAIL("{}: caption dropout replaces cached captions' encodings by the empty caption's; synthetic "
                "micro-batches have no captions: set flux.data_path to a latent cache, or flux.caption_dropout_prob 0",

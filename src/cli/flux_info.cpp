@@ -22,6 +22,15 @@ int64_t positive_integer(const std::string& key, const std::string& value) {
   return v;
 }
 
+// -1 (every block) or a count of blocks.
+int64_t block_count(const std::string& key, const std::string& value) {
+  int64_t v = 0;
+  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
+  FORGE_CHECK(error == std::errc() && end == value.data() + value.size() && v >= -1,
+              "forge info: --{} expects -1 (every block) or a count of blocks, got '{}'", key, value);
+  return v;
+}
+
 }  // namespace
 
 int run_flux_info(const std::string& name, const std::vector<std::pair<std::string, std::string>>& overrides) {
@@ -29,6 +38,7 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
   int64_t batch = 1, resolution = 1024, text_tokens = 512, shard_ranks = 1, zero_stage = 3;
   ActivationCheckpoint checkpoint = ActivationCheckpoint::Full;
   std::string master_dtype = "fp32", state_dtype = "fp32";  // NOTE [bf16 master weights]
+  int64_t recompute_blocks = -1;  // NOTE [Recomputing some FLUX blocks]
   auto dtype_choice = [&](const std::string& key, const std::string& value) {
     FORGE_CHECK(value == "fp32" || value == "bf16", "forge info {}: --{} expects fp32 or bf16, got '{}'", name, key,
                 value);
@@ -47,6 +57,8 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
       shard_ranks = positive_integer(key, value);
     else if (key == "parallelism.zero_stage")
       zero_stage = positive_integer(key, value);
+    else if (key == "activation_checkpoint.recompute_blocks")
+      recompute_blocks = block_count(key, value);
     else if (key == "optimizer.master_dtype")
       master_dtype = dtype_choice(key, value);
     else if (key == "optimizer.state_dtype")
@@ -54,8 +66,8 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
     else
       FORGE_FAIL("forge info {}: unknown key --{}; a FLUX model takes --training.local_batch_size, "
                  "--flux.resolution, --flux.text_tokens, --activation_checkpoint.mode, "
-                 "--parallelism.data_parallel_shard_degree, --parallelism.zero_stage, --optimizer.master_dtype and "
-                 "--optimizer.state_dtype",
+                 "--activation_checkpoint.recompute_blocks, --parallelism.data_parallel_shard_degree, "
+                 "--parallelism.zero_stage, --optimizer.master_dtype and --optimizer.state_dtype",
                  name, key);
   }
   FORGE_CHECK(shard_ranks == 1 || (master_dtype == "fp32" && state_dtype == "fp32"),
@@ -90,11 +102,20 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
   const double n = static_cast<double>(params);
   const double weights = bf16_master ? 0.0 : 2.0 * n, master = (bf16_master ? 2.0 : 4.0) * n;
   const double grads = 4.0 * n, moments = (state_dtype == "bf16" ? 4.0 : 8.0) * n;
-  const double activations =
-      static_cast<double>(FluxTransformer::activation_bytes(c, shape, DType::BF16, checkpoint));
-  fmt::print("memory           micro-batch {}, activation_checkpoint.mode {}, optimizer.master_dtype {}, "
+  const int64_t blocks = c.num_double_blocks + c.num_single_blocks;
+  FORGE_CHECK(recompute_blocks <= blocks && (recompute_blocks == -1 || checkpoint == ActivationCheckpoint::Full),
+              "forge info {}: --activation_checkpoint.recompute_blocks {}: -1 or 0 to the model's {} blocks, under "
+              "--activation_checkpoint.mode full",
+              name, recompute_blocks, blocks);
+  const double activations = static_cast<double>(
+      FluxTransformer::activation_bytes(c, shape, DType::BF16, checkpoint, recompute_blocks));
+  const std::string recomputed =
+      checkpoint != ActivationCheckpoint::Full || recompute_blocks == -1
+          ? std::string()
+          : fmt::format(" (recomputing {} of {} blocks)", recompute_blocks, blocks);
+  fmt::print("memory           micro-batch {}, activation_checkpoint.mode {}{}, optimizer.master_dtype {}, "
              "optimizer.state_dtype {}, on one device:\n",
-             batch, activation_checkpoint_name(checkpoint), master_dtype, state_dtype);
+             batch, activation_checkpoint_name(checkpoint), recomputed, master_dtype, state_dtype);
   if (bf16_master)
     fmt::print("  weights        {:8.2f} GiB  bf16, the only copy (stochastic rounding)\n", master / gib);
   else

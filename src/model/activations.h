@@ -59,16 +59,22 @@ class ArenaLayout {
 // [Activation checkpointing] in block_component.h): costly(a) lays out in `a` what
 // selective checkpointing keeps, cheap(a) what it recomputes. none: both per layer;
 // selective: costly per layer and one cheap set shared by every layer; full: one set of
-// both shared by every layer.
+// both shared by every layer. Under full, `recomputed` (-1: every layer) limits the shared
+// set to the first that many layers; the others keep both sets of their own, as under none
+// (NOTE [Recomputing some FLUX blocks] in model/flux_transformer.h).
 template <typename Activations, typename Costly, typename Cheap>
-std::vector<Activations> lay_out_layers(int num_layers, ActivationCheckpoint mode, Costly costly, Cheap cheap) {
+std::vector<Activations> lay_out_layers(int num_layers, ActivationCheckpoint mode, Costly costly, Cheap cheap,
+                                        int recomputed = -1) {
+  if (mode != ActivationCheckpoint::Full || recomputed < 0 || recomputed > num_layers) recomputed = num_layers;
   Activations shared;
-  if (mode == ActivationCheckpoint::Full) costly(shared);
-  if (mode != ActivationCheckpoint::None) cheap(shared);
+  if (mode == ActivationCheckpoint::Full && recomputed > 0) costly(shared);
+  if (mode != ActivationCheckpoint::None && recomputed > 0) cheap(shared);
   std::vector<Activations> layers(static_cast<size_t>(num_layers), shared);
-  for (Activations& a : layers) {
-    if (mode != ActivationCheckpoint::Full) costly(a);
-    if (mode == ActivationCheckpoint::None) cheap(a);
+  for (int i = 0; i < num_layers; ++i) {
+    Activations& a = layers[static_cast<size_t>(i)];
+    const bool kept = mode == ActivationCheckpoint::Full && i >= recomputed;
+    if (mode != ActivationCheckpoint::Full || kept) costly(a);
+    if (mode == ActivationCheckpoint::None || kept) cheap(a);
   }
   return layers;
 }

@@ -76,9 +76,19 @@ struct Dims {
 };
 
 // Lays out every activation in `a` (ArenaLayout's counting pass when its base is null).
+// NOTE [Recomputing some FLUX blocks]: of `recompute` blocks (-1: all) in forward order, how
+// many are double blocks and how many single blocks.
+std::pair<int, int> recomputed_blocks(const FluxConfig& cf, int64_t recompute) {
+  const int64_t all = cf.num_double_blocks + cf.num_single_blocks;
+  const int64_t r = recompute < 0 ? all : std::min(recompute, all);
+  const int64_t doubles = std::min(r, cf.num_double_blocks);
+  return {static_cast<int>(doubles), static_cast<int>(r - doubles)};
+}
+
 void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfig& cf, const FluxShape& sh,
-             DType dt, ActivationCheckpoint mode) {
+             DType dt, ActivationCheckpoint mode, int64_t recompute) {
   const Dims n(cf, sh);
+  const auto [recomputed_doubles, recomputed_singles] = recomputed_blocks(cf, recompute);
   const DType f32 = DType::F32;
   acts.time_features = a.take({n.b, cf.timestep_dim}, dt);
   acts.guidance_features = a.take({n.b, cf.timestep_dim}, dt);
@@ -120,7 +130,7 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
         }
         attention(x.jqkv, x.out, x.lse);
       },
-      [](FluxDoubleActivations&) {});
+      [](FluxDoubleActivations&) {}, recomputed_doubles);
   acts.singles = lay_out_layers<FluxSingleActivations>(
       static_cast<int>(cf.num_single_blocks), mode,
       [&](FluxSingleActivations& x) {
@@ -138,7 +148,7 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
         x.cat = a.take({rows_, n.d + n.m}, dt);
         x.y = a.take({rows_, n.d}, dt);
       },
-      [](FluxSingleActivations&) {});
+      [](FluxSingleActivations&) {}, recomputed_singles);
   acts.head_mod = a.take({n.b, 2 * n.d}, dt);
   for (Tensor& c : acts.head_chunk) c = a.take({n.b, n.d}, dt);
   acts.image_out = a.take({n.b * n.s, n.d}, dt);
@@ -200,9 +210,9 @@ AttentionShape joint_attention(const Dims& n) {
 }  // namespace
 
 FluxTransformer::FluxTransformer(const FluxConfig& config, const FluxShape& shape, Device device,
-                                 ActivationCheckpoint checkpoint)
+                                 ActivationCheckpoint checkpoint, int64_t recompute_blocks)
     : config_(config), shape_(shape), device_(device), dtype_(device == Device::CUDA ? DType::BF16 : DType::F32),
-      checkpoint_(checkpoint), acts_(std::make_unique<Activations>()) {
+      checkpoint_(checkpoint), recompute_blocks_(recompute_blocks), acts_(std::make_unique<Activations>()) {
   config_.validate(config_.name);
   FORGE_CHECK(shape_.batch > 0 && shape_.text_tokens > 0 && shape_.grid_h > 0 && shape_.grid_w > 0,
               "{}: a micro-batch needs samples, text tokens and a latent grid, got batch {}, {} text tokens, a {}x{} "
@@ -211,18 +221,26 @@ FluxTransformer::FluxTransformer(const FluxConfig& config, const FluxShape& shap
   FORGE_CHECK(checkpoint_ != ActivationCheckpoint::Selective,
               "{}: activation_checkpoint.mode selective is the language models'; a FLUX model takes none or full",
               config_.name);
+  const int64_t blocks = config_.num_double_blocks + config_.num_single_blocks;
+  FORGE_CHECK(recompute_blocks_ >= -1 && recompute_blocks_ <= blocks,
+              "{}: activation_checkpoint.recompute_blocks {}: -1 (every block) or 0 to the model's {} blocks",
+              config_.name, recompute_blocks_, blocks);
+  FORGE_CHECK(recompute_blocks_ == -1 || checkpoint_ == ActivationCheckpoint::Full,
+              "{}: activation_checkpoint.recompute_blocks {} picks the blocks full checkpointing recomputes; "
+              "activation_checkpoint.mode is none",
+              config_.name, recompute_blocks_);
   plan();
 }
 
 void FluxTransformer::plan() {
-  const int64_t bytes = activation_bytes(config_, shape_, dtype_, checkpoint_);
+  const int64_t bytes = activation_bytes(config_, shape_, dtype_, checkpoint_, recompute_blocks_);
   if (!arena_.defined() || arena_.numel() < bytes) {
     arena_ = Tensor();  // the old arena goes before the new one is allocated
     arena_ = Tensor::empty({bytes}, DType::U8, device_);
   }
   *acts_ = Activations();
   ArenaLayout layout(arena_.raw(), device_);
-  lay_out(*acts_, layout, config_, shape_, dtype_, checkpoint_);
+  lay_out(*acts_, layout, config_, shape_, dtype_, checkpoint_, recompute_blocks_);
   Tensor cos, sin;
   flux_rope_tables(cos, sin, config_, shape_.text_tokens, shape_.grid_h, shape_.grid_w);
   acts_->cos.copy_from(cos);
@@ -245,10 +263,10 @@ void FluxTransformer::reshape(const FluxShape& shape) {
 FluxTransformer::~FluxTransformer() = default;
 
 int64_t FluxTransformer::activation_bytes(const FluxConfig& config, const FluxShape& shape, DType dtype,
-                                          ActivationCheckpoint checkpoint) {
+                                          ActivationCheckpoint checkpoint, int64_t recompute_blocks) {
   ArenaLayout counting(nullptr, Device::CPU);
   Activations sizes;
-  lay_out(sizes, counting, config, shape, dtype, checkpoint);
+  lay_out(sizes, counting, config, shape, dtype, checkpoint, recompute_blocks);
   return counting.bytes();
 }
 
@@ -484,7 +502,10 @@ void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, Flux
   Activations& acts = *acts_;
   const Dims n(config_, shape_);
   check_shape(dout, {n.b, n.s, n.c}, "flux backward dout");
-  const bool recompute = checkpoint_ == ActivationCheckpoint::Full;
+  // NOTE [Recomputing some FLUX blocks]: the first recomputed_doubles double blocks and
+  // recomputed_singles single blocks share one set of activations and are recomputed.
+  const auto [recomputed_doubles, recomputed_singles] =
+      checkpoint_ == ActivationCheckpoint::Full ? recomputed_blocks(config_, recompute_blocks_) : std::pair{0, 0};
   Blocks blocks(config_, shape_, acts, overwrite);
   acts.d_stemb.fill_zero();
 
@@ -509,7 +530,7 @@ void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, Flux
   for (int j = static_cast<int>(config_.num_single_blocks) - 1; j >= 0; --j) {
     const int unit = flux_single_unit(config_, j);
     FluxSingleActivations& x = acts.singles[static_cast<size_t>(j)];
-    if (recompute) blocks.single_forward(j, x, params.unit(unit));
+    if (j < recomputed_singles) blocks.single_forward(j, x, params.unit(unit));
     blocks.single_backward(j, x, params.unit(unit), grads.unit_grads(unit));
     grads.unit_done(unit);
   }
@@ -518,7 +539,7 @@ void FluxTransformer::backward(const Tensor& dout, FluxParamSource& params, Flux
   for (int i = static_cast<int>(config_.num_double_blocks) - 1; i >= 0; --i) {
     const int unit = flux_double_unit(i);
     FluxDoubleActivations& x = acts.doubles[static_cast<size_t>(i)];
-    if (recompute) blocks.double_forward(i, x, params.unit(unit));
+    if (i < recomputed_doubles) blocks.double_forward(i, x, params.unit(unit));
     blocks.double_backward(i, x, params.unit(unit), grads.unit_grads(unit));
     grads.unit_done(unit);
   }

@@ -43,17 +43,27 @@ struct FluxInputs {
   std::vector<float> timesteps, guidance;
 };
 
+// NOTE [Recomputing some FLUX blocks]
+// Full checkpointing keeps each block's input and recomputes the block's forward in the
+// backward: about a third more FLOPs. Where memory is left over (the 12B on one GPU at a
+// small micro-batch), `recompute_blocks` N recomputes only the first N blocks in forward
+// order (the double blocks, then the single blocks) and keeps every activation of the rest,
+// as Megatron-LM's --recompute-method block --recompute-num-layers N does; -1 recomputes
+// every block (full), 0 none (as activation_checkpoint.mode none, in the arena of none).
+// The results are those of full checkpointing (and of none): the recomputed forward is the
+// same forward. forge info counts the arena for a given N, so a user picks the smallest N
+// that fits (activation_checkpoint.recompute_blocks).
 class FluxTransformer {
  public:
   FluxTransformer(const FluxConfig& config, const FluxShape& shape, Device device,
-                  ActivationCheckpoint checkpoint = ActivationCheckpoint::None);
+                  ActivationCheckpoint checkpoint = ActivationCheckpoint::None, int64_t recompute_blocks = -1);
   ~FluxTransformer();
   FluxTransformer(const FluxTransformer&) = delete;
   FluxTransformer& operator=(const FluxTransformer&) = delete;
 
   // Bytes of the activation arena for this shape, mode and compute dtype.
   static int64_t activation_bytes(const FluxConfig& config, const FluxShape& shape, DType dtype,
-                                  ActivationCheckpoint checkpoint);
+                                  ActivationCheckpoint checkpoint, int64_t recompute_blocks = -1);
 
   // Plans the activations for another micro-batch shape (another bucket's latent grid):
   // in the same arena when it fits, else in a new one. The rotary tables follow the grid.
@@ -81,6 +91,7 @@ class FluxTransformer {
   Device device_;
   DType dtype_;
   ActivationCheckpoint checkpoint_;
+  int64_t recompute_blocks_;  // NOTE [Recomputing some FLUX blocks]: -1 every block under full
   Tensor arena_;
   std::unique_ptr<Activations> acts_;
   FluxInputs inputs_;  // the micro-batch of the last forward

@@ -70,6 +70,9 @@ struct PrecisionConfig {
 // torchtitan's [activation_checkpoint] section (NOTE [Activation checkpointing]).
 struct ActivationCheckpointConfig {
   std::string mode = "none";         // none | selective | full
+  // A FLUX run's blocks recomputed under full, first in forward order; -1: every block
+  // (NOTE [Recomputing some FLUX blocks] in model/flux_transformer.h).
+  int64_t recompute_blocks = -1;
 };
 
 // Data parallelism (NOTE [FSDP] in distributed/fsdp.h), tensor parallelism (NOTE [Tensor

@@ -231,7 +231,8 @@ struct FluxTrainer::State {
       : ranks(c, world), model_config(mc),
         source(c.flux.data_path.empty() ? nullptr : std::make_unique<CacheSource>(c, mc)),
         shape(planned_shape(sh, source.get())), device(dev), dtype(dev == Device::CUDA ? DType::BF16 : DType::F32),
-        model(mc, shape, dev, activation_checkpoint_from_name(c.activation_checkpoint.mode)),
+        model(mc, shape, dev, activation_checkpoint_from_name(c.activation_checkpoint.mode),
+              c.activation_checkpoint.recompute_blocks),
         sampling(timestep_sampling(c.flux)) {
     if (ranks.sharded()) {
       FsdpOptions options;

@@ -260,6 +260,48 @@ TEST(FluxTransformer, FullCheckpointingGivesTheSameGradients) {
             FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::None));
 }
 
+// NOTE [Recomputing some FLUX blocks]: recomputing the first N blocks (none, some double
+// ones, all double ones and some single ones, every one) gives none's gradients bit for bit,
+// in an arena between full's and none's that never shrinks as N falls (0: none's exactly).
+TEST(FluxTransformer, RecomputingSomeBlocksGivesTheSameGradients) {
+  SmallFlux f;
+  const int64_t blocks = f.config.num_double_blocks + f.config.num_single_blocks;
+  ASSERT_GE(f.config.num_double_blocks, 1);
+  ASSERT_GE(f.config.num_single_blocks, 1);
+  FluxParameters plain(f.config);
+  plain.zero();
+  FluxTransformer none(f.config, f.shape, Device::CPU, ActivationCheckpoint::None);
+  f.loss(none);
+  none.backward(f.dout, f.params, plain);
+  for (int64_t r = blocks; r >= 0; --r) {
+    FluxParameters grads(f.config);
+    grads.zero();
+    FluxTransformer some(f.config, f.shape, Device::CPU, ActivationCheckpoint::Full, r);
+    f.loss(some);
+    some.backward(f.dout, f.params, grads);
+    for (int64_t j = 0; j < plain.flat().numel(); ++j)
+      ASSERT_EQ(plain.flat().data<float>()[j], grads.flat().data<float>()[j]) << "recompute " << r << ", " << j;
+  }
+  // flux-debug has two blocks of each kind: a kind with r of its n blocks recomputed holds
+  // 1 + n - r sets of activations (n when r is 0), never fewer as r falls.
+  const FluxConfig debug = flux_preset("flux-debug");
+  const int64_t debug_blocks = debug.num_double_blocks + debug.num_single_blocks;
+  int64_t previous = FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::Full);
+  EXPECT_EQ(FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::Full, debug_blocks),
+            previous);
+  for (int64_t r = debug_blocks - 1; r >= 0; --r) {
+    const int64_t bytes = FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::Full, r);
+    EXPECT_GE(bytes, previous) << r;
+    previous = bytes;
+  }
+  EXPECT_GT(previous, FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::Full));
+  EXPECT_EQ(previous, FluxTransformer::activation_bytes(debug, f.shape, DType::F32, ActivationCheckpoint::None));
+  expect_error([&] { FluxTransformer(f.config, f.shape, Device::CPU, ActivationCheckpoint::Full, blocks + 1); },
+               {"recompute_blocks", std::to_string(blocks + 1)});
+  expect_error([&] { FluxTransformer(f.config, f.shape, Device::CPU, ActivationCheckpoint::None, 1); },
+               {"recompute_blocks", "none"});
+}
+
 // NOTE [Fresh gradient buffers]: a backward with `overwrite` writes every parameter's
 // gradient over whatever the buffer held (here garbage) and gives what a backward adding to
 // zeroed buffers gives; without it, a second backward adds the same gradients again.

@@ -1,8 +1,11 @@
-// FLUX runs with optimizer.master_dtype bf16 (NOTE [bf16 master weights] in
-// optim/optimizer.h) on the CPU reference: the run tracks the fp32-master run's losses, its
-// checkpoints hold the bf16 weights widened exactly (every value's low 16 bits zero), a run
-// resumed from one ends bit for bit where the uninterrupted run does, and the configs that
-// cannot take it (a language model, FLUX under FSDP) are refused naming the key.
+// The memory economies of FLUX runs. optimizer.master_dtype bf16 (NOTE [bf16 master
+// weights] in optim/optimizer.h) on the CPU reference: the run tracks the fp32-master run's
+// losses, its checkpoints hold the bf16 weights widened exactly (every value's low 16 bits
+// zero), a run resumed from one ends bit for bit where the uninterrupted run does, and the
+// configs that cannot take it (a language model, FLUX under FSDP) are refused naming the key.
+// activation_checkpoint.recompute_blocks (NOTE [Recomputing some FLUX blocks] in
+// model/flux_transformer.h): a run recomputing some blocks has full checkpointing's losses
+// bit for bit, and the keys it needs are checked.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -91,6 +94,43 @@ TEST(FluxBf16Master, RefusedWhereItIsNotBuilt) {
                                {key, "bf16"}});
         },
         {key, "FSDP", "one device"});
+}
+
+TEST(FluxRecomputeBlocks, SomeBlocksRecomputedGiveFullCheckpointingsLosses) {
+  TempDir tmp;
+  auto run = [&](const std::string& name, const std::string& recompute) {
+    ExperimentConfig c = flux_run(tmp.file(name), 3, "fp32");
+    c.activation_checkpoint.mode = "full";
+    c.activation_checkpoint.recompute_blocks = std::stoll(recompute);
+    return FluxTrainer(c).run(false).losses;
+  };
+  const std::vector<double> full = run("full", "-1");
+  EXPECT_EQ(run("three", "3"), full);
+  EXPECT_EQ(run("none", "0"), full);
+}
+
+TEST(FluxRecomputeBlocks, ConfigRules) {
+  expect_error([] { load_experiment("", {{"activation_checkpoint.recompute_blocks", "2"}}); },
+               {"activation_checkpoint.recompute_blocks", "language model"});
+  const ConfigOverrides flux = {{"flux.model", "flux-debug"}, {"flux.resolution", "64"}};
+  auto with = [&](ConfigOverrides extra) {
+    ConfigOverrides all = flux;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  expect_error([&] { load_experiment("", with({{"activation_checkpoint.recompute_blocks", "2"}})); },
+               {"activation_checkpoint.recompute_blocks", "activation_checkpoint.mode", "full"});
+  expect_error(
+      [&] {
+        load_experiment("", with({{"activation_checkpoint.mode", "full"},
+                                  {"activation_checkpoint.recompute_blocks", "5"}}));
+      },
+      {"activation_checkpoint.recompute_blocks", "4 blocks"});
+  expect_error([&] { load_experiment("", with({{"activation_checkpoint.recompute_blocks", "-2"}})); },
+               {"activation_checkpoint.recompute_blocks", "-2"});
+  const ExperimentConfig ok = load_experiment(
+      "", with({{"activation_checkpoint.mode", "full"}, {"activation_checkpoint.recompute_blocks", "4"}}));
+  EXPECT_EQ(ok.activation_checkpoint.recompute_blocks, 4);
 }
 
 }  // namespace
