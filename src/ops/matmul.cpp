@@ -92,6 +92,8 @@ namespace {
 
 Shape block_shape(const ColumnBlock& x) { return Shape{x.matrix.dim(0), x.cols}; }
 bool whole(const ColumnBlock& x) { return x.first == 0 && x.cols == x.matrix.dim(1); }
+// Every column of t, unchecked: check_blocks says what is wrong with a tensor that is not 2-D.
+ColumnBlock whole_of(const Tensor& t) { return ColumnBlock{t, 0, t.ndim() == 2 ? t.dim(1) : 0}; }
 
 #ifdef FORGE_CUDA
 // The block's first element, and its leading dimension for the cuBLASLt layout (0 when it
@@ -203,7 +205,7 @@ bool fused_gemm(MatmulEpilogue kind, const ColumnBlock& out_block, const Tensor&
 bool matmul_epilogue(MatmulEpilogue kind, const Tensor& out, const Tensor& a, bool transpose_a, const Tensor& b,
                      bool transpose_b, float beta, const Tensor* addend, const Tensor& vector, const Tensor* aux) {
   if (out.device() != Device::CUDA) return false;
-  return fused_gemm(kind, all_columns(out), a, transpose_a, all_columns(b), transpose_b, beta, addend, vector, aux);
+  return fused_gemm(kind, whole_of(out), a, transpose_a, whole_of(b), transpose_b, beta, addend, vector, aux);
 }
 
 bool matmul_blocks_epilogue(MatmulEpilogue kind, const ColumnBlock& out, const Tensor& a, bool transpose_a,
@@ -214,8 +216,8 @@ bool matmul_blocks_epilogue(MatmulEpilogue kind, const ColumnBlock& out, const T
 
 void matmul_blocks(const ColumnBlock& out, const Tensor& a, bool transpose_a, const ColumnBlock& b, bool transpose_b,
                    float beta, const Tensor* addend) {
+  [[maybe_unused]] const auto [m, n, k] = check_blocks("matmul_blocks", out, a, transpose_a, b, transpose_b, addend);
   if (whole(out) && whole(b)) return gemm(out.matrix, a, transpose_a, b.matrix, transpose_b, 1.0f, beta, addend);
-  const auto [m, n, k] = check_blocks("matmul_blocks", out, a, transpose_a, b, transpose_b, addend);
   if (out.matrix.device() == Device::CUDA) {
 #ifdef FORGE_CUDA
     OpProfileScope profile(OpClass::Gemm, "matmul");
