@@ -122,6 +122,8 @@ std::string entry_line(const GemmProblem& p, const GemmAlgorithm& algorithm) {
                                  p.transpose_b ? 'T' : 'N', input_fields(p), dtype_name(p.out_dtype),
                                  p.beta_zero ? "zero" : "nonzero", p.compute_type, p.workspace_bytes);
   if (p.epilogue != 0) line.insert(line.size() - 5, fmt::format("epilogue={} ", p.epilogue));  // before "algo="
+  if (p.ld_b != 0 || p.ld_out != 0)  // before "algo=", after any epilogue
+    line.insert(line.size() - 5, fmt::format("ld={},{} ", p.ld_b, p.ld_out));
   for (uint64_t word : algorithm) line += fmt::format("{:016x}", word);
   return line + "\n";
 }
@@ -156,6 +158,15 @@ std::optional<GemmFp8Inputs> parse_fp8_inputs(std::string_view formats, std::str
 // names in the order entry_line writes them.
 std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_view line, int format_version) {
   std::vector<std::string_view> tokens = split(line, ' ');
+  // A column-block GEMM's "ld=B,OUT" token, just before "algo=" (NOTE [Column-block GEMMs]).
+  std::optional<int64_t> ld_b = 0, ld_out = 0;
+  if (tokens.size() >= 2 && tokens[tokens.size() - 2].starts_with("ld=")) {
+    std::vector<std::string_view> lds = split(tokens[tokens.size() - 2].substr(3), ',');
+    if (lds.size() != 2) return std::nullopt;
+    ld_b = parse_number<int64_t>(lds[0]), ld_out = parse_number<int64_t>(lds[1]);
+    if (!ld_b || !ld_out || *ld_b < 0 || *ld_out < 0 || (*ld_b == 0 && *ld_out == 0)) return std::nullopt;
+    tokens.erase(tokens.end() - 2);
+  }
   // A fused GEMM's "epilogue=N" token, just before "algo=" (NOTE [GEMM epilogues]).
   std::optional<int32_t> epilogue = 0;
   if (tokens.size() >= 2 && tokens[tokens.size() - 2].starts_with("epilogue=")) {
@@ -189,7 +200,7 @@ std::optional<std::pair<GemmProblem, GemmAlgorithm>> parse_entry(std::string_vie
       !beta_zero || !compute_type || !workspace_bytes || !algorithm)
     return std::nullopt;
   GemmProblem problem{*m, *n, *k, *transpose_a, *transpose_b, *input_dtype, *out_dtype, *beta_zero, *compute_type,
-                      *workspace_bytes, fp8_inputs, *epilogue};
+                      *workspace_bytes, fp8_inputs, *epilogue, *ld_b, *ld_out};
   return std::pair{problem, *algorithm};
 }
 

@@ -19,6 +19,8 @@
 //     compute=68 workspace=33554432 algo=<128 hex>   (one line)
 //   gemm m=4096 n=12288 k=3072 a=N b=T in=bf16 out=bf16 beta=zero compute=68 workspace=33554432
 //     epilogue=36 algo=<128 hex>   (one line: a GEMM with a fused epilogue, NOTE [GEMM epilogues])
+//   gemm m=4608 n=3072 k=12288 a=N b=T in=bf16 out=bf16 beta=nonzero compute=68
+//     workspace=33554432 ld=15360,0 algo=<128 hex>   (one line: a column-block GEMM)
 //   checksum <FNV-1a 64 of every byte above, 16 hex>
 // The key is everything that decides the choice: forge's row-major problem (m, n, k,
 // transposes), the input and output dtypes, whether beta is zero, the library's compute
@@ -27,7 +29,10 @@
 // them (cublasLtMatmulMatrixScale_t; like compute, fixed within the file's cuBLASLt
 // version) and whether accumulation is fast or full; for a GEMM with a fused epilogue the
 // epilogue (cublasLtEpilogue_t, written only when there is one, so the lines of plain GEMMs
-// are as they were). The algorithm is cuBLASLt's
+// are as they were); for a GEMM whose b or out is a column block of a wider matrix the
+// leading dimensions of b and out (0: dense; NOTE [Column-block GEMMs] in
+// kernels/cuda/matmul.cpp), written "ld=B,OUT" after any epilogue only when either is set.
+// The algorithm is cuBLASLt's
 // cublasLtMatmulAlgo_t, 8 words that the library documents as serializable for use with
 // the same library version.
 //
@@ -96,6 +101,9 @@ struct GemmProblem {
   uint64_t workspace_bytes = 0;  // the most workspace the algorithm may use
   std::optional<GemmFp8Inputs> fp8;  // set for FP8 GEMMs only
   int32_t epilogue = 0;  // cublasLtEpilogue_t of a fused GEMM (NOTE [GEMM epilogues]), 0 for none
+  // A column-block GEMM's leading dimensions of b and out (NOTE [Column-block GEMMs] in
+  // kernels/cuda/matmul.cpp), 0 for dense operands; written "ld=B,OUT" when either is set.
+  int64_t ld_b = 0, ld_out = 0;
   auto operator<=>(const GemmProblem&) const = default;
 };
 

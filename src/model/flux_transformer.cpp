@@ -17,7 +17,6 @@
 #include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/gated_residual.h"
-#include "ops/gelu.h"
 #include "ops/linear.h"
 #include "ops/modulated_layer_norm.h"
 #include "ops/qk_norm_rope.h"
@@ -40,7 +39,8 @@ struct FluxDoubleActivations {
 };
 struct FluxSingleActivations {
   Tensor mod, chunk[3];  // shift, scale, gate
-  Tensor mean, rstd, n, qkv, rstd_qk, jqkv, out, lse, h, a, cat, y;
+  Tensor mean, rstd, n, qkv, rstd_qk, jqkv, out, lse, h, a, y;  // out and a: the output projection's two
+                                                                 // inputs (NOTE [Linear over concatenated inputs])
 };
 
 struct FluxTransformer::Activations {
@@ -57,7 +57,7 @@ struct FluxTransformer::Activations {
   Tensor cos, sin;  // rotary tables [T, hd/2] fp32
   // Backward scratch (d_chunk: the modulation vectors' gradients, 6 per stream).
   Tensor d_image, d_text, d_joint, d_chunk[12], d_mod, d_stemb, d_stemb_part, d_temb, d_embed_a, d_embed_h;
-  Tensor d_n, d_n2, d_qkv, d_jqkv, d_attn_joint, d_stream_attn, d_small, d_big, d_big2, d_cat;
+  Tensor d_n, d_n2, d_qkv, d_jqkv, d_attn_joint, d_stream_attn, d_small, d_big, d_big2;
 };
 
 namespace {
@@ -145,7 +145,6 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
         attention(x.jqkv, x.out, x.lse);
         x.h = a.take({rows_, n.m}, dt);
         x.a = a.take({rows_, n.m}, dt);
-        x.cat = a.take({rows_, n.d + n.m}, dt);
         x.y = a.take({rows_, n.d}, dt);
       },
       [](FluxSingleActivations&) {}, recomputed_singles);
@@ -174,7 +173,6 @@ void lay_out(FluxTransformer::Activations& acts, ArenaLayout& a, const FluxConfi
   acts.d_small = a.take({n.b * n.t, n.d}, dt);
   acts.d_big = a.take({n.b * n.t, n.m}, dt);
   acts.d_big2 = a.take({n.b * n.t, n.m}, dt);
-  acts.d_cat = a.take({n.b * n.t, n.d + n.m}, dt);
 }
 
 // The k vectors [B, D] of a modulation projection's output [B, k D], and back.
@@ -314,14 +312,14 @@ class Blocks {
       const int64_t ts = n_.stream_tokens(s);
       copy_columns(st.attn.view({n_.b, ts * n_.d}), 0, joint_out, n_.stream_offset(s) * n_.d, ts * n_.d);
       linear_forward(st.o, st.attn, w.linears[base + fu::kOut]);
-      cast(st.mid, *in[s]);
-      gated_residual_forward(st.mid.view({n_.b, ts, n_.d}), st.o.view({n_.b, ts, n_.d}), st.chunk[2]);
+      gated_residual_forward(st.mid.view({n_.b, ts, n_.d}), in[s]->view({n_.b, ts, n_.d}),
+                             st.o.view({n_.b, ts, n_.d}), st.chunk[2]);
       modulated_layer_norm_forward(st.n2.view({n_.b, ts, n_.d}), st.mean2, st.rstd2, st.mid.view({n_.b, ts, n_.d}),
                                    st.chunk[3], st.chunk[4], cf_.norm_eps);
       linear_gelu_forward(st.a, st.h, st.n2, w.linears[base + fu::kMlpIn]);
       linear_forward(st.f, st.a, w.linears[base + fu::kMlpOut]);
-      cast(*next[s], st.mid);
-      gated_residual_forward(next[s]->view({n_.b, ts, n_.d}), st.f.view({n_.b, ts, n_.d}), st.chunk[5]);
+      gated_residual_forward(next[s]->view({n_.b, ts, n_.d}), st.mid.view({n_.b, ts, n_.d}),
+                             st.f.view({n_.b, ts, n_.d}), st.chunk[5]);
     }
   }
 
@@ -385,11 +383,10 @@ class Blocks {
                          w.vectors[fu::kQNorm], w.vectors[fu::kKNorm], cf_.norm_eps, acts_.cos, acts_.sin, 0);
     attention_forward(x.out, x.lse, x.jqkv, attention_);
     linear_gelu_forward(x.a, x.h, x.n, w.linears[fu::kSingleMlpIn]);
-    copy_columns(x.cat, 0, rows(x.out, n_.d), 0, n_.d);
-    copy_columns(x.cat, n_.d, x.a, 0, n_.m);
-    linear_forward(x.y, x.cat, w.linears[fu::kSingleOut]);
-    cast(next, in);
-    gated_residual_forward(next.view({n_.b, n_.t, n_.d}), x.y.view({n_.b, n_.t, n_.d}), x.chunk[2]);
+    // proj_out([attention, MLP]) without the concatenation (NOTE [Linear over concatenated inputs]).
+    linear_concat_forward(x.y, rows(x.out, n_.d), x.a, w.linears[fu::kSingleOut]);
+    gated_residual_forward(next.view({n_.b, n_.t, n_.d}), in.view({n_.b, n_.t, n_.d}), x.y.view({n_.b, n_.t, n_.d}),
+                           x.chunk[2]);
   }
 
   // d_joint holds the gradient of the block's output; left holding its input's.
@@ -398,11 +395,10 @@ class Blocks {
     const Tensor d3 = acts_.d_joint.view({n_.b, n_.t, n_.d});
     gated_residual_backward(acts_.d_small.view({n_.b, n_.t, n_.d}), acts_.d_chunk[2], d3,
                             x.y.view({n_.b, n_.t, n_.d}), x.chunk[2]);
-    linear_backward(acts_.d_cat, g.linears[fu::kSingleOut], acts_.d_small, x.cat, w.linears[fu::kSingleOut],
-                    overwrite_);
-    copy_columns(acts_.d_stream_attn, 0, acts_.d_cat, 0, n_.d);
-    copy_columns(acts_.d_big, 0, acts_.d_cat, n_.d, n_.m);
-    gelu_tanh_backward(acts_.d_big2, acts_.d_big, x.h);
+    // The attention output's gradient, and the MLP's at its pre-activation through the GELU
+    // (d_big: scratch where the GELU does not fuse); NOTE [Linear over concatenated inputs].
+    linear_concat_gelu_backward(acts_.d_stream_attn, acts_.d_big2, acts_.d_big, g.linears[fu::kSingleOut],
+                                acts_.d_small, rows(x.out, n_.d), x.a, w.linears[fu::kSingleOut], x.h, overwrite_);
     linear_backward(acts_.d_n, g.linears[fu::kSingleMlpIn], acts_.d_big2, x.n, w.linears[fu::kSingleMlpIn],
                     overwrite_);
     attention_backward(acts_.d_jqkv, acts_.d_stream_attn.view({n_.b, n_.t, n_.h, n_.hd}), x.jqkv, x.out, x.lse,

@@ -1,5 +1,7 @@
 #include "ops/linear.h"
 
+#include <utility>
+
 #include "ops/bias.h"
 #include "ops/gelu.h"
 #include "ops/lora.h"
@@ -100,6 +102,62 @@ void linear_gelu_backward(const Tensor& dh, const Tensor& da, const LinearWeight
     gelu_tanh_backward(dh, da, h);
   }
   linear_backward_weight(grad, dy, a, overwrite);
+}
+
+namespace {
+
+// The two inputs' widths, checked against the weight [out, in1 + in2] (NOTE [Linear over
+// concatenated inputs]); refuses a descriptor that is not a plain weight.
+std::pair<int64_t, int64_t> concat_widths(const char* op, const Tensor& x1, const Tensor& x2, const LinearWeight& w,
+                                          const LinearWeight* grad = nullptr) {
+  FORGE_CHECK(plain(w) && (!grad || plain(*grad)),
+              "{}: takes a plain weight only (no LoRA adapter, FP8 or NF4; NOTE [Linear over concatenated inputs])",
+              op);
+  FORGE_CHECK(x1.ndim() == 2 && x2.ndim() == 2 && x1.dim(0) == x2.dim(0),
+              "{}: the inputs {} and {} must be [rows, features] with the same rows", op, shape_str(x1.shape()),
+              shape_str(x2.shape()));
+  FORGE_CHECK(w.weight.ndim() == 2 && w.weight.dim(1) == x1.dim(1) + x2.dim(1),
+              "{}: weight {} for inputs of {} + {} features", op, shape_str(w.weight.shape()), x1.dim(1), x2.dim(1));
+  return {x1.dim(1), x2.dim(1)};
+}
+
+}  // namespace
+
+void linear_concat_forward(const Tensor& y, const Tensor& x1, const Tensor& x2, const LinearWeight& w) {
+  const auto [in1, in2] = concat_widths("linear_concat_forward", x1, x2, w);
+  const ColumnBlock w1 = column_block(w.weight, 0, in1), w2 = column_block(w.weight, in1, in2);
+  const bool biased = w.bias.defined() && matmul_blocks_epilogue(MatmulEpilogue::Bias, all_columns(y), x1, false, w1,
+                                                                 true, 0.0f, nullptr, w.bias);
+  if (!biased) matmul_blocks(all_columns(y), x1, false, w1, true, 0.0f);
+  matmul_blocks(all_columns(y), x2, false, w2, true, 1.0f);
+  if (w.bias.defined() && !biased) add_bias(y, w.bias);  // NOTE [Linear bias]
+}
+
+void linear_concat_gelu_backward(const Tensor& dx1, const Tensor& dh2, const Tensor& da2, const LinearWeight& grad,
+                                 const Tensor& dy, const Tensor& x1, const Tensor& x2, const LinearWeight& w,
+                                 const Tensor& h2, bool overwrite) {
+  const auto [in1, in2] = concat_widths("linear_concat_gelu_backward", x1, x2, w, &grad);
+  const ColumnBlock w1 = column_block(w.weight, 0, in1), w2 = column_block(w.weight, in1, in2);
+  matmul_blocks(all_columns(dx1), dy, false, w1, false, 0.0f);
+  if (!matmul_blocks_epilogue(MatmulEpilogue::DGelu, all_columns(dh2), dy, false, w2, false, 0.0f, nullptr, Tensor(),
+                              &h2)) {
+    matmul_blocks(all_columns(da2), dy, false, w2, false, 0.0f);
+    gelu_tanh_backward(dh2, da2, h2);
+  }
+  bool bias_done = false;
+  if (grad.weight.defined()) {
+    FORGE_CHECK(grad.weight.ndim() == 2 && grad.weight.shape() == w.weight.shape(),
+                "linear_concat_gelu_backward: weight gradient {} for a weight {}", shape_str(grad.weight.shape()),
+                shape_str(w.weight.shape()));
+    const ColumnBlock g1 = column_block(grad.weight, 0, in1), g2 = column_block(grad.weight, in1, in2);
+    const float beta = overwrite ? 0.0f : 1.0f;
+    bias_done = grad.bias.defined() && overwrite &&
+                matmul_blocks_epilogue(MatmulEpilogue::BiasGradient, g1, dy, true, all_columns(x1), false, 0.0f,
+                                       nullptr, grad.bias);
+    if (!bias_done) matmul_blocks(g1, dy, true, all_columns(x1), false, beta);
+    matmul_blocks(g2, dy, true, all_columns(x2), false, beta);
+  }
+  if (grad.bias.defined() && !bias_done) bias_gradient(grad.bias, dy, overwrite);  // NOTE [Linear bias]
 }
 
 }  // namespace forge

@@ -141,4 +141,30 @@ void linear_gelu_forward(const Tensor& a, const Tensor& h, const Tensor& x, cons
 void linear_gelu_backward(const Tensor& dh, const Tensor& da, const LinearWeight& grad, const Tensor& dy,
                           const Tensor& a, const LinearWeight& w, const Tensor& h, bool overwrite);
 
+// NOTE [Linear over concatenated inputs]
+// FLUX's single blocks project the concatenation of two tensors along features, the
+// attention output x1 [rows, in1] and the MLP's GELU output x2 = gelu_tanh(h2) [rows, in2],
+// with one weight W [out, in1 + in2] (Hugging Face layout) and bias b:
+//   y = [x1 x2] W^T + b = x1 W1^T + x2 W2^T + b,     W1 = W[:, :in1], W2 = W[:, in1:]
+// Copying x1 and x2 into one [rows, in1 + in2] tensor for linear_forward, and its input
+// gradient back out of one, costs a pass over both each way (and the copy is kept for the
+// weight gradient). These ops take the two inputs apart instead; every GEMM reads (or
+// writes) a column block of the weight (of its gradient) in place (NOTE [Column blocks] in
+// ops/matmul.h):
+//   forward   y = x1 W1^T (+ b, in the GEMM's BIAS epilogue on CUDA), then y += x2 W2^T
+//             (the second GEMM's C operand is y, beta 1)
+//   backward  dx1 = dy W1;  dh2 = (dy W2) * gelu_tanh'(h2) (the DGELU epilogue on CUDA,
+//             otherwise dy W2 into the scratch `da2`, then GELU's backward)
+//             dW[:, :in1] = dy^T x1,  dW[:, in1:] = dy^T x2, written over or added to as
+//             `overwrite` says; db = the column sums of dy once (the first weight gradient
+//             GEMM's BGRADB epilogue on CUDA when written over, otherwise bias_gradient)
+// The results are linear_forward's and linear_gelu_backward's on the concatenation up to
+// rounding: on the GPU y is rounded to bf16 after the first GEMM and again after the second.
+// Only a plain weight: FLUX trains its weights in the compute dtype as they are, so a
+// LoRA adapter, FP8 or NF4 on either descriptor is refused with an error naming the op.
+void linear_concat_forward(const Tensor& y, const Tensor& x1, const Tensor& x2, const LinearWeight& w);
+void linear_concat_gelu_backward(const Tensor& dx1, const Tensor& dh2, const Tensor& da2, const LinearWeight& grad,
+                                 const Tensor& dy, const Tensor& x1, const Tensor& x2, const LinearWeight& w,
+                                 const Tensor& h2, bool overwrite);
+
 }  // namespace forge

@@ -61,4 +61,35 @@ void set_gemm_tuning(bool enabled, const std::string& cache_directory = "");
 // How the current GPU's GEMM algorithms were chosen so far; all zero on the CPU.
 GemmTuningStats gemm_tuning_stats();
 
+// NOTE [Column blocks]
+// Columns [first, first + cols) of a dense 2-D tensor, as an operand of the GEMMs of a
+// linear layer over concatenated inputs (NOTE [Linear over concatenated inputs] in
+// ops/linear.h): its weight's column blocks, and its weight gradient's. It is not a tensor
+// (every tensor is dense, NOTE [Contiguous tensors] in core/tensor.h) and nothing but
+// matmul_blocks and matmul_blocks_epilogue reads one. On the GPU the GEMM reads or writes
+// the block in place through a cuBLASLt layout with the whole matrix's width as its
+// leading dimension (NOTE [Column-block GEMMs] in kernels/cuda/matmul.cpp), which wants
+// the block's first column and the width at multiples of 16 bytes (checked); the CPU
+// reference copies the block into a dense tensor and back.
+struct ColumnBlock {
+  Tensor matrix;      // dense [rows, width]
+  int64_t first = 0;  // the block's first column
+  int64_t cols = 0;   // its width
+};
+
+// Columns [first, first + cols) of `matrix` (checked to lie within it); all of them.
+ColumnBlock column_block(const Tensor& matrix, int64_t first, int64_t cols);
+ColumnBlock all_columns(const Tensor& matrix);
+
+// out = op(a) op(b) + beta c with alpha 1, out and b column blocks ([m, n], and [k, n] or
+// with transpose_b [n, k]); c is out, or `addend` (dense, shaped like out, which must then
+// be a whole tensor). As matmul otherwise.
+void matmul_blocks(const ColumnBlock& out, const Tensor& a, bool transpose_a, const ColumnBlock& b, bool transpose_b,
+                   float beta, const Tensor* addend = nullptr);
+
+// As matmul_epilogue (above), with out and b column blocks; `aux` is dense. false on the CPU.
+bool matmul_blocks_epilogue(MatmulEpilogue kind, const ColumnBlock& out, const Tensor& a, bool transpose_a,
+                            const ColumnBlock& b, bool transpose_b, float beta, const Tensor* addend,
+                            const Tensor& vector, const Tensor* aux = nullptr);
+
 }  // namespace forge

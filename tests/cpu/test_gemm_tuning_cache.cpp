@@ -81,7 +81,7 @@ TEST(GemmTuningCache, EveryPartOfTheProblemIsPartOfTheKey) {
   GemmTuningCache reloaded(dir.file("cache"), kH100);
   ASSERT_EQ(reloaded.find(saved), algorithm(7));
 
-  std::vector<GemmProblem> others(11, saved);
+  std::vector<GemmProblem> others(13, saved);
   others[0].m = 513;
   others[1].n = 385;
   others[2].k = 1023;
@@ -93,6 +93,8 @@ TEST(GemmTuningCache, EveryPartOfTheProblemIsPartOfTheKey) {
   others[8].compute_type = 77;
   others[9].workspace_bytes = 4u << 20;
   others[10].epilogue = 36;
+  others[11].ld_b = 15360;  // NOTE [Column-block GEMMs]
+  others[12].ld_out = 15360;
   for (size_t i = 0; i < others.size(); ++i) EXPECT_FALSE(reloaded.find(others[i])) << "variant " << i;
 }
 
@@ -104,11 +106,20 @@ TEST(GemmTuningCache, SerializedChoicesParseBackExactly) {
   GemmProblem fused = problem(4096, 12288, 3072);
   fused.epilogue = 36;  // NOTE [GEMM epilogues]: written as "epilogue=36 " before "algo="
   choices[fused] = algorithm(9);
+  GemmProblem block = problem(4608, 3072, 12288);
+  block.ld_b = 15360;  // NOTE [Column-block GEMMs]: "ld=15360,0 " before "algo=", after any epilogue
+  choices[block] = algorithm(10);
+  GemmProblem fused_block = problem(3072, 12288, 4608);
+  fused_block.epilogue = 36;
+  fused_block.ld_out = 15360;
+  choices[fused_block] = algorithm(11);
   ParsedGemmChoices parsed = parse_gemm_choices(serialize_gemm_choices(kH100, choices), kH100);
   EXPECT_EQ(parsed.error, "");
   EXPECT_EQ(parsed.choices, choices);
   EXPECT_EQ(parse_gemm_choices(serialize_gemm_choices(kH100, {}), kH100).error, "");
   EXPECT_NE(serialize_gemm_choices(kH100, choices).find(" epilogue=36 algo="), std::string::npos);
+  EXPECT_NE(serialize_gemm_choices(kH100, choices).find(" ld=15360,0 algo="), std::string::npos);
+  EXPECT_NE(serialize_gemm_choices(kH100, choices).find(" epilogue=36 ld=0,15360 algo="), std::string::npos);
 }
 
 TEST(GemmTuningCache, FileNameSpellsTheTarget) {

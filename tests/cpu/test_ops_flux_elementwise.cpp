@@ -100,6 +100,25 @@ TEST(OpsGatedResidual, ForwardAddsTheGatedBranchInPlace) {
   EXPECT_LT(relative_error(x, want), 1e-6);
 }
 
+// out = x + gate * y beside x, which stays as it was: the same values as the add in place.
+TEST(OpsGatedResidual, ForwardIntoASeparateOutputKeepsTheInput) {
+  Rng rng(56);
+  const int64_t batch = 2, tokens = 5, dim = 16;
+  Tensor x = random_tensor({batch, tokens, dim}, rng), y = random_tensor({batch, tokens, dim}, rng);
+  Tensor gate = random_tensor({batch, dim}, rng);
+  const Tensor x_before = x.clone();
+  Tensor out = Tensor::empty({batch, tokens, dim});
+  testing::fill_nan(out);
+  gated_residual_forward(out, x, y, gate);
+  Tensor in_place = x.clone();
+  gated_residual_forward(in_place, y, gate);
+  EXPECT_TRUE(testing::bitwise_equal(out, in_place));
+  EXPECT_TRUE(testing::bitwise_equal(x, x_before));
+  expect_error([&] { gated_residual_forward(Tensor::zeros({2, 5, 8}), x, y, gate); },
+               {"gated_residual_forward out"});
+  expect_error([&] { gated_residual_forward(y, x, y, gate); }, {"gated_residual_forward", "alias"});
+}
+
 // Loss sum(w * x_after): the residual stream's gradient dx is w; dy and dgate start as NaN
 // (overwritten) and must match central differences in y and gate.
 TEST(OpsGatedResidual, BackwardMatchesFiniteDifferences) {

@@ -17,12 +17,12 @@ int64_t rows_per_chunk(int64_t dim) { return std::max<int64_t>(1, 8192 / std::ma
 
 }  // namespace
 
-void gated_residual_forward(float* x, const float* y, const float* gate, int64_t batch, int64_t tokens,
-                            int64_t dim) {
+void gated_residual_forward(float* out, const float* x, const float* y, const float* gate, int64_t batch,
+                            int64_t tokens, int64_t dim) {
   parallel_for(batch * tokens, rows_per_chunk(dim), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const float* g = gate + row / tokens * dim;
-      for (int64_t d = 0; d < dim; ++d) x[row * dim + d] += g[d] * y[row * dim + d];
+      for (int64_t d = 0; d < dim; ++d) out[row * dim + d] = x[row * dim + d] + g[d] * y[row * dim + d];
     }
   });
 }

@@ -1,7 +1,10 @@
 // The gated residual add of adaLN-Zero blocks on the GPU, bf16 with fp32 arithmetic.
 //
-// Forward, x[b,t,d] += gate[b,d] y[b,t,d]: elementwise, one thread per 16-byte vector
-// (8 columns) of x and y; the gate row is small and stays in L1/L2.
+// Forward, out[b,t,d] = x[b,t,d] + gate[b,d] y[b,t,d]: elementwise, one thread per 16-byte
+// vector (8 columns) of x, y and out; the gate row is small and stays in L1/L2. out is the
+// residual stream's next copy (the block's output beside its input, which the backward
+// reads) or x itself; each thread reads its vector of x before writing the same vector of
+// out, so the two may be one buffer (neither is __restrict__).
 //
 // Backward, one pass over dx and y that does both jobs:
 //   dy[b,t,d] = gate[b,d] dx[b,t,d]          (overwritten)
@@ -33,7 +36,7 @@ constexpr int kSumVectors = 2;   // 16-byte vectors (16 columns) per block of th
 constexpr int kSumLanes = 128;   // threads walking the tokens of each vector
 constexpr int kSumWarps = kSumVectors * kSumLanes / kWarp;
 
-__global__ void forward_kernel(bf16* __restrict__ x, const bf16* __restrict__ y, const bf16* __restrict__ gate,
+__global__ void forward_kernel(bf16* out, const bf16* x, const bf16* __restrict__ y, const bf16* __restrict__ gate,
                                int64_t tokens, int vectors, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= n) return;
@@ -44,7 +47,7 @@ __global__ void forward_kernel(bf16* __restrict__ x, const bf16* __restrict__ y,
   unpack8(reinterpret_cast<const uint4*>(gate)[row / tokens * vectors + i % vectors], g);
 #pragma unroll
   for (int k = 0; k < 8; ++k) fx[k] += g[k] * fy[k];
-  reinterpret_cast<uint4*>(x)[i] = pack8(fx);
+  reinterpret_cast<uint4*>(out)[i] = pack8(fx);
 }
 
 // Block (blockIdx.x % column_blocks, blockIdx.x / column_blocks) = (vector pair, sample);
@@ -108,12 +111,13 @@ void check_layout(const char* op, int64_t dim, std::initializer_list<NamedPointe
 
 }  // namespace
 
-void gated_residual_forward(bf16* x, const bf16* y, const bf16* gate, int64_t batch, int64_t tokens, int64_t dim) {
-  check_layout("gated_residual_forward", dim, {{x, "x"}, {y, "y"}, {gate, "gate"}});
+void gated_residual_forward(bf16* out, const bf16* x, const bf16* y, const bf16* gate, int64_t batch, int64_t tokens,
+                            int64_t dim) {
+  check_layout("gated_residual_forward", dim, {{out, "out"}, {x, "x"}, {y, "y"}, {gate, "gate"}});
   const int64_t n = batch * tokens * (dim / 8);
   if (n == 0) return;
   forward_kernel<<<static_cast<unsigned>((n + kThreads - 1) / kThreads), kThreads>>>(
-      x, y, gate, tokens, static_cast<int>(dim / 8), n);
+      out, x, y, gate, tokens, static_cast<int>(dim / 8), n);
   FORGE_CUDA_LAUNCH_CHECK();
 }
 

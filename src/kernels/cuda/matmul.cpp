@@ -84,6 +84,23 @@
 // cuBLASLt does not fuse every combination of layouts and types: when it has no algorithm
 // for one, matmul_epilogue runs nothing, remembers the refusal and returns false, and the
 // caller runs its separate passes (ops/linear.cpp), so a fused problem is never an error.
+//
+// NOTE [Column-block GEMMs]
+// A linear layer over two concatenated inputs (FLUX's single blocks: [attention, GELU(MLP)]
+// through one output projection, NOTE [Linear over concatenated inputs] in ops/linear.h)
+// multiplies each input by a column block of its weight W [out, in1 + in2] and writes its
+// weight gradient's column blocks, instead of copying the inputs into one [rows, in1 + in2]
+// tensor and the input gradient out of one. A column block of a row-major matrix is a
+// matrix whose rows are the whole matrix's width apart: in cuBLASLt's column-major view a
+// layout whose leading dimension is that width instead of the block's own, starting at the
+// block's first element. forge's tensors stay dense (NOTE [Contiguous tensors]); the
+// leading dimensions enter here only, as GemmLeadingDims for b and for out (the operands
+// the linear layer splits: the weight, and the weight gradient), 0 meaning dense. They are
+// part of the plan's key and of the tuning cache's (GemmProblem::ld_b, ld_out), so a block
+// never takes a dense problem's algorithm unchecked; the timing's scratch output spans the
+// block's rows at their leading dimension. cuBLASLt takes any leading dimension at least
+// the block's width; forge's blocks start at multiples of 8 elements, so their rows keep
+// the 16-byte alignment the fast kernels want.
 #include "kernels/cuda/matmul.h"
 
 #include <cublasLt.h>
@@ -114,8 +131,26 @@ struct Plan {
   int64_t varying_size = 0;  // a varying plan's size on its layouts now
 };
 
-// (m, n, k, transpose_a, transpose_b, out dtype, beta == 0, epilogue)
-using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool, GemmEpilogue>;
+// (m, n, k, transpose_a, transpose_b, out dtype, beta == 0, epilogue, ld of b, ld of out),
+// the leading dimensions 0 for dense operands (NOTE [Column-block GEMMs])
+using PlanKey = std::tuple<int64_t, int64_t, int64_t, bool, bool, DType, bool, GemmEpilogue, int64_t, int64_t>;
+
+// A call's leading dimensions with a dense operand's as 0, so that a block as wide as its
+// matrix shares the dense problem's plan.
+GemmLeadingDims normalized(GemmLeadingDims ld, int64_t n, int64_t k, bool transpose_b) {
+  const int64_t b_width = transpose_b ? k : n;
+  FORGE_CHECK(ld.b == 0 || ld.b >= b_width, "matmul: b's leading dimension {} is narrower than its {} columns", ld.b,
+              b_width);
+  FORGE_CHECK(ld.out == 0 || ld.out >= n, "matmul: out's leading dimension {} is narrower than its {} columns", ld.out,
+              n);
+  return GemmLeadingDims{ld.b == b_width ? 0 : ld.b, ld.out == n ? 0 : ld.out};
+}
+
+// The bytes from out's first element to its last (its rows at their leading dimension).
+size_t output_span_bytes(int64_t m, int64_t n, int64_t ld_out, DType out_dtype) {
+  const int64_t ld = ld_out ? ld_out : n;
+  return static_cast<size_t>((m - 1) * ld + n) * dtype_size(out_dtype);
+}
 
 constexpr int64_t kVaryingBucket = 256;  // NOTE [GEMMs of varying size]
 
@@ -192,7 +227,7 @@ void set_epilogue_pointers(cublasLtMatmulDesc_t op, const GemmEpilogueOperands& 
 // The plan's descriptors for the column-major problem (N, M, K), without an algorithm:
 // the first operand is b, the second a.
 Plan describe_problem(const PlanKey& key) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue, ld_b, ld_out] = key;
   (void)beta_zero;  // it decides the algorithm, not the descriptors
   Plan p;
   cudaDataType_t c_type = out_dtype == DType::F32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -201,16 +236,17 @@ Plan describe_problem(const PlanKey& key) {
   cublasOperation_t op_second = transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_first, sizeof(op_first)));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_second, sizeof(op_second)));
-  // Stored shapes (rows x cols, column-major, ld = rows).
+  // Stored shapes (rows x cols, column-major, ld = rows unless a column block's,
+  // NOTE [Column-block GEMMs]).
   if (transpose_b)
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, k));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, k, n, ld_b ? ld_b : k));
   else
-    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, n, k, n));
+    CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, n, k, ld_b ? ld_b : n));
   if (transpose_a)
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, m, k, m));
   else
     CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, k, m, k));
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, n, m, n));
+  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&p.c, c_type, n, m, ld_out ? ld_out : n));
   set_epilogue_kind(p.op, epilogue, n);
   return p;
 }
@@ -224,10 +260,11 @@ void destroy_plan(Plan& p) {
 
 // The key of a plan's choice in the tuning cache: everything that decides it.
 GemmProblem tuning_problem(const PlanKey& key) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue, ld_b, ld_out] = key;
   return GemmProblem{m, n, k, transpose_a, transpose_b, DType::BF16, out_dtype, beta_zero, kComputeType,
                      kWorkspaceBytes, std::nullopt,
-                     epilogue == GemmEpilogue::None ? 0 : static_cast<int32_t>(cublaslt_epilogue(epilogue))};
+                     epilogue == GemmEpilogue::None ? 0 : static_cast<int32_t>(cublaslt_epilogue(epilogue)), ld_b,
+                     ld_out};
 }
 
 // The plan for a problem seen for the first time, its algorithm chosen on the call's own
@@ -236,12 +273,11 @@ GemmProblem tuning_problem(const PlanKey& key) {
 // descriptor before the algorithm is chosen).
 std::optional<Plan> try_make_plan(Context& ctx, const PlanKey& key, void* out, const void* a, const void* b,
                                   float alpha, float beta, const void* c, const GemmEpilogueOperands& epilogue) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, kind] = key;
-  (void)beta_zero, (void)k, (void)transpose_a, (void)transpose_b, (void)kind;  // the operands carry beta itself
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, kind, ld_b, ld_out] = key;
+  (void)beta_zero, (void)k, (void)transpose_a, (void)transpose_b, (void)kind, (void)ld_b;  // the operands carry beta
   Plan p = describe_problem(key);
   set_epilogue_pointers(p.op, epilogue);
-  const CublasLtOperands operands{b, a, c, out, alpha, beta,
-                                  static_cast<size_t>(m) * static_cast<size_t>(n) * dtype_size(out_dtype)};
+  const CublasLtOperands operands{b, a, c, out, alpha, beta, output_span_bytes(m, n, ld_out, out_dtype)};
   const std::optional<cublasLtMatmulAlgo_t> algo =
       choose_gemm_algorithm(CublasLtContext{ctx.handle, ctx.workspace, kWorkspaceBytes}, {p.op, p.a, p.b, p.c, p.c},
                             operands, tuning_problem(key));
@@ -264,11 +300,13 @@ Plan make_plan(Context& ctx, const PlanKey& key, void* out, const void* a, const
 }  // namespace
 
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
-            int64_t n, int64_t k, float alpha, float beta, const void* addend) {
+            int64_t n, int64_t k, float alpha, float beta, const void* addend, GemmLeadingDims ld) {
   if (m == 0 || n == 0) return;
+  ld = normalized(ld, n, k, transpose_b);
+  FORGE_CHECK(!(addend && ld.out), "matmul: an addend needs a dense out");
   const void* c = addend ? addend : out;
   Context& ctx = context();
-  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
+  PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None, ld.b, ld.out};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);
@@ -282,15 +320,17 @@ void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const v
 
 bool matmul_epilogue(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
                      int64_t m, int64_t n, int64_t k, float alpha, float beta, const void* addend,
-                     const GemmEpilogueOperands& epilogue) {
+                     const GemmEpilogueOperands& epilogue, GemmLeadingDims ld) {
   if (epilogue.kind == GemmEpilogue::None) {
-    matmul(out, out_dtype, a, transpose_a, b, transpose_b, m, n, k, alpha, beta, addend);
+    matmul(out, out_dtype, a, transpose_a, b, transpose_b, m, n, k, alpha, beta, addend, ld);
     return true;
   }
   if (m == 0 || n == 0) return false;  // nothing to fuse into: the caller's own passes handle the edge
+  ld = normalized(ld, n, k, transpose_b);
+  FORGE_CHECK(!(addend && ld.out), "matmul_epilogue: an addend needs a dense out");
   const void* c = addend ? addend : out;
   Context& ctx = context();
-  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, epilogue.kind};
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, epilogue.kind, ld.b, ld.out};
   std::lock_guard lock(ctx.mu);  // the epilogue pointers are set on the shared descriptor per call
   if (ctx.epilogue_refused.count(key)) return false;
   auto it = ctx.epilogue_plans.find(key);
@@ -337,7 +377,7 @@ void matmul_varying(GemmVarying varying, void* out, DType out_dtype, const void*
   const int64_t size = varying == GemmVarying::M ? m : k;
   const int64_t bucket = (size + kVaryingBucket - 1) / kVaryingBucket * kVaryingBucket;
   Context& ctx = context();
-  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None, 0, 0};
   PlanKey bucket_key = key;
   (varying == GemmVarying::M ? std::get<0>(bucket_key) : std::get<2>(bucket_key)) = bucket;
   std::lock_guard lock(ctx.mu);  // the plan's layouts change per call: held through the launch
@@ -364,8 +404,8 @@ namespace {
 // A batched plan (NOTE [Batched GEMMs]): the problem's layouts, each with the batch count
 // and one matrix's elements as its stride, and the heuristic's first algorithm.
 Plan make_batched_plan(Context& ctx, const PlanKey& key, int64_t batch) {
-  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue] = key;
-  (void)transpose_a, (void)transpose_b, (void)out_dtype, (void)beta_zero, (void)epilogue;
+  auto [m, n, k, transpose_a, transpose_b, out_dtype, beta_zero, epilogue, ld_b, ld_out] = key;
+  (void)transpose_a, (void)transpose_b, (void)out_dtype, (void)beta_zero, (void)epilogue, (void)ld_b, (void)ld_out;
   Plan p = describe_problem(key);
   auto set_batch = [&](cublasLtMatrixLayout_t layout, int64_t stride) {
     const int32_t count = static_cast<int32_t>(batch);
@@ -392,7 +432,7 @@ void matmul_batched(void* out, DType out_dtype, const void* a, bool transpose_a,
   if (m == 0 || n == 0 || batch == 0) return;
   FORGE_CHECK(batch <= INT32_MAX, "matmul_batched: {} matrices (cuBLASLt counts them in int32)", batch);
   Context& ctx = context();
-  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None};
+  const PlanKey key{m, n, k, transpose_a, transpose_b, out_dtype, beta == 0.0f, GemmEpilogue::None, 0, 0};
   const Plan* plan;
   {
     std::lock_guard lock(ctx.mu);

@@ -8,12 +8,22 @@
 
 namespace forge::cuda {
 
+// The leading dimensions of a GEMM whose b or out is a column block of a wider row-major
+// matrix (NOTE [Column-block GEMMs] in matmul.cpp): the elements from one of its rows to the
+// next, 0 for a dense operand (whose rows are its own width apart). The pointer passed for
+// such an operand is its block's first element. a and an addend are always dense.
+struct GemmLeadingDims {
+  int64_t b = 0;
+  int64_t out = 0;
+};
+
 // Row-major out[M, N] = alpha * op(a) @ op(b) + beta * c on the GPU through cuBLASLt,
 // where c is out itself, or `addend` (same shape and dtype as out) when one is given.
 // a and b are bf16; out is bf16 or fp32 (out_dtype); accumulation is fp32.
 // a is [M, K] ([K, M] with transpose_a); b is [K, N] ([N, K] with transpose_b).
+// `ld`: b or out a column block (an addend only with a dense out).
 void matmul(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b, int64_t m,
-            int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr);
+            int64_t n, int64_t k, float alpha, float beta, const void* addend = nullptr, GemmLeadingDims ld = {});
 
 // What a GEMM does to its result on the way out (NOTE [GEMM epilogues] in matmul.cpp).
 enum class GemmEpilogue : uint8_t { None, Bias, GeluAuxBias, BiasGradient, DGelu };
@@ -30,7 +40,7 @@ struct GemmEpilogueOperands {
 // runs the GEMM and its separate passes itself.
 bool matmul_epilogue(void* out, DType out_dtype, const void* a, bool transpose_a, const void* b, bool transpose_b,
                      int64_t m, int64_t n, int64_t k, float alpha, float beta, const void* addend,
-                     const GemmEpilogueOperands& epilogue);
+                     const GemmEpilogueOperands& epilogue, GemmLeadingDims ld = {});
 
 // A dimension of a GEMM that changes from call to call while the rest of its problem stays
 // (a Mixture-of-Experts expert's rows: M of its forward and input gradient, K of its weight
