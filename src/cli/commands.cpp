@@ -222,13 +222,19 @@ int run_info(const std::vector<std::string>& args) {
                    ? std::string()
                    : p.fp8_fsdp_all_gather
                    ? fmt::format("; under FSDP the blocks' FP8 weights are all-gathered as E4M3 codes, 1 byte each "
-                                 "(precision.fp8_fsdp_all_gather){}",
+                                 "(precision.fp8_fsdp_all_gather){}{}",
+                                 // NOTE [FP8 all-gather pieces]: the stacks with the router, in bf16
+                                 m.moe() && !fp8->routed_experts
+                                     ? ", the routed experts' stacks in bf16 with the router and the norms"
+                                     : "",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks"
-                                 // NOTE [FP8 all-gather pieces]
-                                 : m.moe() || m.mla()
-                                     ? ", each weight's amax (each routed expert's, each kv_a row view's) max-reduced "
-                                       "over the ranks per gather"
-                                     : ", each weight's amax max-reduced over the ranks per gather")
+                                 : (m.moe() && fp8->routed_experts) || m.mla()
+                                     ? fmt::format(", each weight's amax ({}) max-reduced over the ranks per gather",
+                                                   m.moe() && fp8->routed_experts
+                                                       ? (m.mla() ? "each routed expert's, each kv_a row view's"
+                                                                  : "each routed expert's")
+                                                       : "each kv_a row view's")
+                                     : std::string(", each weight's amax max-reduced over the ranks per gather"))
                    : config.lora.quantize_base == "nf4"
                    ? fmt::format("; each data-parallel rank casts its replica of the base{}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "")
