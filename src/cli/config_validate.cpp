@@ -214,12 +214,8 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
     // NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h: a MoE block's routed
     // experts travel as one piece per expert (in bf16 with the router under
     // precision.fp8_routed_experts false), MLA's kv_a as its two row views, the router in
-    // bf16. Under expert parallelism a block's expert part is gathered over the ranks holding
-    // the same experts (NOTE [FSDP layout]), which the FP8 gather does not do.
-    if (p.expert_parallel_degree > 1)
-      FORGE_FAIL("{} cannot be combined with {} yet: the routed experts' slices are gathered over the ranks holding "
-                 "the same experts, in bf16; set it to false, or parallelism.expert_parallel_degree 1",
-                 key, show(config, keys, "parallelism.expert_parallel_degree"));
+    // bf16; under expert parallelism the experts' slices in bf16 over the ranks holding the
+    // same experts (NOTE [FP8 all-gather] in distributed/fsdp.h).
     // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
     // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)

@@ -167,6 +167,16 @@
 // all-reduce runs on FSDP's communication stream, so it goes over a group of its own (the
 // trainer splits one of the same ranks), not the model's tensor-parallel group, whose
 // collectives run on the compute stream.
+// Under expert parallelism (FsdpOptions::expert_parallel; NOTE [FSDP layout]) a MoE block's
+// unit has a dense part, split over the shard group, and an expert part, this rank's local
+// experts' slices of the stacks split over the ranks holding the same experts. The dense
+// part goes through steps 1-4 as above; the expert part is gathered as ZeRO-3 gathers it, in
+// the compute dtype in place over its group (the master chunk's piece cast into the slot's
+// expert buffer), whether or not the routed experts are FP8 projections: with
+// fp8_routed_experts the local experts' GEMMs cast their gathered bf16 slices themselves, each
+// expert with its own scale (NOTE [FP8 routed experts under expert parallelism] in
+// ops/moe_fp8.h), exactly as under the bf16 gather, so the run is still bitwise that one; the
+// stacks' bytes are those of the bf16 gather and the dense part's are halved.
 //
 // NOTE [FSDP of a model of units]
 // FSDP knows the decoder only through its layout (which parameter is in which unit) and
@@ -388,8 +398,9 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     // parameters one after the other), the norms (compute dtype, one after the other), each piece's amax (F32, contiguous: all-reduced at once; NOTE
     // [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h) and scales (scale, inverse,
     // kFp8StatStride apart), the descriptors' statistics (one per piece), and the weight
-    // generation the codes are from.
-    Tensor codes, norms, amax, scales;
+    // generation the codes are from. Under expert parallelism `experts`: the expert part
+    // (compute dtype, the part's layout).
+    Tensor codes, norms, amax, scales, experts;
     std::vector<Fp8GatheredWeight> gathered;
     uint64_t generation = 0;
   };
@@ -436,12 +447,15 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void copy_delayed_scales(UnitSlot& slot, int unit);
   void gather_fp8_block(UnitSlot& slot, int unit);
   void fp8_block_views(UnitSlot& slot, int unit);
-  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]).
+  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]), or with the
+  // norms (step 4); neither: a slice of an expert part (NOTE [FP8 all-gather] under expert
+  // parallelism).
   bool is_fp8(const FsdpParam& p) const {
-    return fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], options_.fp8_routed_experts);
+    return !p.expert && fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], options_.fp8_routed_experts);
   }
+  bool in_norms(const FsdpParam& p) const { return !p.expert && !is_fp8(p); }
   // NOTE [FP8 all-gather], step 4: rank r's elements of the unit's parameters that travel as
-  // codes (`codes`) or in the compute dtype (the others), packed in parameter order at r x m
+  // codes (`codes`) or with the norms (the others), packed in parameter order at r x m
   // of `wire`, into `dst`, where those parameters lie one after the other.
   void unpack_wire(const Tensor& dst, const Tensor& wire, int64_t m, int unit, bool codes, CudaStream stream);
   // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE

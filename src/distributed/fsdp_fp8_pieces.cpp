@@ -54,10 +54,11 @@ std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std
   std::vector<Fp8GatherPiece> pieces;
   for (size_t k = 0; k < unit.params.size(); ++k) {
     const FsdpParam& p = unit.params[k];
+    if (p.expert) continue;  // expert parallelism: the expert part travels in the compute dtype
     const ParamSpec& spec = specs.at(static_cast<size_t>(p.spec));
-    // A rank holding a slice of an expert stack (expert parallelism) is not the whole stack.
+    // The dense part holds its parameters whole.
     FORGE_CHECK(!fp8_gathered_param(spec, routed_experts) || p.numel == shape_numel(spec.shape),
-                "FSDP's FP8 all-gather: '{}' is held in part ({} of {} elements: expert parallelism)", spec.name,
+                "FSDP's FP8 all-gather: '{}' is held in part ({} of {} elements) outside an expert part", spec.name,
                 p.numel, shape_numel(spec.shape));
     for (Fp8GatherPiece& piece : fp8_param_pieces(config, spec, static_cast<int>(k), p.offset, routed_experts))
       pieces.push_back(std::move(piece));

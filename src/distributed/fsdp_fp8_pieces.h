@@ -25,6 +25,9 @@
 // and the block's other projections are pieces as above. The gather then packs the codes
 // as it packs the norms (NOTE [FP8 all-gather] in distributed/fsdp.h, step 3), so that the
 // stacks, most of a MoE block, travel as 2 bytes an element and not 1 + 2.
+// Under expert parallelism a rank's slices of the stacks lie in its unit's expert part (NOTE
+// [FSDP layout]), which is gathered over the ranks holding the same experts in the compute
+// dtype (NOTE [FP8 all-gather] in distributed/fsdp.h): no pieces either.
 // The pieces of a parameter are consecutive, in its element order, and the descriptor the
 // gather hands out points at the first piece's Fp8GatheredWeight, the others following it:
 // expert e's at [e], kv_a's rotary rows at [1].
@@ -59,7 +62,8 @@ bool fp8_gathered_param(const ParamSpec& spec, bool routed_experts);
 std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const ParamSpec& spec, int param,
                                              int64_t offset, bool routed_experts);
 
-// Every piece of a block unit, in parameter order (specs: FsdpLayout::specs()).
+// Every piece of a block unit, in parameter order (specs: FsdpLayout::specs()); none of its
+// expert part (expert parallelism).
 std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std::vector<ParamSpec>& specs,
                                             const FsdpUnit& unit, bool routed_experts);
 

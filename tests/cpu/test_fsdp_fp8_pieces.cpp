@@ -8,6 +8,8 @@
 // tests/python/test_fp8_fsdp_all_gather_moe.py.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <memory>
 #include <string>
 
 #include "cli/config.h"
@@ -17,6 +19,7 @@
 #include "expect_error.h"
 #include "model/fp8_projections.h"
 #include "model/memory_estimate.h"
+#include "rank_threads.h"
 
 namespace forge {
 namespace {
@@ -180,6 +183,58 @@ TEST(FsdpFp8Pieces, MemoryCountsTheStacksInTheComputeDtype) {
   EXPECT_NEAR(estimated[1] - estimated[0], 3.0 * stacks * 3 + stacks * 4 + projections, 8.0 * 4 * kFsdpAlign);
 }
 
+// NOTE [FP8 all-gather] under expert parallelism 2 on 4 ranks: a slot holds the dense part's
+// codes in place, its norms, and the expert part (the rank's 2 of 4 experts' slices) in the
+// compute dtype; the memory estimate agrees up to the padding, with the switch on and off
+// (the same bytes: the slices travel in the compute dtype either way).
+TEST(FsdpFp8Pieces, MemoryUnderExpertParallelismCountsTheSlicesInTheComputeDtype) {
+  using namespace std::chrono_literals;
+  ModelConfig config = model("debug-tiny-moe");
+  config.num_layers = 4;
+  for (bool routed_experts : {true, false}) {
+    SCOPED_TRACE(routed_experts);
+    const int port = testing::free_port();
+    std::vector<int64_t> compute(4, 0);
+    const std::vector<std::string> errors = testing::run_ranks(4, [&](int r) {
+      ProcessGroupOptions group_options;
+      group_options.rendezvous_timeout = 20s;
+      group_options.collective_timeout = 20s;
+      auto group = create_process_group(testing::env_of(r, 4, port), group_options);
+      auto experts = group->split(r % 2, r);  // the ranks holding the same experts
+      FsdpOptions options;
+      options.fp8_all_gather = true;
+      options.fp8_routed_experts = routed_experts;
+      options.expert_parallel = 2;
+      compute[static_cast<size_t>(r)] =
+          Fsdp(config, Device::CPU, *group, nullptr, options, experts.get()).memory().compute_weights;
+    });
+    for (const std::string& e : errors) EXPECT_EQ(e, "");
+    const FsdpLayout layout(config, 4, 0, 2);
+    const FsdpUnit& unit = layout.units().at(1);
+    int64_t stack_slices = 0;
+    for (const FsdpParam& p : unit.params) stack_slices += p.expert ? p.numel : 0;
+    EXPECT_EQ(stack_slices, 2 * 3 * 96 * 64);  // 2 of 4 experts, gate_up and down
+    EXPECT_EQ(unit.parts.size(), 2u);
+    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, routed_experts).size());
+    const int64_t statistics = 3 * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.shard_ranks = 4;
+    plan.expert_parallel = 2;
+    plan.fp8_all_gather = true;
+    Fp8Settings settings;
+    settings.routed_experts = routed_experts;
+    plan.fp8 = settings;
+    const double estimate = estimate_memory(config, plan).compute_weights;
+    for (int64_t c : compute) {
+      EXPECT_EQ(c, compute[0]);  // every rank the same buffers
+      EXPECT_NEAR(estimate, static_cast<double>(c - statistics), 3.0 * 4 * 4 * kFsdpAlign * 4);
+    }
+    // The slots' expert buffers: 3 x the expert part, 4 bytes an element on the CPU.
+    EXPECT_GE(compute[0], 3 * unit.parts.back().numel * 4);
+  }
+}
+
 TEST(FsdpFp8Pieces, LatentKvAIsItsTwoRowViews) {
   const ModelConfig config = model("debug-tiny-mla");  // kv_lora_rank 32, qk_rope_head_dim 16, hidden 64
   for (int layer : {0, 1}) {  // the dense first block, then a MoE block
@@ -206,11 +261,21 @@ TEST(FsdpFp8Pieces, OverlapIsThePieceInsideTheRange) {
   EXPECT_EQ(fp8_piece_overlap(piece, 192, 256), (std::pair<int64_t, int64_t>{192, 192}));  // none
 }
 
-TEST(FsdpFp8Pieces, AnExpertSliceIsRefused) {
+// NOTE [FP8 all-gather] under expert parallelism: the expert part's slices travel in the
+// compute dtype over their group, so they are no pieces; the dense part's are as without it.
+TEST(FsdpFp8Pieces, AnExpertPartHasNoPieces) {
   const ModelConfig config = model("debug-tiny-moe");
-  const FsdpLayout layout(config, 2, 0, /*expert_parallel=*/2);
-  expect_error([&] { fp8_unit_pieces(config, layout.specs(), layout.units().at(1), true); },
-               {"FSDP's FP8 all-gather", "layers.0.moe.experts.gate_up", "held in part"});
+  const FsdpLayout whole(config, 4, 1), sliced(config, 4, 1, /*expert_parallel=*/2);
+  for (bool routed_experts : {true, false}) {
+    const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, sliced.specs(), sliced.units().at(1), routed_experts);
+    const std::vector<Fp8GatherPiece> dense = fp8_unit_pieces(config, whole.specs(), whole.units().at(1), false);
+    ASSERT_EQ(pieces.size(), dense.size());
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      EXPECT_EQ(pieces[k].projection, dense[k].projection);
+      EXPECT_EQ(pieces[k].numel, dense[k].numel);
+      EXPECT_EQ(pieces[k].projection.find("(expert "), std::string::npos);
+    }
+  }
 }
 
 }  // namespace
