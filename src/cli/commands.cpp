@@ -191,6 +191,8 @@ int run_info(const std::vector<std::string>& args) {
     const PrecisionConfig& p = config.precision;
     const double share = (fp8->frozen ? 4.0 : 6.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
                          training_flops_per_token(m, config.lora, t.seq_len);
+    // NOTE [FP8 all-gather pieces]: the FP8 all-gather's pieces of one scale each.
+    const bool expert_pieces = m.moe() && fp8->routed_experts && config.parallelism.expert_parallel_degree == 1;
     fmt::print("FP8              {}: the {} {}{} in FP8 ({:.1f}% of the FLOPs per "
                "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
                "norms and optimizer in bf16/fp32; weights cast {}{}\n",
@@ -222,13 +224,22 @@ int run_info(const std::vector<std::string>& args) {
                    ? std::string()
                    : p.fp8_fsdp_all_gather
                    ? fmt::format("; under FSDP the blocks' FP8 weights are all-gathered as E4M3 codes, 1 byte each "
-                                 "(precision.fp8_fsdp_all_gather){}",
+                                 "(precision.fp8_fsdp_all_gather){}{}",
+                                 // NOTE [FP8 all-gather pieces]: the stacks with the router, in bf16
+                                 // (NOTE [FP8 all-gather] under expert parallelism: the slices in bf16)
+                                 !m.moe() ? ""
+                                 : config.parallelism.expert_parallel_degree > 1
+                                     ? ", the routed experts' slices in bf16 over the ranks holding the same experts"
+                                 : !fp8->routed_experts ? ", the routed experts' stacks in bf16 with the router and the norms"
+                                                        : "",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks"
-                                 // NOTE [FP8 all-gather pieces]
-                                 : m.moe() || m.mla()
-                                     ? ", each weight's amax (each routed expert's, each kv_a row view's) max-reduced "
-                                       "over the ranks per gather"
-                                     : ", each weight's amax max-reduced over the ranks per gather")
+                                 : expert_pieces || m.mla()
+                                     ? fmt::format(", each weight's amax ({}) max-reduced over the ranks per gather",
+                                                   expert_pieces
+                                                       ? (m.mla() ? "each routed expert's, each kv_a row view's"
+                                                                  : "each routed expert's")
+                                                       : "each kv_a row view's")
+                                     : std::string(", each weight's amax max-reduced over the ranks per gather"))
                    : config.lora.quantize_base == "nf4"
                    ? fmt::format("; each data-parallel rank casts its replica of the base{}",
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "")

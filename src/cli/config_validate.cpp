@@ -212,20 +212,10 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
                  "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
                  key);
     // NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h: a MoE block's routed
-    // experts travel as one piece per expert, MLA's kv_a as its two row views, the router in
-    // bf16. Under expert parallelism a block's expert part is gathered over the ranks holding
-    // the same experts (NOTE [FSDP layout]), which the FP8 gather does not do.
-    if (p.expert_parallel_degree > 1)
-      FORGE_FAIL("{} cannot be combined with {} yet: the routed experts' slices are gathered over the ranks holding "
-                 "the same experts, in bf16; set it to false, or parallelism.expert_parallel_degree 1",
-                 key, show(config, keys, "parallelism.expert_parallel_degree"));
-    // Its pieces cut every routed expert stack into per-expert FP8 pieces, each cast with the
-    // expert's statistics block, which precision.fp8_routed_experts false does not number.
-    if (!config.precision.fp8_routed_experts)
-      FORGE_FAIL("{} cannot be combined with {} yet: the all-gather casts every routed expert with its own FP8 "
-                 "statistics, which a run with the experts in the compute dtype does not keep; set one of them to "
-                 "the default",
-                 key, show(config, keys, "precision.fp8_routed_experts"));
+    // experts travel as one piece per expert (in bf16 with the router under
+    // precision.fp8_routed_experts false), MLA's kv_a as its two row views, the router in
+    // bf16; under expert parallelism the experts' slices in bf16 over the ranks holding the
+    // same experts (NOTE [FP8 all-gather] in distributed/fsdp.h).
     // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
     // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
     if (p.pipeline_parallel_degree > 1)

@@ -95,9 +95,8 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
   master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
   if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
-  // NOTE [FP8 all-gather pieces]: a routed-expert stack travels whole, as E pieces.
-  FORGE_CHECK(!options.fp8_all_gather || (!options.frozen && options.expert_parallel == 1),
-              "FSDP's FP8 all-gather is for full training without expert parallelism (NOTE [FP8 all-gather])");
+  FORGE_CHECK(!options.fp8_all_gather || !options.frozen,
+              "FSDP's FP8 all-gather is for full training (NOTE [FP8 all-gather]), not a frozen base");
   // Compute weights.
   if (!gathers_blocks()) {
     full_compute_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, compute_dtype_, device);
@@ -118,36 +117,52 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     weight_slots_.resize(options.zero_stage == 3 ? static_cast<size_t>(std::clamp(held_blocks, 1, 3))
                                                  : static_cast<size_t>(config.num_layers));
     // NOTE [FP8 all-gather]: the largest block's FP8 pieces (NOTE [FP8 all-gather pieces]),
-    // norms, and what any rank holds of its norms.
-    int64_t fp8_weights = 0, norms = 0;
+    // FP8 elements and norms, and what any rank holds of its codes and of its norms. The
+    // codes are packed where a routed-expert stack travels with the norms.
+    int64_t fp8_weights = 0, fp8_numel = 0, norms = 0, experts = 0, dense = 0;
     if (options.fp8_all_gather) fp8_pieces_.resize(static_cast<size_t>(units));
     for (int u = 0; u < units; ++u) {
       if (!layout_.is_block(u) || !options.fp8_all_gather) continue;
       const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
-      fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit);
-      int64_t unit_norms = 0;
-      for (const FsdpParam& p : unit.params) unit_norms += is_fp8(p) ? 0 : p.numel;
+      fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit, options.fp8_routed_experts);
+      int64_t unit_norms = 0, unit_fp8 = 0;
+      for (const FsdpParam& p : unit.params) {
+        if (p.expert) continue;  // the expert part (expert parallelism)
+        (is_fp8(p) ? unit_fp8 : unit_norms) += p.numel;
+        if (in_norms(p) && layout_.specs()[static_cast<size_t>(p.spec)].expert_stack) packed_codes_ = true;
+      }
+      for (const FsdpPart& part : unit.parts) {  // the dense part, and under expert parallelism the expert part
+        int64_t& most = part.expert ? experts : dense;
+        most = std::max(most, part.numel);
+      }
       fp8_weights = std::max(fp8_weights, static_cast<int64_t>(fp8_pieces_[static_cast<size_t>(u)].size()));
+      fp8_numel = std::max(fp8_numel, unit_fp8);
       norms = std::max(norms, unit_norms);
       const FsdpPart& part = unit.parts.front();
       for (int r = 0; r < part.ranks; ++r) {
         const int64_t lo = part.begin + r * part.shard_numel, hi = lo + part.shard_numel;
-        int64_t held = 0;
+        int64_t held_norms = 0, held_codes = 0;
         for (const FsdpParam& p : unit.params)
-          if (!is_fp8(p)) held += std::max<int64_t>(0, std::min(hi, p.offset + p.numel) - std::max(lo, p.offset));
-        norm_wire_numel_ = std::max(norm_wire_numel_, held);
+          if (!p.expert)
+            (is_fp8(p) ? held_codes : held_norms) +=
+              std::max<int64_t>(0, std::min(hi, p.offset + p.numel) - std::max(lo, p.offset));
+        norm_wire_numel_ = std::max(norm_wire_numel_, held_norms);
+        code_wire_numel_ = std::max(code_wire_numel_, held_codes);
       }
     }
     if (options.fp8_all_gather)
       norm_wire_ = Tensor::zeros({std::max<int64_t>(norm_wire_numel_ * layout_.world_size(), 1)}, compute_dtype_, device);
+    if (packed_codes_)
+      code_wire_ = Tensor::zeros({std::max<int64_t>(code_wire_numel_ * layout_.world_size(), 1)}, DType::U8, device);
     for (UnitSlot& slot : weight_slots_) {
       const int64_t numel = std::max<int64_t>(layout_.max_block_numel(), 1);
-      if (options.fp8_all_gather) {
-        slot.codes = Tensor::zeros({numel}, DType::U8, device);
+      if (options.fp8_all_gather) {  // the codes: packed, or in the dense part's layout
+        slot.codes = Tensor::zeros({std::max<int64_t>(packed_codes_ ? fp8_numel : dense, 1)}, DType::U8, device);
         slot.norms = Tensor::zeros({std::max<int64_t>(norms, 1)}, compute_dtype_, device);
         slot.amax = Tensor::zeros({std::max<int64_t>(fp8_weights, 1)}, DType::F32, device);
         slot.scales = Tensor::zeros({std::max<int64_t>(2 * fp8_weights, 1) * cpu::kFp8StatStride}, DType::F32, device);
         slot.gathered.resize(static_cast<size_t>(fp8_weights));
+        if (experts > 0) slot.experts = Tensor::zeros({experts}, compute_dtype_, device);
       } else {
         slot.buffer = Tensor::zeros({numel}, compute_dtype_, device);
       }
@@ -629,7 +644,7 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
   constexpr int64_t kStride = cpu::kFp8StatStride;
   const CudaStream stream = comm_.get();
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
-  const FsdpPart& part = u.parts.front();  // a dense block: one part over every shard rank
+  const FsdpPart& part = u.parts.front();  // the dense part, over every shard rank
   const int64_t own = part.begin + part.index * part.shard_numel, own_end = own + part.shard_numel;
   const Tensor chunk = shard_of(master_, unit);
   // This rank's elements [lo, hi) of parameter p (unit offsets), empty when it holds none.
@@ -653,37 +668,70 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
     if (fp8_tensor_parallel_) fp8_tensor_parallel_->all_reduce(amax, ReduceOp::Max, stream);
     fp8_chunk_scales(slot.scales, amax, stream);
   }
-  // 3. This rank's codes into its place, and the byte all-gather.
-  const Tensor codes = slot.codes.narrow(0, u.numel);
-  for (int64_t j = 0; j < weights; ++j) {
-    const auto [lo, hi] = fp8_piece_overlap(pieces[static_cast<size_t>(j)], own, own_end);
-    if (hi > lo)
-      fp8_chunk_cast(codes.narrow(lo, hi), chunk.narrow(lo - own, hi - own),
-                     slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), Tensor(), stream);
+  // 3. This rank's codes into its place (packed: one after the other, in piece order,
+  // which is the parameters' element order), and the byte all-gather.
+  if (packed_codes_) {
+    const int64_t m = code_wire_numel_;
+    const Tensor mine = code_wire_.narrow(part.index * m, (part.index + 1) * m);
+    int64_t packed = 0;
+    for (int64_t j = 0; j < weights; ++j) {
+      const auto [lo, hi] = fp8_piece_overlap(pieces[static_cast<size_t>(j)], own, own_end);
+      if (hi > lo)
+        fp8_chunk_cast(mine.narrow(packed, packed + (hi - lo)), chunk.narrow(lo - own, hi - own),
+                       slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), Tensor(), stream);
+      packed += hi - lo;
+    }
+    if (m > 0) {
+      shard_group_.all_gather(code_wire_.narrow(0, part.ranks * m), mine, stream);
+      unpack_wire(slot.codes, code_wire_, m, unit, true, stream);
+    }
+  } else {
+    const Tensor codes = slot.codes.narrow(0, part.numel);  // the dense part, from 0
+    for (int64_t j = 0; j < weights; ++j) {
+      const auto [lo, hi] = fp8_piece_overlap(pieces[static_cast<size_t>(j)], own, own_end);
+      if (hi > lo)
+        fp8_chunk_cast(codes.narrow(lo, hi), chunk.narrow(lo - own, hi - own),
+                       slot.scales.narrow(2 * j * kStride, 2 * j * kStride + 1), Tensor(), stream);
+    }
+    shard_group_.all_gather(codes.narrow(part.begin, part.begin + part.numel), codes.narrow(own, own_end), stream);
   }
-  shard_group_.all_gather(codes.narrow(part.begin, part.begin + part.numel), codes.narrow(own, own_end), stream);
+  // Expert parallelism: the expert part in the compute dtype, in place over its group.
+  for (const FsdpPart& expert_part : u.parts) {
+    if (!expert_part.expert) continue;
+    const Tensor experts = slot.experts.narrow(0, expert_part.numel);
+    const int64_t begin = expert_part.index * expert_part.shard_numel;
+    const Tensor mine = experts.narrow(begin, begin + expert_part.shard_numel);
+    cast(mine, chunk_piece(chunk, expert_part), stream);
+    group_of(expert_part).all_gather(experts, mine, stream);
+  }
   // 4. The norms: packed by each rank, gathered, unpacked from every rank's pieces.
   if (norm_wire_numel_ == 0) return;
   const int64_t m = norm_wire_numel_;
   int64_t packed = 0;
   const Tensor mine = norm_wire_.narrow(part.index * m, (part.index + 1) * m);
   for (const FsdpParam& p : u.params) {
-    if (is_fp8(p)) continue;
+    if (!in_norms(p)) continue;
     const auto [lo, hi] = overlap(p, own, own_end);
     if (hi > lo) cast(mine.narrow(packed, packed + (hi - lo)), chunk.narrow(lo - own, hi - own), stream);
     packed += hi - lo;
   }
   shard_group_.all_gather(norm_wire_.narrow(0, part.ranks * m), mine, stream);
+  unpack_wire(slot.norms, norm_wire_, m, unit, false, stream);
+}
+
+void Fsdp::unpack_wire(const Tensor& dst, const Tensor& wire, int64_t m, int unit, bool codes, CudaStream stream) {
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const FsdpPart& part = u.parts.front();
   for (int r = 0; r < part.ranks; ++r) {
-    const int64_t begin = part.begin + r * part.shard_numel;
-    int64_t at = r * m, norms = 0;  // in the wire; in the slot's norm buffer
+    const int64_t begin = part.begin + r * part.shard_numel, end = begin + part.shard_numel;
+    int64_t at = r * m, into_param = 0;  // in the wire; the parameter's first element in dst
     for (const FsdpParam& p : u.params) {
-      if (is_fp8(p)) continue;
-      const auto [lo, hi] = overlap(p, begin, begin + part.shard_numel);
-      const int64_t into = norms + (lo - p.offset);
-      if (hi > lo) cast(slot.norms.narrow(into, into + (hi - lo)), norm_wire_.narrow(at, at + (hi - lo)), stream);
+      if (codes ? !is_fp8(p) : !in_norms(p)) continue;
+      const int64_t lo = std::min(std::max(begin, p.offset), end), hi = std::max(lo, std::min(end, p.offset + p.numel));
+      const int64_t into = into_param + (lo - p.offset);
+      if (hi > lo) cast(dst.narrow(into, into + (hi - lo)), wire.narrow(at, at + (hi - lo)), stream);
       at += hi - lo;
-      norms += p.numel;
+      into_param += p.numel;
     }
   }
 }
@@ -701,9 +749,16 @@ void Fsdp::fp8_block_views(UnitSlot& slot, int unit) {
   }
   const std::vector<FsdpParam>& params = layout_.units()[static_cast<size_t>(unit)].params;
   size_t first = 0;  // the next parameter's first piece
-  int64_t norms = 0;
+  int64_t norms = 0, codes = 0;  // packed codes: the next FP8 parameter's first element
+  const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
+  const int64_t expert_begin = u.parts.back().expert ? u.parts.back().begin : 0;  // the expert part's
   for (size_t k = 0; k < params.size(); ++k) {
     const FsdpParam& p = params[k];
+    if (p.expert) {  // expert parallelism: in the expert part's compute-dtype buffer
+      const int64_t at = p.offset - expert_begin;
+      slot.block.params.push_back({slot.experts.narrow(at, at + p.numel).view(p.shape)});
+      continue;
+    }
     if (!is_fp8(p)) {
       slot.block.params.push_back({slot.norms.narrow(norms, norms + p.numel).view(p.shape)});
       norms += p.numel;
@@ -711,7 +766,9 @@ void Fsdp::fp8_block_views(UnitSlot& slot, int unit) {
     }
     FORGE_CHECK(first < pieces.size() && pieces[first].param == static_cast<int>(k),
                 "FSDP's FP8 all-gather: parameter {} of block unit {} has no piece", k, unit);
-    LinearWeight w{slot.codes.narrow(p.offset, p.offset + p.numel).view(p.shape)};
+    const int64_t at = packed_codes_ ? codes : p.offset;
+    codes += p.numel;
+    LinearWeight w{slot.codes.narrow(at, at + p.numel).view(p.shape)};
     w.fp8_gathered = &slot.gathered[first];
     slot.block.params.push_back(w);
     while (first < pieces.size() && pieces[first].param == static_cast<int>(k)) ++first;
@@ -857,9 +914,10 @@ FsdpMemory Fsdp::memory() const {
   for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   for (const UnitSlot& s : weight_slots_)
-    for (const Tensor* t : {&s.buffer, &s.codes, &s.norms, &s.amax, &s.scales})
+    for (const Tensor* t : {&s.buffer, &s.codes, &s.norms, &s.amax, &s.scales, &s.experts})
       if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
-  if (norm_wire_.defined()) m.compute_weights += static_cast<int64_t>(norm_wire_.nbytes());
+  for (const Tensor* t : {&norm_wire_, &code_wire_})
+    if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   if (full_grads_.defined()) m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
   for (const UnitSlot& s : grad_slots_)
     if (s.buffer.defined()) m.full_gradients += static_cast<int64_t>(s.buffer.nbytes());

@@ -110,7 +110,10 @@
 // NOTE [FP8 all-gather]
 // With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather, full
 // training only) the blocks' FP8 projections (routed experts too) travel as E4M3 codes, 1 byte
-// an element, not bf16's 2, as torchao's enable_fsdp_float8_all_gather. Every stage handles
+// an element, not bf16's 2, as torchao's enable_fsdp_float8_all_gather. With
+// precision.fp8_routed_experts false (FsdpOptions::fp8_routed_experts) a MoE block's routed
+// experts are no FP8 projections, and their stacks travel in the compute dtype with the
+// norms (step 4), the block's other projections as codes. Every stage handles
 // its blocks as ZeRO-3 does: gathered from the master chunk around their use (prefetched
 // one block ahead or behind), into the three rotating slots under ZeRO-3 and into one slot
 // per block, kept until the next optimizer step, under ZeRO-1/2; the embedding and head
@@ -126,12 +129,18 @@
 //      projection's history scale, copied from its statistics block on the compute stream;
 //   3. this rank's chunk cast to E4M3 with that scale into its place in the slot's byte
 //      buffer (fp8_chunk_cast, through the compute dtype), and one all-gather of bytes;
-//   4. the unit's other parameters (the norms, a MoE router and bias: small) cannot
-//      travel as bytes: each rank packs its elements of them into a small compute-dtype
+//      with the routed experts in the compute dtype the chunk's codes are packed instead
+//      (as the norms in step 4, the stacks leaving gaps that would travel as useless bytes:
+//      most of a MoE block), gathered, and unpacked into the slot's codes, the FP8
+//      parameters one after the other;
+//   4. the unit's other parameters (the norms, a MoE router and bias: small; the routed
+//      experts' stacks with fp8_routed_experts false: not small) cannot travel as bytes: each rank packs its elements of them into a small compute-dtype
 //      buffer (as many elements as the most any rank holds), one all-gather of those, and
 //      each rank unpacks every rank's pieces into the slot's norm buffer. Two collectives
 //      of the right dtypes are simpler than one mixed-type buffer, and the second is tiny.
-// The slot hands out each FP8 parameter's LinearWeight as its codes with one
+// The slot hands out each parameter of step 4 as a plain compute-dtype view of its norm
+// buffer (the routed experts' stacks so run their compute-dtype GEMMs, grouped on CUDA), and
+// each FP8 parameter's LinearWeight as its codes with one
 // Fp8GatheredWeight per piece (NOTE [FP8 gathered weights] in ops/fp8_linear.h): the amax (the
 // whole piece's; delayed: this rank's chunk's, which the step-end max-reduce of NOTE [FP8 under
 // data parallelism] makes the whole piece's), the scale and its inverse. The codes are
@@ -139,7 +148,9 @@
 // amax, same scale function, same saturating cast), so a run is bitwise the bf16-gather
 // run. A slot remembers the FP8 projections' weight generation it was cast in, and one
 // from an older generation (the optimizer stepped, or a resume restored the delayed scales)
-// is gathered again. Memory: a slot holds 1 byte per block element instead of 2.
+// is gathered again. Memory: a slot holds 1 byte per block element instead of 2 (with the
+// routed experts in the compute dtype: 1 per FP8 element and 2 per stack element, and the
+// code wire: at most a block's FP8 bytes).
 // A non-finite amax: NCCL's max may not carry a NaN across ranks, but the NaN codes do, so
 // the loss is non-finite on every rank.
 // Under tensor parallelism (FsdpOptions::tensor_parallel; NOTE [FP8 under tensor
@@ -156,6 +167,16 @@
 // all-reduce runs on FSDP's communication stream, so it goes over a group of its own (the
 // trainer splits one of the same ranks), not the model's tensor-parallel group, whose
 // collectives run on the compute stream.
+// Under expert parallelism (FsdpOptions::expert_parallel; NOTE [FSDP layout]) a MoE block's
+// unit has a dense part, split over the shard group, and an expert part, this rank's local
+// experts' slices of the stacks split over the ranks holding the same experts. The dense
+// part goes through steps 1-4 as above; the expert part is gathered as ZeRO-3 gathers it, in
+// the compute dtype in place over its group (the master chunk's piece cast into the slot's
+// expert buffer), whether or not the routed experts are FP8 projections: with
+// fp8_routed_experts the local experts' GEMMs cast their gathered bf16 slices themselves, each
+// expert with its own scale (NOTE [FP8 routed experts under expert parallelism] in
+// ops/moe_fp8.h), exactly as under the bf16 gather, so the run is still bitwise that one; the
+// stacks' bytes are those of the bf16 gather and the dense part's are halved.
 //
 // NOTE [FSDP of a model of units]
 // FSDP knows the decoder only through its layout (which parameter is in which unit) and
@@ -211,6 +232,10 @@ struct FsdpOptions {
   // NOTE [FP8 all-gather]: the blocks' FP8 projections gathered as E4M3 codes; needs
   // set_fp8_projections before the first layer().
   bool fp8_all_gather = false;
+  // precision.fp8_routed_experts (NOTE [FP8 routed experts switch] in
+  // model/fp8_projections.h): whether the FP8 all-gather sends the routed-expert stacks as
+  // codes; false: in the compute dtype, with the norms (NOTE [FP8 all-gather pieces]).
+  bool fp8_routed_experts = true;
   // NOTE [Tensor-parallel shards] in model/parameters.h: the parameters this rank holds are
   // its tensor-parallel shards, sharded by FSDP over its data-parallel ranks.
   TensorParallelShard tensor_parallel = {};
@@ -369,12 +394,13 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
     std::unique_ptr<DeviceEvent> ready;     // ZeRO-3 weights: the gather is done
     std::unique_ptr<DeviceEvent> released;  // ZeRO-3 weights: compute is done with it
     int channel = -1;                       // gradients: the reduce channel it uses
-    // NOTE [FP8 all-gather]: the codes (U8, the unit's layout), the norms (compute dtype,
-    // one after the other), each piece's amax (F32, contiguous: all-reduced at once; NOTE
+    // NOTE [FP8 all-gather]: the codes (U8, the unit's layout; packed codes: the FP8
+    // parameters one after the other), the norms (compute dtype, one after the other), each piece's amax (F32, contiguous: all-reduced at once; NOTE
     // [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h) and scales (scale, inverse,
     // kFp8StatStride apart), the descriptors' statistics (one per piece), and the weight
-    // generation the codes are from.
-    Tensor codes, norms, amax, scales;
+    // generation the codes are from. Under expert parallelism `experts`: the expert part
+    // (compute dtype, the part's layout).
+    Tensor codes, norms, amax, scales, experts;
     std::vector<Fp8GatheredWeight> gathered;
     uint64_t generation = 0;
   };
@@ -421,8 +447,17 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   void copy_delayed_scales(UnitSlot& slot, int unit);
   void gather_fp8_block(UnitSlot& slot, int unit);
   void fp8_block_views(UnitSlot& slot, int unit);
-  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]).
-  bool is_fp8(const FsdpParam& p) const { return fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)]); }
+  // Whether the FP8 all-gather sends p as codes (NOTE [FP8 all-gather pieces]), or with the
+  // norms (step 4); neither: a slice of an expert part (NOTE [FP8 all-gather] under expert
+  // parallelism).
+  bool is_fp8(const FsdpParam& p) const {
+    return !p.expert && fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], options_.fp8_routed_experts);
+  }
+  bool in_norms(const FsdpParam& p) const { return !p.expert && !is_fp8(p); }
+  // NOTE [FP8 all-gather], step 4: rank r's elements of the unit's parameters that travel as
+  // codes (`codes`) or with the norms (the others), packed in parameter order at r x m
+  // of `wire`, into `dst`, where those parameters lie one after the other.
+  void unpack_wire(const Tensor& dst, const Tensor& wire, int64_t m, int unit, bool codes, CudaStream stream);
   // ZeRO-2/3: the gradient slot of `unit`, taken on the unit's first request: fresh (NOTE
   // [Fresh gradient buffers]), its padding zeroed, the rest left for the model to write.
   UnitSlot& grad_slot(int unit);
@@ -482,6 +517,13 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   std::vector<std::vector<int64_t>> fp8_piece_projection_;
   Tensor norm_wire_;            // world x norm_wire_numel_ elements of the compute dtype
   int64_t norm_wire_numel_ = 0;  // the most norm elements any rank holds of any block
+  // NOTE [FP8 all-gather] step 3 with packed codes (the routed experts in the compute dtype,
+  // FsdpOptions::fp8_routed_experts false, in a MoE model): world x code_wire_numel_ bytes,
+  // the most code elements any rank holds of any block; the slots' codes then hold a block's
+  // FP8 parameters one after the other.
+  bool packed_codes_ = false;
+  Tensor code_wire_;
+  int64_t code_wire_numel_ = 0;
 };
 
 }  // namespace forge

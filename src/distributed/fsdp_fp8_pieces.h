@@ -18,7 +18,16 @@
 //    two pieces, its compressed rows [0, r) and its rotary rows [r, r + dr), both with the
 //    parameter's one statistics block: under `tensorwise` each row view's GEMMs take its own
 //    amax, under `delayed` both take the block's scale (each piece copies the same one).
-// A MoE router stays in the compute dtype (fp8_moe_router) and travels with the norms.
+// A MoE router stays in the compute dtype (fp8_moe_router) and travels with the norms, and so
+// do the routed-expert stacks of a run with precision.fp8_routed_experts false (NOTE [FP8
+// routed experts switch] in model/fp8_projections.h: its experts' GEMMs run in the compute
+// dtype, and no statistics block of theirs exists to cast them with): they are no pieces,
+// and the block's other projections are pieces as above. The gather then packs the codes
+// as it packs the norms (NOTE [FP8 all-gather] in distributed/fsdp.h, step 3), so that the
+// stacks, most of a MoE block, travel as 2 bytes an element and not 1 + 2.
+// Under expert parallelism a rank's slices of the stacks lie in its unit's expert part (NOTE
+// [FSDP layout]), which is gathered over the ranks holding the same experts in the compute
+// dtype (NOTE [FP8 all-gather] in distributed/fsdp.h): no pieces either.
 // The pieces of a parameter are consecutive, in its element order, and the descriptor the
 // gather hands out points at the first piece's Fp8GatheredWeight, the others following it:
 // expert e's at [e], kv_a's rotary rows at [1].
@@ -43,18 +52,20 @@ struct Fp8GatherPiece {
 };
 
 // Whether FSDP's FP8 all-gather sends a block parameter as E4M3 codes: an FP8 block
-// projection or a routed-expert stack (the router, the norms and biases travel in the
-// compute dtype).
-bool fp8_gathered_param(const ParamSpec& spec);
+// projection, or a routed-expert stack when `routed_experts` (precision.fp8_routed_experts:
+// the stacks are FP8 projections, fp8_expert_stack); the router, the norms and biases (and
+// the stacks without `routed_experts`) travel in the compute dtype.
+bool fp8_gathered_param(const ParamSpec& spec, bool routed_experts);
 
 // The pieces of one parameter at unit offset `offset`, `param` its index in the unit
 // (NOTE [FP8 all-gather pieces]); empty for one fp8_gathered_param rejects.
 std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const ParamSpec& spec, int param,
-                                             int64_t offset);
+                                             int64_t offset, bool routed_experts);
 
-// Every piece of a block unit, in parameter order (specs: FsdpLayout::specs()).
+// Every piece of a block unit, in parameter order (specs: FsdpLayout::specs()); none of its
+// expert part (expert parallelism).
 std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std::vector<ParamSpec>& specs,
-                                            const FsdpUnit& unit);
+                                            const FsdpUnit& unit, bool routed_experts);
 
 // The elements [lo, hi) of a piece inside [begin, end) (unit offsets); lo == hi when none.
 std::pair<int64_t, int64_t> fp8_piece_overlap(const Fp8GatherPiece& piece, int64_t begin, int64_t end);

@@ -45,7 +45,9 @@
 // statistics, histories, per-expert forward statistics, weight cache and grouped casts' row
 // buffer hold none of theirs (fp8_scratch_bytes, fp8_weight_cache_bytes, and forge info's
 // FP8 FLOP share, fp8_gemm_params). Under LoRA (NOTE [FP8 frozen base]) the frozen experts
-// run in the compute dtype with their adapters likewise. A delayed-scaling checkpoint
+// run in the compute dtype with their adapters likewise. Under FSDP's FP8 all-gather the
+// stacks travel in the compute dtype with the router and the norms, the other projections as
+// codes (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h). A delayed-scaling checkpoint
 // records the setting (Fp8DelayedState::routed_experts; one without the record was saved
 // with the experts in FP8): a state saved with the experts in FP8 restores under false, the
 // experts' blocks dropped and every other projection's histories and scales kept as saved;

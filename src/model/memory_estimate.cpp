@@ -241,15 +241,36 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
     // or one per block under ZeRO-1/2) of 1 byte per element, their norms in the compute
     // dtype, and the norms' wire (at most every norm element of a block, per rank).
     // The largest block's: a MoE block's router and bias travel with its norms (NOTE [FP8
-    // all-gather pieces] in distributed/fsdp_fp8_pieces.h).
-    std::vector<double> layer_norms(static_cast<size_t>(std::max<int64_t>(config.num_layers, 1)), 0.0);
-    for (const ParamSpec& spec : parameter_specs(config))
-      if (spec.layer >= 0 && !fp8_block_projection(spec) && !fp8_expert_stack(spec, Fp8Settings{}))  // experts in FP8
-        layer_norms.at(static_cast<size_t>(spec.layer)) += static_cast<double>(shape_numel(spec.shape));
+    // all-gather pieces] in distributed/fsdp_fp8_pieces.h), and so do its routed experts'
+    // stacks with precision.fp8_routed_experts false; the codes are then packed: a slot
+    // holds the block's FP8 elements alone, and their wire takes at most those of a block.
+    // Under expert parallelism the rank's 1/P of the stacks travel in the compute dtype in
+    // an expert buffer of each slot, and the codes are in place again.
+    const size_t layers = static_cast<size_t>(std::max<int64_t>(config.num_layers, 1));
+    std::vector<double> layer_norms(layers, 0.0), layer_codes(layers, 0.0), layer_experts(layers, 0.0);
+    bool packed_codes = false;
+    const bool expert_parts = plan.expert_parallel > 1;
+    for (const ParamSpec& spec : parameter_specs(config)) {
+      if (spec.layer < 0) continue;
+      const double numel = static_cast<double>(shape_numel(spec.shape));
+      const size_t layer = static_cast<size_t>(spec.layer);
+      if (expert_parts && spec.expert_stack) {
+        layer_experts.at(layer) += numel / static_cast<double>(plan.expert_parallel);
+        continue;
+      }
+      const bool codes = fp8_block_projection(spec) || fp8_expert_stack(spec, *plan.fp8);
+      packed_codes = packed_codes || (!codes && spec.expert_stack);
+      (codes ? layer_codes : layer_norms).at(layer) += numel;
+    }
     const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
+    const double experts = *std::max_element(layer_experts.begin(), layer_experts.end());
+    const double codes = packed_codes || expert_parts ? *std::max_element(layer_codes.begin(), layer_codes.end())
+                                                      : block;
     const double slots = plan.zero_stage == 3 ? 3 : static_cast<double>(config.num_layers);
-    e.compute_weights = (embedding + head) * compute_bytes + slots * (block + norms * compute_bytes) +
-                        std::min(norms, block / n) * n * compute_bytes;
+    e.compute_weights = (embedding + head) * compute_bytes +
+                        slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
+                        std::min(norms, block / n) * n * compute_bytes +
+                        (packed_codes ? std::min(codes, block / n) * n : 0.0);
   }
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).

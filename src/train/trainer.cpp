@@ -131,6 +131,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
     fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
+    fsdp.fp8_routed_experts = config_.precision.fp8_routed_experts;  // NOTE [FP8 all-gather pieces]
     fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: FSDP over the rank's stages
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
                                    expert_shard_group_.get());

@@ -240,21 +240,18 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
       },
       {"precision.fp8_fsdp_all_gather", "is for full training"});
   // On MoE and MLA models too (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h):
-  // the routed experts as one piece per expert, kv_a as its two row views; not under expert
-  // parallelism.
+  // the routed experts as one piece per expert (or in bf16 with precision.fp8_routed_experts
+  // false), kv_a as its two row views; under expert parallelism the experts' slices in bf16.
   for (const char* model : {"debug-tiny-moe", "debug-tiny-mla"})
     for (const char* recipe : {"tensorwise", "delayed"})
-      EXPECT_TRUE(load({{"model.name", model}, {"precision.fp8", recipe}, {"precision.fp8_fsdp_all_gather", "true"},
-                        {"parallelism.data_parallel_shard_degree", "2"}})
-                      .precision.fp8_fsdp_all_gather)
-          << model << " " << recipe;
-  expect_error(
-      [] {
-        load({{"model.name", "debug-tiny-mla"}, {"precision.fp8", "tensorwise"},
-              {"precision.fp8_fsdp_all_gather", "true"}, {"parallelism.data_parallel_shard_degree", "4"},
-              {"parallelism.expert_parallel_degree", "2"}});
-      },
-      {"precision.fp8_fsdp_all_gather", "parallelism.expert_parallel_degree = 2", "set it to false"});
+      for (const char* routed_experts : {"true", "false"})
+        for (const char* expert_parallel : {"1", "2"})
+          EXPECT_TRUE(load({{"model.name", model}, {"precision.fp8", recipe}, {"precision.fp8_fsdp_all_gather", "true"},
+                            {"precision.fp8_routed_experts", routed_experts},
+                            {"parallelism.data_parallel_shard_degree", "4"},
+                            {"parallelism.expert_parallel_degree", expert_parallel}})
+                          .precision.fp8_fsdp_all_gather)
+              << model << " " << recipe << " " << routed_experts << " " << expert_parallel;
 }
 
 // NOTE [Expert parallelism under hybrid sharding]: expert-parallel groups inside each

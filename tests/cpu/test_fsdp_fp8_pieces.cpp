@@ -2,17 +2,24 @@
 // cuts a block's FP8 weights into pieces of one scale each: a dense projection whole, a
 // routed-expert stack one piece per expert (each naming its expert's statistics block, in
 // order), MLA's kv_a its two row views (one statistics block); the router and the norms no
-// piece. Every piece names a statistics block Fp8Projections has. The end-to-end runs (the
+// piece, nor the stacks with precision.fp8_routed_experts false, whose gathered bytes (FSDP's
+// buffers and the memory estimate) count them in the compute dtype. Every piece names a statistics block Fp8Projections has. The end-to-end runs (the
 // FP8 gather bitwise the bf16 gather on 2 CPU ranks) are in
 // tests/python/test_fp8_fsdp_all_gather_moe.py.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <memory>
 #include <string>
 
 #include "cli/config.h"
+#include "distributed/fsdp.h"
 #include "distributed/fsdp_fp8_pieces.h"
+#include "distributed/launch_env.h"
 #include "expect_error.h"
 #include "model/fp8_projections.h"
+#include "model/memory_estimate.h"
+#include "rank_threads.h"
 
 namespace forge {
 namespace {
@@ -21,16 +28,19 @@ ModelConfig model(const char* name) { return load_experiment("", {{"model.name",
 
 // The pieces of block `layer`'s unit on rank `rank` of `world`, checked to tile each FP8
 // parameter in order and to name statistics blocks the model's Fp8Projections has.
-std::vector<Fp8GatherPiece> checked_pieces(const ModelConfig& config, int layer, int world = 2, int rank = 0) {
+std::vector<Fp8GatherPiece> checked_pieces(const ModelConfig& config, int layer, int world = 2, int rank = 0,
+                                           bool routed_experts = true) {
   const FsdpLayout layout(config, world, rank);
   const FsdpUnit& unit = layout.units().at(static_cast<size_t>(FsdpLayout::unit_of_layer(layer)));
-  const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, layout.specs(), unit);
-  const Fp8Projections fp8(config, Fp8Settings{}, Device::CPU, 64);
+  const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, layout.specs(), unit, routed_experts);
+  Fp8Settings settings;
+  settings.routed_experts = routed_experts;
+  const Fp8Projections fp8(config, settings, Device::CPU, 64);
   size_t at = 0;
   for (size_t k = 0; k < unit.params.size(); ++k) {
     const FsdpParam& p = unit.params[k];
     const ParamSpec& spec = layout.specs().at(static_cast<size_t>(p.spec));
-    if (!fp8_gathered_param(spec)) {
+    if (!fp8_gathered_param(spec, routed_experts)) {
       EXPECT_TRUE(at == pieces.size() || pieces[at].param != static_cast<int>(k)) << spec.name;
       continue;
     }
@@ -88,6 +98,143 @@ TEST(FsdpFp8Pieces, RoutedExpertsArePiecesOfTheirOwnAndTheRouterNone) {
               first + e);
 }
 
+// NOTE [FP8 routed experts switch]: with the experts in the compute dtype their stacks are no
+// pieces (they travel with the router and the norms), every other projection's are as before.
+TEST(FsdpFp8Pieces, RoutedExpertsOutOfFp8AreNoPieces) {
+  for (const char* name : {"debug-tiny-moe", "debug-tiny-mla"}) {
+    SCOPED_TRACE(name);
+    const ModelConfig config = model(name);
+    const int layer = config.num_layers - 1;  // a MoE block
+    const std::vector<Fp8GatherPiece> off = checked_pieces(config, layer, 2, 1, /*routed_experts=*/false);
+    const std::vector<Fp8GatherPiece> on = checked_pieces(config, layer, 2, 1);
+    const FsdpLayout layout(config, 2, 1);
+    const FsdpUnit& unit = layout.units().at(static_cast<size_t>(FsdpLayout::unit_of_layer(layer)));
+    size_t expert_pieces = 0;
+    int stacks = 0;
+    for (const FsdpParam& p : unit.params) {
+      const ParamSpec& spec = layout.specs()[static_cast<size_t>(p.spec)];
+      if (!spec.expert_stack) continue;
+      ++stacks;
+      EXPECT_TRUE(fp8_gathered_param(spec, true)) << spec.name;
+      EXPECT_FALSE(fp8_gathered_param(spec, false)) << spec.name;
+      expert_pieces += static_cast<size_t>(spec.shape[0]);
+    }
+    EXPECT_EQ(stacks, 2);  // gate_up and down
+    for (const Fp8GatherPiece& piece : off) EXPECT_EQ(piece.projection.find("(expert "), std::string::npos);
+    EXPECT_EQ(off.size() + expert_pieces, on.size());
+    size_t k = 0;  // the others unchanged, in order
+    for (const Fp8GatherPiece& piece : on) {
+      if (piece.projection.find("(expert ") != std::string::npos) continue;
+      ASSERT_LT(k, off.size());
+      EXPECT_EQ(off[k].projection, piece.projection);
+      EXPECT_EQ(off[k].offset, piece.offset);
+      EXPECT_EQ(off[k].numel, piece.numel);
+      ++k;
+    }
+    EXPECT_EQ(k, off.size());
+  }
+}
+
+// NOTE [FP8 all-gather]: with the routed experts in the compute dtype a block slot holds the
+// FP8 projections' codes (1 byte each, packed) and the stacks with the norms (the compute
+// dtype: fp32 on the CPU), and the wires carry each rank's codes and its norms and stacks.
+// Fsdp's buffers and the memory estimate agree, up to the layout's padding.
+TEST(FsdpFp8Pieces, MemoryCountsTheStacksInTheComputeDtype) {
+  ModelConfig config = model("debug-tiny-moe");  // MoE blocks of 4 experts of 96 over hidden 64
+  config.num_layers = 4;  // more blocks than ZeRO-3's three slots, which the estimate counts
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const FsdpLayout layout(config, 1, 0);
+  const FsdpUnit& unit = layout.units().at(1);
+  int64_t stacks = 0, projections = 0, norms = 0;
+  for (const FsdpParam& p : unit.params) {
+    const ParamSpec& spec = layout.specs()[static_cast<size_t>(p.spec)];
+    (spec.expert_stack ? stacks : fp8_block_projection(spec) ? projections : norms) += p.numel;
+  }
+  EXPECT_EQ(stacks, 4 * 3 * 96 * 64);  // gate_up and down of 4 experts
+  const int64_t ends = layout.units().front().numel + layout.units().back().numel;
+  const int64_t block = layout.max_block_numel();
+  std::vector<double> estimated;
+  for (bool routed_experts : {true, false}) {
+    SCOPED_TRACE(routed_experts);
+    FsdpOptions options;
+    options.fp8_all_gather = true;
+    options.fp8_routed_experts = routed_experts;
+    const FsdpMemory m = Fsdp(config, Device::CPU, *group, nullptr, options).memory();
+    // Three slots: codes, norms (fp32 here), each piece's amax and two scales; the wires.
+    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, routed_experts).size());
+    const int64_t statistics = 3 * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
+    if (routed_experts)
+      EXPECT_EQ(m.compute_weights, ends * 4 + 3 * (block + norms * 4) + norms * 4 + statistics);
+    else  // the stacks with the norms, the codes packed, and the code wire
+      EXPECT_EQ(m.compute_weights, ends * 4 + 3 * (projections + (norms + stacks) * 4) + (norms + stacks) * 4 +
+                                       projections + statistics);
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.fp8_all_gather = true;
+    Fp8Settings settings;
+    settings.routed_experts = routed_experts;
+    plan.fp8 = settings;
+    const double estimate = estimate_memory(config, plan).compute_weights;
+    EXPECT_NEAR(estimate, static_cast<double>(m.compute_weights - statistics), 8.0 * 4 * kFsdpAlign);
+    estimated.push_back(estimate);
+  }
+  // The stacks take 4 bytes (fp32 on the CPU; bf16's 2 on CUDA) in each slot and the wire
+  // rather than 1 byte of codes, and the codes' wire is added.
+  EXPECT_NEAR(estimated[1] - estimated[0], 3.0 * stacks * 3 + stacks * 4 + projections, 8.0 * 4 * kFsdpAlign);
+}
+
+// NOTE [FP8 all-gather] under expert parallelism 2 on 4 ranks: a slot holds the dense part's
+// codes in place, its norms, and the expert part (the rank's 2 of 4 experts' slices) in the
+// compute dtype; the memory estimate agrees up to the padding, with the switch on and off
+// (the same bytes: the slices travel in the compute dtype either way).
+TEST(FsdpFp8Pieces, MemoryUnderExpertParallelismCountsTheSlicesInTheComputeDtype) {
+  using namespace std::chrono_literals;
+  ModelConfig config = model("debug-tiny-moe");
+  config.num_layers = 4;
+  for (bool routed_experts : {true, false}) {
+    SCOPED_TRACE(routed_experts);
+    const int port = testing::free_port();
+    std::vector<int64_t> compute(4, 0);
+    const std::vector<std::string> errors = testing::run_ranks(4, [&](int r) {
+      ProcessGroupOptions group_options;
+      group_options.rendezvous_timeout = 20s;
+      group_options.collective_timeout = 20s;
+      auto group = create_process_group(testing::env_of(r, 4, port), group_options);
+      auto experts = group->split(r % 2, r);  // the ranks holding the same experts
+      FsdpOptions options;
+      options.fp8_all_gather = true;
+      options.fp8_routed_experts = routed_experts;
+      options.expert_parallel = 2;
+      compute[static_cast<size_t>(r)] =
+          Fsdp(config, Device::CPU, *group, nullptr, options, experts.get()).memory().compute_weights;
+    });
+    for (const std::string& e : errors) EXPECT_EQ(e, "");
+    const FsdpLayout layout(config, 4, 0, 2);
+    const FsdpUnit& unit = layout.units().at(1);
+    int64_t stack_slices = 0;
+    for (const FsdpParam& p : unit.params) stack_slices += p.expert ? p.numel : 0;
+    EXPECT_EQ(stack_slices, 2 * 3 * 96 * 64);  // 2 of 4 experts, gate_up and down
+    EXPECT_EQ(unit.parts.size(), 2u);
+    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, routed_experts).size());
+    const int64_t statistics = 3 * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.shard_ranks = 4;
+    plan.expert_parallel = 2;
+    plan.fp8_all_gather = true;
+    Fp8Settings settings;
+    settings.routed_experts = routed_experts;
+    plan.fp8 = settings;
+    const double estimate = estimate_memory(config, plan).compute_weights;
+    for (int64_t c : compute) {
+      EXPECT_EQ(c, compute[0]);  // every rank the same buffers
+      EXPECT_NEAR(estimate, static_cast<double>(c - statistics), 3.0 * 4 * 4 * kFsdpAlign * 4);
+    }
+    // The slots' expert buffers: 3 x the expert part, 4 bytes an element on the CPU.
+    EXPECT_GE(compute[0], 3 * unit.parts.back().numel * 4);
+  }
+}
+
 TEST(FsdpFp8Pieces, LatentKvAIsItsTwoRowViews) {
   const ModelConfig config = model("debug-tiny-mla");  // kv_lora_rank 32, qk_rope_head_dim 16, hidden 64
   for (int layer : {0, 1}) {  // the dense first block, then a MoE block
@@ -114,11 +261,21 @@ TEST(FsdpFp8Pieces, OverlapIsThePieceInsideTheRange) {
   EXPECT_EQ(fp8_piece_overlap(piece, 192, 256), (std::pair<int64_t, int64_t>{192, 192}));  // none
 }
 
-TEST(FsdpFp8Pieces, AnExpertSliceIsRefused) {
+// NOTE [FP8 all-gather] under expert parallelism: the expert part's slices travel in the
+// compute dtype over their group, so they are no pieces; the dense part's are as without it.
+TEST(FsdpFp8Pieces, AnExpertPartHasNoPieces) {
   const ModelConfig config = model("debug-tiny-moe");
-  const FsdpLayout layout(config, 2, 0, /*expert_parallel=*/2);
-  expect_error([&] { fp8_unit_pieces(config, layout.specs(), layout.units().at(1)); },
-               {"FSDP's FP8 all-gather", "layers.0.moe.experts.gate_up", "held in part"});
+  const FsdpLayout whole(config, 4, 1), sliced(config, 4, 1, /*expert_parallel=*/2);
+  for (bool routed_experts : {true, false}) {
+    const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, sliced.specs(), sliced.units().at(1), routed_experts);
+    const std::vector<Fp8GatherPiece> dense = fp8_unit_pieces(config, whole.specs(), whole.units().at(1), false);
+    ASSERT_EQ(pieces.size(), dense.size());
+    for (size_t k = 0; k < pieces.size(); ++k) {
+      EXPECT_EQ(pieces[k].projection, dense[k].projection);
+      EXPECT_EQ(pieces[k].numel, dense[k].numel);
+      EXPECT_EQ(pieces[k].projection.find("(expert "), std::string::npos);
+    }
+  }
 }
 
 }  // namespace

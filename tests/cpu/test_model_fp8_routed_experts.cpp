@@ -349,12 +349,14 @@ TEST(ModelFp8RoutedExperts, ConfigRules) {
   ConfigOverrides shared = off;
   shared[0] = {"model.name", "debug-tiny-mla"};
   expect_error([&] { load(shared); }, {"the shared experts' width (num_shared_experts × moe_ffn_hidden_size) is 40"});
-  // FSDP's FP8 all-gather casts every routed expert with its own statistics: not with the switch off.
-  expect_error([] { load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "tensorwise"},
-                          {"precision.fp8_routed_experts", "false"}, {"precision.fp8_fsdp_all_gather", "true"},
-                          {"parallelism.data_parallel_shard_degree", "2"}}); },
-               {"precision.fp8_fsdp_all_gather = true (command line) cannot be combined with "
-                "precision.fp8_routed_experts = false (command line)"});
+  // FSDP's FP8 all-gather with the switch off: the stacks travel in the compute dtype, with the
+  // router (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h).
+  const ExperimentConfig gathered = load({{"model.name", "debug-tiny-moe"}, {"precision.fp8", "tensorwise"},
+                                          {"precision.fp8_routed_experts", "false"},
+                                          {"precision.fp8_fsdp_all_gather", "true"},
+                                          {"parallelism.data_parallel_shard_degree", "2"}});
+  EXPECT_TRUE(gathered.precision.fp8_fsdp_all_gather);
+  EXPECT_FALSE(gathered.precision.fp8_routed_experts);
   // LoRA over the frozen FP8 base takes the switch too.
   EXPECT_FALSE(load({{"model.name", "debug-tiny-mla"}, {"precision.fp8", "tensorwise"}, {"lora.rank", "4"},
                      {"precision.fp8_routed_experts", "false"}})

@@ -316,6 +316,7 @@ Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool s
     FsdpOptions fsdp_options;
     fsdp_options.zero_stage = zero_stage;
     fsdp_options.fp8_all_gather = fp8_gather;
+    fsdp_options.fp8_routed_experts = settings.routed_experts;  // NOTE [FP8 all-gather pieces]
     sharded = std::make_unique<Fsdp>(c, Device::CUDA, *group, nullptr, fsdp_options);
   }
   FlatParameters flat(c, Device::CUDA, DType::BF16), flat_grads(c, Device::CUDA, DType::F32);
@@ -434,6 +435,43 @@ TEST(GpuFsdp, Fp8AllGatherOfExpertsAndLatentAttentionIsTheBf16Gather) {
                                         << " ZeRO-" << stage);
         Fp8Settings settings;
         settings.recipe = recipe;
+        const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
+        const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
+        ASSERT_EQ(gathered.losses.size(), bf16.losses.size());
+        for (double loss : gathered.losses) EXPECT_TRUE(std::isfinite(loss));
+        EXPECT_EQ(gathered.losses, bf16.losses);
+        ASSERT_EQ(gathered.grads.size(), bf16.grads.size());
+        for (size_t i = 0; i < gathered.grads.size(); ++i)
+          EXPECT_TRUE(gathered.grads[i] == bf16.grads[i]) << "step " << i;
+        EXPECT_EQ(gathered.scales, bf16.scales);
+        if (recipe == Fp8Recipe::Delayed) EXPECT_FALSE(gathered.scales.empty());
+      }
+    }
+  }
+}
+
+// NOTE [FP8 all-gather pieces] with precision.fp8_routed_experts false (NOTE [FP8 routed
+// experts switch] in model/fp8_projections.h): the routed experts' stacks gathered in bf16
+// with the router and the norms and run through their grouped bf16 GEMMs, the other
+// projections gathered as packed E4M3 codes, give bitwise the losses, gradient chunks and
+// delayed scales of the bf16 gather with the same switch. Both models, ZeRO-3 and ZeRO-1.
+TEST(GpuFsdp, Fp8AllGatherWithTheRoutedExpertsInBf16IsTheBf16Gather) {
+  if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
+  ModelConfig moe = small_moe();
+  moe.name = "gpu-fsdp-fp8-gather-moe-experts-bf16";
+  moe.num_layers = 4;
+  ModelConfig deepseek = small_deepseek(true);
+  deepseek.name = "gpu-fsdp-fp8-gather-deepseek-v3-experts-bf16";
+  deepseek.rope_scaling = RopeScaling{};
+  deepseek.num_layers = 4;
+  for (const ModelConfig& c : {moe, deepseek}) {
+    for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+      for (const int stage : {3, 1}) {
+        SCOPED_TRACE(testing::Message() << c.name << " " << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise")
+                                        << " ZeRO-" << stage);
+        Fp8Settings settings;
+        settings.recipe = recipe;
+        settings.routed_experts = false;
         const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
         const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
         ASSERT_EQ(gathered.losses.size(), bf16.losses.size());
