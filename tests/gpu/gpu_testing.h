@@ -12,8 +12,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -29,6 +31,12 @@
 #include "ops/elementwise.h"
 
 namespace forge::gpu_test {
+
+// A file's bytes ("" when it cannot be read).
+inline std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
 
 // Seed from the test's name, so every test draws different data but runs are repeatable.
 inline uint64_t seed_for_current_test() {

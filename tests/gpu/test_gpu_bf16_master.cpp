@@ -16,6 +16,7 @@
 
 #include "cli/config.h"
 #include "core/bf16.h"
+#include "../cpu/test_data_temp_dir.h"
 #include "gpu_testing.h"
 #include "ops/adamw.h"
 #include "train/flux_trainer.h"
@@ -23,13 +24,12 @@
 namespace forge {
 namespace {
 
-using gpu_test::poisoned_gpu;
+using gpu_test::file_bytes;
 using gpu_test::random_bf16_values;
 using gpu_test::random_f32;
 using gpu_test::relative_l2;
 using gpu_test::seed_for_current_test;
 using gpu_test::to_cpu_f32;
-using gpu_test::to_gpu;
 
 Tensor bf16_cpu(const Tensor& f32) {
   Tensor t = Tensor::empty(f32.shape(), DType::BF16);
@@ -87,23 +87,6 @@ TEST(GpuAdamWBf16Master, Bf16MomentsTrackFp32Moments) {
   EXPECT_LT(relative_l2(to_cpu_f32(vg), v), 8e-3);
 }
 
-// A fresh directory for one test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            (std::string("forge_gpu_") + info->name() + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  std::filesystem::path path_;
-};
-
 ExperimentConfig flux_run(const std::string& run_dir, int64_t steps, const std::string& dtype) {
   return load_experiment("", {{"flux.model", "flux-debug"},
                               {"flux.resolution", "64"},
@@ -121,11 +104,6 @@ ExperimentConfig flux_run(const std::string& run_dir, int64_t steps, const std::
                               {"logging.run_dir", run_dir},
                               {"checkpoint.enable", "true"},
                               {"checkpoint.interval", "3"}});
-}
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 TEST(GpuFluxBf16Master, TracksFp32MastersAndResumes) {

@@ -17,6 +17,7 @@
 #include <iterator>
 
 #include "cli/config.h"
+#include "../cpu/test_data_temp_dir.h"
 #include "gpu_testing.h"
 #include "model/flux_parameters.h"
 #include "train/flux_checkpoint.h"
@@ -25,27 +26,7 @@
 namespace forge {
 namespace {
 
-// A fresh directory for one test, removed afterwards.
-class TempDir {
- public:
-  TempDir() {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    path_ = std::filesystem::temp_directory_path() /
-            (std::string("forge_gpu_") + info->name() + "_" + std::to_string(::getpid()));
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  std::filesystem::path path_;
-};
-
-std::string file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-}
+using gpu_test::file_bytes;
 
 TrainingState state_at(int64_t step) {
   TrainingState s;
