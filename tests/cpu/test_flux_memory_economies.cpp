@@ -112,7 +112,7 @@ TEST(FluxRecomputeBlocks, SomeBlocksRecomputedGiveFullCheckpointingsLosses) {
 TEST(FluxRecomputeBlocks, ConfigRules) {
   expect_error([] { load_experiment("", {{"activation_checkpoint.recompute_blocks", "2"}}); },
                {"activation_checkpoint.recompute_blocks", "language model"});
-  const ConfigOverrides flux = {{"flux.model", "flux-debug"}, {"flux.resolution", "64"}};
+  const ConfigOverrides flux = {{"flux.model", "flux-debug"}, {"flux.resolution", "64"}, {"eval.interval", "0"}};
   auto with = [&](ConfigOverrides extra) {
     ConfigOverrides all = flux;
     all.insert(all.end(), extra.begin(), extra.end());
