@@ -292,7 +292,11 @@ class FluxFsdp(unittest.TestCase):
                  "3"], "parallelism.data_parallel_shard_degree"),
             (2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.zero_stage", "4"],
              "parallelism.zero_stage"),
-            (1, ["--optimizer.state_dtype", "bf16", "--training.device", "cuda"], "AdamW's moments in fp32"),
+            # NOTE [bf16 master weights]: bf16 moments and weights are one device's economies.
+            (1, ["--optimizer.state_dtype", "bf16", "--training.device", "cuda", "--precision.compute_dtype", "bf16",
+                 "--parallelism.data_parallel_shard_degree", "2"], "under FSDP keeps fp32"),
+            (1, ["--optimizer.master_dtype", "bf16", "--parallelism.data_parallel_shard_degree", "2"],
+             "under FSDP keeps fp32"),
         ]
         for ranks, overrides, message in cases:
             with self.subTest(overrides=overrides):
