@@ -14,21 +14,17 @@
 namespace forge {
 namespace {
 
-int64_t positive_integer(const std::string& key, const std::string& value) {
+// An integer of at least `least` (`expected` says what, for the error).
+int64_t integer_at_least(const std::string& key, const std::string& value, int64_t least, const char* expected) {
   int64_t v = 0;
   const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
-  FORGE_CHECK(error == std::errc() && end == value.data() + value.size() && v > 0,
-              "forge info: --{} expects a positive integer, got '{}'", key, value);
+  FORGE_CHECK(error == std::errc() && end == value.data() + value.size() && v >= least,
+              "forge info: --{} expects {}, got '{}'", key, expected, value);
   return v;
 }
 
-// -1 (every block) or a count of blocks.
-int64_t block_count(const std::string& key, const std::string& value) {
-  int64_t v = 0;
-  const auto [end, error] = std::from_chars(value.data(), value.data() + value.size(), v);
-  FORGE_CHECK(error == std::errc() && end == value.data() + value.size() && v >= -1,
-              "forge info: --{} expects -1 (every block) or a count of blocks, got '{}'", key, value);
-  return v;
+int64_t positive_integer(const std::string& key, const std::string& value) {
+  return integer_at_least(key, value, 1, "a positive integer");
 }
 
 }  // namespace
@@ -58,7 +54,7 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
     else if (key == "parallelism.zero_stage")
       zero_stage = positive_integer(key, value);
     else if (key == "activation_checkpoint.recompute_blocks")
-      recompute_blocks = block_count(key, value);
+      recompute_blocks = integer_at_least(key, value, -1, "-1 (every block) or a count of blocks");
     else if (key == "optimizer.master_dtype")
       master_dtype = dtype_choice(key, value);
     else if (key == "optimizer.state_dtype")
@@ -102,25 +98,21 @@ int run_flux_info(const std::string& name, const std::vector<std::pair<std::stri
   const double n = static_cast<double>(params);
   const double weights = bf16_master ? 0.0 : 2.0 * n, master = (bf16_master ? 2.0 : 4.0) * n;
   const double grads = 4.0 * n, moments = (state_dtype == "bf16" ? 4.0 : 8.0) * n;
-  const int64_t blocks = c.num_double_blocks + c.num_single_blocks;
-  FORGE_CHECK(recompute_blocks <= blocks && (recompute_blocks == -1 || checkpoint == ActivationCheckpoint::Full),
-              "forge info {}: --activation_checkpoint.recompute_blocks {}: -1 or 0 to the model's {} blocks, under "
-              "--activation_checkpoint.mode full",
-              name, recompute_blocks, blocks);
   const double activations = static_cast<double>(
       FluxTransformer::activation_bytes(c, shape, DType::BF16, checkpoint, recompute_blocks));
   const std::string recomputed =
       checkpoint != ActivationCheckpoint::Full || recompute_blocks == -1
           ? std::string()
-          : fmt::format(" (recomputing {} of {} blocks)", recompute_blocks, blocks);
+          : fmt::format(" (recomputing {} of {} blocks)", recompute_blocks, c.num_double_blocks + c.num_single_blocks);
   fmt::print("memory           micro-batch {}, activation_checkpoint.mode {}{}, optimizer.master_dtype {}, "
              "optimizer.state_dtype {}, on one device:\n",
              batch, activation_checkpoint_name(checkpoint), recomputed, master_dtype, state_dtype);
-  if (bf16_master)
+  if (bf16_master) {
     fmt::print("  weights        {:8.2f} GiB  bf16, the only copy (stochastic rounding)\n", master / gib);
-  else
+  } else {
     fmt::print("  weights        {:8.2f} GiB  bf16 compute copy\n", weights / gib);
-  if (!bf16_master) fmt::print("  master         {:8.2f} GiB  fp32\n", master / gib);
+    fmt::print("  master         {:8.2f} GiB  fp32\n", master / gib);
+  }
   fmt::print("  gradients      {:8.2f} GiB  fp32\n", grads / gib);
   fmt::print("  AdamW moments  {:8.2f} GiB  {} x 2\n", moments / gib, state_dtype);
   fmt::print("  activations    {:8.2f} GiB  bf16, the arena of one micro-batch\n", activations / gib);

@@ -79,6 +79,10 @@ struct Dims {
 // NOTE [Recomputing some FLUX blocks]: of `recompute` blocks (-1: all) in forward order, how
 // many are double blocks and how many single blocks.
 std::pair<int, int> recomputed_blocks(const FluxConfig& cf, int64_t recompute) {
+  const int64_t blocks = cf.num_double_blocks + cf.num_single_blocks;
+  FORGE_CHECK(recompute >= -1 && recompute <= blocks,
+              "{}: activation_checkpoint.recompute_blocks {}: -1 (every block) or 0 to the model's {} blocks", cf.name,
+              recompute, blocks);
   const int64_t all = cf.num_double_blocks + cf.num_single_blocks;
   const int64_t r = recompute < 0 ? all : std::min(recompute, all);
   const int64_t doubles = std::min(r, cf.num_double_blocks);
@@ -219,14 +223,6 @@ FluxTransformer::FluxTransformer(const FluxConfig& config, const FluxShape& shap
   FORGE_CHECK(checkpoint_ != ActivationCheckpoint::Selective,
               "{}: activation_checkpoint.mode selective is the language models'; a FLUX model takes none or full",
               config_.name);
-  const int64_t blocks = config_.num_double_blocks + config_.num_single_blocks;
-  FORGE_CHECK(recompute_blocks_ >= -1 && recompute_blocks_ <= blocks,
-              "{}: activation_checkpoint.recompute_blocks {}: -1 (every block) or 0 to the model's {} blocks",
-              config_.name, recompute_blocks_, blocks);
-  FORGE_CHECK(recompute_blocks_ == -1 || checkpoint_ == ActivationCheckpoint::Full,
-              "{}: activation_checkpoint.recompute_blocks {} picks the blocks full checkpointing recomputes; "
-              "activation_checkpoint.mode is none",
-              config_.name, recompute_blocks_);
   plan();
 }
 
@@ -262,6 +258,10 @@ FluxTransformer::~FluxTransformer() = default;
 
 int64_t FluxTransformer::activation_bytes(const FluxConfig& config, const FluxShape& shape, DType dtype,
                                           ActivationCheckpoint checkpoint, int64_t recompute_blocks) {
+  FORGE_CHECK(recompute_blocks == -1 || checkpoint == ActivationCheckpoint::Full,
+              "{}: activation_checkpoint.recompute_blocks {} picks the blocks full checkpointing recomputes; "
+              "activation_checkpoint.mode is none",
+              config.name, recompute_blocks);
   ArenaLayout counting(nullptr, Device::CPU);
   Activations sizes;
   lay_out(sizes, counting, config, shape, dtype, checkpoint, recompute_blocks);
