@@ -114,9 +114,11 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   const int64_t local_expert_matrices = expert_matrices / std::max<int64_t>(settings.expert_parallel, 1);
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
+  const int64_t nf4_stats = settings.frozen ? 3 * cpu::kFp8StatStride : 0;
   return (settings.frozen ? 2 : 3) * fp8_workspace_codes(config, settings, tokens) +
          fp8_expert_row_codes(config, settings, tokens) +
-         ((stats + local_expert_matrices) * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history) *
+         ((stats + local_expert_matrices) * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history +
+          nf4_stats) *
              static_cast<int64_t>(sizeof(float));
 }
 
@@ -128,6 +130,8 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
     if (!settings.frozen) workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);  // dy^T for dW
     workspace_.stats = Tensor::zeros({kFp8WorkspaceStats}, DType::F32, device);
+    // A frozen base may be NF4 (NOTE [FP8 straight from NF4] in ops/nf4_fp8.h).
+    if (settings.frozen) workspace_.nf4_stats = Tensor::zeros({3 * cpu::kFp8StatStride}, DType::F32, device);
     if (const int64_t rows = fp8_expert_row_codes(config, settings, tokens); rows > 0)
       expert_row_codes_ = Tensor::empty({rows}, DType::U8, device);  // NOTE [FP8 grouped expert casts]
   }

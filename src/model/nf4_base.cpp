@@ -21,9 +21,9 @@
 // scratch). The FP8 weight cache is not used (fp8_settings_of): holding every weight's W
 // and W^T codes is 2 bytes per weight, four times the NF4 codes, most of what NF4 saves.
 // The price is time: each base GEMM adds an amax and a cast pass over its bf16 W to the
-// dequantization QLoRA already runs. A fused NF4 -> E4M3 kernel (its amax the max of the
-// blocks' dequantized absmaxes rounded to bf16, the codebook holding ±1) would save the
-// bf16 round trip; not built.
+// dequantization QLoRA already runs. On CUDA the linear ops skip the bf16 round trip: the
+// codes come straight from the NF4 codes, bitwise the same (NOTE [FP8 straight from NF4] in
+// ops/nf4_fp8.h); the CPU reference keeps the steps above.
 // It runs wherever QLoRA runs: one device; data parallelism, whose ranks hold replicas of
 // the base (NOTE [LoRA under data parallelism] in model/lora.h) and cast them alike, the
 // delayed amaxes reduced at the step's end (NOTE [FP8 under data parallelism] in

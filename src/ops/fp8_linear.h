@@ -92,6 +92,7 @@ constexpr int64_t kFp8WorkspaceStats = 6 * kFp8StatStride;
 struct Fp8LinearWorkspace {
   Tensor a_codes, b_codes, c_codes;  // U8, flat
   Tensor stats;             // F32 [kFp8WorkspaceStats]
+  Tensor nf4_stats;         // F32 [3 * kFp8StatStride], optional: NOTE [FP8 straight from NF4] in ops/nf4_fp8.h
 };
 
 // A layer's FP8 settings, owned by whoever hands out the descriptor (model/fp8_projections.h).

@@ -7,6 +7,7 @@
 #include "ops/lora.h"
 #include "ops/matmul.h"
 #include "ops/nf4.h"
+#include "ops/nf4_fp8.h"
 
 namespace forge {
 namespace {
@@ -35,7 +36,10 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
       matmul_epilogue(MatmulEpilogue::Bias, y, x, false, w.weight, true, residual ? 1.0f : 0.0f, residual, w.bias))
     return;
   FORGE_CHECK(w.fp8 || !w.fp8_gathered, "linear_forward: gathered FP8 codes without FP8 settings");
-  if (w.fp8)
+  if (nf4_fp8_straight(w)) {  // NOTE [FP8 straight from NF4]
+    const Nf4Fp8Codes q = nf4_fp8_codes(w);
+    fp8_linear_forward(y, x, q.codes, *w.fp8, residual, &q.cast);
+  } else if (w.fp8)
     fp8_linear_forward(y, x, compute_weight(w), *w.fp8, residual, w.fp8_gathered);
   else if (residual)
     matmul_add(y, x, false, compute_weight(w), true, *residual);
@@ -47,7 +51,10 @@ void linear_forward(const Tensor& y, const Tensor& x, const LinearWeight& w, con
 
 void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
   FORGE_CHECK(!(w.nf4 && w.fp8_gathered), "linear_backward_input: an NF4 weight has no gathered FP8 codes");
-  if (w.fp8)
+  if (nf4_fp8_straight(w)) {
+    const Nf4Fp8Codes q = nf4_fp8_codes(w);
+    fp8_linear_backward_input(dx, dy, q.codes, *w.fp8, &q.cast);
+  } else if (w.fp8)
     fp8_linear_backward_input(dx, dy, compute_weight(w), *w.fp8, w.fp8_gathered);
   else
     matmul(dx, dy, false, compute_weight(w), false);
@@ -56,7 +63,10 @@ void linear_backward_input(const Tensor& dx, const Tensor& dy, const LinearWeigh
 
 void linear_backward_input_add(const Tensor& dx, const Tensor& dy, const LinearWeight& w) {
   FORGE_CHECK(!(w.nf4 && w.fp8_gathered), "linear_backward_input_add: an NF4 weight has no gathered FP8 codes");
-  if (w.fp8)
+  if (nf4_fp8_straight(w)) {
+    const Nf4Fp8Codes q = nf4_fp8_codes(w);
+    fp8_linear_backward_input_add(dx, dy, q.codes, *w.fp8, &q.cast);
+  } else if (w.fp8)
     fp8_linear_backward_input_add(dx, dy, compute_weight(w), *w.fp8, w.fp8_gathered);
   else
     matmul_add(dx, dy, false, compute_weight(w), false, dx);

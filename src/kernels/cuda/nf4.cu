@@ -5,18 +5,17 @@
 // Memory-bound: 0.5 byte read and 2 bytes written per weight, plus a byte of statistics
 // per 64 weights. Each thread takes 16 consecutive weights (one 8-byte load of codes, two
 // 16-byte stores), all in one 64-weight block, so it rebuilds its block's absmax once.
-// The two code tables sit in shared memory (a warp's nibbles index them at random).
-// Every product and sum is rounded on its own (__fmul_rn, __fadd_rn: no fused
-// multiply-add), the fp32 result rounded to nearest-even bf16, which makes the output
-// bitwise the CPU reference's and bitsandbytes' dequantize_4bit.
+// The code tables and the absmax come from nf4_device.cuh; the fp32 product is rounded to
+// nearest-even bf16, which makes the output bitwise the CPU reference's and bitsandbytes'
+// dequantize_4bit.
 // Assumes nothing about n: a thread whose 16 weights run past n, or a buffer not aligned
 // for vector access, takes the scalar path.
 #include "kernels/cuda/nf4.h"
 
 #include <cuda_runtime.h>
 
-#include "kernels/cpu/nf4.h"
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/nf4_device.cuh"
 
 namespace forge::cuda {
 namespace {
@@ -24,25 +23,17 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kPerThread = 16;
 
-struct CodeTables {
-  float nf4[16];
-  float dynamic[256];
-};
-
 __global__ void nf4_dequantize_kernel(bf16* out, const uint8_t* codes, const uint8_t* absmax_codes,
-                                      const float* absmax_scales, float absmax_offset, int64_t n, CodeTables tables,
-                                      bool vector_ok) {
+                                      const float* absmax_scales, float absmax_offset, int64_t n,
+                                      Nf4CodeTables tables, bool vector_ok) {
   __shared__ float nf4[16];
   __shared__ float dynamic[256];
-  for (int i = threadIdx.x; i < 256; i += blockDim.x) dynamic[i] = tables.dynamic[i];
-  if (threadIdx.x < 16) nf4[threadIdx.x] = tables.nf4[threadIdx.x];
-  __syncthreads();
+  nf4_stage_tables(tables, nf4, dynamic);
 
   const int64_t first = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread;
   if (first >= n) return;
   const int64_t block = first / 64;
-  const float absmax =
-      __fadd_rn(__fmul_rn(dynamic[absmax_codes[block]], absmax_scales[block / 256]), absmax_offset);
+  const float absmax = nf4_block_absmax(dynamic, absmax_codes, absmax_scales, absmax_offset, block);
   if (vector_ok && first + kPerThread <= n) {
     const uint2 packed = *reinterpret_cast<const uint2*>(codes + first / 2);
     const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&packed);
@@ -64,19 +55,12 @@ __global__ void nf4_dequantize_kernel(bf16* out, const uint8_t* codes, const uin
   }
 }
 
-CodeTables code_tables() {
-  CodeTables tables;
-  for (int i = 0; i < 16; ++i) tables.nf4[i] = cpu::kNf4Code[i];
-  for (int i = 0; i < 256; ++i) tables.dynamic[i] = cpu::kDynamicCode[i];
-  return tables;
-}
-
 }  // namespace
 
 void nf4_dequantize(bf16* out, const uint8_t* codes, const uint8_t* absmax_codes, const float* absmax_scales,
                     float absmax_offset, int64_t n) {
   if (n == 0) return;
-  static const CodeTables tables = code_tables();
+  static const Nf4CodeTables tables = nf4_code_tables();
   const bool vector_ok = reinterpret_cast<uintptr_t>(out) % 16 == 0 && reinterpret_cast<uintptr_t>(codes) % 8 == 0;
   const int64_t threads = (n + kPerThread - 1) / kPerThread;
   const auto blocks = static_cast<unsigned>((threads + kThreads - 1) / kThreads);
