@@ -209,8 +209,8 @@ int run_info(const std::vector<std::string>& args) {
                p.fp8_fsdp_all_gather ? "by each rank from its master chunk before the gathers"
                // NOTE [FP8 over an NF4 base]: no cache of the base's codes.
                : config.lora.quantize_base == "nf4"
-                   ? "in every GEMM from the NF4 codes dequantized to bf16 (QLoRA keeps no FP8 copy of the base: "
-                     "precision.fp8_weight_cache does not apply)"
+                   ? "in every GEMM from the NF4 codes (on CUDA straight to E4M3, on the CPU through their fp32 "
+                     "values; QLoRA keeps no FP8 copy of the base: precision.fp8_weight_cache does not apply)"
                : !p.fp8_weight_cache || t.device != "cuda" ? "in every micro-batch"
                // NOTE [FP8 frozen routed experts]: a delayed run casts a frozen expert once per step.
                : fp8->frozen ? (m.moe() && fp8->routed_experts && fp8->recipe == Fp8Recipe::Delayed
