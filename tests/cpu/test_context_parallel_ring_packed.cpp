@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "expect_error.h"
+#include "model/context_parallel_ring.h"
 #include "ops/attention.h"
 #include "ops/attention_chunk.h"
 #include "ops/attention_merge.h"
@@ -293,6 +294,33 @@ TEST(ContextParallelRingPacked, PairSegmentsRefuseAKeyChunkThatOverlapsTheQuerie
   Tensor out = Tensor::empty({1, 4, 2, 4}), lse = Tensor::empty({1, 2, 4});
   expect_error([&] { attention_chunk_forward(out, lse, qkv, kv, 0, shape, &full); },
                {"segments of a full chunk for a causal one"});
+}
+
+// A group that is never asked to communicate: set_layout only reads its rank and size.
+struct IdleGroup : ContextParallel {
+  int rank() const override { return 0; }
+  int size() const override { return 2; }
+  void gather(const Tensor&, const Tensor&) override { FORGE_FAIL("not here"); }
+  void reduce_scatter(const Tensor&, const Tensor&) override { FORGE_FAIL("not here"); }
+  void all_reduce_sum(const Tensor&) override { FORGE_FAIL("not here"); }
+  void rotate_start(const std::vector<Tensor>&, const std::vector<Tensor>&) override { FORGE_FAIL("not here"); }
+};
+
+// NOTE [Ring attention with packed examples]: no sliding window with packed examples.
+TEST(ContextParallelRingPacked, RingRefusesAWindowWithPackedExamples) {
+  IdleGroup group;
+  ContextParallelRing ring;
+  const StepShape step{1, 16, DType::F32, 1, 1, 2};
+  ArenaLayout counting(nullptr, Device::CPU);
+  ring.lay_out(counting, step, 2, 1, 4);
+  AttentionShape shape{.num_q_heads = 2, .num_kv_heads = 1, .sliding_window = 3, .scale = 0.5f, .head_dim = 4};
+  const Tensor ids = Tensor::zeros({1, 16}, DType::I32);
+  expect_error([&] { ring.set_layout(group, &ids, shape, Device::CPU); },
+               {"parallelism.context_parallel_rotate_method p2p", "packed examples", "model.sliding_window 3",
+                "allgather"});
+  ring.set_layout(group, nullptr, shape, Device::CPU);  // unpacked: the window is the ring's
+  shape.sliding_window = 0;
+  ring.set_layout(group, &ids, shape, Device::CPU);
 }
 
 }  // namespace
