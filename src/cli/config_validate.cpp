@@ -371,8 +371,8 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
 // chunks, with or without a sliding window, with or without packed examples (data.source sft
 // and govreport_npy: NOTE [Chunk attention with packed examples] in ops/attention_chunk.h);
-// both rotate methods, but not packed examples with a window under the ring; full training or LoRA and
-// QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
+// both rotate methods, but not packed examples with a window under the ring; full training or
+// LoRA and QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
 // dtype or in FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t c = config.parallelism.context_parallel_degree;

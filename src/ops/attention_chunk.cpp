@@ -153,7 +153,7 @@ std::vector<RaggedSequence> chunk_examples(const AttentionChunkSegments& s, cons
 void describe_ragged(AttentionChunkSegments& s, const std::vector<RaggedSequence>& sequences,
                      const AttentionShape& shape) {
   s.num_examples = static_cast<int64_t>(sequences.size());
-  s.capacity = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(1, s.num_examples))));
+  s.capacity = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(s.num_examples)));
   const int64_t d = shape.head_dim, kv_width = 2 * shape.num_kv_heads * d, out_width = shape.num_q_heads * d;
   s.q_lengths = Tensor::empty({s.capacity}, DType::I32);
   s.kv_lengths = Tensor::empty({s.capacity}, DType::I32);
@@ -202,9 +202,7 @@ AttentionChunkSegments pair_segments(const Tensor& segment_ids, int64_t query_po
   s.kv_seq = length;
   std::vector<RaggedSequence> sequences;
   if (key_position == query_position) {  // each example from its first position in the chunk
-    AttentionChunkSegments whole = row;
-    whole.queries = length;
-    for (RaggedSequence x : chunk_examples(whole, start)) {
+    for (RaggedSequence x : chunk_examples(row, start)) {
       x.first_key = std::max<int64_t>(x.first_key - query_position, 0);
       x.keys = x.first_query + x.queries - x.first_key;
       sequences.push_back(x);
