@@ -70,8 +70,13 @@ void ContextParallelRing::set_layout(const ContextParallel& cp, const Tensor* se
         const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
         if (ring_chunk_pair(q, k) == RingChunkPair::Skipped) continue;
         pair_segments_[static_cast<size_t>((half * c + owner) * 2 + key_half)] =
-            attention_chunk_pair_segments(*segment_ids, q * chunk_, k * chunk_, chunk_, attention, device);
+            device == Device::CPU
+                ? attention_chunk_pair_segments(*segment_ids, q * chunk_, k * chunk_, chunk_, attention, device)
+                : attention_chunk_pair_ragged_on_host(*segment_ids, q * chunk_, k * chunk_, chunk_, attention);
       }
+  // On CUDA, every pair's lengths and offsets in one buffer, one copy (the pairs never
+  // computed hold empty arrays).
+  if (device != Device::CPU) segment_buffer_ = upload_chunk_segments(pair_segments_, device);
 }
 
 RingChunkPair ContextParallelRing::pair_of(int half, int owner, int key_half, int ranks, int rank, int64_t window,

@@ -154,6 +154,7 @@ class ContextParallelRing {
   Tensor part_dkv_;     // [B, L, 2Hkv, D]: one pair's dk/dv
   bool packed_ = false;
   std::vector<AttentionChunkSegments> pair_segments_;  // [2 halves][C owners][2 key halves]
+  Tensor segment_buffer_;  // CUDA: the device memory of their lengths and offsets
 };
 
 }  // namespace forge

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <vector>
 
 #include "core/op_profile.h"
@@ -279,6 +280,36 @@ AttentionChunkSegments attention_chunk_pair_ragged_on_host(const Tensor& segment
                                                            int64_t key_position, int64_t length,
                                                            const AttentionShape& shape) {
   return pair_segments(segment_ids, query_position, key_position, length, shape, true);
+}
+
+Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Device device) {
+  auto arrays = [](AttentionChunkSegments& s) {  // none for a chunk never described
+    return s.capacity == 0 ? std::vector<Tensor*>{}
+                           : std::vector<Tensor*>{&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets,
+                                                  &s.lse_offsets, &s.kv_offsets};
+  };
+  auto aligned = [](size_t bytes) { return (bytes + 7) / 8 * 8; };  // every array at 8 bytes
+  size_t total = 0;
+  for (AttentionChunkSegments& s : segments)
+    for (Tensor* t : arrays(s)) total += aligned(t->nbytes());
+  Tensor host = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(total, 1))}, DType::U8);
+  size_t at = 0;
+  for (AttentionChunkSegments& s : segments)
+    for (Tensor* t : arrays(s)) {
+      if (t->nbytes() > 0) std::memcpy(host.data<uint8_t>() + at, t->raw(), t->nbytes());
+      at += aligned(t->nbytes());
+    }
+  Tensor buffer = host.to(device);
+  at = 0;
+  for (AttentionChunkSegments& s : segments) {
+    if (s.capacity > 0) s.device = device;
+    for (Tensor* t : arrays(s)) {
+      const size_t bytes = t->nbytes();
+      *t = Tensor::wrap(buffer.data<uint8_t>() + at, t->shape(), t->dtype(), device);
+      at += aligned(bytes);
+    }
+  }
+  return buffer;
 }
 
 void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,

@@ -100,6 +100,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 #include "ops/attention.h"
@@ -147,7 +148,12 @@ AttentionChunkSegments attention_chunk_ragged_on_host(const Tensor& segment_ids,
 AttentionChunkSegments attention_chunk_pair_segments(const Tensor& segment_ids, int64_t query_position,
                                                      int64_t key_position, int64_t length,
                                                      const AttentionShape& shape, Device device);
-// CUDA's form of a pair's segments on the host, for tests.
+// Several chunks' CUDA forms, built on the host (attention_chunk_pair_ragged_on_host), moved
+// to `device` in one copy: their lengths and offsets become views of the returned buffer,
+// which must outlive them (one allocation and one transfer per micro-batch for ring
+// attention's 2C + 1 pairs, instead of six of each per pair).
+Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Device device);
+// CUDA's form of a pair's segments on the host, for tests and upload_chunk_segments.
 AttentionChunkSegments attention_chunk_pair_ragged_on_host(const Tensor& segment_ids, int64_t query_position,
                                                            int64_t key_position, int64_t length,
                                                            const AttentionShape& shape);

@@ -262,6 +262,34 @@ TEST(ContextParallelRingPacked, FullPairBackwardIsTheGradient) {
     for (int64_t e = 0; e < kv_width; ++e) EXPECT_EQ(dkv.data<float>()[(l + j) * kv_width + e], 0.0f);
 }
 
+// The ring's pairs' CUDA forms go to the device in one buffer; here onto the CPU, where the
+// views must read what was built (a pair never described, as the ring's skipped ones, stays
+// empty).
+TEST(ContextParallelRingPacked, UploadInOneBufferKeepsEveryPairsArrays) {
+  const AttentionShape shape{.num_q_heads = 4, .num_kv_heads = 2, .sliding_window = 0, .scale = 0.4f, .head_dim = 4};
+  const Tensor ids = ids_of(kRows[2]);
+  std::vector<AttentionChunkSegments> built, uploaded;
+  for (int64_t k : {0, 1, 3}) built.push_back(attention_chunk_pair_ragged_on_host(ids, 9, 3 * k, 3, shape));
+  built.emplace_back();
+  uploaded = built;
+  const Tensor buffer = upload_chunk_segments(uploaded, Device::CPU);
+  for (size_t n = 0; n + 1 < built.size(); ++n) {
+    const AttentionChunkSegments &a = built[n], &b = uploaded[n];
+    ASSERT_EQ(a.capacity, b.capacity);
+    for (int64_t e = 0; e < a.capacity; ++e) {
+      EXPECT_EQ(a.q_lengths.data<int32_t>()[e], b.q_lengths.data<int32_t>()[e]);
+      EXPECT_EQ(a.kv_lengths.data<int32_t>()[e], b.kv_lengths.data<int32_t>()[e]);
+    }
+    for (auto member : {&AttentionChunkSegments::q_offsets, &AttentionChunkSegments::out_offsets,
+                        &AttentionChunkSegments::lse_offsets, &AttentionChunkSegments::kv_offsets})
+      for (int64_t e = 0; e <= a.capacity; ++e)
+        EXPECT_EQ((a.*member).data<int64_t>()[e], (b.*member).data<int64_t>()[e]);
+    EXPECT_NE(b.q_lengths.raw(), a.q_lengths.raw());
+    EXPECT_GE(static_cast<uint8_t*>(b.kv_offsets.raw()), buffer.data<uint8_t>());
+  }
+  EXPECT_EQ(uploaded.back().capacity, 0);
+}
+
 TEST(ContextParallelRingPacked, MergeOfTokenMajorStatisticsIsTheMerge) {
   Rng rng(33);
   const int64_t b = 2, l = 5, h = 3, d = 4;
