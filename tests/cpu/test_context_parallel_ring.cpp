@@ -2,9 +2,10 @@
 // all-gather form and against the whole sequence's attention on one rank: C ranks (threads
 // over the CPU process group) each run ContextParallelAttention both ways on their chunks of
 // random qkv and dout, and out, lse and dqkv (dq, and the dk/dv of the rank's own keys) agree
-// within fp32 rounding, printed; unpacked, with a sliding window, and with packed examples. Then its parts: which chunk pairs each step computes, the
-// full chunk attention (NOTE [Full chunk attention]) against the bidirectional attention, and
-// the log-sum-exp merge (NOTE [Attention merge]); and the configurations it refuses.
+// within fp32 rounding, printed; unpacked, with a sliding window, and with packed examples.
+// Then its parts: which chunk pairs each step computes, the full chunk attention (NOTE [Full
+// chunk attention]) against the bidirectional attention, and the log-sum-exp merge (NOTE
+// [Attention merge]); and the configurations it refuses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -185,8 +186,8 @@ void expect_ring_matches_all_gather(const RingCase& c) {
       "ring vs all-gather, C=%d L=%lld W=%lld Hq=%lld Hkv=%lld%s: max |diff| out %.3g lse %.3g dqkv %.3g (max "
       "|dqkv| %.3g); ring vs one rank: out %.3g lse %.3g dqkv %.3g\n",
       c.ranks, static_cast<long long>(c.seq / (2 * c.ranks)), static_cast<long long>(c.window),
-      static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), c.runs.empty() ? "" : " packed", out_gap, lse_gap, dqkv_gap, scale,
-      out_ref, lse_ref, dqkv_ref);
+      static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), c.runs.empty() ? "" : " packed", out_gap,
+      lse_gap, dqkv_gap, scale, out_ref, lse_ref, dqkv_ref);
   // fp32: the ring sums the same terms in another order (a few ulps of values of order 1-10).
   for (double gap : {out_gap, lse_gap, out_ref, lse_ref}) EXPECT_LT(gap, 2e-5);
   for (double gap : {dqkv_gap, dqkv_ref}) EXPECT_LT(gap, 2e-5 * std::max(1.0, scale));

@@ -3,8 +3,9 @@
 // the row's two lse values and computes the two weights, the lanes stride over the head dim
 // (out fp32, the partial out bf16), and lane 0 writes the merged lse once every lane has read
 // the old one (a __syncwarp between). The statistics are [b, h, l], or token-major [b l, h]
-// (cuDNN's ragged statistics, packed examples), where the row's index is the lse's. Memory-bound: it reads and writes the fp32 out once per
-// ring step, next to the attention's reads of the same rows.
+// (cuDNN's ragged statistics, packed examples), where the row's index is the lse's.
+// Memory-bound: it reads and writes the fp32 out once per ring step, next to the attention's
+// reads of the same rows.
 #include "kernels/cuda/attention_merge.h"
 
 #include <cuda_bf16.h>
