@@ -371,8 +371,8 @@ void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescr
 // model/context_parallel.h): a dense Llama-family model, sequences that split into 2C
 // chunks, with or without a sliding window, with or without packed examples (data.source sft
 // and govreport_npy: NOTE [Chunk attention with packed examples] in ops/attention_chunk.h);
-// both rotate methods but packed examples under the ring; full training or LoRA and
-// QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
+// both rotate methods, but not packed examples with a window under the ring; full training or
+// LoRA and QLoRA (NOTE [LoRA under context and tensor parallelism] in model/lora.h), in the compute
 // dtype or in FP8 (NOTE [FP8 under context and pipeline parallelism] in train/trainer_fp8.cpp).
 void check_context_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t c = config.parallelism.context_parallel_degree;
@@ -385,7 +385,8 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
   }
   // Ring attention (NOTE [Ring attention] in model/context_parallel_ring.h): a sliding window
   // (NOTE [Ring attention with a sliding window]) but, on CUDA, not one that leaves a band of
-  // a single query, which cuDNN does not take; no packed examples.
+  // a single query, which cuDNN does not take; packed examples (NOTE [Ring attention with packed
+  // examples]) but not with a window.
   if (config.parallelism.context_parallel_rotate_method != "p2p") return;
   const std::string ring = show(config, keys, "parallelism.context_parallel_rotate_method");
   const int64_t window = config.model.sliding_window, chunk = config.training.seq_len / (2 * c);
@@ -396,10 +397,11 @@ void check_context_parallel_degree(const ExperimentConfig& config, const KeyDesc
                "parallelism.context_parallel_rotate_method allgather",
                ring, show(config, keys, "model.sliding_window"), show(config, keys, "training.seq_len"), cp, chunk,
                window);
-  if (config.data.source == "sft" || config.data.source == "govreport_npy")
-    FORGE_FAIL("{} with {}: ring attention does not take packed examples; use "
+  if ((config.data.source == "sft" || config.data.source == "govreport_npy") && window > 0)
+    FORGE_FAIL("{} with {} and {}: ring attention takes packed examples or a sliding window, not both (a chunk "
+               "pair would be a band of one example's rows, NOTE [Ring attention with packed examples]); use "
                "parallelism.context_parallel_rotate_method allgather",
-               ring, show(config, keys, "data.source"));
+               ring, show(config, keys, "data.source"), show(config, keys, "model.sliding_window"));
 }
 
 // parallelism.pipeline_parallel_degree P > 1 (NOTE [Pipeline parallelism] in

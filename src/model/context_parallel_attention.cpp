@@ -38,15 +38,14 @@ void ContextParallelAttention::prepare(const ContextParallel& cp, const StepShap
 void ContextParallelAttention::set_layout(const ContextParallel& cp, const SequenceLayout* layout,
                                           const AttentionShape& attention) {
   packed_ = layout != nullptr;
+  if (ring_) ring_attention_.set_layout(cp, packed_ ? &layout->segments : nullptr, attention, device_);
   if (!packed_) return;
-  FORGE_CHECK(!ring_,
-              "ring attention (parallelism.context_parallel_rotate_method p2p) does not take packed examples "
-              "(data.source sft or govreport_npy): use parallelism.context_parallel_rotate_method allgather");
   // NOTE [Packed examples]: the positions restart with each example; per token, so the rank
   // takes its chunks of them as of the tokens.
   Tensor host = Tensor::empty({2 * batch_, chunk_}, DType::I32);
   take_chunks(host, layout->positions, cp.rank(), cp.size());
   packed_positions_ = host.to(device_);
+  if (ring_) return;  // the ring's pairs have segments of their own
   for (int half = 0; half < 2; ++half)
     chunk_segments_[half] = attention_chunk_segments(
         layout->segments, context_parallel_chunk(cp.rank(), cp.size(), half) * chunk_, chunk_, attention, device_);

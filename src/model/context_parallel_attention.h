@@ -30,7 +30,8 @@ class ContextParallelAttention {
   void prepare(const ContextParallel& cp, const StepShape& shape, Device device);
   // The micro-batch's packed examples (null: each row one sequence; NOTE [Chunk attention
   // with packed examples] in ops/attention_chunk.h): the rank's chunks of their positions, and
-  // each query chunk's segments for `attention`. After prepare.
+  // each query chunk's segments for `attention` (under the ring, each chunk pair's: NOTE [Ring
+  // attention with packed examples]). After prepare.
   void set_layout(const ContextParallel& cp, const SequenceLayout* layout, const AttentionShape& attention);
   const Tensor& positions() const { return packed_ ? packed_positions_ : positions_; }
 

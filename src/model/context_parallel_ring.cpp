@@ -1,7 +1,6 @@
 #include "model/context_parallel_ring.h"
 
 #include "core/error.h"
-#include "ops/attention_chunk.h"
 #include "ops/attention_merge.h"
 #include "ops/elementwise.h"
 
@@ -53,6 +52,43 @@ void ContextParallelRing::lay_out(ArenaLayout& layout, const StepShape& shape, i
   part_dkv_ = layout.take({batch_, chunk_, 2 * kv_heads, head_dim}, shape.dtype);
 }
 
+void ContextParallelRing::set_layout(const ContextParallel& cp, const Tensor* segment_ids,
+                                     const AttentionShape& attention, Device device) {
+  packed_ = segment_ids != nullptr;
+  pair_segments_.clear();
+  if (!packed_) return;
+  FORGE_CHECK(attention.sliding_window == 0,
+              "ring attention (parallelism.context_parallel_rotate_method p2p) with packed examples (data.source sft "
+              "or govreport_npy) takes no sliding window (model.sliding_window {}; NOTE [Ring attention with packed "
+              "examples]): use parallelism.context_parallel_rotate_method allgather",
+              attention.sliding_window);
+  const int c = cp.size(), r = cp.rank();
+  pair_segments_.resize(static_cast<size_t>(4 * c));
+  for (int half = 0; half < 2; ++half)
+    for (int owner = 0; owner < c; ++owner)
+      for (int key_half = 0; key_half < 2; ++key_half) {
+        const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
+        if (ring_chunk_pair(q, k) == RingChunkPair::Skipped) continue;
+        pair_segments_[static_cast<size_t>((half * c + owner) * 2 + key_half)] =
+            device == Device::CPU
+                ? attention_chunk_pair_segments(*segment_ids, q * chunk_, k * chunk_, chunk_, attention, device)
+                : attention_chunk_pair_ragged_on_host(*segment_ids, q * chunk_, k * chunk_, chunk_, attention);
+      }
+  // On CUDA, every pair's lengths and offsets in one buffer, one copy (the pairs never
+  // computed hold empty arrays).
+  if (device != Device::CPU) segment_buffer_ = upload_chunk_segments(pair_segments_, device);
+}
+
+RingChunkPair ContextParallelRing::pair_of(int half, int owner, int key_half, int ranks, int rank, int64_t window,
+                                           const AttentionChunkSegments** segments) const {
+  const int64_t q = context_parallel_chunk(rank, ranks, half), k = context_parallel_chunk(owner, ranks, key_half);
+  const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, window);
+  *segments = nullptr;
+  if (!packed_ || pair == RingChunkPair::Skipped) return pair;
+  *segments = &pair_segments_[static_cast<size_t>((half * ranks + owner) * 2 + key_half)];
+  return (*segments)->num_examples == 0 ? RingChunkPair::Skipped : pair;
+}
+
 void ContextParallelRing::take_own_block(const Tensor& qkv) {
   const int64_t rows = 2 * batch_ * chunk_, width = qkv.dim(2) * qkv.dim(3);
   const int64_t kv_width = kv_[0].dim(2) * kv_[0].dim(3);
@@ -74,12 +110,14 @@ void ContextParallelRing::forward(ContextParallel& cp, const Tensor& out, const 
     for (int half = 0; half < 2; ++half)
       for (int key_half = 0; key_half < 2; ++key_half) {
         const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
-        const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, shape.sliding_window);
+        const AttentionChunkSegments* segments = nullptr;
+        const RingChunkPair pair = pair_of(half, owner, key_half, c, r, shape.sliding_window, &segments);
         if (pair == RingChunkPair::Skipped) continue;
         attention_chunk_forward(part_out_, part_lse_, half_of(qkv, half), half_of(held, key_half),
-                                pair_position(pair, q, k, chunk_), pair_shape(shape, pair));
+                                pair_position(pair, q, k, chunk_), pair_shape(shape, pair), segments);
         if (started[half]) {
-          attention_merge(half_of(running, half), half_of(lse, half), part_out_, part_lse_);
+          attention_merge(half_of(running, half), half_of(lse, half), part_out_, part_lse_,
+                          token_major_lse(segments));
         } else {
           cast(half_of(running, half), part_out_);
           cast(half_of(lse, half), part_lse_);
@@ -106,11 +144,12 @@ void ContextParallelRing::backward(ContextParallel& cp, const Tensor& dqkv, cons
     for (int half = 0; half < 2; ++half)
       for (int key_half = 0; key_half < 2; ++key_half) {
         const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
-        const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, shape.sliding_window);
+        const AttentionChunkSegments* segments = nullptr;
+        const RingChunkPair pair = pair_of(half, owner, key_half, c, r, shape.sliding_window, &segments);
         if (pair == RingChunkPair::Skipped) continue;
         attention_chunk_backward(part_dqkv_, part_dkv_, half_of(dout, half), half_of(qkv, half),
                                  half_of(held, key_half), half_of(out, half), half_of(lse, half),
-                                 pair_position(pair, q, k, chunk_), pair_shape(shape, pair));
+                                 pair_position(pair, q, k, chunk_), pair_shape(shape, pair), segments);
         accumulate(half_of(dq, half), part_dqkv_);
         accumulate(half_of(step_grad_, key_half), part_dkv_);
       }

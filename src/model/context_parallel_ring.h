@@ -45,9 +45,30 @@
 // and one reduce-scatter in the open. On CUDA the group's steps run on a stream of their own
 // (distributed/context_parallel_group.h), ordered by events; the CPU group's, and the test
 // groups', are done when rotate_start returns. With a sliding window, NOTE [Ring attention
-// with a sliding window]. Not taken under the ring (refused by the config's validation):
-// packed examples (segments per pair of chunks; cuDNN's ragged statistics are token-major, the
-// merge's are not).
+// with a sliding window]; with packed examples, NOTE [Ring attention with packed examples].
+//
+// NOTE [Ring attention with packed examples]
+// With packed examples (NOTE [Chunk attention with packed examples] in ops/attention_chunk.h)
+// a query sees the keys of its own example only. The pairs are the windowless ring's, each
+// with segments of its own, built on the host once per micro-batch from the micro-batch's
+// segment ids (every rank reads the whole micro-batch) for every pair the rank computes
+// (2 query chunks x C blocks x 2 key chunks) and reused by every layer:
+//   Diagonal   the causal chunk attention at position 0 per example, each example's keys
+//              from its first position in the chunk (the earlier ones are other pairs')
+//   Full       NOTE [Full chunk attention with packed examples]: only the example running at
+//              the query chunk's start can reach back into the key chunk; its queries see the
+//              keys of the chunk from the example's start on, all of them, the other queries
+//              none (out 0, lse -inf: nothing in the merge, no gradient)
+// A Full pair that no query of any row sees (the usual case for chunks far apart: an example
+// would have to span them) is skipped like a Skipped one; its block still travels. The
+// diagonal is always computed, so the final lse is finite. On CUDA the pairs are cuDNN's
+// ragged form, whose statistics are token-major [B L, Hq]: the partial and the running lse
+// (the layer's lse tensor, as the all-gather's under packed examples) are then all
+// token-major, and the merge reads them so (its token_major flag; where an lse and its out
+// row have the same index); no copy. On the CPU they stay [B, Hq, L]. Not with a sliding
+// window (refused by the config's validation and set_layout, naming model.sliding_window
+// and data.source): a Full pair would be a band of one example's rows at an offset into the
+// key chunk, which the windowed bands here (cuDNN's band over whole rows) do not describe.
 //
 // NOTE [Ring attention with a sliding window]
 // Mistral's window W: query position u sees key position v when 0 <= u - v < W. The chunks
@@ -77,12 +98,14 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 #include "model/activations.h"
 #include "model/block_component.h"
 #include "model/context_parallel.h"
 #include "ops/attention.h"
+#include "ops/attention_chunk.h"
 
 namespace forge {
 
@@ -96,6 +119,11 @@ class ContextParallelRing {
   // Scratch shared by every layer for `q_heads` query and `kv_heads` key/value heads of
   // `head_dim`, for shape.context_parallel ranks.
   void lay_out(ArenaLayout& layout, const StepShape& shape, int64_t q_heads, int64_t kv_heads, int64_t head_dim);
+  // The micro-batch's packed examples, segment ids int32 [B, S] on the CPU (null: each row
+  // one sequence): every computed pair's segments on `device` (NOTE [Ring attention with
+  // packed examples]). After lay_out.
+  void set_layout(const ContextParallel& cp, const Tensor* segment_ids, const AttentionShape& attention,
+                  Device device);
   // qkv [2B, L, Hq + 2Hkv, D] (rotated), out [2B, L, Hq, D], lse [2B, Hq, L]: as
   // ContextParallelAttention::forward's.
   void forward(ContextParallel& cp, const Tensor& out, const Tensor& lse, const Tensor& qkv,
@@ -110,6 +138,10 @@ class ContextParallelRing {
   void take_own_block(const Tensor& qkv);
   // Rows [half B, (half + 1) B) of a [2B, ...] tensor: one chunk of every row.
   Tensor half_of(const Tensor& t, int half) const { return t.narrow(half * batch_, (half + 1) * batch_); }
+  // What the pair computes and its packed examples (null: none); Skipped also for a packed
+  // pair where no query sees a key.
+  RingChunkPair pair_of(int half, int owner, int key_half, int ranks, int rank, int64_t window,
+                        const AttentionChunkSegments** segments) const;
 
   int64_t batch_ = 0, chunk_ = 0, q_heads_ = 0;  // B, L, Hq
   Tensor kv_[2];        // [2B, L, 2Hkv, D]: the held block and the one arriving
@@ -120,6 +152,9 @@ class ContextParallelRing {
   Tensor part_lse_;     // fp32 [B, Hq, L]: its lse
   Tensor part_dqkv_;    // [B, L, Hq + 2Hkv, D]: one pair's dq (its key/value heads zero)
   Tensor part_dkv_;     // [B, L, 2Hkv, D]: one pair's dk/dv
+  bool packed_ = false;
+  std::vector<AttentionChunkSegments> pair_segments_;  // [2 halves][C owners][2 key halves]
+  Tensor segment_buffer_;  // CUDA: the device memory of their lengths and offsets
 };
 
 }  // namespace forge

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cstring>
 #include <vector>
 
 #include "core/op_profile.h"
@@ -53,7 +54,10 @@ cpu::AttentionChunkDims chunk_dims(const Tensor& qkv, const Tensor& kv, int64_t 
 void check_segments(const AttentionChunkSegments* segments, const cpu::AttentionChunkDims& d, Device device,
                     const char* op) {
   if (!segments) return;
-  FORGE_CHECK(d.causal, "{}: packed examples need causal chunk attention (NOTE [Full chunk attention])", op);
+  FORGE_CHECK(segments->causal == d.causal && (d.causal || (d.window == 0 && d.position == 0)),
+              "{}: segments of a {} chunk for a {} one (packed examples take a full chunk at position 0 with no "
+              "window, NOTE [Full chunk attention with packed examples])",
+              op, segments->causal ? "causal" : "full", d.causal ? "causal" : "full");
   FORGE_CHECK(segments->device == device && segments->batch == d.batch && segments->queries == d.queries &&
                   segments->position == d.position && segments->kv_seq == d.kv_seq &&
                   segments->qkv_width == (d.q_heads + 2 * d.kv_heads) * d.head_dim,
@@ -62,6 +66,15 @@ void check_segments(const AttentionChunkSegments* segments, const cpu::Attention
               op, segments->queries, segments->position, segments->batch, segments->kv_seq, segments->qkv_width,
               device_name(segments->device), d.queries, d.position, d.batch, d.kv_seq,
               (d.q_heads + 2 * d.kv_heads) * d.head_dim, device_name(device));
+}
+
+// The CPU kernel's view of the segments: each position's example start (causal) or each
+// query's first key (a full chunk).
+void set_cpu_segments(cpu::AttentionChunkDims& d, const AttentionChunkSegments& segments) {
+  if (segments.causal)
+    d.example_start = segments.example_start.data<int32_t>();
+  else
+    d.first_key = segments.first_key.data<int32_t>();
 }
 
 #ifdef FORGE_CUDA
@@ -116,22 +129,31 @@ AttentionChunkSegments chunk_segments_of(const Tensor& segment_ids, int64_t posi
   return s;
 }
 
-// CUDA's ragged description of the chunk's examples into s, on the host.
-void describe_ragged(AttentionChunkSegments& s, const std::vector<int32_t>& start, const AttentionShape& shape) {
-  // Per example the chunk meets, row by row: its first query (a position of the chunk), its
-  // first key (a position of the row), and its end within the chunk.
-  struct Example {
-    int64_t row, first_query, first_key, end;
-  };
-  std::vector<Example> examples;
+// One sequence of the ragged form: its row, its first query (of the chunk) and first key (of
+// kv's row), and their counts.
+struct RaggedSequence {
+  int64_t row, first_query, queries, first_key, keys;
+};
+
+// The examples the causal chunk meets (NOTE [Chunk attention with packed examples]), row by
+// row: each one's queries in the chunk and its keys from its first position to the chunk's end.
+std::vector<RaggedSequence> chunk_examples(const AttentionChunkSegments& s, const std::vector<int32_t>& start) {
+  std::vector<RaggedSequence> examples;
   const int64_t chunk_end = s.position + s.queries;
   for (int64_t b = 0; b < s.batch; ++b)
     for (int64_t t = s.position; t < chunk_end; ++t) {
       const int64_t first = start[static_cast<size_t>(b * s.kv_seq + t)];
-      if (t == s.position || first == t) examples.push_back({b, t, first, 0});
-      examples.back().end = t + 1;
+      if (t == s.position || first == t) examples.push_back({b, t - s.position, 0, first, 0});
+      examples.back().queries = t + 1 - s.position - examples.back().first_query;
+      examples.back().keys = t + 1 - examples.back().first_key;
     }
-  s.num_examples = static_cast<int64_t>(examples.size());
+  return examples;
+}
+
+// CUDA's ragged description of the sequences into s, on the host.
+void describe_ragged(AttentionChunkSegments& s, const std::vector<RaggedSequence>& sequences,
+                     const AttentionShape& shape) {
+  s.num_examples = static_cast<int64_t>(sequences.size());
   s.capacity = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(s.num_examples)));
   const int64_t d = shape.head_dim, kv_width = 2 * shape.num_kv_heads * d, out_width = shape.num_q_heads * d;
   s.q_lengths = Tensor::empty({s.capacity}, DType::I32);
@@ -143,11 +165,11 @@ void describe_ragged(AttentionChunkSegments& s, const std::vector<int32_t>& star
     // at; the empty ones past the examples start at the ends.
     int64_t chunk_token = s.batch * s.queries, row_token = s.batch * s.kv_seq, q_length = 0, kv_length = 0;
     if (e < s.num_examples) {
-      const Example& x = examples[static_cast<size_t>(e)];
-      chunk_token = x.row * s.queries + x.first_query - s.position;
+      const RaggedSequence& x = sequences[static_cast<size_t>(e)];
+      chunk_token = x.row * s.queries + x.first_query;
       row_token = x.row * s.kv_seq + x.first_key;
-      q_length = x.end - x.first_query;
-      kv_length = x.end - x.first_key;
+      q_length = x.queries;
+      kv_length = x.keys;
     }
     if (e < s.capacity) {
       s.q_lengths.data<int32_t>()[e] = static_cast<int32_t>(q_length);
@@ -158,6 +180,66 @@ void describe_ragged(AttentionChunkSegments& s, const std::vector<int32_t>& star
     s.lse_offsets.data<int64_t>()[e] = chunk_token * shape.num_q_heads;
     s.kv_offsets.data<int64_t>()[e] = row_token * kv_width;
   }
+}
+
+void upload(AttentionChunkSegments& s, Device device) {
+  for (Tensor* t : {&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets, &s.lse_offsets, &s.kv_offsets})
+    *t = t->to(device);
+}
+
+// A pair's segments (NOTE [Full chunk attention with packed examples]): the causal chunk of
+// the query chunk's own positions, or the full chunk of a key chunk wholly in its past; on the
+// host, the CPU's form, or CUDA's when `ragged`.
+AttentionChunkSegments pair_segments(const Tensor& segment_ids, int64_t query_position, int64_t key_position,
+                                     int64_t length, const AttentionShape& shape, bool ragged) {
+  FORGE_CHECK(key_position == query_position || (key_position >= 0 && key_position + length <= query_position),
+              "attention_chunk_pair_segments: the key chunk [{}, {}) must be the query chunk [{}, {}) or lie wholly "
+              "before it",
+              key_position, key_position + length, query_position, query_position + length);
+  std::vector<int32_t> start;
+  AttentionChunkSegments row = chunk_segments_of(segment_ids, query_position, length, shape, Device::CPU, start);
+  AttentionChunkSegments s = row;
+  s.position = 0;
+  s.kv_seq = length;
+  std::vector<RaggedSequence> sequences;
+  if (key_position == query_position) {  // each example from its first position in the chunk
+    for (RaggedSequence x : chunk_examples(row, start)) {
+      x.first_key = std::max<int64_t>(x.first_key - query_position, 0);
+      x.keys = x.first_query + x.queries - x.first_key;
+      sequences.push_back(x);
+    }
+    if (!ragged) {
+      s.example_start = Tensor::empty({s.batch, length}, DType::I32);
+      for (int64_t b = 0; b < s.batch; ++b)
+        for (int64_t j = 0; j < length; ++j)
+          s.example_start.data<int32_t>()[b * length + j] = static_cast<int32_t>(
+              std::max<int64_t>(start[static_cast<size_t>(b * row.kv_seq + query_position + j)] - query_position, 0));
+    }
+  } else {
+    s.causal = false;
+    s.first_key = Tensor::empty({s.batch, length}, DType::I32);
+    for (int64_t b = 0; b < s.batch; ++b) {
+      RaggedSequence x{b, 0, 0, length, 0};
+      for (int64_t i = 0; i < length; ++i) {
+        const int64_t first = start[static_cast<size_t>(b * row.kv_seq + query_position + i)] - key_position;
+        const int64_t key = std::clamp<int64_t>(first, 0, length);  // length: the example began after the keys
+        s.first_key.data<int32_t>()[b * length + i] = static_cast<int32_t>(key);
+        if (key < length) {
+          x.first_key = key;
+          x.queries = i + 1;
+        }
+      }
+      x.keys = length - x.first_key;
+      if (x.queries > 0) sequences.push_back(x);
+    }
+  }
+  if (ragged) {
+    s.first_key = Tensor();
+    describe_ragged(s, sequences, shape);
+  } else {
+    s.num_examples = static_cast<int64_t>(sequences.size());
+  }
+  return s;
 }
 
 }  // namespace
@@ -171,9 +253,8 @@ AttentionChunkSegments attention_chunk_segments(const Tensor& segment_ids, int64
     std::copy(start.begin(), start.end(), s.example_start.data<int32_t>());
     return s;
   }
-  describe_ragged(s, start, shape);
-  for (Tensor* t : {&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets, &s.lse_offsets, &s.kv_offsets})
-    *t = t->to(device);
+  describe_ragged(s, chunk_examples(s, start), shape);
+  upload(s, device);
   return s;
 }
 
@@ -181,8 +262,54 @@ AttentionChunkSegments attention_chunk_ragged_on_host(const Tensor& segment_ids,
                                                       const AttentionShape& shape) {
   std::vector<int32_t> start;
   AttentionChunkSegments s = chunk_segments_of(segment_ids, position, queries, shape, Device::CPU, start);
-  describe_ragged(s, start, shape);
+  describe_ragged(s, chunk_examples(s, start), shape);
   return s;
+}
+
+AttentionChunkSegments attention_chunk_pair_segments(const Tensor& segment_ids, int64_t query_position,
+                                                     int64_t key_position, int64_t length,
+                                                     const AttentionShape& shape, Device device) {
+  AttentionChunkSegments s =
+      pair_segments(segment_ids, query_position, key_position, length, shape, device != Device::CPU);
+  s.device = device;
+  if (device != Device::CPU) upload(s, device);
+  return s;
+}
+
+AttentionChunkSegments attention_chunk_pair_ragged_on_host(const Tensor& segment_ids, int64_t query_position,
+                                                           int64_t key_position, int64_t length,
+                                                           const AttentionShape& shape) {
+  return pair_segments(segment_ids, query_position, key_position, length, shape, true);
+}
+
+Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Device device) {
+  auto arrays = [](AttentionChunkSegments& s) {  // none for a chunk never described
+    return s.capacity == 0 ? std::vector<Tensor*>{}
+                           : std::vector<Tensor*>{&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets,
+                                                  &s.lse_offsets, &s.kv_offsets};
+  };
+  auto aligned = [](size_t bytes) { return (bytes + 7) / 8 * 8; };  // every array at 8 bytes
+  size_t total = 0;
+  for (AttentionChunkSegments& s : segments)
+    for (Tensor* t : arrays(s)) total += aligned(t->nbytes());
+  Tensor host = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(total, 1))}, DType::U8);
+  size_t at = 0;
+  for (AttentionChunkSegments& s : segments)
+    for (Tensor* t : arrays(s)) {
+      if (t->nbytes() > 0) std::memcpy(host.data<uint8_t>() + at, t->raw(), t->nbytes());
+      at += aligned(t->nbytes());
+    }
+  Tensor buffer = host.to(device);
+  at = 0;
+  for (AttentionChunkSegments& s : segments) {
+    if (s.capacity > 0) s.device = device;
+    for (Tensor* t : arrays(s)) {
+      const size_t bytes = t->nbytes();
+      *t = Tensor::wrap(buffer.data<uint8_t>() + at, t->shape(), t->dtype(), device);
+      at += aligned(bytes);
+    }
+  }
+  return buffer;
 }
 
 void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor& qkv, const Tensor& kv,
@@ -205,7 +332,7 @@ void attention_chunk_forward(const Tensor& out, const Tensor& lse, const Tensor&
                                       cuda_problem(d, segments)));
     return;
   }
-  if (segments) d.example_start = segments->example_start.data<int32_t>();
+  if (segments) set_cpu_segments(d, *segments);
   cpu::attention_chunk_forward(out.data<float>(), lse.data<float>(), qkv.data<float>(), kv.data<float>(), d);
 }
 
@@ -238,7 +365,7 @@ void attention_chunk_backward(const Tensor& dqkv, const Tensor& dkv, const Tenso
                                                    cuda_problem(d, segments)));
     return;
   }
-  if (segments) d.example_start = segments->example_start.data<int32_t>();
+  if (segments) set_cpu_segments(d, *segments);
   cpu::attention_chunk_backward(dqkv.data<float>(), dkv.data<float>(), dout.data<float>(), qkv.data<float>(),
                                 kv.data<float>(), out.data<float>(), lse.data<float>(), d);
 }

@@ -79,9 +79,28 @@
 //        cuDNN's; the backward zeroes dkv before cuDNN writes its examples' rows.
 // Padding after a row's last example is a run of its own, computed and ignored, as in the
 // whole-sequence attention.
+//
+// NOTE [Full chunk attention with packed examples]
+// Ring attention (NOTE [Ring attention with packed examples] in model/context_parallel_ring.h)
+// computes a query chunk [p, p + Lq) against a key chunk [k, k + S) wholly in its past
+// (k + S <= p) with packed examples: query p + i sees key k + j when both are in one example,
+// i.e. (the examples being runs) when its example began at or before k + j: the keys
+// j >= s(p + i) - k. Only the example running at p can have begun before the key chunk's end,
+// so per row either no query sees a key, or the queries [0, n) of that example (the first n
+// of the chunk) see the keys [k0, S), k0 = max(0, s(p) - k), every one of them: no causal
+// mask. AttentionChunkSegments with causal false holds that (from
+// attention_chunk_pair_segments, position 0, no window):
+//   CPU: first_key int32 [B, Lq], the first key of kv each query sees (S: none);
+//   CUDA: the ragged form above with at most one sequence per row (n queries at the chunk's
+//        row start, S - k0 keys at kv's row start + k0) and no mask but the padding.
+// The queries of no sequence get out 0 and lse -inf (cuDNN does not write them: their rows
+// are cleared first), which the merge takes as nothing (NOTE [Attention merge]), and dq 0.
+// num_examples counts the sequences on both devices: 0 when no query sees a key, a pair the
+// ring skips.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 #include "ops/attention.h"
@@ -100,7 +119,16 @@ struct AttentionChunkSegments {
   // sequence's first query in qkv, out and lse, and of its first key in kv.
   int64_t num_examples = 0, capacity = 0;
   Tensor q_lengths, kv_lengths, q_offsets, out_offsets, lse_offsets, kv_offsets;
+  // false: a full chunk's (NOTE [Full chunk attention with packed examples]); CPU: first_key.
+  bool causal = true;
+  Tensor first_key;
 };
+
+// The layout of the chunk attention's lse with these segments (null: none): token-major
+// [B Lq, Hq] in its [B, Hq, Lq] tensor on CUDA (cuDNN's ragged statistics), [B, Hq, Lq] else.
+inline bool token_major_lse(const AttentionChunkSegments* segments) {
+  return segments && segments->device == Device::CUDA;
+}
 
 // segment_ids: int32 [B, S] on the CPU, a run of equal ids in a row one example; the chunk
 // is positions [position, position + queries). shape must set head_dim (CUDA's offsets count
@@ -111,6 +139,24 @@ AttentionChunkSegments attention_chunk_segments(const Tensor& segment_ids, int64
 // for a CUDA device, for tests that read it as cuDNN does.
 AttentionChunkSegments attention_chunk_ragged_on_host(const Tensor& segment_ids, int64_t position, int64_t queries,
                                                       const AttentionShape& shape);
+
+// Ring attention's pair (NOTE [Ring attention with packed examples] in
+// model/context_parallel_ring.h): `length` queries at query_position against the `length`
+// keys at key_position, the query chunk's own (equal positions: the causal chunk attention at
+// position 0, each example's keys from its first position in the chunk) or a chunk wholly in
+// its past (NOTE [Full chunk attention with packed examples]).
+AttentionChunkSegments attention_chunk_pair_segments(const Tensor& segment_ids, int64_t query_position,
+                                                     int64_t key_position, int64_t length,
+                                                     const AttentionShape& shape, Device device);
+// Several chunks' CUDA forms, built on the host (attention_chunk_pair_ragged_on_host), moved
+// to `device` in one copy: their lengths and offsets become views of the returned buffer,
+// which must outlive them (one allocation and one transfer per micro-batch for ring
+// attention's 2C + 1 pairs, instead of six of each per pair).
+Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Device device);
+// CUDA's form of a pair's segments on the host, for tests and upload_chunk_segments.
+AttentionChunkSegments attention_chunk_pair_ragged_on_host(const Tensor& segment_ids, int64_t query_position,
+                                                           int64_t key_position, int64_t length,
+                                                           const AttentionShape& shape);
 
 // position: p, the chunk's first position in the sequences kv holds. segments: the packed
 // examples of the chunk at p (null: each row is one sequence).

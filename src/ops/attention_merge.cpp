@@ -12,7 +12,8 @@
 
 namespace forge {
 
-void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out, const Tensor& part_lse) {
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_out, const Tensor& part_lse,
+                     bool token_major) {
   OpProfileScope profile(OpClass::Attention, "attention_merge");
   FORGE_CHECK(out.ndim() == 4, "attention_merge: out {} must be [B, L, H, D]", shape_str(out.shape()));
   const int64_t b = out.dim(0), l = out.dim(1), h = out.dim(2), d = out.dim(3);
@@ -26,7 +27,8 @@ void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_ou
   if (device == Device::CUDA) {
     expect_tensor(part_out, device, DType::BF16, "attention_merge part_out");
     FORGE_CUDA_CALL("attention_merge", cuda::attention_merge(out.data<float>(), lse.data<float>(),
-                                                             bf16_ptr(part_out), part_lse.data<float>(), b, l, h, d));
+                                                             bf16_ptr(part_out), part_lse.data<float>(), b, l, h, d,
+                                                             token_major));
     return;
   }
   expect_tensor(part_out, device, DType::F32, "attention_merge part_out");
@@ -38,8 +40,9 @@ void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part_ou
   for (int64_t bi = 0; bi < b; ++bi)
     for (int64_t hi = 0; hi < h; ++hi)
       for (int64_t i = 0; i < l; ++i) {
-        float& running = s[(bi * h + hi) * l + i];
-        const float other = ps[(bi * h + hi) * l + i];
+        const int64_t stat = token_major ? (bi * l + i) * h + hi : (bi * h + hi) * l + i;
+        float& running = s[stat];
+        const float other = ps[stat];
         if (other == kNone) continue;
         const float m = std::max(running, other);
         const float merged = running == kNone ? other : m + std::log(std::exp(running - m) + std::exp(other - m));

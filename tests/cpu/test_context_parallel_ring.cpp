@@ -2,9 +2,10 @@
 // all-gather form and against the whole sequence's attention on one rank: C ranks (threads
 // over the CPU process group) each run ContextParallelAttention both ways on their chunks of
 // random qkv and dout, and out, lse and dqkv (dq, and the dk/dv of the rank's own keys) agree
-// within fp32 rounding, printed. Then its parts: which chunk pairs each step computes, the
-// full chunk attention (NOTE [Full chunk attention]) against the bidirectional attention, and
-// the log-sum-exp merge (NOTE [Attention merge]); and the configurations it refuses.
+// within fp32 rounding, printed; unpacked, with a sliding window, and with packed examples.
+// Then its parts: which chunk pairs each step computes, the full chunk attention (NOTE [Full
+// chunk attention]) against the bidirectional attention, and the log-sum-exp merge (NOTE
+// [Attention merge]); and the configurations it refuses.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -46,7 +47,36 @@ struct RingCase {
   int ranks;
   int64_t batch, seq, q_heads, kv_heads, head_dim;
   int64_t window = 0;  // model.sliding_window (NOTE [Ring attention with a sliding window])
+  // Packed examples (NOTE [Ring attention with packed examples]): per row, the lengths of its
+  // examples; empty: each row one sequence.
+  std::vector<std::vector<int64_t>> runs = {};
 };
+
+// int32 [B, S]: a new id per run of c.runs.
+Tensor segment_ids_of(const RingCase& c) {
+  Tensor ids = Tensor::empty({c.batch, c.seq}, DType::I32);
+  int32_t id = 0;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    int64_t t = 0;
+    for (int64_t n : c.runs[static_cast<size_t>(b)]) {
+      for (int64_t i = 0; i < n && t < c.seq; ++i) ids.data<int32_t>()[b * c.seq + t++] = id;
+      ++id;
+    }
+    EXPECT_EQ(t, c.seq) << "row " << b << "'s runs must cover it";
+  }
+  return ids;
+}
+
+// Each token's position in its example, as the data loader gives them.
+Tensor positions_of(const Tensor& ids) {
+  Tensor positions = Tensor::empty(ids.shape(), DType::I32);
+  const int64_t s = ids.dim(1);
+  for (int64_t i = 0; i < ids.numel(); ++i)
+    positions.data<int32_t>()[i] = i % s == 0 || ids.data<int32_t>()[i] != ids.data<int32_t>()[i - 1]
+                                       ? 0
+                                       : positions.data<int32_t>()[i - 1] + 1;
+  return positions;
+}
 
 // One rank's results of one method: out, lse and dqkv of its [2B, L] tokens.
 struct RankResult {
@@ -54,7 +84,7 @@ struct RankResult {
 };
 
 RankResult run_method(ContextParallel& cp, ContextParallelRotate method, const RingCase& c, const Tensor& qkv,
-                      const Tensor& dout, const AttentionShape& shape) {
+                      const Tensor& dout, const AttentionShape& shape, const SequenceLayout* packed) {
   cp.set_rotate_method(method);
   const StepShape step{c.batch, c.seq, DType::F32, 1, 1, c.ranks};
   ContextParallelAttention attention;
@@ -64,7 +94,7 @@ RankResult run_method(ContextParallel& cp, ContextParallelRotate method, const R
   ArenaLayout layout(arena.raw(), Device::CPU);
   attention.lay_out(layout, step, c.q_heads, c.kv_heads, c.head_dim, method);
   attention.prepare(cp, step, Device::CPU);
-  attention.set_layout(cp, nullptr, shape);
+  attention.set_layout(cp, packed, shape);
   const int64_t l = step.local_seq_len();
   RankResult r{Tensor::empty({2 * c.batch, l, c.q_heads, c.head_dim}), Tensor::empty({2 * c.batch, c.q_heads, l}),
                Tensor::empty(qkv.shape())};
@@ -100,8 +130,10 @@ Tensor chunks_of(const Tensor& whole, int rank, int size) {
 }
 
 void expect_ring_matches_all_gather(const RingCase& c) {
-  SCOPED_TRACE(fmt::format("C={} B={} S={} Hq={} Hkv={} D={} W={}", c.ranks, c.batch, c.seq, c.q_heads, c.kv_heads,
-                           c.head_dim, c.window));
+  std::string examples;
+  for (const auto& row : c.runs) examples += fmt::format("[{}]", fmt::join(row, ","));
+  SCOPED_TRACE(fmt::format("C={} B={} S={} Hq={} Hkv={} D={} W={} examples {}", c.ranks, c.batch, c.seq, c.q_heads,
+                           c.kv_heads, c.head_dim, c.window, examples));
   Rng rng(static_cast<uint64_t>(17 + c.ranks + c.q_heads));
   AttentionShape shape{.num_q_heads = c.q_heads,
                        .num_kv_heads = c.kv_heads,
@@ -112,8 +144,16 @@ void expect_ring_matches_all_gather(const RingCase& c) {
   const Tensor dout = random_tensor({c.batch, c.seq, c.q_heads, c.head_dim}, rng);
   Tensor out = Tensor::empty({c.batch, c.seq, c.q_heads, c.head_dim}), lse = Tensor::empty({c.batch, c.q_heads, c.seq});
   Tensor dqkv = Tensor::empty(qkv.shape());
-  attention_forward(out, lse, qkv, shape);
-  attention_backward(dqkv, dout, qkv, out, lse, shape);
+  SequenceLayout layout;
+  AttentionSegments whole;
+  if (!c.runs.empty()) {
+    layout.segments = segment_ids_of(c);
+    layout.positions = positions_of(layout.segments);
+    whole = attention_segments(layout.segments, shape, Device::CPU);
+  }
+  const SequenceLayout* packed = c.runs.empty() ? nullptr : &layout;
+  attention_forward(out, lse, qkv, shape, packed ? &whole : nullptr);
+  attention_backward(dqkv, dout, qkv, out, lse, shape, packed ? &whole : nullptr);
 
   std::vector<RankResult> ring(static_cast<size_t>(c.ranks)), gathered(static_cast<size_t>(c.ranks));
   const int port = testing::free_port();
@@ -125,8 +165,8 @@ void expect_ring_matches_all_gather(const RingCase& c) {
     GroupContextParallel cp(*group);
     const Tensor local_qkv = chunks_of(qkv, r, c.ranks), local_dout = chunks_of(dout, r, c.ranks);
     const size_t k = static_cast<size_t>(r);
-    gathered[k] = run_method(cp, ContextParallelRotate::AllGather, c, local_qkv, local_dout, shape);
-    ring[k] = run_method(cp, ContextParallelRotate::Ring, c, local_qkv, local_dout, shape);
+    gathered[k] = run_method(cp, ContextParallelRotate::AllGather, c, local_qkv, local_dout, shape, packed);
+    ring[k] = run_method(cp, ContextParallelRotate::Ring, c, local_qkv, local_dout, shape, packed);
     group->barrier();
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
@@ -143,11 +183,11 @@ void expect_ring_matches_all_gather(const RingCase& c) {
     scale = std::max(scale, max_abs(g.dqkv));
   }
   std::printf(
-      "ring vs all-gather, C=%d L=%lld W=%lld Hq=%lld Hkv=%lld: max |diff| out %.3g lse %.3g dqkv %.3g (max |dqkv| "
-      "%.3g); ring vs one rank: out %.3g lse %.3g dqkv %.3g\n",
+      "ring vs all-gather, C=%d L=%lld W=%lld Hq=%lld Hkv=%lld%s: max |diff| out %.3g lse %.3g dqkv %.3g (max "
+      "|dqkv| %.3g); ring vs one rank: out %.3g lse %.3g dqkv %.3g\n",
       c.ranks, static_cast<long long>(c.seq / (2 * c.ranks)), static_cast<long long>(c.window),
-      static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), out_gap, lse_gap, dqkv_gap, scale,
-      out_ref, lse_ref, dqkv_ref);
+      static_cast<long long>(c.q_heads), static_cast<long long>(c.kv_heads), c.runs.empty() ? "" : " packed", out_gap,
+      lse_gap, dqkv_gap, scale, out_ref, lse_ref, dqkv_ref);
   // fp32: the ring sums the same terms in another order (a few ulps of values of order 1-10).
   for (double gap : {out_gap, lse_gap, out_ref, lse_ref}) EXPECT_LT(gap, 2e-5);
   for (double gap : {dqkv_gap, dqkv_ref}) EXPECT_LT(gap, 2e-5 * std::max(1.0, scale));
@@ -171,6 +211,21 @@ TEST(ContextParallelRing, SlidingWindowMatchesAllGatherAndOneRank) {
     expect_ring_matches_all_gather({4, 1, 32, 4, 4, 4, window});
   expect_ring_matches_all_gather({3, 1, 30, 2, 1, 8, 8});  // L = 5, an odd ring
   expect_ring_matches_all_gather({2, 1, 20, 6, 2, 16, 12});  // L = 5, GQA 3:1
+}
+
+// NOTE [Ring attention with packed examples]: examples that cross chunk and rank boundaries,
+// one longer than several chunks, ones wholly inside one chunk, one-token ones, padding;
+// chunk pairs that no query sees (skipped), on 2, 3 and 4 ranks.
+TEST(ContextParallelRing, PackedExamplesMatchAllGatherAndOneRank) {
+  // L = 4 on 2 ranks: row 0's 6 crosses the ranks' chunks 0 | 1, its 2 lies inside chunk 2;
+  // row 1's 11 spans three chunks (Full pairs 1 x 0 and 2 x 0, 2 x 1 seen), its last 1 token.
+  expect_ring_matches_all_gather({2, 2, 16, 4, 2, 8, 0, {{6, 2, 3, 5}, {11, 2, 2, 1}}});
+  // L = 2 on 3 ranks (chunks of ranks 0 1 2 2 1 0): short examples, most pairs unseen.
+  expect_ring_matches_all_gather({3, 1, 12, 2, 1, 8, 0, {{1, 3, 1, 1, 4, 2}}});
+  // L = 3 on 4 ranks, GQA 3:1: an example over the whole row's second half, one-token ones.
+  expect_ring_matches_all_gather({4, 2, 24, 6, 2, 4, 0, {{2, 1, 7, 14}, {5, 5, 1, 1, 1, 11}}});
+  // L = 3 on 4 ranks, MHA: one example per row (the unpacked attention), and many tiny ones.
+  expect_ring_matches_all_gather({4, 2, 24, 2, 2, 8, 0, {{24}, {1, 1, 2, 1, 3, 1, 2, 1, 1, 4, 1, 2, 1, 1, 2}}});
 }
 
 // The classes of ring_chunk_pair against the pair's mask itself: query i of chunk a sees key
@@ -396,10 +451,20 @@ TEST(ContextParallelRing, ConfigChoosesTheMethodAndRefusesWhatTheRingCannotTake)
   EXPECT_EQ(with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"model.sliding_window", "4"}})
                 .model.sliding_window,
             4);
+  // Packed examples are taken (NOTE [Ring attention with packed examples]), not with a window.
+  EXPECT_EQ(with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"data.source", "sft"}, {"data.path", "/d/x"}})
+                .data.source,
+            "sft");
   expect_error([&] {
-    with({{"parallelism.context_parallel_rotate_method", "p2p"}, {"data.source", "sft"}, {"data.path", "/d/x"}});
+    with({{"parallelism.context_parallel_rotate_method", "p2p"},
+          {"data.source", "govreport_npy"},
+          {"data.path", "/d/x"},
+          {"model.sliding_window", "4"}});
   },
-               {"parallelism.context_parallel_rotate_method = p2p", "data.source = sft", "packed examples"});
+               {"parallelism.context_parallel_rotate_method = p2p", "data.source = govreport_npy",
+                "model.sliding_window = 4", "packed examples or a sliding window"});
+  EXPECT_EQ(with({{"data.source", "sft"}, {"data.path", "/d/x"}, {"model.sliding_window", "4"}}).model.sliding_window,
+            4);
   // The window is taken with the all-gather.
   EXPECT_EQ(with({{"model.sliding_window", "4"}}).model.sliding_window, 4);
 }

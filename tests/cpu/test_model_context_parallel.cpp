@@ -183,6 +183,19 @@ TEST(ModelContextParallel, PackedExamplesAcrossTheRanksChunks) {
   expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::None, 2, {}, true});  // with tensor parallelism
 }
 
+// NOTE [Ring attention with packed examples]: the same under the ring, 2 and 4 ranks, every
+// checkpointing mode, GQA and MHA, with tensor parallelism (a window with packed examples is
+// refused: ContextParallelRingPacked.RingRefusesAWindowWithPackedExamples).
+TEST(ModelContextParallel, RingAttentionWithPackedExamplesMatchesOneRank) {
+  constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
+  for (ActivationCheckpoint mode :
+       {ActivationCheckpoint::None, ActivationCheckpoint::Selective, ActivationCheckpoint::Full})
+    expect_ranks_match_one({"debug-tiny", 2, mode, 1, {}, true, ring});
+  expect_ranks_match_one({"debug-tiny-mha", 4, ActivationCheckpoint::None, 1, {}, true, ring});
+  expect_ranks_match_one({"debug-tiny", 4, ActivationCheckpoint::Full, 1, {}, true, ring});
+  expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::Selective, 2, {}, true, ring});
+}
+
 // Rank 1 of 2 holds chunks 1 and 2 of 4: positions [2, 4) and [4, 6) of rows of 8, chunk
 // 1 of every row first.
 TEST(ModelContextParallel, RanksTakeTheirChunksChunkMajor) {

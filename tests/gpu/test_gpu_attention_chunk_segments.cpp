@@ -4,10 +4,12 @@
 // at the bottom right) against the CPU reference, forward and backward, on fresh random
 // data: random example lengths (some longer than the chunk, some of one token, padding runs),
 // the first, a middle and the last chunk of a sequence, context parallelism's chunks at
-// Llama shapes, and sliding windows.
+// Llama shapes, and sliding windows; and ring attention's chunk pairs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 
 #include "gpu_testing.h"
 #include "ops/attention_chunk.h"
@@ -131,6 +133,84 @@ TEST(GpuAttentionChunkSegments, SlidingWindowMatchesCpu) {
                              SegmentChunkCase{1, 128, 384, 512, 8, 2, 128, 300, 400},
                              SegmentChunkCase{2, 50, 30, 100, 4, 2, 64, 1, 30}})
     expect_chunks_match_cpu(c, rng);
+}
+
+// Ring attention's pairs (NOTE [Ring attention with packed examples] in
+// model/context_parallel_ring.h): every (query chunk, key chunk) pair of rows cut into chunks
+// of `chunk`, the chunk's own keys (causal per example) and each past chunk (NOTE [Full chunk
+// attention with packed examples]: cuDNN's ragged form with the padding mask only); against the
+// CPU, forward and backward. The queries that see none of the pair's keys must come back with
+// out 0 and lse -inf although the tensors were poisoned, and dq 0; pairs no query sees (the
+// ring skips them) are counted, not run.
+void expect_ring_pairs_match_cpu(int64_t batch, int64_t seq, int64_t chunk, int64_t q_heads, int64_t kv_heads,
+                                 int64_t head_dim, int64_t max_length, Rng& rng) {
+  const AttentionShape shape{q_heads, kv_heads, 0, 1.0f / std::sqrt(static_cast<float>(head_dim)), head_dim};
+  const Tensor ids = random_segments(batch, seq, max_length, rng);
+  const int64_t heads = q_heads + 2 * kv_heads, row = heads * head_dim, q_width = q_heads * head_dim;
+  int64_t computed = 0, unseen = 0;
+  for (int64_t a = 0; a < seq / chunk; ++a)
+    for (int64_t k = 0; k <= a; ++k) {
+      const std::string what = fmt::format("b{} chunks of {} of {}: queries {} keys {}, examples up to {}", batch,
+                                           chunk, seq, a, k, max_length);
+      const AttentionChunkSegments cpu_segments =
+          attention_chunk_pair_segments(ids, a * chunk, k * chunk, chunk, shape, Device::CPU);
+      if (cpu_segments.num_examples == 0) {
+        ++unseen;
+        continue;
+      }
+      ++computed;
+      const AttentionChunkSegments gpu_segments =
+          attention_chunk_pair_segments(ids, a * chunk, k * chunk, chunk, shape, Device::CUDA);
+      AttentionShape pair = shape;
+      pair.causal = a == k;
+      Tensor qkv = random_bf16_values({batch, chunk, heads, head_dim}, rng);
+      Tensor kv = random_bf16_values({batch, chunk, 2 * kv_heads, head_dim}, rng);
+      Tensor out = Tensor::empty({batch, chunk, q_heads, head_dim}), lse = Tensor::empty({batch, q_heads, chunk});
+      attention_chunk_forward(out, lse, qkv, kv, 0, pair, &cpu_segments);
+      const Tensor qkvg = to_gpu(qkv, DType::BF16), kvg = to_gpu(kv, DType::BF16);
+      Tensor outg = poisoned_gpu(out.shape(), DType::BF16), lseg = poisoned_gpu(lse.shape(), DType::F32);
+      attention_chunk_forward(outg, lseg, qkvg, kvg, 0, pair, &gpu_segments);
+      EXPECT_LT(relative_l2(to_cpu_f32(outg), out), kBf16Tolerance) << what;
+      const Tensor want_lse = token_major(lse), got_lse = to_cpu_f32(lseg);
+      double gap = 0, scale = 0;
+      for (int64_t n = 0; n < want_lse.numel(); ++n) {
+        const float want = want_lse.data<float>()[n], got = got_lse.data<float>()[n];
+        if (want == -INFINITY) {
+          ASSERT_EQ(got, -INFINITY) << what << ": a query that sees no key, lse element " << n;
+          continue;
+        }
+        gap += (double(got) - want) * (double(got) - want);
+        scale += double(want) * want;
+      }
+      EXPECT_LT(std::sqrt(gap / std::max(scale, 1e-30)), kF32Tolerance) << what;
+
+      Tensor dout = random_bf16_values(out.shape(), rng);
+      Tensor dqkv = Tensor::empty(qkv.shape()), dkv = Tensor::empty(kv.shape());
+      attention_chunk_backward(dqkv, dkv, dout, qkv, kv, out, lse, 0, pair, &cpu_segments);
+      const Tensor before = random_bf16_values(qkv.shape(), rng);
+      Tensor dqkvg = to_gpu(before, DType::BF16), dkvg = poisoned_gpu(kv.shape(), DType::BF16);
+      attention_chunk_backward(dqkvg, dkvg, to_gpu(dout, DType::BF16), qkvg, kvg, outg, lseg, 0, pair, &gpu_segments);
+      const Tensor got = to_cpu_f32(dqkvg);
+      EXPECT_LT(relative_l2(columns(got, row, 0, q_width), columns(dqkv, row, 0, q_width)), 2 * kBf16Tolerance)
+          << what;
+      EXPECT_EQ(relative_l2(columns(got, row, q_width, row - q_width), columns(before, row, q_width, row - q_width)),
+                0.0)
+          << what;
+      EXPECT_LT(relative_l2(to_cpu_f32(dkvg), dkv), 2 * kBf16Tolerance) << what;
+    }
+  std::printf("chunks of %lld, examples up to %lld: %lld pairs computed, %lld that no query sees\n",
+              static_cast<long long>(chunk), static_cast<long long>(max_length), static_cast<long long>(computed),
+              static_cast<long long>(unseen));
+  EXPECT_GT(computed, seq / chunk) << "some past pairs are seen";
+}
+
+// Llama 3 8B's attention over 2048-token rows in chunks of 256 (4 ranks), examples up to 700
+// and up to 100 tokens; odd shapes: chunks of 37, MHA and GQA, one-token examples.
+TEST(GpuAttentionChunkSegments, RingPairsMatchCpu) {
+  Rng rng(seed_for_current_test());
+  for (int64_t max_length : {700, 100}) expect_ring_pairs_match_cpu(1, 2048, 256, 32, 8, 128, max_length, rng);
+  expect_ring_pairs_match_cpu(2, 222, 37, 4, 4, 64, 20, rng);
+  expect_ring_pairs_match_cpu(2, 256, 64, 8, 2, 128, 3, rng);
 }
 
 }  // namespace

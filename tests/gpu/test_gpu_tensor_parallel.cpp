@@ -11,7 +11,7 @@
 // [LoRA under context and tensor parallelism] in model/lora.h): the ranks' adapter
 // gradients, summed over them, are one GPU's. Ring attention too (NOTE [Ring attention] in
 // model/context_parallel_ring.h): the model's step, and the attention alone against the
-// all-gather's. (NCCL cannot put two
+// all-gather's, unpacked and packed (NOTE [Ring attention with packed examples]). (NCCL cannot put two
 // ranks on one GPU; the multi-GPU runs are issue 23.)
 #include <gtest/gtest.h>
 
@@ -346,12 +346,35 @@ TEST(GpuContextParallel, RingSlidingWindowThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, nullptr, ring, 40);
 }
 
+// Packed examples of [2, seq] micro-batches, per row the lengths of its examples (a run of
+// equal segment ids is one example; positions restart with each).
+SequenceLayout packed_layout_of(const std::vector<std::vector<int32_t>>& runs, int64_t seq) {
+  SequenceLayout layout{Tensor::empty({2, seq}, DType::I32), Tensor::empty({2, seq}, DType::I32)};
+  int32_t id = 0;
+  for (int64_t b = 0; b < 2; ++b) {
+    int64_t t = 0;
+    for (int32_t n : runs[static_cast<size_t>(b)]) {
+      for (int32_t i = 0; i < n; ++i, ++t) {
+        layout.positions.data<int32_t>()[b * seq + t] = i;
+        layout.segments.data<int32_t>()[b * seq + t] = id;
+      }
+      ++id;
+    }
+    EXPECT_EQ(t, seq) << "row " << b << "'s examples must cover it";
+  }
+  return layout;
+}
+
 // Ring attention against the all-gather on c rank threads, the attention alone in bf16 with
 // cuDNN (full and causal chunk attention, the merge kernel, the ring's rotations), and both
 // against the whole sequence's fp32 CPU attention: out, lse and dqkv of every rank's chunks.
-void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv_heads, int64_t window = 0) {
+// With `packed`, packed examples (NOTE [Ring attention with packed examples]): cuDNN's ragged
+// pairs, whose lse (both methods') is token-major [B L, Hq] in each chunk's [B, Hq, L].
+void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv_heads, int64_t window = 0,
+                                              const SequenceLayout* packed = nullptr) {
   const int64_t batch = 2, seq = 512, d = 64, heads = q_heads + 2 * kv_heads;
-  SCOPED_TRACE(fmt::format("{} ranks, {} query and {} key/value heads, window {}", c, q_heads, kv_heads, window));
+  SCOPED_TRACE(fmt::format("{} ranks, {} query and {} key/value heads, window {}{}", c, q_heads, kv_heads, window,
+                           packed ? ", packed examples" : ""));
   Rng rng(seed_for_current_test() + static_cast<uint64_t>(c));
   const Tensor qkv = random_bf16_values({batch, seq, heads, d}, rng, 1.5);
   const Tensor dout = random_bf16_values({batch, seq, q_heads, d}, rng);
@@ -362,8 +385,10 @@ void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv
                              .head_dim = d};
   Tensor out = Tensor::empty({batch, seq, q_heads, d}), lse = Tensor::empty({batch, q_heads, seq});
   Tensor dqkv = Tensor::empty(qkv.shape());
-  attention_forward(out, lse, qkv, shape);  // the fp32 CPU reference
-  attention_backward(dqkv, dout, qkv, out, lse, shape);
+  AttentionSegments whole;
+  if (packed) whole = attention_segments(packed->segments, shape, Device::CPU);
+  attention_forward(out, lse, qkv, shape, packed ? &whole : nullptr);  // the fp32 CPU reference
+  attention_backward(dqkv, dout, qkv, out, lse, shape, packed ? &whole : nullptr);
   const int64_t l = seq / (2 * c);
   auto chunks = [&](const Tensor& whole, int r) {
     Shape s = whole.shape();
@@ -394,7 +419,7 @@ void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv
       ArenaLayout layout(arena.raw(), Device::CUDA);
       attention.lay_out(layout, step, q_heads, kv_heads, d, method);
       attention.prepare(cp, step, Device::CUDA);
-      attention.set_layout(cp, nullptr, shape);
+      attention.set_layout(cp, packed, shape);
       Tensor o = Tensor::empty({2 * batch, l, q_heads, d}, DType::BF16, Device::CUDA);
       Tensor s = Tensor::empty({2 * batch, q_heads, l}, DType::F32, Device::CUDA);
       Tensor g = Tensor::empty(local_qkv.shape(), DType::BF16, Device::CUDA);
@@ -413,9 +438,9 @@ void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv
   double gaps[3] = {0, 0, 0}, errs[2][3] = {{0, 0, 0}, {0, 0, 0}};
   for (int r = 0; r < c; ++r) {
     const Result &ag = results[0][static_cast<size_t>(r)], &ring = results[1][static_cast<size_t>(r)];
-    const Tensor local_lse = chunks(lse_tokens, r);  // [2B, L, H]
-    Tensor expected_lse = Tensor::empty({2 * batch, q_heads, l});
-    for (int64_t b = 0; b < 2 * batch; ++b)
+    const Tensor local_lse = chunks(lse_tokens, r);  // [2B, L, H]: each chunk's token-major lse when packed
+    Tensor expected_lse = packed ? local_lse.view({2 * batch, q_heads, l}) : Tensor::empty({2 * batch, q_heads, l});
+    for (int64_t b = 0; b < 2 * batch && !packed; ++b)
       for (int64_t h = 0; h < q_heads; ++h)
         for (int64_t t = 0; t < l; ++t)
           expected_lse.data<float>()[(b * q_heads + h) * l + t] = local_lse.data<float>()[(b * l + t) * q_heads + h];
@@ -427,9 +452,10 @@ void expect_ring_attention_matches_all_gather(int c, int64_t q_heads, int64_t kv
     }
   }
   std::printf(
-      "C=%d Hq=%lld Hkv=%lld W=%lld relative L2: ring vs all-gather out %.3g lse %.3g dqkv %.3g; vs fp32 CPU: "
+      "C=%d Hq=%lld Hkv=%lld W=%lld%s relative L2: ring vs all-gather out %.3g lse %.3g dqkv %.3g; vs fp32 CPU: "
       "all-gather out %.3g lse %.3g dqkv %.3g, ring out %.3g lse %.3g dqkv %.3g\n",
-      c, static_cast<long long>(q_heads), static_cast<long long>(kv_heads), static_cast<long long>(window), gaps[0],
+      c, static_cast<long long>(q_heads), static_cast<long long>(kv_heads), static_cast<long long>(window),
+      packed ? " packed" : "", gaps[0],
       gaps[1], gaps[2], errs[0][0], errs[0][1], errs[0][2], errs[1][0], errs[1][1], errs[1][2]);
   for (int k = 0; k < 3; ++k) {
     EXPECT_LT(gaps[k], 1e-2);
@@ -456,28 +482,33 @@ TEST(GpuContextParallel, RingSlidingWindowMatchesAllGather) {
 // Packed examples of [2, 128] micro-batches: row 0 examples of 40, 30 and 35 tokens and 23 of
 // padding, row 1 one of 100 and one of 28. On 2 ranks (chunks of 32) and 4 (chunks of 16) they
 // cross chunks and ranks; row 1's first spans chunks of every rank.
-SequenceLayout packed_layout() {
-  const std::vector<std::vector<int32_t>> runs = {{40, 30, 35, 23}, {100, 28}};
-  SequenceLayout layout{Tensor::empty({2, 128}, DType::I32), Tensor::empty({2, 128}, DType::I32)};
-  int32_t id = 0;
-  for (int64_t b = 0; b < 2; ++b) {
-    int64_t t = 0;
-    for (int32_t n : runs[static_cast<size_t>(b)]) {
-      for (int32_t i = 0; i < n; ++i, ++t) {
-        layout.positions.data<int32_t>()[b * 128 + t] = i;
-        layout.segments.data<int32_t>()[b * 128 + t] = id;
-      }
-      ++id;
-    }
-  }
-  return layout;
-}
+SequenceLayout packed_layout() { return packed_layout_of({{40, 30, 35, 23}, {100, 28}}, 128); }
 
 TEST(GpuContextParallel, PackedThreadRanksMatchOneGpu) {
   const SequenceLayout layout = packed_layout();
   expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None, &layout);
   expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full, &layout);
   expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, &layout);
+}
+
+// NOTE [Ring attention with packed examples]: the model's step under the ring on the packed
+// micro-batch above (full pairs that an example reaches across, pairs no query sees).
+TEST(GpuContextParallel, RingPackedThreadRanksMatchOneGpu) {
+  constexpr ContextParallelRotate ring = ContextParallelRotate::Ring;
+  const SequenceLayout layout = packed_layout();
+  expect_ranks_match_one_gpu(1, 2, false, ActivationCheckpoint::None, &layout, ring);
+  expect_ranks_match_one_gpu(1, 4, true, ActivationCheckpoint::Full, &layout, ring);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, &layout, ring);
+}
+
+// The attention alone, packed, over sequences of 512 (chunks of 128 on 2 ranks, 64 on 4): row
+// 0's first example spans three chunks of 128 (five of 64), its 10 lies inside one chunk; row
+// 1 begins with a one-token example and holds one of 3.
+TEST(GpuContextParallel, RingPackedAttentionMatchesAllGather) {
+  const SequenceLayout layout = packed_layout_of({{300, 50, 10, 100, 52}, {1, 60, 3, 200, 129, 119}}, 512);
+  expect_ring_attention_matches_all_gather(2, 8, 2, 0, &layout);
+  expect_ring_attention_matches_all_gather(4, 8, 2, 0, &layout);
+  expect_ring_attention_matches_all_gather(4, 4, 4, 0, &layout);
 }
 
 TEST(GpuContextParallel, LoraThreadRanksMatchOneGpu) {

@@ -111,8 +111,9 @@ class Errors(unittest.TestCase):
         for ranks, flags, message in (
                 (2, [CP, "2", "--training.seq_len", "30"], "cuts each sequence into 4 chunks (two per rank), which must divide training.seq_len = 30"),
                 (2, [CP, "2", "--model.name", "debug-tiny-moe"], "has Mixture-of-Experts blocks"),
-                (2, [CP, "2", RING, "p2p", "--data.source", "sft", "--data.path", "/nonexistent/sft.jsonl"],
-                 "ring attention does not take packed examples"),
+                (2, [CP, "2", RING, "p2p", "--data.source", "sft", "--data.path", "/nonexistent/sft.jsonl",
+                     "--model.sliding_window", "4"],
+                 "ring attention takes packed examples or a sliding window, not both"),
                 (2, [CP, "4"], "pipeline_parallel_degree = 1 × 1 × 1 × 4 × 1 = 4"),
                 (1, [CP, "2"], "this process was started alone")):
             with self.subTest(flags=flags):

@@ -4,7 +4,9 @@ of 32 tokens holding four 7-token examples and padding, split over 2 ranks (chun
 4 (chunks of 4), the examples cross the ranks' chunks; the runs (also composed with 2
 tensor-parallel ranks, FSDP over 2 data-parallel ranks and 2 pipeline stages) give one
 rank's loss and gradient norm at every step and validation losses within fp32 reordering,
-with the loss masked as the packed data masks it; so does LoRA (MLPerf's Llama 2 70B LoRA on
+with the loss masked as the packed data masks it; so do ring attention's 2 and 4 ranks
+(parallelism.context_parallel_rotate_method p2p, NOTE [Ring attention with packed examples]
+in model/context_parallel_ring.h); so does LoRA (MLPerf's Llama 2 70B LoRA on
 GovReport is this case)."""
 import os
 import shutil
@@ -14,6 +16,7 @@ import test_train_sft as sft
 from forge_test_util import max_relative_difference, records, scratch_dir, train_on_ranks
 
 CP = "--parallelism.context_parallel_degree"
+RING = "--parallelism.context_parallel_rotate_method"
 
 
 class PackedParity(unittest.TestCase):
@@ -37,6 +40,8 @@ class PackedParity(unittest.TestCase):
         for name, ranks, data_ranks, flags in (
                 ("cp2", 2, 1, [CP, "2"]),
                 ("cp4-full", 4, 1, [CP, "4", "--activation_checkpoint.mode", "full"]),
+                ("cp2-ring", 2, 1, [CP, "2", RING, "p2p"]),
+                ("cp4-ring", 4, 1, [CP, "4", RING, "p2p", "--activation_checkpoint.mode", "selective"]),
                 ("cp2-tp2", 4, 1, [CP, "2", "--parallelism.tensor_parallel_degree", "2"]),
                 ("cp2-fsdp2", 4, 2, [CP, "2", "--parallelism.data_parallel_shard_degree", "2"]),
                 ("cp2-pp2", 4, 1, [CP, "2", "--parallelism.pipeline_parallel_degree", "2",

@@ -7,7 +7,8 @@
 // [first(t), t], first(t) = max(0, t - W + 1) with a window W, else 0, and with packed
 // examples no earlier than the first position of t's example (not causal: every key of
 // kv, [0, kv_seq), or with a window the keys j > position + i - W of a kv lying wholly
-// before the chunk, out 0 and lse -inf for a query that sees none); one (batch, head, query)
+// before the chunk, or with packed examples the keys from first_key on, out 0 and lse -inf
+// for a query that sees none); one (batch, head, query)
 // row at a time forward (attend_row), and in the backward, recomputing p_j = exp(s_j - lse_i),
 //   dv_j += p_j dout_i      dS_j = p_j (dout_i.v_j - dout_i.out_i)
 //   dq_i = scale sum_j dS_j k_j      dk_j += scale dS_j q_i
@@ -46,7 +47,10 @@ struct Layout {
   // positions after kv's first key (NOTE [Full chunk attention with a sliding window]); a
   // query may see no key at all (first > last).
   int64_t first_key(int64_t b, int64_t i) const {
-    if (!d.causal) return d.window > 0 ? std::max<int64_t>(0, d.position + i - d.window + 1) : 0;
+    if (!d.causal) {
+      const int64_t window = d.window > 0 ? std::max<int64_t>(0, d.position + i - d.window + 1) : 0;
+      return d.first_key ? std::max<int64_t>(window, d.first_key[b * d.queries + i]) : window;
+    }
     const int64_t example = d.example_start ? d.example_start[b * d.kv_seq + last_key(i)] : 0;
     return std::max<int64_t>(example, d.window > 0 ? last_key(i) - d.window + 1 : 0);
   }

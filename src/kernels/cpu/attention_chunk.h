@@ -23,6 +23,9 @@ struct AttentionChunkDims {
   float scale = 0.0f;
   const int32_t* example_start = nullptr;
   bool causal = true;
+  // Not causal, packed examples: int32 [batch, queries], the first key of kv each query sees
+  // (kv_seq: none; NOTE [Full chunk attention with packed examples]).
+  const int32_t* first_key = nullptr;
 };
 
 void attention_chunk_forward(float* out, float* lse, const float* qkv, const float* kv, const AttentionChunkDims& dims);

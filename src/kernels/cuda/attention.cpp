@@ -69,7 +69,12 @@
 // sequence-length tensors to the diagonal band masks when the alignment is bottom right), and
 // the window's left bound with it. The graph's key dim is still p + Lq, the longest an
 // example's keys can be; max_total_seq_len_kv bounds the key offsets by kv's B S rows. kv's
-// rows that belong to no sequence get no gradient from cuDNN, so dkv is zeroed first.
+// rows that belong to no sequence get no gradient from cuDNN, so dkv is zeroed first. A full
+// chunk with packed examples (NOTE [Full chunk attention with packed examples], p.causal
+// false, position 0, no window) is the same ragged form with no mask but the padding: at most
+// one sequence per row, its queries at the row's start and its keys at an offset into kv; the
+// queries of no sequence are not cuDNN's, so out is cleared and their lse set to -inf first,
+// and the backward clears dq's query heads before cuDNN writes its sequences' rows.
 //
 // Built graphs are cached per problem shape (batch, seq, heads, both head dims, window,
 // scale, ragged capacity, chunk, causal or not); building one takes tens of milliseconds, executing it
@@ -402,9 +407,8 @@ void run_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf16* qkv, cons
 
 void check_chunk(const AttentionProblem& p) {
   const bool ragged_keys = p.chunk.kv_lengths != nullptr && p.chunk.kv_offsets != nullptr;
-  const bool full_ok =
-      p.causal || (p.ragged.capacity == 0 && ((p.sliding_window == 0 && p.chunk.position == 0) ||
-                                              (p.sliding_window > 0 && p.chunk.position >= p.chunk.kv_seq)));
+  const bool full_ok = p.causal || (p.sliding_window == 0 && p.chunk.position == 0) ||
+                       (p.ragged.capacity == 0 && p.sliding_window > 0 && p.chunk.position >= p.chunk.kv_seq);
   if (!is_chunk(p) || !full_ok || (p.ragged.capacity > 0) != ragged_keys || p.v_head_dim != p.head_dim ||
       p.chunk.position < 0 || (p.causal && p.chunk.position + p.seq > p.chunk.kv_seq))
     FORGE_FAIL("cuDNN chunk attention: {} queries at position {} of {} keys (head dims {} and {}{}{})", p.seq,
@@ -495,6 +499,11 @@ void attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf1
 void attention_chunk_forward(bf16* out, float* lse, const bf16* qkv, const bf16* kv, const AttentionProblem& p) {
   check_chunk(p);
   if (is_band(p)) return band_forward(out, lse, qkv, kv, p);
+  if (!p.causal && p.ragged.capacity > 0) {  // the queries of no sequence: out 0, lse -inf
+    CUDA_CHECK(cudaMemsetAsync(out, 0, static_cast<size_t>(p.batch * p.seq * p.q_heads * p.v_head_dim) * sizeof(bf16),
+                               nullptr));
+    attention_lse_none(lse, 1, p.batch * p.seq * p.q_heads, 0);
+  }
   run_forward(out, lse, qkv, kv, p);
 }
 
@@ -507,6 +516,10 @@ void attention_chunk_backward(bf16* dqkv, bf16* dkv, const bf16* dout, const bf1
   const size_t row_bytes = static_cast<size_t>(width) * sizeof(bf16);
   if (p.ragged.capacity > 0) {  // the rows of no example's keys: no gradient
     CUDA_CHECK(cudaMemsetAsync(dkv, 0, static_cast<size_t>(p.batch * p.chunk.kv_seq) * row_bytes, nullptr));
+    if (!p.causal)  // a full chunk's queries of no sequence: dq 0 in their query heads
+      CUDA_CHECK(cudaMemset2DAsync(dqkv, static_cast<size_t>(qkv_width(p)) * sizeof(bf16), 0,
+                                   static_cast<size_t>(p.q_heads * p.head_dim) * sizeof(bf16),
+                                   static_cast<size_t>(p.batch * p.seq), nullptr));
     run_backward(dqkv, dkv, dout, qkv, kv, out, lse, p);
     return;
   }
