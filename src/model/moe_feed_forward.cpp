@@ -498,17 +498,12 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
     exchange_->combine_start(a.plan, d_permuted_, d_local_permuted_, staging_);
     if (shared_ffn_ > 0) shared_up_weight_backward();  // beside the combine
     exchange_->combine_finish();
+  } else if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled()) {
+    moe_experts_backward_fp8(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
+                             a.routing, d_swiglu_, d_gate_up_, fp8);
   } else {
-    if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled())
-      moe_experts_backward_fp8(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows,
-                               expert_weights(w), a.routing, d_swiglu_, d_gate_up_, fp8);
-    else
-      moe_experts_backward(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
-                           a.routing, d_swiglu_, d_gate_up_);
-    if (shared_ffn_ > 0) {
-      shared_down_backward();
-      shared_up_weight_backward();
-    }
+    moe_experts_backward(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
+                         a.routing, d_swiglu_, d_gate_up_);
   }
   moe_permute_backward(d_hidden, d_permuted_, a.routing);  // dL/dh through the experts
   const Tensor aux_gradient = aux_gradient_used_ ? layer_aux_gradient(layer) : Tensor();
@@ -518,8 +513,14 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   cast(d_logits_compute_, d_logits_);
   linear_backward_weight(grads.linear(kRouter), d_logits_compute_, a.normed, overwrite);
   linear_backward_input_add(d_hidden, d_logits_compute_, w.linear(kRouter));
-  // dL/dh through the shared experts added last (their weights' gradients are done).
-  if (shared_ffn_ > 0) linear_backward_input_add(d_hidden, d_shared_gate_up_, w.linear(kSharedGateUp));
+  if (shared_ffn_ > 0) {  // out += shared(h): its weights' gradients (under expert parallelism done beside the
+                          // exchanges), and dL/dh through it added last
+    if (!exchange_) {
+      shared_down_backward();
+      shared_up_weight_backward();
+    }
+    linear_backward_input_add(d_hidden, d_shared_gate_up_, w.linear(kSharedGateUp));
+  }
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
 }
 
