@@ -9,7 +9,9 @@
 // count exchange. Each all-to-all first fills the rows it receives with NaN and holds its
 // stream back (a large memset) before it copies, so a layer that read received rows before
 // waiting for the exchange, or wrote rows still being sent, would show in the loss or the
-// gradients. The ranks' losses and gradients match one GPU's step on all their tokens.
+// gradients. The ranks' losses and gradients match those of the same ranks with every
+// exchange on the compute stream (the order before the overlap), and their losses add up to
+// one GPU's step on all their tokens.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -127,10 +129,41 @@ class ThreadAllToAll final : public ProcessGroup {
   Tensor delay_;
 };
 
-// P expert-parallel rank threads (each its own micro-batch of `micro` sequences) against one
-// GPU on all P micro-batches: the losses add up to one GPU's, the non-expert gradients
-// summed over the ranks are one GPU's, and each rank's experts' gradients are its slice.
-void expect_expert_parallel_ranks_match_one_gpu(int p, ActivationCheckpoint mode) {
+// The reference ordering: the same exchanges enqueued on the compute stream, each before
+// anything that follows it, as before the overlap.
+class ComputeStreamDispatch final : public ExpertDispatch {
+ public:
+  explicit ComputeStreamDispatch(ProcessGroup& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.world_size(); }
+  std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send, int64_t per_rank) override {
+    const int64_t p = size();
+    const Tensor sent = Tensor::empty({p, per_rank}, DType::I64, Device::CUDA);
+    const Tensor received = Tensor::empty({p, per_rank}, DType::I64, Device::CUDA);
+    copy_bytes(sent.raw(), Device::CUDA, send.data(), Device::CPU, send.size() * sizeof(int64_t));
+    const std::vector<int64_t> one_row_each(static_cast<size_t>(p), 1);
+    group_.all_to_all(received, one_row_each, sent, one_row_each, nullptr);
+    std::vector<int64_t> counts(send.size());
+    copy_bytes(counts.data(), Device::CPU, received.raw(), Device::CUDA, counts.size() * sizeof(int64_t));
+    return counts;
+  }
+  void exchange_rows_start(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                           const std::vector<int64_t>& send_counts) override {
+    group_.all_to_all(output, recv_counts, input, send_counts, nullptr);
+  }
+
+ private:
+  ProcessGroup& group_;
+};
+
+// P expert-parallel rank threads (each its own micro-batch of `micro` sequences), dispatching
+// through GroupExpertDispatch (the exchanges on its stream, the shared experts beside them),
+// against the same rank threads with every exchange on the compute stream: the same
+// routings (each rank's forward is the same kernels on the same rows), so the same losses and
+// gradients, up to the order of the backward's atomic additions. And against one GPU on all
+// P micro-batches: the losses add up to its loss (routing near-ties may fall otherwise in a
+// GEMM of other rows, so the gradients are compared only between the two orderings).
+void expect_expert_parallel_ranks_match(int p, ActivationCheckpoint mode) {
   SCOPED_TRACE(fmt::format("expert parallelism {}, checkpointing {}", p, activation_checkpoint_name(mode)));
   ModelConfig config = small_deepseek(false);  // 16 experts, 3 per token, 2 shared
   config.router_aux_loss_coef = 0.0;           // a balancing loss is each rank's own tokens'
@@ -157,59 +190,61 @@ void expect_expert_parallel_ranks_match_one_gpu(int p, ActivationCheckpoint mode
 
   std::mutex turn;
   ThreadExchange exchange(p);
-  std::vector<LossSum> losses(static_cast<size_t>(p));
-  std::vector<std::unique_ptr<FlatParameters>> weights, rank_grads;
+  // [ordering][rank]: 0 on the compute stream, 1 GroupExpertDispatch's.
+  std::vector<std::vector<LossSum>> losses(2, std::vector<LossSum>(static_cast<size_t>(p)));
+  std::vector<std::unique_ptr<FlatParameters>> weights;
+  std::vector<std::vector<std::unique_ptr<FlatParameters>>> rank_grads(2);
   for (int r = 0; r < p; ++r) {
     weights.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::BF16));
     weights.back()->assign_from(whole);
-    rank_grads.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32));
-    rank_grads.back()->zero();
+    for (auto& ordering : rank_grads) {
+      ordering.push_back(std::make_unique<FlatParameters>(config, Device::CUDA, DType::F32));
+      ordering.back()->zero();
+    }
   }
   const auto errors = run_rank_threads(p, turn, [&](int r) {
     ThreadAllToAll group(turn, exchange, r);
-    GroupExpertDispatch dispatch(group, Device::CUDA);
-    testing::LocalExperts w(*weights[static_cast<size_t>(r)], r * local, local),
-        sink(*rank_grads[static_cast<size_t>(r)], r * local, local);
-    DecoderLM model(config, micro, seq, Device::CUDA, DType::BF16, mode, &dispatch);
-    losses[static_cast<size_t>(r)] =
-        model.forward_backward(rows(tokens, r * micro, micro), rows(targets, r * micro, micro), w, sink, scale);
-    device_synchronize();  // the exchanges' stream, before the group goes
+    ComputeStreamDispatch sequential(group);
+    GroupExpertDispatch overlapped(group, Device::CUDA);
+    for (int ordering = 0; ordering < 2; ++ordering) {
+      ExpertDispatch& dispatch = ordering == 0 ? static_cast<ExpertDispatch&>(sequential) : overlapped;
+      FlatParameters& g = *rank_grads[static_cast<size_t>(ordering)][static_cast<size_t>(r)];
+      testing::LocalExperts w(*weights[static_cast<size_t>(r)], r * local, local), sink(g, r * local, local);
+      DecoderLM model(config, micro, seq, Device::CUDA, DType::BF16, mode, &dispatch);
+      losses[static_cast<size_t>(ordering)][static_cast<size_t>(r)] =
+          model.forward_backward(rows(tokens, r * micro, micro), rows(targets, r * micro, micro), w, sink, scale);
+      device_synchronize();  // the exchanges' stream too
+    }
   });
   for (const std::string& e : errors) ASSERT_EQ(e, "");
 
   double sum = 0.0;
   int64_t counted = 0;
-  for (const LossSum& l : losses) {
-    sum += l.sum;
-    counted += l.tokens;
+  for (int r = 0; r < p; ++r) {
+    const LossSum& sequential = losses[0][static_cast<size_t>(r)];
+    const LossSum& overlapped = losses[1][static_cast<size_t>(r)];
+    EXPECT_EQ(overlapped.tokens, sequential.tokens);
+    EXPECT_NEAR(overlapped.sum, sequential.sum, 1e-5 * std::abs(sequential.sum)) << "rank " << r;
+    sum += overlapped.sum;
+    counted += overlapped.tokens;
+    for (size_t s = 0; s < whole.specs().size(); ++s) {
+      const Tensor a = to_cpu_f32(rank_grads[1][static_cast<size_t>(r)]->tensors()[s]);
+      const Tensor b = to_cpu_f32(rank_grads[0][static_cast<size_t>(r)]->tensors()[s]);
+      if (whole.specs()[s].expert_stack)  // the rank's own experts' slice
+        EXPECT_LT(relative_l2(a.narrow(r * local, (r + 1) * local), b.narrow(r * local, (r + 1) * local)), 1e-3)
+            << whole.specs()[s].name << " on rank " << r;
+      else
+        EXPECT_LT(relative_l2(a, b), 1e-3) << whole.specs()[s].name << " on rank " << r;
+    }
   }
   EXPECT_EQ(counted, reference.tokens);
   EXPECT_NEAR(sum, reference.sum, 2e-3 * std::abs(reference.sum));
-  for (size_t s = 0; s < whole.specs().size(); ++s) {
-    const ParamSpec& spec = whole.specs()[s];
-    const Tensor expected = to_cpu_f32(grads.tensors()[s]);
-    if (spec.expert_stack) {
-      for (int r = 0; r < p; ++r) {
-        const Tensor mine = to_cpu_f32(rank_grads[static_cast<size_t>(r)]->tensors()[s]);
-        EXPECT_LT(relative_l2(mine.narrow(r * local, (r + 1) * local), expected.narrow(r * local, (r + 1) * local)),
-                  2e-2)
-            << spec.name << " on rank " << r;
-      }
-    } else {
-      Tensor total = to_cpu_f32(rank_grads[0]->tensors()[s]);
-      for (int r = 1; r < p; ++r) {
-        const Tensor more = to_cpu_f32(rank_grads[static_cast<size_t>(r)]->tensors()[s]);
-        for (int64_t i = 0; i < total.numel(); ++i) total.data<float>()[i] += more.data<float>()[i];
-      }
-      EXPECT_LT(relative_l2(total, expected), 2e-2) << spec.name;
-    }
-  }
 }
 
-TEST(GpuExpertParallel, ThreadRanksWithSharedExpertsMatchOneGpu) {
-  expect_expert_parallel_ranks_match_one_gpu(2, ActivationCheckpoint::None);
-  expect_expert_parallel_ranks_match_one_gpu(2, ActivationCheckpoint::Selective);
-  expect_expert_parallel_ranks_match_one_gpu(4, ActivationCheckpoint::Full);
+TEST(GpuExpertParallel, SharedExpertsBesideStreamOrderedExchanges) {
+  expect_expert_parallel_ranks_match(2, ActivationCheckpoint::None);
+  expect_expert_parallel_ranks_match(2, ActivationCheckpoint::Selective);
+  expect_expert_parallel_ranks_match(4, ActivationCheckpoint::Full);
 }
 
 }  // namespace
