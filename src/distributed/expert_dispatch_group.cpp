@@ -32,7 +32,13 @@
 
 namespace forge {
 
-GroupExpertDispatch::GroupExpertDispatch(ProcessGroup& group, Device device) : group_(group), device_(device) {}
+GroupExpertDispatch::GroupExpertDispatch(ProcessGroup& group, Device device) : group_(group), device_(device) {
+  if (device_ == Device::CUDA) {
+    stream_ = std::make_unique<DeviceStream>(device_);
+    ready_ = std::make_unique<DeviceEvent>(device_);
+    done_ = std::make_unique<DeviceEvent>(device_);
+  }
+}
 
 std::vector<int64_t> GroupExpertDispatch::exchange_counts(const std::vector<int64_t>& send, int64_t per_rank) {
   const int64_t p = size();
@@ -42,19 +48,37 @@ std::vector<int64_t> GroupExpertDispatch::exchange_counts(const std::vector<int6
     send_ = Tensor::empty({p, per_rank}, DType::I64, device_);
     recv_ = Tensor::empty({p, per_rank}, DType::I64, device_);
   }
-  copy_bytes(send_.raw(), device_, send.data(), Device::CPU, send.size() * sizeof(int64_t));
+  // The counts come from the host and go back to it: nothing on the compute stream is
+  // waited for (it goes on, with the permutation, while they travel), and the staging is
+  // written and read on the exchange stream alone, in its order. The host waits for them.
+  const CudaStream stream = stream_ ? stream_->get() : nullptr;
+  copy_bytes_on(send_.raw(), device_, send.data(), Device::CPU, send.size() * sizeof(int64_t), stream);
   const std::vector<int64_t> one_row_each(static_cast<size_t>(p), 1);
-  group_.all_to_all(recv_, one_row_each, send_, one_row_each);
+  group_.all_to_all(recv_, one_row_each, send_, one_row_each, stream);
   std::vector<int64_t> recv(send.size());
-  copy_bytes(recv.data(), Device::CPU, recv_.raw(), device_, recv.size() * sizeof(int64_t));  // waits for it
+  copy_bytes_on(recv.data(), Device::CPU, recv_.raw(), device_, recv.size() * sizeof(int64_t), stream);
+  if (stream_) stream_->synchronize();
   for (int64_t c : recv)
     FORGE_CHECK(c >= 0, "expert dispatch: a rank announced {} rows (the ranks' routings disagree)", c);
   return recv;
 }
 
-void GroupExpertDispatch::exchange_rows(const Tensor& output, const std::vector<int64_t>& recv_counts,
-                                        const Tensor& input, const std::vector<int64_t>& send_counts) {
-  group_.all_to_all(output, recv_counts, input, send_counts);
+void GroupExpertDispatch::exchange_rows_start(const Tensor& output, const std::vector<int64_t>& recv_counts,
+                                              const Tensor& input, const std::vector<int64_t>& send_counts) {
+  if (!stream_) {
+    group_.all_to_all(output, recv_counts, input, send_counts);
+    return;
+  }
+  // NOTE [Streams and events]: the exchange reads rows the compute stream's work so far
+  // wrote, and writes rows it may have read.
+  ready_->record(nullptr);
+  ready_->make_wait(stream_->get());
+  group_.all_to_all(output, recv_counts, input, send_counts, stream_->get());
+  done_->record(stream_->get());
+}
+
+void GroupExpertDispatch::exchange_wait() {
+  if (done_) done_->make_wait(nullptr);
 }
 
 }  // namespace forge

@@ -35,8 +35,10 @@
 // The weights: the local experts' slices of the stacked expert weights ([E/P, 2F, H] and
 // [E/P, H, F]), which FSDP shards over the ranks holding the same experts (NOTE [FSDP
 // layout]); their gradients are summed over those ranks, the other weights' over all ranks.
-// The exchanges run on the compute stream, between the kernels that produce and consume
-// their rows (not yet overlapped with the shared experts' GEMMs).
+// On CUDA the exchanges run on a communication stream of their own, after the compute
+// stream's work that produced their rows (events), and the compute stream waits for them only
+// where it reads what they received: the shared experts' GEMMs run meanwhile (NOTE [Expert
+// exchange overlap] in model/moe_feed_forward.cpp). On the CPU they are done when called.
 #pragma once
 
 #include <cstdint>
@@ -61,9 +63,20 @@ class ExpertDispatch {
 
   // Rows of `input` to the group's ranks and theirs into `output`, as
   // ProcessGroup::all_to_all (NOTE [All-to-all]): send_counts[q] rows to rank q, in rank
-  // order; recv_counts[q] rows from rank q, in rank order.
-  virtual void exchange_rows(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
-                             const std::vector<int64_t>& send_counts) = 0;
+  // order; recv_counts[q] rows from rank q, in rank order. It may return before the
+  // exchange is done (on CUDA it runs on a communication stream, after the work already
+  // enqueued on the compute stream), as ContextParallel::rotate_start does: the caller may
+  // enqueue other work, which must neither write `input` nor touch `output`, and then calls
+  // exchange_wait: work enqueued after it sees every exchange started so far done. Every
+  // rank starts the same exchanges in the same order.
+  virtual void exchange_rows_start(const Tensor& output, const std::vector<int64_t>& recv_counts,
+                                   const Tensor& input, const std::vector<int64_t>& send_counts) = 0;
+  virtual void exchange_wait() {}
+  void exchange_rows(const Tensor& output, const std::vector<int64_t>& recv_counts, const Tensor& input,
+                     const std::vector<int64_t>& send_counts) {
+    exchange_rows_start(output, recv_counts, input, send_counts);
+    exchange_wait();
+  }
 };
 
 }  // namespace forge

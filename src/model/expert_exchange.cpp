@@ -68,17 +68,24 @@ void ExpertExchange::sort_chunks(const Plan& plan, const Tensor& sorted, const T
     }
 }
 
-void ExpertExchange::dispatch(const Plan& plan, const Tensor& local, const Tensor& origin, const Tensor& staging) {
-  FORGE_CHECK(local.dim(0) >= plan.received && staging.dim(0) >= plan.received,
-              "expert parallelism: {} rows received into buffers of {} and {}", plan.received, local.dim(0),
-              staging.dim(0));
-  dispatch_.exchange_rows(staging, plan.recv, origin, plan.send);
+void ExpertExchange::dispatch_start(const Plan& plan, const Tensor& origin, const Tensor& staging) {
+  FORGE_CHECK(staging.dim(0) >= plan.received, "expert parallelism: {} rows received into a staging buffer of {}",
+              plan.received, staging.dim(0));
+  dispatch_.exchange_rows_start(staging, plan.recv, origin, plan.send);
+}
+
+void ExpertExchange::dispatch_finish(const Plan& plan, const Tensor& local, const Tensor& staging) {
+  FORGE_CHECK(local.dim(0) >= plan.received, "expert parallelism: {} rows received into a buffer of {}",
+              plan.received, local.dim(0));
+  dispatch_.exchange_wait();
   sort_chunks(plan, local, staging, true);
 }
 
-void ExpertExchange::combine(const Plan& plan, const Tensor& origin, const Tensor& local, const Tensor& staging) {
+void ExpertExchange::combine_start(const Plan& plan, const Tensor& origin, const Tensor& local, const Tensor& staging) {
   sort_chunks(plan, local, staging, false);
-  dispatch_.exchange_rows(origin, plan.send, staging, plan.recv);
+  dispatch_.exchange_rows_start(origin, plan.send, staging, plan.recv);
 }
+
+void ExpertExchange::combine_finish() { dispatch_.exchange_wait(); }
 
 }  // namespace forge

@@ -39,9 +39,16 @@ class ExpertExchange {
   Plan plan(const MoeRouting& routing);
   // origin [tokens * k, H] rows in `routing`'s permuted order → local [received, H] rows,
   // sorted by local expert; `staging` holds at least `received` rows of the same width.
-  void dispatch(const Plan& plan, const Tensor& local, const Tensor& origin, const Tensor& staging);
+  // In two halves (NOTE [Expert exchange overlap] in model/moe_feed_forward.cpp): between
+  // dispatch_start and dispatch_finish the caller's work must neither write `origin` nor
+  // touch `staging`; `local` is written by dispatch_finish, after the exchange.
+  void dispatch_start(const Plan& plan, const Tensor& origin, const Tensor& staging);
+  void dispatch_finish(const Plan& plan, const Tensor& local, const Tensor& staging);
   // The reverse: local [received, H] rows in sorted order → origin rows in permuted order.
-  void combine(const Plan& plan, const Tensor& origin, const Tensor& local, const Tensor& staging);
+  // Between combine_start and combine_finish the caller's work must touch neither `origin`
+  // nor `staging`; `local` is free again when combine_start returns (sorted into staging).
+  void combine_start(const Plan& plan, const Tensor& origin, const Tensor& local, const Tensor& staging);
+  void combine_finish();
 
  private:
   // Copies each (rank, local expert) chunk between arrival order and sorted order.

@@ -277,6 +277,45 @@ MoeExpertWeights MoeFeedForward::expert_weights(const ComponentWeights& w) const
   return e;
 }
 
+// NOTE [Expert exchange overlap]
+// Under expert parallelism a layer's rows cross the group twice in the forward (the
+// dispatch to the experts' ranks, the combine back) and twice in the backward (the output
+// gradients out, the input gradients back), and on CUDA each all-to-all runs on the
+// dispatch's communication stream (ExpertDispatch::exchange_rows_start), after the compute
+// stream's work so far, while the compute stream goes on with work that neither writes the
+// rows being sent nor touches the rows being received, and waits for the exchange
+// (exchange_wait) only right before it reads them. That work is the shared experts' (the
+// SwiGLU every token goes through, DeepSeek's), which reads the normalized input and the
+// stream's gradient only, as Megatron-LM's moe_shared_expert_overlap and DeepSeek-V3 place
+// it. Which part goes beside which exchange:
+//  - forward: the gate/up GEMM and the SwiGLU beside the dispatch, the down GEMM (out =
+//    x + shared(h)) beside the combine, Megatron's split (linear_fc1 during the dispatch,
+//    linear_fc2 during the combine). The two exchanges move the same rows, so they take
+//    about as long; the gate/up GEMM is twice the down GEMM's work, but the dispatch is the
+//    only place it can go (the combine comes after the routed experts, and nothing of
+//    theirs needs it), and the down GEMM needs the SwiGLU, so it cannot go before the
+//    dispatch's wait; the whole shared forward beside the dispatch would leave the combine
+//    bare. The count exchange before the dispatch (dropless routing) is a few bytes whose
+//    answer the host waits for, since it sizes the received rows: it runs on the same stream
+//    and so overlaps the permutation, not the shared experts.
+//  - backward: the down GEMM's backward (the weight gradient and the SwiGLU's gradient)
+//    and the SwiGLU's backward beside the gradients' dispatch, the gate/up weight gradient
+//    beside their combine; the gate/up input gradient is added to dL/dh after the
+//    permutation's and the router's gradients, as before, since the order of those three
+//    additions fixes dL/dh's rounding.
+// Nothing changes what is computed or the order in which anything is added into a buffer:
+// each shared-expert op writes buffers of its own (or `out`, which the combine then adds
+// the routed experts' share to, as without the overlap), so the results are bit for bit the
+// sequential ones, which the CPU process group still computes (each exchange done when
+// exchange_rows_start returns). Without shared experts there is nothing to put beside the
+// exchanges, and the compute stream waits for each right after starting it. The buffers:
+// the dispatch reads the layer's permuted rows (or the outputs' gradient) and writes the
+// staging rows, which the compute stream reads (sorts) only after the wait; the combine
+// reads the staging rows and writes the permuted outputs (or the inputs' gradient), which the
+// compute stream touches only after its wait; every exchange is waited for within the
+// layer's call, so the next layer (or micro-batch, or pipeline stage's model sharing the
+// dispatch) never writes a buffer an exchange still reads. Recomputation reruns this forward
+// (full checkpointing) or only SwiGLUs (selective), so both keep working as they are.
 void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor& x, const Tensor* out) {
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_);
@@ -284,32 +323,34 @@ void MoeFeedForward::forward(int layer, const ComponentWeights& w, const Tensor&
   a.routing = route(w, a.routing_buffers);
   moe_permute(a.rows.permuted, a.normed, a.routing);
   const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown));
+  const bool shared_down = shared_ffn_ > 0 && out;  // out = x + shared(h), before the routed experts' share
+  auto shared_up = [&] {
+    linear_forward(a.shared_gate_up, a.normed, w.linear(kSharedGateUp));
+    swiglu_forward(a.shared_swiglu, a.shared_gate_up);
+  };
   if (exchange_) {  // NOTE [Expert parallelism]: to the experts' ranks, through them, and back
     a.plan = exchange_->plan(a.routing);
     take_received(layer, a);
-    exchange_->dispatch(a.plan, a.local.permuted, a.rows.permuted, staging_);
+    exchange_->dispatch_start(a.plan, a.rows.permuted, staging_);
+    if (shared_ffn_ > 0) shared_up();  // NOTE [Expert exchange overlap]: beside the dispatch
+    exchange_->dispatch_finish(a.plan, a.local.permuted, staging_);
     if (fp8.enabled())  // NOTE [FP8 routed experts under expert parallelism]
       moe_experts_forward_fp8(expert_rows(a), expert_weights(w), a.plan.local,
                               local_experts_fp8(fp8, exchange_->first_expert()));
     else
       moe_experts_forward(expert_rows(a), expert_weights(w), a.plan.local);
-    exchange_->combine(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
-  } else if (fp8.enabled()) {
-    moe_experts_forward_fp8(a.rows, expert_weights(w), a.routing, fp8);
+    exchange_->combine_start(a.plan, a.rows.expert_out, a.local.expert_out, staging_);
+    if (shared_down) linear_forward(*out, a.shared_swiglu, w.linear(kSharedDown), &x);  // beside the combine
+    exchange_->combine_finish();
   } else {
-    moe_experts_forward(a.rows, expert_weights(w), a.routing);
-  }
-  if (shared_ffn_ > 0) {
-    linear_forward(a.shared_gate_up, a.normed, w.linear(kSharedGateUp));
-    swiglu_forward(a.shared_swiglu, a.shared_gate_up);
+    if (fp8.enabled()) moe_experts_forward_fp8(a.rows, expert_weights(w), a.routing, fp8);
+    else moe_experts_forward(a.rows, expert_weights(w), a.routing);
+    if (shared_ffn_ > 0) shared_up();
+    if (shared_down) linear_forward(*out, a.shared_swiglu, w.linear(kSharedDown), &x);
   }
   if (!out) return;
-  if (shared_ffn_ > 0) {  // out = x + shared(h), then the routed experts' share added
-    linear_forward(*out, a.shared_swiglu, w.linear(kSharedDown), &x);
-    moe_combine(*out, a.rows.expert_out, a.routing, out);
-  } else {
-    moe_combine(*out, a.rows.expert_out, a.routing, &x);
-  }
+  // The routed experts' share added to out = x + shared(h), or to x.
+  moe_combine(*out, a.rows.expert_out, a.routing, shared_ffn_ > 0 ? out : &x);
 }
 
 void MoeFeedForward::recompute_selective(int layer, const ComponentWeights& w, const Tensor& x) {
@@ -428,11 +469,23 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
     grads.tensor(kNorm).fill_zero();  // the norm's backward adds
     if (sigmoid_) grads.tensor(bias_index_).fill_zero();  // the bias takes no gradient
   }
-  // out = x + combine(experts(permute(h)), routing(h W_router^T))
+  // out = x + combine(experts(permute(h)), routing(h W_router^T)) + shared(h)
   moe_combine_backward(d_expert_out_, d_weights_, d_stream, a.rows.expert_out, a.routing);
+  // The shared experts' weights' gradients, and dL/d(their gate/up output): everything of
+  // theirs but dL/dh, which is added last.
+  auto shared_down_backward = [&] {
+    linear_backward(d_shared_swiglu_, grads.linear(kSharedDown), d_stream, a.shared_swiglu, w.linear(kSharedDown),
+                    overwrite);
+    swiglu_backward(d_shared_gate_up_, d_shared_swiglu_, a.shared_gate_up);
+  };
+  auto shared_up_weight_backward = [&] {
+    linear_backward_weight(grads.linear(kSharedGateUp), d_shared_gate_up_, a.normed, overwrite);
+  };
   if (exchange_) {  // the outputs' gradients to the experts' ranks, the inputs' back
     const int64_t r = a.plan.received;
-    exchange_->dispatch(a.plan, d_local_out_, d_expert_out_, staging_);
+    exchange_->dispatch_start(a.plan, d_expert_out_, staging_);
+    if (shared_ffn_ > 0) shared_down_backward();  // NOTE [Expert exchange overlap]: beside the dispatch
+    exchange_->dispatch_finish(a.plan, d_local_out_, staging_);
     if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled())
       moe_experts_backward_fp8(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite,
                                d_local_out_.narrow(0, r), expert_rows(a), expert_weights(w), a.plan.local,
@@ -442,7 +495,9 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
       moe_experts_backward(d_local_permuted_.narrow(0, r), expert_weights(grads), overwrite, d_local_out_.narrow(0, r),
                            expert_rows(a), expert_weights(w), a.plan.local, d_swiglu_.narrow(0, r),
                            d_gate_up_.narrow(0, r));
-    exchange_->combine(a.plan, d_permuted_, d_local_permuted_, staging_);
+    exchange_->combine_start(a.plan, d_permuted_, d_local_permuted_, staging_);
+    if (shared_ffn_ > 0) shared_up_weight_backward();  // beside the combine
+    exchange_->combine_finish();
   } else if (const MoeExpertFp8 fp8 = expert_fp8(w.linear(kGateUp), w.linear(kDown)); fp8.enabled()) {
     moe_experts_backward_fp8(d_permuted_, expert_weights(grads), overwrite, d_expert_out_, a.rows, expert_weights(w),
                              a.routing, d_swiglu_, d_gate_up_, fp8);
@@ -458,11 +513,12 @@ void MoeFeedForward::backward(int layer, const ComponentWeights& w, const Compon
   cast(d_logits_compute_, d_logits_);
   linear_backward_weight(grads.linear(kRouter), d_logits_compute_, a.normed, overwrite);
   linear_backward_input_add(d_hidden, d_logits_compute_, w.linear(kRouter));
-  if (shared_ffn_ > 0) {  // out += shared(h): its weights' gradients, and dL/dh through it added
-    linear_backward(d_shared_swiglu_, grads.linear(kSharedDown), d_stream, a.shared_swiglu, w.linear(kSharedDown),
-                    overwrite);
-    swiglu_backward(d_shared_gate_up_, d_shared_swiglu_, a.shared_gate_up);
-    linear_backward_weight(grads.linear(kSharedGateUp), d_shared_gate_up_, a.normed, overwrite);
+  if (shared_ffn_ > 0) {  // out += shared(h): its weights' gradients (under expert parallelism done beside the
+                          // exchanges), and dL/dh through it added last
+    if (!exchange_) {
+      shared_down_backward();
+      shared_up_weight_backward();
+    }
     linear_backward_input_add(d_hidden, d_shared_gate_up_, w.linear(kSharedGateUp));
   }
   rmsnorm_backward(d_stream, grads.tensor(kNorm), d_hidden, x, w.tensor(kNorm), a.rstd);
