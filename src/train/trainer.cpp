@@ -475,6 +475,7 @@ void Trainer::set_up_data_parallel() {
     if (config_.precision.fp8_fsdp_all_gather) fp8_gather_tensor_parallel_group_ = stage_world->split(local / t, local);
     data_parallel_group_ = stage_world->split(local % t, local);
     tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
+    tensor_parallel_->set_async(p.enable_async_tensor_parallel);  // NOTE [Async tensor parallelism]
     tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);
     world_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
     tensor_parallel_shard_ = {local % t, t};
