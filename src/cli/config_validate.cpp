@@ -334,7 +334,7 @@ void check_async_tensor_parallel(const ExperimentConfig& config, const KeyDescri
                async);
   if (config.precision.fp8 != "none")
     FORGE_FAIL("{} with {}: an FP8 projection quantizes its whole gathered input at once, which the ring's row "
-               "chunks do not give; set one of them to false / none",
+               "chunks do not give; set parallelism.enable_async_tensor_parallel to false, or precision.fp8 none",
                async, show(config, keys, "precision.fp8"));
   if (config.lora.enabled())
     FORGE_FAIL("{} with {}: LoRA adapters draw their dropout and gradients over every row in one call, which the "
