@@ -267,11 +267,15 @@ int run_info(const std::vector<std::string>& args) {
                                    : std::string()),
              plan.tensor_parallel > 1
                  ? fmt::format("; tensor parallelism {} (a rank's heads, feed-forward columns and vocabulary rows, "
-                               "{} of the {} parameters, and its 1/{} of the tokens between the projections)",
+                               "{} of the {} parameters, and its 1/{} of the tokens between the projections{})",
                                plan.tensor_parallel,
                                fmt::format("{:.2f} B", static_cast<double>(tensor_parallel_rank_parameters(m, plan.tensor_parallel)) / 1e9),
                                fmt::format("{:.2f} B", static_cast<double>(m.total_params()) / 1e9),
-                               plan.tensor_parallel)
+                               plan.tensor_parallel,
+                               config.parallelism.enable_async_tensor_parallel  // NOTE [Async tensor parallelism]
+                                   ? "; async: the blocks' all-gathers and reduce-scatters pass around a ring under "
+                                     "their GEMMs' row chunks"
+                                   : "")
                  : std::string(),
              plan.context_parallel > 1
                  ? fmt::format("; context parallelism {} (a rank's 2 of the {} chunks of every sequence, {})",

@@ -390,6 +390,11 @@ std::vector<ConfigKey> build_schema() {
           "consecutive ranks that split every layer (Megatron's tensor parallelism with sequence parallelism: heads, "
           "feed-forward columns and vocabulary split, the residual stream split by tokens); 1: none",
           at_least(1)),
+      key<&E::parallelism, &ParallelismConfig::enable_async_tensor_parallel>(
+          "parallelism.enable_async_tensor_parallel",
+          "async tensor parallelism (needs tensor_parallel_degree > 1): the blocks' all-gathers and reduce-scatters "
+          "pass around a ring, one rank's rows per step, under the GEMMs of the rows already there (a collective "
+          "matmul); not with precision.fp8 or LoRA"),
       key<&E::parallelism, &ParallelismConfig::context_parallel_degree>(
           "parallelism.context_parallel_degree",
           "ranks that split every sequence (load-balanced causal chunks, keys and values all-gathered for "

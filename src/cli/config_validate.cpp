@@ -321,6 +321,27 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
                show(config, keys, "parallelism.data_parallel_shard_degree"));
 }
 
+// parallelism.enable_async_tensor_parallel (NOTE [Async tensor parallelism] in
+// model/sequence_parallel.h): tensor parallelism, projections in the compute dtype (an FP8
+// projection quantizes its whole gathered input at once) and no LoRA adapters (their
+// dropout and gradients are one call over every row).
+void check_async_tensor_parallel(const ExperimentConfig& config, const KeyDescriber& keys) {
+  if (!config.parallelism.enable_async_tensor_parallel) return;
+  const std::string async = show(config, keys, "parallelism.enable_async_tensor_parallel");
+  if (config.parallelism.tensor_parallel_degree == 1)
+    FORGE_FAIL("{} overlaps tensor parallelism's collectives with its GEMMs and needs "
+               "parallelism.tensor_parallel_degree > 1 (it is 1): set it to false, or set the degree",
+               async);
+  if (config.precision.fp8 != "none")
+    FORGE_FAIL("{} with {}: an FP8 projection quantizes its whole gathered input at once, which the ring's row "
+               "chunks do not give; set parallelism.enable_async_tensor_parallel to false, or precision.fp8 none",
+               async, show(config, keys, "precision.fp8"));
+  if (config.lora.enabled())
+    FORGE_FAIL("{} with {}: LoRA adapters draw their dropout and gradients over every row in one call, which the "
+               "ring's row chunks do not give; set parallelism.enable_async_tensor_parallel to false",
+               async, show(config, keys, "lora.rank"));
+}
+
 // parallelism.tensor_parallel_degree T > 1 (NOTE [Tensor parallelism] in
 // model/tensor_parallel.h): a dense Llama-family model whose heads, feed-forward width and
 // vocabulary T divides, a micro-batch whose tokens it divides (the residual stream's rows);
@@ -332,6 +353,7 @@ void check_expert_parallel(const ExperimentConfig& config, const KeyDescriber& k
 // [Tensor-parallel checkpoints] in ckpt/checkpoint_layout.h): nothing to refuse there.
 void check_tensor_parallel_degree(const ExperimentConfig& config, const KeyDescriber& keys) {
   const int64_t t = config.parallelism.tensor_parallel_degree;
+  check_async_tensor_parallel(config, keys);
   if (t == 1) return;
   const std::string tp = show(config, keys, "parallelism.tensor_parallel_degree");
   try {

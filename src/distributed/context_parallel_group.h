@@ -4,11 +4,10 @@
 // process group and hands it to the decoder.
 #pragma once
 
-#include <memory>
 #include <vector>
 
-#include "core/device.h"
 #include "distributed/process_group.h"
+#include "distributed/ring_exchange.h"
 #include "model/context_parallel.h"
 
 namespace forge {
@@ -16,7 +15,7 @@ namespace forge {
 class GroupContextParallel final : public ContextParallel {
  public:
   // `group`: the context-parallel ranks; outlives this object.
-  explicit GroupContextParallel(ProcessGroup& group) : group_(group) {}
+  explicit GroupContextParallel(ProcessGroup& group) : group_(group), ring_(group) {}
 
   int rank() const override { return group_.rank(); }
   int size() const override { return group_.world_size(); }
@@ -25,18 +24,17 @@ class GroupContextParallel final : public ContextParallel {
     group_.reduce_scatter(local, full, ReduceOp::Sum);
   }
   void all_reduce_sum(const Tensor& tensor) override { group_.all_reduce(tensor, ReduceOp::Sum); }
-  // One send_recv call (NOTE [Point-to-point]): every tensor of `sent` to the next rank and
-  // of `received` from the previous, paired in order. On CUDA on a stream of its own, after
-  // the compute stream's work so far (an event); rotate_wait makes the compute stream wait for
-  // the last step started. On the CPU the call is done when it returns.
+  // One step of the ring (distributed/ring_exchange.h, NOTE [Point-to-point]): every tensor
+  // of `sent` to the next rank and of `received` from the previous, paired in order. On CUDA
+  // on a stream of its own, after the compute stream's work so far (an event); rotate_wait
+  // makes the compute stream wait for the last step started. On the CPU the call is done
+  // when it returns.
   void rotate_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) override;
   void rotate_wait() override;
 
  private:
   ProcessGroup& group_;
-  // CUDA: the ring's stream, the compute stream's point it starts after, and its last step.
-  std::unique_ptr<DeviceStream> ring_stream_;
-  std::unique_ptr<DeviceEvent> ring_ready_, ring_done_;
+  RingExchange ring_;
 };
 
 }  // namespace forge

@@ -89,8 +89,7 @@ void SelfAttention::forward(int layer, const ComponentWeights& w, const Tensor& 
   const int64_t n = shape_.tokens();
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, edges_.norm_consumer(w.linear(kQkv)));
   // NOTE [Tensor parallelism]: every rank's rows into the column-parallel qkv.
-  linear_forward(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), edges_.projection_input(a.normed),
-                 w.linear(kQkv));
+  edges_.project_in(a.qkv.view({n, (heads_ + 2 * kv_heads_) * head_dim_}), a.normed, w.linear(kQkv));
   rope_forward(a.qkv, heads_ + kv_heads_, rotary_.cos(), rotary_.sin(), positions());
   if (cp_) cp_attention_.forward(*cp_, layer, a.out, a.lse, a.qkv, attention_);
   else attention_forward(a.out, a.lse, a.qkv, attention_, rotary_.segments());
@@ -110,8 +109,8 @@ void SelfAttention::backward(int layer, const ComponentWeights& w, const Compone
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + attention_out @ o^T; under tensor parallelism every rank's rows of dL/dout
   // feed the row-parallel o's backward (NOTE [Tensor parallelism]).
-  linear_backward(d_out_, grads.linear(kOut), edges_.output_grad(d_stream), a.out.view({n, heads_ * head_dim_}),
-                  w.linear(kOut), overwrite);
+  edges_.project_out_backward(d_out_, grads.linear(kOut), d_stream, a.out.view({n, heads_ * head_dim_}),
+                              w.linear(kOut), overwrite);
   const Tensor d_attended = d_out_.view(a.out.shape());
   if (cp_) cp_attention_.backward(*cp_, layer, d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_);
   else attention_backward(d_qkv_, d_attended, a.qkv, a.out, a.lse, attention_, rotary_.segments());

@@ -59,7 +59,7 @@ void SwiGluFeedForward::forward(int layer, const ComponentWeights& w, const Tens
   Activations& a = layers_.at(static_cast<size_t>(layer));
   rmsnorm_forward(a.normed, a.rstd, x, w.tensor(kNorm), eps_, edges_.norm_consumer(w.linear(kGateUp)));
   // NOTE [Tensor parallelism]: every rank's rows into the column-parallel gate/up.
-  linear_forward(a.gate_up, edges_.projection_input(a.normed), w.linear(kGateUp));
+  edges_.project_in(a.gate_up, a.normed, w.linear(kGateUp));
   swiglu_forward(a.swiglu, a.gate_up, out ? &w.linear(kDown) : nullptr);
   if (!out) return;
   edges_.project_out(*out, a.swiglu, w.linear(kDown), x);
@@ -77,7 +77,7 @@ void SwiGluFeedForward::backward(int layer, const ComponentWeights& w, const Com
   if (overwrite) grads.tensor(kNorm).fill_zero();  // the norm's backward adds
   // out = x + swiglu @ down^T; under tensor parallelism every rank's rows of dL/dout feed
   // the row-parallel down's backward (NOTE [Tensor parallelism]).
-  linear_backward(d_swiglu_, grads.linear(kDown), edges_.output_grad(d_stream), a.swiglu, w.linear(kDown), overwrite);
+  edges_.project_out_backward(d_swiglu_, grads.linear(kDown), d_stream, a.swiglu, w.linear(kDown), overwrite);
   swiglu_backward(d_gate_up_, d_swiglu_, a.gate_up, &w.linear(kGateUp));
   edges_.normed_projection_backward(d_hidden, grads.linear(kGateUp), d_gate_up_, a.normed, w.linear(kGateUp), overwrite,
                                     d_stream, grads.tensor(kNorm), x, w.tensor(kNorm), a.rstd);

@@ -35,10 +35,12 @@
 // from its rows only, so the group sums it (all_reduce_sum) before it is added to the
 // gradient buffer. The losses are every row's, the same on every rank of the group.
 // The collectives run on the compute stream, between the kernels that produce and consume
-// their rows (not overlapped with the GEMMs).
+// their rows; with parallelism.enable_async_tensor_parallel the blocks' run around a ring
+// under their GEMMs instead (NOTE [Async tensor parallelism] in model/sequence_parallel.h).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/tensor.h"
 #include "model/config.h"
@@ -73,6 +75,23 @@ class TensorParallel : public Fp8AmaxGroup {
   // In place: the elementwise sum (maximum) over the group's ranks.
   virtual void all_reduce_sum(const Tensor& tensor) = 0;
   void all_reduce_max(const Tensor& tensor) override = 0;
+
+  // NOTE [Async tensor parallelism] in model/sequence_parallel.h: one step of the ring, every
+  // tensor of `sent` to the next rank (rank() + 1 mod size()) and of `received` from the
+  // previous, paired in order (as ContextParallel::rotate_start). Every rank starts the same
+  // steps in the same order. ring_start may return before the step is done (on CUDA it runs
+  // on a stream of its own, after the work enqueued so far); work enqueued after ring_wait
+  // sees every step started so far done.
+  virtual void ring_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) = 0;
+  virtual void ring_wait() {}
+
+  // parallelism.enable_async_tensor_parallel: the blocks' all-gathers and reduce-scatters
+  // run as ring steps interleaved with their GEMMs' row chunks.
+  bool async() const { return async_; }
+  void set_async(bool async) { async_ = async; }
+
+ private:
+  bool async_ = false;
 };
 
 }  // namespace forge

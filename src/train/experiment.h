@@ -88,6 +88,9 @@ struct ParallelismConfig {
   int64_t expert_parallel_degree = 1;          // ranks that split a MoE model's routed experts (NOTE [Expert parallelism])
   int64_t tensor_parallel_degree = 1;          // consecutive ranks that split every layer (NOTE [Tensor parallelism])
   int64_t context_parallel_degree = 1;         // ranks that split every sequence (NOTE [Context parallelism])
+  // torchtitan's key: the blocks' tensor-parallel all-gathers and reduce-scatters run as ring
+  // steps under their GEMMs' row chunks (NOTE [Async tensor parallelism] in model/sequence_parallel.h).
+  bool enable_async_tensor_parallel = false;
   // torchtitan's key: "allgather" gathers every rank's keys and values, "p2p" passes them
   // around the ring (NOTE [Ring attention] in model/context_parallel_ring.h).
   std::string context_parallel_rotate_method = "allgather";

@@ -249,10 +249,13 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
   if (fp8_ && tensor_parallel_) fp8_->set_tensor_parallel_group(*tensor_parallel_);
   if (tensor_parallel_)
     log_info("tensor-parallel rank {} of {} (data-parallel rank {} of {}): its heads, feed-forward columns and "
-             "vocabulary rows, {} of the model's {} parameters",
+             "vocabulary rows, {} of the model's {} parameters{}",
              tensor_parallel_shard_.rank, tensor_parallel_shard_.size, data_rank_, data_ranks_,
              human_count(static_cast<double>(tensor_parallel_rank_parameters(config_.model, tensor_parallel_shard_.size))),
-             human_count(static_cast<double>(config_.model.total_params())));
+             human_count(static_cast<double>(config_.model.total_params())),
+             tensor_parallel_->async() ? "; async: the blocks' all-gathers and reduce-scatters as ring steps under "
+                                         "their GEMMs (NOTE [Async tensor parallelism])"
+                                       : "");
   if (dp_) log_fsdp_memory();
   const ActivationCheckpoint checkpointing = activation_checkpoint_from_name(config_.activation_checkpoint.mode);
   if (pipeline_) {
@@ -475,6 +478,7 @@ void Trainer::set_up_data_parallel() {
     if (config_.precision.fp8_fsdp_all_gather) fp8_gather_tensor_parallel_group_ = stage_world->split(local / t, local);
     data_parallel_group_ = stage_world->split(local % t, local);
     tensor_parallel_ = std::make_unique<GroupTensorParallel>(*tensor_parallel_group_);
+    tensor_parallel_->set_async(p.enable_async_tensor_parallel);  // NOTE [Async tensor parallelism]
     tensor_parallel_comm_ = std::make_unique<DataParallelComm>(device_, *tensor_parallel_group_, nullptr);
     world_comm_ = std::make_unique<DataParallelComm>(device_, *world_, nullptr);
     tensor_parallel_shard_ = {local % t, t};

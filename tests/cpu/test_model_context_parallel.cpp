@@ -4,7 +4,7 @@
 // rank gives with the whole micro-batch, and their gradients summed over the ranks are that
 // rank's. Llama (GQA) and MHA shapes, a sliding window that reaches across chunks, tied
 // embeddings, every activation-checkpointing mode, 2 and 4 ranks, and tensor parallelism
-// with it (2 x 2 ranks); packed examples (NOTE [Chunk attention with packed examples]) that
+// with it (2 x 2 ranks, async too); packed examples (NOTE [Chunk attention with packed examples]) that
 // cross the ranks' chunks, with and without a window. Then the chunks a rank takes, and the
 // inputs it refuses.
 #include <gtest/gtest.h>
@@ -37,6 +37,7 @@ struct Case {
   ConfigOverrides overrides = {};
   bool packed = false;  // a sequence layout of packed examples, handed to every rank
   ContextParallelRotate rotate = ContextParallelRotate::AllGather;  // NOTE [Ring attention]
+  bool async_tensor_parallel = false;  // NOTE [Async tensor parallelism] in model/sequence_parallel.h
 };
 
 // Packed examples of micro-batches [2, 16] (a run of equal segment ids is one example;
@@ -61,9 +62,10 @@ SequenceLayout packed_layout() {
 }
 
 void expect_ranks_match_one(const Case& c) {
-  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}{}{}", c.model,
+  SCOPED_TRACE(fmt::format("{} on {} context-parallel x {} tensor-parallel ranks, checkpointing {}{}{}{}", c.model,
                            c.ranks, c.tensor_parallel, static_cast<int>(c.mode), c.packed ? ", packed examples" : "",
-                           c.rotate == ContextParallelRotate::Ring ? ", ring attention" : ""));
+                           c.rotate == ContextParallelRotate::Ring ? ", ring attention" : "",
+                           c.async_tensor_parallel ? ", async tensor parallelism" : ""));
   ConfigOverrides overrides = c.overrides;
   overrides.push_back({"model.name", c.model});
   const ModelConfig m = load_experiment("", overrides).model;
@@ -102,6 +104,7 @@ void expect_ranks_match_one(const Case& c) {
     GroupTensorParallel tensor_parallel(*tp_group);
     GroupContextParallel context_parallel(*cp_group);
     context_parallel.set_rotate_method(c.rotate);
+    tensor_parallel.set_async(c.async_tensor_parallel);
     DecoderLM model(m, micro, seq, Device::CPU, DType::F32, c.mode, nullptr, &tensor_parallel, &context_parallel);
     const size_t k = static_cast<size_t>(w);
     losses[k] = model.forward_backward(tokens, targets, *weights[k], *grads[k], scale, layout);
@@ -148,6 +151,17 @@ TEST(ModelContextParallel, FourRanksMhaWindowAndTiedEmbeddings) {
 TEST(ModelContextParallel, WithTensorParallelism) {
   expect_ranks_match_one({"debug-tiny", 2, ActivationCheckpoint::None, 2});
   expect_ranks_match_one({"debug-tiny-mha", 2, ActivationCheckpoint::Full, 2});
+}
+
+// NOTE [Async tensor parallelism]: the tensor-parallel collectives as ring steps under the
+// GEMMs' row chunks, on each context-parallel rank's tokens, with either rotate method.
+TEST(ModelContextParallel, WithAsyncTensorParallelism) {
+  Case c{"debug-tiny", 2, ActivationCheckpoint::Selective, 2};
+  c.async_tensor_parallel = true;
+  expect_ranks_match_one(c);
+  c.rotate = ContextParallelRotate::Ring;
+  c.mode = ActivationCheckpoint::Full;
+  expect_ranks_match_one(c);
 }
 
 // NOTE [Ring attention]: the same losses and gradients with the keys and values passed

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <barrier>
+#include <cstring>
 #include <functional>
 #include <mutex>
 
@@ -29,9 +30,11 @@
 #include "model/fp8_projections.h"
 #include "model/nf4_base.h"
 #include "model/parameters.h"
+#include "model/sequence_parallel.h"
 #include "ops/cross_entropy.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
+#include "ops/rmsnorm.h"
 
 namespace forge::gpu_test {
 namespace {
@@ -81,9 +84,12 @@ class ThreadCollectives final : public TensorParallel, public ContextParallel {
   void all_reduce_max(const Tensor& tensor) override {
     reduce_on_host(tensor, [](float a, float b) { return std::max(a, b); });
   }
-  // NOTE [Ring attention]: each tensor from the previous rank, by device copies, done when
-  // it returns.
+  // NOTE [Ring attention], NOTE [Async tensor parallelism]: each tensor from the previous
+  // rank, by device copies, done when it returns.
   void rotate_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) override {
+    ring_start(received, sent);
+  }
+  void ring_start(const std::vector<Tensor>& received, const std::vector<Tensor>& sent) override {
     const int previous = (rank_ + size() - 1) % size();
     for (size_t i = 0; i < sent.size(); ++i)
       collective(sent[i], [&](int q, const Tensor& theirs) {
@@ -151,12 +157,16 @@ ModelConfig llama_like(bool tied) {
 // With `layout`, the micro-batch's packed examples, handed to every rank (NOTE [Chunk
 // attention with packed examples] in ops/attention_chunk.h).
 // With `rotate` Ring, ring attention (NOTE [Ring attention] in model/context_parallel_ring.h).
+// With `async`, async tensor parallelism (NOTE [Async tensor parallelism] in
+// model/sequence_parallel.h).
 void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mode,
                                 const SequenceLayout* layout = nullptr,
-                                ContextParallelRotate rotate = ContextParallelRotate::AllGather, int64_t window = 0) {
-  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}{}, window {}", t, c, tied ? "tied" : "untied",
+                                ContextParallelRotate rotate = ContextParallelRotate::AllGather, int64_t window = 0,
+                                bool async = false) {
+  SCOPED_TRACE(fmt::format("{} x {} ranks, {}, checkpointing {}{}{}, window {}{}", t, c, tied ? "tied" : "untied",
                            activation_checkpoint_name(mode), layout ? ", packed examples" : "",
-                           rotate == ContextParallelRotate::Ring ? ", ring attention" : "", window));
+                           rotate == ContextParallelRotate::Ring ? ", ring attention" : "", window,
+                           async ? ", async tensor parallelism" : ""));
   ModelConfig config = llama_like(tied);
   config.sliding_window = window;
   const int64_t batch = 2, seq = 128;
@@ -191,6 +201,7 @@ void expect_ranks_match_one_gpu(int t, int c, bool tied, ActivationCheckpoint mo
     ThreadCollectives tp(turn, *tp_groups[static_cast<size_t>(ci)], ti);
     ThreadCollectives cp(turn, *cp_groups[static_cast<size_t>(ti)], ci);
     cp.set_rotate_method(rotate);
+    tp.set_async(async);
     const TensorParallelShard shard{ti, t};
     FlatParameters host(config, Device::CPU, DType::F32, shard);
     host.initialize(23);
@@ -321,6 +332,104 @@ TEST(GpuTensorParallel, ThreadRanksMatchOneGpu) {
   expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::None);
   expect_ranks_match_one_gpu(2, 1, true, ActivationCheckpoint::Selective);
   expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::Full);
+}
+
+// NOTE [Async tensor parallelism] in model/sequence_parallel.h: the model's step with the
+// ring steps and chunked GEMMs (the thread ranks' ring steps are device copies, done when
+// they return; the NCCL group's stream and events are not exercised here).
+TEST(GpuTensorParallel, AsyncThreadRanksMatchOneGpu) {
+  expect_ranks_match_one_gpu(2, 1, false, ActivationCheckpoint::None, nullptr, ContextParallelRotate::AllGather, 0,
+                             true);
+  expect_ranks_match_one_gpu(2, 1, true, ActivationCheckpoint::Full, nullptr, ContextParallelRotate::AllGather, 0,
+                             true);
+  expect_ranks_match_one_gpu(2, 2, false, ActivationCheckpoint::Selective, nullptr, ContextParallelRotate::Ring, 0,
+                             true);
+}
+
+// What one rank's SequenceParallelEdges give on the GPU (bf16, cuBLASLt), as host fp32.
+struct AsyncEdgeResults {
+  Tensor y, out, d_in, out_weight_grad, d_hidden, in_weight_grad, d_stream, norm_grad;
+};
+
+AsyncEdgeResults run_gpu_edges(TensorParallel& tp, bool async) {
+  const int t = tp.size(), r = tp.rank();
+  const int64_t micro = 2, seq = 128, hidden = 256, columns = 384, rows = micro * seq, n = rows / t;
+  tp.set_async(async);
+  SequenceParallelEdges edges;
+  edges.set_group(&tp);
+  const StepShape shape{micro, seq, DType::BF16, 1, t, 1};
+  ArenaLayout measure(nullptr, Device::CUDA);
+  edges.lay_out(measure, shape, hidden);
+  const Tensor arena = Tensor::zeros({measure.bytes() / 4 + 64}, DType::F32, Device::CUDA);
+  ArenaLayout layout(arena.raw(), Device::CUDA);
+  edges.lay_out(layout, shape, hidden);
+  Rng rng(1000 + static_cast<uint64_t>(r));
+  auto bf16 = [&](Shape s, double scale) { return to_gpu(random_bf16_values(s, rng, scale), DType::BF16); };
+  const Tensor x = bf16({n, hidden}, 1.0), norm_weight = to_gpu(random_bf16_values({hidden}, rng), DType::BF16);
+  const Tensor normed = Tensor::empty({n, hidden}, DType::BF16, Device::CUDA);
+  const Tensor rstd = Tensor::empty({n}, DType::F32, Device::CUDA);
+  rmsnorm_forward(normed, rstd, x, norm_weight, 1e-5f);
+  const LinearWeight w_in{bf16({columns, hidden}, 0.05)}, w_out{bf16({hidden, columns}, 0.05)};
+  const Tensor y = Tensor::empty({rows, columns}, DType::BF16, Device::CUDA);
+  edges.project_in(y, normed, w_in);
+  const Tensor out = Tensor::empty({n, hidden}, DType::BF16, Device::CUDA);
+  edges.project_out(out, y, w_out, x);
+  const Tensor d_stream_in = bf16({n, hidden}, 1.0), dy = bf16({rows, columns}, 1.0);
+  const Tensor d_in = Tensor::empty({rows, columns}, DType::BF16, Device::CUDA);
+  const Tensor out_weight_grad = Tensor::zeros({hidden, columns}, DType::F32, Device::CUDA);
+  edges.project_out_backward(d_in, LinearWeight{out_weight_grad}, d_stream_in, y, w_out, true);
+  const Tensor d_hidden = Tensor::empty({n, hidden}, DType::BF16, Device::CUDA);
+  const Tensor in_weight_grad = Tensor::zeros({columns, hidden}, DType::F32, Device::CUDA);
+  const Tensor d_stream = Tensor::zeros({n, hidden}, DType::BF16, Device::CUDA);  // the norm adds into it
+  const Tensor norm_grad = Tensor::zeros({hidden}, DType::F32, Device::CUDA);
+  edges.normed_projection_backward(d_hidden, LinearWeight{in_weight_grad}, dy, normed, w_in, true, d_stream, norm_grad,
+                                   x, norm_weight, rstd);
+  return {to_cpu_f32(y),         to_cpu_f32(out),      to_cpu_f32(d_in),     to_cpu_f32(out_weight_grad),
+          to_cpu_f32(d_hidden), to_cpu_f32(in_weight_grad), to_cpu_f32(d_stream), to_cpu_f32(norm_grad)};
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.numel() == b.numel() && std::memcmp(a.raw(), b.raw(), a.nbytes()) == 0;
+}
+
+// The edges with and without the ring on t thread ranks: the GEMMs over the gathered rows
+// (the column-parallel forward, the row-parallel input gradient) are the same dot products
+// per row, bitwise where cuBLASLt runs the same algorithm for n rows as for T n (printed),
+// within bf16 rounding otherwise; the weight gradients are one GEMM over the same gathered
+// rows either way (bitwise); the reduce-scattered results differ in the order of their bf16
+// sums.
+void expect_async_edges_match_gpu(int t) {
+  SCOPED_TRACE(fmt::format("async edges on {} tensor-parallel thread ranks", t));
+  Turn turn;
+  ThreadGroup group(t);
+  std::vector<AsyncEdgeResults> plain(static_cast<size_t>(t)), ring(static_cast<size_t>(t));
+  const auto errors = run_rank_threads(t, turn.gpu, [&](int r) {
+    ThreadCollectives tp(turn, group, r);
+    plain[static_cast<size_t>(r)] = run_gpu_edges(tp, false);
+    ring[static_cast<size_t>(r)] = run_gpu_edges(tp, true);
+  });
+  for (const std::string& e : errors) ASSERT_EQ(e, "");
+  for (int r = 0; r < t; ++r) {
+    const AsyncEdgeResults &a = plain[static_cast<size_t>(r)], &b = ring[static_cast<size_t>(r)];
+    std::printf("async edges, rank %d of %d: column-parallel forward %s (relative L2 %.3g), row-parallel input "
+                "gradient %s (%.3g); reduce-scattered forward %.3g, input gradient %.3g\n",
+                r, t, same_bits(a.y, b.y) ? "bitwise" : "not bitwise", relative_l2(b.y, a.y),
+                same_bits(a.d_in, b.d_in) ? "bitwise" : "not bitwise", relative_l2(b.d_in, a.d_in),
+                relative_l2(b.out, a.out), relative_l2(b.d_hidden, a.d_hidden));
+    EXPECT_LT(relative_l2(b.y, a.y), 1e-2) << "rank " << r;
+    EXPECT_LT(relative_l2(b.d_in, a.d_in), 1e-2) << "rank " << r;
+    EXPECT_TRUE(same_bits(a.out_weight_grad, b.out_weight_grad)) << "rank " << r;
+    EXPECT_TRUE(same_bits(a.in_weight_grad, b.in_weight_grad)) << "rank " << r;
+    EXPECT_LT(relative_l2(b.out, a.out), 1e-2) << "rank " << r;
+    EXPECT_LT(relative_l2(b.d_hidden, a.d_hidden), 1e-2) << "rank " << r;
+    EXPECT_LT(relative_l2(b.d_stream, a.d_stream), 2e-2) << "rank " << r;
+    EXPECT_LT(relative_l2(b.norm_grad, a.norm_grad), 2e-2) << "rank " << r;
+  }
+}
+
+TEST(GpuTensorParallel, AsyncEdgesMatchTheCollectives) {
+  expect_async_edges_match_gpu(2);
+  expect_async_edges_match_gpu(4);
 }
 
 TEST(GpuContextParallel, ThreadRanksMatchOneGpu) {

@@ -57,6 +57,20 @@ class Parity(unittest.TestCase):
                 self.assertIn(f"tensor-parallel rank 1 of 2 (data-parallel rank 0 of {data_ranks})",
                               result.stdout + result.stderr)
 
+    def test_async_tensor_parallel_follows_one(self):
+        """NOTE [Async tensor parallelism]: the blocks' collectives as ring steps under row chunks
+        of their GEMMs follow one rank's curve as the collectives do (the ring sums in its own
+        order), alone and under FSDP."""
+        one = self.run_dir("async-one")
+        train(one, 1, 1)
+        for name, ranks, data_ranks, flags in (("async-tp2", 2, 1, []), ("async-tp2-fsdp2", 4, 2, FSDP2)):
+            with self.subTest(run=name):
+                result = train(self.run_dir(name), ranks, data_ranks, *TP2,
+                               "--parallelism.enable_async_tensor_parallel", "true", *flags)
+                self.expect_follows(one, self.run_dir(name))
+                self.assertIn("async: the blocks' all-gathers and reduce-scatters as ring steps",
+                              result.stdout + result.stderr)
+
     def test_four_ranks_split_every_head(self):
         mha = ["--model.name", "debug-tiny-mha"]
         train(self.run_dir("mha-one"), 1, 1, *mha)
