@@ -9,7 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -188,11 +191,58 @@ inline ModelConfig small_model(const std::string& name) {
 constexpr double kBf16Tolerance = 1e-2;
 constexpr double kF32Tolerance = 1e-3;
 
+// NOTE [Rank threads that fail]
+// A rank thread of run_rank_threads that fails (throws, or returns early from an ASSERT)
+// would leave its peers waiting at their next collective's barrier forever, and the test
+// run would hang instead of reporting. So the harnesses' collectives wait at a RankBarrier:
+// run_rank_threads marks the run failed when a rank ends with an error or a fatal gtest
+// failure, and every wait then throws (one already waiting notices within 50 ms), so the
+// peers end too, each with "a peer rank thread failed", and the first rank's error is the
+// one to read.
+inline std::atomic<bool>& rank_threads_failed() {
+  static std::atomic<bool> failed{false};
+  return failed;
+}
+
+class RankBarrier {
+ public:
+  explicit RankBarrier(int size) : size_(size) {}
+
+  // Every rank thread gets here before any goes on, with the GPU's `turn` released
+  // meanwhile; holds `turn` again when it returns or throws.
+  void pass(std::mutex& turn) {
+    turn.unlock();
+    bool failed = false;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      const uint64_t phase = phase_;
+      if (++arrived_ == size_) {
+        arrived_ = 0;
+        ++phase_;
+        arrived_all_.notify_all();
+      } else {
+        while (phase_ == phase && !(failed = rank_threads_failed().load()))
+          arrived_all_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+    }
+    turn.lock();
+    FORGE_CHECK(!failed, "a peer rank thread failed (NOTE [Rank threads that fail])");
+  }
+
+ private:
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable arrived_all_;
+  int arrived_ = 0;
+  uint64_t phase_ = 0;
+};
+
 // `ranks` ranks as threads of this process taking turns on the GPU (the parallel-layout
 // tests): each runs body(rank) holding `turn`, which the ranks' collectives release while
-// they wait for each other, and synchronizes the GPU before passing the turn on. Returns
-// each rank's error ("" for none), in rank order.
+// they wait for each other (RankBarrier::pass), and synchronizes the GPU before passing the
+// turn on. Returns each rank's error ("" for none), in rank order.
 inline std::vector<std::string> run_rank_threads(int ranks, std::mutex& turn, const std::function<void(int)>& body) {
+  rank_threads_failed() = false;
   std::vector<std::future<std::string>> threads;
   for (int r = 0; r < ranks; ++r)
     threads.push_back(std::async(std::launch::async, [&turn, &body, r]() -> std::string {
@@ -200,9 +250,10 @@ inline std::vector<std::string> run_rank_threads(int ranks, std::mutex& turn, co
       turn.lock();
       try {
         body(r);
-      } catch (const Error& e) {
+      } catch (const std::exception& e) {
         error = e.what();
       }
+      if (!error.empty() || ::testing::Test::HasFatalFailure()) rank_threads_failed() = true;
       device_synchronize();
       turn.unlock();
       return error;

@@ -15,7 +15,6 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
-#include <barrier>
 #include <memory>
 #include <mutex>
 
@@ -40,7 +39,7 @@ struct ThreadExchange {
     std::vector<int64_t> send;
     cudaEvent_t ready = nullptr, done = nullptr;
   };
-  std::barrier<> barrier;
+  RankBarrier barrier;
   std::vector<Post> posts;
 };
 
@@ -116,11 +115,7 @@ class ThreadAllToAll final : public ProcessGroup {
  private:
   static void unused(const char* what) { FORGE_CHECK(false, "ThreadAllToAll: {} is not part of this test", what); }
   // Every rank thread gets here before any goes on; the GPU's turn passes meanwhile.
-  void pass() {
-    turn_.unlock();
-    exchange_.barrier.arrive_and_wait();
-    turn_.lock();
-  }
+  void pass() { exchange_.barrier.pass(turn_); }
 
   std::mutex& turn_;
   ThreadExchange& exchange_;

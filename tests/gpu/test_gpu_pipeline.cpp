@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <barrier>
 #include <cstdio>
 #include <mutex>
 
@@ -36,7 +35,7 @@ namespace {
 struct ThreadRound {
   explicit ThreadRound(int size) : barrier(size), posted(static_cast<size_t>(size)) {}
   std::mutex gpu;
-  std::barrier<> barrier;
+  RankBarrier barrier;
   std::vector<const std::vector<PipelineParallel::Transfer>*> posted;
 };
 
@@ -49,10 +48,8 @@ class ThreadPipeline final : public PipelineParallel {
   void exchange(const std::vector<Transfer>& transfers) override {
     device_synchronize();
     round_.posted[static_cast<size_t>(rank_)] = &transfers;
-    round_.gpu.unlock();
-    round_.barrier.arrive_and_wait();
+    round_.barrier.pass(round_.gpu);
     {
-      std::lock_guard<std::mutex> lock(round_.gpu);
       std::vector<size_t> taken(round_.posted.size(), 0);  // sends already matched, per peer
       for (const Transfer& mine : transfers) {
         if (mine.send) continue;
@@ -69,8 +66,7 @@ class ThreadPipeline final : public PipelineParallel {
       }
       device_synchronize();
     }
-    round_.barrier.arrive_and_wait();
-    round_.gpu.lock();
+    round_.barrier.pass(round_.gpu);
   }
 
  private:

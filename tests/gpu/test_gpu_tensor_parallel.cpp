@@ -16,7 +16,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <barrier>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -47,7 +46,7 @@ struct Turn {
 // A group's barrier and each rank's tensor of the collective in progress.
 struct ThreadGroup {
   explicit ThreadGroup(int size) : barrier(size), posted(static_cast<size_t>(size)) {}
-  std::barrier<> barrier;
+  RankBarrier barrier;
   std::vector<const Tensor*> posted;
 };
 
@@ -104,15 +103,10 @@ class ThreadCollectives final : public TensorParallel, public ContextParallel {
   void collective(const Tensor& mine, const std::function<void(int, const Tensor&)>& read) {
     device_synchronize();
     group_.posted[static_cast<size_t>(rank_)] = &mine;
-    turn_.gpu.unlock();
-    group_.barrier.arrive_and_wait();
-    {
-      std::lock_guard<std::mutex> lock(turn_.gpu);
-      for (int q = 0; q < size(); ++q) read(q, *group_.posted[static_cast<size_t>(q)]);
-      device_synchronize();
-    }
-    group_.barrier.arrive_and_wait();
-    turn_.gpu.lock();
+    group_.barrier.pass(turn_.gpu);
+    for (int q = 0; q < size(); ++q) read(q, *group_.posted[static_cast<size_t>(q)]);
+    device_synchronize();
+    group_.barrier.pass(turn_.gpu);
   }
   // fp32 tensors (the statistics, the loss): every rank's values combined on the host, in
   // rank order.
