@@ -327,8 +327,13 @@ void Trainer::log_fp8() const {
   log_info("FP8 {}: the {} GEMMs of the {}block projections{} in FP8 (activations and weights e4m3, gradients {}), "
            "the output head in {}{}",
            fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
-           !lora_ ? "" : config_.lora.quantize_base == "nf4" ? "NF4 base's (each dequantized to bf16, then cast) "
-                                                             : "frozen base's ",
+           !lora_                                    ? ""
+           : config_.lora.quantize_base != "nf4"      ? "frozen base's "
+           : device_ == Device::CUDA && config_.model.mla()
+               ? "NF4 base's (each cast straight from its NF4 codes, the projections with rotary-ordered rows "
+                 "through bf16) "
+           : device_ == Device::CUDA                  ? "NF4 base's (each cast straight from its NF4 codes) "
+                                                      : "NF4 base's (each dequantized to bf16, then cast) ",
            !config_.model.moe()      ? ""
            : p.fp8_routed_experts    ? " and routed experts"
                                      : " (the routed experts in the compute dtype: precision.fp8_routed_experts false)",
