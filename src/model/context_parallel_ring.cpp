@@ -69,7 +69,7 @@ void ContextParallelRing::set_layout(const ContextParallel& cp, const Tensor* se
       for (int key_half = 0; key_half < 2; ++key_half) {
         const int64_t q = context_parallel_chunk(r, c, half), k = context_parallel_chunk(owner, c, key_half);
         if (ring_chunk_pair(q, k) == RingChunkPair::Skipped) continue;
-        pair_segments_[static_cast<size_t>((half * c + owner) * 2 + key_half)] =
+        pair_segments_[pair_index(half, owner, key_half, c)] =
             device == Device::CPU
                 ? attention_chunk_pair_segments(*segment_ids, q * chunk_, k * chunk_, chunk_, attention, device)
                 : attention_chunk_pair_ragged_on_host(*segment_ids, q * chunk_, k * chunk_, chunk_, attention);
@@ -85,7 +85,7 @@ RingChunkPair ContextParallelRing::pair_of(int half, int owner, int key_half, in
   const RingChunkPair pair = ring_chunk_pair(q, k, chunk_, window);
   *segments = nullptr;
   if (!packed_ || pair == RingChunkPair::Skipped) return pair;
-  *segments = &pair_segments_[static_cast<size_t>((half * ranks + owner) * 2 + key_half)];
+  *segments = &pair_segments_[pair_index(half, owner, key_half, ranks)];
   return (*segments)->num_examples == 0 ? RingChunkPair::Skipped : pair;
 }
 

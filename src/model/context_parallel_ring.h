@@ -142,6 +142,10 @@ class ContextParallelRing {
   // pair where no query sees a key.
   RingChunkPair pair_of(int half, int owner, int key_half, int ranks, int rank, int64_t window,
                         const AttentionChunkSegments** segments) const;
+  // The pair's place in pair_segments_.
+  static size_t pair_index(int half, int owner, int key_half, int ranks) {
+    return static_cast<size_t>((half * ranks + owner) * 2 + key_half);
+  }
 
   int64_t batch_ = 0, chunk_ = 0, q_heads_ = 0;  // B, L, Hq
   Tensor kv_[2];        // [2B, L, 2Hkv, D]: the held block and the one arriving

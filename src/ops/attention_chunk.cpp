@@ -182,9 +182,15 @@ void describe_ragged(AttentionChunkSegments& s, const std::vector<RaggedSequence
   }
 }
 
+// The arrays of CUDA's ragged description (none for a chunk never described).
+std::vector<Tensor*> ragged_arrays(AttentionChunkSegments& s) {
+  return s.capacity == 0 ? std::vector<Tensor*>{}
+                         : std::vector<Tensor*>{&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets,
+                                                &s.lse_offsets, &s.kv_offsets};
+}
+
 void upload(AttentionChunkSegments& s, Device device) {
-  for (Tensor* t : {&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets, &s.lse_offsets, &s.kv_offsets})
-    *t = t->to(device);
+  for (Tensor* t : ragged_arrays(s)) *t = t->to(device);
 }
 
 // A pair's segments (NOTE [Full chunk attention with packed examples]): the causal chunk of
@@ -283,19 +289,14 @@ AttentionChunkSegments attention_chunk_pair_ragged_on_host(const Tensor& segment
 }
 
 Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Device device) {
-  auto arrays = [](AttentionChunkSegments& s) {  // none for a chunk never described
-    return s.capacity == 0 ? std::vector<Tensor*>{}
-                           : std::vector<Tensor*>{&s.q_lengths, &s.kv_lengths, &s.q_offsets, &s.out_offsets,
-                                                  &s.lse_offsets, &s.kv_offsets};
-  };
   auto aligned = [](size_t bytes) { return (bytes + 7) / 8 * 8; };  // every array at 8 bytes
   size_t total = 0;
   for (AttentionChunkSegments& s : segments)
-    for (Tensor* t : arrays(s)) total += aligned(t->nbytes());
+    for (Tensor* t : ragged_arrays(s)) total += aligned(t->nbytes());
   Tensor host = Tensor::zeros({static_cast<int64_t>(std::max<size_t>(total, 1))}, DType::U8);
   size_t at = 0;
   for (AttentionChunkSegments& s : segments)
-    for (Tensor* t : arrays(s)) {
+    for (Tensor* t : ragged_arrays(s)) {
       if (t->nbytes() > 0) std::memcpy(host.data<uint8_t>() + at, t->raw(), t->nbytes());
       at += aligned(t->nbytes());
     }
@@ -303,7 +304,7 @@ Tensor upload_chunk_segments(std::vector<AttentionChunkSegments>& segments, Devi
   at = 0;
   for (AttentionChunkSegments& s : segments) {
     if (s.capacity > 0) s.device = device;
-    for (Tensor* t : arrays(s)) {
+    for (Tensor* t : ragged_arrays(s)) {
       const size_t bytes = t->nbytes();
       *t = Tensor::wrap(buffer.data<uint8_t>() + at, t->shape(), t->dtype(), device);
       at += aligned(bytes);

@@ -22,20 +22,6 @@ namespace {
 constexpr Fp8Format kE4M3 = Fp8Format::E4M3;
 using cpu::Fp8Role;
 
-// The role's `seen` in the projection's statistics block, or null without one.
-float* seen_of(const Fp8Linear& fp8, Fp8Role role) {
-  return fp8.stats ? fp8.stats + cpu::fp8_seen_offset(0, role) : nullptr;
-}
-
-// Whether the layer quantizes with its block's delayed scales (NOTE [FP8 delayed scaling]).
-bool uses_delayed_scales(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
-
-// The group a role's current amax is max-reduced over before its scale (NOTE [FP8 under
-// tensor parallelism] in model/fp8_projections.h), or null.
-Fp8AmaxGroup* amax_group_of(const Fp8Linear& fp8, Fp8Role role) {
-  return fp8.amax_group && (fp8.amax_group_roles & fp8_role_bit(role)) != 0 ? fp8.amax_group : nullptr;
-}
-
 void check_matrices(const Tensor& out, const Tensor& a, const Tensor& b, const char* op) {
   FORGE_CHECK(out.ndim() == 2 && a.ndim() == 2 && b.ndim() == 2, "{}: operands must be matrices, got {}, {} and {}", op,
               shape_str(out.shape()), shape_str(a.shape()), shape_str(b.shape()));
@@ -59,10 +45,10 @@ HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, F
   const cpu::Fp8Blocks whole{rows, cols};
   float amax = 0.0f;
   cpu::fp8_block_amax(t.data<float>(), rows, cols, whole, &amax);
-  if (float* seen = seen_of(fp8, role); seen && !std::isnan(*seen) && (std::isnan(amax) || amax > *seen)) *seen = amax;
-  const bool delayed = uses_delayed_scales(fp8);
+  if (float* seen = fp8_seen_of(fp8, role); seen && !std::isnan(*seen) && (std::isnan(amax) || amax > *seen)) *seen = amax;
+  const bool delayed = fp8_uses_delayed_scales(fp8);
   // The rank's own amax is in its seen (a NaN there whatever the reduction does with it).
-  if (Fp8AmaxGroup* group = amax_group_of(fp8, role); group && !delayed)
+  if (Fp8AmaxGroup* group = fp8_amax_group_of(fp8, role); group && !delayed)
     group->all_reduce_max(Tensor::wrap(&amax, {1}, DType::F32, Device::CPU));
   const float scale = delayed ? fp8.stats[cpu::fp8_scale_offset(0, role)]
                               : cpu::fp8_scale_torchao(amax, format, /*round_to_power_of_2=*/false);
@@ -76,7 +62,7 @@ HostFp8 quantize_host(const Tensor& t, Fp8Format format, const Fp8Linear& fp8, F
 // NOTE [FP8 gathered weights]: the gathered codes decoded, their amax folded into W's seen.
 HostFp8 gathered_host(const Tensor& codes, const Fp8GatheredWeight& g, const Fp8Linear& fp8) {
   expect_tensor(codes, Device::CPU, DType::U8, "FP8 gathered weight codes");
-  if (float* seen = seen_of(fp8, Fp8Role::W); seen && !std::isnan(*seen) && (std::isnan(*g.amax) || *g.amax > *seen))
+  if (float* seen = fp8_seen_of(fp8, Fp8Role::W); seen && !std::isnan(*seen) && (std::isnan(*g.amax) || *g.amax > *seen))
     *seen = *g.amax;
   HostFp8 q{Tensor::empty(codes.shape()), *g.scale_inv};
   cpu::fp8_to_float(codes.data<uint8_t>(), codes.numel(), kE4M3, q.decoded.data<float>());
@@ -187,7 +173,7 @@ float* prepared_output_gradient_stats(const Fp8Linear& fp8, const Tensor& dy) {
 
 // NOTE [FP8 delayed scaling]: the role's statistics in the projection's block, codes at `codes`.
 DeviceOperand delayed_operand(const Fp8Linear& fp8, Fp8Role role, uint8_t* codes) {
-  float* seen = seen_of(fp8, role);
+  float* seen = fp8_seen_of(fp8, role);
   return {codes, seen, seen + kFp8StatStride, seen + 2 * kFp8StatStride};
 }
 
@@ -251,13 +237,13 @@ void cast_transpose_with(const Tensor& t, Fp8Format format, const DeviceOperand&
 // With a known scale (delayed, or the forward's) the codes come from or go to the weight
 // cache (NOTE [FP8 weight cache]).
 void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOperand& b) {
-  const bool delayed = uses_delayed_scales(fp8);
+  const bool delayed = fp8_uses_delayed_scales(fp8);
   if (delayed) {
     b = delayed_operand(fp8, Fp8Role::W, b.codes);
   } else if (saw(fp8.forward, nullptr, &w)) {
     b = with_forward_stats(b, *fp8.forward, 1);
   } else {
-    quantize_device(w, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::W), amax_group_of(fp8, Fp8Role::W));
+    quantize_device(w, kE4M3, /*transpose=*/true, b, fp8_seen_of(fp8, Fp8Role::W), fp8_amax_group_of(fp8, Fp8Role::W));
     return;
   }
   if (uint8_t* kept = cached_weight(fp8, w, true)) {
@@ -271,28 +257,28 @@ void quantize_weight_transposed(const Tensor& w, const Fp8Linear& fp8, DeviceOpe
 
 // x^T (E4M3) into b's codes, the same way with the forward's x statistics.
 void quantize_input_transposed(const Tensor& x, const Fp8Linear& fp8, DeviceOperand& b) {
-  if (uses_delayed_scales(fp8)) {
+  if (fp8_uses_delayed_scales(fp8)) {
     b = delayed_operand(fp8, Fp8Role::X, b.codes);
     cast_delayed(x, kE4M3, b, /*transpose=*/true);
   } else if (saw(fp8.forward, &x, nullptr)) {
     b = with_forward_stats(b, *fp8.forward, 0);
     cast_transpose_with(x, kE4M3, b);
   } else {
-    quantize_device(x, kE4M3, /*transpose=*/true, b, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X));
+    quantize_device(x, kE4M3, /*transpose=*/true, b, fp8_seen_of(fp8, Fp8Role::X), fp8_amax_group_of(fp8, Fp8Role::X));
   }
 }
 
 // dy (grad format) into d's codes: row-major for the input gradient, transposed (dy^T
 // [out, t]) for the weight gradient.
 void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool transpose, DeviceOperand& d) {
-  if (uses_delayed_scales(fp8)) {
+  if (fp8_uses_delayed_scales(fp8)) {
     d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
     cast_delayed(dy, fp8.grad_format, d, transpose);
   } else {
     // A producer's amax is operand 0's (fp8_output_gradient_amax), where d's is here.
     const char* op = "quantize_output_gradient";
     const float* produced_at = operand(workspace_of(fp8, op), 0, 0, op).amax;
-    quantize_device(dy, fp8.grad_format, transpose, d, seen_of(fp8, Fp8Role::Dy), amax_group_of(fp8, Fp8Role::Dy),
+    quantize_device(dy, fp8.grad_format, transpose, d, fp8_seen_of(fp8, Fp8Role::Dy), fp8_amax_group_of(fp8, Fp8Role::Dy),
                     d.amax == produced_at && produced_output_gradient(fp8, dy));
   }
 }
@@ -301,7 +287,7 @@ void quantize_output_gradient(const Tensor& dy, const Fp8Linear& fp8, bool trans
 // folded into W's seen.
 DeviceOperand gathered_operand(const Tensor& codes, const Fp8GatheredWeight& g, const Fp8Linear& fp8) {
   expect_tensor(codes, Device::CUDA, DType::U8, "FP8 gathered weight codes");
-  if (float* seen = seen_of(fp8, Fp8Role::W)) cuda::fp8_fold_amax(g.amax, seen, nullptr);
+  if (float* seen = fp8_seen_of(fp8, Fp8Role::W)) cuda::fp8_fold_amax(g.amax, seen, nullptr);
   return {codes.data<uint8_t>(), const_cast<float*>(g.amax), const_cast<float*>(g.scale),
           const_cast<float*>(g.scale_inv)};
 }
@@ -350,7 +336,7 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
       if (residual) expect_tensor(*residual, Device::CUDA, DType::BF16, "fp8_linear_forward residual");
       const Fp8LinearWorkspace& ws = workspace_of(fp8, "fp8_linear_forward");
       DeviceOperand a = operand(ws, 0, t * in, "fp8_linear_forward"), b = operand(ws, 1, out * in, "fp8_linear_forward");
-      const bool delayed = uses_delayed_scales(fp8);
+      const bool delayed = fp8_uses_delayed_scales(fp8);
       if (delayed) {
         a = delayed_operand(fp8, Fp8Role::X, a.codes);
         b = delayed_operand(fp8, Fp8Role::W, b.codes);
@@ -382,10 +368,10 @@ void fp8_linear_forward(const Tensor& y, const Tensor& x, const Tensor& w, const
             a.codes = codes;
           } else {
             const bool amax_ready = kept_stats && produced_input(fp8, x, false);
-            quantize_device(x, kE4M3, false, a, seen_of(fp8, Fp8Role::X), amax_group_of(fp8, Fp8Role::X),
+            quantize_device(x, kE4M3, false, a, fp8_seen_of(fp8, Fp8Role::X), fp8_amax_group_of(fp8, Fp8Role::X),
                             amax_ready);
           }
-          if (!kept) quantize_device(w, kE4M3, false, b, seen_of(fp8, Fp8Role::W), amax_group_of(fp8, Fp8Role::W));
+          if (!kept) quantize_device(w, kE4M3, false, b, fp8_seen_of(fp8, Fp8Role::W), fp8_amax_group_of(fp8, Fp8Role::W));
         }
         if (residual && residual->raw() != y.raw()) y.copy_from(*residual);
       }
@@ -486,7 +472,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
     DeviceOperand b = operand(ws, 1, std::max(out, padded) * in, op);
     {
       OpProfileScope profile(OpClass::Elementwise, "fp8_quantize");
-      if (uses_delayed_scales(fp8)) {
+      if (fp8_uses_delayed_scales(fp8)) {
         d = delayed_operand(fp8, Fp8Role::Dy, d.codes);
         cast_delayed(dy, fp8.grad_format, d, false, d_t.codes);
       } else if (float* at = prepared_output_gradient_stats(fp8, dy)) {  // already folded into seen
@@ -494,8 +480,8 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
         cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       } else {
         if (!produced_output_gradient(fp8, dy)) cuda::fp8_amax(bf16_ptr(dy), dy.numel(), d.amax);
-        agree_amax(amax_group_of(fp8, Fp8Role::Dy), d.amax, seen_of(fp8, Fp8Role::Dy));
-        cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, seen_of(fp8, Fp8Role::Dy));
+        agree_amax(fp8_amax_group_of(fp8, Fp8Role::Dy), d.amax, fp8_seen_of(fp8, Fp8Role::Dy));
+        cuda::fp8_scale_from_amax(d.amax, fp8.grad_format, false, d.scale, d.scale_inv, fp8_seen_of(fp8, Fp8Role::Dy));
         cuda::fp8_cast_transpose(bf16_ptr(dy), t, out, d.scale, fp8.grad_format, d.codes, d_t.codes, nullptr);
       }
       d_t = {d_t.codes, d.amax, d.scale, d.scale_inv};  // dy^T: dy's statistics
@@ -589,7 +575,7 @@ cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer)
   if (!consumer || !consumer->produced || x.device() != Device::CUDA || x.ndim() != 2) return {};
   const Fp8Linear& fp8 = *consumer;
   Fp8Produced& p = *fp8.produced;
-  if (uses_delayed_scales(fp8)) {
+  if (fp8_uses_delayed_scales(fp8)) {
     const Tensor& codes = workspace_of(fp8, "fp8_input_epilogue").a_codes;
     if (codes.numel() < x.numel()) return {};
     const DeviceOperand d = delayed_operand(fp8, Fp8Role::X, codes.data<uint8_t>());
@@ -615,7 +601,7 @@ cuda::Fp8Epilogue fp8_input_epilogue(const Tensor& x, const Fp8Linear* consumer)
 
 float* fp8_output_gradient_amax(const Tensor& dy, const Fp8Linear* consumer) {
 #ifdef FORGE_CUDA
-  if (!consumer || !consumer->produced || dy.device() != Device::CUDA || uses_delayed_scales(*consumer)) return nullptr;
+  if (!consumer || !consumer->produced || dy.device() != Device::CUDA || fp8_uses_delayed_scales(*consumer)) return nullptr;
   // Operand 0's amax: where the backward quantizes dy (fp8_linear_backward, quantize_output_gradient).
   const char* op = "fp8_output_gradient_amax";
   float* amax = operand(workspace_of(*consumer, op), 0, 0, op).amax;

@@ -211,6 +211,20 @@ struct Fp8Linear {
   Fp8ExpertStack* experts = nullptr;
 };
 
+// The role's `seen` in the projection's statistics block, or null without one.
+inline float* fp8_seen_of(const Fp8Linear& fp8, cpu::Fp8Role role) {
+  return fp8.stats ? fp8.stats + cpu::fp8_seen_offset(0, role) : nullptr;
+}
+
+// Whether the layer quantizes with its block's delayed scales (NOTE [FP8 delayed scaling]).
+inline bool fp8_uses_delayed_scales(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
+
+// The group a role's current amax is max-reduced over before its scale (NOTE [FP8 under
+// tensor parallelism] in model/fp8_projections.h), or null.
+inline Fp8AmaxGroup* fp8_amax_group_of(const Fp8Linear& fp8, cpu::Fp8Role role) {
+  return fp8.amax_group && (fp8.amax_group_roles & fp8_role_bit(role)) != 0 ? fp8.amax_group : nullptr;
+}
+
 // NOTE [FP8 fused producers]: the epilogue for the kernel about to write x, which the
 // projection with these FP8 settings quantizes next in its forward; inactive (nothing to
 // do) on the CPU, without settings or without `produced`. Records what the epilogue will do.

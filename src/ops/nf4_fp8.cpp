@@ -14,12 +14,6 @@ namespace {
 using cpu::Fp8Role;
 constexpr int64_t kStride = cpu::kFp8StatStride;
 
-bool delayed_scales(const Fp8Linear& fp8) { return fp8.delayed && fp8.stats; }
-
-Fp8AmaxGroup* weight_amax_group(const Fp8Linear& fp8) {
-  return fp8.amax_group && (fp8.amax_group_roles & fp8_role_bit(Fp8Role::W)) != 0 ? fp8.amax_group : nullptr;
-}
-
 }  // namespace
 
 bool nf4_fp8_straight(const LinearWeight& w) {
@@ -45,19 +39,19 @@ Nf4Fp8Codes nf4_fp8_codes(const LinearWeight& w) {
   float* slot = fp8.workspace->nf4_stats.data<float>();  // amax, scale, scale_inv: 256 bytes apart
   float* amax = slot;
   device_memset_zero_on(amax, sizeof(float), nullptr);
-  const bool delayed = delayed_scales(fp8);
+  const bool delayed = fp8_uses_delayed_scales(fp8);
   float* scale = slot + kStride;
   float* scale_inv = slot + 2 * kStride;
   if (delayed) {  // W's delayed scale in the projection's block (NOTE [FP8 delayed scaling])
-    float* seen = fp8.stats + cpu::fp8_seen_offset(0, Fp8Role::W);
+    float* seen = fp8_seen_of(fp8, Fp8Role::W);
     scale = seen + kStride;
     scale_inv = seen + 2 * kStride;
   } else {
     for (const Nf4Tensor& part : w.nf4->parts)
       cuda::nf4_fp8_amax(part.codes.data<uint8_t>(), part.absmax_codes.data<uint8_t>(),
                          part.absmax_scales.data<float>(), part.absmax_offset, part.numel(), amax);
-    if (Fp8AmaxGroup* group = weight_amax_group(fp8)) {  // as the FP8 op's agree_amax
-      if (fp8.stats) cuda::fp8_fold_amax(amax, fp8.stats + cpu::fp8_seen_offset(0, Fp8Role::W), nullptr);
+    if (Fp8AmaxGroup* group = fp8_amax_group_of(fp8, Fp8Role::W)) {  // as the FP8 op's agree_amax
+      if (float* seen = fp8_seen_of(fp8, Fp8Role::W)) cuda::fp8_fold_amax(amax, seen, nullptr);
       group->all_reduce_max(Tensor::wrap(amax, {1}, DType::F32, Device::CUDA));
     }
     cuda::fp8_chunk_scales(amax, 1, scale, scale_inv, kStride, nullptr);
