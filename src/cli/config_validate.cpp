@@ -178,10 +178,10 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
 // forward and input-gradient GEMMs in FP8, the adapters in bf16; on a MoE or MLA model the
 // frozen routed experts and MLA's projections too, NOTE [FP8 frozen routed experts] in
 // ops/moe_fp8.h, under expert parallelism as well), and QLoRA wherever it runs (NOTE [FP8
-// over an NF4 base] in model/nf4_base.cpp: each NF4 weight dequantized to bf16, then cast to
-// E4M3, per GEMM; on MoE and MLA models the NF4 expert stacks and latent attention's
-// projections too, NOTE [FP8 over NF4 expert stacks]). The FP8 all-gather is full
-// training's: a frozen base gathers bf16.
+// over an NF4 base] in model/nf4_base.cpp: each NF4 weight cast to E4M3 per GEMM, on CUDA
+// straight from its codes, NOTE [FP8 straight from NF4]; on MoE and MLA models the NF4 expert
+// stacks and latent attention's projections too, NOTE [FP8 over NF4 expert stacks]). The FP8
+// all-gather is full training's, over a pipeline rank's stages too: a frozen base gathers bf16.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)
@@ -216,12 +216,6 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
     // precision.fp8_routed_experts false), MLA's kv_a as its two row views, the router in
     // bf16; under expert parallelism the experts' slices in bf16 over the ranks holding the
     // same experts (NOTE [FP8 all-gather] in distributed/fsdp.h).
-    // The FP8 all-gather over a pipeline rank's stages is not built (ZeRO-1 keeps the blocks
-    // gathered for the schedule; ZeRO-3 gathers them in bf16 around their use).
-    if (p.pipeline_parallel_degree > 1)
-      FORGE_FAIL("{} cannot be combined with {} yet: FSDP over a pipeline rank's stages gathers its blocks in bf16 "
-                 "(kept for the schedule under ZeRO-1, around their use under ZeRO-3); set it to false",
-                 key, show(config, keys, "parallelism.pipeline_parallel_degree"));
   }
   if (config.training.device != "cuda") return;
   // Hopper's FP8 GEMMs (NOTE [FP8 GEMM layout] in kernels/cuda/fp8_matmul.h) contract over a

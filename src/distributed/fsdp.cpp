@@ -59,8 +59,6 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
                 "FSDP of a model of units (FLUX) shards trainable weights only: no frozen base, FP8 all-gather, "
                 "expert, tensor or pipeline parallelism");
   if (pipelined()) {  // NOTE [FSDP]: a pipeline rank's stages; NOTE [ZeRO-2 and -3 under pipeline parallelism]
-    FORGE_CHECK(!options.fp8_all_gather, "FSDP over a pipeline rank's stages (pipeline_stages) does not do the FP8 "
-                                         "all-gather (fp8_all_gather)");
     FORGE_CHECK(!config.tie_word_embeddings ||
                     (layout_.holds(FsdpLayout::kEmbeddingUnit) && layout_.holds(layout_.head_unit())),
                 "FSDP over a pipeline rank's stages (pipeline_stages): a tied embedding (tie_word_embeddings) needs "
@@ -114,15 +112,20 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     // (NOTE [ZeRO-2 and -3 under pipeline parallelism]).
     int held_blocks = 0;
     for (int u = 0; u < units; ++u) held_blocks += layout_.is_block(u) && layout_.holds(u) ? 1 : 0;
-    weight_slots_.resize(options.zero_stage == 3 ? static_cast<size_t>(std::clamp(held_blocks, 1, 3))
-                                                 : static_cast<size_t>(config.num_layers));
+    // The FP8 all-gather under ZeRO-1/2: one slot per block the rank holds (a pipeline rank's
+    // stages' blocks alone), block_slot_ naming each held block's.
+    weight_slots_.resize(static_cast<size_t>(options.zero_stage == 3 ? std::clamp(held_blocks, 1, 3)
+                                                                     : std::max(held_blocks, 1)));
+    block_slot_.assign(static_cast<size_t>(units), -1);
+    for (int u = 0, next = 0; u < units; ++u)
+      if (layout_.is_block(u) && layout_.holds(u)) block_slot_[static_cast<size_t>(u)] = next++;
     // NOTE [FP8 all-gather]: the largest block's FP8 pieces (NOTE [FP8 all-gather pieces]),
     // FP8 elements and norms, and what any rank holds of its codes and of its norms. The
     // codes are packed where a routed-expert stack travels with the norms.
     int64_t fp8_weights = 0, fp8_numel = 0, norms = 0, experts = 0, dense = 0;
     if (options.fp8_all_gather) fp8_pieces_.resize(static_cast<size_t>(units));
     for (int u = 0; u < units; ++u) {
-      if (!layout_.is_block(u) || !options.fp8_all_gather) continue;
+      if (!layout_.is_block(u) || !layout_.holds(u) || !options.fp8_all_gather) continue;  // another pipeline rank's
       const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
       fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit, options.fp8_routed_experts);
       int64_t unit_norms = 0, unit_fp8 = 0;
@@ -577,7 +580,8 @@ void Fsdp::gather_block(int unit, int requested) {
         break;
       }
   } else {
-    target = &weight_slots_.at(static_cast<size_t>(unit - 1));  // one slot per block (FP8 all-gather, ZeRO-1/2)
+    // One slot per held block (FP8 all-gather, ZeRO-1/2).
+    target = &weight_slots_.at(static_cast<size_t>(block_slot_.at(static_cast<size_t>(unit))));
   }
   FORGE_CHECK(target, "FSDP: no free gather buffer for block {}", unit - 1);
   if (options_.fp8_all_gather) {

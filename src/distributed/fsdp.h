@@ -63,7 +63,9 @@
 // begin_step() until the unit's first *_done of the step (NOTE [Fresh gradient buffers]):
 // the schedule's backwards of a unit come micro-batch after micro-batch, the first writing
 // over the buffer, the others adding. ZeRO-2 and -3: NOTE [ZeRO-2 and -3 under pipeline
-// parallelism]. The FP8 all-gather is refused with pipeline stages. Expert
+// parallelism]. The FP8 all-gather (NOTE [FP8 all-gather]) gathers the stages' blocks alone,
+// into ZeRO-3's slots (as many as the stages hold blocks, where that is fewer) or one slot per
+// held block under ZeRO-1/2, the same codes in the same order on every rank of a shard group. Expert
 // parallelism works as without them: the stages' expert stacks are cut into expert parts
 // over the stage's shard ranks that hold the same experts (NOTE [Expert parallelism under
 // pipeline parallelism] in model/pipeline.h). A frozen base (NOTE [Frozen FSDP base]) over
@@ -495,7 +497,8 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   bool units_model_ = false;
   std::array<BlockWeights, 2> root_units_, root_unit_grads_;
   std::vector<BlockWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
-  std::vector<UnitSlot> weight_slots_;  // ZeRO-3: three; FP8 all-gather under ZeRO-1/2: one per block
+  std::vector<UnitSlot> weight_slots_;  // ZeRO-3: three; FP8 all-gather under ZeRO-1/2: one per held block
+  std::vector<int> block_slot_;          // per unit: its slot under ZeRO-1/2 (FP8 all-gather), -1 if not held
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)
   ReduceChannel embedding_channel_;       // the tied embedding's (ZeRO-2/3)

@@ -48,6 +48,44 @@ FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel
   return {block, embedding, head, held};
 }
 
+// NOTE [FP8 all-gather]: the compute weights of a rank that gathers its blocks as codes, of
+// the blocks in `specs` (the model's, or a pipeline rank's stages'): the embedding and head
+// it holds in full (`ends` elements); `slots` gathered blocks (three under ZeRO-3, or one per
+// held block under ZeRO-1/2) of 1 byte per element, their norms in the compute dtype, and
+// the norms' wire (at most every norm element of a block, per rank). The largest block's:
+// a MoE block's router and bias travel with its norms (NOTE [FP8 all-gather pieces] in
+// distributed/fsdp_fp8_pieces.h), and so do its routed experts' stacks with
+// precision.fp8_routed_experts false; the codes are then packed: a slot holds the block's
+// FP8 elements alone, and their wire takes at most those of a block. Under expert
+// parallelism the rank's 1/P of the stacks travel in the compute dtype in an expert buffer
+// of each slot, and the codes are in place again. `block` is the largest block's elements.
+double fp8_gather_compute_weights(const ModelConfig& config, const std::vector<ParamSpec>& specs,
+                                  const MemoryPlan& plan, double block, double ends, double slots) {
+  const double n = static_cast<double>(plan.shard_ranks), compute_bytes = plan.cuda ? 2.0 : 4.0;
+  const size_t layers = static_cast<size_t>(std::max<int64_t>(config.num_layers, 1));
+  std::vector<double> layer_norms(layers, 0.0), layer_codes(layers, 0.0), layer_experts(layers, 0.0);
+  bool packed_codes = false;
+  const bool expert_parts = plan.expert_parallel > 1;
+  for (const ParamSpec& spec : specs) {
+    if (spec.layer < 0) continue;
+    const double numel = static_cast<double>(shape_numel(spec.shape));
+    const size_t layer = static_cast<size_t>(spec.layer);
+    if (expert_parts && spec.expert_stack) {
+      layer_experts.at(layer) += numel / static_cast<double>(plan.expert_parallel);
+      continue;
+    }
+    const bool codes = fp8_block_projection(spec) || fp8_expert_stack(spec, *plan.fp8);
+    packed_codes = packed_codes || (!codes && spec.expert_stack);
+    (codes ? layer_codes : layer_norms).at(layer) += numel;
+  }
+  const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
+  const double experts = *std::max_element(layer_experts.begin(), layer_experts.end());
+  const double codes =
+      packed_codes || expert_parts ? *std::max_element(layer_codes.begin(), layer_codes.end()) : block;
+  return ends * compute_bytes + slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
+         std::min(norms, block / n) * n * compute_bytes + (packed_codes ? std::min(codes, block / n) * n : 0.0);
+}
+
 }  // namespace
 
 // NOTE [Pipeline parallelism]: each rank's own parameters and in-flight activations; the
@@ -90,6 +128,7 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     const double n = plan.fsdp ? static_cast<double>(plan.shard_ranks) : 1.0;
     const int zero = plan.fsdp ? static_cast<int>(plan.zero_stage) : 1;
     double block = 0, ends = 0;  // the stages' largest block; their embedding and head
+    double held_blocks = 0;      // the stages' blocks
     double gathered_blocks = 0;  // ZeRO-3's slots: three, or the stages' blocks where fewer
     {
       std::vector<double> blocks(static_cast<size_t>(config.num_layers), 0.0);
@@ -101,9 +140,9 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       }
       for (double b : blocks) {
         block = std::max(block, b);
-        gathered_blocks += b > 0 ? 1 : 0;
+        held_blocks += b > 0 ? 1 : 0;
       }
-      gathered_blocks = std::min(gathered_blocks, 3.0);
+      gathered_blocks = std::min(held_blocks, 3.0);
     }
     const double largest_unit = std::max(block, ends);  // a bound on the larger of the embedding and head
     const double compute_bytes = plan.cuda ? 2.0 : 4.0;
@@ -111,6 +150,10 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
     e.master_weights = params * 4 / n;
     e.compute_weights = plan.cuda ? held * 2 : plan.fsdp ? held * 4 : 0.0;
     if (zero == 3) e.compute_weights = (ends + gathered_blocks * block) * compute_bytes;
+    // NOTE [FP8 all-gather] over the stages' blocks: ZeRO-3's slots, or one per held block.
+    if (plan.fsdp && plan.fp8_all_gather && plan.fp8)
+      e.compute_weights = fp8_gather_compute_weights(config, pipeline_stage_specs(specs, stages), plan, block, ends,
+                                                     zero == 3 ? gathered_blocks : held_blocks);
     e.gradients = (zero == 1 ? held * 4 : 2 * largest_unit * 4) + (plan.fsdp ? params * 4 / n : 0.0);
     e.optimizer_state = params * 2 * static_cast<double>(dtype_size(plan.optimizer_state)) / n;
     e.activations = activations;
@@ -236,42 +279,9 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.optimizer_state /= n;
   e.gradients = params * 4 / n + (plan.zero_stage == 1 ? held * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
   e.compute_weights = plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
-  if (plan.fp8_all_gather && plan.fp8) {
-    // NOTE [FP8 all-gather]: the embedding and head in full; gathered blocks (three slots,
-    // or one per block under ZeRO-1/2) of 1 byte per element, their norms in the compute
-    // dtype, and the norms' wire (at most every norm element of a block, per rank).
-    // The largest block's: a MoE block's router and bias travel with its norms (NOTE [FP8
-    // all-gather pieces] in distributed/fsdp_fp8_pieces.h), and so do its routed experts'
-    // stacks with precision.fp8_routed_experts false; the codes are then packed: a slot
-    // holds the block's FP8 elements alone, and their wire takes at most those of a block.
-    // Under expert parallelism the rank's 1/P of the stacks travel in the compute dtype in
-    // an expert buffer of each slot, and the codes are in place again.
-    const size_t layers = static_cast<size_t>(std::max<int64_t>(config.num_layers, 1));
-    std::vector<double> layer_norms(layers, 0.0), layer_codes(layers, 0.0), layer_experts(layers, 0.0);
-    bool packed_codes = false;
-    const bool expert_parts = plan.expert_parallel > 1;
-    for (const ParamSpec& spec : parameter_specs(config)) {
-      if (spec.layer < 0) continue;
-      const double numel = static_cast<double>(shape_numel(spec.shape));
-      const size_t layer = static_cast<size_t>(spec.layer);
-      if (expert_parts && spec.expert_stack) {
-        layer_experts.at(layer) += numel / static_cast<double>(plan.expert_parallel);
-        continue;
-      }
-      const bool codes = fp8_block_projection(spec) || fp8_expert_stack(spec, *plan.fp8);
-      packed_codes = packed_codes || (!codes && spec.expert_stack);
-      (codes ? layer_codes : layer_norms).at(layer) += numel;
-    }
-    const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
-    const double experts = *std::max_element(layer_experts.begin(), layer_experts.end());
-    const double codes = packed_codes || expert_parts ? *std::max_element(layer_codes.begin(), layer_codes.end())
-                                                      : block;
-    const double slots = plan.zero_stage == 3 ? 3 : static_cast<double>(config.num_layers);
-    e.compute_weights = (embedding + head) * compute_bytes +
-                        slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
-                        std::min(norms, block / n) * n * compute_bytes +
-                        (packed_codes ? std::min(codes, block / n) * n : 0.0);
-  }
+  if (plan.fp8_all_gather && plan.fp8)
+    e.compute_weights = fp8_gather_compute_weights(config, parameter_specs(config), plan, block, embedding + head,
+                                                   plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers));
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).
   const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;

@@ -378,12 +378,16 @@ void Trainer::log_fsdp_memory() const {
                            (rank_ % ep + 1) * (config_.model.num_experts / ep) - 1, config_.model.num_experts)
              : std::string();
   log_info("fsdp rank {} of {} (ZeRO-{}, {} shard ranks x {} replicas{}): optimizer state {} (master {} + moments {}) "
-           "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}, "
+           "= 1/{:.3f} of the model's {}; gradient chunk {}, full-size gradient buffers {}, compute weights {}{}, "
            "reduction buffers {}",
            rank_, world_size_, fsdp_->options().zero_stage, shards, replicas, experts, gib(own_state),
            gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
            gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
-           gib(static_cast<double>(m.compute_weights)), gib(static_cast<double>(m.reduce_buffers)));
+           gib(static_cast<double>(m.compute_weights)),
+           fsdp_->options().fp8_all_gather  // NOTE [FP8 all-gather]
+               ? " (the blocks' FP8 weights gathered as E4M3 codes: precision.fp8_fsdp_all_gather)"
+               : "",
+           gib(static_cast<double>(m.reduce_buffers)));
 }
 
 // NOTE [Device mesh]

@@ -16,9 +16,12 @@
 #include "cli/config.h"
 #include "core/rng.h"
 #include "distributed/fsdp.h"
+#include "distributed/fsdp_fp8_pieces.h"
+#include "distributed/fsdp_layout.h"
 #include "distributed/launch_env.h"
 #include "expect_error.h"
 #include "model/decoder_lm.h"
+#include "model/memory_estimate.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 #include "parallel_testing.h"
@@ -302,6 +305,43 @@ TEST(FsdpPipeline, FirstAndMiddleStagesZero1MatchOneRank) {
 
 TEST(FsdpPipeline, Bf16ReductionMatchesOneRank) { expect_sharded_stage_matches_one(kLast, 2, 2, DType::BF16); }
 
+// NOTE [FP8 all-gather] over a pipeline rank's stages: the slots hold the stages' blocks
+// alone (ZeRO-1: one per held block, 2 of the model's 4 here; ZeRO-3: its three slots capped
+// at the 2), and the memory estimate of the 2-stage pipeline agrees up to the padding (its
+// fullest rank holds the embedding where this one holds the head, which differ by the
+// final norm).
+TEST(FsdpPipeline, Fp8AllGatherSlotsHoldTheStagesBlocksAlone) {
+  const ModelConfig m = four_layers();
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const FsdpLayout whole(m, 1, 0);
+  const auto pieces = static_cast<int64_t>(fp8_unit_pieces(m, whole.specs(), whole.units().at(1), true).size());
+  for (int zero : {1, 3}) {
+    SCOPED_TRACE(zero);
+    FsdpOptions options;
+    options.zero_stage = zero;
+    options.fp8_all_gather = true;
+    options.pipeline_stages = {kLast};
+    const int64_t stage = Fsdp(m, Device::CPU, *group, nullptr, options).memory().compute_weights;
+    options.pipeline_stages = {};
+    const int64_t model = Fsdp(m, Device::CPU, *group, nullptr, options).memory().compute_weights;
+    const int64_t slot_statistics = pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4;  // amax, scales
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.zero_stage = zero;
+    plan.pipeline_parallel = 2;
+    plan.fp8_all_gather = true;
+    plan.fp8 = Fp8Settings{};
+    const double estimate = estimate_memory(m, plan).compute_weights;
+    EXPECT_NEAR(estimate, static_cast<double>(stage - 2 * slot_statistics),
+                8.0 * 4 * kFsdpAlign + 4.0 * static_cast<double>(m.hidden_size));
+    // Two slots fewer than the whole model's four under ZeRO-1; under ZeRO-3 one fewer than its three.
+    const int64_t slot = whole.max_block_numel() + slot_statistics;
+    const int64_t embedding = m.vocab_size * m.hidden_size * 4;
+    EXPECT_NEAR(static_cast<double>(model - embedding - stage), static_cast<double>((zero == 1 ? 2 : 1) * slot),
+                static_cast<double>(2 * slot) * 0.1);
+  }
+}
+
 TEST(FsdpPipeline, RefusesWhatItDoesNotDo) {
   const ModelConfig m = four_layers();
   auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
@@ -312,8 +352,6 @@ TEST(FsdpPipeline, RefusesWhatItDoesNotDo) {
     change(options);
     return options;
   };
-  expect_error([&] { Fsdp(m, Device::CPU, *group, nullptr, options_with([](FsdpOptions& o) { o.fp8_all_gather = true; })); },
-               {"pipeline_stages", "fp8_all_gather"});
   {
     // NOTE [Frozen FSDP base] over a pipeline rank's stages (LoRA): its units held, nothing reduced.
     Fsdp frozen(m, Device::CPU, *group, nullptr, options_with([](FsdpOptions& o) { o.frozen = true; }));

@@ -6,7 +6,8 @@ context-parallel ranks); every rank holds the whole model's delayed state, so ra
 checkpoint has every stage's histories (the one-rank run's), a delayed run stopped and resumed on 2 ranks is bitwise the uninterrupted one, and
 its checkpoint resumes on one rank and under the interleaved schedule (and a one-rank
 checkpoint on 2 ranks); a non-finite amax on the last stage alone stops both ranks naming
-it; the FP8 all-gather, which FSDP over a stage does not do, is refused by name.
+it; FSDP over a stage's ranks gathering its blocks as E4M3 codes (precision.fp8_fsdp_all_gather)
+gives bitwise the compute-dtype gather's runs.
 
 What is exact and what is not: a pipeline rank quantizes whole micro-batches as one rank
 does, and the delayed histories are max-reduced over the pipeline, so the first steps are
@@ -36,6 +37,7 @@ CP2 = ["--parallelism.context_parallel_degree", "2", "--parallelism.zero_stage",
 SAVE = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
 DELAYED = ["--precision.fp8", "delayed", "--precision.fp8_amax_history_len", "8"]
 TENSORWISE = ["--precision.fp8", "tensorwise"]
+GATHER = ["--precision.fp8_fsdp_all_gather", "true"]
 
 
 def train(run_dir, ranks, *overrides, data_ranks=1, steps=STEPS, check=True):
@@ -140,13 +142,27 @@ class Fp8UnderPipelineParallelism(unittest.TestCase):
             self.assertIn(expected, line)
         self.assertEqual([r["step"] for r in records(run_dir)], [1])
 
-    def test_the_fp8_all_gather_is_refused(self):
-        result = train(os.path.join(self.tmp, "refused"), 4, *PP2, *FSDP2, *TENSORWISE,
-                       "--precision.fp8_fsdp_all_gather", "true", data_ranks=2, check=False)
-        self.assertNotEqual(result.returncode, 0)
-        for words in ("error: precision.fp8_fsdp_all_gather = true", "cannot be combined with "
-                      "parallelism.pipeline_parallel_degree = 2", "in bf16", "set it to false"):
-            self.assertIn(words, result.stdout + result.stderr)
+    def test_the_fp8_all_gather_is_the_compute_dtype_gather(self):
+        """FSDP over a stage's ranks gathering its blocks as E4M3 codes (precision.fp8_fsdp_all_gather)
+        gives bitwise the runs that gather them in the compute dtype: delayed under ZeRO-1 and 1F1B
+        (the checkpointed histories and scales equal too), tensorwise under ZeRO-3 and the
+        interleaved schedule with full recomputation."""
+        for name, flags, recipe in (("pp2-fsdp2-delayed", PP2 + FSDP2, DELAYED),
+                                    ("pp2-fsdp2-zero3-interleaved-tensorwise",
+                                     PP2 + FSDP2 + ["--parallelism.zero_stage", "3", *INTERLEAVED,
+                                                    "--activation_checkpoint.mode", "full"], TENSORWISE)):
+            with self.subTest(run=name):
+                plain = os.path.join(self.tmp, name)
+                if not os.path.exists(plain):  # test_pipeline_ranks_follow_one may have run it
+                    train(plain, 4, *flags, *recipe, *SAVE, data_ranks=2)
+                gathered = os.path.join(self.tmp, name + "-fp8-gather")
+                result = train(gathered, 4, *flags, *recipe, *SAVE, *GATHER, data_ranks=2)
+                self.assertIn("gathered as E4M3 codes: precision.fp8_fsdp_all_gather", result.stdout)
+                for kind in ("train", "eval"):
+                    self.assertEqual([r["loss"] for r in records(gathered, kind)],
+                                     [r["loss"] for r in records(plain, kind)], kind)
+                if recipe == DELAYED:
+                    self.assertEqual(delayed_state(gathered, 4), delayed_state(plain, 4))
 
 
 if __name__ == "__main__":
