@@ -23,6 +23,7 @@ struct BenchResult {
   std::string precision;              // precision.compute_dtype: bf16 | fp32
   std::string fp8 = "none";           // precision.fp8: none | tensorwise
   bool fp8_routed_experts = true;     // precision.fp8_routed_experts (NOTE [FP8 routed experts switch])
+  std::string fp8_filter_fqns;        // precision.fp8_filter_fqns (NOTE [FP8 filter])
   int64_t micro_batch = 0;            // training.local_batch_size
   int64_t seq_len = 0;                // training.seq_len
   int64_t grad_accum = 0;             // training.gradient_accumulation_steps
@@ -56,5 +57,9 @@ struct BenchResult {
 // the compute dtype upper-cased ("BF16"). perf.csv writes it in lower case. (Defined in
 // bench_report.cpp.)
 std::string precision_label(const BenchResult& r);
+// An FP8 run's label: "FP8 (tensorwise)", with ", routed experts bf16" (NOTE [FP8 routed
+// experts switch]) and ", bf16: layers.0.,layers.31." (precision.fp8_filter_fqns, NOTE [FP8
+// filter]) where they apply. (Defined in bench_report.cpp.)
+std::string fp8_precision_label(const std::string& recipe, bool routed_experts_bf16, const std::string& filter_fqns);
 
 }  // namespace forge

@@ -167,8 +167,11 @@ void read_config(const std::string& path, ReportRun& run) {
       const YAML::Node experts = root["precision"]["fp8_routed_experts"];
       const bool bf16_experts = experts && experts.IsScalar() && experts.Scalar() == "false" &&
                                 root["model"]["num_experts"] && root["model"]["num_experts"].Scalar() != "0";
+      // NOTE [FP8 filter]: and the projections kept out of FP8.
+      const YAML::Node filter = root["precision"]["fp8_filter_fqns"];
       if (fp8.Scalar() != "none")
-        run.precision = fmt::format("FP8 ({}{})", fp8.Scalar(), bf16_experts ? ", routed experts bf16" : "");
+        run.precision = fp8_precision_label(fp8.Scalar(), bf16_experts,
+                                            filter && filter.IsScalar() ? filter.Scalar() : std::string());
     }
   } catch (const YAML::Exception& e) {
     FORGE_FAIL("{}: not a readable config: {}", path, e.what());
@@ -195,6 +198,7 @@ BenchResult bench_from(const Fields& f) {
   r.mfu = f.optional_number("mfu");
   f.read("fp8", r.fp8);  // absent from reports written before precision.fp8
   f.read("fp8_routed_experts", r.fp8_routed_experts);  // absent before the switch: true
+  f.read("fp8_filter_fqns", r.fp8_filter_fqns);        // absent before the filter: none
   r.mfu_fp8 = f.optional_number("mfu_fp8");
   f.read("peak_memory_bytes", r.peak_memory_bytes);
   return r;

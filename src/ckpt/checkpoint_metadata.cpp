@@ -256,6 +256,16 @@ Fp8DelayedState fp8_delayed_from_json(const ObjectReader& r, const std::string& 
   f.active = r.boolean("active");
   // NOTE [FP8 routed experts switch]: absent before the switch, when the experts were in FP8.
   f.routed_experts = r.has("routed_experts") ? r.boolean("routed_experts") : true;
+  // NOTE [FP8 filter]: absent before the filter, when every block projection was in FP8.
+  if (r.has("filter_fqns")) {
+    const json& filters = r.array("filter_fqns");
+    for (size_t i = 0; i < filters.size(); ++i) {
+      if (!filters[i].is_string() || filters[i].get<std::string>().empty())
+        FORGE_FAIL("checkpoint metadata '{}': '{}[{}]' must be a non-empty string, got {}", file,
+                   r.child("filter_fqns"), i, describe_json(filters[i]));
+      f.filter_fqns.push_back(filters[i].get<std::string>());
+    }
+  }
   f.history_length = r.integer("history_length");
   if (f.history_length < 1 || f.history_length > (1 << 16))
     FORGE_FAIL("checkpoint metadata '{}': '{}' must be in [1, 65536], got {}", file, r.child("history_length"),
@@ -363,6 +373,7 @@ std::string metadata_to_json(const CheckpointMetadata& md) {
     const Fp8DelayedState& f = *t.fp8_delayed;
     j["fp8_delayed"] = {{"active", f.active},
                         {"routed_experts", f.routed_experts},
+                        {"filter_fqns", f.filter_fqns},
                         {"history_length", f.history_length},
                         {"scales", f.scales},
                         {"histories", f.histories}};

@@ -343,6 +343,14 @@ std::vector<ConfigKey> build_schema() {
           "as Transformer Engine and Megatron-LM; one GEMM per expert, since cuBLASLt has no grouped FP8 GEMM on "
           "Hopper); false keeps them in the compute dtype with the grouped GEMMs, faster for many small experts "
           "(DeepSeek-V2-Lite's 64), while every other projection stays in FP8"),
+      key<&E::precision, &PrecisionConfig::fp8_filter_fqns>(
+          "precision.fp8_filter_fqns",
+          "with precision.fp8: comma-separated strings; a block projection (or routed-expert stack) whose name "
+          "contains one keeps its GEMMs in the compute dtype (torchtitan's float8.filter_fqns), e.g. "
+          "\"layers.0.,layers.31.\" for the first and last blocks (Megatron-LM's --first-last-layers-bf16) or "
+          "\"mlp.down\"; forge's parameter names: layers.N.attention.qkv.weight, layers.N.attention.o.weight, "
+          "layers.N.mlp.gate_up.weight, layers.N.mlp.down.weight (a string that matches none is refused, naming "
+          "the model's); empty: every block projection in FP8"),
       key<&E::precision, &PrecisionConfig::fp8_amax_history_len>(
           "precision.fp8_amax_history_len",
           "with precision.fp8 delayed: steps of amax history per tensor (Transformer Engine's amax_history_len)",

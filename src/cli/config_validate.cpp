@@ -24,6 +24,7 @@
 #include "data/blended_dataset.h"
 #include "distributed/launch_env.h"
 #include "model/context_parallel.h"
+#include "model/fp8_projections.h"
 #include "model/lora.h"
 #include "model/nf4_base.h"
 #include "model/pipeline.h"
@@ -170,6 +171,37 @@ void check_lora(const ExperimentConfig& config, const KeyDescriber& keys) {
   check_lora_for_model(config.model, config.lora, keys);  // NOTE [LoRA on MoE and MLA models]
 }
 
+// NOTE [FP8 filter] in model/fp8_projections.h: each string non-empty, given once, and
+// contained in the name of at least one block projection (or routed-expert stack) the run
+// would otherwise train in FP8; the error names the model's first block's.
+void check_fp8_filter(const ExperimentConfig& config, const KeyDescriber& keys) {
+  const std::vector<std::string> filters = fp8_filter_fqns_of(config.precision.fp8_filter_fqns);
+  if (filters.empty()) return;
+  const std::string key = show(config, keys, "precision.fp8_filter_fqns");
+  Fp8Settings unfiltered;
+  unfiltered.routed_experts = config.precision.fp8_routed_experts;
+  std::vector<std::string> names, first_block;
+  for (const ParamSpec& spec : parameter_specs(config.model))
+    if (fp8_block_projection(spec, unfiltered) || fp8_expert_stack(spec, unfiltered)) {
+      names.push_back(spec.name);
+      if (spec.layer == 0) first_block.push_back(spec.name);
+    }
+  for (size_t i = 0; i < filters.size(); ++i) {
+    if (filters[i].empty())
+      FORGE_FAIL("{} has an empty string: expected comma-separated parts of block projection names, such as "
+                 "'layers.0.' or 'mlp.down'",
+                 key);
+    if (std::find(filters.begin(), filters.begin() + static_cast<std::ptrdiff_t>(i), filters[i]) !=
+        filters.begin() + static_cast<std::ptrdiff_t>(i))
+      FORGE_FAIL("{} lists '{}' twice", key, filters[i]);
+    if (std::none_of(names.begin(), names.end(),
+                     [&](const std::string& n) { return n.find(filters[i]) != std::string::npos; }))
+      FORGE_FAIL("{}: '{}' is not part of the name of any projection this run trains in FP8 (this model's {} blocks "
+                 "name them like {}; the output head has its own key, precision.fp8_output_head)",
+                 key, filters[i], config.model.num_layers, fmt::join(first_block, ", "));
+  }
+}
+
 // precision.fp8 (NOTE [FP8 projections] in model/fp8_projections.h): full training on one
 // device or under FSDP (NOTE [FP8 under data parallelism] in train/trainer_fp8.cpp), context
 // or pipeline parallelism (NOTE [FP8 under context and pipeline parallelism]), and LoRA over
@@ -192,8 +224,13 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and precision.fp8 is none (every "
                  "GEMM runs in the compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
                  show(config, keys, "precision.fp8_routed_experts"));
+    if (!fp8_filter_fqns_of(config.precision.fp8_filter_fqns).empty())
+      FORGE_FAIL("{} keeps projections out of FP8, and precision.fp8 is none (every GEMM runs in the compute dtype): "
+                 "remove it, or set precision.fp8 tensorwise or delayed",
+                 show(config, keys, "precision.fp8_filter_fqns"));
     return;
   }
+  check_fp8_filter(config, keys);
   // NOTE [FP8 routed experts switch] in model/fp8_projections.h: a MoE model's choice.
   if (!config.precision.fp8_routed_experts && !config.model.moe())
     FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and this model has none "

@@ -95,6 +95,8 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
 
   FORGE_CHECK(!options.fp8_all_gather || !options.frozen,
               "FSDP's FP8 all-gather is for full training (NOTE [FP8 all-gather]), not a frozen base");
+  fp8_pieces_settings_.routed_experts = options.fp8_routed_experts;  // NOTE [FP8 all-gather pieces]
+  fp8_pieces_settings_.filter_fqns = options.fp8_filter_fqns;
   // Compute weights.
   if (!gathers_blocks()) {
     full_compute_ = Tensor::zeros({std::max<int64_t>(layout_.full_numel(), 1)}, compute_dtype_, device);
@@ -127,12 +129,14 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     for (int u = 0; u < units; ++u) {
       if (!layout_.is_block(u) || !layout_.holds(u) || !options.fp8_all_gather) continue;  // another pipeline rank's
       const FsdpUnit& unit = layout_.units()[static_cast<size_t>(u)];
-      fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit, options.fp8_routed_experts);
+      fp8_pieces_[static_cast<size_t>(u)] = fp8_unit_pieces(config, layout_.specs(), unit, fp8_pieces_settings_);
       int64_t unit_norms = 0, unit_fp8 = 0;
       for (const FsdpParam& p : unit.params) {
         if (p.expert) continue;  // the expert part (expert parallelism)
         (is_fp8(p) ? unit_fp8 : unit_norms) += p.numel;
-        if (in_norms(p) && layout_.specs()[static_cast<size_t>(p.spec)].expert_stack) packed_codes_ = true;
+        // A stack or a filtered projection with the norms (NOTE [FP8 all-gather pieces]).
+        const ParamSpec& spec = layout_.specs()[static_cast<size_t>(p.spec)];
+        if (in_norms(p) && (spec.expert_stack || fp8_block_matrix(spec))) packed_codes_ = true;
       }
       for (const FsdpPart& part : unit.parts) {  // the dense part, and under expert parallelism the expert part
         int64_t& most = part.expert ? experts : dense;

@@ -238,6 +238,9 @@ struct FsdpOptions {
   // model/fp8_projections.h): whether the FP8 all-gather sends the routed-expert stacks as
   // codes; false: in the compute dtype, with the norms (NOTE [FP8 all-gather pieces]).
   bool fp8_routed_experts = true;
+  // precision.fp8_filter_fqns (NOTE [FP8 filter] in model/fp8_projections.h): the projections
+  // it keeps in the compute dtype travel with the norms.
+  std::vector<std::string> fp8_filter_fqns;
   // NOTE [Tensor-parallel shards] in model/parameters.h: the parameters this rank holds are
   // its tensor-parallel shards, sharded by FSDP over its data-parallel ranks.
   TensorParallelShard tensor_parallel = {};
@@ -453,7 +456,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // norms (step 4); neither: a slice of an expert part (NOTE [FP8 all-gather] under expert
   // parallelism).
   bool is_fp8(const FsdpParam& p) const {
-    return !p.expert && fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], options_.fp8_routed_experts);
+    return !p.expert && fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], fp8_pieces_settings_);
   }
   bool in_norms(const FsdpParam& p) const { return !p.expert && !is_fp8(p); }
   // NOTE [FP8 all-gather], step 4: rank r's elements of the unit's parameters that travel as
@@ -498,6 +501,9 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   std::array<BlockWeights, 2> root_units_, root_unit_grads_;
   std::vector<BlockWeights> static_layers_, static_layer_grads_;  // ZeRO-1/2 weights, ZeRO-1 grads
   std::vector<UnitSlot> weight_slots_;  // ZeRO-3: three; FP8 all-gather under ZeRO-1/2: one per held block
+  // Which block parameters are FP8 pieces (fp8_gathered_param): fp8_routed_experts and
+  // fp8_filter_fqns of the options.
+  Fp8Settings fp8_pieces_settings_;
   std::vector<int> block_slot_;          // per unit: its slot under ZeRO-1/2 (FP8 all-gather), -1 if not held
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)

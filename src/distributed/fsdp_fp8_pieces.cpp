@@ -9,27 +9,15 @@
 
 namespace forge {
 
-namespace {
-
-// Only whether the routed experts are FP8 projections matters to the pieces (NOTE [FP8 routed
-// experts switch] in model/fp8_projections.h).
-Fp8Settings routed_experts_settings(bool routed_experts) {
-  Fp8Settings settings;
-  settings.routed_experts = routed_experts;
-  return settings;
-}
-
-}  // namespace
-
-bool fp8_gathered_param(const ParamSpec& spec, bool routed_experts) {
-  return fp8_block_projection(spec) || fp8_expert_stack(spec, routed_experts_settings(routed_experts));
+bool fp8_gathered_param(const ParamSpec& spec, const Fp8Settings& settings) {
+  return fp8_block_projection(spec, settings) || fp8_expert_stack(spec, settings);
 }
 
 std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const ParamSpec& spec, int param,
-                                             int64_t offset, bool routed_experts) {
+                                             int64_t offset, const Fp8Settings& settings) {
   std::vector<Fp8GatherPiece> pieces;
-  if (!fp8_gathered_param(spec, routed_experts)) return pieces;
-  if (fp8_expert_stack(spec, routed_experts_settings(routed_experts))) {  // one piece per expert, with the expert's statistics block
+  if (!fp8_gathered_param(spec, settings)) return pieces;
+  if (fp8_expert_stack(spec, settings)) {  // one piece per expert, with the expert's statistics block
     const int64_t matrix = spec.shape[1] * spec.shape[2];
     for (int64_t e = 0; e < spec.shape[0]; ++e)
       pieces.push_back({param, offset + e * matrix, matrix, fmt::format("{} (expert {})", spec.name, e)});
@@ -50,17 +38,17 @@ std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const Pa
 }
 
 std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std::vector<ParamSpec>& specs,
-                                            const FsdpUnit& unit, bool routed_experts) {
+                                            const FsdpUnit& unit, const Fp8Settings& settings) {
   std::vector<Fp8GatherPiece> pieces;
   for (size_t k = 0; k < unit.params.size(); ++k) {
     const FsdpParam& p = unit.params[k];
     if (p.expert) continue;  // expert parallelism: the expert part travels in the compute dtype
     const ParamSpec& spec = specs.at(static_cast<size_t>(p.spec));
     // The dense part holds its parameters whole.
-    FORGE_CHECK(!fp8_gathered_param(spec, routed_experts) || p.numel == shape_numel(spec.shape),
+    FORGE_CHECK(!fp8_gathered_param(spec, settings) || p.numel == shape_numel(spec.shape),
                 "FSDP's FP8 all-gather: '{}' is held in part ({} of {} elements) outside an expert part", spec.name,
                 p.numel, shape_numel(spec.shape));
-    for (Fp8GatherPiece& piece : fp8_param_pieces(config, spec, static_cast<int>(k), p.offset, routed_experts))
+    for (Fp8GatherPiece& piece : fp8_param_pieces(config, spec, static_cast<int>(k), p.offset, settings))
       pieces.push_back(std::move(piece));
   }
   return pieces;

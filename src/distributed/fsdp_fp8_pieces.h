@@ -22,9 +22,11 @@
 // do the routed-expert stacks of a run with precision.fp8_routed_experts false (NOTE [FP8
 // routed experts switch] in model/fp8_projections.h: its experts' GEMMs run in the compute
 // dtype, and no statistics block of theirs exists to cast them with): they are no pieces,
-// and the block's other projections are pieces as above. The gather then packs the codes
-// as it packs the norms (NOTE [FP8 all-gather] in distributed/fsdp.h, step 3), so that the
-// stacks, most of a MoE block, travel as 2 bytes an element and not 1 + 2.
+// and the block's other projections are pieces as above. So do the projections
+// precision.fp8_filter_fqns keeps in the compute dtype (NOTE [FP8 filter] in
+// model/fp8_projections.h). The gather then packs the codes as it packs the norms (NOTE [FP8
+// all-gather] in distributed/fsdp.h, step 3), so that the stacks, most of a MoE block, or a
+// filtered projection travel as 2 bytes an element and not 1 + 2.
 // Under expert parallelism a rank's slices of the stacks lie in its unit's expert part (NOTE
 // [FSDP layout]), which is gathered over the ranks holding the same experts in the compute
 // dtype (NOTE [FP8 all-gather] in distributed/fsdp.h): no pieces either.
@@ -40,6 +42,7 @@
 
 #include "distributed/fsdp_layout.h"
 #include "model/config.h"
+#include "model/fp8_projections.h"
 #include "model/parameters.h"
 
 namespace forge {
@@ -52,20 +55,21 @@ struct Fp8GatherPiece {
 };
 
 // Whether FSDP's FP8 all-gather sends a block parameter as E4M3 codes: an FP8 block
-// projection, or a routed-expert stack when `routed_experts` (precision.fp8_routed_experts:
-// the stacks are FP8 projections, fp8_expert_stack); the router, the norms and biases (and
-// the stacks without `routed_experts`) travel in the compute dtype.
-bool fp8_gathered_param(const ParamSpec& spec, bool routed_experts);
+// projection, or a routed-expert stack in FP8 (fp8_block_projection, fp8_expert_stack; of
+// `settings` only routed_experts and filter_fqns matter); the router, the norms and biases
+// (and the stacks with settings.routed_experts false, and the projections NOTE [FP8 filter]
+// keeps in the compute dtype) travel in the compute dtype.
+bool fp8_gathered_param(const ParamSpec& spec, const Fp8Settings& settings);
 
 // The pieces of one parameter at unit offset `offset`, `param` its index in the unit
 // (NOTE [FP8 all-gather pieces]); empty for one fp8_gathered_param rejects.
 std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const ParamSpec& spec, int param,
-                                             int64_t offset, bool routed_experts);
+                                             int64_t offset, const Fp8Settings& settings);
 
 // Every piece of a block unit, in parameter order (specs: FsdpLayout::specs()); none of its
 // expert part (expert parallelism).
 std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std::vector<ParamSpec>& specs,
-                                            const FsdpUnit& unit, bool routed_experts);
+                                            const FsdpUnit& unit, const Fp8Settings& settings);
 
 // The elements [lo, hi) of a piece inside [begin, end) (unit offsets); lo == hi when none.
 std::pair<int64_t, int64_t> fp8_piece_overlap(const Fp8GatherPiece& piece, int64_t begin, int64_t end);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace forge {
@@ -15,6 +16,10 @@ struct Fp8DelayedState {
   // Whether the routed experts' blocks are among the projections (NOTE [FP8 routed experts
   // switch] in model/fp8_projections.h); true for checkpoints saved before the switch.
   bool routed_experts = true;
+  // precision.fp8_filter_fqns of the run that saved it (NOTE [FP8 filter] in
+  // model/fp8_projections.h): which block projections have no blocks; empty for checkpoints
+  // saved before the filter.
+  std::vector<std::string> filter_fqns;
   std::vector<float> histories;  // [projections][3][history_length], newest last
   std::vector<float> scales;     // [projections][3]
 };

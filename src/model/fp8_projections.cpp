@@ -1,5 +1,7 @@
 #include "model/fp8_projections.h"
 
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <utility>
 
@@ -21,7 +23,7 @@ struct Fp8Matrix {
 std::vector<Fp8Matrix> fp8_matrices(const ModelConfig& config, const Fp8Settings& settings) {
   std::vector<Fp8Matrix> out;
   for (const ParamSpec& spec : parameter_specs(config)) {
-    if (fp8_block_projection(spec)) out.push_back({spec.shape[0], spec.shape[1], false});
+    if (fp8_block_projection(spec, settings)) out.push_back({spec.shape[0], spec.shape[1], false});
     if (fp8_expert_stack(spec, settings))
       for (int64_t e = 0; e < spec.shape[0]; ++e) out.push_back({spec.shape[1], spec.shape[2], true});
   }
@@ -58,6 +60,57 @@ uint8_t sharded_roles(TensorParallelSplit split) {
 }
 
 }  // namespace
+
+bool fp8_filtered(const std::string& name, const Fp8Settings& settings) {
+  return std::any_of(settings.filter_fqns.begin(), settings.filter_fqns.end(),
+                     [&](const std::string& f) { return name.find(f) != std::string::npos; });
+}
+
+std::vector<std::string> fp8_filter_fqns_of(const std::string& text) {
+  std::vector<std::string> out;
+  if (text.find_first_not_of(" \t") == std::string::npos) return out;
+  for (size_t start = 0; start <= text.size();) {
+    const size_t comma = std::min(text.find(',', start), text.size());
+    std::string item = text.substr(start, comma - start);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    out.push_back(std::move(item));
+    start = comma + 1;
+  }
+  return out;
+}
+
+std::string describe_fp8_filter(const ModelConfig& config, const Fp8Settings& settings) {
+  Fp8Settings unfiltered = settings;
+  unfiltered.filter_fqns.clear();
+  std::vector<std::string> kept;
+  int64_t candidates = 0;
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (!fp8_block_projection(spec, unfiltered) && !fp8_expert_stack(spec, unfiltered)) continue;
+    ++candidates;
+    if (fp8_filtered(spec.name, settings)) kept.push_back(spec.name);
+  }
+  constexpr size_t kNamed = 6;
+  const size_t named = std::min(kept.size(), kNamed);
+  return fmt::format("precision.fp8_filter_fqns '{}' keeps {} of the {} block projections{} in the compute dtype: {}{}",
+                     fmt::join(settings.filter_fqns, ","), kept.size(), candidates,
+                     config.moe() && settings.routed_experts ? " and routed-expert stacks" : "",
+                     fmt::join(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(named), ", "),
+                     kept.size() > named ? fmt::format(" and {} more", kept.size() - named) : "");
+}
+
+std::vector<std::string> fp8_projection_names(const ModelConfig& config, const Fp8Settings& settings) {
+  std::vector<std::string> names;
+  std::string head = "embedding.weight";  // tied
+  for (const ParamSpec& spec : parameter_specs(config)) {
+    if (spec.name == "output.weight") head = spec.name;
+    if (fp8_block_projection(spec, settings)) names.push_back(spec.name);
+    if (fp8_expert_stack(spec, settings))  // NOTE [FP8 routed experts]: a block per expert, in expert order
+      for (int64_t e = 0; e < spec.shape[0]; ++e) names.push_back(fmt::format("{} (expert {})", spec.name, e));
+  }
+  if (settings.output_head) names.push_back(head);
+  return names;
+}
 
 int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens) {
   int64_t most = 0;
@@ -149,7 +202,7 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     }
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
-    const bool matrix = fp8_block_projection(spec), experts = fp8_expert_stack(spec, settings);
+    const bool matrix = fp8_block_projection(spec, settings), experts = fp8_expert_stack(spec, settings);
     layer.push_back(matrix || experts ? static_cast<int64_t>(names_.size()) : -1);
     expert_stack_.at(static_cast<size_t>(spec.layer)).push_back(experts);
     if (matrix) {
@@ -169,6 +222,7 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     numels_.push_back(config.vocab_size * config.hidden_size);
     sharded_roles_.push_back(sharded_roles(head_split));
   }
+  FORGE_CHECK(names_ == fp8_projection_names(config, settings), "FP8 projections: the statistics blocks' numbering");
   const auto projections = static_cast<int64_t>(names_.size());
   stats_ = Tensor::empty({projections * cpu::kFp8ProjectionStats}, DType::F32, device);
   fp8_stats_init(stats_);
@@ -294,6 +348,7 @@ Fp8DelayedState Fp8Projections::delayed_state() const {
   if (settings_.recipe != Fp8Recipe::Delayed) return state;
   state.active = delayed_active_;
   state.routed_experts = settings_.routed_experts;
+  state.filter_fqns = settings_.filter_fqns;
   state.history_length = settings_.amax_history_length;
   const Tensor history = history_.to(Device::CPU), stats = stats_.to(Device::CPU);
   state.histories.assign(history.data<float>(), history.data<float>() + history.numel());
@@ -306,7 +361,7 @@ Fp8DelayedState Fp8Projections::delayed_state() const {
 
 void Fp8Projections::restore_delayed_state(const Fp8DelayedState& saved) {
   FORGE_CHECK(settings_.recipe == Fp8Recipe::Delayed, "FP8: a delayed-scaling state given to a {} run", "tensorwise");
-  const Fp8DelayedState state = routed_experts_as_this_run(saved);
+  const Fp8DelayedState state = saved_as_this_run(saved);
   const int64_t projections = static_cast<int64_t>(names_.size());
   FORGE_CHECK(state.history_length == settings_.amax_history_length,
               "FP8 delayed scaling: the checkpoint's amax history length is {}, precision.fp8_amax_history_len is {}",
@@ -333,35 +388,43 @@ void Fp8Projections::restore_delayed_state(const Fp8DelayedState& saved) {
   ++expert_generation_;
 }
 
-Fp8DelayedState Fp8Projections::routed_experts_as_this_run(const Fp8DelayedState& saved) const {
-  // NOTE [FP8 routed experts switch]: the saved numbering, with the experts' blocks or without.
-  Fp8Settings with_experts = settings_;
-  with_experts.routed_experts = true;
-  const std::vector<Fp8Matrix> saved_blocks = fp8_matrices(config_, with_experts);
-  const bool has_experts =
-      std::any_of(saved_blocks.begin(), saved_blocks.end(), [](const Fp8Matrix& m) { return m.expert; });
-  if (saved.routed_experts == settings_.routed_experts || !has_experts) return saved;
-  if (!saved.routed_experts)
-    FORGE_FAIL("the checkpoint was saved with precision.fp8_routed_experts false (its routed experts in the compute "
-               "dtype, with no amax histories) and this run sets it true: its experts would quantize with no history "
-               "and scale 1; resume with precision.fp8_routed_experts false");
-  const int64_t length = saved.history_length;
-  FORGE_CHECK(saved.scales.size() == saved_blocks.size() * cpu::kFp8Roles &&
-                  static_cast<int64_t>(saved.histories.size()) == static_cast<int64_t>(saved.scales.size()) * length,
-              "FP8 delayed scaling: the checkpoint holds {} scales and {} history values, this model with its routed "
-              "experts in FP8 (precision.fp8_routed_experts true, as the checkpoint was saved) needs {} and {}",
-              saved.scales.size(), saved.histories.size(), saved_blocks.size() * cpu::kFp8Roles,
-              static_cast<int64_t>(saved_blocks.size()) * cpu::kFp8Roles * length);
-  // Saved with the experts in FP8, restored without: their blocks dropped, the rest in order.
+Fp8DelayedState Fp8Projections::saved_as_this_run(const Fp8DelayedState& saved) const {
+  // NOTE [FP8 routed experts switch], NOTE [FP8 filter]: the saved numbering is that of the
+  // settings it was saved with; this run keeps each of its projections' blocks by name.
+  Fp8Settings then = settings_;
+  then.routed_experts = saved.routed_experts;
+  then.filter_fqns = saved.filter_fqns;
+  const std::vector<std::string> saved_names = fp8_projection_names(config_, then);
   Fp8DelayedState kept = saved;
-  kept.routed_experts = false;
+  kept.routed_experts = settings_.routed_experts;
+  kept.filter_fqns = settings_.filter_fqns;
+  if (saved_names == names_) return kept;
+  const int64_t length = saved.history_length;
+  FORGE_CHECK(saved.scales.size() == saved_names.size() * cpu::kFp8Roles &&
+                  static_cast<int64_t>(saved.histories.size()) == static_cast<int64_t>(saved.scales.size()) * length,
+              "FP8 delayed scaling: the checkpoint holds {} scales and {} history values, this model under the FP8 "
+              "layout it was saved with (precision.fp8_routed_experts {}, precision.fp8_filter_fqns '{}') needs {} and "
+              "{}",
+              saved.scales.size(), saved.histories.size(), saved.routed_experts, fmt::join(saved.filter_fqns, ","),
+              saved_names.size() * cpu::kFp8Roles, static_cast<int64_t>(saved_names.size()) * cpu::kFp8Roles * length);
   kept.scales.clear();
   kept.histories.clear();
-  for (size_t b = 0; b < saved_blocks.size(); ++b) {
-    if (saved_blocks[b].expert) continue;
-    const auto scales = saved.scales.begin() + static_cast<std::ptrdiff_t>(b * cpu::kFp8Roles);
+  for (const std::string& name : names_) {
+    const auto at = std::find(saved_names.begin(), saved_names.end(), name);
+    if (at == saved_names.end()) {
+      if (!saved.routed_experts && name.ends_with(")"))
+        FORGE_FAIL("the checkpoint was saved with precision.fp8_routed_experts false (its routed experts in the "
+                   "compute dtype, with no amax histories) and this run sets it true: its experts would quantize "
+                   "with no history and scale 1; resume with precision.fp8_routed_experts false");
+      FORGE_FAIL("the checkpoint was saved with precision.fp8_filter_fqns '{}', which kept '{}' in the compute dtype "
+                 "(no amax history), and this run trains it in FP8 (precision.fp8_filter_fqns '{}'): it would "
+                 "quantize with no history and scale 1; resume with a filter that keeps it out of FP8 too",
+                 fmt::join(saved.filter_fqns, ","), name, fmt::join(settings_.filter_fqns, ","));
+    }
+    const auto b = static_cast<std::ptrdiff_t>(at - saved_names.begin());
+    const auto scales = saved.scales.begin() + b * cpu::kFp8Roles;
     kept.scales.insert(kept.scales.end(), scales, scales + cpu::kFp8Roles);
-    const auto history = saved.histories.begin() + static_cast<std::ptrdiff_t>(b * cpu::kFp8Roles * length);
+    const auto history = saved.histories.begin() + b * cpu::kFp8Roles * length;
     kept.histories.insert(kept.histories.end(), history, history + cpu::kFp8Roles * length);
   }
   return kept;

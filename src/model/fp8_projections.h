@@ -191,6 +191,9 @@ struct Fp8Settings {
   int64_t amax_history_length = 1024;
   cpu::Fp8AmaxAlgorithm amax_algorithm = cpu::Fp8AmaxAlgorithm::Max;
   float margin = 0.0f;
+  // precision.fp8_filter_fqns (NOTE [FP8 filter]): a block projection or routed-expert stack
+  // whose parameter name contains one of these strings stays in the compute dtype.
+  std::vector<std::string> filter_fqns;
   // parallelism.expert_parallel_degree: a local routed expert may receive that many times
   // a micro-batch's rows (NOTE [FP8 routed experts under expert parallelism] in
   // ops/moe_fp8.h), which the CUDA scratch holds.
@@ -200,17 +203,50 @@ struct Fp8Settings {
 // A Mixture-of-Experts block's router, which stays in the compute dtype (NOTE [FP8 routed
 // experts] in ops/moe_fp8.h); MoeFeedForward names it so.
 inline bool fp8_moe_router(const ParamSpec& spec) { return spec.name.ends_with(".moe.router.weight"); }
-// Whether a parameter is a projection trained in FP8 (NOTE [FP8 projections]): a block's
-// matrix other than a MoE router; the head is one only with output_head.
-inline bool fp8_block_projection(const ParamSpec& spec) {
+// NOTE [FP8 filter]
+// precision.fp8_filter_fqns is torchtitan's float8.filter_fqns: a comma-separated list of
+// strings, and a block projection (or a routed-expert stack) whose forge parameter name
+// ("layers.0.attention.qkv.weight", "layers.31.mlp.down.weight", ...) contains any of them
+// keeps its three GEMMs in the compute dtype, with no statistics block, no history and no
+// cached codes, as a MoE router does. Megatron-LM's --first-last-layers-bf16 with one layer
+// at each end is "layers.0.,layers.31." on a 32-layer model (the trailing dot keeps
+// "layers.1." from matching layers 10-19). The filter is part of the run's FP8 layout: a
+// delayed run's checkpoint records it, and a resume under another filter keeps the
+// histories of the projections both runs train in FP8 (by name) and refuses one whose
+// projection had none. The configuration check refuses a string that matches no FP8
+// projection of the model. Under FSDP's FP8 all-gather a filtered projection travels in the
+// compute dtype with the norms (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h).
+bool fp8_filtered(const std::string& name, const Fp8Settings& settings);
+// precision.fp8_filter_fqns's strings: split at commas, blanks around each trimmed; empty
+// text gives none (an empty string between commas is kept, for the configuration check to
+// refuse).
+std::vector<std::string> fp8_filter_fqns_of(const std::string& text);
+// "precision.fp8_filter_fqns 'layers.0.,mlp.down' keeps 7 of the 16 block projections in the
+// compute dtype: layers.0.attention.qkv.weight, ..." (forge info, the training log).
+std::string describe_fp8_filter(const ModelConfig& config, const Fp8Settings& settings);
+
+// A block's matrix that may run in FP8: any other than a MoE router (whatever the filter).
+inline bool fp8_block_matrix(const ParamSpec& spec) {
   return spec.layer >= 0 && spec.shape.size() == 2 && !fp8_moe_router(spec);
+}
+// Whether a parameter is a projection trained in FP8 (NOTE [FP8 projections]): a block's
+// matrix other than a MoE router, unless the filter keeps it in the compute dtype (NOTE [FP8
+// filter]); the head is one only with output_head.
+inline bool fp8_block_projection(const ParamSpec& spec, const Fp8Settings& settings) {
+  return fp8_block_matrix(spec) && !fp8_filtered(spec.name, settings);
 }
 // Whether a parameter is a stack of routed experts' matrices [E, out, in] trained in FP8,
 // one projection (and statistics block) per expert (NOTE [FP8 routed experts]); none with
-// settings.routed_experts false (NOTE [FP8 routed experts switch]).
+// settings.routed_experts false (NOTE [FP8 routed experts switch]), nor a filtered one.
 inline bool fp8_expert_stack(const ParamSpec& spec, const Fp8Settings& settings) {
-  return settings.routed_experts && spec.layer >= 0 && spec.expert_stack && spec.shape.size() == 3;
+  return settings.routed_experts && spec.layer >= 0 && spec.expert_stack && spec.shape.size() == 3 &&
+         !fp8_filtered(spec.name, settings);
 }
+// The names of the statistics blocks in Fp8Projections' numbering (NOTE [FP8 projections]):
+// each FP8 block projection's parameter name, "<stack> (expert e)" for each expert of an FP8
+// routed-expert stack, and the head's (output.weight, or embedding.weight when tied) with
+// output_head.
+std::vector<std::string> fp8_projection_names(const ModelConfig& config, const Fp8Settings& settings);
 
 // Number of projections trained in FP8 (each has a statistics block; an expert stack one
 // per expert).
@@ -321,8 +357,9 @@ class Fp8Projections : public ParamSource, public GradSink {
   const BlockWeights& with_fp8(const BlockWeights& base, int index, std::vector<BlockWeights>& out);
   const LinearWeight& head(const LinearWeight& base, LinearWeight& out);
   void set_delayed_active(bool active);
-  // A checkpoint's state in this run's numbering (NOTE [FP8 routed experts switch]).
-  Fp8DelayedState routed_experts_as_this_run(const Fp8DelayedState& saved) const;
+  // A checkpoint's state in this run's numbering (NOTE [FP8 routed experts switch], NOTE
+  // [FP8 filter]).
+  Fp8DelayedState saved_as_this_run(const Fp8DelayedState& saved) const;
   // Whether weight caches are used now (NOTE [FP8 frozen base]: a frozen W is cached with
   // its delayed scale only), for the projections' and the expert stacks' alike; the cache a
   // projection uses now, or null.

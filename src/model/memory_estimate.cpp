@@ -74,8 +74,9 @@ double fp8_gather_compute_weights(const ModelConfig& config, const std::vector<P
       layer_experts.at(layer) += numel / static_cast<double>(plan.expert_parallel);
       continue;
     }
-    const bool codes = fp8_block_projection(spec) || fp8_expert_stack(spec, *plan.fp8);
-    packed_codes = packed_codes || (!codes && spec.expert_stack);
+    const bool codes = fp8_block_projection(spec, *plan.fp8) || fp8_expert_stack(spec, *plan.fp8);
+    // NOTE [FP8 all-gather pieces]: a stack or a filtered projection with the norms packs the codes.
+    packed_codes = packed_codes || (!codes && (spec.expert_stack || fp8_block_matrix(spec)));
     (codes ? layer_codes : layer_norms).at(layer) += numel;
   }
   const double norms = *std::max_element(layer_norms.begin(), layer_norms.end());
@@ -166,7 +167,7 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
           fp8_scratch_bytes(config, *plan.fp8, plan.micro_batch * plan.seq_len / plan.context_parallel));
       double cached = 0;
       for (const ParamSpec& spec : pipeline_stage_specs(specs, stages))
-        if (fp8_block_projection(spec) || (plan.fp8->output_head && spec.name == "output.weight"))
+        if (fp8_block_projection(spec, *plan.fp8) || (plan.fp8->output_head && spec.name == "output.weight"))
           cached += static_cast<double>(shape_numel(spec.shape));
         else if (fp8_expert_stack(spec, *plan.fp8))  // NOTE [FP8 expert stack state]: the local experts'
           cached += static_cast<double>(shape_numel(spec.shape)) / static_cast<double>(plan.expert_parallel);

@@ -57,6 +57,9 @@ struct PrecisionConfig {
   // A MoE model's routed experts' GEMMs in FP8 too; false keeps them in the compute dtype
   // (NOTE [FP8 routed experts switch] in model/fp8_projections.h).
   bool fp8_routed_experts = true;
+  // Comma-separated strings: a block projection whose parameter name contains one stays in
+  // the compute dtype (torchtitan's float8.filter_fqns; NOTE [FP8 filter] in model/fp8_projections.h).
+  std::string fp8_filter_fqns;
   // delayed (TE DelayedScaling's defaults): amax history length, max | most_recent, margin (scale × 2^-margin).
   int64_t fp8_amax_history_len = 1024;
   std::string fp8_amax_compute_algo = "max";

@@ -132,6 +132,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
     fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
     fsdp.fp8_routed_experts = config_.precision.fp8_routed_experts;  // NOTE [FP8 all-gather pieces]
+    fsdp.fp8_filter_fqns = fp8_filter_fqns_of(config_.precision.fp8_filter_fqns);  // NOTE [FP8 filter]
     fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: FSDP over the rank's stages
     fsdp_ = std::make_unique<Fsdp>(config_.model, device_, *shard_group_, replicate_group_.get(), fsdp,
                                    expert_shard_group_.get());
@@ -340,6 +341,8 @@ void Trainer::log_fp8() const {
            p.fp8_grad_format,
            p.fp8_output_head ? "FP8 too" : device_ == Device::CUDA ? "bf16" : "fp32",
            lora_ ? fmt::format(", the LoRA adapters in {}", p.compute_dtype) : "");
+  if (const std::optional<Fp8Settings> settings = fp8_settings_of(config_); settings && !settings->filter_fqns.empty())
+    log_info("{}", describe_fp8_filter(config_.model, *settings));  // NOTE [FP8 filter]
 }
 
 // Every rank says what it holds: the optimizer state (master weights and moments) is

@@ -157,6 +157,23 @@ TEST(BenchMarkdown, Fp8RunsWithRoutedExpertsInBf16SaySo) {
   EXPECT_EQ(column(perf_rows(dir.file("perf.csv"))[0], "training_precision"), "fp8 (tensorwise, routed experts bf16)");
 }
 
+// NOTE [FP8 filter]: the projections precision.fp8_filter_fqns keeps in bf16 are in the
+// Precision column, perf.csv (quoted: the list has commas) and the JSON, read back as written.
+TEST(BenchMarkdown, Fp8RunsWithAFilterSaySo) {
+  BenchResult r = fp8_result(742.5, "");
+  r.fp8_filter_fqns = "layers.0.,layers.31.";
+  EXPECT_EQ(precision_label(r), "FP8 (tensorwise, bf16: layers.0.,layers.31.)");
+  r.fp8_routed_experts = false;
+  EXPECT_EQ(precision_label(r), "FP8 (tensorwise, routed experts bf16, bf16: layers.0.,layers.31.)");
+  TempDir dir;
+  write_bench_json(dir.file("bench.json"), {r});
+  const nlohmann::json json = nlohmann::json::parse(read_file(dir.file("bench.json")));
+  EXPECT_EQ(json[0]["fp8_filter_fqns"], "layers.0.,layers.31.");
+  append_perf_csv(dir.file("perf.csv"), {r}, PerfCsvContext{"host", ""});
+  EXPECT_EQ(column(perf_rows(dir.file("perf.csv"))[0], "training_precision"),
+            "fp8 (tensorwise, routed experts bf16, bf16: layers.0.,layers.31.)");
+}
+
 // perf.csv's training_precision names the recipe, and a run's relative change is against
 // earlier rows of its own precision only.
 TEST(PerfCsv, Fp8RowsNameTheRecipeAndCompareWithFp8RowsOnly) {
@@ -191,10 +208,10 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "parallelism", "activation_checkpoint", "args", "device_name", "gpu_architecture", "config",
                           "status", "error", "warmup_steps", "measured_steps", "step_time_median_s",
                           "step_time_min_s", "step_time_max_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "mfu_fp8"}) {
+                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "fp8_filter_fqns", "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 29u);
+  EXPECT_EQ(first.size(), 30u);
   EXPECT_EQ(first["fp8"], "none");
   EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");

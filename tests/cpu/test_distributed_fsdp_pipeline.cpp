@@ -314,7 +314,7 @@ TEST(FsdpPipeline, Fp8AllGatherSlotsHoldTheStagesBlocksAlone) {
   const ModelConfig m = four_layers();
   auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
   const FsdpLayout whole(m, 1, 0);
-  const auto pieces = static_cast<int64_t>(fp8_unit_pieces(m, whole.specs(), whole.units().at(1), true).size());
+  const auto pieces = static_cast<int64_t>(fp8_unit_pieces(m, whole.specs(), whole.units().at(1), Fp8Settings{}).size());
   for (int zero : {1, 3}) {
     SCOPED_TRACE(zero);
     FsdpOptions options;

@@ -26,13 +26,20 @@ namespace {
 
 ModelConfig model(const char* name) { return load_experiment("", {{"model.name", name}}).model; }
 
+// FP8 settings of which only the routed-experts switch matters to the pieces.
+Fp8Settings experts_in_fp8(bool routed_experts) {
+  Fp8Settings settings;
+  settings.routed_experts = routed_experts;
+  return settings;
+}
+
 // The pieces of block `layer`'s unit on rank `rank` of `world`, checked to tile each FP8
 // parameter in order and to name statistics blocks the model's Fp8Projections has.
 std::vector<Fp8GatherPiece> checked_pieces(const ModelConfig& config, int layer, int world = 2, int rank = 0,
                                            bool routed_experts = true) {
   const FsdpLayout layout(config, world, rank);
   const FsdpUnit& unit = layout.units().at(static_cast<size_t>(FsdpLayout::unit_of_layer(layer)));
-  const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, layout.specs(), unit, routed_experts);
+  const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, layout.specs(), unit, experts_in_fp8(routed_experts));
   Fp8Settings settings;
   settings.routed_experts = routed_experts;
   const Fp8Projections fp8(config, settings, Device::CPU, 64);
@@ -40,7 +47,7 @@ std::vector<Fp8GatherPiece> checked_pieces(const ModelConfig& config, int layer,
   for (size_t k = 0; k < unit.params.size(); ++k) {
     const FsdpParam& p = unit.params[k];
     const ParamSpec& spec = layout.specs().at(static_cast<size_t>(p.spec));
-    if (!fp8_gathered_param(spec, routed_experts)) {
+    if (!fp8_gathered_param(spec, experts_in_fp8(routed_experts))) {
       EXPECT_TRUE(at == pieces.size() || pieces[at].param != static_cast<int>(k)) << spec.name;
       continue;
     }
@@ -63,7 +70,7 @@ TEST(FsdpFp8Pieces, DenseProjectionsAreOnePieceEach) {
   const FsdpLayout layout(config, 2, 0);
   const FsdpUnit& unit = layout.units().at(2);
   int projections = 0;
-  for (const FsdpParam& p : unit.params) projections += fp8_block_projection(layout.specs()[static_cast<size_t>(p.spec)]);
+  for (const FsdpParam& p : unit.params) projections += fp8_block_matrix(layout.specs()[static_cast<size_t>(p.spec)]);
   EXPECT_EQ(projections, 4);  // qkv, o, gate/up, down
   ASSERT_EQ(pieces.size(), 4u);
   for (const Fp8GatherPiece& piece : pieces) {
@@ -115,8 +122,8 @@ TEST(FsdpFp8Pieces, RoutedExpertsOutOfFp8AreNoPieces) {
       const ParamSpec& spec = layout.specs()[static_cast<size_t>(p.spec)];
       if (!spec.expert_stack) continue;
       ++stacks;
-      EXPECT_TRUE(fp8_gathered_param(spec, true)) << spec.name;
-      EXPECT_FALSE(fp8_gathered_param(spec, false)) << spec.name;
+      EXPECT_TRUE(fp8_gathered_param(spec, experts_in_fp8(true))) << spec.name;
+      EXPECT_FALSE(fp8_gathered_param(spec, experts_in_fp8(false))) << spec.name;
       expert_pieces += static_cast<size_t>(spec.shape[0]);
     }
     EXPECT_EQ(stacks, 2);  // gate_up and down
@@ -148,7 +155,7 @@ TEST(FsdpFp8Pieces, MemoryCountsTheStacksInTheComputeDtype) {
   int64_t stacks = 0, projections = 0, norms = 0;
   for (const FsdpParam& p : unit.params) {
     const ParamSpec& spec = layout.specs()[static_cast<size_t>(p.spec)];
-    (spec.expert_stack ? stacks : fp8_block_projection(spec) ? projections : norms) += p.numel;
+    (spec.expert_stack ? stacks : fp8_block_matrix(spec) ? projections : norms) += p.numel;
   }
   EXPECT_EQ(stacks, 4 * 3 * 96 * 64);  // gate_up and down of 4 experts
   const int64_t ends = layout.units().front().numel + layout.units().back().numel;
@@ -161,7 +168,7 @@ TEST(FsdpFp8Pieces, MemoryCountsTheStacksInTheComputeDtype) {
     options.fp8_routed_experts = routed_experts;
     const FsdpMemory m = Fsdp(config, Device::CPU, *group, nullptr, options).memory();
     // Three slots: codes, norms (fp32 here), each piece's amax and two scales; the wires.
-    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, routed_experts).size());
+    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, experts_in_fp8(routed_experts)).size());
     const int64_t statistics = 3 * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
     if (routed_experts)
       EXPECT_EQ(m.compute_weights, ends * 4 + 3 * (block + norms * 4) + norms * 4 + statistics);
@@ -215,7 +222,7 @@ TEST(FsdpFp8Pieces, MemoryUnderExpertParallelismCountsTheSlicesInTheComputeDtype
     for (const FsdpParam& p : unit.params) stack_slices += p.expert ? p.numel : 0;
     EXPECT_EQ(stack_slices, 2 * 3 * 96 * 64);  // 2 of 4 experts, gate_up and down
     EXPECT_EQ(unit.parts.size(), 2u);
-    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, routed_experts).size());
+    const int64_t pieces = static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), unit, experts_in_fp8(routed_experts)).size());
     const int64_t statistics = 3 * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
     MemoryPlan plan;
     plan.fsdp = true;
@@ -267,8 +274,8 @@ TEST(FsdpFp8Pieces, AnExpertPartHasNoPieces) {
   const ModelConfig config = model("debug-tiny-moe");
   const FsdpLayout whole(config, 4, 1), sliced(config, 4, 1, /*expert_parallel=*/2);
   for (bool routed_experts : {true, false}) {
-    const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, sliced.specs(), sliced.units().at(1), routed_experts);
-    const std::vector<Fp8GatherPiece> dense = fp8_unit_pieces(config, whole.specs(), whole.units().at(1), false);
+    const std::vector<Fp8GatherPiece> pieces = fp8_unit_pieces(config, sliced.specs(), sliced.units().at(1), experts_in_fp8(routed_experts));
+    const std::vector<Fp8GatherPiece> dense = fp8_unit_pieces(config, whole.specs(), whole.units().at(1), experts_in_fp8(false));
     ASSERT_EQ(pieces.size(), dense.size());
     for (size_t k = 0; k < pieces.size(); ++k) {
       EXPECT_EQ(pieces[k].projection, dense[k].projection);

@@ -93,7 +93,7 @@ TEST(ModelFp8Moe, ProjectionsAndExpertsCarryFp8AndTheRouterDoesNot) {
   EXPECT_EQ(all_experts, 2 * 8 * 3 * ffn * h);
   int64_t plain = 0;
   for (const ParamSpec& spec : parameter_specs(m))
-    if (fp8_block_projection(spec)) plain += spec.shape[0] * spec.shape[1];
+    if (fp8_block_matrix(spec)) plain += spec.shape[0] * spec.shape[1];
   EXPECT_EQ(fp8_gemm_params(m, none), plain + all_experts * 2 / 8);
   Fp8Settings cached;
   cached.weight_cache = true;  // every expert's codes too (NOTE [FP8 expert stack state])

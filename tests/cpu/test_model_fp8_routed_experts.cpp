@@ -117,7 +117,7 @@ TEST(ModelFp8RoutedExperts, StacksCarryNoFp8AndTheRestIsNumberedWithoutThem) {
     const size_t k = entry[static_cast<size_t>(spec.layer)]++;
     const LinearWeight& w = fp8.layer(spec.layer).params.at(k);
     const LinearWeight& g = fp8.layer_grads(spec.layer).params.at(k);
-    EXPECT_EQ(w.fp8 != nullptr, fp8_block_projection(spec)) << spec.name;
+    EXPECT_EQ(w.fp8 != nullptr, fp8_block_matrix(spec)) << spec.name;
     EXPECT_EQ(g.fp8, w.fp8) << spec.name;
     EXPECT_FALSE(fp8_expert_stack(spec, off)) << spec.name;
     EXPECT_EQ(fp8_expert_stack(spec, on), spec.expert_stack) << spec.name;

@@ -1,0 +1,102 @@
+// precision.fp8_filter_fqns on CUDA (NOTE [FP8 filter] in model/fp8_projections.h): a
+// filtered projection's descriptor carries no FP8, so its GEMMs take the bf16 path, and the
+// kernels that would produce its FP8 operand (RMSNorm's x for qkv and gate/up, SwiGLU's
+// backward dy for gate/up: NOTE [FP8 fused producers] in ops/fp8_linear.h) see no consumer
+// and write plain bf16. The check: the filtered run (fused producers and the weight cache
+// on) is bit for bit the unfiltered FP8 run with the filtered descriptors stripped, over two
+// micro-batches (the second on the delayed scales), tensorwise and delayed, with the filter
+// taking a whole block and the gate/up projections (whose producers are fused) of the rest.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "gpu_testing.h"
+#include "model/decoder_lm.h"
+#include "model/fp8_projections.h"
+
+namespace forge {
+namespace {
+
+using namespace gpu_test;
+
+class Stripped : public ParamSource, public GradSink {
+ public:
+  Stripped(const ModelConfig& c, Fp8Projections& fp8, const Fp8Settings& filter) : fp8_(fp8) {
+    filtered_.resize(static_cast<size_t>(c.num_layers));
+    for (const ParamSpec& spec : parameter_specs(c))
+      if (spec.layer >= 0) filtered_[static_cast<size_t>(spec.layer)].push_back(fp8_filtered(spec.name, filter));
+  }
+  const Tensor& embedding() override { return fp8_.embedding(); }
+  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), index, layer_); }
+  const Tensor& final_norm() override { return fp8_.final_norm(); }
+  const LinearWeight& output() override { return fp8_.output(); }
+  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), index, grads_); }
+  void layer_done(int index) override { fp8_.layer_done(index); }
+  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
+  void embedding_done() override { fp8_.embedding_done(); }
+  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
+  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
+  void head_done() override { fp8_.head_done(); }
+  bool layer_grads_fresh(int index) const override { return fp8_.layer_grads_fresh(index); }
+  bool head_grads_fresh() const override { return fp8_.head_grads_fresh(); }
+  bool embedding_grad_fresh() const override { return fp8_.embedding_grad_fresh(); }
+
+ private:
+  const BlockWeights& strip(const BlockWeights& block, int index, BlockWeights& out) const {
+    out = block;
+    for (size_t k = 0; k < out.params.size(); ++k)
+      if (filtered_[static_cast<size_t>(index)].at(k)) out.params[k].fp8 = nullptr;
+    return out;
+  }
+  Fp8Projections& fp8_;
+  std::vector<std::vector<bool>> filtered_;
+  BlockWeights layer_, grads_;
+};
+
+TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
+  ModelConfig c = small_model("gpu-fp8-filter");
+  c.num_layers = 3;
+  for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
+    SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
+    const int64_t batch = 2, seq = 64;
+    Rng rng(seed_for_current_test());
+    FlatParameters params(c);
+    params.initialize(29);
+    round_to_bf16(params.flat());
+    FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
+    FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
+    weights.assign_from(params);
+    ref_weights.assign_from(params);
+    const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+    const Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+    DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+    Fp8Settings all;
+    all.recipe = recipe;
+    all.amax_history_length = 16;
+    all.weight_cache = true;
+    Fp8Settings some = all;
+    some.filter_fqns = {"layers.1.", "mlp.gate_up"};
+    Fp8Projections filtered(c, some, Device::CUDA, batch * seq);
+    filtered.set_base(weights, grads);
+    Fp8Projections unfiltered(c, all, Device::CUDA, batch * seq);
+    unfiltered.set_base(ref_weights, ref_grads);
+    Stripped stripped(c, unfiltered, some);
+    for (int micro = 0; micro < 2; ++micro) {
+      grads.discard();
+      ref_grads.discard();
+      const double loss = model.forward_backward(tokens, targets, filtered, filtered, 1.0f / (batch * seq)).mean();
+      const double want = model.forward_backward(tokens, targets, stripped, stripped, 1.0f / (batch * seq)).mean();
+      EXPECT_EQ(loss, want) << "micro-batch " << micro;
+      for (size_t k = 0; k < params.specs().size(); ++k)
+        EXPECT_EQ(relative_l2(to_cpu_f32(grads.tensors()[k]), to_cpu_f32(ref_grads.tensors()[k])), 0.0)
+            << params.specs()[k].name << ", micro-batch " << micro;
+      EXPECT_EQ(filtered.nonfinite_amax(), "");
+      filtered.end_step(true);
+      unfiltered.end_step(true);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace forge
