@@ -367,7 +367,7 @@ std::vector<ConfigKey> build_schema() {
           "full; false casts them in every micro-batch)"),
       key<&E::precision, &PrecisionConfig::fp8_fsdp_all_gather>(
           "precision.fp8_fsdp_all_gather",
-          "with precision.fp8 under FSDP (full training): each rank casts its chunk of every block projection's "
+          "with precision.fp8 under FSDP (full training, or LoRA's frozen bf16 base): each rank casts its chunk of every block projection's "
           "weight to E4M3 and the ranks all-gather 1-byte codes instead of bf16 (torchao's "
           "enable_fsdp_float8_all_gather), bitwise the same results"),
       key<&E::precision, &PrecisionConfig::fp8_margin>(

@@ -244,9 +244,10 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} gathers FSDP's shards, and this run has none (parallelism.data_parallel_shard_degree 1): set "
                  "it to false, or shard over several ranks",
                  key);
-    if (config.lora.enabled() || config.lora.quantize_base != "none")
-      FORGE_FAIL("{} is for full training: LoRA's frozen FSDP base is gathered in bf16 and cast to FP8 by each "
-                 "projection (set it to false; precision.fp8 alone runs the base's GEMMs in FP8)",
+    // NOTE [FP8 all-gather of a frozen base] in distributed/fsdp.h: LoRA's bf16 base too.
+    if (config.lora.quantize_base != "none")
+      FORGE_FAIL("{} gathers FSDP's shards, and QLoRA's NF4 base is not sharded (each data-parallel rank holds it "
+                 "whole): set it to false",
                  key);
     // NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h: a MoE block's routed
     // experts travel as one piece per expert (in bf16 with the router under

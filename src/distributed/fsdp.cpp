@@ -93,8 +93,6 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
   master_ = Tensor::zeros({layout_.shard_numel()}, options.frozen ? compute_dtype_ : DType::F32, device);
   if (!options.frozen) grad_shard_ = Tensor::zeros({layout_.shard_numel()}, DType::F32, device);
 
-  FORGE_CHECK(!options.fp8_all_gather || !options.frozen,
-              "FSDP's FP8 all-gather is for full training (NOTE [FP8 all-gather]), not a frozen base");
   fp8_pieces_settings_.routed_experts = options.fp8_routed_experts;  // NOTE [FP8 all-gather pieces]
   fp8_pieces_settings_.filter_fqns = options.fp8_filter_fqns;
   // Compute weights.
@@ -156,6 +154,14 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
         norm_wire_numel_ = std::max(norm_wire_numel_, held_norms);
         code_wire_numel_ = std::max(code_wire_numel_, held_codes);
       }
+    }
+    // NOTE [FP8 all-gather of a frozen base]: the casts read fp32; a bf16 chunk goes through
+    // an fp32 copy of the largest block unit's chunk.
+    if (options.fp8_all_gather && options.frozen && compute_dtype_ != DType::F32) {
+      int64_t largest = 1;
+      for (int u = 0; u < units; ++u)
+        if (layout_.is_block(u) && layout_.holds(u)) largest = std::max(largest, layout_.units()[static_cast<size_t>(u)].shard_numel);
+      frozen_chunk_f32_ = Tensor::zeros({largest}, DType::F32, device);
     }
     if (options.fp8_all_gather)
       norm_wire_ = Tensor::zeros({std::max<int64_t>(norm_wire_numel_ * layout_.world_size(), 1)}, compute_dtype_, device);
@@ -654,7 +660,12 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
   const FsdpPart& part = u.parts.front();  // the dense part, over every shard rank
   const int64_t own = part.begin + part.index * part.shard_numel, own_end = own + part.shard_numel;
-  const Tensor chunk = shard_of(master_, unit);
+  Tensor chunk = shard_of(master_, unit);
+  if (chunk.dtype() != DType::F32) {  // NOTE [FP8 all-gather of a frozen base]: exact, bf16 -> fp32
+    const Tensor f32 = frozen_chunk_f32_.narrow(0, chunk.numel());
+    cast(f32, chunk, stream);
+    chunk = f32;
+  }
   // This rank's elements [lo, hi) of parameter p (unit offsets), empty when it holds none.
   auto overlap = [&](const FsdpParam& p, int64_t begin, int64_t end) {
     const int64_t lo = std::min(std::max(begin, p.offset), end), hi = std::min(end, p.offset + p.numel);
@@ -924,7 +935,7 @@ FsdpMemory Fsdp::memory() const {
   for (const UnitSlot& s : weight_slots_)
     for (const Tensor* t : {&s.buffer, &s.codes, &s.norms, &s.amax, &s.scales, &s.experts})
       if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
-  for (const Tensor* t : {&norm_wire_, &code_wire_})
+  for (const Tensor* t : {&norm_wire_, &code_wire_, &frozen_chunk_f32_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   if (full_grads_.defined()) m.full_gradients = static_cast<int64_t>(full_grads_.nbytes());
   for (const UnitSlot& s : grad_slots_)

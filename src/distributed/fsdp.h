@@ -109,9 +109,24 @@
 // are the model's gradient sink, replicated on every rank, and their gradients are summed
 // over every data-parallel rank with all_reduce_sum once per step.
 //
+// NOTE [FP8 all-gather of a frozen base]
+// LoRA's frozen base with precision.fp8 and precision.fp8_fsdp_all_gather: the blocks travel
+// as E4M3 codes exactly as in full training (NOTE [FP8 all-gather]: the same pieces, amax
+// reductions, scales and byte gathers; every ZeRO stage gathers the blocks around their use,
+// ZeRO-1/2 into one slot per held block), from the rank's compute-dtype chunk instead of an
+// fp32 master: on CUDA the chunk is first copied to fp32 (exact) into a scratch of the
+// largest block chunk, so the casts are the ones full training runs. The projections are
+// frozen (NOTE [FP8 frozen base] in model/fp8_projections.h): their weight generation moves
+// only when a delayed run's scales come into use (and at a restore), so a slot is cast again
+// then and otherwise kept; the codes and scales are those each projection would cast from
+// the gathered bf16 weight, so the losses are bitwise the bf16 gather's. One difference: a
+// delayed run's W histories hold the weight's amax at every step (each use of gathered codes
+// folds it), where the cached bf16 path folds none once the delayed scales are in use; the
+// amax is constant, so the scales are the same.
+//
 // NOTE [FP8 all-gather]
-// With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather, full
-// training only) the blocks' FP8 projections (routed experts too) travel as E4M3 codes, 1 byte
+// With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather; full
+// training, and LoRA's frozen base: NOTE [FP8 all-gather of a frozen base]) the blocks' FP8 projections (routed experts too) travel as E4M3 codes, 1 byte
 // an element, not bf16's 2, as torchao's enable_fsdp_float8_all_gather. With
 // precision.fp8_routed_experts false (FsdpOptions::fp8_routed_experts) a MoE block's routed
 // experts are no FP8 projections, and their stacks travel in the compute dtype with the
@@ -504,6 +519,7 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Which block parameters are FP8 pieces (fp8_gathered_param): fp8_routed_experts and
   // fp8_filter_fqns of the options.
   Fp8Settings fp8_pieces_settings_;
+  Tensor frozen_chunk_f32_;  // NOTE [FP8 all-gather of a frozen base]: CUDA, a block chunk in fp32
   std::vector<int> block_slot_;          // per unit: its slot under ZeRO-1/2 (FP8 all-gather), -1 if not held
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)

@@ -328,6 +328,10 @@ void Fp8Projections::end_step(bool update) {
   fp8_stats_delayed_step(stats_, history_,
                          {settings_.amax_history_length, settings_.amax_algorithm, settings_.margin,
                           settings_.grad_format});
+  // A frozen base's W scales change once, when they come into use: weights cast with the
+  // current scales before (FSDP's FP8 all-gather slots: NOTE [FP8 all-gather of a frozen
+  // base] in distributed/fsdp.h) are cast again.
+  if (settings_.frozen && !delayed_active_) ++generation_;
   set_delayed_active(true);
 }
 

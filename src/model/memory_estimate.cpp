@@ -186,6 +186,12 @@ MemoryEstimate estimate_pipeline_memory(const ModelConfig& config, const MemoryP
       const double compute_bytes = static_cast<double>(dtype_size(compute));
       const double full = zero == 3 ? ends + gathered_blocks * block : held;
       e.frozen_weights = (plan.fsdp ? full + params / n : params) * compute_bytes;
+      // NOTE [FP8 all-gather of a frozen base]: the stages' blocks gathered as codes.
+      if (plan.fsdp && plan.fp8_all_gather && plan.fp8)
+        e.frozen_weights = params / n * compute_bytes +
+                           fp8_gather_compute_weights(config, pipeline_stage_specs(specs, stages), plan, block, ends,
+                                                      zero == 3 ? gathered_blocks : held_blocks) +
+                           (plan.cuda ? block / n * 4 : 0.0);
       if (plan.lora.quantize_base == "nf4") {
         // NOTE [QLoRA under pipeline and expert parallelism]: the codes and the scratch of the
         // stages' blocks, their stacks' local experts alone; the rest replicated.
@@ -247,6 +253,14 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
                           (plan.zero_stage <= 2 ? u.held : u.embedding + u.head + 3 * u.block)) *
                          compute_bytes;
+      // NOTE [FP8 all-gather of a frozen base]: the blocks gathered as codes (three slots, or
+      // one per block under ZeRO-1/2) and, on CUDA, the fp32 copy of a block chunk.
+      if (plan.fp8_all_gather && plan.fp8)
+        e.frozen_weights =
+            params / static_cast<double>(plan.shard_ranks) * compute_bytes +
+            fp8_gather_compute_weights(config, parameter_specs(config), plan, u.block, u.embedding + u.head,
+                                       plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers)) +
+            (plan.cuda ? u.block / static_cast<double>(plan.shard_ranks) * 4 : 0.0);
     }
     if (plan.lora.quantize_base == "nf4") {
       // NOTE [NF4 base under tensor parallelism]: a rank's codes and scratch of its shards.

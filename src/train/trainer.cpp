@@ -158,6 +158,9 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
         fp8_ = std::make_unique<Fp8Projections>(config_.model, *fp8_settings_of(config_), device_,
                                                 t.local_batch_size * t.seq_len);
         fp8_->set_base(*fsdp_);
+        // NOTE [FP8 all-gather of a frozen base] in distributed/fsdp.h.
+        if (config_.precision.fp8_fsdp_all_gather) fsdp_->set_fp8_projections(*fp8_);
+        if (fp8_gather_tensor_parallel_group_) fsdp_->set_fp8_tensor_parallel_group(*fp8_gather_tensor_parallel_group_);
         lora_->set_base(*fp8_);
         log_fp8();
       }
@@ -365,7 +368,11 @@ void Trainer::log_fsdp_memory() const {
                     "adapters replicated: {} values",
                     rank_, world_size_, fsdp_->options().zero_stage, shards, replicas, gib(chunk),
                     base / chunk, gib(base), gib(static_cast<double>(m.compute_weights)),
-                    fsdp_->options().zero_stage == 3 ? ", three gathered blocks" : ", every block",
+                    fsdp_->options().fp8_all_gather  // NOTE [FP8 all-gather of a frozen base]
+                        ? fmt::format(", {} as E4M3 codes (precision.fp8_fsdp_all_gather)",
+                                      fsdp_->options().zero_stage == 3 ? "three gathered blocks" : "every block")
+                    : fsdp_->options().zero_stage == 3 ? ", three gathered blocks"
+                                                       : ", every block",
                     lora_->stored_values());
   }
   int64_t moments = 0;

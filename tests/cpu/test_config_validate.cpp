@@ -229,16 +229,14 @@ TEST(ConfigValidate, Fp8TrainsOnTensorParallelRanks) {
               {"parallelism.tensor_parallel_degree", "2"}});
       },
       {"with lora.quantize_base = nf4", "NF4's block of 64"});
-  // FSDP's FP8 all-gather over the tensor-parallel shards (full training only, as without them).
+  // FSDP's FP8 all-gather over the tensor-parallel shards, in full training and of LoRA's
+  // frozen base (NOTE [FP8 all-gather of a frozen base]).
   EXPECT_TRUE(load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"},
                     {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}})
                   .precision.fp8_fsdp_all_gather);
-  expect_error(
-      [] {
-        load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"}, {"lora.rank", "4"},
-              {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}});
-      },
-      {"precision.fp8_fsdp_all_gather", "is for full training"});
+  EXPECT_TRUE(load({{"precision.fp8", "tensorwise"}, {"precision.fp8_fsdp_all_gather", "true"}, {"lora.rank", "4"},
+                    {"parallelism.tensor_parallel_degree", "2"}, {"parallelism.data_parallel_shard_degree", "2"}})
+                  .precision.fp8_fsdp_all_gather);
   // On MoE and MLA models too (NOTE [FP8 all-gather pieces] in distributed/fsdp_fp8_pieces.h):
   // the routed experts as one piece per expert (or in bf16 with precision.fp8_routed_experts
   // false), kv_a as its two row views; under expert parallelism the experts' slices in bf16.

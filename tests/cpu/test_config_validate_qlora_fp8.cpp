@@ -68,7 +68,7 @@ TEST(ConfigValidateQloraFp8, WhatStaysRefusedIsNamed) {
         load(qlora_fp8("tensorwise", {{"precision.fp8_fsdp_all_gather", "true"},
                                       {"parallelism.data_parallel_shard_degree", "2"}}));
       },
-      {"precision.fp8_fsdp_all_gather", "is for full training"});
+      {"precision.fp8_fsdp_all_gather", "QLoRA's NF4 base is not sharded"});
   // Under tensor parallelism whose shards are whole NF4 blocks (NOTE [NF4 base under tensor
   // parallelism]) it runs; debug-tiny's o projection would give each rank 32 columns.
   expect_error([] { load(qlora_fp8("tensorwise", {{"parallelism.tensor_parallel_degree", "2"}})); },

@@ -287,3 +287,46 @@ TEST(FsdpFp8Pieces, AnExpertPartHasNoPieces) {
 
 }  // namespace
 }  // namespace forge
+
+namespace forge {
+namespace {
+
+// NOTE [FP8 all-gather of a frozen base]: LoRA's frozen base holds its chunk in the compute
+// dtype (fp32 on the CPU) and the FP8 all-gather's slots (three under ZeRO-3, one per block
+// under ZeRO-1), no bf16 copy of the blocks; the memory estimate's frozen weights agree up
+// to the padding and the slots' statistics.
+TEST(FsdpFp8Pieces, FrozenBaseHoldsTheChunkAndTheCodeSlots) {
+  ModelConfig config = model("debug-tiny");
+  config.num_layers = 4;
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const FsdpLayout layout(config, 1, 0);
+  const auto pieces =
+      static_cast<int64_t>(fp8_unit_pieces(config, layout.specs(), layout.units().at(1), Fp8Settings{}).size());
+  for (int zero : {3, 1}) {
+    SCOPED_TRACE(zero);
+    FsdpOptions options;
+    options.zero_stage = zero;
+    options.frozen = true;
+    options.fp8_all_gather = true;
+    const FsdpMemory m = Fsdp(config, Device::CPU, *group, nullptr, options).memory();
+    options.fp8_all_gather = false;
+    const FsdpMemory bf16 = Fsdp(config, Device::CPU, *group, nullptr, options).memory();
+    const int64_t slots = zero == 3 ? 3 : 4, statistics = slots * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4);
+    EXPECT_EQ(m.master_weights, 0);
+    EXPECT_LT(m.compute_weights - statistics, bf16.compute_weights);  // 1-byte codes for the blocks
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.zero_stage = zero;
+    plan.fp8_all_gather = true;
+    plan.fp8 = Fp8Settings{};
+    plan.lora.rank = 4;
+    const MemoryEstimate e = estimate_memory(config, plan);
+    EXPECT_NEAR(e.frozen_weights, static_cast<double>(m.compute_weights - statistics), 8.0 * 4 * kFsdpAlign);
+    plan.fp8_all_gather = false;
+    EXPECT_NEAR(estimate_memory(config, plan).frozen_weights, static_cast<double>(bf16.compute_weights),
+                8.0 * 4 * kFsdpAlign);
+  }
+}
+
+}  // namespace
+}  // namespace forge

@@ -216,7 +216,9 @@ TEST(GpuFsdp, LoraOverAFrozenBaseMatchesTheWholeBase) {
 // bf16 weights cast to the same codes, so the losses agree (the forward is deterministic)
 // and the adapters' gradients within the attention backward's nondeterminism; the weight
 // cache, filled once for the run while the gathers rotate the weights' addresses, changes no
-// loss. With `delayed` the second step quantizes with the scales the first one set.
+// loss. With `delayed` the second step quantizes with the scales the first one set. NOTE [FP8
+// all-gather of a frozen base]: the base gathered as E4M3 codes (ZeRO-3 and ZeRO-1, the bf16
+// chunk copied to fp32 before the casts) agrees the same way.
 TEST(GpuFsdp, LoraFp8OverAFrozenBaseMatchesTheWholeBase) {
   if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
   const ModelConfig c = fsdp_model();
@@ -224,9 +226,10 @@ TEST(GpuFsdp, LoraFp8OverAFrozenBaseMatchesTheWholeBase) {
   lora.rank = 8;
   lora.alpha = 16.0;
   lora.target_modules = "all-linear";
-  auto run = [&](ParamSource& base, const Fp8Settings& settings) {
+  auto run = [&](ParamSource& base, const Fp8Settings& settings, Fsdp* fp8_gather = nullptr) {
     Fp8Projections fp8(c, settings, Device::CUDA, kBatch * kSeq);
     fp8.set_base(base);
+    if (fp8_gather) fp8_gather->set_fp8_projections(fp8);
     LoraAdapters adapters(c, lora, Device::CUDA, kBatch * kSeq);
     adapters.initialize(3);
     Rng rng(17);
@@ -280,6 +283,25 @@ TEST(GpuFsdp, LoraFp8OverAFrozenBaseMatchesTheWholeBase) {
         norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
       }
       EXPECT_LT(std::sqrt(diff / norm), 2e-2) << (got == &cached ? "cached" : "uncached");
+    }
+    settings.weight_cache = false;
+    for (const int stage : {3, 1}) {
+      SCOPED_TRACE(::testing::Message() << "FP8 all-gather, ZeRO-" << stage);
+      FsdpOptions gather_options = fsdp_options;
+      gather_options.zero_stage = stage;
+      gather_options.fp8_all_gather = true;
+      Fsdp gathered(c, Device::CUDA, *group, nullptr, gather_options);
+      gathered.initialize(5);
+      const auto got = run(gathered, settings, &gathered);
+      for (size_t i = 0; i < reference.first.size(); ++i)
+        EXPECT_NEAR(got.first[i], reference.first[i], 1e-5 * std::abs(reference.first[i])) << "micro-batch " << i;
+      double diff = 0, norm = 0;
+      for (int64_t i = 0; i < got.second.numel(); ++i) {
+        const double d = got.second.data<float>()[i] - reference.second.data<float>()[i];
+        diff += d * d;
+        norm += static_cast<double>(reference.second.data<float>()[i]) * reference.second.data<float>()[i];
+      }
+      EXPECT_LT(std::sqrt(diff / norm), 2e-2);
     }
   }
 }

@@ -44,13 +44,41 @@ class Fp8AllGather(unittest.TestCase):
                     if recipe == "delayed":
                         self.assertEqual(delayed_state(runs["fp8"], 4), delayed_state(runs["plain"], 4))
 
+    def test_lora_bitwise_the_compute_dtype_gather(self):
+        """NOTE [FP8 all-gather of a frozen base]: LoRA's frozen FSDP base gathered as codes gives
+        the bf16 gather's losses bit for bit: debug-tiny tensorwise and delayed under ZeRO-3 and
+        ZeRO-1, debug-tiny-moe (its frozen routed experts as one piece each) tensorwise under
+        ZeRO-3, 2 pipeline stages x FSDP 2 delayed and tensor 2 x FSDP 2 tensorwise under ZeRO-3,
+        and debug-tiny-moe under expert parallelism 2 (the experts' slices in bf16) delayed."""
+        lora = ["--lora.rank", "4", "--precision.fp8_amax_history_len", "8"]
+        cases = [("tensorwise", "3", 2, []), ("tensorwise", "1", 2, []), ("delayed", "3", 2, []),
+                 ("delayed", "1", 2, []), ("tensorwise", "3", 2, ["--model.name", "debug-tiny-moe"]),
+                 ("delayed", "3", 4, ["--model.num_layers", "4", "--parallelism.pipeline_parallel_degree", "2",
+                                      "--parallelism.data_parallel_shard_degree", "2"]),
+                 ("tensorwise", "3", 4, ["--parallelism.tensor_parallel_degree", "2",
+                                         "--parallelism.data_parallel_shard_degree", "2"]),
+                 ("delayed", "3", 2, ["--model.name", "debug-tiny-moe", "--parallelism.expert_parallel_degree", "2"])]
+        for recipe, stage, ranks, extra in cases:
+            with self.subTest(recipe=recipe, zero_stage=stage, extra=extra):
+                runs = {}
+                for name, gather in (("plain", []), ("fp8", GATHER)):
+                    run_dir = os.path.join(self.tmp, f"lora-{recipe}-zero{stage}-{len(extra)}-{name}")
+                    result = train(run_dir, ranks, "--precision.fp8", recipe, "--parallelism.zero_stage", stage, *lora,
+                                   *extra, *gather)
+                    if gather:
+                        self.assertIn("as E4M3 codes (precision.fp8_fsdp_all_gather)", result.stdout)
+                    runs[name] = train_losses(run_dir)
+                self.assertEqual(len(runs["fp8"]), STEPS)
+                self.assertEqual(runs["fp8"], runs["plain"])
+
     def test_delayed_resume_is_exact(self):
         check_delayed_resume_is_exact(self, self.tmp, *GATHER)
 
     def test_refused_where_it_does_not_apply(self):
         cases = [(1, ["--precision.fp8", "tensorwise"], "data_parallel_shard_degree 1"),
                  (2, [], "precision.fp8 is none"),
-                 (2, ["--precision.fp8", "tensorwise", "--lora.rank", "4"], "")]
+                 (2, ["--precision.fp8", "tensorwise", "--lora.rank", "4", "--lora.quantize_base", "nf4"],
+                  "NF4 base is not sharded")]
         for ranks, extra, says in cases:
             with self.subTest(ranks=ranks, extra=extra):
                 result = train(os.path.join(self.tmp, "refused"), ranks, *extra, *GATHER, check=False)
