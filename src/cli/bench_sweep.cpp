@@ -58,8 +58,7 @@ const ConfigKey& known_key(const std::string& name) {
 // The values of one override: a checked list, or the text as it was given.
 std::vector<std::string> values_of(const ConfigKey& key, const std::string& text) {
   // Keys whose one value is itself a comma-separated list are never swept.
-  const bool comma_valued =
-      key.name == "data.split" || key.name == "lora.target_modules" || key.name == "precision.fp8_filter_fqns";
+  const bool comma_valued = is_comma_list_key(key.name);
   if (text.find(',') == std::string::npos || comma_valued) return {text};
   if (!may_list(key)) {
     FORGE_FAIL("{}: --{} takes one value, got the list '{}': bench sweeps list values only for numbers, "

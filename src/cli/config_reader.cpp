@@ -76,6 +76,16 @@ class FileWalker {
       out_.push_back({key.name, value.Scalar(), where});
     } else if (value.IsNull() && key.type == ConfigValueType::String) {
       out_.push_back({key.name, "", where});
+    } else if (value.IsSequence() && is_comma_list_key(key.name)) {  // [layers.0., layers.31.]
+      std::vector<std::string> items;
+      for (size_t i = 0; i < value.size(); ++i) {
+        const YAML::Node item = value[i];
+        if (!item.IsScalar() || item.Scalar().find(',') != std::string::npos)
+          FORGE_FAIL("{}: {} item {} must be one name without commas, got {}", where, key.name, i,
+                     describe_node(item));
+        items.push_back(item.Scalar());
+      }
+      out_.push_back({key.name, fmt::format("{}", fmt::join(items, ",")), where});
     } else {
       FORGE_FAIL("{}: {} expects {}, got {}", where, key.name, describe_expected(key), describe_node(value));
     }

@@ -644,6 +644,10 @@ const std::vector<std::string>& config_sections() {
   return sections;
 }
 
+bool is_comma_list_key(std::string_view name) {
+  return name == "data.split" || name == "lora.target_modules" || name == "precision.fp8_filter_fqns";
+}
+
 const ConfigKey* find_config_key(std::string_view name) {
   for (const auto& key : config_schema()) {
     if (key.name == name) return &key;

@@ -47,6 +47,11 @@ const std::vector<std::string>& config_sections();
 // nullptr when `name` is not a key.
 const ConfigKey* find_config_key(std::string_view name);
 
+// Whether a key's one value is a comma-separated list (data.split, lora.target_modules,
+// precision.fp8_filter_fqns): a YAML file may give it as a list of scalars, joined with
+// commas, and a bench sweep never splits it into runs.
+bool is_comma_list_key(std::string_view name);
+
 // True when some key starts with `prefix` + "." (a section or a group such as
 // model.rope_scaling).
 bool is_config_group(std::string_view prefix);

@@ -256,6 +256,22 @@ TEST_F(ConfigLoadFiles, UnknownOverrideKeySuggestsTheKnownOne) {
                {"command line", "'model.rope_scaling' is a group of keys"});
 }
 
+// A comma-separated key (is_comma_list_key) takes a YAML list too, as torchtitan's TOML
+// lists: its items joined with commas; an item that is no single name is refused by line.
+TEST_F(ConfigLoadFiles, CommaListKeysTakeYamlLists) {
+  const std::string listed = dir.write("listed.yaml",
+                                       "precision:\n  fp8: tensorwise\n  fp8_filter_fqns: [layers.0., mlp.down]\n"
+                                       "lora:\n  rank: 4\n  target_modules:\n    - q_proj\n    - o_proj\n");
+  const ExperimentConfig config = load_experiment(listed, {});
+  EXPECT_EQ(config.precision.fp8_filter_fqns, "layers.0.,mlp.down");
+  EXPECT_EQ(config.lora.target_modules, "q_proj,o_proj");
+  const std::string nested = dir.write("nested.yaml", "precision:\n  fp8: tensorwise\n  fp8_filter_fqns: [a, [b]]\n");
+  expect_error([&] { load_experiment(nested, {}); },
+               {"nested.yaml:3", "precision.fp8_filter_fqns item 1 must be one name without commas", "got a list"});
+  const std::string comma = dir.write("comma.yaml", "lora:\n  target_modules: ['q_proj,v_proj']\n");
+  expect_error([&] { load_experiment(comma, {}); }, {"comma.yaml:2", "lora.target_modules item 0", "'q_proj,v_proj'"});
+}
+
 TEST_F(ConfigLoadFiles, WrongTypeInYamlNamesFileLineAndKey) {
   const std::string experiment = dir.write("exp.yaml", "training:\n  steps: ten\n");
   expect_error([&] { load_experiment(experiment, {}); },
