@@ -23,6 +23,7 @@
 #include "model/memory_estimate.h"
 #include "model_testing.h"
 #include "ops_testing.h"
+#include "stripped_fp8_source.h"
 
 namespace forge {
 namespace {
@@ -38,42 +39,6 @@ Fp8Settings settings(Fp8Recipe recipe, const std::string& filter) {
   s.filter_fqns = fp8_filter_fqns_of(filter);
   return s;
 }
-
-// The reference: every projection as the unfiltered Fp8Projections hands it out, the
-// descriptors of the parameters `filter` names stripped of their FP8 settings.
-class Stripped : public ParamSource, public GradSink {
- public:
-  Stripped(const ModelConfig& m, Fp8Projections& fp8, const Fp8Settings& filter) : fp8_(fp8) {
-    filtered_.resize(static_cast<size_t>(m.num_layers));
-    for (const ParamSpec& spec : parameter_specs(m))
-      if (spec.layer >= 0) filtered_[static_cast<size_t>(spec.layer)].push_back(fp8_filtered(spec.name, filter));
-  }
-  const Tensor& embedding() override { return fp8_.embedding(); }
-  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), index, layer_); }
-  const Tensor& final_norm() override { return fp8_.final_norm(); }
-  const LinearWeight& output() override { return fp8_.output(); }
-  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), index, grads_); }
-  void layer_done(int index) override { fp8_.layer_done(index); }
-  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
-  void embedding_done() override { fp8_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
-  void head_done() override { fp8_.head_done(); }
-  bool layer_grads_fresh(int index) const override { return fp8_.layer_grads_fresh(index); }
-  bool head_grads_fresh() const override { return fp8_.head_grads_fresh(); }
-  bool embedding_grad_fresh() const override { return fp8_.embedding_grad_fresh(); }
-
- private:
-  const BlockWeights& strip(const BlockWeights& block, int index, BlockWeights& out) const {
-    out = block;
-    for (size_t k = 0; k < out.params.size(); ++k)
-      if (filtered_[static_cast<size_t>(index)].at(k)) out.params[k].fp8 = nullptr;
-    return out;
-  }
-  Fp8Projections& fp8_;
-  std::vector<std::vector<bool>> filtered_;
-  BlockWeights layer_, grads_;
-};
 
 constexpr int64_t kBatch = 4, kSeq = 16;
 
@@ -165,7 +130,7 @@ TEST(ModelFp8Filter, TrainingIsTheFp8RunWithTheFilteredProjectionsStripped) {
       filtered.set_base(params, grads);
       Fp8Projections unfiltered(m, settings(recipe, ""), Device::CPU, kBatch * kSeq);
       unfiltered.set_base(ref_params, ref_grads);
-      Stripped stripped(m, unfiltered, settings(recipe, filter));
+      testing::StrippedFp8Source stripped(unfiltered, testing::strip_filtered(m, settings(recipe, filter)));
       for (int step = 0; step < 3; ++step) {
         const double loss = sgd_step(m, model, params, grads, &filtered, filtered, filtered);
         EXPECT_EQ(loss, sgd_step(m, model, ref_params, ref_grads, &unfiltered, stripped, stripped)) << step;

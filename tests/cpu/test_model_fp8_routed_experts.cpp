@@ -23,6 +23,7 @@
 #include "model/lora.h"
 #include "model_testing.h"
 #include "ops_testing.h"
+#include "stripped_fp8_source.h"
 
 namespace forge {
 namespace {
@@ -44,38 +45,6 @@ Fp8Settings settings(Fp8Recipe recipe, bool routed_experts, bool frozen = false)
   s.frozen = frozen;
   return s;
 }
-
-// The reference: every projection as Fp8Projections with the routed experts in FP8 hands
-// it out, the expert stacks' descriptors (the 3-D weights) stripped of their FP8 settings.
-class StrippedExperts : public ParamSource, public GradSink {
- public:
-  explicit StrippedExperts(Fp8Projections& fp8, bool frozen = false) : fp8_(fp8), frozen_(frozen) {}
-  const Tensor& embedding() override { return fp8_.embedding(); }
-  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), layer_); }
-  const Tensor& final_norm() override { return fp8_.final_norm(); }
-  const LinearWeight& output() override { return fp8_.output(); }
-  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), grads_); }
-  void layer_done(int index) override { fp8_.layer_done(index); }
-  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
-  void embedding_done() override { fp8_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
-  void head_done() override { fp8_.head_done(); }
-  bool layer_grads_fresh(int index) const override { return !frozen_ && fp8_.layer_grads_fresh(index); }
-  bool head_grads_fresh() const override { return !frozen_ && fp8_.head_grads_fresh(); }
-  bool embedding_grad_fresh() const override { return !frozen_ && fp8_.embedding_grad_fresh(); }
-
- private:
-  static const BlockWeights& strip(const BlockWeights& block, BlockWeights& out) {
-    out = block;
-    for (LinearWeight& p : out.params)
-      if (p.fp8 && p.fp8->experts) p.fp8 = nullptr;
-    return out;
-  }
-  Fp8Projections& fp8_;
-  bool frozen_;
-  BlockWeights layer_, grads_;
-};
 
 struct Batch {
   Tensor tokens, targets;
@@ -157,7 +126,7 @@ TEST(ModelFp8RoutedExperts, StacksCarryNoFp8AndTheRestIsNumberedWithoutThem) {
 }
 
 // The run with the switch off is bitwise the all-FP8 projections' with the expert stacks
-// stripped (StrippedExperts), tensorwise and delayed, over 3 steps: every projection but the
+// stripped (StrippedFp8Source with strip_routed_experts), tensorwise and delayed, over 3 steps: every projection but the
 // experts takes its FP8 path with the same scales, the experts the one without FP8. And
 // their gradients differ from the all-FP8 run's (there the experts did run in FP8).
 TEST(ModelFp8RoutedExperts, TrainingIsTheFp8RunWithTheExpertsStripped) {
@@ -174,7 +143,7 @@ TEST(ModelFp8RoutedExperts, TrainingIsTheFp8RunWithTheExpertsStripped) {
       off.set_base(params, grads);
       Fp8Projections on(m, settings(recipe, true), Device::CPU, kBatch * kSeq);
       on.set_base(ref_params, ref_grads);
-      StrippedExperts stripped(on);
+      testing::StrippedFp8Source stripped(on, testing::strip_routed_experts());
       Fp8Projections all(m, settings(recipe, true), Device::CPU, kBatch * kSeq);
       all.set_base(all_params, all_grads);
       for (int step = 0; step < 3; ++step) {
@@ -210,7 +179,7 @@ TEST(ModelFp8RoutedExperts, LoraOverTheFrozenBaseIsTheFp8RunWithTheExpertsStripp
     off.set_base(base);
     Fp8Projections on(m, settings(recipe, true, true), Device::CPU, kBatch * kSeq);
     on.set_base(base);
-    StrippedExperts stripped(on, true);
+    testing::StrippedFp8Source stripped(on, testing::strip_routed_experts(), true);
     LoraAdapters got(m, lora, Device::CPU, kBatch * kSeq), want(m, lora, Device::CPU, kBatch * kSeq);
     got.initialize(5);
     want.initialize(5);
@@ -248,7 +217,7 @@ TEST(ModelFp8RoutedExperts, DelayedStateAcrossTheSwitch) {
   ref_params.initialize(7);
   Fp8Projections on(m, settings(Fp8Recipe::Delayed, true), Device::CPU, kBatch * kSeq);
   on.set_base(ref_params, ref_grads);
-  StrippedExperts stripped(on);
+  testing::StrippedFp8Source stripped(on, testing::strip_routed_experts());
   for (int step = 0; step < 3; ++step) sgd_step(m, model, ref_params, ref_grads, on, stripped, stripped);
   const Fp8DelayedState saved = on.delayed_state();
   EXPECT_TRUE(saved.routed_experts);

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/stripped_fp8_source.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
@@ -19,40 +20,8 @@ namespace forge {
 namespace {
 
 using namespace gpu_test;
-
-class Stripped : public ParamSource, public GradSink {
- public:
-  Stripped(const ModelConfig& c, Fp8Projections& fp8, const Fp8Settings& filter) : fp8_(fp8) {
-    filtered_.resize(static_cast<size_t>(c.num_layers));
-    for (const ParamSpec& spec : parameter_specs(c))
-      if (spec.layer >= 0) filtered_[static_cast<size_t>(spec.layer)].push_back(fp8_filtered(spec.name, filter));
-  }
-  const Tensor& embedding() override { return fp8_.embedding(); }
-  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), index, layer_); }
-  const Tensor& final_norm() override { return fp8_.final_norm(); }
-  const LinearWeight& output() override { return fp8_.output(); }
-  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), index, grads_); }
-  void layer_done(int index) override { fp8_.layer_done(index); }
-  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
-  void embedding_done() override { fp8_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
-  void head_done() override { fp8_.head_done(); }
-  bool layer_grads_fresh(int index) const override { return fp8_.layer_grads_fresh(index); }
-  bool head_grads_fresh() const override { return fp8_.head_grads_fresh(); }
-  bool embedding_grad_fresh() const override { return fp8_.embedding_grad_fresh(); }
-
- private:
-  const BlockWeights& strip(const BlockWeights& block, int index, BlockWeights& out) const {
-    out = block;
-    for (size_t k = 0; k < out.params.size(); ++k)
-      if (filtered_[static_cast<size_t>(index)].at(k)) out.params[k].fp8 = nullptr;
-    return out;
-  }
-  Fp8Projections& fp8_;
-  std::vector<std::vector<bool>> filtered_;
-  BlockWeights layer_, grads_;
-};
+using testing::StrippedFp8Source;
+using testing::strip_filtered;
 
 TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
   ModelConfig c = small_model("gpu-fp8-filter");
@@ -81,7 +50,7 @@ TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
     filtered.set_base(weights, grads);
     Fp8Projections unfiltered(c, all, Device::CUDA, batch * seq);
     unfiltered.set_base(ref_weights, ref_grads);
-    Stripped stripped(c, unfiltered, some);
+    StrippedFp8Source stripped(unfiltered, strip_filtered(c, some));
     for (int micro = 0; micro < 2; ++micro) {
       grads.discard();
       ref_grads.discard();

@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "../cpu/stripped_fp8_source.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
@@ -236,35 +237,6 @@ TEST(GpuMoeFp8, DeepseekShapedTrainingMicroBatchMatchesCpuFp8) {
 // above: the experts' bf16 GEMMs are closer to fp32 than FP8's), and, bitwise, against the
 // GPU run of the all-FP8 projections whose expert stacks' descriptors are stripped of FP8
 // (so the experts took exactly the path without precision.fp8), with the weight cache on.
-class StrippedExperts : public ParamSource, public GradSink {
- public:
-  explicit StrippedExperts(Fp8Projections& fp8) : fp8_(fp8) {}
-  const Tensor& embedding() override { return fp8_.embedding(); }
-  const BlockWeights& layer(int index) override { return strip(fp8_.layer(index), layer_); }
-  const Tensor& final_norm() override { return fp8_.final_norm(); }
-  const LinearWeight& output() override { return fp8_.output(); }
-  const BlockWeights& layer_grads(int index) override { return strip(fp8_.layer_grads(index), grads_); }
-  void layer_done(int index) override { fp8_.layer_done(index); }
-  const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
-  void embedding_done() override { fp8_.embedding_done(); }
-  const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
-  void head_done() override { fp8_.head_done(); }
-  bool layer_grads_fresh(int index) const override { return fp8_.layer_grads_fresh(index); }
-  bool head_grads_fresh() const override { return fp8_.head_grads_fresh(); }
-  bool embedding_grad_fresh() const override { return fp8_.embedding_grad_fresh(); }
-
- private:
-  static const BlockWeights& strip(const BlockWeights& block, BlockWeights& out) {
-    out = block;
-    for (LinearWeight& p : out.params)
-      if (p.fp8 && p.fp8->experts) p.fp8 = nullptr;
-    return out;
-  }
-  Fp8Projections& fp8_;
-  BlockWeights layer_, grads_;
-};
-
 TEST(GpuMoeFp8, RoutedExpertsInBf16MatchCpu) {
   Fp8Settings tensorwise, delayed;
   tensorwise.routed_experts = delayed.routed_experts = false;
@@ -294,7 +266,7 @@ TEST(GpuMoeFp8, RoutedExpertsInBf16MatchCpu) {
       with_experts.routed_experts = true;
       Fp8Projections on(c, with_experts, Device::CUDA, batch * seq);
       on.set_base(ref_weights, ref_grads);
-      StrippedExperts stripped(on);
+      testing::StrippedFp8Source stripped(on, testing::strip_routed_experts());
       for (int micro = 0; micro < 2; ++micro) {  // the second on the delayed scales
         grads.discard();
         ref_grads.discard();
