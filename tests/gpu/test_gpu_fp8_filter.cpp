@@ -11,10 +11,10 @@
 #include <string>
 #include <vector>
 
-#include "../cpu/stripped_fp8_source.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
+#include "stripped_fp8_runs.h"
 
 namespace forge {
 namespace {
@@ -51,19 +51,7 @@ TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
     Fp8Projections unfiltered(c, all, Device::CUDA, batch * seq);
     unfiltered.set_base(ref_weights, ref_grads);
     StrippedFp8Source stripped(unfiltered, strip_filtered(c, some));
-    for (int micro = 0; micro < 2; ++micro) {
-      grads.discard();
-      ref_grads.discard();
-      const double loss = model.forward_backward(tokens, targets, filtered, filtered, 1.0f / (batch * seq)).mean();
-      const double want = model.forward_backward(tokens, targets, stripped, stripped, 1.0f / (batch * seq)).mean();
-      EXPECT_EQ(loss, want) << "micro-batch " << micro;
-      for (size_t k = 0; k < params.specs().size(); ++k)
-        EXPECT_EQ(relative_l2(to_cpu_f32(grads.tensors()[k]), to_cpu_f32(ref_grads.tensors()[k])), 0.0)
-            << params.specs()[k].name << ", micro-batch " << micro;
-      EXPECT_EQ(filtered.nonfinite_amax(), "");
-      filtered.end_step(true);
-      unfiltered.end_step(true);
-    }
+    expect_stripped_micro_batches(model, tokens, targets, filtered, grads, unfiltered, stripped, ref_grads);
   }
 }
 

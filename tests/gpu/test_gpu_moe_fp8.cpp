@@ -30,7 +30,6 @@
 #include <string>
 #include <vector>
 
-#include "../cpu/stripped_fp8_source.h"
 #include "gpu_testing.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
@@ -38,6 +37,7 @@
 #include "ops/fp8_statistics.h"
 #include "ops/linear.h"
 #include "ops/moe_fp8.h"
+#include "stripped_fp8_runs.h"
 
 namespace forge::gpu_test {
 namespace {
@@ -267,19 +267,7 @@ TEST(GpuMoeFp8, RoutedExpertsInBf16MatchCpu) {
       Fp8Projections on(c, with_experts, Device::CUDA, batch * seq);
       on.set_base(ref_weights, ref_grads);
       testing::StrippedFp8Source stripped(on, testing::strip_routed_experts());
-      for (int micro = 0; micro < 2; ++micro) {  // the second on the delayed scales
-        grads.discard();
-        ref_grads.discard();
-        const double loss = model.forward_backward(tokens, targets, off, off, 1.0f / (batch * seq)).mean();
-        const double want = model.forward_backward(tokens, targets, stripped, stripped, 1.0f / (batch * seq)).mean();
-        EXPECT_EQ(loss, want) << "micro-batch " << micro;
-        for (size_t k = 0; k < params.specs().size(); ++k)
-          EXPECT_EQ(relative_l2(to_cpu_f32(grads.tensors()[k]), to_cpu_f32(ref_grads.tensors()[k])), 0.0)
-              << params.specs()[k].name << ", micro-batch " << micro;
-        EXPECT_EQ(off.nonfinite_amax(), "");
-        off.end_step(true);
-        on.end_step(true);
-      }
+      expect_stripped_micro_batches(model, tokens, targets, off, grads, on, stripped, ref_grads);
     }
   }
 }
