@@ -105,9 +105,14 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
       static_layers_.push_back(layout_.holds(u) ? block_views(unit_full(full_compute_, u), u) : BlockWeights{});
     }
   } else {
-    const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel + layout_.units()[static_cast<size_t>(head)].numel;
+    // NOTE [FP8 all-gather of the head]: its weight as codes in a slot of its own, no
+    // compute-dtype copy of the head unit.
+    fp8_head_ = options.fp8_all_gather && options.fp8_output_head && !tied() && layout_.holds(head);
+    const int64_t root_numel = layout_.units()[static_cast<size_t>(embedding)].numel +
+                               (fp8_head_ ? 0 : layout_.units()[static_cast<size_t>(head)].numel);
     root_compute_ = Tensor::zeros({root_numel}, compute_dtype_, device);
-    for (int u : {embedding, head}) end_views(root_unit(u), u, root_weights_, root_units_);
+    for (int u : {embedding, head})
+      if (!(fp8_head_ && u == head)) end_views(root_unit(u), u, root_weights_, root_units_);
     // ZeRO-3: three rotating slots, or one per block where a pipeline rank's stages hold fewer
     // (NOTE [ZeRO-2 and -3 under pipeline parallelism]).
     int held_blocks = 0;
@@ -160,7 +165,8 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     if (options.fp8_all_gather && options.frozen && compute_dtype_ != DType::F32) {
       int64_t largest = 1;
       for (int u = 0; u < units; ++u)
-        if (layout_.is_block(u) && layout_.holds(u)) largest = std::max(largest, layout_.units()[static_cast<size_t>(u)].shard_numel);
+        if ((layout_.is_block(u) || (fp8_head_ && u == head)) && layout_.holds(u))
+          largest = std::max(largest, layout_.units()[static_cast<size_t>(u)].shard_numel);
       frozen_chunk_f32_ = Tensor::zeros({largest}, DType::F32, device);
     }
     if (options.fp8_all_gather)
@@ -182,6 +188,34 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
       slot.ready = make_event(device);
       slot.released = make_event(device);
     }
+    if (fp8_head_) {  // NOTE [FP8 all-gather of the head]: the codes in place, the final norm with the norms
+      const FsdpUnit& unit = layout_.units()[static_cast<size_t>(head)];
+      fp8_pieces_[static_cast<size_t>(head)] = fp8_head_pieces(layout_.specs(), unit);
+      int64_t head_norms = 0;
+      for (const FsdpParam& p : unit.params)
+        if (!is_fp8(p)) head_norms += p.numel;
+      const FsdpPart& part = unit.parts.front();
+      int64_t most = 0;
+      for (int r = 0; r < part.ranks; ++r) {
+        const int64_t lo = part.begin + r * part.shard_numel, hi = lo + part.shard_numel;
+        int64_t held = 0;
+        for (const FsdpParam& p : unit.params)
+          if (!is_fp8(p)) held += std::max<int64_t>(0, std::min(hi, p.offset + p.numel) - std::max(lo, p.offset));
+        most = std::max(most, held);
+      }
+      if (most > norm_wire_numel_) {
+        norm_wire_numel_ = most;
+        norm_wire_ = Tensor::zeros({std::max<int64_t>(norm_wire_numel_ * layout_.world_size(), 1)}, compute_dtype_,
+                                   device);
+      }
+      head_slot_.codes = Tensor::zeros({std::max<int64_t>(part.numel, 1)}, DType::U8, device);
+      head_slot_.norms = Tensor::zeros({std::max<int64_t>(head_norms, 1)}, compute_dtype_, device);
+      head_slot_.amax = Tensor::zeros({1}, DType::F32, device);
+      head_slot_.scales = Tensor::zeros({2 * cpu::kFp8StatStride}, DType::F32, device);
+      head_slot_.gathered.resize(1);
+      head_slot_.ready = make_event(device);
+      head_slot_.released = make_event(device);
+    }
   }
   for (const FsdpSegment& s : layout_.segments()) {
     master_segments_.push_back(master_.narrow(s.shard_offset, s.shard_offset + s.numel));
@@ -189,7 +223,7 @@ Fsdp::Fsdp(const ModelConfig& config, FsdpLayout&& layout, bool units_model, Dev
     const int64_t local = s.shard_offset - layout_.units()[static_cast<size_t>(s.unit)].shard_offset;
     Tensor unit;  // a gathered block (ZeRO-3, FP8 all-gather) keeps no compute copy of its chunk
     if (!gathers_blocks()) unit = unit_full(full_compute_, s.unit);
-    else if (!layout_.is_block(s.unit)) unit = root_unit(s.unit);
+    else if (!layout_.is_block(s.unit) && !(fp8_head_ && s.unit == layout_.head_unit())) unit = root_unit(s.unit);
     compute_segments_.push_back(unit.defined() ? chunk_in_unit(unit, s.unit, local, s.numel) : Tensor());
   }
   if (options.frozen) return;
@@ -401,7 +435,8 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   updated_->record(kCompute);
   updated_->make_wait(comm_.get());
   for (int u = 0; u < layout_.num_units(); ++u) {
-    if (!layout_.holds(u) || (gathers_blocks() && layout_.is_block(u))) continue;
+    if (!layout_.holds(u) || (gathers_blocks() && layout_.is_block(u)) || (fp8_head_ && u == layout_.head_unit()))
+      continue;
     const Tensor full = gathers_blocks() ? root_unit(u) : unit_full(full_compute_, u);
     gather_unit(full, u, comm_.get());
     unit_ready_[static_cast<size_t>(u)]->record(comm_.get());
@@ -411,10 +446,10 @@ void Fsdp::refresh_compute_weights(bool chunk_written) {
   // Gathered blocks (ZeRO-3, FP8 all-gather) hold the old weights: forget them. The next gather into a
   // slot waits for `released`, recorded here after everything enqueued so far: the last
   // uses of the old block and the optimizer's update of the master chunk it casts from.
-  for (UnitSlot& slot : weight_slots_) {
-    if (!slot.released) continue;
-    slot.released->record(kCompute);
-    slot.unit = -1;
+  for (UnitSlot* slot : all_weight_slots()) {
+    if (!slot->released) continue;
+    slot->released->record(kCompute);
+    slot->unit = -1;
   }
 }
 
@@ -449,6 +484,7 @@ const Tensor& Fsdp::embedding() {
 const Tensor& Fsdp::final_norm() {
   check_decoder("final_norm");
   check_held(layout_.head_unit(), "final_norm");
+  if (fp8_head_) return fp8_head().block.params.at(head_param("final_norm.weight")).weight;
   await_unit(layout_.head_unit());
   return root_weights_.final_norm;
 }
@@ -456,6 +492,7 @@ const Tensor& Fsdp::final_norm() {
 const LinearWeight& Fsdp::output() {
   check_decoder("output");
   check_held(layout_.head_unit(), "output");
+  if (fp8_head_) return fp8_head().block.params.at(head_param("output.weight"));
   await_unit(tied() ? FsdpLayout::kEmbeddingUnit : layout_.head_unit());
   return root_weights_.output;
 }
@@ -576,6 +613,9 @@ const BlockWeights& Fsdp::layer(int index) {
   // backward pass (whichever is already there costs nothing).
   for (int neighbour : {unit + 1, unit - 1})
     if (layout_.is_block(neighbour) && layout_.holds(neighbour) && !slot_of(neighbour)) gather_block(neighbour, unit);
+  // NOTE [FP8 all-gather of the head]: the last block's forward prefetches the head.
+  if (fp8_head_ && unit + 1 == layout_.head_unit() && !fp8_head_current())
+    gather_fp8_slot(head_slot_, layout_.head_unit());
   slot.ready->make_wait(kCompute);
   end_exposed();
   return slot.block;
@@ -594,17 +634,7 @@ void Fsdp::gather_block(int unit, int requested) {
     target = &weight_slots_.at(static_cast<size_t>(block_slot_.at(static_cast<size_t>(unit))));
   }
   FORGE_CHECK(target, "FSDP: no free gather buffer for block {}", unit - 1);
-  if (options_.fp8_all_gather) {
-    copy_delayed_scales(*target, unit);  // after every use of the old block, on the compute stream
-    target->released->record(kCompute);
-    target->released->make_wait(comm_.get());
-    gather_fp8_block(*target, unit);
-    target->ready->record(comm_.get());
-    target->unit = unit;
-    target->generation = fp8_->weight_generation();
-    fp8_block_views(*target, unit);
-    return;
-  }
+  if (options_.fp8_all_gather) return gather_fp8_slot(*target, unit);
   if (target->unit >= 0) target->released->record(kCompute);  // every use of the old block is enqueued
   target->released->make_wait(comm_.get());
   const FsdpUnit& u = layout_.units()[static_cast<size_t>(unit)];
@@ -615,6 +645,44 @@ void Fsdp::gather_block(int unit, int requested) {
   target->ready->record(comm_.get());
   target->unit = unit;
   target->block = block_views(full, unit);
+}
+
+void Fsdp::gather_fp8_slot(UnitSlot& slot, int unit) {
+  copy_delayed_scales(slot, unit);  // after every use of the old unit, on the compute stream
+  slot.released->record(kCompute);
+  slot.released->make_wait(comm_.get());
+  gather_fp8_block(slot, unit);
+  slot.ready->record(comm_.get());
+  slot.unit = unit;
+  slot.generation = fp8_->weight_generation();
+  fp8_block_views(slot, unit);
+}
+
+bool Fsdp::fp8_head_current() const {
+  return head_slot_.unit >= 0 && fp8_ && head_slot_.generation == fp8_->weight_generation();
+}
+
+const Fsdp::UnitSlot& Fsdp::fp8_head() {
+  FORGE_CHECK(fp8_, "FSDP's FP8 all-gather needs the FP8 projections (set_fp8_projections)");
+  begin_exposed();
+  if (!fp8_head_current()) gather_fp8_slot(head_slot_, layout_.head_unit());
+  head_slot_.ready->make_wait(kCompute);
+  end_exposed();
+  return head_slot_;
+}
+
+size_t Fsdp::head_param(const std::string& name) const {
+  const FsdpUnit& unit = layout_.units()[static_cast<size_t>(layout_.head_unit())];
+  for (size_t k = 0; k < unit.params.size(); ++k)
+    if (layout_.specs()[static_cast<size_t>(unit.params[k].spec)].name == name) return k;
+  FORGE_FAIL("FSDP: the head unit holds no '{}'", name);
+}
+
+std::vector<Fsdp::UnitSlot*> Fsdp::all_weight_slots() {
+  std::vector<UnitSlot*> slots;
+  for (UnitSlot& s : weight_slots_) slots.push_back(&s);
+  if (fp8_head_) slots.push_back(&head_slot_);
+  return slots;
 }
 
 void Fsdp::set_fp8_projections(const Fp8Projections& fp8) {
@@ -689,7 +757,7 @@ void Fsdp::gather_fp8_block(UnitSlot& slot, int unit) {
   }
   // 3. This rank's codes into its place (packed: one after the other, in piece order,
   // which is the parameters' element order), and the byte all-gather.
-  if (packed_codes_) {
+  if (packs_codes(unit)) {
     const int64_t m = code_wire_numel_;
     const Tensor mine = code_wire_.narrow(part.index * m, (part.index + 1) * m);
     int64_t packed = 0;
@@ -785,7 +853,7 @@ void Fsdp::fp8_block_views(UnitSlot& slot, int unit) {
     }
     FORGE_CHECK(first < pieces.size() && pieces[first].param == static_cast<int>(k),
                 "FSDP's FP8 all-gather: parameter {} of block unit {} has no piece", k, unit);
-    const int64_t at = packed_codes_ ? codes : p.offset;
+    const int64_t at = packs_codes(unit) ? codes : p.offset;
     codes += p.numel;
     LinearWeight w{slot.codes.narrow(at, at + p.numel).view(p.shape)};
     w.fp8_gathered = &slot.gathered[first];
@@ -932,8 +1000,11 @@ FsdpMemory Fsdp::memory() const {
   if (grad_shard_.defined()) m.gradient_shard = static_cast<int64_t>(grad_shard_.nbytes());
   for (const Tensor* t : {&full_compute_, &root_compute_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
-  for (const UnitSlot& s : weight_slots_)
-    for (const Tensor* t : {&s.buffer, &s.codes, &s.norms, &s.amax, &s.scales, &s.experts})
+  std::vector<const UnitSlot*> slots;
+  for (const UnitSlot& s : weight_slots_) slots.push_back(&s);
+  if (fp8_head_) slots.push_back(&head_slot_);  // NOTE [FP8 all-gather of the head]
+  for (const UnitSlot* s : slots)
+    for (const Tensor* t : {&s->buffer, &s->codes, &s->norms, &s->amax, &s->scales, &s->experts})
       if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());
   for (const Tensor* t : {&norm_wire_, &code_wire_, &frozen_chunk_f32_})
     if (t->defined()) m.compute_weights += static_cast<int64_t>(t->nbytes());

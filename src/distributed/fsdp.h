@@ -109,6 +109,18 @@
 // are the model's gradient sink, replicated on every rank, and their gradients are summed
 // over every data-parallel rank with all_reduce_sum once per step.
 //
+// NOTE [FP8 all-gather of the head]
+// With precision.fp8_output_head the head's GEMMs run in FP8, and the FP8 all-gather sends its
+// weight as codes too (FsdpOptions::fp8_output_head): the head unit (the final norm and the
+// untied output.weight, a vocabulary-parallel rank's rows under tensor parallelism) goes
+// through steps 1-4 of NOTE [FP8 all-gather] as one piece with the head's statistics block,
+// the final norm with the norms, into a slot of its own instead of a compute-dtype copy held in
+// full: 1 byte per head weight (128256 x 4096 for Llama 3.1 8B: 0.5 GB instead of 1 GB). It is
+// gathered once per weight generation, at the first use after an optimizer step (the last
+// block's forward prefetches it), since the scales it casts with may change at the step's end;
+// every later micro-batch uses the same codes. A tied head is the embedding, which the lookup
+// needs in the compute dtype: it stays a compute-dtype gather, its GEMMs casting it.
+//
 // NOTE [FP8 all-gather of a frozen base]
 // LoRA's frozen base with precision.fp8 and precision.fp8_fsdp_all_gather: the blocks travel
 // as E4M3 codes exactly as in full training (NOTE [FP8 all-gather]: the same pieces, amax
@@ -256,6 +268,9 @@ struct FsdpOptions {
   // precision.fp8_filter_fqns (NOTE [FP8 filter] in model/fp8_projections.h): the projections
   // it keeps in the compute dtype travel with the norms.
   std::vector<std::string> fp8_filter_fqns;
+  // precision.fp8_output_head: with fp8_all_gather the head's weight travels as codes too
+  // (NOTE [FP8 all-gather of the head]; not a tied head, which is the embedding).
+  bool fp8_output_head = false;
   // NOTE [Tensor-parallel shards] in model/parameters.h: the parameters this rank holds are
   // its tensor-parallel shards, sharded by FSDP over its data-parallel ranks.
   TensorParallelShard tensor_parallel = {};
@@ -305,6 +320,8 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
 
   const FsdpLayout& layout() const { return layout_; }
   const FsdpOptions& options() const { return options_; }
+  // NOTE [FP8 all-gather of the head]: whether this rank gathers the head's weight as codes.
+  bool gathers_fp8_head() const { return fp8_head_; }
 
   // The fp32 master chunk, the fp32 gradient chunk and the compute-dtype copy of the
   // chunk, one view per segment (layout().segments() order); the optimizer's parameters.
@@ -471,8 +488,20 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // norms (step 4); neither: a slice of an expert part (NOTE [FP8 all-gather] under expert
   // parallelism).
   bool is_fp8(const FsdpParam& p) const {
-    return !p.expert && fp8_gathered_param(layout_.specs()[static_cast<size_t>(p.spec)], fp8_pieces_settings_);
+    const ParamSpec& spec = layout_.specs()[static_cast<size_t>(p.spec)];
+    return !p.expert && (fp8_gathered_param(spec, fp8_pieces_settings_) || (fp8_head_ && fp8_head_param(spec)));
   }
+  // Whether a gather of `unit` packs its codes (a block's, when stacks or filtered
+  // projections travel with the norms); the head's are in place.
+  bool packs_codes(int unit) const { return packed_codes_ && layout_.is_block(unit); }
+  // NOTE [FP8 all-gather of the head]: a slot's FP8 gather (the delayed scales, the gather,
+  // the views); the head's slot, gathered if it is not current, awaited by the compute
+  // stream; the index of a head parameter in its unit; every weight slot, the head's too.
+  void gather_fp8_slot(UnitSlot& slot, int unit);
+  bool fp8_head_current() const;
+  const UnitSlot& fp8_head();
+  size_t head_param(const std::string& name) const;
+  std::vector<UnitSlot*> all_weight_slots();
   bool in_norms(const FsdpParam& p) const { return !p.expert && !is_fp8(p); }
   // NOTE [FP8 all-gather], step 4: rank r's elements of the unit's parameters that travel as
   // codes (`codes`) or with the norms (the others), packed in parameter order at r x m
@@ -519,7 +548,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Which block parameters are FP8 pieces (fp8_gathered_param): fp8_routed_experts and
   // fp8_filter_fqns of the options.
   Fp8Settings fp8_pieces_settings_;
-  Tensor frozen_chunk_f32_;  // NOTE [FP8 all-gather of a frozen base]: CUDA, a block chunk in fp32
+  Tensor frozen_chunk_f32_;
+  // NOTE [FP8 all-gather of the head]: the head's weight gathered as codes (fp8_output_head).
+  bool fp8_head_ = false;
+  UnitSlot head_slot_;  // NOTE [FP8 all-gather of a frozen base]: CUDA, a block chunk in fp32
   std::vector<int> block_slot_;          // per unit: its slot under ZeRO-1/2 (FP8 all-gather), -1 if not held
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)

@@ -54,6 +54,20 @@ std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std
   return pieces;
 }
 
+bool fp8_head_param(const ParamSpec& spec) { return spec.layer < 0 && spec.name == "output.weight"; }
+
+std::vector<Fp8GatherPiece> fp8_head_pieces(const std::vector<ParamSpec>& specs, const FsdpUnit& unit) {
+  std::vector<Fp8GatherPiece> pieces;
+  for (size_t k = 0; k < unit.params.size(); ++k) {
+    const FsdpParam& p = unit.params[k];
+    const ParamSpec& spec = specs.at(static_cast<size_t>(p.spec));
+    if (!fp8_head_param(spec)) continue;
+    FORGE_CHECK(p.numel == shape_numel(spec.shape), "FSDP's FP8 all-gather: the head '{}' is held in part", spec.name);
+    pieces.push_back({static_cast<int>(k), p.offset, p.numel, spec.name});
+  }
+  return pieces;
+}
+
 std::pair<int64_t, int64_t> fp8_piece_overlap(const Fp8GatherPiece& piece, int64_t begin, int64_t end) {
   const int64_t lo = std::min(std::max(begin, piece.offset), end);
   const int64_t hi = std::min(end, piece.offset + piece.numel);

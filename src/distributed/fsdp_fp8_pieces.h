@@ -71,6 +71,12 @@ std::vector<Fp8GatherPiece> fp8_param_pieces(const ModelConfig& config, const Pa
 std::vector<Fp8GatherPiece> fp8_unit_pieces(const ModelConfig& config, const std::vector<ParamSpec>& specs,
                                             const FsdpUnit& unit, const Fp8Settings& settings);
 
+// NOTE [FP8 all-gather of the head] in distributed/fsdp.h: the untied output head's weight
+// (output.weight), one piece with the head's statistics block; the final norm travels with
+// the norms.
+bool fp8_head_param(const ParamSpec& spec);
+std::vector<Fp8GatherPiece> fp8_head_pieces(const std::vector<ParamSpec>& specs, const FsdpUnit& unit);
+
 // The elements [lo, hi) of a piece inside [begin, end) (unit offsets); lo == hi when none.
 std::pair<int64_t, int64_t> fp8_piece_overlap(const Fp8GatherPiece& piece, int64_t begin, int64_t end);
 

@@ -59,9 +59,15 @@ FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel
 // FP8 elements alone, and their wire takes at most those of a block. Under expert
 // parallelism the rank's 1/P of the stacks travel in the compute dtype in an expert buffer
 // of each slot, and the codes are in place again. `block` is the largest block's elements.
+// NOTE [FP8 all-gather of the head] in distributed/fsdp.h: with the FP8 head an untied
+// output.weight among `specs` is held as codes (1 byte each) in a slot of its own.
 double fp8_gather_compute_weights(const ModelConfig& config, const std::vector<ParamSpec>& specs,
                                   const MemoryPlan& plan, double block, double ends, double slots) {
   const double n = static_cast<double>(plan.shard_ranks), compute_bytes = plan.cuda ? 2.0 : 4.0;
+  double head_codes = 0;
+  if (plan.fp8->output_head && !config.tie_word_embeddings)
+    for (const ParamSpec& spec : specs)
+      if (spec.layer < 0 && spec.name == "output.weight") head_codes += static_cast<double>(shape_numel(spec.shape));
   const size_t layers = static_cast<size_t>(std::max<int64_t>(config.num_layers, 1));
   std::vector<double> layer_norms(layers, 0.0), layer_codes(layers, 0.0), layer_experts(layers, 0.0);
   bool packed_codes = false;
@@ -83,7 +89,7 @@ double fp8_gather_compute_weights(const ModelConfig& config, const std::vector<P
   const double experts = *std::max_element(layer_experts.begin(), layer_experts.end());
   const double codes =
       packed_codes || expert_parts ? *std::max_element(layer_codes.begin(), layer_codes.end()) : block;
-  return ends * compute_bytes + slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
+  return (ends - head_codes) * compute_bytes + head_codes + slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
          std::min(norms, block / n) * n * compute_bytes + (packed_codes ? std::min(codes, block / n) * n : 0.0);
 }
 
@@ -258,7 +264,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       if (plan.fp8_all_gather && plan.fp8)
         e.frozen_weights =
             params / static_cast<double>(plan.shard_ranks) * compute_bytes +
-            fp8_gather_compute_weights(config, parameter_specs(config), plan, u.block, u.embedding + u.head,
+            fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, u.block, u.embedding + u.head,
                                        plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers)) +
             (plan.cuda ? u.block / static_cast<double>(plan.shard_ranks) * 4 : 0.0);
     }
@@ -295,7 +301,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.gradients = params * 4 / n + (plan.zero_stage == 1 ? held * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
   e.compute_weights = plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
   if (plan.fp8_all_gather && plan.fp8)
-    e.compute_weights = fp8_gather_compute_weights(config, parameter_specs(config), plan, block, embedding + head,
+    e.compute_weights = fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, block, embedding + head,
                                                    plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers));
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).

@@ -131,6 +131,7 @@ Trainer::Trainer(const ExperimentConfig& config, std::string resolved_config_yam
     fsdp.frozen = config_.lora.enabled();  // NOTE [LoRA under data parallelism]
     fsdp.expert_parallel = static_cast<int>(config_.parallelism.expert_parallel_degree);
     fsdp.fp8_all_gather = config_.precision.fp8_fsdp_all_gather;  // NOTE [FP8 all-gather]
+    fsdp.fp8_output_head = config_.precision.fp8 != "none" && config_.precision.fp8_output_head;
     fsdp.fp8_routed_experts = config_.precision.fp8_routed_experts;  // NOTE [FP8 all-gather pieces]
     fsdp.fp8_filter_fqns = fp8_filter_fqns_of(config_.precision.fp8_filter_fqns);  // NOTE [FP8 filter]
     fsdp.pipeline_stages = pipeline_stages_;  // NOTE [Pipeline parallelism]: FSDP over the rank's stages
@@ -369,8 +370,9 @@ void Trainer::log_fsdp_memory() const {
                     rank_, world_size_, fsdp_->options().zero_stage, shards, replicas, gib(chunk),
                     base / chunk, gib(base), gib(static_cast<double>(m.compute_weights)),
                     fsdp_->options().fp8_all_gather  // NOTE [FP8 all-gather of a frozen base]
-                        ? fmt::format(", {} as E4M3 codes (precision.fp8_fsdp_all_gather)",
-                                      fsdp_->options().zero_stage == 3 ? "three gathered blocks" : "every block")
+                        ? fmt::format(", {}{} as E4M3 codes (precision.fp8_fsdp_all_gather)",
+                                      fsdp_->options().zero_stage == 3 ? "three gathered blocks" : "every block",
+                                      fsdp_->gathers_fp8_head() ? " and the head" : "")
                     : fsdp_->options().zero_stage == 3 ? ", three gathered blocks"
                                                        : ", every block",
                     lora_->stored_values());
@@ -394,9 +396,10 @@ void Trainer::log_fsdp_memory() const {
            gib(static_cast<double>(m.master_weights)), gib(static_cast<double>(moments)), model_state / own_state,
            gib(model_state), gib(static_cast<double>(m.gradient_shard)), gib(static_cast<double>(m.full_gradients)),
            gib(static_cast<double>(m.compute_weights)),
-           fsdp_->options().fp8_all_gather  // NOTE [FP8 all-gather]
-               ? " (the blocks' FP8 weights gathered as E4M3 codes: precision.fp8_fsdp_all_gather)"
-               : "",
+           !fsdp_->options().fp8_all_gather ? ""  // NOTE [FP8 all-gather]
+           : fsdp_->gathers_fp8_head() ? " (the blocks' and the head's FP8 weights gathered as E4M3 codes: "
+                                 "precision.fp8_fsdp_all_gather)"
+                               : " (the blocks' FP8 weights gathered as E4M3 codes: precision.fp8_fsdp_all_gather)",
            gib(static_cast<double>(m.reduce_buffers)));
 }
 

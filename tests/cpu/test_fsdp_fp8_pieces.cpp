@@ -330,3 +330,52 @@ TEST(FsdpFp8Pieces, FrozenBaseHoldsTheChunkAndTheCodeSlots) {
 
 }  // namespace
 }  // namespace forge
+
+namespace forge {
+namespace {
+
+// NOTE [FP8 all-gather of the head]: with the FP8 head the head unit is no compute-dtype copy
+// but a slot of codes (1 byte per output.weight element, in place), its final norm and the
+// piece's statistics; a tied head stays a compute-dtype copy. The estimate agrees up to the
+// padding and the statistics.
+TEST(FsdpFp8Pieces, HeadGatheredAsCodesHoldsOneByteAWeight) {
+  ModelConfig config = model("debug-tiny");
+  config.num_layers = 4;  // more blocks than ZeRO-3's three slots, which the estimate counts
+  auto group = create_process_group(LaunchEnv{}, ProcessGroupOptions{});
+  const FsdpLayout layout(config, 1, 0);
+  const FsdpUnit& head = layout.units().back();
+  const int64_t pieces = static_cast<int64_t>(
+      fp8_unit_pieces(config, layout.specs(), layout.units().at(1), Fp8Settings{}).size());
+  for (int zero : {3, 1}) {
+    SCOPED_TRACE(zero);
+    FsdpOptions options;
+    options.zero_stage = zero;
+    options.fp8_all_gather = true;
+    const FsdpMemory bf16_head = Fsdp(config, Device::CPU, *group, nullptr, options).memory();
+    options.fp8_output_head = true;
+    Fsdp fsdp(config, Device::CPU, *group, nullptr, options);
+    EXPECT_TRUE(fsdp.gathers_fp8_head());
+    const int64_t head_slot = head.numel + config.hidden_size * 4 + 4 + 2 * cpu::kFp8StatStride * 4;
+    EXPECT_EQ(fsdp.memory().compute_weights, bf16_head.compute_weights - head.numel * 4 + head_slot);
+    MemoryPlan plan;
+    plan.fsdp = true;
+    plan.zero_stage = zero;
+    plan.fp8_all_gather = true;
+    Fp8Settings settings;
+    settings.output_head = true;
+    plan.fp8 = settings;
+    const int64_t slots = zero == 3 ? 3 : config.num_layers;
+    const int64_t statistics = slots * (pieces * 4 + 2 * pieces * cpu::kFp8StatStride * 4) + 4 +
+                               2 * cpu::kFp8StatStride * 4;
+    EXPECT_NEAR(estimate_memory(config, plan).compute_weights,
+                static_cast<double>(fsdp.memory().compute_weights - statistics), 8.0 * 4 * kFsdpAlign);
+  }
+  ModelConfig tied = config;
+  tied.tie_word_embeddings = true;
+  FsdpOptions options;
+  options.fp8_all_gather = options.fp8_output_head = true;
+  EXPECT_FALSE(Fsdp(tied, Device::CPU, *group, nullptr, options).gathers_fp8_head());
+}
+
+}  // namespace
+}  // namespace forge

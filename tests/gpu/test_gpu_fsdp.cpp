@@ -339,6 +339,7 @@ Fp8FsdpTrace fp8_steps(const ModelConfig& c, const Fp8Settings& settings, bool s
     fsdp_options.zero_stage = zero_stage;
     fsdp_options.fp8_all_gather = fp8_gather;
     fsdp_options.fp8_routed_experts = settings.routed_experts;  // NOTE [FP8 all-gather pieces]
+    fsdp_options.fp8_output_head = settings.output_head;        // NOTE [FP8 all-gather of the head]
     sharded = std::make_unique<Fsdp>(c, Device::CUDA, *group, nullptr, fsdp_options);
   }
   FlatParameters flat(c, Device::CUDA, DType::BF16), flat_grads(c, Device::CUDA, DType::F32);
@@ -412,24 +413,28 @@ TEST(GpuFsdp, Fp8WeightCacheUnderZero3) {
 // scales of the bf16 gather whose weights each projection casts itself: the same codes and
 // scales, through the pre-quantized path of the FP8 linear ops (the forward's codes, the
 // input gradient's byte transpose). ZeRO-3 (four blocks through three slots) and ZeRO-1
-// (one slot per block, gathered again after each step).
+// (one slot per block, gathered again after each step); and with the FP8 head, whose weight
+// is gathered as codes too (NOTE [FP8 all-gather of the head]).
 TEST(GpuFsdp, Fp8AllGatherIsTheBf16Gather) {
   if (read_launch_env().world_size != 1) GTEST_SKIP() << "a one-rank test";
   ModelConfig c = small_model("gpu-fsdp-fp8-gather");
   c.num_layers = 4;
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
-    for (const int stage : {3, 1}) {
-      SCOPED_TRACE(testing::Message() << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise") << " ZeRO-"
-                                      << stage);
-      Fp8Settings settings;
-      settings.recipe = recipe;
-      const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
-      const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
-      EXPECT_EQ(gathered.losses, bf16.losses);
-      ASSERT_EQ(gathered.grads.size(), bf16.grads.size());
-      for (size_t i = 0; i < gathered.grads.size(); ++i)
-        EXPECT_TRUE(gathered.grads[i] == bf16.grads[i]) << "step " << i;
-      EXPECT_EQ(gathered.scales, bf16.scales);
+    for (const bool head : {false, true}) {
+      for (const int stage : {3, 1}) {
+        SCOPED_TRACE(testing::Message() << (recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise") << " ZeRO-"
+                                        << stage << (head ? ", FP8 head" : ""));
+        Fp8Settings settings;
+        settings.recipe = recipe;
+        settings.output_head = head;
+        const Fp8FsdpTrace bf16 = fp8_steps(c, settings, true, stage, false);
+        const Fp8FsdpTrace gathered = fp8_steps(c, settings, true, stage, true);
+        EXPECT_EQ(gathered.losses, bf16.losses);
+        ASSERT_EQ(gathered.grads.size(), bf16.grads.size());
+        for (size_t i = 0; i < gathered.grads.size(); ++i)
+          EXPECT_TRUE(gathered.grads[i] == bf16.grads[i]) << "step " << i;
+        EXPECT_EQ(gathered.scales, bf16.scales);
+      }
     }
   }
 }

@@ -71,6 +71,33 @@ class Fp8AllGather(unittest.TestCase):
                 self.assertEqual(len(runs["fp8"]), STEPS)
                 self.assertEqual(runs["fp8"], runs["plain"])
 
+    def test_the_fp8_head_gathered_as_codes(self):
+        """NOTE [FP8 all-gather of the head]: with precision.fp8_output_head the head's weight
+        travels as codes too, bitwise the bf16 gather's losses (and delayed state): tensorwise
+        under ZeRO-3 and ZeRO-2, delayed under ZeRO-1, tensor 2 x FSDP 2 (the vocabulary-parallel
+        head's amax over both groups), 2 pipeline stages x FSDP 2 (the last stage's head), and
+        LoRA's frozen head."""
+        head = ["--precision.fp8_output_head", "true", "--precision.fp8_amax_history_len", "8"]
+        cases = [("tensorwise", "3", 2, []), ("tensorwise", "2", 2, []), ("delayed", "1", 2, []),
+                 ("delayed", "3", 4, ["--parallelism.tensor_parallel_degree", "2",
+                                      "--parallelism.data_parallel_shard_degree", "2"]),
+                 ("tensorwise", "1", 4, ["--model.num_layers", "4", "--parallelism.pipeline_parallel_degree", "2",
+                                         "--parallelism.data_parallel_shard_degree", "2"]),
+                 ("tensorwise", "3", 2, ["--lora.rank", "4"])]
+        for recipe, stage, ranks, extra in cases:
+            with self.subTest(recipe=recipe, zero_stage=stage, extra=extra):
+                runs = {}
+                for name, gather in (("plain", []), ("fp8", GATHER)):
+                    run_dir = os.path.join(self.tmp, f"head-{recipe}-zero{stage}-{len(extra)}-{name}")
+                    result = train(run_dir, ranks, "--precision.fp8", recipe, "--parallelism.zero_stage", stage,
+                                   *head, *extra, *CHECKPOINTS, *gather)
+                    if gather:
+                        self.assertIn("and the head", result.stdout)
+                    runs[name] = run_dir
+                self.assertEqual(train_losses(runs["fp8"]), train_losses(runs["plain"]))
+                if recipe == "delayed":
+                    self.assertEqual(delayed_state(runs["fp8"], 4), delayed_state(runs["plain"], 4))
+
     def test_delayed_resume_is_exact(self):
         check_delayed_resume_is_exact(self, self.tmp, *GATHER)
 
