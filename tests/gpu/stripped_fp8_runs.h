@@ -1,7 +1,8 @@
 // The GPU check of a run that keeps some projections out of FP8 against the all-FP8
-// projections with those descriptors stripped (testing::StrippedFp8Source): two micro-batches,
-// the second on the scales the first set (delayed), the same loss and bit for bit the same
-// gradients.
+// projections with those descriptors stripped (testing::StrippedFp8Source): the bf16 weights
+// of `params` on the GPU twice, one random micro-batch of 2 x 64 tokens, and two passes over
+// it, the second on the scales the first set (delayed): the same loss and bit for bit the
+// same gradients.
 #pragma once
 
 #include "../cpu/stripped_fp8_source.h"
@@ -10,10 +11,25 @@
 
 namespace forge::gpu_test {
 
-inline void expect_stripped_micro_batches(DecoderLM& model, const Tensor& tokens, const Tensor& targets,
-                                          Fp8Projections& subject, FlatParameters& grads, Fp8Projections& reference,
-                                          testing::StrippedFp8Source& stripped, FlatParameters& ref_grads) {
-  const float scale = 1.0f / static_cast<float>(tokens.numel());
+// `params`: host fp32 values already rounded to bf16. `settings` runs the subject,
+// `reference` the all-FP8 projections that `strip` strips.
+inline void expect_stripped_fp8_run(const ModelConfig& c, const FlatParameters& params, Rng& rng,
+                                    const Fp8Settings& settings, const Fp8Settings& reference,
+                                    testing::StrippedFp8Source::Strip strip) {
+  const int64_t batch = 2, seq = 64;
+  FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
+  FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
+  weights.assign_from(params);
+  ref_weights.assign_from(params);
+  const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  const Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
+  DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
+  Fp8Projections subject(c, settings, Device::CUDA, batch * seq);
+  subject.set_base(weights, grads);
+  Fp8Projections all(c, reference, Device::CUDA, batch * seq);
+  all.set_base(ref_weights, ref_grads);
+  testing::StrippedFp8Source stripped(all, std::move(strip));
+  const float scale = 1.0f / static_cast<float>(batch * seq);
   for (int micro = 0; micro < 2; ++micro) {
     grads.discard();
     ref_grads.discard();
@@ -25,7 +41,7 @@ inline void expect_stripped_micro_batches(DecoderLM& model, const Tensor& tokens
           << grads.specs()[k].name << ", micro-batch " << micro;
     EXPECT_EQ(subject.nonfinite_amax(), "");
     subject.end_step(true);
-    reference.end_step(true);
+    all.end_step(true);
   }
 }
 

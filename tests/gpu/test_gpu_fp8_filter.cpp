@@ -20,7 +20,6 @@ namespace forge {
 namespace {
 
 using namespace gpu_test;
-using testing::StrippedFp8Source;
 using testing::strip_filtered;
 
 TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
@@ -28,30 +27,17 @@ TEST(GpuFp8Filter, FilteredRunIsTheStrippedFp8Run) {
   c.num_layers = 3;
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
     SCOPED_TRACE(recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise");
-    const int64_t batch = 2, seq = 64;
     Rng rng(seed_for_current_test());
     FlatParameters params(c);
     params.initialize(29);
     round_to_bf16(params.flat());
-    FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
-    FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
-    weights.assign_from(params);
-    ref_weights.assign_from(params);
-    const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-    const Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-    DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
     Fp8Settings all;
     all.recipe = recipe;
     all.amax_history_length = 16;
     all.weight_cache = true;
     Fp8Settings some = all;
     some.filter_fqns = {"layers.1.", "mlp.gate_up"};
-    Fp8Projections filtered(c, some, Device::CUDA, batch * seq);
-    filtered.set_base(weights, grads);
-    Fp8Projections unfiltered(c, all, Device::CUDA, batch * seq);
-    unfiltered.set_base(ref_weights, ref_grads);
-    StrippedFp8Source stripped(unfiltered, strip_filtered(c, some));
-    expect_stripped_micro_batches(model, tokens, targets, filtered, grads, unfiltered, stripped, ref_grads);
+    expect_stripped_fp8_run(c, params, rng, some, all, strip_filtered(c, some));
   }
 }
 

@@ -246,28 +246,15 @@ TEST(GpuMoeFp8, RoutedExpertsInBf16MatchCpu) {
     for (const Fp8Settings& s : {tensorwise, delayed}) expect_fp8_step_matches_cpu(c, s);
     for (Fp8Settings s : {tensorwise, delayed}) {
       SCOPED_TRACE(c.name + (s.recipe == Fp8Recipe::Delayed ? ", delayed, stripped" : ", tensorwise, stripped"));
-      const int64_t batch = 2, seq = 64;
       Rng rng(seed_for_current_test());
       FlatParameters params(c);
       params.initialize(23);
       separate_router_choices(params, rng);
       round_to_bf16(params.flat());
-      FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
-      FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
-      weights.assign_from(params);
-      ref_weights.assign_from(params);
-      const Tensor tokens = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-      const Tensor targets = random_ids(batch * seq, c.vocab_size, rng).view({batch, seq}).to(Device::CUDA);
-      DecoderLM model(c, batch, seq, Device::CUDA, DType::BF16, ActivationCheckpoint::None);
       s.weight_cache = true;
-      Fp8Projections off(c, s, Device::CUDA, batch * seq);
-      off.set_base(weights, grads);
       Fp8Settings with_experts = s;
       with_experts.routed_experts = true;
-      Fp8Projections on(c, with_experts, Device::CUDA, batch * seq);
-      on.set_base(ref_weights, ref_grads);
-      testing::StrippedFp8Source stripped(on, testing::strip_routed_experts());
-      expect_stripped_micro_batches(model, tokens, targets, off, grads, on, stripped, ref_grads);
+      expect_stripped_fp8_run(c, params, rng, s, with_experts, testing::strip_routed_experts());
     }
   }
 }
