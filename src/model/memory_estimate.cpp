@@ -48,6 +48,12 @@ FsdpUnitSizes fsdp_unit_sizes(const ModelConfig& config, int64_t expert_parallel
   return {block, embedding, head, held};
 }
 
+// ZeRO-3's gathered block slots: three, or the model's blocks where it has fewer (NOTE
+// [FSDP]).
+double zero3_slots(const ModelConfig& config) {
+  return static_cast<double>(std::clamp<int64_t>(config.num_layers, 1, 3));
+}
+
 // NOTE [FP8 all-gather]: the compute weights of a rank that gathers its blocks as codes, of
 // the blocks in `specs` (the model's, or a pipeline rank's stages'): the embedding and head
 // it holds in full (`ends` elements); `slots` gathered blocks (three under ZeRO-3, or one per
@@ -257,7 +263,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       // Of the rank's shards; under expert parallelism the units hold the rank's experts alone.
       const FsdpUnitSizes u = fsdp_unit_sizes(config, plan.expert_parallel, plan.tensor_parallel);
       e.frozen_weights = (params / static_cast<double>(plan.shard_ranks) +
-                          (plan.zero_stage <= 2 ? u.held : u.embedding + u.head + 3 * u.block)) *
+                          (plan.zero_stage <= 2 ? u.held : u.embedding + u.head + zero3_slots(config) * u.block)) *
                          compute_bytes;
       // NOTE [FP8 all-gather of a frozen base]: the blocks gathered as codes (three slots, or
       // one per block under ZeRO-1/2) and, on CUDA, the fp32 copy of a block chunk.
@@ -265,7 +271,7 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
         e.frozen_weights =
             params / static_cast<double>(plan.shard_ranks) * compute_bytes +
             fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, u.block, u.embedding + u.head,
-                                       plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers)) +
+                                       plan.zero_stage == 3 ? zero3_slots(config) : static_cast<double>(config.num_layers)) +
             (plan.cuda ? u.block / static_cast<double>(plan.shard_ranks) * 4 : 0.0);
     }
     if (plan.lora.quantize_base == "nf4") {
@@ -299,10 +305,11 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.master_weights = params * 4 / n;
   e.optimizer_state /= n;
   e.gradients = params * 4 / n + (plan.zero_stage == 1 ? held * 4 : (2 * slot + (tied ? embedding : 0)) * 4);
-  e.compute_weights = plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + 3 * block) * compute_bytes;
+  e.compute_weights =
+      plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + zero3_slots(config) * block) * compute_bytes;
   if (plan.fp8_all_gather && plan.fp8)
     e.compute_weights = fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, block, embedding + head,
-                                                   plan.zero_stage == 3 ? 3.0 : static_cast<double>(config.num_layers));
+                                                   plan.zero_stage == 3 ? zero3_slots(config) : static_cast<double>(config.num_layers));
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).
   const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;

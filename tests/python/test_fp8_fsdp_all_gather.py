@@ -49,7 +49,8 @@ class Fp8AllGather(unittest.TestCase):
         the bf16 gather's losses bit for bit: debug-tiny tensorwise and delayed under ZeRO-3 and
         ZeRO-1, debug-tiny-moe (its frozen routed experts as one piece each) tensorwise under
         ZeRO-3, 2 pipeline stages x FSDP 2 delayed and tensor 2 x FSDP 2 tensorwise under ZeRO-3,
-        and debug-tiny-moe under expert parallelism 2 (the experts' slices in bf16) delayed."""
+        debug-tiny-moe under expert parallelism 2 (the experts' slices in bf16) delayed, and 2
+        context-parallel ranks (FSDP shards over them) tensorwise."""
         lora = ["--lora.rank", "4", "--precision.fp8_amax_history_len", "8"]
         cases = [("tensorwise", "3", 2, []), ("tensorwise", "1", 2, []), ("delayed", "3", 2, []),
                  ("delayed", "1", 2, []), ("tensorwise", "3", 2, ["--model.name", "debug-tiny-moe"]),
@@ -57,7 +58,9 @@ class Fp8AllGather(unittest.TestCase):
                                       "--parallelism.data_parallel_shard_degree", "2"]),
                  ("tensorwise", "3", 4, ["--parallelism.tensor_parallel_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "2"]),
-                 ("delayed", "3", 2, ["--model.name", "debug-tiny-moe", "--parallelism.expert_parallel_degree", "2"])]
+                 ("delayed", "3", 2, ["--model.name", "debug-tiny-moe", "--parallelism.expert_parallel_degree", "2"]),
+                 ("tensorwise", "3", 2, ["--parallelism.context_parallel_degree", "2",
+                                         "--parallelism.data_parallel_shard_degree", "1"])]
         for recipe, stage, ranks, extra in cases:
             with self.subTest(recipe=recipe, zero_stage=stage, extra=extra):
                 runs = {}
