@@ -109,6 +109,10 @@ void check_memory_fits(const ExperimentConfig& config) {
   // Under pipelining too, with FP8 and LoRA with expert parallelism (NOTE [ZeRO-2 and -3
   // under pipeline parallelism] in distributed/fsdp.h).
   if (plan.fsdp && plan.zero_stage < 3) hints += ", parallelism.zero_stage 3";
+  // Under FSDP the cache holds every FP8 weight in full; the FP8 all-gather brings the blocks'
+  // codes with each gather instead (NOTE [FP8 all-gather], of a frozen base too).
+  if (need.fp8_weight_cache > 0 && plan.fsdp && !plan.fp8_all_gather && config.lora.quantize_base == "none")
+    hints += ", precision.fp8_fsdp_all_gather true";
   if (need.fp8_weight_cache > 0) hints += ", precision.fp8_weight_cache false";
   hints += ", or more GPUs (FSDP shards weights, gradients and optimizer state)";
   const double gib = 1024.0 * 1024.0 * 1024.0;
