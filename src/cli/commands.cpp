@@ -247,7 +247,8 @@ int run_info(const std::vector<std::string>& args) {
                                  p.fp8 == "delayed" ? ", the step's amaxes max-reduced over the ranks" : "",
                                  p.fp8_weight_cache && t.device == "cuda" ? ", the cache holding every FP8 weight in full"
                                                                            : ""));
-    if (!fp8->filter_fqns.empty()) fmt::print("                 {}\n", describe_fp8_filter(m, *fp8));  // NOTE [FP8 filter]
+    if (!fp8->filter_fqns.empty())  // NOTE [FP8 filter]
+      fmt::print("                 {}\n", describe_fp8_filter(m, *fp8));
   }
   MemoryPlan plan = memory_plan_of(config);
   fmt::print("memory           micro-batch {}, seq {}, activation_checkpoint.mode {}, optimizer.state_dtype {}{}{}{}{}:\n",

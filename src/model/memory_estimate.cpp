@@ -95,7 +95,8 @@ double fp8_gather_compute_weights(const ModelConfig& config, const std::vector<P
   const double experts = *std::max_element(layer_experts.begin(), layer_experts.end());
   const double codes =
       packed_codes || expert_parts ? *std::max_element(layer_codes.begin(), layer_codes.end()) : block;
-  return (ends - head_codes) * compute_bytes + head_codes + slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
+  return (ends - head_codes) * compute_bytes + head_codes +
+         slots * ((expert_parts ? block - experts : codes) + (norms + experts) * compute_bytes) +
          std::min(norms, block / n) * n * compute_bytes + (packed_codes ? std::min(codes, block / n) * n : 0.0);
 }
 
@@ -270,8 +271,10 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
       if (plan.fp8_all_gather && plan.fp8)
         e.frozen_weights =
             params / static_cast<double>(plan.shard_ranks) * compute_bytes +
-            fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, u.block, u.embedding + u.head,
-                                       plan.zero_stage == 3 ? zero3_slots(config) : static_cast<double>(config.num_layers)) +
+            fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}),
+                                       plan, u.block, u.embedding + u.head,
+                                       plan.zero_stage == 3 ? zero3_slots(config)
+                                                            : static_cast<double>(config.num_layers)) +
             (plan.cuda ? u.block / static_cast<double>(plan.shard_ranks) * 4 : 0.0);
     }
     if (plan.lora.quantize_base == "nf4") {
@@ -308,8 +311,9 @@ MemoryEstimate estimate_memory(const ModelConfig& config, const MemoryPlan& plan
   e.compute_weights =
       plan.zero_stage <= 2 ? held * compute_bytes : (embedding + head + zero3_slots(config) * block) * compute_bytes;
   if (plan.fp8_all_gather && plan.fp8)
-    e.compute_weights = fp8_gather_compute_weights(config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, block, embedding + head,
-                                                   plan.zero_stage == 3 ? zero3_slots(config) : static_cast<double>(config.num_layers));
+    e.compute_weights = fp8_gather_compute_weights(
+        config, parameter_specs(config, {0, static_cast<int>(plan.tensor_parallel)}), plan, block, embedding + head,
+        plan.zero_stage == 3 ? zero3_slots(config) : static_cast<double>(config.num_layers));
   // Reduction buffers: bf16 staging of a whole unit per channel, and a reduced chunk per
   // channel wherever a unit is reduced more than once per step (or in bf16).
   const double channels = plan.zero_stage >= 2 && tied ? 3 : 2;

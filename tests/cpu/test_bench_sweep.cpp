@@ -66,6 +66,14 @@ TEST(BenchSweep, LoraTargetModulesAreOneValue) {
   EXPECT_EQ(points[0].overrides[0].second, "q_proj,k_proj,v_proj,o_proj");
 }
 
+// NOTE [FP8 filter]: the filter's list is one value, beside a swept recipe.
+TEST(BenchSweep, Fp8FilterIsOneValue) {
+  const auto points =
+      expand_sweep({{"precision.fp8", "tensorwise,delayed"}, {"precision.fp8_filter_fqns", "layers.0.,layers.31."}});
+  ASSERT_EQ(points.size(), 2u);
+  for (const auto& point : points) EXPECT_EQ(point.overrides[1].second, "layers.0.,layers.31.");
+}
+
 TEST(BenchSweep, RefusesListsOnKeysThatTakeOneValue) {
   expect_error([] { expand_sweep({{"data.path", "/d/a,/d/b"}}); },
                {"--data.path takes one value", "'/d/a,/d/b'", "model.name"});
