@@ -61,11 +61,11 @@ class Fp8AllGather(unittest.TestCase):
                  ("delayed", "3", 2, ["--model.name", "debug-tiny-moe", "--parallelism.expert_parallel_degree", "2"]),
                  ("tensorwise", "3", 2, ["--parallelism.context_parallel_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "1"])]
-        for recipe, stage, ranks, extra in cases:
+        for case, (recipe, stage, ranks, extra) in enumerate(cases):
             with self.subTest(recipe=recipe, zero_stage=stage, extra=extra):
                 runs = {}
                 for name, gather in (("plain", []), ("fp8", GATHER)):
-                    run_dir = os.path.join(self.tmp, f"lora-{recipe}-zero{stage}-{len(extra)}-{name}")
+                    run_dir = os.path.join(self.tmp, f"lora-{case}-{name}")
                     result = train(run_dir, ranks, "--precision.fp8", recipe, "--parallelism.zero_stage", stage, *lora,
                                    *extra, *gather)
                     if gather:
@@ -87,11 +87,11 @@ class Fp8AllGather(unittest.TestCase):
                  ("tensorwise", "1", 4, ["--model.num_layers", "4", "--parallelism.pipeline_parallel_degree", "2",
                                          "--parallelism.data_parallel_shard_degree", "2"]),
                  ("tensorwise", "3", 2, ["--lora.rank", "4"])]
-        for recipe, stage, ranks, extra in cases:
+        for case, (recipe, stage, ranks, extra) in enumerate(cases):
             with self.subTest(recipe=recipe, zero_stage=stage, extra=extra):
                 runs = {}
                 for name, gather in (("plain", []), ("fp8", GATHER)):
-                    run_dir = os.path.join(self.tmp, f"head-{recipe}-zero{stage}-{len(extra)}-{name}")
+                    run_dir = os.path.join(self.tmp, f"head-{case}-{name}")
                     result = train(run_dir, ranks, "--precision.fp8", recipe, "--parallelism.zero_stage", stage,
                                    *head, *extra, *CHECKPOINTS, *gather)
                     if gather:
