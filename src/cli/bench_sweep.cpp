@@ -21,6 +21,7 @@
 
 #include "cli/config_schema.h"
 #include "cli/config_suggest.h"
+#include "core/comma_list.h"
 #include "core/error.h"
 
 namespace forge {
@@ -29,22 +30,6 @@ namespace {
 constexpr const char* kCommandLine = "command line";
 
 bool may_list(const ConfigKey& key) { return key.type != ConfigValueType::String || key.name == "model.name"; }
-
-std::string trim(const std::string& text) {
-  const auto first = text.find_first_not_of(" \t");
-  if (first == std::string::npos) return "";
-  return text.substr(first, text.find_last_not_of(" \t") - first + 1);
-}
-
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  size_t start = 0;
-  for (size_t comma; (comma = text.find(',', start)) != std::string::npos; start = comma + 1) {
-    items.push_back(trim(text.substr(start, comma - start)));
-  }
-  items.push_back(trim(text.substr(start)));
-  return items;
-}
 
 const ConfigKey& known_key(const std::string& name) {
   const ConfigKey* key = find_config_key(name);
@@ -65,7 +50,7 @@ std::vector<std::string> values_of(const ConfigKey& key, const std::string& text
                "true/false, keys with fixed choices and model.name",
                kCommandLine, key.name, text);
   }
-  std::vector<std::string> values = split_list(text);
+  std::vector<std::string> values = split_comma_list(text);
   ExperimentConfig scratch;
   for (size_t i = 0; i < values.size(); ++i) {
     if (values[i].empty()) FORGE_FAIL("{}: --{} lists an empty value in '{}'", kCommandLine, key.name, text);

@@ -5,22 +5,13 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/comma_list.h"
 #include "core/error.h"
 
 namespace forge {
 
 std::vector<std::string> lora_target_modules(const std::string& target_modules, const KeyDescriber& keys) {
-  std::vector<std::string> names;
-  size_t start = 0;
-  while (start <= target_modules.size()) {
-    size_t comma = target_modules.find(',', start);
-    if (comma == std::string::npos) comma = target_modules.size();
-    std::string name = target_modules.substr(start, comma - start);
-    name.erase(0, name.find_first_not_of(" \t"));
-    name.erase(name.find_last_not_of(" \t") + 1);
-    names.push_back(name);
-    start = comma + 1;
-  }
+  const std::vector<std::string> names = split_comma_list(target_modules);
   const std::string key = "lora.target_modules";
   const std::string expected =
       fmt::format("a comma-separated list of {} or all-linear", fmt::join(kLoraModuleNames, ", "));
