@@ -178,14 +178,12 @@ void check_fp8_filter(const ExperimentConfig& config, const KeyDescriber& keys) 
   const std::vector<std::string> filters = fp8_filter_fqns_of(config.precision.fp8_filter_fqns);
   if (filters.empty()) return;
   const std::string key = show(config, keys, "precision.fp8_filter_fqns");
-  Fp8Settings unfiltered;
-  unfiltered.routed_experts = config.precision.fp8_routed_experts;
-  std::vector<std::string> names, first_block;
-  for (const ParamSpec& spec : parameter_specs(config.model))
-    if (fp8_block_projection(spec, unfiltered) || fp8_expert_stack(spec, unfiltered)) {
-      names.push_back(spec.name);
-      if (spec.layer == 0) first_block.push_back(spec.name);
-    }
+  Fp8Settings settings;
+  settings.routed_experts = config.precision.fp8_routed_experts;
+  const std::vector<ParamSpec> candidates = fp8_filter_candidates(config.model, settings);
+  std::vector<std::string> first_block;
+  for (const ParamSpec& spec : candidates)
+    if (spec.layer == 0) first_block.push_back(spec.name);
   for (size_t i = 0; i < filters.size(); ++i) {
     if (filters[i].empty())
       FORGE_FAIL("{} has an empty string: expected comma-separated parts of block projection names, such as "
@@ -194,8 +192,8 @@ void check_fp8_filter(const ExperimentConfig& config, const KeyDescriber& keys) 
     if (std::find(filters.begin(), filters.begin() + static_cast<std::ptrdiff_t>(i), filters[i]) !=
         filters.begin() + static_cast<std::ptrdiff_t>(i))
       FORGE_FAIL("{} lists '{}' twice", key, filters[i]);
-    if (std::none_of(names.begin(), names.end(),
-                     [&](const std::string& n) { return n.find(filters[i]) != std::string::npos; }))
+    if (std::none_of(candidates.begin(), candidates.end(),
+                     [&](const ParamSpec& spec) { return spec.name.find(filters[i]) != std::string::npos; }))
       FORGE_FAIL("{}: '{}' is not part of the name of any projection this run trains in FP8 (this model's {} blocks "
                  "name them like {}; the output head has its own key, precision.fp8_output_head)",
                  key, filters[i], config.model.num_layers, fmt::join(first_block, ", "));
@@ -213,7 +211,8 @@ void check_fp8_filter(const ExperimentConfig& config, const KeyDescriber& keys) 
 // over an NF4 base] in model/nf4_base.cpp: each NF4 weight cast to E4M3 per GEMM, on CUDA
 // straight from its codes, NOTE [FP8 straight from NF4]; on MoE and MLA models the NF4 expert
 // stacks and latent attention's projections too, NOTE [FP8 over NF4 expert stacks]). The FP8
-// all-gather is full training's, over a pipeline rank's stages too: a frozen base gathers bf16.
+// all-gather runs in full training and over LoRA's frozen bf16 base (NOTE [FP8 all-gather of a
+// frozen base]), over a pipeline rank's stages too; QLoRA's replicated base has nothing to gather.
 void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   if (config.precision.fp8 == "none") {
     if (config.precision.fp8_fsdp_all_gather)

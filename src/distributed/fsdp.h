@@ -65,8 +65,8 @@
 // over the buffer, the others adding. ZeRO-2 and -3: NOTE [ZeRO-2 and -3 under pipeline
 // parallelism]. The FP8 all-gather (NOTE [FP8 all-gather]) gathers the stages' blocks alone,
 // into ZeRO-3's slots (as many as the stages hold blocks, where that is fewer) or one slot per
-// held block under ZeRO-1/2, the same codes in the same order on every rank of a shard group. Expert
-// parallelism works as without them: the stages' expert stacks are cut into expert parts
+// held block under ZeRO-1/2, the same codes in the same order on every rank of a shard
+// group. Expert parallelism works as without them: the stages' expert stacks are cut into expert parts
 // over the stage's shard ranks that hold the same experts (NOTE [Expert parallelism under
 // pipeline parallelism] in model/pipeline.h). A frozen base (NOTE [Frozen FSDP base]) over
 // a pipeline rank's stages under ZeRO-1 (and -2) holds the stages' units in full, nothing
@@ -138,8 +138,9 @@
 //
 // NOTE [FP8 all-gather]
 // With precision.fp8 and precision.fp8_fsdp_all_gather (FsdpOptions::fp8_all_gather; full
-// training, and LoRA's frozen base: NOTE [FP8 all-gather of a frozen base]) the blocks' FP8 projections (routed experts too) travel as E4M3 codes, 1 byte
-// an element, not bf16's 2, as torchao's enable_fsdp_float8_all_gather. With
+// training, and LoRA's frozen base: NOTE [FP8 all-gather of a frozen base]) the blocks' FP8
+// projections (routed experts too) travel as E4M3 codes, 1 byte an element, not bf16's 2, as
+// torchao's enable_fsdp_float8_all_gather. With
 // precision.fp8_routed_experts false (FsdpOptions::fp8_routed_experts) a MoE block's routed
 // experts are no FP8 projections, and their stacks travel in the compute dtype with the
 // norms (step 4), the block's other projections as codes. Every stage handles
@@ -548,10 +549,10 @@ class Fsdp final : public DataParallelComm, public ParamSource, public GradSink 
   // Which block parameters are FP8 pieces (fp8_gathered_param): fp8_routed_experts and
   // fp8_filter_fqns of the options.
   Fp8Settings fp8_pieces_settings_;
-  Tensor frozen_chunk_f32_;
+  Tensor frozen_chunk_f32_;  // NOTE [FP8 all-gather of a frozen base]: CUDA, a block chunk in fp32
   // NOTE [FP8 all-gather of the head]: the head's weight gathered as codes (fp8_output_head).
   bool fp8_head_ = false;
-  UnitSlot head_slot_;  // NOTE [FP8 all-gather of a frozen base]: CUDA, a block chunk in fp32
+  UnitSlot head_slot_;
   std::vector<int> block_slot_;          // per unit: its slot under ZeRO-1/2 (FP8 all-gather), -1 if not held
   std::array<UnitSlot, 2> grad_slots_;    // ZeRO-2/3
   std::array<ReduceChannel, 2> channels_;  // one per gradient slot (ZeRO-1: alternating)

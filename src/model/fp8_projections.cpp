@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "core/comma_list.h"
 #include "core/error.h"
 #include "ops/moe.h"
 #include "ops/fp8_statistics.h"
@@ -67,33 +68,28 @@ bool fp8_filtered(const std::string& name, const Fp8Settings& settings) {
 }
 
 std::vector<std::string> fp8_filter_fqns_of(const std::string& text) {
-  std::vector<std::string> out;
-  if (text.find_first_not_of(" \t") == std::string::npos) return out;
-  for (size_t start = 0; start <= text.size();) {
-    const size_t comma = std::min(text.find(',', start), text.size());
-    std::string item = text.substr(start, comma - start);
-    item.erase(0, item.find_first_not_of(" \t"));
-    item.erase(item.find_last_not_of(" \t") + 1);
-    out.push_back(std::move(item));
-    start = comma + 1;
-  }
-  return out;
+  if (trim_blanks(text).empty()) return {};
+  return split_comma_list(text);
+}
+
+std::vector<ParamSpec> fp8_filter_candidates(const ModelConfig& config, const Fp8Settings& settings) {
+  Fp8Settings unfiltered = settings;
+  unfiltered.filter_fqns.clear();
+  std::vector<ParamSpec> candidates;
+  for (const ParamSpec& spec : parameter_specs(config))
+    if (fp8_block_projection(spec, unfiltered) || fp8_expert_stack(spec, unfiltered)) candidates.push_back(spec);
+  return candidates;
 }
 
 std::string describe_fp8_filter(const ModelConfig& config, const Fp8Settings& settings) {
-  Fp8Settings unfiltered = settings;
-  unfiltered.filter_fqns.clear();
+  const std::vector<ParamSpec> candidates = fp8_filter_candidates(config, settings);
   std::vector<std::string> kept;
-  int64_t candidates = 0;
-  for (const ParamSpec& spec : parameter_specs(config)) {
-    if (!fp8_block_projection(spec, unfiltered) && !fp8_expert_stack(spec, unfiltered)) continue;
-    ++candidates;
+  for (const ParamSpec& spec : candidates)
     if (fp8_filtered(spec.name, settings)) kept.push_back(spec.name);
-  }
   constexpr size_t kNamed = 6;
   const size_t named = std::min(kept.size(), kNamed);
   return fmt::format("precision.fp8_filter_fqns '{}' keeps {} of the {} block projections{} in the compute dtype: {}{}",
-                     fmt::join(settings.filter_fqns, ","), kept.size(), candidates,
+                     fmt::join(settings.filter_fqns, ","), kept.size(), candidates.size(),
                      config.moe() && settings.routed_experts ? " and routed-expert stacks" : "",
                      fmt::join(kept.begin(), kept.begin() + static_cast<std::ptrdiff_t>(named), ", "),
                      kept.size() > named ? fmt::format(" and {} more", kept.size() - named) : "");
@@ -190,39 +186,35 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
   }
   fp8_.grad_format = settings.grad_format;
   fp8_.workspace = &workspace_;
-  // Statistics blocks, numbered in parameter order (NOTE [FP8 projections]).
+  // Statistics blocks, numbered in parameter order (NOTE [FP8 projections]): their names as
+  // fp8_projection_names gives them (a checkpoint's numbering is rebuilt from it), each
+  // block's elements and sharded roles here.
+  names_ = fp8_projection_names(config, settings);
   projection_of_.resize(static_cast<size_t>(config.num_layers));
   expert_stack_.resize(static_cast<size_t>(config.num_layers));
-  std::string head_name = "embedding.weight";  // tied
   TensorParallelSplit head_split = TensorParallelSplit::Replicated;
   for (const ParamSpec& spec : parameter_specs(config)) {
-    if (spec.name == head_name || spec.name == "output.weight") {
-      head_name = spec.name;
+    if (spec.name == "output.weight" || (config.tie_word_embeddings && spec.name == "embedding.weight"))
       head_split = spec.tensor_parallel;
-    }
     if (spec.layer < 0) continue;
     std::vector<int64_t>& layer = projection_of_.at(static_cast<size_t>(spec.layer));
     const bool matrix = fp8_block_projection(spec, settings), experts = fp8_expert_stack(spec, settings);
-    layer.push_back(matrix || experts ? static_cast<int64_t>(names_.size()) : -1);
+    layer.push_back(matrix || experts ? static_cast<int64_t>(numels_.size()) : -1);
     expert_stack_.at(static_cast<size_t>(spec.layer)).push_back(experts);
     if (matrix) {
-      names_.push_back(spec.name);
       numels_.push_back(spec.shape[0] * spec.shape[1]);
       sharded_roles_.push_back(sharded_roles(spec.tensor_parallel));
     }
     if (experts)  // NOTE [FP8 routed experts]: a block per expert, in expert order
       for (int64_t e = 0; e < spec.shape[0]; ++e) {
-        names_.push_back(fmt::format("{} (expert {})", spec.name, e));
         numels_.push_back(spec.shape[1] * spec.shape[2]);
         sharded_roles_.push_back(0);
       }
   }
   if (settings.output_head) {
-    names_.push_back(head_name);
     numels_.push_back(config.vocab_size * config.hidden_size);
     sharded_roles_.push_back(sharded_roles(head_split));
   }
-  FORGE_CHECK(names_ == fp8_projection_names(config, settings), "FP8 projections: the statistics blocks' numbering");
   const auto projections = static_cast<int64_t>(names_.size());
   stats_ = Tensor::empty({projections * cpu::kFp8ProjectionStats}, DType::F32, device);
   fp8_stats_init(stats_);

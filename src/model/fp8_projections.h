@@ -221,6 +221,9 @@ bool fp8_filtered(const std::string& name, const Fp8Settings& settings);
 // text gives none (an empty string between commas is kept, for the configuration check to
 // refuse).
 std::vector<std::string> fp8_filter_fqns_of(const std::string& text);
+// The block projections and routed-expert stacks `settings` would train in FP8 without its
+// filter: what precision.fp8_filter_fqns may name.
+std::vector<ParamSpec> fp8_filter_candidates(const ModelConfig& config, const Fp8Settings& settings);
 // "precision.fp8_filter_fqns 'layers.0.,mlp.down' keeps 7 of the 16 block projections in the
 // compute dtype: layers.0.attention.qkv.weight, ..." (forge info, the training log).
 std::string describe_fp8_filter(const ModelConfig& config, const Fp8Settings& settings);
