@@ -60,14 +60,16 @@ std::string mfu_cell(const BenchResult& r) {
 
 }  // namespace
 
-std::string fp8_precision_label(const std::string& recipe, bool routed_experts_bf16, const std::string& filter_fqns) {
-  return fmt::format("FP8 ({}{}{})", recipe, routed_experts_bf16 ? ", routed experts bf16" : "",
+std::string fp8_precision_label(const std::string& recipe, bool routed_experts_bf16, bool weight_gradients_bf16,
+                                const std::string& filter_fqns) {
+  return fmt::format("FP8 ({}{}{}{})", recipe, routed_experts_bf16 ? ", routed experts bf16" : "",
+                     weight_gradients_bf16 ? ", weight gradients bf16" : "",
                      filter_fqns.empty() ? "" : ", bf16: " + filter_fqns);
 }
 
 std::string precision_label(const BenchResult& r) {
   if (r.fp8 == "none" || r.fp8.empty()) return upper(r.precision);
-  return fp8_precision_label(r.fp8, !r.fp8_routed_experts, r.fp8_filter_fqns);
+  return fp8_precision_label(r.fp8, !r.fp8_routed_experts, !r.fp8_weight_gradient, r.fp8_filter_fqns);
 }
 
 std::string bench_markdown_table(const std::vector<BenchResult>& results) {
@@ -98,6 +100,7 @@ void to_json(nlohmann::json& out, const BenchResult& r) {
       {"fp8", r.fp8},
       {"fp8_routed_experts", r.fp8_routed_experts},
       {"fp8_filter_fqns", r.fp8_filter_fqns},
+      {"fp8_weight_gradient", r.fp8_weight_gradient},
       {"micro_batch", r.micro_batch},
       {"seq_len", r.seq_len},
       {"grad_accum", r.grad_accum},

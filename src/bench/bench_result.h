@@ -24,6 +24,7 @@ struct BenchResult {
   std::string fp8 = "none";           // precision.fp8: none | tensorwise
   bool fp8_routed_experts = true;     // precision.fp8_routed_experts (NOTE [FP8 routed experts switch])
   std::string fp8_filter_fqns;        // precision.fp8_filter_fqns (NOTE [FP8 filter])
+  bool fp8_weight_gradient = true;    // precision.fp8_weight_gradient (NOTE [FP8 weight gradient switch])
   int64_t micro_batch = 0;            // training.local_batch_size
   int64_t seq_len = 0;                // training.seq_len
   int64_t grad_accum = 0;             // training.gradient_accumulation_steps
@@ -58,8 +59,10 @@ struct BenchResult {
 // bench_report.cpp.)
 std::string precision_label(const BenchResult& r);
 // An FP8 run's label: "FP8 (tensorwise)", with ", routed experts bf16" (NOTE [FP8 routed
-// experts switch]) and ", bf16: layers.0.,layers.31." (precision.fp8_filter_fqns, NOTE [FP8
-// filter]) where they apply. (Defined in bench_report.cpp.)
-std::string fp8_precision_label(const std::string& recipe, bool routed_experts_bf16, const std::string& filter_fqns);
+// experts switch]), ", weight gradients bf16" (precision.fp8_weight_gradient false, NOTE [FP8
+// weight gradient switch]) and ", bf16: layers.0.,layers.31." (precision.fp8_filter_fqns,
+// NOTE [FP8 filter]) where they apply. (Defined in bench_report.cpp.)
+std::string fp8_precision_label(const std::string& recipe, bool routed_experts_bf16, bool weight_gradients_bf16,
+                                const std::string& filter_fqns);
 
 }  // namespace forge

@@ -73,6 +73,7 @@ BenchResult run_bench(const ExperimentConfig& c, const std::string& resolved_yam
   // Said only where it changes something: a MoE model in FP8 with its routed experts in bf16.
   r.fp8_routed_experts = c.precision.fp8_routed_experts || !c.model.moe() || c.precision.fp8 == "none";
   if (c.precision.fp8 != "none") r.fp8_filter_fqns = c.precision.fp8_filter_fqns;  // NOTE [FP8 filter]
+  r.fp8_weight_gradient = c.precision.fp8_weight_gradient || c.precision.fp8 == "none";
   r.micro_batch = t.local_batch_size;
   r.seq_len = t.seq_len;
   r.grad_accum = t.gradient_accumulation_steps;

@@ -167,10 +167,13 @@ void read_config(const std::string& path, ReportRun& run) {
       const YAML::Node experts = root["precision"]["fp8_routed_experts"];
       const bool bf16_experts = experts && experts.IsScalar() && experts.Scalar() == "false" &&
                                 root["model"]["num_experts"] && root["model"]["num_experts"].Scalar() != "0";
-      // NOTE [FP8 filter]: and the projections kept out of FP8.
+      // NOTE [FP8 weight gradient switch] and NOTE [FP8 filter]: the GEMMs kept out of FP8.
+      const YAML::Node weight_gradient = root["precision"]["fp8_weight_gradient"];
+      const bool bf16_weight_gradients =
+          weight_gradient && weight_gradient.IsScalar() && weight_gradient.Scalar() == "false";
       const YAML::Node filter = root["precision"]["fp8_filter_fqns"];
       if (fp8.Scalar() != "none")
-        run.precision = fp8_precision_label(fp8.Scalar(), bf16_experts,
+        run.precision = fp8_precision_label(fp8.Scalar(), bf16_experts, bf16_weight_gradients,
                                             filter && filter.IsScalar() ? filter.Scalar() : std::string());
     }
   } catch (const YAML::Exception& e) {
@@ -199,6 +202,7 @@ BenchResult bench_from(const Fields& f) {
   f.read("fp8", r.fp8);  // absent from reports written before precision.fp8
   f.read("fp8_routed_experts", r.fp8_routed_experts);  // absent before the switch: true
   f.read("fp8_filter_fqns", r.fp8_filter_fqns);        // absent before the filter: none
+  f.read("fp8_weight_gradient", r.fp8_weight_gradient);  // absent before the switch: true
   r.mfu_fp8 = f.optional_number("mfu_fp8");
   f.read("peak_memory_bytes", r.peak_memory_bytes);
   return r;

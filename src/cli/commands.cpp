@@ -187,9 +187,11 @@ int run_info(const std::vector<std::string>& args) {
   }
   if (const std::optional<Fp8Settings> fp8 = fp8_settings_of(config)) {
     // Under LoRA (NOTE [FP8 frozen base]) the frozen base has no weight gradient: 4 FLOPs
-    // per weight in FP8, of NOTE [LoRA FLOPs]'s count.
+    // per weight in FP8, of NOTE [LoRA FLOPs]'s count; as many when the weight gradients run
+    // in bf16 (NOTE [FP8 weight gradient switch] in ops/fp8_linear.h).
     const PrecisionConfig& p = config.precision;
-    const double share = (fp8->frozen ? 4.0 : 6.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
+    const bool fp8_weight_gradient = !fp8->frozen && fp8->weight_gradient;
+    const double share = (fp8_weight_gradient ? 6.0 : 4.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
                          training_flops_per_token(m, config.lora, t.seq_len);
     // NOTE [FP8 all-gather pieces]: the FP8 all-gather's pieces of one scale each.
     const bool expert_pieces = m.moe() && fp8->routed_experts && config.parallelism.expert_parallel_degree == 1;
@@ -197,7 +199,11 @@ int run_info(const std::vector<std::string>& args) {
                "token), activations and weights e4m3, gradients {}; the output head {}, {}embedding, attention, "
                "norms and optimizer in bf16/fp32; weights cast {}{}\n",
                fp8_recipe_description(p),
-               fp8->frozen ? "forward and input-gradient GEMMs of the frozen" : "forward, input- and weight-gradient GEMMs of",
+               fp8->frozen ? "forward and input-gradient GEMMs of the frozen"
+               : fp8_weight_gradient
+                   ? "forward, input- and weight-gradient GEMMs of"
+                   : "forward and input-gradient GEMMs (the weight gradients in bf16: precision.fp8_weight_gradient "
+                     "false) of",
                // NOTE [FP8 routed experts switch] in model/fp8_projections.h
                !m.moe() ? "qkv, o, gate/up and down"
                : fp8->routed_experts

@@ -343,6 +343,12 @@ std::vector<ConfigKey> build_schema() {
           "as Transformer Engine and Megatron-LM; one GEMM per expert, since cuBLASLt has no grouped FP8 GEMM on "
           "Hopper); false keeps them in the compute dtype with the grouped GEMMs, faster for many small experts "
           "(DeepSeek-V2-Lite's 64), while every other projection stays in FP8"),
+      key<&E::precision, &PrecisionConfig::fp8_weight_gradient>(
+          "precision.fp8_weight_gradient",
+          "with precision.fp8 in full training: the weight-gradient GEMMs (dW = dy^T x) in FP8 too (default true, "
+          "as torchao tensorwise and Transformer Engine); false runs them in the compute dtype from the unquantized "
+          "dy and x, the forward and input-gradient GEMMs staying in FP8 (Megatron-LM's --no-fp8-wgrad): a "
+          "third of the FP8 GEMM work back at the bf16 rate, for weight gradients without FP8 rounding"),
       key<&E::precision, &PrecisionConfig::fp8_filter_fqns>(
           "precision.fp8_filter_fqns",
           "with precision.fp8: comma-separated strings; a block projection (or routed-expert stack) whose name "

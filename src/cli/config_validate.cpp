@@ -227,9 +227,18 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} keeps projections out of FP8, and precision.fp8 is none (every GEMM runs in the compute dtype): "
                  "remove it, or set precision.fp8 tensorwise or delayed",
                  show(config, keys, "precision.fp8_filter_fqns"));
+    if (!config.precision.fp8_weight_gradient)
+      FORGE_FAIL("{} keeps the weight gradients out of FP8, and precision.fp8 is none (every GEMM runs in the "
+                 "compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
+                 show(config, keys, "precision.fp8_weight_gradient"));
     return;
   }
   check_fp8_filter(config, keys);
+  // NOTE [FP8 weight gradient switch] in ops/fp8_linear.h: full training's choice.
+  if (!config.precision.fp8_weight_gradient && config.lora.enabled())
+    FORGE_FAIL("{} keeps the weight gradients out of FP8, and a LoRA run's FP8 base is frozen (it has none; its "
+               "adapters already train in the compute dtype): remove it",
+               show(config, keys, "precision.fp8_weight_gradient"));
   // NOTE [FP8 routed experts switch] in model/fp8_projections.h: a MoE model's choice.
   if (!config.precision.fp8_routed_experts && !config.model.moe())
     FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and this model has none "
@@ -286,9 +295,10 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
   else if (m.moe() && m.num_shared_experts > 0)
     dims.emplace_back("the shared experts' width (num_shared_experts × moe_ffn_hidden_size)",
                       m.num_shared_experts * m.resolved_moe_ffn());
-  // Under context parallelism a rank's weight gradient contracts over its chunks' tokens.
+  // Under context parallelism a rank's weight gradient contracts over its chunks' tokens;
+  // in the compute dtype (NOTE [FP8 weight gradient switch]) no FP8 GEMM does.
   const int64_t cp = p.context_parallel_degree;
-  if (!config.lora.enabled())
+  if (!config.lora.enabled() && config.precision.fp8_weight_gradient)
     dims.emplace_back(cp > 1 ? "the tokens of a micro-batch on a context-parallel rank (training.local_batch_size × "
                                "training.seq_len / parallelism.context_parallel_degree)"
                              : "the tokens of a micro-batch (training.local_batch_size × training.seq_len)",

@@ -179,6 +179,9 @@ struct Fp8Settings {
   // routed experts switch]); false keeps them in the compute dtype (the grouped bf16 GEMMs).
   bool routed_experts = true;
   Fp8Recipe recipe = Fp8Recipe::Tensorwise;
+  // The weight gradients' GEMMs in FP8 (precision.fp8_weight_gradient, NOTE [FP8 weight
+  // gradient switch] in ops/fp8_linear.h); false runs them in the compute dtype.
+  bool weight_gradient = true;
   // CUDA: each projection's W and W^T codes cast once per optimizer step (NOTE [FP8 weight
   // cache] in ops/fp8_linear.h), 2 bytes per FP8 weight.
   bool weight_cache = false;
@@ -265,14 +268,14 @@ int64_t fp8_workspace_codes(const ModelConfig& config, const Fp8Settings& settin
 // Parameters of the matrices whose GEMMs run in FP8 per token (the block projections, of
 // the routed experts the k of E each token runs through, and the head with output_head):
 // 6 x this is their share of the FLOPs per token (forge info), 4 x under LoRA (no weight
-// gradient).
+// gradient) or without FP8 weight gradients (precision.fp8_weight_gradient false).
 int64_t fp8_gemm_params(const ModelConfig& config, const Fp8Settings& settings);
 
 // Every byte of the CUDA scratch Fp8Projections allocates (Fp8LinearWorkspace): three code
-// buffers of fp8_workspace_codes bytes (two for a frozen base), the shared statistics and
-// every projection's forward statistics (kFp8WorkspaceStats floats each; a routed expert
-// stack's for each of the rank's local experts too), the grouped casts' row codes
-// (fp8_expert_row_codes), the statistics
+// buffers of fp8_workspace_codes bytes (two for a frozen base or without FP8 weight
+// gradients), the shared statistics and every projection's forward statistics
+// (kFp8WorkspaceStats floats each; a routed expert stack's for each of the rank's local
+// experts too), the grouped casts' row codes (fp8_expert_row_codes), the statistics
 // blocks and, with `delayed`, the amax histories. The memory estimate counts this (model/memory_estimate.h);
 // the CPU path allocates only the blocks and histories.
 int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings, int64_t tokens);

@@ -446,7 +446,7 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
   // codes and their transpose, also for tokens the weight gradient pads (NOTE [FP8 padded
   // token contraction]: dy^T and x^T are padded after the input gradient's GEMM has read
   // the buffers they are padded into; a routed expert's rows are any number).
-  if (dy.device() != Device::CUDA || dy.ndim() != 2) {
+  if (dy.device() != Device::CUDA || dy.ndim() != 2 || !fp8.weight_gradient) {
     fp8_linear_backward_input(dx, dy, w, fp8, gathered);
     fp8_linear_backward_weight(grad, dy, x, fp8, overwrite);
     return;
@@ -520,6 +520,10 @@ void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy,
 
 void fp8_linear_backward_weight(const Tensor& grad, const Tensor& dy, const Tensor& x, const Fp8Linear& fp8,
                                 bool overwrite) {
+  if (!fp8.weight_gradient) {  // NOTE [FP8 weight gradient switch]: the compute dtype's GEMM
+    matmul(grad, dy, true, x, false, 1.0f, overwrite ? 0.0f : 1.0f);
+    return;
+  }
   check_matrices(grad, dy, x, "fp8_linear_backward_weight");
   const int64_t t = dy.dim(0), out = dy.dim(1), in = x.dim(1);
   FORGE_CHECK(x.dim(0) == t, "fp8_linear_backward_weight: dy {} and x {} disagree on tokens", shape_str(dy.shape()),

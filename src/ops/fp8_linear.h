@@ -185,6 +185,19 @@ constexpr uint8_t fp8_role_bit(cpu::Fp8Role role) { return static_cast<uint8_t>(
 
 struct Fp8ExpertStack;  // ops/moe_fp8.h
 
+// NOTE [FP8 weight gradient switch]
+// precision.fp8_weight_gradient false (Fp8Linear::weight_gradient) keeps a projection's
+// forward and input-gradient GEMMs in FP8 and runs its weight gradient dW (+)= dy^T x in the
+// compute dtype, from the unquantized dy and x the backward holds anyway, as Megatron-LM's
+// --no-fp8-wgrad and Transformer Engine's override_linear_precision=(False, False, True) do:
+// the weight gradients, and so the optimizer's updates, carry no FP8 rounding of dy and x,
+// at the price of a third of the FP8 GEMM work back at the bf16 rate. dy is cast once, row
+// major for the input gradient (no transpose, no x^T cast; the CUDA scratch's third code
+// buffer is not allocated), and its amax, scale and every statistic are the FP8 weight
+// gradient's: the switch changes no checkpointed state. dx is bitwise fp8_linear_backward's
+// and dW bitwise the compute dtype's matmul (tests/cpu/test_fp8_weight_gradient.cpp). The
+// micro-batch's tokens are then contracted by no FP8 GEMM, so CUDA no longer asks that they be
+// a multiple of 16, as for a frozen LoRA base.
 struct Fp8Linear {
   Fp8Format grad_format = Fp8Format::E5M2;
   Fp8LinearWorkspace* workspace = nullptr;  // required on CUDA
@@ -209,6 +222,7 @@ struct Fp8Linear {
   // A routed-expert stack's per-expert state (NOTE [FP8 expert stack state] in
   // ops/moe_fp8.h): each expert's forward statistics, weight cache and grouped casts.
   Fp8ExpertStack* experts = nullptr;
+  bool weight_gradient = true;  // NOTE [FP8 weight gradient switch]: false, dW in the compute dtype
 };
 
 // The role's `seen` in the projection's statistics block, or null without one.
@@ -244,7 +258,8 @@ void fp8_linear_backward_input(const Tensor& dx, const Tensor& dy, const Tensor&
 void fp8_linear_backward_input_add(const Tensor& dx, const Tensor& dy, const Tensor& w, const Fp8Linear& fp8,
                                    const Fp8GatheredWeight* gathered = nullptr);
 // Both backward GEMMs of one layer: fp8_linear_backward_input then
-// fp8_linear_backward_weight, bitwise, with dy quantized once.
+// fp8_linear_backward_weight, bitwise, with dy quantized once. Without fp8.weight_gradient
+// (NOTE [FP8 weight gradient switch]) fp8_linear_backward_weight runs in the compute dtype.
 void fp8_linear_backward(const Tensor& dx, const Tensor& grad, const Tensor& dy, const Tensor& w, const Tensor& x,
                          const Fp8Linear& fp8, bool overwrite, const Fp8GatheredWeight* gathered = nullptr);
 // On CUDA any number of tokens (NOTE [FP8 padded token contraction]).

@@ -231,7 +231,10 @@ void moe_experts_backward_fp8(const Tensor& d_permuted, const MoeExpertWeights& 
                         const Fp8Linear& stack, const Fp8GatheredWeight* gathered) {
     const bool stateful = expert_state(stack, r.experts) != nullptr;
 #ifdef FORGE_CUDA
-    if (!frozen && dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {  // NOTE [FP8 grouped expert casts]
+    // NOTE [FP8 grouped expert casts]: dy's statistics for fp8_linear_backward's one cast;
+    // not with the weight gradients in the compute dtype (NOTE [FP8 weight gradient switch]
+    // in ops/fp8_linear.h), whose input-gradient casts take their own.
+    if (!frozen && stack.weight_gradient && dy.dim(0) > 0 && grouped_dy_ok(dy, stack, r)) {
       if (!device_offsets) device_offsets = upload_offsets(*stack.experts, r);
       prepare_output_gradients_grouped(dy, stack, r, fp8.first_expert, device_offsets);
     }

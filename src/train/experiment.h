@@ -57,6 +57,9 @@ struct PrecisionConfig {
   // A MoE model's routed experts' GEMMs in FP8 too; false keeps them in the compute dtype
   // (NOTE [FP8 routed experts switch] in model/fp8_projections.h).
   bool fp8_routed_experts = true;
+  // The block projections' weight-gradient GEMMs in FP8 too; false runs them in the compute
+  // dtype (Megatron-LM's --no-fp8-wgrad; NOTE [FP8 weight gradient switch] in ops/fp8_linear.h).
+  bool fp8_weight_gradient = true;
   // Comma-separated strings: a block projection whose parameter name contains one stays in
   // the compute dtype (torchtitan's float8.filter_fqns; NOTE [FP8 filter] in model/fp8_projections.h).
   std::string fp8_filter_fqns;

@@ -49,6 +49,7 @@ std::optional<Fp8Settings> fp8_settings_of(const ExperimentConfig& config) {
   s.grad_format = p.fp8_grad_format == "e4m3" ? Fp8Format::E4M3 : Fp8Format::E5M2;
   s.output_head = p.fp8_output_head;
   s.routed_experts = p.fp8_routed_experts;  // NOTE [FP8 routed experts switch] in model/fp8_projections.h
+  s.weight_gradient = p.fp8_weight_gradient;  // NOTE [FP8 weight gradient switch] in ops/fp8_linear.h
   s.filter_fqns = fp8_filter_fqns_of(p.fp8_filter_fqns);  // NOTE [FP8 filter] in model/fp8_projections.h
   s.amax_history_length = p.fp8_amax_history_len;
   s.amax_algorithm = p.fp8_amax_compute_algo == "most_recent" ? cpu::Fp8AmaxAlgorithm::MostRecent

@@ -331,7 +331,11 @@ void Trainer::log_fp8() const {
   const PrecisionConfig& p = config_.precision;
   log_info("FP8 {}: the {} GEMMs of the {}block projections{} in FP8 (activations and weights e4m3, gradients {}), "
            "the output head in {}{}",
-           fp8_recipe_description(p), lora_ ? "forward and input-gradient" : "forward and backward",
+           fp8_recipe_description(p),
+           lora_                    ? "forward and input-gradient"
+           : p.fp8_weight_gradient  ? "forward and backward"
+                                    : "forward and input-gradient (the weight gradients in the compute dtype: "
+                                      "precision.fp8_weight_gradient false)",  // NOTE [FP8 weight gradient switch]
            !lora_                                    ? ""
            : config_.lora.quantize_base != "nf4"      ? "frozen base's "
            : device_ == Device::CUDA && config_.model.mla()

@@ -2,7 +2,11 @@
 // switch], NOTE [FP8 filter] in model/fp8_projections.h): the descriptors an all-FP8
 // Fp8Projections hands out, with the FP8 settings of the ones `strip` picks removed, so
 // those projections take exactly the path without precision.fp8 and every other one its
-// FP8 path with the same statistics. Shared by the CPU and GPU tests.
+// FP8 path with the same statistics. With `gradients_only` the weight descriptors keep their
+// FP8 settings and only the gradient descriptors (the head's too) lose theirs: each weight
+// gradient then runs without FP8 while the forward and input gradient stay in FP8, the
+// reference for precision.fp8_weight_gradient false (NOTE [FP8 weight gradient switch] in
+// ops/fp8_linear.h). Shared by the CPU and GPU tests.
 #pragma once
 
 #include <cstddef>
@@ -17,10 +21,12 @@ class StrippedFp8Source : public ParamSource, public GradSink {
  public:
   // strip(layer, k, descriptor): whether block `layer`'s parameter k runs without FP8.
   using Strip = std::function<bool(int, size_t, const LinearWeight&)>;
-  StrippedFp8Source(Fp8Projections& fp8, Strip strip, bool frozen = false)
-      : fp8_(fp8), strip_(std::move(strip)), frozen_(frozen) {}
+  StrippedFp8Source(Fp8Projections& fp8, Strip strip, bool frozen = false, bool gradients_only = false)
+      : fp8_(fp8), strip_(std::move(strip)), frozen_(frozen), gradients_only_(gradients_only) {}
   const Tensor& embedding() override { return fp8_.embedding(); }
-  const BlockWeights& layer(int index) override { return stripped(fp8_.layer(index), index, layer_); }
+  const BlockWeights& layer(int index) override {
+    return gradients_only_ ? fp8_.layer(index) : stripped(fp8_.layer(index), index, layer_);
+  }
   const Tensor& final_norm() override { return fp8_.final_norm(); }
   const LinearWeight& output() override { return fp8_.output(); }
   const BlockWeights& layer_grads(int index) override { return stripped(fp8_.layer_grads(index), index, grads_); }
@@ -28,7 +34,12 @@ class StrippedFp8Source : public ParamSource, public GradSink {
   const Tensor& embedding_grad() override { return fp8_.embedding_grad(); }
   void embedding_done() override { fp8_.embedding_done(); }
   const Tensor& final_norm_grad() override { return fp8_.final_norm_grad(); }
-  const LinearWeight& output_grad() override { return fp8_.output_grad(); }
+  const LinearWeight& output_grad() override {
+    if (!gradients_only_) return fp8_.output_grad();
+    head_grad_ = fp8_.output_grad();
+    head_grad_.fp8 = nullptr;
+    return head_grad_;
+  }
   void head_done() override { fp8_.head_done(); }
   bool layer_grads_fresh(int index) const override { return !frozen_ && fp8_.layer_grads_fresh(index); }
   bool head_grads_fresh() const override { return !frozen_ && fp8_.head_grads_fresh(); }
@@ -43,9 +54,15 @@ class StrippedFp8Source : public ParamSource, public GradSink {
   }
   Fp8Projections& fp8_;
   Strip strip_;
-  bool frozen_;
+  bool frozen_, gradients_only_;
   BlockWeights layer_, grads_;
+  LinearWeight head_grad_;
 };
+
+// Every FP8 parameter (with gradients_only: every weight gradient).
+inline StrippedFp8Source::Strip strip_all() {
+  return [](int, size_t, const LinearWeight&) { return true; };
+}
 
 // The routed-expert stacks (precision.fp8_routed_experts false).
 inline StrippedFp8Source::Strip strip_routed_experts() {

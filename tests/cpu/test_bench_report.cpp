@@ -174,6 +174,24 @@ TEST(BenchMarkdown, Fp8RunsWithAFilterSaySo) {
             "fp8 (tensorwise, routed experts bf16, bf16: layers.0.,layers.31.)");
 }
 
+// NOTE [FP8 weight gradient switch]: a run with its weight gradients in bf16 says so too, and
+// the JSON keeps the switch.
+TEST(BenchMarkdown, Fp8RunsWithWeightGradientsInBf16SaySo) {
+  BenchResult r = fp8_result(742.5, "");
+  r.fp8_weight_gradient = false;
+  EXPECT_EQ(precision_label(r), "FP8 (tensorwise, weight gradients bf16)");
+  r.fp8_filter_fqns = "layers.0.";
+  EXPECT_EQ(precision_label(r), "FP8 (tensorwise, weight gradients bf16, bf16: layers.0.)");
+  TempDir dir;
+  write_bench_json(dir.file("bench.json"), {r, fp8_result(742.5, "")});
+  const nlohmann::json json = nlohmann::json::parse(read_file(dir.file("bench.json")));
+  EXPECT_EQ(json[0]["fp8_weight_gradient"], false);
+  EXPECT_EQ(json[1]["fp8_weight_gradient"], true);
+  append_perf_csv(dir.file("perf.csv"), {r}, PerfCsvContext{"host", ""});
+  EXPECT_EQ(column(perf_rows(dir.file("perf.csv"))[0], "training_precision"),
+            "fp8 (tensorwise, weight gradients bf16, bf16: layers.0.)");
+}
+
 // perf.csv's training_precision names the recipe, and a run's relative change is against
 // earlier rows of its own precision only.
 TEST(PerfCsv, Fp8RowsNameTheRecipeAndCompareWithFp8RowsOnly) {
@@ -208,10 +226,11 @@ TEST(BenchJson, EveryFieldWrittenAtomically) {
                           "parallelism", "activation_checkpoint", "args", "device_name", "gpu_architecture", "config",
                           "status", "error", "warmup_steps", "measured_steps", "step_time_median_s",
                           "step_time_min_s", "step_time_max_s", "tokens_per_s_per_gpu", "tflops_per_gpu", "mfu",
-                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "fp8_filter_fqns", "mfu_fp8"}) {
+                          "peak_memory_bytes", "duration_s", "fp8", "fp8_routed_experts", "fp8_filter_fqns", "fp8_weight_gradient",
+                          "mfu_fp8"}) {
     EXPECT_TRUE(first.contains(key)) << key;
   }
-  EXPECT_EQ(first.size(), 30u);
+  EXPECT_EQ(first.size(), 31u);
   EXPECT_EQ(first["fp8"], "none");
   EXPECT_TRUE(first["mfu_fp8"].is_null());
   EXPECT_EQ(first["model"], "llama3.1-8b");

@@ -1,8 +1,9 @@
 // The GPU check of a run that keeps some projections out of FP8 against the all-FP8
 // projections with those descriptors stripped (testing::StrippedFp8Source): the bf16 weights
-// of `params` on the GPU twice, one random micro-batch of 2 x 64 tokens, and two passes over
+// of `params` on the GPU twice, one random micro-batch of 2 x `seq` tokens, and two passes over
 // it, the second on the scales the first set (delayed): the same loss and bit for bit the
-// same gradients.
+// same gradients. With `gradients_only` the reference strips the gradient descriptors alone
+// (precision.fp8_weight_gradient false's reference).
 #pragma once
 
 #include "../cpu/stripped_fp8_source.h"
@@ -15,8 +16,9 @@ namespace forge::gpu_test {
 // `reference` the all-FP8 projections that `strip` strips.
 inline void expect_stripped_fp8_run(const ModelConfig& c, const FlatParameters& params, Rng& rng,
                                     const Fp8Settings& settings, const Fp8Settings& reference,
-                                    testing::StrippedFp8Source::Strip strip) {
-  const int64_t batch = 2, seq = 64;
+                                    testing::StrippedFp8Source::Strip strip, bool gradients_only = false,
+                                    int64_t seq = 64) {
+  const int64_t batch = 2;
   FlatParameters weights(c, Device::CUDA, DType::BF16), grads(c, Device::CUDA, DType::F32);
   FlatParameters ref_weights(c, Device::CUDA, DType::BF16), ref_grads(c, Device::CUDA, DType::F32);
   weights.assign_from(params);
@@ -28,7 +30,7 @@ inline void expect_stripped_fp8_run(const ModelConfig& c, const FlatParameters& 
   subject.set_base(weights, grads);
   Fp8Projections all(c, reference, Device::CUDA, batch * seq);
   all.set_base(ref_weights, ref_grads);
-  testing::StrippedFp8Source stripped(all, std::move(strip));
+  testing::StrippedFp8Source stripped(all, std::move(strip), false, gradients_only);
   const float scale = 1.0f / static_cast<float>(batch * seq);
   for (int micro = 0; micro < 2; ++micro) {
     grads.discard();
