@@ -18,6 +18,7 @@
 #include "model/fp8_projections.h"
 #include "ops/fp8_linear.h"
 #include "ops/matmul.h"
+#include "fp8_sgd_step.h"
 #include "model_testing.h"
 #include "ops_testing.h"
 #include "stripped_fp8_source.h"
@@ -77,21 +78,9 @@ Fp8Settings settings(Fp8Recipe recipe, bool weight_gradient, bool output_head = 
   return s;
 }
 
-// One SGD step (lr 0.1) through `weights` / `gradients`; the loss.
 double sgd_step(const ModelConfig& m, DecoderLM& model, FlatParameters& params, FlatParameters& grads,
                 Fp8Projections& fp8, ParamSource& weights, GradSink& gradients) {
-  const Tensor tokens = testing::random_tokens(kBatch, kSeq, m.vocab_size, 11);
-  Tensor targets = Tensor::empty({kBatch, kSeq}, DType::I32);
-  for (int64_t i = 0; i < kBatch * kSeq; ++i)
-    targets.data<int32_t>()[i] = static_cast<int32_t>((tokens.data<int32_t>()[i] + 3) % m.vocab_size);
-  grads.discard();
-  const double loss = model.forward_backward(tokens, targets, weights, gradients, 1.0f / (kBatch * kSeq)).mean();
-  EXPECT_EQ(fp8.nonfinite_amax(), "");
-  fp8.end_step(true);
-  float* p = params.flat().data<float>();
-  const float* d = grads.flat().data<float>();
-  for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 0.1f * d[i];
-  return loss;
+  return testing::fp8_sgd_step(m, model, params, grads, &fp8, weights, gradients, kBatch, kSeq);
 }
 
 // The switch is the all-FP8 run with its weight gradients' descriptors stripped: the

@@ -18,6 +18,7 @@
 #include "distributed/fsdp_fp8_pieces.h"
 #include "distributed/launch_env.h"
 #include "expect_error.h"
+#include "fp8_sgd_step.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
 #include "model/memory_estimate.h"
@@ -42,23 +43,9 @@ Fp8Settings settings(Fp8Recipe recipe, const std::string& filter) {
 
 constexpr int64_t kBatch = 4, kSeq = 16;
 
-// One SGD step (lr 0.1) of the whole model through `weights` / `gradients`; the loss.
 double sgd_step(const ModelConfig& m, DecoderLM& model, FlatParameters& params, FlatParameters& grads,
                 Fp8Projections* fp8, ParamSource& weights, GradSink& gradients) {
-  const Tensor tokens = testing::random_tokens(kBatch, kSeq, m.vocab_size, 11);
-  Tensor targets = Tensor::empty({kBatch, kSeq}, DType::I32);
-  for (int64_t i = 0; i < kBatch * kSeq; ++i)
-    targets.data<int32_t>()[i] = static_cast<int32_t>((tokens.data<int32_t>()[i] + 1) % m.vocab_size);
-  grads.discard();
-  const double loss = model.forward_backward(tokens, targets, weights, gradients, 1.0f / (kBatch * kSeq)).mean();
-  if (fp8) {
-    EXPECT_EQ(fp8->nonfinite_amax(), "");
-    fp8->end_step(true);
-  }
-  float* p = params.flat().data<float>();
-  const float* d = grads.flat().data<float>();
-  for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 0.1f * d[i];
-  return loss;
+  return testing::fp8_sgd_step(m, model, params, grads, fp8, weights, gradients, kBatch, kSeq);
 }
 
 TEST(ModelFp8Filter, ParsesTheList) {

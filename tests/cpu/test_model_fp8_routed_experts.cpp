@@ -18,6 +18,7 @@
 #include "ckpt/checkpoint_metadata.h"
 #include "cli/config.h"
 #include "config_test_support.h"
+#include "fp8_sgd_step.h"
 #include "model/decoder_lm.h"
 #include "model/fp8_projections.h"
 #include "model/lora.h"
@@ -46,31 +47,11 @@ Fp8Settings settings(Fp8Recipe recipe, bool routed_experts, bool frozen = false)
   return s;
 }
 
-struct Batch {
-  Tensor tokens, targets;
-};
-
-Batch batch_of(const ModelConfig& m, int64_t batch, int64_t seq) {
-  Batch b{testing::random_tokens(batch, seq, m.vocab_size, 11), Tensor::empty({batch, seq}, DType::I32)};
-  for (int64_t i = 0; i < batch * seq; ++i)
-    b.targets.data<int32_t>()[i] = static_cast<int32_t>((b.tokens.data<int32_t>()[i] + 1) % m.vocab_size);
-  return b;
-}
-
 constexpr int64_t kBatch = 4, kSeq = 16;
 
-// One SGD step (lr 0.1) of the whole model through `weights` / `gradients`; the loss.
 double sgd_step(const ModelConfig& m, DecoderLM& model, FlatParameters& params, FlatParameters& grads,
                 Fp8Projections& fp8, ParamSource& weights, GradSink& gradients) {
-  const Batch b = batch_of(m, kBatch, kSeq);
-  grads.discard();
-  const double loss = model.forward_backward(b.tokens, b.targets, weights, gradients, 1.0f / (kBatch * kSeq)).mean();
-  EXPECT_EQ(fp8.nonfinite_amax(), "");
-  fp8.end_step(true);
-  float* p = params.flat().data<float>();
-  const float* d = grads.flat().data<float>();
-  for (int64_t i = 0; i < params.flat().numel(); ++i) p[i] -= 0.1f * d[i];
-  return loss;
+  return testing::fp8_sgd_step(m, model, params, grads, &fp8, weights, gradients, kBatch, kSeq);
 }
 
 TEST(ModelFp8RoutedExperts, StacksCarryNoFp8AndTheRestIsNumberedWithoutThem) {
@@ -173,7 +154,7 @@ TEST(ModelFp8RoutedExperts, LoraOverTheFrozenBaseIsTheFp8RunWithTheExpertsStripp
   FlatParameters base(m);
   base.initialize(3);
   DecoderLM model(m, kBatch, kSeq);
-  const Batch b = batch_of(m, kBatch, kSeq);
+  const testing::Fp8TestBatch b = testing::fp8_test_batch(m, kBatch, kSeq);
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed}) {
     Fp8Projections off(m, settings(recipe, false, true), Device::CPU, kBatch * kSeq);
     off.set_base(base);
