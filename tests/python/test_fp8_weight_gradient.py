@@ -1,7 +1,7 @@
 """precision.fp8_weight_gradient false through forge (NOTE [FP8 weight gradient switch] in
 src/ops/fp8_linear.h): a debug-tiny run with the weight gradients in the compute dtype says so
 in its log, trains, and starts from the all-FP8 run's loss (the forward is the same) and stays
-near it; on 2 FSDP ranks it follows the one-rank run as FP8 runs do (test_fp8_fsdp's bound);
+near it; a delayed run may flip it at a resume; on 2 FSDP ranks it follows the one-rank run as FP8 runs do (test_fp8_fsdp's bound);
 forge info counts 4 FLOPs per FP8 weight, not 6; and a run without precision.fp8, or a LoRA
 run, is refused naming the key, with a non-zero exit."""
 import os
@@ -37,6 +37,15 @@ class Fp8WeightGradient(unittest.TestCase):
                 self.assertNotEqual(losses, fp8_losses)
                 self.assertLess(losses[-1], losses[0] - 0.5)
                 self.assertLess(max_relative_difference(losses, fp8_losses), 0.02)
+
+    def test_a_delayed_run_may_switch_at_a_resume(self):
+        # The switch changes no checkpointed state: the histories go on from the saved ones.
+        run_dir = os.path.join(self.tmp, "switch-at-resume")
+        save = ["--checkpoint.enable", "true", "--checkpoint.interval", "4"]
+        train(run_dir, 1, "--precision.fp8", "delayed", *save)
+        result = train(run_dir, 1, "--precision.fp8", "delayed", *save, *OFF, "--checkpoint.load_step", "8")
+        self.assertIn("resuming from checkpoint", result.stdout + result.stderr)
+        self.assertIn("precision.fp8_weight_gradient false", result.stdout)
 
     def test_fsdp_ranks_follow_one_rank(self):
         one, two = (os.path.join(self.tmp, f"fsdp-{n}") for n in ("one", "two"))
