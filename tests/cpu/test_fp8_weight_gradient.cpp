@@ -90,7 +90,8 @@ TEST(Fp8WeightGradient, TrainingIsTheFp8RunWithItsWeightGradientsStripped) {
   const ModelConfig m = four_layers();
   for (const Fp8Recipe recipe : {Fp8Recipe::Tensorwise, Fp8Recipe::Delayed})
     for (const bool head : {false, true}) {
-      SCOPED_TRACE(fmt::format("{}{}", recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise", head ? ", FP8 head" : ""));
+      SCOPED_TRACE(fmt::format("{}{}", recipe == Fp8Recipe::Delayed ? "delayed" : "tensorwise",
+                               head ? ", FP8 head" : ""));
       DecoderLM model(m, kBatch, kSeq);
       FlatParameters params(m), grads(m), ref_params(m), ref_grads(m), fp8_params(m), fp8_grads(m);
       params.initialize(3);

@@ -200,11 +200,18 @@ TEST(Report, Fp8RunsShowTheRecipeAndTheFp8PeakMfu) {
   std::string record = train_record(1, 5.0);
   record.replace(record.find(R"("mfu": null)"), 11, R"("mfu": 0.6, "mfu_fp8": 0.3)");
   write_file(dir.file("metrics.jsonl"), std::string(kRunRecord) + "\n" + record + "\n");
-  write_file(dir.file("config.yaml"), "training:\n  seq_len: 128\nprecision:\n  compute_dtype: bf16\n  fp8: tensorwise\n");
+  write_file(dir.file("config.yaml"),
+             "training:\n  seq_len: 128\nprecision:\n  compute_dtype: bf16\n  fp8: tensorwise\n");
   ReportRun run = load_report_run(dir.file(""));
   EXPECT_EQ(run.precision, "FP8 (tensorwise)");
   ASSERT_EQ(run.steps.size(), 1u);
   EXPECT_EQ(run.steps[0].mfu_fp8, 0.3);
+  // NOTE [FP8 weight gradient switch] and NOTE [FP8 filter]: the GEMMs the config keeps out of FP8.
+  write_file(dir.file("config.yaml"), "training:\n  seq_len: 128\nprecision:\n  compute_dtype: bf16\n  fp8: delayed\n"
+                                      "  fp8_weight_gradient: false\n  fp8_filter_fqns: layers.0.\n");
+  EXPECT_EQ(load_report_run(dir.file("")).precision, "FP8 (delayed, weight gradients bf16, bf16: layers.0.)");
+  write_file(dir.file("config.yaml"),
+             "training:\n  seq_len: 128\nprecision:\n  compute_dtype: bf16\n  fp8: tensorwise\n");
   BenchResult bench;
   bench.model = "llama3.1-8b";
   bench.precision = "bf16";

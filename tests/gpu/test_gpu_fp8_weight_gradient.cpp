@@ -2,10 +2,10 @@
 // ops/fp8_linear.h): each projection's forward and input gradient run Hopper's FP8 GEMMs and
 // its weight gradient the bf16 GEMM into fp32, from the unquantized dy and x, with no dy^T or
 // x^T cast and no third code buffer. The check: the run (fused producers and the weight cache
-// on, the FP8 head too) is bit for bit the all-FP8 run with its gradient descriptors alone
-// stripped of their FP8 settings, over two micro-batches (the second on the delayed scales),
-// tensorwise and delayed, with and without the FP8 head, at 128 tokens and at 120 (no multiple of 16: no FP8 GEMM contracts
-// the tokens any more).
+// on) is bit for bit the all-FP8 run with its gradient descriptors alone stripped of their FP8
+// settings, over two micro-batches (the second on the delayed scales), tensorwise and delayed,
+// with and without the FP8 head, at 128 tokens and at 120 (no multiple of 16: no FP8 GEMM
+// contracts the tokens any more).
 #include <gtest/gtest.h>
 
 #include "gpu_testing.h"
