@@ -190,7 +190,7 @@ int run_info(const std::vector<std::string>& args) {
     // per weight in FP8, of NOTE [LoRA FLOPs]'s count; as many when the weight gradients run
     // in bf16 (NOTE [FP8 weight gradient switch] in ops/fp8_linear.h).
     const PrecisionConfig& p = config.precision;
-    const bool fp8_weight_gradient = !fp8->frozen && fp8->weight_gradient;
+    const bool fp8_weight_gradient = fp8_weight_gradients(*fp8);
     const double share = (fp8_weight_gradient ? 6.0 : 4.0) * static_cast<double>(fp8_gemm_params(m, *fp8)) /
                          training_flops_per_token(m, config.lora, t.seq_len);
     // NOTE [FP8 all-gather pieces]: the FP8 all-gather's pieces of one scale each.

@@ -219,18 +219,22 @@ void check_fp8(const ExperimentConfig& config, const KeyDescriber& keys) {
       FORGE_FAIL("{} gathers the FP8 projections' weights as FP8 codes, and precision.fp8 is none: set it to false, "
                  "or precision.fp8 tensorwise or delayed",
                  show(config, keys, "precision.fp8_fsdp_all_gather"));
-    if (!config.precision.fp8_routed_experts)
-      FORGE_FAIL("{} keeps a Mixture-of-Experts model's routed experts out of FP8, and precision.fp8 is none (every "
-                 "GEMM runs in the compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
-                 show(config, keys, "precision.fp8_routed_experts"));
-    if (!fp8_filter_fqns_of(config.precision.fp8_filter_fqns).empty())
-      FORGE_FAIL("{} keeps projections out of FP8, and precision.fp8 is none (every GEMM runs in the compute dtype): "
-                 "remove it, or set precision.fp8 tensorwise or delayed",
-                 show(config, keys, "precision.fp8_filter_fqns"));
-    if (!config.precision.fp8_weight_gradient)
-      FORGE_FAIL("{} keeps the weight gradients out of FP8, and precision.fp8 is none (every GEMM runs in the "
-                 "compute dtype): remove it, or set precision.fp8 tensorwise or delayed",
-                 show(config, keys, "precision.fp8_weight_gradient"));
+    // The keys that keep GEMMs out of FP8 mean nothing when none runs in it.
+    const struct {
+      const char* key;
+      const char* keeps;
+      bool set;
+    } exclusions[] = {
+        {"precision.fp8_routed_experts", "a Mixture-of-Experts model's routed experts",
+         !config.precision.fp8_routed_experts},
+        {"precision.fp8_filter_fqns", "projections", !fp8_filter_fqns_of(config.precision.fp8_filter_fqns).empty()},
+        {"precision.fp8_weight_gradient", "the weight gradients", !config.precision.fp8_weight_gradient},
+    };
+    for (const auto& e : exclusions)
+      if (e.set)
+        FORGE_FAIL("{} keeps {} out of FP8, and precision.fp8 is none (every GEMM runs in the compute dtype): remove "
+                   "it, or set precision.fp8 tensorwise or delayed",
+                   show(config, keys, e.key), e.keeps);
     return;
   }
   check_fp8_filter(config, keys);

@@ -164,8 +164,7 @@ int64_t fp8_scratch_bytes(const ModelConfig& config, const Fp8Settings& settings
   const int64_t history =
       settings.recipe == Fp8Recipe::Delayed ? projections * cpu::kFp8Roles * settings.amax_history_length : 0;
   const int64_t nf4_stats = settings.frozen ? 3 * cpu::kFp8StatStride : 0;
-  // A frozen base's projections and FP8-free weight gradients need no dy^T buffer.
-  return (settings.frozen || !settings.weight_gradient ? 2 : 3) * fp8_workspace_codes(config, settings, tokens) +
+  return (fp8_weight_gradients(settings) ? 3 : 2) * fp8_workspace_codes(config, settings, tokens) +
          fp8_expert_row_codes(config, settings, tokens) +
          ((stats + local_expert_matrices) * kFp8WorkspaceStats + projections * cpu::kFp8ProjectionStats + history +
           nf4_stats) *
@@ -178,8 +177,8 @@ Fp8Projections::Fp8Projections(const ModelConfig& config, const Fp8Settings& set
     const int64_t codes = fp8_workspace_codes(config, settings, tokens);
     workspace_.a_codes = Tensor::empty({codes}, DType::U8, device);
     workspace_.b_codes = Tensor::empty({codes}, DType::U8, device);
-    // dy^T for an FP8 dW (NOTE [FP8 weight gradient switch]: none in the compute dtype).
-    if (!settings.frozen && settings.weight_gradient) workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);
+    if (fp8_weight_gradients(settings))  // dy^T for dW
+      workspace_.c_codes = Tensor::empty({codes}, DType::U8, device);
     workspace_.stats = Tensor::zeros({kFp8WorkspaceStats}, DType::F32, device);
     // A frozen base may be NF4 (NOTE [FP8 straight from NF4] in ops/nf4_fp8.h).
     if (settings.frozen) workspace_.nf4_stats = Tensor::zeros({3 * cpu::kFp8StatStride}, DType::F32, device);

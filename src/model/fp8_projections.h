@@ -203,6 +203,13 @@ struct Fp8Settings {
   int64_t expert_parallel = 1;
 };
 
+// Whether the projections run FP8 weight-gradient GEMMs (and so need dy^T's code buffer): not
+// over a frozen base, nor with precision.fp8_weight_gradient false (NOTE [FP8 weight
+// gradient switch] in ops/fp8_linear.h).
+inline bool fp8_weight_gradients(const Fp8Settings& settings) {
+  return !settings.frozen && settings.weight_gradient;
+}
+
 // A Mixture-of-Experts block's router, which stays in the compute dtype (NOTE [FP8 routed
 // experts] in ops/moe_fp8.h); MoeFeedForward names it so.
 inline bool fp8_moe_router(const ParamSpec& spec) { return spec.name.ends_with(".moe.router.weight"); }
